@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from _c_core import *  # merge:drop
+
 # ------------------------------------------------------------------------------------------------------------
 # Answer extraction
 # ------------------------------------------------------------------------------------------------------------
@@ -659,3 +661,761 @@ def azr_composite_reward(r_role, *, formatted, passable):
     if not formatted:
         return FORMAT_ERROR
     return float(r_role) if passable else WRONG_FORMATTED
+
+
+# ------------------------------------------------------------------------------------------------------------
+# R-Zero repetition penalty: pairwise sentence-BLEU-4 + average-linkage clustering, vectorised in numpy
+# ------------------------------------------------------------------------------------------------------------
+_VF_BLEU_EPS = 0.1        # Chen & Cherry smoothing "method 1" (NLTK SmoothingFunction().method1, epsilon 0.1)
+_VF_DENSE_DF = 48         # n-grams shared by more texts than this are counted with a dense matrix product
+
+
+def _vf_ngram_match_counts(seqs, n_max=4):
+    """For each order n: (M_n, totals_n). M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches, which
+    are symmetric), totals_n[i] = number of n-grams of text i. Only n-grams shared by >= 2 texts matter: rare
+    ones go through an inverted index (pairs per posting list), frequent ones through (C >= t)(C >= t)^T."""
+    B = len(seqs)
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    toks = np.concatenate(seqs) if B and lens.sum() else np.zeros(0, dtype=np.int64)
+    V = int(toks.max()) + 1 if toks.size else 1
+    out = []
+    prev_ids = toks.copy()      # id of the (n-1)-gram starting at each position (valid where it fits)
+    for n in range(1, n_max + 1):
+        cnt = np.maximum(lens - n + 1, 0)
+        total = int(cnt.sum())
+        M = np.zeros((B, B), dtype=np.float64)
+        if total:
+            text_of = np.repeat(np.arange(B), cnt)
+            starts = np.repeat(offsets, cnt) + (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+            if n == 1:
+                gram = toks[starts]
+            else:  # exact: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified with np.unique
+                gram = prev_ids[starts] * V + toks[starts + n - 1]
+            uniq_g, gid = np.unique(gram, return_inverse=True)
+            ids_at = np.full(toks.shape[0], -1, dtype=np.int64)
+            ids_at[starts] = gid
+            prev_ids = ids_at
+            G = len(uniq_g)
+            key, c = np.unique(text_of * G + gid, return_counts=True)  # (text, gram) -> count
+            t_i, g_i = key // G, key % G
+            df = np.bincount(g_i, minlength=G)
+            shared = df[g_i] >= 2
+            dense = shared & (df[g_i] > _VF_DENSE_DF)
+            rare = shared & ~dense
+            if dense.any():
+                gd, col = np.unique(g_i[dense], return_inverse=True)
+                C = np.zeros((B, len(gd)), dtype=np.float32)
+                C[t_i[dense], col] = c[dense]
+                for t in range(1, int(C.max()) + 1):
+                    I = (C >= t).astype(np.float32)
+                    M += I @ I.T
+            if rare.any():
+                rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
+                order = np.lexsort((rt, rg))
+                rt, rg, rc = rt[order], rg[order], rc[order]
+                bounds = np.flatnonzero(np.diff(rg)) + 1
+                starts_g = np.concatenate([[0], bounds])
+                sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
+                idx_all, val_all = [], []
+                for s in np.unique(sizes):
+                    st = starts_g[sizes == s][:, None] + np.arange(s)[None, :]
+                    ti, ci = rt[st], rc[st]
+                    idx_all.append((ti[:, :, None] * B + ti[:, None, :]).ravel())
+                    val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
+                idx, val = np.concatenate(idx_all), np.concatenate(val_all)
+                M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
+        np.fill_diagonal(M, np.maximum(lens - n + 1, 0))
+        out.append((M, cnt.astype(np.float64)))
+    return out, lens
+
+
+def bleu_matrix(texts):
+    """Sentence-BLEU-4 for every ordered pair: S[i, j] = BLEU(hypothesis = texts[i], reference = texts[j]).
+
+    As NLTK's `sentence_bleu([ref.split()], hyp.split(), smoothing_function=SmoothingFunction().method1)`:
+    whitespace tokens, uniform weights ¼, clipped n-gram precisions p_n = m_n / max(1, |hyp| − n + 1) where a
+    zero m_n becomes ε / max(1, |hyp| − n + 1) with ε = 0.1 (Chen & Cherry method 1), BLEU = 0 when no
+    unigram matches, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref| (1 when longer, 0 when empty)."""
+    texts = [str(t) for t in texts]
+    vocab = {}
+    seqs = [np.array([vocab.setdefault(w, len(vocab)) for w in t.split()], dtype=np.int64) for t in texts]
+    per_n, lens = _vf_ngram_match_counts(seqs)
+    L = lens.astype(np.float64)
+    logp = np.zeros((len(texts), len(texts)))
+    for M, cnt in per_n:
+        den = np.maximum(cnt, 1.0)[:, None]
+        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / den)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bp = np.where(L[:, None] > L[None, :], 1.0, np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
+    bp[L == 0, :] = 0.0
+    S = np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
+    return S
+
+
+def bleu_distance_matrix(texts):
+    """R-Zero's distances: d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored; d_ii = 0.
+    (R-Zero's code fills the upper triangle with hyp = q_i, ref = q_j for i < j and copies it down.)"""
+    S = bleu_matrix(texts)
+    D = 1.0 - np.triu(S, 1)
+    D = np.triu(D, 1)
+    D = D + D.T
+    np.fill_diagonal(D, 0.0)
+    return D
+
+
+def average_linkage_clusters(dist, threshold=0.5):
+    """Average-linkage agglomerative clustering of a precomputed symmetric distance matrix, cut at `threshold`
+    (two clusters merge while their mean pairwise distance is < threshold, as sklearn's
+    AgglomerativeClustering(linkage="average", distance_threshold=...)). Nearest-neighbour-chain algorithm:
+    O(B²) time, the full dendrogram, then the merges below the threshold (average linkage is monotone, so this
+    equals cutting the tree). Returns cluster ids numbered by first appearance (0, 1, ...)."""
+    D = np.array(dist, dtype=np.float64, copy=True)
+    B = D.shape[0]
+    if D.shape != (B, B):
+        raise ValueError(f"distance matrix must be square, got shape {D.shape}")
+    if B == 0:
+        return []
+    np.fill_diagonal(D, np.inf)
+    size = np.ones(B)
+    active = np.ones(B, dtype=bool)
+    parent = np.arange(B)
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    chain, n_active = [], B
+    while n_active > 1:
+        if not chain:
+            chain.append(int(np.flatnonzero(active)[0]))
+        a = chain[-1]
+        row = D[a]
+        b = int(np.argmin(row))
+        if len(chain) > 1 and row[chain[-2]] <= row[b]:
+            b = chain[-2]
+        if len(chain) > 1 and b == chain[-2]:
+            chain.pop()
+            chain.pop()
+            d = row[b]
+            if d < threshold:
+                parent[find(b)] = find(a)
+            # Lance-Williams update for average linkage; the merged cluster keeps index a
+            new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
+            D[a, :] = new
+            D[:, a] = new
+            D[a, a] = np.inf
+            D[b, :] = np.inf
+            D[:, b] = np.inf
+            size[a] += size[b]
+            active[b] = False
+            n_active -= 1
+        else:
+            chain.append(b)
+    roots = [find(i) for i in range(B)]
+    ids = {}
+    return [ids.setdefault(r, len(ids)) for r in roots]
+
+
+def bleu_clusters(texts, threshold=0.5):
+    """Cluster id per text: R-Zero's BLEU distance + average linkage at `threshold` (ids by first appearance)."""
+    texts = list(texts)
+    if not texts:
+        return []
+    return average_linkage_clusters(bleu_distance_matrix(texts), threshold)
+
+
+def repetition_penalty(texts, threshold=0.5):
+    """R-Zero's batch repetition penalty: r_rep(x_i) = |C_k| / B for x_i in cluster C_k (λ = 1), clusters from
+    1 − BLEU-4 distances with average linkage at τ_BLEU = 0.5. A singleton still pays 1/B (r_zero.md worked
+    example 2). Returns a float array of length B."""
+    texts = list(texts)
+    if not texts:
+        return np.zeros(0)
+    ids = np.asarray(bleu_clusters(texts, threshold))
+    sizes = np.bincount(ids)
+    return sizes[ids] / len(texts)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Diversity metrics (analysis.md §7.2)
+# ------------------------------------------------------------------------------------------------------------
+def distinct_fraction(texts):
+    """Share of distinct texts after normalize_string."""
+    texts = list(texts)
+    return len({normalize_string(t) for t in texts}) / len(texts) if texts else 0.0
+
+
+def distinct_ngram_ratio(texts, n=4):
+    """Distinct-n: unique n-grams / all n-grams over the batch (lower-cased whitespace tokens)."""
+    grams, total = set(), 0
+    for t in texts:
+        w = str(t).lower().split()
+        for i in range(len(w) - n + 1):
+            grams.add(tuple(w[i:i + n]))
+            total += 1
+    return len(grams) / total if total else 0.0
+
+
+def self_bleu(texts):
+    """Mean pairwise sentence-BLEU-4 over the batch (same BLEU as the repetition penalty; hyp = earlier text)."""
+    texts = list(texts)
+    if len(texts) < 2:
+        return 0.0
+    S = bleu_matrix(texts)
+    iu = np.triu_indices(len(texts), 1)
+    return float(S[iu].mean())
+
+
+def diversity_metrics(texts, threshold=0.5):
+    """Per-batch diversity numbers for any proposer: distinct fraction, distinct-4, self-BLEU, cluster count."""
+    texts = list(texts)
+    return {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
+            "self_bleu": self_bleu(texts), "bleu_clusters": len(set(bleu_clusters(texts, threshold)))}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pass@k
+# ------------------------------------------------------------------------------------------------------------
+def pass_at_k(n, c, k):
+    """Unbiased pass@k for one problem (Chen et al. 2021): 1 − C(n − c, k) / C(n, k), in the stable product
+    form 1 − Π_{i = n−c+1}^{n} (1 − k / i); 1 when n − c < k. (Not 1 − (1 − c/n)^k, which is biased.)"""
+    n, c, k = int(n), int(c), int(k)
+    if not (0 <= c <= n) or not (1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
+    """Percentile bootstrap interval of the mean over problems (resampling problems with replacement)."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
+    return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
+
+
+def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
+    """Mean pass@k over problems with a bootstrap (1 − alpha) interval: (mean, low, high)."""
+    per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
+    lo, hi = bootstrap_ci(per, n_boot, alpha, seed)
+    return (float(np.mean(per)) if per else float("nan"), lo, hi)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decontamination (analysis.md §7.3): any shared 13-gram of normalised words
+# ------------------------------------------------------------------------------------------------------------
+_VF_WORD_RE = re.compile(r"[^\W_]+")
+
+
+def _vf_words(text):
+    return _VF_WORD_RE.findall(_vf_unwrap_text(str(text)).lower())
+
+
+class Decontaminator:
+    """Index of the n-grams (default 13) of reference texts (benchmark questions, corpus documents).
+
+    Text is normalised to lower-case alphanumeric words, so punctuation, LaTeX `\\text{}` and spacing do not
+    hide a copy. A text shorter than n words is flagged only if it equals a reference after normalisation.
+    Build once, query many: `d = Decontaminator(bench_questions); keep = [q for q in qs if not d.contaminated(q)]`.
+    """
+
+    def __init__(self, references, n=13):
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        self.n = n
+        self.grams = set()
+        self.short = set()
+        for ref in references:
+            w = _vf_words(ref)
+            self.short.add(" ".join(w))
+            for i in range(len(w) - n + 1):
+                self.grams.add(hash(tuple(w[i:i + n])))
+
+    def contaminated(self, text):
+        w = _vf_words(text)
+        if len(w) < self.n:
+            return bool(w) and " ".join(w) in self.short
+        g, n = self.grams, self.n
+        return any(hash(tuple(w[i:i + n])) in g for i in range(len(w) - n + 1))
+
+    def flags(self, texts):
+        return [self.contaminated(t) for t in texts]
+
+
+def ngram_overlap(text, references, n=13):
+    """True if `text` shares a normalised n-gram with any reference. `references` may be a Decontaminator
+    (fast, reused index) or an iterable of strings (indexed on the fly)."""
+    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
+    return d.contaminated(text)
+
+
+def decontaminate(questions, references, n=13):
+    """Drop the questions that share an n-gram with the references. Returns (kept_questions, flagged_indices)."""
+    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
+    flags = d.flags(questions)
+    return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Benchmarks
+# ------------------------------------------------------------------------------------------------------------
+# name -> (hub id, config, split, question field, answer field). Override or extend this dict for other copies;
+# any "hf:<id>[:<config>]:<split>:<question field>:<answer field>" string also works as a benchmark name.
+BENCHMARKS = {
+    "gsm8k": ("openai/gsm8k", "main", "test", "question", "answer"),          # answer after "####"
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
+    "aime25": ("MathArena/aime_2025", None, "train", "problem", "answer"),
+    "amc23": ("math-ai/amc23", None, "test", "question", "answer"),
+}
+
+
+def _vf_gsm8k_answer(a):
+    a = str(a)
+    return a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()
+
+
+def _vf_load_jsonl(path, limit):
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg}). Each line must be one object like "
+                                 '{"question": "...", "answer": "..."}') from None
+            if not isinstance(obj, dict) or "question" not in obj or "answer" not in obj:
+                raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
+                                 f'(optional "choices": [..]); got {str(obj)[:120]}')
+            row = {"question": str(obj["question"]), "answer": str(obj["answer"])}
+            if obj.get("choices") is not None:
+                if not isinstance(obj["choices"], list) or not obj["choices"]:
+                    raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
+                row["choices"] = [str(c) for c in obj["choices"]]
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no problems found (empty file?)")
+    return rows
+
+
+def load_benchmark(name_or_path, limit=0):
+    """Problems as [{"question", "answer", "choices"?}]: a local JSONL file (one object per line), a name in
+    BENCHMARKS (gsm8k, math500, aime24, aime25, amc23; loaded with `datasets`, imported lazily), or
+    "hf:<id>[:<config>]:<split>:<question field>:<answer field>". `limit` > 0 keeps the first N problems."""
+    name = str(name_or_path).strip()
+    if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"benchmark file {name} does not exist")
+        return _vf_load_jsonl(name, limit)
+    if name.startswith("hf:"):
+        parts = name[3:].split(":")
+        if len(parts) == 4:
+            parts.insert(1, None)
+        if len(parts) != 5:
+            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:<answer field>")
+        spec = tuple(parts)
+    elif name.lower() in BENCHMARKS:
+        spec = BENCHMARKS[name.lower()]
+    else:
+        raise ValueError(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a path to a local .jsonl "
+                         'file of {"question", "answer"} lines, or hf:<id>[:<config>]:<split>:<q field>:<a field>')
+    hub_id, config, split, qf, af = spec
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"benchmark {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
+                          "which is not installed. Fix: `pip install datasets`, or pass a local JSONL file "
+                          '({"question", "answer"} per line).') from None
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split) if config else \
+            datasets.load_dataset(hub_id, split=split)
+    except Exception as e:
+        raise RuntimeError(f"could not load benchmark {name!r} ({hub_id}, split {split}) from the Hugging Face hub: "
+                           f"{type(e).__name__}: {str(e)[:300]}. Fix: check the network (or HF_HUB_OFFLINE=1 with a "
+                           "populated cache), log in for gated sets, or pass a local JSONL file of "
+                           '{"question", "answer"} lines.') from None
+    rows = []
+    for ex in ds:
+        if qf not in ex or af not in ex:
+            raise KeyError(f"{hub_id} has no field {qf!r}/{af!r}; its fields are {list(ex)}. Edit BENCHMARKS.")
+        ans = _vf_gsm8k_answer(ex[af]) if hub_id == "openai/gsm8k" else str(ex[af]).strip()
+        rows.append({"question": str(ex[qf]), "answer": ans})
+        if limit and len(rows) >= limit:
+            break
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Evaluation: greedy accuracy + pass@k per benchmark
+# ------------------------------------------------------------------------------------------------------------
+_VF_EVAL_INSTRUCTION = "Work through the problem step by step, then write the final answer as \\boxed{answer}."
+
+
+def default_eval_prompt(problem, tokenizer=None):
+    """Chat messages when the tokenizer has a chat template, else raw text. Options (if any) are listed as
+    A) ... and the model is asked to box the letter."""
+    q = problem["question"].strip()
+    if problem.get("choices"):
+        letters = "ABCDEFGHIJ"
+        q += "\n\n" + "\n".join(f"{letters[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q += "\n\nAnswer with the letter of the correct option."
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": f"{q}\n\n{_VF_EVAL_INSTRUCTION}"}]
+    return f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:"
+
+
+def _vf_verifier_name(timeout):
+    try:
+        from importlib.metadata import version
+        mv = version("math-verify")
+    except Exception:
+        mv = "?"
+    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else math-verify {mv} "
+            f"verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s (timeout = wrong)")
+
+
+def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
+             limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000):
+    """Greedy accuracy and pass@k per benchmark.
+
+    - Greedy: one completion per problem at temperature 0 -> "greedy_acc".
+    - Sampling (only when n > 1): n completions at (temperature, top_p) -> unbiased pass@k for each k <= n, with
+      a bootstrap 95% interval over problems; "mean@n" is the mean per-sample accuracy (= pass@1).
+      With n == 1 no sampling is done and pass@1 is the greedy accuracy (marked "pass@k_source": "greedy").
+    - The answer is extract_fn(completion text) (default: the last \\boxed{}), judged by math_equal_many.
+    `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
+    (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
+    T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
+    if isinstance(benchmarks, str):
+        benchmarks = [b for b in benchmarks.split(",") if b.strip()]
+    if isinstance(k, (int, str)):
+        k = [int(x) for x in str(k).split(",") if str(x).strip()]
+    ks = sorted({int(x) for x in k})
+    n = int(n)
+    if n < 1 or not ks or ks[0] < 1:
+        raise ValueError(f"evaluate needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    skipped_k = [x for x in ks if x > n]
+    ks = [x for x in ks if x <= n]
+    tok = getattr(sampler_or_policy, "tokenizer", None)
+    prompt_fn = prompt_fn or default_eval_prompt
+    extract_fn = extract_fn or extract_boxed
+    t0 = time.time()
+    results = {}
+    for bench in benchmarks:
+        bench = bench.strip()
+        probs = load_benchmark(bench, limit)
+        prompts = [prompt_fn(p, tok) for p in probs]
+        golds = [p["answer"] for p in probs]
+        greedy = sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
+        g_preds = [extract_fn(g[0].text) for g in greedy]
+        g_ok = math_equal_many(list(zip(g_preds, golds)), timeout=timeout)
+        res = {"n_problems": len(probs), "greedy_acc": float(np.mean(g_ok)),
+               "greedy_acc_ci": list(bootstrap_ci(np.asarray(g_ok, float), n_boot)),
+               "greedy_no_answer_frac": float(np.mean([p is None for p in g_preds])),
+               "greedy_truncated_frac": float(np.mean([g[0].finish_reason == "length" for g in greedy])),
+               "greedy_mean_tokens": float(np.mean([len(g[0].token_ids) for g in greedy]))}
+        per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok)}
+                       for gold, p, ok in zip(golds, g_preds, g_ok)]
+        if n > 1:
+            samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
+                                              max_tokens=max_tokens, seed=seed)
+            pairs, owner = [], []
+            for j, group in enumerate(samp):
+                for c in group:
+                    pairs.append((extract_fn(c.text), golds[j]))
+                    owner.append(j)
+            ok = math_equal_many(pairs, timeout=timeout)
+            cs = np.zeros(len(probs), dtype=int)
+            for j, o in zip(owner, ok):
+                cs[j] += int(o)
+            ns = [len(g) for g in samp]
+            res["pass@k"], res["pass@k_ci"] = {}, {}
+            for kk in ks:
+                m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
+                res["pass@k"][str(kk)] = m
+                res["pass@k_ci"][str(kk)] = [lo, hi]
+            res["mean@n"] = float(np.mean(cs / np.asarray(ns)))
+            res["pass@k_source"] = "samples"
+            res["sample_no_answer_frac"] = float(np.mean([p is None for p, _ in pairs]))
+            res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+            for rec, c in zip(per_problem, cs):
+                rec["correct_samples"] = int(c)
+        else:
+            res["pass@k"] = {"1": res["greedy_acc"]}
+            res["pass@k_ci"] = {"1": res["greedy_acc_ci"]}
+            res["pass@k_source"] = "greedy"
+        res["per_problem"] = per_problem
+        results[bench] = res
+    return {"benchmarks": results,
+            "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
+                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
+                         "limit": int(limit), "seed": seed, "verifier": _vf_verifier_name(timeout),
+                         "prompt": "default" if prompt_fn is default_eval_prompt else getattr(
+                             prompt_fn, "__name__", "custom"),
+                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parameter update sparsity (understanding paper Eq. 2)
+# ------------------------------------------------------------------------------------------------------------
+class _VfTensors:
+    """Uniform, streaming access to a model's parameters: nn.Module, state dict, or a checkpoint folder/file
+    (safetensors read tensor by tensor; .bin/.pt via torch.load(mmap=True))."""
+
+    def __init__(self, src):
+        self.tied = False
+        self.files = None
+        self.sd = None
+        if isinstance(src, torch.nn.Module):
+            self.tied = bool(getattr(getattr(src, "config", None), "tie_word_embeddings", False))
+            self.sd = dict(src.named_parameters())  # remove_duplicate=True: tied weights appear once
+        elif isinstance(src, dict):
+            seen, sd = {}, {}
+            for k, v in src.items():
+                if not torch.is_tensor(v):
+                    continue
+                key = (v.data_ptr(), tuple(v.shape), v.dtype) if v.numel() else None
+                if key is not None and key in seen:  # the same storage twice = tied
+                    self.tied = True
+                    continue
+                if key is not None:
+                    seen[key] = k
+                sd[k] = v
+            self.sd = sd
+        else:
+            p = Path(str(src)).expanduser()
+            if p.is_dir():
+                cfgf = p / "config.json"
+                if cfgf.is_file():
+                    try:
+                        self.tied = bool(json.loads(cfgf.read_text()).get("tie_word_embeddings", False))
+                    except Exception:
+                        pass
+                files = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin")) + sorted(p.glob("*.pt"))
+                files = [f for f in files if f.name not in ("optimizer.pt", "training_args.bin")]
+            elif p.is_file():
+                files = [p]
+            else:
+                raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder written by "
+                                        "save_pretrained, a .safetensors file, a model or a state dict)")
+            if not files:
+                raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder")
+            self.files = {}
+            for f in files:
+                if f.suffix == ".safetensors":
+                    from safetensors import safe_open
+                    with safe_open(str(f), framework="pt") as h:
+                        for k in h.keys():
+                            self.files[k] = f
+                else:
+                    for k, v in torch.load(str(f), map_location="cpu", mmap=True, weights_only=True).items():
+                        self.files[k] = f
+        if self.sd is not None:
+            self.sd = {self._strip(k): v for k, v in self.sd.items()}
+        else:
+            self.files = {self._strip(k): f for k, f in self.files.items()}
+        self._handles = {}
+
+    @staticmethod
+    def _strip(k):
+        for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
+            k = k.replace(pre, "")
+        return k
+
+    def keys(self):
+        return list(self.sd) if self.sd is not None else list(self.files)
+
+    def get(self, k):
+        if self.sd is not None:
+            return self.sd[k].detach()
+        f = self.files[k]
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as h:
+                names = {self._strip(x): x for x in h.keys()}
+                return h.get_tensor(names[k])
+        sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
+        return {self._strip(x): v for x, v in sd.items()}[k]
+
+
+def _vf_layer_type(name):
+    n = name.lower()
+    if "norm" in n:
+        return "norm"
+    if "embed" in n or "wte" in n or "wpe" in n:
+        return "embedding"
+    if "lm_head" in n:
+        return "lm_head"
+    if any(s in n for s in ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention"
+    if any(s in n for s in ("mlp", "gate_proj", "up_proj", "down_proj", "ffn", "experts")):
+        return "mlp"
+    return "other"
+
+
+def _vf_unchanged(a, b):
+    """Exactly-equal entries (bitwise in the stored dtype, so NaN == NaN); float32 if the dtypes differ."""
+    if a.dtype == b.dtype and a.is_floating_point():
+        int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if int_t is not None:
+            return int((a.contiguous().view(int_t) == b.contiguous().view(int_t)).sum())
+    if a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    return int((a == b).sum())
+
+
+def update_sparsity(a, b):
+    """Understanding paper Eq. 2:  S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n  = share of parameters exactly unchanged.
+
+    `a`, `b`: models, state dicts, or checkpoint folders/files. Compared tensor by tensor (streaming, CPU), with
+    exact equality and no tolerance, in the stored dtype (reported: bf16 storage rounds small updates away, so
+    the number depends on it). Tied embeddings are counted once. Returns {"sparsity", "n_params",
+    "n_unchanged", "dtype", "per_type": {embedding|attention|mlp|norm|lm_head|other: {sparsity, n_params}},
+    "n_tensors", "tied"}."""
+    ta, tb = _VfTensors(a), _VfTensors(b)
+    ka, kb = ta.keys(), set(tb.keys())
+    tied = ta.tied or tb.tied
+    if tied:  # a tied head is the embedding: count it once, whichever side stored it
+        ka = [k for k in ka if k != "lm_head.weight"]
+        kb.discard("lm_head.weight")
+    only_a, only_b = sorted(set(ka) - kb), sorted(kb - set(ka))
+    if only_a or only_b:
+        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only in A "
+                         f"{only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B {only_b[:5]}. Compare "
+                         "checkpoints of the same architecture.")
+    tot = unchanged = 0
+    per, dtypes = {}, set()
+    for k in ka:
+        x, y = ta.get(k).cpu(), tb.get(k).cpu()
+        if x.shape != y.shape:
+            raise ValueError(f"update_sparsity: {k} has shape {tuple(x.shape)} in A but {tuple(y.shape)} in B")
+        dtypes.add(str(x.dtype).replace("torch.", "") + ("" if x.dtype == y.dtype else
+                                                          "/" + str(y.dtype).replace("torch.", "")))
+        u, m = _vf_unchanged(x, y), x.numel()
+        tot += m
+        unchanged += u
+        d = per.setdefault(_vf_layer_type(k), [0, 0])
+        d[0] += m
+        d[1] += u
+        del x, y
+    if tot == 0:
+        raise ValueError("update_sparsity: no parameters to compare")
+    return {"sparsity": unchanged / tot, "n_params": tot, "n_unchanged": unchanged,
+            "dtype": ",".join(sorted(dtypes)), "n_tensors": len(ka), "tied": tied,
+            "per_type": {t: {"sparsity": u / m, "n_params": m} for t, (m, u) in sorted(per.items())}}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CLI: `python common.py eval ...` / `python common.py sparsity A B`
+# ------------------------------------------------------------------------------------------------------------
+def _vf_eval_model(args, model):
+    cfg = RunConfig(model=model, backend=args.backend, seed=args.seed, dtype=args.dtype,
+                    max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+    path = resolve_model_path(model)
+    tok = load_tokenizer(path)
+    sampler = make_sampler(path, tok, cfg)
+    try:
+        out = evaluate(sampler, args.benchmarks, n=args.n, k=args.k, temperature=args.temperature,
+                       top_p=args.top_p, max_tokens=args.max_tokens, limit=args.limit, seed=args.seed)
+    finally:
+        sampler.close()
+    out["model"] = model
+    return out
+
+
+def plot_pass_at_k(results, labels, path):
+    """PNG of pass@k vs k per benchmark for several evaluate() results (the understanding paper's Fig. 1).
+    Returns the path, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    benches = list(results[0]["benchmarks"])
+    fig, axes = plt.subplots(1, len(benches), figsize=(4.2 * len(benches), 3.4), squeeze=False)
+    for ax, b in zip(axes[0], benches):
+        for res, lab in zip(results, labels):
+            pk = res["benchmarks"][b]["pass@k"]
+            ci = res["benchmarks"][b]["pass@k_ci"]
+            ks = sorted(int(x) for x in pk)
+            ys = [pk[str(x)] for x in ks]
+            ax.plot(ks, ys, marker="o", label=lab)
+            ax.fill_between(ks, [ci[str(x)][0] for x in ks], [ci[str(x)][1] for x in ks], alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k")
+        ax.set_title(b)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def cli_main(argv=None):
+    """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16 [--compare BASE]
+    [--out file.json]` and `python common.py sparsity CKPT_A CKPT_B [--out file.json]`."""
+    import argparse
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="common.py", description="Evaluation and analysis tools")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
+    ev.add_argument("--model", required=True, help="hub id, local folder (e.g. a checkpoint), or 'tiny'")
+    ev.add_argument("--benchmarks", default="gsm8k,math500",
+                    help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
+    ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
+    ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
+    ev.add_argument("--temperature", type=float, default=0.6)
+    ev.add_argument("--top-p", type=float, default=0.95)
+    ev.add_argument("--max-tokens", type=int, default=2048)
+    ev.add_argument("--limit", type=int, default=0, help="first N problems per benchmark (0 = all)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    ev.add_argument("--dtype", default="auto")
+    ev.add_argument("--max-model-len", type=int, default=8192)
+    ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
+    ev.add_argument("--out", default="", help="output JSON (default eval_<model>.json)")
+    sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
+    sp.add_argument("a")
+    sp.add_argument("b")
+    sp.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    if args.cmd == "sparsity":
+        res = update_sparsity(args.a, args.b)
+        res.update(a=args.a, b=args.b)
+        text = json.dumps(res, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
+    out = args.out or "eval_" + re.sub(r"[^\w.-]+", "_", args.model.strip("/")) + ".json"
+    res = _vf_eval_model(args, args.model)
+    report = res
+    if args.compare:
+        base = _vf_eval_model(args, args.compare)
+        report = {"trained": res, "base": base}
+        png = plot_pass_at_k([base, res], [f"base: {args.compare}", f"trained: {args.model}"],
+                             str(Path(out).with_suffix(".png")))
+        if png:
+            report["plot"] = png
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    for label, r in ([("trained", res), ("base", report["base"])] if args.compare else [("", res)]):
+        for b, v in r["benchmarks"].items():
+            pk = ", ".join(f"pass@{x}={y:.3f}" for x, y in v["pass@k"].items())
+            print(f"{label + ' ' if label else ''}{r['model']} {b}: greedy={v['greedy_acc']:.3f} {pk}")
+    print(f"wrote {out}")
+    return 0
