@@ -1,0 +1,951 @@
+"""Absolute Zero Reasoner (AZR): Zhao, Wu, Yue, Wu, Xu, Lin, Zhao, Liu, Huang, arXiv:2505.03335v2.
+
+One model plays two roles on the same weights, with a Python executor as the only source of truth:
+  * the proposer writes code-reasoning tasks built on (program p, input i, output o) triplets;
+  * the solver solves them, in three modes:
+      deduction  predict o from (p, i)
+      abduction  find an input i' with p(i') == o (p need not be one-to-one)
+      induction  write p from half of N I/O pairs plus a message; graded on the hidden half.
+No data is used: the buffers start from one "zero triplet" (the identity function on "Hello World").
+
+The loop (paper Alg. 1, §3.3), one function per step below, in this order:
+  0. seed_buffers          let the base model propose S*B valid triplets (and S*B induction tasks) from the
+                           zero triplet; no parameter updates (§3.3.1)
+  1. propose_induction     B prompts: a program from D_ded u D_abd -> N inputs + a message (§3.3.2)
+  2. propose_triplets      B prompts each for deduction and abduction, K references from D_alpha -> (p, i)
+  3. validate_*            executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
+                           AST), runs without error, deterministic over j = 2 *independent* processes with
+                           different hash seeds, output is a finite literal without memory addresses, size cap.
+                           Valid tasks join their buffer; invalid proposals get the format penalty (-1)
+  4. estimate_learnability n = 8 solver rollouts at T = 1 per valid proposal (never trained on) -> r_bar
+  5. solve                 per task type: this step's valid tasks, back-filled from the buffer up to B; one answer
+                           each, graded by the executor and compared in trusted code (Eq. 5)
+  6. rewards               proposer: Eq. 4 learnability (or Eq. 3 of "Towards Understanding Self-play");
+                           solver: 1[correct]; Eq. 6 format penalties (-0.5 wrong but formatted, -1 format error)
+  7. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
+                           (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint 6*B batch; sync
+  8. evaluate              math benchmarks through common.evaluate (greedy + pass@k) at the end / every N steps
+
+Run it:    python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B
+Small run: python absolute_zero.py --model Qwen/Qwen2.5-Coder-0.5B --batch-size 8 --max-response-tokens 1024
+Ablations ("Towards Understanding Self-play", arXiv 2510.xxxx, §3.3 and §3.5):
+           --freeze-proposer                 proposer trajectories get no gradient (still proposes, still logged)
+           --proposer-reward uncertainty     Eq. 3, 1 - 2|r_bar - 0.5| instead of AZR's Eq. 4, 1 - r_bar
+
+Where the official code (LeapLabTHU/Absolute-Zero-Reasoner) and the paper differ, this file follows the paper
+(spec: shared/methods/absolute_zero.md §1, §6):
+  * the solver trains on THIS step's proposals (the code's dataloaders hold step t-1 tasks);
+  * a valid task with r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5 is `--zero-learnability-reward -0.5`;
+  * Monte-Carlo learnability samples are always drawn at T = 1 (master used greedy validation settings);
+  * determinism = two separate processes (the code calls f twice inside one exec, so id()/hash-seed/address
+    dependent programs passed); outputs are never truncated (the code cut them to 400 chars);
+  * the banned-module check is done on the AST (catches __import__, importlib, `from os import path`, aliases,
+    dotted names) and also bans os/sys/shutil, which §3.3.3 names; solver programs get the same static checks;
+  * the buffer cap evicts the OLDEST entries (the code kept the oldest and silently dropped new programs);
+  * the induction proposer draws programs from the de-duplicated union D_ded u D_abd (seed programs sit in
+    both, so the code drew them twice as often);
+  * TRR++ normalises per sequence (Eq. 8); the code whitened token-level returns;
+  * training length 500 steps (paper §4.1; the code's default is 960).
+Kept from the code: N = 10 induction inputs, the first 5 shown to the solver and the last 5 held out.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import random
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+import common
+
+TASKS = ("deduction", "abduction", "induction")
+ROLES = ("proposer", "solver")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config: the paper's defaults (sources in the comments). Every field is a --flag (common.parse_config).
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Config(common.RunConfig):
+    model: str = "Qwen/Qwen2.5-Coder-7B"  # §4.1 / Table 1 (also Qwen2.5-7B, Coder-3B/14B, Llama-3.1-8B)
+    steps: int = 500  # training iterations (§4.1; the code's default is 960, spec §1)
+    batch_size: int = 64  # B, prompts per task-role; 6*B trajectories per optimizer step (Table 3)
+    references: int = 6  # K, past triplets shown to the deduction/abduction proposer (Table 3, code io_n=6)
+    seed_factor: int = 4  # S, the seed buffers hold S*B tasks before training starts (§3.3.1, Table 3)
+    seed_max_rounds: int = 64  # not in the paper: give up seeding after this many proposal rounds (weak models)
+    buffer_cap: int = 16384  # maximum entries per buffer, oldest evicted (Table 3; the code keeps the oldest)
+    induction_inputs: int = 10  # N, inputs per induction task: first half shown, second half held out (code)
+    learnability_samples: int = 8  # n, solver rollouts per valid proposal for r_bar (Eq. 4, Table 3)
+    temperature: float = 1.0  # rollout temperature, also for the learnability samples (Table 3)
+    top_p: float = 1.0  # rollout top-p (Table 3)
+    max_prompt_tokens: int = 6144  # references are dropped until a proposer prompt fits (Table 3)
+    max_response_tokens: int = 8096  # generation limit for every role (Table 3)
+    max_model_len: int = 16384  # vLLM context: prompt + response (Table 3: 6,144 + 8,096)
+    lr: float = 1e-6  # AdamW, constant (Table 3)
+    weight_decay: float = 0.01  # paper branch of the code (azr_ppo_trainer.yaml); master uses 0
+    grad_clip: float = 1.0  # Table 3
+    clip_ratio: float = 0.2  # PPO epsilon (Eq. 9); inactive with one step per batch
+    entropy_coef: float = 0.001  # entropy bonus (Table 3; master code: 0)
+    aggregation: str = "seq-mean-token-mean"  # loss aggregation (Eq. 9); token-mean = master code
+    proposer_reward: str = "learnability"  # learnability = Eq. 4, 1 - r_bar | uncertainty = Eq. 3 of "Towards Understanding Self-play", 1 - 2|r_bar - 0.5|
+    zero_learnability_reward: float = 0.0  # reward of a VALID proposal with r_bar in {0,1}: 0 (paper Eq. 4) or -0.5 (official code)
+    token_weighted_advantages: bool = False  # official code: whiten token-level returns per (task, role); paper Eq. 8 is per sequence
+    freeze_proposer: bool = False  # "Towards Understanding Self-play" §3.3: proposer trajectories get no gradient
+    executor_timeout: float = 10.0  # seconds per program run (Table 3)
+    determinism_runs: int = 2  # j, independent executions that must agree (§3.3.3)
+    sandbox_workers: int = 4  # parallel sandbox processes
+    sandbox_memory_mb: int = 1024  # address-space limit of one program run
+    max_program_chars: int = 8000  # not in the paper: longer programs are invalid (size cap, never truncated)
+    max_output_chars: int = 4000  # not in the paper: longer output literals are invalid (never truncated)
+    eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # math benchmarks of Table 1 (names or local JSONL)
+    eval_code: bool = False  # also run HumanEval+/MBPP+ (needs the evalplus package; skipped with a message if missing)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The zero triplet (Fig. 5) and the banned modules (Fig. 8 list plus os/sys/shutil, which §3.3.3 names).
+# --------------------------------------------------------------------------------------------------------------
+ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'", "output": "'Hello World'"}
+
+BANNED_MODULES = frozenset({
+    # Fig. 8 of the paper (non-determinism, time, I/O, processes)
+    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time",
+    "hashlib", "hmac", "bcrypt", "calendar",
+    # named in §3.3.3 / spec §6.6, missed by the code's import-only blacklist
+    "os", "sys", "shutil",
+    # the other ways out: dynamic import, the interpreter's internals, files, network, processes
+    "importlib", "builtins", "__builtin__", "imp", "ctypes", "gc", "inspect", "socket", "signal", "resource",
+    "pathlib", "tempfile", "io", "glob", "pickle", "marshal", "uuid", "secrets", "asyncio", "concurrent",
+    "_thread", "select", "mmap", "code", "codeop", "pty", "fcntl", "platform", "sysconfig", "site",
+    "urllib", "http", "requests", "ftplib", "smtplib", "webbrowser", "faulthandler", "tracemalloc", "atexit",
+})
+# builtins that import, run code, do I/O or reach the interpreter; checked as Names, so `parse_input(` is fine
+BANNED_NAMES = frozenset({
+    "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit", "help",
+    "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__",
+})
+BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__", "__import__",
+                          "__loader__", "__bases__", "__mro__", "f_globals", "f_back", "gi_frame"})
+
+REJECT_REASONS = ("format", "syntax", "banned", "error", "timeout", "nondeterministic", "non_literal", "too_large")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompts (§4 of the spec: R1-style plain text, no chat template; everything parsed sits in fenced blocks).
+# --------------------------------------------------------------------------------------------------------------
+WRAPPER = (
+    "A conversation between User and Assistant. The Assistant first reasons about the User's task step by step "
+    "inside <think> </think> tags, then writes its final result inside <answer> </answer> tags, i.e. "
+    "<think> reasoning </think> <answer> result </answer>.\n\n"
+    "User: {task}\n\nAssistant: <think>"
+)
+
+_CODE_RULES = (
+    "Rules for the program:\n"
+    "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
+    "- It is deterministic: no randomness, clocks, files, network, printing, user input or outside state.\n"
+    "- Imports and any helper functions or classes come first; nothing follows the final return of `f`.\n"
+    "- It finishes well within {timeout:g} seconds.\n"
+    "- These modules may not be used: {banned}.\n"
+)
+_INPUT_RULE = ("An input is the argument list of one call, separated by commas, with strings quoted: for "
+               "`def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`.\n")
+
+_PROPOSE_AIM = {
+    "deduction": "A solver will see your program and your input, and must work out the output.",
+    "abduction": "A solver will see your program and the output of your input, and must find an input that "
+                 "produces this output.",
+}
+PROPOSE_TRIPLET = (
+    "Invent a new Python puzzle: write one program and one input for it. {aim}\n\n"
+    + _CODE_RULES + "\n" + _INPUT_RULE + "\n"
+    "A good puzzle runs cleanly, takes genuine thought to solve, and is clearly different from the earlier "
+    "puzzles below.\n\n{references}\n"
+    "Answer format: inside <answer> </answer>, one ```python block with the program, then one ```input block "
+    "with the input."
+)
+PROPOSE_INDUCTION = (
+    "Here is a Python program; it is called as `f(<input>)`.\n```python\n{program}\n```\n"
+    "A solver will have to rebuild this program from example calls. Write {n} different inputs for it and a "
+    "short message.\n" + _INPUT_RULE +
+    "- Pick inputs with varied outputs that together pin down what `f` does: hard but solvable.\n"
+    "- The message describes the task or gives a hint, without revealing the code.\n\n"
+    "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one ```message block."
+)
+SOLVE_DEDUCTION = (
+    "Work out what this program returns for the given input.\n```python\n{program}\n```\n```input\n{input}\n```\n"
+    "Answer format: inside <answer> </answer>, one ```output block with the return value as a Python literal "
+    "(a tuple if it returns several values)."
+)
+SOLVE_ABDUCTION = (
+    "Find an input for which this program returns the given output; any such input counts.\n"
+    "```python\n{program}\n```\n```output\n{output}\n```\n" + _INPUT_RULE +
+    "Answer format: inside <answer> </answer>, one ```input block."
+)
+SOLVE_INDUCTION = (
+    "Write a Python function `f` that maps each input below to its output. It will also be tested on inputs "
+    "you do not see.\nMessage: {message}\n\n{pairs}\n" + _CODE_RULES +
+    "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."
+)
+
+
+def wrap(task: str) -> str:
+    return WRAPPER.format(task=task)
+
+
+def _fence(kind: str, text: str) -> str:
+    return f"```{kind}\n{text}\n```"
+
+
+def _rules() -> dict:
+    return {"banned": ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))}
+
+
+def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
+    if task == "induction":
+        return wrap(PROPOSE_INDUCTION.format(program=program, n=cfg.induction_inputs))
+    shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n" + "\n".join(_fence(b, r[b]) for b in ("python", "input", "output"))
+                        for k, r in enumerate({"python": r["program"], "input": r["input"], "output": r["output"]}
+                                              for r in refs))
+    return wrap(PROPOSE_TRIPLET.format(aim=_PROPOSE_AIM[task], references=shown or "(no earlier puzzles)\n",
+                                       timeout=cfg.executor_timeout, **_rules()))
+
+
+def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
+    if task == "deduction":
+        return wrap(SOLVE_DEDUCTION.format(program=entry["program"], input=entry["input"]))
+    if task == "abduction":
+        return wrap(SOLVE_ABDUCTION.format(program=entry["program"], output=entry["output"]))
+    half = len(entry["inputs"]) // 2
+    pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
+                      for k, (i, o) in enumerate(zip(entry["inputs"][:half], entry["outputs"][:half])))
+    return wrap(SOLVE_INDUCTION.format(message=entry["message"], pairs=pairs, timeout=cfg.executor_timeout,
+                                       **_rules()))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parsing model output (spec §4 "Extraction"). Model output is untrusted: nothing here may raise.
+# --------------------------------------------------------------------------------------------------------------
+_FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
+_BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_][\w]*)[ \t]*\n(.*?)```", re.S)
+
+
+def extract_answer(completion: str) -> str | None:
+    """Text between the last <answer> and the next </answer>, if the response has R1 format
+    (`<think>...</think><answer>...</answer>`; the prompt already opened <think>)."""
+    text = "<think>" + completion
+    if not _FORMAT_RE.match(text):
+        return None
+    start = text.rfind("<answer>")
+    end = text.find("</answer>", start)
+    return text[start + len("<answer>"):end] if end >= 0 else None
+
+
+def blocks(answer: str, kind: str) -> list[str]:
+    return [body.strip() for k, body in _BLOCK_RE.findall(answer) if k.lower() == kind]
+
+
+def parse_call_args(text: str) -> tuple | None:
+    """'[3, 1], "xy"' -> ([3, 1], 'xy'); None unless every argument is a literal."""
+    if not text or not text.strip() or len(text) > 100_000:
+        return None
+    try:
+        node = ast.parse(f"_({text.strip()}\n)", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(node, ast.Call) or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+        return None
+    try:
+        return tuple(ast.literal_eval(a) for a in node.args)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+
+
+def _module_banned(name: str) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:k]) in BANNED_MODULES for k in range(1, len(parts) + 1))
+
+
+def static_check(program: str, max_chars: int = 8000) -> tuple[str | None, str]:
+    """(reason or None, program with entry function `f`). Parses the program, finds the top-level entry
+    function and walks the AST for banned modules/builtins/attributes (spec §6.6)."""
+    if not program or len(program) > max_chars:
+        return ("too_large" if program else "syntax"), program
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "syntax", program
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(_module_banned(a.name) for a in node.names):
+            return "banned", program
+        if isinstance(node, ast.ImportFrom) and (node.level or _module_banned(node.module or "")
+                                                 or any(_module_banned(f"{node.module}.{a.name}") for a in node.names)):
+            return "banned", program
+        if isinstance(node, ast.Name) and node.id in BANNED_NAMES:
+            return "banned", program
+        if isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS:
+            return "banned", program
+    # only top-level definitions count, so nested helpers and classes are allowed (spec §4.4)
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not any(n.name == "f" for n in defs):
+        if len(defs) != 1 or isinstance(defs[0], ast.AsyncFunctionDef):
+            return "syntax", program
+        program = f"{program.rstrip()}\n\nf = {defs[0].name}"  # rename the single entry function to f
+    elif any(n.name == "f" and isinstance(n, ast.AsyncFunctionDef) for n in defs):
+        return "syntax", program
+    return None, program
+
+
+def strip_program(program: str) -> str:
+    """Seed programs lose comments, docstrings and top-level statements other than imports and definitions
+    (§3.3.1), so that the references the model starts from are plain code."""
+    tree = ast.parse(program)
+    body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+            or (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "f")]
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.body and \
+                isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None), ast.Constant) \
+                and isinstance(node.body[0].value.value, str):
+            node.body = node.body[1:] or [ast.Pass()]
+    return ast.unparse(ast.Module(body=body, type_ignores=[]))
+
+
+def parse_triplet_proposal(completion: str) -> dict:
+    """{'program','input','args'} or {'reason'}: first ```python block and the ```input block."""
+    answer = extract_answer(completion)
+    programs, inputs = (blocks(answer, "python"), blocks(answer, "input")) if answer is not None else ([], [])
+    if not programs or not inputs:
+        return {"reason": "format"}
+    args = parse_call_args(inputs[0])
+    if args is None:
+        return {"reason": "non_literal", "program": programs[0], "input": inputs[0]}
+    return {"program": programs[0], "input": inputs[0].strip(), "args": args}
+
+
+def parse_induction_proposal(completion: str, n: int) -> dict:
+    """{'inputs','args','message'} or {'reason'}: all ```input blocks (>= n, the last n kept) + ```message."""
+    answer = extract_answer(completion)
+    inputs, messages = (blocks(answer, "input"), blocks(answer, "message")) if answer is not None else ([], [])
+    if len(inputs) < n or not messages or not messages[-1]:
+        return {"reason": "format"}
+    inputs = inputs[-n:]
+    args = [parse_call_args(i) for i in inputs]
+    if any(a is None for a in args):
+        return {"reason": "non_literal"}
+    return {"inputs": [i.strip() for i in inputs], "args": args, "message": messages[-1][:2000]}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The executor (§3.3.3). Programs run in common.PythonSandbox; gold values never enter it; results come back as
+# repr text and are compared in this (trusted) process with ==, after common.parse_literal.
+# --------------------------------------------------------------------------------------------------------------
+_ADDRESS_RE = re.compile(r"0x[0-9a-fA-F]{6,}")
+_STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "error", "sandbox_error": "error",
+                  "forbidden": "banned", "timeout": "timeout", "output_limit": "too_large"}
+
+
+class Executor:
+    """Runs f(*args) for (program, args) jobs in common.PythonSandbox and classifies the outcome.
+
+    There are `determinism_runs` sandboxes, each with its own separately started zygote processes (so a
+    different address-space layout) and, where the sandbox supports it, a different PYTHONHASHSEED: run j of a
+    job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        kw = dict(workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout, memory_mb=cfg.sandbox_memory_mb,
+                  max_output_chars=cfg.max_output_chars)
+        import inspect
+        seeded = "hash_seed" in inspect.signature(common.PythonSandbox).parameters
+        self.sandboxes = [common.PythonSandbox(**kw, **({"hash_seed": j} if seeded else {}))
+                          for j in range(max(1, cfg.determinism_runs))]
+
+    def call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str]]:
+        """-> [(status, output repr)], status: ok | error | timeout | banned | too_large | nondeterministic |
+        non_literal. The output must parse as a finite literal that survives a repr round trip."""
+        if not jobs:
+            return []
+        results = self.sandboxes[run].run_many([(p, f"f(*{a!r})") for p, a in jobs])
+        out = []
+        for res in results:
+            reason = _STATUS_REASON.get(res.status, "error")
+            if reason is not None:
+                out.append((reason, res.error or ""))
+            elif _ADDRESS_RE.search(res.value):
+                out.append(("nondeterministic", res.value))  # e.g. '<object at 0x7f..>' inside a string
+            else:
+                try:
+                    common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
+                    out.append(("ok", res.value))
+                except ValueError:
+                    out.append(("non_literal", res.value))
+        return out
+
+    def run_checked(self, jobs: list[tuple[str, tuple]]) -> list[tuple[str | None, str]]:
+        """Proposal validation: j runs, each in its own sandbox, must all succeed and give the same output.
+        -> [(reject reason or None, gold output repr)]."""
+        runs = [self.call(jobs, run=j) for j in range(len(self.sandboxes))]
+        out = []
+        for per_job in zip(*runs):
+            bad = next((s for s, _ in per_job if s != "ok"), None)
+            if bad is not None:
+                out.append((bad, ""))
+            elif len({v for _, v in per_job}) > 1:
+                out.append(("nondeterministic", ""))
+            else:
+                out.append((None, per_job[0][1]))
+        return out
+
+    def close(self):
+        for sb in self.sandboxes:
+            sb.close()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Buffers D_ded, D_abd, D_ind (JSON-able, stored in checkpoints). The cap evicts the oldest entries.
+# --------------------------------------------------------------------------------------------------------------
+class Buffer:
+    def __init__(self, cap: int, entries: list[dict] | None = None):
+        self.cap, self.entries = cap, list(entries or [])[-cap:]
+
+    def add(self, entry: dict) -> None:
+        self.entries.append(entry)
+        if len(self.entries) > self.cap:
+            del self.entries[: len(self.entries) - self.cap]
+
+    def sample(self, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
+        if not self.entries or k <= 0:
+            return []
+        if replace:
+            return [rng.choice(self.entries) for _ in range(k)]
+        return rng.sample(self.entries, min(k, len(self.entries)))
+
+    def __len__(self):
+        return len(self.entries)
+
+
+def buffers_state(buffers: dict[str, Buffer]) -> dict:
+    return {t: b.entries for t, b in buffers.items()}
+
+
+def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
+    return {t: Buffer(cap, state.get(t, [])) for t in TASKS}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Step 3: validate proposals (§3.3.3). Each proposal dict gets 'reason' (None = valid) and, if valid, its entry.
+# --------------------------------------------------------------------------------------------------------------
+def solver_prompt_fits(task: str, entry: dict, cfg: Config, tokenizer) -> bool:
+    """A task is only useful if its solver prompt fits the prompt budget (so back-filling never runs dry)."""
+    return len(common.encode_prompt(tokenizer, solver_prompt(task, entry, cfg))) <= cfg.max_prompt_tokens
+
+
+def validate_triplets(executor: Executor, proposals: list[dict], cfg: Config, step: int = 0,
+                      tokenizer=None, task: str = "deduction") -> list[dict]:
+    """Deduction/abduction proposals (program, input) -> gold output. Static checks on the AST first, then
+    j runs in independent processes that must succeed, agree and give a finite, address-free literal."""
+    jobs, idx = [], []
+    for k, p in enumerate(proposals):
+        if p.get("reason"):
+            continue
+        reason, program = static_check(p["program"], cfg.max_program_chars)
+        if reason:
+            p["reason"] = reason
+            continue
+        p["program"] = program
+        jobs.append((program, p["args"]))
+        idx.append(k)
+    for k, (reason, out) in zip(idx, executor.run_checked(jobs)):
+        p = proposals[k]
+        p["reason"] = reason
+        if reason is None:
+            p["entry"] = {"program": p["program"], "input": p["input"], "output": out, "step": step}
+            if tokenizer is not None and not solver_prompt_fits(task, p["entry"], cfg, tokenizer):
+                p["reason"], p["entry"] = "too_large", None
+    for p in proposals:
+        p.setdefault("reason", None)
+    return proposals
+
+
+def validate_induction(executor: Executor, proposals: list[dict], cfg: Config, step: int = 0,
+                       tokenizer=None) -> list[dict]:
+    """Induction proposals (a buffer program + N inputs + message): p must run validly on EVERY input."""
+    jobs, owner = [], []
+    for k, p in enumerate(proposals):
+        if p.get("reason"):
+            continue
+        for a in p["args"]:
+            jobs.append((p["program"], a))
+            owner.append(k)
+    results: dict[int, list] = {}
+    for k, res in zip(owner, executor.run_checked(jobs)):
+        results.setdefault(k, []).append(res)
+    for k, res in results.items():
+        p = proposals[k]
+        p["reason"] = next((r for r, _ in res if r), None)
+        if p["reason"] is None:
+            p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": [o for _, o in res],
+                          "message": p["message"], "step": step}
+            if tokenizer is not None and not solver_prompt_fits("induction", p["entry"], cfg, tokenizer):
+                p["reason"], p["entry"] = "too_large", None
+    for p in proposals:
+        p.setdefault("reason", None)
+    return proposals
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Steps 4-5: grade solver answers (Eq. 5). Gold values stay in this process; == on parsed literals.
+# --------------------------------------------------------------------------------------------------------------
+def _equal(pred_text: str, gold_text: str) -> bool:
+    """Value equality in trusted code (Eq. 5): sets are order-free, 1 == 1.0, a tuple is not a list."""
+    try:
+        return bool(common.parse_literal(pred_text, require_roundtrip=False) == common.parse_literal(gold_text))
+    except (ValueError, RecursionError, MemoryError):
+        return False
+
+
+def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
+                    cfg: Config) -> list[tuple[bool, bool]]:
+    """(formatted, correct) per answer. deduction: predicted output == gold; abduction: f(predicted input) == gold
+    output, run in the sandbox (f need not be one-to-one); induction: the program passes EVERY held-out pair and
+    the same static checks as proposals."""
+    out: list[tuple[bool, bool]] = [(False, False)] * len(completions)
+    jobs, owner = [], []
+    for k, (entry, text) in enumerate(zip(entries, completions)):
+        answer = extract_answer(text)
+        kind = {"deduction": "output", "abduction": "input", "induction": "python"}[task]
+        found = blocks(answer, kind) if answer is not None else []
+        if not found:
+            continue
+        pred = found[-1]  # solvers: the last block of the expected kind
+        if task == "deduction":
+            out[k] = (True, _equal(pred, entry["output"]))
+        elif task == "abduction":
+            args = parse_call_args(pred)
+            out[k] = (True, False)
+            if args is not None:
+                jobs.append((entry["program"], args))
+                owner.append((k, entry["output"]))
+        else:
+            reason, program = static_check(pred, cfg.max_program_chars)
+            out[k] = (True, False)
+            if reason is None:
+                half = len(entry["inputs"]) // 2
+                for i, o in zip(entry["inputs"][half:], entry["outputs"][half:]):
+                    jobs.append((program, parse_call_args(i)))
+                    owner.append((k, o))
+    if jobs:
+        passed: dict[int, bool] = {}
+        for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
+            passed[k] = passed.get(k, True) and status == "ok" and _equal(value, gold)
+        for k, ok in passed.items():
+            out[k] = (True, ok)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rewards: Eq. 4 (or Eq. 3) for valid proposals, Eq. 5 for the solver, Eq. 6 format penalties for both.
+# --------------------------------------------------------------------------------------------------------------
+def proposer_reward(valid: bool, solve_rate: float | None, cfg: Config) -> float:
+    if not valid:
+        return common.FORMAT_ERROR  # any invalid proposal counts as a format error (Eq. 6, spec §2)
+    if solve_rate in (0.0, 1.0):
+        return float(cfg.zero_learnability_reward)  # 0 in the paper, -0.5 in the official code
+    return float(common.proposer_reward(solve_rate, cfg.proposer_reward))
+
+
+def solver_reward(formatted: bool, correct: bool) -> float:
+    return common.azr_composite_reward(1.0, formatted=formatted, passable=correct)
+
+
+def trr_advantages(rewards: list[float], roles: list[str], eps: float = 1e-6, lengths=None,
+                   token_weighted: bool = False) -> list[float]:
+    """TRR++ (Eq. 8): A = (r - mu_{task,role}) / sigma_{task,role}; roles are '<role>/<task>', so 6 keys."""
+    return common.keyed_advantages(rewards, roles, eps, lengths=lengths, token_weighted=token_weighted).tolist()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop: generation helpers, then one function per step of Alg. 1.
+# --------------------------------------------------------------------------------------------------------------
+def _generate(policy, prompts: list[str], n: int, cfg: Config):
+    if not prompts:
+        return []
+    return policy.generate(prompts, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
+                           max_tokens=cfg.max_response_tokens)
+
+
+def _fits(policy, prompt: str, cfg: Config) -> bool:
+    return len(common.encode_prompt(policy.tokenizer, prompt)) <= cfg.max_prompt_tokens
+
+
+def make_triplet_prompt(policy, task: str, buffer: Buffer, cfg: Config, rng: random.Random) -> str:
+    """K references drawn uniformly without replacement; references are dropped until the prompt fits
+    (bounded: at most K retries, unlike the code's unbounded resampling loop)."""
+    refs = buffer.sample(cfg.references, rng)
+    prompt = proposer_prompt(task, refs, cfg)
+    while refs and not _fits(policy, prompt, cfg):
+        refs.pop()
+        prompt = proposer_prompt(task, refs, cfg)
+    return prompt
+
+
+def induction_programs(buffers: dict[str, Buffer]) -> list[str]:
+    """Programs of D_ded u D_abd, de-duplicated so seed programs (in both buffers) are not drawn twice as often."""
+    return list(dict.fromkeys(e["program"] for t in ("deduction", "abduction") for e in buffers[t].entries))
+
+
+def make_induction_prompt(policy, programs: list[str], cfg: Config, rng: random.Random) -> tuple[str, str] | None:
+    for _ in range(4):  # a few draws for a program whose prompt fits; then give up on this prompt
+        program = rng.choice(programs)
+        prompt = proposer_prompt("induction", [], cfg, program=program)
+        if _fits(policy, prompt, cfg):
+            return program, prompt
+    return None
+
+
+def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random, step: int,
+            tasks=TASKS, batch: int | None = None) -> dict[str, list[dict]]:
+    """Steps 1-3 of Alg. 1 for the given task types: build B proposer prompts each, sample one proposal per
+    prompt (one generate call for all types), parse and validate; valid tasks join their buffer."""
+    batch = batch or cfg.batch_size
+    props: dict[str, list[dict]] = {t: [] for t in tasks}
+    programs = induction_programs(buffers)
+    for t in tasks:
+        for _ in range(batch):
+            if t == "induction":
+                made = make_induction_prompt(policy, programs, cfg, rng) if programs else None
+                if made:
+                    props[t].append({"task": t, "program": made[0], "prompt": made[1]})
+            else:
+                props[t].append({"task": t, "prompt": make_triplet_prompt(policy, t, buffers[t], cfg, rng)})
+    flat = [p for t in tasks for p in props[t]]
+    for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
+        p["completion"] = group[0]
+        if p["task"] == "induction":
+            p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs))
+        else:
+            p.update(parse_triplet_proposal(group[0].text))
+    for t in tasks:
+        if t == "induction":
+            validate_induction(executor, props[t], cfg, step, policy.tokenizer)
+        else:
+            validate_triplets(executor, props[t], cfg, step, policy.tokenizer, task=t)
+    return props
+
+
+def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
+    """§3.3.1: from the zero triplet alone, let the base model propose until |D_seed| = S*B (no updates).
+    Seed programs lose comments and globals. D_ded = D_abd = D_seed; D_ind is filled the same way."""
+    target = cfg.seed_factor * cfg.batch_size
+    seed = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)])
+    ind = Buffer(cfg.buffer_cap)
+    for rnd in range(cfg.seed_max_rounds):
+        if len(seed) >= target and len(ind) >= target:
+            break
+        work = [t for t, b in (("deduction", seed), ("induction", ind)) if len(b) < target]
+        props = propose(policy, executor, {"deduction": seed, "abduction": seed, "induction": ind}, cfg, rng,
+                        0, tasks=work)
+        stripped = []
+        for p in props.get("deduction", []):
+            if p["reason"] is None:
+                try:
+                    q = {"program": strip_program(p["program"]), "input": p["input"], "args": p["args"]}
+                except (SyntaxError, ValueError, RecursionError):
+                    continue
+                stripped.append(q)
+        for q in validate_triplets(executor, stripped, cfg, 0, policy.tokenizer):  # stripping may break it
+            if q["reason"] is None and len(seed) < target:
+                seed.add(q["entry"])
+        for p in props.get("induction", []):
+            if p["reason"] is None and len(ind) < target:
+                ind.add(p["entry"])
+    else:
+        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds with {len(seed)} triplets and "
+              f"{len(ind)} induction tasks (target {target}); training starts with these", file=sys.stderr)
+    return {"deduction": Buffer(cfg.buffer_cap, list(seed.entries)),
+            "abduction": Buffer(cfg.buffer_cap, list(seed.entries)), "induction": ind}
+
+
+def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict]], cfg: Config) -> None:
+    """Step 3 of Alg. 1 / Eq. 4: r_bar = mean correctness of n solver rollouts at T = 1 (never greedy, never
+    trained on) for every valid proposal; stored as p['solve_rate']."""
+    valid = [p for t in props for p in props[t] if p["reason"] is None]
+    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid],
+                       cfg.learnability_samples, cfg)
+    for t in TASKS:
+        idx = [k for k, p in enumerate(valid) if p["task"] == t]
+        entries = [valid[k]["entry"] for k in idx for _ in range(cfg.learnability_samples)]
+        texts = [c.text for k in idx for c in groups[k]]
+        graded = check_solutions(executor, t, entries, texts, cfg)
+        for j, k in enumerate(idx):
+            rows = graded[j * cfg.learnability_samples:(j + 1) * cfg.learnability_samples]
+            valid[k]["solve_rate"] = sum(c for _, c in rows) / len(rows)
+
+
+def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dict[str, Buffer], cfg: Config,
+          rng: random.Random, step: int) -> dict[str, list[dict]]:
+    """Step 4: per task type, this step's valid tasks back-filled uniformly from the buffer up to B; one answer
+    per task, graded by the executor (Eq. 5) and rewarded with Eq. 6."""
+    work: dict[str, list[dict]] = {}
+    for t in TASKS:
+        new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
+        old = [e for e in buffers[t].entries if e.get("step") != step] or buffers[t].entries
+        need = cfg.batch_size - len(new)
+        fill = rng.sample(old, need) if need <= len(old) else [rng.choice(old) for _ in range(need)] if old else []
+        work[t] = [{"task": t, "entry": e, "new": k < len(new)} for k, e in enumerate(new + fill)]
+    flat = [s for t in TASKS for s in work[t]]
+    for s, group in zip(flat, _generate(policy, [solver_prompt(s["task"], s["entry"], cfg) for s in flat], 1, cfg)):
+        s["completion"] = group[0]
+    for t in TASKS:
+        graded = check_solutions(executor, t, [s["entry"] for s in work[t]], [s["completion"].text for s in work[t]],
+                                 cfg)
+        for s, (formatted, correct) in zip(work[t], graded):
+            s.update(formatted=formatted, correct=correct, reward=solver_reward(formatted, correct))
+    return work
+
+
+def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
+    """Step 6: TRR++ advantages per (role, task) (Eq. 8), one PPO-clip step on the joint batch (Eq. 9), sync.
+    With --freeze-proposer the proposer trajectories are dropped before the loss, so they do not count in its
+    token or sequence normalisers either."""
+    trajs = []
+    for t in TASKS:
+        if not cfg.freeze_proposer:
+            trajs += [common.Trajectory.from_completion(p["completion"], reward=p["reward"], role=f"proposer/{t}")
+                      for p in props[t]]
+        trajs += [common.Trajectory.from_completion(s["completion"], reward=s["reward"], role=f"solver/{t}")
+                  for s in solved[t]]
+    trajs = [tr for tr in trajs if tr.completion_ids]
+    if not trajs:
+        return {}
+    adv = trr_advantages([tr.reward for tr in trajs], [tr.role for tr in trajs],
+                         lengths=[len(tr.completion_ids) for tr in trajs],
+                         token_weighted=cfg.token_weighted_advantages)
+    for tr, a in zip(trajs, adv):
+        tr.advantage = a
+    pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
+                         aggregation=cfg.aggregation, max_len=cfg.max_response_tokens, temperature=cfg.temperature)
+    stats = common.pg_step(policy, trajs, pg)
+    for role in ROLES:
+        a = [abs(tr.advantage) for tr in trajs if tr.role.startswith(role)]
+        stats[f"adv_abs_mean/{role}"] = sum(a) / len(a) if a else 0.0
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Metrics (per task type and role; what the AZR paper and "Towards Understanding Self-play" plot)
+# --------------------------------------------------------------------------------------------------------------
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _nll_entropy(completions) -> float | None:
+    """Eq. 1 of "Towards Understanding Self-play": mean over sequences of the per-token NLL of the sampled tokens
+    (rollouts at T = 1), from the sampler's log-probs, so it is measured for a frozen proposer too."""
+    seqs = [c.logprobs for c in completions if c.logprobs]
+    return _mean(-sum(lp) / len(lp) for lp in seqs) if seqs else None
+
+
+def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], buffers: dict[str, Buffer]) -> dict:
+    m: dict = {}
+    for t in TASKS:
+        ps, ss = props[t], solved[t]
+        valid = [p for p in ps if p["reason"] is None]
+        reasons = Counter(p["reason"] for p in ps if p["reason"])
+        m[f"{t}/valid_rate"] = len(valid) / len(ps) if ps else 0.0
+        for r in REJECT_REASONS:
+            m[f"{t}/reject/{r}"] = reasons.get(r, 0)
+        m[f"{t}/buffer_size"] = len(buffers[t])
+        m[f"{t}/solver_acc"] = _mean(s["correct"] for s in ss)
+        m[f"{t}/solver_reward"] = _mean(s["reward"] for s in ss)
+        m[f"{t}/proposer_reward"] = _mean(p["reward"] for p in ps)
+        m[f"{t}/new_task_solve_rate"] = _mean(p["solve_rate"] for p in valid)  # difficulty over time (Fig. 2)
+        m[f"{t}/new_tasks_in_solver_batch"] = sum(s["new"] for s in ss)
+        m[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in ps)
+        m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
+        if valid:
+            m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
+            m[f"{t}/distinct_programs"] = len({p["entry"]["program"] for p in valid}) / len(valid)
+    comps = {"proposer": [p["completion"] for t in TASKS for p in props[t]],
+             "solver": [s["completion"] for t in TASKS for s in solved[t]]}
+    for role, cs in comps.items():
+        m[f"len/{role}"] = _mean(len(c.token_ids) for c in cs)
+        h = _nll_entropy(cs)
+        if h is not None:
+            m[f"entropy/{role}"] = h
+    h = _nll_entropy(comps["proposer"] + comps["solver"])
+    if h is not None:
+        m["entropy/policy"] = h
+    m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
+    m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
+    return m
+
+
+def log_step_samples(run, step: int, props, solved) -> None:
+    for t in TASKS:
+        run.log_samples(step, f"proposer/{t}", [
+            {"task": t, "prompt": p["prompt"], "completion": p["completion"].text, "valid": p["reason"] is None,
+             "reason": p["reason"], "task_entry": p.get("entry"), "solve_rate": p.get("solve_rate"),
+             "reward": p["reward"]} for p in props[t]])
+        run.log_samples(step, f"solver/{t}", [
+            {"task": t, "prompt": solver_prompt(t, s["entry"], run.cfg), "completion": s["completion"].text,
+             "task_entry": s["entry"], "new_task": s["new"], "formatted": s["formatted"], "correct": s["correct"],
+             "reward": s["reward"]} for s in solved[t]])
+
+
+def _append_tasks(run, step: int, props) -> None:
+    """tasks.jsonl: every valid proposed task with its step and solve rate (for the difficulty-over-time study,
+    analysis.md §2: sample equal numbers per step bucket and re-score with two checkpoints)."""
+    if not getattr(run, "is_main", True):
+        return
+    with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
+        for t in TASKS:
+            for p in props[t]:
+                if p["reason"] is None:
+                    f.write(json.dumps({"step": step, "task": t, "solve_rate": p["solve_rate"], **p["entry"]}) + "\n")
+
+
+def _truncate_tasks(run, step: int) -> None:
+    path = run.dir / "tasks.jsonl"
+    if path.is_file():
+        keep = [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()
+                and _safe_step(l) <= step]
+        common.atomic_write_text(path, "".join(l + "\n" for l in keep))
+
+
+def _safe_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 30
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Step 8: evaluation. Base models answer math with a boxed-answer prompt (spec §5, official issue #27).
+# --------------------------------------------------------------------------------------------------------------
+EVAL_TASK = "Solve this problem. Put the final answer inside \\boxed{{}} within your <answer> tags.\n\n{question}"
+
+
+def eval_prompt(question: str) -> str:
+    return wrap(EVAL_TASK.format(question=question))
+
+
+def evaluate(policy, cfg: Config) -> dict:
+    benches = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
+    results = {}
+    if benches:
+        results = common.evaluate(policy, benches, n=cfg.eval_n, k=tuple(int(k) for k in cfg.eval_k.split(",")),
+                                  max_tokens=cfg.eval_max_tokens, prompt_fn=eval_prompt, limit=cfg.eval_limit)
+    if cfg.eval_code:
+        try:
+            import evalplus  # noqa: F401
+        except ImportError:
+            msg = ("--eval-code: HumanEval+/MBPP+ need the evalplus package (pip install evalplus) and its "
+                   "datasets; skipped")
+            print(f"[absolute_zero] {msg}", file=sys.stderr)
+            results["code"] = {"skipped": msg}
+        else:
+            results["code"] = {"skipped": "evalplus is installed, but running it is left to its own CLI: "
+                                          "evalplus.evaluate --model <checkpoint dir> --dataset humaneval"}
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop (Alg. 1)
+# --------------------------------------------------------------------------------------------------------------
+def check_config(cfg: Config) -> None:
+    problems = []
+    if cfg.proposer_reward not in ("learnability", "uncertainty"):
+        problems.append(f"--proposer-reward {cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)")
+    if cfg.zero_learnability_reward not in (0.0, -0.5):
+        problems.append(f"--zero-learnability-reward {cfg.zero_learnability_reward}: choose 0 (paper) or -0.5 (code)")
+    if cfg.induction_inputs < 2 or cfg.induction_inputs % 2:
+        problems.append(f"--induction-inputs {cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)")
+    for name in ("batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs", "steps"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
+        problems.append(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")
+    if problems:
+        raise SystemExit("absolute_zero.py: " + "; ".join(problems))
+
+
+def train(cfg: Config) -> dict:
+    check_config(cfg)
+    common.seed_everything(cfg.seed)
+    run = common.Run(cfg, "absolute_zero")
+    policy = common.Policy.load(cfg)
+    executor = Executor(cfg)
+    try:
+        resumed = run.load_checkpoint(policy)
+        start, state = resumed if resumed else (0, {})
+        if state.get("buffers"):
+            buffers = buffers_from_state(state["buffers"], cfg.buffer_cap)
+            _truncate_tasks(run, start)
+        else:  # step 0: seed the buffers from the zero triplet, no updates (§3.3.1)
+            with run.timer("seed"):
+                buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
+            run.log(0, {f"{t}/buffer_size": len(buffers[t]) for t in TASKS})
+        bar = run.progress(cfg.steps, initial=start)
+        for step in range(start + 1, cfg.steps + 1):
+            rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without storing RNG state
+            with run.timer("propose"):  # steps 1-2 (+3 validate); valid tasks join the buffers
+                props = propose(policy, executor, buffers, cfg, rng, step)
+                for t in TASKS:
+                    for p in props[t]:
+                        if p["reason"] is None:
+                            buffers[t].add(p["entry"])
+            with run.timer("learnability"):
+                estimate_learnability(policy, executor, props, cfg)
+            for t in TASKS:
+                for p in props[t]:
+                    p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"), cfg)
+            with run.timer("solve"):
+                solved = solve(policy, executor, props, buffers, cfg, rng, step)
+            with run.timer("update"):
+                stats = trr_update(policy, props, solved, cfg)
+            metrics = step_metrics(props, solved, buffers)
+            metrics.update({f"train/{k}": v for k, v in stats.items()})
+            log_step_samples(run, step, props, solved)
+            _append_tasks(run, step, props)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                with run.timer("eval"):
+                    ev = evaluate(policy, cfg)
+                run.write_eval(ev, f"eval_step_{step}.json")
+                metrics.update(_flat_eval(ev))
+            run.log(step, metrics)
+            bar.update(1)
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+                run.save_checkpoint(step, policy, {"buffers": buffers_state(buffers)})
+        results = evaluate(policy, cfg)
+        run.write_eval(results)
+        return results
+    finally:
+        executor.close()
+        run.close()
+
+
+def _flat_eval(ev: dict) -> dict:
+    out = {}
+    for bench, res in ev.items():
+        if isinstance(res, dict):
+            for k, v in res.items():
+                if isinstance(v, (int, float)):
+                    out[f"eval/{bench}/{k}"] = v
+    return out
+
+
+def main(argv=None):
+    cfg = common.parse_config(Config, argv)
+    results = train(cfg)
+    print(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
