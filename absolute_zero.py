@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import ast
 import json
-import math
+import os
 import random
 import re
 import sys
@@ -102,7 +102,7 @@ class Config(common.RunConfig):
     sandbox_memory_mb: int = 1024  # address-space limit of one program run
     max_program_chars: int = 8000  # not in the paper: longer programs are invalid (size cap, never truncated)
     max_output_chars: int = 4000  # not in the paper: longer output literals are invalid (never truncated)
-    eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # math benchmarks of Table 1 (names or local JSONL)
+    eval_benchmarks: str = "aime24,aime25,amc23,math500"  # Table 1's math benchmarks that common knows by name; add Minerva/OlympiadBench as local JSONL or hf:<id>:<split>:<q>:<a>
     eval_code: bool = False  # also run HumanEval+/MBPP+ (needs the evalplus package; skipped with a message if missing)
 
 
@@ -164,7 +164,7 @@ PROPOSE_TRIPLET = (
     "Invent a new Python puzzle: write one program and one input for it. {aim}\n\n"
     + _CODE_RULES + "\n" + _INPUT_RULE + "\n"
     "A good puzzle runs cleanly, takes genuine thought to solve, and is clearly different from the earlier "
-    "puzzles below.\n\n{references}\n"
+    "puzzles below.\n\n{references}\n\n"
     "Answer format: inside <answer> </answer>, one ```python block with the program, then one ```input block "
     "with the input."
 )
@@ -832,8 +832,9 @@ def _safe_step(line: str) -> int:
 EVAL_TASK = "Solve this problem. Put the final answer inside \\boxed{{}} within your <answer> tags.\n\n{question}"
 
 
-def eval_prompt(question: str) -> str:
-    return wrap(EVAL_TASK.format(question=question))
+def eval_prompt(problem: dict, tokenizer=None) -> str:
+    """The same R1-style plain-text wrapper the model trained with; the answer is read from its last \\boxed{}."""
+    return wrap(EVAL_TASK.format(question=problem["question"].strip()))
 
 
 def evaluate(policy, cfg: Config) -> dict:
@@ -870,6 +871,12 @@ def check_config(cfg: Config) -> None:
     for name in ("batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs", "steps"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    for b in (b.strip() for b in cfg.eval_benchmarks.split(",")):
+        if b and not (b.lower() in common.BENCHMARKS or b.startswith("hf:") or b.endswith((".jsonl", ".json"))):
+            problems.append(f"--eval-benchmarks: unknown benchmark {b!r}; use one of {sorted(common.BENCHMARKS)}, "
+                            "a local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer field>")
+        elif b.endswith((".jsonl", ".json")) and not os.path.isfile(b):
+            problems.append(f"--eval-benchmarks: file {b} does not exist")
     if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
         problems.append(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")
     if problems:

