@@ -443,6 +443,13 @@ def shutdown_verifier():
             _VF_POOL.close()
 
 
+def verifier_worker_pids():
+    """Process ids of the running math-verify workers (diagnostics; the pool restarts killed ones)."""
+    if _VF_POOL is None:
+        return []
+    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None]
+
+
 def _vf_default_workers():
     return max(1, min(os.cpu_count() or 1, 8))
 
