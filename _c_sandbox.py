@@ -37,7 +37,8 @@ Design (why each piece is there):
     core = 0. The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second,
     looser deadline on the zygote itself, and a dead or silent zygote costs only its in-flight job
     (``sandbox_error``) before it is restarted.
-  - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=0`` so two runs in two processes agree,
+  - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
+    child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the sandbox still
   works with what it has and says so in ``.isolation``; Python-level guards are never relied upon.
@@ -287,6 +288,27 @@ def isolate_filesystem():
             REPORT["hidden"].append(d)
         except OSError as e:
             note("could not hide %s: %s" % (d, e))
+    if "/tmp" in REPORT["hidden"]:  # account databases: only the accounts a child can meet
+        os.makedirs("/tmp/.masks", 0o755)
+        uid, gid = CFG["uid"], CFG["gid"]
+        masks = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+                                "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
+                 "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
+                 "/etc/shadow": "", "/etc/gshadow": ""}
+        REPORT["masked"] = []
+        for target, text in masks.items():
+            if not os.path.isfile(target):
+                continue
+            src = "/tmp/.masks/" + os.path.basename(target)
+            with open(src, "w") as f:
+                f.write(text)
+            try:
+                mount(src, target, None, MS_BIND)
+                mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                REPORT["masked"].append(target)
+            except OSError as e:
+                note("could not mask %s: %s" % (target, e))
     for p, fd in keep_fds:  # bring back what Python needs from under a hidden directory, read-only
         if not any(p == h or p.startswith(h.rstrip("/") + "/") for h in REPORT["hidden"]):
             os.close(fd)
@@ -348,18 +370,19 @@ def build_seccomp():
 STATE = {}
 
 def child_main(job, wfd):
-    """Runs in the fresh child. Never returns."""
-    _write, _exit, _dumps = os.write, os._exit, json.dumps
+    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to locals before the
+    program runs, so a program that monkeypatches builtins, json or os cannot garble its own result frame."""
+    _write, _exit, _enc, _pack = os.write, os._exit, json.encoder.encode_basestring_ascii, struct.pack
+    _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
+    _BaseException, _Exception, _MemoryError, _SyntaxError = BaseException, Exception, MemoryError, SyntaxError
 
     def report(status, value=None, error=None):
         try:
-            data = _dumps({"status": status, "value": value, "error": error})
-        except Exception:
-            data = _dumps({"status": status, "value": None, "error": "unreportable message"})
-        data = data.encode()
-        try:
-            _write(wfd, struct.pack(">I", len(data)) + data)
-        except Exception:
+            data = '{"status": %s, "value": %s, "error": %s}' % (
+                _enc(status), "null" if value is None else _enc(value), "null" if error is None else _enc(error))
+            data = data.encode()
+            _write(wfd, _pack(">I", _len(data)) + data)
+        except _BaseException:
             pass
         _exit(0)
 
@@ -414,23 +437,24 @@ def child_main(job, wfd):
         code = compile(job["program"], "<program>", "exec")
         expr = compile(job["expression"], "<expression>", "eval")
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
+        del job
         exec(code, ns)
         value = eval(expr, ns)
-        if isinstance(value, (str, bytes)) and len(value) > cap:
-            report("output_limit", None, "value of length %d exceeds the output cap of %d" % (len(value), cap))
-        text = repr(value)
-        if type(text) is not str:
+        if _isinstance(value, (_str, bytes)) and _len(value) > cap:
+            report("output_limit", None, "value of length %d exceeds the output cap of %d" % (_len(value), cap))
+        text = _repr(value)
+        if _type(text) is not _str:
             report("error", None, "repr returned a non-str")
-        if len(text) > cap:
-            report("output_limit", None, "repr of %d chars exceeds the output cap of %d" % (len(text), cap))
+        if _len(text) > cap:
+            report("output_limit", None, "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
         report("ok", text, None)
-    except BaseException as e:
+    except _BaseException as e:
         try:
             fexc = STATE.get("forbidden_exc")
-            status = "memory" if isinstance(e, MemoryError) else "forbidden" if fexc and isinstance(e, fexc) else "error"
-            name = type(e).__name__
-            msg = str(e)
-            if not isinstance(name, str) or not isinstance(msg, str):
+            status = "memory" if _isinstance(e, _MemoryError) else \
+                "forbidden" if fexc and _isinstance(e, fexc) else "error"
+            name, msg = _type(e).__name__, _str(e)
+            if _type(name) is not _str or _type(msg) is not _str:
                 raise TypeError
             line = ""
             tb = e.__traceback__
@@ -438,11 +462,12 @@ def child_main(job, wfd):
                 if tb.tb_frame.f_code.co_filename == "<program>":
                     line = " (program line %d)" % tb.tb_lineno
                 tb = tb.tb_next
-            if isinstance(e, SyntaxError) and e.lineno:
+            if _isinstance(e, _SyntaxError) and _type(e.lineno) is int:
                 line = " (line %d)" % e.lineno
             report(status, None, ("%s: %s%s" % (name, msg, line))[:2000])
-        except BaseException:
-            report("error", None, "exception that could not be described")
+        except _BaseException:
+            report("error", None, "an exception that could not be described")
+
 
 def drop_caps():
     class Hdr(ctypes.Structure):
@@ -712,7 +737,8 @@ class _SbWorker:
     def __init__(self, cfg: dict, start_timeout: float = 30.0):
         self.proc = subprocess.Popen(
             [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else []) + ["-c", _SB_ZYGOTE_SOURCE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(_SB_ENV),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
             cwd="/", close_fds=True, start_new_session=True)
         self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
         self.buf = b""
@@ -804,7 +830,8 @@ class PythonSandbox:
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 32, max_file_mb: int = 64,
-                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=_SB_HIDE, max_program_chars: int = 1_000_000):
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=_SB_HIDE, max_program_chars: int = 1_000_000,
+                 hash_seed: int = 0):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
@@ -813,9 +840,14 @@ class PythonSandbox:
         self.timeout_s, self.memory_mb, self.max_output_chars = float(timeout_s), int(memory_mb), int(max_output_chars)
         self.max_procs, self.max_file_mb, self.max_program_chars = int(max_procs), int(max_file_mb), max_program_chars
         self.forbidden_modules = sorted(set(forbidden_modules))
+        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a determinism
+        # check that wants independent runs uses two sandboxes with different hash_seed values.
+        self.hash_seed = int(hash_seed)
+        if not 0 <= self.hash_seed <= 4294967295:
+            raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
         # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
         base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
-        self._cfgs = [{"uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
+        self._cfgs = [{"hash_seed": self.hash_seed, "uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
                        "site_dirs": [p for p in sys.path if p and "-packages" in p],
                        "keep_paths": _sb_python_paths(), "hide_paths": list(hide_paths), "tmpfs_mb": int(tmpfs_mb),
                        "scratch": None}
@@ -849,10 +881,10 @@ class PythonSandbox:
             (rep.get("uid_dropped") or ns.get("user"))
         level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
             "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
-        return {"level": level, "platform": f"{platform.system()} {platform.release()}", "root": rep.get("root"),
+        return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}", "root": rep.get("root"),
                 "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
                 "readonly_root": rep.get("readonly_root"), "hidden_paths": rep.get("hidden", []),
-                "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
+                "proc_hidepid": rep.get("proc_hidepid", False), "masked_files": rep.get("masked", []), "rlimits": rep.get("rlimits", []),
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
                 "self_test": rep.get("self_test"), "notes": rep.get("notes", [])}
 

@@ -1,0 +1,564 @@
+"""PythonSandbox against hostile programs (issue #5): the 33 adversarial cases, each followed by the invariants.
+
+Invariants checked after every case (``check_invariants``): the call returned within deadline + slack; a trivial
+program still runs correctly and sees no state from the case; no process of the sandbox's uids is left; the host
+sentinel file is unchanged and no marker file appeared; the host's TCP/UDP listeners received nothing; a wrong
+answer is not judged correct; the result is bounded; the canary the programs set never appeared in this process.
+"""
+import ast
+import builtins
+import inspect
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+import common
+from common import ExecResult, PythonSandbox, parse_literal
+
+LINUX_ROOT = sys.platform.startswith("linux") and os.geteuid() == 0
+TIMEOUT = 1.0        # per-case deadline
+SLACK = 3.0          # kill, reap and reply on a loaded 2-core machine
+MAX_OUT = 10_000
+FAKE_TOKEN = "hf_SANDBOXTESTFAKETOKEN0123456789"
+# Every hostile program starts with this: if it ever ran in the test process, builtins would carry the canary.
+CANARY = "import builtins as _sb_b; _sb_b.SB_CANARY = True\n"
+WRONG_GOLD = ("the", "gold", 12345)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    """Things on the host a hostile program would like to reach."""
+    here = pathlib.Path(__file__).resolve().parent
+    sentinel_dir = here / f".sb_host_{os.getpid()}"        # not under /tmp: only read-only mounts protect it
+    sentinel_dir.mkdir()
+    sentinel_dir.chmod(0o777)                               # world-writable on purpose
+    sentinel = sentinel_dir / "sentinel.txt"
+    sentinel.write_text("precious\n")
+    sentinel.chmod(0o666)
+    secret = pathlib.Path.home() / f".sb_fake_secret_{os.getpid()}"
+    secret.write_text("hunter2\n")
+    secret.chmod(0o644)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(8)
+    tcp.setblocking(False)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.setblocking(False)
+    old_token = os.environ.get("HF_TOKEN")
+    os.environ["HF_TOKEN"] = FAKE_TOKEN                     # the trainer holds a token; children must not see it
+    info = dict(dir=sentinel_dir, sentinel=sentinel, stat=sentinel.stat(), secret=secret, tcp=tcp, udp=udp,
+                tcp_port=tcp.getsockname()[1], udp_port=udp.getsockname()[1],
+                markers=[sentinel_dir / "SB_MARKER", pathlib.Path("/tmp/SB_MARKER"), pathlib.Path.cwd() / "SB_MARKER",
+                         pathlib.Path("/SB_MARKER"), pathlib.Path("/var/tmp/SB_MARKER")])
+    yield info
+    tcp.close()
+    udp.close()
+    secret.unlink()
+    shutil.rmtree(sentinel_dir, ignore_errors=True)
+    for m in info["markers"]:
+        m.unlink(missing_ok=True)
+    if old_token is None:
+        os.environ.pop("HF_TOKEN", None)
+    else:
+        os.environ["HF_TOKEN"] = old_token
+
+
+@pytest.fixture(scope="module")
+def sb(host):
+    with PythonSandbox(workers=2, timeout_s=TIMEOUT, memory_mb=256, max_output_chars=MAX_OUT, max_procs=32,
+                       max_file_mb=16) as s:
+        yield s
+
+
+def sandbox_procs(sb) -> list[int]:
+    """PIDs of live processes running under one of the sandbox's uids (zygotes run as root, children not)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            status = pathlib.Path(f"/proc/{d}/status").read_text()
+        except OSError:
+            continue
+        uid_line = next((ln for ln in status.splitlines() if ln.startswith("Uid:")), "Uid: -1")
+        state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
+        if int(uid_line.split()[1]) in sb.uids and "Z" not in state.split()[1:2]:
+            found.append(int(d))
+    return found
+
+
+def judged_correct(res: ExecResult, gold) -> bool:
+    """How a trainer judges: parse the child's repr as a literal here, compare with ==. Never eval."""
+    if res.status != "ok":
+        return False
+    try:
+        return parse_literal(res.value) == gold
+    except ValueError:
+        return False
+
+
+def check_invariants(sb, host, res: ExecResult, elapsed: float, deadline: float = TIMEOUT):
+    assert isinstance(res, ExecResult) and res.status in common.EXEC_STATUSES, res
+    assert elapsed < deadline + SLACK, f"returned after {elapsed:.1f}s: {res}"
+    assert res.value is None or (isinstance(res.value, str) and len(res.value) <= MAX_OUT)
+    assert res.error is None or (isinstance(res.error, str) and len(res.error) <= 2000)
+    assert not judged_correct(res, WRONG_GOLD)
+    # no untrusted code ran here
+    assert not hasattr(builtins, "SB_CANARY")
+    # trivial program runs, sees fresh builtins, no leaked state, no token
+    ok = sb.run("def f(a, b):\n    return a + b", "f(2, 40), hasattr(__builtins__, 'SB_CANARY'), len([1, 2]), "
+                "__import__('os').environ.get('HF_TOKEN')")
+    assert ok == ExecResult("ok", "(42, False, 2, None)", None), ok
+    # no leftover processes of the sandbox uids (escapees included)
+    if LINUX_ROOT:
+        left = sandbox_procs(sb)
+        for _ in range(20):
+            if not left:
+                break
+            time.sleep(0.1)
+            left = sandbox_procs(sb)
+        assert not left, f"leftover sandbox processes: {left}"
+    # host files
+    st = host["sentinel"].stat()
+    assert host["sentinel"].read_text() == "precious\n"
+    assert (st.st_ino, st.st_size, st.st_mtime_ns) == (host["stat"].st_ino, host["stat"].st_size, host["stat"].st_mtime_ns)
+    assert sorted(p.name for p in host["dir"].iterdir()) == ["sentinel.txt"]
+    assert host["secret"].read_text() == "hunter2\n"
+    for m in host["markers"]:
+        assert not m.exists(), f"stray file {m}"
+    # no network: nobody connected to or sent to our listeners
+    with pytest.raises(BlockingIOError):
+        host["tcp"].accept()
+    with pytest.raises(BlockingIOError):
+        host["udp"].recvfrom(100)
+
+
+def run_case(sb, host, program, expression="None", *, timeout=TIMEOUT, statuses=None):
+    t0 = time.monotonic()
+    res = sb.run(CANARY + program, expression, timeout_s=timeout)
+    elapsed = time.monotonic() - t0
+    if statuses is not None:
+        assert res.status in statuses, res
+    check_invariants(sb, host, res, elapsed, timeout)
+    return res
+
+
+# ------------------------------------------------------------------ the isolation level expected on CI's machine
+
+def test_isolation_report(sb):
+    iso = sb.isolation
+    assert iso["level"] in ("strong", "namespaces", "partial", "rlimits-only")
+    assert "RLIMIT_CPU" in iso["rlimits"]
+    if LINUX_ROOT:  # CI: root in a Linux container, like the development machine
+        assert iso["root"] is True and iso["uid_dropped"] is True and iso["uid"] != 0
+        assert all(iso["namespaces"][k] for k in ("net", "mount", "pid", "ipc")), iso
+        assert iso["readonly_root"] and iso["proc_hidepid"], iso
+        assert {"/root", "/home", "/tmp"} <= set(iso["hidden_paths"])
+        assert "/etc/passwd" in iso["masked_files"]
+        assert set(iso["rlimits"]) == {"RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+                                       "RLIMIT_CORE"}
+        assert iso["no_new_privs"] and iso["self_test"], iso
+        if os.uname().machine == "x86_64":
+            assert iso["seccomp"] and iso["level"] == "strong", iso
+
+
+def test_child_environment(sb, host):
+    res = sb.run("import os, sys, resource", "os.getuid(), os.getpid(), sys.stdin.read(), sorted(os.environ), "
+                 "os.environ['PYTHONHASHSEED'], os.environ['OMP_NUM_THREADS'], os.getcwd(), os.listdir('.'), "
+                 "resource.getrlimit(resource.RLIMIT_NPROC), resource.getrlimit(resource.RLIMIT_CORE)")
+    assert res.status == "ok", res
+    uid, pid, stdin, env, seed, omp, cwd, listing, nproc, core = parse_literal(res.value)
+    assert stdin == "" and seed == "0" and omp == "1" and listing == []
+    assert "HF_TOKEN" not in env and not any(k.endswith(("_TOKEN", "_KEY", "_SECRET")) for k in env)
+    assert nproc == (32, 32) and core == (0, 0)
+    if LINUX_ROOT:
+        assert uid in sb.uids and pid == 1   # PID 1 of its own PID namespace
+
+
+# ------------------------------------------------------------------ adversarial cases 1-33
+
+def test_01_spin(sb, host):
+    run_case(sb, host, "while True:\n    pass", statuses={"timeout"})
+
+
+def test_02_spin_sigalrm_ignored(sb, host):
+    run_case(sb, host, "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nsignal.alarm(1)\n"
+                       "while True:\n    pass", statuses={"timeout"})
+
+
+def test_03_swallow_everything(sb, host):
+    run_case(sb, host, "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n"
+                       "        pass", statuses={"timeout"})
+
+
+def test_04_sigterm_sigxcpu_ignored(sb, host):
+    run_case(sb, host, "import signal\nfor s in (signal.SIGTERM, signal.SIGXCPU, signal.SIGINT, signal.SIGHUP):\n"
+                       "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass", statuses={"timeout"})
+
+
+def test_05_sleep(sb, host):
+    run_case(sb, host, "import time\ntime.sleep(100)", statuses={"timeout"})
+
+
+def test_06_long_c_call(sb, host):
+    run_case(sb, host, "", "sum(range(10**11))", statuses={"timeout"})
+
+
+def test_07_non_daemon_spinning_thread(sb, host):
+    res = run_case(sb, host, "import threading\ndef spin():\n    while True:\n        pass\n"
+                             "threading.Thread(target=spin).start()", "7", statuses={"ok"})
+    assert res.value == "7"
+
+
+def test_08_setsid_grandchild(sb, host):
+    prog = (f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(3)\n"
+            f"        open({str(host['dir'] / 'SB_MARKER')!r}, 'w').write('escaped')\n    os._exit(0)\n"
+            "time.sleep(0.2)")
+    run_case(sb, host, prog, "'parent done'", statuses={"ok"})
+    time.sleep(0.5)
+    assert not (host["dir"] / "SB_MARKER").exists()
+
+
+FORK_BOMB = """
+import os, signal, time
+def bomb(depth):
+    for _ in range(8):                  # capped: at most 8 + 64 + 512 processes even if nothing stops it
+        try:
+            pid = os.fork()
+        except OSError:
+            continue
+        if pid == 0:
+            signal.alarm(20)            # and each one ends itself within 20 s
+            if depth < 2:
+                bomb(depth + 1)
+            time.sleep(30)
+            os._exit(0)
+bomb(0)
+"""
+
+
+def test_09_fork_bomb(sb, host):
+    run_case(sb, host, FORK_BOMB, "'survived'", timeout=2.0)
+
+
+def test_10_thread_bomb(sb, host):
+    prog = ("import threading, time\nthreads = []\nfor i in range(2000):\n    try:\n"
+            "        t = threading.Thread(target=time.sleep, args=(20,), daemon=True)\n        t.start()\n"
+            "        threads.append(t)\n    except RuntimeError:\n        break")
+    res = run_case(sb, host, prog, "len(threads)", timeout=2.0)
+    if res.status == "ok" and LINUX_ROOT:
+        assert int(res.value) < 32   # RLIMIT_NPROC counts threads
+
+
+def test_11_huge_bytearray(sb, host):
+    run_case(sb, host, "", "bytearray(64 << 30)", statuses={"memory"})
+
+
+def test_12_growing_list(sb, host):
+    run_case(sb, host, "x = []\nwhile True:\n    x.append(' ' * 10**6)", timeout=4.0, statuses={"memory", "timeout"})
+
+
+def test_13_memory_error_caught(sb, host):
+    res = run_case(sb, host, "try:\n    x = bytearray(64 << 30)\nexcept MemoryError:\n    x = 'caught'", "x",
+                   statuses={"ok"})
+    assert res.value == "'caught'"
+
+
+def test_14_deep_c_recursion_segfault(sb, host):
+    prog = "import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return max(map(f, [n + 1])) if n < 10**6 else 0"
+    run_case(sb, host, prog, "f(0)", statuses={"crash", "memory"})
+
+
+def test_15_null_pointer(sb, host):
+    res = run_case(sb, host, "import ctypes", "ctypes.string_at(0)", statuses={"crash"})
+    assert "SIGSEGV" in res.error
+
+
+def test_16_abort(sb, host):
+    run_case(sb, host, "import os\nos.abort()", statuses={"crash"})
+
+
+def test_17_output_flood_and_giant_repr(sb, host):
+    run_case(sb, host, "import sys\nwhile True:\n    print('x' * 10000)\n    sys.stderr.write('y' * 10000)",
+             statuses={"timeout"})
+    run_case(sb, host, "", "'x' * 10**7", statuses={"output_limit", "memory"})
+    run_case(sb, host, "", "list(range(10**6))", statuses={"output_limit", "memory"})
+    run_case(sb, host, "class R:\n    def __repr__(self):\n        return 'z' * 10**6", "R()",
+             statuses={"output_limit"})
+    # the child itself floods its result pipe with bytes: capped by the zygote
+    run_case(sb, host, "import os\nwhile True:\n    os.write(3, b'\\xff' * 65536)", statuses={"output_limit", "crash",
+                                                                                          "timeout"})
+
+
+def test_18_closed_stdio_then_spin(sb, host):
+    run_case(sb, host, "import os, sys\nos.close(0)\nos.close(1)\nos.close(2)\nsys.stdout = sys.stderr = None\n"
+                       "while True:\n    pass", statuses={"timeout"})
+
+
+def test_19_input(sb, host):
+    res = run_case(sb, host, "x = input()", "x", statuses={"error"})
+    assert "EOFError" in res.error
+
+
+def test_20_kill_parent(sb, host):
+    pids, restarts = [p.pid for p in _zygotes(sb)], sb.restarts
+    run_case(sb, host, "import os\nos.kill(os.getppid(), 9)\nimport time\ntime.sleep(0.2)", "'alive'")
+    if LINUX_ROOT:  # another uid in another PID namespace: the zygote cannot even be named
+        assert [p.pid for p in _zygotes(sb)] == pids and sb.restarts == restarts
+
+
+def test_21_kill_everything(sb, host):
+    run_case(sb, host, "import os\ntry:\n    os.kill(-1, 9)\nexcept OSError:\n    pass", "'done'")
+
+
+def test_22_host_secrets(sb, host):
+    prog = f"""
+import os
+found = []
+for path in ({str(host['secret'])!r}, '/etc/shadow', '/proc/1/environ', '/root/.bashrc',
+             {str(pathlib.Path.home() / '.cache/huggingface/token')!r}):
+    try:
+        found.append((path, open(path).read()[:200]))
+    except OSError:
+        pass
+passwd = open('/etc/passwd').read()
+"""
+    res = run_case(sb, host, prog, "found, passwd", statuses={"ok"})
+    found, passwd = parse_literal(res.value)
+    assert not any("hunter2" in text for _, text in found)
+    if LINUX_ROOT:
+        assert all(text == "" for _, text in found), found   # only the masked, empty /etc/shadow is readable
+        host_users = {ln.split(":")[0] for ln in pathlib.Path("/etc/passwd").read_text().splitlines() if ln}
+        seen_users = {ln.split(":")[0] for ln in passwd.splitlines() if ln}
+        assert seen_users <= {"root", "nobody", "sandbox"} and seen_users != host_users
+
+
+def test_23_environment_dump(sb, host):
+    res = run_case(sb, host, "import os", "dict(os.environ)", statuses={"ok"})
+    env = parse_literal(res.value)
+    assert FAKE_TOKEN not in res.value and "HF_TOKEN" not in env
+    assert set(env) <= {"PATH", "LANG", "LC_ALL", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
+                        "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                        "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HOME", "TMPDIR"}
+
+
+def test_24_destroy_sentinel(sb, host):
+    s, d = str(host["sentinel"]), str(host["dir"])
+    prog = f"""
+import posix, shutil, os
+errors = []
+for attempt in (lambda: posix.unlink({s!r}), lambda: shutil.rmtree({d!r}), lambda: open({s!r}, 'w').write('x'),
+                lambda: os.rename({s!r}, {s!r} + '.moved'), lambda: os.chmod({s!r}, 0o777),
+                lambda: open({d!r} + '/SB_MARKER', 'w')):
+    try:
+        attempt()
+        errors.append(None)
+    except OSError as e:
+        errors.append(type(e).__name__)
+"""
+    res = run_case(sb, host, prog, "errors", statuses={"ok"})
+    if LINUX_ROOT:
+        assert None not in parse_literal(res.value), res.value
+
+
+def test_25_shell_and_spawn(sb, host):
+    m = str(host["dir"] / "SB_MARKER")
+    prog = f"""
+import ctypes, os
+codes = [os.system('touch {m} /tmp/SB_MARKER SB_MARKER'),
+         ctypes.CDLL(None).system(b'touch {m}; echo pwned > /SB_MARKER')]
+try:
+    pid = os.posix_spawn('/usr/bin/touch', ['touch', {m!r}, '/var/tmp/SB_MARKER'], {{}})
+    codes.append(os.waitpid(pid, 0)[1])
+except OSError as e:
+    codes.append(type(e).__name__)
+"""
+    run_case(sb, host, prog, "codes")
+
+
+def test_26_network(sb, host):
+    tcp, udp = host["tcp_port"], host["udp_port"]
+    prog = f"""
+import socket, urllib.request
+out = []
+for attempt in (lambda: socket.create_connection(('127.0.0.1', {tcp}), timeout=0.3),
+                lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {udp})),
+                lambda: urllib.request.urlopen('http://127.0.0.1:{tcp}/', timeout=0.3),
+                lambda: socket.create_connection(('1.1.1.1', 53), timeout=0.3),
+                lambda: socket.getaddrinfo('pypi.org', 443)):
+    try:
+        attempt()
+        out.append('connected')
+    except Exception as e:
+        out.append(type(e).__name__)
+"""
+    res = run_case(sb, host, prog, "out", statuses={"ok"})
+    if LINUX_ROOT:
+        assert "connected" not in parse_literal(res.value), res.value
+
+
+def test_27_one_gib_file(sb, host):
+    prog = ("f = open('big', 'wb')\nfor i in range(1024):\n    f.write(b'\\0' * (1 << 20))\n    f.flush()")
+    res = run_case(sb, host, prog, timeout=3.0, statuses={"error", "crash", "timeout"})
+    if res.status == "error":
+        assert "File too large" in res.error or "No space" in res.error, res
+
+
+def test_28_eq_always_true(sb, host):
+    prog = "class Liar:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__"
+    res = run_case(sb, host, prog, "Liar()", statuses={"ok"})
+    assert res.value.startswith("<__main__.Liar object")
+    with pytest.raises(ValueError):
+        parse_literal(res.value)
+    # a liar whose repr pretends to be the gold value is just that value, compared here with real ==
+    res = run_case(sb, host, prog + "\n    def __repr__(self):\n        return \"('the', 'gold', 12345) or 1\"",
+                   "Liar()", statuses={"ok"})
+    assert not judged_correct(res, WRONG_GOLD)
+
+
+def test_29_exit_before_result(sb, host):
+    res = run_case(sb, host, "import sys\nsys.exit(0)", "1", statuses={"error"})
+    assert "SystemExit" in res.error
+    res = run_case(sb, host, "import os\nos._exit(0)", "1", statuses={"crash"})
+    assert "before producing a result" in res.error
+
+
+def test_30_nondeterminism_detected(sb, host):
+    for prog, expr in (("import random", "random.random()"), ("import os", "os.urandom(8)")):
+        a, b = sb.run_many([(CANARY + prog, expr)] * 2)
+        assert a.status == b.status == "ok" and a.value != b.value   # two runs disagree -> a checker rejects
+        check_invariants(sb, host, a, 0.0)
+    # ...while the hash seed is fixed: str hashes and set order repeat across processes and workers
+    runs = sb.run_many([("", "hash('abc'), list({'x', 'y', 'zz', 'ab', 'q'})")] * 4)
+    assert len({r.value for r in runs}) == 1 and runs[0].status == "ok"
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT, hash_seed=1) as other:
+        assert other.run("", "hash('abc')").value != sb.run("", "hash('abc')").value
+
+
+def test_31_numpy_under_memory_limit(sb, host):
+    pytest.importorskip("numpy")
+    res = run_case(sb, host, "import numpy as np", "int(np.arange(10).sum()), np.array([1.5]).tolist()",
+                   timeout=5.0, statuses={"ok"})
+    assert parse_literal(res.value) == (45, [1.5])
+
+
+def test_32_ordinary_errors(sb, host):
+    res = run_case(sb, host, "def f(:\n    pass", "f()", statuses={"error"})
+    assert "SyntaxError" in res.error
+    res = run_case(sb, host, "def f():\n    return undefined_name", "f()", statuses={"error"})
+    assert "NameError" in res.error and "undefined_name" in res.error
+    res = run_case(sb, host, "def f(x):\n    return x / 0", "f(1)", statuses={"error"})
+    assert "ZeroDivisionError" in res.error
+    res = run_case(sb, host, "x = 1", "x +", statuses={"error"})
+    assert "SyntaxError" in res.error
+
+
+def test_33_many_trivial_interleaved_with_hostile(sb, host):
+    hostile = [("while True:\n    pass", "None"), (FORK_BOMB, "'survived'"), ("", "bytearray(64 << 30)")]
+    jobs, expect = [], []
+    for i in range(1000):
+        if i % 100 == 50:
+            jobs.append(hostile[(i // 100) % 3])
+            expect.append(None)
+        jobs.append((f"def f(x):\n    return x * {i} + len({{str(x): 1}})", f"f(3), {i}"))
+        expect.append(f"({3 * i + 1}, {i})")
+    t0 = time.monotonic()
+    results = sb.run_many(jobs)
+    elapsed = time.monotonic() - t0
+    for res, want in zip(results, expect):
+        if want is not None:
+            assert res == ExecResult("ok", want, None), res
+    # 10 hostile jobs of <= 1 s each over 2 workers, plus 1000 trivial ones at a few ms each
+    assert elapsed < 10 * TIMEOUT / 2 + 1000 * 0.01 + SLACK, elapsed
+    check_invariants(sb, host, results[-1], 0.0)
+
+
+# ------------------------------------------------------------------ recovery, API, trusted side
+
+def _zygotes(sb):
+    return [w.proc for w in sb._pool if w is not None]
+
+
+def test_worker_death_recovers(sb, host):
+    victim = _zygotes(sb)[0]
+    restarts = sb.restarts
+    killer = threading.Timer(0.3, lambda: os.kill(victim.pid, signal.SIGKILL))
+    killer.start()
+    results = sb.run_many([("import time\ntime.sleep(0.8)", "'slept'")] * 2)
+    killer.join()
+    assert sorted(r.status for r in results) == ["ok", "sandbox_error"], results
+    assert sb.restarts == restarts + 1
+    check_invariants(sb, host, results[0], 0.0)
+
+
+def test_crash_does_not_fail_neighbours(sb):
+    jobs = [("import ctypes", "ctypes.string_at(0)"), ("", "1 + 1")] * 5
+    results = sb.run_many(jobs)
+    assert [r.status for r in results] == ["crash", "ok"] * 5
+    assert all(r.value == "2" for r in results[1::2])
+
+
+def test_run_many_keeps_order_and_state_never_leaks(sb):
+    jobs = [("import builtins\nbuiltins.len = lambda x: -1\nimport json\njson.dumps = None", "len([1])")]
+    jobs += [(f"x = {i}", "x, len([1, 2])") for i in range(20)]
+    results = sb.run_many(jobs)
+    assert results[0] == ExecResult("ok", "-1", None)
+    assert [r.value for r in results[1:]] == [f"({i}, 2)" for i in range(20)]
+
+
+def test_bad_input_is_a_clear_error(sb):
+    with pytest.raises(TypeError, match="job 1"):
+        sb.run_many([("x = 1", "x"), ("x = 1", 3)])
+    assert sb.run("x = '\\ud800'", "x").status == "ok"          # lone surrogates survive the JSON channel
+    assert sb.run("\0", "1").status == "error"                   # null bytes: a compile error, not a crash
+    assert sb.run_many([]) == []
+
+
+def test_forbidden_modules():
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT, forbidden_modules=["os", "subprocess"]) as s:
+        assert s.run("import os", "1").status == "forbidden"
+        assert s.run("from os import path", "1").status == "forbidden"
+        assert s.run("x = __import__('subprocess')", "1").status == "forbidden"
+        assert s.run("import math", "math.floor(2.5)") == ExecResult("ok", "2", None)
+
+
+def test_parse_literal():
+    assert parse_literal("[1, (2, 3.5), {'a': {4}}, -7, 1+2j, None, True, b'x']") == \
+        [1, (2, 3.5), {"a": {4}}, -7, 1 + 2j, None, True, b"x"]
+    assert parse_literal("set()") == set() and parse_literal("{3, 1, 2}") == {1, 2, 3}
+    for bad in ("__import__('os').system('touch /tmp/x')", "f(1)", "x", "[1] * 10**9", "1e999", "float('nan')",
+                "<object at 0x7f00>", "(" * 300 + ")" * 300, "[" * 60 + "]" * 60, "1 +", 42, "9" * 5000):
+        with pytest.raises(ValueError):
+            parse_literal(bad)
+    with pytest.raises(ValueError, match="over the cap"):
+        parse_literal("1" * 200, max_chars=100)
+
+
+def test_trusted_side_never_evals_or_unpickles():
+    """The trainer-side code of the sandbox contains no eval/exec/pickle/marshal: only json and literal_eval."""
+    path = inspect.getsourcefile(PythonSandbox)
+    text = pathlib.Path(path).read_text()
+    start = text.index("# Python sandbox for model-written code (issue #5)")
+    lines, first = inspect.getsourcelines(PythonSandbox)
+    end_line = first + len(lines)
+    segment = "\n".join(text[start:].splitlines()[: end_line - text[:start].count("\n")])
+    zyg_start = segment.index("_SB_ZYGOTE_SOURCE = r'''")
+    zyg_end = segment.index("'''", zyg_start + 30) + 3
+    trusted = segment[:zyg_start] + "_SB_ZYGOTE_SOURCE = ''" + segment[zyg_end:]
+    tree = ast.parse(trusted)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+            name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            assert name not in ("eval", "exec", "loads") or (name == "loads" and ast.unparse(node.func) == "json.loads"), \
+                ast.unparse(node)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            assert not {"pickle", "marshal", "dill", "cloudpickle"} & set(names)
