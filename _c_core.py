@@ -613,6 +613,7 @@ class VLLMSampler(Sampler):
             kw["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(**kw)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
+        self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         self.asleep = False
 
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
@@ -629,9 +630,9 @@ class VLLMSampler(Sampler):
         for i, p in enumerate(ids):
             room = max(1, min(int(max_tokens), self.max_model_len - len(p)))
             params.append(SamplingParams(
-                n=n, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
+                n=1 if greedy else n, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
                 top_k=-1 if greedy else int(top_k), max_tokens=room, stop=list(stop) if stop else None,
-                include_stop_str_in_output=True, logprobs=0, seed=None if seed is None else int(seed) + i,
+                include_stop_str_in_output=True, logprobs=0, seed=None if seed is None else _core_mix_seed(seed, i),
                 skip_special_tokens=True, detokenize=True))
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         result = []
@@ -647,6 +648,10 @@ class VLLMSampler(Sampler):
                                text=self.tokenizer.decode(toks, skip_special_tokens=True),
                                finish_reason=reason, logprobs=lps)
                 group.append(c)
+            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
+                group = [dataclasses.replace(group[0], token_ids=list(group[0].token_ids),
+                                             logprobs=None if group[0].logprobs is None else list(group[0].logprobs))
+                         for _ in range(n)]
             result.append(group)
         return result
 
@@ -654,7 +659,13 @@ class VLLMSampler(Sampler):
         """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
-        weights = [(_core_strip_prefix(k), v.detach()) for k, v in items]
+        weights = {_core_strip_prefix(k): v.detach() for k, v in items}
+        if self.tied and "model.embed_tokens.weight" in weights:
+            # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that was not
+            # named in the iterator on its old values ("ParallelLMHead: Failed to load weights"), so the
+            # tied name is always sent, equal to the embedding.
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        weights = list(weights.items())
         self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
@@ -677,6 +688,12 @@ class VLLMSampler(Sampler):
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def _core_mix_seed(seed: int, i: int) -> int:
+    """Per-prompt seed. vLLM gives the n children of a request seed+j, so plain seed+i would make prompt i's
+    second sample equal prompt i+1's first; hashing keeps the streams apart."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
 
 
 def _core_strip_prefix(name: str) -> str:
@@ -733,6 +750,8 @@ class HFSampler(Sampler):
                     gen_kw = dict(max_new_tokens=mt, min_new_tokens=0, pad_token_id=fill,
                                   eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True,
                                   output_scores=True)
+                    if stop:  # early exit only; _core_finish cuts at the first stop string either way
+                        gen_kw.update(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
                     if greedy:
                         gen_kw.update(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None)
                         reps = n
@@ -773,12 +792,7 @@ class HFSampler(Sampler):
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:
-        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        sd = {_core_strip_prefix(k): v for k, v in items}
-        own = self.model.state_dict()
-        for k, v in sd.items():
-            if k in own and own[k].data_ptr() != v.data_ptr():
-                own[k].copy_(v.to(own[k].device, own[k].dtype))
+        _core_copy_into(self.model, dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors))
         self.version += 1
 
 
@@ -800,6 +814,27 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
 # ----------------------------------------------------------------------------------------------------------
 # Policy: trainer model + optimizer + sampler
 # ----------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
+    """Copy HF-named `weights` into `model`'s tensors. Each storage is written once, from its first name, so
+    a tied lm_head can never overwrite the embedding with different values."""
+    own = {_core_strip_prefix(k): v for k, v in model.state_dict().items()}
+    weights = {_core_strip_prefix(k): v for k, v in weights.items()}
+    done, missing = set(), []
+    for k, v in own.items():
+        key = (v.data_ptr(), tuple(v.shape))
+        if key in done:
+            continue
+        if k not in weights:
+            missing.append(k)
+            continue
+        v.copy_(weights[k].to(v.device, v.dtype))
+        done.add(key)
+    missing = [k for k in missing if (own[k].data_ptr(), tuple(own[k].shape)) not in done]
+    if strict and missing:
+        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
+
 
 class Policy:
     """The model being trained, its tokenizer and AdamW optimizer, and the sampler that generates with it.
@@ -858,7 +893,7 @@ class Policy:
         return float(norm)
 
     def state_dict(self) -> dict:
-        """Full HF-named state dict (on the trainer's device; views, not copies)."""
+        """Full HF-named state dict on the trainer's device (views, not copies), tied names included."""
         return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
 
     def sync(self) -> None:
@@ -870,21 +905,20 @@ class Policy:
         self.sampler.load_weights(self.state_dict())
 
     def get_weights(self) -> dict:
-        """A CPU copy of the full (HF-named) state dict: a snapshot to return to later with set_weights."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.state_dict().items()}
+        """A CPU copy of the full (HF-named) state dict: a snapshot to return to later with set_weights.
+        Tied names share one copy."""
+        out, copies = {}, {}
+        for k, v in self.state_dict().items():
+            key = (v.data_ptr(), tuple(v.shape), v.dtype)
+            if key not in copies:
+                copies[key] = v.detach().to("cpu", copy=True)
+            out[k] = copies[key]
+        return out
 
     @torch.no_grad()
     def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
         """Load `weights` (HF names) into the trainer AND the sampler; optionally reset AdamW."""
-        own = self.model.state_dict()
-        missing = [k for k in own if _core_strip_prefix(k) not in weights
-                   and not _core_is_tied(self.model, _core_strip_prefix(k))]
-        if missing:
-            raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
-        for k, v in own.items():
-            kk = _core_strip_prefix(k)
-            if kk in weights:
-                v.copy_(weights[kk].to(v.device, v.dtype))
+        _core_copy_into(self.model, weights, strict=True)
         if reset_optimizer:
             self.reset_optimizer()
         self.sync()
@@ -894,10 +928,6 @@ class Policy:
 
     def all_gather_objects(self, obj) -> list:
         return all_gather_objects(obj)
-
-
-def _core_is_tied(model, name: str) -> bool:
-    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 # ----------------------------------------------------------------------------------------------------------

