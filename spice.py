@@ -570,7 +570,7 @@ class ValidityChecker:
             return None, reason
         if task.mentions_document and self.cfg.reject_document_reference:
             return None, "mentions_document"
-        if self.decon is not None and self.decon(task.question):
+        if self.decon is not None and self.decon.contaminated(task.question):
             return None, "contaminated"
         n_prompt = len(common.encode_prompt(self.tokenizer, reasoner_prompt(task.question, self.fmt)))
         if n_prompt + self.cfg.max_tokens > self.cfg.max_model_len:
@@ -760,12 +760,12 @@ def build_decontaminator(cfg: Config):
 
 def reasoner_eval_prompt(fmt: str):
     """Evaluation uses the training Reasoner prompt, zero-shot (App. A)."""
-    def prompt_fn(question):
-        q = question["question"] if isinstance(question, dict) else question
-        if isinstance(question, dict) and question.get("choices"):
-            q = q + "\n" + "\n".join(f"{chr(65 + j)}) {c}" for j, c in enumerate(question["choices"]))
+    def spice_reasoner_prompt(problem: dict, tokenizer=None):
+        q = problem["question"]
+        if problem.get("choices"):
+            q = q + "\n" + "\n".join(f"{chr(65 + j)}) {c}" for j, c in enumerate(problem["choices"]))
         return reasoner_prompt(q, fmt)
-    return prompt_fn
+    return spice_reasoner_prompt
 
 
 def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
@@ -809,10 +809,11 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("--max-attempts must be at least --group-size")
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config, policy=None) -> Path:
+    """The whole run; `policy` may be passed in (tests share one vLLM engine), else it is loaded from cfg."""
     validate_config(cfg)
     run = common.Run(cfg, "spice")
-    policy = common.Policy.load(cfg)
+    policy = policy or common.Policy.load(cfg)
     fmt = resolve_prompt_format(cfg, policy.tokenizer)
     decon = build_decontaminator(cfg)
     corpus = []
@@ -821,7 +822,7 @@ def train(cfg: Config) -> Path:
             corpus = load_corpus(cfg, policy.tokenizer, effective_chunk_tokens(cfg, policy.tokenizer, fmt))
             if decon is not None:
                 before = len(corpus)
-                corpus = [c for c in corpus if not decon(c)]
+                corpus = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
                 print(f"[spice] corpus: {len(corpus)} segments ({before - len(corpus)} dropped as contaminated)",
                       file=sys.stderr)
             if not corpus:
@@ -849,35 +850,43 @@ def train(cfg: Config) -> Path:
         with run.timer("update"):
             train_stats = drgrpo_update(policy, trajs, cfg)
         metrics = {**step_metrics(rollouts, fallbacks), **traj_stats,
-                   **{f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
+                   **{f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float)) and "/" not in k}}
+        for role in (CHALLENGER, REASONER):     # entropy per role (analysis §3): Eq. 1 estimate and exact
+            if f"entropy/{role}" in train_stats:
+                metrics[f"{role}/entropy"] = train_stats[f"entropy/{role}"]
+                metrics[f"{role}/entropy_exact"] = train_stats.get(f"entropy_exact/{role}")
         run.log_samples(step, "document", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             res = run_eval(policy, run, cfg, fmt, step, name=f"eval_step{step}.json")
-            metrics.update({f"eval/{k}": v for k, v in _flatten(res).items()})
+            metrics.update(eval_metrics(res))
         run.log(step, metrics)
         pbar.update(1)
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
     res = run_eval(policy, run, cfg, fmt, cfg.steps)
     if res:
-        run.log(cfg.steps, {f"eval/{k}": v for k, v in _flatten(res).items()})
+        run.log(cfg.steps, eval_metrics(res))
     run.close()
     return run.dir
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def eval_metrics(res: dict) -> dict:
     out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[f"{prefix}{k}"] = v
+    for bench, r in res.get("benchmarks", {}).items():
+        name = Path(bench).stem if bench.endswith((".jsonl", ".json")) else bench
+        out[f"eval/{name}/greedy_acc"] = r["greedy_acc"]
+        for k, v in r.get("pass@k", {}).items():
+            out[f"eval/{name}/pass@{k}"] = v
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = common.parse_config(Config, argv)
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        sys.exit(f"spice.py: error: {e}")
     try:
         train(cfg)
     except CorpusError as e:
