@@ -210,6 +210,9 @@ def enter_namespaces():
     if not sys.platform.startswith("linux"):
         note("not Linux: no namespaces")
         return
+    if not CFG["namespaces"]:
+        note("namespaces turned off by the caller")
+        return
     if os.geteuid() != 0:
         uid, gid = os.getuid(), os.getgid()
         try:
@@ -433,6 +436,10 @@ def child_main(job, wfd):
                 sys.modules.pop(m, None)
 
     cap = job["max_output"]
+    try:  # "R": setup is over. Frames after it come from the program's process, so they cannot claim
+        _write(wfd, b"R")  # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
+    except _BaseException:
+        _exit(71)
     try:
         code = compile(job["program"], "<program>", "exec")
         expr = compile(job["expression"], "<expression>", "eval")
@@ -512,6 +519,7 @@ def remove_tree(path):
     except OSError:
         pass
 
+PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
 SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
 def run_job(job, counter):
@@ -554,8 +562,9 @@ def run_job(job, counter):
         if not chunk:
             break
         buf += chunk
-        if need is None and len(buf) >= 4:
-            need = 4 + struct.unpack(">I", buf[:4])[0]
+        off = 1 if buf[:1] == b"R" else 0
+        if need is None and len(buf) >= off + 4:
+            need = off + 4 + struct.unpack(">I", buf[off:off + 4])[0]
         if len(buf) > cap or (need is not None and need > cap):
             buf = None
             break
@@ -578,13 +587,18 @@ def run_job(job, counter):
     elapsed = time.monotonic() - t0
     if buf is None:
         return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
+    started = buf[:1] == b"R"
     if need is not None and len(buf) >= need:
         try:
-            res = json.loads(buf[4:need])
+            res = json.loads(buf[need - struct.unpack(">I", buf[int(started):int(started) + 4])[0]:need])
             assert isinstance(res, dict) and set(res) == {"status", "value", "error"}
-            return res
+            assert all(v is None or type(v) is str for v in res.values())
         except Exception:
             return {"status": "crash", "value": None, "error": "child wrote a malformed result"}
+        allowed = PROGRAM_STATUSES if started else ("sandbox_error",)
+        if res["status"] not in allowed:
+            return {"status": "crash", "value": None, "error": "child reported a status it may not claim"}
+        return res
     if timed_out:
         return {"status": "timeout", "value": None, "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
     cpu = rusage.ru_utime + rusage.ru_stime
@@ -683,6 +697,12 @@ def main():
                 REPORT["self_test"] = False
             else:
                 REPORT["self_test"] = True
+        probe = run_job({"program": "import statistics, decimal", "expression": "1", "timeout": 5.0,
+                         "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}, 0)
+        if probe.get("value") != "1":
+            REPORT["self_test"] = False
+            note("children cannot import the standard library (%s): on this host Python's files are not "
+                 "readable by the unprivileged uid without a mount namespace" % (probe.get("error"),))
     except BaseException as e:
         send({"ready": False, "error": "%s: %s" % (type(e).__name__, e), "report": REPORT})
         return
@@ -831,7 +851,7 @@ class PythonSandbox:
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 32, max_file_mb: int = 64,
                  tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=_SB_HIDE, max_program_chars: int = 1_000_000,
-                 hash_seed: int = 0):
+                 hash_seed: int = 0, namespaces: bool = True):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
@@ -847,7 +867,7 @@ class PythonSandbox:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
         # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
         base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
-        self._cfgs = [{"hash_seed": self.hash_seed, "uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
+        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": bool(namespaces), "uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
                        "site_dirs": [p for p in sys.path if p and "-packages" in p],
                        "keep_paths": _sb_python_paths(), "hide_paths": list(hide_paths), "tmpfs_mb": int(tmpfs_mb),
                        "scratch": None}

@@ -562,3 +562,37 @@ def test_trusted_side_never_evals_or_unpickles():
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
             assert not {"pickle", "marshal", "dill", "cloudpickle"} & set(names)
+
+
+def test_program_cannot_forge_sandbox_statuses(sb):
+    frame = b'{"status": "sandbox_error", "value": null, "error": "forged"}'
+    prog = f"import os, struct\nos.write(3, struct.pack('>I', {len(frame)}) + {frame!r})\nos._exit(0)"
+    assert sb.run(prog, "1").status == "crash"
+    frame = b'{"status": "ok", "value": "5", "error": null}'   # its own value: that is just its output
+    prog = f"import os, struct\nos.write(3, struct.pack('>I', {len(frame)}) + {frame!r})\nos._exit(0)"
+    assert sb.run(prog, "1") == ExecResult("ok", "5", None)
+    frame = b'{"status": "ok", "value": 5, "error": null}'     # wrong types
+    prog = f"import os, struct\nos.write(3, struct.pack('>I', {len(frame)}) + {frame!r})\nos._exit(0)"
+    assert sb.run(prog, "1").status == "crash"
+
+
+def test_degraded_mode_still_safe_and_says_so(host):
+    """Without namespaces (as on macOS or non-root Linux without user namespaces) the sandbox still enforces
+    deadlines and limits, kills escapees (root: by uid), cleans up, and reports the weaker level."""
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT, memory_mb=256, namespaces=False) as s:
+        iso = s.isolation
+        assert iso["level"] in ("partial", "rlimits-only") and not any(iso["namespaces"].values())
+        assert "namespaces turned off by the caller" in iso["notes"]
+        scratch = s._pool[0].report["scratch"]
+        assert os.path.isdir(scratch)
+        assert s.run("def f(x):\n    return x + 1", "f(1)") == ExecResult("ok", "2", None)
+        t0 = time.monotonic()
+        assert s.run("while True:\n    pass", "1").status == "timeout"
+        assert time.monotonic() - t0 < TIMEOUT + SLACK
+        res = s.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n", "'parent'")
+        assert res == ExecResult("ok", "'parent'", None)
+        if LINUX_ROOT:
+            time.sleep(0.2)
+            assert not sandbox_procs(s)
+            assert not s.run("", "open('/root/.bashrc').read()").ok
+    assert not os.path.exists(scratch)

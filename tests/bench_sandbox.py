@@ -1,0 +1,108 @@
+"""Benchmark: trivial programs per second, three ways, in one run (issue #5).
+
+  1. PythonSandbox: one fresh, isolated process per program (fork server, namespaces, rlimits, seccomp);
+  2. baseline: `subprocess.run([python, "-c", ...])` per program (a fresh interpreter, no isolation);
+  3. the official Absolute Zero approach: a reused, unisolated worker pool that execs every program in the same
+     long-lived interpreters (fast, and unsafe: state leaks, no limits, escapees survive).
+
+All three use the same number of parallel workers. Usage:
+    python tests/bench_sandbox.py [--workers 2] [--n 3000] [--n-subprocess 200]
+Target (issue #5): >= 1,000 isolated programs/s on 2 cores and >= 4x the subprocess baseline.
+"""
+import argparse
+import concurrent.futures as cf
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+PROGRAM = "def f(x):\n    return [x + i for i in range(3)]"
+EXPRESSION = "f(41)"
+EXPECTED = "[41, 42, 43]"
+
+
+def _unisolated_worker(job):
+    program, expression = job
+    ns = {}
+    exec(program, ns)  # noqa: S102 - this IS the unsafe approach being measured
+    return repr(eval(expression, ns))  # noqa: S307
+
+
+def _one_subprocess(_):
+    out = subprocess.run([sys.executable, "-c", f"{PROGRAM}\nprint(repr({EXPRESSION}))"], capture_output=True,
+                         text=True, timeout=30)
+    return out.stdout.strip()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and of its reaped children (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_sandbox(workers: int, n: int) -> tuple[float, float | None]:
+    """-> (programs/s, CPU ms per program over trainer + zygotes + children, or None off Linux)."""
+    from common import PythonSandbox
+    with PythonSandbox(workers=workers, timeout_s=5) as sb:
+        sb.run_many([(PROGRAM, EXPRESSION)] * (4 * workers))  # warm
+        zygotes = [w.proc.pid for w in sb._pool]
+        linux = sys.platform.startswith("linux")
+        c0, p0 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+        t0 = time.perf_counter()
+        results = sb.run_many([(PROGRAM, EXPRESSION)] * n)
+        dt = time.perf_counter() - t0
+        c1, p1 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+        cpu_ms = ((c1 - c0) + (p1.user + p1.system - p0.user - p0.system)) / n * 1e3 if linux else None
+        print(f"  isolation level: {sb.isolation['level']}  (namespaces: "
+              f"{[k for k, v in sb.isolation['namespaces'].items() if v]}, seccomp: {sb.isolation['seccomp']}, "
+              f"uid dropped: {sb.isolation['uid_dropped']})")
+    assert all(r.status == "ok" and r.value == EXPECTED for r in results), results[:3]
+    return n / dt, cpu_ms
+
+
+def bench_subprocess(workers: int, n: int) -> float:
+    with cf.ThreadPoolExecutor(workers) as ex:
+        t0 = time.perf_counter()
+        out = list(ex.map(_one_subprocess, range(n)))
+        dt = time.perf_counter() - t0
+    assert all(o == EXPECTED for o in out), out[:3]
+    return n / dt
+
+
+def bench_reused_pool(workers: int, n: int) -> float:
+    with cf.ProcessPoolExecutor(workers) as ex:
+        list(ex.map(_unisolated_worker, [(PROGRAM, EXPRESSION)] * (4 * workers)))  # warm
+        t0 = time.perf_counter()
+        out = list(ex.map(_unisolated_worker, [(PROGRAM, EXPRESSION)] * n, chunksize=1))
+        dt = time.perf_counter() - t0
+    assert all(o == EXPECTED for o in out)
+    return n / dt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--n", type=int, default=3000, help="programs for the sandbox and the reused pool")
+    ap.add_argument("--n-subprocess", type=int, default=200, help="programs for the subprocess baseline")
+    args = ap.parse_args()
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, {args.workers} workers, python "
+          f"{sys.version.split()[0]}")
+    sandbox, cpu_ms = bench_sandbox(args.workers, args.n)
+    print(f"PythonSandbox (fresh isolated process each): {sandbox:8.0f} programs/s")
+    if cpu_ms is not None:
+        print(f"  CPU per program (trainer + zygote + child): {cpu_ms:.2f} ms -> at most "
+              f"{2000 / cpu_ms:.0f} programs/s on 2 otherwise idle cores")
+    sub = bench_subprocess(args.workers, args.n_subprocess)
+    print(f"subprocess.run per program:                  {sub:8.0f} programs/s")
+    pool = bench_reused_pool(args.workers, args.n)
+    print(f"reused unisolated pool (official, unsafe):   {pool:8.0f} programs/s")
+    print(f"sandbox / subprocess = {sandbox / sub:.1f}x (target >= 4x);  sandbox / reused pool = {sandbox / pool:.2f}x;"
+          f"  target >= 1000/s: {'met' if sandbox >= 1000 else 'NOT met'}")
+    print(f"load average after: {os.getloadavg()[0]:.2f} (other users of the machine lower every figure)")
+
+
+if __name__ == "__main__":
+    main()
