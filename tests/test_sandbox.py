@@ -272,6 +272,11 @@ def test_13_memory_error_caught(sb, host):
     assert res.value == "'caught'"
 
 
+def test_memory_limit_is_the_configured_one(sb, host):
+    assert run_case(sb, host, "", "len(bytearray(300 << 20))", statuses={"memory"}).error.startswith("MemoryError")
+    assert run_case(sb, host, "", "len(bytearray(64 << 20))", statuses={"ok"}).value == str(64 << 20)
+
+
 def test_14_deep_c_recursion_segfault(sb, host):
     prog = "import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return max(map(f, [n + 1])) if n < 10**6 else 0"
     run_case(sb, host, prog, "f(0)", statuses={"crash", "memory"})
