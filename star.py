@@ -55,6 +55,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import common
 
 
@@ -167,21 +169,24 @@ def read_jsonl(path, *, flag: str = "--data", require: tuple = ("question", "ans
         raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: "
                                 f"{', '.join(TASKS)})")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); {JSONL_SHAPE}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; {JSONL_SHAPE}")
-            missing = [k for k in require if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {JSONL_SHAPE}")
-            row["_where"] = f"{path}:{lineno}"
-            rows.append(row)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit inside a JSON string
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text ({e}); {JSONL_SHAPE}") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); {JSONL_SHAPE}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; {JSONL_SHAPE}")
+        missing = [k for k in require if k not in row]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {JSONL_SHAPE}")
+        row["_where"] = f"{path}:{lineno}"
+        rows.append(row)
     if not rows:
         raise ValueError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
     return rows
@@ -206,12 +211,13 @@ def _hub_rows(task: str, split: str) -> list[dict]:
         if task == "gsm8k":  # the answer field is a worked solution ending in '#### <number>'
             gold = r["answer"].split("####")[-1].strip().replace(",", "")
             out.append(make_example(r["question"], gold, where=where))
-        else:
+        else:  # CommonsenseQA: choices {"label": ["A".."E"], "text": [...]}, answerKey "A".."E"
             labels = [str(x).lower() for x in r["choices"]["label"]]
-            out.append(make_example(r["question"], str(r["answerKey"]).lower(), list(r["choices"]["text"]),
-                                    where=where) if labels == list(LETTERS[:len(labels)]) else
-                       make_example(r["question"], r["choices"]["text"][labels.index(r["answerKey"].lower())],
-                                    list(r["choices"]["text"]), where=where))
+            texts = list(r["choices"]["text"])
+            key = str(r["answerKey"]).lower()
+            if key not in labels:
+                raise ValueError(f"{where}: answerKey {r['answerKey']!r} is not one of the labels {labels}")
+            out.append(make_example(r["question"], texts[labels.index(key)], texts, where=where))
     return out
 
 
@@ -555,6 +561,7 @@ def evaluate_split(policy, prompter: Prompter, examples: list[dict], cfg: Config
     return res
 
 
+@torch.no_grad()
 def policy_entropy(policy, prompter: Prompter, examples: list[dict], n: int, seed: int) -> dict:
     """Optional analysis (analysis.md §3, Eq. 1): STaR decodes greedily, so sample separately at T = 1 and report
     the mean per-token NLL of the samples (Monte-Carlo entropy) and the exact token entropy, sequence-averaged."""

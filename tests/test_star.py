@@ -86,6 +86,57 @@ def test_missing_file_and_unreachable_hub_give_clear_errors(tmp_path, monkeypatc
         star.load_task("gsm8k", "train")
 
 
+def test_hub_rows_are_converted(monkeypatch):
+    """The GSM8K / CommonsenseQA field layouts, through a stand-in `datasets` module (tests never download)."""
+    import types
+    calls = []
+
+    def load_dataset(hub_id, config, split):
+        calls.append((hub_id, config, split))
+        if hub_id == "openai/gsm8k":
+            return [{"question": "Tom has 2 boxes of 600 pens. How many pens?", "answer": "2 * 600 = 1200\n#### 1,200"}]
+        return [{"question": "Where is a fish?", "answerKey": "C",
+                 "choices": {"label": ["A", "B", "C"], "text": ["desert", "sky", "water"]}}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert star.load_task("gsm8k", "test") == [
+        {"question": "Tom has 2 boxes of 600 pens. How many pens?", "answer": "1200", "choices": None}]
+    assert star.load_task("CQA", "test") == [
+        {"question": "Where is a fish?", "answer": "c", "choices": ["desert", "sky", "water"]}]
+    star.load_task("commonsense_qa", "train")
+    assert calls == [("openai/gsm8k", "main", "test"), ("tau/commonsense_qa", None, "validation"),
+                     ("tau/commonsense_qa", None, "train")]
+
+    def offline(*a, **k):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(RuntimeError, match="unreachable.*--data train.jsonl"):
+        star.load_task("gsm8k", "train")
+
+
+def test_non_utf8_and_bad_exemplars_are_rejected(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes('{"question": "caf\u00e9", "answer": "1"}\n'.encode("utf-8").replace(b"\xc3\xa9", b"\xe9"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        star.load_task(str(p), "train")
+    e = tmp_path / "shots.jsonl"
+    e.write_text(json.dumps({"question": "Copy 5.", "answer": "5", "rationale": "It is 5."}) + "\n")
+    with pytest.raises(ValueError, match="#### <answer>"):
+        star.load_exemplars(str(e))
+    e.write_text(json.dumps({"question": "Copy 5.", "answer": "5", "rationale": "It is 5.\n#### 5"}) + "\n")
+    shots = star.load_exemplars(str(e))
+    assert len(shots["math"]) == 1 and shots["choice"] == []
+    pr = star.Prompter(star.Config(model="x"), bare_tokenizer(), shots)
+    with pytest.raises(ValueError, match="no few-shot exemplars for choice"):
+        pr.generation(star.make_example("Pick", "a", ["x", "y"]))
+
+
+def bare_tokenizer():
+    import types
+    return types.SimpleNamespace(eos_token_id=0, chat_template=None)
+
+
 def test_bad_flags_are_rejected_before_anything_is_written(tmp_path):
     out = tmp_path / "run"
     for argv, msg in [(["--samples-per-question", "4"], "--temperature"), (["--warmup", "slow"], "faithful"),
@@ -254,6 +305,23 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
         assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
 
 
+def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg, vllm_sampler, tiny_tokenizer):
+    tiny_cfg.model = warm_model_path
+    policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
+    policy.sync()
+    cfg, pr = toy_prompter(tiny_tokenizer, eval_n=4, eval_k="1,2,8", eval_temperature=1.0)
+    test = star.load_task(str(TEST), "test")
+    res = star.evaluate_split(policy, pr, test, cfg, seed=0)
+    assert res["test/accuracy"] == 0.5  # greedy: the warmed model solves 2 of the 4 test questions
+    assert set(res) == {"test/accuracy", "test/pass@1", "test/pass@2"}  # k > n is skipped
+    assert 0.0 <= res["test/pass@1"] <= res["test/pass@2"] <= 1.0
+    ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # analysis.md §3: samples at T = 1
+    assert ent["entropy/nll"] > 0 and ent["entropy/exact"] > 0
+    chat_cfg, chat = toy_prompter(tiny_tokenizer, prompt_style="chat")
+    out = star.generate_rationales(policy, chat, test, chat_cfg, seed=0)
+    assert len(out) == 4 and all(len(o) == 1 and isinstance(o[0], str) for o in out)
+
+
 def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer, monkeypatch):
     policy = tiny_policy
     cfg, pr = toy_prompter(tiny_tokenizer, lr=1e-2, warmup="short", batch_tokens=40)
@@ -325,7 +393,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     transformers.AutoModelForCausalLM.from_pretrained(str(ck))  # loadable checkpoint
 
     # resume mid-run: the checkpoint's M_1 goes into the sampler; round 2 fine-tunes the ORIGINAL base again
-    cfg = common.parse_config(star.Config, ["--resume", str(out), "--rounds", "2"])
+    cfg = common.parse_config(star.Config, ["--resume", str(out), "--rounds", "2", "--eval-benchmarks", str(TEST)])
     assert cfg.model == warm_model_path and cfg.few_shot_train and cfg.rounds == 2
     results = star.train(cfg, sampler=vllm_sampler)
     m = read_jsonl(out / "metrics.jsonl")
@@ -341,3 +409,4 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
     assert json.loads((out / "eval.json").read_text())["stopped"] == "reached --rounds"
+    assert "benchmarks" in results  # the extra common.evaluate pass after the last round
