@@ -524,7 +524,7 @@ def _core_eos_ids(tokenizer, model_config=None) -> set:
     return ids
 
 
-def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs, max_tokens) -> Completion:
+def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
     """Cut a raw generated sequence at the first EOS (kept) or the first stop string (its tokens kept)."""
     ids = list(ids)
     reason = "length"
@@ -547,8 +547,6 @@ def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs, max_tokens
                     lo = mid + 1
             ids = ids[:lo]
             reason = "stop"
-    if reason == "length" and len(ids) < max_tokens:
-        reason = "stop"  # ran into max_model_len; not a normal case
     lp = None if logprobs is None else [float(x) for x in logprobs[:len(ids)]]
     return Completion(prompt_ids=list(prompt_ids), token_ids=ids,
                       text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason, logprobs=lp)
@@ -702,6 +700,40 @@ def _core_strip_prefix(name: str) -> str:
     return name
 
 
+class _CoreSampleRecorder(transformers.LogitsProcessor):
+    """Applies temperature / top-k / top-p itself (so it is the last processor) and records each sampled
+    token's log-prob under the processed distribution, keeping only one step of scores in memory.
+    Same quantity as vLLM's logprobs_mode="processed_logprobs"."""
+
+    def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
+        self.prompt_len = prompt_len
+        self.warpers = []
+        if temperature not in (0, 1.0):
+            self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
+        if top_k is not None and top_k > 0:
+            self.warpers.append(transformers.TopKLogitsWarper(int(top_k)))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(transformers.TopPLogitsWarper(float(top_p)))
+        self.prev = None
+        self.steps = []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:  # the token chosen from the previous step's distribution is now known
+            self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0].cpu())
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        self.prev = torch.log_softmax(scores.float(), -1)
+        return scores
+
+    def finish(self, sequences) -> torch.Tensor:
+        if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
+            self.steps.append(self.prev.gather(1, sequences[:, -1:].to(self.prev.device))[:, 0].cpu())
+        self.prev = None
+        if not self.steps:
+            return torch.zeros((sequences.shape[0], 0))
+        return torch.stack(self.steps, 1)
+
+
 class HFSampler(Sampler):
     """`model.generate` with the same API. With `model` given it samples from the trainer's own module
     (no sync needed); otherwise it loads its own copy and load_weights copies into it."""
@@ -747,45 +779,26 @@ class HFSampler(Sampler):
                     for r, i in enumerate(idx):
                         inp[r, L - len(ids[i]):] = torch.tensor(ids[i])
                         att[r, L - len(ids[i]):] = 1
-                    gen_kw = dict(max_new_tokens=mt, min_new_tokens=0, pad_token_id=fill,
-                                  eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True,
-                                  output_scores=True)
+                    # A clean generation config: the model's own defaults (Qwen ships top_k=20, temperature 0.6,
+                    # ...) must not leak in; vLLM ignores them too when given explicit SamplingParams.
+                    gcfg = transformers.GenerationConfig(
+                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
+                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill, bos_token_id=None,
+                        num_return_sequences=1 if greedy else n)
+                    rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
+                    kw = {}
                     if stop:  # early exit only; _core_finish cuts at the first stop string either way
-                        gen_kw.update(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
-                    if greedy:
-                        gen_kw.update(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None)
-                        reps = n
-                        out = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), **gen_kw)
-                        seqs = out.sequences.repeat_interleave(reps, 0)
-                        scores = [s.repeat_interleave(reps, 0) for s in out.scores]
-                    else:
-                        gen_kw.update(do_sample=True, num_return_sequences=n, temperature=float(temperature),
-                                      top_p=float(top_p), top_k=int(top_k) if top_k and top_k > 0 else 0)
-                        out = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), **gen_kw)
-                        seqs, scores = out.sequences, list(out.scores)
+                        kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
+                    seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), generation_config=gcfg,
+                                          logits_processor=transformers.LogitsProcessorList([rec]), **kw)
+                    lps = rec.finish(seqs)
                     new = seqs[:, L:].cpu()
-                    if greedy:
-                        lp_all = None
-                    else:
-                        # processed scores = logits / T with top-k/top-p masking: the same quantity vLLM
-                        # reports with logprobs_mode="processed_logprobs"
-                        lp_all = torch.stack([torch.log_softmax(s.float(), -1).gather(
-                            -1, new[:, t:t + 1].to(s.device)).squeeze(-1).cpu() for t, s in enumerate(scores)], 1) \
-                            if scores else torch.zeros((new.shape[0], 0))
+                    per_row = 1 if greedy else n  # greedy: one row per prompt, copied n times (as vLLM)
                     for r, i in enumerate(idx):
                         for j in range(n):
-                            row = r * n + j
-                            lps = None if lp_all is None else lp_all[row].tolist()
+                            row = r * per_row + (0 if greedy else j)
                             result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(), self.eos_ids,
-                                                          stop, lps, mt))
-                    if greedy:  # greedy log-probs are those of T=1 (what vLLM reports at temperature 0)
-                        lp_g = torch.stack([torch.log_softmax(s.float(), -1).gather(
-                            -1, new[:, t:t + 1].to(s.device)).squeeze(-1).cpu() for t, s in enumerate(scores)], 1) \
-                            if scores else torch.zeros((new.shape[0], 0))
-                        for r, i in enumerate(idx):
-                            for j in range(n):
-                                c = result[i][j]
-                                c.logprobs = lp_g[r * n + j, :len(c.token_ids)].tolist()
+                                                          stop, lps[row].tolist()))
         finally:
             model.train(was_training)
         return result
@@ -876,6 +889,11 @@ class Policy:
         params = [p for p in self.model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                                  betas=(0.9, 0.999), eps=1e-8)
+
+    def release_sampler_memory(self) -> None:
+        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps (weights to CPU, KV cache freed)
+        until the next generate/load_weights wakes it. A no-op otherwise."""
+        self.sampler.sleep()
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model every iteration; R-Zero switches roles)."""
