@@ -213,7 +213,7 @@ def enter_namespaces():
     if not CFG["namespaces"]:
         note("namespaces turned off by the caller")
         return
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 or CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
             libc_call("unshare", CLONE_NEWUSER)
@@ -235,11 +235,49 @@ def enter_namespaces():
             LIBC.sethostname(b"sandbox", 7)
         except Exception:
             pass
-    try:
-        libc_call("unshare", CLONE_NEWPID)  # only checks that it works; each job gets its own, see fork_child
-        ns["pid"] = True
-    except OSError as e:
-        note("no pid namespace (%s): escaped processes are found by uid instead" % e)
+
+def setup_pid_namespace():
+    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own namespace, then
+    unshare again). Where that is not allowed (inside a user namespace we hold no rights over our original PID
+    namespace), one PID namespace for the whole worker: this process becomes its PID 1 and after every job
+    kills every other process in it. Either way nothing a program starts outlives it."""
+    if not sys.platform.startswith("linux") or not CFG["namespaces"]:
+        return
+    fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil our own pid_for_children
+    if pid == 0:
+        ok = LIBC.unshare(CLONE_NEWPID) == 0 and LIBC.setns(fd, CLONE_NEWPID) == 0 and LIBC.unshare(CLONE_NEWPID) == 0
+        if ok:
+            try:
+                p = os.fork()
+                if p == 0:
+                    os._exit(0)
+                os.waitpid(p, 0)
+            except OSError:
+                ok = False
+        os._exit(0 if ok else 1)
+    if os.waitpid(pid, 0)[1] == 0:
+        STATE["pidns_fd"] = fd
+        REPORT["namespaces"]["pid"] = True
+        REPORT["pid_namespace"] = "one per program"
+        return
+    os.close(fd)
+    if LIBC.unshare(CLONE_NEWPID) != 0:
+        note("no pid namespace (errno %d): escaped processes are found by uid instead" % ctypes.get_errno())
+        return
+    pid = os.fork()
+    if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new namespace
+        while True:
+            try:
+                os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        os._exit(1)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    STATE["pid1"] = True
+    REPORT["namespaces"]["pid"] = True
+    REPORT["pid_namespace"] = "one per worker, emptied after every program"
 
 def mount_flags(opts):
     flags = 0
@@ -399,7 +437,7 @@ def child_main(job, wfd):
             os.dup2(null, fd)
         os.closerange(4, 1 << 16)
         os.chdir(job["dir"])
-        if os.geteuid() == 0 and CFG["drop_uid"]:
+        if STATE["drop_uid"]:
             os.setgroups([])
             os.setresgid(CFG["gid"], CFG["gid"], CFG["gid"])
             os.setresuid(CFG["uid"], CFG["uid"], CFG["uid"])
@@ -411,7 +449,8 @@ def child_main(job, wfd):
         mem = job["memory_mb"] << 20
         cpu = int(job["timeout"]) + 1
         for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", job["fsize_mb"] << 20),
-                          ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", job["nproc"]), ("RLIMIT_CORE", 0)):
+                          ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", job["nproc"] + STATE["nproc_base"]),
+                          ("RLIMIT_CORE", 0)):
             if name in STATE["rlimits"]:
                 resource.setrlimit(getattr(resource, name), (lim, lim))
     except BaseException as e:
@@ -487,6 +526,19 @@ def drop_caps():
         LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
     libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
 
+def count_processes(uid):
+    n = 0
+    try:
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    n += os.stat("/proc/" + d).st_uid == uid
+                except OSError:
+                    pass
+    except OSError:
+        return 4096  # no /proc (macOS): a loose cap
+    return n
+
 def sweep_uid():
     """Without a PID namespace: kill every process of the job uid (a root-only trick)."""
     pid = os.fork()
@@ -525,7 +577,7 @@ SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") an
 def run_job(job, counter):
     jobdir = os.path.join(CFG["scratch"], "j%d" % counter)
     os.mkdir(jobdir, 0o700)
-    if os.geteuid() == 0 and CFG["drop_uid"]:
+    if STATE["drop_uid"]:
         os.chown(jobdir, CFG["uid"], CFG["gid"])
     job["dir"] = jobdir
     r, w = os.pipe()
@@ -581,7 +633,19 @@ def run_job(job, counter):
         except OSError:
             pass
     _, wstatus, rusage = os.wait4(pid, 0)
-    if STATE.get("pidns_fd") is None and os.geteuid() == 0 and CFG["drop_uid"]:
+    if STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+    elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
         sweep_uid()
     remove_tree(jobdir)
     elapsed = time.monotonic() - t0
@@ -665,11 +729,15 @@ def main():
                         STATE["rlimits"].append(name)
                 except OSError:
                     pass
+        REPORT["root"] = os.geteuid() == 0
         enter_namespaces()
-        isolate_filesystem()
-        if REPORT["namespaces"].get("pid"):
-            STATE["pidns_fd"] = os.open("/proc/self/ns/pid", os.O_RDONLY)  # our own (we are not PID 1)
         STATE["userns"] = REPORT["namespaces"].get("user", False)
+        STATE["drop_uid"] = os.geteuid() == 0 and CFG["drop_uid"] and not STATE["userns"]
+        # RLIMIT_NPROC counts every process of the real uid: exact for our own unprivileged uid, otherwise
+        # (non-root) it has to sit on top of what the user already runs
+        STATE["nproc_base"] = 0 if STATE["drop_uid"] else count_processes(os.getuid()) + 64
+        isolate_filesystem()
+        setup_pid_namespace()
         STATE["seccomp"] = build_seccomp()
         if STATE["seccomp"] is not None:  # installed once here, inherited by every child (cheaper than per job)
             libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
@@ -683,16 +751,15 @@ def main():
         os.chmod(CFG["scratch"], 0o711)
         REPORT["scratch"] = CFG["scratch"]
         REPORT["rlimits"] = STATE["rlimits"]
-        REPORT["root"] = os.geteuid() == 0
-        REPORT["uid_dropped"] = os.geteuid() == 0 and CFG["drop_uid"]
+        REPORT["uid_dropped"] = STATE["drop_uid"]
         REPORT["uid"] = CFG["uid"] if REPORT["uid_dropped"] else os.geteuid()
         REPORT["no_new_privs"] = sys.platform.startswith("linux")
         REPORT["seccomp"] = STATE["seccomp"] is not None
-        if REPORT["namespaces"].get("pid") and STATE["seccomp"] is not None:
+        if STATE["seccomp"] is not None:
             probe = run_job({"program": "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                             "expression": "os.getpid(), libc.unshare(%d), libc.unshare(%d)" % (CLONE_NEWUSER, CLONE_NEWNET),
+                             "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)" % (CLONE_NEWUSER, CLONE_NEWNET),
                              "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}, 0)
-            if probe.get("value") != "(1, -1, -1)":
+            if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
                 note("self-test failed: %r" % (probe,))
                 REPORT["self_test"] = False
             else:
@@ -854,6 +921,9 @@ class PythonSandbox:
                  hash_seed: int = 0, namespaces: bool = True):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
+        if namespaces not in (True, False, "user"):
+            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged user-namespace "
+                             f"setup), got {namespaces!r}")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
             raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
         self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
@@ -867,7 +937,7 @@ class PythonSandbox:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
         # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
         base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
-        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": bool(namespaces), "uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
+        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
                        "site_dirs": [p for p in sys.path if p and "-packages" in p],
                        "keep_paths": _sb_python_paths(), "hide_paths": list(hide_paths), "tmpfs_mb": int(tmpfs_mb),
                        "scratch": None}
@@ -904,7 +974,7 @@ class PythonSandbox:
         return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}", "root": rep.get("root"),
                 "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
                 "readonly_root": rep.get("readonly_root"), "hidden_paths": rep.get("hidden", []),
-                "proc_hidepid": rep.get("proc_hidepid", False), "masked_files": rep.get("masked", []), "rlimits": rep.get("rlimits", []),
+                "pid_namespace": rep.get("pid_namespace"), "proc_hidepid": rep.get("proc_hidepid", False), "masked_files": rep.get("masked", []), "rlimits": rep.get("rlimits", []),
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
                 "self_test": rep.get("self_test"), "notes": rep.get("notes", [])}
 

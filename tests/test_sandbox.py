@@ -601,3 +601,54 @@ def test_degraded_mode_still_safe_and_says_so(host):
             assert not sandbox_procs(s)
             assert not s.run("", "open('/root/.bashrc').read()").ok
     assert not os.path.exists(scratch)
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="user namespaces are Linux-only")
+def test_user_namespace_mode(host):
+    """The setup a non-root user gets (forced here with namespaces='user'): one PID namespace per worker whose
+    PID 1 empties it after every program, private network and read-only mounts, all capabilities dropped."""
+    try:
+        s = PythonSandbox(workers=1, timeout_s=TIMEOUT, memory_mb=256, namespaces="user")
+    except RuntimeError as e:
+        pytest.skip(f"user namespaces unavailable here: {e}")
+    with s:
+        iso = s.isolation
+        if not iso["namespaces"]["user"]:
+            pytest.skip(f"user namespaces unavailable here: {iso['notes']}")
+        assert iso["namespaces"]["pid"] and iso["pid_namespace"].startswith("one per worker"), iso
+        assert s.run("def f(x):\n    return x + 1", "f(1)") == ExecResult("ok", "2", None)
+        zygote = s._pool[0].proc.pid
+        before = descendants(zygote)
+        assert len(before) == 1                      # PID 1 of the worker's namespace, nothing else
+        res = s.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n", "'parent'")
+        assert res == ExecResult("ok", "'parent'", None)
+        assert descendants(zygote) == before         # the setsid escapee is gone
+        assert s.run("while True:\n    pass", "1").status == "timeout"
+        assert descendants(zygote) == before
+        out = s.run("import socket", "socket.create_connection(('127.0.0.1', %d), timeout=0.3)" % host["tcp_port"])
+        assert out.status == "error", out
+        out = s.run("", "open(%r, 'w')" % str(host["sentinel"]))
+        assert out.status == "error", out
+        out = s.run("import ctypes", "ctypes.CDLL(None).mount(b'none', b'/', b'tmpfs', 0, None), "
+                                     "ctypes.CDLL(None).umount2(b'/root', 2)")
+        assert out == ExecResult("ok", "(-1, -1)", None), out   # no capabilities left, seccomp or not
