@@ -384,6 +384,8 @@ class _VfPool:
 
         try:
             while remaining:
+                for w in workers:
+                    feed(w)
                 for key, _ in sel.select(timeout=0.05):
                     w = key.data
                     try:
@@ -418,8 +420,6 @@ class _VfPool:
                         replace(w)
                     elif not w.ready and now - w.started > 120:
                         raise RuntimeError("math-verify worker did not start within 120 s")
-                for w in workers:
-                    feed(w)
         finally:
             sel.close()
         return out
