@@ -435,12 +435,11 @@ def child_main(job, wfd):
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(4, 1 << 16)
+        os.closerange(4, STATE["maxfd"])
         os.chdir(job["dir"])
         if STATE["drop_uid"]:
             os.setgroups([])
-            os.setresgid(CFG["gid"], CFG["gid"], CFG["gid"])
-            os.setresuid(CFG["uid"], CFG["uid"], CFG["uid"])
+            set_ids(CFG["uid"], CFG["gid"])
         elif STATE.get("userns"):
             drop_caps()
         if sys.platform.startswith("linux"):
@@ -526,6 +525,14 @@ def drop_caps():
         LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
     libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
 
+def set_ids(uid, gid):
+    if hasattr(os, "setresuid"):
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    else:  # macOS
+        os.setgid(gid)
+        os.setuid(uid)
+
 def count_processes(uid):
     n = 0
     try:
@@ -544,7 +551,7 @@ def sweep_uid():
     pid = os.fork()
     if pid == 0:
         try:
-            os.setresuid(CFG["uid"], CFG["uid"], CFG["uid"])
+            set_ids(CFG["uid"], CFG["gid"])
             os.kill(-1, signal.SIGKILL)
         finally:
             os._exit(0)
@@ -730,6 +737,9 @@ def main():
                 except OSError:
                     pass
         REPORT["root"] = os.geteuid() == 0
+        # Linux closes the rest with one close_range(); elsewhere closerange loops, so bound it by the fd limit
+        STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
+            max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
         enter_namespaces()
         STATE["userns"] = REPORT["namespaces"].get("user", False)
         STATE["drop_uid"] = os.geteuid() == 0 and CFG["drop_uid"] and not STATE["userns"]
