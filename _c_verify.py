@@ -144,6 +144,7 @@ def choice_letter(s):
 # ------------------------------------------------------------------------------------------------------------
 VF_MAX_ANSWER_CHARS = 1000   # longer answers skip math-verify (exact string compare only) and count as failures
 VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
+_VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
 _VF_HARD_GRACE_S = 1.0       # the worker's own soft alarm fires at `timeout`; it is killed at timeout + grace
 _VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
 _VF_CACHE = {}               # (pred, gold) -> bool for math-verify results (majority votes repeat pairs a lot)
@@ -295,6 +296,7 @@ class _VfWorker:
         self.ready = False
         self.started = time.monotonic()
         self.inflight = []      # [(index, n_bytes)] in send order
+        self.done = 0           # pairs answered; the pool retires a worker after _VF_WORKER_MAX_PAIRS
         self.head_since = 0.0   # when the worker started on inflight[0] (approximately)
 
     def lines(self):
@@ -330,8 +332,9 @@ class _VfPool:
         self.pid = os.getpid()
 
     def close(self):
-        for w in self.workers:
-            w.kill()
+        if self.pid == os.getpid():  # a forked child must not kill its parent's workers
+            for w in self.workers:
+                w.kill()
         self.workers = []
 
     def run(self, items, timeout, n_workers):
@@ -410,6 +413,7 @@ class _VfPool:
                         idx, _ = w.inflight.pop(0)
                         out[idx] = int(ln)
                         remaining -= 1
+                        w.done += 1
                         w.head_since = time.monotonic()
                 now = time.monotonic()
                 for w in list(workers):
@@ -422,6 +426,10 @@ class _VfPool:
                         raise RuntimeError("math-verify worker did not start within 120 s")
         finally:
             sel.close()
+        for w in list(self.workers):  # bound the memory of sympy's caches: retire old workers between batches
+            if w.done > _VF_WORKER_MAX_PAIRS:
+                w.kill()
+                self.workers.remove(w)
         return out
 
 
@@ -1184,6 +1192,12 @@ class _VfTensors:
         self.tied = False
         self.files = None
         self.sd = None
+        self._bins = {}
+        if not isinstance(src, (torch.nn.Module, dict, str, Path)) and isinstance(getattr(src, "model", None),
+                                                                              torch.nn.Module):
+            src = src.model  # a Policy
+        if isinstance(src, str) and not Path(src).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", src):
+            src = _vf_hub_snapshot(src)
         if isinstance(src, torch.nn.Module):
             self.tied = bool(getattr(getattr(src, "config", None), "tie_word_embeddings", False))
             self.sd = dict(src.named_parameters())  # remove_duplicate=True: tied weights appear once
@@ -1252,8 +1266,21 @@ class _VfTensors:
             with safe_open(str(f), framework="pt") as h:
                 names = {self._strip(x): x for x in h.keys()}
                 return h.get_tensor(names[k])
-        sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
-        return {self._strip(x): v for x, v in sd.items()}[k]
+        if f not in self._bins:  # memory-mapped: loading the dict does not read the tensors
+            sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
+            self._bins[f] = {self._strip(x): v for x, v in sd.items()}
+        return self._bins[f][k]
+
+
+def _vf_hub_snapshot(repo_id):
+    """Local folder of a hub model's weights (downloaded into the HF cache if needed), for `sparsity BASE CKPT`."""
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"])
+    except Exception as e:
+        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face hub did not provide "
+                                f"it ({type(e).__name__}: {str(e)[:200]}). Pass a local folder written by "
+                                "save_pretrained, or check the id / network.") from None
 
 
 def _vf_layer_type(name):

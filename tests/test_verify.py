@@ -477,6 +477,7 @@ def test_update_sparsity_identical_and_after_train_step(tiny_model_path, tiny_po
     tok = policy.tokenizer
     common.sft_step(policy, [(tok("Q: 2+2?")["input_ids"], tok(" 4")["input_ids"] + [tok.eos_token_id])])
     after = update_sparsity(before, policy.model)
+    assert update_sparsity(before, policy) == after                  # a Policy works too
     assert after["sparsity"] < 1.0 and after["n_params"] == n_unique
     assert set(after["per_type"]) >= {"attention", "mlp", "norm", "embedding"}
     assert all(0 <= v["sparsity"] <= 1 for v in after["per_type"].values())
