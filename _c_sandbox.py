@@ -57,7 +57,6 @@ import math
 import os
 import platform
 import selectors
-import signal
 import struct
 import subprocess
 import sys
@@ -151,7 +150,7 @@ def _sb_all_finite(value) -> bool:
 # Everything below up to the closing quotes runs in the zygote, NOT in the trainer. It only uses the stdlib.
 
 _SB_ZYGOTE_SOURCE = r'''
-import ctypes, errno, gc, json, os, resource, select, signal, struct, sys, time
+import ctypes, gc, json, os, resource, select, signal, struct, sys, time
 
 CFG = None
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -655,7 +654,6 @@ def run_job(job, counter):
     elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
         sweep_uid()
     remove_tree(jobdir)
-    elapsed = time.monotonic() - t0
     if buf is None:
         return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
     started = buf[:1] == b"R"
@@ -767,7 +765,8 @@ def main():
         REPORT["seccomp"] = STATE["seccomp"] is not None
         if STATE["seccomp"] is not None:
             probe = run_job({"program": "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                             "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)" % (CLONE_NEWUSER, CLONE_NEWNET),
+                             "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                                           % (CLONE_NEWUSER, CLONE_NEWNET),
                              "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}, 0)
             if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
                 note("self-test failed: %r" % (probe,))
@@ -928,7 +927,7 @@ class PythonSandbox:
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 32, max_file_mb: int = 64,
                  tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=_SB_HIDE, max_program_chars: int = 1_000_000,
-                 hash_seed: int = 0, namespaces: bool = True):
+                 hash_seed: int = 0, namespaces: bool | str = True):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
         if namespaces not in (True, False, "user"):
@@ -947,7 +946,8 @@ class PythonSandbox:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
         # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
         base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
-        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "uid": base + i % 64, "gid": base + i % 64, "drop_uid": True,
+        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
+                       "uid": base + i % 64, "gid": base + i % 64,
                        "site_dirs": [p for p in sys.path if p and "-packages" in p],
                        "keep_paths": _sb_python_paths(), "hide_paths": list(hide_paths), "tmpfs_mb": int(tmpfs_mb),
                        "scratch": None}
@@ -958,6 +958,7 @@ class PythonSandbox:
         self.restarts = 0
         self._closed = False
         self._errors: list[str] = []
+        self._retry_at: dict[int, float] = {}
         starters = [threading.Thread(target=self._start, args=(i,)) for i in range(self.workers)]
         for t in starters:
             t.start()
@@ -969,11 +970,14 @@ class PythonSandbox:
         self.isolation = self._summarise(self._pool[0].report)
 
     def _start(self, i: int):
+        if time.monotonic() < self._retry_at.get(i, 0.0):
+            return  # it failed a moment ago: do not spawn in a tight loop
         try:
             self._pool[i] = _SbWorker(self._cfgs[i])
         except Exception as e:  # noqa: BLE001 - reported by the caller
             self._errors.append(f"worker {i}: {e}")
             self._pool[i] = None
+            self._retry_at[i] = time.monotonic() + 1.0
 
     def _summarise(self, rep: dict) -> dict:
         ns = rep.get("namespaces", {})
@@ -981,10 +985,11 @@ class PythonSandbox:
             (rep.get("uid_dropped") or ns.get("user"))
         level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
             "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
-        return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}", "root": rep.get("root"),
-                "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
-                "readonly_root": rep.get("readonly_root"), "hidden_paths": rep.get("hidden", []),
-                "pid_namespace": rep.get("pid_namespace"), "proc_hidepid": rep.get("proc_hidepid", False), "masked_files": rep.get("masked", []), "rlimits": rep.get("rlimits", []),
+        return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}",
+                "root": rep.get("root"), "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"),
+                "namespaces": ns, "pid_namespace": rep.get("pid_namespace"), "readonly_root": rep.get("readonly_root"),
+                "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
+                "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
                 "self_test": rep.get("self_test"), "notes": rep.get("notes", [])}
 
@@ -1116,8 +1121,8 @@ class PythonSandbox:
         if status not in EXEC_STATUSES or not isinstance(value, (str, type(None))) or \
                 not isinstance(error, (str, type(None))):
             return ExecResult("crash", None, "the program forged a malformed result")
-        if value is not None and (status != "ok" or len(value) > self.max_output_chars):
+        if (value is None) != (status != "ok"):
+            return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
+        if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
-        if status == "ok" and value is None:
-            return ExecResult("crash", None, "the program forged a result without a value")
         return ExecResult(status, value, error[:2000] if error else error)

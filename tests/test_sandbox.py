@@ -129,7 +129,9 @@ def check_invariants(sb, host, res: ExecResult, elapsed: float, deadline: float 
     # host files
     st = host["sentinel"].stat()
     assert host["sentinel"].read_text() == "precious\n"
-    assert (st.st_ino, st.st_size, st.st_mtime_ns) == (host["stat"].st_ino, host["stat"].st_size, host["stat"].st_mtime_ns)
+    old = host["stat"]
+    assert (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode) == \
+        (old.st_ino, old.st_size, old.st_mtime_ns, old.st_mode)
     assert sorted(p.name for p in host["dir"].iterdir()) == ["sentinel.txt"]
     assert host["secret"].read_text() == "hunter2\n"
     for m in host["markers"]:
@@ -562,7 +564,8 @@ def test_trusted_side_never_evals_or_unpickles():
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
-            assert name not in ("eval", "exec", "loads") or (name == "loads" and ast.unparse(node.func) == "json.loads"), \
+            allowed = name == "loads" and ast.unparse(node.func) == "json.loads"
+            assert name not in ("eval", "exec", "loads") or allowed, \
                 ast.unparse(node)
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
