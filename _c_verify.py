@@ -173,7 +173,8 @@ _VF_WORDY_RE = re.compile(r"^[^\W\d_]+(?:[\s\-'’.,/&]+[^\W\d_]+)*[.]?$")
 def _vf_canon(s):
     """Light canonical form for math answers: no $, no spaces, no \\left/\\right, no trailing period."""
     s = _vf_unwrap_text(s)
-    s = s.replace("$", "").replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
+    for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,"):
+        s = s.replace(junk, "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = "".join(s.split())
     return s.rstrip(".")
