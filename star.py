@@ -86,6 +86,7 @@ class Config(common.RunConfig):
     lr: float = 1e-6  # peak LR, constant after warmup (configs/qa_base.json; Adam, clip 1.0, no weight decay)
     warmup: str = "faithful"  # faithful = linear over --warmup-steps, restarted every round (the code) | short = over at most 10% of each round's steps
     warmup_steps: int = 100  # linear warmup length (configs/qa_base.json)
+    eval_every: int = 1  # evaluate the test split every N rounds (Alg. 1: every round, to see the plateau); 0 = only after the last round
     eval_temperature: float = 0.6  # sampling temperature for pass@k when --eval-n > 1 (accuracy is always greedy)
     eval_benchmarks: str = ""  # extra common.evaluate benchmarks after the last round ("" = only the task's test split)
     entropy_samples: int = 0  # >0: per round, sample this many training questions at T=1 and log the policy entropy (analysis.md §3; STaR itself decodes greedily)
@@ -121,6 +122,8 @@ def check_config(cfg: Config) -> None:
         problems.append("--steps-start must be >= 1 and --steps-growth, --steps-scale > 0")
     if cfg.batch_tokens < 1:
         problems.append(f"--batch-tokens {cfg.batch_tokens}: need at least 1")
+    if cfg.eval_every < 0:
+        problems.append(f"--eval-every {cfg.eval_every}: use 0 to evaluate only after the last round")
     if cfg.patience < 0:
         problems.append(f"--patience {cfg.patience}: use 0 to disable early stopping")
     if problems:
@@ -435,6 +438,16 @@ class Prompter:
     def max_tokens(self, ex: dict) -> int:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
 
+    def fits(self, examples: list[dict], max_model_len: int, what: str) -> list[dict]:
+        """Drop questions whose longest prompt (the hinted one) leaves no room to answer in the engine's context,
+        so one overlong question cannot stop a run hours in."""
+        keep = [ex for ex in examples if len(common.encode_prompt(self.tokenizer, self.generation(ex, hint=True)))
+                + self.max_tokens(ex) <= max_model_len]
+        if len(keep) < len(examples):
+            warnings.warn(f"{what}: dropped {len(examples) - len(keep)} of {len(examples)} questions whose few-shot "
+                          f"prompt + answer exceed --max-model-len {max_model_len}")
+        return keep
+
 
 def _decode(policy, prompter: Prompter, examples: list[dict], prompts: list, *, n: int, temperature: float,
             top_p: float, seed: int) -> list[list[str]]:
@@ -603,7 +616,8 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     with run.timer("finetune"):
         metrics = finetune_from_base(policy, base, train_set, n_steps, cfg, random.Random(seed))
     with run.timer("evaluate"):
-        metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
+        if n == cfg.rounds or (cfg.eval_every > 0 and n % cfg.eval_every == 0):
+            metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
         if cfg.entropy_samples > 0:
             metrics.update(policy_entropy(policy, prompter, train_data, cfg.entropy_samples, seed))
     n_q = len(train_data)
@@ -665,6 +679,11 @@ def train(cfg: Config, sampler=None) -> dict:
     prompter = Prompter(cfg, policy.tokenizer, exemplars)
     for ex in train_data[:1] + test_data[:1]:
         prompter.shots(ex)  # fail now, not after an hour of generation, if a format has no exemplars
+    max_len = int(getattr(policy.sampler, "max_model_len", None) or cfg.max_model_len)
+    train_data = prompter.fits(train_data, max_len, "training set")
+    test_data = prompter.fits(test_data, max_len, "test set")
+    if not train_data:
+        raise ValueError(f"no training question fits into --max-model-len {max_len} with its few-shot prompt")
     base = policy.get_weights()  # M: every round restarts from these (Alg. 1 line 8)
 
     state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [], "stopped": ""}

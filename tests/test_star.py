@@ -246,6 +246,10 @@ def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokeni
     text = tiny_tokenizer.decode(p2)
     assert text.startswith("Q: A bakery") and text.endswith("Q: Copy the number 58.\nA:") and "(58)" not in text
     assert "(12)" not in text  # exemplars without their hints either
+    long_q = star.make_example("Copy the number 58. " + "Ignore this. " * 400, "58")
+    with pytest.warns(UserWarning, match="dropped 1 of 2"):
+        limit = len(common.encode_prompt(tiny_tokenizer, pr.generation(ex, hint=True))) + pr.max_tokens(ex)
+        assert pr.fits([ex, long_q], limit, "training set") == [ex]  # an overlong question cannot crash the run
     chat = star.Prompter(star.Config(model="tiny", prompt_style="auto"), tiny_tokenizer, star.builtin_exemplars())
     assert chat.chat  # the tiny tokenizer has a chat template
     p3, t3 = chat.training_example(ex, "The number is 58.\n#### 58")
