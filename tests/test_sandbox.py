@@ -224,7 +224,7 @@ def test_08_setsid_grandchild(sb, host):
     prog = (f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(3)\n"
             f"        open({str(host['dir'] / 'SB_MARKER')!r}, 'w').write('escaped')\n    os._exit(0)\n"
             "time.sleep(0.2)")
-    run_case(sb, host, prog, "'parent done'", statuses={"ok"})
+    run_case(sb, host, prog, "'parent done'", timeout=3.0, statuses={"ok"})
     time.sleep(0.5)
     assert not (host["dir"] / "SB_MARKER").exists()
 
@@ -276,7 +276,7 @@ def test_13_memory_error_caught(sb, host):
 
 def test_memory_limit_is_the_configured_one(sb, host):
     assert run_case(sb, host, "", "len(bytearray(300 << 20))", statuses={"memory"}).error.startswith("MemoryError")
-    assert run_case(sb, host, "", "len(bytearray(64 << 20))", statuses={"ok"}).value == str(64 << 20)
+    assert run_case(sb, host, "", "len(bytearray(64 << 20))", timeout=4.0, statuses={"ok"}).value == str(64 << 20)
 
 
 def test_14_deep_c_recursion_segfault(sb, host):
@@ -296,10 +296,10 @@ def test_16_abort(sb, host):
 def test_17_output_flood_and_giant_repr(sb, host):
     run_case(sb, host, "import sys\nwhile True:\n    print('x' * 10000)\n    sys.stderr.write('y' * 10000)",
              statuses={"timeout"})
-    run_case(sb, host, "", "'x' * 10**7", statuses={"output_limit", "memory"})
-    run_case(sb, host, "", "list(range(10**6))", statuses={"output_limit", "memory"})
+    run_case(sb, host, "", "'x' * 10**7", statuses={"output_limit", "memory", "timeout"})
+    run_case(sb, host, "", "list(range(10**6))", statuses={"output_limit", "memory", "timeout"})
     run_case(sb, host, "class R:\n    def __repr__(self):\n        return 'z' * 10**6", "R()",
-             statuses={"output_limit"})
+             timeout=3.0, statuses={"output_limit"})
     # the child itself floods its result pipe with bytes: capped by the zygote
     run_case(sb, host, "import os\nwhile True:\n    os.write(3, b'\\xff' * 65536)", statuses={"output_limit", "crash",
                                                                                           "timeout"})
@@ -338,7 +338,7 @@ for path in ({str(host['secret'])!r}, '/etc/shadow', '/proc/1/environ', '/root/.
         pass
 passwd = open('/etc/passwd').read()
 """
-    res = run_case(sb, host, prog, "found, passwd", statuses={"ok"})
+    res = run_case(sb, host, prog, "found, passwd", timeout=3.0, statuses={"ok"})
     found, passwd = parse_literal(res.value)
     assert not any("hunter2" in text for _, text in found)
     if LINUX_ROOT:
@@ -371,7 +371,7 @@ for attempt in (lambda: posix.unlink({s!r}), lambda: shutil.rmtree({d!r}), lambd
     except OSError as e:
         errors.append(type(e).__name__)
 """
-    res = run_case(sb, host, prog, "errors", statuses={"ok"})
+    res = run_case(sb, host, prog, "errors", timeout=3.0, statuses={"ok"})
     if LINUX_ROOT:
         assert None not in parse_literal(res.value), res.value
 
@@ -388,7 +388,7 @@ try:
 except OSError as e:
     codes.append(type(e).__name__)
 """
-    run_case(sb, host, prog, "codes")
+    run_case(sb, host, prog, "codes", timeout=3.0)
 
 
 def test_26_network(sb, host):
@@ -407,7 +407,7 @@ for attempt in (lambda: socket.create_connection(('127.0.0.1', {tcp}), timeout=0
     except Exception as e:
         out.append(type(e).__name__)
 """
-    res = run_case(sb, host, prog, "out", statuses={"ok"})
+    res = run_case(sb, host, prog, "out", timeout=4.0, statuses={"ok"})
     if LINUX_ROOT:
         assert "connected" not in parse_literal(res.value), res.value
 
@@ -599,8 +599,10 @@ def test_degraded_mode_still_safe_and_says_so(host):
         assert time.monotonic() - t0 < TIMEOUT + SLACK
         res = s.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n", "'parent'")
         assert res == ExecResult("ok", "'parent'", None)
-        if LINUX_ROOT:
-            time.sleep(0.2)
+        if LINUX_ROOT:  # killed by uid (kill(-1) as that uid); dying takes a moment on a loaded machine
+            deadline = time.monotonic() + SLACK
+            while sandbox_procs(s) and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert not sandbox_procs(s)
             assert not s.run("", "open('/root/.bashrc').read()").ok
     assert not os.path.exists(scratch)
