@@ -1,0 +1,767 @@
+"""R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004, ICLR 2026).
+
+Two copies of one base model co-evolve and never share weights: a Challenger that writes math questions and a
+Solver that answers them. There is no verifier and no data: a question's label is the Solver's own majority vote.
+
+The loop (paper §3; one function per step below, in this order), for iteration k = 1 .. K (K = 3):
+  1. challenger_phase   GRPO on the Challenger for 5 steps, Solver frozen. Each step:
+       challenger_rollouts    G = 4 outputs per copy of one fixed prompt; the question is the last <question> block
+       solver_votes           the frozen Solver answers every valid question m = 10 times at T = 1.0
+                              (its weights are swapped into the ONE vLLM engine, then the Challenger's swapped back)
+       vote_statistics        majority_vote: label y~ = largest class of equivalent boxed answers, p^ = |class| / m
+       challenger_rewards     r = max(0, r_unc - r_rep), r_unc = 1 - 2|p^ - 1/2|, r_rep = |C_k| / B from BLEU
+                              clustering of the batch's questions; an output without a <question> block gets 0
+       grpo_update            GRPO advantages, PPO clip 0.2/0.3, dual clip 3, k3 KL (beta 0.01) to the phase start
+  2. build_dataset      N = 8,000 questions from the trained Challenger, m = 10 Solver votes each; keep |p^ - 1/2|
+                        <= 0.25 (3..7 of 10 agree) labelled with y~; drop questions that share a 13-gram with the
+                        evaluation sets. The Challenger's own boxed answer is never used.
+  3. solver_phase       GRPO on the Solver for 15 steps, Challenger frozen: G = 5 answers per kept question,
+                        reward 1 iff math_equal(boxed answer, y~); KL to the phase start.
+  4. evaluate_solver    greedy accuracy on the eval benchmarks after every iteration (and of the base model), with
+                        math-verify only (no LLM judge). Report the best and the last iteration: R-Zero degrades
+                        after about 3 iterations.
+
+Run it:      python r_zero.py --model Qwen/Qwen3-4B-Base
+Small run:   python r_zero.py --model Qwen/Qwen3-0.6B-Base --question-pool 512 --challenger-batch 32 \
+                 --solver-batch 32 --challenger-minibatch 8 --solver-minibatch 32
+CPU smoke:   python r_zero.py --model tiny --iterations 2 --challenger-steps 1 --solver-steps 1 ...  (see README)
+Pseudo-label decay (paper: 79% -> 69% -> 63%): --oracle-model M (share of kept labels that agree with M's own
+majority answer) and/or --label-check BENCH (the vote-and-filter step on questions with known gold answers).
+
+Paper vs official code (github.com/Chengsong-Huang/R-Zero, spec shared/methods/r_zero.md). Defaults follow the
+paper; the flags give the code's variants where they matter:
+  * iterations 3 (code: 5)                                   --iterations 5
+  * dataset votes m = 10 (code: 9)                           --votes 9 (also used for the reward votes)
+  * keep-band |p^ - 1/2| <= 0.25, i.e. 0.25 <= p^ <= 0.75    --band-low 0.3 --band-high 0.8 (code)
+  * Challenger reward max(0, r_unc - r_rep), invalid 0       --reward-variant code: min(p^, 1 - p^) - r_rep,
+                                                             unclipped; --invalid-reward -1 for its invalid value
+  * repetition penalty |C_k| / B (floor 1/B)                 --rep-penalty excess: (|C_k| - 1) / B (not from the
+                                                             paper; removes the 1/B floor at small B)
+  * unparsable Solver answers count in m but never win the vote (the code lets the string "None" win; fixed here)
+  * the Challenger's own answer is discarded (the code compared one character of it; fixed here)
+  * Solver reward = accuracy vs the pseudo-label (code: 0.9 accuracy + 0.1 format; not implemented)
+  * the code's string filters (drop questions containing "box" or "证明", labels containing "text"): --code-filters
+  * math-verify equivalence (common.math_equal, hard timeouts), not mathruler's grade_answer
+  * rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation (rl_core §4); votes use
+    the code's top-k 40, and the question pool top-p 0.95 (not trained on).
+  * The code splits each rollout batch into optimizer minibatches (Challenger 16 prompts -> 32 updates per step,
+    Solver 128 -> 4) with the rollout policy's log-probs as pi_old for all of them. Here each minibatch is one
+    common.pg_step call, which takes pi_old from the weights just before that minibatch: ratios start at 1 for
+    every minibatch, so clipping only acts with --updates-per-batch > 1.
+  * Loss aggregation seq-mean-token-mean (EasyR1 with one sequence per micro-batch, rl_core §3, §8).
+Engineering: ONE trainer model and ONE vLLM engine. The role being trained lives in the trainer (with AdamW state,
+reset at every phase start); the other role is a CPU state dict that is swapped into the engine only to sample.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import common
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config: the paper's defaults (sources in the comments). Every field is a --flag (common.parse_config).
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Config(common.RunConfig):
+    model: str = "Qwen/Qwen3-4B-Base"  # paper §4 (also Qwen3-8B-Base, OctoThinker-3B/8B)
+    iterations: int = 3  # co-evolution iterations K (paper §4; code scripts/main.sh: 5)
+    challenger_steps: int = 5  # GRPO steps per Challenger phase (paper; questioner_train_penalty.sh uses step 5)
+    solver_steps: int = 15  # GRPO steps per Solver phase (paper; solver_train.sh uses step 15)
+    challenger_group: int = 4  # G, Challenger samples per prompt copy (examples/config.yaml + scripts)
+    solver_group: int = 5  # G, Solver answers per question in training (examples/config.yaml + scripts)
+    challenger_batch: int = 512  # prompt copies per Challenger step (config.yaml: 512 x 4 = 2,048 samples)
+    solver_batch: int = 512  # questions per Solver step (config.yaml: 512 x 5 = 2,560 samples)
+    challenger_minibatch: int = 16  # prompt copies per optimizer update, 0 = whole batch (scripts; R-Zero issue #23)
+    solver_minibatch: int = 128  # questions per optimizer update, 0 = whole batch (paper: Solver batch 128)
+    updates_per_batch: int = 1  # optimizer passes over each minibatch (EasyR1 ppo_epochs = 1)
+    votes: int = 10  # m, Solver samples per question for p^ and the label (paper; code labels use 9)
+    vote_temperature: float = 1.0  # vote sampling (start_vllm_server.py, evaluate.py)
+    vote_top_p: float = 1.0  # vote sampling (start_vllm_server.py)
+    vote_top_k: int = 40  # vote sampling (start_vllm_server.py)
+    vote_max_tokens: int = 4096  # vote length limit (start_vllm_server.py)
+    question_pool: int = 8000  # N, questions generated per dataset phase (paper; question_generate.py)
+    pool_temperature: float = 1.0  # question-pool sampling (question_generate.py)
+    pool_top_p: float = 0.95  # question-pool sampling (question_generate.py; not trained on)
+    band_low: float = 0.25  # keep a question when band_low <= p^ <= band_high (paper: |p^ - 1/2| <= 0.25; code 0.3)
+    band_high: float = 0.75  # upper end of the keep-band (paper; code upload.py: 0.8)
+    temperature: float = 1.0  # rollout temperature of both roles (examples/config.yaml)
+    top_p: float = 1.0  # rollout top-p (code 0.99; 1.0 because the trainer does not model truncation, rl_core §4)
+    max_prompt_tokens: int = 2048  # a question whose Solver prompt is longer is invalid (config.yaml max_prompt_length)
+    max_tokens: int = 4096  # generation limit of both roles in training (config.yaml max_response_length)
+    reward_variant: str = "paper"  # paper: max(0, r_unc - r_rep) | code: min(p^, 1 - p^) - r_rep (caller_penalty.py)
+    invalid_reward: float = 0.0  # Challenger reward of an output without a <question> block (paper 0; code -1)
+    rep_penalty: str = "size"  # size: lambda |C_k| / B (paper) | excess: lambda (|C_k| - 1) / B (option, no 1/B floor)
+    rep_lambda: float = 1.0  # lambda of the repetition penalty (paper §3)
+    bleu_threshold: float = 0.5  # tau_BLEU, average-linkage distance threshold on 1 - BLEU (paper §3)
+    code_filters: bool = False  # code-only: drop questions containing "box"/"证明" and labels containing "text"
+    lr: float = 1e-6  # AdamW, constant (paper; config.yaml)
+    weight_decay: float = 1e-2  # AdamW weight decay (config.yaml)
+    grad_clip: float = 1.0  # max grad norm (config.yaml)
+    clip_low: float = 0.2  # PPO epsilon below 1 (config.yaml)
+    clip_high: float = 0.3  # PPO epsilon above 1, clip-higher (config.yaml)
+    dual_clip: float = 3.0  # dual-clip constant for A < 0 (EasyR1 core_algos; rl_core §2)
+    kl_coef: float = 0.01  # beta of the k3 KL to the weights the phase started from (paper; config.yaml low_var_kl)
+    adv_eps: float = 1e-6  # epsilon of GRPO's (r - mean) / (std + eps), unbiased std (EasyR1)
+    aggregation: str = "seq-mean-token-mean"  # loss aggregation (rl_core §3, §8: EasyR1 as run by R-Zero)
+    decontaminate: bool = True  # drop generated questions sharing a 13-gram with the eval sets (analysis §7.3)
+    decontaminate_n: int = 13  # n of the n-gram overlap filter
+    eval_base: bool = True  # also evaluate the base model before iteration 1
+    oracle_model: str = ""  # model whose majority answer judges the kept pseudo-labels (analysis §7.1 a); "" = off
+    oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)
+    oracle_limit: int = 200  # kept questions checked against the oracle per iteration
+    oracle_gpu_memory_utilization: float = 0.2  # GPU share of the oracle's own engine (only if it cannot be swapped in)
+    label_check: str = ""  # benchmark with gold answers to run the vote-and-filter step on (analysis §7.1 b); "" = off
+    label_check_limit: int = 200  # problems of --label-check used per iteration
+    max_model_len: int = 8192  # prompt 2,048 + response 4,096 fit (config.yaml)
+
+
+CHALLENGER, SOLVER = "challenger", "solver"
+
+
+def validate_config(cfg: Config) -> None:
+    for name in ("iterations", "challenger_steps", "solver_steps", "challenger_batch", "solver_batch", "votes",
+                 "question_pool", "max_tokens", "vote_max_tokens", "max_prompt_tokens", "updates_per_batch",
+                 "oracle_votes"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("challenger_group", "solver_group"):
+        if getattr(cfg, name) < 2:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 2: GRPO needs a group to form a baseline")
+    if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
+        raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
+    if cfg.reward_variant not in ("paper", "code"):
+        raise ValueError(f"--reward-variant must be paper or code, not {cfg.reward_variant!r}")
+    if cfg.rep_penalty not in ("size", "excess"):
+        raise ValueError(f"--rep-penalty must be size or excess, not {cfg.rep_penalty!r}")
+    if cfg.challenger_minibatch < 0 or cfg.solver_minibatch < 0:
+        raise ValueError("--challenger-minibatch / --solver-minibatch must be >= 0 (0 = whole batch)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompts (our own wording; structure from the spec §4)
+# --------------------------------------------------------------------------------------------------------------
+CHALLENGER_SYSTEM = (
+    "You are a seasoned author of competition mathematics problems, at home in algebra, number theory, "
+    "geometry, combinatorics, probability and calculus. Think your problem through privately before you write "
+    "it. Aim for a problem that is genuinely hard yet has one clear, checkable answer, and make it original: "
+    "do not restate a famous or textbook exercise.\n\n"
+    "Reply with exactly two things and nothing else: the complete problem statement inside "
+    "<question>...</question>, followed by your own final answer written as \\boxed{...}.")
+CHALLENGER_USER = "Write one new, challenging math problem."
+SOLVER_SYSTEM = ("Solve the math problem below. Reason step by step, and finish with the final answer "
+                 "written as \\boxed{...}.")
+
+
+def render(tokenizer, system: str, user: str):
+    """Chat messages (rendered by the tokenizer's chat template with the generation prompt); plain
+    'system:'/'user:' lines when the tokenizer has no template."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return f"system: {system}\nuser: {user}\nassistant:"
+
+
+def challenger_prompt(tokenizer):
+    return render(tokenizer, CHALLENGER_SYSTEM, CHALLENGER_USER)
+
+
+def solver_prompt(question: str, tokenizer):
+    return render(tokenizer, SOLVER_SYSTEM, question)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parsing, votes and rewards (spec §2)
+# --------------------------------------------------------------------------------------------------------------
+def extract_question(text: str) -> str | None:
+    """The last <question>...</question> block, stripped; None if absent or empty (spec §4)."""
+    q = common.extract_tag(text, "question", last=True)
+    return q if q else None
+
+
+def code_filter_question(q: str) -> bool:
+    """The official code's question filter (question_generate): True = keep."""
+    return "证明" not in q and "box" not in q
+
+
+def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
+    """Per question: majority label y~, p^ = |class(y~)| / m and the number of agreeing votes (spec §2).
+
+    Unparsable answers (None) count in m but never form a class, so they can never be the label."""
+    out = []
+    for groups, (label, share) in zip(answer_groups, common.majority_vote_many(answer_groups)):
+        m = len(groups)
+        out.append({"label": label, "p_hat": float(share), "agree": int(round(share * m)), "m": m})
+    return out
+
+
+def in_band(agree: int, m: int, low: float, high: float) -> bool:
+    """The difficulty filter: band_low <= p^ <= band_high with p^ = agree / m; with the paper's band and m = 10
+    that is 3..7 agreeing votes. A question with no parsable answer (agree = 0) is never kept."""
+    return agree >= 1 and low * m - 1e-9 <= agree <= high * m + 1e-9
+
+
+def repetition_penalties(questions: list[str], cfg: Config) -> tuple[np.ndarray, int]:
+    """r_rep per question over the batch's B valid questions: lambda |C_k| / B ("size", paper §3) or
+    lambda (|C_k| - 1) / B ("excess"); clusters from 1 - BLEU-4 with average linkage at tau_BLEU.
+    Returns (penalties, number of clusters)."""
+    if not questions:
+        return np.zeros(0), 0
+    ids = np.asarray(common.bleu_clusters(questions, cfg.bleu_threshold))
+    sizes = np.bincount(ids)[ids].astype(np.float64)
+    if cfg.rep_penalty == "excess":
+        sizes = sizes - 1.0
+    return cfg.rep_lambda * sizes / len(questions), int(ids.max()) + 1
+
+
+def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
+    """The Challenger's reward for each output (spec §2).
+
+    paper: r_i = max(0, r_unc(p^_i) - r_rep(x_i)), r_unc = 1 - 2|p^ - 1/2|; no parsable question -> invalid_reward.
+    code:  r_i = min(p^_i, 1 - p^_i) - r_rep(x_i), unclipped (caller_penalty.py); invalid -> invalid_reward.
+    The repetition penalty is computed over the valid questions of the batch (B = their number): an output
+    without a question has nothing to cluster. Returns arrays reward, r_unc, r_rep, valid and n_clusters."""
+    n = len(questions)
+    valid = np.array([q is not None for q in questions], dtype=bool)
+    p = np.array([float(x) if v else 0.0 for x, v in zip(p_hats, valid)], dtype=np.float64)
+    r_rep = np.zeros(n)
+    vidx = np.flatnonzero(valid)
+    pen, n_clusters = repetition_penalties([questions[i] for i in vidx], cfg)
+    r_rep[vidx] = pen
+    r_unc = np.where(valid, common.uncertainty_reward(p), 0.0)
+    if cfg.reward_variant == "paper":
+        reward = np.maximum(0.0, r_unc - r_rep)
+    else:
+        reward = np.minimum(p, 1.0 - p) - r_rep
+    reward = np.where(valid, reward, float(cfg.invalid_reward))
+    return {"reward": reward, "r_unc": r_unc, "r_rep": r_rep, "valid": valid, "n_clusters": n_clusters}
+
+
+def keep_question(s: dict, cfg: Config) -> bool:
+    """The dataset filter for one question's vote statistics (spec §1 step 2)."""
+    if s["label"] is None or not in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high):
+        return False
+    return not (cfg.code_filters and "text" in s["label"])
+
+
+def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
+    """Keep the questions inside the band, labelled with the majority answer y~."""
+    return [{"question": q, "label": s["label"], "p_hat": s["p_hat"], "agree": s["agree"]}
+            for q, s in zip(questions, stats) if keep_question(s, cfg)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Two roles, one trainer, one engine
+# --------------------------------------------------------------------------------------------------------------
+class Roles:
+    """The Challenger's and the Solver's weights. The role being trained lives in policy.model (the only one
+    with optimizer state); the other is a CPU state dict. `engine(weights)` loads any weights into the vLLM
+    engine for sampling and puts the trainer's weights back afterwards; the trainer itself is never touched."""
+
+    def __init__(self, policy, active: str, other_weights: dict):
+        self.policy = policy
+        self.active = active
+        self.cpu = {self.other(active): other_weights}
+
+    @staticmethod
+    def other(role: str) -> str:
+        return SOLVER if role == CHALLENGER else CHALLENGER
+
+    def activate(self, role: str) -> None:
+        """Make `role` the trained one: park the current trainer weights on the CPU, load `role`'s, fresh AdamW."""
+        if role != self.active:
+            parked = self.policy.get_weights()
+            self.policy.set_weights(self.cpu.pop(role), reset_optimizer=True)
+            self.cpu[self.active] = parked
+            self.active = role
+
+    def weights(self, role: str) -> dict:
+        return self.policy.get_weights() if role == self.active else self.cpu[role]
+
+    @contextlib.contextmanager
+    def engine(self, weights: dict | None):
+        """Sample from `weights` (None = the trainer's own) inside this block."""
+        if weights is None:
+            yield
+            return
+        p = self.policy
+        shared_hf = isinstance(p.sampler, common.HFSampler) and p.sampler.model is p.model
+        backup = p.get_weights() if shared_hf else None  # an HF sampler bound to the trainer samples from it
+        p.sampler.load_weights(weights)
+        try:
+            yield
+        finally:
+            if shared_hf:
+                p.set_weights(backup, reset_optimizer=False)
+            else:
+                p.sync()
+
+    @contextlib.contextmanager
+    def sampling(self, role: str):
+        with self.engine(None if role == self.active else self.cpu[role]):
+            yield
+
+
+def solver_votes(sampler, questions: list[str], cfg: Config, tokenizer) -> list[list[str | None]]:
+    """m answers per question at the vote temperature; the last \\boxed{} of each (None if none)."""
+    if not questions:
+        return []
+    outs = sampler.generate([solver_prompt(q, tokenizer) for q in questions], n=cfg.votes,
+                            temperature=cfg.vote_temperature, top_p=cfg.vote_top_p, top_k=cfg.vote_top_k,
+                            max_tokens=cfg.vote_max_tokens)
+    return [[common.extract_boxed(c.text) for c in g] for g in outs]
+
+
+def question_fits(question: str, tokenizer, cfg: Config) -> bool:
+    return len(common.encode_prompt(tokenizer, solver_prompt(question, tokenizer))) <= cfg.max_prompt_tokens
+
+
+def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
+    """The question of each Challenger output, or None (no block, empty, too long, or code-filtered)."""
+    out = []
+    for c in completions:
+        q = extract_question(c.text)
+        if q is not None and cfg.code_filters and not code_filter_question(q):
+            q = None
+        if q is not None and not question_fits(q, tokenizer, cfg):
+            q = None
+        out.append(q)
+    return out
+
+
+def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: dict, minibatch: int) -> dict:
+    """GRPO advantages (unbiased std, eps 1e-6) per group, then one common.pg_step per minibatch of groups
+    (clip 0.2/0.3, dual clip 3, k3 KL to the phase-start weights). Returns the stats averaged over minibatches."""
+    adv = common.group_advantages([t.reward for t in trajs], group_ids, scale="std", eps=cfg.adv_eps)
+    for t, a in zip(trajs, adv.tolist()):
+        t.advantage = a
+    pg = common.PGConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                         kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, temperature=cfg.temperature,
+                         updates_per_batch=cfg.updates_per_batch)
+    groups = list(dict.fromkeys(group_ids))
+    size = minibatch if minibatch > 0 else len(groups)
+    stats = []
+    for s in range(0, len(groups), size):
+        chunk = set(groups[s:s + size])
+        stats.append(common.pg_step(policy, [t for t, g in zip(trajs, group_ids) if g in chunk], pg,
+                                    ref_weights=ref_weights if cfg.kl_coef > 0 else None))
+    out = {}
+    for k in stats[0]:
+        vals = [st[k] for st in stats if isinstance(st.get(k), (int, float))]
+        if vals:
+            out[k] = float(np.sum(vals)) if k in ("n_tokens", "n_seqs", "time_s") else float(np.mean(vals))
+    out["n_updates"] = len(stats) * cfg.updates_per_batch
+    return out
+
+
+def _role_stats(prefix: str, stats: dict, role: str) -> dict:
+    out = {f"{prefix}/{k}": v for k, v in stats.items() if "/" not in k}
+    if f"entropy/{role}" in stats:  # analysis §3: Eq. 1 estimate (NLL of own T=1 samples) and exact entropy
+        out[f"{prefix}/entropy"] = stats[f"entropy/{role}"]
+        out[f"{prefix}/entropy_exact"] = stats.get(f"entropy_exact/{role}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. Challenger phase
+# --------------------------------------------------------------------------------------------------------------
+def challenger_rollouts(policy, cfg: Config):
+    outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.challenger_batch, n=cfg.challenger_group,
+                           temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+    return [(g, c) for g, group in enumerate(outs) for c in group]
+
+
+def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run) -> dict:
+    """One GRPO step of the Challenger with the Solver frozen (paper §3, step 1)."""
+    with run.timer("challenger_rollout"):
+        rollouts = challenger_rollouts(policy, cfg)
+        questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
+    vidx = [i for i, q in enumerate(questions) if q is not None]
+    with run.timer("solver_votes"), roles.sampling(SOLVER):
+        answers = solver_votes(policy, [questions[i] for i in vidx], cfg, policy.tokenizer)
+    stats = vote_statistics(answers)
+    p_hats = [0.0] * len(questions)
+    for i, s in zip(vidx, stats):
+        p_hats[i] = s["p_hat"]
+    r = challenger_rewards(questions, p_hats, cfg)
+    trajs = [common.Trajectory.from_completion(c, reward=float(rw), role=CHALLENGER)
+             for (_, c), rw in zip(rollouts, r["reward"])]
+    with run.timer("challenger_update"):
+        upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref, cfg.challenger_minibatch)
+    valid = r["valid"]
+    m = {"challenger/reward": float(r["reward"].mean()),
+         "challenger/r_unc": float(r["r_unc"][valid].mean()) if valid.any() else 0.0,
+         "challenger/r_rep": float(r["r_rep"][valid].mean()) if valid.any() else 0.0,
+         "challenger/format_fail": float(1.0 - valid.mean()),
+         "challenger/truncated": float(np.mean([c.finish_reason == "length" for _, c in rollouts])),
+         "challenger/n_clusters": r["n_clusters"],
+         "challenger/n_valid": int(valid.sum()),
+         "challenger/p_hat_mean": float(np.mean([s["p_hat"] for s in stats])) if stats else 0.0,
+         "challenger/in_band": float(np.mean([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
+                                              for s in stats])) if stats else 0.0,
+         **_role_stats("challenger", upd, CHALLENGER)}
+    if vidx:
+        m.update({f"challenger/{k}": v for k, v in
+                  common.diversity_metrics([questions[i] for i in vidx], cfg.bleu_threshold).items()
+                  if k != "bleu_clusters"})
+    recs = []
+    for i, (_, c) in enumerate(rollouts):
+        s = stats[vidx.index(i)] if questions[i] is not None else None
+        recs.append({"completion": c.text, "question": questions[i], "label": s and s["label"],
+                     "p_hat": s and s["p_hat"], "reward": float(r["reward"][i]), "r_rep": float(r["r_rep"][i])})
+    run.log_samples(step, CHALLENGER, recs)
+    return m
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. Dataset phase
+# --------------------------------------------------------------------------------------------------------------
+def build_dataset(policy, roles: Roles, cfg: Config, decon, step: int, run, iteration: int) -> tuple[list, dict]:
+    """N questions from the Challenger, m Solver votes each, keep the band with the majority label, minus
+    questions that overlap the eval sets. Every generated question is written to dataset_iter<k>.jsonl."""
+    with roles.sampling(CHALLENGER), run.timer("question_pool"):
+        outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.question_pool, n=1,
+                               temperature=cfg.pool_temperature, top_p=cfg.pool_top_p, max_tokens=cfg.max_tokens)
+    questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
+    valid = [q for q in questions if q is not None]
+    flagged = set()
+    if decon is not None:
+        flagged = {i for i, f in enumerate(decon.flags(valid)) if f}
+    clean = [q for i, q in enumerate(valid) if i not in flagged]
+    with run.timer("dataset_votes"), roles.sampling(SOLVER):
+        answers = solver_votes(policy, clean, cfg, policy.tokenizer)
+    stats = vote_statistics(answers)
+    kept = filter_dataset(clean, stats, cfg)
+    hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist() if stats else \
+        [0] * (cfg.votes + 1)
+    rows = [{"question": q, **s, "kept": keep_question(s, cfg), "answers": a}
+            for q, s, a in zip(clean, stats, answers)]
+    if common.is_main_process():
+        common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl",
+                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    m = {"dataset/generated": len(questions), "dataset/valid": len(valid),
+         "dataset/contaminated": len(flagged), "dataset/voted": len(clean), "dataset/kept": len(kept),
+         "dataset/kept_frac": len(kept) / max(1, len(clean)),
+         "dataset/distinct_frac": common.distinct_fraction(valid) if valid else 0.0,
+         "dataset/agree_hist": hist}
+    run.log_samples(step, "dataset", kept)
+    return kept, m
+
+
+def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config, step: int) -> dict:
+    """analysis §7.1 (a): the share of kept pseudo-labels equal (math_equal) to the oracle model's own majority
+    answer on the same question. Not answered by the oracle = disagreement (also reported separately)."""
+    rows = kept[:cfg.oracle_limit]
+    if not rows:
+        return {}
+    qs = [r["question"] for r in rows]
+    greedy = dataclasses.replace(cfg, vote_temperature=0.0, votes=1) if cfg.oracle_votes == 1 else \
+        dataclasses.replace(cfg, votes=cfg.oracle_votes)
+    if oracle["weights"] is not None:
+        with roles.engine(oracle["weights"]):
+            answers = solver_votes(roles.policy, qs, greedy, roles.policy.tokenizer)
+    else:
+        answers = solver_votes(oracle["sampler"], qs, greedy, oracle["sampler"].tokenizer)
+    ref = [s["label"] for s in vote_statistics(answers)]
+    ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
+    return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/oracle_answered":
+            float(np.mean([a is not None for a in ref])), "pseudo_label/n": len(rows)}
+
+
+def load_oracle(name: str, policy, cfg: Config) -> dict:
+    """The oracle model: swapped into the one engine if it has the trainer's architecture and tokenizer
+    (same parameter names and shapes, same vocabulary); otherwise its own sampler (a second vLLM engine with
+    --oracle-gpu-memory-utilization, or HF generate)."""
+    path = common.resolve_model_path(name)
+    tok = common.load_tokenizer(path)
+    model, _ = common.load_model(path, dtype=next(policy.model.parameters()).dtype, device="cpu")
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    own = policy.state_dict()
+    same = (tok.get_vocab() == policy.tokenizer.get_vocab() and set(sd) == set(own)
+            and all(sd[k].shape == own[k].shape for k in own))
+    if same:
+        return {"weights": sd, "sampler": None, "route": "weight swap into the shared engine"}
+    del model, sd
+    ocfg = dataclasses.replace(cfg, model=path, gpu_memory_utilization=cfg.oracle_gpu_memory_utilization)
+    return {"weights": None, "sampler": common.make_sampler(path, tok, ocfg), "route": "separate sampler"}
+
+
+def label_check(roles: Roles, problems: list[dict], cfg: Config, step: int) -> dict:
+    """analysis §7.1 (b): R-Zero's labelling step (same m, same band) on questions with gold answers, with the
+    current Solver. Label accuracy over all questions, over the kept ones, and per number of agreeing votes."""
+    with roles.sampling(SOLVER):
+        answers = solver_votes(roles.policy, [p["question"] for p in problems], cfg, roles.policy.tokenizer)
+    stats = vote_statistics(answers)
+    ok = common.math_equal_many([(s["label"], p["answer"]) for s, p in zip(stats, problems)])
+    keep = [in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high) for s in stats]
+    by_agree = {}
+    for s, o in zip(stats, ok):
+        by_agree.setdefault(s["agree"], []).append(o)
+    return {"label_check/acc_all": float(np.mean(ok)),
+            "label_check/acc_kept": float(np.mean([o for o, k in zip(ok, keep) if k])) if any(keep) else None,
+            "label_check/kept_frac": float(np.mean(keep)),
+            "label_check/acc_by_agree": {str(a): float(np.mean(v)) for a, v in sorted(by_agree.items())}}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. Solver phase
+# --------------------------------------------------------------------------------------------------------------
+def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
+    """One GRPO step of the Solver on the kept questions, reward 1 iff math_equal(boxed, pseudo-label)."""
+    rng = np.random.default_rng([cfg.seed, step])  # per-step stream: a resumed run draws the same questions
+    b = min(cfg.solver_batch, len(dataset))
+    rows = [dataset[i] for i in rng.choice(len(dataset), size=b, replace=False)]
+    with run.timer("solver_rollout"):
+        outs = policy.generate([solver_prompt(r["question"], policy.tokenizer) for r in rows], n=cfg.solver_group,
+                               temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+    flat = [(g, c) for g, group in enumerate(outs) for c in group]
+    preds = [common.extract_boxed(c.text) for _, c in flat]
+    ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
+    trajs = [common.Trajectory.from_completion(c, reward=float(o), role=SOLVER) for (_, c), o in zip(flat, ok)]
+    with run.timer("solver_update"):
+        upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
+    run.log_samples(step, SOLVER, [{"question": rows[g]["question"], "label": rows[g]["label"], "completion": c.text,
+                                    "pred": p, "reward": float(o)} for (g, c), p, o in zip(flat, preds, ok)])
+    return {"solver/acc_vs_pseudo": float(np.mean(ok)), "solver/no_answer": float(np.mean([p is None for p in preds])),
+            "solver/truncated": float(np.mean([c.finish_reason == "length" for _, c in flat])),
+            "solver/batch": b, **_role_stats("solver", upd, SOLVER)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 4. Evaluation
+# --------------------------------------------------------------------------------------------------------------
+def _solver_eval_prompt(problem: dict, tokenizer=None):
+    q = problem["question"].strip()
+    if problem.get("choices"):
+        q += "\n\n" + "\n".join(f"{'ABCDEFGHIJ'[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q += "\n\nBox the letter of the correct option."
+    return solver_prompt(q, tokenizer)
+
+
+def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
+    """Greedy accuracy (and pass@k if --eval-n > 1) of the Solver with its own prompt; math-verify only."""
+    benches = [b for b in cfg.eval_benchmarks.split(",") if b.strip()]
+    if not benches:
+        return {}
+    with roles.sampling(SOLVER):
+        res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
+                              prompt_fn=_solver_eval_prompt, limit=cfg.eval_limit, seed=cfg.seed)
+    run.write_eval(res, name)
+    out = {}
+    for bench, r in res["benchmarks"].items():
+        short = pathlib.Path(bench).stem if bench.endswith((".jsonl", ".json")) else bench
+        out[f"eval/{short}/greedy_acc"] = r["greedy_acc"]
+        for k, v in r.get("pass@k", {}).items():
+            out[f"eval/{short}/pass@{k}"] = v
+    accs = [r["greedy_acc"] for r in res["benchmarks"].values()]
+    out["eval/mean_greedy_acc"] = float(np.mean(accs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checkpoints: the trainer role through Run.save_checkpoint, the parked role (and the KL reference mid-phase)
+# as save_pretrained folders under roles/<tag>/ written before the checkpoint that names them.
+# --------------------------------------------------------------------------------------------------------------
+def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
+    tag = f"step_{step}-{state['phase']}-{state['phase_step']}"
+    root = run.dir / "roles"
+    if common.is_main_process():
+        tmp = root / f".tmp-{tag}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        parts = {roles.other(roles.active): roles.cpu[roles.other(roles.active)]}
+        if ref is not None:
+            parts["ref"] = ref
+        model = getattr(policy.model, "module", policy.model)
+        for name, w in parts.items():
+            model.save_pretrained(str(tmp / name), state_dict=w, safe_serialization=True)
+            policy.tokenizer.save_pretrained(str(tmp / name))
+        shutil.rmtree(root / tag, ignore_errors=True)
+        os.replace(tmp, root / tag)
+    run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag})
+    if common.is_main_process():  # drop role folders no remaining checkpoint refers to
+        used = set()
+        for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json"):
+            used.add(json.loads(ts.read_text()).get("state", {}).get("roles_dir"))
+        for d in root.iterdir():
+            if d.name not in used and not d.name.startswith(".tmp-"):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _load_role_dir(path: pathlib.Path) -> dict:
+    from safetensors.torch import load_file
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors (incomplete checkpoint?)")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------------------
+def _load_decontaminator(cfg: Config):
+    if not cfg.decontaminate:
+        return None
+    refs = []
+    for b in [b for b in cfg.eval_benchmarks.split(",") if b.strip()]:
+        try:
+            refs += [p["question"] for p in common.load_benchmark(b.strip())]
+        except Exception as e:
+            raise RuntimeError(f"decontamination needs the eval set {b!r} ({e}). Fix its name/path in "
+                               "--eval-benchmarks, or pass --no-decontaminate.") from None
+    return common.Decontaminator(refs, cfg.decontaminate_n) if refs else None
+
+
+def train(cfg: Config, policy=None) -> pathlib.Path:
+    """The whole R-Zero run; `policy` may be passed in (tests share one vLLM engine), else loaded from cfg."""
+    validate_config(cfg)
+    common.seed_everything(cfg.seed)
+    run = common.Run(cfg, "r_zero")
+    policy = policy or common.Policy.load(cfg)
+    decon = _load_decontaminator(cfg)
+    checks = common.load_benchmark(cfg.label_check, cfg.label_check_limit) if cfg.label_check else None
+    oracle = load_oracle(cfg.oracle_model, policy, cfg) if cfg.oracle_model else None
+    if oracle is not None:
+        print(f"[r_zero] oracle {cfg.oracle_model}: {oracle['route']}", file=sys.stderr)
+
+    per_iter = cfg.challenger_steps + cfg.solver_steps + 2  # + dataset step + eval step
+    state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
+    ref = None
+    roles = None
+    loaded = run.load_checkpoint(policy) if cfg.resume else None
+    if loaded is not None:
+        _, saved = loaded
+        state.update({k: v for k, v in saved.items() if k in state})
+        rdir = run.dir / "roles" / saved["roles_dir"]
+        other = Roles.other(saved["active"])
+        roles = Roles(policy, saved["active"], _load_role_dir(rdir / other))
+        if (rdir / "ref").is_dir():
+            ref = _load_role_dir(rdir / "ref")
+        print(f"[r_zero] resumed at iteration {state['iteration']}, {state['phase']} step {state['phase_step']}",
+              file=sys.stderr)
+    else:
+        roles = Roles(policy, CHALLENGER, policy.get_weights())  # iteration 1: both roles = the base model
+        if cfg.eval_base:
+            run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
+
+    def base_step(k):
+        return (k - 1) * per_iter
+
+    done_steps = base_step(state["iteration"]) + {CHALLENGER: 0, "dataset": cfg.challenger_steps,
+                                                  SOLVER: cfg.challenger_steps + 1,
+                                                  "eval": cfg.challenger_steps + 1 + cfg.solver_steps}[state["phase"]] \
+        + state["phase_step"] if state["iteration"] <= cfg.iterations else cfg.iterations * per_iter
+    pbar = run.progress(cfg.iterations * per_iter, initial=min(done_steps, cfg.iterations * per_iter))
+
+    def save(step, phase_ref):
+        save_state(run, policy, roles, state, step, phase_ref)
+
+    while state["iteration"] <= cfg.iterations:
+        k = state["iteration"]
+        # 1. Challenger phase (Solver frozen)
+        if state["phase"] == CHALLENGER:
+            roles.activate(CHALLENGER)
+            if state["phase_step"] == 0:
+                policy.reset_optimizer()
+                ref = policy.get_weights()  # KL reference = the Challenger at the start of this phase
+            for j in range(state["phase_step"], cfg.challenger_steps):
+                step = base_step(k) + j + 1
+                m = challenger_step(policy, roles, cfg, ref, step, run)
+                run.log(step, {"iteration": k, **m})
+                pbar.update(1)
+                state["phase_step"] = j + 1
+                if cfg.save_every and step % cfg.save_every == 0 and j + 1 < cfg.challenger_steps:
+                    save(step, ref)
+            state.update(phase="dataset", phase_step=0)
+            ref = None
+            save(base_step(k) + cfg.challenger_steps, None)
+        # 2. Dataset phase
+        if state["phase"] == "dataset":
+            step = base_step(k) + cfg.challenger_steps + 1
+            kept, m = build_dataset(policy, roles, cfg, decon, step, run, k)
+            if oracle is not None:
+                m.update(pseudo_label_accuracy(roles, oracle, kept, cfg, step))
+            if checks is not None:
+                m.update(label_check(roles, checks, cfg, step))
+            if len(kept) < cfg.solver_batch:
+                warnings.warn(f"iteration {k}: only {len(kept)} questions kept (< --solver-batch "
+                              f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}. Raise "
+                              "--question-pool or widen the band.")
+            run.log(step, {"iteration": k, **m})
+            pbar.update(1)
+            state.update(phase=SOLVER, phase_step=0, dataset=kept)
+            save(step, None)
+        # 3. Solver phase (Challenger frozen)
+        if state["phase"] == SOLVER:
+            roles.activate(SOLVER)
+            if state["phase_step"] == 0:
+                policy.reset_optimizer()
+                ref = policy.get_weights()  # KL reference = the Solver at the start of this phase
+            if not state["dataset"]:
+                warnings.warn(f"iteration {k}: no question survived the filter; skipping the Solver phase")
+            for j in range(state["phase_step"], cfg.solver_steps):
+                step = base_step(k) + cfg.challenger_steps + 1 + j + 1
+                m = solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"] else \
+                    {"solver/skipped": 1}
+                run.log(step, {"iteration": k, **m})
+                pbar.update(1)
+                state["phase_step"] = j + 1
+                if cfg.save_every and step % cfg.save_every == 0 and j + 1 < cfg.solver_steps:
+                    save(step, ref)
+            ref = None
+            state.update(phase="eval", phase_step=0)
+        # 4. Evaluate after every iteration
+        if state["phase"] == "eval":
+            step = k * per_iter
+            m = evaluate_solver(policy, roles, cfg, run, f"eval_iter{k}.json")
+            if "eval/mean_greedy_acc" in m and (state["best"] is None or m["eval/mean_greedy_acc"] >
+                                                 state["best"]["eval/mean_greedy_acc"]):
+                state["best"] = {"iteration": k, "eval/mean_greedy_acc": m["eval/mean_greedy_acc"]}
+            run.log(step, {"iteration": k, **m})
+            pbar.update(1)
+            state.update(iteration=k + 1, phase=CHALLENGER, phase_step=0, dataset=[])
+            save(step, None)
+    pbar.close()
+    if state["best"] is not None:
+        print(f"[r_zero] best iteration {state['best']['iteration']} (mean greedy acc "
+              f"{state['best']['eval/mean_greedy_acc']:.4f}); last iteration {cfg.iterations}", file=sys.stderr)
+    export_roles(run, policy, roles)
+    run.close()
+    return run.dir
+
+
+def export_roles(run, policy, roles: Roles) -> None:
+    """final/challenger and final/solver: both trained models, loadable by from_pretrained and vLLM."""
+    if not common.is_main_process():
+        return
+    model = getattr(policy.model, "module", policy.model)
+    for role in (CHALLENGER, SOLVER):
+        out = run.dir / "final" / role
+        model.save_pretrained(str(out), state_dict=roles.weights(role), safe_serialization=True)
+        policy.tokenizer.save_pretrained(str(out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = common.parse_config(Config, argv)
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        sys.exit(f"r_zero.py: error: {e}")
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()
