@@ -250,6 +250,11 @@ def _vf_prepare(pred, gold):
 _VF_WORKER_SRC = r'''
 import sys, json, signal, logging
 logging.disable(logging.CRITICAL)
+try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError instead of taking the machine down
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+except Exception:
+    pass
 try:
     from math_verify import parse, verify
 except Exception as e:
@@ -395,13 +400,14 @@ class _VfPool:
                     try:
                         lines = w.lines()
                     except EOFError:  # the worker died (e.g. out of memory): count its head as an error
+                        if not w.ready:
+                            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
+                                               "ready; check that `python -c 'import math_verify'` works "
+                                               "(fix: `pip install math-verify`)") from None
                         if w.inflight:
                             idx, _ = w.inflight.pop(0)
                             out[idx] = 3
                             remaining -= 1
-                        if not w.ready and w.proc.poll() not in (None, 0):
-                            raise RuntimeError("math-verify worker failed to start; install it with "
-                                               "`pip install math-verify` in the interpreter running this code")
                         replace(w)
                         continue
                     for ln in lines:

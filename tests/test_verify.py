@@ -510,3 +510,14 @@ def test_cli_eval_hf_backend(tiny_model_path, tmp_path, capsys):
     assert "greedy=" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         common.cli_main(["evl"])
+
+
+def test_math_equal_survives_a_dead_worker():
+    assert math_equal("2x", "x \\cdot 2")
+    for pid in common.verifier_worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert math_equal("3x", "x \\cdot 3") is True  # a fresh worker takes over
+    common.shutdown_verifier()
+    assert common.verifier_worker_pids() == []
+    assert math_equal("1/4", "0.25") is True       # and the pool restarts lazily
