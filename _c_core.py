@@ -38,6 +38,7 @@ import json
 import math
 import pathlib
 import random
+import re
 import shutil
 import sys
 import time
@@ -106,7 +107,6 @@ def _core_field_comments(cls) -> dict:
                     comments[tok.start[0]] = tok.string.lstrip("#").strip()
         except (tokenize.TokenError, IndentationError):
             pass
-        import re
         for lineno, line in enumerate(lines, start=1):
             m = re.match(r"^\s+([A-Za-z_]\w*)\s*:", line)
             if m and lineno in comments:
@@ -654,18 +654,26 @@ class VLLMSampler(Sampler):
         return result
 
     def load_weights(self, named_tensors) -> None:
-        """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights."""
+        """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights.
+        `named_tensors` may be a dict or any iterable (a generator is consumed lazily, one tensor at a time)."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
-        weights = {_core_strip_prefix(k): v.detach() for k, v in items}
-        if self.tied and "model.embed_tokens.weight" in weights:
-            # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that was not
-            # named in the iterator on its old values ("ParallelLMHead: Failed to load weights"), so the
-            # tied name is always sent, equal to the embedding.
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        weights = list(weights.items())
+        tied = self.tied
+
+        def stream():
+            for k, v in items:
+                k = _core_strip_prefix(k)
+                if tied and k == "lm_head.weight":
+                    continue  # sent together with the embedding below
+                yield k, v.detach()
+                if tied and k == "model.embed_tokens.weight":
+                    # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that is
+                    # not named in the iterator on its old values ("ParallelLMHead: Failed to load weights"),
+                    # so the tied name is always sent, equal to the embedding.
+                    yield "lm_head.weight", v.detach()
+
         self.wake_up()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         self.llm.reset_prefix_cache()
         self.version += 1
 
@@ -825,34 +833,84 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Policy: trainer model + optimizer + sampler
+# Policy: trainer model + optimizer + sampler (single process, or one per rank under torchrun)
 # ----------------------------------------------------------------------------------------------------------
+
+def init_distributed() -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1) start the default process group once: gloo for CPU tensors plus NCCL
+    for GPU tensors when there is a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
+        else:
+            torch.distributed.init_process_group(backend="gloo")
+    return dist_info()
+
+
+def _core_is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _core_unique_state(model):
+    """(name, tensor) of model.state_dict() with HF names; a tensor shared under two names (tied lm_head)
+    appears once, under its first name. Same order on every rank."""
+    seen = set()
+    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names give the same Parameter
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
+
 
 @torch.no_grad()
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy HF-named `weights` into `model`'s tensors. Each storage is written once, from its first name, so
-    a tied lm_head can never overwrite the embedding with different values."""
-    own = {_core_strip_prefix(k): v for k, v in model.state_dict().items()}
+    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is written once,
+    from its first name, so a tied lm_head can never overwrite the embedding with different values."""
     weights = {_core_strip_prefix(k): v for k, v in weights.items()}
-    done, missing = set(), []
-    for k, v in own.items():
-        key = (v.data_ptr(), tuple(v.shape))
-        if key in done:
-            continue
+    missing = []
+    for k, v in _core_unique_state(model):
         if k not in weights:
             missing.append(k)
             continue
-        v.copy_(weights[k].to(v.device, v.dtype))
-        done.add(key)
-    missing = [k for k in missing if (own[k].data_ptr(), tuple(own[k].shape)) not in done]
+        src = weights[k]
+        if _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
+            from torch.distributed.tensor import distribute_tensor
+            part = distribute_tensor(src.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
+            v.to_local().copy_(part.to_local())
+        else:
+            v.copy_(src.to(v.device, v.dtype))
     if strict and missing:
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
+
+
+def _core_wrap_distributed(model, cfg):
+    """FSDP2 (fully_shard per decoder layer, then the root; bf16 compute with fp32 reduction on GPU), or DDP."""
+    if cfg.dist == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        dev = next(model.parameters()).device
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if cfg.dist != "fsdp":
+        raise ValueError(f"--dist {cfg.dist}: expected fsdp or ddp")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if next(model.parameters()).device.type == "cuda" else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for m in model.modules():
+        if type(m).__name__ in blocks:
+            fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
 
 
 class Policy:
     """The model being trained, its tokenizer and AdamW optimizer, and the sampler that generates with it.
 
-    rank / world_size / is_main are set for torchrun; in a single process they are 0 / 1 / True.
+    Under torchrun every rank holds one Policy: the trainer is sharded with FSDP2 (or wrapped in DDP with
+    --dist ddp), each rank has its own colocated vLLM engine, and `generate` samples this rank's share of the
+    prompts and all-gathers the results, so every rank sees the same full list. Weights are gathered to full
+    tensors one at a time for sync, get_weights and checkpoints. rank / world_size / is_main describe the
+    process; in a single process they are 0 / 1 / True and nothing is wrapped.
     """
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
@@ -870,11 +928,19 @@ class Policy:
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
         """Load model + tokenizer + AdamW + sampler. Pass an existing `sampler` to reuse its engine: the
         trainer's weights are then pushed into it (tests share one vLLM engine this way)."""
+        _, world = init_distributed()
         path = resolve_model_path(cfg.model)
-        model, tok = load_model(path, dtype=cfg.dtype, gradient_checkpointing=cfg.gradient_checkpointing)
+        dtype = cfg.dtype
+        if world > 1 and cfg.dist == "fsdp" and dtype in (None, "", "auto"):
+            dtype = "float32"  # FSDP2 keeps fp32 master shards and computes in bf16 on GPUs (MixedPrecisionPolicy)
+        model, tok = load_model(path, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing)
         model.train()
+        if world > 1:
+            model = _core_wrap_distributed(model, cfg)
         if sampler is None:
-            sampler = make_sampler(path, tok, cfg, model=model)
+            # under torchrun an HF sampler keeps its own full copy: generate() on a sharded module would need
+            # every rank to run the same number of decoding steps
+            sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
         policy = cls(cfg, model, tok, sampler, path)
         if isinstance(sampler, HFSampler) and sampler.model is not model:
             if sampler.shared:  # an HF sampler bound to another trainer: rebind to ours
@@ -884,6 +950,11 @@ class Policy:
         elif not isinstance(sampler, HFSampler) and sampler.version > 0:
             policy.sync()  # a reused engine may hold other weights
         return policy
+
+    @property
+    def module(self):
+        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place, so it is the model)."""
+        return getattr(self.model, "module", self.model)
 
     def _make_optimizer(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -900,52 +971,117 @@ class Policy:
         self.optimizer = self._make_optimizer()
 
     def generate(self, prompts, **kw) -> list[list[Completion]]:
-        return self.sampler.generate(prompts, **kw)
+        """Sampler.generate. Under torchrun: this rank samples its contiguous share of `prompts` (all n samples
+        of a prompt stay on one rank) and the results are all-gathered, so every rank returns the full list.
+        `prompts` must be the same on every rank. A given `seed` is mixed with the rank."""
+        if self.world_size == 1:
+            return self.sampler.generate(prompts, **kw)
+        if kw.get("seed") is not None:
+            kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (self.rank + 1))
+        mine = self.sampler.generate(self.shard(list(prompts)), **kw)
+        return [g for part in all_gather_objects(mine) for g in part]
 
     def clip_and_step(self) -> float:
-        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero grads. Returns the pre-clip norm."""
+        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero grads. Returns the pre-clip norm
+        (over all ranks' shards under FSDP2)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else torch.tensor(0.0)
+        if _core_is_dtensor(norm):
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     def state_dict(self) -> dict:
-        """Full HF-named state dict on the trainer's device (views, not copies), tied names included."""
+        """HF-named state dict of the trainer (views, tied names included). Under FSDP2 the values are
+        sharded DTensors: use iter_full_weights / get_weights for full tensors."""
         return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
+
+    def iter_full_weights(self):
+        """Yield (HF name, full tensor) one tensor at a time; under FSDP2 each is all-gathered, so every rank
+        must iterate to the end (a collective). Tied duplicates are skipped."""
+        for k, v in _core_unique_state(self.model):
+            yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
 
     def sync(self) -> None:
         """Push the trainer's weights into the sampler in place (no disk). No-op for an HF sampler that
-        samples from the trainer's own module."""
+        samples from the trainer's own module. Under torchrun every rank's engine receives the full weights."""
         if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
             self.sampler.version += 1
             return
-        self.sampler.load_weights(self.state_dict())
+        self.sampler.load_weights(self.iter_full_weights())
 
     def get_weights(self) -> dict:
-        """A CPU copy of the full (HF-named) state dict: a snapshot to return to later with set_weights.
-        Tied names share one copy."""
-        out, copies = {}, {}
-        for k, v in self.state_dict().items():
-            key = (v.data_ptr(), tuple(v.shape), v.dtype)
-            if key not in copies:
-                copies[key] = v.detach().to("cpu", copy=True)
-            out[k] = copies[key]
+        """A CPU copy of the full (HF-named) state dict, on every rank: a snapshot to return to later with
+        set_weights. A tied lm_head shares the embedding's copy."""
+        out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
+        emb = out.get("model.embed_tokens.weight")
+        if emb is not None and getattr(self.module.config, "tie_word_embeddings", False):
+            out.setdefault("lm_head.weight", emb)
         return out
+
+    @torch.no_grad()
+    def load_trainer_weights(self, weights: dict) -> None:
+        """Load full HF-named `weights` into the trainer only (not the sampler, optimizer untouched)."""
+        _core_copy_into(self.model, weights, strict=True)
+
+    @contextlib.contextmanager
+    def swapped_weights(self, weights: dict):
+        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
+        restores the current weights afterwards. The sampler is not touched."""
+        current = self.get_weights()
+        self.load_trainer_weights(weights)
+        try:
+            yield self.model
+        finally:
+            self.load_trainer_weights(current)
 
     @torch.no_grad()
     def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
         """Load `weights` (HF names) into the trainer AND the sampler; optionally reset AdamW."""
-        _core_copy_into(self.model, weights, strict=True)
+        self.load_trainer_weights(weights)
         if reset_optimizer:
             self.reset_optimizer()
         self.sync()
 
+    def optimizer_state(self) -> dict:
+        """Optimizer state to save: the plain state_dict in one process; under torchrun the full (unsharded)
+        state keyed by parameter name, gathered on rank 0 (a collective: call on every rank)."""
+        if self.world_size == 1:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, state: dict) -> None:
+        if self.world_size == 1:
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
     def shard(self, items: list) -> list:
+        """This rank's contiguous share of `items` (everything in one process)."""
         return shard(items, self.rank, self.world_size)
 
     def all_gather_objects(self, obj) -> list:
         return all_gather_objects(obj)
+
+    def all_reduce(self, values, op: str = "sum") -> list[float]:
+        """Sum (or max/min) a list of numbers over ranks; identity in one process."""
+        vals = [float(v) for v in values]
+        if self.world_size == 1:
+            return vals
+        t = torch.tensor(vals, dtype=torch.float64)
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+        torch.distributed.all_reduce(t, op=ops[op])
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -983,7 +1119,7 @@ class Run:
     def __init__(self, cfg, method: str):
         self.cfg = cfg
         self.method = method
-        self.rank, self.world_size = dist_info()
+        self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = broadcast_object(out)  # one folder for all ranks even if their clocks differ by a second
@@ -1008,6 +1144,8 @@ class Run:
                 else:
                     self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d, dir=str(self.dir),
                                              name=self.dir.name, id=self._wandb_id(), resume="allow")
+        if self.world_size > 1:
+            torch.distributed.barrier()  # the folder exists before any rank uses it
 
     def _wandb_id(self) -> str:
         return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
@@ -1063,22 +1201,31 @@ class Run:
     # -- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, step: int, policy: "Policy", state: dict | None = None) -> pathlib.Path:
         """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM), optimizer.pt,
-        trainer_state.json {step, rng, state}. Written to a temp dir and renamed, then `latest` is updated."""
+        trainer_state.json {step, rng, state}. Written to a temp dir and renamed, then `latest` is updated.
+        Under torchrun call it on every rank (weights and optimizer state are gathered); rank 0 writes."""
         ck_root = self.dir / "checkpoints"
         final = ck_root / f"step_{int(step)}"
         state = dict(state or {})
         json.dumps(state, default=_core_json_default)  # fail before writing anything if not JSON-able
+        weights = {}
+        for k, v in policy.iter_full_weights():  # a collective under FSDP2: every rank iterates
+            if self.is_main:
+                weights[k] = v.to("cpu")
+        optim_state = policy.optimizer_state()
+        rngs = all_gather_objects(_core_rng_state())
         if self.is_main:
             ck_root.mkdir(parents=True, exist_ok=True)
             tmp = ck_root / f".tmp-step_{int(step)}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            model = getattr(policy.model, "module", policy.model)
-            model.save_pretrained(str(tmp), safe_serialization=True, state_dict=policy.state_dict())
+            policy.module.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
             policy.tokenizer.save_pretrained(str(tmp))
-            torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
-            atomic_write_json(tmp / "trainer_state.json",
-                              {"step": int(step), "method": self.method, "rng": _core_rng_state(), "state": state})
+            torch.save(optim_state, tmp / "optimizer.pt")
+            ts = {"step": int(step), "method": self.method, "world_size": self.world_size, "rng": rngs[0],
+                  "state": state}
+            if self.world_size > 1:
+                ts["rng_per_rank"] = rngs
+            atomic_write_json(tmp / "trainer_state.json", ts)
             if final.exists():
                 old = ck_root / f".old-step_{int(step)}-{os.getpid()}"
                 os.replace(final, old)
@@ -1088,6 +1235,9 @@ class Run:
                 os.replace(tmp, final)
             atomic_write_text(ck_root / "latest", final.name + "\n")
             self._prune_checkpoints(keep_name=final.name)
+        del weights, optim_state
+        if self.world_size > 1:
+            torch.distributed.barrier()
         return final
 
     def _prune_checkpoints(self, keep_name: str) -> None:
@@ -1114,20 +1264,30 @@ class Run:
 
     def load_checkpoint(self, policy: "Policy") -> tuple[int, dict] | None:
         """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint; drop metric and
-        sample lines logged after it. Returns (step, state), or None if there is no checkpoint."""
-        ck = self.latest_checkpoint()
+        sample lines logged after it. Returns (step, state), or None if there is no checkpoint.
+        Under torchrun call it on every rank (the folder must be readable from every rank)."""
+        ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
             return None
+        ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
-        weights = _core_load_safetensors_dir(ck)
-        policy.set_weights(weights, reset_optimizer=True)
-        policy.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=policy.device,
-                                                    weights_only=True))
-        _core_set_rng_state(ts["rng"])
+        if int(ts.get("world_size", 1)) != policy.world_size:
+            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume it with the same "
+                             f"number (now {policy.world_size}): its optimizer state is laid out per run type")
+        policy.set_weights(_core_load_safetensors_dir(ck), reset_optimizer=True)
+        if policy.world_size == 1:
+            osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
+        else:  # the full state is read on rank 0 and scattered into the shards
+            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) if self.is_main else {}
+        policy.load_optimizer_state(osd)
+        per_rank = ts.get("rng_per_rank")
+        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else ts["rng"])
         step = int(ts["step"])
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 _core_truncate_jsonl(self.dir / name, step)
+        if self.world_size > 1:
+            torch.distributed.barrier()
         return step, ts.get("state", {})
 
     def write_eval(self, results: dict, name: str = "eval.json") -> None:
