@@ -21,27 +21,39 @@ Design (why each piece is there):
 * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters private
     network, mount, IPC and UTS namespaces. The network namespace has no interface up, so no socket reaches
-    anything. In the mount namespace every filesystem is re-mounted read-only, and tmpfs hides ``/root``,
-    ``/home``, ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` (home-directory tokens and caches, other
-    users' temp files). The directories Python itself needs (interpreter prefix, stdlib, site-packages) are
-    bound back read-only when they live under a hidden directory (pyenv under /root, venvs under /home).
-    ``/proc`` is re-mounted with ``hidepid=2`` so the child cannot list other users' processes.
+    anything. In the mount namespace every filesystem is re-mounted read-only, and empty tmpfs mounts hide
+    ``/root``, ``/home``, ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run`` and the trainer's working directory
+    (tokens and caches in homes, other users' temp files, run folders and checkpoints). The directories Python
+    itself needs (prefix, stdlib, site-packages) are bound back read-only where they sit under a hidden
+    directory (pyenv under /root, a venv under /home). ``/etc/passwd``, ``/etc/shadow`` and friends are masked,
+    and ``/proc`` is re-mounted with ``hidepid=2`` so a child cannot look at other users' processes.
   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills every
     process inside it, which is what catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)`` harmless.
+    (In a user namespace that is not allowed; there the worker is PID 1 of one namespace and empties it after
+    every program.)
   - As root the child drops to an unprivileged uid/gid of its own (one per worker, from a block no account
     uses), so ``RLIMIT_NPROC`` really applies, file permissions protect the host, and workers cannot signal
     each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries; on x86-64 a small hand-written seccomp filter
     (no library needed) refuses ptrace, mount, unshare/setns, new user namespaces, bpf, keyctl, io_uring,
     module loading and similar kernel attack surface.
-  - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files, processes,
-    core = 0. The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second,
-    looser deadline on the zygote itself, and a dead or silent zygote costs only its in-flight job
-    (``sandbox_error``) before it is restarted.
+  - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files, processes
+    (``max_procs``, threads included), core = 0. The address-space limit is per process, so one program's
+    processes together hold at most ``max_procs * memory_mb`` (its temp files at most ``tmpfs_mb``); a hard
+    per-program bound would need a memory cgroup, which this sandbox does not create (on shared machines run
+    the trainer in a container or cgroup with a memory limit).
+  - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser deadline on
+    the zygote itself, and a dead or silent zygote costs only its in-flight job (``sandbox_error``) before it
+    is restarted. A program's frames are only believed for what a program may claim (it cannot report
+    ``timeout``, ``crash`` or ``sandbox_error`` for itself).
   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
     child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the sandbox still
   works with what it has and says so in ``.isolation``; Python-level guards are never relied upon.
+
+* Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per program
+  (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls (unshare, setns,
+  mount, prctl, capset) go through ctypes and the seccomp filter is ~50 hand-assembled BPF instructions.
 
 * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a security boundary.
@@ -808,6 +820,19 @@ _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": 
            "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HOME": "/tmp", "TMPDIR": "/tmp"}
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
+_SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev", "/var", "/opt",
+                   "/nix", "/snap", "/boot")
+
+
+def _sb_hidden_paths() -> list[str]:
+    """Default directories to cover with an empty tmpfs: homes, temp dirs, and the trainer's working directory
+    (its run folders, checkpoints and data), unless that is a system directory. Python's own directories are
+    bound back read-only wherever they sit under one of these."""
+    hidden = list(_SB_HIDE)
+    cwd = os.path.realpath(os.getcwd())
+    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/") for d in _SB_SYSTEM_DIRS + _SB_HIDE):
+        hidden.append(cwd)
+    return hidden
 _SB_MAX_FRAME = 64 << 20
 _sb_instances = iter(range(1 << 30))
 
@@ -925,8 +950,8 @@ class PythonSandbox:
     """
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
-                 max_output_chars: int = 100_000, *, max_procs: int = 32, max_file_mb: int = 64,
-                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=_SB_HIDE, max_program_chars: int = 1_000_000,
+                 max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, max_program_chars: int = 1_000_000,
                  hash_seed: int = 0, namespaces: bool | str = True):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
@@ -949,7 +974,8 @@ class PythonSandbox:
         self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
                        "uid": base + i % 64, "gid": base + i % 64,
                        "site_dirs": [p for p in sys.path if p and "-packages" in p],
-                       "keep_paths": _sb_python_paths(), "hide_paths": list(hide_paths), "tmpfs_mb": int(tmpfs_mb),
+                       "keep_paths": _sb_python_paths(), "tmpfs_mb": int(tmpfs_mb),
+                       "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
                        "scratch": None}
                       for i in range(self.workers)]
         self.uids = sorted({c["uid"] for c in self._cfgs})
