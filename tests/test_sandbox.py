@@ -164,6 +164,10 @@ def test_isolation_report(sb):
         assert all(iso["namespaces"][k] for k in ("net", "mount", "pid", "ipc")), iso
         assert iso["readonly_root"] and iso["proc_hidepid"], iso
         assert {"/root", "/home", "/tmp"} <= set(iso["hidden_paths"])
+        cwd = os.path.realpath(os.getcwd())
+        if not cwd.startswith(("/usr", "/etc", "/var", "/opt", "/tmp", "/root", "/home")) and cwd != "/":
+            assert cwd in iso["hidden_paths"]       # the trainer's run folders and checkpoints
+            assert sb.run("import os", f"os.listdir({cwd!r})") == ExecResult("ok", "[]", None)
         assert "/etc/passwd" in iso["masked_files"]
         assert set(iso["rlimits"]) == {"RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
                                        "RLIMIT_CORE"}
