@@ -545,6 +545,9 @@ def test_parse_literal():
     assert parse_literal("[1, (2, 3.5), {'a': {4}}, -7, 1+2j, None, True, b'x']") == \
         [1, (2, 3.5), {"a": {4}}, -7, 1 + 2j, None, True, b"x"]
     assert parse_literal("set()") == set() and parse_literal("{3, 1, 2}") == {1, 2, 3}
+    colliding = "{64, 24, 8, 0, 32, 104, 192, 56, 152, 80, 16}"   # set order changes on re-insertion
+    assert parse_literal(colliding) == set(ast.literal_eval(colliding))
+    assert parse_literal("[1, 1.0, True]") == [1, 1.0, True]
     for bad in ("__import__('os').system('touch /tmp/x')", "f(1)", "x", "[1] * 10**9", "1e999", "float('nan')",
                 "<object at 0x7f00>", "(" * 300 + ")" * 300, "[" * 60 + "]" * 60, "1 +", 42, "9" * 5000):
         with pytest.raises(ValueError):
