@@ -664,3 +664,10 @@ def test_user_namespace_mode(host):
         out = s.run("import ctypes", "ctypes.CDLL(None).mount(b'none', b'/', b'tmpfs', 0, None), "
                                      "ctypes.CDLL(None).umount2(b'/root', 2)")
         assert out == ExecResult("ok", "(-1, -1)", None), out   # no capabilities left, seccomp or not
+
+
+def test_run_many_runs_in_parallel(sb):
+    t0 = time.monotonic()
+    results = sb.run_many([("import time\ntime.sleep(0.6)", "'a'"), ("import time\ntime.sleep(0.6)", "'b'")])
+    assert [r.value for r in results] == ["'a'", "'b'"]
+    assert time.monotonic() - t0 < 1.1   # two workers: the sleeps overlap
