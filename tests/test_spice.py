@@ -294,7 +294,7 @@ class _WordTok:
 
 
 def test_corpus_reader_and_chunking(tmp_path):
-    docs = spice.read_jsonl_documents(str(CORPUS))
+    docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
     assert len(docs) == 9 and all(isinstance(d, str) and d for d in docs)
     assert spice.read_jsonl_documents(str(CORPUS), limit=3) == docs[:3]
     chunks = spice.chunk_document(" ".join(f"w{i}" for i in range(25)), _WordTok(), 10)
@@ -414,29 +414,40 @@ WARM_QUESTION = "What is 3 + 4? A) 7 B) 8 C) 9 D) 6"
 WARM_JSON = json.dumps({"multiple_choice_question": WARM_QUESTION, "multiple_choice_correct": "A"})
 
 
-def _warm(policy, docs, steps=25, lr=3e-3):
+WARM_STEPS = 15
+
+
+@pytest.fixture(scope="module")
+def warm_weights(tiny_model_path):
+    """SFT the tiny model (HF backend, no engine needed) on the Challenger's MCQ JSON for one corpus document
+    and for the no-document prompt, and on "\\boxed{A}" / "\\boxed{B}" equally often for the Reasoner."""
+    cfg = spice.Config(model=tiny_model_path, backend="hf", max_model_len=2048, lr=5e-3)
+    policy = common.Policy.load(cfg)
     tok, eos = policy.tokenizer, [policy.tokenizer.eos_token_id]
-    ex = [(common.encode_prompt(tok, spice.challenger_prompt(d, "mcq", None, "chat")), tok(WARM_JSON)["input_ids"] + eos)
-          for d in docs]
+    target = tok(WARM_JSON)["input_ids"] + eos
+    ex = [(common.encode_prompt(tok, spice.challenger_prompt(d, "mcq", None, "chat")), target)
+          for d in [*spice.read_jsonl_documents(str(CORPUS), limit=1), None]]
     rp = common.encode_prompt(tok, spice.reasoner_prompt(WARM_QUESTION, "chat"))
     ex += [(rp, tok("\\boxed{A}")["input_ids"] + eos), (rp, tok("\\boxed{B}")["input_ids"] + eos)]
-    for g in policy.optimizer.param_groups:
-        g["lr"] = lr
-    for _ in range(steps):
+    for _ in range(WARM_STEPS):
         common.sft_step(policy, ex)
-    policy.reset_optimizer()          # back to the run's own lr
-    policy.sync()
+    return policy.get_weights()
+
+
+def _warm_policy(cfg, vllm_sampler, warm_weights):
+    policy = common.Policy.load(cfg, sampler=vllm_sampler)
+    policy.set_weights(warm_weights)           # trainer and engine; fresh AdamW at the run's lr
+    return policy
 
 
 @pytest.mark.slow
-def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sampler):
-    cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=2, output_dir=str(tmp_path / "run"),
+def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sampler, warm_weights):
+    cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
                        steps=1, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks=str(EVAL), eval_max_tokens=8,
                        save_every=0, lr=1e-5, log_samples=2)
-    policy = common.Policy.load(cfg, sampler=vllm_sampler)
-    docs = spice.read_jsonl_documents(str(CORPUS), limit=2)
-    _warm(policy, docs)
+    policy = _warm_policy(cfg, vllm_sampler, warm_weights)
+    docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
     seen = []                                   # every prompt the run sends to the sampler
     generate = policy.generate
     policy.generate = lambda prompts, **kw: (seen.extend(prompts), generate(prompts, **kw))[1]
@@ -444,6 +455,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     run_dir = spice.train(cfg, policy)
 
     m = _metrics(run_dir)[0]
+    print("SPICE_FLOW_METRICS", json.dumps({k: v for k, v in m.items() if not k.startswith("time/")}))
     assert m["challenger/valid_rate"] > 0 and m["reasoner/accuracy"] > 0
     assert m["reasoner/frontier_share"] > 0
     assert m["challenger/zero_adv_group_frac"] < 1 and m["reasoner/zero_adv_group_frac"] < 1
@@ -462,3 +474,45 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     assert any(r["valid"] and r["question"] == WARM_QUESTION and r["gold"] == "A" and len(r["reasoner_answers"]) == 8
                for r in rec)
     assert (Path(run_dir) / "eval.json").is_file()
+
+
+@pytest.mark.slow
+def test_no_document_frozen_challenger_fresh_answers(tmp_path, tiny_model_path, vllm_sampler, warm_weights):
+    cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), output_dir=str(tmp_path / "run"), steps=1,
+                       docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
+                       max_model_len=2048, task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-5,
+                       no_document=True, freeze_challenger=True, fresh_reasoner_samples=True)
+    policy = _warm_policy(cfg, vllm_sampler, warm_weights)
+    calls = []
+    generate = policy.generate
+    policy.generate = lambda prompts, **kw: (calls.append((len(prompts), kw.get("n"))), generate(prompts, **kw))[1]
+    run_dir = spice.train(cfg, policy)
+    m = _metrics(run_dir)[0]
+    rec = [json.loads(l) for l in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
+    assert all(r["document_excerpt"] is None for r in rec)
+    assert m["challenger/valid_rate"] > 0
+    n_docs_valid = 2 - m["challenger/docs_without_valid"]
+    assert m["train/n_seqs"] == 8 * n_docs_valid                    # frozen Challenger: only T_R is trained
+    assert "challenger/zero_adv_group_frac" not in m
+    # K answers for every valid task, then K FRESH answers for the one task per document (Alg. 1, line 16)
+    assert calls[-1] == (n_docs_valid, 8) and calls[-2][1] == 8 and calls[-2][0] >= n_docs_valid
+
+
+def test_generated_questions_are_decontaminated(tiny_tokenizer):
+    eval_q = json.loads(EVAL.read_text().splitlines()[0])["question"]
+    decon = common.Decontaminator([eval_q], n=13)
+    check = spice.ValidityChecker(spice.Config(max_tokens=64, max_model_len=2048), tiny_tokenizer, "chat", decon)
+    leaked = comp(json.dumps(free_json("Quick one: " + eval_q, "48")))
+    assert check(leaked, "free", "Integer") == (None, "contaminated")
+    task, why = check(comp(json.dumps(free_json())), "free", "Integer")
+    assert why == "ok" and task.gold == "25"
+    assert check(comp(json.dumps(free_json()), finish="length"), "free", "Integer") == (None, "truncated")
+    cfg = spice.Config(max_tokens=64, max_model_len=2048, reject_document_reference=True)
+    ref = comp(json.dumps(free_json("According to the text, how many seedlings?")))
+    assert spice.ValidityChecker(cfg, tiny_tokenizer, "chat")(ref, "free", "Integer") == (None, "mentions_document")
+
+
+def test_hub_corpus_failure_is_a_clear_error():
+    # tests never download (HF_HUB_OFFLINE=1): either `datasets` is missing or the hub is unreachable
+    with pytest.raises(spice.CorpusError, match="datasets|could not stream"):
+        spice.stream_hub_documents("open-web-math/open-web-math", "text", 2)
