@@ -308,3 +308,60 @@ def test_cli_end_to_end_two_iterations(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "r_zero.py"), "--resume", str(out), "--iterations", "2",
                         "--bogus-flag", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--bogus-flag" in p.stderr
+
+
+def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp_path, monkeypatch):
+    """A checkpoint inside the Challenger phase (--save-every 1) also stores the phase-start weights, so the
+    resumed steps keep their KL term anchored to the same reference."""
+    cfg = _small(warm_path, tmp_path / "run", challenger_steps=2, save_every=1, eval_benchmarks="",
+                 decontaminate=False, keep_checkpoints=0)
+    policy = _policy(cfg, vllm_sampler)
+    warm = policy.get_weights()
+    real_step = r_zero.challenger_step
+    calls = []
+
+    def crash_second(policy, roles, cfg, ref, step, run):
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash in Challenger step 2")
+        return real_step(policy, roles, cfg, ref, step, run)
+    with monkeypatch.context() as mp:
+        mp.setattr(r_zero, "challenger_step", crash_second)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            r_zero.train(cfg, policy)
+    run_dir = pathlib.Path(cfg.output_dir)
+    st = json.loads((run_dir / "checkpoints" / "step_1" / "trainer_state.json").read_text())["state"]
+    assert (st["phase"], st["phase_step"]) == ("challenger", 1)
+    assert (run_dir / "roles" / st["roles_dir"] / "ref").is_dir()
+
+    seen = []
+
+    def spy(policy, roles, cfg, ref, step, run):
+        seen.append((step, ref))
+        return real_step(policy, roles, cfg, ref, step, run)
+    cfg2 = common.parse_config(r_zero.Config, ["--resume", str(run_dir)])
+    with monkeypatch.context() as mp:
+        mp.setattr(r_zero, "challenger_step", spy)
+        r_zero.train(cfg2, _policy(cfg2, vllm_sampler))
+    assert [s for s, _ in seen] == [2]  # only the missing step is run
+    assert not _differs(seen[0][1], warm)  # the reference is the phase start, not the step-1 weights
+    assert sum("challenger/reward" in m for m in _metrics(run_dir)) == 2
+
+
+def test_role_swap_with_the_hf_backend(tiny_policy_hf):
+    """With --backend hf the sampler IS the trainer module: sampling the parked role must not leak into it."""
+    policy = tiny_policy_hf
+    base = policy.get_weights()
+    torch.manual_seed(0)
+    other = {k: v + 0.2 * torch.randn_like(v) for k, v in base.items()}
+    if "lm_head.weight" in other:  # tied to the embedding: one tensor, one perturbation
+        other["lm_head.weight"] = other["model.embed_tokens.weight"]
+    roles = r_zero.Roles(policy, r_zero.CHALLENGER, other)
+    probe = r_zero.solver_prompt(Q1, policy.tokenizer)
+    g_base = _greedy(policy, probe)
+    with roles.sampling(r_zero.SOLVER):
+        g_other = _greedy(policy, probe)
+    assert g_other != g_base
+    assert not _differs(policy.get_weights(), base) and _greedy(policy, probe) == g_base
+    roles.activate(r_zero.SOLVER)
+    assert _greedy(policy, probe) == g_other and not _differs(roles.cpu[r_zero.CHALLENGER], base)
