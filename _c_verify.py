@@ -1119,7 +1119,8 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
     T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
     if isinstance(benchmarks, str):
-        benchmarks = [b for b in benchmarks.split(",") if b.strip()]
+        benchmarks = benchmarks.split(",")
+    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
     if isinstance(k, (int, str)):
         k = [int(x) for x in str(k).split(",") if str(x).strip()]
     ks = sorted({int(x) for x in k})
@@ -1134,7 +1135,6 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     t0 = time.time()
     results = {}
     for bench in benchmarks:
-        bench = bench.strip()
         probs = load_benchmark(bench, limit)
         prompts = [prompt_fn(p, tok) for p in probs]
         golds = [p["answer"] for p in probs]
@@ -1186,6 +1186,14 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                              prompt_fn, "__name__", "custom"),
                          "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
             "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
+
+
+def evaluate_config(policy, cfg, **kw):
+    """evaluate() with a RunConfig's eval_* settings: the call each method's main() makes at the end (and every
+    cfg.eval_every steps). Optional fields eval_temperature / eval_top_p are used when a Config declares them."""
+    return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
+                    limit=cfg.eval_limit, temperature=getattr(cfg, "eval_temperature", 0.6),
+                    top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
 
 
 # ------------------------------------------------------------------------------------------------------------

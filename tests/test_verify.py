@@ -459,6 +459,16 @@ def test_evaluate_tiny_model_vllm(vllm_sampler, tmp_path):
     assert r2["n_problems"] == 8 and 0.0 <= r2["greedy_acc"] <= 1.0
 
 
+def test_evaluate_config_uses_run_config(vllm_sampler):
+    cfg = common.RunConfig(eval_benchmarks=f"{BENCH},{BENCH}", eval_n=2, eval_k="1,2", eval_max_tokens=4,
+                           eval_limit=3)
+    res = common.evaluate_config(vllm_sampler, cfg)
+    assert list(res["benchmarks"]) == [str(BENCH)]          # the same file twice is one entry
+    r = res["benchmarks"][str(BENCH)]
+    assert r["n_problems"] == 3 and set(r["pass@k"]) == {"1", "2"}
+    assert res["settings"]["max_tokens"] == 4 and res["settings"]["n"] == 2
+
+
 def test_evaluate_rejects_bad_args():
     with pytest.raises(ValueError, match="n >= 1"):
         common.evaluate(object(), [str(BENCH)], n=0)
