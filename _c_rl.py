@@ -408,6 +408,14 @@ def _rl_swapped_weights(model, weights: dict):
         model.load_state_dict(backup, strict=False)
 
 
+def _rl_release_sampler(policy) -> None:
+    """With --vllm-sleep the engine frees its GPU memory for the training pass; the next sync or generate
+    wakes it (core's ``Policy.release_sampler_memory``; a no-op otherwise)."""
+    release = getattr(policy, "release_sampler_memory", None)
+    if callable(release):
+        release()
+
+
 def _rl_clip_and_step(policy, params, max_norm: float) -> float:
     """Clip the global grad norm and step; goes through ``policy.clip_and_step`` (where FSDP hides, #10) when
     clipping is on. Returns the pre-clip norm."""
@@ -435,6 +443,7 @@ def _rl_seq_mean(values: list[torch.Tensor]) -> float:
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None) -> dict:
     """One policy-gradient update on a rollout batch (rl_core §2-§5), then ``policy.sync()``.
 
+    0. ``policy.release_sampler_memory()`` (with --vllm-sleep the engine frees GPU memory until the sync).
     1. No-grad pass: l_old (the policy that sampled, rl_core §2), exact entropy, and l_ref if cfg.kl_coef > 0.
        Reference choice: the reference weights are kept on the CPU (``ref_weights``, e.g. ``policy.get_weights()``
        at phase start) and swapped into the trainer model's own tensors for this one no-grad pass, then the
@@ -445,8 +454,8 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
        division by the number of micro-batches); clip the grad norm to ``policy.cfg.grad_clip``; optimizer step.
     3. ``policy.sync()`` pushes the new weights into the sampler.
 
-    Returns stats: loss, grad_norm (pre-clip; means over updates), clip_frac (tokens where the clipped branch
-    was taken), approx_kl (k3 estimate of KL(pi_old || pi_new) over the last update, 0 when on-policy),
+    Returns stats: loss, grad_norm (pre-clip), clip_frac (share of tokens where the clipped branch was taken),
+    approx_kl (k3 estimate of KL(pi_old || pi), 0 when on-policy) -- these four averaged over the updates --,
     kl_ref (if kl_coef > 0), entropy (exact token entropy of the tempered distribution), nll_entropy (analysis
     Eq. 1: mean NLL of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1),
     entropy/<role> (Eq. 1 per role) and entropy_exact/<role>, tokens_per_s (completion tokens through
@@ -458,6 +467,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     if not trajs:
         raise ValueError("pg_step got no trajectories")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
+    _rl_release_sampler(policy)
     device = _rl_device(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -494,19 +504,22 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
 
+    if cfg.tis_cap > 0 and any(s is None for s in samp):
+        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
+
+    # 2. updates: micro-batched forward/backward with gradient accumulation, clip, step
     losses, norms, clip_n, kl_sum = [], [], 0.0, 0.0
     for _ in range(cfg.updates_per_batch):
         opt.zero_grad(set_to_none=True)
-        total, clip_n, kl_sum = 0.0, 0.0, 0.0
+        total = 0.0
         for k in range(n_mb_glob):
             # ranks with fewer micro-batches re-run their first one at weight 0 so FSDP collectives match (#10)
             mb, live = (mbs[k], 1.0) if k < len(mbs) else (mbs[0], 0.0)
             lp, en = _rl_forward(model, [prompts[i] for i in mb], [comps[i] for i in mb], temperature=T,
                                  with_entropy=cfg.entropy_coef > 0)
+
             def cat(xs):
                 return torch.cat([xs[i] for i in mb])
-            if cfg.tis_cap > 0 and any(samp[i] is None for i in mb):
-                raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory")
             tok_loss, clipped = pg_token_loss(lp, cat(old), cat(adv_tok), cfg,
                                               ref_logp=cat(ref) if ref is not None else None, entropy=en,
                                               sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
@@ -522,6 +535,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         losses.append(total)
         norms.append(float(norm))
     opt.zero_grad(set_to_none=True)
+    # 3. new weights into the sampler before the next generation
     policy.sync()
 
     n_tok = sum(lens)
@@ -530,8 +544,8 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     stats = {
         "loss": sum(losses) / len(losses),
         "grad_norm": sum(norms) / len(norms),
-        "clip_frac": clip_n / max(n_tok, 1),
-        "approx_kl": kl_sum / max(n_tok, 1),
+        "clip_frac": clip_n / (max(n_tok, 1) * cfg.updates_per_batch),
+        "approx_kl": kl_sum / (max(n_tok, 1) * cfg.updates_per_batch),
         "entropy": _rl_seq_mean(ent),
         "nll_entropy": _rl_seq_mean(nll),
         "tokens_per_s": n_tok * (cfg.updates_per_batch + 1) / elapsed,
@@ -572,6 +586,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     if not examples:
         raise ValueError("sft_step got no examples")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
+    _rl_release_sampler(policy)
     device = _rl_device(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
