@@ -354,17 +354,14 @@ class Executor:
     """Runs f(*args) for (program, args) jobs in common.PythonSandbox and classifies the outcome.
 
     There are `determinism_runs` sandboxes, each with its own separately started zygote processes (so a
-    different address-space layout) and, where the sandbox supports it, a different PYTHONHASHSEED: run j of a
+    different address-space layout) and its own PYTHONHASHSEED (= j): run j of a
     job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         kw = dict(workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout, memory_mb=cfg.sandbox_memory_mb,
                   max_output_chars=cfg.max_output_chars)
-        import inspect
-        seeded = "hash_seed" in inspect.signature(common.PythonSandbox).parameters
-        self.sandboxes = [common.PythonSandbox(**kw, **({"hash_seed": j} if seeded else {}))
-                          for j in range(max(1, cfg.determinism_runs))]
+        self.sandboxes = [common.PythonSandbox(**kw, hash_seed=j) for j in range(max(1, cfg.determinism_runs))]
 
     def call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str]]:
         """-> [(status, output repr)], status: ok | error | timeout | banned | too_large | nondeterministic |
