@@ -173,6 +173,9 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_NOATIME, MS_NODIRATIME, MS_REMOUNT, MS_BIND, MS_REC = 1024, 2048, 32, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # typed once here: a cheap call in each child
+PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+PRCTL.restype = ctypes.c_int
 REPORT = {"namespaces": {}, "notes": []}
 
 def note(msg):
@@ -455,8 +458,9 @@ def child_main(job, wfd):
         elif STATE.get("userns"):
             drop_caps()
         if sys.platform.startswith("linux"):
-            LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # also inherited from the zygote where it is set
+            PRCTL(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
+            if STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
+                PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         mem = job["memory_mb"] << 20
         cpu = int(job["timeout"]) + 1
         for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", job["fsize_mb"] << 20),
