@@ -192,6 +192,28 @@ def _vf_number(s):
         return None
 
 
+_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
+_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
+
+
+def _vf_rational(c):
+    """(Fraction, exact) for a canonical simple number: integer, decimal, a/b, \\frac{a}{b}, \\frac12; else None.
+    `exact` is False for decimals, which math-verify compares after rounding to 6 places."""
+    from fractions import Fraction
+    d = _vf_number(c)
+    if d is not None:
+        return Fraction(d), d == d.to_integral_value() and "." not in c
+    m = _VF_SLASH_RE.match(c)
+    if m and int(m.group(2)):
+        return Fraction(int(m.group(1)), int(m.group(2))), True
+    m = _VF_FRAC_RE.match(c)
+    if m:
+        num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
+        if den:
+            return Fraction(-num if m.group(1) == "-" else num, den), True
+    return None
+
+
 def _vf_max_depth(s):
     d = m = 0
     for ch in s:
@@ -231,12 +253,12 @@ def _vf_prepare(pred, gold):
     g_letter = choice_letter(gold) if re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None
     if g_letter is not None:
         return choice_letter(pred) == g_letter, pred, gold
-    np_, ng = _vf_number(cp), _vf_number(cg)
-    if np_ is not None and ng is not None:
-        if np_ == ng:
+    rp, rg = _vf_rational(cp), _vf_rational(cg)
+    if rp is not None and rg is not None:
+        if rp[0] == rg[0]:
             return True, pred, gold
-        if np_ == np_.to_integral_value() and ng == ng.to_integral_value():
-            return False, pred, gold  # two integers: nothing math-verify could add
+        if rp[1] and rg[1]:
+            return False, pred, gold  # two exact rationals (integers, a/b): nothing math-verify could add
     if _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2:
         return normalize_string(pred) == normalize_string(gold), pred, gold
     if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
