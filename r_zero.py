@@ -57,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -66,7 +65,6 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 import common
 
