@@ -145,7 +145,7 @@ def choice_letter(s):
 VF_MAX_ANSWER_CHARS = 1000   # longer answers skip math-verify (exact string compare only) and count as failures
 VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
 _VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
-_VF_HARD_GRACE_S = 1.0       # the worker's own soft alarm fires at `timeout`; it is killed at timeout + grace
+_VF_HARD_GRACE_S = 1.0       # soft alarm at `timeout` CPU-seconds; killed at timeout + grace CPU-seconds
 _VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
 _VF_CACHE = {}               # (pred, gold) -> bool for math-verify results (majority votes repeat pairs a lot)
 _VF_CACHE_MAX = 200_000
@@ -285,11 +285,11 @@ class Late(BaseException):
     pass
 def on_alarm(signum, frame):
     raise Late()
-signal.signal(signal.SIGALRM, on_alarm)
+signal.signal(signal.SIGPROF, on_alarm)
 def wrap(s):
     return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
 def check(pred, gold, t):
-    signal.setitimer(signal.ITIMER_REAL, t)
+    signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on machine load
     try:
         g = parse(wrap(gold), parsing_timeout=None)
         p = parse(wrap(pred), parsing_timeout=None)
@@ -299,7 +299,7 @@ def check(pred, gold, t):
     except Exception:
         return 3
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
 sys.stdout.write('{"ready": 1}\n'); sys.stdout.flush()
 for line in sys.stdin:
     try:
@@ -325,7 +325,21 @@ class _VfWorker:
         self.started = time.monotonic()
         self.inflight = []      # [(index, n_bytes)] in send order
         self.done = 0           # pairs answered; the pool retires a worker after _VF_WORKER_MAX_PAIRS
-        self.head_since = 0.0   # when the worker started on inflight[0] (approximately)
+        self.head_since = 0.0   # when the worker started on inflight[0] (approximately), wall clock
+        self.head_cpu = 0.0     # and its CPU seconds at that moment
+
+    def cpu(self):
+        """CPU seconds (user + system) the worker has used, from /proc; None where /proc is unavailable."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _VF_CLK_TCK
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def start_head(self):
+        self.head_since = time.monotonic()
+        self.head_cpu = self.cpu() or 0.0
 
     def lines(self):
         try:
@@ -382,7 +396,10 @@ class _VfPool:
         queue = list(range(len(items)))[::-1]     # pop() from the end = in order
         out = [None] * len(items)
         remaining = len(items)
-        hard = float(timeout) + _VF_HARD_GRACE_S
+        # Budgets are CPU time, so a loaded machine does not turn right answers into timeouts. A worker that
+        # uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap.
+        hard_cpu = float(timeout) + _VF_HARD_GRACE_S
+        hard_wall = 3 * hard_cpu + 2.0
         sel = selectors.DefaultSelector()
         for w in workers:
             sel.register(w.fd, selectors.EVENT_READ, w)
@@ -409,7 +426,7 @@ class _VfPool:
                     queue.append(idx)
                     return
                 if not w.inflight:
-                    w.head_since = time.monotonic()
+                    w.start_head()
                 w.inflight.append((idx, len(payload[idx])))
                 nbytes += len(payload[idx])
 
@@ -443,10 +460,16 @@ class _VfPool:
                         out[idx] = int(ln)
                         remaining -= 1
                         w.done += 1
-                        w.head_since = time.monotonic()
+                        w.start_head()
                 now = time.monotonic()
                 for w in list(workers):
-                    if w.inflight and now - w.head_since > hard:
+                    if w.inflight and now - w.head_since > hard_cpu:
+                        cpu = w.cpu()
+                        used = (cpu - w.head_cpu) if cpu is not None else now - w.head_since
+                        stuck = used > hard_cpu or now - w.head_since > hard_wall
+                    else:
+                        stuck = False
+                    if stuck:
                         idx, _ = w.inflight.pop(0)
                         out[idx] = 4
                         remaining -= 1
@@ -463,6 +486,7 @@ class _VfPool:
 
 
 _VF_POOL = None
+_VF_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _vf_pool():
@@ -540,7 +564,9 @@ def math_equal(pred, gold, timeout=2.0):
       4. Plain numbers with thousands commas: "1,000" == "1000"; two integers are decided here.
       5. Word answers (gold made of words): normalize_string equality (SPICE's String type).
       6. math-verify: `verify(parse(gold), parse(pred))`, gold first, raw strings wrapped in `$...$`, in a worker
-         process with a soft alarm at `timeout` s and a hard kill at timeout + 1 s (works from any thread).
+         process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with
+         machine load: a soft alarm at `timeout`, a kill at timeout + 1 s, and a kill after 3·(timeout + 1) + 2
+         wall seconds for a worker that makes no progress at all.
     Inputs over VF_MAX_ANSWER_CHARS or nested deeper than VF_MAX_BRACE_DEPTH skip math-verify. Timeouts, errors
     and skipped inputs return False and are counted (math_equal_failures()).
     """

@@ -104,7 +104,7 @@ def test_math_equal_hard_timeout_kills_stuck_worker():
         os.kill(pid, signal.SIGSTOP)
     t = time.monotonic()
     assert math_equal("y^3+2", "2+y^3", timeout=0.5) is False   # would be True: the stuck worker can't answer
-    assert time.monotonic() - t < 10
+    assert time.monotonic() - t < PER_CALL_BOUND_S
     assert math_equal_failures()["killed"] == before + 1
     assert not set(common.verifier_worker_pids()) & set(pids)
     assert math_equal("y^3+2", "2+y^3") is True                # the replacement works
@@ -125,12 +125,16 @@ BOMBS = [
 ]
 
 
+# worst case per call at timeout 0.5: the wall-clock cap 3 * (0.5 + 1) + 2 s, plus restarting a killed worker
+PER_CALL_BOUND_S = 3 * (0.5 + 1.0) + 2.0 + 8.0
+
+
 @pytest.mark.parametrize("bomb", BOMBS, ids=range(len(BOMBS)))
 def test_math_equal_latex_bombs_bounded(bomb):
-    t = time.monotonic()
-    assert math_equal(bomb, "1", timeout=0.5) is False
-    assert math_equal("1", bomb, timeout=0.5) is False
-    assert time.monotonic() - t < 2 * (0.5 + 1.0) + 6  # two soft/hard timeouts + a possible worker restart
+    for pred, gold in ((bomb, "1"), ("1", bomb)):
+        t = time.monotonic()
+        assert math_equal(pred, gold, timeout=0.5) is False
+        assert time.monotonic() - t < PER_CALL_BOUND_S
     assert isinstance(extract_boxed(bomb), (str, type(None)))
 
 
@@ -146,7 +150,7 @@ def test_math_equal_fuzz_never_raises_or_hangs(pred, gold):
     t = time.monotonic()
     r = math_equal(pred, gold, timeout=0.5)
     assert isinstance(r, bool)
-    assert time.monotonic() - t < 0.5 + 1.0 + 6
+    assert time.monotonic() - t < PER_CALL_BOUND_S
 
 
 @settings(max_examples=200, deadline=None)
