@@ -347,13 +347,14 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = _lines(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    for t in az.TASKS:
-        assert 0.0 <= metrics[1][f"{t}/valid_rate"] <= 1.0 and metrics[1][f"{t}/buffer_size"] >= 1
-        assert sum(metrics[1][f"{t}/reject/{k}"] for k in az.REJECT_REASONS) + \
-            round(metrics[1][f"{t}/valid_rate"] * 2) == 2 or t == "induction"
+    for t in az.TASKS:  # the random tiny model rarely proposes anything valid; every proposal is accounted for
+        rejected = sum(metrics[1][f"{t}/reject/{k}"] for k in az.REJECT_REASONS)
+        assert rejected + round(metrics[1][f"{t}/valid_rate"] * 2) == 2, t
+        assert metrics[1][f"{t}/buffer_size"] >= (0 if t == "induction" else 1)  # D_ded, D_abd hold the zero triplet
     assert "train/grad_norm" in metrics[1] and "entropy/solver" in metrics[1]
     roles = {s["role"] for s in _lines(out / "samples.jsonl")}
-    assert {f"{r}/{t}" for r in az.ROLES for t in az.TASKS} <= roles
+    # D_ind stays empty when the random model never writes valid inputs, so there may be no induction solver batch
+    assert {f"proposer/{t}" for t in az.TASKS} | {"solver/deduction", "solver/abduction"} <= roles
     ck = out / "checkpoints" / "step_2"
     assert (ck / "config.json").is_file() and (ck / "model.safetensors").is_file()
     saved = json.loads((ck / "trainer_state.json").read_text())["state"]["buffers"]
