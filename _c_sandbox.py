@@ -452,6 +452,7 @@ def child_main(job, wfd):
             os.dup2(null, fd)
         os.closerange(4, STATE["maxfd"])
         os.chdir(job["dir"])
+        os.environ["HOME"] = os.environ["TMPDIR"] = job["dir"]  # the one writable place (tempfile finds it)
         if STATE["drop_uid"]:
             os.setgroups([])
             set_ids(CFG["uid"], CFG["gid"])
@@ -597,8 +598,10 @@ def remove_tree(path):
 PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
 SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
-def run_job(job, counter):
-    jobdir = os.path.join(CFG["scratch"], "j%d" % counter)
+def run_job(job):
+    jobdir = os.path.join(CFG["scratch"], "job")  # the same path for every program: outputs can't differ by it
+    if os.path.lexists(jobdir):
+        remove_tree(jobdir)
     os.mkdir(jobdir, 0o700)
     if STATE["drop_uid"]:
         os.chown(jobdir, CFG["uid"], CFG["gid"])
@@ -784,14 +787,14 @@ def main():
             probe = run_job({"program": "import ctypes, os\nlibc = ctypes.CDLL(None)",
                              "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
                                            % (CLONE_NEWUSER, CLONE_NEWNET),
-                             "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}, 0)
+                             "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
             if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
                 note("self-test failed: %r" % (probe,))
                 REPORT["self_test"] = False
             else:
                 REPORT["self_test"] = True
         probe = run_job({"program": "import statistics, decimal", "expression": "1", "timeout": 5.0,
-                         "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}, 0)
+                         "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
         if probe.get("value") != "1":
             REPORT["self_test"] = False
             note("children cannot import the standard library (%s): on this host Python's files are not "
@@ -803,14 +806,12 @@ def main():
     gc.collect()
     gc.freeze()  # keep the collector away from inherited objects: fewer copy-on-write faults per child
     send({"ready": True, "report": REPORT})
-    counter = 1
     while True:
         job = recv()
         try:
-            res = run_job(job, counter)
+            res = run_job(job)
         except BaseException as e:
             res = {"status": "sandbox_error", "value": None, "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        counter += 1
         send(res)
 
 main()

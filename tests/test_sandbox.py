@@ -187,6 +187,12 @@ def test_child_environment(sb, host):
     assert nproc == (32, 32) and core == (0, 0)
     if LINUX_ROOT:
         assert uid in sb.uids and pid == 1   # PID 1 of its own PID namespace
+    # the private directory is writable, is HOME and TMPDIR, and has the same path in every run
+    prog = "import os, tempfile\nwith tempfile.NamedTemporaryFile(delete=False) as f:\n    f.write(b'x')"
+    runs = sb.run_many([(prog, "os.getcwd(), os.path.dirname(f.name), os.path.expanduser('~'), len(os.listdir()), "
+                               "os.path.basename(f.name) in os.listdir()")] * 3)
+    assert all(r == runs[0] and r.status == "ok" for r in runs), runs
+    assert parse_literal(runs[0].value) == (cwd, cwd, cwd, 1, True)
 
 
 # ------------------------------------------------------------------ adversarial cases 1-33
