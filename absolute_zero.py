@@ -256,7 +256,8 @@ def parse_call_args(text: str) -> tuple | None:
         node = ast.parse(f"_({text.strip()}\n)", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(node, ast.Call) or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_") or \
+            node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
         return None
     try:
         return tuple(ast.literal_eval(a) for a in node.args)

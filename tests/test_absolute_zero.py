@@ -39,7 +39,7 @@ def test_parse_call_args_accepts_only_literals():
     assert az.parse_call_args("[3, 1], 'xy'") == ([3, 1], "xy")
     assert az.parse_call_args("'Hello World'") == ("Hello World",)
     assert az.parse_call_args("{1: (2, 3)}, set()") == ({1: (2, 3)}, set())
-    for bad in ["", "x", "__import__('os')", "1, *a", "k=1", "[1, 2"]:
+    for bad in ["", "x", "__import__('os')", "1, *a", "k=1", "[1, 2", "1)(2", "1), (2"]:
         assert az.parse_call_args(bad) is None, bad
 
 
