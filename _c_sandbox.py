@@ -452,7 +452,6 @@ def child_main(job, wfd):
             os.dup2(null, fd)
         os.closerange(4, STATE["maxfd"])
         os.chdir(job["dir"])
-        os.environ["HOME"] = os.environ["TMPDIR"] = job["dir"]  # the one writable place (tempfile finds it)
         if STATE["drop_uid"]:
             os.setgroups([])
             set_ids(CFG["uid"], CFG["gid"])
@@ -778,6 +777,9 @@ def main():
             CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
         os.chmod(CFG["scratch"], 0o711)
         REPORT["scratch"] = CFG["scratch"]
+        # the job directory has one fixed path: it is also HOME and TMPDIR (so tempfile finds a writable place)
+        os.environ["HOME"] = os.environ["TMPDIR"] = os.path.join(CFG["scratch"], "job")
+        PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion before the children need it
         REPORT["rlimits"] = STATE["rlimits"]
         REPORT["uid_dropped"] = STATE["drop_uid"]
         REPORT["uid"] = CFG["uid"] if REPORT["uid_dropped"] else os.geteuid()
