@@ -77,6 +77,7 @@ import time
 from dataclasses import dataclass
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden", "sandbox_error")
+_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what a program's frame may claim
 
 
 @dataclass(frozen=True)
@@ -203,11 +204,28 @@ def recv():
     (n,) = struct.unpack(">I", recv_exact(4))
     return json.loads(recv_exact(n))
 
-def send(obj):
-    data = json.dumps(obj).encode()
+def send_bytes(data):
     data = struct.pack(">I", len(data)) + data
     while data:
         data = data[os.write(1, data):]
+
+def send(obj):
+    send_bytes(json.dumps(obj).encode())
+
+def reply_bytes(res):
+    """A job's reply: b"Z" + JSON made here, or the child's own frame passed through undecoded, tagged
+    b"P" (written after setup, by the program's process) or b"S" (written during setup). The trainer decodes
+    and checks it: parsing there instead of here saves copy-on-write faults in this forking process."""
+    if type(res) is tuple:
+        return res[0] + res[1]
+    return b"Z" + json.dumps(res).encode()
+
+def decode_reply(data):
+    """Only for the start-up self-tests (the trainer decodes every other reply)."""
+    try:
+        return json.loads(data[1:])
+    except ValueError:
+        return {"status": "crash", "value": None, "error": "malformed"}
 
 # ------------------------------------------------------------- one-time isolation of the zygote itself
 
@@ -594,7 +612,6 @@ def remove_tree(path):
     except OSError:
         pass
 
-PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
 SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
 def run_job(job):
@@ -675,18 +692,9 @@ def run_job(job):
     remove_tree(jobdir)
     if buf is None:
         return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
-    started = buf[:1] == b"R"
     if need is not None and len(buf) >= need:
-        try:
-            res = json.loads(buf[need - struct.unpack(">I", buf[int(started):int(started) + 4])[0]:need])
-            assert isinstance(res, dict) and set(res) == {"status", "value", "error"}
-            assert all(v is None or type(v) is str for v in res.values())
-        except Exception:
-            return {"status": "crash", "value": None, "error": "child wrote a malformed result"}
-        allowed = PROGRAM_STATUSES if started else ("sandbox_error",)
-        if res["status"] not in allowed:
-            return {"status": "crash", "value": None, "error": "child reported a status it may not claim"}
-        return res
+        started = buf[:1] == b"R"
+        return (b"P" if started else b"S", buf[int(started) + 4:need])
     if timed_out:
         return {"status": "timeout", "value": None, "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
     cpu = rusage.ru_utime + rusage.ru_stime
@@ -790,6 +798,7 @@ def main():
                              "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
                                            % (CLONE_NEWUSER, CLONE_NEWNET),
                              "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
+            probe = decode_reply(reply_bytes(probe))
             if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
                 note("self-test failed: %r" % (probe,))
                 REPORT["self_test"] = False
@@ -797,6 +806,7 @@ def main():
                 REPORT["self_test"] = True
         probe = run_job({"program": "import statistics, decimal", "expression": "1", "timeout": 5.0,
                          "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
+        probe = decode_reply(reply_bytes(probe))
         if probe.get("value") != "1":
             REPORT["self_test"] = False
             note("children cannot import the standard library (%s): on this host Python's files are not "
@@ -814,7 +824,7 @@ def main():
             res = run_job(job)
         except BaseException as e:
             res = {"status": "sandbox_error", "value": None, "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        send(res)
+        send_bytes(reply_bytes(res))
 
 main()
 '''
@@ -901,7 +911,7 @@ class _SbWorker:
         while True:
             msg = self.poll()
             if msg is not None:
-                return msg
+                return json.loads(msg)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError("sandbox zygote did not answer in time")
@@ -910,8 +920,8 @@ class _SbWorker:
             sel.select(left)
             sel.close()
 
-    def poll(self):
-        """Read what is available; return one decoded message or None. Raises EOFError if the zygote died."""
+    def poll(self) -> bytes | None:
+        """Read what is available; return one whole frame or None. Raises EOFError if the zygote died."""
         try:
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
@@ -927,7 +937,7 @@ class _SbWorker:
         if len(self.buf) < 4 + n:
             return None
         data, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
-        return json.loads(data)
+        return data
 
     def kill(self):
         scratch = self.__dict__.get("report", {}).get("scratch", "")
@@ -1148,12 +1158,25 @@ class PythonSandbox:
                 self._restart(i)
             sel.close()
 
-    def _result(self, msg) -> ExecResult:
-        if not isinstance(msg, dict):
-            return ExecResult("sandbox_error", None, "malformed reply from the sandbox")
-        status, value, error = msg.get("status"), msg.get("value"), msg.get("error")
-        if status not in EXEC_STATUSES or not isinstance(value, (str, type(None))) or \
-                not isinstance(error, (str, type(None))):
+    def _result(self, reply: bytes) -> ExecResult:
+        """Decode and check one reply. b"Z": made by the zygote. b"P": the child's frame after setup, i.e. from
+        the program's process, which may only claim program outcomes. b"S": the child's frame from setup."""
+        kind = reply[:1]
+        allowed = {b"Z": EXEC_STATUSES, b"P": _SB_PROGRAM_STATUSES, b"S": ("sandbox_error",)}.get(kind)
+        if allowed is None:
+            raise ValueError("malformed reply from the sandbox zygote")
+        try:
+            msg = json.loads(reply[1:])
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict) or set(msg) != {"status", "value", "error"}:
+            if kind == b"Z":
+                raise ValueError("malformed reply from the sandbox zygote")
+            return ExecResult("crash", None, "the program wrote a malformed result")
+        status, value, error = msg["status"], msg["value"], msg["error"]
+        if status not in allowed:
+            return ExecResult("crash", None, f"the program claimed status {str(status)[:40]!r}, which it may not")
+        if not isinstance(value, (str, type(None))) or not isinstance(error, (str, type(None))):
             return ExecResult("crash", None, "the program forged a malformed result")
         if (value is None) != (status != "ok"):
             return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
