@@ -40,7 +40,6 @@ Paper-silent defaults are Oat's (sail-sg/oat): clip 0.2, one PPO epoch, grad cli
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -482,18 +481,10 @@ def grade_answers(task: Task, completions: list) -> list[float]:
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
-    """Eq. 1 (App. D, Eq. 5) on the K correctness bits, or the ablation reward named by --challenger-reward."""
-    p = float(np.mean(correct))
-    if cfg.challenger_reward == "variance":
-        return float(common.variance_reward(p, tau=cfg.tau))   # population variance p(1 - p) inside
-    if cfg.challenger_reward == "learnability":
-        return float(common.learnability_reward(p))
-    if cfg.challenger_reward == "uncertainty":
-        return float(common.uncertainty_reward(p))
-    if cfg.challenger_reward == "threshold":
-        return float(common.threshold_reward(p))
-    raise ValueError(f"--challenger-reward must be variance, learnability, uncertainty or threshold, "
-                     f"not {cfg.challenger_reward!r}")
+    """Eq. 1 (App. D, Eq. 5) on the K correctness bits: exp(-(p(1-p) - 0.25)^2 / (2 tau)), the POPULATION
+    variance p(1-p); or the ablation shape named by --challenger-reward (learnability = AZR's Eq. 4,
+    uncertainty = R-Zero's 1 - 2|p - 1/2|, threshold = 1[0 < p < 1])."""
+    return float(common.proposer_reward(float(np.mean(correct)), cfg.challenger_reward, tau=cfg.tau))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -533,13 +524,10 @@ def sample_documents(corpus: list[str], n: int, rng: np.random.Generator, no_doc
 def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng: np.random.Generator) -> tuple[list, int]:
     """Step 2a: MCQ or free-form (+ answer type) per document (Fig. 9); untrained, decoded greedily.
     Returns the choices and how many fell back to a coin flip (unusable type-selection output)."""
-    allowed = {"both": ("mcq", "free"), "mcq": ("mcq",), "free": ("free",)}.get(cfg.task_types)
-    if allowed is None:
-        raise ValueError(f"--task-types must be both, mcq or free, not {cfg.task_types!r}")
+    allowed = {"both": ("mcq", "free"), "mcq": ("mcq",), "free": ("free",)}[cfg.task_types]
     parsed = [None] * len(docs)
+    # without a document (ablation) there is nothing to judge, so the coin decides
     ask = cfg.type_selection == "prompt" and docs and docs[0] is not None and allowed != ("mcq",)
-    if cfg.type_selection not in ("prompt", "random"):
-        raise ValueError(f"--type-selection must be prompt or random, not {cfg.type_selection!r}")
     if ask:
         outs = policy.generate([type_selection_prompt(d, fmt) for d in docs], n=1, temperature=0.0,
                                max_tokens=cfg.type_select_max_tokens)
@@ -744,18 +732,18 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
 # --------------------------------------------------------------------------------------------------------------
 # Training loop and main()
 # --------------------------------------------------------------------------------------------------------------
-def build_decontaminator(cfg: Config):
-    """13-gram decontamination against the evaluation sets (analysis §7.3); None if switched off."""
-    if not cfg.decontaminate or not cfg.eval_benchmarks.strip():
-        return None
-    refs = []
+def load_eval_sets(cfg: Config) -> tuple[list[str], list[str]]:
+    """The evaluation sets that load (checked up front, so that a 640-step run does not die at its final
+    evaluation), and their questions for decontamination. A set that cannot be loaded is reported and skipped."""
+    names, questions = [], []
     for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
         try:
-            refs.extend(row["question"] for row in common.load_benchmark(name))
-        except Exception as e:  # e.g. an offline machine: say so and go on without that set
-            print(f"[spice] warning: cannot load eval set {name!r} for decontamination ({e}); "
-                  f"its items are not checked", file=sys.stderr)
-    return common.Decontaminator(refs, n=13) if refs else None
+            questions.extend(row["question"] for row in common.load_benchmark(name))
+            names.append(name)
+        except Exception as e:  # e.g. an offline machine or a typo: say so and go on without that set
+            print(f"[spice] warning: cannot load eval set {name!r}, so it is neither evaluated nor used for "
+                  f"decontamination: {e}", file=sys.stderr)
+    return names, questions
 
 
 def reasoner_eval_prompt(fmt: str):
@@ -768,8 +756,7 @@ def reasoner_eval_prompt(fmt: str):
     return spice_reasoner_prompt
 
 
-def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
-    benches = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
+def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, name: str = "eval.json") -> dict:
     if not benches:
         return {}
     ks = tuple(int(k) for k in str(cfg.eval_k).split(",") if k.strip())
@@ -815,7 +802,9 @@ def train(cfg: Config, policy=None) -> Path:
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     fmt = resolve_prompt_format(cfg, policy.tokenizer)
-    decon = build_decontaminator(cfg)
+    eval_sets, eval_questions = load_eval_sets(cfg)
+    # 13-gram decontamination of the corpus and of every generated question (analysis §7.3)
+    decon = common.Decontaminator(eval_questions, n=13) if cfg.decontaminate and eval_questions else None
     corpus = []
     if not cfg.no_document:
         with run.timer("corpus"):
@@ -857,14 +846,14 @@ def train(cfg: Config, policy=None) -> Path:
                 metrics[f"{role}/entropy_exact"] = train_stats.get(f"entropy_exact/{role}")
         run.log_samples(step, "document", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            res = run_eval(policy, run, cfg, fmt, step, name=f"eval_step{step}.json")
+            res = run_eval(policy, run, cfg, fmt, eval_sets, step, name=f"eval_step{step}.json")
             metrics.update(eval_metrics(res))
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
-    res = run_eval(policy, run, cfg, fmt, cfg.steps)
+    res = run_eval(policy, run, cfg, fmt, eval_sets, cfg.steps)
     if res:
         run.log(cfg.steps, eval_metrics(res))
     run.close()

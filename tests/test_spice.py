@@ -294,7 +294,7 @@ class _WordTok:
 
 
 def test_corpus_reader_and_chunking(tmp_path):
-    docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
+    docs = spice.read_jsonl_documents(str(CORPUS))
     assert len(docs) == 9 and all(isinstance(d, str) and d for d in docs)
     assert spice.read_jsonl_documents(str(CORPUS), limit=3) == docs[:3]
     chunks = spice.chunk_document(" ".join(f"w{i}" for i in range(25)), _WordTok(), 10)
@@ -369,7 +369,7 @@ SMALL_RUN = ["--model", "tiny", "--corpus", str(CORPUS), "--docs-per-step", "1",
 
 
 @pytest.mark.slow
-def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path):
+def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     run_dir = tmp_path / "run"
     res = _cli([*SMALL_RUN, "--steps", "3", "--output-dir", str(run_dir)])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -385,26 +385,32 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path):
     assert samples and samples[0]["document_excerpt"] in CORPUS.read_text().replace('\\"', '"')
     assert (run_dir / "checkpoints" / "step_3" / "config.json").is_file()
     assert (run_dir / "eval.json").is_file()
-    # resume: continue the same folder to step 4; steps 1-3 are not redone, step 4 is logged once
-    res = _cli(["--resume", str(run_dir), "--steps", "4"])
-    assert res.returncode == 0, res.stderr[-3000:]
+    # resume: continue the same folder to step 4; steps 1-3 are not redone, step 4 is logged once. This is
+    # main()'s path (parse_config -> train) in-process, on the session's engine, to save a second engine start.
+    cfg = common.parse_config(spice.Config, ["--resume", str(run_dir), "--steps", "4"])
+    assert cfg.group_size == 2 and cfg.output_dir == str(run_dir)
+    spice.train(cfg, common.Policy.load(cfg, sampler=vllm_sampler))
     steps = [r["step"] for r in _metrics(run_dir) if "challenger/valid_rate" in r]
     assert steps == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "step_4" / "model.safetensors").is_file()
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 4
 
 
-def test_cli_bad_input_is_a_clear_error(tmp_path):
+def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "fine"}\n{"content": "wrong field"}\n')
     cfg = spice.Config(model="tiny", corpus=str(p))
     with pytest.raises(spice.CorpusError, match=r"bad.jsonl:2: missing field 'text'"):
         spice.load_corpus(cfg, _WordTok(), 100)
-    res = _cli(["--model", "tiny", "--challenger-reward", "varience", "--steps", "1",
-                "--output-dir", str(tmp_path / "r")])
-    assert res.returncode != 0 and "challenger-reward" in res.stderr
-    res = _cli(["--model", "tiny", "--group-sise", "4"])
-    assert res.returncode == 2 and "--group-size" in res.stderr
+    with pytest.raises(SystemExit) as e:                      # checked before anything is loaded or written
+        spice.main(["--model", "tiny", "--challenger-reward", "varience", "--output-dir", str(tmp_path / "r")])
+    assert "--challenger-reward must be variance" in str(e.value.code) and not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit) as e:
+        spice.main(["--model", "tiny", "--max-attempts", "4", "--group-size", "8"])
+    assert "--max-attempts must be at least --group-size" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        spice.main(["--model", "tiny", "--group-sise", "4"])
+    assert e.value.code == 2 and "--group-size" in capsys.readouterr().err
 
 
 # A warmed tiny model writes well-formed MCQ JSON from any document and answers the question with A or B about
