@@ -561,7 +561,8 @@ def math_equal(pred, gold, timeout=2.0):
       1. None / empty -> False. A full response containing `\\boxed{}` is reduced to its last box.
       2. Identical after light canonicalisation (no `$`, spaces, `\\left`/`\\right`, trailing period).
       3. Multiple choice: a gold letter ("B", "(B)", "(b)") matches the pred's leading letter ("B) 149,600,000 km").
-      4. Plain numbers with thousands commas: "1,000" == "1000"; two integers are decided here.
+      4. Simple numbers compared as exact fractions: "1,000" == "1000", "3/4" == "\\frac{3}{4}" == "0.75"; two
+         unequal exact rationals (integers, a/b) are decided here, decimals that differ go on to math-verify.
       5. Word answers (gold made of words): normalize_string equality (SPICE's String type).
       6. math-verify: `verify(parse(gold), parse(pred))`, gold first, raw strings wrapped in `$...$`, in a worker
          process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with

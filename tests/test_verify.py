@@ -160,7 +160,7 @@ def test_extract_boxed_fuzz(text):
     t = time.monotonic()
     r = extract_boxed(text)
     assert r is None or isinstance(r, str)
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 3.0  # linear scan; generous for a loaded CI machine
 
 
 # ---------------------------------------------------------------------------------------------- majority vote
@@ -398,7 +398,7 @@ def test_decontamination():
     t = time.monotonic()
     d = Decontaminator(refs)
     flags = d.flags(qs)
-    assert time.monotonic() - t < 10
+    assert time.monotonic() - t < 30  # a set lookup per n-gram; a pairwise scan would take minutes
     assert flags[-1] and sum(flags) == 1
 
 
