@@ -28,7 +28,7 @@ The loop (paper Alg. 1, §3.3), one function per step below, in this order:
 
 Run it:    python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B
 Small run: python absolute_zero.py --model Qwen/Qwen2.5-Coder-0.5B --batch-size 8 --max-response-tokens 1024
-Ablations ("Towards Understanding Self-play", arXiv 2510.xxxx, §3.3 and §3.5):
+Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3 and §3.5), which analyses this loop:
            --freeze-proposer                 proposer trajectories get no gradient (still proposes, still logged)
            --proposer-reward uncertainty     Eq. 3, 1 - 2|r_bar - 0.5| instead of AZR's Eq. 4, 1 - r_bar
 
@@ -955,12 +955,14 @@ def train(cfg: Config) -> dict:
 
 
 def _flat_eval(ev: dict) -> dict:
+    """eval/<benchmark>/<metric> for the numeric entries of common.evaluate's result (plus pass@k)."""
     out = {}
-    for bench, res in ev.items():
-        if isinstance(res, dict):
-            for k, v in res.items():
-                if isinstance(v, (int, float)):
-                    out[f"eval/{bench}/{k}"] = v
+    for bench, res in (ev.get("benchmarks") or {}).items():
+        for k, v in res.items():
+            if isinstance(v, (int, float)):
+                out[f"eval/{bench}/{k}"] = v
+        for k, v in (res.get("pass@k") or {}).items():
+            out[f"eval/{bench}/pass@{k}"] = v
     return out
 
 
