@@ -15,8 +15,9 @@ Design (why each piece is there):
 * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter started clean
   with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment, cwd ``/``), never forked
   from the multi-GB trainer and never importing ``common``/torch. Per job it forks a child that runs exactly
-  one program and then exits, so monkeypatched builtins, threads or caches never reach the next task, and a
-  fork costs ~1 ms instead of ~20 ms for a new interpreter.
+  one program and then exits, so monkeypatched builtins, threads or caches never reach the next task. A job
+  costs 1.5-2 ms of CPU in all (trainer + zygote + child; most of it copy-on-write page faults, which are slow
+  in a VM) against 25-40 ms for a fresh interpreter: see tests/bench_sandbox.py.
 
 * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters private
