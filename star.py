@@ -42,12 +42,14 @@ Choices this file makes (spec: shared/methods/star.md):
     --warmup short warms up over at most 10% of each round's steps.
   * Training batches are unpacked: examples are drawn from the shuffled round dataset until --batch-tokens
     target tokens (8 packed sequences x 1,536 tokens in the code) are reached.
+  * Step 0 of metrics.jsonl is the few-shot base model's test accuracy (the paper's "few-shot CoT" column):
+    STaR cannot bootstrap from a model at chance level (§6), so look at it first.
+  * One process: the trainer and the vLLM engine share one GPU. Generation is not yet sharded over torchrun
+    ranks (every rank would repeat it).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import random
 import re
 import sys

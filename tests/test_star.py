@@ -379,7 +379,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in m] == [0, 1]
+    assert [r["step"] for r in m] == [0, 1], proc.stderr[-3000:]
     assert m[0]["test/accuracy"] == 0.5  # the warmed few-shot base model: 2 of 4
     r1 = m[1]
     assert (r1["train/solved_direct"], r1["train/rationalized"], r1["train/kept"]) == (0.5, 0.5, 12)
@@ -403,6 +403,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     m = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in m] == [0, 1, 2]
     r2 = m[2]
+    print(json.dumps(m, indent=1))  # shown by pytest if an assertion below fails
     # learning: M_1 was trained on the 6 rationalized examples WITHOUT the hint and now solves them directly
     assert r2["train/solved_direct"] == 1.0 > r1["train/solved_direct"]
     assert r2["train/rationalized"] == 0.0 and r2["train/kept"] == 12
@@ -414,3 +415,20 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
     assert json.loads((out / "eval.json").read_text())["stopped"] == "reached --rounds"
     assert "benchmarks" in results  # the extra common.evaluate pass after the last round
+
+
+def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_path, vllm_sampler):
+    """The random tiny model never reaches a gold answer: the round warns (paper §6), trains nothing, and M_1 = M."""
+    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST), exemplars=str(SHOTS), rounds=1,
+                      max_new_tokens=8, max_model_len=2048, output_dir=str(tmp_path / "run"), log_samples=2)
+    with pytest.warns(UserWarning, match="cannot bootstrap"):
+        results = star.train(cfg, sampler=vllm_sampler)
+    m = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in m] == [0, 1]
+    assert (m[1]["train/kept"], m[1]["sft/steps"], m[1]["train/coverage"]) == (0, 0, 0.0)
+    assert m[1]["test/accuracy"] == m[0]["test/accuracy"] == 0.0
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step_1" / "model.safetensors"))
+    base = load_file(str(pathlib.Path(tiny_model_path) / "model.safetensors"))
+    assert all(torch.equal(saved[k], base[k]) for k in base if k in saved)
+    assert results["best_round"] == 0 and (tmp_path / "run" / "rounds" / "round_1.jsonl").read_text() == ""
