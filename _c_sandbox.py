@@ -165,6 +165,10 @@ def _sb_all_finite(value) -> bool:
 # Everything below up to the closing quotes runs in the zygote, NOT in the trainer. It only uses the stdlib.
 
 _SB_ZYGOTE_SOURCE = r'''
+# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer sends its config
+# (JSON) and gets {"ready", "report"}; then, one at a time, a job (JSON) -> a reply (see reply_bytes).
+# Per job: fork a child (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program
+# and writes one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; reply.
 import ctypes, gc, json, os, resource, select, signal, struct, sys, time
 
 CFG = None
