@@ -1003,6 +1003,7 @@ class PythonSandbox:
                       for i in range(self.workers)]
         self.uids = sorted({c["uid"] for c in self._cfgs})
         self._lock = threading.Lock()
+        self._owner = os.getpid()  # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts = 0
         self._closed = False
@@ -1056,6 +1057,9 @@ class PythonSandbox:
                                 f"got {type(job).__name__}")
         if self._closed:
             raise RuntimeError("PythonSandbox is closed; create a new one")
+        if os.getpid() != self._owner:
+            raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
+                               f"{self._owner}); create a new one in this forked process")
         timeout = float(timeout_s or self.timeout_s)
         results: list[ExecResult | None] = [None] * len(jobs)
         with self._lock:
@@ -1064,6 +1068,8 @@ class PythonSandbox:
 
     def close(self):
         self._closed = True
+        if os.getpid() != getattr(self, "_owner", None):
+            return  # a forked copy of the trainer: the workers are not ours to stop
         for i, w in enumerate(self._pool):
             if w is not None:
                 w.kill()

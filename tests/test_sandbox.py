@@ -677,3 +677,20 @@ def test_run_many_runs_in_parallel(sb):
     results = sb.run_many([("import time\ntime.sleep(0.6)", "'a'"), ("import time\ntime.sleep(0.6)", "'b'")])
     assert [r.value for r in results] == ["'a'", "'b'"]
     assert time.monotonic() - t0 < 1.1   # two workers: the sleeps overlap
+
+
+def test_forked_copy_of_the_trainer_leaves_workers_alone(sb):
+    pids = [p.pid for p in _zygotes(sb)]
+    child = os.fork()
+    if child == 0:  # e.g. a DataLoader worker: it inherits the object, must not use or stop it
+        code = 0
+        try:
+            sb.run("", "1")
+            code = 1
+        except RuntimeError:
+            pass
+        sb.close()
+        os._exit(code)
+    assert os.waitpid(child, 0)[1] == 0
+    assert [p.pid for p in _zygotes(sb)] == pids and all(p.poll() is None for p in _zygotes(sb))
+    assert sb.run("", "6 * 7") == ExecResult("ok", "42", None)
