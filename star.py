@@ -89,6 +89,7 @@ class Config(common.RunConfig):
     warmup: str = "faithful"  # faithful = linear over --warmup-steps, restarted every round (the code) | short = over at most 10% of each round's steps
     warmup_steps: int = 100  # linear warmup length (configs/qa_base.json)
     eval_every: int = 1  # evaluate the test split every N rounds (Alg. 1: every round, to see the plateau); 0 = only after the last round
+    eval_limit: int = 0  # first N test questions at every evaluation (0 = the whole test split; also limits --eval-benchmarks)
     eval_temperature: float = 0.6  # sampling temperature for pass@k when --eval-n > 1 (accuracy is always greedy)
     eval_benchmarks: str = ""  # extra common.evaluate benchmarks after the last round ("" = only the task's test split)
     entropy_samples: int = 0  # >0: per round, sample this many training questions at T=1 and log the policy entropy (analysis.md §3; STaR itself decodes greedily)
@@ -710,6 +711,11 @@ def train(cfg: Config, sampler=None) -> dict:
             state["round"] = n
             state["history"].append({"round": n, **{k: v for k, v in metrics.items() if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
+            bar.set_postfix({"direct": f"{metrics['train/solved_direct']:.3f}",
+                             "rationalized": f"{metrics['train/rationalized']:.3f}",
+                             "kept": metrics["train/kept"], "loss": f"{metrics['sft/loss'] or 0:.3g}",
+                             "acc": f"{metrics.get('test/accuracy', float('nan')):.3f}",
+                             "len": f"{metrics['train/rationale_tokens']:.0f}"}, refresh=False)
             bar.update(1)
             if n % max(1, cfg.save_every) == 0 or n == cfg.rounds or state["stopped"]:
                 run.save_checkpoint(n, policy, state)
