@@ -288,12 +288,33 @@ def on_alarm(signum, frame):
 signal.signal(signal.SIGPROF, on_alarm)
 def wrap(s):
     return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
+def surely_differ(g, p, raw):
+    # Most unequal pairs are plain expressions with different values: evaluating both at one point proves it in
+    # well under a millisecond, where verify() would try simplification for tens of milliseconds. Anything
+    # verify() treats specially (%, degrees, sets, relations, matrices, floats rounded to 6 places) goes to verify.
+    from sympy import Expr, Rational
+    a, b = g[0], p[0]
+    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw or "deg" in raw:
+        return False
+    syms = sorted(a.free_symbols | b.free_symbols, key=str)
+    if len(syms) > 6:
+        return False
+    at = {s: Rational(13 + 7 * i, 10) for i, s in enumerate(syms)}
+    try:
+        va, vb = complex(a.evalf(30, subs=at)), complex(b.evalf(30, subs=at))
+    except Exception:
+        return False
+    if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
+        return False
+    return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
 def check(pred, gold, t):
     signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on machine load
     try:
         g = parse(wrap(gold), parsing_timeout=None)
         p = parse(wrap(pred), parsing_timeout=None)
-        return 1 if (g and p and verify(g, p, timeout_seconds=None)) else 0
+        if not (g and p) or surely_differ(g, p, pred + gold):
+            return 0
+        return 1 if verify(g, p, timeout_seconds=None) else 0
     except Late:
         return 2
     except Exception:
