@@ -80,6 +80,23 @@ def test_math_equal_false(pred, gold):
     assert math_equal(pred, gold) is False
 
 
+AGREE_PAIRS = [
+    (r"\frac{x}{2}", "0.5x"), (r"2\sin x\cos x", r"\sin(2x)"), (r"3\sqrt{2}", r"\sqrt{18}"), ("1.000001", "1"),
+    (r"\frac{1}{\sqrt2}", r"\frac{\sqrt2}{2}"), ("x^2-1", "(x-1)(x+1)"), (r"\pi/2", "1.5708"), (r"\pi/2", "1.570796"),
+    ("a+b", "b+a"), ("2a", "a+a"), ("10^{-7}", "0"), ("e", "2.718282"), ("62x", "62"), (r"\sqrt{62}", "62x"),
+    ("(x+1)^3", "x^2+2x+1"), ("0.333333", r"\frac13"), (r"\pi", "3.14"), ("x=3", "3"), (r"\{1,2\}", r"\{2,1\}"),
+    ("0.0000015", "0.0000012"), (r"\frac{\sqrt3}{2}", r"\sin(\pi/3)"), ("50\\%", "50"), ("y^2", "x^2"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", AGREE_PAIRS)
+def test_math_equal_agrees_with_raw_math_verify(pred, gold):
+    """The in-process fast paths and the worker's one-point numeric check never change math-verify's verdict."""
+    from math_verify import parse, verify
+    G, P = parse(f"${gold}$"), parse(f"${pred}$")
+    assert math_equal(pred, gold, timeout=5) == bool(G and P and verify(G, P))
+
+
 def test_math_equal_from_threads():
     out = {}
 
