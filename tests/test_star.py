@@ -369,7 +369,7 @@ def read_jsonl(path):
 
 
 @pytest.mark.slow
-def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_sampler):
+def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_sampler, monkeypatch):
     out = tmp_path / "run"
     args = ["--model", warm_model_path, "--data", str(TRAIN), "--test-data", str(TEST), "--exemplars", str(SHOTS),
             "--few-shot-train", "--lr", "1e-3", "--warmup", "short", "--steps-scale", "0.5", "--batch-tokens", "64",
@@ -399,7 +399,18 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     # resume mid-run: the checkpoint's M_1 goes into the sampler; round 2 fine-tunes the ORIGINAL base again
     cfg = common.parse_config(star.Config, ["--resume", str(out), "--rounds", "2", "--eval-benchmarks", str(TEST)])
     assert cfg.model == warm_model_path and cfg.few_shot_train and cfg.rounds == 2
+    from safetensors.torch import load_file
+    original = load_file(str(pathlib.Path(warm_model_path) / "model.safetensors"))
+    bases = []
+    real_finetune = star.finetune_from_base
+
+    def spy(policy, base, *a, **k):
+        bases.append(all(torch.equal(base[name], original[name]) for name in original))
+        return real_finetune(policy, base, *a, **k)
+
+    monkeypatch.setattr(star, "finetune_from_base", spy)
     results = star.train(cfg, sampler=vllm_sampler)
+    assert bases == [True]  # the resumed run fine-tunes the original model, not the checkpoint's M_1
     m = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in m] == [0, 1, 2]
     r2 = m[2]
