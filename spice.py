@@ -18,7 +18,7 @@ The loop (Alg. 1 + §3.1), one function per step below, in this order:
                             sum over tokens / L_max; then the sampler is re-synced (common.pg_step)
   8. evaluate               at the end (and every --eval-every steps), on decontaminated questions
 
-Run it:   python spice.py --model Qwen/Qwen3-4B-Base
+Run it:   python spice.py --model Qwen/Qwen3-4B-Base            (resume: python spice.py --resume RUN_DIR)
 Ablations: --challenger-reward {variance,learnability,uncertainty,threshold}, --no-document,
            --task-types {both,mcq,free}, --corpus <jsonl or hub id>, --freeze-challenger.
 
@@ -36,7 +36,14 @@ Where the paper is inconsistent, this file chooses (spec: shared/methods/spice.m
     peak away from a 50% pass rate (spec §2 worked example).
   * A truncated Reasoner answer (no EOS) scores 0, as in Oat. The paper does not fix the generation limit;
     we use 4,096 tokens for both roles, which is also the Dr. GRPO constant normaliser L_max.
+  * A truncated Challenger output is invalid (its closing JSON object never came).
+  * Corpus: the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) documents are not openly downloadable, so the
+    default streams an open 50/50 stand-in (open-web-math + FineWeb-Edu); segments sharing a 13-gram with an
+    eval set are dropped, and so are generated questions that do (marked invalid, `invalid/contaminated`).
 Paper-silent defaults are Oat's (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
+Known property kept as in the paper: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in
+the batch and in Dr. GRPO's 1/N, and long Challenger outputs carry more total gradient than short Reasoner
+answers under the shared L_max; both are logged (`*/zero_adv_group_frac`, `*/tokens`).
 """
 from __future__ import annotations
 
@@ -598,13 +605,21 @@ def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, 
     return rollouts
 
 
-def reasoner_solve(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[list, list]:
-    """Step 3: K answers per task from the question alone (no document), graded against a*."""
+def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[list, list]:
+    """K Reasoner answers per task, from the question alone (no document), and their correctness bits."""
     if not tasks:
         return [], []
     outs = policy.generate([reasoner_prompt(t.question, fmt) for t in tasks], n=cfg.reasoner_k,
                            temperature=cfg.temperature, max_tokens=cfg.max_tokens)
     return outs, [grade_answers(t, comps) for t, comps in zip(tasks, outs)]
+
+
+def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
+    """Step 3: the Reasoner answers every valid task of every Challenger group K times (one batched call)."""
+    slots = [(r, i) for r in rollouts for i, a in enumerate(r.attempts) if a.task is not None]
+    outs, correct = sample_answers(policy, [r.attempts[i].task for r, i in slots], cfg, fmt)
+    for (r, i), o, c in zip(slots, outs, correct):
+        r.answers[i], r.correct[i] = o, c
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
@@ -623,7 +638,7 @@ def reasoner_group(policy, rollouts: list[DocRollout], cfg: Config, fmt: str, rn
             r.reasoner_task = int(valid[rng.integers(len(valid))])
             picked.append(r)
     if cfg.fresh_reasoner_samples:   # Alg. 1, line 16
-        outs, correct = reasoner_solve(policy, [r.attempts[r.reasoner_task].task for r in picked], cfg, fmt)
+        outs, correct = sample_answers(policy, [r.attempts[r.reasoner_task].task for r in picked], cfg, fmt)
         for r, o, c in zip(picked, outs, correct):
             r.reasoner_answers, r.reasoner_rewards = o, c
     else:                            # §2.5 / §3.1: reuse the answers behind r_C
@@ -799,24 +814,25 @@ def validate_config(cfg: Config) -> None:
 def train(cfg: Config, policy=None) -> Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else it is loaded from cfg."""
     validate_config(cfg)
-    run = common.Run(cfg, "spice")
-    policy = policy or common.Policy.load(cfg)
-    fmt = resolve_prompt_format(cfg, policy.tokenizer)
+    # Inputs first (corpus, eval sets), so that bad input fails in seconds, before the model is loaded.
+    tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
+    fmt = resolve_prompt_format(cfg, tokenizer)
     eval_sets, eval_questions = load_eval_sets(cfg)
     # 13-gram decontamination of the corpus and of every generated question (analysis §7.3)
     decon = common.Decontaminator(eval_questions, n=13) if cfg.decontaminate and eval_questions else None
     corpus = []
     if not cfg.no_document:
-        with run.timer("corpus"):
-            corpus = load_corpus(cfg, policy.tokenizer, effective_chunk_tokens(cfg, policy.tokenizer, fmt))
-            if decon is not None:
-                before = len(corpus)
-                corpus = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
-                print(f"[spice] corpus: {len(corpus)} segments ({before - len(corpus)} dropped as contaminated)",
-                      file=sys.stderr)
-            if not corpus:
-                raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
-    check = ValidityChecker(cfg, policy.tokenizer, fmt, decon)
+        corpus = load_corpus(cfg, tokenizer, effective_chunk_tokens(cfg, tokenizer, fmt))
+        if decon is not None:
+            before = len(corpus)
+            corpus = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
+            print(f"[spice] corpus: {len(corpus)} segments ({before - len(corpus)} dropped as contaminated)",
+                  file=sys.stderr)
+        if not corpus:
+            raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
+    run = common.Run(cfg, "spice")
+    policy = policy or common.Policy.load(cfg)
+    check = ValidityChecker(cfg, tokenizer, fmt, decon)
 
     start = 0
     loaded = run.load_checkpoint(policy) if cfg.resume else None
@@ -829,10 +845,7 @@ def train(cfg: Config, policy=None) -> Path:
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             types, fallbacks = select_task_types(policy, docs, cfg, fmt, rng)
             rollouts = challenger_generate(policy, docs, types, cfg, fmt, check, rng)
-            slots = [(r, i) for r in rollouts for i, a in enumerate(r.attempts) if a.task is not None]
-            outs, correct = reasoner_solve(policy, [r.attempts[i].task for r, i in slots], cfg, fmt)
-            for (r, i), o, c in zip(slots, outs, correct):
-                r.answers[i], r.correct[i] = o, c
+            reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(policy, rollouts, cfg, fmt, rng)
         trajs, traj_stats = build_trajectories(rollouts, cfg)

@@ -402,6 +402,9 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     cfg = spice.Config(model="tiny", corpus=str(p))
     with pytest.raises(spice.CorpusError, match=r"bad.jsonl:2: missing field 'text'"):
         spice.load_corpus(cfg, _WordTok(), 100)
+    with pytest.raises(SystemExit) as e:                      # fails before the model loads; no run folder
+        spice.main(["--model", "tiny", "--corpus", str(p), "--eval-benchmarks", "", "--output-dir", str(tmp_path / "r")])
+    assert "bad.jsonl:2: missing field 'text'" in str(e.value.code) and not (tmp_path / "r").exists()
     with pytest.raises(SystemExit) as e:                      # checked before anything is loaded or written
         spice.main(["--model", "tiny", "--challenger-reward", "varience", "--output-dir", str(tmp_path / "r")])
     assert "--challenger-reward must be variance" in str(e.value.code) and not (tmp_path / "r").exists()
@@ -456,7 +459,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
     seen = []                                   # every prompt the run sends to the sampler
     generate = policy.generate
-    policy.generate = lambda prompts, **kw: (seen.extend(prompts), generate(prompts, **kw))[1]
+    policy.generate = lambda prompts, **kw: (seen.extend((p, kw.get("n")) for p in prompts), generate(prompts, **kw))[1]
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     run_dir = spice.train(cfg, policy)
 
@@ -470,9 +473,10 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
     # information asymmetry, checked on what was really sent: Reasoner prompts carry no document text
     as_text = lambda p: p if isinstance(p, str) else "\n".join(x["content"] for x in p)
-    reasoner = [as_text(p) for p in seen if spice.REASONER_INSTRUCTION in as_text(p)]
+    reasoner = [as_text(p) for p, _ in seen if spice.REASONER_INSTRUCTION in as_text(p)]
     eval_qs = [json.loads(l)["question"] for l in EVAL.read_text().splitlines()]
-    assert sum(WARM_QUESTION in p for p in reasoner) >= 8                     # K answers per valid task
+    n_valid = round(m["challenger/valid_rate"] * 8)
+    assert [n for p, n in seen if WARM_QUESTION in as_text(p)] == [8] * n_valid   # K answers per valid task
     assert all(WARM_QUESTION in p or any(q in p for q in eval_qs) for p in reasoner)   # training or final eval
     for p in reasoner:
         assert "DOCUMENT" not in p and not any(d[:40] in p or d[-40:] in p for d in docs)
