@@ -1298,6 +1298,11 @@ class _VfTensors:
                 if key is not None:
                     seen[key] = k
                 sd[k] = v
+            # copies (e.g. Policy.get_weights()) lose the shared storage: a head identical to the embedding is tied
+            emb = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
+            head = next((k for k in sd if k.endswith("lm_head.weight")), None)
+            if emb and head and sd[emb].shape == sd[head].shape and torch.equal(sd[emb], sd[head]):
+                self.tied = True
             self.sd = sd
         else:
             p = Path(str(src)).expanduser()

@@ -516,6 +516,7 @@ def test_update_sparsity_identical_and_after_train_step(tiny_model_path, tiny_po
     bf = update_sparsity({k: v.bfloat16() for k, v in before.items()},
                          {k: v.bfloat16() for k, v in policy.get_weights().items()})
     assert bf["dtype"] == "bfloat16" and bf["sparsity"] >= after["sparsity"]
+    assert bf["n_params"] == n_unique                                  # tied head found in copies too
     # CLI on two checkpoint folders
     out_dir = tmp_path / "trained"
     policy.model.save_pretrained(str(out_dir))
