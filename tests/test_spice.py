@@ -365,7 +365,8 @@ def _metrics(run_dir):
 
 SMALL_RUN = ["--model", "tiny", "--corpus", str(CORPUS), "--docs-per-step", "1", "--group-size", "2",
              "--reasoner-k", "2", "--max-attempts", "2", "--max-tokens", "24", "--max-model-len", "2048",
-             "--eval-benchmarks", str(EVAL), "--eval-max-tokens", "8", "--save-every", "2", "--log-samples", "1"]
+             "--eval-benchmarks", str(EVAL), "--eval-max-tokens", "8", "--save-every", "2", "--log-samples", "1",
+             "--type-select-max-tokens", "16"]
 
 
 @pytest.mark.slow
