@@ -12,7 +12,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from _c_core import *  # merge:drop
@@ -23,13 +22,16 @@ class Trajectory:
     """One sampled completion to train on: prompt and completion token ids, its scalar reward and advantage
     (outcome reward broadcast to every completion token, rl_core notation), the role that produced it (used for
     per-role stats such as ``entropy/<role>``) and, when the sampler returned them, the sampler's log-probs of
-    the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check)."""
+    the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check).
+    ``old_logprobs`` pins pi_old when one rollout batch is split over several ``pg_step`` calls (R-Zero's
+    minibatches): fill it once with ``old_logprobs(policy, trajs, temperature)`` before the first update."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
     advantage: float = 0.0
     role: str = ""
     sampler_logprobs: list[float] | None = None
+    old_logprobs: list[float] | None = None   # pi_old of the rollout batch (see old_logprobs()); None = recompute
 
     @classmethod
     def from_completion(cls, c, **kw) -> "Trajectory":
@@ -114,10 +116,11 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     if n_tok == 0:
         z = torch.zeros(0, device=device)
         return z, (z if with_entropy else None)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
+    # through the root forward (core's final_hidden_states), so FSDP2/DDP hooks see the call (#10)
+    hidden = final_hidden_states(model, ids, att)
     hidden = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # [n_tok, d]
     targets = torch.tensor(tgts, dtype=torch.long, device=device)
-    head = model.get_output_embeddings()
+    head = getattr(model, "module", model).get_output_embeddings()
     if chunk_rows is None:
         chunk_rows = max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
     grad = torch.is_grad_enabled()
@@ -440,32 +443,75 @@ def _rl_seq_mean(values: list[torch.Tensor]) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _rl_local_shard(policy, items: list) -> tuple[list, bool]:
+    """This rank's share of a batch that every rank holds in full (core's ``Policy.shard``; identity in one
+    process). A rank left with nothing gets the first item back as a zero-weight stand-in, so it still runs
+    the forward/backward passes that FSDP's collectives expect; the bool says whether the items are real."""
+    local = policy.shard(items) if hasattr(policy, "shard") else items
+    return (local, True) if local else (items[:1], False)
+
+
+def _rl_swap(policy, weights: dict):
+    """Reference weights in the trainer for one no-grad pass: core's ``Policy.swapped_weights`` (FSDP-safe)
+    when available, else an in-place copy into the plain model."""
+    if hasattr(policy, "swapped_weights"):
+        return policy.swapped_weights(weights)
+    return _rl_swapped_weights(policy.model, weights)
+
+
+@torch.no_grad()
+def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
+    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass, before its first update, so later
+    ``pg_step`` calls on minibatches of it keep the rollout policy as pi_old (R-Zero's code: several optimizer
+    minibatches per rollout batch, clip and dual clip active from the second one on)."""
+    _rl_release_sampler(policy)
+    budget = int(getattr(policy.cfg, "micro_batch_tokens", 16384))
+    lp, _ = token_logprobs(policy.model, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
+                           temperature=temperature, token_budget=budget)
+    for t, x in zip(trajs, lp):
+        t.old_logprobs = x.tolist()
+
+
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None) -> dict:
     """One policy-gradient update on a rollout batch (rl_core §2-§5), then ``policy.sync()``.
 
-    0. ``policy.release_sampler_memory()`` (with --vllm-sleep the engine frees GPU memory until the sync).
-    1. No-grad pass: l_old (the policy that sampled, rl_core §2), exact entropy, and l_ref if cfg.kl_coef > 0.
+    0. Under torchrun every rank passes the FULL batch and trains on its shard (``policy.shard``); the
+       normalisers below are global. ``policy.release_sampler_memory()`` lets a sleeping vLLM free GPU memory.
+    1. No-grad pass: l_old (the policy that sampled, rl_core §2; or ``t.old_logprobs`` when every trajectory
+       carries them), exact entropy, and l_ref if cfg.kl_coef > 0.
        Reference choice: the reference weights are kept on the CPU (``ref_weights``, e.g. ``policy.get_weights()``
-       at phase start) and swapped into the trainer model's own tensors for this one no-grad pass, then the
-       current weights are swapped back; so GPU memory is not doubled and the sampler keeps the current policy.
+       at phase start) and swapped into the trainer model's own tensors for this one no-grad pass
+       (``policy.swapped_weights``), then the current weights are swapped back; so GPU memory is not doubled and
+       the sampler keeps serving the current policy.
     2. ``cfg.updates_per_batch`` times: zero grads; for every micro-batch (``policy.cfg.micro_batch_tokens``
        padded tokens) forward with grad, per-token loss (``pg_token_loss``), aggregation with the GLOBAL
        normalisers N and M (``aggregation_weights``), backward (gradients accumulate by summation, no extra
        division by the number of micro-batches); clip the grad norm to ``policy.cfg.grad_clip``; optimizer step.
     3. ``policy.sync()`` pushes the new weights into the sampler.
 
-    Returns stats: loss, grad_norm (pre-clip), clip_frac (share of tokens where the clipped branch was taken),
-    approx_kl (k3 estimate of KL(pi_old || pi), 0 when on-policy) -- these four averaged over the updates --,
-    kl_ref (if kl_coef > 0), entropy (exact token entropy of the tempered distribution), nll_entropy (analysis
-    Eq. 1: mean NLL of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1),
-    entropy/<role> (Eq. 1 per role) and entropy_exact/<role>, tokens_per_s (completion tokens through
-    forward+backward per second over the whole step), time_s, peak_mem_gb, zero_adv_frac (share of
-    trajectories with advantage exactly 0), logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose
-    sampler log-probs are known; logged whenever available since a jump means a broken weight sync), n_tokens,
-    n_seqs. The loss value is ~ -mean(A) ~ 0 on-policy; that is expected (rl_core §2).
+    Returns stats: loss (global), grad_norm (pre-clip), clip_frac (share of tokens where the clipped branch was
+    taken), approx_kl (k3 estimate of KL(pi_old || pi), 0 when on-policy) -- these four averaged over the
+    updates and, except grad_norm, summed over ranks --, kl_ref (if kl_coef > 0), entropy (exact token entropy
+    of the tempered distribution), nll_entropy (analysis Eq. 1: mean NLL of the sampled tokens, sequence-mean
+    of token-means; an entropy estimate only at T=1), entropy/<role> (Eq. 1 per role) and
+    entropy_exact/<role>, tokens_per_s (completion tokens through forward+backward per second over the whole
+    step), time_s, peak_mem_gb, zero_adv_frac (share of trajectories with advantage exactly 0),
+    logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler log-probs are known; logged
+    whenever available since a jump means a broken weight sync), n_tokens, n_seqs. Entropies, zero_adv_frac
+    and the log-prob diff are over this rank's shard. The loss value is ~ -mean(A) ~ 0 on-policy; that is
+    expected (rl_core §2).
     """
     if not trajs:
         raise ValueError("pg_step got no trajectories")
+    for t in trajs:
+        if t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids):
+            raise ValueError("sampler_logprobs must have one entry per completion token")
+        if t.old_logprobs is not None and len(t.old_logprobs) != len(t.completion_ids):
+            raise ValueError("old_logprobs must have one entry per completion token")
+    if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
+        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
+    if cfg.kl_coef > 0 and ref_weights is None:
+        raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
     _rl_release_sampler(policy)
     device = _rl_device(model)
@@ -473,48 +519,42 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     T = cfg.temperature
+    trajs, real = _rl_local_shard(policy, trajs)
     prompts = [t.prompt_ids for t in trajs]
     comps = [t.completion_ids for t in trajs]
     lens = [len(c) for c in comps]
     budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
     mbs = _rl_micro_batches([len(p) + len(c) for p, c in zip(prompts, comps)], budget)
-    n_glob, m_glob = (int(x) for x in _rl_all_reduce([len(trajs), sum(lens)], "sum"))
+    n_glob, m_glob = (int(x) for x in _rl_all_reduce([len(trajs) * real, sum(lens) * real], "sum"))
     n_mb_glob = int(_rl_all_reduce([len(mbs)], "max")[0])
     if m_glob == 0:
         raise ValueError("all completions are empty: nothing to train on")
-    for t in trajs:
-        if t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids):
-            raise ValueError("sampler_logprobs must have one entry per completion token")
 
     # 1. old / reference log-probs, no grad
     with torch.no_grad():
         old, ent = token_logprobs(model, prompts, comps, temperature=T, token_budget=budget, with_entropy=True)
+        if all(t.old_logprobs is not None for t in trajs):
+            old = [torch.tensor(t.old_logprobs, dtype=torch.float32, device=device) for t in trajs]
         ref = None
         if cfg.kl_coef > 0:
-            if ref_weights is None:
-                raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
-            with _rl_swapped_weights(model, ref_weights):
+            with _rl_swap(policy, ref_weights):
                 ref, _ = token_logprobs(model, prompts, comps, temperature=T, token_budget=budget)
     samp = [None if t.sampler_logprobs is None else torch.tensor(t.sampler_logprobs, dtype=torch.float32,
                                                                    device=device) for t in trajs]
     adv_tok = [torch.full((n,), float(t.advantage), device=device) for t, n in zip(trajs, lens)]
-    weights = aggregation_weights(lens, cfg.aggregation, num_seqs=n_glob, num_tokens=m_glob,
-                                  max_len=cfg.max_len).to(device).split(lens)
+    weights = (aggregation_weights(lens, cfg.aggregation, num_seqs=n_glob, num_tokens=m_glob, max_len=cfg.max_len)
+               * float(real)).to(device).split(lens)
     grad_scale = _rl_grad_scale()
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
 
-    if cfg.tis_cap > 0 and any(s is None for s in samp):
-        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
-
     # 2. updates: micro-batched forward/backward with gradient accumulation, clip, step
-    losses, norms, clip_n, kl_sum = [], [], 0.0, 0.0
+    total, norms, clip_n, kl_sum = 0.0, [], 0.0, 0.0
     for _ in range(cfg.updates_per_batch):
         opt.zero_grad(set_to_none=True)
-        total = 0.0
         for k in range(n_mb_glob):
             # ranks with fewer micro-batches re-run their first one at weight 0 so FSDP collectives match (#10)
-            mb, live = (mbs[k], 1.0) if k < len(mbs) else (mbs[0], 0.0)
+            mb, live = (mbs[k], float(real)) if k < len(mbs) else (mbs[0], 0.0)
             lp, en = _rl_forward(model, [prompts[i] for i in mb], [comps[i] for i in mb], temperature=T,
                                  with_entropy=cfg.entropy_coef > 0)
 
@@ -523,38 +563,37 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             tok_loss, clipped = pg_token_loss(lp, cat(old), cat(adv_tok), cfg,
                                               ref_logp=cat(ref) if ref is not None else None, entropy=en,
                                               sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
-            w = cat(weights)
-            loss = (tok_loss * w).sum() * live
+            loss = (tok_loss * cat(weights)).sum() * live
             (loss * grad_scale).backward()
             total += loss.item()
             with torch.no_grad():
                 clip_n += clipped.float().sum().item() * live
                 d = lp.detach() - cat(old)
                 kl_sum += ((torch.exp(d) - 1 - d).sum().item()) * live
-        norm = _rl_clip_and_step(policy, params, max_norm)
-        losses.append(total)
-        norms.append(float(norm))
+        norms.append(_rl_clip_and_step(policy, params, max_norm))
     opt.zero_grad(set_to_none=True)
     # 3. new weights into the sampler before the next generation
     policy.sync()
 
-    n_tok = sum(lens)
     elapsed = time.perf_counter() - t0
+    n_tok = sum(lens) * real
+    total, clip_n, kl_sum = _rl_all_reduce([total, clip_n, kl_sum], "sum")
+    upd = cfg.updates_per_batch
     nll = [-x for x in old]
     stats = {
-        "loss": sum(losses) / len(losses),
+        "loss": total / upd,
         "grad_norm": sum(norms) / len(norms),
-        "clip_frac": clip_n / (max(n_tok, 1) * cfg.updates_per_batch),
-        "approx_kl": kl_sum / (max(n_tok, 1) * cfg.updates_per_batch),
+        "clip_frac": clip_n / (m_glob * upd),
+        "approx_kl": kl_sum / (m_glob * upd),
         "entropy": _rl_seq_mean(ent),
         "nll_entropy": _rl_seq_mean(nll),
-        "tokens_per_s": n_tok * (cfg.updates_per_batch + 1) / elapsed,
+        "tokens_per_s": n_tok * (upd + 1) / elapsed,
         "time_s": elapsed,
         "peak_mem_gb": _rl_peak_mem_gb(device),
         "zero_adv_frac": sum(t.advantage == 0 for t in trajs) / len(trajs),
-        "n_tokens": n_tok,
-        "n_seqs": len(trajs),
-        "mean_len": n_tok / len(trajs),
+        "n_tokens": m_glob,
+        "n_seqs": n_glob,
+        "mean_len": m_glob / max(n_glob, 1),
     }
     if ref is not None:
         stats["kl_ref"] = _rl_seq_mean([torch.exp(r - o) - (r - o) - 1 for r, o in zip(ref, old)])
@@ -581,7 +620,8 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     gradient), averaged over ALL target tokens of the batch (rl_core §6). ``target_ids`` must end with EOS.
     Micro-batched by ``policy.cfg.micro_batch_tokens`` padded tokens (and at most ``batch_size`` sequences per
     micro-batch if given), gradients summed with the global token count as normaliser; grad clip; ONE
-    optimizer step; no sampler sync (the caller syncs once after its SFT epochs).
+    optimizer step; no sampler sync (the caller syncs once after its SFT epochs). Under torchrun every rank
+    passes the full batch and trains on its shard (``policy.shard``); the token count is global.
     Returns loss, grad_norm, n_tokens, tokens_per_s, time_s, peak_mem_gb."""
     if not examples:
         raise ValueError("sft_step got no examples")
@@ -591,9 +631,10 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
+    examples, real = _rl_local_shard(policy, list(examples))
     prompts = [list(p) for p, _ in examples]
     targets = [list(t) for _, t in examples]
-    n_tok = sum(len(t) for t in targets)
+    n_tok = sum(len(t) for t in targets) * real
     budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
     mbs = _rl_micro_batches([len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
     m_glob, n_mb_glob = int(_rl_all_reduce([n_tok])[0]), int(_rl_all_reduce([len(mbs)], "max")[0])
@@ -603,7 +644,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     opt.zero_grad(set_to_none=True)
     total = 0.0
     for k in range(n_mb_glob):
-        mb, live = (mbs[k], 1.0) if k < len(mbs) else (mbs[0], 0.0)
+        mb, live = (mbs[k], float(real)) if k < len(mbs) else (mbs[0], 0.0)
         lp, _ = _rl_forward(model, [prompts[i] for i in mb], [targets[i] for i in mb])
         loss = -lp.sum() / m_glob * live
         (loss * grad_scale).backward()
@@ -613,5 +654,6 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     norm = _rl_clip_and_step(policy, params, max_norm)
     opt.zero_grad(set_to_none=True)
     elapsed = time.perf_counter() - t0
-    return {"loss": total, "grad_norm": float(norm), "n_tokens": n_tok, "tokens_per_s": n_tok / elapsed,
+    total = _rl_all_reduce([total])[0]
+    return {"loss": total, "grad_norm": float(norm), "n_tokens": m_glob, "tokens_per_s": n_tok / elapsed,
             "time_s": elapsed, "peak_mem_gb": _rl_peak_mem_gb(device)}

