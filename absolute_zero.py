@@ -777,6 +777,14 @@ def _nll_entropy(completions) -> float | None:
     return _mean(-sum(lp) / len(lp) for lp in seqs) if seqs else None
 
 
+def _ast_key(program: str) -> str:
+    """Programs that differ only in comments, spacing or docstring-free formatting count once (analysis §7.2)."""
+    try:
+        return ast.dump(ast.parse(program))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return program
+
+
 def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], buffers: dict[str, Buffer]) -> dict:
     m: dict = {}
     for t in TASKS:
@@ -796,7 +804,7 @@ def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], bu
         m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
         if valid:
             m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
-            m[f"{t}/distinct_programs"] = len({p["entry"]["program"] for p in valid}) / len(valid)
+            m[f"{t}/distinct_programs"] = len({_ast_key(p["entry"]["program"]) for p in valid}) / len(valid)
     comps = {"proposer": [p["completion"] for t in TASKS for p in props[t]],
              "solver": [s["completion"] for t in TASKS for s in solved[t]]}
     for role, cs in comps.items():

@@ -426,3 +426,24 @@ def test_config_flags_and_clear_errors():
                         (dict(eval_benchmarks="gsm8k,nosuchbench"), "nosuchbench")]:
         with pytest.raises(SystemExit, match=needle):
             az.check_config(az.Config(**bad))
+
+
+def test_step_metrics_count_rejections_and_roles():
+    c = lambda n, lp=None: common.Completion(prompt_ids=[1], token_ids=[2] * n, text="", finish_reason="stop",
+                                             logprobs=lp)
+    e = {"program": "def f(x):\n    return x", "input": "1", "output": "1", "step": 1}
+    e2 = dict(e, program="def f(x):\n    # same AST\n    return x")
+    props = {t: [] for t in az.TASKS}
+    props["deduction"] = [{"reason": None, "entry": e, "solve_rate": 0.25, "reward": 0.75, "completion": c(4, [-1.0] * 4)},
+                          {"reason": None, "entry": e2, "solve_rate": 0.75, "reward": 0.25, "completion": c(2, [-3.0] * 2)},
+                          {"reason": "banned", "reward": -1.0, "completion": c(6, [-2.0] * 6)}]
+    solved = {t: [] for t in az.TASKS}
+    solved["deduction"] = [{"entry": e, "new": True, "correct": True, "reward": 1.0, "completion": c(3, [-0.5] * 3)},
+                           {"entry": e, "new": False, "correct": False, "reward": -0.5, "completion": c(5, [-0.5] * 5)}]
+    m = az.step_metrics(props, solved, {t: az.Buffer(10, [e]) for t in az.TASKS})
+    assert m["deduction/valid_rate"] == pytest.approx(2 / 3) and m["deduction/reject/banned"] == 1
+    assert m["deduction/new_task_solve_rate"] == 0.5 and m["deduction/solver_acc"] == 0.5
+    assert m["deduction/proposer_reward"] == pytest.approx(0.0) and m["deduction/distinct_programs"] == 0.5
+    assert m["len/proposer/deduction"] == 4 and m["len/solver"] == 4
+    assert m["entropy/proposer"] == pytest.approx(2.0) and m["entropy/solver"] == pytest.approx(0.5)  # Eq. 1
+    assert m["abduction/valid_rate"] == 0.0 and m["deduction/buffer_size"] == 1
