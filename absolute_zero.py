@@ -641,7 +641,7 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
     target = cfg.seed_factor * cfg.batch_size
     seed = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)])
     ind = Buffer(cfg.buffer_cap)
-    for rnd in range(cfg.seed_max_rounds):
+    for _ in range(cfg.seed_max_rounds):
         if len(seed) >= target and len(ind) >= target:
             break
         work = [t for t, b in (("deduction", seed), ("induction", ind)) if len(b) < target]
@@ -661,7 +661,7 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
         for p in props.get("induction", []):
             if p["reason"] is None and len(ind) < target:
                 ind.add(p["entry"])
-    else:
+    if len(seed) < target or len(ind) < target:
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds with {len(seed)} triplets and "
               f"{len(ind)} induction tasks (target {target}); training starts with these", file=sys.stderr)
     return {"deduction": Buffer(cfg.buffer_cap, list(seed.entries)),
