@@ -527,3 +527,36 @@ def test_hub_corpus_failure_is_a_clear_error():
     # tests never download (HF_HUB_OFFLINE=1): either `datasets` is missing or the hub is unreachable
     with pytest.raises(spice.CorpusError, match="datasets|could not stream"):
         spice.stream_hub_documents("open-web-math/open-web-math", "text", 2)
+
+
+class _ScriptedSampler:
+    """Stands in for the sampler to drive the attempt loop deterministically: document i turns out its first
+    valid task in round valid_round[i] (None = never). Records (n prompts, n) per call."""
+    def __init__(self, valid_round):
+        self.valid_round, self.rounds, self.calls = valid_round, {}, []
+
+    def generate(self, prompts, n=1, **kw):
+        self.calls.append((len(prompts), n))
+        out = []
+        for p in prompts:
+            doc = next(i for i in range(len(self.valid_round)) if f"doc number {i}." in p[1]["content"])
+            r = self.rounds[doc] = self.rounds.get(doc, 0) + 1
+            good = self.valid_round[doc] == r
+            out.append([comp(out_text) for out_text in
+                        [json.dumps(free_json()) if good and j == 0 else "not yet" for j in range(n)]])
+        return out
+
+
+def test_attempt_loop_runs_until_a_valid_task_or_n_attempts(tiny_tokenizer):
+    cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
+    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    docs = [f"This is doc number {i}." for i in range(3)]
+    sampler = _ScriptedSampler([1, 3, None])
+    rollouts = spice.challenger_generate(sampler, docs, [("free", "Integer")] * 3, cfg, "chat", check,
+                                         np.random.default_rng(0))
+    assert [r.n_generated for r in rollouts] == [4, 12, 12]       # stop at the first valid one, or at N
+    assert sampler.calls == [(3, 4), (2, 4), (2, 4)]              # only documents still without a valid task
+    assert [len(r.attempts) for r in rollouts] == [4, 4, 4]
+    # valid:invalid kept as in the pool: 1/4 -> 1 of 4; 1/12 rounds to 0 but one valid is always kept; 0/12 -> 0
+    assert [sum(a.task is not None for a in r.attempts) for r in rollouts] == [1, 1, 0]
+    spice.reasoner_solve(_ScriptedSampler([]), [], cfg, "chat")   # no valid task: no Reasoner call, no error
