@@ -977,7 +977,9 @@ def _flat_eval(ev: dict) -> dict:
 def main(argv=None):
     cfg = common.parse_config(Config, argv)
     results = train(cfg)
-    print(json.dumps(results, indent=2, default=str))
+    summary = {k: v for k, v in _flat_eval(results).items() if k.endswith(("greedy_acc", "n_problems")) or "pass@" in k}
+    print(json.dumps({"run_dir": cfg.output_dir, **summary, **({"code": results["code"]} if "code" in results else {})},
+                     indent=2, default=str))
 
 
 if __name__ == "__main__":
