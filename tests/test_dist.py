@@ -1,0 +1,214 @@
+"""torchrun tests (#10): 2 processes, gloo on CPU, the tiny model.
+
+This file is both the pytest module and the worker that torchrun starts:
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_dist.py SCENARIO OUT_DIR
+Each rank writes OUT_DIR/rank<r>.json (and tensors to .pt files); the pytest side compares them with a
+single-process run of the same code.
+"""
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("SELFPLAY_CACHE", str(ROOT / "tests" / ".cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "drgrpo"]
+PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
+           "<question>7*8</question>", "Hello", "The answer is"]
+
+
+def _trajectories(common, vocab: int) -> list:
+    """A fixed, uneven batch (5 sequences of different lengths, mixed-sign advantages), same on every rank."""
+    rng = random.Random(0)
+    out = []
+    for i in range(5):
+        p = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
+        c = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 12))]
+        out.append(common.Trajectory(prompt_ids=p, completion_ids=c, reward=float(i % 2),
+                                     advantage=rng.uniform(-1.5, 1.5), role="solver"))
+    return out
+
+
+def scenario_grad(out: pathlib.Path, dist: str = "fsdp") -> dict:
+    """One pg_step per loss aggregation from the same weights; record the full gradient before the step."""
+    import common
+    cfg = common.RunConfig(model="tiny", backend="hf", lr=1e-3, grad_clip=1e9, micro_batch_tokens=24,
+                           output_dir=str(out / "run"), dist=dist)
+    common.seed_everything(0)
+    policy = common.Policy.load(cfg)
+    base = policy.get_weights()
+    trajs = _trajectories(common, len(policy.tokenizer))
+    grads = {}
+    original = policy.clip_and_step
+
+    def capture():
+        g = {}
+        for name, p in policy.model.named_parameters():
+            if p.grad is not None:
+                full = p.grad.full_tensor() if type(p.grad).__name__ == "DTensor" else p.grad
+                g[name.replace("module.", "")] = full.detach().clone()
+        grads[current] = g
+        return original()
+
+    policy.clip_and_step = capture
+    stats = {}
+    for current in AGGREGATIONS:
+        policy.set_weights(base)
+        st = common.pg_step(policy, trajs, common.PGConfig(aggregation=current, max_len=16))
+        stats[current] = float(st["loss"])
+    if policy.is_main:
+        torch.save(grads, out / f"grads_ws{policy.world_size}.pt")
+    return {"loss": stats, "world_size": policy.world_size}
+
+
+def scenario_sync(out: pathlib.Path) -> dict:
+    """Each rank's own vLLM engine (external_launcher) must produce the greedy output of the updated
+    weights after sync; then a checkpoint is saved and resumed under torchrun."""
+    import common
+    import transformers
+    rank = int(os.environ.get("RANK", 0))
+    cfg = common.RunConfig(model="tiny", backend="vllm", lr=1e-3, max_model_len=512, output_dir=str(out / "run"))
+    common.seed_everything(0)
+    run = common.Run(cfg, "dist")
+    policy = common.Policy.load(cfg)
+    assert isinstance(policy.sampler, common.VLLMSampler)
+    base = policy.get_weights()
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    # a reference full (unsharded) HF copy with the new weights, on this rank
+    ref = transformers.AutoModelForCausalLM.from_pretrained(policy.model_path, dtype=torch.float32)
+    ref.load_state_dict(new)
+    hf = common.HFSampler(policy.model_path, policy.tokenizer, cfg, model=ref)
+    before = [g[0].token_ids for g in policy.sampler.generate(PROMPTS, temperature=0, max_tokens=16)]
+    policy.load_trainer_weights(new)
+    policy.sync()
+    mine = [g[0].token_ids for g in policy.sampler.generate(PROMPTS, temperature=0, max_tokens=16)]
+    expected = [g[0].token_ids for g in hf.generate(PROMPTS, temperature=0, max_tokens=16)]
+    gathered = policy.generate(PROMPTS, temperature=0, max_tokens=16)
+    # one AdamW step so the optimizer has state, then checkpoint, disturb, resume
+    batch = [common.Trajectory(prompt_ids=c.prompt_ids, completion_ids=c.token_ids, advantage=1.0 - i % 2)
+             for i, grp in enumerate(gathered) for c in grp]
+    common.pg_step(policy, batch, common.PGConfig(aggregation="token-mean"))
+    saved = policy.get_weights()
+    ck = run.save_checkpoint(1, policy, {"rank0_only_state": [1, 2]})
+    run.log(1, {"loss": 0.5})
+    after_step = [g[0].token_ids for g in policy.sampler.generate(PROMPTS[:2], temperature=0, max_tokens=8)]
+    policy.set_weights(base)
+    resumed = common.Run(common.RunConfig(**{**cfg.__dict__, "resume": str(out / "run")}), "dist")
+    step, state = resumed.load_checkpoint(policy)
+    restored = policy.get_weights()
+    same = all(torch.equal(restored[k], saved[k]) for k in saved)
+    after_resume = [g[0].token_ids for g in policy.sampler.generate(PROMPTS[:2], temperature=0, max_tokens=8)]
+    n_state = sum(len(s) for s in policy.optimizer.state.values())
+    policy.generate(PROMPTS, n=2, temperature=1.0, max_tokens=4)  # sampled, different shards per rank
+    return {"rank": rank, "world_size": policy.world_size, "before": before, "mine": mine,
+            "expected": expected, "gathered": [[c.token_ids for c in grp] for grp in gathered],
+            "ckpt": str(ck), "step": step, "state": state, "weights_restored": same,
+            "after_step": after_step, "after_resume": after_resume, "optimizer_entries": n_state,
+            "run_dir_files": sorted(p.name for p in (out / "run").iterdir()),
+            "python_rng": random.random(), "numpy_rng": float(__import__("numpy").random.rand())}
+
+
+def _worker(scenario: str, out: str) -> None:
+    out = pathlib.Path(out)
+    res = {"grad": scenario_grad, "grad_ddp": lambda o: scenario_grad(o, "ddp"), "sync": scenario_sync}[scenario](out)
+    rank = int(os.environ.get("RANK", 0))
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # (the process group is left to vLLM's exit handler, which destroys it)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pytest side
+# ----------------------------------------------------------------------------------------------------------
+
+def _torchrun_script(args: list, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
+    r = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+    return r
+
+
+def _torchrun(scenario: str, out: pathlib.Path) -> list:
+    _torchrun_script([pathlib.Path(__file__).resolve(), scenario, out])
+    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["fsdp", "ddp"])
+def test_two_process_gradient_equals_single_process(dist, tmp_path):
+    single = scenario_grad(tmp_path)  # this pytest process: world size 1, no wrapping
+    assert single["world_size"] == 1
+    ranks = _torchrun("grad" if dist == "fsdp" else "grad_ddp", tmp_path)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    g1 = torch.load(tmp_path / "grads_ws1.pt")
+    g2 = torch.load(tmp_path / "grads_ws2.pt")
+    for agg in AGGREGATIONS:
+        assert g1[agg].keys() == g2[agg].keys() and len(g1[agg]) > 10
+        for name in g1[agg]:
+            torch.testing.assert_close(g2[agg][name], g1[agg][name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{agg} {name}: {m}")
+        assert ranks[0]["loss"][agg] == ranks[1]["loss"][agg]
+    # the three aggregations really are different gradients (the comparison above can fail)
+    a, b = g1["token-mean"], g1["drgrpo"]
+    assert any(not torch.allclose(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_sync_reaches_every_rank_and_resume_under_torchrun(tmp_path):
+    ranks = _torchrun("sync", tmp_path)
+    for r in ranks:
+        assert r["world_size"] == 2
+        assert r["mine"] == r["expected"], f"rank {r['rank']}: engine does not follow the synced weights"
+        assert r["mine"] != r["before"]
+        assert r["gathered"] == [[ids] for ids in r["expected"]]  # full list, in prompt order, on every rank
+        assert r["step"] == 1 and r["state"] == {"rank0_only_state": [1, 2]}
+        assert r["weights_restored"] and r["optimizer_entries"] > 0
+        assert r["after_resume"] == r["after_step"]
+    assert ranks[0]["gathered"] == ranks[1]["gathered"]
+    # python/numpy RNG streams stay identical across ranks (engine start-up and sampling do not touch them)
+    assert ranks[0]["python_rng"] == ranks[1]["python_rng"] and ranks[0]["numpy_rng"] == ranks[1]["numpy_rng"]
+    assert ranks[0]["ckpt"] == ranks[1]["ckpt"]
+    files = ranks[0]["run_dir_files"]
+    assert {"config.json", "metrics.jsonl", "checkpoints"} <= set(files)
+    ck = pathlib.Path(ranks[0]["ckpt"])
+    ts = json.loads((ck / "trainer_state.json").read_text())
+    assert ts["world_size"] == 2 and len(ts["rng_per_rank"]) == 2
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # only rank 0 logs
+
+
+@pytest.mark.slow
+def test_a_method_runs_and_resumes_under_torchrun(tmp_path):
+    """spice.py end to end under torchrun (2 ranks, one vLLM-cpu engine each), then --resume, in one folder."""
+    data = ROOT / "tests" / "data"
+    run = tmp_path / "run"
+    small = ["--model", "tiny", "--corpus", data / "spice_corpus.jsonl", "--docs-per-step", "2", "--group-size", "2",
+             "--reasoner-k", "2", "--max-attempts", "2", "--max-tokens", "24", "--max-model-len", "1024",
+             "--eval-benchmarks", data / "spice_eval.jsonl", "--eval-max-tokens", "8", "--save-every", "1",
+             "--log-samples", "1"]
+    _torchrun_script([ROOT / "spice.py", *small, "--steps", "2", "--output-dir", run])
+    _torchrun_script([ROOT / "spice.py", "--resume", run, "--steps", "3"])
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [m["step"] for m in metrics if "challenger/valid_rate" in m]
+    assert train_steps == [1, 2, 3]  # each step logged once (rank 0), the resumed run continued at 3
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
+    assert (run / "eval.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
