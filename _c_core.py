@@ -581,9 +581,10 @@ class VLLMSampler(Sampler):
         self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
+        tp = max(1, int(cfg.tensor_parallel_size))
         kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
-                  enable_prefix_caching=True, seed=int(cfg.seed) + rank, logprobs_mode="processed_logprobs",
-                  tensor_parallel_size=int(cfg.tensor_parallel_size), enable_sleep_mode=self.sleep_enabled)
+                  enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
+                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
@@ -612,8 +613,9 @@ class VLLMSampler(Sampler):
         for i, p in enumerate(ids):
             room = max(1, min(int(max_tokens), self.max_model_len - len(p)))
             params.append(SamplingParams(
-                n=1 if greedy else n, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
-                top_k=-1 if greedy else int(top_k), max_tokens=room, stop=list(stop) if stop else None,
+                n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
+                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k), max_tokens=room,
+                stop=list(stop) if stop else None,
                 include_stop_str_in_output=True, logprobs=0,
                 seed=None if seed is None or not self.per_request_seeds else _core_mix_seed(seed, i),
                 skip_special_tokens=True, detokenize=True))
@@ -1009,15 +1011,19 @@ class Policy:
         the rank."""
         if self.world_size == 1:
             return self.sampler.generate(prompts, **kw)
+        # The ranks of one tensor-parallel group run one engine together: same prompts, same seeds.
+        tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(self.sampler, VLLMSampler) else 1
+        group, n_groups = self.rank // tp, self.world_size // tp
         if kw.get("seed") is not None:
-            kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (self.rank + 1))
+            kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (group + 1))
         # Every rank must keep the same python/numpy RNG stream (methods draw data from it), while the engines
-        # draw different noise: sample under a torch seed made from one shared python draw and the rank.
+        # draw different noise: sample under a torch seed made from one shared python draw and the group.
         call_seed = random.getrandbits(31)
         with _core_preserve_rng():
-            torch.manual_seed(_core_mix_seed(call_seed, self.rank))
-            mine = self.sampler.generate(self.shard(list(prompts)), **kw)
-        return [g for part in all_gather_objects(mine) for g in part]
+            torch.manual_seed(_core_mix_seed(call_seed, group))
+            mine = self.sampler.generate(shard(list(prompts), group, n_groups), **kw)
+        parts = all_gather_objects(mine)
+        return [g for part in parts[::tp] for g in part]
 
     def clip_and_step(self) -> float:
         """Clip the global grad norm to cfg.grad_clip, step AdamW, zero grads. Returns the pre-clip norm
