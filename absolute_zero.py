@@ -977,6 +977,8 @@ def _flat_eval(ev: dict) -> dict:
 def main(argv=None):
     cfg = common.parse_config(Config, argv)
     results = train(cfg)
+    if not common.is_main_process():
+        return
     summary = {k: v for k, v in _flat_eval(results).items() if k.endswith(("greedy_acc", "n_problems")) or "pass@" in k}
     print(json.dumps({"run_dir": cfg.output_dir, **summary, **({"code": results["code"]} if "code" in results else {})},
                      indent=2, default=str))

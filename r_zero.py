@@ -747,12 +747,14 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
 
 def export_roles(run, policy, roles: Roles) -> None:
     """final/challenger and final/solver: both trained models, loadable by from_pretrained and vLLM."""
+    # roles.weights() gathers the trainer's shards under torchrun (a collective): every rank calls it.
+    weights = {role: roles.weights(role) for role in (CHALLENGER, SOLVER)}
     if not common.is_main_process():
         return
     model = getattr(policy.model, "module", policy.model)
     for role in (CHALLENGER, SOLVER):
         out = run.dir / "final" / role
-        model.save_pretrained(str(out), state_dict=roles.weights(role), safe_serialization=True)
+        model.save_pretrained(str(out), state_dict=weights[role], safe_serialization=True)
         policy.tokenizer.save_pretrained(str(out))
 
 
