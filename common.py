@@ -1349,7 +1349,7 @@ class Run:
         if int(ts.get("world_size", 1)) != policy.world_size:
             raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume it with the same "
                              f"number (now {policy.world_size}): its optimizer state is laid out per run type")
-        policy.set_weights(_core_load_safetensors_dir(ck), reset_optimizer=True)
+        policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
         if policy.world_size == 1:
             osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
         else:  # the full state is read on rank 0 and scattered into the shards
@@ -1402,11 +1402,12 @@ def _core_truncate_jsonl(path: pathlib.Path, step: int) -> None:
     atomic_write_text(path, "".join(l + "\n" for l in keep))
 
 
-def _core_load_safetensors_dir(path) -> dict:
+def load_safetensors_dir(path) -> dict:
+    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU."""
     from safetensors.torch import load_file
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+        raise FileNotFoundError(f"{path}: no *.safetensors files (an incomplete or non-safetensors checkpoint?)")
     sd = {}
     for f in files:
         sd.update(load_file(str(f)))

@@ -600,17 +600,6 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _load_role_dir(path: pathlib.Path) -> dict:
-    from safetensors.torch import load_file
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors (incomplete checkpoint?)")
-    sd = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------------------
@@ -649,9 +638,9 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         state.update({k: v for k, v in saved.items() if k in state})
         rdir = run.dir / "roles" / saved["roles_dir"]
         other = Roles.other(saved["active"])
-        roles = Roles(policy, saved["active"], _load_role_dir(rdir / other))
+        roles = Roles(policy, saved["active"], common.load_safetensors_dir(rdir / other))
         if (rdir / "ref").is_dir():
-            ref = _load_role_dir(rdir / "ref")
+            ref = common.load_safetensors_dir(rdir / "ref")
         print(f"[r_zero] resumed at iteration {state['iteration']}, {state['phase']} step {state['phase_step']}",
               file=sys.stderr)
     else:

@@ -221,7 +221,7 @@ def _metrics(run_dir):
 
 
 def _load(d):
-    return r_zero._load_role_dir(pathlib.Path(d))
+    return common.load_safetensors_dir(pathlib.Path(d))
 
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
