@@ -1826,6 +1826,16 @@ def _rl_release_sampler(policy) -> None:
         release()
 
 
+def _rl_begin_train_pass(policy) -> tuple[torch.device, float]:
+    """Common start of pg_step and sft_step: free the sampler's memory (with --vllm-sleep), reset the peak-memory
+    counter the step reports, and start its clock."""
+    _rl_release_sampler(policy)
+    device = _rl_device(policy.model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return device, time.perf_counter()
+
+
 def _rl_clip_and_step(policy, params, max_norm: float) -> float:
     """Clip the global grad norm and step; goes through ``policy.clip_and_step`` (where FSDP hides, #10) when
     clipping is on. Returns the pre-clip norm."""
@@ -1920,11 +1930,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     if cfg.kl_coef > 0 and ref_weights is None:
         raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    _rl_release_sampler(policy)
-    device = _rl_device(model)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
+    device, t0 = _rl_begin_train_pass(policy)
     T = cfg.temperature
     trajs, real = _rl_local_shard(policy, trajs)
     prompts = [t.prompt_ids for t in trajs]
@@ -2033,11 +2039,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     if not examples:
         raise ValueError("sft_step got no examples")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    _rl_release_sampler(policy)
-    device = _rl_device(model)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
+    device, t0 = _rl_begin_train_pass(policy)
     examples, real = _rl_local_shard(policy, list(examples))
     prompts = [list(p) for p, _ in examples]
     targets = [list(t) for _, t in examples]
