@@ -245,6 +245,35 @@ def atomic_write_json(path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=_core_json_default) + "\n")
 
 
+def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
+    """(line number, object) for every non-empty line of a JSONL file, read lazily. A missing file, text that is
+    not UTF-8 (with errors="strict"), or a line that is not one JSON object stops with `error`, naming the file
+    and the line and ending with `shape`, the sentence that says what a line should look like (the fix)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise error(f"{path}: file does not exist; {shape}")
+    with p.open("r", encoding="utf-8", errors=errors, newline=None) as f:
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()  # splits on newlines only, never on U+2028 inside a JSON string
+            except UnicodeDecodeError as e:
+                raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
+            if not line:
+                return
+            lineno += 1
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+                raise error(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', str(e))[:80]}); {shape}") from None
+            if not isinstance(row, dict):
+                raise error(f"{path}:{lineno}: expected a JSON object (this line is a {type(row).__name__}, "
+                            f"not an object); {shape}")
+            yield lineno, row
+
+
 def _core_json_default(o):
     if isinstance(o, (np.integer,)):
         return int(o)
@@ -3131,27 +3160,20 @@ def _vf_gsm8k_answer(a):
 
 
 def _vf_load_jsonl(path, limit):
+    shape = 'each line must be one object like {"question": "...", "answer": "..."} (optional "choices": [..])'
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg}). Each line must be one object like "
-                                 '{"question": "...", "answer": "..."}') from None
-            if not isinstance(obj, dict) or "question" not in obj or "answer" not in obj:
-                raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
-                                 f'(optional "choices": [..]); got {str(obj)[:120]}')
-            row = {"question": str(obj["question"]), "answer": str(obj["answer"])}
-            if obj.get("choices") is not None:
-                if not isinstance(obj["choices"], list) or not obj["choices"]:
-                    raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
-                row["choices"] = [str(c) for c in obj["choices"]]
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
+    for ln, obj in iter_jsonl(path, shape=shape):
+        if "question" not in obj or "answer" not in obj:
+            raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
+                             f'(optional "choices": [..]); got {str(obj)[:120]}')
+        row = {"question": str(obj["question"]), "answer": str(obj["answer"])}
+        if obj.get("choices") is not None:
+            if not isinstance(obj["choices"], list) or not obj["choices"]:
+                raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
+            row["choices"] = [str(c) for c in obj["choices"]]
+        rows.append(row)
+        if limit and len(rows) >= limit:
+            break
     if not rows:
         raise ValueError(f"{path}: no problems found (empty file?)")
     return rows

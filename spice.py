@@ -112,32 +112,21 @@ class CorpusError(ValueError):
 
 def read_jsonl_documents(path: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """Documents of a JSONL file. Bad input stops with the file, the line and the fix."""
-    p = Path(path)
-    if not p.is_file():
-        raise CorpusError(f"corpus file {path!r} does not exist; pass --corpus PATH.jsonl with one JSON object per line")
+    shape = f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}} per line'
     docs: list[str] = []
-    with p.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as e:
-                raise CorpusError(f"{path}:{lineno}: not valid JSON ({str(e)[:80]}); "
-                                  f"each line must be one JSON object like {{\"{field_name}\": \"...\"}}") from None
-            if not isinstance(row, dict):
-                raise CorpusError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            if field_name not in row:
-                keys = ", ".join(list(row)[:8]) or "none"
-                raise CorpusError(f"{path}:{lineno}: missing field {field_name!r} (keys: {keys}); "
-                                  f"pass --corpus-field NAME to use another field")
-            text = row[field_name]
-            if not isinstance(text, str):
-                raise CorpusError(f"{path}:{lineno}: field {field_name!r} must be a string, got {type(text).__name__}")
-            if text.strip():
-                docs.append(text)
-                if limit and len(docs) >= limit:
-                    break
+    # errors="replace": web text may hold stray bytes; a document with a few of them is still a document
+    for lineno, row in common.iter_jsonl(path, shape=shape, error=CorpusError, errors="replace"):
+        if field_name not in row:
+            keys = ", ".join(list(row)[:8]) or "none"
+            raise CorpusError(f"{path}:{lineno}: missing field {field_name!r} (keys: {keys}); "
+                              f"pass --corpus-field NAME to use another field")
+        text = row[field_name]
+        if not isinstance(text, str):
+            raise CorpusError(f"{path}:{lineno}: field {field_name!r} must be a string, got {type(text).__name__}")
+        if text.strip():
+            docs.append(text)
+            if limit and len(docs) >= limit:
+                break
     if not docs:
         raise CorpusError(f"corpus file {path!r} holds no documents (empty file or only empty {field_name!r} fields)")
     return docs

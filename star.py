@@ -175,19 +175,7 @@ def read_jsonl(path, *, flag: str = "--data", require: tuple = ("question", "ans
         raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: "
                                 f"{', '.join(TASKS)})")
     rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit inside a JSON string
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{flag} {path}: not UTF-8 text ({e}); {JSONL_SHAPE}") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); {JSONL_SHAPE}") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; {JSONL_SHAPE}")
+    for lineno, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
         missing = [k for k in require if k not in row]
         if missing:
             raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {JSONL_SHAPE}")

@@ -497,3 +497,21 @@ def test_failed_checkpoint_leaves_previous_intact_and_pruning(tiny_policy_hf):
     assert sorted(p.name for p in (run.dir / "checkpoints").iterdir()) == names
     assert run.latest_checkpoint().name == "step_3"
     assert run.load_checkpoint(policy) == (3, {"s": 3})
+
+
+def test_iter_jsonl_reads_objects_and_names_file_line_and_fix(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"a": "x\u2028y"}\n\n{"a": 2}\r\n', encoding="utf-8")  # U+2028 inside a string is not a newline
+    assert list(common.iter_jsonl(p, shape="SHAPE")) == [(1, {"a": "x\u2028y"}), (3, {"a": 2})]
+    for content, needle in [('{"a": 1}\n{"a": \n', ":2: not valid JSON"), ("[1, 2]\n", ":1: expected a JSON object"),
+                            ("[" * 100000 + "\n", ":1: not valid JSON")]:
+        p.write_text(content)
+        with pytest.raises(KeyError) as e:
+            list(common.iter_jsonl(p, shape="SHAPE", error=KeyError))
+        assert needle in str(e.value) and str(p) in str(e.value) and "SHAPE" in str(e.value)
+    p.write_bytes(b'{"a": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="not UTF-8"):
+        list(common.iter_jsonl(p, shape="SHAPE"))
+    assert list(common.iter_jsonl(p, shape="SHAPE", errors="replace")) == [(1, {"a": "caf\ufffd"})]
+    with pytest.raises(ValueError, match="does not exist"):
+        list(common.iter_jsonl(tmp_path / "missing.jsonl", shape="SHAPE"))
