@@ -1883,10 +1883,18 @@ def _rl_peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _rl_seq_mean(values: list[torch.Tensor]) -> float:
-    """Mean over sequences of the per-sequence token mean (how analysis.md Eq. 1 aggregates entropy)."""
-    vals = [v.mean().item() for v in values if v.numel()]
-    return sum(vals) / len(vals) if vals else float("nan")
+def _rl_seq_means(groups: dict[str, list[torch.Tensor]], real: bool = True) -> dict[str, float]:
+    """For each key, the mean over sequences of the per-sequence token mean (how analysis.md Eq. 1 aggregates
+    entropy), over the whole batch: sums and counts are all-reduced, so every rank logs the same figure under
+    torchrun. ``real=False`` (a rank holding only a zero-weight stand-in) contributes nothing."""
+    keys = list(groups)
+    sums, counts = [], []
+    for k in keys:
+        vals = [v.mean().item() for v in groups[k] if v.numel()] if real else []
+        sums.append(sum(vals))
+        counts.append(len(vals))
+    red = _rl_all_reduce(sums + counts, "sum")
+    return {k: red[i] / red[len(keys) + i] if red[len(keys) + i] else float("nan") for i, k in enumerate(keys)}
 
 
 def _rl_local_shard(policy, items: list) -> tuple[list, bool]:
@@ -1943,8 +1951,9 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     entropy_exact/<role>, tokens_per_s (completion tokens through forward+backward per second over the whole
     step), time_s, peak_mem_gb, zero_adv_frac (share of trajectories with advantage exactly 0),
     logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler log-probs are known; logged
-    whenever available since a jump means a broken weight sync), n_tokens, n_seqs. Entropies, zero_adv_frac
-    and the log-prob diff are over this rank's shard. The loss value is ~ -mean(A) ~ 0 on-policy; that is
+    whenever available since a jump means a broken weight sync), n_tokens, n_seqs. All of these are over the
+    whole batch under torchrun (sums and counts all-reduced), except tokens_per_s, time_s and peak_mem_gb,
+    which are this rank's. The loss value is ~ -mean(A) ~ 0 on-policy; that is
     expected (rl_core §2).
     """
     if not trajs:
@@ -1961,6 +1970,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
     device, t0 = _rl_begin_train_pass(policy)
     T = cfg.temperature
+    roles = sorted({t.role for t in trajs if t.role})  # from the full batch: every rank logs the same keys
     trajs, real = _rl_local_shard(policy, trajs)
     prompts = [t.prompt_ids for t in trajs]
     comps = [t.completion_ids for t in trajs]
@@ -2022,33 +2032,34 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     total, clip_n, kl_sum = _rl_all_reduce([total, clip_n, kl_sum], "sum")
     upd = cfg.updates_per_batch
     nll = [-x for x in old]
+    # per-sequence figures over the whole batch (all ranks), keyed like the stats they become
+    groups = {"entropy": ent, "nll_entropy": nll}
+    for role in roles:
+        idx = [i for i, t in enumerate(trajs) if t.role == role]
+        groups[f"entropy/{role}"] = [nll[i] for i in idx]
+        groups[f"entropy_exact/{role}"] = [ent[i] for i in idx]
+    if ref is not None:
+        groups["kl_ref"] = [torch.exp(r - o) - (r - o) - 1 for r, o in zip(ref, old)]
+    diffs = [(o - s).abs() for o, s in zip(old, samp) if s is not None and o.numel()]
+    zero_adv, diff_sum, diff_n = _rl_all_reduce(
+        [sum(t.advantage == 0 for t in trajs) * real, sum(float(d.sum()) for d in diffs) * real,
+         sum(d.numel() for d in diffs) * real], "sum")
     stats = {
         "loss": total / upd,
         "grad_norm": sum(norms) / len(norms),
         "clip_frac": clip_n / (m_glob * upd),
         "approx_kl": kl_sum / (m_glob * upd),
-        "entropy": _rl_seq_mean(ent),
-        "nll_entropy": _rl_seq_mean(nll),
+        **_rl_seq_means(groups, bool(real)),
         "tokens_per_s": n_tok * (upd + 1) / elapsed,
         "time_s": elapsed,
         "peak_mem_gb": _rl_peak_mem_gb(device),
-        "zero_adv_frac": sum(t.advantage == 0 for t in trajs) / len(trajs),
+        "zero_adv_frac": zero_adv / n_glob,
         "n_tokens": m_glob,
         "n_seqs": n_glob,
         "mean_len": m_glob / max(n_glob, 1),
     }
-    if ref is not None:
-        stats["kl_ref"] = _rl_seq_mean([torch.exp(r - o) - (r - o) - 1 for r, o in zip(ref, old)])
-    diffs = [(o - s).abs() for o, s in zip(old, samp) if s is not None and o.numel()]
-    if diffs:
-        stats["logprob_diff_vs_sampler"] = torch.cat(diffs).mean().item()
-    by_role: dict = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_role[t.role].append(i)
-    for role, idx in by_role.items():
-        if role:
-            stats[f"entropy/{role}"] = _rl_seq_mean([nll[i] for i in idx])
-            stats[f"entropy_exact/{role}"] = _rl_seq_mean([ent[i] for i in idx])
+    if diff_n:
+        stats["logprob_diff_vs_sampler"] = diff_sum / diff_n
     return stats
 
 

@@ -24,6 +24,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "drgrpo"]
+# pg_step stats that describe the whole batch, so under torchrun every rank must log the 1-process figure
+LOGGED_OVER_BATCH = ["entropy", "nll_entropy", "entropy/solver", "entropy/proposer", "entropy_exact/solver",
+                     "entropy_exact/proposer", "zero_adv_frac", "n_seqs", "n_tokens"]
 PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
            "<question>7*8</question>", "Hello", "The answer is"]
 
@@ -35,8 +38,9 @@ def _trajectories(common, vocab: int) -> list:
     for i in range(5):
         p = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
         c = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 12))]
-        out.append(common.Trajectory(prompt_ids=p, completion_ids=c, reward=float(i % 2),
-                                     advantage=rng.uniform(-1.5, 1.5), role="solver"))
+        adv = rng.uniform(-1.5, 1.5) if i != 2 else 0.0
+        out.append(common.Trajectory(prompt_ids=p, completion_ids=c, reward=float(i % 2), advantage=adv,
+                                     role="solver" if i < 4 else "proposer"))
     return out
 
 
@@ -67,6 +71,7 @@ def scenario_grad(out: pathlib.Path, dist: str = "fsdp") -> dict:
         policy.set_weights(base)
         st = common.pg_step(policy, trajs, common.PGConfig(aggregation=current, max_len=16))
         stats[current] = float(st["loss"])
+        stats[current + "/logged"] = {k: st[k] for k in LOGGED_OVER_BATCH}
     if policy.is_main:
         torch.save(grads, out / f"grads_ws{policy.world_size}.pt")
     return {"loss": stats, "world_size": policy.world_size}
@@ -162,6 +167,10 @@ def test_two_process_gradient_equals_single_process(dist, tmp_path):
             torch.testing.assert_close(g2[agg][name], g1[agg][name], rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"{agg} {name}: {m}")
         assert ranks[0]["loss"][agg] == ranks[1]["loss"][agg]
+        logged = single["loss"][agg + "/logged"]
+        assert logged["zero_adv_frac"] == 0.2 and logged["n_seqs"] == 5
+        for r in ranks:
+            assert r["loss"][agg + "/logged"] == pytest.approx(logged, rel=1e-5)
     # the three aggregations really are different gradients (the comparison above can fail)
     a, b = g1["token-mean"], g1["drgrpo"]
     assert any(not torch.allclose(a[k], b[k]) for k in a)
