@@ -170,12 +170,14 @@ def _core_build_parser(cls, prog=None):
     return p
 
 
-def parse_config(cls: type, argv: list[str] | None = None):
+def parse_config(cls: type, argv: list[str] | None = None, check=None):
     """Build argparse from the dataclass `cls` and return an instance.
 
     Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
     An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
     RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
+    `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
+    prints the message, before anything is loaded or written.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _core_build_parser(cls)
@@ -209,7 +211,13 @@ def parse_config(cls: type, argv: list[str] | None = None):
         base = {k: v for k, v in saved.items() if k in names}
         base["output_dir"] = str(resume)
     base.update(given)
-    return cls(**base)
+    cfg = cls(**base)
+    if check is not None:
+        try:
+            check(cfg)
+        except ValueError as e:
+            parser.error(str(e))
+    return cfg
 
 
 def config_to_dict(cfg) -> dict:
@@ -1139,6 +1147,25 @@ class Policy:
             yield self.model
         finally:
             self.load_trainer_weights(current)
+
+    @contextlib.contextmanager
+    def sampling_from(self, weights: dict | None):
+        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (e.g. the frozen other role, or
+        an oracle with the same architecture) through the ONE engine, and puts the trainer's weights back into
+        it afterwards. The trainer and its optimizer are not touched. None = the trainer's own weights."""
+        if weights is None:
+            yield self
+            return
+        shared_hf = isinstance(self.sampler, HFSampler) and self.sampler.model is self.model
+        backup = self.get_weights() if shared_hf else None  # an HF sampler bound to the trainer samples from it
+        self.sampler.load_weights(weights)
+        try:
+            yield self
+        finally:
+            if shared_hf:
+                self.set_weights(backup, reset_optimizer=False)
+            else:
+                self.sync()
 
     @torch.no_grad()
     def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
@@ -3354,6 +3381,61 @@ def evaluate_config(policy, cfg, **kw):
     return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
                     limit=cfg.eval_limit, temperature=getattr(cfg, "eval_temperature", 0.6),
                     top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
+
+
+class Oracle:
+    """A stronger model that answers the generated questions, so self-made labels can be spot-checked
+    (analysis.md §7.1: R-Zero's pseudo-labels, SPICE's document-extracted answers). Name it in reports: its
+    own errors bias the figure.
+
+    If it has the trainer's architecture and tokenizer (same parameter names, shapes and vocabulary) its
+    weights are swapped into the policy's ONE engine while it answers; otherwise it gets a sampler of its own
+    (a second vLLM engine at `gpu_memory_utilization`, or HF generate)."""
+
+    def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
+        self.name = name
+        path = resolve_model_path(name)
+        tok = load_tokenizer(path)
+        model, _ = load_model(path, dtype=next(policy.model.parameters()).dtype, device="cpu")
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        own = policy.state_dict()
+        same = (tok.get_vocab() == policy.tokenizer.get_vocab() and set(sd) == set(own)
+                and all(sd[k].shape == own[k].shape for k in own))
+        self.weights, self.sampler = (sd, None) if same else (None, None)
+        del model
+        if not same:
+            del sd
+            ocfg = dataclasses.replace(cfg, model=path, gpu_memory_utilization=gpu_memory_utilization)
+            self.sampler = make_sampler(path, tok, ocfg)
+        self.route = "weight swap into the shared engine" if same else "separate sampler"
+
+    @contextlib.contextmanager
+    def answering(self, policy):
+        """`with oracle.answering(policy) as s: s.generate(...)`; `s.tokenizer` is the oracle's tokenizer."""
+        if self.weights is None:
+            yield self.sampler
+        else:
+            with policy.sampling_from(self.weights) as s:
+                yield s
+
+
+def eval_metrics(result: dict, prefix: str = "eval") -> dict:
+    """Flatten `evaluate`'s result into metrics.jsonl keys: <prefix>/<bench>/<metric> for every number (a JSONL
+    benchmark is named by its file stem), <prefix>/<bench>/pass@k, and <prefix>/mean_greedy_acc over the
+    benchmarks (the papers' "average" column)."""
+    out, accs = {}, []
+    for bench, r in (result.get("benchmarks") or {}).items():
+        name = pathlib.Path(bench).stem if bench.endswith((".jsonl", ".json")) else bench
+        for k, v in r.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[f"{prefix}/{name}/{k}"] = v
+        for k, v in (r.get("pass@k") or {}).items():
+            out[f"{prefix}/{name}/pass@{k}"] = v
+        if isinstance(r.get("greedy_acc"), (int, float)):
+            accs.append(r["greedy_acc"])
+    if accs:
+        out[f"{prefix}/mean_greedy_acc"] = sum(accs) / len(accs)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -267,8 +267,8 @@ def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list
 # --------------------------------------------------------------------------------------------------------------
 class Roles:
     """The Challenger's and the Solver's weights. The role being trained lives in policy.model (the only one
-    with optimizer state); the other is a CPU state dict. `engine(weights)` loads any weights into the vLLM
-    engine for sampling and puts the trainer's weights back afterwards; the trainer itself is never touched."""
+    with optimizer state); the other is a CPU state dict. `sampling(role)` loads the other role into the ONE
+    vLLM engine for sampling (common.Policy.sampling_from) and puts the trainer's weights back afterwards."""
 
     def __init__(self, policy, active: str, other_weights: dict):
         self.policy = policy
@@ -291,26 +291,8 @@ class Roles:
         return self.policy.get_weights() if role == self.active else self.cpu[role]
 
     @contextlib.contextmanager
-    def engine(self, weights: dict | None):
-        """Sample from `weights` (None = the trainer's own) inside this block."""
-        if weights is None:
-            yield
-            return
-        p = self.policy
-        shared_hf = isinstance(p.sampler, common.HFSampler) and p.sampler.model is p.model
-        backup = p.get_weights() if shared_hf else None  # an HF sampler bound to the trainer samples from it
-        p.sampler.load_weights(weights)
-        try:
-            yield
-        finally:
-            if shared_hf:
-                p.set_weights(backup, reset_optimizer=False)
-            else:
-                p.sync()
-
-    @contextlib.contextmanager
     def sampling(self, role: str):
-        with self.engine(None if role == self.active else self.cpu[role]):
+        with self.policy.sampling_from(None if role == self.active else self.cpu[role]):
             yield
 
 
@@ -470,33 +452,12 @@ def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config, s
     qs = [r["question"] for r in rows]
     greedy = dataclasses.replace(cfg, vote_temperature=0.0, votes=1) if cfg.oracle_votes == 1 else \
         dataclasses.replace(cfg, votes=cfg.oracle_votes)
-    if oracle["weights"] is not None:
-        with roles.engine(oracle["weights"]):
-            answers = solver_votes(roles.policy, qs, greedy, roles.policy.tokenizer)
-    else:
-        answers = solver_votes(oracle["sampler"], qs, greedy, oracle["sampler"].tokenizer)
+    with oracle.answering(roles.policy) as sampler:
+        answers = solver_votes(sampler, qs, greedy, sampler.tokenizer)
     ref = [s["label"] for s in vote_statistics(answers)]
     ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
     return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/oracle_answered":
             float(np.mean([a is not None for a in ref])), "pseudo_label/n": len(rows)}
-
-
-def load_oracle(name: str, policy, cfg: Config) -> dict:
-    """The oracle model: swapped into the one engine if it has the trainer's architecture and tokenizer
-    (same parameter names and shapes, same vocabulary); otherwise its own sampler (a second vLLM engine with
-    --oracle-gpu-memory-utilization, or HF generate)."""
-    path = common.resolve_model_path(name)
-    tok = common.load_tokenizer(path)
-    model, _ = common.load_model(path, dtype=next(policy.model.parameters()).dtype, device="cpu")
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    own = policy.state_dict()
-    same = (tok.get_vocab() == policy.tokenizer.get_vocab() and set(sd) == set(own)
-            and all(sd[k].shape == own[k].shape for k in own))
-    if same:
-        return {"weights": sd, "sampler": None, "route": "weight swap into the shared engine"}
-    del model, sd
-    ocfg = dataclasses.replace(cfg, model=path, gpu_memory_utilization=cfg.oracle_gpu_memory_utilization)
-    return {"weights": None, "sampler": common.make_sampler(path, tok, ocfg), "route": "separate sampler"}
 
 
 def label_check(roles: Roles, problems: list[dict], cfg: Config, step: int) -> dict:
@@ -560,15 +521,7 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
         res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
                               prompt_fn=_solver_eval_prompt, limit=cfg.eval_limit, seed=cfg.seed)
     run.write_eval(res, name)
-    out = {}
-    for bench, r in res["benchmarks"].items():
-        short = pathlib.Path(bench).stem if bench.endswith((".jsonl", ".json")) else bench
-        out[f"eval/{short}/greedy_acc"] = r["greedy_acc"]
-        for k, v in r.get("pass@k", {}).items():
-            out[f"eval/{short}/pass@{k}"] = v
-    accs = [r["greedy_acc"] for r in res["benchmarks"].values()]
-    out["eval/mean_greedy_acc"] = float(np.mean(accs))
-    return out
+    return common.eval_metrics(res)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -624,9 +577,10 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     policy = policy or common.Policy.load(cfg)
     decon = _load_decontaminator(cfg)
     checks = common.load_benchmark(cfg.label_check, cfg.label_check_limit) if cfg.label_check else None
-    oracle = load_oracle(cfg.oracle_model, policy, cfg) if cfg.oracle_model else None
+    oracle = common.Oracle(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization) \
+        if cfg.oracle_model else None
     if oracle is not None:
-        print(f"[r_zero] oracle {cfg.oracle_model}: {oracle['route']}", file=sys.stderr)
+        print(f"[r_zero] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
 
     per_iter = cfg.challenger_steps + cfg.solver_steps + 2  # + dataset step + eval step
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
@@ -748,12 +702,7 @@ def export_roles(run, policy, roles: Roles) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = common.parse_config(Config, argv)
-    try:
-        validate_config(cfg)
-    except ValueError as e:
-        sys.exit(f"r_zero.py: error: {e}")
-    train(cfg)
+    train(common.parse_config(Config, argv, check=validate_config))
 
 
 if __name__ == "__main__":

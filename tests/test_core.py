@@ -325,6 +325,16 @@ def test_typo_names_the_closest_flag(capsys):
     assert "unknown flag --gr" in capsys.readouterr().err
 
 
+def test_a_method_check_becomes_a_usage_error(capsys):
+    def check(cfg):
+        if cfg.group_size < 2:
+            raise ValueError("--group-size must be >= 2: a group needs a baseline")
+    assert common.parse_config(_Cfg, ["--group-size", "3"], check=check).group_size == 3
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(_Cfg, ["--group-size", "1"], check=check)
+    assert e.value.code == 2 and "--group-size must be >= 2: a group needs a baseline" in capsys.readouterr().err
+
+
 def test_resume_loads_saved_config_and_explicit_flags_override(tmp_path):
     cfg = common.parse_config(_Cfg, ["--output-dir", str(tmp_path / "r"), "--group-size", "3", "--lr", "0.1"])
     run = common.Run(cfg, "test")

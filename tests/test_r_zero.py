@@ -115,6 +115,15 @@ def test_config_flags_and_validation():
             r_zero.validate_config(r_zero.Config(**bad))
 
 
+def test_cli_rejects_a_bad_config_before_loading_anything(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        r_zero.main(["--model", str(tmp_path / "no-such-model"), "--band-low", "0.9", "--band-high", "0.1",
+                     "--output-dir", str(out)])
+    assert e.value.code == 2 and "--band-low <= --band-high" in capsys.readouterr().err
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The tiny model, warmed so that valid questions flow through every stage
 # ------------------------------------------------------------------------------------------------------------

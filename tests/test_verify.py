@@ -478,6 +478,12 @@ def test_evaluate_tiny_model_vllm(vllm_sampler, tmp_path):
     # default boxed extraction on the real file: the random tiny model boxes nothing
     r2 = res["benchmarks"][str(BENCH)]
     assert r2["n_problems"] == 8 and 0.0 <= r2["greedy_acc"] <= 1.0
+    # the flat metrics.jsonl view: files named by stem, every number and pass@k, the mean over benchmarks
+    flat = common.eval_metrics(res)
+    assert flat["eval/own/greedy_acc"] == r["greedy_acc"] and flat["eval/own/n_problems"] == len(probs)
+    assert flat["eval/own/pass@2"] == r["pass@k"]["2"] and flat[f"eval/{BENCH.stem}/pass@1"] == r2["pass@k"]["1"]
+    assert flat["eval/mean_greedy_acc"] == pytest.approx((r["greedy_acc"] + r2["greedy_acc"]) / 2)
+    assert not any(isinstance(v, (list, dict)) for v in flat.values())
 
 
 def test_evaluate_config_uses_run_config(vllm_sampler):
