@@ -3383,13 +3383,14 @@ def evaluate_config(policy, cfg, **kw):
                     top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
 
 
-class Oracle:
-    """A stronger model that answers the generated questions, so self-made labels can be spot-checked
-    (analysis.md §7.1: R-Zero's pseudo-labels, SPICE's document-extracted answers). Name it in reports: its
-    own errors bias the figure.
+class FrozenModel:
+    """Another model that only samples, beside the trained policy: an oracle that answers the generated
+    questions so self-made labels can be spot-checked (analysis.md §7.1: R-Zero's pseudo-labels, SPICE's
+    document-extracted answers; name it in reports, since its own errors bias the figure), or a fixed stronger
+    question writer (SPICE's "Strong Challenger" baseline).
 
     If it has the trainer's architecture and tokenizer (same parameter names, shapes and vocabulary) its
-    weights are swapped into the policy's ONE engine while it answers; otherwise it gets a sampler of its own
+    weights are swapped into the policy's ONE engine while it samples; otherwise it gets a sampler of its own
     (a second vLLM engine at `gpu_memory_utilization`, or HF generate)."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
@@ -3410,8 +3411,8 @@ class Oracle:
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
     @contextlib.contextmanager
-    def answering(self, policy):
-        """`with oracle.answering(policy) as s: s.generate(...)`; `s.tokenizer` is the oracle's tokenizer."""
+    def sampling(self, policy):
+        """`with frozen.sampling(policy) as s: s.generate(...)`; `s.tokenizer` is the frozen model's tokenizer."""
         if self.weights is None:
             yield self.sampler
         else:

@@ -452,7 +452,7 @@ def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config, s
     qs = [r["question"] for r in rows]
     greedy = dataclasses.replace(cfg, vote_temperature=0.0, votes=1) if cfg.oracle_votes == 1 else \
         dataclasses.replace(cfg, votes=cfg.oracle_votes)
-    with oracle.answering(roles.policy) as sampler:
+    with oracle.sampling(roles.policy) as sampler:
         answers = solver_votes(sampler, qs, greedy, sampler.tokenizer)
     ref = [s["label"] for s in vote_statistics(answers)]
     ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
@@ -577,7 +577,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     policy = policy or common.Policy.load(cfg)
     decon = _load_decontaminator(cfg)
     checks = common.load_benchmark(cfg.label_check, cfg.label_check_limit) if cfg.label_check else None
-    oracle = common.Oracle(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization) \
+    oracle = common.FrozenModel(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization) \
         if cfg.oracle_model else None
     if oracle is not None:
         print(f"[r_zero] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
