@@ -39,7 +39,9 @@ paper; the flags give the code's variants where they matter:
                                                              paper; removes the 1/B floor at small B)
   * unparsable Solver answers count in m but never win the vote (the code lets the string "None" win; fixed here)
   * the Challenger's own answer is discarded (the code compared one character of it; fixed here)
-  * Solver reward = accuracy vs the pseudo-label (code: 0.9 accuracy + 0.1 format; not implemented)
+  * Solver reward 1 iff the answer matches y~               --solver-reward code: 0.9 accuracy + 0.1 format
+                                                             (examples/reward_function/math.py, from EasyR1; format
+                                                             = the reply is <think>..</think> .. \\boxed{..})
   * the code's string filters (drop questions containing "box" or "证明", labels containing "text"): --code-filters
   * math-verify equivalence (common.math_equal, hard timeouts), not mathruler's grade_answer
   * rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation (rl_core §4); votes use
@@ -59,6 +61,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import warnings
@@ -104,6 +107,7 @@ class Config(common.RunConfig):
     rep_penalty: str = "size"  # size: lambda |C_k| / B (paper) | excess: lambda (|C_k| - 1) / B (option, no 1/B floor)
     rep_lambda: float = 1.0  # lambda of the repetition penalty (paper §3)
     bleu_threshold: float = 0.5  # tau_BLEU, average-linkage distance threshold on 1 - BLEU (paper §3)
+    solver_reward: str = "paper"  # paper: 1 iff math_equal(boxed, y~) | code: 0.9 acc + 0.1 format (<think>..</think> then \boxed{}, math.py)
     code_filters: bool = False  # code-only: drop questions containing "box"/"证明" and labels containing "text"
     lr: float = 1e-6  # AdamW, constant (paper; config.yaml)
     weight_decay: float = 1e-2  # AdamW weight decay (config.yaml)
@@ -145,6 +149,8 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
     if cfg.reward_variant not in ("paper", "code"):
         raise ValueError(f"--reward-variant must be paper or code, not {cfg.reward_variant!r}")
+    if cfg.solver_reward not in ("paper", "code"):
+        raise ValueError(f"--solver-reward must be paper or code, not {cfg.solver_reward!r}")
     if cfg.rep_penalty not in ("size", "excess"):
         raise ValueError(f"--rep-penalty must be size or excess, not {cfg.rep_penalty!r}")
     if cfg.challenger_minibatch < 0 or cfg.solver_minibatch < 0:
@@ -260,6 +266,19 @@ def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list
     """Keep the questions inside the band, labelled with the majority answer y~."""
     return [{"question": q, "label": s["label"], "p_hat": s["p_hat"], "agree": s["agree"]}
             for q, s in zip(questions, stats) if keep_question(s, cfg)]
+
+
+# The official code's format term: the reply, with blanks around <, > and / removed, must START with <think> and
+# close it before a \boxed{}. Nothing in the Solver prompt asks for <think>, so it pays a chat-template habit.
+CODE_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def solver_reward(text: str, correct: bool, cfg: Config) -> float:
+    """paper: 1 iff the boxed answer equals y~. code (examples/reward_function/math.py): 0.9 that + 0.1 format."""
+    if cfg.solver_reward == "paper":
+        return float(correct)
+    formatted = CODE_FORMAT.fullmatch(re.sub(r"\s*(<|>|/)\s*", r"\1", text)) is not None
+    return 0.9 * float(correct) + 0.1 * float(formatted)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -491,12 +510,14 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
     flat = [(g, c) for g, group in enumerate(outs) for c in group]
     preds = [common.extract_boxed(c.text) for _, c in flat]
     ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
-    trajs = [common.Trajectory.from_completion(c, reward=float(o), role=SOLVER) for (_, c), o in zip(flat, ok)]
+    rewards = [solver_reward(c.text, o, cfg) for (_, c), o in zip(flat, ok)]
+    trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER) for (_, c), r in zip(flat, rewards)]
     with run.timer("solver_update"):
         upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
     run.log_samples(step, SOLVER, [{"question": rows[g]["question"], "label": rows[g]["label"], "completion": c.text,
-                                    "pred": p, "reward": float(o)} for (g, c), p, o in zip(flat, preds, ok)])
-    return {"solver/acc_vs_pseudo": float(np.mean(ok)), "solver/no_answer": float(np.mean([p is None for p in preds])),
+                                    "pred": p, "reward": r} for (g, c), p, r in zip(flat, preds, rewards)])
+    return {"solver/acc_vs_pseudo": float(np.mean(ok)), "solver/reward": float(np.mean(rewards)),
+            "solver/no_answer": float(np.mean([p is None for p in preds])),
             "solver/truncated": float(np.mean([c.finish_reason == "length" for _, c in flat])),
             "solver/batch": b, **_role_stats("solver", upd, SOLVER)}
 

@@ -102,15 +102,39 @@ def test_dataset_filter_keeps_exactly_three_to_seven_of_ten_with_majority_label(
     assert r_zero.filter_dataset(["q"], st, cfg) and not r_zero.filter_dataset(["q"], st, _cfg(code_filters=True))
 
 
+def test_solver_reward_paper_and_official_code():
+    think = "<think>\n2 + 3 = 5\n</think>\nSo \\boxed{5}."
+    plain = "2 + 3 = 5, so \\boxed{5}."
+    paper, code = _cfg(), _cfg(solver_reward="code")
+    for text in (think, plain):  # the paper pays accuracy only
+        assert (r_zero.solver_reward(text, True, paper), r_zero.solver_reward(text, False, paper)) == (1.0, 0.0)
+    # code: 0.9 accuracy + 0.1 format
+    assert r_zero.solver_reward(think, True, code) == pytest.approx(1.0)
+    assert r_zero.solver_reward(think, False, code) == pytest.approx(0.1)
+    assert r_zero.solver_reward(plain, True, code) == pytest.approx(0.9)
+    assert r_zero.solver_reward(plain, False, code) == 0.0
+    # format = the reply (blanks around <, > and / removed) starts with <think>, closes it, then boxes an answer
+    formatted = [think, "  < think >a</ think > \\boxed{1} tail", "<think></think>\\boxed{}",
+                 "<think>\\boxed{1}</think> and \\boxed{2}"]
+    unformatted = ["Sure. <think>a</think> \\boxed{1}", "<think>a</think> no box", "\\boxed{1} <think>a</think>",
+                   "<think>a \\boxed{1}", "<thinking>a</thinking> \\boxed{1}", "<think>a</think> \\boxed{1"]
+    assert [r_zero.solver_reward(t, False, code) for t in formatted] == pytest.approx([0.1] * len(formatted))
+    assert [r_zero.solver_reward(t, False, code) for t in unformatted] == [0.0] * len(unformatted)
+
+
 def test_config_flags_and_validation():
     cfg = common.parse_config(r_zero.Config, ["--votes", "9", "--band-low", "0.3", "--band-high", "0.8",
-                                              "--invalid-reward", "-1", "--reward-variant", "code"])
+                                              "--invalid-reward", "-1", "--reward-variant", "code",
+                                              "--solver-reward", "code"])
     assert (cfg.votes, cfg.band_low, cfg.band_high, cfg.invalid_reward) == (9, 0.3, 0.8, -1.0)
+    assert (cfg.reward_variant, cfg.solver_reward) == ("code", "code")
     d = r_zero.Config()  # paper defaults
     assert (d.iterations, d.challenger_steps, d.solver_steps, d.challenger_group, d.solver_group, d.votes,
             d.kl_coef, d.clip_low, d.clip_high, d.dual_clip, d.lr, d.temperature) == \
         (3, 5, 15, 4, 5, 10, 0.01, 0.2, 0.3, 3.0, 1e-6, 1.0)
-    for bad in (dict(band_low=0.8, band_high=0.2), dict(reward_variant="x"), dict(solver_group=1)):
+    assert (d.reward_variant, d.solver_reward) == ("paper", "paper")
+    for bad in (dict(band_low=0.8, band_high=0.2), dict(reward_variant="x"), dict(solver_reward="x"),
+                dict(solver_group=1)):
         with pytest.raises(ValueError):
             r_zero.validate_config(r_zero.Config(**bad))
 
@@ -256,6 +280,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
     assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
+    assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # --solver-reward paper: accuracy only
     assert 0.0 <= ev["eval/mean_greedy_acc"] <= 1.0 and (pathlib.Path(run_dir) / "eval_iter1.json").is_file()
     # both models changed (weight decay is 0, so only non-zero advantages can move them), and differently
     fin_c, fin_s = (_load(pathlib.Path(run_dir) / "final" / r) for r in ("challenger", "solver"))
