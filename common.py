@@ -3440,6 +3440,241 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in PythonSandbox
+# ------------------------------------------------------------------------------------------------------------
+# name -> (hub id, split). Checked against the hub's dataset cards (features, split, row count) and public code
+# that loads them:
+#   evalplus/humanevalplus, "test", 164 rows: task_id, prompt (imports, signature, docstring), canonical_solution,
+#     entry_point, test (a numpy-based `assertion` helper and `def check(candidate)` looping over the plus inputs;
+#     EvalPlus calls check(<entry_point>)).
+#   evalplus/mbppplus, "test", 378 rows: task_id (int), code (reference solution), prompt (the one-line task),
+#     source_file, test_imports (list), test_list (MBPP's three asserts), test (a script: `assertion`, inputs,
+#     results and a module-level loop that calls the function by name).
+CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"), "mbpp+": ("evalplus/mbppplus", "test")}
+CODE_STATUSES = ("passed", "failed", "error", "timeout", "no_code")  # failed = an assertion of the tests failed
+_CODE_MAX_PROGRAM_CHARS = 32_000_000  # HumanEval+ tests inline thousands of inputs: far over the sandbox default
+_CODE_SHAPE = ('each line must be one object: {"task_id", "prompt", "test", "entry_point"} (HumanEval style: '
+               '"test" defines check(candidate), run as check(<entry_point>)) or {"task_id", "prompt", "test"} '
+               '(MBPP style: "test" is a script that calls the function by name)')
+_CODE_INSTRUCTION = "Write a complete, self-contained Python solution (with its imports) in one ```python block."
+
+
+class BenchmarkUnavailable(RuntimeError):
+    """A hub benchmark could not be loaded (no `datasets` package, hub unreachable); the message names the fix."""
+
+
+def _vf_code_row(task_id, prompt, test, entry_point, where):
+    if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
+        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; {_CODE_SHAPE}')
+    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
+        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got {str(entry_point)[:60]!r}')
+    return {"task_id": str(task_id), "prompt": prompt, "test": test, "entry_point": entry_point}
+
+
+def load_code_benchmark(name_or_path, limit=0):
+    """Code problems as [{"task_id", "prompt", "test", "entry_point"}]. With an entry_point (HumanEval style)
+    `prompt` is the function's signature and docstring and `test` defines check(candidate), run as
+    check(<entry_point>); with entry_point None (MBPP style) `prompt` is prose and `test` is a script that calls
+    the function by name. `name_or_path`: "humaneval+" or "mbpp+" (CODE_BENCHMARKS, loaded with `datasets`;
+    MBPP+ gets its first original assert appended to the prompt, as EvalPlus does, so the function's name and
+    call are known; its test_imports are prepended to the test) or a local JSONL file of such objects.
+    `limit` > 0 keeps the first N problems. No `datasets` or no hub: BenchmarkUnavailable, saying the fix."""
+    name = str(name_or_path).strip()
+    rows = []
+    if name.lower() not in CODE_BENCHMARKS:
+        if not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
+            raise ValueError(f"unknown code benchmark {name!r}: use one of {sorted(CODE_BENCHMARKS)} or a local "
+                             f".jsonl file; {_CODE_SHAPE}")
+        for ln, obj in iter_jsonl(name, shape=_CODE_SHAPE):
+            if "task_id" not in obj:
+                raise ValueError(f'{name}:{ln}: missing "task_id"; {_CODE_SHAPE}')
+            rows.append(_vf_code_row(obj["task_id"], obj.get("prompt"), obj.get("test"), obj.get("entry_point"),
+                                     f"{name}:{ln}"))
+            if limit and len(rows) >= limit:
+                break
+        if not rows:
+            raise ValueError(f"{name}: no problems found (empty file?)")
+        return rows
+    hub_id, split = CODE_BENCHMARKS[name.lower()]
+    fix = f"or pass a local JSONL file ({_CODE_SHAPE})"
+    try:
+        import datasets
+    except ImportError:
+        raise BenchmarkUnavailable(f"code benchmark {name!r} is loaded from the Hugging Face hub with the "
+                                   f"`datasets` package, which is not installed. Fix: `pip install datasets`, {fix}.")
+    try:
+        ds = datasets.load_dataset(hub_id, split=split)
+    except Exception as e:
+        raise BenchmarkUnavailable(f"could not load code benchmark {name!r} ({hub_id}, split {split}) from the "
+                                   f"Hugging Face hub: {type(e).__name__}: {str(e)[:300]}. Fix: check the network "
+                                   f"(or HF_HUB_OFFLINE=1 with a populated cache), {fix}.") from None
+    for ex in ds:
+        where = f"{hub_id} row {len(rows)}"
+        if hub_id == "evalplus/mbppplus":
+            prompt = "\n".join([str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]])
+            test = "\n".join(list(ex["test_imports"]) + [ex["test"]])
+            rows.append(_vf_code_row(f"Mbpp/{ex['task_id']}", prompt, test, None, where))
+        else:
+            rows.append(_vf_code_row(ex["task_id"], ex["prompt"], ex["test"], ex["entry_point"], where))
+        if limit and len(rows) >= limit:
+            break
+    return rows
+
+
+def code_task_prompt(problem):
+    """The task text: HumanEval style shows the function stub to complete, MBPP style the prose and example."""
+    if problem.get("entry_point"):
+        return f"Complete this Python function.\n```python\n{problem['prompt'].rstrip()}\n```\n{_CODE_INSTRUCTION}"
+    return f"{problem['prompt'].strip()}\n\n{_CODE_INSTRUCTION}"
+
+
+def default_code_prompt(problem, tokenizer=None):
+    """Chat messages when the tokenizer has a chat template, else raw text."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": code_task_prompt(problem)}]
+    return f"{code_task_prompt(problem)}\n\nSolution:\n"
+
+
+def extract_code(text):
+    """The last closed ```python (```py, ```python3 or untagged) block of `text`, indentation kept, or None.
+    Parsed line by line, so the closing fence of another block (```input) is never taken for an opening one.
+    A block cut off by max_tokens does not count: its code is incomplete."""
+    found, body, tag = None, None, ""
+    for line in str(text).splitlines():
+        fence = line.strip().startswith("```")
+        if body is None and fence:
+            tag, body = line.strip()[3:].strip().lower(), []
+        elif body is not None and fence:
+            if tag in ("python", "py", "python3", ""):
+                found = "\n".join(body)
+            body = None
+        elif body is not None:
+            body.append(line)
+    return found if found and found.strip() else None
+
+
+def code_program(problem, code):
+    """The program a solution is judged by. HumanEval style: prompt + solution + tests + check(entry_point); the
+    prompt comes first so its imports are there and a bare function body still completes its stub, while a full
+    definition in the solution replaces the stub. MBPP style: solution + test script."""
+    if problem.get("entry_point"):
+        return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    return f"{code}\n\n{problem['test']}\n"
+
+
+def _vf_run_code(sandbox, problems, codes, timeout):
+    """codes[i] = solutions (None: no code) for problems[i] -> [[(status, message)]] in the same shape. A run
+    passes only if the program reaches the end and then evaluates a fresh random token: exiting early
+    (sys.exit, os._exit, BaseException) or writing a canned result frame cannot pass."""
+    token = f"all tests ran {os.urandom(8).hex()}"
+    jobs, where = [], []
+    out = [[("no_code", None)] * len(cs) for cs in codes]
+    for i, cs in enumerate(codes):
+        for j, c in enumerate(cs):
+            if c is not None:
+                jobs.append((code_program(problems[i], c), repr(token)))
+                where.append((i, j))
+    res = sandbox.run_many(jobs, timeout_s=timeout) if jobs else []
+    again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # the sandbox failed, not the program
+    for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout) if again else []):
+        res[m] = r
+    for (i, j), r in zip(where, res):
+        if r.status == "ok":
+            out[i][j] = ("passed", None) if r.value == repr(token) else ("error", "the program forged its result")
+        elif r.status == "timeout":
+            out[i][j] = ("timeout", r.error)
+        elif r.status == "error" and (r.error or "").startswith("AssertionError"):
+            out[i][j] = ("failed", r.error)
+        else:
+            out[i][j] = ("error", f"{r.status}: {r.error}")
+    return out
+
+
+def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6, top_p=0.95,
+                  max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0, timeout=20.0, n_boot=1000):
+    """Greedy pass@1 (and pass@k) on code benchmarks, in the shape of `evaluate`'s result.
+
+    - Each problem is prompted with prompt_fn(problem, tokenizer) (default: default_code_prompt) and the solution
+      is extract_fn(completion text) (default: extract_code, the last ```python block; none = "no_code").
+    - The solution runs with the problem's tests (code_program) in `sandbox`, a fresh isolated process per run,
+      within `timeout` seconds. It passes only when the tests run to the end without error; hostile or broken
+      code just fails the problem. Like EvalPlus, the tests' own comparisons are trusted (an object whose __eq__
+      always says True passes them), and a program written to dig the pass token out of its interpreter's
+      frames could forge a pass: the sandbox contains code, it does not certify it.
+    - Greedy (temperature 0) gives "greedy_acc" = pass@1 with counts of failed / error / timeout / no_code runs;
+      n > 1 adds n samples at (temperature, top_p) and unbiased pass@k (pass_at_k) with bootstrap intervals.
+    `benchmarks`: names or JSONL paths (see load_code_benchmark), a list or a comma-separated string; all are
+    loaded before anything is generated. Without `sandbox` one is started (and closed) for the call, with a
+    program cap that fits HumanEval+'s inlined tests; a sandbox you pass needs max_program_chars that large."""
+    if isinstance(benchmarks, str):
+        benchmarks = benchmarks.split(",")
+    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
+    if isinstance(k, (int, str)):
+        k = [int(x) for x in str(k).split(",") if str(x).strip()]
+    ks, n = sorted({int(x) for x in k}), int(n)
+    if n < 1 or not ks or ks[0] < 1:
+        raise ValueError(f"evaluate_code needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    skipped_k, ks = [x for x in ks if x > n], [x for x in ks if x <= n]
+    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}
+    tok = getattr(sampler_or_policy, "tokenizer", None)
+    prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
+    t0 = time.time()
+    own = sandbox is None
+    if own:
+        sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
+    results = {}
+    try:
+        for bench, probs in problems.items():
+            prompts = [prompt_fn(p, tok) for p in probs]
+            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
+            runs = [r[0] for r in _vf_run_code(sandbox, probs, [[extract_fn(c.text)] for c in greedy], timeout)]
+            ok = np.asarray([s == "passed" for s, _ in runs], dtype=float)
+            counts = Counter(s for s, _ in runs)
+            res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
+                   "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
+                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]},
+                   "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
+                   "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
+            per_problem = [{"task_id": p["task_id"], "greedy_status": s, "greedy_error": msg[:300] if msg else None}
+                           for p, (s, msg) in zip(probs, runs)]
+            if n > 1:
+                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
+                                                  max_tokens=max_tokens, seed=seed)
+                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp], timeout)
+                cs = [sum(s == "passed" for s, _ in r) for r in runs]
+                ns = [len(r) for r in runs]
+                res["pass@k"], res["pass@k_ci"] = {}, {}
+                for kk in ks:
+                    m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
+                    res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
+                res["mean@n"] = float(np.mean(np.asarray(cs) / np.asarray(ns)))
+                res["pass@k_source"] = "samples"
+                res["sample_statuses"] = dict(Counter(s for r in runs for s, _ in r))
+                res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+                for rec, r, c in zip(per_problem, runs, cs):
+                    rec["correct_samples"], rec["sample_statuses"] = c, [s for s, _ in r]
+            else:
+                res["pass@k"], res["pass@k_ci"] = {"1": res["greedy_acc"]}, {"1": res["greedy_acc_ci"]}
+                res["pass@k_source"] = "greedy"
+            res["per_problem"] = per_problem
+            results[bench] = res
+    finally:
+        if own:
+            sandbox.close()
+    return {"benchmarks": results,
+            "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
+                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
+                         "limit": int(limit), "seed": seed, "timeout_s": float(timeout),
+                         "prompt": getattr(prompt_fn, "__name__", "custom"),
+                         "extract": getattr(extract_fn, "__name__", "custom"),
+                         "checker": "solution + tests in common.PythonSandbox, one fresh process per run; passed "
+                                    "only if the tests run to the end",
+                         "sandbox_isolation": getattr(sandbox, "isolation", {}).get("level"),
+                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "time_s": round(time.time() - t0, 2)}
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Parameter update sparsity (understanding paper Eq. 2)
 # ------------------------------------------------------------------------------------------------------------
 class _VfTensors:
