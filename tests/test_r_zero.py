@@ -193,7 +193,8 @@ def _small(path, out, **kw):
     base = dict(model=str(path), output_dir=str(out), iterations=1, challenger_steps=1, solver_steps=1,
                 challenger_batch=4, challenger_group=4, challenger_minibatch=0, solver_batch=3, solver_group=5,
                 solver_minibatch=0, votes=10, question_pool=16,
-                rep_lambda=0.5,  # B is ~16 here: at lambda 1 a half-batch cluster pays 0.5 and zeroes most rewards max_tokens=24, vote_max_tokens=12,
+                rep_lambda=0.5,  # B is ~16 here: at lambda 1 a half-batch cluster pays 0.5 and zeroes most rewards
+                max_tokens=24, vote_max_tokens=12,
                 max_prompt_tokens=400, max_model_len=2048, eval_benchmarks=str(DATA / "rzero_eval.jsonl"),
                 eval_max_tokens=12, eval_base=False, lr=1e-3, weight_decay=0.0, save_every=0, log_samples=2)
     base.update(kw)
