@@ -21,6 +21,8 @@ The loop (Alg. 1 + §3.1), one function per step below, in this order:
 Run it:   python spice.py --model Qwen/Qwen3-4B-Base            (resume: python spice.py --resume RUN_DIR)
 Ablations: --challenger-reward {variance,learnability,uncertainty,threshold}, --no-document,
            --task-types {both,mcq,free}, --corpus <jsonl or hub id>, --freeze-challenger.
+Gold-answer spot-check (spec §6, analysis §7.1): --oracle-model M answers valid tasks greedily from the
+           Reasoner's prompt; gold_check/agree = share whose document-extracted gold answer M reaches too.
 
 Where the paper is inconsistent, this file chooses (spec: shared/methods/spice.md §1):
   * One Reasoner task per document (§3.1), not one per iteration (Alg. 1 picks it after the document loop).
@@ -93,6 +95,10 @@ class Config(common.RunConfig):
     clip: float = 0.2  # PPO clip, inactive with one step per batch (Oat default, not in the paper)
     kl_coef: float = 0.0  # no KL (App. B)
     max_model_len: int = 12288  # 5,992-token document + prompt + 4,096 generated tokens
+    oracle_model: str = ""  # stronger model that answers valid tasks greedily to spot-check their document-extracted gold answers (spec §6, analysis §7.1); "" = off
+    oracle_limit: int = 32  # valid tasks checked against the oracle per checked step
+    oracle_every: int = 1  # spot-check every K steps
+    oracle_gpu_memory_utilization: float = 0.2  # GPU share of the oracle's own engine (only if it cannot be swapped in)
 
 
 ANSWER_TYPES = ("Integer", "Expression", "String")
@@ -679,6 +685,10 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # Metrics and samples (what the paper plots: valid rate, rewards per role, frontier share, entropy per role).
 # --------------------------------------------------------------------------------------------------------------
+def type_name(kind: str, answer_type: str | None) -> str:
+    return kind if kind == "mcq" else f"free/{answer_type}"
+
+
 def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
@@ -699,7 +709,7 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
         "reasoner/truncated_frac": float(np.mean([c.finish_reason == "length" for r in rollouts
                                                   for cs in r.answers.values() for c in cs])) if pass_rates else 0.0,
     }
-    kinds = [r.kind if r.kind == "mcq" else f"free/{r.answer_type}" for r in rollouts]
+    kinds = [type_name(r.kind, r.answer_type) for r in rollouts]
     for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
         m[f"types/{k}"] = kinds.count(k) / max(1, len(kinds))
         ks = [a for r, kk in zip(rollouts, kinds) if kk == k for a in r.attempts]
@@ -708,6 +718,30 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     reasons = [a.reason for a in attempts if a.task is None]
     for reason in sorted(set(reasons)):
         m[f"invalid/{reason}"] = reasons.count(reason)
+    return m
+
+
+def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
+    """Spec §6 "wrong gold answers" (analysis §7.1): the share of valid tasks whose document-extracted gold
+    answer the oracle reaches too, answering greedily from the Reasoner's prompt (never the document) and graded
+    as the Reasoner is. The oracle's own errors bias the figure, so name it when reporting. The Reasoner's tasks
+    come first, so that a small --oracle-limit still spreads over many documents."""
+    picked = [r.attempts[r.reasoner_task].task for r in rollouts if r.reasoner_task is not None]
+    rest = [a.task for r in rollouts for i, a in enumerate(r.attempts) if a.task and i != r.reasoner_task]
+    tasks = (picked + rest)[:cfg.oracle_limit]
+    if not tasks:
+        return {}
+    with oracle.sampling(policy) as s:
+        fmt = resolve_prompt_format(cfg, s.tokenizer)
+        outs = s.generate([reasoner_prompt(t.question, fmt) for t in tasks], n=1, temperature=0.0,
+                          max_tokens=cfg.max_tokens)
+    agree = [grade_answers(t, o)[0] for t, o in zip(tasks, outs)]
+    answered = [o[0].finish_reason != "length" and common.extract_boxed(o[0].text) is not None for o in outs]
+    m = {"gold_check/agree": float(np.mean(agree)), "gold_check/oracle_answered": float(np.mean(answered)),
+         "gold_check/n": len(tasks)}
+    kinds = [type_name(t.kind, t.answer_type) for t in tasks]
+    for k in sorted(set(kinds)):
+        m[f"gold_check/agree/{k}"] = float(np.mean([a for a, kk in zip(agree, kinds) if kk == k]))
     return m
 
 
@@ -721,7 +755,7 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
         a = r.attempts[i] if i is not None else None
         recs.append({
             "document_excerpt": None if r.document is None else r.document[:excerpt_chars],
-            "type": r.kind if r.kind == "mcq" else f"free/{r.answer_type}",
+            "type": type_name(r.kind, r.answer_type),
             "challenger_output": a.completion.text if a else None,
             "valid": bool(a and a.task), "invalid_reason": None if a is None or a.task else a.reason,
             "question": a.task.question if a and a.task else None,
@@ -793,7 +827,8 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"--task-types must be both, mcq or free, not {cfg.task_types!r}")
     if cfg.type_selection not in ("prompt", "random"):
         raise ValueError(f"--type-selection must be prompt or random, not {cfg.type_selection!r}")
-    for name in ("steps", "docs_per_step", "group_size", "reasoner_k", "max_attempts", "max_tokens"):
+    for name in ("steps", "docs_per_step", "group_size", "reasoner_k", "max_attempts", "max_tokens", "oracle_limit",
+                 "oracle_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.max_attempts < cfg.group_size:
@@ -822,6 +857,10 @@ def train(cfg: Config, policy=None) -> Path:
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = ValidityChecker(cfg, tokenizer, fmt, decon)
+    oracle = None
+    if cfg.oracle_model:
+        oracle = common.FrozenModel(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
+        print(f"[spice] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
 
     start = 0
     loaded = run.load_checkpoint(policy) if cfg.resume else None
@@ -837,10 +876,14 @@ def train(cfg: Config, policy=None) -> Path:
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(policy, rollouts, cfg, fmt, rng)
+        gold = {}
+        if oracle is not None and step % cfg.oracle_every == 0:
+            with run.timer("gold_check"):
+                gold = gold_check(oracle, policy, rollouts, cfg)
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
             train_stats = drgrpo_update(policy, trajs, cfg)
-        metrics = {**step_metrics(rollouts, fallbacks), **traj_stats,
+        metrics = {**step_metrics(rollouts, fallbacks), **traj_stats, **gold,
                    **{f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float)) and "/" not in k}}
         for role in (CHALLENGER, REASONER):     # entropy per role (analysis §3): Eq. 1 estimate and exact
             if f"entropy/{role}" in train_stats:

