@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -102,7 +103,8 @@ class Config(common.RunConfig):
     max_program_chars: int = 8000  # not in the paper: longer programs are invalid (size cap, never truncated)
     max_output_chars: int = 4000  # not in the paper: longer output literals are invalid (never truncated)
     eval_benchmarks: str = "aime24,aime25,amc23,math500"  # Table 1's math benchmarks that common knows by name; add Minerva/OlympiadBench as local JSONL or hf:<id>:<split>:<q>:<a>
-    eval_code: bool = False  # also run HumanEval+/MBPP+ (needs the evalplus package; skipped with a message if missing)
+    eval_code: bool = False  # also run Table 1's code benchmarks (--eval-code-benchmarks) through common.evaluate_code
+    eval_code_benchmarks: str = "humaneval+,mbpp+"  # HumanEval+/MBPP+ (EvalPlus, from the hub: needs `datasets`) or local JSONL files (common.load_code_benchmark)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -875,24 +877,33 @@ def eval_prompt(problem: dict, tokenizer=None) -> str:
     return wrap(EVAL_TASK.format(question=problem["question"].strip()))
 
 
+def code_eval_prompt(problem: dict, tokenizer=None) -> str:
+    """Code benchmarks in the same wrapper; the solution is the last ```python block of the answer."""
+    return wrap(common.code_task_prompt(problem) + " Put it inside your <answer> tags.")
+
+
 def evaluate(policy, cfg: Config) -> dict:
-    benches = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
-    results = {}
-    if benches:
-        results = common.evaluate(policy, benches, n=cfg.eval_n, k=tuple(int(k) for k in cfg.eval_k.split(",")),
-                                  max_tokens=cfg.eval_max_tokens, prompt_fn=eval_prompt, limit=cfg.eval_limit)
+    results = common.evaluate_config(policy, cfg, prompt_fn=eval_prompt) if cfg.eval_benchmarks.strip() else {}
     if cfg.eval_code:
         try:
-            import evalplus  # noqa: F401
-        except ImportError:
-            msg = ("--eval-code: HumanEval+/MBPP+ need the evalplus package (pip install evalplus) and its "
-                   "datasets; skipped")
-            print(f"[absolute_zero] {msg}", file=sys.stderr)
-            results["code"] = {"skipped": msg}
-        else:
-            results["code"] = {"skipped": "evalplus is installed, but running it is left to its own CLI: "
-                                          "evalplus.evaluate --model <checkpoint dir> --dataset humaneval"}
+            results["code"] = common.evaluate_code(policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
+                                                   max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
+                                                   prompt_fn=code_eval_prompt, seed=cfg.seed)
+        except common.BenchmarkUnavailable as e:  # a finished training run keeps its math results
+            print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
+            results["code"] = {"skipped": str(e)}
     return results
+
+
+def eval_metrics(results: dict) -> dict:
+    """eval/<bench>/... (math) and eval/code/<bench>/... (code); each mean_greedy_acc is the paper's MAvg / CAvg,
+    eval/avg their mean (its AVG)."""
+    m = common.eval_metrics(results)
+    if "benchmarks" in results.get("code", {}):
+        m.update(common.eval_metrics(results["code"], prefix="eval/code"))
+    if "eval/mean_greedy_acc" in m and "eval/code/mean_greedy_acc" in m:
+        m["eval/avg"] = (m["eval/mean_greedy_acc"] + m["eval/code/mean_greedy_acc"]) / 2
+    return m
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -915,6 +926,15 @@ def check_config(cfg: Config) -> None:
                             "a local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer field>")
         elif b.endswith((".jsonl", ".json")) and not os.path.isfile(b):
             problems.append(f"--eval-benchmarks: file {b} does not exist")
+    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] if cfg.eval_code else []
+    for b in code:
+        if b.lower() not in common.CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
+            problems.append(f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} nor "
+                            "an existing .jsonl file")
+    if any(b.lower() in common.CODE_BENCHMARKS for b in code) and importlib.util.find_spec("datasets") is None:
+        problems.append("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the `datasets` "
+                        "package, which is not installed: pip install datasets, or give local JSONL files with "
+                        "--eval-code-benchmarks")
     if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
         problems.append(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")
     if problems:
@@ -949,7 +969,7 @@ def train(cfg: Config) -> dict:
                 with run.timer("eval"):
                     ev = evaluate(policy, cfg)
                 run.write_eval(ev, f"eval_step_{step}.json")
-                metrics.update(_flat_eval(ev))
+                metrics.update(eval_metrics(ev))
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
@@ -962,25 +982,15 @@ def train(cfg: Config) -> dict:
         run.close()
 
 
-def _flat_eval(ev: dict) -> dict:
-    """eval/<benchmark>/<metric> for the numeric entries of common.evaluate's result (plus pass@k)."""
-    out = {}
-    for bench, res in (ev.get("benchmarks") or {}).items():
-        for k, v in res.items():
-            if isinstance(v, (int, float)):
-                out[f"eval/{bench}/{k}"] = v
-        for k, v in (res.get("pass@k") or {}).items():
-            out[f"eval/{bench}/pass@{k}"] = v
-    return out
-
-
 def main(argv=None):
     cfg = common.parse_config(Config, argv)
     results = train(cfg)
     if not common.is_main_process():
         return
-    summary = {k: v for k, v in _flat_eval(results).items() if k.endswith(("greedy_acc", "n_problems")) or "pass@" in k}
-    print(json.dumps({"run_dir": cfg.output_dir, **summary, **({"code": results["code"]} if "code" in results else {})},
+    summary = {k: v for k, v in eval_metrics(results).items()
+               if k.endswith(("greedy_acc", "n_problems", "eval/avg")) or "pass@" in k}
+    skipped = results.get("code", {}).get("skipped")
+    print(json.dumps({"run_dir": cfg.output_dir, **summary, **({"code_skipped": skipped} if skipped else {})},
                      indent=2, default=str))
 
 

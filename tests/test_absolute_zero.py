@@ -447,3 +447,57 @@ def test_step_metrics_count_rejections_and_roles():
     assert m["len/proposer/deduction"] == 4 and m["len/solver"] == 4
     assert m["entropy/proposer"] == pytest.approx(2.0) and m["entropy/solver"] == pytest.approx(0.5)  # Eq. 1
     assert m["abduction/valid_rate"] == 0.0 and m["deduction/buffer_size"] == 1
+
+
+class _EvalPolicy:
+    """Answers in the R1 format: the right sum for 'What is 2 + 3?', a correct add() for the code task that asks
+    for it, nothing useful otherwise. Records the prompts."""
+    tokenizer = None
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, top_p=1.0, seed=None):
+        self.prompts += prompts
+        out = []
+        for p in prompts:
+            if "def add(" in p:
+                text = answer(fence("python", "def add(a, b):\n    return a + b"))
+            else:
+                text = answer("\\boxed{5}" if "2 + 3" in p else "no idea")
+            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text, finish_reason="stop")] * n)
+        return out
+
+
+def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
+    code = str(DATA / "code_tiny.jsonl")
+    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code=True, eval_code_benchmarks=code)
+    az.check_config(cfg)
+    policy = _EvalPolicy()
+    results = az.evaluate(policy, cfg)
+    assert all(p.startswith("A conversation between User and Assistant") and p.endswith("Assistant: <think>")
+               for p in policy.prompts)
+    assert any("def add(a: int, b: int)" in p and "<answer>" in p for p in policy.prompts)
+    r = results["code"]["benchmarks"][code]
+    assert [p["greedy_status"] for p in r["per_problem"]] == ["passed", "no_code", "no_code", "no_code"]
+    m = az.eval_metrics(results)
+    assert m["eval/azr_eval/greedy_acc"] == 0.5 and m["eval/mean_greedy_acc"] == 0.5
+    assert m["eval/code/code_tiny/greedy_acc"] == 0.25 and m["eval/code/code_tiny/greedy_no_code"] == 3
+    assert m["eval/code/mean_greedy_acc"] == 0.25 and m["eval/avg"] == pytest.approx(0.375)
+
+
+def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsys):
+    cfg = az.Config(eval_benchmarks="", eval_code=True)  # the default: humaneval+,mbpp+ from the hub
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(SystemExit, match="pip install datasets"):
+        az.check_config(cfg)
+    with pytest.raises(SystemExit, match="nosuch.jsonl"):
+        az.check_config(az.Config(eval_benchmarks="", eval_code=True, eval_code_benchmarks="nosuch.jsonl"))
+
+    def unreachable(*a, **k):
+        raise ConnectionError("hub unreachable")
+    monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
+    monkeypatch.setattr(sys.modules["datasets"], "load_dataset", unreachable, raising=False)
+    results = az.evaluate(_EvalPolicy(), cfg)  # the end of a training run: skipped with the reason, no crash
+    assert "could not load code benchmark 'humaneval+'" in results["code"]["skipped"]
+    assert "hub unreachable" in capsys.readouterr().err
