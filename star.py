@@ -157,8 +157,7 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
 
 def read_jsonl(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
     """The examples of a local JSONL file; a malformed line is an error naming the file, the line and the fix.
-    rationales=True (--exemplars): each also needs a 'rationale' that ends in its format's answer line, or the
-    few-shot prompt would teach the wrong format."""
+    An exemplar's rationale must end in its format's answer line, or the few-shot prompt teaches a wrong format."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: {', '.join(TASKS)})")
     rows = []
@@ -218,10 +217,8 @@ def answer_format(ex: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Prompts. Few-shot text for base models: exemplars separated by blank lines, each "Q: ..." (+ "Answer
-# Choices:" with (a)-(e)), then "A: <rationale>". Math rationales end with a line "#### <number>"; multiple-choice
-# rationales end with a closing sentence naming the answer and its letter in parentheses. The exemplars below
-# were written for this file.
+# 2. Prompts (spec §4): exemplars "Q: ..." (+ "Answer Choices:" (a)-(e)) then "A: <rationale>", separated by blank
+#    lines. Math rationales end in a line "#### <number>", multiple-choice ones in a sentence "... (<letter>)."
 # --------------------------------------------------------------------------------------------------------------
 MATH_EXEMPLARS = [
     ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How many muffins "
@@ -282,8 +279,7 @@ def builtin_exemplars() -> dict:
 
 
 def load_exemplars(path: str) -> dict:
-    """{format: [example with a 'rationale']}: this file's, or those of --exemplars (a JSONL of
-    {"question","rationale","answer","choices"?})."""
+    """{format: [example with a 'rationale']}: this file's, or --exemplars {"question","rationale","answer",...}."""
     if not path:
         return builtin_exemplars()
     exs = read_jsonl(path, flag="--exemplars", rationales=True)
@@ -302,8 +298,7 @@ def format_question(ex: dict, hint: bool = False) -> str:
 
 
 def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False):
-    """The exemplars (all with the answer revealed when hint=True: P_hint in Alg. 1), then the query. Raw text
-    ending in 'A:' for few-shot; chat messages for chat."""
+    """The exemplars, then the query; hint=True reveals the answer in all of them (P_hint in Alg. 1)."""
     if chat:
         msgs = [{"role": "system", "content": CHAT_SYSTEM}]
         for s in shots:
@@ -352,10 +347,9 @@ def judge(examples: list[dict], texts: list[str]) -> list[bool]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The loop: one function per step of Alg. 1, then one round, then the run
+# 3. The loop: one function per step of Alg. 1, then one round, then the run
 # --------------------------------------------------------------------------------------------------------------
 class Prompter:
-    """Builds generation and training prompts for one run (exemplars, style, tokenizer)."""
 
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
@@ -392,8 +386,8 @@ class Prompter:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
 
     def fits(self, examples: list[dict], max_model_len: int, what: str) -> list[dict]:
-        """Drop questions whose longest prompt (the hinted one) leaves no room to answer in the engine's context,
-        so one overlong question cannot stop a run hours in."""
+        """Drop questions whose longest (hinted) prompt leaves no room to answer, so one overlong question cannot
+        stop a run hours in. A format without exemplars fails here, before any generation."""
         keep = [ex for ex in examples if len(common.encode_prompt(self.tokenizer, self.generation(ex, hint=True)))
                 + self.max_tokens(ex) <= max_model_len]
         if len(keep) < len(examples):
@@ -404,7 +398,7 @@ class Prompter:
 
 def _decode(policy, prompter: Prompter, examples: list[dict], prompts: list, *, n: int, temperature: float,
             top_p: float = 1.0, seed: int) -> list[list[str]]:
-    """n trimmed texts per prompt, one generate call per generation length (math and multiple choice differ)."""
+    """n trimmed texts per prompt; one generate call per answer length (math and multiple choice differ)."""
     out: list[list[str]] = [[] for _ in prompts]
     for mt in sorted({prompter.max_tokens(ex) for ex in examples}):
         idx = [i for i, ex in enumerate(examples) if prompter.max_tokens(ex) == mt]
@@ -624,7 +618,6 @@ def train(cfg: Config, sampler=None) -> dict:
     if not train_data:
         raise ValueError(f"no training question fits into --max-model-len {max_len} with its few-shot prompt")
     base = policy.get_weights()  # M: every round restarts from these (Alg. 1 line 8)
-
     state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [], "stopped": ""}
     loaded = run.load_checkpoint(policy)  # restores M_n into trainer and sampler; `base` stays the original
     if loaded is not None:
@@ -648,7 +641,8 @@ def train(cfg: Config, sampler=None) -> dict:
             state["history"].append({"round": n, **{k: v for k, v in metrics.items()
                                                     if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
-            bar.set_postfix({name: f"{metrics.get(key) or 0:.3g}" for name, key in POSTFIX.items()}, refresh=False)
+            bar.set_postfix({name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
+                             if metrics.get(key) is not None}, refresh=False)
             bar.update(1)
             if n % max(1, cfg.save_every) == 0 or n == cfg.rounds or state["stopped"]:
                 run.save_checkpoint(n, policy, state)
