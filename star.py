@@ -155,7 +155,7 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
     return {"question": question.strip(), "answer": gold, "choices": choices}
 
 
-def read_jsonl(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
+def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
     """The examples of a local JSONL file; a malformed line is an error naming the file, the line and the fix.
     An exemplar's rationale must end in its format's answer line, or the few-shot prompt teaches a wrong format."""
     if not Path(path).is_file():
@@ -208,7 +208,7 @@ def _hub_rows(task: str, split: str) -> list[dict]:
 def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
     """Step 1: a list of examples from a hub task name (train/eval split) or a local JSONL file."""
     task = TASK_NAMES.get(source.lower())
-    rows = _hub_rows(task, split) if task else read_jsonl(source, flag=flag)
+    rows = _hub_rows(task, split) if task else read_examples(source, flag=flag)
     return rows[:limit] if limit > 0 else rows
 
 
@@ -282,7 +282,7 @@ def load_exemplars(path: str) -> dict:
     """{format: [example with a 'rationale']}: this file's, or --exemplars {"question","rationale","answer",...}."""
     if not path:
         return builtin_exemplars()
-    exs = read_jsonl(path, flag="--exemplars", rationales=True)
+    exs = read_examples(path, flag="--exemplars", rationales=True)
     return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
@@ -309,47 +309,8 @@ def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool 
     return "\n\n".join(blocks + [f"{format_question(ex, hint)}\nA:"])
 
 
-# Answers (spec §4): math = the text after the first '####'; multiple choice = the option letter in parentheses
-# at the end of the first line. Model output is untrusted: anything unmatched is None (= wrong).
-_CHOICE_END = re.compile(r"\(([a-z])\)\s*\.?\s*$", re.IGNORECASE)
-_MATH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
-
-
-def trim_rationale(text: str, fmt: str) -> str:
-    """The rationale proper: cut the start of a next 'Q:' block and anything after the answer line."""
-    text = text.split("\nQ:", 1)[0].strip()
-    if fmt == "choice":
-        return text.split("\n", 1)[0].strip()
-    m = _MATH_ANSWER.search(text)
-    return text[:m.end()].strip() if m else text
-
-
-def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | None:
-    text = text.strip()
-    if fmt == "choice":
-        m = _CHOICE_END.search(text.split("\n", 1)[0])
-        return m.group(1).lower() if m and m.group(1).lower() in LETTERS[:n_choices] else None
-    m = _MATH_ANSWER.search(text)
-    if not m:
-        return None
-    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip()
-    return ans[:200] or None  # a huge 'answer' is junk; capping keeps the checker fast
-
-
-def judge(examples: list[dict], texts: list[str]) -> list[bool]:
-    """1[ŷ_i = y_i]: exact letter match for multiple choice, math_equal (math-verify) for math."""
-    preds = [extract_answer(t, answer_format(ex), len(ex["choices"] or LETTERS)) for ex, t in zip(examples, texts)]
-    ok = [bool(ex["choices"]) and p == ex["answer"] for ex, p in zip(examples, preds)]
-    math = [i for i, (ex, p) in enumerate(zip(examples, preds)) if not ex["choices"] and p is not None]
-    for i, same in zip(math, common.math_equal_many([(preds[i], examples[i]["answer"]) for i in math])):
-        ok[i] = bool(same)
-    return ok
-
-
-# --------------------------------------------------------------------------------------------------------------
-# 3. The loop: one function per step of Alg. 1, then one round, then the run
-# --------------------------------------------------------------------------------------------------------------
 class Prompter:
+    """One run's prompt settings (exemplars, few-shot text or chat, tokenizer) for generation and training."""
 
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
@@ -396,6 +357,46 @@ class Prompter:
         return keep
 
 
+# Answers (spec §4): math = the text after the first '####'; multiple choice = the option letter in parentheses
+# at the end of the first line. Model output is untrusted: anything unmatched is None (= wrong).
+_CHOICE_END = re.compile(r"\(([a-z])\)\s*\.?\s*$", re.IGNORECASE)
+_MATH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+
+
+def trim_rationale(text: str, fmt: str) -> str:
+    """The rationale proper: cut the start of a next 'Q:' block and anything after the answer line."""
+    text = text.split("\nQ:", 1)[0].strip()
+    if fmt == "choice":
+        return text.split("\n", 1)[0].strip()
+    m = _MATH_ANSWER.search(text)
+    return text[:m.end()].strip() if m else text
+
+
+def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | None:
+    text = text.strip()
+    if fmt == "choice":
+        m = _CHOICE_END.search(text.split("\n", 1)[0])
+        return m.group(1).lower() if m and m.group(1).lower() in LETTERS[:n_choices] else None
+    m = _MATH_ANSWER.search(text)
+    if not m:
+        return None
+    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip()
+    return ans[:200] or None  # a huge 'answer' is junk; capping keeps the checker fast
+
+
+def judge(examples: list[dict], texts: list[str]) -> list[bool]:
+    """1[ŷ_i = y_i]: exact letter match for multiple choice, math_equal (math-verify) for math."""
+    preds = [extract_answer(t, answer_format(ex), len(ex["choices"] or LETTERS)) for ex, t in zip(examples, texts)]
+    ok = [bool(ex["choices"]) and p == ex["answer"] for ex, p in zip(examples, preds)]
+    math = [i for i, (ex, p) in enumerate(zip(examples, preds)) if not ex["choices"] and p is not None]
+    for i, same in zip(math, common.math_equal_many([(preds[i], examples[i]["answer"]) for i in math])):
+        ok[i] = bool(same)
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. The loop: one function per step of Alg. 1, then one round, then the run
+# --------------------------------------------------------------------------------------------------------------
 def _decode(policy, prompter: Prompter, examples: list[dict], prompts: list, *, n: int, temperature: float,
             top_p: float = 1.0, seed: int) -> list[list[str]]:
     """n trimmed texts per prompt; one generate call per answer length (math and multiple choice differ)."""
@@ -430,8 +431,6 @@ def rationalize(policy, prompter: Prompter, examples: list[dict], failed: list[i
     """Step 4 (Alg. 1 lines 4-5, 7): for every failure, prompt M_{n-1} with the gold answer as a hint (P_hint) and
     keep the rationales that reach it. Only the question's index and the rationale are kept, so the training
     prompt is rebuilt from the plain question: no hint is stored. Returns (kept, hint prompts)."""
-    if not failed:
-        return [], []
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
     kept = filter_correct(sub, generate_rationales(policy, prompter, sub, cfg, seed, prompts), "rationalized")
