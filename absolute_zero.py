@@ -8,29 +8,27 @@ One model plays two roles on the same weights, with a Python executor as the onl
       induction  write p from half of N I/O pairs plus a message; graded on the hidden half.
 No data is used: the buffers start from one "zero triplet" (the identity function on "Hello World").
 
-The loop (paper Alg. 1, §3.3), one function per step below, in this order:
-  0. seed_buffers          let the base model propose S*B valid triplets (and S*B induction tasks) from the
-                           zero triplet; no parameter updates (§3.3.1)
-  1. propose_induction     B prompts: a program from D_ded u D_abd -> N inputs + a message (§3.3.2)
-  2. propose_triplets      B prompts each for deduction and abduction, K references from D_alpha -> (p, i)
-  3. validate_*            executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
+The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, in this order:
+  0. seed_buffers          the base model proposes from the zero triplet until the buffers hold S*B tasks; no
+                           parameter updates (§3.3.1)
+  1. propose               B prompts per task type: induction gets a program from D_ded u D_abd and writes N
+                           inputs + a message (§3.3.2); deduction/abduction get K references from D_alpha and
+                           write (p, i). One generate call for all of them
+  2. validate              executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
                            AST), runs without error, deterministic over j = 2 *independent* processes with
                            different hash seeds, output is a finite literal without memory addresses, size cap.
                            Valid tasks join their buffer; invalid proposals get the format penalty (-1)
-  4. estimate_learnability n = 8 solver rollouts at T = 1 per valid proposal (never trained on) -> r_bar
-  5. solve                 per task type: this step's valid tasks, back-filled from the buffer up to B; one answer
+  3. estimate_learnability n = 8 solver rollouts at T = 1 per valid proposal (never trained on) -> r_bar
+  4. solve                 per task type: this step's valid tasks, back-filled from the buffer up to B; one answer
                            each, graded by the executor and compared in trusted code (Eq. 5)
-  6. rewards               proposer: Eq. 4 learnability (or Eq. 3 of "Towards Understanding Self-play");
-                           solver: 1[correct]; Eq. 6 format penalties (-0.5 wrong but formatted, -1 format error)
-  7. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
+  5. rewards               proposer_reward: Eq. 4 learnability (or Eq. 3 of "Towards Understanding Self-play");
+                           solver_reward: 1[correct]; Eq. 6 format penalties (-0.5 wrong but formatted, -1 format)
+  6. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
                            (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint 6*B batch; sync
-  8. evaluate              math benchmarks through common.evaluate (greedy + pass@k) at the end / every N steps
-
-Run it:    python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B
-Small run: python absolute_zero.py --model Qwen/Qwen2.5-Coder-0.5B --batch-size 8 --max-response-tokens 1024
-Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3 and §3.5), which analyses this loop:
-           --freeze-proposer                 proposer trajectories get no gradient (still proposes, still logged)
-           --proposer-reward uncertainty     Eq. 3, 1 - 2|r_bar - 0.5| instead of AZR's Eq. 4, 1 - r_bar
+  7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through common.evaluate_code (greedy
+                           + pass@k), at the end and every --eval-every steps
+Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3, §3.5), which analyses this loop:
+--freeze-proposer (proposer trajectories get no gradient) and --proposer-reward uncertainty (its Eq. 3).
 
 Where the official code (LeapLabTHU/Absolute-Zero-Reasoner) and the paper differ, this file follows the paper
 (spec: shared/methods/absolute_zero.md §1, §6):
@@ -64,7 +62,6 @@ from dataclasses import dataclass
 import common
 
 TASKS = ("deduction", "abduction", "induction")
-ROLES = ("proposer", "solver")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -142,8 +139,7 @@ WRAPPER = (
     "A conversation between User and Assistant. The Assistant first reasons about the User's task step by step "
     "inside <think> </think> tags, then writes its final result inside <answer> </answer> tags, i.e. "
     "<think> reasoning </think> <answer> result </answer>.\n\n"
-    "User: {task}\n\nAssistant: <think>"
-)
+    "User: {task}\n\nAssistant: <think>")
 
 _CODE_RULES = (
     "Rules for the program:\n"
@@ -151,8 +147,7 @@ _CODE_RULES = (
     "- It is deterministic: no randomness, clocks, files, network, printing, user input or outside state.\n"
     "- Imports and any helper functions or classes come first; nothing follows the final return of `f`.\n"
     "- It finishes well within {timeout:g} seconds.\n"
-    "- These modules may not be used: {banned}.\n"
-)
+    "- These modules may not be used: {banned}.\n")
 _INPUT_RULE = ("An input is the argument list of one call, separated by commas, with strings quoted: for "
                "`def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`.\n")
 
@@ -167,31 +162,29 @@ PROPOSE_TRIPLET = (
     "A good puzzle runs cleanly, takes genuine thought to solve, and is clearly different from the earlier "
     "puzzles below.\n\n{references}\n\n"
     "Answer format: inside <answer> </answer>, one ```python block with the program, then one ```input block "
-    "with the input."
-)
+    "with the input.")
 PROPOSE_INDUCTION = (
     "Here is a Python program; it is called as `f(<input>)`.\n```python\n{program}\n```\n"
     "A solver will have to rebuild this program from example calls. Write {n} different inputs for it and a "
     "short message.\n" + _INPUT_RULE +
     "- Pick inputs with varied outputs that together pin down what `f` does: hard but solvable.\n"
     "- The message describes the task or gives a hint, without revealing the code.\n\n"
-    "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one ```message block."
-)
+    "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one ```message block.")
 SOLVE_DEDUCTION = (
     "Work out what this program returns for the given input.\n```python\n{program}\n```\n```input\n{input}\n```\n"
     "Answer format: inside <answer> </answer>, one ```output block with the return value as a Python literal "
-    "(a tuple if it returns several values)."
-)
+    "(a tuple if it returns several values).")
 SOLVE_ABDUCTION = (
     "Find an input for which this program returns the given output; any such input counts.\n"
     "```python\n{program}\n```\n```output\n{output}\n```\n" + _INPUT_RULE +
-    "Answer format: inside <answer> </answer>, one ```input block."
-)
+    "Answer format: inside <answer> </answer>, one ```input block.")
 SOLVE_INDUCTION = (
     "Write a Python function `f` that maps each input below to its output. It will also be tested on inputs "
     "you do not see.\nMessage: {message}\n\n{pairs}\n" + _CODE_RULES +
-    "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."
-)
+    "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`.")
+
+
+_BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
 
 
 def wrap(task: str) -> str:
@@ -202,18 +195,13 @@ def _fence(kind: str, text: str) -> str:
     return f"```{kind}\n{text}\n```"
 
 
-def _rules() -> dict:
-    return {"banned": ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))}
-
-
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
     if task == "induction":
         return wrap(PROPOSE_INDUCTION.format(program=program, n=cfg.induction_inputs))
-    shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n" + "\n".join(_fence(b, r[b]) for b in ("python", "input", "output"))
-                        for k, r in enumerate({"python": r["program"], "input": r["input"], "output": r["output"]}
-                                              for r in refs))
+    shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
+                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}" for k, r in enumerate(refs))
     return wrap(PROPOSE_TRIPLET.format(aim=_PROPOSE_AIM[task], references=shown or "(no earlier puzzles)\n",
-                                       timeout=cfg.executor_timeout, **_rules()))
+                                       timeout=cfg.executor_timeout, banned=_BANNED_LIST))
 
 
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
@@ -225,7 +213,11 @@ def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
     pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
                       for k, (i, o) in enumerate(zip(entry["inputs"][:half], entry["outputs"][:half])))
     return wrap(SOLVE_INDUCTION.format(message=entry["message"], pairs=pairs, timeout=cfg.executor_timeout,
-                                       **_rules()))
+                                       banned=_BANNED_LIST))
+
+
+def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
+    return len(common.encode_prompt(tokenizer, prompt)) <= cfg.max_prompt_tokens
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -236,8 +228,7 @@ _BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_][\w]*)[ \t]*\n(.*?)```", re.S)
 
 
 def extract_answer(completion: str) -> str | None:
-    """Text between the last <answer> and the next </answer>, if the response has R1 format
-    (`<think>...</think><answer>...</answer>`; the prompt already opened <think>)."""
+    """The last <answer> block, if the response has R1 format (the prompt already opened <think>)."""
     text = "<think>" + completion
     if not _FORMAT_RE.match(text):
         return None
@@ -256,12 +247,9 @@ def parse_call_args(text: str) -> tuple | None:
         return None
     try:
         node = ast.parse(f"_({text.strip()}\n)", mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_") or \
-            node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-        return None
-    try:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_") or \
+                node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+            return None
         return tuple(ast.literal_eval(a) for a in node.args)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None
@@ -272,53 +260,55 @@ def _module_banned(name: str) -> bool:
     return any(".".join(parts[:k]) in BANNED_MODULES for k in range(1, len(parts) + 1))
 
 
+def _banned(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(_module_banned(a.name) for a in node.names)
+    if isinstance(node, ast.ImportFrom):  # relative imports could reach anything next to the program
+        return bool(node.level) or _module_banned(node.module or "") or \
+            any(_module_banned(f"{node.module}.{a.name}") for a in node.names)
+    return (isinstance(node, ast.Name) and node.id in BANNED_NAMES) or \
+        (isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS)
+
+
 def static_check(program: str, max_chars: int = 8000) -> tuple[str | None, str]:
-    """(reason or None, program with entry function `f`). Parses the program, finds the top-level entry
-    function and walks the AST for banned modules/builtins/attributes (spec §6.6)."""
+    """(reason or None, program with entry function `f`): the AST must parse, hold nothing banned (spec §6.6)
+    and define a top-level entry function."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
     try:
         tree = ast.parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "syntax", program
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(_module_banned(a.name) for a in node.names):
-            return "banned", program
-        if isinstance(node, ast.ImportFrom) and (node.level or _module_banned(node.module or "")
-                                                 or any(_module_banned(f"{node.module}.{a.name}") for a in node.names)):
-            return "banned", program
-        if isinstance(node, ast.Name) and node.id in BANNED_NAMES:
-            return "banned", program
-        if isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS:
-            return "banned", program
+    if any(_banned(node) for node in ast.walk(tree)):
+        return "banned", program
     # only top-level definitions count, so nested helpers and classes are allowed (spec §4.4)
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if not any(n.name == "f" for n in defs):
-        if len(defs) != 1 or isinstance(defs[0], ast.AsyncFunctionDef):
-            return "syntax", program
-        program = f"{program.rstrip()}\n\nf = {defs[0].name}"  # rename the single entry function to f
-    elif any(n.name == "f" and isinstance(n, ast.AsyncFunctionDef) for n in defs):
+    if any(n.name == "f" for n in defs):
+        ok = not any(n.name == "f" and isinstance(n, ast.AsyncFunctionDef) for n in defs)
+        return (None if ok else "syntax"), program
+    if len(defs) != 1 or isinstance(defs[0], ast.AsyncFunctionDef):
         return "syntax", program
-    return None, program
+    return None, f"{program.rstrip()}\n\nf = {defs[0].name}"  # the single entry function becomes f
 
 
 def strip_program(program: str) -> str:
     """Seed programs lose comments, docstrings and top-level statements other than imports and definitions
     (§3.3.1), so that the references the model starts from are plain code."""
-    tree = ast.parse(program)
-    body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+    body = [n for n in ast.parse(program).body
+            if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
             or (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
                 and n.targets[0].id == "f")]
-    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+    module = ast.Module(body=body, type_ignores=[])
+    for node in ast.walk(module):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.body and \
-                isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None), ast.Constant) \
+                isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
                 and isinstance(node.body[0].value.value, str):
             node.body = node.body[1:] or [ast.Pass()]
-    return ast.unparse(ast.Module(body=body, type_ignores=[]))
+    return ast.unparse(module)
 
 
 def parse_triplet_proposal(completion: str) -> dict:
-    """{'program','input','args'} or {'reason'}: first ```python block and the ```input block."""
+    """{'program','input','args'} or {'reason'}: the first ```python block and the first ```input block."""
     answer = extract_answer(completion)
     programs, inputs = (blocks(answer, "python"), blocks(answer, "input")) if answer is not None else ([], [])
     if not programs or not inputs:
@@ -335,11 +325,10 @@ def parse_induction_proposal(completion: str, n: int) -> dict:
     inputs, messages = (blocks(answer, "input"), blocks(answer, "message")) if answer is not None else ([], [])
     if len(inputs) < n or not messages or not messages[-1]:
         return {"reason": "format"}
-    inputs = inputs[-n:]
-    args = [parse_call_args(i) for i in inputs]
+    args = [parse_call_args(i) for i in inputs[-n:]]
     if any(a is None for a in args):
         return {"reason": "non_literal"}
-    return {"inputs": [i.strip() for i in inputs], "args": args, "message": messages[-1][:2000]}
+    return {"inputs": [i.strip() for i in inputs[-n:]], "args": args, "message": messages[-1][:2000]}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -352,52 +341,44 @@ _STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "err
 
 
 class Executor:
-    """Runs f(*args) for (program, args) jobs in common.PythonSandbox and classifies the outcome.
-
-    There are `determinism_runs` sandboxes, each with its own separately started zygote processes (so a
-    different address-space layout) and its own PYTHONHASHSEED (= j): run j of a
-    job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret."""
+    """Runs f(*args) for (program, args) jobs and classifies the outcome. There are `determinism_runs` sandboxes,
+    each with its own zygote processes (so its own address-space layout) and its own PYTHONHASHSEED (= j): run j
+    of a job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        kw = dict(workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout, memory_mb=cfg.sandbox_memory_mb,
-                  max_output_chars=cfg.max_output_chars)
-        self.sandboxes = [common.PythonSandbox(**kw, hash_seed=j) for j in range(max(1, cfg.determinism_runs))]
+        self.sandboxes = [common.PythonSandbox(workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout,
+                                               memory_mb=cfg.sandbox_memory_mb, max_output_chars=cfg.max_output_chars,
+                                               hash_seed=j) for j in range(max(1, cfg.determinism_runs))]
 
     def call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str]]:
         """-> [(status, output repr)], status: ok | error | timeout | banned | too_large | nondeterministic |
         non_literal. The output must parse as a finite literal that survives a repr round trip."""
-        if not jobs:
-            return []
-        results = self.sandboxes[run].run_many([(p, f"f(*{a!r})") for p, a in jobs])
         out = []
-        for res in results:
+        for res in self.sandboxes[run].run_many([(p, f"f(*{a!r})") for p, a in jobs]) if jobs else []:
             reason = _STATUS_REASON.get(res.status, "error")
             if reason is not None:
                 out.append((reason, res.error or ""))
-            elif _ADDRESS_RE.search(res.value):
-                out.append(("nondeterministic", res.value))  # e.g. '<object at 0x7f..>' inside a string
-            else:
-                try:
-                    common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
-                    out.append(("ok", res.value))
-                except ValueError:
-                    out.append(("non_literal", res.value))
+                continue
+            if _ADDRESS_RE.search(res.value):  # e.g. '<object at 0x7f..>' inside a string
+                out.append(("nondeterministic", res.value))
+                continue
+            try:
+                common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
+                out.append(("ok", res.value))
+            except ValueError:
+                out.append(("non_literal", res.value))
         return out
 
     def run_checked(self, jobs: list[tuple[str, tuple]]) -> list[tuple[str | None, str]]:
-        """Proposal validation: j runs, each in its own sandbox, must all succeed and give the same output.
+        """Proposal validation: the j runs must all succeed and give the same output.
         -> [(reject reason or None, gold output repr)]."""
-        runs = [self.call(jobs, run=j) for j in range(len(self.sandboxes))]
         out = []
-        for per_job in zip(*runs):
+        for per_job in zip(*[self.call(jobs, run=j) for j in range(len(self.sandboxes))]):
             bad = next((s for s, _ in per_job if s != "ok"), None)
-            if bad is not None:
-                out.append((bad, ""))
-            elif len({v for _, v in per_job}) > 1:
-                out.append(("nondeterministic", ""))
-            else:
-                out.append((None, per_job[0][1]))
+            if bad is None and len({v for _, v in per_job}) > 1:
+                bad = "nondeterministic"
+            out.append((bad, "") if bad else (None, per_job[0][1]))
         return out
 
     def close(self):
@@ -414,8 +395,7 @@ class Buffer:
 
     def add(self, entry: dict) -> None:
         self.entries.append(entry)
-        if len(self.entries) > self.cap:
-            del self.entries[: len(self.entries) - self.cap]
+        del self.entries[:-self.cap]  # keep the newest `cap`
 
     def sample(self, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
         if not self.entries or k <= 0:
@@ -437,60 +417,37 @@ def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Step 3: validate proposals (§3.3.3). Each proposal dict gets 'reason' (None = valid) and, if valid, its entry.
+# Step 2: validate proposals (§3.3.3). Each proposal dict gets 'reason' (None = valid) and, if valid, its entry.
 # --------------------------------------------------------------------------------------------------------------
-def solver_prompt_fits(task: str, entry: dict, cfg: Config, tokenizer) -> bool:
-    """A task is only useful if its solver prompt fits the prompt budget (so back-filling never runs dry)."""
-    return len(common.encode_prompt(tokenizer, solver_prompt(task, entry, cfg))) <= cfg.max_prompt_tokens
-
-
-def validate_triplets(executor: Executor, proposals: list[dict], cfg: Config, step: int = 0,
-                      tokenizer=None, task: str = "deduction") -> list[dict]:
-    """Deduction/abduction proposals (program, input) -> gold output. Static checks on the AST first, then
-    j runs in independent processes that must succeed, agree and give a finite, address-free literal."""
-    jobs, idx = [], []
-    for k, p in enumerate(proposals):
-        if p.get("reason"):
-            continue
-        reason, program = static_check(p["program"], cfg.max_program_chars)
-        if reason:
-            p["reason"] = reason
-            continue
-        p["program"] = program
-        jobs.append((program, p["args"]))
-        idx.append(k)
-    for k, (reason, out) in zip(idx, executor.run_checked(jobs)):
-        p = proposals[k]
-        p["reason"] = reason
-        if reason is None:
-            p["entry"] = {"program": p["program"], "input": p["input"], "output": out, "step": step}
-            if tokenizer is not None and not solver_prompt_fits(task, p["entry"], cfg, tokenizer):
-                p["reason"], p["entry"] = "too_large", None
-    for p in proposals:
-        p.setdefault("reason", None)
-    return proposals
-
-
-def validate_induction(executor: Executor, proposals: list[dict], cfg: Config, step: int = 0,
-                       tokenizer=None) -> list[dict]:
-    """Induction proposals (a buffer program + N inputs + message): p must run validly on EVERY input."""
+def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
+             tokenizer=None) -> list[dict]:
+    """Deduction/abduction proposals (program, input) pass the static checks on the AST, then j runs in
+    independent processes must succeed, agree and give a finite, address-free literal: the gold output.
+    Induction proposals (a buffer program + N inputs + message) must run validly on EVERY input. A task whose
+    solver prompt would not fit the prompt budget is useless (back-filling would run dry): too_large."""
     jobs, owner = [], []
     for k, p in enumerate(proposals):
         if p.get("reason"):
             continue
-        for a in p["args"]:
-            jobs.append((p["program"], a))
+        if task != "induction":  # induction programs come from the buffers, already checked
+            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars)
+            if p["reason"]:
+                continue
+        for args in (p["args"] if task == "induction" else [p["args"]]):
+            jobs.append((p["program"], args))
             owner.append(k)
-    results: dict[int, list] = {}
+    runs: dict[int, list] = {}
     for k, res in zip(owner, executor.run_checked(jobs)):
-        results.setdefault(k, []).append(res)
-    for k, res in results.items():
+        runs.setdefault(k, []).append(res)
+    for k, res in runs.items():
         p = proposals[k]
         p["reason"] = next((r for r, _ in res if r), None)
         if p["reason"] is None:
-            p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": [o for _, o in res],
-                          "message": p["message"], "step": step}
-            if tokenizer is not None and not solver_prompt_fits("induction", p["entry"], cfg, tokenizer):
+            outputs = [o for _, o in res]
+            p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outputs, "message": p["message"],
+                          "step": step} if task == "induction" else \
+                {"program": p["program"], "input": p["input"], "output": outputs[0], "step": step}
+            if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg), cfg):
                 p["reason"], p["entry"] = "too_large", None
     for p in proposals:
         p.setdefault("reason", None)
@@ -498,8 +455,11 @@ def validate_induction(executor: Executor, proposals: list[dict], cfg: Config, s
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Steps 4-5: grade solver answers (Eq. 5). Gold values stay in this process; == on parsed literals.
+# Steps 3-4: grade solver answers (Eq. 5). Gold values stay in this process; == on parsed literals.
 # --------------------------------------------------------------------------------------------------------------
+_ANSWER_BLOCK = {"deduction": "output", "abduction": "input", "induction": "python"}
+
+
 def _equal(pred_text: str, gold_text: str) -> bool:
     """Value equality in trusted code (Eq. 5): sets are order-free, 1 == 1.0, a tuple is not a list."""
     try:
@@ -510,45 +470,39 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer. deduction: predicted output == gold; abduction: f(predicted input) == gold
-    output, run in the sandbox (f need not be one-to-one); induction: the program passes EVERY held-out pair and
-    the same static checks as proposals."""
-    out: list[tuple[bool, bool]] = [(False, False)] * len(completions)
+    """(formatted, correct) per answer. deduction: predicted
+    output == gold; abduction: f(predicted input) == gold output, run in the sandbox (f need not be one-to-one);
+    induction: the program passes the same static checks as proposals and EVERY held-out pair."""
+    out = [(False, False)] * len(completions)
     jobs, owner = [], []
     for k, (entry, text) in enumerate(zip(entries, completions)):
         answer = extract_answer(text)
-        kind = {"deduction": "output", "abduction": "input", "induction": "python"}[task]
-        found = blocks(answer, kind) if answer is not None else []
+        found = blocks(answer, _ANSWER_BLOCK[task]) if answer is not None else []
         if not found:
             continue
         pred = found[-1]  # solvers: the last block of the expected kind
-        if task == "deduction":
-            out[k] = (True, _equal(pred, entry["output"]))
-        elif task == "abduction":
-            args = parse_call_args(pred)
-            out[k] = (True, False)
-            if args is not None:
-                jobs.append((entry["program"], args))
-                owner.append((k, entry["output"]))
-        else:
+        out[k] = (True, task == "deduction" and _equal(pred, entry["output"]))
+        tests = []  # (program, args, gold output) to run in the sandbox
+        if task == "abduction" and (args := parse_call_args(pred)) is not None:
+            tests = [(entry["program"], args, entry["output"])]
+        elif task == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
-            out[k] = (True, False)
-            if reason is None:
-                half = len(entry["inputs"]) // 2
-                for i, o in zip(entry["inputs"][half:], entry["outputs"][half:]):
-                    jobs.append((program, parse_call_args(i)))
-                    owner.append((k, o))
-    if jobs:
-        passed: dict[int, bool] = {}
-        for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
-            passed[k] = passed.get(k, True) and status == "ok" and _equal(value, gold)
-        for k, ok in passed.items():
-            out[k] = (True, ok)
+            half = len(entry["inputs"]) // 2
+            held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
+            tests = [] if reason else [(program, parse_call_args(i), o) for i, o in held_out]
+        for program, args, gold in tests:
+            jobs.append((program, args))
+            owner.append((k, gold))
+    passed: dict[int, bool] = {}
+    for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
+        passed[k] = passed.get(k, True) and status == "ok" and _equal(value, gold)
+    for k, ok in passed.items():
+        out[k] = (True, ok)
     return out
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Rewards: Eq. 4 (or Eq. 3) for valid proposals, Eq. 5 for the solver, Eq. 6 format penalties for both.
+# Step 5: rewards. Eq. 4 (or Eq. 3) for valid proposals, Eq. 5 for the solver, Eq. 6 format penalties for both.
 # --------------------------------------------------------------------------------------------------------------
 def proposer_reward(valid: bool, solve_rate: float | None, cfg: Config) -> float:
     if not valid:
@@ -569,7 +523,7 @@ def trr_advantages(rewards: list[float], roles: list[str], eps: float = 1e-6, le
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The loop: generation helpers, then one function per step of Alg. 1.
+# The loop: one function per step of Alg. 1, in order.
 # --------------------------------------------------------------------------------------------------------------
 def _generate(policy, prompts: list[str], n: int, cfg: Config):
     if not prompts:
@@ -578,86 +532,25 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config):
                            max_tokens=cfg.max_response_tokens)
 
 
-def _fits(policy, prompt: str, cfg: Config) -> bool:
-    return len(common.encode_prompt(policy.tokenizer, prompt)) <= cfg.max_prompt_tokens
-
-
-def make_triplet_prompt(policy, task: str, buffer: Buffer, cfg: Config, rng: random.Random) -> str:
-    """K references drawn uniformly without replacement; references are dropped until the prompt fits
-    (bounded: at most K retries, unlike the code's unbounded resampling loop)."""
-    refs = buffer.sample(cfg.references, rng)
-    prompt = proposer_prompt(task, refs, cfg)
-    while refs and not _fits(policy, prompt, cfg):
-        refs.pop()
-        prompt = proposer_prompt(task, refs, cfg)
-    return prompt
-
-
-def induction_programs(buffers: dict[str, Buffer]) -> list[str]:
-    """Programs of D_ded u D_abd, de-duplicated so seed programs (in both buffers) are not drawn twice as often."""
-    return list(dict.fromkeys(e["program"] for t in ("deduction", "abduction") for e in buffers[t].entries))
-
-
-def make_induction_prompt(policy, programs: list[str], cfg: Config, rng: random.Random) -> tuple[str, str] | None:
-    for _ in range(4):  # a few draws for a program whose prompt fits; then give up on this prompt
-        program = rng.choice(programs)
-        prompt = proposer_prompt("induction", [], cfg, program=program)
-        if _fits(policy, prompt, cfg):
-            return program, prompt
-    return None
-
-
-def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random, step: int,
-            tasks=TASKS, batch: int | None = None) -> dict[str, list[dict]]:
-    """Steps 1-3 of Alg. 1 for the given task types: build B proposer prompts each, sample one proposal per
-    prompt (one generate call for all types), parse and validate; valid tasks join their buffer."""
-    batch = batch or cfg.batch_size
-    props: dict[str, list[dict]] = {t: [] for t in tasks}
-    programs = induction_programs(buffers)
-    for t in tasks:
-        for _ in range(batch):
-            if t == "induction":
-                made = make_induction_prompt(policy, programs, cfg, rng) if programs else None
-                if made:
-                    props[t].append({"task": t, "program": made[0], "prompt": made[1]})
-            else:
-                props[t].append({"task": t, "prompt": make_triplet_prompt(policy, t, buffers[t], cfg, rng)})
-    flat = [p for t in tasks for p in props[t]]
-    for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
-        p["completion"] = group[0]
-        if p["task"] == "induction":
-            p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs))
-        else:
-            p.update(parse_triplet_proposal(group[0].text))
-    for t in tasks:
-        if t == "induction":
-            validate_induction(executor, props[t], cfg, step, policy.tokenizer)
-        else:
-            validate_triplets(executor, props[t], cfg, step, policy.tokenizer, task=t)
-    return props
-
-
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """§3.3.1: from the zero triplet alone, let the base model propose until |D_seed| = S*B (no updates).
-    Seed programs lose comments and globals. D_ded = D_abd = D_seed; D_ind is filled the same way."""
+    """Step 0 (§3.3.1): from the zero triplet alone, the base model proposes until D_seed and D_ind hold S*B
+    tasks (or seed_max_rounds run out); no updates. Seed programs lose comments and globals (strip_program) and
+    are validated again, since stripping may break them. D_ded = D_abd = D_seed."""
     target = cfg.seed_factor * cfg.batch_size
     seed = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)])
     ind = Buffer(cfg.buffer_cap)
     for _ in range(cfg.seed_max_rounds):
-        if len(seed) >= target and len(ind) >= target:
-            break
         work = [t for t, b in (("deduction", seed), ("induction", ind)) if len(b) < target]
+        if not work:
+            break
         props = propose(policy, executor, {"deduction": seed, "abduction": seed, "induction": ind}, cfg, rng,
                         0, tasks=work)
         stripped = []
         for p in props.get("deduction", []):
             if p["reason"] is None:
-                try:
-                    q = {"program": strip_program(p["program"]), "input": p["input"], "args": p["args"]}
-                except (SyntaxError, ValueError, RecursionError):
-                    continue
-                stripped.append(q)
-        for q in validate_triplets(executor, stripped, cfg, 0, policy.tokenizer):  # stripping may break it
+                with contextlib.suppress(SyntaxError, ValueError, RecursionError):
+                    stripped.append({"program": strip_program(p["program"]), "input": p["input"], "args": p["args"]})
+        for q in validate(executor, "deduction", stripped, cfg, 0, policy.tokenizer):
             if q["reason"] is None and len(seed) < target:
                 seed.add(q["entry"])
         for p in props.get("induction", []):
@@ -670,19 +563,61 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
             "abduction": Buffer(cfg.buffer_cap, list(seed.entries)), "induction": ind}
 
 
+def make_triplet_prompt(policy, task: str, buffer: Buffer, cfg: Config, rng: random.Random) -> str:
+    """K references drawn uniformly without replacement, dropped until the prompt fits (at most K retries,
+    unlike the code's unbounded resampling loop)."""
+    refs = buffer.sample(cfg.references, rng)
+    prompt = proposer_prompt(task, refs, cfg)
+    while refs and not _fits(policy.tokenizer, prompt, cfg):
+        refs.pop()
+        prompt = proposer_prompt(task, refs, cfg)
+    return prompt
+
+
+def make_induction_prompt(policy, programs: list[str], cfg: Config, rng: random.Random) -> tuple[str, str] | None:
+    for _ in range(4):  # a few draws for a program whose prompt fits; then give up on this prompt
+        program = rng.choice(programs)
+        prompt = proposer_prompt("induction", [], cfg, program=program)
+        if _fits(policy.tokenizer, prompt, cfg):
+            return program, prompt
+    return None
+
+
+def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random, step: int,
+            tasks=TASKS, batch: int | None = None) -> dict[str, list[dict]]:
+    """Steps 1-2 for the given task types: B proposer prompts each, one proposal per prompt, parsed and
+    validated (the caller adds the valid ones to the buffers)."""
+    props: dict[str, list[dict]] = {t: [] for t in tasks}
+    # D_ded u D_abd de-duplicated, so seed programs (in both buffers) are not drawn twice as often
+    programs = list(dict.fromkeys(e["program"] for t in ("deduction", "abduction") for e in buffers[t].entries))
+    for t in tasks:
+        for _ in range(batch or cfg.batch_size):
+            if t != "induction":
+                props[t].append({"task": t, "prompt": make_triplet_prompt(policy, t, buffers[t], cfg, rng)})
+            elif programs and (made := make_induction_prompt(policy, programs, cfg, rng)):
+                props[t].append({"task": t, "program": made[0], "prompt": made[1]})
+    flat = [p for t in tasks for p in props[t]]
+    for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
+        p["completion"] = group[0]
+        p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs) if p["task"] == "induction"
+                 else parse_triplet_proposal(group[0].text))
+    for t in tasks:
+        validate(executor, t, props[t], cfg, step, policy.tokenizer)
+    return props
+
+
 def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict]], cfg: Config) -> None:
-    """Step 3 of Alg. 1 / Eq. 4: r_bar = mean correctness of n solver rollouts at T = 1 (never greedy, never
-    trained on) for every valid proposal; stored as p['solve_rate']."""
+    """Step 3 / Eq. 4: r_bar = mean correctness of n solver rollouts at T = 1 (never greedy, never trained on)
+    for every valid proposal; stored as p['solve_rate']."""
+    n = cfg.learnability_samples
     valid = [p for t in props for p in props[t] if p["reason"] is None]
-    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid],
-                       cfg.learnability_samples, cfg)
+    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid], n, cfg)
     for t in TASKS:
         idx = [k for k, p in enumerate(valid) if p["task"] == t]
-        entries = [valid[k]["entry"] for k in idx for _ in range(cfg.learnability_samples)]
-        texts = [c.text for k in idx for c in groups[k]]
-        graded = check_solutions(executor, t, entries, texts, cfg)
+        graded = check_solutions(executor, t, [valid[k]["entry"] for k in idx for _ in range(n)],
+                                 [c.text for k in idx for c in groups[k]], cfg)
         for j, k in enumerate(idx):
-            rows = graded[j * cfg.learnability_samples:(j + 1) * cfg.learnability_samples]
+            rows = graded[j * n:(j + 1) * n]
             valid[k]["solve_rate"] = sum(c for _, c in rows) / len(rows)
 
 
@@ -709,7 +644,7 @@ def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dic
 
 
 def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config):
-    """The joint 6*B batch with TRR++ advantages (Eq. 8), role '<role>/<task>' = the 6 keys. With
+    """The joint 6*B batch with TRR++ advantages (Eq. 8); role '<role>/<task>' gives the 6 keys. With
     --freeze-proposer the proposer trajectories are dropped BEFORE the advantages and the loss, so they count in
     no normaliser. Each record gets its 'advantage' (None if it is not trained on)."""
     records, trajs = [], []
@@ -732,8 +667,8 @@ def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict
 
 
 def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
-    """Step 6: one PPO-clip step (Eq. 9: seq-mean-token-mean, entropy bonus, no KL) on the joint batch with
-    TRR++ advantages, then the weights are synced into the sampler (inside common.pg_step)."""
+    """Step 6: one PPO-clip step (Eq. 9) on the joint batch; common.pg_step then syncs the weights into the
+    sampler."""
     trajs = build_trajectories(props, solved, cfg)
     if not trajs:
         return {}
@@ -744,7 +679,7 @@ def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict
 
 def self_play_step(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random,
                    step: int, run=None) -> tuple[dict, dict, dict]:
-    """One iteration of Alg. 1: propose (+validate, buffers grow), learnability, rewards, solve, TRR++ update."""
+    """One iteration of Alg. 1: propose (+ validate, buffers grow), learnability, rewards, solve, TRR++ update."""
     timer = run.timer if run is not None else (lambda name: contextlib.nullcontext())
     with timer("propose"):
         props = propose(policy, executor, buffers, cfg, rng, step)
@@ -780,7 +715,7 @@ def _nll_entropy(completions) -> float | None:
 
 
 def _ast_key(program: str) -> str:
-    """Programs that differ only in comments, spacing or docstring-free formatting count once (analysis §7.2)."""
+    """Programs that differ only in comments or formatting count once (analysis §7.2)."""
     try:
         return ast.dump(ast.parse(program))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -807,21 +742,16 @@ def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], bu
         if valid:
             m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
             m[f"{t}/distinct_programs"] = len({_ast_key(p["entry"]["program"]) for p in valid}) / len(valid)
-    comps = {"proposer": [p["completion"] for t in TASKS for p in props[t]],
-             "solver": [s["completion"] for t in TASKS for s in solved[t]]}
-    for role, cs in comps.items():
-        m[f"len/{role}"] = _mean(len(c.token_ids) for c in cs)
-        h = _nll_entropy(cs)
-        if h is not None:
-            m[f"entropy/{role}"] = h
-    h = _nll_entropy(comps["proposer"] + comps["solver"])
-    if h is not None:
-        m["entropy/policy"] = h
-    for role in ROLES:
-        a = [abs(r["advantage"]) for t in TASKS for r in (props[t] if role == "proposer" else solved[t])
-             if r.get("advantage") is not None]
+    records = {"proposer": [p for t in TASKS for p in props[t]], "solver": [s for t in TASKS for s in solved[t]]}
+    for role, recs in records.items():
+        m[f"len/{role}"] = _mean(len(r["completion"].token_ids) for r in recs)
+        a = [abs(r["advantage"]) for r in recs if r.get("advantage") is not None]
         if a:
             m[f"adv_abs_mean/{role}"] = _mean(a)
+    for role, recs in (*records.items(), ("policy", records["proposer"] + records["solver"])):
+        h = _nll_entropy(r["completion"] for r in recs)
+        if h is not None:
+            m[f"entropy/{role}"] = h
     m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
     m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
     return m
@@ -839,35 +769,18 @@ def log_step_samples(run, step: int, props, solved) -> None:
              "reward": s["reward"]} for s in solved[t]])
 
 
-def _append_tasks(run, step: int, props) -> None:
+def append_tasks(run, step: int, props) -> None:
     """tasks.jsonl: every valid proposed task with its step and solve rate (for the difficulty-over-time study,
     analysis.md §2: sample equal numbers per step bucket and re-score with two checkpoints)."""
-    if not getattr(run, "is_main", True):
-        return
-    with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
-        for t in TASKS:
-            for p in props[t]:
-                if p["reason"] is None:
-                    f.write(json.dumps({"step": step, "task": t, "solve_rate": p["solve_rate"], **p["entry"]}) + "\n")
-
-
-def _truncate_tasks(run, step: int) -> None:
-    path = run.dir / "tasks.jsonl"
-    if path.is_file():
-        keep = [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()
-                and _safe_step(l) <= step]
-        common.atomic_write_text(path, "".join(l + "\n" for l in keep))
-
-
-def _safe_step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 1 << 30
+    if run.is_main:
+        with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
+            for p in (p for t in TASKS for p in props[t] if p["reason"] is None):
+                row = {"step": step, "task": p["task"], "solve_rate": p["solve_rate"], **p["entry"]}
+                f.write(json.dumps(row) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Step 8: evaluation. Base models answer math with a boxed-answer prompt (spec §5, official issue #27).
+# Step 7: evaluation. Base models answer math with a boxed-answer prompt (spec §5, official issue #27).
 # --------------------------------------------------------------------------------------------------------------
 EVAL_TASK = "Solve this problem. Put the final answer inside \\boxed{{}} within your <answer> tags.\n\n{question}"
 
@@ -907,38 +820,39 @@ def eval_metrics(results: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The loop (Alg. 1)
+# The run
 # --------------------------------------------------------------------------------------------------------------
 def check_config(cfg: Config) -> None:
-    problems = []
+    """A bad value is a ValueError naming the flag (a usage error, exit 2, from the command line)."""
     if cfg.proposer_reward not in ("learnability", "uncertainty"):
-        problems.append(f"--proposer-reward {cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)")
+        raise ValueError(f"--proposer-reward {cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty "
+                         "(Eq. 3)")
     if cfg.zero_learnability_reward not in (0.0, -0.5):
-        problems.append(f"--zero-learnability-reward {cfg.zero_learnability_reward}: choose 0 (paper) or -0.5 (code)")
+        raise ValueError(f"--zero-learnability-reward {cfg.zero_learnability_reward}: choose 0 (paper) or -0.5 (code)")
     if cfg.induction_inputs < 2 or cfg.induction_inputs % 2:
-        problems.append(f"--induction-inputs {cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)")
+        raise ValueError(f"--induction-inputs {cfg.induction_inputs}: needs an even number >= 2 (half shown, half "
+                         "held out)")
     for name in ("batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs", "steps"):
         if getattr(cfg, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
+        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len "
+                         f"{cfg.max_model_len}")
     for b in (b.strip() for b in cfg.eval_benchmarks.split(",")):
         if b and not (b.lower() in common.BENCHMARKS or b.startswith("hf:") or b.endswith((".jsonl", ".json"))):
-            problems.append(f"--eval-benchmarks: unknown benchmark {b!r}; use one of {sorted(common.BENCHMARKS)}, "
-                            "a local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer field>")
-        elif b.endswith((".jsonl", ".json")) and not os.path.isfile(b):
-            problems.append(f"--eval-benchmarks: file {b} does not exist")
+            raise ValueError(f"--eval-benchmarks: unknown benchmark {b!r}; use one of {sorted(common.BENCHMARKS)}, "
+                             "a local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer field>")
+        if b.endswith((".jsonl", ".json")) and not os.path.isfile(b):
+            raise ValueError(f"--eval-benchmarks: file {b} does not exist")
     code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] if cfg.eval_code else []
     for b in code:
         if b.lower() not in common.CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
-            problems.append(f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} nor "
-                            "an existing .jsonl file")
+            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} nor "
+                             "an existing .jsonl file")
     if any(b.lower() in common.CODE_BENCHMARKS for b in code) and importlib.util.find_spec("datasets") is None:
-        problems.append("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the `datasets` "
-                        "package, which is not installed: pip install datasets, or give local JSONL files with "
-                        "--eval-code-benchmarks")
-    if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
-        problems.append(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")
-    if problems:
-        raise SystemExit("absolute_zero.py: " + "; ".join(problems))
+        raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the `datasets` "
+                         "package, which is not installed: pip install datasets, or give local JSONL files with "
+                         "--eval-code-benchmarks")
 
 
 def train(cfg: Config) -> dict:
@@ -948,11 +862,11 @@ def train(cfg: Config) -> dict:
     policy = common.Policy.load(cfg)
     executor = Executor(cfg)
     try:
-        resumed = run.load_checkpoint(policy)
-        start, state = resumed if resumed else (0, {})
+        start, state = run.load_checkpoint(policy) or (0, {})
         if state.get("buffers"):
             buffers = buffers_from_state(state["buffers"], cfg.buffer_cap)
-            _truncate_tasks(run, start)
+            if run.is_main:  # like metrics.jsonl: the steps after the checkpoint are logged again
+                common._core_truncate_jsonl(run.dir / "tasks.jsonl", start)
         else:  # step 0: seed the buffers from the zero triplet, no updates (§3.3.1)
             with run.timer("seed"):
                 buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
@@ -964,7 +878,7 @@ def train(cfg: Config) -> dict:
             metrics = step_metrics(props, solved, buffers)
             metrics.update({f"train/{k}": v for k, v in stats.items()})
             log_step_samples(run, step, props, solved)
-            _append_tasks(run, step, props)
+            append_tasks(run, step, props)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with run.timer("eval"):
                     ev = evaluate(policy, cfg)
@@ -983,7 +897,7 @@ def train(cfg: Config) -> dict:
 
 
 def main(argv=None):
-    cfg = common.parse_config(Config, argv)
+    cfg = common.parse_config(Config, argv, check=check_config)
     results = train(cfg)
     if not common.is_main_process():
         return

@@ -113,7 +113,7 @@ def test_validation_rejection_reasons(executor):
         "syntax": "def f(x) return x",
     }
     props = [_triplet(p, "3") for p in cases.values()]
-    az.validate_triplets(executor, props, cfg)
+    az.validate(executor, "deduction", props, cfg)
     assert [p["reason"] for p in props] == list(cases)
     assert all("entry" not in p or p["entry"] is None for p in props)
 
@@ -134,7 +134,7 @@ def test_valid_programs_get_the_right_gold_output(executor):
     props = [_triplet("def f(a, b):\n    return {a: sorted(b), 'n': (len(b), 2.5)}", "'k', [3, 1, 2]"),
              _triplet("def helper(x):\n    return x * 2\ndef f(x):\n    return [helper(i) for i in range(x)]", "4"),
              _triplet(az.ZERO_TRIPLET["program"], az.ZERO_TRIPLET["input"])]
-    az.validate_triplets(executor, props, executor.cfg, step=7)
+    az.validate(executor, "abduction", props, executor.cfg, step=7)
     assert [p["reason"] for p in props] == [None] * 3
     golds = [common.parse_literal(p["entry"]["output"]) for p in props]
     assert golds == [{"k": [1, 2, 3], "n": (3, 2.5)}, [0, 2, 4, 6], "Hello World"]
@@ -145,7 +145,7 @@ def test_induction_validation_requires_every_input_valid(executor):
     prog = "def f(x):\n    return 10 // x"
     good = {"program": prog, "inputs": ["1", "2"], "args": [(1,), (2,)], "message": "m"}
     bad = {"program": prog, "inputs": ["1", "0"], "args": [(1,), (0,)], "message": "m"}
-    az.validate_induction(executor, [good, bad], executor.cfg, step=1)
+    az.validate(executor, "induction", [good, bad], executor.cfg, step=1)
     assert good["reason"] is None and good["entry"]["outputs"] == ["10", "5"]
     assert bad["reason"] == "error"
 
@@ -424,8 +424,11 @@ def test_config_flags_and_clear_errors():
                         (dict(zero_learnability_reward=-1.0), "--zero-learnability-reward"),
                         (dict(induction_inputs=5), "--induction-inputs"),
                         (dict(eval_benchmarks="gsm8k,nosuchbench"), "nosuchbench")]:
-        with pytest.raises(SystemExit, match=needle):
+        with pytest.raises(ValueError, match=needle):
             az.check_config(az.Config(**bad))
+    with pytest.raises(SystemExit) as e:  # from the command line: a usage error, before anything is loaded
+        az.main(["--induction-inputs", "5"])
+    assert e.value.code == 2
 
 
 def test_step_metrics_count_rejections_and_roles():
@@ -489,9 +492,9 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
 def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsys):
     cfg = az.Config(eval_benchmarks="", eval_code=True)  # the default: humaneval+,mbpp+ from the hub
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(SystemExit, match="pip install datasets"):
+    with pytest.raises(ValueError, match="pip install datasets"):
         az.check_config(cfg)
-    with pytest.raises(SystemExit, match="nosuch.jsonl"):
+    with pytest.raises(ValueError, match="nosuch.jsonl"):
         az.check_config(az.Config(eval_benchmarks="", eval_code=True, eval_code_benchmarks="nosuch.jsonl"))
 
     def unreachable(*a, **k):
