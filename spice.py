@@ -21,6 +21,8 @@ The loop (Alg. 1 + §3.1), one function per step below, in this order:
 Run it:   python spice.py --model Qwen/Qwen3-4B-Base            (resume: python spice.py --resume RUN_DIR)
 Ablations: --challenger-reward {variance,learnability,uncertainty,threshold}, --no-document,
            --task-types {both,mcq,free}, --corpus <jsonl or hub id>, --freeze-challenger.
+Baseline: --challenger-model M is the paper's "Strong Challenger" (Table 1): the frozen M selects the types and
+           writes the tasks, with its own tokenizer; only the Reasoner trains (no Challenger trajectories).
 Gold-answer spot-check (spec §6, analysis §7.1): --oracle-model M answers valid tasks greedily from the
            Reasoner's prompt; gold_check/agree = share whose document-extracted gold answer M reaches too.
 
@@ -49,6 +51,7 @@ answers under the shared L_max; both are logged (`*/zero_adv_group_frac`, `*/tok
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -84,6 +87,8 @@ class Config(common.RunConfig):
     type_selection: str = "prompt"  # prompt = Fig. 9 type-selection call (untrained) | random = 50/50 coin
     no_document: bool = False  # ablation: the Challenger writes questions without a document (Fig. 4b)
     freeze_challenger: bool = False  # train only the Reasoner (Challenger trajectories are not updated)
+    challenger_model: str = ""  # "Strong Challenger" baseline (Table 1: a fixed Qwen3-32B-Instruct): this frozen model selects types and writes the tasks, only the Reasoner trains; "" = the policy
+    challenger_gpu_memory_utilization: float = 0.2  # GPU share of the fixed Challenger's own engine (only if it cannot be swapped in)
     fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
     reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
     decontaminate: bool = True  # drop corpus segments and generated questions sharing a 13-gram with the eval sets (analysis §7.3)
@@ -646,7 +651,7 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
     """Step 5, Dr. GRPO advantages (Eq. 3): A = r - mean(group), no std; groups = (role, document)."""
     trajs, rewards, groups = [], [], []
     for d, r in enumerate(rollouts):
-        if not cfg.freeze_challenger:
+        if not (cfg.freeze_challenger or cfg.challenger_model):
             for a, rc in zip(r.attempts, r.rewards):
                 trajs.append(common.Trajectory.from_completion(a.completion, reward=rc, role=CHALLENGER))
                 groups.append(2 * d)
@@ -819,6 +824,14 @@ def effective_chunk_tokens(cfg: Config, tokenizer, fmt: str) -> int:
     return min(cfg.chunk_tokens, room)
 
 
+def load_frozen(role: str, name: str, policy, cfg: Config, gpu_memory_utilization: float):
+    if not name:
+        return None
+    frozen = common.FrozenModel(name, policy, cfg, gpu_memory_utilization)
+    print(f"[spice] {role} {name}: {frozen.route}", file=sys.stderr)
+    return frozen
+
+
 def validate_config(cfg: Config) -> None:
     if cfg.challenger_reward not in ("variance", "learnability", "uncertainty", "threshold"):
         raise ValueError(f"--challenger-reward must be variance, learnability, uncertainty or threshold, "
@@ -841,12 +854,15 @@ def train(cfg: Config, policy=None) -> Path:
     # Inputs first (corpus, eval sets), so that bad input fails in seconds, before the model is loaded.
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
+    # the Challenger reads the documents, so its tokenizer sizes the segments
+    doc_tokenizer = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
     eval_sets, eval_questions = load_eval_sets(cfg)
     # 13-gram decontamination of the corpus and of every generated question (analysis §7.3)
     decon = common.Decontaminator(eval_questions, n=13) if cfg.decontaminate and eval_questions else None
     corpus = []
     if not cfg.no_document:
-        corpus = load_corpus(cfg, tokenizer, effective_chunk_tokens(cfg, tokenizer, fmt))
+        chunk = effective_chunk_tokens(cfg, doc_tokenizer, resolve_prompt_format(cfg, doc_tokenizer))
+        corpus = load_corpus(cfg, doc_tokenizer, chunk)
         if decon is not None:
             before = len(corpus)
             corpus = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
@@ -857,10 +873,8 @@ def train(cfg: Config, policy=None) -> Path:
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = ValidityChecker(cfg, tokenizer, fmt, decon)
-    oracle = None
-    if cfg.oracle_model:
-        oracle = common.FrozenModel(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
-        print(f"[spice] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
+    oracle = load_frozen("oracle", cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
+    writer = load_frozen("Challenger", cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
 
     start = 0
     loaded = run.load_checkpoint(policy) if cfg.resume else None
@@ -871,8 +885,11 @@ def train(cfg: Config, policy=None) -> Path:
         rng = np.random.default_rng([cfg.seed, step])    # per-step stream: a resumed run replays the same draws
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
-            types, fallbacks = select_task_types(policy, docs, cfg, fmt, rng)
-            rollouts = challenger_generate(policy, docs, types, cfg, fmt, check, rng)
+            # the Challenger is the policy, or the fixed --challenger-model with its own tokenizer
+            with writer.sampling(policy) if writer else contextlib.nullcontext(policy) as challenger:
+                cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
+                types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
+                rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(policy, rollouts, cfg, fmt, rng)

@@ -498,6 +498,12 @@ def warm_weights(warm_path):
     return common.load_safetensors_dir(warm_path)
 
 
+@pytest.fixture(scope="module")
+def reasoner_only_weights(tiny_model_path):
+    """Only the Reasoner warmed: this model answers A or B but never writes a valid task."""
+    return _sft(tiny_model_path, challenger=False).get_weights()
+
+
 def _warm_policy(cfg, vllm_sampler, warm_weights):
     policy = common.Policy.load(cfg, sampler=vllm_sampler)
     policy.set_weights(warm_weights)           # trainer and engine; fresh AdamW at the run's lr
@@ -567,6 +573,53 @@ def test_no_document_frozen_challenger_fresh_answers(tmp_path, tiny_model_path, 
     assert "challenger/zero_adv_group_frac" not in m
     # K answers for every valid task, then K FRESH answers for the one task per document (Alg. 1, line 16)
     assert calls[-1] == (n_docs_valid, 8) and calls[-2][1] == 8 and calls[-2][0] >= n_docs_valid
+
+
+@pytest.mark.slow
+def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_path, vllm_sampler, warm_path,
+                                                         reasoner_only_weights, monkeypatch):
+    """--challenger-model (the paper's Strong Challenger baseline): the fixed warm model writes every task, also
+    after the policy has been updated; the policy, which cannot write a valid task itself, trains only as the
+    Reasoner, on answers sampled with its own (trained) weights."""
+    cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
+                       steps=2, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
+                       max_model_len=2048, task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-3,
+                       challenger_model=warm_path, oracle_model=warm_path, oracle_every=2)
+    policy = _warm_policy(cfg, vllm_sampler, reasoner_only_weights)
+    written = []                                # the Challenger attempts of each step
+    generate_tasks = spice.challenger_generate
+
+    def recording(*args, **kw):
+        rollouts = generate_tasks(*args, **kw)
+        written.append([a.completion for r in rollouts for a in r.attempts])
+        return rollouts
+    monkeypatch.setattr(spice, "challenger_generate", recording)
+    run_dir = spice.train(cfg, policy)
+    ms = [m for m in _metrics(run_dir) if "challenger/valid_rate" in m]
+    assert len(ms) == 2 and len(written) == 2
+    for m in ms:
+        assert m["challenger/valid_rate"] > 0
+        assert m["train/n_seqs"] == 8 * (2 - m["challenger/docs_without_valid"])    # T_R only, no Challenger
+        assert "challenger/entropy" not in m and "challenger/zero_adv_group_frac" not in m
+        assert m["train/grad_norm"] > 0 and "reasoner/entropy" in m
+        assert m["train/logprob_diff_vs_sampler"] < 1e-3     # Reasoner answers came from the trained weights
+    assert "gold_check/agree" not in ms[0] and ms[1]["gold_check/oracle_answered"] == 1.0   # --oracle-every 2
+    trained = policy.get_weights()
+    assert any(not torch.equal(trained[k], v) for k, v in reasoner_only_weights.items())    # the Reasoner learnt
+    # every Challenger token, at step 2 too, has the log-prob the frozen model gives it, not the policy's
+    frozen, _ = common.load_model(warm_path, dtype="float32", device="cpu")
+    for comps in written:
+        args = ([c.prompt_ids for c in comps], [c.token_ids for c in comps])
+        with torch.no_grad():
+            lp_frozen, _ = common.token_logprobs(frozen, *args)
+            lp_policy, _ = common.token_logprobs(policy.model, *args)
+        sampled = torch.tensor([x for c in comps for x in c.logprobs])
+        assert (torch.cat(lp_frozen) - sampled).abs().max() < 1e-3
+        assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
+    # and the policy itself writes no valid task: every valid one came from the frozen Challenger
+    doc = spice.read_jsonl_documents(str(CORPUS), limit=1)[0]
+    outs = policy.generate([spice.challenger_prompt(doc, "mcq", None, "chat")], n=8, temperature=1.0, max_tokens=96)
+    assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
 
 
 def test_generated_questions_are_decontaminated(tiny_tokenizer):
