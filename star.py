@@ -649,6 +649,7 @@ def train(cfg: Config, sampler=None) -> dict:
                    "best_accuracy": state["best_accuracy"], "stopped": state["stopped"] or "reached --rounds"}
         if cfg.eval_benchmarks:
             results["benchmarks"] = common.evaluate_config(policy, cfg)
+            run.log(state["round"], common.eval_metrics(results["benchmarks"]))
         run.write_eval(results)
     finally:
         run.close()

@@ -412,7 +412,8 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     results = star.train(cfg, sampler=vllm_sampler)
     assert bases == [True]  # the resumed run fine-tunes the original model, not the checkpoint's M_1
     m = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in m] == [0, 1, 2]
+    assert [r["step"] for r in m] == [0, 1, 2, 2]  # the last row: --eval-benchmarks after the last round
+    assert m[3][f"eval/{TEST.stem}/greedy_acc"] == results["benchmarks"]["benchmarks"][str(TEST)]["greedy_acc"]
     r2 = m[2]
     print(json.dumps(m, indent=1))  # shown by pytest if an assertion below fails
     # learning: M_1 was trained on the 6 rationalized examples WITHOUT the hint and now solves them directly
