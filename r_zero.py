@@ -3,23 +3,23 @@
 Two copies of one base model co-evolve and never share weights: a Challenger that writes math questions and a
 Solver that answers them. There is no verifier and no data: a question's label is the Solver's own majority vote.
 
-The loop (paper §3; one function per step below, in this order), for iteration k = 1 .. K (K = 3):
-  1. challenger_phase   GRPO on the Challenger for 5 steps, Solver frozen. Each step:
+The loop (paper §3; one function per step below, in this order; train() runs it), for iteration k = 1 .. K = 3:
+  1. challenger_step x 5  GRPO on the Challenger, Solver frozen:
        challenger_rollouts    G = 4 outputs per copy of one fixed prompt; the question is the last <question> block
        solver_votes           the frozen Solver answers every valid question m = 10 times at T = 1.0
                               (its weights are swapped into the ONE vLLM engine, then the Challenger's swapped back)
-       vote_statistics        majority_vote: label y~ = largest class of equivalent boxed answers, p^ = |class| / m
+       vote_statistics        label y~ = largest class of equivalent boxed answers, p^ = |class| / m
        challenger_rewards     r = max(0, r_unc - r_rep), r_unc = 1 - 2|p^ - 1/2|, r_rep = |C_k| / B from BLEU
                               clustering of the batch's questions; an output without a <question> block gets 0
        grpo_update            GRPO advantages, PPO clip 0.2/0.3, dual clip 3, k3 KL (beta 0.01) to the phase start
-  2. build_dataset      N = 8,000 questions from the trained Challenger, m = 10 Solver votes each; keep |p^ - 1/2|
-                        <= 0.25 (3..7 of 10 agree) labelled with y~; drop questions that share a 13-gram with the
-                        evaluation sets. The Challenger's own boxed answer is never used.
-  3. solver_phase       GRPO on the Solver for 15 steps, Challenger frozen: G = 5 answers per kept question,
-                        reward 1 iff math_equal(boxed answer, y~); KL to the phase start.
-  4. evaluate_solver    greedy accuracy on the eval benchmarks after every iteration (and of the base model), with
-                        math-verify only (no LLM judge). Report the best and the last iteration: R-Zero degrades
-                        after about 3 iterations.
+  2. build_dataset        N = 8,000 questions from the trained Challenger, m = 10 Solver votes each; keep
+                          |p^ - 1/2| <= 0.25 (3..7 of 10 agree) labelled with y~, minus questions sharing a 13-gram
+                          with the eval sets. The Challenger's own boxed answer is never used.
+  3. solver_step x 15     GRPO on the Solver, Challenger frozen: G = 5 answers per kept question, solver_reward
+                          1 iff math_equal(boxed answer, y~); KL to the phase start.
+  4. evaluate_solver      greedy accuracy on the eval benchmarks after every iteration (and of the base model),
+                          math-verify only (no LLM judge). Report the best and the last iteration: R-Zero degrades
+                          after about 3 iterations.
 
 Run it:      python r_zero.py --model Qwen/Qwen3-4B-Base
 Small run:   python r_zero.py --model Qwen/Qwen3-0.6B-Base --question-pool 512 --challenger-batch 32 \
@@ -56,7 +56,6 @@ reset at every phase start); the other role is a CPU state dict that is swapped 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -134,27 +133,24 @@ class Config(common.RunConfig):
 
 
 CHALLENGER, SOLVER = "challenger", "solver"
+PHASES = (CHALLENGER, "dataset", SOLVER, "eval")  # one iteration, in paper order
 
 
 def validate_config(cfg: Config) -> None:
-    for name in ("iterations", "challenger_steps", "solver_steps", "challenger_batch", "solver_batch", "votes",
-                 "question_pool", "max_tokens", "vote_max_tokens", "max_prompt_tokens", "updates_per_batch",
-                 "oracle_votes"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("challenger_group", "solver_group"):
-        if getattr(cfg, name) < 2:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 2: GRPO needs a group to form a baseline")
+    at_least = {**dict.fromkeys(("iterations", "challenger_steps", "solver_steps", "challenger_batch", "solver_batch",
+                                 "votes", "question_pool", "max_tokens", "vote_max_tokens", "max_prompt_tokens",
+                                 "updates_per_batch", "oracle_votes"), 1),
+                "challenger_group": 2, "solver_group": 2,  # GRPO needs a group to form a baseline
+                "challenger_minibatch": 0, "solver_minibatch": 0}  # 0 = the whole batch
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
+    for name, allowed in {"reward_variant": ("paper", "code"), "solver_reward": ("paper", "code"),
+                          "rep_penalty": ("size", "excess")}.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} must be {' or '.join(allowed)}, not {getattr(cfg, name)!r}")
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
-    if cfg.reward_variant not in ("paper", "code"):
-        raise ValueError(f"--reward-variant must be paper or code, not {cfg.reward_variant!r}")
-    if cfg.solver_reward not in ("paper", "code"):
-        raise ValueError(f"--solver-reward must be paper or code, not {cfg.solver_reward!r}")
-    if cfg.rep_penalty not in ("size", "excess"):
-        raise ValueError(f"--rep-penalty must be size or excess, not {cfg.rep_penalty!r}")
-    if cfg.challenger_minibatch < 0 or cfg.solver_minibatch < 0:
-        raise ValueError("--challenger-minibatch / --solver-minibatch must be >= 0 (0 = whole batch)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -173,11 +169,9 @@ SOLVER_SYSTEM = ("Solve the math problem below. Reason step by step, and finish 
 
 
 def render(tokenizer, system: str, user: str):
-    """Chat messages (rendered by the tokenizer's chat template with the generation prompt); plain
-    'system:'/'user:' lines when the tokenizer has no template."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    return f"system: {system}\nuser: {user}\nassistant:"
+    return f"system: {system}\nuser: {user}\nassistant:"  # spec §4: a model without a chat template
 
 
 def challenger_prompt(tokenizer):
@@ -192,78 +186,59 @@ def solver_prompt(question: str, tokenizer):
 # Parsing, votes and rewards (spec §2)
 # --------------------------------------------------------------------------------------------------------------
 def extract_question(text: str) -> str | None:
-    """The last <question>...</question> block, stripped; None if absent or empty (spec §4)."""
-    q = common.extract_tag(text, "question", last=True)
-    return q if q else None
+    return common.extract_tag(text, "question", last=True) or None
 
 
-def code_filter_question(q: str) -> bool:
-    """The official code's question filter (question_generate): True = keep."""
-    return "证明" not in q and "box" not in q
-
-
-def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
-    """Per question: majority label y~, p^ = |class(y~)| / m and the number of agreeing votes (spec §2).
-
-    Unparsable answers (None) count in m but never form a class, so they can never be the label."""
+def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
+    """The question of each Challenger output, or None (no block, empty, code-filtered, or too long)."""
     out = []
-    for groups, (label, share) in zip(answer_groups, common.majority_vote_many(answer_groups)):
-        m = len(groups)
-        out.append({"label": label, "p_hat": float(share), "agree": int(round(share * m)), "m": m})
+    for c in completions:
+        q = extract_question(c.text)
+        if q is not None and cfg.code_filters and ("证明" in q or "box" in q):  # the code's question_generate filter
+            q = None
+        if q is not None and len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) > cfg.max_prompt_tokens:
+            q = None
+        out.append(q)
     return out
 
 
+def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
+    """Per question: majority label y~, p^ = |class(y~)| / m and the number of agreeing votes. Unparsable answers
+    (None) count in m but never form a class, so they can never be the label (spec worked example 1)."""
+    return [{"label": label, "p_hat": float(share), "agree": int(round(share * len(g))), "m": len(g)}
+            for g, (label, share) in zip(answer_groups, common.majority_vote_many(answer_groups))]
+
+
 def in_band(agree: int, m: int, low: float, high: float) -> bool:
-    """The difficulty filter: band_low <= p^ <= band_high with p^ = agree / m; with the paper's band and m = 10
-    that is 3..7 agreeing votes. A question with no parsable answer (agree = 0) is never kept."""
+    """low <= agree / m <= high; with the paper's band and m = 10, 3..7 votes. agree = 0 is never kept."""
     return agree >= 1 and low * m - 1e-9 <= agree <= high * m + 1e-9
 
 
-def repetition_penalties(questions: list[str], cfg: Config) -> tuple[np.ndarray, int]:
-    """r_rep per question over the batch's B valid questions: lambda |C_k| / B ("size", paper §3) or
-    lambda (|C_k| - 1) / B ("excess"); clusters from 1 - BLEU-4 with average linkage at tau_BLEU.
-    Returns (penalties, number of clusters)."""
-    if not questions:
-        return np.zeros(0), 0
-    ids = np.asarray(common.bleu_clusters(questions, cfg.bleu_threshold))
-    sizes = np.bincount(ids)[ids].astype(np.float64)
-    if cfg.rep_penalty == "excess":
-        sizes = sizes - 1.0
-    return cfg.rep_lambda * sizes / len(questions), int(ids.max()) + 1
-
-
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """The Challenger's reward for each output (spec §2).
-
-    paper: r_i = max(0, r_unc(p^_i) - r_rep(x_i)), r_unc = 1 - 2|p^ - 1/2|; no parsable question -> invalid_reward.
-    code:  r_i = min(p^_i, 1 - p^_i) - r_rep(x_i), unclipped (caller_penalty.py); invalid -> invalid_reward.
-    The repetition penalty is computed over the valid questions of the batch (B = their number): an output
-    without a question has nothing to cluster. Returns arrays reward, r_unc, r_rep, valid and n_clusters."""
-    n = len(questions)
+    """paper: max(0, r_unc - r_rep); code: min(p^, 1 - p^) - r_rep, unclipped (caller_penalty.py). r_rep is taken
+    over the B valid questions of the batch (BLEU-4 clusters, average linkage at tau_BLEU): an output without a
+    question has nothing to cluster and gets invalid_reward."""
     valid = np.array([q is not None for q in questions], dtype=bool)
-    p = np.array([float(x) if v else 0.0 for x, v in zip(p_hats, valid)], dtype=np.float64)
-    r_rep = np.zeros(n)
+    p = np.asarray(p_hats, dtype=np.float64)
     vidx = np.flatnonzero(valid)
-    pen, n_clusters = repetition_penalties([questions[i] for i in vidx], cfg)
-    r_rep[vidx] = pen
+    r_rep, n_clusters = np.zeros(len(questions)), 0
+    if len(vidx):
+        ids = np.asarray(common.bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold))
+        sizes = np.bincount(ids)[ids] - (1.0 if cfg.rep_penalty == "excess" else 0.0)
+        r_rep[vidx] = cfg.rep_lambda * sizes / len(vidx)
+        n_clusters = int(ids.max()) + 1
     r_unc = np.where(valid, common.uncertainty_reward(p), 0.0)
-    if cfg.reward_variant == "paper":
-        reward = np.maximum(0.0, r_unc - r_rep)
-    else:
-        reward = np.minimum(p, 1.0 - p) - r_rep
+    reward = np.maximum(0.0, r_unc - r_rep) if cfg.reward_variant == "paper" else np.minimum(p, 1.0 - p) - r_rep
     reward = np.where(valid, reward, float(cfg.invalid_reward))
     return {"reward": reward, "r_unc": r_unc, "r_rep": r_rep, "valid": valid, "n_clusters": n_clusters}
 
 
 def keep_question(s: dict, cfg: Config) -> bool:
-    """The dataset filter for one question's vote statistics (spec §1 step 2)."""
-    if s["label"] is None or not in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high):
-        return False
-    return not (cfg.code_filters and "text" in s["label"])
+    return (s["label"] is not None and in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
+            and not (cfg.code_filters and "text" in s["label"]))
 
 
 def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
-    """Keep the questions inside the band, labelled with the majority answer y~."""
     return [{"question": q, "label": s["label"], "p_hat": s["p_hat"], "agree": s["agree"]}
             for q, s in zip(questions, stats) if keep_question(s, cfg)]
 
@@ -285,10 +260,6 @@ def solver_reward(text: str, correct: bool, cfg: Config) -> float:
 # Two roles, one trainer, one engine
 # --------------------------------------------------------------------------------------------------------------
 class Roles:
-    """The Challenger's and the Solver's weights. The role being trained lives in policy.model (the only one
-    with optimizer state); the other is a CPU state dict. `sampling(role)` loads the other role into the ONE
-    vLLM engine for sampling (common.Policy.sampling_from) and puts the trainer's weights back afterwards."""
-
     def __init__(self, policy, active: str, other_weights: dict):
         self.policy = policy
         self.active = active
@@ -299,52 +270,30 @@ class Roles:
         return SOLVER if role == CHALLENGER else CHALLENGER
 
     def activate(self, role: str) -> None:
-        """Make `role` the trained one: park the current trainer weights on the CPU, load `role`'s, fresh AdamW."""
+        """Make `role` the trained one (fresh AdamW) and park the current trainer weights on the CPU."""
         if role != self.active:
             parked = self.policy.get_weights()
             self.policy.set_weights(self.cpu.pop(role), reset_optimizer=True)
             self.cpu[self.active] = parked
             self.active = role
 
-    def weights(self, role: str) -> dict:
-        return self.policy.get_weights() if role == self.active else self.cpu[role]
-
-    @contextlib.contextmanager
     def sampling(self, role: str):
-        with self.policy.sampling_from(None if role == self.active else self.cpu[role]):
-            yield
+        """`with roles.sampling(role):` the engine samples `role`; the trainer's weights go back in afterwards."""
+        return self.policy.sampling_from(None if role == self.active else self.cpu[role])
 
 
-def solver_votes(sampler, questions: list[str], cfg: Config, tokenizer) -> list[list[str | None]]:
-    """m answers per question at the vote temperature; the last \\boxed{} of each (None if none)."""
+def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | None]]:
+    """m answers per question at the vote settings; the last \\boxed{} of each (None if none)."""
     if not questions:
         return []
-    outs = sampler.generate([solver_prompt(q, tokenizer) for q in questions], n=cfg.votes,
+    outs = sampler.generate([solver_prompt(q, sampler.tokenizer) for q in questions], n=cfg.votes,
                             temperature=cfg.vote_temperature, top_p=cfg.vote_top_p, top_k=cfg.vote_top_k,
                             max_tokens=cfg.vote_max_tokens)
     return [[common.extract_boxed(c.text) for c in g] for g in outs]
 
 
-def question_fits(question: str, tokenizer, cfg: Config) -> bool:
-    return len(common.encode_prompt(tokenizer, solver_prompt(question, tokenizer))) <= cfg.max_prompt_tokens
-
-
-def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
-    """The question of each Challenger output, or None (no block, empty, too long, or code-filtered)."""
-    out = []
-    for c in completions:
-        q = extract_question(c.text)
-        if q is not None and cfg.code_filters and not code_filter_question(q):
-            q = None
-        if q is not None and not question_fits(q, tokenizer, cfg):
-            q = None
-        out.append(q)
-    return out
-
-
 def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: dict, minibatch: int) -> dict:
-    """GRPO advantages (unbiased std, eps 1e-6) per group, then one common.pg_step per minibatch of groups
-    (clip 0.2/0.3, dual clip 3, k3 KL to the phase-start weights). Returns the stats averaged over minibatches."""
+    """GRPO advantages per group, then one common.pg_step per minibatch of groups; stats averaged over them."""
     adv = common.group_advantages([t.reward for t in trajs], group_ids, scale="std", eps=cfg.adv_eps)
     for t, a in zip(trajs, adv.tolist()):
         t.advantage = a
@@ -352,7 +301,7 @@ def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: 
                          kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, temperature=cfg.temperature,
                          updates_per_batch=cfg.updates_per_batch)
     groups = list(dict.fromkeys(group_ids))
-    size = minibatch if minibatch > 0 else len(groups)
+    size = minibatch or len(groups)
     stats = []
     for s in range(0, len(groups), size):
         chunk = set(groups[s:s + size])
@@ -362,17 +311,21 @@ def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: 
     for k in stats[0]:
         vals = [st[k] for st in stats if isinstance(st.get(k), (int, float))]
         if vals:
-            out[k] = float(np.sum(vals)) if k in ("n_tokens", "n_seqs", "time_s") else float(np.mean(vals))
+            out[k] = float(np.sum(vals) if k in ("n_tokens", "n_seqs", "time_s") else np.mean(vals))
     out["n_updates"] = len(stats) * cfg.updates_per_batch
     return out
 
 
-def _role_stats(prefix: str, stats: dict, role: str) -> dict:
-    out = {f"{prefix}/{k}": v for k, v in stats.items() if "/" not in k}
-    if f"entropy/{role}" in stats:  # analysis §3: Eq. 1 estimate (NLL of own T=1 samples) and exact entropy
-        out[f"{prefix}/entropy"] = stats[f"entropy/{role}"]
-        out[f"{prefix}/entropy_exact"] = stats.get(f"entropy_exact/{role}")
-    return out
+def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:
+    """<role>/<name> for a step's own metrics and grpo_update's stats."""
+    out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}}
+    if f"entropy/{role}" in upd:  # analysis §3: Eq. 1 estimate (NLL of own T=1 samples) and exact entropy
+        out.update(entropy=upd[f"entropy/{role}"], entropy_exact=upd.get(f"entropy_exact/{role}"))
+    return {f"{role}/{k}": v for k, v in out.items()}
+
+
+def _mean(xs) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -391,116 +344,98 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
         questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
     vidx = [i for i, q in enumerate(questions) if q is not None]
     with run.timer("solver_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, [questions[i] for i in vidx], cfg, policy.tokenizer)
-    stats = vote_statistics(answers)
-    p_hats = [0.0] * len(questions)
-    for i, s in zip(vidx, stats):
-        p_hats[i] = s["p_hat"]
-    r = challenger_rewards(questions, p_hats, cfg)
+        answers = solver_votes(policy, [questions[i] for i in vidx], cfg)
+    by_idx = dict(zip(vidx, vote_statistics(answers)))
+    stats = [by_idx.get(i) for i in range(len(questions))]  # None for an output without a question
+    r = challenger_rewards(questions, [s["p_hat"] if s else 0.0 for s in stats], cfg)
     trajs = [common.Trajectory.from_completion(c, reward=float(rw), role=CHALLENGER)
              for (_, c), rw in zip(rollouts, r["reward"])]
     with run.timer("challenger_update"):
         upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref, cfg.challenger_minibatch)
     valid = r["valid"]
-    m = {"challenger/reward": float(r["reward"].mean()),
-         "challenger/r_unc": float(r["r_unc"][valid].mean()) if valid.any() else 0.0,
-         "challenger/r_rep": float(r["r_rep"][valid].mean()) if valid.any() else 0.0,
-         "challenger/format_fail": float(1.0 - valid.mean()),
-         "challenger/truncated": float(np.mean([c.finish_reason == "length" for _, c in rollouts])),
-         "challenger/n_clusters": r["n_clusters"],
-         "challenger/n_valid": int(valid.sum()),
-         "challenger/p_hat_mean": float(np.mean([s["p_hat"] for s in stats])) if stats else 0.0,
-         "challenger/in_band": float(np.mean([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
-                                              for s in stats])) if stats else 0.0,
-         **_role_stats("challenger", upd, CHALLENGER)}
-    if vidx:
-        m.update({f"challenger/{k}": v for k, v in
-                  common.diversity_metrics([questions[i] for i in vidx], cfg.bleu_threshold).items()
-                  if k != "bleu_clusters"})
-    by_idx = dict(zip(vidx, stats))
-    recs = []
-    for i, (_, c) in enumerate(rollouts):
-        s = by_idx.get(i)
-        recs.append({"completion": c.text, "question": questions[i], "label": s and s["label"],
-                     "p_hat": s and s["p_hat"], "reward": float(r["reward"][i]), "r_rep": float(r["r_rep"][i])})
-    run.log_samples(step, CHALLENGER, recs)
-    return m
+    voted = list(by_idx.values())
+    m = {"reward": float(r["reward"].mean()), "r_unc": _mean(r["r_unc"][valid]), "r_rep": _mean(r["r_rep"][valid]),
+         "format_fail": float(1.0 - valid.mean()), "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],
+         "truncated": _mean([c.finish_reason == "length" for _, c in rollouts]),
+         "p_hat_mean": _mean([s["p_hat"] for s in voted]),
+         "in_band": _mean([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high) for s in voted])}
+    if vidx:  # analysis §7.2 (the clusters are the penalty's, above: common.diversity_metrics would redo them)
+        qs = [questions[i] for i in vidx]
+        m.update(distinct_frac=common.distinct_fraction(qs), distinct4=common.distinct_ngram_ratio(qs, 4),
+                 self_bleu=common.self_bleu(qs))
+    run.log_samples(step, CHALLENGER, [
+        {"completion": c.text, "question": q, "label": s and s["label"], "p_hat": s and s["p_hat"],
+         "reward": float(rw), "r_rep": float(rr)}
+        for (_, c), q, s, rw, rr in zip(rollouts, questions, stats, r["reward"], r["r_rep"])])
+    return _role_metrics(CHALLENGER, m, upd)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # 2. Dataset phase
 # --------------------------------------------------------------------------------------------------------------
 def build_dataset(policy, roles: Roles, cfg: Config, decon, step: int, run, iteration: int) -> tuple[list, dict]:
-    """N questions from the Challenger, m Solver votes each, keep the band with the majority label, minus
-    questions that overlap the eval sets. Every generated question is written to dataset_iter<k>.jsonl."""
+    """Step 2 of the loop; every voted question, kept or not, is written to dataset_iter<k>.jsonl."""
     with roles.sampling(CHALLENGER), run.timer("question_pool"):
         outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.question_pool, n=1,
                                temperature=cfg.pool_temperature, top_p=cfg.pool_top_p, max_tokens=cfg.max_tokens)
     questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
     valid = [q for q in questions if q is not None]
-    flagged = set()
-    if decon is not None:
-        flagged = {i for i, f in enumerate(decon.flags(valid)) if f}
-    clean = [q for i, q in enumerate(valid) if i not in flagged]
+    flags = decon.flags(valid) if decon is not None else [False] * len(valid)
+    clean = [q for q, f in zip(valid, flags) if not f]
     with run.timer("dataset_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, clean, cfg, policy.tokenizer)
+        answers = solver_votes(policy, clean, cfg)
     stats = vote_statistics(answers)
     kept = filter_dataset(clean, stats, cfg)
-    hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist() if stats else \
-        [0] * (cfg.votes + 1)
-    rows = [{"question": q, **s, "kept": keep_question(s, cfg), "answers": a}
-            for q, s, a in zip(clean, stats, answers)]
     if common.is_main_process():
+        rows = [{"question": q, **s, "kept": keep_question(s, cfg), "answers": a}
+                for q, s, a in zip(clean, stats, answers)]
         common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl",
                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    m = {"dataset/generated": len(questions), "dataset/valid": len(valid),
-         "dataset/contaminated": len(flagged), "dataset/voted": len(clean), "dataset/kept": len(kept),
-         "dataset/kept_frac": len(kept) / max(1, len(clean)),
-         "dataset/distinct_frac": common.distinct_fraction(valid) if valid else 0.0,
-         "dataset/agree_hist": hist}
     run.log_samples(step, "dataset", kept)
-    return kept, m
+    return kept, {"dataset/generated": len(questions), "dataset/valid": len(valid),
+                  "dataset/contaminated": int(sum(flags)), "dataset/voted": len(clean), "dataset/kept": len(kept),
+                  "dataset/kept_frac": len(kept) / max(1, len(clean)),
+                  "dataset/distinct_frac": common.distinct_fraction(valid),
+                  "dataset/agree_hist": np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist()}
 
 
-def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config, step: int) -> dict:
+def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -> dict:
     """analysis §7.1 (a): the share of kept pseudo-labels equal (math_equal) to the oracle model's own majority
     answer on the same question. Not answered by the oracle = disagreement (also reported separately)."""
     rows = kept[:cfg.oracle_limit]
     if not rows:
         return {}
-    qs = [r["question"] for r in rows]
-    greedy = dataclasses.replace(cfg, vote_temperature=0.0, votes=1) if cfg.oracle_votes == 1 else \
-        dataclasses.replace(cfg, votes=cfg.oracle_votes)
+    ocfg = dataclasses.replace(cfg, votes=cfg.oracle_votes,  # --oracle-votes 1: one greedy answer
+                               vote_temperature=0.0 if cfg.oracle_votes == 1 else cfg.vote_temperature)
     with oracle.sampling(roles.policy) as sampler:
-        answers = solver_votes(sampler, qs, greedy, sampler.tokenizer)
+        answers = solver_votes(sampler, [r["question"] for r in rows], ocfg)
     ref = [s["label"] for s in vote_statistics(answers)]
     ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
-    return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/oracle_answered":
-            float(np.mean([a is not None for a in ref])), "pseudo_label/n": len(rows)}
+    return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/n": len(rows),
+            "pseudo_label/oracle_answered": float(np.mean([a is not None for a in ref]))}
 
 
-def label_check(roles: Roles, problems: list[dict], cfg: Config, step: int) -> dict:
+def label_check(roles: Roles, problems: list[dict], cfg: Config) -> dict:
     """analysis §7.1 (b): R-Zero's labelling step (same m, same band) on questions with gold answers, with the
     current Solver. Label accuracy over all questions, over the kept ones, and per number of agreeing votes."""
     with roles.sampling(SOLVER):
-        answers = solver_votes(roles.policy, [p["question"] for p in problems], cfg, roles.policy.tokenizer)
+        answers = solver_votes(roles.policy, [p["question"] for p in problems], cfg)
     stats = vote_statistics(answers)
     ok = common.math_equal_many([(s["label"], p["answer"]) for s, p in zip(stats, problems)])
     keep = [in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high) for s in stats]
-    by_agree = {}
-    for s, o in zip(stats, ok):
-        by_agree.setdefault(s["agree"], []).append(o)
+    agree = [s["agree"] for s in stats]
     return {"label_check/acc_all": float(np.mean(ok)),
             "label_check/acc_kept": float(np.mean([o for o, k in zip(ok, keep) if k])) if any(keep) else None,
             "label_check/kept_frac": float(np.mean(keep)),
-            "label_check/acc_by_agree": {str(a): float(np.mean(v)) for a, v in sorted(by_agree.items())}}
+            "label_check/acc_by_agree": {str(a): float(np.mean([o for o, b in zip(ok, agree) if b == a]))
+                                         for a in sorted(set(agree))}}
 
 
 # --------------------------------------------------------------------------------------------------------------
 # 3. Solver phase
 # --------------------------------------------------------------------------------------------------------------
 def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
-    """One GRPO step of the Solver on the kept questions, reward 1 iff math_equal(boxed, pseudo-label)."""
+    """One GRPO step of the Solver on the kept questions, rewarded against the pseudo-labels (paper §3, step 3)."""
     rng = np.random.default_rng([cfg.seed, step])  # per-step stream: a resumed run draws the same questions
     b = min(cfg.solver_batch, len(dataset))
     rows = [dataset[i] for i in rng.choice(len(dataset), size=b, replace=False)]
@@ -516,10 +451,10 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
         upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
     run.log_samples(step, SOLVER, [{"question": rows[g]["question"], "label": rows[g]["label"], "completion": c.text,
                                     "pred": p, "reward": r} for (g, c), p, r in zip(flat, preds, rewards)])
-    return {"solver/acc_vs_pseudo": float(np.mean(ok)), "solver/reward": float(np.mean(rewards)),
-            "solver/no_answer": float(np.mean([p is None for p in preds])),
-            "solver/truncated": float(np.mean([c.finish_reason == "length" for _, c in flat])),
-            "solver/batch": b, **_role_stats("solver", upd, SOLVER)}
+    return _role_metrics(SOLVER, {"acc_vs_pseudo": float(np.mean(ok)), "reward": float(np.mean(rewards)),
+                                  "no_answer": float(np.mean([p is None for p in preds])),
+                                  "truncated": float(np.mean([c.finish_reason == "length" for _, c in flat])),
+                                  "batch": b}, upd)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -535,43 +470,50 @@ def _solver_eval_prompt(problem: dict, tokenizer=None):
 
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
     """Greedy accuracy (and pass@k if --eval-n > 1) of the Solver with its own prompt; math-verify only."""
-    benches = [b for b in cfg.eval_benchmarks.split(",") if b.strip()]
-    if not benches:
+    if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
         return {}
     with roles.sampling(SOLVER):
-        res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                              prompt_fn=_solver_eval_prompt, limit=cfg.eval_limit, seed=cfg.seed)
+        res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
     run.write_eval(res, name)
     return common.eval_metrics(res)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Checkpoints: the trainer role through Run.save_checkpoint, the parked role (and the KL reference mid-phase)
-# as save_pretrained folders under roles/<tag>/ written before the checkpoint that names them.
+# Checkpoints: the trained role through Run.save_checkpoint; the parked role (and, mid-phase, the KL reference)
+# as save_pretrained folders under roles/<tag>/, written before the checkpoint that names them.
 # --------------------------------------------------------------------------------------------------------------
+def _save_model(policy, weights: dict, path: pathlib.Path) -> None:
+    policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
+    policy.tokenizer.save_pretrained(str(path))
+
+
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
     tag = f"step_{step}-{state['phase']}-{state['phase_step']}"
     root = run.dir / "roles"
     if common.is_main_process():
         tmp = root / f".tmp-{tag}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        parts = {roles.other(roles.active): roles.cpu[roles.other(roles.active)]}
+        parked = roles.other(roles.active)
+        _save_model(policy, roles.cpu[parked], tmp / parked)
         if ref is not None:
-            parts["ref"] = ref
-        model = getattr(policy.model, "module", policy.model)
-        for name, w in parts.items():
-            model.save_pretrained(str(tmp / name), state_dict=w, safe_serialization=True)
-            policy.tokenizer.save_pretrained(str(tmp / name))
+            _save_model(policy, ref, tmp / "ref")
         shutil.rmtree(root / tag, ignore_errors=True)
         os.replace(tmp, root / tag)
     run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag})
     if common.is_main_process():  # drop role folders no remaining checkpoint refers to
-        used = set()
-        for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json"):
-            used.add(json.loads(ts.read_text()).get("state", {}).get("roles_dir"))
+        used = {json.loads(ts.read_text()).get("state", {}).get("roles_dir")
+                for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json")}
         for d in root.iterdir():
             if d.name not in used and not d.name.startswith(".tmp-"):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def export_roles(run, policy, roles: Roles) -> None:
+    """final/challenger and final/solver: both trained models, loadable by from_pretrained and vLLM."""
+    trained = policy.get_weights()  # gathers the shards under torchrun (a collective): every rank calls it
+    if common.is_main_process():
+        for role in (CHALLENGER, SOLVER):
+            _save_model(policy, trained if role == roles.active else roles.cpu[role], run.dir / "final" / role)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -581,9 +523,9 @@ def _load_decontaminator(cfg: Config):
     if not cfg.decontaminate:
         return None
     refs = []
-    for b in [b for b in cfg.eval_benchmarks.split(",") if b.strip()]:
+    for b in filter(None, (b.strip() for b in cfg.eval_benchmarks.split(","))):
         try:
-            refs += [p["question"] for p in common.load_benchmark(b.strip())]
+            refs += [p["question"] for p in common.load_benchmark(b)]
         except Exception as e:
             raise RuntimeError(f"decontamination needs the eval set {b!r} ({e}). Fix its name/path in "
                                "--eval-benchmarks, or pass --no-decontaminate.") from None
@@ -598,24 +540,21 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     policy = policy or common.Policy.load(cfg)
     decon = _load_decontaminator(cfg)
     checks = common.load_benchmark(cfg.label_check, cfg.label_check_limit) if cfg.label_check else None
-    oracle = common.FrozenModel(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization) \
-        if cfg.oracle_model else None
-    if oracle is not None:
+    oracle = None
+    if cfg.oracle_model:
+        oracle = common.FrozenModel(cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
         print(f"[r_zero] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
 
-    per_iter = cfg.challenger_steps + cfg.solver_steps + 2  # + dataset step + eval step
+    # `state` names the next step to run (step `phase_step` of `phase` in `iteration`) and what it needs
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
-    ref = None
-    roles = None
+    ref = None  # the KL reference: the trained role's weights at the start of its phase
     loaded = run.load_checkpoint(policy) if cfg.resume else None
     if loaded is not None:
-        _, saved = loaded
+        saved = loaded[1]
         state.update({k: v for k, v in saved.items() if k in state})
         rdir = run.dir / "roles" / saved["roles_dir"]
-        other = Roles.other(saved["active"])
-        roles = Roles(policy, saved["active"], common.load_safetensors_dir(rdir / other))
-        if (rdir / "ref").is_dir():
-            ref = common.load_safetensors_dir(rdir / "ref")
+        roles = Roles(policy, saved["active"], common.load_safetensors_dir(rdir / Roles.other(saved["active"])))
+        ref = common.load_safetensors_dir(rdir / "ref") if (rdir / "ref").is_dir() else None
         print(f"[r_zero] resumed at iteration {state['iteration']}, {state['phase']} step {state['phase_step']}",
               file=sys.stderr)
     else:
@@ -623,83 +562,52 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         if cfg.eval_base:
             run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
 
-    def base_step(k):
-        return (k - 1) * per_iter
-
-    done_steps = base_step(state["iteration"]) + {CHALLENGER: 0, "dataset": cfg.challenger_steps,
-                                                  SOLVER: cfg.challenger_steps + 1,
-                                                  "eval": cfg.challenger_steps + 1 + cfg.solver_steps}[state["phase"]] \
-        + state["phase_step"] if state["iteration"] <= cfg.iterations else cfg.iterations * per_iter
-    pbar = run.progress(cfg.iterations * per_iter, initial=min(done_steps, cfg.iterations * per_iter))
-
-    def save(step, phase_ref):
-        save_state(run, policy, roles, state, step, phase_ref)
-
-    while state["iteration"] <= cfg.iterations:
-        k = state["iteration"]
-        # 1. Challenger phase (Solver frozen)
-        if state["phase"] == CHALLENGER:
-            roles.activate(CHALLENGER)
-            if state["phase_step"] == 0:
-                policy.reset_optimizer()
-                ref = policy.get_weights()  # KL reference = the Challenger at the start of this phase
-            for j in range(state["phase_step"], cfg.challenger_steps):
-                step = base_step(k) + j + 1
-                m = challenger_step(policy, roles, cfg, ref, step, run)
-                run.log(step, {"iteration": k, **m})
-                pbar.update(1)
-                state["phase_step"] = j + 1
-                if cfg.save_every and step % cfg.save_every == 0 and j + 1 < cfg.challenger_steps:
-                    save(step, ref)
-            state.update(phase="dataset", phase_step=0)
-            ref = None
-            save(base_step(k) + cfg.challenger_steps, None)
-        # 2. Dataset phase
-        if state["phase"] == "dataset":
-            step = base_step(k) + cfg.challenger_steps + 1
-            kept, m = build_dataset(policy, roles, cfg, decon, step, run, k)
+    sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
+    schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph in PHASES for j in range(sizes[ph])]
+    position = (state["iteration"], state["phase"], state["phase_step"])
+    done = schedule.index(position) if position in schedule else len(schedule)
+    pbar = run.progress(len(schedule), initial=done)
+    for step, (k, phase, j) in enumerate(schedule[done:], start=done + 1):
+        m = {"iteration": k}
+        if phase in (CHALLENGER, SOLVER) and j == 0:  # a phase starts: its role in the trainer, fresh AdamW
+            roles.activate(phase)
+            policy.reset_optimizer()
+            ref = policy.get_weights()
+        if phase == CHALLENGER:  # 1. Challenger phase (Solver frozen)
+            m.update(challenger_step(policy, roles, cfg, ref, step, run))
+        elif phase == "dataset":  # 2. build the Solver's dataset
+            kept, dm = build_dataset(policy, roles, cfg, decon, step, run, k)
+            m.update(dm)
             if oracle is not None:
-                m.update(pseudo_label_accuracy(roles, oracle, kept, cfg, step))
+                m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
             if checks is not None:
-                m.update(label_check(roles, checks, cfg, step))
-            if 0 < len(kept) < cfg.solver_batch:
+                m.update(label_check(roles, checks, cfg))
+            if not kept:
+                warnings.warn(f"iteration {k}: no question survived the filter; skipping the Solver phase")
+            elif len(kept) < cfg.solver_batch:
                 warnings.warn(f"iteration {k}: only {len(kept)} questions kept (< --solver-batch "
                               f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}. Raise "
                               "--question-pool or widen the band.")
-            run.log(step, {"iteration": k, **m})
-            pbar.update(1)
-            state.update(phase=SOLVER, phase_step=0, dataset=kept)
-            save(step, None)
-        # 3. Solver phase (Challenger frozen)
-        if state["phase"] == SOLVER:
-            roles.activate(SOLVER)
-            if state["phase_step"] == 0:
-                policy.reset_optimizer()
-                ref = policy.get_weights()  # KL reference = the Solver at the start of this phase
-            if not state["dataset"]:
-                warnings.warn(f"iteration {k}: no question survived the filter; skipping the Solver phase")
-            for j in range(state["phase_step"], cfg.solver_steps):
-                step = base_step(k) + cfg.challenger_steps + 1 + j + 1
-                m = solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"] else \
-                    {"solver/skipped": 1}
-                run.log(step, {"iteration": k, **m})
-                pbar.update(1)
-                state["phase_step"] = j + 1
-                if cfg.save_every and step % cfg.save_every == 0 and j + 1 < cfg.solver_steps:
-                    save(step, ref)
+            state["dataset"] = kept
+        elif phase == SOLVER:  # 3. Solver phase (Challenger frozen)
+            m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
+                     else {"solver/skipped": 1})
+        else:  # 4. evaluate the Solver after every iteration
+            m.update(evaluate_solver(policy, roles, cfg, run, f"eval_iter{k}.json"))
+            acc = m.get("eval/mean_greedy_acc")
+            if acc is not None and (state["best"] is None or acc > state["best"]["eval/mean_greedy_acc"]):
+                state["best"] = {"iteration": k, "eval/mean_greedy_acc": acc}
+            state["dataset"] = []
+        run.log(step, m)
+        pbar.update(1)
+        k_next, phase_next, j_next = schedule[step] if step < len(schedule) else (cfg.iterations + 1, CHALLENGER, 0)
+        state.update(iteration=k_next, phase=phase_next, phase_step=j_next)
+        last = j + 1 == sizes[phase]
+        if last:
             ref = None
-            state.update(phase="eval", phase_step=0)
-        # 4. Evaluate after every iteration
-        if state["phase"] == "eval":
-            step = k * per_iter
-            m = evaluate_solver(policy, roles, cfg, run, f"eval_iter{k}.json")
-            if "eval/mean_greedy_acc" in m and (state["best"] is None or m["eval/mean_greedy_acc"] >
-                                                 state["best"]["eval/mean_greedy_acc"]):
-                state["best"] = {"iteration": k, "eval/mean_greedy_acc": m["eval/mean_greedy_acc"]}
-            run.log(step, {"iteration": k, **m})
-            pbar.update(1)
-            state.update(iteration=k + 1, phase=CHALLENGER, phase_step=0, dataset=[])
-            save(step, None)
+        # a phase's end is saved (the Solver's by the evaluation right after it); --save-every also saves mid-phase
+        if (last and phase != SOLVER) or (not last and cfg.save_every and step % cfg.save_every == 0):
+            save_state(run, policy, roles, state, step, ref)
     pbar.close()
     if state["best"] is not None:
         print(f"[r_zero] best iteration {state['best']['iteration']} (mean greedy acc "
@@ -707,19 +615,6 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     export_roles(run, policy, roles)
     run.close()
     return run.dir
-
-
-def export_roles(run, policy, roles: Roles) -> None:
-    """final/challenger and final/solver: both trained models, loadable by from_pretrained and vLLM."""
-    # roles.weights() gathers the trainer's shards under torchrun (a collective): every rank calls it.
-    weights = {role: roles.weights(role) for role in (CHALLENGER, SOLVER)}
-    if not common.is_main_process():
-        return
-    model = getattr(policy.model, "module", policy.model)
-    for role in (CHALLENGER, SOLVER):
-        out = run.dir / "final" / role
-        model.save_pretrained(str(out), state_dict=weights[role], safe_serialization=True)
-        policy.tokenizer.save_pretrained(str(out))
 
 
 def main(argv: list[str] | None = None) -> None:
