@@ -9,11 +9,9 @@ One model plays two roles on the same weights, with a Python executor as the onl
 No data is used: the buffers start from one "zero triplet" (the identity function on "Hello World").
 
 The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, in this order:
-  0. seed_buffers          the base model proposes from the zero triplet until the buffers hold S*B tasks; no
-                           parameter updates (§3.3.1)
-  1. propose               B prompts per task type: induction gets a program from D_ded u D_abd and writes N
-                           inputs + a message (§3.3.2); deduction/abduction get K references from D_alpha and
-                           write (p, i). One generate call for all of them
+  0. seed_buffers          the base model proposes from the zero triplet until the buffers hold S*B tasks (§3.3.1)
+  1. propose               B prompts per task type: a program from D_ded u D_abd -> N inputs + a message
+                           (induction, §3.3.2); K references from D_alpha -> (p, i) (deduction, abduction)
   2. validate              executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
                            AST), runs without error, deterministic over j = 2 *independent* processes with
                            different hash seeds, output is a finite literal without memory addresses, size cap.
@@ -309,8 +307,8 @@ def strip_program(program: str) -> str:
 
 def parse_triplet_proposal(completion: str) -> dict:
     """{'program','input','args'} or {'reason'}: the first ```python block and the first ```input block."""
-    answer = extract_answer(completion)
-    programs, inputs = (blocks(answer, "python"), blocks(answer, "input")) if answer is not None else ([], [])
+    answer = extract_answer(completion) or ""
+    programs, inputs = blocks(answer, "python"), blocks(answer, "input")
     if not programs or not inputs:
         return {"reason": "format"}
     args = parse_call_args(inputs[0])
@@ -321,8 +319,8 @@ def parse_triplet_proposal(completion: str) -> dict:
 
 def parse_induction_proposal(completion: str, n: int) -> dict:
     """{'inputs','args','message'} or {'reason'}: all ```input blocks (>= n, the last n kept) + ```message."""
-    answer = extract_answer(completion)
-    inputs, messages = (blocks(answer, "input"), blocks(answer, "message")) if answer is not None else ([], [])
+    answer = extract_answer(completion) or ""
+    inputs, messages = blocks(answer, "input"), blocks(answer, "message")
     if len(inputs) < n or not messages or not messages[-1]:
         return {"reason": "format"}
     args = [parse_call_args(i) for i in inputs[-n:]]
@@ -332,8 +330,8 @@ def parse_induction_proposal(completion: str, n: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The executor (§3.3.3). Programs run in common.PythonSandbox; gold values never enter it; results come back as
-# repr text and are compared in this (trusted) process with ==, after common.parse_literal.
+# The executor (§3.3.3) and the buffers. Programs run in common.PythonSandbox; gold values never enter it; results
+# come back as repr text and are compared in this (trusted) process with ==, after common.parse_literal.
 # --------------------------------------------------------------------------------------------------------------
 _ADDRESS_RE = re.compile(r"0x[0-9a-fA-F]{6,}")
 _STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "error", "sandbox_error": "error",
@@ -386,10 +384,9 @@ class Executor:
             sb.close()
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Buffers D_ded, D_abd, D_ind (JSON-able, stored in checkpoints). The cap evicts the oldest entries.
-# --------------------------------------------------------------------------------------------------------------
 class Buffer:
+    """D_ded, D_abd or D_ind: JSON-able entries, stored in checkpoints. The cap evicts the oldest entries."""
+
     def __init__(self, cap: int, entries: list[dict] | None = None):
         self.cap, self.entries = cap, list(entries or [])[-cap:]
 
@@ -421,10 +418,9 @@ def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
 # --------------------------------------------------------------------------------------------------------------
 def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
              tokenizer=None) -> list[dict]:
-    """Deduction/abduction proposals (program, input) pass the static checks on the AST, then j runs in
-    independent processes must succeed, agree and give a finite, address-free literal: the gold output.
-    Induction proposals (a buffer program + N inputs + message) must run validly on EVERY input. A task whose
-    solver prompt would not fit the prompt budget is useless (back-filling would run dry): too_large."""
+    """Deduction/abduction: static checks, then the runs give the gold output. Induction (a buffer program + N
+    inputs + message): every input must run validly. A task whose solver prompt would not fit the prompt budget
+    is useless (back-filling would run dry): too_large."""
     jobs, owner = [], []
     for k, p in enumerate(proposals):
         if p.get("reason"):
@@ -444,9 +440,12 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         p["reason"] = next((r for r, _ in res if r), None)
         if p["reason"] is None:
             outputs = [o for _, o in res]
-            p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outputs, "message": p["message"],
-                          "step": step} if task == "induction" else \
-                {"program": p["program"], "input": p["input"], "output": outputs[0], "step": step}
+            if task == "induction":
+                p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outputs,
+                              "message": p["message"]}
+            else:
+                p["entry"] = {"program": p["program"], "input": p["input"], "output": outputs[0]}
+            p["entry"]["step"] = step
             if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg), cfg):
                 p["reason"], p["entry"] = "too_large", None
     for p in proposals:
@@ -455,7 +454,7 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Steps 3-4: grade solver answers (Eq. 5). Gold values stay in this process; == on parsed literals.
+# Steps 3-5: grade solver answers (Eq. 5; gold values stay in this process, == on parsed literals) and reward.
 # --------------------------------------------------------------------------------------------------------------
 _ANSWER_BLOCK = {"deduction": "output", "abduction": "input", "induction": "python"}
 
@@ -476,8 +475,7 @@ def check_solutions(executor: Executor, task: str, entries: list[dict], completi
     out = [(False, False)] * len(completions)
     jobs, owner = [], []
     for k, (entry, text) in enumerate(zip(entries, completions)):
-        answer = extract_answer(text)
-        found = blocks(answer, _ANSWER_BLOCK[task]) if answer is not None else []
+        found = blocks(extract_answer(text) or "", _ANSWER_BLOCK[task])
         if not found:
             continue
         pred = found[-1]  # solvers: the last block of the expected kind
@@ -501,9 +499,7 @@ def check_solutions(executor: Executor, task: str, entries: list[dict], completi
     return out
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Step 5: rewards. Eq. 4 (or Eq. 3) for valid proposals, Eq. 5 for the solver, Eq. 6 format penalties for both.
-# --------------------------------------------------------------------------------------------------------------
+# Step 5, rewards: Eq. 4 (or Eq. 3) for valid proposals, Eq. 5 for the solver, Eq. 6 format penalties for both.
 def proposer_reward(valid: bool, solve_rate: float | None, cfg: Config) -> float:
     if not valid:
         return common.FORMAT_ERROR  # any invalid proposal counts as a format error (Eq. 6, spec §2)
@@ -533,9 +529,8 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config):
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """Step 0 (§3.3.1): from the zero triplet alone, the base model proposes until D_seed and D_ind hold S*B
-    tasks (or seed_max_rounds run out); no updates. Seed programs lose comments and globals (strip_program) and
-    are validated again, since stripping may break them. D_ded = D_abd = D_seed."""
+    """Step 0, no updates. Seed programs lose comments and globals (strip_program) and are validated again,
+    since stripping may break them. D_ded = D_abd = D_seed."""
     target = cfg.seed_factor * cfg.batch_size
     seed = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)])
     ind = Buffer(cfg.buffer_cap)
@@ -584,14 +579,13 @@ def make_induction_prompt(policy, programs: list[str], cfg: Config, rng: random.
 
 
 def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random, step: int,
-            tasks=TASKS, batch: int | None = None) -> dict[str, list[dict]]:
-    """Steps 1-2 for the given task types: B proposer prompts each, one proposal per prompt, parsed and
-    validated (the caller adds the valid ones to the buffers)."""
+            tasks=TASKS) -> dict[str, list[dict]]:
+    """Steps 1-2 for the given task types (the caller adds the valid tasks to the buffers)."""
     props: dict[str, list[dict]] = {t: [] for t in tasks}
     # D_ded u D_abd de-duplicated, so seed programs (in both buffers) are not drawn twice as often
     programs = list(dict.fromkeys(e["program"] for t in ("deduction", "abduction") for e in buffers[t].entries))
     for t in tasks:
-        for _ in range(batch or cfg.batch_size):
+        for _ in range(cfg.batch_size):
             if t != "induction":
                 props[t].append({"task": t, "prompt": make_triplet_prompt(policy, t, buffers[t], cfg, rng)})
             elif programs and (made := make_induction_prompt(policy, programs, cfg, rng)):
@@ -607,8 +601,7 @@ def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
 
 
 def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict]], cfg: Config) -> None:
-    """Step 3 / Eq. 4: r_bar = mean correctness of n solver rollouts at T = 1 (never greedy, never trained on)
-    for every valid proposal; stored as p['solve_rate']."""
+    """Step 3 (Eq. 4): r_bar of every valid proposal, stored as p['solve_rate']."""
     n = cfg.learnability_samples
     valid = [p for t in props for p in props[t] if p["reason"] is None]
     groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid], n, cfg)
@@ -623,8 +616,7 @@ def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict
 
 def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dict[str, Buffer], cfg: Config,
           rng: random.Random, step: int) -> dict[str, list[dict]]:
-    """Step 4: per task type, this step's valid tasks back-filled uniformly from the buffer up to B; one answer
-    per task, graded by the executor (Eq. 5) and rewarded with Eq. 6."""
+    """Step 4: the back-filling draws uniformly from the buffer's older tasks (with replacement if too few)."""
     work: dict[str, list[dict]] = {}
     for t in TASKS:
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
@@ -667,8 +659,7 @@ def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict
 
 
 def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
-    """Step 6: one PPO-clip step (Eq. 9) on the joint batch; common.pg_step then syncs the weights into the
-    sampler."""
+    """Step 6; common.pg_step also syncs the new weights into the sampler."""
     trajs = build_trajectories(props, solved, cfg)
     if not trajs:
         return {}
@@ -679,7 +670,7 @@ def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict
 
 def self_play_step(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config, rng: random.Random,
                    step: int, run=None) -> tuple[dict, dict, dict]:
-    """One iteration of Alg. 1: propose (+ validate, buffers grow), learnability, rewards, solve, TRR++ update."""
+    """One iteration of Alg. 1."""
     timer = run.timer if run is not None else (lambda name: contextlib.nullcontext())
     with timer("propose"):
         props = propose(policy, executor, buffers, cfg, rng, step)
