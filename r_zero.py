@@ -133,7 +133,6 @@ class Config(common.RunConfig):
 
 
 CHALLENGER, SOLVER = "challenger", "solver"
-PHASES = (CHALLENGER, "dataset", SOLVER, "eval")  # one iteration, in paper order
 
 
 def validate_config(cfg: Config) -> None:
@@ -260,6 +259,8 @@ def solver_reward(text: str, correct: bool, cfg: Config) -> float:
 # Two roles, one trainer, one engine
 # --------------------------------------------------------------------------------------------------------------
 class Roles:
+    """The trained role lives in policy.model; the other one waits in `cpu` as a CPU state dict."""
+
     def __init__(self, policy, active: str, other_weights: dict):
         self.policy = policy
         self.active = active
@@ -270,7 +271,6 @@ class Roles:
         return SOLVER if role == CHALLENGER else CHALLENGER
 
     def activate(self, role: str) -> None:
-        """Make `role` the trained one (fresh AdamW) and park the current trainer weights on the CPU."""
         if role != self.active:
             parked = self.policy.get_weights()
             self.policy.set_weights(self.cpu.pop(role), reset_optimizer=True)
@@ -278,12 +278,10 @@ class Roles:
             self.active = role
 
     def sampling(self, role: str):
-        """`with roles.sampling(role):` the engine samples `role`; the trainer's weights go back in afterwards."""
         return self.policy.sampling_from(None if role == self.active else self.cpu[role])
 
 
 def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | None]]:
-    """m answers per question at the vote settings; the last \\boxed{} of each (None if none)."""
     if not questions:
         return []
     outs = sampler.generate([solver_prompt(q, sampler.tokenizer) for q in questions], n=cfg.votes,
@@ -317,7 +315,6 @@ def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: 
 
 
 def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:
-    """<role>/<name> for a step's own metrics and grpo_update's stats."""
     out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}}
     if f"entropy/{role}" in upd:  # analysis §3: Eq. 1 estimate (NLL of own T=1 samples) and exact entropy
         out.update(entropy=upd[f"entropy/{role}"], entropy_exact=upd.get(f"entropy_exact/{role}"))
@@ -562,8 +559,8 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         if cfg.eval_base:
             run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
 
-    sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
-    schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph in PHASES for j in range(sizes[ph])]
+    sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}  # paper order
+    schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph, n in sizes.items() for j in range(n)]
     position = (state["iteration"], state["phase"], state["phase_step"])
     done = schedule.index(position) if position in schedule else len(schedule)
     pbar = run.progress(len(schedule), initial=done)
