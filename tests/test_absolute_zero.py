@@ -356,7 +356,9 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
                    "2", "--max-response-tokens", "24", "--max-prompt-tokens", "1500", "--max-model-len", "2048",
                    "--seed-max-rounds", "1", "--sandbox-workers", "2", "--executor-timeout", "2",
                    "--eval-benchmarks", str(DATA / "azr_eval.jsonl"), "--eval-max-tokens", "8", "--save-every", "1"]
-    r = _cli(["--model", tiny_model_path, "--steps", "2", "--eval-every", "1", "--output-dir", str(out)] + common_args)
+    code = str(DATA / "code_tiny.jsonl")
+    r = _cli(["--model", tiny_model_path, "--steps", "2", "--eval-every", "1", "--output-dir", str(out),
+              "--eval-code", "--eval-code-benchmarks", code] + common_args)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = _lines(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -375,6 +377,9 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
     final_eval = json.loads((out / "eval.json").read_text())  # final evaluation ran, and the one at step 1
     assert final_eval["benchmarks"][str(DATA / "azr_eval.jsonl")]["n_problems"] == 2
     assert (out / "eval_step_1.json").is_file() and any(k.startswith("eval/") for k in metrics[1])
+    assert final_eval["code"]["benchmarks"][code]["n_problems"] == 4  # --eval-code: HumanEval/MBPP-style JSONL
+    assert "eval/code/code_tiny/greedy_acc" in metrics[1] and "eval/code/mean_greedy_acc" in metrics[1]
+    assert '"eval/code/code_tiny/greedy_acc"' in r.stdout  # the summary printed at the end
     # mark the saved buffers so that a resumed run provably starts from them (and not from a fresh seeding)
     ts = json.loads((ck / "trainer_state.json").read_text())
     ts["state"]["buffers"]["abduction"].append({"program": "def f(x):\n    return -x", "input": "5",
