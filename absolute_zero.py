@@ -857,7 +857,7 @@ def train(cfg: Config) -> dict:
         if state.get("buffers"):
             buffers = buffers_from_state(state["buffers"], cfg.buffer_cap)
             if run.is_main:  # like metrics.jsonl: the steps after the checkpoint are logged again
-                common._core_truncate_jsonl(run.dir / "tasks.jsonl", start)
+                common.truncate_jsonl(run.dir / "tasks.jsonl", start)
         else:  # step 0: seed the buffers from the zero triplet, no updates (§3.3.1)
             with run.timer("seed"):
                 buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))

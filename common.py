@@ -1416,7 +1416,7 @@ class Run:
         step = int(ts["step"])
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
-                _core_truncate_jsonl(self.dir / name, step)
+                truncate_jsonl(self.dir / name, step)
         if self.world_size > 1:
             torch.distributed.barrier()
         return step, ts.get("state", {})
@@ -1444,8 +1444,9 @@ def _core_jsonable(v):
     return v
 
 
-def _core_truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keep only lines with step <= `step` (a resumed run re-logs the steps after its checkpoint)."""
+def truncate_jsonl(path: pathlib.Path, step: int) -> None:
+    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint again. Run does
+    this for metrics.jsonl and samples.jsonl; a method calls it for its own step-keyed logs."""
     if not path.is_file():
         return
     keep = []
