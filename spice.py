@@ -14,9 +14,9 @@ The loop (Alg. 1 + §3.1), one function per step below, in this order:
   4. reasoner_solve         K = 8 answers ~ pi(.|q, R) per valid task, WITHOUT the document
   5. challenger_rewards     Eq. 1: r_C = exp(-(Var - 0.25)^2 / (2 tau)), Var = p(1 - p); invalid -> rho = -0.1
   6. reasoner_group         one random valid task per document; its K answers, r_R = 1[a == a*]
-  7. drgrpo_update          Eqs. 3-4: A = r - mean(group), no std, per role and per document group;
-                            sum over tokens / L_max; then the sampler is re-synced (common.pg_step)
-  8. evaluate               at the end (and every --eval-every steps), on decontaminated questions
+  7. build_trajectories     Eq. 3 advantages: A = r - mean(group), no std, per role and per document
+  8. drgrpo_update          Eqs. 3-4: sum over tokens / L_max, one optimizer step, then the sampler is re-synced
+  9. evaluate               at the end (and every --eval-every steps), on decontaminated questions
 
 Run it:   python spice.py --model Qwen/Qwen3-4B-Base            (resume: python spice.py --resume RUN_DIR)
 Ablations: --challenger-reward {variance,learnability,uncertainty,threshold}, --no-document,
@@ -26,28 +26,27 @@ Baseline: --challenger-model M is the paper's "Strong Challenger" (Table 1): the
 Gold-answer spot-check (spec §6, analysis §7.1): --oracle-model M answers valid tasks greedily from the
            Reasoner's prompt; gold_check/agree = share whose document-extracted gold answer M reaches too.
 
-Where the paper is inconsistent, this file chooses (spec: shared/methods/spice.md §1):
-  * One Reasoner task per document (§3.1), not one per iteration (Alg. 1 picks it after the document loop).
-    Each document contributes G Challenger plus K Reasoner trajectories, which balances the two roles.
-  * The Reasoner group REUSES the K answers already sampled for the variance reward (§2.5, §3.1); Alg. 1,
-    line 16 samples fresh ones. `--fresh-reasoner-samples` does the latter.
-  * B counts documents per iteration, with one optimizer step per iteration. §3.1 says B = 128; App. B says
-    128 trajectories per update and that each document is reused 2-3 times in 640 iterations, which neither
-    reading of B reproduces (128 documents -> ~4.1 uses, 128 trajectories = 8 documents -> ~0.26).
+Where the paper is inconsistent or silent, this file chooses (spec: shared/methods/spice.md §1):
+  * One Reasoner task per document (§3.1), not one per iteration (Alg. 1 picks it after the document loop):
+    each document gives G Challenger plus K Reasoner trajectories, which balances the two roles.
+  * The Reasoner group REUSES the K answers sampled for r_C (§2.5, §3.1); Alg. 1, line 16 samples fresh ones
+    (--fresh-reasoner-samples).
+  * B counts documents per iteration, with one optimizer step per iteration. App. B's "128 trajectories per
+    update" and "each document reused 2-3 times in 640 iterations" fit neither reading of B = 128 (128
+    documents -> ~4.1 uses, 128 trajectories = 8 documents -> ~0.26).
   * Answer types are Integer / Expression / String (the text), not "integer, float, expression" (Fig. 2).
-  * The type-selection call is not trained (the paper does not say); `--type-selection random` flips a coin.
-  * The Challenger reward uses the POPULATION variance p(1 - p): torch.var's unbiased default moves the
-    peak away from a 50% pass rate (spec §2 worked example).
-  * A truncated Reasoner answer (no EOS) scores 0, as in Oat. The paper does not fix the generation limit;
-    we use 4,096 tokens for both roles, which is also the Dr. GRPO constant normaliser L_max.
-  * A truncated Challenger output is invalid (its closing JSON object never came).
+  * The type-selection call is not trained (the paper does not say); --type-selection random flips a coin.
+  * r_C uses the POPULATION variance p(1 - p): torch.var's unbiased default moves the peak off a 50% pass rate.
+  * A truncated Reasoner answer (no EOS) scores 0, as in Oat; a truncated Challenger output is invalid (its
+    closing JSON object never came). Both roles generate up to 4,096 tokens (the paper gives no limit), which
+    is also Dr. GRPO's constant normaliser L_max.
   * Corpus: the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) documents are not openly downloadable, so the
-    default streams an open 50/50 stand-in (open-web-math + FineWeb-Edu); segments sharing a 13-gram with an
-    eval set are dropped, and so are generated questions that do (marked invalid, `invalid/contaminated`).
-Paper-silent defaults are Oat's (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
-Known property kept as in the paper: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in
-the batch and in Dr. GRPO's 1/N, and long Challenger outputs carry more total gradient than short Reasoner
-answers under the shared L_max; both are logged (`*/zero_adv_group_frac`, `*/tokens`).
+    default streams an open 50/50 stand-in (open-web-math + FineWeb-Edu). Segments sharing a 13-gram with an
+    eval set are dropped, and so are generated questions that do (`invalid/contaminated`).
+  * Otherwise Oat's defaults (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
+Kept as in the paper, and logged: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in the
+batch and in Dr. GRPO's 1/N (`*/zero_adv_group_frac`), and long Challenger outputs carry more total gradient
+than short Reasoner answers under the shared L_max (`*/tokens`).
 """
 from __future__ import annotations
 
@@ -57,6 +56,7 @@ import math
 import os
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +71,7 @@ import common
 @dataclass
 class Config(common.RunConfig):
     model: str = "Qwen/Qwen3-4B-Base"  # §3.1 (also Qwen3-8B-Base, OctoThinker-3B/8B-Hybrid-Base)
-    corpus: str = "default"  # JSONL path(s) with a text field or hub id(s) [id:config@split], comma-separated, equal shares; "default" = open stand-in for the paper's 50/50 mix (App. B)
+    corpus: str = "default"  # comma-separated JSONL paths or hub ids [id:config@split], equal shares; default = open stand-in for the 50/50 mix (App. B)
     corpus_field: str = "text"  # name of the document field in the corpus rows
     corpus_docs: int = 20000  # documents read from the corpus in total, 0 = all of a local file (§3.1: 20,000)
     chunk_tokens: int = 5992  # maximum tokens per document segment (App. B)
@@ -106,6 +106,9 @@ class Config(common.RunConfig):
     oracle_gpu_memory_utilization: float = 0.2  # GPU share of the oracle's own engine (only if it cannot be swapped in)
 
 
+CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "threshold"),
+           "task_types": ("both", "mcq", "free"), "type_selection": ("prompt", "random"),
+           "prompt_format": ("auto", "chat", "plain")}
 ANSWER_TYPES = ("Integer", "Expression", "String")
 CHALLENGER, REASONER = "challenger", "reasoner"
 
@@ -144,25 +147,20 @@ def read_jsonl_documents(path: str, field_name: str = "text", limit: int = 0) ->
 
 
 def stream_hub_documents(spec: str, field_name: str, limit: int) -> list[str]:
-    """First `limit` rows of a hub dataset, streamed; spec = "owner/name[:config][@split]"."""
-    split = "train"
-    if "@" in spec:
-        spec, split = spec.rsplit("@", 1)
-    name = None
-    if ":" in spec:
-        spec, name = spec.split(":", 1)
+    """First `limit` documents of a hub dataset, streamed; spec = "owner/name[:config][@split]"."""
+    spec, _, split = spec.partition("@")
+    name, _, config = spec.partition(":")
     try:
         import datasets
     except ImportError:
-        raise CorpusError(f"--corpus {spec!r} is a hub dataset, which needs the `datasets` package: "
+        raise CorpusError(f"--corpus {name!r} is a hub dataset, which needs the `datasets` package: "
                           f"pip install datasets (or pass a local JSONL file)") from None
+    docs = []
     try:
-        rows = datasets.load_dataset(spec, name, split=split, streaming=True)
-        docs = []
-        for row in rows:
+        for row in datasets.load_dataset(name, config or None, split=split or "train", streaming=True):
             text = row.get(field_name)
             if text is None:
-                raise CorpusError(f"hub dataset {spec!r} has no field {field_name!r} (fields: {', '.join(row)}); "
+                raise CorpusError(f"hub dataset {name!r} has no field {field_name!r} (fields: {', '.join(row)}); "
                                   f"pass --corpus-field NAME")
             if isinstance(text, str) and text.strip():
                 docs.append(text)
@@ -171,16 +169,15 @@ def stream_hub_documents(spec: str, field_name: str, limit: int) -> list[str]:
     except CorpusError:
         raise
     except Exception as e:  # network, auth (gated), unknown id
-        raise CorpusError(f"could not stream hub dataset {spec!r} ({type(e).__name__}: {str(e)[:200]}). "
+        raise CorpusError(f"could not stream hub dataset {name!r} ({type(e).__name__}: {str(e)[:200]}). "
                           f"If the hub is unreachable or the set is gated, pass a local corpus: "
                           f"--corpus docs.jsonl (one {{\"{field_name}\": ...}} object per line)") from None
     if not docs:
-        raise CorpusError(f"hub dataset {spec!r} returned no documents")
+        raise CorpusError(f"hub dataset {name!r} returned no documents")
     return docs
 
 
 def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
-    """Consecutive segments of at most max_tokens tokens (App. B: 5,992)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
         return [text]
@@ -193,7 +190,7 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int) -> list[str]:
     sources = [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
         raise CorpusError("--corpus is empty; pass a JSONL file or a hub dataset id")
-    share = cfg.corpus_docs // len(sources) if cfg.corpus_docs else 0
+    share = cfg.corpus_docs // len(sources)
     segments: list[str] = []
     for src in sources:
         if os.path.exists(src) or src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")):
@@ -268,11 +265,6 @@ REASONER_INSTRUCTION = ("Think step by step, then give your final answer in \\bo
                         "If the question has lettered options, put the letter of the correct option in the box.")
 
 
-def _fill(template: str, **values: str) -> str:
-    # One pass over the template only, so a document that happens to contain "<<...>>" is never substituted.
-    return re.sub(r"<<(\w+)>>", lambda m: values[m.group(1)], template)
-
-
 def wrap(content: str, fmt: str):
     """Fig. 8 wrapper: ChatML with a generic system message (Qwen3), or a plain User/Assistant preamble."""
     if fmt == "plain":
@@ -281,27 +273,27 @@ def wrap(content: str, fmt: str):
 
 
 def resolve_prompt_format(cfg: Config, tokenizer) -> str:
-    if cfg.prompt_format in ("chat", "plain"):
-        return cfg.prompt_format
     if cfg.prompt_format != "auto":
-        raise ValueError(f"--prompt-format must be auto, chat or plain, not {cfg.prompt_format!r}")
+        return cfg.prompt_format
     return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
 
 
-def _doc_block(document: str | None) -> str:
-    return NO_DOC_BLOCK if document is None else _fill(DOC_BLOCK, document=document)
+def _with_document(template: str, document: str | None, **values: str) -> str:
+    block = NO_DOC_BLOCK if document is None else DOC_BLOCK.replace("<<document>>", document)
+    # One pass over the template only, so a document that happens to contain "<<...>>" is never substituted.
+    return re.sub(r"<<(\w+)>>", lambda m: {"doc_block": block, **values}[m.group(1)], template)
 
 
-def type_selection_prompt(document: str, fmt: str):
-    return wrap(_fill(TYPE_SELECTION_PROMPT, doc_block=_doc_block(document)), fmt)
+def type_selection_prompt(document: str | None, fmt: str):
+    return wrap(_with_document(TYPE_SELECTION_PROMPT, document), fmt)
 
 
 def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str):
     """The Challenger prompt C: MCQ or free-form generator (Fig. 10); document=None for --no-document."""
     if kind == "mcq":
-        return wrap(_fill(MCQ_PROMPT, doc_block=_doc_block(document)), fmt)
-    return wrap(_fill(FREE_FORM_PROMPT, doc_block=_doc_block(document), answer_type=answer_type,
-                      type_hint=TYPE_HINTS[answer_type]), fmt)
+        return wrap(_with_document(MCQ_PROMPT, document), fmt)
+    return wrap(_with_document(FREE_FORM_PROMPT, document, answer_type=answer_type,
+                               type_hint=TYPE_HINTS[answer_type]), fmt)
 
 
 def reasoner_prompt(question: str, fmt: str = "chat"):
@@ -317,8 +309,9 @@ def reasoner_prompt(question: str, fmt: str = "chat"):
 MAX_PARSE_CHARS = 60_000      # only the tail of a huge output is searched
 MAX_JSON_STARTS = 2_000       # bound the work a hostile output with many "{" can cause
 MAX_QUESTION_CHARS = 6_000
-DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+(?:document|text|passage|article|excerpt)\b",
-                           re.IGNORECASE)
+DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+"
+                           r"(?:document|text|passage|article|excerpt)\b", re.IGNORECASE)
+_OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 
 
 @dataclass
@@ -336,12 +329,11 @@ def last_json_object(text: str) -> dict | None:
         return None
     text = text[-MAX_PARSE_CHARS:]
     decoder = json.JSONDecoder()
-    found, pos, tries = None, 0, 0
-    while tries < MAX_JSON_STARTS:
+    found, pos = None, 0
+    for _ in range(MAX_JSON_STARTS):
         start = text.find("{", pos)
         if start < 0:
             break
-        tries += 1
         try:
             obj, end = decoder.raw_decode(text, start)
         except (ValueError, RecursionError):
@@ -353,38 +345,26 @@ def last_json_object(text: str) -> dict | None:
     return found
 
 
-_OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
-
-
 def split_options(mcq_text: str) -> tuple[str, list[str]] | None:
     """Stem and the four options of "stem A) .. B) .. C) .. D) ..", or None if the layout is off."""
-    marks, want = [], "ABCD"
+    marks = []
     for m in _OPTION.finditer(mcq_text):
-        if len(marks) < 4 and m.group(1) == want[len(marks)]:
+        if len(marks) < 4 and m.group(1) == "ABCD"[len(marks)]:
             start = m.start(1) - (1 if m.start(1) > 0 and mcq_text[m.start(1) - 1] == "(" else 0)
             marks.append((start, m.end()))
     if len(marks) != 4:
         return None
-    stem = mcq_text[:marks[0][0]].strip()
-    options = [mcq_text[marks[i][1]:(marks[i + 1][0] if i < 3 else len(mcq_text))].strip() for i in range(4)]
-    return stem, options
-
-
-def _norm_option(s: str) -> str:
-    return re.sub(r"[\s\.,;:]+", " ", s.lower()).strip()
+    ends = [start for start, _ in marks[1:]] + [len(mcq_text)]
+    return mcq_text[:marks[0][0]].strip(), [mcq_text[a:b].strip() for (_, a), b in zip(marks, ends)]
 
 
 def _scalar(x) -> str | None:
-    if isinstance(x, bool) or x is None:
-        return None
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            return None
-        return str(int(x)) if x.is_integer() else repr(x)
     if isinstance(x, str):
         return x.strip()
+    if isinstance(x, int) and not isinstance(x, bool):
+        return str(x)
+    if isinstance(x, float) and math.isfinite(x):
+        return str(int(x)) if x.is_integer() else repr(x)
     return None
 
 
@@ -394,9 +374,7 @@ def answer_has_type(answer: str, answer_type: str) -> bool:
         return re.fullmatch(r"[+-]?\d+(?:,\d{3})*", a) is not None
     if answer_type == "Expression":
         return 0 < len(a) <= 300
-    if answer_type == "String":
-        return 0 < len(a) <= 100 and len(a.split()) <= 3
-    return False
+    return answer_type == "String" and 0 < len(a) <= 100 and len(a.split()) <= 3
 
 
 def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
@@ -411,34 +389,31 @@ def _parse_task(text, kind, answer_type):
     obj = last_json_object(text)
     if obj is None:
         return None, "no_json"
-    if kind == "mcq":
-        exam_q = obj.get("exam_question")
-        if "exam_question" in obj and not (isinstance(exam_q, str) and exam_q.strip()):
-            return None, "too_thin"
-        mcq = obj.get("multiple_choice_question")
-        if not isinstance(mcq, str) or not mcq.strip():
-            return None, "missing_question"
-        if len(mcq) > MAX_QUESTION_CHARS:
-            return None, "question_too_long"
-        parts = split_options(mcq)
+    mcq = kind == "mcq"
+    exam_q = obj.get("exam_question")     # an empty one is how the MCQ generator says the document is too thin
+    if mcq and "exam_question" in obj and not (isinstance(exam_q, str) and exam_q.strip()):
+        return None, "too_thin"
+    q = obj.get("multiple_choice_question" if mcq else "question")
+    if not isinstance(q, str) or not q.strip():
+        return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
+    if len(q) > MAX_QUESTION_CHARS:
+        return None, "question_too_long"
+    q = q.strip()
+    if mcq:
+        parts = split_options(q)
         if parts is None:
             return None, "options_not_A_to_D"
         stem, options = parts
         if not stem:
             return None, "empty_stem"
-        if any(not o for o in options) or len({_norm_option(o) for o in options}) != 4:
+        if not all(options) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip() for o in options}) != 4:
             return None, "options_not_distinct"
         letter = obj.get("multiple_choice_correct")
         letter = letter.strip().strip("()").rstrip(").:").strip().upper() if isinstance(letter, str) else ""
         if letter not in ("A", "B", "C", "D"):
             return None, "bad_correct_letter"
-        task = Task("mcq", mcq.strip(), letter, "MCQ")
+        task = Task("mcq", q, letter, "MCQ")
     else:
-        q = obj.get("question")
-        if not isinstance(q, str) or not q.strip():
-            return None, "missing_question" if not isinstance(q, str) or "question" not in obj else "too_thin"
-        if len(q) > MAX_QUESTION_CHARS:
-            return None, "question_too_long"
         a = _scalar(obj.get("answer"))
         if not a:
             return None, "missing_answer"
@@ -447,7 +422,7 @@ def _parse_task(text, kind, answer_type):
             return None, "wrong_answer_type"
         if not answer_has_type(a, answer_type):
             return None, "answer_not_" + answer_type.lower()
-        task = Task("free", q.strip(), a.strip("$ ").strip() if answer_type != "String" else a, answer_type)
+        task = Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(), answer_type)
     task.mentions_document = bool(DOC_REFERENCE.search(task.question))
     return task, "ok"
 
@@ -478,12 +453,10 @@ def grade_answers(task: Task, completions: list) -> list[float]:
     if task.answer_type == "String":
         gold = common.normalize_string(task.gold)
         return [float(p is not None and bool(gold) and common.normalize_string(p) == gold) for p in preds]
-    out = [0.0] * len(preds)
     idx = [i for i, p in enumerate(preds) if p is not None and p.strip()]
-    if idx:
-        ok = common.math_equal_many([(preds[i], task.gold) for i in idx])
-        for i, good in zip(idx, ok):
-            out[i] = float(good)
+    out = [0.0] * len(preds)
+    for i, good in zip(idx, common.math_equal_many([(preds[i], task.gold) for i in idx])):
+        out[i] = float(good)
     return out
 
 
@@ -524,29 +497,28 @@ def sample_documents(corpus: list[str], n: int, rng: np.random.Generator, no_doc
     """Step 1: B segments drawn uniformly (without replacement inside one iteration when possible)."""
     if no_document:
         return [None] * n
-    idx = rng.choice(len(corpus), size=n, replace=len(corpus) < n)
-    return [corpus[i] for i in idx]
+    return [corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
 
 
 def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng: np.random.Generator) -> tuple[list, int]:
-    """Step 2a: MCQ or free-form (+ answer type) per document (Fig. 9); untrained, decoded greedily.
-    Returns the choices and how many fell back to a coin flip (unusable type-selection output)."""
-    allowed = {"both": ("mcq", "free"), "mcq": ("mcq",), "free": ("free",)}[cfg.task_types]
+    """Step 2a: MCQ or free-form (+ answer type) per document (Fig. 9), untrained and greedy; an unusable answer
+    falls back to a coin flip. Returns the choices and the number of fallbacks."""
+    allowed = ("mcq", "free") if cfg.task_types == "both" else (cfg.task_types,)
+    # without a document (ablation) there is nothing to judge, and MCQ-only needs no answer type
+    ask = cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed
     parsed = [None] * len(docs)
-    # without a document (ablation) there is nothing to judge, so the coin decides
-    ask = cfg.type_selection == "prompt" and docs and docs[0] is not None and allowed != ("mcq",)
     if ask:
         outs = policy.generate([type_selection_prompt(d, fmt) for d in docs], n=1, temperature=0.0,
                                max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
-    choices, fallbacks = [], 0
+    fallbacks = sum(c is None or c[0] not in allowed for c in parsed) if ask else 0
+    choices = []
     for choice in parsed:
-        if ask and (choice is None or choice[0] not in allowed):
-            fallbacks += 1
-        kind = choice[0] if choice and choice[0] in allowed else allowed[rng.integers(len(allowed))]
-        answer_type = None
-        if kind == "free":
-            answer_type = choice[1] if choice and choice[0] == "free" and choice[1] else ANSWER_TYPES[rng.integers(3)]
+        if choice is None or choice[0] not in allowed:
+            choice = (allowed[rng.integers(len(allowed))], None)
+        kind, answer_type = choice
+        if kind == "free" and answer_type is None:
+            answer_type = ANSWER_TYPES[rng.integers(3)]
         choices.append((kind, answer_type))
     return choices, fallbacks
 
@@ -559,7 +531,7 @@ class ValidityChecker:
 
     def __call__(self, completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
         if completion.finish_reason == "length":
-            return None, "truncated"          # the closing JSON object never came
+            return None, "truncated"
         task, reason = parse_task(completion.text, kind, answer_type)
         if task is None:
             return None, reason
@@ -581,28 +553,24 @@ def subsample_group(attempts: list[Attempt], G: int, rng: np.random.Generator) -
     invalid = [a for a in attempts if a.task is None]
     n_valid = min(len(valid), max(1 if valid else 0, round(G * len(valid) / len(attempts))))
     n_invalid = min(len(invalid), G - n_valid)
-    n_valid = G - n_invalid
     pick = lambda xs, k: [xs[i] for i in sorted(rng.choice(len(xs), size=k, replace=False))] if k else []
-    return pick(valid, n_valid) + pick(invalid, n_invalid)
+    return pick(valid, G - n_invalid) + pick(invalid, n_invalid)
 
 
 def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check: ValidityChecker,
                         rng: np.random.Generator) -> list[DocRollout]:
     """Step 2: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made; keep G."""
-    rollouts = [DocRollout(d, k, t) for d, (k, t) in zip(docs, types)]
     pools: list[list[Attempt]] = [[] for _ in docs]
     active = list(range(len(docs)))
     while active:
         n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
-        prompts = [challenger_prompt(docs[i], types[i][0], types[i][1], fmt) for i in active]
+        prompts = [challenger_prompt(docs[i], *types[i], fmt) for i in active]
         outs = policy.generate(prompts, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
         for i, comps in zip(active, outs):
             pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
         active = [i for i in active if not any(a.task for a in pools[i]) and len(pools[i]) < cfg.max_attempts]
-    for r, pool in zip(rollouts, pools):
-        r.n_generated = len(pool)
-        r.attempts = subsample_group(pool, cfg.group_size, rng)
-    return rollouts
+    return [DocRollout(d, kind, t, attempts=subsample_group(pool, cfg.group_size, rng), n_generated=len(pool))
+            for d, (kind, t), pool in zip(docs, types, pools)]
 
 
 def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[list, list]:
@@ -639,46 +607,39 @@ def reasoner_group(policy, rollouts: list[DocRollout], cfg: Config, fmt: str, rn
             picked.append(r)
     if cfg.fresh_reasoner_samples:   # Alg. 1, line 16
         outs, correct = sample_answers(policy, [r.attempts[r.reasoner_task].task for r in picked], cfg, fmt)
-        for r, o, c in zip(picked, outs, correct):
-            r.reasoner_answers, r.reasoner_rewards = o, c
     else:                            # §2.5 / §3.1: reuse the answers behind r_C
-        for r in picked:
-            r.reasoner_answers = r.answers[r.reasoner_task]
-            r.reasoner_rewards = r.correct[r.reasoner_task]
+        outs, correct = [r.answers[r.reasoner_task] for r in picked], [r.correct[r.reasoner_task] for r in picked]
+    for r, o, c in zip(picked, outs, correct):
+        r.reasoner_answers, r.reasoner_rewards = o, c
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
-    """Step 5, Dr. GRPO advantages (Eq. 3): A = r - mean(group), no std; groups = (role, document)."""
-    trajs, rewards, groups = [], [], []
-    for d, r in enumerate(rollouts):
+    """Step 5, Dr. GRPO advantages (Eq. 3): A = r - mean(group), no std; one group per role and document.
+    The Challenger groups are left out when it is frozen (--freeze-challenger, --challenger-model)."""
+    groups = []                                   # (role, completions, rewards)
+    for r in rollouts:
         if not (cfg.freeze_challenger or cfg.challenger_model):
-            for a, rc in zip(r.attempts, r.rewards):
-                trajs.append(common.Trajectory.from_completion(a.completion, reward=rc, role=CHALLENGER))
-                groups.append(2 * d)
-                rewards.append(rc)
-        for c, rr in zip(r.reasoner_answers, r.reasoner_rewards):
-            trajs.append(common.Trajectory.from_completion(c, reward=rr, role=REASONER))
-            groups.append(2 * d + 1)
-            rewards.append(rr)
+            groups.append((CHALLENGER, [a.completion for a in r.attempts], r.rewards))
+        groups.append((REASONER, r.reasoner_answers, r.reasoner_rewards))
+    groups = [g for g in groups if g[1]]
+    trajs = [common.Trajectory.from_completion(c, reward=x, role=role) for role, cs, xs in groups
+             for c, x in zip(cs, xs)]
+    ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
+    for t, a in zip(trajs, common.group_advantages([t.reward for t in trajs], ids, scale="none").tolist()):
+        t.advantage = float(a)
     stats = {}
-    if trajs:
-        adv = common.group_advantages(rewards, groups, scale="none")
-        for t, a in zip(trajs, adv.tolist()):
-            t.advantage = float(a)
     for role in (CHALLENGER, REASONER):
-        ids = {g for g, t in zip(groups, trajs) if t.role == role}
-        zero = [g for g in ids if all(abs(t.advantage) < 1e-12 for gg, t in zip(groups, trajs) if gg == g)]
-        if ids:
-            stats[f"{role}/zero_adv_group_frac"] = len(zero) / len(ids)
-        toks = [len(t.completion_ids) for t in trajs if t.role == role]
-        if toks:
+        mine = [(cs, xs) for ro, cs, xs in groups if ro == role]
+        if mine:      # a group whose rewards are all equal has zero advantages: no signal
+            stats[f"{role}/zero_adv_group_frac"] = float(np.mean([len(set(xs)) == 1 for _, xs in mine]))
+            toks = [len(c.token_ids) for cs, _ in mine for c in cs]
             stats[f"{role}/tokens"] = int(sum(toks))
             stats[f"{role}/response_len"] = float(np.mean(toks))
     return trajs, stats
 
 
 def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
-    """Step 5-6 (Eqs. 3-4): per-token clipped surrogate, summed per sequence / L_max, mean over sequences;
+    """Step 6 (Eqs. 3-4): per-token clipped surrogate, summed per sequence / L_max, mean over sequences;
     no KL; one optimizer step on T_C and T_R together, then the sampler is synced (pg_step does both)."""
     if not trajs:
         return {}
@@ -690,6 +651,10 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # Metrics and samples (what the paper plots: valid rate, rewards per role, frontier share, entropy per role).
 # --------------------------------------------------------------------------------------------------------------
+def _mean(xs) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
+
+
 def type_name(kind: str, answer_type: str | None) -> str:
     return kind if kind == "mcq" else f"free/{answer_type}"
 
@@ -697,22 +662,20 @@ def type_name(kind: str, answer_type: str | None) -> str:
 def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
-    pass_rates = [float(np.mean(r.correct[i])) for r in rollouts for i in r.correct]
+    pass_rates = [float(np.mean(c)) for r in rollouts for c in r.correct.values()]
     m = {
         "challenger/valid_rate": len(valid) / max(1, len(attempts)),
-        "challenger/attempts_per_doc": float(np.mean([r.n_generated for r in rollouts])) if rollouts else 0.0,
+        "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts) for r in rollouts),
-        "challenger/reward": float(np.mean([x for r in rollouts for x in r.rewards])) if attempts else 0.0,
-        "challenger/reward_valid": float(np.mean([x for r in rollouts for x, a in zip(r.rewards, r.attempts)
-                                                  if a.task is not None])) if valid else 0.0,
+        "challenger/reward": _mean([x for r in rollouts for x in r.rewards]),
+        "challenger/reward_valid": _mean([x for r in rollouts for x, a in zip(r.rewards, r.attempts) if a.task]),
         "challenger/mentions_document": sum(a.task.mentions_document for a in valid),
         "challenger/type_selection_fallbacks": type_fallbacks,
-        "reasoner/accuracy": float(np.mean(pass_rates)) if pass_rates else 0.0,
-        "reasoner/frontier_share": float(np.mean([0.0 < p < 1.0 for p in pass_rates])) if pass_rates else 0.0,
-        "reasoner/group_accuracy": float(np.mean([x for r in rollouts for x in r.reasoner_rewards]))
-        if any(r.reasoner_rewards for r in rollouts) else 0.0,
-        "reasoner/truncated_frac": float(np.mean([c.finish_reason == "length" for r in rollouts
-                                                  for cs in r.answers.values() for c in cs])) if pass_rates else 0.0,
+        "reasoner/accuracy": _mean(pass_rates),
+        "reasoner/frontier_share": _mean([0.0 < p < 1.0 for p in pass_rates]),
+        "reasoner/group_accuracy": _mean([x for r in rollouts for x in r.reasoner_rewards]),
+        "reasoner/truncated_frac": _mean([c.finish_reason == "length" for r in rollouts
+                                          for cs in r.answers.values() for c in cs]),
     }
     kinds = [type_name(r.kind, r.answer_type) for r in rollouts]
     for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
@@ -720,9 +683,7 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
         ks = [a for r, kk in zip(rollouts, kinds) if kk == k for a in r.attempts]
         if ks:
             m[f"challenger/valid_rate/{k}"] = sum(a.task is not None for a in ks) / len(ks)
-    reasons = [a.reason for a in attempts if a.task is None]
-    for reason in sorted(set(reasons)):
-        m[f"invalid/{reason}"] = reasons.count(reason)
+    m.update({f"invalid/{why}": n for why, n in sorted(Counter(a.reason for a in attempts if not a.task).items())})
     return m
 
 
@@ -742,29 +703,29 @@ def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
                           max_tokens=cfg.max_tokens)
     agree = [grade_answers(t, o)[0] for t, o in zip(tasks, outs)]
     answered = [o[0].finish_reason != "length" and common.extract_boxed(o[0].text) is not None for o in outs]
-    m = {"gold_check/agree": float(np.mean(agree)), "gold_check/oracle_answered": float(np.mean(answered)),
-         "gold_check/n": len(tasks)}
+    m = {"gold_check/agree": _mean(agree), "gold_check/oracle_answered": _mean(answered), "gold_check/n": len(tasks)}
     kinds = [type_name(t.kind, t.answer_type) for t in tasks]
     for k in sorted(set(kinds)):
-        m[f"gold_check/agree/{k}"] = float(np.mean([a for a, kk in zip(agree, kinds) if kk == k]))
+        m[f"gold_check/agree/{k}"] = _mean([a for a, kk in zip(agree, kinds) if kk == k])
     return m
 
 
 def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
-    """samples.jsonl: each document excerpt with the task it produced and the Reasoner's answers."""
+    """samples.jsonl: each document excerpt with its task (the Reasoner's, else the first attempt) and the
+    Reasoner's answers."""
     recs = []
     for r in rollouts:
-        i = r.reasoner_task
-        if i is None and r.attempts:
-            i = 0
-        a = r.attempts[i] if i is not None else None
+        i = r.reasoner_task or 0
+        a = r.attempts[i] if r.attempts else None
+        task = a.task if a else None
         recs.append({
             "document_excerpt": None if r.document is None else r.document[:excerpt_chars],
             "type": type_name(r.kind, r.answer_type),
             "challenger_output": a.completion.text if a else None,
-            "valid": bool(a and a.task), "invalid_reason": None if a is None or a.task else a.reason,
-            "question": a.task.question if a and a.task else None,
-            "gold": a.task.gold if a and a.task else None,
+            "valid": task is not None,
+            "invalid_reason": a.reason if a and not task else None,
+            "question": task.question if task else None,
+            "gold": task.gold if task else None,
             "challenger_reward": r.rewards[i] if a and r.rewards else None,
             "reasoner_answers": [c.text for c in r.answers.get(i, [])],
             "reasoner_correct": r.correct.get(i, []),
@@ -789,28 +750,23 @@ def load_eval_sets(cfg: Config) -> tuple[list[str], list[str]]:
     return names, questions
 
 
-def reasoner_eval_prompt(fmt: str):
-    """Evaluation uses the training Reasoner prompt, zero-shot (App. A)."""
-    def spice_reasoner_prompt(problem: dict, tokenizer=None):
-        q = problem["question"]
-        if problem.get("choices"):
-            q = q + "\n" + "\n".join(f"{chr(65 + j)}) {c}" for j, c in enumerate(problem["choices"]))
-        return reasoner_prompt(q, fmt)
-    return spice_reasoner_prompt
-
-
 def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, name: str = "eval.json") -> dict:
+    """Zero-shot with the training Reasoner prompt (App. A)."""
     if not benches:
         return {}
-    ks = tuple(int(k) for k in str(cfg.eval_k).split(",") if k.strip())
-    res = common.evaluate(policy, benches, n=cfg.eval_n, k=ks, temperature=0.6, max_tokens=cfg.eval_max_tokens,
-                          prompt_fn=reasoner_eval_prompt(fmt), limit=cfg.eval_limit)
+
+    def spice_reasoner_prompt(problem: dict, tokenizer=None):
+        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
+        return reasoner_prompt(problem["question"] + options, fmt)
+    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
+                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit)
     run.write_eval({"step": step, **res}, name=name)
     return res
 
 
-def effective_chunk_tokens(cfg: Config, tokenizer, fmt: str) -> int:
-    """Largest segment that still leaves room for the prompt and max_tokens inside max_model_len."""
+def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
+    """Largest segment that still leaves room for the Challenger prompt and max_tokens inside max_model_len."""
+    fmt = resolve_prompt_format(cfg, tokenizer)
     overhead = max(len(common.encode_prompt(tokenizer, p)) for p in (
         type_selection_prompt("", fmt), challenger_prompt("", "mcq", None, fmt),
         *(challenger_prompt("", "free", t, fmt) for t in ANSWER_TYPES)))
@@ -833,13 +789,10 @@ def load_frozen(role: str, name: str, policy, cfg: Config, gpu_memory_utilizatio
 
 
 def validate_config(cfg: Config) -> None:
-    if cfg.challenger_reward not in ("variance", "learnability", "uncertainty", "threshold"):
-        raise ValueError(f"--challenger-reward must be variance, learnability, uncertainty or threshold, "
-                         f"not {cfg.challenger_reward!r}")
-    if cfg.task_types not in ("both", "mcq", "free"):
-        raise ValueError(f"--task-types must be both, mcq or free, not {cfg.task_types!r}")
-    if cfg.type_selection not in ("prompt", "random"):
-        raise ValueError(f"--type-selection must be prompt or random, not {cfg.type_selection!r}")
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                             f"not {getattr(cfg, name)!r}")
     for name in ("steps", "docs_per_step", "group_size", "reasoner_k", "max_attempts", "max_tokens", "oracle_limit",
                  "oracle_every"):
         if getattr(cfg, name) < 1:
@@ -854,20 +807,19 @@ def train(cfg: Config, policy=None) -> Path:
     # Inputs first (corpus, eval sets), so that bad input fails in seconds, before the model is loaded.
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
-    # the Challenger reads the documents, so its tokenizer sizes the segments
-    doc_tokenizer = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
     eval_sets, eval_questions = load_eval_sets(cfg)
     # 13-gram decontamination of the corpus and of every generated question (analysis §7.3)
     decon = common.Decontaminator(eval_questions, n=13) if cfg.decontaminate and eval_questions else None
     corpus = []
     if not cfg.no_document:
-        chunk = effective_chunk_tokens(cfg, doc_tokenizer, resolve_prompt_format(cfg, doc_tokenizer))
-        corpus = load_corpus(cfg, doc_tokenizer, chunk)
+        # the Challenger reads the documents, so its tokenizer sizes the segments
+        doc_tokenizer = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
+        corpus = load_corpus(cfg, doc_tokenizer, effective_chunk_tokens(cfg, doc_tokenizer))
         if decon is not None:
-            before = len(corpus)
-            corpus = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
-            print(f"[spice] corpus: {len(corpus)} segments ({before - len(corpus)} dropped as contaminated)",
+            kept = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
+            print(f"[spice] corpus: {len(kept)} segments ({len(corpus) - len(kept)} dropped as contaminated)",
                   file=sys.stderr)
+            corpus = kept
         if not corpus:
             raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
     run = common.Run(cfg, "spice")
@@ -876,10 +828,8 @@ def train(cfg: Config, policy=None) -> Path:
     oracle = load_frozen("oracle", cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
     writer = load_frozen("Challenger", cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
 
-    start = 0
     loaded = run.load_checkpoint(policy) if cfg.resume else None
-    if loaded is not None:
-        start = int(loaded[0])
+    start = int(loaded[0]) if loaded else 0
     pbar = run.progress(cfg.steps, initial=start)
     for step in range(start + 1, cfg.steps + 1):
         rng = np.random.default_rng([cfg.seed, step])    # per-step stream: a resumed run replays the same draws
@@ -893,23 +843,24 @@ def train(cfg: Config, policy=None) -> Path:
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(policy, rollouts, cfg, fmt, rng)
-        gold = {}
+        metrics = step_metrics(rollouts, fallbacks)
         if oracle is not None and step % cfg.oracle_every == 0:
             with run.timer("gold_check"):
-                gold = gold_check(oracle, policy, rollouts, cfg)
+                metrics.update(gold_check(oracle, policy, rollouts, cfg))
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
             train_stats = drgrpo_update(policy, trajs, cfg)
-        metrics = {**step_metrics(rollouts, fallbacks), **traj_stats, **gold,
-                   **{f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float)) and "/" not in k}}
+        metrics.update(traj_stats)
+        metrics.update({f"train/{k}": v for k, v in train_stats.items()
+                        if isinstance(v, (int, float)) and "/" not in k})
         for role in (CHALLENGER, REASONER):     # entropy per role (analysis §3): Eq. 1 estimate and exact
             if f"entropy/{role}" in train_stats:
                 metrics[f"{role}/entropy"] = train_stats[f"entropy/{role}"]
                 metrics[f"{role}/entropy_exact"] = train_stats.get(f"entropy_exact/{role}")
         run.log_samples(step, "document", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            res = run_eval(policy, run, cfg, fmt, eval_sets, step, name=f"eval_step{step}.json")
-            metrics.update(eval_metrics(res))
+            res = run_eval(policy, run, cfg, fmt, eval_sets, step, f"eval_step{step}.json")
+            metrics.update(common.eval_metrics(res))
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
@@ -917,27 +868,13 @@ def train(cfg: Config, policy=None) -> Path:
     pbar.close()
     res = run_eval(policy, run, cfg, fmt, eval_sets, cfg.steps)
     if res:
-        run.log(cfg.steps, eval_metrics(res))
+        run.log(cfg.steps, common.eval_metrics(res))
     run.close()
     return run.dir
 
 
-def eval_metrics(res: dict) -> dict:
-    out = {}
-    for bench, r in res.get("benchmarks", {}).items():
-        name = Path(bench).stem if bench.endswith((".jsonl", ".json")) else bench
-        out[f"eval/{name}/greedy_acc"] = r["greedy_acc"]
-        for k, v in r.get("pass@k", {}).items():
-            out[f"eval/{name}/pass@{k}"] = v
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
-    cfg = common.parse_config(Config, argv)
-    try:
-        validate_config(cfg)
-    except ValueError as e:
-        sys.exit(f"spice.py: error: {e}")
+    cfg = common.parse_config(Config, argv, check=validate_config)
     try:
         train(cfg)
     except CorpusError as e:

@@ -445,12 +445,17 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:                      # fails before the model loads; no run folder
         spice.main(["--model", "tiny", "--corpus", str(p), "--eval-benchmarks", "", "--output-dir", str(tmp_path / "r")])
     assert "bad.jsonl:2: missing field 'text'" in str(e.value.code) and not (tmp_path / "r").exists()
-    with pytest.raises(SystemExit) as e:                      # checked before anything is loaded or written
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:                      # a usage error, before anything is loaded or written
         spice.main(["--model", "tiny", "--challenger-reward", "varience", "--output-dir", str(tmp_path / "r")])
-    assert "--challenger-reward must be variance" in str(e.value.code) and not (tmp_path / "r").exists()
+    assert e.value.code == 2 and not (tmp_path / "r").exists()
+    assert "--challenger-reward must be variance" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         spice.main(["--model", "tiny", "--max-attempts", "4", "--group-size", "8"])
-    assert "--max-attempts must be at least --group-size" in str(e.value.code)
+    assert e.value.code == 2 and "--max-attempts must be at least --group-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        spice.main(["--model", "tiny", "--prompt-format", "chatml"])
+    assert e.value.code == 2 and "--prompt-format must be auto, chat or plain" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         spice.main(["--model", "tiny", "--group-sise", "4"])
     assert e.value.code == 2 and "--group-size" in capsys.readouterr().err
