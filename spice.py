@@ -1,52 +1,48 @@
 """SPICE: Self-Play In Corpus Environments (Liu, Jin, Kim, Yuan, Zhao, Kulikov, Li, Sukhbaatar, Lanchantin,
 Weston; FAIR at Meta; arXiv:2510.24684).
 
-One model plays two roles on the same weights:
-  * the Challenger reads a document and writes a question whose gold answer comes from that document
-    (multiple choice with 4 options, or free-form with an Integer / Expression / String answer);
-  * the Reasoner sees ONLY the question (information asymmetry) and answers in \\boxed{}.
+One model plays two roles on the same weights: the Challenger reads a document and writes a question whose gold
+answer comes from that document (multiple choice with 4 options, or free-form with an Integer / Expression /
+String answer); the Reasoner sees ONLY the question (information asymmetry) and answers in \\boxed{}.
 
-The loop (Alg. 1 + §3.1), one function per step below, in this order:
-  1. sample_documents       B document segments (<= 5,992 tokens) uniformly from the corpus
-  2. select_task_types      type-selection prompt (Fig. 9, not trained) -> MCQ or free-form (+ answer type)
-  3. challenger_generate    attempts (q, a*) ~ pi(.|d, C) until >= 1 is valid or N attempts; keep G = 8
-                            with the valid:invalid ratio (validity: parse_task, rule-based, §4)
-  4. reasoner_solve         K = 8 answers ~ pi(.|q, R) per valid task, WITHOUT the document
-  5. challenger_rewards     Eq. 1: r_C = exp(-(Var - 0.25)^2 / (2 tau)), Var = p(1 - p); invalid -> rho = -0.1
-  6. reasoner_group         one random valid task per document; its K answers, r_R = 1[a == a*]
-  7. build_trajectories     Eq. 3 advantages: A = r - mean(group), no std, per role and per document
-  8. drgrpo_update          Eqs. 3-4: sum over tokens / L_max, one optimizer step, then the sampler is re-synced
-  9. evaluate               at the end (and every --eval-every steps), on decontaminated questions
+The loop (Alg. 1 + §3.1, numbered as in spec §1: shared/methods/spice.md), one function per step, in order:
+  1.  sample_documents     B document segments (<= 5,992 tokens) uniformly from the corpus
+  2a. select_task_types    type-selection prompt (Fig. 9, not trained) -> MCQ or free-form (+ answer type)
+  2b. challenger_generate  attempts (q, a*) ~ pi(.|d, C) until >= 1 is valid or N were made; keep G = 8 with the
+                           valid:invalid ratio (validity: rule-based, §4)
+  3a. reasoner_solve       K = 8 answers ~ pi(.|q, R) per valid task, WITHOUT the document
+  3b. challenger_rewards   Eq. 1: r_C = exp(-(Var - 0.25)^2 / (2 tau)), Var = p(1 - p); invalid -> rho = -0.1
+  4.  reasoner_group       one random valid task per document; its K answers, r_R = 1[a == a*]
+  5.  build_trajectories   Eq. 3: A = r - mean(group), no std, per role and per document
+  6.  drgrpo_update        Eqs. 3-4: sum over tokens / L_max, one optimizer step, then the sampler is re-synced
+Evaluation at the end (and every --eval-every steps), zero-shot with the Reasoner prompt.
 
 Run it:   python spice.py --model Qwen/Qwen3-4B-Base            (resume: python spice.py --resume RUN_DIR)
 Ablations: --challenger-reward {variance,learnability,uncertainty,threshold}, --no-document,
            --task-types {both,mcq,free}, --corpus <jsonl or hub id>, --freeze-challenger.
-Baseline: --challenger-model M is the paper's "Strong Challenger" (Table 1): the frozen M selects the types and
-           writes the tasks, with its own tokenizer; only the Reasoner trains (no Challenger trajectories).
+Baseline "Strong Challenger" (Table 1): --challenger-model M, a frozen M selects the types and writes the tasks
+           (with its own tokenizer); only the Reasoner trains.
 Gold-answer spot-check (spec §6, analysis §7.1): --oracle-model M answers valid tasks greedily from the
            Reasoner's prompt; gold_check/agree = share whose document-extracted gold answer M reaches too.
 
-Where the paper is inconsistent or silent, this file chooses (spec: shared/methods/spice.md §1):
-  * One Reasoner task per document (§3.1), not one per iteration (Alg. 1 picks it after the document loop):
-    each document gives G Challenger plus K Reasoner trajectories, which balances the two roles.
+Where the paper is inconsistent or silent, this file chooses:
+  * One Reasoner task per document (§3.1), not per iteration (Alg. 1 picks it after the document loop): each
+    document gives G Challenger plus K Reasoner trajectories, which balances the roles.
   * The Reasoner group REUSES the K answers sampled for r_C (§2.5, §3.1); Alg. 1, line 16 samples fresh ones
     (--fresh-reasoner-samples).
-  * B counts documents per iteration, with one optimizer step per iteration. App. B's "128 trajectories per
-    update" and "each document reused 2-3 times in 640 iterations" fit neither reading of B = 128 (128
-    documents -> ~4.1 uses, 128 trajectories = 8 documents -> ~0.26).
+  * B counts documents, one optimizer step per iteration. App. B's "128 trajectories per update" and "each
+    document reused 2-3 times in 640 iterations" fit neither reading of B = 128 (~4.1 or ~0.26 uses).
   * Answer types are Integer / Expression / String (the text), not "integer, float, expression" (Fig. 2).
-  * The type-selection call is not trained (the paper does not say); --type-selection random flips a coin.
+  * The type-selection call is not trained; --type-selection random flips a coin instead.
   * r_C uses the POPULATION variance p(1 - p): torch.var's unbiased default moves the peak off a 50% pass rate.
-  * A truncated Reasoner answer (no EOS) scores 0, as in Oat; a truncated Challenger output is invalid (its
-    closing JSON object never came). Both roles generate up to 4,096 tokens (the paper gives no limit), which
-    is also Dr. GRPO's constant normaliser L_max.
-  * Corpus: the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) documents are not openly downloadable, so the
-    default streams an open 50/50 stand-in (open-web-math + FineWeb-Edu). Segments sharing a 13-gram with an
-    eval set are dropped, and so are generated questions that do (`invalid/contaminated`).
+  * A truncated Reasoner answer scores 0 (Oat); a truncated Challenger output is invalid. Both roles generate
+    up to 4,096 tokens (the paper gives no limit), which is also Dr. GRPO's constant normaliser L_max.
+  * The paper's corpus is not openly downloadable; the default streams an open 50/50 stand-in (open-web-math +
+    FineWeb-Edu). Segments and generated questions sharing a 13-gram with an eval set are dropped (§7.3).
   * Otherwise Oat's defaults (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
 Kept as in the paper, and logged: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in the
-batch and in Dr. GRPO's 1/N (`*/zero_adv_group_frac`), and long Challenger outputs carry more total gradient
-than short Reasoner answers under the shared L_max (`*/tokens`).
+batch and in Dr. GRPO's 1/N (`*/zero_adv_group_frac`); long Challenger outputs carry more total gradient than
+short Reasoner answers under the shared L_max (`*/tokens`).
 """
 from __future__ import annotations
 
@@ -112,8 +108,7 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
 ANSWER_TYPES = ("Integer", "Expression", "String")
 CHALLENGER, REASONER = "challenger", "reasoner"
 
-# The paper's corpus (Nemotron-CC-Math + NaturalReasoning's DCLM documents) is not openly downloadable
-# (spec §3): these open stand-ins keep its 50% math web text / 50% educational web text mix.
+# Open stand-ins for the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) mix: 50% math web text, 50% educational.
 DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-10BT"
 
 
@@ -453,11 +448,7 @@ def grade_answers(task: Task, completions: list) -> list[float]:
     if task.answer_type == "String":
         gold = common.normalize_string(task.gold)
         return [float(p is not None and bool(gold) and common.normalize_string(p) == gold) for p in preds]
-    idx = [i for i, p in enumerate(preds) if p is not None and p.strip()]
-    out = [0.0] * len(preds)
-    for i, good in zip(idx, common.math_equal_many([(preds[i], task.gold) for i in idx])):
-        out[i] = float(good)
-    return out
+    return [float(ok) for ok in common.math_equal_many([(p, task.gold) for p in preds])]   # None -> False
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
@@ -475,6 +466,9 @@ class Attempt:
     completion: object            # common.Completion of the Challenger
     task: Task | None             # None if invalid
     reason: str                   # "ok" or why it is invalid
+    answers: list = field(default_factory=list)          # the K Reasoner completions of a valid task
+    correct: list[float] = field(default_factory=list)   # their correctness bits
+    reward: float | None = None                          # r_C
 
 
 @dataclass
@@ -485,10 +479,7 @@ class DocRollout:
     answer_type: str | None
     attempts: list[Attempt] = field(default_factory=list)     # the Challenger group T_C (<= G, subsampled)
     n_generated: int = 0                                      # attempts before subsampling (<= N)
-    answers: dict = field(default_factory=dict)               # attempt index -> K Reasoner completions
-    correct: dict = field(default_factory=dict)               # attempt index -> K correctness bits
-    rewards: list[float] = field(default_factory=list)        # r_C per attempt in T_C
-    reasoner_task: int | None = None                          # attempt index whose answers form T_R
+    reasoner_task: Attempt | None = None                      # the valid attempt whose task gives T_R
     reasoner_answers: list = field(default_factory=list)      # T_R completions
     reasoner_rewards: list[float] = field(default_factory=list)
 
@@ -524,7 +515,7 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng: np.random.
 
 
 class ValidityChecker:
-    """Step 2b: is a Challenger attempt a usable task? (§4 rules + decontamination + prompt length)."""
+    """Is a Challenger attempt a usable task? (§4 rules, decontamination, room for the Reasoner's prompt)."""
 
     def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
         self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
@@ -559,7 +550,7 @@ def subsample_group(attempts: list[Attempt], G: int, rng: np.random.Generator) -
 
 def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check: ValidityChecker,
                         rng: np.random.Generator) -> list[DocRollout]:
-    """Step 2: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made; keep G."""
+    """Step 2b: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made; keep G."""
     pools: list[list[Attempt]] = [[] for _ in docs]
     active = list(range(len(docs)))
     while active:
@@ -583,32 +574,32 @@ def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[li
 
 
 def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
-    """Step 3: the Reasoner answers every valid task of every Challenger group K times (one batched call)."""
-    slots = [(r, i) for r in rollouts for i, a in enumerate(r.attempts) if a.task is not None]
-    outs, correct = sample_answers(policy, [r.attempts[i].task for r, i in slots], cfg, fmt)
-    for (r, i), o, c in zip(slots, outs, correct):
-        r.answers[i], r.correct[i] = o, c
+    """Step 3a: the Reasoner answers every valid task of every Challenger group K times (one batched call)."""
+    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
+    outs, correct = sample_answers(policy, [a.task for a in valid], cfg, fmt)
+    for a, o, c in zip(valid, outs, correct):
+        a.answers, a.correct = o, c
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
     """Step 3b, Eq. 1: r_C from the K correctness bits of each valid task; rho for invalid ones."""
     for r in rollouts:
-        r.rewards = [challenger_reward(r.correct[i], cfg) if a.task is not None else cfg.invalid_penalty
-                     for i, a in enumerate(r.attempts)]
+        for a in r.attempts:
+            a.reward = challenger_reward(a.correct, cfg) if a.task is not None else cfg.invalid_penalty
 
 
 def reasoner_group(policy, rollouts: list[DocRollout], cfg: Config, fmt: str, rng: np.random.Generator) -> None:
     """Step 4: one random valid task per document (§3.1); its K answers are T_R with r_R = 1[a == a*]."""
     picked = []
     for r in rollouts:
-        valid = [i for i, a in enumerate(r.attempts) if a.task is not None]
+        valid = [a for a in r.attempts if a.task is not None]
         if valid:
-            r.reasoner_task = int(valid[rng.integers(len(valid))])
+            r.reasoner_task = valid[rng.integers(len(valid))]
             picked.append(r)
     if cfg.fresh_reasoner_samples:   # Alg. 1, line 16
-        outs, correct = sample_answers(policy, [r.attempts[r.reasoner_task].task for r in picked], cfg, fmt)
+        outs, correct = sample_answers(policy, [r.reasoner_task.task for r in picked], cfg, fmt)
     else:                            # §2.5 / §3.1: reuse the answers behind r_C
-        outs, correct = [r.answers[r.reasoner_task] for r in picked], [r.correct[r.reasoner_task] for r in picked]
+        outs, correct = [r.reasoner_task.answers for r in picked], [r.reasoner_task.correct for r in picked]
     for r, o, c in zip(picked, outs, correct):
         r.reasoner_answers, r.reasoner_rewards = o, c
 
@@ -619,7 +610,7 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
     groups = []                                   # (role, completions, rewards)
     for r in rollouts:
         if not (cfg.freeze_challenger or cfg.challenger_model):
-            groups.append((CHALLENGER, [a.completion for a in r.attempts], r.rewards))
+            groups.append((CHALLENGER, [a.completion for a in r.attempts], [a.reward for a in r.attempts]))
         groups.append((REASONER, r.reasoner_answers, r.reasoner_rewards))
     groups = [g for g in groups if g[1]]
     trajs = [common.Trajectory.from_completion(c, reward=x, role=role) for role, cs, xs in groups
@@ -662,20 +653,19 @@ def type_name(kind: str, answer_type: str | None) -> str:
 def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
-    pass_rates = [float(np.mean(c)) for r in rollouts for c in r.correct.values()]
+    pass_rates = [float(np.mean(a.correct)) for a in valid]
     m = {
         "challenger/valid_rate": len(valid) / max(1, len(attempts)),
         "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts) for r in rollouts),
-        "challenger/reward": _mean([x for r in rollouts for x in r.rewards]),
-        "challenger/reward_valid": _mean([x for r in rollouts for x, a in zip(r.rewards, r.attempts) if a.task]),
+        "challenger/reward": _mean([a.reward for a in attempts]),
+        "challenger/reward_valid": _mean([a.reward for a in valid]),
         "challenger/mentions_document": sum(a.task.mentions_document for a in valid),
         "challenger/type_selection_fallbacks": type_fallbacks,
         "reasoner/accuracy": _mean(pass_rates),
         "reasoner/frontier_share": _mean([0.0 < p < 1.0 for p in pass_rates]),
         "reasoner/group_accuracy": _mean([x for r in rollouts for x in r.reasoner_rewards]),
-        "reasoner/truncated_frac": _mean([c.finish_reason == "length" for r in rollouts
-                                          for cs in r.answers.values() for c in cs]),
+        "reasoner/truncated_frac": _mean([c.finish_reason == "length" for a in valid for c in a.answers]),
     }
     kinds = [type_name(r.kind, r.answer_type) for r in rollouts]
     for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
@@ -692,8 +682,8 @@ def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
     answer the oracle reaches too, answering greedily from the Reasoner's prompt (never the document) and graded
     as the Reasoner is. The oracle's own errors bias the figure, so name it when reporting. The Reasoner's tasks
     come first, so that a small --oracle-limit still spreads over many documents."""
-    picked = [r.attempts[r.reasoner_task].task for r in rollouts if r.reasoner_task is not None]
-    rest = [a.task for r in rollouts for i, a in enumerate(r.attempts) if a.task and i != r.reasoner_task]
+    picked = [r.reasoner_task.task for r in rollouts if r.reasoner_task]
+    rest = [a.task for r in rollouts for a in r.attempts if a.task and a is not r.reasoner_task]
     tasks = (picked + rest)[:cfg.oracle_limit]
     if not tasks:
         return {}
@@ -711,24 +701,22 @@ def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
 
 
 def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
-    """samples.jsonl: each document excerpt with its task (the Reasoner's, else the first attempt) and the
-    Reasoner's answers."""
+    """samples.jsonl: each document excerpt with its task (the Reasoner's, else the first attempt; there is
+    always one) and the Reasoner's answers to it."""
     recs = []
     for r in rollouts:
-        i = r.reasoner_task or 0
-        a = r.attempts[i] if r.attempts else None
-        task = a.task if a else None
+        a = r.reasoner_task or r.attempts[0]
         recs.append({
             "document_excerpt": None if r.document is None else r.document[:excerpt_chars],
             "type": type_name(r.kind, r.answer_type),
-            "challenger_output": a.completion.text if a else None,
-            "valid": task is not None,
-            "invalid_reason": a.reason if a and not task else None,
-            "question": task.question if task else None,
-            "gold": task.gold if task else None,
-            "challenger_reward": r.rewards[i] if a and r.rewards else None,
-            "reasoner_answers": [c.text for c in r.answers.get(i, [])],
-            "reasoner_correct": r.correct.get(i, []),
+            "challenger_output": a.completion.text,
+            "valid": a.task is not None,
+            "invalid_reason": None if a.task else a.reason,
+            "question": a.task.question if a.task else None,
+            "gold": a.task.gold if a.task else None,
+            "challenger_reward": a.reward,
+            "reasoner_answers": [c.text for c in a.answers],
+            "reasoner_correct": a.correct,
         })
     return recs
 

@@ -265,13 +265,13 @@ def test_subsample_keeps_the_valid_ratio():
 
 def test_drgrpo_advantages_per_role_and_per_document():
     cfg = spice.Config()
-    bad = spice.Attempt(comp("bad"), None, "no_json")
+    bad = spice.Attempt(comp("bad"), None, "no_json", reward=-0.1)
     r1 = spice.DocRollout("d1", "free", "Integer", attempts=[_valid_attempt() for _ in range(6)] + [bad, bad])
-    r1.rewards = [1.0, 0.988, 0.823, 0.372, 0.044, 0.044, -0.1, -0.1]      # spec §2 worked example
+    for a, x in zip(r1.attempts, [1.0, 0.988, 0.823, 0.372, 0.044, 0.044]):   # spec §2 worked example
+        a.reward = x
     r1.reasoner_answers = [comp("\\boxed{1}")] * 8
     r1.reasoner_rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     r2 = spice.DocRollout("d2", "mcq", None, attempts=[bad] * 8)            # all invalid: no signal
-    r2.rewards = [-0.1] * 8
     trajs, stats = spice.build_trajectories([r1, r2], cfg)
     ch = [t.advantage for t in trajs if t.role == "challenger"]
     re_ = [t.advantage for t in trajs if t.role == "reasoner"]
@@ -280,8 +280,9 @@ def test_drgrpo_advantages_per_role_and_per_document():
     assert ch[8:] == [0.0] * 8                                               # no std, no NaN, exactly zero
     assert re_ == pytest.approx([0.625] * 3 + [-0.375] * 5)                  # baseline = the Reasoner group's mean
     assert stats["challenger/zero_adv_group_frac"] == 0.5 and stats["reasoner/zero_adv_group_frac"] == 0.0
-    frozen, _ = spice.build_trajectories([r1, r2], spice.Config(freeze_challenger=True))
-    assert {t.role for t in frozen} == {"reasoner"}
+    for frozen_cfg in (spice.Config(freeze_challenger=True), spice.Config(challenger_model="a fixed model")):
+        frozen, _ = spice.build_trajectories([r1, r2], frozen_cfg)
+        assert {t.role for t in frozen} == {"reasoner"}
 
 
 class _ScriptedOracle:
@@ -306,7 +307,7 @@ def test_gold_check_grades_the_oracle_like_the_reasoner(tiny_tokenizer):
                                                       spice.Attempt(comp("bad"), None, "no_json")])
     r2 = spice.DocRollout(DOC, "free", "Integer", attempts=[mk(free_json("First?", "25"), "free", "Integer"),
                                                             mk(free_json("Second?", "7"), "free", "Integer")])
-    r1.reasoner_task, r2.reasoner_task = 0, 1         # the Reasoner's tasks are checked first
+    r1.reasoner_task, r2.reasoner_task = r1.attempts[0], r2.attempts[1]   # the Reasoner's tasks are checked first
     oracle = _ScriptedOracle(["\\boxed{B) 12 feet}", "so \\boxed{7.0}", "TRUNC \\boxed{25}"], tiny_tokenizer)
     m = spice.gold_check(oracle, None, [r1, r2], spice.Config())
     assert m == {"gold_check/agree": pytest.approx(2 / 3), "gold_check/oracle_answered": pytest.approx(2 / 3),
@@ -381,7 +382,7 @@ def test_all_invalid_challenger_group_gives_zero_gradient(tiny_policy_hf):
                          "no_json") for t in ("no json at all", "{broken", "A) B) C)", "}")]
     r = spice.DocRollout(DOC, "mcq", None, attempts=bad)
     spice.challenger_rewards([r], spice.Config())
-    assert r.rewards == [-0.1] * 4
+    assert [a.reward for a in r.attempts] == [-0.1] * 4
     trajs, stats = spice.build_trajectories([r], spice.Config())
     assert [t.advantage for t in trajs] == [0.0] * 4 and stats["challenger/zero_adv_group_frac"] == 1.0
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
