@@ -53,7 +53,7 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -179,8 +179,9 @@ def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
     return [tokenizer.decode(ids[i:i + max_tokens]) for i in range(0, len(ids), max_tokens)]
 
 
-def load_corpus(cfg: Config, tokenizer, chunk_tokens: int) -> list[str]:
-    """All segments of the configured sources; each source gets an equal share of cfg.corpus_docs."""
+def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
+    """All segments of the configured sources (each source gets an equal share of cfg.corpus_docs), less those
+    that share a 13-gram with an eval set."""
     spec = DEFAULT_CORPUS if cfg.corpus == "default" else cfg.corpus
     sources = [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
@@ -194,6 +195,13 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int) -> list[str]:
             docs = stream_hub_documents(src, cfg.corpus_field, share or 20000)
         for d in docs:
             segments.extend(chunk_document(d, tokenizer, chunk_tokens))
+    if decon is not None:
+        kept = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
+        print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as contaminated)",
+              file=sys.stderr)
+        if not kept:
+            raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
+        segments = kept
     return segments
 
 
@@ -299,7 +307,8 @@ def reasoner_prompt(question: str, fmt: str = "chat"):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Parsing and validity of Challenger outputs (§4). Model output is untrusted: nothing here may raise.
+# Parsing, validity and grading (§4), and the Challenger reward (Eq. 1). Model output is untrusted: nothing here
+# may raise on it.
 # --------------------------------------------------------------------------------------------------------------
 MAX_PARSE_CHARS = 60_000      # only the tail of a huge output is searched
 MAX_JSON_STARTS = 2_000       # bound the work a hostile output with many "{" can cause
@@ -437,9 +446,6 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Grading (§4) and the Challenger reward (Eq. 1).
-# --------------------------------------------------------------------------------------------------------------
 def grade_answers(task: Task, completions: list) -> list[float]:
     """r_R = 1[a == a*] per Reasoner completion: no box or a truncated output is wrong (Oat)."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text) for c in completions]
@@ -687,11 +693,10 @@ def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
     tasks = (picked + rest)[:cfg.oracle_limit]
     if not tasks:
         return {}
-    with oracle.sampling(policy) as s:
-        fmt = resolve_prompt_format(cfg, s.tokenizer)
-        outs = s.generate([reasoner_prompt(t.question, fmt) for t in tasks], n=1, temperature=0.0,
-                          max_tokens=cfg.max_tokens)
-    agree = [grade_answers(t, o)[0] for t, o in zip(tasks, outs)]
+    with oracle.sampling(policy) as s:     # the Reasoner's sampling, with one greedy answer per task
+        greedy = replace(cfg, reasoner_k=1, temperature=0.0)
+        outs, correct = sample_answers(s, tasks, greedy, resolve_prompt_format(cfg, s.tokenizer))
+    agree = [c[0] for c in correct]
     answered = [o[0].finish_reason != "length" and common.extract_boxed(o[0].text) is not None for o in outs]
     m = {"gold_check/agree": _mean(agree), "gold_check/oracle_answered": _mean(answered), "gold_check/n": len(tasks)}
     kinds = [type_name(t.kind, t.answer_type) for t in tasks]
@@ -724,9 +729,10 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
 # --------------------------------------------------------------------------------------------------------------
 # Training loop and main()
 # --------------------------------------------------------------------------------------------------------------
-def load_eval_sets(cfg: Config) -> tuple[list[str], list[str]]:
+def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
     """The evaluation sets that load (checked up front, so that a 640-step run does not die at its final
-    evaluation), and their questions for decontamination. A set that cannot be loaded is reported and skipped."""
+    evaluation), and a 13-gram decontaminator built from their questions (analysis §7.3). A set that cannot be
+    loaded is reported and skipped."""
     names, questions = [], []
     for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
         try:
@@ -735,7 +741,7 @@ def load_eval_sets(cfg: Config) -> tuple[list[str], list[str]]:
         except Exception as e:  # e.g. an offline machine or a typo: say so and go on without that set
             print(f"[spice] warning: cannot load eval set {name!r}, so it is neither evaluated nor used for "
                   f"decontamination: {e}", file=sys.stderr)
-    return names, questions
+    return names, common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
 
 
 def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, name: str = "eval.json") -> dict:
@@ -795,21 +801,12 @@ def train(cfg: Config, policy=None) -> Path:
     # Inputs first (corpus, eval sets), so that bad input fails in seconds, before the model is loaded.
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
-    eval_sets, eval_questions = load_eval_sets(cfg)
-    # 13-gram decontamination of the corpus and of every generated question (analysis §7.3)
-    decon = common.Decontaminator(eval_questions, n=13) if cfg.decontaminate and eval_questions else None
+    eval_sets, decon = load_eval_sets(cfg)      # decon also screens every generated question
     corpus = []
     if not cfg.no_document:
         # the Challenger reads the documents, so its tokenizer sizes the segments
         doc_tokenizer = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
-        corpus = load_corpus(cfg, doc_tokenizer, effective_chunk_tokens(cfg, doc_tokenizer))
-        if decon is not None:
-            kept = [c for c, bad in zip(corpus, decon.flags(corpus)) if not bad]
-            print(f"[spice] corpus: {len(kept)} segments ({len(corpus) - len(kept)} dropped as contaminated)",
-                  file=sys.stderr)
-            corpus = kept
-        if not corpus:
-            raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
+        corpus = load_corpus(cfg, doc_tokenizer, effective_chunk_tokens(cfg, doc_tokenizer), decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = ValidityChecker(cfg, tokenizer, fmt, decon)
