@@ -1071,16 +1071,17 @@ class Policy:
         """Fresh AdamW state (STaR restarts from the base model every iteration; R-Zero switches roles)."""
         self.optimizer = self._make_optimizer()
 
-    def generate(self, prompts, **kw) -> list[list[Completion]]:
-        """Sampler.generate. Under torchrun: this rank samples its contiguous share of `prompts` (all n samples
-        of a prompt stay on one rank) and the results are all-gathered, so every rank returns the full list.
-        `prompts` must be the same on every rank, so methods draw their data from python's `random` / numpy,
-        which stay identical across ranks (seed_everything(cfg.seed) on every rank). A `seed` is mixed with
-        the rank."""
+    def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
+        """Sampler.generate (of `sampler`, default the policy's own). Under torchrun: this rank samples its
+        contiguous share of `prompts` (all n samples of a prompt stay on one rank) and the results are
+        all-gathered, so every rank returns the full list. `prompts` must be the same on every rank, so methods
+        draw their data from python's `random` / numpy, which stay identical across ranks (seed_everything(
+        cfg.seed) on every rank). A `seed` is mixed with the rank."""
+        sampler = sampler or self.sampler
         if self.world_size == 1:
-            return self.sampler.generate(prompts, **kw)
+            return sampler.generate(prompts, **kw)
         # The ranks of one tensor-parallel group run one engine together: same prompts, same seeds.
-        tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(self.sampler, VLLMSampler) else 1
+        tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(sampler, VLLMSampler) else 1
         group, n_groups = self.rank // tp, self.world_size // tp
         if kw.get("seed") is not None:
             kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (group + 1))
@@ -1089,7 +1090,7 @@ class Policy:
         call_seed = random.getrandbits(31)
         with _core_preserve_rng():
             torch.manual_seed(_core_mix_seed(call_seed, group))
-            mine = self.sampler.generate(shard(list(prompts), group, n_groups), **kw)
+            mine = sampler.generate(shard(list(prompts), group, n_groups), **kw)
         parts = all_gather_objects(mine)
         return [g for part in parts[::tp] for g in part]
 
@@ -3390,35 +3391,59 @@ class FrozenModel:
     document-extracted answers; name it in reports, since its own errors bias the figure), or a fixed stronger
     question writer (SPICE's "Strong Challenger" baseline).
 
-    If it has the trainer's architecture and tokenizer (same parameter names, shapes and vocabulary) its
-    weights are swapped into the policy's ONE engine while it samples; otherwise it gets a sampler of its own
-    (a second vLLM engine at `gpu_memory_utilization`, or HF generate)."""
+    If it has the trainer's architecture and tokenizer (same parameter names and shapes, read from the
+    safetensors headers, and the same vocabulary) its weights are kept on the CPU and swapped into the policy's
+    ONE engine while it samples; otherwise it gets a sampler of its own (a second vLLM engine at
+    `gpu_memory_utilization`, or HF generate) and its weights are never loaded here. Either way its samples go
+    through Policy.generate, so under torchrun the prompts are sharded over ranks and every rank gets them all."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
         self.name = name
         path = resolve_model_path(name)
         tok = load_tokenizer(path)
-        model, _ = load_model(path, dtype=next(policy.model.parameters()).dtype, device="cpu")
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        own = policy.state_dict()
-        same = (tok.get_vocab() == policy.tokenizer.get_vocab() and set(sd) == set(own)
-                and all(sd[k].shape == own[k].shape for k in own))
-        self.weights, self.sampler = (sd, None) if same else (None, None)
-        del model
-        if not same:
-            del sd
-            ocfg = dataclasses.replace(cfg, model=path, gpu_memory_utilization=gpu_memory_utilization)
-            self.sampler = make_sampler(path, tok, ocfg)
+        same = tok.get_vocab() == policy.tokenizer.get_vocab() and _core_same_parameters(path, policy)
+        self.weights = load_safetensors_dir(path) if same else None
+        self.sampler = None if same else make_sampler(
+            path, tok, dataclasses.replace(cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
     @contextlib.contextmanager
     def sampling(self, policy):
         """`with frozen.sampling(policy) as s: s.generate(...)`; `s.tokenizer` is the frozen model's tokenizer."""
-        if self.weights is None:
-            yield self.sampler
-        else:
+        if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
+        else:
+            yield _CoreFrozenSampler(policy, self.sampler)
+
+
+class _CoreFrozenSampler:
+    """A separate sampler driven through Policy.generate (sharded over torchrun ranks, gathered on all)."""
+
+    def __init__(self, policy, sampler):
+        self.policy, self.sampler, self.tokenizer = policy, sampler, sampler.tokenizer
+
+    def generate(self, prompts, **kw):
+        return self.policy.generate(prompts, sampler=self.sampler, **kw)
+
+
+def _core_same_parameters(path, policy) -> bool:
+    """Whether the checkpoint at `path` has exactly the policy's parameter names and shapes (a tied lm_head
+    may be absent from the file), judged from the safetensors headers without loading any tensor."""
+    from safetensors import safe_open
+    files = sorted(pathlib.Path(path).glob("*.safetensors"))
+    if not files:
+        return False
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    absent = set(own) - set(shapes)
+    tied = getattr(policy.module.config, "tie_word_embeddings", False)
+    return (set(shapes) <= set(own) and absent <= ({"lm_head.weight"} if tied else set())
+            and all(own[k] == shape for k, shape in shapes.items()))
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:

@@ -525,3 +525,46 @@ def test_iter_jsonl_reads_objects_and_names_file_line_and_fix(tmp_path):
     assert list(common.iter_jsonl(p, shape="SHAPE", errors="replace")) == [(1, {"a": "caf\ufffd"})]
     with pytest.raises(ValueError, match="does not exist"):
         list(common.iter_jsonl(tmp_path / "missing.jsonl", shape="SHAPE"))
+
+
+def _greedy(sampler, prompts, n_tokens=10):
+    return [g[0].token_ids for g in sampler.generate(prompts, n=1, temperature=0.0, max_tokens=n_tokens)]
+
+
+def test_frozen_model_swaps_in_or_samples_apart_and_leaves_the_policy_alone(tiny_policy, tiny_model_path, tmp_path):
+    """common.FrozenModel (R-Zero's and SPICE's oracle, SPICE's Strong Challenger): the same architecture is
+    swapped into the policy's one engine for the block only; another architecture gets its own sampler and its
+    weights are never loaded by the policy's process."""
+    policy = tiny_policy
+    prompts = ["What is 2+3?", "The answer is", "def f(x):"]
+    g = torch.Generator().manual_seed(3)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in policy.get_weights().items()}
+    moved["lm_head.weight"] = moved["model.embed_tokens.weight"]
+    policy.set_weights(moved)
+    own = _greedy(policy, prompts)
+    base = common.HFSampler(tiny_model_path, policy.tokenizer, policy.cfg,
+                            model=transformers.AutoModelForCausalLM.from_pretrained(tiny_model_path))
+    assert own != _greedy(base, prompts)  # the moved policy writes something else than the saved model
+
+    same = common.FrozenModel(tiny_model_path, policy, policy.cfg)
+    assert same.route == "weight swap into the shared engine" and same.sampler is None
+    with same.sampling(policy) as s:
+        assert _greedy(s, prompts) == _greedy(base, prompts) and s.tokenizer is policy.tokenizer
+    assert _greedy(policy, prompts) == own  # the policy's weights are back in the engine
+    assert all(torch.equal(v, moved[k]) for k, v in policy.get_weights().items())
+
+    # another architecture (a narrower MLP), same tokenizer: a sampler of its own
+    other = tmp_path / "other"
+    conf = transformers.AutoConfig.from_pretrained(tiny_model_path)
+    conf.intermediate_size = 64  # the same names, other shapes
+    torch.manual_seed(5)
+    transformers.AutoModelForCausalLM.from_config(conf).save_pretrained(str(other))
+    policy.tokenizer.save_pretrained(str(other))
+    cfg = dataclasses.replace(policy.cfg, backend="hf")
+    apart = common.FrozenModel(str(other), policy, cfg)
+    assert apart.route == "separate sampler" and apart.weights is None
+    ref = common.HFSampler(str(other), policy.tokenizer, cfg,
+                           model=transformers.AutoModelForCausalLM.from_pretrained(str(other)))
+    with apart.sampling(policy) as s:
+        assert _greedy(s, prompts) == _greedy(ref, prompts) != own
+    assert _greedy(policy, prompts) == own
