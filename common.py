@@ -2251,18 +2251,44 @@ def normalize_string(s):
     return "".join(ch for ch in s if ch.isalnum())
 
 
-_VF_CHOICE_RE = re.compile(r"^\s*(?:\\text\s*\{\s*)?\(?\s*([A-Ja-j])\s*(?:\)|\.|:|\}|\s|$)")
+# An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case followed by a delimiter,
+# a space or the end ("B) 149 km", "A 5 cm"); lower case only before a closing delimiter or the end ("(b)", "b."),
+# so that the article in "a dog" is not read as option A.
+_VF_CHOICE_RE = re.compile(
+    r"^\s*(?i:(?:the\s+)?(?:final\s+|correct\s+)?answer(?:\s+is)?\s*:?\s*)?(?i:option\s*)?\(?\s*"
+    r"(?:([A-J])\s*(?:\)|\.|:|\}|\s|$)|([a-j])\s*(?:\)|\.|:|\}|$))")
+# "answer is B", "Answer: (B)", "**Answer:** B" anywhere in a completion (upper-case letter, not part of a word).
+_VF_ANSWER_IS_RE = re.compile(r"(?i:\banswer\b(?:\s+is)?)\s*:?\s*\**\s*\(?\s*([A-J])\s*\)?(?!\w)")
 
 
 def choice_letter(s):
     """Option letter at the START of an answer, as SPICE's MCQ check wants (Fig. 6 boxes `B) 149,600,000 km`).
 
-    Accepts "B", "B)", "B.", "B:", "(b)", "B) 149,600,000 km", "\\text{B}"; returns the upper-case letter, or None
-    ("Because ..." is not a letter answer: the letter must be followed by a delimiter or the end)."""
+    Accepts "B", "B)", "B.", "B:", "(b)", "b", "B) 149,600,000 km", "\\text{B}", "\\textbf{(B)}", "$B$", "**B**",
+    "the answer is B", "Answer: (B)", "Option B", and any of these inside \\boxed{} ("\\boxed{B}",
+    "\\boxed{(B)}": the last box is read); returns the upper-case letter, or None ("Because ..." is not a letter
+    answer: the letter must be followed by a delimiter, a space or the end; a lower-case letter needs a closing
+    delimiter or the end, so "a dog" is not option A)."""
     if not isinstance(s, str):
         return None
-    m = _VF_CHOICE_RE.match(s[:200])
-    return m.group(1).upper() if m else None
+    s = s[:4000]
+    if "\\boxed" in s or "\\fbox" in s:
+        s = extract_boxed(s) or ""
+    s = _vf_unwrap_text(s[:200]).replace("$", "").replace("*", "")
+    m = _VF_CHOICE_RE.match(s)
+    return (m.group(1) or m.group(2)).upper() if m else None
+
+
+def option_letter(pred, completion=None, n_options=10):
+    """The option letter a multiple-choice answer names, or None. `pred` is the extracted answer (evaluate's
+    extract_fn, by default the last \\boxed{}) read by choice_letter. Only when nothing was extracted (pred None)
+    is the completion's last "answer is B" / "Answer: (B)" statement (upper-case letter) used instead. Letters
+    beyond the first `n_options` (A, B, ...) do not count."""
+    letter = choice_letter(pred) if pred is not None else None
+    if pred is None and completion:
+        found = _VF_ANSWER_IS_RE.findall(str(completion))
+        letter = found[-1] if found else None
+    return letter if letter is not None and letter in "ABCDEFGHIJ"[:n_options] else None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -3183,20 +3209,167 @@ def decontaminate(questions, references, n=13):
 # ------------------------------------------------------------------------------------------------------------
 # Benchmarks
 # ------------------------------------------------------------------------------------------------------------
-# name -> (hub id, config, split, question field, answer field). Override or extend this dict for other copies;
-# any "hf:<id>[:<config>]:<split>:<question field>:<answer field>" string also works as a benchmark name.
-BENCHMARKS = {
-    "gsm8k": ("openai/gsm8k", "main", "test", "question", "answer"),          # answer after "####"
-    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
-    "aime24": ("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
-    "aime25": ("MathArena/aime_2025", None, "train", "problem", "answer"),
-    "amc23": ("math-ai/amc23", None, "test", "question", "answer"),
-}
+_VF_OPTION_LETTERS = "ABCDEFGHIJ"  # multiple choice: 2 to 10 options, letters A-J (MMLU-Pro, SuperGPQA have 10)
+
+
+@dataclass(frozen=True)
+class HubBenchmark:
+    """A benchmark on the Hugging Face hub: where it lives and how one of its rows becomes a problem
+    {"question", "answer", "choices"?}. With "choices" the "answer" is the gold option letter (A-J)."""
+    hub_id: str
+    config: str | None
+    split: str
+    columns: tuple            # the columns `row` reads: a row without one is a clear error, not a silent skip
+    row: typing.Callable      # row (dict) -> problem dict, or None to leave the row out
+    gated: bool = False       # the hub wants a login and the dataset's terms accepted before it serves the files
 
 
 def _vf_gsm8k_answer(a):
     a = str(a)
     return a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()
+
+
+def _vf_answer_str(a):
+    """A gold answer as text; an integral float (27.0) is written as an integer ("27")."""
+    if isinstance(a, float) and a.is_integer():
+        return str(int(a))
+    return str(a).strip()
+
+
+def _vf_qa_row(qf, af, answer=_vf_answer_str):
+    return lambda ex: {"question": str(ex[qf]), "answer": answer(ex[af])}
+
+
+def hub_qa_benchmark(hub_id, config, split, qf, af) -> HubBenchmark:
+    """A free-form hub benchmark read from one question column and one answer column (what an
+    "hf:<id>[:<config>]:<split>:<q>:<a>" name or an old-style 5-tuple entry of BENCHMARKS means)."""
+    answer = _vf_gsm8k_answer if hub_id == "openai/gsm8k" else _vf_answer_str
+    return HubBenchmark(hub_id, config or None, split, (qf, af), _vf_qa_row(qf, af, answer))
+
+
+def _vf_mc_problem(question, options, gold):
+    """A multiple-choice problem; `gold` is the index of the right option in `options`."""
+    opts = [str(o).strip() for o in options]
+    if not 2 <= len(opts) <= len(_VF_OPTION_LETTERS) or not 0 <= gold < len(opts):
+        raise ValueError(f"{len(opts)} options with the gold at index {gold}: expected 2-{len(_VF_OPTION_LETTERS)} "
+                         f"options (letters A-{_VF_OPTION_LETTERS[-1]}) with the gold among them")
+    return {"question": str(question).strip(), "answer": _VF_OPTION_LETTERS[gold], "choices": opts}
+
+
+def _vf_letter_index(letter, n):
+    s = str(letter).strip().upper()
+    if len(s) != 1 or s not in _VF_OPTION_LETTERS[:n]:
+        raise ValueError(f"gold letter {letter!r} is not the letter of one of the {n} options")
+    return _VF_OPTION_LETTERS.index(s)
+
+
+def _vf_mmlu_pro_row(ex):
+    """MMLU-Pro: `options` (up to 10) and `answer`, the gold letter (checked against `answer_index`). Options that
+    are exactly "N/A" (padding) are dropped, as TIGER-Lab's own evaluate_from_*.py scripts do; the gold letter is
+    re-pointed at the same option."""
+    opts = ex["options"]
+    opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies store the list's repr
+    gold = _vf_letter_index(ex["answer"], len(opts))
+    if ex.get("answer_index") is not None and int(ex["answer_index"]) != gold:
+        raise ValueError(f"answer {ex['answer']!r} and answer_index {ex['answer_index']} disagree")
+    keep = [i for i, o in enumerate(opts) if str(o).strip() != "N/A" or i == gold]
+    return _vf_mc_problem(ex["question"], [opts[i] for i in keep], keep.index(gold))
+
+
+def gpqa_option_order(question):
+    """The fixed order in which a GPQA question shows its four answers: a permutation of [correct, incorrect 1,
+    incorrect 2, incorrect 3] drawn by random.Random seeded with the first 8 bytes of SHA-256(question text,
+    stripped, UTF-8). Not Python's salted hash(): every run and machine gets the same order, and different
+    questions get different orders, so the gold letter is spread over A-D (in the hub rows it is always
+    "Correct Answer", i.e. it would always be A)."""
+    seed = int.from_bytes(hashlib.sha256(str(question).strip().encode("utf-8")).digest()[:8], "big")
+    order = [0, 1, 2, 3]
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _vf_gpqa_row(ex):
+    answers = [ex["Correct Answer"], ex["Incorrect Answer 1"], ex["Incorrect Answer 2"], ex["Incorrect Answer 3"]]
+    order = gpqa_option_order(ex["Question"])
+    return _vf_mc_problem(ex["Question"], [answers[i] for i in order], order.index(0))
+
+
+def _vf_supergpqa_row(ex):
+    opts = list(ex["options"])
+    return _vf_mc_problem(ex["question"], opts, _vf_letter_index(ex["answer_letter"], len(opts)))
+
+
+def _vf_olympiad_row(ex):
+    """OlympiadBench: `final_answer` is a list (one entry, rarely several for is_multiple_answer problems): the
+    entries joined by ", ", each without an outer $...$. `context` (nearly always empty in this subset) goes
+    before the question. A row without a final answer is left out."""
+    answers = []
+    for a in ex["final_answer"] or []:
+        a = str(a).strip()
+        if a.startswith("$") and a.endswith("$") and a.count("$") == 2:
+            a = a[1:-1].strip()
+        if a:
+            answers.append(a)
+    if not answers:
+        return None
+    q, ctx = str(ex["question"]).strip(), str(ex.get("context") or "").strip()
+    return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)}
+
+
+# name -> HubBenchmark. Extend or override this dict for other copies (an old-style 5-tuple (hub id, config,
+# split, question column, answer column) still works); any "hf:<id>[:<config>]:<split>:<q column>:<a column>"
+# string also works as a benchmark name. Hub access was not available when these were written: each id, config,
+# split and column list below was checked against the dataset's hub pages and public loader code (named per
+# entry) found by search. Row counts are the hub viewer's.
+BENCHMARKS = {
+    "gsm8k": hub_qa_benchmark("openai/gsm8k", "main", "test", "question", "answer"),  # gold after "####"
+    "math500": hub_qa_benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
+    "aime24": hub_qa_benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
+    # 30 rows: problem_idx, problem, answer (int64), problem_type. Checked: loaders in several public eval repos
+    # (load_dataset("MathArena/aime_2025", split="train"); row["problem"], str(row["answer"])). Correct as it was.
+    "aime25": hub_qa_benchmark("MathArena/aime_2025", None, "train", "problem", "answer"),
+    # 40 rows: id, question, answer, url. Checked: public loaders (split="test"; item["question"], str(item["answer"]);
+    # R-Zero's evaluation/datasets_loader.py reads the same columns from its copy zwhe99/amc23). Correct as it was.
+    "amc23": hub_qa_benchmark("math-ai/amc23", None, "test", "question", "answer"),
+    # MinervaMath (Lewkowycz et al. 2022), 272 rows: question, answer (the final answer, not a solution). Checked:
+    # several public loaders (load_dataset("math-ai/minervamath", split="test"); r["question"], r["answer"]) and
+    # copies with the same 272-row shape. R-Zero's released loader uses zwhe99/simplerl-minerva-math (problem,
+    # answer): "hf:zwhe99/simplerl-minerva-math:test:problem:answer".
+    "minerva": hub_qa_benchmark("math-ai/minervamath", None, "test", "question", "answer"),
+    # OlympiadBench (He et al. 2024), config OE_TO_maths_en_COMP: Open-Ended, Text-Only, maths, English,
+    # COMPetition problems, 674 rows in its only split "train" (hub viewer; the often-quoted 675 is the copy in
+    # Qwen2.5-Math's evaluation, not checked row by row). This is the text-only English math subset the papers
+    # report; R-Zero's released loader reads a copy of it, zwhe99/simplerl-OlympiadBench (question,
+    # final_answer[0]; split test). Columns used: question, final_answer (a list), context. Checked: hub viewer (18
+    # configs with row counts) and public loaders (load_dataset("Hothan/OlympiadBench", "OE_TO_maths_en_COMP",
+    # split="train"); r["question"], r["final_answer"][0]).
+    "olympiadbench": HubBenchmark("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train",
+                                  ("question", "final_answer"), _vf_olympiad_row),
+    # MMLU-Pro (Wang et al. 2024), 12,032 rows: question_id, question, options (list, up to 10), answer (letter),
+    # answer_index, cot_content, category, src. Checked: R-Zero's evaluation/eval_mmlupro.py and datasets_loader.py
+    # (split "test", entry["answer"] compared with the predicted letter), evalscope's mmlu_pro adapter.
+    "mmlu_pro": HubBenchmark("TIGER-Lab/MMLU-Pro", None, "test", ("question", "options", "answer"),
+                             _vf_mmlu_pro_row),
+    # GPQA-Diamond (Rein et al. 2023), 198 rows in config gpqa_diamond, split "train" (its only split). Columns
+    # used: Question, Correct Answer, Incorrect Answer 1-3. GATED: log in and accept the terms on the hub first.
+    # Checked: lighteval's gpqa:diamond task (hf_subset gpqa_diamond, split train), R-Zero's datasets_loader.py,
+    # evalscope's gpqa adapter. The four answers are shuffled with a fixed per-question seed (gpqa_option_order).
+    "gpqa_diamond": HubBenchmark("Idavidrein/gpqa", "gpqa_diamond", "train",
+                                 ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
+                                  "Incorrect Answer 3"), _vf_gpqa_row, gated=True),
+    # SuperGPQA (M-A-P 2025), 26,529 rows, one split "train" (from SuperGPQA-all.jsonl): uuid, question, options
+    # (list, up to 10), answer (the option's text), answer_letter, discipline, field, subfield, difficulty.
+    # Checked: R-Zero's evaluation/eval_supergpqa.py (entry["answer_letter"] vs the predicted letter), evalscope's
+    # super_gpqa adapter (choices=record['options'], target=record['answer_letter'], eval split train).
+    "supergpqa": HubBenchmark("m-a-p/SuperGPQA", None, "train", ("question", "options", "answer_letter"),
+                              _vf_supergpqa_row),
+    # BIG-Bench Extra Hard (Kazemi et al. 2025), 4,520 rows (23 tasks), split "train": task, input, target (a
+    # string: "(A)", a word, a number, a list, ...), mini (the 460-row BBEH-mini flag), canary. Checked: several
+    # public loaders (load_dataset("BBEH/bbeh", split="train"); row["input"], row["target"], row["mini"]). The data
+    # comes from github.com/google-deepmind/bbeh. R-Zero's released code reads the copy MrLight/bbeh-eval
+    # (question, answer, task; split train): "hf:MrLight/bbeh-eval:train:question:answer".
+    "bbeh": hub_qa_benchmark("BBEH/bbeh", None, "train", "input", "target"),
+}
 
 
 def _vf_load_jsonl(path, limit):
@@ -3210,6 +3383,9 @@ def _vf_load_jsonl(path, limit):
         if obj.get("choices") is not None:
             if not isinstance(obj["choices"], list) or not obj["choices"]:
                 raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
+            if len(obj["choices"]) > len(_VF_OPTION_LETTERS):
+                raise ValueError(f'{path}:{ln}: {len(obj["choices"])} "choices"; at most '
+                                 f'{len(_VF_OPTION_LETTERS)} (letters A-{_VF_OPTION_LETTERS[-1]})')
             row["choices"] = [str(c) for c in obj["choices"]]
         rows.append(row)
         if limit and len(rows) >= limit:
@@ -3219,10 +3395,34 @@ def _vf_load_jsonl(path, limit):
     return rows
 
 
+def _vf_open_hub(name, spec):
+    """datasets.load_dataset for a HubBenchmark; BenchmarkUnavailable, saying the fix, when it cannot."""
+    fix = 'or pass a local JSONL file of {"question", "answer", "choices"?} lines'
+    gated = (f" {spec.hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept its terms at "
+             f"https://huggingface.co/datasets/{spec.hub_id} first." if spec.gated else "")
+    try:
+        import datasets
+    except ImportError:
+        raise BenchmarkUnavailable(f"benchmark {name!r} is loaded from the Hugging Face hub with the `datasets` "
+                                   f"package, which is not installed. Fix: `pip install datasets`, {fix}.{gated}"
+                                   ) from None
+    where = f"{spec.hub_id}{f', config {spec.config}' if spec.config else ''}, split {spec.split}"
+    try:
+        return (datasets.load_dataset(spec.hub_id, spec.config, split=spec.split) if spec.config else
+                datasets.load_dataset(spec.hub_id, split=spec.split))
+    except Exception as e:
+        raise BenchmarkUnavailable(f"could not load benchmark {name!r} ({where}) from the Hugging Face hub: "
+                                   f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
+                                   f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}."
+                                   ) from None
+
+
 def load_benchmark(name_or_path, limit=0):
-    """Problems as [{"question", "answer", "choices"?}]: a local JSONL file (one object per line), a name in
-    BENCHMARKS (gsm8k, math500, aime24, aime25, amc23; loaded with `datasets`, imported lazily), or
-    "hf:<id>[:<config>]:<split>:<question field>:<answer field>". `limit` > 0 keeps the first N problems."""
+    """Problems as [{"question", "answer", "choices"?}] ("answer" is the gold letter when there are "choices"):
+    a local JSONL file (one object per line), a name in BENCHMARKS (gsm8k, math500, aime24, aime25, amc23,
+    minerva, olympiadbench, mmlu_pro, gpqa_diamond, supergpqa, bbeh; loaded with `datasets`, imported lazily), or
+    "hf:<id>[:<config>]:<split>:<question column>:<answer column>". `limit` > 0 keeps the first N problems.
+    No `datasets`, no hub, or a gated set without a login: BenchmarkUnavailable (a RuntimeError) saying the fix."""
     name = str(name_or_path).strip()
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         if not os.path.isfile(name):
@@ -3234,35 +3434,31 @@ def load_benchmark(name_or_path, limit=0):
             parts.insert(1, None)
         if len(parts) != 5:
             raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:<answer field>")
-        spec = tuple(parts)
+        spec = hub_qa_benchmark(*parts)
     elif name.lower() in BENCHMARKS:
         spec = BENCHMARKS[name.lower()]
+        spec = hub_qa_benchmark(*spec) if isinstance(spec, tuple) else spec
     else:
         raise ValueError(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a path to a local .jsonl "
                          'file of {"question", "answer"} lines, or hf:<id>[:<config>]:<split>:<q field>:<a field>')
-    hub_id, config, split, qf, af = spec
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(f"benchmark {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
-                          "which is not installed. Fix: `pip install datasets`, or pass a local JSONL file "
-                          '({"question", "answer"} per line).') from None
-    try:
-        ds = datasets.load_dataset(hub_id, config, split=split) if config else \
-            datasets.load_dataset(hub_id, split=split)
-    except Exception as e:
-        raise RuntimeError(f"could not load benchmark {name!r} ({hub_id}, split {split}) from the Hugging Face hub: "
-                           f"{type(e).__name__}: {str(e)[:300]}. Fix: check the network (or HF_HUB_OFFLINE=1 with a "
-                           "populated cache), log in for gated sets, or pass a local JSONL file of "
-                           '{"question", "answer"} lines.') from None
+    ds = _vf_open_hub(name, spec)
     rows = []
-    for ex in ds:
-        if qf not in ex or af not in ex:
-            raise KeyError(f"{hub_id} has no field {qf!r}/{af!r}; its fields are {list(ex)}. Edit BENCHMARKS.")
-        ans = _vf_gsm8k_answer(ex[af]) if hub_id == "openai/gsm8k" else str(ex[af]).strip()
-        rows.append({"question": str(ex[qf]), "answer": ans})
+    for i, ex in enumerate(ds):
+        missing = [c for c in spec.columns if c not in ex]
+        if missing:
+            raise KeyError(f"{spec.hub_id} has no column(s) {missing}; its columns are {list(ex)}. "
+                           "Edit BENCHMARKS or use an hf: name.")
+        try:
+            problem = spec.row(ex)
+        except (KeyError, ValueError, TypeError, IndexError, SyntaxError) as e:
+            raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a problem: "
+                             f"{type(e).__name__}: {e}. The hub copy may have changed: edit BENCHMARKS.") from None
+        if problem is not None:
+            rows.append(problem)
         if limit and len(rows) >= limit:
             break
+    if not rows:
+        raise ValueError(f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
     return rows
 
 
@@ -3277,8 +3473,7 @@ def default_eval_prompt(problem, tokenizer=None):
     A) ... and the model is asked to box the letter."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        letters = "ABCDEFGHIJ"
-        q += "\n\n" + "\n".join(f"{letters[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}" for i, c in enumerate(problem["choices"]))
         q += "\n\nAnswer with the letter of the correct option."
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return [{"role": "user", "content": f"{q}\n\n{_VF_EVAL_INSTRUCTION}"}]
@@ -3295,6 +3490,46 @@ def _vf_verifier_name(timeout):
             f"verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s (timeout = wrong)")
 
 
+_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads the extracted "
+                  "answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', 'the answer is B'; with nothing "
+                  "extracted, the completion's last 'answer is B'), and it must equal the gold letter exactly; an "
+                  "option's text is not a letter answer. Free-form problems go through math_equal as before.")
+
+
+def gold_option_letter(problem):
+    """The gold letter of a multiple-choice problem (None without "choices", or when it cannot be told): its
+    "answer" if that is the letter of one of its choices ("B", "(B)", "b)"), else the letter of the choice whose
+    text equals the answer (ignoring case and surrounding spaces), as local JSONL files sometimes have."""
+    choices = problem.get("choices") or []
+    n = min(len(choices), len(_VF_OPTION_LETTERS))
+    if not n:
+        return None
+    a = str(problem["answer"]).strip()
+    m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
+    if m and m.group(1).upper() in _VF_OPTION_LETTERS[:n]:
+        return m.group(1).upper()
+    for i, c in enumerate(choices[:n]):
+        if str(c).strip().casefold() == a.casefold():
+            return _VF_OPTION_LETTERS[i]
+    return None
+
+
+def _vf_judge(items, extract_fn, timeout):
+    """items: [(problem, gold letter or None, completion text)] -> (preds, correct, letters). Free-form (gold letter
+    None): extract_fn(text) against the gold answer through math_equal_many. Multiple choice: option_letter of the
+    extracted answer (or of the text when nothing was extracted) equals the gold letter exactly."""
+    preds = [extract_fn(t) for _, _, t in items]
+    ok, letters = [False] * len(items), [None] * len(items)
+    free = [i for i, (_, g, _) in enumerate(items) if g is None]
+    for i, r in zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free], timeout=timeout)):
+        ok[i] = bool(r)
+    for i, (p, g, t) in enumerate(items):
+        if g is not None:
+            letters[i] = option_letter(preds[i], t, len(p["choices"]))
+            ok[i] = letters[i] == g
+    return preds, ok, letters
+
+
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
              limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000):
     """Greedy accuracy and pass@k per benchmark.
@@ -3304,6 +3539,9 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
       a bootstrap 95% interval over problems; "mean@n" is the mean per-sample accuracy (= pass@1).
       With n == 1 no sampling is done and pass@1 is the greedy accuracy (marked "pass@k_source": "greedy").
     - The answer is extract_fn(completion text) (default: the last \\boxed{}), judged by math_equal_many.
+      Multiple choice (a problem with "choices"): the answer is reduced to its option letter (option_letter:
+      "\\boxed{B}", "\\boxed{(B)}", "B) text", "the answer is B") and must equal the gold letter exactly
+      (gold_option_letter); "n_multiple_choice" counts these problems and the settings say so.
     `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
     (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
     T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
@@ -3327,25 +3565,32 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         probs = load_benchmark(bench, limit)
         prompts = [prompt_fn(p, tok) for p in probs]
         golds = [p["answer"] for p in probs]
+        gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
         greedy = sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
-        g_preds = [extract_fn(g[0].text) for g in greedy]
-        g_ok = math_equal_many(list(zip(g_preds, golds)), timeout=timeout)
-        res = {"n_problems": len(probs), "greedy_acc": float(np.mean(g_ok)),
+        g_preds, g_ok, g_letters = _vf_judge([(p, gl, g[0].text) for p, gl, g in zip(probs, gold_letters, greedy)],
+                                             extract_fn, timeout)
+        g_none = [(lt is None) if gl is not None else (p is None)
+                  for p, lt, gl in zip(g_preds, g_letters, gold_letters)]
+        res = {"n_problems": len(probs), "n_multiple_choice": sum(gl is not None for gl in gold_letters),
+               "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
+                                                    for p, gl in zip(probs, gold_letters)),
+               "greedy_acc": float(np.mean(g_ok)),
                "greedy_acc_ci": list(bootstrap_ci(np.asarray(g_ok, float), n_boot)),
-               "greedy_no_answer_frac": float(np.mean([p is None for p in g_preds])),
+               "greedy_no_answer_frac": float(np.mean(g_none)),
                "greedy_truncated_frac": float(np.mean([g[0].finish_reason == "length" for g in greedy])),
                "greedy_mean_tokens": float(np.mean([len(g[0].token_ids) for g in greedy]))}
-        per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok)}
-                       for gold, p, ok in zip(golds, g_preds, g_ok)]
+        per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok),
+                        **({"greedy_letter": lt} if gl is not None else {})}
+                       for gold, p, ok, lt, gl in zip(golds, g_preds, g_ok, g_letters, gold_letters)]
         if n > 1:
             samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
                                               max_tokens=max_tokens, seed=seed)
-            pairs, owner = [], []
+            items, owner = [], []
             for j, group in enumerate(samp):
                 for c in group:
-                    pairs.append((extract_fn(c.text), golds[j]))
+                    items.append((probs[j], gold_letters[j], c.text))
                     owner.append(j)
-            ok = math_equal_many(pairs, timeout=timeout)
+            s_preds, ok, s_letters = _vf_judge(items, extract_fn, timeout)
             cs = np.zeros(len(probs), dtype=int)
             for j, o in zip(owner, ok):
                 cs[j] += int(o)
@@ -3357,7 +3602,8 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 res["pass@k_ci"][str(kk)] = [lo, hi]
             res["mean@n"] = float(np.mean(cs / np.asarray(ns)))
             res["pass@k_source"] = "samples"
-            res["sample_no_answer_frac"] = float(np.mean([p is None for p, _ in pairs]))
+            res["sample_no_answer_frac"] = float(np.mean([(lt is None) if gold_letters[j] is not None else p is None
+                                                          for p, lt, j in zip(s_preds, s_letters, owner)]))
             res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
             for rec, c in zip(per_problem, cs):
                 rec["correct_samples"] = int(c)
@@ -3371,6 +3617,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
             "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
                          "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
                          "limit": int(limit), "seed": seed, "verifier": _vf_verifier_name(timeout),
+                         "multiple_choice": _VF_MC_GRADING,
                          "prompt": "default" if prompt_fn is default_eval_prompt else getattr(
                              prompt_fn, "__name__", "custom"),
                          "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
