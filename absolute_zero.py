@@ -97,7 +97,7 @@ class Config(common.RunConfig):
     sandbox_memory_mb: int = 1024  # address-space limit of one program run
     max_program_chars: int = 8000  # not in the paper: longer programs are invalid (size cap, never truncated)
     max_output_chars: int = 4000  # not in the paper: longer output literals are invalid (never truncated)
-    eval_benchmarks: str = "aime24,aime25,amc23,math500"  # Table 1's math benchmarks that common knows by name; add Minerva/OlympiadBench as local JSONL or hf:<id>:<split>:<q>:<a>
+    eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1's six math benchmarks
     eval_code: bool = False  # also run Table 1's code benchmarks (--eval-code-benchmarks) through common.evaluate_code
     eval_code_benchmarks: str = "humaneval+,mbpp+"  # HumanEval+/MBPP+ (EvalPlus, from the hub: needs `datasets`) or local JSONL files (common.load_code_benchmark)
 

@@ -121,7 +121,7 @@ class Config(common.RunConfig):
     decontaminate_n: int = 13  # n of the n-gram overlap filter
     eval_base: bool = True  # also evaluate the base model before iteration 1
     eval_every: int = 0  # unused: R-Zero evaluates the Solver after every iteration (paper §5; spec §6)
-    eval_benchmarks: str = "math500,gsm8k,amc23,aime24,aime25"  # paper §4 math suite (Minerva, OlympiadBench: local JSONL)
+    eval_benchmarks: str = "math500,gsm8k,amc23,minerva,olympiadbench,aime24,aime25,supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general (option letter boxed); --eval-limit N for a quick look
     eval_max_tokens: int = 4096  # greedy, 4,096 tokens (evaluation/generate.py)
     oracle_model: str = ""  # model whose majority answer judges the kept pseudo-labels (analysis §7.1 a); "" = off
     oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)

@@ -342,3 +342,15 @@ def test_local_jsonl_choices_limit(tmp_path):
     ten = _write(tmp_path / "ten.jsonl", [{"question": "q", "choices": [str(i) for i in range(10)], "answer": "J"}])
     [p] = load_benchmark(ten)
     assert "\nJ) 9" in common.default_eval_prompt(p) and gold_option_letter(p) == "J"
+
+
+def test_method_defaults_evaluate_on_the_papers_suites_by_builtin_name():
+    """Each method's default --eval-benchmarks is its paper's table, and every name is one load_benchmark knows."""
+    import absolute_zero
+    import r_zero
+    import spice
+    suites = {spice: 11, r_zero: 10, absolute_zero: 6}  # SPICE Table 1; R-Zero 7 math + 3 general; AZR Table 1 math
+    for module, n in suites.items():
+        names = module.Config().eval_benchmarks.split(",")
+        assert len(set(names)) == n and all(b in common.BENCHMARKS for b in names), (module.__name__, names)
+    assert {"minerva", "olympiadbench", "gpqa_diamond", "bbeh"} <= set(spice.Config().eval_benchmarks.split(","))
