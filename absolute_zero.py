@@ -829,12 +829,7 @@ def check_config(cfg: Config) -> None:
     if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len "
                          f"{cfg.max_model_len}")
-    for b in (b.strip() for b in cfg.eval_benchmarks.split(",")):
-        if b and not (b.lower() in common.BENCHMARKS or b.startswith("hf:") or b.endswith((".jsonl", ".json"))):
-            raise ValueError(f"--eval-benchmarks: unknown benchmark {b!r}; use one of {sorted(common.BENCHMARKS)}, "
-                             "a local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer field>")
-        if b.endswith((".jsonl", ".json")) and not os.path.isfile(b):
-            raise ValueError(f"--eval-benchmarks: file {b} does not exist")
+    common.check_benchmark_names(cfg.eval_benchmarks)
     code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] if cfg.eval_code else []
     for b in code:
         if b.lower() not in common.CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):

@@ -3417,13 +3417,44 @@ def _vf_open_hub(name, spec):
                                    ) from None
 
 
+def parse_benchmark_spec(spec) -> tuple[str, int | None]:
+    """"aime24@32" -> ("aime24", 32): a benchmark scored by the mean accuracy of 32 samples (mean@32, as SPICE
+    reports AIME) instead of greedy decoding; "aime24" -> ("aime24", None). An existing file is never split."""
+    name = str(spec).strip()
+    m = re.fullmatch(r"(.+)@(\d+)", name)
+    if m is None or os.path.isfile(name):
+        return name, None
+    if int(m[2]) < 1:
+        raise ValueError(f"benchmark {name!r}: the number of samples after '@' must be >= 1")
+    return m[1], int(m[2])
+
+
+def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
+    """A method's up-front check of a comma-separated benchmark list (before a long run dies at its final
+    evaluation): each entry must be a built-in name, an hf: spec or an existing JSONL file, with an optional
+    "@N". Raises ValueError naming the entry and the fix; whether the hub can serve it is not checked here."""
+    for entry in (b.strip() for b in str(names).split(",")):
+        if not entry:
+            continue
+        b = parse_benchmark_spec(entry)[0]
+        if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
+            if not os.path.isfile(b):
+                raise ValueError(f"{flag}: file {b} does not exist")
+        elif not (b.lower() in BENCHMARKS or b.startswith("hf:")):
+            close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
+            raise ValueError(f"{flag}: unknown benchmark {b!r}{f' (did you mean {close[0]}?)' if close else ''}; "
+                             f"use one of {sorted(BENCHMARKS)}, a local .jsonl file or "
+                             "hf:<id>[:<config>]:<split>:<question field>:<answer field>, optionally with @N samples")
+
+
 def load_benchmark(name_or_path, limit=0):
     """Problems as [{"question", "answer", "choices"?}] ("answer" is the gold letter when there are "choices"):
     a local JSONL file (one object per line), a name in BENCHMARKS (gsm8k, math500, aime24, aime25, amc23,
     minerva, olympiadbench, mmlu_pro, gpqa_diamond, supergpqa, bbeh; loaded with `datasets`, imported lazily), or
     "hf:<id>[:<config>]:<split>:<question column>:<answer column>". `limit` > 0 keeps the first N problems.
+    A trailing "@N" (see parse_benchmark_spec) is ignored here: it only tells `evaluate` how to score.
     No `datasets`, no hub, or a gated set without a login: BenchmarkUnavailable (a RuntimeError) saying the fix."""
-    name = str(name_or_path).strip()
+    name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         if not os.path.isfile(name):
             raise FileNotFoundError(f"benchmark file {name} does not exist")
@@ -3542,6 +3573,9 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
       Multiple choice (a problem with "choices"): the answer is reduced to its option letter (option_letter:
       "\\boxed{B}", "\\boxed{(B)}", "B) text", "the answer is B") and must equal the gold letter exactly
       (gold_option_letter); "n_multiple_choice" counts these problems and the settings say so.
+    - "score" is the benchmark's headline figure: greedy_acc, or mean@N for a benchmark named "name@N", which
+      draws N samples (instead of n) at (temperature, top_p) for that benchmark only (SPICE's AIME protocol:
+      "aime24@32" with temperature 0.6).
     `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
     (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
     T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
@@ -3555,14 +3589,15 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     if n < 1 or not ks or ks[0] < 1:
         raise ValueError(f"evaluate needs n >= 1 and k >= 1, got n={n}, k={ks}")
     skipped_k = [x for x in ks if x > n]
-    ks = [x for x in ks if x <= n]
     tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn = prompt_fn or default_eval_prompt
     extract_fn = extract_fn or extract_boxed
     t0 = time.time()
     results = {}
     for bench in benchmarks:
-        probs = load_benchmark(bench, limit)
+        name, n_bench = parse_benchmark_spec(bench)
+        n_samples = n_bench or n
+        probs = load_benchmark(name, limit)
         prompts = [prompt_fn(p, tok) for p in probs]
         golds = [p["answer"] for p in probs]
         gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
@@ -3582,8 +3617,8 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok),
                         **({"greedy_letter": lt} if gl is not None else {})}
                        for gold, p, ok, lt, gl in zip(golds, g_preds, g_ok, g_letters, gold_letters)]
-        if n > 1:
-            samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
+        if n_samples > 1:
+            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature, top_p=top_p,
                                               max_tokens=max_tokens, seed=seed)
             items, owner = [], []
             for j, group in enumerate(samp):
@@ -3596,11 +3631,12 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 cs[j] += int(o)
             ns = [len(g) for g in samp]
             res["pass@k"], res["pass@k_ci"] = {}, {}
-            for kk in ks:
+            for kk in [x for x in ks if x <= n_samples]:
                 m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
                 res["pass@k"][str(kk)] = m
                 res["pass@k_ci"][str(kk)] = [lo, hi]
             res["mean@n"] = float(np.mean(cs / np.asarray(ns)))
+            res["n_samples"] = n_samples
             res["pass@k_source"] = "samples"
             res["sample_no_answer_frac"] = float(np.mean([(lt is None) if gold_letters[j] is not None else p is None
                                                           for p, lt, j in zip(s_preds, s_letters, owner)]))
@@ -3611,10 +3647,12 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
             res["pass@k"] = {"1": res["greedy_acc"]}
             res["pass@k_ci"] = {"1": res["greedy_acc_ci"]}
             res["pass@k_source"] = "greedy"
+        res["score"], res["score_source"] = (res["mean@n"], f"mean@{n_bench}") if n_bench else \
+            (res["greedy_acc"], "greedy")
         res["per_problem"] = per_problem
         results[bench] = res
     return {"benchmarks": results,
-            "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
+            "settings": {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
                          "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
                          "limit": int(limit), "seed": seed, "verifier": _vf_verifier_name(timeout),
                          "multiple_choice": _VF_MC_GRADING,
@@ -3695,11 +3733,14 @@ def _core_same_parameters(path, policy) -> bool:
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     """Flatten `evaluate`'s result into metrics.jsonl keys: <prefix>/<bench>/<metric> for every number (a JSONL
-    benchmark is named by its file stem), <prefix>/<bench>/pass@k, and <prefix>/mean_greedy_acc over the
-    benchmarks (the papers' "average" column)."""
-    out, accs = {}, []
+    benchmark is named by its file stem), <prefix>/<bench>/pass@k, <prefix>/mean_greedy_acc over the benchmarks,
+    and <prefix>/mean_score, the mean of each benchmark's headline "score" (greedy, or mean@N for "name@N": the
+    papers' "average" column)."""
+    out, accs, scores = {}, [], []
     for bench, r in (result.get("benchmarks") or {}).items():
-        name = pathlib.Path(bench).stem if bench.endswith((".jsonl", ".json")) else bench
+        base, n_bench = parse_benchmark_spec(bench)
+        name = pathlib.Path(base).stem if base.endswith((".jsonl", ".json")) else base
+        name += f"@{n_bench}" if n_bench else ""
         for k, v in r.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[f"{prefix}/{name}/{k}"] = v
@@ -3707,8 +3748,12 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
             out[f"{prefix}/{name}/pass@{k}"] = v
         if isinstance(r.get("greedy_acc"), (int, float)):
             accs.append(r["greedy_acc"])
+        if isinstance(r.get("score"), (int, float)):
+            scores.append(r["score"])
     if accs:
         out[f"{prefix}/mean_greedy_acc"] = sum(accs) / len(accs)
+    if scores:
+        out[f"{prefix}/mean_score"] = sum(scores) / len(scores)
     return out
 
 

@@ -150,6 +150,8 @@ def validate_config(cfg: Config) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {' or '.join(allowed)}, not {getattr(cfg, name)!r}")
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
+    common.check_benchmark_names(cfg.eval_benchmarks)
+    common.check_benchmark_names(cfg.label_check, "--label-check")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ class Config(common.RunConfig):
     challenger_gpu_memory_utilization: float = 0.2  # GPU share of the fixed Challenger's own engine (only if it cannot be swapped in)
     fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
     reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
-    eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24,aime25,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A); a set that cannot load is skipped with a warning
+    eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24@32,aime25@32,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A): greedy, AIME mean@32 at T 0.6; a set that cannot load is skipped with a warning
     decontaminate: bool = True  # drop corpus segments and generated questions sharing a 13-gram with the eval sets (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
@@ -794,6 +794,7 @@ def validate_config(cfg: Config) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
+    common.check_benchmark_names(cfg.eval_benchmarks)
 
 
 def train(cfg: Config, policy=None) -> Path:

@@ -317,6 +317,36 @@ def test_multiple_choice_samples_and_text_golds(tmp_path):
     assert r["pass@k"]["1"] == pytest.approx((3 / 4 + 1 / 4 + 3 / 4) / 3)
 
 
+def test_name_at_n_scores_that_benchmark_by_mean_at_n(tmp_path):
+    """"bench@N" (SPICE's AIME protocol, mean@32 at T 0.6): N samples for that benchmark only, its "score" is
+    mean@N while the others keep the greedy score; eval_metrics names it bench@N and averages the scores."""
+    a = _write(tmp_path / "a.jsonl", [{"question": "A1", "answer": "1"}, {"question": "A2", "answer": "2"}])
+    b = _write(tmp_path / "b.jsonl", [{"question": "B1", "answer": "3"}])
+    sampler = StandIn({"A1": ["\\boxed{1}", "\\boxed{0}", "\\boxed{1}", "\\boxed{0}"],   # greedy right, mean 1/2
+                       "A2": ["\\boxed{0}", "\\boxed{2}", "\\boxed{2}", "\\boxed{2}"],   # greedy wrong, mean 3/4
+                       "B1": ["\\boxed{3}", "\\boxed{0}", "\\boxed{0}", "\\boxed{0}"]})
+    res = common.evaluate(sampler, f"{a}@4,{b}", prompt_fn=by_question, k="1,4", n_boot=50)
+    ra, rb = res["benchmarks"][f"{a}@4"], res["benchmarks"][b]
+    assert ra["greedy_acc"] == 0.5 and ra["n_samples"] == 4 and ra["mean@n"] == pytest.approx(5 / 8)
+    assert (ra["score"], ra["score_source"]) == (pytest.approx(5 / 8), "mean@4") and set(ra["pass@k"]) == {"1", "4"}
+    assert (rb["score"], rb["score_source"], rb["pass@k_source"]) == (1.0, "greedy", "greedy")  # n = 1: no samples
+    flat = common.eval_metrics(res)
+    assert flat["eval/a@4/score"] == pytest.approx(5 / 8) and flat["eval/b/score"] == 1.0
+    assert flat["eval/mean_score"] == pytest.approx((5 / 8 + 1) / 2) and flat["eval/mean_greedy_acc"] == 0.75
+    assert common.parse_benchmark_spec("aime24@32") == ("aime24", 32)
+    assert common.parse_benchmark_spec(a) == (a, None) and len(common.load_benchmark(f"{a}@4")) == 2
+    with pytest.raises(ValueError, match="must be >= 1"):
+        common.parse_benchmark_spec("aime24@0")
+
+
+def test_benchmark_names_are_checked_up_front(tmp_path):
+    common.check_benchmark_names(f"gsm8k, aime24@32,hf:x/y:test:q:a,{_write(tmp_path / 'ok.jsonl', [])}@2,")
+    for bad, needle in [("gsm8k,gsm8kk", "did you mean gsm8k"), ("mmlu-pro", "did you mean mmlu_pro"),
+                        (str(tmp_path / "missing.jsonl"), "does not exist")]:
+        with pytest.raises(ValueError, match=needle):
+            common.check_benchmark_names(bad)
+
+
 def test_hub_multiple_choice_through_evaluate(hub):
     """GPQA's shuffled options through the default prompt: the letter of the correct answer's position counts,
     the correct answer's text or another letter does not."""
@@ -351,6 +381,10 @@ def test_method_defaults_evaluate_on_the_papers_suites_by_builtin_name():
     import spice
     suites = {spice: 11, r_zero: 10, absolute_zero: 6}  # SPICE Table 1; R-Zero 7 math + 3 general; AZR Table 1 math
     for module, n in suites.items():
-        names = module.Config().eval_benchmarks.split(",")
+        names = [common.parse_benchmark_spec(b)[0] for b in module.Config().eval_benchmarks.split(",")]
         assert len(set(names)) == n and all(b in common.BENCHMARKS for b in names), (module.__name__, names)
-    assert {"minerva", "olympiadbench", "gpqa_diamond", "bbeh"} <= set(spice.Config().eval_benchmarks.split(","))
+        common.check_benchmark_names(module.Config().eval_benchmarks)
+    assert {"minerva", "olympiadbench", "gpqa_diamond", "bbeh", "aime24@32", "aime25@32"} <= \
+        set(spice.Config().eval_benchmarks.split(","))  # App. A: AIME is the mean of 32 samples at T 0.6
+    import inspect
+    assert spice.Config().eval_n == 1 and inspect.signature(common.evaluate).parameters["temperature"].default == 0.6
