@@ -46,10 +46,9 @@ paper; the flags give the code's variants where they matter:
   * math-verify equivalence (common.math_equal, hard timeouts), not mathruler's grade_answer
   * rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation (rl_core §4); votes use
     the code's top-k 40, and the question pool top-p 0.95 (not trained on).
-  * The code splits each rollout batch into optimizer minibatches (Challenger 16 prompts -> 32 updates per step,
-    Solver 128 -> 4) with the rollout policy's log-probs as pi_old for all of them. Here each minibatch is one
-    common.pg_step call, which takes pi_old from the weights just before that minibatch: ratios start at 1 for
-    every minibatch, so clipping only acts with --updates-per-batch > 1.
+  * As in the code, each rollout batch is split into optimizer minibatches (Challenger 16 prompts -> 32 updates
+    per step, Solver 128 -> 4; --challenger-minibatch, --solver-minibatch) that all keep the rollout policy's
+    log-probs as pi_old (common.old_logprobs), so the PPO clip and dual clip act from the second minibatch on.
   * Loss aggregation seq-mean-token-mean (EasyR1 with one sequence per micro-batch, rl_core §3, §8).
 Engineering: ONE trainer model and ONE vLLM engine. The role being trained lives in the trainer (with AdamW state,
 reset at every phase start); the other role is a CPU state dict that is swapped into the engine only to sample.
@@ -216,9 +215,10 @@ def in_band(agree: int, m: int, low: float, high: float) -> bool:
 
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """paper: max(0, r_unc - r_rep); code: min(p^, 1 - p^) - r_rep, unclipped (caller_penalty.py). r_rep is taken
-    over the B valid questions of the batch (BLEU-4 clusters, average linkage at tau_BLEU): an output without a
-    question has nothing to cluster and gets invalid_reward."""
+    """paper: max(0, r_unc - r_rep); code: min(p^, 1 - p^) - r_rep, unclipped (caller_penalty.py). r_rep =
+    lambda |C_k| / B with C_k the BLEU-4 cluster (average linkage at tau_BLEU) of the valid questions and B the
+    whole batch; an output without a question has nothing to cluster and gets invalid_reward (the code: -1 - r_rep
+    of the cluster of empty strings; here exactly --invalid-reward)."""
     valid = np.array([q is not None for q in questions], dtype=bool)
     p = np.asarray(p_hats, dtype=np.float64)
     vidx = np.flatnonzero(valid)
@@ -226,7 +226,7 @@ def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Co
     if len(vidx):
         ids = np.asarray(common.bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold))
         sizes = np.bincount(ids)[ids] - (1.0 if cfg.rep_penalty == "excess" else 0.0)
-        r_rep[vidx] = cfg.rep_lambda * sizes / len(vidx)
+        r_rep[vidx] = cfg.rep_lambda * sizes / len(questions)  # / B, the whole batch (spec §2, caller_penalty.py)
         n_clusters = int(ids.max()) + 1
     r_unc = np.where(valid, common.uncertainty_reward(p), 0.0)
     reward = np.maximum(0.0, r_unc - r_rep) if cfg.reward_variant == "paper" else np.minimum(p, 1.0 - p) - r_rep
@@ -302,6 +302,8 @@ def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: 
                          updates_per_batch=cfg.updates_per_batch)
     groups = list(dict.fromkeys(group_ids))
     size = minibatch or len(groups)
+    if size < len(groups):  # several optimizer minibatches per rollout batch: pi_old stays the rollout policy
+        common.old_logprobs(policy, trajs, cfg.temperature)
     stats = []
     for s in range(0, len(groups), size):
         chunk = set(groups[s:s + size])
@@ -467,14 +469,25 @@ def _solver_eval_prompt(problem: dict, tokenizer=None):
     return solver_prompt(q, tokenizer)
 
 
+GENERAL = ("supergpqa", "mmlu_pro", "bbeh", "gpqa_diamond")  # the general-reasoning sets; any other set is math
+
+
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
-    """Greedy accuracy (and pass@k if --eval-n > 1) of the Solver with its own prompt; math-verify only."""
+    """Greedy accuracy (and pass@k if --eval-n > 1) of the Solver with its own prompt; math-verify only. Logs
+    the paper's two summaries: eval/math_avg over the math sets and eval/overall = mean(math_avg, SuperGPQA,
+    MMLU-Pro, BBEH) (spec §5), by which the best iteration is chosen."""
     if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
         return {}
     with roles.sampling(SOLVER):
         res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
     run.write_eval(res, name)
-    return common.eval_metrics(res)
+    m = common.eval_metrics(res)
+    math = [r["score"] for b, r in res["benchmarks"].items() if common.parse_benchmark_spec(b)[0] not in GENERAL]
+    general = [r["score"] for b, r in res["benchmarks"].items() if common.parse_benchmark_spec(b)[0] in GENERAL]
+    if math:
+        m["eval/math_avg"] = float(np.mean(math))
+    m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))  # spec §5 "Overall"
+    return m
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -564,6 +577,10 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}  # paper order
     schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph, n in sizes.items() for j in range(n)]
     position = (state["iteration"], state["phase"], state["phase_step"])
+    if position not in schedule and position != (cfg.iterations + 1, CHALLENGER, 0):  # the finished run's end
+        raise ValueError(f"--resume: the run stopped before {position[1]} step {position[2] + 1} of iteration "
+                         f"{position[0]}, which the current --iterations/--challenger-steps/--solver-steps do not "
+                         "have; resume with the values it was started with")
     done = schedule.index(position) if position in schedule else len(schedule)
     pbar = run.progress(len(schedule), initial=done)
     for step, (k, phase, j) in enumerate(schedule[done:], start=done + 1):
@@ -593,9 +610,9 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                      else {"solver/skipped": 1})
         else:  # 4. evaluate the Solver after every iteration
             m.update(evaluate_solver(policy, roles, cfg, run, f"eval_iter{k}.json"))
-            acc = m.get("eval/mean_greedy_acc")
-            if acc is not None and (state["best"] is None or acc > state["best"]["eval/mean_greedy_acc"]):
-                state["best"] = {"iteration": k, "eval/mean_greedy_acc": acc}
+            acc = m.get("eval/overall")
+            if acc is not None and (state["best"] is None or acc > state["best"]["eval/overall"]):
+                state["best"] = {"iteration": k, "eval/overall": acc}
             state["dataset"] = []
         run.log(step, m)
         pbar.update(1)
@@ -609,8 +626,8 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
             save_state(run, policy, roles, state, step, ref)
     pbar.close()
     if state["best"] is not None:
-        print(f"[r_zero] best iteration {state['best']['iteration']} (mean greedy acc "
-              f"{state['best']['eval/mean_greedy_acc']:.4f}); last iteration {cfg.iterations}", file=sys.stderr)
+        print(f"[r_zero] best iteration {state['best']['iteration']} (overall "
+              f"{state['best']['eval/overall']:.4f}); last iteration {cfg.iterations}", file=sys.stderr)
     export_roles(run, policy, roles)
     run.close()
     return run.dir

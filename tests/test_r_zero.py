@@ -55,14 +55,14 @@ def test_challenger_reward_on_vote_patterns():
     stats = r_zero.vote_statistics(groups[:2] + [[str(i) for i in range(10)]] + [groups[3]])
     p = [stats[0]["p_hat"], stats[1]["p_hat"], stats[2]["p_hat"], 0.0, stats[3]["p_hat"]]
     r = r_zero.challenger_rewards(qs, p, cfg)
-    B = 4  # valid questions in the batch, all different: every one pays the 1/B floor
+    B = 5  # the whole batch, the invalid output included (spec §2: |C_k| / B); all different: the 1/B floor
     np.testing.assert_allclose(r["r_rep"], [1 / B, 1 / B, 1 / B, 0, 1 / B])
     np.testing.assert_allclose(r["r_unc"], [0.8, 0.0, 0.2, 0.0, 1.0])
-    np.testing.assert_allclose(r["reward"], [0.8 - 0.25, 0.0, 0.0, 0.0, 0.75])  # max(0, .) clips 0.2 - 0.25
+    np.testing.assert_allclose(r["reward"], [0.8 - 0.2, 0.0, 0.0, 0.0, 0.8], atol=1e-12)  # max(0, .): 0.2 - 0.2
     assert r["valid"].tolist() == [True, True, True, False, True] and r["n_clusters"] == 4
     # the official code's variant: min(p, 1 - p) - r_rep, unclipped, invalid -1
     rc = r_zero.challenger_rewards(qs, p, _cfg(reward_variant="code", invalid_reward=-1.0))
-    np.testing.assert_allclose(rc["reward"], [0.4 - 0.25, -0.25, 0.1 - 0.25, -1.0, 0.5 - 0.25])
+    np.testing.assert_allclose(rc["reward"], [0.4 - 0.2, -0.2, 0.1 - 0.2, -1.0, 0.5 - 0.2])
     # option (|C| - 1) / B removes the floor
     re_ = r_zero.challenger_rewards(qs, p, _cfg(rep_penalty="excess"))
     np.testing.assert_allclose(re_["reward"], [0.8, 0.0, 0.2, 0.0, 1.0])
@@ -268,7 +268,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     ch = next(m for m in ms if "challenger/reward" in m)
     ds = next(m for m in ms if "dataset/kept" in m)
     so = next(m for m in ms if "solver/acc_vs_pseudo" in m)
-    ev = next(m for m in ms if "eval/mean_greedy_acc" in m)
+    ev = next(m for m in ms if "eval/overall" in m)
     assert ch["challenger/n_valid"] > 0 and ch["challenger/format_fail"] < 0.5
     assert ch["challenger/reward"] > 0 and 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
     assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy", "challenger/entropy_exact"} <= set(ch)
@@ -282,7 +282,8 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # --solver-reward paper: accuracy only
-    assert 0.0 <= ev["eval/mean_greedy_acc"] <= 1.0 and (pathlib.Path(run_dir) / "eval_iter1.json").is_file()
+    assert ev["eval/overall"] == ev["eval/math_avg"] == ev["eval/mean_greedy_acc"]  # one math set, no general
+    assert 0.0 <= ev["eval/overall"] <= 1.0 and (pathlib.Path(run_dir) / "eval_iter1.json").is_file()
     # both models changed (weight decay is 0, so only non-zero advantages can move them), and differently
     fin_c, fin_s = (_load(pathlib.Path(run_dir) / "final" / r) for r in ("challenger", "solver"))
     assert _differs(fin_c, warm) and _differs(fin_s, warm) and _differs(fin_c, fin_s)
