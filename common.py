@@ -542,6 +542,24 @@ class Completion:
 Prompt = typing.Union[str, list]  # raw text, or chat messages [{"role":..., "content":...}]
 
 
+def strip_special_tokens(text: str, tokenizer) -> str:
+    """Remove the tokenizer's special-token strings (e.g. "<|im_end|>", "<|im_start|>", "<|endoftext|>") from
+    untrusted text (a generated question, a corpus document) before it goes into a prompt: tokenizing the
+    rendered prompt would otherwise turn them into real control tokens, letting the text forge chat turns or
+    an end of text. Repeated until none is left (removing one may join the halves of another)."""
+    specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", []) if t}
+                      | {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                         if getattr(t, "special", False)}, key=len, reverse=True)
+    if not specials or not isinstance(text, str):
+        return text
+    pattern = re.compile("|".join(re.escape(t) for t in specials))
+    while True:
+        cleaned = pattern.sub("", text)
+        if cleaned == text:
+            return text
+        text = cleaned
+
+
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt: raw text as is, chat messages through the tokenizer's chat template with the
     assistant generation prompt appended."""
