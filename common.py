@@ -84,7 +84,8 @@ class RunConfig:
     resume: str = ""  # RUN_DIR to resume from its latest checkpoint (flags given explicitly override its config.json)
     seed: int = 0  # seeds python, numpy, torch and the vLLM engine
     backend: str = "vllm"  # vllm | hf  (falls back to hf with a warning if vllm is not importable)
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU; or bfloat16 | float16 | float32
+    dtype: str = "auto"  # trainer weights; auto = float32 master weights (bf16 compute via --autocast on GPU), float32 on CPU; or bfloat16 | float16 | float32. The vLLM engine: bfloat16 on GPU
+    autocast: str = "auto"  # trainer compute; auto = bfloat16 autocast on GPU over fp32 weights (off on CPU, and FSDP2 does its own); bfloat16 | off
     gpu_memory_utilization: float = 0.35  # share of GPU memory vLLM may take (the trainer needs the rest)
     vllm_sleep: bool = False  # offload vLLM weights and drop its KV cache while training (GPU only)
     max_model_len: int = 8192  # prompt + completion tokens per sequence in vLLM
@@ -664,6 +665,7 @@ class VLLMSampler(Sampler):
             warnings.warn(f"max_model_len {mml} > the model's max_position_embeddings {limit}; using {limit}")
             mml = int(limit)
         self.max_model_len = mml
+        self.dtype = dt  # the engine's weights; the trainer's fp32 master weights are cast to it when synced
         self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
@@ -746,12 +748,13 @@ class VLLMSampler(Sampler):
                 k = _core_strip_prefix(k)
                 if tied and k == "lm_head.weight":
                     continue  # sent together with the embedding below
-                yield k, v.detach()
+                v = v.detach().to(self.dtype)
+                yield k, v
                 if tied and k == "model.embed_tokens.weight":
                     # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that is
                     # not named in the iterator on its old values ("ParallelLMHead: Failed to load weights"),
                     # so the tied name is always sent, equal to the embedding.
-                    yield "lm_head.weight", v.detach()
+                    yield "lm_head.weight", v
 
         self.wake_up()
         # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
@@ -894,8 +897,10 @@ class HFSampler(Sampler):
                     kw = {}
                     if stop:  # early exit only; _core_finish cuts at the first stop string either way
                         kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
-                    seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev), generation_config=gcfg,
-                                          logits_processor=transformers.LogitsProcessorList([rec]), **kw)
+                    with _core_compute(model):
+                        seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
+                                              generation_config=gcfg,
+                                              logits_processor=transformers.LogitsProcessorList([rec]), **kw)
                     lps = rec.finish(seqs)
                     new = seqs[:, L:].cpu()
                     per_row = 1 if greedy else n  # greedy: one row per prompt, copied n times (as vLLM)
@@ -1000,6 +1005,16 @@ def _core_wrap_distributed(model, cfg):
     return model
 
 
+def _core_compute(model):
+    """The context forward passes of the trainer run in: bf16 autocast over fp32 master weights when
+    Policy.load set it (GPU default), else nothing."""
+    core = getattr(model, "module", model)
+    dtype = getattr(core, "selfplay_autocast", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(core.parameters()).device.type, dtype=dtype)
+
+
 def final_hidden_states(model, input_ids, attention_mask=None):
     """Last-layer hidden states after the final norm, [B, T, d], for scoring with a chunked LM head.
 
@@ -1010,13 +1025,15 @@ def final_hidden_states(model, input_ids, attention_mask=None):
     core = getattr(model, "module", model)
     norm = getattr(core.get_decoder(), "norm", None)
     if norm is None:  # architectures without a final `norm`: take it from the hidden-states tuple
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
-                    output_hidden_states=True)
+        with _core_compute(model):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
+                        output_hidden_states=True)
         return out.hidden_states[-1]
     box = {}
     handle = norm.register_forward_hook(lambda mod, args, out: box.__setitem__("h", out))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        with _core_compute(model):
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
     return box["h"]
@@ -1050,9 +1067,19 @@ class Policy:
         _, world = init_distributed()
         path = resolve_model_path(cfg.model)
         dtype = cfg.dtype
-        if world > 1 and cfg.dist == "fsdp" and dtype in (None, "", "auto"):
-            dtype = "float32"  # FSDP2 keeps fp32 master shards and computes in bf16 on GPUs (MixedPrecisionPolicy)
+        fsdp = world > 1 and cfg.dist == "fsdp"
+        if cfg.autocast not in ("auto", "bfloat16", "bf16", "off"):
+            raise ValueError(f"--autocast {cfg.autocast}: expected auto, bfloat16 or off")
+        # The update of one AdamW step is about lr (1e-6 here) per weight, far below the spacing of bf16 numbers
+        # near typical weights (~1e-4), so bf16 weights would round most updates away: the trainer keeps fp32
+        # master weights and computes in bf16 under autocast (FSDP2: MixedPrecisionPolicy instead).
+        on_gpu = default_device().type == "cuda"
+        compute = None if fsdp or cfg.autocast == "off" or (cfg.autocast == "auto" and not on_gpu) \
+            else torch.bfloat16
+        if dtype in (None, "", "auto") and (fsdp or compute is not None):
+            dtype = "float32"
         model, tok = load_model(path, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing)
+        model.selfplay_autocast = compute  # read by _core_compute (forward passes) and the HF sampler
         model.train()
         if world > 1:
             model = _core_wrap_distributed(model, cfg)
@@ -1610,11 +1637,12 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     lps, ents = [], []
     for s in range(0, n_tok, chunk_rows):
         h, t = hidden[s:s + chunk_rows], targets[s:s + chunk_rows]
-        if grad:
-            lp, en = torch.utils.checkpoint.checkpoint(_rl_head_logprobs, head, h, t, temperature, with_entropy,
-                                                       use_reentrant=False)
-        else:
-            lp, en = _rl_head_logprobs(head, h, t, temperature, with_entropy)
+        with _core_compute(model):  # the head matmul in bf16 under autocast; logits are upcast to fp32 inside
+            if grad:
+                lp, en = torch.utils.checkpoint.checkpoint(_rl_head_logprobs, head, h, t, temperature,
+                                                           with_entropy, use_reentrant=False)
+            else:
+                lp, en = _rl_head_logprobs(head, h, t, temperature, with_entropy)
         lps.append(lp)
         ents.append(en)
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)

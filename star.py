@@ -37,7 +37,8 @@ Choices this file makes (spec: shared/methods/star.md):
   * --few-shot-train exists only in the official code; the §4.4 ablation hints Table 1 used it (unconfirmed).
   * --warmup faithful restarts the code's 100-step warmup at every fine-tune, so round 1 (40 steps) ends at 0.4x
     the peak LR; --warmup short warms up over at most 10% of each round's steps.
-  * Batches are unpacked: about --batch-tokens target tokens each (the code packs 8 sequences x 1,536 tokens).
+  * Batches are unpacked: about --batch-tokens tokens of whole documents (prompt + rationale + answer) each; the
+    code packs the same text into 8 windows x 1,536 tokens. The loss is on rationale + answer + EOS only.
   * Step 0 of metrics.jsonl is the few-shot base model ("few-shot CoT" in the paper): STaR cannot bootstrap from
     chance level (§6), so look at it first.
   * One process: the trainer and the vLLM engine share one GPU; generation is not sharded over torchrun ranks.
@@ -79,7 +80,7 @@ class Config(common.RunConfig):
     steps_start: int = 40  # fine-tune steps in round 1 (paper §4; iteration_train.py --exponential_grow)
     steps_growth: float = 1.2  # steps_n = int(40 * 1.2^(n-1)): +20% per round (paper §4)
     steps_scale: float = 1.0  # multiplies the step schedule, for datasets much smaller than CQA's 9,741 (at least 1 step)
-    batch_tokens: int = 12288  # target tokens per optimizer step: 8 packed sequences x 1,536 tokens (configs/qa_base.json)
+    batch_tokens: int = 12288  # document tokens (prompt + target) per optimizer step: 8 packed windows x 1,536 tokens (configs/qa_base.json)
     lr: float = 1e-6  # peak LR, constant after warmup (configs/qa_base.json; Adam, clip 1.0, no weight decay)
     warmup: str = "faithful"  # faithful = linear over --warmup-steps, restarted every round (the code) | short = over at most 10% of each round's steps
     warmup_steps: int = 100  # linear warmup length (configs/qa_base.json)
@@ -455,7 +456,9 @@ def lr_at(step: int, n_steps: int, cfg: Config) -> float:
 
 def sft_batches(train_set: list, n_steps: int, batch_tokens: int, rng: random.Random):
     """n_steps batches drawn from the shuffled dataset, epoch after epoch, each holding about batch_tokens
-    target tokens (the unpacked version of the code's 8 packed 1,536-token sequences)."""
+    tokens of whole documents, prompt + target (the unpacked version of the code's 8 packed 1,536-token
+    windows, which hold the saved text: question, rationale, answer and, under --few-shot-train, the exemplars).
+    Only the budget counts the prompt; the loss is still on the target tokens alone."""
     order: list[int] = []
     for _ in range(n_steps if train_set else 0):
         batch, tokens = [], 0
@@ -467,7 +470,7 @@ def sft_batches(train_set: list, n_steps: int, batch_tokens: int, rng: random.Ra
                 break
             i = order.pop()
             batch.append(i)
-            tokens += len(train_set[i][1])
+            tokens += len(train_set[i][0]) + len(train_set[i][1])  # the whole document fills the packed window
         yield [train_set[i] for i in batch]
 
 

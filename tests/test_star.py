@@ -215,10 +215,20 @@ def test_sft_batches_cover_the_data_without_repeats_inside_a_step():
     for b in batches:
         ids = [id(x) for x in b]
         assert len(ids) == len(set(ids)) and b
-        assert sum(len(t) for _, t in b[:-1]) < 10  # stops as soon as the token budget is reached
+        assert sum(len(p) + len(t) for p, t in b[:-1]) < 10  # stops as soon as the token budget is reached
         seen += ids
     assert set(seen[:13]) == {id(x) for x in data}  # the first epoch is a permutation
     assert len(list(star.sft_batches(data[:2], 3, 10**6, random.Random(0)))[0]) == 2  # capped at the dataset
+
+
+def test_sft_batch_budget_counts_the_whole_document_like_the_packed_windows():
+    """The code packs whole saved documents (question + rationale + answer, plus the exemplars under
+    --few-shot-train) into 8 x 1,536-token windows, so a long prompt must take up the budget too."""
+    data = [([7] * 90, [0] * 10) for _ in range(20)]  # 100 tokens a document, only 10 of them trained
+    batches = list(star.sft_batches(data, 3, 400, random.Random(0)))
+    assert [len(b) for b in batches] == [4, 4, 4]  # counting targets only would put all 20 in every batch
+    assert all(p == [7] * 90 and t == [0] * 10 for b in batches for p, t in b)  # the loss mask is untouched
+    assert [len(b) for b in star.sft_batches(data, 2, 401, random.Random(0))] == [5, 5]  # reaches the budget
 
 
 def test_plateau_counts_rounds_without_a_new_best():
