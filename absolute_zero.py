@@ -248,7 +248,11 @@ def parse_call_args(text: str) -> tuple | None:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_") or \
                 node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
             return None
-        return tuple(ast.literal_eval(a) for a in node.args)
+        args = tuple(ast.literal_eval(a) for a in node.args)
+        # the executor sends repr(args) to the sandbox; repr raises ValueError for ints over 4300 decimal digits,
+        # which hex/binary literals ('0xfff...') reach without tripping the limit on decimal text
+        repr(args)
+        return args
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None
 
@@ -333,15 +337,37 @@ def parse_induction_proposal(completion: str, n: int) -> dict:
 # The executor (§3.3.3) and the buffers. Programs run in common.PythonSandbox; gold values never enter it; results
 # come back as repr text and are compared in this (trusted) process with ==, after common.parse_literal.
 # --------------------------------------------------------------------------------------------------------------
-_ADDRESS_RE = re.compile(r"0x[0-9a-fA-F]{6,}")
+# only the repr form of an object's address ('<Node object at 0x7f3a...>'): a bare hex number such as
+# hex(12345678) == '0xbc614e' is a legitimate output; any other address dependence shows up in the j runs
+_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")
 _STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "error", "sandbox_error": "error",
                   "forbidden": "banned", "timeout": "timeout", "output_limit": "too_large"}
+
+
+def _call_text(args: tuple) -> str | None:
+    """The call expression sent to the sandbox, or None if the arguments have no repr (parse_call_args already
+    refuses those; this guards entries from any other source, e.g. an edited checkpoint)."""
+    try:
+        return f"f(*{args!r})"
+    except (ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _same_value(a, b) -> bool:
+    """Determinism compares values, not printed text: two hash seeds may print the same set in different orders
+    (spec §6: the trainer compares parsed values with ==, sets are order-free); the type must match as well."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (RecursionError, MemoryError, ValueError, TypeError):
+        return False
 
 
 class Executor:
     """Runs f(*args) for (program, args) jobs and classifies the outcome. There are `determinism_runs` sandboxes,
     each with its own zygote processes (so its own address-space layout) and its own PYTHONHASHSEED (= j): run j
-    of a job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret."""
+    of a job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret.
+    Under torchrun only rank 0 runs programs and broadcasts the outcomes: wall-clock limits could otherwise make
+    ranks disagree about which tasks are valid or which answers are right, and their buffers would diverge."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -352,29 +378,47 @@ class Executor:
     def call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str]]:
         """-> [(status, output repr)], status: ok | error | timeout | banned | too_large | nondeterministic |
         non_literal. The output must parse as a finite literal that survives a repr round trip."""
+        return [(status, text) for status, text, _ in self._call(jobs, run)]
+
+    def _call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str, object]]:
+        """call() with the parsed output value as a third item (None unless ok); rank 0 runs, all ranks get it."""
+        rank, world = common.dist_info()
+        if world == 1:
+            return self._run(jobs, run)
+        return common.broadcast_object(self._run(jobs, run) if rank == 0 else None)
+
+    def _run(self, jobs: list[tuple[str, tuple]], run: int) -> list[tuple[str, str, object]]:
+        calls = [_call_text(a) for _, a in jobs]
+        todo = [(p, c) for (p, _), c in zip(jobs, calls) if c is not None]
+        results = iter(self.sandboxes[run].run_many(todo) if todo else [])
         out = []
-        for res in self.sandboxes[run].run_many([(p, f"f(*{a!r})") for p, a in jobs]) if jobs else []:
+        for c in calls:
+            if c is None:
+                out.append(("non_literal", "", None))
+                continue
+            res = next(results)
             reason = _STATUS_REASON.get(res.status, "error")
             if reason is not None:
-                out.append((reason, res.error or ""))
+                out.append((reason, res.error or "", None))
                 continue
             if _ADDRESS_RE.search(res.value):  # e.g. '<object at 0x7f..>' inside a string
-                out.append(("nondeterministic", res.value))
+                out.append(("nondeterministic", res.value, None))
                 continue
             try:
-                common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
-                out.append(("ok", res.value))
+                value = common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
+                out.append(("ok", res.value, value))
             except ValueError:
-                out.append(("non_literal", res.value))
+                out.append(("non_literal", res.value, None))
         return out
 
     def run_checked(self, jobs: list[tuple[str, tuple]]) -> list[tuple[str | None, str]]:
-        """Proposal validation: the j runs must all succeed and give the same output.
+        """Proposal validation: the j runs must all succeed and give the same VALUE (== and the same type; the
+        printed text may differ, e.g. set order under another hash seed). Run 0's text becomes the gold output.
         -> [(reject reason or None, gold output repr)]."""
         out = []
-        for per_job in zip(*[self.call(jobs, run=j) for j in range(len(self.sandboxes))]):
-            bad = next((s for s, _ in per_job if s != "ok"), None)
-            if bad is None and len({v for _, v in per_job}) > 1:
+        for per_job in zip(*[self._call(jobs, run=j) for j in range(len(self.sandboxes))]):
+            bad = next((s for s, _, _ in per_job if s != "ok"), None)
+            if bad is None and not all(_same_value(per_job[0][2], v) for _, _, v in per_job[1:]):
                 bad = "nondeterministic"
             out.append((bad, "") if bad else (None, per_job[0][1]))
         return out

@@ -150,6 +150,54 @@ def test_induction_validation_requires_every_input_valid(executor):
     assert bad["reason"] == "error"
 
 
+HUGE_HEX = "0x" + "f" * 4000  # a 16000-bit int: literal_eval accepts it, but its decimal repr has > 4300 digits
+
+
+def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing(executor):
+    """repr() of an int over 4300 decimal digits raises ValueError; the hex literal is reachable from proposal
+    inputs, induction inputs and abduction answers, and must never reach f"f(*{args!r})" in the trainer."""
+    assert az.parse_call_args(HUGE_HEX) is None and az.parse_call_args(f"[1, {HUGE_HEX}], 'a'") is None
+    assert az.parse_call_args("0xbc614e") == (12345678,)  # ordinary hex literals are still fine
+    prop = az.parse_triplet_proposal(answer(fence("python", "def f(x):\n    return 1") + "\n"
+                                            + fence("input", HUGE_HEX)))
+    assert prop["reason"] == "non_literal"
+    ind = az.parse_induction_proposal(answer(fence("input", "1") + fence("input", HUGE_HEX)
+                                             + fence("message", "m")), 2)
+    assert ind["reason"] == "non_literal"
+    e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
+    texts = [answer(fence("input", HUGE_HEX)), answer(fence("input", "7"))]
+    got = az.check_solutions(executor, "abduction", [e, e], texts, executor.cfg)
+    assert got == [(True, False), (True, True)]
+    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))], executor.cfg)
+    assert got == [(True, False)]
+    # arguments from anywhere else (an edited checkpoint) are refused by the executor itself, not by repr raising
+    assert executor.call([(e["program"], (int("f" * 4000, 16),)), (e["program"], (4,))]) == [("non_literal", ""),
+                                                                                             ("ok", "1")]
+
+
+def test_determinism_compares_values_not_printed_text(executor):
+    """A set prints in a hash-seed dependent order, so the two runs' texts differ, but the value is the same:
+    valid, with run 0's text as the gold output (spec §6: parsed values compared with ==)."""
+    job = ("def f(s):\n    return set(s.split())", ("ab cd ef gh ij kl mn op qr st",))
+    texts = [executor.call([job], run=j)[0] for j in range(2)]
+    assert texts[0][0] == texts[1][0] == "ok" and texts[0][1] != texts[1][1]  # really printed differently
+    assert executor.run_checked([job]) == [(None, texts[0][1])]
+    props = [_triplet(job[0], "'ab cd ef gh ij kl mn op qr st'")]
+    az.validate(executor, "deduction", props, executor.cfg)
+    assert props[0]["reason"] is None and common.parse_literal(props[0]["entry"]["output"]) == set(job[1][0].split())
+    # a value that differs between the runs, or only its type (1 vs 1.0 compare equal), is still nondeterministic
+    assert az._same_value(1, 1.0) is False and az._same_value({1, 2}, {2, 1}) is True
+
+
+def test_address_filter_rejects_object_reprs_but_not_hex_numbers(executor):
+    props = [_triplet("def f(x):\n    return hex(x)", "12345678"),
+             _triplet("def f(x):\n    return repr(object())", "0"),
+             _triplet("def f(x):\n    return str([f])", "0")]
+    az.validate(executor, "deduction", props, executor.cfg)
+    assert [p["reason"] for p in props] == [None, "nondeterministic", "nondeterministic"]
+    assert props[0]["entry"]["output"] == "'0xbc614e'"
+
+
 # ---------------------------------------------------------------------------------------------- solver checks
 def test_solver_checks_deduction(executor):
     e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
