@@ -44,6 +44,9 @@ paper; the flags give the code's variants where they matter:
                                                              = the reply is <think>..</think> .. \\boxed{..})
   * the code's string filters (drop questions containing "box" or "证明", labels containing "text"): --code-filters
   * math-verify equivalence (common.math_equal, hard timeouts), not mathruler's grade_answer
+  * not in the paper: generated questions sharing a 13-gram with an evaluation set are dropped from the Solver's
+    dataset (analysis §7.3), --no-decontaminate turns it off; questions whose Solver prompt would exceed
+    --max-prompt-tokens count as format failures
   * rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation (rl_core §4); votes use
     the code's top-k 40, and the question pool top-p 0.95 (not trained on).
   * As in the code, each rollout batch is split into optimizer minibatches (Challenger 16 prompts -> 32 updates
