@@ -119,7 +119,8 @@ BANNED_MODULES = frozenset({
     "_thread", "select", "mmap", "code", "codeop", "pty", "fcntl", "platform", "sysconfig", "site",
     "urllib", "http", "requests", "ftplib", "smtplib", "webbrowser", "faulthandler", "tracemalloc", "atexit",
 })
-# builtins that import, run code, do I/O or reach the interpreter; checked as Names, so `parse_input(` is fine
+# builtins that import, run code, do I/O or reach the interpreter; checked as Names the program does not bind
+# itself, so `parse_input(` and a parameter called `input` are fine (spec §6.9: the code's regex over-rejected)
 BANNED_NAMES = frozenset({
     "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit", "help",
     "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__",
@@ -263,13 +264,84 @@ def _module_banned(name: str) -> bool:
 
 
 def _banned(node: ast.AST) -> bool:
+    """Imports of banned modules and banned attributes (names are scope-dependent: _uses_banned_name)."""
     if isinstance(node, ast.Import):
         return any(_module_banned(a.name) for a in node.names)
     if isinstance(node, ast.ImportFrom):  # relative imports could reach anything next to the program
         return bool(node.level) or _module_banned(node.module or "") or \
             any(_module_banned(f"{node.module}.{a.name}") for a in node.names)
-    return (isinstance(node, ast.Name) and node.id in BANNED_NAMES) or \
-        (isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS)
+    return isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS
+
+
+_FUNCTION_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_NESTED_SCOPES = _FUNCTION_SCOPES + _COMPREHENSIONS + (ast.ClassDef,)
+
+
+def _function_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> set[str]:
+    """Names that are local to a function: parameters and every name its body binds (assignment, for, with,
+    except, match and walrus targets, del, def/class names, import aliases), minus `global`/`nonlocal` ones.
+    A local name never falls back to the builtin, even when read before it is bound (UnboundLocalError)."""
+    a = fn.args
+    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x is not None}
+    declared: set[str] = set()
+    stack = list(fn.body) if isinstance(fn.body, list) else [fn.body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)  # its own body is another scope
+            continue
+        if isinstance(node, (ast.Lambda,) + _COMPREHENSIONS):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((x.asname or x.name).split(".")[0] for x in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            declared.update(node.names)
+        stack.extend(ast.iter_child_nodes(node))
+    return names - declared
+
+
+def _uses_banned_name(tree: ast.AST) -> bool:
+    """A BANNED_NAMES name that is not local to an enclosing function or comprehension, i.e. one that may resolve
+    to the builtin. Module and class bodies do not count as binding: there a read before the assignment (or after
+    a `del`) still finds the builtin. Decorators, defaults, annotations and a comprehension's first iterable run
+    in the enclosing scope and are checked there. Iterative, so a deeply nested expression cannot overflow."""
+    stack: list[tuple[ast.AST, frozenset]] = [(tree, frozenset())]
+    while stack:
+        node, bound = stack.pop()
+        if isinstance(node, ast.Name) and node.id in BANNED_NAMES and node.id not in bound:
+            return True
+        if isinstance(node, _FUNCTION_SCOPES):
+            a = node.args
+            outside = a.defaults + [d for d in a.kw_defaults if d is not None]
+            if not isinstance(node, ast.Lambda):
+                outside += node.decorator_list + ([node.returns] if node.returns else [])
+                outside += [x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg]
+                            if x is not None and x.annotation is not None]
+            inner = bound | _function_locals(node)
+            stack.extend((n, bound) for n in outside)
+            stack.extend((n, inner) for n in (node.body if isinstance(node.body, list) else [node.body]))
+        elif isinstance(node, _COMPREHENSIONS):
+            gens = node.generators
+            targets = {n.id for g in gens for n in ast.walk(g.target)
+                       if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            inner = bound | targets
+            stack.append((gens[0].iter, bound))
+            # targets too: a subscript target such as `a[open]` reads a name
+            rest = [g.target for g in gens] + [x for g in gens for x in g.ifs] + [g.iter for g in gens[1:]]
+            rest += [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            stack.extend((n, inner) for n in rest)
+        else:
+            stack.extend((n, bound) for n in ast.iter_child_nodes(node))
+    return False
 
 
 def static_check(program: str, max_chars: int = 8000) -> tuple[str | None, str]:
@@ -281,7 +353,7 @@ def static_check(program: str, max_chars: int = 8000) -> tuple[str | None, str]:
         tree = ast.parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "syntax", program
-    if any(_banned(node) for node in ast.walk(tree)):
+    if any(_banned(node) for node in ast.walk(tree)) or _uses_banned_name(tree):
         return "banned", program
     # only top-level definitions count, so nested helpers and classes are allowed (spec §4.4)
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]

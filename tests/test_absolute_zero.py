@@ -83,6 +83,38 @@ def test_static_check_accepts_helpers_and_renames_single_entry_function():
     assert az.static_check("x = 1")[0] == "syntax"
 
 
+@pytest.mark.parametrize("program", [
+    "def f(input):\n    return input[::-1]",
+    "def f(x):\n    vars = [x]\n    help = len(vars)\n    return help",
+    "def f(x):\n    exit = lambda open: open + 1\n    return exit(x)",
+    "def f(x):\n    return [quit for quit in x]",
+    "def f(x):\n    open = 3\n    def g():\n        return open\n    return g()",
+    "class A:\n    def m(self, input):\n        return input\ndef f(x):\n    return A().m(x)",
+    "def f(x):\n    from math import sqrt as open\n    return open(x)",
+])
+def test_static_check_allows_builtin_names_the_program_binds_itself(program):
+    """Spec §6.9: over-broad rejection is a bug of the official code; a parameter or local named like a banned
+    builtin is just a name."""
+    assert az.static_check(program) == (None, program)
+
+
+@pytest.mark.parametrize("program", [
+    "def f(x):\n    return open('/etc/passwd').read()",
+    "def f(x, open=open):\n    return open('/etc/passwd').read()",  # the default is read outside f
+    "def f(x):\n    return [y for y in open('/etc/passwd')]",
+    "def f(x):\n    return [1 for open in open('/etc/passwd')]",  # the first iterable is read outside
+    "def f(x):\n    return (lambda y=input(): y)()",
+    "def g(open):\n    return open\ndef f(x):\n    return open('/etc/passwd')",  # bound in g, not in f
+    "def f(x):\n    global open\n    open = 1\n    return open",
+    "open = 1\ndel open\ndef f(x):\n    return open('/etc/passwd')",  # module level: the builtin is back
+    "class A:\n    z = open('/etc/passwd')\n    open = 1\ndef f(x):\n    return 1",
+    "def f(x):\n    a = {}\n    return [1 for a[open] in [1]]",
+    "@exec\ndef f(x):\n    return 1",
+])
+def test_static_check_still_bans_real_uses_of_banned_builtins(program):
+    assert az.static_check(program)[0] == "banned"
+
+
 def test_strip_program_drops_comments_docstrings_and_globals():
     out = az.strip_program('import math\nK = 3  # const\ndef f(x):\n    """doc"""\n    # hi\n    return x\nprint(1)\n')
     assert "doc" not in out and "#" not in out and "print" not in out and "K = 3" not in out
