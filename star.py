@@ -17,7 +17,9 @@ The loop (Alg. 1), one function per step below, in this order. For round n = 1 .
                            int(40 · 1.2^(n-1)) steps, loss on rationale + answer + EOS tokens only -> M_n;
                            the new weights are swapped into the vLLM engine in memory (no reload from disk)
   7. evaluate_split        accuracy of M_n on the test split (plus pass@k with --eval-n > 1); stop at --rounds
-                           or after --patience rounds without a new best
+                           or after --patience rounds without a new best. A round that sets a new best is saved
+                           to <run>/best/ (checkpoints are pruned); with --patience the run ends on that model,
+                           loaded back before --eval-benchmarks (eval.json: model_round)
 
 Run it:
   python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa        # the paper's headline setting
@@ -46,8 +48,10 @@ Choices this file makes (spec: shared/methods/star.md):
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -595,6 +599,54 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
                             f"({state['best_accuracy']:.4f})")
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The best round's model. Checkpoints exist for --resume and are pruned (--keep-checkpoints), so with early
+# stopping the round that set the best test accuracy is kept apart, in best/ of the run folder.
+# --------------------------------------------------------------------------------------------------------------
+BEST_DIR = "best"
+BEST_INFO = "star_best.json"  # {"round", "test/accuracy"} inside best/: which round the weights are from
+
+
+def save_best(run, policy, n: int, accuracy: float) -> None:
+    """Write M_n as a save_pretrained folder (weights + tokenizer) to <run>/best/, replacing the previous best
+    atomically: a temp folder, then renames, so a crash never leaves a half-written best/. Call it on every
+    rank (gathering the weights is a collective under FSDP2); rank 0 writes."""
+    weights = {k: v.to("cpu") for k, v in policy.iter_full_weights()}
+    if run.is_main:
+        final = run.dir / BEST_DIR
+        tmp, old = run.dir / f".tmp-{BEST_DIR}-{os.getpid()}", run.dir / f".old-{BEST_DIR}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.module.save_pretrained(str(tmp), state_dict=weights, safe_serialization=True)
+        policy.tokenizer.save_pretrained(str(tmp))
+        common.atomic_write_json(tmp / BEST_INFO, {"round": n, "test/accuracy": accuracy})
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    del weights
+    if run.world_size > 1:
+        torch.distributed.barrier()  # best/ is complete before any rank may read it
+
+
+def restore_best(run, policy, base: dict, state: dict) -> int:
+    """With early stopping, end on the best round's model instead of the last: load best/ (or the base model if
+    round 0, the few-shot model, was never beaten) into trainer and sampler. Returns the round now loaded."""
+    best, last = state["best_round"], state["round"]
+    if best >= last:
+        return last
+    if best == 0:
+        policy.set_weights(base)
+        return 0
+    info_path = run.dir / BEST_DIR / BEST_INFO
+    saved = json.loads(info_path.read_text()).get("round") if info_path.is_file() else None
+    if saved != best:  # e.g. a crash between writing best/ and the checkpoint, then a resume that did not redo it
+        warnings.warn(f"{run.dir / BEST_DIR} holds round {saved}, not the best round {best}: ending on the last "
+                      f"round's model (round {last}) instead")
+        return last
+    policy.set_weights(common.load_safetensors_dir(run.dir / BEST_DIR))
+    return best
+
+
 POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized", "kept": "train/kept",
            "loss": "sft/loss", "acc": "test/accuracy", "len": "train/rationale_tokens"}  # the progress bar
 
@@ -643,16 +695,21 @@ def train(cfg: Config, sampler=None) -> dict:
             state["history"].append({"round": n, **{k: v for k, v in metrics.items()
                                                     if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
+            if state["best_round"] == n:  # a new best: keep M_n, which the checkpoint pruning would delete
+                save_best(run, policy, n, state["best_accuracy"])
             bar.set_postfix({name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
                              if metrics.get(key) is not None}, refresh=False)
             bar.update(1)
             if n % max(1, cfg.save_every) == 0 or n == cfg.rounds or state["stopped"]:
                 run.save_checkpoint(n, policy, state)
+        # early stopping keeps the best round: its model is the result, so --eval-benchmarks score that one
+        model_round = restore_best(run, policy, base, state) if cfg.patience > 0 else state["round"]
         results = {"rounds": state["history"], "best_round": state["best_round"],
-                   "best_accuracy": state["best_accuracy"], "stopped": state["stopped"] or "reached --rounds"}
+                   "best_accuracy": state["best_accuracy"], "stopped": state["stopped"] or "reached --rounds",
+                   "model_round": model_round}
         if cfg.eval_benchmarks:
             results["benchmarks"] = common.evaluate_config(policy, cfg)
-            run.log(state["round"], common.eval_metrics(results["benchmarks"]))
+            run.log(state["round"], {**common.eval_metrics(results["benchmarks"]), "eval/model_round": model_round})
         run.write_eval(results)
     finally:
         run.close()
