@@ -9,7 +9,8 @@ One model plays two roles on the same weights, with a Python executor as the onl
 No data is used: the buffers start from one "zero triplet" (the identity function on "Hello World").
 
 The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, in this order:
-  0. seed_buffers          the base model proposes from the zero triplet until the buffers hold S*B tasks (§3.3.1)
+  0. seed_buffers          the base model proposes from the zero triplet until D_seed holds S*B triplets, then
+                           induction tasks on D_seed's programs until D_ind holds S*B (§3.3.1)
   1. propose               B prompts per task type: a program from D_ded u D_abd -> N inputs + a message
                            (induction, §3.3.2); K references from D_alpha -> (p, i) (deduction, abduction)
   2. validate              executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
@@ -72,11 +73,11 @@ class Config(common.RunConfig):
     batch_size: int = 64  # B, prompts per task-role; 6*B trajectories per optimizer step (Table 3)
     references: int = 6  # K, past triplets shown to the deduction/abduction proposer (Table 3, code io_n=6)
     seed_factor: int = 4  # S, the seed buffers hold S*B tasks before training starts (§3.3.1, Table 3)
-    seed_max_rounds: int = 64  # not in the paper: give up seeding after this many proposal rounds (weak models)
+    seed_max_rounds: int = 64  # not in the paper: give up a seeding phase (D_seed, then D_ind) after this many proposal rounds (weak models)
     buffer_cap: int = 16384  # maximum entries per buffer, oldest evicted (Table 3; the code keeps the oldest)
     induction_inputs: int = 10  # N, inputs per induction task: first half shown, second half held out (code)
     learnability_samples: int = 8  # n, solver rollouts per valid proposal for r_bar (Eq. 4, Table 3)
-    temperature: float = 1.0  # rollout temperature, also for the learnability samples (Table 3)
+    temperature: float = 1.0  # rollout temperature (Table 3); the learnability samples always use T = 1 (spec §1)
     top_p: float = 1.0  # rollout top-p (Table 3)
     max_prompt_tokens: int = 6144  # references are dropped until a proposer prompt fits (Table 3)
     max_response_tokens: int = 8096  # generation limit for every role (Table 3)
@@ -637,39 +638,49 @@ def trr_advantages(rewards: list[float], roles: list[str], eps: float = 1e-6, le
 # --------------------------------------------------------------------------------------------------------------
 # The loop: one function per step of Alg. 1, in order.
 # --------------------------------------------------------------------------------------------------------------
-def _generate(policy, prompts: list[str], n: int, cfg: Config):
+def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature: float | None = None,
+              top_p: float | None = None):
     if not prompts:
         return []
-    return policy.generate(prompts, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
-                           max_tokens=cfg.max_response_tokens)
+    return policy.generate(prompts, n=n, temperature=cfg.temperature if temperature is None else temperature,
+                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=cfg.max_response_tokens)
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """Step 0, no updates. Seed programs lose comments and globals (strip_program) and are validated again,
-    since stripping may break them. D_ded = D_abd = D_seed."""
+    """Step 0 (§3.3.1, spec §1), no updates, in two phases:
+      1. D_seed: rounds of B deduction, then B abduction proposer prompts (taking turns, as the official code's
+         _init_seed_dataset alternates the problem type), each with up to K references from D_seed, until it holds
+         S*B triplets (the zero triplet included). Seed programs lose comments and globals (strip_program) and are
+         validated again, since stripping may break them. D_ded = D_abd = D_seed.
+      2. D_ind: induction proposals on programs drawn from the FINISHED D_seed, until it holds S*B tasks; built
+         together with phase 1, every early induction seed would be on the identity program of the zero triplet.
+    Each phase gives up after --seed-max-rounds rounds (weak models) and training starts with what it has."""
     target = cfg.seed_factor * cfg.batch_size
     seed = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)])
     ind = Buffer(cfg.buffer_cap)
-    for _ in range(cfg.seed_max_rounds):
-        work = [t for t, b in (("deduction", seed), ("induction", ind)) if len(b) < target]
-        if not work:
+    views = {"deduction": seed, "abduction": seed, "induction": ind}
+    for r in range(cfg.seed_max_rounds):
+        if len(seed) >= target:
             break
-        props = propose(policy, executor, {"deduction": seed, "abduction": seed, "induction": ind}, cfg, rng,
-                        0, tasks=work)
+        task = ("deduction", "abduction")[r % 2]
         stripped = []
-        for p in props.get("deduction", []):
+        for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]:
             if p["reason"] is None:
                 with contextlib.suppress(SyntaxError, ValueError, RecursionError):
                     stripped.append({"program": strip_program(p["program"]), "input": p["input"], "args": p["args"]})
-        for q in validate(executor, "deduction", stripped, cfg, 0, policy.tokenizer):
+        for q in validate(executor, task, stripped, cfg, 0, policy.tokenizer):
             if q["reason"] is None and len(seed) < target:
                 seed.add(q["entry"])
-        for p in props.get("induction", []):
+    for _ in range(cfg.seed_max_rounds):
+        if len(ind) >= target:
+            break
+        for p in propose(policy, executor, views, cfg, rng, 0, tasks=("induction",))["induction"]:
             if p["reason"] is None and len(ind) < target:
                 ind.add(p["entry"])
     if len(seed) < target or len(ind) < target:
-        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds with {len(seed)} triplets and "
-              f"{len(ind)} induction tasks (target {target}); training starts with these", file=sys.stderr)
+        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase with {len(seed)} "
+              f"triplets and {len(ind)} induction tasks (target {target}); training starts with these",
+              file=sys.stderr)
     return {"deduction": Buffer(cfg.buffer_cap, list(seed.entries)),
             "abduction": Buffer(cfg.buffer_cap, list(seed.entries)), "induction": ind}
 
@@ -717,10 +728,12 @@ def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
 
 
 def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict]], cfg: Config) -> None:
-    """Step 3 (Eq. 4): r_bar of every valid proposal, stored as p['solve_rate']."""
+    """Step 3 (Eq. 4): r_bar of every valid proposal, stored as p['solve_rate']. The n samples are always drawn
+    at T = 1, top-p 1 (spec §1: master drew them with the greedy validation settings, n identical answers)."""
     n = cfg.learnability_samples
     valid = [p for t in props for p in props[t] if p["reason"] is None]
-    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid], n, cfg)
+    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid], n, cfg,
+                       temperature=1.0, top_p=1.0)
     for t in TASKS:
         idx = [k for k, p in enumerate(valid) if p["task"] == t]
         graded = check_solutions(executor, t, [valid[k]["entry"] for k in idx for _ in range(n)],
@@ -939,6 +952,8 @@ def check_config(cfg: Config) -> None:
     if cfg.induction_inputs < 2 or cfg.induction_inputs % 2:
         raise ValueError(f"--induction-inputs {cfg.induction_inputs}: needs an even number >= 2 (half shown, half "
                          "held out)")
+    if not cfg.temperature > 0:  # the policy gradient needs sampled rollouts (PGConfig would fail only after seeding)
+        raise ValueError(f"--temperature {cfg.temperature} must be > 0")
     for name in ("batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

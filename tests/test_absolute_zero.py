@@ -322,6 +322,66 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
     assert "SECRET" not in s and "```output_5\n40\n```" in s and "```input_6" not in s and "90" not in s
 
 
+class _ScriptedPolicy:
+    """A new program (x * 2, x * 3, ...) with a comment for every triplet proposer prompt, inputs 1 and 2 plus a
+    message for every induction proposer prompt, output 6 for every solver prompt. Records each generate call."""
+    tokenizer = None
+
+    def __init__(self):
+        self.calls, self.k = [], 1
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None):
+        self.calls.append({"prompts": list(prompts), "n": n, "temperature": temperature, "top_p": top_p})
+        out = []
+        for p in prompts:
+            if "different inputs for it" in p:
+                text = answer(fence("input", "1") + "\n" + fence("input", "2") + "\n" + fence("message", "m"))
+            elif "Invent a new Python puzzle" in p:
+                self.k += 1
+                text = answer(fence("python", f"def f(x):\n    # scale\n    return x * {self.k}") + "\n"
+                              + fence("input", "3"))
+            else:
+                text = answer(fence("output", "6"))
+            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text, finish_reason="stop")] * n)
+        return out
+
+
+def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_programs(executor, monkeypatch):
+    """Spec §1: D_seed is filled from the deduction and abduction proposer prompts in turn; only then are the
+    induction seeds proposed, on programs drawn from the finished D_seed (not all on the zero triplet's identity)."""
+    monkeypatch.setattr(az, "_fits", lambda tokenizer, prompt, cfg: True)
+    cfg = az.Config(batch_size=2, seed_factor=2, induction_inputs=2, references=1)
+    policy = _ScriptedPolicy()
+    bufs = az.seed_buffers(policy, executor, cfg, random.Random(0))
+    seed = [e["program"] for e in bufs["deduction"].entries]
+    assert seed == [e["program"] for e in bufs["abduction"].entries] and len(seed) == 4
+    assert seed[0] == az.ZERO_TRIPLET["program"] and all("#" not in p for p in seed)  # stripped
+    def kind(prompt):
+        if "different inputs for it" in prompt:
+            return "induction"
+        return "deduction" if "must work out the output" in prompt else "abduction"
+    kinds = [[kind(p) for p in call["prompts"]] for call in policy.calls]
+    assert kinds == [["deduction"] * 2, ["abduction"] * 2, ["induction"] * 2, ["induction"] * 2]
+    ind = [e["program"] for e in bufs["induction"].entries]
+    assert len(ind) == 4 and set(ind) <= set(seed)
+    assert set(ind) - {az.ZERO_TRIPLET["program"]}, ind  # seeds drew programs from the whole D_seed
+    scaled = next(e for e in bufs["induction"].entries if e["program"] != az.ZERO_TRIPLET["program"])
+    k = int(scaled["program"].rsplit("* ", 1)[1])
+    assert scaled["inputs"] == ["1", "2"] and scaled["outputs"] == [str(k), str(2 * k)]
+
+
+def test_learnability_samples_are_drawn_at_temperature_one(executor):
+    cfg = az.Config(temperature=0.3, top_p=0.9, learnability_samples=3)
+    e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
+    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [], "induction": []}
+    policy = _ScriptedPolicy()
+    az.estimate_learnability(policy, executor, props, cfg)
+    assert [(c["n"], c["temperature"], c["top_p"]) for c in policy.calls] == [(3, 1.0, 1.0)]
+    assert props["deduction"][0]["solve_rate"] == 1.0
+    with pytest.raises(ValueError, match="--temperature"):
+        az.check_config(az.Config(temperature=0.0))
+
+
 # ---------------------------------------------------------------------------------------------- the loop, tiny model
 # One completion that is well formed for all six roles (induction with N = 2): the triplet proposer reads the first
 # python + input block (identity on 1), the induction proposer the last 2 inputs + message, the deduction solver the
