@@ -88,6 +88,7 @@ class Config(common.RunConfig):
     fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
     reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
     eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24@32,aime25@32,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A): greedy, AIME mean@32 at T 0.6; a set that cannot load is skipped with a warning
+    eval_max_tokens: int = 4096  # evaluation answers get the Reasoner's training limit (spec §5: "with the training prompt"; the paper gives no evaluation limit)
     decontaminate: bool = True  # drop corpus segments and generated questions sharing a 13-gram with the eval sets (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
@@ -754,7 +755,7 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, 
         options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
         return reasoner_prompt(problem["question"] + options, fmt)
     res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit)
+                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit, seed=cfg.seed)
     run.write_eval({"step": step, **res}, name=name)
     return res
 
@@ -800,6 +801,7 @@ def validate_config(cfg: Config) -> None:
 def train(cfg: Config, policy=None) -> Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else it is loaded from cfg."""
     validate_config(cfg)
+    common.seed_everything(cfg.seed)
     # Inputs first (corpus, eval sets), so that bad input fails in seconds, before the model is loaded.
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)

@@ -679,3 +679,33 @@ def test_attempt_loop_runs_until_a_valid_task_or_n_attempts(tiny_tokenizer):
     # valid:invalid kept as in the pool: 1/4 -> 1 of 4; 1/12 rounds to 0 but one valid is always kept; 0/12 -> 0
     assert [sum(a.task is not None for a in r.attempts) for r in rollouts] == [1, 1, 0]
     spice.reasoner_solve(_ScriptedSampler([]), [], cfg, "chat")   # no valid task: no Reasoner call, no error
+
+
+# ---------------------------------------------------------------------------------------------------- seeding, eval
+def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypatch, tmp_path):
+    class Seeded(Exception):
+        pass
+
+    def seed(s):
+        raise Seeded(s)
+    monkeypatch.setattr(common, "seed_everything", seed)
+    with pytest.raises(Seeded) as e:        # right after validation, before the tokenizer or corpus is loaded
+        spice.train(spice.Config(model="no-such-model", corpus=str(tmp_path / "missing.jsonl"), seed=1234))
+    assert e.value.args == (1234,)
+    cfg = spice.Config(seed=7, eval_n=2)
+    assert cfg.eval_max_tokens == cfg.max_tokens == 4096     # spec §5: evaluated with the training prompt
+    seen = {}
+
+    def evaluate(policy, benches, **kw):
+        seen.update(kw)
+        q = {"question": "What is 2 + 2?", "choices": ["3", "4"]}
+        seen["prompt"] = kw["prompt_fn"](q)
+        return {}
+
+    class _Run:
+        def write_eval(self, res, name):
+            seen["written"] = name
+    monkeypatch.setattr(common, "evaluate", evaluate)
+    spice.run_eval(None, _Run(), cfg, "chat", ["x"], 3)
+    assert (seen["seed"], seen["max_tokens"], seen["n"], seen["written"]) == (7, 4096, 2, "eval.json")
+    assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
