@@ -7,6 +7,7 @@ this approximates a policy gradient with an indicator reward).
 
 The loop (Alg. 1), one function per step below, in this order. For round n = 1 .. N, with M_0 = the base model:
   1. load_task             the labelled data: GSM8K, CommonsenseQA, or a local JSONL {"question","answer","choices"?}
+                           (a math answer "<worked solution> #### 72" keeps only 72, as for the hub's GSM8K)
   2. generate_rationales   M_{n-1} writes a rationale + answer for every training question (few-shot prompt, greedy)
   3. filter_correct        keep the rationales whose final answer equals the gold answer (exact match only)
   4. rationalize           for each failure, show the gold answer as a hint (after the question for math, a
@@ -145,6 +146,11 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
         raise ValueError(f"{at}'answer' must be a non-empty string or number; {JSONL_SHAPE}")
     answer = str(answer).strip()
     if choices is None:
+        if "####" in answer:  # a GSM8K-style worked solution ending in '#### 1,200': the gold is the final number,
+            answer = answer.split("####")[-1].strip().replace(",", "")  # or the hint leaks the solution (spec §6)
+            if not answer:
+                raise ValueError(f"{at}'answer' has nothing after its last '####'; put the final answer there "
+                                 f"(e.g. '... #### 72') or give only the answer; {JSONL_SHAPE}")
         return {"question": question.strip(), "answer": answer, "choices": None}
     if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
             or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
@@ -197,9 +203,8 @@ def _hub_rows(task: str, split: str) -> list[dict]:
     out = []
     for i, r in enumerate(ds):
         where = f"{hub_id}[{split}][{i}]"
-        if task == "gsm8k":  # the answer field is a worked solution ending in '#### <number>'
-            gold = r["answer"].split("####")[-1].strip().replace(",", "")
-            out.append(make_example(r["question"], gold, where=where))
+        if task == "gsm8k":  # the answer field is a worked solution ending in '#### <number>': make_example keeps
+            out.append(make_example(r["question"], r["answer"], where=where))  # the number, commas removed
         else:  # CommonsenseQA: choices {"label": ["A".."E"], "text": [...]}, answerKey "A".."E"
             labels = [str(x).lower() for x in r["choices"]["label"]]
             key = str(r["answerKey"]).lower()

@@ -61,6 +61,24 @@ def test_local_jsonl_is_normalised(tmp_path):
     assert len(star.load_task(str(TRAIN), "train", limit=5)) == 5
 
 
+def test_gsm8k_style_local_answers_keep_only_the_final_number(tmp_path):
+    """A local GSM8K export whose 'answer' is the whole worked solution: the gold (and so the rationalization hint)
+    is the number after the last '####', commas removed, as for the hub; never the solution (spec §6)."""
+    p = tmp_path / "gsm.jsonl"
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    p.write_text(json.dumps({"question": "How many clips did Natalia sell?", "answer": solution}) + "\n"
+                 + json.dumps({"question": "How many pens?", "answer": "2 * 600 = 1200\n#### 1,200"}) + "\n"
+                 + json.dumps({"question": "Odd one?", "answer": "a #### b #### 5"}) + "\n")
+    rows = star.load_task(str(p), "train")
+    assert [r["answer"] for r in rows] == ["72", "1200", "5"]
+    hint = star.format_question(rows[0], hint=True)
+    assert hint == "Q: How many clips did Natalia sell? (72)"  # the final number only, no worked solution
+    assert star.judge(rows[:2], ["24 + 48 = 72.\n#### 72", "So 1,200 pens.\n#### 1,200"]) == [True, True]
+    p.write_text(json.dumps({"question": "x", "answer": "work shown\n####  "}) + "\n")
+    with pytest.raises(ValueError, match=f"{p}:1: 'answer' has nothing after its last '####'"):
+        star.load_task(str(p), "train")
+
+
 @pytest.mark.parametrize("line, expect", [
     ('{"question": "x", "answer": "1"', "not valid JSON"),
     ('["question", "answer"]', "not an object"),
