@@ -15,8 +15,10 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
                            (induction, §3.3.2); K references from D_alpha -> (p, i) (deduction, abduction)
   2. validate              executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
                            AST), runs without error, deterministic over j = 2 *independent* processes with
-                           different hash seeds, output is a finite literal without memory addresses, size cap.
-                           Valid tasks join their buffer; invalid proposals get the format penalty (-1)
+                           different hash seeds (their parsed values equal, so set print order may differ),
+                           output is a finite literal without memory addresses, size cap. Valid tasks join
+                           their buffer; invalid proposals get the format penalty (-1). Under torchrun, rank 0
+                           runs every program and broadcasts the outcomes, so all ranks keep the same buffers
   3. estimate_learnability n = 8 solver rollouts at T = 1 per valid proposal (never trained on) -> r_bar
   4. solve                 per task type: this step's valid tasks, back-filled from the buffer up to B; one answer
                            each, graded by the executor and compared in trusted code (Eq. 5)
@@ -25,7 +27,10 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
   6. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
                            (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint 6*B batch; sync
   7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through common.evaluate_code (greedy
-                           + pass@k), at the end and every --eval-every steps
+                           + pass@k), at the end and every --eval-every steps. Not the paper's full Table 1:
+                           LiveCodeBench is not supported, so eval/code/mean_greedy_acc is the HumanEval+/MBPP+
+                           mean (not its CAvg) and eval/avg is not its AVG; the in-distribution CruxEval /
+                           LCB-Execution tracking during training (spec §5) is not implemented either
 Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3, §3.5), which analyses this loop:
 --freeze-proposer (proposer trajectories get no gradient) and --proposer-reward uncertainty (its Eq. 3).
 
@@ -842,6 +847,12 @@ def _ast_key(program: str) -> str:
         return program
 
 
+def _proposal_text(task: str, entry: dict) -> str:
+    """What the proposer wrote in a valid proposal: the program (deduction, abduction) or the inputs and message
+    (induction, whose program comes from the buffers)."""
+    return "\n".join(entry["inputs"] + [entry["message"]]) if task == "induction" else entry["program"]
+
+
 def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], buffers: dict[str, Buffer]) -> dict:
     m: dict = {}
     for t in TASKS:
@@ -860,8 +871,14 @@ def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]], bu
         m[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in ps)
         m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
         if valid:
-            m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
-            m[f"{t}/distinct_programs"] = len({_ast_key(p["entry"]["program"]) for p in valid}) / len(valid)
+            # induction proposals write inputs and a message for a program drawn from D_ded u D_abd, so for
+            # induction these describe the drawn programs, not anything the proposer wrote
+            prog = "source_program" if t == "induction" else "program"
+            m[f"{t}/{prog}_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
+            m[f"{t}/distinct_{prog}s"] = len({_ast_key(p["entry"]["program"]) for p in valid}) / len(valid)
+            # analysis.md §7.2: diversity of what the proposer wrote this step (B texts, one BLEU matrix: cheap)
+            for k, v in common.diversity_metrics(_proposal_text(t, p["entry"]) for p in valid).items():
+                m[f"{t}/diversity/{k}"] = v
     records = {"proposer": [p for t in TASKS for p in props[t]], "solver": [s for t in TASKS for s in solved[t]]}
     for role, recs in records.items():
         m[f"len/{role}"] = _mean(len(r["completion"].token_ids) for r in recs)
@@ -929,8 +946,10 @@ def evaluate(policy, cfg: Config) -> dict:
 
 
 def eval_metrics(results: dict) -> dict:
-    """eval/<bench>/... (math) and eval/code/<bench>/... (code); each mean_greedy_acc is the paper's MAvg / CAvg,
-    eval/avg their mean (its AVG)."""
+    """eval/<bench>/... (math) and eval/code/<bench>/... (code). eval/mean_greedy_acc is the paper's MAvg over the
+    six default math sets; eval/code/mean_greedy_acc is the mean over the code sets run here (HumanEval+ and
+    MBPP+ by default), NOT the paper's CAvg, which also averages LiveCodeBench (not supported here); so eval/avg,
+    their mean, is not the paper's AVG either."""
     m = common.eval_metrics(results)
     if "benchmarks" in results.get("code", {}):
         m.update(common.eval_metrics(results["code"], prefix="eval/code"))

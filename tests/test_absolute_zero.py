@@ -597,6 +597,27 @@ def test_step_metrics_count_rejections_and_roles():
     assert m["abduction/valid_rate"] == 0.0 and m["deduction/buffer_size"] == 1
 
 
+def test_step_metrics_diversity_of_what_the_proposer_wrote():
+    """analysis.md §7.2 per task type: diversity over this step's valid proposals, i.e. the programs for
+    deduction/abduction and the inputs + message for induction, whose program is drawn from the buffers."""
+    c = common.Completion(prompt_ids=[1], token_ids=[2], text="", finish_reason="stop")
+    progs = ["def f(x):\n    return x + 1", "def f(x):\n    return x + 1",
+             "def f(s):\n    return sorted(set(s.split()))[::-1]"]
+    ind = [{"program": p, "inputs": ["1", "2"], "outputs": ["1", "2"], "message": "guess the rule"}
+           for p in ("def f(x):\n    return x", "def f(x):\n    return -x")]
+    props = {"deduction": [{"reason": None, "entry": {"program": p, "input": "1", "output": "2"},
+                            "solve_rate": 0.5, "reward": 0.5, "completion": c} for p in progs],
+             "abduction": [], "induction": [{"reason": None, "entry": e, "solve_rate": 0.5, "reward": 0.5,
+                                             "completion": c} for e in ind]}
+    props["deduction"].append({"reason": "error", "reward": -1.0, "completion": c})  # invalid: not counted
+    m = az.step_metrics(props, {t: [] for t in az.TASKS}, {t: az.Buffer(10) for t in az.TASKS})
+    assert m["deduction/diversity/distinct_frac"] == pytest.approx(2 / 3)
+    assert m["deduction/diversity/bleu_clusters"] == 2
+    assert m["induction/diversity/distinct_frac"] == 0.5 and m["induction/diversity/bleu_clusters"] == 1
+    assert m["induction/distinct_source_programs"] == 1.0 and "induction/distinct_programs" not in m
+    assert "abduction/diversity/distinct_frac" not in m  # no valid proposals, no numbers
+
+
 class _EvalPolicy:
     """Answers in the R1 format: the right sum for 'What is 2 + 3?', a correct add() for the code task that asks
     for it, nothing useful otherwise. Records the prompts."""
