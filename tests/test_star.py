@@ -169,6 +169,35 @@ def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path):
+    """--output-dir pointing at a finished run must not silently continue it: a clear error naming both fixes,
+    before anything in the folder is touched; with --resume the same folder is fine."""
+    out = tmp_path / "old"
+    (out / "checkpoints" / "step_3").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=f"checkpoints/step_3.*--resume {out}, or pass a new --output-dir"):
+        star.main(["--data", str(TRAIN), "--output-dir", str(out)])
+    assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["checkpoints",
+                                                                                                    "config.json"]
+    star.check_fresh_output_dir(star.Config(output_dir=str(out), resume=str(out)))  # --resume: no error
+    star.check_fresh_output_dir(star.Config(output_dir=str(tmp_path / "new")))  # a new folder: no error
+
+
+def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_sampler, monkeypatch):
+    calls = []
+    monkeypatch.setattr(common.Run, "load_checkpoint", lambda self, pol: calls.append(1))
+
+    def stop(*a, **k):  # round 0's evaluation comes right after the resume decision
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(star, "evaluate_split", stop)
+    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST), exemplars=str(SHOTS),
+                      max_new_tokens=8, max_model_len=2048, output_dir=str(tmp_path / "run"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        star.train(cfg, sampler=vllm_sampler)
+    assert calls == []
+
+
 def test_prompts_reveal_the_hint_only_in_rationalization():
     shots = star.builtin_exemplars()
     math_q = star.make_example("Ann has 3 apples and buys 4 more. How many apples does she have?", "7")
