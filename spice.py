@@ -313,7 +313,8 @@ def reasoner_prompt(question: str, fmt: str = "chat"):
 # may raise on it.
 # --------------------------------------------------------------------------------------------------------------
 MAX_PARSE_CHARS = 60_000      # only the tail of a huge output is searched
-MAX_JSON_STARTS = 2_000       # bound the work a hostile output with many "{" can cause
+MAX_JSON_STARTS = 2_000       # bound the work a hostile output with many "{" can cause (tried from the end)
+_JSON_START = re.compile(r'\{(?=\s*["}])')   # an object opens with a key or closes at once; LaTeX "{1}" does not
 MAX_QUESTION_CHARS = 6_000
 DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+"
                            r"(?:document|text|passage|article|excerpt)\b", re.IGNORECASE)
@@ -330,24 +331,25 @@ class Task:
 
 
 def last_json_object(text: str) -> dict | None:
-    """The last top-level JSON object in `text` (the Challenger reasons first, then writes the JSON)."""
+    """The JSON object that ends last in `text` (the Challenger reasons first, then writes the JSON): a top-level
+    object, since any object nested in it ends before it does. Candidate starts are tried from the END backwards,
+    so LaTeX braces in the reasoning ("\\frac{1}{2}", which are not candidates anyway) never use up the budget."""
     if not isinstance(text, str):
         return None
     text = text[-MAX_PARSE_CHARS:]
+    last_close = text.rfind("}") + 1           # no object can end after the last "}"
+    starts = [m.start() for m in _JSON_START.finditer(text)][-MAX_JSON_STARTS:]
     decoder = json.JSONDecoder()
-    found, pos = None, 0
-    for _ in range(MAX_JSON_STARTS):
-        start = text.find("{", pos)
-        if start < 0:
-            break
+    found, found_end = None, -1
+    for start in reversed(starts):
         try:
             obj, end = decoder.raw_decode(text, start)
         except (ValueError, RecursionError):
-            pos = start + 1
             continue
-        if isinstance(obj, dict):
-            found = obj
-        pos = max(end, start + 1)   # skip nested objects: we want top-level ones
+        if isinstance(obj, dict) and end > found_end:
+            found, found_end = obj, end         # an earlier start that ends later encloses the previous find
+            if end == last_close:               # nothing can end later: this is the outermost, last object
+                break
     return found
 
 
@@ -486,7 +488,12 @@ class DocRollout:
     kind: str
     answer_type: str | None
     attempts: list[Attempt] = field(default_factory=list)     # the Challenger group T_C (<= G, subsampled)
-    n_generated: int = 0                                      # attempts before subsampling (<= N)
+    # The whole pool of attempts (<= N), before subsampling: the validity metrics come from these counts, since
+    # the subsample keeps at least one valid attempt and so overstates the valid rate of a hard document.
+    n_generated: int = 0
+    n_valid: int = 0
+    n_mentions_document: int = 0                              # valid attempts whose question cites "the text"
+    invalid_reasons: Counter = field(default_factory=Counter)
     reasoner_task: Attempt | None = None                      # the valid attempt whose task gives T_R
     reasoner_answers: list = field(default_factory=list)      # T_R completions
     reasoner_rewards: list[float] = field(default_factory=list)
@@ -568,7 +575,10 @@ def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, 
         for i, comps in zip(active, outs):
             pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
         active = [i for i in active if not any(a.task for a in pools[i]) and len(pools[i]) < cfg.max_attempts]
-    return [DocRollout(d, kind, t, attempts=subsample_group(pool, cfg.group_size, rng), n_generated=len(pool))
+    return [DocRollout(d, kind, t, attempts=subsample_group(pool, cfg.group_size, rng), n_generated=len(pool),
+                       n_valid=sum(a.task is not None for a in pool),
+                       n_mentions_document=sum(a.task.mentions_document for a in pool if a.task),
+                       invalid_reasons=Counter(a.reason for a in pool if a.task is None))
             for d, (kind, t), pool in zip(docs, types, pools)]
 
 
@@ -662,13 +672,15 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
     pass_rates = [float(np.mean(a.correct)) for a in valid]
-    m = {
-        "challenger/valid_rate": len(valid) / max(1, len(attempts)),
+    generated = sum(r.n_generated for r in rollouts)
+    m = {   # validity over every attempt generated (the pool); group_valid_rate over the G kept for training
+        "challenger/valid_rate": sum(r.n_valid for r in rollouts) / max(1, generated),
+        "challenger/group_valid_rate": len(valid) / max(1, len(attempts)),
         "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts) for r in rollouts),
         "challenger/reward": _mean([a.reward for a in attempts]),
         "challenger/reward_valid": _mean([a.reward for a in valid]),
-        "challenger/mentions_document": sum(a.task.mentions_document for a in valid),
+        "challenger/mentions_document": sum(r.n_mentions_document for r in rollouts),
         "challenger/type_selection_fallbacks": type_fallbacks,
         "reasoner/accuracy": _mean(pass_rates),
         "reasoner/frontier_share": _mean([0.0 < p < 1.0 for p in pass_rates]),
@@ -678,10 +690,11 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     kinds = [type_name(r.kind, r.answer_type) for r in rollouts]
     for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
         m[f"types/{k}"] = kinds.count(k) / max(1, len(kinds))
-        ks = [a for r, kk in zip(rollouts, kinds) if kk == k for a in r.attempts]
-        if ks:
-            m[f"challenger/valid_rate/{k}"] = sum(a.task is not None for a in ks) / len(ks)
-    m.update({f"invalid/{why}": n for why, n in sorted(Counter(a.reason for a in attempts if not a.task).items())})
+        ks = [r for r, kk in zip(rollouts, kinds) if kk == k]
+        if sum(r.n_generated for r in ks):
+            m[f"challenger/valid_rate/{k}"] = sum(r.n_valid for r in ks) / sum(r.n_generated for r in ks)
+    why = sum((r.invalid_reasons for r in rollouts), Counter())
+    m.update({f"invalid/{w}": n for w, n in sorted(why.items())})
     return m
 
 

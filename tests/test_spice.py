@@ -709,3 +709,57 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
     spice.run_eval(None, _Run(), cfg, "chat", ["x"], 3)
     assert (seen["seed"], seen["max_tokens"], seen["n"], seen["written"]) == (7, 4096, 2, "eval.json")
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
+
+
+def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer):
+    """The group keeps >= 1 valid attempt, so its valid rate overstates a hard document's; the metrics count the
+    whole pool (up to --max-attempts) and report the kept group's rate apart."""
+    cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
+    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    cited = json.dumps(free_json("According to the passage, how many seedlings?"))
+    too_thin = json.dumps(free_json(question="", answer=""))
+
+    class Sampler:
+        rounds = {0: [["no json"] * 4, ["no json", too_thin, "no json", cited]],          # valid in round 2
+                  1: [[json.dumps(free_json()), "no json", too_thin, "no json"]]}        # valid in round 1
+
+        def generate(self, prompts, n=1, **kw):
+            return [[comp(t) for t in self.rounds[int(p[1]["content"].split("doc number ")[1][0])].pop(0)]
+                    for p in prompts]
+    docs = [f"This is doc number {i}." for i in range(2)]
+    rollouts = spice.challenger_generate(Sampler(), docs, [("free", "Integer")] * 2, cfg, "chat", check,
+                                         np.random.default_rng(0))
+    assert [(r.n_generated, r.n_valid, r.n_mentions_document) for r in rollouts] == [(8, 1, 1), (4, 1, 0)]
+    assert rollouts[0].invalid_reasons == {"no_json": 6, "too_thin": 1}
+    for r in rollouts:                       # the rest of the step, as reasoner_solve / challenger_rewards leave it
+        for a in r.attempts:
+            a.correct, a.reward = ([1.0, 0.0], 1.0) if a.task else ([], -0.1)
+    m = spice.step_metrics(rollouts, 0)
+    assert m["challenger/valid_rate"] == pytest.approx(2 / 12)            # pool: 2 valid of 12 generated
+    assert m["challenger/group_valid_rate"] == pytest.approx(2 / 8)       # kept: 2 valid of 4 + 4
+    assert m["challenger/valid_rate/free/Integer"] == pytest.approx(2 / 12)
+    assert (m["invalid/no_json"], m["invalid/too_thin"], m["challenger/mentions_document"]) == (8, 2, 1)
+    assert m["challenger/attempts_per_doc"] == 6.0 and m["challenger/docs_without_valid"] == 0
+
+
+def test_final_json_found_after_thousands_of_latex_braces():
+    reasoning = "Work: " + " + ".join(["\\frac{1}{2}"] * 1050) + " = {525}.\n"      # ~2,100 "{" before the JSON
+    assert reasoning.count("{") > spice.MAX_JSON_STARTS
+    task, why = spice.parse_task(out(free_json(answer="525"), before=reasoning), "free", "Integer")
+    assert why == "ok" and task.gold == "525"
+    # also when the braces look like JSON starts: the object that ends last wins, wherever the budget runs out
+    noise = '{"draft": 1} ' * 3000
+    task, why = spice.parse_task(noise + json.dumps(MCQ_JSON) + "\n```", "mcq")
+    assert why == "ok" and task.gold == "B"
+    nested = json.dumps(dict(free_json(answer="7"), extra={"inner": {"answer": "9"}}))
+    assert spice.last_json_object("{1}" * 5000 + nested + " \\boxed{7}")["answer"] == "7"
+
+
+@pytest.mark.parametrize("text", ['{"a": ' * 20_000, '{"a":{' * 20_000, "{}" * 100_000, '{"' * 100_000,
+                                  '{ "a": [' * 20_000 + "1", "{" + " " * 100_000 + '"' * 10, '{"a": "{' * 30_000])
+def test_json_search_stays_fast_on_hostile_braces(text):
+    t0 = time.time()
+    for _ in range(2):
+        assert spice.last_json_object(text) in (None, {})
+        assert spice.parse_task(text, "free", "Integer")[0] is None
+    assert time.time() - t0 < 5
