@@ -13,7 +13,8 @@ The loop (Alg. 1), one function per step below, in this order. For round n = 1 .
   4. rationalize           for each failure, show the gold answer as a hint (after the question for math, a
                            marker on the right option for multiple choice) and generate again; keep the ones
                            that reach the answer, stored WITHOUT the hint, as if written unaided
-  5. build_training_set    D_n = direct ∪ rationalized, rebuilt from scratch every round (never accumulated)
+  5. build_training_set    D_n ∪ D^rat_n (direct ∪ rationalized), rebuilt from scratch every round (never
+                           accumulated)
   6. finetune_from_base    fine-tune the ORIGINAL base model (not M_{n-1}; fresh Adam, warmup restarted) for
                            int(40 · 1.2^(n-1)) steps, loss on rationale + answer + EOS tokens only -> M_n;
                            the new weights are swapped into the vLLM engine in memory (no reload from disk)
@@ -441,7 +442,7 @@ def generate_rationales(policy, prompter: Prompter, examples: list[dict], cfg: C
 
 
 def filter_correct(examples: list[dict], rationales: list[list[str]], source: str) -> list[dict]:
-    """Step 3 (Alg. 1 line 6): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}. Only the final answer is checked, never the
+    """Step 3 (Alg. 1 line 5): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}. Only the final answer is checked, never the
     rationale. With several samples per question, every distinct correct one is kept."""
     flat = [(i, r) for i, rs in enumerate(rationales) for r in dict.fromkeys(rs)]
     ok = judge([examples[i] for i, _ in flat], [r for _, r in flat])
@@ -450,7 +451,7 @@ def filter_correct(examples: list[dict], rationales: list[list[str]], source: st
 
 def rationalize(policy, prompter: Prompter, examples: list[dict], failed: list[int], cfg: Config,
                 seed: int) -> tuple[list[dict], list]:
-    """Step 4 (Alg. 1 lines 4-5, 7): for every failure, prompt M_{n-1} with the gold answer as a hint (P_hint) and
+    """Step 4 (Alg. 1 lines 4 and 6): for every failure, prompt M_{n-1} with the gold answer as a hint (P_hint) and
     keep the rationales that reach it. Only the question's index and the rationale are kept, so the training
     prompt is rebuilt from the plain question: no hint is stored. Returns (kept, hint prompts)."""
     sub = [examples[i] for i in failed]
@@ -460,7 +461,8 @@ def rationalize(policy, prompter: Prompter, examples: list[dict], failed: list[i
 
 
 def build_training_set(prompter: Prompter, examples: list[dict], kept: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """Step 5 (Alg. 1 line 7): D_n ∪ D^rat_n as (prompt_ids, target_ids), from this round's rationales only."""
+    """Step 5 (the union in Alg. 1 line 7): D_n ∪ D^rat_n as (prompt_ids, target_ids), from this round's
+    rationales only."""
     return [prompter.training_example(examples[k["index"]], k["rationale"]) for k in kept]
 
 
@@ -496,7 +498,7 @@ def sft_batches(train_set: list, n_steps: int, batch_tokens: int, rng: random.Ra
 
 
 def finetune_from_base(policy, base: dict, train_set: list, n_steps: int, cfg: Config, rng: random.Random) -> dict:
-    """Step 6 (Alg. 1 line 8): M_n = train(M, D_n ∪ D^rat_n), from the ORIGINAL base weights with a fresh optimizer
+    """Step 6 (Alg. 1 line 7): M_n = train(M, D_n ∪ D^rat_n), from the ORIGINAL base weights with a fresh optimizer
     and a restarted warmup; then the new weights go into the sampler in memory (vLLM reload_weights, no disk)."""
     policy.set_weights(base, reset_optimizer=True)
     stats = []
@@ -689,7 +691,7 @@ def train(cfg: Config, sampler=None) -> dict:
     test_data = prompter.fits(test_data, max_len, "test set")
     if not train_data:
         raise ValueError(f"no training question fits into --max-model-len {max_len} with its few-shot prompt")
-    base = policy.get_weights()  # M: every round restarts from these (Alg. 1 line 8)
+    base = policy.get_weights()  # M: every round restarts from these (Alg. 1 line 7: train(M, ...))
     state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [], "stopped": ""}
     # only --resume continues a run (restoring M_n into trainer and sampler; `base` stays the original)
     loaded = run.load_checkpoint(policy) if cfg.resume else None
