@@ -230,6 +230,18 @@ def test_address_filter_rejects_object_reprs_but_not_hex_numbers(executor):
     assert props[0]["entry"]["output"] == "'0xbc614e'"
 
 
+def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monkeypatch):
+    """Wall-clock sandbox limits could make ranks disagree about a task; rank 0's outcomes are used everywhere."""
+    sent = []
+    job = [("def f(x):\n    return x + 1", (1,))]
+    monkeypatch.setattr(common, "broadcast_object", lambda obj, src=0: sent.append(obj) or [("ok", "7", 7)])
+    monkeypatch.setattr(common, "dist_info", lambda: (0, 2))
+    assert executor.call(job) == [("ok", "7")] and sent == [[("ok", "2", 2)]]  # rank 0 ran it and sent it
+    monkeypatch.setattr(common, "dist_info", lambda: (1, 2))
+    monkeypatch.setattr(executor, "_run", lambda *a: pytest.fail("rank 1 ran a program"))
+    assert executor.run_checked(job) == [(None, "7")] and sent[1:] == [None, None]  # j = 2 runs, both from rank 0
+
+
 # ---------------------------------------------------------------------------------------------- solver checks
 def test_solver_checks_deduction(executor):
     e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
