@@ -3043,10 +3043,11 @@ def bleu_matrix(texts):
     return S
 
 
-def bleu_distance_matrix(texts):
+def bleu_distance_matrix(texts, S=None):
     """R-Zero's distances: d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored; d_ii = 0.
-    (R-Zero's code fills the upper triangle with hyp = q_i, ref = q_j for i < j and copies it down.)"""
-    S = bleu_matrix(texts)
+    (R-Zero's code fills the upper triangle with hyp = q_i, ref = q_j for i < j and copies it down.)
+    `S`: bleu_matrix(texts) if already computed."""
+    S = bleu_matrix(texts) if S is None else S
     D = 1.0 - np.triu(S, 1)
     D = np.triu(D, 1)
     D = D + D.T
@@ -3160,10 +3161,16 @@ def self_bleu(texts):
 
 
 def diversity_metrics(texts, threshold=0.5):
-    """Per-batch diversity numbers for any proposer: distinct fraction, distinct-4, self-BLEU, cluster count."""
+    """Per-batch diversity numbers for any proposer: distinct fraction, distinct-4, self-BLEU, cluster count
+    (one BLEU matrix serves the last two)."""
     texts = list(texts)
-    return {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
-            "self_bleu": self_bleu(texts), "bleu_clusters": len(set(bleu_clusters(texts, threshold)))}
+    out = {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
+           "self_bleu": 0.0, "bleu_clusters": len(texts)}
+    if len(texts) >= 2:
+        S = bleu_matrix(texts)
+        out["self_bleu"] = float(S[np.triu_indices(len(texts), 1)].mean())
+        out["bleu_clusters"] = len(set(average_linkage_clusters(bleu_distance_matrix(texts, S), threshold)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------

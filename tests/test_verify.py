@@ -395,6 +395,9 @@ def test_diversity_metrics():
     assert self_bleu(["a b c d", "a b c d"]) == pytest.approx(1.0)
     m = common.diversity_metrics(HAND_BATCH)
     assert m["bleu_clusters"] == 3 and m["distinct_frac"] == pytest.approx(0.8)
+    assert m["self_bleu"] == pytest.approx(self_bleu(HAND_BATCH))  # one shared BLEU matrix, same numbers
+    assert m["bleu_clusters"] == len(set(common.bleu_clusters(HAND_BATCH)))
+    assert common.diversity_metrics(["only one"])["bleu_clusters"] == 1 and common.diversity_metrics([])["self_bleu"] == 0
 
 
 # ---------------------------------------------------------------------------------------------- decontamination
