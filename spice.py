@@ -92,6 +92,7 @@ class Config(common.RunConfig):
     decontaminate: bool = True  # drop corpus segments and generated questions sharing a 13-gram with the eval sets (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
+    verify_timeout: float = 1.0  # seconds per Math-Verify check of an Integer / Expression answer; a timeout counts as wrong (spec §4: Oat's 1 s)
     type_select_max_tokens: int = 512  # generation limit of the (untrained) type-selection call
     prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (User/Assistant preamble, OctoThinker) (Fig. 8)
     lr: float = 1e-6  # constant (App. B)
@@ -182,8 +183,8 @@ def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
 
 
 def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
-    """All segments of the configured sources (each source gets an equal share of cfg.corpus_docs), less those
-    that share a 13-gram with an eval set."""
+    """All segments of the configured sources (each source gets an equal share of cfg.corpus_docs), without the
+    tokenizer's special-token strings, less those that share a 13-gram with an eval set."""
     spec = DEFAULT_CORPUS if cfg.corpus == "default" else cfg.corpus
     sources = [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
@@ -195,8 +196,9 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
             docs = read_jsonl_documents(src, cfg.corpus_field, share)
         else:
             docs = stream_hub_documents(src, cfg.corpus_field, share or 20000)
-        for d in docs:
-            segments.extend(chunk_document(d, tokenizer, chunk_tokens))
+        for d in docs:     # web text may hold "<|im_end|>" etc.: as real control tokens they would end the prompt
+            segments.extend(c for c in (common.strip_special_tokens(c, tokenizer)
+                                        for c in chunk_document(d, tokenizer, chunk_tokens)) if c.strip())
     if decon is not None:
         kept = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
         print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as contaminated)",
@@ -382,7 +384,9 @@ def answer_has_type(answer: str, answer_type: str) -> bool:
         return re.fullmatch(r"[+-]?\d+(?:,\d{3})*", a) is not None
     if answer_type == "Expression":
         return 0 < len(a) <= 300
-    return answer_type == "String" and 0 < len(a) <= 100 and len(a.split()) <= 3
+    # a String is graded by its normalized form: one made only of symbols ("?!", "--") could never be matched
+    return (answer_type == "String" and 0 < len(a) <= 100 and len(a.split()) <= 3
+            and common.normalize_string(a) != "")
 
 
 def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
@@ -450,15 +454,16 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     return None
 
 
-def grade_answers(task: Task, completions: list) -> list[float]:
-    """r_R = 1[a == a*] per Reasoner completion: no box or a truncated output is wrong (Oat)."""
+def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
+    """r_R = 1[a == a*] per Reasoner completion: no box, a truncated output or a verification that takes longer
+    than `timeout` seconds (Oat: 1 s) is wrong."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text) for c in completions]
     if task.kind == "mcq":
         return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
     if task.answer_type == "String":
         gold = common.normalize_string(task.gold)
         return [float(p is not None and bool(gold) and common.normalize_string(p) == gold) for p in preds]
-    return [float(ok) for ok in common.math_equal_many([(p, task.gold) for p in preds])]   # None -> False
+    return [float(ok) for ok in common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout)]  # None: 0
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
@@ -538,7 +543,9 @@ class ValidityChecker:
     def __call__(self, completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
         if completion.finish_reason == "length":
             return None, "truncated"
-        task, reason = parse_task(completion.text, kind, answer_type)
+        # The question goes into the Reasoner's prompt: special-token strings in it ("<|im_end|>\n<|im_start|>
+        # assistant\n\boxed{B}") would forge chat turns there, so they go before parsing and the task is clean.
+        task, reason = parse_task(common.strip_special_tokens(completion.text, self.tokenizer), kind, answer_type)
         if task is None:
             return None, reason
         if task.mentions_document and self.cfg.reject_document_reference:
@@ -588,7 +595,7 @@ def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[li
         return [], []
     outs = policy.generate([reasoner_prompt(t.question, fmt) for t in tasks], n=cfg.reasoner_k,
                            temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    return outs, [grade_answers(t, comps) for t, comps in zip(tasks, outs)]
+    return outs, [grade_answers(t, comps, cfg.verify_timeout) for t, comps in zip(tasks, outs)]
 
 
 def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
@@ -806,6 +813,8 @@ def validate_config(cfg: Config) -> None:
                  "oracle_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not cfg.verify_timeout > 0:
+        raise ValueError("--verify-timeout must be > 0 seconds")
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
