@@ -19,7 +19,8 @@ The loop (Alg. 1), one function per step below, in this order. For round n = 1 .
                            int(40 · 1.2^(n-1)) steps, loss on rationale + answer + EOS tokens only -> M_n;
                            the new weights are swapped into the vLLM engine in memory (no reload from disk)
   7. evaluate_split        accuracy of M_n on the test split (plus pass@k with --eval-n > 1); stop at --rounds
-                           or after --patience rounds without a new best. A round that sets a new best is saved
+                           or after --patience evaluations without a new best (rounds with --eval-every 1, the
+                           default; every --eval-every rounds otherwise). A round that sets a new best is saved
                            to <run>/best/ (checkpoints are pruned); with --patience the run ends on that model,
                            loaded back before --eval-benchmarks (eval.json: model_round)
 
@@ -46,7 +47,9 @@ Choices this file makes (spec: shared/methods/star.md):
     code packs the same text into 8 windows x 1,536 tokens. The loss is on rationale + answer + EOS only.
   * Step 0 of metrics.jsonl is the few-shot base model ("few-shot CoT" in the paper): STaR cannot bootstrap from
     chance level (§6), so look at it first.
-  * One process: the trainer and the vLLM engine share one GPU; generation is not sharded over torchrun ranks.
+  * In one process the trainer and the vLLM engine share one GPU. Under torchrun each rank runs its own engine:
+    Policy.generate splits the questions over the ranks and gathers the rationales, so every rank builds the same
+    training set, and common.sft_step trains each rank on its share of every batch.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ class Config(common.RunConfig):
     prompt_style: str = "few-shot"  # few-shot = raw text, base models (paper §3.1) | chat = exemplars as earlier chat turns | auto = chat if the tokenizer has a chat template
     few_shot_train: bool = False  # keep the exemplars in the training text (official code only, --few_shot_train; §4.4 hints Table 1 used it)
     rounds: int = 16  # STaR iterations N (paper: until accuracy plateaus; 16 for arithmetic, §4.3)
-    patience: int = 2  # stop after this many rounds without a new best test accuracy (0 = always run --rounds); "plateau" is the paper's word, the number is ours
+    patience: int = 2  # stop after this many evaluations (= rounds with --eval-every 1) without a new best test accuracy (0 = always run --rounds); "plateau" is the paper's word, the number is ours
     samples_per_question: int = 1  # 1 = Alg. 1 (one greedy rationale); >1 = the later rejection-sampling variant (needs --temperature > 0)
     temperature: float = 0.0  # rationale decoding; 0 = greedy (paper §3.1; the code uses 0.01 with top-p 0.9)
     top_p: float = 1.0  # nucleus sampling for --temperature > 0
@@ -96,7 +99,7 @@ class Config(common.RunConfig):
     eval_temperature: float = 0.6  # sampling temperature for pass@k when --eval-n > 1 (accuracy is always greedy)
     eval_benchmarks: str = ""  # extra common.evaluate benchmarks after the last round ("" = only the task's test split)
     entropy_samples: int = 0  # >0: per round, sample this many training questions at T=1 and log the policy entropy (analysis.md §3; STaR itself decodes greedily)
-    save_every: int = 1  # checkpoint every N rounds (the last round is always saved)
+    save_every: int = 1  # checkpoint every N rounds (0 = only the last round; the last round is always saved)
 
 
 TASKS = {  # name -> (hub id, config, train split, eval split)
@@ -126,6 +129,7 @@ def check_config(cfg: Config) -> None:
         (cfg.batch_tokens < 1, f"--batch-tokens {cfg.batch_tokens}: need at least 1"),
         (cfg.eval_every < 0, f"--eval-every {cfg.eval_every}: use 0 to evaluate only after the last round"),
         (cfg.patience < 0, f"--patience {cfg.patience}: use 0 to disable early stopping"),
+        (cfg.save_every < 0, f"--save-every {cfg.save_every}: use 0 to checkpoint only the last round"),
     ] if bad]
     if problems:
         raise ValueError("; ".join(problems))
@@ -606,7 +610,8 @@ def sample_record(ex: dict, k: dict) -> dict:
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
     """Early stopping (Alg. 1: iterate until performance plateaus): track the best test accuracy so far (round 0
-    is the few-shot base model) and set state["stopped"] after `patience` rounds without a new best."""
+    is the few-shot base model) and set state["stopped"] after `patience` evaluations without a new best. Rounds
+    without an evaluation (acc None, --eval-every > 1) do not count: patience 2 with --eval-every 3 waits 6 rounds."""
     if acc is None:
         return
     if state["best_accuracy"] is None or acc > state["best_accuracy"]:
@@ -614,8 +619,8 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
     else:
         state["since_best"] += 1
     if patience and n > 0 and state["since_best"] >= patience:
-        state["stopped"] = (f"no new best test accuracy for {patience} round(s); best: round {state['best_round']} "
-                            f"({state['best_accuracy']:.4f})")
+        state["stopped"] = (f"no new best test accuracy for {patience} evaluation(s); best: round "
+                            f"{state['best_round']} ({state['best_accuracy']:.4f})")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -664,6 +669,11 @@ def restore_best(run, policy, base: dict, state: dict) -> int:
         return last
     policy.set_weights(common.load_safetensors_dir(run.dir / BEST_DIR))
     return best
+
+
+def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
+    """Checkpoint round n: every --save-every rounds (0 = none but the last) and always the run's last round."""
+    return (cfg.save_every > 0 and n % cfg.save_every == 0) or n == cfg.rounds or bool(stopped)
 
 
 POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized", "kept": "train/kept",
@@ -721,7 +731,7 @@ def train(cfg: Config, sampler=None) -> dict:
             bar.set_postfix({name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
                              if metrics.get(key) is not None}, refresh=False)
             bar.update(1)
-            if n % max(1, cfg.save_every) == 0 or n == cfg.rounds or state["stopped"]:
+            if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
         # early stopping keeps the best round: its model is the result, so --eval-benchmarks score that one
         model_round = restore_best(run, policy, base, state) if cfg.patience > 0 else state["round"]

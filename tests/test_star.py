@@ -290,6 +290,26 @@ def test_plateau_counts_rounds_without_a_new_best():
     assert not st2["stopped"]
 
 
+def test_patience_counts_evaluations_when_eval_every_skips_rounds():
+    st = {"best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
+    stopped_at = None
+    for n in range(0, 10):  # --eval-every 3: rounds 0, 3, 6, 9 are evaluated, the others give acc None
+        star.update_plateau(st, 0.5 if n % 3 == 0 else None, n, patience=2)
+        stopped_at = n if st["stopped"] and stopped_at is None else stopped_at
+    assert stopped_at == 6  # two evaluations without a new best = six rounds, not two
+    assert "2 evaluation(s)" in st["stopped"]
+
+
+def test_save_every_zero_checkpoints_only_the_last_round():
+    due = [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6, save_every=0), "")]
+    assert due == [6]
+    assert [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6, save_every=2), "")] == [2, 4, 6]
+    assert [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6), "")] == [1, 2, 3, 4, 5, 6]
+    assert star.checkpoint_due(3, star.Config(rounds=6, save_every=0), "no new best")  # an early stop is the last
+    with pytest.raises(ValueError, match="--save-every -1: use 0"):
+        star.check_config(star.Config(save_every=-1))
+
+
 def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokenizer):
     cfg = star.Config(model="tiny")
     pr = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
@@ -527,7 +547,7 @@ def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, 
     monkeypatch.setattr(star, "save_best", spy_save)
     monkeypatch.setattr(common, "evaluate_config", spy_eval)
     results = star.train(cfg, sampler=vllm_sampler)
-    assert "no new best test accuracy for 2 round(s); best: round 2" in results["stopped"]
+    assert "no new best test accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3, 4]
     assert [(n, acc) for n, acc, _ in saved] == [(1, 0.5), (2, 0.75)]  # every new best, and only those
     assert not (out / "checkpoints" / "step_2").exists()  # pruned (keep 2): best/ is the only copy of M_2
