@@ -32,6 +32,12 @@ Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after
 --resume continues a run: an --output-dir that already holds checkpoints is an error.
 
 Choices this file makes (spec: shared/methods/star.md):
+  * Tasks: GSM8K, CommonsenseQA or your own JSONL. The n-digit addition task of §4.3 (scratchpad targets) is not
+    built in.
+  * --patience and best/ choose the round on the --test-data split. The paper stops on a "dev split"; GSM8K has
+    none, so its test split stands in (on CommonsenseQA the validation split is the paper's dev set, and also
+    the split it reports). The best round's accuracy is then picked on the numbers reported: report the last
+    round's accuracy, or pass a held-out --test-data file for a clean number.
   * Greedy decoding, as in the paper (the official code samples at T 0.01, top-p 0.9).
   * The GSM8K hint reveals only the final number (paper; the code leaked the whole worked solution).
   * The loss mask is the prompt's token length (the code masked up to the last ':' token, which drops part of
@@ -47,9 +53,9 @@ Choices this file makes (spec: shared/methods/star.md):
     code packs the same text into 8 windows x 1,536 tokens. The loss is on rationale + answer + EOS only.
   * Step 0 of metrics.jsonl is the few-shot base model ("few-shot CoT" in the paper): STaR cannot bootstrap from
     chance level (§6), so look at it first.
-  * In one process the trainer and the vLLM engine share one GPU. Under torchrun each rank runs its own engine:
-    Policy.generate splits the questions over the ranks and gathers the rationales, so every rank builds the same
-    training set, and common.sft_step trains each rank on its share of every batch.
+  * In one process the trainer and the vLLM engine share one GPU. Under torchrun each rank (or tensor-parallel
+    group) runs its own engine: Policy.generate splits the questions over the ranks and gathers the rationales,
+    so every rank builds the same training set, and common.sft_step trains each rank on its share of a batch.
 """
 from __future__ import annotations
 
