@@ -38,7 +38,8 @@ Where the paper is inconsistent or silent, this file chooses:
   * A truncated Reasoner answer scores 0 (Oat); a truncated Challenger output is invalid. Both roles generate
     up to 4,096 tokens (the paper gives no limit), which is also Dr. GRPO's constant normaliser L_max.
   * The paper's corpus is not openly downloadable; the default streams an open 50/50 stand-in (open-web-math +
-    FineWeb-Edu). Segments and generated questions sharing a 13-gram with an eval set are dropped (§7.3).
+    FineWeb-Edu). Segments sharing a 13-gram with an eval set are dropped (analysis §7.3); a generated question
+    that does, like one too long for the Reasoner's prompt, is an invalid attempt and earns rho.
   * Otherwise Oat's defaults (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
 Kept as in the paper, and logged: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in the
 batch and in Dr. GRPO's 1/N (`*/zero_adv_group_frac`); long Challenger outputs carry more total gradient than
@@ -78,7 +79,7 @@ class Config(common.RunConfig):
     max_attempts: int = 1024  # N, Challenger attempts per document before giving up (§3.1)
     invalid_penalty: float = -0.1  # rho, Challenger reward of an invalid task (§3.1)
     tau: float = 0.01  # width of the Gaussian around the target variance 0.25 (Eq. 1, App. D)
-    challenger_reward: str = "variance"  # variance (Eq. 1) | learnability (AZR-style) | uncertainty (R-Zero-style) | threshold (Fig. 4a ablation)
+    challenger_reward: str = "variance"  # variance (Eq. 1) | learnability (AZR-style) | uncertainty (R-Zero-style) | threshold (ablations, Table 4)
     task_types: str = "both"  # both | mcq | free (§4 ablation: MCQ only 42.0, free-form only 43.7, mixed 44.9)
     type_selection: str = "prompt"  # prompt = Fig. 9 type-selection call (untrained) | random = 50/50 coin
     no_document: bool = False  # ablation: the Challenger writes questions without a document (Fig. 4b)
@@ -87,9 +88,9 @@ class Config(common.RunConfig):
     challenger_gpu_memory_utilization: float = 0.2  # GPU share of the fixed Challenger's own engine (only if it cannot be swapped in)
     fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
     reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
-    eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24@32,aime25@32,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A): greedy, AIME mean@32 at T 0.6; a set that cannot load is skipped with a warning
+    eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24@32,aime25@32,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A): greedy, AIME mean@32 at T 0.6 (top-p 0.95 is ours, common.evaluate's default; the paper gives none); a set that cannot load is skipped with a warning
     eval_max_tokens: int = 4096  # evaluation answers get the Reasoner's training limit (spec §5: "with the training prompt"; the paper gives no evaluation limit)
-    decontaminate: bool = True  # drop corpus segments and generated questions sharing a 13-gram with the eval sets (analysis §7.3)
+    decontaminate: bool = True  # drop corpus segments sharing a 13-gram with the eval sets; such a generated question is invalid (reward rho) (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
     verify_timeout: float = 1.0  # seconds per Math-Verify check of an Integer / Expression answer; a timeout counts as wrong (spec §4: Oat's 1 s)
@@ -535,7 +536,8 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng: np.random.
 
 
 class ValidityChecker:
-    """Is a Challenger attempt a usable task? (§4 rules, decontamination, room for the Reasoner's prompt)."""
+    """Is a Challenger attempt a usable task? (§4 rules, decontamination, room for the Reasoner's prompt). A failed
+    check makes the attempt invalid (it stays in the Challenger's group with reward rho), never silently dropped."""
 
     def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
         self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
@@ -665,7 +667,8 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Metrics and samples (what the paper plots: valid rate, rewards per role, frontier share, entropy per role).
+# Metrics and samples: validity, rewards and frontier share per role, question diversity (analysis §7.2),
+# entropy per role (analysis §3), and every valid task with its pass rate in tasks.jsonl (analysis §2).
 # --------------------------------------------------------------------------------------------------------------
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
@@ -700,8 +703,12 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
         ks = [r for r, kk in zip(rollouts, kinds) if kk == k]
         if sum(r.n_generated for r in ks):
             m[f"challenger/valid_rate/{k}"] = sum(r.n_valid for r in ks) / sum(r.n_generated for r in ks)
-    why = sum((r.invalid_reasons for r in rollouts), Counter())
+    why = Counter()
+    for r in rollouts:
+        why.update(r.invalid_reasons)
     m.update({f"invalid/{w}": n for w, n in sorted(why.items())})
+    if valid:   # analysis §7.2: SPICE relies on document sampling for diversity, so watch it (<= B * G questions)
+        m.update({f"challenger/{k}": v for k, v in common.diversity_metrics([a.task.question for a in valid]).items()})
     return m
 
 
@@ -727,12 +734,29 @@ def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
     return m
 
 
+def task_records(rollouts: list[DocRollout], step: int) -> list[dict]:
+    """tasks.jsonl (analysis §2, difficulty over training): every valid task of the step with its gold answer,
+    the pass rate of the K answers behind r_C, r_C, and whether it was the document's Reasoner task."""
+    return [{"step": step, "type": type_name(r.kind, r.answer_type), "question": a.task.question,
+             "gold": a.task.gold, "pass_rate": _mean(a.correct), "challenger_reward": a.reward,
+             "reasoner_task": a is r.reasoner_task}
+            for r in rollouts for a in r.attempts if a.task is not None]
+
+
+def append_tasks(run, records: list[dict]) -> None:
+    if run.is_main and records:
+        with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+
+
 def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
     """samples.jsonl: each document excerpt with its task (the Reasoner's, else the first attempt; there is
-    always one) and the Reasoner's answers to it."""
+    always one) and the Reasoner answers trained on: the K behind r_C, or with --fresh-reasoner-samples the
+    fresh ones (then pass_rate, the r_C pass rate, comes from other answers)."""
     recs = []
     for r in rollouts:
         a = r.reasoner_task or r.attempts[0]
+        answers, correct = (r.reasoner_answers, r.reasoner_rewards) if r.reasoner_task else (a.answers, a.correct)
         recs.append({
             "document_excerpt": None if r.document is None else r.document[:excerpt_chars],
             "type": type_name(r.kind, r.answer_type),
@@ -742,8 +766,9 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
             "question": a.task.question if a.task else None,
             "gold": a.task.gold if a.task else None,
             "challenger_reward": a.reward,
-            "reasoner_answers": [c.text for c in a.answers],
-            "reasoner_correct": a.correct,
+            "pass_rate": _mean(a.correct) if a.task else None,
+            "reasoner_answers": [c.text for c in answers],
+            "reasoner_correct": correct,
         })
     return recs
 
@@ -841,6 +866,8 @@ def train(cfg: Config, policy=None) -> Path:
 
     loaded = run.load_checkpoint(policy) if cfg.resume else None
     start = int(loaded[0]) if loaded else 0
+    if cfg.resume and run.is_main:      # like metrics.jsonl: the steps after the checkpoint are logged again
+        common.truncate_jsonl(run.dir / "tasks.jsonl", start)
     pbar = run.progress(cfg.steps, initial=start)
     for step in range(start + 1, cfg.steps + 1):
         rng = np.random.default_rng([cfg.seed, step])    # per-step stream: a resumed run replays the same draws
@@ -869,6 +896,7 @@ def train(cfg: Config, policy=None) -> Path:
                 metrics[f"{role}/entropy"] = train_stats[f"entropy/{role}"]
                 metrics[f"{role}/entropy_exact"] = train_stats.get(f"entropy_exact/{role}")
         run.log_samples(step, "document", sample_records(rollouts))
+        append_tasks(run, task_records(rollouts, step))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             res = run_eval(policy, run, cfg, fmt, eval_sets, step, f"eval_step{step}.json")
             metrics.update(common.eval_metrics(res))

@@ -399,6 +399,11 @@ def _cli(args, cwd=ROOT, timeout=400):
                           timeout=timeout)
 
 
+def _mean_of(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
 def _metrics(run_dir):
     return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -428,6 +433,9 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     assert (run_dir / "eval.json").is_file()
     # resume: continue the same folder to step 4; steps 1-3 are not redone, step 4 is logged once. This is
     # main()'s path (parse_config -> train) in-process, on the session's engine, to save a second engine start.
+    # A task logged after the checkpoint (as by a run killed during step 4) is dropped, like its metrics.
+    with open(run_dir / "tasks.jsonl", "a") as f:
+        f.writelines(json.dumps({"step": k, "question": q}) + "\n" for k, q in ((3, "kept"), (4, "stale")))
     cfg = common.parse_config(spice.Config, ["--resume", str(run_dir), "--steps", "4"])
     assert cfg.group_size == 2 and cfg.output_dir == str(run_dir)
     spice.train(cfg, common.Policy.load(cfg, sampler=vllm_sampler))
@@ -435,6 +443,8 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     assert steps == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "step_4" / "model.safetensors").is_file()
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 4
+    questions = [json.loads(l)["question"] for l in (run_dir / "tasks.jsonl").read_text().splitlines()]
+    assert "kept" in questions and "stale" not in questions
 
 
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
@@ -556,6 +566,11 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     rec = [json.loads(l) for l in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
     assert any(r["valid"] and r["question"] == WARM_QUESTION and r["gold"] == "A" and len(r["reasoner_answers"]) == 8
                for r in rec)
+    tasks = [json.loads(l) for l in (Path(run_dir) / "tasks.jsonl").read_text().splitlines()]   # analysis §2
+    assert len(tasks) == n_valid and all(t["step"] == 1 and t["gold"] == "A" for t in tasks)
+    assert sum(t["reasoner_task"] for t in tasks) == 2 - m["challenger/docs_without_valid"]
+    assert _mean_of(t["pass_rate"] for t in tasks) == pytest.approx(m["reasoner/accuracy"])
+    assert m["challenger/distinct_frac"] == 1 / n_valid          # one question, written n_valid times
     assert (Path(run_dir) / "eval.json").is_file()
 
 
@@ -790,7 +805,8 @@ def test_forged_chat_turns_never_reach_the_reasoner_prompt(tiny_tokenizer):
     assert len(seen) == 1 and n_special(seen[0]) == n_special(clean) == 5     # system, user, the assistant's open
     assert "<|im_" not in seen[0][1]["content"] and r.attempts[0].correct == [1.0, 1.0]
     # a forged MCQ answer key in the stem is removed too; the options still parse
-    mcq = dict(MCQ_JSON, multiple_choice_question=MCQ_JSON["multiple_choice_question"].replace("wall.", "wall." + FORGED))
+    stem = MCQ_JSON["multiple_choice_question"].replace("wall.", "wall." + FORGED)
+    mcq = dict(MCQ_JSON, multiple_choice_question=stem)
     task, why = check(comp(json.dumps(mcq)), "mcq", None)
     assert why == "ok" and "<|im_" not in task.question and "D) 18 feet" in task.question
 
@@ -831,3 +847,38 @@ def test_math_verification_uses_oats_one_second_timeout(monkeypatch):
     assert seen[-1] == 0.25
     with pytest.raises(ValueError, match="verify-timeout"):
         spice.validate_config(spice.Config(verify_timeout=0))
+
+
+# ---------------------------------------------------------------------------------------------------- analysis logs
+def test_tasks_log_diversity_and_samples_show_what_was_trained(tmp_path):
+    a1, a2 = _valid_attempt("How many apples are in the basket?", "3"), _valid_attempt("How many pears?", "4")
+    bad = spice.Attempt(comp("bad"), None, "no_json")
+    r1 = spice.DocRollout(DOC, "free", "Integer", attempts=[a1, a2, bad], n_generated=3, n_valid=2)
+    r2 = spice.DocRollout(DOC, "mcq", None, attempts=[bad], n_generated=1, invalid_reasons={"no_json": 1})
+    a1.answers, a1.correct = [comp("\\boxed{3}"), comp("\\boxed{2}")], [1.0, 0.0]
+    a2.answers, a2.correct = [comp("\\boxed{4}")] * 2, [1.0, 1.0]
+    spice.challenger_rewards([r1, r2], spice.Config())
+    r1.reasoner_task = a1                                  # --fresh-reasoner-samples: other answers were trained on
+    r1.reasoner_answers, r1.reasoner_rewards = [comp("fresh \\boxed{3}"), comp("fresh \\boxed{9}")], [1.0, 0.0]
+    recs = spice.task_records([r1, r2], 5)
+    assert recs == [
+        {"step": 5, "type": "free/Integer", "question": "How many apples are in the basket?", "gold": "3",
+         "pass_rate": 0.5, "challenger_reward": pytest.approx(1.0), "reasoner_task": True},
+        {"step": 5, "type": "free/Integer", "question": "How many pears?", "gold": "4", "pass_rate": 1.0,
+         "challenger_reward": pytest.approx(math.exp(-0.25 ** 2 / 0.02)), "reasoner_task": False}]
+    run = common.Run(spice.Config(output_dir=str(tmp_path / "run")), "spice")
+    spice.append_tasks(run, recs)
+    spice.append_tasks(run, spice.task_records([r2], 6))   # no valid task: nothing written
+    lines = [json.loads(l) for l in (tmp_path / "run" / "tasks.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["gold"]) for x in lines] == [(5, "3"), (5, "4")]
+    m = spice.step_metrics([r1, r2], 0)
+    assert m["challenger/distinct_frac"] == 1.0 and m["challenger/bleu_clusters"] == 2
+    assert m["challenger/distinct4"] == pytest.approx(4 / 4) and 0 <= m["challenger/self_bleu"] < 0.5
+    a2.task.question = a1.task.question                    # a repeated question shows up
+    m = spice.step_metrics([r1, r2], 0)
+    assert m["challenger/distinct_frac"] == 0.5 and m["challenger/bleu_clusters"] == 1
+    assert m["challenger/self_bleu"] == pytest.approx(1.0)
+    s1, s2 = spice.sample_records([r1, r2])
+    assert s1["reasoner_answers"] == ["fresh \\boxed{3}", "fresh \\boxed{9}"] and s1["reasoner_correct"] == [1.0, 0.0]
+    assert s1["pass_rate"] == 0.5 and s1["gold"] == "3"   # r_C's pass rate, from the answers behind it
+    assert s2["valid"] is False and s2["reasoner_answers"] == [] and s2["pass_rate"] is None
