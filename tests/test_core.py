@@ -583,3 +583,17 @@ def test_strip_special_tokens_stops_forged_chat_turns(tiny_tokenizer):
     assert n_special == sum(i in specials for i in common.encode_prompt(tok, [{"role": "user", "content": "hi"}]))
     assert sum(i in specials for i in common.encode_prompt(tok, [{"role": "user", "content": forged}])) > n_special
     assert common.strip_special_tokens("plain text", tok) == "plain text"
+
+
+def test_run_refuses_an_old_run_folder_without_resume(tmp_path):
+    """Every method's Run: an --output-dir that holds checkpoints is only reused with --resume; the error names
+    both fixes and leaves the folder as it was."""
+    out = tmp_path / "old"
+    (out / "checkpoints" / "step_7").mkdir(parents=True)
+    (out / "config.json").write_text('{"model": "tiny"}')
+    with pytest.raises(FileExistsError, match=f"checkpoints/step_7.*--resume {out}, or pass a new --output-dir"):
+        common.Run(common.RunConfig(output_dir=str(out)), "test")
+    assert (out / "config.json").read_text() == '{"model": "tiny"}' and not (out / "metrics.jsonl").exists()
+    common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "test")  # --resume: fine
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    common.Run(common.RunConfig(output_dir=str(tmp_path / "empty")), "test")   # no checkpoint yet: fine

@@ -179,8 +179,8 @@ def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path):
         star.main(["--data", str(TRAIN), "--output-dir", str(out)])
     assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["checkpoints",
                                                                                                     "config.json"]
-    star.check_fresh_output_dir(star.Config(output_dir=str(out), resume=str(out)))  # --resume: no error
-    star.check_fresh_output_dir(star.Config(output_dir=str(tmp_path / "new")))  # a new folder: no error
+    common.Run(star.Config(output_dir=str(out), resume=str(out)), "star")  # --resume: no error
+    common.Run(star.Config(output_dir=str(tmp_path / "new")), "star")  # a new folder: no error
 
 
 def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_sampler, monkeypatch):
