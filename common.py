@@ -3618,6 +3618,30 @@ def _vf_judge(items, extract_fn, timeout):
     return preds, ok, letters
 
 
+def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
+    """(benchmarks, sorted ks, n) of evaluate / evaluate_code: a list or comma-separated string of benchmarks
+    (duplicates dropped), k as an int, "1,4" or a list."""
+    if isinstance(benchmarks, str):
+        benchmarks = benchmarks.split(",")
+    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
+    if isinstance(k, (int, str)):
+        k = [int(x) for x in str(k).split(",") if str(x).strip()]
+    ks, n = sorted({int(x) for x in k}), int(n)
+    if n < 1 or not ks or ks[0] < 1:
+        raise ValueError(f"{who} needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    return benchmarks, ks, n
+
+
+def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
+    """Sampled results: unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n."""
+    res["pass@k"], res["pass@k_ci"] = {}, {}
+    for kk in [x for x in ks if x <= min(ns)]:
+        m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
+        res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
+    res["mean@n"] = float(np.mean(np.asarray(cs) / np.asarray(ns)))
+    res["pass@k_source"] = "samples"
+
+
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
              limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000):
     """Greedy accuracy and pass@k per benchmark.
@@ -3636,15 +3660,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
     (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
     T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
-    if isinstance(benchmarks, str):
-        benchmarks = benchmarks.split(",")
-    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
-    if isinstance(k, (int, str)):
-        k = [int(x) for x in str(k).split(",") if str(x).strip()]
-    ks = sorted({int(x) for x in k})
-    n = int(n)
-    if n < 1 or not ks or ks[0] < 1:
-        raise ValueError(f"evaluate needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
     skipped_k = [x for x in ks if x > n]
     tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn = prompt_fn or default_eval_prompt
@@ -3686,15 +3702,8 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
             cs = np.zeros(len(probs), dtype=int)
             for j, o in zip(owner, ok):
                 cs[j] += int(o)
-            ns = [len(g) for g in samp]
-            res["pass@k"], res["pass@k_ci"] = {}, {}
-            for kk in [x for x in ks if x <= n_samples]:
-                m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
-                res["pass@k"][str(kk)] = m
-                res["pass@k_ci"][str(kk)] = [lo, hi]
-            res["mean@n"] = float(np.mean(cs / np.asarray(ns)))
+            _vf_pass_at_k_fields(res, [len(g) for g in samp], cs, ks, n_boot, seed)
             res["n_samples"] = n_samples
-            res["pass@k_source"] = "samples"
             res["sample_no_answer_frac"] = float(np.mean([(lt is None) if gold_letters[j] is not None else p is None
                                                           for p, lt, j in zip(s_preds, s_letters, owner)]))
             res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
@@ -3981,14 +3990,7 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     `benchmarks`: names or JSONL paths (see load_code_benchmark), a list or a comma-separated string; all are
     loaded before anything is generated. Without `sandbox` one is started (and closed) for the call, with a
     program cap that fits HumanEval+'s inlined tests; a sandbox you pass needs max_program_chars that large."""
-    if isinstance(benchmarks, str):
-        benchmarks = benchmarks.split(",")
-    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
-    if isinstance(k, (int, str)):
-        k = [int(x) for x in str(k).split(",") if str(x).strip()]
-    ks, n = sorted({int(x) for x in k}), int(n)
-    if n < 1 or not ks or ks[0] < 1:
-        raise ValueError(f"evaluate_code needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
     skipped_k, ks = [x for x in ks if x > n], [x for x in ks if x <= n]
     problems = {b: load_code_benchmark(b, limit) for b in benchmarks}
     tok = getattr(sampler_or_policy, "tokenizer", None)
@@ -4017,13 +4019,7 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
                                                   max_tokens=max_tokens, seed=seed)
                 runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp], timeout)
                 cs = [sum(s == "passed" for s, _ in r) for r in runs]
-                ns = [len(r) for r in runs]
-                res["pass@k"], res["pass@k_ci"] = {}, {}
-                for kk in ks:
-                    m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
-                    res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
-                res["mean@n"] = float(np.mean(np.asarray(cs) / np.asarray(ns)))
-                res["pass@k_source"] = "samples"
+                _vf_pass_at_k_fields(res, [len(r) for r in runs], cs, ks, n_boot, seed)
                 res["sample_statuses"] = dict(Counter(s for r in runs for s, _ in r))
                 res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
                 for rec, r, c in zip(per_problem, runs, cs):
