@@ -31,6 +31,7 @@ import re
 import resource
 import selectors
 import shutil
+import string
 import struct
 import subprocess
 import sys
@@ -107,6 +108,7 @@ class RunConfig:
     wandb: bool = False  # also log to Weights & Biases (only if wandb is installed)
     wandb_project: str = "selfplay"  # wandb project name
     dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
+    prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (see load_prompts)
 
 
 def _core_field_comments(cls) -> dict:
@@ -223,6 +225,61 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None):
 
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def template_fields(template: str) -> set[str]:
+    """The ``{name}`` placeholders of a str.format template (``{{`` and ``}}`` are literal braces)."""
+    names = set()
+    for _, field, spec, conv in string.Formatter().parse(template):
+        if field is None:
+            continue
+        if not field.isidentifier() or spec or conv:
+            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} "
+                             "(no attribute, index, format spec or conversion); write literal braces as {{ }}")
+        names.add(field)
+    return names
+
+
+def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
+    """Our templates ``defaults`` (name -> str.format template), with those named in the file ``path``
+    replacing them, so a paper's own wording can be used where its license allows. The file is TOML
+    (``name = \'\'\'...\'\'\'``) or JSON (``{"name": "..."}``); it may give any subset of the names. Each
+    template it gives must use exactly the placeholders of ours: a missing one would drop the document or
+    the question, an unknown one could not be filled. Errors name the template and the fix."""
+    if not path:
+        return dict(defaults)
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompts {path}: no such file (give a .toml or .json file of named templates)")
+    try:
+        if p.suffix.lower() == ".toml":
+            import tomllib
+            given = tomllib.loads(p.read_text(encoding="utf-8"))
+        else:
+            given = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts {path}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
+    if not isinstance(given, dict):
+        raise ValueError(f"--prompts {path}: expected a table of name = template, got {type(given).__name__}")
+    out = dict(defaults)
+    for name, text in given.items():
+        if name not in defaults:
+            raise ValueError(f"--prompts {path}: unknown template {name!r}; this method's templates are "
+                             f"{sorted(defaults)}")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"--prompts {path}: template {name!r} must be a non-empty string")
+        try:
+            have = template_fields(text)
+        except ValueError as e:
+            raise ValueError(f"--prompts {path}: template {name!r}: {e}")
+        need = template_fields(defaults[name])
+        if have != need:
+            missing, extra = sorted(need - have), sorted(have - need)
+            raise ValueError(f"--prompts {path}: template {name!r} must use exactly the placeholders "
+                             f"{sorted(need)}" + (f"; missing {missing}" if missing else "")
+                             + (f"; unknown {extra}" if extra else ""))
+        out[name] = text
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
