@@ -573,7 +573,8 @@ def compare(ours: dict, plain: dict, nograd: dict) -> dict:
         return {"status": "skipped", "reason": "needs both steps measured"}
     out = {"time_ratio": rnd(ours["time_s"] / plain["time_s"]),
            "memory_ratio": rnd(ours["peak_gb"] / plain["peak_gb"])
-           if ours.get("peak_gb") and plain.get("peak_gb") else None}
+           if ours.get("peak_gb") and plain.get("peak_gb") else None,
+           "micro_batch_tokens": [ours["micro_batch_tokens"], plain["micro_batch_tokens"]]}
     ng = nograd.get("time_s") if nograd.get("status") == "ok" else None
     if ng is not None:
         update = ours["time_s"] - ng
