@@ -439,9 +439,13 @@ def pg_config(shape: Shape, **kw):
 
 
 def with_mfu(bench: "Bench", rec: dict) -> dict:
+    """MFU against the datasheet peak, and the share of the bf16 matmul rate measured here."""
     peak = bench.res.get("peak_tflops")
+    ceiling = bench.res.get("matmul_bf16", {}).get("tflops")
     if peak and rec.get("tflops") is not None:
         rec["mfu"] = rnd(rec["tflops"] / peak, 4)
+    if ceiling and rec.get("tflops") is not None:
+        rec["of_measured_matmul"] = rnd(rec["tflops"] / ceiling, 4)
     return rec
 
 
@@ -1002,6 +1006,7 @@ def main(argv=None) -> int:
     res.update(device=torch.cuda.get_device_name() if on_gpu else "cpu", torch=torch.__version__,
                transformers=transformers.__version__, cuda=torch.version.cuda,
                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+               tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
                readme_memory=readme_memory(ROOT / "README.md"))
     if on_gpu:
         res["gpu_memory_gb"] = rnd(torch.cuda.get_device_properties(0).total_memory / GB, 1)
