@@ -735,17 +735,20 @@ class _EvalPolicy:
     for it, nothing useful otherwise. Records the prompts."""
     tokenizer = None
 
-    def __init__(self):
-        self.prompts = []
+    def __init__(self, plain=False):
+        self.prompts, self.calls, self.plain = [], [], plain
 
     def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, top_p=1.0, seed=None):
         self.prompts += prompts
+        self.calls.append((n, temperature, max_tokens))
         out = []
         for p in prompts:
             if "def add(" in p:
                 text = answer(fence("python", "def add(a, b):\n    return a + b"))
+            elif "2 + 3" in p:
+                text = answer("5" if self.plain else "\\boxed{5}")
             else:
-                text = answer("\\boxed{5}" if "2 + 3" in p else "no idea")
+                text = answer("no idea")
             out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text, finish_reason="stop")] * n)
         return out
 
@@ -782,3 +785,73 @@ def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsy
     results = az.evaluate(_EvalPolicy(), cfg)  # the end of a training run: skipped with the reason, no crash
     assert "could not load code benchmark 'humaneval+'" in results["code"]["skipped"]
     assert "hub unreachable" in capsys.readouterr().err
+
+
+def test_evaluation_defaults_are_the_official_protocol():
+    """Official evaluation/math_eval (eval_math_nodes.sh --template azr): greedy, 16,000 new tokens, the
+    question as the User turn with the Assistant turn unopened, the answer read from <answer> (boxed or not);
+    Table 1's code benchmarks are part of the default evaluation."""
+    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code_benchmarks=str(DATA / "code_tiny.jsonl"))
+    assert (cfg.eval_max_tokens, cfg.eval_n, cfg.eval_code) == (16000, 1, True)
+    policy = _EvalPolicy(plain=True)  # answers "<answer>5</answer>", no \boxed{}
+    results = az.evaluate(policy, cfg)
+    assert {(n, t, mt) for n, t, mt in policy.calls} == {(1, 0.0, 16000)}
+    math_prompt = policy.prompts[0]
+    assert math_prompt.endswith("User: What is 2 + 3?\n\nAssistant:") and "boxed" not in math_prompt
+    assert results["benchmarks"][str(DATA / "azr_eval.jsonl")]["greedy_acc"] == 0.5
+    assert results["settings"]["prompt"] == "absolute_zero.eval_prompt" and "code" in results
+    assert az.eval_answer("x</think> <answer> 42 </answer>") == "42"
+    assert az.eval_answer("<answer>so \\boxed{\\frac{1}{2}} it is</answer>") == "\\frac{1}{2}"
+    assert az.eval_answer("no tags, \\boxed{7}") == "7" and az.eval_answer("so \\[ x+1 \\] then") == "x+1"
+    assert az.eval_answer("nothing") is None and az.eval_answer("<answer> </answer>") is None
+    assert common.parse_config(az.Config, ["--no-eval-code"]).eval_code is False
+
+
+def test_proposer_prompts_carry_the_papers_instructions():
+    """Our words, the official prompts' instructions: hard programs with multi-step state tracking, plan first,
+    the I.Q.-test framing, the code rules and the format rules."""
+    cfg = az.Config()
+    for task in ("deduction", "abduction"):
+        p = az.proposer_prompt(task, [], cfg)
+        for needle in ("I.Q. test", "track state across several data transformations", "multi-step reasoning",
+                       "dynamic programming", "Plan first", "different from the earlier puzzles",
+                       "at least one argument", "deterministic", "within 10 seconds", "nothing follows",
+                       "strings in quotes", "exactly one", "```python block", "```input block", "random"):
+            assert needle in p, (task, needle)
+    p = az.proposer_prompt("induction", [], cfg, program="def f(x):\n    return x")
+    for needle in ("Plan first", "Coverage", "challenging, but not impossible", "never the code itself",
+                   "10 ```input blocks", "```message block", "diverse outputs"):
+        assert needle in p, needle
+    s = az.solver_prompt("induction", {"program": "P", "inputs": ["1", "2"], "outputs": ["1", "2"], "message": "m"},
+                         cfg)
+    assert "revise it until it fits" in s and "hidden inputs" in s
+    assert "step by step" in az.solver_prompt("deduction", dict(az.ZERO_TRIPLET), cfg)
+
+
+def test_a_prompts_file_replaces_templates_up_to_the_sampler(tmp_path, executor):
+    """--prompts FILE: its templates are the ones the sampler gets (training roles and evaluation); a bad file is
+    a one-line usage error before anything loads."""
+    f = tmp_path / "azr.toml"
+    f.write_text("wrapper = '''W: {task} <think>'''\n"
+                 "solve_deduction = '''OWN {program} ON {input}'''\n"
+                 "eval_math = '''Q: {question} A:'''\n")
+    cfg = az.Config(prompts=str(f), learnability_samples=1, eval_benchmarks=str(DATA / "azr_eval.jsonl"),
+                    eval_code=False)
+    az.check_config(cfg)
+    e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
+    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [], "induction": []}
+    policy = _ScriptedPolicy()
+    az.estimate_learnability(policy, executor, props, cfg)
+    assert policy.calls[0]["prompts"] == ["W: OWN def f(x):\n    return x * 2 ON 3 <think>"]
+    assert az.proposer_prompt("abduction", [], cfg).startswith("W: Design a new Python puzzle")  # ours inside
+    ev = _EvalPolicy()
+    results = az.evaluate(ev, cfg)
+    assert ev.prompts == ["Q: What is 2 + 3? A:", "Q: What is 7 * 6? A:"]
+    assert results["settings"]["prompt"] == f"absolute_zero.eval_prompt ({f})"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("solve_abduction = '''{program} only'''\n")
+    with pytest.raises(ValueError, match=r"'solve_abduction' must use exactly the placeholders.*missing \['output'\]"):
+        az.check_config(az.Config(prompts=str(bad)))
+    with pytest.raises(SystemExit) as err:
+        az.main(["--prompts", str(bad)])
+    assert err.value.code == 2
