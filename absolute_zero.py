@@ -13,12 +13,14 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
                            induction tasks on D_seed's programs until D_ind holds S*B (§3.3.1)
   1. propose               B prompts per task type: a program from D_ded u D_abd -> N inputs + a message
                            (induction, §3.3.2); K references from D_alpha -> (p, i) (deduction, abduction)
-  2. validate              executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
-                           AST), runs without error, deterministic over j = 2 *independent* processes with
-                           different hash seeds (their parsed values equal, so set print order may differ),
-                           output is a finite literal without memory addresses, size cap. Valid tasks join
-                           their buffer; invalid proposals get the format penalty (-1). Under torchrun, rank 0
-                           runs every program and broadcasts the outcomes, so all ranks keep the same buffers
+  2. validate              executor checks (§3.3.3): parses and defines f (one def only, as the
+                           official parser), no banned modules (checked on the AST), the input
+                           evaluated in the sandbox only, runs without error, deterministic over j =
+                           2 *independent* processes with different hash seeds (their parsed values
+                           equal, so set print order may differ), output is a finite literal without
+                           memory addresses, size cap. Valid tasks join their buffer; invalid
+                           proposals get the format penalty (-1). Under torchrun, rank 0 runs every
+                           program and broadcasts the outcomes, so all ranks keep the same buffers
   3. estimate_learnability n = 8 solver rollouts at T = 1 per valid proposal (never trained on) -> r_bar
   4. solve                 per task type: this step's valid tasks, back-filled from the buffer up to B; one answer
                            each, graded by the executor and compared in trusted code (Eq. 5)
@@ -26,11 +28,12 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
                            solver_reward: 1[correct]; Eq. 6 format penalties (-0.5 wrong but formatted, -1 format)
   6. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
                            (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint 6*B batch; sync
-  7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through common.evaluate_code (greedy
-                           + pass@k), at the end and every --eval-every steps. Not the paper's full Table 1:
-                           LiveCodeBench is not supported, so eval/code/mean_greedy_acc is the HumanEval+/MBPP+
-                           mean (not its CAvg) and eval/avg is not its AVG; the in-distribution CruxEval /
-                           LCB-Execution tracking during training (spec §5) is not implemented either
+  7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through
+                           common.evaluate_code (greedy, 16,000 new tokens), at the end and every
+                           --eval-every steps. Not the paper's full Table 1: LiveCodeBench is not
+                           supported, so eval/code/mean_greedy_acc is the HumanEval+/MBPP+ mean (not
+                           its CAvg) and eval/avg is not its AVG; the in-distribution CruxEval /
+                           LCB-Execution tracking during training is not implemented either
 Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3, §3.5), which analyses this loop:
 --freeze-proposer (proposer trajectories get no gradient) and --proposer-reward uncertainty (its Eq. 3).
 
@@ -49,6 +52,42 @@ Where the official code (LeapLabTHU/Absolute-Zero-Reasoner) and the paper differ
   * TRR++ normalises per sequence (Eq. 8); the code whitened token-level returns;
   * training length 500 steps (paper §4.1; the code's default is 960).
 Kept from the code: N = 10 induction inputs, the first 5 shown to the solver and the last 5 held out.
+
+Parsing and grading follow the official code (rewards/reward_managers.py, rewards/code_reward.py,
+utils/code_utils/templates.py):
+  * a solver answer is formatted when it has the <think>/<answer> tags (get_format_reward);
+    deduction and abduction read the last ```output / ```input block, else the whole <answer> text;
+    induction the last ```python block, else any fenced block, and no fence at all is a format error
+    (parse_code_function);
+  * a proposal with more than one def, nested helpers and methods included, is invalid
+    (parse_code_input_output, reject_multiple_functions); --no-reject-multiple-defs accepts them.
+    Induction solver programs may have helpers, as there;
+  * an input is the text of an argument list pasted into f(...), so expressions (`list(range(5))`)
+    and keyword arguments work. It is evaluated in the sandbox only; the trainer checks its AST (one
+    call, nothing banned, no call of the program's own functions, which would let an abduction
+    answer search with f itself). Deduction answers stay literals: the official eval of the answer
+    with the program loaded lets `f(3)` answer itself;
+  * not implemented: the official extractors' further fallbacks ("# Output:", `output(...)`,
+    <output> tags, "the output is ...") before the whole answer text.
+Evaluation follows evaluation/math_eval (eval_math_nodes.sh --template azr): greedy, 16,000 new
+tokens, the question as the User turn with the Assistant turn unopened, the answer from
+extract_azr_answer (eval_answer). The context is --max-model-len (16,384), so a long prompt shortens
+the budget (the official one is 32,768). Code: Table 1's numbers come from EvalPlus's own prompts at
+768 new tokens (evaluation/code_eval/scripts/run_evalplus.sh); ours use the eval_code template and
+--eval-max-tokens.
+
+Prompts (PROMPTS; --prompts FILE replaces any of them) carry every instruction of the official
+prompts (data_construction/prompts.py, the paper's prompt figures) in our words. Where they differ:
+  * the difficulty criterion names each task's own unknown (the official two prompts have them
+    swapped);
+  * under --reject-multiple-defs proposers are told `f` is the only def (the official prompt allows
+    nested definitions, which its parser then rejects);
+  * banned modules may not be imported or used; the official prompt forbids even naming them in
+    comments (its check is a substring match, ours is on the AST);
+  * one example call shows the input format instead of separate example blocks;
+  * the induction proposer is told the program is called as f(<your input>), not shown a placeholder
+    call;
+  * references are headed "Earlier puzzle k" in fenced blocks, not <snippet_k> tags.
 """
 from __future__ import annotations
 
@@ -137,101 +176,108 @@ BANNED_NAMES = frozenset({
 BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__", "__import__",
                           "__loader__", "__bases__", "__mro__", "f_globals", "f_back", "gi_frame"})
 
-REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout", "nondeterministic",
-                  "non_literal", "too_large")
+REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
+                  "nondeterministic", "non_literal", "too_large")
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Prompts: R1-style plain text, no chat template; everything parsed sits in fenced blocks. Our own words, carrying
-# every instruction of the official prompts (absolute_zero_reasoner/data_construction/prompts.py, paper Figs.
-# 34-39); the differences are listed in the module docstring. All templates live in PROMPTS, so that
-# `--prompts FILE` can replace any of them (common.load_prompts: same names, exactly the same placeholders).
+# Prompts: R1-style plain text, no chat template; everything parsed sits in fenced blocks. Our own
+# words, carrying every instruction of the official prompts (data_construction/prompts.py and the
+# paper's prompt figures); the differences are listed in the module docstring. All templates live in
+# PROMPTS, so `--prompts FILE` can replace any of them (common.load_prompts: same names, exactly the
+# same placeholders).
 # --------------------------------------------------------------------------------------------------------------
 _PREAMBLE = (
-    "A conversation between User and Assistant. The Assistant first reasons about the User's task step by step "
-    "inside <think> </think> tags, then writes its final result inside <answer> </answer> tags, i.e. "
-    "<think> reasoning </think> <answer> result </answer>.\n\n")
-_CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: for `def f(a, b)`, "
-                "the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
-_HARD = ("The program should make the solver track state across several data transformations, so that solving "
-         "the puzzle takes long, multi-step reasoning: for example build and operate on data structures (trees, "
-         "heaps, stacks, queues, graphs, your own classes) or use involved control flow (dynamic programming, "
-         "recursion, divide and conquer, greedy choices, backtracking).")
+    "A conversation between User and Assistant. The Assistant first reasons about the User's task "
+    "step by step inside <think> </think> tags, then writes its final result inside <answer> "
+    "</answer> tags, i.e. <think> reasoning </think> <answer> result </answer>.\n\n")
+_CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: "
+                "for `def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
+_HARD = ("The program should make the solver track state across several data transformations, "
+         "so that solving the puzzle takes long, multi-step reasoning: for example build and "
+         "operate on data structures (trees, heaps, stacks, queues, graphs, your own classes) or "
+         "use involved control flow (dynamic programming, recursion, divide and conquer, greedy "
+         "choices, backtracking).")
 
 
 def _propose(aim: str, hard_part: str) -> str:
     return (
-        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim + "\n\n"
-        "{code_rules}- " + _HARD + "\n\n"
+        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim
+        + "\n\n{code_rules}- " + _HARD + "\n\n"
         "The input: exactly one, written as " + _CALL_FORMAT + ".\n\n"
         "What makes a good puzzle:\n"
         "- it runs without error on your input;\n"
         "- " + hard_part + "\n"
         "- it is clearly different from the earlier puzzles below.\n\n"
-        "Plan first: in your reasoning, decide what will make your program hard, how it differs from the earlier "
-        "puzzles and what is new about it; only then write the program and its input.\n\n"
+        "Plan first: in your reasoning, decide what will make your program hard, how it differs "
+        "from the earlier puzzles and what is new about it; only then write the program and its "
+        "input.\n\n"
         "Earlier puzzles:\n{references}\n\n"
-        "Answer format: inside <answer> </answer>, one ```python block with the program, then one ```input block "
-        "with the input.")
+        "Answer format: inside <answer> </answer>, one ```python block with the program, then one "
+        "```input block with the input.")
 
 
 PROMPTS: dict[str, str] = {
     "wrapper": _PREAMBLE + "User: {task}\n\nAssistant: <think>",
-    # shared by the proposer prompts and the induction solver; {definitions} is one of the two rules below
+    # shared by the proposers and the induction solver; {definitions} is one of the two rules below
     "code_rules": (
         "Rules for the program:\n"
         "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
         "{definitions}"
-        "- It is deterministic: no randomness, dates or clocks, file or network I/O, printing or logging, and no "
-        "outside state.\n"
-        "- Imports and classes come first, at the top; the program ends with the return of `f`: nothing follows.\n"
+        "- It is deterministic: no randomness, dates or clocks, file or network I/O, printing or "
+        "logging, and no outside state.\n"
+        "- Imports and classes come first, at the top; the program ends with the return of `f`: "
+        "nothing follows.\n"
         "- It finishes well within {timeout} seconds on a modern CPU.\n"
         "- These modules may not be imported or used: {banned}.\n"),
     "definitions_single": (  # --reject-multiple-defs (the official parser's rule)
-        "- `f` is the only function: no helper functions, no functions nested in `f`, no methods (a program with "
-        "more than one `def` is rejected). Classes without methods are fine.\n"),
+        "- `f` is the only function: no helper functions, no functions nested in `f`, no methods "
+        "(a program with more than one `def` is rejected). Classes without methods are fine.\n"),
     "definitions_helpers": "- Helper functions and classes are allowed, also nested inside `f`.\n",
     "propose_deduction": _propose(
         "A test subject will see your program and your input and must deduce the output.",
         "its output is hard to predict from the program and the input;"),
     "propose_abduction": _propose(
-        "A test subject will see your program and the output of your input, and must find an input that produces "
-        "that output (any such input counts).",
+        "A test subject will see your program and the output of your input, and must find an input "
+        "that produces that output (any such input counts).",
         "your input is hard to recover from the program and its output;"),
     "propose_induction": (
-        "Here is a Python program; it will be called as `f(<your input>)`.\n```python\n{program}\n```\n"
-        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of your inputs with "
-        "the outputs they produce, plus your message, and must rebuild the program.\n"
+        "Here is a Python program; it will be called as `f(<your input>)`.\n"
+        "```python\n{program}\n```\n"
+        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of "
+        "your inputs with the outputs they produce, plus your message, and must rebuild the "
+        "program.\n"
         "- Each input is " + _CALL_FORMAT + "; put each input in its own ```input block.\n"
         "- Every input must run without error.\n"
-        "- Coverage: together, the inputs and their outputs should pin down what `f` does over its whole input "
-        "space.\n"
+        "- Coverage: together, the inputs and their outputs should pin down what `f` does over its "
+        "whole input space.\n"
         "- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
         "- Difficulty: inputs and message together make the task challenging, but not impossible.\n"
-        "- The message helps the test subject: a coding question, a hint or a plain description of what the "
-        "program does, but never the code itself. Put it in one ```message block.\n\n"
-        "Plan first: understand the program, then decide how your inputs cover it and why they are challenging "
-        "and varied; only then write the inputs and the message.\n\n"
-        "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one ```message "
-        "block."),
+        "- The message helps the test subject: a coding question, a hint or a plain description of "
+        "what the program does, but never the code itself. Put it in one ```message block.\n\n"
+        "Plan first: understand the program, then decide how your inputs cover it and why they are "
+        "challenging and varied; only then write the inputs and the message.\n\n"
+        "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one "
+        "```message block."),
     "solve_deduction": (
         "Deduce what this program returns for the given input; work through it step by step.\n"
         "```python\n{program}\n```\n```input\n{input}\n```\n"
-        "Answer format: inside <answer> </answer>, one ```output block with the return value as a Python literal: "
-        "strings in quotes, a tuple if it returns several values."),
+        "Answer format: inside <answer> </answer>, one ```output block with the return value as a "
+        "Python literal: strings in quotes, a tuple if it returns several values."),
     "solve_abduction": (
-        "Find an input for which this program returns the given output; any such input counts. Work through it "
-        "step by step.\n```python\n{program}\n```\n```output\n{output}\n```\n"
+        "Find an input for which this program returns the given output; any such input counts. "
+        "Work through it step by step.\n```python\n{program}\n```\n```output\n{output}\n```\n"
         "The input is " + _CALL_FORMAT + ".\n"
         "Answer format: inside <answer> </answer>, one ```input block."),
     "solve_induction": (
-        "Deduce the Python function `f` that maps each input below to its output. It will be run on hidden "
-        "inputs and must reproduce the outputs of the program that made these pairs.\n"
+        "Deduce the Python function `f` that maps each input below to its output. It will be run "
+        "on hidden inputs and must reproduce the outputs of the program that made these pairs.\n"
         "Message: {message}\n\n{pairs}\n"
-        "Check your function against each pair in turn, and revise it until it fits all of them.\n{code_rules}"
+        "Check your function against each pair in turn, and revise it until it fits all of them.\n"
+        "{code_rules}"
         "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."),
-    # evaluation (official evaluation/math_eval/eval/utils.py, template "azr": the question is the User turn,
-    # the Assistant turn is left unopened)
+    # evaluation (official evaluation/math_eval/eval/utils.py, template "azr": the question is the
+    # User turn, the Assistant turn is left unopened)
     "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
     "eval_code": _PREAMBLE + "User: {task} Put the code inside your <answer> tags.\n\nAssistant:",
 }
@@ -245,8 +291,8 @@ def _prompt_file(path: str) -> dict[str, str]:
 
 
 def prompts(cfg: Config) -> dict[str, str]:
-    """Our templates, or those of --prompts FILE in their place (check_config loads the file first, so a bad one
-    is a usage error before anything loads)."""
+    """Our templates, or those of --prompts FILE in their place (check_config loads the file first,
+    so a bad one is a usage error before anything loads)."""
     return _prompt_file(cfg.prompts) if cfg.prompts else PROMPTS
 
 
@@ -256,8 +302,9 @@ def wrap(task: str, cfg: Config) -> str:
 
 def _code_rules(cfg: Config, single_def: bool) -> str:
     t = prompts(cfg)
+    rule = t["definitions_single" if single_def else "definitions_helpers"]
     return t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
-                                  definitions=t["definitions_single" if single_def else "definitions_helpers"])
+                                  definitions=rule)
 
 
 def _fence(kind: str, text: str) -> str:
@@ -269,23 +316,29 @@ def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "")
     if task == "induction":
         return wrap(t["propose_induction"].format(program=program, n=cfg.induction_inputs), cfg)
     shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
-                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}" for k, r in enumerate(refs))
-    return wrap(t[f"propose_{task}"].format(references=shown or "(none yet)",
-                                            code_rules=_code_rules(cfg, cfg.reject_multiple_defs)), cfg)
+                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
+                        for k, r in enumerate(refs))
+    rules = _code_rules(cfg, cfg.reject_multiple_defs)
+    filled = t[f"propose_{task}"].format(references=shown or "(none yet)", code_rules=rules)
+    return wrap(filled, cfg)
 
 
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
     t = prompts(cfg)
     if task == "deduction":
-        return wrap(t["solve_deduction"].format(program=entry["program"], input=entry["input"]), cfg)
-    if task == "abduction":
-        return wrap(t["solve_abduction"].format(program=entry["program"], output=entry["output"]), cfg)
-    half = len(entry["inputs"]) // 2
-    pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
-                      for k, (i, o) in enumerate(zip(entry["inputs"][:half], entry["outputs"][:half])))
-    # solver programs may have helpers: the official parser checks the def count of proposals only
-    return wrap(t["solve_induction"].format(message=entry["message"], pairs=pairs,
-                                            code_rules=_code_rules(cfg, single_def=False)), cfg)
+        filled = t["solve_deduction"].format(program=entry["program"], input=entry["input"])
+    elif task == "abduction":
+        filled = t["solve_abduction"].format(program=entry["program"], output=entry["output"])
+    else:
+        half = len(entry["inputs"]) // 2
+        shown = zip(entry["inputs"][:half], entry["outputs"][:half])
+        pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
+                          for k, (i, o) in enumerate(shown))
+        # solver programs may have helpers: the official parser counts the defs of proposals only
+        rules = _code_rules(cfg, single_def=False)
+        filled = t["solve_induction"].format(message=entry["message"], pairs=pairs,
+                                             code_rules=rules)
+    return wrap(filled, cfg)
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
@@ -296,7 +349,8 @@ def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
 # Parsing model output (spec §4 "Extraction"). Model output is untrusted: nothing here may raise.
 # --------------------------------------------------------------------------------------------------------------
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
-# a fence with an optional tag; the body may start on the fence's own line, as the official patterns allow
+# a fence with an optional tag; the body may start on the fence's own line (the official patterns
+# allow that too)
 _BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_]\w*)?[ \t]*\n?(.*?)```", re.S)
 _PYTHON_TAGS = ("python", "py", "python3")
 _MAX_INPUT_CHARS = 100_000  # not in the paper: a longer input is invalid
@@ -315,21 +369,25 @@ def extract_answer(completion: str) -> str | None:
 
 def blocks(answer: str, kind: str | None) -> list[str]:
     """The bodies of the fenced blocks tagged `kind` (any tag, or none, for kind None)."""
-    return [body.strip() for k, body in _BLOCK_RE.findall(answer) if kind is None or k.lower() == kind]
+    return [body.strip() for k, body in _BLOCK_RE.findall(answer)
+            if kind is None or k.lower() == kind]
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What a solver answer is graded on, None for a format error (Eq. 6: -1). Format means the <think>/<answer>
-    tags only, as in the official reward manager (rewards/reward_managers.py, get_format_reward):
-      deduction, abduction: the last ```output / ```input block, else the whole <answer> text (the official
-        extract_input_output falls back to it as well);
+    """What a solver answer is graded on, None for a format error (Eq. 6: -1). Format means the
+    <think>/<answer> tags only, as in the official reward manager (rewards/reward_managers.py,
+    get_format_reward):
+      deduction, abduction: the last ```output / ```input block, else the whole <answer> text (the
+        official extract_input_output falls back to it as well);
       induction: the last ```python block, else the last fenced block of any tag (the official
-        parse_code_function accepts any fence); no fenced block at all is a format error there, and here."""
+        parse_code_function accepts any fence); no fenced block at all is a format error there, and
+        here."""
     answer = extract_answer(completion)
     if answer is None:
         return None
     if task == "induction":
-        code = [b for k, b in _BLOCK_RE.findall(answer) if (k or "").lower() in _PYTHON_TAGS] or blocks(answer, None)
+        code = [b for k, b in _BLOCK_RE.findall(answer) if (k or "").lower() in _PYTHON_TAGS]
+        code = code or blocks(answer, None)
         return code[-1].strip() if code else None
     found = blocks(answer, _ANSWER_BLOCK[task])
     return found[-1] if found else answer.strip()
@@ -342,16 +400,18 @@ def _program_functions(program: str) -> frozenset:
         body = ast.parse(program).body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         body = []
-    return frozenset({"f"} | {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))})
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return frozenset({"f"} | {n.name for n in body if isinstance(n, defs)})
 
 
 def check_input(text: str, program: str = "") -> str | None:
-    """None if `text` is the argument list of one call, to be pasted into f(...) and evaluated in the sandbox
-    as the official code does (templates.py: `f({inputs})`), so expressions (`list(range(5))`, `'a' * 3`) and
-    keyword arguments work; else the reject reason. Nothing is evaluated here: the AST must be a single call
-    (no text that closes the call and starts another expression), with nothing banned in it (the proposal
-    checks), and it may not call the program's own functions (an abduction answer could otherwise search for
-    the input with f itself). Huge values, endless loops and errors are the sandbox's business."""
+    """None if `text` is the argument list of one call, to be pasted into f(...) and evaluated in
+    the sandbox as the official code does (templates.py: `f({inputs})`), so expressions
+    (`list(range(5))`, `'a' * 3`) and keyword arguments work; else the reject reason. Nothing is
+    evaluated here: the AST must be a single call (no text that closes the call and starts another
+    expression), with nothing banned in it (the proposal checks), and it may not call the program's
+    own functions (an abduction answer could otherwise search for the input with f itself). Huge
+    values, endless loops and errors are the sandbox's business."""
     if not isinstance(text, str) or not text.strip():
         return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
@@ -360,8 +420,9 @@ def check_input(text: str, program: str = "") -> str | None:
         node = ast.parse(f"_(\n{text.strip()}\n)", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "syntax"
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_") or \
-            not (node.args or node.keywords):
+    one_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        node.func.id == "_"
+    if not one_call or not (node.args or node.keywords):
         return "syntax"
     if any(_banned(n) for n in ast.walk(node)) or _uses_banned_name(node):
         return "banned"
@@ -372,8 +433,8 @@ def check_input(text: str, program: str = "") -> str | None:
 
 
 def call_expression(text: str) -> str:
-    """The expression the sandbox evaluates for an input that passed check_input (the newlines keep a trailing
-    comment from swallowing the closing parenthesis)."""
+    """The expression the sandbox evaluates for an input that passed check_input (the newlines keep
+    a trailing comment from swallowing the closing parenthesis)."""
     return f"f(\n{text.strip()}\n)"
 
 
@@ -463,11 +524,13 @@ def _uses_banned_name(tree: ast.AST) -> bool:
     return False
 
 
-def static_check(program: str, max_chars: int = 8000, single_def: bool = False) -> tuple[str | None, str]:
-    """(reason or None, program with entry function `f`): the AST must parse, hold nothing banned (§3.3.3) and
-    define a top-level entry function. With `single_def` (proposals under --reject-multiple-defs) a program with
-    more than one def anywhere, nested helpers and methods included, is invalid: the official parser counts
-    every `def` line (rewards/code_reward.py parse_code_input_output, reject_multiple_functions)."""
+def static_check(program: str, max_chars: int = 8000,
+                 single_def: bool = False) -> tuple[str | None, str]:
+    """(reason or None, program with entry function `f`): the AST must parse, hold nothing banned
+    (§3.3.3) and define a top-level entry function. With `single_def` (proposals under
+    --reject-multiple-defs) a program with more than one def anywhere, nested helpers and methods
+    included, is invalid: the official parser counts every `def` line (rewards/code_reward.py
+    parse_code_input_output, reject_multiple_functions)."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
     try:
@@ -476,7 +539,8 @@ def static_check(program: str, max_chars: int = 8000, single_def: bool = False) 
         return "syntax", program
     if any(_banned(node) for node in ast.walk(tree)) or _uses_banned_name(tree):
         return "banned", program
-    if single_def and sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(tree)) > 1:
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    if single_def and sum(isinstance(n, defs) for n in ast.walk(tree)) > 1:
         return "multiple_defs", program
     # otherwise only top-level definitions count, so nested helpers and classes are allowed
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -517,7 +581,8 @@ def parse_triplet_proposal(completion: str) -> dict:
 
 
 def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict:
-    """{'inputs','message'} or {'reason'}: all ```input blocks (>= n, the last n kept) + ```message."""
+    """{'inputs','message'} or {'reason'}: all ```input blocks (>= n, the last n kept) and the
+    ```message."""
     answer = extract_answer(completion) or ""
     inputs, messages = blocks(answer, "input"), blocks(answer, "message")
     if len(inputs) < n or not messages or not messages[-1]:
@@ -549,11 +614,12 @@ def _same_value(a, b) -> bool:
 
 
 class Executor:
-    """Runs f(<input>) for (program, input text) jobs and classifies the outcome. There are `determinism_runs` sandboxes,
-    each with its own zygote processes (so its own address-space layout) and its own PYTHONHASHSEED (= j): run j
-    of a job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret.
-    Under torchrun only rank 0 runs programs and broadcasts the outcomes: wall-clock limits could otherwise make
-    ranks disagree about which tasks are valid or which answers are right, and their buffers would diverge."""
+    """Runs f(<input>) for (program, input text) jobs and classifies the outcome. There are
+    `determinism_runs` sandboxes, each with its own zygote processes (so its own address-space
+    layout) and its own PYTHONHASHSEED (= j): run j of a job always goes to sandbox j, so two runs
+    never share a process, a memory layout or a hash secret. Under torchrun only rank 0 runs
+    programs and broadcasts the outcomes: wall-clock limits could otherwise make ranks disagree
+    about which tasks are valid or which answers are right, and their buffers would diverge."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -563,9 +629,9 @@ class Executor:
 
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str]]:
         """-> [(status, output repr)], status: ok | syntax | banned | error | timeout | too_large |
-        nondeterministic | non_literal. The input text is checked again (check_input: jobs may come from an
-        edited checkpoint) and evaluated in the sandbox only; the output must parse as a finite literal that
-        survives a repr round trip."""
+        nondeterministic | non_literal. The input text is checked again (check_input: jobs may come
+        from an edited checkpoint) and evaluated in the sandbox only; the output must parse as a
+        finite literal that survives a repr round trip."""
         return [(status, text) for status, text, _ in self._call(jobs, run)]
 
     def _call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
@@ -699,11 +765,12 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer, on solver_answer's text. deduction: the predicted output, a literal,
-    equals the gold one (never evaluated: an expression would let the executor do the solving); abduction:
-    f(predicted input) == gold output, the input evaluated in the sandbox like a proposal's (f need not be
-    one-to-one); induction: the program passes the proposals' static checks (without the one-def rule, which
-    the official code applies to proposals only) and EVERY held-out pair."""
+    """(formatted, correct) per answer, on solver_answer's text. deduction: the predicted output, a
+    literal, equals the gold one (never evaluated: an expression would let the executor do the
+    solving); abduction: f(predicted input) == gold output, the input evaluated in the sandbox like
+    a proposal's (f need not be one-to-one); induction: the program passes the proposals' static
+    checks (without the one-def rule, which the official code applies to proposals only) and EVERY
+    held-out pair."""
     out = [(False, False)] * len(completions)
     jobs, owner = [], []
     for k, (entry, text) in enumerate(zip(entries, completions)):
@@ -1026,18 +1093,19 @@ def append_tasks(run, step: int, props) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Step 7: evaluation, as the official scripts run it (evaluation/math_eval/eval_math_nodes.sh with --template azr):
-# greedy, 16,000 new tokens, the question as the User turn of the training preamble, the answer read from the
-# last <answer> block. A base model is evaluated there with a boxed-answer chat template instead (qwen-boxed,
-# official issue #27): give one as eval_math with --prompts.
+# Step 7: evaluation, as the official scripts run it (evaluation/math_eval/eval_math_nodes.sh,
+# --template azr): greedy, 16,000 new tokens, the question as the User turn of the training
+# preamble, the answer read from the last <answer> block. A base model is evaluated there with a
+# boxed-answer chat template instead (qwen-boxed, official issue #27): give one as eval_math with
+# --prompts.
 # --------------------------------------------------------------------------------------------------------------
 _DISPLAY_MATH_RE = re.compile(r"\\\[(.*?)\\\]")
 
 
 def eval_answer(text: str) -> str | None:
-    """The official extraction (evaluation/math_eval/eval/parser.py, extract_azr_answer): the text of the last
-    <answer> block, or the last \\boxed{} inside it when it has one; without <answer>, the last \\boxed{} of the
-    whole text, else the first \\[ ... \\]; None when nothing is found."""
+    """The official extraction (evaluation/math_eval/eval/parser.py, extract_azr_answer): the text
+    of the last <answer> block, or the last \\boxed{} inside it when it has one; without <answer>,
+    the last \\boxed{} of the whole text, else the first \\[ ... \\]; None when nothing is found."""
     if "<answer>" in text:
         answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
         if "boxed" in answer:
@@ -1055,12 +1123,14 @@ def eval_prompt(problem: dict, tokenizer=None, cfg: Config | None = None) -> str
 
 
 def code_eval_prompt(problem: dict, tokenizer=None, cfg: Config | None = None) -> str:
-    """Code benchmarks in the eval_code template; the solution is the last ```python block of the answer."""
+    """Code benchmarks in the eval_code template; the solution is the last ```python block of the
+    answer."""
     return prompts(cfg or Config())["eval_code"].format(task=common.code_task_prompt(problem))
 
 
 def _named(fn, cfg: Config):
-    """fn with cfg bound, named after the template source so that eval.json's settings say which was used."""
+    """fn with cfg bound, named after the template source (eval.json's settings say which was
+    used)."""
     def bound(problem, tokenizer=None):
         return fn(problem, tokenizer, cfg)
     bound.__name__ = f"absolute_zero.{fn.__name__}" + (f" ({cfg.prompts})" if cfg.prompts else "")
@@ -1072,9 +1142,10 @@ def evaluate(policy, cfg: Config) -> dict:
                                      extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
     if cfg.eval_code:
         try:
-            results["code"] = common.evaluate_code(policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
-                                                   max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
-                                                   prompt_fn=_named(code_eval_prompt, cfg), seed=cfg.seed)
+            results["code"] = common.evaluate_code(
+                policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
+                max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
+                prompt_fn=_named(code_eval_prompt, cfg), seed=cfg.seed)
         except common.BenchmarkUnavailable as e:  # a finished training run keeps its math results
             print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
             results["code"] = {"skipped": str(e)}
@@ -1116,7 +1187,7 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len "
                          f"{cfg.max_model_len}")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file are one-line errors here
+    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
     code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] if cfg.eval_code else []
     for b in code:
         if b.lower() not in common.CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
@@ -1124,8 +1195,8 @@ def check_config(cfg: Config) -> None:
                              "an existing .jsonl file")
     if any(b.lower() in common.CODE_BENCHMARKS for b in code) and importlib.util.find_spec("datasets") is None:
         raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the `datasets` "
-                         "package, which is not installed: pip install datasets, give local JSONL files with "
-                         "--eval-code-benchmarks, or skip them with --no-eval-code")
+                         "package, which is not installed: pip install datasets, give local JSONL "
+                         "files with --eval-code-benchmarks, or skip them with --no-eval-code")
 
 
 def train(cfg: Config) -> dict:

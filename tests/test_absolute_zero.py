@@ -36,19 +36,21 @@ def test_extract_answer_needs_r1_format_and_takes_last_answer():
 
 
 def test_check_input_accepts_argument_lists_and_refuses_the_rest():
-    """The official code pastes the input into f(...): any argument list is an input, checked here on the AST
-    only (nothing evaluated: `'a' * 10**10` passes, the sandbox deals with it)."""
+    """The official code pastes the input into f(...): any argument list is an input, checked here
+    on the AST only (nothing evaluated: `'a' * 10**10` passes, the sandbox deals with it)."""
     prog = "def solve(x, k=0):\n    return x"
-    for ok in ["[3, 1], 'xy'", "'Hello World'", "{1: (2, 3)}, set()", "list(range(5))", "'a' * 3", "x=3",
-               "*[1, 2]", "1, k=2  # a comment", "[1,\n 2]", "'a' * 10**10", "(lambda y: y)(3)"]:
+    for ok in ["[3, 1], 'xy'", "'Hello World'", "{1: (2, 3)}, set()", "list(range(5))", "'a' * 3",
+               "x=3", "*[1, 2]", "1, k=2  # a comment", "[1,\n 2]", "'a' * 10**10",
+               "(lambda y: y)(3)"]:
         assert az.check_input(ok, prog) is None, ok
     bad = {"": "syntax", "  ": "syntax", "[1, 2": "syntax", "1)(2": "syntax", "1), (2": "syntax",
-           "# only a comment": "syntax", "__import__('os')": "banned", "open('/etc/passwd')": "banned",
-           "().__class__.__bases__": "banned", "f(3)": "banned", "solve(3)": "banned",
-           "[f for _ in 'a']": "banned", "1" * 100_001: "too_large"}
+           "# only a comment": "syntax", "__import__('os')": "banned",
+           "open('/etc/passwd')": "banned", "().__class__.__bases__": "banned", "f(3)": "banned",
+           "solve(3)": "banned", "[f for _ in 'a']": "banned", "1" * 100_001: "too_large"}
     for text, reason in bad.items():
         assert az.check_input(text, prog) == reason, text
-    assert az.call_expression("1  # c") == "f(\n1  # c\n)"  # the comment cannot swallow the parenthesis
+    # the newlines keep a comment from swallowing the closing parenthesis
+    assert az.call_expression("1  # c") == "f(\n1  # c\n)"
 
 
 def test_triplet_and_induction_proposal_parsing():
@@ -165,14 +167,15 @@ def test_nondeterminism_is_caught_by_independent_runs(executor):
             ("def f(x):\n    return [id(x) % 100003 for _ in range(3)]", "0"),
             ("def f(x):\n    return ''.join(sorted({'a', 'b'}) + list({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'}))",
              "0"),
-            ("def f(x):\n    return sorted({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'})", "0")]  # sorted: fine
+            ("def f(x):\n    return sorted({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'})",
+             "0")]  # sorted: fine
     reasons = [r for r, _ in executor.run_checked(jobs)]
     assert reasons == ["nondeterministic"] * 3 + [None]
 
 
 def test_valid_programs_get_the_right_gold_output(executor):
     props = [_triplet("def f(a, b):\n    return {a: sorted(b), 'n': (len(b), 2.5)}", "'k', [3, 1, 2]"),
-             _triplet("helper = lambda x: x * 2\ndef f(x):\n    return [helper(i) for i in range(x)]", "4"),
+             _triplet("h = lambda x: x * 2\ndef f(x):\n    return [h(i) for i in range(x)]", "4"),
              _triplet(az.ZERO_TRIPLET["program"], az.ZERO_TRIPLET["input"])]
     az.validate(executor, "abduction", props, executor.cfg, step=7)
     assert [p["reason"] for p in props] == [None] * 3
@@ -194,20 +197,24 @@ HUGE_HEX = "0x" + "f" * 4000  # a 16000-bit int: literal_eval accepts it, but it
 
 
 def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing(executor):
-    """repr() of an int over 4300 decimal digits raises ValueError. Inputs are evaluated in the sandbox only, so
-    a huge hex literal is an ordinary input there; only an output that needs that repr fails, in the sandbox."""
+    """repr() of an int over 4300 decimal digits raises ValueError. Inputs are evaluated in the
+    sandbox only, so a huge hex literal is an ordinary input there; only an output that needs that
+    repr fails, in the sandbox."""
     assert az.check_input(HUGE_HEX) is None and az.check_input(f"[1, {HUGE_HEX}], 'a'") is None
-    props = [_triplet("def f(x):\n    return 1", HUGE_HEX), _triplet("def f(x):\n    return x", HUGE_HEX)]
+    props = [_triplet("def f(x):\n    return 1", HUGE_HEX),
+             _triplet("def f(x):\n    return x", HUGE_HEX)]
     az.validate(executor, "deduction", props, executor.cfg)
     assert [p["reason"] for p in props] == [None, "error"] and props[0]["entry"]["output"] == "1"
     e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
     texts = [answer(fence("input", HUGE_HEX)), answer(fence("input", "7"))]
     got = az.check_solutions(executor, "abduction", [e, e], texts, executor.cfg)
     assert got == [(True, False), (True, True)]  # 16**4000 - 1 is 0 mod 3
-    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))], executor.cfg)
+    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))],
+                             executor.cfg)
     assert got == [(True, False)]
-    assert executor.call([(e["program"], HUGE_HEX), (e["program"], "4"), (e["program"], "__import__('os')")]) == \
-        [("ok", "0"), ("ok", "1"), ("banned", "")]  # the executor checks inputs from anywhere (a checkpoint) itself
+    # the executor checks inputs from anywhere (an edited checkpoint) itself
+    jobs = [(e["program"], HUGE_HEX), (e["program"], "4"), (e["program"], "__import__('os')")]
+    assert executor.call(jobs) == [("ok", "0"), ("ok", "1"), ("banned", "")]
 
 
 def test_determinism_compares_values_not_printed_text(executor):
@@ -219,7 +226,8 @@ def test_determinism_compares_values_not_printed_text(executor):
     assert executor.run_checked([job]) == [(None, texts[0][1])]
     props = [_triplet(job[0], "'ab cd ef gh ij kl mn op qr st'")]
     az.validate(executor, "deduction", props, executor.cfg)
-    assert props[0]["reason"] is None and common.parse_literal(props[0]["entry"]["output"]) == set(job[1][1:-1].split())
+    assert props[0]["reason"] is None
+    assert common.parse_literal(props[0]["entry"]["output"]) == set(job[1][1:-1].split())
     # a value that differs between the runs, or only its type (1 vs 1.0 compare equal), is still nondeterministic
     assert az._same_value(1, 1.0) is False and az._same_value({1, 2}, {2, 1}) is True
 
@@ -265,7 +273,8 @@ def test_solver_checks_abduction_accepts_any_preimage(executor):
              answer(fence("input", "'a'")), answer("no block"), fence("input", "4")]
     got = az.check_solutions(executor, "abduction", [e] * len(texts), texts, executor.cfg)
     # "no block": the whole <answer> text is the input (official fallback), and it does not run
-    assert got == [(True, True), (True, True), (True, False), (True, False), (True, False), (False, False)]
+    assert got == [(True, True), (True, True), (True, False), (True, False), (True, False),
+                   (False, False)]
 
 
 def test_solver_checks_induction_needs_every_held_out_pair(executor):
@@ -281,20 +290,23 @@ def test_solver_checks_induction_needs_every_held_out_pair(executor):
 
 
 def test_solver_answer_without_a_fence_uses_the_whole_answer(executor):
-    """Official reward manager: format = the <think>/<answer> tags; deduction/abduction fall back to the whole
-    <answer> text, induction takes any fence (a missing fence there is a format error, as in the official
-    parse_code_function)."""
+    """Official reward manager: format = the <think>/<answer> tags; deduction/abduction fall back to
+    the whole <answer> text, induction takes any fence (a missing fence there is a format error, as
+    in the official parse_code_function)."""
     e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
-    got = az.check_solutions(executor, "deduction", [e] * 3, [answer("(3, {2, 1})"), answer(" (4, {1, 2}) "),
-                                                           answer("```input\n(3, {1, 2})\n```")], executor.cfg)
-    assert got == [(True, True), (True, False), (True, False)]  # another kind of block is just text
+    texts = [answer("(3, {2, 1})"), answer(" (4, {1, 2}) "),
+             answer("```input\n(3, {1, 2})\n```")]  # another kind of block is just text
+    got = az.check_solutions(executor, "deduction", [e] * 3, texts, executor.cfg)
+    assert got == [(True, True), (True, False), (True, False)]
     a = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
-    got = az.check_solutions(executor, "abduction", [a] * 2, [answer("7"), answer("```input 10```")], executor.cfg)
-    assert got == [(True, True), (True, True)]  # a one-line fence counts, as the official pattern allows
-    sq = {"program": "def f(x):\n    return x * x", "inputs": ["1", "2", "3", "4"], "outputs": ["1", "4", "9", "16"],
-          "message": "m"}
+    texts = [answer("7"), answer("```input 10```")]  # a one-line fence, as the official pattern
+    assert az.check_solutions(executor, "abduction", [a] * 2, texts, executor.cfg) == \
+        [(True, True), (True, True)]
+    sq = {"program": "def f(x):\n    return x * x", "inputs": ["1", "2", "3", "4"],
+          "outputs": ["1", "4", "9", "16"], "message": "m"}
     texts = [answer("```\ndef f(x):\n    return x * x\n```"),  # untagged fence
-             answer(fence("python", "def f(x):\n    return x * x") + "\n" + fence("output", "16")),  # python wins
+             answer(fence("python", "def f(x):\n    return x * x") + "\n"
+                    + fence("output", "16")),  # the python block wins
              answer("def f(x):\n    return x * x")]  # no fence at all
     got = az.check_solutions(executor, "induction", [sq] * 3, texts, executor.cfg)
     assert got == [(True, True), (True, True), (False, False)]
@@ -302,8 +314,9 @@ def test_solver_answer_without_a_fence_uses_the_whole_answer(executor):
 
 
 def test_reject_multiple_defs_follows_the_official_parser(executor):
-    """Official parse_code_input_output (reject_multiple_functions: True) counts every `def`, nested helpers and
-    methods too; --no-reject-multiple-defs accepts them. Induction solver programs are never checked for it."""
+    """Official parse_code_input_output (reject_multiple_functions: True) counts every `def`, nested
+    helpers and methods too; --no-reject-multiple-defs accepts them. Induction solver programs are
+    never checked for it."""
     helper = "def g(x):\n    return x + 1\ndef f(x):\n    return g(x)"
     nested = "def f(x):\n    def g(y):\n        return y + 1\n    return g(x)"
     method = "class A:\n    def m(self, y):\n        return y + 1\ndef f(x):\n    return A().m(x)"
@@ -318,23 +331,29 @@ def test_reject_multiple_defs_follows_the_official_parser(executor):
     az.validate(executor, "deduction", props, cfg)
     assert [p["reason"] for p in props] == ["multiple_defs"] * 3 + [None]
     props = [_triplet(p, "1") for p in (helper, nested, method)]
-    az.validate(executor, "deduction", props, az.Config(executor_timeout=1.5, reject_multiple_defs=False))
+    lax = az.Config(executor_timeout=1.5, reject_multiple_defs=False)
+    az.validate(executor, "deduction", props, lax)
     assert [p["reason"] for p in props] == [None] * 3 and props[0]["entry"]["output"] == "2"
-    ind = {"program": "def f(x):\n    return x + 1", "inputs": ["1", "2"], "outputs": ["2", "3"], "message": "m"}
-    assert az.check_solutions(executor, "induction", [ind], [answer(fence("python", helper))], cfg) == [(True, True)]
-    assert "rejected" in az.proposer_prompt("deduction", [], cfg)  # the prompt states the rule it is held to
-    assert "Helper functions" in az.proposer_prompt("deduction", [], az.Config(reject_multiple_defs=False))
-    assert common.parse_config(az.Config, ["--no-reject-multiple-defs"]).reject_multiple_defs is False
+    ind = {"program": "def f(x):\n    return x + 1", "inputs": ["1", "2"], "outputs": ["2", "3"],
+           "message": "m"}
+    got = az.check_solutions(executor, "induction", [ind], [answer(fence("python", helper))], cfg)
+    assert got == [(True, True)]
+    assert "rejected" in az.proposer_prompt("deduction", [], cfg)  # the prompt states the rule
+    assert "Helper functions" in az.proposer_prompt("deduction", [], lax)
+    cli = common.parse_config(az.Config, ["--no-reject-multiple-defs"])
+    assert cli.reject_multiple_defs is False
 
 
 def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
-    """The official code runs `f(<input text>)`, so expressions and keyword arguments are inputs. Here they are
-    evaluated in the sandbox, for proposals, induction inputs, abduction answers and held-out pairs alike."""
+    """The official code runs `f(<input text>)`, so expressions and keyword arguments are inputs.
+    Here they are evaluated in the sandbox, for proposals, induction inputs, abduction answers and
+    held-out pairs alike."""
     prog = "def f(xs, k=0):\n    return sum(xs) * len(xs) + k"
-    props = [_triplet(prog, "list(range(5))"), _triplet(prog, "[1] * 3, k=2"), _triplet(prog, "xs=[2, 2]"),
-             _triplet(prog, "*[[1, 2]], **{'k': 1}")]
+    props = [_triplet(prog, "list(range(5))"), _triplet(prog, "[1] * 3, k=2"),
+             _triplet(prog, "xs=[2, 2]"), _triplet(prog, "*[[1, 2]], **{'k': 1}")]
     for p in props:
-        assert az.parse_triplet_proposal(answer(fence("python", p["program"]) + fence("input", p["input"])))["input"]
+        text = answer(fence("python", p["program"]) + fence("input", p["input"]))
+        assert az.parse_triplet_proposal(text)["input"] == p["input"]
     az.validate(executor, "deduction", props, executor.cfg)
     assert [p["reason"] for p in props] == [None] * 4
     assert [p["entry"]["output"] for p in props] == ["50", "11", "8", "7"]
@@ -342,8 +361,8 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
     az.validate(executor, "induction", ind, executor.cfg)
     assert ind[0]["reason"] is None and ind[0]["entry"]["outputs"] == ["9", "5"]
     e = {"program": "def f(s):\n    return len(s)", "input": "'abc'", "output": "3"}
-    texts = [answer(fence("input", "'a' * 3")), answer(fence("input", "s=[0, 0, 0]")), answer("'ab' + 'c'"),
-             answer(fence("input", "'a' * 4"))]
+    texts = [answer(fence("input", "'a' * 3")), answer(fence("input", "s=[0, 0, 0]")),
+             answer("'ab' + 'c'"), answer(fence("input", "'a' * 4"))]
     assert az.check_solutions(executor, "abduction", [e] * 4, texts, executor.cfg) == \
         [(True, True), (True, True), (True, True), (True, False)]
     held = {"program": prog, "inputs": ["[1]", "[2]", "[1, 2], k=1", "xs=list(range(4))"],
@@ -365,14 +384,14 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
 ])
 def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile):
     prog = "def f(x):\n    return 1"
-    text = answer(fence("python", prog) + "\n" + fence("input", hostile))
-    prop = az.parse_triplet_proposal(text)
+    prop = az.parse_triplet_proposal(answer(fence("python", prog) + "\n" + fence("input", hostile)))
     if prop.get("reason") is None:  # the AST check passed it: the sandbox must refuse it
         az.validate(executor, "deduction", [prop], executor.cfg)
     assert prop["reason"] in ("syntax", "banned", "too_large", "error", "timeout"), prop["reason"]
     e = {"program": prog, "input": "0", "output": "1"}
-    assert az.check_solutions(executor, "abduction", [e], [answer(fence("input", hostile))], executor.cfg) == \
-        [(True, False)]
+    got = az.check_solutions(executor, "abduction", [e], [answer(fence("input", hostile))],
+                             executor.cfg)
+    assert got == [(True, False)]
 
 
 # ---------------------------------------------------------------------------------------------- rewards, TRR++
@@ -528,7 +547,8 @@ def _hand_buffers(cfg, with_first_item=True):
 SHORT_PROMPTS = {  # the real templates are ~500-1300 tiny-tokenizer tokens; warming on them costs minutes of CPU
     "wrapper": "{task}\nAssistant: <think>", "propose_deduction": "propose {references}",
     "propose_abduction": "propose {references}", "propose_induction": "inputs for {program}",
-    "solve_deduction": "output of {program} on {input}", "solve_abduction": "input of {program} for {output}",
+    "solve_deduction": "output of {program} on {input}",
+    "solve_abduction": "input of {program} for {output}",
     "solve_induction": "program for {pairs} {message}"}
 
 
@@ -759,8 +779,8 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     az.check_config(cfg)
     policy = _EvalPolicy()
     results = az.evaluate(policy, cfg)
-    assert all(p.startswith("A conversation between User and Assistant") and p.endswith("Assistant:")
-               for p in policy.prompts)
+    assert all(p.startswith("A conversation between User and Assistant")
+               and p.endswith("Assistant:") for p in policy.prompts)
     assert any("def add(a: int, b: int)" in p and "<answer>" in p for p in policy.prompts)
     r = results["code"]["benchmarks"][code]
     assert [p["greedy_status"] for p in r["per_problem"]] == ["passed", "no_code", "no_code", "no_code"]
@@ -788,10 +808,11 @@ def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsy
 
 
 def test_evaluation_defaults_are_the_official_protocol():
-    """Official evaluation/math_eval (eval_math_nodes.sh --template azr): greedy, 16,000 new tokens, the
-    question as the User turn with the Assistant turn unopened, the answer read from <answer> (boxed or not);
-    Table 1's code benchmarks are part of the default evaluation."""
-    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code_benchmarks=str(DATA / "code_tiny.jsonl"))
+    """Official evaluation/math_eval (eval_math_nodes.sh --template azr): greedy, 16,000 new tokens,
+    the question as the User turn with the Assistant turn unopened, the answer read from <answer>
+    (boxed or not); Table 1's code benchmarks are part of the default evaluation."""
+    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"),
+                    eval_code_benchmarks=str(DATA / "code_tiny.jsonl"))
     assert (cfg.eval_max_tokens, cfg.eval_n, cfg.eval_code) == (16000, 1, True)
     policy = _EvalPolicy(plain=True)  # answers "<answer>5</answer>", no \boxed{}
     results = az.evaluate(policy, cfg)
@@ -802,55 +823,61 @@ def test_evaluation_defaults_are_the_official_protocol():
     assert results["settings"]["prompt"] == "absolute_zero.eval_prompt" and "code" in results
     assert az.eval_answer("x</think> <answer> 42 </answer>") == "42"
     assert az.eval_answer("<answer>so \\boxed{\\frac{1}{2}} it is</answer>") == "\\frac{1}{2}"
-    assert az.eval_answer("no tags, \\boxed{7}") == "7" and az.eval_answer("so \\[ x+1 \\] then") == "x+1"
+    assert az.eval_answer("no tags, \\boxed{7}") == "7"
+    assert az.eval_answer("so \\[ x+1 \\] then") == "x+1"
     assert az.eval_answer("nothing") is None and az.eval_answer("<answer> </answer>") is None
     assert common.parse_config(az.Config, ["--no-eval-code"]).eval_code is False
 
 
 def test_proposer_prompts_carry_the_papers_instructions():
-    """Our words, the official prompts' instructions: hard programs with multi-step state tracking, plan first,
-    the I.Q.-test framing, the code rules and the format rules."""
+    """Our words, the official prompts' instructions: hard programs with multi-step state tracking,
+    plan first, the I.Q.-test framing, the code rules and the format rules."""
     cfg = az.Config()
     for task in ("deduction", "abduction"):
         p = az.proposer_prompt(task, [], cfg)
-        for needle in ("I.Q. test", "track state across several data transformations", "multi-step reasoning",
-                       "dynamic programming", "Plan first", "different from the earlier puzzles",
-                       "at least one argument", "deterministic", "within 10 seconds", "nothing follows",
-                       "strings in quotes", "exactly one", "```python block", "```input block", "random"):
+        for needle in ("I.Q. test", "track state across several data transformations",
+                       "multi-step reasoning", "dynamic programming", "Plan first",
+                       "different from the earlier puzzles", "at least one argument",
+                       "deterministic", "within 10 seconds", "nothing follows", "strings in quotes",
+                       "exactly one", "```python block", "```input block", "random"):
             assert needle in p, (task, needle)
     p = az.proposer_prompt("induction", [], cfg, program="def f(x):\n    return x")
-    for needle in ("Plan first", "Coverage", "challenging, but not impossible", "never the code itself",
-                   "10 ```input blocks", "```message block", "diverse outputs"):
+    for needle in ("Plan first", "Coverage", "challenging, but not impossible",
+                   "never the code itself", "10 ```input blocks", "```message block",
+                   "diverse outputs"):
         assert needle in p, needle
-    s = az.solver_prompt("induction", {"program": "P", "inputs": ["1", "2"], "outputs": ["1", "2"], "message": "m"},
-                         cfg)
+    e = {"program": "P", "inputs": ["1", "2"], "outputs": ["1", "2"], "message": "m"}
+    s = az.solver_prompt("induction", e, cfg)
     assert "revise it until it fits" in s and "hidden inputs" in s
     assert "step by step" in az.solver_prompt("deduction", dict(az.ZERO_TRIPLET), cfg)
 
 
 def test_a_prompts_file_replaces_templates_up_to_the_sampler(tmp_path, executor):
-    """--prompts FILE: its templates are the ones the sampler gets (training roles and evaluation); a bad file is
-    a one-line usage error before anything loads."""
+    """--prompts FILE: its templates are the ones the sampler gets (training roles and evaluation);
+    a bad file is a one-line usage error before anything loads."""
     f = tmp_path / "azr.toml"
     f.write_text("wrapper = '''W: {task} <think>'''\n"
                  "solve_deduction = '''OWN {program} ON {input}'''\n"
                  "eval_math = '''Q: {question} A:'''\n")
-    cfg = az.Config(prompts=str(f), learnability_samples=1, eval_benchmarks=str(DATA / "azr_eval.jsonl"),
-                    eval_code=False)
+    cfg = az.Config(prompts=str(f), learnability_samples=1, eval_code=False,
+                    eval_benchmarks=str(DATA / "azr_eval.jsonl"))
     az.check_config(cfg)
     e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
-    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [], "induction": []}
+    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [],
+             "induction": []}
     policy = _ScriptedPolicy()
     az.estimate_learnability(policy, executor, props, cfg)
     assert policy.calls[0]["prompts"] == ["W: OWN def f(x):\n    return x * 2 ON 3 <think>"]
-    assert az.proposer_prompt("abduction", [], cfg).startswith("W: Design a new Python puzzle")  # ours inside
+    # the templates the file leaves out are ours
+    assert az.proposer_prompt("abduction", [], cfg).startswith("W: Design a new Python puzzle")
     ev = _EvalPolicy()
     results = az.evaluate(ev, cfg)
     assert ev.prompts == ["Q: What is 2 + 3? A:", "Q: What is 7 * 6? A:"]
     assert results["settings"]["prompt"] == f"absolute_zero.eval_prompt ({f})"
     bad = tmp_path / "bad.toml"
     bad.write_text("solve_abduction = '''{program} only'''\n")
-    with pytest.raises(ValueError, match=r"'solve_abduction' must use exactly the placeholders.*missing \['output'\]"):
+    needle = r"'solve_abduction' must use exactly the placeholders.*missing \['output'\]"
+    with pytest.raises(ValueError, match=needle):
         az.check_config(az.Config(prompts=str(bad)))
     with pytest.raises(SystemExit) as err:
         az.main(["--prompts", str(bad)])
