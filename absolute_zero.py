@@ -38,7 +38,7 @@ Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3, §3.5),
 --freeze-proposer (proposer trajectories get no gradient) and --proposer-reward uncertainty (its Eq. 3).
 
 Where the official code (LeapLabTHU/Absolute-Zero-Reasoner) and the paper differ, this file follows the paper
-(spec: shared/methods/absolute_zero.md §1, §6):
+(paper Alg. 1, §3.3):
   * the solver trains on THIS step's proposals (the code's dataloaders hold step t-1 tasks);
   * a valid task with r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5 is `--zero-learnability-reward -0.5`;
   * Monte-Carlo learnability samples are always drawn at T = 1 (master used greedy validation settings);
@@ -83,7 +83,8 @@ prompts (data_construction/prompts.py, the paper's prompt figures) in our words.
   * under --reject-multiple-defs proposers are told `f` is the only def (the official prompt allows
     nested definitions, which its parser then rejects);
   * banned modules may not be imported or used; the official prompt forbids even naming them in
-    comments (its check is a substring match, ours is on the AST);
+    comments, though its check reads import statements only (utils/code_utils/checks.py); ours reads
+    the whole AST, and comments do not count;
   * one example call shows the input format instead of separate example blocks;
   * the induction proposer is told the program is called as f(<your input>), not shown a placeholder
     call;
@@ -159,7 +160,7 @@ BANNED_MODULES = frozenset({
     # Fig. 8 of the paper (non-determinism, time, I/O, processes)
     "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time",
     "hashlib", "hmac", "bcrypt", "calendar",
-    # named in §3.3.3 / spec §6.6, missed by the code's import-only blacklist
+    # named in §3.3.3, missed by the official import blacklist (azr_ppo_trainer.yaml banned_words)
     "os", "sys", "shutil",
     # the other ways out: dynamic import, the interpreter's internals, files, network, processes
     "importlib", "builtins", "__builtin__", "imp", "ctypes", "gc", "inspect", "socket", "signal", "resource",
@@ -168,7 +169,7 @@ BANNED_MODULES = frozenset({
     "urllib", "http", "requests", "ftplib", "smtplib", "webbrowser", "faulthandler", "tracemalloc", "atexit",
 })
 # builtins that import, run code, do I/O or reach the interpreter; checked as Names the program does not bind
-# itself, so `parse_input(` and a parameter called `input` are fine (spec §6.9: the code's regex over-rejected)
+# itself, so `parse_input(` and a parameter called `input` are fine
 BANNED_NAMES = frozenset({
     "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit", "help",
     "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__",
@@ -346,7 +347,7 @@ def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Parsing model output (spec §4 "Extraction"). Model output is untrusted: nothing here may raise.
+# Parsing model output. Model output is untrusted: nothing here may raise.
 # --------------------------------------------------------------------------------------------------------------
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
 # a fence with an optional tag; the body may start on the fence's own line (the official patterns
@@ -393,7 +394,7 @@ def solver_answer(completion: str, task: str) -> str | None:
     return found[-1] if found else answer.strip()
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=512)
 def _program_functions(program: str) -> frozenset:
     """`f` and the names of the program's top-level functions, which an input may not call."""
     try:
@@ -606,7 +607,7 @@ _STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "err
 
 def _same_value(a, b) -> bool:
     """Determinism compares values, not printed text: two hash seeds may print the same set in different orders
-    (spec §6: the trainer compares parsed values with ==, sets are order-free); the type must match as well."""
+    (the trainer compares parsed values with ==, sets are order-free); the type must match too."""
     try:
         return type(a) is type(b) and bool(a == b)
     except (RecursionError, MemoryError, ValueError, TypeError):
