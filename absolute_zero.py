@@ -78,17 +78,13 @@ the budget (the official one is 32,768). Code: Table 1's numbers come from EvalP
 
 Prompts (PROMPTS; --prompts FILE replaces any of them) carry every instruction of the official
 prompts (data_construction/prompts.py, the paper's prompt figures) in our words. Where they differ:
-  * the difficulty criterion names each task's own unknown (the official two prompts have them
-    swapped);
-  * under --reject-multiple-defs proposers are told `f` is the only def (the official prompt allows
-    nested definitions, which its parser then rejects);
-  * banned modules may not be imported or used; the official prompt forbids even naming them in
-    comments, though its check reads import statements only (utils/code_utils/checks.py); ours reads
-    the whole AST, and comments do not count;
-  * one example call shows the input format instead of separate example blocks;
-  * the induction proposer is told the program is called as f(<your input>), not shown a placeholder
-    call;
-  * references are headed "Earlier puzzle k" in fenced blocks, not <snippet_k> tags.
+  * difficulty criterion: each task's own unknown (the official two prompts have theirs swapped);
+  * `f` is the only def under --reject-multiple-defs (the official prompt allows nested defs);
+  * banned modules: not imported or used (official: not even named in comments; it checks imports);
+  * one example call shows the input format, instead of separate example blocks;
+  * induction proposer: "called as f(<your input>)" in words, not an appended placeholder call;
+  * references: "Earlier puzzle k" with fenced blocks, not <snippet_k> tags;
+  * the induction solver reads the message as plain text ("Message: ..."), not in a ```message block.
 """
 from __future__ import annotations
 
