@@ -13,12 +13,14 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
                            induction tasks on D_seed's programs until D_ind holds S*B (§3.3.1)
   1. propose               B prompts per task type: a program from D_ded u D_abd -> N inputs + a message
                            (induction, §3.3.2); K references from D_alpha -> (p, i) (deduction, abduction)
-  2. validate              executor checks (§3.3.3): parses and defines f, no banned modules (checked on the
-                           AST), runs without error, deterministic over j = 2 *independent* processes with
-                           different hash seeds (their parsed values equal, so set print order may differ),
-                           output is a finite literal without memory addresses, size cap. Valid tasks join
-                           their buffer; invalid proposals get the format penalty (-1). Under torchrun, rank 0
-                           runs every program and broadcasts the outcomes, so all ranks keep the same buffers
+  2. validate              executor checks (§3.3.3): parses and defines f (one def only, as the
+                           official parser), no banned modules (checked on the AST), the input
+                           evaluated in the sandbox only, runs without error, deterministic over j =
+                           2 *independent* processes with different hash seeds (their parsed values
+                           equal, so set print order may differ), output is a finite literal without
+                           memory addresses, size cap. Valid tasks join their buffer; invalid
+                           proposals get the format penalty (-1). Under torchrun, rank 0 runs every
+                           program and broadcasts the outcomes, so all ranks keep the same buffers
   3. estimate_learnability n = 8 solver rollouts at T = 1 per valid proposal (never trained on) -> r_bar
   4. solve                 per task type: this step's valid tasks, back-filled from the buffer up to B; one answer
                            each, graded by the executor and compared in trusted code (Eq. 5)
@@ -26,16 +28,17 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
                            solver_reward: 1[correct]; Eq. 6 format penalties (-0.5 wrong but formatted, -1 format)
   6. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
                            (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint 6*B batch; sync
-  7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through common.evaluate_code (greedy
-                           + pass@k), at the end and every --eval-every steps. Not the paper's full Table 1:
-                           LiveCodeBench is not supported, so eval/code/mean_greedy_acc is the HumanEval+/MBPP+
-                           mean (not its CAvg) and eval/avg is not its AVG; the in-distribution CruxEval /
-                           LCB-Execution tracking during training (spec §5) is not implemented either
+  7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through
+                           common.evaluate_code (greedy, 16,000 new tokens), at the end and every
+                           --eval-every steps. Not the paper's full Table 1: LiveCodeBench is not
+                           supported, so eval/code/mean_greedy_acc is the HumanEval+/MBPP+ mean (not
+                           its CAvg) and eval/avg is not its AVG; the in-distribution CruxEval /
+                           LCB-Execution tracking during training is not implemented either
 Ablations of "Towards Understanding Self-play for LLM Reasoning" (§3.3, §3.5), which analyses this loop:
 --freeze-proposer (proposer trajectories get no gradient) and --proposer-reward uncertainty (its Eq. 3).
 
 Where the official code (LeapLabTHU/Absolute-Zero-Reasoner) and the paper differ, this file follows the paper
-(spec: shared/methods/absolute_zero.md §1, §6):
+(paper Alg. 1, §3.3):
   * the solver trains on THIS step's proposals (the code's dataloaders hold step t-1 tasks);
   * a valid task with r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5 is `--zero-learnability-reward -0.5`;
   * Monte-Carlo learnability samples are always drawn at T = 1 (master used greedy validation settings);
@@ -49,11 +52,45 @@ Where the official code (LeapLabTHU/Absolute-Zero-Reasoner) and the paper differ
   * TRR++ normalises per sequence (Eq. 8); the code whitened token-level returns;
   * training length 500 steps (paper §4.1; the code's default is 960).
 Kept from the code: N = 10 induction inputs, the first 5 shown to the solver and the last 5 held out.
+
+Parsing and grading follow the official code (rewards/reward_managers.py, rewards/code_reward.py,
+utils/code_utils/templates.py):
+  * a solver answer is formatted when it has the <think>/<answer> tags (get_format_reward);
+    deduction and abduction read the last ```output / ```input block, else the whole <answer> text;
+    induction the last ```python block, else any fenced block, and no fence at all is a format error
+    (parse_code_function);
+  * a proposal with more than one def, nested helpers and methods included, is invalid
+    (parse_code_input_output, reject_multiple_functions); --no-reject-multiple-defs accepts them.
+    Induction solver programs may have helpers, as there;
+  * an input is the text of an argument list pasted into f(...), so expressions (`list(range(5))`)
+    and keyword arguments work. It is evaluated in the sandbox only; the trainer checks its AST (one
+    call, nothing banned, no call of the program's own functions, which would let an abduction
+    answer search with f itself). Deduction answers stay literals: the official eval of the answer
+    with the program loaded lets `f(3)` answer itself;
+  * not implemented: the official extractors' further fallbacks ("# Output:", `output(...)`,
+    <output> tags, "the output is ...") before the whole answer text.
+Evaluation follows evaluation/math_eval (eval_math_nodes.sh --template azr): greedy, 16,000 new
+tokens, the question as the User turn with the Assistant turn unopened, the answer from
+extract_azr_answer (eval_answer). The context is --max-model-len (16,384), so a long prompt shortens
+the budget (the official one is 32,768). Code: Table 1's numbers come from EvalPlus's own prompts at
+768 new tokens (evaluation/code_eval/scripts/run_evalplus.sh); ours use the eval_code template and
+--eval-max-tokens.
+
+Prompts (PROMPTS; --prompts FILE replaces any of them) carry every instruction of the official
+prompts (data_construction/prompts.py, the paper's prompt figures) in our words. Where they differ:
+  * difficulty criterion: each task's own unknown (the official two prompts have theirs swapped);
+  * `f` is the only def under --reject-multiple-defs (the official prompt allows nested defs);
+  * banned modules: not imported or used (official: not even named in comments; it checks imports);
+  * one example call shows the input format, instead of separate example blocks;
+  * induction proposer: "called as f(<your input>)" in words, not an appended placeholder call;
+  * references: "Earlier puzzle k" with fenced blocks, not <snippet_k> tags;
+  * the induction solver reads the message as plain text ("Message: ..."), not in a ```message block.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -103,8 +140,10 @@ class Config(common.RunConfig):
     sandbox_memory_mb: int = 1024  # address-space limit of one program run
     max_program_chars: int = 8000  # not in the paper: longer programs are invalid (size cap, never truncated)
     max_output_chars: int = 4000  # not in the paper: longer output literals are invalid (never truncated)
+    reject_multiple_defs: bool = True  # one def per proposal, as the official code_reward.py parser
     eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1's six math benchmarks
-    eval_code: bool = False  # also run Table 1's code benchmarks (--eval-code-benchmarks) through common.evaluate_code
+    eval_max_tokens: int = 16000  # official math eval (evaluation/math_eval/eval_math_nodes.sh)
+    eval_code: bool = True  # Table 1 reports HumanEval+/MBPP+ too (--no-eval-code skips them)
     eval_code_benchmarks: str = "humaneval+,mbpp+"  # HumanEval+/MBPP+ (EvalPlus, from the hub: needs `datasets`) or local JSONL files (common.load_code_benchmark)
 
 
@@ -117,7 +156,7 @@ BANNED_MODULES = frozenset({
     # Fig. 8 of the paper (non-determinism, time, I/O, processes)
     "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time",
     "hashlib", "hmac", "bcrypt", "calendar",
-    # named in §3.3.3 / spec §6.6, missed by the code's import-only blacklist
+    # named in §3.3.3, missed by the official import blacklist (azr_ppo_trainer.yaml banned_words)
     "os", "sys", "shutil",
     # the other ways out: dynamic import, the interpreter's internals, files, network, processes
     "importlib", "builtins", "__builtin__", "imp", "ctypes", "gc", "inspect", "socket", "signal", "resource",
@@ -126,7 +165,7 @@ BANNED_MODULES = frozenset({
     "urllib", "http", "requests", "ftplib", "smtplib", "webbrowser", "faulthandler", "tracemalloc", "atexit",
 })
 # builtins that import, run code, do I/O or reach the interpreter; checked as Names the program does not bind
-# itself, so `parse_input(` and a parameter called `input` are fine (spec §6.9: the code's regex over-rejected)
+# itself, so `parse_input(` and a parameter called `input` are fine
 BANNED_NAMES = frozenset({
     "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit", "help",
     "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__",
@@ -134,66 +173,135 @@ BANNED_NAMES = frozenset({
 BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__", "__import__",
                           "__loader__", "__bases__", "__mro__", "f_globals", "f_back", "gi_frame"})
 
-REJECT_REASONS = ("format", "syntax", "banned", "error", "timeout", "nondeterministic", "non_literal", "too_large")
+REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
+                  "nondeterministic", "non_literal", "too_large")
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Prompts (§4 of the spec: R1-style plain text, no chat template; everything parsed sits in fenced blocks).
+# Prompts: R1-style plain text, no chat template; everything parsed sits in fenced blocks. Our own
+# words, carrying every instruction of the official prompts (data_construction/prompts.py and the
+# paper's prompt figures); the differences are listed in the module docstring. All templates live in
+# PROMPTS, so `--prompts FILE` can replace any of them (common.load_prompts: same names, exactly the
+# same placeholders).
 # --------------------------------------------------------------------------------------------------------------
-WRAPPER = (
-    "A conversation between User and Assistant. The Assistant first reasons about the User's task step by step "
-    "inside <think> </think> tags, then writes its final result inside <answer> </answer> tags, i.e. "
-    "<think> reasoning </think> <answer> result </answer>.\n\n"
-    "User: {task}\n\nAssistant: <think>")
+_PREAMBLE = (
+    "A conversation between User and Assistant. The Assistant first reasons about the User's task "
+    "step by step inside <think> </think> tags, then writes its final result inside <answer> "
+    "</answer> tags, i.e. <think> reasoning </think> <answer> result </answer>.\n\n")
+_CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: "
+                "for `def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
+_HARD = ("The program should make the solver track state across several data transformations, "
+         "so that solving the puzzle takes long, multi-step reasoning: for example build and "
+         "operate on data structures (trees, heaps, stacks, queues, graphs, your own classes) or "
+         "use involved control flow (dynamic programming, recursion, divide and conquer, greedy "
+         "choices, backtracking).")
 
-_CODE_RULES = (
-    "Rules for the program:\n"
-    "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
-    "- It is deterministic: no randomness, clocks, files, network, printing, user input or outside state.\n"
-    "- Imports and any helper functions or classes come first; nothing follows the final return of `f`.\n"
-    "- It finishes well within {timeout:g} seconds.\n"
-    "- These modules may not be used: {banned}.\n")
-_INPUT_RULE = ("An input is the argument list of one call, separated by commas, with strings quoted: for "
-               "`def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`.\n")
 
-_PROPOSE_AIM = {
-    "deduction": "A solver will see your program and your input, and must work out the output.",
-    "abduction": "A solver will see your program and the output of your input, and must find an input that "
-                 "produces this output.",
+def _propose(aim: str, hard_part: str) -> str:
+    return (
+        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim
+        + "\n\n{code_rules}- " + _HARD + "\n\n"
+        "The input: exactly one, written as " + _CALL_FORMAT + ".\n\n"
+        "What makes a good puzzle:\n"
+        "- it runs without error on your input;\n"
+        "- " + hard_part + "\n"
+        "- it is clearly different from the earlier puzzles below.\n\n"
+        "Plan first: in your reasoning, decide what will make your program hard, how it differs "
+        "from the earlier puzzles and what is new about it; only then write the program and its "
+        "input.\n\n"
+        "Earlier puzzles:\n{references}\n\n"
+        "Answer format: inside <answer> </answer>, one ```python block with the program, then one "
+        "```input block with the input.")
+
+
+PROMPTS: dict[str, str] = {
+    "wrapper": _PREAMBLE + "User: {task}\n\nAssistant: <think>",
+    # shared by the proposers and the induction solver; {definitions} is one of the two rules below
+    "code_rules": (
+        "Rules for the program:\n"
+        "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
+        "{definitions}"
+        "- It is deterministic: no randomness, dates or clocks, file or network I/O, printing or "
+        "logging, and no outside state.\n"
+        "- Imports and classes come first, at the top; the program ends with the return of `f`: "
+        "nothing follows.\n"
+        "- It finishes well within {timeout} seconds on a modern CPU.\n"
+        "- These modules may not be imported or used: {banned}.\n"),
+    "definitions_single": (  # --reject-multiple-defs (the official parser's rule)
+        "- `f` is the only function: no helper functions, no functions nested in `f`, no methods "
+        "(a program with more than one `def` is rejected). Classes without methods are fine.\n"),
+    "definitions_helpers": "- Helper functions and classes are allowed, also nested inside `f`.\n",
+    "propose_deduction": _propose(
+        "A test subject will see your program and your input and must deduce the output.",
+        "its output is hard to predict from the program and the input;"),
+    "propose_abduction": _propose(
+        "A test subject will see your program and the output of your input, and must find an input "
+        "that produces that output (any such input counts).",
+        "your input is hard to recover from the program and its output;"),
+    "propose_induction": (
+        "Here is a Python program; it will be called as `f(<your input>)`.\n"
+        "```python\n{program}\n```\n"
+        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of "
+        "your inputs with the outputs they produce, plus your message, and must rebuild the "
+        "program.\n"
+        "- Each input is " + _CALL_FORMAT + "; put each input in its own ```input block.\n"
+        "- Every input must run without error.\n"
+        "- Coverage: together, the inputs and their outputs should pin down what `f` does over its "
+        "whole input space.\n"
+        "- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
+        "- Difficulty: inputs and message together make the task challenging, but not impossible.\n"
+        "- The message helps the test subject: a coding question, a hint or a plain description of "
+        "what the program does, but never the code itself. Put it in one ```message block.\n\n"
+        "Plan first: understand the program, then decide how your inputs cover it and why they are "
+        "challenging and varied; only then write the inputs and the message.\n\n"
+        "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one "
+        "```message block."),
+    "solve_deduction": (
+        "Deduce what this program returns for the given input; work through it step by step.\n"
+        "```python\n{program}\n```\n```input\n{input}\n```\n"
+        "Answer format: inside <answer> </answer>, one ```output block with the return value as a "
+        "Python literal: strings in quotes, a tuple if it returns several values."),
+    "solve_abduction": (
+        "Find an input for which this program returns the given output; any such input counts. "
+        "Work through it step by step.\n```python\n{program}\n```\n```output\n{output}\n```\n"
+        "The input is " + _CALL_FORMAT + ".\n"
+        "Answer format: inside <answer> </answer>, one ```input block."),
+    "solve_induction": (
+        "Deduce the Python function `f` that maps each input below to its output. It will be run "
+        "on hidden inputs and must reproduce the outputs of the program that made these pairs.\n"
+        "Message: {message}\n\n{pairs}\n"
+        "Check your function against each pair in turn, and revise it until it fits all of them.\n"
+        "{code_rules}"
+        "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."),
+    # evaluation (official evaluation/math_eval/eval/utils.py, template "azr": the question is the
+    # User turn, the Assistant turn is left unopened)
+    "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
+    "eval_code": _PREAMBLE + "User: {task} Put the code inside your <answer> tags.\n\nAssistant:",
 }
-PROPOSE_TRIPLET = (
-    "Invent a new Python puzzle: write one program and one input for it. {aim}\n\n"
-    + _CODE_RULES + "\n" + _INPUT_RULE + "\n"
-    "A good puzzle runs cleanly, takes genuine thought to solve, and is clearly different from the earlier "
-    "puzzles below.\n\n{references}\n\n"
-    "Answer format: inside <answer> </answer>, one ```python block with the program, then one ```input block "
-    "with the input.")
-PROPOSE_INDUCTION = (
-    "Here is a Python program; it is called as `f(<input>)`.\n```python\n{program}\n```\n"
-    "A solver will have to rebuild this program from example calls. Write {n} different inputs for it and a "
-    "short message.\n" + _INPUT_RULE +
-    "- Pick inputs with varied outputs that together pin down what `f` does: hard but solvable.\n"
-    "- The message describes the task or gives a hint, without revealing the code.\n\n"
-    "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one ```message block.")
-SOLVE_DEDUCTION = (
-    "Work out what this program returns for the given input.\n```python\n{program}\n```\n```input\n{input}\n```\n"
-    "Answer format: inside <answer> </answer>, one ```output block with the return value as a Python literal "
-    "(a tuple if it returns several values).")
-SOLVE_ABDUCTION = (
-    "Find an input for which this program returns the given output; any such input counts.\n"
-    "```python\n{program}\n```\n```output\n{output}\n```\n" + _INPUT_RULE +
-    "Answer format: inside <answer> </answer>, one ```input block.")
-SOLVE_INDUCTION = (
-    "Write a Python function `f` that maps each input below to its output. It will also be tested on inputs "
-    "you do not see.\nMessage: {message}\n\n{pairs}\n" + _CODE_RULES +
-    "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`.")
-
 
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
 
 
-def wrap(task: str) -> str:
-    return WRAPPER.format(task=task)
+@functools.lru_cache(maxsize=8)
+def _prompt_file(path: str) -> dict[str, str]:
+    return common.load_prompts(path, PROMPTS)
+
+
+def prompts(cfg: Config) -> dict[str, str]:
+    """Our templates, or those of --prompts FILE in their place (check_config loads the file first,
+    so a bad one is a usage error before anything loads)."""
+    return _prompt_file(cfg.prompts) if cfg.prompts else PROMPTS
+
+
+def wrap(task: str, cfg: Config) -> str:
+    return prompts(cfg)["wrapper"].format(task=task)
+
+
+def _code_rules(cfg: Config, single_def: bool) -> str:
+    t = prompts(cfg)
+    rule = t["definitions_single" if single_def else "definitions_helpers"]
+    return t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
+                                  definitions=rule)
 
 
 def _fence(kind: str, text: str) -> str:
@@ -201,24 +309,33 @@ def _fence(kind: str, text: str) -> str:
 
 
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
+    t = prompts(cfg)
     if task == "induction":
-        return wrap(PROPOSE_INDUCTION.format(program=program, n=cfg.induction_inputs))
+        return wrap(t["propose_induction"].format(program=program, n=cfg.induction_inputs), cfg)
     shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
-                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}" for k, r in enumerate(refs))
-    return wrap(PROPOSE_TRIPLET.format(aim=_PROPOSE_AIM[task], references=shown or "(no earlier puzzles)\n",
-                                       timeout=cfg.executor_timeout, banned=_BANNED_LIST))
+                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
+                        for k, r in enumerate(refs))
+    rules = _code_rules(cfg, cfg.reject_multiple_defs)
+    filled = t[f"propose_{task}"].format(references=shown or "(none yet)", code_rules=rules)
+    return wrap(filled, cfg)
 
 
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
+    t = prompts(cfg)
     if task == "deduction":
-        return wrap(SOLVE_DEDUCTION.format(program=entry["program"], input=entry["input"]))
-    if task == "abduction":
-        return wrap(SOLVE_ABDUCTION.format(program=entry["program"], output=entry["output"]))
-    half = len(entry["inputs"]) // 2
-    pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
-                      for k, (i, o) in enumerate(zip(entry["inputs"][:half], entry["outputs"][:half])))
-    return wrap(SOLVE_INDUCTION.format(message=entry["message"], pairs=pairs, timeout=cfg.executor_timeout,
-                                       banned=_BANNED_LIST))
+        filled = t["solve_deduction"].format(program=entry["program"], input=entry["input"])
+    elif task == "abduction":
+        filled = t["solve_abduction"].format(program=entry["program"], output=entry["output"])
+    else:
+        half = len(entry["inputs"]) // 2
+        shown = zip(entry["inputs"][:half], entry["outputs"][:half])
+        pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
+                          for k, (i, o) in enumerate(shown))
+        # solver programs may have helpers: the official parser counts the defs of proposals only
+        rules = _code_rules(cfg, single_def=False)
+        filled = t["solve_induction"].format(message=entry["message"], pairs=pairs,
+                                             code_rules=rules)
+    return wrap(filled, cfg)
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
@@ -226,10 +343,15 @@ def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Parsing model output (spec §4 "Extraction"). Model output is untrusted: nothing here may raise.
+# Parsing model output. Model output is untrusted: nothing here may raise.
 # --------------------------------------------------------------------------------------------------------------
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
-_BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_][\w]*)[ \t]*\n(.*?)```", re.S)
+# a fence with an optional tag; the body may start on the fence's own line (the official patterns
+# allow that too)
+_BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_]\w*)?[ \t]*\n?(.*?)```", re.S)
+_PYTHON_TAGS = ("python", "py", "python3")
+_MAX_INPUT_CHARS = 100_000  # not in the paper: a longer input is invalid
+_ANSWER_BLOCK = {"deduction": "output", "abduction": "input", "induction": "python"}
 
 
 def extract_answer(completion: str) -> str | None:
@@ -242,26 +364,75 @@ def extract_answer(completion: str) -> str | None:
     return text[start + len("<answer>"):end] if end >= 0 else None
 
 
-def blocks(answer: str, kind: str) -> list[str]:
-    return [body.strip() for k, body in _BLOCK_RE.findall(answer) if k.lower() == kind]
+def blocks(answer: str, kind: str | None) -> list[str]:
+    """The bodies of the fenced blocks tagged `kind` (any tag, or none, for kind None)."""
+    return [body.strip() for k, body in _BLOCK_RE.findall(answer)
+            if kind is None or k.lower() == kind]
 
 
-def parse_call_args(text: str) -> tuple | None:
-    """'[3, 1], "xy"' -> ([3, 1], 'xy'); None unless every argument is a literal."""
-    if not text or not text.strip() or len(text) > 100_000:
+def solver_answer(completion: str, task: str) -> str | None:
+    """What a solver answer is graded on, None for a format error (Eq. 6: -1). Format means the
+    <think>/<answer> tags only, as in the official reward manager (rewards/reward_managers.py,
+    get_format_reward):
+      deduction, abduction: the last ```output / ```input block, else the whole <answer> text (the
+        official extract_input_output falls back to it as well);
+      induction: the last ```python block, else the last fenced block of any tag (the official
+        parse_code_function accepts any fence); no fenced block at all is a format error there, and
+        here."""
+    answer = extract_answer(completion)
+    if answer is None:
         return None
+    if task == "induction":
+        code = [b for k, b in _BLOCK_RE.findall(answer) if (k or "").lower() in _PYTHON_TAGS]
+        code = code or blocks(answer, None)
+        return code[-1].strip() if code else None
+    found = blocks(answer, _ANSWER_BLOCK[task])
+    return found[-1] if found else answer.strip()
+
+
+@functools.lru_cache(maxsize=512)
+def _program_functions(program: str) -> frozenset:
+    """`f` and the names of the program's top-level functions, which an input may not call."""
     try:
-        node = ast.parse(f"_({text.strip()}\n)", mode="eval").body
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_") or \
-                node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-            return None
-        args = tuple(ast.literal_eval(a) for a in node.args)
-        # the executor sends repr(args) to the sandbox; repr raises ValueError for ints over 4300 decimal digits,
-        # which hex/binary literals ('0xfff...') reach without tripping the limit on decimal text
-        repr(args)
-        return args
-    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-        return None
+        body = ast.parse(program).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        body = []
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return frozenset({"f"} | {n.name for n in body if isinstance(n, defs)})
+
+
+def check_input(text: str, program: str = "") -> str | None:
+    """None if `text` is the argument list of one call, to be pasted into f(...) and evaluated in
+    the sandbox as the official code does (templates.py: `f({inputs})`), so expressions
+    (`list(range(5))`, `'a' * 3`) and keyword arguments work; else the reject reason. Nothing is
+    evaluated here: the AST must be a single call (no text that closes the call and starts another
+    expression), with nothing banned in it (the proposal checks), and it may not call the program's
+    own functions (an abduction answer could otherwise search for the input with f itself). Huge
+    values, endless loops and errors are the sandbox's business."""
+    if not isinstance(text, str) or not text.strip():
+        return "syntax"
+    if len(text) > _MAX_INPUT_CHARS:
+        return "too_large"
+    try:
+        node = ast.parse(f"_(\n{text.strip()}\n)", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "syntax"
+    one_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        node.func.id == "_"
+    if not one_call or not (node.args or node.keywords):
+        return "syntax"
+    if any(_banned(n) for n in ast.walk(node)) or _uses_banned_name(node):
+        return "banned"
+    own = _program_functions(program)
+    if any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(node)):
+        return "banned"
+    return None
+
+
+def call_expression(text: str) -> str:
+    """The expression the sandbox evaluates for an input that passed check_input (the newlines keep
+    a trailing comment from swallowing the closing parenthesis)."""
+    return f"f(\n{text.strip()}\n)"
 
 
 def _module_banned(name: str) -> bool:
@@ -350,9 +521,13 @@ def _uses_banned_name(tree: ast.AST) -> bool:
     return False
 
 
-def static_check(program: str, max_chars: int = 8000) -> tuple[str | None, str]:
-    """(reason or None, program with entry function `f`): the AST must parse, hold nothing banned (spec §6.6)
-    and define a top-level entry function."""
+def static_check(program: str, max_chars: int = 8000,
+                 single_def: bool = False) -> tuple[str | None, str]:
+    """(reason or None, program with entry function `f`): the AST must parse, hold nothing banned
+    (§3.3.3) and define a top-level entry function. With `single_def` (proposals under
+    --reject-multiple-defs) a program with more than one def anywhere, nested helpers and methods
+    included, is invalid: the official parser counts every `def` line (rewards/code_reward.py
+    parse_code_input_output, reject_multiple_functions)."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
     try:
@@ -361,7 +536,10 @@ def static_check(program: str, max_chars: int = 8000) -> tuple[str | None, str]:
         return "syntax", program
     if any(_banned(node) for node in ast.walk(tree)) or _uses_banned_name(tree):
         return "banned", program
-    # only top-level definitions count, so nested helpers and classes are allowed (spec §4.4)
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    if single_def and sum(isinstance(n, defs) for n in ast.walk(tree)) > 1:
+        return "multiple_defs", program
+    # otherwise only top-level definitions count, so nested helpers and classes are allowed
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if any(n.name == "f" for n in defs):
         ok = not any(n.name == "f" and isinstance(n, ast.AsyncFunctionDef) for n in defs)
@@ -388,27 +566,28 @@ def strip_program(program: str) -> str:
 
 
 def parse_triplet_proposal(completion: str) -> dict:
-    """{'program','input','args'} or {'reason'}: the first ```python block and the first ```input block."""
+    """{'program','input'} or {'reason'}: the first ```python block and the first ```input block."""
     answer = extract_answer(completion) or ""
     programs, inputs = blocks(answer, "python"), blocks(answer, "input")
     if not programs or not inputs:
         return {"reason": "format"}
-    args = parse_call_args(inputs[0])
-    if args is None:
-        return {"reason": "non_literal", "program": programs[0], "input": inputs[0]}
-    return {"program": programs[0], "input": inputs[0].strip(), "args": args}
+    reason = check_input(inputs[0], programs[0])
+    if reason:
+        return {"reason": reason, "program": programs[0], "input": inputs[0]}
+    return {"program": programs[0], "input": inputs[0].strip()}
 
 
-def parse_induction_proposal(completion: str, n: int) -> dict:
-    """{'inputs','args','message'} or {'reason'}: all ```input blocks (>= n, the last n kept) + ```message."""
+def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict:
+    """{'inputs','message'} or {'reason'}: all ```input blocks (>= n, the last n kept) and the
+    ```message."""
     answer = extract_answer(completion) or ""
     inputs, messages = blocks(answer, "input"), blocks(answer, "message")
     if len(inputs) < n or not messages or not messages[-1]:
         return {"reason": "format"}
-    args = [parse_call_args(i) for i in inputs[-n:]]
-    if any(a is None for a in args):
-        return {"reason": "non_literal"}
-    return {"inputs": [i.strip() for i in inputs[-n:]], "args": args, "message": messages[-1][:2000]}
+    reason = next((r for r in (check_input(i, program) for i in inputs[-n:]) if r), None)
+    if reason:
+        return {"reason": reason}
+    return {"inputs": [i.strip() for i in inputs[-n:]], "message": messages[-1][:2000]}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -422,18 +601,9 @@ _STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "err
                   "forbidden": "banned", "timeout": "timeout", "output_limit": "too_large"}
 
 
-def _call_text(args: tuple) -> str | None:
-    """The call expression sent to the sandbox, or None if the arguments have no repr (parse_call_args already
-    refuses those; this guards entries from any other source, e.g. an edited checkpoint)."""
-    try:
-        return f"f(*{args!r})"
-    except (ValueError, RecursionError, MemoryError):
-        return None
-
-
 def _same_value(a, b) -> bool:
     """Determinism compares values, not printed text: two hash seeds may print the same set in different orders
-    (spec §6: the trainer compares parsed values with ==, sets are order-free); the type must match as well."""
+    (the trainer compares parsed values with ==, sets are order-free); the type must match too."""
     try:
         return type(a) is type(b) and bool(a == b)
     except (RecursionError, MemoryError, ValueError, TypeError):
@@ -441,11 +611,12 @@ def _same_value(a, b) -> bool:
 
 
 class Executor:
-    """Runs f(*args) for (program, args) jobs and classifies the outcome. There are `determinism_runs` sandboxes,
-    each with its own zygote processes (so its own address-space layout) and its own PYTHONHASHSEED (= j): run j
-    of a job always goes to sandbox j, so two runs never share a process, a memory layout or a hash secret.
-    Under torchrun only rank 0 runs programs and broadcasts the outcomes: wall-clock limits could otherwise make
-    ranks disagree about which tasks are valid or which answers are right, and their buffers would diverge."""
+    """Runs f(<input>) for (program, input text) jobs and classifies the outcome. There are
+    `determinism_runs` sandboxes, each with its own zygote processes (so its own address-space
+    layout) and its own PYTHONHASHSEED (= j): run j of a job always goes to sandbox j, so two runs
+    never share a process, a memory layout or a hash secret. Under torchrun only rank 0 runs
+    programs and broadcasts the outcomes: wall-clock limits could otherwise make ranks disagree
+    about which tasks are valid or which answers are right, and their buffers would diverge."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -453,26 +624,28 @@ class Executor:
                                                memory_mb=cfg.sandbox_memory_mb, max_output_chars=cfg.max_output_chars,
                                                hash_seed=j) for j in range(max(1, cfg.determinism_runs))]
 
-    def call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str]]:
-        """-> [(status, output repr)], status: ok | error | timeout | banned | too_large | nondeterministic |
-        non_literal. The output must parse as a finite literal that survives a repr round trip."""
+    def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str]]:
+        """-> [(status, output repr)], status: ok | syntax | banned | error | timeout | too_large |
+        nondeterministic | non_literal. The input text is checked again (check_input: jobs may come
+        from an edited checkpoint) and evaluated in the sandbox only; the output must parse as a
+        finite literal that survives a repr round trip."""
         return [(status, text) for status, text, _ in self._call(jobs, run)]
 
-    def _call(self, jobs: list[tuple[str, tuple]], run: int = 0) -> list[tuple[str, str, object]]:
+    def _call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
         """call() with the parsed output value as a third item (None unless ok); rank 0 runs, all ranks get it."""
         rank, world = common.dist_info()
         if world == 1:
             return self._run(jobs, run)
         return common.broadcast_object(self._run(jobs, run) if rank == 0 else None)
 
-    def _run(self, jobs: list[tuple[str, tuple]], run: int) -> list[tuple[str, str, object]]:
-        calls = [_call_text(a) for _, a in jobs]
-        todo = [(p, c) for (p, _), c in zip(jobs, calls) if c is not None]
+    def _run(self, jobs: list[tuple[str, str]], run: int) -> list[tuple[str, str, object]]:
+        refused = [check_input(text, program) for program, text in jobs]
+        todo = [(p, call_expression(t)) for (p, t), r in zip(jobs, refused) if r is None]
         results = iter(self.sandboxes[run].run_many(todo) if todo else [])
         out = []
-        for c in calls:
-            if c is None:
-                out.append(("non_literal", "", None))
+        for r in refused:
+            if r is not None:
+                out.append((r, "", None))
                 continue
             res = next(results)
             reason = _STATUS_REASON.get(res.status, "error")
@@ -489,7 +662,7 @@ class Executor:
                 out.append(("non_literal", res.value, None))
         return out
 
-    def run_checked(self, jobs: list[tuple[str, tuple]]) -> list[tuple[str | None, str]]:
+    def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
         """Proposal validation: the j runs must all succeed and give the same VALUE (== and the same type; the
         printed text may differ, e.g. set order under another hash seed). Run 0's text becomes the gold output.
         -> [(reject reason or None, gold output repr)]."""
@@ -548,11 +721,12 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         if p.get("reason"):
             continue
         if task != "induction":  # induction programs come from the buffers, already checked
-            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars)
+            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars,
+                                                     single_def=cfg.reject_multiple_defs)
             if p["reason"]:
                 continue
-        for args in (p["args"] if task == "induction" else [p["args"]]):
-            jobs.append((p["program"], args))
+        for text in (p["inputs"] if task == "induction" else [p["input"]]):
+            jobs.append((p["program"], text))
             owner.append(k)
     runs: dict[int, list] = {}
     for k, res in zip(owner, executor.run_checked(jobs)):
@@ -578,9 +752,6 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
 # --------------------------------------------------------------------------------------------------------------
 # Steps 3-5: grade solver answers (Eq. 5; gold values stay in this process, == on parsed literals) and reward.
 # --------------------------------------------------------------------------------------------------------------
-_ANSWER_BLOCK = {"deduction": "output", "abduction": "input", "induction": "python"}
-
-
 def _equal(pred_text: str, gold_text: str) -> bool:
     """Value equality in trusted code (Eq. 5): sets are order-free, 1 == 1.0, a tuple is not a list."""
     try:
@@ -591,27 +762,29 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer. deduction: predicted
-    output == gold; abduction: f(predicted input) == gold output, run in the sandbox (f need not be one-to-one);
-    induction: the program passes the same static checks as proposals and EVERY held-out pair."""
+    """(formatted, correct) per answer, on solver_answer's text. deduction: the predicted output, a
+    literal, equals the gold one (never evaluated: an expression would let the executor do the
+    solving); abduction: f(predicted input) == gold output, the input evaluated in the sandbox like
+    a proposal's (f need not be one-to-one); induction: the program passes the proposals' static
+    checks (without the one-def rule, which the official code applies to proposals only) and EVERY
+    held-out pair."""
     out = [(False, False)] * len(completions)
     jobs, owner = [], []
     for k, (entry, text) in enumerate(zip(entries, completions)):
-        found = blocks(extract_answer(text) or "", _ANSWER_BLOCK[task])
-        if not found:
+        pred = solver_answer(text, task)
+        if pred is None:
             continue
-        pred = found[-1]  # solvers: the last block of the expected kind
         out[k] = (True, task == "deduction" and _equal(pred, entry["output"]))
-        tests = []  # (program, args, gold output) to run in the sandbox
-        if task == "abduction" and (args := parse_call_args(pred)) is not None:
-            tests = [(entry["program"], args, entry["output"])]
+        tests = []  # (program, input text, gold output) to run in the sandbox
+        if task == "abduction":
+            tests = [(entry["program"], pred, entry["output"])]
         elif task == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
             half = len(entry["inputs"]) // 2
             held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
-            tests = [] if reason else [(program, parse_call_args(i), o) for i, o in held_out]
-        for program, args, gold in tests:
-            jobs.append((program, args))
+            tests = [] if reason else [(program, i, o) for i, o in held_out]
+        for program, inp, gold in tests:
+            jobs.append((program, inp))
             owner.append((k, gold))
     passed: dict[int, bool] = {}
     for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
@@ -672,7 +845,7 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
         for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]:
             if p["reason"] is None:
                 with contextlib.suppress(SyntaxError, ValueError, RecursionError):
-                    stripped.append({"program": strip_program(p["program"]), "input": p["input"], "args": p["args"]})
+                    stripped.append({"program": strip_program(p["program"]), "input": p["input"]})
         for q in validate(executor, task, stripped, cfg, 0, policy.tokenizer):
             if q["reason"] is None and len(seed) < target:
                 seed.add(q["entry"])
@@ -725,8 +898,8 @@ def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
-        p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs) if p["task"] == "induction"
-                 else parse_triplet_proposal(group[0].text))
+        p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs, p["program"])
+                 if p["task"] == "induction" else parse_triplet_proposal(group[0].text))
     for t in tasks:
         validate(executor, t, props[t], cfg, step, policy.tokenizer)
     return props
@@ -917,28 +1090,59 @@ def append_tasks(run, step: int, props) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Step 7: evaluation. Base models answer math with a boxed-answer prompt (spec §5, official issue #27).
+# Step 7: evaluation, as the official scripts run it (evaluation/math_eval/eval_math_nodes.sh,
+# --template azr): greedy, 16,000 new tokens, the question as the User turn of the training
+# preamble, the answer read from the last <answer> block. A base model is evaluated there with a
+# boxed-answer chat template instead (qwen-boxed, official issue #27): give one as eval_math with
+# --prompts.
 # --------------------------------------------------------------------------------------------------------------
-EVAL_TASK = "Solve this problem. Put the final answer inside \\boxed{{}} within your <answer> tags.\n\n{question}"
+_DISPLAY_MATH_RE = re.compile(r"\\\[(.*?)\\\]")
 
 
-def eval_prompt(problem: dict, tokenizer=None) -> str:
-    """The same R1-style plain-text wrapper the model trained with; the answer is read from its last \\boxed{}."""
-    return wrap(EVAL_TASK.format(question=problem["question"].strip()))
+def eval_answer(text: str) -> str | None:
+    """The official extraction (evaluation/math_eval/eval/parser.py, extract_azr_answer): the text
+    of the last <answer> block, or the last \\boxed{} inside it when it has one; without <answer>,
+    the last \\boxed{} of the whole text, else the first \\[ ... \\]; None when nothing is found."""
+    if "<answer>" in text:
+        answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
+        if "boxed" in answer:
+            return common.extract_boxed(answer)
+        return answer or None
+    if "boxed" in text:
+        return common.extract_boxed(text)
+    m = _DISPLAY_MATH_RE.search(text)
+    return m.group(1).strip() or None if m else None
 
 
-def code_eval_prompt(problem: dict, tokenizer=None) -> str:
-    """Code benchmarks in the same wrapper; the solution is the last ```python block of the answer."""
-    return wrap(common.code_task_prompt(problem) + " Put it inside your <answer> tags.")
+def eval_prompt(problem: dict, tokenizer=None, cfg: Config | None = None) -> str:
+    """The eval_math template (--prompts can replace it) on the problem's question."""
+    return prompts(cfg or Config())["eval_math"].format(question=problem["question"].strip())
+
+
+def code_eval_prompt(problem: dict, tokenizer=None, cfg: Config | None = None) -> str:
+    """Code benchmarks in the eval_code template; the solution is the last ```python block of the
+    answer."""
+    return prompts(cfg or Config())["eval_code"].format(task=common.code_task_prompt(problem))
+
+
+def _named(fn, cfg: Config):
+    """fn with cfg bound, named after the template source (eval.json's settings say which was
+    used)."""
+    def bound(problem, tokenizer=None):
+        return fn(problem, tokenizer, cfg)
+    bound.__name__ = f"absolute_zero.{fn.__name__}" + (f" ({cfg.prompts})" if cfg.prompts else "")
+    return bound
 
 
 def evaluate(policy, cfg: Config) -> dict:
-    results = common.evaluate_config(policy, cfg, prompt_fn=eval_prompt) if cfg.eval_benchmarks.strip() else {}
+    results = common.evaluate_config(policy, cfg, prompt_fn=_named(eval_prompt, cfg),
+                                     extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
     if cfg.eval_code:
         try:
-            results["code"] = common.evaluate_code(policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
-                                                   max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
-                                                   prompt_fn=code_eval_prompt, seed=cfg.seed)
+            results["code"] = common.evaluate_code(
+                policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
+                max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
+                prompt_fn=_named(code_eval_prompt, cfg), seed=cfg.seed)
         except common.BenchmarkUnavailable as e:  # a finished training run keeps its math results
             print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
             results["code"] = {"skipped": str(e)}
@@ -980,6 +1184,7 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len "
                          f"{cfg.max_model_len}")
     common.check_benchmark_names(cfg.eval_benchmarks)
+    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
     code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] if cfg.eval_code else []
     for b in code:
         if b.lower() not in common.CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
@@ -987,8 +1192,8 @@ def check_config(cfg: Config) -> None:
                              "an existing .jsonl file")
     if any(b.lower() in common.CODE_BENCHMARKS for b in code) and importlib.util.find_spec("datasets") is None:
         raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the `datasets` "
-                         "package, which is not installed: pip install datasets, or give local JSONL files with "
-                         "--eval-code-benchmarks")
+                         "package, which is not installed: pip install datasets, give local JSONL "
+                         "files with --eval-code-benchmarks, or skip them with --no-eval-code")
 
 
 def train(cfg: Config) -> dict:

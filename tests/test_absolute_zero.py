@@ -35,19 +35,29 @@ def test_extract_answer_needs_r1_format_and_takes_last_answer():
     assert az.blocks("```python\nA\n```\n```input\n1\n```\n```python\nB\n```", "python") == ["A", "B"]
 
 
-def test_parse_call_args_accepts_only_literals():
-    assert az.parse_call_args("[3, 1], 'xy'") == ([3, 1], "xy")
-    assert az.parse_call_args("'Hello World'") == ("Hello World",)
-    assert az.parse_call_args("{1: (2, 3)}, set()") == ({1: (2, 3)}, set())
-    for bad in ["", "x", "__import__('os')", "1, *a", "k=1", "[1, 2", "1)(2", "1), (2"]:
-        assert az.parse_call_args(bad) is None, bad
+def test_check_input_accepts_argument_lists_and_refuses_the_rest():
+    """The official code pastes the input into f(...): any argument list is an input, checked here
+    on the AST only (nothing evaluated: `'a' * 10**10` passes, the sandbox deals with it)."""
+    prog = "def solve(x, k=0):\n    return x"
+    for ok in ["[3, 1], 'xy'", "'Hello World'", "{1: (2, 3)}, set()", "list(range(5))", "'a' * 3",
+               "x=3", "*[1, 2]", "1, k=2  # a comment", "[1,\n 2]", "'a' * 10**10",
+               "(lambda y: y)(3)"]:
+        assert az.check_input(ok, prog) is None, ok
+    bad = {"": "syntax", "  ": "syntax", "[1, 2": "syntax", "1)(2": "syntax", "1), (2": "syntax",
+           "# only a comment": "syntax", "__import__('os')": "banned",
+           "open('/etc/passwd')": "banned", "().__class__.__bases__": "banned", "f(3)": "banned",
+           "solve(3)": "banned", "[f for _ in 'a']": "banned", "1" * 100_001: "too_large"}
+    for text, reason in bad.items():
+        assert az.check_input(text, prog) == reason, text
+    # the newlines keep a comment from swallowing the closing parenthesis
+    assert az.call_expression("1  # c") == "f(\n1  # c\n)"
 
 
 def test_triplet_and_induction_proposal_parsing():
     text = answer(fence("python", "def f(a):\n    return a") + "\n" + fence("input", "[1, 2]") + "\n"
                   + fence("python", "ignored"))
     p = az.parse_triplet_proposal(text)
-    assert p["program"].startswith("def f(a)") and p["args"] == ([1, 2],)
+    assert p["program"].startswith("def f(a)") and p["input"] == "[1, 2]" and "args" not in p
     assert az.parse_triplet_proposal("no tags " + fence("python", "def f(a): return a"))["reason"] == "format"
     ins = "\n".join(fence("input", str(k)) for k in range(12))
     q = az.parse_induction_proposal(answer(ins + "\n" + fence("message", "add nothing")), 10)
@@ -130,7 +140,7 @@ def executor():
 
 
 def _triplet(program, inp):
-    return {"program": program, "input": inp, "args": az.parse_call_args(inp)}
+    return {"program": program, "input": inp}
 
 
 def test_validation_rejection_reasons(executor):
@@ -153,18 +163,19 @@ def test_validation_rejection_reasons(executor):
 def test_nondeterminism_is_caught_by_independent_runs(executor):
     """random (bypassing the static ban), id() and set order under different hash seeds: the j = 2 runs are
     separate processes with separate memory layouts and hash seeds, so these disagree and are rejected."""
-    jobs = [("import random\ndef f(x):\n    return random.random()", (0,)),
-            ("def f(x):\n    return [id(x) % 100003 for _ in range(3)]", (0,)),
+    jobs = [("import random\ndef f(x):\n    return random.random()", "0"),
+            ("def f(x):\n    return [id(x) % 100003 for _ in range(3)]", "0"),
             ("def f(x):\n    return ''.join(sorted({'a', 'b'}) + list({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'}))",
-             (0,)),
-            ("def f(x):\n    return sorted({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'})", (0,))]  # sorted: fine
+             "0"),
+            ("def f(x):\n    return sorted({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'})",
+             "0")]  # sorted: fine
     reasons = [r for r, _ in executor.run_checked(jobs)]
     assert reasons == ["nondeterministic"] * 3 + [None]
 
 
 def test_valid_programs_get_the_right_gold_output(executor):
     props = [_triplet("def f(a, b):\n    return {a: sorted(b), 'n': (len(b), 2.5)}", "'k', [3, 1, 2]"),
-             _triplet("def helper(x):\n    return x * 2\ndef f(x):\n    return [helper(i) for i in range(x)]", "4"),
+             _triplet("h = lambda x: x * 2\ndef f(x):\n    return [h(i) for i in range(x)]", "4"),
              _triplet(az.ZERO_TRIPLET["program"], az.ZERO_TRIPLET["input"])]
     az.validate(executor, "abduction", props, executor.cfg, step=7)
     assert [p["reason"] for p in props] == [None] * 3
@@ -175,8 +186,8 @@ def test_valid_programs_get_the_right_gold_output(executor):
 
 def test_induction_validation_requires_every_input_valid(executor):
     prog = "def f(x):\n    return 10 // x"
-    good = {"program": prog, "inputs": ["1", "2"], "args": [(1,), (2,)], "message": "m"}
-    bad = {"program": prog, "inputs": ["1", "0"], "args": [(1,), (0,)], "message": "m"}
+    good = {"program": prog, "inputs": ["1", "2"], "message": "m"}
+    bad = {"program": prog, "inputs": ["1", "0"], "message": "m"}
     az.validate(executor, "induction", [good, bad], executor.cfg, step=1)
     assert good["reason"] is None and good["entry"]["outputs"] == ["10", "5"]
     assert bad["reason"] == "error"
@@ -186,37 +197,37 @@ HUGE_HEX = "0x" + "f" * 4000  # a 16000-bit int: literal_eval accepts it, but it
 
 
 def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing(executor):
-    """repr() of an int over 4300 decimal digits raises ValueError; the hex literal is reachable from proposal
-    inputs, induction inputs and abduction answers, and must never reach f"f(*{args!r})" in the trainer."""
-    assert az.parse_call_args(HUGE_HEX) is None and az.parse_call_args(f"[1, {HUGE_HEX}], 'a'") is None
-    assert az.parse_call_args("0xbc614e") == (12345678,)  # ordinary hex literals are still fine
-    prop = az.parse_triplet_proposal(answer(fence("python", "def f(x):\n    return 1") + "\n"
-                                            + fence("input", HUGE_HEX)))
-    assert prop["reason"] == "non_literal"
-    ind = az.parse_induction_proposal(answer(fence("input", "1") + fence("input", HUGE_HEX)
-                                             + fence("message", "m")), 2)
-    assert ind["reason"] == "non_literal"
+    """repr() of an int over 4300 decimal digits raises ValueError. Inputs are evaluated in the
+    sandbox only, so a huge hex literal is an ordinary input there; only an output that needs that
+    repr fails, in the sandbox."""
+    assert az.check_input(HUGE_HEX) is None and az.check_input(f"[1, {HUGE_HEX}], 'a'") is None
+    props = [_triplet("def f(x):\n    return 1", HUGE_HEX),
+             _triplet("def f(x):\n    return x", HUGE_HEX)]
+    az.validate(executor, "deduction", props, executor.cfg)
+    assert [p["reason"] for p in props] == [None, "error"] and props[0]["entry"]["output"] == "1"
     e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
     texts = [answer(fence("input", HUGE_HEX)), answer(fence("input", "7"))]
     got = az.check_solutions(executor, "abduction", [e, e], texts, executor.cfg)
-    assert got == [(True, False), (True, True)]
-    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))], executor.cfg)
+    assert got == [(True, False), (True, True)]  # 16**4000 - 1 is 0 mod 3
+    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))],
+                             executor.cfg)
     assert got == [(True, False)]
-    # arguments from anywhere else (an edited checkpoint) are refused by the executor itself, not by repr raising
-    assert executor.call([(e["program"], (int("f" * 4000, 16),)), (e["program"], (4,))]) == [("non_literal", ""),
-                                                                                             ("ok", "1")]
+    # the executor checks inputs from anywhere (an edited checkpoint) itself
+    jobs = [(e["program"], HUGE_HEX), (e["program"], "4"), (e["program"], "__import__('os')")]
+    assert executor.call(jobs) == [("ok", "0"), ("ok", "1"), ("banned", "")]
 
 
 def test_determinism_compares_values_not_printed_text(executor):
     """A set prints in a hash-seed dependent order, so the two runs' texts differ, but the value is the same:
     valid, with run 0's text as the gold output (spec §6: parsed values compared with ==)."""
-    job = ("def f(s):\n    return set(s.split())", ("ab cd ef gh ij kl mn op qr st",))
+    job = ("def f(s):\n    return set(s.split())", "'ab cd ef gh ij kl mn op qr st'")
     texts = [executor.call([job], run=j)[0] for j in range(2)]
     assert texts[0][0] == texts[1][0] == "ok" and texts[0][1] != texts[1][1]  # really printed differently
     assert executor.run_checked([job]) == [(None, texts[0][1])]
     props = [_triplet(job[0], "'ab cd ef gh ij kl mn op qr st'")]
     az.validate(executor, "deduction", props, executor.cfg)
-    assert props[0]["reason"] is None and common.parse_literal(props[0]["entry"]["output"]) == set(job[1][0].split())
+    assert props[0]["reason"] is None
+    assert common.parse_literal(props[0]["entry"]["output"]) == set(job[1][1:-1].split())
     # a value that differs between the runs, or only its type (1 vs 1.0 compare equal), is still nondeterministic
     assert az._same_value(1, 1.0) is False and az._same_value({1, 2}, {2, 1}) is True
 
@@ -233,7 +244,7 @@ def test_address_filter_rejects_object_reprs_but_not_hex_numbers(executor):
 def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monkeypatch):
     """Wall-clock sandbox limits could make ranks disagree about a task; rank 0's outcomes are used everywhere."""
     sent = []
-    job = [("def f(x):\n    return x + 1", (1,))]
+    job = [("def f(x):\n    return x + 1", "1")]
     monkeypatch.setattr(common, "broadcast_object", lambda obj, src=0: sent.append(obj) or [("ok", "7", 7)])
     monkeypatch.setattr(common, "dist_info", lambda: (0, 2))
     assert executor.call(job) == [("ok", "7")] and sent == [[("ok", "2", 2)]]  # rank 0 ran it and sent it
@@ -259,9 +270,11 @@ def test_solver_checks_deduction(executor):
 def test_solver_checks_abduction_accepts_any_preimage(executor):
     e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}  # not one-to-one
     texts = [answer(fence("input", "4")), answer(fence("input", "7")), answer(fence("input", "5")),
-             answer(fence("input", "'a'")), answer("no block")]
+             answer(fence("input", "'a'")), answer("no block"), fence("input", "4")]
     got = az.check_solutions(executor, "abduction", [e] * len(texts), texts, executor.cfg)
-    assert got == [(True, True), (True, True), (True, False), (True, False), (False, False)]
+    # "no block": the whole <answer> text is the input (official fallback), and it does not run
+    assert got == [(True, True), (True, True), (True, False), (True, False), (True, False),
+                   (False, False)]
 
 
 def test_solver_checks_induction_needs_every_held_out_pair(executor):
@@ -274,6 +287,111 @@ def test_solver_checks_induction_needs_every_held_out_pair(executor):
              answer(fence("python", "def f(x):\n    return x * x if x != 6 else 0"))]
     got = az.check_solutions(executor, "induction", [e] * len(texts), texts, executor.cfg)
     assert got == [(True, True), (True, False), (True, False), (True, False)]
+
+
+def test_solver_answer_without_a_fence_uses_the_whole_answer(executor):
+    """Official reward manager: format = the <think>/<answer> tags; deduction/abduction fall back to
+    the whole <answer> text, induction takes any fence (a missing fence there is a format error, as
+    in the official parse_code_function)."""
+    e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
+    texts = [answer("(3, {2, 1})"), answer(" (4, {1, 2}) "),
+             answer("```input\n(3, {1, 2})\n```")]  # another kind of block is just text
+    got = az.check_solutions(executor, "deduction", [e] * 3, texts, executor.cfg)
+    assert got == [(True, True), (True, False), (True, False)]
+    a = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
+    texts = [answer("7"), answer("```input 10```")]  # a one-line fence, as the official pattern
+    assert az.check_solutions(executor, "abduction", [a] * 2, texts, executor.cfg) == \
+        [(True, True), (True, True)]
+    sq = {"program": "def f(x):\n    return x * x", "inputs": ["1", "2", "3", "4"],
+          "outputs": ["1", "4", "9", "16"], "message": "m"}
+    texts = [answer("```\ndef f(x):\n    return x * x\n```"),  # untagged fence
+             answer(fence("python", "def f(x):\n    return x * x") + "\n"
+                    + fence("output", "16")),  # the python block wins
+             answer("def f(x):\n    return x * x")]  # no fence at all
+    got = az.check_solutions(executor, "induction", [sq] * 3, texts, executor.cfg)
+    assert got == [(True, True), (True, True), (False, False)]
+    assert [az.solver_reward(*g) for g in got] == [1.0, 1.0, -1.0]
+
+
+def test_reject_multiple_defs_follows_the_official_parser(executor):
+    """Official parse_code_input_output (reject_multiple_functions: True) counts every `def`, nested
+    helpers and methods too; --no-reject-multiple-defs accepts them. Induction solver programs are
+    never checked for it."""
+    helper = "def g(x):\n    return x + 1\ndef f(x):\n    return g(x)"
+    nested = "def f(x):\n    def g(y):\n        return y + 1\n    return g(x)"
+    method = "class A:\n    def m(self, y):\n        return y + 1\ndef f(x):\n    return A().m(x)"
+    single = "class A:\n    k = 1\ndef solve(x):\n    return x + A.k + (lambda y: y)(0)"
+    for prog in (helper, nested, method):
+        assert az.static_check(prog, single_def=True)[0] == "multiple_defs"
+        assert az.static_check(prog)[0] is None
+    assert az.static_check(single, single_def=True)[0] is None
+    cfg = az.Config(executor_timeout=1.5)
+    assert cfg.reject_multiple_defs is True
+    props = [_triplet(p, "1") for p in (helper, nested, method, single)]
+    az.validate(executor, "deduction", props, cfg)
+    assert [p["reason"] for p in props] == ["multiple_defs"] * 3 + [None]
+    props = [_triplet(p, "1") for p in (helper, nested, method)]
+    lax = az.Config(executor_timeout=1.5, reject_multiple_defs=False)
+    az.validate(executor, "deduction", props, lax)
+    assert [p["reason"] for p in props] == [None] * 3 and props[0]["entry"]["output"] == "2"
+    ind = {"program": "def f(x):\n    return x + 1", "inputs": ["1", "2"], "outputs": ["2", "3"],
+           "message": "m"}
+    got = az.check_solutions(executor, "induction", [ind], [answer(fence("python", helper))], cfg)
+    assert got == [(True, True)]
+    assert "rejected" in az.proposer_prompt("deduction", [], cfg)  # the prompt states the rule
+    assert "Helper functions" in az.proposer_prompt("deduction", [], lax)
+    cli = common.parse_config(az.Config, ["--no-reject-multiple-defs"])
+    assert cli.reject_multiple_defs is False
+
+
+def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
+    """The official code runs `f(<input text>)`, so expressions and keyword arguments are inputs.
+    Here they are evaluated in the sandbox, for proposals, induction inputs, abduction answers and
+    held-out pairs alike."""
+    prog = "def f(xs, k=0):\n    return sum(xs) * len(xs) + k"
+    props = [_triplet(prog, "list(range(5))"), _triplet(prog, "[1] * 3, k=2"),
+             _triplet(prog, "xs=[2, 2]"), _triplet(prog, "*[[1, 2]], **{'k': 1}")]
+    for p in props:
+        text = answer(fence("python", p["program"]) + fence("input", p["input"]))
+        assert az.parse_triplet_proposal(text)["input"] == p["input"]
+    az.validate(executor, "deduction", props, executor.cfg)
+    assert [p["reason"] for p in props] == [None] * 4
+    assert [p["entry"]["output"] for p in props] == ["50", "11", "8", "7"]
+    ind = [{"program": prog, "inputs": ["list(range(3))", "[0] * 2, k=5"], "message": "m"}]
+    az.validate(executor, "induction", ind, executor.cfg)
+    assert ind[0]["reason"] is None and ind[0]["entry"]["outputs"] == ["9", "5"]
+    e = {"program": "def f(s):\n    return len(s)", "input": "'abc'", "output": "3"}
+    texts = [answer(fence("input", "'a' * 3")), answer(fence("input", "s=[0, 0, 0]")),
+             answer("'ab' + 'c'"), answer(fence("input", "'a' * 4"))]
+    assert az.check_solutions(executor, "abduction", [e] * 4, texts, executor.cfg) == \
+        [(True, True), (True, True), (True, True), (True, False)]
+    held = {"program": prog, "inputs": ["[1]", "[2]", "[1, 2], k=1", "xs=list(range(4))"],
+            "outputs": ["1", "2", "7", "24"], "message": "m"}
+    code = answer(fence("python", "def f(xs, k=0):\n    return sum(xs) * len(xs) + k"))
+    assert az.check_solutions(executor, "induction", [held], [code], executor.cfg) == [(True, True)]
+
+
+@pytest.mark.parametrize("hostile", [
+    "'a' * 10**10",                        # memory: the sandbox's address-space limit
+    "10**10**8",                           # CPU: the timeout
+    "[x for x in iter(int, 1)]",           # an endless loop
+    "__import__('os').system('true')",     # banned on the AST, never run
+    "(lambda: exec('1'))()",
+    "().__class__.__bases__[0].__subclasses__()",
+    "f(1)",                                # the program's own function (abduction by search)
+    "1" * 100_001,                         # too large
+    "1), (2",                              # not one call
+])
+def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile):
+    prog = "def f(x):\n    return 1"
+    prop = az.parse_triplet_proposal(answer(fence("python", prog) + "\n" + fence("input", hostile)))
+    if prop.get("reason") is None:  # the AST check passed it: the sandbox must refuse it
+        az.validate(executor, "deduction", [prop], executor.cfg)
+    assert prop["reason"] in ("syntax", "banned", "too_large", "error", "timeout"), prop["reason"]
+    e = {"program": prog, "input": "0", "output": "1"}
+    got = az.check_solutions(executor, "abduction", [e], [answer(fence("input", hostile))],
+                             executor.cfg)
+    assert got == [(True, False)]
 
 
 # ---------------------------------------------------------------------------------------------- rewards, TRR++
@@ -327,7 +445,7 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
     refs = [{"program": "def f(x):\n    return -x", "input": "5", "output": "-5"}]
     p = az.proposer_prompt("abduction", refs, cfg)
     assert p.endswith("Assistant: <think>") and "```output\n-5\n```" in p and "find an input" in p
-    assert "must work out the output" in az.proposer_prompt("deduction", refs, cfg)
+    assert "must deduce the output" in az.proposer_prompt("deduction", refs, cfg)
     e = {"program": "SECRET", "inputs": [str(i) for i in range(10)], "outputs": [str(10 * i) for i in range(10)],
          "message": "times ten"}
     s = az.solver_prompt("induction", e, cfg)
@@ -346,9 +464,9 @@ class _ScriptedPolicy:
         self.calls.append({"prompts": list(prompts), "n": n, "temperature": temperature, "top_p": top_p})
         out = []
         for p in prompts:
-            if "different inputs for it" in p:
+            if "inputs for it and a message" in p:
                 text = answer(fence("input", "1") + "\n" + fence("input", "2") + "\n" + fence("message", "m"))
-            elif "Invent a new Python puzzle" in p:
+            elif "Design a new Python puzzle" in p:
                 self.k += 1
                 text = answer(fence("python", f"def f(x):\n    # scale\n    return x * {self.k}") + "\n"
                               + fence("input", "3"))
@@ -369,9 +487,9 @@ def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_program
     assert seed == [e["program"] for e in bufs["abduction"].entries] and len(seed) == 4
     assert seed[0] == az.ZERO_TRIPLET["program"] and all("#" not in p for p in seed)  # stripped
     def kind(prompt):
-        if "different inputs for it" in prompt:
+        if "inputs for it and a message" in prompt:
             return "induction"
-        return "deduction" if "must work out the output" in prompt else "abduction"
+        return "deduction" if "must deduce the output" in prompt else "abduction"
     kinds = [[kind(p) for p in call["prompts"]] for call in policy.calls]
     assert kinds == [["deduction"] * 2, ["abduction"] * 2, ["induction"] * 2, ["induction"] * 2]
     ind = [e["program"] for e in bufs["induction"].entries]
@@ -427,9 +545,11 @@ def _hand_buffers(cfg, with_first_item=True):
 
 
 SHORT_PROMPTS = {  # the real templates are ~500-1300 tiny-tokenizer tokens; warming on them costs minutes of CPU
-    "WRAPPER": "{task}\nAssistant: <think>", "PROPOSE_TRIPLET": "propose {references}",
-    "PROPOSE_INDUCTION": "inputs for {program}", "SOLVE_DEDUCTION": "output of {program} on {input}",
-    "SOLVE_ABDUCTION": "input of {program} for {output}", "SOLVE_INDUCTION": "program for {pairs} {message}"}
+    "wrapper": "{task}\nAssistant: <think>", "propose_deduction": "propose {references}",
+    "propose_abduction": "propose {references}", "propose_induction": "inputs for {program}",
+    "solve_deduction": "output of {program} on {input}",
+    "solve_abduction": "input of {program} for {output}",
+    "solve_induction": "program for {pairs} {message}"}
 
 
 @pytest.fixture
@@ -437,7 +557,7 @@ def short_prompts(monkeypatch):
     """Shorter prompt templates (same placeholders, same parsing of the answers) so the tiny model can be warmed
     in seconds; everything else (sampling, sandbox, grading, rewards, update) is the real thing."""
     for name, text in SHORT_PROMPTS.items():
-        monkeypatch.setattr(az, name, text)
+        monkeypatch.setitem(az.PROMPTS, name, text)
 
 
 def _warm_model(tiny_model_path, tmp_path):
@@ -635,17 +755,20 @@ class _EvalPolicy:
     for it, nothing useful otherwise. Records the prompts."""
     tokenizer = None
 
-    def __init__(self):
-        self.prompts = []
+    def __init__(self, plain=False):
+        self.prompts, self.calls, self.plain = [], [], plain
 
     def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, top_p=1.0, seed=None):
         self.prompts += prompts
+        self.calls.append((n, temperature, max_tokens))
         out = []
         for p in prompts:
             if "def add(" in p:
                 text = answer(fence("python", "def add(a, b):\n    return a + b"))
+            elif "2 + 3" in p:
+                text = answer("5" if self.plain else "\\boxed{5}")
             else:
-                text = answer("\\boxed{5}" if "2 + 3" in p else "no idea")
+                text = answer("no idea")
             out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text, finish_reason="stop")] * n)
         return out
 
@@ -656,8 +779,8 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     az.check_config(cfg)
     policy = _EvalPolicy()
     results = az.evaluate(policy, cfg)
-    assert all(p.startswith("A conversation between User and Assistant") and p.endswith("Assistant: <think>")
-               for p in policy.prompts)
+    assert all(p.startswith("A conversation between User and Assistant")
+               and p.endswith("Assistant:") for p in policy.prompts)
     assert any("def add(a: int, b: int)" in p and "<answer>" in p for p in policy.prompts)
     r = results["code"]["benchmarks"][code]
     assert [p["greedy_status"] for p in r["per_problem"]] == ["passed", "no_code", "no_code", "no_code"]
@@ -682,3 +805,80 @@ def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsy
     results = az.evaluate(_EvalPolicy(), cfg)  # the end of a training run: skipped with the reason, no crash
     assert "could not load code benchmark 'humaneval+'" in results["code"]["skipped"]
     assert "hub unreachable" in capsys.readouterr().err
+
+
+def test_evaluation_defaults_are_the_official_protocol():
+    """Official evaluation/math_eval (eval_math_nodes.sh --template azr): greedy, 16,000 new tokens,
+    the question as the User turn with the Assistant turn unopened, the answer read from <answer>
+    (boxed or not); Table 1's code benchmarks are part of the default evaluation."""
+    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"),
+                    eval_code_benchmarks=str(DATA / "code_tiny.jsonl"))
+    assert (cfg.eval_max_tokens, cfg.eval_n, cfg.eval_code) == (16000, 1, True)
+    policy = _EvalPolicy(plain=True)  # answers "<answer>5</answer>", no \boxed{}
+    results = az.evaluate(policy, cfg)
+    assert {(n, t, mt) for n, t, mt in policy.calls} == {(1, 0.0, 16000)}
+    math_prompt = policy.prompts[0]
+    assert math_prompt.endswith("User: What is 2 + 3?\n\nAssistant:") and "boxed" not in math_prompt
+    assert results["benchmarks"][str(DATA / "azr_eval.jsonl")]["greedy_acc"] == 0.5
+    assert results["settings"]["prompt"] == "absolute_zero.eval_prompt" and "code" in results
+    assert az.eval_answer("x</think> <answer> 42 </answer>") == "42"
+    assert az.eval_answer("<answer>so \\boxed{\\frac{1}{2}} it is</answer>") == "\\frac{1}{2}"
+    assert az.eval_answer("no tags, \\boxed{7}") == "7"
+    assert az.eval_answer("so \\[ x+1 \\] then") == "x+1"
+    assert az.eval_answer("nothing") is None and az.eval_answer("<answer> </answer>") is None
+    assert common.parse_config(az.Config, ["--no-eval-code"]).eval_code is False
+
+
+def test_proposer_prompts_carry_the_papers_instructions():
+    """Our words, the official prompts' instructions: hard programs with multi-step state tracking,
+    plan first, the I.Q.-test framing, the code rules and the format rules."""
+    cfg = az.Config()
+    for task in ("deduction", "abduction"):
+        p = az.proposer_prompt(task, [], cfg)
+        for needle in ("I.Q. test", "track state across several data transformations",
+                       "multi-step reasoning", "dynamic programming", "Plan first",
+                       "different from the earlier puzzles", "at least one argument",
+                       "deterministic", "within 10 seconds", "nothing follows", "strings in quotes",
+                       "exactly one", "```python block", "```input block", "random"):
+            assert needle in p, (task, needle)
+    p = az.proposer_prompt("induction", [], cfg, program="def f(x):\n    return x")
+    for needle in ("Plan first", "Coverage", "challenging, but not impossible",
+                   "never the code itself", "10 ```input blocks", "```message block",
+                   "diverse outputs"):
+        assert needle in p, needle
+    e = {"program": "P", "inputs": ["1", "2"], "outputs": ["1", "2"], "message": "m"}
+    s = az.solver_prompt("induction", e, cfg)
+    assert "revise it until it fits" in s and "hidden inputs" in s
+    assert "step by step" in az.solver_prompt("deduction", dict(az.ZERO_TRIPLET), cfg)
+
+
+def test_a_prompts_file_replaces_templates_up_to_the_sampler(tmp_path, executor):
+    """--prompts FILE: its templates are the ones the sampler gets (training roles and evaluation);
+    a bad file is a one-line usage error before anything loads."""
+    f = tmp_path / "azr.toml"
+    f.write_text("wrapper = '''W: {task} <think>'''\n"
+                 "solve_deduction = '''OWN {program} ON {input}'''\n"
+                 "eval_math = '''Q: {question} A:'''\n")
+    cfg = az.Config(prompts=str(f), learnability_samples=1, eval_code=False,
+                    eval_benchmarks=str(DATA / "azr_eval.jsonl"))
+    az.check_config(cfg)
+    e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
+    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [],
+             "induction": []}
+    policy = _ScriptedPolicy()
+    az.estimate_learnability(policy, executor, props, cfg)
+    assert policy.calls[0]["prompts"] == ["W: OWN def f(x):\n    return x * 2 ON 3 <think>"]
+    # the templates the file leaves out are ours
+    assert az.proposer_prompt("abduction", [], cfg).startswith("W: Design a new Python puzzle")
+    ev = _EvalPolicy()
+    results = az.evaluate(ev, cfg)
+    assert ev.prompts == ["Q: What is 2 + 3? A:", "Q: What is 7 * 6? A:"]
+    assert results["settings"]["prompt"] == f"absolute_zero.eval_prompt ({f})"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("solve_abduction = '''{program} only'''\n")
+    needle = r"'solve_abduction' must use exactly the placeholders.*missing \['output'\]"
+    with pytest.raises(ValueError, match=needle):
+        az.check_config(az.Config(prompts=str(bad)))
+    with pytest.raises(SystemExit) as err:
+        az.main(["--prompts", str(bad)])
+    assert err.value.code == 2
