@@ -192,10 +192,9 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"--eval-protocol must be ours or official, not {cfg.eval_protocol!r}")
     if cfg.eval_general_max_tokens < 1:
         raise ValueError(f"--eval-general-max-tokens {cfg.eval_general_max_tokens}: need >= 1")
-    names = [common.parse_benchmark_spec(b)[0].lower() for b in cfg.eval_benchmarks.split(",")]
     need = cfg.eval_general_max_tokens + cfg.max_prompt_tokens
     if (cfg.eval_protocol == "official" and cfg.max_model_len < need
-            and any(b in GENERAL or "bbeh" in b for b in names)):
+            and any(_general_name(b) for b in cfg.eval_benchmarks.split(",") if b.strip())):
         raise ValueError(f"--eval-protocol official lets general-benchmark answers run to "
                          f"--eval-general-max-tokens {cfg.eval_general_max_tokens}, which "
                          f"--max-model-len {cfg.max_model_len} cannot hold after a prompt of up "
@@ -690,13 +689,19 @@ def official_judge(seed: int, fuzzy: bool):
     return judge
 
 
+def _general_name(bench: str) -> bool:
+    """SuperGPQA, MMLU-Pro, BBEH or GPQA-Diamond by name; BBEH also as a copy
+    (hf:MrLight/bbeh-eval)."""
+    name = common.parse_benchmark_spec(bench)[0].lower()
+    return name in GENERAL or "bbeh" in name
+
+
 def _is_general(bench: str, limit: int) -> bool:
     """A general-reasoning set for the official protocol: SuperGPQA, MMLU-Pro, BBEH, GPQA-Diamond
     (by name, BBEH also as a copy such as hf:MrLight/bbeh-eval:...), or any set with options."""
-    name = common.parse_benchmark_spec(bench)[0]
-    if name.lower() in GENERAL or "bbeh" in name.lower():
+    if _general_name(bench):
         return True
-    return any(p.get("choices") for p in common.load_benchmark(name, limit))
+    return any(p.get("choices") for p in common.load_benchmark(bench, limit))
 
 
 def evaluate_official(policy, cfg: Config) -> dict:
@@ -743,8 +748,8 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
             res["settings"]["eval_protocol"] = "ours"
     run.write_eval(res, name)
     m = common.eval_metrics(res)
-    math = [r["score"] for b, r in res["benchmarks"].items() if common.parse_benchmark_spec(b)[0] not in GENERAL]
-    general = [r["score"] for b, r in res["benchmarks"].items() if common.parse_benchmark_spec(b)[0] in GENERAL]
+    math = [r["score"] for b, r in res["benchmarks"].items() if not _general_name(b)]
+    general = [r["score"] for b, r in res["benchmarks"].items() if _general_name(b)]
     if math:
         m["eval/math_avg"] = float(np.mean(math))
     m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))

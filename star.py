@@ -32,11 +32,11 @@ Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after
 --resume continues a run: an --output-dir that already holds checkpoints is an error.
 
 Which Table 1 row (CommonsenseQA dev) the defaults reproduce: neither STaR row. Table 1's STaR
-(72.5) and STaR-without-rationalization (68.8) come from runs that keep the exemplars in the
-training text; the §4.4 ablation without them gives 69.9 and 60.9. The defaults (--few-shot-train
-off) are that ablation's setting: add --few-shot-train for Table 1's rows (and --no-rationalize for
-68.8). The paper does not name the flag; the mapping rests on the ablation's numbers (official code:
-iteration_train.py --few_shot_train).
+(72.5) and STaR-without-rationalization (68.8) are the numbers of the §4.4 ablation's runs that keep
+the exemplars in the training text; without them it reports 69.9 and 60.9. The defaults
+(--few-shot-train off) are that setting: add --few-shot-train for Table 1's rows (and
+--no-rationalize for 68.8). The paper does not name the flag; the mapping rests on the ablation's
+numbers (official code: iteration_train.py --few_shot_train).
 
 Choices this file makes, and where the official code (github.com/ezelikman/STaR) differs:
   * Tasks: GSM8K, CommonsenseQA or your own JSONL. The n-digit addition task of §4.3 (scratchpad targets) is not
