@@ -70,7 +70,8 @@ vs the released scripts (evaluation/eval_supergpqa.py, eval_mmlupro.py, eval_bbe
   * BBEH: math_equal on the boxed answer | bbeh_match, the scripts' fuzzy match ("(a)" = "a",
     numbers, quotes, brackets, a trailing "?") after their answer clean-up
   * the same under both: greedy decoding; the math sets with the Solver prompt at 4,096 tokens,
-    math_equal on the last boxed answer; no GPT-4o re-check.
+    math_equal on the last boxed answer; the scripts' GPT-4o re-check of the math sets
+    (evaluation/results_recheck.py) is left out of both.
   * not reproduced: the scripts read BBEH from MrLight/bbeh-eval (pass
     hf:MrLight/bbeh-eval:train:question:answer); they show MMLU-Pro's "N/A" padding options (our
     loader drops them); BBEH's no-chat-template prompt also asks for a boxed letter;
