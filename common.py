@@ -3659,10 +3659,16 @@ def gold_option_letter(problem):
     return None
 
 
-def _vf_judge(items, extract_fn, timeout):
+def _vf_judge(items, extract_fn, timeout, judge_fn=None):
     """items: [(problem, gold letter or None, completion text)] -> (preds, correct, letters). Free-form (gold letter
     None): extract_fn(text) against the gold answer through math_equal_many. Multiple choice: option_letter of the
-    extracted answer (or of the text when nothing was extracted) equals the gold letter exactly."""
+    extracted answer (or of the text when nothing was extracted) equals the gold letter exactly.
+    judge_fn(problem, text) -> (pred, correct) replaces both rules (pred: a choice's letter)."""
+    if judge_fn is not None:
+        judged = [judge_fn(p, t) for p, _, t in items]
+        preds = [pr for pr, _ in judged]
+        letters = [pr if g is not None else None for pr, (_, g, _) in zip(preds, items)]
+        return preds, [bool(ok) for _, ok in judged], letters
     preds = [extract_fn(t) for _, _, t in items]
     ok, letters = [False] * len(items), [None] * len(items)
     free = [i for i, (_, g, _) in enumerate(items) if g is None]
@@ -3700,7 +3706,7 @@ def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
 
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
-             limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000):
+             limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000, judge_fn=None):
     """Greedy accuracy and pass@k per benchmark.
 
     - Greedy: one completion per problem at temperature 0 -> "greedy_acc".
@@ -3715,8 +3721,11 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
       draws N samples (instead of n) at (temperature, top_p) for that benchmark only (SPICE's AIME protocol:
       "aime24@32" with temperature 0.6).
     `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
-    (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt. The settings (n,
-    T, top-p, max tokens, verifier) are written into the result so base and trained runs can be compared."""
+    (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt.
+    `judge_fn(problem, text) -> (pred, correct)` replaces extraction and grading (a protocol's own
+    rule, e.g. R-Zero's official BBEH fuzzy match; pred None counts as no answer). The settings
+    (n, T, top-p, max tokens, verifier) are written into the result so base and trained runs can be
+    compared."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
     skipped_k = [x for x in ks if x > n]
     tok = getattr(sampler_or_policy, "tokenizer", None)
@@ -3733,7 +3742,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
         greedy = sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
         g_preds, g_ok, g_letters = _vf_judge([(p, gl, g[0].text) for p, gl, g in zip(probs, gold_letters, greedy)],
-                                             extract_fn, timeout)
+                                             extract_fn, timeout, judge_fn)
         g_none = [(lt is None) if gl is not None else (p is None)
                   for p, lt, gl in zip(g_preds, g_letters, gold_letters)]
         res = {"n_problems": len(probs), "n_multiple_choice": sum(gl is not None for gl in gold_letters),
@@ -3755,7 +3764,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 for c in group:
                     items.append((probs[j], gold_letters[j], c.text))
                     owner.append(j)
-            s_preds, ok, s_letters = _vf_judge(items, extract_fn, timeout)
+            s_preds, ok, s_letters = _vf_judge(items, extract_fn, timeout, judge_fn)
             cs = np.zeros(len(probs), dtype=int)
             for j, o in zip(owner, ok):
                 cs[j] += int(o)

@@ -19,7 +19,8 @@ The loop (paper §3; one function per step below, in this order; train() runs it
                           1 iff math_equal(boxed answer, y~); KL to the phase start.
   4. evaluate_solver      greedy accuracy on the eval benchmarks after every iteration (and of the base model),
                           math-verify only (no LLM judge). Report the best and the last iteration: R-Zero degrades
-                          after about 3 iterations.
+                          after about 3 iterations. --eval-protocol official: the general
+                          sets as the released scripts grade them (below).
 
 Run it:      python r_zero.py --model Qwen/Qwen3-4B-Base
 Small run:   python r_zero.py --model Qwen/Qwen3-0.6B-Base --question-pool 512 --challenger-batch 32 \
@@ -28,8 +29,8 @@ CPU smoke:   python r_zero.py --model tiny --iterations 2 --challenger-steps 1 -
 Pseudo-label decay (paper: 79% -> 69% -> 63%): --oracle-model M (share of kept labels that agree with M's own
 majority answer) and/or --label-check BENCH (the vote-and-filter step on questions with known gold answers).
 
-Paper vs official code (github.com/Chengsong-Huang/R-Zero, spec shared/methods/r_zero.md). Defaults follow the
-paper; the flags give the code's variants where they matter:
+Paper vs official code (github.com/Chengsong-Huang/R-Zero). Defaults follow the paper; the flags
+give the code's variants where they matter:
   * iterations 3 (code: 5)                                   --iterations 5
   * dataset votes m = 10 (code: 9)                           --votes 9 (also used for the reward votes)
   * keep-band |p^ - 1/2| <= 0.25, i.e. 0.25 <= p^ <= 0.75    --band-low 0.3 --band-high 0.8 (code)
@@ -55,13 +56,45 @@ paper; the flags give the code's variants where they matter:
   * Loss aggregation seq-mean-token-mean (EasyR1 with one sequence per micro-batch, rl_core §3, §8).
 Engineering: ONE trainer model and ONE vLLM engine. The role being trained lives in the trainer (with AdamW state,
 reset at every phase start); the other role is a CPU state dict that is swapped into the engine only to sample.
+
+Evaluation of the general sets (SuperGPQA, MMLU-Pro, BBEH), ours (--eval-protocol ours, the default)
+vs the released scripts (evaluation/eval_supergpqa.py, eval_mmlupro.py, eval_bbeh.py;
+--eval-protocol official):
+  * prompt: the Solver's system prompt + the question with "A) ..." options | one user message, no
+    system prompt, options as "(A): ..." lines, then "only the letter in \\boxed{}"
+    (official_eval_prompt)
+  * budget: --eval-max-tokens 4,096 | --eval-general-max-tokens 8,192 (needs --max-model-len 10240)
+  * letter: common.option_letter, the letter the boxed answer starts with | official_letter, the
+    first of A..J found anywhere in the boxed answer (or a "Final Answer:" line)
+  * nothing parses: wrong | a random letter A-J, seeded by (--seed, question, completion)
+  * BBEH: math_equal on the boxed answer | bbeh_match, the scripts' fuzzy match ("(a)" = "a",
+    numbers, quotes, brackets, a trailing "?") after their answer clean-up
+  * the same under both: greedy decoding; the math sets with the Solver prompt at 4,096 tokens,
+    math_equal on the last boxed answer; the scripts' GPT-4o re-check of the math sets
+    (evaluation/results_recheck.py) is left out of both.
+  * not reproduced: the scripts read BBEH from MrLight/bbeh-eval (pass
+    hf:MrLight/bbeh-eval:train:question:answer); they show MMLU-Pro's "N/A" padding options (our
+    loader drops them); BBEH's no-chat-template prompt also asks for a boxed letter;
+    evaluation/datasets_loader.py grades math by the first \\boxed{...} of a line up to its last
+    "}".
+
+Prompts (PROMPTS; --prompts FILE replaces any of them) are our own words with every instruction of
+the official prompts: the Challenger's (expert setter, private step-by-step scratch-pad, a new
+non-trivial problem from any field, fewer than 30% of advanced high-school students solving it, no
+textbook or famous contest problems, exactly a <question> block and a \\boxed{} answer, nothing
+else) and the Solver's (reason step by step, final answer in \\boxed{}). Where ours differ:
+  * without a chat template the prompt ends in "assistant:" (the code's ends after the user line)
+  * the Solver's multiple-choice prompt ("ours" protocol) adds "Box the letter of the correct
+    option."
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
 import sys
@@ -125,6 +158,8 @@ class Config(common.RunConfig):
     eval_every: int = 0  # unused: R-Zero evaluates the Solver after every iteration (paper §5; spec §6)
     eval_benchmarks: str = "math500,gsm8k,amc23,minerva,olympiadbench,aime24,aime25,supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general (option letter boxed); --eval-limit N for a quick look
     eval_max_tokens: int = 4096  # greedy, 4,096 tokens (evaluation/generate.py)
+    eval_protocol: str = "ours"  # ours | official: general sets as evaluation/eval_bbeh.py etc. do
+    eval_general_max_tokens: int = 8192  # official protocol: general sets (eval_mmlupro.py)
     oracle_model: str = ""  # model whose majority answer judges the kept pseudo-labels (analysis §7.1 a); "" = off
     oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)
     oracle_limit: int = 200  # kept questions checked against the oracle per iteration
@@ -154,35 +189,78 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
     common.check_benchmark_names(cfg.eval_benchmarks)
     common.check_benchmark_names(cfg.label_check, "--label-check")
+    if cfg.eval_protocol not in ("ours", "official"):
+        raise ValueError(f"--eval-protocol must be ours or official, not {cfg.eval_protocol!r}")
+    if cfg.eval_general_max_tokens < 1:
+        raise ValueError(f"--eval-general-max-tokens {cfg.eval_general_max_tokens}: need >= 1")
+    need = cfg.eval_general_max_tokens + cfg.max_prompt_tokens
+    if (cfg.eval_protocol == "official" and cfg.max_model_len < need
+            and any(_general_name(b) for b in cfg.eval_benchmarks.split(",") if b.strip())):
+        raise ValueError(f"--eval-protocol official lets general-benchmark answers run to "
+                         f"--eval-general-max-tokens {cfg.eval_general_max_tokens}, which "
+                         f"--max-model-len {cfg.max_model_len} cannot hold after a prompt of up "
+                         f"to --max-prompt-tokens {cfg.max_prompt_tokens}: pass "
+                         f"--max-model-len {need}")
+    use_prompts(cfg.prompts)  # a bad --prompts file: a usage error before anything loads
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Prompts (our own wording; structure from the spec §4)
+# Prompts: our own words, carrying every instruction of the paper's prompts (the Challenger's as in
+# question_generate/question_generate.py, the Solver's as in vllm_service_init/
+# start_vllm_server.py). str.format templates, literal braces doubled; --prompts FILE replaces any
+# of them (validate_config).
 # --------------------------------------------------------------------------------------------------------------
-CHALLENGER_SYSTEM = (
-    "You are a seasoned author of competition mathematics problems, at home in algebra, number theory, "
-    "geometry, combinatorics, probability and calculus. Think your problem through privately before you write "
-    "it. Aim for a problem that is genuinely hard yet has one clear, checkable answer, and make it original: "
-    "do not restate a famous or textbook exercise.\n\n"
-    "Reply with exactly two things and nothing else: the complete problem statement inside "
-    "<question>...</question>, followed by your own final answer written as \\boxed{...}.")
-CHALLENGER_USER = "Write one new, challenging math problem."
-SOLVER_SYSTEM = ("Solve the math problem below. Reason step by step, and finish with the final answer "
-                 "written as \\boxed{...}.")
+PROMPTS = {
+    "challenger_system": (
+        "You are an expert who writes competition mathematics problems.\n"
+        "First, in a private scratch-pad, work step by step towards a new problem that is not "
+        "trivial. It may come from any part of mathematics: algebra, prealgebra, geometry, number "
+        "theory, combinatorics, probability, statistics, calculus or another field. Make it hard "
+        "enough that fewer than 30% of advanced high-school students would solve it, and do not "
+        "reuse textbook staples or well-known contest problems.\n"
+        "Then, keeping your scratch-pad to yourself, write exactly these two blocks:\n\n"
+        "<question>\n"
+        "the complete problem statement, on one or more lines\n"
+        "</question>\n\n"
+        "\\boxed{{the final answer}}\n\n"
+        "Write nothing else: no explanation, no other markup."),
+    "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
+                        "you were given."),
+    "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
+    # --eval-protocol ours: a multiple-choice question for the Solver (its user turn)
+    "solver_choices": "{question}\n\n{options}\n\nBox the letter of the correct option.",
+    # --eval-protocol official, the only (user) message (evaluation/eval_mmlupro.py)
+    "official_choices": ("{question}\nOptions:\n{options}\n\n\nReason step by step. Exactly one "
+                         "option is correct: put only its letter in \\boxed{{}}, e.g. "
+                         "\\boxed{{A}}."),
+    # --eval-protocol official, BBEH: the only (user) message (evaluation/eval_bbeh.py)
+    "official_open": ("{question}\n\nReason step by step, and put your final answer in "
+                      "\\boxed{{}}."),
+}
+_prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE (use_prompts)
+
+
+def use_prompts(path: str) -> None:
+    """Load --prompts FILE over PROMPTS (a bad file: ValueError naming the template and the fix) and
+    make the result the templates every prompt below is filled from."""
+    loaded = common.load_prompts(path, PROMPTS)
+    _prompts.clear()
+    _prompts.update(loaded)
 
 
 def render(tokenizer, system: str, user: str):
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    return f"system: {system}\nuser: {user}\nassistant:"  # spec §4: a model without a chat template
+    return f"system: {system}\nuser: {user}\nassistant:"  # a model without a chat template
 
 
 def challenger_prompt(tokenizer):
-    return render(tokenizer, CHALLENGER_SYSTEM, CHALLENGER_USER)
+    system, user = _prompts["challenger_system"].format(), _prompts["challenger_user"].format()
+    return render(tokenizer, system, user)
 
 
 def solver_prompt(question: str, tokenizer):
-    return render(tokenizer, SOLVER_SYSTEM, question)
+    return render(tokenizer, _prompts["solver_system"].format(), question)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -464,32 +542,218 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
 # --------------------------------------------------------------------------------------------------------------
 # 4. Evaluation
 # --------------------------------------------------------------------------------------------------------------
+LETTERS = "ABCDEFGHIJ"  # option letters of the multiple-choice sets (MMLU-Pro, SuperGPQA: up to 10)
+
+
 def _solver_eval_prompt(problem: dict, tokenizer=None):
+    """--eval-protocol ours: the Solver's own prompt; options listed "A) ..." under the question."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        q += "\n\n" + "\n".join(f"{'ABCDEFGHIJ'[i]}) {c}" for i, c in enumerate(problem["choices"]))
-        q += "\n\nBox the letter of the correct option."
+        opts = "\n".join(f"{LETTERS[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q = _prompts["solver_choices"].format(question=q, options=opts)
     return solver_prompt(q, tokenizer)
 
 
 GENERAL = ("supergpqa", "mmlu_pro", "bbeh", "gpqa_diamond")  # the general-reasoning sets; any other set is math
 
 
+# --eval-protocol official: evaluation/eval_mmlupro.py, eval_supergpqa.py, eval_bbeh.py, rule by
+# rule.
+def official_eval_prompt(problem: dict, tokenizer=None):
+    """One user message and no system prompt: the question, its options as "(A): ..." lines, then
+    the instruction to box only the letter; BBEH gets the question and a boxed-answer instruction.
+    Without a chat template, the same text after "user: "."""
+    if problem.get("choices"):
+        opts = "\n".join(f"({LETTERS[i]}): {c}" for i, c in enumerate(problem["choices"]))
+        content = _prompts["official_choices"].format(question=problem["question"], options=opts)
+    else:
+        content = _prompts["official_open"].format(question=problem["question"])
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": content}]
+    return f"user: {content}"
+
+
+_OFFICIAL_STOPS = ("</s>", "<|im_end|>", "<|endoftext|>")
+_OFFICIAL_LINES = (re.compile(r"Final Answer:([^\n]*)\n"), re.compile(r"The answer is:([^\n]*)\n"))
+
+
+def _last_shallow_box(text: str, max_depth: int = 2, tries: int = 64) -> str | None:
+    """Content of the last \\boxed{...} whose braces close within max_depth levels of nesting (the
+    scripts' regex); a deeper or unclosed box does not count. Only the last `tries` boxes are tried,
+    so hostile text stays cheap."""
+    for start in reversed([m.end() for m in re.finditer(r"\\boxed\{", text)][-tries:]):
+        depth = 0
+        for j in range(start, len(text)):
+            if text[j] == "{":
+                depth += 1
+                if depth > max_depth:
+                    break
+            elif text[j] == "}":
+                if depth == 0:
+                    return text[start:j]
+                depth -= 1
+    return None
+
+
+def official_solution(text: str) -> str | None:
+    """extract_solution of the scripts: the text after a chat-turn marker and before a stop word,
+    then the last (shallow) non-empty \\boxed{}; else the last 'Final Answer: ...' line, else the
+    last 'The answer is: ...' line (each must end in a newline); else None."""
+    if "<|im_start|>user" in text:
+        text = re.sub(r"^.*?<\|im_start\|>assistant", "<|im_start|>assistant", text, count=1,
+                      flags=re.DOTALL)
+    elif "Assistant:" in text:
+        text = text.split("Assistant:")[-1].strip()
+    for stop in _OFFICIAL_STOPS:
+        if stop in text:
+            text = text.split(stop)[0].strip()
+    boxed = _last_shallow_box(text)
+    if boxed:
+        return boxed
+    for pattern in _OFFICIAL_LINES:
+        found = pattern.findall(text)
+        if found:
+            return found[-1]
+    return None
+
+
+def official_letter(solution: str | None) -> str | None:
+    """get_prediction without its fallback: the first of A..J (alphabetical order, not position)
+    that occurs anywhere in the solution; None when there is none."""
+    return next((x for x in LETTERS if x in solution), None) if solution is not None else None
+
+
+def official_random_letter(seed: int, question: str, text: str) -> str:
+    """The scripts' random.choice(A..J) when no letter parses, seeded by (seed, question,
+    completion) so that a run, a resume and a rerun draw the same letter for the same completion."""
+    key = hashlib.sha256(f"{seed}\0{question}\0{text}".encode("utf-8", "replace")).digest()
+    return random.Random(int.from_bytes(key[:8], "big")).choice(LETTERS)
+
+
+_BBEH_PREFIXES = ("The answer is:", "The final answer is ", "The final answer is: ",
+                  "The answer is ")
+
+
+def bbeh_prediction(solution: str | None) -> str:
+    """preprocess_sample of eval_bbeh.py: after the last 'The answer is:' (and the other prefixes,
+    in the script's order), a trailing '.' dropped, $...$, boxed{}, text{}, texttt{} unwrapped,
+    lowercased, ', ' -> ',', '**' removed, the first line, a trailing '.' dropped."""
+    a = (solution or "").strip()
+    for prefix in _BBEH_PREFIXES:
+        if prefix in a:
+            a = a.split(prefix)[-1].strip()
+    a = a[:-1] if a.endswith(".") else a
+    if a.startswith("$") and a.endswith("$"):
+        a = a[1:-1]
+    for command in ("boxed{", "text{", "texttt{"):
+        if command in a and a.endswith("}"):
+            a = a[:-1].split(command)[1]
+    a = a.lower().replace(", ", ",").replace("**", "").split("\n")[0]
+    return a[:-1] if a.endswith(".") else a
+
+
+def bbeh_match(pred: str, reference: str) -> bool:
+    """fuzzy_match of eval_bbeh.py on the preprocessed answer: equal; "(a)" against "a" (either
+    side, deciding alone); equal as floats; equal without quotes; one is the other in [brackets]; or
+    the prediction is the reference plus '?'."""
+    ref = str(reference).strip().lower().replace(", ", ",")
+    if pred == ref:
+        return True
+    if len(pred) == 3 and pred[0] == "(" and pred[-1] == ")":
+        return pred[1] == ref
+    if len(ref) == 3 and ref[0] == "(" and ref[-1] == ")":
+        return ref[1] == pred
+    try:
+        if float(pred) == float(ref):
+            return True
+    except ValueError:
+        pass
+    return (pred.replace("'", "") == ref.replace("'", "") or f"[{ref}]" == pred
+            or f"[{pred}]" == ref or (pred.endswith("?") and pred[:-1] == ref))
+
+
+def official_judge(seed: int, fuzzy: bool):
+    """common.evaluate's judge_fn for the official protocol. Multiple choice: official_letter, or
+    the seeded random letter when none parses (pred None: no answer, yet right one time in ten).
+    fuzzy (BBEH): bbeh_match. Anything else: the last \\boxed{} through common.math_equal."""
+    def judge(problem: dict, text: str):
+        solution = official_solution(text)
+        if problem.get("choices"):
+            letter = official_letter(solution)
+            guess = letter or official_random_letter(seed, problem["question"], text)
+            return letter, guess == common.gold_option_letter(problem)
+        if fuzzy:
+            pred = bbeh_prediction(solution)
+            return pred or None, bbeh_match(pred, problem["answer"])
+        pred = common.extract_boxed(text)
+        return pred, pred is not None and common.math_equal(pred, problem["answer"])
+    return judge
+
+
+def _general_name(bench: str) -> bool:
+    """SuperGPQA, MMLU-Pro, BBEH or GPQA-Diamond by name; BBEH also as a copy
+    (hf:MrLight/bbeh-eval)."""
+    name = common.parse_benchmark_spec(bench)[0].lower()
+    return name in GENERAL or "bbeh" in name
+
+
+def _is_general(bench: str, limit: int) -> bool:
+    """A general-reasoning set for the official protocol: SuperGPQA, MMLU-Pro, BBEH, GPQA-Diamond
+    (by name, BBEH also as a copy such as hf:MrLight/bbeh-eval:...), or any set with options."""
+    if _general_name(bench):
+        return True
+    return any(p.get("choices") for p in common.load_benchmark(bench, limit))
+
+
+def evaluate_official(policy, cfg: Config) -> dict:
+    """--eval-protocol official: the general sets as the released scripts run them
+    (official_eval_prompt, greedy, --eval-general-max-tokens new tokens, official_judge); the math
+    sets as evaluation/generate.py does, which is our Solver prompt at --eval-max-tokens, graded by
+    math-verify (no GPT-4o re-check)."""
+    res = {"benchmarks": {}, "settings": {}, "time_s": 0.0}
+    plan = {}
+    for b in dict.fromkeys(b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()):
+        name = common.parse_benchmark_spec(b)[0]
+        if _is_general(b, cfg.eval_limit):
+            fuzzy = "bbeh" in name.lower()
+            budget = cfg.eval_general_max_tokens
+            one = common.evaluate_config(
+                policy, dataclasses.replace(cfg, eval_benchmarks=b, eval_max_tokens=budget),
+                prompt_fn=official_eval_prompt, judge_fn=official_judge(cfg.seed, fuzzy))
+            grading = "bbeh_match" if fuzzy else "official_letter, else a seeded random letter A-J"
+            plan[b] = {"max_tokens": budget, "prompt": "official_eval_prompt", "grading": grading}
+        else:
+            one = common.evaluate_config(policy, dataclasses.replace(cfg, eval_benchmarks=b),
+                                         prompt_fn=_solver_eval_prompt)
+            plan[b] = {"max_tokens": cfg.eval_max_tokens, "prompt": "_solver_eval_prompt",
+                       "grading": "last \\boxed{} -> math_equal"}
+        res["benchmarks"].update(one["benchmarks"])
+        res["settings"] = {**one["settings"], "eval_protocol": "official", "per_benchmark": plan}
+        res["verifier_failures"] = one["verifier_failures"]
+        res["time_s"] += one["time_s"]
+    return res
+
+
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
-    """Greedy accuracy (and pass@k if --eval-n > 1) of the Solver with its own prompt; math-verify only. Logs
-    the paper's two summaries: eval/math_avg over the math sets and eval/overall = mean(math_avg, SuperGPQA,
-    MMLU-Pro, BBEH) (spec §5), by which the best iteration is chosen."""
+    """Greedy accuracy (and pass@k if --eval-n > 1) of the Solver with its own prompt
+    (--eval-protocol ours) or the released scripts' (official); math-verify only. Logs the paper's
+    two summaries: eval/math_avg over the math sets and eval/overall = mean(math_avg, SuperGPQA,
+    MMLU-Pro, BBEH) (the paper's "Overall" column), by which the best iteration is chosen."""
     if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
         return {}
     with roles.sampling(SOLVER):
-        res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
+        if cfg.eval_protocol == "official":
+            res = evaluate_official(policy, cfg)
+        else:
+            res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
+            res["settings"]["eval_protocol"] = "ours"
     run.write_eval(res, name)
     m = common.eval_metrics(res)
-    math = [r["score"] for b, r in res["benchmarks"].items() if common.parse_benchmark_spec(b)[0] not in GENERAL]
-    general = [r["score"] for b, r in res["benchmarks"].items() if common.parse_benchmark_spec(b)[0] in GENERAL]
+    math = [r["score"] for b, r in res["benchmarks"].items() if not _general_name(b)]
+    general = [r["score"] for b, r in res["benchmarks"].items() if _general_name(b)]
     if math:
         m["eval/math_avg"] = float(np.mean(math))
-    m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))  # spec §5 "Overall"
+    m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))
     return m
 
 

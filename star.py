@@ -25,13 +25,20 @@ The loop (Alg. 1), one function per step below, in this order. For round n = 1 .
                            loaded back before --eval-benchmarks (eval.json: model_round)
 
 Run it:
-  python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa        # the paper's headline setting
+  python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa --few-shot-train  # Table 1, 72.5
   python star.py --model Qwen/Qwen2.5-1.5B --data gsm8k --lr 1e-5         # a scaled-down GSM8K run
   python star.py --data my_train.jsonl --test-data my_test.jsonl --steps-scale 0.25
 Resume with  python star.py --resume runs/star-YYYYmmdd-HHMMSS  (continues after the last finished round). Only
 --resume continues a run: an --output-dir that already holds checkpoints is an error.
 
-Choices this file makes (spec: shared/methods/star.md):
+Which Table 1 row (CommonsenseQA dev) the defaults reproduce: neither STaR row. Table 1's STaR
+(72.5) and STaR-without-rationalization (68.8) are the numbers of the §4.4 ablation's runs that keep
+the exemplars in the training text; without them it reports 69.9 and 60.9. The defaults
+(--few-shot-train off) are that setting: add --few-shot-train for Table 1's rows (and
+--no-rationalize for 68.8). The paper does not name the flag; the mapping rests on the ablation's
+numbers (official code: iteration_train.py --few_shot_train).
+
+Choices this file makes, and where the official code (github.com/ezelikman/STaR) differs:
   * Tasks: GSM8K, CommonsenseQA or your own JSONL. The n-digit addition task of §4.3 (scratchpad targets) is not
     built in.
   * --patience and best/ choose the round on the --test-data split. The paper stops on a "dev split"; GSM8K has
@@ -40,13 +47,31 @@ Choices this file makes (spec: shared/methods/star.md):
     round's accuracy, or pass a held-out --test-data file for a clean number.
   * Greedy decoding, as in the paper (the official code samples at T 0.01, top-p 0.9).
   * The GSM8K hint reveals only the final number (paper; the code leaked the whole worked solution).
-  * The loss mask is the prompt's token length (the code masked up to the last ':' token, which drops part of
-    any rationale containing a colon).
+  * Our choice: the loss is on rationale + answer + EOS only, masked by the prompt's token length.
+    The released code trained on every token: device_train.py builds a mask after the last ':'
+    before each EOS but never hands it to the loss (mesh_transformer/transformer_shard.py: train()
+    passes only obs and target to train_xmap). So the question, the rationale and, under
+    --few_shot_train, the exemplars were all trained on, plus a z-loss of 1e-4 * mean log(Z)^2
+    (mesh_transformer/layers.py, Projection.loss). We add no z-loss.
+  * Our choice: a fresh Adam state every round. The released code restores the Adam moments of
+    GPT-J's pretraining checkpoint each round (device_train.py: read_ckpt(load_opt=not --fresh-opt),
+    and iteration_train.py never passes --fresh-opt) and resets only the LR schedule's step. Both
+    use Adam (0.9, 0.999), no weight decay.
   * Multiple-choice answers are read with a regex on the first line; no match counts as wrong.
-  * Our own exemplars: 6 GSM8K-style and 7 CommonsenseQA-style (the repo has 6 and 7).
+  * Prompts: the paper's layout (Q: / Answer Choices: (a)-(e) / A:, a blank line between
+    exemplars), in PROMPTS; --prompts FILE replaces any of them (generation stops at the "question"
+    template's prefix). The paper's prompts are exemplars only, no instruction. Where ours differ
+    from the repo's (commonsenseqa/prompts*.txt, gsm/prompts*.txt):
+    - exemplars: our own text, 6 GSM8K-style and 7 CommonsenseQA-style (repo: 6 and 7; paper: ~10);
+    - CommonsenseQA rationales close "So the answer is <text> (<letter>)." (repo: "Therefore, ...");
+    - GSM8K exemplars show plain arithmetic, without GSM8K's <<48/2=24>> calculator annotations;
+    - --prompt-style chat (not in the paper) adds our system message "chat_system" and puts the
+      exemplars in earlier chat turns.
   * --samples-per-question > 1 (with --temperature > 0) is NOT the paper but the later rejection-sampling variant
     (e.g. RFT, Yuan et al. 2023) keeping every distinct correct sample; §5 says sampling instead of rationalizing hurt.
-  * --few-shot-train exists only in the official code; the §4.4 ablation hints Table 1 used it (unconfirmed).
+  * --few-shot-train (official code: --few_shot_train) puts the exemplars before the question in
+    the training text, as context only: the loss stays on the rationale (the code trained on them,
+    above).
   * --warmup faithful restarts the code's 100-step warmup at every fine-tune, so round 1 (40 steps) ends at 0.4x
     the peak LR; --warmup short warms up over at most 10% of each round's steps.
   * Batches are unpacked: about --batch-tokens tokens of whole documents (prompt + rationale + answer) each; the
@@ -104,7 +129,7 @@ class Config(common.RunConfig):
     eval_limit: int = 0  # first N test questions at every evaluation (0 = the whole test split; also limits --eval-benchmarks)
     eval_temperature: float = 0.6  # sampling temperature for pass@k when --eval-n > 1 (accuracy is always greedy)
     eval_benchmarks: str = ""  # extra common.evaluate benchmarks after the last round ("" = only the task's test split)
-    entropy_samples: int = 0  # >0: per round, sample this many training questions at T=1 and log the policy entropy (analysis.md §3; STaR itself decodes greedily)
+    entropy_samples: int = 0  # >0: per round, the entropy of N samples at T=1 (policy_entropy)
     save_every: int = 1  # checkpoint every N rounds (0 = only the last round; the last round is always saved)
 
 
@@ -116,7 +141,6 @@ TASK_NAMES = {"gsm8k": "gsm8k", "openai/gsm8k": "gsm8k", "commonsense_qa": "comm
               "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa", "tau/commonsense_qa": "commonsense_qa"}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_NEW_TOKENS = {"choice": 96, "math": 256}  # used when --max-new-tokens is 0 (see Config)
-STOP = ["\n\nQ:"]  # the next exemplar starts: the rationale is over (spec §4)
 
 
 def check_config(cfg: Config) -> None:
@@ -139,6 +163,7 @@ def check_config(cfg: Config) -> None:
     ] if bad]
     if problems:
         raise ValueError("; ".join(problems))
+    common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,7 +184,7 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
     answer = str(answer).strip()
     if choices is None:
         if "####" in answer:  # a GSM8K-style worked solution ending in '#### 1,200': the gold is the final number,
-            answer = answer.split("####")[-1].strip().replace(",", "")  # or the hint leaks the solution (spec §6)
+            answer = answer.split("####")[-1].strip().replace(",", "")  # or the hint leaks it
             if not answer:
                 raise ValueError(f"{at}'answer' has nothing after its last '####'; put the final answer there "
                                  f"(e.g. '... #### 72') or give only the answer; {JSONL_SHAPE}")
@@ -239,8 +264,9 @@ def answer_format(ex: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# 2. Prompts (spec §4): exemplars "Q: ..." (+ "Answer Choices:" (a)-(e)) then "A: <rationale>", separated by blank
-#    lines. Math rationales end in a line "#### <number>", multiple-choice ones in a sentence "... (<letter>)."
+# 2. Prompts (paper §3.1; commonsenseqa/prompts.txt): exemplars "Q: ..." (+ "Answer Choices:"
+#    (a)-(e)) then "A: <rationale>", separated by blank lines. Math rationales end in a line
+#    "#### <number>", multiple-choice ones in a sentence "... (<letter>)."
 # --------------------------------------------------------------------------------------------------------------
 MATH_EXEMPLARS = [
     ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How many muffins "
@@ -290,9 +316,23 @@ CHOICE_EXEMPLARS = [
      "A party with friends and presents is something children look forward to, which makes them excited. "
      "So the answer is excited (b).", "b"),
 ]
-HINT_MARK = " (CORRECT)"  # rationalization hint on the right option (multiple choice)
-CHAT_SYSTEM = ("Answer the question. Reason step by step first, then end with the final answer written exactly "
-               "as in the examples.")
+# The templates (str.format; literal braces doubled). --prompts FILE replaces any of them, and
+# common.load_prompts checks that each keeps exactly these placeholders. Generation stops where a
+# next "question" block starts.
+PROMPTS = {
+    "question": "Q: {question}",  # first line of a question (commonsenseqa/prompts.txt)
+    # rationalization, math: the final answer in parentheses after the question
+    # (gsm/prompts_answer_key.txt)
+    "math_hint": "Q: {question} ({answer})",
+    "choices": "Answer Choices:",  # header of the options, one per line below it
+    "option": "({letter}) {text}",
+    # rationalization, multiple choice: the right option marked
+    # (commonsenseqa/prompts_answer_key.txt)
+    "option_hint": "({letter}) {text} (CORRECT)",
+    "answer": "A:",  # the cue the rationale follows
+    "chat_system": ("Answer the question. Reason step by step first, then end with the final "
+                    "answer written exactly as in the examples."),  # ours: --prompt-style chat only
+}
 
 
 def builtin_exemplars() -> dict:
@@ -308,27 +348,36 @@ def load_exemplars(path: str) -> dict:
     return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
-def format_question(ex: dict, hint: bool = False) -> str:
+def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS) -> str:
     """The 'Q:' block of one example. hint=True reveals the gold answer (the rationalization prompt, §3.2):
     the final number in parentheses after a math question, a marker on the correct option otherwise."""
     if not ex.get("choices"):
-        return f"Q: {ex['question']}" + (f" ({ex['answer']})" if hint else "")
-    lines = [f"Q: {ex['question']}", "Answer Choices:"]
+        key = "math_hint" if hint else "question"
+        return prompts[key].format(question=ex["question"], answer=ex["answer"])
+    lines = [prompts["question"].format(question=ex["question"]), prompts["choices"].format()]
     for letter, text in zip(LETTERS, ex["choices"]):
-        lines.append(f"({letter}) {text}" + (HINT_MARK if hint and letter == ex["answer"] else ""))
+        key = "option_hint" if hint and letter == ex["answer"] else "option"
+        lines.append(prompts[key].format(letter=letter, text=text))
     return "\n".join(lines)
 
 
-def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False):
+def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False,
+                 prompts: dict = PROMPTS):
     """The exemplars, then the query; hint=True reveals the answer in all of them (P_hint in Alg. 1)."""
     if chat:
-        msgs = [{"role": "system", "content": CHAT_SYSTEM}]
+        msgs = [{"role": "system", "content": prompts["chat_system"].format()}]
         for s in shots:
-            msgs += [{"role": "user", "content": format_question(s, hint)},
+            msgs += [{"role": "user", "content": format_question(s, hint, prompts)},
                      {"role": "assistant", "content": s["rationale"]}]
-        return msgs + [{"role": "user", "content": format_question(ex, hint)}]
-    blocks = [f"{format_question(s, hint)}\nA: {s['rationale']}" for s in shots]
-    return "\n\n".join(blocks + [f"{format_question(ex, hint)}\nA:"])
+        return msgs + [{"role": "user", "content": format_question(ex, hint, prompts)}]
+    cue = prompts["answer"].format()
+    blocks = [f"{format_question(s, hint, prompts)}\n{cue} {s['rationale']}" for s in shots]
+    return "\n\n".join(blocks + [f"{format_question(ex, hint, prompts)}\n{cue}"])
+
+
+def next_question_marker(prompts: dict = PROMPTS) -> str | None:
+    """What starts a next exemplar ("Q:"): the "question" template's text before {question}."""
+    return prompts["question"].split("{question}", 1)[0].strip() or None
 
 
 class Prompter:
@@ -341,7 +390,9 @@ class Prompter:
             raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat template; "
                              "use --prompt-style few-shot")
         self.chat = cfg.prompt_style == "chat" or (cfg.prompt_style == "auto" and has_template)
-        self.stop = None if self.chat else STOP
+        self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
+        self.marker = next_question_marker(self.prompts)  # a next question starts: cut there
+        self.stop = None if self.chat or not self.marker else ["\n\n" + self.marker]
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end with EOS")
         self.eos = int(tokenizer.eos_token_id)
@@ -354,14 +405,14 @@ class Prompter:
         return self.exemplars[fmt]
 
     def generation(self, ex: dict, hint: bool = False):
-        return build_prompt(ex, self.shots(ex), hint=hint, chat=self.chat)
+        return build_prompt(ex, self.shots(ex), hint=hint, chat=self.chat, prompts=self.prompts)
 
     def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
         """(prompt_ids, target_ids): the HINT-FREE question (with the exemplars only under --few-shot-train),
-        then the rationale and EOS. The loss mask is the prompt length (rl_core §6), never a delimiter."""
+        then the rationale and EOS. The loss mask is the prompt length, never a delimiter."""
         shots = self.shots(ex) if self.cfg.few_shot_train else []
-        prompt = build_prompt(ex, shots, hint=False, chat=self.chat)
-        target = rationale if self.chat else " " + rationale  # few-shot prompts end in 'A:'
+        prompt = build_prompt(ex, shots, hint=False, chat=self.chat, prompts=self.prompts)
+        target = rationale if self.chat else " " + rationale  # few-shot prompts end in the 'A:' cue
         ids = self.tokenizer(target, add_special_tokens=False)["input_ids"]
         return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]
 
@@ -379,15 +430,16 @@ class Prompter:
         return keep
 
 
-# Answers (spec §4): math = the text after the first '####'; multiple choice = the option letter in parentheses
-# at the end of the first line. Model output is untrusted: anything unmatched is None (= wrong).
+# Answers (paper §3.1): math = the text after the first '####'; multiple choice = the option letter
+# in parentheses at the end of the first line. Model output is untrusted: anything unmatched is None
+# (= wrong).
 _CHOICE_END = re.compile(r"\(([a-z])\)\s*\.?\s*$", re.IGNORECASE)
 _MATH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 
 
-def trim_rationale(text: str, fmt: str) -> str:
-    """The rationale proper: cut the start of a next 'Q:' block and anything after the answer line."""
-    text = text.split("\nQ:", 1)[0].strip()
+def trim_rationale(text: str, fmt: str, marker: str | None = "Q:") -> str:
+    """The rationale proper: cut a next 'Q:' block (`marker`) and anything after the answer line."""
+    text = (text.split("\n" + marker, 1)[0] if marker else text).strip()
     if fmt == "choice":
         return text.split("\n", 1)[0].strip()
     m = _MATH_ANSWER.search(text)
@@ -428,7 +480,8 @@ def _decode(policy, prompter: Prompter, examples: list[dict], prompts: list, *, 
         comps = policy.generate([prompts[i] for i in idx], n=n, temperature=temperature, top_p=top_p,
                                 max_tokens=mt, stop=prompter.stop, seed=seed)
         for i, group in zip(idx, comps):
-            out[i] = [trim_rationale(c.text, answer_format(examples[i])) for c in group]
+            fmt = answer_format(examples[i])
+            out[i] = [trim_rationale(c.text, fmt, prompter.marker) for c in group]
     return out
 
 
@@ -504,7 +557,7 @@ def finetune_from_base(policy, base: dict, train_set: list, n_steps: int, cfg: C
     for step, batch in enumerate(sft_batches(train_set, n_steps, cfg.batch_tokens, rng)):
         for group in policy.optimizer.param_groups:
             group["lr"] = lr_at(step, n_steps, cfg)
-        stats.append(common.sft_step(policy, batch))  # token NLL on rationale + answer + EOS (rl_core §6)
+        stats.append(common.sft_step(policy, batch))  # token NLL on rationale + answer + EOS
     if not stats:
         return {"sft/loss": None, "sft/loss_last": None, "sft/grad_norm": None, "sft/steps": 0, "sft/lr_end": 0.0}
     policy.sync()
@@ -533,8 +586,9 @@ def evaluate_split(policy, prompter: Prompter, examples: list[dict], cfg: Config
 
 @torch.no_grad()
 def policy_entropy(policy, prompter: Prompter, examples: list[dict], n: int, seed: int) -> dict:
-    """Optional analysis (analysis.md §3, Eq. 1): STaR decodes greedily, so sample separately at T = 1 and report
-    the mean per-token NLL of the samples (Monte-Carlo entropy) and the exact token entropy, sequence-averaged."""
+    """Optional analysis (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning"): STaR
+    decodes greedily, so sample separately at T = 1 and report the mean per-token NLL of the samples
+    (Monte-Carlo entropy) and the exact token entropy, sequence-averaged."""
     sub = random.Random(seed).sample(examples, min(n, len(examples)))
     comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1, temperature=1.0,
                                            max_tokens=max(prompter.max_tokens(ex) for ex in sub),
@@ -588,7 +642,7 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     pairs = [(train_data[k["index"]], k) for k in kept]
     for role in ("direct", "rationalized"):
         run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
-    if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (spec §6)
+    if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (paper §6)
         rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"], "rationale": k["rationale"]}
                 for ex, k in pairs]
         common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",

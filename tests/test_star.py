@@ -221,6 +221,74 @@ def test_prompts_reveal_the_hint_only_in_rationalization():
     assert msgs[-1]["content"].endswith("(b) apple (CORRECT)\n(c) rock")
 
 
+def test_docstring_states_what_the_released_code_trained_and_which_table_1_row_we_run():
+    """The released code's colon mask never reached its loss (every token trained, z-loss 1e-4)
+    and it loaded GPT-J's pretraining Adam state; our mask and fresh Adam are choices. Table 1's
+    72.5 needs --few-shot-train, which must exist (test_training_examples_are_hint_free_... checks
+    that it puts the exemplars into the masked training prompt)."""
+    doc = " ".join(star.__doc__.split())
+    assert "the code masked up to the last ':'" not in doc  # the old, wrong claim
+    for fact in ("never hands it to the loss", "trained on every token", "z-loss of 1e-4",
+                 "Adam moments of GPT-J's pretraining checkpoint", "Our choice: a fresh Adam state",
+                 "Our choice: the loss is on rationale", "add --few-shot-train for Table 1's rows",
+                 "69.9 and 60.9"):
+        assert fact in doc, fact
+    cfg = common.parse_config(star.Config, ["--few-shot-train"])
+    assert cfg.few_shot_train and not star.Config().few_shot_train
+
+
+def _prompts_file(tmp_path, **templates):
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(templates))
+    return str(f)
+
+
+def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, tiny_policy,
+                                                                      tiny_tokenizer, monkeypatch,
+                                                                      capsys):
+    """--prompts FILE: every STaR template is in star.PROMPTS; a file's templates reach the prompts
+    the sampler gets (generation and rationalization), the stop string follows the new question
+    prefix, and a bad file is a one-line usage error before anything is loaded."""
+    assert set(star.PROMPTS) == {"question", "math_hint", "choices", "option", "option_hint",
+                                 "answer", "chat_system"}
+    path = _prompts_file(tmp_path, question="Question: {question}",
+                         math_hint="Question: {question} [{answer}]",
+                         option_hint="({letter}) {text} <- right", answer="Reasoning:")
+    cfg = star.Config(model="tiny", prompts=path, max_new_tokens=8)
+    star.check_config(cfg)
+    pr = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
+    assert pr.stop == ["\n\nQuestion:"] and pr.marker == "Question:"
+    seen = []
+    real = tiny_policy.sampler.generate
+
+    def spy(prompts, **kw):
+        seen.append((list(prompts), kw.get("stop")))
+        return real(prompts, **kw)
+
+    monkeypatch.setattr(tiny_policy.sampler, "generate", spy)
+    exs = [star.make_example("Copy the number 58.", "58"),
+           star.make_example("Which is a fruit?", "b", ["car", "apple", "rock"])]
+    star.generate_rationales(tiny_policy, pr, exs, cfg, seed=0)
+    star.rationalize(tiny_policy, pr, exs, [0, 1], cfg, seed=1)
+    assert len(seen) == 2  # one generate call each (same --max-new-tokens for both formats)
+    (plain, _), (hinted, _) = seen
+    assert all(stop == ["\n\nQuestion:"] for _, stop in seen)
+    assert any(p.endswith("Question: Copy the number 58.\nReasoning:") for p in plain)
+    assert any(p.endswith("Question: Copy the number 58. [58]\nReasoning:") for p in hinted)
+    assert any(p.endswith("(b) apple <- right\n(c) rock\nReasoning:") for p in hinted)
+    assert not any("Q: " in p or "(CORRECT)" in p for p in plain + hinted)
+    text = " 5 + 3 = 8.\n#### 8\n\nQuestion: next"
+    assert star.trim_rationale(text, "math", pr.marker) == "5 + 3 = 8.\n#### 8"
+    p, _ = pr.training_example(exs[0], "x\n#### 58")
+    assert tiny_tokenizer.decode(p) == "Question: Copy the number 58.\nReasoning:"
+    bad = _prompts_file(tmp_path, question="Q: {query}")
+    with pytest.raises(SystemExit) as e:
+        star.main(["--prompts", bad, "--data", str(TRAIN), "--output-dir", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert "template 'question' must use exactly the placeholders" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_answer_extraction_and_trimming_are_robust():
     assert star.extract_answer(" Steps.\n#### 1,234.", "math") == "1234"
     assert star.extract_answer("#### $5\n#### 6", "math") == "5"  # the first '####' (spec §2)
