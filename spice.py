@@ -323,6 +323,42 @@ DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+"
                            r"(?:document|text|passage|article|excerpt)\b", re.IGNORECASE)
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 
+# LaTeX inside the Challenger's JSON strings. JSON's escapes \b \f \n \r \t are also how LaTeX commands begin
+# (\beta, \frac, \nu, \rho, \times), and any other backslash (\sqrt, \cdot) is no JSON escape at all, so LaTeX
+# written as in a paper turns into control characters or unparsable JSON. repair_json_escapes reads each
+# backslash, left to right ("\\" pairs first), as:
+#   \\  \"  \/  \uXXXX      the JSON escape
+#   \b...  \f...            LaTeX, always: a backspace or form feed never belongs in a question
+#   \r, \t + a letter       LaTeX (\rho, \times, \text, a user's \tr); before anything else, the control character
+#   \n + letters            LaTeX only if the letters spell a command in _N_COMMANDS (\nu, \neq, \nabla), else a
+#                           newline: "\nA) 12 feet" and "\nThe" break lines. A newline written right before "u",
+#                           "e", "eq", "i", "ot" ... (the rest of such a command) is therefore read as the command
+#   \ + anything else       a literal backslash (\sqrt, \cdot, \, \{ ...)
+_N_COMMANDS = frozenset("""
+    nabla napprox natural ncong ne nearrow neg negmedspace negthickspace negthinspace neq nequiv
+    newcommand newenvironment newline newpage newtheorem nexists ngeq ngeqq ngeqslant ngtr ngtrless
+    ngtrsim ni niobar nis nisd nLeftarrow nleftarrow nleftrightarrow nLeftrightarrow nleq nleqq
+    nleqslant nless nlessgtr nlesssim nmid nobreak noindent nolimits nolinebreak nonumber norm
+    normalfont normalsize not notag notin notni notsmallowns nparallel nprec npreccurlyeq npreceq
+    nrightarrow nRightarrow nshortmid nshortparallel nsim nsimeq nsqsubseteq nsqsupseteq nsubset
+    nsubseteq nsubseteqq nsucc nsucccurlyeq nsucceq nsupset nsupseteq nsupseteqq ntriangleleft
+    ntrianglelefteq ntriangleright ntrianglerighteq nu nvDash nVdash nVDash nvdash nwarrow
+""".split())
+_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z]+)|.|$)', re.DOTALL)
+_BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control characters, lone surrogates
+
+
+def _escape(m: re.Match) -> str:
+    word = m["word"]
+    if m["json"] or word in ("r", "t") or word and word[0] == "n" and word not in _N_COMMANDS:
+        return m[0]
+    return "\\" + m[0]
+
+
+def repair_json_escapes(text: str) -> str:
+    """`text` with every backslash that starts LaTeX doubled, so that JSON decodes it as written (rule above)."""
+    return _ESCAPE.sub(_escape, text)
+
 
 @dataclass
 class Task:
@@ -336,13 +372,14 @@ class Task:
 def last_json_object(text: str) -> dict | None:
     """The JSON object that ends last in `text` (the Challenger reasons first, then writes the JSON): a top-level
     object, since any object nested in it ends before it does. Candidate starts are tried from the END backwards,
-    so LaTeX braces in the reasoning ("\\frac{1}{2}", which are not candidates anyway) never use up the budget."""
+    so LaTeX braces in the reasoning ("\\frac{1}{2}", which are not candidates anyway) never use up the budget.
+    LaTeX in its strings is kept as written (repair_json_escapes), and raw line breaks in them are allowed."""
     if not isinstance(text, str):
         return None
-    text = text[-MAX_PARSE_CHARS:]
+    text = repair_json_escapes(text[-MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1           # no object can end after the last "}"
     starts = [m.start() for m in _JSON_START.finditer(text)][-MAX_JSON_STARTS:]
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)
     found, found_end = None, -1
     for start in reversed(starts):
         try:
@@ -411,6 +448,8 @@ def _parse_task(text, kind, answer_type):
         return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
     if len(q) > MAX_QUESTION_CHARS:
         return None, "question_too_long"
+    if _BAD_CHARS.search(q):          # e.g. "\u0008" or a lone "\ud800": no repair gives back what was meant
+        return None, "bad_characters"
     q = q.strip()
     if mcq:
         parts = split_options(q)
@@ -430,6 +469,8 @@ def _parse_task(text, kind, answer_type):
         a = _scalar(obj.get("answer"))
         if not a:
             return None, "missing_answer"
+        if _BAD_CHARS.search(a):
+            return None, "bad_characters"
         declared = obj.get("answer_type")
         if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
             return None, "wrong_answer_type"
@@ -457,14 +498,17 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
 
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
     """r_R = 1[a == a*] per Reasoner completion: no box, a truncated output or a verification that takes longer
-    than `timeout` seconds (Oat: 1 s) is wrong."""
+    than `timeout` seconds (Oat: 1 s) is wrong. An Expression answer reaches math-verify unless it matches the
+    gold exactly: a letters-only gold ("mgh") is a product, not a word, and "hmg" equals it."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text) for c in completions]
     if task.kind == "mcq":
         return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
     if task.answer_type == "String":
         gold = common.normalize_string(task.gold)
         return [float(p is not None and bool(gold) and common.normalize_string(p) == gold) for p in preds]
-    return [float(ok) for ok in common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout)]  # None: 0
+    ok = common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,    # None: 0
+                                expression=task.answer_type == "Expression")
+    return [float(x) for x in ok]
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:

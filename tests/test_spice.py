@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import common
 import spice
@@ -169,6 +172,105 @@ def test_type_selection_parser():
     assert spice.parse_type_selection("garbage {") is None
 
 
+# ---------------------------------------------------------------------------------------------------- LaTeX in JSON
+def _latex_commands() -> list[str]:
+    """Real LaTeX command names: matplotlib's mathtext tables (symbols, functions, accents), and the text and
+    structure commands a question uses. "\\t" alone (the tie accent) reads as a tab, as documented."""
+    from matplotlib import _mathtext, _mathtext_data
+    parser = _mathtext.Parser
+    names = set(_mathtext_data.tex2uni) | set(parser._function_names) | set(parser._overunder_functions)
+    names |= set(parser._wide_accents) | {",", ";", "!", " ", "&"}
+    names |= set("""frac dfrac tfrac cfrac sqrt text textbf textit textrm texttt textsf mathrm mathbf mathbb mathcal
+        mathfrak mathsf mathit operatorname left right bigl bigr Bigl Bigr begin end binom dbinom tbinom boxed quad
+        qquad displaystyle textstyle limits nolimits overline underline overbrace underbrace hat vec dot ddot
+        tilde bar widehat cdots ldots vdots ddots pmod bmod mod label ref tag notag nonumber newline noindent
+        renewcommand newcommand rule raisebox rlap relax tiny today triangle to top therefore tau theta times
+        rho rangle rceil rfloor rightarrow Rightarrow beta bigcup frac forall flat nu neq ne nabla not ni bf it rm
+        sf tt cal normalfont negthinspace negmedspace negthickspace""".split())
+    return sorted(n for n in names if not n.startswith("__") and n != "t")
+
+
+LATEX_COMMANDS = _latex_commands()
+
+
+def _written_raw(obj: dict) -> str:
+    """JSON as a model writes it with LaTeX as in a paper: line breaks escaped, backslashes not."""
+    def s(v):
+        return '"' + v.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + '"'
+    return "{" + ", ".join(f"{s(k)}: {s(v)}" for k, v in obj.items()) + "}"
+
+
+@pytest.mark.parametrize("write", [_written_raw, json.dumps], ids=["raw_latex", "escaped_latex"])
+def test_latex_commands_in_json_strings_are_kept_as_written(write):
+    assert len(LATEX_COMMANDS) > 600
+    bad = []
+    for c in LATEX_COMMANDS:
+        q, a = f"Let $y = \\{c} x + 1$ for $x > 0$.\nWhat is $y - 1$?", f"\\{c} x"
+        task, why = spice.parse_task("Thinking first.\n" + write(free_json(q, a, "Expression")), "free",
+                                     "Expression")
+        if why != "ok" or (task.question, task.gold) != (q, a):
+            bad.append((c, why, task and task.question))
+        mcq = dict(MCQ_JSON, multiple_choice_question=f"Which is $\\{c}$?\nA) $\\{c}$\nB) 2\nC) 3\nD) 4")
+        task, why = spice.parse_task(write(mcq), "mcq")
+        if why != "ok" or task.question != mcq["multiple_choice_question"]:
+            bad.append((c, why, task and task.question))
+    assert not bad, f"{len(bad)} commands corrupted or rejected, e.g. {bad[:5]}"
+
+
+@pytest.mark.parametrize("written,meant", [
+    (r'"He said \"stop\" twice."', 'He said "stop" twice.'),
+    (r'"Is a \\ b a set difference?"', "Is a \\ b a set difference?"),            # \\ is one backslash
+    (r'"Speed in km\/h?"', "Speed in km/h?"),
+    (r'"Is caf\u00e9 \ud83d\ude00 French?"', "Is caf\u00e9 \U0001f600 French?"),
+    (r'"First sentence.\nSecond sentence."', "First sentence.\nSecond sentence."),
+    (r'"Which?\nA) 1\nB) 2\nC) 3\nD) 4"', "Which?\nA) 1\nB) 2\nC) 3\nD) 4"),
+    (r'"See:\nnote this,\nuse that,\nwhere x\n(a) or\nb) 2\n\nThe end"',
+     "See:\nnote this,\nuse that,\nwhere x\n(a) or\nb) 2\n\nThe end"),               # newlines, not \n...
+    (r'"Line one\r\nLine two\t1\t2"', "Line one\r\nLine two\t1\t2"),
+    (r'"Escaped \\frac{1}{2}, \\nu and \\times"', "Escaped \\frac{1}{2}, \\nu and \\times"),
+    ('"A raw\nline break"', "A raw\nline break"),
+])
+def test_json_escapes_keep_their_json_meaning(written, meant):
+    text = '{"question": ' + written + ', "answer": "7", "answer_type": "Integer"}'
+    task, why = spice.parse_task(text, "free", "Integer")
+    assert why == "ok" and task.question == meant
+
+
+_PIECES = st.one_of(
+    st.builds(lambda c, sep: "\\" + c + sep, st.sampled_from(LATEX_COMMANDS), st.sampled_from([" ", "{x}", "_1", "^2"])),
+    st.sampled_from(["x", "u", "e", "eq", "i", "ot", "abla", "imes", "ho", "The", "note", "A) 3", "is", "42", "h"]),
+    st.sampled_from([" ", "\n", "\t", "\r\n", "$", "+", "=", ", ", ".", "\\,", "\\{", "\\}", "\\%", "'", "/"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, min_size=1, max_size=30).map("".join))
+def test_any_question_survives_both_ways_of_writing_it(text):
+    """Property: a question comes back as written, from properly escaped JSON and from raw LaTeX alike, except in
+    the documented ambiguous spot: a control character right before letters that make a LaTeX command."""
+    text = text.strip()
+    assume(text and not re.search(r"[\t\r][A-Za-z]", text) and not text.endswith("\\"))   # \" is a quote
+    assume(not any("n" + w in spice._N_COMMANDS for w in re.findall(r"\n([A-Za-z]+)", text)))
+    for write in (_written_raw, json.dumps):
+        task, why = spice.parse_task(write(free_json(text, "x", "Expression")), "free", "Expression")
+        assert why == "ok" and task.question == text, write
+
+
+@pytest.mark.parametrize("field,written,reason", [
+    ("answer", r'"7\u0008"', "bad_characters"), ("question", r'"Why \ud800 this?"', "bad_characters"),
+    ("question", r'"Nul \u0000 here?"', "bad_characters"), ("question", r'"How many are 5 \"', "no_json"),
+])
+def test_escapes_that_cannot_be_repaired_make_the_task_invalid(field, written, reason):
+    obj = {"question": '"How many?"', "answer": '"7"', "answer_type": '"Integer"', field: written}
+    task, why = spice.parse_task("{" + ", ".join(f'"{k}": {v}' for k, v in obj.items()) + "}", "free", "Integer")
+    assert task is None and why == reason
+
+
+def test_type_selection_reason_with_latex_still_parses():
+    text = r'{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "Expression", ' \
+           r'"reason": "derives \frac{a}{b} and \sqrt{2}"}'
+    assert spice.parse_type_selection(text) == ("free", "Expression")
+
+
 # ---------------------------------------------------------------------------------------------------- prompts
 DOC = ("The Roman numeral system writes numbers with letters. The year 1994 is written MCMXCIV, which "
        "the quartermaster engraved on the bronze gate of the old harbour.")
@@ -216,6 +318,16 @@ def test_grading_by_answer_kind():
     e, _ = spice.parse_task(json.dumps(free_json("Sum?", "n(2a+(n-1)d)/2", "Expression")), "free", "Expression")
     outs = [comp("\\boxed{\\frac{n(2a + (n-1)d)}{2}}"), comp("\\boxed{n(a+(n-1)d)}")]
     assert spice.grade_answers(e, outs) == [1.0, 0.0]
+
+
+def test_letter_only_expression_answers_reach_math_verify():
+    """A gold "mgh" is the product m g h, not a word: reorderings and explicit products equal it (real
+    math-verify); an Integer or String gold keeps its own grading."""
+    e, _ = spice.parse_task(json.dumps(free_json("Potential energy?", "mgh", "Expression")), "free", "Expression")
+    preds = ["hmg", "m \\cdot g \\cdot h", "g m h", "h \\times m \\times g", "mgh", "m+g+h", "mg", "2mgh"]
+    assert spice.grade_answers(e, [comp(f"\\boxed{{{p}}}") for p in preds]) == [1.0] * 5 + [0.0] * 3
+    b, _ = spice.parse_task(json.dumps(free_json("Which field?", "B", "Expression")), "free", "Expression")
+    assert spice.grade_answers(b, [comp("\\boxed{B}"), comp("\\boxed{B) 3}"), comp("\\boxed{C}")]) == [1.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
