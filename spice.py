@@ -93,7 +93,7 @@ class Config(common.RunConfig):
     decontaminate: bool = True  # drop corpus segments sharing a 13-gram with the eval sets; such a generated question is invalid (reward rho) (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
-    verify_timeout: float = 1.0  # seconds per Math-Verify check of an Integer / Expression answer; a timeout counts as wrong (spec §4: Oat's 1 s)
+    verify_timeout: float = 1.0  # s per Math-Verify check, training and evaluation; timeout = wrong (oat/oracles/math.py)
     type_select_max_tokens: int = 512  # generation limit of the (untrained) type-selection call
     prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (User/Assistant preamble, OctoThinker) (Fig. 8)
     lr: float = 1e-6  # constant (App. B)
@@ -836,7 +836,7 @@ def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None
 
 
 def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, name: str = "eval.json") -> dict:
-    """Zero-shot with the training Reasoner prompt (App. A)."""
+    """Zero-shot with the training Reasoner prompt (App. A), Math-Verify under the training --verify-timeout."""
     if not benches:
         return {}
 
@@ -844,7 +844,8 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, 
         options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
         return reasoner_prompt(problem["question"] + options, fmt)
     res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit, seed=cfg.seed)
+                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit, seed=cfg.seed,
+                          timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return res
 

@@ -836,6 +836,34 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
     spice.run_eval(None, _Run(), cfg, "chat", ["x"], 3)
     assert (seen["seed"], seen["max_tokens"], seen["n"], seen["written"]) == (7, 4096, 2, "eval.json")
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
+    assert seen["timeout"] == cfg.verify_timeout == 1.0      # the training grader's Math-Verify budget
+
+
+def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
+    """--verify-timeout reaches every Math-Verify call of the evaluation (common.evaluate, real), as in training."""
+    seen = []
+    real = common.math_equal_many
+
+    def math_equal_many(pairs, *a, timeout=2.0, **kw):
+        seen.append(timeout)
+        return real(pairs, *a, timeout=timeout, **kw)
+    monkeypatch.setattr(common, "math_equal_many", math_equal_many)
+
+    class Sampler:
+        tokenizer = None
+
+        def generate(self, prompts, n=1, **kw):
+            return [[comp("so \\boxed{42}")] * n for _ in prompts]
+    written = {}
+
+    class _Run:
+        def write_eval(self, res, name):
+            written[name] = res
+    cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3)
+    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", [str(EVAL)], 1)
+    assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
+    assert "timeout 0.37s" in res["settings"]["verifier"] and written["eval.json"]["step"] == 1
+    assert res["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)   # "What is 15 + 27?" only
 
 
 def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer):
