@@ -93,7 +93,7 @@ class Config(common.RunConfig):
     decontaminate: bool = True  # drop corpus segments sharing a 13-gram with the eval sets; such a generated question is invalid (reward rho) (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
-    verify_timeout: float = 1.0  # s per Math-Verify check, training and evaluation; timeout = wrong (oat/oracles/math.py)
+    verify_timeout: float = 1.0  # s per Math-Verify check, train and eval (oat/oracles/math.py)
     type_select_max_tokens: int = 512  # generation limit of the (untrained) type-selection call
     prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (User/Assistant preamble, OctoThinker) (Fig. 8)
     lr: float = 1e-6  # constant (App. B)
