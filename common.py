@@ -2406,7 +2406,7 @@ VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
 _VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
 _VF_HARD_GRACE_S = 1.0       # soft alarm at `timeout` CPU-seconds; killed at timeout + grace CPU-seconds
 _VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
-_VF_CACHE = {}               # (pred, gold, expression) -> bool, math-verify results (majority votes repeat pairs)
+_VF_CACHE = {}               # (pred, gold, expression) -> math-verify's verdict (votes repeat)
 _VF_CACHE_MAX = 200_000
 
 
@@ -2487,8 +2487,8 @@ def _vf_max_depth(s):
 
 def _vf_prepare(pred, gold, expression=False):
     """Decide a pair in-process when that is safe. Returns (decision, pred_str, gold_str): decision is True /
-    False, or None when math-verify must decide. expression=True: the gold is a math expression, never a word or
-    an option letter ("mgh", "B" are products and symbols), so those two fast paths are skipped."""
+    False, or None when math-verify must decide. expression=True: the gold is a math expression,
+    never a word or an option letter ("mgh", "B": a product, a symbol); those paths are off."""
     if pred is None or gold is None:
         return False, None, None
     pred, gold = str(pred).strip(), str(gold).strip()
@@ -2520,7 +2520,8 @@ def _vf_prepare(pred, gold, expression=False):
             return True, pred, gold
         if rp[1] and rg[1]:
             return False, pred, gold  # two exact rationals (integers, a/b): nothing math-verify could add
-    if not expression and _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2:
+    wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
+    if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
     if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
         _vf_fail("too_deep")
@@ -2541,12 +2542,13 @@ except Exception:
 try:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from latex2sympy2_extended import NormalizationConfig
-    # parse()'s default extraction; for an expression gold without unit stripping, which would drop a trailing
-    # variable h, t, c or l (hours, tons, ...): "m \cdot g \cdot h" would parse as "m \cdot g \cdot"
+    # parse()'s default extraction; for an expression gold without unit stripping, which drops a
+    # trailing variable h, t, c or l (hours, tons): "m \cdot g \cdot h" parses as "m \cdot g \cdot"
+    NO_UNITS = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
+                                   nits=True, boxed="all", equations=False)
     EXTRACTION = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
-                  True: [LatexExtractionConfig(normalization_config=NormalizationConfig(
-                      basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all",
-                      equations=False)), ExprExtractionConfig()]}
+                  True: [LatexExtractionConfig(normalization_config=NO_UNITS),
+                         ExprExtractionConfig()]}
 except Exception as e:
     sys.stdout.write(json.dumps({"fatal": repr(e)}) + "\n"); sys.stdout.flush(); sys.exit(3)
 class Late(BaseException):
@@ -2669,7 +2671,7 @@ class _VfPool:
         self.workers = []
 
     def run(self, items, timeout, n_workers):
-        """items: list of (pred, gold, expression). Returns codes 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
+        """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
                 self.workers, self.pid = [], os.getpid()
@@ -2681,7 +2683,8 @@ class _VfPool:
         while len(self.workers) < n_workers:
             self.workers.append(_VfWorker())
         workers = self.workers[:n_workers]
-        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode() for p, g, e in items]
+        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
+                   for p, g, e in items]
         queue = list(range(len(items)))[::-1]     # pop() from the end = in order
         out = [None] * len(items)
         remaining = len(items)
@@ -2857,8 +2860,9 @@ def math_equal(pred, gold, timeout=2.0, expression=False):
          process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with
          machine load: a soft alarm at `timeout`, a kill at timeout + 1 s, and a kill after 3·(timeout + 1) + 2
          wall seconds for a worker that makes no progress at all.
-    expression=True says the gold is a math expression (SPICE's Expression answers), so 3 and 5 are skipped:
-    "hmg" and "m \\cdot g \\cdot h" reach math-verify against "mgh", and a gold "B" is the symbol B.
+    expression=True: the gold is a math expression (SPICE's Expression answers). 3 and 5 are
+    off, so "hmg" and "m \\cdot g \\cdot h" reach math-verify against "mgh", a gold "B" is the
+    symbol B, and math-verify parses without unit stripping ("h", "t" are variables, not units).
     Inputs over VF_MAX_ANSWER_CHARS or nested deeper than VF_MAX_BRACE_DEPTH skip math-verify. Timeouts, errors
     and skipped inputs return False and are counted (math_equal_failures()).
     """

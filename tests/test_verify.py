@@ -135,14 +135,14 @@ def test_math_equal_many_matches_serial_and_order():
     assert par[::7] == [math_equal(p, g) for p, g in pairs[::7]]
 
 
-# (pred, gold, equal) for an expression gold (SPICE's Expression answers): a letters-only gold is a product of
-# symbols, not a word, and a trailing h, t, c or l is a variable, not a unit (hours, tons, ...)
+# (pred, gold, equal) for an expression gold (SPICE's Expression answers): a letters-only gold is a
+# product of symbols, not a word, and a trailing h, t, c or l is a variable, not a unit (hours)
 EXPRESSION_PAIRS = [
-    ("hmg", "mgh", True), (r"m \cdot g \cdot h", "mgh", True), ("m g h", "mgh", True), (r"h \times gm", "mgh", True),
-    (r"a \cdot b \cdot c", "abc", True), ("v t", "vt", True), (r"\frac{1}{2} m v^2", r"\frac{mv^2}{2}", True),
-    ("mgh", "mgh", True), ("B", "B", True), (r"\text{B}", "B", True),
-    ("m+g+h", "mgh", False), ("mg", "mgh", False), ("B) 3", "B", False), ("C", "B", False), ("5 h", "5", False),
-    ("x t", "vt", False), ("2mgh", "mgh", False),
+    ("hmg", "mgh", True), (r"m \cdot g \cdot h", "mgh", True), ("m g h", "mgh", True),
+    (r"h \times gm", "mgh", True), (r"a \cdot b \cdot c", "abc", True), ("v t", "vt", True),
+    (r"\frac{1}{2} m v^2", r"\frac{mv^2}{2}", True), ("mgh", "mgh", True), ("B", "B", True),
+    (r"\text{B}", "B", True), ("m+g+h", "mgh", False), ("mg", "mgh", False), ("B) 3", "B", False),
+    ("C", "B", False), ("5 h", "5", False), ("x t", "vt", False), ("2mgh", "mgh", False),
 ]
 
 
@@ -153,23 +153,25 @@ def test_expression_golds_reach_math_verify(pred, gold, equal):
 
 
 def test_expression_mode_skips_only_the_word_and_letter_fast_paths(monkeypatch):
-    """Default mode (STaR, R-Zero, evaluation) keeps deciding words and option letters in-process; expression
-    mode sends every pair to math-verify that an exact match or two plain numbers do not already decide."""
+    """Default mode (STaR, R-Zero, evaluation) keeps deciding words and option letters in-process;
+    expression mode sends math-verify every pair not decided by an exact match or two numbers."""
     sent = []
     run = common._VfPool.run
-    monkeypatch.setattr(common._VfPool, "run", lambda self, items, *a: sent.extend(items) or run(self, items, *a))
+    monkeypatch.setattr(common._VfPool, "run",
+                        lambda self, items, *a: sent.extend(items) or run(self, items, *a))
     monkeypatch.setattr(common, "_VF_CACHE", {})
     words_and_letters = [("hmg", "mgh"), (r"m \cdot g \cdot h", "mgh"), ("B) 3", "B"), ("(b)", "B"),
                          ("Photosynthesis.", "photosynthesis"), ("m+g+h", "mgh")]
     assert math_equal_many(words_and_letters) == [False, False, True, True, True, True]
     assert sent == []
-    assert math_equal_many(words_and_letters, expression=True) == [True, True, False, True, False, False]
+    expected = [True, True, False, True, False, False]
+    assert math_equal_many(words_and_letters, expression=True) == expected
     assert [(p, g) for p, g, _ in sent] == words_and_letters and all(e for _, _, e in sent)
     sent.clear()
     decided = [("mgh", "mgh"), ("$x^2$", "x^2"), ("3/4", "0.75"), ("12", "13")]
     assert math_equal_many(decided, expression=True) == [True, True, True, False]
     assert sent == []
-    # the default mode still strips units (benchmark answers like "5 h"); expression mode reads h as a variable
+    # the default mode still strips units ("5 h"); expression mode reads h as a variable
     assert (math_equal("5 h", "5"), math_equal("5 h", "5", expression=True)) == (True, False)
     assert sent == [("5 h", "5", False), ("5 h", "5", True)]
 
@@ -201,7 +203,8 @@ _HOSTILE = st.lists(st.sampled_from(_TOKENS), max_size=200).map("".join) | st.bu
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pred=_HOSTILE, gold=st.one_of(_HOSTILE, st.sampled_from(["1", "0.5", "B", "x+1"])), expression=st.booleans())
+@given(pred=_HOSTILE, gold=st.one_of(_HOSTILE, st.sampled_from(["1", "0.5", "B", "x+1"])),
+       expression=st.booleans())
 def test_math_equal_fuzz_never_raises_or_hangs(pred, gold, expression):
     t = time.monotonic()
     r = math_equal(pred, gold, timeout=0.5, expression=expression)
