@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "spice_corpus.jsonl"
 EVAL = DATA / "spice_eval.jsonl"
+SHORT_PROMPTS = DATA / "spice_short_prompts.toml"   # ours exceed the tiny engine's 2,048 tokens
 
 
 def comp(text, finish="stop", prompt=(1, 2, 3), n_tokens=None):
@@ -639,7 +640,7 @@ def _metrics(run_dir):
 SMALL_RUN = ["--model", "tiny", "--corpus", str(CORPUS), "--docs-per-step", "1", "--group-size", "2",
              "--reasoner-k", "2", "--max-attempts", "2", "--max-tokens", "24", "--max-model-len", "2048",
              "--eval-benchmarks", str(EVAL), "--eval-max-tokens", "8", "--save-every", "2", "--log-samples", "1",
-             "--type-select-max-tokens", "16"]
+             "--type-select-max-tokens", "16", "--prompts", str(SHORT_PROMPTS)]
 
 
 @pytest.mark.slow
@@ -718,7 +719,9 @@ def _sft(tiny_model_path, challenger=True):
     policy = common.Policy.load(cfg)
     tok, eos = policy.tokenizer, [policy.tokenizer.eos_token_id]
     target = tok(WARM_JSON)["input_ids"] + eos
-    ex = [(common.encode_prompt(tok, spice.challenger_prompt(d, "mcq", None, "chat")), target)
+    short = common.load_prompts(str(SHORT_PROMPTS), spice.PROMPTS)
+    prompt = lambda d: spice.challenger_prompt(d, "mcq", None, "chat", short)
+    ex = [(common.encode_prompt(tok, prompt(d)), target)
           for d in [*spice.read_jsonl_documents(str(CORPUS), limit=1), None]] if challenger else []
     rp = common.encode_prompt(tok, spice.reasoner_prompt(WARM_QUESTION, "chat"))
     ex += [(rp, tok("\\boxed{A}")["input_ids"] + eos), (rp, tok("\\boxed{B}")["input_ids"] + eos)]
@@ -759,7 +762,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
                        steps=1, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks=str(EVAL), eval_max_tokens=8,
-                       save_every=0, lr=1e-5, log_samples=2,
+                       save_every=0, lr=1e-5, log_samples=2, prompts=str(SHORT_PROMPTS),
                        oracle_model=tiny_model_path, oracle_limit=3)   # the untrained tiny model as the "oracle"
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
@@ -807,7 +810,8 @@ def test_no_document_frozen_challenger_fresh_answers(tmp_path, tiny_model_path, 
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), output_dir=str(tmp_path / "run"), steps=1,
                        docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-5,
-                       no_document=True, freeze_challenger=True, fresh_reasoner_samples=True)
+                       no_document=True, freeze_challenger=True, fresh_reasoner_samples=True,
+                       prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     calls = []
     generate = policy.generate
@@ -833,7 +837,8 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
                        steps=2, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-3,
-                       challenger_model=warm_path, oracle_model=warm_path, oracle_every=2)
+                       challenger_model=warm_path, oracle_model=warm_path, oracle_every=2,
+                       prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, reasoner_only_weights)
     written = []                                # the Challenger attempts of each step
     generate_tasks = spice.challenger_generate
@@ -867,7 +872,8 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
     # and the policy itself writes no valid task: every valid one came from the frozen Challenger
     doc = spice.read_jsonl_documents(str(CORPUS), limit=1)[0]
-    outs = policy.generate([spice.challenger_prompt(doc, "mcq", None, "chat")], n=8, temperature=1.0, max_tokens=96)
+    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.prompt_templates(cfg))
+    outs = policy.generate([prompt], n=8, temperature=1.0, max_tokens=96)
     assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
 
 
