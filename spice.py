@@ -100,7 +100,7 @@ class Config(common.RunConfig):
     fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
     reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
     eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24@32,aime25@32,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A): greedy, AIME mean@32 at T 0.6 (top-p 0.95 is ours, common.evaluate's default; the paper gives none); a set that cannot load is skipped with a warning
-    eval_max_tokens: int = 4096  # evaluation answers get the Reasoner's training limit (spec §5: "with the training prompt"; the paper gives no evaluation limit)
+    eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A; the paper gives none)
     decontaminate: bool = True  # drop corpus segments sharing a 13-gram with the eval sets; such a generated question is invalid (reward rho) (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)

@@ -942,7 +942,7 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
         spice.train(spice.Config(model="no-such-model", corpus=str(tmp_path / "missing.jsonl"), seed=1234))
     assert e.value.args == (1234,)
     cfg = spice.Config(seed=7, eval_n=2)
-    assert cfg.eval_max_tokens == cfg.max_tokens == 4096     # spec §5: evaluated with the training prompt
+    assert cfg.eval_max_tokens == cfg.max_tokens == 4096     # App. A: as in training
     seen = {}
 
     def evaluate(policy, benches, **kw):
