@@ -34,7 +34,8 @@ Where the paper is inconsistent or silent, this file chooses:
     document reused 2-3 times in 640 iterations" fit neither reading of B = 128 (~4.1 or ~0.26 uses).
   * Answer types are Integer / Expression / String (the text), not "integer, float, expression" (Fig. 2).
   * LaTeX in the Challenger's JSON is kept as written (rule: repair_json_escapes).
-  * Expression answers reach Math-Verify unless exact ("hmg" = "mgh"), without its unit stripping.
+  * Expression answers reach Math-Verify unless equal as strings or numbers ("hmg" = "mgh"), with no
+    unit stripping.
   * --verify-timeout (Oat: 1 s) holds in training and evaluation alike.
   * The type-selection call is not trained; --type-selection random flips a coin instead.
   * r_C uses the POPULATION variance p(1 - p): torch.var's unbiased default moves the peak off a 50% pass rate.
@@ -698,8 +699,8 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
 
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
     """r_R = 1[a == a*] per Reasoner completion: no box, a truncated output or a verification that takes longer
-    than `timeout` seconds (Oat: 1 s) is wrong. An Expression answer reaches math-verify unless
-    it matches the gold exactly: a letters-only gold ("mgh") is a product, and "hmg" equals it."""
+    than `timeout` seconds (Oat: 1 s) is wrong. An Expression answer reaches math-verify unless an
+    exact match or two plain numbers decide: a letters-only gold ("mgh") is a product, = "hmg"."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text) for c in completions]
     if task.kind == "mcq":
         return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
