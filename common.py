@@ -2406,7 +2406,7 @@ VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
 _VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
 _VF_HARD_GRACE_S = 1.0       # soft alarm at `timeout` CPU-seconds; killed at timeout + grace CPU-seconds
 _VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
-_VF_CACHE = {}               # (pred, gold) -> bool for math-verify results (majority votes repeat pairs a lot)
+_VF_CACHE = {}               # (pred, gold, expression) -> math-verify's verdict (votes repeat)
 _VF_CACHE_MAX = 200_000
 
 
@@ -2485,9 +2485,10 @@ def _vf_max_depth(s):
     return m
 
 
-def _vf_prepare(pred, gold):
+def _vf_prepare(pred, gold, expression=False):
     """Decide a pair in-process when that is safe. Returns (decision, pred_str, gold_str): decision is True /
-    False, or None when math-verify must decide."""
+    False, or None when math-verify must decide. expression=True: the gold is a math expression,
+    never a word or an option letter ("mgh", "B": a product, a symbol); those paths are off."""
     if pred is None or gold is None:
         return False, None, None
     pred, gold = str(pred).strip(), str(gold).strip()
@@ -2509,7 +2510,8 @@ def _vf_prepare(pred, gold):
     if cp == cg and cp:
         return True, pred, gold
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or a parenthesised lower-case one ("(b)")
-    g_letter = choice_letter(gold) if re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None
+    is_letter = not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
+    g_letter = choice_letter(gold) if is_letter else None
     if g_letter is not None:
         return choice_letter(pred) == g_letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
@@ -2518,7 +2520,8 @@ def _vf_prepare(pred, gold):
             return True, pred, gold
         if rp[1] and rg[1]:
             return False, pred, gold  # two exact rationals (integers, a/b): nothing math-verify could add
-    if _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2:
+    wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
+    if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
     if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
         _vf_fail("too_deep")
@@ -2537,7 +2540,15 @@ try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError instead of 
 except Exception:
     pass
 try:
-    from math_verify import parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from latex2sympy2_extended import NormalizationConfig
+    # parse()'s default extraction; for an expression gold without unit stripping, which drops a
+    # trailing variable h, t, c or l (hours, tons): "m \cdot g \cdot h" parses as "m \cdot g \cdot"
+    NO_UNITS = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
+                                   nits=True, boxed="all", equations=False)
+    EXTRACTION = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
+                  True: [LatexExtractionConfig(normalization_config=NO_UNITS),
+                         ExprExtractionConfig()]}
 except Exception as e:
     sys.stdout.write(json.dumps({"fatal": repr(e)}) + "\n"); sys.stdout.flush(); sys.exit(3)
 class Late(BaseException):
@@ -2566,11 +2577,11 @@ def surely_differ(g, p, raw):
     if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
         return False
     return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
-def check(pred, gold, t):
+def check(pred, gold, t, expression):
     signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on machine load
     try:
-        g = parse(wrap(gold), parsing_timeout=None)
-        p = parse(wrap(pred), parsing_timeout=None)
+        g = parse(wrap(gold), EXTRACTION[expression], parsing_timeout=None)
+        p = parse(wrap(pred), EXTRACTION[expression], parsing_timeout=None)
         if not (g and p) or surely_differ(g, p, pred + gold):
             return 0
         return 1 if verify(g, p, timeout_seconds=None) else 0
@@ -2583,8 +2594,8 @@ def check(pred, gold, t):
 sys.stdout.write('{"ready": 1}\n'); sys.stdout.flush()
 for line in sys.stdin:
     try:
-        pred, gold, t = json.loads(line)
-        r = check(pred, gold, t)
+        pred, gold, t, expression = json.loads(line)
+        r = check(pred, gold, t, bool(expression))
     except Late:
         r = 2
     except Exception:
@@ -2660,7 +2671,7 @@ class _VfPool:
         self.workers = []
 
     def run(self, items, timeout, n_workers):
-        """items: list of (pred, gold). Returns list of codes 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
+        """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
                 self.workers, self.pid = [], os.getpid()
@@ -2672,7 +2683,8 @@ class _VfPool:
         while len(self.workers) < n_workers:
             self.workers.append(_VfWorker())
         workers = self.workers[:n_workers]
-        payload = [(json.dumps([p, g, float(timeout)]) + "\n").encode() for p, g in items]
+        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
+                   for p, g, e in items]
         queue = list(range(len(items)))[::-1]     # pop() from the end = in order
         out = [None] * len(items)
         remaining = len(items)
@@ -2795,22 +2807,22 @@ def _vf_default_workers():
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-def math_equal_many(pairs, workers=None, timeout=2.0):
+def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     """math_equal over many (pred, gold) pairs, math-verify calls spread over `workers` processes (default:
     min(cpu_count, 8); 1 for small batches). Same semantics as math_equal, same order as `pairs`."""
     res = [False] * len(pairs)
     todo, keys = [], []
     for i, (pred, gold) in enumerate(pairs):
-        dec, p, g = _vf_prepare(pred, gold)
+        dec, p, g = _vf_prepare(pred, gold, expression)
         if dec is not None:
             res[i] = bool(dec)
             continue
-        hit = _VF_CACHE.get((p, g))
+        hit = _VF_CACHE.get((p, g, expression))
         if hit is not None:
             res[i] = hit
             continue
         todo.append(i)
-        keys.append((p, g))
+        keys.append((p, g, expression))
     if todo:
         uniq = list(dict.fromkeys(keys))
         w = workers if workers else _vf_default_workers()
@@ -2834,7 +2846,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0):
     return res
 
 
-def math_equal(pred, gold, timeout=2.0):
+def math_equal(pred, gold, timeout=2.0, expression=False):
     """Is the predicted answer equal to the gold answer? Never raises, never hangs.
 
     Order of checks (the cheap, safe ones decide in-process):
@@ -2848,11 +2860,14 @@ def math_equal(pred, gold, timeout=2.0):
          process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with
          machine load: a soft alarm at `timeout`, a kill at timeout + 1 s, and a kill after 3·(timeout + 1) + 2
          wall seconds for a worker that makes no progress at all.
+    expression=True: the gold is a math expression (SPICE's Expression answers). 3 and 5 are
+    off, so "hmg" and "m \\cdot g \\cdot h" reach math-verify against "mgh", a gold "B" is the
+    symbol B, and math-verify parses without unit stripping ("h", "t" are variables, not units).
     Inputs over VF_MAX_ANSWER_CHARS or nested deeper than VF_MAX_BRACE_DEPTH skip math-verify. Timeouts, errors
     and skipped inputs return False and are counted (math_equal_failures()).
     """
     try:
-        return math_equal_many([(pred, gold)], workers=1, timeout=timeout)[0]
+        return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
     except RuntimeError:
         raise  # math-verify missing: a setup error, not a hostile input
     except Exception:

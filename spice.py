@@ -33,6 +33,10 @@ Where the paper is inconsistent or silent, this file chooses:
   * B counts documents, one optimizer step per iteration. App. B's "128 trajectories per update" and "each
     document reused 2-3 times in 640 iterations" fit neither reading of B = 128 (~4.1 or ~0.26 uses).
   * Answer types are Integer / Expression / String (the text), not "integer, float, expression" (Fig. 2).
+  * LaTeX in the Challenger's JSON is kept as written (rule: repair_json_escapes).
+  * Expression answers reach Math-Verify unless equal as strings or numbers ("hmg" = "mgh"), with no
+    unit stripping.
+  * --verify-timeout (Oat: 1 s) holds in training and evaluation alike.
   * The type-selection call is not trained; --type-selection random flips a coin instead.
   * r_C uses the POPULATION variance p(1 - p): torch.var's unbiased default moves the peak off a 50% pass rate.
   * A truncated Reasoner answer scores 0 (Oat); a truncated Challenger output is invalid. Both roles generate
@@ -44,15 +48,23 @@ Where the paper is inconsistent or silent, this file chooses:
 Kept as in the paper, and logged: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in the
 batch and in Dr. GRPO's 1/N (`*/zero_adv_group_frac`); long Challenger outputs carry more total gradient than
 short Reasoner answers under the shared L_max (`*/tokens`).
+Prompts (PROMPTS, or --prompts FILE) carry every instruction of Figs. 8-10 in our words, except:
+  * Free-form: only our Integer / Expression / String answers (Fig. 10 also Float, List, Boolean).
+  * Generators: "write each LaTeX backslash twice in the JSON" is ours (single ones are repaired).
+  * Type selection: the document between the generators' markers (Fig. 9: "Document: {document}").
+  * Reasoner: one instruction for Qwen3 and OctoThinker (Fig. 8: two); "box the letter" is ours.
+  * --no-document: a line saying that no document is given (the paper shows no prompt for it).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import re
 import sys
+import types
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -89,11 +101,11 @@ class Config(common.RunConfig):
     fresh_reasoner_samples: bool = False  # Alg. 1 line 16: sample new Reasoner answers for the update instead of reusing the K used for r_C (§3.1)
     reject_document_reference: bool = False  # not in the paper: mark questions that mention "the text/passage" invalid (always counted)
     eval_benchmarks: str = "amc23,minerva,math500,gsm8k,olympiadbench,aime24@32,aime25@32,supergpqa,gpqa_diamond,mmlu_pro,bbeh"  # Table 1's 11 (App. A): greedy, AIME mean@32 at T 0.6 (top-p 0.95 is ours, common.evaluate's default; the paper gives none); a set that cannot load is skipped with a warning
-    eval_max_tokens: int = 4096  # evaluation answers get the Reasoner's training limit (spec §5: "with the training prompt"; the paper gives no evaluation limit)
+    eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A; the paper gives none)
     decontaminate: bool = True  # drop corpus segments sharing a 13-gram with the eval sets; such a generated question is invalid (reward rho) (analysis §7.3)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # generation limit of both roles = Dr. GRPO's constant L_max (not stated; Oat recipes 3,000-4,096)
-    verify_timeout: float = 1.0  # seconds per Math-Verify check of an Integer / Expression answer; a timeout counts as wrong (spec §4: Oat's 1 s)
+    verify_timeout: float = 1.0  # s per Math-Verify check, train and eval (oat/oracles/math.py)
     type_select_max_tokens: int = 512  # generation limit of the (untrained) type-selection call
     prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (User/Assistant preamble, OctoThinker) (Fig. 8)
     lr: float = 1e-6  # constant (App. B)
@@ -211,73 +223,258 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Prompts (our own wording; structure from the paper's Figs. 8-10).
+# Prompts: every instruction of the paper's Figs. 8-10 in our words (differences: module docstring).
+# str.format templates (literal braces doubled); --prompts FILE replaces any (common.load_prompts).
+# A line ending in a backslash continues on the next one.
 # --------------------------------------------------------------------------------------------------------------
-SYSTEM_MESSAGE = "You are a helpful assistant."
-PLAIN_PREAMBLE = ("This is a conversation between a User and an Assistant. The Assistant thinks the problem "
-                  "through carefully before answering.\n\nUser: {content}\n\nAssistant:")
-DOC_BLOCK = "=== DOCUMENT START ===\n<<document>>\n=== DOCUMENT END ==="
-NO_DOC_BLOCK = ("(No document is given. Draw on your own knowledge of mathematics and science and invent the "
-                "material yourself.)")
+PROMPTS = {
+    # Fig. 8 wrappers: ChatML with a generic system message (Qwen3), or plain dialogue (OctoThinker)
+    "system": "You are a helpful assistant.",
+    "plain": ("This is a conversation between a User and an Assistant. The User asks a question "
+              "and the Assistant solves it: it first thinks the reasoning through in its mind, "
+              "then gives the User the answer.\n\nUser: {content}\n\nAssistant:"),
+    "document_block": "=== DOCUMENT START ===\n{document}\n=== DOCUMENT END ===",
+    "no_document_block": ("(No document is given. Draw on your own knowledge of mathematics and "
+                          "science and invent the material yourself.)"),
 
-TYPE_SELECTION_PROMPT = """Read the document below and decide which kind of exam question it supports best.
+    # Fig. 9: task type selection (not trained)
+"type_selection": """Read the document below and decide which kind of CHALLENGING exam question it \
+supports best: multiple choice (MCQ) or free-form.
 
-- Multiple choice fits material that links several facts, steps or quantities, where three wrong options can be written that a hasty reader would believe.
-- Free-form fits material that leads to one clearly defined result: a whole number (Integer), a formula or symbolic result (Expression), or a short name or term (String).
+{document_block}
 
-<<doc_block>>
+Keep in mind what each kind needs:
+- Multiple choice: intricate relationships and reasoning that runs over several steps; several \
+concepts that must be combined; room for three wrong options that are plausible but false, so that \
+the wrong options themselves test understanding.
+- Free-form: one clearly defined correct answer: a specific calculation (an Integer answer), a \
+formula or expression to derive (an Expression answer), or a concept named with exact terminology \
+(a String answer).
 
-Reply with one JSON object and nothing else:
-{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": "Integer" or "Expression" or "String" or null, "reason": "a few plain words"}
-Exactly one of the two "suitable" values must be true. Give best_answer_type only for free-form, otherwise null. The reason must not contain LaTeX or special characters."""
+Choose exactly ONE kind: the one that would give the best challenging question from this document.
 
-MCQ_PROMPT = """Your job is to turn a source document into one difficult multiple-choice exam question.
+Reply with one valid JSON object and nothing else: no text before or after it, no markdown, no \
+backticks.
+{{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
+"Integer" or "Expression" or "String" or null, "reason": "a few plain words"}}
+Rules: exactly one of the two "suitable" values is true; give best_answer_type only for free-form, \
+otherwise null; keep "reason" under 100 characters, with no LaTeX and no special characters.""",
 
-<<doc_block>>
+    # Fig. 10, left: the multiple-choice generator
+"mcq": """Your task: turn the document below into one CHALLENGING multiple-choice exam question, \
+one that can only be answered by connecting several of its parts and reasoning over several steps.
 
-Work through these steps:
-1. Pick information that can only be reached by combining two or more facts, values or steps from the document.
-2. Make the question harder: ask for a consequence, a comparison or a derived quantity instead of something that can be read off directly.
-3. Make it self-contained. The person answering never sees the document, so never refer to "the text", "the document" or "the passage"; state every number, name and definition they need.
-4. Write exactly four options labelled A), B), C) and D). One is right; the other three are believable mistakes, such as a typical slip in the reasoning.
-5. Answer your own question from the question alone. If that was easy, or if a second option could be defended, redesign the question.
+{document_block}
 
-First write your reasoning. Then finish with a single JSON object, without code fences and with nothing after it, using these keys:
-"identified_answer", "answer_quote", "hardening_process", "exam_question", "correct_answer", "multiple_choice_question", "multiple_choice_correct", "self_test_solution", "knowledge_and_reasoning_steps", "question_difficulty".
-"multiple_choice_question" is one string: the question followed by the options A) to D). "multiple_choice_correct" is a single letter: A, B, C or D. If the document is too thin for a good question, leave "exam_question" empty."""
+Step 1. Find material that needs synthesis. Look for:
+- relationships between several variables or concepts that appear in different parts of the \
+document;
+- calculations or procedures with several steps, each depending on the one before;
+- formulas or principles whose parts interact;
+- conclusions the document does not state but that follow from combining what it states;
+- comparisons or trade-offs between approaches;
+- conditional relationships (if X then Y, but if Z then W);
+- systems in which changing one parameter changes several others.
+Do not build on a fact stated outright (that makes an easy question), a definition that stands \
+alone, a number mentioned in isolation, or anything that needs no synthesis.
 
-FREE_FORM_PROMPT = """Your job is to turn a source document into one difficult free-response exam question whose answer is of type <<answer_type>>.
+Step 2. Plan how to make it hard, and say so explicitly (this goes into "hardening_process"): \
+which easy version you avoid, which layers of complexity you add, which concepts the solver must \
+connect, which shortcuts you block, and how you make sure that several reasoning steps are needed.
 
-<<doc_block>>
+Step 3. Write the question. It applies several concepts from different parts of the document, \
+tests relationships rather than recall, needs several steps of reasoning, and may compare \
+scenarios, ask "what if", or apply the principles to a slightly changed situation.
+It must stand completely on its own: the solver never sees the document and has no reference \
+material, as in a formal exam. Never write "according to the text", "in the document", "as \
+mentioned", "the passage states", "based on the analysis" or the like. Put all the context it \
+needs into the question, and define specialised terms where that helps.
 
-Work through these steps:
-1. Extract the material the answer will come from: <<type_hint>>
-2. Make the question harder: require several steps or a combination of facts from the document.
-3. Make it self-contained. The person answering never sees the document, so never refer to "the text", "the document" or "the passage". State all given values, the units, and the form the answer should take.
-4. Precision rules. Integer: one whole number, no units, no thousands separators. Expression: one mathematical expression in simplest canonical form. String: one to three words, spelled exactly as in the document.
-5. Solve your own question step by step from the question alone.
-6. If a quick look is enough to answer it, make it harder.
-7. Make sure exactly one answer is correct.
+Step 4. Aim for HARD or EXTRA HARD by design. Hard: combines four or more concepts and needs \
+multi-step problem solving or spotting a pattern. Extra hard: analysis of a complex system, a \
+counter-intuitive application, or an edge case. It must be impossible to answer by looking up one \
+fact, finding the one sentence that holds the answer, or matching keywords.
 
-First write your reasoning. Then finish with a single JSON object, without code fences and with nothing after it, using these keys:
-"identified_information", "relevant_quotes", "hardening_process", "question", "answer", "answer_type", "step_by_step_solution", "intermediate_results", "difficulty_level", "difficulty_justification", "solving_time_estimate", "required_concepts", "potential_errors".
-"question" is one string, "answer" is one value (a number or a string, never a list), and "answer_type" is "<<answer_type>>". If the document is too thin for a good question, give "question": "" and "answer": ""."""
+Step 5. Write down the reasoning path that makes it hard (this goes into \
+"knowledge_and_reasoning_steps"): at least three distinct pieces of information from different \
+parts of the document, the logical links between them, why a simple lookup fails, and the \
+intermediate steps.
 
-TYPE_HINTS = {
-    "Integer": "a count, total or other quantity that comes out as a whole number.",
-    "Expression": "a formula, relation or symbolic result that can be written as one expression.",
-    "String": "a specific name, term or concept that the document defines or identifies.",
+Step 6. Write exactly four options, A) to D), under these strict rules:
+- Balanced length: the four options are about equally long (within about 20% of each other).
+- Consistent units: numerical options use the same units and the same formatting.
+- Neutral tone: no absolute words such as "definitely", "always" or "never" unless the content \
+requires them.
+- Plausible distractors: every wrong option looks right to someone who understood only part of the \
+material. Build them from typical calculation slips in the multi-step process, results of stopping \
+the reasoning halfway, confusion between related concepts of the document, and approximations that \
+leave out a key factor.
+Lay it out as the complete, self-contained question, then A) ..., B) ..., C) ..., D) ..., and note \
+the correct letter.
+
+Step 7. Now solve your own multiple-choice question as a student would, options in view (this goes \
+into "self_test_solution"):
+1. What is the quickest route a student might try?
+2. Can two or more options be ruled out without real understanding? Then redesign the distractors.
+3. Do the options give the answer away? Then improve them.
+4. Count the reasoning steps still needed with the options in view: if fewer than 3, reject the \
+question and write a harder one.
+5. Would it take less than 30 seconds? Then make it harder.
+6. Could the answer be guessed from patterns among the options? Then rebalance them.
+
+Step 8. Final check that it is not easy: if one sentence answers it, redesign it; if it does not \
+need several parts of the document, add complexity; if it tests facts rather than relationships, \
+refocus it; if the options are not balanced and consistently formatted, revise them; if your own \
+solve took less than a minute, make it harder.
+
+Output. First think your design through step by step; this thinking is private. Then write one \
+valid JSON object with the fields below, and nothing after it: no markdown, no code fences; start \
+with {{ and end with }}. Inside its strings, write every LaTeX backslash twice \
+(\\\\frac{{1}}{{2}}), as JSON requires.
+- "identified_answer": the relationship or multi-step conclusion you derived by combining parts of \
+the document
+- "answer_quote": several quotes from the document that show the different pieces needed (not just \
+one)
+- "hardening_process": your strategy from Step 2
+- "exam_question": the challenging, self-contained question; an empty string if the document is \
+not rich enough
+- "correct_answer": the full answer with its chain of reasoning from the document; an empty string \
+if the document does not support one
+- "multiple_choice_question": one string: the self-contained question followed by its balanced \
+options A) to D); an empty string if you wrote no question
+- "multiple_choice_correct": the letter of the correct option: A, B, C or D; an empty string if \
+there is no question
+- "self_test_solution": your solve from Step 7
+- "knowledge_and_reasoning_steps": the reasoning path from Step 5, showing why the question is \
+hard or extra hard
+- "question_difficulty": "Hard" or "Extra Hard"; "Easy" only if the document really offers nothing \
+more complex""",
+
+    # Fig. 10, right: the free-form generator
+"free_form": """Your task: turn the document below into one CHALLENGING free-form exam question \
+whose answer is of type {answer_type}, a question that needs real understanding and reasoning over \
+several steps.
+
+{document_block}
+
+Step 1. Find material for a {answer_type} answer that needs synthesis and several steps of \
+reasoning:
+- Integer: calculations with several variables from different parts of the document; chains of \
+computation in which each step uses the previous result; counting that needs careful sorting into \
+cases; rates, ratios or percentages with several components; optimisation under constraints; \
+statistics that aggregate data.
+- Expression: relationships between several variables that form equations; patterns that \
+generalise into a formula; systems of equations from different constraints; derivatives or \
+functional dependencies; algebraic expressions that combine several principles; recursive or \
+iterative formulas.
+- String, kept short (one to three words at most): a technical term, name or identifier; a \
+category (a single term); a named person, place, concept or method; a unit, symbol or \
+abbreviation. Never a description, sentence or explanation; good answers look like "Newton", \
+"TCP/IP", "gradient descent", "Paris", "O(n log n)".
+Avoid direct look-ups, answers that are a single stated fact, simple arithmetic, definitions \
+quoted word for word, and trivial yes/no questions.
+
+Step 2. Plan how to make it hard, and say so explicitly (this goes into "hardening_process"): \
+which version would be too easy, which layers of complexity you add, which parts of the document \
+must be combined, which intermediate steps are needed, how you block shortcut solutions, and what \
+makes deep understanding necessary.
+
+Step 3. Write the question. It connects at least three concepts from different parts of the \
+document, cannot be answered by a look-up or by matching keywords, needs several steps of \
+reasoning, tests relationships rather than memory, may apply principles to a changed scenario, and \
+must be read precisely to give an answer of type {answer_type}.
+It must stand completely on its own: the solver never sees the document and has no reference \
+material, as in a formal exam. Never write "according to the text", "in the document", "as \
+mentioned" or the like. Give all the context and definitions it needs, and state the units, format \
+and constraints of the answer.
+
+Step 4. Make the answer precise for its type:
+- Integer: a whole number only, with no decimals, fractions or ranges; the question says what it \
+counts and in which unit (for example "in meters", "number of items"). In the JSON: "answer": 42 \
+or "answer": "42", never [42] or {{"value": 42}}.
+- Expression: standard mathematical notation, every variable defined in the question, simplified \
+to canonical form. In the JSON: "answer": "2x^2 + 3x - 5", never a list or an object.
+- String: the question says exactly what form the answer takes, including whether case matters; no \
+extra punctuation or quotation marks. In the JSON: "answer": "Newton's third law", never a list or \
+an object.
+
+Step 5. Solve your question yourself, step by step (this goes into "step_by_step_solution"): list \
+every piece of information needed, show each calculation or reasoning step, handle edge cases and \
+special conditions, reach the final answer in the required format, check that it is exactly of \
+type {answer_type}, and estimate the solving time (a hard question takes more than a minute).
+
+Step 6. Rate the difficulty and justify it (this goes into "difficulty_justification"):
+- Medium: 2-3 steps, 1-2 minutes; combines 2-3 parts of the document; the path is clear once the \
+relationships are seen.
+- Hard: 4-5 steps, 2-3 minutes; combines four or more concepts; admits several valid approaches; \
+careless work goes wrong.
+- Extra hard: 6 or more steps, more than 3 minutes; a complex system with many interactions; the \
+result may be counter-intuitive; it needs deep understanding of the principles.
+Aim for hard or extra hard.
+
+Step 7. Make sure exactly one answer is correct. Could the question be read another way? Are all \
+constraints stated? Is the answer format unambiguous? Do different valid approaches reach the same \
+answer? Are edge cases covered? If anything is ambiguous, rewrite the question.
+
+Step 8. Final check: it cannot be answered by searching the text; it needs understanding, not \
+extraction; the answer is exactly of type {answer_type}; the solution takes several reasoning \
+steps; the question is self-contained and clear; the difficulty matches your target.
+
+Format rules: "question" is one single string, never a list and never several questions; "answer" \
+is one plain value, never a list, an object or anything nested.
+
+Output. First think your design through step by step; this thinking is private. Then write one \
+valid JSON object with the fields below, and nothing after it: no markdown, no code fences; start \
+with {{ and end with }}. Inside its strings, write every LaTeX backslash twice \
+(\\\\frac{{1}}{{2}}), as JSON requires.
+- "identified_information": the three or more key pieces of information, from different parts of \
+the document, that the solution needs
+- "relevant_quotes": several word-for-word quotes from the document showing those pieces
+- "hardening_process": your strategy from Step 2
+- "question": exactly one complete, challenging, self-contained question; an empty string if the \
+document is not rich enough for a question with a {answer_type} answer
+- "answer": the precise answer in {answer_type} form; an empty string if the document does not \
+give one
+- "answer_type": "{answer_type}", exactly
+- "step_by_step_solution": each step of your solution from Step 5
+- "intermediate_results": an object with the intermediate result or conclusion of each step
+- "difficulty_level": "Hard" or "Extra Hard" (not Medium)
+- "difficulty_justification": why, from the steps and concepts required
+- "solving_time_estimate": a realistic number of minutes for a student
+- "required_concepts": the concepts from the document that must be understood
+- "potential_errors": typical mistakes and edge cases a student may run into
+
+Final rules:
+1. If the document is not rich enough for a question with a {answer_type} answer, give "question": \
+"", "answer": "" and "answer_type": "{answer_type}".
+2. The answer meets the {answer_type} format rules exactly.
+3. The question never mentions "the document" or "the text".
+4. The answer follows from the document's content, and the information in the document is all the \
+question needs.
+5. A String answer has at most three words: prefer a single term, name or short identifier.""",
+
+    # Fig. 8: the Reasoner sees the question only
+    "reasoner": ("{question}\n\nReason step by step, then put your final answer inside "
+                 "\\boxed{{}}. If the question lists lettered options, put only the letter of the "
+                 "correct one in the box."),
 }
 
-REASONER_INSTRUCTION = ("Think step by step, then give your final answer in \\boxed{}. "
-                        "If the question has lettered options, put the letter of the correct option in the box.")
+
+def prompt_templates(cfg: Config):
+    """PROMPTS, with the templates of --prompts FILE in their place (read once per file)."""
+    return _load_templates(cfg.prompts)
 
 
-def wrap(content: str, fmt: str):
+@functools.lru_cache(maxsize=None)
+def _load_templates(path: str):
+    return types.MappingProxyType(common.load_prompts(path, PROMPTS))
+
+
+def wrap(content: str, fmt: str, prompts=PROMPTS):
     """Fig. 8 wrapper: ChatML with a generic system message (Qwen3), or a plain User/Assistant preamble."""
     if fmt == "plain":
-        return PLAIN_PREAMBLE.replace("{content}", content)
-    return [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": content}]
+        return prompts["plain"].format(content=content)
+    return [{"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
 
 
 def resolve_prompt_format(cfg: Config, tokenizer) -> str:
@@ -286,29 +483,33 @@ def resolve_prompt_format(cfg: Config, tokenizer) -> str:
     return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
 
 
-def _with_document(template: str, document: str | None, **values: str) -> str:
-    block = NO_DOC_BLOCK if document is None else DOC_BLOCK.replace("<<document>>", document)
-    # One pass over the template only, so a document that happens to contain "<<...>>" is never substituted.
-    return re.sub(r"<<(\w+)>>", lambda m: {"doc_block": block, **values}[m.group(1)], template)
+def _document_block(document: str | None, prompts) -> str:
+    # str.format never reads braces in the values it inserts: a document's "{x}" stays as is
+    if document is None:
+        return prompts["no_document_block"]
+    return prompts["document_block"].format(document=document)
 
 
-def type_selection_prompt(document: str | None, fmt: str):
-    return wrap(_with_document(TYPE_SELECTION_PROMPT, document), fmt)
+def type_selection_prompt(document: str | None, fmt: str, prompts=PROMPTS):
+    block = _document_block(document, prompts)
+    return wrap(prompts["type_selection"].format(document_block=block), fmt, prompts)
 
 
-def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str):
+def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str,
+                      prompts=PROMPTS):
     """The Challenger prompt C: MCQ or free-form generator (Fig. 10); document=None for --no-document."""
+    block = _document_block(document, prompts)
     if kind == "mcq":
-        return wrap(_with_document(MCQ_PROMPT, document), fmt)
-    return wrap(_with_document(FREE_FORM_PROMPT, document, answer_type=answer_type,
-                               type_hint=TYPE_HINTS[answer_type]), fmt)
+        return wrap(prompts["mcq"].format(document_block=block), fmt, prompts)
+    content = prompts["free_form"].format(document_block=block, answer_type=answer_type)
+    return wrap(content, fmt, prompts)
 
 
-def reasoner_prompt(question: str, fmt: str = "chat"):
+def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
     """The Reasoner prompt R (Fig. 8), built from the question string ONLY (information asymmetry, §2.2)."""
     if not isinstance(question, str):
         raise TypeError("the Reasoner prompt is built from the question string only")
-    return wrap(f"{question.strip()}\n\n{REASONER_INSTRUCTION}", fmt)
+    return wrap(prompts["reasoner"].format(question=question.strip()), fmt, prompts)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -323,6 +524,42 @@ DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+"
                            r"(?:document|text|passage|article|excerpt)\b", re.IGNORECASE)
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 
+# LaTeX inside the Challenger's JSON strings. JSON's escapes \b \f \n \r \t also begin LaTeX
+# commands (\beta, \frac, \nu, \rho, \times), and other backslashes (\sqrt, \cdot) are no JSON
+# escape at all, so LaTeX written as in a paper becomes control characters or unparsable JSON.
+# repair_json_escapes reads each backslash, left to right ("\\" pairs first), as:
+#   \\  \"  \/  \uXXXX      the JSON escape
+#   \b...  \f...            LaTeX, always: a backspace or form feed never belongs in a question
+#   \r, \t + a letter       LaTeX (\rho, \times, \text, a user's \tr); else the control character
+#   \n + letters            LaTeX if the letters spell a command in _N_COMMANDS (\nu, \neq, \nabla),
+#                           else a newline ("\nA) 12 feet", "\nThe"). So a newline written right
+#                           before "u", "e", "eq", "i", "ot" ... (the rest of a command) reads as it
+#   \ + anything else       a literal backslash (\sqrt, \cdot, \, \{ ...)
+_N_COMMANDS = frozenset("""
+    nabla napprox natural ncong ne nearrow neg negmedspace negthickspace negthinspace neq nequiv
+    newcommand newenvironment newline newpage newtheorem nexists ngeq ngeqq ngeqslant ngtr ngtrless
+    ngtrsim ni niobar nis nisd nLeftarrow nleftarrow nleftrightarrow nLeftrightarrow nleq nleqq
+    nleqslant nless nlessgtr nlesssim nmid nobreak noindent nolimits nolinebreak nonumber norm
+    normalfont normalsize not notag notin notni notsmallowns nparallel nprec npreccurlyeq npreceq
+    nrightarrow nRightarrow nshortmid nshortparallel nsim nsimeq nsqsubseteq nsqsupseteq nsubset
+    nsubseteq nsubseteqq nsucc nsucccurlyeq nsucceq nsupset nsupseteq nsupseteqq ntriangleleft
+    ntrianglelefteq ntriangleright ntrianglerighteq nu nvDash nVdash nVDash nvdash nwarrow
+""".split())
+_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z]+)|.|$)', re.DOTALL)
+_BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
+
+
+def _escape(m: re.Match) -> str:
+    word = m["word"]
+    if m["json"] or word in ("r", "t") or word and word[0] == "n" and word not in _N_COMMANDS:
+        return m[0]
+    return "\\" + m[0]
+
+
+def repair_json_escapes(text: str) -> str:
+    """`text` with each backslash that starts LaTeX doubled: JSON decodes it as written (above)."""
+    return _ESCAPE.sub(_escape, text)
+
 
 @dataclass
 class Task:
@@ -336,13 +573,14 @@ class Task:
 def last_json_object(text: str) -> dict | None:
     """The JSON object that ends last in `text` (the Challenger reasons first, then writes the JSON): a top-level
     object, since any object nested in it ends before it does. Candidate starts are tried from the END backwards,
-    so LaTeX braces in the reasoning ("\\frac{1}{2}", which are not candidates anyway) never use up the budget."""
+    so LaTeX braces in the reasoning ("\\frac{1}{2}", which are not candidates anyway) never use
+    up the budget. LaTeX in its strings is kept as written (repair_json_escapes)."""
     if not isinstance(text, str):
         return None
-    text = text[-MAX_PARSE_CHARS:]
+    text = repair_json_escapes(text[-MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1           # no object can end after the last "}"
     starts = [m.start() for m in _JSON_START.finditer(text)][-MAX_JSON_STARTS:]
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)
     found, found_end = None, -1
     for start in reversed(starts):
         try:
@@ -411,6 +649,8 @@ def _parse_task(text, kind, answer_type):
         return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
     if len(q) > MAX_QUESTION_CHARS:
         return None, "question_too_long"
+    if _BAD_CHARS.search(q):          # "\u0008", a lone "\ud800": no repair recovers what was meant
+        return None, "bad_characters"
     q = q.strip()
     if mcq:
         parts = split_options(q)
@@ -430,6 +670,8 @@ def _parse_task(text, kind, answer_type):
         a = _scalar(obj.get("answer"))
         if not a:
             return None, "missing_answer"
+        if _BAD_CHARS.search(a):
+            return None, "bad_characters"
         declared = obj.get("answer_type")
         if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
             return None, "wrong_answer_type"
@@ -457,14 +699,17 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
 
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
     """r_R = 1[a == a*] per Reasoner completion: no box, a truncated output or a verification that takes longer
-    than `timeout` seconds (Oat: 1 s) is wrong."""
+    than `timeout` seconds (Oat: 1 s) is wrong. An Expression answer reaches math-verify unless an
+    exact match or two plain numbers decide: a letters-only gold ("mgh") is a product, = "hmg"."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text) for c in completions]
     if task.kind == "mcq":
         return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
     if task.answer_type == "String":
         gold = common.normalize_string(task.gold)
         return [float(p is not None and bool(gold) and common.normalize_string(p) == gold) for p in preds]
-    return [float(ok) for ok in common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout)]  # None: 0
+    ok = common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,    # None: 0
+                                expression=task.answer_type == "Expression")
+    return [float(x) for x in ok]
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
@@ -520,8 +765,9 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng: np.random.
     ask = cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed
     parsed = [None] * len(docs)
     if ask:
-        outs = policy.generate([type_selection_prompt(d, fmt) for d in docs], n=1, temperature=0.0,
-                               max_tokens=cfg.type_select_max_tokens)
+        templates = prompt_templates(cfg)
+        outs = policy.generate([type_selection_prompt(d, fmt, templates) for d in docs], n=1,
+                               temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
     fallbacks = sum(c is None or c[0] not in allowed for c in parsed) if ask else 0
     choices = []
@@ -554,7 +800,8 @@ class ValidityChecker:
             return None, "mentions_document"
         if self.decon is not None and self.decon.contaminated(task.question):
             return None, "contaminated"
-        n_prompt = len(common.encode_prompt(self.tokenizer, reasoner_prompt(task.question, self.fmt)))
+        prompt = reasoner_prompt(task.question, self.fmt, prompt_templates(self.cfg))
+        n_prompt = len(common.encode_prompt(self.tokenizer, prompt))
         if n_prompt + self.cfg.max_tokens > self.cfg.max_model_len:
             return None, "question_too_long"
         return task, "ok"
@@ -579,7 +826,8 @@ def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, 
     active = list(range(len(docs)))
     while active:
         n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
-        prompts = [challenger_prompt(docs[i], *types[i], fmt) for i in active]
+        templates = prompt_templates(cfg)
+        prompts = [challenger_prompt(docs[i], *types[i], fmt, templates) for i in active]
         outs = policy.generate(prompts, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
         for i, comps in zip(active, outs):
             pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
@@ -595,8 +843,9 @@ def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[li
     """K Reasoner answers per task, from the question alone (no document), and their correctness bits."""
     if not tasks:
         return [], []
-    outs = policy.generate([reasoner_prompt(t.question, fmt) for t in tasks], n=cfg.reasoner_k,
-                           temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+    templates = prompt_templates(cfg)
+    outs = policy.generate([reasoner_prompt(t.question, fmt, templates) for t in tasks],
+                           n=cfg.reasoner_k, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
     return outs, [grade_answers(t, comps, cfg.verify_timeout) for t, comps in zip(tasks, outs)]
 
 
@@ -792,25 +1041,27 @@ def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None
 
 
 def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int, name: str = "eval.json") -> dict:
-    """Zero-shot with the training Reasoner prompt (App. A)."""
+    """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout."""
     if not benches:
         return {}
 
     def spice_reasoner_prompt(problem: dict, tokenizer=None):
         options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
-        return reasoner_prompt(problem["question"] + options, fmt)
+        return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
     res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit, seed=cfg.seed)
+                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit, seed=cfg.seed,
+                          timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return res
 
 
 def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
     """Largest segment that still leaves room for the Challenger prompt and max_tokens inside max_model_len."""
-    fmt = resolve_prompt_format(cfg, tokenizer)
+    fmt, templates = resolve_prompt_format(cfg, tokenizer), prompt_templates(cfg)
     overhead = max(len(common.encode_prompt(tokenizer, p)) for p in (
-        type_selection_prompt("", fmt), challenger_prompt("", "mcq", None, fmt),
-        *(challenger_prompt("", "free", t, fmt) for t in ANSWER_TYPES)))
+        type_selection_prompt("", fmt, templates),
+        challenger_prompt("", "mcq", None, fmt, templates),
+        *(challenger_prompt("", "free", t, fmt, templates) for t in ANSWER_TYPES)))
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
         raise ValueError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next to "
@@ -843,6 +1094,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
+    prompt_templates(cfg)       # a bad --prompts file: a one-line usage error before anything loads
 
 
 def train(cfg: Config, policy=None) -> Path:

@@ -4,14 +4,18 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import common
 import spice
@@ -20,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "spice_corpus.jsonl"
 EVAL = DATA / "spice_eval.jsonl"
+SHORT_PROMPTS = DATA / "spice_short_prompts.toml"   # ours exceed the tiny engine's 2,048 tokens
 
 
 def comp(text, finish="stop", prompt=(1, 2, 3), n_tokens=None):
@@ -169,7 +174,115 @@ def test_type_selection_parser():
     assert spice.parse_type_selection("garbage {") is None
 
 
+# ------------------------------------------------------------------------------------ LaTeX in JSON
+def _latex_commands() -> list[str]:
+    """Real LaTeX command names: matplotlib's mathtext tables (symbols, functions, accents), and the
+    text and structure commands a question uses. "\\t" alone (the tie accent) reads as a tab."""
+    from matplotlib import _mathtext, _mathtext_data
+    parser = _mathtext.Parser
+    names = set(_mathtext_data.tex2uni) | set(parser._function_names) | {",", ";", "!", " ", "&"}
+    names |= set(parser._overunder_functions) | set(parser._wide_accents)
+    names |= set("""frac dfrac tfrac cfrac sqrt text textbf textit textrm texttt textsf mathrm
+        mathbf mathbb mathcal mathfrak mathsf mathit operatorname left right bigl bigr Bigl Bigr
+        begin end binom dbinom tbinom boxed quad qquad displaystyle textstyle limits nolimits
+        overline underline overbrace underbrace hat vec dot ddot tilde bar widehat cdots ldots
+        vdots ddots pmod bmod mod label ref tag notag nonumber newline noindent renewcommand
+        newcommand rule raisebox rlap relax tiny today triangle to top therefore tau theta times
+        rho rangle rceil rfloor rightarrow Rightarrow beta bigcup forall flat nu neq ne nabla
+        not ni bf it rm sf tt cal normalfont negthinspace negmedspace negthickspace""".split())
+    return sorted(n for n in names if not n.startswith("__") and n != "t")
+
+
+LATEX_COMMANDS = _latex_commands()
+
+
+def _written_raw(obj: dict) -> str:
+    """JSON as a model writes it with LaTeX as in a paper: line breaks escaped, backslashes not."""
+    def s(v):
+        return '"' + v.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + '"'
+    return "{" + ", ".join(f"{s(k)}: {s(v)}" for k, v in obj.items()) + "}"
+
+
+@pytest.mark.parametrize("write", [_written_raw, json.dumps], ids=["raw_latex", "escaped_latex"])
+def test_latex_commands_in_json_strings_are_kept_as_written(write):
+    assert len(LATEX_COMMANDS) > 600
+    bad = []
+    for c in LATEX_COMMANDS:
+        q, a = f"Let $y = \\{c} x + 1$ for $x > 0$.\nWhat is $y - 1$?", f"\\{c} x"
+        text = "Thinking first.\n" + write(free_json(q, a, "Expression"))
+        task, why = spice.parse_task(text, "free", "Expression")
+        if why != "ok" or (task.question, task.gold) != (q, a):
+            bad.append((c, why, task and task.question))
+        options = f"Which is $\\{c}$?\nA) $\\{c}$\nB) 2\nC) 3\nD) 4"
+        task, why = spice.parse_task(write(dict(MCQ_JSON, multiple_choice_question=options)), "mcq")
+        if why != "ok" or task.question != options:
+            bad.append((c, why, task and task.question))
+    assert not bad, f"{len(bad)} commands corrupted or rejected, e.g. {bad[:5]}"
+
+
+@pytest.mark.parametrize("written,meant", [
+    (r'"He said \"stop\" twice."', 'He said "stop" twice.'),
+    (r'"Is a \\ b a set difference?"', "Is a \\ b a set difference?"),     # \\ is one backslash
+    (r'"Speed in km\/h?"', "Speed in km/h?"),
+    (r'"Is caf\u00e9 \ud83d\ude00 French?"', "Is caf\u00e9 \U0001f600 French?"),
+    (r'"First sentence.\nSecond sentence."', "First sentence.\nSecond sentence."),
+    (r'"Which?\nA) 1\nB) 2\nC) 3\nD) 4"', "Which?\nA) 1\nB) 2\nC) 3\nD) 4"),
+    (r'"See:\nnote this,\nuse that,\nwhere x\n(a) or\nb) 2\n\nThe end"',       # newlines, not \n...
+     "See:\nnote this,\nuse that,\nwhere x\n(a) or\nb) 2\n\nThe end"),
+    (r'"Line one\r\nLine two\t1\t2"', "Line one\r\nLine two\t1\t2"),
+    (r'"Escaped \\frac{1}{2}, \\nu and \\times"', "Escaped \\frac{1}{2}, \\nu and \\times"),
+    ('"A raw\nline break"', "A raw\nline break"),
+])
+def test_json_escapes_keep_their_json_meaning(written, meant):
+    text = '{"question": ' + written + ', "answer": "7", "answer_type": "Integer"}'
+    task, why = spice.parse_task(text, "free", "Integer")
+    assert why == "ok" and task.question == meant
+
+
+_PIECES = st.one_of(
+    st.builds(lambda c, sep: "\\" + c + sep, st.sampled_from(LATEX_COMMANDS),
+              st.sampled_from([" ", "{x}", "_1", "^2"])),
+    st.sampled_from(["x", "u", "e", "eq", "i", "ot", "abla", "imes", "ho", "The", "note", "A) 3"]),
+    st.sampled_from([" ", "\n", "\t", "\r\n", "$", "+", "=", ", ", ".", "/", "42"]),
+    st.sampled_from(["\\,", "\\{", "\\}", "\\%"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, min_size=1, max_size=30).map("".join))
+def test_any_question_survives_both_ways_of_writing_it(text):
+    """Property: a question comes back as written, from escaped JSON and raw LaTeX alike, except in
+    the documented ambiguous spots: a control character right before letters of a LaTeX command, and
+    a backslash right before the closing quote (\\" is an escaped quote)."""
+    text = text.strip()
+    assume(text and not re.search(r"[\t\r][A-Za-z]", text) and not text.endswith("\\"))
+    assume(not any("n" + w in spice._N_COMMANDS for w in re.findall(r"\n([A-Za-z]+)", text)))
+    for write in (_written_raw, json.dumps):
+        obj = free_json(text, "x", "Expression")
+        task, why = spice.parse_task(write(obj), "free", "Expression")
+        assert why == "ok" and task.question == text, write
+
+
+@pytest.mark.parametrize("field,written,reason", [
+    ("answer", r'"7\u0008"', "bad_characters"),
+    ("question", r'"Why \ud800 this?"', "bad_characters"),
+    ("question", r'"Nul \u0000 here?"', "bad_characters"),
+    ("question", r'"How many are 5 \"', "no_json"),
+])
+def test_escapes_that_cannot_be_repaired_make_the_task_invalid(field, written, reason):
+    obj = {"question": '"How many?"', "answer": '"7"', "answer_type": '"Integer"', field: written}
+    text = "{" + ", ".join(f'"{k}": {v}' for k, v in obj.items()) + "}"
+    task, why = spice.parse_task(text, "free", "Integer")
+    assert task is None and why == reason
+
+
+def test_type_selection_reason_with_latex_still_parses():
+    text = (r'{"suitable_for_mcq": false, "suitable_for_free_form": true, '
+            r'"best_answer_type": "Expression", "reason": "derives \frac{a}{b} and \sqrt{2}"}')
+    assert spice.parse_type_selection(text) == ("free", "Expression")
+
+
 # ---------------------------------------------------------------------------------------------------- prompts
+REASONER_MARK = spice.PROMPTS["reasoner"].format(question="").strip()   # our Reasoner instruction
 DOC = ("The Roman numeral system writes numbers with letters. The year 1994 is written MCMXCIV, which "
        "the quartermaster engraved on the bronze gate of the old harbour.")
 
@@ -190,13 +303,115 @@ def test_reasoner_prompt_never_contains_the_document(fmt):
 
 
 def test_prompts_fill_once_and_no_document_mode():
-    tricky = "a document that itself contains <<document>> and <<answer_type>> markers"
+    tricky = "a document that holds {document}, {answer_type}, {{ and <<document>> markers"
     p = spice.challenger_prompt(tricky, "free", "Integer", "plain")
     assert tricky in p and p.startswith("This is a conversation")
     p = spice.challenger_prompt(None, "mcq", None, "chat")[1]["content"]
     assert "No document is given" in p and "DOCUMENT START" not in p
     for t in spice.ANSWER_TYPES:
-        assert f'"answer_type" is "{t}"' in spice.challenger_prompt(DOC, "free", t, "chat")[1]["content"]
+        p = spice.challenger_prompt(DOC, "free", t, "chat")[1]["content"]
+        assert f'"answer_type": "{t}", exactly' in p
+
+
+def test_prompts_carry_the_papers_instructions():
+    """Figs. 9 and 10 in our words: each instruction of the paper's prompts, by its key phrase."""
+    sel, mcq, free = (spice.PROMPTS[k] for k in ("type_selection", "mcq", "free_form"))
+    for phrase in ("exactly ONE kind", "three wrong options that are plausible",
+                   "under 100 characters", "no LaTeX", "no markdown, no backticks"):
+        assert phrase in sel, phrase
+    for phrase in ("at least three distinct pieces of information",
+                   "fewer than 3, reject the question", "less than 30 seconds", "Balanced length",
+                   "within about 20%", "Consistent units", "Neutral tone", "Plausible distractors",
+                   "ruled out without real understanding", "HARD or EXTRA HARD",
+                   "four or more concepts", "never sees the document", '"according to the text"',
+                   "less than a minute", "this thinking is private", "no code fences",
+                   '"Easy" only if'):
+        assert phrase in mcq, phrase
+    for phrase in ("at least three concepts", "one to three words at most", "never [42]",
+                   "canonical form", "whether case matters", "more than a minute",
+                   "Medium: 2-3 steps", "Hard: 4-5 steps", "Extra hard: 6 or more steps",
+                   "exactly one answer is correct", '"Hard" or "Extra Hard"', "one single string",
+                   "never a list", "at most three words", "state the units"):
+        assert phrase in free, phrase
+    keys = lambda template: re.findall(r'^- "(\w+)":', template, re.M)
+    assert keys(mcq) == list(MCQ_JSON)                          # the JSON fields the parser reads
+    assert keys(free) == ["identified_information", "relevant_quotes", "hardening_process",
+                          "question", "answer", "answer_type", "step_by_step_solution",
+                          "intermediate_results", "difficulty_level", "difficulty_justification",
+                          "solving_time_estimate", "required_concepts", "potential_errors"]
+
+
+def _marked_prompts(tmp_path, **changes):
+    """A --prompts TOML file: each template is ours with a marker in front (or as given)."""
+    import tomllib
+    marked = {k: f"<<{k}>> {v}" for k, v in spice.PROMPTS.items()}
+    marked.update(changes)
+    path = tmp_path / "prompts.toml"
+    toml = "".join(f"{k} = {json.dumps(v)}\n" for k, v in marked.items())
+    path.write_text(toml, encoding="utf-8")
+    assert tomllib.loads(path.read_text(encoding="utf-8")) == marked
+    return str(path)
+
+
+class _RecordingSampler:
+    tokenizer = None
+
+    def __init__(self, text):
+        self.text, self.prompts = text, []
+
+    def generate(self, prompts, n=1, **kw):
+        self.prompts.extend(prompts)
+        return [[comp(self.text)] * n for _ in prompts]
+
+
+@pytest.mark.parametrize("fmt", ["chat", "plain"])
+def test_prompt_file_templates_reach_the_sampler(tmp_path, tiny_tokenizer, fmt):
+    cfg = spice.Config(prompts=_marked_prompts(tmp_path), group_size=2, max_attempts=2,
+                       reasoner_k=2, max_tokens=64, max_model_len=4096)
+    spice.validate_config(cfg)
+    as_text = lambda p: p if isinstance(p, str) else "\n".join(m["content"] for m in p)
+    wrapper = "<<plain>>" if fmt == "plain" else "<<system>>"
+    s = _RecordingSampler('{"suitable_for_mcq": false, "suitable_for_free_form": true, '
+                          '"best_answer_type": "Integer", "reason": "a count"}')
+    types, fallbacks = spice.select_task_types(s, [DOC], cfg, fmt, np.random.default_rng(0))
+    assert (types, fallbacks) == ([("free", "Integer")], 0)
+    marks = ("<<type_selection>>", "<<document_block>>", wrapper, DOC)
+    assert all(m in as_text(s.prompts[0]) for m in marks)
+    s = _RecordingSampler(json.dumps(free_json()))
+    check = spice.ValidityChecker(cfg, tiny_tokenizer, fmt)
+    for kind, t, marker in (("free", "Integer", "<<free_form>>"), ("mcq", None, "<<mcq>>")):
+        spice.challenger_generate(s, [DOC, None], [(kind, t)] * 2, cfg, fmt, check,
+                                  np.random.default_rng(0))
+        with_doc, without = map(as_text, s.prompts[-2:])
+        assert all(m in with_doc for m in (marker, "<<document_block>>", DOC, wrapper))
+        assert marker in without and "<<no_document_block>>" in without and DOC not in without
+    task, _ = spice.parse_task(json.dumps(free_json()), "free", "Integer")
+    s = _RecordingSampler("\\boxed{25}")
+    _, correct = spice.sample_answers(s, [task], cfg, fmt)
+    assert correct == [[1.0, 1.0]]
+    assert all(m in as_text(s.prompts[0]) for m in ("<<reasoner>> " + task.question, wrapper))
+
+    class _Run:
+        def write_eval(self, res, name):
+            pass
+    spice.run_eval(s, _Run(), replace(cfg, eval_limit=1), fmt, [str(EVAL)], 1)
+    assert "<<reasoner>>" in as_text(s.prompts[-1]) and wrapper in as_text(s.prompts[-1])
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"mcq": "Write a question."},
+     r"template 'mcq' must use exactly the placeholders \['document_block'\]"),
+    ({"reasoner": "{question} {document}"}, r"unknown \['document'\]"),
+    ({"free_form": "{document_block} only"}, r"missing \['answer_type'\]"),
+])
+def test_a_bad_prompt_file_is_a_one_line_usage_error(tmp_path, capsys, changes, match):
+    path = _marked_prompts(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        spice.validate_config(spice.Config(prompts=path))
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(spice.Config, ["--prompts", path], check=spice.validate_config)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and re.search(match, err) and "--prompts" in err
 
 
 # ---------------------------------------------------------------------------------------------------- grading
@@ -216,6 +431,20 @@ def test_grading_by_answer_kind():
     e, _ = spice.parse_task(json.dumps(free_json("Sum?", "n(2a+(n-1)d)/2", "Expression")), "free", "Expression")
     outs = [comp("\\boxed{\\frac{n(2a + (n-1)d)}{2}}"), comp("\\boxed{n(a+(n-1)d)}")]
     assert spice.grade_answers(e, outs) == [1.0, 0.0]
+
+
+def test_letter_only_expression_answers_reach_math_verify():
+    """A gold "mgh" is the product m g h, not a word: reorderings and explicit products equal it
+    (real math-verify); a gold "B" is a symbol, not an option letter."""
+    def task(gold):
+        text = json.dumps(free_json("Q?", gold, "Expression"))
+        return spice.parse_task(text, "free", "Expression")[0]
+    preds = ["hmg", "m \\cdot g \\cdot h", "g m h", "h \\times m \\times g", "mgh",
+             "m+g+h", "mg", "2mgh"]
+    got = spice.grade_answers(task("mgh"), [comp(f"\\boxed{{{p}}}") for p in preds])
+    assert got == [1.0] * 5 + [0.0] * 3
+    preds = [comp("\\boxed{B}"), comp("\\boxed{B) 3}"), comp("\\boxed{C}")]
+    assert spice.grade_answers(task("B"), preds) == [1.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
@@ -315,7 +544,7 @@ def test_gold_check_grades_the_oracle_like_the_reasoner(tiny_tokenizer):
     prompts, n, temperature = oracle.calls[0]
     assert (n, temperature) == (1, 0.0)                # one greedy answer per task
     assert [p[1]["content"].split("\n")[0] for p in prompts] == [mcq.question.split("\n")[0], "Second?", "First?"]
-    assert all(spice.REASONER_INSTRUCTION in p[1]["content"] and "DOCUMENT" not in p[1]["content"]
+    assert all(REASONER_MARK in p[1]["content"] and "DOCUMENT" not in p[1]["content"]
                and DOC[:30] not in p[1]["content"] for p in prompts)   # the Reasoner's prompt, never the document
     oracle = _ScriptedOracle(["\\boxed{A}"], tiny_tokenizer)
     assert spice.gold_check(oracle, None, [r1, r2], spice.Config(oracle_limit=1)) == {
@@ -411,7 +640,7 @@ def _metrics(run_dir):
 SMALL_RUN = ["--model", "tiny", "--corpus", str(CORPUS), "--docs-per-step", "1", "--group-size", "2",
              "--reasoner-k", "2", "--max-attempts", "2", "--max-tokens", "24", "--max-model-len", "2048",
              "--eval-benchmarks", str(EVAL), "--eval-max-tokens", "8", "--save-every", "2", "--log-samples", "1",
-             "--type-select-max-tokens", "16"]
+             "--type-select-max-tokens", "16", "--prompts", str(SHORT_PROMPTS)]
 
 
 @pytest.mark.slow
@@ -490,7 +719,9 @@ def _sft(tiny_model_path, challenger=True):
     policy = common.Policy.load(cfg)
     tok, eos = policy.tokenizer, [policy.tokenizer.eos_token_id]
     target = tok(WARM_JSON)["input_ids"] + eos
-    ex = [(common.encode_prompt(tok, spice.challenger_prompt(d, "mcq", None, "chat")), target)
+    short = common.load_prompts(str(SHORT_PROMPTS), spice.PROMPTS)
+    prompt = lambda d: spice.challenger_prompt(d, "mcq", None, "chat", short)
+    ex = [(common.encode_prompt(tok, prompt(d)), target)
           for d in [*spice.read_jsonl_documents(str(CORPUS), limit=1), None]] if challenger else []
     rp = common.encode_prompt(tok, spice.reasoner_prompt(WARM_QUESTION, "chat"))
     ex += [(rp, tok("\\boxed{A}")["input_ids"] + eos), (rp, tok("\\boxed{B}")["input_ids"] + eos)]
@@ -531,7 +762,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
                        steps=1, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks=str(EVAL), eval_max_tokens=8,
-                       save_every=0, lr=1e-5, log_samples=2,
+                       save_every=0, lr=1e-5, log_samples=2, prompts=str(SHORT_PROMPTS),
                        oracle_model=tiny_model_path, oracle_limit=3)   # the untrained tiny model as the "oracle"
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
@@ -551,7 +782,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
     # information asymmetry, checked on what was really sent: Reasoner prompts carry no document text
     as_text = lambda p: p if isinstance(p, str) else "\n".join(x["content"] for x in p)
-    reasoner = [as_text(p) for p, _ in seen if spice.REASONER_INSTRUCTION in as_text(p)]
+    reasoner = [as_text(p) for p, _ in seen if REASONER_MARK in as_text(p)]
     eval_qs = [json.loads(l)["question"] for l in EVAL.read_text().splitlines()]
     n_valid = round(m["challenger/valid_rate"] * 8)
     n_checked = min(3, n_valid)        # K answers per valid task, then one greedy oracle answer per checked task
@@ -579,7 +810,8 @@ def test_no_document_frozen_challenger_fresh_answers(tmp_path, tiny_model_path, 
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), output_dir=str(tmp_path / "run"), steps=1,
                        docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-5,
-                       no_document=True, freeze_challenger=True, fresh_reasoner_samples=True)
+                       no_document=True, freeze_challenger=True, fresh_reasoner_samples=True,
+                       prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     calls = []
     generate = policy.generate
@@ -605,7 +837,8 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), corpus_docs=1, output_dir=str(tmp_path / "run"),
                        steps=2, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4, max_tokens=96,
                        max_model_len=2048, task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-3,
-                       challenger_model=warm_path, oracle_model=warm_path, oracle_every=2)
+                       challenger_model=warm_path, oracle_model=warm_path, oracle_every=2,
+                       prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, reasoner_only_weights)
     written = []                                # the Challenger attempts of each step
     generate_tasks = spice.challenger_generate
@@ -639,7 +872,8 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
     # and the policy itself writes no valid task: every valid one came from the frozen Challenger
     doc = spice.read_jsonl_documents(str(CORPUS), limit=1)[0]
-    outs = policy.generate([spice.challenger_prompt(doc, "mcq", None, "chat")], n=8, temperature=1.0, max_tokens=96)
+    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.prompt_templates(cfg))
+    outs = policy.generate([prompt], n=8, temperature=1.0, max_tokens=96)
     assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
 
 
@@ -708,7 +942,7 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
         spice.train(spice.Config(model="no-such-model", corpus=str(tmp_path / "missing.jsonl"), seed=1234))
     assert e.value.args == (1234,)
     cfg = spice.Config(seed=7, eval_n=2)
-    assert cfg.eval_max_tokens == cfg.max_tokens == 4096     # spec §5: evaluated with the training prompt
+    assert cfg.eval_max_tokens == cfg.max_tokens == 4096     # App. A: as in training
     seen = {}
 
     def evaluate(policy, benches, **kw):
@@ -724,6 +958,34 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
     spice.run_eval(None, _Run(), cfg, "chat", ["x"], 3)
     assert (seen["seed"], seen["max_tokens"], seen["n"], seen["written"]) == (7, 4096, 2, "eval.json")
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
+    assert seen["timeout"] == cfg.verify_timeout == 1.0      # the training grader's budget
+
+
+def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
+    """--verify-timeout reaches every Math-Verify call of the (real) evaluation, as in training."""
+    seen = []
+    real = common.math_equal_many
+
+    def math_equal_many(pairs, *a, timeout=2.0, **kw):
+        seen.append(timeout)
+        return real(pairs, *a, timeout=timeout, **kw)
+    monkeypatch.setattr(common, "math_equal_many", math_equal_many)
+
+    class Sampler:
+        tokenizer = None
+
+        def generate(self, prompts, n=1, **kw):
+            return [[comp("so \\boxed{42}")] * n for _ in prompts]
+    written = {}
+
+    class _Run:
+        def write_eval(self, res, name):
+            written[name] = res
+    cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3)
+    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", [str(EVAL)], 1)
+    assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
+    assert "timeout 0.37s" in res["settings"]["verifier"] and written["eval.json"]["step"] == 1
+    assert res["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)   # only "15 + 27?"
 
 
 def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer):

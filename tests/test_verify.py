@@ -135,6 +135,47 @@ def test_math_equal_many_matches_serial_and_order():
     assert par[::7] == [math_equal(p, g) for p, g in pairs[::7]]
 
 
+# (pred, gold, equal) for an expression gold (SPICE's Expression answers): a letters-only gold is a
+# product of symbols, not a word, and a trailing h, t, c or l is a variable, not a unit (hours)
+EXPRESSION_PAIRS = [
+    ("hmg", "mgh", True), (r"m \cdot g \cdot h", "mgh", True), ("m g h", "mgh", True),
+    (r"h \times gm", "mgh", True), (r"a \cdot b \cdot c", "abc", True), ("v t", "vt", True),
+    (r"\frac{1}{2} m v^2", r"\frac{mv^2}{2}", True), ("mgh", "mgh", True), ("B", "B", True),
+    (r"\text{B}", "B", True), ("m+g+h", "mgh", False), ("mg", "mgh", False), ("B) 3", "B", False),
+    ("C", "B", False), ("5 h", "5", False), ("x t", "vt", False), ("2mgh", "mgh", False),
+]
+
+
+@pytest.mark.parametrize("pred,gold,equal", EXPRESSION_PAIRS)
+def test_expression_golds_reach_math_verify(pred, gold, equal):
+    assert math_equal(pred, gold, timeout=5, expression=True) is equal
+    assert math_equal_many([(pred, gold), ("1", "1")], timeout=5, expression=True) == [equal, True]
+
+
+def test_expression_mode_skips_only_the_word_and_letter_fast_paths(monkeypatch):
+    """Default mode (STaR, R-Zero, evaluation) keeps deciding words and option letters in-process;
+    expression mode sends math-verify every pair not decided by an exact match or two numbers."""
+    sent = []
+    run = common._VfPool.run
+    monkeypatch.setattr(common._VfPool, "run",
+                        lambda self, items, *a: sent.extend(items) or run(self, items, *a))
+    monkeypatch.setattr(common, "_VF_CACHE", {})
+    words_and_letters = [("hmg", "mgh"), (r"m \cdot g \cdot h", "mgh"), ("B) 3", "B"), ("(b)", "B"),
+                         ("Photosynthesis.", "photosynthesis"), ("m+g+h", "mgh")]
+    assert math_equal_many(words_and_letters) == [False, False, True, True, True, True]
+    assert sent == []
+    expected = [True, True, False, True, False, False]
+    assert math_equal_many(words_and_letters, expression=True) == expected
+    assert [(p, g) for p, g, _ in sent] == words_and_letters and all(e for _, _, e in sent)
+    sent.clear()
+    decided = [("mgh", "mgh"), ("$x^2$", "x^2"), ("3/4", "0.75"), ("12", "13")]
+    assert math_equal_many(decided, expression=True) == [True, True, True, False]
+    assert sent == []
+    # the default mode still strips units ("5 h"); expression mode reads h as a variable
+    assert (math_equal("5 h", "5"), math_equal("5 h", "5", expression=True)) == (True, False)
+    assert sent == [("5 h", "5", False), ("5 h", "5", True)]
+
+
 BOMBS = [
     "9^{9^{9^{9}}}", "2^{5000000000}", "100000000!", "\\frac{1}{" * 45 + "2" + "}" * 45, "{" * 5000,
     "}" * 3000 + "\\boxed{", "\\boxed{" * 3000, "x" * 100_000, "(" * 800 + "1" + ")" * 800,
@@ -162,10 +203,11 @@ _HOSTILE = st.lists(st.sampled_from(_TOKENS), max_size=200).map("".join) | st.bu
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pred=_HOSTILE, gold=st.one_of(_HOSTILE, st.sampled_from(["1", "0.5", "B", "x+1"])))
-def test_math_equal_fuzz_never_raises_or_hangs(pred, gold):
+@given(pred=_HOSTILE, gold=st.one_of(_HOSTILE, st.sampled_from(["1", "0.5", "B", "x+1"])),
+       expression=st.booleans())
+def test_math_equal_fuzz_never_raises_or_hangs(pred, gold, expression):
     t = time.monotonic()
-    r = math_equal(pred, gold, timeout=0.5)
+    r = math_equal(pred, gold, timeout=0.5, expression=expression)
     assert isinstance(r, bool)
     assert time.monotonic() - t < PER_CALL_BOUND_S
 
