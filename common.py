@@ -1596,8 +1596,8 @@ class Trajectory:
     (outcome reward broadcast to every completion token, rl_core notation), the role that produced it (used for
     per-role stats such as ``entropy/<role>``) and, when the sampler returned them, the sampler's log-probs of
     the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check).
-    ``old_logprobs`` pins pi_old for a fork that splits one rollout batch over several ``pg_step`` calls
-    itself (``pg_step``'s own mini-batches need none): fill it with ``old_logprobs(policy, trajs, T)``."""
+    ``old_logprobs`` pins pi_old for a fork that splits one rollout batch over several ``pg_step``
+    calls itself (pg_step's own mini-batches need none): ``old_logprobs(policy, trajs, T)``."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
@@ -1773,9 +1773,9 @@ def _rl_normalise(r: torch.Tensor, idx: list[int], *, use_std: bool, eps: float,
 
 
 def _rl_keys(ids) -> list:
-    """Group ids or keys as plain python values, compared by value: a torch tensor or numpy array (of
-    shape [N], or [N, k] for k-part keys), or a list of their scalars. A 0-d tensor hashes by identity, so
-    used as it is, every sample would be a group of its own and get advantage 0."""
+    """Group ids or keys as plain python values, compared by value: a torch tensor or numpy array
+    (shape [N], or [N, k] for k-part keys), or a list of their scalars. A 0-d tensor hashes by
+    identity, so used as it is, every sample would be a group of its own and get advantage 0."""
     def plain(x):
         if isinstance(x, (torch.Tensor, np.ndarray, np.generic)):
             x = x.tolist()
@@ -1799,8 +1799,8 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
 
     Degenerate groups: all rewards equal -> exactly 0 (not (r - mean)/eps, which float round-off can blow up);
     a group of size 1 -> 0 (the unbiased std is undefined there; veRL would give A = r instead).
-    ``group_ids`` are hashables, one per reward, or a torch tensor / numpy array of them (compared by
-    value). Returns a float32 tensor in input order."""
+    ``group_ids`` are hashables, one per reward, or a torch tensor / numpy array of them (compared
+    by value). Returns a float32 tensor in input order."""
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' (GRPO) or 'none' (Dr. GRPO), got {scale!r}")
     r = _rl_as_float64(rewards)
@@ -1827,7 +1827,8 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None, token_we
     ``token_weighted=True`` follows the official code instead of the paper: it whitens *token-level* returns
     over each key (veRL ``masked_whiten``), so every response counts with weight |y_i| (``lengths``, required)
     in the mean and in the Bessel-corrected variance, and A = (r - mu) * rsqrt(var + eps) (official eps 1e-8).
-    Default is the paper's per-sequence Eq. 8 (rl_core §1). ``keys`` as ``group_ids`` of group_advantages."""
+    Default is the paper's per-sequence Eq. 8 (rl_core §1). ``keys`` are taken as group_ids are
+    in group_advantages."""
     r = _rl_as_float64(rewards)
     keys = _rl_keys(keys)
     if len(keys) != len(r):
@@ -1866,9 +1867,9 @@ class PGConfig:
     max_len: int = 0                  # L_max for drgrpo: the generation limit (max_tokens)
     temperature: float = 1.0          # sampling temperature the rollouts used; log-probs are scored at it
     tis_cap: float = 0.0              # truncated importance-sampling cap C (oat: 2); 0 = off (rl_core §5)
-    mini_batch: int = 0               # trajectories per optimizer step; 0 = the whole batch in one step
-    shuffle: bool = False             # permute the batch before each pass (oat/algorithms/ppo.py learning_step)
-    updates_per_batch: int = 1        # passes over the batch (PPO epochs), one step per mini-batch each
+    mini_batch: int = 0               # trajectories per optimizer step; 0 = whole batch, one step
+    shuffle: bool = False             # permute the batch every pass (Oat oat/algorithms/ppo.py)
+    updates_per_batch: int = 1        # passes over the batch (PPO epochs), a step per mini-batch
 
     def __post_init__(self):
         if self.aggregation not in _RL_AGGREGATIONS:
@@ -1880,7 +1881,8 @@ class PGConfig:
         if self.updates_per_batch < 1:
             raise ValueError("updates_per_batch must be >= 1")
         if self.mini_batch < 0:
-            raise ValueError(f"mini_batch must be >= 0 trajectories (0 = the whole batch), got {self.mini_batch}")
+            raise ValueError(f"mini_batch must be >= 0 trajectories (0 = the whole batch), "
+                             f"got {self.mini_batch}")
 
 
 def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None, sampler_logp=None):
@@ -2056,10 +2058,10 @@ def _rl_seq_means(groups: dict[str, list[torch.Tensor]], real: bool = True) -> d
 @dataclass
 class _RLPart:
     """This rank's share of one optimizer step, planned before any forward pass: the distributed
-    bookkeeping of pg_step and sft_step, kept out of their loss code. ``micro`` lists the micro-batches this
-    rank runs, as (item indices, live). Every rank runs the same number of them, so FSDP's collectives match:
-    a rank short of real work re-runs one at live = 0.0. ``items`` are this rank's real items; ``num_seqs``
-    and ``num_tokens`` are N and M of the step over all ranks (identity in one process)."""
+    bookkeeping of pg_step and sft_step, kept out of their loss code. ``micro`` lists the
+    micro-batches this rank runs, as (item indices, live). Every rank runs the same number of them,
+    so FSDP's collectives match: a rank short of real work re-runs one at live = 0.0. ``items`` are
+    this rank's real items; ``num_seqs`` and ``num_tokens``: N and M of the step over all ranks."""
     micro: list[tuple[list[int], float]]
     items: list[int]
     num_seqs: int
@@ -2068,10 +2070,10 @@ class _RLPart:
 
 def _rl_plan(policy, idx: list[int], tokens: list[int], seq_lens: list[int], budget: int,
              max_seqs: int | None = None) -> _RLPart:
-    """Plan one optimizer step on the items ``idx`` of a batch that every rank holds in full: this rank
-    takes its contiguous share (``Policy.shard``), cut into micro-batches of at most ``budget`` padded tokens
-    (``seq_lens``); ``tokens`` are the tokens that get a loss. A rank left with nothing keeps the first item
-    as a zero-weight stand-in."""
+    """Plan one optimizer step on the items ``idx`` of a batch that every rank holds in full. This
+    rank takes its contiguous share (``Policy.shard``), cut into micro-batches of at most ``budget``
+    padded tokens (``seq_lens``); ``tokens`` count the tokens that get a loss. A rank left with
+    nothing keeps the first item as a zero-weight stand-in."""
     local = policy.shard(list(idx)) if hasattr(policy, "shard") else list(idx)
     real = bool(local)
     if not real:
@@ -2079,8 +2081,8 @@ def _rl_plan(policy, idx: list[int], tokens: list[int], seq_lens: list[int], bud
     mbs = _rl_micro_batches([seq_lens[i] for i in local], budget, max_seqs)
     n, m = _rl_all_reduce([len(local) * real, sum(tokens[i] for i in local) * real], "sum")
     n_mb = int(_rl_all_reduce([len(mbs)], "max")[0])
-    micro = [([local[j] for j in mbs[k]], float(real)) if k < len(mbs) else ([local[j] for j in mbs[0]], 0.0)
-             for k in range(n_mb)]
+    micro = [([local[j] for j in mbs[k]], float(real)) if k < len(mbs)
+             else ([local[j] for j in mbs[0]], 0.0) for k in range(n_mb)]
     return _RLPart(micro, local if real else [], int(n), int(m))
 
 
@@ -2094,9 +2096,9 @@ def _rl_swap(policy, weights: dict):
 
 @torch.no_grad()
 def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
-    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass. ``pg_step`` already keeps the
-    rollout policy as pi_old for all of its mini-batches (``PGConfig.mini_batch``); this is for a fork that
-    splits one rollout batch over several ``pg_step`` calls itself."""
+    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass. ``pg_step`` already
+    keeps the rollout policy as pi_old for all its mini-batches (``PGConfig.mini_batch``); this is
+    for a fork that splits one rollout batch over several ``pg_step`` calls itself."""
     _rl_release_sampler(policy)
     budget = int(getattr(policy.cfg, "micro_batch_tokens", 16384))
     lp, _ = token_logprobs(policy.model, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
@@ -2106,10 +2108,10 @@ def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> N
 
 
 def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
-    """The optimizer steps of one pg_step: ``cfg.updates_per_batch`` passes over the n trajectories, each
-    cut into mini-batches of ``cfg.mini_batch`` (the last one holds the remainder), in batch order or, with
-    ``cfg.shuffle``, in a fresh permutation per pass. The permutation comes from python's ``random``, which
-    every rank draws from in step (see ``Policy.generate``) and a checkpoint restores."""
+    """The optimizer steps of one pg_step: ``cfg.updates_per_batch`` passes over n trajectories,
+    each cut into mini-batches of ``cfg.mini_batch`` (the last holds the remainder), in batch order
+    or, with ``cfg.shuffle``, in a fresh permutation per pass. The permutation comes from python's
+    ``random``, which every rank draws from in step (``Policy.generate``); checkpoints keep it."""
     size = cfg.mini_batch or n
     passes = []
     for _ in range(cfg.updates_per_batch):
@@ -2121,39 +2123,42 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch: one optimizer step per mini-batch of
-    ``cfg.mini_batch`` trajectories, over ``cfg.updates_per_batch`` passes, then ``policy.sync()``.
+    ``cfg.mini_batch`` trajectories, in ``cfg.updates_per_batch`` passes, then ``policy.sync()``.
 
-    0. Schedule (``_rl_schedule``): mini-batches in batch order, or permuted per pass (``cfg.shuffle``).
-       ``mini_batch = 0`` is the whole batch in one step. Under torchrun every rank passes the FULL batch
-       and trains on its share of each mini-batch (``_rl_plan``).
-    1. One no-grad pass over the batch BEFORE any step: l_old (the rollout policy, rl_core §2; or
-       ``t.old_logprobs`` when every trajectory carries them), exact entropy, and l_ref if cfg.kl_coef > 0.
-       So pi_old is the policy that sampled for every mini-batch: the ratio is 1 in the first step, and
-       clipping, dual clip and truncated IS act from the second on, as in veRL, EasyR1 and Oat.
-       Reference: the weights ``ref_weights`` (kept on the CPU, e.g. ``policy.get_weights()`` at phase
-       start) are swapped into the trainer's own tensors for this pass only (``policy.swapped_weights``).
-    2. Each step: for every micro-batch (``policy.cfg.micro_batch_tokens`` padded tokens) forward with grad,
-       per-token loss ``token_loss`` (default ``pg_token_loss``; a fork passes its own function with the
-       same signature), aggregation (``aggregation_weights``) with N and M of THIS MINI-BATCH over all ranks,
-       backward (gradients summed over micro-batches, no extra division); clip the grad norm to
-       ``policy.cfg.grad_clip``; optimizer step. Per mini-batch normalisers are what the official trainers
-       do: veRL (Absolute Zero), EasyR1 (R-Zero) and Oat (SPICE) all average the loss over one mini-batch.
-       They divide by the NOMINAL mini-batch size, so a short last mini-batch moves the weights less there;
-       here every mini-batch, the last included, is averaged over its own trajectories. A mini-batch
-       without completion tokens is skipped.
+    0. Schedule (``_rl_schedule``): mini-batches in batch order, or permuted per pass
+       (``cfg.shuffle``); ``mini_batch = 0`` is the whole batch in one step. Under torchrun every
+       rank passes the FULL batch and trains on its share of each mini-batch (``_rl_plan``).
+    1. One no-grad pass BEFORE any step: l_old (the rollout policy, rl_core §2; or
+       ``t.old_logprobs`` when every trajectory carries them), exact entropy, and l_ref if
+       cfg.kl_coef > 0. So pi_old is the policy that sampled, for every mini-batch: the ratio is 1
+       in the first step, and clipping, dual clip and truncated IS act from the second on (veRL,
+       EasyR1 and Oat do the same). The reference weights ``ref_weights`` (on the CPU, e.g.
+       ``policy.get_weights()`` at phase start) are swapped into the trainer's own tensors for this
+       pass only (``policy.swapped_weights``).
+    2. Each step: for every micro-batch (``policy.cfg.micro_batch_tokens`` padded tokens) forward
+       with grad, per-token loss ``token_loss`` (default ``pg_token_loss``; a fork passes its own
+       function with the same signature), aggregation (``aggregation_weights``) with N and M of THIS
+       MINI-BATCH over all ranks, backward (gradients summed over micro-batches, no extra division);
+       clip the grad norm to ``policy.cfg.grad_clip``; optimizer step. The official trainers also
+       average the loss over one mini-batch (veRL ``dp_actor.update_policy`` for Absolute Zero,
+       EasyR1's for R-Zero, Oat ``ppo.py learning_step`` for SPICE), but divide by the NOMINAL
+       mini-batch size, so their short last mini-batch moves the weights less; here each mini-batch,
+       the last included, is averaged over its own trajectories. A mini-batch without completion
+       tokens is skipped.
     3. ``policy.sync()`` pushes the new weights into the sampler.
 
-    Returns stats: optimizer_steps; loss (mean over steps of the mini-batch loss), grad_norm (pre-clip,
-    mean over steps), clip_frac (share of trained tokens where the clipped branch was taken) and approx_kl
-    (k3 estimate of KL(pi_old || pi), 0 on-policy), both over every token of every step and rank; kl_ref
-    (if kl_coef > 0), entropy (exact token entropy of the tempered rollout policy), nll_entropy (analysis
-    Eq. 1: mean NLL of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1),
-    entropy/<role> (Eq. 1 per role) and entropy_exact/<role>, tokens_per_s (completion tokens through
-    forward+backward per second over the whole call), time_s, peak_mem_gb, zero_adv_frac (share of
-    trajectories with advantage exactly 0), logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens
-    whose sampler log-probs are known; a jump means a broken weight sync), n_tokens, n_seqs. All of these
-    are over the whole batch under torchrun, except tokens_per_s, time_s and peak_mem_gb (this rank's).
-    The loss value is ~ -mean(A) ~ 0 on-policy; that is expected (rl_core §2).
+    Returns stats: optimizer_steps; loss (mean over steps of the mini-batch loss); grad_norm
+    (pre-clip, mean over steps); clip_frac (share of trained tokens where the clipped branch was
+    taken) and approx_kl (k3 estimate of KL(pi_old || pi), 0 on-policy), both over every token of
+    every step; kl_ref (if kl_coef > 0); entropy (exact token entropy of the tempered rollout
+    policy); nll_entropy (analysis Eq. 1: mean NLL of the sampled tokens, sequence-mean of
+    token-means; an entropy estimate only at T=1); entropy/<role> (Eq. 1 per role) and
+    entropy_exact/<role>; tokens_per_s (completion tokens through forward+backward per second over
+    the whole call); time_s; peak_mem_gb; zero_adv_frac (share of trajectories with advantage
+    exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler
+    log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under torchrun all
+    are over the whole batch, except tokens_per_s, time_s and peak_mem_gb (this rank's). The loss
+    value is ~ -mean(A) ~ 0 on-policy; that is expected (rl_core §2).
     """
     if not trajs:
         raise ValueError("pg_step got no trajectories")
@@ -2180,23 +2185,25 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     passes = [[_rl_plan(policy, idx, lens, seq_lens, budget) for idx in mbs]
               for mbs in _rl_schedule(len(trajs), cfg)]
     mine = sorted({i for part in passes for st in part for idx, _ in st.micro for i in idx})
-    seen = [i for st in passes[0] for i in st.items]  # each trajectory once over all ranks: for the stats
+    seen = [i for st in passes[0] for i in st.items]  # each trajectory once over all ranks (stats)
 
     # 1. old / reference log-probs of this rank's trajectories, no grad, before any step
+    def score(with_entropy):
+        return token_logprobs(model, [prompts[i] for i in mine], [comps[i] for i in mine],
+                              temperature=T, token_budget=budget, with_entropy=with_entropy)
     with torch.no_grad():
-        lp, en = token_logprobs(model, [prompts[i] for i in mine], [comps[i] for i in mine], temperature=T,
-                                token_budget=budget, with_entropy=True)
+        lp, en = score(True)
         old, ent = dict(zip(mine, lp)), dict(zip(mine, en))
         if all(t.old_logprobs is not None for t in trajs):
-            old = {i: torch.tensor(trajs[i].old_logprobs, dtype=torch.float32, device=device) for i in mine}
+            old = {i: torch.tensor(trajs[i].old_logprobs, dtype=torch.float32, device=device)
+                   for i in mine}
         ref = None
         if cfg.kl_coef > 0:
             with _rl_swap(policy, ref_weights):
-                ref = dict(zip(mine, token_logprobs(model, [prompts[i] for i in mine],
-                                                    [comps[i] for i in mine], temperature=T,
-                                                    token_budget=budget)[0]))
+                ref = dict(zip(mine, score(False)[0]))
     samp = {i: None if trajs[i].sampler_logprobs is None else
-            torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=device) for i in mine}
+            torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=device)
+            for i in mine}
     adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=device) for i in mine}
     grad_scale = _rl_grad_scale()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2208,18 +2215,20 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         if st.num_tokens == 0:
             continue
         items = list(dict.fromkeys(i for idx, _ in st.micro for i in idx))
-        w = dict(zip(items, aggregation_weights([lens[i] for i in items], cfg.aggregation,
-                                                num_seqs=st.num_seqs, num_tokens=st.num_tokens,
-                                                max_len=cfg.max_len).to(device).split([lens[i] for i in items])))
+        sizes = [lens[i] for i in items]
+        w = dict(zip(items, aggregation_weights(sizes, cfg.aggregation, num_seqs=st.num_seqs,
+                                                num_tokens=st.num_tokens, max_len=cfg.max_len)
+                     .to(device).split(sizes)))
         opt.zero_grad(set_to_none=True)
         for idx, live in st.micro:
-            lp, en = _rl_forward(model, [prompts[i] for i in idx], [comps[i] for i in idx], temperature=T,
-                                 with_entropy=cfg.entropy_coef > 0)
+            lp, en = _rl_forward(model, [prompts[i] for i in idx], [comps[i] for i in idx],
+                                 temperature=T, with_entropy=cfg.entropy_coef > 0)
 
             def cat(xs):
                 return torch.cat([xs[i] for i in idx])
             tok_loss, clipped = token_loss(lp, cat(old), cat(adv), cfg,
-                                           ref_logp=cat(ref) if ref is not None else None, entropy=en,
+                                           ref_logp=cat(ref) if ref is not None else None,
+                                           entropy=en,
                                            sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
             loss = (tok_loss * cat(w)).sum() * live
             (loss * grad_scale).backward()
