@@ -2111,11 +2111,12 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     """The optimizer steps of one pg_step: ``cfg.updates_per_batch`` passes over n trajectories,
     each cut into mini-batches of ``cfg.mini_batch`` (the last holds the remainder), in batch order
     or, with ``cfg.shuffle``, in a fresh permutation per pass. The permutation comes from python's
-    ``random``, which every rank draws from in step (``Policy.generate``); checkpoints keep it."""
+    ``random`` (checkpoints keep its state), drawn on every rank so the streams stay in step
+    (``Policy.generate``), and rank 0's is used everywhere."""
     size = cfg.mini_batch or n
     passes = []
     for _ in range(cfg.updates_per_batch):
-        order = random.sample(range(n), n) if cfg.shuffle else list(range(n))
+        order = broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
         passes.append([order[s:s + size] for s in range(0, n, size)])
     return passes
 

@@ -148,6 +148,28 @@ def test_every_mini_batch_is_normalised_by_its_own_counts(tiny_policy_hf, mode):
             assert torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-4), (mode, k)
 
 
+def test_pg_step_trains_on_the_token_loss_it_is_given(tiny_policy_hf):
+    """A fork swaps the loss without editing pg_step: here 2 x pg_token_loss doubles an SGD step."""
+    policy = tiny_policy_hf
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1e-2)
+    policy.cfg.grad_clip = 0.0
+    trajs = _trajs(policy)
+    start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+    def doubled(*a, **k):
+        loss, clipped = common.pg_token_loss(*a, **k)
+        return 2 * loss, clipped
+    deltas = []
+    for loss_fn in (common.pg_token_loss, doubled):
+        policy.model.load_state_dict(start)
+        common.pg_step(policy, trajs, common.PGConfig(), token_loss=loss_fn)
+        deltas.append({k: v.detach() - start[k] for k, v in policy.model.state_dict().items()})
+    moved = [k for k in deltas[0] if deltas[0][k].abs().max() > 0]
+    assert moved
+    for k in moved:
+        assert torch.allclose(deltas[1][k], 2 * deltas[0][k], atol=1e-6, rtol=1e-3), k
+
+
 def test_mini_batch_must_be_non_negative():
     with pytest.raises(ValueError, match="mini_batch"):
         common.PGConfig(mini_batch=-1)
