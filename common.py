@@ -1827,7 +1827,7 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None, token_we
     ``token_weighted=True`` follows the official code instead of the paper: it whitens *token-level* returns
     over each key (veRL ``masked_whiten``), so every response counts with weight |y_i| (``lengths``, required)
     in the mean and in the Bessel-corrected variance, and A = (r - mu) * rsqrt(var + eps) (official eps 1e-8).
-    Default is the paper's per-sequence Eq. 8 (rl_core §1). ``keys`` are taken as group_ids are
+    Default is the paper's per-sequence Eq. 8. ``keys`` are taken as group_ids are
     in group_advantages."""
     r = _rl_as_float64(rewards)
     keys = _rl_keys(keys)
@@ -2129,7 +2129,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     0. Schedule (``_rl_schedule``): mini-batches in batch order, or permuted per pass
        (``cfg.shuffle``); ``mini_batch = 0`` is the whole batch in one step. Under torchrun every
        rank passes the FULL batch and trains on its share of each mini-batch (``_rl_plan``).
-    1. One no-grad pass BEFORE any step: l_old (the rollout policy, rl_core §2; or
+    1. One no-grad pass BEFORE any step: l_old (the rollout policy; or
        ``t.old_logprobs`` when every trajectory carries them), exact entropy, and l_ref if
        cfg.kl_coef > 0. So pi_old is the policy that sampled, for every mini-batch: the ratio is 1
        in the first step, and clipping, dual clip and truncated IS act from the second on (veRL,
@@ -2152,14 +2152,15 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     (pre-clip, mean over steps); clip_frac (share of trained tokens where the clipped branch was
     taken) and approx_kl (k3 estimate of KL(pi_old || pi), 0 on-policy), both over every token of
     every step; kl_ref (if kl_coef > 0); entropy (exact token entropy of the tempered rollout
-    policy); nll_entropy (analysis Eq. 1: mean NLL of the sampled tokens, sequence-mean of
-    token-means; an entropy estimate only at T=1); entropy/<role> (Eq. 1 per role) and
+    policy); nll_entropy (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning": mean NLL
+    of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1);
+    entropy/<role> (that Eq. 1 per role) and
     entropy_exact/<role>; tokens_per_s (completion tokens through forward+backward per second over
     the whole call); time_s; peak_mem_gb; zero_adv_frac (share of trajectories with advantage
     exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler
     log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under torchrun all
     are over the whole batch, except tokens_per_s, time_s and peak_mem_gb (this rank's). The loss
-    value is ~ -mean(A) ~ 0 on-policy; that is expected (rl_core §2).
+    value is ~ -mean(A) ~ 0 on-policy; that is expected (TRL issues #2703, #3452).
     """
     if not trajs:
         raise ValueError("pg_step got no trajectories")
