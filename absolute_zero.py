@@ -26,8 +26,14 @@ The loop (paper Alg. 1, §3.3); the building blocks come first, the steps last, 
                            each, graded by the executor and compared in trusted code (Eq. 5)
   5. rewards               proposer_reward: Eq. 4 learnability (or Eq. 3 of "Towards Understanding Self-play");
                            solver_reward: 1[correct]; Eq. 6 format penalties (-0.5 wrong but formatted, -1 format)
-  6. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; one PPO-clip step
-                           (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint 6*B batch; sync
+  6. trr_update            TRR++ (Eq. 8): one baseline and std per (task, role), 6 keys; PPO-clip
+                           (Eq. 9, seq-mean-token-mean, entropy bonus 0.001, no KL) on the joint
+                           6*B batch in task order, one AdamW step per --mini-batch 128
+                           trajectories, i.e. one per task type, pi_old the rollout policy; sync.
+                           Official: scripts/selfplay/coder7b.sh sets train_batch_size=64 (= B),
+                           ppo_mini_batch_size=128 (x rollout.n = 1) on 4 GPUs in one Ulysses group;
+                           trainer/ppo/azr_ray_trainer.py concatenates the six task-role batches in
+                           task order, and veRL's dp_actor takes one step per 128 of them
   7. evaluate              math through common.evaluate, HumanEval+/MBPP+ through
                            common.evaluate_code (greedy, 16,000 new tokens), at the end and every
                            --eval-every steps. Not the paper's full Table 1: LiveCodeBench is not
@@ -112,7 +118,7 @@ TASKS = ("deduction", "abduction", "induction")
 class Config(common.RunConfig):
     model: str = "Qwen/Qwen2.5-Coder-7B"  # §4.1 / Table 1 (also Qwen2.5-7B, Coder-3B/14B, Llama-3.1-8B)
     steps: int = 500  # training iterations (§4.1; the code's default is 960, spec §1)
-    batch_size: int = 64  # B, prompts per task-role; 6*B trajectories per optimizer step (Table 3)
+    batch_size: int = 64  # B, prompts per task-role; 6*B trajectories per iteration (Table 3)
     references: int = 6  # K, past triplets shown to the deduction/abduction proposer (Table 3, code io_n=6)
     seed_factor: int = 4  # S, the seed buffers hold S*B tasks before training starts (§3.3.1, Table 3)
     seed_max_rounds: int = 64  # not in the paper: give up a seeding phase (D_seed, then D_ind) after this many proposal rounds (weak models)
@@ -127,7 +133,8 @@ class Config(common.RunConfig):
     lr: float = 1e-6  # AdamW, constant (Table 3)
     weight_decay: float = 0.01  # paper branch of the code (azr_ppo_trainer.yaml); master uses 0
     grad_clip: float = 1.0  # Table 3
-    clip_ratio: float = 0.2  # PPO epsilon (Eq. 9); inactive with one step per batch
+    clip_ratio: float = 0.2  # PPO epsilon (Eq. 9); active from the second mini-batch on
+    mini_batch: int = 128  # trajectories per AdamW step (selfplay/coder7b.sh ppo_mini_batch_size)
     entropy_coef: float = 0.001  # entropy bonus (Table 3; master code: 0)
     aggregation: str = "seq-mean-token-mean"  # loss aggregation (Eq. 9); token-mean = master code
     proposer_reward: str = "learnability"  # learnability = Eq. 4, 1 - r_bar | uncertainty = Eq. 3 of "Towards Understanding Self-play", 1 - 2|r_bar - 0.5|
@@ -966,12 +973,14 @@ def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict
 
 
 def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config) -> dict:
-    """Step 6; common.pg_step also syncs the new weights into the sampler."""
+    """Step 6: one AdamW step per cfg.mini_batch trajectories of the task-ordered batch (by default
+    one per task type), then common.pg_step syncs the new weights into the sampler."""
     trajs = build_trajectories(props, solved, cfg)
     if not trajs:
         return {}
     pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
-                         aggregation=cfg.aggregation, max_len=cfg.max_response_tokens, temperature=cfg.temperature)
+                         aggregation=cfg.aggregation, max_len=cfg.max_response_tokens,
+                         temperature=cfg.temperature, mini_batch=cfg.mini_batch)
     return common.pg_step(policy, trajs, pg)
 
 
@@ -1180,6 +1189,8 @@ def check_config(cfg: Config) -> None:
     for name in ("batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.mini_batch < 0:
+        raise ValueError(f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0")
     if cfg.max_prompt_tokens + 1 > cfg.max_model_len:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below --max-model-len "
                          f"{cfg.max_model_len}")

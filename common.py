@@ -94,6 +94,8 @@ class RunConfig:
     gradient_checkpointing: bool = False  # trade compute for activation memory in the trainer
     lr: float = 1e-6  # AdamW learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta_1 (torch default)
+    adam_beta2: float = 0.999  # AdamW beta_2 (torch default; Oat uses 0.95, oat/args.py)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
     save_every: int = 50  # checkpoint every N steps (0 = only at the end)
@@ -1162,7 +1164,7 @@ class Policy:
     def _make_optimizer(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                 betas=(0.9, 0.999), eps=1e-8)
+                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
         """Before a training pass: with --vllm-sleep (GPU) the engine sleeps (weights to CPU, KV cache freed)
@@ -1594,8 +1596,8 @@ class Trajectory:
     (outcome reward broadcast to every completion token, rl_core notation), the role that produced it (used for
     per-role stats such as ``entropy/<role>``) and, when the sampler returned them, the sampler's log-probs of
     the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check).
-    ``old_logprobs`` pins pi_old when one rollout batch is split over several ``pg_step`` calls (R-Zero's
-    minibatches): fill it once with ``old_logprobs(policy, trajs, temperature)`` before the first update."""
+    ``old_logprobs`` pins pi_old for a fork that splits one rollout batch over several ``pg_step``
+    calls itself (pg_step's own mini-batches need none): ``old_logprobs(policy, trajs, T)``."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
@@ -1770,6 +1772,19 @@ def _rl_normalise(r: torch.Tensor, idx: list[int], *, use_std: bool, eps: float,
     return (g - mean) * torch.rsqrt(var + eps)
 
 
+def _rl_keys(ids) -> list:
+    """Group ids or keys as plain python values, compared by value: a torch tensor or numpy array
+    (shape [N], or [N, k] for k-part keys), or a list of their scalars. A 0-d tensor hashes by
+    identity, so used as it is, every sample would be a group of its own and get advantage 0."""
+    def plain(x):
+        if isinstance(x, (torch.Tensor, np.ndarray, np.generic)):
+            x = x.tolist()
+        return tuple(plain(y) for y in x) if isinstance(x, (list, tuple)) else x
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        ids = ids.tolist()
+    return [plain(g) for g in ids]
+
+
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages, one scalar per response, the baseline taken over the responses to one prompt.
 
@@ -1784,11 +1799,12 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
 
     Degenerate groups: all rewards equal -> exactly 0 (not (r - mean)/eps, which float round-off can blow up);
     a group of size 1 -> 0 (the unbiased std is undefined there; veRL would give A = r instead).
-    ``group_ids`` are any hashables, one per reward. Returns a float32 tensor in input order."""
+    ``group_ids`` are hashables, one per reward, or a torch tensor / numpy array of them (compared
+    by value). Returns a float32 tensor in input order."""
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' (GRPO) or 'none' (Dr. GRPO), got {scale!r}")
     r = _rl_as_float64(rewards)
-    group_ids = list(group_ids)
+    group_ids = _rl_keys(group_ids)
     if len(group_ids) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(group_ids)} group ids")
     groups: dict = defaultdict(list)
@@ -1811,9 +1827,10 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None, token_we
     ``token_weighted=True`` follows the official code instead of the paper: it whitens *token-level* returns
     over each key (veRL ``masked_whiten``), so every response counts with weight |y_i| (``lengths``, required)
     in the mean and in the Bessel-corrected variance, and A = (r - mu) * rsqrt(var + eps) (official eps 1e-8).
-    Default is the paper's per-sequence Eq. 8 (rl_core §1)."""
+    Default is the paper's per-sequence Eq. 8. ``keys`` are taken as group_ids are
+    in group_advantages."""
     r = _rl_as_float64(rewards)
-    keys = list(keys)
+    keys = _rl_keys(keys)
     if len(keys) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(keys)} keys")
     w = None
@@ -1850,7 +1867,9 @@ class PGConfig:
     max_len: int = 0                  # L_max for drgrpo: the generation limit (max_tokens)
     temperature: float = 1.0          # sampling temperature the rollouts used; log-probs are scored at it
     tis_cap: float = 0.0              # truncated importance-sampling cap C (oat: 2); 0 = off (rl_core §5)
-    updates_per_batch: int = 1        # optimizer steps per rollout batch (>1 makes clipping matter)
+    mini_batch: int = 0               # trajectories per optimizer step; 0 = whole batch, one step
+    shuffle: bool = False             # permute the batch every pass (Oat oat/algorithms/ppo.py)
+    updates_per_batch: int = 1        # passes over the batch (PPO epochs), a step per mini-batch
 
     def __post_init__(self):
         if self.aggregation not in _RL_AGGREGATIONS:
@@ -1861,6 +1880,9 @@ class PGConfig:
             raise ValueError("PGConfig.temperature is the sampling temperature of the rollouts and must be > 0")
         if self.updates_per_batch < 1:
             raise ValueError("updates_per_batch must be >= 1")
+        if self.mini_batch < 0:
+            raise ValueError(f"mini_batch must be >= 0 trajectories (0 = the whole batch), "
+                             f"got {self.mini_batch}")
 
 
 def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None, sampler_logp=None):
@@ -2033,12 +2055,35 @@ def _rl_seq_means(groups: dict[str, list[torch.Tensor]], real: bool = True) -> d
     return {k: red[i] / red[len(keys) + i] if red[len(keys) + i] else float("nan") for i, k in enumerate(keys)}
 
 
-def _rl_local_shard(policy, items: list) -> tuple[list, bool]:
-    """This rank's share of a batch that every rank holds in full (core's ``Policy.shard``; identity in one
-    process). A rank left with nothing gets the first item back as a zero-weight stand-in, so it still runs
-    the forward/backward passes that FSDP's collectives expect; the bool says whether the items are real."""
-    local = policy.shard(items) if hasattr(policy, "shard") else items
-    return (local, True) if local else (items[:1], False)
+@dataclass
+class _RLPart:
+    """This rank's share of one optimizer step, planned before any forward pass: the distributed
+    bookkeeping of pg_step and sft_step, kept out of their loss code. ``micro`` lists the
+    micro-batches this rank runs, as (item indices, live). Every rank runs the same number of them,
+    so FSDP's collectives match: a rank short of real work re-runs one at live = 0.0. ``items`` are
+    this rank's real items; ``num_seqs`` and ``num_tokens``: N and M of the step over all ranks."""
+    micro: list[tuple[list[int], float]]
+    items: list[int]
+    num_seqs: int
+    num_tokens: int
+
+
+def _rl_plan(policy, idx: list[int], tokens: list[int], seq_lens: list[int], budget: int,
+             max_seqs: int | None = None) -> _RLPart:
+    """Plan one optimizer step on the items ``idx`` of a batch that every rank holds in full. This
+    rank takes its contiguous share (``Policy.shard``), cut into micro-batches of at most ``budget``
+    padded tokens (``seq_lens``); ``tokens`` count the tokens that get a loss. A rank left with
+    nothing keeps the first item as a zero-weight stand-in."""
+    local = policy.shard(list(idx)) if hasattr(policy, "shard") else list(idx)
+    real = bool(local)
+    if not real:
+        local = list(idx[:1])
+    mbs = _rl_micro_batches([seq_lens[i] for i in local], budget, max_seqs)
+    n, m = _rl_all_reduce([len(local) * real, sum(tokens[i] for i in local) * real], "sum")
+    n_mb = int(_rl_all_reduce([len(mbs)], "max")[0])
+    micro = [([local[j] for j in mbs[k]], float(real)) if k < len(mbs)
+             else ([local[j] for j in mbs[0]], 0.0) for k in range(n_mb)]
+    return _RLPart(micro, local if real else [], int(n), int(m))
 
 
 def _rl_swap(policy, weights: dict):
@@ -2051,9 +2096,9 @@ def _rl_swap(policy, weights: dict):
 
 @torch.no_grad()
 def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
-    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass, before its first update, so later
-    ``pg_step`` calls on minibatches of it keep the rollout policy as pi_old (R-Zero's code: several optimizer
-    minibatches per rollout batch, clip and dual clip active from the second one on)."""
+    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass. ``pg_step`` already
+    keeps the rollout policy as pi_old for all its mini-batches (``PGConfig.mini_batch``); this is
+    for a fork that splits one rollout batch over several ``pg_step`` calls itself."""
     _rl_release_sampler(policy)
     budget = int(getattr(policy.cfg, "micro_batch_tokens", 16384))
     lp, _ = token_logprobs(policy.model, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
@@ -2062,35 +2107,60 @@ def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> N
         t.old_logprobs = x.tolist()
 
 
-def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None) -> dict:
-    """One policy-gradient update on a rollout batch (rl_core §2-§5), then ``policy.sync()``.
+def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
+    """The optimizer steps of one pg_step: ``cfg.updates_per_batch`` passes over n trajectories,
+    each cut into mini-batches of ``cfg.mini_batch`` (the last holds the remainder), in batch order
+    or, with ``cfg.shuffle``, in a fresh permutation per pass. The permutation comes from python's
+    ``random`` (checkpoints keep its state), drawn on every rank so the streams stay in step
+    (``Policy.generate``), and rank 0's is used everywhere."""
+    size = cfg.mini_batch or n
+    passes = []
+    for _ in range(cfg.updates_per_batch):
+        order = broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
+        passes.append([order[s:s + size] for s in range(0, n, size)])
+    return passes
 
-    0. Under torchrun every rank passes the FULL batch and trains on its shard (``policy.shard``); the
-       normalisers below are global. ``policy.release_sampler_memory()`` lets a sleeping vLLM free GPU memory.
-    1. No-grad pass: l_old (the policy that sampled, rl_core §2; or ``t.old_logprobs`` when every trajectory
-       carries them), exact entropy, and l_ref if cfg.kl_coef > 0.
-       Reference choice: the reference weights are kept on the CPU (``ref_weights``, e.g. ``policy.get_weights()``
-       at phase start) and swapped into the trainer model's own tensors for this one no-grad pass
-       (``policy.swapped_weights``), then the current weights are swapped back; so GPU memory is not doubled and
-       the sampler keeps serving the current policy.
-    2. ``cfg.updates_per_batch`` times: zero grads; for every micro-batch (``policy.cfg.micro_batch_tokens``
-       padded tokens) forward with grad, per-token loss (``pg_token_loss``), aggregation with the GLOBAL
-       normalisers N and M (``aggregation_weights``), backward (gradients accumulate by summation, no extra
-       division by the number of micro-batches); clip the grad norm to ``policy.cfg.grad_clip``; optimizer step.
+
+def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
+            token_loss=pg_token_loss) -> dict:
+    """Policy-gradient updates on one rollout batch: one optimizer step per mini-batch of
+    ``cfg.mini_batch`` trajectories, in ``cfg.updates_per_batch`` passes, then ``policy.sync()``.
+
+    0. Schedule (``_rl_schedule``): mini-batches in batch order, or permuted per pass
+       (``cfg.shuffle``); ``mini_batch = 0`` is the whole batch in one step. Under torchrun every
+       rank passes the FULL batch and trains on its share of each mini-batch (``_rl_plan``).
+    1. One no-grad pass BEFORE any step: l_old (the rollout policy; or
+       ``t.old_logprobs`` when every trajectory carries them), exact entropy, and l_ref if
+       cfg.kl_coef > 0. So pi_old is the policy that sampled, for every mini-batch: the ratio is 1
+       in the first step, and clipping, dual clip and truncated IS act from the second on (veRL,
+       EasyR1 and Oat do the same). The reference weights ``ref_weights`` (on the CPU, e.g.
+       ``policy.get_weights()`` at phase start) are swapped into the trainer's own tensors for this
+       pass only (``policy.swapped_weights``).
+    2. Each step: for every micro-batch (``policy.cfg.micro_batch_tokens`` padded tokens) forward
+       with grad, per-token loss ``token_loss`` (default ``pg_token_loss``; a fork passes its own
+       function with the same signature), aggregation (``aggregation_weights``) with N and M of THIS
+       MINI-BATCH over all ranks, backward (gradients summed over micro-batches, no extra division);
+       clip the grad norm to ``policy.cfg.grad_clip``; optimizer step. The official trainers also
+       average the loss over one mini-batch (veRL ``dp_actor.update_policy`` for Absolute Zero,
+       EasyR1's for R-Zero, Oat ``ppo.py learning_step`` for SPICE), but divide by the NOMINAL
+       mini-batch size, so their short last mini-batch moves the weights less; here each mini-batch,
+       the last included, is averaged over its own trajectories. A mini-batch without completion
+       tokens is skipped.
     3. ``policy.sync()`` pushes the new weights into the sampler.
 
-    Returns stats: loss (global), grad_norm (pre-clip), clip_frac (share of tokens where the clipped branch was
-    taken), approx_kl (k3 estimate of KL(pi_old || pi), 0 when on-policy) -- these four averaged over the
-    updates and, except grad_norm, summed over ranks --, kl_ref (if kl_coef > 0), entropy (exact token entropy
-    of the tempered distribution), nll_entropy (analysis Eq. 1: mean NLL of the sampled tokens, sequence-mean
-    of token-means; an entropy estimate only at T=1), entropy/<role> (Eq. 1 per role) and
-    entropy_exact/<role>, tokens_per_s (completion tokens through forward+backward per second over the whole
-    step), time_s, peak_mem_gb, zero_adv_frac (share of trajectories with advantage exactly 0),
-    logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler log-probs are known; logged
-    whenever available since a jump means a broken weight sync), n_tokens, n_seqs. All of these are over the
-    whole batch under torchrun (sums and counts all-reduced), except tokens_per_s, time_s and peak_mem_gb,
-    which are this rank's. The loss value is ~ -mean(A) ~ 0 on-policy; that is
-    expected (rl_core §2).
+    Returns stats: optimizer_steps; loss (mean over steps of the mini-batch loss); grad_norm
+    (pre-clip, mean over steps); clip_frac (share of trained tokens where the clipped branch was
+    taken) and approx_kl (k3 estimate of KL(pi_old || pi), 0 on-policy), both over every token of
+    every step; kl_ref (if kl_coef > 0); entropy (exact token entropy of the tempered rollout
+    policy); nll_entropy (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning": mean NLL
+    of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1);
+    entropy/<role> (that Eq. 1 per role) and
+    entropy_exact/<role>; tokens_per_s (completion tokens through forward+backward per second over
+    the whole call); time_s; peak_mem_gb; zero_adv_frac (share of trajectories with advantage
+    exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler
+    log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under torchrun all
+    are over the whole batch, except tokens_per_s, time_s and peak_mem_gb (this rank's). The loss
+    value is ~ -mean(A) ~ 0 on-policy; that is expected (TRL issues #2703, #3452).
     """
     if not trajs:
         raise ValueError("pg_step got no trajectories")
@@ -2103,55 +2173,66 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
     if cfg.kl_coef > 0 and ref_weights is None:
         raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
+    prompts = [t.prompt_ids for t in trajs]
+    comps = [t.completion_ids for t in trajs]
+    lens = [len(c) for c in comps]
+    if sum(lens) == 0:
+        raise ValueError("all completions are empty: nothing to train on")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
     device, t0 = _rl_begin_train_pass(policy)
     T = cfg.temperature
     roles = sorted({t.role for t in trajs if t.role})  # from the full batch: every rank logs the same keys
-    trajs, real = _rl_local_shard(policy, trajs)
-    prompts = [t.prompt_ids for t in trajs]
-    comps = [t.completion_ids for t in trajs]
-    lens = [len(c) for c in comps]
     budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
-    mbs = _rl_micro_batches([len(p) + len(c) for p, c in zip(prompts, comps)], budget)
-    n_glob, m_glob = (int(x) for x in _rl_all_reduce([len(trajs) * real, sum(lens) * real], "sum"))
-    n_mb_glob = int(_rl_all_reduce([len(mbs)], "max")[0])
-    if m_glob == 0:
-        raise ValueError("all completions are empty: nothing to train on")
+    seq_lens = [len(p) + n for p, n in zip(prompts, lens)]
+    passes = [[_rl_plan(policy, idx, lens, seq_lens, budget) for idx in mbs]
+              for mbs in _rl_schedule(len(trajs), cfg)]
+    mine = sorted({i for part in passes for st in part for idx, _ in st.micro for i in idx})
+    seen = [i for st in passes[0] for i in st.items]  # each trajectory once over all ranks (stats)
 
-    # 1. old / reference log-probs, no grad
+    # 1. old / reference log-probs of this rank's trajectories, no grad, before any step
+    def score(with_entropy):
+        return token_logprobs(model, [prompts[i] for i in mine], [comps[i] for i in mine],
+                              temperature=T, token_budget=budget, with_entropy=with_entropy)
     with torch.no_grad():
-        old, ent = token_logprobs(model, prompts, comps, temperature=T, token_budget=budget, with_entropy=True)
+        lp, en = score(True)
+        old, ent = dict(zip(mine, lp)), dict(zip(mine, en))
         if all(t.old_logprobs is not None for t in trajs):
-            old = [torch.tensor(t.old_logprobs, dtype=torch.float32, device=device) for t in trajs]
+            old = {i: torch.tensor(trajs[i].old_logprobs, dtype=torch.float32, device=device)
+                   for i in mine}
         ref = None
         if cfg.kl_coef > 0:
             with _rl_swap(policy, ref_weights):
-                ref, _ = token_logprobs(model, prompts, comps, temperature=T, token_budget=budget)
-    samp = [None if t.sampler_logprobs is None else torch.tensor(t.sampler_logprobs, dtype=torch.float32,
-                                                                   device=device) for t in trajs]
-    adv_tok = [torch.full((n,), float(t.advantage), device=device) for t, n in zip(trajs, lens)]
-    weights = (aggregation_weights(lens, cfg.aggregation, num_seqs=n_glob, num_tokens=m_glob, max_len=cfg.max_len)
-               * float(real)).to(device).split(lens)
+                ref = dict(zip(mine, score(False)[0]))
+    samp = {i: None if trajs[i].sampler_logprobs is None else
+            torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=device)
+            for i in mine}
+    adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=device) for i in mine}
     grad_scale = _rl_grad_scale()
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
 
-    # 2. updates: micro-batched forward/backward with gradient accumulation, clip, step
+    # 2. one optimizer step per mini-batch: micro-batched forward/backward, clip, step
     total, norms, clip_n, kl_sum = 0.0, [], 0.0, 0.0
-    for _ in range(cfg.updates_per_batch):
+    for st in (st for part in passes for st in part):
+        if st.num_tokens == 0:
+            continue
+        items = list(dict.fromkeys(i for idx, _ in st.micro for i in idx))
+        sizes = [lens[i] for i in items]
+        w = dict(zip(items, aggregation_weights(sizes, cfg.aggregation, num_seqs=st.num_seqs,
+                                                num_tokens=st.num_tokens, max_len=cfg.max_len)
+                     .to(device).split(sizes)))
         opt.zero_grad(set_to_none=True)
-        for k in range(n_mb_glob):
-            # ranks with fewer micro-batches re-run their first one at weight 0 so FSDP collectives match (#10)
-            mb, live = (mbs[k], float(real)) if k < len(mbs) else (mbs[0], 0.0)
-            lp, en = _rl_forward(model, [prompts[i] for i in mb], [comps[i] for i in mb], temperature=T,
-                                 with_entropy=cfg.entropy_coef > 0)
+        for idx, live in st.micro:
+            lp, en = _rl_forward(model, [prompts[i] for i in idx], [comps[i] for i in idx],
+                                 temperature=T, with_entropy=cfg.entropy_coef > 0)
 
             def cat(xs):
-                return torch.cat([xs[i] for i in mb])
-            tok_loss, clipped = pg_token_loss(lp, cat(old), cat(adv_tok), cfg,
-                                              ref_logp=cat(ref) if ref is not None else None, entropy=en,
-                                              sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
-            loss = (tok_loss * cat(weights)).sum() * live
+                return torch.cat([xs[i] for i in idx])
+            tok_loss, clipped = token_loss(lp, cat(old), cat(adv), cfg,
+                                           ref_logp=cat(ref) if ref is not None else None,
+                                           entropy=en,
+                                           sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
+            loss = (tok_loss * cat(w)).sum() * live
             (loss * grad_scale).backward()
             total += loss.item()
             with torch.no_grad():
@@ -2164,28 +2245,29 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     policy.sync()
 
     elapsed = time.perf_counter() - t0
-    n_tok = sum(lens) * real
+    n_glob, m_glob, upd = len(trajs), sum(lens), cfg.updates_per_batch
+    n_tok = sum(lens[i] for i in seen)
     total, clip_n, kl_sum = _rl_all_reduce([total, clip_n, kl_sum], "sum")
-    upd = cfg.updates_per_batch
-    nll = [-x for x in old]
+    nll = {i: -old[i] for i in seen}
     # per-sequence figures over the whole batch (all ranks), keyed like the stats they become
-    groups = {"entropy": ent, "nll_entropy": nll}
+    groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
     for role in roles:
-        idx = [i for i, t in enumerate(trajs) if t.role == role]
+        idx = [i for i in seen if trajs[i].role == role]
         groups[f"entropy/{role}"] = [nll[i] for i in idx]
         groups[f"entropy_exact/{role}"] = [ent[i] for i in idx]
     if ref is not None:
-        groups["kl_ref"] = [torch.exp(r - o) - (r - o) - 1 for r, o in zip(ref, old)]
-    diffs = [(o - s).abs() for o, s in zip(old, samp) if s is not None and o.numel()]
+        groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+    diffs = [(old[i] - samp[i]).abs() for i in seen if samp[i] is not None and lens[i]]
     zero_adv, diff_sum, diff_n = _rl_all_reduce(
-        [sum(t.advantage == 0 for t in trajs) * real, sum(float(d.sum()) for d in diffs) * real,
-         sum(d.numel() for d in diffs) * real], "sum")
+        [sum(trajs[i].advantage == 0 for i in seen), sum(float(d.sum()) for d in diffs),
+         sum(d.numel() for d in diffs)], "sum")
     stats = {
-        "loss": total / upd,
+        "optimizer_steps": len(norms),
+        "loss": total / len(norms),
         "grad_norm": sum(norms) / len(norms),
         "clip_frac": clip_n / (m_glob * upd),
         "approx_kl": kl_sum / (m_glob * upd),
-        **_rl_seq_means(groups, bool(real)),
+        **_rl_seq_means(groups),
         "tokens_per_s": n_tok * (upd + 1) / elapsed,
         "time_s": elapsed,
         "peak_mem_gb": _rl_peak_mem_gb(device),
@@ -2216,21 +2298,19 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
         raise ValueError("sft_step got no examples")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
     device, t0 = _rl_begin_train_pass(policy)
-    examples, real = _rl_local_shard(policy, list(examples))
     prompts = [list(p) for p, _ in examples]
     targets = [list(t) for _, t in examples]
-    n_tok = sum(len(t) for t in targets) * real
     budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
-    mbs = _rl_micro_batches([len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
-    m_glob, n_mb_glob = int(_rl_all_reduce([n_tok])[0]), int(_rl_all_reduce([len(mbs)], "max")[0])
+    part = _rl_plan(policy, list(range(len(examples))), [len(t) for t in targets],
+                    [len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
+    n_tok, m_glob = sum(len(targets[i]) for i in part.items), part.num_tokens
     if m_glob == 0:
         raise ValueError("all SFT targets are empty")
     grad_scale = _rl_grad_scale()
     opt.zero_grad(set_to_none=True)
     total = 0.0
-    for k in range(n_mb_glob):
-        mb, live = (mbs[k], float(real)) if k < len(mbs) else (mbs[0], 0.0)
-        lp, _ = _rl_forward(model, [prompts[i] for i in mb], [targets[i] for i in mb])
+    for idx, live in part.micro:
+        lp, _ = _rl_forward(model, [prompts[i] for i in idx], [targets[i] for i in idx])
         loss = -lp.sum() / m_glob * live
         (loss * grad_scale).backward()
         total += loss.item()

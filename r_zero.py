@@ -50,9 +50,9 @@ give the code's variants where they matter:
     --max-prompt-tokens count as format failures
   * rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation (rl_core §4); votes use
     the code's top-k 40, and the question pool top-p 0.95 (not trained on).
-  * As in the code, each rollout batch is split into optimizer minibatches (Challenger 16 prompts -> 32 updates
-    per step, Solver 128 -> 4; --challenger-minibatch, --solver-minibatch) that all keep the rollout policy's
-    log-probs as pi_old (common.old_logprobs), so the PPO clip and dual clip act from the second minibatch on.
+  * As in the code, each rollout batch is split into optimizer minibatches (Challenger 16 prompts ->
+    32 updates per step, Solver 128 -> 4; --challenger-minibatch, --solver-minibatch) that all keep
+    the rollout policy as pi_old (common.pg_step), so the clip and dual clip act from the second on.
   * Loss aggregation seq-mean-token-mean (EasyR1 with one sequence per micro-batch, rl_core §3, §8).
 Engineering: ONE trainer model and ONE vLLM engine. The role being trained lives in the trainer (with AdamW state,
 reset at every phase start); the other role is a CPU state dict that is swapped into the engine only to sample.
@@ -121,7 +121,7 @@ class Config(common.RunConfig):
     solver_batch: int = 512  # questions per Solver step (config.yaml: 512 x 5 = 2,560 samples)
     challenger_minibatch: int = 16  # prompt copies per optimizer update, 0 = whole batch (scripts; R-Zero issue #23)
     solver_minibatch: int = 128  # questions per optimizer update, 0 = whole batch (paper: Solver batch 128)
-    updates_per_batch: int = 1  # optimizer passes over each minibatch (EasyR1 ppo_epochs = 1)
+    updates_per_batch: int = 1  # passes over a batch, a step per minibatch each (EasyR1 ppo_epochs)
     votes: int = 10  # m, Solver samples per question for p^ and the label (paper; code labels use 9)
     vote_temperature: float = 1.0  # vote sampling (start_vllm_server.py, evaluate.py)
     vote_top_p: float = 1.0  # vote sampling (start_vllm_server.py)
@@ -374,29 +374,16 @@ def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | 
 
 
 def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: dict, minibatch: int) -> dict:
-    """GRPO advantages per group, then one common.pg_step per minibatch of groups; stats averaged over them."""
+    """GRPO advantages per group, then common.pg_step: one optimizer step per `minibatch` groups
+    (0 = all), pi_old the rollout policy for every step; a group's samples are adjacent in trajs."""
     adv = common.group_advantages([t.reward for t in trajs], group_ids, scale="std", eps=cfg.adv_eps)
     for t, a in zip(trajs, adv.tolist()):
         t.advantage = a
+    per_group = len(trajs) // len(set(group_ids))
     pg = common.PGConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                          kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, temperature=cfg.temperature,
-                         updates_per_batch=cfg.updates_per_batch)
-    groups = list(dict.fromkeys(group_ids))
-    size = minibatch or len(groups)
-    if size < len(groups):  # several optimizer minibatches per rollout batch: pi_old stays the rollout policy
-        common.old_logprobs(policy, trajs, cfg.temperature)
-    stats = []
-    for s in range(0, len(groups), size):
-        chunk = set(groups[s:s + size])
-        stats.append(common.pg_step(policy, [t for t, g in zip(trajs, group_ids) if g in chunk], pg,
-                                    ref_weights=ref_weights if cfg.kl_coef > 0 else None))
-    out = {}
-    for k in stats[0]:
-        vals = [st[k] for st in stats if isinstance(st.get(k), (int, float))]
-        if vals:
-            out[k] = float(np.sum(vals) if k in ("n_tokens", "n_seqs", "time_s") else np.mean(vals))
-    out["n_updates"] = len(stats) * cfg.updates_per_batch
-    return out
+                         updates_per_batch=cfg.updates_per_batch, mini_batch=minibatch * per_group)
+    return common.pg_step(policy, trajs, pg, ref_weights=ref_weights if cfg.kl_coef > 0 else None)
 
 
 def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:

@@ -14,7 +14,8 @@ The loop (Alg. 1 + §3.1, numbered as in spec §1: shared/methods/spice.md), one
   3b. challenger_rewards   Eq. 1: r_C = exp(-(Var - 0.25)^2 / (2 tau)), Var = p(1 - p); invalid -> rho = -0.1
   4.  reasoner_group       one random valid task per document; its K answers, r_R = 1[a == a*]
   5.  build_trajectories   Eq. 3: A = r - mean(group), no std, per role and per document
-  6.  drgrpo_update        Eqs. 3-4: sum over tokens / L_max, one optimizer step, then the sampler is re-synced
+  6.  drgrpo_update        Eqs. 3-4: sum over tokens / L_max; an optimizer step per mini-batch of
+                           128 trajectories of the permuted batch (~16 per iteration); re-sync
 Evaluation at the end (and every --eval-every steps), zero-shot with the Reasoner prompt.
 
 Run it:   python spice.py --model Qwen/Qwen3-4B-Base            (resume: python spice.py --resume RUN_DIR)
@@ -30,8 +31,12 @@ Where the paper is inconsistent or silent, this file chooses:
     document gives G Challenger plus K Reasoner trajectories, which balances the roles.
   * The Reasoner group REUSES the K answers sampled for r_C (§2.5, §3.1); Alg. 1, line 16 samples fresh ones
     (--fresh-reasoner-samples).
-  * B counts documents, one optimizer step per iteration. App. B's "128 trajectories per update" and "each
-    document reused 2-3 times in 640 iterations" fit neither reading of B = 128 (~4.1 or ~0.26 uses).
+  * B = 128 counts documents (§3.1). App. B's "128 trajectories per gradient update with rollout
+    batch size of 128" is Oat's pair of settings (oat/args.py): rollout_batch_size counts prompts,
+    train_batch_size = 128 trajectories per optimizer step. So an iteration's ~16 B trajectories
+    take ~16 steps of --mini-batch 128, permuted first and pi_old the rollout policy for all, as in
+    Oat's oat/algorithms/ppo.py learning_step. (App. B's "each document reused 2-3 times in 640
+    iterations" still does not fit: 640 x 128 / 20,000 is ~4.1 uses.)
   * Answer types are Integer / Expression / String (the text), not "integer, float, expression" (Fig. 2).
   * LaTeX in the Challenger's JSON is kept as written (rule: repair_json_escapes).
   * Expression answers reach Math-Verify unless equal as strings or numbers ("hmg" = "mgh"), with no
@@ -44,7 +49,8 @@ Where the paper is inconsistent or silent, this file chooses:
   * The paper's corpus is not openly downloadable; the default streams an open 50/50 stand-in (open-web-math +
     FineWeb-Edu). Segments sharing a 13-gram with an eval set are dropped (analysis §7.3); a generated question
     that does, like one too long for the Reasoner's prompt, is an invalid attempt and earns rho.
-  * Otherwise Oat's defaults (sail-sg/oat): clip 0.2, one PPO epoch, grad clip 1.0, no weight decay.
+  * Otherwise Oat's defaults (sail-sg/oat oat/args.py, oat/algorithms/ppo.py): clip 0.2, one PPO
+    epoch, grad clip 1.0, no weight decay, Adam betas (0.9, 0.95), truncated IS at C = 2 (tis_c).
 Kept as in the paper, and logged: zero-advantage trajectories (e.g. an all-invalid Challenger group) stay in the
 batch and in Dr. GRPO's 1/N (`*/zero_adv_group_frac`); long Challenger outputs carry more total gradient than
 short Reasoner answers under the shared L_max (`*/tokens`).
@@ -85,7 +91,7 @@ class Config(common.RunConfig):
     corpus_docs: int = 20000  # documents read from the corpus in total, 0 = all of a local file (§3.1: 20,000)
     chunk_tokens: int = 5992  # maximum tokens per document segment (App. B)
     steps: int = 640  # training iterations T (§3.1, App. B)
-    docs_per_step: int = 128  # B, documents per iteration, one optimizer step each (§3.1; see docstring)
+    docs_per_step: int = 128  # B, documents per iteration (§3.1; see docstring)
     group_size: int = 8  # G, Challenger trajectories kept per document (§3.1, Table 5)
     reasoner_k: int = 8  # K, Reasoner answers per valid task (= G in the paper, §3.1)
     max_attempts: int = 1024  # N, Challenger attempts per document before giving up (§3.1)
@@ -109,7 +115,10 @@ class Config(common.RunConfig):
     type_select_max_tokens: int = 512  # generation limit of the (untrained) type-selection call
     prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (User/Assistant preamble, OctoThinker) (Fig. 8)
     lr: float = 1e-6  # constant (App. B)
-    clip: float = 0.2  # PPO clip, inactive with one step per batch (Oat default, not in the paper)
+    clip: float = 0.2  # PPO clip, active from the 2nd mini-batch on (Oat default, not in the paper)
+    mini_batch: int = 128  # trajectories per optimizer step (App. B; Oat args.py train_batch_size)
+    tis_cap: float = 2.0  # truncated IS cap on exp(l_old - l_vllm), 0 = off (Oat ppo.py tis_c)
+    adam_beta2: float = 0.95  # AdamW beta_2 (Oat oat/args.py adam_beta_2; beta_1 is 0.9 there too)
     kl_coef: float = 0.0  # no KL (App. B)
     max_model_len: int = 12288  # 5,992-token document + prompt + 4,096 generated tokens
     oracle_model: str = ""  # stronger model that answers valid tasks greedily to spot-check their document-extracted gold answers (spec §6, analysis §7.1); "" = off
@@ -906,12 +915,14 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
 
 
 def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
-    """Step 6 (Eqs. 3-4): per-token clipped surrogate, summed per sequence / L_max, mean over sequences;
-    no KL; one optimizer step on T_C and T_R together, then the sampler is synced (pg_step does both)."""
+    """Step 6 (Eqs. 3-4): per-token clipped surrogate with truncated IS, summed per sequence /
+    L_max, mean over the sequences of a mini-batch; no KL. T_C and T_R together, permuted as Oat
+    does, one optimizer step per cfg.mini_batch trajectories; then the sampler is synced."""
     if not trajs:
         return {}
     pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef, aggregation="drgrpo",
-                         max_len=cfg.max_tokens, temperature=cfg.temperature)
+                         max_len=cfg.max_tokens, temperature=cfg.temperature, tis_cap=cfg.tis_cap,
+                         mini_batch=cfg.mini_batch, shuffle=True)
     return common.pg_step(policy, trajs, pg)
 
 
@@ -1091,6 +1102,8 @@ def validate_config(cfg: Config) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not cfg.verify_timeout > 0:
         raise ValueError("--verify-timeout must be > 0 seconds")
+    if cfg.mini_batch < 0 or cfg.tis_cap < 0:
+        raise ValueError("--mini-batch (trajectories per step, 0 = all) and --tis-cap must be >= 0")
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)

@@ -24,9 +24,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "drgrpo"]
+# PGConfig of each case; the last takes 3 optimizer steps (mini-batches of 2, 2 and 1 trajectories,
+# the last leaving rank 1 a zero-weight stand-in), and its gradient is recorded at the third
+CASES = {**{agg: {"aggregation": agg} for agg in AGGREGATIONS},
+         "mini_batches": {"aggregation": "seq-mean-token-mean", "mini_batch": 2}}
 # pg_step stats that describe the whole batch, so under torchrun every rank must log the 1-process figure
 LOGGED_OVER_BATCH = ["entropy", "nll_entropy", "entropy/solver", "entropy/proposer", "entropy_exact/solver",
-                     "entropy_exact/proposer", "zero_adv_frac", "n_seqs", "n_tokens"]
+                     "entropy_exact/proposer", "zero_adv_frac", "n_seqs", "n_tokens",
+                     "optimizer_steps"]
 PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
            "<question>7*8</question>", "Hello", "The answer is"]
 
@@ -45,7 +50,7 @@ def _trajectories(common, vocab: int) -> list:
 
 
 def scenario_grad(out: pathlib.Path, dist: str = "fsdp") -> dict:
-    """One pg_step per loss aggregation from the same weights; record the full gradient before the step."""
+    """One pg_step per case from the same weights; record the full gradient before the last step."""
     import common
     cfg = common.RunConfig(model="tiny", backend="hf", lr=1e-3, grad_clip=1e9, micro_batch_tokens=24,
                            output_dir=str(out / "run"), dist=dist)
@@ -67,9 +72,13 @@ def scenario_grad(out: pathlib.Path, dist: str = "fsdp") -> dict:
 
     policy.clip_and_step = capture
     stats = {}
-    for current in AGGREGATIONS:
+    for current in CASES:
         policy.set_weights(base)
-        st = common.pg_step(policy, trajs, common.PGConfig(aggregation=current, max_len=16))
+        # plain SGD: a step's update is continuous in the gradient (Adam's first step is about
+        # lr * sign(g), which flips on round-off), so later steps compare across world sizes too
+        trainable = [p for p in policy.model.parameters() if p.requires_grad]
+        policy.optimizer = torch.optim.SGD(trainable, lr=0.01)
+        st = common.pg_step(policy, trajs, common.PGConfig(max_len=16, **CASES[current]))
         stats[current] = float(st["loss"])
         stats[current + "/logged"] = {k: st[k] for k in LOGGED_OVER_BATCH}
     if policy.is_main:
@@ -161,14 +170,19 @@ def test_two_process_gradient_equals_single_process(dist, tmp_path):
     assert [r["world_size"] for r in ranks] == [2, 2]
     g1 = torch.load(tmp_path / "grads_ws1.pt")
     g2 = torch.load(tmp_path / "grads_ws2.pt")
-    for agg in AGGREGATIONS:
+    for agg in CASES:
         assert g1[agg].keys() == g2[agg].keys() and len(g1[agg]) > 10
         for name in g1[agg]:
-            torch.testing.assert_close(g2[agg][name], g1[agg][name], rtol=1e-4, atol=1e-6,
+            # fp32 round-off grows with the gradient's scale, which one- and two-trajectory
+            # mini-batches make ~10x larger (max |g| ~1.7 measured): a tolerance relative to it
+            scale = float(g1[agg][name].abs().max()) if agg == "mini_batches" else 0.0
+            atol = 1e-6 + 1e-5 * scale
+            torch.testing.assert_close(g2[agg][name], g1[agg][name], rtol=1e-4, atol=atol,
                                        msg=lambda m: f"{agg} {name}: {m}")
         assert ranks[0]["loss"][agg] == ranks[1]["loss"][agg]
         logged = single["loss"][agg + "/logged"]
         assert logged["zero_adv_frac"] == 0.2 and logged["n_seqs"] == 5
+        assert logged["optimizer_steps"] == (3 if agg == "mini_batches" else 1)
         for r in ranks:
             assert r["loss"][agg + "/logged"] == pytest.approx(logged, rel=1e-5)
     # the three aggregations really are different gradients (the comparison above can fail)

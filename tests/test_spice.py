@@ -607,8 +607,11 @@ def test_all_invalid_challenger_group_gives_zero_gradient(tiny_policy_hf):
     policy = tiny_policy_hf
     tok = policy.tokenizer
     p_ids = common.encode_prompt(tok, spice.challenger_prompt(DOC, "mcq", None, "chat"))
-    bad = [spice.Attempt(common.Completion(p_ids, tok(t)["input_ids"] + [tok.eos_token_id], t, "stop"), None,
-                         "no_json") for t in ("no json at all", "{broken", "A) B) C)", "}")]
+    texts = ("no json at all", "{broken", "A) B) C)", "}")
+    ids = [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]
+    # with sampler log-probs, as every sampler returns them (truncated IS is on by default)
+    bad = [spice.Attempt(common.Completion(p_ids, x, t, "stop", [-1.0] * len(x)), None, "no_json")
+           for t, x in zip(texts, ids)]
     r = spice.DocRollout(DOC, "mcq", None, attempts=bad)
     spice.challenger_rewards([r], spice.Config())
     assert [a.reward for a in r.attempts] == [-0.1] * 4
