@@ -4539,9 +4539,12 @@ def _sb_all_finite(value) -> bool:
 
 _SB_ZYGOTE_SOURCE = r'''
 # The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer sends its config
-# (JSON) and gets {"ready", "report"}; then, one at a time, a job (JSON) -> a reply (see reply_bytes).
-# Per job: fork a child (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program
-# and writes one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; reply.
+# (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header of limits and lengths, then the
+# program and expression as raw UTF-8 bytes, which go into JOB_BUF and never become objects in this process
+# (a child forked later must not find them in inherited memory). The reply: see send_reply.
+# Per job: a fresh tmpfs at /tmp, a fresh IPC namespace, and a child (PID 1 of a fresh PID namespace), which
+# sets itself up, writes b"R", runs the program and writes one length-prefixed JSON frame on fd 3; enforce the
+# deadline; kill what is left; detach the tmpfs; reply; wipe the job's bytes.
 import ctypes, gc, json, os, resource, select, signal, struct, sys, time
 
 CFG = None
@@ -4551,11 +4554,14 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_NOATIME, MS_NODIRATIME, MS_REMOUNT, MS_BIND, MS_REC = 1024, 2048, 32, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # typed once here: a cheap call in each child
 PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 PRCTL.restype = ctypes.c_int
 REPORT = {"namespaces": {}, "notes": []}
+JOB_BUF = bytearray(1 << 16)   # this job's program + expression (wiped after the job)
+RES_BUF = bytearray(1 << 16)   # this job's result frame as the child wrote it (wiped after the reply)
 
 def note(msg):
     REPORT["notes"].append(msg)
@@ -4582,26 +4588,70 @@ def recv():
     (n,) = struct.unpack(">I", recv_exact(4))
     return json.loads(recv_exact(n))
 
+def recv_into(buf, n):
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(0, [view[got:n]])
+        if not k:
+            os._exit(0)
+        got += k
+    view.release()
+
+def wipe(buf, n):
+    if n:
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
+
+def grow(buf, n):
+    """A buffer of at least n bytes: the old one is wiped before it is let go."""
+    if len(buf) >= n:
+        return buf
+    wipe(buf, len(buf))
+    return bytearray(max(n, 2 * len(buf)))
+
+def write_all(fd, parts):
+    parts = [memoryview(p) for p in parts]
+    while parts:
+        k = os.writev(fd, parts)
+        while parts and k >= len(parts[0]):
+            k -= len(parts[0])
+            parts.pop(0)
+        if parts and k:
+            parts[0] = parts[0][k:]
+
 def send_bytes(data):
-    data = struct.pack(">I", len(data)) + data
-    while data:
-        data = data[os.write(1, data):]
+    write_all(1, [struct.pack(">I", len(data)), data])
 
 def send(obj):
     send_bytes(json.dumps(obj).encode())
 
-def reply_bytes(res):
-    """A job's reply: b"Z" + JSON made here, or the child's own frame passed through undecoded, tagged
-    b"P" (written after setup, by the program's process) or b"S" (written during setup). The trainer decodes
-    and checks it: parsing there instead of here saves copy-on-write faults in this forking process."""
-    if type(res) is tuple:
-        return res[0] + res[1]
-    return b"Z" + json.dumps(res).encode()
+def load_job(job, program, expression):
+    """Only for the start-up self-tests: put a program of our own into JOB_BUF as the trainer would."""
+    global JOB_BUF
+    p, e = program.encode(), expression.encode()
+    JOB_BUF = grow(JOB_BUF, len(p) + len(e))
+    JOB_BUF[:len(p) + len(e)] = p + e
+    job.update(plen=len(p), elen=len(e))
+    return job
 
-def decode_reply(data):
+def send_reply(res):
+    """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the trainer restarts
+    it), or the child's own frame passed through undecoded from RES_BUF, tagged b"P" (written after setup, by
+    the program's process) or b"S" (written during setup). The trainer decodes and checks it."""
+    if type(res) is tuple:
+        kind, a, b = res
+        write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(RES_BUF)[a:b]])
+        wipe(RES_BUF, b)
+    else:
+        send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
+
+def decode_reply(res):
     """Only for the start-up self-tests (the trainer decodes every other reply)."""
     try:
-        return json.loads(data[1:])
+        if type(res) is tuple:
+            out = json.loads(bytes(RES_BUF[res[1]:res[2]]))
+            wipe(RES_BUF, res[2])
+            return out
+        return res
     except ValueError:
         return {"status": "crash", "value": None, "error": "malformed"}
 
@@ -4646,7 +4696,6 @@ def enter_namespaces():
             LIBC.sethostname(b"sandbox", 7)
         except Exception:
             pass
-
 def setup_pid_namespace():
     """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own namespace, then
     unshare again). Where that is not allowed (inside a user namespace we hold no rights over our original PID
@@ -4701,9 +4750,20 @@ def mount_flags(opts):
 def unescape(p):
     return p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
+
+DEV_NODES = ("null", "zero", "full", "random", "urandom")   # never /dev/nvidia*, /dev/kvm, ttys, disks
+DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2", "shm": "/tmp"}      # POSIX shm and semaphores live in the job's tmpfs
+
 def isolate_filesystem():
+    """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it: Python's own
+    directories and the system libraries read-only, a few /dev nodes, synthetic account files, /proc, and /tmp
+    (one fresh tmpfs per job, mounted by run_job). Everything else (other checkouts, logs, sockets, GPUs)
+    simply is not there; the directories of hide_paths appear as empty directories."""
     REPORT["readonly_root"] = False
     REPORT["hidden"] = []
+    REPORT["masked"] = []
+    STATE["view"] = False
     if not REPORT["namespaces"].get("mount"):
         return
     try:
@@ -4711,16 +4771,10 @@ def isolate_filesystem():
     except OSError as e:
         note("mount propagation: %s" % e)
         return
-    keep_fds = []
-    for p in CFG["keep_paths"]:
-        try:
-            keep_fds.append((p, os.open(p, os.O_PATH | os.O_DIRECTORY)))
-        except OSError:
-            pass
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
     failures = 0
-    for fields in mounts:
+    for fields in mounts:  # first every mount read-only, so each bind below is read-only all the way down
         target, opts = unescape(fields[4]), fields[5].split(",")
         if target == "/proc" or target.startswith("/proc/"):
             continue
@@ -4728,83 +4782,223 @@ def isolate_filesystem():
             mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | mount_flags(opts))
         except OSError:
             failures += 1
-    REPORT["readonly_root"] = failures == 0
     if failures:
         note("%d mounts could not be made read-only" % failures)
-    for d in CFG["hide_paths"]:
-        if not os.path.isdir(d) or os.path.islink(d):
-            continue
-        size = "%dm" % CFG["tmpfs_mb"] if d == "/tmp" else "4m"
+    allow = sorted(set(CFG["keep_paths"]) | {p for p in CFG["lib_dirs"]}, key=len)
+    files = ["/dev/" + d for d in DEV_NODES] + CFG["etc_files"]
+    fds = {}
+    for p in allow + files:
         try:
-            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%s,mode=0755" % size)
-            REPORT["hidden"].append(d)
-        except OSError as e:
-            note("could not hide %s: %s" % (d, e))
-    if "/tmp" in REPORT["hidden"]:  # account databases: only the accounts a child can meet
-        os.makedirs("/tmp/.masks", 0o755)
-        uid, gid = CFG["uid"], CFG["gid"]
-        masks = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-                                "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
-                 "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
-                 "/etc/shadow": "", "/etc/gshadow": ""}
-        REPORT["masked"] = []
-        for target, text in masks.items():
-            if not os.path.isfile(target):
-                continue
-            src = "/tmp/.masks/" + os.path.basename(target)
-            with open(src, "w") as f:
-                f.write(text)
-            try:
-                mount(src, target, None, MS_BIND)
-                mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                REPORT["masked"].append(target)
-            except OSError as e:
-                note("could not mask %s: %s" % (target, e))
-    for p, fd in keep_fds:  # bring back what Python needs from under a hidden directory, read-only
-        if not any(p == h or p.startswith(h.rstrip("/") + "/") for h in REPORT["hidden"]):
-            os.close(fd)
-            continue
-        try:
-            os.makedirs(p, exist_ok=True)
-            mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
-            mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        except OSError as e:
-            note("could not keep %s: %s" % (p, e))
-        os.close(fd)
+            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in allow else 0))
+        except OSError:
+            pass
+    new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     try:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    except OSError as e:
+        note("no tmpfs for the allow-list root (%s): children see the host's read-only filesystem" % e)
+        return
+    def bind(p, fd, is_dir):
+        dst = new + p
+        try:
+            if is_dir:
+                os.makedirs(dst, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                open(dst, "w").close()
+            mount("/proc/self/fd/%d" % fd, dst, None, MS_BIND | MS_REC)
+            nodev = 0 if p.startswith("/dev/") else MS_NODEV  # the device nodes must still work
+            mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | nodev)
+        except OSError as e:
+            note("could not bind %s: %s" % (p, e))
+    bound = []
+    for p in allow:  # shortest first: a directory inside one already bound comes with it
+        if p in fds and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in bound):
+            bind(p, fds[p], True)
+            bound.append(p)
+    for link in CFG["lib_links"]:  # merged-usr: /lib -> usr/lib and friends
+        if not os.path.lexists(new + link[0]):
+            os.symlink(link[1], new + link[0])
+    for p in files:
+        if p in fds and not p.startswith("/etc/"):
+            bind(p, fds[p], False)
+    for name, target in DEV_LINKS.items():
+        os.makedirs(new + "/dev", exist_ok=True)
+        os.symlink(target, new + "/dev/" + name)
+    uid, gid = CFG["uid"], CFG["gid"]
+    etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
+           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
+           "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
+           "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
+    os.makedirs(new + "/etc", exist_ok=True)
+    for p, text in etc.items():
+        with open(new + p, "w") as f:
+            f.write(text)
+        REPORT["masked"].append(p)
+    for p in CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (they are public)
+        if p in fds:
+            try:
+                with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
+                    dst.write(src.read(1 << 22))
+            except OSError as e:
+                note("could not copy %s: %s" % (p, e))
+    for d in CFG["hide_paths"]:
+        if os.path.isdir(d) and not os.path.islink(d):
+            try:
+                if d != "/dev/shm":
+                    os.makedirs(new + d, exist_ok=True)
+                REPORT["hidden"].append(d)
+            except OSError as e:
+                note("could not hide %s: %s" % (d, e))
+    for d in ("/tmp", "/proc"):
+        os.makedirs(new + d, exist_ok=True)
+    try:
+        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
         REPORT["proc_hidepid"] = True
     except OSError as e:
         REPORT["proc_hidepid"] = False
-        note("proc hidepid: %s" % e)
+        note("proc hidepid: %s (the host's /proc is bound instead)" % e)
+        try:
+            mount("/proc", new + "/proc", None, MS_BIND | MS_REC)
+        except OSError as e2:
+            note("no /proc: %s" % e2)
+    for fd in fds.values():
+        os.close(fd)
+    try:
+        os.chdir(new)
+        if LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root ends up on top ...
+            raise OSError(ctypes.get_errno(), "pivot_root")
+        libc_call("umount2", b".", MNT_DETACH)  # ... and is detached whole
+        os.chdir("/")
+        mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    except OSError as e:
+        note("could not switch to the allow-list root: %s" % e)
+        os.chdir("/")
+        return
+    REPORT["readonly_root"] = True
+    REPORT["filesystem"] = "allow-list"
+    STATE["view"] = True
 
-# ------------------------------------------------------------- seccomp: a tiny deny-list filter, x86-64 only
+# ------------------------------------------------------------- one memory cgroup per worker (root only)
 
-def build_seccomp():
+def cgroup_dirs():
+    """(version, directory of this process's memory cgroup) for cgroup v2, then v1, where present."""
+    with open("/proc/self/cgroup") as f:
+        lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    with open("/proc/self/mountinfo") as f:
+        mounts = [ln.split() for ln in f]
+    out = []
+    for _, ctrl, rel in lines:
+        for m in mounts:
+            sep = m.index("-")
+            fstype, opts = m[sep + 1], m[sep + 3].split(",")
+            root, target = unescape(m[3]), unescape(m[4])
+            if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or
+                                         ("memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts)):
+                out.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
+    return sorted(out, reverse=True)
+
+def setup_cgroup():
+    """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the zygote):
+    every child inherits it, so a job's processes, its tmpfs and its kernel memory count together. The zygote
+    is exempt from the OOM killer; a child raises its own score back."""
+    REPORT["memory_cgroup"] = None
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or STATE["userns"] or not CFG["namespaces"]:
+        note("no memory cgroup (needs root on Linux): a job's processes together may hold up to "
+             "max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
+        return
+    limit = (CFG["memory_mb"] + 32) << 20
+    errors = []
+    try:
+        write_file("/proc/self/oom_score_adj", "-1000")
+        STATE["oom_exempt"] = True
+    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be the OOM victim (the trainer restarts it)
+        STATE["oom_exempt"] = False
+        note("zygote not exempt from the OOM killer: %s" % e)
+    for version, parent in cgroup_dirs():
+        d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
+        try:
+            if version == 2:
+                with open(parent + "/cgroup.controllers") as f:
+                    if "memory" not in f.read().split():
+                        raise OSError("the memory controller is not available in " + parent)
+                with open(parent + "/cgroup.subtree_control") as f:
+                    if "memory" not in f.read().split():
+                        write_file(parent + "/cgroup.subtree_control", "+memory")
+            os.mkdir(d)
+            try:
+                if version == 2:
+                    write_file(d + "/memory.max", str(limit))
+                    write_file(d + "/memory.swap.max", "0")
+                    if STATE["oom_exempt"]:  # kill the whole job at once, never the zygote
+                        write_file(d + "/memory.oom.group", "1")
+                    events = d + "/memory.events"
+                else:
+                    write_file(d + "/memory.limit_in_bytes", str(limit))
+                    if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
+                        write_file(d + "/memory.memsw.limit_in_bytes", str(limit))
+                    events = d + "/memory.oom_control"
+                write_file(d + "/cgroup.procs", str(os.getpid()))
+            except OSError:
+                os.rmdir(d)
+                raise
+        except OSError as e:
+            errors.append("v%d %s: %s" % (version, parent, e))
+            continue
+        STATE["oom_fd"] = os.open(events, os.O_RDONLY)
+        STATE["oom_kills"] = oom_kills()
+        REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
+        return
+    note("no memory cgroup (%s): a job's processes together may hold up to max_procs x memory_mb, and its "
+         "tmpfs up to tmpfs_mb more" % ("; ".join(errors) or "no cgroup filesystem with a memory controller"))
+
+def oom_kills():
+    if STATE.get("oom_fd") is None:
+        return 0
+    for line in os.pread(STATE["oom_fd"], 4096, 0).decode().splitlines():
+        if line.startswith("oom_kill "):
+            return int(line.split()[1])
+    return 0
+
+# ------------------------------------------------------------- seccomp: a tiny filter, x86-64 only
+
+def build_seccomp(net_private):
     import platform
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         note("seccomp filter only written for x86-64: not installed")
         return None
-    deny = [101, 155, 161, 165, 166, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
+    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
             304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
-    # ptrace pivot_root chroot mount umount2 swapon swapoff reboot iopl ioperm init_module delete_module
+    # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
     # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
-    # fsopen fsconfig fsmount fspick mount_setattr.  clone/unshare/setns: only what the zygote itself needs
-    # (a new PID namespace per job), which needs CAP_SYS_ADMIN that the children do not have anyway.
+    # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote and inherited
+    # (attaching one per child costs ~10% of the throughput), so it leaves the zygote what it needs per job:
+    # mount/umount2 (the job's tmpfs) and unshare/setns of PID and IPC namespaces. A child cannot use them:
+    # they need CAP_SYS_ADMIN, which it lacks (uid dropped, or capabilities dropped in a user namespace),
+    # and it cannot make a user namespace to gain it (clone/unshare with CLONE_NEWUSER are refused here).
+    # socket/socketpair: AF_UNIX, and AF_INET/AF_INET6 only inside the private network namespace (no
+    # interface up); AF_VSOCK, AF_NETLINK, AF_PACKET and every other family fail with EAFNOSUPPORT.
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
+    EAFNOSUPPORT = 0x00050000 | 97
     ns_flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000
     src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),   # x86-64 ABI only
            ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                   # x32 syscall numbers
            ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
     src += [("", JEQ, "eperm", 0, nr) for nr in deny]
     src += [("", JEQ, "clone", 0, 56), ("", JEQ, "unshare", 0, 272), ("", JEQ, "setns", 0, 308),
-            ("", RET, 0, 0, ALLOW),
+            ("", JEQ, "socket", 0, 41), ("", JEQ, "socket", 0, 53), ("", RET, 0, 0, ALLOW),
             ("clone", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags), ("", RET, 0, 0, ALLOW),
-            ("unshare", LD, 0, 0, 16), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
+            ("unshare", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags & ~(CLONE_NEWPID | CLONE_NEWIPC)),
+            ("", RET, 0, 0, ALLOW),
             ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
+            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]
+    if net_private:
+        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]
+    src += [("", RET, 0, 0, EAFNOSUPPORT),
             ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
     where = {lab: i for i, (lab, *_rest) in enumerate(src) if lab}
     jump = lambda target, i: where[target] - i - 1 if isinstance(target, str) else target
@@ -4816,8 +5010,6 @@ def build_seccomp():
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     fprog = FProg(len(fixed), ctypes.cast(buf, ctypes.c_void_p))
     return (buf, fprog)
-
-# ------------------------------------------------------------- per job: the child
 
 STATE = {}
 
@@ -4848,6 +5040,8 @@ def child_main(job, wfd):
             os.dup2(null, fd)
         os.closerange(4, STATE["maxfd"])
         os.chdir(job["dir"])
+        if STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer; its children are not
+            write_file("/proc/self/oom_score_adj", "0")
         if STATE["drop_uid"]:
             os.setgroups([])
             set_ids(CFG["uid"], CFG["gid"])
@@ -4891,8 +5085,9 @@ def child_main(job, wfd):
     except _BaseException:
         _exit(71)
     try:
-        code = compile(job["program"], "<program>", "exec")
-        expr = compile(job["expression"], "<expression>", "eval")
+        plen, elen = job["plen"], job["elen"]
+        code = compile(bytes(JOB_BUF[:plen]).decode("utf-8", "surrogatepass"), "<program>", "exec")
+        expr = compile(bytes(JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass"), "<expression>", "eval")
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
         del job
         exec(code, ns)
@@ -4969,42 +5164,71 @@ def sweep_uid():
             os._exit(0)
     os.waitpid(pid, 0)
 
-def remove_tree(path):
-    try:
-        os.rmdir(path)
+def remove_tree(path, budget_s=2.0):
+    """Without a mount namespace: delete the job directory by walking it with chdir, so a tree nested past
+    PATH_MAX comes down too. Past budget_s it gives up and raises: the trainer then restarts this worker."""
+    stop = time.monotonic() + budget_s
+    if not os.path.lexists(path):
         return
-    except OSError:
-        pass
-    for root, dirs, files in os.walk(path, topdown=False):
-        for name in files + dirs:
-            p = os.path.join(root, name)
-            try:
-                if os.path.isdir(p) and not os.path.islink(p):
-                    os.rmdir(p)
-                else:
-                    os.unlink(p)
-            except OSError:
-                pass
+    os.chdir(path)
+    names = []
     try:
-        os.rmdir(path)
-    except OSError:
-        pass
+        while True:
+            if time.monotonic() > stop:
+                raise OSError("the job directory took over %gs to remove" % budget_s)
+            sub = None
+            with os.scandir(".") as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = e.name
+                        break
+                    os.unlink(e.name)
+            if sub is not None:
+                os.chdir(sub)
+                names.append(sub)
+            elif names:
+                os.chdir("..")
+                os.rmdir(names.pop())
+            else:
+                break
+    finally:
+        os.chdir("/")
+    os.rmdir(path)
 
 SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
-def run_job(job):
+def job_scratch():
+    """A fresh, empty, size-capped directory for the job, on its own tmpfs where we have a mount namespace."""
+    if STATE["view"]:
+        uid = CFG["uid"] if STATE["drop_uid"] else os.getuid()
+        gid = CFG["gid"] if STATE["drop_uid"] else os.getgid()
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+              "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (CFG["tmpfs_mb"], CFG["tmpfs_inodes"], uid, gid))
+        return "/tmp"
     jobdir = os.path.join(CFG["scratch"], "job")  # the same path for every program: outputs can't differ by it
     if os.path.lexists(jobdir):
         remove_tree(jobdir)
     os.mkdir(jobdir, 0o700)
     if STATE["drop_uid"]:
         os.chown(jobdir, CFG["uid"], CFG["gid"])
-    job["dir"] = jobdir
+    return jobdir
+
+def drop_scratch(jobdir):
+    if STATE["view"]:
+        libc_call("umount2", b"/tmp", MNT_DETACH)  # the whole tree goes at once, however deep or wide
+    else:
+        remove_tree(jobdir)
+
+def run_job(job):
+    global RES_BUF
+    job["dir"] = jobdir = job_scratch()
     r, w = os.pipe()
     if STATE.get("pidns_fd") is not None:
         LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)  # back to our own namespace for children...
-        if LIBC.unshare(CLONE_NEWPID) != 0:          # ...then a fresh one: the child is its PID 1
-            return {"status": "sandbox_error", "value": None, "error": "pid namespace: errno %d" % ctypes.get_errno()}
+        if LIBC.unshare(CLONE_NEWPID | STATE["ipc_flag"]) != 0:  # ...then a fresh one: the child is its PID 1
+            raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+    elif STATE["ipc_flag"] and LIBC.unshare(STATE["ipc_flag"]) != 0:  # SysV IPC and mqueues die with the job
+        raise OSError(ctypes.get_errno(), "ipc namespace")
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -5016,8 +5240,10 @@ def run_job(job):
     os.close(w)
     deadline = t0 + job["timeout"]
     cap = 12 * job["max_output"] + 65536
-    buf = b""
-    timed_out = False
+    RES_BUF = grow(RES_BUF, cap)
+    view = memoryview(RES_BUF)
+    got = 0
+    timed_out = over = False
     need = None
     while True:
         left = deadline - time.monotonic()
@@ -5030,18 +5256,22 @@ def run_job(job):
             os._exit(0)
         if not ready:
             continue
-        chunk = os.read(r, 1 << 16)
-        if not chunk:
+        if got >= cap:
+            over = True
             break
-        buf += chunk
-        off = 1 if buf[:1] == b"R" else 0
-        if need is None and len(buf) >= off + 4:
-            need = off + 4 + struct.unpack(">I", buf[off:off + 4])[0]
-        if len(buf) > cap or (need is not None and need > cap):
-            buf = None
+        k = os.readv(r, [view[got:cap]])
+        if not k:
             break
-        if need is not None and len(buf) >= need:
+        got += k
+        off = 1 if RES_BUF[0] == 82 else 0  # b"R"
+        if need is None and got >= off + 4:
+            need = off + 4 + struct.unpack(">I", RES_BUF[off:off + 4])[0]
+            if need > cap:
+                over = True
+                break
+        if need is not None and got >= need:
             break
+    view.release()
     os.close(r)
     try:
         os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours until waited for
@@ -5067,17 +5297,26 @@ def run_job(job):
                 continue
     elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
         sweep_uid()
-    remove_tree(jobdir)
-    if buf is None:
+    wipe(JOB_BUF, job["plen"] + job["elen"])
+    drop_scratch(jobdir)
+    if over:
+        wipe(RES_BUF, got)
         return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
-    if need is not None and len(buf) >= need:
-        started = buf[:1] == b"R"
-        return (b"P" if started else b"S", buf[int(started) + 4:need])
+    if need is not None and got >= need:
+        started = RES_BUF[0] == 82
+        return (b"P" if started else b"S", int(started) + 4, need)
+    wipe(RES_BUF, got)
     if timed_out:
         return {"status": "timeout", "value": None, "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
     cpu = rusage.ru_utime + rusage.ru_stime
     if os.WIFSIGNALED(wstatus):
         sig = os.WTERMSIG(wstatus)
+        if sig == signal.SIGKILL and STATE.get("oom_fd") is not None:
+            kills = oom_kills()
+            if kills != STATE["oom_kills"]:
+                STATE["oom_kills"] = kills
+                return {"status": "memory", "value": None,
+                        "error": "the job's processes together exceeded memory_mb (memory cgroup)"}
         if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
             return {"status": "timeout", "value": None, "error": "CPU limit exceeded (%.1fs)" % cpu}
         return {"status": "crash", "value": None, "error": "killed by %s" % SIGNAMES.get(sig, sig)}
@@ -5118,7 +5357,7 @@ def warm_up():
             str(e)
 
 def main():
-    global CFG
+    global CFG, JOB_BUF
     CFG = recv()
     sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
     try:
@@ -5149,22 +5388,28 @@ def main():
         # RLIMIT_NPROC counts every process of the real uid: exact for our own unprivileged uid, otherwise
         # (non-root) it has to sit on top of what the user already runs
         STATE["nproc_base"] = 0 if STATE["drop_uid"] else count_processes(os.getuid()) + 64
+        setup_cgroup()
         isolate_filesystem()
         setup_pid_namespace()
-        STATE["seccomp"] = build_seccomp()
+        STATE["ipc_flag"] = CLONE_NEWIPC if REPORT["namespaces"].get("ipc") else 0
+        REPORT["ipc_per_job"] = bool(STATE["ipc_flag"])
+        STATE["seccomp"] = build_seccomp(REPORT["namespaces"].get("net"))
         if STATE["seccomp"] is not None:  # installed once here, inherited by every child (cheaper than per job)
             libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
             libc_call("prctl", PR_SET_SECCOMP, 2, ctypes.byref(STATE["seccomp"][1]), 0, 0)
-        if "/tmp" in REPORT["hidden"]:
-            CFG["scratch"] = "/tmp/sandbox"   # on our private tmpfs
-            os.makedirs(CFG["scratch"], mode=0o711, exist_ok=True)
+        if STATE["view"]:
+            CFG["scratch"] = "/tmp"   # a fresh tmpfs per job, on the allow-list root
+            REPORT["scratch"] = "tmpfs per job"
         else:
             import tempfile
             CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
-        os.chmod(CFG["scratch"], 0o711)
-        REPORT["scratch"] = CFG["scratch"]
+            os.chmod(CFG["scratch"], 0o711)
+            REPORT["scratch"] = CFG["scratch"]
+            REPORT["scratch_on_host"] = True
+            note("no mount namespace: each job gets a fresh directory in %s, removed after it" % CFG["scratch"])
         # the job directory has one fixed path: it is also HOME and TMPDIR (so tempfile finds a writable place)
-        os.environ["HOME"] = os.environ["TMPDIR"] = os.path.join(CFG["scratch"], "job")
+        os.environ["HOME"] = os.environ["TMPDIR"] = CFG["scratch"] if STATE["view"] else \
+            os.path.join(CFG["scratch"], "job")
         PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion before the children need it
         REPORT["rlimits"] = STATE["rlimits"]
         REPORT["uid_dropped"] = STATE["drop_uid"]
@@ -5172,25 +5417,29 @@ def main():
         REPORT["no_new_privs"] = sys.platform.startswith("linux")
         REPORT["seccomp"] = STATE["seccomp"] is not None
         if STATE["seccomp"] is not None:
-            probe = run_job({"program": "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                             "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                                           % (CLONE_NEWUSER, CLONE_NEWNET),
-                             "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
-            probe = decode_reply(reply_bytes(probe))
+            probe = run_job(load_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
+                                      "max_output": 100}, "import ctypes, os\nlibc = ctypes.CDLL(None)",
+                                     "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                                     % (CLONE_NEWUSER, CLONE_NEWNET)))
+            probe = decode_reply(probe)
             if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
                 note("self-test failed: %r" % (probe,))
                 REPORT["self_test"] = False
             else:
                 REPORT["self_test"] = True
-        probe = run_job({"program": "import statistics, decimal", "expression": "1", "timeout": 5.0,
-                         "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
-        probe = decode_reply(reply_bytes(probe))
+        probe = run_job(load_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
+                                  "max_output": 100}, "import statistics, decimal", "1"))
+        probe = decode_reply(probe)
         if probe.get("value") != "1":
             REPORT["self_test"] = False
             note("children cannot import the standard library (%s): on this host Python's files are not "
                  "readable by the unprivileged uid without a mount namespace" % (probe.get("error"),))
     except BaseException as e:
-        send({"ready": False, "error": "%s: %s" % (type(e).__name__, e), "report": REPORT})
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        send({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
+            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno), "report": REPORT})
         return
     warm_up()
     gc.collect()
@@ -5198,11 +5447,15 @@ def main():
     send({"ready": True, "report": REPORT})
     while True:
         job = recv()
+        n = job["plen"] + job["elen"]
+        JOB_BUF = grow(JOB_BUF, n)
+        recv_into(JOB_BUF, n)
         try:
             res = run_job(job)
-        except BaseException as e:
-            res = {"status": "sandbox_error", "value": None, "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        send_bytes(reply_bytes(res))
+        except BaseException as e:  # b"E": this zygote may be in a bad state; the trainer replaces it
+            res = {"kind": b"E", "status": "sandbox_error", "value": None,
+                   "error": "zygote: %s: %s" % (type(e).__name__, e)}
+        send_reply(res)
 
 main()
 '''
@@ -5230,7 +5483,37 @@ def _sb_hidden_paths() -> list[str]:
         hidden.append(cwd)
     return hidden
 _SB_MAX_FRAME = 64 << 20
-_sb_instances = iter(range(1 << 30))
+_SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker, never shared
+_sb_uids_in_use: set[int] = set()
+_sb_uid_lock = threading.Lock()
+# Besides Python's own directories, the children's filesystem holds the system libraries (C extensions load
+# them), the time zone database, and copies of the loader cache and /etc/localtime: nothing else of the host.
+_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/share/zoneinfo")
+_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+
+
+def _sb_take_uids(n: int) -> list[int]:
+    """n uids no live sandbox of this process holds (and no account uses): a program of one sandbox can never
+    signal, ptrace-probe or read the files of another's."""
+    base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
+    with _sb_uid_lock:
+        free = [base + k for k in range(_SB_UID_BLOCK) if base + k not in _sb_uids_in_use][:n]
+        if len(free) < n:
+            raise RuntimeError(f"PythonSandbox: more than {_SB_UID_BLOCK} workers alive in this process; close "
+                               f"some sandboxes first")
+        _sb_uids_in_use.update(free)
+    return free
+
+
+def _sb_system_paths() -> tuple[list[str], list[list[str]]]:
+    """(real directories of _SB_LIB_DIRS, [link, target] for the ones that are symlinks, as on merged /usr)."""
+    dirs, links = set(), []
+    for d in _SB_LIB_DIRS:
+        if os.path.islink(d):
+            links.append([d, os.readlink(d)])
+        if os.path.isdir(d):
+            dirs.add(os.path.realpath(d))
+    return sorted(dirs), links
 
 
 def _sb_python_paths() -> list[str]:
@@ -5246,6 +5529,26 @@ def _sb_python_paths() -> list[str]:
     paths.update(getattr(site, "getsitepackages", lambda: [])())
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
     return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
+
+
+def _sb_reject_constant(name):
+    raise ValueError(f"{name} in a result frame")
+
+
+def _sb_decode_frame(data: bytes) -> dict | None:
+    """A result frame as {status, value, error} of the right types, or None for anything else: bytes that are
+    not UTF-8 JSON, nesting deep enough to raise RecursionError, NaN/Infinity, other keys or types, too large."""
+    if len(data) > _SB_MAX_FRAME or data[:1] != b"{":
+        return None
+    try:
+        msg = json.loads(data.decode("utf-8"), parse_constant=_sb_reject_constant)
+    except (ValueError, RecursionError, MemoryError, UnicodeDecodeError, TypeError):
+        return None
+    if type(msg) is not dict or set(msg) != {"status", "value", "error"} or type(msg["status"]) is not str:
+        return None
+    if not all(v is None or type(v) is str for v in (msg["value"], msg["error"])):
+        return None
+    return msg
 
 
 class _SbWorker:
@@ -5271,8 +5574,8 @@ class _SbWorker:
     def _send(self, obj):
         self._send_all(json.dumps(obj).encode())
 
-    def _send_all(self, data):
-        data = struct.pack(">I", len(data)) + data
+    def _send_all(self, data, payload=b""):
+        data = struct.pack(">I", len(data)) + data + payload
         blocking = os.get_blocking(self.wfd)
         os.set_blocking(self.wfd, True)
         try:
@@ -5281,9 +5584,12 @@ class _SbWorker:
         finally:
             os.set_blocking(self.wfd, blocking)
 
-    def send_job(self, job: dict):
-        data = json.dumps(job).encode()
-        self._send_all(data)
+    def send_job(self, program: str, expression: str, limits: dict):
+        """A JSON header of limits and lengths, then the raw program and expression: the zygote reads those
+        bytes into a buffer it wipes after the job, never into objects a later child could inherit."""
+        p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
+        head = json.dumps(dict(limits, plen=len(p), elen=len(e))).encode()
+        self._send_all(head, p + e)
 
     def _recv_blocking(self, deadline):
         while True:
@@ -5318,7 +5624,9 @@ class _SbWorker:
         return data
 
     def kill(self):
-        scratch = self.__dict__.get("report", {}).get("scratch", "")
+        report = self.__dict__.get("report", {})
+        scratch = report.get("scratch", "") if report.get("scratch_on_host") else ""
+        cgroup = (report.get("memory_cgroup") or {}).get("path")
         try:
             self.proc.kill()
         except OSError:
@@ -5332,9 +5640,17 @@ class _SbWorker:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        if scratch and not scratch.startswith("/tmp/sandbox"):  # no private /tmp: remove our scratch dir
+        if scratch:  # no mount namespace: the scratch directory sits on the host
             import shutil
             shutil.rmtree(scratch, ignore_errors=True)
+        for _ in range(50) if cgroup else ():  # empty once the zygote is reaped; that can take a moment
+            try:
+                os.rmdir(cgroup)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
 
 
 class PythonSandbox:
@@ -5365,16 +5681,19 @@ class PythonSandbox:
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
-        # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
-        base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
+        # one unprivileged uid per worker, unique among this process's live sandboxes (freed by close())
+        self.uids = _sb_take_uids(self.workers)
+        self.uids_held = list(self.uids)
+        lib_dirs, lib_links = _sb_system_paths()
         self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
-                       "uid": base + i % 64, "gid": base + i % 64,
-                       "site_dirs": [p for p in sys.path if p and "-packages" in p],
-                       "keep_paths": _sb_python_paths(), "tmpfs_mb": int(tmpfs_mb),
+                       "uid": uid, "gid": uid, "memory_mb": self.memory_mb,
+                       "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
+                       "keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs, "lib_links": lib_links,
+                       "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
+                       "tmpfs_mb": int(tmpfs_mb), "tmpfs_inodes": max(1024, 64 * int(tmpfs_mb)),
                        "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
                        "scratch": None}
-                      for i in range(self.workers)]
-        self.uids = sorted({c["uid"] for c in self._cfgs})
+                      for uid in self.uids]
         self._lock = threading.Lock()
         self._owner = os.getpid()  # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
@@ -5414,7 +5733,14 @@ class PythonSandbox:
                 "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
                 "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
-                "self_test": rep.get("self_test"), "notes": rep.get("notes", [])}
+                "self_test": rep.get("self_test"),
+                # allow-list: only Python, the system libraries and the job's own tmpfs are visible
+                "filesystem": rep.get("filesystem", "host, read-only" if rep.get("readonly_root") else "host"),
+                "scratch": rep.get("scratch"), "ipc_per_job": rep.get("ipc_per_job", False),
+                "socket_families": ("AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
+                                    if ns.get("net") else "AF_UNIX") if rep.get("seccomp") else "any",
+                # None: no cap on the job as a whole (notes say why); else its cgroup and limit
+                "memory_cgroup": rep.get("memory_cgroup"), "notes": rep.get("notes", [])}
 
     # ------------------------------------------------------------------ public API
     def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
@@ -5443,10 +5769,12 @@ class PythonSandbox:
         self._closed = True
         if os.getpid() != getattr(self, "_owner", None):
             return  # a forked copy of the trainer: the workers are not ours to stop
-        for i, w in enumerate(self._pool):
+        for i, w in enumerate(getattr(self, "_pool", ())):
             if w is not None:
                 w.kill()
                 self._pool[i] = None
+        with _sb_uid_lock:
+            _sb_uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
 
     def __enter__(self):
         return self
@@ -5461,8 +5789,8 @@ class PythonSandbox:
             pass
 
     # ------------------------------------------------------------------ the event loop
-    def _job_msg(self, program: str, expression: str, timeout: float) -> dict:
-        return {"program": program, "expression": expression, "timeout": timeout, "memory_mb": self.memory_mb,
+    def _job_msg(self, timeout: float) -> dict:
+        return {"timeout": timeout, "memory_mb": self.memory_mb,
                 "fsize_mb": self.max_file_mb, "nproc": self.max_procs, "max_output": self.max_output_chars,
                 "forbidden": self.forbidden_modules}
 
@@ -5499,7 +5827,7 @@ class PythonSandbox:
                     k = pending.popleft()
                     w = self._pool[i]
                     try:
-                        w.send_job(self._job_msg(jobs[k][0], jobs[k][1], timeout))
+                        w.send_job(jobs[k][0], jobs[k][1], self._job_msg(timeout))
                     except OSError as e:
                         results[k] = ExecResult("sandbox_error", None, f"worker died before the job: {e}")
                         self._restart(i)
@@ -5521,9 +5849,11 @@ class PythonSandbox:
                     try:
                         msg = w.poll()
                         if msg is not None:
-                            results[busy.pop(i)] = self._result(msg)
+                            results[busy.pop(i)] = res = self._result(msg)
                             sel.unregister(w.rfd)
                             w.job = None
+                            if msg[:1] == b"E":  # the zygote failed on its own: do not trust it again
+                                self._restart(i)
                     except (EOFError, OSError, ValueError) as e:
                         results[busy.pop(i)] = ExecResult("sandbox_error", None, f"sandbox worker died: {e}")
                         sel.unregister(w.rfd)
@@ -5546,27 +5876,32 @@ class PythonSandbox:
         """Decode and check one reply. b"Z": made by the zygote. b"P": the child's frame after setup, i.e. from
         the program's process, which may only claim program outcomes. b"S": the child's frame from setup."""
         kind = reply[:1]
-        allowed = {b"Z": EXEC_STATUSES, b"P": _SB_PROGRAM_STATUSES, b"S": ("sandbox_error",)}.get(kind)
+        allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
+                   b"S": ("sandbox_error",)}.get(kind)
         if allowed is None:
             raise ValueError("malformed reply from the sandbox zygote")
-        try:
-            msg = json.loads(reply[1:])
-        except ValueError:
-            msg = None
-        if not isinstance(msg, dict) or set(msg) != {"status", "value", "error"}:
-            if kind == b"Z":
+        msg = _sb_decode_frame(reply[1:])
+        if msg is None:
+            if kind in (b"Z", b"E"):
                 raise ValueError("malformed reply from the sandbox zygote")
             return ExecResult("crash", None, "the program wrote a malformed result")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
-            return ExecResult("crash", None, f"the program claimed status {str(status)[:40]!r}, which it may not")
-        if not isinstance(value, (str, type(None))) or not isinstance(error, (str, type(None))):
-            return ExecResult("crash", None, "the program forged a malformed result")
+            return ExecResult("crash", None, f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
             return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
-        return ExecResult(status, value, error[:2000] if error else error)
+        if value is not None and not value.isascii():
+            # a repr made by the child escapes every non-printable character (lone surrogates included)
+            # and json.dumps there escapes the rest: a value that decodes to non-ASCII was never a repr
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return ExecResult("crash", None, "the program forged a value with a lone surrogate")
+        if error:  # an exception message may carry lone surrogates: escape them, logs are written as UTF-8
+            error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
+        return ExecResult(status, value, error)
 
 
 if __name__ == "__main__":
