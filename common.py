@@ -1425,7 +1425,7 @@ class Run:
         k = int(getattr(self.cfg, "log_samples", 4))
         if k <= 0:
             return
-        with open(self.dir / "samples.jsonl", "a", encoding="utf-8") as f:
+        with open(self.dir / "samples.jsonl", "a", encoding="utf-8", errors="backslashreplace") as f:
             for r in records[:k]:
                 f.write(json.dumps({"step": int(step), "role": role, **{kk: _core_jsonable(v) for kk, v in r.items()}},
                                    default=_core_json_default, ensure_ascii=False) + "\n")
@@ -4905,7 +4905,7 @@ def setup_cgroup():
     every child inherits it, so a job's processes, its tmpfs and its kernel memory count together. The zygote
     is exempt from the OOM killer; a child raises its own score back."""
     REPORT["memory_cgroup"] = None
-    if not sys.platform.startswith("linux") or os.geteuid() != 0 or STATE["userns"] or not CFG["namespaces"]:
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or STATE["userns"]:
         note("no memory cgroup (needs root on Linux): a job's processes together may hold up to "
              "max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
         return
