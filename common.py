@@ -1425,7 +1425,9 @@ class Run:
         k = int(getattr(self.cfg, "log_samples", 4))
         if k <= 0:
             return
-        with open(self.dir / "samples.jsonl", "a", encoding="utf-8", errors="backslashreplace") as f:
+        # a lone surrogate (model text, an exception message) is written escaped, not raised on
+        with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
+                  errors="backslashreplace") as f:
             for r in records[:k]:
                 f.write(json.dumps({"step": int(step), "role": role, **{kk: _core_jsonable(v) for kk, v in r.items()}},
                                    default=_core_json_default, ensure_ascii=False) + "\n")
@@ -4538,13 +4540,14 @@ def _sb_all_finite(value) -> bool:
 # Everything below up to the closing quotes runs in the zygote, NOT in the trainer. It only uses the stdlib.
 
 _SB_ZYGOTE_SOURCE = r'''
-# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer sends its config
-# (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header of limits and lengths, then the
-# program and expression as raw UTF-8 bytes, which go into JOB_BUF and never become objects in this process
-# (a child forked later must not find them in inherited memory). The reply: see send_reply.
-# Per job: a fresh tmpfs at /tmp, a fresh IPC namespace, and a child (PID 1 of a fresh PID namespace), which
-# sets itself up, writes b"R", runs the program and writes one length-prefixed JSON frame on fd 3; enforce the
-# deadline; kill what is left; detach the tmpfs; reply; wipe the job's bytes.
+# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer
+# sends its config (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header
+# of limits and lengths, then the program and expression as raw UTF-8 bytes, which go into JOB_BUF
+# and never become objects in this process (a child forked later must not find them in memory).
+# The reply: see send_reply. Per job: a fresh tmpfs at /tmp, a fresh IPC namespace, and a child
+# (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program and writes
+# one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; detach the
+# tmpfs; reply; wipe the job's bytes.
 import ctypes, gc, json, os, resource, select, signal, struct, sys, time
 
 CFG = None
@@ -4561,7 +4564,7 @@ PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, 
 PRCTL.restype = ctypes.c_int
 REPORT = {"namespaces": {}, "notes": []}
 JOB_BUF = bytearray(1 << 16)   # this job's program + expression (wiped after the job)
-RES_BUF = bytearray(1 << 16)   # this job's result frame as the child wrote it (wiped after the reply)
+RES_BUF = bytearray(1 << 16)   # this job's result frame as the child wrote it (wiped after reply)
 
 def note(msg):
     REPORT["notes"].append(msg)
@@ -4625,7 +4628,7 @@ def send(obj):
     send_bytes(json.dumps(obj).encode())
 
 def load_job(job, program, expression):
-    """Only for the start-up self-tests: put a program of our own into JOB_BUF as the trainer would."""
+    """Only for the start-up self-tests: put a program of ours into JOB_BUF as the trainer would."""
     global JOB_BUF
     p, e = program.encode(), expression.encode()
     JOB_BUF = grow(JOB_BUF, len(p) + len(e))
@@ -4634,9 +4637,10 @@ def load_job(job, program, expression):
     return job
 
 def send_reply(res):
-    """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the trainer restarts
-    it), or the child's own frame passed through undecoded from RES_BUF, tagged b"P" (written after setup, by
-    the program's process) or b"S" (written during setup). The trainer decodes and checks it."""
+    """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the
+    trainer restarts it), or the child's own frame passed through undecoded from RES_BUF, tagged
+    b"P" (written after setup, by the program's process) or b"S" (written during setup). The
+    trainer decodes and checks it."""
     if type(res) is tuple:
         kind, a, b = res
         write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(RES_BUF)[a:b]])
@@ -4751,15 +4755,16 @@ def unescape(p):
     return p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
-DEV_NODES = ("null", "zero", "full", "random", "urandom")   # never /dev/nvidia*, /dev/kvm, ttys, disks
+DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never /dev/nvidia*, kvm, ttys, disks
+# POSIX shm and semaphores (/dev/shm) live in the job's tmpfs
 DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-             "stderr": "/proc/self/fd/2", "shm": "/tmp"}      # POSIX shm and semaphores live in the job's tmpfs
+             "stderr": "/proc/self/fd/2", "shm": "/tmp"}
 
 def isolate_filesystem():
-    """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it: Python's own
-    directories and the system libraries read-only, a few /dev nodes, synthetic account files, /proc, and /tmp
-    (one fresh tmpfs per job, mounted by run_job). Everything else (other checkouts, logs, sockets, GPUs)
-    simply is not there; the directories of hide_paths appear as empty directories."""
+    """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
+    Python's own directories and the system libraries read-only, a few /dev nodes, synthetic account
+    files, /proc, and /tmp (one fresh tmpfs per job, mounted by run_job). Everything else (other
+    checkouts, logs, sockets, GPUs) is simply not there; hide_paths appear as empty directories."""
     REPORT["readonly_root"] = False
     REPORT["hidden"] = []
     REPORT["masked"] = []
@@ -4774,7 +4779,7 @@ def isolate_filesystem():
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
     failures = 0
-    for fields in mounts:  # first every mount read-only, so each bind below is read-only all the way down
+    for fields in mounts:  # every mount read-only first: each bind below is read-only throughout
         target, opts = unescape(fields[4]), fields[5].split(",")
         if target == "/proc" or target.startswith("/proc/"):
             continue
@@ -4796,7 +4801,7 @@ def isolate_filesystem():
     try:
         mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
-        note("no tmpfs for the allow-list root (%s): children see the host's read-only filesystem" % e)
+        note("no tmpfs for the allow-list root (%s): children see the host, read-only" % e)
         return
     def bind(p, fd, is_dir):
         dst = new + p
@@ -4837,7 +4842,7 @@ def isolate_filesystem():
         with open(new + p, "w") as f:
             f.write(text)
         REPORT["masked"].append(p)
-    for p in CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (they are public)
+    for p in CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (public)
         if p in fds:
             try:
                 with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
@@ -4868,7 +4873,7 @@ def isolate_filesystem():
         os.close(fd)
     try:
         os.chdir(new)
-        if LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root ends up on top ...
+        if LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root on top ...
             raise OSError(ctypes.get_errno(), "pivot_root")
         libc_call("umount2", b".", MNT_DETACH)  # ... and is detached whole
         os.chdir("/")
@@ -4881,10 +4886,10 @@ def isolate_filesystem():
     REPORT["filesystem"] = "allow-list"
     STATE["view"] = True
 
-# ------------------------------------------------------------- one memory cgroup per worker (root only)
+# ------------------------------------------------------- one memory cgroup per worker (root only)
 
 def cgroup_dirs():
-    """(version, directory of this process's memory cgroup) for cgroup v2, then v1, where present."""
+    """(version, directory of this process's memory cgroup), cgroup v2 before v1, where present."""
     with open("/proc/self/cgroup") as f:
         lines = [ln.rstrip("\n").split(":", 2) for ln in f]
     with open("/proc/self/mountinfo") as f:
@@ -4895,15 +4900,15 @@ def cgroup_dirs():
             sep = m.index("-")
             fstype, opts = m[sep + 1], m[sep + 3].split(",")
             root, target = unescape(m[3]), unescape(m[4])
-            if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or
-                                         ("memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts)):
+            v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
+            if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
                 out.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
     return sorted(out, reverse=True)
 
 def setup_cgroup():
-    """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the zygote):
-    every child inherits it, so a job's processes, its tmpfs and its kernel memory count together. The zygote
-    is exempt from the OOM killer; a child raises its own score back."""
+    """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the
+    zygote): every child inherits it, so a job's processes, its tmpfs and its kernel memory count
+    together. The zygote is exempt from the OOM killer where it may be; a child raises its score."""
     REPORT["memory_cgroup"] = None
     if not sys.platform.startswith("linux") or os.geteuid() != 0 or STATE["userns"]:
         note("no memory cgroup (needs root on Linux): a job's processes together may hold up to "
@@ -4914,7 +4919,7 @@ def setup_cgroup():
     try:
         write_file("/proc/self/oom_score_adj", "-1000")
         STATE["oom_exempt"] = True
-    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be the OOM victim (the trainer restarts it)
+    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
         STATE["oom_exempt"] = False
         note("zygote not exempt from the OOM killer: %s" % e)
     for version, parent in cgroup_dirs():
@@ -4951,8 +4956,9 @@ def setup_cgroup():
         STATE["oom_kills"] = oom_kills()
         REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
-    note("no memory cgroup (%s): a job's processes together may hold up to max_procs x memory_mb, and its "
-         "tmpfs up to tmpfs_mb more" % ("; ".join(errors) or "no cgroup filesystem with a memory controller"))
+    why = "; ".join(errors) or "no cgroup filesystem with a memory controller"
+    note("no memory cgroup (%s): a job's processes together may hold up to max_procs x memory_mb, "
+         "and its tmpfs up to tmpfs_mb more" % why)
 
 def oom_kills():
     if STATE.get("oom_fd") is None:
@@ -4974,11 +4980,11 @@ def build_seccomp(net_private):
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
     # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
-    # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote and inherited
-    # (attaching one per child costs ~10% of the throughput), so it leaves the zygote what it needs per job:
-    # mount/umount2 (the job's tmpfs) and unshare/setns of PID and IPC namespaces. A child cannot use them:
-    # they need CAP_SYS_ADMIN, which it lacks (uid dropped, or capabilities dropped in a user namespace),
-    # and it cannot make a user namespace to gain it (clone/unshare with CLONE_NEWUSER are refused here).
+    # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote
+    # and inherited (one per child costs ~10% of the throughput), so it leaves the zygote what it
+    # needs per job: mount/umount2 (the job's tmpfs), unshare/setns of PID and IPC namespaces.
+    # A child cannot use them: they need CAP_SYS_ADMIN, which it lacks (uid dropped, or all
+    # capabilities dropped in a user namespace), and CLONE_NEWUSER, to regain it, is refused.
     # socket/socketpair: AF_UNIX, and AF_INET/AF_INET6 only inside the private network namespace (no
     # interface up); AF_VSOCK, AF_NETLINK, AF_PACKET and every other family fail with EAFNOSUPPORT.
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -4992,7 +4998,8 @@ def build_seccomp(net_private):
     src += [("", JEQ, "clone", 0, 56), ("", JEQ, "unshare", 0, 272), ("", JEQ, "setns", 0, 308),
             ("", JEQ, "socket", 0, 41), ("", JEQ, "socket", 0, 53), ("", RET, 0, 0, ALLOW),
             ("clone", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags), ("", RET, 0, 0, ALLOW),
-            ("unshare", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags & ~(CLONE_NEWPID | CLONE_NEWIPC)),
+            ("unshare", LD, 0, 0, 16),
+            ("", JSET, "eperm", 0, ns_flags & ~(CLONE_NEWPID | CLONE_NEWIPC)),
             ("", RET, 0, 0, ALLOW),
             ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
             ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]
@@ -5040,7 +5047,7 @@ def child_main(job, wfd):
             os.dup2(null, fd)
         os.closerange(4, STATE["maxfd"])
         os.chdir(job["dir"])
-        if STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer; its children are not
+        if STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer; children are not
             write_file("/proc/self/oom_score_adj", "0")
         if STATE["drop_uid"]:
             os.setgroups([])
@@ -5086,8 +5093,11 @@ def child_main(job, wfd):
         _exit(71)
     try:
         plen, elen = job["plen"], job["elen"]
-        code = compile(bytes(JOB_BUF[:plen]).decode("utf-8", "surrogatepass"), "<program>", "exec")
-        expr = compile(bytes(JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass"), "<expression>", "eval")
+        program = bytes(JOB_BUF[:plen]).decode("utf-8", "surrogatepass")
+        expression = bytes(JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass")
+        code = compile(program, "<program>", "exec")
+        expr = compile(expression, "<expression>", "eval")
+        del program, expression
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
         del job
         exec(code, ns)
@@ -5165,8 +5175,8 @@ def sweep_uid():
     os.waitpid(pid, 0)
 
 def remove_tree(path, budget_s=2.0):
-    """Without a mount namespace: delete the job directory by walking it with chdir, so a tree nested past
-    PATH_MAX comes down too. Past budget_s it gives up and raises: the trainer then restarts this worker."""
+    """Without a mount namespace: delete the job directory by walking it with chdir, so a tree
+    nested past PATH_MAX comes down too. Past budget_s it raises: the worker is restarted."""
     stop = time.monotonic() + budget_s
     if not os.path.lexists(path):
         return
@@ -5198,12 +5208,13 @@ def remove_tree(path, budget_s=2.0):
 SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
 def job_scratch():
-    """A fresh, empty, size-capped directory for the job, on its own tmpfs where we have a mount namespace."""
+    """A fresh, empty, size-capped directory for the job: its own tmpfs, given a mount namespace."""
     if STATE["view"]:
         uid = CFG["uid"] if STATE["drop_uid"] else os.getuid()
         gid = CFG["gid"] if STATE["drop_uid"] else os.getgid()
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-              "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (CFG["tmpfs_mb"], CFG["tmpfs_inodes"], uid, gid))
+        opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
+            CFG["tmpfs_mb"], CFG["tmpfs_inodes"], uid, gid)
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
         return "/tmp"
     jobdir = os.path.join(CFG["scratch"], "job")  # the same path for every program: outputs can't differ by it
     if os.path.lexists(jobdir):
@@ -5215,7 +5226,7 @@ def job_scratch():
 
 def drop_scratch(jobdir):
     if STATE["view"]:
-        libc_call("umount2", b"/tmp", MNT_DETACH)  # the whole tree goes at once, however deep or wide
+        libc_call("umount2", b"/tmp", MNT_DETACH)  # the whole tree goes at once, deep or wide
     else:
         remove_tree(jobdir)
 
@@ -5225,9 +5236,11 @@ def run_job(job):
     r, w = os.pipe()
     if STATE.get("pidns_fd") is not None:
         LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)  # back to our own namespace for children...
-        if LIBC.unshare(CLONE_NEWPID | STATE["ipc_flag"]) != 0:  # ...then a fresh one: the child is its PID 1
+        # ...then a fresh one (the child is its PID 1), and a fresh IPC namespace: SysV IPC and
+        # POSIX message queues die with the job
+        if LIBC.unshare(CLONE_NEWPID | STATE["ipc_flag"]) != 0:
             raise OSError(ctypes.get_errno(), "pid/ipc namespace")
-    elif STATE["ipc_flag"] and LIBC.unshare(STATE["ipc_flag"]) != 0:  # SysV IPC and mqueues die with the job
+    elif STATE["ipc_flag"] and LIBC.unshare(STATE["ipc_flag"]) != 0:
         raise OSError(ctypes.get_errno(), "ipc namespace")
     t0 = time.monotonic()
     pid = os.fork()
@@ -5406,7 +5419,8 @@ def main():
             os.chmod(CFG["scratch"], 0o711)
             REPORT["scratch"] = CFG["scratch"]
             REPORT["scratch_on_host"] = True
-            note("no mount namespace: each job gets a fresh directory in %s, removed after it" % CFG["scratch"])
+            note("no mount namespace: each job gets a fresh directory in %s, removed after it"
+                 % CFG["scratch"])
         # the job directory has one fixed path: it is also HOME and TMPDIR (so tempfile finds a writable place)
         os.environ["HOME"] = os.environ["TMPDIR"] = CFG["scratch"] if STATE["view"] else \
             os.path.join(CFG["scratch"], "job")
@@ -5418,7 +5432,8 @@ def main():
         REPORT["seccomp"] = STATE["seccomp"] is not None
         if STATE["seccomp"] is not None:
             probe = run_job(load_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
-                                      "max_output": 100}, "import ctypes, os\nlibc = ctypes.CDLL(None)",
+                                      "max_output": 100},
+                                     "import ctypes, os\nlibc = ctypes.CDLL(None)",
                                      "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
                                      % (CLONE_NEWUSER, CLONE_NEWNET)))
             probe = decode_reply(probe)
@@ -5452,7 +5467,7 @@ def main():
         recv_into(JOB_BUF, n)
         try:
             res = run_job(job)
-        except BaseException as e:  # b"E": this zygote may be in a bad state; the trainer replaces it
+        except BaseException as e:  # b"E": this zygote may be in a bad state; trainer replaces it
             res = {"kind": b"E", "status": "sandbox_error", "value": None,
                    "error": "zygote: %s: %s" % (type(e).__name__, e)}
         send_reply(res)
@@ -5483,30 +5498,31 @@ def _sb_hidden_paths() -> list[str]:
         hidden.append(cwd)
     return hidden
 _SB_MAX_FRAME = 64 << 20
-_SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker, never shared
+_SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker
 _sb_uids_in_use: set[int] = set()
 _sb_uid_lock = threading.Lock()
-# Besides Python's own directories, the children's filesystem holds the system libraries (C extensions load
-# them), the time zone database, and copies of the loader cache and /etc/localtime: nothing else of the host.
-_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/share/zoneinfo")
+# Besides Python's own directories, the children's filesystem holds the system libraries (C
+# extensions load them), the time zone database, and copies of the loader cache and localtime.
+_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
+                "/usr/share/zoneinfo")
 _SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
 
 def _sb_take_uids(n: int) -> list[int]:
-    """n uids no live sandbox of this process holds (and no account uses): a program of one sandbox can never
-    signal, ptrace-probe or read the files of another's."""
+    """n uids that no live sandbox of this process holds (and no account uses): a program of one
+    sandbox can never signal, probe or read the files of another's."""
     base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
     with _sb_uid_lock:
         free = [base + k for k in range(_SB_UID_BLOCK) if base + k not in _sb_uids_in_use][:n]
         if len(free) < n:
-            raise RuntimeError(f"PythonSandbox: more than {_SB_UID_BLOCK} workers alive in this process; close "
-                               f"some sandboxes first")
+            raise RuntimeError(f"PythonSandbox: more than {_SB_UID_BLOCK} workers alive in this "
+                               f"process; close some sandboxes first")
         _sb_uids_in_use.update(free)
     return free
 
 
 def _sb_system_paths() -> tuple[list[str], list[list[str]]]:
-    """(real directories of _SB_LIB_DIRS, [link, target] for the ones that are symlinks, as on merged /usr)."""
+    """(real directories of _SB_LIB_DIRS, [link, target] of those that are links: merged /usr)."""
     dirs, links = set(), []
     for d in _SB_LIB_DIRS:
         if os.path.islink(d):
@@ -5536,15 +5552,17 @@ def _sb_reject_constant(name):
 
 
 def _sb_decode_frame(data: bytes) -> dict | None:
-    """A result frame as {status, value, error} of the right types, or None for anything else: bytes that are
-    not UTF-8 JSON, nesting deep enough to raise RecursionError, NaN/Infinity, other keys or types, too large."""
+    """A result frame as {status, value, error} of the right types, or None for anything else:
+    bytes that are not UTF-8 JSON, nesting deep enough for RecursionError, NaN/Infinity, other keys
+    or types, too large."""
     if len(data) > _SB_MAX_FRAME or data[:1] != b"{":
         return None
     try:
         msg = json.loads(data.decode("utf-8"), parse_constant=_sb_reject_constant)
     except (ValueError, RecursionError, MemoryError, UnicodeDecodeError, TypeError):
         return None
-    if type(msg) is not dict or set(msg) != {"status", "value", "error"} or type(msg["status"]) is not str:
+    if type(msg) is not dict or set(msg) != {"status", "value", "error"} or \
+            type(msg["status"]) is not str:
         return None
     if not all(v is None or type(v) is str for v in (msg["value"], msg["error"])):
         return None
@@ -5585,8 +5603,9 @@ class _SbWorker:
             os.set_blocking(self.wfd, blocking)
 
     def send_job(self, program: str, expression: str, limits: dict):
-        """A JSON header of limits and lengths, then the raw program and expression: the zygote reads those
-        bytes into a buffer it wipes after the job, never into objects a later child could inherit."""
+        """A JSON header of limits and lengths, then the raw program and expression: the zygote
+        reads those bytes into a buffer it wipes after the job, never into objects that a later
+        child would inherit."""
         p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
         head = json.dumps(dict(limits, plen=len(p), elen=len(e))).encode()
         self._send_all(head, p + e)
@@ -5643,7 +5662,7 @@ class _SbWorker:
         if scratch:  # no mount namespace: the scratch directory sits on the host
             import shutil
             shutil.rmtree(scratch, ignore_errors=True)
-        for _ in range(50) if cgroup else ():  # empty once the zygote is reaped; that can take a moment
+        for _ in range(50) if cgroup else ():  # empty once the zygote is reaped (can take a moment)
             try:
                 os.rmdir(cgroup)
                 break
@@ -5681,14 +5700,16 @@ class PythonSandbox:
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
-        # one unprivileged uid per worker, unique among this process's live sandboxes (freed by close())
+        # one unprivileged uid per worker, unique among this process's live sandboxes
         self.uids = _sb_take_uids(self.workers)
         self.uids_held = list(self.uids)
         lib_dirs, lib_links = _sb_system_paths()
         self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
                        "uid": uid, "gid": uid, "memory_mb": self.memory_mb,
-                       "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
-                       "keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs, "lib_links": lib_links,
+                       "site_dirs": [os.path.realpath(p) for p in sys.path
+                                     if p and "-packages" in p],
+                       "keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs,
+                       "lib_links": lib_links,
                        "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
                        "tmpfs_mb": int(tmpfs_mb), "tmpfs_inodes": max(1024, 64 * int(tmpfs_mb)),
                        "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
@@ -5735,10 +5756,12 @@ class PythonSandbox:
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
                 "self_test": rep.get("self_test"),
                 # allow-list: only Python, the system libraries and the job's own tmpfs are visible
-                "filesystem": rep.get("filesystem", "host, read-only" if rep.get("readonly_root") else "host"),
+                "filesystem": rep.get("filesystem",
+                                      "host, read-only" if rep.get("readonly_root") else "host"),
                 "scratch": rep.get("scratch"), "ipc_per_job": rep.get("ipc_per_job", False),
                 "socket_families": ("AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
-                                    if ns.get("net") else "AF_UNIX") if rep.get("seccomp") else "any",
+                                    if ns.get("net") else "AF_UNIX")
+                if rep.get("seccomp") else "any",
                 # None: no cap on the job as a whole (notes say why); else its cgroup and limit
                 "memory_cgroup": rep.get("memory_cgroup"), "notes": rep.get("notes", [])}
 
@@ -5852,7 +5875,7 @@ class PythonSandbox:
                             results[busy.pop(i)] = res = self._result(msg)
                             sel.unregister(w.rfd)
                             w.job = None
-                            if msg[:1] == b"E":  # the zygote failed on its own: do not trust it again
+                            if msg[:1] == b"E":  # the zygote failed on its own: replace it
                                 self._restart(i)
                     except (EOFError, OSError, ValueError) as e:
                         results[busy.pop(i)] = ExecResult("sandbox_error", None, f"sandbox worker died: {e}")
@@ -5887,19 +5910,20 @@ class PythonSandbox:
             return ExecResult("crash", None, "the program wrote a malformed result")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
-            return ExecResult("crash", None, f"the program claimed status {status[:40]!r}, which it may not")
+            return ExecResult("crash", None,
+                              f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
             return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
-            # a repr made by the child escapes every non-printable character (lone surrogates included)
-            # and json.dumps there escapes the rest: a value that decodes to non-ASCII was never a repr
+            # a repr made by the child escapes every non-printable character, lone surrogates
+            # included: a value that holds one was never a repr
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 return ExecResult("crash", None, "the program forged a value with a lone surrogate")
-        if error:  # an exception message may carry lone surrogates: escape them, logs are written as UTF-8
+        if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
             error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
         return ExecResult(status, value, error)
 

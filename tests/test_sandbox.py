@@ -702,17 +702,18 @@ def test_forked_copy_of_the_trainer_leaves_workers_alone(sb):
     assert sb.run("", "6 * 7") == ExecResult("ok", "42", None)
 
 
-# ------------------------------------------------------------------ issue 15: a second round of hostile programs
+# -------------------------------------------------- issue 15: a second round of hostile programs
 
 def _frame_program(frame: bytes) -> str:
     """A program that writes `frame` as its result frame itself and exits before the real one."""
-    return f"import os, struct\nos.write(3, struct.pack('>I', {len(frame)}) + {frame!r})\nos._exit(0)"
+    return (f"import os, struct\nos.write(3, struct.pack('>I', {len(frame)}) + {frame!r})\n"
+            f"os._exit(0)")
 
 
 def test_malformed_frames_are_a_crash_for_that_job_alone(sb):
-    deep = b"[" * 50_000 + b"]" * 50_000          # within the frame cap, far past json's recursion limit
+    deep = b"[" * 50_000 + b"]" * 50_000     # within the frame cap, far past json's recursion limit
     frames = {
-        "depth": b'{"status": "ok", "value": ' + deep + b', "error": null}',        # RecursionError in json
+        "depth": b'{"status": "ok", "value": ' + deep + b', "error": null}',   # RecursionError
         "depth_in_error": b'{"status": "error", "value": null, "error": {"a": ' + deep + b'}}',
         "encoding": b'{"status": "ok", "value": "\xff\xfe\xc3", "error": null}',
         "surrogate_value": b'{"status": "ok", "value": "\\ud800", "error": null}',
@@ -738,7 +739,7 @@ def test_malformed_frames_are_a_crash_for_that_job_alone(sb):
     big_value = b'{"status": "ok", "value": "' + b"7" * (MAX_OUT + 1) + b'", "error": null}'
     res = sb.run_many([(huge, "1"), (_frame_program(big_value), "1"), ("", "5")])
     assert [r.status for r in res] == ["output_limit", "output_limit", "ok"], res
-    # an exception message with a lone surrogate stays an error, escaped so that it can be logged as UTF-8
+    # an exception message with a lone surrogate stays an error, escaped so it logs as UTF-8
     res = sb.run("raise ValueError('bad \\udc80 byte')", "1")
     assert res.status == "error" and "\\udc80" in res.error, res
     res.error.encode("utf-8")
@@ -747,7 +748,7 @@ def test_malformed_frames_are_a_crash_for_that_job_alone(sb):
 
 
 def test_samples_log_survives_lone_surrogates(tmp_path, monkeypatch):
-    """samples.jsonl is written with ensure_ascii=False: a lone surrogate in a record must not kill the run."""
+    """samples.jsonl is written with ensure_ascii=False: a lone surrogate must not kill the run."""
     monkeypatch.chdir(tmp_path)
     run = common.Run(common.RunConfig(model="tiny", log_samples=2), "absolute_zero")
     with PythonSandbox(workers=1, timeout_s=TIMEOUT) as s:
@@ -755,7 +756,7 @@ def test_samples_log_survives_lone_surrogates(tmp_path, monkeypatch):
     run.log_samples(0, "solver", [{"completion": "x = '\ud800'", "output": err, "reward": 0.0}])
     line = (run.dir / "samples.jsonl").read_bytes().decode("utf-8")      # strict UTF-8
     rec = json.loads(line)
-    assert rec["completion"] == "x = '\ud800'"     # the JSON escape keeps the model's text as it was
+    assert rec["completion"] == "x = '\ud800'"   # the JSON escape keeps the model's text as it was
     assert rec["output"] == err == "ValueError: e\\udc80 (program line 1)" and err.encode("utf-8")
     run.close()
 
@@ -763,8 +764,8 @@ def test_samples_log_survives_lone_surrogates(tmp_path, monkeypatch):
 @pytest.fixture
 def solo(host):
     """One worker, so consecutive jobs meet the same zygote."""
-    with PythonSandbox(workers=1, timeout_s=TIMEOUT, memory_mb=256, max_output_chars=MAX_OUT, max_procs=32,
-                       max_file_mb=16) as s:
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT, memory_mb=256, max_output_chars=MAX_OUT,
+                       max_procs=32, max_file_mb=16) as s:
         yield s
 
 
@@ -801,7 +802,7 @@ def test_deep_tree_and_many_files_do_not_break_the_worker(solo, host):
     res = solo.run(MANY_FILES, "n", timeout_s=6.0)
     elapsed = time.monotonic() - t0
     assert res.status in ("ok", "timeout"), res
-    # the files go with their tmpfs in one step (or the inode cap stopped them early): no long cleanup
+    # the files go with their tmpfs in one step (or the inode cap stopped them): no long cleanup
     assert elapsed < 6.0 + 1.0, elapsed
     assert solo.run("import os", "len(os.listdir('.'))") == ExecResult("ok", "0", None)
     assert solo.restarts == restarts
@@ -812,7 +813,7 @@ def test_deep_tree_and_many_files_do_not_break_the_worker(solo, host):
 def test_a_zygote_that_reports_its_own_error_is_restarted(solo, monkeypatch):
     restarts = solo.restarts
     real = solo._job_msg
-    monkeypatch.setattr(solo, "_job_msg", lambda timeout: dict(real(timeout), timeout="not a number"))
+    monkeypatch.setattr(solo, "_job_msg", lambda t: dict(real(t), timeout="not a number"))
     res = solo.run("", "1")
     monkeypatch.setattr(solo, "_job_msg", real)
     assert res.status == "sandbox_error" and res.error.startswith("zygote:"), res
@@ -866,8 +867,10 @@ for line in open("/proc/self/maps"):
 
 def test_no_job_data_in_a_later_childs_memory(solo):
     tag = os.urandom(6).hex().encode()
-    prog_needle, input_needle, value_needle = b"PROGSECRET" + tag, b"INPUTSECRET" + tag, b"GOLDSECRET" + tag
-    program = f"# {prog_needle.decode()}\ndef f(x):\n    return x[::-1] + '{tag.decode()}'[:0] + 'GOLD' + 'SECRET' + {tag.decode()!r}"
+    prog_needle, input_needle = b"PROGSECRET" + tag, b"INPUTSECRET" + tag
+    value_needle = b"GOLDSECRET" + tag
+    program = (f"# {prog_needle.decode()}\ndef f(x):\n"
+               f"    return x[::-1] + 'GOLD' + 'SECRET' + {tag.decode()!r}")
     res = solo.run(program, f"f({input_needle.decode()[::-1]!r})")
     assert res.status == "ok" and value_needle.decode() in res.value, res
     halves = [(n[:5], n[5:]) for n in (prog_needle, input_needle, value_needle)]
@@ -890,7 +893,7 @@ def test_uids_unique_per_live_sandbox():
         boxes.append(PythonSandbox(workers=1, timeout_s=TIMEOUT, namespaces=False))
         assert set(boxes[-1].uids) <= held | set(boxes[-1].uids)   # freed uids may be reused ...
         uids = [u for b in boxes for u in b.uids]
-        assert len(set(uids)) == len(uids), uids                   # ... but never shared while alive
+        assert len(set(uids)) == len(uids), uids                  # ... never shared while alive
     finally:
         for b in boxes:
             b.close()
@@ -900,8 +903,8 @@ def test_socket_families_are_limited(sb):
     prog = """
 import socket
 out = {}
-for name, fam in (("vsock", 40), ("netlink", 16), ("packet", 17), ("bluetooth", 31), ("can", 29), ("tipc", 30),
-                  ("alg", 38), ("xdp", 44), ("rds", 21)):
+for name, fam in (("vsock", 40), ("netlink", 16), ("packet", 17), ("bluetooth", 31), ("can", 29),
+                  ("tipc", 30), ("alg", 38), ("xdp", 44), ("rds", 21)):
     try:
         socket.socket(fam, socket.SOCK_DGRAM if fam in (16, 21, 30) else socket.SOCK_STREAM).close()
         out[name] = "created"
@@ -919,12 +922,12 @@ srv.listen(1)
     out, pair = parse_literal(res.value)
     assert pair == b"hi"
     if LINUX_ROOT and os.uname().machine == "x86_64":
-        assert all(v == 97 for v in out.values()), out          # EAFNOSUPPORT, from the seccomp filter
+        assert all(v == 97 for v in out.values()), out   # EAFNOSUPPORT, from the seccomp filter
 
 
 @pytest.fixture
 def outside(host):
-    """Files and a world-writable Unix socket outside every hidden directory, as another checkout would be."""
+    """Files and a world-writable Unix socket outside every hidden directory (another checkout)."""
     if not LINUX_ROOT:
         pytest.skip("needs root to write outside the hidden directories")
     base = pathlib.Path("/srv") if os.path.isdir("/srv") else pathlib.Path("/opt")
@@ -958,19 +961,22 @@ try:
 except OSError as e:
     out.append(type(e).__name__)
 """
-    res = sb.run(prog, "out, sorted(os.listdir('/dev')), os.path.exists('/sys'), os.path.exists('/var/log')")
+    res = sb.run(prog, "out, sorted(os.listdir('/dev')), os.path.exists('/sys'), "
+                       "os.path.exists('/var/log')")
     assert res.status == "ok", res
     out, dev, sys_there, varlog = parse_literal(res.value)
     assert "other checkout's log\n" not in out and "connected" not in out, out
     with pytest.raises(BlockingIOError):
         srv.accept()
-    assert set(dev) <= {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr", "shm"}, dev
+    assert set(dev) <= {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout",
+                        "stderr", "shm"}, dev
     assert not any(n.startswith("nvidia") for n in dev)
     assert not sys_there and not varlog
     assert sb.isolation["filesystem"] == "allow-list"
     # what Python needs is still there, read-only
     assert sb.run("import json, decimal, sqlite3, ctypes.util", "1").ok
-    res = sb.run("import os, sys", f"os.access(sys.prefix, os.W_OK), os.access({sys.prefix!r}, os.R_OK)")
+    res = sb.run("import os, sys",
+                 f"os.access(sys.prefix, os.W_OK), os.access({sys.prefix!r}, os.R_OK)")
     assert res == ExecResult("ok", "(False, True)", None), res
 
 
@@ -1001,6 +1007,7 @@ def test_memory_cap_covers_the_whole_job(sb, host):
         assert any("no memory cgroup" in n for n in sb.isolation["notes"]), sb.isolation["notes"]
         pytest.skip("no memory cgroup on this machine: " + "; ".join(sb.isolation["notes"]))
     assert cg["limit_mb"] <= 256 + 64, cg
-    res = run_case(sb, host, WIDE_MEMORY, "alive", timeout=5.0, statuses={"ok", "memory"})
+    res = run_case(sb, host, WIDE_MEMORY, "alive", timeout=8.0, statuses={"ok", "memory"})
     assert res.status == "memory" or int(res.value) <= 2, res      # never 6 x 100 MB at once
-    res = run_case(sb, host, TMPFS_MEMORY, "len(block)", timeout=5.0, statuses={"memory", "error", "crash"})
+    run_case(sb, host, TMPFS_MEMORY, "len(block)", timeout=8.0,
+             statuses={"memory", "error", "crash"})
