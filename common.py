@@ -4405,32 +4405,41 @@ def cli_main(argv=None):
 #   in a VM) against 25-40 ms for a fresh interpreter: see tests/bench_sandbox.py.
 #
 # * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
-#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters private
-#     network, mount, IPC and UTS namespaces. The network namespace has no interface up, so no socket reaches
-#     anything. In the mount namespace every filesystem is re-mounted read-only, and empty tmpfs mounts hide
-#     ``/root``, ``/home``, ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run`` and the trainer's working directory
-#     (tokens and caches in homes, other users' temp files, run folders and checkpoints). The directories Python
-#     itself needs (prefix, stdlib, site-packages) are bound back read-only where they sit under a hidden
-#     directory (pyenv under /root, a venv under /home). ``/etc/passwd``, ``/etc/shadow`` and friends are masked,
-#     and ``/proc`` is re-mounted with ``hidepid=2`` so a child cannot look at other users' processes.
-#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills every
-#     process inside it, which is what catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)`` harmless.
-#     (In a user namespace that is not allowed; there the worker is PID 1 of one namespace and empties it after
-#     every program.)
-#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, from a block no account
-#     uses), so ``RLIMIT_NPROC`` really applies, file permissions protect the host, and workers cannot signal
-#     each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries; on x86-64 a small hand-written seccomp filter
-#     (no library needed) refuses ptrace, mount, unshare/setns, new user namespaces, bpf, keyctl, io_uring,
-#     module loading and similar kernel attack surface.
-#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files, processes
-#     (``max_procs``, threads included), core = 0. The address-space limit is per process, so one program's
-#     processes together hold at most ``max_procs * memory_mb`` (its temp files at most ``tmpfs_mb``); a hard
-#     per-program bound would need a memory cgroup, which this sandbox does not create (on shared machines run
-#     the trainer in a container or cgroup with a memory limit).
+#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters
+#     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so no
+#     socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
+#     namespace it builds the children's filesystem from an allow-list and pivots into it: Python's own
+#     directories (prefix, stdlib, site-packages) and the system libraries read-only, /dev/null, zero,
+#     full, random and urandom (never a GPU, kvm or a disk), synthetic /etc/passwd, group and shadow, a
+#     fresh /proc with hidepid=2, and /tmp. Nothing else of the host is there: no other checkout, log
+#     or socket. The hide_paths (/root, /home, /tmp, the trainer's working directory...) are empty.
+#   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
+#     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
+#     the next; a fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with
+#     the job. The zygote never holds a job's program, input or result as objects: they pass through
+#     two byte buffers it wipes after each job, so no child inherits an earlier job's data.
+#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
+#     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
+#     harmless. (In a user namespace that is not allowed; there the worker is PID 1 of one namespace
+#     and empties it after every program.)
+#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, unique among the
+#     live sandboxes of the process, from a block no account uses), so ``RLIMIT_NPROC`` really applies
+#     and workers cannot signal each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries; on x86-64 a
+#     small hand-written seccomp filter (no library needed) refuses ptrace, new namespaces, bpf, keyctl,
+#     io_uring, module loading and similar kernel attack surface, and sockets of any family but AF_UNIX
+#     (and AF_INET/AF_INET6 inside the empty network namespace): no AF_VSOCK, netlink or packet sockets.
+#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files,
+#     processes (``max_procs``, threads included), core = 0. The address-space limit is per process;
+#     as root, each zygote also sits in a memory cgroup of its own (v2, else v1) capped at
+#     ``memory_mb`` plus a small margin, which its children inherit: a job's processes, tmpfs and kernel
+#     memory together stay under it (an OOM kill is status ``memory``). Without one (non-root, no
+#     memory controller) ``isolation["memory_cgroup"]`` is None and the notes say why.
 #   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser deadline on
 #     the zygote itself, and a dead or silent zygote costs only its in-flight job (``sandbox_error``) before it
 #     is restarted. A program's frames are only believed for what a program may claim (it cannot report
-#     ``timeout``, ``crash`` or ``sandbox_error`` for itself).
+#     ``timeout``, ``crash`` or ``sandbox_error`` for itself). A frame that does not decode (not UTF-8,
+#     nested past json's recursion limit, NaN, other keys or types, a value with a lone surrogate) is
+#     ``crash`` for its job alone; a zygote that reports an error of its own is replaced.
 #   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
 #     child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
 #     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
@@ -4637,6 +4646,7 @@ def load_job(job, program, expression):
     return job
 
 def send_reply(res):
+    global RES_BUF
     """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the
     trainer restarts it), or the child's own frame passed through undecoded from RES_BUF, tagged
     b"P" (written after setup, by the program's process) or b"S" (written during setup). The
@@ -4645,6 +4655,8 @@ def send_reply(res):
         kind, a, b = res
         write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(RES_BUF)[a:b]])
         wipe(RES_BUF, b)
+        if len(RES_BUF) > 1 << 22:
+            RES_BUF = bytearray(1 << 16)
     else:
         send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
 
@@ -5231,7 +5243,7 @@ def drop_scratch(jobdir):
         remove_tree(jobdir)
 
 def run_job(job):
-    global RES_BUF
+    global JOB_BUF, RES_BUF
     job["dir"] = jobdir = job_scratch()
     r, w = os.pipe()
     if STATE.get("pidns_fd") is not None:
@@ -5311,6 +5323,8 @@ def run_job(job):
     elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
         sweep_uid()
     wipe(JOB_BUF, job["plen"] + job["elen"])
+    if len(JOB_BUF) > 1 << 22:  # a huge program's buffer is charged to the job's cgroup: let it go
+        JOB_BUF = bytearray(1 << 16)
     drop_scratch(jobdir)
     if over:
         wipe(RES_BUF, got)
