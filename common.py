@@ -4406,49 +4406,54 @@ def cli_main(argv=None):
 #
 # * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
 #   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters
-#     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so no
-#     socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
-#     namespace it builds the children's filesystem from an allow-list and pivots into it: Python's own
-#     directories (prefix, stdlib, site-packages) and the system libraries read-only, /dev/null, zero,
-#     full, random and urandom (never a GPU, kvm or a disk), synthetic /etc/passwd, group and shadow, a
-#     fresh /proc with hidepid=2, and /tmp. Nothing else of the host is there: no other checkout, log
-#     or socket. The hide_paths (/root, /home, /tmp, the trainer's working directory...) are empty.
+#     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so
+#     no socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
+#     namespace it builds the children's filesystem from an allow-list and pivots into it: Python's
+#     own directories (prefix, stdlib, site-packages) and the system libraries read-only, /dev/null,
+#     zero, full, random and urandom (never a GPU, kvm or a disk), synthetic /etc/passwd, group and
+#     shadow, a fresh /proc with hidepid=2, and /tmp. Nothing else of the host is there: no other
+#     checkout, log or socket. The hide_paths (/root, /home, /tmp, the trainer's working
+#     directory...) are empty.
 #   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
 #     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
-#     the next; a fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with
-#     the job. The zygote never holds a job's program, input or result as objects: they pass through
-#     two byte buffers it wipes after each job, so no child inherits an earlier job's data.
+#     the next; a fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die
+#     with the job. The zygote never holds a job's program, input or result as objects: they pass
+#     through two byte buffers it wipes after each job, so no child inherits an earlier job's data.
 #   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
 #     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
 #     harmless. (In a user namespace that is not allowed; there the worker is PID 1 of one namespace
 #     and empties it after every program.)
-#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, unique among the
-#     live sandboxes of the process, from a block no account uses), so ``RLIMIT_NPROC`` really applies
-#     and workers cannot signal each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries; on x86-64 a
-#     small hand-written seccomp filter (no library needed) refuses ptrace, new namespaces, bpf, keyctl,
-#     io_uring, module loading and similar kernel attack surface, and sockets of any family but AF_UNIX
-#     (and AF_INET/AF_INET6 inside the empty network namespace): no AF_VSOCK, netlink or packet sockets.
+#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, unique among
+#     the live sandboxes of the process, from a block no account uses), so ``RLIMIT_NPROC`` really
+#     applies and workers cannot signal each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries;
+#     on x86-64 a small hand-written seccomp filter (no library needed) refuses ptrace, new
+#     namespaces, bpf, keyctl, io_uring, module loading and similar kernel attack surface, and
+#     sockets of any family but AF_UNIX (and AF_INET/AF_INET6 inside the empty network namespace):
+#     no AF_VSOCK, netlink or packet sockets.
 #   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files,
 #     processes (``max_procs``, threads included), core = 0. The address-space limit is per process;
 #     as root, each zygote also sits in a memory cgroup of its own (v2, else v1) capped at
-#     ``memory_mb`` plus a small margin, which its children inherit: a job's processes, tmpfs and kernel
-#     memory together stay under it (an OOM kill is status ``memory``). Without one (non-root, no
-#     memory controller) ``isolation["memory_cgroup"]`` is None and the notes say why.
-#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser deadline on
-#     the zygote itself, and a dead or silent zygote costs only its in-flight job (``sandbox_error``) before it
-#     is restarted. A program's frames are only believed for what a program may claim (it cannot report
-#     ``timeout``, ``crash`` or ``sandbox_error`` for itself). A frame that does not decode (not UTF-8,
-#     nested past json's recursion limit, NaN, other keys or types, a value with a lone surrogate) is
-#     ``crash`` for its job alone; a zygote that reports an error of its own is replaced.
+#     ``memory_mb`` plus a small margin, which its children inherit: a job's processes, tmpfs and
+#     kernel memory together stay under it (an OOM kill is status ``memory``). Without one
+#     (non-root, no memory controller) ``isolation["memory_cgroup"]`` is None and the notes say why.
+#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser
+#     deadline on the zygote itself, and a dead or silent zygote costs only its in-flight job
+#     (``sandbox_error``) before it is restarted. A program's frames are only believed for what a
+#     program may claim (it cannot report ``timeout``, ``crash`` or ``sandbox_error`` for itself). A
+#     frame that does not decode (not UTF-8, nested past json's recursion limit, NaN, other keys or
+#     types, a value with a lone surrogate) is ``crash`` for its job alone; a zygote that reports an
+#     error of its own is replaced.
 #   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
 #     child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
 #     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
 #   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the sandbox still
 #   works with what it has and says so in ``.isolation``; Python-level guards are never relied upon.
 #
-# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per program
-#   (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls (unshare, setns,
-#   mount, prctl, capset) go through ctypes and the seccomp filter is ~50 hand-assembled BPF instructions.
+# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
+#   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
+#   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is ~60
+#   hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions), whose
+#   source ``_sb_zygote_source`` hands to the clean interpreter.
 #
 # * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
 #   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a security boundary.
@@ -4545,10 +4550,10 @@ def _sb_all_finite(value) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- the zygote (runs in its own clean interpreter)
-# Everything below up to the closing quotes runs in the zygote, NOT in the trainer. It only uses the stdlib.
+# --------------------------------------------------- the zygote (runs in its own clean interpreter)
+# Every _zy_ function and _ZY_ value below runs in the zygote, NOT in the trainer: _sb_zygote_source
+# hands their source to a fresh interpreter. They use only the standard library.
 
-_SB_ZYGOTE_SOURCE = r'''
 # The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer
 # sends its config (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header
 # of limits and lengths, then the program and expression as raw UTF-8 bytes, which go into JOB_BUF
@@ -4557,37 +4562,44 @@ _SB_ZYGOTE_SOURCE = r'''
 # (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program and writes
 # one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; detach the
 # tmpfs; reply; wipe the job's bytes.
-import ctypes, gc, json, os, resource, select, signal, struct, sys, time
+import ctypes  # noqa: E402 - the zygote's own imports, all of them stdlib
+import gc  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
 
-CFG = None
-LIBC = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_NOATIME, MS_NODIRATIME, MS_REMOUNT, MS_BIND, MS_REC = 1024, 2048, 32, 4096, 16384
-MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
-PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # typed once here: a cheap call in each child
-PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-PRCTL.restype = ctypes.c_int
-REPORT = {"namespaces": {}, "notes": []}
-JOB_BUF = bytearray(1 << 16)   # this job's program + expression (wiped after the job)
-RES_BUF = bytearray(1 << 16)   # this job's result frame as the child wrote it (wiped after reply)
 
-def note(msg):
-    REPORT["notes"].append(msg)
+_ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWPID, _ZY_CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC = 1, 2, 4, 8
+_ZY_MS_NOATIME, _ZY_MS_NODIRATIME, _ZY_MS_REMOUNT = 1024, 2048, 32
+_ZY_MS_BIND, _ZY_MS_REC = 4096, 16384
+_ZY_MS_PRIVATE, _ZY_MS_RELATIME, _ZY_MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+_ZY_MNT_DETACH = 2
+_ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
+_ZY_REPORT = {"namespaces": {}, "notes": []}
+_ZY_STATE = {}
+_ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
+_ZY_JOB_BUF = bytearray()  # this job's program + expression (wiped after the job)
+_ZY_RES_BUF = bytearray()  # this job's result frame as the child wrote it (wiped after the reply)
+_ZY_WARM_SOURCE = ""       # warm_example's source, filled in by _sb_zygote_source
 
-def libc_call(name, *args):
-    if getattr(LIBC, name)(*args) != 0:
+
+def _zy_note(msg):
+    _ZY_REPORT["notes"].append(msg)
+
+
+def _zy_libc_call(name, *args):
+    if getattr(_ZY_LIBC, name)(*args) != 0:
         e = ctypes.get_errno()
         raise OSError(e, name + ": " + os.strerror(e))
 
-def mount(src, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
 
-def recv_exact(n):
+def _zy_mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _zy_libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+
+
+def _zy_recv_exact(n):
     buf = b""
     while len(buf) < n:
         chunk = os.read(0, n - len(buf))
@@ -4596,11 +4608,13 @@ def recv_exact(n):
         buf += chunk
     return buf
 
-def recv():
-    (n,) = struct.unpack(">I", recv_exact(4))
-    return json.loads(recv_exact(n))
 
-def recv_into(buf, n):
+def _zy_recv():
+    (n,) = struct.unpack(">I", _zy_recv_exact(4))
+    return json.loads(_zy_recv_exact(n))
+
+
+def _zy_recv_into(buf, n):
     view, got = memoryview(buf), 0
     while got < n:
         k = os.readv(0, [view[got:n]])
@@ -4609,18 +4623,21 @@ def recv_into(buf, n):
         got += k
     view.release()
 
-def wipe(buf, n):
+
+def _zy_wipe(buf, n):
     if n:
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
 
-def grow(buf, n):
+
+def _zy_grow(buf, n):
     """A buffer of at least n bytes: the old one is wiped before it is let go."""
     if len(buf) >= n:
         return buf
-    wipe(buf, len(buf))
+    _zy_wipe(buf, len(buf))
     return bytearray(max(n, 2 * len(buf)))
 
-def write_all(fd, parts):
+
+def _zy_write_all(fd, parts):
     parts = [memoryview(p) for p in parts]
     while parts:
         k = os.writev(fd, parts)
@@ -4630,99 +4647,110 @@ def write_all(fd, parts):
         if parts and k:
             parts[0] = parts[0][k:]
 
-def send_bytes(data):
-    write_all(1, [struct.pack(">I", len(data)), data])
 
-def send(obj):
-    send_bytes(json.dumps(obj).encode())
+def _zy_send_bytes(data):
+    _zy_write_all(1, [struct.pack(">I", len(data)), data])
 
-def load_job(job, program, expression):
+
+def _zy_send(obj):
+    _zy_send_bytes(json.dumps(obj).encode())
+
+
+def _zy_load_job(job, program, expression):
     """Only for the start-up self-tests: put a program of ours into JOB_BUF as the trainer would."""
-    global JOB_BUF
+    global _ZY_JOB_BUF
     p, e = program.encode(), expression.encode()
-    JOB_BUF = grow(JOB_BUF, len(p) + len(e))
-    JOB_BUF[:len(p) + len(e)] = p + e
+    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(p) + len(e))
+    _ZY_JOB_BUF[:len(p) + len(e)] = p + e
     job.update(plen=len(p), elen=len(e))
     return job
 
-def send_reply(res):
-    global RES_BUF
+
+def _zy_send_reply(res):
+    global _ZY_RES_BUF
     """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the
     trainer restarts it), or the child's own frame passed through undecoded from RES_BUF, tagged
     b"P" (written after setup, by the program's process) or b"S" (written during setup). The
     trainer decodes and checks it."""
     if type(res) is tuple:
         kind, a, b = res
-        write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(RES_BUF)[a:b]])
-        wipe(RES_BUF, b)
-        if len(RES_BUF) > 1 << 22:
-            RES_BUF = bytearray(1 << 16)
+        _zy_write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]])
+        _zy_wipe(_ZY_RES_BUF, b)
+        if len(_ZY_RES_BUF) > 1 << 22:
+            _ZY_RES_BUF = bytearray(1 << 16)
     else:
-        send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
+        _zy_send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
 
-def decode_reply(res):
+
+def _zy_decode_reply(res):
     """Only for the start-up self-tests (the trainer decodes every other reply)."""
     try:
         if type(res) is tuple:
-            out = json.loads(bytes(RES_BUF[res[1]:res[2]]))
-            wipe(RES_BUF, res[2])
+            out = json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]]))
+            _zy_wipe(_ZY_RES_BUF, res[2])
             return out
         return res
     except ValueError:
         return {"status": "crash", "value": None, "error": "malformed"}
 
-# ------------------------------------------------------------- one-time isolation of the zygote itself
+# ------------------------------------------------------- one-time isolation of the zygote itself
 
-def write_file(path, text):
+
+def _zy_write_file(path, text):
     fd = os.open(path, os.O_WRONLY)
     try:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
 
-def enter_namespaces():
-    ns = REPORT["namespaces"]
+
+def _zy_enter_namespaces():
+    ns = _ZY_REPORT["namespaces"]
     for k in ("user", "net", "mount", "ipc", "uts", "pid"):
         ns[k] = False
     if not sys.platform.startswith("linux"):
-        note("not Linux: no namespaces")
+        _zy_note("not Linux: no namespaces")
         return
-    if not CFG["namespaces"]:
-        note("namespaces turned off by the caller")
+    if not _ZY_CFG["namespaces"]:
+        _zy_note("namespaces turned off by the caller")
         return
-    if os.geteuid() != 0 or CFG["namespaces"] == "user":
+    if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
-            libc_call("unshare", CLONE_NEWUSER)
-            write_file("/proc/self/setgroups", "deny")
-            write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
-            write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
+            _zy_libc_call("unshare", _ZY_CLONE_NEWUSER)
+            _zy_write_file("/proc/self/setgroups", "deny")
+            _zy_write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
+            _zy_write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
             ns["user"] = True
         except OSError as e:
-            note("no user namespace (%s): running without namespaces" % e)
+            _zy_note("no user namespace (%s): running without namespaces" % e)
             return
-    for key, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
+    for key, flag in (("net", _ZY_CLONE_NEWNET), ("mount", _ZY_CLONE_NEWNS),
+                      ("ipc", _ZY_CLONE_NEWIPC), ("uts", _ZY_CLONE_NEWUTS)):
         try:
-            libc_call("unshare", flag)
+            _zy_libc_call("unshare", flag)
             ns[key] = True
         except OSError as e:
-            note("no %s namespace: %s" % (key, e))
+            _zy_note("no %s namespace: %s" % (key, e))
     if ns["uts"]:
         try:
-            LIBC.sethostname(b"sandbox", 7)
+            _ZY_LIBC.sethostname(b"sandbox", 7)
         except Exception:
             pass
-def setup_pid_namespace():
-    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own namespace, then
-    unshare again). Where that is not allowed (inside a user namespace we hold no rights over our original PID
-    namespace), one PID namespace for the whole worker: this process becomes its PID 1 and after every job
-    kills every other process in it. Either way nothing a program starts outlives it."""
-    if not sys.platform.startswith("linux") or not CFG["namespaces"]:
+
+def _zy_setup_pid_namespace():
+    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own
+    namespace, then unshare again). Where that is not allowed (inside a user namespace we hold no
+    rights over our original PID namespace), one PID namespace for the whole worker: this process
+    becomes its PID 1 and after every job kills every other process in it. Either way nothing a
+    program starts outlives it."""
+    if not sys.platform.startswith("linux") or not _ZY_CFG["namespaces"]:
         return
     fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil our own pid_for_children
+    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil pid_for_children
     if pid == 0:
-        ok = LIBC.unshare(CLONE_NEWPID) == 0 and LIBC.setns(fd, CLONE_NEWPID) == 0 and LIBC.unshare(CLONE_NEWPID) == 0
+        ok = _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0 and \
+            _ZY_LIBC.setns(fd, _ZY_CLONE_NEWPID) == 0 and _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0
         if ok:
             try:
                 p = os.fork()
@@ -4733,13 +4761,14 @@ def setup_pid_namespace():
                 ok = False
         os._exit(0 if ok else 1)
     if os.waitpid(pid, 0)[1] == 0:
-        STATE["pidns_fd"] = fd
-        REPORT["namespaces"]["pid"] = True
-        REPORT["pid_namespace"] = "one per program"
+        _ZY_STATE["pidns_fd"] = fd
+        _ZY_REPORT["namespaces"]["pid"] = True
+        _ZY_REPORT["pid_namespace"] = "one per program"
         return
     os.close(fd)
-    if LIBC.unshare(CLONE_NEWPID) != 0:
-        note("no pid namespace (errno %d): escaped processes are found by uid instead" % ctypes.get_errno())
+    if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) != 0:
+        _zy_note("no pid namespace (errno %d): escaped processes are found by uid instead"
+                 % ctypes.get_errno())
         return
     pid = os.fork()
     if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new namespace
@@ -4750,59 +4779,66 @@ def setup_pid_namespace():
             except InterruptedError:
                 continue
         os._exit(1)
-    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    STATE["pid1"] = True
-    REPORT["namespaces"]["pid"] = True
-    REPORT["pid_namespace"] = "one per worker, emptied after every program"
+    _ZY_LIBC.prctl(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _ZY_STATE["pid1"] = True
+    _ZY_REPORT["namespaces"]["pid"] = True
+    _ZY_REPORT["pid_namespace"] = "one per worker, emptied after every program"
 
-def mount_flags(opts):
+
+def _zy_mount_flags(opts):
     flags = 0
-    for o, f in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC), ("noatime", MS_NOATIME),
-                 ("nodiratime", MS_NODIRATIME), ("relatime", MS_RELATIME)):
+    for o, f in (("nosuid", _ZY_MS_NOSUID), ("nodev", _ZY_MS_NODEV), ("noexec", _ZY_MS_NOEXEC),
+                 ("noatime", _ZY_MS_NOATIME),
+                 ("nodiratime", _ZY_MS_NODIRATIME), ("relatime", _ZY_MS_RELATIME)):
         if o in opts:
             flags |= f
     return flags
 
-def unescape(p):
-    return p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+def _zy_unescape(p):
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        p = p.replace(code, char)
+    return p
 
 
-DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never /dev/nvidia*, kvm, ttys, disks
+_ZY_DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never nvidia*, kvm, ttys, disks
 # POSIX shm and semaphores (/dev/shm) live in the job's tmpfs
-DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+_ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
              "stderr": "/proc/self/fd/2", "shm": "/tmp"}
 
-def isolate_filesystem():
+
+def _zy_isolate_filesystem():
     """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
     Python's own directories and the system libraries read-only, a few /dev nodes, synthetic account
     files, /proc, and /tmp (one fresh tmpfs per job, mounted by run_job). Everything else (other
     checkouts, logs, sockets, GPUs) is simply not there; hide_paths appear as empty directories."""
-    REPORT["readonly_root"] = False
-    REPORT["hidden"] = []
-    REPORT["masked"] = []
-    STATE["view"] = False
-    if not REPORT["namespaces"].get("mount"):
+    _ZY_REPORT["readonly_root"] = False
+    _ZY_REPORT["hidden"] = []
+    _ZY_REPORT["masked"] = []
+    _ZY_STATE["view"] = False
+    if not _ZY_REPORT["namespaces"].get("mount"):
         return
     try:
-        mount(None, "/", None, MS_REC | MS_PRIVATE)
+        _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
     except OSError as e:
-        note("mount propagation: %s" % e)
+        _zy_note("mount propagation: %s" % e)
         return
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
     failures = 0
     for fields in mounts:  # every mount read-only first: each bind below is read-only throughout
-        target, opts = unescape(fields[4]), fields[5].split(",")
+        target, opts = _zy_unescape(fields[4]), fields[5].split(",")
         if target == "/proc" or target.startswith("/proc/"):
             continue
         try:
-            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | mount_flags(opts))
+            _zy_mount(None, target, None,
+                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _zy_mount_flags(opts))
         except OSError:
             failures += 1
     if failures:
-        note("%d mounts could not be made read-only" % failures)
-    allow = sorted(set(CFG["keep_paths"]) | {p for p in CFG["lib_dirs"]}, key=len)
-    files = ["/dev/" + d for d in DEV_NODES] + CFG["etc_files"]
+        _zy_note("%d mounts could not be made read-only" % failures)
+    allow = sorted(set(_ZY_CFG["keep_paths"]) | {p for p in _ZY_CFG["lib_dirs"]}, key=len)
+    files = ["/dev/" + d for d in _ZY_DEV_NODES] + _ZY_CFG["etc_files"]
     fds = {}
     for p in allow + files:
         try:
@@ -4811,9 +4847,9 @@ def isolate_filesystem():
             pass
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     try:
-        mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+        _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
-        note("no tmpfs for the allow-list root (%s): children see the host, read-only" % e)
+        _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only" % e)
         return
     def bind(p, fd, is_dir):
         dst = new + p
@@ -4823,26 +4859,27 @@ def isolate_filesystem():
             else:
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 open(dst, "w").close()
-            mount("/proc/self/fd/%d" % fd, dst, None, MS_BIND | MS_REC)
-            nodev = 0 if p.startswith("/dev/") else MS_NODEV  # the device nodes must still work
-            mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | nodev)
+            _zy_mount("/proc/self/fd/%d" % fd, dst, None, _ZY_MS_BIND | _ZY_MS_REC)
+            nodev = 0 if p.startswith("/dev/") else _ZY_MS_NODEV  # the device nodes must still work
+            _zy_mount(None, dst, None,
+                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | nodev)
         except OSError as e:
-            note("could not bind %s: %s" % (p, e))
+            _zy_note("could not bind %s: %s" % (p, e))
     bound = []
     for p in allow:  # shortest first: a directory inside one already bound comes with it
         if p in fds and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in bound):
             bind(p, fds[p], True)
             bound.append(p)
-    for link in CFG["lib_links"]:  # merged-usr: /lib -> usr/lib and friends
+    for link in _ZY_CFG["lib_links"]:  # merged-usr: /lib -> usr/lib and friends
         if not os.path.lexists(new + link[0]):
             os.symlink(link[1], new + link[0])
     for p in files:
         if p in fds and not p.startswith("/etc/"):
             bind(p, fds[p], False)
-    for name, target in DEV_LINKS.items():
+    for name, target in _ZY_DEV_LINKS.items():
         os.makedirs(new + "/dev", exist_ok=True)
         os.symlink(target, new + "/dev/" + name)
-    uid, gid = CFG["uid"], CFG["gid"]
+    uid, gid = _ZY_CFG["uid"], _ZY_CFG["gid"]
     etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
                           "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
@@ -4853,54 +4890,57 @@ def isolate_filesystem():
     for p, text in etc.items():
         with open(new + p, "w") as f:
             f.write(text)
-        REPORT["masked"].append(p)
-    for p in CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (public)
+        _ZY_REPORT["masked"].append(p)
+    for p in _ZY_CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (public)
         if p in fds:
             try:
                 with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
                     dst.write(src.read(1 << 22))
             except OSError as e:
-                note("could not copy %s: %s" % (p, e))
-    for d in CFG["hide_paths"]:
+                _zy_note("could not copy %s: %s" % (p, e))
+    for d in _ZY_CFG["hide_paths"]:
         if os.path.isdir(d) and not os.path.islink(d):
             try:
                 if d != "/dev/shm":
                     os.makedirs(new + d, exist_ok=True)
-                REPORT["hidden"].append(d)
+                _ZY_REPORT["hidden"].append(d)
             except OSError as e:
-                note("could not hide %s: %s" % (d, e))
+                _zy_note("could not hide %s: %s" % (d, e))
     for d in ("/tmp", "/proc"):
         os.makedirs(new + d, exist_ok=True)
     try:
-        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-        REPORT["proc_hidepid"] = True
+        _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
+                  "hidepid=2")
+        _ZY_REPORT["proc_hidepid"] = True
     except OSError as e:
-        REPORT["proc_hidepid"] = False
-        note("proc hidepid: %s (the host's /proc is bound instead)" % e)
+        _ZY_REPORT["proc_hidepid"] = False
+        _zy_note("proc hidepid: %s (the host's /proc is bound instead)" % e)
         try:
-            mount("/proc", new + "/proc", None, MS_BIND | MS_REC)
+            _zy_mount("/proc", new + "/proc", None, _ZY_MS_BIND | _ZY_MS_REC)
         except OSError as e2:
-            note("no /proc: %s" % e2)
+            _zy_note("no /proc: %s" % e2)
     for fd in fds.values():
         os.close(fd)
     try:
         os.chdir(new)
-        if LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root on top ...
+        if _ZY_LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root on top ...
             raise OSError(ctypes.get_errno(), "pivot_root")
-        libc_call("umount2", b".", MNT_DETACH)  # ... and is detached whole
+        _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... and is detached whole
         os.chdir("/")
-        mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _zy_mount(None, "/", None,
+                  _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | _ZY_MS_NODEV)
     except OSError as e:
-        note("could not switch to the allow-list root: %s" % e)
+        _zy_note("could not switch to the allow-list root: %s" % e)
         os.chdir("/")
         return
-    REPORT["readonly_root"] = True
-    REPORT["filesystem"] = "allow-list"
-    STATE["view"] = True
+    _ZY_REPORT["readonly_root"] = True
+    _ZY_REPORT["filesystem"] = "allow-list"
+    _ZY_STATE["view"] = True
 
 # ------------------------------------------------------- one memory cgroup per worker (root only)
 
-def cgroup_dirs():
+
+def _zy_cgroup_dirs():
     """(version, directory of this process's memory cgroup), cgroup v2 before v1, where present."""
     with open("/proc/self/cgroup") as f:
         lines = [ln.rstrip("\n").split(":", 2) for ln in f]
@@ -4911,30 +4951,31 @@ def cgroup_dirs():
         for m in mounts:
             sep = m.index("-")
             fstype, opts = m[sep + 1], m[sep + 3].split(",")
-            root, target = unescape(m[3]), unescape(m[4])
+            root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
             v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
             if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
                 out.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
     return sorted(out, reverse=True)
 
-def setup_cgroup():
+
+def _zy_setup_cgroup():
     """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the
     zygote): every child inherits it, so a job's processes, its tmpfs and its kernel memory count
     together. The zygote is exempt from the OOM killer where it may be; a child raises its score."""
-    REPORT["memory_cgroup"] = None
-    if not sys.platform.startswith("linux") or os.geteuid() != 0 or STATE["userns"]:
-        note("no memory cgroup (needs root on Linux): a job's processes together may hold up to "
-             "max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
+    _ZY_REPORT["memory_cgroup"] = None
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or _ZY_STATE["userns"]:
+        _zy_note("no memory cgroup (needs root on Linux): a job's processes together may hold up "
+                 "to max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
         return
-    limit = (CFG["memory_mb"] + 32) << 20
+    limit = (_ZY_CFG["memory_mb"] + 32) << 20
     errors = []
     try:
-        write_file("/proc/self/oom_score_adj", "-1000")
-        STATE["oom_exempt"] = True
+        _zy_write_file("/proc/self/oom_score_adj", "-1000")
+        _ZY_STATE["oom_exempt"] = True
     except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
-        STATE["oom_exempt"] = False
-        note("zygote not exempt from the OOM killer: %s" % e)
-    for version, parent in cgroup_dirs():
+        _ZY_STATE["oom_exempt"] = False
+        _zy_note("zygote not exempt from the OOM killer: %s" % e)
+    for version, parent in _zy_cgroup_dirs():
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
         try:
             if version == 2:
@@ -4943,55 +4984,58 @@ def setup_cgroup():
                         raise OSError("the memory controller is not available in " + parent)
                 with open(parent + "/cgroup.subtree_control") as f:
                     if "memory" not in f.read().split():
-                        write_file(parent + "/cgroup.subtree_control", "+memory")
+                        _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
             os.mkdir(d)
             try:
                 if version == 2:
-                    write_file(d + "/memory.max", str(limit))
-                    write_file(d + "/memory.swap.max", "0")
-                    if STATE["oom_exempt"]:  # kill the whole job at once, never the zygote
-                        write_file(d + "/memory.oom.group", "1")
+                    _zy_write_file(d + "/memory.max", str(limit))
+                    _zy_write_file(d + "/memory.swap.max", "0")
+                    if _ZY_STATE["oom_exempt"]:  # kill the whole job at once, never the zygote
+                        _zy_write_file(d + "/memory.oom.group", "1")
                     events = d + "/memory.events"
                 else:
-                    write_file(d + "/memory.limit_in_bytes", str(limit))
+                    _zy_write_file(d + "/memory.limit_in_bytes", str(limit))
                     if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
-                        write_file(d + "/memory.memsw.limit_in_bytes", str(limit))
+                        _zy_write_file(d + "/memory.memsw.limit_in_bytes", str(limit))
                     events = d + "/memory.oom_control"
-                write_file(d + "/cgroup.procs", str(os.getpid()))
+                _zy_write_file(d + "/cgroup.procs", str(os.getpid()))
             except OSError:
                 os.rmdir(d)
                 raise
         except OSError as e:
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
-        STATE["oom_fd"] = os.open(events, os.O_RDONLY)
-        STATE["oom_kills"] = oom_kills()
-        REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
+        _ZY_STATE["oom_fd"] = os.open(events, os.O_RDONLY)
+        _ZY_STATE["oom_kills"] = _zy_oom_kills()
+        _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
     why = "; ".join(errors) or "no cgroup filesystem with a memory controller"
-    note("no memory cgroup (%s): a job's processes together may hold up to max_procs x memory_mb, "
-         "and its tmpfs up to tmpfs_mb more" % why)
+    _zy_note("no memory cgroup (%s): a job's processes together may hold up to max_procs x "
+             "memory_mb, and its tmpfs up to tmpfs_mb more" % why)
 
-def oom_kills():
-    if STATE.get("oom_fd") is None:
+
+def _zy_oom_kills():
+    if _ZY_STATE.get("oom_fd") is None:
         return 0
-    for line in os.pread(STATE["oom_fd"], 4096, 0).decode().splitlines():
+    for line in os.pread(_ZY_STATE["oom_fd"], 4096, 0).decode().splitlines():
         if line.startswith("oom_kill "):
             return int(line.split()[1])
     return 0
 
 # ------------------------------------------------------------- seccomp: a tiny filter, x86-64 only
 
-def build_seccomp(net_private):
+
+def _zy_build_seccomp(net_private):
     import platform
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        note("seccomp filter only written for x86-64: not installed")
+        _zy_note("seccomp filter only written for x86-64: not installed")
         return None
     deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
             304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
-    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
+    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree
+    # move_mount
     # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote
     # and inherited (one per child costs ~10% of the throughput), so it leaves the zygote what it
     # needs per job: mount/umount2 (the job's tmpfs), unshare/setns of PID and IPC namespaces.
@@ -5002,18 +5046,19 @@ def build_seccomp(net_private):
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
     EAFNOSUPPORT = 0x00050000 | 97
-    ns_flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000
-    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),   # x86-64 ABI only
-           ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                   # x32 syscall numbers
+    ns_flags = _ZY_CLONE_NEWNS | _ZY_CLONE_NEWUTS | _ZY_CLONE_NEWIPC | _ZY_CLONE_NEWUSER | \
+        _ZY_CLONE_NEWPID | _ZY_CLONE_NEWNET | 0x02000000
+    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI only
+           ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                  # x32 syscalls
            ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
     src += [("", JEQ, "eperm", 0, nr) for nr in deny]
     src += [("", JEQ, "clone", 0, 56), ("", JEQ, "unshare", 0, 272), ("", JEQ, "setns", 0, 308),
             ("", JEQ, "socket", 0, 41), ("", JEQ, "socket", 0, 53), ("", RET, 0, 0, ALLOW),
             ("clone", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags), ("", RET, 0, 0, ALLOW),
             ("unshare", LD, 0, 0, 16),
-            ("", JSET, "eperm", 0, ns_flags & ~(CLONE_NEWPID | CLONE_NEWIPC)),
+            ("", JSET, "eperm", 0, ns_flags & ~(_ZY_CLONE_NEWPID | _ZY_CLONE_NEWIPC)),
             ("", RET, 0, 0, ALLOW),
-            ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
+            ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", _ZY_CLONE_NEWPID),
             ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]
     if net_private:
         src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]
@@ -5030,19 +5075,21 @@ def build_seccomp(net_private):
     fprog = FProg(len(fixed), ctypes.cast(buf, ctypes.c_void_p))
     return (buf, fprog)
 
-STATE = {}
 
-def child_main(job, wfd):
-    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to locals before the
-    program runs, so a program that monkeypatches builtins, json or os cannot garble its own result frame."""
-    _write, _exit, _enc, _pack = os.write, os._exit, json.encoder.encode_basestring_ascii, struct.pack
+def _zy_child_main(job, wfd):
+    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to
+    locals before the program runs, so a program that monkeypatches builtins, json or os cannot
+    garble its own result frame."""
+    _write, _exit, _pack = os.write, os._exit, struct.pack
+    _enc = json.encoder.encode_basestring_ascii
     _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
-    _BaseException, _Exception, _MemoryError, _SyntaxError = BaseException, Exception, MemoryError, SyntaxError
+    _BaseException, _MemoryError, _SyntaxError = BaseException, MemoryError, SyntaxError
 
     def report(status, value=None, error=None):
         try:
             data = '{"status": %s, "value": %s, "error": %s}' % (
-                _enc(status), "null" if value is None else _enc(value), "null" if error is None else _enc(error))
+                _enc(status), "null" if value is None else _enc(value),
+                "null" if error is None else _enc(error))
             data = data.encode()
             _write(wfd, _pack(">I", _len(data)) + data)
         except _BaseException:
@@ -5057,25 +5104,27 @@ def child_main(job, wfd):
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(4, STATE["maxfd"])
+        os.closerange(4, _ZY_STATE["maxfd"])
         os.chdir(job["dir"])
-        if STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer; children are not
-            write_file("/proc/self/oom_score_adj", "0")
-        if STATE["drop_uid"]:
+        if _ZY_STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer, children not
+            _zy_write_file("/proc/self/oom_score_adj", "0")
+        if _ZY_STATE["drop_uid"]:
             os.setgroups([])
-            set_ids(CFG["uid"], CFG["gid"])
-        elif STATE.get("userns"):
-            drop_caps()
+            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
+        elif _ZY_STATE.get("userns"):
+            _zy_drop_caps()
         if sys.platform.startswith("linux"):
-            PRCTL(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-            if STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
-                PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
+            if _ZY_STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
+                _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         mem = job["memory_mb"] << 20
         cpu = int(job["timeout"]) + 1
-        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", job["fsize_mb"] << 20),
-                          ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", job["nproc"] + STATE["nproc_base"]),
+        nproc = job["nproc"] + _ZY_STATE["nproc_base"]
+        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu),
+                          ("RLIMIT_FSIZE", job["fsize_mb"] << 20), ("RLIMIT_NOFILE", 64),
+                          ("RLIMIT_NPROC", nproc),
                           ("RLIMIT_CORE", 0)):
-            if name in STATE["rlimits"]:
+            if name in _ZY_STATE["rlimits"]:
                 resource.setrlimit(getattr(resource, name), (lim, lim))
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
@@ -5087,26 +5136,28 @@ def child_main(job, wfd):
 
         class ForbiddenImport(ImportError):
             pass
-        STATE["forbidden_exc"] = ForbiddenImport
+        _ZY_STATE["forbidden_exc"] = ForbiddenImport
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
                 raise ForbiddenImport("import of %r is not allowed" % name)
             return real_import(name, *a, **k)
         builtins.__import__ = guarded_import
-        for m in list(sys.modules):  # modules the zygote already holds must also go through the guard
+        for m in list(sys.modules):  # modules the zygote already holds go through the guard too
             if m.split(".")[0] in forbidden:
                 sys.modules.pop(m, None)
 
     cap = job["max_output"]
-    try:  # "R": setup is over. Frames after it come from the program's process, so they cannot claim
-        _write(wfd, b"R")  # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
+    # "R": setup is over. Frames after it come from the program's process, so they cannot claim
+    # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
+    try:
+        _write(wfd, b"R")
     except _BaseException:
         _exit(71)
     try:
         plen, elen = job["plen"], job["elen"]
-        program = bytes(JOB_BUF[:plen]).decode("utf-8", "surrogatepass")
-        expression = bytes(JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass")
+        program = bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass")
+        expression = bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass")
         code = compile(program, "<program>", "exec")
         expr = compile(expression, "<expression>", "eval")
         del program, expression
@@ -5115,16 +5166,18 @@ def child_main(job, wfd):
         exec(code, ns)
         value = eval(expr, ns)
         if _isinstance(value, (_str, bytes)) and _len(value) > cap:
-            report("output_limit", None, "value of length %d exceeds the output cap of %d" % (_len(value), cap))
+            report("output_limit", None,
+                   "value of length %d exceeds the output cap of %d" % (_len(value), cap))
         text = _repr(value)
         if _type(text) is not _str:
             report("error", None, "repr returned a non-str")
         if _len(text) > cap:
-            report("output_limit", None, "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
+            report("output_limit", None,
+                   "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
         report("ok", text, None)
     except _BaseException as e:
         try:
-            fexc = STATE.get("forbidden_exc")
+            fexc = _ZY_STATE.get("forbidden_exc")
             status = "memory" if _isinstance(e, _MemoryError) else \
                 "forbidden" if fexc and _isinstance(e, fexc) else "error"
             name, msg = _type(e).__name__, _str(e)
@@ -5143,18 +5196,20 @@ def child_main(job, wfd):
             report("error", None, "an exception that could not be described")
 
 
-def drop_caps():
+def _zy_drop_caps():
     class Hdr(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
     hdr, data = Hdr(0x20080522, 0), (Data * 2)()
     for cap in range(64):
-        LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
+        _ZY_LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    _zy_libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
 
-def set_ids(uid, gid):
+
+def _zy_set_ids(uid, gid):
     if hasattr(os, "setresuid"):
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
@@ -5162,7 +5217,8 @@ def set_ids(uid, gid):
         os.setgid(gid)
         os.setuid(uid)
 
-def count_processes(uid):
+
+def _zy_count_processes(uid):
     n = 0
     try:
         for d in os.listdir("/proc"):
@@ -5175,18 +5231,20 @@ def count_processes(uid):
         return 4096  # no /proc (macOS): a loose cap
     return n
 
-def sweep_uid():
+
+def _zy_sweep_uid():
     """Without a PID namespace: kill every process of the job uid (a root-only trick)."""
     pid = os.fork()
     if pid == 0:
         try:
-            set_ids(CFG["uid"], CFG["gid"])
+            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
             os.kill(-1, signal.SIGKILL)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
 
-def remove_tree(path, budget_s=2.0):
+
+def _zy_remove_tree(path, budget_s=2.0):
     """Without a mount namespace: delete the job directory by walking it with chdir, so a tree
     nested past PATH_MAX comes down too. Past budget_s it raises: the worker is restarted."""
     stop = time.monotonic() + budget_s
@@ -5217,56 +5275,65 @@ def remove_tree(path, budget_s=2.0):
         os.chdir("/")
     os.rmdir(path)
 
-SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
-def job_scratch():
+def _zy_signame(sig):
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def _zy_job_scratch():
     """A fresh, empty, size-capped directory for the job: its own tmpfs, given a mount namespace."""
-    if STATE["view"]:
-        uid = CFG["uid"] if STATE["drop_uid"] else os.getuid()
-        gid = CFG["gid"] if STATE["drop_uid"] else os.getgid()
+    if _ZY_STATE["view"]:
+        uid = _ZY_CFG["uid"] if _ZY_STATE["drop_uid"] else os.getuid()
+        gid = _ZY_CFG["gid"] if _ZY_STATE["drop_uid"] else os.getgid()
         opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
-            CFG["tmpfs_mb"], CFG["tmpfs_inodes"], uid, gid)
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
+            _ZY_CFG["tmpfs_mb"], _ZY_CFG["tmpfs_inodes"], uid, gid)
+        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, opts)
         return "/tmp"
-    jobdir = os.path.join(CFG["scratch"], "job")  # the same path for every program: outputs can't differ by it
+    # the same path for every program: outputs cannot differ by it
+    jobdir = os.path.join(_ZY_CFG["scratch"], "job")
     if os.path.lexists(jobdir):
-        remove_tree(jobdir)
+        _zy_remove_tree(jobdir)
     os.mkdir(jobdir, 0o700)
-    if STATE["drop_uid"]:
-        os.chown(jobdir, CFG["uid"], CFG["gid"])
+    if _ZY_STATE["drop_uid"]:
+        os.chown(jobdir, _ZY_CFG["uid"], _ZY_CFG["gid"])
     return jobdir
 
-def drop_scratch(jobdir):
-    if STATE["view"]:
-        libc_call("umount2", b"/tmp", MNT_DETACH)  # the whole tree goes at once, deep or wide
-    else:
-        remove_tree(jobdir)
 
-def run_job(job):
-    global JOB_BUF, RES_BUF
-    job["dir"] = jobdir = job_scratch()
+def _zy_drop_scratch(jobdir):
+    if _ZY_STATE["view"]:
+        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
+    else:
+        _zy_remove_tree(jobdir)
+
+
+def _zy_run_job(job):
+    global _ZY_JOB_BUF, _ZY_RES_BUF
+    job["dir"] = jobdir = _zy_job_scratch()
     r, w = os.pipe()
-    if STATE.get("pidns_fd") is not None:
-        LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)  # back to our own namespace for children...
+    if _ZY_STATE.get("pidns_fd") is not None:
+        _ZY_LIBC.setns(_ZY_STATE["pidns_fd"], _ZY_CLONE_NEWPID)  # back to our own namespace...
         # ...then a fresh one (the child is its PID 1), and a fresh IPC namespace: SysV IPC and
         # POSIX message queues die with the job
-        if LIBC.unshare(CLONE_NEWPID | STATE["ipc_flag"]) != 0:
+        if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID | _ZY_STATE["ipc_flag"]) != 0:
             raise OSError(ctypes.get_errno(), "pid/ipc namespace")
-    elif STATE["ipc_flag"] and LIBC.unshare(STATE["ipc_flag"]) != 0:
+    elif _ZY_STATE["ipc_flag"] and _ZY_LIBC.unshare(_ZY_STATE["ipc_flag"]) != 0:
         raise OSError(ctypes.get_errno(), "ipc namespace")
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            child_main(job, w)
+            _zy_child_main(job, w)
         finally:
             os._exit(70)
     os.close(w)
     deadline = t0 + job["timeout"]
     cap = 12 * job["max_output"] + 65536
-    RES_BUF = grow(RES_BUF, cap)
-    view = memoryview(RES_BUF)
+    _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
+    view = memoryview(_ZY_RES_BUF)
     got = 0
     timed_out = over = False
     need = None
@@ -5288,9 +5355,9 @@ def run_job(job):
         if not k:
             break
         got += k
-        off = 1 if RES_BUF[0] == 82 else 0  # b"R"
+        off = 1 if _ZY_RES_BUF[0] == 82 else 0  # b"R"
         if need is None and got >= off + 4:
-            need = off + 4 + struct.unpack(">I", RES_BUF[off:off + 4])[0]
+            need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
             if need > cap:
                 over = True
                 break
@@ -5299,16 +5366,16 @@ def run_job(job):
     view.release()
     os.close(r)
     try:
-        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours until waited for
+        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours till waited
     except ProcessLookupError:
         pass
-    if STATE.get("pidns_fd") is None:
+    if _ZY_STATE.get("pidns_fd") is None:
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
     _, wstatus, rusage = os.wait4(pid, 0)
-    if STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
+    if _ZY_STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
@@ -5320,42 +5387,42 @@ def run_job(job):
                 break
             except InterruptedError:
                 continue
-    elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
-        sweep_uid()
-    wipe(JOB_BUF, job["plen"] + job["elen"])
-    if len(JOB_BUF) > 1 << 22:  # a huge program's buffer is charged to the job's cgroup: let it go
-        JOB_BUF = bytearray(1 << 16)
-    drop_scratch(jobdir)
+    elif _ZY_STATE.get("pidns_fd") is None and _ZY_STATE["drop_uid"]:
+        _zy_sweep_uid()
+    _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
+    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let it go
+        _ZY_JOB_BUF = bytearray(1 << 16)
+    _zy_drop_scratch(jobdir)
     if over:
-        wipe(RES_BUF, got)
-        return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
+        _zy_wipe(_ZY_RES_BUF, got)
+        return {"status": "output_limit", "value": None,
+                "error": "child wrote more than %d bytes" % cap}
     if need is not None and got >= need:
-        started = RES_BUF[0] == 82
+        started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
-    wipe(RES_BUF, got)
+    _zy_wipe(_ZY_RES_BUF, got)
     if timed_out:
-        return {"status": "timeout", "value": None, "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
+        return {"status": "timeout", "value": None,
+                "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
     cpu = rusage.ru_utime + rusage.ru_stime
     if os.WIFSIGNALED(wstatus):
         sig = os.WTERMSIG(wstatus)
-        if sig == signal.SIGKILL and STATE.get("oom_fd") is not None:
-            kills = oom_kills()
-            if kills != STATE["oom_kills"]:
-                STATE["oom_kills"] = kills
+        if sig == signal.SIGKILL and _ZY_STATE.get("oom_fd") is not None:
+            kills = _zy_oom_kills()
+            if kills != _ZY_STATE["oom_kills"]:
+                _ZY_STATE["oom_kills"] = kills
                 return {"status": "memory", "value": None,
                         "error": "the job's processes together exceeded memory_mb (memory cgroup)"}
         if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
             return {"status": "timeout", "value": None, "error": "CPU limit exceeded (%.1fs)" % cpu}
-        return {"status": "crash", "value": None, "error": "killed by %s" % SIGNAMES.get(sig, sig)}
+        return {"status": "crash", "value": None, "error": "killed by %s" % _zy_signame(sig)}
     return {"status": "crash", "value": None,
             "error": "exited with code %d before producing a result" % os.WEXITSTATUS(wstatus)}
 
-WARM_PROGRAM = """
-import math
-class Point:
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-def f(xs: list, k=2) -> dict:
+
+def _zy_warm_example(xs: list, k=2) -> dict:
+    """A typical model-written function: warm_up compiles and runs its source."""
+    import math
     out = {}
     for i, x in enumerate(sorted(xs)):
         if x % k == 0 and not isinstance(x, str):
@@ -5368,30 +5435,38 @@ def f(xs: list, k=2) -> dict:
             except ZeroDivisionError as e:
                 out[i] = repr(e)
     return out
-"""
 
-def warm_up():
-    """Compile and run a typical program once, so each child starts with the parser, the compiler and the
-    allocator already warm: measured ~1 ms less CPU per job (fewer page faults after fork)."""
+
+def _zy_warm_up():
+    """Compile and run a typical program once, so each child starts with the parser, the compiler
+    and the allocator already warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
     for _ in range(3):
         ns = {"__name__": "__main__"}
-        exec(compile(WARM_PROGRAM, "<program>", "exec"), ns)
-        json.dumps({"status": "ok", "value": repr(eval(compile("f([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)),
-                    "error": None})
+        exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
+        value = eval(compile("_zy_warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)
+        json.dumps({"status": "ok", "value": repr(value), "error": None})
         try:
             compile("def f(:", "<program>", "exec")
         except SyntaxError as e:
             str(e)
 
-def main():
-    global CFG, JOB_BUF
-    CFG = recv()
-    sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
+
+def _zy_main():
+    global _ZY_CFG, _ZY_LIBC, _ZY_PRCTL, _ZY_JOB_BUF, _ZY_RES_BUF
+    _ZY_LIBC = ctypes.CDLL(None, use_errno=True)
+    # typed once here (a cheap call in each child), on its own handle: _zy_libc_call's stays untyped
+    _ZY_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    _ZY_PRCTL.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    _ZY_PRCTL.restype = ctypes.c_int
+    _ZY_JOB_BUF, _ZY_RES_BUF = bytearray(1 << 16), bytearray(1 << 16)
+    _ZY_CFG = _zy_recv()
+    sys.path[:] = [p for p in sys.path if p] + _ZY_CFG["site_dirs"]
     try:
-        STATE["rlimits"] = []
-        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_CORE"):
+        _ZY_STATE["rlimits"] = []
+        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+                     "RLIMIT_CORE"):
             if hasattr(resource, name):
-                try:  # probe in a throwaway child: some platforms refuse some limits (macOS: RLIMIT_AS)
+                try:  # probe in a throwaway child: some platforms refuse some (macOS: RLIMIT_AS)
                     pid = os.fork()
                     if pid == 0:
                         try:
@@ -5402,92 +5477,110 @@ def main():
                         except BaseException:
                             os._exit(1)
                     if os.waitpid(pid, 0)[1] == 0:
-                        STATE["rlimits"].append(name)
+                        _ZY_STATE["rlimits"].append(name)
                 except OSError:
                     pass
-        REPORT["root"] = os.geteuid() == 0
-        # Linux closes the rest with one close_range(); elsewhere closerange loops, so bound it by the fd limit
-        STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
+        _ZY_REPORT["root"] = os.geteuid() == 0
+        # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
+        _ZY_STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
             max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
-        enter_namespaces()
-        STATE["userns"] = REPORT["namespaces"].get("user", False)
-        STATE["drop_uid"] = os.geteuid() == 0 and CFG["drop_uid"] and not STATE["userns"]
-        # RLIMIT_NPROC counts every process of the real uid: exact for our own unprivileged uid, otherwise
+        _zy_enter_namespaces()
+        _ZY_STATE["userns"] = _ZY_REPORT["namespaces"].get("user", False)
+        _ZY_STATE["drop_uid"] = os.geteuid() == 0 and _ZY_CFG["drop_uid"] and \
+            not _ZY_STATE["userns"]
+        # RLIMIT_NPROC counts every process of the real uid: exact for our unprivileged uid, else
         # (non-root) it has to sit on top of what the user already runs
-        STATE["nproc_base"] = 0 if STATE["drop_uid"] else count_processes(os.getuid()) + 64
-        setup_cgroup()
-        isolate_filesystem()
-        setup_pid_namespace()
-        STATE["ipc_flag"] = CLONE_NEWIPC if REPORT["namespaces"].get("ipc") else 0
-        REPORT["ipc_per_job"] = bool(STATE["ipc_flag"])
-        STATE["seccomp"] = build_seccomp(REPORT["namespaces"].get("net"))
-        if STATE["seccomp"] is not None:  # installed once here, inherited by every child (cheaper than per job)
-            libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            libc_call("prctl", PR_SET_SECCOMP, 2, ctypes.byref(STATE["seccomp"][1]), 0, 0)
-        if STATE["view"]:
-            CFG["scratch"] = "/tmp"   # a fresh tmpfs per job, on the allow-list root
-            REPORT["scratch"] = "tmpfs per job"
+        _ZY_STATE["nproc_base"] = 0 if _ZY_STATE["drop_uid"] else \
+            _zy_count_processes(os.getuid()) + 64
+        _zy_setup_cgroup()
+        _zy_isolate_filesystem()
+        _zy_setup_pid_namespace()
+        _ZY_STATE["ipc_flag"] = _ZY_CLONE_NEWIPC if _ZY_REPORT["namespaces"].get("ipc") else 0
+        _ZY_REPORT["ipc_per_job"] = bool(_ZY_STATE["ipc_flag"])
+        _ZY_STATE["seccomp"] = _zy_build_seccomp(_ZY_REPORT["namespaces"].get("net"))
+        if _ZY_STATE["seccomp"] is not None:  # installed once here, inherited by every child
+            _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.byref(_ZY_STATE["seccomp"][1]),
+                          0, 0)
+        if _ZY_STATE["view"]:
+            _ZY_CFG["scratch"] = "/tmp"   # a fresh tmpfs per job, on the allow-list root
+            _ZY_REPORT["scratch"] = "tmpfs per job"
         else:
             import tempfile
-            CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
-            os.chmod(CFG["scratch"], 0o711)
-            REPORT["scratch"] = CFG["scratch"]
-            REPORT["scratch_on_host"] = True
-            note("no mount namespace: each job gets a fresh directory in %s, removed after it"
-                 % CFG["scratch"])
-        # the job directory has one fixed path: it is also HOME and TMPDIR (so tempfile finds a writable place)
-        os.environ["HOME"] = os.environ["TMPDIR"] = CFG["scratch"] if STATE["view"] else \
-            os.path.join(CFG["scratch"], "job")
-        PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion before the children need it
-        REPORT["rlimits"] = STATE["rlimits"]
-        REPORT["uid_dropped"] = STATE["drop_uid"]
-        REPORT["uid"] = CFG["uid"] if REPORT["uid_dropped"] else os.geteuid()
-        REPORT["no_new_privs"] = sys.platform.startswith("linux")
-        REPORT["seccomp"] = STATE["seccomp"] is not None
-        if STATE["seccomp"] is not None:
-            probe = run_job(load_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
-                                      "max_output": 100},
-                                     "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                                     "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                                     % (CLONE_NEWUSER, CLONE_NEWNET)))
-            probe = decode_reply(probe)
-            if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
-                note("self-test failed: %r" % (probe,))
-                REPORT["self_test"] = False
+            _ZY_CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
+            os.chmod(_ZY_CFG["scratch"], 0o711)
+            _ZY_REPORT["scratch"] = _ZY_CFG["scratch"]
+            _ZY_REPORT["scratch_on_host"] = True
+            _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
+                     % _ZY_CFG["scratch"])
+        # the job directory has one fixed path: it is also HOME and TMPDIR (tempfile writes there)
+        os.environ["HOME"] = os.environ["TMPDIR"] = _ZY_CFG["scratch"] if _ZY_STATE["view"] else \
+            os.path.join(_ZY_CFG["scratch"], "job")
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
+        _ZY_REPORT["rlimits"] = _ZY_STATE["rlimits"]
+        _ZY_REPORT["uid_dropped"] = _ZY_STATE["drop_uid"]
+        _ZY_REPORT["uid"] = _ZY_CFG["uid"] if _ZY_REPORT["uid_dropped"] else os.geteuid()
+        _ZY_REPORT["no_new_privs"] = sys.platform.startswith("linux")
+        _ZY_REPORT["seccomp"] = _ZY_STATE["seccomp"] is not None
+        limits = {"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}
+        if _ZY_STATE["seccomp"] is not None:
+            probe = _zy_run_job(_zy_load_job(
+                dict(limits), "import ctypes, os\nlibc = ctypes.CDLL(None)",
+                "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET)))
+            probe = _zy_decode_reply(probe)
+            if probe.get("value") != "(%s, -1, -1)" % (_ZY_STATE.get("pidns_fd") is not None):
+                _zy_note("self-test failed: %r" % (probe,))
+                _ZY_REPORT["self_test"] = False
             else:
-                REPORT["self_test"] = True
-        probe = run_job(load_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
-                                  "max_output": 100}, "import statistics, decimal", "1"))
-        probe = decode_reply(probe)
+                _ZY_REPORT["self_test"] = True
+        probe = _zy_run_job(_zy_load_job(dict(limits), "import statistics, decimal", "1"))
+        probe = _zy_decode_reply(probe)
         if probe.get("value") != "1":
-            REPORT["self_test"] = False
-            note("children cannot import the standard library (%s): on this host Python's files are not "
-                 "readable by the unprivileged uid without a mount namespace" % (probe.get("error"),))
+            _ZY_REPORT["self_test"] = False
+            _zy_note("children cannot import the standard library (%s): on this host Python's "
+                     "files are not readable by the unprivileged uid without a mount namespace"
+                     % (probe.get("error"),))
     except BaseException as e:
         tb = e.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
-        send({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
-            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno), "report": REPORT})
+        _zy_send({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
+            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno), "report": _ZY_REPORT})
         return
-    warm_up()
+    _zy_warm_up()
     gc.collect()
-    gc.freeze()  # keep the collector away from inherited objects: fewer copy-on-write faults per child
-    send({"ready": True, "report": REPORT})
+    gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
+    _zy_send({"ready": True, "report": _ZY_REPORT})
     while True:
-        job = recv()
+        job = _zy_recv()
         n = job["plen"] + job["elen"]
-        JOB_BUF = grow(JOB_BUF, n)
-        recv_into(JOB_BUF, n)
+        _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, n)
+        _zy_recv_into(_ZY_JOB_BUF, n)
         try:
-            res = run_job(job)
+            res = _zy_run_job(job)
         except BaseException as e:  # b"E": this zygote may be in a bad state; trainer replaces it
             res = {"kind": b"E", "status": "sandbox_error", "value": None,
                    "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        send_reply(res)
+        _zy_send_reply(res)
 
-main()
-'''
+
+_SB_ZYGOTE_IMPORTS = "import ctypes, gc, json, os, resource, select, signal, struct, sys, time"
+_sb_zygote_text = None
+
+
+def _sb_zygote_source() -> str:
+    """The zygote's program, built from the code above: its stdlib imports, the _ZY_ values, the
+    source of every _zy_ function in order, and a call of _zy_main. The trainer never calls them."""
+    global _sb_zygote_text
+    if _sb_zygote_text is None:
+        values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
+        values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
+        funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
+        parts = [_SB_ZYGOTE_IMPORTS] + [f"{k} = {v!r}" for k, v in values.items()]
+        parts += [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"]
+        _sb_zygote_text = "\n".join(parts)
+    return _sb_zygote_text
 
 
 # ---------------------------------------------------------------- trusted side: workers and the pool
@@ -5588,7 +5681,8 @@ class _SbWorker:
 
     def __init__(self, cfg: dict, start_timeout: float = 30.0):
         self.proc = subprocess.Popen(
-            [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else []) + ["-c", _SB_ZYGOTE_SOURCE],
+            [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else [])
+            + ["-c", _sb_zygote_source()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
             cwd="/", close_fds=True, start_new_session=True)

@@ -576,11 +576,14 @@ def test_trusted_side_never_evals_or_unpickles():
     lines, first = inspect.getsourcelines(PythonSandbox)
     end_line = first + len(lines)
     segment = "\n".join(text[start:].splitlines()[: end_line - text[:start].count("\n")])
-    zyg_start = segment.index("_SB_ZYGOTE_SOURCE = r'''")
-    zyg_end = segment.index("'''", zyg_start + 30) + 3
-    trusted = segment[:zyg_start] + "_SB_ZYGOTE_SOURCE = ''" + segment[zyg_end:]
-    tree = ast.parse(trusted)
+    # the zygote's code (_zy_ functions) runs in the clean interpreter, never here: set it aside
+    tree = ast.parse(segment)
+    zygote = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_zy_")]
+    assert len(zygote) > 20 and "def _zy_main(" in common._sb_zygote_source()
+    tree.body = [n for n in tree.body if n not in zygote]
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert not node.func.id.startswith("_zy_"), ast.unparse(node)   # never run here
         if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
             allowed = name == "loads" and ast.unparse(node.func) == "json.loads"
@@ -589,6 +592,19 @@ def test_trusted_side_never_evals_or_unpickles():
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
             assert not {"pickle", "marshal", "dill", "cloudpickle"} & set(names)
+
+
+def test_zygote_source_is_real_code_using_only_the_stdlib():
+    """The zygote is ordinary functions of common.py; the clean interpreter gets their source."""
+    src = common._sb_zygote_source()
+    tree = ast.parse(src)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert defined == {k for k, v in vars(common).items() if k.startswith("_zy_") and callable(v)}
+    assert "_SB_ZYGOTE_SOURCE" not in vars(common) and "\n_zy_main()\n" in src
 
 
 def test_program_cannot_forge_sandbox_statuses(sb):
@@ -982,16 +998,27 @@ except OSError as e:
 
 WIDE_MEMORY = """
 import os, time
+r, w = os.pipe()
 pids = []
 for i in range(6):
     pid = os.fork()
     if pid == 0:
         block = b"x" * (100 << 20)        # each process within its own 256 MB address-space limit
-        time.sleep(30)
+        os.write(w, bytes([i]))
+        time.sleep(60)
         os._exit(0)
     pids.append(pid)
-time.sleep(2.5)
-alive = sum(os.waitpid(p, os.WNOHANG) == (0, 0) for p in pids)
+os.close(w)
+os.set_blocking(r, False)
+holding, dead = set(), set()
+deadline = time.monotonic() + 6
+while len(holding | dead) < 6 and time.monotonic() < deadline:
+    try:
+        holding.update(os.read(r, 16))
+    except BlockingIOError:
+        time.sleep(0.05)
+    dead.update(i for i, p in enumerate(pids) if i not in dead and os.waitpid(p, os.WNOHANG)[0])
+alive = len(holding - dead)               # processes holding 100 MB each at the same time
 """
 TMPFS_MEMORY = """
 for i in range(12):                        # 192 MB in the job's tmpfs, 16 MB per file (max_file_mb)
@@ -1007,7 +1034,7 @@ def test_memory_cap_covers_the_whole_job(sb, host):
         assert any("no memory cgroup" in n for n in sb.isolation["notes"]), sb.isolation["notes"]
         pytest.skip("no memory cgroup on this machine: " + "; ".join(sb.isolation["notes"]))
     assert cg["limit_mb"] <= 256 + 64, cg
-    res = run_case(sb, host, WIDE_MEMORY, "alive", timeout=8.0, statuses={"ok", "memory"})
+    res = run_case(sb, host, WIDE_MEMORY, "alive", timeout=9.0, statuses={"ok", "memory"})
     assert res.status == "memory" or int(res.value) <= 2, res      # never 6 x 100 MB at once
     run_case(sb, host, TMPFS_MEMORY, "len(block)", timeout=8.0,
              statuses={"memory", "error", "crash"})
