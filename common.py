@@ -4451,8 +4451,8 @@ def cli_main(argv=None):
 #
 # * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
 #   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
-#   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is ~60
-#   hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions), whose
+#   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is
+#   ~60 hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions), whose
 #   source ``_sb_zygote_source`` hands to the clean interpreter.
 #
 # * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
