@@ -4416,7 +4416,7 @@ def cli_main(argv=None):
 #     directory...) are empty.
 #   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
 #     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
-#     the next; a fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die
+#     the next (a tmpfs the job never touched, same times and still empty, serves the next job); a fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die
 #     with the job. The zygote never holds a job's program, input or result as objects: they pass
 #     through two byte buffers it wipes after each job, so no child inherits an earlier job's data.
 #   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
@@ -5286,11 +5286,13 @@ def _zy_signame(sig):
 def _zy_job_scratch():
     """A fresh, empty, size-capped directory for the job: its own tmpfs, given a mount namespace."""
     if _ZY_STATE["view"]:
-        uid = _ZY_CFG["uid"] if _ZY_STATE["drop_uid"] else os.getuid()
-        gid = _ZY_CFG["gid"] if _ZY_STATE["drop_uid"] else os.getgid()
-        opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
-            _ZY_CFG["tmpfs_mb"], _ZY_CFG["tmpfs_inodes"], uid, gid)
-        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, opts)
+        if _ZY_STATE.get("tmp_mark") is None:
+            uid = _ZY_CFG["uid"] if _ZY_STATE["drop_uid"] else os.getuid()
+            gid = _ZY_CFG["gid"] if _ZY_STATE["drop_uid"] else os.getgid()
+            opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
+                _ZY_CFG["tmpfs_mb"], _ZY_CFG["tmpfs_inodes"], uid, gid)
+            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, opts)
+            _ZY_STATE["tmp_mark"] = _zy_tmp_mark()
         return "/tmp"
     # the same path for every program: outputs cannot differ by it
     jobdir = os.path.join(_ZY_CFG["scratch"], "job")
@@ -5302,11 +5304,20 @@ def _zy_job_scratch():
     return jobdir
 
 
+def _zy_tmp_mark():
+    """What a job could change about an empty /tmp: its inode, owner, mode, link count, times."""
+    st = os.stat("/tmp")
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_mtime_ns,
+            st.st_ctime_ns)
+
+
 def _zy_drop_scratch(jobdir):
-    if _ZY_STATE["view"]:
-        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
-    else:
+    if not _ZY_STATE["view"]:
         _zy_remove_tree(jobdir)
+    elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
+        _ZY_STATE["tmp_mark"] = None
+    # else the job never touched its tmpfs (same times, empty, no xattrs): the next job may have it
 
 
 def _zy_run_job(job):

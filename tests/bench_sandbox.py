@@ -109,25 +109,35 @@ def bench_compare(ref: str, workers: int, n: int, rounds: int) -> None:
     import common
     boxes = {ref: _common_at(ref).PythonSandbox(workers=workers, timeout_s=5),
              "this checkout": common.PythonSandbox(workers=workers, timeout_s=5)}
-    rates = {k: [] for k in boxes}
+    rates, cpus = {k: [] for k in boxes}, {k: [] for k in boxes}
+    linux = sys.platform.startswith("linux")
     try:
         for sb in boxes.values():
             sb.run_many([(PROGRAM, EXPRESSION)] * (4 * workers))  # warm
         for _ in range(rounds):
             for k, sb in boxes.items():
+                zygotes = [w.proc.pid for w in sb._pool]
+                c0, p0 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
                 t0 = time.perf_counter()
                 results = sb.run_many([(PROGRAM, EXPRESSION)] * n)
                 rates[k].append(n / (time.perf_counter() - t0))
+                c1, p1 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+                cpus[k].append(((c1 - c0) + (p1.user + p1.system - p0.user - p0.system)) / n * 1e3)
                 assert all(r.status == "ok" and r.value == EXPECTED for r in results), results[:3]
     finally:
         for sb in boxes.values():
             sb.close()
     for k, v in rates.items():
-        print(f"PythonSandbox at {k:14s} median {statistics.median(v):6.0f} programs/s  "
-              f"(rounds: {', '.join(f'{x:.0f}' for x in v)})")
+        print(f"PythonSandbox at {k:14s} median {statistics.median(v):6.0f} programs/s, "
+              f"{statistics.median(cpus[k]):.2f} CPU ms/program  (rounds: "
+              f"{', '.join(f'{x:.0f}' for x in v)})")
     ratio = statistics.median(rates["this checkout"]) / statistics.median(rates[ref])
-    print(f"this checkout / {ref} = {ratio:.2f} (issue #15: per-job isolation may cost at most "
-          f"25%, >= 0.75)")
+    print(f"this checkout / {ref}: throughput {ratio:.2f}", end="")
+    if linux:  # CPU per program does not depend on what else the machine runs nearly as much
+        print(f", CPU per program {statistics.median(cpus[ref]):.2f} -> "
+              f"{statistics.median(cpus['this checkout']):.2f} ms, i.e. throughput on idle cores "
+              f"x{statistics.median(cpus[ref]) / statistics.median(cpus['this checkout']):.2f}", end="")
+    print(" (issue #15: per-job isolation may cost at most 25%, >= 0.75)")
 
 
 def main():
