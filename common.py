@@ -4416,8 +4416,8 @@ def cli_main(argv=None):
 #     directory...) are empty.
 #   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
 #     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
-#     the next (a tmpfs the job never touched, same times and still empty, serves the next job); a fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die
-#     with the job. The zygote never holds a job's program, input or result as objects: they pass
+#     the next (one the job never touched, same times and still empty, serves the next job); and a
+#     fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with the job. The zygote never holds a job's program, input or result as objects: they pass
 #     through two byte buffers it wipes after each job, so no child inherits an earlier job's data.
 #   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
 #     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
@@ -4452,8 +4452,8 @@ def cli_main(argv=None):
 # * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
 #   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
 #   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is
-#   ~60 hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions), whose
-#   source ``_sb_zygote_source`` hands to the clean interpreter.
+#   ~60 hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions),
+#   whose source ``_sb_zygote_source`` hands to the clean interpreter.
 #
 # * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
 #   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a security boundary.

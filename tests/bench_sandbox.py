@@ -134,9 +134,9 @@ def bench_compare(ref: str, workers: int, n: int, rounds: int) -> None:
     ratio = statistics.median(rates["this checkout"]) / statistics.median(rates[ref])
     print(f"this checkout / {ref}: throughput {ratio:.2f}", end="")
     if linux:  # CPU per program does not depend on what else the machine runs nearly as much
-        print(f", CPU per program {statistics.median(cpus[ref]):.2f} -> "
-              f"{statistics.median(cpus['this checkout']):.2f} ms, i.e. throughput on idle cores "
-              f"x{statistics.median(cpus[ref]) / statistics.median(cpus['this checkout']):.2f}", end="")
+        before, after = statistics.median(cpus[ref]), statistics.median(cpus["this checkout"])
+        print(f", CPU per program {before:.2f} -> {after:.2f} ms, i.e. throughput on idle cores "
+              f"x{before / after:.2f}", end="")
     print(" (issue #15: per-job isolation may cost at most 25%, >= 0.75)")
 
 
