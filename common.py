@@ -4417,8 +4417,9 @@ def cli_main(argv=None):
 #   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
 #     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
 #     the next (one the job never touched, same times and still empty, serves the next job); and a
-#     fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with the job. The zygote never holds a job's program, input or result as objects: they pass
-#     through two byte buffers it wipes after each job, so no child inherits an earlier job's data.
+#     fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with the job.
+#     The zygote never holds a job's program, input or result as objects: they pass through two byte
+#     buffers it wipes after each job, so no child inherits an earlier job's data.
 #   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
 #     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
 #     harmless. (In a user namespace that is not allowed; there the worker is PID 1 of one namespace
