@@ -5509,6 +5509,9 @@ def _zy_main():
         _zy_setup_pid_namespace()
         _ZY_STATE["ipc_flag"] = _ZY_CLONE_NEWIPC if _ZY_REPORT["namespaces"].get("ipc") else 0
         _ZY_REPORT["ipc_per_job"] = bool(_ZY_STATE["ipc_flag"])
+        if not _ZY_STATE["ipc_flag"]:
+            _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
+                     "reach later jobs of this worker")
         _ZY_STATE["seccomp"] = _zy_build_seccomp(_ZY_REPORT["namespaces"].get("net"))
         if _ZY_STATE["seccomp"] is not None:  # installed once here, inherited by every child
             _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
