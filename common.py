@@ -4390,21 +4390,24 @@ def cli_main(argv=None):
 #
 # Design (why each piece is there):
 #
-# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted code produced.
-#   Programs run in other processes; what comes back is a size-capped JSON object of strings
-#   ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off *inside the child*
-#   (a repr longer than ``max_output_chars`` is status ``output_limit``, never silently truncated). Values are
-#   compared in the trainer after :func:`parse_literal` (``ast.literal_eval`` with size/depth caps and a
-#   repr round-trip check, so an object whose ``__eq__`` always says True can never become a task value).
+# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted
+#   code produced. Programs run in other processes; what comes back is a size-capped JSON object of
+#   strings ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off
+#   *inside the child* (a repr longer than ``max_output_chars`` is status ``output_limit``, never
+#   silently truncated). Values are compared in the trainer after :func:`parse_literal`
+#   (``ast.literal_eval`` with size/depth caps and a repr round-trip check, so an object whose
+#   ``__eq__`` always says True can never become a task value).
 #
-# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter started clean
-#   with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment, cwd ``/``), never forked
-#   from the multi-GB trainer and never importing ``common``/torch. Per job it forks a child that runs exactly
-#   one program and then exits, so monkeypatched builtins, threads or caches never reach the next task. A job
-#   costs 1.5-2 ms of CPU in all (trainer + zygote + child; most of it copy-on-write page faults, which are slow
-#   in a VM) against 25-40 ms for a fresh interpreter: see tests/bench_sandbox.py.
+# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter
+#   started clean with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment,
+#   cwd ``/``), never forked from the multi-GB trainer and never importing ``common``/torch. Per job
+#   it forks a child that runs exactly one program and then exits, so monkeypatched builtins,
+#   threads or caches never reach the next task. A job costs 1.5-2 ms of CPU in all (trainer +
+#   zygote + child; most of it copy-on-write page faults, which are slow in a VM) against 25-40 ms
+#   for a fresh interpreter: see tests/bench_sandbox.py.
 #
-# * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
+# * Isolation, as far as the kernel lets us (the achieved level is reported by
+#   ``PythonSandbox.isolation``):
 #   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters
 #     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so
 #     no socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
@@ -4444,11 +4447,13 @@ def cli_main(argv=None):
 #     frame that does not decode (not UTF-8, nested past json's recursion limit, NaN, other keys or
 #     types, a value with a lone surrogate) is ``crash`` for its job alone; a zygote that reports an
 #     error of its own is replaced.
-#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
-#     child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
-#     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
-#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the sandbox still
-#   works with what it has and says so in ``.isolation``; Python-level guards are never relied upon.
+#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same
+#     in every child of one sandbox; two sandboxes with different seeds give a determinism check two
+#     independent runs), ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``,
+#     cwd a private empty directory.
+#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the
+#   sandbox still works with what it has and says so in ``.isolation``; Python-level guards are
+#   never relied upon.
 #
 # * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
 #   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
@@ -4457,24 +4462,27 @@ def cli_main(argv=None):
 #   whose source ``_sb_zygote_source`` hands to the clean interpreter.
 #
 # * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
-#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a security boundary.
+#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a
+#   security boundary.
 #
-# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory (MemoryError or address-
-# space limit), output_limit (repr too long), crash (signal, or exit without a result), forbidden, sandbox_error
-# (the sandbox failed, not the program).
+# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory
+# (MemoryError or address-space limit), output_limit (repr too long), crash (signal, or exit
+# without a result), forbidden, sandbox_error (the sandbox failed, not the program).
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Python sandbox for model-written code (issue #5)
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden", "sandbox_error")
-_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what a program's frame may claim
+EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
+                 "sandbox_error")
+# what a program's own frame may claim
+_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
 
 
 @dataclass(frozen=True)
 class ExecResult:
     status: str                 # one of EXEC_STATUSES
-    value: str | None = None    # repr of the expression's value (status "ok"), produced and capped in the child
+    value: str | None = None    # repr of the expression's value (status "ok"), capped in the child
     error: str | None = None    # exception type and message, signal name, or why the sandbox failed
 
     @property
@@ -4482,19 +4490,21 @@ class ExecResult:
         return self.status == "ok"
 
 
-# ---------------------------------------------------------------- trusted-side literal parsing (never eval)
+# -------------------------------------------------------- trusted-side literal parsing (never eval)
 
-_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp,
-                     ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load, ast.Call, ast.Name)
+_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict,
+                     ast.UnaryOp, ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load,
+                     ast.Call, ast.Name)
 
 
-def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50, require_roundtrip: bool = True,
-                  allow_nonfinite: bool = False):
+def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
+                  require_roundtrip: bool = True, allow_nonfinite: bool = False):
     """Parse an untrusted Python literal (e.g. a ``repr`` from the sandbox) without evaluating code.
 
-    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``, nested
-    deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or, with
-    ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval`` unchanged.
+    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``,
+    nested deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or,
+    with ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval``
+    unchanged.
     """
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
@@ -4511,7 +4521,8 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50, r
             raise ValueError(f"literal nested deeper than {max_depth}")
         if not isinstance(node, _SB_LITERAL_NODES):
             raise ValueError(f"not a literal: contains {type(node).__name__}")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "set"
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name)
+                                               and node.func.id == "set"
                                                and not node.args and not node.keywords):
             raise ValueError("not a literal: contains a call other than set()")
         if isinstance(node, ast.Name) and node.id != "set":
@@ -5598,25 +5609,27 @@ def _sb_zygote_source() -> str:
     return _sb_zygote_text
 
 
-# ---------------------------------------------------------------- trusted side: workers and the pool
+# ------------------------------------------------------------ trusted side: workers and the pool
 
-_SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
-           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
-           "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+_SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false",
            "HOME": "/tmp", "TMPDIR": "/tmp"}
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
-_SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev", "/var", "/opt",
-                   "/nix", "/snap", "/boot")
+_SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
+                   "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
 
 
 def _sb_hidden_paths() -> list[str]:
-    """Default directories to cover with an empty tmpfs: homes, temp dirs, and the trainer's working directory
-    (its run folders, checkpoints and data), unless that is a system directory. Python's own directories are
-    bound back read-only wherever they sit under one of these."""
+    """Directories that children see empty: homes, temp dirs, and the trainer's working directory
+    (its run folders, checkpoints and data), unless that is a system directory. Python's own
+    directories are still there, read-only, wherever they sit under one of these."""
     hidden = list(_SB_HIDE)
     cwd = os.path.realpath(os.getcwd())
-    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/") for d in _SB_SYSTEM_DIRS + _SB_HIDE):
+    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
+                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
         hidden.append(cwd)
     return hidden
 _SB_MAX_FRAME = 64 << 20
@@ -5655,7 +5668,7 @@ def _sb_system_paths() -> tuple[list[str], list[list[str]]]:
 
 
 def _sb_python_paths() -> list[str]:
-    """Directories the child's interpreter reads (so they can be bound back under hidden directories)."""
+    """Directories the child's interpreter reads (the allow-list binds them, read-only)."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -5747,7 +5760,7 @@ class _SbWorker:
             sel.close()
 
     def poll(self) -> bytes | None:
-        """Read what is available; return one whole frame or None. Raises EOFError if the zygote died."""
+        """Read what is available; return one whole frame or None. EOFError if the zygote died."""
         try:
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
@@ -5796,7 +5809,8 @@ class _SbWorker:
 
 
 class PythonSandbox:
-    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated process.
+    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated
+    process.
 
     >>> with PythonSandbox(workers=2, timeout_s=2) as sb:
     ...     sb.run("def f(x):\\n    return x * 2", "f(21)")
@@ -5805,21 +5819,25 @@ class PythonSandbox:
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
-                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, max_program_chars: int = 1_000_000,
-                 hash_seed: int = 0, namespaces: bool | str = True):
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None,
+                 max_program_chars: int = 1_000_000, hash_seed: int = 0,
+                 namespaces: bool | str = True):
         if os.name != "posix":
-            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
+            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on "
+                               "Windows")
         if namespaces not in (True, False, "user"):
-            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged user-namespace "
-                             f"setup), got {namespaces!r}")
+            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged "
+                             f"user-namespace setup), got {namespaces!r}")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
-            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
+            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and "
+                             "max_output_chars >= 1")
         self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
-        self.timeout_s, self.memory_mb, self.max_output_chars = float(timeout_s), int(memory_mb), int(max_output_chars)
-        self.max_procs, self.max_file_mb, self.max_program_chars = int(max_procs), int(max_file_mb), max_program_chars
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
+        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
         self.forbidden_modules = sorted(set(forbidden_modules))
-        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a determinism
-        # check that wants independent runs uses two sandboxes with different hash_seed values.
+        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a
+        # determinism check that wants independent runs uses two sandboxes with different hash_seed.
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
@@ -5839,7 +5857,8 @@ class PythonSandbox:
                        "scratch": None}
                       for uid in self.uids]
         self._lock = threading.Lock()
-        self._owner = os.getpid()  # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
+        # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
+        self._owner = os.getpid()
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts = 0
         self._closed = False
@@ -5871,9 +5890,12 @@ class PythonSandbox:
             (rep.get("uid_dropped") or ns.get("user"))
         level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
             "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
-        return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}",
-                "root": rep.get("root"), "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"),
-                "namespaces": ns, "pid_namespace": rep.get("pid_namespace"), "readonly_root": rep.get("readonly_root"),
+        return {"level": level, "hash_seed": self.hash_seed,
+                "platform": f"{platform.system()} {platform.release()}",
+                "root": rep.get("root"), "uid": rep.get("uid"),
+                "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
+                "pid_namespace": rep.get("pid_namespace"),
+                "readonly_root": rep.get("readonly_root"),
                 "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
                 "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
@@ -5897,9 +5919,10 @@ class PythonSandbox:
         """Run (program, expression) pairs in parallel over the workers; results in input order."""
         jobs = list(jobs)
         for k, job in enumerate(jobs):
-            if not (isinstance(job, (tuple, list)) and len(job) == 2 and all(isinstance(s, str) for s in job)):
-                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) pair, "
-                                f"got {type(job).__name__}")
+            if not (isinstance(job, (tuple, list)) and len(job) == 2
+                    and all(isinstance(s, str) for s in job)):
+                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) "
+                                f"pair, got {type(job).__name__}")
         if self._closed:
             raise RuntimeError("PythonSandbox is closed; create a new one")
         if os.getpid() != self._owner:
@@ -5937,7 +5960,8 @@ class PythonSandbox:
     # ------------------------------------------------------------------ the event loop
     def _job_msg(self, timeout: float) -> dict:
         return {"timeout": timeout, "memory_mb": self.memory_mb,
-                "fsize_mb": self.max_file_mb, "nproc": self.max_procs, "max_output": self.max_output_chars,
+                "fsize_mb": self.max_file_mb, "nproc": self.max_procs,
+                "max_output": self.max_output_chars,
                 "forbidden": self.forbidden_modules}
 
     def _restart(self, i: int):
@@ -5953,8 +5977,8 @@ class PythonSandbox:
         for k in list(pending):
             p, e = jobs[k]
             if len(p) + len(e) > self.max_program_chars:
-                results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over the cap of "
-                                                       f"{self.max_program_chars}")
+                results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over "
+                                                       f"the cap of {self.max_program_chars}")
         pending = collections.deque(k for k in pending if results[k] is None)
         sel = selectors.DefaultSelector()
         busy: dict[int, int] = {}  # worker index -> job index
@@ -5975,7 +5999,8 @@ class PythonSandbox:
                     try:
                         w.send_job(jobs[k][0], jobs[k][1], self._job_msg(timeout))
                     except OSError as e:
-                        results[k] = ExecResult("sandbox_error", None, f"worker died before the job: {e}")
+                        results[k] = ExecResult("sandbox_error", None,
+                                                f"worker died before the job: {e}")
                         self._restart(i)
                         continue
                     w.job = (k, time.monotonic() + slack)
@@ -5984,7 +6009,8 @@ class PythonSandbox:
                 if not busy:
                     if pending and all(w is None for w in self._pool):
                         for k in pending:
-                            results[k] = ExecResult("sandbox_error", None, "no sandbox worker could be started")
+                            results[k] = ExecResult("sandbox_error", None,
+                                                    "no sandbox worker could be started")
                         pending.clear()
                     continue
                 now = time.monotonic()
@@ -6001,16 +6027,18 @@ class PythonSandbox:
                             if msg[:1] == b"E":  # the zygote failed on its own: replace it
                                 self._restart(i)
                     except (EOFError, OSError, ValueError) as e:
-                        results[busy.pop(i)] = ExecResult("sandbox_error", None, f"sandbox worker died: {e}")
+                        results[busy.pop(i)] = ExecResult("sandbox_error", None,
+                                                          f"sandbox worker died: {e}")
                         sel.unregister(w.rfd)
                         self._restart(i)
                 now = time.monotonic()
                 for i in [i for i in busy if self._pool[i].job[1] < now]:
-                    results[busy.pop(i)] = ExecResult("sandbox_error", None, "sandbox worker stopped answering")
+                    results[busy.pop(i)] = ExecResult("sandbox_error", None,
+                                                      "sandbox worker stopped answering")
                     sel.unregister(self._pool[i].rfd)
                     self._restart(i)
         finally:
-            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are in an unknown state
+            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
                 try:
                     sel.unregister(self._pool[i].rfd)
                 except (KeyError, ValueError, AttributeError):
@@ -6019,8 +6047,9 @@ class PythonSandbox:
             sel.close()
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply. b"Z": made by the zygote. b"P": the child's frame after setup, i.e. from
-        the program's process, which may only claim program outcomes. b"S": the child's frame from setup."""
+        """Decode and check one reply. b"Z": made by the zygote (b"E": about its own failure).
+        b"P": the child's frame after setup, i.e. from the program's process, which may only claim
+        program outcomes. b"S": the child's frame from setup."""
         kind = reply[:1]
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
@@ -6036,7 +6065,8 @@ class PythonSandbox:
             return ExecResult("crash", None,
                               f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
-            return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
+            return ExecResult("crash", None,
+                              "the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
