@@ -4616,7 +4616,7 @@ def _zy_recv_exact(n):
     while len(buf) < n:
         chunk = os.read(0, n - len(buf))
         if not chunk:
-            os._exit(0)  # trainer went away: nothing more to do
+            _zy_exit()  # trainer went away: nothing more to do
         buf += chunk
     return buf
 
@@ -4626,12 +4626,23 @@ def _zy_recv():
     return json.loads(_zy_recv_exact(n))
 
 
+def _zy_exit():
+    """Leave our memory cgroup and remove it (the trainer has gone or closed us), then exit."""
+    if _ZY_STATE.get("cgroup_parent") is not None:
+        try:
+            os.write(_ZY_STATE["cgroup_parent_procs"], b"0")
+            os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
+        except OSError:
+            pass
+    os._exit(0)
+
+
 def _zy_recv_into(buf, n):
     view, got = memoryview(buf), 0
     while got < n:
         k = os.readv(0, [view[got:n]])
         if not k:
-            os._exit(0)
+            _zy_exit()
         got += k
     view.release()
 
@@ -5019,6 +5030,10 @@ def _zy_setup_cgroup():
             continue
         _ZY_STATE["oom_fd"] = os.open(events, os.O_RDONLY)
         _ZY_STATE["oom_kills"] = _zy_oom_kills()
+        # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
+        _ZY_STATE["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        _ZY_STATE["cgroup_parent_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
+        _ZY_STATE["cgroup_name"] = os.path.basename(d)
         _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
     why = "; ".join(errors) or "no cgroup filesystem with a memory controller"
@@ -5368,7 +5383,8 @@ def _zy_run_job(job):
         ready, _, _ = select.select([r, 0], [], [], left)
         if 0 in ready:  # trainer closed our control pipe: take the child down and go
             os.kill(pid, signal.SIGKILL)
-            os._exit(0)
+            os.waitpid(pid, 0)
+            _zy_exit()
         if not ready:
             continue
         if got >= cap:
@@ -5782,15 +5798,19 @@ class _SbWorker:
         report = self.__dict__.get("report", {})
         scratch = report.get("scratch", "") if report.get("scratch_on_host") else ""
         cgroup = (report.get("memory_cgroup") or {}).get("path")
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.proc.stdin, self.proc.stdout):  # EOF: the zygote drops its cgroup, exits
             try:
                 f.close()
             except OSError:
                 pass
+        try:
+            self.proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

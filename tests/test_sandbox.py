@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -918,6 +919,7 @@ def test_uids_unique_per_live_sandbox():
 def test_socket_families_are_limited(sb):
     prog = """
 import socket
+import subprocess
 out = {}
 for name, fam in (("vsock", 40), ("netlink", 16), ("packet", 17), ("bluetooth", 31), ("can", 29),
                   ("tipc", 30), ("alg", 38), ("xdp", 44), ("rds", 21)):
@@ -1038,3 +1040,24 @@ def test_memory_cap_covers_the_whole_job(sb, host):
     assert res.status == "memory" or int(res.value) <= 2, res      # never 6 x 100 MB at once
     run_case(sb, host, TMPFS_MEMORY, "len(block)", timeout=8.0,
              statuses={"memory", "error", "crash"})
+
+
+def test_no_memory_cgroup_outlives_its_sandbox(tmp_path):
+    """Closed, or abandoned by a trainer that died: each zygote removes its own cgroup."""
+    with PythonSandbox(workers=2, timeout_s=TIMEOUT) as s:
+        paths = [w.report["memory_cgroup"]["path"] for w in s._pool
+                 if w.report.get("memory_cgroup")]
+        assert s.run("", "1").ok
+    if not paths:
+        pytest.skip("no memory cgroup on this machine")
+    assert not any(os.path.exists(p) for p in paths)
+    code = ("import os, sys\nsys.path.insert(0, %r)\nimport common\n"
+            "s = common.PythonSandbox(workers=1, timeout_s=1)\n"
+            "print(s._pool[0].report['memory_cgroup']['path'], flush=True)\nos._exit(0)"
+            % str(pathlib.Path(common.__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    path = out.stdout.split()[-1]
+    deadline = time.monotonic() + 5
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path), path
