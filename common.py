@@ -1427,7 +1427,9 @@ class Run:
         k = int(getattr(self.cfg, "log_samples", 4))
         if k <= 0:
             return
-        with open(self.dir / "samples.jsonl", "a", encoding="utf-8") as f:
+        # a lone surrogate (model text, an exception message) is written escaped, not raised on
+        with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
+                  errors="backslashreplace") as f:
             for r in records[:k]:
                 f.write(json.dumps({"step": int(step), "role": role, **{kk: _core_jsonable(v) for kk, v in r.items()}},
                                    default=_core_json_default, ensure_ascii=False) + "\n")
@@ -4492,76 +4494,99 @@ def cli_main(argv=None):
 #
 # Design (why each piece is there):
 #
-# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted code produced.
-#   Programs run in other processes; what comes back is a size-capped JSON object of strings
-#   ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off *inside the child*
-#   (a repr longer than ``max_output_chars`` is status ``output_limit``, never silently truncated). Values are
-#   compared in the trainer after :func:`parse_literal` (``ast.literal_eval`` with size/depth caps and a
-#   repr round-trip check, so an object whose ``__eq__`` always says True can never become a task value).
+# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted
+#   code produced. Programs run in other processes; what comes back is a size-capped JSON object of
+#   strings ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off
+#   *inside the child* (a repr longer than ``max_output_chars`` is status ``output_limit``, never
+#   silently truncated). Values are compared in the trainer after :func:`parse_literal`
+#   (``ast.literal_eval`` with size/depth caps and a repr round-trip check, so an object whose
+#   ``__eq__`` always says True can never become a task value).
 #
-# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter started clean
-#   with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment, cwd ``/``), never forked
-#   from the multi-GB trainer and never importing ``common``/torch. Per job it forks a child that runs exactly
-#   one program and then exits, so monkeypatched builtins, threads or caches never reach the next task. A job
-#   costs 1.5-2 ms of CPU in all (trainer + zygote + child; most of it copy-on-write page faults, which are slow
-#   in a VM) against 25-40 ms for a fresh interpreter: see tests/bench_sandbox.py.
+# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter
+#   started clean with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment,
+#   cwd ``/``), never forked from the multi-GB trainer and never importing ``common``/torch. Per job
+#   it forks a child that runs exactly one program and then exits, so monkeypatched builtins,
+#   threads or caches never reach the next task. A job costs 1.5-2 ms of CPU in all (trainer +
+#   zygote + child; most of it copy-on-write page faults, which are slow in a VM) against 25-40 ms
+#   for a fresh interpreter: see tests/bench_sandbox.py.
 #
-# * Isolation, as far as the kernel lets us (the achieved level is reported by ``PythonSandbox.isolation``):
-#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters private
-#     network, mount, IPC and UTS namespaces. The network namespace has no interface up, so no socket reaches
-#     anything. In the mount namespace every filesystem is re-mounted read-only, and empty tmpfs mounts hide
-#     ``/root``, ``/home``, ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run`` and the trainer's working directory
-#     (tokens and caches in homes, other users' temp files, run folders and checkpoints). The directories Python
-#     itself needs (prefix, stdlib, site-packages) are bound back read-only where they sit under a hidden
-#     directory (pyenv under /root, a venv under /home). ``/etc/passwd``, ``/etc/shadow`` and friends are masked,
-#     and ``/proc`` is re-mounted with ``hidepid=2`` so a child cannot look at other users' processes.
-#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills every
-#     process inside it, which is what catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)`` harmless.
-#     (In a user namespace that is not allowed; there the worker is PID 1 of one namespace and empties it after
-#     every program.)
-#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, from a block no account
-#     uses), so ``RLIMIT_NPROC`` really applies, file permissions protect the host, and workers cannot signal
-#     each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries; on x86-64 a small hand-written seccomp filter
-#     (no library needed) refuses ptrace, mount, unshare/setns, new user namespaces, bpf, keyctl, io_uring,
-#     module loading and similar kernel attack surface.
-#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files, processes
-#     (``max_procs``, threads included), core = 0. The address-space limit is per process, so one program's
-#     processes together hold at most ``max_procs * memory_mb`` (its temp files at most ``tmpfs_mb``); a hard
-#     per-program bound would need a memory cgroup, which this sandbox does not create (on shared machines run
-#     the trainer in a container or cgroup with a memory limit).
-#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser deadline on
-#     the zygote itself, and a dead or silent zygote costs only its in-flight job (``sandbox_error``) before it
-#     is restarted. A program's frames are only believed for what a program may claim (it cannot report
-#     ``timeout``, ``crash`` or ``sandbox_error`` for itself).
-#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same in every
-#     child of one sandbox; two sandboxes with different seeds give a determinism check two independent runs),
-#     ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``, cwd a private empty directory.
-#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the sandbox still
-#   works with what it has and says so in ``.isolation``; Python-level guards are never relied upon.
+# * Isolation, as far as the kernel lets us (the achieved level is reported by
+#   ``PythonSandbox.isolation``):
+#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters
+#     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so
+#     no socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
+#     namespace it builds the children's filesystem from an allow-list and pivots into it: Python's
+#     own directories (prefix, stdlib, site-packages) and the system libraries read-only, /dev/null,
+#     zero, full, random and urandom (never a GPU, kvm or a disk), synthetic /etc/passwd, group and
+#     shadow, a fresh /proc with hidepid=2, and /tmp. Nothing else of the host is there: no other
+#     checkout, log or socket. The hide_paths (/root, /home, /tmp, the trainer's working
+#     directory...) are empty.
+#   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
+#     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
+#     the next (one the job never touched, same times and still empty, serves the next job); and a
+#     fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with the job.
+#     The zygote never holds a job's program, input or result as objects: they pass through two byte
+#     buffers it wipes after each job, so no child inherits an earlier job's data.
+#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
+#     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
+#     harmless. (In a user namespace that is not allowed; there the worker is PID 1 of one namespace
+#     and empties it after every program.)
+#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, unique among
+#     the live sandboxes of the process, from a block no account uses), so ``RLIMIT_NPROC`` really
+#     applies and workers cannot signal each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries;
+#     on x86-64 a small hand-written seccomp filter (no library needed) refuses ptrace, new
+#     namespaces, bpf, keyctl, io_uring, module loading and similar kernel attack surface, and
+#     sockets of any family but AF_UNIX (and AF_INET/AF_INET6 inside the empty network namespace):
+#     no AF_VSOCK, netlink or packet sockets.
+#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files,
+#     processes (``max_procs``, threads included), core = 0. The address-space limit is per process;
+#     as root, each zygote also sits in a memory cgroup of its own (v2, else v1) capped at
+#     ``memory_mb`` plus a small margin, which its children inherit: a job's processes, tmpfs and
+#     kernel memory together stay under it (an OOM kill is status ``memory``). Without one
+#     (non-root, no memory controller) ``isolation["memory_cgroup"]`` is None and the notes say why.
+#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser
+#     deadline on the zygote itself, and a dead or silent zygote costs only its in-flight job
+#     (``sandbox_error``) before it is restarted. A program's frames are only believed for what a
+#     program may claim (it cannot report ``timeout``, ``crash`` or ``sandbox_error`` for itself). A
+#     frame that does not decode (not UTF-8, nested past json's recursion limit, NaN, other keys or
+#     types, a value with a lone surrogate) is ``crash`` for its job alone; a zygote that reports an
+#     error of its own is replaced.
+#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same
+#     in every child of one sandbox; two sandboxes with different seeds give a determinism check two
+#     independent runs), ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``,
+#     cwd a private empty directory.
+#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the
+#   sandbox still works with what it has and says so in ``.isolation``; Python-level guards are
+#   never relied upon.
 #
-# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per program
-#   (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls (unshare, setns,
-#   mount, prctl, capset) go through ctypes and the seccomp filter is ~50 hand-assembled BPF instructions.
+# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
+#   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
+#   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is
+#   ~60 hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions),
+#   whose source ``_sb_zygote_source`` hands to the clean interpreter.
 #
 # * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
-#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a security boundary.
+#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a
+#   security boundary.
 #
-# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory (MemoryError or address-
-# space limit), output_limit (repr too long), crash (signal, or exit without a result), forbidden, sandbox_error
-# (the sandbox failed, not the program).
+# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory
+# (MemoryError or address-space limit), output_limit (repr too long), crash (signal, or exit
+# without a result), forbidden, sandbox_error (the sandbox failed, not the program).
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Python sandbox for model-written code (issue #5)
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden", "sandbox_error")
-_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what a program's frame may claim
+EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
+                 "sandbox_error")
+# what a program's own frame may claim
+_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
 
 
 @dataclass(frozen=True)
 class ExecResult:
     status: str                 # one of EXEC_STATUSES
-    value: str | None = None    # repr of the expression's value (status "ok"), produced and capped in the child
+    value: str | None = None    # repr of the expression's value (status "ok"), capped in the child
     error: str | None = None    # exception type and message, signal name, or why the sandbox failed
 
     @property
@@ -4569,19 +4594,21 @@ class ExecResult:
         return self.status == "ok"
 
 
-# ---------------------------------------------------------------- trusted-side literal parsing (never eval)
+# -------------------------------------------------------- trusted-side literal parsing (never eval)
 
-_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp,
-                     ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load, ast.Call, ast.Name)
+_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict,
+                     ast.UnaryOp, ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load,
+                     ast.Call, ast.Name)
 
 
-def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50, require_roundtrip: bool = True,
-                  allow_nonfinite: bool = False):
+def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
+                  require_roundtrip: bool = True, allow_nonfinite: bool = False):
     """Parse an untrusted Python literal (e.g. a ``repr`` from the sandbox) without evaluating code.
 
-    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``, nested
-    deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or, with
-    ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval`` unchanged.
+    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``,
+    nested deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or,
+    with ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval``
+    unchanged.
     """
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
@@ -4598,7 +4625,8 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50, r
             raise ValueError(f"literal nested deeper than {max_depth}")
         if not isinstance(node, _SB_LITERAL_NODES):
             raise ValueError(f"not a literal: contains {type(node).__name__}")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "set"
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name)
+                                               and node.func.id == "set"
                                                and not node.args and not node.keywords):
             raise ValueError("not a literal: contains a call other than set()")
         if isinstance(node, ast.Name) and node.id != "set":
@@ -4638,130 +4666,218 @@ def _sb_all_finite(value) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- the zygote (runs in its own clean interpreter)
-# Everything below up to the closing quotes runs in the zygote, NOT in the trainer. It only uses the stdlib.
+# --------------------------------------------------- the zygote (runs in its own clean interpreter)
+# Every _zy_ function and _ZY_ value below runs in the zygote, NOT in the trainer: _sb_zygote_source
+# hands their source to a fresh interpreter. They use only the standard library.
 
-_SB_ZYGOTE_SOURCE = r'''
-# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer sends its config
-# (JSON) and gets {"ready", "report"}; then, one at a time, a job (JSON) -> a reply (see reply_bytes).
-# Per job: fork a child (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program
-# and writes one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; reply.
-import ctypes, gc, json, os, resource, select, signal, struct, sys, time
+# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer
+# sends its config (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header
+# of limits and lengths, then the program and expression as raw UTF-8 bytes, which go into JOB_BUF
+# and never become objects in this process (a child forked later must not find them in memory).
+# The reply: see send_reply. Per job: a fresh tmpfs at /tmp, a fresh IPC namespace, and a child
+# (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program and writes
+# one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; detach the
+# tmpfs; reply; wipe the job's bytes.
+import ctypes  # noqa: E402 - the zygote's own imports, all of them stdlib
+import gc  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
 
-CFG = None
-LIBC = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_NOATIME, MS_NODIRATIME, MS_REMOUNT, MS_BIND, MS_REC = 1024, 2048, 32, 4096, 16384
-MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
-PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # typed once here: a cheap call in each child
-PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-PRCTL.restype = ctypes.c_int
-REPORT = {"namespaces": {}, "notes": []}
 
-def note(msg):
-    REPORT["notes"].append(msg)
+_ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWPID, _ZY_CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC = 1, 2, 4, 8
+_ZY_MS_NOATIME, _ZY_MS_NODIRATIME, _ZY_MS_REMOUNT = 1024, 2048, 32
+_ZY_MS_BIND, _ZY_MS_REC = 4096, 16384
+_ZY_MS_PRIVATE, _ZY_MS_RELATIME, _ZY_MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+_ZY_MNT_DETACH = 2
+_ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
+_ZY_REPORT = {"namespaces": {}, "notes": []}
+_ZY_STATE = {}
+_ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
+_ZY_JOB_BUF = bytearray()  # this job's program + expression (wiped after the job)
+_ZY_RES_BUF = bytearray()  # this job's result frame as the child wrote it (wiped after the reply)
+_ZY_WARM_SOURCE = ""       # warm_example's source, filled in by _sb_zygote_source
 
-def libc_call(name, *args):
-    if getattr(LIBC, name)(*args) != 0:
+
+def _zy_note(msg):
+    _ZY_REPORT["notes"].append(msg)
+
+
+def _zy_libc_call(name, *args):
+    if getattr(_ZY_LIBC, name)(*args) != 0:
         e = ctypes.get_errno()
         raise OSError(e, name + ": " + os.strerror(e))
 
-def mount(src, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
 
-def recv_exact(n):
+def _zy_mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _zy_libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+
+
+def _zy_recv_exact(n):
     buf = b""
     while len(buf) < n:
         chunk = os.read(0, n - len(buf))
         if not chunk:
-            os._exit(0)  # trainer went away: nothing more to do
+            _zy_exit()  # trainer went away: nothing more to do
         buf += chunk
     return buf
 
-def recv():
-    (n,) = struct.unpack(">I", recv_exact(4))
-    return json.loads(recv_exact(n))
 
-def send_bytes(data):
-    data = struct.pack(">I", len(data)) + data
-    while data:
-        data = data[os.write(1, data):]
+def _zy_recv():
+    (n,) = struct.unpack(">I", _zy_recv_exact(4))
+    return json.loads(_zy_recv_exact(n))
 
-def send(obj):
-    send_bytes(json.dumps(obj).encode())
 
-def reply_bytes(res):
-    """A job's reply: b"Z" + JSON made here, or the child's own frame passed through undecoded, tagged
-    b"P" (written after setup, by the program's process) or b"S" (written during setup). The trainer decodes
-    and checks it: parsing there instead of here saves copy-on-write faults in this forking process."""
+def _zy_exit():
+    """Leave our memory cgroup and remove it (the trainer has gone or closed us), then exit."""
+    if _ZY_STATE.get("cgroup_parent") is not None:
+        try:
+            os.write(_ZY_STATE["cgroup_parent_procs"], b"0")
+            os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def _zy_recv_into(buf, n):
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(0, [view[got:n]])
+        if not k:
+            _zy_exit()
+        got += k
+    view.release()
+
+
+def _zy_wipe(buf, n):
+    if n:
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
+
+
+def _zy_grow(buf, n):
+    """A buffer of at least n bytes: the old one is wiped before it is let go."""
+    if len(buf) >= n:
+        return buf
+    _zy_wipe(buf, len(buf))
+    return bytearray(max(n, 2 * len(buf)))
+
+
+def _zy_write_all(fd, parts):
+    parts = [memoryview(p) for p in parts]
+    while parts:
+        k = os.writev(fd, parts)
+        while parts and k >= len(parts[0]):
+            k -= len(parts[0])
+            parts.pop(0)
+        if parts and k:
+            parts[0] = parts[0][k:]
+
+
+def _zy_send_bytes(data):
+    _zy_write_all(1, [struct.pack(">I", len(data)), data])
+
+
+def _zy_send(obj):
+    _zy_send_bytes(json.dumps(obj).encode())
+
+
+def _zy_load_job(job, program, expression):
+    """Only for the start-up self-tests: put a program of ours into JOB_BUF as the trainer would."""
+    global _ZY_JOB_BUF
+    p, e = program.encode(), expression.encode()
+    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(p) + len(e))
+    _ZY_JOB_BUF[:len(p) + len(e)] = p + e
+    job.update(plen=len(p), elen=len(e))
+    return job
+
+
+def _zy_send_reply(res):
+    global _ZY_RES_BUF
+    """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the
+    trainer restarts it), or the child's own frame passed through undecoded from RES_BUF, tagged
+    b"P" (written after setup, by the program's process) or b"S" (written during setup). The
+    trainer decodes and checks it."""
     if type(res) is tuple:
-        return res[0] + res[1]
-    return b"Z" + json.dumps(res).encode()
+        kind, a, b = res
+        _zy_write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]])
+        _zy_wipe(_ZY_RES_BUF, b)
+        if len(_ZY_RES_BUF) > 1 << 22:
+            _ZY_RES_BUF = bytearray(1 << 16)
+    else:
+        _zy_send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
 
-def decode_reply(data):
+
+def _zy_decode_reply(res):
     """Only for the start-up self-tests (the trainer decodes every other reply)."""
     try:
-        return json.loads(data[1:])
+        if type(res) is tuple:
+            out = json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]]))
+            _zy_wipe(_ZY_RES_BUF, res[2])
+            return out
+        return res
     except ValueError:
         return {"status": "crash", "value": None, "error": "malformed"}
 
-# ------------------------------------------------------------- one-time isolation of the zygote itself
+# ------------------------------------------------------- one-time isolation of the zygote itself
 
-def write_file(path, text):
+
+def _zy_write_file(path, text):
     fd = os.open(path, os.O_WRONLY)
     try:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
 
-def enter_namespaces():
-    ns = REPORT["namespaces"]
+
+def _zy_enter_namespaces():
+    ns = _ZY_REPORT["namespaces"]
     for k in ("user", "net", "mount", "ipc", "uts", "pid"):
         ns[k] = False
     if not sys.platform.startswith("linux"):
-        note("not Linux: no namespaces")
+        _zy_note("not Linux: no namespaces")
         return
-    if not CFG["namespaces"]:
-        note("namespaces turned off by the caller")
+    if not _ZY_CFG["namespaces"]:
+        _zy_note("namespaces turned off by the caller")
         return
-    if os.geteuid() != 0 or CFG["namespaces"] == "user":
+    if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
-            libc_call("unshare", CLONE_NEWUSER)
-            write_file("/proc/self/setgroups", "deny")
-            write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
-            write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
+            _zy_libc_call("unshare", _ZY_CLONE_NEWUSER)
+            _zy_write_file("/proc/self/setgroups", "deny")
+            _zy_write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
+            _zy_write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
             ns["user"] = True
         except OSError as e:
-            note("no user namespace (%s): running without namespaces" % e)
+            _zy_note("no user namespace (%s): running without namespaces" % e)
             return
-    for key, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
+    for key, flag in (("net", _ZY_CLONE_NEWNET), ("mount", _ZY_CLONE_NEWNS),
+                      ("ipc", _ZY_CLONE_NEWIPC), ("uts", _ZY_CLONE_NEWUTS)):
         try:
-            libc_call("unshare", flag)
+            _zy_libc_call("unshare", flag)
             ns[key] = True
         except OSError as e:
-            note("no %s namespace: %s" % (key, e))
+            _zy_note("no %s namespace: %s" % (key, e))
     if ns["uts"]:
         try:
-            LIBC.sethostname(b"sandbox", 7)
+            _ZY_LIBC.sethostname(b"sandbox", 7)
         except Exception:
             pass
 
-def setup_pid_namespace():
-    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own namespace, then
-    unshare again). Where that is not allowed (inside a user namespace we hold no rights over our original PID
-    namespace), one PID namespace for the whole worker: this process becomes its PID 1 and after every job
-    kills every other process in it. Either way nothing a program starts outlives it."""
-    if not sys.platform.startswith("linux") or not CFG["namespaces"]:
+def _zy_setup_pid_namespace():
+    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own
+    namespace, then unshare again). Where that is not allowed (inside a user namespace we hold no
+    rights over our original PID namespace), one PID namespace for the whole worker: this process
+    becomes its PID 1 and after every job kills every other process in it. Either way nothing a
+    program starts outlives it."""
+    if not sys.platform.startswith("linux") or not _ZY_CFG["namespaces"]:
         return
     fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil our own pid_for_children
+    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil pid_for_children
     if pid == 0:
-        ok = LIBC.unshare(CLONE_NEWPID) == 0 and LIBC.setns(fd, CLONE_NEWPID) == 0 and LIBC.unshare(CLONE_NEWPID) == 0
+        ok = _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0 and \
+            _ZY_LIBC.setns(fd, _ZY_CLONE_NEWPID) == 0 and _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0
         if ok:
             try:
                 p = os.fork()
@@ -4772,13 +4888,14 @@ def setup_pid_namespace():
                 ok = False
         os._exit(0 if ok else 1)
     if os.waitpid(pid, 0)[1] == 0:
-        STATE["pidns_fd"] = fd
-        REPORT["namespaces"]["pid"] = True
-        REPORT["pid_namespace"] = "one per program"
+        _ZY_STATE["pidns_fd"] = fd
+        _ZY_REPORT["namespaces"]["pid"] = True
+        _ZY_REPORT["pid_namespace"] = "one per program"
         return
     os.close(fd)
-    if LIBC.unshare(CLONE_NEWPID) != 0:
-        note("no pid namespace (errno %d): escaped processes are found by uid instead" % ctypes.get_errno())
+    if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) != 0:
+        _zy_note("no pid namespace (errno %d): escaped processes are found by uid instead"
+                 % ctypes.get_errno())
         return
     pid = os.fork()
     if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new namespace
@@ -4789,126 +4906,294 @@ def setup_pid_namespace():
             except InterruptedError:
                 continue
         os._exit(1)
-    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    STATE["pid1"] = True
-    REPORT["namespaces"]["pid"] = True
-    REPORT["pid_namespace"] = "one per worker, emptied after every program"
+    _ZY_LIBC.prctl(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _ZY_STATE["pid1"] = True
+    _ZY_REPORT["namespaces"]["pid"] = True
+    _ZY_REPORT["pid_namespace"] = "one per worker, emptied after every program"
 
-def mount_flags(opts):
+
+def _zy_mount_flags(opts):
     flags = 0
-    for o, f in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC), ("noatime", MS_NOATIME),
-                 ("nodiratime", MS_NODIRATIME), ("relatime", MS_RELATIME)):
+    for o, f in (("nosuid", _ZY_MS_NOSUID), ("nodev", _ZY_MS_NODEV), ("noexec", _ZY_MS_NOEXEC),
+                 ("noatime", _ZY_MS_NOATIME),
+                 ("nodiratime", _ZY_MS_NODIRATIME), ("relatime", _ZY_MS_RELATIME)):
         if o in opts:
             flags |= f
     return flags
 
-def unescape(p):
-    return p.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
-def isolate_filesystem():
-    REPORT["readonly_root"] = False
-    REPORT["hidden"] = []
-    if not REPORT["namespaces"].get("mount"):
+def _zy_unescape(p):
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        p = p.replace(code, char)
+    return p
+
+
+_ZY_DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never nvidia*, kvm, ttys, disks
+# POSIX shm and semaphores (/dev/shm) live in the job's tmpfs
+_ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2", "shm": "/tmp"}
+
+
+def _zy_isolate_filesystem():
+    """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
+    Python's own directories and the system libraries read-only, a few /dev nodes, synthetic account
+    files, /proc, and /tmp (one fresh tmpfs per job, mounted by run_job). Everything else (other
+    checkouts, logs, sockets, GPUs) is simply not there; hide_paths appear as empty directories."""
+    _ZY_REPORT["readonly_root"] = False
+    _ZY_REPORT["hidden"] = []
+    _ZY_REPORT["masked"] = []
+    _ZY_STATE["view"] = False
+    if not _ZY_REPORT["namespaces"].get("mount"):
         return
     try:
-        mount(None, "/", None, MS_REC | MS_PRIVATE)
+        _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
     except OSError as e:
-        note("mount propagation: %s" % e)
+        _zy_note("mount propagation: %s" % e)
         return
-    keep_fds = []
-    for p in CFG["keep_paths"]:
-        try:
-            keep_fds.append((p, os.open(p, os.O_PATH | os.O_DIRECTORY)))
-        except OSError:
-            pass
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
     failures = 0
-    for fields in mounts:
-        target, opts = unescape(fields[4]), fields[5].split(",")
+    for fields in mounts:  # every mount read-only first: each bind below is read-only throughout
+        target, opts = _zy_unescape(fields[4]), fields[5].split(",")
         if target == "/proc" or target.startswith("/proc/"):
             continue
         try:
-            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | mount_flags(opts))
+            _zy_mount(None, target, None,
+                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _zy_mount_flags(opts))
         except OSError:
             failures += 1
-    REPORT["readonly_root"] = failures == 0
     if failures:
-        note("%d mounts could not be made read-only" % failures)
-    for d in CFG["hide_paths"]:
-        if not os.path.isdir(d) or os.path.islink(d):
-            continue
-        size = "%dm" % CFG["tmpfs_mb"] if d == "/tmp" else "4m"
+        _zy_note("%d mounts could not be made read-only" % failures)
+    allow = sorted(set(_ZY_CFG["keep_paths"]) | {p for p in _ZY_CFG["lib_dirs"]}, key=len)
+    files = ["/dev/" + d for d in _ZY_DEV_NODES] + _ZY_CFG["etc_files"]
+    fds = {}
+    for p in allow + files:
         try:
-            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%s,mode=0755" % size)
-            REPORT["hidden"].append(d)
+            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in allow else 0))
+        except OSError:
+            pass
+    new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
+    try:
+        _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
+    except OSError as e:
+        _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only" % e)
+        return
+    def bind(p, fd, is_dir):
+        dst = new + p
+        try:
+            if is_dir:
+                os.makedirs(dst, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                open(dst, "w").close()
+            _zy_mount("/proc/self/fd/%d" % fd, dst, None, _ZY_MS_BIND | _ZY_MS_REC)
+            nodev = 0 if p.startswith("/dev/") else _ZY_MS_NODEV  # the device nodes must still work
+            _zy_mount(None, dst, None,
+                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | nodev)
         except OSError as e:
-            note("could not hide %s: %s" % (d, e))
-    if "/tmp" in REPORT["hidden"]:  # account databases: only the accounts a child can meet
-        os.makedirs("/tmp/.masks", 0o755)
-        uid, gid = CFG["uid"], CFG["gid"]
-        masks = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-                                "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
-                 "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
-                 "/etc/shadow": "", "/etc/gshadow": ""}
-        REPORT["masked"] = []
-        for target, text in masks.items():
-            if not os.path.isfile(target):
-                continue
-            src = "/tmp/.masks/" + os.path.basename(target)
-            with open(src, "w") as f:
-                f.write(text)
+            _zy_note("could not bind %s: %s" % (p, e))
+    bound = []
+    for p in allow:  # shortest first: a directory inside one already bound comes with it
+        if p in fds and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in bound):
+            bind(p, fds[p], True)
+            bound.append(p)
+    for link in _ZY_CFG["lib_links"]:  # merged-usr: /lib -> usr/lib and friends
+        if not os.path.lexists(new + link[0]):
+            os.symlink(link[1], new + link[0])
+    for p in files:
+        if p in fds and not p.startswith("/etc/"):
+            bind(p, fds[p], False)
+    for name, target in _ZY_DEV_LINKS.items():
+        os.makedirs(new + "/dev", exist_ok=True)
+        os.symlink(target, new + "/dev/" + name)
+    uid, gid = _ZY_CFG["uid"], _ZY_CFG["gid"]
+    etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
+           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
+           "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
+           "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
+    os.makedirs(new + "/etc", exist_ok=True)
+    for p, text in etc.items():
+        with open(new + p, "w") as f:
+            f.write(text)
+        _ZY_REPORT["masked"].append(p)
+    for p in _ZY_CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (public)
+        if p in fds:
             try:
-                mount(src, target, None, MS_BIND)
-                mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                REPORT["masked"].append(target)
+                with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
+                    dst.write(src.read(1 << 22))
             except OSError as e:
-                note("could not mask %s: %s" % (target, e))
-    for p, fd in keep_fds:  # bring back what Python needs from under a hidden directory, read-only
-        if not any(p == h or p.startswith(h.rstrip("/") + "/") for h in REPORT["hidden"]):
-            os.close(fd)
-            continue
+                _zy_note("could not copy %s: %s" % (p, e))
+    for d in _ZY_CFG["hide_paths"]:
+        if os.path.isdir(d) and not os.path.islink(d):
+            try:
+                if d != "/dev/shm":
+                    os.makedirs(new + d, exist_ok=True)
+                _ZY_REPORT["hidden"].append(d)
+            except OSError as e:
+                _zy_note("could not hide %s: %s" % (d, e))
+    for d in ("/tmp", "/proc"):
+        os.makedirs(new + d, exist_ok=True)
+    try:
+        _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
+                  "hidepid=2")
+        _ZY_REPORT["proc_hidepid"] = True
+    except OSError as e:
+        _ZY_REPORT["proc_hidepid"] = False
+        _zy_note("proc hidepid: %s (the host's /proc is bound instead)" % e)
         try:
-            os.makedirs(p, exist_ok=True)
-            mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
-            mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        except OSError as e:
-            note("could not keep %s: %s" % (p, e))
+            _zy_mount("/proc", new + "/proc", None, _ZY_MS_BIND | _ZY_MS_REC)
+        except OSError as e2:
+            _zy_note("no /proc: %s" % e2)
+    for fd in fds.values():
         os.close(fd)
     try:
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-        REPORT["proc_hidepid"] = True
+        os.chdir(new)
+        if _ZY_LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root on top ...
+            raise OSError(ctypes.get_errno(), "pivot_root")
+        _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... and is detached whole
+        os.chdir("/")
+        _zy_mount(None, "/", None,
+                  _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | _ZY_MS_NODEV)
     except OSError as e:
-        REPORT["proc_hidepid"] = False
-        note("proc hidepid: %s" % e)
+        _zy_note("could not switch to the allow-list root: %s" % e)
+        os.chdir("/")
+        return
+    _ZY_REPORT["readonly_root"] = True
+    _ZY_REPORT["filesystem"] = "allow-list"
+    _ZY_STATE["view"] = True
 
-# ------------------------------------------------------------- seccomp: a tiny deny-list filter, x86-64 only
+# ------------------------------------------------------- one memory cgroup per worker (root only)
 
-def build_seccomp():
+
+def _zy_cgroup_dirs():
+    """(version, directory of this process's memory cgroup), cgroup v2 before v1, where present."""
+    with open("/proc/self/cgroup") as f:
+        lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    with open("/proc/self/mountinfo") as f:
+        mounts = [ln.split() for ln in f]
+    out = []
+    for _, ctrl, rel in lines:
+        for m in mounts:
+            sep = m.index("-")
+            fstype, opts = m[sep + 1], m[sep + 3].split(",")
+            root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
+            v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
+            if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
+                out.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
+    return sorted(out, reverse=True)
+
+
+def _zy_setup_cgroup():
+    """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the
+    zygote): every child inherits it, so a job's processes, its tmpfs and its kernel memory count
+    together. The zygote is exempt from the OOM killer where it may be; a child raises its score."""
+    _ZY_REPORT["memory_cgroup"] = None
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or _ZY_STATE["userns"]:
+        _zy_note("no memory cgroup (needs root on Linux): a job's processes together may hold up "
+                 "to max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
+        return
+    limit = (_ZY_CFG["memory_mb"] + 32) << 20
+    errors = []
+    try:
+        _zy_write_file("/proc/self/oom_score_adj", "-1000")
+        _ZY_STATE["oom_exempt"] = True
+    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
+        _ZY_STATE["oom_exempt"] = False
+        _zy_note("zygote not exempt from the OOM killer: %s" % e)
+    for version, parent in _zy_cgroup_dirs():
+        d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
+        try:
+            if version == 2:
+                with open(parent + "/cgroup.controllers") as f:
+                    if "memory" not in f.read().split():
+                        raise OSError("the memory controller is not available in " + parent)
+                with open(parent + "/cgroup.subtree_control") as f:
+                    if "memory" not in f.read().split():
+                        _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
+            os.mkdir(d)
+            try:
+                if version == 2:
+                    _zy_write_file(d + "/memory.max", str(limit))
+                    _zy_write_file(d + "/memory.swap.max", "0")
+                    if _ZY_STATE["oom_exempt"]:  # kill the whole job at once, never the zygote
+                        _zy_write_file(d + "/memory.oom.group", "1")
+                    events = d + "/memory.events"
+                else:
+                    _zy_write_file(d + "/memory.limit_in_bytes", str(limit))
+                    if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
+                        _zy_write_file(d + "/memory.memsw.limit_in_bytes", str(limit))
+                    events = d + "/memory.oom_control"
+                _zy_write_file(d + "/cgroup.procs", str(os.getpid()))
+            except OSError:
+                os.rmdir(d)
+                raise
+        except OSError as e:
+            errors.append("v%d %s: %s" % (version, parent, e))
+            continue
+        _ZY_STATE["oom_fd"] = os.open(events, os.O_RDONLY)
+        _ZY_STATE["oom_kills"] = _zy_oom_kills()
+        # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
+        _ZY_STATE["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        _ZY_STATE["cgroup_parent_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
+        _ZY_STATE["cgroup_name"] = os.path.basename(d)
+        _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
+        return
+    why = "; ".join(errors) or "no cgroup filesystem with a memory controller"
+    _zy_note("no memory cgroup (%s): a job's processes together may hold up to max_procs x "
+             "memory_mb, and its tmpfs up to tmpfs_mb more" % why)
+
+
+def _zy_oom_kills():
+    if _ZY_STATE.get("oom_fd") is None:
+        return 0
+    for line in os.pread(_ZY_STATE["oom_fd"], 4096, 0).decode().splitlines():
+        if line.startswith("oom_kill "):
+            return int(line.split()[1])
+    return 0
+
+# ------------------------------------------------------------- seccomp: a tiny filter, x86-64 only
+
+
+def _zy_build_seccomp(net_private):
     import platform
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        note("seccomp filter only written for x86-64: not installed")
+        _zy_note("seccomp filter only written for x86-64: not installed")
         return None
-    deny = [101, 155, 161, 165, 166, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
+    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
             304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
-    # ptrace pivot_root chroot mount umount2 swapon swapoff reboot iopl ioperm init_module delete_module
+    # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
-    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
-    # fsopen fsconfig fsmount fspick mount_setattr.  clone/unshare/setns: only what the zygote itself needs
-    # (a new PID namespace per job), which needs CAP_SYS_ADMIN that the children do not have anyway.
+    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree
+    # move_mount
+    # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote
+    # and inherited (one per child costs ~10% of the throughput), so it leaves the zygote what it
+    # needs per job: mount/umount2 (the job's tmpfs), unshare/setns of PID and IPC namespaces.
+    # A child cannot use them: they need CAP_SYS_ADMIN, which it lacks (uid dropped, or all
+    # capabilities dropped in a user namespace), and CLONE_NEWUSER, to regain it, is refused.
+    # socket/socketpair: AF_UNIX, and AF_INET/AF_INET6 only inside the private network namespace (no
+    # interface up); AF_VSOCK, AF_NETLINK, AF_PACKET and every other family fail with EAFNOSUPPORT.
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
-    ns_flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000
-    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),   # x86-64 ABI only
-           ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                   # x32 syscall numbers
+    EAFNOSUPPORT = 0x00050000 | 97
+    ns_flags = _ZY_CLONE_NEWNS | _ZY_CLONE_NEWUTS | _ZY_CLONE_NEWIPC | _ZY_CLONE_NEWUSER | \
+        _ZY_CLONE_NEWPID | _ZY_CLONE_NEWNET | 0x02000000
+    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI only
+           ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                  # x32 syscalls
            ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
     src += [("", JEQ, "eperm", 0, nr) for nr in deny]
     src += [("", JEQ, "clone", 0, 56), ("", JEQ, "unshare", 0, 272), ("", JEQ, "setns", 0, 308),
-            ("", RET, 0, 0, ALLOW),
+            ("", JEQ, "socket", 0, 41), ("", JEQ, "socket", 0, 53), ("", RET, 0, 0, ALLOW),
             ("clone", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags), ("", RET, 0, 0, ALLOW),
-            ("unshare", LD, 0, 0, 16), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
-            ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
+            ("unshare", LD, 0, 0, 16),
+            ("", JSET, "eperm", 0, ns_flags & ~(_ZY_CLONE_NEWPID | _ZY_CLONE_NEWIPC)),
+            ("", RET, 0, 0, ALLOW),
+            ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", _ZY_CLONE_NEWPID),
+            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]
+    if net_private:
+        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]
+    src += [("", RET, 0, 0, EAFNOSUPPORT),
             ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
     where = {lab: i for i, (lab, *_rest) in enumerate(src) if lab}
     jump = lambda target, i: where[target] - i - 1 if isinstance(target, str) else target
@@ -4921,21 +5206,21 @@ def build_seccomp():
     fprog = FProg(len(fixed), ctypes.cast(buf, ctypes.c_void_p))
     return (buf, fprog)
 
-# ------------------------------------------------------------- per job: the child
 
-STATE = {}
-
-def child_main(job, wfd):
-    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to locals before the
-    program runs, so a program that monkeypatches builtins, json or os cannot garble its own result frame."""
-    _write, _exit, _enc, _pack = os.write, os._exit, json.encoder.encode_basestring_ascii, struct.pack
+def _zy_child_main(job, wfd):
+    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to
+    locals before the program runs, so a program that monkeypatches builtins, json or os cannot
+    garble its own result frame."""
+    _write, _exit, _pack = os.write, os._exit, struct.pack
+    _enc = json.encoder.encode_basestring_ascii
     _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
-    _BaseException, _Exception, _MemoryError, _SyntaxError = BaseException, Exception, MemoryError, SyntaxError
+    _BaseException, _MemoryError, _SyntaxError = BaseException, MemoryError, SyntaxError
 
     def report(status, value=None, error=None):
         try:
             data = '{"status": %s, "value": %s, "error": %s}' % (
-                _enc(status), "null" if value is None else _enc(value), "null" if error is None else _enc(error))
+                _enc(status), "null" if value is None else _enc(value),
+                "null" if error is None else _enc(error))
             data = data.encode()
             _write(wfd, _pack(">I", _len(data)) + data)
         except _BaseException:
@@ -4950,23 +5235,27 @@ def child_main(job, wfd):
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(4, STATE["maxfd"])
+        os.closerange(4, _ZY_STATE["maxfd"])
         os.chdir(job["dir"])
-        if STATE["drop_uid"]:
+        if _ZY_STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer, children not
+            _zy_write_file("/proc/self/oom_score_adj", "0")
+        if _ZY_STATE["drop_uid"]:
             os.setgroups([])
-            set_ids(CFG["uid"], CFG["gid"])
-        elif STATE.get("userns"):
-            drop_caps()
+            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
+        elif _ZY_STATE.get("userns"):
+            _zy_drop_caps()
         if sys.platform.startswith("linux"):
-            PRCTL(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-            if STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
-                PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
+            if _ZY_STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
+                _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         mem = job["memory_mb"] << 20
         cpu = int(job["timeout"]) + 1
-        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", job["fsize_mb"] << 20),
-                          ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", job["nproc"] + STATE["nproc_base"]),
+        nproc = job["nproc"] + _ZY_STATE["nproc_base"]
+        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu),
+                          ("RLIMIT_FSIZE", job["fsize_mb"] << 20), ("RLIMIT_NOFILE", 64),
+                          ("RLIMIT_NPROC", nproc),
                           ("RLIMIT_CORE", 0)):
-            if name in STATE["rlimits"]:
+            if name in _ZY_STATE["rlimits"]:
                 resource.setrlimit(getattr(resource, name), (lim, lim))
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
@@ -4978,40 +5267,48 @@ def child_main(job, wfd):
 
         class ForbiddenImport(ImportError):
             pass
-        STATE["forbidden_exc"] = ForbiddenImport
+        _ZY_STATE["forbidden_exc"] = ForbiddenImport
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
                 raise ForbiddenImport("import of %r is not allowed" % name)
             return real_import(name, *a, **k)
         builtins.__import__ = guarded_import
-        for m in list(sys.modules):  # modules the zygote already holds must also go through the guard
+        for m in list(sys.modules):  # modules the zygote already holds go through the guard too
             if m.split(".")[0] in forbidden:
                 sys.modules.pop(m, None)
 
     cap = job["max_output"]
-    try:  # "R": setup is over. Frames after it come from the program's process, so they cannot claim
-        _write(wfd, b"R")  # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
+    # "R": setup is over. Frames after it come from the program's process, so they cannot claim
+    # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
+    try:
+        _write(wfd, b"R")
     except _BaseException:
         _exit(71)
     try:
-        code = compile(job["program"], "<program>", "exec")
-        expr = compile(job["expression"], "<expression>", "eval")
+        plen, elen = job["plen"], job["elen"]
+        program = bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass")
+        expression = bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass")
+        code = compile(program, "<program>", "exec")
+        expr = compile(expression, "<expression>", "eval")
+        del program, expression
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
         del job
         exec(code, ns)
         value = eval(expr, ns)
         if _isinstance(value, (_str, bytes)) and _len(value) > cap:
-            report("output_limit", None, "value of length %d exceeds the output cap of %d" % (_len(value), cap))
+            report("output_limit", None,
+                   "value of length %d exceeds the output cap of %d" % (_len(value), cap))
         text = _repr(value)
         if _type(text) is not _str:
             report("error", None, "repr returned a non-str")
         if _len(text) > cap:
-            report("output_limit", None, "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
+            report("output_limit", None,
+                   "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
         report("ok", text, None)
     except _BaseException as e:
         try:
-            fexc = STATE.get("forbidden_exc")
+            fexc = _ZY_STATE.get("forbidden_exc")
             status = "memory" if _isinstance(e, _MemoryError) else \
                 "forbidden" if fexc and _isinstance(e, fexc) else "error"
             name, msg = _type(e).__name__, _str(e)
@@ -5030,18 +5327,20 @@ def child_main(job, wfd):
             report("error", None, "an exception that could not be described")
 
 
-def drop_caps():
+def _zy_drop_caps():
     class Hdr(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
     hdr, data = Hdr(0x20080522, 0), (Data * 2)()
     for cap in range(64):
-        LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
+        _ZY_LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    _zy_libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
 
-def set_ids(uid, gid):
+
+def _zy_set_ids(uid, gid):
     if hasattr(os, "setresuid"):
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
@@ -5049,7 +5348,8 @@ def set_ids(uid, gid):
         os.setgid(gid)
         os.setuid(uid)
 
-def count_processes(uid):
+
+def _zy_count_processes(uid):
     n = 0
     try:
         for d in os.listdir("/proc"):
@@ -5062,66 +5362,122 @@ def count_processes(uid):
         return 4096  # no /proc (macOS): a loose cap
     return n
 
-def sweep_uid():
+
+def _zy_sweep_uid():
     """Without a PID namespace: kill every process of the job uid (a root-only trick)."""
     pid = os.fork()
     if pid == 0:
         try:
-            set_ids(CFG["uid"], CFG["gid"])
+            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
             os.kill(-1, signal.SIGKILL)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
 
-def remove_tree(path):
-    try:
-        os.rmdir(path)
+
+def _zy_remove_tree(path, budget_s=2.0):
+    """Without a mount namespace: delete the job directory by walking it with chdir, so a tree
+    nested past PATH_MAX comes down too. Past budget_s it raises: the worker is restarted."""
+    stop = time.monotonic() + budget_s
+    if not os.path.lexists(path):
         return
-    except OSError:
-        pass
-    for root, dirs, files in os.walk(path, topdown=False):
-        for name in files + dirs:
-            p = os.path.join(root, name)
-            try:
-                if os.path.isdir(p) and not os.path.islink(p):
-                    os.rmdir(p)
-                else:
-                    os.unlink(p)
-            except OSError:
-                pass
+    os.chdir(path)
+    names = []
     try:
-        os.rmdir(path)
-    except OSError:
-        pass
+        while True:
+            if time.monotonic() > stop:
+                raise OSError("the job directory took over %gs to remove" % budget_s)
+            sub = None
+            with os.scandir(".") as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = e.name
+                        break
+                    os.unlink(e.name)
+            if sub is not None:
+                os.chdir(sub)
+                names.append(sub)
+            elif names:
+                os.chdir("..")
+                os.rmdir(names.pop())
+            else:
+                break
+    finally:
+        os.chdir("/")
+    os.rmdir(path)
 
-SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
-def run_job(job):
-    jobdir = os.path.join(CFG["scratch"], "job")  # the same path for every program: outputs can't differ by it
+def _zy_signame(sig):
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def _zy_job_scratch():
+    """A fresh, empty, size-capped directory for the job: its own tmpfs, given a mount namespace."""
+    if _ZY_STATE["view"]:
+        if _ZY_STATE.get("tmp_mark") is None:
+            uid = _ZY_CFG["uid"] if _ZY_STATE["drop_uid"] else os.getuid()
+            gid = _ZY_CFG["gid"] if _ZY_STATE["drop_uid"] else os.getgid()
+            opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
+                _ZY_CFG["tmpfs_mb"], _ZY_CFG["tmpfs_inodes"], uid, gid)
+            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, opts)
+            _ZY_STATE["tmp_mark"] = _zy_tmp_mark()
+        return "/tmp"
+    # the same path for every program: outputs cannot differ by it
+    jobdir = os.path.join(_ZY_CFG["scratch"], "job")
     if os.path.lexists(jobdir):
-        remove_tree(jobdir)
+        _zy_remove_tree(jobdir)
     os.mkdir(jobdir, 0o700)
-    if STATE["drop_uid"]:
-        os.chown(jobdir, CFG["uid"], CFG["gid"])
-    job["dir"] = jobdir
+    if _ZY_STATE["drop_uid"]:
+        os.chown(jobdir, _ZY_CFG["uid"], _ZY_CFG["gid"])
+    return jobdir
+
+
+def _zy_tmp_mark():
+    """What a job could change about an empty /tmp: its inode, owner, mode, link count, times."""
+    st = os.stat("/tmp")
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_mtime_ns,
+            st.st_ctime_ns)
+
+
+def _zy_drop_scratch(jobdir):
+    if not _ZY_STATE["view"]:
+        _zy_remove_tree(jobdir)
+    elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
+        _ZY_STATE["tmp_mark"] = None
+    # else the job never touched its tmpfs (same times, empty, no xattrs): the next job may have it
+
+
+def _zy_run_job(job):
+    global _ZY_JOB_BUF, _ZY_RES_BUF
+    job["dir"] = jobdir = _zy_job_scratch()
     r, w = os.pipe()
-    if STATE.get("pidns_fd") is not None:
-        LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)  # back to our own namespace for children...
-        if LIBC.unshare(CLONE_NEWPID) != 0:          # ...then a fresh one: the child is its PID 1
-            return {"status": "sandbox_error", "value": None, "error": "pid namespace: errno %d" % ctypes.get_errno()}
+    if _ZY_STATE.get("pidns_fd") is not None:
+        _ZY_LIBC.setns(_ZY_STATE["pidns_fd"], _ZY_CLONE_NEWPID)  # back to our own namespace...
+        # ...then a fresh one (the child is its PID 1), and a fresh IPC namespace: SysV IPC and
+        # POSIX message queues die with the job
+        if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID | _ZY_STATE["ipc_flag"]) != 0:
+            raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+    elif _ZY_STATE["ipc_flag"] and _ZY_LIBC.unshare(_ZY_STATE["ipc_flag"]) != 0:
+        raise OSError(ctypes.get_errno(), "ipc namespace")
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            child_main(job, w)
+            _zy_child_main(job, w)
         finally:
             os._exit(70)
     os.close(w)
     deadline = t0 + job["timeout"]
     cap = 12 * job["max_output"] + 65536
-    buf = b""
-    timed_out = False
+    _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
+    view = memoryview(_ZY_RES_BUF)
+    got = 0
+    timed_out = over = False
     need = None
     while True:
         left = deadline - time.monotonic()
@@ -5131,33 +5487,38 @@ def run_job(job):
         ready, _, _ = select.select([r, 0], [], [], left)
         if 0 in ready:  # trainer closed our control pipe: take the child down and go
             os.kill(pid, signal.SIGKILL)
-            os._exit(0)
+            os.waitpid(pid, 0)
+            _zy_exit()
         if not ready:
             continue
-        chunk = os.read(r, 1 << 16)
-        if not chunk:
+        if got >= cap:
+            over = True
             break
-        buf += chunk
-        off = 1 if buf[:1] == b"R" else 0
-        if need is None and len(buf) >= off + 4:
-            need = off + 4 + struct.unpack(">I", buf[off:off + 4])[0]
-        if len(buf) > cap or (need is not None and need > cap):
-            buf = None
+        k = os.readv(r, [view[got:cap]])
+        if not k:
             break
-        if need is not None and len(buf) >= need:
+        got += k
+        off = 1 if _ZY_RES_BUF[0] == 82 else 0  # b"R"
+        if need is None and got >= off + 4:
+            need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
+            if need > cap:
+                over = True
+                break
+        if need is not None and got >= need:
             break
+    view.release()
     os.close(r)
     try:
-        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours until waited for
+        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours till waited
     except ProcessLookupError:
         pass
-    if STATE.get("pidns_fd") is None:
+    if _ZY_STATE.get("pidns_fd") is None:
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
     _, wstatus, rusage = os.wait4(pid, 0)
-    if STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
+    if _ZY_STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
@@ -5169,31 +5530,42 @@ def run_job(job):
                 break
             except InterruptedError:
                 continue
-    elif STATE.get("pidns_fd") is None and STATE["drop_uid"]:
-        sweep_uid()
-    remove_tree(jobdir)
-    if buf is None:
-        return {"status": "output_limit", "value": None, "error": "child wrote more than %d bytes" % cap}
-    if need is not None and len(buf) >= need:
-        started = buf[:1] == b"R"
-        return (b"P" if started else b"S", buf[int(started) + 4:need])
+    elif _ZY_STATE.get("pidns_fd") is None and _ZY_STATE["drop_uid"]:
+        _zy_sweep_uid()
+    _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
+    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let it go
+        _ZY_JOB_BUF = bytearray(1 << 16)
+    _zy_drop_scratch(jobdir)
+    if over:
+        _zy_wipe(_ZY_RES_BUF, got)
+        return {"status": "output_limit", "value": None,
+                "error": "child wrote more than %d bytes" % cap}
+    if need is not None and got >= need:
+        started = _ZY_RES_BUF[0] == 82
+        return (b"P" if started else b"S", int(started) + 4, need)
+    _zy_wipe(_ZY_RES_BUF, got)
     if timed_out:
-        return {"status": "timeout", "value": None, "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
+        return {"status": "timeout", "value": None,
+                "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
     cpu = rusage.ru_utime + rusage.ru_stime
     if os.WIFSIGNALED(wstatus):
         sig = os.WTERMSIG(wstatus)
+        if sig == signal.SIGKILL and _ZY_STATE.get("oom_fd") is not None:
+            kills = _zy_oom_kills()
+            if kills != _ZY_STATE["oom_kills"]:
+                _ZY_STATE["oom_kills"] = kills
+                return {"status": "memory", "value": None,
+                        "error": "the job's processes together exceeded memory_mb (memory cgroup)"}
         if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
             return {"status": "timeout", "value": None, "error": "CPU limit exceeded (%.1fs)" % cpu}
-        return {"status": "crash", "value": None, "error": "killed by %s" % SIGNAMES.get(sig, sig)}
+        return {"status": "crash", "value": None, "error": "killed by %s" % _zy_signame(sig)}
     return {"status": "crash", "value": None,
             "error": "exited with code %d before producing a result" % os.WEXITSTATUS(wstatus)}
 
-WARM_PROGRAM = """
-import math
-class Point:
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-def f(xs: list, k=2) -> dict:
+
+def _zy_warm_example(xs: list, k=2) -> dict:
+    """A typical model-written function: warm_up compiles and runs its source."""
+    import math
     out = {}
     for i, x in enumerate(sorted(xs)):
         if x % k == 0 and not isinstance(x, str):
@@ -5206,30 +5578,38 @@ def f(xs: list, k=2) -> dict:
             except ZeroDivisionError as e:
                 out[i] = repr(e)
     return out
-"""
 
-def warm_up():
-    """Compile and run a typical program once, so each child starts with the parser, the compiler and the
-    allocator already warm: measured ~1 ms less CPU per job (fewer page faults after fork)."""
+
+def _zy_warm_up():
+    """Compile and run a typical program once, so each child starts with the parser, the compiler
+    and the allocator already warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
     for _ in range(3):
         ns = {"__name__": "__main__"}
-        exec(compile(WARM_PROGRAM, "<program>", "exec"), ns)
-        json.dumps({"status": "ok", "value": repr(eval(compile("f([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)),
-                    "error": None})
+        exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
+        value = eval(compile("_zy_warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)
+        json.dumps({"status": "ok", "value": repr(value), "error": None})
         try:
             compile("def f(:", "<program>", "exec")
         except SyntaxError as e:
             str(e)
 
-def main():
-    global CFG
-    CFG = recv()
-    sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
+
+def _zy_main():
+    global _ZY_CFG, _ZY_LIBC, _ZY_PRCTL, _ZY_JOB_BUF, _ZY_RES_BUF
+    _ZY_LIBC = ctypes.CDLL(None, use_errno=True)
+    # typed once here (a cheap call in each child), on its own handle: _zy_libc_call's stays untyped
+    _ZY_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    _ZY_PRCTL.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    _ZY_PRCTL.restype = ctypes.c_int
+    _ZY_JOB_BUF, _ZY_RES_BUF = bytearray(1 << 16), bytearray(1 << 16)
+    _ZY_CFG = _zy_recv()
+    sys.path[:] = [p for p in sys.path if p] + _ZY_CFG["site_dirs"]
     try:
-        STATE["rlimits"] = []
-        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_CORE"):
+        _ZY_STATE["rlimits"] = []
+        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+                     "RLIMIT_CORE"):
             if hasattr(resource, name):
-                try:  # probe in a throwaway child: some platforms refuse some limits (macOS: RLIMIT_AS)
+                try:  # probe in a throwaway child: some platforms refuse some (macOS: RLIMIT_AS)
                     pid = os.fork()
                     if pid == 0:
                         try:
@@ -5240,105 +5620,175 @@ def main():
                         except BaseException:
                             os._exit(1)
                     if os.waitpid(pid, 0)[1] == 0:
-                        STATE["rlimits"].append(name)
+                        _ZY_STATE["rlimits"].append(name)
                 except OSError:
                     pass
-        REPORT["root"] = os.geteuid() == 0
-        # Linux closes the rest with one close_range(); elsewhere closerange loops, so bound it by the fd limit
-        STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
+        _ZY_REPORT["root"] = os.geteuid() == 0
+        # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
+        _ZY_STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
             max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
-        enter_namespaces()
-        STATE["userns"] = REPORT["namespaces"].get("user", False)
-        STATE["drop_uid"] = os.geteuid() == 0 and CFG["drop_uid"] and not STATE["userns"]
-        # RLIMIT_NPROC counts every process of the real uid: exact for our own unprivileged uid, otherwise
+        _zy_enter_namespaces()
+        _ZY_STATE["userns"] = _ZY_REPORT["namespaces"].get("user", False)
+        _ZY_STATE["drop_uid"] = os.geteuid() == 0 and _ZY_CFG["drop_uid"] and \
+            not _ZY_STATE["userns"]
+        # RLIMIT_NPROC counts every process of the real uid: exact for our unprivileged uid, else
         # (non-root) it has to sit on top of what the user already runs
-        STATE["nproc_base"] = 0 if STATE["drop_uid"] else count_processes(os.getuid()) + 64
-        isolate_filesystem()
-        setup_pid_namespace()
-        STATE["seccomp"] = build_seccomp()
-        if STATE["seccomp"] is not None:  # installed once here, inherited by every child (cheaper than per job)
-            libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            libc_call("prctl", PR_SET_SECCOMP, 2, ctypes.byref(STATE["seccomp"][1]), 0, 0)
-        if "/tmp" in REPORT["hidden"]:
-            CFG["scratch"] = "/tmp/sandbox"   # on our private tmpfs
-            os.makedirs(CFG["scratch"], mode=0o711, exist_ok=True)
+        _ZY_STATE["nproc_base"] = 0 if _ZY_STATE["drop_uid"] else \
+            _zy_count_processes(os.getuid()) + 64
+        _zy_setup_cgroup()
+        _zy_isolate_filesystem()
+        _zy_setup_pid_namespace()
+        _ZY_STATE["ipc_flag"] = _ZY_CLONE_NEWIPC if _ZY_REPORT["namespaces"].get("ipc") else 0
+        _ZY_REPORT["ipc_per_job"] = bool(_ZY_STATE["ipc_flag"])
+        if not _ZY_STATE["ipc_flag"]:
+            _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
+                     "reach later jobs of this worker")
+        _ZY_STATE["seccomp"] = _zy_build_seccomp(_ZY_REPORT["namespaces"].get("net"))
+        if _ZY_STATE["seccomp"] is not None:  # installed once here, inherited by every child
+            _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.byref(_ZY_STATE["seccomp"][1]),
+                          0, 0)
+        if _ZY_STATE["view"]:
+            _ZY_CFG["scratch"] = "/tmp"   # a fresh tmpfs per job, on the allow-list root
+            _ZY_REPORT["scratch"] = "tmpfs per job"
         else:
             import tempfile
-            CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
-        os.chmod(CFG["scratch"], 0o711)
-        REPORT["scratch"] = CFG["scratch"]
-        # the job directory has one fixed path: it is also HOME and TMPDIR (so tempfile finds a writable place)
-        os.environ["HOME"] = os.environ["TMPDIR"] = os.path.join(CFG["scratch"], "job")
-        PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion before the children need it
-        REPORT["rlimits"] = STATE["rlimits"]
-        REPORT["uid_dropped"] = STATE["drop_uid"]
-        REPORT["uid"] = CFG["uid"] if REPORT["uid_dropped"] else os.geteuid()
-        REPORT["no_new_privs"] = sys.platform.startswith("linux")
-        REPORT["seccomp"] = STATE["seccomp"] is not None
-        if STATE["seccomp"] is not None:
-            probe = run_job({"program": "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                             "expression": "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                                           % (CLONE_NEWUSER, CLONE_NEWNET),
-                             "timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
-            probe = decode_reply(reply_bytes(probe))
-            if probe.get("value") != "(%s, -1, -1)" % (STATE.get("pidns_fd") is not None):
-                note("self-test failed: %r" % (probe,))
-                REPORT["self_test"] = False
+            _ZY_CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
+            os.chmod(_ZY_CFG["scratch"], 0o711)
+            _ZY_REPORT["scratch"] = _ZY_CFG["scratch"]
+            _ZY_REPORT["scratch_on_host"] = True
+            _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
+                     % _ZY_CFG["scratch"])
+        # the job directory has one fixed path: it is also HOME and TMPDIR (tempfile writes there)
+        os.environ["HOME"] = os.environ["TMPDIR"] = _ZY_CFG["scratch"] if _ZY_STATE["view"] else \
+            os.path.join(_ZY_CFG["scratch"], "job")
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
+        _ZY_REPORT["rlimits"] = _ZY_STATE["rlimits"]
+        _ZY_REPORT["uid_dropped"] = _ZY_STATE["drop_uid"]
+        _ZY_REPORT["uid"] = _ZY_CFG["uid"] if _ZY_REPORT["uid_dropped"] else os.geteuid()
+        _ZY_REPORT["no_new_privs"] = sys.platform.startswith("linux")
+        _ZY_REPORT["seccomp"] = _ZY_STATE["seccomp"] is not None
+        limits = {"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}
+        if _ZY_STATE["seccomp"] is not None:
+            probe = _zy_run_job(_zy_load_job(
+                dict(limits), "import ctypes, os\nlibc = ctypes.CDLL(None)",
+                "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET)))
+            probe = _zy_decode_reply(probe)
+            if probe.get("value") != "(%s, -1, -1)" % (_ZY_STATE.get("pidns_fd") is not None):
+                _zy_note("self-test failed: %r" % (probe,))
+                _ZY_REPORT["self_test"] = False
             else:
-                REPORT["self_test"] = True
-        probe = run_job({"program": "import statistics, decimal", "expression": "1", "timeout": 5.0,
-                         "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100})
-        probe = decode_reply(reply_bytes(probe))
+                _ZY_REPORT["self_test"] = True
+        probe = _zy_run_job(_zy_load_job(dict(limits), "import statistics, decimal", "1"))
+        probe = _zy_decode_reply(probe)
         if probe.get("value") != "1":
-            REPORT["self_test"] = False
-            note("children cannot import the standard library (%s): on this host Python's files are not "
-                 "readable by the unprivileged uid without a mount namespace" % (probe.get("error"),))
+            _ZY_REPORT["self_test"] = False
+            _zy_note("children cannot import the standard library (%s): on this host Python's "
+                     "files are not readable by the unprivileged uid without a mount namespace"
+                     % (probe.get("error"),))
     except BaseException as e:
-        send({"ready": False, "error": "%s: %s" % (type(e).__name__, e), "report": REPORT})
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        _zy_send({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
+            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno), "report": _ZY_REPORT})
         return
-    warm_up()
+    _zy_warm_up()
     gc.collect()
-    gc.freeze()  # keep the collector away from inherited objects: fewer copy-on-write faults per child
-    send({"ready": True, "report": REPORT})
+    gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
+    _zy_send({"ready": True, "report": _ZY_REPORT})
     while True:
-        job = recv()
+        job = _zy_recv()
+        n = job["plen"] + job["elen"]
+        _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, n)
+        _zy_recv_into(_ZY_JOB_BUF, n)
         try:
-            res = run_job(job)
-        except BaseException as e:
-            res = {"status": "sandbox_error", "value": None, "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        send_bytes(reply_bytes(res))
-
-main()
-'''
+            res = _zy_run_job(job)
+        except BaseException as e:  # b"E": this zygote may be in a bad state; trainer replaces it
+            res = {"kind": b"E", "status": "sandbox_error", "value": None,
+                   "error": "zygote: %s: %s" % (type(e).__name__, e)}
+        _zy_send_reply(res)
 
 
-# ---------------------------------------------------------------- trusted side: workers and the pool
+_SB_ZYGOTE_IMPORTS = "import ctypes, gc, json, os, resource, select, signal, struct, sys, time"
+_sb_zygote_text = None
 
-_SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
-           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
-           "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+
+def _sb_zygote_source() -> str:
+    """The zygote's program, built from the code above: its stdlib imports, the _ZY_ values, the
+    source of every _zy_ function in order, and a call of _zy_main. The trainer never calls them."""
+    global _sb_zygote_text
+    if _sb_zygote_text is None:
+        values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
+        values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
+        funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
+        parts = [_SB_ZYGOTE_IMPORTS] + [f"{k} = {v!r}" for k, v in values.items()]
+        parts += [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"]
+        _sb_zygote_text = "\n".join(parts)
+    return _sb_zygote_text
+
+
+# ------------------------------------------------------------ trusted side: workers and the pool
+
+_SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false",
            "HOME": "/tmp", "TMPDIR": "/tmp"}
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
-_SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev", "/var", "/opt",
-                   "/nix", "/snap", "/boot")
+_SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
+                   "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
 
 
 def _sb_hidden_paths() -> list[str]:
-    """Default directories to cover with an empty tmpfs: homes, temp dirs, and the trainer's working directory
-    (its run folders, checkpoints and data), unless that is a system directory. Python's own directories are
-    bound back read-only wherever they sit under one of these."""
+    """Directories that children see empty: homes, temp dirs, and the trainer's working directory
+    (its run folders, checkpoints and data), unless that is a system directory. Python's own
+    directories are still there, read-only, wherever they sit under one of these."""
     hidden = list(_SB_HIDE)
     cwd = os.path.realpath(os.getcwd())
-    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/") for d in _SB_SYSTEM_DIRS + _SB_HIDE):
+    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
+                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
         hidden.append(cwd)
     return hidden
 _SB_MAX_FRAME = 64 << 20
-_sb_instances = iter(range(1 << 30))
+_SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker
+_sb_uids_in_use: set[int] = set()
+_sb_uid_lock = threading.Lock()
+# Besides Python's own directories, the children's filesystem holds the system libraries (C
+# extensions load them), the time zone database, and copies of the loader cache and localtime.
+_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
+                "/usr/share/zoneinfo")
+_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+
+
+def _sb_take_uids(n: int) -> list[int]:
+    """n uids that no live sandbox of this process holds (and no account uses): a program of one
+    sandbox can never signal, probe or read the files of another's."""
+    base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
+    with _sb_uid_lock:
+        free = [base + k for k in range(_SB_UID_BLOCK) if base + k not in _sb_uids_in_use][:n]
+        if len(free) < n:
+            raise RuntimeError(f"PythonSandbox: more than {_SB_UID_BLOCK} workers alive in this "
+                               f"process; close some sandboxes first")
+        _sb_uids_in_use.update(free)
+    return free
+
+
+def _sb_system_paths() -> tuple[list[str], list[list[str]]]:
+    """(real directories of _SB_LIB_DIRS, [link, target] of those that are links: merged /usr)."""
+    dirs, links = set(), []
+    for d in _SB_LIB_DIRS:
+        if os.path.islink(d):
+            links.append([d, os.readlink(d)])
+        if os.path.isdir(d):
+            dirs.add(os.path.realpath(d))
+    return sorted(dirs), links
 
 
 def _sb_python_paths() -> list[str]:
-    """Directories the child's interpreter reads (so they can be bound back under hidden directories)."""
+    """Directories the child's interpreter reads (the allow-list binds them, read-only)."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -5352,12 +5802,35 @@ def _sb_python_paths() -> list[str]:
     return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
 
 
+def _sb_reject_constant(name):
+    raise ValueError(f"{name} in a result frame")
+
+
+def _sb_decode_frame(data: bytes) -> dict | None:
+    """A result frame as {status, value, error} of the right types, or None for anything else:
+    bytes that are not UTF-8 JSON, nesting deep enough for RecursionError, NaN/Infinity, other keys
+    or types, too large."""
+    if len(data) > _SB_MAX_FRAME or data[:1] != b"{":
+        return None
+    try:
+        msg = json.loads(data.decode("utf-8"), parse_constant=_sb_reject_constant)
+    except (ValueError, RecursionError, MemoryError, UnicodeDecodeError, TypeError):
+        return None
+    if type(msg) is not dict or set(msg) != {"status", "value", "error"} or \
+            type(msg["status"]) is not str:
+        return None
+    if not all(v is None or type(v) is str for v in (msg["value"], msg["error"])):
+        return None
+    return msg
+
+
 class _SbWorker:
     """One zygote process and its control pipes (trainer side)."""
 
     def __init__(self, cfg: dict, start_timeout: float = 30.0):
         self.proc = subprocess.Popen(
-            [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else []) + ["-c", _SB_ZYGOTE_SOURCE],
+            [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else [])
+            + ["-c", _sb_zygote_source()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
             cwd="/", close_fds=True, start_new_session=True)
@@ -5375,8 +5848,8 @@ class _SbWorker:
     def _send(self, obj):
         self._send_all(json.dumps(obj).encode())
 
-    def _send_all(self, data):
-        data = struct.pack(">I", len(data)) + data
+    def _send_all(self, data, payload=b""):
+        data = struct.pack(">I", len(data)) + data + payload
         blocking = os.get_blocking(self.wfd)
         os.set_blocking(self.wfd, True)
         try:
@@ -5385,9 +5858,13 @@ class _SbWorker:
         finally:
             os.set_blocking(self.wfd, blocking)
 
-    def send_job(self, job: dict):
-        data = json.dumps(job).encode()
-        self._send_all(data)
+    def send_job(self, program: str, expression: str, limits: dict):
+        """A JSON header of limits and lengths, then the raw program and expression: the zygote
+        reads those bytes into a buffer it wipes after the job, never into objects that a later
+        child would inherit."""
+        p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
+        head = json.dumps(dict(limits, plen=len(p), elen=len(e))).encode()
+        self._send_all(head, p + e)
 
     def _recv_blocking(self, deadline):
         while True:
@@ -5403,7 +5880,7 @@ class _SbWorker:
             sel.close()
 
     def poll(self) -> bytes | None:
-        """Read what is available; return one whole frame or None. Raises EOFError if the zygote died."""
+        """Read what is available; return one whole frame or None. EOFError if the zygote died."""
         try:
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
@@ -5422,27 +5899,42 @@ class _SbWorker:
         return data
 
     def kill(self):
-        scratch = self.__dict__.get("report", {}).get("scratch", "")
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
+        report = self.__dict__.get("report", {})
+        scratch = report.get("scratch", "") if report.get("scratch_on_host") else ""
+        cgroup = (report.get("memory_cgroup") or {}).get("path")
+        for f in (self.proc.stdin, self.proc.stdout):  # EOF: the zygote drops its cgroup, exits
             try:
                 f.close()
             except OSError:
                 pass
         try:
+            self.proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        if scratch and not scratch.startswith("/tmp/sandbox"):  # no private /tmp: remove our scratch dir
+        if scratch:  # no mount namespace: the scratch directory sits on the host
             import shutil
             shutil.rmtree(scratch, ignore_errors=True)
+        for _ in range(50) if cgroup else ():  # empty once the zygote is reaped (can take a moment)
+            try:
+                os.rmdir(cgroup)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
 
 
 class PythonSandbox:
-    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated process.
+    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated
+    process.
 
     >>> with PythonSandbox(workers=2, timeout_s=2) as sb:
     ...     sb.run("def f(x):\\n    return x * 2", "f(21)")
@@ -5451,36 +5943,46 @@ class PythonSandbox:
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
-                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, max_program_chars: int = 1_000_000,
-                 hash_seed: int = 0, namespaces: bool | str = True):
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None,
+                 max_program_chars: int = 1_000_000, hash_seed: int = 0,
+                 namespaces: bool | str = True):
         if os.name != "posix":
-            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on Windows")
+            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on "
+                               "Windows")
         if namespaces not in (True, False, "user"):
-            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged user-namespace "
-                             f"setup), got {namespaces!r}")
+            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged "
+                             f"user-namespace setup), got {namespaces!r}")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
-            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
+            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and "
+                             "max_output_chars >= 1")
         self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
-        self.timeout_s, self.memory_mb, self.max_output_chars = float(timeout_s), int(memory_mb), int(max_output_chars)
-        self.max_procs, self.max_file_mb, self.max_program_chars = int(max_procs), int(max_file_mb), max_program_chars
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
+        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
         self.forbidden_modules = sorted(set(forbidden_modules))
-        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a determinism
-        # check that wants independent runs uses two sandboxes with different hash_seed values.
+        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a
+        # determinism check that wants independent runs uses two sandboxes with different hash_seed.
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
-        # one unprivileged uid per worker, from a block keyed by our pid so concurrent sandboxes never share uids
-        base = 100_000_000 + (os.getpid() % 2_000_000) * 512 + (next(_sb_instances) % 8) * 64
+        # one unprivileged uid per worker, unique among this process's live sandboxes
+        self.uids = _sb_take_uids(self.workers)
+        self.uids_held = list(self.uids)
+        lib_dirs, lib_links = _sb_system_paths()
         self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
-                       "uid": base + i % 64, "gid": base + i % 64,
-                       "site_dirs": [p for p in sys.path if p and "-packages" in p],
-                       "keep_paths": _sb_python_paths(), "tmpfs_mb": int(tmpfs_mb),
+                       "uid": uid, "gid": uid, "memory_mb": self.memory_mb,
+                       "site_dirs": [os.path.realpath(p) for p in sys.path
+                                     if p and "-packages" in p],
+                       "keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs,
+                       "lib_links": lib_links,
+                       "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
+                       "tmpfs_mb": int(tmpfs_mb), "tmpfs_inodes": max(1024, 64 * int(tmpfs_mb)),
                        "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
                        "scratch": None}
-                      for i in range(self.workers)]
-        self.uids = sorted({c["uid"] for c in self._cfgs})
+                      for uid in self.uids]
         self._lock = threading.Lock()
-        self._owner = os.getpid()  # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
+        # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
+        self._owner = os.getpid()
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts = 0
         self._closed = False
@@ -5512,13 +6014,25 @@ class PythonSandbox:
             (rep.get("uid_dropped") or ns.get("user"))
         level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
             "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
-        return {"level": level, "hash_seed": self.hash_seed, "platform": f"{platform.system()} {platform.release()}",
-                "root": rep.get("root"), "uid": rep.get("uid"), "uid_dropped": rep.get("uid_dropped"),
-                "namespaces": ns, "pid_namespace": rep.get("pid_namespace"), "readonly_root": rep.get("readonly_root"),
+        return {"level": level, "hash_seed": self.hash_seed,
+                "platform": f"{platform.system()} {platform.release()}",
+                "root": rep.get("root"), "uid": rep.get("uid"),
+                "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
+                "pid_namespace": rep.get("pid_namespace"),
+                "readonly_root": rep.get("readonly_root"),
                 "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
                 "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
                 "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
-                "self_test": rep.get("self_test"), "notes": rep.get("notes", [])}
+                "self_test": rep.get("self_test"),
+                # allow-list: only Python, the system libraries and the job's own tmpfs are visible
+                "filesystem": rep.get("filesystem",
+                                      "host, read-only" if rep.get("readonly_root") else "host"),
+                "scratch": rep.get("scratch"), "ipc_per_job": rep.get("ipc_per_job", False),
+                "socket_families": ("AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
+                                    if ns.get("net") else "AF_UNIX")
+                if rep.get("seccomp") else "any",
+                # None: no cap on the job as a whole (notes say why); else its cgroup and limit
+                "memory_cgroup": rep.get("memory_cgroup"), "notes": rep.get("notes", [])}
 
     # ------------------------------------------------------------------ public API
     def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
@@ -5529,9 +6043,10 @@ class PythonSandbox:
         """Run (program, expression) pairs in parallel over the workers; results in input order."""
         jobs = list(jobs)
         for k, job in enumerate(jobs):
-            if not (isinstance(job, (tuple, list)) and len(job) == 2 and all(isinstance(s, str) for s in job)):
-                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) pair, "
-                                f"got {type(job).__name__}")
+            if not (isinstance(job, (tuple, list)) and len(job) == 2
+                    and all(isinstance(s, str) for s in job)):
+                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) "
+                                f"pair, got {type(job).__name__}")
         if self._closed:
             raise RuntimeError("PythonSandbox is closed; create a new one")
         if os.getpid() != self._owner:
@@ -5547,10 +6062,12 @@ class PythonSandbox:
         self._closed = True
         if os.getpid() != getattr(self, "_owner", None):
             return  # a forked copy of the trainer: the workers are not ours to stop
-        for i, w in enumerate(self._pool):
+        for i, w in enumerate(getattr(self, "_pool", ())):
             if w is not None:
                 w.kill()
                 self._pool[i] = None
+        with _sb_uid_lock:
+            _sb_uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
 
     def __enter__(self):
         return self
@@ -5565,9 +6082,10 @@ class PythonSandbox:
             pass
 
     # ------------------------------------------------------------------ the event loop
-    def _job_msg(self, program: str, expression: str, timeout: float) -> dict:
-        return {"program": program, "expression": expression, "timeout": timeout, "memory_mb": self.memory_mb,
-                "fsize_mb": self.max_file_mb, "nproc": self.max_procs, "max_output": self.max_output_chars,
+    def _job_msg(self, timeout: float) -> dict:
+        return {"timeout": timeout, "memory_mb": self.memory_mb,
+                "fsize_mb": self.max_file_mb, "nproc": self.max_procs,
+                "max_output": self.max_output_chars,
                 "forbidden": self.forbidden_modules}
 
     def _restart(self, i: int):
@@ -5583,8 +6101,8 @@ class PythonSandbox:
         for k in list(pending):
             p, e = jobs[k]
             if len(p) + len(e) > self.max_program_chars:
-                results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over the cap of "
-                                                       f"{self.max_program_chars}")
+                results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over "
+                                                       f"the cap of {self.max_program_chars}")
         pending = collections.deque(k for k in pending if results[k] is None)
         sel = selectors.DefaultSelector()
         busy: dict[int, int] = {}  # worker index -> job index
@@ -5603,9 +6121,10 @@ class PythonSandbox:
                     k = pending.popleft()
                     w = self._pool[i]
                     try:
-                        w.send_job(self._job_msg(jobs[k][0], jobs[k][1], timeout))
+                        w.send_job(jobs[k][0], jobs[k][1], self._job_msg(timeout))
                     except OSError as e:
-                        results[k] = ExecResult("sandbox_error", None, f"worker died before the job: {e}")
+                        results[k] = ExecResult("sandbox_error", None,
+                                                f"worker died before the job: {e}")
                         self._restart(i)
                         continue
                     w.job = (k, time.monotonic() + slack)
@@ -5614,7 +6133,8 @@ class PythonSandbox:
                 if not busy:
                     if pending and all(w is None for w in self._pool):
                         for k in pending:
-                            results[k] = ExecResult("sandbox_error", None, "no sandbox worker could be started")
+                            results[k] = ExecResult("sandbox_error", None,
+                                                    "no sandbox worker could be started")
                         pending.clear()
                     continue
                 now = time.monotonic()
@@ -5625,20 +6145,24 @@ class PythonSandbox:
                     try:
                         msg = w.poll()
                         if msg is not None:
-                            results[busy.pop(i)] = self._result(msg)
+                            results[busy.pop(i)] = res = self._result(msg)
                             sel.unregister(w.rfd)
                             w.job = None
+                            if msg[:1] == b"E":  # the zygote failed on its own: replace it
+                                self._restart(i)
                     except (EOFError, OSError, ValueError) as e:
-                        results[busy.pop(i)] = ExecResult("sandbox_error", None, f"sandbox worker died: {e}")
+                        results[busy.pop(i)] = ExecResult("sandbox_error", None,
+                                                          f"sandbox worker died: {e}")
                         sel.unregister(w.rfd)
                         self._restart(i)
                 now = time.monotonic()
                 for i in [i for i in busy if self._pool[i].job[1] < now]:
-                    results[busy.pop(i)] = ExecResult("sandbox_error", None, "sandbox worker stopped answering")
+                    results[busy.pop(i)] = ExecResult("sandbox_error", None,
+                                                      "sandbox worker stopped answering")
                     sel.unregister(self._pool[i].rfd)
                     self._restart(i)
         finally:
-            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are in an unknown state
+            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
                 try:
                     sel.unregister(self._pool[i].rfd)
                 except (KeyError, ValueError, AttributeError):
@@ -5647,30 +6171,38 @@ class PythonSandbox:
             sel.close()
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply. b"Z": made by the zygote. b"P": the child's frame after setup, i.e. from
-        the program's process, which may only claim program outcomes. b"S": the child's frame from setup."""
+        """Decode and check one reply. b"Z": made by the zygote (b"E": about its own failure).
+        b"P": the child's frame after setup, i.e. from the program's process, which may only claim
+        program outcomes. b"S": the child's frame from setup."""
         kind = reply[:1]
-        allowed = {b"Z": EXEC_STATUSES, b"P": _SB_PROGRAM_STATUSES, b"S": ("sandbox_error",)}.get(kind)
+        allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
+                   b"S": ("sandbox_error",)}.get(kind)
         if allowed is None:
             raise ValueError("malformed reply from the sandbox zygote")
-        try:
-            msg = json.loads(reply[1:])
-        except ValueError:
-            msg = None
-        if not isinstance(msg, dict) or set(msg) != {"status", "value", "error"}:
-            if kind == b"Z":
+        msg = _sb_decode_frame(reply[1:])
+        if msg is None:
+            if kind in (b"Z", b"E"):
                 raise ValueError("malformed reply from the sandbox zygote")
             return ExecResult("crash", None, "the program wrote a malformed result")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
-            return ExecResult("crash", None, f"the program claimed status {str(status)[:40]!r}, which it may not")
-        if not isinstance(value, (str, type(None))) or not isinstance(error, (str, type(None))):
-            return ExecResult("crash", None, "the program forged a malformed result")
+            return ExecResult("crash", None,
+                              f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
-            return ExecResult("crash", None, "the program forged a result (a value must come with status ok)")
+            return ExecResult("crash", None,
+                              "the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
-        return ExecResult(status, value, error[:2000] if error else error)
+        if value is not None and not value.isascii():
+            # a repr made by the child escapes every non-printable character, lone surrogates
+            # included: a value that holds one was never a repr
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return ExecResult("crash", None, "the program forged a value with a lone surrogate")
+        if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
+            error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
+        return ExecResult(status, value, error)
 
 
 if __name__ == "__main__":

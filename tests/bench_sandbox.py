@@ -5,16 +5,23 @@
   3. the official Absolute Zero approach: a reused, unisolated worker pool that execs every program in the same
      long-lived interpreters (fast, and unsafe: state leaks, no limits, escapees survive).
 
-All three use the same number of parallel workers. Usage:
+All three use the same number of parallel workers. With --compare REF (a git revision, e.g. main)
+the PythonSandbox of that revision's common.py runs too, in rounds interleaved with today's, so a
+busy machine slows both alike; the ratio of their medians is the cost of what changed (issue #15:
+at most 25%). Usage:
     python tests/bench_sandbox.py [--workers 2] [--n 3000] [--n-subprocess 200]
+                                  [--compare main --rounds 6]
 Target (issue #5): >= 1,000 isolated programs/s on 2 cores and >= 4x the subprocess baseline.
 """
 import argparse
 import concurrent.futures as cf
+import importlib.util
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -82,14 +89,71 @@ def bench_reused_pool(workers: int, n: int) -> float:
     return n / dt
 
 
+def _common_at(ref: str):
+    """common.py as it is at git revision `ref`, imported under another name."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    text = subprocess.run(["git", "-C", str(root), "show", f"{ref}:common.py"],
+                          capture_output=True, text=True, check=True).stdout
+    name = f"common_{ref.replace('/', '_').replace('~', '_')}.py"
+    path = pathlib.Path(tempfile.mkdtemp(prefix="bench-sandbox-")) / name
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_compare(ref: str, workers: int, n: int, rounds: int) -> None:
+    """Today's PythonSandbox and `ref`'s, `rounds` interleaved rounds of n programs each."""
+    import common
+    boxes = {ref: _common_at(ref).PythonSandbox(workers=workers, timeout_s=5),
+             "this checkout": common.PythonSandbox(workers=workers, timeout_s=5)}
+    rates, cpus = {k: [] for k in boxes}, {k: [] for k in boxes}
+    linux = sys.platform.startswith("linux")
+    try:
+        for sb in boxes.values():
+            sb.run_many([(PROGRAM, EXPRESSION)] * (4 * workers))  # warm
+        for _ in range(rounds):
+            for k, sb in boxes.items():
+                zygotes = [w.proc.pid for w in sb._pool]
+                c0, p0 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+                t0 = time.perf_counter()
+                results = sb.run_many([(PROGRAM, EXPRESSION)] * n)
+                rates[k].append(n / (time.perf_counter() - t0))
+                c1, p1 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+                cpus[k].append(((c1 - c0) + (p1.user + p1.system - p0.user - p0.system)) / n * 1e3)
+                assert all(r.status == "ok" and r.value == EXPECTED for r in results), results[:3]
+    finally:
+        for sb in boxes.values():
+            sb.close()
+    for k, v in rates.items():
+        print(f"PythonSandbox at {k:14s} median {statistics.median(v):6.0f} programs/s, "
+              f"{statistics.median(cpus[k]):.2f} CPU ms/program  (rounds: "
+              f"{', '.join(f'{x:.0f}' for x in v)})")
+    ratio = statistics.median(rates["this checkout"]) / statistics.median(rates[ref])
+    print(f"this checkout / {ref}: throughput {ratio:.2f}", end="")
+    if linux:  # CPU per program does not depend on what else the machine runs nearly as much
+        before, after = statistics.median(cpus[ref]), statistics.median(cpus["this checkout"])
+        print(f", CPU per program {before:.2f} -> {after:.2f} ms, i.e. throughput on idle cores "
+              f"x{before / after:.2f}", end="")
+    print(" (issue #15: per-job isolation may cost at most 25%, >= 0.75)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--n", type=int, default=3000, help="programs for the sandbox and the reused pool")
     ap.add_argument("--n-subprocess", type=int, default=200, help="programs for the subprocess baseline")
+    ap.add_argument("--compare", default="",
+                    help="git revision whose PythonSandbox runs beside today's")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="interleaved rounds of --n / 3 programs each for --compare")
     args = ap.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, {args.workers} workers, python "
           f"{sys.version.split()[0]}")
+    if args.compare:
+        bench_compare(args.compare, args.workers, args.n // 3, args.rounds)
     sandbox, cpu_ms = bench_sandbox(args.workers, args.n)
     print(f"PythonSandbox (fresh isolated process each): {sandbox:8.0f} programs/s")
     if cpu_ms is not None:

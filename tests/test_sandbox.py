@@ -8,11 +8,13 @@ answer is not judged correct; the result is bounded; the canary the programs set
 import ast
 import builtins
 import inspect
+import json
 import os
 import pathlib
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -575,11 +577,14 @@ def test_trusted_side_never_evals_or_unpickles():
     lines, first = inspect.getsourcelines(PythonSandbox)
     end_line = first + len(lines)
     segment = "\n".join(text[start:].splitlines()[: end_line - text[:start].count("\n")])
-    zyg_start = segment.index("_SB_ZYGOTE_SOURCE = r'''")
-    zyg_end = segment.index("'''", zyg_start + 30) + 3
-    trusted = segment[:zyg_start] + "_SB_ZYGOTE_SOURCE = ''" + segment[zyg_end:]
-    tree = ast.parse(trusted)
+    # the zygote's code (_zy_ functions) runs in the clean interpreter, never here: set it aside
+    tree = ast.parse(segment)
+    zygote = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_zy_")]
+    assert len(zygote) > 20 and "def _zy_main(" in common._sb_zygote_source()
+    tree.body = [n for n in tree.body if n not in zygote]
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert not node.func.id.startswith("_zy_"), ast.unparse(node)   # never run here
         if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
             allowed = name == "loads" and ast.unparse(node.func) == "json.loads"
@@ -588,6 +593,19 @@ def test_trusted_side_never_evals_or_unpickles():
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
             assert not {"pickle", "marshal", "dill", "cloudpickle"} & set(names)
+
+
+def test_zygote_source_is_real_code_using_only_the_stdlib():
+    """The zygote is ordinary functions of common.py; the clean interpreter gets their source."""
+    src = common._sb_zygote_source()
+    tree = ast.parse(src)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert defined == {k for k, v in vars(common).items() if k.startswith("_zy_") and callable(v)}
+    assert "_SB_ZYGOTE_SOURCE" not in vars(common) and "\n_zy_main()\n" in src
 
 
 def test_program_cannot_forge_sandbox_statuses(sb):
@@ -699,3 +717,347 @@ def test_forked_copy_of_the_trainer_leaves_workers_alone(sb):
     assert os.waitpid(child, 0)[1] == 0
     assert [p.pid for p in _zygotes(sb)] == pids and all(p.poll() is None for p in _zygotes(sb))
     assert sb.run("", "6 * 7") == ExecResult("ok", "42", None)
+
+
+# -------------------------------------------------- issue 15: a second round of hostile programs
+
+def _frame_program(frame: bytes) -> str:
+    """A program that writes `frame` as its result frame itself and exits before the real one."""
+    return (f"import os, struct\nos.write(3, struct.pack('>I', {len(frame)}) + {frame!r})\n"
+            f"os._exit(0)")
+
+
+def test_malformed_frames_are_a_crash_for_that_job_alone(sb):
+    deep = b"[" * 50_000 + b"]" * 50_000     # within the frame cap, far past json's recursion limit
+    frames = {
+        "depth": b'{"status": "ok", "value": ' + deep + b', "error": null}',   # RecursionError
+        "depth_in_error": b'{"status": "error", "value": null, "error": {"a": ' + deep + b'}}',
+        "encoding": b'{"status": "ok", "value": "\xff\xfe\xc3", "error": null}',
+        "surrogate_value": b'{"status": "ok", "value": "\\ud800", "error": null}',
+        "nan": b'{"status": "ok", "value": NaN, "error": null}',
+        "infinity_error": b'{"status": "error", "value": null, "error": -Infinity}',
+        "value_type": b'{"status": "ok", "value": ["5"], "error": null}',
+        "status_type": b'{"status": 1, "value": null, "error": "x"}',
+        "extra_key": b'{"status": "ok", "value": "5", "error": null, "x": 1}',
+        "not_an_object": b'["ok", "5", null]',
+        "null": b"null",
+        "empty": b"",
+        "truncated": b'{"status": "ok", "val',
+    }
+    jobs = []
+    for frame in frames.values():
+        jobs += [(_frame_program(frame), "1"), ("", "2 + 2")]
+    results = sb.run_many(jobs)  # must not raise
+    for name, res in zip(frames, results[::2]):
+        assert res.status == "crash", (name, res)
+    assert all(r == ExecResult("ok", "4", None) for r in results[1::2]), results[1::2]
+    # size: a frame longer than the zygote's cap, and a value over max_output_chars
+    huge = _frame_program(b"x" * 8) .replace("struct.pack('>I', 8)", "struct.pack('>I', 2**31)")
+    big_value = b'{"status": "ok", "value": "' + b"7" * (MAX_OUT + 1) + b'", "error": null}'
+    res = sb.run_many([(huge, "1"), (_frame_program(big_value), "1"), ("", "5")])
+    assert [r.status for r in res] == ["output_limit", "output_limit", "ok"], res
+    # an exception message with a lone surrogate stays an error, escaped so it logs as UTF-8
+    res = sb.run("raise ValueError('bad \\udc80 byte')", "1")
+    assert res.status == "error" and "\\udc80" in res.error, res
+    res.error.encode("utf-8")
+    res = sb.run(_frame_program(b'{"status": "error", "value": null, "error": "x\\udfff"}'), "1")
+    assert res.status == "error" and res.error == "x\\udfff", res
+
+
+def test_samples_log_survives_lone_surrogates(tmp_path, monkeypatch):
+    """samples.jsonl is written with ensure_ascii=False: a lone surrogate must not kill the run."""
+    monkeypatch.chdir(tmp_path)
+    run = common.Run(common.RunConfig(model="tiny", log_samples=2), "absolute_zero")
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT) as s:
+        err = s.run("raise ValueError('e\\udc80')", "1").error
+    run.log_samples(0, "solver", [{"completion": "x = '\ud800'", "output": err, "reward": 0.0}])
+    line = (run.dir / "samples.jsonl").read_bytes().decode("utf-8")      # strict UTF-8
+    rec = json.loads(line)
+    assert rec["completion"] == "x = '\ud800'"   # the JSON escape keeps the model's text as it was
+    assert rec["output"] == err == "ValueError: e\\udc80 (program line 1)" and err.encode("utf-8")
+    run.close()
+
+
+@pytest.fixture
+def solo(host):
+    """One worker, so consecutive jobs meet the same zygote."""
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT, memory_mb=256, max_output_chars=MAX_OUT,
+                       max_procs=32, max_file_mb=16) as s:
+        yield s
+
+
+DEEP_TREE = """
+import os
+depth = 0
+try:
+    while depth < 40:                       # 40 x 200 characters: far past PATH_MAX (4096)
+        os.mkdir("d" * 200)
+        os.chdir("d" * 200)
+        depth += 1
+except OSError:
+    pass
+"""
+MANY_FILES = """
+import os
+n = 0
+try:
+    while n < 130_000:
+        open("f%d" % n, "w").close()
+        n += 1
+except OSError:
+    pass
+"""
+
+
+def test_deep_tree_and_many_files_do_not_break_the_worker(solo, host):
+    restarts = solo.restarts
+    res = run_case(solo, host, DEEP_TREE, "depth", timeout=3.0, statuses={"ok"})
+    assert int(res.value) == 40
+    for _ in range(3):
+        assert solo.run("import os", "os.listdir('.'), 1 + 1") == ExecResult("ok", "([], 2)", None)
+    t0 = time.monotonic()
+    res = solo.run(MANY_FILES, "n", timeout_s=6.0)
+    elapsed = time.monotonic() - t0
+    assert res.status in ("ok", "timeout"), res
+    # the files go with their tmpfs in one step (or the inode cap stopped them): no long cleanup
+    assert elapsed < 6.0 + 1.0, elapsed
+    assert solo.run("import os", "len(os.listdir('.'))") == ExecResult("ok", "0", None)
+    assert solo.restarts == restarts
+    if LINUX_ROOT:
+        assert solo.isolation["scratch"] == "tmpfs per job", solo.isolation
+
+
+def test_a_zygote_that_reports_its_own_error_is_restarted(solo, monkeypatch):
+    restarts = solo.restarts
+    real = solo._job_msg
+    monkeypatch.setattr(solo, "_job_msg", lambda t: dict(real(t), timeout="not a number"))
+    res = solo.run("", "1")
+    monkeypatch.setattr(solo, "_job_msg", real)
+    assert res.status == "sandbox_error" and res.error.startswith("zygote:"), res
+    assert solo.restarts == restarts + 1
+    assert solo.run("", "6 * 7") == ExecResult("ok", "42", None)
+
+
+IPC_LEAVE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+shm = libc.shmget(0x5B15, 1 << 20, 0o1666)                 # IPC_CREAT | 0666
+msq = libc.msgget(0x5B15, 0o1666)
+libc.mq_open.restype = ctypes.c_int
+mq = libc.mq_open(b"/sb_note", os.O_CREAT | os.O_RDWR, 0o666, None)
+"""
+IPC_FIND = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.restype = ctypes.c_int
+found = (libc.shmget(0x5B15, 0, 0), libc.msgget(0x5B15, 0), libc.mq_open(b"/sb_note", os.O_RDONLY))
+"""
+
+
+def test_ipc_objects_die_with_their_job(solo):
+    made = solo.run(IPC_LEAVE, "shm >= 0, msq >= 0, mq >= 0")
+    assert made.status == "ok", made
+    assert solo.run(IPC_FIND, "found") == ExecResult("ok", "(-1, -1, -1)", None)
+    if LINUX_ROOT:
+        assert made.value == "(True, True, True)" and solo.isolation["ipc_per_job"]
+
+
+MEMORY_SCAN = """
+import ctypes
+needles = [a + b for a, b in HALVES]   # built here: the program's text never holds a whole needle
+hits = set()
+for line in open("/proc/self/maps"):
+    f = line.split()
+    if "r" not in f[1] or (len(f) > 5 and f[5].startswith("[v")):
+        continue
+    lo, hi = (int(x, 16) for x in f[0].split("-"))
+    data = ctypes.string_at(lo, hi - lo)
+    for i, n in enumerate(needles):
+        pos = data.find(n)
+        while pos >= 0:
+            if lo + pos != id(n) + 32:      # the bytes object we just built is not a leak
+                hits.add(i)
+            pos = data.find(n, pos + 1)
+    del data
+"""
+
+
+def test_no_job_data_in_a_later_childs_memory(solo):
+    tag = os.urandom(6).hex().encode()
+    prog_needle, input_needle = b"PROGSECRET" + tag, b"INPUTSECRET" + tag
+    value_needle = b"GOLDSECRET" + tag
+    program = (f"# {prog_needle.decode()}\ndef f(x):\n"
+               f"    return x[::-1] + 'GOLD' + 'SECRET' + {tag.decode()!r}")
+    res = solo.run(program, f"f({input_needle.decode()[::-1]!r})")
+    assert res.status == "ok" and value_needle.decode() in res.value, res
+    halves = [(n[:5], n[5:]) for n in (prog_needle, input_needle, value_needle)]
+    scan = f"HALVES = {halves!r}\n" + MEMORY_SCAN
+    assert solo.run(scan, "sorted(hits)") == ExecResult("ok", "[]", None)
+    for _ in range(6):
+        assert solo.run("", "1").ok
+    assert solo.run(scan, "sorted(hits)") == ExecResult("ok", "[]", None)
+
+
+def test_uids_unique_per_live_sandbox():
+    boxes = []
+    try:
+        for _ in range(9):
+            boxes.append(PythonSandbox(workers=1, timeout_s=TIMEOUT, namespaces=False))
+        uids = [u for b in boxes for u in b.uids]
+        assert len(set(uids)) == len(uids), uids
+        held = set(boxes[0].uids)
+        boxes.pop(0).close()
+        boxes.append(PythonSandbox(workers=1, timeout_s=TIMEOUT, namespaces=False))
+        assert set(boxes[-1].uids) <= held | set(boxes[-1].uids)   # freed uids may be reused ...
+        uids = [u for b in boxes for u in b.uids]
+        assert len(set(uids)) == len(uids), uids                  # ... never shared while alive
+    finally:
+        for b in boxes:
+            b.close()
+
+
+def test_socket_families_are_limited(sb):
+    prog = """
+import socket
+import subprocess
+out = {}
+for name, fam in (("vsock", 40), ("netlink", 16), ("packet", 17), ("bluetooth", 31), ("can", 29),
+                  ("tipc", 30), ("alg", 38), ("xdp", 44), ("rds", 21)):
+    try:
+        socket.socket(fam, socket.SOCK_DGRAM if fam in (16, 21, 30) else socket.SOCK_STREAM).close()
+        out[name] = "created"
+    except OSError as e:
+        out[name] = e.errno
+a, b = socket.socketpair()
+a.sendall(b"hi")
+pair = b.recv(2)
+srv = socket.socket(socket.AF_UNIX)
+srv.bind("s.sock")
+srv.listen(1)
+"""
+    res = sb.run(prog, "out, pair")
+    assert res.status == "ok", res
+    out, pair = parse_literal(res.value)
+    assert pair == b"hi"
+    if LINUX_ROOT and os.uname().machine == "x86_64":
+        assert all(v == 97 for v in out.values()), out   # EAFNOSUPPORT, from the seccomp filter
+
+
+@pytest.fixture
+def outside(host):
+    """Files and a world-writable Unix socket outside every hidden directory (another checkout)."""
+    if not LINUX_ROOT:
+        pytest.skip("needs root to write outside the hidden directories")
+    base = pathlib.Path("/srv") if os.path.isdir("/srv") else pathlib.Path("/opt")
+    d = base / f"sb_other_checkout_{os.getpid()}"
+    d.mkdir(mode=0o755)
+    (d / "ci.log").write_text("other checkout's log\n")
+    (d / "ci.log").chmod(0o644)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(d / "agent.sock"))
+    os.chmod(d / "agent.sock", 0o777)
+    srv.listen(4)
+    srv.setblocking(False)
+    yield d, srv
+    srv.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_filesystem_is_an_allow_list(sb, outside):
+    d, srv = outside
+    prog = f"""
+import os, socket
+out = []
+try:
+    out.append(open({str(d / 'ci.log')!r}).read())
+except OSError as e:
+    out.append(type(e).__name__)
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect({str(d / 'agent.sock')!r})
+    out.append("connected")
+except OSError as e:
+    out.append(type(e).__name__)
+"""
+    res = sb.run(prog, "out, sorted(os.listdir('/dev')), os.path.exists('/sys'), "
+                       "os.path.exists('/var/log')")
+    assert res.status == "ok", res
+    out, dev, sys_there, varlog = parse_literal(res.value)
+    assert "other checkout's log\n" not in out and "connected" not in out, out
+    with pytest.raises(BlockingIOError):
+        srv.accept()
+    assert set(dev) <= {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout",
+                        "stderr", "shm"}, dev
+    assert not any(n.startswith("nvidia") for n in dev)
+    assert not sys_there and not varlog
+    assert sb.isolation["filesystem"] == "allow-list"
+    # what Python needs is still there, read-only
+    assert sb.run("import json, decimal, sqlite3, ctypes.util", "1").ok
+    res = sb.run("import os, sys",
+                 f"os.access(sys.prefix, os.W_OK), os.access({sys.prefix!r}, os.R_OK)")
+    assert res == ExecResult("ok", "(False, True)", None), res
+
+
+WIDE_MEMORY = """
+import os, time
+r, w = os.pipe()
+pids = []
+for i in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (100 << 20)        # each process within its own 256 MB address-space limit
+        os.write(w, bytes([i]))
+        time.sleep(60)
+        os._exit(0)
+    pids.append(pid)
+os.close(w)
+os.set_blocking(r, False)
+holding, dead = set(), set()
+deadline = time.monotonic() + 6
+while len(holding | dead) < 6 and time.monotonic() < deadline:
+    try:
+        holding.update(os.read(r, 16))
+    except BlockingIOError:
+        time.sleep(0.05)
+    dead.update(i for i, p in enumerate(pids) if i not in dead and os.waitpid(p, os.WNOHANG)[0])
+alive = len(holding - dead)               # processes holding 100 MB each at the same time
+"""
+TMPFS_MEMORY = """
+for i in range(12):                        # 192 MB in the job's tmpfs, 16 MB per file (max_file_mb)
+    with open("f%d" % i, "wb") as f:
+        f.write(b"y" * (16 << 20))
+block = b"x" * (150 << 20)
+"""
+
+
+def test_memory_cap_covers_the_whole_job(sb, host):
+    cg = sb.isolation["memory_cgroup"]
+    if cg is None:
+        assert any("no memory cgroup" in n for n in sb.isolation["notes"]), sb.isolation["notes"]
+        pytest.skip("no memory cgroup on this machine: " + "; ".join(sb.isolation["notes"]))
+    assert cg["limit_mb"] <= 256 + 64, cg
+    res = run_case(sb, host, WIDE_MEMORY, "alive", timeout=9.0, statuses={"ok", "memory"})
+    assert res.status == "memory" or int(res.value) <= 2, res      # never 6 x 100 MB at once
+    run_case(sb, host, TMPFS_MEMORY, "len(block)", timeout=8.0,
+             statuses={"memory", "error", "crash"})
+
+
+def test_no_memory_cgroup_outlives_its_sandbox(tmp_path):
+    """Closed, or abandoned by a trainer that died: each zygote removes its own cgroup."""
+    with PythonSandbox(workers=2, timeout_s=TIMEOUT) as s:
+        paths = [w.report["memory_cgroup"]["path"] for w in s._pool
+                 if w.report.get("memory_cgroup")]
+        assert s.run("", "1").ok
+    if not paths:
+        pytest.skip("no memory cgroup on this machine")
+    assert not any(os.path.exists(p) for p in paths)
+    code = ("import os, sys\nsys.path.insert(0, %r)\nimport common\n"
+            "s = common.PythonSandbox(workers=1, timeout_s=1)\n"
+            "print(s._pool[0].report['memory_cgroup']['path'], flush=True)\nos._exit(0)"
+            % str(pathlib.Path(common.__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    path = out.stdout.split()[-1]
+    deadline = time.monotonic() + 5
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path), path
