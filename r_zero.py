@@ -136,6 +136,12 @@ class Config(common.RunConfig):
 
 CHALLENGER, SOLVER = "challenger", "solver"
 
+# --model tiny: a one-minute smoke run, one iteration of one step per phase (flags still override)
+TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2, "challenger_group": 2,
+        "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4, "max_tokens": 16,
+        "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
+        "eval_benchmarks": f"{common.TINY_DATA}/rzero_eval.jsonl", "eval_max_tokens": 8}
+
 
 def validate_config(cfg: Config) -> None:
     at_least = {**dict.fromkeys(("iterations", "challenger_steps", "solver_steps", "challenger_batch", "solver_batch",
@@ -637,7 +643,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(common.parse_config(Config, argv, check=validate_config))
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
 
 
 if __name__ == "__main__":

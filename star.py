@@ -108,6 +108,12 @@ class Config(common.RunConfig):
     save_every: int = 1  # checkpoint every N rounds (0 = only the last round; the last round is always saved)
 
 
+# --model tiny: a one-minute smoke run on the toy copy task shipped in tests/data (flags still override)
+TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl", "test_data": f"{common.TINY_DATA}/star_copy_test.jsonl",
+        "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2, "steps_scale": 0.05,
+        "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16, "max_model_len": 1024, "lr": 1e-4}
+
+
 TASKS = {  # name -> (hub id, config, train split, eval split)
     "gsm8k": ("openai/gsm8k", "main", "train", "test"),
     "commonsense_qa": ("tau/commonsense_qa", None, "train", "validation"),  # the test split has no labels
@@ -742,7 +748,7 @@ def train(cfg: Config, sampler=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(common.parse_config(Config, argv, check=check_config))
+    common.run_cli(Config, train, argv, check=check_config, tiny=TINY)
 
 
 if __name__ == "__main__":
