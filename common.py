@@ -193,8 +193,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
     RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
     `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is "tiny".
     `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
-    prints the message, before anything is loaded or written. So do an explicit zero or negative limit, an
-    --output-dir that already holds a run, a --resume folder without a checkpoint and a --model that cannot load.
+    prints the message, before anything is loaded or written. So does an explicit zero or negative limit.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
@@ -236,14 +235,19 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         _core_check_limits(cls, given)
         if check is not None:
             check(cfg)
-        check_run_dir(cfg)
-        for f in dataclasses.fields(cls):  # --model and the methods' --oracle-model, --challenger-model
-            if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-                check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
     except ValueError as e:
         parser.error(str(e))
     set_verbosity(bool(getattr(cfg, "verbose", False)))
     return cfg
+
+
+def check_inputs(cfg) -> None:
+    """What the CLI checks before anything loads, besides the flags: the run folder (check_run_dir) and every
+    model (--model and the methods' --oracle-model, --challenger-model; check_model)."""
+    check_run_dir(cfg)
+    for f in dataclasses.fields(cfg):
+        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 # Fields that are sizes or limits: zero or a negative number is never meant (a zero token limit, a zero batch).
@@ -323,7 +327,7 @@ def check_model(name: str, flag: str = "--model") -> None:
         if not p.is_dir() or not (p / "config.json").is_file():
             raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no config.json); {fix}")
         return
-    if name.startswith((".", "/", "~")) or name.count("/") != 1 or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+    if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); {fix}")
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -417,6 +421,11 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None, tiny
     the run stopped and the command that resumes it (exit 130)."""
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else cls.__module__
     cfg = parse_config(cls, argv, check=check, tiny=tiny)
+    try:
+        check_inputs(cfg)
+    except ValueError as e:  # a usage error, as parse_config's
+        print(f"{prog}: error: {e} (see --help)", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         result = train(cfg)
     except KeyboardInterrupt:
@@ -4681,15 +4690,32 @@ def plot_pass_at_k(results, labels, path):
     return path
 
 
+def _vf_eval_out(out: str, model: str) -> str:
+    """The JSON path for `eval --out`: a folder (existing, ending in '/', or with no .json suffix) gets
+    eval_<model>.json inside; the folder is created and checked writable before anything is computed."""
+    name = "eval_" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json"
+    p = Path(out) if out else Path(name)
+    if out and (p.is_dir() or out.endswith(("/", os.sep)) or p.suffix.lower() != ".json"):
+        p = p / name
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        probe = p.parent / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(f"--out {out or p}: cannot write into {p.parent} ({e.strerror or e}); "
+                         "pass a folder you can write to") from None
+    return str(p)
+
+
 def cli_main(argv=None):
     """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16 [--compare BASE]
     [--out file.json]` and `python common.py sparsity CKPT_A CKPT_B [--out file.json]`."""
-    import argparse
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="common.py", description="Evaluation and analysis tools")
+    ap = _CoreArgParser(prog="common.py", description="Evaluation and analysis tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
-    ev.add_argument("--model", required=True, help="hub id, local folder (e.g. a checkpoint), or 'tiny'")
+    ev.add_argument("--model", default="", help="hub id, local folder (e.g. a checkpoint), or 'tiny' (required)")
     ev.add_argument("--benchmarks", default="gsm8k,math500",
                     help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
     ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
@@ -4704,12 +4730,17 @@ def cli_main(argv=None):
     ev.add_argument("--max-model-len", type=int, default=8192)
     ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
-    ev.add_argument("--out", default="", help="output JSON (default eval_<model>.json)")
+    ev.add_argument("--out", default="", help="output JSON file, or a folder for eval_<model>.json (created; "
+                                              "default eval_<model>.json here)")
     sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
     sp.add_argument("a")
     sp.add_argument("b")
     sp.add_argument("--out", default="")
-    args = ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:  # a typo: name the closest flag of the subcommand
+        flags = [f for f in (ev if args.cmd == "eval" else sp)._option_string_actions if f.startswith("--")]
+        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1, cutoff=0.5)
+        ap.error(f"{args.cmd}: unknown argument {unknown[0]}" + (f"; did you mean {close[0]}?" if close else ""))
     if args.cmd == "sparsity":
         res = update_sparsity(args.a, args.b)
         res.update(a=args.a, b=args.b)
@@ -4718,7 +4749,16 @@ def cli_main(argv=None):
         if args.out:
             Path(args.out).write_text(text + "\n")
         return 0
-    out = args.out or "eval_" + re.sub(r"[^\w.-]+", "_", args.model.strip("/")) + ".json"
+    if not args.model:
+        ap.error("eval: --model is required (a hub id, a local folder or 'tiny')")
+    try:  # everything a user can get wrong is checked before a model is loaded
+        for flag, m in (("--model", args.model), ("--compare", args.compare)):
+            if m:
+                check_model(m, flag)
+        check_benchmark_names(args.benchmarks, "--benchmarks")
+        out = _vf_eval_out(args.out, args.model)
+    except ValueError as e:
+        ap.error(str(e))
     res = _vf_eval_model(args, args.model)
     report = res
     if args.compare:

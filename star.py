@@ -559,7 +559,8 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     """One iteration of Alg. 1 with M_{n-1} in the sampler; leaves M_n in trainer and sampler."""
     seed = cfg.seed * 100_003 + n
     with run.timer("generate"):
-        direct = filter_correct(train_data, generate_rationales(policy, prompter, train_data, cfg, seed), "direct")
+        written = generate_rationales(policy, prompter, train_data, cfg, seed)
+        direct = filter_correct(train_data, written, "direct")
     solved = {k["index"] for k in direct}
     rationalized = []
     if cfg.rationalize:
@@ -594,6 +595,9 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     pairs = [(train_data[k["index"]], k) for k in kept]
     for role in ("direct", "rationalized"):
         run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
+    kept_idx = {k["index"] for k in kept}  # what the model wrote where nothing was kept (its unaided attempt)
+    run.log_samples(n, "unsolved", [sample_record(train_data[i], {"rationale": written[i][0], "source": "unsolved"})
+                                    for i in range(n_q) if i not in kept_idx and written[i]])
     if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (spec §6)
         rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"], "rationale": k["rationale"]}
                 for ex, k in pairs]
