@@ -109,9 +109,10 @@ class Config(common.RunConfig):
 
 
 # --model tiny: a one-minute smoke run (flags still override)
-TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2, "learnability_samples": 2,
-        "seed_max_rounds": 1, "max_prompt_tokens": 1500, "max_response_tokens": 48, "max_model_len": 2048,
-        "sandbox_workers": 2, "executor_timeout": 2.0, "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
+TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
+        "learnability_samples": 2, "seed_max_rounds": 1, "max_prompt_tokens": 1500,
+        "max_response_tokens": 48, "max_model_len": 2048, "sandbox_workers": 2,
+        "executor_timeout": 2.0, "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
         "eval_max_tokens": 16}
 
 
@@ -1040,7 +1041,7 @@ def train(cfg: Config) -> dict:
 
 
 def headline(results: dict) -> dict:
-    """The final evaluation's figures for the summary table (math and code), and a skipped code evaluation."""
+    """The final evaluation's figures for the summary table (math and code; a skipped code eval)."""
     figures = {k: v for k, v in eval_metrics(results).items()
                if k.endswith(("greedy_acc", "eval/avg")) or "pass@" in k}
     skipped = results.get("code", {}).get("skipped")

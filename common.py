@@ -112,7 +112,7 @@ class RunConfig:
     wandb_project: str = "selfplay"  # wandb project name
     dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (see load_prompts)
-    verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars (hidden by default)
+    verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
 
 
 def _core_field_comments(cls) -> dict:
@@ -141,11 +141,11 @@ def _core_field_comments(cls) -> dict:
 
 
 class InputError(ValueError):
-    """Bad user input (a flag, a file, a folder): the CLI prints its message as one line, no traceback."""
+    """Bad user input (a flag, a file, a folder): the CLI prints its message as one line."""
 
 
 class _CoreArgParser(argparse.ArgumentParser):
-    def error(self, message):  # exit code 2 as argparse, but one line instead of the 20-40-line usage dump
+    def error(self, message):  # exit code 2 as argparse's, in one line instead of the usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -158,8 +158,8 @@ def _core_build_parser(cls, prog=None, tiny=None):
     epilog = None
     if tiny:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
-        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke profile, "
-                  f"about a minute on 2 CPU cores; any flag you give still wins:\n  {flags}")
+        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
+                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
     p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False, epilog=epilog,
                        argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,9 +191,9 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
     Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
     An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
     RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
-    `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is "tiny".
+    `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is tiny.
     `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
-    prints the message, before anything is loaded or written. So does an explicit zero or negative limit.
+    prints the message, before anything is loaded or written. So does an explicit limit <= 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
@@ -242,26 +242,29 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
 
 
 def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads, besides the flags: the run folder (check_run_dir) and every
-    model (--model and the methods' --oracle-model, --challenger-model; check_model)."""
+    """What the CLI checks before anything loads, besides the flags: the run folder (check_run_dir)
+    and every model: --model, and a method's --oracle-model or --challenger-model (check_model)."""
     check_run_dir(cfg)
     for f in dataclasses.fields(cfg):
         if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
             check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
-# Fields that are sizes or limits: zero or a negative number is never meant (a zero token limit, a zero batch).
-_CORE_LIMIT_RE = re.compile(r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|"
-                            r"_chars|_mb|_timeout|_per_step|_n)$|^(steps|rounds|iterations|votes|references)$")
+# Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
+_CORE_LIMIT_RE = re.compile(
+    r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
+    r"|_mb|_timeout|_per_step|_n)$|^(steps|rounds|iterations|votes|references)$")
 _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
 
 
 def _core_check_limits(cls, given: dict) -> None:
-    """An explicit value <= 0 for a size or limit is refused, unless the field's comment gives 0 a meaning
-    ("0 = all", "0 = off"; a token limit's 0 never counts: leave the flag out for its default)."""
+    """An explicit value <= 0 for a size or limit is refused, unless the field's comment or its 0
+    default gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
     comments = _core_field_comments(cls)
     for name, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0 or not _CORE_LIMIT_RE.search(name):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0:
+            continue
+        if not _CORE_LIMIT_RE.search(name):
             continue
         note = comments.get(name, "")
         default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
@@ -270,13 +273,14 @@ def _core_check_limits(cls, given: dict) -> None:
         if v == 0 and zero_ok:
             continue
         flag = "--" + name.replace("_", "-")
-        hint = f"leave the flag out for the default ({note})" if default == 0 else f"the default is {default!r}"
+        hint = (f"leave the flag out for the default ({note})" if default == 0 else
+                f"the default is {default!r}")
         raise ValueError(f"{flag} {v}: must be a positive number; {hint}")
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
-    """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the highest k
-    with a trainer_state.json), or None."""
+    """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the
+    highest k with a trainer_state.json), or None."""
     ck_root = pathlib.Path(run_dir) / "checkpoints"
     latest = ck_root / "latest"
     if latest.is_file():
@@ -297,18 +301,18 @@ def _core_holds_run(path: pathlib.Path) -> str:
 
 
 def check_run_dir(cfg) -> None:
-    """Refuse what would mix two runs' records: an --output-dir that already holds a run without --resume, and
-    a --resume folder with no checkpoint to continue from (starting over would append to its metrics)."""
+    """Refuse what would mix two runs' records: an --output-dir that already holds a run (without
+    --resume), and a --resume folder with no checkpoint (starting over would append to it)."""
     if cfg.resume:
         if latest_checkpoint(cfg.resume) is None:
-            raise InputError(f"--resume {cfg.resume}: no checkpoint there yet (the run stopped before its first "
-                             "save); start it again with a new --output-dir, or delete the folder")
+            raise InputError(f"--resume {cfg.resume}: no checkpoint there yet (the run stopped "
+                             "before its first save); start it again with a new --output-dir")
         return
     if cfg.output_dir:
         held = _core_holds_run(pathlib.Path(cfg.output_dir))
         if held:
-            raise InputError(f"--output-dir {cfg.output_dir} already holds a run ({held}); continue it with "
-                             f"--resume {cfg.output_dir}, or pass a new --output-dir")
+            raise InputError(f"--output-dir {cfg.output_dir} already holds a run ({held}); "
+                             f"continue it with --resume {cfg.output_dir}, or give a new one")
 
 
 def _core_hub_offline() -> bool:
@@ -317,18 +321,20 @@ def _core_hub_offline() -> bool:
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub id that is
-    not in the local cache while offline (HF_HUB_OFFLINE) or while the hub cannot be reached."""
+    """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub
+    id that is not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
     if name == "tiny":
         return
     p = pathlib.Path(name).expanduser()
-    fix = "pass a local folder written by save_pretrained, a hub id such as Qwen/Qwen3-4B-Base, or 'tiny'"
+    fix = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
-            raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no config.json); {fix}")
+            raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no "
+                             f"config.json); {fix}")
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
-        raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); {fix}")
+        raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
+                         f"{fix}")
     try:
         from huggingface_hub import try_to_load_from_cache
         cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
@@ -337,23 +343,24 @@ def check_model(name: str, flag: str = "--model") -> None:
     if cached:
         return
     if _core_hub_offline():
-        raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set, so it "
-                         f"cannot be downloaded; download it once online (huggingface-cli download {name}), "
-                         "or pass a local folder or 'tiny'")
+        raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
+                         "is set, so it cannot be downloaded; download it once online "
+                         f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
     try:
         from huggingface_hub import model_info
         model_info(name, timeout=4)
     except Exception as e:
         kind = type(e).__name__
-        what = ("the hub has no such model (or it is private: log in with huggingface-cli login)"
+        what = ("the hub has no such model (or it is private: huggingface-cli login)"
                 if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
                 f"the Hugging Face hub cannot be reached ({kind})")
-        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local folder, 'tiny', or "
-                         "an id that is cached (HF_HUB_OFFLINE=1 then uses the cache only)") from None
+        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local "
+                         "folder, 'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)"
+                         ) from None
 
 
-# Library chatter hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups a
-# run does not need), transformers' load/save bars, deprecation notes from inside vllm.
+# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups a run
+# does not need), transformers' load/save bars, deprecation notes from inside vllm.
 _CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
 
 
@@ -363,10 +370,10 @@ class _CoreQuietFilter:
 
     def filter(self, record) -> bool:
         msg = record.getMessage()
-        # vLLM's layerwise reload (reload/layerwise.py) counts RotaryEmbedding's cos_sin_cache buffer as a
-        # weight to load; no checkpoint holds it (it is computed from rope_theta when the engine is built), so
-        # every in-place sync warns and then puts the unchanged cache back, which is correct. Other layers
-        # that fail to load (a real missing weight) still warn.
+        # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
+        # cos_sin_cache buffer as a weight to load. No checkpoint holds it (it is computed from
+        # rope_theta when the engine is built), so every in-place sync warns and then puts the
+        # unchanged cache back, which is correct. Other layers that fail to load still warn.
         if msg.startswith("RotaryEmbedding: Failed to load weights"):
             return False
         return self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM)
@@ -376,8 +383,8 @@ _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
 
 
 def filter_vllm_logs() -> None:
-    """vLLM's records through one stderr handler with the quiet filter (a logger's own filter would not see
-    its children's records). With VLLM_CONFIGURE_LOGGING=1 vLLM's own handler gets the filter instead."""
+    """vLLM's records through one stderr handler with the quiet filter (a logger's own filter would
+    not see its children's records). With VLLM_CONFIGURE_LOGGING=1, vLLM's handler gets it."""
     import logging
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
@@ -395,13 +402,11 @@ def filter_vllm_logs() -> None:
 
 def set_verbosity(verbose: bool) -> None:
     """Quiet by default (the CLI calls this); verbose shows everything the libraries print."""
-    import logging
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"  # read when vllm is first imported
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"  # read by vllm's import
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ[v] = "0" if verbose else "1"
     _CORE_LOG_FILTER.verbose = verbose
-    if "vllm" in sys.modules:  # already imported (tests): set its level directly
-        logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)
+    if "vllm" in sys.modules:  # already imported (tests)
         filter_vllm_logs()
     tlog = transformers.utils.logging
     if verbose:
@@ -413,13 +418,15 @@ def set_verbosity(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
-def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None, tiny: dict | None = None,
-            errors: tuple = (), headline=None):
-    """A method's main(): parse the flags (usage errors are one line), run `train(cfg)`, then print the final
-    summary table (Run.summary; `headline(result)` may add figures). Bad input found later (a file, a folder,
-    a benchmark; `errors` adds a method's own types) is one line and exit 1; Ctrl-C is one line naming where
-    the run stopped and the command that resumes it (exit 130)."""
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else cls.__module__
+def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
+            tiny: dict | None = None, errors: tuple = (), headline=None):
+    """A method's main(): parse the flags (usage errors are one line), check the run folder and the
+    models (check_inputs), run `train(cfg)`, then print the final summary (Run.summary;
+    `headline(result)` may add figures). Bad input found later (a file, a benchmark; `errors` adds a
+    method's own types) is one line, exit 1. Ctrl-C is one line naming where the run stopped and the
+    command that resumes it, exit 130."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
     cfg = parse_config(cls, argv, check=check, tiny=tiny)
     try:
         check_inputs(cfg)
@@ -432,7 +439,7 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None, tiny
         run = _CORE_ACTIVE_RUN
         if run is not None:
             run.close()
-        msg = run.interrupted() if run is not None else f"{prog}: interrupted before the run folder was made"
+        msg = run.interrupted() if run is not None else f"{prog}: interrupted before it started"
         if is_main_process():
             print("\n" + msg, file=sys.stderr)
         raise SystemExit(130) from None
@@ -624,7 +631,7 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 # ----------------------------------------------------------------------------------------------------------
 
 _CORE_TINY_VERSION = "v1"
-TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # the smoke profiles' data sets
+TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
 _CORE_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as Qwen's template (without tools).
 _CORE_CHATML_TEMPLATE = (
@@ -806,19 +813,19 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
     return model, tok
 
 
-# ----------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Phase timers: every method's metrics.jsonl has time/sample, time/verify, time/train, time/sync
-# ----------------------------------------------------------------------------------------------------------
-PHASES = ("sample", "verify", "train", "sync")  # timed where the work happens (samplers, verifiers, train steps)
+# ------------------------------------------------------------------------------------------------
+PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
 _CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
-_CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the final summary)
+_CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
 
 
 @contextlib.contextmanager
 def phase(name: str):
-    """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log(). Phases are
-    exclusive: a phase started inside another pauses it (a weight sync inside a train step counts as sync), and
-    the same phase nested inside itself is counted once."""
+    """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log().
+    Phases are exclusive: a phase started inside another pauses it (a weight sync inside a train
+    step counts as sync), and the same phase nested inside itself is counted once."""
     stack = _CORE_PHASE_STACK
     if stack and stack[-1][0] == name:
         yield
@@ -999,8 +1006,8 @@ class VLLMSampler(Sampler):
         tp = max(1, int(cfg.tensor_parallel_size))
         kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
                   enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
-                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled,
-                  use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
+                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
+        kw["use_tqdm_on_load"] = _CORE_LOG_FILTER.verbose  # its loading bar only with --verbose
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
@@ -1648,9 +1655,9 @@ class Run:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
             held = _core_holds_run(self.dir) if not cfg.resume else ""
-            if held:  # reusing it would mix two runs' metrics and checkpoints (nothing is touched before this)
-                raise FileExistsError(f"--output-dir {out} already holds a run ({held}); continue it "
-                                      f"with --resume {out}, or pass a new --output-dir")
+            if held:  # reusing it would mix two runs' records (nothing is touched before this)
+                raise FileExistsError(f"--output-dir {out} already holds a run ({held}); continue "
+                                      f"it with --resume {out}, or pass a new --output-dir")
             if cfg.resume:
                 self._clean_interrupted_saves()
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -1676,8 +1683,8 @@ class Run:
         return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
 
     def _clean_interrupted_saves(self) -> None:
-        """A save killed half-way leaves checkpoints/.tmp-step_<k>-<pid>/ (never renamed: delete it) or, killed
-        between its two renames, .old-step_<k>-<pid>/ with no step_<k>/ (the previous copy: put it back)."""
+        """A save killed half-way leaves checkpoints/.tmp-step_<k>-<pid>/ (never renamed: deleted);
+        killed between its two renames, .old-step_<k>-<pid>/ without step_<k>/ (put back)."""
         ck_root = self.dir / "checkpoints"
         for old in sorted(ck_root.glob(".old-step_*")):
             final = ck_root / old.name[len(".old-"):].rsplit("-", 1)[0]
@@ -1721,8 +1728,9 @@ class Run:
             for k, v in rec.items():
                 if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
                     post[k.split("/")[-1] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
-            slow = max(((k[5:], v) for k, v in rec.items() if k.startswith("time/") and isinstance(v, float)),
-                       key=lambda kv: kv[1], default=None)
+            times = [(k[5:], v) for k, v in rec.items()
+                     if k.startswith("time/") and isinstance(v, float)]
+            slow = max(times, key=lambda kv: kv[1], default=None)
             if slow is not None and slow[1] > 0:  # where this step's time went
                 post["slowest"] = f"{slow[0]} {slow[1]:.1f}s"
             self._bar.set_postfix(post, refresh=False)
@@ -1745,7 +1753,7 @@ class Run:
                          dynamic_ncols=True)
         self.total = int(total)
         self._showwarning = warnings.showwarning
-        warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line would break the bar
+        warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -1811,9 +1819,9 @@ class Run:
         Under torchrun call it on every rank (the folder must be readable from every rank)."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
-            if getattr(self.cfg, "resume", ""):  # never start over silently, appending to the old records
-                raise InputError(f"--resume {self.cfg.resume}: no checkpoint there yet (the run stopped before "
-                                 "its first save); start it again with a new --output-dir")
+            if getattr(self.cfg, "resume", ""):  # never start over silently, appending to its files
+                raise InputError(f"--resume {self.cfg.resume}: no checkpoint there yet (the run "
+                                 "stopped before its first save); start again, new --output-dir")
             return None
         ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
@@ -1851,20 +1859,20 @@ class Run:
             self._wandb = None
         self.closed = True
 
-    # -- what the CLI prints at the end ---------------------------------------------------------------
+    # -- what the CLI prints at the end ---------------------------------------------------------
     def resume_command(self) -> str:
         return f"python {self.method}.py --resume {self.dir}"
 
     def headline(self) -> dict:
-        """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and pass@k
-        per benchmark, and the methods' averages)."""
+        """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
+        pass@k per benchmark, and the methods' averages)."""
         keys = [k for k in self.last if k == "test/accuracy" or k.startswith("eval/") and (
             k.endswith(("greedy_acc", "/overall", "/math_avg", "/avg", "/score")) or "/pass@" in k)]
         return {k: self.last[k] for k in keys if isinstance(self.last[k], (int, float))}
 
     def summary(self, extra: dict | None = None) -> str:
-        """The table printed when a run ends: method, steps, headline figures, seconds per phase, folder and
-        the command that continues it."""
+        """The table printed when a run ends: method, steps, headline figures, seconds per phase,
+        folder and the command that continues it."""
         times = dict(self.times)
         for k, v in self._timers.items():
             times[k] = times.get(k, 0.0) + v
@@ -1872,7 +1880,8 @@ class Run:
         rows = [("method", self.method),
                 ("steps", f"{self.step if self.step is not None else 0}"
                           + (f" of {self.total}" if self.total else "")
-                          + (f" (last checkpoint: step {self.saved})" if self.saved is not None else ""))]
+                          + ("" if self.saved is None else f" (last checkpoint: {self.saved})")),
+                ]
         figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
@@ -1892,9 +1901,10 @@ class Run:
         at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
         ck = latest_checkpoint(self.dir)
         if ck is None:
-            return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to resume in "
-                    f"{self.dir}; start again (--save-every N saves sooner)")
-        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: {self.resume_command()}")
+            return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
+                    f"resume in {self.dir}; start again (--save-every N saves sooner)")
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; "
+                f"resume with: {self.resume_command()}")
 
 
 def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
@@ -4691,8 +4701,8 @@ def plot_pass_at_k(results, labels, path):
 
 
 def _vf_eval_out(out: str, model: str) -> str:
-    """The JSON path for `eval --out`: a folder (existing, ending in '/', or with no .json suffix) gets
-    eval_<model>.json inside; the folder is created and checked writable before anything is computed."""
+    """The JSON path for `eval --out`: a folder (existing, ending in '/', or without a .json suffix)
+    gets eval_<model>.json inside; the folder is created and checked writable before any work."""
     name = "eval_" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json"
     p = Path(out) if out else Path(name)
     if out and (p.is_dir() or out.endswith(("/", os.sep)) or p.suffix.lower() != ".json"):
@@ -4715,7 +4725,7 @@ def cli_main(argv=None):
     ap = _CoreArgParser(prog="common.py", description="Evaluation and analysis tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
-    ev.add_argument("--model", default="", help="hub id, local folder (e.g. a checkpoint), or 'tiny' (required)")
+    ev.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     ev.add_argument("--benchmarks", default="gsm8k,math500",
                     help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
     ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
@@ -4730,17 +4740,19 @@ def cli_main(argv=None):
     ev.add_argument("--max-model-len", type=int, default=8192)
     ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
-    ev.add_argument("--out", default="", help="output JSON file, or a folder for eval_<model>.json (created; "
-                                              "default eval_<model>.json here)")
+    ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
+                                              "eval_<model>.json; default eval_<model>.json here")
     sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
     sp.add_argument("a")
     sp.add_argument("b")
     sp.add_argument("--out", default="")
     args, unknown = ap.parse_known_args(argv)
     if unknown:  # a typo: name the closest flag of the subcommand
-        flags = [f for f in (ev if args.cmd == "eval" else sp)._option_string_actions if f.startswith("--")]
+        flags = [f for f in (ev if args.cmd == "eval" else sp)._option_string_actions
+                 if f.startswith("--")]
         close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1, cutoff=0.5)
-        ap.error(f"{args.cmd}: unknown argument {unknown[0]}" + (f"; did you mean {close[0]}?" if close else ""))
+        hint = f"; did you mean {close[0]}?" if close else ""
+        ap.error(f"{args.cmd}: unknown argument {unknown[0]}{hint}")
     if args.cmd == "sparsity":
         res = update_sparsity(args.a, args.b)
         res.update(a=args.a, b=args.b)

@@ -137,9 +137,9 @@ class Config(common.RunConfig):
 CHALLENGER, SOLVER = "challenger", "solver"
 
 # --model tiny: a one-minute smoke run, one iteration of one step per phase (flags still override)
-TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2, "challenger_group": 2,
-        "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4, "max_tokens": 16,
-        "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
+TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2,
+        "challenger_group": 2, "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4,
+        "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
         "eval_benchmarks": f"{common.TINY_DATA}/rzero_eval.jsonl", "eval_max_tokens": 8}
 
 
@@ -522,7 +522,8 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
         os.replace(tmp, root / tag)
     parked = roles.other(roles.active)  # "holds": which role the checkpoint's model files are
     holds = {"model": roles.active, parked: f"roles/{tag}/{parked}"}
-    run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag, "holds": holds})
+    run.save_checkpoint(step, policy,
+                        {**state, "active": roles.active, "roles_dir": tag, "holds": holds})
     if common.is_main_process():  # drop role folders no remaining checkpoint refers to
         used = {json.loads(ts.read_text()).get("state", {}).get("roles_dir")
                 for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json")}
@@ -532,19 +533,21 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
 
 
 def write_eval_summary(run, cfg: Config, best: dict | None) -> None:
-    """eval.json: the base model's, every iteration's and the best iteration's evaluation in one file."""
+    """eval.json: the base model's, every iteration's and the best iteration's evaluation."""
     def read(name):
         p = run.dir / name
         return json.loads(p.read_text()) if p.is_file() else None
     iters = {str(k): read(f"eval_iter{k}.json") for k in range(1, cfg.iterations + 1)}
-    run.write_eval({"base": read("eval_base.json"), "iterations": {k: v for k, v in iters.items() if v},
-                    "best": best})
+    run.write_eval({"base": read("eval_base.json"), "best": best,
+                    "iterations": {k: v for k, v in iters.items() if v}})
 
 
 def headline(run_dir) -> dict:
     """The best iteration for the summary table (the last one's figures are logged)."""
     best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
-    return {"best iteration": best["iteration"], "best eval/overall": best["eval/overall"]} if best else {}
+    if not best:
+        return {}
+    return {"best iteration": best["iteration"], "best eval/overall": best["eval/overall"]}
 
 
 def export_roles(run, policy, roles: Roles) -> None:

@@ -112,9 +112,10 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
 ANSWER_TYPES = ("Integer", "Expression", "String")
 CHALLENGER, REASONER = "challenger", "reasoner"
 
-# --model tiny: a one-minute smoke run on the documents and questions shipped in tests/data (flags override)
-TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl", "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl",
-        "steps": 2, "docs_per_step": 1, "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
+# --model tiny: a one-minute smoke run on the documents and questions in tests/data (flags override)
+TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
+        "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl", "steps": 2, "docs_per_step": 1,
+        "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
         "max_model_len": 2048, "type_select_max_tokens": 16, "eval_max_tokens": 8}
 
 # Open stand-ins for the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) mix: 50% math web text, 50% educational.

@@ -108,10 +108,12 @@ class Config(common.RunConfig):
     save_every: int = 1  # checkpoint every N rounds (0 = only the last round; the last round is always saved)
 
 
-# --model tiny: a one-minute smoke run on the toy copy task shipped in tests/data (flags still override)
-TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl", "test_data": f"{common.TINY_DATA}/star_copy_test.jsonl",
-        "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2, "steps_scale": 0.05,
-        "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16, "max_model_len": 1024, "lr": 1e-4}
+# --model tiny: a one-minute smoke run on the toy copy task in tests/data (flags still override)
+TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl",
+        "test_data": f"{common.TINY_DATA}/star_copy_test.jsonl",
+        "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2,
+        "steps_scale": 0.05, "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16,
+        "max_model_len": 1024, "lr": 1e-4}
 
 
 TASKS = {  # name -> (hub id, config, train split, eval split)
@@ -595,9 +597,10 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     pairs = [(train_data[k["index"]], k) for k in kept]
     for role in ("direct", "rationalized"):
         run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
-    kept_idx = {k["index"] for k in kept}  # what the model wrote where nothing was kept (its unaided attempt)
-    run.log_samples(n, "unsolved", [sample_record(train_data[i], {"rationale": written[i][0], "source": "unsolved"})
-                                    for i in range(n_q) if i not in kept_idx and written[i]])
+    kept_idx = {k["index"] for k in kept}  # what the model wrote where nothing was kept (unaided)
+    unsolved = [sample_record(train_data[i], {"rationale": written[i][0], "source": "unsolved"})
+                for i in range(n_q) if i not in kept_idx and written[i]]
+    run.log_samples(n, "unsolved", unsolved)
     if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (spec §6)
         rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"], "rationale": k["rationale"]}
                 for ex, k in pairs]

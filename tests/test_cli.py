@@ -1,6 +1,7 @@
-"""The command line as a new user meets it: one-line errors before anything loads, run folders that are never
-mixed, Ctrl-C that says how to resume, `common.py eval --out DIR`, the --model tiny smoke profiles and the README's
-four tiny one-liners, each run exactly as printed (a subprocess with real flags)."""
+"""The command line as a new user meets it: one-line errors before anything loads, run folders that
+are never mixed, Ctrl-C that says how to resume, `common.py eval --out DIR`, the --model tiny smoke
+profiles and the README's four tiny one-liners, each run exactly as printed (a subprocess with real
+flags)."""
 import json
 import logging
 import os
@@ -29,11 +30,11 @@ def _env(**extra):
 
 
 def _start(args, cwd=ROOT, **env):
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(**env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _run_all(cmds, timeout=120, **env):
+def _run_all(cmds, timeout=300, **env):
     """Run several short commands at once (each spends its time importing torch)."""
     procs = [_start(c, **env) for c in cmds]
     return [(p.wait(timeout=timeout), *p.communicate()) for p in procs]
@@ -49,46 +50,76 @@ def _one_line_error(rc, out, err, *must):
     return lines[0]
 
 
-# ---------------------------------------------------------------------------------------------- usage errors
-def test_zero_limits_typos_and_bad_models_are_one_line_usage_errors(tmp_path):
+# ------------------------------------------------------------------------------------ usage errors
+def _folders(tmp_path):
+    """Run folders a new command must not write into: one per file that shows a run was there."""
+    out = {}
+    for held in ("config.json", "metrics.jsonl", "checkpoints/step_3/trainer_state.json"):
+        d = tmp_path / held.split("/")[0].replace(".", "_")
+        (d / held).parent.mkdir(parents=True, exist_ok=True)
+        (d / held).write_text('{"step": 3}\n')
+        out[held] = d
+    return out
+
+
+def _listing(d):
+    return {str(p.relative_to(d)): p.read_text() if p.is_file() else "" for p in d.rglob("*")}
+
+
+def test_bad_input_is_one_line_before_anything_loads(tmp_path):
+    """Zero limits, typos, a missing model, an --output-dir that holds a run and a --resume folder
+    without a checkpoint: each one line with "see --help", exit 2, and no folder touched."""
+    held = _folders(tmp_path)
+    no_ck = tmp_path / "no_checkpoint"
+    no_ck.mkdir()
+    (no_ck / "config.json").write_text(json.dumps({"model": "tiny", "steps": 2}))
+    (no_ck / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = {d: _listing(d) for d in [*held.values(), no_ck]}
     cases = [
-        (["absolute_zero.py", "--max-response-tokens", "0"], ["--max-response-tokens 0", "positive"]),
+        (["absolute_zero.py", "--max-response-tokens", "0"], ["--max-response-tokens 0",
+                                                              "positive"]),
         (["star.py", "--max-new-tokens", "0"], ["--max-new-tokens 0", "leave the flag out"]),
         (["spice.py", "--steps", "-3"], ["--steps -3", "positive"]),
         (["r_zero.py", "--vote-max-tokens", "0"], ["--vote-max-tokens 0"]),
-        (["star.py", "--max-new-tokns", "16"], ["unknown flag --max-new-tokns", "did you mean --max-new-tokens?"]),
+        (["star.py", "--max-new-tokns", "16"], ["unknown flag --max-new-tokns",
+                                                "did you mean --max-new-tokens?"]),
         (["r_zero.py", "--model", str(tmp_path / "missing")], ["no such local folder", "'tiny'"]),
-        (["common.py", "eval", "--modle", "tiny"], ["unknown argument --modle", "did you mean --model?"]),
+        (["common.py", "eval", "--modle", "tiny"], ["unknown argument --modle", "--model?"]),
         (["common.py", "evl"], ["invalid choice: 'evl'"]),
-    ]
+        (["spice.py", "--resume", str(no_ck)], [f"--resume {no_ck}: no checkpoint there yet"]),
+    ] + [(["absolute_zero.py", "--model", "tiny", "--output-dir", str(d)],
+          [f"--output-dir {d} already holds a run", f"--resume {d}"]) for d in held.values()]
     for (args, must), res in zip(cases, _run_all([a for a, _ in cases])):
         _one_line_error(*res, *must)
+    assert {d: _listing(d) for d in before} == before
 
 
 def test_offline_hub_id_fails_in_seconds_naming_the_cache(tmp_path):
-    """HF_HUB_OFFLINE with an empty cache: the flag check says why and what to do, before torch loads a model;
-    the same id in the cache passes the check."""
+    """HF_HUB_OFFLINE with an empty cache: the flag check says why and what to do, before torch
+    loads a model; the same id in the cache passes the check."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     (res,) = _run_all([["spice.py", "--model", "someone/not-cached-0.5B"]], HF_HUB_OFFLINE="1",
                       HF_HOME=str(tmp_path / "hf"))
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    line = _one_line_error(*res, "HF_HUB_OFFLINE", "not in the local Hugging Face cache", "a local folder or 'tiny'")
+    line = _one_line_error(*res, "HF_HUB_OFFLINE", "not in the local Hugging Face cache",
+                           "a local folder or 'tiny'")
     assert "Could not load model" not in line
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu < 5.0, cpu  # importing torch is most of it; nothing is downloaded or retried
-    assert wall < 60, wall  # wall time only bounds it loosely: the test machine's cores are shared
-    # the same check in-process, on a cache that holds the id: accepted, and in well under a second
+    assert wall < 60, wall  # wall time bounds it loosely: the test machine's cores may be shared
+    # the check in-process, on a cache that holds the id: accepted, in well under a second
     snap = tmp_path / "hub" / "models--someone--cached" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
     (snap.parents[1] / "refs").mkdir()
     (snap.parents[1] / "refs" / "main").write_text("abc123")
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    env = _env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"))
     code = ("import time, common; t = time.perf_counter(); common.check_model('someone/cached'); "
             "print(time.perf_counter() - t)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(**env), capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True)
     assert p.returncode == 0 and float(p.stdout) < 1.0, p.stderr[-2000:]
 
 
@@ -98,39 +129,24 @@ def test_help_shows_the_tiny_profile_and_flags_override_it():
     text = " ".join(out.split())
     assert "--model tiny" in text and "smoke profile" in text and "--rounds 2" in text
     tiny = common.parse_config(star.Config, ["--model", "tiny", "--rounds", "3"], tiny=star.TINY)
-    assert tiny.rounds == 3 and tiny.data == star.TINY["data"] and tiny.max_new_tokens == 16  # flag wins
+    assert tiny.rounds == 3 and tiny.data == star.TINY["data"]  # the flag wins, the rest is tiny
+    assert tiny.max_new_tokens == 16
     paper = common.parse_config(star.Config, ["--model", "gpt2"], tiny=star.TINY)
     assert paper.data == "gsm8k" and paper.rounds == 16  # another model keeps the paper's defaults
 
 
-# ---------------------------------------------------------------------------------------------- run folders
-@pytest.mark.parametrize("held", ["config.json", "metrics.jsonl", "checkpoints/step_3/trainer_state.json"])
-def test_output_dir_holding_a_run_is_refused_and_left_as_it_was(tmp_path, held):
-    out = tmp_path / "old"
-    (out / held).parent.mkdir(parents=True, exist_ok=True)
-    (out / held).write_text('{"step": 3}\n')
-    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
-    (res,) = _run_all([["absolute_zero.py", "--model", "tiny", "--output-dir", str(out)]])
-    _one_line_error(*res, f"--output-dir {out} already holds a run", f"--resume {out}")
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
-    assert (out / held).read_text() == '{"step": 3}\n'
-
-
-def test_resume_without_a_checkpoint_says_so_and_appends_nothing(tmp_path):
+def test_resume_without_a_checkpoint_is_refused_by_the_library_too(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "config.json").write_text(json.dumps({"model": "tiny", "steps": 2}))
-    (out / "metrics.jsonl").write_text('{"step": 0}\n')
-    (res,) = _run_all([["spice.py", "--resume", str(out)]])
-    _one_line_error(*res, f"--resume {out}: no checkpoint there yet")
-    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
-    with pytest.raises(common.InputError, match="no checkpoint there yet"):  # the library path says so too
-        common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "t").load_checkpoint(None)
+    (out / "config.json").write_text("{}")
+    run = common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "t")
+    with pytest.raises(common.InputError, match="no checkpoint there yet"):
+        run.load_checkpoint(None)
 
 
 def test_resume_cleans_up_a_killed_save(tmp_path):
-    """A save killed before its rename leaves .tmp-step_*: deleted on resume. Killed between its two renames it
-    leaves .old-step_<k> without step_<k>: that copy is put back."""
+    """A save killed before its rename leaves .tmp-step_*: deleted on resume. Killed between its two
+    renames it leaves .old-step_<k> without step_<k>: that copy is put back."""
     out = tmp_path / "run"
     ck = out / "checkpoints"
     (ck / "step_2").mkdir(parents=True)
@@ -145,17 +161,18 @@ def test_resume_cleans_up_a_killed_save(tmp_path):
     assert (ck / "step_3" / "trainer_state.json").read_text() == '{"step": 3}'
 
 
-# ---------------------------------------------------------------------------------------------- quiet, timers
+# ----------------------------------------------------------------------------------- quiet, timers
 def test_rotary_sync_warning_is_dropped_other_load_failures_kept():
     f = common._CoreQuietFilter(verbose=False)
 
-    def rec(msg, *args, level=logging.WARNING):
-        return logging.LogRecord("vllm.model_executor.model_loader.reload.layerwise", level, "x", 1, msg, args,
-                                 None)
+    def rec(msg, *args):
+        name = "vllm.model_executor.model_loader.reload.layerwise"
+        return logging.LogRecord(name, logging.WARNING, "x", 1, msg, args, None)
+    advice = "libtcmalloc is not found in LD_PRELOAD."
     assert not f.filter(rec("%s: Failed to load weights", "RotaryEmbedding"))
-    assert f.filter(rec("%s: Failed to load weights", "ParallelLMHead"))  # a real missing weight still warns
-    assert not f.filter(rec("libtcmalloc is not found in LD_PRELOAD."))  # CPU start-up advice: --verbose only
-    assert common._CoreQuietFilter(verbose=True).filter(rec("libtcmalloc is not found in LD_PRELOAD."))
+    assert f.filter(rec("%s: Failed to load weights", "ParallelLMHead"))  # a real missing weight
+    assert not f.filter(rec(advice))  # CPU start-up advice: --verbose only
+    assert common._CoreQuietFilter(verbose=True).filter(rec(advice))
 
 
 def test_every_log_line_has_the_phase_keys_and_the_bar_shows_the_slowest(tmp_path):
@@ -178,15 +195,16 @@ def test_every_log_line_has_the_phase_keys_and_the_bar_shows_the_slowest(tmp_pat
     assert "time/phase" in text and f"python t.py --resume {tmp_path / 'r'}" in text
 
 
-# ---------------------------------------------------------------------------------------------- Ctrl-C
+# ------------------------------------------------------------------------------------------ Ctrl-C
 @pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_model_path):
     out = tmp_path / "run"
-    args = ["star.py", "--model", "tiny", "--backend", "hf", "--rounds", "40", "--save-every", "1",
-            "--output-dir", str(out)]
-    p = _start(args)
+    p = _start(["star.py", "--model", "tiny", "--backend", "hf", "--rounds", "40", "--save-every",
+                "1", "--output-dir", str(out)])
     deadline = time.time() + 300
-    while not (out / "checkpoints" / "latest").is_file() and p.poll() is None and time.time() < deadline:
+    while not (out / "checkpoints" / "latest").is_file() and time.time() < deadline:
+        if p.poll() is not None:
+            break
         time.sleep(0.5)
     assert p.poll() is None, p.communicate()[1][-3000:]
     p.send_signal(signal.SIGINT)
@@ -194,13 +212,14 @@ def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     last = [l for l in err.splitlines() if l.strip()][-1]
-    saved = json.loads((common.latest_checkpoint(out) / "trainer_state.json").read_text())["step"]
-    assert re.search(r"star: interrupted at step \d+; step_\d+ is saved; resume with: python star.py --resume ",
-                     last), last
-    assert last.endswith(f"--resume {out}")
-    (out / "checkpoints" / f".tmp-step_{saved + 1}-1").mkdir()  # as a save killed half-way leaves it
+    ck = common.latest_checkpoint(out)
+    saved = json.loads((ck / "trainer_state.json").read_text())["step"]
+    assert re.search(rf"star: interrupted at step \d+; step_{saved} is saved; resume with: "
+                     rf"python star.py --resume {re.escape(str(out))}$", last), last
+    (out / "checkpoints" / f".tmp-step_{saved + 1}-1").mkdir()  # what a save killed half-way leaves
     cmd = last.split("resume with: ", 1)[1].split()[1:] + ["--rounds", str(saved + 1)]
-    r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not list((out / "checkpoints").glob(".tmp-*"))
     assert re.search(rf"^steps\s+{saved + 1} of {saved + 1}", r.stdout, re.M), r.stdout
@@ -208,7 +227,7 @@ def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_
     assert steps == list(range(saved + 2))  # nothing lost, nothing repeated
 
 
-# ---------------------------------------------------------------------------------------------- common.py eval
+# ---------------------------------------------------------------------------------- common.py eval
 @pytest.mark.slow
 def test_eval_out_dir_is_created_and_checked_before_computing(tmp_path, tiny_model_path):
     blocked = tmp_path / "file"
@@ -218,15 +237,17 @@ def test_eval_out_dir_is_created_and_checked_before_computing(tmp_path, tiny_mod
                         str(blocked / "sub")]])
     _one_line_error(*res, f"--out {blocked / 'sub'}: cannot write into")
     out = tmp_path / "new" / "dir"
-    r = subprocess.run([sys.executable, "common.py", "eval", "--model", "tiny", "--backend", "hf", "--benchmarks",
-                        bench, "--limit", "2", "--max-tokens", "4", "--out", str(out)], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "common.py", "eval", "--model", "tiny", "--backend", "hf",
+                        "--benchmarks", bench, "--limit", "2", "--max-tokens", "4", "--out",
+                        str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "eval_tiny.json").read_text())
-    assert res["benchmarks"][bench]["n_problems"] == 2 and f"wrote {out / 'eval_tiny.json'}" in r.stdout
+    assert res["benchmarks"][bench]["n_problems"] == 2
+    assert f"wrote {out / 'eval_tiny.json'}" in r.stdout
 
 
-# ---------------------------------------------------------------------------------------------- the README
+# -------------------------------------------------------------------------------------- the README
 def readme_tiny_commands() -> dict:
     """The README Run section's `--model tiny` one-liners, by script."""
     text = (ROOT / "README.md").read_text()
@@ -254,8 +275,8 @@ def test_readme_tiny_one_liner_runs_offline_as_printed(method, tiny_model_path):
     argv = shlex.split(cmd)
     assert argv[0] == "python"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=_env(HF_HUB_OFFLINE="1"), capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=_env(HF_HUB_OFFLINE="1"),
+                       capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     folder = re.search(r"^run folder\s+(\S+)$", r.stdout, re.M)
     run_dir = ROOT / folder[1] if folder else None
@@ -263,19 +284,22 @@ def test_readme_tiny_one_liner_runs_offline_as_printed(method, tiny_model_path):
         assert r.returncode == 0, r.stderr[-4000:]
         rows = dict(re.findall(r"^(\S+(?: \S+)?)\s{2,}(.+)$", r.stdout, re.M))
         assert all(k in rows for k in SUMMARY_ROWS), r.stdout
-        assert rows["method"] == method and rows["resume"] == f"python {method}.py --resume {folder[1]}"
+        assert rows["method"] == method
+        assert rows["resume"] == f"python {method}.py --resume {folder[1]}"
         assert re.match(r"\d+ of \d+", rows["steps"]) and "sample" in rows["time/phase"]
         assert any(k.startswith(("eval/", "test/")) for k in rows), r.stdout  # a headline figure
         # quiet: no vLLM INFO lines, no per-sync rotary warning, no traceback
-        assert not re.search(r"\bINFO\b", r.stderr) and "Failed to load weights" not in r.stderr, r.stderr[-3000:]
-        assert "Traceback" not in r.stderr
+        assert not re.search(r"\bINFO\b", r.stderr), r.stderr[-3000:]
+        assert "Failed to load weights" not in r.stderr and "Traceback" not in r.stderr
         metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert metrics and all({f"time/{p}" for p in common.PHASES} <= set(m) for m in metrics)
-        assert common.latest_checkpoint(run_dir) is not None and (run_dir / "eval.json").is_file()
+        ck = common.latest_checkpoint(run_dir)
+        assert ck is not None and (run_dir / "eval.json").is_file()
         if method == "r_zero":
             ev = json.loads((run_dir / "eval.json").read_text())
-            assert set(ev) == {"base", "iterations", "best"} and "1" in ev["iterations"] and ev["base"]
-            st = json.loads((common.latest_checkpoint(run_dir) / "trainer_state.json").read_text())["state"]
+            assert set(ev) == {"base", "iterations", "best"} and ev["base"]
+            assert "1" in ev["iterations"] and ev["best"]["iteration"] == 1
+            st = json.loads((ck / "trainer_state.json").read_text())["state"]
             assert st["holds"]["model"] == st["active"]
         if method == "star":  # what the model wrote is logged, kept or not
             samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
