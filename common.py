@@ -1651,6 +1651,7 @@ class Run:
         self.saved = None  # the last checkpoint written or loaded (step)
         self.times: dict[str, float] = {}  # seconds per phase over the whole run
         self.last: dict = {}  # the latest value of every metric logged
+        self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
@@ -1731,8 +1732,9 @@ class Run:
             times = [(k[5:], v) for k, v in rec.items()
                      if k.startswith("time/") and isinstance(v, float)]
             slow = max(times, key=lambda kv: kv[1], default=None)
-            if slow is not None and slow[1] > 0:  # where this step's time went
-                post["slowest"] = f"{slow[0]} {slow[1]:.1f}s"
+            self.slowest = f"{slow[0]} {slow[1]:.1f}s" if slow and slow[1] > 0 else ""
+            if self.slowest:  # where this step's time went
+                post["slowest"] = self.slowest
             self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:

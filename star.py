@@ -735,8 +735,9 @@ def train(cfg: Config, sampler=None) -> dict:
             run.log(n, metrics)
             if state["best_round"] == n:  # a new best: keep M_n, which the checkpoint pruning would delete
                 save_best(run, policy, n, state["best_accuracy"])
-            bar.set_postfix({name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
-                             if metrics.get(key) is not None}, refresh=False)
+            post = {name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
+                    if metrics.get(key) is not None}
+            bar.set_postfix({**post, "slowest": run.slowest}, refresh=False)
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
