@@ -31,13 +31,19 @@ def _env(**extra):
 
 def _start(args, cwd=ROOT, **env):
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(**env), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def _run_all(cmds, timeout=300, **env):
     """Run several short commands at once (each spends its time importing torch)."""
     procs = [_start(c, **env) for c in cmds]
-    return [(p.wait(timeout=timeout), *p.communicate()) for p in procs]
+    try:
+        return [(p.wait(timeout=timeout), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:  # one that hangs (or, on broken code, trains) must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def _one_line_error(rc, out, err, *must):
@@ -207,7 +213,7 @@ def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_
             break
         time.sleep(0.5)
     assert p.poll() is None, p.communicate()[1][-3000:]
-    p.send_signal(signal.SIGINT)
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: the whole process group
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
@@ -291,6 +297,7 @@ def test_readme_tiny_one_liner_runs_offline_as_printed(method, tiny_model_path):
         # quiet: no vLLM INFO lines, no per-sync rotary warning, no traceback
         assert not re.search(r"\bINFO\b", r.stderr), r.stderr[-3000:]
         assert "Failed to load weights" not in r.stderr and "Traceback" not in r.stderr
+        assert "Writing model shards" not in r.stderr  # no library bar breaks the progress bar
         metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert metrics and all({f"time/{p}" for p in common.PHASES} <= set(m) for m in metrics)
         ck = common.latest_checkpoint(run_dir)
