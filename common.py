@@ -1684,17 +1684,18 @@ class Run:
         return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
 
     def _clean_interrupted_saves(self) -> None:
-        """A save killed half-way leaves checkpoints/.tmp-step_<k>-<pid>/ (never renamed: deleted);
-        killed between its two renames, .old-step_<k>-<pid>/ without step_<k>/ (put back)."""
-        ck_root = self.dir / "checkpoints"
-        for old in sorted(ck_root.glob(".old-step_*")):
-            final = ck_root / old.name[len(".old-"):].rsplit("-", 1)[0]
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(old, final)
-        for tmp in ck_root.glob(".tmp-step_*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        """A save killed half-way leaves .tmp-<name>-<pid>/ (never renamed: deleted); killed between
+        its two renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). Folders:
+        checkpoints/, and the run folder and roles/ for the methods' saves (best/, R-Zero's roles)."""
+        for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
+            for old in sorted(root.glob(".old-*")):
+                final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
+                if final.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(old, final)
+            for tmp in root.glob(".tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
     # -- metrics --------------------------------------------------------------------------------------
     @contextlib.contextmanager
