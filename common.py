@@ -1686,7 +1686,7 @@ class Run:
     def _clean_interrupted_saves(self) -> None:
         """A save killed half-way leaves .tmp-<name>-<pid>/ (never renamed: deleted); killed between
         its two renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). Folders:
-        checkpoints/, and the run folder and roles/ for the methods' saves (best/, R-Zero's roles)."""
+        checkpoints/, and the run folder and roles/ for the methods' saves (best/, R-Zero roles)."""
         for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
             for old in sorted(root.glob(".old-*")):
                 final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
