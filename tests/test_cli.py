@@ -184,6 +184,16 @@ def test_rotary_sync_warning_is_dropped_other_load_failures_kept():
     assert common._CoreQuietFilter(verbose=True).filter(rec(advice))
 
 
+def test_vllm_info_lines_only_with_verbose():
+    code = ("import logging, sys, common; common.set_verbosity(sys.argv[1] == 'v'); import vllm; "
+            "common.filter_vllm_logs(); log = logging.getLogger('vllm.engine.x'); "
+            "log.info('an info line'); log.warning('a warning line')")
+    quiet, verbose = _run_all([["-c", code, "q"], ["-c", code, "v"]])
+    assert quiet[0] == verbose[0] == 0, quiet[2][-2000:]
+    assert "a warning line" in quiet[2] and "an info line" not in quiet[2]
+    assert "a warning line" in verbose[2] and "vllm INFO: an info line" in verbose[2]
+
+
 def test_every_log_line_has_the_phase_keys_and_the_bar_shows_the_slowest(tmp_path):
     run = common.Run(common.RunConfig(output_dir=str(tmp_path / "r")), "t")
     bar = run.progress(2)
