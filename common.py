@@ -253,7 +253,8 @@ def check_inputs(cfg) -> None:
 # Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
 _CORE_LIMIT_RE = re.compile(
     r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
-    r"|_mb|_timeout|_per_step|_n)$|^(steps|rounds|iterations|votes|references)$")
+    r"|_mb|_timeout|_per_step|_n|_limit|_every|_checkpoints|_docs)$"
+    r"|^(steps|rounds|iterations|votes|references)$")
 _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
 
 
