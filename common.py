@@ -1884,7 +1884,7 @@ class Run:
         rows = [("method", self.method),
                 ("steps", f"{self.step if self.step is not None else 0}"
                           + (f" of {self.total}" if self.total else "")
-                          + ("" if self.saved is None else f" (last checkpoint: {self.saved})")),
+                          + ("" if self.saved is None else f", last checkpoint step_{self.saved}")),
                 ]
         figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
