@@ -755,8 +755,16 @@ def train(cfg: Config, sampler=None) -> dict:
     return results
 
 
+def headline(results: dict) -> dict:
+    """The best round for the summary table (the last round's figures are logged)."""
+    if results.get("best_accuracy") is None:
+        return {}
+    return {"best round": results["best_round"], "best test/accuracy": results["best_accuracy"],
+            "model of round": results["model_round"]}
+
+
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=check_config, tiny=TINY)
+    common.run_cli(Config, train, argv, check=check_config, tiny=TINY, headline=headline)
 
 
 if __name__ == "__main__":
