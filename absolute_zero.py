@@ -154,6 +154,14 @@ class Config(common.RunConfig):
     eval_code_benchmarks: str = "humaneval+,mbpp+"  # HumanEval+/MBPP+ (EvalPlus, from the hub: needs `datasets`) or local JSONL files (common.load_code_benchmark)
 
 
+# --model tiny: a one-minute smoke run (flags still override)
+TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
+        "learnability_samples": 2, "seed_max_rounds": 1, "max_prompt_tokens": 1500,
+        "max_response_tokens": 48, "max_model_len": 2048, "sandbox_workers": 2,
+        "executor_timeout": 2.0, "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
+        "eval_max_tokens": 16}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The zero triplet (Fig. 5) and the banned modules (Fig. 8 list plus os/sys/shutil, which §3.3.3 names).
 # --------------------------------------------------------------------------------------------------------------
@@ -1248,16 +1256,16 @@ def train(cfg: Config) -> dict:
         run.close()
 
 
-def main(argv=None):
-    cfg = common.parse_config(Config, argv, check=check_config)
-    results = train(cfg)
-    if not common.is_main_process():
-        return
-    summary = {k: v for k, v in eval_metrics(results).items()
-               if k.endswith(("greedy_acc", "n_problems", "eval/avg")) or "pass@" in k}
+def headline(results: dict) -> dict:
+    """The final evaluation's figures for the summary table (math and code; a skipped code eval)."""
+    figures = {k: v for k, v in eval_metrics(results).items()
+               if k.endswith(("greedy_acc", "eval/avg")) or "pass@" in k}
     skipped = results.get("code", {}).get("skipped")
-    print(json.dumps({"run_dir": cfg.output_dir, **summary, **({"code_skipped": skipped} if skipped else {})},
-                     indent=2, default=str))
+    return {**figures, **({"code skipped": skipped} if skipped else {})}
+
+
+def main(argv=None):
+    common.run_cli(Config, train, argv, check=check_config, tiny=TINY, headline=headline)
 
 
 if __name__ == "__main__":

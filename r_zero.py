@@ -171,6 +171,12 @@ class Config(common.RunConfig):
 
 CHALLENGER, SOLVER = "challenger", "solver"
 
+# --model tiny: a one-minute smoke run, one iteration of one step per phase (flags still override)
+TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2,
+        "challenger_group": 2, "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4,
+        "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
+        "eval_benchmarks": f"{common.TINY_DATA}/rzero_eval.jsonl", "eval_max_tokens": 8}
+
 
 def validate_config(cfg: Config) -> None:
     at_least = {**dict.fromkeys(("iterations", "challenger_steps", "solver_steps", "challenger_batch", "solver_batch",
@@ -765,13 +771,34 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
             _save_model(policy, ref, tmp / "ref")
         shutil.rmtree(root / tag, ignore_errors=True)
         os.replace(tmp, root / tag)
-    run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag})
+    parked = roles.other(roles.active)  # "holds": which role the checkpoint's model files are
+    holds = {"model": roles.active, parked: f"roles/{tag}/{parked}"}
+    run.save_checkpoint(step, policy,
+                        {**state, "active": roles.active, "roles_dir": tag, "holds": holds})
     if common.is_main_process():  # drop role folders no remaining checkpoint refers to
         used = {json.loads(ts.read_text()).get("state", {}).get("roles_dir")
                 for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json")}
         for d in root.iterdir():
             if d.name not in used and not d.name.startswith(".tmp-"):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def write_eval_summary(run, cfg: Config, best: dict | None) -> None:
+    """eval.json: the base model's, every iteration's and the best iteration's evaluation."""
+    def read(name):
+        p = run.dir / name
+        return json.loads(p.read_text()) if p.is_file() else None
+    iters = {str(k): read(f"eval_iter{k}.json") for k in range(1, cfg.iterations + 1)}
+    run.write_eval({"base": read("eval_base.json"), "best": best,
+                    "iterations": {k: v for k, v in iters.items() if v}})
+
+
+def headline(run_dir) -> dict:
+    """The best iteration for the summary table (the last one's figures are logged)."""
+    best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
+    if not best:
+        return {}
+    return {"best iteration": best["iteration"], "best eval/overall": best["eval/overall"]}
 
 
 def export_roles(run, policy, roles: Roles) -> None:
@@ -883,12 +910,13 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         print(f"[r_zero] best iteration {state['best']['iteration']} (overall "
               f"{state['best']['eval/overall']:.4f}); last iteration {cfg.iterations}", file=sys.stderr)
     export_roles(run, policy, roles)
+    write_eval_summary(run, cfg, state["best"])
     run.close()
     return run.dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(common.parse_config(Config, argv, check=validate_config))
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, headline=headline)
 
 
 if __name__ == "__main__":

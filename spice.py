@@ -133,6 +133,12 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
 ANSWER_TYPES = ("Integer", "Expression", "String")
 CHALLENGER, REASONER = "challenger", "reasoner"
 
+# --model tiny: a one-minute smoke run on the documents and questions in tests/data (flags override)
+TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
+        "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl", "steps": 2, "docs_per_step": 1,
+        "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
+        "max_model_len": 2048, "type_select_max_tokens": 16, "eval_max_tokens": 8}
+
 # Open stand-ins for the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) mix: 50% math web text, 50% educational.
 DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-10BT"
 
@@ -1178,11 +1184,7 @@ def train(cfg: Config, policy=None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = common.parse_config(Config, argv, check=validate_config)
-    try:
-        train(cfg)
-    except CorpusError as e:
-        sys.exit(f"spice.py: corpus error: {e}")
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, errors=(CorpusError,))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,14 @@ class Config(common.RunConfig):
     save_every: int = 1  # checkpoint every N rounds (0 = only the last round; the last round is always saved)
 
 
+# --model tiny: a one-minute smoke run on the toy copy task in tests/data (flags still override)
+TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl",
+        "test_data": f"{common.TINY_DATA}/star_copy_test.jsonl",
+        "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2,
+        "steps_scale": 0.05, "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16,
+        "max_model_len": 1024, "lr": 1e-4}
+
+
 TASKS = {  # name -> (hub id, config, train split, eval split)
     "gsm8k": ("openai/gsm8k", "main", "train", "test"),
     "commonsense_qa": ("tau/commonsense_qa", None, "train", "validation"),  # the test split has no labels
@@ -607,7 +615,8 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     """One iteration of Alg. 1 with M_{n-1} in the sampler; leaves M_n in trainer and sampler."""
     seed = cfg.seed * 100_003 + n
     with run.timer("generate"):
-        direct = filter_correct(train_data, generate_rationales(policy, prompter, train_data, cfg, seed), "direct")
+        written = generate_rationales(policy, prompter, train_data, cfg, seed)
+        direct = filter_correct(train_data, written, "direct")
     solved = {k["index"] for k in direct}
     rationalized = []
     if cfg.rationalize:
@@ -642,6 +651,10 @@ def star_round(n: int, policy, prompter: Prompter, base: dict, train_data: list[
     pairs = [(train_data[k["index"]], k) for k in kept]
     for role in ("direct", "rationalized"):
         run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
+    kept_idx = {k["index"] for k in kept}  # what the model wrote where nothing was kept (unaided)
+    unsolved = [sample_record(train_data[i], {"rationale": written[i][0], "source": "unsolved"})
+                for i in range(n_q) if i not in kept_idx and written[i]]
+    run.log_samples(n, "unsolved", unsolved)
     if run.is_main:  # the whole round dataset, for spot checks of lucky guesses (paper §6)
         rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"], "rationale": k["rationale"]}
                 for ex, k in pairs]
@@ -776,8 +789,9 @@ def train(cfg: Config, sampler=None) -> dict:
             run.log(n, metrics)
             if state["best_round"] == n:  # a new best: keep M_n, which the checkpoint pruning would delete
                 save_best(run, policy, n, state["best_accuracy"])
-            bar.set_postfix({name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
-                             if metrics.get(key) is not None}, refresh=False)
+            post = {name: f"{metrics[key]:.3g}" for name, key in POSTFIX.items()
+                    if metrics.get(key) is not None}
+            bar.set_postfix({**post, "slowest": run.slowest}, refresh=False)
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
@@ -795,8 +809,16 @@ def train(cfg: Config, sampler=None) -> dict:
     return results
 
 
+def headline(results: dict) -> dict:
+    """The best round for the summary table (the last round's figures are logged)."""
+    if results.get("best_accuracy") is None:
+        return {}
+    return {"best round": results["best_round"], "best test/accuracy": results["best_accuracy"],
+            "model of round": results["model_round"]}
+
+
 def main(argv: list[str] | None = None) -> None:
-    train(common.parse_config(Config, argv, check=check_config))
+    common.run_cli(Config, train, argv, check=check_config, tiny=TINY, headline=headline)
 
 
 if __name__ == "__main__":

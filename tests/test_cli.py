@@ -1,0 +1,330 @@
+"""The command line as a new user meets it: one-line errors before anything loads, run folders that
+are never mixed, Ctrl-C that says how to resume, `common.py eval --out DIR`, the --model tiny smoke
+profiles and the README's four tiny one-liners, each run exactly as printed (a subprocess with real
+flags)."""
+import json
+import logging
+import os
+import pathlib
+import re
+import resource
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import common
+import star
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+METHODS = ("star", "absolute_zero", "r_zero", "spice")
+
+
+def _env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def _start(args, cwd=ROOT, **env):
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(**env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _run_all(cmds, timeout=300, **env):
+    """Run several short commands at once (each spends its time importing torch)."""
+    procs = [_start(c, **env) for c in cmds]
+    try:
+        return [(p.wait(timeout=timeout), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:  # one that hangs (or, on broken code, trains) must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _one_line_error(rc, out, err, *must):
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2, (rc, err[-2000:])
+    assert len(lines) == 1, err  # no usage dump, no traceback, no library chatter
+    assert "see --help" in lines[0] and "usage:" not in err and "Traceback" not in err
+    for m in must:
+        assert m in lines[0], (m, lines[0])
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------ usage errors
+def _folders(tmp_path):
+    """Run folders a new command must not write into: one per file that shows a run was there."""
+    out = {}
+    for held in ("config.json", "metrics.jsonl", "checkpoints/step_3/trainer_state.json"):
+        d = tmp_path / held.split("/")[0].replace(".", "_")
+        (d / held).parent.mkdir(parents=True, exist_ok=True)
+        (d / held).write_text('{"step": 3}\n')
+        out[held] = d
+    return out
+
+
+def _listing(d):
+    return {str(p.relative_to(d)): p.read_text() if p.is_file() else "" for p in d.rglob("*")}
+
+
+def test_bad_input_is_one_line_before_anything_loads(tmp_path):
+    """Zero limits, typos, a missing model, an --output-dir that holds a run and a --resume folder
+    without a checkpoint: each one line with "see --help", exit 2, and no folder touched."""
+    held = _folders(tmp_path)
+    no_ck = tmp_path / "no_checkpoint"
+    no_ck.mkdir()
+    (no_ck / "config.json").write_text(json.dumps({"model": "tiny", "steps": 2}))
+    (no_ck / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = {d: _listing(d) for d in [*held.values(), no_ck]}
+    cases = [
+        (["absolute_zero.py", "--max-response-tokens", "0"], ["--max-response-tokens 0",
+                                                              "positive"]),
+        (["star.py", "--max-new-tokens", "0"], ["--max-new-tokens 0", "leave the flag out"]),
+        (["spice.py", "--steps", "-3"], ["--steps -3", "positive"]),
+        (["r_zero.py", "--vote-max-tokens", "0"], ["--vote-max-tokens 0"]),
+        (["star.py", "--max-new-tokns", "16"], ["unknown flag --max-new-tokns",
+                                                "did you mean --max-new-tokens?"]),
+        (["r_zero.py", "--model", str(tmp_path / "missing")], ["no such local folder", "'tiny'"]),
+        (["common.py", "eval", "--modle", "tiny"], ["unknown argument --modle", "--model?"]),
+        (["common.py", "evl"], ["invalid choice: 'evl'"]),
+        (["spice.py", "--resume", str(no_ck)], [f"--resume {no_ck}: no checkpoint there yet"]),
+    ] + [(["absolute_zero.py", "--model", "tiny", "--output-dir", str(d)],
+          [f"--output-dir {d} already holds a run", f"--resume {d}"]) for d in held.values()]
+    for (args, must), res in zip(cases, _run_all([a for a, _ in cases])):
+        _one_line_error(*res, *must)
+    assert {d: _listing(d) for d in before} == before
+
+
+def test_offline_hub_id_fails_in_seconds_naming_the_cache(tmp_path):
+    """HF_HUB_OFFLINE with an empty cache: the flag check says why and what to do, before torch
+    loads a model; the same id in the cache passes the check."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    (res,) = _run_all([["spice.py", "--model", "someone/not-cached-0.5B"]], HF_HUB_OFFLINE="1",
+                      HF_HOME=str(tmp_path / "hf"))
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = _one_line_error(*res, "HF_HUB_OFFLINE", "not in the local Hugging Face cache",
+                           "a local folder or 'tiny'")
+    assert "Could not load model" not in line
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 5.0, cpu  # importing torch is most of it; nothing is downloaded or retried
+    assert wall < 60, wall  # wall time bounds it loosely: the test machine's cores may be shared
+    # the check in-process, on a cache that holds the id: accepted, in well under a second
+    snap = tmp_path / "hub" / "models--someone--cached" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    env = _env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"))
+    code = ("import time, common; t = time.perf_counter(); common.check_model('someone/cached'); "
+            "print(time.perf_counter() - t)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True)
+    assert p.returncode == 0 and float(p.stdout) < 1.0, p.stderr[-2000:]
+
+
+def test_help_shows_the_tiny_profile_and_flags_override_it():
+    (rc, out, err), = _run_all([["star.py", "--help"]])
+    assert rc == 0, err
+    text = " ".join(out.split())
+    assert "--model tiny" in text and "smoke profile" in text and "--rounds 2" in text
+    tiny = common.parse_config(star.Config, ["--model", "tiny", "--rounds", "3"], tiny=star.TINY)
+    assert tiny.rounds == 3 and tiny.data == star.TINY["data"]  # the flag wins, the rest is tiny
+    assert tiny.max_new_tokens == 16
+    paper = common.parse_config(star.Config, ["--model", "gpt2"], tiny=star.TINY)
+    assert paper.data == "gsm8k" and paper.rounds == 16  # another model keeps the paper's defaults
+
+
+def test_resume_without_a_checkpoint_is_refused_by_the_library_too(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    run = common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "t")
+    with pytest.raises(common.InputError, match="no checkpoint there yet"):
+        run.load_checkpoint(None)
+
+
+def test_resume_cleans_up_a_killed_save(tmp_path):
+    """A save killed before its rename leaves .tmp-step_*: deleted on resume. Killed between its two
+    renames it leaves .old-step_<k> without step_<k>: that copy is put back."""
+    out = tmp_path / "run"
+    ck = out / "checkpoints"
+    (ck / "step_2").mkdir(parents=True)
+    (ck / "step_2" / "trainer_state.json").write_text('{"step": 2}')
+    (ck / ".tmp-step_4-999").mkdir()
+    (ck / ".tmp-step_4-999" / "model.safetensors").write_text("half")
+    (ck / ".old-step_3-998").mkdir()
+    (ck / ".old-step_3-998" / "trainer_state.json").write_text('{"step": 3}')
+    (out / "config.json").write_text("{}")
+    (out / "roles" / ".tmp-step_4-challenger-3-999").mkdir(parents=True)  # R-Zero's parked role
+    (out / ".tmp-best-999").mkdir()  # STaR's best/
+    common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "t").close()
+    assert sorted(p.name for p in ck.iterdir()) == ["step_2", "step_3"]
+    assert not list(out.glob(".tmp-*")) and not list((out / "roles").iterdir())
+    assert (ck / "step_3" / "trainer_state.json").read_text() == '{"step": 3}'
+
+
+# ----------------------------------------------------------------------------------- quiet, timers
+def test_rotary_sync_warning_is_dropped_other_load_failures_kept():
+    f = common._CoreQuietFilter(verbose=False)
+
+    def rec(msg, *args):
+        name = "vllm.model_executor.model_loader.reload.layerwise"
+        return logging.LogRecord(name, logging.WARNING, "x", 1, msg, args, None)
+    advice = "libtcmalloc is not found in LD_PRELOAD."
+    assert not f.filter(rec("%s: Failed to load weights", "RotaryEmbedding"))
+    assert f.filter(rec("%s: Failed to load weights", "ParallelLMHead"))  # a real missing weight
+    assert not f.filter(rec(advice))  # CPU start-up advice: --verbose only
+    assert common._CoreQuietFilter(verbose=True).filter(rec(advice))
+
+
+def test_vllm_info_lines_only_with_verbose():
+    code = ("import logging, sys, common; common.set_verbosity(sys.argv[1] == 'v'); import vllm; "
+            "common.filter_vllm_logs(); log = logging.getLogger('vllm.engine.x'); "
+            "log.info('an info line'); log.warning('a warning line')")
+    quiet, verbose = _run_all([["-c", code, "q"], ["-c", code, "v"]])
+    assert quiet[0] == verbose[0] == 0, quiet[2][-2000:]
+    assert "a warning line" in quiet[2] and "an info line" not in quiet[2]
+    assert "a warning line" in verbose[2] and "vllm INFO: an info line" in verbose[2]
+
+
+def test_every_log_line_has_the_phase_keys_and_the_bar_shows_the_slowest(tmp_path):
+    run = common.Run(common.RunConfig(output_dir=str(tmp_path / "r")), "t")
+    bar = run.progress(2)
+    with common.phase("train"):
+        time.sleep(0.05)
+        with common.phase("sync"):  # exclusive: the sync inside the train step counts as sync only
+            time.sleep(0.15)
+    run.log(1, {"loss": 1.0})
+    assert "slowest" in bar.postfix and "sync" in bar.postfix
+    run.log(2, {})
+    run.close()
+    rows = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert {f"time/{p}" for p in common.PHASES} <= set(r)
+    assert 0.14 < rows[0]["time/sync"] < 0.5 and 0.04 < rows[0]["time/train"] < 0.14
+    assert rows[1]["time/sync"] == 0.0
+    text = run.summary()
+    assert "time/phase" in text and f"python t.py --resume {tmp_path / 'r'}" in text
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_model_path):
+    out = tmp_path / "run"
+    p = _start(["star.py", "--model", "tiny", "--backend", "hf", "--rounds", "40", "--save-every",
+                "1", "--output-dir", str(out)])
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "latest").is_file() and time.time() < deadline:
+        if p.poll() is not None:
+            break
+        time.sleep(0.5)
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: the whole process group
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    last = [l for l in err.splitlines() if l.strip()][-1]
+    ck = common.latest_checkpoint(out)
+    saved = json.loads((ck / "trainer_state.json").read_text())["step"]
+    assert re.search(rf"star: interrupted at step \d+; step_{saved} is saved; resume with: "
+                     rf"python star.py --resume {re.escape(str(out))}$", last), last
+    (out / "checkpoints" / f".tmp-step_{saved + 1}-1").mkdir()  # what a save killed half-way leaves
+    cmd = last.split("resume with: ", 1)[1].split()[1:] + ["--rounds", str(saved + 1)]
+    r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert re.search(rf"^steps\s+{saved + 1} of {saved + 1}", r.stdout, re.M), r.stdout
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(saved + 2))  # nothing lost, nothing repeated
+
+
+# ---------------------------------------------------------------------------------- common.py eval
+@pytest.mark.slow
+def test_eval_out_dir_is_created_and_checked_before_computing(tmp_path, tiny_model_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    bench = str(DATA / "bench_tiny.jsonl")
+    (res,) = _run_all([["common.py", "eval", "--model", "tiny", "--benchmarks", bench, "--out",
+                        str(blocked / "sub")]])
+    _one_line_error(*res, f"--out {blocked / 'sub'}: cannot write into")
+    out = tmp_path / "new" / "dir"
+    r = subprocess.run([sys.executable, "common.py", "eval", "--model", "tiny", "--backend", "hf",
+                        "--benchmarks", bench, "--limit", "2", "--max-tokens", "4", "--out",
+                        str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "eval_tiny.json").read_text())
+    assert res["benchmarks"][bench]["n_problems"] == 2
+    assert f"wrote {out / 'eval_tiny.json'}" in r.stdout
+
+
+# -------------------------------------------------------------------------------------- the README
+def readme_tiny_commands() -> dict:
+    """The README Run section's `--model tiny` one-liners, by script."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Run\n", 1)[1].split("\n## ", 1)[0]
+    cmds = {}
+    for line in section.splitlines():
+        cmd = line.split("#", 1)[0].strip()
+        m = re.fullmatch(r"python (\w+)\.py --model tiny", cmd)
+        if m:
+            cmds[m[1]] = cmd
+    return cmds
+
+
+def test_readme_run_section_gives_all_four_tiny_one_liners():
+    assert sorted(readme_tiny_commands()) == sorted(METHODS)
+
+
+SUMMARY_ROWS = ("method", "steps", "wall time", "time/phase", "run folder", "resume")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_readme_tiny_one_liner_runs_offline_as_printed(method, tiny_model_path):
+    cmd = readme_tiny_commands()[method]
+    argv = shlex.split(cmd)
+    assert argv[0] == "python"
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=_env(HF_HUB_OFFLINE="1"),
+                       capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    folder = re.search(r"^run folder\s+(\S+)$", r.stdout, re.M)
+    run_dir = ROOT / folder[1] if folder else None
+    try:
+        assert r.returncode == 0, r.stderr[-4000:]
+        rows = dict(re.findall(r"^(\S+(?: \S+)?)\s{2,}(.+)$", r.stdout, re.M))
+        assert all(k in rows for k in SUMMARY_ROWS), r.stdout
+        assert rows["method"] == method
+        assert rows["resume"] == f"python {method}.py --resume {folder[1]}"
+        assert re.match(r"\d+ of \d+", rows["steps"]) and "sample" in rows["time/phase"]
+        assert any(k.startswith(("eval/", "test/")) for k in rows), r.stdout  # a headline figure
+        # quiet: no vLLM INFO lines, no per-sync rotary warning, no traceback
+        assert not re.search(r"\bINFO\b", r.stderr), r.stderr[-3000:]
+        assert "Failed to load weights" not in r.stderr and "Traceback" not in r.stderr
+        assert "Writing model shards" not in r.stderr  # no library bar breaks the progress bar
+        metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert metrics and all({f"time/{p}" for p in common.PHASES} <= set(m) for m in metrics)
+        ck = common.latest_checkpoint(run_dir)
+        assert ck is not None and (run_dir / "eval.json").is_file()
+        if method == "r_zero":
+            ev = json.loads((run_dir / "eval.json").read_text())
+            assert set(ev) == {"base", "iterations", "best"} and ev["base"]
+            assert "1" in ev["iterations"] and ev["best"]["iteration"] == 1
+            st = json.loads((ck / "trainer_state.json").read_text())["state"]
+            assert st["holds"]["model"] == st["active"]
+        if method == "star":  # what the model wrote is logged, kept or not
+            samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
+            assert samples and all(s["rationale"] is not None for s in samples)
+        print(f"{cmd}: {wall:.0f} s")
+    finally:
+        if run_dir is not None and run_dir.resolve().parent == (ROOT / "runs").resolve():
+            shutil.rmtree(run_dir, ignore_errors=True)
