@@ -137,7 +137,8 @@ CHALLENGER, REASONER = "challenger", "reasoner"
 TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
         "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl", "steps": 2, "docs_per_step": 1,
         "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
-        "max_model_len": 2048, "type_select_max_tokens": 16, "eval_max_tokens": 8}
+        "max_model_len": 2048, "type_select_max_tokens": 16, "eval_max_tokens": 8,
+        "prompts": f"{common.TINY_DATA}/spice_short_prompts.toml"}  # ours fill 3.6k tiny tokens
 
 # Open stand-ins for the paper's Nemotron-CC-Math + NaturalReasoning (DCLM) mix: 50% math web text, 50% educational.
 DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-10BT"
@@ -1081,8 +1082,8 @@ def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
         *(challenger_prompt("", "free", t, fmt, templates) for t in ANSWER_TYPES)))
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next to "
-                         f"--max-tokens {cfg.max_tokens} and a {overhead}-token prompt; raise --max-model-len")
+        raise CorpusError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next to "
+                          f"--max-tokens {cfg.max_tokens} and a {overhead}-token prompt; raise --max-model-len")
     if room < cfg.chunk_tokens:
         print(f"[spice] segments shortened to {room} tokens so that prompt + document + {cfg.max_tokens} "
               f"generated tokens fit --max-model-len {cfg.max_model_len}", file=sys.stderr)
