@@ -159,7 +159,7 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "learnability_samples": 2, "seed_max_rounds": 1, "max_prompt_tokens": 1500,
         "max_response_tokens": 48, "max_model_len": 2048, "sandbox_workers": 2,
         "executor_timeout": 2.0, "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
-        "eval_max_tokens": 16}
+        "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
 
 
 # --------------------------------------------------------------------------------------------------------------
