@@ -1915,7 +1915,15 @@ class Run:
                 f"resume with: {self.resume_command()}")
 
 
+_CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
+
+
 def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+    if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
+        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
+        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
+                                                           file, line))
+        return
     tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 

@@ -293,7 +293,8 @@ def test_spice_iteration_takes_a_step_per_mini_batch(tiny_model_path, tmp_path, 
     cfg = spice.Config(model=tiny_model_path, corpus=str(corpus), output_dir=str(tmp_path / "run"), steps=1,
                        docs_per_step=2, group_size=2, reasoner_k=2, max_attempts=2, max_tokens=24,
                        max_model_len=2048, eval_benchmarks="", save_every=0, log_samples=0,
-                       type_select_max_tokens=16, mini_batch=3)
+                       type_select_max_tokens=16, mini_batch=3,
+                       prompts=str(corpus.parent / "spice_short_prompts.toml"))  # fits 2,048 tokens
     policy = common.Policy.load(cfg, sampler=vllm_sampler)
     assert policy.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
     steps = _count_steps(policy)

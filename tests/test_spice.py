@@ -858,8 +858,10 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert m["challenger/valid_rate"] > 0
         assert m["train/n_seqs"] == 8 * (2 - m["challenger/docs_without_valid"])    # T_R only, no Challenger
         assert "challenger/entropy" not in m and "challenger/zero_adv_group_frac" not in m
-        assert m["train/grad_norm"] > 0 and "reasoner/entropy" in m
+        # a step whose Reasoner groups all agree has only zero advantages, and so no gradient
+        assert (m["train/grad_norm"] > 0 or m["train/zero_adv_frac"] == 1) and "reasoner/entropy" in m
         assert m["train/logprob_diff_vs_sampler"] < 1e-3     # Reasoner answers came from the trained weights
+    assert any(m["train/grad_norm"] > 0 for m in ms)
     assert "gold_check/agree" not in ms[0] and ms[1]["gold_check/oracle_answered"] == 1.0   # --oracle-every 2
     trained = policy.get_weights()
     assert any(not torch.equal(trained[k], v) for k, v in reasoner_only_weights.items())    # the Reasoner learnt

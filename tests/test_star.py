@@ -2,6 +2,7 @@
 and the whole loop end to end (CLI, checkpoints, --resume) on a toy copy task where one round of fine-tuning on
 rationalized examples measurably raises the share of training questions solved directly."""
 import json
+import re
 import os
 import pathlib
 import random
@@ -164,19 +165,22 @@ def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err  # an argparse usage error with the reason
     with pytest.raises(SystemExit):
         star.main(["--round", "2"])  # typo -> argparse error naming --rounds (core)
-    with pytest.raises(FileNotFoundError):
-        star.main(["--data", str(tmp_path / "missing.jsonl"), "--output-dir", str(out)])
+    with pytest.raises(SystemExit) as e:  # one line naming the file, before any model loads
+        star.main(["--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--output-dir", str(out)])
+    assert e.value.code and "missing.jsonl: no such file" in capsys.readouterr().err + str(e.value.code)
     assert not out.exists()
 
 
-def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path):
+def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
     """--output-dir pointing at a finished run must not silently continue it: a clear error naming both fixes,
     before anything in the folder is touched; with --resume the same folder is fine."""
     out = tmp_path / "old"
     (out / "checkpoints" / "step_3").mkdir(parents=True)
     (out / "config.json").write_text("{}")
-    with pytest.raises(FileExistsError, match=f"checkpoints/step_3.*--resume {out}, or pass a new --output-dir"):
+    with pytest.raises(SystemExit) as e:
         star.main(["--data", str(TRAIN), "--output-dir", str(out)])
+    assert e.value.code == 2 and re.search(f"checkpoints/step_3.*--resume {out}, or give a new one",
+                                           capsys.readouterr().err)
     assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["checkpoints",
                                                                                                     "config.json"]
     common.Run(star.Config(output_dir=str(out), resume=str(out)), "star")  # --resume: no error
