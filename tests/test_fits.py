@@ -1,0 +1,148 @@
+"""Issue 19 (fits at real size): no step spent on nothing, honest step figures, the trainer's threads
+and vLLM's compile cache on CPU."""
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _trajs(advantages, seed=0):
+    """Fixed trajectories (random token ids of the tiny vocabulary), one per advantage."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, a in enumerate(advantages):
+        prompt = torch.randint(5, 200, (3 + i % 3,), generator=g).tolist()
+        comp = torch.randint(5, 200, (4 + i % 4,), generator=g).tolist()
+        out.append(common.Trajectory(prompt_ids=prompt, completion_ids=comp, advantage=a, role="solver"))
+    return out
+
+
+def _adam_state(policy):
+    return [(k, v.clone() if torch.is_tensor(v) else v)
+            for st in policy.optimizer.state.values() for k, v in sorted(st.items())]
+
+
+def _count_forwards(model):
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls, handle
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 4: a mini-batch whose advantages are all zero costs no forward or backward
+# ------------------------------------------------------------------------------------------------
+def test_zero_advantage_mini_batch_skipped_with_the_same_weights_and_adam_state(tiny_policy_hf):
+    """Mini-batches [A != 0], [A = 0], [A != 0]: the skipped middle step leaves weights and AdamW
+    state (step count, both moments, weight decay) bit-identical to computing it."""
+    policy = tiny_policy_hf
+    policy.cfg.weight_decay = 0.1
+    policy.cfg.grad_clip = 1.0
+    start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    trajs = _trajs([1.0, -1.0, 0.0, 0.0, 0.5, -0.5])
+    results = []
+    for skip in (True, False):
+        policy.model.load_state_dict(start)
+        policy.reset_optimizer()
+        calls, handle = _count_forwards(policy.model)
+        st = common.pg_step(policy, trajs, common.PGConfig(mini_batch=2, skip_zero_adv=skip))
+        handle.remove()
+        results.append((st, len(calls), {k: v.detach().clone() for k, v in policy.model.state_dict().items()},
+                        _adam_state(policy)))
+    (st_s, n_s, w_s, adam_s), (st_c, n_c, w_c, adam_c) = results
+    assert st_s["skipped_mini_batches"] == 1 and st_c["skipped_mini_batches"] == 0
+    assert st_s["optimizer_steps"] == st_c["optimizer_steps"] == 3
+    assert n_s == n_c - 1  # one forward fewer (the whole batch fits one micro-batch)
+    for k in w_c:
+        assert torch.equal(w_s[k], w_c[k]), k
+    assert len(adam_s) == len(adam_c) > 0
+    for (ka, a), (kb, b) in zip(adam_s, adam_c):
+        assert ka == kb and (torch.equal(a, b) if torch.is_tensor(a) else a == b), ka
+    assert any(not torch.equal(w_c[k], start[k]) for k in w_c)
+
+
+def test_all_zero_batch_steps_without_a_gradient_pass_but_keeps_its_diagnostics(tiny_policy_hf):
+    """Every step skipped: weights move only by AdamW's decay of earlier moments (here: none, fresh
+    optimizer, no weight decay, so not at all); the no-grad pass still gives the entropy."""
+    policy = tiny_policy_hf
+    before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    calls, handle = _count_forwards(policy.model)
+    st = common.pg_step(policy, _trajs([0.0] * 4), common.PGConfig(mini_batch=2, updates_per_batch=2))
+    handle.remove()
+    assert st["skipped_mini_batches"] == st["optimizer_steps"] == 4
+    assert len(calls) == 1  # the no-grad pi_old / entropy pass only
+    assert math.isfinite(st["entropy"]) and st["loss"] == 0 and st["grad_norm"] == 0
+    assert math.isnan(st["approx_kl"])  # nothing computed: unknown, not 0
+    assert all(s["step"] == 4 for s in policy.optimizer.state.values())
+    for k, v in policy.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("kw", [dict(entropy_coef=0.01), dict(skip_zero_adv=False)])
+def test_zero_advantage_with_an_entropy_term_is_computed(tiny_policy_hf, kw):
+    policy = tiny_policy_hf
+    before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    st = common.pg_step(policy, _trajs([0.0] * 4), common.PGConfig(**kw))
+    assert st["skipped_mini_batches"] == 0
+    if "entropy_coef" in kw:  # the entropy bonus has a gradient even with A = 0
+        assert st["grad_norm"] > 0
+        assert any(not torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
+
+
+def test_custom_token_loss_is_never_skipped(tiny_policy_hf):
+    """A fork's loss function may not vanish at A = 0: pg_step cannot know, so it computes."""
+    def loss_with_a_floor(logp, old_logp, adv, cfg, **kw):
+        loss, clipped = common.pg_token_loss(logp, old_logp, adv, cfg, **kw)
+        return loss - 0.01 * logp, clipped
+    st = common.pg_step(tiny_policy_hf, _trajs([0.0] * 4), common.PGConfig(), token_loss=loss_with_a_floor)
+    assert st["skipped_mini_batches"] == 0 and st["grad_norm"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 5: honest figures
+# ------------------------------------------------------------------------------------------------
+def test_tokens_per_s_counts_prompt_and_completion_and_excludes_the_sync(tiny_policy_hf, monkeypatch):
+    policy = tiny_policy_hf
+    trajs = _trajs([1.0, -1.0, 0.5, -0.5])
+    real_sync = policy.sync
+
+    def slow_sync():
+        time.sleep(0.5)
+        real_sync()
+    monkeypatch.setattr(policy, "sync", slow_sync)
+    st = common.pg_step(policy, trajs, common.PGConfig(updates_per_batch=2))
+    assert st["sync_s"] >= 0.5 and st["time_s"] > st["sync_s"]
+    seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+    # the no-grad pass plus two forward+backward passes, over the time without the sync
+    assert st["tokens_per_s"] * (st["time_s"] - st["sync_s"]) == pytest.approx(3 * seq_tokens, rel=1e-3)
+
+
+def test_sft_tokens_per_s_counts_prompt_tokens(tiny_policy_hf):
+    ex = [([5, 6, 7, 8], [9, 10]), ([11, 12], [13, 14, 15])]
+    st = common.sft_step(tiny_policy_hf, ex)
+    assert st["tokens_per_s"] * st["time_s"] == pytest.approx(11, rel=1e-3)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_cpu_peak_memory_is_the_steps_own(tiny_policy_hf):
+    """A 1 GiB allocation before the step raises the process's peak but not the step's; 256 MiB
+    touched inside the step (a fork's loss function) shows in it."""
+    big = torch.ones(2**28)  # 1 GiB, touched
+    del big
+    st = common.pg_step(tiny_policy_hf, _trajs([1.0, -1.0]), common.PGConfig())
+    assert st["peak_mem_gb"] < 0.5
+
+    def loss_allocating(logp, old_logp, adv, cfg, **kw):
+        scratch = torch.ones(2**26)  # 256 MiB, touched
+        loss, clipped = common.pg_token_loss(logp, old_logp, adv, cfg, **kw)
+        return loss + 0 * scratch[0], clipped
+    st = common.pg_step(tiny_policy_hf, _trajs([1.0, -1.0]), common.PGConfig(), token_loss=loss_allocating)
+    assert 0.24 <= st["peak_mem_gb"] < 0.75
