@@ -1,5 +1,6 @@
 """Issue 19 (fits at real size): no step spent on nothing, honest step figures, the trainer's threads
 and vLLM's compile cache on CPU."""
+import json
 import math
 import os
 import pathlib
@@ -146,3 +147,53 @@ def test_cpu_peak_memory_is_the_steps_own(tiny_policy_hf):
         return loss + 0 * scratch[0], clipped
     st = common.pg_step(tiny_policy_hf, _trajs([1.0, -1.0]), common.PGConfig(), token_loss=loss_allocating)
     assert 0.24 <= st["peak_mem_gb"] < 0.75
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 6: the trainer's threads after vLLM starts, and vLLM's compile cache on CPU
+# ------------------------------------------------------------------------------------------------
+_ENGINE_START = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, common
+before = torch.get_num_threads()
+path = common.resolve_model_path("tiny")
+cfg = common.RunConfig(model=path, backend="vllm", max_model_len=256)
+t = time.perf_counter()
+s = common.VLLMSampler(path, common.load_tokenizer(path), cfg)
+start_s = time.perf_counter() - t
+after = torch.get_num_threads()
+torch.set_num_threads(1)  # must act: the trainer owns torch's threads
+settable = torch.get_num_threads() == 1
+s.generate(["hi"], max_tokens=2, temperature=0)
+from torch._dynamo.utils import counters
+print(json.dumps(dict(before=before, after=after, settable=settable, start_s=start_s,
+                      fx_hit=counters["inductor"]["fxgraph_cache_hit"],
+                      fx_miss=counters["inductor"]["fxgraph_cache_miss"])))
+s.close()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's threads and compile cache")
+def test_vllm_cpu_keeps_trainer_threads_and_reuses_its_compile_cache(tmp_path):
+    """Two engine starts in fresh processes sharing fresh compile caches: the trainer keeps its
+    thread count and can still set it; the second start loads every compiled graph."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # vLLM's own choice
+    env.update(VLLM_CACHE_ROOT=str(tmp_path / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_LOGGING_LEVEL="INFO", VLLM_CONFIGURE_LOGGING="1")
+    runs, logs = [], []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _ENGINE_START, str(ROOT)], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1]))
+        logs.append(p.stdout + p.stderr)  # vLLM logs to stdout
+    first, second = runs
+    for r in runs:
+        assert r["after"] == r["before"] and r["settable"], r
+    # the second start finds every graph in the compile cache (vllm/compilation/decorators.py logs
+    # "Compiling model again due to a load failure" where it cannot)
+    assert first["fx_miss"] > 0, first
+    assert second["fx_hit"] > 0 and second["fx_miss"] == 0, second
+    assert "load failure" not in logs[1]
