@@ -1257,13 +1257,45 @@ class Policy:
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
         """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
-        restores the current weights afterwards. The sampler is not touched."""
+        restores the current weights afterwards. The sampler is not touched. When `weights` holds
+        every tensor, unaliased, at the trainer's dtype and full shape (as get_weights gives), the
+        two sets are exchanged tensor by tensor, so no full backup is held: inside the block
+        `weights` holds the trainer's weights, and both are back, bit for bit, on exit."""
+        names = {_core_strip_prefix(k): k for k in weights}
+        state = list(_core_unique_state(self.model))
+        src = [weights.get(names.get(k)) for k, _ in state]
+        if (all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
+                for w, (_, v) in zip(src, state))
+                and len({w.data_ptr() for w in src}) == len(src)):
+            self._exchange_weights(weights, names)
+            try:
+                yield self.model
+            finally:
+                self._exchange_weights(weights, names)
+            return
         current = self.get_weights()
         self.load_trainer_weights(weights)
         try:
             yield self.model
         finally:
             self.load_trainer_weights(current)
+
+    @torch.no_grad()
+    def _exchange_weights(self, weights: dict, names: dict) -> None:
+        """Swap the trainer's tensors with `weights` (same dtypes, full shapes) one at a time: at
+        most one full tensor is held extra. Under FSDP2 every rank gathers each (a collective)."""
+        for k, v in _core_unique_state(self.model):
+            src = weights[names[k]]
+            if _core_is_dtensor(v):
+                from torch.distributed.tensor import distribute_tensor
+                cur = v.full_tensor().to(src.device)
+                part = distribute_tensor(src.to(v.to_local().device), v.device_mesh, v.placements)
+                v.to_local().copy_(part.to_local())
+            else:
+                cur = v.to(src.device, copy=True)
+                v.copy_(src.to(v.device))
+            src.copy_(cur)
+            del cur
 
     @contextlib.contextmanager
     def sampling_from(self, weights: dict | None):

@@ -197,3 +197,49 @@ def test_vllm_cpu_keeps_trainer_threads_and_reuses_its_compile_cache(tmp_path):
     assert first["fx_miss"] > 0, first
     assert second["fx_hit"] > 0 and second["fx_miss"] == 0, second
     assert "load failure" not in logs[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 3: a weight swap (R-Zero's KL reference pass) holds no full backup copy
+# ------------------------------------------------------------------------------------------------
+def _mid_policy(tmp_path):
+    """A Policy on a ~100 MB random Qwen3 (many small tensors), no sampler needed."""
+    import transformers
+    conf = transformers.Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                                    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                    head_dim=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(conf)
+    cfg = common.RunConfig(model="tiny", output_dir=str(tmp_path), backend="hf")
+    return common.Policy(cfg, model, None, None, "tiny")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_swapped_weights_exchanges_without_a_full_backup(tmp_path):
+    policy = _mid_policy(tmp_path)
+    start = {k: v.clone() for k, v in policy.get_weights().items()}
+    ref = {k: v + 1.0 for k, v in policy.get_weights().items()}
+    ref["lm_head.weight"] = ref["model.embed_tokens.weight"]  # tied, as get_weights gives
+    ref_copy = {k: v.clone() for k, v in ref.items()}
+    full_gb = sum(v.numel() * 4 for k, v in start.items() if k != "lm_head.weight") / 2**30
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resident peak := now
+    rss0 = common._rl_proc_status_kb("VmRSS") / 2**20
+    with policy.swapped_weights(ref):
+        grown = common._rl_peak_mem_gb(torch.device("cpu"), rss0)
+        for k, v in policy.get_weights().items():
+            assert torch.equal(v, ref_copy[k]), k
+    assert grown < 0.3 * full_gb, (grown, full_gb)  # the old backup held a full copy
+    for k, v in policy.get_weights().items():
+        assert torch.equal(v, start[k]), k
+    for k, v in ref.items():
+        assert torch.equal(v, ref_copy[k]), k
+
+
+def test_swapped_weights_of_another_dtype_still_restores(tmp_path):
+    policy = _mid_policy(tmp_path)
+    start = {k: v.clone() for k, v in policy.get_weights().items()}
+    ref = {k: v.to(torch.bfloat16) for k, v in policy.get_weights().items()}
+    with policy.swapped_weights(ref):
+        pass
+    for k, v in policy.get_weights().items():
+        assert torch.equal(v, start[k]), k
