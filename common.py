@@ -1257,10 +1257,24 @@ class Policy:
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
         """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
-        restores the current weights afterwards. The sampler is not touched. When `weights` holds
-        every tensor, unaliased, at the trainer's dtype and full shape (as get_weights gives), the
-        two sets are exchanged tensor by tensor, so no full backup is held: inside the block
-        `weights` holds the trainer's weights, and both are back, bit for bit, on exit."""
+        restores the current weights afterwards. The sampler is not touched. Through
+        exchange_weights: no full backup where `weights` fits the trainer; `weights` is back, bit
+        for bit, on exit."""
+        previous = self.exchange_weights(weights)
+        try:
+            yield self.model
+        finally:
+            if previous is weights:
+                self.exchange_weights(weights)
+            else:
+                self.load_trainer_weights(previous)
+
+    def exchange_weights(self, weights: dict) -> dict:
+        """Put full HF-named `weights` into the trainer (not the sampler; optimizer untouched) and
+        return the trainer's previous weights. When `weights` holds every tensor, unaliased, at the
+        trainer's dtype and full shape (as get_weights gives), the two sets are exchanged tensor by
+        tensor, holding no extra copy: the dict returned is `weights` itself, now with the previous
+        weights. Otherwise the previous weights are a fresh CPU copy (get_weights)."""
         names = {_core_strip_prefix(k): k for k in weights}
         state = list(_core_unique_state(self.model))
         src = [weights.get(names.get(k)) for k, _ in state]
@@ -1268,17 +1282,10 @@ class Policy:
                 for w, (_, v) in zip(src, state))
                 and len({w.data_ptr() for w in src}) == len(src)):
             self._exchange_weights(weights, names)
-            try:
-                yield self.model
-            finally:
-                self._exchange_weights(weights, names)
-            return
+            return weights
         current = self.get_weights()
         self.load_trainer_weights(weights)
-        try:
-            yield self.model
-        finally:
-            self.load_trainer_weights(current)
+        return current
 
     @torch.no_grad()
     def _exchange_weights(self, weights: dict, names: dict) -> None:

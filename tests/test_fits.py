@@ -243,3 +243,32 @@ def test_swapped_weights_of_another_dtype_still_restores(tmp_path):
         pass
     for k, v in policy.get_weights().items():
         assert torch.equal(v, start[k]), k
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_r_zero_role_switch_holds_no_third_copy(tmp_path):
+    """Roles.activate parks the trained role in the other role's dict: the set leaves, the trained
+    one takes its storage; no full copy is made on the way."""
+    import r_zero
+
+    class _Engine:  # stands for the sampler: it records what sync pushes
+        def load_weights(self, named):
+            self.n = sum(1 for _ in named)
+    policy = _mid_policy(tmp_path)
+    policy.sampler = _Engine()
+    trained = {k: v.clone() for k, v in policy.get_weights().items()}
+    other = {k: v + 1.0 for k, v in policy.get_weights().items()}
+    other["lm_head.weight"] = other["model.embed_tokens.weight"]
+    other_copy = {k: v.clone() for k, v in other.items()}
+    roles = r_zero.Roles(policy, r_zero.CHALLENGER, other)
+    full_gb = sum(v.numel() * 4 for k, v in trained.items() if k != "lm_head.weight") / 2**30
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    rss0 = common._rl_proc_status_kb("VmRSS") / 2**20
+    roles.activate(r_zero.SOLVER)
+    grown = common._rl_peak_mem_gb(torch.device("cpu"), rss0)
+    assert grown < 0.3 * full_gb, (grown, full_gb)
+    assert roles.active == r_zero.SOLVER and policy.sampler.n > 0
+    for k, v in policy.get_weights().items():
+        assert torch.equal(v, other_copy[k]), k
+    for k, v in roles.cpu[r_zero.CHALLENGER].items():
+        assert torch.equal(v, trained[k]), k
