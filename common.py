@@ -2542,6 +2542,18 @@ def _rl_plan(policy, idx: list[int], tokens: list[int], seq_lens: list[int], bud
     return _RLPart(micro, local if real else [], int(n), int(m))
 
 
+def _rl_reshard(model) -> None:
+    """FSDP2 leaves the root's parameters unsharded after a forward without a backward (the no-grad
+    pass); a step taken without a backward must first put back the sharded ones the optimizer holds."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _rl_swap(policy, weights: dict):
     """Reference weights in the trainer for one no-grad pass: core's ``Policy.swapped_weights`` (FSDP-safe)
     when available, else an in-place copy into the plain model."""
@@ -2697,8 +2709,10 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             continue
         if not need:  # zero gradient: AdamW still steps (count, moment decay, weight decay)
             opt.zero_grad(set_to_none=True)
-            for p in params:
-                p.grad = torch.zeros_like(p)
+            _rl_reshard(model)
+            for p in model.parameters():  # the parameters the optimizer holds (FSDP2: shards)
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
             norms.append(_rl_clip_and_step(policy, params, max_norm))
             skipped += 1
             continue
