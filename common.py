@@ -5028,100 +5028,44 @@ def cli_main(argv=None):
     return 0
 
 
-# ====================================================================================================================
+# ==================================================================================================
 # The Python sandbox
-# ====================================================================================================================
-# Run untrusted, model-written Python in fresh, isolated processes, fast.
-#
-# Design (why each piece is there):
-#
-# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted
-#   code produced. Programs run in other processes; what comes back is a size-capped JSON object of
-#   strings ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off
-#   *inside the child* (a repr longer than ``max_output_chars`` is status ``output_limit``, never
-#   silently truncated). Values are compared in the trainer after :func:`parse_literal`
-#   (``ast.literal_eval`` with size/depth caps and a repr round-trip check, so an object whose
-#   ``__eq__`` always says True can never become a task value).
-#
-# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter
-#   started clean with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment,
-#   cwd ``/``), never forked from the multi-GB trainer and never importing ``common``/torch. Per job
-#   it forks a child that runs exactly one program and then exits, so monkeypatched builtins,
-#   threads or caches never reach the next task. A job costs 1.5-2 ms of CPU in all (trainer +
-#   zygote + child; most of it copy-on-write page faults, which are slow in a VM) against 25-40 ms
-#   for a fresh interpreter: see tests/bench_sandbox.py.
-#
-# * Isolation, as far as the kernel lets us (the achieved level is reported by
-#   ``PythonSandbox.isolation``):
-#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters
-#     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so
-#     no socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
-#     namespace it builds the children's filesystem from an allow-list and pivots into it: Python's
-#     own directories (prefix, stdlib, site-packages) and the system libraries read-only, /dev/null,
-#     zero, full, random and urandom (never a GPU, kvm or a disk), synthetic /etc/passwd, group and
-#     shadow, a fresh /proc with hidepid=2, and /tmp. Nothing else of the host is there: no other
-#     checkout, log or socket. The hide_paths (/root, /home, /tmp, the trainer's working
-#     directory...) are empty.
-#   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
-#     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
-#     the next (one the job never touched, same times and still empty, serves the next job); and a
-#     fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with the job.
-#     The zygote never holds a job's program, input or result as objects: they pass through two byte
-#     buffers it wipes after each job, so no child inherits an earlier job's data.
-#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
-#     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
-#     harmless. (In a user namespace that is not allowed; there the worker is PID 1 of one namespace
-#     and empties it after every program.)
-#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, unique among
-#     the live sandboxes of the process, from a block no account uses), so ``RLIMIT_NPROC`` really
-#     applies and workers cannot signal each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries;
-#     on x86-64 a small hand-written seccomp filter (no library needed) refuses ptrace, new
-#     namespaces, bpf, keyctl, io_uring, module loading and similar kernel attack surface, and
-#     sockets of any family but AF_UNIX (and AF_INET/AF_INET6 inside the empty network namespace):
-#     no AF_VSOCK, netlink or packet sockets.
-#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files,
-#     processes (``max_procs``, threads included), core = 0. The address-space limit is per process;
-#     as root, each zygote also sits in a memory cgroup of its own (v2, else v1) capped at
-#     ``memory_mb`` plus a small margin, which its children inherit: a job's processes, tmpfs and
-#     kernel memory together stay under it (an OOM kill is status ``memory``). Without one
-#     (non-root, no memory controller) ``isolation["memory_cgroup"]`` is None and the notes say why.
-#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser
-#     deadline on the zygote itself, and a dead or silent zygote costs only its in-flight job
-#     (``sandbox_error``) before it is restarted. A program's frames are only believed for what a
-#     program may claim (it cannot report ``timeout``, ``crash`` or ``sandbox_error`` for itself). A
-#     frame that does not decode (not UTF-8, nested past json's recursion limit, NaN, other keys or
-#     types, a value with a lone surrogate) is ``crash`` for its job alone; a zygote that reports an
-#     error of its own is replaced.
-#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same
-#     in every child of one sandbox; two sandboxes with different seeds give a determinism check two
-#     independent runs), ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``,
-#     cwd a private empty directory.
-#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the
-#   sandbox still works with what it has and says so in ``.isolation``; Python-level guards are
-#   never relied upon.
-#
-# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
-#   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
-#   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is
-#   ~60 hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions),
-#   whose source ``_sb_zygote_source`` hands to the clean interpreter.
-#
-# * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
-#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a
-#   security boundary.
-#
-# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory
-# (MemoryError or address-space limit), output_limit (repr too long), crash (signal, or exit
-# without a result), forbidden, sandbox_error (the sandbox failed, not the program).
-
-# --------------------------------------------------------------------------------------------------
-# Python sandbox for model-written code (issue #5)
-# --------------------------------------------------------------------------------------------------
+# ==================================================================================================
+# Runs untrusted, model-written Python, one fresh isolated process per program, at 1.5-2 ms CPU
+# a program against 25-40 ms for a fresh interpreter (tests/bench_sandbox.py). Each guarantee, why:
+# - The trainer never evals, execs or unpickles what a program made: it gets a capped JSON frame
+#   of strings {status, value, error}, value the repr cut off in the child; a caller compares
+#   values after parse_literal (caps, repr round-trip), so a liar's __eq__ never becomes a value.
+# - One zygote (fork server) per worker: a clean `python -s -S -P` with an allow-listed environment
+#   (no tokens, PYTHONHASHSEED=hash_seed) that forks one child per program, so no state, thread or
+#   patched builtin reaches the next program, and the multi-GB trainer is never forked.
+# - The zygote enters network (no interface up), mount, IPC and UTS namespaces (root: directly,
+#   else inside a user namespace) and pivots into an allow-listed, read-only filesystem: Python,
+#   system libraries, five /dev nodes, synthetic /etc accounts, /proc with hidepid=2; hide_paths
+#   (homes, temp dirs, the trainer's cwd) are empty. No other checkout, log, socket or GPU is there.
+# - Per job: a fresh tmpfs of tmpfs_mb as /tmp, cwd, HOME and /dev/shm (detached whole, so no tree
+#   outlives its job), a fresh IPC namespace, and a PID namespace whose PID 1 is the child, so
+#   setsid escapees die with it (user namespace: the worker is PID 1 and empties its namespace).
+# - Root: a uid per worker, unique among live sandboxes (RLIMIT_NPROC applies, no cross-signals),
+#   and a memory cgroup of memory_mb that caps a job's processes, tmpfs and kernel memory together.
+# - no_new_privs, and on x86-64 a hand-assembled seccomp filter: no ptrace, new namespaces, bpf,
+#   keyctl, io_uring or module loading; sockets AF_UNIX only (AF_INET/6 in the empty network ns).
+# - rlimits with soft = hard: address space, CPU, file size, open files, processes, core = 0; the
+#   zygote enforces the wall clock with SIGKILL, the trainer a looser deadline on the zygote.
+# - A job's program, input and result pass through two byte buffers the zygote wipes after the
+#   job, never objects: no later child finds them in its memory.
+# - A program's frame may only claim program outcomes; one that does not decode is its job's crash;
+#   a dead, silent or failing zygote costs its in-flight job (sandbox_error) and is replaced.
+# - What the host lacks (no user namespaces, no cgroup, not x86-64) is said in .isolation; no
+#   Python-level guard is relied upon. No dependency: bubblewrap would exec a fresh interpreter
+#   per program (tens of ms); the few syscalls go through ctypes.
+# - forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a boundary.
+# Statuses: ok, error (exception and message), timeout (wall clock or CPU), memory, output_limit
+# (repr too long), crash (signal, or no result), forbidden, sandbox_error (not the program's fault).
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
                  "sandbox_error")
-# what a program's own frame may claim
-_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
+_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what it may claim
 
 
 @dataclass(frozen=True)
@@ -5135,8 +5079,6 @@ class ExecResult:
         return self.status == "ok"
 
 
-# -------------------------------------------------------- trusted-side literal parsing (never eval)
-
 _SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict,
                      ast.UnaryOp, ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load,
                      ast.Call, ast.Name)
@@ -5144,13 +5086,9 @@ _SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set,
 
 def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
                   require_roundtrip: bool = True, allow_nonfinite: bool = False):
-    """Parse an untrusted Python literal (e.g. a ``repr`` from the sandbox) without evaluating code.
-
-    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``,
-    nested deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or,
-    with ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval``
-    unchanged.
-    """
+    """Parse an untrusted Python literal (e.g. a repr from the sandbox) without evaluating code.
+    ValueError, naming the problem, for a non-str, over max_chars, nested past max_depth, not a
+    literal, NaN/inf (unless allow_nonfinite), or (require_roundtrip) a value repr changes."""
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
     if len(text) > max_chars:
@@ -5160,29 +5098,31 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
     except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
         raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
     stack = [(tree, 0)]
-    while stack:  # iterative walk: depth and node-type checks before literal_eval recurses
+    while stack:  # iterative walk: depth and node checks before literal_eval recurses
         node, depth = stack.pop()
         if depth > max_depth:
             raise ValueError(f"literal nested deeper than {max_depth}")
         if not isinstance(node, _SB_LITERAL_NODES):
             raise ValueError(f"not a literal: contains {type(node).__name__}")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name)
-                                               and node.func.id == "set"
-                                               and not node.args and not node.keywords):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and
+                                               node.func.id == "set" and not node.args
+                                               and not node.keywords):
             raise ValueError("not a literal: contains a call other than set()")
         if isinstance(node, ast.Name) and node.id != "set":
             raise ValueError(f"not a literal: contains the name {node.id!r}")
+        # literal_eval only adds a real to an imaginary constant: finite constants stay finite
+        if isinstance(node, ast.Constant) and isinstance(node.value, (float, complex)) and not \
+                allow_nonfinite and not (math.isfinite(node.value.real)
+                                         and math.isfinite(node.value.imag)):
+            raise ValueError("literal contains NaN or infinity")
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
     try:
         value = ast.literal_eval(tree)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
         raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
-    if not allow_nonfinite and not _sb_all_finite(value):
-        raise ValueError("literal contains NaN or infinity")
     if require_roundtrip:
-        try:
+        try:  # equal, not the same repr: set order may change on re-insertion
             again = ast.literal_eval(repr(value))
-            # (not repr(again) == repr(value): set order may legitimately change on re-insertion)
             ok = type(again) is type(value) and again == value
         except Exception:  # noqa: BLE001 - any failure means "does not round-trip"
             ok = False
@@ -5191,54 +5131,42 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
     return value
 
 
-def _sb_all_finite(value) -> bool:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-        if isinstance(v, complex) and not (math.isfinite(v.real) and math.isfinite(v.imag)):
-            return False
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
-    return True
+# ---------------------------------------------- the zygote: runs in its own clean interpreter
+# Every _zy_ function and _ZY_ value runs in the zygote, never in the trainer: _sb_zygote_source
+# ships their source. Protocol on stdin/stdout: 4-byte big-endian length + payload. The config
+# (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths, then the
+# program and expression bytes, read into _ZY_JOB_BUF; the reply: see _zy_reply.
+import ctypes, gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
-
-# --------------------------------------------------- the zygote (runs in its own clean interpreter)
-# Every _zy_ function and _ZY_ value below runs in the zygote, NOT in the trainer: _sb_zygote_source
-# hands their source to a fresh interpreter. They use only the standard library.
-
-# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer
-# sends its config (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header
-# of limits and lengths, then the program and expression as raw UTF-8 bytes, which go into JOB_BUF
-# and never become objects in this process (a child forked later must not find them in memory).
-# The reply: see send_reply. Per job: a fresh tmpfs at /tmp, a fresh IPC namespace, and a child
-# (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program and writes
-# one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; detach the
-# tmpfs; reply; wipe the job's bytes.
-import ctypes  # noqa: E402 - the zygote's own imports, all of them stdlib
-import gc  # noqa: E402
-import select  # noqa: E402
-import signal  # noqa: E402
-
-
+_ZY_LINUX = sys.platform.startswith("linux")
 _ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _ZY_CLONE_NEWUSER, _ZY_CLONE_NEWPID, _ZY_CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC = 1, 2, 4, 8
-_ZY_MS_NOATIME, _ZY_MS_NODIRATIME, _ZY_MS_REMOUNT = 1024, 2048, 32
-_ZY_MS_BIND, _ZY_MS_REC = 4096, 16384
-_ZY_MS_PRIVATE, _ZY_MS_RELATIME, _ZY_MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-_ZY_MNT_DETACH = 2
+_ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC, _ZY_MS_REMOUNT = 1, 2, 4, 8, 32
+_ZY_MS_BIND, _ZY_MS_REC, _ZY_MS_PRIVATE, _ZY_MNT_DETACH = 4096, 16384, 1 << 18, 2
+# a read-only remount must keep these flags of the mount (locked in a user namespace)
+_ZY_MS_KEPT = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
+               "relatime": 1 << 21}
 _ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
-_ZY_REPORT = {"namespaces": {}, "notes": []}
-_ZY_STATE = {}
+_ZY_RLIMITS = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+               "RLIMIT_CORE")
+_ZY_DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never nvidia*, kvm, ttys, disks
+_ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                 "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
+_ZY_NO_CGROUP = ("a job's processes together may hold up to max_procs x memory_mb, and its tmpfs "
+                 "up to tmpfs_mb more")
+# what the zygote found, sent to the trainer: PythonSandbox.isolation shows it
+_ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False, "namespaces": {},
+              "pid_namespace": None, "readonly_root": False, "filesystem": "host",
+              "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "rlimits": [],
+              "no_new_privs": _ZY_LINUX, "seccomp": False, "self_test": None, "scratch": None,
+              "ipc_per_job": False, "memory_cgroup": None, "notes": []}
+_ZY_STATE = {"userns": False, "drop_uid": False, "view": False, "pidns_fd": None, "pid1": False,
+             "ipc_flag": 0, "seccomp": None, "oom_fd": None, "oom_kills": 0, "oom_exempt": False,
+             "tmp_mark": None}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
 _ZY_JOB_BUF = bytearray()  # this job's program + expression (wiped after the job)
 _ZY_RES_BUF = bytearray()  # this job's result frame as the child wrote it (wiped after the reply)
-_ZY_WARM_SOURCE = ""       # warm_example's source, filled in by _sb_zygote_source
+_ZY_WARM_SOURCE = ""       # _zy_warm_example's source, filled in by _sb_zygote_source
 
 
 def _zy_note(msg):
@@ -5256,112 +5184,8 @@ def _zy_mount(src, target, fstype, flags, data=None):
     _zy_libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
 
 
-def _zy_recv_exact(n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(0, n - len(buf))
-        if not chunk:
-            _zy_exit()  # trainer went away: nothing more to do
-        buf += chunk
-    return buf
-
-
-def _zy_recv():
-    (n,) = struct.unpack(">I", _zy_recv_exact(4))
-    return json.loads(_zy_recv_exact(n))
-
-
-def _zy_exit():
-    """Leave our memory cgroup and remove it (the trainer has gone or closed us), then exit."""
-    if _ZY_STATE.get("cgroup_parent") is not None:
-        try:
-            os.write(_ZY_STATE["cgroup_parent_procs"], b"0")
-            os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
-        except OSError:
-            pass
-    os._exit(0)
-
-
-def _zy_recv_into(buf, n):
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = os.readv(0, [view[got:n]])
-        if not k:
-            _zy_exit()
-        got += k
-    view.release()
-
-
-def _zy_wipe(buf, n):
-    if n:
-        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
-
-
-def _zy_grow(buf, n):
-    """A buffer of at least n bytes: the old one is wiped before it is let go."""
-    if len(buf) >= n:
-        return buf
-    _zy_wipe(buf, len(buf))
-    return bytearray(max(n, 2 * len(buf)))
-
-
-def _zy_write_all(fd, parts):
-    parts = [memoryview(p) for p in parts]
-    while parts:
-        k = os.writev(fd, parts)
-        while parts and k >= len(parts[0]):
-            k -= len(parts[0])
-            parts.pop(0)
-        if parts and k:
-            parts[0] = parts[0][k:]
-
-
-def _zy_send_bytes(data):
-    _zy_write_all(1, [struct.pack(">I", len(data)), data])
-
-
-def _zy_send(obj):
-    _zy_send_bytes(json.dumps(obj).encode())
-
-
-def _zy_load_job(job, program, expression):
-    """Only for the start-up self-tests: put a program of ours into JOB_BUF as the trainer would."""
-    global _ZY_JOB_BUF
-    p, e = program.encode(), expression.encode()
-    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(p) + len(e))
-    _ZY_JOB_BUF[:len(p) + len(e)] = p + e
-    job.update(plen=len(p), elen=len(e))
-    return job
-
-
-def _zy_send_reply(res):
-    global _ZY_RES_BUF
-    """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the
-    trainer restarts it), or the child's own frame passed through undecoded from RES_BUF, tagged
-    b"P" (written after setup, by the program's process) or b"S" (written during setup). The
-    trainer decodes and checks it."""
-    if type(res) is tuple:
-        kind, a, b = res
-        _zy_write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]])
-        _zy_wipe(_ZY_RES_BUF, b)
-        if len(_ZY_RES_BUF) > 1 << 22:
-            _ZY_RES_BUF = bytearray(1 << 16)
-    else:
-        _zy_send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
-
-
-def _zy_decode_reply(res):
-    """Only for the start-up self-tests (the trainer decodes every other reply)."""
-    try:
-        if type(res) is tuple:
-            out = json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]]))
-            _zy_wipe(_ZY_RES_BUF, res[2])
-            return out
-        return res
-    except ValueError:
-        return {"status": "crash", "value": None, "error": "malformed"}
-
-# ------------------------------------------------------- one-time isolation of the zygote itself
+def _zy_remount_ro(target, flags):
+    _zy_mount(None, target, None, _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | flags)
 
 
 def _zy_write_file(path, text):
@@ -5372,16 +5196,118 @@ def _zy_write_file(path, text):
         os.close(fd)
 
 
+def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        p = p.replace(code, char)
+    return p
+
+
+def _zy_try_in_child(fn):
+    """Whether fn() succeeds in a throwaway child: a probe that must not change this process."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def _zy_exit():
+    """Leave and remove our memory cgroup (the trainer has gone or closed us), then exit."""
+    try:
+        os.write(_ZY_STATE["cgroup_procs"], b"0")
+        os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
+    except (KeyError, OSError):
+        pass
+    os._exit(0)
+
+
+def _zy_recv_into(buf, n):
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(0, [view[got:n]])
+        if not k:
+            _zy_exit()  # the trainer went away
+        got += k
+    view.release()
+
+
+def _zy_recv():
+    head = bytearray(4)
+    _zy_recv_into(head, 4)
+    msg = bytearray(struct.unpack(">I", head)[0])
+    _zy_recv_into(msg, len(msg))
+    return json.loads(msg)
+
+
+def _zy_wipe(buf, n):
+    if n:
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
+
+
+def _zy_grow(buf, n):
+    """buf if it holds n bytes, else a larger one; the old one is wiped before it is let go."""
+    if len(buf) >= n:
+        return buf
+    _zy_wipe(buf, len(buf))
+    return bytearray(max(n, 2 * len(buf)))
+
+
+def _zy_write_all(parts):
+    """writev parts (bytes or buffers, never copied) whole to the trainer."""
+    parts = [memoryview(p) for p in parts]
+    while parts:
+        k = os.writev(1, parts)
+        while parts and k >= len(parts[0]):
+            k -= len(parts[0])
+            parts.pop(0)
+        if parts and k:
+            parts[0] = parts[0][k:]
+
+
+def _zy_reply(res, kind=b"Z"):
+    """A reply: kind + JSON made here (b"Z"; b"E" when this zygote failed, so the trainer replaces
+    it), or a tuple (kind, start, end): the child's frame passed on undecoded from _ZY_RES_BUF,
+    b"P" when the program's process wrote it, b"S" when the child's setup did."""
+    global _ZY_RES_BUF
+    if type(res) is not tuple:
+        data = kind + json.dumps(res).encode()
+        return _zy_write_all([struct.pack(">I", len(data)), data])
+    kind, a, b = res
+    _zy_write_all([struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]])
+    _zy_wipe(_ZY_RES_BUF, b)
+    if len(_ZY_RES_BUF) > 1 << 22:
+        _ZY_RES_BUF = bytearray(1 << 16)
+
+
+def _zy_probe(program, expression):
+    """Run a program of ours as a job (a start-up self-test) -> its result as a dict."""
+    global _ZY_JOB_BUF
+    p, e = program.encode(), expression.encode()
+    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(p) + len(e))
+    _ZY_JOB_BUF[:len(p) + len(e)] = p + e
+    res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
+                       "max_output": 100, "forbidden": [], "plen": len(p), "elen": len(e)})
+    try:
+        return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
+    except ValueError:
+        return {"status": "crash", "value": None, "error": "malformed"}
+
+
+# ------------------------------------------------------- one-time isolation of the zygote itself
+
 def _zy_enter_namespaces():
-    ns = _ZY_REPORT["namespaces"]
-    for k in ("user", "net", "mount", "ipc", "uts", "pid"):
-        ns[k] = False
-    if not sys.platform.startswith("linux"):
-        _zy_note("not Linux: no namespaces")
-        return
+    """Private net, mount, IPC and UTS namespaces; not root (or namespaces="user"): inside a user
+    namespace that maps only our own uid and gid."""
+    ns = _ZY_REPORT["namespaces"] = dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"),
+                                                  False)
+    if not _ZY_LINUX:
+        return _zy_note("not Linux: no namespaces")
     if not _ZY_CFG["namespaces"]:
-        _zy_note("namespaces turned off by the caller")
-        return
+        return _zy_note("namespaces turned off by the caller")
     if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
@@ -5389,10 +5315,9 @@ def _zy_enter_namespaces():
             _zy_write_file("/proc/self/setgroups", "deny")
             _zy_write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
             _zy_write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
-            ns["user"] = True
+            ns["user"] = _ZY_STATE["userns"] = True
         except OSError as e:
-            _zy_note("no user namespace (%s): running without namespaces" % e)
-            return
+            return _zy_note("no user namespace (%s): running without namespaces" % e)
     for key, flag in (("net", _ZY_CLONE_NEWNET), ("mount", _ZY_CLONE_NEWNS),
                       ("ipc", _ZY_CLONE_NEWIPC), ("uts", _ZY_CLONE_NEWUTS)):
         try:
@@ -5401,177 +5326,126 @@ def _zy_enter_namespaces():
         except OSError as e:
             _zy_note("no %s namespace: %s" % (key, e))
     if ns["uts"]:
-        try:
-            _ZY_LIBC.sethostname(b"sandbox", 7)
-        except Exception:
-            pass
+        _ZY_LIBC.sethostname(b"sandbox", 7)
+
 
 def _zy_setup_pid_namespace():
-    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own
-    namespace, then unshare again). Where that is not allowed (inside a user namespace we hold no
-    rights over our original PID namespace), one PID namespace for the whole worker: this process
-    becomes its PID 1 and after every job kills every other process in it. Either way nothing a
-    program starts outlives it."""
-    if not sys.platform.startswith("linux") or not _ZY_CFG["namespaces"]:
+    """Root: a fresh PID namespace per job whose PID 1 is the child (setns back to ours, unshare
+    again: see _zy_run_job). Refused in a user namespace: there this process becomes PID 1 of one
+    namespace for the worker and empties it after every job."""
+    if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
         return
-    fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil pid_for_children
-    if pid == 0:
-        ok = _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0 and \
-            _ZY_LIBC.setns(fd, _ZY_CLONE_NEWPID) == 0 and _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0
-        if ok:
-            try:
-                p = os.fork()
-                if p == 0:
-                    os._exit(0)
-                os.waitpid(p, 0)
-            except OSError:
-                ok = False
-        os._exit(0 if ok else 1)
-    if os.waitpid(pid, 0)[1] == 0:
+    libc, fd, ns = _ZY_LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), _ZY_CLONE_NEWPID
+
+    def per_job():  # in a throwaway child: a failed attempt would spoil pid_for_children
+        if libc.unshare(ns) or libc.setns(fd, ns) or libc.unshare(ns):
+            raise OSError("refused")
+        if os.fork() == 0:
+            os._exit(0)
+        os.wait()
+    if _zy_try_in_child(per_job):
         _ZY_STATE["pidns_fd"] = fd
-        _ZY_REPORT["namespaces"]["pid"] = True
         _ZY_REPORT["pid_namespace"] = "one per program"
-        return
-    os.close(fd)
-    if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) != 0:
-        _zy_note("no pid namespace (errno %d): escaped processes are found by uid instead"
-                 % ctypes.get_errno())
-        return
-    pid = os.fork()
-    if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new namespace
-        while True:
-            try:
-                os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-        os._exit(1)
-    _ZY_LIBC.prctl(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    _ZY_STATE["pid1"] = True
+    else:
+        os.close(fd)
+        if libc.unshare(ns) != 0:
+            return _zy_note("no pid namespace (errno %d): escaped processes are found by uid "
+                            "instead" % ctypes.get_errno())
+        pid = os.fork()
+        if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new one
+            os.waitpid(pid, 0)
+            os._exit(1)
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _ZY_STATE["pid1"] = True
+        _ZY_REPORT["pid_namespace"] = "one per worker, emptied after every program"
     _ZY_REPORT["namespaces"]["pid"] = True
-    _ZY_REPORT["pid_namespace"] = "one per worker, emptied after every program"
 
 
-def _zy_mount_flags(opts):
-    flags = 0
-    for o, f in (("nosuid", _ZY_MS_NOSUID), ("nodev", _ZY_MS_NODEV), ("noexec", _ZY_MS_NOEXEC),
-                 ("noatime", _ZY_MS_NOATIME),
-                 ("nodiratime", _ZY_MS_NODIRATIME), ("relatime", _ZY_MS_RELATIME)):
-        if o in opts:
-            flags |= f
-    return flags
-
-
-def _zy_unescape(p):
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        p = p.replace(code, char)
-    return p
-
-
-_ZY_DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never nvidia*, kvm, ttys, disks
-# POSIX shm and semaphores (/dev/shm) live in the job's tmpfs
-_ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-             "stderr": "/proc/self/fd/2", "shm": "/tmp"}
+def _zy_bind(fd, new, p, is_dir):
+    """Bind what fd opens at new + p, read-only and nosuid (and nodev, except /dev nodes)."""
+    try:
+        os.makedirs(new + p if is_dir else os.path.dirname(new + p), exist_ok=True)
+        if not is_dir:
+            open(new + p, "w").close()
+        _zy_mount("/proc/self/fd/%d" % fd, new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
+        _zy_remount_ro(new + p, _ZY_MS_NOSUID | (_ZY_MS_NODEV if is_dir else 0))
+    except OSError as e:
+        _zy_note("could not bind %s: %s" % (p, e))
 
 
 def _zy_isolate_filesystem():
     """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
-    Python's own directories and the system libraries read-only, a few /dev nodes, synthetic account
-    files, /proc, and /tmp (one fresh tmpfs per job, mounted by run_job). Everything else (other
-    checkouts, logs, sockets, GPUs) is simply not there; hide_paths appear as empty directories."""
-    _ZY_REPORT["readonly_root"] = False
-    _ZY_REPORT["hidden"] = []
-    _ZY_REPORT["masked"] = []
-    _ZY_STATE["view"] = False
-    if not _ZY_REPORT["namespaces"].get("mount"):
+    Python's directories and the system libraries read-only, a few /dev nodes, synthetic account
+    files, /proc, /tmp (a tmpfs per job, see _zy_scratch_up); hide_paths are empty directories."""
+    R, C = _ZY_REPORT, _ZY_CFG
+    if not R["namespaces"]["mount"]:
         return
     try:
         _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
     except OSError as e:
-        _zy_note("mount propagation: %s" % e)
-        return
+        return _zy_note("mount propagation: %s" % e)
     with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f]
-    failures = 0
-    for fields in mounts:  # every mount read-only first: each bind below is read-only throughout
-        target, opts = _zy_unescape(fields[4]), fields[5].split(",")
-        if target == "/proc" or target.startswith("/proc/"):
-            continue
+        mounts = [(_zy_unescape(m[4]), m[5].split(",")) for m in map(str.split, f)]
+    failed = 0
+    for target, opts in mounts:  # every mount read-only first, so the binds below are throughout
+        if target != "/proc" and not target.startswith("/proc/"):
+            try:
+                _zy_remount_ro(target, sum(f for o, f in _ZY_MS_KEPT.items() if o in opts))
+            except OSError:
+                failed += 1
+    if failed:
+        _zy_note("%d mounts could not be made read-only" % failed)
+    dirs = sorted(set(C["keep_paths"]) | set(C["lib_dirs"]), key=len)
+    fds = {}  # opened before the new root covers /tmp, where Python itself may live
+    for p in dirs + ["/dev/" + d for d in _ZY_DEV_NODES] + C["etc_files"]:
         try:
-            _zy_mount(None, target, None,
-                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _zy_mount_flags(opts))
-        except OSError:
-            failures += 1
-    if failures:
-        _zy_note("%d mounts could not be made read-only" % failures)
-    allow = sorted(set(_ZY_CFG["keep_paths"]) | {p for p in _ZY_CFG["lib_dirs"]}, key=len)
-    files = ["/dev/" + d for d in _ZY_DEV_NODES] + _ZY_CFG["etc_files"]
-    fds = {}
-    for p in allow + files:
-        try:
-            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in allow else 0))
+            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
         except OSError:
             pass
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     try:
         _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
-        _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only" % e)
-        return
-    def bind(p, fd, is_dir):
-        dst = new + p
-        try:
-            if is_dir:
-                os.makedirs(dst, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                open(dst, "w").close()
-            _zy_mount("/proc/self/fd/%d" % fd, dst, None, _ZY_MS_BIND | _ZY_MS_REC)
-            nodev = 0 if p.startswith("/dev/") else _ZY_MS_NODEV  # the device nodes must still work
-            _zy_mount(None, dst, None,
-                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | nodev)
-        except OSError as e:
-            _zy_note("could not bind %s: %s" % (p, e))
+        return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
+                        % e)
     bound = []
-    for p in allow:  # shortest first: a directory inside one already bound comes with it
-        if p in fds and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in bound):
-            bind(p, fds[p], True)
+    for p in dirs:  # shortest first: a directory inside one already bound comes with it
+        if p in fds and not any(p.startswith(q.rstrip("/") + "/") for q in bound):
+            _zy_bind(fds[p], new, p, True)
             bound.append(p)
-    for link in _ZY_CFG["lib_links"]:  # merged-usr: /lib -> usr/lib and friends
-        if not os.path.lexists(new + link[0]):
-            os.symlink(link[1], new + link[0])
-    for p in files:
-        if p in fds and not p.startswith("/etc/"):
-            bind(p, fds[p], False)
+    for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
+        if not os.path.lexists(new + link):
+            os.symlink(target, new + link)
+    for p in ("/dev/" + d for d in _ZY_DEV_NODES):
+        if p in fds:
+            _zy_bind(fds[p], new, p, False)
+    os.makedirs(new + "/dev", exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
-        os.makedirs(new + "/dev", exist_ok=True)
         os.symlink(target, new + "/dev/" + name)
-    uid, gid = _ZY_CFG["uid"], _ZY_CFG["gid"]
+    uid = C["uid"]  # its gid is the same number
     etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
-           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
+                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, uid),
+           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % uid,
            "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
     os.makedirs(new + "/etc", exist_ok=True)
     for p, text in etc.items():
         with open(new + p, "w") as f:
             f.write(text)
-        _ZY_REPORT["masked"].append(p)
-    for p in _ZY_CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (public)
-        if p in fds:
-            try:
-                with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
-                    dst.write(src.read(1 << 22))
-            except OSError as e:
-                _zy_note("could not copy %s: %s" % (p, e))
-    for d in _ZY_CFG["hide_paths"]:
+        R["masked_files"].append(p)
+    for p in [p for p in C["etc_files"] if p in fds]:  # loader cache, time zone: copied (public)
+        try:
+            with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
+                dst.write(src.read(1 << 22))
+        except OSError as e:
+            _zy_note("could not copy %s: %s" % (p, e))
+    for d in C["hide_paths"]:
         if os.path.isdir(d) and not os.path.islink(d):
             try:
                 if d != "/dev/shm":
                     os.makedirs(new + d, exist_ok=True)
-                _ZY_REPORT["hidden"].append(d)
+                R["hidden_paths"].append(d)
             except OSError as e:
                 _zy_note("could not hide %s: %s" % (d, e))
     for d in ("/tmp", "/proc"):
@@ -5579,9 +5453,8 @@ def _zy_isolate_filesystem():
     try:
         _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
                   "hidepid=2")
-        _ZY_REPORT["proc_hidepid"] = True
+        R["proc_hidepid"] = True
     except OSError as e:
-        _ZY_REPORT["proc_hidepid"] = False
         _zy_note("proc hidepid: %s (the host's /proc is bound instead)" % e)
         try:
             _zy_mount("/proc", new + "/proc", None, _ZY_MS_BIND | _ZY_MS_REC)
@@ -5591,59 +5464,43 @@ def _zy_isolate_filesystem():
         os.close(fd)
     try:
         os.chdir(new)
-        if _ZY_LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root on top ...
-            raise OSError(ctypes.get_errno(), "pivot_root")
-        _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... and is detached whole
+        _zy_libc_call("syscall", 155, b".", b".")  # pivot_root(".", "."): the old root on top ...
+        _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... is detached whole
         os.chdir("/")
-        _zy_mount(None, "/", None,
-                  _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | _ZY_MS_NODEV)
+        _zy_remount_ro("/", _ZY_MS_NOSUID | _ZY_MS_NODEV)
     except OSError as e:
-        _zy_note("could not switch to the allow-list root: %s" % e)
         os.chdir("/")
-        return
-    _ZY_REPORT["readonly_root"] = True
-    _ZY_REPORT["filesystem"] = "allow-list"
-    _ZY_STATE["view"] = True
-
-# ------------------------------------------------------- one memory cgroup per worker (root only)
+        return _zy_note("could not switch to the allow-list root: %s" % e)
+    R["readonly_root"], R["filesystem"], _ZY_STATE["view"] = True, "allow-list", True
 
 
-def _zy_cgroup_dirs():
-    """(version, directory of this process's memory cgroup), cgroup v2 before v1, where present."""
+def _zy_setup_cgroup():
+    """Root: put this zygote in a memory cgroup of its own (v2, else v1) capped at memory_mb plus a
+    margin, which its children inherit: a job's processes, tmpfs and kernel memory count together.
+    The zygote is exempt from the OOM killer where it may be; its children are not."""
+    if not _ZY_LINUX or os.geteuid() != 0 or _ZY_STATE["userns"]:
+        return _zy_note("no memory cgroup (needs root on Linux): " + _ZY_NO_CGROUP)
+    limit = (_ZY_CFG["memory_mb"] + 32) << 20
+    try:
+        _zy_write_file("/proc/self/oom_score_adj", "-1000")
+        _ZY_STATE["oom_exempt"] = True
+    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
+        _zy_note("zygote not exempt from the OOM killer: %s" % e)
     with open("/proc/self/cgroup") as f:
-        lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+        groups = [ln.rstrip("\n").split(":", 2) for ln in f]
     with open("/proc/self/mountinfo") as f:
-        mounts = [ln.split() for ln in f]
-    out = []
-    for _, ctrl, rel in lines:
+        mounts = [m.split() for m in f]
+    found = []  # (version, our memory cgroup's directory)
+    for _, ctrl, rel in groups:
         for m in mounts:
             sep = m.index("-")
             fstype, opts = m[sep + 1], m[sep + 3].split(",")
             root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
             v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
             if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
-                out.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
-    return sorted(out, reverse=True)
-
-
-def _zy_setup_cgroup():
-    """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the
-    zygote): every child inherits it, so a job's processes, its tmpfs and its kernel memory count
-    together. The zygote is exempt from the OOM killer where it may be; a child raises its score."""
-    _ZY_REPORT["memory_cgroup"] = None
-    if not sys.platform.startswith("linux") or os.geteuid() != 0 or _ZY_STATE["userns"]:
-        _zy_note("no memory cgroup (needs root on Linux): a job's processes together may hold up "
-                 "to max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
-        return
-    limit = (_ZY_CFG["memory_mb"] + 32) << 20
+                found.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
     errors = []
-    try:
-        _zy_write_file("/proc/self/oom_score_adj", "-1000")
-        _ZY_STATE["oom_exempt"] = True
-    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
-        _ZY_STATE["oom_exempt"] = False
-        _zy_note("zygote not exempt from the OOM killer: %s" % e)
-    for version, parent in _zy_cgroup_dirs():
+    for version, parent in sorted(found, reverse=True):
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
         try:
             if version == 2:
@@ -5656,71 +5513,65 @@ def _zy_setup_cgroup():
             os.mkdir(d)
             try:
                 if version == 2:
-                    _zy_write_file(d + "/memory.max", str(limit))
-                    _zy_write_file(d + "/memory.swap.max", "0")
-                    if _ZY_STATE["oom_exempt"]:  # kill the whole job at once, never the zygote
-                        _zy_write_file(d + "/memory.oom.group", "1")
-                    events = d + "/memory.events"
+                    settings = {"memory.max": limit, "memory.swap.max": 0}
+                    if _ZY_STATE["oom_exempt"]:  # an OOM kill takes the whole job, not the zygote
+                        settings["memory.oom.group"] = 1
                 else:
-                    _zy_write_file(d + "/memory.limit_in_bytes", str(limit))
+                    settings = {"memory.limit_in_bytes": limit}
                     if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
-                        _zy_write_file(d + "/memory.memsw.limit_in_bytes", str(limit))
-                    events = d + "/memory.oom_control"
-                _zy_write_file(d + "/cgroup.procs", str(os.getpid()))
+                        settings["memory.memsw.limit_in_bytes"] = limit
+                settings["cgroup.procs"] = os.getpid()
+                for name, value in settings.items():
+                    _zy_write_file(d + "/" + name, str(value))
             except OSError:
                 os.rmdir(d)
                 raise
         except OSError as e:
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
+        events = d + ("/memory.events" if version == 2 else "/memory.oom_control")
         _ZY_STATE["oom_fd"] = os.open(events, os.O_RDONLY)
-        _ZY_STATE["oom_kills"] = _zy_oom_kills()
+        _zy_oom_killed()
         # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
         _ZY_STATE["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        _ZY_STATE["cgroup_parent_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
+        _ZY_STATE["cgroup_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
         _ZY_STATE["cgroup_name"] = os.path.basename(d)
         _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
-    why = "; ".join(errors) or "no cgroup filesystem with a memory controller"
-    _zy_note("no memory cgroup (%s): a job's processes together may hold up to max_procs x "
-             "memory_mb, and its tmpfs up to tmpfs_mb more" % why)
+    _zy_note("no memory cgroup (%s): %s" % ("; ".join(errors) or "no cgroup filesystem with a "
+                                            "memory controller", _ZY_NO_CGROUP))
 
 
-def _zy_oom_kills():
-    if _ZY_STATE.get("oom_fd") is None:
-        return 0
+def _zy_oom_killed():
+    """Whether the memory cgroup's OOM killer struck since the last look."""
+    if _ZY_STATE["oom_fd"] is None:
+        return False
+    kills = 0
     for line in os.pread(_ZY_STATE["oom_fd"], 4096, 0).decode().splitlines():
         if line.startswith("oom_kill "):
-            return int(line.split()[1])
-    return 0
-
-# ------------------------------------------------------------- seccomp: a tiny filter, x86-64 only
+            kills = int(line.split()[1])
+    struck, _ZY_STATE["oom_kills"] = kills != _ZY_STATE["oom_kills"], kills
+    return struck
 
 
 def _zy_build_seccomp(net_private):
-    import platform
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        _zy_note("seccomp filter only written for x86-64: not installed")
-        return None
-    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
-            304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
+    """A seccomp filter for x86-64 (None elsewhere), installed once in the zygote and inherited:
+    one per child costs ~10% of the throughput. It leaves the zygote mount/umount2 and unshare and
+    setns of PID and IPC namespaces: a child lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to
+    regain it, is refused. Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
+    if not _ZY_LINUX or os.uname().machine != "x86_64":
+        return _zy_note("seccomp filter only written for x86-64: not installed")
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
-    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree
-    # move_mount
-    # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote
-    # and inherited (one per child costs ~10% of the throughput), so it leaves the zygote what it
-    # needs per job: mount/umount2 (the job's tmpfs), unshare/setns of PID and IPC namespaces.
-    # A child cannot use them: they need CAP_SYS_ADMIN, which it lacks (uid dropped, or all
-    # capabilities dropped in a user namespace), and CLONE_NEWUSER, to regain it, is refused.
-    # socket/socketpair: AF_UNIX, and AF_INET/AF_INET6 only inside the private network namespace (no
-    # interface up); AF_VSOCK, AF_NETLINK, AF_PACKET and every other family fail with EAFNOSUPPORT.
+    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_setup/enter/
+    # register open_tree move_mount fsopen fsconfig fsmount fspick mount_setattr
+    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
+            304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
-    EAFNOSUPPORT = 0x00050000 | 97
     ns_flags = _ZY_CLONE_NEWNS | _ZY_CLONE_NEWUTS | _ZY_CLONE_NEWIPC | _ZY_CLONE_NEWUSER | \
-        _ZY_CLONE_NEWPID | _ZY_CLONE_NEWNET | 0x02000000
-    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI only
+        _ZY_CLONE_NEWPID | _ZY_CLONE_NEWNET | 0x02000000  # CLONE_NEWCGROUP
+    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI
            ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                  # x32 syscalls
            ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
     src += [("", JEQ, "eperm", 0, nr) for nr in deny]
@@ -5731,27 +5582,26 @@ def _zy_build_seccomp(net_private):
             ("", JSET, "eperm", 0, ns_flags & ~(_ZY_CLONE_NEWPID | _ZY_CLONE_NEWIPC)),
             ("", RET, 0, 0, ALLOW),
             ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", _ZY_CLONE_NEWPID),
-            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]
+            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]               # AF_UNIX
     if net_private:
-        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]
-    src += [("", RET, 0, 0, EAFNOSUPPORT),
+        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]          # AF_INET, AF_INET6
+    src += [("", RET, 0, 0, 0x00050000 | 97),                                 # EAFNOSUPPORT
             ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
     where = {lab: i for i, (lab, *_rest) in enumerate(src) if lab}
     jump = lambda target, i: where[target] - i - 1 if isinstance(target, str) else target
-    fixed = [(code, jump(jt, i), jump(jf, i), k) for i, (_, code, jt, jf, k) in enumerate(src)]
-    raw = b"".join(struct.pack("HBBI", *ins) for ins in fixed)
+    raw = b"".join(struct.pack("HBBI", code, jump(jt, i), jump(jf, i), k)
+                   for i, (_, code, jt, jf, k) in enumerate(src))
     buf = ctypes.create_string_buffer(raw, len(raw))
+    prog = (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
+    return buf, prog
 
-    class FProg(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    fprog = FProg(len(fixed), ctypes.cast(buf, ctypes.c_void_p))
-    return (buf, fprog)
 
+# ---------------------------------------------------------------------------- per job
 
 def _zy_child_main(job, wfd):
-    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to
-    locals before the program runs, so a program that monkeypatches builtins, json or os cannot
-    garble its own result frame."""
+    """The job's child: set itself up, write b"R", run the program, write one frame on fd 3; never
+    returns. What reporting needs is bound to locals first, so a program that monkeypatches
+    builtins, json or os cannot garble its own result frame."""
     _write, _exit, _pack = os.write, os._exit, struct.pack
     _enc = json.encoder.encode_basestring_ascii
     _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
@@ -5768,6 +5618,7 @@ def _zy_child_main(job, wfd):
             pass
         _exit(0)
 
+    S = _ZY_STATE
     try:
         os.setsid()
         if wfd != 3:
@@ -5776,39 +5627,36 @@ def _zy_child_main(job, wfd):
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(4, _ZY_STATE["maxfd"])
+        os.closerange(4, S["maxfd"])
         os.chdir(job["dir"])
-        if _ZY_STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer, children not
+        if S["oom_exempt"]:  # the zygote is exempt from the OOM killer, its children are not
             _zy_write_file("/proc/self/oom_score_adj", "0")
-        if _ZY_STATE["drop_uid"]:
+        if S["drop_uid"]:  # setgid/setuid as root set the real, effective and saved ids
             os.setgroups([])
-            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
-        elif _ZY_STATE.get("userns"):
+            os.setgid(_ZY_CFG["uid"])
+            os.setuid(_ZY_CFG["uid"])
+        elif S["userns"]:
             _zy_drop_caps()
-        if sys.platform.startswith("linux"):
+        if _ZY_LINUX:
             _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-            if _ZY_STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
+            if S["seccomp"] is None:  # else set in the zygote and inherited
                 _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        mem = job["memory_mb"] << 20
-        cpu = int(job["timeout"]) + 1
-        nproc = job["nproc"] + _ZY_STATE["nproc_base"]
-        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu),
-                          ("RLIMIT_FSIZE", job["fsize_mb"] << 20), ("RLIMIT_NOFILE", 64),
-                          ("RLIMIT_NPROC", nproc),
-                          ("RLIMIT_CORE", 0)):
-            if name in _ZY_STATE["rlimits"]:
-                resource.setrlimit(getattr(resource, name), (lim, lim))
+        limits = {"RLIMIT_AS": job["memory_mb"] << 20, "RLIMIT_CPU": int(job["timeout"]) + 1,
+                  "RLIMIT_FSIZE": job["fsize_mb"] << 20, "RLIMIT_NOFILE": 64,
+                  "RLIMIT_NPROC": job["nproc"] + S["nproc_base"], "RLIMIT_CORE": 0}
+        for name in S["rlimits"]:
+            resource.setrlimit(getattr(resource, name), (limits[name], limits[name]))
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
 
-    forbidden = set(job.get("forbidden") or ())
+    forbidden = set(job["forbidden"])
     if forbidden:
         import builtins
         real_import = builtins.__import__
 
         class ForbiddenImport(ImportError):
             pass
-        _ZY_STATE["forbidden_exc"] = ForbiddenImport
+        S["forbidden_exc"] = ForbiddenImport
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
@@ -5820,19 +5668,16 @@ def _zy_child_main(job, wfd):
                 sys.modules.pop(m, None)
 
     cap = job["max_output"]
-    # "R": setup is over. Frames after it come from the program's process, so they cannot claim
-    # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
-    try:
+    try:  # setup is over: the zygote lets later frames claim program outcomes only
         _write(wfd, b"R")
     except _BaseException:
         _exit(71)
     try:
         plen, elen = job["plen"], job["elen"]
-        program = bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass")
-        expression = bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass")
-        code = compile(program, "<program>", "exec")
-        expr = compile(expression, "<expression>", "eval")
-        del program, expression
+        code = compile(bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass"),
+                       "<program>", "exec")
+        expr = compile(bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass"),
+                       "<expression>", "eval")
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
         del job
         exec(code, ns)
@@ -5849,7 +5694,7 @@ def _zy_child_main(job, wfd):
         report("ok", text, None)
     except _BaseException as e:
         try:
-            fexc = _ZY_STATE.get("forbidden_exc")
+            fexc = S.get("forbidden_exc")
             status = "memory" if _isinstance(e, _MemoryError) else \
                 "forbidden" if fexc and _isinstance(e, fexc) else "error"
             name, msg = _type(e).__name__, _str(e)
@@ -5869,61 +5714,47 @@ def _zy_child_main(job, wfd):
 
 
 def _zy_drop_caps():
-    class Hdr(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-    hdr, data = Hdr(0x20080522, 0), (Data * 2)()
+    """In a user namespace: drop every capability, from the bounding set too."""
     for cap in range(64):
-        _ZY_LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    _zy_libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
-
-
-def _zy_set_ids(uid, gid):
-    if hasattr(os, "setresuid"):
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-    else:  # macOS
-        os.setgid(gid)
-        os.setuid(uid)
-
-
-def _zy_count_processes(uid):
-    n = 0
-    try:
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    n += os.stat("/proc/" + d).st_uid == uid
-                except OSError:
-                    pass
-    except OSError:
-        return 4096  # no /proc (macOS): a loose cap
-    return n
+        _ZY_PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    # capset(header {_LINUX_CAPABILITY_VERSION_3, this process}, 2 x {effective, permitted,
+    # inheritable} all empty)
+    _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
 
 
 def _zy_sweep_uid():
-    """Without a PID namespace: kill every process of the job uid (a root-only trick)."""
+    """Without a PID namespace, as root: kill every process of the job's uid."""
     pid = os.fork()
     if pid == 0:
         try:
-            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
+            os.setgid(_ZY_CFG["uid"])
+            os.setuid(_ZY_CFG["uid"])
             os.kill(-1, signal.SIGKILL)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
 
 
+def _zy_count_processes(uid):
+    """Processes of uid now; without /proc (macOS) a loose 4096."""
+    if not os.path.isdir("/proc"):
+        return 4096
+    n = 0
+    for d in os.listdir("/proc"):
+        try:
+            n += d.isdigit() and os.stat("/proc/" + d).st_uid == uid
+        except OSError:
+            pass
+    return n
+
+
 def _zy_remove_tree(path, budget_s=2.0):
-    """Without a mount namespace: delete the job directory by walking it with chdir, so a tree
-    nested past PATH_MAX comes down too. Past budget_s it raises: the worker is restarted."""
-    stop = time.monotonic() + budget_s
+    """Without a mount namespace: delete the job directory walking it with chdir, so a tree nested
+    past PATH_MAX comes down too. Past budget_s it raises: the worker is replaced."""
     if not os.path.lexists(path):
         return
+    stop, names = time.monotonic() + budget_s, []
     os.chdir(path)
-    names = []
     try:
         while True:
             if time.monotonic() > stop:
@@ -5938,42 +5769,14 @@ def _zy_remove_tree(path, budget_s=2.0):
             if sub is not None:
                 os.chdir(sub)
                 names.append(sub)
-            elif names:
+            elif not names:
+                break
+            else:
                 os.chdir("..")
                 os.rmdir(names.pop())
-            else:
-                break
     finally:
         os.chdir("/")
     os.rmdir(path)
-
-
-def _zy_signame(sig):
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)
-
-
-def _zy_job_scratch():
-    """A fresh, empty, size-capped directory for the job: its own tmpfs, given a mount namespace."""
-    if _ZY_STATE["view"]:
-        if _ZY_STATE.get("tmp_mark") is None:
-            uid = _ZY_CFG["uid"] if _ZY_STATE["drop_uid"] else os.getuid()
-            gid = _ZY_CFG["gid"] if _ZY_STATE["drop_uid"] else os.getgid()
-            opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
-                _ZY_CFG["tmpfs_mb"], _ZY_CFG["tmpfs_inodes"], uid, gid)
-            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, opts)
-            _ZY_STATE["tmp_mark"] = _zy_tmp_mark()
-        return "/tmp"
-    # the same path for every program: outputs cannot differ by it
-    jobdir = os.path.join(_ZY_CFG["scratch"], "job")
-    if os.path.lexists(jobdir):
-        _zy_remove_tree(jobdir)
-    os.mkdir(jobdir, 0o700)
-    if _ZY_STATE["drop_uid"]:
-        os.chown(jobdir, _ZY_CFG["uid"], _ZY_CFG["gid"])
-    return jobdir
 
 
 def _zy_tmp_mark():
@@ -5983,28 +5786,47 @@ def _zy_tmp_mark():
             st.st_ctime_ns)
 
 
-def _zy_drop_scratch(jobdir):
+def _zy_scratch_up():
+    """The job's fresh, empty, size-capped directory: a tmpfs of its own on /tmp (one a job left
+    untouched serves the next), else the same host path each job, made anew."""
+    S, C = _ZY_STATE, _ZY_CFG
+    if S["view"]:
+        if S["tmp_mark"] is None:
+            uid, gid = (C["uid"], C["uid"]) if S["drop_uid"] else (os.getuid(), os.getgid())
+            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV,
+                      "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d"
+                      % (C["tmpfs_mb"], C["tmpfs_inodes"], uid, gid))
+            S["tmp_mark"] = _zy_tmp_mark()
+    else:
+        os.mkdir(S["jobdir"], 0o700)
+        if S["drop_uid"]:
+            os.chown(S["jobdir"], C["uid"], C["uid"])
+    return S["jobdir"]
+
+
+def _zy_scratch_down():
     if not _ZY_STATE["view"]:
-        _zy_remove_tree(jobdir)
+        _zy_remove_tree(_ZY_STATE["jobdir"])
     elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
         _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
         _ZY_STATE["tmp_mark"] = None
-    # else the job never touched its tmpfs (same times, empty, no xattrs): the next job may have it
 
 
 def _zy_run_job(job):
+    """Fork the job's child in fresh PID and IPC namespaces, read its frame until the deadline,
+    kill what is left, wipe the job's bytes, drop its scratch -> a reply for _zy_reply."""
     global _ZY_JOB_BUF, _ZY_RES_BUF
-    job["dir"] = jobdir = _zy_job_scratch()
+    S = _ZY_STATE
+    job["dir"] = _zy_scratch_up()
+    # back to our own PID namespace, then a fresh one (the child is its PID 1) and a fresh IPC
+    # namespace: SysV IPC and POSIX message queues die with the job
+    if S["pidns_fd"] is not None:
+        _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
+    flags = S["ipc_flag"] | (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
+    if flags and _ZY_LIBC.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+    deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
-    if _ZY_STATE.get("pidns_fd") is not None:
-        _ZY_LIBC.setns(_ZY_STATE["pidns_fd"], _ZY_CLONE_NEWPID)  # back to our own namespace...
-        # ...then a fresh one (the child is its PID 1), and a fresh IPC namespace: SysV IPC and
-        # POSIX message queues die with the job
-        if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID | _ZY_STATE["ipc_flag"]) != 0:
-            raise OSError(ctypes.get_errno(), "pid/ipc namespace")
-    elif _ZY_STATE["ipc_flag"] and _ZY_LIBC.unshare(_ZY_STATE["ipc_flag"]) != 0:
-        raise OSError(ctypes.get_errno(), "ipc namespace")
-    t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.close(r)
@@ -6013,99 +5835,80 @@ def _zy_run_job(job):
         finally:
             os._exit(70)
     os.close(w)
-    deadline = t0 + job["timeout"]
     cap = 12 * job["max_output"] + 65536
     _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
-    view = memoryview(_ZY_RES_BUF)
-    got = 0
-    timed_out = over = False
-    need = None
-    while True:
+    view, got, need, timed_out, over = memoryview(_ZY_RES_BUF), 0, None, False, False
+    while need is None or got < need:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
             break
-        ready, _, _ = select.select([r, 0], [], [], left)
-        if 0 in ready:  # trainer closed our control pipe: take the child down and go
+        ready = select.select([r, 0], [], [], left)[0]
+        if 0 in ready:  # the trainer closed our control pipe: take the child down and go
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             _zy_exit()
         if not ready:
             continue
-        if got >= cap:
-            over = True
-            break
         k = os.readv(r, [view[got:cap]])
         if not k:
             break
         got += k
-        off = 1 if _ZY_RES_BUF[0] == 82 else 0  # b"R"
+        off = 1 if _ZY_RES_BUF[0] == 82 else 0  # after b"R"
         if need is None and got >= off + 4:
             need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
             if need > cap:
                 over = True
                 break
-        if need is not None and got >= need:
-            break
     view.release()
     os.close(r)
-    try:
-        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours till waited
-    except ProcessLookupError:
-        pass
-    if _ZY_STATE.get("pidns_fd") is None:
-        try:
-            os.killpg(pid, signal.SIGKILL)
+    for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
+        try:  # its PID namespace dies with it; else its process group
+            kill(pid, signal.SIGKILL)
         except OSError:
             pass
     _, wstatus, rusage = os.wait4(pid, 0)
-    if _ZY_STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
+    if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-        while True:
-            try:
+        try:
+            while True:
                 os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            except InterruptedError:
-                continue
-    elif _ZY_STATE.get("pidns_fd") is None and _ZY_STATE["drop_uid"]:
+        except ChildProcessError:
+            pass
+    elif S["pidns_fd"] is None and S["drop_uid"]:
         _zy_sweep_uid()
     _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
-    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let it go
+    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let go
         _ZY_JOB_BUF = bytearray(1 << 16)
-    _zy_drop_scratch(jobdir)
-    if over:
-        _zy_wipe(_ZY_RES_BUF, got)
-        return {"status": "output_limit", "value": None,
-                "error": "child wrote more than %d bytes" % cap}
-    if need is not None and got >= need:
+    _zy_scratch_down()
+    if not over and need is not None and got >= need:
         started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
     _zy_wipe(_ZY_RES_BUF, got)
-    if timed_out:
-        return {"status": "timeout", "value": None,
-                "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
+    sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     cpu = rusage.ru_utime + rusage.ru_stime
-    if os.WIFSIGNALED(wstatus):
-        sig = os.WTERMSIG(wstatus)
-        if sig == signal.SIGKILL and _ZY_STATE.get("oom_fd") is not None:
-            kills = _zy_oom_kills()
-            if kills != _ZY_STATE["oom_kills"]:
-                _ZY_STATE["oom_kills"] = kills
-                return {"status": "memory", "value": None,
-                        "error": "the job's processes together exceeded memory_mb (memory cgroup)"}
-        if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
-            return {"status": "timeout", "value": None, "error": "CPU limit exceeded (%.1fs)" % cpu}
-        return {"status": "crash", "value": None, "error": "killed by %s" % _zy_signame(sig)}
-    return {"status": "crash", "value": None,
-            "error": "exited with code %d before producing a result" % os.WEXITSTATUS(wstatus)}
+    if over:
+        status, error = "output_limit", "child wrote more than %d bytes" % cap
+    elif timed_out:
+        status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
+    elif sig == signal.SIGKILL and _zy_oom_killed():
+        status, error = "memory", "the job's processes together exceeded memory_mb (memory cgroup)"
+    elif sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
+        status, error = "timeout", "CPU limit exceeded (%.1fs)" % cpu
+    elif sig is not None:
+        names = {s.value: s.name for s in signal.Signals}
+        status, error = "crash", "killed by %s" % names.get(sig, sig)
+    else:
+        status, error = "crash", "exited with code %d before producing a result" % \
+            os.WEXITSTATUS(wstatus)
+    return {"status": status, "value": None, "error": error}
 
 
 def _zy_warm_example(xs: list, k=2) -> dict:
-    """A typical model-written function: warm_up compiles and runs its source."""
+    """A typical model-written function: _zy_warm_up compiles and runs its source."""
     import math
     out = {}
     for i, x in enumerate(sorted(xs)):
@@ -6122,8 +5925,8 @@ def _zy_warm_example(xs: list, k=2) -> dict:
 
 
 def _zy_warm_up():
-    """Compile and run a typical program once, so each child starts with the parser, the compiler
-    and the allocator already warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
+    """Compile and run a typical program, so each child starts with the parser, the compiler and
+    the allocator warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
     for _ in range(3):
         ns = {"__name__": "__main__"}
         exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
@@ -6135,121 +5938,99 @@ def _zy_warm_up():
             str(e)
 
 
+def _zy_setup():
+    """Isolate this zygote once (see the section's head), then check that a child works."""
+    S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
+
+    def rlimit_ok(name):  # some platforms refuse some (macOS: RLIMIT_AS)
+        hard = resource.getrlimit(getattr(resource, name))[1]
+        v = 1 << 34 if hard == resource.RLIM_INFINITY else min(hard, 1 << 34)
+        resource.setrlimit(getattr(resource, name), (v, v))
+    S["rlimits"] = R["rlimits"] = [n for n in _ZY_RLIMITS if hasattr(resource, n)
+                                   and _zy_try_in_child(lambda: rlimit_ok(n))]
+    R["root"] = os.geteuid() == 0
+    # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
+    S["maxfd"] = 1 << 16 if _ZY_LINUX else \
+        max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
+    _zy_enter_namespaces()
+    S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
+    R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
+    # RLIMIT_NPROC counts every process of the real uid: exact for our own uid, else (not root)
+    # it sits on top of what the user already runs
+    S["nproc_base"] = 0 if S["drop_uid"] else _zy_count_processes(os.getuid()) + 64
+    _zy_setup_cgroup()
+    _zy_isolate_filesystem()
+    _zy_setup_pid_namespace()
+    S["ipc_flag"] = _ZY_CLONE_NEWIPC if R["namespaces"]["ipc"] else 0
+    R["ipc_per_job"] = bool(S["ipc_flag"])
+    if not S["ipc_flag"]:
+        _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
+                 "reach later jobs of this worker")
+    S["seccomp"] = _zy_build_seccomp(R["namespaces"]["net"])
+    R["seccomp"] = S["seccomp"] is not None
+    if R["seccomp"]:  # installed once here, inherited by every child
+        _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.addressof(S["seccomp"][1]), 0, 0)
+    if S["view"]:
+        S["jobdir"], R["scratch"] = "/tmp", "tmpfs per job"
+    else:
+        import tempfile
+        R["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
+        os.chmod(R["scratch"], 0o711)
+        S["jobdir"] = os.path.join(R["scratch"], "job")  # one fixed path: outputs cannot differ
+        _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
+                 % R["scratch"])
+    os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
+    if R["seccomp"]:
+        out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
+                        "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                        % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
+        R["self_test"] = out.get("value") == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
+        if not R["self_test"]:
+            _zy_note("self-test failed: %r" % (out,))
+    out = _zy_probe("import statistics, decimal", "1")
+    if out.get("value") != "1":
+        R["self_test"] = False
+        _zy_note("children cannot import the standard library (%s): on this host Python's files "
+                 "are not readable by the unprivileged uid without a mount namespace"
+                 % (out.get("error"),))
+
+
 def _zy_main():
     global _ZY_CFG, _ZY_LIBC, _ZY_PRCTL, _ZY_JOB_BUF, _ZY_RES_BUF
     _ZY_LIBC = ctypes.CDLL(None, use_errno=True)
-    # typed once here (a cheap call in each child), on its own handle: _zy_libc_call's stays untyped
-    _ZY_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-    _ZY_PRCTL.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-    _ZY_PRCTL.restype = ctypes.c_int
+    if _ZY_LINUX:  # typed once: a cheap call in each child
+        _ZY_PRCTL = _ZY_LIBC.prctl
+        _ZY_PRCTL.argtypes, _ZY_PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
     _ZY_JOB_BUF, _ZY_RES_BUF = bytearray(1 << 16), bytearray(1 << 16)
     _ZY_CFG = _zy_recv()
     sys.path[:] = [p for p in sys.path if p] + _ZY_CFG["site_dirs"]
     try:
-        _ZY_STATE["rlimits"] = []
-        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
-                     "RLIMIT_CORE"):
-            if hasattr(resource, name):
-                try:  # probe in a throwaway child: some platforms refuse some (macOS: RLIMIT_AS)
-                    pid = os.fork()
-                    if pid == 0:
-                        try:
-                            soft, hard = resource.getrlimit(getattr(resource, name))
-                            v = min(hard, 1 << 34) if hard != resource.RLIM_INFINITY else 1 << 34
-                            resource.setrlimit(getattr(resource, name), (v, v))
-                            os._exit(0)
-                        except BaseException:
-                            os._exit(1)
-                    if os.waitpid(pid, 0)[1] == 0:
-                        _ZY_STATE["rlimits"].append(name)
-                except OSError:
-                    pass
-        _ZY_REPORT["root"] = os.geteuid() == 0
-        # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
-        _ZY_STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
-            max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
-        _zy_enter_namespaces()
-        _ZY_STATE["userns"] = _ZY_REPORT["namespaces"].get("user", False)
-        _ZY_STATE["drop_uid"] = os.geteuid() == 0 and _ZY_CFG["drop_uid"] and \
-            not _ZY_STATE["userns"]
-        # RLIMIT_NPROC counts every process of the real uid: exact for our unprivileged uid, else
-        # (non-root) it has to sit on top of what the user already runs
-        _ZY_STATE["nproc_base"] = 0 if _ZY_STATE["drop_uid"] else \
-            _zy_count_processes(os.getuid()) + 64
-        _zy_setup_cgroup()
-        _zy_isolate_filesystem()
-        _zy_setup_pid_namespace()
-        _ZY_STATE["ipc_flag"] = _ZY_CLONE_NEWIPC if _ZY_REPORT["namespaces"].get("ipc") else 0
-        _ZY_REPORT["ipc_per_job"] = bool(_ZY_STATE["ipc_flag"])
-        if not _ZY_STATE["ipc_flag"]:
-            _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
-                     "reach later jobs of this worker")
-        _ZY_STATE["seccomp"] = _zy_build_seccomp(_ZY_REPORT["namespaces"].get("net"))
-        if _ZY_STATE["seccomp"] is not None:  # installed once here, inherited by every child
-            _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.byref(_ZY_STATE["seccomp"][1]),
-                          0, 0)
-        if _ZY_STATE["view"]:
-            _ZY_CFG["scratch"] = "/tmp"   # a fresh tmpfs per job, on the allow-list root
-            _ZY_REPORT["scratch"] = "tmpfs per job"
-        else:
-            import tempfile
-            _ZY_CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
-            os.chmod(_ZY_CFG["scratch"], 0o711)
-            _ZY_REPORT["scratch"] = _ZY_CFG["scratch"]
-            _ZY_REPORT["scratch_on_host"] = True
-            _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
-                     % _ZY_CFG["scratch"])
-        # the job directory has one fixed path: it is also HOME and TMPDIR (tempfile writes there)
-        os.environ["HOME"] = os.environ["TMPDIR"] = _ZY_CFG["scratch"] if _ZY_STATE["view"] else \
-            os.path.join(_ZY_CFG["scratch"], "job")
-        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
-        _ZY_REPORT["rlimits"] = _ZY_STATE["rlimits"]
-        _ZY_REPORT["uid_dropped"] = _ZY_STATE["drop_uid"]
-        _ZY_REPORT["uid"] = _ZY_CFG["uid"] if _ZY_REPORT["uid_dropped"] else os.geteuid()
-        _ZY_REPORT["no_new_privs"] = sys.platform.startswith("linux")
-        _ZY_REPORT["seccomp"] = _ZY_STATE["seccomp"] is not None
-        limits = {"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}
-        if _ZY_STATE["seccomp"] is not None:
-            probe = _zy_run_job(_zy_load_job(
-                dict(limits), "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET)))
-            probe = _zy_decode_reply(probe)
-            if probe.get("value") != "(%s, -1, -1)" % (_ZY_STATE.get("pidns_fd") is not None):
-                _zy_note("self-test failed: %r" % (probe,))
-                _ZY_REPORT["self_test"] = False
-            else:
-                _ZY_REPORT["self_test"] = True
-        probe = _zy_run_job(_zy_load_job(dict(limits), "import statistics, decimal", "1"))
-        probe = _zy_decode_reply(probe)
-        if probe.get("value") != "1":
-            _ZY_REPORT["self_test"] = False
-            _zy_note("children cannot import the standard library (%s): on this host Python's "
-                     "files are not readable by the unprivileged uid without a mount namespace"
-                     % (probe.get("error"),))
+        _zy_setup()
     except BaseException as e:
         tb = e.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
-        _zy_send({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
-            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno), "report": _ZY_REPORT})
-        return
+        return _zy_reply({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
+            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno),
+            "report": _ZY_REPORT}, b"")
+    if _ZY_LINUX:
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
     _zy_warm_up()
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
-    _zy_send({"ready": True, "report": _ZY_REPORT})
+    _zy_reply({"ready": True, "report": _ZY_REPORT}, b"")
     while True:
         job = _zy_recv()
         n = job["plen"] + job["elen"]
         _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, n)
         _zy_recv_into(_ZY_JOB_BUF, n)
         try:
-            res = _zy_run_job(job)
-        except BaseException as e:  # b"E": this zygote may be in a bad state; trainer replaces it
-            res = {"kind": b"E", "status": "sandbox_error", "value": None,
-                   "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        _zy_send_reply(res)
+            res, kind = _zy_run_job(job), b"Z"
+        except BaseException as e:  # this zygote may be in a bad state: the trainer replaces it
+            res, kind = {"status": "sandbox_error", "value": None,
+                         "error": "zygote: %s: %s" % (type(e).__name__, e)}, b"E"
+        _zy_reply(res, kind)
 
 
 _SB_ZYGOTE_IMPORTS = "import ctypes, gc, json, os, resource, select, signal, struct, sys, time"
@@ -6257,16 +6038,15 @@ _sb_zygote_text = None
 
 
 def _sb_zygote_source() -> str:
-    """The zygote's program, built from the code above: its stdlib imports, the _ZY_ values, the
-    source of every _zy_ function in order, and a call of _zy_main. The trainer never calls them."""
+    """The zygote's program: its stdlib imports, the _ZY_ values, the source of every _zy_
+    function in order, and a call of _zy_main. The trainer never calls them itself."""
     global _sb_zygote_text
     if _sb_zygote_text is None:
         values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
         values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
         funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
         parts = [_SB_ZYGOTE_IMPORTS] + [f"{k} = {v!r}" for k, v in values.items()]
-        parts += [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"]
-        _sb_zygote_text = "\n".join(parts)
+        _sb_zygote_text = "\n".join(parts + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
     return _sb_zygote_text
 
 
@@ -6276,32 +6056,19 @@ _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": 
            "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false",
-           "HOME": "/tmp", "TMPDIR": "/tmp"}
+           "TOKENIZERS_PARALLELISM": "false", "HOME": "/tmp", "TMPDIR": "/tmp"}
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
 _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
                    "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
-
-
-def _sb_hidden_paths() -> list[str]:
-    """Directories that children see empty: homes, temp dirs, and the trainer's working directory
-    (its run folders, checkpoints and data), unless that is a system directory. Python's own
-    directories are still there, read-only, wherever they sit under one of these."""
-    hidden = list(_SB_HIDE)
-    cwd = os.path.realpath(os.getcwd())
-    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
-                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
-        hidden.append(cwd)
-    return hidden
+# besides Python's own directories: the system libraries (C extensions load them), the time zone
+# database, and copies of the loader cache and localtime
+_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
+                "/usr/share/zoneinfo")
+_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _SB_MAX_FRAME = 64 << 20
 _SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker
 _sb_uids_in_use: set[int] = set()
 _sb_uid_lock = threading.Lock()
-# Besides Python's own directories, the children's filesystem holds the system libraries (C
-# extensions load them), the time zone database, and copies of the loader cache and localtime.
-_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
-                "/usr/share/zoneinfo")
-_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
 
 def _sb_take_uids(n: int) -> list[int]:
@@ -6317,52 +6084,49 @@ def _sb_take_uids(n: int) -> list[int]:
     return free
 
 
-def _sb_system_paths() -> tuple[list[str], list[list[str]]]:
-    """(real directories of _SB_LIB_DIRS, [link, target] of those that are links: merged /usr)."""
-    dirs, links = set(), []
-    for d in _SB_LIB_DIRS:
-        if os.path.islink(d):
-            links.append([d, os.readlink(d)])
-        if os.path.isdir(d):
-            dirs.add(os.path.realpath(d))
-    return sorted(dirs), links
-
-
 def _sb_python_paths() -> list[str]:
     """Directories the child's interpreter reads (the allow-list binds them, read-only)."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable))}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        p = sysconfig.get_paths().get(key)
-        if p:
-            paths.add(p)
-    paths.update(getattr(site, "getsitepackages", lambda: [])())
+             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()}
+    paths.update(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                         "platlib"))
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
     return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
 
 
-def _sb_reject_constant(name):
-    raise ValueError(f"{name} in a result frame")
+def _sb_host_view(hide_paths) -> dict:
+    """What the children's filesystem is built from. Shown empty: homes, temp dirs and the
+    trainer's working directory (its runs and checkpoints) unless that is a system directory;
+    Python's own directories stay visible, read-only, wherever they sit."""
+    lib_dirs = sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)})
+    links = [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)]  # merged /usr
+    cwd = os.path.realpath(os.getcwd())
+    hidden = list(_SB_HIDE)
+    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
+                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
+        hidden.append(cwd)
+    return {"keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs, "lib_links": links,
+            "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
+            "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
+            "hide_paths": hidden if hide_paths is None else list(hide_paths)}
 
 
 def _sb_decode_frame(data: bytes) -> dict | None:
     """A result frame as {status, value, error} of the right types, or None for anything else:
-    bytes that are not UTF-8 JSON, nesting deep enough for RecursionError, NaN/Infinity, other keys
-    or types, too large."""
+    not UTF-8 JSON, nested deep enough for RecursionError, NaN, other keys or types, too large."""
     if len(data) > _SB_MAX_FRAME or data[:1] != b"{":
         return None
     try:
-        msg = json.loads(data.decode("utf-8"), parse_constant=_sb_reject_constant)
-    except (ValueError, RecursionError, MemoryError, UnicodeDecodeError, TypeError):
+        msg = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError, MemoryError):  # (UnicodeDecodeError is a ValueError)
         return None
     if type(msg) is not dict or set(msg) != {"status", "value", "error"} or \
             type(msg["status"]) is not str:
         return None
-    if not all(v is None or type(v) is str for v in (msg["value"], msg["error"])):
-        return None
-    return msg
+    # NaN or Infinity can only sit where a str or None must: they fail here
+    return msg if all(v is None or type(v) is str for v in (msg["value"], msg["error"])) else None
 
 
 class _SbWorker:
@@ -6376,52 +6140,37 @@ class _SbWorker:
             env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
             cwd="/", close_fds=True, start_new_session=True)
         self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
-        self.buf = b""
-        self.job = None   # (index, deadline) of the job in flight
-        self._send(cfg)
-        msg = self._recv_blocking(time.monotonic() + start_timeout)
-        if not msg.get("ready"):
-            self.kill()
-            raise RuntimeError(f"sandbox zygote failed to start: {msg.get('error')}")
-        self.report = msg["report"]
+        self.buf, self.report, self.deadline = b"", {}, 0.0
         os.set_blocking(self.rfd, False)
-
-    def _send(self, obj):
-        self._send_all(json.dumps(obj).encode())
-
-    def _send_all(self, data, payload=b""):
-        data = struct.pack(">I", len(data)) + data + payload
-        blocking = os.get_blocking(self.wfd)
-        os.set_blocking(self.wfd, True)
         try:
-            while data:
-                data = data[os.write(self.wfd, data):]
-        finally:
-            os.set_blocking(self.wfd, blocking)
+            self._send(json.dumps(cfg).encode())
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.rfd, selectors.EVENT_READ)
+                stop = time.monotonic() + start_timeout
+                while (msg := self.poll()) is None:
+                    if not sel.select(stop - time.monotonic()):
+                        raise RuntimeError("sandbox zygote did not answer in time")
+            msg = json.loads(msg)
+            if not msg.get("ready"):
+                raise RuntimeError(f"sandbox zygote failed to start: {msg.get('error')}")
+        except BaseException:
+            self.kill()
+            raise
+        self.report = msg["report"]
+
+    def _send(self, head: bytes, payload: bytes = b""):
+        data = memoryview(struct.pack(">I", len(head)) + head + payload)
+        while data:
+            data = data[os.write(self.wfd, data):]
 
     def send_job(self, program: str, expression: str, limits: dict):
         """A JSON header of limits and lengths, then the raw program and expression: the zygote
-        reads those bytes into a buffer it wipes after the job, never into objects that a later
-        child would inherit."""
+        reads those bytes into a buffer it wipes after the job."""
         p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
-        head = json.dumps(dict(limits, plen=len(p), elen=len(e))).encode()
-        self._send_all(head, p + e)
-
-    def _recv_blocking(self, deadline):
-        while True:
-            msg = self.poll()
-            if msg is not None:
-                return json.loads(msg)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError("sandbox zygote did not answer in time")
-            sel = selectors.DefaultSelector()
-            sel.register(self.rfd, selectors.EVENT_READ)
-            sel.select(left)
-            sel.close()
+        self._send(json.dumps(dict(limits, plen=len(p), elen=len(e))).encode(), p + e)
 
     def poll(self) -> bytes | None:
-        """Read what is available; return one whole frame or None. EOFError if the zygote died."""
+        """Read what is there; return one whole frame or None. EOFError if the zygote died."""
         try:
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
@@ -6440,30 +6189,20 @@ class _SbWorker:
         return data
 
     def kill(self):
-        report = self.__dict__.get("report", {})
-        scratch = report.get("scratch", "") if report.get("scratch_on_host") else ""
-        cgroup = (report.get("memory_cgroup") or {}).get("path")
-        for f in (self.proc.stdin, self.proc.stdout):  # EOF: the zygote drops its cgroup, exits
-            try:
-                f.close()
-            except OSError:
-                pass
+        """Close the pipes (the zygote then drops its cgroup and exits), kill it if it lingers,
+        and remove what it may leave on the host."""
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
         try:
             self.proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
-            pass
-        try:
             self.proc.kill()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        if scratch:  # no mount namespace: the scratch directory sits on the host
-            import shutil
-            shutil.rmtree(scratch, ignore_errors=True)
-        for _ in range(50) if cgroup else ():  # empty once the zygote is reaped (can take a moment)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        if (self.report.get("scratch") or "").startswith("/"):  # no mount namespace: on the host
+            shutil.rmtree(self.report["scratch"], ignore_errors=True)
+        cgroup = (self.report.get("memory_cgroup") or {}).get("path")
+        for _ in range(50 if cgroup else 0):  # empty once the zygote is reaped (can take a moment)
             try:
                 os.rmdir(cgroup)
                 break
@@ -6496,38 +6235,26 @@ class PythonSandbox:
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
             raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and "
                              "max_output_chars >= 1")
-        self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
-        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
-        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
-        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
-        self.forbidden_modules = sorted(set(forbidden_modules))
         # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a
         # determinism check that wants independent runs uses two sandboxes with different hash_seed.
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
-        # one unprivileged uid per worker, unique among this process's live sandboxes
-        self.uids = _sb_take_uids(self.workers)
+        self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
+        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
+        self.forbidden_modules = sorted(set(forbidden_modules))
+        self.uids = _sb_take_uids(self.workers)  # one unprivileged uid per worker (its gid too)
         self.uids_held = list(self.uids)
-        lib_dirs, lib_links = _sb_system_paths()
-        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
-                       "uid": uid, "gid": uid, "memory_mb": self.memory_mb,
-                       "site_dirs": [os.path.realpath(p) for p in sys.path
-                                     if p and "-packages" in p],
-                       "keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs,
-                       "lib_links": lib_links,
-                       "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
-                       "tmpfs_mb": int(tmpfs_mb), "tmpfs_inodes": max(1024, 64 * int(tmpfs_mb)),
-                       "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
-                       "scratch": None}
-                      for uid in self.uids]
+        view = _sb_host_view(hide_paths)
+        self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
+                           memory_mb=self.memory_mb, tmpfs_mb=int(tmpfs_mb),
+                           tmpfs_inodes=max(1024, 64 * int(tmpfs_mb))) for uid in self.uids]
         self._lock = threading.Lock()
-        # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
-        self._owner = os.getpid()
+        self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
-        self.restarts = 0
-        self._closed = False
-        self._errors: list[str] = []
+        self.restarts, self._closed, self._errors = 0, False, []
         self._retry_at: dict[int, float] = {}
         starters = [threading.Thread(target=self._start, args=(i,)) for i in range(self.workers)]
         for t in starters:
@@ -6537,7 +6264,17 @@ class PythonSandbox:
         if not all(self._pool):
             self.close()
             raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
-        self.isolation = self._summarise(self._pool[0].report)
+        rep = self._pool[0].report
+        ns = rep["namespaces"]
+        strong = all(ns[k] for k in ("net", "mount", "pid")) and rep["readonly_root"] and \
+            (rep["uid_dropped"] or ns["user"])
+        level = "strong" if strong and rep["seccomp"] else "namespaces" if strong else \
+            "partial" if any(ns.values()) or rep["uid_dropped"] else "rlimits-only"
+        families = "any" if not rep["seccomp"] else "AF_UNIX" if not ns["net"] else \
+            "AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
+        self.isolation = {"level": level, "hash_seed": self.hash_seed,
+                          "platform": f"{platform.system()} {platform.release()}", **rep,
+                          "socket_families": families}
 
     def _start(self, i: int):
         if time.monotonic() < self._retry_at.get(i, 0.0):
@@ -6546,38 +6283,10 @@ class PythonSandbox:
             self._pool[i] = _SbWorker(self._cfgs[i])
         except Exception as e:  # noqa: BLE001 - reported by the caller
             self._errors.append(f"worker {i}: {e}")
-            self._pool[i] = None
             self._retry_at[i] = time.monotonic() + 1.0
 
-    def _summarise(self, rep: dict) -> dict:
-        ns = rep.get("namespaces", {})
-        strong = all(ns.get(k) for k in ("net", "mount", "pid")) and rep.get("readonly_root") and \
-            (rep.get("uid_dropped") or ns.get("user"))
-        level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
-            "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
-        return {"level": level, "hash_seed": self.hash_seed,
-                "platform": f"{platform.system()} {platform.release()}",
-                "root": rep.get("root"), "uid": rep.get("uid"),
-                "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
-                "pid_namespace": rep.get("pid_namespace"),
-                "readonly_root": rep.get("readonly_root"),
-                "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
-                "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
-                "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
-                "self_test": rep.get("self_test"),
-                # allow-list: only Python, the system libraries and the job's own tmpfs are visible
-                "filesystem": rep.get("filesystem",
-                                      "host, read-only" if rep.get("readonly_root") else "host"),
-                "scratch": rep.get("scratch"), "ipc_per_job": rep.get("ipc_per_job", False),
-                "socket_families": ("AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
-                                    if ns.get("net") else "AF_UNIX")
-                if rep.get("seccomp") else "any",
-                # None: no cap on the job as a whole (notes say why); else its cgroup and limit
-                "memory_cgroup": rep.get("memory_cgroup"), "notes": rep.get("notes", [])}
-
-    # ------------------------------------------------------------------ public API
     def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
-        """Exec ``program`` in a fresh isolated process, then evaluate ``expression`` there."""
+        """Exec program in a fresh isolated process, then evaluate expression there."""
         return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
 
     @timed("verify")
@@ -6594,17 +6303,16 @@ class PythonSandbox:
         if os.getpid() != self._owner:
             raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
                                f"{self._owner}); create a new one in this forked process")
-        timeout = float(timeout_s or self.timeout_s)
         results: list[ExecResult | None] = [None] * len(jobs)
         with self._lock:
-            self._dispatch(jobs, timeout, results)
+            self._dispatch(jobs, float(timeout_s or self.timeout_s), results)
         return results  # type: ignore[return-value]
 
     def close(self):
         self._closed = True
         if os.getpid() != getattr(self, "_owner", None):
             return  # a forked copy of the trainer: the workers are not ours to stop
-        for i, w in enumerate(getattr(self, "_pool", ())):
+        for i, w in enumerate(self._pool):
             if w is not None:
                 w.kill()
                 self._pool[i] = None
@@ -6623,32 +6331,33 @@ class PythonSandbox:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    # ------------------------------------------------------------------ the event loop
     def _job_msg(self, timeout: float) -> dict:
-        return {"timeout": timeout, "memory_mb": self.memory_mb,
-                "fsize_mb": self.max_file_mb, "nproc": self.max_procs,
-                "max_output": self.max_output_chars,
+        return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
+                "nproc": self.max_procs, "max_output": self.max_output_chars,
                 "forbidden": self.forbidden_modules}
 
     def _restart(self, i: int):
-        w = self._pool[i]
-        if w is not None:
-            w.kill()
+        if self._pool[i] is not None:
+            self._pool[i].kill()
         self.restarts += 1
         self._pool[i] = None
         self._start(i)
 
     def _dispatch(self, jobs, timeout, results):
-        pending = collections.deque(range(len(jobs)))
-        for k in list(pending):
-            p, e = jobs[k]
+        for k, (p, e) in enumerate(jobs):
             if len(p) + len(e) > self.max_program_chars:
                 results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over "
                                                        f"the cap of {self.max_program_chars}")
-        pending = collections.deque(k for k in pending if results[k] is None)
-        sel = selectors.DefaultSelector()
+        pending = collections.deque(k for k in range(len(jobs)) if results[k] is None)
         busy: dict[int, int] = {}  # worker index -> job index
         slack = 5.0 + timeout      # the zygote enforces `timeout`; this only catches a stuck zygote
+        sel = selectors.DefaultSelector()
+
+        def finish(i, res, restart):
+            results[busy.pop(i)] = res
+            sel.unregister(self._pool[i].rfd)
+            if restart:
+                self._restart(i)
         try:
             while pending or busy:
                 for i in range(self.workers):
@@ -6660,72 +6369,53 @@ class PythonSandbox:
                         self._start(i)
                         if self._pool[i] is None:
                             continue
-                    k = pending.popleft()
-                    w = self._pool[i]
+                    k, w = pending.popleft(), self._pool[i]
                     try:
-                        w.send_job(jobs[k][0], jobs[k][1], self._job_msg(timeout))
+                        w.send_job(*jobs[k], self._job_msg(timeout))
                     except OSError as e:
                         results[k] = ExecResult("sandbox_error", None,
                                                 f"worker died before the job: {e}")
                         self._restart(i)
                         continue
-                    w.job = (k, time.monotonic() + slack)
-                    busy[i] = k
+                    w.deadline, busy[i] = time.monotonic() + slack, k
                     sel.register(w.rfd, selectors.EVENT_READ, i)
                 if not busy:
-                    if pending and all(w is None for w in self._pool):
+                    if pending and not any(self._pool):
                         for k in pending:
                             results[k] = ExecResult("sandbox_error", None,
                                                     "no sandbox worker could be started")
                         pending.clear()
                     continue
-                now = time.monotonic()
-                wait = max(0.0, min(self._pool[i].job[1] for i in busy) - now)
+                wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
                 for key, _ in sel.select(wait):
-                    i = key.data
-                    w = self._pool[i]
                     try:
-                        msg = w.poll()
-                        if msg is not None:
-                            results[busy.pop(i)] = res = self._result(msg)
-                            sel.unregister(w.rfd)
-                            w.job = None
-                            if msg[:1] == b"E":  # the zygote failed on its own: replace it
-                                self._restart(i)
+                        msg = self._pool[key.data].poll()
+                        if msg is not None:  # b"E": the zygote failed on its own, replace it
+                            finish(key.data, self._result(msg), msg[:1] == b"E")
                     except (EOFError, OSError, ValueError) as e:
-                        results[busy.pop(i)] = ExecResult("sandbox_error", None,
-                                                          f"sandbox worker died: {e}")
-                        sel.unregister(w.rfd)
-                        self._restart(i)
+                        finish(key.data, ExecResult("sandbox_error", None,
+                                                    f"sandbox worker died: {e}"), True)
                 now = time.monotonic()
-                for i in [i for i in busy if self._pool[i].job[1] < now]:
-                    results[busy.pop(i)] = ExecResult("sandbox_error", None,
-                                                      "sandbox worker stopped answering")
-                    sel.unregister(self._pool[i].rfd)
-                    self._restart(i)
+                for i in [i for i in busy if self._pool[i].deadline < now]:
+                    finish(i, ExecResult("sandbox_error", None, "sandbox worker stopped answering"),
+                           True)
         finally:
-            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
-                try:
-                    sel.unregister(self._pool[i].rfd)
-                except (KeyError, ValueError, AttributeError):
-                    pass
-                self._restart(i)
             sel.close()
+            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
+                self._restart(i)
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply. b"Z": made by the zygote (b"E": about its own failure).
-        b"P": the child's frame after setup, i.e. from the program's process, which may only claim
-        program outcomes. b"S": the child's frame from setup."""
+        """Decode and check one reply: b"Z" made by the zygote (b"E": about its own failure),
+        b"P" the child's frame from the program's process, which may only claim program
+        outcomes, b"S" the child's frame from its setup."""
         kind = reply[:1]
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
-        if allowed is None:
-            raise ValueError("malformed reply from the sandbox zygote")
-        msg = _sb_decode_frame(reply[1:])
+        msg = None if allowed is None else _sb_decode_frame(reply[1:])
         if msg is None:
-            if kind in (b"Z", b"E"):
-                raise ValueError("malformed reply from the sandbox zygote")
-            return ExecResult("crash", None, "the program wrote a malformed result")
+            if kind in (b"P", b"S"):
+                return ExecResult("crash", None, "the program wrote a malformed result")
+            raise ValueError("malformed reply from the sandbox zygote")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
             return ExecResult("crash", None,
