@@ -5031,37 +5031,31 @@ def cli_main(argv=None):
 # ==================================================================================================
 # The Python sandbox
 # ==================================================================================================
-# Runs untrusted, model-written Python, one fresh isolated process per program, at 1.5-2 ms CPU
-# a program against 25-40 ms for a fresh interpreter (tests/bench_sandbox.py). Each guarantee, why:
-# - The trainer never evals, execs or unpickles what a program made: it gets a capped JSON frame
-#   of strings {status, value, error}, value the repr cut off in the child; a caller compares
-#   values after parse_literal (caps, repr round-trip), so a liar's __eq__ never becomes a value.
-# - One zygote (fork server) per worker: a clean `python -s -S -P` with an allow-listed environment
-#   (no tokens, PYTHONHASHSEED=hash_seed) that forks one child per program, so no state, thread or
-#   patched builtin reaches the next program, and the multi-GB trainer is never forked.
-# - The zygote enters network (no interface up), mount, IPC and UTS namespaces (root: directly,
-#   else inside a user namespace) and pivots into an allow-listed, read-only filesystem: Python,
-#   system libraries, five /dev nodes, synthetic /etc accounts, /proc with hidepid=2; hide_paths
-#   (homes, temp dirs, the trainer's cwd) are empty. No other checkout, log, socket or GPU is there.
-# - Per job: a fresh tmpfs of tmpfs_mb as /tmp, cwd, HOME and /dev/shm (detached whole, so no tree
-#   outlives its job), a fresh IPC namespace, and a PID namespace whose PID 1 is the child, so
-#   setsid escapees die with it (user namespace: the worker is PID 1 and empties its namespace).
-# - Root: a uid per worker, unique among live sandboxes (RLIMIT_NPROC applies, no cross-signals),
-#   and a memory cgroup of memory_mb that caps a job's processes, tmpfs and kernel memory together.
-# - no_new_privs, and on x86-64 a hand-assembled seccomp filter: no ptrace, new namespaces, bpf,
-#   keyctl, io_uring or module loading; sockets AF_UNIX only (AF_INET/6 in the empty network ns).
-# - rlimits with soft = hard: address space, CPU, file size, open files, processes, core = 0; the
-#   zygote enforces the wall clock with SIGKILL, the trainer a looser deadline on the zygote.
-# - A job's program, input and result pass through two byte buffers the zygote wipes after the
-#   job, never objects: no later child finds them in its memory.
-# - A program's frame may only claim program outcomes; one that does not decode is its job's crash;
-#   a dead, silent or failing zygote costs its in-flight job (sandbox_error) and is replaced.
-# - What the host lacks (no user namespaces, no cgroup, not x86-64) is said in .isolation; no
-#   Python-level guard is relied upon. No dependency: bubblewrap would exec a fresh interpreter
-#   per program (tens of ms); the few syscalls go through ctypes.
+# Runs untrusted, model-written Python, a fresh isolated process per program, at 1.5-2 ms of CPU
+# (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). Each guarantee, and why:
+# - The trainer never evals, execs or unpickles program output: a capped JSON frame of strings
+#   {status, value, error} comes back, value a repr; callers compare parse_literal values, so a
+#   liar's __eq__ never becomes a task value.
+# - A zygote per worker, a clean `python -s -S -P` (allow-listed env: no tokens; PYTHONHASHSEED =
+#   hash_seed), forks a child per program: no state reaches the next one, the trainer is not forked.
+# - Network (no interface up), mount, IPC and UTS namespaces (non-root: in a user namespace), and
+#   an allow-listed read-only filesystem: Python, system libraries, five /dev nodes, fake /etc
+#   accounts, /proc with hidepid=2; hide_paths (homes, temp dirs, the trainer's cwd) are empty.
+# - Per job: a fresh tmpfs for /tmp, cwd, HOME and /dev/shm, a fresh IPC namespace, and a PID
+#   namespace whose PID 1 is the child, so escapees die with it (userns: the worker empties its).
+# - Root: a uid per worker, unique in the process (RLIMIT_NPROC applies, no cross-signals), and a
+#   memory cgroup that caps a job's processes, tmpfs and kernel memory together.
+# - no_new_privs; on x86-64 a seccomp filter: no ptrace, new namespaces, bpf, keyctl, io_uring,
+#   modules; sockets AF_UNIX only (AF_INET/6 in the empty network namespace).
+# - rlimits, soft = hard: memory, CPU, file size, files, processes, core 0. The zygote kills at the
+#   deadline; the trainer keeps a looser one on the zygote and replaces a dead or silent one.
+# - A job's bytes pass through two buffers the zygote wipes after it: no later child finds them.
+# - A program's frame may only claim program outcomes; one that does not decode is a crash.
+# - What the host lacks is said in .isolation, never made up for by Python-level guards. No new
+#   dependency: bubblewrap would exec a fresh interpreter per program; syscalls go through ctypes.
 # - forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a boundary.
-# Statuses: ok, error (exception and message), timeout (wall clock or CPU), memory, output_limit
-# (repr too long), crash (signal, or no result), forbidden, sandbox_error (not the program's fault).
+# Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too long), crash
+# (a signal, or no result), forbidden, sandbox_error (the sandbox failed, not the program).
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
                  "sandbox_error")
@@ -5079,14 +5073,9 @@ class ExecResult:
         return self.status == "ok"
 
 
-_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict,
-                     ast.UnaryOp, ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load,
-                     ast.Call, ast.Name)
-
-
 def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
                   require_roundtrip: bool = True, allow_nonfinite: bool = False):
-    """Parse an untrusted Python literal (e.g. a repr from the sandbox) without evaluating code.
+    """Parse an untrusted Python literal (e.g. a repr from the sandbox) with ast.literal_eval.
     ValueError, naming the problem, for a non-str, over max_chars, nested past max_depth, not a
     literal, NaN/inf (unless allow_nonfinite), or (require_roundtrip) a value repr changes."""
     if not isinstance(text, str):
@@ -5094,31 +5083,18 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
     if len(text) > max_chars:
         raise ValueError(f"literal is {len(text)} chars, over the cap of {max_chars}")
     try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
-        raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
-    stack = [(tree, 0)]
-    while stack:  # iterative walk: depth and node checks before literal_eval recurses
-        node, depth = stack.pop()
-        if depth > max_depth:
-            raise ValueError(f"literal nested deeper than {max_depth}")
-        if not isinstance(node, _SB_LITERAL_NODES):
-            raise ValueError(f"not a literal: contains {type(node).__name__}")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and
-                                               node.func.id == "set" and not node.args
-                                               and not node.keywords):
-            raise ValueError("not a literal: contains a call other than set()")
-        if isinstance(node, ast.Name) and node.id != "set":
-            raise ValueError(f"not a literal: contains the name {node.id!r}")
-        # literal_eval only adds a real to an imaginary constant: finite constants stay finite
-        if isinstance(node, ast.Constant) and isinstance(node.value, (float, complex)) and not \
-                allow_nonfinite and not (math.isfinite(node.value.real)
-                                         and math.isfinite(node.value.imag)):
-            raise ValueError("literal contains NaN or infinity")
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    try:
-        value = ast.literal_eval(tree)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        nodes = [(ast.parse(text.strip(), mode="eval"), 0)]
+        for node, depth in nodes:  # breadth first: depth is checked before literal_eval recurses
+            if depth > max_depth:
+                raise ValueError(f"nested deeper than {max_depth}")
+            # literal_eval only adds a real to an imaginary constant: finite constants stay so
+            if isinstance(node, ast.Constant) and isinstance(node.value, (float, complex)) and \
+                    not allow_nonfinite and not (math.isfinite(node.value.real)
+                                                 and math.isfinite(node.value.imag)):
+                raise ValueError("NaN or infinity")
+            nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+        value = ast.literal_eval(nodes[0][0])
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
         raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
     if require_roundtrip:
         try:  # equal, not the same repr: set order may change on re-insertion
@@ -5143,13 +5119,14 @@ _ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x
 _ZY_CLONE_NEWUSER, _ZY_CLONE_NEWPID, _ZY_CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC, _ZY_MS_REMOUNT = 1, 2, 4, 8, 32
 _ZY_MS_BIND, _ZY_MS_REC, _ZY_MS_PRIVATE, _ZY_MNT_DETACH = 4096, 16384, 1 << 18, 2
-# a read-only remount must keep these flags of the mount (locked in a user namespace)
+_ZY_MS_RO = _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY  # a read-only remount
+# flags a read-only remount must keep (they are locked in a user namespace)
 _ZY_MS_KEPT = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
                "relatime": 1 << 21}
 _ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
 _ZY_RLIMITS = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
                "RLIMIT_CORE")
-_ZY_DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never nvidia*, kvm, ttys, disks
+_ZY_DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")  # no GPU
 _ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                  "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
 _ZY_NO_CGROUP = ("a job's processes together may hold up to max_procs x memory_mb, and its tmpfs "
@@ -5182,10 +5159,6 @@ def _zy_libc_call(name, *args):
 def _zy_mount(src, target, fstype, flags, data=None):
     enc = lambda s: None if s is None else s.encode()
     _zy_libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
-
-
-def _zy_remount_ro(target, flags):
-    _zy_mount(None, target, None, _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | flags)
 
 
 def _zy_write_file(path, text):
@@ -5256,45 +5229,28 @@ def _zy_grow(buf, n):
     return bytearray(max(n, 2 * len(buf)))
 
 
-def _zy_write_all(parts):
-    """writev parts (bytes or buffers, never copied) whole to the trainer."""
+def _zy_reply(res, kind=b"Z"):
+    """Send kind + JSON made here (b"Z"; b"E" when this zygote failed, so the trainer replaces it),
+    or for res = (kind, start, end) the child's frame in _ZY_RES_BUF undecoded, never copied:
+    b"P" when the program's process wrote it, b"S" when the child's setup did. Then wipe it."""
+    global _ZY_RES_BUF
+    if type(res) is tuple:
+        kind, a, b = res
+        parts = [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]]
+    else:
+        data, b = kind + json.dumps(res).encode(), 0
+        parts = [struct.pack(">I", len(data)), data]
     parts = [memoryview(p) for p in parts]
-    while parts:
+    while parts:  # writev it whole
         k = os.writev(1, parts)
         while parts and k >= len(parts[0]):
             k -= len(parts[0])
             parts.pop(0)
         if parts and k:
             parts[0] = parts[0][k:]
-
-
-def _zy_reply(res, kind=b"Z"):
-    """A reply: kind + JSON made here (b"Z"; b"E" when this zygote failed, so the trainer replaces
-    it), or a tuple (kind, start, end): the child's frame passed on undecoded from _ZY_RES_BUF,
-    b"P" when the program's process wrote it, b"S" when the child's setup did."""
-    global _ZY_RES_BUF
-    if type(res) is not tuple:
-        data = kind + json.dumps(res).encode()
-        return _zy_write_all([struct.pack(">I", len(data)), data])
-    kind, a, b = res
-    _zy_write_all([struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]])
     _zy_wipe(_ZY_RES_BUF, b)
     if len(_ZY_RES_BUF) > 1 << 22:
         _ZY_RES_BUF = bytearray(1 << 16)
-
-
-def _zy_probe(program, expression):
-    """Run a program of ours as a job (a start-up self-test) -> its result as a dict."""
-    global _ZY_JOB_BUF
-    p, e = program.encode(), expression.encode()
-    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(p) + len(e))
-    _ZY_JOB_BUF[:len(p) + len(e)] = p + e
-    res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
-                       "max_output": 100, "forbidden": [], "plen": len(p), "elen": len(e)})
-    try:
-        return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
-    except ValueError:
-        return {"status": "crash", "value": None, "error": "malformed"}
 
 
 # ------------------------------------------------------- one-time isolation of the zygote itself
@@ -5361,22 +5317,10 @@ def _zy_setup_pid_namespace():
     _ZY_REPORT["namespaces"]["pid"] = True
 
 
-def _zy_bind(fd, new, p, is_dir):
-    """Bind what fd opens at new + p, read-only and nosuid (and nodev, except /dev nodes)."""
-    try:
-        os.makedirs(new + p if is_dir else os.path.dirname(new + p), exist_ok=True)
-        if not is_dir:
-            open(new + p, "w").close()
-        _zy_mount("/proc/self/fd/%d" % fd, new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
-        _zy_remount_ro(new + p, _ZY_MS_NOSUID | (_ZY_MS_NODEV if is_dir else 0))
-    except OSError as e:
-        _zy_note("could not bind %s: %s" % (p, e))
-
-
 def _zy_isolate_filesystem():
     """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
     Python's directories and the system libraries read-only, a few /dev nodes, synthetic account
-    files, /proc, /tmp (a tmpfs per job, see _zy_scratch_up); hide_paths are empty directories."""
+    files, /proc, /tmp (a tmpfs per job, see _zy_scratch); hide_paths are empty directories."""
     R, C = _ZY_REPORT, _ZY_CFG
     if not R["namespaces"]["mount"]:
         return
@@ -5390,14 +5334,15 @@ def _zy_isolate_filesystem():
     for target, opts in mounts:  # every mount read-only first, so the binds below are throughout
         if target != "/proc" and not target.startswith("/proc/"):
             try:
-                _zy_remount_ro(target, sum(f for o, f in _ZY_MS_KEPT.items() if o in opts))
+                _zy_mount(None, target, None,
+                          _ZY_MS_RO | sum(f for o, f in _ZY_MS_KEPT.items() if o in opts))
             except OSError:
                 failed += 1
     if failed:
         _zy_note("%d mounts could not be made read-only" % failed)
     dirs = sorted(set(C["keep_paths"]) | set(C["lib_dirs"]), key=len)
     fds = {}  # opened before the new root covers /tmp, where Python itself may live
-    for p in dirs + ["/dev/" + d for d in _ZY_DEV_NODES] + C["etc_files"]:
+    for p in dirs + list(_ZY_DEV_NODES) + C["etc_files"]:
         try:
             fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
         except OSError:
@@ -5408,17 +5353,27 @@ def _zy_isolate_filesystem():
     except OSError as e:
         return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
                         % e)
+    def bind(p, is_dir):  # read-only, nosuid, and nodev except for /dev nodes
+        try:
+            os.makedirs(new + p if is_dir else os.path.dirname(new + p), exist_ok=True)
+            if not is_dir:
+                open(new + p, "w").close()
+            _zy_mount("/proc/self/fd/%d" % fds[p], new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
+            _zy_mount(None, new + p, None,
+                      _ZY_MS_RO | _ZY_MS_NOSUID | (_ZY_MS_NODEV if is_dir else 0))
+        except OSError as e:
+            _zy_note("could not bind %s: %s" % (p, e))
     bound = []
     for p in dirs:  # shortest first: a directory inside one already bound comes with it
         if p in fds and not any(p.startswith(q.rstrip("/") + "/") for q in bound):
-            _zy_bind(fds[p], new, p, True)
+            bind(p, True)
             bound.append(p)
     for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
         if not os.path.lexists(new + link):
             os.symlink(target, new + link)
-    for p in ("/dev/" + d for d in _ZY_DEV_NODES):
+    for p in _ZY_DEV_NODES:
         if p in fds:
-            _zy_bind(fds[p], new, p, False)
+            bind(p, False)
     os.makedirs(new + "/dev", exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
         os.symlink(target, new + "/dev/" + name)
@@ -5467,7 +5422,7 @@ def _zy_isolate_filesystem():
         _zy_libc_call("syscall", 155, b".", b".")  # pivot_root(".", "."): the old root on top ...
         _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... is detached whole
         os.chdir("/")
-        _zy_remount_ro("/", _ZY_MS_NOSUID | _ZY_MS_NODEV)
+        _zy_mount(None, "/", None, _ZY_MS_RO | _ZY_MS_NOSUID | _ZY_MS_NODEV)
     except OSError as e:
         os.chdir("/")
         return _zy_note("could not switch to the allow-list root: %s" % e)
@@ -5722,17 +5677,11 @@ def _zy_drop_caps():
     _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
 
 
-def _zy_sweep_uid():
-    """Without a PID namespace, as root: kill every process of the job's uid."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgid(_ZY_CFG["uid"])
-            os.setuid(_ZY_CFG["uid"])
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+def _zy_kill_uid():
+    """Without a PID namespace, as root, in a throwaway child: kill every process of the job's uid."""
+    os.setgid(_ZY_CFG["uid"])
+    os.setuid(_ZY_CFG["uid"])
+    os.kill(-1, signal.SIGKILL)
 
 
 def _zy_count_processes(uid):
@@ -5786,7 +5735,7 @@ def _zy_tmp_mark():
             st.st_ctime_ns)
 
 
-def _zy_scratch_up():
+def _zy_scratch():
     """The job's fresh, empty, size-capped directory: a tmpfs of its own on /tmp (one a job left
     untouched serves the next), else the same host path each job, made anew."""
     S, C = _ZY_STATE, _ZY_CFG
@@ -5817,7 +5766,7 @@ def _zy_run_job(job):
     kill what is left, wipe the job's bytes, drop its scratch -> a reply for _zy_reply."""
     global _ZY_JOB_BUF, _ZY_RES_BUF
     S = _ZY_STATE
-    job["dir"] = _zy_scratch_up()
+    job["dir"] = _zy_scratch()
     # back to our own PID namespace, then a fresh one (the child is its PID 1) and a fresh IPC
     # namespace: SysV IPC and POSIX message queues die with the job
     if S["pidns_fd"] is not None:
@@ -5879,7 +5828,7 @@ def _zy_run_job(job):
         except ChildProcessError:
             pass
     elif S["pidns_fd"] is None and S["drop_uid"]:
-        _zy_sweep_uid()
+        _zy_try_in_child(_zy_kill_uid)
     _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
     if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let go
         _ZY_JOB_BUF = bytearray(1 << 16)
@@ -5942,6 +5891,19 @@ def _zy_setup():
     """Isolate this zygote once (see the section's head), then check that a child works."""
     S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
 
+    def probe(program, expression):  # run a program of ours as a job -> its result as a dict
+        global _ZY_JOB_BUF
+        data = (program + expression).encode()
+        _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(data))
+        _ZY_JOB_BUF[:len(data)] = data
+        res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
+                           "max_output": 100, "forbidden": [], "plen": len(program.encode()),
+                           "elen": len(expression.encode())})
+        try:
+            return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
+        except ValueError:
+            return {"status": "crash", "value": None, "error": "malformed"}
+
     def rlimit_ok(name):  # some platforms refuse some (macOS: RLIMIT_AS)
         hard = resource.getrlimit(getattr(resource, name))[1]
         v = 1 << 34 if hard == resource.RLIM_INFINITY else min(hard, 1 << 34)
@@ -5982,13 +5944,13 @@ def _zy_setup():
                  % R["scratch"])
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
-        out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
+        out = probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
                         "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
                         % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
         R["self_test"] = out.get("value") == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
         if not R["self_test"]:
             _zy_note("self-test failed: %r" % (out,))
-    out = _zy_probe("import statistics, decimal", "1")
+    out = probe("import statistics, decimal", "1")
     if out.get("value") != "1":
         R["self_test"] = False
         _zy_note("children cannot import the standard library (%s): on this host Python's files "
