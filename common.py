@@ -5341,8 +5341,9 @@ def _zy_isolate_filesystem():
     if failed:
         _zy_note("%d mounts could not be made read-only" % failed)
     dirs = sorted(set(C["keep_paths"]) | set(C["lib_dirs"]), key=len)
+    files = list(_ZY_DEV_NODES) + C["etc_files"]  # and the loader cache and time zone
     fds = {}  # opened before the new root covers /tmp, where Python itself may live
-    for p in dirs + list(_ZY_DEV_NODES) + C["etc_files"]:
+    for p in dirs + files:
         try:
             fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
         except OSError:
@@ -5353,27 +5354,28 @@ def _zy_isolate_filesystem():
     except OSError as e:
         return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
                         % e)
-    def bind(p, is_dir):  # read-only, nosuid, and nodev except for /dev nodes
+
+    def bind(p):  # read-only and nosuid; nodev too, except for the /dev nodes
         try:
-            os.makedirs(new + p if is_dir else os.path.dirname(new + p), exist_ok=True)
-            if not is_dir:
+            os.makedirs(new + p if p in dirs else os.path.dirname(new + p), exist_ok=True)
+            if p not in dirs:
                 open(new + p, "w").close()
             _zy_mount("/proc/self/fd/%d" % fds[p], new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
-            _zy_mount(None, new + p, None,
-                      _ZY_MS_RO | _ZY_MS_NOSUID | (_ZY_MS_NODEV if is_dir else 0))
+            _zy_mount(None, new + p, None, _ZY_MS_RO | _ZY_MS_NOSUID
+                      | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
     bound = []
     for p in dirs:  # shortest first: a directory inside one already bound comes with it
         if p in fds and not any(p.startswith(q.rstrip("/") + "/") for q in bound):
-            bind(p, True)
+            bind(p)
             bound.append(p)
     for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
         if not os.path.lexists(new + link):
             os.symlink(target, new + link)
-    for p in _ZY_DEV_NODES:
+    for p in files:
         if p in fds:
-            bind(p, False)
+            bind(p)
     os.makedirs(new + "/dev", exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
         os.symlink(target, new + "/dev/" + name)
@@ -5389,12 +5391,6 @@ def _zy_isolate_filesystem():
         with open(new + p, "w") as f:
             f.write(text)
         R["masked_files"].append(p)
-    for p in [p for p in C["etc_files"] if p in fds]:  # loader cache, time zone: copied (public)
-        try:
-            with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
-                dst.write(src.read(1 << 22))
-        except OSError as e:
-            _zy_note("could not copy %s: %s" % (p, e))
     for d in C["hide_paths"]:
         if os.path.isdir(d) and not os.path.islink(d):
             try:
@@ -5611,16 +5607,14 @@ def _zy_child_main(job, wfd):
 
         class ForbiddenImport(ImportError):
             pass
-        S["forbidden_exc"] = ForbiddenImport
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
                 raise ForbiddenImport("import of %r is not allowed" % name)
             return real_import(name, *a, **k)
-        builtins.__import__ = guarded_import
-        for m in list(sys.modules):  # modules the zygote already holds go through the guard too
-            if m.split(".")[0] in forbidden:
-                sys.modules.pop(m, None)
+        builtins.__import__, S["forbidden_exc"] = guarded_import, ForbiddenImport
+        for m in [m for m in sys.modules if m.split(".")[0] in forbidden]:
+            del sys.modules[m]  # what the zygote imported goes through the guard too
 
     cap = job["max_output"]
     try:  # setup is over: the zygote lets later frames claim program outcomes only
@@ -5655,8 +5649,7 @@ def _zy_child_main(job, wfd):
             name, msg = _type(e).__name__, _str(e)
             if _type(name) is not _str or _type(msg) is not _str:
                 raise TypeError
-            line = ""
-            tb = e.__traceback__
+            line, tb = "", e.__traceback__
             while tb is not None:
                 if tb.tb_frame.f_code.co_filename == "<program>":
                     line = " (program line %d)" % tb.tb_lineno
@@ -5678,7 +5671,7 @@ def _zy_drop_caps():
 
 
 def _zy_kill_uid():
-    """Without a PID namespace, as root, in a throwaway child: kill every process of the job's uid."""
+    """No PID namespace, as root, in a throwaway child: kill every process of the job's uid."""
     os.setgid(_ZY_CFG["uid"])
     os.setuid(_ZY_CFG["uid"])
     os.kill(-1, signal.SIGKILL)
@@ -5689,43 +5682,12 @@ def _zy_count_processes(uid):
     if not os.path.isdir("/proc"):
         return 4096
     n = 0
-    for d in os.listdir("/proc"):
+    for d in filter(str.isdigit, os.listdir("/proc")):
         try:
-            n += d.isdigit() and os.stat("/proc/" + d).st_uid == uid
-        except OSError:
+            n += os.stat("/proc/" + d).st_uid == uid
+        except OSError:  # it exited meanwhile
             pass
     return n
-
-
-def _zy_remove_tree(path, budget_s=2.0):
-    """Without a mount namespace: delete the job directory walking it with chdir, so a tree nested
-    past PATH_MAX comes down too. Past budget_s it raises: the worker is replaced."""
-    if not os.path.lexists(path):
-        return
-    stop, names = time.monotonic() + budget_s, []
-    os.chdir(path)
-    try:
-        while True:
-            if time.monotonic() > stop:
-                raise OSError("the job directory took over %gs to remove" % budget_s)
-            sub = None
-            with os.scandir(".") as it:
-                for e in it:
-                    if e.is_dir(follow_symlinks=False):
-                        sub = e.name
-                        break
-                    os.unlink(e.name)
-            if sub is not None:
-                os.chdir(sub)
-                names.append(sub)
-            elif not names:
-                break
-            else:
-                os.chdir("..")
-                os.rmdir(names.pop())
-    finally:
-        os.chdir("/")
-    os.rmdir(path)
 
 
 def _zy_tmp_mark():
@@ -5754,11 +5716,39 @@ def _zy_scratch():
 
 
 def _zy_scratch_down():
-    if not _ZY_STATE["view"]:
-        _zy_remove_tree(_ZY_STATE["jobdir"])
-    elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
-        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
-        _ZY_STATE["tmp_mark"] = None
+    """A tmpfs the job changed is detached whole. A host directory is deleted walking it with chdir,
+    so a tree nested past PATH_MAX comes down too; past 2 s it raises: the worker is replaced."""
+    if _ZY_STATE["view"]:
+        if _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+            _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)
+            _ZY_STATE["tmp_mark"] = None
+        return
+    path, stop, names = _ZY_STATE["jobdir"], time.monotonic() + 2.0, []
+    if not os.path.lexists(path):
+        return
+    os.chdir(path)
+    try:
+        while True:
+            if time.monotonic() > stop:
+                raise OSError("the job directory took over 2s to remove")
+            sub = None
+            with os.scandir(".") as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = e.name
+                        break
+                    os.unlink(e.name)
+            if sub is not None:
+                os.chdir(sub)
+                names.append(sub)
+            elif not names:
+                break
+            else:
+                os.chdir("..")
+                os.rmdir(names.pop())
+    finally:
+        os.chdir("/")
+    os.rmdir(path)
 
 
 def _zy_run_job(job):
@@ -5945,8 +5935,8 @@ def _zy_setup():
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
         out = probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
-                        "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                        % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
+                    "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                    % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
         R["self_test"] = out.get("value") == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
         if not R["self_test"]:
             _zy_note("self-test failed: %r" % (out,))
@@ -6008,7 +5998,8 @@ def _sb_zygote_source() -> str:
         values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
         funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
         parts = [_SB_ZYGOTE_IMPORTS] + [f"{k} = {v!r}" for k, v in values.items()]
-        _sb_zygote_text = "\n".join(parts + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
+        parts += [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"]
+        _sb_zygote_text = "\n".join(parts)
     return _sb_zygote_text
 
 
@@ -6113,12 +6104,12 @@ class _SbWorker:
                     if not sel.select(stop - time.monotonic()):
                         raise RuntimeError("sandbox zygote did not answer in time")
             msg = json.loads(msg)
-            if not msg.get("ready"):
-                raise RuntimeError(f"sandbox zygote failed to start: {msg.get('error')}")
+            self.report = msg["report"]
+            if not msg["ready"]:
+                raise RuntimeError(f"sandbox zygote failed to start: {msg['error']}")
         except BaseException:
             self.kill()
             raise
-        self.report = msg["report"]
 
     def _send(self, head: bytes, payload: bytes = b""):
         data = memoryview(struct.pack(">I", len(head)) + head + payload)
