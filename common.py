@@ -5121,8 +5121,8 @@ _ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC, _ZY_MS_REMOUNT = 1, 2
 _ZY_MS_BIND, _ZY_MS_REC, _ZY_MS_PRIVATE, _ZY_MNT_DETACH = 4096, 16384, 1 << 18, 2
 _ZY_MS_RO = _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY  # a read-only remount
 # flags a read-only remount must keep (they are locked in a user namespace)
-_ZY_MS_KEPT = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
-               "relatime": 1 << 21}
+_ZY_MS_KEPT = {"nosuid": _ZY_MS_NOSUID, "nodev": _ZY_MS_NODEV, "noexec": _ZY_MS_NOEXEC,
+               "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 _ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
 _ZY_RLIMITS = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
                "RLIMIT_CORE")
@@ -5586,8 +5586,12 @@ def _zy_child_main(job, wfd):
             os.setgroups([])
             os.setgid(_ZY_CFG["uid"])
             os.setuid(_ZY_CFG["uid"])
-        elif S["userns"]:
-            _zy_drop_caps()
+        elif S["userns"]:  # drop every capability, from the bounding set too
+            for cap in range(64):
+                _ZY_PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+            # capset(header {_LINUX_CAPABILITY_VERSION_3, pid 0}, 2 x {effective, permitted,
+            # inheritable} all empty)
+            _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
         if _ZY_LINUX:
             _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
             if S["seccomp"] is None:  # else set in the zygote and inherited
@@ -5659,15 +5663,6 @@ def _zy_child_main(job, wfd):
             report(status, None, ("%s: %s%s" % (name, msg, line))[:2000])
         except _BaseException:
             report("error", None, "an exception that could not be described")
-
-
-def _zy_drop_caps():
-    """In a user namespace: drop every capability, from the bounding set too."""
-    for cap in range(64):
-        _ZY_PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    # capset(header {_LINUX_CAPABILITY_VERSION_3, this process}, 2 x {effective, permitted,
-    # inheritable} all empty)
-    _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
 
 
 def _zy_kill_uid():
