@@ -6061,22 +6061,6 @@ def _sb_host_view(hide_paths) -> dict:
             "hide_paths": hidden if hide_paths is None else list(hide_paths)}
 
 
-def _sb_decode_frame(data: bytes) -> dict | None:
-    """A result frame as {status, value, error} of the right types, or None for anything else:
-    not UTF-8 JSON, nested deep enough for RecursionError, NaN, other keys or types, too large."""
-    if len(data) > _SB_MAX_FRAME or data[:1] != b"{":
-        return None
-    try:
-        msg = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError, MemoryError):  # (UnicodeDecodeError is a ValueError)
-        return None
-    if type(msg) is not dict or set(msg) != {"status", "value", "error"} or \
-            type(msg["status"]) is not str:
-        return None
-    # NaN or Infinity can only sit where a str or None must: they fail here
-    return msg if all(v is None or type(v) is str for v in (msg["value"], msg["error"])) else None
-
-
 class _SbWorker:
     """One zygote process and its control pipes (trainer side)."""
 
@@ -6353,14 +6337,21 @@ class PythonSandbox:
                 self._restart(i)
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply: b"Z" made by the zygote (b"E": about its own failure),
-        b"P" the child's frame from the program's process, which may only claim program
-        outcomes, b"S" the child's frame from its setup."""
-        kind = reply[:1]
+        """Decode and check one reply: b"Z" made by the zygote (b"E": about its own failure), b"P"
+        the child's frame from the program's process, which may only claim program outcomes, b"S"
+        its frame from setup. A child's frame that is not {status, value, error} of strings (not
+        UTF-8 JSON, too deep, NaN, other keys or types) is a crash of its job alone."""
+        kind, msg = reply[:1], None
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
-        msg = None if allowed is None else _sb_decode_frame(reply[1:])
-        if msg is None:
+        if allowed is not None and reply[1:2] == b"{":
+            try:  # (a UnicodeDecodeError is a ValueError)
+                msg = json.loads(reply[1:].decode("utf-8"))
+            except (ValueError, RecursionError, MemoryError):
+                pass
+        if not (type(msg) is dict and set(msg) == {"status", "value", "error"}
+                and type(msg["status"]) is str
+                and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
             if kind in (b"P", b"S"):
                 return ExecResult("crash", None, "the program wrote a malformed result")
             raise ValueError("malformed reply from the sandbox zygote")
