@@ -410,8 +410,8 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
                            for s in voted])}
     if vidx:  # the diversity of the valid questions (the clusters are the penalty's, above)
         qs = [questions[i] for i in vidx]
-        m.update(distinct_frac=common.distinct_fraction(qs), self_bleu=common.self_bleu(qs),
-                 distinct4=common.distinct_ngram_ratio(qs, 4))
+        m.update(distinct_frac=common.distinct_fraction(qs),
+                 distinct4=common.distinct_ngram_ratio(qs, 4), self_bleu=common.self_bleu(qs))
     run.log_samples(step, CHALLENGER, [
         {"completion": c.text, "question": q, "label": s and s["label"], "p_hat": s and s["p_hat"],
          "reward": float(rw), "r_rep": float(rr)}
@@ -512,7 +512,7 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
         "batch": b}, upd)
 
 
-# -- 4. Evaluation --------------------------------------------------------------------------------
+# -- 4. Evaluation; --eval-protocol official follows evaluation/eval_*.py rule by rule ------------
 LETTERS = "ABCDEFGHIJ"  # option letters of the multiple-choice sets (MMLU-Pro, SuperGPQA: up to 10)
 _OFFICIAL_STOPS = ("</s>", "<|im_end|>", "<|endoftext|>")
 _OFFICIAL_LINES = (re.compile(r"Final Answer:([^\n]*)\n"), re.compile(r"The answer is:([^\n]*)\n"))
@@ -733,6 +733,7 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
         for role in (CHALLENGER, SOLVER):
             weights = trained if role == roles.active else roles.cpu[role]
             _save_model(policy, weights, run.dir / "final" / role)
+
     def read(name):
         return json.loads((run.dir / name).read_text()) if (run.dir / name).is_file() else None
     iters = {str(k): read(f"eval_iter{k}.json") for k in range(1, cfg.iterations + 1)}

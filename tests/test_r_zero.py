@@ -8,7 +8,6 @@ import pathlib
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -39,7 +38,7 @@ def _cfg(**kw):
 
 
 def test_vote_statistics_unparsable_answers_never_win():
-    # spec worked example 1: four "12", one "7", five without \boxed -> label 12, p^ = 0.4 (not "None" at 0.5)
+    # four "12", one "7", five without \boxed -> label 12, p^ = 0.4 (the code's "None" would win at 0.5)
     st = r_zero.vote_statistics([["12"] * 4 + ["7"] + [None] * 5, [None] * 10, [str(i) for i in range(10)],
                                  ["1/2", "0.5", "\\frac{1}{2}", "3", None, None, "3", "0.5", "9", "9"]])
     assert (st[0]["label"], st[0]["agree"], st[0]["p_hat"]) == ("12", 4, pytest.approx(0.4))
@@ -57,7 +56,7 @@ def test_challenger_reward_on_vote_patterns():
     stats = r_zero.vote_statistics(groups[:2] + [[str(i) for i in range(10)]] + [groups[3]])
     p = [stats[0]["p_hat"], stats[1]["p_hat"], stats[2]["p_hat"], 0.0, stats[3]["p_hat"]]
     r = r_zero.challenger_rewards(qs, p, cfg)
-    B = 5  # the whole batch, the invalid output included (spec §2: |C_k| / B); all different: the 1/B floor
+    B = 5  # the whole batch, the invalid output included (paper §3: |C_k| / B); all differ: the 1/B floor
     np.testing.assert_allclose(r["r_rep"], [1 / B, 1 / B, 1 / B, 0, 1 / B])
     np.testing.assert_allclose(r["r_unc"], [0.8, 0.0, 0.2, 0.0, 1.0])
     np.testing.assert_allclose(r["reward"], [0.8 - 0.2, 0.0, 0.0, 0.0, 0.8], atol=1e-12)  # max(0, .): 0.2 - 0.2
@@ -169,17 +168,17 @@ def warm_path(tiny_model_path):
     steps, lr = 40, 1e-2
     tok = common.load_tokenizer(tiny_model_path)
     pairs = _warm_pairs(tok)
-    key = hashlib.sha256(json.dumps(["rzero-v1", _file_digest(pathlib.Path(tiny_model_path)), pairs, steps, lr],
+    key = hashlib.sha256(json.dumps(["rzero-v2", _file_digest(pathlib.Path(tiny_model_path)), pairs, steps, lr],
                                     default=str).encode()).hexdigest()[:16]
     out = pathlib.Path(os.environ["SELFPLAY_CACHE"]) / f"rzero-warm-{key}"
     if (out / ".complete").is_file():
         return str(out)
     torch.manual_seed(0)
-    model, tok = common.load_model(tiny_model_path, dtype=torch.float32, device="cpu")
-    model.train()
+    pol = common.Policy.load(common.RunConfig(model=tiny_model_path, backend="hf", dtype="float32",
+                                              lr=lr, weight_decay=0.0, micro_batch_tokens=1 << 16,
+                                              grad_clip=1.0))
+    model, tok = pol.model, pol.tokenizer
     ex = [encode_pair(tok, p, c) for p, c in pairs]
-    pol = types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
-                                cfg=types.SimpleNamespace(micro_batch_tokens=1 << 16, grad_clip=1.0))
     for _ in range(steps):
         common.sft_step(pol, ex)
     assert greedy_margin(model, [ex[5]]) > 2.0  # Q2 -> 3 is learnt firmly
