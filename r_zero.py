@@ -814,9 +814,9 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
             roles.activate(phase)
             policy.reset_optimizer()
             ref = policy.get_weights()
-        if phase == CHALLENGER:  # 1.
+        if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             m.update(challenger_step(policy, roles, cfg, ref, step, run))
-        elif phase == "dataset":  # 2.
+        elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
             kept, dm = build_dataset(policy, roles, cfg, decon, step, run, k)
             m.update(dm)
             if oracle is not None:
@@ -831,10 +831,10 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                               f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}. "
                               "Raise --question-pool or widen the band.")
             state["dataset"] = kept
-        elif phase == SOLVER:  # 3.
+        elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
                      else {"solver/skipped": 1})
-        else:  # 4.
+        else:  # 4. evaluate the Solver after every iteration
             m.update(evaluate_solver(policy, roles, cfg, run, f"eval_iter{k}.json"))
             acc = m.get("eval/overall")
             if acc is not None and (state["best"] is None or acc > state["best"]["eval/overall"]):
@@ -842,8 +842,8 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
             state["dataset"] = []
         run.log(step, m)
         pbar.update(1)
-        k_next, phase_next, j_next = schedule[step] if step < len(schedule) else end
-        state.update(iteration=k_next, phase=phase_next, phase_step=j_next)
+        state.update(zip(("iteration", "phase", "phase_step"),
+                         schedule[step] if step < len(schedule) else end))
         last = j + 1 == sizes[phase]
         if last:
             ref = None

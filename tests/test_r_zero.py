@@ -252,7 +252,7 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
 
 
 def _metrics(run_dir):
-    return [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def _load(d):
@@ -276,7 +276,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in the band
     assert ds["dataset/contaminated"] > 0 and ds["dataset/kept"] > 0
     assert len(ds["dataset/agree_hist"]) == 11 and sum(ds["dataset/agree_hist"]) == ds["dataset/voted"]
-    rows = [json.loads(l) for l in (pathlib.Path(run_dir) / "dataset_iter1.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (pathlib.Path(run_dir) / "dataset_iter1.jsonl").read_text().splitlines()]
     kept = [r for r in rows if r["kept"]]
     assert kept and all(r["question"] != Q2 for r in rows) and all(3 <= r["agree"] <= 7 for r in kept)
     assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
