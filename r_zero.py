@@ -55,14 +55,14 @@ GENERAL = ("supergpqa", "mmlu_pro", "bbeh", "gpqa_diamond")  # general reasoning
 class Config(common.RunConfig):
     model: str = "Qwen/Qwen3-4B-Base"  # paper §4 (also Qwen3-8B-Base, OctoThinker-3B/8B)
     iterations: int = 3  # K (paper §4; scripts/main.sh: 5)
-    challenger_steps: int = 5  # paper §4; scripts/questioner_train_penalty.sh keeps step 5
-    solver_steps: int = 15  # paper §4; scripts/solver_train.sh keeps step 15
+    challenger_steps: int = 5  # paper §3; scripts/questioner_train_penalty.sh keeps step 5
+    solver_steps: int = 15  # paper §3; scripts/solver_train.sh keeps step 15
     challenger_group: int = 4  # G, samples per prompt copy (examples/config.yaml)
     solver_group: int = 5  # G, answers per question (examples/config.yaml)
     challenger_batch: int = 512  # prompt copies per step (examples/config.yaml)
     solver_batch: int = 512  # questions per step (examples/config.yaml)
     challenger_minibatch: int = 16  # prompts per update, 0 = all (scripts; R-Zero issue #23)
-    solver_minibatch: int = 128  # questions per update, 0 = all (paper §4: batch 128)
+    solver_minibatch: int = 128  # questions per update, 0 = all (paper: batch 128)
     updates_per_batch: int = 1  # passes over a rollout batch (EasyR1 ppo_epochs)
     votes: int = 10  # m (paper §3; question_evaluate/evaluate.py: 9)
     vote_temperature: float = 1.0  # vllm_service_init/start_vllm_server.py
@@ -85,19 +85,19 @@ class Config(common.RunConfig):
     bleu_threshold: float = 0.5  # tau_BLEU, average-linkage threshold on 1 - BLEU (paper §3)
     solver_reward: str = "paper"  # paper: 1 iff correct | code: examples/reward_function/math.py
     code_filters: bool = False  # question_generate.py: drop "box"/"证明" questions, "text" labels
-    lr: float = 1e-6  # AdamW, constant (paper §4; examples/config.yaml)
+    lr: float = 1e-6  # AdamW, constant (paper; examples/config.yaml)
     weight_decay: float = 1e-2  # examples/config.yaml
     grad_clip: float = 1.0  # max grad norm (examples/config.yaml)
     clip_low: float = 0.2  # PPO epsilon below 1 (examples/config.yaml)
     clip_high: float = 0.3  # PPO epsilon above 1, clip-higher (examples/config.yaml)
     dual_clip: float = 3.0  # dual clip for A < 0 (verl/trainer/core_algos.py)
-    kl_coef: float = 0.01  # beta of the k3 KL to the phase start (paper §4; low_var_kl)
+    kl_coef: float = 0.01  # beta of the k3 KL to the phase start (paper; config.yaml low_var_kl)
     adv_eps: float = 1e-6  # GRPO (r - mean) / (std + eps) (verl/trainer/core_algos.py)
     aggregation: str = "seq-mean-token-mean"  # EasyR1's loss average as R-Zero runs it
     decontaminate: bool = True  # drop questions sharing an n-gram with the eval sets (ours)
     decontaminate_n: int = 13  # n of that overlap filter (GPT-3's 13-gram rule)
     eval_base: bool = True  # also evaluate the base model (paper Table 1, "Base Model")
-    eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §4)
+    eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
     eval_protocol: str = "ours"  # ours | official: general sets as evaluation/eval_bbeh.py etc.
