@@ -22,10 +22,11 @@ import common
 from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontaminator, average_linkage_clusters,
                     azr_composite_reward, bleu_clusters, bleu_distance_matrix, bleu_matrix, choice_letter,
                     decontaminate, distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
-                    load_benchmark, majority_vote, majority_vote_many, math_equal, math_equal_failures,
+                    load_benchmark, math_equal, math_equal_failures,
                     math_equal_many, ngram_overlap, normalize_string, pass_at_k, pass_at_k_ci,
                     repetition_penalty, self_bleu, threshold_reward, uncertainty_reward, update_sparsity,
                     variance_reward, variance_reward_from_bits)
+from r_zero import majority_vote, majority_vote_many
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
