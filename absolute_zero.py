@@ -4,20 +4,20 @@ Reinforced Self-play Reasoning with Zero Data", arXiv:2505.03335v2.
 One model proposes and solves tasks on (program p, input i, output o) triplets in three modes:
 deduction (o from p, i), abduction (an i with p(i) == o) and induction (p from I/O pairs and a
 message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3):
-  0. seed_buffers          from the zero triplet (Fig. 5) until D_seed, then D_ind, hold S*B (§3.3.1)
-  1. propose               B prompts per task type, K references each (§3.3.2)
-  2. validate              integrity, safety, determinism over j separate runs (§3.3.3)
-  3. estimate_learnability n solver samples at T = 1 per valid proposal, never trained on (Eq. 4)
-  4. solve                 this step's tasks, back-filled from the buffer to B, graded (Eq. 5)
+  0. seed_buffers    from the zero triplet (Fig. 5) until D_seed, then D_ind, hold S*B (§3.3.1)
+  1. propose         B prompts per task type, K references each (§3.3.2)
+  2. validate        integrity, safety, determinism over j separate runs (§3.3.3)
+  3. estimate_learnability: n solver samples at T = 1 per valid proposal (Eq. 4)
+  4. solve           this step's tasks, back-filled from the buffer to B, graded (Eq. 5)
   5. proposer_reward, solver_reward: Eq. 4 learnability, Eq. 6 format penalties
-  6. trr_update            TRR++ (keyed_advantages, Eq. 8), PPO-clip (Eq. 9), one AdamW step per
-                           --mini-batch 128 of the task-ordered 6B batch (scripts/selfplay/coder7b.sh)
-  7. evaluate              Table 1's math sets and HumanEval+/MBPP+, greedy
+  6. trr_update      TRR++ (keyed_advantages, Eq. 8), PPO-clip (Eq. 9), one AdamW step per
+                     --mini-batch 128 of the task-ordered 6B batch (scripts/selfplay/coder7b.sh)
+  7. evaluate        Table 1's math sets and HumanEval+/MBPP+, greedy
 Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3);
      `python absolute_zero.py --model tiny` (a one-minute CPU smoke run).
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
-  - the solver trains on this step's proposals (azr_ray_trainer.py's dataloaders hold step t-1's);
-  - a valid task with r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5: --zero-learnability-reward;
+  - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
+  - a valid task with r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5 is a flag;
   - learnability samples are drawn at T = 1 (master drew them with greedy validation settings);
   - determinism: j processes with their own hash seeds agree in value; outputs never truncated;
   - banned modules are checked on the AST and include os/sys/shutil (§3.3.3), for solvers too;
@@ -27,7 +27,7 @@ Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following
   - an input is an argument list evaluated in the sandbox only; deduction answers stay literals;
   - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg, eval/avg not its AVG;
   - prompts in our words (PROMPTS, --prompts FILE); each proposer states its own task's difficulty;
-  - ablations of "Towards Understanding Self-play": --freeze-proposer, --proposer-reward uncertainty.
+  - ablations of "Towards Understanding Self-play": --freeze-proposer, --proposer-reward uncertainty
 """
 from __future__ import annotations
 
@@ -95,7 +95,6 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "max_response_tokens": 48, "max_model_len": 2048, "sandbox_workers": 2,
         "executor_timeout": 2.0, "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
-
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
                 "output": "'Hello World'"}  # Fig. 5
 BANNED_MODULES = frozenset({  # Fig. 8, os/sys/shutil (§3.3.3), and the other ways out
@@ -106,8 +105,7 @@ BANNED_MODULES = frozenset({  # Fig. 8, os/sys/shutil (§3.3.3), and the other w
     "asyncio", "concurrent", "_thread", "select", "mmap", "code", "codeop", "pty", "fcntl",
     "platform", "sysconfig", "site", "urllib", "http", "requests", "ftplib", "smtplib",
     "webbrowser", "faulthandler", "tracemalloc", "atexit"})
-# builtins that import, run code, do I/O or reach the interpreter, unless the program binds them
-BANNED_NAMES = frozenset({
+BANNED_NAMES = frozenset({  # builtins that import, run code or do I/O, unless bound locally
     "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit",
     "help", "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__"})
 BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__",
@@ -116,11 +114,8 @@ BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__co
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
                   "nondeterministic", "non_literal", "too_large")
 
-
-# ------------------------------------------------------------------------------------------------
-# Prompts: R1-style plain text, everything parsed in fenced blocks; our words for every
-# instruction of the paper's prompt figures (data_construction/prompts.py).
-# ------------------------------------------------------------------------------------------------
+# --- Prompts: R1-style plain text, our words for every instruction of the paper's prompt figures
+# (data_construction/prompts.py); everything parsed sits in fenced blocks.
 _PREAMBLE = (
     "A conversation between User and Assistant. The Assistant first reasons about the User's task "
     "step by step inside <think> </think> tags, then writes its final result inside <answer> "
@@ -216,14 +211,16 @@ PROMPTS: dict[str, str] = {
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
 
 
-@functools.lru_cache(maxsize=8)
-def _prompt_file(path: str) -> dict[str, str]:
-    return common.load_prompts(path, PROMPTS)
+_load_prompts = functools.lru_cache(maxsize=8)(lambda path: common.load_prompts(path, PROMPTS))
 
 
 def prompts(cfg: Config) -> dict[str, str]:
     """Our templates, or those of --prompts FILE in their place."""
-    return _prompt_file(cfg.prompts) if cfg.prompts else PROMPTS
+    return _load_prompts(cfg.prompts) if cfg.prompts else PROMPTS
+
+
+def _fence(kind: str, text: str) -> str:
+    return f"```{kind}\n{text}\n```"
 
 
 def _code_rules(cfg: Config, single_def: bool) -> str:
@@ -233,51 +230,41 @@ def _code_rules(cfg: Config, single_def: bool) -> str:
                                   definitions=rule)
 
 
-def _fence(kind: str, text: str) -> str:
-    return f"```{kind}\n{text}\n```"
-
-
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
     t = prompts(cfg)
     if task == "induction":
-        filled = t["propose_induction"].format(program=program, n=cfg.induction_inputs)
-    else:
-        shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
-                            f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
-                            for k, r in enumerate(refs))
-        filled = t[f"propose_{task}"].format(references=shown or "(none yet)",
-                                             code_rules=_code_rules(cfg, cfg.reject_multiple_defs))
-    return t["wrapper"].format(task=filled)
+        return t["wrapper"].format(task=t["propose_induction"].format(program=program,
+                                                                      n=cfg.induction_inputs))
+    shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
+                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
+                        for k, r in enumerate(refs))
+    return t["wrapper"].format(task=t[f"propose_{task}"].format(
+        references=shown or "(none yet)", code_rules=_code_rules(cfg, cfg.reject_multiple_defs)))
 
 
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
-    t = prompts(cfg)
+    t, e = prompts(cfg), entry
     if task == "deduction":
-        filled = t["solve_deduction"].format(program=entry["program"], input=entry["input"])
-    elif task == "abduction":
-        filled = t["solve_abduction"].format(program=entry["program"], output=entry["output"])
-    else:  # the shown half of the pairs; solver programs may have helpers (code_reward.py)
-        half = len(entry["inputs"]) // 2
-        pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
-                          for k, (i, o) in enumerate(zip(entry["inputs"][:half],
-                                                         entry["outputs"][:half])))
-        filled = t["solve_induction"].format(message=entry["message"], pairs=pairs,
-                                             code_rules=_code_rules(cfg, single_def=False))
-    return t["wrapper"].format(task=filled)
+        return t["wrapper"].format(task=t["solve_deduction"].format(program=e["program"],
+                                                                    input=e["input"]))
+    if task == "abduction":
+        return t["wrapper"].format(task=t["solve_abduction"].format(program=e["program"],
+                                                                    output=e["output"]))
+    half = len(e["inputs"]) // 2  # only the shown half; solver programs may have helpers
+    pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
+                      for k, (i, o) in enumerate(zip(e["inputs"][:half], e["outputs"][:half])))
+    return t["wrapper"].format(task=t["solve_induction"].format(
+        message=e["message"], pairs=pairs, code_rules=_code_rules(cfg, single_def=False)))
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
     return len(common.encode_prompt(tokenizer, prompt)) <= cfg.max_prompt_tokens
 
 
-# ------------------------------------------------------------------------------------------------
-# Parsing untrusted model output (nothing here may raise) and the static safety checks (§3.3.3)
-# ------------------------------------------------------------------------------------------------
+# --- Parsing untrusted model output (nothing here may raise) and the safety checks (§3.3.3)
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
 _BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_]\w*)?[ \t]*\n?(.*?)```", re.S)  # body may share a line
-_PYTHON_TAGS = ("python", "py", "python3")
 _MAX_INPUT_CHARS = 100_000  # not in the paper: a longer input is invalid
-_ANSWER_BLOCK = {"deduction": "output", "abduction": "input"}
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -285,53 +272,48 @@ _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 def extract_answer(completion: str) -> str | None:
     """The last <answer> block, if the response has the R1 format (the prompt opened <think>)."""
     text = "<think>" + completion
-    if not _FORMAT_RE.match(text):
-        return None
     start = text.rfind("<answer>")
     end = text.find("</answer>", start)
-    return text[start + len("<answer>"):end] if end >= 0 else None
+    return text[start + len("<answer>"):end] if _FORMAT_RE.match(text) and end >= 0 else None
 
 
 def blocks(answer: str, kind: str | None) -> list[str]:
     """The bodies of the fenced blocks tagged `kind` (any tag, or none, for kind None)."""
-    return [body.strip() for k, body in _BLOCK_RE.findall(answer)
-            if kind is None or k.lower() == kind]
+    return [body.strip() for k, body in _BLOCK_RE.findall(answer) if kind in (None, k.lower())]
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What a solver answer is graded on; None is a format error (Eq. 6). As reward_managers.py:
-    the last ```output / ```input block, else the whole <answer>; induction the last python
-    block, else any fenced block, else a format error (parse_code_function)."""
+    """What an answer is graded on, None for a format error (reward_managers.py): the last
+    output / input block, else the whole <answer>; induction the last python block, else any
+    fenced block, else a format error (parse_code_function)."""
     answer = extract_answer(completion)
     if answer is None:
         return None
     if task == "induction":
-        code = [b for k, b in _BLOCK_RE.findall(answer) if (k or "").lower() in _PYTHON_TAGS]
-        code = code or blocks(answer, None)
-        return code[-1].strip() if code else None
-    found = blocks(answer, _ANSWER_BLOCK[task])
+        code = [b.strip() for k, b in _BLOCK_RE.findall(answer)
+                if k.lower() in ("python", "py", "python3")] or blocks(answer, None)
+        return code[-1] if code else None
+    found = blocks(answer, "output" if task == "deduction" else "input")
     return found[-1] if found else answer.strip()
 
 
-def _module_banned(name: str) -> bool:
-    parts = name.split(".")
-    return any(".".join(parts[:k]) in BANNED_MODULES for k in range(1, len(parts) + 1))
-
-
 def _banned(node: ast.AST) -> bool:
-    """An import of a banned module (or a relative one) or a banned attribute."""
+    """An import of a banned module (any dotted prefix) or a relative one, or a banned attribute."""
+    def bad(name):
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in BANNED_MODULES for k in range(1, len(parts) + 1))
     if isinstance(node, ast.Import):
-        return any(_module_banned(a.name) for a in node.names)
+        return any(bad(a.name) for a in node.names)
     if isinstance(node, ast.ImportFrom):
-        return bool(node.level) or _module_banned(node.module or "") or \
-            any(_module_banned(f"{node.module}.{a.name}") for a in node.names)
+        return bool(node.level) or bad(node.module or "") or \
+            any(bad(f"{node.module}.{a.name}") for a in node.names)
     return isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS
 
 
 def _uses_banned_name(source: str, mode: str = "exec") -> bool:
-    """A BANNED_NAMES name that may resolve to the builtin: any in a module or class body (a read
-    before an assignment finds the builtin there), a global one in a function. symtable resolves
-    the scopes: parameters, locals, comprehensions, defaults read outside the function."""
+    """A BANNED_NAMES name that may resolve to the builtin: any in a module or class body (read
+    before assignment, it finds the builtin), a global one in a function. symtable resolves the
+    scopes: parameters, locals, comprehensions, defaults read outside the function."""
     stack = [symtable.symtable(source, "<program>", mode)]
     while stack:
         table = stack.pop()
@@ -343,20 +325,10 @@ def _uses_banned_name(source: str, mode: str = "exec") -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=512)
-def _program_functions(program: str) -> frozenset:
-    """`f` and the program's top-level functions, which an input may not call."""
-    try:
-        body = ast.parse(program).body
-    except _PARSE_ERRORS:
-        body = []
-    return frozenset({"f"} | {n.name for n in body if isinstance(n, _DEFS)})
-
-
 def check_input(text: str, program: str = "") -> str | None:
     """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason.
-    Only its AST is checked here: one call, nothing banned, none of the program's own functions
-    (an abduction answer could search with f). The sandbox evaluates it."""
+    Only the AST is checked: one call, nothing banned, none of the program's own top-level
+    functions (an abduction answer could search with f). The sandbox evaluates it."""
     if not isinstance(text, str) or not text.strip():
         return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
@@ -364,16 +336,19 @@ def check_input(text: str, program: str = "") -> str | None:
     source = f"_(\n{text.strip()}\n)"
     try:
         node = ast.parse(source, mode="eval").body
-        one_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-            and node.func.id == "_" and bool(node.args or node.keywords)
-        if not one_call:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "_" and (node.args or node.keywords)):
             return "syntax"
         if any(_banned(n) for n in ast.walk(node)) or _uses_banned_name(source, "eval"):
             return "banned"
     except _PARSE_ERRORS:
         return "syntax"
-    own = _program_functions(program)
-    return "banned" if any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(node)) else None
+    try:
+        own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
+    except _PARSE_ERRORS:
+        own = {"f"}
+    calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(node))
+    return "banned" if calls_own else None
 
 
 def call_expression(text: str) -> str:
@@ -381,11 +356,10 @@ def call_expression(text: str) -> str:
     return f"f(\n{text.strip()}\n)"
 
 
-def static_check(program: str, max_chars: int = 8000,
-                 single_def: bool = False) -> tuple[str | None, str]:
+def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
     """(reason or None, program with entry function `f`): parses, nothing banned, one top-level
-    entry function. `single_def`: more than one def anywhere is invalid, as code_reward.py's
-    reject_multiple_functions; otherwise only top-level defs count (nested helpers are fine)."""
+    entry function. `single_def`: more than one def anywhere is invalid (code_reward.py's
+    reject_multiple_functions); otherwise only top-level defs count."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
     try:
@@ -407,15 +381,14 @@ def static_check(program: str, max_chars: int = 8000,
 
 def strip_program(program: str) -> str:
     """Seed programs keep imports and definitions only, without docstrings or comments (§3.3.1)."""
-    def kept(n):
-        return isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
-            isinstance(n, ast.Assign) and len(n.targets) == 1
-            and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")
-    module = ast.Module(body=[n for n in ast.parse(program).body if kept(n)], type_ignores=[])
+    module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(
+        n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
+        isinstance(n, ast.Assign) and len(n.targets) == 1
+        and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
     for node in ast.walk(module):
-        if isinstance(node, (*_DEFS, ast.ClassDef)) and node.body and \
-                isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
-                and isinstance(node.body[0].value.value, str):
+        first = node.body if isinstance(node, (*_DEFS, ast.ClassDef)) else None
+        if first and isinstance(first[0], ast.Expr) and isinstance(first[0].value, ast.Constant) \
+                and isinstance(first[0].value.value, str):
             node.body = node.body[1:] or [ast.Pass()]
     return ast.unparse(module)
 
@@ -435,19 +408,15 @@ def parse_triplet_proposal(completion: str) -> dict:
 def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict:
     """{'inputs', 'message'} or {'reason'}: the last n ```input blocks and the last ```message."""
     answer = extract_answer(completion) or ""
-    inputs, messages = blocks(answer, "input"), blocks(answer, "message")
+    inputs, messages = blocks(answer, "input")[-n:], blocks(answer, "message")
     if len(inputs) < n or not messages or not messages[-1]:
         return {"reason": "format"}
-    reason = next((r for r in (check_input(i, program) for i in inputs[-n:]) if r), None)
-    if reason:
-        return {"reason": reason}
-    return {"inputs": [i.strip() for i in inputs[-n:]], "message": messages[-1][:2000]}
+    reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
+    return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
 
 
-# ------------------------------------------------------------------------------------------------
-# The executor and the buffers. Gold values never enter the sandbox: outputs come back as repr
-# text and are compared here with == after common.parse_literal.
-# ------------------------------------------------------------------------------------------------
+# --- The executor and the buffers. Gold values never enter the sandbox: outputs come back as
+# repr text and are compared here with ==, after common.parse_literal.
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
 _STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "error",
                   "sandbox_error": "error", "forbidden": "banned", "timeout": "timeout",
@@ -548,9 +517,7 @@ def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
     return {t: Buffer(cap, state.get(t, [])) for t in TASKS}
 
 
-# ------------------------------------------------------------------------------------------------
-# Validation (§3.3.3), grading (Eq. 5) and rewards (Eqs. 4, 6, 8)
-# ------------------------------------------------------------------------------------------------
+# --- Validation (§3.3.3), grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
 def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
              tokenizer=None) -> list[dict]:
     """Sets p['reason'] (None = valid) and p['entry']. Deduction/abduction: static checks, then
@@ -577,9 +544,8 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         if p["reason"] is None:
             outs = [o for _, o in res]
             p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outs,
-                          "message": p["message"]} if task == "induction" else \
-                {"program": p["program"], "input": p["input"], "output": outs[0]}
-            p["entry"]["step"] = step
+                          "message": p["message"], "step": step} if task == "induction" else \
+                {"program": p["program"], "input": p["input"], "output": outs[0], "step": step}
             if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
                                                    cfg):
                 p["reason"], p["entry"] = "too_large", None
@@ -609,17 +575,14 @@ def check_solutions(executor: Executor, task: str, entries: list[dict], completi
         if pred is None:
             continue
         out[k] = (True, task == "deduction" and _equal(pred, entry["output"]))
-        tests = []  # (program, input text, gold output)
-        if task == "abduction":
-            tests = [(entry["program"], pred, entry["output"])]
-        elif task == "induction":
+        tests = [(entry["program"], pred, entry["output"])] if task == "abduction" else []
+        if task == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
             half = len(entry["inputs"]) // 2
             held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
             tests = [] if reason else [(program, i, o) for i, o in held_out]
-        for program, inp, gold in tests:
-            jobs.append((program, inp))
-            owner.append((k, gold))
+        jobs += [(program, inp) for program, inp, _ in tests]
+        owner += [(k, gold) for _, _, gold in tests]
     passed: dict[int, bool] = {}
     for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
         passed[k] = passed.get(k, True) and status == "ok" and _equal(value, gold)
@@ -670,11 +633,8 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None,
     return adv
 
 
-# ------------------------------------------------------------------------------------------------
-# The loop: one function per step of Alg. 1
-# ------------------------------------------------------------------------------------------------
-def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature: float | None = None,
-              top_p: float | None = None):
+# --- The loop: one function per step of Alg. 1
+def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None, top_p=None):
     if not prompts:
         return []
     return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens,
@@ -716,40 +676,32 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
             "abduction": Buffer(cfg.buffer_cap, list(seed.entries)), "induction": ind}
 
 
-def make_triplet_prompt(policy, task: str, buffer: Buffer, cfg: Config, rng: random.Random) -> str:
-    """K references without replacement, dropped until the prompt fits (at most K retries)."""
-    refs = buffer.sample(cfg.references, rng)
-    prompt = proposer_prompt(task, refs, cfg)
-    while refs and not _fits(policy.tokenizer, prompt, cfg):
-        refs.pop()
+def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
+    """Deduction/abduction: K references, dropped until the prompt fits (at most K retries).
+    Induction: a program from D_ded u D_abd whose prompt fits, in 4 draws, else None."""
+    if task != "induction":
+        refs = buffers[task].sample(cfg.references, rng)
         prompt = proposer_prompt(task, refs, cfg)
-    return prompt
-
-
-def make_induction_prompt(policy, programs: list[str], cfg: Config, rng: random.Random):
-    """(program, prompt) for a drawn program whose prompt fits, in 4 draws; else None."""
-    for _ in range(4):
+        while refs and not _fits(policy.tokenizer, prompt, cfg):
+            refs.pop()
+            prompt = proposer_prompt(task, refs, cfg)
+        return {"task": task, "prompt": prompt}
+    for _ in range(4 if programs else 0):
         program = rng.choice(programs)
         prompt = proposer_prompt("induction", [], cfg, program=program)
         if _fits(policy.tokenizer, prompt, cfg):
-            return program, prompt
+            return {"task": task, "program": program, "prompt": prompt}
     return None
 
 
 def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
     """Steps 1-2: B proposals per task type, parsed and validated (the caller keeps the valid)."""
-    props: dict[str, list[dict]] = {t: [] for t in tasks}
-    # D_ded u D_abd de-duplicated: seed programs sit in both
     programs = list(dict.fromkeys(e["program"] for t in ("deduction", "abduction")
-                                  for e in buffers[t].entries))
-    for t in tasks:
-        for _ in range(cfg.batch_size):
-            if t != "induction":
-                props[t].append({"task": t, "prompt": make_triplet_prompt(policy, t, buffers[t],
-                                                                          cfg, rng)})
-            elif programs and (made := make_induction_prompt(policy, programs, cfg, rng)):
-                props[t].append({"task": t, "program": made[0], "prompt": made[1]})
+                                  for e in buffers[t].entries))  # seed programs sit in both
+    props = {t: [p for _ in range(cfg.batch_size)
+                 if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
+             for t in tasks}
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
@@ -760,8 +712,7 @@ def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
     return props
 
 
-def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict]],
-                          cfg: Config) -> None:
+def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) -> None:
     """Step 3 (Eq. 4): p['solve_rate'] = r_bar over n samples at T = 1, top-p 1."""
     n = cfg.learnability_samples
     valid = [p for t in props for p in props[t] if p["reason"] is None]
@@ -772,12 +723,11 @@ def estimate_learnability(policy, executor: Executor, props: dict[str, list[dict
         graded = check_solutions(executor, t, [valid[k]["entry"] for k in idx for _ in range(n)],
                                  [c.text for k in idx for c in groups[k]], cfg)
         for j, k in enumerate(idx):
-            rows = graded[j * n:(j + 1) * n]
-            valid[k]["solve_rate"] = sum(c for _, c in rows) / len(rows)
+            valid[k]["solve_rate"] = sum(c for _, c in graded[j * n:(j + 1) * n]) / n
 
 
-def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dict[str, Buffer],
-          cfg: Config, rng: random.Random, step: int) -> dict[str, list[dict]]:
+def solve(policy, executor: Executor, props: dict, buffers: dict[str, Buffer], cfg: Config,
+          rng: random.Random, step: int) -> dict[str, list[dict]]:
     """Step 4: this step's valid tasks, back-filled uniformly from older ones (with replacement
     if too few), one answer each, graded and rewarded."""
     work: dict[str, list[dict]] = {}
@@ -800,7 +750,7 @@ def solve(policy, executor: Executor, props: dict[str, list[dict]], buffers: dic
     return work
 
 
-def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict]], cfg: Config):
+def build_trajectories(props: dict, solved: dict, cfg: Config) -> list:
     """The joint 6B batch in task order with TRR++ advantages, key '<role>/<task>'. With
     --freeze-proposer proposer records are dropped before the advantages (advantage None)."""
     records, trajs = [], []
@@ -822,17 +772,15 @@ def build_trajectories(props: dict[str, list[dict]], solved: dict[str, list[dict
     return trajs
 
 
-def trr_update(policy, props: dict[str, list[dict]], solved: dict[str, list[dict]],
-               cfg: Config) -> dict:
+def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
     trajs = build_trajectories(props, solved, cfg)
     if not trajs:
         return {}
-    pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio,
-                         entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
-                         max_len=cfg.max_response_tokens, temperature=cfg.temperature,
-                         mini_batch=cfg.mini_batch)
-    return common.pg_step(policy, trajs, pg)
+    return common.pg_step(policy, trajs, common.PGConfig(
+        clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
+        aggregation=cfg.aggregation, max_len=cfg.max_response_tokens,
+        temperature=cfg.temperature, mini_batch=cfg.mini_batch))
 
 
 def self_play_step(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
@@ -854,18 +802,10 @@ def self_play_step(policy, executor: Executor, buffers: dict[str, Buffer], cfg: 
     return props, solved, stats
 
 
-# ------------------------------------------------------------------------------------------------
-# Metrics per task type and role, as the paper and "Towards Understanding Self-play" plot them
-# ------------------------------------------------------------------------------------------------
+# --- Metrics per task type and role, as the paper and "Towards Understanding Self-play" plot them
 def _mean(xs) -> float:
     xs = list(xs)
     return float(sum(xs) / len(xs)) if xs else 0.0
-
-
-def _nll_entropy(completions) -> float | None:
-    """Towards Und. Eq. 1: mean per-token NLL of the sampled tokens, from the sampler's logprobs."""
-    seqs = [c.logprobs for c in completions if c.logprobs]
-    return _mean(-sum(lp) / len(lp) for lp in seqs) if seqs else None
 
 
 def _ast_key(program: str) -> str:
@@ -876,8 +816,7 @@ def _ast_key(program: str) -> str:
         return program
 
 
-def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]],
-                 buffers: dict[str, Buffer]) -> dict:
+def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
     m: dict = {}
     for t in TASKS:
         ps, ss = props[t], solved[t]
@@ -910,15 +849,16 @@ def step_metrics(props: dict[str, list[dict]], solved: dict[str, list[dict]],
         if a:
             m[f"adv_abs_mean/{role}"] = _mean(a)
     for role, recs in (*records.items(), ("policy", records["proposer"] + records["solver"])):
-        h = _nll_entropy(r["completion"] for r in recs)
-        if h is not None:
-            m[f"entropy/{role}"] = h
+        # Towards Und. Eq. 1: the mean per-token NLL of the sampled tokens (sampler logprobs)
+        seqs = [r["completion"].logprobs for r in recs if r["completion"].logprobs]
+        if seqs:
+            m[f"entropy/{role}"] = _mean(-sum(lp) / len(lp) for lp in seqs)
     m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
     m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
     return m
 
 
-def log_step_samples(run, step: int, props, solved) -> None:
+def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
     for t in TASKS:
         run.log_samples(step, f"proposer/{t}", [
             {"task": t, "prompt": p["prompt"], "completion": p["completion"].text,
@@ -929,21 +869,15 @@ def log_step_samples(run, step: int, props, solved) -> None:
              "completion": s["completion"].text, "task_entry": s["entry"], "new_task": s["new"],
              "formatted": s["formatted"], "correct": s["correct"], "reward": s["reward"]}
             for s in solved[t]])
-
-
-def append_tasks(run, step: int, props) -> None:
-    """tasks.jsonl: every valid proposed task with its step and solve rate (difficulty over time)."""
-    if run.is_main:
+    if run.is_main:  # tasks.jsonl: every valid task with its step and solve rate (Fig. 2)
         with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
             for p in (p for t in TASKS for p in props[t] if p["reason"] is None):
                 row = {"step": step, "task": p["task"], "solve_rate": p["solve_rate"], **p["entry"]}
                 f.write(json.dumps(row) + "\n")
 
 
-# ------------------------------------------------------------------------------------------------
-# Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model there
-# uses a boxed template, official issue #27: give one as eval_math with --prompts)
-# ------------------------------------------------------------------------------------------------
+# --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
+# there gets a boxed template, official issue #27: give one as eval_math with --prompts)
 _DISPLAY_MATH_RE = re.compile(r"\\\[(.*?)\\\]")
 
 
@@ -952,40 +886,33 @@ def eval_answer(text: str) -> str | None:
     \\boxed{} in it; without <answer> the last \\boxed{}, else the first \\[ ... \\]."""
     if "<answer>" in text:
         answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
-        if "boxed" in answer:
-            return common.extract_boxed(answer)
-        return answer or None
+        return common.extract_boxed(answer) if "boxed" in answer else answer or None
     if "boxed" in text:
         return common.extract_boxed(text)
     m = _DISPLAY_MATH_RE.search(text)
     return m.group(1).strip() or None if m else None
 
 
-def eval_prompt(problem: dict, tokenizer=None, cfg: Config | None = None) -> str:
-    return prompts(cfg or Config())["eval_math"].format(question=problem["question"].strip())
-
-
-def code_eval_prompt(problem: dict, tokenizer=None, cfg: Config | None = None) -> str:
-    return prompts(cfg or Config())["eval_code"].format(task=common.code_task_prompt(problem))
-
-
-def _named(fn, cfg: Config):
-    """fn with cfg bound, named after the template source (eval.json's settings record it)."""
-    def bound(problem, tokenizer=None):
-        return fn(problem, tokenizer, cfg)
-    bound.__name__ = f"absolute_zero.{fn.__name__}" + (f" ({cfg.prompts})" if cfg.prompts else "")
-    return bound
+def _eval_prompt_fn(cfg: Config, code: bool):
+    """The eval_math or eval_code template as a prompt_fn, named for eval.json's settings."""
+    def eval_prompt(problem, tokenizer=None):
+        if code:
+            return prompts(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
+        return prompts(cfg)["eval_math"].format(question=problem["question"].strip())
+    name = "code_eval_prompt" if code else "eval_prompt"
+    eval_prompt.__name__ = f"absolute_zero.{name}" + (f" ({cfg.prompts})" if cfg.prompts else "")
+    return eval_prompt
 
 
 def evaluate(policy, cfg: Config) -> dict:
-    results = common.evaluate_config(policy, cfg, prompt_fn=_named(eval_prompt, cfg),
+    results = common.evaluate_config(policy, cfg, prompt_fn=_eval_prompt_fn(cfg, code=False),
                                      extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
     if cfg.eval_code:
         try:
             results["code"] = common.evaluate_code(
                 policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
                 max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
-                prompt_fn=_named(code_eval_prompt, cfg), seed=cfg.seed)
+                prompt_fn=_eval_prompt_fn(cfg, code=True), seed=cfg.seed)
         except common.BenchmarkUnavailable as e:  # a finished run keeps its math results
             print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
             results["code"] = {"skipped": str(e)}
@@ -1002,41 +929,40 @@ def eval_metrics(results: dict) -> dict:
     return m
 
 
-# ------------------------------------------------------------------------------------------------
-# The run
-# ------------------------------------------------------------------------------------------------
+# --- The run
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
-    def need(ok, msg):
+    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] * cfg.eval_code
+    hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
+    files = [b for b in code if b not in hub]
+    checks = [
+        (cfg.proposer_reward in ("learnability", "uncertainty"), f"--proposer-reward "
+         f"{cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)"),
+        (cfg.zero_learnability_reward in (0.0, -0.5), f"--zero-learnability-reward "
+         f"{cfg.zero_learnability_reward}: choose 0 (paper) or -0.5 (code)"),
+        (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
+         f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature} must be > 0"),  # sampled rollouts
+        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1") for k in (
+            "batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs",
+            "steps")],
+        (cfg.mini_batch >= 0, f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0"),
+        (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
+    for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    need(cfg.proposer_reward in ("learnability", "uncertainty"), f"--proposer-reward "
-         f"{cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)")
-    need(cfg.zero_learnability_reward in (0.0, -0.5), f"--zero-learnability-reward "
-         f"{cfg.zero_learnability_reward}: choose 0 (paper) or -0.5 (code)")
-    need(cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
-         f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)")
-    need(cfg.temperature > 0, f"--temperature {cfg.temperature} must be > 0")  # sampled rollouts
-    for name in ("batch_size", "learnability_samples", "seed_factor", "buffer_cap",
-                 "determinism_runs", "steps"):
-        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
-    need(cfg.mini_batch >= 0, f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0")
-    need(cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")
     common.check_benchmark_names(cfg.eval_benchmarks)
     prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
-    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] \
-        if cfg.eval_code else []
-    for b in code:
-        need(b.lower() in common.CODE_BENCHMARKS or (b.endswith((".jsonl", ".json"))
-                                                     and os.path.isfile(b)),
-             f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} "
-             "nor an existing .jsonl file")
-    need(not any(b.lower() in common.CODE_BENCHMARKS for b in code)
-         or importlib.util.find_spec("datasets") is not None,
-         "--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the `datasets` "
-         "package, which is not installed: pip install datasets, give local JSONL files with "
-         "--eval-code-benchmarks, or skip them with --no-eval-code")
+    for b in files:
+        if not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
+            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
+                             f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
+    if hub and importlib.util.find_spec("datasets") is None:
+        raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the "
+                         "`datasets` package, which is not installed: pip install datasets, give "
+                         "local JSONL files with --eval-code-benchmarks, or skip them with "
+                         "--no-eval-code")
 
 
 def train(cfg: Config) -> dict:
@@ -1059,10 +985,9 @@ def train(cfg: Config) -> dict:
         for step in range(start + 1, cfg.steps + 1):
             rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without RNG state
             props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step, run)
-            metrics = step_metrics(props, solved, buffers)
-            metrics.update({f"train/{k}": v for k, v in stats.items()})
+            metrics = {**step_metrics(props, solved, buffers),
+                       **{f"train/{k}": v for k, v in stats.items()}}
             log_step_samples(run, step, props, solved)
-            append_tasks(run, step, props)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with run.timer("eval"):
                     ev = evaluate(policy, cfg)
