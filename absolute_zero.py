@@ -232,29 +232,24 @@ def _code_rules(cfg: Config, single_def: bool) -> str:
 
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
     t = prompts(cfg)
-    if task == "induction":
-        return t["wrapper"].format(task=t["propose_induction"].format(program=program,
-                                                                      n=cfg.induction_inputs))
     shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
                         f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
                         for k, r in enumerate(refs))
-    return t["wrapper"].format(task=t[f"propose_{task}"].format(
-        references=shown or "(none yet)", code_rules=_code_rules(cfg, cfg.reject_multiple_defs)))
+    return t["wrapper"].format(task=t[f"propose_{task}"].format(  # each uses its own fields
+        program=program, n=cfg.induction_inputs, references=shown or "(none yet)",
+        code_rules=_code_rules(cfg, cfg.reject_multiple_defs)))
 
 
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
+    """Induction shows the first half of the pairs; solver programs may have helpers."""
     t, e = prompts(cfg), entry
-    if task == "deduction":
-        return t["wrapper"].format(task=t["solve_deduction"].format(program=e["program"],
-                                                                    input=e["input"]))
-    if task == "abduction":
-        return t["wrapper"].format(task=t["solve_abduction"].format(program=e["program"],
-                                                                    output=e["output"]))
-    half = len(e["inputs"]) // 2  # only the shown half; solver programs may have helpers
+    half = len(e.get("inputs", ())) // 2
     pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
-                      for k, (i, o) in enumerate(zip(e["inputs"][:half], e["outputs"][:half])))
-    return t["wrapper"].format(task=t["solve_induction"].format(
-        message=e["message"], pairs=pairs, code_rules=_code_rules(cfg, single_def=False)))
+                      for k, (i, o) in enumerate(zip(e.get("inputs", ())[:half],
+                                                     e.get("outputs", ())[:half])))
+    return t["wrapper"].format(task=t[f"solve_{task}"].format(
+        program=e["program"], input=e.get("input"), output=e.get("output"),
+        message=e.get("message"), pairs=pairs, code_rules=_code_rules(cfg, single_def=False)))
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
