@@ -17,7 +17,7 @@ Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3);
      `python absolute_zero.py --model tiny` (a one-minute CPU smoke run).
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
-  - a valid task with r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5 is a flag;
+  - r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5: --zero-learnability-reward -0.5;
   - learnability samples are drawn at T = 1 (master drew them with greedy validation settings);
   - determinism: j processes with their own hash seeds agree in value; outputs never truncated;
   - banned modules are checked on the AST and include os/sys/shutil (§3.3.3), for solvers too;
