@@ -518,23 +518,17 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
     """Sets p['reason'] (None = valid) and p['entry']. Deduction/abduction: static checks, then
     the j runs give the gold output; induction: every input runs validly on the buffer program.
     A task whose solver prompt would not fit is too_large."""
-    jobs, owner = [], []
-    for k, p in enumerate(proposals):
-        if p.get("reason"):
-            continue
-        if task != "induction":  # induction programs come from the buffers, already checked
+    todo = []
+    for p in proposals:
+        if not p.get("reason") and task != "induction":  # buffer programs are already checked
             p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars,
                                                      single_def=cfg.reject_multiple_defs)
-            if p["reason"]:
-                continue
-        for text in (p["inputs"] if task == "induction" else [p["input"]]):
-            jobs.append((p["program"], text))
-            owner.append(k)
-    runs: dict[int, list] = {}
-    for k, res in zip(owner, executor.run_checked(jobs)):
-        runs.setdefault(k, []).append(res)
-    for k, res in runs.items():
-        p = proposals[k]
+        p["reason"] = p.get("reason") or None
+        if p["reason"] is None:
+            todo.append((p, p["inputs"] if task == "induction" else [p["input"]]))
+    results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
+    for p, ins in todo:
+        res = [next(results) for _ in ins]
         p["reason"] = next((r for r, _ in res if r), None)
         if p["reason"] is None:
             outs = [o for _, o in res]
@@ -544,8 +538,6 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
             if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
                                                    cfg):
                 p["reason"], p["entry"] = "too_large", None
-    for p in proposals:
-        p.setdefault("reason", None)
     return proposals
 
 
