@@ -78,8 +78,8 @@ class Config(common.RunConfig):
     freeze_proposer: bool = False  # no proposer gradient ("Towards Understanding Self-play" §3.3)
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
     determinism_runs: int = 2  # j, independent runs that must agree (§3.3.3)
-    sandbox_workers: int = 4  # parallel sandbox processes
-    sandbox_memory_mb: int = 1024  # address-space limit of one program run
+    sandbox_workers: int = 4  # not in the paper: parallel sandbox processes
+    sandbox_memory_mb: int = 1024  # not in the paper: address-space limit of one program run
     max_program_chars: int = 8000  # not in the paper: longer programs are invalid
     max_output_chars: int = 4000  # not in the paper: longer outputs are invalid, never truncated
     reject_multiple_defs: bool = True  # one def per proposal (rewards/code_reward.py)
@@ -919,7 +919,7 @@ def eval_metrics(results: dict) -> dict:
 # --- The run
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
-    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip()] * cfg.eval_code
+    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip() and cfg.eval_code]
     hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
     files = [b for b in code if b not in hub]
     checks = [
