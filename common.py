@@ -2251,39 +2251,6 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
     return adv.float()
 
 
-def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None, token_weighted: bool = False) -> torch.Tensor:
-    """REINFORCE++ / Task-Relative REINFORCE++ advantages: a separate baseline and normalisation per key.
-
-    TRR++ (Absolute Zero, arXiv:2505.03335, §3.3.5, Eq. 8): A = (r - mu_key) / sigma_key, key = (task, role),
-    6 baselines. REINFORCE++ (as restated in Absolute Zero App. A, Eq. 10) is the special case of one key for the
-    whole batch. sigma is the unbiased std (``correction=1``), as in the official code's ``masked_whiten``;
-    eps is added to sigma. A key whose rewards are all equal, or a key with a single sample, gets exactly 0.
-
-    ``token_weighted=True`` follows the official code instead of the paper: it whitens *token-level* returns
-    over each key (veRL ``masked_whiten``), so every response counts with weight |y_i| (``lengths``, required)
-    in the mean and in the Bessel-corrected variance, and A = (r - mu) * rsqrt(var + eps) (official eps 1e-8).
-    Default is the paper's per-sequence Eq. 8. ``keys`` are taken as group_ids are
-    in group_advantages."""
-    r = _rl_as_float64(rewards)
-    keys = _rl_keys(keys)
-    if len(keys) != len(r):
-        raise ValueError(f"{len(r)} rewards but {len(keys)} keys")
-    w = None
-    if token_weighted:
-        if lengths is None:
-            raise ValueError("token_weighted=True needs lengths (completion token counts)")
-        w = torch.as_tensor(list(lengths), dtype=torch.float64)
-        if len(w) != len(r) or bool((w < 1).any()):
-            raise ValueError("lengths must give one positive token count per reward")
-    groups: dict = defaultdict(list)
-    for i, k in enumerate(keys):
-        groups[k].append(i)
-    adv = torch.zeros_like(r)
-    for idx in groups.values():
-        adv[idx] = _rl_normalise(r, idx, use_std=True, eps=eps, weights=w)
-    return adv.float()
-
-
 # --------------------------------------------------------------------------------------------------
 # 3. Policy loss and aggregation (rl_core §2, §3, §5)
 # --------------------------------------------------------------------------------------------------

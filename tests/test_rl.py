@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import absolute_zero as az
 import common
 
 T_SAMPLE = 0.7  # a non-1 sampling temperature, so a trainer that forgets to divide by T fails
@@ -168,12 +169,12 @@ def test_drgrpo_advantages_by_hand():
 
 def test_reinforce_pp_and_trr_pp_by_hand():
     # REINFORCE++: one baseline over the batch. r = [3,1,2,2]: mean 2, unbiased std sqrt(2/3) = .8165
-    adv = common.keyed_advantages([3, 1, 2, 2], ["all"] * 4)
+    adv = az.keyed_advantages([3, 1, 2, 2], ["all"] * 4)
     assert adv.tolist() == pytest.approx([1.2247, -1.2247, 0, 0], abs=1e-4)
     # TRR++: separate (task, role) baselines; a constant key and a size-1 key give 0
     keys = [("ded", "solve"), ("abd", "propose"), ("ded", "solve"), ("abd", "propose"), ("ind", "solve"),
             ("ind", "propose"), ("ind", "propose")]
-    adv = common.keyed_advantages([1, 0.4, 0, 0.8, 1, 0.3, 0.3], keys)
+    adv = az.keyed_advantages([1, 0.4, 0, 0.8, 1, 0.3, 0.3], keys)
     s = math.sqrt(0.5)  # unbiased std of {1,0}
     s2 = math.sqrt(0.08)  # unbiased std of {0.4, 0.8}
     assert adv.tolist() == pytest.approx([0.5 / s, -0.2 / s2, -0.5 / s, 0.2 / s2, 0, 0, 0], abs=1e-4)
@@ -182,12 +183,12 @@ def test_reinforce_pp_and_trr_pp_by_hand():
 def test_trr_pp_token_weighted_whitening_by_hand():
     # r=[1,0] with lengths [1,3]: token mean 1/4, Bessel-corrected token variance
     # (1*.75^2 + 3*.25^2)/(4-1) = .25, std .5 -> A = [.75/.5, -.25/.5] = [1.5, -.5]
-    adv = common.keyed_advantages([1, 0], ["k", "k"], eps=1e-8, lengths=[1, 3], token_weighted=True)
+    adv = az.keyed_advantages([1, 0], ["k", "k"], eps=1e-8, lengths=[1, 3], token_weighted=True)
     assert adv.tolist() == pytest.approx([1.5, -0.5], abs=1e-5)
     # the per-sequence default differs: +-0.7071
-    assert common.keyed_advantages([1, 0], ["k", "k"]).tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert az.keyed_advantages([1, 0], ["k", "k"]).tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
     with pytest.raises(ValueError, match="lengths"):
-        common.keyed_advantages([1, 0], ["k", "k"], token_weighted=True)
+        az.keyed_advantages([1, 0], ["k", "k"], token_weighted=True)
 
 
 def test_advantages_reject_nan_rewards():
@@ -409,7 +410,7 @@ def _learn(policy, estimator: str, steps: int = 30, group: int = 4, max_tokens: 
         elif estimator == "drgrpo":
             adv = common.group_advantages(rewards, gids, scale="none")
         else:
-            adv = common.keyed_advantages(rewards, ["solver"] * len(trajs))
+            adv = az.keyed_advantages(rewards, ["solver"] * len(trajs))
         for t, a in zip(trajs, adv.tolist()):
             t.advantage = a
         st = common.pg_step(policy, trajs, cfg)

@@ -187,11 +187,11 @@ def test_group_ids_as_tensors_or_arrays_are_compared_by_value():
         assert torch.equal(common.group_advantages(r, given), want), type(given)
         assert torch.equal(common.group_advantages(r, given, scale="none"),
                            common.group_advantages(r, ids, scale="none"))
-        assert torch.equal(common.keyed_advantages(r, given), common.keyed_advantages(r, ids))
+        assert torch.equal(az.keyed_advantages(r, given), az.keyed_advantages(r, ids))
     pairs = [(0, 1), (0, 1), (1, 1), (1, 1), (0, 2), (0, 2)]
-    by_pair = common.keyed_advantages(r, pairs)
+    by_pair = az.keyed_advantages(r, pairs)
     for given in (torch.tensor(pairs), np.array(pairs)):
-        assert torch.equal(common.keyed_advantages(r, given), by_pair)
+        assert torch.equal(az.keyed_advantages(r, given), by_pair)
         assert torch.equal(common.group_advantages(r, given), common.group_advantages(r, pairs))
 
 
