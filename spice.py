@@ -19,18 +19,18 @@ Baselines: --challenger-model M (Table 1's Strong Challenger), --oracle-model M 
 
 Choices where the paper is inconsistent or silent:
 - One Reasoner task per document (§3.1), not one per iteration (Alg. 1).
-- T_R reuses the K answers behind r_C (§2.5, §3.1); Alg. 1 l. 16 samples anew: --fresh-reasoner-samples.
-- B = 128 documents (§3.1); App. B's 128 = Oat's train_batch_size: trajectories per optimizer step.
-- Answer types Integer / Expression / String (the text), not Fig. 2's; not Fig. 10's Float, List, Boolean.
+- T_R reuses the K answers behind r_C (§2.5, §3.1); Alg. 1 l. 16 samples anew (a flag).
+- B = 128 documents (§3.1); App. B's 128 is Oat's train_batch_size, trajectories per step.
+- Answer types Integer / Expression / String (the text), not Fig. 2's; no Float, List, Boolean.
 - r_C uses the population variance p(1 - p): torch.var's unbiased default moves the peak off 50%.
-- Both roles generate <= 4,096 tokens (not stated), Dr. GRPO's L_max; truncated: r_R = 0 or invalid.
-- Open 50/50 stand-in corpus (open-web-math, FineWeb-Edu); segments or questions sharing a 13-gram with
-  an eval set are dropped or invalid, as is a question too long for the Reasoner's prompt.
-- Oat (oat/args.py, oat/algorithms/ppo.py): clip 0.2, one epoch, grad clip 1, betas (0.9, 0.95), TIS 2.
-- LaTeX in the Challenger's JSON is read as written (repair_json_escapes); ours: "double backslashes".
-- Math-Verify (Oat: 1 s timeout) unless equal as strings or numbers; "hmg" = "mgh" for an Expression.
-- Prompts in our words; type selection puts the document between markers; one Reasoner instruction.
-- Zero-advantage groups stay in the batch, logged (*/zero_adv_group_frac), as are */tokens per role.
+- Both roles generate <= 4,096 tokens (not stated), Dr. GRPO's L_max; truncated: r_R = 0, invalid.
+- An open 50/50 stand-in corpus; segments sharing a 13-gram with an eval set are dropped, and such
+  a question, or one too long for the Reasoner's prompt, is invalid.
+- Oat's defaults: clip 0.2, one epoch, grad clip 1, betas (0.9, 0.95), truncated IS at 2.
+- LaTeX in the Challenger's JSON is read as written (repair_json_escapes).
+- Math-Verify with Oat's 1 s timeout, train and eval; an Expression "hmg" equals "mgh".
+- Prompts in our words; type selection sees the document between markers; one Reasoner prompt.
+- Zero-advantage groups stay in the batch; logged (*/zero_adv_group_frac), as is */tokens.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
            "prompt_format": ("auto", "chat", "plain")}
 ANSWER_TYPES = ("Integer", "Expression", "String")
 CHALLENGER, REASONER = "challenger", "reasoner"
-# --model tiny: a one-minute smoke run on tests/data (flags override); our prompts fill 3.6k tokens
+# --model tiny: a one-minute smoke run on tests/data (flags override); ours fill 2,050 tiny tokens
 TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
         "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl", "steps": 2, "docs_per_step": 1,
         "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
@@ -113,10 +113,8 @@ TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
         "prompts": f"{common.TINY_DATA}/spice_short_prompts.toml"}
 
 
-# ------------------------------------------------------------------------------------------------
 # Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
 # --prompts FILE replaces any of them (common.load_prompts).
-# ------------------------------------------------------------------------------------------------
 PROMPTS = {
     # Fig. 8 wrappers: ChatML with a generic system message (Qwen3), or plain dialogue (OctoThinker)
     "system": "You are a helpful assistant.",
@@ -126,223 +124,127 @@ PROMPTS = {
     "document_block": "=== DOCUMENT START ===\n{document}\n=== DOCUMENT END ===",
     "no_document_block": ("(No document is given. Draw on your own knowledge of mathematics and "
                           "science and invent the material yourself.)"),
-
     # Fig. 9: task type selection (not trained)
-"type_selection": """Read the document below and decide which kind of CHALLENGING exam question it \
-supports best: multiple choice (MCQ) or free-form.
+    "type_selection": """\
+Decide which kind of CHALLENGING exam question the document below supports best: multiple choice \
+(MCQ) or free-form.
 
 {document_block}
 
-Keep in mind what each kind needs:
-- Multiple choice: intricate relationships and reasoning that runs over several steps; several \
-concepts that must be combined; room for three wrong options that are plausible but false, so that \
-the wrong options themselves test understanding.
-- Free-form: one clearly defined correct answer: a specific calculation (an Integer answer), a \
-formula or expression to derive (an Expression answer), or a concept named with exact terminology \
-(a String answer).
-
-Choose exactly ONE kind: the one that would give the best challenging question from this document.
-
-Reply with one valid JSON object and nothing else: no text before or after it, no markdown, no \
+- Multiple choice needs intricate relationships, reasoning over several steps, several concepts to \
+combine, and room for three wrong options that are plausible but false.
+- Free-form needs one clearly defined answer: a calculation (Integer), a formula to derive \
+(Expression), or a concept named in exact terminology (String).
+Choose exactly ONE kind. Reply with one valid JSON object and nothing else: no markdown, no \
 backticks.
 {{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
 "Integer" or "Expression" or "String" or null, "reason": "a few plain words"}}
-Rules: exactly one of the two "suitable" values is true; give best_answer_type only for free-form, \
-otherwise null; keep "reason" under 100 characters, with no LaTeX and no special characters.""",
-
+Exactly one "suitable" value is true; best_answer_type only for free-form, else null; "reason" \
+under 100 characters, with no LaTeX and no special characters.""",
     # Fig. 10, left: the multiple-choice generator
-"mcq": """Your task: turn the document below into one CHALLENGING multiple-choice exam question, \
-one that can only be answered by connecting several of its parts and reasoning over several steps.
+    "mcq": """\
+Turn the document below into one CHALLENGING multiple-choice exam question that can only be \
+answered by connecting several of its parts over several reasoning steps.
 
 {document_block}
 
-Step 1. Find material that needs synthesis. Look for:
-- relationships between several variables or concepts that appear in different parts of the \
-document;
-- calculations or procedures with several steps, each depending on the one before;
-- formulas or principles whose parts interact;
-- conclusions the document does not state but that follow from combining what it states;
-- comparisons or trade-offs between approaches;
-- conditional relationships (if X then Y, but if Z then W);
-- systems in which changing one parameter changes several others.
-Do not build on a fact stated outright (that makes an easy question), a definition that stands \
-alone, a number mentioned in isolation, or anything that needs no synthesis.
+Step 1. Find material that needs synthesis: relationships between variables or concepts in \
+different parts; multi-step calculations or procedures; interacting formulas or principles; \
+conclusions that follow from combining statements; comparisons or trade-offs; conditional \
+relationships; systems where one change affects several parameters. Avoid facts stated outright, \
+stand-alone definitions and isolated numbers.
+Step 2. Plan how to make it hard ("hardening_process"): the easy version you avoid, the layers of \
+complexity you add, the concepts to connect, the shortcuts you block.
+Step 3. Write the question: it applies concepts from different parts, tests relationships, not \
+recall, and may compare scenarios or ask "what if". It stands alone: the solver never sees the \
+document. Never write "according to the text", "in the document", "as mentioned" or the like; give \
+all the context and define specialised terms.
+Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
+solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. No \
+single look-up, sentence or keyword match may answer it.
+Step 5. Write down the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
+pieces of information from different parts, their links, and why a simple lookup fails.
+Step 6. Write four options A) to D). Balanced length: within about 20% of each other. Consistent \
+units and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: \
+typical slips in the multi-step work, stopping halfway, confusing related concepts, leaving out a \
+key factor. Give the question, then A) ... D), and the correct letter.
+Step 7. Solve it as a student with the options in view ("self_test_solution"): find the quickest \
+route one might try; if two options can be ruled out without real understanding, or the options \
+give the answer away or can be guessed from patterns, redesign them; count the reasoning steps \
+still needed: if fewer than 3, reject the question and write a harder one; if it takes less than \
+30 seconds, make it harder.
+Step 8. Final check: if one sentence answers it, it needs only one part of the document, it tests \
+facts rather than relationships, its options are unbalanced or formatted unevenly, or your solve \
+took less than a minute, revise it.
 
-Step 2. Plan how to make it hard, and say so explicitly (this goes into "hardening_process"): \
-which easy version you avoid, which layers of complexity you add, which concepts the solver must \
-connect, which shortcuts you block, and how you make sure that several reasoning steps are needed.
-
-Step 3. Write the question. It applies several concepts from different parts of the document, \
-tests relationships rather than recall, needs several steps of reasoning, and may compare \
-scenarios, ask "what if", or apply the principles to a slightly changed situation.
-It must stand completely on its own: the solver never sees the document and has no reference \
-material, as in a formal exam. Never write "according to the text", "in the document", "as \
-mentioned", "the passage states", "based on the analysis" or the like. Put all the context it \
-needs into the question, and define specialised terms where that helps.
-
-Step 4. Aim for HARD or EXTRA HARD by design. Hard: combines four or more concepts and needs \
-multi-step problem solving or spotting a pattern. Extra hard: analysis of a complex system, a \
-counter-intuitive application, or an edge case. It must be impossible to answer by looking up one \
-fact, finding the one sentence that holds the answer, or matching keywords.
-
-Step 5. Write down the reasoning path that makes it hard (this goes into \
-"knowledge_and_reasoning_steps"): at least three distinct pieces of information from different \
-parts of the document, the logical links between them, why a simple lookup fails, and the \
-intermediate steps.
-
-Step 6. Write exactly four options, A) to D), under these strict rules:
-- Balanced length: the four options are about equally long (within about 20% of each other).
-- Consistent units: numerical options use the same units and the same formatting.
-- Neutral tone: no absolute words such as "definitely", "always" or "never" unless the content \
-requires them.
-- Plausible distractors: every wrong option looks right to someone who understood only part of the \
-material. Build them from typical calculation slips in the multi-step process, results of stopping \
-the reasoning halfway, confusion between related concepts of the document, and approximations that \
-leave out a key factor.
-Lay it out as the complete, self-contained question, then A) ..., B) ..., C) ..., D) ..., and note \
-the correct letter.
-
-Step 7. Now solve your own multiple-choice question as a student would, options in view (this goes \
-into "self_test_solution"):
-1. What is the quickest route a student might try?
-2. Can two or more options be ruled out without real understanding? Then redesign the distractors.
-3. Do the options give the answer away? Then improve them.
-4. Count the reasoning steps still needed with the options in view: if fewer than 3, reject the \
-question and write a harder one.
-5. Would it take less than 30 seconds? Then make it harder.
-6. Could the answer be guessed from patterns among the options? Then rebalance them.
-
-Step 8. Final check that it is not easy: if one sentence answers it, redesign it; if it does not \
-need several parts of the document, add complexity; if it tests facts rather than relationships, \
-refocus it; if the options are not balanced and consistently formatted, revise them; if your own \
-solve took less than a minute, make it harder.
-
-Output. First think your design through step by step; this thinking is private. Then write one \
-valid JSON object with the fields below, and nothing after it: no markdown, no code fences; start \
-with {{ and end with }}. Inside its strings, write every LaTeX backslash twice \
-(\\\\frac{{1}}{{2}}), as JSON requires.
-- "identified_answer": the relationship or multi-step conclusion you derived by combining parts of \
-the document
-- "answer_quote": several quotes from the document that show the different pieces needed (not just \
-one)
+First think your design through; this thinking is private. Then write one valid JSON object with \
+these fields and nothing after it: no markdown, no code fences; start with {{ and end with }}. \
+In its strings write every LaTeX \
+backslash twice (\\\\frac{{1}}{{2}}), as JSON requires.
+- "identified_answer": the relationship or conclusion derived by combining parts of the document
+- "answer_quote": several quotes showing the different pieces needed
 - "hardening_process": your strategy from Step 2
-- "exam_question": the challenging, self-contained question; an empty string if the document is \
-not rich enough
-- "correct_answer": the full answer with its chain of reasoning from the document; an empty string \
-if the document does not support one
-- "multiple_choice_question": one string: the self-contained question followed by its balanced \
-options A) to D); an empty string if you wrote no question
-- "multiple_choice_correct": the letter of the correct option: A, B, C or D; an empty string if \
-there is no question
+- "exam_question": the self-contained question; "" if the document is not rich enough
+- "correct_answer": the answer with its reasoning from the document; "" if there is none
+- "multiple_choice_question": one string: the question, then its options A) to D); "" if none
+- "multiple_choice_correct": A, B, C or D; "" if there is no question
 - "self_test_solution": your solve from Step 7
-- "knowledge_and_reasoning_steps": the reasoning path from Step 5, showing why the question is \
-hard or extra hard
-- "question_difficulty": "Hard" or "Extra Hard"; "Easy" only if the document really offers nothing \
-more complex""",
-
+- "knowledge_and_reasoning_steps": the path from Step 5
+- "question_difficulty": "Hard" or "Extra Hard"; "Easy" only if the document offers nothing more""",
     # Fig. 10, right: the free-form generator
-"free_form": """Your task: turn the document below into one CHALLENGING free-form exam question \
-whose answer is of type {answer_type}, a question that needs real understanding and reasoning over \
-several steps.
+    "free_form": """\
+Turn the document below into one CHALLENGING free-form exam question whose answer is of type \
+{answer_type} and that needs reasoning over several steps.
 
 {document_block}
 
-Step 1. Find material for a {answer_type} answer that needs synthesis and several steps of \
-reasoning:
-- Integer: calculations with several variables from different parts of the document; chains of \
-computation in which each step uses the previous result; counting that needs careful sorting into \
-cases; rates, ratios or percentages with several components; optimisation under constraints; \
-statistics that aggregate data.
-- Expression: relationships between several variables that form equations; patterns that \
-generalise into a formula; systems of equations from different constraints; derivatives or \
-functional dependencies; algebraic expressions that combine several principles; recursive or \
-iterative formulas.
-- String, kept short (one to three words at most): a technical term, name or identifier; a \
-category (a single term); a named person, place, concept or method; a unit, symbol or \
-abbreviation. Never a description, sentence or explanation; good answers look like "Newton", \
-"TCP/IP", "gradient descent", "Paris", "O(n log n)".
-Avoid direct look-ups, answers that are a single stated fact, simple arithmetic, definitions \
-quoted word for word, and trivial yes/no questions.
+Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
+variables from different parts, chained computations, careful counting, rates or percentages, \
+optimisation, aggregate statistics. Expression: relationships that form equations, patterns that \
+generalise into a formula, systems of constraints, derivatives, recursive formulas. String, \
+one to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
+"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic and \
+yes/no questions.
+Step 2. Plan how to make it hard ("hardening_process"): the too-easy version, the added layers, \
+the parts to combine, the intermediate steps, the shortcuts you block.
+Step 3. Write the question: it connects at least three concepts from different parts, tests \
+relationships, not memory, and needs several steps. It stands alone: the solver never sees the \
+document; never write "according to the text" or the like. Give all context and definitions, and \
+state the units, format and constraints of the answer.
+Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
+which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
+every variable defined, canonical form; "answer": "2x^2 + 3x - 5". String: the question says its \
+exact form and whether case matters; no extra punctuation.
+Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer \
+is of type {answer_type}, and estimate the time: a hard question takes more than a minute.
+Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
+2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
+or a counter-intuitive result. Aim for hard or extra hard.
+Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
+unambiguous format, every valid approach reaching the same answer. Else rewrite the question.
+Step 8. Final check: it needs understanding, not extraction; the answer is exactly of type \
+{answer_type}; the question is self-contained and clear.
+"question" is one single string, never a list or several questions; "answer" is one plain value, \
+never a list or an object.
 
-Step 2. Plan how to make it hard, and say so explicitly (this goes into "hardening_process"): \
-which version would be too easy, which layers of complexity you add, which parts of the document \
-must be combined, which intermediate steps are needed, how you block shortcut solutions, and what \
-makes deep understanding necessary.
-
-Step 3. Write the question. It connects at least three concepts from different parts of the \
-document, cannot be answered by a look-up or by matching keywords, needs several steps of \
-reasoning, tests relationships rather than memory, may apply principles to a changed scenario, and \
-must be read precisely to give an answer of type {answer_type}.
-It must stand completely on its own: the solver never sees the document and has no reference \
-material, as in a formal exam. Never write "according to the text", "in the document", "as \
-mentioned" or the like. Give all the context and definitions it needs, and state the units, format \
-and constraints of the answer.
-
-Step 4. Make the answer precise for its type:
-- Integer: a whole number only, with no decimals, fractions or ranges; the question says what it \
-counts and in which unit (for example "in meters", "number of items"). In the JSON: "answer": 42 \
-or "answer": "42", never [42] or {{"value": 42}}.
-- Expression: standard mathematical notation, every variable defined in the question, simplified \
-to canonical form. In the JSON: "answer": "2x^2 + 3x - 5", never a list or an object.
-- String: the question says exactly what form the answer takes, including whether case matters; no \
-extra punctuation or quotation marks. In the JSON: "answer": "Newton's third law", never a list or \
-an object.
-
-Step 5. Solve your question yourself, step by step (this goes into "step_by_step_solution"): list \
-every piece of information needed, show each calculation or reasoning step, handle edge cases and \
-special conditions, reach the final answer in the required format, check that it is exactly of \
-type {answer_type}, and estimate the solving time (a hard question takes more than a minute).
-
-Step 6. Rate the difficulty and justify it (this goes into "difficulty_justification"):
-- Medium: 2-3 steps, 1-2 minutes; combines 2-3 parts of the document; the path is clear once the \
-relationships are seen.
-- Hard: 4-5 steps, 2-3 minutes; combines four or more concepts; admits several valid approaches; \
-careless work goes wrong.
-- Extra hard: 6 or more steps, more than 3 minutes; a complex system with many interactions; the \
-result may be counter-intuitive; it needs deep understanding of the principles.
-Aim for hard or extra hard.
-
-Step 7. Make sure exactly one answer is correct. Could the question be read another way? Are all \
-constraints stated? Is the answer format unambiguous? Do different valid approaches reach the same \
-answer? Are edge cases covered? If anything is ambiguous, rewrite the question.
-
-Step 8. Final check: it cannot be answered by searching the text; it needs understanding, not \
-extraction; the answer is exactly of type {answer_type}; the solution takes several reasoning \
-steps; the question is self-contained and clear; the difficulty matches your target.
-
-Format rules: "question" is one single string, never a list and never several questions; "answer" \
-is one plain value, never a list, an object or anything nested.
-
-Output. First think your design through step by step; this thinking is private. Then write one \
-valid JSON object with the fields below, and nothing after it: no markdown, no code fences; start \
-with {{ and end with }}. Inside its strings, write every LaTeX backslash twice \
-(\\\\frac{{1}}{{2}}), as JSON requires.
-- "identified_information": the three or more key pieces of information, from different parts of \
-the document, that the solution needs
-- "relevant_quotes": several word-for-word quotes from the document showing those pieces
+First think your design through; this thinking is private. Then write one valid JSON object with \
+these fields and nothing after it: no markdown, no code fences; start with {{ and end with }}. \
+In its strings write every LaTeX \
+backslash twice (\\\\frac{{1}}{{2}}), as JSON requires.
+- "identified_information": three or more key pieces of information from different parts
+- "relevant_quotes": word-for-word quotes showing them
 - "hardening_process": your strategy from Step 2
-- "question": exactly one complete, challenging, self-contained question; an empty string if the \
-document is not rich enough for a question with a {answer_type} answer
-- "answer": the precise answer in {answer_type} form; an empty string if the document does not \
-give one
+- "question": one self-contained question; "" if the document is not rich enough
+- "answer": the precise {answer_type} answer; "" if the document gives none
 - "answer_type": "{answer_type}", exactly
-- "step_by_step_solution": each step of your solution from Step 5
-- "intermediate_results": an object with the intermediate result or conclusion of each step
-- "difficulty_level": "Hard" or "Extra Hard" (not Medium)
+- "step_by_step_solution": your solution from Step 5
+- "intermediate_results": an object with the result of each step
+- "difficulty_level": "Hard" or "Extra Hard"
 - "difficulty_justification": why, from the steps and concepts required
-- "solving_time_estimate": a realistic number of minutes for a student
+- "solving_time_estimate": minutes for a student
 - "required_concepts": the concepts from the document that must be understood
-- "potential_errors": typical mistakes and edge cases a student may run into
-
-Final rules:
-1. If the document is not rich enough for a question with a {answer_type} answer, give "question": \
-"", "answer": "" and "answer_type": "{answer_type}".
-2. The answer meets the {answer_type} format rules exactly.
-3. The question never mentions "the document" or "the text".
-4. The answer follows from the document's content, and the information in the document is all the \
-question needs.
-5. A String answer has at most three words: prefer a single term, name or short identifier.""",
-
+- "potential_errors": typical mistakes and edge cases
+The answer follows from the document alone; a String answer has at most three words.""",
     # Fig. 8: the Reasoner sees the question only
     "reasoner": ("{question}\n\nReason step by step, then put your final answer inside "
                  "\\boxed{{}}. If the question lists lettered options, put only the letter of the "
@@ -368,9 +270,8 @@ def wrap(content: str, fmt: str, prompts=PROMPTS):
 
 
 def resolve_prompt_format(cfg: Config, tokenizer) -> str:
-    if cfg.prompt_format != "auto":
-        return cfg.prompt_format
-    return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    auto = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    return auto if cfg.prompt_format == "auto" else cfg.prompt_format
 
 
 def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str,
@@ -390,9 +291,7 @@ def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
     return wrap(prompts["reasoner"].format(question=question.strip()), fmt, prompts)
 
 
-# ------------------------------------------------------------------------------------------------
 # Validity and grading (§4), rewards (Eq. 1). Model output is untrusted: nothing here raises on it.
-# ------------------------------------------------------------------------------------------------
 MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
 MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
 _JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; "{1}" does not
@@ -584,12 +483,11 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 def challenger_reward(correct: list[float], cfg: Config) -> float:
     """Eq. 1 (App. D, Eq. 5): exp(-(p(1-p) - 0.25)^2 / (2 tau)), p the share of correct answers;
     or the Table 4 ablation named by --challenger-reward."""
-    return float(common.proposer_reward(float(np.mean(correct)), cfg.challenger_reward, tau=cfg.tau))
+    p = float(np.mean(correct))
+    return float(common.proposer_reward(p, cfg.challenger_reward, tau=cfg.tau))
 
 
-# ------------------------------------------------------------------------------------------------
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
-# ------------------------------------------------------------------------------------------------
 class CorpusError(ValueError):
     pass
 
@@ -621,13 +519,9 @@ def stream_hub_documents(spec: str, field_name: str, limit: int) -> list[str]:
     spec, _, split = spec.partition("@")
     name, _, config = spec.partition(":")
     local = f'pass a local corpus: --corpus docs.jsonl (one {{"{field_name}": ...}} per line)'
-    try:
-        import datasets
-    except ImportError:
-        raise CorpusError(f"--corpus {name!r} is a hub dataset, which needs `datasets` "
-                          f"(pip install datasets); or {local}") from None
     docs = []
     try:
+        import datasets
         for row in datasets.load_dataset(name, config or None, split=split or "train",
                                          streaming=True):
             text = row.get(field_name)
@@ -640,7 +534,7 @@ def stream_hub_documents(spec: str, field_name: str, limit: int) -> list[str]:
                 break
     except CorpusError:
         raise
-    except Exception as e:  # network, auth (a gated set), an unknown id
+    except Exception as e:  # no network, a gated set, an unknown id
         raise CorpusError(f"could not stream hub dataset {name!r} ({type(e).__name__}: "
                           f"{str(e)[:200]}); if the hub is unreachable or gated, {local}") from None
     if not docs:
@@ -664,7 +558,8 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
         raise CorpusError("--corpus is empty; pass a JSONL file or a hub dataset id")
     share, segments = cfg.corpus_docs // len(sources), []
     for src in sources:
-        if os.path.exists(src) or src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")):
+        local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~"))
+        if local or os.path.exists(src):
             docs = read_jsonl_documents(src, cfg.corpus_field, share)
         else:
             docs = stream_hub_documents(src, cfg.corpus_field, share or 20000)
@@ -682,9 +577,7 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
     return segments
 
 
-# ------------------------------------------------------------------------------------------------
 # The loop: one function per step of Alg. 1 / §3.1, in paper order.
-# ------------------------------------------------------------------------------------------------
 @dataclass
 class Attempt:
     completion: object  # the Challenger's common.Completion
@@ -861,9 +754,10 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
     for role in (CHALLENGER, REASONER):
         mine = [(cs, xs) for ro, cs, xs in groups if ro == role]
         if mine:  # a group of equal rewards has zero advantages: no signal
-            stats[f"{role}/zero_adv_group_frac"] = float(np.mean([len(set(xs)) == 1 for _, xs in mine]))
             toks = [len(c.token_ids) for cs, _ in mine for c in cs]
-            stats[f"{role}/tokens"], stats[f"{role}/response_len"] = int(sum(toks)), float(np.mean(toks))
+            zero = _mean([len(set(xs)) == 1 for _, xs in mine])
+            stats.update({f"{role}/zero_adv_group_frac": zero, f"{role}/tokens": int(sum(toks)),
+                          f"{role}/response_len": _mean(toks)})
     return trajs, stats
 
 
@@ -878,9 +772,7 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     return common.pg_step(policy, trajs, pg)
 
 
-# ------------------------------------------------------------------------------------------------
 # Metrics and logs: validity, rewards, frontier share, question diversity, tasks.jsonl
-# ------------------------------------------------------------------------------------------------
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
 
@@ -898,7 +790,8 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
          / max(1, sum(r.n_generated for r in rollouts)),
          "challenger/group_valid_rate": len(valid) / max(1, len(attempts)),
          "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
-         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts) for r in rollouts),
+         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts)
+                                              for r in rollouts),
          "challenger/reward": _mean([a.reward for a in attempts]),
          "challenger/reward_valid": _mean([a.reward for a in valid]),
          "challenger/mentions_document": sum(r.n_mentions_document for r in rollouts),
@@ -971,17 +864,17 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
         answers, correct = ((r.reasoner_answers, r.reasoner_rewards) if r.reasoner_task
                             else (a.answers, a.correct))
         recs.append({"document_excerpt": r.document and r.document[:excerpt_chars],
-                     "type": type_name(r.kind, r.answer_type), "challenger_output": a.completion.text,
-                     "valid": a.task is not None, "invalid_reason": None if a.task else a.reason,
+                     "type": type_name(r.kind, r.answer_type),
+                     "challenger_output": a.completion.text, "valid": a.task is not None,
+                     "invalid_reason": None if a.task else a.reason,
                      "question": a.task and a.task.question, "gold": a.task and a.task.gold,
-                     "challenger_reward": a.reward, "pass_rate": _mean(a.correct) if a.task else None,
+                     "challenger_reward": a.reward,
+                     "pass_rate": _mean(a.correct) if a.task else None,
                      "reasoner_answers": [c.text for c in answers], "reasoner_correct": correct})
     return recs
 
 
-# ------------------------------------------------------------------------------------------------
 # Training loop and main()
-# ------------------------------------------------------------------------------------------------
 def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
     """The eval sets that load (checked up front, not after 640 steps), and a 13-gram
     decontaminator of their questions. A set that cannot load is reported and skipped."""
@@ -1004,10 +897,12 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
         return {}
 
     def spice_reasoner_prompt(problem: dict, tokenizer=None):
-        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
+        choices = problem.get("choices") or []
+        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
         return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
-    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                          prompt_fn=spice_reasoner_prompt, limit=cfg.eval_limit, seed=cfg.seed,
+    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k,
+                          prompt_fn=spice_reasoner_prompt,
+                          max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
                           timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return res
@@ -1016,12 +911,14 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
 def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
     """The longest segment that leaves room for the Challenger's prompt and max_tokens."""
     fmt, templates = resolve_prompt_format(cfg, tokenizer), prompt_templates(cfg)
+    kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
     overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, templates)))
-                   for k, t in [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)])
+                   for k, t in kinds)
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
         raise CorpusError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next "
-                          f"to --max-tokens {cfg.max_tokens} and a {overhead}-token prompt; raise it")
+                          f"to --max-tokens {cfg.max_tokens} and a {overhead}-token prompt; "
+                          f"raise --max-model-len")
     if room < cfg.chunk_tokens:
         print(f"[spice] segments shortened to {room} tokens so that prompt + document + "
               f"{cfg.max_tokens} generated tokens fit --max-model-len {cfg.max_model_len}",
@@ -1085,7 +982,8 @@ def train(cfg: Config, policy=None) -> Path:
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            with writer.sampling(policy) if writer else contextlib.nullcontext(policy) as challenger:
+            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
+            with writing as challenger:
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
