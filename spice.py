@@ -1,7 +1,6 @@
 """SPICE: Self-Play In Corpus Environments (Liu, Jin, Kim, Yuan, Zhao, Kulikov, Li, Sukhbaatar,
-Lanchantin, Weston; FAIR at Meta; arXiv:2510.24684). One model plays two roles on the same weights:
-the Challenger reads a document and writes a question with a gold answer from it (multiple choice,
-or free-form with an Integer / Expression / String answer); the Reasoner sees only the question.
+Lanchantin, Weston; arXiv:2510.24684). One model, two roles: the Challenger turns a document into a
+question with its gold answer (MCQ or free-form); the Reasoner answers, seeing only the question.
 
 One iteration (Alg. 1, §3.1), one function per step:
   1. sample_documents     B segments of <= 5,992 tokens, drawn uniformly from the corpus
@@ -12,10 +11,10 @@ One iteration (Alg. 1, §3.1), one function per step:
   6. reasoner_group       one random valid task per document; its K answers, r_R = 1[a = a*]
   7. build_trajectories   A = r - mean(group) per role and document, no std (Eq. 3)
   8. drgrpo_update        Dr. GRPO (Eqs. 3-4): one optimizer step per 128 trajectories, then re-sync
-Evaluation (App. A) at the end and every --eval-every steps, zero-shot with the Reasoner's prompt.
-
-Run: python spice.py --model Qwen/Qwen3-4B-Base     (--resume RUN_DIR; smoke run: --model tiny)
-Baselines: --challenger-model M (Table 1's Strong Challenger), --oracle-model M (gold spot-check).
+Evaluation (App. A): zero-shot with the Reasoner's prompt, at the end and every --eval-every steps.
+Run:   python spice.py --model Qwen/Qwen3-4B-Base      (GPU; --resume RUN_DIR continues a run)
+Smoke: python spice.py --model tiny                     (CPU, about a minute, tests/data)
+Table 1's Strong Challenger: --challenger-model M; gold answers spot-checked: --oracle-model M.
 
 Choices where the paper is inconsistent or silent:
 - One Reasoner task per document (§3.1), not one per iteration (Alg. 1).
@@ -81,7 +80,7 @@ class Config(common.RunConfig):
     reject_document_reference: bool = False  # ours: "the text/passage" makes a question invalid
     eval_benchmarks: str = TABLE1  # Table 1 (App. A): greedy; AIME mean@32 at T 0.6
     eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A gives none)
-    decontaminate: bool = True  # drop segments and questions sharing a 13-gram with an eval set
+    decontaminate: bool = True  # drop segments, questions sharing a 13-gram with eval sets (ours)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # both roles; Dr. GRPO's L_max (not stated; Oat recipes 3,000-4,096)
     verify_timeout: float = 1.0  # s per Math-Verify check, train and eval (oat/oracles/math.py)
@@ -464,6 +463,7 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     return None
 
 
+# Rewards: r_R = 1[a = a*] (§4) and the Challenger's variance reward (Eq. 1)
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
     """r_R = 1[a = a*] per answer, the last \\boxed{}; no box, a truncated answer or a Math-Verify
     check over `timeout` s is wrong. MCQ: the letter the box starts with; String: normalized."""
@@ -786,8 +786,8 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
     pass_rates = [float(np.mean(a.correct)) for a in valid]
-    m = {"challenger/valid_rate": sum(r.n_valid for r in rollouts)
-         / max(1, sum(r.n_generated for r in rollouts)),
+    rate = lambda rs: sum(r.n_valid for r in rs) / max(1, sum(r.n_generated for r in rs))
+    m = {"challenger/valid_rate": rate(rollouts),
          "challenger/group_valid_rate": len(valid) / max(1, len(attempts)),
          "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
          "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts)
@@ -805,9 +805,8 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
     for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
         m[f"types/{k}"] = kinds.count(k) / max(1, len(kinds))
         ks = [r for r, kk in zip(rollouts, kinds) if kk == k]
-        if sum(r.n_generated for r in ks):
-            m[f"challenger/valid_rate/{k}"] = (sum(r.n_valid for r in ks)
-                                               / sum(r.n_generated for r in ks))
+        if any(r.n_generated for r in ks):
+            m[f"challenger/valid_rate/{k}"] = rate(ks)
     why = Counter()
     for r in rollouts:
         why.update(r.invalid_reasons)
