@@ -917,7 +917,7 @@ def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
     if room < 32:
         raise CorpusError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next "
                           f"to --max-tokens {cfg.max_tokens} and a {overhead}-token prompt; "
-                          f"raise --max-model-len")
+                          "raise --max-model-len")
     if room < cfg.chunk_tokens:
         print(f"[spice] segments shortened to {room} tokens so that prompt + document + "
               f"{cfg.max_tokens} generated tokens fit --max-model-len {cfg.max_model_len}",
@@ -999,10 +999,9 @@ def train(cfg: Config, policy=None) -> Path:
         metrics.update(traj_stats)
         metrics.update({f"train/{k}": v for k, v in train_stats.items()
                         if isinstance(v, (int, float)) and "/" not in k})
-        for role in (CHALLENGER, REASONER):  # entropy per role: the estimate and the exact one
-            if f"entropy/{role}" in train_stats:
-                metrics[f"{role}/entropy"] = train_stats[f"entropy/{role}"]
-                metrics[f"{role}/entropy_exact"] = train_stats.get(f"entropy_exact/{role}")
+        metrics.update({f"{role}/entropy{x}": train_stats.get(f"entropy{x}/{role}")  # and exact
+                        for role in (CHALLENGER, REASONER) if f"entropy/{role}" in train_stats
+                        for x in ("", "_exact")})
         run.log_samples(step, "document", sample_records(rollouts))
         append_tasks(run, task_records(rollouts, step))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
