@@ -105,6 +105,7 @@ class RunConfig:
     adam_beta2: float = 0.999  # AdamW beta_2 (torch default; Oat uses 0.95, oat/args.py)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
+    fit_memory: bool = True  # before step 1, shrink micro-batches or checkpoint to fit the free memory
     save_every: int = 50  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (0 = keep all)
     eval_every: int = 0  # 0 = only at the end
@@ -1449,6 +1450,10 @@ class Policy:
                 policy.sync()
         elif not isinstance(sampler, HFSampler) and sampler.version > 0:
             policy.sync()  # a reused engine may hold other weights
+        if cfg.fit_memory:
+            note = fit_memory(policy)
+            if note and policy.is_main:
+                print(note, file=sys.stderr)
         return policy
 
     @property
@@ -2013,6 +2018,120 @@ def load_safetensors_dir(path) -> dict:
     for f in files:
         sd.update(load_file(str(f)))
     return sd
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting the trainer in memory (measured, before the first step)
+# ---------------------------------------------------------------------------------------------
+def saved_activation_bytes(model, tokens: int) -> int:
+    """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
+    excluded): the activation term of the memory plan, measured rather than modelled."""
+    core = getattr(model, "module", model)
+    device = next(core.parameters()).device
+    weights = {p.untyped_storage().data_ptr() for p in core.parameters()}
+    seen = {}
+
+    def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not activations
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and not (t.is_leaf and t.requires_grad):
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, core.config.vocab_size, (1, tokens), device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _core_compute(model):
+        model(input_ids=ids, use_cache=False)  # all ranks together under FSDP2
+    return sum(seen.values())
+
+
+def activation_costs(model, tokens=(32, 96)) -> dict:
+    """Per-token activation bytes without and with gradient checkpointing (the slope between two lengths,
+    so per-forward constants such as autocast's bf16 weight copies stay out), and the per-forward fixed
+    bytes. With checkpointing, backward recomputes one decoder layer at a time on top of the saved inputs."""
+    core = getattr(model, "module", model)
+    was = core.is_gradient_checkpointing
+    out = {}
+    for ckpt in (False, True):
+        if ckpt:
+            core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            core.gradient_checkpointing_disable()
+        a, b = (saved_activation_bytes(model, t) for t in tokens)
+        out[ckpt] = ((b - a) / (tokens[1] - tokens[0]), a - (b - a) / (tokens[1] - tokens[0]) * tokens[0])
+    (core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+     if was else core.gradient_checkpointing_disable())
+    layers = core.config.num_hidden_layers
+    per_off, fixed = out[False]
+    # backward's own buffers (activation gradients) add ~25% without checkpointing (0.6B shape, CPU);
+    # with it, the one layer being recomputed holds its full activations and their gradients
+    return {"off": 1.25 * per_off, "on": out[True][0] + 2 * per_off / layers, "fixed": max(0.0, fixed)}
+
+
+def available_memory(device) -> int:
+    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable, capped by
+    a cgroup v2 memory limit if one is set."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        meminfo = Path("/proc/meminfo").read_text()
+        free = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = min(free, int(limit) - used)
+    return free
+
+
+def _core_gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def fit_memory(policy, free: int | None = None) -> str:
+    """Before the first step, size the trainer to the memory actually free: keep --micro-batch-tokens and
+    no checkpointing if a step fits; else the largest micro-batch that still holds one --max-model-len
+    sequence without checkpointing (no recompute, so faster); else gradient checkpointing. Neither changes
+    the gradient. A model that cannot fit one sequence even so is a one-line error naming the fixes.
+    Returns the line to print ('' when nothing changed)."""
+    cfg, model = policy.cfg, policy.module
+    free = available_memory(policy.device) if free is None else free
+    free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
+    if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
+        free += int(cfg.gpu_memory_utilization * torch.cuda.mem_get_info(policy.device)[1])
+    local = [p.to_local() if _core_is_dtensor(p) else p for p in model.parameters() if p.requires_grad]
+    # gradients and AdamW's two moments are allocated by the first step (the moments by a resume, too)
+    pending = sum(p.numel() * p.element_size() for p in local) * (1 if policy.optimizer.state else 3)
+    cost = activation_costs(policy.model)
+    head = 512 * 2**20  # token_logprobs' LM-head chunks (~128 MiB of logits) and their gradients
+
+    def need(tokens, ckpt):
+        return 1.1 * (pending + cost["fixed"] + head + tokens * cost["on" if ckpt else "off"])
+
+    tokens, seq, ckpt = cfg.micro_batch_tokens, cfg.max_model_len, cfg.gradient_checkpointing
+    if need(tokens, ckpt) <= free:
+        return ""
+
+    def largest(ckpt):  # micro-batch tokens that fit, a multiple of 256
+        room = free / 1.1 - pending - cost["fixed"] - head
+        return int(room / cost["on" if ckpt else "off"]) // 256 * 256
+
+    before = f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+    if not ckpt and largest(False) >= seq:
+        cfg.micro_batch_tokens = min(tokens, largest(False))
+    elif largest(True) >= seq:
+        cfg.gradient_checkpointing = True
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        cfg.micro_batch_tokens = min(tokens, largest(True))
+    else:
+        raise InputError(
+            f"memory: one {seq}-token sequence needs ~{_core_gib(need(seq, True))} with gradient "
+            f"checkpointing, {_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a "
+            f"lower --gpu-memory-utilization, or shard over more GPUs with torchrun")
+    after = f"--micro-batch-tokens {cfg.micro_batch_tokens}" + (
+        " with gradient checkpointing" if cfg.gradient_checkpointing else "")
+    return (f"memory: {before} needs ~{_core_gib(need(tokens, ckpt))}, {_core_gib(free)} is free: "
+            f"training with {after} instead (the same gradients)")
 
 
 # ====================================================================================================================
