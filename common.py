@@ -2044,31 +2044,32 @@ def saved_activation_bytes(model, tokens: int) -> int:
 
 
 def activation_costs(model, tokens=(32, 96)) -> dict:
-    """Per-token activation bytes without and with gradient checkpointing (the slope between two lengths,
-    so per-forward constants such as autocast's bf16 weight copies stay out), and the per-forward fixed
-    bytes. With checkpointing, backward recomputes one decoder layer at a time on top of the saved inputs."""
+    """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
+    per-forward constant ("fixed", e.g. autocast's bf16 weight copies): slopes between two lengths."""
     core = getattr(model, "module", model)
     was = core.is_gradient_checkpointing
-    out = {}
+    slope, fixed = {}, 0.0
     for ckpt in (False, True):
         if ckpt:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.gradient_checkpointing_disable()
         a, b = (saved_activation_bytes(model, t) for t in tokens)
-        out[ckpt] = ((b - a) / (tokens[1] - tokens[0]), a - (b - a) / (tokens[1] - tokens[0]) * tokens[0])
-    (core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-     if was else core.gradient_checkpointing_disable())
-    layers = core.config.num_hidden_layers
-    per_off, fixed = out[False]
-    # backward's own buffers (activation gradients) add ~25% without checkpointing (0.6B shape, CPU);
-    # with it, the one layer being recomputed holds its full activations and their gradients
-    return {"off": 1.25 * per_off, "on": out[True][0] + 2 * per_off / layers, "fixed": max(0.0, fixed)}
+        slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
+        fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
+    if was:
+        core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        core.gradient_checkpointing_disable()
+    # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured at
+    # the 0.6B shape); with it, the layer being recomputed holds its activations and their gradients.
+    per_layer = slope[False] / core.config.num_hidden_layers
+    return {"off": 1.25 * slope[False], "on": slope[True] + 2 * per_layer, "fixed": fixed}
 
 
 def available_memory(device) -> int:
-    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable, capped by
-    a cgroup v2 memory limit if one is set."""
+    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable,
+    capped by a cgroup v2 memory limit if one is set."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     free = 0
@@ -2087,32 +2088,39 @@ def _core_gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
+    """Bytes a training micro-batch of `tokens` still needs beyond what is allocated: gradients and
+    AdamW's two moments (the moments already there after a resume), one more weight-sized buffer for
+    the step (foreach AdamW's temporaries, or a tied embedding's second gradient), the measured
+    activations, and token_logprobs' LM-head chunks with their gradients (~512 MiB). Checked against
+    measured peaks by tests/bench_memory.py."""
+    local = [p.to_local() if _core_is_dtensor(p) else p
+             for p in policy.model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in local)
+    cost = cost or activation_costs(policy.model)
+    act = tokens * cost["on" if checkpointing else "off"]
+    return weights * (2 if policy.optimizer.state else 4) + cost["fixed"] + 512 * 2**20 + act
+
+
 def fit_memory(policy, free: int | None = None) -> str:
-    """Before the first step, size the trainer to the memory actually free: keep --micro-batch-tokens and
-    no checkpointing if a step fits; else the largest micro-batch that still holds one --max-model-len
-    sequence without checkpointing (no recompute, so faster); else gradient checkpointing. Neither changes
-    the gradient. A model that cannot fit one sequence even so is a one-line error naming the fixes.
-    Returns the line to print ('' when nothing changed)."""
+    """Before the first step, size the trainer to the memory actually free (10% margin): keep
+    --micro-batch-tokens and no checkpointing if a step fits; else the largest micro-batch that
+    still holds one --max-model-len sequence without checkpointing (no recompute: faster); else
+    gradient checkpointing. Neither changes the gradient. If even that cannot fit one sequence, a
+    one-line error names the fixes. Returns the line to print ('' when nothing changed)."""
     cfg, model = policy.cfg, policy.module
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
     if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
         free += int(cfg.gpu_memory_utilization * torch.cuda.mem_get_info(policy.device)[1])
-    local = [p.to_local() if _core_is_dtensor(p) else p for p in model.parameters() if p.requires_grad]
-    # gradients and AdamW's two moments are allocated by the first step (the moments by a resume, too)
-    pending = sum(p.numel() * p.element_size() for p in local) * (1 if policy.optimizer.state else 3)
     cost = activation_costs(policy.model)
-    head = 512 * 2**20  # token_logprobs' LM-head chunks (~128 MiB of logits) and their gradients
-
-    def need(tokens, ckpt):
-        return 1.1 * (pending + cost["fixed"] + head + tokens * cost["on" if ckpt else "off"])
-
     tokens, seq, ckpt = cfg.micro_batch_tokens, cfg.max_model_len, cfg.gradient_checkpointing
-    if need(tokens, ckpt) <= free:
+    need = 1.1 * step_memory(policy, tokens, ckpt, cost)
+    if need <= free:
         return ""
 
     def largest(ckpt):  # micro-batch tokens that fit, a multiple of 256
-        room = free / 1.1 - pending - cost["fixed"] - head
+        room = free / 1.1 - step_memory(policy, 0, ckpt, cost)
         return int(room / cost["on" if ckpt else "off"]) // 256 * 256
 
     before = f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
@@ -2124,14 +2132,15 @@ def fit_memory(policy, free: int | None = None) -> str:
         model.config.use_cache = False
         cfg.micro_batch_tokens = min(tokens, largest(True))
     else:
+        one = _core_gib(1.1 * step_memory(policy, seq, True, cost))
         raise InputError(
-            f"memory: one {seq}-token sequence needs ~{_core_gib(need(seq, True))} with gradient "
-            f"checkpointing, {_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a "
-            f"lower --gpu-memory-utilization, or shard over more GPUs with torchrun")
+            f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
+            f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
+            f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
     after = f"--micro-batch-tokens {cfg.micro_batch_tokens}" + (
         " with gradient checkpointing" if cfg.gradient_checkpointing else "")
-    return (f"memory: {before} needs ~{_core_gib(need(tokens, ckpt))}, {_core_gib(free)} is free: "
-            f"training with {after} instead (the same gradients)")
+    return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
+            f"with {after} instead (the same gradients)")
 
 
 # ====================================================================================================================

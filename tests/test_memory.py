@@ -1,5 +1,6 @@
 """The trainer is sized to the memory that is free before the first step (common.fit_memory): the
 activation cost is measured, and the plan keeps, shrinks or checkpoints so that a step fits."""
+
 import pytest
 import torch
 import transformers
@@ -8,9 +9,15 @@ import common
 
 
 def _qwen3(layers, hidden=256, inter=768):
-    cfg = transformers.Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   vocab_size=512)
+    cfg = transformers.Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+    )
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(cfg).train()
 
@@ -29,7 +36,9 @@ def test_activation_cost_is_per_token_per_layer_and_excludes_weights():
 
 def test_autocast_weight_copies_are_a_fixed_cost_not_per_token():
     model = _qwen3(2)
-    model.selfplay_autocast = torch.bfloat16  # read by common's forward context, as Policy.load sets it
+    model.selfplay_autocast = (
+        torch.bfloat16
+    )  # read by common's forward context, as Policy.load sets it
     cost = common.activation_costs(model)
     linear = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
     assert 0.8 * 2 * linear <= cost["fixed"] <= 1.5 * 2 * linear + 2**20
@@ -45,9 +54,7 @@ def policy(tiny_cfg):
 
 
 def _need(policy, tokens, ckpt):
-    cost = common.activation_costs(policy.model)
-    params = sum(p.numel() * p.element_size() for p in policy.model.parameters())
-    return 1.1 * (3 * params + cost["fixed"] + 512 * 2**20 + tokens * cost["on" if ckpt else "off"])
+    return 1.1 * common.step_memory(policy, tokens, ckpt)
 
 
 def test_a_step_that_fits_changes_nothing(policy):
