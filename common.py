@@ -2043,26 +2043,28 @@ def saved_activation_bytes(model, tokens: int) -> int:
     return sum(seen.values())
 
 
+def _core_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def activation_costs(model, tokens=(32, 96)) -> dict:
     """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
-    per-forward constant ("fixed", e.g. autocast's bf16 weight copies): slopes between two lengths."""
+    per-forward constant ("fixed": autocast's bf16 weight copies): slopes between two lengths."""
     core = getattr(model, "module", model)
     was = core.is_gradient_checkpointing
     slope, fixed = {}, 0.0
     for ckpt in (False, True):
-        if ckpt:
-            core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            core.gradient_checkpointing_disable()
+        _core_checkpointing(core, ckpt)
         a, b = (saved_activation_bytes(model, t) for t in tokens)
         slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
         fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
-    if was:
-        core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        core.gradient_checkpointing_disable()
-    # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured at
-    # the 0.6B shape); with it, the layer being recomputed holds its activations and their gradients.
+    _core_checkpointing(core, was)
+    # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
+    # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
     per_layer = slope[False] / core.config.num_hidden_layers
     return {"off": 1.25 * slope[False], "on": slope[True] + 2 * per_layer, "fixed": fixed}
 
@@ -2128,8 +2130,7 @@ def fit_memory(policy, free: int | None = None) -> str:
         cfg.micro_batch_tokens = min(tokens, largest(False))
     elif largest(True) >= seq:
         cfg.gradient_checkpointing = True
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        _core_checkpointing(model, True)
         cfg.micro_batch_tokens = min(tokens, largest(True))
     else:
         one = _core_gib(1.1 * step_memory(policy, seq, True, cost))
