@@ -2055,7 +2055,7 @@ def activation_costs(model, tokens=(32, 96)) -> dict:
     """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
     per-forward constant ("fixed": autocast's bf16 weight copies): slopes between two lengths."""
     core = getattr(model, "module", model)
-    was = core.is_gradient_checkpointing
+    was, use_cache = core.is_gradient_checkpointing, core.config.use_cache
     slope, fixed = {}, 0.0
     for ckpt in (False, True):
         _core_checkpointing(core, ckpt)
@@ -2063,6 +2063,7 @@ def activation_costs(model, tokens=(32, 96)) -> dict:
         slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
         fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
     _core_checkpointing(core, was)
+    core.config.use_cache = use_cache and not was
     # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
     # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
     per_layer = slope[False] / core.config.num_hidden_layers
