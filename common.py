@@ -105,6 +105,7 @@ class RunConfig:
     adam_beta2: float = 0.999  # AdamW beta_2 (torch default; Oat uses 0.95, oat/args.py)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
+    fit_memory: bool = True  # before step 1, shrink micro-batches or checkpoint to fit the free memory
     save_every: int = 50  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (0 = keep all)
     eval_every: int = 0  # 0 = only at the end
@@ -1449,6 +1450,10 @@ class Policy:
                 policy.sync()
         elif not isinstance(sampler, HFSampler) and sampler.version > 0:
             policy.sync()  # a reused engine may hold other weights
+        if cfg.fit_memory:
+            note = fit_memory(policy)
+            if note and policy.is_main:
+                print(note, file=sys.stderr)
         return policy
 
     @property
@@ -2013,6 +2018,131 @@ def load_safetensors_dir(path) -> dict:
     for f in files:
         sd.update(load_file(str(f)))
     return sd
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting the trainer in memory (measured, before the first step)
+# ---------------------------------------------------------------------------------------------
+def saved_activation_bytes(model, tokens: int) -> int:
+    """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
+    excluded): the activation term of the memory plan, measured rather than modelled."""
+    core = getattr(model, "module", model)
+    device = next(core.parameters()).device
+    weights = {p.untyped_storage().data_ptr() for p in core.parameters()}
+    seen = {}
+
+    def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not activations
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and not (t.is_leaf and t.requires_grad):
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, core.config.vocab_size, (1, tokens), device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _core_compute(model):
+        model(input_ids=ids, use_cache=False)  # all ranks together under FSDP2
+    return sum(seen.values())
+
+
+def _core_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def activation_costs(model, tokens=(32, 96)) -> dict:
+    """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
+    per-forward constant ("fixed": autocast's bf16 weight copies): slopes between two lengths."""
+    core = getattr(model, "module", model)
+    was, use_cache = core.is_gradient_checkpointing, core.config.use_cache
+    slope, fixed = {}, 0.0
+    for ckpt in (False, True):
+        _core_checkpointing(core, ckpt)
+        a, b = (saved_activation_bytes(model, t) for t in tokens)
+        slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
+        fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
+    _core_checkpointing(core, was)
+    core.config.use_cache = use_cache and not was
+    # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
+    # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
+    per_layer = slope[False] / core.config.num_hidden_layers
+    return {"off": 1.25 * slope[False], "on": slope[True] + 2 * per_layer, "fixed": fixed}
+
+
+def available_memory(device) -> int:
+    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable,
+    capped by a cgroup v2 memory limit if one is set."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        meminfo = Path("/proc/meminfo").read_text()
+        free = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = min(free, int(limit) - used)
+    return free
+
+
+def _core_gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
+    """Bytes a training micro-batch of `tokens` still needs beyond what is allocated: gradients and
+    AdamW's two moments (the moments already there after a resume), one more weight-sized buffer for
+    the step (foreach AdamW's temporaries, or a tied embedding's second gradient), the measured
+    activations, and token_logprobs' LM-head chunks with their gradients (~512 MiB). Checked against
+    measured peaks by tests/bench_memory.py."""
+    local = [p.to_local() if _core_is_dtensor(p) else p
+             for p in policy.model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in local)
+    cost = cost or activation_costs(policy.model)
+    act = tokens * cost["on" if checkpointing else "off"]
+    return weights * (2 if policy.optimizer.state else 4) + cost["fixed"] + 512 * 2**20 + act
+
+
+def fit_memory(policy, free: int | None = None) -> str:
+    """Before the first step, size the trainer to the memory actually free (10% margin): keep
+    --micro-batch-tokens and no checkpointing if a step fits; else the largest micro-batch that
+    still holds one --max-model-len sequence without checkpointing (no recompute: faster); else
+    gradient checkpointing. Neither changes the gradient. If even that cannot fit one sequence, a
+    one-line error names the fixes. Returns the line to print ('' when nothing changed)."""
+    cfg, model = policy.cfg, policy.module
+    free = available_memory(policy.device) if free is None else free
+    free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
+    if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
+        free += int(cfg.gpu_memory_utilization * torch.cuda.mem_get_info(policy.device)[1])
+    cost = activation_costs(policy.model)
+    tokens, seq, ckpt = cfg.micro_batch_tokens, cfg.max_model_len, cfg.gradient_checkpointing
+    need = 1.1 * step_memory(policy, tokens, ckpt, cost)
+    if need <= free:
+        return ""
+
+    def largest(ckpt):  # micro-batch tokens that fit, a multiple of 256
+        room = free / 1.1 - step_memory(policy, 0, ckpt, cost)
+        return int(room / cost["on" if ckpt else "off"]) // 256 * 256
+
+    before = f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+    if not ckpt and largest(False) >= seq:
+        cfg.micro_batch_tokens = min(tokens, largest(False))
+    elif largest(True) >= seq:
+        cfg.gradient_checkpointing = True
+        _core_checkpointing(model, True)
+        cfg.micro_batch_tokens = min(tokens, largest(True))
+    else:
+        one = _core_gib(1.1 * step_memory(policy, seq, True, cost))
+        raise InputError(
+            f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
+            f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
+            f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
+    after = f"--micro-batch-tokens {cfg.micro_batch_tokens}" + (
+        " with gradient checkpointing" if cfg.gradient_checkpointing else "")
+    return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
+            f"with {after} instead (the same gradients)")
 
 
 # ====================================================================================================================
