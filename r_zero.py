@@ -204,7 +204,7 @@ def solver_prompt(question: str, tokenizer):
     return render(tokenizer, _prompts["solver_system"].format(), question)
 
 
-# -- Votes and rewards (paper §3) ------------------------------------------------------------------
+# -- Votes and rewards (paper §3) -----------------------------------------------------------------
 def majority_vote_many(groups, timeout=2.0):
     """majority_vote of many groups; round r compares each group's r-th distinct answer with that
     group's class heads (both directions), all groups in one parallel math_equal batch."""
