@@ -123,7 +123,7 @@ def check_config(cfg: Config) -> None:
 
 # Prompts (§3.1): exemplars "Q: ..." (+ "Answer Choices:" (a)-(e)), then "A: <rationale>", with
 # blank lines between; no instruction. --prompts FILE replaces any template (common.load_prompts).
-PROMPTS = {
+PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_answer_key.txt
     "question": "Q: {question}",  # a question's first line; generation stops at the next one
     "math_hint": "Q: {question} ({answer})",  # rationalization: the final answer after the question
     "choices": "Answer Choices:",  # the header of the options, one per line below it
@@ -131,7 +131,7 @@ PROMPTS = {
     "option_hint": "({letter}) {text} (CORRECT)",  # rationalization: the right option marked
     "answer": "A:",  # the cue the rationale follows
     "chat_system": ("Answer the question. Reason step by step first, then end with the final "
-                    "answer written exactly as in the examples."),  # --prompt-style chat only
+                    "answer written exactly as in the examples."),  # ours: --prompt-style chat
 }
 MATH_EXEMPLARS = [  # (question, rationale ending in "#### <answer>", answer)
     ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How "
@@ -328,33 +328,32 @@ JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer
 
 def make_example(question, answer, choices=None, *, where: str = "") -> dict:
     """Validate and normalise one labelled example (where = 'file:line' for the errors)."""
-    at = f"{where}: " if where else ""
+    def bad(msg):
+        return ValueError(f"{where}: {msg}; {JSONL_SHAPE}" if where else f"{msg}; {JSONL_SHAPE}")
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{at}'question' must be a non-empty string; {JSONL_SHAPE}")
-    if (isinstance(answer, bool) or not isinstance(answer, (str, int, float))
-            or not str(answer).strip()):
-        raise ValueError(f"{at}'answer' must be a non-empty string or number; {JSONL_SHAPE}")
+        raise bad("'question' must be a non-empty string")
+    number_or_text = isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
+    if not number_or_text or not str(answer).strip():
+        raise bad("'answer' must be a non-empty string or number")
     answer = str(answer).strip()
     if choices is None:
         if "####" in answer:  # a GSM8K worked solution: keep the final number, or the hint leaks it
             answer = answer.split("####")[-1].strip().replace(",", "")
             if not answer:
-                raise ValueError(f"{at}'answer' has nothing after its last '####'; put the final "
-                                 "answer there (e.g. '... #### 72') or give only the answer; "
-                                 f"{JSONL_SHAPE}")
+                raise bad("'answer' has nothing after its last '####'; put the final answer there "
+                          "(e.g. '... #### 72') or give only the answer")
         return {"question": question.strip(), "answer": answer, "choices": None}
     if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
             or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
-        raise ValueError(f"{at}'choices' must be a list of 2-26 non-empty strings; {JSONL_SHAPE}")
+        raise bad("'choices' must be a list of 2-26 non-empty strings")
     choices = [str(c).strip() for c in choices]
     letters = list(LETTERS[:len(choices)])
     gold = answer.strip("()").lower()
     if gold not in letters:  # the text of a choice stands for its letter
         gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
     if gold is None:
-        raise ValueError(f"{at}'answer' {answer!r} is neither a choice letter ({letters[0].upper()}"
-                         f"-{letters[-1].upper()}) nor the text of one of the "
-                         f"choices; {JSONL_SHAPE}")
+        raise bad(f"'answer' {answer!r} is neither a choice letter ({letters[0].upper()}-"
+                  f"{letters[-1].upper()}) nor the text of one of the choices")
     return {"question": question.strip(), "answer": gold, "choices": choices}
 
 
