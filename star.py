@@ -17,16 +17,17 @@ answer: no RL loss (§3.1: a policy gradient with an indicator reward). Alg. 1, 
   python star.py --model Qwen/Qwen2.5-1.5B --data gsm8k --lr 1e-5  # a scaled-down GSM8K run
   python star.py --model tiny  # a one-minute smoke run; --resume RUN_DIR continues any run
 
-Deviations from the paper and its official code (paths relative to that repository):
+Deviations from the paper and its official code (paths relative to that repository), and choices:
 - Defaults are §4.4's runs without exemplars in the training text (69.9 and 60.9 on CQA dev): add
-  --few-shot-train for Table 1's rows (72.5; 68.8 with --no-rationalize; iteration_train.py).
+  --few-shot-train for Table 1's rows (72.5; 68.8 with --no-rationalize): our reading of §4.4.
 - Our choice: the loss is on rationale + answer + EOS. The code's mask never hands it to the loss
   (mesh_transformer/transformer_shard.py): it trained on every token, with a z-loss of 1e-4.
 - Our choice: a fresh Adam state every round; the code restores the Adam moments of GPT-J's
   pretraining checkpoint (device_train.py read_ckpt) and resets only the LR schedule.
 - Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py).
 - The GSM8K hint shows only the final number (paper); the code's hint shows the whole solution.
-- --patience and best/ pick the round on --test-data (GSM8K has no dev split); hold a file out.
+- --patience and best/ pick the round on --test-data (GSM8K has no dev split): hold a file out.
+- --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
 - Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10); --prompt-style chat is ours.
 - Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
