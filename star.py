@@ -228,7 +228,7 @@ class Prompter:
 
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
-        templated = bool(getattr(tokenizer, "chat_template", None))
+        templated = bool(tokenizer.chat_template)
         if cfg.prompt_style == "chat" and not templated:
             raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat "
                              "template; use --prompt-style few-shot")
@@ -693,7 +693,7 @@ def train(cfg: Config, sampler=None) -> dict:
     if sampler is not None:
         policy.sync()  # a shared engine may hold any weights
     prompter = Prompter(cfg, policy.tokenizer, exemplars)
-    max_len = int(getattr(policy.sampler, "max_model_len", None) or cfg.max_model_len)
+    max_len = int(policy.sampler.max_model_len or cfg.max_model_len)
     train_data = prompter.fits(train_data, max_len, "training set")
     test_data = prompter.fits(test_data, max_len, "test set")
     if not train_data:
