@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import gc
 import os
+import subprocess
 import sys
 import time
 import types
@@ -94,7 +95,7 @@ def predicted(model, cost, tokens, ckpt):
 
 def table(autocast):
     """Activation bytes per token of every shape at full depth, from 1- and 2-layer slices (both
-    terms are linear in depth; the checkpointed cost adds a recomputed layer, 2 x off / 1.25 / n)."""
+    terms are linear in depth; checkpointing adds one recomputed layer, 2 x off / 1.25 / n)."""
     rows = []
     for shape, (h, inter, n, heads, kv, tied) in SHAPES.items():
         c = []
@@ -124,36 +125,39 @@ def main():
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (quicker)")
     ap.add_argument("--tokens", default="512,1024", help="micro-batch sizes to measure")
     ap.add_argument("--quick", action="store_true", help="skip the per-shape table")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # TOKENS,CKPT in this process
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     model = qwen3(args.shape, args.layers or None)
+    if args.one:
+        tokens, ckpt = map(int, args.one.split(","))
+        print(*measure(model, tokens, bool(ckpt)))
+        return
     n_params = sum(p.numel() for p in model.parameters())
     cost = common.activation_costs(model)
     depth = f" ({args.layers} layers)" if args.layers else ""
-    print(
-        f"{args.shape} shape{depth}: {n_params / 1e6:.0f}M "
-        f"parameters, fp32 on CPU; measured activations {cost['off'] / 2**20:.2f} MiB/token, "
-        f"{cost['on'] / 2**20:.2f} with gradient checkpointing"
-    )
-    print(
-        f"{'tokens':>7} {'ckpt':>5} {'predicted GiB':>14} {'measured GiB':>13} {'ratio':>6} "
-        f"{'s':>6}"
-    )
+    print(f"{args.shape} shape{depth}: {n_params / 1e6:.0f}M parameters, fp32 on CPU; measured "
+          f"activations {cost['off'] / 2**20:.2f} MiB/token, {cost['on'] / 2**20:.2f} with "
+          "gradient checkpointing")
+    print(f"{'tokens':>7} {'ckpt':>5} {'predicted GiB':>14} {'measured GiB':>13} {'ratio':>6} "
+          f"{'s':>6}")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for ckpt in (False, True):
-            got, secs = measure(model, tokens, ckpt)
+            # a fresh process each: freed heap pages stay resident and would hide the next peak
+            cmd = [sys.executable, __file__, "--shape", args.shape, "--layers", str(args.layers),
+                   "--one", f"{tokens},{int(ckpt)}"]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            got, secs = map(float, out.split()[-2:])
             want = predicted(model, cost, tokens, ckpt)
-            print(
-                f"{tokens:>7} {str(ckpt):>5} {want:>14.2f} {got:>13.2f} {got / want:>6.2f} "
-                f"{secs:>6.0f}",
-                flush=True,
-            )
+            print(f"{tokens:>7} {str(ckpt):>5} {want:>14.2f} {got:>13.2f} {got / want:>6.2f} "
+                  f"{secs:>6.0f}", flush=True)
     if args.quick:
         return
     del model
     gc.collect()
     print(
-        "\nper GPU at the defaults (--micro-batch-tokens 16384), bf16 autocast, fp32 master weights;"
+        "\nper GPU at the defaults (--micro-batch-tokens 16384), bf16 autocast, fp32 master"
+        " weights;"
         " training state = weights + gradients + AdamW = 16 B/param, divided by the FSDP ranks"
     )
     print(
