@@ -8,7 +8,6 @@ import pathlib
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -178,8 +177,8 @@ def warm_path(tiny_model_path):
     model, tok = common.load_model(tiny_model_path, dtype=torch.float32, device="cpu")
     model.train()
     ex = [encode_pair(tok, p, c) for p, c in pairs]
-    pol = types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
-                                cfg=types.SimpleNamespace(micro_batch_tokens=1 << 16, grad_clip=1.0))
+    cfg = common.RunConfig(model=tiny_model_path, lr=lr, weight_decay=0.0, micro_batch_tokens=1 << 16)
+    pol = common.Policy(cfg, model, tok, common.Sampler(), tiny_model_path)  # AdamW, no sampler
     for _ in range(steps):
         common.sft_step(pol, ex)
     assert greedy_margin(model, [ex[5]]) > 2.0  # Q2 -> 3 is learnt firmly
