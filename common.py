@@ -2085,20 +2085,19 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (the first completion token is "
                          "predicted from it)")
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
-    att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    rows = torch.tensor([b for b, c in enumerate(completions) for _ in c], dtype=torch.long)
-    cols = torch.tensor([len(p) - 1 + t for p, c in zip(prompts, completions)
-                         for t in range(len(c))],
-                        dtype=torch.long)
+    ids = torch.zeros(len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)),
+                      dtype=torch.long)
+    att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids[b, :len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        att[b, :len(p) + len(c)] = 1
+        pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
     targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
     if not len(targets):
         z = torch.zeros(0, device=device)
         return z, (z if with_entropy else None)
-    hidden = final_hidden_states(model, ids, att)  # the root forward, so FSDP2/DDP hooks see it
-    hidden = hidden[rows.to(device), cols.to(device)]  # [n_tok, d]
+    # the root forward, so FSDP2/DDP hooks see it; then the completion positions, row-major
+    hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = getattr(model, "module", model).get_output_embeddings()
     chunk = chunk_rows or max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
     out = []
@@ -2372,8 +2371,7 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
 @dataclass
 class _RLPart:
     """This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every
-    rank (one short of work re-runs one at live 0), its real indices, N and M over all ranks, and
-    whether the step is taken on zero gradients."""
+    rank (one short of work re-runs one at live 0), its real indices, N and M over all ranks."""
     micro: list[tuple[list[int], float]]
     items: list[int]
     num_seqs: int
@@ -2404,9 +2402,6 @@ class _RLTrain:
         self.t0, rss = time.perf_counter(), _rl_proc_status_kb("VmRSS")
         self.mem0 = float("nan") if rss is None else rss / 2**20
 
-    def reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        return self.policy.all_reduce(values, op)
-
     def plan(self, idx: list[int], max_seqs: int | None = None) -> _RLPart:
         """One optimizer step on ``idx``: this rank's contiguous share in micro-batches of
         ``micro_batch_tokens`` padded tokens; a rank left with nothing runs one item at weight 0."""
@@ -2414,8 +2409,8 @@ class _RLTrain:
         real = bool(local)
         local = local or list(idx[:1])
         mbs = _rl_micro_batches([self.seq_lens[i] for i in local], self.budget, max_seqs)
-        n, m = self.reduce([len(local) * real, sum(self.lens[i] for i in local) * real])
-        n_mb = int(self.reduce([len(mbs)], "max")[0])
+        n, m = self.policy.all_reduce([len(local) * real, sum(self.lens[i] for i in local) * real])
+        n_mb = int(self.policy.all_reduce([len(mbs)], "max")[0])
         micro = [([local[j] for j in mbs[k if k < len(mbs) else 0]], float(real and k < len(mbs)))
                  for k in range(n_mb)]
         return _RLPart(micro, local if real else [], int(n), int(m))
@@ -2425,7 +2420,7 @@ class _RLTrain:
         ``skippable``: it is marked ``skip``, decided over all ranks so FSDP's collectives match."""
         batches = _rl_schedule(len(self.lens), cfg)
         passes = [[self.plan(idx) for idx in mbs] for mbs in batches]
-        need = self.reduce([float(not skippable or any(advantages[i] != 0 for i in idx))
+        need = self.policy.all_reduce([float(not skippable or any(advantages[i] != 0 for i in idx))
                             for mbs in batches for idx in mbs], "max")
         for part, n in zip([p for ps in passes for p in ps], need):
             part.skip = not n
@@ -2478,7 +2473,7 @@ class _RLTrain:
         """Per key, the mean over all ranks' sequences of each one's token mean."""
         sums = [sum(v.mean().item() for v in vs if v.numel()) for vs in groups.values()]
         counts = [sum(v.numel() > 0 for v in vs) for vs in groups.values()]
-        red, k = self.reduce(sums + counts), len(groups)
+        red, k = self.policy.all_reduce(sums + counts), len(groups)
         return {key: red[i] / red[k + i] if red[k + i] else float("nan")
                 for i, key in enumerate(groups)}
 
@@ -2578,7 +2573,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     if ref is not None:
         groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
     diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp and lens[i]]
-    total, clip_n, kl_sum, kl_n, zero_adv, diff_sum, diff_n = train.reduce(
+    total, clip_n, kl_sum, kl_n, zero_adv, diff_sum, diff_n = policy.all_reduce(
         [total, clip_n, kl_sum, kl_n, sum(trajs[i].advantage == 0 for i in seen),
          sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs)])
     stats = {"optimizer_steps": len(norms), "loss": total / len(norms),
@@ -2611,7 +2606,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
         total += train.backward(-lp.sum() / part.num_tokens * live, idx, live)
     norm = train.step()
     figures = train.finish(sync=False)
-    return {"loss": train.reduce([total])[0], "grad_norm": norm, "n_tokens": part.num_tokens,
+    return {"loss": policy.all_reduce([total])[0], "grad_norm": norm, "n_tokens": part.num_tokens,
             **figures}
 
 
