@@ -2050,8 +2050,7 @@ def _rl_micro_batches(lengths: list[int], token_budget: int,
     """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
     sequence gets a micro-batch of its own (splitting it would change its attention)."""
     if token_budget <= 0:
-        raise ValueError(f"token budget must be positive, got {token_budget}; "
-                         "set --micro-batch-tokens")
+        raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = batches[-1] if batches else []
@@ -2083,8 +2082,7 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     recomputed in backward, so the full-vocabulary logits of the batch never exist at once."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (the first completion token is "
-                         "predicted from it)")
+        raise ValueError("every prompt needs a token (it predicts the first completion token)")
     ids = torch.zeros(len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)),
                       dtype=torch.long)
     att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
@@ -2123,7 +2121,7 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
         raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy "
                          "samples are scored at T=1")
     lps: list = [None] * len(prompts)
-    ents: list = [None] * len(prompts)
+    ents = lps.copy()
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
         lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
@@ -2141,8 +2139,7 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
 def _rl_as_float64(x) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64).flatten()
     if not torch.isfinite(t).all():
-        raise ValueError("rewards must be finite (got NaN or inf); give failed samples an "
-                         "explicit reward")
+        raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
     return t
 
 
@@ -2250,19 +2247,15 @@ class PGConfig:
 
     def __post_init__(self):
         if self.aggregation not in _RL_AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, "
-                             f"got {self.aggregation!r}")
+            raise ValueError(f"aggregation {self.aggregation!r} is not one of {_RL_AGGREGATIONS}")
         if self.aggregation == "drgrpo" and self.max_len <= 0:
-            raise ValueError("aggregation='drgrpo' needs max_len = the generation limit L_max "
-                             "(> 0)")
+            raise ValueError("aggregation='drgrpo' needs max_len > 0: the generation limit L_max")
         if self.temperature <= 0:
-            raise ValueError("PGConfig.temperature is the sampling temperature of the rollouts and "
-                             "must be > 0")
+            raise ValueError("PGConfig.temperature (the rollouts' sampling one) must be > 0")
         if self.updates_per_batch < 1:
             raise ValueError("updates_per_batch must be >= 1")
         if self.mini_batch < 0:
-            raise ValueError(f"mini_batch must be >= 0 trajectories (0 = the whole batch), "
-                             f"got {self.mini_batch}")
+            raise ValueError(f"mini_batch must be >= 0 (0 = whole batch), got {self.mini_batch}")
 
 
 def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None,
@@ -2284,8 +2277,7 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
     if cfg.tis_cap > 0:
         if sampler_logp is None:
-            raise ValueError("tis_cap > 0 needs sampler log-probs (request logprobs from the "
-                             "sampler)")
+            raise ValueError("tis_cap > 0 needs sampler log-probs (ask the sampler for logprobs)")
         loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
     if cfg.kl_coef > 0:
         if ref_logp is None:
@@ -2494,30 +2486,27 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
 
-    1. One no-grad pass of the rollout policy before any step: l_old, the exact entropy, and
-       l_ref with ``ref_weights`` swapped in. pi_old is the policy that sampled, for every
-       mini-batch: rho = 1 in the first step (as veRL, EasyR1 and Oat).
-    2. Per mini-batch (``cfg.mini_batch`` trajectories, ``cfg.updates_per_batch`` passes), per
-       micro-batch: forward, ``token_loss`` (a fork passes its own, with pg_token_loss's signature),
-       ``aggregation_weights`` with this mini-batch's own N and M (veRL ``dp_actor.py`` and Oat
-       ``ppo.py`` divide by the nominal size), backward; then clip and step. A mini-batch without
-       completion tokens takes no step; one with all A = 0 steps on zero gradients
-       (``cfg.skip_zero_adv``, the default loss, no KL or entropy term).
-    Stats are over the whole batch (all ranks), tokens_per_s, time_s, sync_s and peak_mem_gb this
-    rank's. entropy/<role> and nll_entropy: mean NLL of the sampled tokens (Eq. 1 of "Towards
-    Understanding Self-play for LLM Reasoning"); logprob_diff_vs_sampler: mean |l_old - l_sampler|
-    (a jump means a broken weight sync). The loss is ~ -mean(A) ~ 0 on-policy."""
+    1. One no-grad pass before any step: l_old and the exact entropy of the rollout policy, and
+       l_ref with ``ref_weights`` swapped in. pi_old is the policy that sampled, for every step
+       (rho = 1 in the first, as in veRL, EasyR1 and Oat).
+    2. Per mini-batch (``cfg.mini_batch`` trajectories, ``cfg.updates_per_batch`` passes) and
+       micro-batch: forward, ``token_loss`` (a fork passes its own, with pg_token_loss's
+       signature), ``aggregation_weights`` by this mini-batch's own N and M (veRL ``dp_actor.py``
+       and Oat ``ppo.py`` use the nominal size), backward; then clip and step. An all-A=0
+       mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss, no KL/entropy).
+    Stats are over the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's).
+    entropy/<role> and nll_entropy: mean NLL of the sampled tokens ("Towards Understanding
+    Self-play for LLM Reasoning", Eq. 1); logprob_diff_vs_sampler (mean |l_old - l_sampler|) jumps
+    with a broken weight sync. On-policy the loss is ~ -mean(A) ~ 0."""
     if not trajs:
         raise ValueError("pg_step got no trajectories")
     if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
            for t in trajs):
         raise ValueError("sampler_logprobs must have one entry per completion token")
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
-        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's "
-                         "log-probs)")
+        raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
-        raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at "
-                         "phase start)")
+        raise ValueError("kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
     if not any(t.completion_ids for t in trajs):
         raise ValueError("all completions are empty: nothing to train on")
     train = _RLTrain(policy, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs])
