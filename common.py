@@ -2383,6 +2383,9 @@ class _RLTrain:
         self.seq_lens = [len(p) + len(c) for p, c in zip(prompts, comps)]
         self.device = next(self.model.parameters()).device
         self.tokens = 0  # prompt + completion tokens this rank pushed through the trainer
+        self.sums = dict.fromkeys(("loss", "clipped", "kl", "kl_tokens"), 0.0)  # this rank's
+        self.norms: list[float] = []  # pre-clip grad norm of each optimizer step
+        self.skipped = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.t0 = time.perf_counter()
@@ -2432,18 +2435,30 @@ class _RLTrain:
         return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
                            **kw)
 
-    def backward(self, loss, idx: list[int], live: float) -> float:
+    def backward(self, loss, idx: list[int], live: float) -> None:
+        """Backward of a micro-batch's loss; ``live`` = 0 for a stand-in (no gradient)."""
+        loss = loss * live
         (loss * self.policy.world_size).backward()
         self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
-        return loss.item()
+        self.sums["loss"] += loss.item()
+
+    def record(self, logp, old_logp, clipped, live: float) -> None:
+        """Sums for clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
+        with torch.no_grad():
+            d = logp.detach() - old_logp
+            self.sums["clipped"] += clipped.float().sum().item() * live
+            self.sums["kl"] += (torch.exp(d) - 1 - d).sum().item() * live
+            self.sums["kl_tokens"] += d.numel() * live
 
     def step(self) -> float:
         """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm."""
         if self.policy.cfg.grad_clip > 0 and math.isfinite(self.policy.cfg.grad_clip):
-            return float(self.policy.clip_and_step())  # FSDP2's norm over the shards is in there
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-        self.policy.optimizer.step()
+            norm = self.policy.clip_and_step()  # FSDP2's norm over the shards is in there
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+            self.policy.optimizer.step()
+        self.norms.append(float(norm))
         return float(norm)
 
     def zero_step(self) -> float:
@@ -2459,6 +2474,7 @@ class _RLTrain:
         for p in self.model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
+        self.skipped += 1
         return self.step()
 
     def seq_means(self, groups: dict[str, list[torch.Tensor]]) -> dict[str, float]:
@@ -2479,6 +2495,33 @@ class _RLTrain:
         return {"tokens_per_s": self.tokens / max(t - self.t0, 1e-9), "time_s": end - self.t0,
                 **({"sync_s": end - t} if sync else {}),
                 "peak_mem_gb": _rl_peak_mem_gb(self.device, self.mem0)}
+
+    def pg_stats(self, trajs, cfg: PGConfig, seen, old, ent, ref, samp, figures) -> dict:
+        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once."""
+        n, m = len(trajs), sum(self.lens)
+        nll = {i: -old[i] for i in seen}
+        groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
+        for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
+            groups[f"entropy/{role}"] = [nll[i] for i in seen if trajs[i].role == role]
+            groups[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
+        if ref is not None:
+            groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp and self.lens[i]]
+        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n = self.policy.all_reduce(
+            [*self.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
+             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs)])
+        steps = len(self.norms)
+        stats = {"optimizer_steps": steps, "loss": loss / steps,
+                 "grad_norm": sum(self.norms) / steps,
+                 "clip_frac": clipped / (m * cfg.updates_per_batch),
+                 "approx_kl": kl / kl_n if kl_n else float("nan"), **self.seq_means(groups),
+                 **figures, "skipped_mini_batches": self.skipped, "zero_adv_frac": zero_adv / n,
+                 "n_tokens": m, "n_seqs": n, "mean_len": m / n}
+        return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
+
+
+def _rl_cat(xs: dict | None, idx: list[int]):
+    return None if xs is None else torch.cat([xs[i] for i in idx])
 
 
 @timed("train")
@@ -2526,54 +2569,26 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             for i in rows if trajs[i].sampler_logprobs is not None}
     adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=dev) for i in rows}
 
-    # 2. one optimizer step per mini-batch
-    total, clip_n, kl_sum, kl_n, norms = 0.0, 0.0, 0.0, 0.0, []
-    steps = [p for ps in passes for p in ps if p.num_tokens]  # no completion tokens: no step
-    for part in steps:
+    # 2. one optimizer step per mini-batch: forward, loss, backward per micro-batch; clip; step
+    for part in (p for ps in passes for p in ps if p.num_tokens):  # no completion tokens: no step
         if part.skip:
-            norms.append(train.zero_step())
+            train.zero_step()
             continue
         policy.optimizer.zero_grad(set_to_none=True)
         for idx, live in part.micro:
-            def cat(xs):
-                return torch.cat([xs[i] for i in idx])
             lp, en = train.forward(idx, temperature=cfg.temperature,
                                    with_entropy=cfg.entropy_coef > 0)
-            loss_t, clipped = token_loss(lp, cat(old), cat(adv), cfg,
-                                         ref_logp=None if ref is None else cat(ref), entropy=en,
-                                         sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
+            l_old = _rl_cat(old, idx)
+            loss, clipped = token_loss(lp, l_old, _rl_cat(adv, idx), cfg, entropy=en,
+                                       ref_logp=_rl_cat(ref, idx),
+                                       sampler_logp=_rl_cat(samp, idx) if cfg.tis_cap > 0 else None)
             w = aggregation_weights([lens[i] for i in idx], cfg.aggregation, num_seqs=part.num_seqs,
-                                    num_tokens=part.num_tokens, max_len=cfg.max_len).to(dev)
-            total += train.backward((loss_t * w).sum() * live, idx, live)
-            with torch.no_grad():
-                d = lp.detach() - cat(old)
-                clip_n += clipped.float().sum().item() * live
-                kl_sum += (torch.exp(d) - 1 - d).sum().item() * live
-                kl_n += d.numel() * live
-        norms.append(train.step())
+                                    num_tokens=part.num_tokens, max_len=cfg.max_len)
+            train.backward((loss * w.to(dev)).sum(), idx, live)
+            train.record(lp, l_old, clipped, live)
+        train.step()
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
-
-    n, m = len(trajs), sum(lens)
-    nll = {i: -old[i] for i in seen}
-    groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
-    for role in sorted({t.role for t in trajs if t.role}):  # the full batch's: keys on every rank
-        groups[f"entropy/{role}"] = [nll[i] for i in seen if trajs[i].role == role]
-        groups[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
-    if ref is not None:
-        groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-    diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp and lens[i]]
-    total, clip_n, kl_sum, kl_n, zero_adv, diff_sum, diff_n = policy.all_reduce(
-        [total, clip_n, kl_sum, kl_n, sum(trajs[i].advantage == 0 for i in seen),
-         sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs)])
-    stats = {"optimizer_steps": len(norms), "loss": total / len(norms),
-             "grad_norm": sum(norms) / len(norms),
-             "clip_frac": clip_n / (m * cfg.updates_per_batch),
-             "approx_kl": kl_sum / kl_n if kl_n else float("nan"), **train.seq_means(groups),
-             **figures, "skipped_mini_batches": sum(p.skip for p in steps),
-             "zero_adv_frac": zero_adv / n, "n_tokens": m, "n_seqs": n, "mean_len": m / n}
-    if diff_n:
-        stats["logprob_diff_vs_sampler"] = diff_sum / diff_n
-    return stats
+    return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
 
 
 @timed("train")
@@ -2589,14 +2604,13 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
     if part.num_tokens == 0:
         raise ValueError("all SFT targets are empty")
     policy.optimizer.zero_grad(set_to_none=True)
-    total = 0.0
     for idx, live in part.micro:
         lp, _ = train.forward(idx)
-        total += train.backward(-lp.sum() / part.num_tokens * live, idx, live)
+        train.backward(-lp.sum() / part.num_tokens, idx, live)
     norm = train.step()
     figures = train.finish(sync=False)
-    return {"loss": policy.all_reduce([total])[0], "grad_norm": norm, "n_tokens": part.num_tokens,
-            **figures}
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
+            "n_tokens": part.num_tokens, **figures}
 
 
 # ====================================================================================================================
