@@ -2416,7 +2416,7 @@ class _RLTrain:
         batches = _rl_schedule(len(self.lens), cfg)
         passes = [[self.plan(idx) for idx in mbs] for mbs in batches]
         need = self.policy.all_reduce([float(not skippable or any(advantages[i] != 0 for i in idx))
-                            for mbs in batches for idx in mbs], "max")
+                                       for mbs in batches for idx in mbs], "max")
         for part, n in zip([p for ps in passes for p in ps], need):
             part.skip = not n
         return passes
