@@ -177,7 +177,7 @@ def warm_path(tiny_model_path):
     model, tok = common.load_model(tiny_model_path, dtype=torch.float32, device="cpu")
     model.train()
     ex = [encode_pair(tok, p, c) for p, c in pairs]
-    cfg = common.RunConfig(model=tiny_model_path, lr=lr, weight_decay=0.0, micro_batch_tokens=1 << 16)
+    cfg = common.RunConfig(model=tiny_model_path, lr=lr, micro_batch_tokens=1 << 16)  # no decay
     pol = common.Policy(cfg, model, tok, common.Sampler(), tiny_model_path)  # AdamW, no sampler
     for _ in range(steps):
         common.sft_step(pol, ex)

@@ -365,23 +365,23 @@ def test_pg_step_kl_reference_swap_restores_weights(tiny_policy_hf):
 
 
 def test_pi_old_is_the_rollout_policy_for_every_step_of_one_call(tiny_policy_hf):
-    """R-Zero's pattern: pi_old fixed once per rollout batch for all its steps, scored anew per call."""
+    """R-Zero's pattern: pi_old fixed once per rollout batch for all its steps, new per call."""
     policy = tiny_policy_hf
     for g in policy.optimizer.param_groups:
         g["lr"] = 3e-2
     trajs = _fixed_trajs(policy)
-    with torch.no_grad():  # pi_old as pg_step scores it: the rollout policy, the sampler's log-probs
+    with torch.no_grad():  # pi_old as pg_step scores it: the rollout policy = the sampler's
         old, _ = common.token_logprobs(policy.model, [t.prompt_ids for t in trajs],
                                        [t.completion_ids for t in trajs], temperature=1.0)
     assert all(len(o) == len(t.completion_ids) for o, t in zip(old, trajs))
-    assert max(abs(a - b) for o, t in zip(old, trajs) for a, b in zip(o.tolist(), t.sampler_logprobs)) \
-        < LOGPROB_ATOL
+    diffs = [abs(a - b) for o, t in zip(old, trajs) for a, b in zip(o.tolist(), t.sampler_logprobs)]
+    assert max(diffs) < LOGPROB_ATOL
     cfg = common.PGConfig(clip_low=0.1, clip_high=0.1)
     first = common.pg_step(policy, trajs, cfg)
     assert first["clip_frac"] == 0  # the weights have not moved yet
     second = common.pg_step(policy, trajs, dataclasses.replace(cfg, updates_per_batch=2))
-    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old stayed the call's rollout policy
-    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # a new call scores pi_old: on-policy
+    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old: the call's rollout policy
+    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # scored anew: on-policy again
 
 
 # ------------------------------------------------------------------------------------------------
