@@ -510,26 +510,21 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
     if not p.is_file():
         raise error(f"{path}: file does not exist; {shape}")
     with p.open("r", encoding="utf-8", errors=errors, newline=None) as f:
-        lineno = 0
-        while True:
-            try:
-                line = f.readline()  # splits on newlines only, never on U+2028 inside a string
-            except UnicodeDecodeError as e:
-                raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
-            if not line:
-                return
-            lineno += 1
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-                msg = getattr(e, "msg", str(e))[:80]
-                raise error(f"{path}:{lineno}: not valid JSON ({msg}); {shape}") from None
-            if not isinstance(row, dict):
-                raise error(f"{path}:{lineno}: expected a JSON object (this line is a "
-                            f"{type(row).__name__}, not an object); {shape}")
-            yield lineno, row
+        try:
+            for lineno, line in enumerate(f, 1):  # newlines only, never U+2028 inside a string
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+                    msg = getattr(e, "msg", str(e))[:80]
+                    raise error(f"{path}:{lineno}: not valid JSON ({msg}); {shape}") from None
+                if not isinstance(row, dict):
+                    raise error(f"{path}:{lineno}: expected a JSON object (this line is a "
+                                f"{type(row).__name__}, not an object); {shape}")
+                yield lineno, row
+        except UnicodeDecodeError as e:
+            raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
 
 
 def truncate_jsonl(path: pathlib.Path, step: int) -> None:
