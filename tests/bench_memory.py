@@ -141,20 +141,21 @@ def main():
           "gradient checkpointing")
     print(f"{'tokens':>7} {'ckpt':>5} {'predicted GiB':>14} {'measured GiB':>13} {'ratio':>6} "
           f"{'s':>6}")
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        for ckpt in (False, True):
-            # a fresh process each: freed heap pages stay resident and would hide the next peak
-            cmd = [sys.executable, __file__, "--shape", args.shape, "--layers", str(args.layers),
-                   "--one", f"{tokens},{int(ckpt)}"]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            got, secs = map(float, out.split()[-2:])
-            want = predicted(model, cost, tokens, ckpt)
-            print(f"{tokens:>7} {str(ckpt):>5} {want:>14.2f} {got:>13.2f} {got / want:>6.2f} "
-                  f"{secs:>6.0f}", flush=True)
-    if args.quick:
-        return
+    cases = [(int(t), ckpt) for t in args.tokens.split(",") for ckpt in (False, True)]
+    plan = {case: predicted(model, cost, *case) for case in cases}
+    # Each measurement runs in a fresh process, alone: freed heap pages stay resident and would
+    # hide the next peak, and two models side by side would not fit a small machine.
     del model
     gc.collect()
+    for (tokens, ckpt), want in plan.items():
+        cmd = [sys.executable, __file__, "--shape", args.shape, "--layers", str(args.layers),
+               "--one", f"{tokens},{int(ckpt)}"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        got, secs = map(float, out.split()[-2:])
+        print(f"{tokens:>7} {str(ckpt):>5} {want:>14.2f} {got:>13.2f} {got / want:>6.2f} "
+              f"{secs:>6.0f}", flush=True)
+    if args.quick:
+        return
     print(
         "\nper GPU at the defaults (--micro-batch-tokens 16384), bf16 autocast, fp32 master"
         " weights;"
