@@ -1559,23 +1559,30 @@ class Policy:
         tensor, holding no extra copy: the dict returned is `weights` itself, now with the previous
         weights. Otherwise the previous weights are a fresh CPU copy (get_weights)."""
         names = {_core_strip_prefix(k): k for k in weights}
-        state = list(_core_unique_state(self.model))
+        local = getattr(weights, "local_shards", False)  # FSDP2: this rank's shards, no gather
+        state = [(k, v.to_local() if local and _core_is_dtensor(v) else v)
+                 for k, v in _core_unique_state(self.model)]
         src = [weights.get(names.get(k)) for k, _ in state]
         if (all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
                 for w, (_, v) in zip(src, state))
                 and len({w.data_ptr() for w in src}) == len(src)):
-            self._exchange_weights(weights, names)
+            self._exchange_weights(weights, names, local)
             return weights
+        if local:
+            raise ValueError("exchange_weights: the shards do not match the trainer's")
         current = self.get_weights()
         self.load_trainer_weights(weights)
         return current
 
     @torch.no_grad()
-    def _exchange_weights(self, weights: dict, names: dict) -> None:
+    def _exchange_weights(self, weights: dict, names: dict, local: bool = False) -> None:
         """Swap the trainer's tensors with `weights` (same dtypes, full shapes) one at a time: at
-        most one full tensor is held extra. Under FSDP2 every rank gathers each (a collective)."""
+        most one full tensor is held extra. Under FSDP2 every rank gathers each (a collective),
+        unless `local`: then `weights` holds this rank's shards, swapped with no communication."""
         for k, v in _core_unique_state(self.model):
             src = weights[names[k]]
+            if local and _core_is_dtensor(v):
+                v = v.to_local()
             if _core_is_dtensor(v):
                 from torch.distributed.tensor import distribute_tensor
                 cur = v.full_tensor().to(src.device)

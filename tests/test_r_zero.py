@@ -255,7 +255,7 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
     for _ in range(3):
         train_active()
     challenger = policy.get_weights()
-    assert _differs(challenger, base) and not _differs(roles.cpu[r_zero.SOLVER], base)
+    assert _differs(challenger, base) and not _differs(roles.parked[r_zero.SOLVER], base)
     assert _greedy(policy, probe) != g0, "training should move the greedy output (lr 3e-2)"
     with roles.sampling(r_zero.SOLVER):  # the engine now samples the (untouched) Solver
         assert _greedy(policy, probe) == g0
@@ -267,7 +267,7 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
     for _ in range(3):
         train_active()
     assert _differs(policy.get_weights(), base)
-    assert not _differs(roles.cpu[r_zero.CHALLENGER], challenger)  # the reverse: Challenger kept
+    assert not _differs(roles.parked[r_zero.CHALLENGER], challenger)  # the reverse: Challenger kept
     with roles.sampling(r_zero.CHALLENGER):
         assert _greedy(policy, probe) == g_ch
 
@@ -441,7 +441,7 @@ def test_role_swap_with_the_hf_backend(tiny_policy_hf):
     assert g_other != g_base
     assert not _differs(policy.get_weights(), base) and _greedy(policy, probe) == g_base
     roles.activate(r_zero.SOLVER)
-    assert _greedy(policy, probe) == g_other and not _differs(roles.cpu[r_zero.CHALLENGER], base)
+    assert _greedy(policy, probe) == g_other and not _differs(roles.parked[r_zero.CHALLENGER], base)
 
 
 # --------------------------------------------------------------------------------------------------
