@@ -321,8 +321,8 @@ def solver_reward(text: str, correct: bool, cfg: Config) -> float:
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
 class Shards(dict):
     """This rank's part of one weight set (its FSDP2 shards, or every tensor in one process) in a
-    file-backed shared mapping: page cache the kernel writes back and reclaims, not process memory,
-    so a node holds each extra set once. Policy.exchange_weights swaps it with the trainer in place."""
+    file-backed shared mapping: page cache the kernel writes back and reclaims, not process
+    memory, so a node holds each extra set once. Policy.exchange_weights swaps it in place."""
     local_shards = True
 
 
@@ -354,8 +354,8 @@ def park(policy, folder, weights=None) -> Shards:
     from torch.distributed.tensor import distribute_tensor
     if isinstance(weights, (str, pathlib.Path)):
         from safetensors import safe_open
-        files = [safe_open(str(f), "pt") for f in sorted(pathlib.Path(weights).glob("*.safetensors"))]
-        weights = {k: f for f in files for k in f.keys()}
+        opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
+        weights = {k: f for f in opened for k in f.keys()}
     out = Shards()
     for k, v, part in _trainer_parts(policy):
         src = part if weights is None else weights[k]
@@ -376,7 +376,8 @@ def full_weights(policy, shards: Shards):
     for k, v, part in _trainer_parts(policy):
         if hasattr(v, "to_local"):
             yield k, DTensor.from_local(shards[k].to(part.device), v.device_mesh, v.placements,
-                                        run_check=False, shape=v.shape, stride=v.stride()).full_tensor()
+                                        run_check=False, shape=v.shape,
+                                        stride=v.stride()).full_tensor()
         else:
             yield k, shards[k]
 
