@@ -41,6 +41,7 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import warnings
 from collections import Counter
 
@@ -332,14 +333,13 @@ def _trainer_parts(policy):
     seen = set()
     for k, v in policy.state_dict().items():
         part = v.to_local() if hasattr(v, "to_local") else v
-        if part.data_ptr() not in seen:
+        if part.numel() == 0 or part.data_ptr() not in seen:  # empty shards share no storage
             seen.add(part.data_ptr())
             yield k, v, part
 
 
 def _mapped(folder, like):
     """An empty tensor like `like` in a shared mapping of an unlinked file in `folder`."""
-    import tempfile
     import torch
     fd, path = tempfile.mkstemp(dir=folder, prefix=".weights-")
     os.close(fd)
@@ -394,7 +394,6 @@ class Roles:
     """The trained role lives in policy.model; the other one waits in `parked` (Shards)."""
 
     def __init__(self, policy, active: str, other=None, folder=None):
-        import tempfile
         self.policy, self.active = policy, active
         self.folder = folder or tempfile.gettempdir()
         self.parked = {self.other(active): self.park(other)}

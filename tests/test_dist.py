@@ -176,8 +176,8 @@ def scenario_rzero_shards(out: pathlib.Path) -> dict:
 
 def _worker(scenario: str, out: str) -> None:
     out = pathlib.Path(out)
-    res = {"grad": scenario_grad, "grad_ddp": lambda o: scenario_grad(o, "ddp"), "sync": scenario_sync,
-           "rzero_shards": scenario_rzero_shards}[scenario](out)
+    res = {"grad": scenario_grad, "grad_ddp": lambda o: scenario_grad(o, "ddp"),
+           "sync": scenario_sync, "rzero_shards": scenario_rzero_shards}[scenario](out)
     rank = int(os.environ.get("RANK", 0))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     if torch.distributed.is_initialized():
