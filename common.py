@@ -1467,9 +1467,12 @@ class Policy:
     def exchange_weights(self, weights: dict) -> dict:
         """Put full HF-named `weights` into the trainer and return its previous weights. When
         `weights` has every tensor, unaliased, at the trainer's dtype and shape (as get_weights
-        gives), they are swapped in place (no extra copy) and `weights` itself is returned."""
+        gives), they are swapped in place (no extra copy) and `weights` itself is returned; a
+        mapping with `local_shards` set holds this rank's FSDP2 shards (swapped with no gather)."""
         names = {_core_strip_prefix(k): k for k in weights}
-        state = list(_core_unique_state(self.model))
+        local = getattr(weights, "local_shards", False)  # FSDP2: this rank's shards, no gather
+        state = [(k, v.to_local() if local and _core_is_dtensor(v) else v)
+                 for k, v in _core_unique_state(self.model)]
         src = [weights.get(names.get(k)) for k, _ in state]
         if all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
                for w, (_, v) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
@@ -1487,6 +1490,8 @@ class Policy:
                     w.copy_(cur)
                     del cur
             return weights
+        if local:
+            raise ValueError("exchange_weights: the shards do not match the trainer's")
         current = self.get_weights()
         self.load_trainer_weights(weights)
         return current

@@ -23,7 +23,8 @@ Deviations (the official code is github.com/Chengsong-Huang/R-Zero; flags give i
     a question whose Solver prompt exceeds --max-prompt-tokens counts as a format failure
   - as in the code, a rollout batch is split into minibatches (--challenger-minibatch,
     --solver-minibatch) that all keep the rollout policy as pi_old, so the clips act from the second
-  - one trainer and one vLLM engine: the parked role is a CPU state dict swapped in only to sample
+  - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards in
+    file-backed memory (one copy per node), swapped in place to sample or for the KL pass
   - --eval-protocol official grades SuperGPQA, MMLU-Pro and BBEH as evaluation/eval_*.py do (their
     prompt, letter rule, random fallback, BBEH fuzzy match); neither has the GPT-4o re-check
   - without a chat template a prompt ends in "assistant:"; --prompts FILE replaces our templates
@@ -40,6 +41,7 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import warnings
 from collections import Counter
 
@@ -318,12 +320,86 @@ def solver_reward(text: str, correct: bool, cfg: Config) -> float:
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
-class Roles:
-    """The trained role lives in policy.model; the other one waits in `cpu` as a CPU state dict."""
+class Shards(dict):
+    """This rank's part of one weight set (its FSDP2 shards, or every tensor in one process) in a
+    file-backed shared mapping: page cache the kernel writes back and reclaims, not process
+    memory, so a node holds each extra set once. Policy.exchange_weights swaps it in place."""
+    local_shards = True
 
-    def __init__(self, policy, active: str, other_weights: dict):
+
+def _trainer_parts(policy):
+    """(HF name, trainer tensor, this rank's part of it) once per storage (a tied lm_head is the
+    embedding), in the same order on every rank."""
+    seen = set()
+    for k, v in policy.state_dict().items():
+        part = v.to_local() if hasattr(v, "to_local") else v
+        if part.numel() == 0 or part.data_ptr() not in seen:  # empty shards share no storage
+            seen.add(part.data_ptr())
+            yield k, v, part
+
+
+def _mapped(folder, like):
+    """An empty tensor like `like` in a shared mapping of an unlinked file in `folder`."""
+    import torch
+    fd, path = tempfile.mkstemp(dir=folder, prefix=".weights-")
+    os.close(fd)
+    out = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
+    os.unlink(path)  # the mapping outlives the name: nothing is left behind
+    return out
+
+
+def park(policy, folder, weights=None) -> Shards:
+    """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read one tensor at a
+    time), or of the trainer's own weights when None."""
+    from torch.distributed.tensor import distribute_tensor
+    if isinstance(weights, (str, pathlib.Path)):
+        from safetensors import safe_open
+        opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
+        weights = {k: f for f in opened for k in f.keys()}
+    out = Shards()
+    for k, v, part in _trainer_parts(policy):
+        src = part if weights is None else weights[k]
+        if not hasattr(src, "shape"):  # a safetensors file
+            src = src.get_tensor(k)
+        if weights is not None and hasattr(v, "to_local"):  # this rank's slice, no communication
+            src = distribute_tensor(src.to(part.device, part.dtype), v.device_mesh, v.placements,
+                                    src_data_rank=None).to_local()
+        out[k] = _mapped(folder, part)
+        out[k].copy_(src)
+    return out
+
+
+def full_weights(policy, shards: Shards):
+    """(HF name, full tensor) of `shards`, one tensor at a time (all-gathered under FSDP2: every
+    rank iterates to the end)."""
+    from torch.distributed.tensor import DTensor
+    for k, v, part in _trainer_parts(policy):
+        if hasattr(v, "to_local"):
+            yield k, DTensor.from_local(shards[k].to(part.device), v.device_mesh, v.placements,
+                                        run_check=False, shape=v.shape,
+                                        stride=v.stride()).full_tensor()
+        else:
+            yield k, shards[k]
+
+
+def gathered(policy, weights) -> dict | None:
+    """The full tensors of `weights` ((name, tensor) pairs) on the main process, None elsewhere;
+    every rank must call it."""
+    main = common.is_main_process()
+    out = {k: v.cpu() for k, v in weights if main}
+    return out if main else None
+
+
+class Roles:
+    """The trained role lives in policy.model; the other one waits in `parked` (Shards)."""
+
+    def __init__(self, policy, active: str, other=None, folder=None):
         self.policy, self.active = policy, active
-        self.cpu = {self.other(active): other_weights}
+        self.folder = folder or tempfile.gettempdir()
+        self.parked = {self.other(active): self.park(other)}
+
+    def park(self, weights=None) -> Shards:
+        return park(self.policy, self.folder, weights)
 
     @staticmethod
     def other(role: str) -> str:
@@ -331,13 +407,15 @@ class Roles:
 
     def activate(self, role: str) -> None:
         if role != self.active:  # exchanged in place: no third copy
-            self.cpu[self.active] = self.policy.exchange_weights(self.cpu.pop(role))
+            self.parked[self.active] = self.policy.exchange_weights(self.parked.pop(role))
             self.policy.reset_optimizer()
             self.policy.sync()
             self.active = role
 
     def sampling(self, role: str):
-        return self.policy.sampling_from(None if role == self.active else self.cpu[role])
+        if role == self.active:
+            return self.policy.sampling_from(None)
+        return self.policy.sampling_from(full_weights(self.policy, self.parked[role]))
 
 
 def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | None]]:
@@ -706,12 +784,13 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
     as folders under roles/<tag>/, written before the checkpoint that names them."""
     tag = f"step_{step}-{state['phase']}-{state['phase_step']}"
     root, parked = run.dir / "roles", roles.other(roles.active)
+    tmp = root / f".tmp-{tag}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
+        weights = shards and gathered(policy, full_weights(policy, shards))  # one set at a time
+        if weights:
+            _save_model(policy, weights, tmp / name)
     if common.is_main_process():
-        tmp = root / f".tmp-{tag}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        _save_model(policy, roles.cpu[parked], tmp / parked)
-        if ref is not None:
-            _save_model(policy, ref, tmp / "ref")
         shutil.rmtree(root / tag, ignore_errors=True)
         os.replace(tmp, root / tag)
     holds = {"model": roles.active, parked: f"roles/{tag}/{parked}"}  # which role is which files
@@ -728,10 +807,10 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
 def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
     """final/challenger and final/solver (from_pretrained / vLLM folders), and eval.json: the base
     model's, every iteration's and the best iteration's evaluation."""
-    trained = policy.get_weights()  # gathers the shards under torchrun: every rank calls it
-    if common.is_main_process():
-        for role in (CHALLENGER, SOLVER):
-            weights = trained if role == roles.active else roles.cpu[role]
+    for role in (CHALLENGER, SOLVER):  # gathered under torchrun: every rank takes part
+        weights = gathered(policy, policy.iter_full_weights() if role == roles.active
+                           else full_weights(policy, roles.parked[role]))
+        if weights:
             _save_model(policy, weights, run.dir / "final" / role)
 
     def read(name):
@@ -786,13 +865,12 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         saved = loaded[1]
         state.update({k: v for k, v in saved.items() if k in state})
         rdir = run.dir / "roles" / saved["roles_dir"]
-        parked = common.load_safetensors_dir(rdir / Roles.other(saved["active"]))
-        roles = Roles(policy, saved["active"], parked)
-        ref = common.load_safetensors_dir(rdir / "ref") if (rdir / "ref").is_dir() else None
+        roles = Roles(policy, saved["active"], rdir / Roles.other(saved["active"]), run.dir)
+        ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
         print(f"[r_zero] resumed at iteration {state['iteration']}, {state['phase']} step "
               f"{state['phase_step']}", file=sys.stderr)
     else:
-        roles = Roles(policy, CHALLENGER, policy.get_weights())  # iteration 1: both = the base
+        roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both = the base
         if cfg.eval_base:
             run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
 
@@ -813,7 +891,8 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         if phase in (CHALLENGER, SOLVER) and j == 0:  # a phase starts: its role, a fresh AdamW
             roles.activate(phase)
             policy.reset_optimizer()
-            ref = policy.get_weights()
+            ref = None  # the previous one's file-backed pages go first
+            ref = roles.park()
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             m.update(challenger_step(policy, roles, cfg, ref, step, run))
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement

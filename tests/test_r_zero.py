@@ -255,7 +255,7 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
     for _ in range(3):
         train_active()
     challenger = policy.get_weights()
-    assert _differs(challenger, base) and not _differs(roles.cpu[r_zero.SOLVER], base)
+    assert _differs(challenger, base) and not _differs(roles.parked[r_zero.SOLVER], base)
     assert _greedy(policy, probe) != g0, "training should move the greedy output (lr 3e-2)"
     with roles.sampling(r_zero.SOLVER):  # the engine now samples the (untouched) Solver
         assert _greedy(policy, probe) == g0
@@ -267,9 +267,77 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
     for _ in range(3):
         train_active()
     assert _differs(policy.get_weights(), base)
-    assert not _differs(roles.cpu[r_zero.CHALLENGER], challenger)  # the reverse: Challenger kept
+    assert not _differs(roles.parked[r_zero.CHALLENGER], challenger)  # the reverse: Challenger kept
     with roles.sampling(r_zero.CHALLENGER):
         assert _greedy(policy, probe) == g_ch
+
+
+def _anon_gb():
+    return common._rl_proc_status_kb("RssAnon") / 2**20
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="Linux /proc only")
+def test_parked_role_and_kl_reference_are_file_backed_and_swapped_exactly(tmp_path, monkeypatch):
+    """On a ~250 MB random Qwen3: the parked role and the KL reference live in unlinked files'
+    mappings (process memory grows by well under a set); a role switch and pg_step's KL pass leave
+    every weight bit for bit as it was, and the KL pass scores with the reference's log-probs."""
+    import ctypes
+    import transformers
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # large frees go back to the kernel at once
+    conf = transformers.Qwen3Config(vocab_size=8192, hidden_size=768, intermediate_size=2304,
+                                    num_hidden_layers=8, num_attention_heads=12,
+                                    num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    cfg = common.RunConfig(model="x", output_dir=str(tmp_path), backend="hf", lr=0.0,
+                           weight_decay=0.0)
+    policy = common.Policy(cfg, transformers.Qwen3ForCausalLM(conf), None, None, "x")
+
+    class _Engine(common.Sampler):  # stands for the sampler: sync pushes the weights into it
+        def load_weights(self, named):
+            self.n = sum(1 for _ in named)
+    policy.sampler = _Engine()
+    set_gb = sum(p.numel() * 4 for p in policy.model.parameters()) / 2**30
+    trajs = [common.Trajectory(prompt_ids=[1, 2, 3], completion_ids=[4, 5, 6, 7], advantage=a)
+             for a in (1.0, -1.0)]
+
+    def logprobs():
+        return common.token_logprobs(policy.model, [t.prompt_ids for t in trajs],
+                                     [t.completion_ids for t in trajs])[0]
+    with torch.no_grad():
+        base_lp = logprobs()
+    base = {k: v.clone() for k, v in policy.get_weights().items()}
+    anon0 = _anon_gb()
+    roles = r_zero.Roles(policy, r_zero.CHALLENGER, folder=tmp_path)
+    ref = roles.park()
+    assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
+    maps = pathlib.Path("/proc/self/maps").read_text().splitlines()
+    mapped = sum(f"{tmp_path}/.weights-" in m and m.endswith("(deleted)") for m in maps)
+    assert mapped == 2 * len(ref) and not list(tmp_path.glob(".weights-*"))
+    assert not _differs(ref, base) and not _differs(roles.parked[r_zero.SOLVER], base)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # stands for the Challenger's training
+    trained = {k: v.clone() for k, v in policy.get_weights().items()}
+    seen = []
+    real = common.token_logprobs
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw)[0])
+        return real(*a, **kw)
+    common.pg_step(policy, trajs, common.PGConfig())  # AdamW's state is made: lr 0 keeps weights
+    monkeypatch.setattr(common, "token_logprobs", spy)
+    anon0 = _anon_gb()
+    common.pg_step(policy, trajs, common.PGConfig(kl_coef=0.1), ref_weights=ref)
+    assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
+    assert not _differs(policy.get_weights(), trained) and not _differs(ref, base)
+    assert any(all(torch.equal(x, y) for x, y in zip(lp, base_lp)) for lp in seen)  # the KL pass
+    roles.activate(r_zero.SOLVER)
+    assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
+    assert not _differs(policy.get_weights(), base)
+    assert not _differs(roles.parked[r_zero.CHALLENGER], trained) and policy.sampler.n > 0
+    roles.activate(r_zero.CHALLENGER)
+    assert not _differs(policy.get_weights(), trained)
+    assert not _differs(roles.parked[r_zero.SOLVER], base)
 
 
 def _jsonl(path):
@@ -441,7 +509,7 @@ def test_role_swap_with_the_hf_backend(tiny_policy_hf):
     assert g_other != g_base
     assert not _differs(policy.get_weights(), base) and _greedy(policy, probe) == g_base
     roles.activate(r_zero.SOLVER)
-    assert _greedy(policy, probe) == g_other and not _differs(roles.cpu[r_zero.CHALLENGER], base)
+    assert _greedy(policy, probe) == g_other and not _differs(roles.parked[r_zero.CHALLENGER], base)
 
 
 # --------------------------------------------------------------------------------------------------
