@@ -2848,8 +2848,8 @@ _VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
 
 def extract_boxed(text):
-    """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped, `\\boxed 5`
-    accepted), or None, also when that box is never closed (a truncated answer). Linear time."""
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
+    `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
     if not isinstance(text, str):
         return None
     i = max((m.end() for m in _VF_BOX_RE.finditer(text)), default=None)
@@ -3072,11 +3072,12 @@ def _vf_prepare(pred, gold, expression=False):
 # their source (`python -I -c`, _vf_worker_source), never in the trainer. It imports neither torch
 # nor this module, and a pair that hangs inside C code (huge integer powers) is ended by a kill.
 def _vf_surely_differ(g, p, raw):
-    """Two plain expressions with different values at one point surely differ: well under 1 ms,
-    where verify() simplifies for tens of ms. %, degrees, sets, relations, matrices go to verify()."""
+    """Two plain expressions with different values at one point surely differ (well under 1 ms,
+    where verify() simplifies for tens of ms); %, degrees, sets, relations go to verify()."""
     from sympy import Expr, Rational
     a, b = g[0], p[0]
-    if not (isinstance(a, Expr) and isinstance(b, Expr)) or any(s in raw for s in "% circ deg".split()):
+    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw \
+            or "deg" in raw:
         return False
     syms = sorted(a.free_symbols | b.free_symbols, key=str)
     if len(syms) > 6:
@@ -3162,7 +3163,7 @@ def _vf_worker_source():
 
 
 class _VfWorker:
-    """One math-verify process: pairs go down its stdin, one verdict per line comes back."""
+    """One math-verify process: a pair goes down its stdin, its verdict comes back as one line."""
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -3172,9 +3173,8 @@ class _VfWorker:
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.buf, self.ready, self.started = b"", False, time.monotonic()
-        self.inflight = []  # [(index, n_bytes)] in send order
-        self.done = 0  # pairs answered
-        self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
+        self.job, self.done = None, 0  # the index in flight; pairs answered
+        self.since = self.cpu0 = 0.0  # wall clock and CPU seconds when the job was sent
 
     def cpu(self):
         """CPU seconds (user + system) used so far, from /proc; None without /proc."""
@@ -3185,8 +3185,9 @@ class _VfWorker:
         except (OSError, IndexError, ValueError):
             return None
 
-    def start_head(self):
-        self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
+    def send(self, idx, line):
+        self.proc.stdin.write(line)
+        self.job, self.since, self.cpu0 = idx, time.monotonic(), self.cpu() or 0.0
 
     def lines(self):
         try:
@@ -3224,16 +3225,13 @@ class _VfPool:
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
                 self.workers, self.pid = [], os.getpid()
-            return self._run(items, timeout, n_workers)
+            return self._run(items, timeout, max(1, min(n_workers, len(items))))
 
     def _run(self, items, timeout, n_workers):
-        n_workers = max(1, min(n_workers, len(items)))
         self.workers = [w for w in self.workers if w.proc.poll() is None]
         while len(self.workers) < n_workers:
             self.workers.append(_VfWorker())
         workers = self.workers[:n_workers]
-        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
-                   for p, g, e in items]
         queue = list(range(len(items)))[::-1]  # pop() from the end = in order
         out, remaining = [None] * len(items), len(items)
         # CPU-time budgets, so a loaded machine does not turn right answers into timeouts; a worker
@@ -3244,56 +3242,43 @@ class _VfPool:
         for w in workers:
             sel.register(w.fd, selectors.EVENT_READ, w)
 
-        def replace(w):
-            sel.unregister(w.fd)
-            w.kill()
-            queue.extend(idx for idx, _ in w.inflight)  # the rest of its window goes back
-            nw = _VfWorker()
-            self.workers[self.workers.index(w)] = workers[workers.index(w)] = nw
-            sel.register(nw.fd, selectors.EVENT_READ, nw)
-
-        def feed(w):
-            nbytes = sum(b for _, b in w.inflight)
-            while w.ready and queue and (not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
-                idx = queue.pop()
-                try:
-                    w.proc.stdin.write(payload[idx])
-                except OSError:
-                    queue.append(idx)
-                    return
-                if not w.inflight:
-                    w.start_head()
-                w.inflight.append((idx, len(payload[idx])))
-                nbytes += len(payload[idx])
-
-        def answer(w, code):
+        def answer(w, code, replace=False):
             nonlocal remaining
-            out[w.inflight.pop(0)[0]] = code
-            remaining -= 1
+            if w.job is not None:
+                out[w.job], w.job, remaining = code, None, remaining - 1
+            if replace:
+                sel.unregister(w.fd)
+                w.kill()
+                nw = self.workers[self.workers.index(w)] = workers[workers.index(w)] = _VfWorker()
+                sel.register(nw.fd, selectors.EVENT_READ, nw)
 
         try:
             while remaining:
                 for w in workers:
-                    feed(w)
+                    if w.ready and w.job is None and queue:
+                        idx = queue.pop()
+                        p, g, e = items[idx]
+                        line = (json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
+                        try:
+                            w.send(idx, line)
+                        except OSError:
+                            queue.append(idx)  # the worker is gone: its EOF replaces it
                 for key, _ in sel.select(timeout=0.05):
                     w = key.data
                     try:
                         lines = w.lines()
-                    except EOFError:  # the worker died (out of memory): its head is an error
+                    except EOFError:  # the worker died (out of memory): its job is an error
                         if not w.ready:
                             raise RuntimeError(
                                 f"the math-verify worker ({sys.executable}) exited before it was "
                                 "ready; check that `python -c 'import math_verify'` works (fix: "
                                 "`pip install math-verify`)") from None
-                        if w.inflight:
-                            answer(w, 3)
-                        replace(w)
+                        answer(w, 3, replace=True)
                         continue
                     for ln in lines:
                         if w.ready:
                             answer(w, int(ln))
                             w.done += 1
-                            w.start_head()
                         elif b"fatal" in ln:
                             raise RuntimeError(f"math-verify is not importable ("
                                                f"{ln.decode(errors='replace')}); fix: "
@@ -3302,14 +3287,11 @@ class _VfPool:
                             w.ready = True
                 now = time.monotonic()
                 for w in list(workers):
-                    stuck = False
-                    if w.inflight and now - w.head_since > hard_cpu:
+                    if w.job is not None and now - w.since > hard_cpu:
                         cpu = w.cpu()
-                        used = cpu - w.head_cpu if cpu is not None else now - w.head_since
-                        stuck = used > hard_cpu or now - w.head_since > hard_wall
-                    if stuck:
-                        answer(w, 4)
-                        replace(w)
+                        used = cpu - w.cpu0 if cpu is not None else now - w.since
+                        if used > hard_cpu or now - w.since > hard_wall:
+                            answer(w, 4, replace=True)
                     elif not w.ready and now - w.started > 120:
                         raise RuntimeError("math-verify worker did not start within 120 s")
         finally:
@@ -3377,10 +3359,10 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
 
 @timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
-    """Is the predicted answer the gold one? Never raises on hostile input, never hangs. In-process:
-    the last box of a response, equal canonical forms, option letters, exact rationals, word answers
-    (normalize_string); else math-verify's verify(parse(gold), parse(pred)) in a worker, at most
-    `timeout` CPU seconds (timeout, error, overlong input: False, counted in math_equal_failures)."""
+    """Is the predicted answer the gold one? Never raises on hostile input, never hangs. Decided
+    in-process: a response's last box, equal canonical forms, option letters, exact rationals, words
+    (normalize_string); else math-verify's verify(parse(gold), parse(pred)) in a worker within
+    `timeout` CPU seconds. Timeouts, errors, overlong input: False (math_equal_failures counts)."""
     try:
         return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
     except RuntimeError:
@@ -3557,7 +3539,8 @@ def _vf_ngram_match_counts(seqs, n_max=4):
         M = np.zeros((B, B), dtype=np.float64)
         if total:
             text_of = np.repeat(np.arange(B), cnt)
-            starts = np.repeat(offsets, cnt) + (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+            first = np.repeat(np.cumsum(cnt) - cnt, cnt)  # each text's first n-gram, repeated
+            starts = np.repeat(offsets, cnt) + np.arange(total) - first
             # exact ids: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified by np.unique
             gram = toks[starts] if n == 1 else prev_ids[starts] * V + toks[starts + n - 1]
             uniq_g, gid = np.unique(gram, return_inverse=True)
@@ -3701,14 +3684,14 @@ def distinct_ngram_ratio(texts, n=4):
     return len(grams) / total if total else 0.0
 
 
-def _vf_mean_upper(S):
-    return float(S[np.triu_indices(len(S), 1)].mean())
-
-
-def self_bleu(texts):
-    """Mean pairwise sentence-BLEU-4 over the batch (hypothesis = the earlier text)."""
+def self_bleu(texts, S=None):
+    """Mean pairwise sentence-BLEU-4 over the batch (hypothesis = the earlier text; `S`:
+    bleu_matrix(texts) if already computed)."""
     texts = list(texts)
-    return _vf_mean_upper(bleu_matrix(texts)) if len(texts) >= 2 else 0.0
+    if len(texts) < 2:
+        return 0.0
+    S = bleu_matrix(texts) if S is None else S
+    return float(S[np.triu_indices(len(texts), 1)].mean())
 
 
 def diversity_metrics(texts, threshold=0.5):
@@ -3718,7 +3701,7 @@ def diversity_metrics(texts, threshold=0.5):
            "self_bleu": 0.0, "bleu_clusters": len(texts)}
     if len(texts) >= 2:
         S = bleu_matrix(texts)
-        out["self_bleu"] = _vf_mean_upper(S)
+        out["self_bleu"] = self_bleu(texts, S)
         D = bleu_distance_matrix(texts, S)
         out["bleu_clusters"] = len(set(average_linkage_clusters(D, threshold)))
     return out
@@ -3809,16 +3792,13 @@ class HubBenchmark(typing.NamedTuple):
 
 
 class BenchmarkUnavailable(RuntimeError):
-    """A hub benchmark could not be loaded (no `datasets`, hub unreachable); the message says the fix."""
+    """A hub benchmark could not be loaded (no `datasets`, no hub); the message says the fix."""
 
 
-def _vf_answer_str(a):
-    """A gold answer as text; an integral float (27.0) as an integer ("27")."""
-    return str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()
-
-
-def _vf_qa_row(ex, q, a):
-    return {"question": str(ex[q]), "answer": _vf_answer_str(ex[a])}
+def _vf_qa_row(ex, q, a):  # an integral float gold (27.0) is written as an integer ("27")
+    a = ex[a]
+    return {"question": str(ex[q]),
+            "answer": str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()}
 
 
 def _vf_gsm8k_row(ex, q, a):  # the gold is the number after "####", without commas
@@ -3843,7 +3823,8 @@ def _vf_options_row(ex, q, a):
     opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies: a repr
     s = str(ex[a]).strip().upper()
     if len(s) != 1 or s not in _VF_OPTION_LETTERS[:len(opts)]:
-        raise ValueError(f"gold letter {ex[a]!r} is not the letter of one of the {len(opts)} options")
+        raise ValueError(f"gold letter {ex[a]!r} is not the letter of one of the {len(opts)} "
+                         "options")
     gold = _VF_OPTION_LETTERS.index(s)
     if ex.get("answer_index") is not None and int(ex["answer_index"]) != gold:
         raise ValueError(f"answer {ex[a]!r} and answer_index {ex['answer_index']} disagree")
@@ -3876,8 +3857,10 @@ def _vf_olympiad_row(ex, q, a):
             s = s[1:-1].strip()
         if s:
             answers.append(s)
+    if not answers:
+        return None
     q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
-    return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)} if answers else None
+    return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)}
 
 
 # name -> hub dataset; an old-style 5-tuple (hub id, config, split, question, answer) works too, as
@@ -3951,10 +3934,10 @@ def parse_benchmark_spec(spec) -> tuple[str, int | None]:
 
 def _vf_unknown_benchmark(b, flag):
     close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
-    return ValueError(f"{flag}unknown benchmark {b!r}{f' (did you mean {close[0]}?)' if close else ''}"
-                      f"; use one of {sorted(BENCHMARKS)}, a local .jsonl file or "
-                      "hf:<id>[:<config>]:<split>:<question field>:<answer field>, optionally with "
-                      "@N samples")
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
+                      "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
+                      "field>, optionally with @N samples")
 
 
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
@@ -4038,11 +4021,11 @@ def load_benchmark(name_or_path, limit=0):
 # --------------------------------------------------------------------------------------------------
 _VF_EVAL_INSTRUCTION = ("Work through the problem step by step, then write the final answer as "
                         "\\boxed{answer}.")
-_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads the "
-                  "extracted answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', 'the "
-                  "answer is B'; with nothing extracted, the completion's last 'answer is B'), and "
-                  "it must equal the gold letter exactly; an option's text is not a letter answer. "
-                  "Free-form problems go through math_equal as before.")
+_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads "
+                  "the extracted answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', "
+                  "'the answer is B'; with nothing extracted, the completion's last 'answer is "
+                  "B'), and it must equal the gold letter exactly; an option's text is not a "
+                  "letter answer. Free-form problems go through math_equal as before.")
 
 
 def _vf_chat_or_text(tokenizer, content, text):
@@ -4069,8 +4052,9 @@ def _vf_verifier_name(timeout):
         mv = version("math-verify")
     except Exception:
         mv = "?"
-    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else math-verify "
-            f"{mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s (timeout = wrong)")
+    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
+            f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
+            "(timeout = wrong)")
 
 
 def gold_option_letter(problem):
@@ -4089,8 +4073,8 @@ def gold_option_letter(problem):
 
 
 def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """[(problem, gold letter or None, text)] -> (preds, correct, letters). Free-form: extract_fn(text)
-    by math_equal_many; multiple choice: its option_letter equals the gold letter exactly.
+    """[(problem, gold letter or None, text)] -> (preds, correct, letters). Free-form: extract_fn
+    (text) by math_equal_many; multiple choice: its option_letter equals the gold letter exactly.
     judge_fn(problem, text) -> (pred, correct) replaces both rules."""
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
@@ -4183,7 +4167,8 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         g_preds, g_ok, g_letters = _vf_judge([(p, gl, c.text) for p, gl, c in
                                               zip(probs, gold_letters, greedy)],
                                              extract_fn, timeout, judge_fn)
-        res = {"n_problems": len(probs), "n_multiple_choice": sum(gl is not None for gl in gold_letters),
+        res = {"n_problems": len(probs),
+               "n_multiple_choice": sum(gl is not None for gl in gold_letters),
                "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
                                                     for p, gl in zip(probs, gold_letters)),
                **_vf_greedy_stats(g_ok, greedy, n_boot),
@@ -4239,10 +4224,11 @@ class FrozenModel:
         self.name = name
         path = resolve_model_path(name)
         tok = load_tokenizer(path)
-        same = tok.get_vocab() == policy.tokenizer.get_vocab() and _core_same_parameters(path, policy)
+        same = (tok.get_vocab() == policy.tokenizer.get_vocab()
+                and _core_same_parameters(path, policy))
         self.weights = load_safetensors_dir(path) if same else None
-        self.sampler = None if same else make_sampler(
-            path, tok, dataclasses.replace(cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
+        self.sampler = None if same else make_sampler(path, tok, dataclasses.replace(
+            cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
     @contextlib.contextmanager
@@ -4259,10 +4245,8 @@ class _CoreFrozenSampler:
     """A separate sampler driven through Policy.generate (sharded over torchrun ranks)."""
 
     def __init__(self, policy, sampler):
-        self.policy, self.sampler, self.tokenizer = policy, sampler, sampler.tokenizer
-
-    def generate(self, prompts, **kw):
-        return self.policy.generate(prompts, sampler=self.sampler, **kw)
+        self.tokenizer = sampler.tokenizer
+        self.generate = functools.partial(policy.generate, sampler=sampler)
 
 
 def _core_same_parameters(path, policy) -> bool:
@@ -4306,7 +4290,7 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in PythonSandbox
+# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in the sandbox
 # --------------------------------------------------------------------------------------------------
 # name -> (hub id, split): HumanEval+ 164 rows, MBPP+ 378 rows (the datasets' cards)
 CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"),
@@ -4321,31 +4305,27 @@ _CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its
                      "```python block.")
 
 
-def _vf_code_row(task_id, prompt, test, entry_point, where):
+def _vf_code_row(obj, where):
+    if "task_id" not in obj:
+        raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
+    prompt, test, entry_point = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
     if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
         raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
                          f"{_CODE_SHAPE}")
-    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
+    if entry_point is not None and not (isinstance(entry_point, str)
+                                        and entry_point.isidentifier()):
         raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
                          f"{str(entry_point)[:60]!r}")
-    return {"task_id": str(task_id), "prompt": prompt, "test": test, "entry_point": entry_point}
-
-
-def _vf_jsonl_code_row(path, ln, obj):
-    if "task_id" not in obj:
-        raise ValueError(f'{path}:{ln}: missing "task_id"; {_CODE_SHAPE}')
-    return _vf_code_row(obj["task_id"], obj.get("prompt"), obj.get("test"), obj.get("entry_point"),
-                        f"{path}:{ln}")
+    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
+            "entry_point": entry_point}
 
 
 def _vf_hub_code_row(hub_id, i, ex):
-    if hub_id != "evalplus/mbppplus":
-        return _vf_code_row(ex["task_id"], ex["prompt"], ex["test"], ex["entry_point"],
-                            f"{hub_id} row {i}")
-    # EvalPlus shows MBPP's first assert with the task, so the function's name and call are known
-    prompt = "\n".join([str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]])
-    test = "\n".join(list(ex["test_imports"]) + [ex["test"]])
-    return _vf_code_row(f"Mbpp/{ex['task_id']}", prompt, test, None, f"{hub_id} row {i}")
+    if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+        prompt = [str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]]
+        ex = {"task_id": f"Mbpp/{ex['task_id']}", "prompt": "\n".join(prompt),
+              "test": "\n".join(list(ex["test_imports"]) + [ex["test"]]), "entry_point": None}
+    return _vf_code_row(ex, f"{hub_id} row {i}")
 
 
 def load_code_benchmark(name_or_path, limit=0):
@@ -4358,7 +4338,7 @@ def load_code_benchmark(name_or_path, limit=0):
             raise ValueError(f"unknown code benchmark {name!r}: use one of "
                              f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
         return _vf_load_rows(iter_jsonl(name, shape=_CODE_SHAPE), limit,
-                             lambda _, r: _vf_jsonl_code_row(name, *r),
+                             lambda _, r: _vf_code_row(r[1], f"{name}:{r[0]}"),
                              f"{name}: no problems found (empty file?)")
     hub_id, split = CODE_BENCHMARKS[name.lower()]
     ds = _vf_open_hub("code benchmark", name, hub_id, None, split,
@@ -4403,7 +4383,8 @@ def code_program(problem, code):
     """The program a solution is judged by. HumanEval style: prompt (its imports; a bare body
     completes the stub) + solution + tests + check(entry_point); MBPP style: solution + tests."""
     if problem.get("entry_point"):
-        return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
+                f"check({problem['entry_point']})\n")
     return f"{code}\n\n{problem['test']}\n"
 
 
@@ -4421,11 +4402,13 @@ def _vf_run_code(sandbox, problems, codes, timeout):
                 where.append((i, j))
     res = sandbox.run_many(jobs, timeout_s=timeout) if jobs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
-    for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout) if again else []):
-        res[m] = r
+    if again:
+        for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout)):
+            res[m] = r
     for (i, j), r in zip(where, res):
         if r.status == "ok":
-            out[i][j] = ("passed", None) if r.value == repr(token) else ("error", "the program forged its result")
+            out[i][j] = (("passed", None) if r.value == repr(token)
+                         else ("error", "the program forged its result"))
         elif r.status == "timeout":
             out[i][j] = ("timeout", r.error)
         elif r.status == "error" and (r.error or "").startswith("AssertionError"):
@@ -4453,8 +4436,8 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
             prompts = [prompt_fn(p, tok) for p in probs]
             greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
                                                                max_tokens=max_tokens)]
-            runs = [r[0] for r in _vf_run_code(sandbox, probs, [[extract_fn(c.text)] for c in greedy],
-                                               timeout)]
+            codes = [[extract_fn(c.text)] for c in greedy]
+            runs = [r[0] for r in _vf_run_code(sandbox, probs, codes, timeout)]
             counts = Counter(s for s, _ in runs)
             res = {"n_problems": len(probs), **_vf_greedy_stats([s == "passed" for s, _ in runs],
                                                                 greedy, n_boot),
@@ -4463,8 +4446,8 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
                             "greedy_error": msg[:300] if msg else None}
                            for p, (s, msg) in zip(probs, runs)]
             if n > 1:
-                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
-                                                  max_tokens=max_tokens, seed=seed)
+                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature,
+                                                  top_p=top_p, max_tokens=max_tokens, seed=seed)
                 runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp],
                                     timeout)
                 cs = [sum(s == "passed" for s, _ in r) for r in runs]
@@ -4480,15 +4463,16 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     finally:
         if own:
             sandbox.close()
-    checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only if "
-               "the tests run to the end")
+    checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
+               "if the tests run to the end")
+    isolation = getattr(sandbox, "isolation", {}).get("level")
     return {"benchmarks": results,
             "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
                                      timeout_s=float(timeout),
                                      prompt=getattr(prompt_fn, "__name__", "custom"),
                                      extract=getattr(extract_fn, "__name__", "custom"),
                                      checker=checker,
-                                     sandbox_isolation=getattr(sandbox, "isolation", {}).get("level")),
+                                     sandbox_isolation=isolation),
             "time_s": round(time.time() - t0, 2)}
 
 
@@ -4519,7 +4503,8 @@ def plot_pass_at_k(results, labels, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)", file=sys.stderr)
+        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)",
+              file=sys.stderr)
         return None
     benches = list(results[0]["benchmarks"])
     fig, axes = plt.subplots(1, len(benches), figsize=(4.2 * len(benches), 3.4), squeeze=False)
@@ -4566,7 +4551,8 @@ def cli_main(argv=None):
     ev.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     ev.add_argument("--benchmarks", default="gsm8k,math500",
                     help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
-    ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
+    ev.add_argument("--n", type=int, default=1,
+                    help="samples per problem for pass@k (1 = greedy only)")
     ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
     ev.add_argument("--temperature", type=float, default=0.6)
     ev.add_argument("--top-p", type=float, default=0.95)
@@ -4577,14 +4563,16 @@ def cli_main(argv=None):
     ev.add_argument("--dtype", default="auto")
     ev.add_argument("--max-model-len", type=int, default=8192)
     ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
+    ev.add_argument("--compare", default="",
+                    help="also evaluate this base model and plot pass@k curves")
     ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
                                               "eval_<model>.json; default eval_<model>.json here")
     args, unknown = ap.parse_known_args(argv)
     if unknown:  # a typo: name the closest flag
         flags = [f for f in ev._option_string_actions if f.startswith("--")]
         close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1, cutoff=0.5)
-        ap.error(f"eval: unknown argument {unknown[0]}{f'; did you mean {close[0]}?' if close else ''}")
+        ap.error(f"eval: unknown argument {unknown[0]}"
+                 f"{f'; did you mean {close[0]}?' if close else ''}")
     if not args.model:
         ap.error("eval: --model is required (a hub id, a local folder or 'tiny')")
     try:  # everything a user can get wrong is checked before a model is loaded
