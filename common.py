@@ -3558,8 +3558,8 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                 C = np.zeros((B, len(gd)), dtype=np.float32)
                 C[t_i[dense], col] = c[dense]
                 for t in range(1, int(C.max()) + 1):
-                    I = (C >= t).astype(np.float32)
-                    M += I @ I.T
+                    at_least = (C >= t).astype(np.float32)
+                    M += at_least @ at_least.T
             if rare.any():
                 rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
                 order = np.lexsort((rt, rg))
@@ -4073,25 +4073,28 @@ def gold_option_letter(problem):
 
 
 def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """[(problem, gold letter or None, text)] -> (preds, correct, letters). Free-form: extract_fn
-    (text) by math_equal_many; multiple choice: its option_letter equals the gold letter exactly.
+    """[(problem, gold letter or None, text)] -> (preds, correct, letters, no answer). Free-form:
+    extract_fn(text) by math_equal_many; multiple choice: its option_letter equals the gold letter.
     judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    golds = [g for _, g, _ in items]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
-        preds = [pr for pr, _ in judged]
-        letters = [pr if g is not None else None for pr, (_, g, _) in zip(preds, items)]
-        return preds, [bool(ok) for _, ok in judged], letters
-    preds = [extract_fn(t) for _, _, t in items]
-    ok, letters = [False] * len(items), [None] * len(items)
-    free = [i for i, (_, g, _) in enumerate(items) if g is None]
-    verdicts = math_equal_many([(preds[i], items[i][0]["answer"]) for i in free], timeout=timeout)
-    for i, r in zip(free, verdicts):
-        ok[i] = bool(r)
-    for i, (p, g, t) in enumerate(items):
-        if g is not None:
-            letters[i] = option_letter(preds[i], t, len(p["choices"]))
-            ok[i] = letters[i] == g
-    return preds, ok, letters
+        preds, ok = [pr for pr, _ in judged], [bool(x) for _, x in judged]
+        letters = [pr if g is not None else None for pr, g in zip(preds, golds)]
+    else:
+        preds = [extract_fn(t) for _, _, t in items]
+        ok, letters = [False] * len(items), [None] * len(items)
+        free = [i for i, g in enumerate(golds) if g is None]
+        verdicts = math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
+                                   timeout=timeout)
+        for i, r in zip(free, verdicts):
+            ok[i] = bool(r)
+        for i, (p, g, t) in enumerate(items):
+            if g is not None:
+                letters[i] = option_letter(preds[i], t, len(p["choices"]))
+                ok[i] = letters[i] == g
+    none = [lt is None if g is not None else pr is None for pr, lt, g in zip(preds, letters, golds)]
+    return preds, ok, letters, none
 
 
 def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
@@ -4152,10 +4155,6 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
     t0, results = time.time(), {}
-
-    def no_answer(pred, letter, gold_letter):
-        return letter is None if gold_letter is not None else pred is None
-
     for bench in benchmarks:
         name, n_bench = parse_benchmark_spec(bench)
         n_samples = n_bench or n
@@ -4164,16 +4163,15 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
         greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
                                                            max_tokens=max_tokens)]
-        g_preds, g_ok, g_letters = _vf_judge([(p, gl, c.text) for p, gl, c in
-                                              zip(probs, gold_letters, greedy)],
-                                             extract_fn, timeout, judge_fn)
+        g_preds, g_ok, g_letters, g_none = _vf_judge(
+            [(p, gl, c.text) for p, gl, c in zip(probs, gold_letters, greedy)], extract_fn,
+            timeout, judge_fn)
         res = {"n_problems": len(probs),
                "n_multiple_choice": sum(gl is not None for gl in gold_letters),
                "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
                                                     for p, gl in zip(probs, gold_letters)),
                **_vf_greedy_stats(g_ok, greedy, n_boot),
-               "greedy_no_answer_frac": float(np.mean(list(map(no_answer, g_preds, g_letters,
-                                                                gold_letters))))}
+               "greedy_no_answer_frac": float(np.mean(g_none))}
         per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
                         **({"greedy_letter": lt} if gl is not None else {})}
                        for p, pr, ok, lt, gl in zip(probs, g_preds, g_ok, g_letters, gold_letters)]
@@ -4183,12 +4181,11 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
             owner = [j for j, group in enumerate(samp) for _ in group]
             items = [(probs[j], gold_letters[j], c.text) for j, group in enumerate(samp)
                      for c in group]
-            s_preds, ok, s_letters = _vf_judge(items, extract_fn, timeout, judge_fn)
+            _, ok, _, s_none = _vf_judge(items, extract_fn, timeout, judge_fn)
             cs = np.bincount(owner, weights=ok, minlength=len(probs)).astype(int)
             _vf_pass_at_k_fields(res, [len(g) for g in samp], cs, ks, n_boot, seed)
             res["n_samples"] = n_samples
-            res["sample_no_answer_frac"] = float(np.mean(list(map(
-                no_answer, s_preds, s_letters, [gold_letters[j] for j in owner]))))
+            res["sample_no_answer_frac"] = float(np.mean(s_none))
             res["sample_truncated_frac"] = _vf_truncated(samp)
             for rec, c in zip(per_problem, cs):
                 rec["correct_samples"] = int(c)

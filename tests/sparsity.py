@@ -26,9 +26,10 @@ def _hub_snapshot(repo_id):
         from huggingface_hub import snapshot_download
         return snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"])
     except Exception as e:
-        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face hub "
-                                f"did not provide it ({type(e).__name__}: {str(e)[:200]}). Pass a "
-                                "local folder written by save_pretrained, or check the id / network.") from None
+        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face "
+                                f"hub did not provide it ({type(e).__name__}: {str(e)[:200]}). "
+                                "Pass a local folder written by save_pretrained, or check the id / "
+                                "network.") from None
 
 
 class Tensors:
@@ -64,7 +65,7 @@ class Tensors:
                 continue
             seen.add(key)
             sd[k] = v
-        # copies (Policy.get_weights()) lose the shared storage: a head equal to the embedding is tied
+        # copies (Policy.get_weights()) share no storage: a head equal to the embedding is tied
         emb = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
         head = next((k for k in sd if k.endswith("lm_head.weight")), None)
         if emb and head and sd[emb].shape == sd[head].shape and torch.equal(sd[emb], sd[head]):
@@ -79,13 +80,15 @@ class Tensors:
                     self.tied = bool(cfg.get("tie_word_embeddings", False))
                 except Exception:
                     pass
-            files = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin")) + sorted(p.glob("*.pt"))
+            files = (sorted(p.glob("*.safetensors"))
+                     or sorted(p.glob("*.bin")) + sorted(p.glob("*.pt")))
             files = [f for f in files if f.name not in ("optimizer.pt", "training_args.bin")]
         elif p.is_file():
             files = [p]
         else:
-            raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder written "
-                                    "by save_pretrained, a .safetensors file, a model or a state dict)")
+            raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder "
+                                    "written by save_pretrained, a .safetensors file, a model or "
+                                    "a state dict)")
         if not files:
             raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder")
         index = {}
@@ -120,7 +123,8 @@ def layer_type(name):
     n = name.lower()
     for kind, marks in (("norm", ("norm",)), ("embedding", ("embed", "wte", "wpe")),
                         ("lm_head", ("lm_head",)),
-                        ("attention", ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")),
+                        ("attention", ("attn", "attention", "q_proj", "k_proj", "v_proj",
+                                       "o_proj")),
                         ("mlp", ("mlp", "gate_proj", "up_proj", "down_proj", "ffn", "experts"))):
         if any(m in n for m in marks):
             return kind
@@ -128,7 +132,7 @@ def layer_type(name):
 
 
 def unchanged(a, b):
-    """Exactly-equal entries (bitwise in the stored dtype, so NaN == NaN); float32 if dtypes differ."""
+    """Exactly-equal entries (bitwise in the stored dtype: NaN == NaN); float32 if dtypes differ."""
     if a.dtype == b.dtype and a.is_floating_point():
         int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
         if int_t is not None:
@@ -150,9 +154,9 @@ def update_sparsity(a, b):
         kb.discard("lm_head.weight")
     only_a, only_b = sorted(set(ka) - kb), sorted(kb - set(ka))
     if only_a or only_b:
-        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only in A "
-                         f"{only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B {only_b[:5]}. "
-                         "Compare checkpoints of the same architecture.")
+        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only "
+                         f"in A {only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B "
+                         f"{only_b[:5]}. Compare checkpoints of the same architecture.")
     tot = same = 0
     per, dtypes = {}, set()
     for k in ka:
@@ -170,7 +174,8 @@ def update_sparsity(a, b):
         raise ValueError("update_sparsity: no parameters to compare")
     return {"sparsity": same / tot, "n_params": tot, "n_unchanged": same,
             "dtype": ",".join(sorted(dtypes)), "n_tensors": len(ka), "tied": tied,
-            "per_type": {t: {"sparsity": u / m, "n_params": m} for t, (m, u) in sorted(per.items())}}
+            "per_type": {t: {"sparsity": u / m, "n_params": m}
+                         for t, (m, u) in sorted(per.items())}}
 
 
 def main(argv=None):
