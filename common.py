@@ -3163,7 +3163,7 @@ def _vf_worker_source():
 
 
 class _VfWorker:
-    """One math-verify process: a pair goes down its stdin, its verdict comes back as one line."""
+    """One math-verify process: pairs go down its stdin, one verdict per line comes back."""
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -3173,8 +3173,9 @@ class _VfWorker:
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.buf, self.ready, self.started = b"", False, time.monotonic()
-        self.job, self.done = None, 0  # the index in flight; pairs answered
-        self.since = self.cpu0 = 0.0  # wall clock and CPU seconds when the job was sent
+        self.inflight = []  # [(index, n_bytes)] in send order
+        self.done = 0  # pairs answered
+        self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
 
     def cpu(self):
         """CPU seconds (user + system) used so far, from /proc; None without /proc."""
@@ -3185,9 +3186,8 @@ class _VfWorker:
         except (OSError, IndexError, ValueError):
             return None
 
-    def send(self, idx, line):
-        self.proc.stdin.write(line)
-        self.job, self.since, self.cpu0 = idx, time.monotonic(), self.cpu() or 0.0
+    def start_head(self):
+        self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
 
     def lines(self):
         try:
@@ -3225,13 +3225,16 @@ class _VfPool:
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
                 self.workers, self.pid = [], os.getpid()
-            return self._run(items, timeout, max(1, min(n_workers, len(items))))
+            return self._run(items, timeout, n_workers)
 
     def _run(self, items, timeout, n_workers):
+        n_workers = max(1, min(n_workers, len(items)))
         self.workers = [w for w in self.workers if w.proc.poll() is None]
         while len(self.workers) < n_workers:
             self.workers.append(_VfWorker())
         workers = self.workers[:n_workers]
+        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
+                   for p, g, e in items]
         queue = list(range(len(items)))[::-1]  # pop() from the end = in order
         out, remaining = [None] * len(items), len(items)
         # CPU-time budgets, so a loaded machine does not turn right answers into timeouts; a worker
@@ -3242,43 +3245,57 @@ class _VfPool:
         for w in workers:
             sel.register(w.fd, selectors.EVENT_READ, w)
 
-        def answer(w, code, replace=False):
+        def replace(w):
+            sel.unregister(w.fd)
+            w.kill()
+            queue.extend(idx for idx, _ in w.inflight)  # the rest of its window goes back
+            nw = _VfWorker()
+            self.workers[self.workers.index(w)] = workers[workers.index(w)] = nw
+            sel.register(nw.fd, selectors.EVENT_READ, nw)
+
+        def feed(w):  # up to 32 KiB of pairs wait in a worker's pipe: it never idles between two
+            nbytes = sum(b for _, b in w.inflight)
+            while w.ready and queue and (
+                    not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
+                idx = queue.pop()
+                try:
+                    w.proc.stdin.write(payload[idx])
+                except OSError:
+                    queue.append(idx)
+                    return
+                if not w.inflight:
+                    w.start_head()
+                w.inflight.append((idx, len(payload[idx])))
+                nbytes += len(payload[idx])
+
+        def answer(w, code):
             nonlocal remaining
-            if w.job is not None:
-                out[w.job], w.job, remaining = code, None, remaining - 1
-            if replace:
-                sel.unregister(w.fd)
-                w.kill()
-                nw = self.workers[self.workers.index(w)] = workers[workers.index(w)] = _VfWorker()
-                sel.register(nw.fd, selectors.EVENT_READ, nw)
+            out[w.inflight.pop(0)[0]] = code
+            remaining -= 1
 
         try:
             while remaining:
                 for w in workers:
-                    if w.ready and w.job is None and queue:
-                        idx = queue.pop()
-                        p, g, e = items[idx]
-                        line = (json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
-                        try:
-                            w.send(idx, line)
-                        except OSError:
-                            queue.append(idx)  # the worker is gone: its EOF replaces it
+                    feed(w)
                 for key, _ in sel.select(timeout=0.05):
                     w = key.data
                     try:
                         lines = w.lines()
-                    except EOFError:  # the worker died (out of memory): its job is an error
+                    except EOFError:  # the worker died (out of memory): its head is an error
                         if not w.ready:
                             raise RuntimeError(
                                 f"the math-verify worker ({sys.executable}) exited before it was "
                                 "ready; check that `python -c 'import math_verify'` works (fix: "
                                 "`pip install math-verify`)") from None
-                        answer(w, 3, replace=True)
+                        if w.inflight:
+                            answer(w, 3)
+                        replace(w)
                         continue
                     for ln in lines:
                         if w.ready:
                             answer(w, int(ln))
                             w.done += 1
+                            w.start_head()
                         elif b"fatal" in ln:
                             raise RuntimeError(f"math-verify is not importable ("
                                                f"{ln.decode(errors='replace')}); fix: "
@@ -3287,11 +3304,14 @@ class _VfPool:
                             w.ready = True
                 now = time.monotonic()
                 for w in list(workers):
-                    if w.job is not None and now - w.since > hard_cpu:
+                    stuck = False
+                    if w.inflight and now - w.head_since > hard_cpu:
                         cpu = w.cpu()
-                        used = cpu - w.cpu0 if cpu is not None else now - w.since
-                        if used > hard_cpu or now - w.since > hard_wall:
-                            answer(w, 4, replace=True)
+                        used = cpu - w.head_cpu if cpu is not None else now - w.head_since
+                        stuck = used > hard_cpu or now - w.head_since > hard_wall
+                    if stuck:
+                        answer(w, 4)
+                        replace(w)
                     elif not w.ready and now - w.started > 120:
                         raise RuntimeError("math-verify worker did not start within 120 s")
         finally:
