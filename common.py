@@ -3051,8 +3051,10 @@ def _vf_prepare(pred, gold, expression=False):
     if cp == cg and cp:
         return True, pred, gold
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
-    if not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg):
-        return choice_letter(pred) == choice_letter(gold), pred, gold
+    is_letter = not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
+    letter = choice_letter(gold) if is_letter else None
+    if letter is not None:
+        return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
     if rp is not None and rg is not None:
         if rp[0] == rg[0]:
