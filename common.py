@@ -2519,46 +2519,30 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
             "n_tokens": part.num_tokens, **figures}
 
 
-# ====================================================================================================================
-# Verifiers, reward shapes, evaluation and analyses
-# ====================================================================================================================
-
-# ============================================================================================================
-# Verifiers, reward shapes, evaluation and the self-play analyses (issue #4).
-#
-# Everything a method needs to turn text into a reward or a score lives here:
-#   extraction    extract_boxed, extract_tag, choice_letter, normalize_string
-#   checking      math_equal / math_equal_many (math-verify in killable worker processes), majority_vote
-#   reward shapes learnability_reward (AZR Eq. 4), uncertainty_reward (R-Zero; understanding paper Eq. 3),
-#                 variance_reward (SPICE Eq. 1), threshold_reward, repetition_penalty (R-Zero BLEU clusters),
-#                 the format constants of AZR (Eq. 6) and SPICE
-#   evaluation    pass_at_k (+ bootstrap CI), load_benchmark, evaluate
-#   analyses      update_sparsity (understanding paper Eq. 2), decontamination (13-gram overlap),
-#                 diversity metrics (distinct-n, self-BLEU, cluster count), the `eval` / `sparsity` CLI
-# ============================================================================================================
+# ==================================================================================================
+# Verifiers, reward shapes and evaluation
+# ==================================================================================================
+# extraction     extract_boxed, extract_tag, choice_letter, option_letter, normalize_string
+# checking       math_equal / math_equal_many (math-verify in killable worker processes)
+# reward shapes  AZR Eq. 4 and 6, R-Zero's r_unc and BLEU repetition penalty, SPICE Eq. 1
+# evaluation     pass@k, decontamination, benchmarks, evaluate, evaluate_code, `common.py eval`
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Answer extraction
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 _VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
 
 def extract_boxed(text):
-    """Content of the LAST `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces matched; None if there is none.
-
-    `\\boxed {x}` (spaces before the brace) and `\\boxed 5` (a single token, TeX style) are accepted. Escaped
-    braces `\\{ \\}` inside the box do not count for matching. If the last box is never closed (a truncated
-    generation), the answer is None: the model did not finish writing it. Linear time in len(text).
-    """
-    if not isinstance(text, str) or not text:
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
+    `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
+    if not isinstance(text, str):
         return None
-    last = None
-    for m in _VF_BOX_RE.finditer(text):
-        last = m
-    if last is None:
+    i = max((m.end() for m in _VF_BOX_RE.finditer(text)), default=None)
+    if i is None:
         return None
-    i, n = last.end(), len(text)
+    n = len(text)
     while i < n and text[i] in " \t\r\n":
         i += 1
     if i >= n:
@@ -2567,50 +2551,40 @@ def extract_boxed(text):
         j = i
         while j < n and text[j] not in " \t\r\n$":
             j += 1
-        tok = text[i:j].strip()
-        return tok or None
-    depth, j, start = 0, i, i + 1
+        return text[i:j].strip() or None
+    depth, j = 0, i
     while j < n:
         ch = text[j]
         if ch == "\\":
-            j += 2  # skip the escaped character (\{ \} \\)
+            j += 2  # the escaped character (\{ \} \\)
             continue
         if ch == "{":
             depth += 1
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[start:j].strip()
+                return text[i + 1:j].strip()
         j += 1
     return None
 
 
 def extract_tag(text, tag, last=True):
-    """Content of a `<tag>...</tag>` block (stripped), the last complete one by default; None if absent.
-
-    Uses str.find / rfind rather than a regex so that hostile text (thousands of unclosed `<tag>`) stays linear.
-    """
-    if not isinstance(text, str) or not text:
+    """Stripped content of the last (or first) complete `<tag>...</tag>`, or None. find/rfind, not a
+    regex, so hostile text (thousands of unclosed tags) stays linear."""
+    if not isinstance(text, str):
         return None
     op, cl = f"<{tag}>", f"</{tag}>"
     if last:
         e = text.rfind(cl)
-        if e < 0:
-            return None
-        s = text.rfind(op, 0, e)
-        if s < 0:
-            return None
-        return text[s + len(op):e].strip()
-    s = text.find(op)
-    if s < 0:
-        return None
-    e = text.find(cl, s + len(op))
-    if e < 0:
-        return None
-    return text[s + len(op):e].strip()
+        s = text.rfind(op, 0, e) if e >= 0 else -1
+    else:
+        s = text.find(op)
+        e = text.find(cl, s + len(op)) if s >= 0 else -1
+    return text[s + len(op):e].strip() if s >= 0 and e >= 0 else None
 
 
-_VF_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_VF_TEXT_CMD_RE = re.compile(
+    r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 
 
 def _vf_unwrap_text(s):
@@ -2623,100 +2597,87 @@ def _vf_unwrap_text(s):
 
 
 def normalize_string(s):
-    """Normalised form for string answers (SPICE's "String" type, §4): unwrap `\\text{}`-like commands,
-    lowercase, and drop every character that is not a letter or a digit (spaces and punctuation included).
-    `"The Krebs cycle."` -> `"thekrebscycle"`. Not for numbers: "1.5" and "15" normalise alike, which is why
-    math_equal only uses this for answers made of words."""
+    """SPICE's "String" answers (§4): `\\text{}` unwrapped, lower case, letters and digits only;
+    "The Krebs cycle." -> "thekrebscycle". Not for numbers ("1.5" and "15" agree)."""
     if s is None:
         return ""
-    s = _vf_unwrap_text(str(s)).lower()
-    return "".join(ch for ch in s if ch.isalnum())
+    return "".join(ch for ch in _vf_unwrap_text(str(s)).lower() if ch.isalnum())
 
 
-# An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case followed by a delimiter,
-# a space or the end ("B) 149 km", "A 5 cm"); lower case only before a closing delimiter or the end ("(b)", "b."),
-# so that the article in "a dog" is not read as option A.
+# An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case before a
+# delimiter, a space or the end ("B) 149 km"); lower case only before a closing delimiter or the end
+# ("(b)", "b."), so that the article in "a dog" is not option A.
 _VF_CHOICE_RE = re.compile(
     r"^\s*(?i:(?:the\s+)?(?:final\s+|correct\s+)?answer(?:\s+is)?\s*:?\s*)?(?i:option\s*)?\(?\s*"
     r"(?:([A-J])\s*(?:\)|\.|:|\}|\s|$)|([a-j])\s*(?:\)|\.|:|\}|$))")
-# "answer is B", "Answer: (B)", "**Answer:** B" anywhere in a completion (upper-case letter, not part of a word).
+# "answer is B", "Answer: (B)", "**Answer:** B" anywhere in a completion
 _VF_ANSWER_IS_RE = re.compile(r"(?i:\banswer\b(?:\s+is)?)\s*:?\s*\**\s*\(?\s*([A-J])\s*\)?(?!\w)")
+_VF_OPTION_LETTERS = "ABCDEFGHIJ"  # 2 to 10 options (MMLU-Pro and SuperGPQA have 10)
 
 
 def choice_letter(s):
-    """Option letter at the START of an answer, as SPICE's MCQ check wants (Fig. 6 boxes `B) 149,600,000 km`).
-
-    Accepts "B", "B)", "B.", "B:", "(b)", "b", "B) 149,600,000 km", "\\text{B}", "\\textbf{(B)}", "$B$", "**B**",
-    "the answer is B", "Answer: (B)", "Option B", and any of these inside \\boxed{} ("\\boxed{B}",
-    "\\boxed{(B)}": the last box is read); returns the upper-case letter, or None ("Because ..." is not a letter
-    answer: the letter must be followed by a delimiter, a space or the end; a lower-case letter needs a closing
-    delimiter or the end, so "a dog" is not option A)."""
+    """The option letter at the start of an answer, upper case, or None (SPICE Fig. 6 boxes
+    `B) 149,600,000 km`): "B", "(b)", "B.", "\\text{B}", "**B**", "Answer: (B)", "\\boxed{B}"."""
     if not isinstance(s, str):
         return None
     s = s[:4000]
     if "\\boxed" in s or "\\fbox" in s:
         s = extract_boxed(s) or ""
-    s = _vf_unwrap_text(s[:200]).replace("$", "").replace("*", "")
-    m = _VF_CHOICE_RE.match(s)
+    m = _VF_CHOICE_RE.match(_vf_unwrap_text(s[:200]).replace("$", "").replace("*", ""))
     return (m.group(1) or m.group(2)).upper() if m else None
 
 
 def option_letter(pred, completion=None, n_options=10):
-    """The option letter a multiple-choice answer names, or None. `pred` is the extracted answer (evaluate's
-    extract_fn, by default the last \\boxed{}) read by choice_letter. Only when nothing was extracted (pred None)
-    is the completion's last "answer is B" / "Answer: (B)" statement (upper-case letter) used instead. Letters
-    beyond the first `n_options` (A, B, ...) do not count."""
-    letter = choice_letter(pred) if pred is not None else None
-    if pred is None and completion:
-        found = _VF_ANSWER_IS_RE.findall(str(completion))
+    """The letter the extracted answer `pred` names (choice_letter), or with nothing extracted the
+    completion's last "answer is B"; None if it is not one of the first `n_options` letters."""
+    if pred is not None:
+        letter = choice_letter(pred)
+    else:
+        found = _VF_ANSWER_IS_RE.findall(str(completion)) if completion else []
         letter = found[-1] if found else None
-    return letter if letter is not None and letter in "ABCDEFGHIJ"[:n_options] else None
+    return letter if letter is not None and letter in _VF_OPTION_LETTERS[:n_options] else None
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # math_equal: fast paths in-process, math-verify in killable worker processes
-# ------------------------------------------------------------------------------------------------------------
-VF_MAX_ANSWER_CHARS = 1000   # longer answers skip math-verify (exact string compare only) and count as failures
-VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
-_VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
-_VF_HARD_GRACE_S = 1.0       # soft alarm at `timeout` CPU-seconds; killed at timeout + grace CPU-seconds
-_VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
-_VF_CACHE = {}               # (pred, gold, expression) -> math-verify's verdict (votes repeat)
+# --------------------------------------------------------------------------------------------------
+VF_MAX_ANSWER_CHARS = 1000  # longer answers skip math-verify (exact compare) and count as failures
+VF_MAX_BRACE_DEPTH = 50  # deeper nesting is a LaTeX bomb, not an answer
+_VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs (sympy's caches grow)
+_VF_HARD_GRACE_S = 1.0  # soft alarm at `timeout` CPU seconds; killed at timeout + grace
+_VF_FAILS = Counter()  # timeouts / errors / skipped inputs; read with math_equal_failures()
+_VF_CACHE = {}  # (pred, gold, expression) -> math-verify's verdict (votes repeat)
 _VF_CACHE_MAX = 200_000
+_VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def math_equal_failures(reset=False):
-    """Counts of verifier failures since start (or the last reset): 'timeout' (soft alarm in the worker),
-    'killed' (hard timeout: the worker was killed and restarted), 'error' (exception inside math-verify),
-    'too_long' / 'too_deep' (inputs that skipped math-verify), 'total'. Every failure means "not equal"."""
-    d = dict(_VF_FAILS)
-    d["total"] = sum(v for k, v in _VF_FAILS.items())
+    """Failures since start or the last reset, each counted as "not equal": timeout (soft alarm),
+    killed (hard timeout), error (inside math-verify), too_long, too_deep, and their total."""
+    d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
     if reset:
         _VF_FAILS.clear()
     return d
 
 
-def _vf_fail(kind, n=1):
-    _VF_FAILS[kind] += n
-
-
 _VF_NUM_RE = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
 _VF_WORDY_RE = re.compile(r"^[^\W\d_]+(?:[\s\-'’.,/&]+[^\W\d_]+)*[.]?$")
+_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
+_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
 
 
 def _vf_canon(s):
-    """Light canonical form for math answers: no $, no spaces, no \\left/\\right, no trailing period."""
+    """Light canonical form: no $, spaces, \\left/\\right or trailing period; \\dfrac is \\frac."""
     s = _vf_unwrap_text(s)
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,"):
         s = s.replace(junk, "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = "".join(s.split())
-    return s.rstrip(".")
+    return "".join(s.split()).rstrip(".")
 
 
 def _vf_number(s):
-    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None. Commas only as thousands groups,
-    so "1,2" (a pair) is not a number."""
+    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None; commas only as
+    thousands groups, so "1,2" (a pair) is not a number."""
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
     if len(s) > 60 or not _VF_NUM_RE.match(s):
         return None
@@ -2726,13 +2687,9 @@ def _vf_number(s):
         return None
 
 
-_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
-_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
-
-
 def _vf_rational(c):
-    """(Fraction, exact) for a canonical simple number: integer, decimal, a/b, \\frac{a}{b}, \\frac12; else None.
-    `exact` is False for decimals, which math-verify compares after rounding to 6 places."""
+    """(Fraction, exact) of an integer, decimal, a/b, \\frac{a}{b} or \\frac12, else None; decimals
+    are not exact (math-verify compares them after rounding to 6 places)."""
     from fractions import Fraction
     d = _vf_number(c)
     if d is not None:
@@ -2751,95 +2708,65 @@ def _vf_rational(c):
 def _vf_max_depth(s):
     d = m = 0
     for ch in s:
-        if ch == "{" or ch == "(" or ch == "[":
-            d += 1
-            if d > m:
-                m = d
-        elif ch == "}" or ch == ")" or ch == "]":
-            d -= 1
+        d += (ch in "{([") - (ch in "})]")
+        m = max(m, d)
     return m
 
 
 def _vf_prepare(pred, gold, expression=False):
-    """Decide a pair in-process when that is safe. Returns (decision, pred_str, gold_str): decision is True /
-    False, or None when math-verify must decide. expression=True: the gold is a math expression,
-    never a word or an option letter ("mgh", "B": a product, a symbol); those paths are off."""
+    """(decision, pred, gold): True / False when the pair is decided in-process, None when
+    math-verify must decide. expression=True (the gold is a math expression: "mgh", "B" a symbol)
+    turns off the option-letter and word paths."""
     if pred is None or gold is None:
         return False, None, None
     pred, gold = str(pred).strip(), str(gold).strip()
     if not pred or not gold:
         return False, pred, gold
     if len(pred) > VF_MAX_ANSWER_CHARS * 20 or len(gold) > VF_MAX_ANSWER_CHARS * 20:
-        _vf_fail("too_long")
+        _VF_FAILS["too_long"] += 1
         return pred == gold, pred, gold
-    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response was passed: judge its final answer
+    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response: judge its final answer
         pred = extract_boxed(pred) or ""
     if "\\boxed" in gold or "\\fbox" in gold:
         gold = extract_boxed(gold) or ""
     if not pred or not gold:
         return False, pred, gold
     if len(pred) > VF_MAX_ANSWER_CHARS or len(gold) > VF_MAX_ANSWER_CHARS:
-        _vf_fail("too_long")
+        _VF_FAILS["too_long"] += 1
         return pred == gold, pred, gold
     cp, cg = _vf_canon(pred), _vf_canon(gold)
     if cp == cg and cp:
         return True, pred, gold
-    # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or a parenthesised lower-case one ("(b)")
+    # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
     is_letter = not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
-    g_letter = choice_letter(gold) if is_letter else None
-    if g_letter is not None:
-        return choice_letter(pred) == g_letter, pred, gold
+    letter = choice_letter(gold) if is_letter else None
+    if letter is not None:
+        return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
     if rp is not None and rg is not None:
         if rp[0] == rg[0]:
             return True, pred, gold
         if rp[1] and rg[1]:
-            return False, pred, gold  # two exact rationals (integers, a/b): nothing math-verify could add
+            return False, pred, gold  # two exact rationals: nothing math-verify could add
     wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
     if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
     if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
-        _vf_fail("too_deep")
+        _VF_FAILS["too_deep"] += 1
         return False, pred, gold
     return None, pred, gold
 
 
-# The worker runs only math-verify: launched as `python -I -c SOURCE`, it never imports torch or this module
-# (spawn-safe, cheap), and a pair that hangs inside C code (huge integer powers) is handled by killing it.
-_VF_WORKER_SRC = r'''
-import sys, json, signal, logging
-logging.disable(logging.CRITICAL)
-try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError instead of taking the machine down
-    import resource
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-except Exception:
-    pass
-try:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-    from latex2sympy2_extended import NormalizationConfig
-    # parse()'s default extraction; for an expression gold without unit stripping, which drops a
-    # trailing variable h, t, c or l (hours, tons): "m \cdot g \cdot h" parses as "m \cdot g \cdot"
-    NO_UNITS = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
-                                   nits=True, boxed="all", equations=False)
-    EXTRACTION = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
-                  True: [LatexExtractionConfig(normalization_config=NO_UNITS),
-                         ExprExtractionConfig()]}
-except Exception as e:
-    sys.stdout.write(json.dumps({"fatal": repr(e)}) + "\n"); sys.stdout.flush(); sys.exit(3)
-class Late(BaseException):
-    pass
-def on_alarm(signum, frame):
-    raise Late()
-signal.signal(signal.SIGPROF, on_alarm)
-def wrap(s):
-    return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
-def surely_differ(g, p, raw):
-    # Most unequal pairs are plain expressions with different values: evaluating both at one point proves it in
-    # well under a millisecond, where verify() would try simplification for tens of milliseconds. Anything
-    # verify() treats specially (%, degrees, sets, relations, matrices, floats rounded to 6 places) goes to verify.
+# The math-verify worker: _vf_surely_differ and _vf_worker run in a clean interpreter that gets
+# their source (`python -I -c`, _vf_worker_source), never in the trainer. It imports neither torch
+# nor this module, and a pair that hangs inside C code (huge integer powers) is ended by a kill.
+def _vf_surely_differ(g, p, raw):
+    """Two plain expressions with different values at one point surely differ (well under 1 ms,
+    where verify() simplifies for tens of ms); %, degrees, sets, relations go to verify()."""
     from sympy import Expr, Rational
     a, b = g[0], p[0]
-    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw or "deg" in raw:
+    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw \
+            or "deg" in raw:
         return False
     syms = sorted(a.free_symbols | b.free_symbols, key=str)
     if len(syms) > 6:
@@ -2852,50 +2779,95 @@ def surely_differ(g, p, raw):
     if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
         return False
     return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
-def check(pred, gold, t, expression):
-    signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on machine load
-    try:
-        g = parse(wrap(gold), EXTRACTION[expression], parsing_timeout=None)
-        p = parse(wrap(pred), EXTRACTION[expression], parsing_timeout=None)
-        if not (g and p) or surely_differ(g, p, pred + gold):
-            return 0
-        return 1 if verify(g, p, timeout_seconds=None) else 0
-    except Late:
-        return 2
+
+
+def _vf_worker():
+    """Read `[pred, gold, timeout, expression]` lines, write 0 unequal / 1 equal / 2 timeout /
+    3 error for each; first `{"ready": 1}`, or `{"fatal": ...}` when math-verify is missing."""
+    import json
+    import logging
+    import resource
+    import signal
+    import sys
+    logging.disable(logging.CRITICAL)
+    try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError, not the machine
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
     except Exception:
-        return 3
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-sys.stdout.write('{"ready": 1}\n'); sys.stdout.flush()
-for line in sys.stdin:
+        pass
     try:
-        pred, gold, t, expression = json.loads(line)
-        r = check(pred, gold, t, bool(expression))
-    except Late:
-        r = 2
-    except Exception:
-        r = 3
-    sys.stdout.write("%d\n" % r); sys.stdout.flush()
-'''
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+        # an expression gold is parsed without unit stripping, which drops a trailing h, t, c or l
+        # (hours, tons): "m \cdot g \cdot h" would parse as "m \cdot g \cdot"
+        no_units = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
+                                       nits=True, boxed="all", equations=False)
+        extraction = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
+                      True: [LatexExtractionConfig(normalization_config=no_units),
+                             ExprExtractionConfig()]}
+    except Exception as e:
+        print(json.dumps({"fatal": repr(e)}), flush=True)
+        sys.exit(3)
+
+    class Late(BaseException):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Late()
+
+    def wrap(s):
+        return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
+
+    def check(pred, gold, t, expression):
+        signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on load
+        try:
+            g = parse(wrap(gold), extraction[expression], parsing_timeout=None)
+            p = parse(wrap(pred), extraction[expression], parsing_timeout=None)
+            if not (g and p) or _vf_surely_differ(g, p, pred + gold):
+                return 0
+            return 1 if verify(g, p, timeout_seconds=None) else 0
+        except Late:
+            return 2
+        except Exception:
+            return 3
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+
+    signal.signal(signal.SIGPROF, on_alarm)
+    print('{"ready": 1}', flush=True)
+    for line in sys.stdin:
+        try:
+            pred, gold, t, expression = json.loads(line)
+            r = check(pred, gold, t, bool(expression))
+        except Late:
+            r = 2
+        except Exception:
+            r = 3
+        print(r, flush=True)
+
+
+@functools.cache
+def _vf_worker_source():
+    return "".join(inspect.getsource(f) + "\n" for f in (_vf_surely_differ, _vf_worker)) + \
+        "_vf_worker()\n"
 
 
 class _VfWorker:
+    """One math-verify process: pairs go down its stdin, one verdict per line comes back."""
+
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _VF_WORKER_SRC], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, bufsize=0)
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
-        self.buf = b""
-        self.ready = False
-        self.started = time.monotonic()
-        self.inflight = []      # [(index, n_bytes)] in send order
-        self.done = 0           # pairs answered; the pool retires a worker after _VF_WORKER_MAX_PAIRS
-        self.head_since = 0.0   # when the worker started on inflight[0] (approximately), wall clock
-        self.head_cpu = 0.0     # and its CPU seconds at that moment
+        self.buf, self.ready, self.started = b"", False, time.monotonic()
+        self.inflight = []  # [(index, n_bytes)] in send order
+        self.done = 0  # pairs answered
+        self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
 
     def cpu(self):
-        """CPU seconds (user + system) the worker has used, from /proc; None where /proc is unavailable."""
+        """CPU seconds (user + system) used so far, from /proc; None without /proc."""
         try:
             with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
@@ -2904,8 +2876,7 @@ class _VfWorker:
             return None
 
     def start_head(self):
-        self.head_since = time.monotonic()
-        self.head_cpu = self.cpu() or 0.0
+        self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
 
     def lines(self):
         try:
@@ -2914,30 +2885,23 @@ class _VfWorker:
             return []
         if not chunk:
             raise EOFError
-        self.buf += chunk
-        *done, self.buf = self.buf.split(b"\n")
+        *done, self.buf = (self.buf + chunk).split(b"\n")
         return done
 
     def kill(self):
-        try:
+        with contextlib.suppress(Exception):
             self.proc.kill()
             self.proc.wait(timeout=5)
-        except Exception:
-            pass
         for f in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(Exception):
                 f.close()
-            except Exception:
-                pass
 
 
 class _VfPool:
-    """Lazily started, reused math-verify worker processes. One batch at a time (a lock), any thread."""
+    """Lazily started, reused math-verify workers. One batch at a time (a lock), from any thread."""
 
     def __init__(self):
-        self.workers = []
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
+        self.workers, self.lock, self.pid = [], threading.Lock(), os.getpid()
 
     def close(self):
         if self.pid == os.getpid():  # a forked child must not kill its parent's workers
@@ -2960,11 +2924,10 @@ class _VfPool:
         workers = self.workers[:n_workers]
         payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
                    for p, g, e in items]
-        queue = list(range(len(items)))[::-1]     # pop() from the end = in order
-        out = [None] * len(items)
-        remaining = len(items)
-        # Budgets are CPU time, so a loaded machine does not turn right answers into timeouts. A worker that
-        # uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap.
+        queue = list(range(len(items)))[::-1]  # pop() from the end = in order
+        out, remaining = [None] * len(items), len(items)
+        # CPU-time budgets, so a loaded machine does not turn right answers into timeouts; a worker
+        # that uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap
         hard_cpu = float(timeout) + _VF_HARD_GRACE_S
         hard_wall = 3 * hard_cpu + 2.0
         sel = selectors.DefaultSelector()
@@ -2974,28 +2937,30 @@ class _VfPool:
         def replace(w):
             sel.unregister(w.fd)
             w.kill()
-            for idx, _ in w.inflight:  # the rest of its window goes back to the queue
-                queue.append(idx)
+            queue.extend(idx for idx, _ in w.inflight)  # the rest of its window goes back
             nw = _VfWorker()
-            self.workers[self.workers.index(w)] = nw
-            workers[workers.index(w)] = nw
+            self.workers[self.workers.index(w)] = workers[workers.index(w)] = nw
             sel.register(nw.fd, selectors.EVENT_READ, nw)
 
-        def feed(w):
-            if not w.ready:
-                return
+        def feed(w):  # up to 32 KiB of pairs wait in a worker's pipe: it never idles between two
             nbytes = sum(b for _, b in w.inflight)
-            while queue and (not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
+            while w.ready and queue and (
+                    not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
                 idx = queue.pop()
                 try:
                     w.proc.stdin.write(payload[idx])
-                except (BrokenPipeError, OSError):
+                except OSError:
                     queue.append(idx)
                     return
                 if not w.inflight:
                     w.start_head()
                 w.inflight.append((idx, len(payload[idx])))
                 nbytes += len(payload[idx])
+
+        def answer(w, code):
+            nonlocal remaining
+            out[w.inflight.pop(0)[0]] = code
+            remaining -= 1
 
         try:
             while remaining:
@@ -3005,47 +2970,42 @@ class _VfPool:
                     w = key.data
                     try:
                         lines = w.lines()
-                    except EOFError:  # the worker died (e.g. out of memory): count its head as an error
+                    except EOFError:  # the worker died (out of memory): its head is an error
                         if not w.ready:
-                            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
-                                               "ready; check that `python -c 'import math_verify'` works "
-                                               "(fix: `pip install math-verify`)") from None
+                            raise RuntimeError(
+                                f"the math-verify worker ({sys.executable}) exited before it was "
+                                "ready; check that `python -c 'import math_verify'` works (fix: "
+                                "`pip install math-verify`)") from None
                         if w.inflight:
-                            idx, _ = w.inflight.pop(0)
-                            out[idx] = 3
-                            remaining -= 1
+                            answer(w, 3)
                         replace(w)
                         continue
                     for ln in lines:
-                        if not w.ready:
-                            if b"fatal" in ln:
-                                raise RuntimeError("math-verify is not importable (" + ln.decode(errors="replace")
-                                                   + "); fix: `pip install math-verify`")
+                        if w.ready:
+                            answer(w, int(ln))
+                            w.done += 1
+                            w.start_head()
+                        elif b"fatal" in ln:
+                            raise RuntimeError(f"math-verify is not importable ("
+                                               f"{ln.decode(errors='replace')}); fix: "
+                                               "`pip install math-verify`")
+                        else:
                             w.ready = True
-                            continue
-                        idx, _ = w.inflight.pop(0)
-                        out[idx] = int(ln)
-                        remaining -= 1
-                        w.done += 1
-                        w.start_head()
                 now = time.monotonic()
                 for w in list(workers):
+                    stuck = False
                     if w.inflight and now - w.head_since > hard_cpu:
                         cpu = w.cpu()
-                        used = (cpu - w.head_cpu) if cpu is not None else now - w.head_since
+                        used = cpu - w.head_cpu if cpu is not None else now - w.head_since
                         stuck = used > hard_cpu or now - w.head_since > hard_wall
-                    else:
-                        stuck = False
                     if stuck:
-                        idx, _ = w.inflight.pop(0)
-                        out[idx] = 4
-                        remaining -= 1
+                        answer(w, 4)
                         replace(w)
                     elif not w.ready and now - w.started > 120:
                         raise RuntimeError("math-verify worker did not start within 120 s")
         finally:
             sel.close()
-        for w in list(self.workers):  # bound the memory of sympy's caches: retire old workers between batches
+        for w in list(self.workers):  # bound sympy's caches: retire old workers between batches
             if w.done > _VF_WORKER_MAX_PAIRS:
                 w.kill()
                 self.workers.remove(w)
@@ -3053,7 +3013,6 @@ class _VfPool:
 
 
 _VF_POOL = None
-_VF_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _vf_pool():
@@ -3065,58 +3024,43 @@ def _vf_pool():
 
 
 def shutdown_verifier():
-    """Kill the math-verify worker processes (they restart lazily on the next call)."""
+    """Kill the math-verify workers (they restart lazily on the next call)."""
     if _VF_POOL is not None:
         with _VF_POOL.lock:
             _VF_POOL.close()
 
 
 def verifier_worker_pids():
-    """Process ids of the running math-verify workers (diagnostics; the pool restarts killed ones)."""
-    if _VF_POOL is None:
-        return []
-    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None]
-
-
-def _vf_default_workers():
-    return max(1, min(os.cpu_count() or 1, 8))
+    """Process ids of the running math-verify workers (diagnostics)."""
+    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None] if _VF_POOL else []
 
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
-    """math_equal over many (pred, gold) pairs, math-verify calls spread over `workers` processes (default:
-    min(cpu_count, 8); 1 for small batches). Same semantics as math_equal, same order as `pairs`."""
+    """math_equal over many (pred, gold) pairs, in order, with math-verify spread over `workers`
+    processes (default min(cpu_count, 8); one per 32 distinct pairs at most)."""
     res = [False] * len(pairs)
     todo, keys = [], []
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
-        if dec is not None:
-            res[i] = bool(dec)
-            continue
-        hit = _VF_CACHE.get((p, g, expression))
+        hit = _VF_CACHE.get((p, g, expression)) if dec is None else dec
         if hit is not None:
-            res[i] = hit
-            continue
-        todo.append(i)
-        keys.append((p, g, expression))
+            res[i] = bool(hit)
+        else:
+            todo.append(i)
+            keys.append((p, g, expression))
     if todo:
         uniq = list(dict.fromkeys(keys))
-        w = workers if workers else _vf_default_workers()
-        w = max(1, min(w, math.ceil(len(uniq) / 32)))
+        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(uniq) / 32)))
         codes = _vf_pool().run(uniq, timeout, w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
-        verdict = {}
         for key, code in zip(uniq, codes):
-            verdict[key] = code == 1
-            if code == 2:
-                _vf_fail("timeout")
-            elif code == 3:
-                _vf_fail("error")
-            elif code == 4:
-                _vf_fail("killed")
             if code in (0, 1):  # failures are not cached: a retry under less load may succeed
                 _VF_CACHE[key] = code == 1
+            else:
+                _VF_FAILS[{2: "timeout", 3: "error", 4: "killed"}[code]] += 1
+        verdict = dict(zip(uniq, (c == 1 for c in codes)))
         for i, key in zip(todo, keys):
             res[i] = verdict[key]
     return res
@@ -3124,43 +3068,25 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
 
 @timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
-    """Is the predicted answer equal to the gold answer? Never raises, never hangs.
-
-    Order of checks (the cheap, safe ones decide in-process):
-      1. None / empty -> False. A full response containing `\\boxed{}` is reduced to its last box.
-      2. Identical after light canonicalisation (no `$`, spaces, `\\left`/`\\right`, trailing period).
-      3. Multiple choice: a gold letter ("B", "(B)", "(b)") matches the pred's leading letter ("B) 149,600,000 km").
-      4. Simple numbers compared as exact fractions: "1,000" == "1000", "3/4" == "\\frac{3}{4}" == "0.75"; two
-         unequal exact rationals (integers, a/b) are decided here, decimals that differ go on to math-verify.
-      5. Word answers (gold made of words): normalize_string equality (SPICE's String type).
-      6. math-verify: `verify(parse(gold), parse(pred))`, gold first, raw strings wrapped in `$...$`, in a worker
-         process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with
-         machine load: a soft alarm at `timeout`, a kill at timeout + 1 s, and a kill after 3·(timeout + 1) + 2
-         wall seconds for a worker that makes no progress at all.
-    expression=True: the gold is a math expression (SPICE's Expression answers). 3 and 5 are
-    off, so "hmg" and "m \\cdot g \\cdot h" reach math-verify against "mgh", a gold "B" is the
-    symbol B, and math-verify parses without unit stripping ("h", "t" are variables, not units).
-    Inputs over VF_MAX_ANSWER_CHARS or nested deeper than VF_MAX_BRACE_DEPTH skip math-verify. Timeouts, errors
-    and skipped inputs return False and are counted (math_equal_failures()).
-    """
+    """Is the predicted answer the gold one? Never raises on hostile input, never hangs. Decided
+    in-process: a response's last box, equal canonical forms, option letters, exact rationals, words
+    (normalize_string); else math-verify's verify(parse(gold), parse(pred)) in a worker within
+    `timeout` CPU seconds. Timeouts, errors, overlong input: False (math_equal_failures counts)."""
     try:
         return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
     except RuntimeError:
         raise  # math-verify missing: a setup error, not a hostile input
     except Exception:
-        _vf_fail("error")
+        _VF_FAILS["error"] += 1
         return False
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reward shapes (pure functions of the solve rate p; scalars or numpy arrays)
-# ------------------------------------------------------------------------------------------------------------
-# Format rewards. AZR Eq. 6: R = r_role if the response is passable, -0.5 if it is well formatted but wrong,
-# -1 on a format error (for the proposer: any invalid proposal). SPICE §2 / Alg. 1: an invalid Challenger
-# question gets rho = -0.1.
-FORMAT_ERROR = -1.0       # AZR Eq. 6
-WRONG_FORMATTED = -0.5    # AZR Eq. 6
-INVALID_QUESTION = -0.1   # SPICE rho (§3.1)
+# --------------------------------------------------------------------------------------------------
+FORMAT_ERROR = -1.0  # AZR Eq. 6: a format error (for the proposer: any invalid proposal)
+WRONG_FORMATTED = -0.5  # AZR Eq. 6: well formatted but wrong
+INVALID_QUESTION = -0.1  # SPICE §3.1 rho: an invalid Challenger question
 
 
 def _vf_p(p):
@@ -3175,36 +3101,28 @@ def _vf_out(a, p):
 
 
 def learnability_reward(p):
-    """Absolute Zero, Eq. 4:  r_propose = 0 if r̄ ∈ {0, 1}, else 1 − r̄   (r̄ = mean of n = 8 solver rollouts).
-
-    Monotone decreasing on (0, 1): it peaks at the hardest still-solvable task (0.875 at 1/8), not at 50%."""
+    """AZR Eq. 4: r = 0 if p ∈ {0, 1}, else 1 − p (peaks at the hardest solvable task)."""
     a = _vf_p(p)
     return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - a), p)
 
 
 def uncertainty_reward(p):
-    """R-Zero (§3, r_unc) = the understanding paper's Eq. 3:  r = 1 − 2·|p − ½|.
-
-    Edge case p ∈ {0, 1}: the formula itself gives 0 there, and Eq. 3 also defines r = 0 at r̄ ∈ {0, 1}, so
-    both definitions agree everywhere (peak 1 at p = ½). In R-Zero p is the majority share p̂, so p̂ ≥ 1/m once
-    any answer parses; p̂ = 0 only when nothing parses. (R-Zero's code uses min(p, 1 − p), half this scale.)"""
+    """R-Zero §3 r_unc (understanding paper Eq. 3): r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1}.
+    R-Zero's code uses min(p, 1 − p), half this scale."""
     a = _vf_p(p)
     return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - 2.0 * np.abs(a - 0.5)), p)
 
 
 def variance_reward(p, tau=0.01):
-    """SPICE, Eq. 1 (App. D, Eq. 5):  r_C = exp(−(σ² − ¼)² / (2τ)),  σ² = p(1 − p),  τ = 0.01.
-
-    σ² is the POPULATION variance of the K correctness bits, i.e. exactly p(1 − p). Using the unbiased
-    estimator (torch.var's default, ×K/(K−1)) moves the peak off 50%: 3/8 would beat 4/8 (spice.md).
-    Values for K = 8: 0.044 (0 or 8 right), 0.372, 0.823, 0.988, 1.0 (4 right)."""
+    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance (the unbiased
+    one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4 right."""
     a = _vf_p(p)
     var = a * (1.0 - a)
     return _vf_out(np.exp(-((var - 0.25) ** 2) / (2.0 * tau)), p)
 
 
 def variance_reward_from_bits(correct, tau=0.01):
-    """SPICE Eq. 1 from the K correctness bits of the Reasoner's answers: population variance via p = mean."""
+    """SPICE Eq. 1 from the K correctness bits of the Reasoner's answers (p = their mean)."""
     bits = np.asarray(correct, dtype=np.float64).ravel()
     if bits.size == 0:
         raise ValueError("variance_reward_from_bits needs at least one correctness bit")
@@ -3212,13 +3130,13 @@ def variance_reward_from_bits(correct, tau=0.01):
 
 
 def threshold_reward(p):
-    """SPICE's "threshold" ablation (Table 4):  r = 1[0 < p < 1]."""
+    """SPICE Table 4's "threshold" ablation: r = 1[0 < p < 1]."""
     a = _vf_p(p)
     return _vf_out(((a > 0) & (a < 1)).astype(np.float64), p)
 
 
 def proposer_reward(rbar, kind="learnability", tau=0.01):
-    """Dispatch by name: learnability (AZR Eq. 4) | uncertainty (R-Zero; Eq. 3) | variance (SPICE) | threshold."""
+    """A proposer reward by name: learnability | uncertainty | variance | threshold."""
     shapes = {"learnability": learnability_reward, "uncertainty": uncertainty_reward,
               "variance": lambda p: variance_reward(p, tau), "threshold": threshold_reward}
     if kind not in shapes:
@@ -3233,39 +3151,37 @@ def azr_composite_reward(r_role, *, formatted, passable):
     return float(r_role) if passable else WRONG_FORMATTED
 
 
-# ------------------------------------------------------------------------------------------------------------
-# R-Zero repetition penalty: pairwise sentence-BLEU-4 + average-linkage clustering, vectorised in numpy
-# ------------------------------------------------------------------------------------------------------------
-_VF_BLEU_EPS = 0.1        # Chen & Cherry smoothing "method 1" (NLTK SmoothingFunction().method1, epsilon 0.1)
-_VF_DENSE_DF = 48         # n-grams shared by more texts than this are counted with a dense matrix product
+# --------------------------------------------------------------------------------------------------
+# R-Zero's repetition penalty: pairwise sentence-BLEU-4, average-linkage clusters (numpy)
+# --------------------------------------------------------------------------------------------------
+_VF_BLEU_EPS = 0.1  # Chen & Cherry smoothing method 1 (NLTK SmoothingFunction().method1)
+_VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a matrix product
 
 
 def _vf_ngram_match_counts(seqs, n_max=4):
-    """For each order n: (M_n, totals_n). M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches, which
-    are symmetric), totals_n[i] = number of n-grams of text i. Only n-grams shared by >= 2 texts matter: rare
-    ones go through an inverted index (pairs per posting list), frequent ones through (C >= t)(C >= t)^T."""
+    """Per order n: (M_n, totals_n), M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches)
+    and totals_n[i] = n-grams of text i. Rare shared n-grams go through an inverted index, frequent
+    ones through (C >= t)(C >= t)^T."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     toks = np.concatenate(seqs) if B and lens.sum() else np.zeros(0, dtype=np.int64)
     V = int(toks.max()) + 1 if toks.size else 1
     out = []
-    prev_ids = toks.copy()      # id of the (n-1)-gram starting at each position (valid where it fits)
+    prev_ids = toks.copy()  # id of the (n-1)-gram starting at each position (where it fits)
     for n in range(1, n_max + 1):
         cnt = np.maximum(lens - n + 1, 0)
         total = int(cnt.sum())
         M = np.zeros((B, B), dtype=np.float64)
         if total:
             text_of = np.repeat(np.arange(B), cnt)
-            starts = np.repeat(offsets, cnt) + (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-            if n == 1:
-                gram = toks[starts]
-            else:  # exact: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified with np.unique
-                gram = prev_ids[starts] * V + toks[starts + n - 1]
+            first = np.repeat(np.cumsum(cnt) - cnt, cnt)  # each text's first n-gram, repeated
+            starts = np.repeat(offsets, cnt) + np.arange(total) - first
+            # exact ids: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified by np.unique
+            gram = toks[starts] if n == 1 else prev_ids[starts] * V + toks[starts + n - 1]
             uniq_g, gid = np.unique(gram, return_inverse=True)
-            ids_at = np.full(toks.shape[0], -1, dtype=np.int64)
-            ids_at[starts] = gid
-            prev_ids = ids_at
+            prev_ids = np.full(toks.shape[0], -1, dtype=np.int64)
+            prev_ids[starts] = gid
             G = len(uniq_g)
             key, c = np.unique(text_of * G + gid, return_counts=True)  # (text, gram) -> count
             t_i, g_i = key // G, key % G
@@ -3278,14 +3194,13 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                 C = np.zeros((B, len(gd)), dtype=np.float32)
                 C[t_i[dense], col] = c[dense]
                 for t in range(1, int(C.max()) + 1):
-                    I = (C >= t).astype(np.float32)
-                    M += I @ I.T
+                    at_least = (C >= t).astype(np.float32)
+                    M += at_least @ at_least.T
             if rare.any():
                 rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
                 order = np.lexsort((rt, rg))
                 rt, rg, rc = rt[order], rg[order], rc[order]
-                bounds = np.flatnonzero(np.diff(rg)) + 1
-                starts_g = np.concatenate([[0], bounds])
+                starts_g = np.concatenate([[0], np.flatnonzero(np.diff(rg)) + 1])
                 sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
                 idx_all, val_all = [], []
                 for s in np.unique(sizes):
@@ -3295,52 +3210,41 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                     val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
                 idx, val = np.concatenate(idx_all), np.concatenate(val_all)
                 M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
-        np.fill_diagonal(M, np.maximum(lens - n + 1, 0))
+        np.fill_diagonal(M, cnt)
         out.append((M, cnt.astype(np.float64)))
     return out, lens
 
 
 def bleu_matrix(texts):
-    """Sentence-BLEU-4 for every ordered pair: S[i, j] = BLEU(hypothesis = texts[i], reference = texts[j]).
-
-    As NLTK's `sentence_bleu([ref.split()], hyp.split(), smoothing_function=SmoothingFunction().method1)`:
-    whitespace tokens, uniform weights ¼, clipped n-gram precisions p_n = m_n / max(1, |hyp| − n + 1) where a
-    zero m_n becomes ε / max(1, |hyp| − n + 1) with ε = 0.1 (Chen & Cherry method 1), BLEU = 0 when no
-    unigram matches, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref| (1 when longer, 0 when empty)."""
-    texts = [str(t) for t in texts]
+    """S[i, j] = sentence-BLEU-4(hypothesis texts[i], reference texts[j]), as NLTK's sentence_bleu
+    with SmoothingFunction().method1: whitespace tokens, weights ¼, zero matches -> ε = 0.1,
+    0 without a unigram match, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref|."""
     vocab = {}
-    seqs = [np.array([vocab.setdefault(w, len(vocab)) for w in t.split()], dtype=np.int64) for t in texts]
+    seqs = [np.array([vocab.setdefault(w, len(vocab)) for w in str(t).split()], dtype=np.int64)
+            for t in texts]
     per_n, lens = _vf_ngram_match_counts(seqs)
     L = lens.astype(np.float64)
-    logp = np.zeros((len(texts), len(texts)))
+    logp = np.zeros((len(seqs), len(seqs)))
     for M, cnt in per_n:
-        den = np.maximum(cnt, 1.0)[:, None]
-        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / den)
+        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
     with np.errstate(divide="ignore", invalid="ignore"):
-        bp = np.where(L[:, None] > L[None, :], 1.0, np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
+        bp = np.where(L[:, None] > L[None, :], 1.0,
+                      np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
     bp[L == 0, :] = 0.0
-    S = np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
-    return S
+    return np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
 
 
 def bleu_distance_matrix(texts, S=None):
-    """R-Zero's distances: d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored; d_ii = 0.
-    (R-Zero's code fills the upper triangle with hyp = q_i, ref = q_j for i < j and copies it down.)
-    `S`: bleu_matrix(texts) if already computed."""
-    S = bleu_matrix(texts) if S is None else S
-    D = 1.0 - np.triu(S, 1)
-    D = np.triu(D, 1)
-    D = D + D.T
-    np.fill_diagonal(D, 0.0)
-    return D
+    """R-Zero's distances d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored, d_ii = 0
+    (`S`: bleu_matrix(texts) if already computed)."""
+    U = np.triu(1.0 - (bleu_matrix(texts) if S is None else S), 1)
+    return U + U.T
 
 
 def average_linkage_clusters(dist, threshold=0.5):
-    """Average-linkage agglomerative clustering of a precomputed symmetric distance matrix, cut at `threshold`
-    (two clusters merge while their mean pairwise distance is < threshold, as sklearn's
-    AgglomerativeClustering(linkage="average", distance_threshold=...)). Nearest-neighbour-chain algorithm:
-    O(B²) time, the full dendrogram, then the merges below the threshold (average linkage is monotone, so this
-    equals cutting the tree). Returns cluster ids numbered by first appearance (0, 1, ...)."""
+    """Average-linkage clusters of a symmetric distance matrix, merged while their mean distance is
+    < threshold (sklearn AgglomerativeClustering(linkage="average", distance_threshold)), by the
+    O(B²) nearest-neighbour chain. Cluster ids by first appearance."""
     D = np.array(dist, dtype=np.float64, copy=True)
     B = D.shape[0]
     if D.shape != (B, B):
@@ -3348,9 +3252,7 @@ def average_linkage_clusters(dist, threshold=0.5):
     if B == 0:
         return []
     np.fill_diagonal(D, np.inf)
-    size = np.ones(B)
-    active = np.ones(B, dtype=bool)
-    parent = np.arange(B)
+    size, active, parent = np.ones(B), np.ones(B, dtype=bool), np.arange(B)
 
     def find(x):
         while parent[x] != x:
@@ -3367,52 +3269,41 @@ def average_linkage_clusters(dist, threshold=0.5):
         b = int(np.argmin(row))
         if len(chain) > 1 and row[chain[-2]] <= row[b]:
             b = chain[-2]
-        if len(chain) > 1 and b == chain[-2]:
-            chain.pop()
-            chain.pop()
-            d = row[b]
-            if d < threshold:
-                parent[find(b)] = find(a)
-            # Lance-Williams update for average linkage; the merged cluster keeps index a
-            new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
-            D[a, :] = new
-            D[:, a] = new
-            D[a, a] = np.inf
-            D[b, :] = np.inf
-            D[:, b] = np.inf
-            size[a] += size[b]
-            active[b] = False
-            n_active -= 1
-        else:
+        if len(chain) < 2 or b != chain[-2]:
             chain.append(b)
-    roots = [find(i) for i in range(B)]
+            continue
+        del chain[-2:]
+        if row[b] < threshold:  # average linkage is monotone: this equals cutting the dendrogram
+            parent[find(b)] = find(a)
+        new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])  # Lance-Williams, kept in a
+        D[a, :] = D[:, a] = new
+        D[a, a] = D[b, :] = D[:, b] = np.inf
+        size[a] += size[b]
+        active[b] = False
+        n_active -= 1
     ids = {}
-    return [ids.setdefault(r, len(ids)) for r in roots]
+    return [ids.setdefault(find(i), len(ids)) for i in range(B)]
 
 
 def bleu_clusters(texts, threshold=0.5):
-    """Cluster id per text: R-Zero's BLEU distance + average linkage at `threshold` (ids by first appearance)."""
+    """Cluster id per text: R-Zero's BLEU distance, average linkage cut at `threshold`."""
     texts = list(texts)
-    if not texts:
-        return []
-    return average_linkage_clusters(bleu_distance_matrix(texts), threshold)
+    return average_linkage_clusters(bleu_distance_matrix(texts), threshold) if texts else []
 
 
 def repetition_penalty(texts, threshold=0.5):
-    """R-Zero's batch repetition penalty: r_rep(x_i) = |C_k| / B for x_i in cluster C_k (λ = 1), clusters from
-    1 − BLEU-4 distances with average linkage at τ_BLEU = 0.5. A singleton still pays 1/B (r_zero.md worked
-    example 2). Returns a float array of length B."""
+    """R-Zero §3 r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k (τ_BLEU = 0.5); a singleton
+    still pays 1/B. A float array of length B."""
     texts = list(texts)
     if not texts:
         return np.zeros(0)
     ids = np.asarray(bleu_clusters(texts, threshold))
-    sizes = np.bincount(ids)
-    return sizes[ids] / len(texts)
+    return np.bincount(ids)[ids] / len(texts)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Diversity metrics (analysis.md §7.2)
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Diversity metrics, pass@k, decontamination
+# --------------------------------------------------------------------------------------------------
 def distinct_fraction(texts):
     """Share of distinct texts after normalize_string."""
     texts = list(texts)
@@ -3424,41 +3315,37 @@ def distinct_ngram_ratio(texts, n=4):
     grams, total = set(), 0
     for t in texts:
         w = str(t).lower().split()
-        for i in range(len(w) - n + 1):
-            grams.add(tuple(w[i:i + n]))
-            total += 1
+        grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+        total += max(len(w) - n + 1, 0)
     return len(grams) / total if total else 0.0
 
 
-def self_bleu(texts):
-    """Mean pairwise sentence-BLEU-4 over the batch (same BLEU as the repetition penalty; hyp = earlier text)."""
+def self_bleu(texts, S=None):
+    """Mean pairwise sentence-BLEU-4 over the batch (hypothesis = the earlier text; `S`:
+    bleu_matrix(texts) if already computed)."""
     texts = list(texts)
     if len(texts) < 2:
         return 0.0
-    S = bleu_matrix(texts)
-    iu = np.triu_indices(len(texts), 1)
-    return float(S[iu].mean())
+    S = bleu_matrix(texts) if S is None else S
+    return float(S[np.triu_indices(len(texts), 1)].mean())
 
 
 def diversity_metrics(texts, threshold=0.5):
-    """Per-batch diversity numbers for any proposer: distinct fraction, distinct-4, self-BLEU, cluster count
-    (one BLEU matrix serves the last two)."""
+    """Distinct fraction, distinct-4, self-BLEU and BLEU cluster count of a batch of proposals."""
     texts = list(texts)
     out = {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
            "self_bleu": 0.0, "bleu_clusters": len(texts)}
     if len(texts) >= 2:
         S = bleu_matrix(texts)
-        out["self_bleu"] = float(S[np.triu_indices(len(texts), 1)].mean())
-        out["bleu_clusters"] = len(set(average_linkage_clusters(bleu_distance_matrix(texts, S), threshold)))
+        out["self_bleu"] = self_bleu(texts, S)
+        D = bleu_distance_matrix(texts, S)
+        out["bleu_clusters"] = len(set(average_linkage_clusters(D, threshold)))
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------
-# pass@k
-# ------------------------------------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
-    """Unbiased pass@k for one problem (Chen et al. 2021): 1 − C(n − c, k) / C(n, k), in the stable product
-    form 1 − Π_{i = n−c+1}^{n} (1 − k / i); 1 when n − c < k. (Not 1 − (1 − c/n)^k, which is biased.)"""
+    """Unbiased pass@k (Chen et al. 2021, Codex §2.1): 1 − C(n − c, k) / C(n, k), in the stable
+    form 1 − Π_{i = n−c+1}^{n} (1 − k / i)."""
     n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n) or not (1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -3468,25 +3355,20 @@ def pass_at_k(n, c, k):
 
 
 def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
-    """Percentile bootstrap interval of the mean over problems (resampling problems with replacement)."""
+    """Percentile bootstrap interval of the mean, resampling problems with replacement."""
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
         return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
+    means = v[np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
     return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
 
 
 def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
-    """Mean pass@k over problems with a bootstrap (1 − alpha) interval: (mean, low, high)."""
+    """(mean, low, high): mean pass@k over problems with a bootstrap (1 − alpha) interval."""
     per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
-    lo, hi = bootstrap_ci(per, n_boot, alpha, seed)
-    return (float(np.mean(per)) if per else float("nan"), lo, hi)
+    return (float(np.mean(per)) if per else float("nan"), *bootstrap_ci(per, n_boot, alpha, seed))
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Decontamination (analysis.md §7.3): any shared 13-gram of normalised words
-# ------------------------------------------------------------------------------------------------------------
 _VF_WORD_RE = re.compile(r"[^\W_]+")
 
 
@@ -3495,264 +3377,188 @@ def _vf_words(text):
 
 
 class Decontaminator:
-    """Index of the n-grams (default 13) of reference texts (benchmark questions, corpus documents).
-
-    Text is normalised to lower-case alphanumeric words, so punctuation, LaTeX `\\text{}` and spacing do not
-    hide a copy. A text shorter than n words is flagged only if it equals a reference after normalisation.
-    Build once, query many: `d = Decontaminator(bench_questions); keep = [q for q in qs if not d.contaminated(q)]`.
-    """
+    """Index of the word n-grams (default 13) of reference texts, lower case, punctuation and
+    `\\text{}` dropped; a text shorter than n words is flagged only if it equals a reference."""
 
     def __init__(self, references, n=13):
         if n < 1:
             raise ValueError("n must be >= 1")
-        self.n = n
-        self.grams = set()
-        self.short = set()
+        self.n, self.grams, self.short = n, set(), set()
         for ref in references:
             w = _vf_words(ref)
             self.short.add(" ".join(w))
-            for i in range(len(w) - n + 1):
-                self.grams.add(hash(tuple(w[i:i + n])))
+            self.grams.update(hash(tuple(w[i:i + n])) for i in range(len(w) - n + 1))
 
     def contaminated(self, text):
-        w = _vf_words(text)
-        if len(w) < self.n:
+        w, n = _vf_words(text), self.n
+        if len(w) < n:
             return bool(w) and " ".join(w) in self.short
-        g, n = self.grams, self.n
-        return any(hash(tuple(w[i:i + n])) in g for i in range(len(w) - n + 1))
+        return any(hash(tuple(w[i:i + n])) in self.grams for i in range(len(w) - n + 1))
 
     def flags(self, texts):
         return [self.contaminated(t) for t in texts]
 
 
 def ngram_overlap(text, references, n=13):
-    """True if `text` shares a normalised n-gram with any reference. `references` may be a Decontaminator
-    (fast, reused index) or an iterable of strings (indexed on the fly)."""
+    """Whether `text` shares an n-gram with the references (strings or a Decontaminator)."""
     d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
     return d.contaminated(text)
 
 
 def decontaminate(questions, references, n=13):
-    """Drop the questions that share an n-gram with the references. Returns (kept_questions, flagged_indices)."""
+    """(kept questions, flagged indices): drop those sharing an n-gram with the references."""
     d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
     flags = d.flags(questions)
     return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Benchmarks
-# ------------------------------------------------------------------------------------------------------------
-_VF_OPTION_LETTERS = "ABCDEFGHIJ"  # multiple choice: 2 to 10 options, letters A-J (MMLU-Pro, SuperGPQA have 10)
-
-
-@dataclass(frozen=True)
-class HubBenchmark:
-    """A benchmark on the Hugging Face hub: where it lives and how one of its rows becomes a problem
-    {"question", "answer", "choices"?}. With "choices" the "answer" is the gold option letter (A-J)."""
+# --------------------------------------------------------------------------------------------------
+class HubBenchmark(typing.NamedTuple):
+    """A hub dataset and how a row becomes {"question", "answer", "choices"?} ("answer" is then the
+    gold letter): row(example, question field, answer field), or None to leave the row out."""
     hub_id: str
     config: str | None
     split: str
-    columns: tuple            # the columns `row` reads: a row without one is a clear error, not a silent skip
-    row: typing.Callable      # row (dict) -> problem dict, or None to leave the row out
-    gated: bool = False       # the hub wants a login and the dataset's terms accepted before it serves the files
+    question: str  # the question field; missing from a row: a clear error, not a silent skip
+    answer: str  # the answer field (MC: the gold letter, or the correct option's text)
+    row: typing.Callable | None = None  # None: the two fields as they are
+    gated: bool = False  # the hub wants a login and the dataset's terms accepted
 
 
-def _vf_gsm8k_answer(a):
-    a = str(a)
-    return a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()
+class BenchmarkUnavailable(RuntimeError):
+    """A hub benchmark could not be loaded (no `datasets`, no hub); the message says the fix."""
 
 
-def _vf_answer_str(a):
-    """A gold answer as text; an integral float (27.0) is written as an integer ("27")."""
-    if isinstance(a, float) and a.is_integer():
-        return str(int(a))
-    return str(a).strip()
+def _vf_qa_row(ex, q, a):  # an integral float gold (27.0) is written as an integer ("27")
+    a = ex[a]
+    return {"question": str(ex[q]),
+            "answer": str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()}
 
 
-def _vf_qa_row(qf, af, answer=_vf_answer_str):
-    return lambda ex: {"question": str(ex[qf]), "answer": answer(ex[af])}
-
-
-def hub_qa_benchmark(hub_id, config, split, qf, af) -> HubBenchmark:
-    """A free-form hub benchmark read from one question column and one answer column (what an
-    "hf:<id>[:<config>]:<split>:<q>:<a>" name or an old-style 5-tuple entry of BENCHMARKS means)."""
-    answer = _vf_gsm8k_answer if hub_id == "openai/gsm8k" else _vf_answer_str
-    return HubBenchmark(hub_id, config or None, split, (qf, af), _vf_qa_row(qf, af, answer))
+def _vf_gsm8k_row(ex, q, a):  # the gold is the number after "####", without commas
+    a = str(ex[a])
+    return {"question": str(ex[q]),
+            "answer": a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()}
 
 
 def _vf_mc_problem(question, options, gold):
     """A multiple-choice problem; `gold` is the index of the right option in `options`."""
-    opts = [str(o).strip() for o in options]
-    if not 2 <= len(opts) <= len(_VF_OPTION_LETTERS) or not 0 <= gold < len(opts):
-        raise ValueError(f"{len(opts)} options with the gold at index {gold}: expected 2-{len(_VF_OPTION_LETTERS)} "
-                         f"options (letters A-{_VF_OPTION_LETTERS[-1]}) with the gold among them")
-    return {"question": str(question).strip(), "answer": _VF_OPTION_LETTERS[gold], "choices": opts}
+    opts, L = [str(o).strip() for o in options], _VF_OPTION_LETTERS
+    if not 2 <= len(opts) <= len(L) or not 0 <= gold < len(opts):
+        raise ValueError(f"{len(opts)} options with the gold at index {gold}: expected 2-{len(L)} "
+                         f"options (letters A-{L[-1]}) with the gold among them")
+    return {"question": str(question).strip(), "answer": L[gold], "choices": opts}
 
 
-def _vf_letter_index(letter, n):
-    s = str(letter).strip().upper()
-    if len(s) != 1 or s not in _VF_OPTION_LETTERS[:n]:
-        raise ValueError(f"gold letter {letter!r} is not the letter of one of the {n} options")
-    return _VF_OPTION_LETTERS.index(s)
-
-
-def _vf_mmlu_pro_row(ex):
-    """MMLU-Pro: `options` (up to 10) and `answer`, the gold letter (checked against `answer_index`). Options that
-    are exactly "N/A" (padding) are dropped, as TIGER-Lab's own evaluate_from_*.py scripts do; the gold letter is
-    re-pointed at the same option."""
+def _vf_options_row(ex, q, a):
+    """`options` and a gold letter (MMLU-Pro, SuperGPQA). "N/A" padding options are dropped, as
+    TIGER-Lab/MMLU-Pro's evaluate_from_*.py do; MMLU-Pro's answer_index must agree."""
     opts = ex["options"]
-    opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies store the list's repr
-    gold = _vf_letter_index(ex["answer"], len(opts))
+    opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies: a repr
+    s = str(ex[a]).strip().upper()
+    if len(s) != 1 or s not in _VF_OPTION_LETTERS[:len(opts)]:
+        raise ValueError(f"gold letter {ex[a]!r} is not the letter of one of the {len(opts)} "
+                         "options")
+    gold = _VF_OPTION_LETTERS.index(s)
     if ex.get("answer_index") is not None and int(ex["answer_index"]) != gold:
-        raise ValueError(f"answer {ex['answer']!r} and answer_index {ex['answer_index']} disagree")
+        raise ValueError(f"answer {ex[a]!r} and answer_index {ex['answer_index']} disagree")
     keep = [i for i, o in enumerate(opts) if str(o).strip() != "N/A" or i == gold]
-    return _vf_mc_problem(ex["question"], [opts[i] for i in keep], keep.index(gold))
+    return _vf_mc_problem(ex[q], [opts[i] for i in keep], keep.index(gold))
 
 
 def gpqa_option_order(question):
-    """The fixed order in which a GPQA question shows its four answers: a permutation of [correct, incorrect 1,
-    incorrect 2, incorrect 3] drawn by random.Random seeded with the first 8 bytes of SHA-256(question text,
-    stripped, UTF-8). Not Python's salted hash(): every run and machine gets the same order, and different
-    questions get different orders, so the gold letter is spread over A-D (in the hub rows it is always
-    "Correct Answer", i.e. it would always be A)."""
+    """GPQA's fixed order of [correct, incorrect 1-3] for a question: random.Random seeded with the
+    first 8 bytes of SHA-256(stripped question), the same on every machine and spread over A-D."""
     seed = int.from_bytes(hashlib.sha256(str(question).strip().encode("utf-8")).digest()[:8], "big")
     order = [0, 1, 2, 3]
     random.Random(seed).shuffle(order)
     return order
 
 
-def _vf_gpqa_row(ex):
-    answers = [ex["Correct Answer"], ex["Incorrect Answer 1"], ex["Incorrect Answer 2"], ex["Incorrect Answer 3"]]
-    order = gpqa_option_order(ex["Question"])
-    return _vf_mc_problem(ex["Question"], [answers[i] for i in order], order.index(0))
+def _vf_gpqa_row(ex, q, a):
+    answers = [ex[a]] + [ex[f"Incorrect Answer {i}"] for i in (1, 2, 3)]
+    order = gpqa_option_order(ex[q])
+    return _vf_mc_problem(ex[q], [answers[i] for i in order], order.index(0))
 
 
-def _vf_supergpqa_row(ex):
-    opts = list(ex["options"])
-    return _vf_mc_problem(ex["question"], opts, _vf_letter_index(ex["answer_letter"], len(opts)))
-
-
-def _vf_olympiad_row(ex):
-    """OlympiadBench: `final_answer` is a list (one entry, rarely several for is_multiple_answer problems): the
-    entries joined by ", ", each without an outer $...$. `context` (nearly always empty in this subset) goes
-    before the question. A row without a final answer is left out."""
+def _vf_olympiad_row(ex, q, a):
+    """`final_answer` is a list: its entries without an outer $...$, joined by ", "; `context`
+    goes before the question; a row without a final answer is left out."""
     answers = []
-    for a in ex["final_answer"] or []:
-        a = str(a).strip()
-        if a.startswith("$") and a.endswith("$") and a.count("$") == 2:
-            a = a[1:-1].strip()
-        if a:
-            answers.append(a)
+    for s in ex[a] or []:
+        s = str(s).strip()
+        if s.startswith("$") and s.endswith("$") and s.count("$") == 2:
+            s = s[1:-1].strip()
+        if s:
+            answers.append(s)
     if not answers:
         return None
-    q, ctx = str(ex["question"]).strip(), str(ex.get("context") or "").strip()
+    q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
     return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)}
 
 
-# name -> HubBenchmark. Extend or override this dict for other copies (an old-style 5-tuple (hub id, config,
-# split, question column, answer column) still works); any "hf:<id>[:<config>]:<split>:<q column>:<a column>"
-# string also works as a benchmark name. Hub access was not available when these were written: each id, config,
-# split and column list below was checked against the dataset's hub pages and public loader code (named per
-# entry) found by search. Row counts are the hub viewer's.
+# name -> hub dataset; an old-style 5-tuple (hub id, config, split, question, answer) works too, as
+# does any "hf:<id>[:<config>]:<split>:<question field>:<answer field>" name. Rows as on the hub.
 BENCHMARKS = {
-    "gsm8k": hub_qa_benchmark("openai/gsm8k", "main", "test", "question", "answer"),  # gold after "####"
-    "math500": hub_qa_benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
-    "aime24": hub_qa_benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
-    # 30 rows: problem_idx, problem, answer (int64), problem_type. Checked: loaders in several public eval repos
-    # (load_dataset("MathArena/aime_2025", split="train"); row["problem"], str(row["answer"])). Correct as it was.
-    "aime25": hub_qa_benchmark("MathArena/aime_2025", None, "train", "problem", "answer"),
-    # 40 rows: id, question, answer, url. Checked: public loaders (split="test"; item["question"], str(item["answer"]);
-    # R-Zero's evaluation/datasets_loader.py reads the same columns from its copy zwhe99/amc23). Correct as it was.
-    "amc23": hub_qa_benchmark("math-ai/amc23", None, "test", "question", "answer"),
-    # MinervaMath (Lewkowycz et al. 2022), 272 rows: question, answer (the final answer, not a solution). Checked:
-    # several public loaders (load_dataset("math-ai/minervamath", split="test"); r["question"], r["answer"]) and
-    # copies with the same 272-row shape. R-Zero's released loader uses zwhe99/simplerl-minerva-math (problem,
-    # answer): "hf:zwhe99/simplerl-minerva-math:test:problem:answer".
-    "minerva": hub_qa_benchmark("math-ai/minervamath", None, "test", "question", "answer"),
-    # OlympiadBench (He et al. 2024), config OE_TO_maths_en_COMP: Open-Ended, Text-Only, maths, English,
-    # COMPetition problems, 674 rows in its only split "train" (hub viewer; the often-quoted 675 is the copy in
-    # Qwen2.5-Math's evaluation, not checked row by row). This is the text-only English math subset the papers
-    # report; R-Zero's released loader reads a copy of it, zwhe99/simplerl-OlympiadBench (question,
-    # final_answer[0]; split test). Columns used: question, final_answer (a list), context. Checked: hub viewer (18
-    # configs with row counts) and public loaders (load_dataset("Hothan/OlympiadBench", "OE_TO_maths_en_COMP",
-    # split="train"); r["question"], r["final_answer"][0]).
+    "gsm8k": HubBenchmark("openai/gsm8k", "main", "test", "question", "answer"),  # 1,319
+    "math500": HubBenchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),  # 500
+    "aime24": HubBenchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),  # 30
+    "aime25": HubBenchmark("MathArena/aime_2025", None, "train", "problem", "answer"),  # 30, int
+    "amc23": HubBenchmark("math-ai/amc23", None, "test", "question", "answer"),  # 40, float
+    "minerva": HubBenchmark("math-ai/minervamath", None, "test", "question", "answer"),  # 272
     "olympiadbench": HubBenchmark("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train",
-                                  ("question", "final_answer"), _vf_olympiad_row),
-    # MMLU-Pro (Wang et al. 2024), 12,032 rows: question_id, question, options (list, up to 10), answer (letter),
-    # answer_index, cot_content, category, src. Checked: R-Zero's evaluation/eval_mmlupro.py and datasets_loader.py
-    # (split "test", entry["answer"] compared with the predicted letter), evalscope's mmlu_pro adapter.
-    "mmlu_pro": HubBenchmark("TIGER-Lab/MMLU-Pro", None, "test", ("question", "options", "answer"),
-                             _vf_mmlu_pro_row),
-    # GPQA-Diamond (Rein et al. 2023), 198 rows in config gpqa_diamond, split "train" (its only split). Columns
-    # used: Question, Correct Answer, Incorrect Answer 1-3. GATED: log in and accept the terms on the hub first.
-    # Checked: lighteval's gpqa:diamond task (hf_subset gpqa_diamond, split train), R-Zero's datasets_loader.py,
-    # evalscope's gpqa adapter. The four answers are shuffled with a fixed per-question seed (gpqa_option_order).
-    "gpqa_diamond": HubBenchmark("Idavidrein/gpqa", "gpqa_diamond", "train",
-                                 ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
-                                  "Incorrect Answer 3"), _vf_gpqa_row, gated=True),
-    # SuperGPQA (M-A-P 2025), 26,529 rows, one split "train" (from SuperGPQA-all.jsonl): uuid, question, options
-    # (list, up to 10), answer (the option's text), answer_letter, discipline, field, subfield, difficulty.
-    # Checked: R-Zero's evaluation/eval_supergpqa.py (entry["answer_letter"] vs the predicted letter), evalscope's
-    # super_gpqa adapter (choices=record['options'], target=record['answer_letter'], eval split train).
-    "supergpqa": HubBenchmark("m-a-p/SuperGPQA", None, "train", ("question", "options", "answer_letter"),
-                              _vf_supergpqa_row),
-    # BIG-Bench Extra Hard (Kazemi et al. 2025), 4,520 rows (23 tasks), split "train": task, input, target (a
-    # string: "(A)", a word, a number, a list, ...), mini (the 460-row BBEH-mini flag), canary. Checked: several
-    # public loaders (load_dataset("BBEH/bbeh", split="train"); row["input"], row["target"], row["mini"]). The data
-    # comes from github.com/google-deepmind/bbeh. R-Zero's released code reads the copy MrLight/bbeh-eval
-    # (question, answer, task; split train): "hf:MrLight/bbeh-eval:train:question:answer".
-    "bbeh": hub_qa_benchmark("BBEH/bbeh", None, "train", "input", "target"),
+                                  "question", "final_answer", _vf_olympiad_row),  # 674, text only
+    "mmlu_pro": HubBenchmark("TIGER-Lab/MMLU-Pro", None, "test", "question", "answer",
+                             _vf_options_row),  # 12,032, up to 10 options
+    "gpqa_diamond": HubBenchmark("Idavidrein/gpqa", "gpqa_diamond", "train", "Question",
+                                 "Correct Answer", _vf_gpqa_row, gated=True),  # 198, shuffled
+    "supergpqa": HubBenchmark("m-a-p/SuperGPQA", None, "train", "question", "answer_letter",
+                              _vf_options_row),  # 26,529, up to 10 options
+    "bbeh": HubBenchmark("BBEH/bbeh", None, "train", "input", "target"),  # 4,520, 23 tasks
 }
 
 
-def _vf_load_jsonl(path, limit):
-    shape = 'each line must be one object like {"question": "...", "answer": "..."} (optional "choices": [..])'
-    rows = []
-    for ln, obj in iter_jsonl(path, shape=shape):
-        if "question" not in obj or "answer" not in obj:
-            raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
-                             f'(optional "choices": [..]); got {str(obj)[:120]}')
-        row = {"question": str(obj["question"]), "answer": str(obj["answer"])}
-        if obj.get("choices") is not None:
-            if not isinstance(obj["choices"], list) or not obj["choices"]:
-                raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
-            if len(obj["choices"]) > len(_VF_OPTION_LETTERS):
-                raise ValueError(f'{path}:{ln}: {len(obj["choices"])} "choices"; at most '
-                                 f'{len(_VF_OPTION_LETTERS)} (letters A-{_VF_OPTION_LETTERS[-1]})')
-            row["choices"] = [str(c) for c in obj["choices"]]
-        rows.append(row)
-        if limit and len(rows) >= limit:
+def _vf_load_rows(rows, limit, row_fn, empty):
+    """row_fn(i, example) -> problem or None for each example until `limit` (0: all) are kept;
+    ValueError(empty) if none is."""
+    out = []
+    for i, ex in enumerate(rows):
+        problem = row_fn(i, ex)
+        if problem is not None:
+            out.append(problem)
+        if limit and len(out) >= limit:
             break
-    if not rows:
-        raise ValueError(f"{path}: no problems found (empty file?)")
-    return rows
+    if not out:
+        raise ValueError(empty)
+    return out
 
 
-def _vf_open_hub(name, spec):
-    """datasets.load_dataset for a HubBenchmark; BenchmarkUnavailable, saying the fix, when it cannot."""
-    fix = 'or pass a local JSONL file of {"question", "answer", "choices"?} lines'
-    gated = (f" {spec.hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept its terms at "
-             f"https://huggingface.co/datasets/{spec.hub_id} first." if spec.gated else "")
+def _vf_open_hub(what, name, hub_id, config, split, fix, gated=False):
+    """datasets.load_dataset, or BenchmarkUnavailable saying the fix."""
+    gated = (f" {hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept "
+             f"its terms at https://huggingface.co/datasets/{hub_id} first." if gated else "")
     try:
         import datasets
     except ImportError:
-        raise BenchmarkUnavailable(f"benchmark {name!r} is loaded from the Hugging Face hub with the `datasets` "
-                                   f"package, which is not installed. Fix: `pip install datasets`, {fix}.{gated}"
-                                   ) from None
-    where = f"{spec.hub_id}{f', config {spec.config}' if spec.config else ''}, split {spec.split}"
+        raise BenchmarkUnavailable(
+            f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
+            f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
+    where = f"{hub_id}{f', config {config}' if config else ''}, split {split}"
     try:
-        return (datasets.load_dataset(spec.hub_id, spec.config, split=spec.split) if spec.config else
-                datasets.load_dataset(spec.hub_id, split=spec.split))
+        return (datasets.load_dataset(hub_id, config, split=split) if config else
+                datasets.load_dataset(hub_id, split=split))
     except Exception as e:
-        raise BenchmarkUnavailable(f"could not load benchmark {name!r} ({where}) from the Hugging Face hub: "
-                                   f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
-                                   f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}."
-                                   ) from None
+        raise BenchmarkUnavailable(
+            f"could not load {what} {name!r} ({where}) from the Hugging Face hub: "
+            f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
+            f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}.") from None
 
 
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
-    """"aime24@32" -> ("aime24", 32): a benchmark scored by the mean accuracy of 32 samples (mean@32, as SPICE
-    reports AIME) instead of greedy decoding; "aime24" -> ("aime24", None). An existing file is never split."""
+    """"aime24@32" -> ("aime24", 32), scored by the mean accuracy of 32 samples (SPICE's AIME);
+    "aime24" -> ("aime24", None). An existing file is never split."""
     name = str(spec).strip()
     m = re.fullmatch(r"(.+)@(\d+)", name)
     if m is None or os.path.isfile(name):
@@ -3762,86 +3568,118 @@ def parse_benchmark_spec(spec) -> tuple[str, int | None]:
     return m[1], int(m[2])
 
 
+def _vf_unknown_benchmark(b, flag):
+    close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
+                      "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
+                      "field>, optionally with @N samples")
+
+
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
-    """A method's up-front check of a comma-separated benchmark list (before a long run dies at its final
-    evaluation): each entry must be a built-in name, an hf: spec or an existing JSONL file, with an optional
-    "@N". Raises ValueError naming the entry and the fix; whether the hub can serve it is not checked here."""
-    for entry in (b.strip() for b in str(names).split(",")):
-        if not entry:
-            continue
+    """A method's up-front check of a comma-separated benchmark list: built-in names, hf: specs or
+    existing JSONL files, each with an optional "@N"; ValueError naming the entry and the fix."""
+    for entry in str(names).split(","):
         b = parse_benchmark_spec(entry)[0]
+        if not b:
+            continue
         if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
             if not os.path.isfile(b):
                 raise ValueError(f"{flag}: file {b} does not exist")
         elif not (b.lower() in BENCHMARKS or b.startswith("hf:")):
-            close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
-            raise ValueError(f"{flag}: unknown benchmark {b!r}{f' (did you mean {close[0]}?)' if close else ''}; "
-                             f"use one of {sorted(BENCHMARKS)}, a local .jsonl file or "
-                             "hf:<id>[:<config>]:<split>:<question field>:<answer field>, optionally with @N samples")
+            raise _vf_unknown_benchmark(b, f"{flag}: ")
+
+
+_VF_JSONL_SHAPE = ('each line must be one object like {"question": "...", "answer": "..."} '
+                   '(optional "choices": [..])')
+
+
+def _vf_jsonl_problem(path, ln, obj):
+    if "question" not in obj or "answer" not in obj:
+        raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
+                         f'(optional "choices": [..]); got {str(obj)[:120]}')
+    row, ch = {"question": str(obj["question"]), "answer": str(obj["answer"])}, obj.get("choices")
+    if ch is not None:
+        if not isinstance(ch, list) or not ch:
+            raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
+        if len(ch) > len(_VF_OPTION_LETTERS):
+            raise ValueError(f'{path}:{ln}: {len(ch)} "choices"; at most {len(_VF_OPTION_LETTERS)} '
+                             f"(letters A-{_VF_OPTION_LETTERS[-1]})")
+        row["choices"] = [str(c) for c in ch]
+    return row
 
 
 def load_benchmark(name_or_path, limit=0):
-    """Problems as [{"question", "answer", "choices"?}] ("answer" is the gold letter when there are "choices"):
-    a local JSONL file (one object per line), a name in BENCHMARKS (gsm8k, math500, aime24, aime25, amc23,
-    minerva, olympiadbench, mmlu_pro, gpqa_diamond, supergpqa, bbeh; loaded with `datasets`, imported lazily), or
-    "hf:<id>[:<config>]:<split>:<question column>:<answer column>". `limit` > 0 keeps the first N problems.
-    A trailing "@N" (see parse_benchmark_spec) is ignored here: it only tells `evaluate` how to score.
-    No `datasets`, no hub, or a gated set without a login: BenchmarkUnavailable (a RuntimeError) saying the fix."""
+    """Problems [{"question", "answer", "choices"?}] of a local JSONL file, a BENCHMARKS name or an
+    "hf:..." name (a trailing "@N" is ignored here); `limit` > 0 keeps the first N. No `datasets`,
+    no hub, or a gated set without a login: BenchmarkUnavailable saying the fix."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         if not os.path.isfile(name):
             raise FileNotFoundError(f"benchmark file {name} does not exist")
-        return _vf_load_jsonl(name, limit)
+        rows = iter_jsonl(name, shape=_VF_JSONL_SHAPE)
+        return _vf_load_rows(rows, limit, lambda _, r: _vf_jsonl_problem(name, *r),
+                             f"{name}: no problems found (empty file?)")
     if name.startswith("hf:"):
         parts = name[3:].split(":")
         if len(parts) == 4:
             parts.insert(1, None)
         if len(parts) != 5:
-            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:<answer field>")
-        spec = hub_qa_benchmark(*parts)
+            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:"
+                             "<answer field>")
+        spec = HubBenchmark(*parts)
     elif name.lower() in BENCHMARKS:
-        spec = BENCHMARKS[name.lower()]
-        spec = hub_qa_benchmark(*spec) if isinstance(spec, tuple) else spec
+        spec = HubBenchmark(*BENCHMARKS[name.lower()])
     else:
-        raise ValueError(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a path to a local .jsonl "
-                         'file of {"question", "answer"} lines, or hf:<id>[:<config>]:<split>:<q field>:<a field>')
-    ds = _vf_open_hub(name, spec)
-    rows = []
-    for i, ex in enumerate(ds):
-        missing = [c for c in spec.columns if c not in ex]
+        raise _vf_unknown_benchmark(name, "")
+    row = spec.row or (_vf_gsm8k_row if spec.hub_id == "openai/gsm8k" else _vf_qa_row)
+    ds = _vf_open_hub("benchmark", name, spec.hub_id, spec.config or None, spec.split,
+                      'or pass a local JSONL file of {"question", "answer", "choices"?} lines',
+                      spec.gated)
+
+    def problem(i, ex):
+        missing = [c for c in (spec.question, spec.answer) if c not in ex]
         if missing:
             raise KeyError(f"{spec.hub_id} has no column(s) {missing}; its columns are {list(ex)}. "
                            "Edit BENCHMARKS or use an hf: name.")
         try:
-            problem = spec.row(ex)
+            return row(ex, spec.question, spec.answer)
         except (KeyError, ValueError, TypeError, IndexError, SyntaxError) as e:
-            raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a problem: "
-                             f"{type(e).__name__}: {e}. The hub copy may have changed: edit BENCHMARKS.") from None
-        if problem is not None:
-            rows.append(problem)
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise ValueError(f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
-    return rows
+            raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a "
+                             f"problem: {type(e).__name__}: {e}. The hub copy may have changed: "
+                             "edit BENCHMARKS.") from None
+    return _vf_load_rows(ds, limit, problem,
+                         f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Evaluation: greedy accuracy + pass@k per benchmark
-# ------------------------------------------------------------------------------------------------------------
-_VF_EVAL_INSTRUCTION = "Work through the problem step by step, then write the final answer as \\boxed{answer}."
+# --------------------------------------------------------------------------------------------------
+# Evaluation: greedy accuracy and pass@k per benchmark
+# --------------------------------------------------------------------------------------------------
+_VF_EVAL_INSTRUCTION = ("Work through the problem step by step, then write the final answer as "
+                        "\\boxed{answer}.")
+_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads "
+                  "the extracted answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', "
+                  "'the answer is B'; with nothing extracted, the completion's last 'answer is "
+                  "B'), and it must equal the gold letter exactly; an option's text is not a "
+                  "letter answer. Free-form problems go through math_equal as before.")
+
+
+def _vf_chat_or_text(tokenizer, content, text):
+    """Chat messages when the tokenizer has a chat template, else the raw-text prompt."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": content}]
+    return text
 
 
 def default_eval_prompt(problem, tokenizer=None):
-    """Chat messages when the tokenizer has a chat template, else raw text. Options (if any) are listed as
-    A) ... and the model is asked to box the letter."""
+    """The step-by-step, boxed-answer prompt; options (if any) listed as A) ... B) ..."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}"
+                                for i, c in enumerate(problem["choices"]))
         q += "\n\nAnswer with the letter of the correct option."
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return [{"role": "user", "content": f"{q}\n\n{_VF_EVAL_INSTRUCTION}"}]
-    return f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:"
+    return _vf_chat_or_text(tokenizer, f"{q}\n\n{_VF_EVAL_INSTRUCTION}",
+                            f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:")
 
 
 def _vf_verifier_name(timeout):
@@ -3850,20 +3688,14 @@ def _vf_verifier_name(timeout):
         mv = version("math-verify")
     except Exception:
         mv = "?"
-    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else math-verify {mv} "
-            f"verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s (timeout = wrong)")
-
-
-_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads the extracted "
-                  "answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', 'the answer is B'; with nothing "
-                  "extracted, the completion's last 'answer is B'), and it must equal the gold letter exactly; an "
-                  "option's text is not a letter answer. Free-form problems go through math_equal as before.")
+    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
+            f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
+            "(timeout = wrong)")
 
 
 def gold_option_letter(problem):
-    """The gold letter of a multiple-choice problem (None without "choices", or when it cannot be told): its
-    "answer" if that is the letter of one of its choices ("B", "(B)", "b)"), else the letter of the choice whose
-    text equals the answer (ignoring case and surrounding spaces), as local JSONL files sometimes have."""
+    """The gold letter of a multiple-choice problem: its "answer" if that names a choice's letter,
+    else the letter of the choice whose text equals it (case-insensitive); None otherwise."""
     choices = problem.get("choices") or []
     n = min(len(choices), len(_VF_OPTION_LETTERS))
     if not n:
@@ -3872,37 +3704,37 @@ def gold_option_letter(problem):
     m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
     if m and m.group(1).upper() in _VF_OPTION_LETTERS[:n]:
         return m.group(1).upper()
-    for i, c in enumerate(choices[:n]):
-        if str(c).strip().casefold() == a.casefold():
-            return _VF_OPTION_LETTERS[i]
-    return None
+    return next((_VF_OPTION_LETTERS[i] for i, c in enumerate(choices[:n])
+                 if str(c).strip().casefold() == a.casefold()), None)
 
 
 def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """items: [(problem, gold letter or None, completion text)] -> (preds, correct, letters). Free-form (gold letter
-    None): extract_fn(text) against the gold answer through math_equal_many. Multiple choice: option_letter of the
-    extracted answer (or of the text when nothing was extracted) equals the gold letter exactly.
-    judge_fn(problem, text) -> (pred, correct) replaces both rules (pred: a choice's letter)."""
+    """[(problem, gold letter or None, text)] -> (preds, correct, letters, no answer). Free-form:
+    extract_fn(text) by math_equal_many; multiple choice: its option_letter equals the gold letter.
+    judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    golds = [g for _, g, _ in items]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
-        preds = [pr for pr, _ in judged]
-        letters = [pr if g is not None else None for pr, (_, g, _) in zip(preds, items)]
-        return preds, [bool(ok) for _, ok in judged], letters
-    preds = [extract_fn(t) for _, _, t in items]
-    ok, letters = [False] * len(items), [None] * len(items)
-    free = [i for i, (_, g, _) in enumerate(items) if g is None]
-    for i, r in zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free], timeout=timeout)):
-        ok[i] = bool(r)
-    for i, (p, g, t) in enumerate(items):
-        if g is not None:
-            letters[i] = option_letter(preds[i], t, len(p["choices"]))
-            ok[i] = letters[i] == g
-    return preds, ok, letters
+        preds, ok = [pr for pr, _ in judged], [bool(x) for _, x in judged]
+        letters = [pr if g is not None else None for pr, g in zip(preds, golds)]
+    else:
+        preds = [extract_fn(t) for _, _, t in items]
+        ok, letters = [False] * len(items), [None] * len(items)
+        free = [i for i, g in enumerate(golds) if g is None]
+        verdicts = math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
+                                   timeout=timeout)
+        for i, r in zip(free, verdicts):
+            ok[i] = bool(r)
+        for i, (p, g, t) in enumerate(items):
+            if g is not None:
+                letters[i] = option_letter(preds[i], t, len(p["choices"]))
+                ok[i] = letters[i] == g
+    none = [lt is None if g is not None else pr is None for pr, lt, g in zip(preds, letters, golds)]
+    return preds, ok, letters, none
 
 
 def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
-    """(benchmarks, sorted ks, n) of evaluate / evaluate_code: a list or comma-separated string of benchmarks
-    (duplicates dropped), k as an int, "1,4" or a list."""
+    """(benchmarks without duplicates, sorted ks, n) from a list or comma-separated string."""
     if isinstance(benchmarks, str):
         benchmarks = benchmarks.split(",")
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
@@ -3915,7 +3747,12 @@ def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int
 
 
 def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
-    """Sampled results: unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n."""
+    """Unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n; with
+    ns None (no samples) pass@1 is the greedy accuracy."""
+    if ns is None:
+        res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
+                    "pass@k_source": "greedy"})
+        return
     res["pass@k"], res["pass@k_ci"] = {}, {}
     for kk in [x for x in ks if x <= min(ns)]:
         m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
@@ -3924,128 +3761,112 @@ def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
     res["pass@k_source"] = "samples"
 
 
-def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
-             limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000, judge_fn=None):
-    """Greedy accuracy and pass@k per benchmark.
+def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **extra):
+    return {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
+            "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
+            "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **extra,
+            "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
 
-    - Greedy: one completion per problem at temperature 0 -> "greedy_acc".
-    - Sampling (only when n > 1): n completions at (temperature, top_p) -> unbiased pass@k for each k <= n, with
-      a bootstrap 95% interval over problems; "mean@n" is the mean per-sample accuracy (= pass@1).
-      With n == 1 no sampling is done and pass@1 is the greedy accuracy (marked "pass@k_source": "greedy").
-    - The answer is extract_fn(completion text) (default: the last \\boxed{}), judged by math_equal_many.
-      Multiple choice (a problem with "choices"): the answer is reduced to its option letter (option_letter:
-      "\\boxed{B}", "\\boxed{(B)}", "B) text", "the answer is B") and must equal the gold letter exactly
-      (gold_option_letter); "n_multiple_choice" counts these problems and the settings say so.
-    - "score" is the benchmark's headline figure: greedy_acc, or mean@N for a benchmark named "name@N", which
-      draws N samples (instead of n) at (temperature, top_p) for that benchmark only (SPICE's AIME protocol:
-      "aime24@32" with temperature 0.6).
-    `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
-    (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt.
-    `judge_fn(problem, text) -> (pred, correct)` replaces extraction and grading (a protocol's own
-    rule, e.g. R-Zero's official BBEH fuzzy match; pred None counts as no answer). The settings
-    (n, T, top-p, max tokens, verifier) are written into the result so base and trained runs can be
-    compared."""
+
+def _vf_greedy_stats(ok, completions, n_boot):
+    ok = np.asarray(ok, dtype=float)
+    return {"greedy_acc": float(ok.mean()), "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
+            "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
+                                                    for c in completions])),
+            "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in completions]))}
+
+
+def _vf_truncated(groups):
+    return float(np.mean([c.finish_reason == "length" for g in groups for c in g]))
+
+
+def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
+             prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
+             n_boot=1000, judge_fn=None):
+    """Greedy accuracy (temperature 0) and, with n > 1 samples at (temperature, top_p), unbiased
+    pass@k and mean@n per benchmark; "name@N" draws N samples and scores by mean@N (SPICE's AIME).
+    extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
+    judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
-    skipped_k = [x for x in ks if x > n]
     tok = getattr(sampler_or_policy, "tokenizer", None)
-    prompt_fn = prompt_fn or default_eval_prompt
-    extract_fn = extract_fn or extract_boxed
-    t0 = time.time()
-    results = {}
+    prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
+    t0, results = time.time(), {}
     for bench in benchmarks:
         name, n_bench = parse_benchmark_spec(bench)
         n_samples = n_bench or n
         probs = load_benchmark(name, limit)
         prompts = [prompt_fn(p, tok) for p in probs]
-        golds = [p["answer"] for p in probs]
         gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        greedy = sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
-        g_preds, g_ok, g_letters = _vf_judge([(p, gl, g[0].text) for p, gl, g in zip(probs, gold_letters, greedy)],
-                                             extract_fn, timeout, judge_fn)
-        g_none = [(lt is None) if gl is not None else (p is None)
-                  for p, lt, gl in zip(g_preds, g_letters, gold_letters)]
-        res = {"n_problems": len(probs), "n_multiple_choice": sum(gl is not None for gl in gold_letters),
+        greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
+                                                           max_tokens=max_tokens)]
+        g_preds, g_ok, g_letters, g_none = _vf_judge(
+            [(p, gl, c.text) for p, gl, c in zip(probs, gold_letters, greedy)], extract_fn,
+            timeout, judge_fn)
+        res = {"n_problems": len(probs),
+               "n_multiple_choice": sum(gl is not None for gl in gold_letters),
                "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
                                                     for p, gl in zip(probs, gold_letters)),
-               "greedy_acc": float(np.mean(g_ok)),
-               "greedy_acc_ci": list(bootstrap_ci(np.asarray(g_ok, float), n_boot)),
-               "greedy_no_answer_frac": float(np.mean(g_none)),
-               "greedy_truncated_frac": float(np.mean([g[0].finish_reason == "length" for g in greedy])),
-               "greedy_mean_tokens": float(np.mean([len(g[0].token_ids) for g in greedy]))}
-        per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok),
+               **_vf_greedy_stats(g_ok, greedy, n_boot),
+               "greedy_no_answer_frac": float(np.mean(g_none))}
+        per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
                         **({"greedy_letter": lt} if gl is not None else {})}
-                       for gold, p, ok, lt, gl in zip(golds, g_preds, g_ok, g_letters, gold_letters)]
+                       for p, pr, ok, lt, gl in zip(probs, g_preds, g_ok, g_letters, gold_letters)]
         if n_samples > 1:
-            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature, top_p=top_p,
-                                              max_tokens=max_tokens, seed=seed)
-            items, owner = [], []
-            for j, group in enumerate(samp):
-                for c in group:
-                    items.append((probs[j], gold_letters[j], c.text))
-                    owner.append(j)
-            s_preds, ok, s_letters = _vf_judge(items, extract_fn, timeout, judge_fn)
-            cs = np.zeros(len(probs), dtype=int)
-            for j, o in zip(owner, ok):
-                cs[j] += int(o)
+            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature,
+                                              top_p=top_p, max_tokens=max_tokens, seed=seed)
+            owner = [j for j, group in enumerate(samp) for _ in group]
+            items = [(probs[j], gold_letters[j], c.text) for j, group in enumerate(samp)
+                     for c in group]
+            _, ok, _, s_none = _vf_judge(items, extract_fn, timeout, judge_fn)
+            cs = np.bincount(owner, weights=ok, minlength=len(probs)).astype(int)
             _vf_pass_at_k_fields(res, [len(g) for g in samp], cs, ks, n_boot, seed)
             res["n_samples"] = n_samples
-            res["sample_no_answer_frac"] = float(np.mean([(lt is None) if gold_letters[j] is not None else p is None
-                                                          for p, lt, j in zip(s_preds, s_letters, owner)]))
-            res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+            res["sample_no_answer_frac"] = float(np.mean(s_none))
+            res["sample_truncated_frac"] = _vf_truncated(samp)
             for rec, c in zip(per_problem, cs):
                 rec["correct_samples"] = int(c)
         else:
-            res["pass@k"] = {"1": res["greedy_acc"]}
-            res["pass@k_ci"] = {"1": res["greedy_acc_ci"]}
-            res["pass@k_source"] = "greedy"
-        res["score"], res["score_source"] = (res["mean@n"], f"mean@{n_bench}") if n_bench else \
-            (res["greedy_acc"], "greedy")
+            _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
+        res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
+                                             else (res["greedy_acc"], "greedy"))
         res["per_problem"] = per_problem
         results[bench] = res
+    prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
+                                                                        "custom")
     return {"benchmarks": results,
-            "settings": {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
-                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
-                         "limit": int(limit), "seed": seed, "verifier": _vf_verifier_name(timeout),
-                         "multiple_choice": _VF_MC_GRADING,
-                         "prompt": "default" if prompt_fn is default_eval_prompt else getattr(
-                             prompt_fn, "__name__", "custom"),
-                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
+                                     verifier=_vf_verifier_name(timeout),
+                                     multiple_choice=_VF_MC_GRADING, prompt=prompt),
             "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
 
 
 def evaluate_config(policy, cfg, **kw):
-    """evaluate() with a RunConfig's eval_* settings: the call each method's main() makes at the end (and every
-    cfg.eval_every steps). Optional fields eval_temperature / eval_top_p are used when a Config declares them."""
-    return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                    limit=cfg.eval_limit, temperature=getattr(cfg, "eval_temperature", 0.6),
+    """evaluate() with a RunConfig's eval_* settings (eval_temperature / eval_top_p if declared)."""
+    return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
+                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
+                    temperature=getattr(cfg, "eval_temperature", 0.6),
                     top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
 
 
 class FrozenModel:
-    """Another model that only samples, beside the trained policy: an oracle that answers the generated
-    questions so self-made labels can be spot-checked (analysis.md §7.1: R-Zero's pseudo-labels, SPICE's
-    document-extracted answers; name it in reports, since its own errors bias the figure), or a fixed stronger
-    question writer (SPICE's "Strong Challenger" baseline).
-
-    If it has the trainer's architecture and tokenizer (same parameter names and shapes, read from the
-    safetensors headers, and the same vocabulary) its weights are kept on the CPU and swapped into the policy's
-    ONE engine while it samples; otherwise it gets a sampler of its own (a second vLLM engine at
-    `gpu_memory_utilization`, or HF generate) and its weights are never loaded here. Either way its samples go
-    through Policy.generate, so under torchrun the prompts are sharded over ranks and every rank gets them all."""
+    """A second model that only samples: an oracle that spot-checks self-made labels, or SPICE's
+    fixed "Strong Challenger". With the policy's architecture and vocabulary its CPU weights are
+    swapped into the policy's one engine; otherwise it gets a sampler of its own."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
         self.name = name
         path = resolve_model_path(name)
         tok = load_tokenizer(path)
-        same = tok.get_vocab() == policy.tokenizer.get_vocab() and _core_same_parameters(path, policy)
+        same = (tok.get_vocab() == policy.tokenizer.get_vocab()
+                and _core_same_parameters(path, policy))
         self.weights = load_safetensors_dir(path) if same else None
-        self.sampler = None if same else make_sampler(
-            path, tok, dataclasses.replace(cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
+        self.sampler = None if same else make_sampler(path, tok, dataclasses.replace(
+            cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
     @contextlib.contextmanager
     def sampling(self, policy):
-        """`with frozen.sampling(policy) as s: s.generate(...)`; `s.tokenizer` is the frozen model's tokenizer."""
+        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
@@ -4054,18 +3875,16 @@ class FrozenModel:
 
 
 class _CoreFrozenSampler:
-    """A separate sampler driven through Policy.generate (sharded over torchrun ranks, gathered on all)."""
+    """A separate sampler driven through Policy.generate (sharded over torchrun ranks)."""
 
     def __init__(self, policy, sampler):
-        self.policy, self.sampler, self.tokenizer = policy, sampler, sampler.tokenizer
-
-    def generate(self, prompts, **kw):
-        return self.policy.generate(prompts, sampler=self.sampler, **kw)
+        self.tokenizer = sampler.tokenizer
+        self.generate = functools.partial(policy.generate, sampler=sampler)
 
 
 def _core_same_parameters(path, policy) -> bool:
-    """Whether the checkpoint at `path` has exactly the policy's parameter names and shapes (a tied lm_head
-    may be absent from the file), judged from the safetensors headers without loading any tensor."""
+    """Whether the checkpoint has exactly the policy's parameter names and shapes (a tied lm_head
+    may be absent), from the safetensors headers alone."""
     from safetensors import safe_open
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
@@ -4073,20 +3892,17 @@ def _core_same_parameters(path, policy) -> bool:
     shapes = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                shapes[k] = tuple(h.get_slice(k).get_shape())
+            shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
     own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
-    absent = set(own) - set(shapes)
     tied = getattr(policy.module.config, "tie_word_embeddings", False)
-    return (set(shapes) <= set(own) and absent <= ({"lm_head.weight"} if tied else set())
+    return (set(shapes) <= set(own)
+            and set(own) - set(shapes) <= ({"lm_head.weight"} if tied else set())
             and all(own[k] == shape for k, shape in shapes.items()))
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
-    """Flatten `evaluate`'s result into metrics.jsonl keys: <prefix>/<bench>/<metric> for every number (a JSONL
-    benchmark is named by its file stem), <prefix>/<bench>/pass@k, <prefix>/mean_greedy_acc over the benchmarks,
-    and <prefix>/mean_score, the mean of each benchmark's headline "score" (greedy, or mean@N for "name@N": the
-    papers' "average" column)."""
+    """`evaluate`'s result as metrics.jsonl keys: <prefix>/<bench>/<metric> (a file by its stem),
+    <prefix>/<bench>/pass@k, and the means over benchmarks of greedy_acc and of "score"."""
     out, accs, scores = {}, [], []
     for bench, r in (result.get("benchmarks") or {}).items():
         base, n_bench = parse_benchmark_spec(bench)
@@ -4097,10 +3913,8 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
                 out[f"{prefix}/{name}/{k}"] = v
         for k, v in (r.get("pass@k") or {}).items():
             out[f"{prefix}/{name}/pass@{k}"] = v
-        if isinstance(r.get("greedy_acc"), (int, float)):
-            accs.append(r["greedy_acc"])
-        if isinstance(r.get("score"), (int, float)):
-            scores.append(r["score"])
+        accs += [r["greedy_acc"]] if isinstance(r.get("greedy_acc"), (int, float)) else []
+        scores += [r["score"]] if isinstance(r.get("score"), (int, float)) else []
     if accs:
         out[f"{prefix}/mean_greedy_acc"] = sum(accs) / len(accs)
     if scores:
@@ -4108,106 +3922,82 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in PythonSandbox
-# ------------------------------------------------------------------------------------------------------------
-# name -> (hub id, split). Checked against the hub's dataset cards (features, split, row count) and public code
-# that loads them:
-#   evalplus/humanevalplus, "test", 164 rows: task_id, prompt (imports, signature, docstring), canonical_solution,
-#     entry_point, test (a numpy-based `assertion` helper and `def check(candidate)` looping over the plus inputs;
-#     EvalPlus calls check(<entry_point>)).
-#   evalplus/mbppplus, "test", 378 rows: task_id (int), code (reference solution), prompt (the one-line task),
-#     source_file, test_imports (list), test_list (MBPP's three asserts), test (a script: `assertion`, inputs,
-#     results and a module-level loop that calls the function by name).
-CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"), "mbpp+": ("evalplus/mbppplus", "test")}
-CODE_STATUSES = ("passed", "failed", "error", "timeout", "no_code")  # failed = an assertion of the tests failed
-_CODE_MAX_PROGRAM_CHARS = 32_000_000  # HumanEval+ tests inline thousands of inputs: far over the sandbox default
-_CODE_SHAPE = ('each line must be one object: {"task_id", "prompt", "test", "entry_point"} (HumanEval style: '
-               '"test" defines check(candidate), run as check(<entry_point>)) or {"task_id", "prompt", "test"} '
-               '(MBPP style: "test" is a script that calls the function by name)')
-_CODE_INSTRUCTION = "Write a complete, self-contained Python solution (with its imports) in one ```python block."
+# --------------------------------------------------------------------------------------------------
+# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in the sandbox
+# --------------------------------------------------------------------------------------------------
+# name -> (hub id, split): HumanEval+ 164 rows, MBPP+ 378 rows (the datasets' cards)
+CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"),
+                   "mbpp+": ("evalplus/mbppplus", "test")}
+CODE_STATUSES = ("passed", "failed", "error", "timeout", "no_code")  # failed: an assertion failed
+_CODE_MAX_PROGRAM_CHARS = 32_000_000  # HumanEval+ tests inline thousands of inputs
+_CODE_SHAPE = ('each line must be one object: {"task_id", "prompt", "test", "entry_point"} '
+               '(HumanEval style: "test" defines check(candidate), run as check(<entry_point>)) or '
+               '{"task_id", "prompt", "test"} (MBPP style: "test" is a script that calls the '
+               'function by name)')
+_CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its imports) in one "
+                     "```python block.")
 
 
-class BenchmarkUnavailable(RuntimeError):
-    """A hub benchmark could not be loaded (no `datasets` package, hub unreachable); the message names the fix."""
-
-
-def _vf_code_row(task_id, prompt, test, entry_point, where):
+def _vf_code_row(obj, where):
+    if "task_id" not in obj:
+        raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
+    prompt, test, entry_point = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
     if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
-        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; {_CODE_SHAPE}')
-    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
-        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got {str(entry_point)[:60]!r}')
-    return {"task_id": str(task_id), "prompt": prompt, "test": test, "entry_point": entry_point}
+        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
+                         f"{_CODE_SHAPE}")
+    if entry_point is not None and not (isinstance(entry_point, str)
+                                        and entry_point.isidentifier()):
+        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
+                         f"{str(entry_point)[:60]!r}")
+    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
+            "entry_point": entry_point}
+
+
+def _vf_hub_code_row(hub_id, i, ex):
+    if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+        prompt = [str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]]
+        ex = {"task_id": f"Mbpp/{ex['task_id']}", "prompt": "\n".join(prompt),
+              "test": "\n".join(list(ex["test_imports"]) + [ex["test"]]), "entry_point": None}
+    return _vf_code_row(ex, f"{hub_id} row {i}")
 
 
 def load_code_benchmark(name_or_path, limit=0):
-    """Code problems as [{"task_id", "prompt", "test", "entry_point"}]. With an entry_point (HumanEval style)
-    `prompt` is the function's signature and docstring and `test` defines check(candidate), run as
-    check(<entry_point>); with entry_point None (MBPP style) `prompt` is prose and `test` is a script that calls
-    the function by name. `name_or_path`: "humaneval+" or "mbpp+" (CODE_BENCHMARKS, loaded with `datasets`;
-    MBPP+ gets its first original assert appended to the prompt, as EvalPlus does, so the function's name and
-    call are known; its test_imports are prepended to the test) or a local JSONL file of such objects.
-    `limit` > 0 keeps the first N problems. No `datasets` or no hub: BenchmarkUnavailable, saying the fix."""
+    """Code problems [{"task_id", "prompt", "test", "entry_point"}] of "humaneval+", "mbpp+" or a
+    local JSONL file. HumanEval style: `test` defines check(candidate), run as check(entry_point);
+    MBPP style (entry_point None): `test` is a script calling the function by name."""
     name = str(name_or_path).strip()
-    rows = []
     if name.lower() not in CODE_BENCHMARKS:
         if not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
-            raise ValueError(f"unknown code benchmark {name!r}: use one of {sorted(CODE_BENCHMARKS)} or a local "
-                             f".jsonl file; {_CODE_SHAPE}")
-        for ln, obj in iter_jsonl(name, shape=_CODE_SHAPE):
-            if "task_id" not in obj:
-                raise ValueError(f'{name}:{ln}: missing "task_id"; {_CODE_SHAPE}')
-            rows.append(_vf_code_row(obj["task_id"], obj.get("prompt"), obj.get("test"), obj.get("entry_point"),
-                                     f"{name}:{ln}"))
-            if limit and len(rows) >= limit:
-                break
-        if not rows:
-            raise ValueError(f"{name}: no problems found (empty file?)")
-        return rows
+            raise ValueError(f"unknown code benchmark {name!r}: use one of "
+                             f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
+        return _vf_load_rows(iter_jsonl(name, shape=_CODE_SHAPE), limit,
+                             lambda _, r: _vf_code_row(r[1], f"{name}:{r[0]}"),
+                             f"{name}: no problems found (empty file?)")
     hub_id, split = CODE_BENCHMARKS[name.lower()]
-    fix = f"or pass a local JSONL file ({_CODE_SHAPE})"
-    try:
-        import datasets
-    except ImportError:
-        raise BenchmarkUnavailable(f"code benchmark {name!r} is loaded from the Hugging Face hub with the "
-                                   f"`datasets` package, which is not installed. Fix: `pip install datasets`, {fix}.")
-    try:
-        ds = datasets.load_dataset(hub_id, split=split)
-    except Exception as e:
-        raise BenchmarkUnavailable(f"could not load code benchmark {name!r} ({hub_id}, split {split}) from the "
-                                   f"Hugging Face hub: {type(e).__name__}: {str(e)[:300]}. Fix: check the network "
-                                   f"(or HF_HUB_OFFLINE=1 with a populated cache), {fix}.") from None
-    for ex in ds:
-        where = f"{hub_id} row {len(rows)}"
-        if hub_id == "evalplus/mbppplus":
-            prompt = "\n".join([str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]])
-            test = "\n".join(list(ex["test_imports"]) + [ex["test"]])
-            rows.append(_vf_code_row(f"Mbpp/{ex['task_id']}", prompt, test, None, where))
-        else:
-            rows.append(_vf_code_row(ex["task_id"], ex["prompt"], ex["test"], ex["entry_point"], where))
-        if limit and len(rows) >= limit:
-            break
-    return rows
+    ds = _vf_open_hub("code benchmark", name, hub_id, None, split,
+                      f"or pass a local JSONL file ({_CODE_SHAPE})")
+    return _vf_load_rows(ds, limit, lambda i, ex: _vf_hub_code_row(hub_id, i, ex),
+                         f"code benchmark {name!r} ({hub_id}, split {split}) has no problems")
 
 
 def code_task_prompt(problem):
-    """The task text: HumanEval style shows the function stub to complete, MBPP style the prose and example."""
+    """The task: HumanEval style shows the function stub to complete, MBPP style the prose."""
     if problem.get("entry_point"):
-        return f"Complete this Python function.\n```python\n{problem['prompt'].rstrip()}\n```\n{_CODE_INSTRUCTION}"
+        return (f"Complete this Python function.\n```python\n{problem['prompt'].rstrip()}\n```\n"
+                f"{_CODE_INSTRUCTION}")
     return f"{problem['prompt'].strip()}\n\n{_CODE_INSTRUCTION}"
 
 
 def default_code_prompt(problem, tokenizer=None):
     """Chat messages when the tokenizer has a chat template, else raw text."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return [{"role": "user", "content": code_task_prompt(problem)}]
-    return f"{code_task_prompt(problem)}\n\nSolution:\n"
+    return _vf_chat_or_text(tokenizer, code_task_prompt(problem),
+                            f"{code_task_prompt(problem)}\n\nSolution:\n")
 
 
 def extract_code(text):
-    """The last closed ```python (```py, ```python3 or untagged) block of `text`, indentation kept, or None.
-    Parsed line by line, so the closing fence of another block (```input) is never taken for an opening one.
-    A block cut off by max_tokens does not count: its code is incomplete."""
+    """The last closed ```python (```py, ```python3, untagged) block, indentation kept, or None.
+    Line by line, so another block's closing fence (```input) never opens one; a block cut off by
+    max_tokens does not count."""
     found, body, tag = None, None, ""
     for line in str(text).splitlines():
         fence = line.strip().startswith("```")
@@ -4223,18 +4013,18 @@ def extract_code(text):
 
 
 def code_program(problem, code):
-    """The program a solution is judged by. HumanEval style: prompt + solution + tests + check(entry_point); the
-    prompt comes first so its imports are there and a bare function body still completes its stub, while a full
-    definition in the solution replaces the stub. MBPP style: solution + test script."""
+    """The program a solution is judged by. HumanEval style: prompt (its imports; a bare body
+    completes the stub) + solution + tests + check(entry_point); MBPP style: solution + tests."""
     if problem.get("entry_point"):
-        return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
+                f"check({problem['entry_point']})\n")
     return f"{code}\n\n{problem['test']}\n"
 
 
 def _vf_run_code(sandbox, problems, codes, timeout):
-    """codes[i] = solutions (None: no code) for problems[i] -> [[(status, message)]] in the same shape. A run
-    passes only if the program reaches the end and then evaluates a fresh random token: exiting early
-    (sys.exit, os._exit, BaseException) or writing a canned result frame cannot pass."""
+    """codes[i]: solutions (None: no code) of problems[i] -> [[(status, message)]] alike. A run
+    passes only if the program reaches its end and evaluates a fresh random token, so exiting early
+    or writing a canned result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
     jobs, where = [], []
     out = [[("no_code", None)] * len(cs) for cs in codes]
@@ -4244,12 +4034,14 @@ def _vf_run_code(sandbox, problems, codes, timeout):
                 jobs.append((code_program(problems[i], c), repr(token)))
                 where.append((i, j))
     res = sandbox.run_many(jobs, timeout_s=timeout) if jobs else []
-    again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # the sandbox failed, not the program
-    for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout) if again else []):
-        res[m] = r
+    again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
+    if again:
+        for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout)):
+            res[m] = r
     for (i, j), r in zip(where, res):
         if r.status == "ok":
-            out[i][j] = ("passed", None) if r.value == repr(token) else ("error", "the program forged its result")
+            out[i][j] = (("passed", None) if r.value == repr(token)
+                         else ("error", "the program forged its result"))
         elif r.status == "timeout":
             out[i][j] = ("timeout", r.error)
         elif r.status == "error" and (r.error or "").startswith("AssertionError"):
@@ -4259,263 +4051,77 @@ def _vf_run_code(sandbox, problems, codes, timeout):
     return out
 
 
-def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6, top_p=0.95,
-                  max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0, timeout=20.0, n_boot=1000):
-    """Greedy pass@1 (and pass@k) on code benchmarks, in the shape of `evaluate`'s result.
-
-    - Each problem is prompted with prompt_fn(problem, tokenizer) (default: default_code_prompt) and the solution
-      is extract_fn(completion text) (default: extract_code, the last ```python block; none = "no_code").
-    - The solution runs with the problem's tests (code_program) in `sandbox`, a fresh isolated process per run,
-      within `timeout` seconds. It passes only when the tests run to the end without error; hostile or broken
-      code just fails the problem. Like EvalPlus, the tests' own comparisons are trusted (an object whose __eq__
-      always says True passes them), and a program written to dig the pass token out of its interpreter's
-      frames could forge a pass: the sandbox contains code, it does not certify it.
-    - Greedy (temperature 0) gives "greedy_acc" = pass@1 with counts of failed / error / timeout / no_code runs;
-      n > 1 adds n samples at (temperature, top_p) and unbiased pass@k (pass_at_k) with bootstrap intervals.
-    `benchmarks`: names or JSONL paths (see load_code_benchmark), a list or a comma-separated string; all are
-    loaded before anything is generated. Without `sandbox` one is started (and closed) for the call, with a
-    program cap that fits HumanEval+'s inlined tests; a sandbox you pass needs max_program_chars that large."""
+def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
+                  top_p=0.95, max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0,
+                  timeout=20.0, n_boot=1000):
+    """Greedy pass@1 and, with n > 1 samples, pass@k on code benchmarks, shaped like evaluate's
+    result. Each solution runs with its tests in `sandbox` (one fresh process per run; started for
+    the call if None); like EvalPlus the tests' own comparisons are trusted."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
-    skipped_k, ks = [x for x in ks if x > n], [x for x in ks if x <= n]
-    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}
+    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
     tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
-    t0 = time.time()
-    own = sandbox is None
+    t0, results, own = time.time(), {}, sandbox is None
     if own:
         sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
-    results = {}
     try:
         for bench, probs in problems.items():
             prompts = [prompt_fn(p, tok) for p in probs]
-            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
-            runs = [r[0] for r in _vf_run_code(sandbox, probs, [[extract_fn(c.text)] for c in greedy], timeout)]
-            ok = np.asarray([s == "passed" for s, _ in runs], dtype=float)
+            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
+                                                               max_tokens=max_tokens)]
+            codes = [[extract_fn(c.text)] for c in greedy]
+            runs = [r[0] for r in _vf_run_code(sandbox, probs, codes, timeout)]
             counts = Counter(s for s, _ in runs)
-            res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
-                   "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
-                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]},
-                   "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
-                   "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
-            per_problem = [{"task_id": p["task_id"], "greedy_status": s, "greedy_error": msg[:300] if msg else None}
+            res = {"n_problems": len(probs), **_vf_greedy_stats([s == "passed" for s, _ in runs],
+                                                                greedy, n_boot),
+                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]}}
+            per_problem = [{"task_id": p["task_id"], "greedy_status": s,
+                            "greedy_error": msg[:300] if msg else None}
                            for p, (s, msg) in zip(probs, runs)]
             if n > 1:
-                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
-                                                  max_tokens=max_tokens, seed=seed)
-                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp], timeout)
+                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature,
+                                                  top_p=top_p, max_tokens=max_tokens, seed=seed)
+                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp],
+                                    timeout)
                 cs = [sum(s == "passed" for s, _ in r) for r in runs]
                 _vf_pass_at_k_fields(res, [len(r) for r in runs], cs, ks, n_boot, seed)
                 res["sample_statuses"] = dict(Counter(s for r in runs for s, _ in r))
-                res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+                res["sample_truncated_frac"] = _vf_truncated(samp)
                 for rec, r, c in zip(per_problem, runs, cs):
                     rec["correct_samples"], rec["sample_statuses"] = c, [s for s, _ in r]
             else:
-                res["pass@k"], res["pass@k_ci"] = {"1": res["greedy_acc"]}, {"1": res["greedy_acc_ci"]}
-                res["pass@k_source"] = "greedy"
+                _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
             res["per_problem"] = per_problem
             results[bench] = res
     finally:
         if own:
             sandbox.close()
+    checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
+               "if the tests run to the end")
+    isolation = getattr(sandbox, "isolation", {}).get("level")
     return {"benchmarks": results,
-            "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
-                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
-                         "limit": int(limit), "seed": seed, "timeout_s": float(timeout),
-                         "prompt": getattr(prompt_fn, "__name__", "custom"),
-                         "extract": getattr(extract_fn, "__name__", "custom"),
-                         "checker": "solution + tests in common.PythonSandbox, one fresh process per run; passed "
-                                    "only if the tests run to the end",
-                         "sandbox_isolation": getattr(sandbox, "isolation", {}).get("level"),
-                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
+                                     timeout_s=float(timeout),
+                                     prompt=getattr(prompt_fn, "__name__", "custom"),
+                                     extract=getattr(extract_fn, "__name__", "custom"),
+                                     checker=checker,
+                                     sandbox_isolation=isolation),
             "time_s": round(time.time() - t0, 2)}
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Parameter update sparsity (understanding paper Eq. 2)
-# ------------------------------------------------------------------------------------------------------------
-class _VfTensors:
-    """Uniform, streaming access to a model's parameters: nn.Module, state dict, or a checkpoint folder/file
-    (safetensors read tensor by tensor; .bin/.pt via torch.load(mmap=True))."""
-
-    def __init__(self, src):
-        self.tied = False
-        self.files = None
-        self.sd = None
-        self._bins = {}
-        if not isinstance(src, (torch.nn.Module, dict, str, Path)) and isinstance(getattr(src, "model", None),
-                                                                              torch.nn.Module):
-            src = src.model  # a Policy
-        if isinstance(src, str) and not Path(src).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", src):
-            src = _vf_hub_snapshot(src)
-        if isinstance(src, torch.nn.Module):
-            self.tied = bool(getattr(getattr(src, "config", None), "tie_word_embeddings", False))
-            self.sd = dict(src.named_parameters())  # remove_duplicate=True: tied weights appear once
-        elif isinstance(src, dict):
-            seen, sd = {}, {}
-            for k, v in src.items():
-                if not torch.is_tensor(v):
-                    continue
-                key = (v.data_ptr(), tuple(v.shape), v.dtype) if v.numel() else None
-                if key is not None and key in seen:  # the same storage twice = tied
-                    self.tied = True
-                    continue
-                if key is not None:
-                    seen[key] = k
-                sd[k] = v
-            # copies (e.g. Policy.get_weights()) lose the shared storage: a head identical to the embedding is tied
-            emb = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
-            head = next((k for k in sd if k.endswith("lm_head.weight")), None)
-            if emb and head and sd[emb].shape == sd[head].shape and torch.equal(sd[emb], sd[head]):
-                self.tied = True
-            self.sd = sd
-        else:
-            p = Path(str(src)).expanduser()
-            if p.is_dir():
-                cfgf = p / "config.json"
-                if cfgf.is_file():
-                    try:
-                        self.tied = bool(json.loads(cfgf.read_text()).get("tie_word_embeddings", False))
-                    except Exception:
-                        pass
-                files = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin")) + sorted(p.glob("*.pt"))
-                files = [f for f in files if f.name not in ("optimizer.pt", "training_args.bin")]
-            elif p.is_file():
-                files = [p]
-            else:
-                raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder written by "
-                                        "save_pretrained, a .safetensors file, a model or a state dict)")
-            if not files:
-                raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder")
-            self.files = {}
-            for f in files:
-                if f.suffix == ".safetensors":
-                    from safetensors import safe_open
-                    with safe_open(str(f), framework="pt") as h:
-                        for k in h.keys():
-                            self.files[k] = f
-                else:
-                    for k, v in torch.load(str(f), map_location="cpu", mmap=True, weights_only=True).items():
-                        self.files[k] = f
-        if self.sd is not None:
-            self.sd = {self._strip(k): v for k, v in self.sd.items()}
-        else:
-            self.files = {self._strip(k): f for k, f in self.files.items()}
-        self._handles = {}
-
-    @staticmethod
-    def _strip(k):
-        for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
-            k = k.replace(pre, "")
-        return k
-
-    def keys(self):
-        return list(self.sd) if self.sd is not None else list(self.files)
-
-    def get(self, k):
-        if self.sd is not None:
-            return self.sd[k].detach()
-        f = self.files[k]
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(f), framework="pt") as h:
-                names = {self._strip(x): x for x in h.keys()}
-                return h.get_tensor(names[k])
-        if f not in self._bins:  # memory-mapped: loading the dict does not read the tensors
-            sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
-            self._bins[f] = {self._strip(x): v for x, v in sd.items()}
-        return self._bins[f][k]
-
-
-def _vf_hub_snapshot(repo_id):
-    """Local folder of a hub model's weights (downloaded into the HF cache if needed), for `sparsity BASE CKPT`."""
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"])
-    except Exception as e:
-        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face hub did not provide "
-                                f"it ({type(e).__name__}: {str(e)[:200]}). Pass a local folder written by "
-                                "save_pretrained, or check the id / network.") from None
-
-
-def _vf_layer_type(name):
-    n = name.lower()
-    if "norm" in n:
-        return "norm"
-    if "embed" in n or "wte" in n or "wpe" in n:
-        return "embedding"
-    if "lm_head" in n:
-        return "lm_head"
-    if any(s in n for s in ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")):
-        return "attention"
-    if any(s in n for s in ("mlp", "gate_proj", "up_proj", "down_proj", "ffn", "experts")):
-        return "mlp"
-    return "other"
-
-
-def _vf_unchanged(a, b):
-    """Exactly-equal entries (bitwise in the stored dtype, so NaN == NaN); float32 if the dtypes differ."""
-    if a.dtype == b.dtype and a.is_floating_point():
-        int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-        if int_t is not None:
-            return int((a.contiguous().view(int_t) == b.contiguous().view(int_t)).sum())
-    if a.dtype != b.dtype:
-        a, b = a.float(), b.float()
-    return int((a == b).sum())
-
-
-def update_sparsity(a, b):
-    """Understanding paper Eq. 2:  S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n  = share of parameters exactly unchanged.
-
-    `a`, `b`: models, state dicts, or checkpoint folders/files. Compared tensor by tensor (streaming, CPU), with
-    exact equality and no tolerance, in the stored dtype (reported: bf16 storage rounds small updates away, so
-    the number depends on it). Tied embeddings are counted once. Returns {"sparsity", "n_params",
-    "n_unchanged", "dtype", "per_type": {embedding|attention|mlp|norm|lm_head|other: {sparsity, n_params}},
-    "n_tensors", "tied"}."""
-    ta, tb = _VfTensors(a), _VfTensors(b)
-    ka, kb = ta.keys(), set(tb.keys())
-    tied = ta.tied or tb.tied
-    if tied:  # a tied head is the embedding: count it once, whichever side stored it
-        ka = [k for k in ka if k != "lm_head.weight"]
-        kb.discard("lm_head.weight")
-    only_a, only_b = sorted(set(ka) - kb), sorted(kb - set(ka))
-    if only_a or only_b:
-        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only in A "
-                         f"{only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B {only_b[:5]}. Compare "
-                         "checkpoints of the same architecture.")
-    tot = unchanged = 0
-    per, dtypes = {}, set()
-    for k in ka:
-        x, y = ta.get(k).cpu(), tb.get(k).cpu()
-        if x.shape != y.shape:
-            raise ValueError(f"update_sparsity: {k} has shape {tuple(x.shape)} in A but {tuple(y.shape)} in B")
-        dtypes.add(str(x.dtype).replace("torch.", "") + ("" if x.dtype == y.dtype else
-                                                          "/" + str(y.dtype).replace("torch.", "")))
-        u, m = _vf_unchanged(x, y), x.numel()
-        tot += m
-        unchanged += u
-        d = per.setdefault(_vf_layer_type(k), [0, 0])
-        d[0] += m
-        d[1] += u
-        del x, y
-    if tot == 0:
-        raise ValueError("update_sparsity: no parameters to compare")
-    return {"sparsity": unchanged / tot, "n_params": tot, "n_unchanged": unchanged,
-            "dtype": ",".join(sorted(dtypes)), "n_tensors": len(ka), "tied": tied,
-            "per_type": {t: {"sparsity": u / m, "n_params": m} for t, (m, u) in sorted(per.items())}}
-
-
-# ------------------------------------------------------------------------------------------------------------
-# CLI: `python common.py eval ...` / `python common.py sparsity A B`
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# CLI: `python common.py eval ...`
+# --------------------------------------------------------------------------------------------------
 def _vf_eval_model(args, model):
     cfg = RunConfig(model=model, backend=args.backend, seed=args.seed, dtype=args.dtype,
-                    max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+                    max_model_len=args.max_model_len,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
     path = resolve_model_path(model)
-    tok = load_tokenizer(path)
-    sampler = make_sampler(path, tok, cfg)
+    sampler = make_sampler(path, load_tokenizer(path), cfg)
     try:
         out = evaluate(sampler, args.benchmarks, n=args.n, k=args.k, temperature=args.temperature,
-                       top_p=args.top_p, max_tokens=args.max_tokens, limit=args.limit, seed=args.seed)
+                       top_p=args.top_p, max_tokens=args.max_tokens, limit=args.limit,
+                       seed=args.seed)
     finally:
         sampler.close()
     out["model"] = model
@@ -4523,29 +4129,26 @@ def _vf_eval_model(args, model):
 
 
 def plot_pass_at_k(results, labels, path):
-    """PNG of pass@k vs k per benchmark for several evaluate() results (the understanding paper's Fig. 1).
-    Returns the path, or None when matplotlib is not installed."""
+    """PNG of pass@k against k per benchmark for several evaluate() results (the understanding
+    paper's Fig. 1); the path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)", file=sys.stderr)
+        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)",
+              file=sys.stderr)
         return None
     benches = list(results[0]["benchmarks"])
     fig, axes = plt.subplots(1, len(benches), figsize=(4.2 * len(benches), 3.4), squeeze=False)
     for ax, b in zip(axes[0], benches):
         for res, lab in zip(results, labels):
-            pk = res["benchmarks"][b]["pass@k"]
-            ci = res["benchmarks"][b]["pass@k_ci"]
+            pk, ci = res["benchmarks"][b]["pass@k"], res["benchmarks"][b]["pass@k_ci"]
             ks = sorted(int(x) for x in pk)
-            ys = [pk[str(x)] for x in ks]
-            ax.plot(ks, ys, marker="o", label=lab)
+            ax.plot(ks, [pk[str(x)] for x in ks], marker="o", label=lab)
             ax.fill_between(ks, [ci[str(x)][0] for x in ks], [ci[str(x)][1] for x in ks], alpha=0.2)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("k")
-        ax.set_ylabel("pass@k")
-        ax.set_title(b)
+        ax.set(xlabel="k", ylabel="pass@k", title=b)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -4554,8 +4157,8 @@ def plot_pass_at_k(results, labels, path):
 
 
 def _vf_eval_out(out: str, model: str) -> str:
-    """The JSON path for `eval --out`: a folder (existing, ending in '/', or without a .json suffix)
-    gets eval_<model>.json inside; the folder is created and checked writable before any work."""
+    """The JSON path of `eval --out`: a folder (existing, ending in '/', or without .json) gets
+    eval_<model>.json inside; the folder is created and checked writable before any work."""
     name = "eval_" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json"
     p = Path(out) if out else Path(name)
     if out and (p.is_dir() or out.endswith(("/", os.sep)) or p.suffix.lower() != ".json"):
@@ -4572,16 +4175,17 @@ def _vf_eval_out(out: str, model: str) -> str:
 
 
 def cli_main(argv=None):
-    """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16 [--compare BASE]
-    [--out file.json]` and `python common.py sparsity CKPT_A CKPT_B [--out file.json]`."""
+    """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16
+    [--compare BASE] [--out file.json]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = _CoreArgParser(prog="common.py", description="Evaluation and analysis tools")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
+    ap = _CoreArgParser(prog="common.py", description="Evaluation tools")
+    ev = ap.add_subparsers(dest="cmd", required=True).add_parser(
+        "eval", help="greedy accuracy and pass@k of a model on benchmarks")
     ev.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     ev.add_argument("--benchmarks", default="gsm8k,math500",
                     help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
-    ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
+    ev.add_argument("--n", type=int, default=1,
+                    help="samples per problem for pass@k (1 = greedy only)")
     ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
     ev.add_argument("--temperature", type=float, default=0.6)
     ev.add_argument("--top-p", type=float, default=0.95)
@@ -4592,28 +4196,16 @@ def cli_main(argv=None):
     ev.add_argument("--dtype", default="auto")
     ev.add_argument("--max-model-len", type=int, default=8192)
     ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
+    ev.add_argument("--compare", default="",
+                    help="also evaluate this base model and plot pass@k curves")
     ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
                                               "eval_<model>.json; default eval_<model>.json here")
-    sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
-    sp.add_argument("a")
-    sp.add_argument("b")
-    sp.add_argument("--out", default="")
     args, unknown = ap.parse_known_args(argv)
-    if unknown:  # a typo: name the closest flag of the subcommand
-        flags = [f for f in (ev if args.cmd == "eval" else sp)._option_string_actions
-                 if f.startswith("--")]
+    if unknown:  # a typo: name the closest flag
+        flags = [f for f in ev._option_string_actions if f.startswith("--")]
         close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        ap.error(f"{args.cmd}: unknown argument {unknown[0]}{hint}")
-    if args.cmd == "sparsity":
-        res = update_sparsity(args.a, args.b)
-        res.update(a=args.a, b=args.b)
-        text = json.dumps(res, indent=2)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return 0
+        ap.error(f"eval: unknown argument {unknown[0]}"
+                 f"{f'; did you mean {close[0]}?' if close else ''}")
     if not args.model:
         ap.error("eval: --model is required (a hub id, a local folder or 'tiny')")
     try:  # everything a user can get wrong is checked before a model is loaded
@@ -4624,20 +4216,20 @@ def cli_main(argv=None):
         out = _vf_eval_out(args.out, args.model)
     except ValueError as e:
         ap.error(str(e))
-    res = _vf_eval_model(args, args.model)
-    report = res
+    res = report = _vf_eval_model(args, args.model)
+    runs = [("", res)]
     if args.compare:
         base = _vf_eval_model(args, args.compare)
-        report = {"trained": res, "base": base}
+        report, runs = {"trained": res, "base": base}, [("trained ", res), ("base ", base)]
         png = plot_pass_at_k([base, res], [f"base: {args.compare}", f"trained: {args.model}"],
                              str(Path(out).with_suffix(".png")))
         if png:
             report["plot"] = png
     Path(out).write_text(json.dumps(report, indent=2) + "\n")
-    for label, r in ([("trained", res), ("base", report["base"])] if args.compare else [("", res)]):
+    for label, r in runs:
         for b, v in r["benchmarks"].items():
             pk = ", ".join(f"pass@{x}={y:.3f}" for x, y in v["pass@k"].items())
-            print(f"{label + ' ' if label else ''}{r['model']} {b}: greedy={v['greedy_acc']:.3f} {pk}")
+            print(f"{label}{r['model']} {b}: greedy={v['greedy_acc']:.3f} {pk}")
     print(f"wrote {out}")
     return 0
 
