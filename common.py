@@ -74,7 +74,7 @@ class RunConfig:
     adam_beta2: float = 0.999  # AdamW beta_2 (torch default; oat/args.py uses 0.95)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
-    fit_memory: bool = True  # before step 1, shrink micro-batches or checkpoint to fit the free memory
+    fit_memory: bool = True  # before step 1: smaller micro-batches or checkpointing, to fit
     save_every: int = 50  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (0 = keep all)
     eval_every: int = 0  # 0 = only at the end
@@ -1954,9 +1954,9 @@ def fit_memory(policy, free: int | None = None) -> str:
             f"with {after} instead (the same gradients)")
 
 
-# ====================================================================================================================
+# ==================================================================================================
 # Log-probs, advantages and policy-gradient / SFT losses
-# ====================================================================================================================
+# ==================================================================================================
 
 
 @dataclass
