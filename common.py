@@ -1898,20 +1898,19 @@ def _core_gib(n: float) -> str:
 
 
 def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
-    """Bytes a training micro-batch of `tokens` still needs beyond what is allocated: gradients and
-    AdamW's two moments (the moments already there after a resume), the step's temporaries (on GPU
-    foreach AdamW's, one more weight set; on CPU one tensor at a time, e.g. a tied embedding's
-    second gradient), the measured activations, and token_logprobs' LM-head chunks with their
-    gradients (~512 MiB). Checked against measured peaks by tests/bench_memory.py."""
+    """Bytes a training step with micro-batches of `tokens` still needs beyond what is allocated, at
+    its peak once AdamW's state exists: gradients and the two moments (already there after a
+    resume), plus the larger of a micro-batch's measured activations with token_logprobs' LM-head
+    chunks (~512 MiB), and the optimizer step's temporaries (on GPU foreach AdamW's, a weight set;
+    on CPU one tensor at a time), which come after the activations are freed. Checked against
+    measured peaks by tests/bench_memory.py."""
     local = [p.to_local() if _core_is_dtensor(p) else p
              for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in local]
-    on_gpu = local[0].device.type == "cuda"
-    temporaries = sum(sizes) if on_gpu else max(sizes)
+    temporaries = sum(sizes) if local[0].device.type == "cuda" else max(sizes)
     cost = cost or activation_costs(policy.model)
-    act = tokens * cost["on" if checkpointing else "off"]
-    state = sum(sizes) * (1 if policy.optimizer.state else 3)
-    return state + temporaries + cost["fixed"] + 512 * 2**20 + act
+    act = cost["fixed"] + 512 * 2**20 + tokens * cost["on" if checkpointing else "off"]
+    return sum(sizes) * (1 if policy.optimizer.state else 3) + max(act, temporaries)
 
 
 def fit_memory(policy, free: int | None = None) -> str:
