@@ -1,4 +1,4 @@
-"""R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004, ICLR 2026).
+"""R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004).
 
 A Challenger writes math questions and a Solver answers them. Both start from one base model and
 never share weights; there is no data and no verifier: a question's label is the Solver's own vote.
