@@ -1544,6 +1544,17 @@ class Policy:
         """This rank's contiguous share of `items` (everything in one process)."""
         return shard(items, self.rank, self.world_size)
 
+    def all_reduce(self, values, op: str = "sum") -> list[float]:
+        """Sum (or max/min) a list of numbers over ranks; identity in one process."""
+        vals = [float(v) for v in values]
+        if self.world_size == 1:
+            return vals
+        t = torch.tensor(vals, dtype=torch.float64)
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+        torch.distributed.all_reduce(t, op=ops[op])
+        return t.tolist()
+
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
