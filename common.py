@@ -1845,13 +1845,12 @@ def saved_activation_bytes(model, tokens: int) -> int:
     excluded): the activation term of the memory plan, measured rather than modelled."""
     core = getattr(model, "module", model)
     device = next(core.parameters()).device
-    weights = {p.untyped_storage().data_ptr() for p in core.parameters()}
     seen = {}
 
-    def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not activations
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights and not (t.is_leaf and t.requires_grad):
-            seen.setdefault(ptr, t.untyped_storage().nbytes())
+    def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not
+        base = t if t._base is None else t._base  # activations; FSDP2's unsharded ones neither
+        if not (base.is_leaf and base.requires_grad):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         return t
 
     ids = torch.randint(0, core.config.vocab_size, (1, tokens), device=device)
