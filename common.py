@@ -2,13 +2,13 @@
 
 Sections, top to bottom:
   1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, the tiny model,
-     vLLM/HF samplers, Policy, torchrun helpers
-  2. Log-probs, advantages and losses: GRPO, Dr. GRPO, REINFORCE++, PPO-clip, k3 KL, SFT
-  3. Verifiers, reward shapes, evaluation: math_equal, pass@k, evaluate, update sparsity,
-     decontamination
+     vLLM/HF samplers, Policy, torchrun helpers, fitting the trainer in the free memory
+  2. Log-probs, advantages and losses: GRPO, Dr. GRPO, PPO-clip, k3 KL, pg_step, SFT
+  3. Verifiers, reward shapes, evaluation: math_equal, BLEU diversity, decontamination, pass@k,
+     the benchmark loaders, evaluate, evaluate_code
   4. The Python sandbox: a fresh isolated process per program
 
-CLI: `python common.py eval ...`, `python common.py sparsity A B`.
+CLI: `python common.py eval ...` (the update-sparsity analysis is tests/sparsity.py).
 """
 from __future__ import annotations
 import argparse, ast, atexit, collections, contextlib, dataclasses, difflib, functools, hashlib
