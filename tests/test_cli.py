@@ -269,8 +269,10 @@ def test_every_log_line_has_the_phase_keys_and_the_bar_shows_the_slowest(tmp_pat
 @pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_model_path):
     out = tmp_path / "run"
-    p = _start(["star.py", "--model", "tiny", "--backend", "hf", "--rounds", "40", "--save-every",
-                "1", "--output-dir", str(out)])
+    # --patience 0: at chance level early stopping would end the run (and so reset Python's SIGINT
+    # handler in its shutdown) before the signal arrives
+    p = _start(["star.py", "--model", "tiny", "--backend", "hf", "--rounds", "40", "--patience", "0",
+                "--save-every", "1", "--output-dir", str(out)])
     deadline = time.time() + 300
     while not (out / "checkpoints" / "latest").is_file() and time.time() < deadline:
         if p.poll() is not None:
