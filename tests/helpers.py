@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import shutil
-import types
 
 import torch
 
@@ -97,9 +96,8 @@ def _warm_build(base: pathlib.Path, pairs, target: pathlib.Path, steps, lr, marg
         if tok.decode(t[:-1], skip_special_tokens=True) != c:
             raise ValueError(f"completion {c!r} does not survive encode/decode with this tokenizer; avoid "
                              "characters it cannot represent")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    policy = types.SimpleNamespace(model=model, optimizer=opt,
-                                   cfg=types.SimpleNamespace(micro_batch_tokens=1 << 16, grad_clip=1.0))
+    cfg = common.RunConfig(model=str(base), lr=lr, weight_decay=0.0, micro_batch_tokens=1 << 16)
+    policy = common.Policy(cfg, model, tok, common.Sampler(), str(base))  # AdamW, no sampler
     got = float("-inf")
     for step in range(1, steps + 1):
         common.sft_step(policy, examples)

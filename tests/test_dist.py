@@ -138,9 +138,46 @@ def scenario_sync(out: pathlib.Path) -> dict:
             "python_rng": random.random(), "numpy_rng": float(__import__("numpy").random.rand())}
 
 
+def scenario_rzero_shards(out: pathlib.Path) -> dict:
+    """R-Zero's parked role and KL reference under FSDP2: each rank keeps only its shards; a KL
+    pass, a role switch and a resume from a saved folder are exact, bit for bit."""
+    import common
+    import r_zero
+    cfg = common.RunConfig(model="tiny", backend="hf", output_dir=str(out / "run"))
+    common.seed_everything(0)
+    policy = common.Policy.load(cfg)
+    (out / "run").mkdir(parents=True, exist_ok=True)
+    base = policy.get_weights()
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    roles = r_zero.Roles(policy, r_zero.CHALLENGER, folder=out / "run")
+    ref = roles.park()
+
+    def same(a, b):
+        return all(torch.equal(v, b[k]) for k, v in dict(a).items())
+    res = {"share": sum(v.numel() for v in ref.values()) / sum(
+        v.numel() for k, v in base.items() if k != "lm_head.weight")}
+    policy.load_trainer_weights(new)  # stands for training
+    with policy.swapped_weights(ref):
+        res["kl_pass_sees_ref"] = same(policy.get_weights(), base)
+    res["kl_pass_restores"] = same(policy.get_weights(), new)
+    res["ref_kept"] = same(r_zero.full_weights(policy, ref), base)
+    roles.activate(r_zero.SOLVER)
+    res["switch_in"] = same(policy.get_weights(), base)
+    res["switch_out"] = same(r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER]), new)
+    saved = r_zero.gathered(policy, r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER]))
+    if saved is not None:
+        policy.module.save_pretrained(str(out / "saved"), state_dict=saved)
+    policy.barrier()
+    res["resumed"] = same(r_zero.full_weights(policy, roles.park(out / "saved")), new)
+    return res
+
+
 def _worker(scenario: str, out: str) -> None:
     out = pathlib.Path(out)
-    res = {"grad": scenario_grad, "grad_ddp": lambda o: scenario_grad(o, "ddp"), "sync": scenario_sync}[scenario](out)
+    res = {"grad": scenario_grad, "grad_ddp": lambda o: scenario_grad(o, "ddp"),
+           "sync": scenario_sync, "rzero_shards": scenario_rzero_shards}[scenario](out)
     rank = int(os.environ.get("RANK", 0))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     if torch.distributed.is_initialized():
@@ -216,6 +253,13 @@ def test_sync_reaches_every_rank_and_resume_under_torchrun(tmp_path):
     assert ts["world_size"] == 2 and len(ts["rng_per_rank"]) == 2
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1  # only rank 0 logs
+
+
+@pytest.mark.slow
+def test_r_zero_keeps_only_its_shards_of_the_other_role_and_the_reference(tmp_path):
+    for r in _torchrun("rzero_shards", tmp_path):
+        assert r.pop("share") < 0.6  # about half of a set per rank: one set per node
+        assert all(r.values()), r
 
 
 @pytest.mark.slow

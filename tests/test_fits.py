@@ -278,5 +278,5 @@ def test_r_zero_role_switch_holds_no_third_copy(tmp_path):
     assert roles.active == r_zero.SOLVER and policy.sampler.n > 0
     for k, v in policy.get_weights().items():
         assert torch.equal(v, other_copy[k]), k
-    for k, v in roles.cpu[r_zero.CHALLENGER].items():
+    for k, v in roles.parked[r_zero.CHALLENGER].items():
         assert torch.equal(v, trained[k]), k

