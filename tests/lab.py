@@ -34,7 +34,7 @@ CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + 
           "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 # The model and its pretraining: (hidden, layers, intermediate, steps, batch, peak LR, digit
 # weights 1..5): mostly short numbers, so long ones are partly learnt (a curriculum for STaR)
-MODELS = {"full": (128, 4, 256, 700, 16, 6e-3, (3, 4, 4, 2, 1)),
+MODELS = {"full": (128, 4, 256, 1400, 16, 6e-3, (3, 4, 4, 2, 1)),
           "quick": (64, 2, 256, 40, 8, 6e-3, (3, 4, 4, 2, 1))}
 SEQ = 256  # tokens per packed pretraining row
 CORPUS = "corpus.txt.gz"  # the pretraining documents, beside the weights
