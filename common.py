@@ -3123,8 +3123,9 @@ def uncertainty_reward(p):
 
 
 def variance_reward(p, tau=0.01):
-    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance (the unbiased
-    one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4 right."""
+    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance
+    (the unbiased one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4
+    right."""
     a = _vf_p(p)
     var = a * (1.0 - a)
     return _vf_out(np.exp(-((var - 0.25) ** 2) / (2.0 * tau)), p)
@@ -3244,8 +3245,8 @@ def bleu_matrix(texts):
 
 
 def bleu_distance_matrix(texts, S=None):
-    """R-Zero's distances d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored, d_ii = 0
-    (`S`: bleu_matrix(texts) if already computed)."""
+    """R-Zero's distances d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored,
+    d_ii = 0 (`S`: bleu_matrix(texts) if already computed)."""
     U = np.triu(1.0 - (bleu_matrix(texts) if S is None else S), 1)
     return U + U.T
 
