@@ -4248,28 +4248,23 @@ def cli_main(argv=None):
 # The Python sandbox
 # ==================================================================================================
 # Runs untrusted, model-written Python, a fresh isolated process per program, at 1.5-2 ms of CPU
-# (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). Each guarantee, and why:
-# - The trainer never evals, execs or unpickles program output: a capped JSON frame of strings
-#   {status, value, error} comes back, value a repr; callers compare parse_literal values, so a
-#   liar's __eq__ never becomes a task value.
-# - A zygote per worker, a clean `python -s -S -P` (allow-listed env: no tokens; PYTHONHASHSEED =
-#   hash_seed), forks a child per program: no state reaches the next one, the trainer is not forked.
-# - Network (no interface up), mount, IPC and UTS namespaces (non-root: in a user namespace), and
-#   an allow-listed read-only filesystem: Python, system libraries, five /dev nodes, fake /etc
-#   accounts, /proc with hidepid=2; hide_paths (homes, temp dirs, the trainer's cwd) are empty.
-# - Per job: a fresh tmpfs for /tmp, cwd, HOME and /dev/shm, a fresh IPC namespace, and a PID
-#   namespace whose PID 1 is the child, so escapees die with it (userns: the worker empties its).
-# - Root: a uid per worker, unique in the process (RLIMIT_NPROC applies, no cross-signals), and a
-#   memory cgroup that caps a job's processes, tmpfs and kernel memory together.
-# - no_new_privs; on x86-64 a seccomp filter: no ptrace, new namespaces, bpf, keyctl, io_uring,
-#   modules; sockets AF_UNIX only (AF_INET/6 in the empty network namespace).
-# - rlimits, soft = hard: memory, CPU, file size, files, processes, core 0. The zygote kills at the
-#   deadline; the trainer keeps a looser one on the zygote and replaces a dead or silent one.
-# - A job's bytes pass through two buffers the zygote wipes after it: no later child finds them.
-# - A program's frame may only claim program outcomes; one that does not decode is a crash.
+# (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). A zygote per worker, a clean
+# `python -s -S -P` (allow-listed env: no tokens), forks one child per program, so no state reaches
+# the next one and the trainer is never forked. What each child gets, and why:
+# - net, mount, IPC, UTS namespaces (non-root: in a user namespace) and an allow-listed read-only
+#   root: Python, system libraries, five /dev nodes, fake /etc accounts, /proc with hidepid=2;
+#   hide_paths (homes, temp dirs, the trainer's cwd) are empty. Per job: a fresh tmpfs for /tmp,
+#   cwd and HOME, a fresh IPC namespace, and a PID namespace whose PID 1 is the child, so escapees
+#   die with it (userns: the worker's one namespace, emptied after each job).
+# - Root: a uid per worker (RLIMIT_NPROC applies, no cross-signals) and a memory cgroup that caps a
+#   job's processes, tmpfs and kernel memory together. no_new_privs; on x86-64 a seccomp filter.
+# - rlimits, soft = hard; the zygote kills at the deadline, the trainer replaces a silent zygote.
+# - The trainer never evals or unpickles output: a capped JSON frame {status, value, error} of
+#   strings, value a repr read with parse_literal (a liar's __eq__ never becomes a task value).
+#   A job's bytes pass through two buffers the zygote wipes after it.
 # - What the host lacks is said in .isolation, never made up for by Python-level guards. No new
 #   dependency: bubblewrap would exec a fresh interpreter per program; syscalls go through ctypes.
-# - forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a boundary.
+#   forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a boundary.
 # Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too long), crash
 # (a signal, or no result), forbidden, sandbox_error (the sandbox failed, not the program).
 
@@ -4325,9 +4320,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
 
 # ---------------------------------------------- the zygote: runs in its own clean interpreter
 # Every _zy_ function and _ZY_ value runs in the zygote, never in the trainer: _sb_zygote_source
-# ships their source. Protocol on stdin/stdout: 4-byte big-endian length + payload. The config
-# (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths, then the
-# program and expression bytes, read into _ZY_JOB_BUF; the reply: see _zy_reply.
+# ships their source. On stdin/stdout each message is a 4-byte big-endian length + payload: the
+# config (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths,
+# then the program and expression bytes; the reply: see _zy_reply.
 import ctypes, gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
 _ZY_LINUX = sys.platform.startswith("linux")
@@ -4378,11 +4373,8 @@ def _zy_mount(src, target, fstype, flags, data=None):
 
 
 def _zy_write_file(path, text):
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it
@@ -4406,11 +4398,9 @@ def _zy_try_in_child(fn):
 
 def _zy_exit():
     """Leave and remove our memory cgroup (the trainer has gone or closed us), then exit."""
-    try:
+    with contextlib.suppress(KeyError, OSError):
         os.write(_ZY_STATE["cgroup_procs"], b"0")
         os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
-    except (KeyError, OSError):
-        pass
     os._exit(0)
 
 
@@ -4460,8 +4450,7 @@ def _zy_reply(res, kind=b"Z"):
     while parts:  # writev it whole
         k = os.writev(1, parts)
         while parts and k >= len(parts[0]):
-            k -= len(parts[0])
-            parts.pop(0)
+            k -= len(parts.pop(0))
         if parts and k:
             parts[0] = parts[0][k:]
     _zy_wipe(_ZY_RES_BUF, b)
@@ -4502,9 +4491,8 @@ def _zy_enter_namespaces():
 
 
 def _zy_setup_pid_namespace():
-    """Root: a fresh PID namespace per job whose PID 1 is the child (setns back to ours, unshare
-    again: see _zy_run_job). Refused in a user namespace: there this process becomes PID 1 of one
-    namespace for the worker and empties it after every job."""
+    """Root: a fresh PID namespace per job whose PID 1 is the child (_zy_run_job). Refused in a
+    user namespace: there this process becomes PID 1 of one namespace for the worker instead."""
     if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
         return
     libc, fd, ns = _ZY_LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), _ZY_CLONE_NEWPID
@@ -4534,9 +4522,9 @@ def _zy_setup_pid_namespace():
 
 
 def _zy_isolate_filesystem():
-    """Build the children's filesystem from an allow-list on a fresh tmpfs and pivot into it:
-    Python's directories and the system libraries read-only, a few /dev nodes, synthetic account
-    files, /proc, /tmp (a tmpfs per job, see _zy_scratch); hide_paths are empty directories."""
+    """Build the children's root from an allow-list on a fresh tmpfs and pivot into it: Python's
+    and the system's libraries read-only, five /dev nodes, fake accounts, /proc; hide_paths are
+    empty directories; /tmp gets a tmpfs per job (_zy_scratch)."""
     R, C = _ZY_REPORT, _ZY_CFG
     if not R["namespaces"]["mount"]:
         return
@@ -4560,38 +4548,31 @@ def _zy_isolate_filesystem():
     files = list(_ZY_DEV_NODES) + C["etc_files"]  # and the loader cache and time zone
     fds = {}  # opened before the new root covers /tmp, where Python itself may live
     for p in dirs + files:
-        try:
+        with contextlib.suppress(OSError):
             fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
-        except OSError:
-            pass
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     try:
         _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
         return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
                         % e)
-
-    def bind(p):  # read-only and nosuid; nodev too, except for the /dev nodes
-        try:
+    for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
+        os.symlink(target, new + link)
+    bound = []
+    for p in dirs + files:  # shortest dirs first: one inside a bound one comes with it
+        if p not in fds or any(p.startswith(q.rstrip("/") + "/") for q in bound):
+            continue
+        try:  # read-only and nosuid; nodev too, except for the /dev nodes
             os.makedirs(new + p if p in dirs else os.path.dirname(new + p), exist_ok=True)
-            if p not in dirs:
+            if p in dirs:
+                bound.append(p)
+            else:
                 open(new + p, "w").close()
             _zy_mount("/proc/self/fd/%d" % fds[p], new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
             _zy_mount(None, new + p, None, _ZY_MS_RO | _ZY_MS_NOSUID
                       | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
-    bound = []
-    for p in dirs:  # shortest first: a directory inside one already bound comes with it
-        if p in fds and not any(p.startswith(q.rstrip("/") + "/") for q in bound):
-            bind(p)
-            bound.append(p)
-    for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
-        if not os.path.lexists(new + link):
-            os.symlink(target, new + link)
-    for p in files:
-        if p in fds:
-            bind(p)
     os.makedirs(new + "/dev", exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
         os.symlink(target, new + "/dev/" + name)
@@ -4604,9 +4585,8 @@ def _zy_isolate_filesystem():
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
     os.makedirs(new + "/etc", exist_ok=True)
     for p, text in etc.items():
-        with open(new + p, "w") as f:
-            f.write(text)
-        R["masked_files"].append(p)
+        _zy_write_file(new + p, text)
+    R["masked_files"] += list(etc)
     for d in C["hide_paths"]:
         if os.path.isdir(d) and not os.path.islink(d):
             try:
@@ -4678,17 +4658,16 @@ def _zy_setup_cgroup():
                     if "memory" not in f.read().split():
                         _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
             os.mkdir(d)
+            if version == 2:
+                settings = {"memory.max": limit, "memory.swap.max": 0}
+                if _ZY_STATE["oom_exempt"]:  # an OOM kill takes the whole job, not the zygote
+                    settings["memory.oom.group"] = 1
+            else:
+                settings = {"memory.limit_in_bytes": limit}
+                if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
+                    settings["memory.memsw.limit_in_bytes"] = limit
             try:
-                if version == 2:
-                    settings = {"memory.max": limit, "memory.swap.max": 0}
-                    if _ZY_STATE["oom_exempt"]:  # an OOM kill takes the whole job, not the zygote
-                        settings["memory.oom.group"] = 1
-                else:
-                    settings = {"memory.limit_in_bytes": limit}
-                    if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
-                        settings["memory.memsw.limit_in_bytes"] = limit
-                settings["cgroup.procs"] = os.getpid()
-                for name, value in settings.items():
+                for name, value in dict(settings, **{"cgroup.procs": os.getpid()}).items():
                     _zy_write_file(d + "/" + name, str(value))
             except OSError:
                 os.rmdir(d)
@@ -4722,10 +4701,10 @@ def _zy_oom_killed():
 
 
 def _zy_build_seccomp(net_private):
-    """A seccomp filter for x86-64 (None elsewhere), installed once in the zygote and inherited:
-    one per child costs ~10% of the throughput. It leaves the zygote mount/umount2 and unshare and
-    setns of PID and IPC namespaces: a child lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to
-    regain it, is refused. Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
+    """A seccomp filter for x86-64 (None elsewhere), installed once in the zygote and inherited
+    (one per child costs ~10% of the throughput). The zygote keeps mount/umount2 and PID and IPC
+    unshare/setns: a child lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to regain it, is
+    refused. Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
     if not _ZY_LINUX or os.uname().machine != "x86_64":
         return _zy_note("seccomp filter only written for x86-64: not installed")
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
@@ -4759,8 +4738,7 @@ def _zy_build_seccomp(net_private):
     raw = b"".join(struct.pack("HBBI", code, jump(jt, i), jump(jf, i), k)
                    for i, (_, code, jt, jf, k) in enumerate(src))
     buf = ctypes.create_string_buffer(raw, len(raw))
-    prog = (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
-    return buf, prog
+    return buf, (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
 
 
 # ---------------------------------------------------------------------------- per job
@@ -4894,10 +4872,8 @@ def _zy_count_processes(uid):
         return 4096
     n = 0
     for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
+        with contextlib.suppress(OSError):  # it exited meanwhile
             n += os.stat("/proc/" + d).st_uid == uid
-        except OSError:  # it exited meanwhile
-            pass
     return n
 
 
@@ -4912,54 +4888,29 @@ def _zy_scratch():
     """The job's fresh, empty, size-capped directory: a tmpfs of its own on /tmp (one a job left
     untouched serves the next), else the same host path each job, made anew."""
     S, C = _ZY_STATE, _ZY_CFG
-    if S["view"]:
-        if S["tmp_mark"] is None:
-            uid, gid = (C["uid"], C["uid"]) if S["drop_uid"] else (os.getuid(), os.getgid())
-            _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV,
-                      "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d"
-                      % (C["tmpfs_mb"], C["tmpfs_inodes"], uid, gid))
-            S["tmp_mark"] = _zy_tmp_mark()
-    else:
+    if not S["view"]:
         os.mkdir(S["jobdir"], 0o700)
         if S["drop_uid"]:
             os.chown(S["jobdir"], C["uid"], C["uid"])
+    elif S["tmp_mark"] is None:
+        uid, gid = (C["uid"], C["uid"]) if S["drop_uid"] else (os.getuid(), os.getgid())
+        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV,
+                  "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d"
+                  % (C["tmpfs_mb"], C["tmpfs_inodes"], uid, gid))
+        S["tmp_mark"] = _zy_tmp_mark()
     return S["jobdir"]
 
 
 def _zy_scratch_down():
-    """A tmpfs the job changed is detached whole. A host directory is deleted walking it with chdir,
-    so a tree nested past PATH_MAX comes down too; past 2 s it raises: the worker is replaced."""
-    if _ZY_STATE["view"]:
-        if _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
-            _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)
-            _ZY_STATE["tmp_mark"] = None
-        return
-    path, stop, names = _ZY_STATE["jobdir"], time.monotonic() + 2.0, []
-    if not os.path.lexists(path):
-        return
-    os.chdir(path)
-    try:
-        while True:
-            if time.monotonic() > stop:
-                raise OSError("the job directory took over 2s to remove")
-            sub = None
-            with os.scandir(".") as it:
-                for e in it:
-                    if e.is_dir(follow_symlinks=False):
-                        sub = e.name
-                        break
-                    os.unlink(e.name)
-            if sub is not None:
-                os.chdir(sub)
-                names.append(sub)
-            elif not names:
-                break
-            else:
-                os.chdir("..")
-                os.rmdir(names.pop())
-    finally:
-        os.chdir("/")
-    os.rmdir(path)
+    """A tmpfs the job changed is detached whole; a host directory is deleted (by file
+    descriptors: a tree nested past PATH_MAX comes down too; a failure replaces the worker)."""
+    if not _ZY_STATE["view"]:
+        import shutil
+        if os.path.lexists(_ZY_STATE["jobdir"]):
+            shutil.rmtree(_ZY_STATE["jobdir"])
+    elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)
+        _ZY_STATE["tmp_mark"] = None
 
 
 def _zy_run_job(job):
@@ -5013,21 +4964,15 @@ def _zy_run_job(job):
     view.release()
     os.close(r)
     for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
-        try:  # its PID namespace dies with it; else its process group
+        with contextlib.suppress(OSError):  # its PID namespace dies with it; else its group
             kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
-        try:
+        with contextlib.suppress(OSError):
             os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(ChildProcessError):
             while True:
                 os.waitpid(-1, 0)
-        except ChildProcessError:
-            pass
     elif S["pidns_fd"] is None and S["drop_uid"]:
         _zy_try_in_child(_zy_kill_uid)
     _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
@@ -5049,7 +4994,7 @@ def _zy_run_job(job):
     elif sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
         status, error = "timeout", "CPU limit exceeded (%.1fs)" % cpu
     elif sig is not None:
-        names = {s.value: s.name for s in signal.Signals}
+        names = {s.value: s.name for s in signal.Signals}  # not every number has a name
         status, error = "crash", "killed by %s" % names.get(sig, sig)
     else:
         status, error = "crash", "exited with code %d before producing a result" % \
@@ -5088,29 +5033,32 @@ def _zy_warm_up():
             str(e)
 
 
+def _zy_probe(program, expression):
+    """Run a program of ours as a job -> its result as a dict."""
+    global _ZY_JOB_BUF
+    data = (program + expression).encode()
+    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(data))
+    _ZY_JOB_BUF[:len(data)] = data
+    res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
+                       "max_output": 100, "forbidden": [], "plen": len(program.encode()),
+                       "elen": len(expression.encode())})
+    try:
+        return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
+    except ValueError:
+        return {"status": "crash", "value": None, "error": "malformed"}
+
+
+def _zy_rlimit_ok(name):  # some platforms refuse some (macOS: RLIMIT_AS)
+    hard = resource.getrlimit(getattr(resource, name))[1]
+    v = 1 << 34 if hard == resource.RLIM_INFINITY else min(hard, 1 << 34)
+    resource.setrlimit(getattr(resource, name), (v, v))
+
+
 def _zy_setup():
     """Isolate this zygote once (see the section's head), then check that a child works."""
     S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
-
-    def probe(program, expression):  # run a program of ours as a job -> its result as a dict
-        global _ZY_JOB_BUF
-        data = (program + expression).encode()
-        _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(data))
-        _ZY_JOB_BUF[:len(data)] = data
-        res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
-                           "max_output": 100, "forbidden": [], "plen": len(program.encode()),
-                           "elen": len(expression.encode())})
-        try:
-            return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
-        except ValueError:
-            return {"status": "crash", "value": None, "error": "malformed"}
-
-    def rlimit_ok(name):  # some platforms refuse some (macOS: RLIMIT_AS)
-        hard = resource.getrlimit(getattr(resource, name))[1]
-        v = 1 << 34 if hard == resource.RLIM_INFINITY else min(hard, 1 << 34)
-        resource.setrlimit(getattr(resource, name), (v, v))
     S["rlimits"] = R["rlimits"] = [n for n in _ZY_RLIMITS if hasattr(resource, n)
-                                   and _zy_try_in_child(lambda: rlimit_ok(n))]
+                                   and _zy_try_in_child(lambda: _zy_rlimit_ok(n))]
     R["root"] = os.geteuid() == 0
     # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
     S["maxfd"] = 1 << 16 if _ZY_LINUX else \
@@ -5145,13 +5093,13 @@ def _zy_setup():
                  % R["scratch"])
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
-        out = probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
-                    "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                    % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
+        out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
+                        "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
+                        % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
         R["self_test"] = out.get("value") == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
         if not R["self_test"]:
             _zy_note("self-test failed: %r" % (out,))
-    out = probe("import statistics, decimal", "1")
+    out = _zy_probe("import statistics, decimal", "1")
     if out.get("value") != "1":
         R["self_test"] = False
         _zy_note("children cannot import the standard library (%s): on this host Python's files "
@@ -5196,22 +5144,16 @@ def _zy_main():
         _zy_reply(res, kind)
 
 
-_SB_ZYGOTE_IMPORTS = "import ctypes, gc, json, os, resource, select, signal, struct, sys, time"
-_sb_zygote_text = None
-
-
+@functools.cache
 def _sb_zygote_source() -> str:
     """The zygote's program: its stdlib imports, the _ZY_ values, the source of every _zy_
     function in order, and a call of _zy_main. The trainer never calls them itself."""
-    global _sb_zygote_text
-    if _sb_zygote_text is None:
-        values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
-        values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
-        funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
-        parts = [_SB_ZYGOTE_IMPORTS] + [f"{k} = {v!r}" for k, v in values.items()]
-        parts += [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"]
-        _sb_zygote_text = "\n".join(parts)
-    return _sb_zygote_text
+    values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
+    values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
+    funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
+    return "\n".join(["import contextlib, ctypes, gc, json, os, resource, select, signal, "
+                      "struct, sys, time"] + [f"{k} = {v!r}" for k, v in values.items()]
+                     + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
 
 
 # ------------------------------------------------------------ trusted side: workers and the pool
@@ -5264,14 +5206,14 @@ def _sb_host_view(hide_paths) -> dict:
     """What the children's filesystem is built from. Shown empty: homes, temp dirs and the
     trainer's working directory (its runs and checkpoints) unless that is a system directory;
     Python's own directories stay visible, read-only, wherever they sit."""
-    lib_dirs = sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)})
-    links = [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)]  # merged /usr
     cwd = os.path.realpath(os.getcwd())
     hidden = list(_SB_HIDE)
     if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
                               for d in _SB_SYSTEM_DIRS + _SB_HIDE):
         hidden.append(cwd)
-    return {"keep_paths": _sb_python_paths(), "lib_dirs": lib_dirs, "lib_links": links,
+    return {"keep_paths": _sb_python_paths(),
+            "lib_dirs": sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)}),
+            "lib_links": [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)],
             "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
             "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
             "hide_paths": hidden if hide_paths is None else list(hide_paths)}
@@ -5292,12 +5234,10 @@ class _SbWorker:
         os.set_blocking(self.rfd, False)
         try:
             self._send(json.dumps(cfg).encode())
-            with selectors.DefaultSelector() as sel:
-                sel.register(self.rfd, selectors.EVENT_READ)
-                stop = time.monotonic() + start_timeout
-                while (msg := self.poll()) is None:
-                    if not sel.select(stop - time.monotonic()):
-                        raise RuntimeError("sandbox zygote did not answer in time")
+            stop = time.monotonic() + start_timeout
+            while (msg := self.poll()) is None:
+                if not select.select([self.rfd], [], [], max(0.0, stop - time.monotonic()))[0]:
+                    raise RuntimeError("sandbox zygote did not answer in time")
             msg = json.loads(msg)
             self.report = msg["report"]
             if not msg["ready"]:
@@ -5312,20 +5252,17 @@ class _SbWorker:
             data = data[os.write(self.wfd, data):]
 
     def send_job(self, program: str, expression: str, limits: dict):
-        """A JSON header of limits and lengths, then the raw program and expression: the zygote
-        reads those bytes into a buffer it wipes after the job."""
+        """A JSON header of limits and lengths, then the raw program and expression."""
         p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
         self._send(json.dumps(dict(limits, plen=len(p), elen=len(e))).encode(), p + e)
 
     def poll(self) -> bytes | None:
         """Read what is there; return one whole frame or None. EOFError if the zygote died."""
-        try:
+        with contextlib.suppress(BlockingIOError):
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
                 raise EOFError("sandbox zygote exited")
             self.buf += chunk
-        except BlockingIOError:
-            pass
         if len(self.buf) < 4:
             return None
         (n,) = struct.unpack(">I", self.buf[:4])
@@ -5339,8 +5276,8 @@ class _SbWorker:
     def kill(self):
         """Close the pipes (the zygote then drops its cgroup and exits), kill it if it lingers,
         and remove what it may leave on the host."""
-        for f in (self.proc.stdin, self.proc.stdout):
-            f.close()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
         try:
             self.proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
@@ -5474,10 +5411,8 @@ class PythonSandbox:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     def _job_msg(self, timeout: float) -> dict:
         return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
