@@ -4377,22 +4377,19 @@ def _zy_write_file(path, text):
         f.write(text)
 
 
-def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        p = p.replace(code, char)
-    return p
+def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it: octal escapes
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
 
 
 def _zy_try_in_child(fn):
     """Whether fn() succeeds in a throwaway child: a probe that must not change this process."""
     pid = os.fork()
     if pid == 0:
-        code = 1
         try:
             fn()
-            code = 0
+            os._exit(0)
         finally:
-            os._exit(code)
+            os._exit(1)
     return os.waitpid(pid, 0)[1] == 0
 
 
@@ -4412,6 +4409,8 @@ def _zy_recv_into(buf, n):
             _zy_exit()  # the trainer went away
         got += k
     view.release()
+
+
 
 
 def _zy_recv():
@@ -4436,9 +4435,9 @@ def _zy_grow(buf, n):
 
 
 def _zy_reply(res, kind=b"Z"):
-    """Send kind + JSON made here (b"Z"; b"E" when this zygote failed, so the trainer replaces it),
-    or for res = (kind, start, end) the child's frame in _ZY_RES_BUF undecoded, never copied:
-    b"P" when the program's process wrote it, b"S" when the child's setup did. Then wipe it."""
+    """Send kind + JSON made here (b"Z"; b"E": this zygote failed, replace it), or for res = (kind,
+    start, end) the child's frame in _ZY_RES_BUF, never copied: b"P" from the program's process,
+    b"S" from the child's setup. Then wipe it."""
     global _ZY_RES_BUF
     if type(res) is tuple:
         kind, a, b = res
@@ -4744,9 +4743,8 @@ def _zy_build_seccomp(net_private):
 # ---------------------------------------------------------------------------- per job
 
 def _zy_child_main(job, wfd):
-    """The job's child: set itself up, write b"R", run the program, write one frame on fd 3; never
-    returns. What reporting needs is bound to locals first, so a program that monkeypatches
-    builtins, json or os cannot garble its own result frame."""
+    """The job's child: set up, write b"R", run the program, write one frame on fd 3, exit. What
+    reporting needs is bound first: a program that patches builtins, json or os cannot garble it."""
     _write, _exit, _pack = os.write, os._exit, struct.pack
     _enc = json.encoder.encode_basestring_ascii
     _len, _isinstance, _type, _str, _repr = len, isinstance, type, str, repr
@@ -4766,9 +4764,7 @@ def _zy_child_main(job, wfd):
     S = _ZY_STATE
     try:
         os.setsid()
-        if wfd != 3:
-            os.dup2(wfd, 3)
-            wfd = 3
+        wfd = os.dup2(wfd, 3)
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
@@ -4783,8 +4779,7 @@ def _zy_child_main(job, wfd):
         elif S["userns"]:  # drop every capability, from the bounding set too
             for cap in range(64):
                 _ZY_PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-            # capset(header {_LINUX_CAPABILITY_VERSION_3, pid 0}, 2 x {effective, permitted,
-            # inheritable} all empty)
+            # capset({_LINUX_CAPABILITY_VERSION_3, pid 0}, all 2 x 3 capability sets empty)
             _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
         if _ZY_LINUX:
             _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
@@ -4878,15 +4873,14 @@ def _zy_count_processes(uid):
 
 
 def _zy_tmp_mark():
-    """What a job could change about an empty /tmp: its inode, owner, mode, link count, times."""
+    """What a job could change about an empty /tmp: inode, mode, owner, links, size, times."""
     st = os.stat("/tmp")
-    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_mtime_ns,
-            st.st_ctime_ns)
+    return st[:7] + (st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _zy_scratch():
-    """The job's fresh, empty, size-capped directory: a tmpfs of its own on /tmp (one a job left
-    untouched serves the next), else the same host path each job, made anew."""
+    """The job's fresh, empty directory: a size-capped tmpfs on /tmp (one a job left untouched
+    serves the next), else the same host path each job, made anew."""
     S, C = _ZY_STATE, _ZY_CFG
     if not S["view"]:
         os.mkdir(S["jobdir"], 0o700)
@@ -4964,8 +4958,9 @@ def _zy_run_job(job):
     view.release()
     os.close(r)
     for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
-        with contextlib.suppress(OSError):  # its PID namespace dies with it; else its group
+        with contextlib.suppress(OSError):  # its PID namespace dies with it, else its group
             kill(pid, signal.SIGKILL)
+
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
         with contextlib.suppress(OSError):
@@ -5020,8 +5015,8 @@ def _zy_warm_example(xs: list, k=2) -> dict:
 
 
 def _zy_warm_up():
-    """Compile and run a typical program, so each child starts with the parser, the compiler and
-    the allocator warm: about 1 ms less CPU per job (fewer page faults after a fork)."""
+    """Run a typical program, so each child starts with the parser, compiler and allocator warm:
+    about 1 ms less CPU per job (fewer page faults after a fork)."""
     for _ in range(3):
         ns = {"__name__": "__main__"}
         exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
@@ -5146,12 +5141,11 @@ def _zy_main():
 
 @functools.cache
 def _sb_zygote_source() -> str:
-    """The zygote's program: its stdlib imports, the _ZY_ values, the source of every _zy_
-    function in order, and a call of _zy_main. The trainer never calls them itself."""
+    """The zygote's program: stdlib imports, the _ZY_ values, every _zy_ function, _zy_main()."""
     values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
     values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
     funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
-    return "\n".join(["import contextlib, ctypes, gc, json, os, resource, select, signal, "
+    return "\n".join(["import contextlib, ctypes, gc, json, os, re, resource, select, signal, "
                       "struct, sys, time"] + [f"{k} = {v!r}" for k, v in values.items()]
                      + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
 
@@ -5178,7 +5172,7 @@ _sb_uid_lock = threading.Lock()
 
 
 def _sb_take_uids(n: int) -> list[int]:
-    """n uids that no live sandbox of this process holds (and no account uses): a program of one
+    """n uids no live sandbox of this process holds (and no account uses): a program of one
     sandbox can never signal, probe or read the files of another's."""
     base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
     with _sb_uid_lock:
@@ -5274,8 +5268,8 @@ class _SbWorker:
         return data
 
     def kill(self):
-        """Close the pipes (the zygote then drops its cgroup and exits), kill it if it lingers,
-        and remove what it may leave on the host."""
+        """Close the pipes (the zygote drops its cgroup and exits), kill it if it lingers, and
+        remove what it may leave on the host."""
         self.proc.stdin.close()
         self.proc.stdout.close()
         try:
@@ -5411,8 +5405,9 @@ class PythonSandbox:
         self.close()
 
     def __del__(self):
-        with contextlib.suppress(Exception):  # interpreter shutdown
+        with contextlib.suppress(Exception):  # at interpreter shutdown
             self.close()
+
 
     def _job_msg(self, timeout: float) -> dict:
         return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
