@@ -4381,12 +4381,12 @@ def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it: octal escapes
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
 
 
-def _zy_try_in_child(fn):
-    """Whether fn() succeeds in a throwaway child: a probe that must not change this process."""
+def _zy_try_in_child(fn, *args):
+    """Whether fn(*args) succeeds in a throwaway child: a probe that must not change this one."""
     pid = os.fork()
     if pid == 0:
         try:
-            fn()
+            fn(*args)
             os._exit(0)
         finally:
             os._exit(1)
@@ -4639,6 +4639,7 @@ def _zy_setup_cgroup():
     found = []  # (version, our memory cgroup's directory)
     for _, ctrl, rel in groups:
         for m in mounts:
+
             sep = m.index("-")
             fstype, opts = m[sep + 1], m[sep + 3].split(",")
             root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
@@ -5053,7 +5054,7 @@ def _zy_setup():
     """Isolate this zygote once (see the section's head), then check that a child works."""
     S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
     S["rlimits"] = R["rlimits"] = [n for n in _ZY_RLIMITS if hasattr(resource, n)
-                                   and _zy_try_in_child(lambda: _zy_rlimit_ok(n))]
+                                   and _zy_try_in_child(_zy_rlimit_ok, n)]
     R["root"] = os.geteuid() == 0
     # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
     S["maxfd"] = 1 << 16 if _ZY_LINUX else \
@@ -5083,9 +5084,10 @@ def _zy_setup():
         import tempfile
         R["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
         os.chmod(R["scratch"], 0o711)
-        S["jobdir"] = os.path.join(R["scratch"], "job")  # one fixed path: outputs cannot differ
+        S["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
         _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
                  % R["scratch"])
+
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
         out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
@@ -5145,9 +5147,10 @@ def _sb_zygote_source() -> str:
     values = {k: v for k, v in globals().items() if k.startswith("_ZY_")}
     values["_ZY_WARM_SOURCE"] = inspect.getsource(_zy_warm_example)
     funcs = [v for k, v in globals().items() if k.startswith("_zy_") and inspect.isfunction(v)]
-    return "\n".join(["import contextlib, ctypes, gc, json, os, re, resource, select, signal, "
-                      "struct, sys, time"] + [f"{k} = {v!r}" for k, v in values.items()]
-                     + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
+    top = "import contextlib, ctypes, gc, json, os, re, resource, select, signal, struct, sys, time"
+    return "\n".join([top] + [f"{k} = {v!r}" for k, v in values.items()]
+                      + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
+
 
 
 # ------------------------------------------------------------ trusted side: workers and the pool
