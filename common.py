@@ -4373,12 +4373,12 @@ def _zy_mount(src, target, fstype, flags, data=None):
 
 
 def _zy_write_file(path, text):  # os.open: cheaper than open() in each child
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+
     try:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
-
 
 
 def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it: octal escapes
@@ -4413,8 +4413,6 @@ def _zy_recv_into(buf, n):
             _zy_exit()  # the trainer went away
         got += k
     view.release()
-
-
 
 
 def _zy_recv():
@@ -4643,7 +4641,6 @@ def _zy_setup_cgroup():
     found = []  # (version, our memory cgroup's directory)
     for _, ctrl, rel in groups:
         for m in mounts:
-
             sep = m.index("-")
             fstype, opts = m[sep + 1], m[sep + 3].split(",")
             root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
@@ -4963,9 +4960,10 @@ def _zy_run_job(job):
     view.release()
     os.close(r)
     for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
-        with contextlib.suppress(OSError):  # its PID namespace dies with it, else its group
+        try:  # its PID namespace dies with it, else its process group
             kill(pid, signal.SIGKILL)
-
+        except OSError:
+            pass
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
         with contextlib.suppress(OSError):
@@ -5091,7 +5089,6 @@ def _zy_setup():
         S["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
         _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
                  % R["scratch"])
-
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
         out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
@@ -5154,7 +5151,6 @@ def _sb_zygote_source() -> str:
     top = "import contextlib, ctypes, gc, json, os, re, resource, select, signal, struct, sys, time"
     return "\n".join([top] + [f"{k} = {v!r}" for k, v in values.items()]
                       + [inspect.getsource(f) for f in funcs] + ["_zy_main()\n"])
-
 
 
 # ------------------------------------------------------------ trusted side: workers and the pool
@@ -5241,7 +5237,6 @@ class _SbWorker:
                 while (msg := self.poll()) is None:
                     if not sel.select(stop - time.monotonic()):
                         raise RuntimeError("sandbox zygote did not answer in time")
-
             msg = json.loads(msg)
             self.report = msg["report"]
             if not msg["ready"]:
@@ -5262,11 +5257,13 @@ class _SbWorker:
 
     def poll(self) -> bytes | None:
         """Read what is there; return one whole frame or None. EOFError if the zygote died."""
-        with contextlib.suppress(BlockingIOError):
+        try:
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
                 raise EOFError("sandbox zygote exited")
             self.buf += chunk
+        except BlockingIOError:
+            pass
         if len(self.buf) < 4:
             return None
         (n,) = struct.unpack(">I", self.buf[:4])
