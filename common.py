@@ -5446,14 +5446,10 @@ class PythonSandbox:
         try:
             while pending or busy:
                 for i in range(self.workers):
-                    if not pending:
-                        break
-                    if i in busy:
-                        continue
-                    if self._pool[i] is None:
+                    if pending and i not in busy and self._pool[i] is None:
                         self._start(i)
-                        if self._pool[i] is None:
-                            continue
+                    if not pending or i in busy or self._pool[i] is None:
+                        continue
                     k, w = pending.popleft(), self._pool[i]
                     try:
                         w.send_job(*jobs[k], self._job_msg(timeout))
