@@ -5415,7 +5415,6 @@ class PythonSandbox:
         with contextlib.suppress(Exception):  # at interpreter shutdown
             self.close()
 
-
     def _job_msg(self, timeout: float) -> dict:
         return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
                 "nproc": self.max_procs, "max_output": self.max_output_chars,
