@@ -4249,24 +4249,17 @@ def cli_main(argv=None):
 # ==================================================================================================
 # Runs untrusted, model-written Python, a fresh isolated process per program, at 1.5-2 ms of CPU
 # (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). A zygote per worker, a clean
-# `python -s -S -P` (allow-listed env: no tokens), forks one child per program, so no state reaches
-# the next one and the trainer is never forked. What each child gets, and why:
-# - net, mount, IPC, UTS namespaces (non-root: in a user namespace) and an allow-listed read-only
-#   root: Python, system libraries, five /dev nodes, fake /etc accounts, /proc with hidepid=2;
-#   hide_paths (homes, temp dirs, the trainer's cwd) are empty. Per job: a fresh tmpfs for /tmp,
-#   cwd and HOME, a fresh IPC namespace, and a PID namespace whose PID 1 is the child, so escapees
-#   die with it (userns: the worker's one namespace, emptied after each job).
-# - Root: a uid per worker (RLIMIT_NPROC applies, no cross-signals) and a memory cgroup that caps a
-#   job's processes, tmpfs and kernel memory together. no_new_privs; on x86-64 a seccomp filter.
-# - rlimits, soft = hard; the zygote kills at the deadline, the trainer replaces a silent zygote.
-# - The trainer never evals or unpickles output: a capped JSON frame {status, value, error} of
-#   strings, value a repr read with parse_literal (a liar's __eq__ never becomes a task value).
-#   A job's bytes pass through two buffers the zygote wipes after it.
-# - What the host lacks is said in .isolation, never made up for by Python-level guards. No new
-#   dependency: bubblewrap would exec a fresh interpreter per program; syscalls go through ctypes.
-#   forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a boundary.
-# Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too long), crash
-# (a signal, or no result), forbidden, sandbox_error (the sandbox failed, not the program).
+# `python -s -S -P` with an allow-listed env, forks one child per program: no state reaches the
+# next one, and the trainer is never forked. Each child gets net, mount, IPC, UTS and PID
+# namespaces (non-root: inside a user namespace), an allow-listed read-only root with a fresh
+# tmpfs per job, a uid per worker and a memory cgroup (root), no_new_privs, a seccomp filter
+# (x86-64) and rlimits. The trainer never evals or unpickles output: it gets a capped JSON frame
+# {status, value, error} of strings, value a repr for parse_literal (a liar's __eq__ never becomes
+# a task value). What the host lacks is said in .isolation, never made up for by Python-level
+# guards. No new dependency: bubblewrap would exec a fresh interpreter per program; syscalls go
+# through ctypes. forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a
+# boundary. Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too
+# long), crash (a signal, or no result), forbidden, sandbox_error (the sandbox itself failed).
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
                  "sandbox_error")
