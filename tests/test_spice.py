@@ -563,9 +563,9 @@ class _WordTok:
 
 
 def test_corpus_reader_and_chunking(tmp_path):
-    docs = spice.read_jsonl_documents(str(CORPUS))
+    docs = spice.read_documents(str(CORPUS))
     assert len(docs) == 9 and all(isinstance(d, str) and d for d in docs)
-    assert spice.read_jsonl_documents(str(CORPUS), limit=3) == docs[:3]
+    assert spice.read_documents(str(CORPUS), limit=3) == docs[:3]
     chunks = spice.chunk_document(" ".join(f"w{i}" for i in range(25)), _WordTok(), 10)
     assert [len(c.split()) for c in chunks] == [10, 10, 5] and chunks[2].endswith("w24")
     cfg = spice.Config(corpus=f"{CORPUS},{CORPUS}", corpus_docs=4)
@@ -585,10 +585,10 @@ def test_corpus_errors_name_file_and_line(tmp_path, content, needle):
     p = tmp_path / "docs.jsonl"
     p.write_text(content)
     with pytest.raises(spice.CorpusError) as e:
-        spice.read_jsonl_documents(str(p))
+        spice.read_documents(str(p))
     assert needle in str(e.value) and str(p) in str(e.value)
     with pytest.raises(spice.CorpusError, match="does not exist"):
-        spice.read_jsonl_documents(str(tmp_path / "missing.jsonl"))
+        spice.read_documents(str(tmp_path / "missing.jsonl"))
 
 
 def test_type_selection_random_respects_the_mix_flag():
@@ -725,7 +725,7 @@ def _sft(tiny_model_path, challenger=True):
     short = common.load_prompts(str(SHORT_PROMPTS), spice.PROMPTS)
     prompt = lambda d: spice.challenger_prompt(d, "mcq", None, "chat", short)
     ex = [(common.encode_prompt(tok, prompt(d)), target)
-          for d in [*spice.read_jsonl_documents(str(CORPUS), limit=1), None]] if challenger else []
+          for d in [*spice.read_documents(str(CORPUS), limit=1), None]] if challenger else []
     rp = common.encode_prompt(tok, spice.reasoner_prompt(WARM_QUESTION, "chat"))
     ex += [(rp, tok("\\boxed{A}")["input_ids"] + eos), (rp, tok("\\boxed{B}")["input_ids"] + eos)]
     for _ in range(WARM_STEPS):
@@ -768,7 +768,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
                        save_every=0, lr=1e-5, log_samples=2, prompts=str(SHORT_PROMPTS),
                        oracle_model=tiny_model_path, oracle_limit=3)   # the untrained tiny model as the "oracle"
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
-    docs = spice.read_jsonl_documents(str(CORPUS), limit=1)       # the run's whole corpus
+    docs = spice.read_documents(str(CORPUS), limit=1)       # the run's whole corpus
     seen = []                                   # every prompt the run sends to the sampler
     generate = policy.generate
     policy.generate = lambda prompts, **kw: (seen.extend((p, kw.get("n")) for p in prompts), generate(prompts, **kw))[1]
@@ -876,7 +876,7 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert (torch.cat(lp_frozen) - sampled).abs().max() < 1e-3
         assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
     # and the policy itself writes no valid task: every valid one came from the frozen Challenger
-    doc = spice.read_jsonl_documents(str(CORPUS), limit=1)[0]
+    doc = spice.read_documents(str(CORPUS), limit=1)[0]
     prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.prompt_templates(cfg))
     outs = policy.generate([prompt], n=8, temperature=1.0, max_tokens=96)
     assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
@@ -899,7 +899,7 @@ def test_generated_questions_are_decontaminated(tiny_tokenizer):
 def test_hub_corpus_failure_is_a_clear_error():
     # tests never download (HF_HUB_OFFLINE=1): either `datasets` is missing or the hub is unreachable
     with pytest.raises(spice.CorpusError, match="datasets|could not stream"):
-        spice.stream_hub_documents("open-web-math/open-web-math", "text", 2)
+        spice.read_documents("open-web-math/open-web-math", "text", 2)
 
 
 class _ScriptedSampler:
