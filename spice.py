@@ -553,8 +553,7 @@ class Attempt:
 
 @dataclass
 class DocRollout:
-    """What one document gives in one iteration. The counts are over the whole pool of attempts:
-    the kept group has at least one valid attempt, so it overstates a hard document's valid rate."""
+    """One document in one iteration; the counts are over every attempt, not the kept group."""
     document: str | None
     kind: str
     answer_type: str | None
@@ -598,7 +597,7 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> tuple[l
 
 class ValidityChecker:
     """Is a Challenger attempt a usable task (§4; decontaminated; room for the Reasoner's prompt)?
-    An invalid attempt stays in the Challenger's group with reward rho, never silently dropped."""
+    An invalid attempt stays in the Challenger's group with reward rho."""
 
     def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
         self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
@@ -781,9 +780,8 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
 
 
 def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
-    """The share of valid tasks whose document-extracted gold answer the oracle reaches too,
-    answering greedily from the Reasoner's prompt, graded as the Reasoner is (the oracle's own
-    errors bias it). The Reasoner's tasks come first, to spread a small --oracle-limit."""
+    """The share of valid tasks (the Reasoner's first) whose gold answer the oracle reaches too,
+    answering greedily from the Reasoner's prompt and graded as the Reasoner is."""
     picked = [r.reasoner_task.task for r in rollouts if r.reasoner_task]
     rest = [a.task for r in rollouts for a in r.attempts if a.task and a is not r.reasoner_task]
     tasks = (picked + rest)[:cfg.oracle_limit]
@@ -838,8 +836,8 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
 
 # Training loop and main()
 def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
-    """The eval sets that load (checked up front, not after 640 steps), and a 13-gram
-    decontaminator of their questions. A set that cannot load is reported and skipped."""
+    """The eval sets that load (checked up front; one that cannot is reported and skipped), and a
+    13-gram decontaminator of their questions."""
     names, questions = [], []
     for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
         try:
@@ -858,12 +856,10 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
     if not benches:
         return {}
 
-    def spice_reasoner_prompt(problem: dict, tokenizer=None):
-        choices = problem.get("choices") or []
-        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
+    def prompt_fn(problem: dict, tokenizer=None):
+        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
         return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
-    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k,
-                          prompt_fn=spice_reasoner_prompt,
+    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, prompt_fn=prompt_fn,
                           max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
                           timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
@@ -944,8 +940,7 @@ def train(cfg: Config, policy=None) -> Path:
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
-            with writing as challenger:
+            with writer.sampling(policy) if writer else contextlib.nullcontext(policy) as challenger:
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
