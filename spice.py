@@ -460,7 +460,8 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
     """Eq. 1 (App. D, Eq. 5) on p, the share of correct answers, or a Table 4 ablation."""
-    return float(common.proposer_reward(float(np.mean(correct)), cfg.challenger_reward, tau=cfg.tau))
+    p = float(np.mean(correct))
+    return float(common.proposer_reward(p, cfg.challenger_reward, tau=cfg.tau))
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
@@ -489,8 +490,9 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
                 name, config or None, split=split or "train", streaming=True))
         for at, row in rows:
             if field_name not in row:
-                raise CorpusError(f"{at}: missing field {field_name!r} (keys: "
-                                  f"{', '.join(list(row)[:8]) or 'none'}); pass --corpus-field NAME")
+                keys = ", ".join(list(row)[:8]) or "none"
+                raise CorpusError(f"{at}: missing field {field_name!r} (keys: {keys}); "
+                                  "pass --corpus-field NAME")
             if not isinstance(text := row[field_name], str):
                 raise CorpusError(f"{at}: field {field_name!r} must be a string, "
                                   f"got {type(text).__name__}")
@@ -857,7 +859,8 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
         return {}
 
     def prompt_fn(problem: dict, tokenizer=None):
-        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or []))
+        choices = problem.get("choices") or []
+        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
         return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
     res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, prompt_fn=prompt_fn,
                           max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
@@ -940,7 +943,9 @@ def train(cfg: Config, policy=None) -> Path:
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            with writer.sampling(policy) if writer else contextlib.nullcontext(policy) as challenger:
+            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
+            with writing as challenger:
+
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
