@@ -1,6 +1,6 @@
-"""SPICE: Self-Play In Corpus Environments (Liu, Jin, Kim, Yuan, Zhao, Kulikov, Li, Sukhbaatar,
-Lanchantin, Weston; arXiv:2510.24684). One model, two roles: the Challenger turns a document into a
-question with its gold answer (MCQ or free-form); the Reasoner answers, seeing only the question.
+"""SPICE: Self-Play In Corpus Environments (Liu et al., arXiv:2510.24684). One model, two roles:
+the Challenger turns a document into a question with its gold answer (MCQ or free-form); the
+Reasoner answers, seeing only the question.
 
 One iteration (Alg. 1, §3.1), one function per step:
   1. sample_documents     B segments of <= 5,992 tokens, drawn uniformly from the corpus
@@ -11,25 +11,18 @@ One iteration (Alg. 1, §3.1), one function per step:
   6. reasoner_group       one random valid task per document; its K answers, r_R = 1[a = a*]
   7. build_trajectories   A = r - mean(group) per role and document, no std (Eq. 3)
   8. drgrpo_update        Dr. GRPO (Eqs. 3-4): one optimizer step per 128 trajectories, then re-sync
-Evaluation (App. A): zero-shot with the Reasoner's prompt, at the end and every --eval-every steps.
-Run:   python spice.py --model Qwen/Qwen3-4B-Base      (GPU; --resume RUN_DIR continues a run)
-Smoke: python spice.py --model tiny                     (CPU, about a minute, tests/data)
-Table 1's Strong Challenger: --challenger-model M; gold answers spot-checked: --oracle-model M.
+Run: python spice.py --model Qwen/Qwen3-4B-Base (--resume RUN_DIR); smoke: --model tiny (CPU).
 
 Choices where the paper is inconsistent or silent:
-- One Reasoner task per document (§3.1), not one per iteration (Alg. 1).
-- T_R reuses the K answers behind r_C (§2.5, §3.1); Alg. 1 l. 16 samples anew (a flag).
-- B = 128 documents (§3.1); App. B's 128 is Oat's train_batch_size, trajectories per step.
-- Answer types Integer / Expression / String (the text), not Fig. 2's; no Float, List, Boolean.
-- r_C uses the population variance p(1 - p): torch.var's unbiased default moves the peak off 50%.
-- Both roles generate <= 4,096 tokens (not stated), Dr. GRPO's L_max; truncated: r_R = 0, invalid.
-- An open 50/50 stand-in corpus; segments sharing a 13-gram with an eval set are dropped, and such
-  a question, or one too long for the Reasoner's prompt, is invalid.
+- One Reasoner task per document (§3.1), not one per iteration (Alg. 1); T_R reuses the K answers
+  behind r_C (§2.5), not new ones (Alg. 1 l. 16; a flag). B = 128 documents (§3.1).
+- Answer types Integer / Expression / String (the text), not Fig. 2's.
+- r_C uses the population variance p(1 - p); torch.var's unbiased default moves the peak off 50%.
+- Both roles generate <= 4,096 tokens (Dr. GRPO's L_max); truncated: r_R = 0, invalid task.
+- An open stand-in corpus; segments and questions sharing a 13-gram with an eval set are dropped.
 - Oat's defaults: clip 0.2, one epoch, grad clip 1, betas (0.9, 0.95), truncated IS at 2.
-- LaTeX in the Challenger's JSON is read as written (repair_json_escapes).
-- Math-Verify with Oat's 1 s timeout, train and eval; an Expression "hmg" equals "mgh".
-- Prompts in our words; type selection sees the document between markers; one Reasoner prompt.
-- Zero-advantage groups stay in the batch; logged (*/zero_adv_group_frac), as is */tokens.
+- LaTeX in the Challenger's JSON is read as written; Math-Verify with Oat's 1 s timeout.
+- Prompts in our words; zero-advantage groups stay in the batch (*/zero_adv_group_frac).
 """
 from __future__ import annotations
 
@@ -257,7 +250,7 @@ def _load_templates(path: str):
 
 
 def prompt_templates(cfg: Config):
-    """PROMPTS, with the templates of --prompts FILE in their place (the file is read once)."""
+    """PROMPTS with those of --prompts FILE in their place (read once)."""
     return _load_templates(cfg.prompts)
 
 
@@ -275,8 +268,7 @@ def resolve_prompt_format(cfg: Config, tokenizer) -> str:
 
 def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str,
                       prompts=PROMPTS):
-    """The Challenger's prompt C: kind "select" (Fig. 9), "mcq" or "free" (Fig. 10).
-    document=None for --no-document; str.format leaves braces in the document as they are."""
+    """The Challenger's prompt C: kind "select" (Fig. 9), "mcq" or "free" (Fig. 10)."""
     block = (prompts["no_document_block"] if document is None
              else prompts["document_block"].format(document=document))
     name = {"select": "type_selection", "mcq": "mcq", "free": "free_form"}[kind]
@@ -290,7 +282,7 @@ def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
     return wrap(prompts["reasoner"].format(question=question.strip()), fmt, prompts)
 
 
-# Validity and grading (§4), rewards (Eq. 1). Model output is untrusted: nothing here raises on it.
+# Validity and grading (§4). Model output is untrusted: nothing here raises on it.
 MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
 MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
 _JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; "{1}" does not
@@ -317,23 +309,18 @@ _N_COMMANDS = frozenset("""
 _ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z]+)|.|$)', re.DOTALL)
 
 
-def _escape(m: re.Match) -> str:
-    word = m["word"]
-    if m["json"] or word in ("r", "t") or word and word[0] == "n" and word not in _N_COMMANDS:
-        return m[0]
-    return "\\" + m[0]
-
-
 def repair_json_escapes(text: str) -> str:
     """`text` with each backslash that starts LaTeX doubled, so JSON decodes it as written."""
-    return _ESCAPE.sub(_escape, text)
+    def escape(m: re.Match) -> str:
+        w = m["word"]
+        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _N_COMMANDS
+        return m[0] if keep else "\\" + m[0]
+    return _ESCAPE.sub(escape, text)
 
 
 def last_json_object(text: str) -> dict | None:
     """The JSON object that ends last in `text` (reasoning first, then the JSON): top-level, since
     a nested one ends earlier. Starts are tried from the end, so LaTeX braces never use them up."""
-    if not isinstance(text, str):
-        return None
     text = repair_json_escapes(text[-MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1
     starts = [m.start() for m in _JSON_START.finditer(text)][-MAX_JSON_STARTS:]
@@ -363,9 +350,8 @@ def split_options(text: str) -> tuple[str, list[str]] | None:
     """The stem and the four options of "stem A) .. B) .. C) .. D) ..", or None."""
     marks = []
     for m in _OPTION.finditer(text):
-        if len(marks) < 4 and m.group(1) == "ABCD"[len(marks)]:
-            start = m.start(1) - (m.start(1) > 0 and text[m.start(1) - 1] == "(")
-            marks.append((start, m.end()))
+        if len(marks) < 4 and m[1] == "ABCD"[len(marks)]:
+            marks.append((m.start(1) - (text[m.start(1) - 1:m.start(1)] == "("), m.end()))
     if len(marks) != 4:
         return None
     ends = [start for start, _ in marks[1:]] + [len(text)]
@@ -375,11 +361,9 @@ def split_options(text: str) -> tuple[str, list[str]] | None:
 def _scalar(x) -> str | None:
     if isinstance(x, str):
         return x.strip()
-    if isinstance(x, int) and not isinstance(x, bool):
-        return str(x)
     if isinstance(x, float) and math.isfinite(x):
         return str(int(x)) if x.is_integer() else repr(x)
-    return None
+    return str(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def answer_has_type(answer: str, answer_type: str) -> bool:
@@ -406,7 +390,7 @@ def _parse_task(text, kind, answer_type):
     if obj is None:
         return None, "no_json"
     mcq = kind == "mcq"
-    exam_q = obj.get("exam_question", "-")  # empty: the MCQ generator's "too thin a document"
+    exam_q = obj.get("exam_question", "-")  # "": the MCQ generator's "too thin a document"
     if mcq and not (isinstance(exam_q, str) and exam_q.strip()):
         return None, "too_thin"
     q = obj.get("multiple_choice_question" if mcq else "question")
@@ -423,15 +407,14 @@ def _parse_task(text, kind, answer_type):
             return None, "options_not_A_to_D"
         if not parts[0]:
             return None, "empty_stem"
-        opts = {re.sub(r"[\s\.,;:]+", " ", o.lower()).strip() for o in parts[1]}
-        if not all(parts[1]) or len(opts) != 4:
+        if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
+                                     for o in parts[1]}) != 4:
             return None, "options_not_distinct"
-        letter = obj.get("multiple_choice_correct")
-        if isinstance(letter, str):
-            letter = letter.strip().strip("()").rstrip(").:").strip().upper()
-        if letter not in ("A", "B", "C", "D"):
+        # str(): no other JSON value (number, list, null) turns into a letter
+        letter = str(obj.get("multiple_choice_correct")).strip().strip("()").rstrip(").:").strip()
+        if letter.upper() not in ("A", "B", "C", "D"):
             return None, "bad_correct_letter"
-        task = Task("mcq", q, letter, "MCQ")
+        task = Task("mcq", q, letter.upper(), "MCQ")
     else:
         a = _scalar(obj.get("answer"))
         if not a:
@@ -450,20 +433,15 @@ def _parse_task(text, kind, answer_type):
 
 def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     """Fig. 9's reply -> ("mcq", None) | ("free", answer type or None); None if unusable."""
-    obj = last_json_object(text)
-    if obj is None:
+    obj = last_json_object(text) or {}
+    mcq, free = obj.get("suitable_for_mcq") is True, obj.get("suitable_for_free_form") is True
+    if mcq == free:
         return None
-    mcq, free = obj.get("suitable_for_mcq"), obj.get("suitable_for_free_form")
-    if mcq is True and free is not True:
-        return "mcq", None
-    if free is True and mcq is not True:
-        t = obj.get("best_answer_type")
-        t = t.strip().capitalize() if isinstance(t, str) else None
-        return "free", t if t in ANSWER_TYPES else None
-    return None
+    t = obj.get("best_answer_type")
+    t = t.strip().capitalize() if isinstance(t, str) else None
+    return ("mcq", None) if mcq else ("free", t if t in ANSWER_TYPES else None)
 
 
-# Rewards: r_R = 1[a = a*] (§4) and the Challenger's variance reward (Eq. 1)
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
     """r_R = 1[a = a*] per answer, the last \\boxed{}; no box, a truncated answer or a Math-Verify
     check over `timeout` s is wrong. MCQ: the letter the box starts with; String: normalized."""
@@ -481,8 +459,7 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
-    """Eq. 1 (App. D, Eq. 5): exp(-(p(1-p) - 0.25)^2 / (2 tau)), p the share of correct answers;
-    or the Table 4 ablation named by --challenger-reward."""
+    """Eq. 1 (App. D, Eq. 5) on p, the share of correct answers, or a Table 4 ablation."""
     p = float(np.mean(correct))
     return float(common.proposer_reward(p, cfg.challenger_reward, tau=cfg.tau))
 
@@ -492,53 +469,45 @@ class CorpusError(ValueError):
     pass
 
 
-def read_jsonl_documents(path: str, field_name: str = "text", limit: int = 0) -> list[str]:
-    """The documents of a JSONL file; bad input stops naming the file, the line and the fix."""
-    shape = f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}} per line'
-    docs = []
-    # errors="replace": web text may hold stray bytes; the document is still a document
-    for lineno, row in common.iter_jsonl(path, shape=shape, error=CorpusError, errors="replace"):
-        text = row.get(field_name)
-        if field_name not in row:
-            raise CorpusError(f"{path}:{lineno}: missing field {field_name!r} (keys: "
-                              f"{', '.join(list(row)[:8]) or 'none'}); pass --corpus-field NAME")
-        if not isinstance(text, str):
-            raise CorpusError(f"{path}:{lineno}: field {field_name!r} must be a string, "
-                              f"got {type(text).__name__}")
-        if text.strip():
-            docs.append(text)
-            if limit and len(docs) >= limit:
-                break
-    if not docs:
-        raise CorpusError(f"corpus file {path!r} holds no documents (no non-empty {field_name!r})")
-    return docs
-
-
-def stream_hub_documents(spec: str, field_name: str, limit: int) -> list[str]:
-    """The first `limit` documents of the hub dataset "owner/name[:config][@split]", streamed."""
-    spec, _, split = spec.partition("@")
+def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
+    """The documents of a JSONL file or of a hub set "owner/name[:config][@split]", streamed
+    (limit 0: all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
+    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~"))
+    local = local or os.path.exists(src)
+    spec, _, split = src.partition("@")
     name, _, config = spec.partition(":")
-    local = f'pass a local corpus: --corpus docs.jsonl (one {{"{field_name}": ...}} per line)'
-    docs = []
+    where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
     try:
-        import datasets
-        for row in datasets.load_dataset(name, config or None, split=split or "train",
-                                         streaming=True):
-            text = row.get(field_name)
-            if text is None:
-                raise CorpusError(f"hub dataset {name!r} has no field {field_name!r} "
-                                  f"(fields: {', '.join(row)}); pass --corpus-field NAME")
-            if isinstance(text, str) and text.strip():
+        if local:  # errors="replace": web text may hold stray bytes; the document is still one
+            shape = (f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}}'
+                     " per line")
+            rows = ((f"{src}:{n}", row) for n, row in
+                    common.iter_jsonl(src, shape=shape, error=CorpusError, errors="replace"))
+        else:
+            import datasets
+            limit = limit or 20000
+            rows = ((where, row) for row in datasets.load_dataset(
+                name, config or None, split=split or "train", streaming=True))
+        for at, row in rows:
+            if field_name not in row:
+                keys = ", ".join(list(row)[:8]) or "none"
+                raise CorpusError(f"{at}: missing field {field_name!r} (keys: {keys}); "
+                                  "pass --corpus-field NAME")
+            if not isinstance(text := row[field_name], str):
+                raise CorpusError(f"{at}: field {field_name!r} must be a string, "
+                                  f"got {type(text).__name__}")
+            if text.strip():
                 docs.append(text)
             if limit and len(docs) >= limit:
                 break
     except CorpusError:
         raise
     except Exception as e:  # no network, a gated set, an unknown id
-        raise CorpusError(f"could not stream hub dataset {name!r} ({type(e).__name__}: "
-                          f"{str(e)[:200]}); if the hub is unreachable or gated, {local}") from None
+        raise CorpusError(f"could not stream {where} ({type(e).__name__}: {str(e)[:200]}); if the "
+                          "hub is unreachable or gated, pass a local corpus: --corpus docs.jsonl "
+                          f'(one {{"{field_name}": ...}} per line)') from None
     if not docs:
-        raise CorpusError(f"hub dataset {name!r} returned no documents")
+        raise CorpusError(f"{where} holds no documents (no non-empty {field_name!r})")
     return docs
 
 
@@ -556,14 +525,10 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
     sources = [s.strip() for s in spec.split(",") if s.strip()]
     if not sources:
         raise CorpusError("--corpus is empty; pass a JSONL file or a hub dataset id")
-    share, segments = cfg.corpus_docs // len(sources), []
+    segments = []
     for src in sources:
-        local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~"))
-        if local or os.path.exists(src):
-            docs = read_jsonl_documents(src, cfg.corpus_field, share)
-        else:
-            docs = stream_hub_documents(src, cfg.corpus_field, share or 20000)
-        for d in docs:  # "<|im_end|>" in web text would end the prompt as a real control token
+        for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
+            # "<|im_end|>" in web text would end the prompt as a real control token
             chunks = (common.strip_special_tokens(c, tokenizer)
                       for c in chunk_document(d, tokenizer, chunk_tokens))
             segments.extend(c for c in chunks if c.strip())
@@ -590,8 +555,7 @@ class Attempt:
 
 @dataclass
 class DocRollout:
-    """What one document gives in one iteration. The counts are over the whole pool of attempts:
-    the kept group has at least one valid attempt, so it overstates a hard document's valid rate."""
+    """One document in one iteration; the counts are over every attempt, not the kept group."""
     document: str | None
     kind: str
     answer_type: str | None
@@ -635,7 +599,7 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> tuple[l
 
 class ValidityChecker:
     """Is a Challenger attempt a usable task (§4; decontaminated; room for the Reasoner's prompt)?
-    An invalid attempt stays in the Challenger's group with reward rho, never silently dropped."""
+    An invalid attempt stays in the Challenger's group with reward rho."""
 
     def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
         self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
@@ -818,9 +782,8 @@ def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
 
 
 def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
-    """The share of valid tasks whose document-extracted gold answer the oracle reaches too,
-    answering greedily from the Reasoner's prompt, graded as the Reasoner is (the oracle's own
-    errors bias it). The Reasoner's tasks come first, to spread a small --oracle-limit."""
+    """The share of valid tasks (the Reasoner's first) whose gold answer the oracle reaches too,
+    answering greedily from the Reasoner's prompt and graded as the Reasoner is."""
     picked = [r.reasoner_task.task for r in rollouts if r.reasoner_task]
     rest = [a.task for r in rollouts for a in r.attempts if a.task and a is not r.reasoner_task]
     tasks = (picked + rest)[:cfg.oracle_limit]
@@ -875,8 +838,8 @@ def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> lis
 
 # Training loop and main()
 def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
-    """The eval sets that load (checked up front, not after 640 steps), and a 13-gram
-    decontaminator of their questions. A set that cannot load is reported and skipped."""
+    """The eval sets that load (checked up front; one that cannot is reported and skipped), and a
+    13-gram decontaminator of their questions."""
     names, questions = [], []
     for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
         try:
@@ -895,12 +858,11 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
     if not benches:
         return {}
 
-    def spice_reasoner_prompt(problem: dict, tokenizer=None):
+    def prompt_fn(problem: dict, tokenizer=None):
         choices = problem.get("choices") or []
         options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
         return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
-    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k,
-                          prompt_fn=spice_reasoner_prompt,
+    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, prompt_fn=prompt_fn,
                           max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
                           timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
@@ -983,6 +945,7 @@ def train(cfg: Config, policy=None) -> Path:
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
             writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
             with writing as challenger:
+
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
