@@ -271,9 +271,8 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What an answer is graded on, None for a format error (reward_managers.py): the last output /
-    input block, else the whole <answer>; induction the last python block, else any fenced block,
-    else a format error (parse_code_function)."""
+    """What is graded (reward_managers.py): the last output / input block, else the whole <answer>;
+    induction the last python block, else any block (parse_code_function); None: a format error."""
     answer = extract_answer(completion)
     if answer is None:
         return None
@@ -285,10 +284,8 @@ def solver_answer(completion: str, task: str) -> str | None:
 
 
 def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
-    """A relative import or one of a banned module, a banned attribute, or a BANNED_NAMES name that
-    may resolve to the builtin: any in a module or class body (read before assignment, it finds the
-    builtin), a global one in a function. symtable resolves the scopes: parameters, locals,
-    comprehensions, defaults read outside the function."""
+    """A relative or banned import, a banned attribute, or a BANNED_NAMES name that may be the
+    builtin: any in a module or class body, a global one in a function (symtable's scopes)."""
     def bad(module: str) -> bool:
         return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
     for node in ast.walk(tree):
@@ -600,11 +597,9 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None,
 
 # --- The loop: one function per step of Alg. 1
 def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None, top_p=None):
-    if not prompts:
-        return []
     return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens,
                            temperature=cfg.temperature if temperature is None else temperature,
-                           top_p=cfg.top_p if top_p is None else top_p)
+                           top_p=cfg.top_p if top_p is None else top_p) if prompts else []
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
@@ -894,7 +889,10 @@ def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip() and cfg.eval_code]
     hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
-    files = [b for b in code if b not in hub]
+    common.check_benchmark_names(cfg.eval_benchmarks)
+    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
+    positive = ("batch_size", "learnability_samples", "seed_factor", "buffer_cap",
+                "determinism_runs", "steps")
     checks = [
         (cfg.proposer_reward in ("learnability", "uncertainty"), f"--proposer-reward "
          f"{cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)"),
@@ -903,21 +901,16 @@ def check_config(cfg: Config) -> None:
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature} must be > 0"),  # sampled rollouts
-        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1") for k in (
-            "batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs",
-            "steps")],
+        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1") for k in positive],
         (cfg.mini_batch >= 0, f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0"),
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
+        *[(b.endswith((".jsonl", ".json")) and os.path.isfile(b), f"--eval-code-benchmarks: {b!r} "
+           f"is neither one of {sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
+          for b in code if b not in hub]]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    common.check_benchmark_names(cfg.eval_benchmarks)
-    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
-    for b in files:
-        if not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
-            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
-                             f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
     if hub and importlib.util.find_spec("datasets") is None:
         raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the "
                          "`datasets` package, which is not installed: pip install datasets, give "
