@@ -96,17 +96,20 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
                 "output": "'Hello World'"}  # Fig. 5
-BANNED_MODULES = frozenset((  # Fig. 8, os/sys/shutil (§3.3.3), and the other ways out
-    "logging random multiprocessing pebble subprocess threading datetime time hashlib hmac bcrypt "
-    "calendar os sys shutil importlib builtins __builtin__ imp ctypes gc inspect socket signal "
-    "resource pathlib tempfile io glob pickle marshal uuid secrets asyncio concurrent _thread "
-    "select mmap code codeop pty fcntl platform sysconfig site urllib http requests ftplib smtplib "
-    "webbrowser faulthandler tracemalloc atexit").split())
-BANNED_NAMES = frozenset((  # builtins that import, run code or do I/O, unless bound locally
-    "__import__ eval exec compile open input breakpoint exit quit help globals locals vars "
-    "__builtins__ __loader__ __spec__").split())
-BANNED_ATTRS = frozenset(("__subclasses__ __globals__ __builtins__ __code__ __import__ __loader__ "
-                          "__bases__ __mro__ f_globals f_back gi_frame").split())
+BANNED_MODULES = frozenset({  # Fig. 8, os/sys/shutil (§3.3.3), and the other ways out
+    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime",
+    "time", "hashlib", "hmac", "bcrypt", "calendar", "os", "sys", "shutil",
+    "importlib", "builtins", "__builtin__", "imp", "ctypes", "gc", "inspect", "socket", "signal",
+    "resource", "pathlib", "tempfile", "io", "glob", "pickle", "marshal", "uuid", "secrets",
+    "asyncio", "concurrent", "_thread", "select", "mmap", "code", "codeop", "pty", "fcntl",
+    "platform", "sysconfig", "site", "urllib", "http", "requests", "ftplib", "smtplib",
+    "webbrowser", "faulthandler", "tracemalloc", "atexit"})
+BANNED_NAMES = frozenset({  # builtins that import, run code or do I/O, unless bound locally
+    "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit",
+    "help", "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__"})
+BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__",
+                          "__import__", "__loader__", "__bases__", "__mro__", "f_globals",
+                          "f_back", "gi_frame"})
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
                   "nondeterministic", "non_literal", "too_large")
 
@@ -394,9 +397,8 @@ def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict
 # --- The executor and the buffers. Gold values never enter the sandbox: outputs come back as
 # repr text and are compared here with ==, after common.parse_literal.
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
-_STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "error",
-                  "sandbox_error": "error", "forbidden": "banned", "timeout": "timeout",
-                  "output_limit": "too_large"}
+_STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
+                  "output_limit": "too_large"}  # any other status: "error"
 
 
 def _same_value(a, b) -> bool:
@@ -532,9 +534,9 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer. Deduction: the predicted literal equals the gold output
-    (never evaluated); abduction: f(predicted input) == gold output; induction: the program passes
-    the static checks (not the one-def rule) and reproduces every held-out pair."""
+    """(formatted, correct) per answer (Eq. 5). Deduction: the predicted literal == the gold output
+    (never run); abduction: f(predicted input) == gold output; induction: the program passes the
+    static checks (not the one-def rule) and reproduces every held-out pair."""
     out = [(False, False)] * len(completions)
     jobs, owner = [], []  # (program, input) to run; (answer index, gold output) of each
     for k, (entry, text) in enumerate(zip(entries, completions)):
@@ -603,10 +605,9 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None,
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """Step 0 (§3.3.1), no updates. D_seed: deduction and abduction rounds in turn (as the code's
-    _init_seed_dataset), K references from D_seed each, until it holds S*B triplets; seed programs
-    are stripped and validated again. Then D_ind on programs of the finished D_seed. Each phase
-    stops after --seed-max-rounds rounds. D_ded = D_abd = D_seed."""
+    """Step 0 (§3.3.1), no updates: deduction and abduction rounds in turn (_init_seed_dataset)
+    until D_seed = D_ded = D_abd holds S*B stripped, revalidated triplets; then D_ind on its
+    programs. Each phase stops after --seed-max-rounds rounds."""
     target = cfg.seed_factor * cfg.batch_size
     seed, ind = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)]), Buffer(cfg.buffer_cap)
     views = {"deduction": seed, "abduction": seed, "induction": ind}
@@ -905,8 +906,8 @@ def check_config(cfg: Config) -> None:
         (cfg.mini_batch >= 0, f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0"),
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
          f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
-        *[(b.endswith((".jsonl", ".json")) and os.path.isfile(b), f"--eval-code-benchmarks: {b!r} "
-           f"is neither one of {sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
+        *[(b.endswith((".jsonl", ".json")) and os.path.isfile(b), (f"--eval-code-benchmarks: {b!r} "
+           f"is neither one of {sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file"))
           for b in code if b not in hub]]
     for ok, msg in checks:
         if not ok:
