@@ -13,8 +13,7 @@ message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3):
   6. trr_update      TRR++ (keyed_advantages, Eq. 8), PPO-clip (Eq. 9), one AdamW step per
                      --mini-batch 128 of the task-ordered 6B batch (scripts/selfplay/coder7b.sh)
   7. evaluate        Table 1's math sets and HumanEval+/MBPP+, greedy
-Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3);
-     `python absolute_zero.py --model tiny` (a one-minute CPU smoke run).
+Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), or `--model tiny`.
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
   - r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5: --zero-learnability-reward -0.5;
@@ -32,6 +31,7 @@ Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import functools
 import importlib.util
@@ -41,7 +41,6 @@ import random
 import re
 import symtable
 import sys
-from collections import Counter
 from dataclasses import dataclass
 
 import common
@@ -209,8 +208,6 @@ PROMPTS: dict[str, str] = {
     "eval_code": _PREAMBLE + "User: {task} Put the code inside your <answer> tags.\n\nAssistant:",
 }
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
-
-
 _load_prompts = functools.lru_cache(maxsize=8)(lambda path: common.load_prompts(path, PROMPTS))
 
 
@@ -243,10 +240,9 @@ def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "")
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
     """Induction shows the first half of the pairs; solver programs may have helpers."""
     t, e = prompts(cfg), entry
-    half = len(e.get("inputs", ())) // 2
+    shown = e.get("inputs", [])[:len(e.get("inputs", [])) // 2]
     pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
-                      for k, (i, o) in enumerate(zip(e.get("inputs", ())[:half],
-                                                     e.get("outputs", ())[:half])))
+                      for k, (i, o) in enumerate(zip(shown, e.get("outputs", []))))
     return t["wrapper"].format(task=t[f"solve_{task}"].format(
         program=e["program"], input=e.get("input"), output=e.get("output"),
         message=e.get("message"), pairs=pairs, code_rules=_code_rules(cfg, single_def=False)))
@@ -272,47 +268,37 @@ def extract_answer(completion: str) -> str | None:
     return text[start + len("<answer>"):end] if _FORMAT_RE.match(text) and end >= 0 else None
 
 
-def blocks(answer: str, kind: str | None) -> list[str]:
-    """The bodies of the fenced blocks tagged `kind` (any tag, or none, for kind None)."""
-    return [body.strip() for k, body in _BLOCK_RE.findall(answer) if kind in (None, k.lower())]
+def blocks(answer: str, *kinds: str) -> list[str]:
+    """The bodies of the fenced blocks tagged with one of `kinds` (any block if none is given)."""
+    return [b.strip() for k, b in _BLOCK_RE.findall(answer) if not kinds or k.lower() in kinds]
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What an answer is graded on, None for a format error (reward_managers.py): the last
-    output / input block, else the whole <answer>; induction the last python block, else any
-    fenced block, else a format error (parse_code_function)."""
+    """What is graded (reward_managers.py): the last output / input block, else the whole <answer>;
+    induction the last python block, else any block (parse_code_function); None: a format error."""
     answer = extract_answer(completion)
     if answer is None:
         return None
     if task == "induction":
-        code = [b.strip() for k, b in _BLOCK_RE.findall(answer)
-                if k.lower() in ("python", "py", "python3")] or blocks(answer, None)
+        code = blocks(answer, "python", "py", "python3") or blocks(answer)
         return code[-1] if code else None
     found = blocks(answer, "output" if task == "deduction" else "input")
     return found[-1] if found else answer.strip()
 
 
-def _banned(node: ast.AST) -> bool:
-    """An import of a banned module (any dotted prefix) or a relative one, or a banned attribute."""
-    def bad(name):
-        parts = name.split(".")
-        return any(".".join(parts[:k]) in BANNED_MODULES for k in range(1, len(parts) + 1))
-    if isinstance(node, ast.Import):
-        return any(bad(a.name) for a in node.names)
-    if isinstance(node, ast.ImportFrom):
-        return bool(node.level) or bad(node.module or "") or \
-            any(bad(f"{node.module}.{a.name}") for a in node.names)
-    return isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS
-
-
-def _uses_banned_name(source: str, mode: str = "exec") -> bool:
-    """A BANNED_NAMES name that may resolve to the builtin: any in a module or class body (read
-    before assignment, it finds the builtin), a global one in a function. symtable resolves the
-    scopes: parameters, locals, comprehensions, defaults read outside the function."""
-    stack = [symtable.symtable(source, "<program>", mode)]
-    while stack:
-        table = stack.pop()
-        stack += table.get_children()
+def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
+    """A relative or banned import, a banned attribute, or a BANNED_NAMES name that may be the
+    builtin: any in a module or class body, a global one in a function (symtable's scopes)."""
+    def bad(module: str) -> bool:
+        return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Import) and any(bad(a.name) for a in node.names)
+                or isinstance(node, ast.ImportFrom) and (node.level or bad(node.module))
+                or isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS):
+            return True
+    tables = [symtable.symtable(source, "<program>", mode)]
+    for table in tables:  # grows as it goes: every nested scope
+        tables += table.get_children()
         plain = table.get_type() in ("module", "class")
         if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
                for s in table.get_symbols()):
@@ -334,7 +320,7 @@ def check_input(text: str, program: str = "") -> str | None:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id == "_" and (node.args or node.keywords)):
             return "syntax"
-        if any(_banned(n) for n in ast.walk(node)) or _uses_banned_name(source, "eval"):
+        if _banned(node, source, "eval"):
             return "banned"
     except _PARSE_ERRORS:
         return "syntax"
@@ -359,19 +345,19 @@ def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
         return ("too_large" if program else "syntax"), program
     try:
         tree = ast.parse(program)
-        if any(_banned(node) for node in ast.walk(tree)) or _uses_banned_name(program):
+        if _banned(tree, program):
             return "banned", program
     except _PARSE_ERRORS:
         return "syntax", program
     if single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
         return "multiple_defs", program
     defs = [n for n in tree.body if isinstance(n, _DEFS)]
-    if any(n.name == "f" for n in defs):
-        ok = not any(n.name == "f" and isinstance(n, ast.AsyncFunctionDef) for n in defs)
-        return (None if ok else "syntax"), program
-    if len(defs) != 1 or isinstance(defs[0], ast.AsyncFunctionDef):
+    entry = [n for n in defs if n.name == "f"] or (defs if len(defs) == 1 else [])
+    if not entry or any(isinstance(n, ast.AsyncFunctionDef) for n in entry):
         return "syntax", program
-    return None, f"{program.rstrip()}\n\nf = {defs[0].name}"  # the single entry function is f
+    if entry[0].name == "f":
+        return None, program
+    return None, f"{program.rstrip()}\n\nf = {entry[0].name}"  # the single entry function is f
 
 
 def strip_program(program: str) -> str:
@@ -389,15 +375,13 @@ def strip_program(program: str) -> str:
 
 
 def parse_triplet_proposal(completion: str) -> dict:
-    """{'program', 'input'} or {'reason'}: the first ```python and the first ```input block."""
+    """{'program', 'input', 'reason'} or {'reason'}: the first ```python and ```input block."""
     answer = extract_answer(completion) or ""
     programs, inputs = blocks(answer, "python"), blocks(answer, "input")
     if not programs or not inputs:
         return {"reason": "format"}
-    reason = check_input(inputs[0], programs[0])
-    if reason:
-        return {"reason": reason, "program": programs[0], "input": inputs[0]}
-    return {"program": programs[0], "input": inputs[0].strip()}
+    return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
+            "input": inputs[0]}
 
 
 def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict:
@@ -413,17 +397,14 @@ def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict
 # --- The executor and the buffers. Gold values never enter the sandbox: outputs come back as
 # repr text and are compared here with ==, after common.parse_literal.
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
-_STATUS_REASON = {"ok": None, "error": "error", "crash": "error", "memory": "error",
-                  "sandbox_error": "error", "forbidden": "banned", "timeout": "timeout",
-                  "output_limit": "too_large"}
+_STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
+                  "output_limit": "too_large"}  # any other status: "error"
 
 
 def _same_value(a, b) -> bool:
-    """Determinism compares values (a set prints in hash-seed order) and their types."""
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except (RecursionError, MemoryError, ValueError, TypeError):
-        return False
+    """Determinism compares values (a set prints in hash-seed order) and their types; both are
+    parsed literals (parse_literal caps their depth), so == cannot fail."""
+    return type(a) is type(b) and a == b
 
 
 class Executor:
@@ -433,11 +414,10 @@ class Executor:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sandboxes = [
-            common.PythonSandbox(workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout,
-                                 memory_mb=cfg.sandbox_memory_mb,
-                                 max_output_chars=cfg.max_output_chars, hash_seed=j)
-            for j in range(max(1, cfg.determinism_runs))]
+        self.sandboxes = [common.PythonSandbox(
+            workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout,
+            memory_mb=cfg.sandbox_memory_mb, max_output_chars=cfg.max_output_chars, hash_seed=j)
+            for j in range(cfg.determinism_runs)]
 
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str]]:
         """[(status, output repr)] per (program, input) job; status "ok" or a REJECT_REASONS one."""
@@ -463,10 +443,10 @@ class Executor:
         if _ADDRESS_RE.search(res.value):
             return "nondeterministic", res.value, None
         try:
-            return "ok", res.value, common.parse_literal(res.value,
-                                                         max_chars=self.cfg.max_output_chars)
+            value = common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
         except ValueError:
             return "non_literal", res.value, None
+        return "ok", res.value, value
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
         """[(reason or None, gold output)]: all j runs succeed with the same value; run 0's text."""
@@ -486,12 +466,11 @@ class Executor:
 class Buffer:
     """D_ded, D_abd or D_ind: JSON-able entries, saved in checkpoints; the cap evicts the oldest."""
 
-    def __init__(self, cap: int, entries: list[dict] | None = None):
-        self.cap, self.entries = cap, list(entries or [])[-cap:]
+    def __init__(self, cap: int, entries=()):
+        self.entries = collections.deque(entries, maxlen=cap)
 
     def add(self, entry: dict) -> None:
         self.entries.append(entry)
-        del self.entries[:-self.cap]
 
     def sample(self, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
         if not self.entries or k <= 0:
@@ -505,7 +484,7 @@ class Buffer:
 
 
 def buffers_state(buffers: dict[str, Buffer]) -> dict:
-    return {t: b.entries for t, b in buffers.items()}
+    return {t: list(b.entries) for t, b in buffers.items()}
 
 
 def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
@@ -530,14 +509,15 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
     for p, ins in todo:
         res = [next(results) for _ in ins]
         p["reason"] = next((r for r, _ in res if r), None)
-        if p["reason"] is None:
-            outs = [o for _, o in res]
-            p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outs,
-                          "message": p["message"], "step": step} if task == "induction" else \
-                {"program": p["program"], "input": p["input"], "output": outs[0], "step": step}
-            if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
-                                                   cfg):
-                p["reason"], p["entry"] = "too_large", None
+        if p["reason"] is not None:
+            continue
+        outs = [o for _, o in res]
+        p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outs,
+                      "message": p["message"], "step": step} if task == "induction" else \
+            {"program": p["program"], "input": p["input"], "output": outs[0], "step": step}
+        prompt = solver_prompt(task, p["entry"], cfg)
+        if tokenizer is not None and not _fits(tokenizer, prompt, cfg):
+            p["reason"], p["entry"] = "too_large", None
     return proposals
 
 
@@ -552,11 +532,11 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer. Deduction: the predicted literal equals the gold output
-    (never evaluated); abduction: f(predicted input) == gold output; induction: the program passes
-    the static checks (not the one-def rule) and reproduces every held-out pair."""
+    """(formatted, correct) per answer (Eq. 5). Deduction: the predicted literal == the gold output
+    (never run); abduction: f(predicted input) == gold output; induction: the program passes the
+    static checks (not the one-def rule) and reproduces every held-out pair."""
     out = [(False, False)] * len(completions)
-    jobs, owner = [], []
+    jobs, owner = [], []  # (program, input) to run; (answer index, gold output) of each
     for k, (entry, text) in enumerate(zip(entries, completions)):
         pred = solver_answer(text, task)
         if pred is None:
@@ -604,14 +584,9 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None,
         return adv
     if lengths is None:
         raise ValueError("token_weighted=True needs lengths (completion token counts)")
-    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    w = torch.as_tensor(list(lengths), dtype=torch.float64)
-    if len(w) != len(r) or bool((w < 1).any()):
-        raise ValueError("lengths must give one positive token count per reward")
-    groups: dict = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(k, []).append(i)
-    for idx in groups.values():
+    r, w = (torch.as_tensor(list(x), dtype=torch.float64) for x in (rewards, lengths))
+    for key in set(keys):
+        idx = [i for i, k in enumerate(keys) if k == key]
         g, wk = r[idx], w[idx]
         if len(idx) > 1 and not bool((g == g[0]).all()):  # else 0, as group_advantages gave
             mean = (wk * g).sum() / wk.sum()
@@ -622,26 +597,22 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None,
 
 # --- The loop: one function per step of Alg. 1
 def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None, top_p=None):
-    if not prompts:
-        return []
     return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens,
                            temperature=cfg.temperature if temperature is None else temperature,
-                           top_p=cfg.top_p if top_p is None else top_p)
+                           top_p=cfg.top_p if top_p is None else top_p) if prompts else []
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """Step 0 (§3.3.1), no updates. D_seed: deduction and abduction rounds in turn (as the code's
-    _init_seed_dataset), K references from D_seed each, until it holds S*B triplets; seed programs
-    are stripped and validated again. Then D_ind on programs of the finished D_seed. Each phase
-    stops after --seed-max-rounds rounds. D_ded = D_abd = D_seed."""
+    """Step 0 (§3.3.1), no updates: deduction and abduction rounds in turn (_init_seed_dataset)
+    until D_seed = D_ded = D_abd holds S*B stripped, revalidated triplets; then D_ind on its
+    programs. Each phase stops after --seed-max-rounds rounds."""
     target = cfg.seed_factor * cfg.batch_size
     seed, ind = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)]), Buffer(cfg.buffer_cap)
     views = {"deduction": seed, "abduction": seed, "induction": ind}
     for r in range(cfg.seed_max_rounds):
         if len(seed) >= target:
             break
-        task = ("deduction", "abduction")[r % 2]
-        stripped = []
+        task, stripped = TASKS[r % 2], []
         for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]:
             if p["reason"] is None:
                 with contextlib.suppress(SyntaxError, ValueError, RecursionError):
@@ -659,8 +630,8 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase with "
               f"{len(seed)} triplets and {len(ind)} induction tasks (target {target}); training "
               "starts with these", file=sys.stderr)
-    return {"deduction": Buffer(cfg.buffer_cap, list(seed.entries)),
-            "abduction": Buffer(cfg.buffer_cap, list(seed.entries)), "induction": ind}
+    return {"deduction": Buffer(cfg.buffer_cap, seed.entries),
+            "abduction": Buffer(cfg.buffer_cap, seed.entries), "induction": ind}
 
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
@@ -720,7 +691,7 @@ def solve(policy, executor: Executor, props: dict, buffers: dict[str, Buffer], c
     work: dict[str, list[dict]] = {}
     for t in TASKS:
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
-        old = [e for e in buffers[t].entries if e.get("step") != step] or buffers[t].entries
+        old = [e for e in buffers[t].entries if e.get("step") != step] or list(buffers[t].entries)
         need = cfg.batch_size - len(new)
         fill = rng.sample(old, need) if need <= len(old) else \
             [rng.choice(old) for _ in range(need)] if old else []
@@ -808,9 +779,9 @@ def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
     for t in TASKS:
         ps, ss = props[t], solved[t]
         valid = [p for p in ps if p["reason"] is None]
-        reasons = Counter(p["reason"] for p in ps if p["reason"])
+        reasons = collections.Counter(p["reason"] for p in ps)
         m[f"{t}/valid_rate"] = len(valid) / len(ps) if ps else 0.0
-        m.update({f"{t}/reject/{r}": reasons.get(r, 0) for r in REJECT_REASONS})
+        m.update({f"{t}/reject/{r}": reasons[r] for r in REJECT_REASONS})
         m[f"{t}/buffer_size"] = len(buffers[t])
         m[f"{t}/solver_acc"] = _mean(s["correct"] for s in ss)
         m[f"{t}/solver_reward"] = _mean(s["reward"] for s in ss)
@@ -824,10 +795,6 @@ def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
             m[f"{t}/{prog}_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
             m[f"{t}/distinct_{prog}s"] = len({_ast_key(p["entry"]["program"])
                                               for p in valid}) / len(valid)
-            written = ("\n".join(p["entry"]["inputs"] + [p["entry"]["message"]])
-                       if t == "induction" else p["entry"]["program"] for p in valid)
-            for k, v in common.diversity_metrics(written).items():
-                m[f"{t}/diversity/{k}"] = v
     records = {"proposer": [p for t in TASKS for p in props[t]],
                "solver": [s for t in TASKS for s in solved[t]]}
     for role, recs in records.items():
@@ -921,7 +888,10 @@ def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip() and cfg.eval_code]
     hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
-    files = [b for b in code if b not in hub]
+    common.check_benchmark_names(cfg.eval_benchmarks)
+    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
+    positive = ("batch_size", "learnability_samples", "seed_factor", "buffer_cap",
+                "determinism_runs", "steps")
     checks = [
         (cfg.proposer_reward in ("learnability", "uncertainty"), f"--proposer-reward "
          f"{cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)"),
@@ -930,21 +900,16 @@ def check_config(cfg: Config) -> None:
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature} must be > 0"),  # sampled rollouts
-        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1") for k in (
-            "batch_size", "learnability_samples", "seed_factor", "buffer_cap", "determinism_runs",
-            "steps")],
+        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1") for k in positive],
         (cfg.mini_batch >= 0, f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0"),
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
+        *[(b.endswith((".jsonl", ".json")) and os.path.isfile(b), (f"--eval-code-benchmarks: {b!r} "
+           f"is neither one of {sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file"))
+          for b in code if b not in hub]]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    common.check_benchmark_names(cfg.eval_benchmarks)
-    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
-    for b in files:
-        if not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
-            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
-                             f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
     if hub and importlib.util.find_spec("datasets") is None:
         raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the "
                          "`datasets` package, which is not installed: pip install datasets, give "
