@@ -1,37 +1,34 @@
 """STaR: Self-Taught Reasoner. Zelikman, Wu, Mu, Goodman, "STaR: Bootstrapping Reasoning With
 Reasoning", NeurIPS 2022, arXiv:2203.14465; official code: github.com/ezelikman/STaR.
 
-The model writes rationales for given questions and is fine-tuned on those that reach the gold
-answer: no RL loss (§3.1: a policy gradient with an indicator reward). Alg. 1, round n = 1..N:
+SFT on the model's own rationales that reach the gold answer; no RL loss (§3.1). Alg. 1, round n:
   1. load_task            the labelled data: GSM8K, CommonsenseQA or a JSONL of question + answer
   2. generate_rationales  M_{n-1} (M_0 = the base model M) writes one per question, few-shot, greedy
-  3. filter_correct       D_n: the rationales whose final answer is the gold one (exact match)
-  4. rationalize          each failure again with the answer as a hint; D^rat_n: those reaching it,
-                          stored WITHOUT the hint, as if written unaided (§3.2)
+  3. filter_correct       D_n: the rationales whose final answer is the gold one
+  4. rationalize          the failures again with the answer as a hint (§3.2); D^rat_n: those
+                          reaching it, stored WITHOUT the hint, as if written unaided
   5. build_training_set   D_n ∪ D^rat_n, rebuilt from scratch every round (never accumulated)
   6. finetune_from_base   fine-tune the ORIGINAL M for int(40 * 1.2^(n-1)) steps -> M_n (§4)
-  7. evaluate_split       test accuracy of M_n (round 0: M few-shot); after --patience evaluations
-                          without a new best, stop and end on the best round's model (<run>/best/)
+  7. evaluate_split       test accuracy of M_n (round 0: M few-shot); stop at a plateau (--patience)
 
   python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa --few-shot-train  # Table 1
-  python star.py --model Qwen/Qwen2.5-1.5B --data gsm8k --lr 1e-5  # a scaled-down GSM8K run
   python star.py --model tiny  # a one-minute smoke run; --resume RUN_DIR continues any run
 
-Deviations from the paper and its official code (paths relative to that repository), and choices:
+Deviations from the paper and its official code (paths in that repository), and choices:
 - Defaults are §4.4's runs without exemplars in the training text (69.9 and 60.9 on CQA dev): add
   --few-shot-train for Table 1's rows (72.5; 68.8 with --no-rationalize): our reading of §4.4.
 - Our choice: the loss is on rationale + answer + EOS. The code's mask never hands it to the loss
   (mesh_transformer/transformer_shard.py): it trained on every token, with a z-loss of 1e-4.
 - Our choice: a fresh Adam state every round; the code restores the Adam moments of GPT-J's
   pretraining checkpoint (device_train.py read_ckpt) and resets only the LR schedule.
-- Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py).
-- The GSM8K hint shows only the final number (paper); the code's hint shows the whole solution.
-- --patience and best/ pick the round on --test-data (GSM8K has no dev split): hold a file out.
+- Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py). The GSM8K
+  hint shows only the final number (paper); the code's hint shows the whole solution.
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
 - Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10); --prompt-style chat is ours.
 - Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
-- The n-digit addition task (§4.3) is not built in.
+- --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out). The
+  n-digit addition task (§4.3) is not built in.
 """
 from __future__ import annotations
 
@@ -85,9 +82,9 @@ TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl",
         "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2,
         "steps_scale": 0.05, "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16,
         "max_model_len": 1024, "lr": 1e-4}
-TASKS = {  # name -> (hub id, config, train split, eval split); CQA's test split has no labels
-    "gsm8k": ("openai/gsm8k", "main", "train", "test"),
-    "commonsense_qa": ("tau/commonsense_qa", None, "train", "validation"),
+TASKS = {  # name -> (hub id, config, eval split); CQA's test split has no labels
+    "gsm8k": ("openai/gsm8k", "main", "test"),
+    "commonsense_qa": ("tau/commonsense_qa", None, "validation"),
 }
 TASK_NAMES = {"gsm8k": "gsm8k", "openai/gsm8k": "gsm8k", "commonsense_qa": "commonsense_qa",
               "cqa": "commonsense_qa", "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa",
@@ -232,15 +229,15 @@ class Prompter:
         if cfg.prompt_style == "chat" and not templated:
             raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat "
                              "template; use --prompt-style few-shot")
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end "
+                             "with EOS")
+        self.eos = int(tokenizer.eos_token_id)
         self.chat = cfg.prompt_style == "chat" or (cfg.prompt_style == "auto" and templated)
         self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
         # a next exemplar starts with the "question" template's text before {question}: cut there
         self.marker = self.prompts["question"].split("{question}", 1)[0].strip() or None
         self.stop = None if self.chat or not self.marker else ["\n\n" + self.marker]
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end "
-                             "with EOS")
-        self.eos = int(tokenizer.eos_token_id)
 
     def shots(self, ex: dict) -> list[dict]:
         fmt = answer_format(ex)
@@ -266,8 +263,8 @@ class Prompter:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
 
     def fits(self, examples: list[dict], max_model_len: int, what: str) -> list[dict]:
-        """Drop the questions whose hinted prompt leaves no room to answer, so that none can stop a
-        run hours in; a format without exemplars fails here, before any generation."""
+        """The questions whose hinted prompt leaves room to answer, so none can stop a run hours
+        in; a format without exemplars fails here, before any generation."""
         keep = [ex for ex in examples if self.max_tokens(ex) + len(
             common.encode_prompt(self.tokenizer, self.generation(ex, hint=True))) <= max_model_len]
         if len(keep) < len(examples):
@@ -312,13 +309,10 @@ def judge(examples: list[dict], texts: list[str]) -> list[bool]:
     """1[ŷ_i = y_i]: the letter for multiple choice, math_equal (math-verify) for math."""
     preds = [extract_answer(t, answer_format(ex), len(ex["choices"] or LETTERS))
              for ex, t in zip(examples, texts)]
-    ok = [bool(ex["choices"]) and p == ex["answer"] for ex, p in zip(examples, preds)]
-    math = [i for i, (ex, p) in enumerate(zip(examples, preds))
-            if not ex["choices"] and p is not None]
-    same = common.math_equal_many([(preds[i], examples[i]["answer"]) for i in math])
-    for i, s in zip(math, same):
-        ok[i] = bool(s)
-    return ok
+    same = iter(common.math_equal_many([(p, ex["answer"]) for ex, p in zip(examples, preds)
+                                        if not ex["choices"] and p is not None]))
+    return [p == ex["answer"] if ex["choices"] else p is not None and bool(next(same))
+            for ex, p in zip(examples, preds)]
 
 
 # Step 1, the data: {"question", "answer", "choices": list | None}; the answer is a lowercase
@@ -330,32 +324,32 @@ JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer
 def make_example(question, answer, choices=None, *, where: str = "") -> dict:
     """Validate and normalise one labelled example (where = 'file:line' for the errors)."""
     def bad(msg):
-        return ValueError(f"{where}: {msg}; {JSONL_SHAPE}" if where else f"{msg}; {JSONL_SHAPE}")
+        return ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
     if not isinstance(question, str) or not question.strip():
         raise bad("'question' must be a non-empty string")
-    number_or_text = isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
-    if not number_or_text or not str(answer).strip():
+    if (isinstance(answer, bool) or not isinstance(answer, (str, int, float))
+            or not str(answer).strip()):
         raise bad("'answer' must be a non-empty string or number")
-    answer = str(answer).strip()
+    question, answer = question.strip(), str(answer).strip()
     if choices is None:
         if "####" in answer:  # a GSM8K worked solution: keep the final number, or the hint leaks it
             answer = answer.split("####")[-1].strip().replace(",", "")
             if not answer:
                 raise bad("'answer' has nothing after its last '####'; put the final answer there "
                           "(e.g. '... #### 72') or give only the answer")
-        return {"question": question.strip(), "answer": answer, "choices": None}
+        return {"question": question, "answer": answer, "choices": None}
     if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
             or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
         raise bad("'choices' must be a list of 2-26 non-empty strings")
     choices = [str(c).strip() for c in choices]
-    letters = list(LETTERS[:len(choices)])
+    letters = LETTERS[:len(choices)]
     gold = answer.strip("()").lower()
     if gold not in letters:  # the text of a choice stands for its letter
         gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
     if gold is None:
         raise bad(f"'answer' {answer!r} is neither a choice letter ({letters[0].upper()}-"
                   f"{letters[-1].upper()}) nor the text of one of the choices")
-    return {"question": question.strip(), "answer": gold, "choices": choices}
+    return {"question": question, "answer": gold, "choices": choices}
 
 
 def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
@@ -385,9 +379,9 @@ def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> li
 
 
 def hub_rows(task: str, split: str) -> list[dict]:
-    """GSM8K ('... #### 72') or CommonsenseQA (choices {label, text}, answerKey) from the hub."""
-    hub_id, config, train_split, eval_split = TASKS[task]
-    split = train_split if split == "train" else eval_split
+    """GSM8K ('... #### 72') or CommonsenseQA (choices {label: A-E, text}, answerKey) from the hub."""
+    hub_id, config, eval_split = TASKS[task]
+    split = "train" if split == "train" else eval_split
     try:
         import datasets
         ds = datasets.load_dataset(hub_id, config, split=split)
@@ -396,20 +390,10 @@ def hub_rows(task: str, split: str) -> list[dict]:
                            f"{type(e).__name__}: {e}. Install `datasets` (pip install datasets), "
                            "or if the hub is unreachable, export the data to JSONL and pass --data "
                            f"train.jsonl --test-data test.jsonl; {JSONL_SHAPE}") from None
-    out = []
-    for i, r in enumerate(ds):
-        where = f"{hub_id}[{split}][{i}]"
-        if task == "gsm8k":
-            out.append(make_example(r["question"], r["answer"], where=where))
-            continue
-        labels = [str(x).lower() for x in r["choices"]["label"]]
-        key = str(r["answerKey"]).lower()
-        if key not in labels:
-            raise ValueError(f"{where}: answerKey {r['answerKey']!r} is not one of the labels "
-                             f"{labels}")
-        out.append(make_example(r["question"], LETTERS[labels.index(key)],
-                                list(r["choices"]["text"]), where=where))
-    return out
+    cqa = task == "commonsense_qa"
+    return [make_example(r["question"], r["answerKey"] if cqa else r["answer"],
+                         list(r["choices"]["text"]) if cqa else None,
+                         where=f"{hub_id}[{split}][{i}]") for i, r in enumerate(ds)]
 
 
 def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
@@ -455,8 +439,8 @@ def rationalize(policy, prompter, examples, failed: list[int], cfg, seed) -> tup
     is rebuilt from the plain question: no hint is stored. Returns (kept, hint prompts)."""
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
-    written = generate_rationales(policy, prompter, sub, cfg, seed, prompts)
-    kept = filter_correct(sub, written, "rationalized")
+    kept = filter_correct(sub, generate_rationales(policy, prompter, sub, cfg, seed, prompts),
+                          "rationalized")
     return [{**k, "index": failed[k["index"]]} for k in kept], prompts
 
 
@@ -471,9 +455,9 @@ def steps_for_round(n: int, cfg: Config) -> int:
 
 
 def lr_at(step: int, n_steps: int, cfg: Config) -> float:
-    """Linear warmup from the start of EVERY fine-tune (0-based step), then constant."""
-    short = max(1, min(cfg.warmup_steps, n_steps // 10))  # at most 10% of the round's steps
-    w = cfg.warmup_steps if cfg.warmup == "faithful" else short
+    """Linear warmup from the start of EVERY fine-tune (0-based step), then constant; short: at
+    most 10% of the round's steps."""
+    w = cfg.warmup_steps if cfg.warmup == "faithful" else min(cfg.warmup_steps, n_steps // 10)
     return cfg.lr * min(1.0, (step + 1) / max(1, w))
 
 
@@ -522,15 +506,14 @@ def evaluate_split(policy, prompter, examples, cfg, seed: int) -> dict:
     greedy = _decode(policy, prompter, examples, prompts, n=1, temperature=0.0, seed=seed)
     res = {"test/accuracy": sum(judge(examples, [g[0] for g in greedy])) / len(examples)}
     if cfg.eval_n > 1:
-        texts = _decode(policy, prompter, examples, prompts, n=cfg.eval_n,
+        n = cfg.eval_n
+        texts = _decode(policy, prompter, examples, prompts, n=n,
                         temperature=cfg.eval_temperature, seed=seed)
-        ok = iter(judge([ex for ex, ts in zip(examples, texts) for _ in ts],
-                        [t for ts in texts for t in ts]))
-        counts = [sum(next(ok) for _ in ts) for ts in texts]
+        ok = judge([ex for ex in examples for _ in range(n)], [t for ts in texts for t in ts])
+        counts = [sum(ok[i:i + n]) for i in range(0, len(ok), n)]
         for k in [int(x) for x in str(cfg.eval_k).split(",") if x.strip()]:
-            if k <= cfg.eval_n:
-                res[f"test/pass@{k}"] = sum(common.pass_at_k(cfg.eval_n, c, k)
-                                            for c in counts) / len(counts)
+            if k <= n:
+                res[f"test/pass@{k}"] = sum(common.pass_at_k(n, c, k) for c in counts) / len(counts)
     return res
 
 
@@ -587,26 +570,29 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
         "train/kept_direct": len(direct), "train/kept_rationalized": len(rationalized),
         "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / max(1, len(train_set)),
         "sft/planned_steps": n_steps})
-    pairs = [(train_data[k["index"]], k) for k in kept]
-    for role in ("direct", "rationalized"):
-        run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
-    kept_idx = {k["index"] for k in kept}  # what the model wrote unaided where nothing was kept
-    run.log_samples(n, "unsolved", [
-        sample_record(train_data[i], {"rationale": written[i][0], "source": "unsolved"})
-        for i in range(n_q) if i not in kept_idx and written[i]])
-    if run.is_main:  # the round's whole training set, for spot checks of lucky guesses (§6)
-        rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"],
-                 "rationale": k["rationale"]} for ex, k in pairs]
-        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
-                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    log_round(run, n, train_data, written, kept)
     return metrics
 
 
-def sample_record(ex: dict, k: dict) -> dict:
-    rec = {"question": format_question(ex), "gold": ex["answer"], "rationale": k["rationale"]}
-    if k["source"] == "rationalized":  # the query the model saw; what it is trained on has no hint
-        rec["hint_prompt_query"] = format_question(ex, hint=True)
-    return rec
+def log_round(run, n: int, train_data, written, kept) -> None:
+    """samples.jsonl: what was kept per role, and what the model wrote unaided where nothing was;
+    rounds/round_<n>.jsonl: the round's whole training set, to spot lucky guesses (§6)."""
+    def record(i, rationale, hint):  # the query seen; what is trained on has no hint
+        q = format_question(train_data[i])
+        return {"question": q, "gold": train_data[i]["answer"], "rationale": rationale,
+                **({"hint_prompt_query": format_question(train_data[i], hint=True)} if hint else {})}
+    for role in ("direct", "rationalized"):
+        run.log_samples(n, role, [record(k["index"], k["rationale"], role == "rationalized")
+                                  for k in kept if k["source"] == role])
+    done = {k["index"] for k in kept}
+    run.log_samples(n, "unsolved", [record(i, w[0], False) for i, w in enumerate(written)
+                                    if i not in done and w])
+    if run.is_main:
+        rows = [{"question": train_data[k["index"]]["question"], "answer":
+                 train_data[k["index"]]["answer"], "source": k["source"],
+                 "rationale": k["rationale"]} for k in kept]
+        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
+                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
@@ -621,49 +607,6 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
     if patience and n > 0 and state["since_best"] >= patience:
         state["stopped"] = (f"no new best test accuracy for {patience} evaluation(s); best: round "
                             f"{state['best_round']} ({state['best_accuracy']:.4f})")
-
-
-# The best round's model: checkpoints are pruned (--keep-checkpoints), so with early stopping the
-# round that set the best test accuracy is kept apart, in <run>/best/.
-BEST_INFO = "star_best.json"  # {"round", "test/accuracy"} inside best/
-
-
-def save_best(run, policy, n: int, accuracy: float) -> None:
-    """M_n as a save_pretrained folder <run>/best/, replaced atomically (a temp folder, renames).
-    Call it on every rank (gathering the weights is a collective); rank 0 writes."""
-    weights = {k: v.to("cpu") for k, v in policy.iter_full_weights()}
-    if run.is_main:
-        final = run.dir / "best"
-        tmp, old = (run.dir / f".{kind}-best-{os.getpid()}" for kind in ("tmp", "old"))
-        shutil.rmtree(tmp, ignore_errors=True)
-        policy.module.save_pretrained(str(tmp), state_dict=weights, safe_serialization=True)
-        policy.tokenizer.save_pretrained(str(tmp))
-        common.atomic_write_json(tmp / BEST_INFO, {"round": n, "test/accuracy": accuracy})
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    del weights
-    policy.barrier()  # best/ is complete before any rank may read it
-
-
-def restore_best(run, policy, base: dict, state: dict) -> int:
-    """With early stopping, end on the best round's model: best/ (or the base model if round 0 was
-    never beaten) into trainer and sampler. Returns the round now loaded."""
-    best, last = state["best_round"], state["round"]
-    if best >= last:
-        return last
-    if best == 0:
-        policy.set_weights(base)
-        return 0
-    info = run.dir / "best" / BEST_INFO
-    saved = json.loads(info.read_text()).get("round") if info.is_file() else None
-    if saved != best:  # e.g. a crash between best/ and the checkpoint, then a resume
-        warnings.warn(f"{run.dir / 'best'} holds round {saved}, not the best round {best}: ending "
-                      f"on the last round's model (round {last}) instead")
-        return last
-    policy.set_weights(common.load_safetensors_dir(run.dir / "best"))
-    return best
 
 
 def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
@@ -723,23 +666,18 @@ def train(cfg: Config, sampler=None) -> dict:
             state["history"].append({"round": n, **{k: v for k, v in metrics.items()
                                                     if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
-            if state["best_round"] == n:  # a new best: keep M_n, which pruning would delete
-                save_best(run, policy, n, state["best_accuracy"])
             post = {k: f"{metrics[v]:.3g}" for k, v in POSTFIX.items()
                     if metrics.get(v) is not None}
             bar.set_postfix({**post, "slowest": run.slowest}, refresh=False)
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
-        # early stopping: the best round's model is the result, so --eval-benchmarks score it
-        model_round = restore_best(run, policy, base, state) if cfg.patience > 0 else state["round"]
         results = {"rounds": state["history"], "best_round": state["best_round"],
                    "best_accuracy": state["best_accuracy"],
-                   "stopped": state["stopped"] or "reached --rounds", "model_round": model_round}
-        if cfg.eval_benchmarks:
+                   "stopped": state["stopped"] or "reached --rounds"}
+        if cfg.eval_benchmarks:  # the last round's model
             results["benchmarks"] = common.evaluate_config(policy, cfg)
-            run.log(state["round"], {**common.eval_metrics(results["benchmarks"]),
-                                     "eval/model_round": model_round})
+            run.log(state["round"], common.eval_metrics(results["benchmarks"]))
         run.write_eval(results)
     finally:
         run.close()
@@ -750,8 +688,7 @@ def headline(results: dict) -> dict:
     """The best round, for the final summary (the last round's figures are logged)."""
     if results.get("best_accuracy") is None:
         return {}
-    return {"best round": results["best_round"], "best test/accuracy": results["best_accuracy"],
-            "model of round": results["model_round"]}
+    return {"best round": results["best_round"], "best test/accuracy": results["best_accuracy"]}
 
 
 def main(argv: list[str] | None = None) -> None:
