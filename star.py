@@ -24,7 +24,7 @@ Deviations from the paper and its official code (paths in that repository), and 
 - Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py). The GSM8K
   hint shows only the final number (paper); the code's hint shows the whole solution.
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
-- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10); --prompt-style chat is ours.
+- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10).
 - Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
 - --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out). The
@@ -52,7 +52,6 @@ class Config(common.RunConfig):
     test_data: str = ""  # "" = GSM8K test, CQA validation (the dev set, §4) | a JSONL | none
     train_limit: int = 0  # first N training questions; 0 = all (Alg. 1: the whole train split)
     exemplars: str = ""  # "" = ours; or a JSONL of {"question","rationale","answer","choices"?}
-    prompt_style: str = "few-shot"  # few-shot text (§3.1) | chat (ours) | auto: chat if templated
     few_shot_train: bool = False  # exemplars in the training text (iteration_train.py, §4.4)
     rounds: int = 16  # iterations N (Alg. 1: until a plateau; 16 for arithmetic, §4.3)
     patience: int = 2  # evaluations without a new best before stopping; 0 = off (ours; Alg. 1)
@@ -82,13 +81,9 @@ TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl",
         "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2,
         "steps_scale": 0.05, "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16,
         "max_model_len": 1024, "lr": 1e-4}
-TASKS = {  # name -> (hub id, config, eval split); CQA's test split has no labels
-    "gsm8k": ("openai/gsm8k", "main", "test"),
-    "commonsense_qa": ("tau/commonsense_qa", None, "validation"),
-}
-TASK_NAMES = {"gsm8k": "gsm8k", "openai/gsm8k": "gsm8k", "commonsense_qa": "commonsense_qa",
-              "cqa": "commonsense_qa", "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa",
-              "tau/commonsense_qa": "commonsense_qa"}
+GSM8K, CQA = ("openai/gsm8k", "main", "test"), ("tau/commonsense_qa", None, "validation")
+TASKS = {"gsm8k": GSM8K, "openai/gsm8k": GSM8K, "commonsense_qa": CQA, "cqa": CQA, "csqa": CQA,
+         "commonsenseqa": CQA, "tau/commonsense_qa": CQA}  # (hub id, config, eval split)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_NEW_TOKENS = {"choice": 96, "math": 256}  # when --max-new-tokens is 0
 
@@ -97,19 +92,13 @@ def check_config(cfg: Config) -> None:
     """Reject contradictory flags before anything is loaded or written."""
     n = cfg.samples_per_question
     problems = [msg for bad, msg in [
-        (cfg.rounds < 1, f"--rounds {cfg.rounds}: need at least 1"),
         (n < 1, f"--samples-per-question {n}: need at least 1"),
         (n > 1 and cfg.temperature <= 0, f"--samples-per-question {n} with greedy decoding gives "
          f"{n} identical rationales; add --temperature 0.7 (or similar)"),
-        (cfg.prompt_style not in ("few-shot", "chat", "auto"),
-         f"--prompt-style {cfg.prompt_style}: expected few-shot, chat or auto"),
         (cfg.warmup not in ("faithful", "short"),
          f"--warmup {cfg.warmup}: expected faithful or short"),
         (cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0,
          "--steps-start must be >= 1 and --steps-growth, --steps-scale > 0"),
-        (cfg.batch_tokens < 1, f"--batch-tokens {cfg.batch_tokens}: need at least 1"),
-        (cfg.eval_every < 0,
-         f"--eval-every {cfg.eval_every}: use 0 to evaluate only after the last round"),
         (cfg.patience < 0, f"--patience {cfg.patience}: use 0 to disable early stopping"),
         (cfg.save_every < 0,
          f"--save-every {cfg.save_every}: use 0 to checkpoint only the last round"),
@@ -128,8 +117,6 @@ PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_a
     "option": "({letter}) {text}",
     "option_hint": "({letter}) {text} (CORRECT)",  # rationalization: the right option marked
     "answer": "A:",  # the cue the rationale follows
-    "chat_system": ("Answer the question. Reason step by step first, then end with the final "
-                    "answer written exactly as in the examples."),  # ours: --prompt-style chat
 }
 MATH_EXEMPLARS = [  # (question, rationale ending in "#### <answer>", answer)
     ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How "
@@ -180,10 +167,9 @@ CHOICE_EXEMPLARS = [  # (question, choices, rationale ending in "(<letter>).", a
 
 
 def builtin_exemplars() -> dict:
-    return {"math": [dict(question=q, answer=a, choices=None, rationale=r)
-                     for q, r, a in MATH_EXEMPLARS],
-            "choice": [dict(question=q, answer=a, choices=c, rationale=r)
-                       for q, c, r, a in CHOICE_EXEMPLARS]}
+    math = [dict(question=q, answer=a, choices=None, rationale=r) for q, r, a in MATH_EXEMPLARS]
+    mc = [dict(question=q, answer=a, choices=c, rationale=r) for q, c, r, a in CHOICE_EXEMPLARS]
+    return {"math": math, "choice": mc}
 
 
 def load_exemplars(path: str) -> dict:
@@ -206,38 +192,26 @@ def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS) -> st
     return "\n".join(lines)
 
 
-def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False,
-                 prompts: dict = PROMPTS):
+def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, prompts: dict = PROMPTS) -> str:
     """The exemplars, then the query; hint=True reveals the answer in all of them (P_hint)."""
-    if chat:
-        msgs = [{"role": "system", "content": prompts["chat_system"].format()}]
-        for s in shots:
-            msgs += [{"role": "user", "content": format_question(s, hint, prompts)},
-                     {"role": "assistant", "content": s["rationale"]}]
-        return msgs + [{"role": "user", "content": format_question(ex, hint, prompts)}]
     cue = prompts["answer"].format()
     blocks = [f"{format_question(s, hint, prompts)}\n{cue} {s['rationale']}" for s in shots]
     return "\n\n".join(blocks + [f"{format_question(ex, hint, prompts)}\n{cue}"])
 
 
 class Prompter:
-    """One run's prompts (exemplars, few-shot or chat, tokenizer) for generation and training."""
+    """One run's few-shot prompts (exemplars, templates, tokenizer), to generate and to train."""
 
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
-        templated = bool(tokenizer.chat_template)
-        if cfg.prompt_style == "chat" and not templated:
-            raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat "
-                             "template; use --prompt-style few-shot")
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end "
                              "with EOS")
         self.eos = int(tokenizer.eos_token_id)
-        self.chat = cfg.prompt_style == "chat" or (cfg.prompt_style == "auto" and templated)
         self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
         # a next exemplar starts with the "question" template's text before {question}: cut there
         self.marker = self.prompts["question"].split("{question}", 1)[0].strip() or None
-        self.stop = None if self.chat or not self.marker else ["\n\n" + self.marker]
+        self.stop = ["\n\n" + self.marker] if self.marker else None
 
     def shots(self, ex: dict) -> list[dict]:
         fmt = answer_format(ex)
@@ -248,15 +222,14 @@ class Prompter:
         return self.exemplars[fmt]
 
     def generation(self, ex: dict, hint: bool = False):
-        return build_prompt(ex, self.shots(ex), hint=hint, chat=self.chat, prompts=self.prompts)
+        return build_prompt(ex, self.shots(ex), hint=hint, prompts=self.prompts)
 
     def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
         """(prompt_ids, target_ids): the HINT-FREE question (after the exemplars only with
         --few-shot-train), then rationale + EOS. The loss mask is the prompt's length."""
         shots = self.shots(ex) if self.cfg.few_shot_train else []
-        prompt = build_prompt(ex, shots, chat=self.chat, prompts=self.prompts)
-        target = rationale if self.chat else " " + rationale  # few-shot prompts end in the 'A:' cue
-        ids = self.tokenizer(target, add_special_tokens=False)["input_ids"]
+        prompt = build_prompt(ex, shots, prompts=self.prompts)
+        ids = self.tokenizer(" " + rationale, add_special_tokens=False)["input_ids"]  # after 'A:'
         return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]
 
     def max_tokens(self, ex: dict) -> int:
@@ -299,9 +272,7 @@ def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | 
         m = _CHOICE_END.search(text.split("\n", 1)[0])
         return m.group(1).lower() if m and m.group(1).lower() in LETTERS[:n_choices] else None
     m = _MATH_ANSWER.search(text)
-    if not m:
-        return None
-    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip()
+    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip() if m else ""
     return ans[:200] or None  # a huge 'answer' is junk; the cap keeps the checker fast
 
 
@@ -323,32 +294,29 @@ JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer
 
 def make_example(question, answer, choices=None, *, where: str = "") -> dict:
     """Validate and normalise one labelled example (where = 'file:line' for the errors)."""
-    def bad(msg):
-        return ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
-    if not isinstance(question, str) or not question.strip():
-        raise bad("'question' must be a non-empty string")
-    if (isinstance(answer, bool) or not isinstance(answer, (str, int, float))
-            or not str(answer).strip()):
-        raise bad("'answer' must be a non-empty string or number")
+    def check(ok, msg):
+        if not ok:
+            raise ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
+    check(isinstance(question, str) and question.strip(), "'question' must be a non-empty string")
+    check(isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
+          and str(answer).strip(), "'answer' must be a non-empty string or number")
     question, answer = question.strip(), str(answer).strip()
     if choices is None:
         if "####" in answer:  # a GSM8K worked solution: keep the final number, or the hint leaks it
             answer = answer.split("####")[-1].strip().replace(",", "")
-            if not answer:
-                raise bad("'answer' has nothing after its last '####'; put the final answer there "
-                          "(e.g. '... #### 72') or give only the answer")
+            check(answer, "'answer' has nothing after its last '####'; put the final answer there "
+                  "(e.g. '... #### 72') or give only the answer")
         return {"question": question, "answer": answer, "choices": None}
-    if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
-            or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
-        raise bad("'choices' must be a list of 2-26 non-empty strings")
+    check(isinstance(choices, list) and 2 <= len(choices) <= len(LETTERS)
+          and all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices),
+          "'choices' must be a list of 2-26 non-empty strings")
     choices = [str(c).strip() for c in choices]
-    letters = LETTERS[:len(choices)]
-    gold = answer.strip("()").lower()
-    if gold not in letters:  # the text of a choice stands for its letter
-        gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
-    if gold is None:
-        raise bad(f"'answer' {answer!r} is neither a choice letter ({letters[0].upper()}-"
-                  f"{letters[-1].upper()}) nor the text of one of the choices")
+    texts, last = [c.lower() for c in choices], LETTERS[len(choices) - 1].upper()
+    gold = answer.strip("()").lower()  # a letter, or the text of a choice
+    gold = gold if gold in LETTERS[:len(choices)] else (
+        LETTERS[texts.index(answer.lower())] if answer.lower() in texts else None)
+    check(gold, f"'answer' {answer!r} is neither a choice letter (A-{last}) nor the text of one "
+          "of the choices")
     return {"question": question, "answer": gold, "choices": choices}
 
 
@@ -356,8 +324,8 @@ def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> li
     """A JSONL file's examples; a bad line is an error naming the file, the line and the fix. An
     exemplar's rationale must end in its format's answer line, or the prompt teaches a wrong one."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: "
-                                f"{', '.join(TASKS)})")
+        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or gsm8k or "
+                                "commonsense_qa)")
     rows = []
     for lineno, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
         where = f"{path}:{lineno}"
@@ -378,9 +346,9 @@ def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> li
     return rows
 
 
-def hub_rows(task: str, split: str) -> list[dict]:
+def hub_rows(task: tuple, split: str) -> list[dict]:
     """GSM8K ('... #### 72') or CommonsenseQA (choices {label: A-E, text}, answerKey) from the hub."""
-    hub_id, config, eval_split = TASKS[task]
+    hub_id, config, eval_split = task
     split = "train" if split == "train" else eval_split
     try:
         import datasets
@@ -390,7 +358,7 @@ def hub_rows(task: str, split: str) -> list[dict]:
                            f"{type(e).__name__}: {e}. Install `datasets` (pip install datasets), "
                            "or if the hub is unreachable, export the data to JSONL and pass --data "
                            f"train.jsonl --test-data test.jsonl; {JSONL_SHAPE}") from None
-    cqa = task == "commonsense_qa"
+    cqa = task == CQA
     return [make_example(r["question"], r["answerKey"] if cqa else r["answer"],
                          list(r["choices"]["text"]) if cqa else None,
                          where=f"{hub_id}[{split}][{i}]") for i, r in enumerate(ds)]
@@ -398,7 +366,7 @@ def hub_rows(task: str, split: str) -> list[dict]:
 
 def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
     """Step 1: the examples of a hub task (its train or eval split) or of a local JSONL file."""
-    task = TASK_NAMES.get(source.lower())
+    task = TASKS.get(source.lower())
     rows = hub_rows(task, split) if task else read_examples(source, flag=flag)
     return rows[:limit] if limit > 0 else rows
 
@@ -624,7 +592,7 @@ def train(cfg: Config, sampler=None) -> dict:
     check_config(cfg)
     common.seed_everything(cfg.seed)
     train_data = load_task(cfg.data, "train", cfg.train_limit)
-    test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASK_NAMES else "none")
+    test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASKS else "none")
     if test_src == "none":
         warnings.warn("no test split (a local --data file without --test-data): evaluation and "
                       "--patience are off")

@@ -178,7 +178,7 @@ def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "run"
     for argv, msg in [(["--samples-per-question", "4"], "--temperature"),
                       (["--warmup", "slow"], "faithful"),
-                      (["--prompt-style", "zero"], "few-shot"), (["--rounds", "0"], "--rounds")]:
+                      (["--rounds", "0"], "--rounds")]:
         with pytest.raises(SystemExit) as e:
             star.main(argv + ["--output-dir", str(out), "--data", str(TRAIN)])
         # an argparse usage error with the reason
@@ -247,9 +247,6 @@ def test_prompts_reveal_the_hint_only_in_rationalization():
         for s in exs:
             n = len(s["choices"] or star.LETTERS)
             assert star.extract_answer(s["rationale"], fmt, n) == s["answer"]
-    msgs = star.build_prompt(mc, shots["choice"][:2], hint=True, chat=True)
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert msgs[-1]["content"].endswith("(b) apple (CORRECT)\n(c) rock")
 
 
 def test_docstring_states_what_the_released_code_trained_and_which_table_1_row_we_run():
@@ -281,7 +278,7 @@ def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, t
     the sampler gets (generation and rationalization), the stop string follows the new question
     prefix, and a bad file is a one-line usage error before anything is loaded."""
     assert set(star.PROMPTS) == {"question", "math_hint", "choices", "option", "option_hint",
-                                 "answer", "chat_system"}
+                                 "answer"}
     path = _prompts_file(tmp_path, question="Question: {question}",
                          math_hint="Question: {question} [{answer}]",
                          option_hint="({letter}) {text} <- right", answer="Reasoning:")
@@ -448,13 +445,6 @@ def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokeni
         limit = len(hinted) + pr.max_tokens(ex)
         # an overlong question cannot crash the run
         assert pr.fits([ex, long_q], limit, "training set") == [ex]
-    chat = star.Prompter(star.Config(model="tiny", prompt_style="auto"), tiny_tokenizer,
-                         star.builtin_exemplars())
-    assert chat.chat  # the tiny tokenizer has a chat template
-    p3, t3 = chat.training_example(ex, "The number is 58.\n#### 58")
-    assert tiny_tokenizer.decode(p3).endswith("<|im_start|>user\nQ: Copy the number 58.<|im_end|>\n"
-                                              "<|im_start|>assistant\n")
-    assert tiny_tokenizer.decode(t3) == "The number is 58.\n#### 58<|im_end|>"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -513,7 +503,7 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
         assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
 
 
-def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg, vllm_sampler,
+def test_evaluation_pass_at_k_and_entropy(warm_model_path, tiny_cfg, vllm_sampler,
                                                        tiny_tokenizer):
     tiny_cfg.model = warm_model_path
     policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
@@ -526,9 +516,6 @@ def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg
     assert 0.0 <= res["test/pass@1"] <= res["test/pass@2"] <= 1.0
     ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # samples at T = 1
     assert ent["entropy/nll"] > 0 and ent["entropy/exact"] > 0
-    chat_cfg, chat = toy_prompter(tiny_tokenizer, prompt_style="chat")
-    out = star.generate_rationales(policy, chat, test, chat_cfg, seed=0)
-    assert len(out) == 4 and all(len(o) == 1 and isinstance(o[0], str) for o in out)
 
 
 def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer,
