@@ -33,10 +33,8 @@ Deviations from the paper and its official code (paths in that repository), and 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -180,7 +178,7 @@ def load_exemplars(path: str) -> dict:
     return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
-def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS) -> str:
+def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS):
     """The 'Q:' block of one example; hint=True reveals the gold answer (P_hint, §3.2)."""
     if not ex.get("choices"):
         key = "math_hint" if hint else "question"
@@ -192,7 +190,7 @@ def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS) -> st
     return "\n".join(lines)
 
 
-def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, prompts: dict = PROMPTS) -> str:
+def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, prompts: dict = PROMPTS):
     """The exemplars, then the query; hint=True reveals the answer in all of them (P_hint)."""
     cue = prompts["answer"].format()
     blocks = [f"{format_question(s, hint, prompts)}\n{cue} {s['rationale']}" for s in shots]
@@ -311,12 +309,12 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
           and all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices),
           "'choices' must be a list of 2-26 non-empty strings")
     choices = [str(c).strip() for c in choices]
-    texts, last = [c.lower() for c in choices], LETTERS[len(choices) - 1].upper()
-    gold = answer.strip("()").lower()  # a letter, or the text of a choice
-    gold = gold if gold in LETTERS[:len(choices)] else (
-        LETTERS[texts.index(answer.lower())] if answer.lower() in texts else None)
-    check(gold, f"'answer' {answer!r} is neither a choice letter (A-{last}) nor the text of one "
-          "of the choices")
+    letters = LETTERS[:len(choices)]
+    gold = answer.strip("()").lower()
+    if gold not in letters:  # the text of a choice stands for its letter
+        gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
+    check(gold, f"'answer' {answer!r} is neither a choice letter (A-{letters[-1].upper()}) nor the "
+          "text of one of the choices")
     return {"question": question, "answer": gold, "choices": choices}
 
 
@@ -347,7 +345,7 @@ def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> li
 
 
 def hub_rows(task: tuple, split: str) -> list[dict]:
-    """GSM8K ('... #### 72') or CommonsenseQA (choices {label: A-E, text}, answerKey) from the hub."""
+    """GSM8K ('... #### 72') or CommonsenseQA (choices {label, text}, answerKey) from the hub."""
     hub_id, config, eval_split = task
     split = "train" if split == "train" else eval_split
     try:
@@ -402,9 +400,8 @@ def filter_correct(examples, rationales: list[list[str]], source: str) -> list[d
 
 
 def rationalize(policy, prompter, examples, failed: list[int], cfg, seed) -> tuple[list, list]:
-    """Step 4 (Alg. 1 lines 4, 6): prompt M_{n-1} with the gold answer as a hint (P_hint) and keep
-    the rationales that reach it. Only the index and the rationale are kept, so the training prompt
-    is rebuilt from the plain question: no hint is stored. Returns (kept, hint prompts)."""
+    """Step 4 (Alg. 1 lines 4, 6): M_{n-1} with the gold answer as a hint (P_hint); only the index
+    and the rationale are kept, so no hint reaches training. Returns (kept, hint prompts)."""
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
     kept = filter_correct(sub, generate_rationales(policy, prompter, sub, cfg, seed, prompts),
@@ -520,10 +517,9 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
     train_set = build_training_set(prompter, train_data, kept)
     n_steps = steps_for_round(n, cfg)
     if not train_set:
-        warnings.warn(f"round {n}: no rationale reached the gold answer, so there is nothing to "
-                      "fine-tune on and M_n = M. STaR cannot bootstrap from a model at chance "
-                      "level (paper §6): check the few-shot accuracy, the prompt format and "
-                      "--max-new-tokens.")
+        warnings.warn(f"round {n}: no rationale reached the gold answer, so M_n = M. STaR cannot "
+                      "bootstrap from a model at chance level (paper §6): check the few-shot "
+                      "accuracy, the prompt format and --max-new-tokens.")
     with run.timer("finetune"):
         metrics = finetune_from_base(policy, base, train_set, n_steps, cfg, random.Random(seed))
     with run.timer("evaluate"):
@@ -545,10 +541,10 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
 def log_round(run, n: int, train_data, written, kept) -> None:
     """samples.jsonl: what was kept per role, and what the model wrote unaided where nothing was;
     rounds/round_<n>.jsonl: the round's whole training set, to spot lucky guesses (§6)."""
-    def record(i, rationale, hint):  # the query seen; what is trained on has no hint
-        q = format_question(train_data[i])
-        return {"question": q, "gold": train_data[i]["answer"], "rationale": rationale,
-                **({"hint_prompt_query": format_question(train_data[i], hint=True)} if hint else {})}
+    def record(i, rationale, hint):  # the query the model saw; what is trained on has no hint
+        ex = train_data[i]
+        rec = {"question": format_question(ex), "gold": ex["answer"], "rationale": rationale}
+        return {**rec, "hint_prompt_query": format_question(ex, hint=True)} if hint else rec
     for role in ("direct", "rationalized"):
         run.log_samples(n, role, [record(k["index"], k["rationale"], role == "rationalized")
                                   for k in kept if k["source"] == role])

@@ -201,8 +201,8 @@ def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
     (out / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as e:
         star.main(["--data", str(TRAIN), "--output-dir", str(out)])
-    assert e.value.code == 2 and re.search(f"checkpoints/step_3.*--resume {out}, or pass a new --output-dir",
-                                           capsys.readouterr().err)
+    assert e.value.code == 2 and re.search(
+        f"checkpoints/step_3.*--resume {out}, or pass a new --output-dir", capsys.readouterr().err)
     assert (out / "config.json").read_text() == "{}"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json"]
     common.Run(star.Config(output_dir=str(out), resume=str(out)), "star")  # --resume: no error
