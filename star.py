@@ -27,8 +27,8 @@ Deviations from the paper and its official code (paths in that repository), and 
 - Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10).
 - Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
-- --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out). The
-  n-digit addition task (§4.3) is not built in.
+- --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out) and ends
+  the run on its last round's model. The n-digit addition task (§4.3) is not built in.
 """
 from __future__ import annotations
 
