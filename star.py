@@ -628,9 +628,8 @@ def train(cfg: Config, sampler=None) -> dict:
 
 def headline(results: dict) -> dict:
     """The best round, for the final summary (the last round's figures are logged)."""
-    if results.get("best_accuracy") is None:
-        return {}
-    return {"best round": results["best_round"], "best test/accuracy": results["best_accuracy"]}
+    best = results.get("best_accuracy")
+    return {} if best is None else {"best round": results["best_round"], "best test/accuracy": best}
 
 
 def main(argv: list[str] | None = None) -> None:

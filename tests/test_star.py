@@ -171,7 +171,7 @@ def test_non_utf8_and_bad_exemplars_are_rejected(tmp_path):
 
 def bare_tokenizer():
     import types
-    return types.SimpleNamespace(eos_token_id=0, chat_template=None)
+    return types.SimpleNamespace(eos_token_id=0)
 
 
 def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
