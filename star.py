@@ -1,45 +1,40 @@
 """STaR: Self-Taught Reasoner. Zelikman, Wu, Mu, Goodman, "STaR: Bootstrapping Reasoning With
 Reasoning", NeurIPS 2022, arXiv:2203.14465; official code: github.com/ezelikman/STaR.
 
-The model writes rationales for given questions and is fine-tuned on those that reach the gold
-answer: no RL loss (§3.1: a policy gradient with an indicator reward). Alg. 1, round n = 1..N:
+SFT on the model's own rationales that reach the gold answer; no RL loss (§3.1). Alg. 1, round n:
   1. load_task            the labelled data: GSM8K, CommonsenseQA or a JSONL of question + answer
   2. generate_rationales  M_{n-1} (M_0 = the base model M) writes one per question, few-shot, greedy
-  3. filter_correct       D_n: the rationales whose final answer is the gold one (exact match)
-  4. rationalize          each failure again with the answer as a hint; D^rat_n: those reaching it,
-                          stored WITHOUT the hint, as if written unaided (§3.2)
+  3. filter_correct       D_n: the rationales whose final answer is the gold one
+  4. rationalize          the failures again with the answer as a hint (§3.2); D^rat_n: those
+                          reaching it, stored WITHOUT the hint, as if written unaided
   5. build_training_set   D_n ∪ D^rat_n, rebuilt from scratch every round (never accumulated)
   6. finetune_from_base   fine-tune the ORIGINAL M for int(40 * 1.2^(n-1)) steps -> M_n (§4)
-  7. evaluate_split       test accuracy of M_n (round 0: M few-shot); after --patience evaluations
-                          without a new best, stop and end on the best round's model (<run>/best/)
+  7. evaluate_split       test accuracy of M_n (round 0: M few-shot); stop at a plateau (--patience)
 
   python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa --few-shot-train  # Table 1
-  python star.py --model Qwen/Qwen2.5-1.5B --data gsm8k --lr 1e-5  # a scaled-down GSM8K run
   python star.py --model tiny  # a one-minute smoke run; --resume RUN_DIR continues any run
 
-Deviations from the paper and its official code (paths relative to that repository), and choices:
+Deviations from the paper and its official code (paths in that repository), and choices:
 - Defaults are §4.4's runs without exemplars in the training text (69.9 and 60.9 on CQA dev): add
   --few-shot-train for Table 1's rows (72.5; 68.8 with --no-rationalize): our reading of §4.4.
 - Our choice: the loss is on rationale + answer + EOS. The code's mask never hands it to the loss
   (mesh_transformer/transformer_shard.py): it trained on every token, with a z-loss of 1e-4.
 - Our choice: a fresh Adam state every round; the code restores the Adam moments of GPT-J's
   pretraining checkpoint (device_train.py read_ckpt) and resets only the LR schedule.
-- Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py).
-- The GSM8K hint shows only the final number (paper); the code's hint shows the whole solution.
-- --patience and best/ pick the round on --test-data (GSM8K has no dev split): hold a file out.
+- Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py). The GSM8K
+  hint shows only the final number (paper); the code's hint shows the whole solution.
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
-- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10); --prompt-style chat is ours.
+- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10).
 - Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
-- The n-digit addition task (§4.3) is not built in.
+- --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out) and ends
+  the run on its last round's model. The n-digit addition task (§4.3) is not built in.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -55,7 +50,6 @@ class Config(common.RunConfig):
     test_data: str = ""  # "" = GSM8K test, CQA validation (the dev set, §4) | a JSONL | none
     train_limit: int = 0  # first N training questions; 0 = all (Alg. 1: the whole train split)
     exemplars: str = ""  # "" = ours; or a JSONL of {"question","rationale","answer","choices"?}
-    prompt_style: str = "few-shot"  # few-shot text (§3.1) | chat (ours) | auto: chat if templated
     few_shot_train: bool = False  # exemplars in the training text (iteration_train.py, §4.4)
     rounds: int = 16  # iterations N (Alg. 1: until a plateau; 16 for arithmetic, §4.3)
     patience: int = 2  # evaluations without a new best before stopping; 0 = off (ours; Alg. 1)
@@ -75,7 +69,6 @@ class Config(common.RunConfig):
     eval_limit: int = 0  # first N test questions (0 = all; also limits --eval-benchmarks)
     eval_temperature: float = 0.6  # pass@k sampling when --eval-n > 1 (ours; accuracy is greedy)
     eval_benchmarks: str = ""  # common.evaluate benchmarks after the last round ("" = none; ours)
-    entropy_samples: int = 0  # >0: entropy of N samples at T=1 ("Understanding self-play", Eq. 1)
     save_every: int = 1  # checkpoint every N rounds; 0 = the last only (ours)
 
 
@@ -85,13 +78,9 @@ TINY = {"data": f"{common.TINY_DATA}/star_copy_train.jsonl",
         "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl", "rounds": 2,
         "steps_scale": 0.05, "batch_tokens": 256, "warmup": "short", "max_new_tokens": 16,
         "max_model_len": 1024, "lr": 1e-4}
-TASKS = {  # name -> (hub id, config, train split, eval split); CQA's test split has no labels
-    "gsm8k": ("openai/gsm8k", "main", "train", "test"),
-    "commonsense_qa": ("tau/commonsense_qa", None, "train", "validation"),
-}
-TASK_NAMES = {"gsm8k": "gsm8k", "openai/gsm8k": "gsm8k", "commonsense_qa": "commonsense_qa",
-              "cqa": "commonsense_qa", "commonsenseqa": "commonsense_qa", "csqa": "commonsense_qa",
-              "tau/commonsense_qa": "commonsense_qa"}
+GSM8K, CQA = ("openai/gsm8k", "main", "test"), ("tau/commonsense_qa", None, "validation")
+TASKS = {"gsm8k": GSM8K, "openai/gsm8k": GSM8K, "commonsense_qa": CQA, "cqa": CQA, "csqa": CQA,
+         "commonsenseqa": CQA, "tau/commonsense_qa": CQA}  # (hub id, config, eval split)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_NEW_TOKENS = {"choice": 96, "math": 256}  # when --max-new-tokens is 0
 
@@ -100,19 +89,13 @@ def check_config(cfg: Config) -> None:
     """Reject contradictory flags before anything is loaded or written."""
     n = cfg.samples_per_question
     problems = [msg for bad, msg in [
-        (cfg.rounds < 1, f"--rounds {cfg.rounds}: need at least 1"),
         (n < 1, f"--samples-per-question {n}: need at least 1"),
         (n > 1 and cfg.temperature <= 0, f"--samples-per-question {n} with greedy decoding gives "
          f"{n} identical rationales; add --temperature 0.7 (or similar)"),
-        (cfg.prompt_style not in ("few-shot", "chat", "auto"),
-         f"--prompt-style {cfg.prompt_style}: expected few-shot, chat or auto"),
         (cfg.warmup not in ("faithful", "short"),
          f"--warmup {cfg.warmup}: expected faithful or short"),
         (cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0,
          "--steps-start must be >= 1 and --steps-growth, --steps-scale > 0"),
-        (cfg.batch_tokens < 1, f"--batch-tokens {cfg.batch_tokens}: need at least 1"),
-        (cfg.eval_every < 0,
-         f"--eval-every {cfg.eval_every}: use 0 to evaluate only after the last round"),
         (cfg.patience < 0, f"--patience {cfg.patience}: use 0 to disable early stopping"),
         (cfg.save_every < 0,
          f"--save-every {cfg.save_every}: use 0 to checkpoint only the last round"),
@@ -131,8 +114,6 @@ PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_a
     "option": "({letter}) {text}",
     "option_hint": "({letter}) {text} (CORRECT)",  # rationalization: the right option marked
     "answer": "A:",  # the cue the rationale follows
-    "chat_system": ("Answer the question. Reason step by step first, then end with the final "
-                    "answer written exactly as in the examples."),  # ours: --prompt-style chat
 }
 MATH_EXEMPLARS = [  # (question, rationale ending in "#### <answer>", answer)
     ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How "
@@ -183,10 +164,9 @@ CHOICE_EXEMPLARS = [  # (question, choices, rationale ending in "(<letter>).", a
 
 
 def builtin_exemplars() -> dict:
-    return {"math": [dict(question=q, answer=a, choices=None, rationale=r)
-                     for q, r, a in MATH_EXEMPLARS],
-            "choice": [dict(question=q, answer=a, choices=c, rationale=r)
-                       for q, c, r, a in CHOICE_EXEMPLARS]}
+    math = [dict(question=q, answer=a, choices=None, rationale=r) for q, r, a in MATH_EXEMPLARS]
+    mc = [dict(question=q, answer=a, choices=c, rationale=r) for q, c, r, a in CHOICE_EXEMPLARS]
+    return {"math": math, "choice": mc}
 
 
 def load_exemplars(path: str) -> dict:
@@ -197,7 +177,7 @@ def load_exemplars(path: str) -> dict:
     return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
-def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS) -> str:
+def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS):
     """The 'Q:' block of one example; hint=True reveals the gold answer (P_hint, §3.2)."""
     if not ex.get("choices"):
         key = "math_hint" if hint else "question"
@@ -209,38 +189,26 @@ def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS) -> st
     return "\n".join(lines)
 
 
-def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, chat: bool = False,
-                 prompts: dict = PROMPTS):
+def build_prompt(ex: dict, shots: list[dict], *, hint: bool = False, prompts: dict = PROMPTS):
     """The exemplars, then the query; hint=True reveals the answer in all of them (P_hint)."""
-    if chat:
-        msgs = [{"role": "system", "content": prompts["chat_system"].format()}]
-        for s in shots:
-            msgs += [{"role": "user", "content": format_question(s, hint, prompts)},
-                     {"role": "assistant", "content": s["rationale"]}]
-        return msgs + [{"role": "user", "content": format_question(ex, hint, prompts)}]
     cue = prompts["answer"].format()
     blocks = [f"{format_question(s, hint, prompts)}\n{cue} {s['rationale']}" for s in shots]
     return "\n\n".join(blocks + [f"{format_question(ex, hint, prompts)}\n{cue}"])
 
 
 class Prompter:
-    """One run's prompts (exemplars, few-shot or chat, tokenizer) for generation and training."""
+    """One run's few-shot prompts (exemplars, templates, tokenizer), to generate and to train."""
 
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
-        templated = bool(tokenizer.chat_template)
-        if cfg.prompt_style == "chat" and not templated:
-            raise ValueError(f"--prompt-style chat: the tokenizer of {cfg.model} has no chat "
-                             "template; use --prompt-style few-shot")
-        self.chat = cfg.prompt_style == "chat" or (cfg.prompt_style == "auto" and templated)
-        self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
-        # a next exemplar starts with the "question" template's text before {question}: cut there
-        self.marker = self.prompts["question"].split("{question}", 1)[0].strip() or None
-        self.stop = None if self.chat or not self.marker else ["\n\n" + self.marker]
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end "
                              "with EOS")
         self.eos = int(tokenizer.eos_token_id)
+        self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
+        # a next exemplar starts with the "question" template's text before {question}: cut there
+        self.marker = self.prompts["question"].split("{question}", 1)[0].strip() or None
+        self.stop = ["\n\n" + self.marker] if self.marker else None
 
     def shots(self, ex: dict) -> list[dict]:
         fmt = answer_format(ex)
@@ -251,23 +219,22 @@ class Prompter:
         return self.exemplars[fmt]
 
     def generation(self, ex: dict, hint: bool = False):
-        return build_prompt(ex, self.shots(ex), hint=hint, chat=self.chat, prompts=self.prompts)
+        return build_prompt(ex, self.shots(ex), hint=hint, prompts=self.prompts)
 
     def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
         """(prompt_ids, target_ids): the HINT-FREE question (after the exemplars only with
         --few-shot-train), then rationale + EOS. The loss mask is the prompt's length."""
         shots = self.shots(ex) if self.cfg.few_shot_train else []
-        prompt = build_prompt(ex, shots, chat=self.chat, prompts=self.prompts)
-        target = rationale if self.chat else " " + rationale  # few-shot prompts end in the 'A:' cue
-        ids = self.tokenizer(target, add_special_tokens=False)["input_ids"]
+        prompt = build_prompt(ex, shots, prompts=self.prompts)
+        ids = self.tokenizer(" " + rationale, add_special_tokens=False)["input_ids"]  # after 'A:'
         return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]
 
     def max_tokens(self, ex: dict) -> int:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
 
     def fits(self, examples: list[dict], max_model_len: int, what: str) -> list[dict]:
-        """Drop the questions whose hinted prompt leaves no room to answer, so that none can stop a
-        run hours in; a format without exemplars fails here, before any generation."""
+        """The questions whose hinted prompt leaves room to answer, so none can stop a run hours
+        in; a format without exemplars fails here, before any generation."""
         keep = [ex for ex in examples if self.max_tokens(ex) + len(
             common.encode_prompt(self.tokenizer, self.generation(ex, hint=True))) <= max_model_len]
         if len(keep) < len(examples):
@@ -302,9 +269,7 @@ def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | 
         m = _CHOICE_END.search(text.split("\n", 1)[0])
         return m.group(1).lower() if m and m.group(1).lower() in LETTERS[:n_choices] else None
     m = _MATH_ANSWER.search(text)
-    if not m:
-        return None
-    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip()
+    ans = m.group(1).strip().rstrip(".").replace(",", "").replace("$", "").strip() if m else ""
     return ans[:200] or None  # a huge 'answer' is junk; the cap keeps the checker fast
 
 
@@ -312,13 +277,10 @@ def judge(examples: list[dict], texts: list[str]) -> list[bool]:
     """1[ŷ_i = y_i]: the letter for multiple choice, math_equal (math-verify) for math."""
     preds = [extract_answer(t, answer_format(ex), len(ex["choices"] or LETTERS))
              for ex, t in zip(examples, texts)]
-    ok = [bool(ex["choices"]) and p == ex["answer"] for ex, p in zip(examples, preds)]
-    math = [i for i, (ex, p) in enumerate(zip(examples, preds))
-            if not ex["choices"] and p is not None]
-    same = common.math_equal_many([(preds[i], examples[i]["answer"]) for i in math])
-    for i, s in zip(math, same):
-        ok[i] = bool(s)
-    return ok
+    same = iter(common.math_equal_many([(p, ex["answer"]) for ex, p in zip(examples, preds)
+                                        if not ex["choices"] and p is not None]))
+    return [p == ex["answer"] if ex["choices"] else p is not None and bool(next(same))
+            for ex, p in zip(examples, preds)]
 
 
 # Step 1, the data: {"question", "answer", "choices": list | None}; the answer is a lowercase
@@ -329,41 +291,38 @@ JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer
 
 def make_example(question, answer, choices=None, *, where: str = "") -> dict:
     """Validate and normalise one labelled example (where = 'file:line' for the errors)."""
-    def bad(msg):
-        return ValueError(f"{where}: {msg}; {JSONL_SHAPE}" if where else f"{msg}; {JSONL_SHAPE}")
-    if not isinstance(question, str) or not question.strip():
-        raise bad("'question' must be a non-empty string")
-    number_or_text = isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
-    if not number_or_text or not str(answer).strip():
-        raise bad("'answer' must be a non-empty string or number")
-    answer = str(answer).strip()
+    def check(ok, msg):
+        if not ok:
+            raise ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
+    check(isinstance(question, str) and question.strip(), "'question' must be a non-empty string")
+    check(isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
+          and str(answer).strip(), "'answer' must be a non-empty string or number")
+    question, answer = question.strip(), str(answer).strip()
     if choices is None:
         if "####" in answer:  # a GSM8K worked solution: keep the final number, or the hint leaks it
             answer = answer.split("####")[-1].strip().replace(",", "")
-            if not answer:
-                raise bad("'answer' has nothing after its last '####'; put the final answer there "
-                          "(e.g. '... #### 72') or give only the answer")
-        return {"question": question.strip(), "answer": answer, "choices": None}
-    if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
-            or not all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices)):
-        raise bad("'choices' must be a list of 2-26 non-empty strings")
+            check(answer, "'answer' has nothing after its last '####'; put the final answer there "
+                  "(e.g. '... #### 72') or give only the answer")
+        return {"question": question, "answer": answer, "choices": None}
+    check(isinstance(choices, list) and 2 <= len(choices) <= len(LETTERS)
+          and all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices),
+          "'choices' must be a list of 2-26 non-empty strings")
     choices = [str(c).strip() for c in choices]
-    letters = list(LETTERS[:len(choices)])
+    letters = LETTERS[:len(choices)]
     gold = answer.strip("()").lower()
     if gold not in letters:  # the text of a choice stands for its letter
         gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
-    if gold is None:
-        raise bad(f"'answer' {answer!r} is neither a choice letter ({letters[0].upper()}-"
-                  f"{letters[-1].upper()}) nor the text of one of the choices")
-    return {"question": question.strip(), "answer": gold, "choices": choices}
+    check(gold, f"'answer' {answer!r} is neither a choice letter (A-{letters[-1].upper()}) nor the "
+          "text of one of the choices")
+    return {"question": question, "answer": gold, "choices": choices}
 
 
 def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
     """A JSONL file's examples; a bad line is an error naming the file, the line and the fix. An
     exemplar's rationale must end in its format's answer line, or the prompt teaches a wrong one."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or one of: "
-                                f"{', '.join(TASKS)})")
+        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or gsm8k or "
+                                "commonsense_qa)")
     rows = []
     for lineno, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
         where = f"{path}:{lineno}"
@@ -384,10 +343,10 @@ def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> li
     return rows
 
 
-def hub_rows(task: str, split: str) -> list[dict]:
+def hub_rows(task: tuple, split: str) -> list[dict]:
     """GSM8K ('... #### 72') or CommonsenseQA (choices {label, text}, answerKey) from the hub."""
-    hub_id, config, train_split, eval_split = TASKS[task]
-    split = train_split if split == "train" else eval_split
+    hub_id, config, eval_split = task
+    split = "train" if split == "train" else eval_split
     try:
         import datasets
         ds = datasets.load_dataset(hub_id, config, split=split)
@@ -396,25 +355,15 @@ def hub_rows(task: str, split: str) -> list[dict]:
                            f"{type(e).__name__}: {e}. Install `datasets` (pip install datasets), "
                            "or if the hub is unreachable, export the data to JSONL and pass --data "
                            f"train.jsonl --test-data test.jsonl; {JSONL_SHAPE}") from None
-    out = []
-    for i, r in enumerate(ds):
-        where = f"{hub_id}[{split}][{i}]"
-        if task == "gsm8k":
-            out.append(make_example(r["question"], r["answer"], where=where))
-            continue
-        labels = [str(x).lower() for x in r["choices"]["label"]]
-        key = str(r["answerKey"]).lower()
-        if key not in labels:
-            raise ValueError(f"{where}: answerKey {r['answerKey']!r} is not one of the labels "
-                             f"{labels}")
-        out.append(make_example(r["question"], LETTERS[labels.index(key)],
-                                list(r["choices"]["text"]), where=where))
-    return out
+    cqa = task == CQA
+    return [make_example(r["question"], r["answerKey"] if cqa else r["answer"],
+                         list(r["choices"]["text"]) if cqa else None,
+                         where=f"{hub_id}[{split}][{i}]") for i, r in enumerate(ds)]
 
 
 def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
     """Step 1: the examples of a hub task (its train or eval split) or of a local JSONL file."""
-    task = TASK_NAMES.get(source.lower())
+    task = TASKS.get(source.lower())
     rows = hub_rows(task, split) if task else read_examples(source, flag=flag)
     return rows[:limit] if limit > 0 else rows
 
@@ -450,13 +399,12 @@ def filter_correct(examples, rationales: list[list[str]], source: str) -> list[d
 
 
 def rationalize(policy, prompter, examples, failed: list[int], cfg, seed) -> tuple[list, list]:
-    """Step 4 (Alg. 1 lines 4, 6): prompt M_{n-1} with the gold answer as a hint (P_hint) and keep
-    the rationales that reach it. Only the index and the rationale are kept, so the training prompt
-    is rebuilt from the plain question: no hint is stored. Returns (kept, hint prompts)."""
+    """Step 4 (Alg. 1 lines 4, 6): M_{n-1} with the gold answer as a hint (P_hint); only the index
+    and the rationale are kept, so no hint reaches training. Returns (kept, hint prompts)."""
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
-    written = generate_rationales(policy, prompter, sub, cfg, seed, prompts)
-    kept = filter_correct(sub, written, "rationalized")
+    kept = filter_correct(sub, generate_rationales(policy, prompter, sub, cfg, seed, prompts),
+                          "rationalized")
     return [{**k, "index": failed[k["index"]]} for k in kept], prompts
 
 
@@ -471,9 +419,9 @@ def steps_for_round(n: int, cfg: Config) -> int:
 
 
 def lr_at(step: int, n_steps: int, cfg: Config) -> float:
-    """Linear warmup from the start of EVERY fine-tune (0-based step), then constant."""
-    short = max(1, min(cfg.warmup_steps, n_steps // 10))  # at most 10% of the round's steps
-    w = cfg.warmup_steps if cfg.warmup == "faithful" else short
+    """Linear warmup from the start of EVERY fine-tune (0-based step), then constant; short: at
+    most 10% of the round's steps."""
+    w = cfg.warmup_steps if cfg.warmup == "faithful" else min(cfg.warmup_steps, n_steps // 10)
     return cfg.lr * min(1.0, (step + 1) / max(1, w))
 
 
@@ -522,35 +470,15 @@ def evaluate_split(policy, prompter, examples, cfg, seed: int) -> dict:
     greedy = _decode(policy, prompter, examples, prompts, n=1, temperature=0.0, seed=seed)
     res = {"test/accuracy": sum(judge(examples, [g[0] for g in greedy])) / len(examples)}
     if cfg.eval_n > 1:
-        texts = _decode(policy, prompter, examples, prompts, n=cfg.eval_n,
+        n = cfg.eval_n
+        texts = _decode(policy, prompter, examples, prompts, n=n,
                         temperature=cfg.eval_temperature, seed=seed)
-        ok = iter(judge([ex for ex, ts in zip(examples, texts) for _ in ts],
-                        [t for ts in texts for t in ts]))
-        counts = [sum(next(ok) for _ in ts) for ts in texts]
+        ok = judge([ex for ex in examples for _ in range(n)], [t for ts in texts for t in ts])
+        counts = [sum(ok[i:i + n]) for i in range(0, len(ok), n)]
         for k in [int(x) for x in str(cfg.eval_k).split(",") if x.strip()]:
-            if k <= cfg.eval_n:
-                res[f"test/pass@{k}"] = sum(common.pass_at_k(cfg.eval_n, c, k)
-                                            for c in counts) / len(counts)
+            if k <= n:
+                res[f"test/pass@{k}"] = sum(common.pass_at_k(n, c, k) for c in counts) / len(counts)
     return res
-
-
-def policy_entropy(policy, prompter, examples, n: int, seed: int) -> dict:
-    """Analysis ("Towards Understanding Self-play for LLM Reasoning", Eq. 1): N samples at T = 1;
-    their mean per-token NLL (Monte-Carlo entropy) and exact token entropy, sequence-averaged."""
-    import torch
-    sub = random.Random(seed).sample(examples, min(n, len(examples)))
-    comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1,
-                                           temperature=1.0, stop=prompter.stop, seed=seed,
-                                           max_tokens=max(prompter.max_tokens(ex) for ex in sub))]
-    comps = [c for c in comps if c.token_ids]
-    if not comps:
-        return {}
-    with torch.no_grad():
-        lps, ents = common.token_logprobs(
-            policy.model, [c.prompt_ids for c in comps], [c.token_ids for c in comps],
-            temperature=1.0, token_budget=policy.cfg.micro_batch_tokens, with_entropy=True)
-    return {"entropy/nll": sum(float(-lp.mean()) for lp in lps) / len(lps),
-            "entropy/exact": sum(float(e.mean()) for e in ents) / len(ents)}
 
 
 def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) -> dict:
@@ -569,17 +497,14 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
     train_set = build_training_set(prompter, train_data, kept)
     n_steps = steps_for_round(n, cfg)
     if not train_set:
-        warnings.warn(f"round {n}: no rationale reached the gold answer, so there is nothing to "
-                      "fine-tune on and M_n = M. STaR cannot bootstrap from a model at chance "
-                      "level (paper §6): check the few-shot accuracy, the prompt format and "
-                      "--max-new-tokens.")
+        warnings.warn(f"round {n}: no rationale reached the gold answer, so M_n = M. STaR cannot "
+                      "bootstrap from a model at chance level (paper §6): check the few-shot "
+                      "accuracy, the prompt format and --max-new-tokens.")
     with run.timer("finetune"):
         metrics = finetune_from_base(policy, base, train_set, n_steps, cfg, random.Random(seed))
     with run.timer("evaluate"):
         if n == cfg.rounds or (cfg.eval_every > 0 and n % cfg.eval_every == 0):
             metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
-        if cfg.entropy_samples > 0:
-            metrics.update(policy_entropy(policy, prompter, train_data, cfg.entropy_samples, seed))
     n_q, n_rat = len(train_data), len({k["index"] for k in rationalized})
     metrics.update({  # the paper's CQA coverage: 78.2% direct + 8.5% rationalized (§5)
         "train/solved_direct": len(solved) / n_q, "train/rationalized": n_rat / n_q,
@@ -587,26 +512,29 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
         "train/kept_direct": len(direct), "train/kept_rationalized": len(rationalized),
         "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / max(1, len(train_set)),
         "sft/planned_steps": n_steps})
-    pairs = [(train_data[k["index"]], k) for k in kept]
-    for role in ("direct", "rationalized"):
-        run.log_samples(n, role, [sample_record(ex, k) for ex, k in pairs if k["source"] == role])
-    kept_idx = {k["index"] for k in kept}  # what the model wrote unaided where nothing was kept
-    run.log_samples(n, "unsolved", [
-        sample_record(train_data[i], {"rationale": written[i][0], "source": "unsolved"})
-        for i in range(n_q) if i not in kept_idx and written[i]])
-    if run.is_main:  # the round's whole training set, for spot checks of lucky guesses (§6)
-        rows = [{"question": ex["question"], "answer": ex["answer"], "source": k["source"],
-                 "rationale": k["rationale"]} for ex, k in pairs]
-        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
-                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    log_round(run, n, train_data, written, kept)
     return metrics
 
 
-def sample_record(ex: dict, k: dict) -> dict:
-    rec = {"question": format_question(ex), "gold": ex["answer"], "rationale": k["rationale"]}
-    if k["source"] == "rationalized":  # the query the model saw; what it is trained on has no hint
-        rec["hint_prompt_query"] = format_question(ex, hint=True)
-    return rec
+def log_round(run, n: int, train_data, written, kept) -> None:
+    """samples.jsonl: what was kept per role, and what the model wrote unaided where nothing was;
+    rounds/round_<n>.jsonl: the round's whole training set, to spot lucky guesses (§6)."""
+    def record(i, rationale, hint):  # the query the model saw; what is trained on has no hint
+        ex = train_data[i]
+        rec = {"question": format_question(ex), "gold": ex["answer"], "rationale": rationale}
+        return {**rec, "hint_prompt_query": format_question(ex, hint=True)} if hint else rec
+    for role in ("direct", "rationalized"):
+        run.log_samples(n, role, [record(k["index"], k["rationale"], role == "rationalized")
+                                  for k in kept if k["source"] == role])
+    done = {k["index"] for k in kept}
+    run.log_samples(n, "unsolved", [record(i, w[0], False) for i, w in enumerate(written)
+                                    if i not in done and w])
+    if run.is_main:
+        rows = [{"question": train_data[k["index"]]["question"], "answer":
+                 train_data[k["index"]]["answer"], "source": k["source"],
+                 "rationale": k["rationale"]} for k in kept]
+        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
+                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
@@ -621,49 +549,6 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
     if patience and n > 0 and state["since_best"] >= patience:
         state["stopped"] = (f"no new best test accuracy for {patience} evaluation(s); best: round "
                             f"{state['best_round']} ({state['best_accuracy']:.4f})")
-
-
-# The best round's model: checkpoints are pruned (--keep-checkpoints), so with early stopping the
-# round that set the best test accuracy is kept apart, in <run>/best/.
-BEST_INFO = "star_best.json"  # {"round", "test/accuracy"} inside best/
-
-
-def save_best(run, policy, n: int, accuracy: float) -> None:
-    """M_n as a save_pretrained folder <run>/best/, replaced atomically (a temp folder, renames).
-    Call it on every rank (gathering the weights is a collective); rank 0 writes."""
-    weights = {k: v.to("cpu") for k, v in policy.iter_full_weights()}
-    if run.is_main:
-        final = run.dir / "best"
-        tmp, old = (run.dir / f".{kind}-best-{os.getpid()}" for kind in ("tmp", "old"))
-        shutil.rmtree(tmp, ignore_errors=True)
-        policy.module.save_pretrained(str(tmp), state_dict=weights, safe_serialization=True)
-        policy.tokenizer.save_pretrained(str(tmp))
-        common.atomic_write_json(tmp / BEST_INFO, {"round": n, "test/accuracy": accuracy})
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    del weights
-    policy.barrier()  # best/ is complete before any rank may read it
-
-
-def restore_best(run, policy, base: dict, state: dict) -> int:
-    """With early stopping, end on the best round's model: best/ (or the base model if round 0 was
-    never beaten) into trainer and sampler. Returns the round now loaded."""
-    best, last = state["best_round"], state["round"]
-    if best >= last:
-        return last
-    if best == 0:
-        policy.set_weights(base)
-        return 0
-    info = run.dir / "best" / BEST_INFO
-    saved = json.loads(info.read_text()).get("round") if info.is_file() else None
-    if saved != best:  # e.g. a crash between best/ and the checkpoint, then a resume
-        warnings.warn(f"{run.dir / 'best'} holds round {saved}, not the best round {best}: ending "
-                      f"on the last round's model (round {last}) instead")
-        return last
-    policy.set_weights(common.load_safetensors_dir(run.dir / "best"))
-    return best
 
 
 def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
@@ -681,7 +566,7 @@ def train(cfg: Config, sampler=None) -> dict:
     check_config(cfg)
     common.seed_everything(cfg.seed)
     train_data = load_task(cfg.data, "train", cfg.train_limit)
-    test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASK_NAMES else "none")
+    test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASKS else "none")
     if test_src == "none":
         warnings.warn("no test split (a local --data file without --test-data): evaluation and "
                       "--patience are off")
@@ -723,23 +608,18 @@ def train(cfg: Config, sampler=None) -> dict:
             state["history"].append({"round": n, **{k: v for k, v in metrics.items()
                                                     if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
-            if state["best_round"] == n:  # a new best: keep M_n, which pruning would delete
-                save_best(run, policy, n, state["best_accuracy"])
             post = {k: f"{metrics[v]:.3g}" for k, v in POSTFIX.items()
                     if metrics.get(v) is not None}
             bar.set_postfix({**post, "slowest": run.slowest}, refresh=False)
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
-        # early stopping: the best round's model is the result, so --eval-benchmarks score it
-        model_round = restore_best(run, policy, base, state) if cfg.patience > 0 else state["round"]
         results = {"rounds": state["history"], "best_round": state["best_round"],
                    "best_accuracy": state["best_accuracy"],
-                   "stopped": state["stopped"] or "reached --rounds", "model_round": model_round}
-        if cfg.eval_benchmarks:
+                   "stopped": state["stopped"] or "reached --rounds"}
+        if cfg.eval_benchmarks:  # the last round's model
             results["benchmarks"] = common.evaluate_config(policy, cfg)
-            run.log(state["round"], {**common.eval_metrics(results["benchmarks"]),
-                                     "eval/model_round": model_round})
+            run.log(state["round"], common.eval_metrics(results["benchmarks"]))
         run.write_eval(results)
     finally:
         run.close()
@@ -748,10 +628,8 @@ def train(cfg: Config, sampler=None) -> dict:
 
 def headline(results: dict) -> dict:
     """The best round, for the final summary (the last round's figures are logged)."""
-    if results.get("best_accuracy") is None:
-        return {}
-    return {"best round": results["best_round"], "best test/accuracy": results["best_accuracy"],
-            "model of round": results["model_round"]}
+    best = results.get("best_accuracy")
+    return {} if best is None else {"best round": results["best_round"], "best test/accuracy": best}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -171,14 +171,14 @@ def test_non_utf8_and_bad_exemplars_are_rejected(tmp_path):
 
 def bare_tokenizer():
     import types
-    return types.SimpleNamespace(eos_token_id=0, chat_template=None)
+    return types.SimpleNamespace(eos_token_id=0)
 
 
 def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "run"
     for argv, msg in [(["--samples-per-question", "4"], "--temperature"),
                       (["--warmup", "slow"], "faithful"),
-                      (["--prompt-style", "zero"], "few-shot"), (["--rounds", "0"], "--rounds")]:
+                      (["--rounds", "0"], "--rounds")]:
         with pytest.raises(SystemExit) as e:
             star.main(argv + ["--output-dir", str(out), "--data", str(TRAIN)])
         # an argparse usage error with the reason
@@ -201,8 +201,8 @@ def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
     (out / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as e:
         star.main(["--data", str(TRAIN), "--output-dir", str(out)])
-    assert e.value.code == 2 and re.search(f"checkpoints/step_3.*--resume {out}, or pass a new --output-dir",
-                                           capsys.readouterr().err)
+    assert e.value.code == 2 and re.search(
+        f"checkpoints/step_3.*--resume {out}, or pass a new --output-dir", capsys.readouterr().err)
     assert (out / "config.json").read_text() == "{}"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json"]
     common.Run(star.Config(output_dir=str(out), resume=str(out)), "star")  # --resume: no error
@@ -247,9 +247,6 @@ def test_prompts_reveal_the_hint_only_in_rationalization():
         for s in exs:
             n = len(s["choices"] or star.LETTERS)
             assert star.extract_answer(s["rationale"], fmt, n) == s["answer"]
-    msgs = star.build_prompt(mc, shots["choice"][:2], hint=True, chat=True)
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert msgs[-1]["content"].endswith("(b) apple (CORRECT)\n(c) rock")
 
 
 def test_docstring_states_what_the_released_code_trained_and_which_table_1_row_we_run():
@@ -281,7 +278,7 @@ def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, t
     the sampler gets (generation and rationalization), the stop string follows the new question
     prefix, and a bad file is a one-line usage error before anything is loaded."""
     assert set(star.PROMPTS) == {"question", "math_hint", "choices", "option", "option_hint",
-                                 "answer", "chat_system"}
+                                 "answer"}
     path = _prompts_file(tmp_path, question="Question: {question}",
                          math_hint="Question: {question} [{answer}]",
                          option_hint="({letter}) {text} <- right", answer="Reasoning:")
@@ -448,13 +445,6 @@ def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokeni
         limit = len(hinted) + pr.max_tokens(ex)
         # an overlong question cannot crash the run
         assert pr.fits([ex, long_q], limit, "training set") == [ex]
-    chat = star.Prompter(star.Config(model="tiny", prompt_style="auto"), tiny_tokenizer,
-                         star.builtin_exemplars())
-    assert chat.chat  # the tiny tokenizer has a chat template
-    p3, t3 = chat.training_example(ex, "The number is 58.\n#### 58")
-    assert tiny_tokenizer.decode(p3).endswith("<|im_start|>user\nQ: Copy the number 58.<|im_end|>\n"
-                                              "<|im_start|>assistant\n")
-    assert tiny_tokenizer.decode(t3) == "The number is 58.\n#### 58<|im_end|>"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -513,8 +503,8 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
         assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
 
 
-def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg, vllm_sampler,
-                                                       tiny_tokenizer):
+def test_evaluation_greedy_accuracy_and_pass_at_k(warm_model_path, tiny_cfg, vllm_sampler,
+                                                  tiny_tokenizer):
     tiny_cfg.model = warm_model_path
     policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
     policy.sync()
@@ -524,11 +514,6 @@ def test_evaluation_pass_at_k_entropy_and_chat_prompts(warm_model_path, tiny_cfg
     assert res["test/accuracy"] == 0.5  # greedy: the warmed model solves 2 of the 4 test questions
     assert set(res) == {"test/accuracy", "test/pass@1", "test/pass@2"}  # k > n is skipped
     assert 0.0 <= res["test/pass@1"] <= res["test/pass@2"] <= 1.0
-    ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # samples at T = 1
-    assert ent["entropy/nll"] > 0 and ent["entropy/exact"] > 0
-    chat_cfg, chat = toy_prompter(tiny_tokenizer, prompt_style="chat")
-    out = star.generate_rationales(policy, chat, test, chat_cfg, seed=0)
-    assert len(out) == 4 and all(len(o) == 1 and isinstance(o[0], str) for o in out)
 
 
 def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer,
@@ -672,11 +657,10 @@ def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_pa
     assert (tmp_path / "run" / "rounds" / "round_1.jsonl").read_text() == ""
 
 
-def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, vllm_sampler,
-                                                     monkeypatch):
-    """--patience: the best round's model survives checkpoint pruning in best/ (overwritten by a
-    later best), is loaded back before --eval-benchmarks, and eval.json says which round's model
-    the benchmarks scored."""
+def test_early_stopping_stops_after_patience_evaluations_without_a_new_best(
+        warm_model_path, tmp_path, vllm_sampler, monkeypatch):
+    """--patience: the run stops after 2 evaluations without a new best, checkpoints its last
+    round, and eval.json names the best round."""
     out = tmp_path / "run"
     cfg = star.Config(model=warm_model_path, data=str(TRAIN), test_data=str(TEST),
                       exemplars=str(SHOTS), few_shot_train=True, lr=1e-3, warmup="short",
@@ -686,62 +670,11 @@ def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, 
     # rounds 0-4: round 2 is the best, rounds 3-4 do not beat it
     scripted = iter([0.25, 0.5, 0.75, 0.5, 0.75])
     monkeypatch.setattr(star, "evaluate_split", lambda *a, **k: {"test/accuracy": next(scripted)})
-    saved, scored = [], []
-    real_save, real_eval = star.save_best, common.evaluate_config
-
-    def spy_save(run, policy, n, acc):
-        saved.append((n, acc, policy.get_weights()))
-        return real_save(run, policy, n, acc)
-
-    def spy_eval(policy, c, **kw):
-        scored.append(policy.get_weights())
-        return real_eval(policy, c, **kw)
-
-    monkeypatch.setattr(star, "save_best", spy_save)
-    monkeypatch.setattr(common, "evaluate_config", spy_eval)
     results = star.train(cfg, sampler=vllm_sampler)
     assert "no new best test accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3, 4]
-    # every new best, and only those
-    assert [(n, acc) for n, acc, _ in saved] == [(1, 0.5), (2, 0.75)]
-    # pruned (keep 2): best/ is the only copy of M_2
-    assert not (out / "checkpoints" / "step_2").exists()
-    from safetensors.torch import load_file
-    best = common.load_safetensors_dir(out / "best")
-    m2, last = saved[1][2], load_file(str(out / "checkpoints" / "step_4" / "model.safetensors"))
-    assert all(torch.equal(best[k], m2[k]) for k in best)  # best/ holds M_2, overwritten after M_1
-    assert any(not torch.equal(last[k], m2[k]) for k in last)  # and M_4 is a different model
-    info = json.loads((out / "best" / "star_best.json").read_text())
-    assert info == {"round": 2, "test/accuracy": 0.75}
-    assert (out / "best" / "tokenizer_config.json").is_file()
+    assert (out / "checkpoints" / "step_4" / "model.safetensors").is_file()
     # no temp folders left behind
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
-    import transformers
-    transformers.AutoModelForCausalLM.from_pretrained(str(out / "best"))
-    # benchmarks scored M_2
-    assert len(scored) == 1 and all(torch.equal(scored[0][k], m2[k]) for k in m2)
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["model_round"] == 2 and ev["best_round"] == 2 and "benchmarks" in ev
-    assert read_jsonl(out / "metrics.jsonl")[-1]["eval/model_round"] == 2
-
-
-def test_restore_best_keeps_the_last_model_unless_an_earlier_round_was_best(tmp_path):
-    class FakePolicy:
-        loaded = None
-
-        def set_weights(self, w, reset_optimizer=True):
-            self.loaded = w
-
-    import types
-    run, pol, base = types.SimpleNamespace(dir=tmp_path), FakePolicy(), {"w": torch.zeros(1)}
-    assert star.restore_best(run, pol, base, {"best_round": 3, "round": 3}) == 3
-    assert pol.loaded is None
-    assert star.restore_best(run, pol, base, {"best_round": 0, "round": 2}) == 0
-    assert pol.loaded is base
-    (tmp_path / "best").mkdir()
-    # stale: from a round the resume redid
-    (tmp_path / "best" / "star_best.json").write_text('{"round": 4}')
-    pol.loaded = None
-    with pytest.warns(UserWarning, match="holds round 4, not the best round 1"):
-        assert star.restore_best(run, pol, base, {"best_round": 1, "round": 3}) == 3
-    assert pol.loaded is None
+    assert ev["best_round"] == 2 and "benchmarks" in ev
