@@ -26,7 +26,7 @@ Deviations (the official code is github.com/Chengsong-Huang/R-Zero; flags give i
     file-backed memory (one copy per node), swapped in place to sample or for the KL pass
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
   - without a chat template a prompt ends in "assistant:"; --prompts FILE replaces our templates
-  - --oracle-model / --label-check measure pseudo-label accuracy (paper: 79% -> 69% -> 63%)
+  - --oracle-model M measures the kept labels' accuracy against M (paper: 79% -> 69% -> 63%)
 """
 from __future__ import annotations
 
@@ -102,9 +102,8 @@ class Config(common.RunConfig):
     oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)
     oracle_limit: int = 200  # kept questions checked against the oracle per iteration
     oracle_gpu_memory_utilization: float = 0.2  # the oracle's own engine, if not swapped in
-    label_check: str = ""  # a gold-answer set put through vote-and-filter; "" = off
-    label_check_limit: int = 200  # problems of --label-check per iteration
     max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
+
 
 CHALLENGER, SOLVER = "challenger", "solver"
 
@@ -122,20 +121,17 @@ def validate_config(cfg: Config) -> None:
             "oracle_votes").split()
     at_least = {**dict.fromkeys(ones, 1), "challenger_group": 2, "solver_group": 2,  # a baseline
                 "challenger_minibatch": 0, "solver_minibatch": 0}
-    for name, low in at_least.items():
-        if getattr(cfg, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, "
-                             f"got {getattr(cfg, name)}")
-    for name in ("reward_variant", "solver_reward", "rep_penalty"):
-        allowed = ("size", "excess") if name == "rep_penalty" else ("paper", "code")
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} must be {' or '.join(allowed)}, "
-                             f"not {getattr(cfg, name)!r}")
+    bad = [f"--{n.replace('_', '-')} must be >= {low}, got {getattr(cfg, n)}"
+           for n, low in at_least.items() if getattr(cfg, n) < low]
+    choices = {"reward_variant": ("paper", "code"), "solver_reward": ("paper", "code"),
+               "rep_penalty": ("size", "excess")}
+    bad += [f"--{n.replace('_', '-')} must be {' or '.join(ok)}, not {getattr(cfg, n)!r}"
+            for n, ok in choices.items() if getattr(cfg, n) not in ok]
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
-        raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
-                         f"{cfg.band_high}")
+        bad.append(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
+    if bad:
+        raise ValueError(bad[0])
     common.check_benchmark_names(cfg.eval_benchmarks)
-    common.check_benchmark_names(cfg.label_check, "--label-check")
     use_prompts(cfg.prompts)  # a bad --prompts file: a usage error before anything loads
 
 
@@ -188,7 +184,6 @@ def solver_prompt(question: str, tokenizer):
 def majority_vote_many(groups):
     """majority_vote of many groups; round r compares each group's r-th distinct answer with that
     group's class heads (both directions), all groups in one parallel math_equal batch."""
-    groups = [list(g) for g in groups]
     votes = [[str(a).strip() for a in g if a is not None and str(a).strip()] for g in groups]
     distinct = [list(dict.fromkeys(v)) for v in votes]
     classes = [[] for _ in groups]  # per group: lists of distinct answers, the head first
@@ -209,11 +204,9 @@ def majority_vote_many(groups):
     for g, v, cls in zip(groups, votes, classes):
         counts = Counter(v)
         size = [sum(counts[s] for s in c) for c in cls]
-        if not cls:
-            out.append((None, 0.0))
-        else:  # the earliest class wins a tie; the label is its commonest spelling
-            best = cls[size.index(max(size))]
-            out.append((max(best, key=counts.__getitem__), max(size) / len(g)))
+        best = cls[size.index(max(size))] if cls else [None]  # the earliest class wins a tie
+        out.append((max(best, key=lambda s: counts[s]),  # the class's commonest spelling
+                    max(size, default=0) / max(len(g), 1)))
     return out
 
 
@@ -519,23 +512,6 @@ def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -
             "pseudo_label/oracle_answered": float(np.mean([a is not None for a in ref]))}
 
 
-def label_check(roles: Roles, problems: list[dict], cfg: Config) -> dict:
-    """The vote-and-filter step (same m and band) on gold-answer questions with the current
-    Solver: label accuracy over all, over the kept, and per number of agreeing votes."""
-    with roles.sampling(SOLVER):
-        answers = solver_votes(roles.policy, [p["question"] for p in problems], cfg)
-    stats = vote_statistics(answers)
-    ok = np.array(common.math_equal_many([(s["label"], p["answer"])
-                                          for s, p in zip(stats, problems)]), dtype=float)
-    keep = np.array([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high) for s in stats])
-    agree = np.array([s["agree"] for s in stats])
-    return {"label_check/acc_all": float(ok.mean()),
-            "label_check/acc_kept": float(ok[keep].mean()) if keep.any() else None,
-            "label_check/kept_frac": float(keep.mean()),
-            "label_check/acc_by_agree": {str(a): float(ok[agree == a].mean())
-                                         for a in sorted(set(agree.tolist()))}}
-
-
 # -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
 def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
     """One GRPO step of the Solver on the kept questions against their pseudo-labels (paper §3)."""
@@ -668,7 +644,6 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
     decon = load_decontaminator(cfg) if cfg.decontaminate else None
-    checks = cfg.label_check and common.load_benchmark(cfg.label_check, cfg.label_check_limit)
     oracle = None
     if cfg.oracle_model:
         oracle = common.FrozenModel(cfg.oracle_model, policy, cfg,
@@ -717,8 +692,6 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
             m.update(dm)
             if oracle is not None:
                 m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
-            if checks:
-                m.update(label_check(roles, checks, cfg))
             if len(kept) < cfg.solver_batch:
                 warnings.warn(f"iteration {k}: only {len(kept)} questions kept (< --solver-batch "
                               f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}"

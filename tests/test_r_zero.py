@@ -353,7 +353,7 @@ def _load(d):
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
     cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_votes=1,
-                 oracle_limit=4, label_check=str(DATA / "rzero_labelcheck.jsonl"))
+                 oracle_limit=4)
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     run_dir = r_zero.train(cfg, policy)
@@ -377,7 +377,6 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert kept and all(r["question"] != Q2 for r in rows)
     assert all(3 <= r["agree"] <= 7 for r in kept)
     assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
-    assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # --solver-reward paper: accuracy only
     # one math set, no general one
