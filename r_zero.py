@@ -313,32 +313,6 @@ def _trainer_parts(policy):
             yield k, v, part
 
 
-def park(policy, folder, weights=None) -> Shards:
-    """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read one tensor at a
-    time), or of the trainer's own weights when None; each in a mapping of an unlinked file."""
-    import torch
-    from torch.distributed.tensor import distribute_tensor
-    if isinstance(weights, (str, pathlib.Path)):
-        from safetensors import safe_open
-        opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
-        weights = {k: f for f in opened for k in f.keys()}
-    out = Shards()
-    for k, v, part in _trainer_parts(policy):
-        src = part if weights is None else weights[k]
-        if not hasattr(src, "shape"):  # a safetensors file
-            src = src.get_tensor(k)
-        if weights is not None and hasattr(v, "to_local"):  # this rank's slice, no communication
-            src = distribute_tensor(src.to(part.device, part.dtype), v.device_mesh, v.placements,
-                                    src_data_rank=None).to_local()
-        fd, path = tempfile.mkstemp(dir=folder, prefix=".weights-")
-        os.close(fd)
-        out[k] = torch.from_file(path, shared=True, size=part.numel(),
-                                 dtype=part.dtype).view(part.shape)
-        os.unlink(path)  # the mapping outlives the name: nothing is left behind
-        out[k].copy_(src)
-    return out
-
-
 def full_weights(policy, shards: Shards):
     """(HF name, full tensor) of `shards`, one tensor at a time (all-gathered under FSDP2: every
     rank iterates to the end)."""
@@ -368,7 +342,29 @@ class Roles:
         self.parked = {self.other(active): self.park(other)}
 
     def park(self, weights=None) -> Shards:
-        return park(self.policy, self.folder, weights)
+        """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read a tensor at
+        a time), or of the trainer's own weights when None; each maps an unlinked file."""
+        import torch
+        from torch.distributed.tensor import distribute_tensor
+        if isinstance(weights, (str, pathlib.Path)):
+            from safetensors import safe_open
+            opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
+            weights = {k: f for f in opened for k in f.keys()}
+        out = Shards()
+        for k, v, part in _trainer_parts(self.policy):
+            src = part if weights is None else weights[k]
+            if not hasattr(src, "shape"):  # a safetensors file
+                src = src.get_tensor(k)
+            if weights is not None and hasattr(v, "to_local"):  # this rank's slice, no collective
+                src = distribute_tensor(src.to(part.device, part.dtype), v.device_mesh,
+                                        v.placements, src_data_rank=None).to_local()
+            fd, path = tempfile.mkstemp(dir=self.folder, prefix=".weights-")
+            os.close(fd)
+            out[k] = torch.from_file(path, shared=True, size=part.numel(),
+                                     dtype=part.dtype).view(part.shape)
+            os.unlink(path)  # the mapping outlives the name: nothing is left behind
+            out[k].copy_(src)
+        return out
 
     @staticmethod
     def other(role: str) -> str:
