@@ -3,8 +3,9 @@
 A Challenger writes math questions and a Solver answers them. Both start from one base model and
 never share weights; there is no data and no verifier: a question's label is the Solver's own vote.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
-  1. challenger_step x 5: G = 4 outputs of one fixed prompt, m = 10 votes of the frozen Solver on
-     each question (majority_vote: label y~, share p^), reward max(0, r_unc - r_rep), GRPO.
+  1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
+     frozen Solver answers each question m = 10 times), vote_statistics (majority_vote: label y~ and
+     share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
   3. solver_step x 15: GRPO on the Solver, solver_reward 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
@@ -232,8 +233,8 @@ def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
     qs = [extract_question(c.text) for c in completions]
     if cfg.code_filters:  # question_generate.py's filter
         qs = [None if q is None or "证明" in q or "box" in q else q for q in qs]
-    return [q if q is not None and len(common.encode_prompt(tokenizer, solver_prompt(
-        q, tokenizer))) <= cfg.max_prompt_tokens else None for q in qs]
+    sizes = [q and len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) for q in qs]
+    return [q if q is not None and n <= cfg.max_prompt_tokens else None for q, n in zip(qs, sizes)]
 
 
 def in_band(agree: int, m: int, low: float, high: float) -> bool:
