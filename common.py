@@ -3162,7 +3162,7 @@ def azr_composite_reward(r_role, *, formatted, passable):
 
 
 # --------------------------------------------------------------------------------------------------
-# R-Zero's repetition penalty: pairwise sentence-BLEU-4, average-linkage clusters (numpy)
+# Pairwise sentence-BLEU-4 and average-linkage clusters (R-Zero's penalty, diversity metrics)
 # --------------------------------------------------------------------------------------------------
 _VF_BLEU_EPS = 0.1  # Chen & Cherry smoothing method 1 (NLTK SmoothingFunction().method1)
 _VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a matrix product
@@ -3293,22 +3293,6 @@ def average_linkage_clusters(dist, threshold=0.5):
         n_active -= 1
     ids = {}
     return [ids.setdefault(find(i), len(ids)) for i in range(B)]
-
-
-def bleu_clusters(texts, threshold=0.5):
-    """Cluster id per text: R-Zero's BLEU distance, average linkage cut at `threshold`."""
-    texts = list(texts)
-    return average_linkage_clusters(bleu_distance_matrix(texts), threshold) if texts else []
-
-
-def repetition_penalty(texts, threshold=0.5):
-    """R-Zero §3 r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k (τ_BLEU = 0.5); a singleton
-    still pays 1/B. A float array of length B."""
-    texts = list(texts)
-    if not texts:
-        return np.zeros(0)
-    ids = np.asarray(bleu_clusters(texts, threshold))
-    return np.bincount(ids)[ids] / len(texts)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,19 +25,16 @@ Deviations (the official code is github.com/Chengsong-Huang/R-Zero; flags give i
     --solver-minibatch) that all keep the rollout policy as pi_old, so the clips act from the second
   - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards in
     file-backed memory (one copy per node), swapped in place to sample or for the KL pass
-  - --eval-protocol official grades SuperGPQA, MMLU-Pro and BBEH as evaluation/eval_*.py do (their
-    prompt, letter rule, random fallback, BBEH fuzzy match); neither has the GPT-4o re-check
+  - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
   - without a chat template a prompt ends in "assistant:"; --prompts FILE replaces our templates
-  - --oracle-model / --label-check measure pseudo-label accuracy (paper: 79% -> 69% -> 63%)
+  - --oracle-model M measures the kept labels' accuracy against M (paper: 79% -> 69% -> 63%)
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
-import random
 import re
 import shutil
 import sys
@@ -102,14 +99,10 @@ class Config(common.RunConfig):
     eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
-    eval_protocol: str = "ours"  # ours | official: general sets as evaluation/eval_bbeh.py etc.
-    eval_general_max_tokens: int = 8192  # official protocol, general sets (eval_mmlupro.py)
     oracle_model: str = ""  # judge of the kept pseudo-labels (paper's label accuracy); "" = off
     oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)
     oracle_limit: int = 200  # kept questions checked against the oracle per iteration
     oracle_gpu_memory_utilization: float = 0.2  # the oracle's own engine, if not swapped in
-    label_check: str = ""  # a gold-answer set put through vote-and-filter; "" = off
-    label_check_limit: int = 200  # problems of --label-check per iteration
     max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
 
@@ -128,29 +121,18 @@ def validate_config(cfg: Config) -> None:
             "question_pool max_tokens vote_max_tokens max_prompt_tokens updates_per_batch "
             "oracle_votes").split()
     at_least = {**dict.fromkeys(ones, 1), "challenger_group": 2, "solver_group": 2,  # a baseline
-                "challenger_minibatch": 0, "solver_minibatch": 0, "eval_general_max_tokens": 1}
-    for name, low in at_least.items():
-        if getattr(cfg, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, "
-                             f"got {getattr(cfg, name)}")
-    for name, allowed in {"reward_variant": ("paper", "code"), "solver_reward": ("paper", "code"),
-                          "rep_penalty": ("size", "excess"),
-                          "eval_protocol": ("ours", "official")}.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} must be {' or '.join(allowed)}, "
-                             f"not {getattr(cfg, name)!r}")
+                "challenger_minibatch": 0, "solver_minibatch": 0}
+    bad = [f"--{n.replace('_', '-')} must be >= {low}, got {getattr(cfg, n)}"
+           for n, low in at_least.items() if getattr(cfg, n) < low]
+    choices = {"reward_variant": ("paper", "code"), "solver_reward": ("paper", "code"),
+               "rep_penalty": ("size", "excess")}
+    bad += [f"--{n.replace('_', '-')} must be {' or '.join(ok)}, not {getattr(cfg, n)!r}"
+            for n, ok in choices.items() if getattr(cfg, n) not in ok]
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
-        raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
-                         f"{cfg.band_high}")
+        bad.append(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
+    if bad:
+        raise ValueError(bad[0])
     common.check_benchmark_names(cfg.eval_benchmarks)
-    common.check_benchmark_names(cfg.label_check, "--label-check")
-    need = cfg.eval_general_max_tokens + cfg.max_prompt_tokens
-    if (cfg.eval_protocol == "official" and cfg.max_model_len < need
-            and any(_general_name(b) for b in cfg.eval_benchmarks.split(",") if b.strip())):
-        raise ValueError(f"--eval-protocol official: --max-model-len {cfg.max_model_len} cannot "
-                         f"hold --eval-general-max-tokens {cfg.eval_general_max_tokens} after a "
-                         f"--max-prompt-tokens {cfg.max_prompt_tokens} prompt: pass "
-                         f"--max-model-len {need}")
     use_prompts(cfg.prompts)  # a bad --prompts file: a usage error before anything loads
 
 
@@ -173,15 +155,8 @@ PROMPTS = {
     "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
                         "you were given."),
     "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
-    # --eval-protocol ours: a multiple-choice question for the Solver (its user turn)
+    # evaluation: a multiple-choice question for the Solver (its user turn)
     "solver_choices": "{question}\n\n{options}\n\nBox the letter of the correct option.",
-    # --eval-protocol official, the only (user) message (evaluation/eval_mmlupro.py)
-    "official_choices": ("{question}\nOptions:\n{options}\n\n\nReason step by step. Exactly one "
-                         "option is correct: put only its letter in \\boxed{{}}, e.g. "
-                         "\\boxed{{A}}."),
-    # --eval-protocol official, BBEH: the only (user) message (evaluation/eval_bbeh.py)
-    "official_open": ("{question}\n\nReason step by step, and put your final answer in "
-                      "\\boxed{{}}."),
 }
 _prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE (use_prompts)
 
@@ -207,60 +182,40 @@ def solver_prompt(question: str, tokenizer):
 
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
-def majority_vote_many(groups, timeout=2.0):
+def majority_vote_many(groups):
     """majority_vote of many groups; round r compares each group's r-th distinct answer with that
     group's class heads (both directions), all groups in one parallel math_equal batch."""
-    groups = [list(g) for g in groups]
     votes = [[str(a).strip() for a in g if a is not None and str(a).strip()] for g in groups]
     distinct = [list(dict.fromkeys(v)) for v in votes]
     classes = [[] for _ in groups]  # per group: lists of distinct answers, the head first
     for r in range(max(map(len, distinct), default=0)):
         jobs = [(i, h) for i, d in enumerate(distinct) if r < len(d)
                 for h in range(len(classes[i]))]
-        ok = dict(zip(jobs, common.math_equal_many(
-            [(distinct[i][r], classes[i][h][0]) for i, h in jobs], timeout=timeout)))
-        back = [j for j in jobs if not ok[j]]
-        ok.update(zip(back, common.math_equal_many(
-            [(classes[i][h][0], distinct[i][r]) for i, h in back], timeout=timeout)))
+        pairs = [(distinct[i][r], classes[i][h][0]) for i, h in jobs]
+        ok = common.math_equal_many(pairs)
+        back = iter(common.math_equal_many([(b, a) for (a, b), o in zip(pairs, ok) if not o]))
+        ok = dict(zip(jobs, [o or next(back) for o in ok]))
         for i, d in enumerate(distinct):
             if r < len(d):  # join the OLDEST matching class, else open a new one
-                h = next((h for h in range(len(classes[i])) if ok[(i, h)]), None)
-                if h is None:
-                    classes[i].append([d[r]])
-                else:
-                    classes[i][h].append(d[r])
+                h = next((h for h in range(len(classes[i])) if ok[(i, h)]), len(classes[i]))
+                if h == len(classes[i]):
+                    classes[i].append([])
+                classes[i][h].append(d[r])
     out = []
     for g, v, cls in zip(groups, votes, classes):
-        if not cls:
-            out.append((None, 0.0))
-            continue
         counts = Counter(v)
         size = [sum(counts[s] for s in c) for c in cls]
-        best = cls[size.index(max(size))]  # the earliest class wins a tie
-        out.append((max(best, key=counts.__getitem__), max(size) / len(g)))  # commonest spelling
+        best = cls[size.index(max(size))] if cls else [None]  # the earliest class wins a tie
+        out.append((max(best, key=lambda s: counts[s]),  # the class's commonest spelling
+                    max(size, default=0) / max(len(g), 1)))
     return out
 
 
-def majority_vote(answers, timeout=2.0):
+def majority_vote(answers):
     """R-Zero's pseudo-label (label, share of ALL m votes): the largest class of answers equal under
     math_equal in either direction. None/empty answers count in m but never win; (None, 0.0) if
     nothing parses. Ties go to the class seen first, the label is its commonest spelling."""
-    return majority_vote_many([list(answers)], timeout=timeout)[0]
-
-
-def extract_question(text: str) -> str | None:
-    return common.extract_tag(text, "question", last=True) or None
-
-
-def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
-    """Each Challenger output's question, or None (no block, empty, code-filtered or too long)."""
-    def fits(q):
-        return len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) <= \
-            cfg.max_prompt_tokens
-    qs = [extract_question(c.text) for c in completions]
-    if cfg.code_filters:  # question_generate.py's filter
-        qs = [None if q is None or "证明" in q or "box" in q else q for q in qs]
-    return [q if q is not None and fits(q) else None for q in qs]
+    return majority_vote_many([answers])[0]
 
 
 def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
@@ -269,9 +224,34 @@ def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
             for g, (y, p) in zip(answer_groups, majority_vote_many(answer_groups))]
 
 
+def extract_question(text: str) -> str | None:
+    return common.extract_tag(text, "question", last=True) or None
+
+
+def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
+    """Each Challenger output's question, or None (no block, empty, code-filtered or too long)."""
+    qs = [extract_question(c.text) for c in completions]
+    if cfg.code_filters:  # question_generate.py's filter
+        qs = [None if q is None or "证明" in q or "box" in q else q for q in qs]
+    sizes = [q and len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) for q in qs]
+    return [q if q is not None and n <= cfg.max_prompt_tokens else None for q, n in zip(qs, sizes)]
+
+
 def in_band(agree: int, m: int, low: float, high: float) -> bool:
     """low <= agree / m <= high (3..7 of 10 with the paper's band); agree = 0 is never kept."""
     return agree >= 1 and low * m - 1e-9 <= agree <= high * m + 1e-9
+
+
+def bleu_clusters(texts, threshold=0.5):
+    """Cluster id per text: 1 - sentence-BLEU-4 distances, average linkage cut at `threshold`."""
+    return common.average_linkage_clusters(common.bleu_distance_matrix(list(texts)), threshold)
+
+
+def repetition_penalty(texts, threshold=0.5):
+    """Paper §3: r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k (tau_BLEU = 0.5); a singleton
+    still pays 1/B. A float array of length B."""
+    ids = np.asarray(bleu_clusters(texts, threshold), dtype=int)
+    return np.bincount(ids)[ids] / max(len(ids), 1)
 
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
@@ -279,20 +259,16 @@ def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Co
     lambda |C_k| / B, C_k the BLEU cluster of the valid questions, B the whole batch. An output
     without a question gets exactly --invalid-reward (the code: -1 - r_rep of the empty strings)."""
     valid = np.array([q is not None for q in questions], dtype=bool)
-    p = np.asarray(p_hats, dtype=np.float64)
-    vidx = np.flatnonzero(valid)
-    r_rep, n_clusters = np.zeros(len(questions)), 0
-    if len(vidx):
-        ids = np.asarray(common.bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold))
-        sizes = np.bincount(ids)[ids] - (1.0 if cfg.rep_penalty == "excess" else 0.0)
-        r_rep[vidx] = cfg.rep_lambda * sizes / len(questions)
-        n_clusters = int(ids.max()) + 1
+    p, vidx = np.asarray(p_hats, dtype=np.float64), np.flatnonzero(valid)
+    ids = np.asarray(bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold), dtype=int)
+    r_rep = np.zeros(len(questions))
+    excess = 1.0 if cfg.rep_penalty == "excess" else 0.0
+    r_rep[vidx] = cfg.rep_lambda * (np.bincount(ids)[ids] - excess) / len(questions)
     r_unc = np.where(valid, common.uncertainty_reward(p), 0.0)
     reward = (np.maximum(0.0, r_unc - r_rep) if cfg.reward_variant == "paper"
               else np.minimum(p, 1.0 - p) - r_rep)
-    reward = np.where(valid, reward, float(cfg.invalid_reward))
-    return {"reward": reward, "r_unc": r_unc, "r_rep": r_rep, "valid": valid,
-            "n_clusters": n_clusters}
+    return {"reward": np.where(valid, reward, float(cfg.invalid_reward)), "r_unc": r_unc,
+            "r_rep": r_rep, "valid": valid, "n_clusters": int(ids.max(initial=-1)) + 1}
 
 
 def keep_question(s: dict, cfg: Config) -> bool:
@@ -338,37 +314,6 @@ def _trainer_parts(policy):
             yield k, v, part
 
 
-def _mapped(folder, like):
-    """An empty tensor like `like` in a shared mapping of an unlinked file in `folder`."""
-    import torch
-    fd, path = tempfile.mkstemp(dir=folder, prefix=".weights-")
-    os.close(fd)
-    out = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
-    os.unlink(path)  # the mapping outlives the name: nothing is left behind
-    return out
-
-
-def park(policy, folder, weights=None) -> Shards:
-    """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read one tensor at a
-    time), or of the trainer's own weights when None."""
-    from torch.distributed.tensor import distribute_tensor
-    if isinstance(weights, (str, pathlib.Path)):
-        from safetensors import safe_open
-        opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
-        weights = {k: f for f in opened for k in f.keys()}
-    out = Shards()
-    for k, v, part in _trainer_parts(policy):
-        src = part if weights is None else weights[k]
-        if not hasattr(src, "shape"):  # a safetensors file
-            src = src.get_tensor(k)
-        if weights is not None and hasattr(v, "to_local"):  # this rank's slice, no communication
-            src = distribute_tensor(src.to(part.device, part.dtype), v.device_mesh, v.placements,
-                                    src_data_rank=None).to_local()
-        out[k] = _mapped(folder, part)
-        out[k].copy_(src)
-    return out
-
-
 def full_weights(policy, shards: Shards):
     """(HF name, full tensor) of `shards`, one tensor at a time (all-gathered under FSDP2: every
     rank iterates to the end)."""
@@ -385,9 +330,8 @@ def full_weights(policy, shards: Shards):
 def gathered(policy, weights) -> dict | None:
     """The full tensors of `weights` ((name, tensor) pairs) on the main process, None elsewhere;
     every rank must call it."""
-    main = common.is_main_process()
-    out = {k: v.cpu() for k, v in weights if main}
-    return out if main else None
+    out = {k: v.cpu() for k, v in weights if common.is_main_process()}
+    return out if common.is_main_process() else None
 
 
 class Roles:
@@ -399,7 +343,29 @@ class Roles:
         self.parked = {self.other(active): self.park(other)}
 
     def park(self, weights=None) -> Shards:
-        return park(self.policy, self.folder, weights)
+        """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read a tensor at
+        a time), or of the trainer's own weights when None; each maps an unlinked file."""
+        import torch
+        from torch.distributed.tensor import distribute_tensor
+        if isinstance(weights, (str, pathlib.Path)):
+            from safetensors import safe_open
+            opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
+            weights = {k: f for f in opened for k in f.keys()}
+        out = Shards()
+        for k, v, part in _trainer_parts(self.policy):
+            src = part if weights is None else weights[k]
+            if not hasattr(src, "shape"):  # a safetensors file
+                src = src.get_tensor(k)
+            if weights is not None and hasattr(v, "to_local"):  # this rank's slice, no collective
+                src = distribute_tensor(src.to(part.device, part.dtype), v.device_mesh,
+                                        v.placements, src_data_rank=None).to_local()
+            fd, path = tempfile.mkstemp(dir=self.folder, prefix=".weights-")
+            os.close(fd)
+            out[k] = torch.from_file(path, shared=True, size=part.numel(),
+                                     dtype=part.dtype).view(part.shape)
+            os.unlink(path)  # the mapping outlives the name: nothing is left behind
+            out[k].copy_(src)
+        return out
 
     @staticmethod
     def other(role: str) -> str:
@@ -413,9 +379,8 @@ class Roles:
             self.active = role
 
     def sampling(self, role: str):
-        if role == self.active:
-            return self.policy.sampling_from(None)
-        return self.policy.sampling_from(full_weights(self.policy, self.parked[role]))
+        return self.policy.sampling_from(
+            None if role == self.active else full_weights(self.policy, self.parked[role]))
 
 
 def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | None]]:
@@ -468,8 +433,9 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
         rollouts = challenger_rollouts(policy, cfg)
         questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
     vidx = [i for i, q in enumerate(questions) if q is not None]
+    qs = [questions[i] for i in vidx]
     with run.timer("solver_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, [questions[i] for i in vidx], cfg)
+        answers = solver_votes(policy, qs, cfg)
     by_idx = dict(zip(vidx, vote_statistics(answers)))
     stats = [by_idx.get(i) for i in range(len(questions))]  # None for an output without a question
     r = challenger_rewards(questions, [s["p_hat"] if s else 0.0 for s in stats], cfg)
@@ -486,8 +452,7 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
          "p_hat_mean": _mean([s["p_hat"] for s in voted]),
          "in_band": _mean([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
                            for s in voted])}
-    if vidx:  # the diversity of the valid questions (the clusters are the penalty's, above)
-        qs = [questions[i] for i in vidx]
+    if qs:  # the diversity of the valid questions (the clusters are the penalty's, above)
         m.update(distinct_frac=common.distinct_fraction(qs),
                  distinct4=common.distinct_ngram_ratio(qs, 4), self_bleu=common.self_bleu(qs))
     run.log_samples(step, CHALLENGER, [
@@ -544,24 +509,6 @@ def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -
             "pseudo_label/oracle_answered": float(np.mean([a is not None for a in ref]))}
 
 
-def label_check(roles: Roles, problems: list[dict], cfg: Config) -> dict:
-    """The vote-and-filter step (same m and band) on gold-answer questions with the current
-    Solver: label accuracy over all, over the kept, and per number of agreeing votes."""
-    with roles.sampling(SOLVER):
-        answers = solver_votes(roles.policy, [p["question"] for p in problems], cfg)
-    stats = vote_statistics(answers)
-    ok = common.math_equal_many([(s["label"], p["answer"]) for s, p in zip(stats, problems)])
-    keep = [in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high) for s in stats]
-    agree = [s["agree"] for s in stats]
-    return {"label_check/acc_all": float(np.mean(ok)),
-            "label_check/acc_kept": float(np.mean([o for o, k in zip(ok, keep) if k]))
-            if any(keep) else None,
-            "label_check/kept_frac": float(np.mean(keep)),
-            "label_check/acc_by_agree": {
-                str(a): float(np.mean([o for o, b in zip(ok, agree) if b == a]))
-                for a in sorted(set(agree))}}
-
-
 # -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
 def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
     """One GRPO step of the Solver on the kept questions against their pseudo-labels (paper §3)."""
@@ -590,133 +537,14 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
         "batch": b}, upd)
 
 
-# -- 4. Evaluation; --eval-protocol official follows evaluation/eval_*.py rule by rule ------------
-LETTERS = "ABCDEFGHIJ"  # option letters of the multiple-choice sets (MMLU-Pro, SuperGPQA: up to 10)
-_OFFICIAL_STOPS = ("</s>", "<|im_end|>", "<|endoftext|>")
-_OFFICIAL_LINES = (re.compile(r"Final Answer:([^\n]*)\n"), re.compile(r"The answer is:([^\n]*)\n"))
-_BBEH_PREFIXES = ("The answer is:", "The final answer is ", "The final answer is: ",
-                  "The answer is ")
-
-
+# -- 4. Evaluation ---------------------------------------------------------------------------------
 def _solver_eval_prompt(problem: dict, tokenizer=None):
-    """--eval-protocol ours: the Solver's own prompt; options "A) ..." under the question."""
+    """The Solver's own prompt; options "A) ..." under the question."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        opts = "\n".join(f"{LETTERS[i]}) {c}" for i, c in enumerate(problem["choices"]))
+        opts = "\n".join(f"{'ABCDEFGHIJ'[i]}) {c}" for i, c in enumerate(problem["choices"]))
         q = _prompts["solver_choices"].format(question=q, options=opts)
     return solver_prompt(q, tokenizer)
-
-
-def official_eval_prompt(problem: dict, tokenizer=None):
-    """One user message, no system prompt: the question, "(A): ..." option lines and the ask to box
-    only the letter (BBEH: a boxed answer). Without a chat template, that text after "user: "."""
-    if problem.get("choices"):
-        opts = "\n".join(f"({LETTERS[i]}): {c}" for i, c in enumerate(problem["choices"]))
-        content = _prompts["official_choices"].format(question=problem["question"], options=opts)
-    else:
-        content = _prompts["official_open"].format(question=problem["question"])
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return [{"role": "user", "content": content}]
-    return f"user: {content}"
-
-
-def _last_shallow_box(text: str, max_depth: int = 2, tries: int = 64) -> str | None:
-    """The last \\boxed{...} whose braces close within max_depth levels (the scripts' regex); only
-    the last `tries` boxes are tried, so hostile text stays cheap."""
-    for start in reversed([m.end() for m in re.finditer(r"\\boxed\{", text)][-tries:]):
-        depth = 0
-        for j in range(start, len(text)):
-            if text[j] == "{":
-                depth += 1
-                if depth > max_depth:
-                    break
-            elif text[j] == "}":
-                if depth == 0:
-                    return text[start:j]
-                depth -= 1
-    return None
-
-
-def official_solution(text: str) -> str | None:
-    """extract_solution: the reply after a chat-turn marker, cut at a stop word; its last non-empty
-    shallow \\boxed{}, else the last 'Final Answer:' / 'The answer is:' line (newline-ended)."""
-    if "<|im_start|>user" in text:
-        text = re.sub(r"^.*?<\|im_start\|>assistant", "<|im_start|>assistant", text, count=1,
-                      flags=re.DOTALL)
-    elif "Assistant:" in text:
-        text = text.split("Assistant:")[-1].strip()
-    for stop in _OFFICIAL_STOPS:
-        if stop in text:
-            text = text.split(stop)[0].strip()
-    boxed = _last_shallow_box(text)
-    if boxed:
-        return boxed
-    found = next((f for f in (p.findall(text) for p in _OFFICIAL_LINES) if f), None)
-    return found[-1] if found else None
-
-
-def official_letter(solution: str | None) -> str | None:
-    """get_prediction: the first of A..J (in that order, not by position) found in the solution."""
-    return next((x for x in LETTERS if x in solution), None) if solution is not None else None
-
-
-def official_random_letter(seed: int, question: str, text: str) -> str:
-    """The scripts' random.choice(A..J), seeded by (seed, question, completion): reruns agree."""
-    key = hashlib.sha256(f"{seed}\0{question}\0{text}".encode("utf-8", "replace")).digest()
-    return random.Random(int.from_bytes(key[:8], "big")).choice(LETTERS)
-
-
-def bbeh_prediction(solution: str | None) -> str:
-    """preprocess_sample of eval_bbeh.py: after the answer prefixes, unwrapped ($, boxed, text,
-    texttt), lowercased, ', ' -> ',', no '**', the first line, no trailing '.'."""
-    a = (solution or "").strip()
-    for prefix in _BBEH_PREFIXES:
-        if prefix in a:
-            a = a.split(prefix)[-1].strip()
-    a = a[:-1] if a.endswith(".") else a
-    if a.startswith("$") and a.endswith("$"):
-        a = a[1:-1]
-    for command in ("boxed{", "text{", "texttt{"):
-        if command in a and a.endswith("}"):
-            a = a[:-1].split(command)[1]
-    a = a.lower().replace(", ", ",").replace("**", "").split("\n")[0]
-    return a[:-1] if a.endswith(".") else a
-
-
-def bbeh_match(pred: str, reference: str) -> bool:
-    """fuzzy_match of eval_bbeh.py: equal; "(a)" vs "a" (deciding alone); equal floats; equal
-    without quotes; one in [brackets] of the other; or the reference plus '?'."""
-    ref = str(reference).strip().lower().replace(", ", ",")
-    if pred == ref:
-        return True
-    for a, b in ((pred, ref), (ref, pred)):
-        if len(a) == 3 and a[0] == "(" and a[-1] == ")":
-            return a[1] == b
-    try:
-        if float(pred) == float(ref):
-            return True
-    except ValueError:
-        pass
-    return (pred.replace("'", "") == ref.replace("'", "") or f"[{ref}]" == pred
-            or f"[{pred}]" == ref or (pred.endswith("?") and pred[:-1] == ref))
-
-
-def official_judge(seed: int, fuzzy: bool):
-    """common.evaluate's judge_fn for the official protocol: multiple choice by official_letter or
-    the seeded random letter (pred None, yet right one time in ten); BBEH (fuzzy) by bbeh_match;
-    anything else by the last \\boxed{} through common.math_equal."""
-    def judge(problem: dict, text: str):
-        solution = official_solution(text)
-        if problem.get("choices"):
-            letter = official_letter(solution)
-            guess = letter or official_random_letter(seed, problem["question"], text)
-            return letter, guess == common.gold_option_letter(problem)
-        if fuzzy:
-            pred = bbeh_prediction(solution)
-            return pred or None, bbeh_match(pred, problem["answer"])
-        pred = common.extract_boxed(text)
-        return pred, pred is not None and common.math_equal(pred, problem["answer"])
-    return judge
 
 
 def _general_name(bench: str) -> bool:
@@ -725,44 +553,13 @@ def _general_name(bench: str) -> bool:
     return name in GENERAL or "bbeh" in name
 
 
-def evaluate_official(policy, cfg: Config) -> dict:
-    """--eval-protocol official: general sets (by name, or any set with options) as the scripts run
-    them; math sets as evaluation/generate.py, i.e. our Solver prompt and math-verify."""
-    res = {"benchmarks": {}, "settings": {}, "time_s": 0.0}
-    plan = {}
-    for b in dict.fromkeys(b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()):
-        if _general_name(b) or any(
-                p.get("choices") for p in common.load_benchmark(b, cfg.eval_limit)):
-            fuzzy = "bbeh" in common.parse_benchmark_spec(b)[0].lower()
-            budget = cfg.eval_general_max_tokens
-            one = common.evaluate_config(
-                policy, dataclasses.replace(cfg, eval_benchmarks=b, eval_max_tokens=budget),
-                prompt_fn=official_eval_prompt, judge_fn=official_judge(cfg.seed, fuzzy))
-            grading = "bbeh_match" if fuzzy else "official_letter, else a seeded random letter A-J"
-            plan[b] = {"max_tokens": budget, "prompt": "official_eval_prompt", "grading": grading}
-        else:
-            one = common.evaluate_config(policy, dataclasses.replace(cfg, eval_benchmarks=b),
-                                         prompt_fn=_solver_eval_prompt)
-            plan[b] = {"max_tokens": cfg.eval_max_tokens, "prompt": "_solver_eval_prompt",
-                       "grading": "last \\boxed{} -> math_equal"}
-        res["benchmarks"].update(one["benchmarks"])
-        res["settings"] = {**one["settings"], "eval_protocol": "official", "per_benchmark": plan}
-        res["verifier_failures"] = one["verifier_failures"]
-        res["time_s"] += one["time_s"]
-    return res
-
-
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
-    """Greedy accuracy (pass@k with --eval-n > 1) of the Solver, math-verify only; logs
-    eval/math_avg and eval/overall = mean(math_avg, SuperGPQA, MMLU-Pro, BBEH) (paper Table 1)."""
+    """Greedy accuracy (pass@k with --eval-n > 1) of the Solver; logs eval/math_avg and
+    eval/overall = mean(math_avg, SuperGPQA, MMLU-Pro, BBEH) (paper Table 1)."""
     if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
         return {}
     with roles.sampling(SOLVER):
-        if cfg.eval_protocol == "official":
-            res = evaluate_official(policy, cfg)
-        else:
-            res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
-            res["settings"]["eval_protocol"] = "ours"
+        res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
     run.write_eval(res, name)
     m = common.eval_metrics(res)
     math = [r["score"] for b, r in res["benchmarks"].items() if not _general_name(b)]
@@ -774,9 +571,10 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
 
 
 # -- Checkpoints and the run's outputs ------------------------------------------------------------
-def _save_model(policy, weights: dict, path: pathlib.Path) -> None:
-    policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
-    policy.tokenizer.save_pretrained(str(path))
+def _save_model(policy, weights: dict | None, path: pathlib.Path) -> None:
+    if weights:  # None on the ranks that are not the main process
+        policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
+        policy.tokenizer.save_pretrained(str(path))
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
@@ -787,9 +585,8 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
     tmp = root / f".tmp-{tag}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
-        weights = shards and gathered(policy, full_weights(policy, shards))  # one set at a time
-        if weights:
-            _save_model(policy, weights, tmp / name)
+        if shards:  # one set at a time
+            _save_model(policy, gathered(policy, full_weights(policy, shards)), tmp / name)
     if common.is_main_process():
         shutil.rmtree(root / tag, ignore_errors=True)
         os.replace(tmp, root / tag)
@@ -808,30 +605,25 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
     """final/challenger and final/solver (from_pretrained / vLLM folders), and eval.json: the base
     model's, every iteration's and the best iteration's evaluation."""
     for role in (CHALLENGER, SOLVER):  # gathered under torchrun: every rank takes part
-        weights = gathered(policy, policy.iter_full_weights() if role == roles.active
-                           else full_weights(policy, roles.parked[role]))
-        if weights:
-            _save_model(policy, weights, run.dir / "final" / role)
-
-    def read(name):
-        return json.loads((run.dir / name).read_text()) if (run.dir / name).is_file() else None
-    iters = {str(k): read(f"eval_iter{k}.json") for k in range(1, cfg.iterations + 1)}
-    run.write_eval({"base": read("eval_base.json"), "best": best,
-                    "iterations": {k: v for k, v in iters.items() if v}})
+        _save_model(policy, gathered(policy, policy.iter_full_weights() if role == roles.active
+                                     else full_weights(policy, roles.parked[role])),
+                    run.dir / "final" / role)
+    evals = {k: run.dir / f"eval_iter{k}.json" for k in range(1, cfg.iterations + 1)}
+    base = run.dir / "eval_base.json"
+    run.write_eval({"base": json.loads(base.read_text()) if base.is_file() else None,
+                    "best": best, "iterations": {str(k): json.loads(p.read_text())
+                                                 for k, p in evals.items() if p.is_file()}})
 
 
 def headline(run_dir) -> dict:
     """The best iteration for the summary table (the last one's figures are logged)."""
     best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
-    if not best:
-        return {}
-    return {"best iteration": best["iteration"], "best eval/overall": best["eval/overall"]}
+    return {"best iteration": best["iteration"],
+            "best eval/overall": best["eval/overall"]} if best else {}
 
 
 # -- The loop --------------------------------------------------------------------------------------
 def load_decontaminator(cfg: Config):
-    if not cfg.decontaminate:
-        return None
     refs = []
     for b in filter(None, (b.strip() for b in cfg.eval_benchmarks.split(","))):
         try:
@@ -848,9 +640,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
-    decon = load_decontaminator(cfg)
-    checks = (common.load_benchmark(cfg.label_check, cfg.label_check_limit) if cfg.label_check
-              else None)
+    decon = load_decontaminator(cfg) if cfg.decontaminate else None
     oracle = None
     if cfg.oracle_model:
         oracle = common.FrozenModel(cfg.oracle_model, policy, cfg,
@@ -876,17 +666,16 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
 
     sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
     schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph, n in sizes.items()
-                for j in range(n)]
-    end = (cfg.iterations + 1, CHALLENGER, 0)  # where a finished run stands
+                for j in range(n)] + [(cfg.iterations + 1, CHALLENGER, 0)]  # the end
     position = (state["iteration"], state["phase"], state["phase_step"])
-    if position not in schedule and position != end:
+    if position not in schedule:
         raise ValueError(f"--resume: the run stopped before {position[1]} step "
                          f"{position[2] + 1} of iteration {position[0]}, which the current "
                          "--iterations/--challenger-steps/--solver-steps do not have; resume with "
                          "the values it was started with")
-    done = schedule.index(position) if position in schedule else len(schedule)
-    pbar = run.progress(len(schedule), initial=done)
-    for step, (k, phase, j) in enumerate(schedule[done:], start=done + 1):
+    done = schedule.index(position)
+    pbar = run.progress(len(schedule) - 1, initial=done)
+    for step, (k, phase, j) in enumerate(schedule[done:-1], start=done + 1):
         m = {"iteration": k}
         if phase in (CHALLENGER, SOLVER) and j == 0:  # a phase starts: its role, a fresh AdamW
             roles.activate(phase)
@@ -900,15 +689,11 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
             m.update(dm)
             if oracle is not None:
                 m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
-            if checks is not None:
-                m.update(label_check(roles, checks, cfg))
-            if not kept:
-                warnings.warn(f"iteration {k}: no question survived the filter; skipping the "
-                              "Solver phase")
-            elif len(kept) < cfg.solver_batch:
+            if len(kept) < cfg.solver_batch:
                 warnings.warn(f"iteration {k}: only {len(kept)} questions kept (< --solver-batch "
-                              f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}. "
-                              "Raise --question-pool or widen the band.")
+                              f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}"
+                              " (none: the phase is skipped). Raise --question-pool or widen the "
+                              "band.")
             state["dataset"] = kept
         elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
@@ -921,14 +706,12 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
             state["dataset"] = []
         run.log(step, m)
         pbar.update(1)
-        state.update(zip(("iteration", "phase", "phase_step"),
-                         schedule[step] if step < len(schedule) else end))
+        state.update(zip(("iteration", "phase", "phase_step"), schedule[step]))
         last = j + 1 == sizes[phase]
-        if last:
-            ref = None
+        ref = None if last else ref
         # a phase's end is saved (the Solver's by the evaluation after it); --save-every mid-phase
-        mid = not last and cfg.save_every and step % cfg.save_every == 0
-        if (last and phase != SOLVER) or mid:
+        if (last and phase != SOLVER) or (not last and cfg.save_every and
+                                          step % cfg.save_every == 0):
             save_state(run, policy, roles, state, step, ref)
     pbar.close()
     if state["best"] is not None:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
+import r_zero  # noqa: E402
 
 
 def mixed_pairs(n, rng):
@@ -94,8 +95,8 @@ def main():
               f"{np.mean(res):.2f} equal")
     print("verifier failures:", common.math_equal_failures())
     qs = questions(args.b, random.Random(3))
-    common.repetition_penalty(qs[:64])
-    rp, t = time_it(lambda: common.repetition_penalty(qs))
+    r_zero.repetition_penalty(qs[:64])
+    rp, t = time_it(lambda: r_zero.repetition_penalty(qs))
     _, tb = time_it(lambda: common.bleu_distance_matrix(qs))
     print(f"repetition_penalty B={args.b}: {t:.2f} s total (BLEU matrix {tb:.2f} s), "
           f"{len(set(np.round(rp * args.b).astype(int)))} distinct cluster sizes, mean penalty {rp.mean():.4f}")

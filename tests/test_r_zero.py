@@ -8,7 +8,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -354,7 +353,7 @@ def _load(d):
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
     cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_votes=1,
-                 oracle_limit=4, label_check=str(DATA / "rzero_labelcheck.jsonl"))
+                 oracle_limit=4)
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     run_dir = r_zero.train(cfg, policy)
@@ -378,7 +377,6 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert kept and all(r["question"] != Q2 for r in rows)
     assert all(3 <= r["agree"] <= 7 for r in kept)
     assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
-    assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # --solver-reward paper: accuracy only
     # one math set, no general one
@@ -513,7 +511,7 @@ def test_role_swap_with_the_hf_backend(tiny_policy_hf):
 
 
 # --------------------------------------------------------------------------------------------------
-# Prompts (paper/official code instructions, --prompts FILE) and --eval-protocol official
+# Prompts (paper/official code instructions, --prompts FILE)
 # --------------------------------------------------------------------------------------------------
 def test_challenger_prompt_carries_every_instruction_of_the_papers_prompt():
     """question_generate/question_generate.py: expert setter, private step-by-step scratch-pad, a
@@ -543,13 +541,12 @@ def _prompts_file(tmp_path, **templates):
 
 def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sampler, monkeypatch,
                                           capsys):
-    """--prompts FILE: the Challenger, Solver and official-evaluation templates come from the file
-    and are what the engine is asked to continue; a bad file is a one-line usage error before
+    """--prompts FILE: the Challenger and Solver templates come from the file and are what the
+    engine is asked to continue; a bad file is a one-line usage error before
     anything loads."""
     path = _prompts_file(tmp_path,
                          challenger_system="SETTER-MARK: <question>..</question> \\boxed{{x}}.",
-                         solver_system="SOLVER-MARK: box it, \\boxed{{}}.",
-                         official_choices="OFFICIAL-MARK {question}\n{options}")
+                         solver_system="SOLVER-MARK: box it, \\boxed{{}}.")
     cfg = _small(tiny_model_path, tmp_path / "run", prompts=path, challenger_batch=2,
                  challenger_group=2)
     try:
@@ -569,9 +566,6 @@ def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sample
         assert "SETTER-MARK: <question>..</question> \\boxed{x}." in msgs
         assert "SOLVER-MARK: box it, \\boxed{}." in msgs and Q1 in msgs
         assert not any("fewer than 30%" in m for m in msgs)  # ours was replaced, not added to
-        mc = {"question": "Pick one.", "choices": ["x", "y"], "answer": "B"}
-        assert r_zero.official_eval_prompt(mc, policy.tokenizer) == [
-            {"role": "user", "content": "OFFICIAL-MARK Pick one.\n(A): x\n(B): y"}]
     finally:
         r_zero.use_prompts("")  # back to our templates for the other tests
     ours = [r_zero.PROMPTS[k].format() for k in ("challenger_system", "challenger_user")]
@@ -582,118 +576,6 @@ def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sample
     assert e.value.code == 2
     assert "template 'solver_system' must use exactly the placeholders" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists() and r_zero._prompts == r_zero.PROMPTS
-
-
-@pytest.mark.parametrize("completion, reference, ok", [
-    ("So \\boxed{(A)}", "(A)", True), ("So \\boxed{(A)}", "A", True),
-    ("So \\boxed{a}", "(A)", True), ("So \\boxed{(B)}", "A", False),  # "(x)" decides alone
-    ("\\boxed{\\text{Yes}}", "yes", True), ("The answer is: 3.0\n", "3", True),
-    ("\\boxed{'abc'}", "abc", True), ("\\boxed{[1, 2]}", "1, 2", True),
-    ("\\boxed{valid?}", "valid", True), ("\\boxed{**Blue**.}", "blue", True),
-    ("Final Answer: The final answer is 42.\n", "42", True), ("\\boxed{no}", "yes", False),
-    ("no answer at all", "yes", False), ("\\boxed{}", "", True),
-])
-def test_official_bbeh_fuzzy_match(completion, reference, ok):
-    """eval_bbeh.py: extract_solution, preprocess_sample and fuzzy_match, case by case."""
-    judge = r_zero.official_judge(0, fuzzy=True)
-    assert judge({"question": "q", "answer": reference}, completion)[1] is ok
-    pred = r_zero.bbeh_prediction(r_zero.official_solution(completion))
-    assert r_zero.bbeh_match(pred, reference) is ok
-
-
-def test_official_letter_rule_and_seeded_random_fallback():
-    """eval_mmlupro.py / eval_supergpqa.py: the last shallow \\boxed{} (else a 'Final Answer:' or
-    'The answer is:' line ending in a newline), then the first of A..J in it in alphabetical order;
-    nothing parsed: a random letter of A-J, here seeded by (seed, question, completion)."""
-    sol = r_zero.official_solution
-    assert sol("So \\boxed{C}.") == "C" and r_zero.official_letter("C") == "C"
-    assert r_zero.official_letter("D, or maybe B") == "B"  # alphabetical, not position
-    assert r_zero.official_letter("\\text{(E)}") == "E" and r_zero.official_letter("xyz") is None
-    assert sol("x\nFinal Answer: (G)\nmore") == " (G)"
-    assert sol("Final Answer: G") is None  # the line must end in a newline
-    assert sol("\\boxed{} then\nThe answer is: H\n") == " H"  # an empty box falls through
-    assert sol("\\boxed{a{b{c{d}}}}") is None  # two levels of nesting at most
-    assert sol("\\boxed{a{b{c}}}") == "a{b{c}}"
-    assert sol("\\boxed{A}<|im_end|>\\boxed{B}") == "A"
-    assert sol("\\boxed{A} Assistant: \\boxed{B}") == "B"
-    t0 = time.time()
-    assert sol("\\boxed{" * 20000 + "x") is None and time.time() - t0 < 5  # hostile: stays cheap
-    mc = {"question": "Which?", "choices": ["w", "x", "y", "z"], "answer": "A"}
-    judge = r_zero.official_judge(7, fuzzy=False)
-    assert judge(mc, "\\boxed{A}") == ("A", True) and judge(mc, "\\boxed{B}") == ("B", False)
-    def draws(seed):
-        return [r_zero.official_random_letter(seed, "Which?", f"rambling {i}") for i in range(400)]
-
-    guesses = draws(7)
-    assert set(guesses) == set("ABCDEFGHIJ")  # any of A-J, as the scripts draw, even with 4 options
-    assert guesses == draws(7) and guesses != draws(8)  # seeded
-    judged = [judge(mc, f"rambling {i}") for i in range(400)]
-    assert all(pred is None for pred, _ in judged)  # no letter parsed: counted as no answer ...
-    assert [ok for _, ok in judged] == [g == "A" for g in guesses]  # ... yet the guess may be right
-    assert 0.04 < np.mean([ok for _, ok in judged]) < 0.18
-
-
-def test_official_protocol_prompt_budget_and_grading_reach_the_engine(tiny_model_path, vllm_sampler,
-                                                                     tmp_path, monkeypatch):
-    """--eval-protocol official: the general sets get one user message, --eval-general-max-tokens
-    and the scripts' grading (checked against the completions the engine returned); the math set
-    keeps the Solver prompt and --eval-max-tokens; settings record the protocol."""
-    mc = tmp_path / "general_mc.jsonl"
-    row = {"choices": ["w", "x", "y", "z"], "answer": "A"}
-    mc.write_text("".join(json.dumps({"question": f"Pick {i}.", **row}) + "\n" for i in range(6)))
-    bbeh = tmp_path / "bbeh_mini.jsonl"
-    bbeh.write_text("".join(json.dumps({"question": f"Say {w}.", "answer": w}) + "\n"
-                            for w in ("yes", "no")))
-    math = str(DATA / "rzero_eval.jsonl")
-    cfg = _small(tiny_model_path, tmp_path / "run", eval_protocol="official",
-                 eval_general_max_tokens=16, eval_benchmarks=f"{mc},{bbeh},{math}",
-                 eval_max_tokens=8)
-    r_zero.validate_config(cfg)
-    policy = _policy(cfg, vllm_sampler)
-    calls = []
-    real = vllm_sampler.generate
-
-    def spy(prompts, **kw):
-        out = real(prompts, **kw)
-        calls.append((list(prompts), kw["max_tokens"], [g[0].text for g in out]))
-        return out
-
-    monkeypatch.setattr(vllm_sampler, "generate", spy)
-    run = common.Run(cfg, "r_zero")
-    roles = r_zero.Roles(policy, r_zero.SOLVER, policy.get_weights())
-    m = r_zero.evaluate_solver(policy, roles, cfg, run, "eval_test.json")
-    res = json.loads((run.dir / "eval_test.json").read_text())
-    run.close()
-    n_math = len(common.load_benchmark(math))
-    assert [(len(p), mt) for p, mt, _ in calls] == [(6, 16), (2, 16), (n_math, 8)]
-    for prompts in (calls[0][0], calls[1][0]):
-        assert all([msg["role"] for msg in p] == ["user"] for p in prompts)
-    first = calls[0][0][0][0]["content"]
-    assert first.startswith("Pick 0.\nOptions:\n(A): w\n(B): x\n(C): y\n(D): z\n\n\n")
-    assert [msg["role"] for msg in calls[2][0][0]] == ["system", "user"]
-    assert res["settings"]["eval_protocol"] == "official"
-    assert res["settings"]["per_benchmark"][str(mc)]["max_tokens"] == 16
-    rows = common.load_benchmark(str(mc))
-    judge = r_zero.official_judge(cfg.seed, fuzzy=False)
-    want = [judge(p, t)[1] for p, t in zip(rows, calls[0][2])]
-    assert [r["greedy_correct"] for r in res["benchmarks"][str(mc)]["per_problem"]] == want
-    words = common.load_benchmark(str(bbeh))
-    judge = r_zero.official_judge(cfg.seed, fuzzy=True)
-    want = [judge(p, t)[1] for p, t in zip(words, calls[1][2])]
-    assert [r["greedy_correct"] for r in res["benchmarks"][str(bbeh)]["per_problem"]] == want
-    assert "eval/overall" in m and m["eval/general_mc/greedy_acc"] == pytest.approx(np.mean(
-        [r["greedy_correct"] for r in res["benchmarks"][str(mc)]["per_problem"]]))
-
-
-def test_eval_protocol_flags_are_checked():
-    d = r_zero.Config()
-    assert (d.eval_protocol, d.eval_general_max_tokens) == ("ours", 8192)
-    with pytest.raises(ValueError, match="--eval-protocol must be ours or official"):
-        r_zero.validate_config(r_zero.Config(eval_protocol="paper"))
-    with pytest.raises(ValueError, match="pass --max-model-len 10240"):  # 8,192 + a 2,048 prompt
-        r_zero.validate_config(r_zero.Config(eval_protocol="official"))
-    r_zero.validate_config(r_zero.Config(eval_protocol="official", max_model_len=10240))
-    r_zero.validate_config(r_zero.Config(eval_protocol="official", eval_benchmarks="math500"))
 
 
 def test_readme_says_pi_old_is_the_rollout_policy():

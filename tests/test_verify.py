@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 
 import common
 from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontaminator, average_linkage_clusters,
-                    azr_composite_reward, bleu_clusters, bleu_distance_matrix, bleu_matrix, choice_letter,
+                    azr_composite_reward, bleu_distance_matrix, bleu_matrix, choice_letter,
                     decontaminate, distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
                     load_benchmark, math_equal, math_equal_failures,
                     math_equal_many, ngram_overlap, normalize_string, pass_at_k, pass_at_k_ci,
-                    repetition_penalty, self_bleu, threshold_reward, uncertainty_reward,
+                    self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward, variance_reward_from_bits)
-from r_zero import majority_vote, majority_vote_many
+from r_zero import bleu_clusters, majority_vote, majority_vote_many, repetition_penalty
 from sparsity import main as sparsity_main
 from sparsity import update_sparsity
 
@@ -441,7 +441,7 @@ def test_diversity_metrics():
     m = common.diversity_metrics(HAND_BATCH)
     assert m["bleu_clusters"] == 3 and m["distinct_frac"] == pytest.approx(0.8)
     assert m["self_bleu"] == pytest.approx(self_bleu(HAND_BATCH))  # one shared BLEU matrix, same numbers
-    assert m["bleu_clusters"] == len(set(common.bleu_clusters(HAND_BATCH)))
+    assert m["bleu_clusters"] == len(set(bleu_clusters(HAND_BATCH)))
     assert common.diversity_metrics(["only one"])["bleu_clusters"] == 1 and common.diversity_metrics([])["self_bleu"] == 0
 
 
