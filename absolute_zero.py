@@ -795,6 +795,10 @@ def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
             m[f"{t}/{prog}_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
             m[f"{t}/distinct_{prog}s"] = len({_ast_key(p["entry"]["program"])
                                               for p in valid}) / len(valid)
+            written = ("\n".join(p["entry"]["inputs"] + [p["entry"]["message"]])
+                       if t == "induction" else p["entry"]["program"] for p in valid)
+            for k, v in common.diversity_metrics(written).items():
+                m[f"{t}/diversity/{k}"] = v
     records = {"proposer": [p for t in TASKS for p in props[t]],
                "solver": [s for t in TASKS for s in solved[t]]}
     for role, recs in records.items():

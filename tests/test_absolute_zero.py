@@ -803,9 +803,10 @@ def test_step_metrics_count_rejections_and_roles():
     assert m["abduction/valid_rate"] == 0.0 and m["deduction/buffer_size"] == 1
 
 
-def test_step_metrics_distinct_programs_of_valid_proposals():
-    """Per task type: distinct programs (by AST) over this step's valid proposals; an induction
-    proposal's program is drawn from the buffers, so it counts as a source program."""
+def test_step_metrics_diversity_of_what_the_proposer_wrote():
+    """Per task type: distinct programs (by AST) and BLEU diversity over this step's valid
+    proposals, i.e. the programs for deduction/abduction and the inputs + message for induction,
+    whose program is drawn from the buffers."""
     c = common.Completion(prompt_ids=[1], token_ids=[2], text="", finish_reason="stop")
     progs = ["def f(x):\n    return x + 1", "def f(x):\n    return x + 1",
              "def f(s):\n    return sorted(set(s.split()))[::-1]"]
@@ -819,7 +820,12 @@ def test_step_metrics_distinct_programs_of_valid_proposals():
     props["deduction"].append({"reason": "error", "reward": -1.0, "completion": c})
     m = az.step_metrics(props, {t: [] for t in az.TASKS}, {t: az.Buffer(10) for t in az.TASKS})
     assert m["deduction/distinct_programs"] == pytest.approx(2 / 3)
+    assert m["deduction/diversity/distinct_frac"] == pytest.approx(2 / 3)
+    assert m["deduction/diversity/bleu_clusters"] == 2
+    assert m["induction/diversity/distinct_frac"] == 0.5
+    assert m["induction/diversity/bleu_clusters"] == 1
     assert m["induction/distinct_source_programs"] == 1.0 and "induction/distinct_programs" not in m
+    assert "abduction/diversity/distinct_frac" not in m  # no valid proposals, no numbers
 
 
 class _EvalPolicy:
