@@ -69,6 +69,7 @@ class Config(common.RunConfig):
     eval_limit: int = 0  # first N test questions (0 = all; also limits --eval-benchmarks)
     eval_temperature: float = 0.6  # pass@k sampling when --eval-n > 1 (ours; accuracy is greedy)
     eval_benchmarks: str = ""  # common.evaluate benchmarks after the last round ("" = none; ours)
+    entropy_samples: int = 0  # >0: entropy of N samples at T=1 ("Understanding self-play", Eq. 1)
     save_every: int = 1  # checkpoint every N rounds; 0 = the last only (ours)
 
 
@@ -481,6 +482,25 @@ def evaluate_split(policy, prompter, examples, cfg, seed: int) -> dict:
     return res
 
 
+def policy_entropy(policy, prompter, examples, n: int, seed: int) -> dict:
+    """Analysis ("Towards Understanding Self-play for LLM Reasoning", Eq. 1): N samples at T = 1;
+    their mean per-token NLL (Monte-Carlo entropy) and exact token entropy, sequence-averaged."""
+    import torch
+    sub = random.Random(seed).sample(examples, min(n, len(examples)))
+    comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1,
+                                           temperature=1.0, stop=prompter.stop, seed=seed,
+                                           max_tokens=max(prompter.max_tokens(ex) for ex in sub))]
+    comps = [c for c in comps if c.token_ids]
+    if not comps:
+        return {}
+    with torch.no_grad():
+        lps, ents = common.token_logprobs(
+            policy.model, [c.prompt_ids for c in comps], [c.token_ids for c in comps],
+            temperature=1.0, token_budget=policy.cfg.micro_batch_tokens, with_entropy=True)
+    return {"entropy/nll": sum(float(-lp.mean()) for lp in lps) / len(lps),
+            "entropy/exact": sum(float(e.mean()) for e in ents) / len(ents)}
+
+
 def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) -> dict:
     """One iteration of Alg. 1: M_{n-1} in the sampler in, M_n in trainer and sampler out."""
     seed = cfg.seed * 100_003 + n
@@ -505,6 +525,8 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
     with run.timer("evaluate"):
         if n == cfg.rounds or (cfg.eval_every > 0 and n % cfg.eval_every == 0):
             metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
+        if cfg.entropy_samples > 0:
+            metrics.update(policy_entropy(policy, prompter, train_data, cfg.entropy_samples, seed))
     n_q, n_rat = len(train_data), len({k["index"] for k in rationalized})
     metrics.update({  # the paper's CQA coverage: 78.2% direct + 8.5% rationalized (§5)
         "train/solved_direct": len(solved) / n_q, "train/rationalized": n_rat / n_q,

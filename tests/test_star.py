@@ -503,8 +503,8 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
         assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
 
 
-def test_evaluation_greedy_accuracy_and_pass_at_k(warm_model_path, tiny_cfg, vllm_sampler,
-                                                  tiny_tokenizer):
+def test_evaluation_pass_at_k_and_entropy(warm_model_path, tiny_cfg, vllm_sampler,
+                                                       tiny_tokenizer):
     tiny_cfg.model = warm_model_path
     policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
     policy.sync()
@@ -514,6 +514,8 @@ def test_evaluation_greedy_accuracy_and_pass_at_k(warm_model_path, tiny_cfg, vll
     assert res["test/accuracy"] == 0.5  # greedy: the warmed model solves 2 of the 4 test questions
     assert set(res) == {"test/accuracy", "test/pass@1", "test/pass@2"}  # k > n is skipped
     assert 0.0 <= res["test/pass@1"] <= res["test/pass@2"] <= 1.0
+    ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # samples at T = 1
+    assert ent["entropy/nll"] > 0 and ent["entropy/exact"] > 0
 
 
 def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer,
