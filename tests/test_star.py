@@ -659,10 +659,11 @@ def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_pa
     assert (tmp_path / "run" / "rounds" / "round_1.jsonl").read_text() == ""
 
 
-def test_early_stopping_stops_after_patience_evaluations_without_a_new_best(
-        warm_model_path, tmp_path, vllm_sampler, monkeypatch):
-    """--patience: the run stops after 2 evaluations without a new best, checkpoints its last
-    round, and eval.json names the best round."""
+def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, vllm_sampler,
+                                                     monkeypatch):
+    """--patience: the best round's model survives checkpoint pruning in best/ (overwritten by a
+    later best), is loaded back before --eval-benchmarks, and eval.json says which round's model
+    the benchmarks scored."""
     out = tmp_path / "run"
     cfg = star.Config(model=warm_model_path, data=str(TRAIN), test_data=str(TEST),
                       exemplars=str(SHOTS), few_shot_train=True, lr=1e-3, warmup="short",
@@ -672,11 +673,62 @@ def test_early_stopping_stops_after_patience_evaluations_without_a_new_best(
     # rounds 0-4: round 2 is the best, rounds 3-4 do not beat it
     scripted = iter([0.25, 0.5, 0.75, 0.5, 0.75])
     monkeypatch.setattr(star, "evaluate_split", lambda *a, **k: {"test/accuracy": next(scripted)})
+    saved, scored = [], []
+    real_save, real_eval = star.save_best, common.evaluate_config
+
+    def spy_save(run, policy, n, acc):
+        saved.append((n, acc, policy.get_weights()))
+        return real_save(run, policy, n, acc)
+
+    def spy_eval(policy, c, **kw):
+        scored.append(policy.get_weights())
+        return real_eval(policy, c, **kw)
+
+    monkeypatch.setattr(star, "save_best", spy_save)
+    monkeypatch.setattr(common, "evaluate_config", spy_eval)
     results = star.train(cfg, sampler=vllm_sampler)
     assert "no new best test accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3, 4]
-    assert (out / "checkpoints" / "step_4" / "model.safetensors").is_file()
+    # every new best, and only those
+    assert [(n, acc) for n, acc, _ in saved] == [(1, 0.5), (2, 0.75)]
+    # pruned (keep 2): best/ is the only copy of M_2
+    assert not (out / "checkpoints" / "step_2").exists()
+    from safetensors.torch import load_file
+    best = common.load_safetensors_dir(out / "best")
+    m2, last = saved[1][2], load_file(str(out / "checkpoints" / "step_4" / "model.safetensors"))
+    assert all(torch.equal(best[k], m2[k]) for k in best)  # best/ holds M_2, overwritten after M_1
+    assert any(not torch.equal(last[k], m2[k]) for k in last)  # and M_4 is a different model
+    info = json.loads((out / "best" / "star_best.json").read_text())
+    assert info == {"round": 2, "test/accuracy": 0.75}
+    assert (out / "best" / "tokenizer_config.json").is_file()
     # no temp folders left behind
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    import transformers
+    transformers.AutoModelForCausalLM.from_pretrained(str(out / "best"))
+    # benchmarks scored M_2
+    assert len(scored) == 1 and all(torch.equal(scored[0][k], m2[k]) for k in m2)
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["best_round"] == 2 and "benchmarks" in ev
+    assert ev["model_round"] == 2 and ev["best_round"] == 2 and "benchmarks" in ev
+    assert read_jsonl(out / "metrics.jsonl")[-1]["eval/model_round"] == 2
+
+
+def test_restore_best_keeps_the_last_model_unless_an_earlier_round_was_best(tmp_path):
+    class FakePolicy:
+        loaded = None
+
+        def set_weights(self, w, reset_optimizer=True):
+            self.loaded = w
+
+    import types
+    run, pol, base = types.SimpleNamespace(dir=tmp_path), FakePolicy(), {"w": torch.zeros(1)}
+    assert star.restore_best(run, pol, base, {"best_round": 3, "round": 3}) == 3
+    assert pol.loaded is None
+    assert star.restore_best(run, pol, base, {"best_round": 0, "round": 2}) == 0
+    assert pol.loaded is base
+    (tmp_path / "best").mkdir()
+    # stale: from a round the resume redid
+    (tmp_path / "best" / "star_best.json").write_text('{"round": 4}')
+    pol.loaded = None
+    with pytest.warns(UserWarning, match="holds round 4, not the best round 1"):
+        assert star.restore_best(run, pol, base, {"best_round": 1, "round": 3}) == 3
+    assert pol.loaded is None
