@@ -2816,38 +2816,22 @@ def _vf_worker():
     except Exception as e:
         print(json.dumps({"fatal": repr(e)}), flush=True)
         sys.exit(3)
-
-    class Late(BaseException):
-        pass
-
-    def on_alarm(signum, frame):
-        raise Late()
-
-    def wrap(s):
-        return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
-
-    def check(pred, gold, t, expression):
-        signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on load
-        try:
-            g = parse(wrap(gold), extraction[expression], parsing_timeout=None)
-            p = parse(wrap(pred), extraction[expression], parsing_timeout=None)
-            if not (g and p) or _vf_surely_differ(g, p, pred + gold):
-                return 0
-            return 1 if verify(g, p, timeout_seconds=None) else 0
-        except Late:
-            return 2
-        except Exception:
-            return 3
-        finally:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-
-    signal.signal(signal.SIGPROF, on_alarm)
+    # the CPU-time alarm raises KeyboardInterrupt, which math-verify's `except Exception` lets by
+    signal.signal(signal.SIGPROF, signal.default_int_handler)
     print('{"ready": 1}', flush=True)
     for line in sys.stdin:
         try:
-            pred, gold, t, expression = json.loads(line)
-            r = check(pred, gold, t, bool(expression))
-        except Late:
+            try:
+                pred, gold, t, expression = json.loads(line)
+                signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on load
+                g, p = (parse(s if ("$" in s or "\\(" in s or "\\[" in s) else f"${s}$",
+                              extraction[bool(expression)], parsing_timeout=None)
+                        for s in (gold, pred))
+                r = int(bool(g and p) and not _vf_surely_differ(g, p, pred + gold)
+                        and bool(verify(g, p, timeout_seconds=None)))
+            finally:
+                signal.setitimer(signal.ITIMER_PROF, 0)
+        except KeyboardInterrupt:
             r = 2
         except Exception:
             r = 3
@@ -2868,12 +2852,13 @@ class _VfWorker:
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, bufsize=0)
-        self.fd = self.proc.stdout.fileno()
-        os.set_blocking(self.fd, False)
+        os.set_blocking(self.fileno(), False)
         self.buf, self.ready, self.started = b"", False, time.monotonic()
-        self.inflight = []  # [(index, n_bytes)] in send order
-        self.done = 0  # pairs answered
+        self.inflight, self.done = [], 0  # indices sent, in order; pairs answered
         self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
+
+    def fileno(self):
+        return self.proc.stdout.fileno()
 
     def cpu(self):
         """CPU seconds (user + system) used so far, from /proc; None without /proc."""
@@ -2887,15 +2872,54 @@ class _VfWorker:
     def start_head(self):
         self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
 
-    def lines(self):
+    def feed(self, queue, payload):
+        """Up to 32 KiB of pairs wait in the pipe, so that the worker never idles between two."""
+        nbytes = sum(len(payload[i]) for i in self.inflight)
+        while self.ready and queue and (
+                not self.inflight or nbytes + len(payload[queue[-1]]) < 32768):
+            try:
+                self.proc.stdin.write(payload[queue[-1]])
+            except OSError:  # it died: read() sees the end of its output
+                return
+            if not self.inflight:
+                self.start_head()
+            self.inflight.append(queue.pop())
+            nbytes += len(payload[self.inflight[-1]])
+
+    def read(self, out):
+        """Verdicts that arrived go into out[index]; False once the process has died."""
         try:
-            chunk = os.read(self.fd, 65536)
+            chunk = os.read(self.fileno(), 65536)
         except BlockingIOError:
-            return []
-        if not chunk:
-            raise EOFError
-        *done, self.buf = (self.buf + chunk).split(b"\n")
-        return done
+            return True
+        if not chunk and not self.ready:
+            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
+                               "ready; check that `python -c 'import math_verify'` works (fix: "
+                               "`pip install math-verify`)")
+        *lines, self.buf = (self.buf + chunk).split(b"\n")
+        for ln in lines:
+            if self.ready:
+                out[self.inflight.pop(0)] = int(ln)
+                self.done += 1
+                self.start_head()
+            elif b"fatal" in ln:
+                raise RuntimeError(f"math-verify is not importable ({ln.decode(errors='replace')})"
+                                   "; fix: `pip install math-verify`")
+            else:
+                self.ready = True
+        return bool(chunk)
+
+    def stuck(self, hard_cpu):
+        """Over `hard_cpu` CPU seconds on one pair, or, using no CPU (stopped, blocked), over
+        3 * hard_cpu + 2 wall-clock seconds: a loaded machine does not turn answers into kills."""
+        if not self.ready and time.monotonic() - self.started > 120:
+            raise RuntimeError("math-verify worker did not start within 120 s")
+        waited = time.monotonic() - self.head_since
+        if not self.inflight or waited <= hard_cpu:
+            return False
+        cpu = self.cpu()
+        used = waited if cpu is None else cpu - self.head_cpu
+        return used > hard_cpu or waited > 3 * hard_cpu + 2.0
 
     def kill(self):
         with contextlib.suppress(Exception):
@@ -2920,105 +2944,35 @@ class _VfPool:
 
     def run(self, items, timeout, n_workers):
         """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
+        import select
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
                 self.workers, self.pid = [], os.getpid()
-            return self._run(items, timeout, n_workers)
-
-    def _run(self, items, timeout, n_workers):
-        n_workers = max(1, min(n_workers, len(items)))
-        self.workers = [w for w in self.workers if w.proc.poll() is None]
-        while len(self.workers) < n_workers:
-            self.workers.append(_VfWorker())
-        workers = self.workers[:n_workers]
-        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
-                   for p, g, e in items]
-        queue = list(range(len(items)))[::-1]  # pop() from the end = in order
-        out, remaining = [None] * len(items), len(items)
-        # CPU-time budgets, so a loaded machine does not turn right answers into timeouts; a worker
-        # that uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap
-        hard_cpu = float(timeout) + _VF_HARD_GRACE_S
-        hard_wall = 3 * hard_cpu + 2.0
-        sel = selectors.DefaultSelector()
-        for w in workers:
-            sel.register(w.fd, selectors.EVENT_READ, w)
-
-        def replace(w):
-            sel.unregister(w.fd)
-            w.kill()
-            queue.extend(idx for idx, _ in w.inflight)  # the rest of its window goes back
-            nw = _VfWorker()
-            self.workers[self.workers.index(w)] = workers[workers.index(w)] = nw
-            sel.register(nw.fd, selectors.EVENT_READ, nw)
-
-        def feed(w):  # up to 32 KiB of pairs wait in a worker's pipe: it never idles between two
-            nbytes = sum(b for _, b in w.inflight)
-            while w.ready and queue and (
-                    not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
-                idx = queue.pop()
-                try:
-                    w.proc.stdin.write(payload[idx])
-                except OSError:
-                    queue.append(idx)
-                    return
-                if not w.inflight:
-                    w.start_head()
-                w.inflight.append((idx, len(payload[idx])))
-                nbytes += len(payload[idx])
-
-        def answer(w, code):
-            nonlocal remaining
-            out[w.inflight.pop(0)[0]] = code
-            remaining -= 1
-
-        try:
-            while remaining:
-                for w in workers:
-                    feed(w)
-                for key, _ in sel.select(timeout=0.05):
-                    w = key.data
-                    try:
-                        lines = w.lines()
-                    except EOFError:  # the worker died (out of memory): its head is an error
-                        if not w.ready:
-                            raise RuntimeError(
-                                f"the math-verify worker ({sys.executable}) exited before it was "
-                                "ready; check that `python -c 'import math_verify'` works (fix: "
-                                "`pip install math-verify`)") from None
-                        if w.inflight:
-                            answer(w, 3)
-                        replace(w)
-                        continue
-                    for ln in lines:
-                        if w.ready:
-                            answer(w, int(ln))
-                            w.done += 1
-                            w.start_head()
-                        elif b"fatal" in ln:
-                            raise RuntimeError(f"math-verify is not importable ("
-                                               f"{ln.decode(errors='replace')}); fix: "
-                                               "`pip install math-verify`")
-                        else:
-                            w.ready = True
-                now = time.monotonic()
-                for w in list(workers):
-                    stuck = False
-                    if w.inflight and now - w.head_since > hard_cpu:
-                        cpu = w.cpu()
-                        used = cpu - w.head_cpu if cpu is not None else now - w.head_since
-                        stuck = used > hard_cpu or now - w.head_since > hard_wall
-                    if stuck:
-                        answer(w, 4)
-                        replace(w)
-                    elif not w.ready and now - w.started > 120:
-                        raise RuntimeError("math-verify worker did not start within 120 s")
-        finally:
-            sel.close()
-        for w in list(self.workers):  # bound sympy's caches: retire old workers between batches
-            if w.done > _VF_WORKER_MAX_PAIRS:
-                w.kill()
-                self.workers.remove(w)
-        return out
+            for w in self.workers:  # bound sympy's caches: retire old workers between batches
+                if w.done > _VF_WORKER_MAX_PAIRS:
+                    w.kill()
+            self.workers = [w for w in self.workers if w.proc.poll() is None]
+            self.workers += [_VfWorker() for _ in range(n_workers - len(self.workers))]
+            payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
+                       for p, g, e in items]
+            queue, out = list(range(len(items)))[::-1], [None] * len(items)  # pop() = in order
+            try:
+                while queue or any(w.inflight for w in self.workers):
+                    for w in self.workers:
+                        w.feed(queue, payload)
+                    readable = select.select(self.workers, [], [], 0.05)[0]
+                    for i, w in enumerate(self.workers):
+                        dead = w in readable and not w.read(out)  # e.g. out of memory
+                        if dead or w.stuck(float(timeout) + _VF_HARD_GRACE_S):
+                            if w.inflight:  # its head pair is the culprit
+                                out[w.inflight.pop(0)] = 3 if dead else 4
+                            queue += w.inflight  # the rest of its window goes back
+                            w.kill()
+                            self.workers[i] = _VfWorker()
+            except BaseException:  # no half-answered window survives into the next batch
+                self.close()
+                raise
+            return out
 
 
 _VF_POOL = None
