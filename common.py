@@ -3673,28 +3673,25 @@ def gold_option_letter(problem):
 
 
 def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """[(problem, gold letter or None, text)] -> (preds, correct, letters, no answer). Free-form:
+    """[(problem, gold letter or None, text)] -> [(correct, pred, letter, no answer)]. Free-form:
     extract_fn(text) by math_equal_many; multiple choice: its option_letter equals the gold letter.
     judge_fn(problem, text) -> (pred, correct) replaces both rules."""
-    golds = [g for _, g, _ in items]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
-        preds, ok = [pr for pr, _ in judged], [bool(x) for _, x in judged]
-        letters = [pr if g is not None else None for pr, g in zip(preds, golds)]
-    else:
-        preds = [extract_fn(t) for _, _, t in items]
-        ok, letters = [False] * len(items), [None] * len(items)
-        free = [i for i, g in enumerate(golds) if g is None]
-        verdicts = math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
-                                   timeout=timeout)
-        for i, r in zip(free, verdicts):
-            ok[i] = bool(r)
-        for i, (p, g, t) in enumerate(items):
-            if g is not None:
-                letters[i] = option_letter(preds[i], t, len(p["choices"]))
-                ok[i] = letters[i] == g
-    none = [lt is None if g is not None else pr is None for pr, lt, g in zip(preds, letters, golds)]
-    return preds, ok, letters, none
+        return [(bool(ok), pr, pr if g is not None else None, pr is None)
+                for (_, g, _), (pr, ok) in zip(items, judged)]
+    preds = [extract_fn(t) for _, _, t in items]
+    free = [i for i, (_, g, _) in enumerate(items) if g is None]
+    verdicts = dict(zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
+                                              timeout=timeout)))
+    out = []
+    for i, ((p, g, t), pr) in enumerate(zip(items, preds)):
+        if g is None:
+            out.append((bool(verdicts[i]), pr, None, pr is None))
+        else:
+            lt = option_letter(pr, t, len(p["choices"]))
+            out.append((lt == g, pr, lt, lt is None))
+    return out
 
 
 def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
@@ -3710,19 +3707,33 @@ def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int
     return benchmarks, ks, n
 
 
-def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
-    """Unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n; with
-    ns None (no samples) pass@1 is the greedy accuracy."""
-    if ns is None:
+def _vf_run_benchmark(generate, prompts, judge, n, ks, n_boot, seed, max_tokens, **sampling):
+    """Greedy (temperature 0) and, with n > 1, n sampled completions of each prompt, judged by
+    judge([(problem index, text)]) -> [(correct, ...)]: (result fields, greedy judgements,
+    per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap intervals for
+    each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
+    greedy = [g[0] for g in generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
+    g_judged = judge([(i, c.text) for i, c in enumerate(greedy)])
+    ok = np.asarray([j[0] for j in g_judged], dtype=float)
+    res = {"greedy_acc": float(ok.mean()), "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
+           "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
+           "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
+    if n == 1:
         res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
                     "pass@k_source": "greedy"})
-        return
+        return res, g_judged, None
+    samp = generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **sampling)
+    flat = iter(judge([(i, c.text) for i, g in enumerate(samp) for c in g]))
+    s_judged = [[next(flat) for _ in g] for g in samp]
+    ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
     res["pass@k"], res["pass@k_ci"] = {}, {}
     for kk in [x for x in ks if x <= min(ns)]:
         m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
         res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
-    res["mean@n"] = float(np.mean(np.asarray(cs) / np.asarray(ns)))
-    res["pass@k_source"] = "samples"
+    res.update({"mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
+                "pass@k_source": "samples", "sample_truncated_frac": float(np.mean(
+                    [c.finish_reason == "length" for g in samp for c in g]))})
+    return res, g_judged, s_judged
 
 
 def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **extra):
@@ -3730,18 +3741,6 @@ def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **e
             "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
             "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **extra,
             "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
-
-
-def _vf_greedy_stats(ok, completions, n_boot):
-    ok = np.asarray(ok, dtype=float)
-    return {"greedy_acc": float(ok.mean()), "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
-            "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
-                                                    for c in completions])),
-            "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in completions]))}
-
-
-def _vf_truncated(groups):
-    return float(np.mean([c.finish_reason == "length" for g in groups for c in g]))
 
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
@@ -3757,44 +3756,28 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     t0, results = time.time(), {}
     for bench in benchmarks:
         name, n_bench = parse_benchmark_spec(bench)
-        n_samples = n_bench or n
         probs = load_benchmark(name, limit)
-        prompts = [prompt_fn(p, tok) for p in probs]
-        gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
-                                                           max_tokens=max_tokens)]
-        g_preds, g_ok, g_letters, g_none = _vf_judge(
-            [(p, gl, c.text) for p, gl, c in zip(probs, gold_letters, greedy)], extract_fn,
-            timeout, judge_fn)
-        res = {"n_problems": len(probs),
-               "n_multiple_choice": sum(gl is not None for gl in gold_letters),
-               "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
-                                                    for p, gl in zip(probs, gold_letters)),
-               **_vf_greedy_stats(g_ok, greedy, n_boot),
-               "greedy_no_answer_frac": float(np.mean(g_none))}
+        golds = [gold_option_letter(p) for p in probs]  # None: graded free-form
+        res, greedy, samples = _vf_run_benchmark(
+            sampler_or_policy.generate, [prompt_fn(p, tok) for p in probs],
+            lambda items: _vf_judge([(probs[i], golds[i], t) for i, t in items], extract_fn,
+                                    timeout, judge_fn),
+            n_bench or n, ks, n_boot, seed, max_tokens, temperature=temperature, top_p=top_p)
+        res = {"n_problems": len(probs), "n_multiple_choice": sum(g is not None for g in golds),
+               "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
+                                                    for p, g in zip(probs, golds)),
+               **res, "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))}
         per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
-                        **({"greedy_letter": lt} if gl is not None else {})}
-                       for p, pr, ok, lt, gl in zip(probs, g_preds, g_ok, g_letters, gold_letters)]
-        if n_samples > 1:
-            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature,
-                                              top_p=top_p, max_tokens=max_tokens, seed=seed)
-            owner = [j for j, group in enumerate(samp) for _ in group]
-            items = [(probs[j], gold_letters[j], c.text) for j, group in enumerate(samp)
-                     for c in group]
-            _, ok, _, s_none = _vf_judge(items, extract_fn, timeout, judge_fn)
-            cs = np.bincount(owner, weights=ok, minlength=len(probs)).astype(int)
-            _vf_pass_at_k_fields(res, [len(g) for g in samp], cs, ks, n_boot, seed)
-            res["n_samples"] = n_samples
-            res["sample_no_answer_frac"] = float(np.mean(s_none))
-            res["sample_truncated_frac"] = _vf_truncated(samp)
-            for rec, c in zip(per_problem, cs):
-                rec["correct_samples"] = int(c)
-        else:
-            _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
+                        **({"greedy_letter": lt} if g is not None else {})}
+                       for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
+        if samples:
+            res["n_samples"] = n_bench or n
+            res["sample_no_answer_frac"] = float(np.mean([j[3] for s in samples for j in s]))
+            for rec, s in zip(per_problem, samples):
+                rec["correct_samples"] = sum(j[0] for j in s)
         res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
                                              else (res["greedy_acc"], "greedy"))
-        res["per_problem"] = per_problem
-        results[bench] = res
+        results[bench] = {**res, "per_problem": per_problem}
     prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
                                                                         "custom")
     return {"benchmarks": results,
@@ -3985,33 +3968,29 @@ def code_program(problem, code):
     return f"{code}\n\n{problem['test']}\n"
 
 
-def _vf_run_code(sandbox, problems, codes, timeout):
-    """codes[i]: solutions (None: no code) of problems[i] -> [[(status, message)]] alike. A run
-    passes only if the program reaches its end and evaluates a fresh random token, so exiting early
-    or writing a canned result frame cannot pass."""
+def _vf_run_code(sandbox, jobs, timeout):
+    """[(problem, solution or None)] -> [(status, message)]. A run passes only if the program
+    reaches its end and evaluates a fresh random token, so exiting early or writing a canned
+    result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
-    jobs, where = [], []
-    out = [[("no_code", None)] * len(cs) for cs in codes]
-    for i, cs in enumerate(codes):
-        for j, c in enumerate(cs):
-            if c is not None:
-                jobs.append((code_program(problems[i], c), repr(token)))
-                where.append((i, j))
-    res = sandbox.run_many(jobs, timeout_s=timeout) if jobs else []
+    todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
+    progs = [(code_program(*jobs[i]), repr(token)) for i in todo]
+    res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
     if again:
-        for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout)):
+        for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
             res[m] = r
-    for (i, j), r in zip(where, res):
+    out = [("no_code", None)] * len(jobs)
+    for i, r in zip(todo, res):
         if r.status == "ok":
-            out[i][j] = (("passed", None) if r.value == repr(token)
-                         else ("error", "the program forged its result"))
+            out[i] = (("passed", None) if r.value == repr(token)
+                      else ("error", "the program forged its result"))
         elif r.status == "timeout":
-            out[i][j] = ("timeout", r.error)
+            out[i] = ("timeout", r.error)
         elif r.status == "error" and (r.error or "").startswith("AssertionError"):
-            out[i][j] = ("failed", r.error)
+            out[i] = ("failed", r.error)
         else:
-            out[i][j] = ("error", f"{r.status}: {r.error}")
+            out[i] = ("error", f"{r.status}: {r.error}")
     return out
 
 
@@ -4030,46 +4009,35 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
         sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
     try:
         for bench, probs in problems.items():
-            prompts = [prompt_fn(p, tok) for p in probs]
-            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
-                                                               max_tokens=max_tokens)]
-            codes = [[extract_fn(c.text)] for c in greedy]
-            runs = [r[0] for r in _vf_run_code(sandbox, probs, codes, timeout)]
-            counts = Counter(s for s, _ in runs)
-            res = {"n_problems": len(probs), **_vf_greedy_stats([s == "passed" for s, _ in runs],
-                                                                greedy, n_boot),
+            res, greedy, samples = _vf_run_benchmark(
+                sampler_or_policy.generate, [prompt_fn(p, tok) for p in probs],
+                lambda items: [(s == "passed", s, msg) for s, msg in _vf_run_code(
+                    sandbox, [(probs[i], extract_fn(t)) for i, t in items], timeout)],
+                n, ks, n_boot, seed, max_tokens, temperature=temperature, top_p=top_p)
+            counts = Counter(s for _, s, _ in greedy)
+            res = {"n_problems": len(probs), **res,
                    **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]}}
             per_problem = [{"task_id": p["task_id"], "greedy_status": s,
                             "greedy_error": msg[:300] if msg else None}
-                           for p, (s, msg) in zip(probs, runs)]
-            if n > 1:
-                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature,
-                                                  top_p=top_p, max_tokens=max_tokens, seed=seed)
-                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp],
-                                    timeout)
-                cs = [sum(s == "passed" for s, _ in r) for r in runs]
-                _vf_pass_at_k_fields(res, [len(r) for r in runs], cs, ks, n_boot, seed)
-                res["sample_statuses"] = dict(Counter(s for r in runs for s, _ in r))
-                res["sample_truncated_frac"] = _vf_truncated(samp)
-                for rec, r, c in zip(per_problem, runs, cs):
-                    rec["correct_samples"], rec["sample_statuses"] = c, [s for s, _ in r]
-            else:
-                _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
-            res["per_problem"] = per_problem
-            results[bench] = res
+                           for p, (_, s, msg) in zip(probs, greedy)]
+            if samples:
+                res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
+                for rec, r in zip(per_problem, samples):
+                    rec["correct_samples"] = sum(j[0] for j in r)
+                    rec["sample_statuses"] = [s for _, s, _ in r]
+            results[bench] = {**res, "per_problem": per_problem}
     finally:
         if own:
             sandbox.close()
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
                "if the tests run to the end")
-    isolation = getattr(sandbox, "isolation", {}).get("level")
     return {"benchmarks": results,
             "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
                                      timeout_s=float(timeout),
                                      prompt=getattr(prompt_fn, "__name__", "custom"),
                                      extract=getattr(extract_fn, "__name__", "custom"),
-                                     checker=checker,
-                                     sandbox_isolation=isolation),
+                                     checker=checker, sandbox_isolation=getattr(
+                                         sandbox, "isolation", {}).get("level")),
             "time_s": round(time.time() - t0, 2)}
 
 
