@@ -2546,34 +2546,15 @@ _VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 def extract_boxed(text):
     """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
     `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
-    if not isinstance(text, str):
-        return None
-    i = max((m.end() for m in _VF_BOX_RE.finditer(text)), default=None)
-    if i is None:
-        return None
-    n = len(text)
-    while i < n and text[i] in " \t\r\n":
-        i += 1
-    if i >= n:
-        return None
-    if text[i] != "{":  # `\boxed 5`: up to whitespace or a math delimiter
-        j = i
-        while j < n and text[j] not in " \t\r\n$":
-            j += 1
-        return text[i:j].strip() or None
-    depth, j = 0, i
-    while j < n:
-        ch = text[j]
-        if ch == "\\":
-            j += 2  # the escaped character (\{ \} \\)
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1:j].strip()
-        j += 1
+    starts = [m.end() for m in _VF_BOX_RE.finditer(text)] if isinstance(text, str) else []
+    rest = text[starts[-1]:].lstrip(" \t\r\n") if starts else ""
+    if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
+        return re.match(r"[^ \t\r\n$]*", rest).group().strip() or None
+    depth = 0
+    for m in re.finditer(r"\\.|[{}]", rest, re.S):  # an escaped character (\{ \} \\) is skipped
+        depth += {"{": 1, "}": -1}.get(m.group(), 0)
+        if depth == 0:
+            return rest[1:m.start()].strip()
     return None
 
 
@@ -2598,10 +2579,7 @@ _VF_TEXT_CMD_RE = re.compile(
 
 def _vf_unwrap_text(s):
     for _ in range(3):  # nested \text{\textbf{x}}; bounded so hostile input stays cheap
-        t = _VF_TEXT_CMD_RE.sub(r"\1", s)
-        if t == s:
-            break
-        s = t
+        s = _VF_TEXT_CMD_RE.sub(r"\1", s)
     return s
 
 
