@@ -2801,7 +2801,7 @@ def _vf_worker():
         try:
             try:
                 pred, gold, t, expression = json.loads(line)
-                signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on load
+                signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts do not depend on load
                 g, p = (parse(s if ("$" in s or "\\(" in s or "\\[" in s) else f"${s}$",
                               extraction[bool(expression)], parsing_timeout=None)
                         for s in (gold, pred))
@@ -3373,16 +3373,13 @@ class BenchmarkUnavailable(RuntimeError):
     """A hub benchmark could not be loaded (no `datasets`, no hub); the message says the fix."""
 
 
-def _vf_qa_row(ex, q, a):  # an integral float gold (27.0) is written as an integer ("27")
+def _vf_qa_row(ex, q, a):
+    """A free-form row; an integral float gold (27.0) is written "27", and after a "####"
+    (GSM8K) the gold is the number that follows, without commas."""
     a = ex[a]
+    a = str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()
     return {"question": str(ex[q]),
-            "answer": str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()}
-
-
-def _vf_gsm8k_row(ex, q, a):  # the gold is the number after "####", without commas
-    a = str(ex[a])
-    return {"question": str(ex[q]),
-            "answer": a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()}
+            "answer": a.split("####")[-1].strip().replace(",", "") if "####" in a else a}
 
 
 def _vf_mc_problem(question, options, gold):
@@ -3428,17 +3425,11 @@ def _vf_gpqa_row(ex, q, a):
 def _vf_olympiad_row(ex, q, a):
     """`final_answer` is a list: its entries without an outer $...$, joined by ", "; `context`
     goes before the question; a row without a final answer is left out."""
-    answers = []
-    for s in ex[a] or []:
-        s = str(s).strip()
-        if s.startswith("$") and s.endswith("$") and s.count("$") == 2:
-            s = s[1:-1].strip()
-        if s:
-            answers.append(s)
-    if not answers:
-        return None
+    answers = [s[1:-1].strip() if s[:1] == s[-1:] == "$" and s.count("$") == 2 else s
+               for s in (str(x).strip() for x in ex[a] or [])]
     q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
-    return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)}
+    return {"question": f"{ctx}\n\n{q}" if ctx else q,
+            "answer": ", ".join(s for s in answers if s)} if any(answers) else None
 
 
 # name -> hub dataset; an old-style 5-tuple (hub id, config, split, question, answer) works too, as
@@ -3463,13 +3454,10 @@ BENCHMARKS = {
 
 
 def _vf_load_rows(rows, limit, row_fn, empty):
-    """row_fn(i, example) -> problem or None for each example until `limit` (0: all) are kept;
-    ValueError(empty) if none is."""
+    """row_fn(i, example) -> problem or None, until `limit` (0: all); ValueError(empty) if none."""
     out = []
     for i, ex in enumerate(rows):
-        problem = row_fn(i, ex)
-        if problem is not None:
-            out.append(problem)
+        out += [p for p in [row_fn(i, ex)] if p is not None]
         if limit and len(out) >= limit:
             break
     if not out:
@@ -3487,15 +3475,15 @@ def _vf_open_hub(what, name, hub_id, config, split, fix, gated=False):
         raise BenchmarkUnavailable(
             f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
             f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
-    where = f"{hub_id}{f', config {config}' if config else ''}, split {split}"
     try:
         return (datasets.load_dataset(hub_id, config, split=split) if config else
                 datasets.load_dataset(hub_id, split=split))
     except Exception as e:
         raise BenchmarkUnavailable(
-            f"could not load {what} {name!r} ({where}) from the Hugging Face hub: "
-            f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
-            f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}.") from None
+            f"could not load {what} {name!r} ({hub_id}{f', config {config}' if config else ''}, "
+            f"split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
+            f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
+            f"in for gated sets, {fix}.") from None
 
 
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
@@ -3510,26 +3498,33 @@ def parse_benchmark_spec(spec) -> tuple[str, int | None]:
     return m[1], int(m[2])
 
 
-def _vf_unknown_benchmark(b, flag):
-    close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
-                      "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
-                      "field>, optionally with @N samples")
+def _vf_hub_spec(b, flag=""):
+    """The HubBenchmark of a BENCHMARKS name or an hf: spec, else ValueError naming the fix."""
+    if b.startswith("hf:"):
+        parts = b[3:].split(":")
+        parts[1:1] = [None] if len(parts) == 4 else []
+        if len(parts) != 5:
+            raise ValueError(f"{flag}{b}: expected hf:<id>[:<config>]:<split>:<question field>:"
+                             "<answer field>")
+        return HubBenchmark(*parts)
+    if b.lower() in BENCHMARKS:
+        return HubBenchmark(*BENCHMARKS[b.lower()])
+    hint = "".join(f" (did you mean {c}?)" for c in
+                   difflib.get_close_matches(b.lower(), BENCHMARKS, n=1))
+    raise ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
+                     "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
+                     "field>, optionally with @N samples")
 
 
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
     """A method's up-front check of a comma-separated benchmark list: built-in names, hf: specs or
     existing JSONL files, each with an optional "@N"; ValueError naming the entry and the fix."""
-    for entry in str(names).split(","):
-        b = parse_benchmark_spec(entry)[0]
-        if not b:
-            continue
+    for b in (parse_benchmark_spec(entry)[0] for entry in str(names).split(",")):
         if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
             if not os.path.isfile(b):
                 raise ValueError(f"{flag}: file {b} does not exist")
-        elif not (b.lower() in BENCHMARKS or b.startswith("hf:")):
-            raise _vf_unknown_benchmark(b, f"{flag}: ")
+        elif b:
+            _vf_hub_spec(b, f"{flag}: ")
 
 
 _VF_JSONL_SHAPE = ('each line must be one object like {"question": "...", "answer": "..."} '
@@ -3559,22 +3554,10 @@ def load_benchmark(name_or_path, limit=0):
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         if not os.path.isfile(name):
             raise FileNotFoundError(f"benchmark file {name} does not exist")
-        rows = iter_jsonl(name, shape=_VF_JSONL_SHAPE)
-        return _vf_load_rows(rows, limit, lambda _, r: _vf_jsonl_problem(name, *r),
+        return _vf_load_rows(iter_jsonl(name, shape=_VF_JSONL_SHAPE), limit,
+                             lambda _, r: _vf_jsonl_problem(name, *r),
                              f"{name}: no problems found (empty file?)")
-    if name.startswith("hf:"):
-        parts = name[3:].split(":")
-        if len(parts) == 4:
-            parts.insert(1, None)
-        if len(parts) != 5:
-            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:"
-                             "<answer field>")
-        spec = HubBenchmark(*parts)
-    elif name.lower() in BENCHMARKS:
-        spec = HubBenchmark(*BENCHMARKS[name.lower()])
-    else:
-        raise _vf_unknown_benchmark(name, "")
-    row = spec.row or (_vf_gsm8k_row if spec.hub_id == "openai/gsm8k" else _vf_qa_row)
+    spec = _vf_hub_spec(name)
     ds = _vf_open_hub("benchmark", name, spec.hub_id, spec.config or None, spec.split,
                       'or pass a local JSONL file of {"question", "answer", "choices"?} lines',
                       spec.gated)
@@ -3585,7 +3568,7 @@ def load_benchmark(name_or_path, limit=0):
             raise KeyError(f"{spec.hub_id} has no column(s) {missing}; its columns are {list(ex)}. "
                            "Edit BENCHMARKS or use an hf: name.")
         try:
-            return row(ex, spec.question, spec.answer)
+            return (spec.row or _vf_qa_row)(ex, spec.question, spec.answer)
         except (KeyError, ValueError, TypeError, IndexError, SyntaxError) as e:
             raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a "
                              f"problem: {type(e).__name__}: {e}. The hub copy may have changed: "
