@@ -3774,38 +3774,29 @@ class FrozenModel:
 
     @contextlib.contextmanager
     def sampling(self, policy):
-        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
+        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's.
+        A separate sampler is driven through Policy.generate (sharded over torchrun ranks)."""
         if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
         else:
-            yield _CoreFrozenSampler(policy, self.sampler)
-
-
-class _CoreFrozenSampler:
-    """A separate sampler driven through Policy.generate (sharded over torchrun ranks)."""
-
-    def __init__(self, policy, sampler):
-        self.tokenizer = sampler.tokenizer
-        self.generate = functools.partial(policy.generate, sampler=sampler)
+            yield types.SimpleNamespace(tokenizer=self.sampler.tokenizer,
+                                        generate=functools.partial(policy.generate,
+                                                                   sampler=self.sampler))
 
 
 def _core_same_parameters(path, policy) -> bool:
     """Whether the checkpoint has exactly the policy's parameter names and shapes (a tied lm_head
     may be absent), from the safetensors headers alone."""
     from safetensors import safe_open
-    files = sorted(pathlib.Path(path).glob("*.safetensors"))
-    if not files:
-        return False
     shapes = {}
-    for f in files:
+    for f in sorted(pathlib.Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
     own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
     tied = getattr(policy.module.config, "tie_word_embeddings", False)
-    return (set(shapes) <= set(own)
-            and set(own) - set(shapes) <= ({"lm_head.weight"} if tied else set())
-            and all(own[k] == shape for k, shape in shapes.items()))
+    return (bool(shapes) and set(own) - ({"lm_head.weight"} if tied else set()) <= set(shapes)
+            <= set(own) and all(own[k] == shape for k, shape in shapes.items()))
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
