@@ -3802,8 +3802,8 @@ def _core_same_parameters(path, policy) -> bool:
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     """`evaluate`'s result as metrics.jsonl keys: <prefix>/<bench>/<metric> (a file by its stem),
     <prefix>/<bench>/pass@k, and the means over benchmarks of greedy_acc and of "score"."""
-    out, accs, scores = {}, [], []
-    for bench, r in (result.get("benchmarks") or {}).items():
+    out, benches = {}, result.get("benchmarks") or {}
+    for bench, r in benches.items():
         base, n_bench = parse_benchmark_spec(bench)
         name = pathlib.Path(base).stem if base.endswith((".jsonl", ".json")) else base
         name += f"@{n_bench}" if n_bench else ""
@@ -3812,12 +3812,10 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
                 out[f"{prefix}/{name}/{k}"] = v
         for k, v in (r.get("pass@k") or {}).items():
             out[f"{prefix}/{name}/pass@{k}"] = v
-        accs += [r["greedy_acc"]] if isinstance(r.get("greedy_acc"), (int, float)) else []
-        scores += [r["score"]] if isinstance(r.get("score"), (int, float)) else []
-    if accs:
-        out[f"{prefix}/mean_greedy_acc"] = sum(accs) / len(accs)
-    if scores:
-        out[f"{prefix}/mean_score"] = sum(scores) / len(scores)
+    for key in ("greedy_acc", "score"):
+        vals = [r[key] for r in benches.values() if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"{prefix}/mean_{key}"] = sum(vals) / len(vals)
     return out
 
 
