@@ -3030,37 +3030,37 @@ WRONG_FORMATTED = -0.5  # AZR Eq. 6: well formatted but wrong
 INVALID_QUESTION = -0.1  # SPICE §3.1 rho: an invalid Challenger question
 
 
-def _vf_p(p):
-    a = np.asarray(p, dtype=np.float64)
-    if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
-        raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
-    return a
+def _vf_solve_rate(reward):
+    """A reward shape of the solve rate p in [0, 1]: a float for a scalar p, else an array."""
+    @functools.wraps(reward)
+    def shaped(p, *args, **kw):
+        a = np.asarray(p, dtype=np.float64)
+        if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+            raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
+        r = reward(a, *args, **kw)
+        return float(r) if np.ndim(p) == 0 else r
+    return shaped
 
 
-def _vf_out(a, p):
-    return float(a) if np.ndim(p) == 0 else a
-
-
+@_vf_solve_rate
 def learnability_reward(p):
     """AZR Eq. 4: r = 0 if p ∈ {0, 1}, else 1 − p (peaks at the hardest solvable task)."""
-    a = _vf_p(p)
-    return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - a), p)
+    return np.where((p == 0) | (p == 1), 0.0, 1.0 - p)
 
 
+@_vf_solve_rate
 def uncertainty_reward(p):
     """R-Zero §3 r_unc (understanding paper Eq. 3): r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1}.
     R-Zero's code uses min(p, 1 − p), half this scale."""
-    a = _vf_p(p)
-    return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - 2.0 * np.abs(a - 0.5)), p)
+    return np.where((p == 0) | (p == 1), 0.0, 1.0 - 2.0 * np.abs(p - 0.5))
 
 
+@_vf_solve_rate
 def variance_reward(p, tau=0.01):
     """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance
     (the unbiased one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4
     right."""
-    a = _vf_p(p)
-    var = a * (1.0 - a)
-    return _vf_out(np.exp(-((var - 0.25) ** 2) / (2.0 * tau)), p)
+    return np.exp(-((p * (1.0 - p) - 0.25) ** 2) / (2.0 * tau))
 
 
 def variance_reward_from_bits(correct, tau=0.01):
@@ -3071,10 +3071,10 @@ def variance_reward_from_bits(correct, tau=0.01):
     return variance_reward(float(bits.mean()), tau)
 
 
+@_vf_solve_rate
 def threshold_reward(p):
     """SPICE Table 4's "threshold" ablation: r = 1[0 < p < 1]."""
-    a = _vf_p(p)
-    return _vf_out(((a > 0) & (a < 1)).astype(np.float64), p)
+    return ((p > 0) & (p < 1)).astype(np.float64)
 
 
 def proposer_reward(rbar, kind="learnability", tau=0.01):
