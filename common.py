@@ -4006,8 +4006,7 @@ def _vf_eval_model(args, model):
                        seed=args.seed)
     finally:
         sampler.close()
-    out["model"] = model
-    return out
+    return {**out, "model": model}
 
 
 def plot_pass_at_k(results, labels, path):
@@ -4069,15 +4068,12 @@ def cli_main(argv=None):
     ev.add_argument("--n", type=int, default=1,
                     help="samples per problem for pass@k (1 = greedy only)")
     ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
-    ev.add_argument("--temperature", type=float, default=0.6)
-    ev.add_argument("--top-p", type=float, default=0.95)
-    ev.add_argument("--max-tokens", type=int, default=2048)
+    for flag, default in (("--temperature", 0.6), ("--top-p", 0.95), ("--max-tokens", 2048),
+                          ("--seed", 0), ("--dtype", "auto"), ("--max-model-len", 8192),
+                          ("--gpu-memory-utilization", 0.85)):
+        ev.add_argument(flag, type=type(default), default=default)
     ev.add_argument("--limit", type=int, default=0, help="first N problems per benchmark (0 = all)")
-    ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
-    ev.add_argument("--dtype", default="auto")
-    ev.add_argument("--max-model-len", type=int, default=8192)
-    ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ev.add_argument("--compare", default="",
                     help="also evaluate this base model and plot pass@k curves")
     ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
