@@ -2704,18 +2704,10 @@ def _vf_prepare(pred, gold, expression=False):
     """(decision, pred, gold): True / False when the pair is decided in-process, None when
     math-verify must decide. expression=True (the gold is a math expression: "mgh", "B" a symbol)
     turns off the option-letter and word paths."""
-    if pred is None or gold is None:
-        return False, None, None
-    pred, gold = str(pred).strip(), str(gold).strip()
-    if not pred or not gold:
-        return False, pred, gold
-    if len(pred) > VF_MAX_ANSWER_CHARS * 20 or len(gold) > VF_MAX_ANSWER_CHARS * 20:
-        _VF_FAILS["too_long"] += 1
-        return pred == gold, pred, gold
-    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response: judge its final answer
-        pred = extract_boxed(pred) or ""
-    if "\\boxed" in gold or "\\fbox" in gold:
-        gold = extract_boxed(gold) or ""
+    pred, gold = ("" if x is None else str(x).strip() for x in (pred, gold))
+    if max(len(pred), len(gold)) <= VF_MAX_ANSWER_CHARS * 20:  # a response: judge its last box
+        pred, gold = (extract_boxed(x) or "" if "\\boxed" in x or "\\fbox" in x else x
+                      for x in (pred, gold))
     if not pred or not gold:
         return False, pred, gold
     if len(pred) > VF_MAX_ANSWER_CHARS or len(gold) > VF_MAX_ANSWER_CHARS:
@@ -2725,16 +2717,13 @@ def _vf_prepare(pred, gold, expression=False):
     if cp == cg and cp:
         return True, pred, gold
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
-    is_letter = not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
-    letter = choice_letter(gold) if is_letter else None
+    letter = (choice_letter(gold) if not expression
+              and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None)
     if letter is not None:
         return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
-    if rp is not None and rg is not None:
-        if rp[0] == rg[0]:
-            return True, pred, gold
-        if rp[1] and rg[1]:
-            return False, pred, gold  # two exact rationals: nothing math-verify could add
+    if rp and rg and (rp[0] == rg[0] or rp[1] and rg[1]):  # two exact rationals: all is known
+        return rp[0] == rg[0], pred, gold
     wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
     if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
@@ -2900,12 +2889,11 @@ class _VfWorker:
         return used > hard_cpu or waited > 3 * hard_cpu + 2.0
 
     def kill(self):
-        with contextlib.suppress(Exception):
-            self.proc.kill()
+        self.proc.kill()  # nothing once it has exited
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        for f in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(Exception):
-                f.close()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 class _VfPool:
@@ -2980,30 +2968,25 @@ def verifier_worker_pids():
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     """math_equal over many (pred, gold) pairs, in order, with math-verify spread over `workers`
     processes (default min(cpu_count, 8); one per 32 distinct pairs at most)."""
-    res = [False] * len(pairs)
-    todo, keys = [], []
+    res, todo = [], {}  # todo: (pred, gold, expression) -> indices that math-verify decides
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
         hit = _VF_CACHE.get((p, g, expression)) if dec is None else dec
-        if hit is not None:
-            res[i] = bool(hit)
-        else:
-            todo.append(i)
-            keys.append((p, g, expression))
+        res.append(bool(hit))
+        if hit is None:
+            todo.setdefault((p, g, expression), []).append(i)
     if todo:
-        uniq = list(dict.fromkeys(keys))
-        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(uniq) / 32)))
-        codes = _vf_pool().run(uniq, timeout, w)
+        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(todo) / 32)))
+        codes = _vf_pool().run(list(todo), timeout, w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
-        for key, code in zip(uniq, codes):
+        for (key, where), code in zip(todo.items(), codes):
             if code in (0, 1):  # failures are not cached: a retry under less load may succeed
                 _VF_CACHE[key] = code == 1
             else:
                 _VF_FAILS[{2: "timeout", 3: "error", 4: "killed"}[code]] += 1
-        verdict = dict(zip(uniq, (c == 1 for c in codes)))
-        for i, key in zip(todo, keys):
-            res[i] = verdict[key]
+            for i in where:
+                res[i] = code == 1
     return res
 
 
