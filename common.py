@@ -2551,7 +2551,7 @@ def extract_boxed(text):
     if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
         return re.match(r"[^ \t\r\n$]*", rest).group().strip() or None
     depth = 0
-    for m in re.finditer(r"\\.|[{}]", rest, re.S):  # an escaped character (\{ \} \\) is skipped
+    for m in re.finditer(r"\\.|[{}]", rest, re.DOTALL):  # an escaped \{ \} \\ is skipped
         depth += {"{": 1, "}": -1}.get(m.group(), 0)
         if depth == 0:
             return rest[1:m.start()].strip()
@@ -2941,27 +2941,19 @@ class _VfPool:
             return out
 
 
-_VF_POOL = None
-
-
-def _vf_pool():
-    global _VF_POOL
-    if _VF_POOL is None:
-        _VF_POOL = _VfPool()
-        atexit.register(_VF_POOL.close)
-    return _VF_POOL
+_VF_POOL = _VfPool()  # no process starts before the first pair that needs one
+atexit.register(_VF_POOL.close)
 
 
 def shutdown_verifier():
     """Kill the math-verify workers (they restart lazily on the next call)."""
-    if _VF_POOL is not None:
-        with _VF_POOL.lock:
-            _VF_POOL.close()
+    with _VF_POOL.lock:
+        _VF_POOL.close()
 
 
 def verifier_worker_pids():
     """Process ids of the running math-verify workers (diagnostics)."""
-    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None] if _VF_POOL else []
+    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None]
 
 
 @timed("verify")
@@ -2977,7 +2969,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
             todo.setdefault((p, g, expression), []).append(i)
     if todo:
         w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(todo) / 32)))
-        codes = _vf_pool().run(list(todo), timeout, w)
+        codes = _VF_POOL.run(list(todo), timeout, w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
         for (key, where), code in zip(todo.items(), codes):
@@ -3616,10 +3608,11 @@ def gold_option_letter(problem):
                  if str(c).strip().casefold() == a.casefold()), None)
 
 
-def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """[(problem, gold letter or None, text)] -> [(correct, pred, letter, no answer)]. Free-form:
-    extract_fn(text) by math_equal_many; multiple choice: its option_letter equals the gold letter.
-    judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
+    """[(problem index, text)] -> [(correct, pred, letter, no answer)]; golds[i]: the gold letter
+    or None. Free-form: extract_fn(text) by math_equal_many; multiple choice: its option_letter
+    equals the gold letter. judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    items = [(probs[i], golds[i], t) for i, t in texts]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
         return [(bool(ok), pr, pr if g is not None else None, pr is None)
@@ -3704,8 +3697,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         golds = [gold_option_letter(p) for p in probs]  # None: graded free-form
         res, greedy, samples = _vf_run_benchmark(
             sampler_or_policy.generate, [prompt_fn(p, tok) for p in probs],
-            lambda items: _vf_judge([(probs[i], golds[i], t) for i, t in items], extract_fn,
-                                    timeout, judge_fn),
+            functools.partial(_vf_judge, probs, golds, extract_fn, timeout, judge_fn),
             n_bench or n, ks, n_boot, seed, max_tokens, temperature=temperature, top_p=top_p)
         res = {"n_problems": len(probs), "n_multiple_choice": sum(g is not None for g in golds),
                "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
@@ -3901,11 +3893,12 @@ def code_program(problem, code):
     return f"{code}\n\n{problem['test']}\n"
 
 
-def _vf_run_code(sandbox, jobs, timeout):
-    """[(problem, solution or None)] -> [(status, message)]. A run passes only if the program
+def _vf_run_code(sandbox, probs, extract_fn, timeout, texts):
+    """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
     reaches its end and evaluates a fresh random token, so exiting early or writing a canned
     result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
+    jobs = [(probs[i], extract_fn(t)) for i, t in texts]
     todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
     progs = [(code_program(*jobs[i]), repr(token)) for i in todo]
     res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
@@ -3924,7 +3917,7 @@ def _vf_run_code(sandbox, jobs, timeout):
             out[i] = ("failed", r.error)
         else:
             out[i] = ("error", f"{r.status}: {r.error}")
-    return out
+    return [(s == "passed", s, msg) for s, msg in out]
 
 
 def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
@@ -3944,8 +3937,7 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
         for bench, probs in problems.items():
             res, greedy, samples = _vf_run_benchmark(
                 sampler_or_policy.generate, [prompt_fn(p, tok) for p in probs],
-                lambda items: [(s == "passed", s, msg) for s, msg in _vf_run_code(
-                    sandbox, [(probs[i], extract_fn(t)) for i, t in items], timeout)],
+                functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout),
                 n, ks, n_boot, seed, max_tokens, temperature=temperature, top_p=top_p)
             counts = Counter(s for _, s, _ in greedy)
             res = {"n_problems": len(probs), **res,
