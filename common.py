@@ -3644,15 +3644,19 @@ def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int
     return benchmarks, ks, n
 
 
-def _vf_run_benchmark(generate, prompts, judge, n, ks, n_boot, seed, max_tokens, **sampling):
-    """Greedy (temperature 0) and, with n > 1, n sampled completions of each prompt, judged by
-    judge([(problem index, text)]) -> [(correct, ...)]: (result fields, greedy judgements,
-    per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap intervals for
-    each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
+def _vf_run_benchmark(sampler, probs, prompt_fn, judge, n, ks, n_boot, seed, max_tokens,
+                      **sampling):
+    """Greedy (temperature 0) and, with n > 1, n sampled completions of each problem's prompt,
+    judged by judge([(problem index, text)]) -> [(correct, ...)]: (result fields, greedy
+    judgements, per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap
+    intervals for each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
+    prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
+    generate = sampler.generate
     greedy = [g[0] for g in generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
     g_judged = judge([(i, c.text) for i, c in enumerate(greedy)])
     ok = np.asarray([j[0] for j in g_judged], dtype=float)
-    res = {"greedy_acc": float(ok.mean()), "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
+    res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
+           "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
            "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
            "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
     if n == 1:
@@ -3688,21 +3692,20 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
     judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
-    tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
     t0, results = time.time(), {}
     for bench in benchmarks:
         name, n_bench = parse_benchmark_spec(bench)
         probs = load_benchmark(name, limit)
         golds = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        res, greedy, samples = _vf_run_benchmark(
-            sampler_or_policy.generate, [prompt_fn(p, tok) for p in probs],
-            functools.partial(_vf_judge, probs, golds, extract_fn, timeout, judge_fn),
-            n_bench or n, ks, n_boot, seed, max_tokens, temperature=temperature, top_p=top_p)
-        res = {"n_problems": len(probs), "n_multiple_choice": sum(g is not None for g in golds),
-               "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
-                                                    for p, g in zip(probs, golds)),
-               **res, "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))}
+        judge = functools.partial(_vf_judge, probs, golds, extract_fn, timeout, judge_fn)
+        res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge,
+                                                 n_bench or n, ks, n_boot, seed, max_tokens,
+                                                 temperature=temperature, top_p=top_p)
+        res.update({"n_multiple_choice": sum(g is not None for g in golds),
+                    "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
+                                                         for p, g in zip(probs, golds)),
+                    "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))})
         per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
                         **({"greedy_letter": lt} if g is not None else {})}
                        for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
@@ -3928,20 +3931,18 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     the call if None); like EvalPlus the tests' own comparisons are trusted."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
     problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
-    tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
     t0, results, own = time.time(), {}, sandbox is None
     if own:
         sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
     try:
         for bench, probs in problems.items():
-            res, greedy, samples = _vf_run_benchmark(
-                sampler_or_policy.generate, [prompt_fn(p, tok) for p in probs],
-                functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout),
-                n, ks, n_boot, seed, max_tokens, temperature=temperature, top_p=top_p)
+            judge = functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout)
+            res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge, n,
+                                                     ks, n_boot, seed, max_tokens,
+                                                     temperature=temperature, top_p=top_p)
             counts = Counter(s for _, s, _ in greedy)
-            res = {"n_problems": len(probs), **res,
-                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]}}
+            res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
             per_problem = [{"task_id": p["task_id"], "greedy_status": s,
                             "greedy_error": msg[:300] if msg else None}
                            for p, (_, s, msg) in zip(probs, greedy)]
