@@ -2546,34 +2546,15 @@ _VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 def extract_boxed(text):
     """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
     `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
-    if not isinstance(text, str):
-        return None
-    i = max((m.end() for m in _VF_BOX_RE.finditer(text)), default=None)
-    if i is None:
-        return None
-    n = len(text)
-    while i < n and text[i] in " \t\r\n":
-        i += 1
-    if i >= n:
-        return None
-    if text[i] != "{":  # `\boxed 5`: up to whitespace or a math delimiter
-        j = i
-        while j < n and text[j] not in " \t\r\n$":
-            j += 1
-        return text[i:j].strip() or None
-    depth, j = 0, i
-    while j < n:
-        ch = text[j]
-        if ch == "\\":
-            j += 2  # the escaped character (\{ \} \\)
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1:j].strip()
-        j += 1
+    starts = [m.end() for m in _VF_BOX_RE.finditer(text)] if isinstance(text, str) else []
+    rest = text[starts[-1]:].lstrip(" \t\r\n") if starts else ""
+    if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
+        return re.match(r"[^ \t\r\n$]*", rest).group().strip() or None
+    depth = 0
+    for m in re.finditer(r"\\.|[{}]", rest, re.DOTALL):  # an escaped \{ \} \\ is skipped
+        depth += {"{": 1, "}": -1}.get(m.group(), 0)
+        if depth == 0:
+            return rest[1:m.start()].strip()
     return None
 
 
@@ -2598,10 +2579,7 @@ _VF_TEXT_CMD_RE = re.compile(
 
 def _vf_unwrap_text(s):
     for _ in range(3):  # nested \text{\textbf{x}}; bounded so hostile input stays cheap
-        t = _VF_TEXT_CMD_RE.sub(r"\1", s)
-        if t == s:
-            break
-        s = t
+        s = _VF_TEXT_CMD_RE.sub(r"\1", s)
     return s
 
 
@@ -2726,18 +2704,10 @@ def _vf_prepare(pred, gold, expression=False):
     """(decision, pred, gold): True / False when the pair is decided in-process, None when
     math-verify must decide. expression=True (the gold is a math expression: "mgh", "B" a symbol)
     turns off the option-letter and word paths."""
-    if pred is None or gold is None:
-        return False, None, None
-    pred, gold = str(pred).strip(), str(gold).strip()
-    if not pred or not gold:
-        return False, pred, gold
-    if len(pred) > VF_MAX_ANSWER_CHARS * 20 or len(gold) > VF_MAX_ANSWER_CHARS * 20:
-        _VF_FAILS["too_long"] += 1
-        return pred == gold, pred, gold
-    if "\\boxed" in pred or "\\fbox" in pred:  # a whole response: judge its final answer
-        pred = extract_boxed(pred) or ""
-    if "\\boxed" in gold or "\\fbox" in gold:
-        gold = extract_boxed(gold) or ""
+    pred, gold = ("" if x is None else str(x).strip() for x in (pred, gold))
+    if max(len(pred), len(gold)) <= VF_MAX_ANSWER_CHARS * 20:  # a response: judge its last box
+        pred, gold = (extract_boxed(x) or "" if "\\boxed" in x or "\\fbox" in x else x
+                      for x in (pred, gold))
     if not pred or not gold:
         return False, pred, gold
     if len(pred) > VF_MAX_ANSWER_CHARS or len(gold) > VF_MAX_ANSWER_CHARS:
@@ -2747,16 +2717,13 @@ def _vf_prepare(pred, gold, expression=False):
     if cp == cg and cp:
         return True, pred, gold
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
-    is_letter = not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
-    letter = choice_letter(gold) if is_letter else None
+    letter = (choice_letter(gold) if not expression
+              and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None)
     if letter is not None:
         return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
-    if rp is not None and rg is not None:
-        if rp[0] == rg[0]:
-            return True, pred, gold
-        if rp[1] and rg[1]:
-            return False, pred, gold  # two exact rationals: nothing math-verify could add
+    if rp and rg and (rp[0] == rg[0] or rp[1] and rg[1]):  # two exact rationals: all is known
+        return rp[0] == rg[0], pred, gold
     wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
     if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
@@ -2816,38 +2783,22 @@ def _vf_worker():
     except Exception as e:
         print(json.dumps({"fatal": repr(e)}), flush=True)
         sys.exit(3)
-
-    class Late(BaseException):
-        pass
-
-    def on_alarm(signum, frame):
-        raise Late()
-
-    def wrap(s):
-        return s if ("$" in s or "\\(" in s or "\\[" in s) else "$" + s + "$"
-
-    def check(pred, gold, t, expression):
-        signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts must not depend on load
-        try:
-            g = parse(wrap(gold), extraction[expression], parsing_timeout=None)
-            p = parse(wrap(pred), extraction[expression], parsing_timeout=None)
-            if not (g and p) or _vf_surely_differ(g, p, pred + gold):
-                return 0
-            return 1 if verify(g, p, timeout_seconds=None) else 0
-        except Late:
-            return 2
-        except Exception:
-            return 3
-        finally:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-
-    signal.signal(signal.SIGPROF, on_alarm)
+    # the CPU-time alarm raises KeyboardInterrupt, which math-verify's `except Exception` lets by
+    signal.signal(signal.SIGPROF, signal.default_int_handler)
     print('{"ready": 1}', flush=True)
     for line in sys.stdin:
         try:
-            pred, gold, t, expression = json.loads(line)
-            r = check(pred, gold, t, bool(expression))
-        except Late:
+            try:
+                pred, gold, t, expression = json.loads(line)
+                signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts do not depend on load
+                g, p = (parse(s if ("$" in s or "\\(" in s or "\\[" in s) else f"${s}$",
+                              extraction[bool(expression)], parsing_timeout=None)
+                        for s in (gold, pred))
+                r = int(bool(g and p) and not _vf_surely_differ(g, p, pred + gold)
+                        and bool(verify(g, p, timeout_seconds=None)))
+            finally:
+                signal.setitimer(signal.ITIMER_PROF, 0)
+        except KeyboardInterrupt:
             r = 2
         except Exception:
             r = 3
@@ -2868,12 +2819,13 @@ class _VfWorker:
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, bufsize=0)
-        self.fd = self.proc.stdout.fileno()
-        os.set_blocking(self.fd, False)
+        os.set_blocking(self.fileno(), False)
         self.buf, self.ready, self.started = b"", False, time.monotonic()
-        self.inflight = []  # [(index, n_bytes)] in send order
-        self.done = 0  # pairs answered
+        self.inflight, self.done = [], 0  # indices sent, in order; pairs answered
         self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
+
+    def fileno(self):
+        return self.proc.stdout.fileno()
 
     def cpu(self):
         """CPU seconds (user + system) used so far, from /proc; None without /proc."""
@@ -2887,23 +2839,61 @@ class _VfWorker:
     def start_head(self):
         self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
 
-    def lines(self):
+    def feed(self, queue, payload):
+        """Up to 32 KiB of pairs wait in the pipe, so that the worker never idles between two."""
+        nbytes = sum(len(payload[i]) for i in self.inflight)
+        while self.ready and queue and (
+                not self.inflight or nbytes + len(payload[queue[-1]]) < 32768):
+            try:
+                self.proc.stdin.write(payload[queue[-1]])
+            except OSError:  # it died: read() sees the end of its output
+                return
+            if not self.inflight:
+                self.start_head()
+            self.inflight.append(queue.pop())
+            nbytes += len(payload[self.inflight[-1]])
+
+    def read(self, out):
+        """Verdicts that arrived go into out[index]; False once the process has died."""
         try:
-            chunk = os.read(self.fd, 65536)
+            chunk = os.read(self.fileno(), 65536)
         except BlockingIOError:
-            return []
-        if not chunk:
-            raise EOFError
-        *done, self.buf = (self.buf + chunk).split(b"\n")
-        return done
+            return True
+        if not chunk and not self.ready:
+            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
+                               "ready; check that `python -c 'import math_verify'` works (fix: "
+                               "`pip install math-verify`)")
+        *lines, self.buf = (self.buf + chunk).split(b"\n")
+        for ln in lines:
+            if self.ready:
+                out[self.inflight.pop(0)] = int(ln)
+                self.done += 1
+                self.start_head()
+            elif b"fatal" in ln:
+                raise RuntimeError(f"math-verify is not importable ({ln.decode(errors='replace')})"
+                                   "; fix: `pip install math-verify`")
+            else:
+                self.ready = True
+        return bool(chunk)
+
+    def stuck(self, hard_cpu):
+        """Over `hard_cpu` CPU seconds on one pair, or, using no CPU (stopped, blocked), over
+        3 * hard_cpu + 2 wall-clock seconds: a loaded machine does not turn answers into kills."""
+        if not self.ready and time.monotonic() - self.started > 120:
+            raise RuntimeError("math-verify worker did not start within 120 s")
+        waited = time.monotonic() - self.head_since
+        if not self.inflight or waited <= hard_cpu:
+            return False
+        cpu = self.cpu()
+        used = waited if cpu is None else cpu - self.head_cpu
+        return used > hard_cpu or waited > 3 * hard_cpu + 2.0
 
     def kill(self):
-        with contextlib.suppress(Exception):
-            self.proc.kill()
+        self.proc.kill()  # nothing once it has exited
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        for f in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(Exception):
-                f.close()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 class _VfPool:
@@ -2920,158 +2910,75 @@ class _VfPool:
 
     def run(self, items, timeout, n_workers):
         """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
+        import select
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
                 self.workers, self.pid = [], os.getpid()
-            return self._run(items, timeout, n_workers)
-
-    def _run(self, items, timeout, n_workers):
-        n_workers = max(1, min(n_workers, len(items)))
-        self.workers = [w for w in self.workers if w.proc.poll() is None]
-        while len(self.workers) < n_workers:
-            self.workers.append(_VfWorker())
-        workers = self.workers[:n_workers]
-        payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
-                   for p, g, e in items]
-        queue = list(range(len(items)))[::-1]  # pop() from the end = in order
-        out, remaining = [None] * len(items), len(items)
-        # CPU-time budgets, so a loaded machine does not turn right answers into timeouts; a worker
-        # that uses no CPU yet never answers (stopped, blocked) is caught by the wall-clock cap
-        hard_cpu = float(timeout) + _VF_HARD_GRACE_S
-        hard_wall = 3 * hard_cpu + 2.0
-        sel = selectors.DefaultSelector()
-        for w in workers:
-            sel.register(w.fd, selectors.EVENT_READ, w)
-
-        def replace(w):
-            sel.unregister(w.fd)
-            w.kill()
-            queue.extend(idx for idx, _ in w.inflight)  # the rest of its window goes back
-            nw = _VfWorker()
-            self.workers[self.workers.index(w)] = workers[workers.index(w)] = nw
-            sel.register(nw.fd, selectors.EVENT_READ, nw)
-
-        def feed(w):  # up to 32 KiB of pairs wait in a worker's pipe: it never idles between two
-            nbytes = sum(b for _, b in w.inflight)
-            while w.ready and queue and (
-                    not w.inflight or nbytes + len(payload[queue[-1]]) < 32768):
-                idx = queue.pop()
-                try:
-                    w.proc.stdin.write(payload[idx])
-                except OSError:
-                    queue.append(idx)
-                    return
-                if not w.inflight:
-                    w.start_head()
-                w.inflight.append((idx, len(payload[idx])))
-                nbytes += len(payload[idx])
-
-        def answer(w, code):
-            nonlocal remaining
-            out[w.inflight.pop(0)[0]] = code
-            remaining -= 1
-
-        try:
-            while remaining:
-                for w in workers:
-                    feed(w)
-                for key, _ in sel.select(timeout=0.05):
-                    w = key.data
-                    try:
-                        lines = w.lines()
-                    except EOFError:  # the worker died (out of memory): its head is an error
-                        if not w.ready:
-                            raise RuntimeError(
-                                f"the math-verify worker ({sys.executable}) exited before it was "
-                                "ready; check that `python -c 'import math_verify'` works (fix: "
-                                "`pip install math-verify`)") from None
-                        if w.inflight:
-                            answer(w, 3)
-                        replace(w)
-                        continue
-                    for ln in lines:
-                        if w.ready:
-                            answer(w, int(ln))
-                            w.done += 1
-                            w.start_head()
-                        elif b"fatal" in ln:
-                            raise RuntimeError(f"math-verify is not importable ("
-                                               f"{ln.decode(errors='replace')}); fix: "
-                                               "`pip install math-verify`")
-                        else:
-                            w.ready = True
-                now = time.monotonic()
-                for w in list(workers):
-                    stuck = False
-                    if w.inflight and now - w.head_since > hard_cpu:
-                        cpu = w.cpu()
-                        used = cpu - w.head_cpu if cpu is not None else now - w.head_since
-                        stuck = used > hard_cpu or now - w.head_since > hard_wall
-                    if stuck:
-                        answer(w, 4)
-                        replace(w)
-                    elif not w.ready and now - w.started > 120:
-                        raise RuntimeError("math-verify worker did not start within 120 s")
-        finally:
-            sel.close()
-        for w in list(self.workers):  # bound sympy's caches: retire old workers between batches
-            if w.done > _VF_WORKER_MAX_PAIRS:
-                w.kill()
-                self.workers.remove(w)
-        return out
+            for w in self.workers:  # bound sympy's caches: retire old workers between batches
+                if w.done > _VF_WORKER_MAX_PAIRS:
+                    w.kill()
+            self.workers = [w for w in self.workers if w.proc.poll() is None]
+            self.workers += [_VfWorker() for _ in range(n_workers - len(self.workers))]
+            payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
+                       for p, g, e in items]
+            queue, out = list(range(len(items)))[::-1], [None] * len(items)  # pop() = in order
+            try:
+                while queue or any(w.inflight for w in self.workers):
+                    for w in self.workers:
+                        w.feed(queue, payload)
+                    readable = select.select(self.workers, [], [], 0.05)[0]
+                    for i, w in enumerate(self.workers):
+                        dead = w in readable and not w.read(out)  # e.g. out of memory
+                        if dead or w.stuck(float(timeout) + _VF_HARD_GRACE_S):
+                            if w.inflight:  # its head pair is the culprit
+                                out[w.inflight.pop(0)] = 3 if dead else 4
+                            queue += w.inflight  # the rest of its window goes back
+                            w.kill()
+                            self.workers[i] = _VfWorker()
+            except BaseException:  # no half-answered window survives into the next batch
+                self.close()
+                raise
+            return out
 
 
-_VF_POOL = None
-
-
-def _vf_pool():
-    global _VF_POOL
-    if _VF_POOL is None:
-        _VF_POOL = _VfPool()
-        atexit.register(_VF_POOL.close)
-    return _VF_POOL
+_VF_POOL = _VfPool()  # no process starts before the first pair that needs one
+atexit.register(_VF_POOL.close)
 
 
 def shutdown_verifier():
     """Kill the math-verify workers (they restart lazily on the next call)."""
-    if _VF_POOL is not None:
-        with _VF_POOL.lock:
-            _VF_POOL.close()
+    with _VF_POOL.lock:
+        _VF_POOL.close()
 
 
 def verifier_worker_pids():
     """Process ids of the running math-verify workers (diagnostics)."""
-    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None] if _VF_POOL else []
+    return [w.proc.pid for w in _VF_POOL.workers if w.proc.poll() is None]
 
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     """math_equal over many (pred, gold) pairs, in order, with math-verify spread over `workers`
     processes (default min(cpu_count, 8); one per 32 distinct pairs at most)."""
-    res = [False] * len(pairs)
-    todo, keys = [], []
+    res, todo = [], {}  # todo: (pred, gold, expression) -> indices that math-verify decides
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
         hit = _VF_CACHE.get((p, g, expression)) if dec is None else dec
-        if hit is not None:
-            res[i] = bool(hit)
-        else:
-            todo.append(i)
-            keys.append((p, g, expression))
+        res.append(bool(hit))
+        if hit is None:
+            todo.setdefault((p, g, expression), []).append(i)
     if todo:
-        uniq = list(dict.fromkeys(keys))
-        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(uniq) / 32)))
-        codes = _vf_pool().run(uniq, timeout, w)
+        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(todo) / 32)))
+        codes = _VF_POOL.run(list(todo), timeout, w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
-        for key, code in zip(uniq, codes):
+        for (key, where), code in zip(todo.items(), codes):
             if code in (0, 1):  # failures are not cached: a retry under less load may succeed
                 _VF_CACHE[key] = code == 1
             else:
                 _VF_FAILS[{2: "timeout", 3: "error", 4: "killed"}[code]] += 1
-        verdict = dict(zip(uniq, (c == 1 for c in codes)))
-        for i, key in zip(todo, keys):
-            res[i] = verdict[key]
+            for i in where:
+                res[i] = code == 1
     return res
 
 
@@ -3098,37 +3005,37 @@ WRONG_FORMATTED = -0.5  # AZR Eq. 6: well formatted but wrong
 INVALID_QUESTION = -0.1  # SPICE §3.1 rho: an invalid Challenger question
 
 
-def _vf_p(p):
-    a = np.asarray(p, dtype=np.float64)
-    if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
-        raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
-    return a
+def _vf_solve_rate(reward):
+    """A reward shape of the solve rate p in [0, 1]: a float for a scalar p, else an array."""
+    @functools.wraps(reward)
+    def shaped(p, *args, **kw):
+        a = np.asarray(p, dtype=np.float64)
+        if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+            raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
+        r = reward(a, *args, **kw)
+        return float(r) if np.ndim(p) == 0 else r
+    return shaped
 
 
-def _vf_out(a, p):
-    return float(a) if np.ndim(p) == 0 else a
-
-
+@_vf_solve_rate
 def learnability_reward(p):
     """AZR Eq. 4: r = 0 if p ∈ {0, 1}, else 1 − p (peaks at the hardest solvable task)."""
-    a = _vf_p(p)
-    return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - a), p)
+    return np.where((p == 0) | (p == 1), 0.0, 1.0 - p)
 
 
+@_vf_solve_rate
 def uncertainty_reward(p):
     """R-Zero §3 r_unc (understanding paper Eq. 3): r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1}.
     R-Zero's code uses min(p, 1 − p), half this scale."""
-    a = _vf_p(p)
-    return _vf_out(np.where((a == 0) | (a == 1), 0.0, 1.0 - 2.0 * np.abs(a - 0.5)), p)
+    return np.where((p == 0) | (p == 1), 0.0, 1.0 - 2.0 * np.abs(p - 0.5))
 
 
+@_vf_solve_rate
 def variance_reward(p, tau=0.01):
     """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance
     (the unbiased one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4
     right."""
-    a = _vf_p(p)
-    var = a * (1.0 - a)
-    return _vf_out(np.exp(-((var - 0.25) ** 2) / (2.0 * tau)), p)
+    return np.exp(-((p * (1.0 - p) - 0.25) ** 2) / (2.0 * tau))
 
 
 def variance_reward_from_bits(correct, tau=0.01):
@@ -3139,10 +3046,10 @@ def variance_reward_from_bits(correct, tau=0.01):
     return variance_reward(float(bits.mean()), tau)
 
 
+@_vf_solve_rate
 def threshold_reward(p):
     """SPICE Table 4's "threshold" ablation: r = 1[0 < p < 1]."""
-    a = _vf_p(p)
-    return _vf_out(((a > 0) & (a < 1)).astype(np.float64), p)
+    return ((p > 0) & (p < 1)).astype(np.float64)
 
 
 def proposer_reward(rbar, kind="learnability", tau=0.01):
@@ -3425,16 +3332,13 @@ class BenchmarkUnavailable(RuntimeError):
     """A hub benchmark could not be loaded (no `datasets`, no hub); the message says the fix."""
 
 
-def _vf_qa_row(ex, q, a):  # an integral float gold (27.0) is written as an integer ("27")
+def _vf_qa_row(ex, q, a):
+    """A free-form row; an integral float gold (27.0) is written "27", and after a "####"
+    (GSM8K) the gold is the number that follows, without commas."""
     a = ex[a]
+    a = str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()
     return {"question": str(ex[q]),
-            "answer": str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()}
-
-
-def _vf_gsm8k_row(ex, q, a):  # the gold is the number after "####", without commas
-    a = str(ex[a])
-    return {"question": str(ex[q]),
-            "answer": a.split("####")[-1].strip().replace(",", "") if "####" in a else a.strip()}
+            "answer": a.split("####")[-1].strip().replace(",", "") if "####" in a else a}
 
 
 def _vf_mc_problem(question, options, gold):
@@ -3480,17 +3384,11 @@ def _vf_gpqa_row(ex, q, a):
 def _vf_olympiad_row(ex, q, a):
     """`final_answer` is a list: its entries without an outer $...$, joined by ", "; `context`
     goes before the question; a row without a final answer is left out."""
-    answers = []
-    for s in ex[a] or []:
-        s = str(s).strip()
-        if s.startswith("$") and s.endswith("$") and s.count("$") == 2:
-            s = s[1:-1].strip()
-        if s:
-            answers.append(s)
-    if not answers:
-        return None
+    answers = [s[1:-1].strip() if s[:1] == s[-1:] == "$" and s.count("$") == 2 else s
+               for s in (str(x).strip() for x in ex[a] or [])]
     q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
-    return {"question": f"{ctx}\n\n{q}" if ctx else q, "answer": ", ".join(answers)}
+    return {"question": f"{ctx}\n\n{q}" if ctx else q,
+            "answer": ", ".join(s for s in answers if s)} if any(answers) else None
 
 
 # name -> hub dataset; an old-style 5-tuple (hub id, config, split, question, answer) works too, as
@@ -3515,13 +3413,10 @@ BENCHMARKS = {
 
 
 def _vf_load_rows(rows, limit, row_fn, empty):
-    """row_fn(i, example) -> problem or None for each example until `limit` (0: all) are kept;
-    ValueError(empty) if none is."""
+    """row_fn(i, example) -> problem or None, until `limit` (0: all); ValueError(empty) if none."""
     out = []
     for i, ex in enumerate(rows):
-        problem = row_fn(i, ex)
-        if problem is not None:
-            out.append(problem)
+        out += [p for p in [row_fn(i, ex)] if p is not None]
         if limit and len(out) >= limit:
             break
     if not out:
@@ -3539,15 +3434,15 @@ def _vf_open_hub(what, name, hub_id, config, split, fix, gated=False):
         raise BenchmarkUnavailable(
             f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
             f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
-    where = f"{hub_id}{f', config {config}' if config else ''}, split {split}"
     try:
         return (datasets.load_dataset(hub_id, config, split=split) if config else
                 datasets.load_dataset(hub_id, split=split))
     except Exception as e:
         raise BenchmarkUnavailable(
-            f"could not load {what} {name!r} ({where}) from the Hugging Face hub: "
-            f"{type(e).__name__}: {str(e)[:300]}.{gated} Fix: check the network (or "
-            f"HF_HUB_OFFLINE=1 with a populated cache), log in for gated sets, {fix}.") from None
+            f"could not load {what} {name!r} ({hub_id}{f', config {config}' if config else ''}, "
+            f"split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
+            f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
+            f"in for gated sets, {fix}.") from None
 
 
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
@@ -3562,26 +3457,33 @@ def parse_benchmark_spec(spec) -> tuple[str, int | None]:
     return m[1], int(m[2])
 
 
-def _vf_unknown_benchmark(b, flag):
-    close = difflib.get_close_matches(b.lower(), list(BENCHMARKS), n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
-                      "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
-                      "field>, optionally with @N samples")
+def _vf_hub_spec(b, flag=""):
+    """The HubBenchmark of a BENCHMARKS name or an hf: spec, else ValueError naming the fix."""
+    if b.startswith("hf:"):
+        parts = b[3:].split(":")
+        parts[1:1] = [None] if len(parts) == 4 else []
+        if len(parts) != 5:
+            raise ValueError(f"{flag}{b}: expected hf:<id>[:<config>]:<split>:<question field>:"
+                             "<answer field>")
+        return HubBenchmark(*parts)
+    if b.lower() in BENCHMARKS:
+        return HubBenchmark(*BENCHMARKS[b.lower()])
+    hint = "".join(f" (did you mean {c}?)" for c in
+                   difflib.get_close_matches(b.lower(), BENCHMARKS, n=1))
+    raise ValueError(f"{flag}unknown benchmark {b!r}{hint}; use one of {sorted(BENCHMARKS)}, a "
+                     "local .jsonl file or hf:<id>[:<config>]:<split>:<question field>:<answer "
+                     "field>, optionally with @N samples")
 
 
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
     """A method's up-front check of a comma-separated benchmark list: built-in names, hf: specs or
     existing JSONL files, each with an optional "@N"; ValueError naming the entry and the fix."""
-    for entry in str(names).split(","):
-        b = parse_benchmark_spec(entry)[0]
-        if not b:
-            continue
+    for b in (parse_benchmark_spec(entry)[0] for entry in str(names).split(",")):
         if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
             if not os.path.isfile(b):
                 raise ValueError(f"{flag}: file {b} does not exist")
-        elif not (b.lower() in BENCHMARKS or b.startswith("hf:")):
-            raise _vf_unknown_benchmark(b, f"{flag}: ")
+        elif b:
+            _vf_hub_spec(b, f"{flag}: ")
 
 
 _VF_JSONL_SHAPE = ('each line must be one object like {"question": "...", "answer": "..."} '
@@ -3611,22 +3513,10 @@ def load_benchmark(name_or_path, limit=0):
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         if not os.path.isfile(name):
             raise FileNotFoundError(f"benchmark file {name} does not exist")
-        rows = iter_jsonl(name, shape=_VF_JSONL_SHAPE)
-        return _vf_load_rows(rows, limit, lambda _, r: _vf_jsonl_problem(name, *r),
+        return _vf_load_rows(iter_jsonl(name, shape=_VF_JSONL_SHAPE), limit,
+                             lambda _, r: _vf_jsonl_problem(name, *r),
                              f"{name}: no problems found (empty file?)")
-    if name.startswith("hf:"):
-        parts = name[3:].split(":")
-        if len(parts) == 4:
-            parts.insert(1, None)
-        if len(parts) != 5:
-            raise ValueError(f"{name}: expected hf:<id>[:<config>]:<split>:<question field>:"
-                             "<answer field>")
-        spec = HubBenchmark(*parts)
-    elif name.lower() in BENCHMARKS:
-        spec = HubBenchmark(*BENCHMARKS[name.lower()])
-    else:
-        raise _vf_unknown_benchmark(name, "")
-    row = spec.row or (_vf_gsm8k_row if spec.hub_id == "openai/gsm8k" else _vf_qa_row)
+    spec = _vf_hub_spec(name)
     ds = _vf_open_hub("benchmark", name, spec.hub_id, spec.config or None, spec.split,
                       'or pass a local JSONL file of {"question", "answer", "choices"?} lines',
                       spec.gated)
@@ -3637,7 +3527,7 @@ def load_benchmark(name_or_path, limit=0):
             raise KeyError(f"{spec.hub_id} has no column(s) {missing}; its columns are {list(ex)}. "
                            "Edit BENCHMARKS or use an hf: name.")
         try:
-            return row(ex, spec.question, spec.answer)
+            return (spec.row or _vf_qa_row)(ex, spec.question, spec.answer)
         except (KeyError, ValueError, TypeError, IndexError, SyntaxError) as e:
             raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a "
                              f"problem: {type(e).__name__}: {e}. The hub copy may have changed: "
@@ -3702,29 +3592,27 @@ def gold_option_letter(problem):
                  if str(c).strip().casefold() == a.casefold()), None)
 
 
-def _vf_judge(items, extract_fn, timeout, judge_fn=None):
-    """[(problem, gold letter or None, text)] -> (preds, correct, letters, no answer). Free-form:
-    extract_fn(text) by math_equal_many; multiple choice: its option_letter equals the gold letter.
-    judge_fn(problem, text) -> (pred, correct) replaces both rules."""
-    golds = [g for _, g, _ in items]
+def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
+    """[(problem index, text)] -> [(correct, pred, letter, no answer)]; golds[i]: the gold letter
+    or None. Free-form: extract_fn(text) by math_equal_many; multiple choice: its option_letter
+    equals the gold letter. judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    items = [(probs[i], golds[i], t) for i, t in texts]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
-        preds, ok = [pr for pr, _ in judged], [bool(x) for _, x in judged]
-        letters = [pr if g is not None else None for pr, g in zip(preds, golds)]
-    else:
-        preds = [extract_fn(t) for _, _, t in items]
-        ok, letters = [False] * len(items), [None] * len(items)
-        free = [i for i, g in enumerate(golds) if g is None]
-        verdicts = math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
-                                   timeout=timeout)
-        for i, r in zip(free, verdicts):
-            ok[i] = bool(r)
-        for i, (p, g, t) in enumerate(items):
-            if g is not None:
-                letters[i] = option_letter(preds[i], t, len(p["choices"]))
-                ok[i] = letters[i] == g
-    none = [lt is None if g is not None else pr is None for pr, lt, g in zip(preds, letters, golds)]
-    return preds, ok, letters, none
+        return [(bool(ok), pr, pr if g is not None else None, pr is None)
+                for (_, g, _), (pr, ok) in zip(items, judged)]
+    preds = [extract_fn(t) for _, _, t in items]
+    free = [i for i, (_, g, _) in enumerate(items) if g is None]
+    verdicts = dict(zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
+                                              timeout=timeout)))
+    out = []
+    for i, ((p, g, t), pr) in enumerate(zip(items, preds)):
+        if g is None:
+            out.append((bool(verdicts[i]), pr, None, pr is None))
+        else:
+            lt = option_letter(pr, t, len(p["choices"]))
+            out.append((lt == g, pr, lt, lt is None))
+    return out
 
 
 def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
@@ -3740,19 +3628,37 @@ def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int
     return benchmarks, ks, n
 
 
-def _vf_pass_at_k_fields(res: dict, ns, cs, ks, n_boot: int, seed: int) -> None:
-    """Unbiased pass@k with bootstrap intervals for each k <= the samples drawn, and mean@n; with
-    ns None (no samples) pass@1 is the greedy accuracy."""
-    if ns is None:
+def _vf_run_benchmark(sampler, probs, prompt_fn, judge, n, ks, n_boot, seed, max_tokens,
+                      **sampling):
+    """Greedy (temperature 0) and, with n > 1, n sampled completions of each problem's prompt,
+    judged by judge([(problem index, text)]) -> [(correct, ...)]: (result fields, greedy
+    judgements, per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap
+    intervals for each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
+    prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
+    generate = sampler.generate
+    greedy = [g[0] for g in generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
+    g_judged = judge([(i, c.text) for i, c in enumerate(greedy)])
+    ok = np.asarray([j[0] for j in g_judged], dtype=float)
+    res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
+           "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
+           "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
+           "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
+    if n == 1:
         res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
                     "pass@k_source": "greedy"})
-        return
+        return res, g_judged, None
+    samp = generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **sampling)
+    flat = iter(judge([(i, c.text) for i, g in enumerate(samp) for c in g]))
+    s_judged = [[next(flat) for _ in g] for g in samp]
+    ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
     res["pass@k"], res["pass@k_ci"] = {}, {}
     for kk in [x for x in ks if x <= min(ns)]:
         m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
         res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
-    res["mean@n"] = float(np.mean(np.asarray(cs) / np.asarray(ns)))
-    res["pass@k_source"] = "samples"
+    res.update({"mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
+                "pass@k_source": "samples", "sample_truncated_frac": float(np.mean(
+                    [c.finish_reason == "length" for g in samp for c in g]))})
+    return res, g_judged, s_judged
 
 
 def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **extra):
@@ -3760,18 +3666,6 @@ def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **e
             "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
             "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **extra,
             "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
-
-
-def _vf_greedy_stats(ok, completions, n_boot):
-    ok = np.asarray(ok, dtype=float)
-    return {"greedy_acc": float(ok.mean()), "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
-            "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
-                                                    for c in completions])),
-            "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in completions]))}
-
-
-def _vf_truncated(groups):
-    return float(np.mean([c.finish_reason == "length" for g in groups for c in g]))
 
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
@@ -3782,49 +3676,31 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
     judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
-    tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
     t0, results = time.time(), {}
     for bench in benchmarks:
         name, n_bench = parse_benchmark_spec(bench)
-        n_samples = n_bench or n
         probs = load_benchmark(name, limit)
-        prompts = [prompt_fn(p, tok) for p in probs]
-        gold_letters = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
-                                                           max_tokens=max_tokens)]
-        g_preds, g_ok, g_letters, g_none = _vf_judge(
-            [(p, gl, c.text) for p, gl, c in zip(probs, gold_letters, greedy)], extract_fn,
-            timeout, judge_fn)
-        res = {"n_problems": len(probs),
-               "n_multiple_choice": sum(gl is not None for gl in gold_letters),
-               "n_choices_without_gold_letter": sum(bool(p.get("choices")) and gl is None
-                                                    for p, gl in zip(probs, gold_letters)),
-               **_vf_greedy_stats(g_ok, greedy, n_boot),
-               "greedy_no_answer_frac": float(np.mean(g_none))}
+        golds = [gold_option_letter(p) for p in probs]  # None: graded free-form
+        judge = functools.partial(_vf_judge, probs, golds, extract_fn, timeout, judge_fn)
+        res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge,
+                                                 n_bench or n, ks, n_boot, seed, max_tokens,
+                                                 temperature=temperature, top_p=top_p)
+        res.update({"n_multiple_choice": sum(g is not None for g in golds),
+                    "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
+                                                         for p, g in zip(probs, golds)),
+                    "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))})
         per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
-                        **({"greedy_letter": lt} if gl is not None else {})}
-                       for p, pr, ok, lt, gl in zip(probs, g_preds, g_ok, g_letters, gold_letters)]
-        if n_samples > 1:
-            samp = sampler_or_policy.generate(prompts, n=n_samples, temperature=temperature,
-                                              top_p=top_p, max_tokens=max_tokens, seed=seed)
-            owner = [j for j, group in enumerate(samp) for _ in group]
-            items = [(probs[j], gold_letters[j], c.text) for j, group in enumerate(samp)
-                     for c in group]
-            _, ok, _, s_none = _vf_judge(items, extract_fn, timeout, judge_fn)
-            cs = np.bincount(owner, weights=ok, minlength=len(probs)).astype(int)
-            _vf_pass_at_k_fields(res, [len(g) for g in samp], cs, ks, n_boot, seed)
-            res["n_samples"] = n_samples
-            res["sample_no_answer_frac"] = float(np.mean(s_none))
-            res["sample_truncated_frac"] = _vf_truncated(samp)
-            for rec, c in zip(per_problem, cs):
-                rec["correct_samples"] = int(c)
-        else:
-            _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
+                        **({"greedy_letter": lt} if g is not None else {})}
+                       for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
+        if samples:
+            res["n_samples"] = n_bench or n
+            res["sample_no_answer_frac"] = float(np.mean([j[3] for s in samples for j in s]))
+            for rec, s in zip(per_problem, samples):
+                rec["correct_samples"] = sum(j[0] for j in s)
         res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
                                              else (res["greedy_acc"], "greedy"))
-        res["per_problem"] = per_problem
-        results[bench] = res
+        results[bench] = {**res, "per_problem": per_problem}
     prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
                                                                         "custom")
     return {"benchmarks": results,
@@ -3860,45 +3736,36 @@ class FrozenModel:
 
     @contextlib.contextmanager
     def sampling(self, policy):
-        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
+        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's.
+        A separate sampler is driven through Policy.generate (sharded over torchrun ranks)."""
         if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
         else:
-            yield _CoreFrozenSampler(policy, self.sampler)
-
-
-class _CoreFrozenSampler:
-    """A separate sampler driven through Policy.generate (sharded over torchrun ranks)."""
-
-    def __init__(self, policy, sampler):
-        self.tokenizer = sampler.tokenizer
-        self.generate = functools.partial(policy.generate, sampler=sampler)
+            yield types.SimpleNamespace(tokenizer=self.sampler.tokenizer,
+                                        generate=functools.partial(policy.generate,
+                                                                   sampler=self.sampler))
 
 
 def _core_same_parameters(path, policy) -> bool:
     """Whether the checkpoint has exactly the policy's parameter names and shapes (a tied lm_head
     may be absent), from the safetensors headers alone."""
     from safetensors import safe_open
-    files = sorted(pathlib.Path(path).glob("*.safetensors"))
-    if not files:
-        return False
     shapes = {}
-    for f in files:
+    for f in sorted(pathlib.Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
     own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
     tied = getattr(policy.module.config, "tie_word_embeddings", False)
-    return (set(shapes) <= set(own)
-            and set(own) - set(shapes) <= ({"lm_head.weight"} if tied else set())
-            and all(own[k] == shape for k, shape in shapes.items()))
+    return (bool(shapes) and set(own) - ({"lm_head.weight"} if tied else set()) <= set(shapes)
+            <= set(own) and all(own[k] == shape for k, shape in shapes.items()))
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     """`evaluate`'s result as metrics.jsonl keys: <prefix>/<bench>/<metric> (a file by its stem),
     <prefix>/<bench>/pass@k, and the means over benchmarks of greedy_acc and of "score"."""
-    out, accs, scores = {}, [], []
-    for bench, r in (result.get("benchmarks") or {}).items():
+    out, benches = {}, result.get("benchmarks") or {}
+    for bench, r in benches.items():
         base, n_bench = parse_benchmark_spec(bench)
         name = pathlib.Path(base).stem if base.endswith((".jsonl", ".json")) else base
         name += f"@{n_bench}" if n_bench else ""
@@ -3907,12 +3774,10 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
                 out[f"{prefix}/{name}/{k}"] = v
         for k, v in (r.get("pass@k") or {}).items():
             out[f"{prefix}/{name}/pass@{k}"] = v
-        accs += [r["greedy_acc"]] if isinstance(r.get("greedy_acc"), (int, float)) else []
-        scores += [r["score"]] if isinstance(r.get("score"), (int, float)) else []
-    if accs:
-        out[f"{prefix}/mean_greedy_acc"] = sum(accs) / len(accs)
-    if scores:
-        out[f"{prefix}/mean_score"] = sum(scores) / len(scores)
+    for key in ("greedy_acc", "score"):
+        vals = [r[key] for r in benches.values() if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"{prefix}/mean_{key}"] = sum(vals) / len(vals)
     return out
 
 
@@ -4015,34 +3880,31 @@ def code_program(problem, code):
     return f"{code}\n\n{problem['test']}\n"
 
 
-def _vf_run_code(sandbox, problems, codes, timeout):
-    """codes[i]: solutions (None: no code) of problems[i] -> [[(status, message)]] alike. A run
-    passes only if the program reaches its end and evaluates a fresh random token, so exiting early
-    or writing a canned result frame cannot pass."""
+def _vf_run_code(sandbox, probs, extract_fn, timeout, texts):
+    """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
+    reaches its end and evaluates a fresh random token, so exiting early or writing a canned
+    result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
-    jobs, where = [], []
-    out = [[("no_code", None)] * len(cs) for cs in codes]
-    for i, cs in enumerate(codes):
-        for j, c in enumerate(cs):
-            if c is not None:
-                jobs.append((code_program(problems[i], c), repr(token)))
-                where.append((i, j))
-    res = sandbox.run_many(jobs, timeout_s=timeout) if jobs else []
+    jobs = [(probs[i], extract_fn(t)) for i, t in texts]
+    todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
+    progs = [(code_program(*jobs[i]), repr(token)) for i in todo]
+    res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
     if again:
-        for m, r in zip(again, sandbox.run_many([jobs[m] for m in again], timeout_s=timeout)):
+        for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
             res[m] = r
-    for (i, j), r in zip(where, res):
+    out = [("no_code", None)] * len(jobs)
+    for i, r in zip(todo, res):
         if r.status == "ok":
-            out[i][j] = (("passed", None) if r.value == repr(token)
-                         else ("error", "the program forged its result"))
+            out[i] = (("passed", None) if r.value == repr(token)
+                      else ("error", "the program forged its result"))
         elif r.status == "timeout":
-            out[i][j] = ("timeout", r.error)
+            out[i] = ("timeout", r.error)
         elif r.status == "error" and (r.error or "").startswith("AssertionError"):
-            out[i][j] = ("failed", r.error)
+            out[i] = ("failed", r.error)
         else:
-            out[i][j] = ("error", f"{r.status}: {r.error}")
-    return out
+            out[i] = ("error", f"{r.status}: {r.error}")
+    return [(s == "passed", s, msg) for s, msg in out]
 
 
 def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
@@ -4053,53 +3915,39 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     the call if None); like EvalPlus the tests' own comparisons are trusted."""
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
     problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
-    tok = getattr(sampler_or_policy, "tokenizer", None)
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
     t0, results, own = time.time(), {}, sandbox is None
     if own:
         sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
     try:
         for bench, probs in problems.items():
-            prompts = [prompt_fn(p, tok) for p in probs]
-            greedy = [g[0] for g in sampler_or_policy.generate(prompts, n=1, temperature=0.0,
-                                                               max_tokens=max_tokens)]
-            codes = [[extract_fn(c.text)] for c in greedy]
-            runs = [r[0] for r in _vf_run_code(sandbox, probs, codes, timeout)]
-            counts = Counter(s for s, _ in runs)
-            res = {"n_problems": len(probs), **_vf_greedy_stats([s == "passed" for s, _ in runs],
-                                                                greedy, n_boot),
-                   **{f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]}}
+            judge = functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout)
+            res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge, n,
+                                                     ks, n_boot, seed, max_tokens,
+                                                     temperature=temperature, top_p=top_p)
+            counts = Counter(s for _, s, _ in greedy)
+            res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
             per_problem = [{"task_id": p["task_id"], "greedy_status": s,
                             "greedy_error": msg[:300] if msg else None}
-                           for p, (s, msg) in zip(probs, runs)]
-            if n > 1:
-                samp = sampler_or_policy.generate(prompts, n=n, temperature=temperature,
-                                                  top_p=top_p, max_tokens=max_tokens, seed=seed)
-                runs = _vf_run_code(sandbox, probs, [[extract_fn(c.text) for c in g] for g in samp],
-                                    timeout)
-                cs = [sum(s == "passed" for s, _ in r) for r in runs]
-                _vf_pass_at_k_fields(res, [len(r) for r in runs], cs, ks, n_boot, seed)
-                res["sample_statuses"] = dict(Counter(s for r in runs for s, _ in r))
-                res["sample_truncated_frac"] = _vf_truncated(samp)
-                for rec, r, c in zip(per_problem, runs, cs):
-                    rec["correct_samples"], rec["sample_statuses"] = c, [s for s, _ in r]
-            else:
-                _vf_pass_at_k_fields(res, None, None, ks, n_boot, seed)
-            res["per_problem"] = per_problem
-            results[bench] = res
+                           for p, (_, s, msg) in zip(probs, greedy)]
+            if samples:
+                res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
+                for rec, r in zip(per_problem, samples):
+                    rec["correct_samples"] = sum(j[0] for j in r)
+                    rec["sample_statuses"] = [s for _, s, _ in r]
+            results[bench] = {**res, "per_problem": per_problem}
     finally:
         if own:
             sandbox.close()
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
                "if the tests run to the end")
-    isolation = getattr(sandbox, "isolation", {}).get("level")
     return {"benchmarks": results,
             "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
                                      timeout_s=float(timeout),
                                      prompt=getattr(prompt_fn, "__name__", "custom"),
                                      extract=getattr(extract_fn, "__name__", "custom"),
-                                     checker=checker,
-                                     sandbox_isolation=isolation),
+                                     checker=checker, sandbox_isolation=getattr(
+                                         sandbox, "isolation", {}).get("level")),
             "time_s": round(time.time() - t0, 2)}
 
 
@@ -4118,8 +3966,7 @@ def _vf_eval_model(args, model):
                        seed=args.seed)
     finally:
         sampler.close()
-    out["model"] = model
-    return out
+    return {**out, "model": model}
 
 
 def plot_pass_at_k(results, labels, path):
@@ -4181,15 +4028,12 @@ def cli_main(argv=None):
     ev.add_argument("--n", type=int, default=1,
                     help="samples per problem for pass@k (1 = greedy only)")
     ev.add_argument("--k", default="1", help="comma-separated k values, each <= n")
-    ev.add_argument("--temperature", type=float, default=0.6)
-    ev.add_argument("--top-p", type=float, default=0.95)
-    ev.add_argument("--max-tokens", type=int, default=2048)
+    for flag, default in (("--temperature", 0.6), ("--top-p", 0.95), ("--max-tokens", 2048),
+                          ("--seed", 0), ("--dtype", "auto"), ("--max-model-len", 8192),
+                          ("--gpu-memory-utilization", 0.85)):
+        ev.add_argument(flag, type=type(default), default=default)
     ev.add_argument("--limit", type=int, default=0, help="first N problems per benchmark (0 = all)")
-    ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
-    ev.add_argument("--dtype", default="auto")
-    ev.add_argument("--max-model-len", type=int, default=8192)
-    ev.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ev.add_argument("--compare", default="",
                     help="also evaluate this base model and plot pass@k curves")
     ev.add_argument("--out", default="", help="output JSON file, or a folder (created) for "
