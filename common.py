@@ -119,82 +119,6 @@ def _core_field_comments(cls) -> dict:
     return out
 
 
-def _core_build_parser(cls, prog=None, tiny=None) -> argparse.ArgumentParser:
-    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
-    doc = (cls.__doc__ or "").strip()
-    epilog = None
-    if tiny:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
-        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
-                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
-    p = _CoreArgParser(prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
-                       allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(cls):
-        typ = hints.get(f.name, str)
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        note = comments.get(f.name, "")
-        help_text = (note + " " if note else "") + f"(default: {default!r})"
-        flag = "--" + f.name.replace("_", "-")
-        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif typ in (int, float, str):
-            p.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
-        else:
-            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
-    return p
-
-
-def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from the command line: every field is --kebab-case (bools also --no-x).
-    With --resume RUN_DIR its config.json is the base and only the flags given override it; `tiny`
-    (a smoke profile) replaces the defaults for --model tiny. A limit <= 0 or a ValueError from
-    `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
-    parser = _core_build_parser(cls, prog, tiny)
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        valid = [a for a in parser._option_string_actions if a.startswith("--")]
-        msgs = []
-        for u in unknown:
-            name = u.split("=", 1)[0]
-            if not name.startswith("-"):
-                msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)")
-                continue
-            close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
-            msgs.append(f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else
-                                                  "; see --help for the list"))
-        parser.error("; ".join(msgs))
-    given = vars(ns)
-    base = {}
-    if given.get("resume"):
-        resume = given["resume"]
-        cfg_path = pathlib.Path(resume) / "config.json"
-        if not cfg_path.is_file():
-            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
-                         "written by Run)")
-        saved = json.loads(cfg_path.read_text())
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(saved) - names:
-            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
-                          f"{sorted(set(saved) - names)}")
-        base = {k: v for k, v in saved.items() if k in names}
-        base["output_dir"] = str(resume)
-    elif tiny and given.get("model", cls.model) == "tiny":
-        base = dict(tiny)
-    cfg = cls(**{**base, **given})
-    try:
-        _core_check_limits(cls, given)
-        if check is not None:
-            check(cfg)
-    except ValueError as e:
-        parser.error(str(e))
-    set_verbosity(cfg.verbose)
-    return cfg
-
-
 # Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
 _CORE_LIMIT_RE = re.compile(
     r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
@@ -203,38 +127,87 @@ _CORE_LIMIT_RE = re.compile(
 _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
 
 
-def _core_check_limits(cls, given: dict) -> None:
-    """An explicit value <= 0 for a size or limit is refused, unless its comment or its 0 default
-    gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
-    comments = _core_field_comments(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0:
-            continue
-        if not _CORE_LIMIT_RE.search(name):
+def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
+    """The dataclass `cls` from the command line, every field a --kebab-case flag. --resume RUN_DIR
+    starts from its config.json; `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
+    ValueError from `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
+    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
+    doc, epilog = (cls.__doc__ or "").strip(), None
+    if tiny:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
+        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
+                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
+    parser = _CoreArgParser(
+        prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
+        allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = {}
+    for f in dataclasses.fields(cls):
+        typ = hints.get(f.name, str)
+        defaults[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        note = comments.get(f.name, "")
+        kw = dict(dest=f.name, help=f"{note} (default: {defaults[f.name]!r})".strip()
+                  .replace("%", "%%"))
+        if typ is bool:
+            parser.add_argument("--" + f.name.replace("_", "-"),
+                                action=argparse.BooleanOptionalAction, **kw)
+        elif typ in (int, float, str):
+            parser.add_argument("--" + f.name.replace("_", "-"), type=typ,
+                                metavar=typ.__name__.upper(), **kw)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        valid = [a for a in parser._option_string_actions if a.startswith("--")]
+        msgs = []
+        for u in unknown:
+            name = u.split("=", 1)[0]
+            close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
+            msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)"
+                        if not name.startswith("-") else f"unknown flag {name}"
+                        + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
+        parser.error("; ".join(msgs))
+    given, base = vars(ns), {}
+    if given.get("resume"):
+        resume = given["resume"]
+        cfg_path = pathlib.Path(resume) / "config.json"
+        if not cfg_path.is_file():
+            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
+                         "written by Run)")
+        saved = json.loads(cfg_path.read_text())
+        if set(saved) - set(defaults):
+            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
+                          f"{sorted(set(saved) - set(defaults))}")
+        base = {k: v for k, v in saved.items() if k in defaults}
+        base["output_dir"] = str(resume)
+    elif tiny and given.get("model", cls.model) == "tiny":
+        base = dict(tiny)
+    cfg = cls(**{**base, **given})
+    for name, v in given.items():  # an explicit size or limit <= 0, unless 0 has a meaning
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0 \
+                or not _CORE_LIMIT_RE.search(name):
             continue
         note, default = comments.get(name, ""), defaults.get(name)
         zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
             default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
-        if v == 0 and zero_ok:
-            continue
-        hint = (f"leave the flag out for the default ({note})" if default == 0 else
-                f"the default is {default!r}")
-        raise ValueError(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
-
-
-def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads, besides the flags: the run folder, and every
-    model (--model, and a method's --oracle-model or --challenger-model)."""
-    check_run_dir(cfg)
-    for f in dataclasses.fields(cfg):
-        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+        if v != 0 or not zero_ok:
+            hint = (f"leave the flag out for the default ({note})" if default == 0 else
+                    f"the default is {default!r}")
+            parser.error(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+    try:
+        if check is not None:
+            check(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    set_verbosity(cfg.verbose)
+    return cfg
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
-    """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the
-    highest k with a trainer_state.json), or None."""
+    """The newest complete checkpoints/step_<k>/ (the one `latest` names, else the highest k with a
+    trainer_state.json), or None."""
     root = pathlib.Path(run_dir) / "checkpoints"
     if (root / "latest").is_file():
         p = root / (root / "latest").read_text().strip()
@@ -260,13 +233,16 @@ def _core_no_checkpoint(resume) -> str:
             "save); start it again with a new --output-dir")
 
 
-def check_run_dir(cfg) -> None:
-    """Refuse what would mix two runs' records: an --output-dir that holds a run (without --resume),
-    and a --resume folder with no checkpoint (starting over would append to its files)."""
+def check_inputs(cfg) -> None:
+    """What the CLI checks before anything loads: that the run folder mixes no two runs' records,
+    and every model (--model, a method's --oracle-model or --challenger-model)."""
     if cfg.resume and latest_checkpoint(cfg.resume) is None:
         raise InputError(_core_no_checkpoint(cfg.resume))
     if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
         raise InputError(_core_held_run(cfg.output_dir))
+    for f in dataclasses.fields(cfg):
+        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
@@ -357,8 +333,8 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default (the CLI calls this); verbose shows everything the libraries print. A
-    library not imported yet reads it from the environment."""
+    """Quiet by default; verbose shows everything the libraries print (a library not imported yet
+    reads it from the environment)."""
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
@@ -404,24 +380,10 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
     return result
 
 
-def template_fields(template: str) -> set[str]:
-    """The `{name}` placeholders of a str.format template (`{{` and `}}` are literal braces)."""
-    names = set()
-    for _, field, spec, conv in string.Formatter().parse(template):
-        if field is None:
-            continue
-        if not field.isidentifier() or spec or conv:
-            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} (no "
-                             "attribute, index, format spec or conversion); write literal braces "
-                             "as {{ }}")
-        names.add(field)
-    return names
-
-
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     """Our templates `defaults` (name -> str.format template), with those a TOML or JSON file names
-    replacing them (a paper's own wording, where its license allows). Each must use exactly our
-    placeholders: a missing one would drop the document, an unknown one could not be filled."""
+    replacing them. Each must use exactly our placeholders: a missing one would drop the document,
+    an unknown one could not be filled."""
     if not path:
         return dict(defaults)
     p, where = pathlib.Path(path), f"--prompts {path}"
@@ -438,6 +400,16 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     if not isinstance(given, dict):
         raise ValueError(f"{where}: expected a table of name = template, got "
                          f"{type(given).__name__}")
+
+    def fields(name, text):  # the {name} placeholders of a str.format template
+        parsed = [(f, s, c) for _, f, s, c in string.Formatter().parse(text) if f is not None]
+        for field, spec, conv in parsed:
+            if not field.isidentifier() or spec or conv:
+                raise ValueError(f"{where}: template {name!r}: placeholder {{{field}}} must be a "
+                                 "plain name like {document} (no attribute, index, format spec "
+                                 "or conversion); write literal braces as {{ }}")
+        return {f for f, _, _ in parsed}
+
     out = dict(defaults)
     for name, text in given.items():
         if name not in defaults:
@@ -445,11 +417,7 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
                              f"{sorted(defaults)}")
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
-        try:
-            have = template_fields(text)
-        except ValueError as e:
-            raise ValueError(f"{where}: template {name!r}: {e}")
-        need = template_fields(defaults[name])
+        have, need = fields(name, text), fields(name, defaults[name])
         if have != need:
             missing, extra = sorted(need - have), sorted(have - need)
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
@@ -464,7 +432,7 @@ def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` when built."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # seeds every GPU too
+    torch.manual_seed(seed)
 
 
 def atomic_write_text(path, text: str) -> None:
@@ -505,8 +473,8 @@ def atomic_write_json(path, obj) -> None:
 
 def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
     """(line number, object) for each non-empty line of a JSONL file, read lazily. A missing file,
-    text that is not UTF-8 (errors="strict") or a line that is not one JSON object raises `error`
-    naming the file and line, ending with `shape` (what a line should look like: the fix)."""
+    non-UTF-8 text or a line that is not one JSON object raises `error` naming the file and line,
+    ending with `shape` (what a line should look like: the fix)."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise error(f"{path}: file does not exist; {shape}")
@@ -530,16 +498,14 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
 
 def truncate_jsonl(path: pathlib.Path, step: int) -> None:
     """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint
-    again (Run does this for metrics.jsonl and samples.jsonl; a method for its own logs)."""
+    again."""
     if not path.is_file():
         return
     keep = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
+        with contextlib.suppress(ValueError, AttributeError):  # a torn last line from a killed run
             if int(json.loads(line).get("step", -1)) <= step:
                 keep.append(line + "\n")
-        except (ValueError, AttributeError):
-            continue  # a torn last line from a killed run
     atomic_write_text(path, "".join(keep))
 
 
@@ -571,10 +537,9 @@ def all_gather_objects(obj) -> list:
 
 def broadcast_object(obj, src: int = 0):
     """Rank `src`'s `obj` on every rank (obj in one process)."""
-    if not _core_dist_on():
-        return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src)
+    if _core_dist_on():
+        torch.distributed.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -588,13 +553,12 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 
 def init_distributed() -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1) start the process group once: gloo for CPU tensors, plus
-    NCCL for GPU tensors on a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
+    NCCL for GPU tensors on a GPU. Returns (rank, world_size)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
-        else:
-            torch.distributed.init_process_group(backend="gloo")
+        torch.distributed.init_process_group(
+            backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return dist_info()
 
 
