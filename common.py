@@ -1201,6 +1201,16 @@ def _core_unique_state(model):
             yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
+def _core_put(v, w) -> None:
+    """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of it."""
+    if _core_is_dtensor(v):
+        from torch.distributed.tensor import distribute_tensor
+        w = distribute_tensor(w.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
+        v.to_local().copy_(w.to_local())
+    else:
+        v.copy_(w.to(v.device, v.dtype))
+
+
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
     written once, from its first name, so a tied lm_head never overwrites the embedding."""
@@ -1208,14 +1218,10 @@ def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     missing = []
     with torch.no_grad():
         for k, v in _core_unique_state(model):
-            if k not in weights:
-                missing.append(k)
-            elif _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
-                from torch.distributed.tensor import distribute_tensor
-                src = weights[k].to(v.to_local().device, v.dtype)
-                v.to_local().copy_(distribute_tensor(src, v.device_mesh, v.placements).to_local())
+            if k in weights:
+                _core_put(v, weights[k])
             else:
-                v.copy_(weights[k].to(v.device, v.dtype))
+                missing.append(k)
     if strict and missing:
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
 
@@ -1282,7 +1288,7 @@ class Policy:
         self.device = next(model.parameters()).device
         self.rank, self.world_size = dist_info()
         self.is_main = self.rank == 0
-        self.optimizer = self._make_optimizer()
+        self.reset_optimizer()
 
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
@@ -1324,19 +1330,17 @@ class Policy:
         """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place)."""
         return getattr(self.model, "module", self.model)
 
-    def _make_optimizer(self):
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
         """Before a training pass: with --vllm-sleep (GPU) the engine sleeps until the next
-        generate / load_weights wakes it. A no-op otherwise."""
+        generate / load_weights wakes it."""
         self.sampler.sleep()
-
-    def reset_optimizer(self) -> None:
-        """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
-        self.optimizer = self._make_optimizer()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
         """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
@@ -1412,12 +1416,11 @@ class Policy:
                 self.load_trainer_weights(previous)
 
     def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer and return its previous weights. When
-        `weights` has every tensor, unaliased, at the trainer's dtype and shape (as get_weights
-        gives), they are swapped in place (no extra copy) and `weights` itself is returned; a
-        mapping with `local_shards` set holds this rank's FSDP2 shards (swapped with no gather)."""
+        """Put full HF-named `weights` into the trainer and return its previous weights. A full,
+        unaliased set at the trainer's dtypes and shapes (as get_weights gives) is swapped in place
+        and returned; a mapping with `local_shards` holds this rank's FSDP2 shards (no gather)."""
         names = {_core_strip_prefix(k): k for k in weights}
-        local = getattr(weights, "local_shards", False)  # FSDP2: this rank's shards, no gather
+        local = getattr(weights, "local_shards", False)
         state = [(k, v.to_local() if local and _core_is_dtensor(v) else v)
                  for k, v in _core_unique_state(self.model)]
         src = [weights.get(names.get(k)) for k, _ in state]
@@ -1425,15 +1428,10 @@ class Policy:
                for w, (_, v) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
             with torch.no_grad():
                 for w, (_, v) in zip(src, state):  # one full tensor held extra at a time
-                    if _core_is_dtensor(v):  # FSDP2: every rank gathers each (a collective)
-                        from torch.distributed.tensor import distribute_tensor
-                        cur = v.full_tensor().to(w.device)
-                        part = distribute_tensor(w.to(v.to_local().device), v.device_mesh,
-                                                 v.placements)
-                        v.to_local().copy_(part.to_local())
-                    else:
-                        cur = v.to(w.device, copy=True)
-                        v.copy_(w.to(v.device))
+                    # FSDP2: every rank gathers each (a collective)
+                    cur = v.full_tensor().to(w.device) if _core_is_dtensor(v) else \
+                        v.to(w.device, copy=True)
+                    _core_put(v, w)
                     w.copy_(cur)
                     del cur
             return weights
@@ -1497,9 +1495,7 @@ class Policy:
         if self.world_size == 1:
             return vals
         t = torch.tensor(vals, dtype=torch.float64)
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(t, op=ops[op])
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op.upper()))
         return t.tolist()
 
     def barrier(self) -> None:
