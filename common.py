@@ -1528,21 +1528,19 @@ class Run:
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
         cfg.output_dir, self.dir = str(out), pathlib.Path(out)
-        self._timers: dict[str, float] = {}
         self._bar = self._wandb = None
-        self.closed = False
-        self.started = time.perf_counter()
+        self.closed, self.started = False, time.perf_counter()
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
-        self.times: dict[str, float] = {}  # seconds per phase over the whole run
+        self._timers, self.times = {}, {}  # seconds per phase: since the last log(), in all
         self.last: dict = {}  # the latest value of every metric logged
         self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            if not cfg.resume and _core_held_run(out):  # nothing is touched before this
-                raise FileExistsError(_core_held_run(out))
             if cfg.resume:
                 self._clean_interrupted_saves()
+            elif _core_held_run(out):  # nothing is touched before this
+                raise FileExistsError(_core_held_run(out))
             (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
             atomic_write_json(self.dir / "config.json", cfg_d)
@@ -1610,13 +1608,12 @@ class Run:
                         any(s in k for s in _CORE_POSTFIX_KEYS):
                     short = k.count("/") == 1 and k.startswith("train/")
                     post[k.split("/")[-1] if short else k] = f"{v:.3g}"
-            times = [(k[5:], v) for k, v in rec.items()
-                     if k.startswith("time/") and isinstance(v, float)]
-            slow = max(times, key=lambda kv: kv[1], default=None)
-            self.slowest = f"{slow[0]} {slow[1]:.1f}s" if slow and slow[1] > 0 else ""
-            if self.slowest:  # where this step's time went
-                post["slowest"] = self.slowest
-            self._bar.set_postfix(post, refresh=False)
+            times = [(v, k[5:]) for k, v in rec.items() if k.startswith("time/")
+                     and isinstance(v, float)]
+            secs, slow = max(times, default=(0, ""))
+            self.slowest = f"{slow} {secs:.1f}s" if secs > 0 else ""
+            self._bar.set_postfix({**post, "slowest": self.slowest} if secs > 0 else post,
+                                  refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
         """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
@@ -1680,8 +1677,7 @@ class Run:
                         shutil.rmtree(p, ignore_errors=True)
         self.saved = int(step)
         del weights, optim_state
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        policy.barrier()
         return root / name
 
     def latest_checkpoint(self) -> pathlib.Path | None:
@@ -1703,12 +1699,10 @@ class Run:
                              f"it with the same number (now {policy.world_size}): its optimizer "
                              "state is laid out per run type")
         policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
-        if policy.world_size == 1:
-            osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
-        else:  # the full state is read on rank 0 and scattered into the shards
-            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) \
-                if self.is_main else {}
-        policy.load_optimizer_state(osd)
+        # under torchrun the full state is read on rank 0 and scattered into the shards
+        policy.load_optimizer_state({} if not self.is_main else torch.load(
+            ck / "optimizer.pt", weights_only=True,
+            map_location=policy.device if policy.world_size == 1 else "cpu"))
         per_rank = ts.get("rng_per_rank")
         _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size
                             else ts["rng"])
@@ -1716,8 +1710,7 @@ class Run:
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.dir / name, step)
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        policy.barrier()
         return step, ts.get("state", {})
 
     def write_eval(self, results: dict, name: str = "eval.json") -> None:
@@ -1748,9 +1741,8 @@ class Run:
     def summary(self, extra: dict | None = None) -> str:
         """The table printed when a run ends: method, steps, headline figures, seconds per phase,
         the folder and the command that continues it."""
-        times = dict(self.times)
-        for k, v in self._timers.items():
-            times[k] = times.get(k, 0.0) + v
+        times = {k: self.times.get(k, 0.0) + self._timers.get(k, 0.0)
+                 for k in {**self.times, **self._timers}}
         steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
@@ -1785,7 +1777,7 @@ class Run:
 # ---------------------------------------------------------------------------------------------
 def saved_activation_bytes(model, tokens: int) -> int:
     """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
-    excluded): the activation term of the memory plan, measured rather than modelled."""
+    excluded): the activation term of the memory plan, measured."""
     core = getattr(model, "module", model)
     device = next(core.parameters()).device
     seen = {}
@@ -1851,12 +1843,10 @@ def _core_gib(n: float) -> str:
 
 
 def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
-    """Bytes a training step with micro-batches of `tokens` still needs beyond what is allocated, at
-    its peak once AdamW's state exists: gradients and the two moments (already there after a
-    resume), plus the larger of a micro-batch's measured activations with token_logprobs' LM-head
-    chunks (~512 MiB), and the optimizer step's temporaries (on GPU foreach AdamW's, a weight set;
-    on CPU one tensor at a time), which come after the activations are freed. Checked against
-    measured peaks by tests/bench_memory.py."""
+    """Bytes a step with micro-batches of `tokens` needs beyond what is allocated, at its peak:
+    gradients and AdamW's two moments (unless they exist), plus the larger of the activations with
+    the LM-head chunks (~512 MiB) and AdamW's temporaries (GPU: a weight set; CPU: one tensor).
+    Checked against measured peaks by tests/bench_memory.py."""
     local = [p.to_local() if _core_is_dtensor(p) else p
              for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in local]
@@ -1867,11 +1857,10 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Before the first step, size the trainer to the memory actually free (10% margin): keep
-    --micro-batch-tokens and no checkpointing if a step fits; else the largest micro-batch that
-    still holds one --max-model-len sequence without checkpointing (no recompute: faster); else
-    gradient checkpointing. Neither changes the gradient. If even that cannot fit one sequence, a
-    one-line error names the fixes. Returns the line to print ('' when nothing changed)."""
+    """Size the trainer to the free memory (10% margin) before the first step: the configured
+    micro-batch if it fits; else the largest one holding a --max-model-len sequence, without
+    checkpointing if possible (faster), else with it; else a one-line error. The gradients stay
+    the same. Returns the line to print ('' when nothing changed)."""
     cfg, model = policy.cfg, policy.module
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
@@ -1887,7 +1876,10 @@ def fit_memory(policy, free: int | None = None) -> str:
         room = free / 1.1 - step_memory(policy, 0, ckpt, cost)
         return int(room / cost["on" if ckpt else "off"]) // 256 * 256
 
-    before = f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+    def plan(tokens, ckpt):
+        return f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+
+    before = plan(tokens, ckpt)
     if not ckpt and largest(False) >= seq:
         cfg.micro_batch_tokens = min(tokens, largest(False))
     elif largest(True) >= seq:
@@ -1900,8 +1892,7 @@ def fit_memory(policy, free: int | None = None) -> str:
             f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
             f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
             f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
-    after = f"--micro-batch-tokens {cfg.micro_batch_tokens}" + (
-        " with gradient checkpointing" if cfg.gradient_checkpointing else "")
+    after = plan(cfg.micro_batch_tokens, cfg.gradient_checkpointing)
     return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
             f"with {after} instead (the same gradients)")
 
