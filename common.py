@@ -270,19 +270,15 @@ def check_model(name: str, flag: str = "--model") -> None:
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_CORE_MODEL_FIX}")
-    from huggingface_hub import constants  # the cache layout of huggingface_hub/file_download.py
-    repo = pathlib.Path(constants.HF_HUB_CACHE) / ("models--" + name.replace("/", "--"))
-    with contextlib.suppress(OSError):  # cached: refs/main names a snapshot with a config.json
-        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
-        if (snapshot / "config.json").is_file():
-            return
+    from huggingface_hub import model_info, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):  # cached: loads offline
+        return
     offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in offline):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
     try:
-        from huggingface_hub import model_info
         model_info(name, timeout=4)
     except Exception as e:
         kind = type(e).__name__
