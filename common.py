@@ -147,15 +147,13 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
     for f in dataclasses.fields(cls):
         typ = hints.get(f.name, str)
         defaults[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        note = comments.get(f.name, "")
-        kw = dict(dest=f.name, help=f"{note} (default: {defaults[f.name]!r})".strip()
-                  .replace("%", "%%"))
+        help_text = f"{comments.get(f.name, '')} (default: {defaults[f.name]!r})".strip()
+        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
+        flag = "--" + f.name.replace("_", "-")
         if typ is bool:
-            parser.add_argument("--" + f.name.replace("_", "-"),
-                                action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typ in (int, float, str):
-            parser.add_argument("--" + f.name.replace("_", "-"), type=typ,
-                                metavar=typ.__name__.upper(), **kw)
+            parser.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
     ns, unknown = parser.parse_known_args(argv)
