@@ -1043,11 +1043,8 @@ class HFSampler(Sampler):
                 for b in range(0, len(order), per_batch):
                     idx = order[b:b + per_batch]
                     L = max(len(reqs[i]) for i in idx)
-                    inp = torch.full((len(idx), L), pad, dtype=torch.long)
-                    att = torch.zeros((len(idx), L), dtype=torch.long)
-                    for r, i in enumerate(idx):
-                        inp[r, L - len(reqs[i]):] = torch.tensor(reqs[i])
-                        att[r, L - len(reqs[i]):] = 1
+                    inp = torch.tensor([[pad] * (L - len(reqs[i])) + reqs[i] for i in idx])
+                    att = torch.tensor([[0] * (L - len(reqs[i])) + [1] * len(reqs[i]) for i in idx])
                     # A clean generation config: the model's own defaults (Qwen ships top_k=20,
                     # temperature 0.6) must not leak in, as vLLM ignores them too.
                     gcfg = transformers.GenerationConfig(
