@@ -1,5 +1,5 @@
 """The tiny test model: a random ~1.7M-parameter Qwen3 with a freshly trained byte-level BPE
-tokenizer, built by common.resolve_model_path("tiny") (--model tiny) for the tests and smoke runs."""
+tokenizer, built by common.resolve_model_path("tiny") (--model tiny) for tests and smoke runs."""
 import pathlib
 import random
 
