@@ -1970,24 +1970,22 @@ def fit_memory(policy, free: int | None = None) -> str:
 
 @dataclass
 class Trajectory:
-    """A sampled completion to train on: its advantage goes to every completion token, ``role``
-    keys per-role stats, ``sampler_logprobs`` feed truncated IS and the weight-sync check."""
+    """A sampled completion to train on: one advantage for all its tokens, ``role`` for stats."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
     advantage: float = 0.0
     role: str = ""
-    sampler_logprobs: list[float] | None = None
+    sampler_logprobs: list[float] | None = None  # the sampler's: truncated IS, the sync check
 
     @classmethod
-    def from_completion(cls, c, **kw) -> "Trajectory":
+    def from_completion(cls, c, **kw) -> Trajectory:
         return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
                    sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
 
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
-def _rl_micro_batches(lengths: list[int], token_budget: int,
-                      max_seqs: int | None = None) -> list[list[int]]:
+def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
     sequence gets a micro-batch of its own (splitting it would change its attention)."""
     if token_budget <= 0:
@@ -2003,13 +2001,12 @@ def _rl_micro_batches(lengths: list[int], token_budget: int,
 
 
 def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
-    """log pi(target) and the exact entropy of a chunk: fp32 logits / T, logsumexp-normalised."""
+    """log pi(target) of a chunk, z = fp32 logits / T, and the entropy H = lse(z) - sum p z."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    # H = -sum_v p_v log p_v = lse - sum_v p_v z_v   (z = logits / T)
     return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
 
 
@@ -2021,20 +2018,16 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
     targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
-    if not len(targets):
-        z = torch.zeros(0, device=device)
-        return z, (z if with_entropy else None)
-    ids = torch.zeros(len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)),
-                      dtype=torch.long)
+    rows = [torch.tensor([*p, *c], dtype=torch.long) for p, c in zip(prompts, completions)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
     att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids[b, :len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
         att[b, :len(p) + len(c)] = 1
         pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
     # the root forward, so FSDP2/DDP hooks see it; then the completion positions, row-major
     hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = getattr(model, "module", model).get_output_embeddings()
-    chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits (x2 H)
+    chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
     run = (functools.partial(torch.utils.checkpoint.checkpoint, _rl_head_logprobs,
                              use_reentrant=False) if torch.is_grad_enabled() else _rl_head_logprobs)
     with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
@@ -2052,8 +2045,7 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy "
-                         "samples are scored at T=1")
+        raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
     lps, ents = [None] * len(prompts), [None] * len(prompts)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
@@ -2118,8 +2110,6 @@ class PGConfig:
                              "seq-mean-token-mean or drgrpo")
         if self.aggregation == "drgrpo" and self.max_len <= 0:
             raise ValueError("aggregation='drgrpo' needs max_len > 0: the generation limit L_max")
-        if self.temperature <= 0:
-            raise ValueError("PGConfig.temperature (the rollouts' sampling one) must be > 0")
         if self.updates_per_batch < 1 or self.mini_batch < 0:
             raise ValueError("updates_per_batch must be >= 1 and mini_batch >= 0 (0 = whole batch)")
 
@@ -2175,8 +2165,7 @@ def _rl_proc_status_kb(key: str) -> int | None:
 
 
 def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
-    """Peak memory (GiB) since the step began less ``base``, held then: CUDA's max allocated, or
-    the resident peak VmHWM on CPU (NaN where /proc cannot be read)."""
+    """Peak GiB since the step began less ``base``: CUDA max allocated, or VmHWM (NaN: no /proc)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30 - base
     hwm = _rl_proc_status_kb("VmHWM")
@@ -2192,15 +2181,9 @@ def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     return [[order[s:s + size] for s in range(0, n, size)] for order in orders]
 
 
-@dataclass
-class _RLPart:
-    """This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every
-    rank (one short of work re-runs one at live 0), its real indices, N and M over all ranks."""
-    micro: list[tuple[list[int], float]]
-    items: list[int]
-    num_seqs: int
-    num_tokens: int
-    skip: bool = False
+# This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every rank
+# (a rank short of work re-runs one at live 0), its real indices, N and M over all ranks, and skip.
+_RLPart = collections.namedtuple("_RLPart", "micro items num_seqs num_tokens skip")
 
 
 class _RLTrain:
@@ -2222,8 +2205,7 @@ class _RLTrain:
         else:
             with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets the resident peak VmHWM (Linux >= 4.0)
-            rss = _rl_proc_status_kb("VmRSS")
-            self.mem0 = float("nan") if rss is None else rss / 2**20
+            self.mem0 = (_rl_proc_status_kb("VmRSS") or math.nan) / 2**20
         self.t0 = time.perf_counter()
 
     def plan(self, idx: list[int], max_seqs: int | None = None, need: bool = True) -> _RLPart:
@@ -2236,11 +2218,10 @@ class _RLTrain:
         n_mb, need = self.policy.all_reduce([len(mbs), need], "max")
         micro = [([work[j] for j in mb], float(bool(local))) for mb in mbs]
         micro += [(micro[0][0], 0.0)] * (int(n_mb) - len(mbs))  # as many on every rank
-        return _RLPart(micro, local, int(n), int(m), skip=not need)
+        return _RLPart(micro, local, int(n), int(m), not need)
 
     def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
-        """No-grad log-probs and entropies of ``rows`` (dicts), with ``weights`` (e.g. the KL
-        reference, on the CPU) swapped into the trainer's own tensors for this pass only."""
+        """No-grad log-probs and entropies of ``rows`` (dicts), ``weights`` (a KL reference) in."""
         swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
         with torch.no_grad(), swap:
             lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
@@ -2252,8 +2233,7 @@ class _RLTrain:
         return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
                            **kw)
 
-    def backward(self, loss, idx: list[int], live: float, logp=None, old_logp=None,
-                 clipped=None) -> None:
+    def backward(self, loss, idx: list[int], live: float, logp=None, old_logp=None, clipped=None):
         """Backward of a micro-batch's loss (``live`` = 0: a stand-in, no gradient); with ``logp``,
         the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
         loss = loss * live
@@ -2272,11 +2252,9 @@ class _RLTrain:
         (FSDP2 leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
         if zero:
             self.policy.optimizer.zero_grad(set_to_none=True)
-            with contextlib.suppress(ImportError):
-                from torch.distributed.fsdp import FSDPModule
-                for m in self.model.modules():
-                    if isinstance(m, FSDPModule):
-                        m.reshard()
+            for m in self.model.modules():
+                if hasattr(m, "reshard"):  # an FSDP2 module
+                    m.reshard()
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
@@ -2331,16 +2309,15 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
 
-    1. A no-grad pass before any step: l_old and the exact entropy of the rollout policy, l_ref
-       with ``ref_weights`` swapped in; pi_old is the sampling policy for every step (as veRL,
-       EasyR1 and Oat: rho = 1 in the first).
+    1. A no-grad pass: l_old and the exact entropy of the rollout policy, l_ref with
+       ``ref_weights`` swapped in; pi_old is the sampling policy for every step (veRL, EasyR1, Oat).
     2. Per mini-batch (``cfg.mini_batch``, ``cfg.updates_per_batch`` passes) and micro-batch:
        forward, ``token_loss`` (a fork passes its own), ``aggregation_weights`` by the mini-batch's
        own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``: the nominal size), backward; clip, step.
        An all-A=0 mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss only).
-    Stats are over the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's);
-    entropy/<role>, nll_entropy: mean NLL of the sampled tokens ("Towards Understanding Self-play
-    for LLM Reasoning", Eq. 1); logprob_diff_vs_sampler jumps with a broken weight sync."""
+    Stats cover the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's);
+    nll_entropy and entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM Reasoning";
+    logprob_diff_vs_sampler jumps with a broken weight sync."""
     if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
            for t in trajs):
         raise ValueError("sampler_logprobs must have one entry per completion token")
@@ -2376,13 +2353,14 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         for idx, live in [] if part.skip else part.micro:
             lp, en = train.forward(idx, temperature=cfg.temperature,
                                    with_entropy=cfg.entropy_coef > 0)
-            loss, clipped = token_loss(lp, cat(old, idx), cat(adv, idx), cfg, entropy=en,
+            l_old = cat(old, idx)
+            loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
                                        ref_logp=cat(ref, idx),
                                        sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
             w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation,
                                     num_seqs=part.num_seqs, num_tokens=part.num_tokens,
                                     max_len=cfg.max_len)
-            train.backward((loss * w.to(train.device)).sum(), idx, live, lp, cat(old, idx), clipped)
+            train.backward((loss * w.to(train.device)).sum(), idx, live, lp, l_old, clipped)
         train.step(zero=part.skip)
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
     return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
@@ -2401,10 +2379,8 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
     policy.optimizer.zero_grad(set_to_none=True)
     for idx, live in part.micro:
         train.backward(-train.forward(idx)[0].sum() / part.num_tokens, idx, live)
-    norm = train.step()
-    figures = train.finish(sync=False)
-    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
-            "n_tokens": part.num_tokens, **figures}
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": train.step(),
+            "n_tokens": part.num_tokens, **train.finish(sync=False)}
 
 
 # ==================================================================================================
