@@ -1809,31 +1809,22 @@ def fit_memory(policy, free: int | None = None) -> str:
 
 @dataclass
 class Trajectory:
-    """A sampled completion to train on. Its advantage is broadcast to every completion token;
-    ``role`` keys the per-role stats; ``sampler_logprobs`` (the sampler's, at its temperature)
-    feed truncated IS and the weight-sync check."""
+    """A sampled completion to train on: one advantage for all its tokens, ``role`` for stats."""
     prompt_ids: list[int]
     completion_ids: list[int]
     reward: float = 0.0
     advantage: float = 0.0
     role: str = ""
-    sampler_logprobs: list[float] | None = None
+    sampler_logprobs: list[float] | None = None  # the sampler's: truncated IS, the sync check
 
     @classmethod
-    def from_completion(cls, c, **kw) -> "Trajectory":
-        """From a sampler ``Completion``; ``kw`` (reward, advantage, role) pass through."""
+    def from_completion(cls, c, **kw) -> Trajectory:
         return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
                    sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
 
 
-# --------------------------------------------------------------------------------------------------
-# 1. Per-token log-probs
-# --------------------------------------------------------------------------------------------------
-_RL_LOGIT_CHUNK_BYTES = 128 * 2**20  # fp32 logits held at once by one chunk (x2 with the entropy)
-
-
-def _rl_micro_batches(lengths: list[int], token_budget: int,
-                      max_seqs: int | None = None) -> list[list[int]]:
+# --------------------------------------------------------------------------- 1. Per-token log-probs
+def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
     sequence gets a micro-batch of its own (splitting it would change its attention)."""
     if token_budget <= 0:
@@ -1841,8 +1832,7 @@ def _rl_micro_batches(lengths: list[int], token_budget: int,
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = batches[-1] if batches else []
-        fits = b and (len(b) + 1) * lengths[b[0]] <= token_budget
-        if fits and not (max_seqs and len(b) >= max_seqs):
+        if b and (len(b) + 1) * lengths[b[0]] <= token_budget and len(b) < (max_seqs or math.inf):
             b.append(i)
         else:
             batches.append([i])
@@ -1850,49 +1840,38 @@ def _rl_micro_batches(lengths: list[int], token_budget: int,
 
 
 def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
-    """log pi(target) and the exact entropy of a chunk: fp32 logits / T, logsumexp-normalised."""
+    """log pi(target) of a chunk, z = fp32 logits / T, and the entropy H = lse(z) - sum p z."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, None
-    # H = -sum_v p_v log p_v = lse - sum_v p_v z_v   (z = logits / T)
-    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
 
 
 def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
                 chunk_rows=None):
-    """One right-padded micro-batch: flat log-probs (and entropies) of its completion tokens, the
-    hidden state at P-1+t predicting token t. The LM head runs on those positions only, in chunks
-    recomputed in backward, so the full-vocabulary logits of the batch never exist at once."""
+    """Flat log-probs (and entropies) of a right-padded micro-batch's completion tokens: the LM
+    head runs on the positions P-1+t only, in chunks recomputed in backward."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
-    ids = torch.zeros(len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)),
-                      dtype=torch.long)
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
+    rows = [torch.tensor([*p, *c], dtype=torch.long) for p, c in zip(prompts, completions)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
     att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids[b, :len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
         att[b, :len(p) + len(c)] = 1
         pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
-    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
-    if not len(targets):
-        z = torch.zeros(0, device=device)
-        return z, (z if with_entropy else None)
     # the root forward, so FSDP2/DDP hooks see it; then the completion positions, row-major
     hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = getattr(model, "module", model).get_output_embeddings()
-    chunk = chunk_rows or max(1, _RL_LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
-    out = []
-    for s in range(0, len(targets), chunk):
-        args = (head, hidden[s:s + chunk], targets[s:s + chunk], temperature, with_entropy)
-        with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
-            out.append(torch.utils.checkpoint.checkpoint(_rl_head_logprobs, *args,
-                                                         use_reentrant=False)
-                       if torch.is_grad_enabled() else _rl_head_logprobs(*args))
-    lp, en = zip(*out)
+    chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
+    run = (functools.partial(torch.utils.checkpoint.checkpoint, _rl_head_logprobs,
+                             use_reentrant=False) if torch.is_grad_enabled() else _rl_head_logprobs)
+    with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
+        lp, en = zip(*[run(head, h, t, temperature, with_entropy)
+                       for h, t in zip(hidden.split(chunk), targets.split(chunk))])
     return torch.cat(lp), (torch.cat(en) if with_entropy else None)
 
 
@@ -1905,10 +1884,8 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score tokens (got {temperature}); greedy "
-                         "samples are scored at T=1")
-    lps: list = [None] * len(prompts)
-    ents = lps.copy()
+        raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
+    lps, ents = [None] * len(prompts), [None] * len(prompts)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
         lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
@@ -1920,68 +1897,35 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     return lps, (ents if with_entropy else None)
 
 
-# --------------------------------------------------------------------------------------------------
-# 2. Advantages
-# --------------------------------------------------------------------------------------------------
-def _rl_as_float64(x) -> torch.Tensor:
-    t = torch.as_tensor(x, dtype=torch.float64).flatten()
-    if not torch.isfinite(t).all():
-        raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
-    return t
-
-
-def _rl_normalise(r: torch.Tensor, idx: list[int], *, use_std: bool, eps: float,
-                  weights: torch.Tensor | None = None) -> torch.Tensor:
-    """(r - mean) / (std + eps) on one group; one sample, or equal rewards, give exactly 0."""
-    g = r[idx]
-    if len(idx) < 2 or bool((g == g[0]).all()):
-        return torch.zeros_like(g)
-    if weights is None:
-        return (g - g.mean()) / (g.std(correction=1) + eps) if use_std else g - g.mean()
-    # token-weighted whitening (veRL masked_whiten over token-level returns): token-weighted mean,
-    # Bessel-corrected token-weighted variance (divide by sum(w) - 1), (r - mean) * rsqrt(var + eps)
-    w = weights[idx]
-    mean = (w * g).sum() / w.sum()
-    return (g - mean) * torch.rsqrt((w * (g - mean) ** 2).sum() / (w.sum() - 1) + eps)
-
-
-def _rl_keys(ids) -> list:
-    """Group ids or keys (a tensor or array [N] or [N, k], or a list of their scalars) as plain
-    python values, compared by value: a 0-d tensor would hash by identity."""
-    def plain(x):
-        if isinstance(x, (torch.Tensor, np.ndarray, np.generic)):
-            x = x.tolist()
-        return tuple(plain(y) for y in x) if isinstance(x, (list, tuple)) else x
-    if isinstance(ids, (torch.Tensor, np.ndarray)):
-        ids = ids.tolist()
-    return [plain(g) for g in ids]
-
-
+# ------------------------------------------------------------------------------------ 2. Advantages
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages (float32), the baseline over the responses to one prompt.
-    ``"std"``: GRPO (DeepSeekMath §4.1.2), A_i = (r_i - mean_g r) / (std_g r + eps), the unbiased
-    std as R-Zero's EasyR1/veRL and TRL; ``"none"``: Dr. GRPO §3.1, A_i = r_i - mean_g r."""
+    """Group-relative advantages (float32). ``"std"``: GRPO (DeepSeekMath §4.1.2), A_i = (r_i -
+    mean_g r) / (std_g r + eps), unbiased std as EasyR1/veRL and TRL; ``"none"``: Dr. GRPO §3.1,
+    A_i = r_i - mean_g r. A group of one sample, or of equal rewards, gets exactly 0."""
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' (GRPO) or 'none' (Dr. GRPO), got {scale!r}")
-    r = _rl_as_float64(rewards)
-    group_ids = _rl_keys(group_ids)
-    if len(group_ids) != len(r):
-        raise ValueError(f"{len(r)} rewards but {len(group_ids)} group ids")
+    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
+
+    def plain(x):  # ids as python values, compared by value (a 0-d tensor hashes by identity)
+        x = x.tolist() if isinstance(x, (torch.Tensor, np.ndarray, np.generic)) else x
+        return tuple(map(plain, x)) if isinstance(x, (list, tuple)) else x
+    keys = [plain(g) for g in group_ids]
+    if len(keys) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(keys)} group ids")
     groups: dict = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        groups[g].append(i)
+    for i, k in enumerate(keys):
+        groups[k].append(i)
     adv = torch.zeros_like(r)
     for idx in groups.values():
-        adv[idx] = _rl_normalise(r, idx, use_std=scale == "std", eps=eps)
+        g = r[idx]
+        if len(idx) > 1 and not bool((g == g[0]).all()):
+            adv[idx] = (g - g.mean()) / (g.std() + eps) if scale == "std" else g - g.mean()
     return adv.float()
 
 
-# --------------------------------------------------------------------------------------------------
-# 3. Policy loss and aggregation
-# --------------------------------------------------------------------------------------------------
-_RL_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "drgrpo")
-
-
+# ------------------------------------------------------------------- 3. Policy loss and aggregation
 @dataclass
 class PGConfig:
     """Options of the policy-gradient update; each method file sets its paper's values."""
@@ -2000,23 +1944,18 @@ class PGConfig:
     skip_zero_adv: bool = True  # all-A=0 mini-batch: zero grad, step without forward/backward
 
     def __post_init__(self):
-        if self.aggregation not in _RL_AGGREGATIONS:
-            raise ValueError(f"aggregation {self.aggregation!r} is not one of {_RL_AGGREGATIONS}")
+        if self.aggregation not in ("token-mean", "seq-mean-token-mean", "drgrpo"):
+            raise ValueError(f"aggregation {self.aggregation!r} is not token-mean, "
+                             "seq-mean-token-mean or drgrpo")
         if self.aggregation == "drgrpo" and self.max_len <= 0:
             raise ValueError("aggregation='drgrpo' needs max_len > 0: the generation limit L_max")
-        if self.temperature <= 0:
-            raise ValueError("PGConfig.temperature (the rollouts' sampling one) must be > 0")
-        if self.updates_per_batch < 1:
-            raise ValueError("updates_per_batch must be >= 1")
-        if self.mini_batch < 0:
-            raise ValueError(f"mini_batch must be >= 0 (0 = whole batch), got {self.mini_batch}")
+        if self.updates_per_batch < 1 or self.mini_batch < 0:
+            raise ValueError("updates_per_batch must be >= 1 and mini_batch >= 0 (0 = whole batch)")
 
 
 def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None,
                   sampler_logp=None):
-    """Per-token loss w_IS * L^clip + beta * k3 - c_H * H_t, all inputs of one shape. Returns
-    ``(loss, clipped)``, ``clipped`` marking the tokens where the clipped branch was taken.
-
+    """Per-token loss w_IS * L^clip + beta * k3 - c_H * H_t, and where the clip was taken.
     - L^clip = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), rho = exp(l - l_old): PPO-clip
       (Schulman et al. 2017, Eq. 7) as in GRPO (DeepSeekMath Eq. 3), decoupled eps (DAPO Eq. 10);
       dual clip for A < 0: min(L^clip, -c A) (Ye et al. 2020, Eq. 5; veRL ``compute_policy_loss``).
@@ -2026,12 +1965,9 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
     unclipped = -adv * ratio
     clipped_loss = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     loss = torch.maximum(unclipped, clipped_loss)  # = -min(rho*A, clip(rho)*A)
-    clipped = clipped_loss > unclipped
     if cfg.dual_clip > 0:
         loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
     if cfg.tis_cap > 0:
-        if sampler_logp is None:
-            raise ValueError("tis_cap > 0 needs sampler log-probs (ask the sampler for logprobs)")
         loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
     if cfg.kl_coef > 0:
         if ref_logp is None:
@@ -2039,10 +1975,8 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
         delta = ref_logp - logp
         loss = loss + cfg.kl_coef * torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
     if cfg.entropy_coef > 0:
-        if entropy is None:
-            raise ValueError("entropy_coef > 0 needs the per-token entropy")
         loss = loss - cfg.entropy_coef * entropy
-    return loss, clipped
+    return loss, clipped_loss > unclipped
 
 
 def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
@@ -2051,11 +1985,6 @@ def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
     ``num_tokens`` of the step, so that micro-batches sum to the full-batch loss. ``token-mean``:
     1/M (DAPO Eq. 12); ``seq-mean-token-mean``: 1/(N |y_i|) (DeepSeekMath Eq. 3; Absolute Zero
     Eq. 9); ``drgrpo``: 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
-    lengths = [int(x) for x in lengths]
-    if mode not in _RL_AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {_RL_AGGREGATIONS}, got {mode!r}")
-    if mode == "drgrpo" and max_len <= 0:
-        raise ValueError("drgrpo aggregation needs max_len = L_max > 0")
     if mode == "drgrpo" and max(lengths, default=0) > max_len:
         raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
                          "max_len must be the generation limit")
@@ -2066,37 +1995,16 @@ def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
     return w.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
 
 
-def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, *,
-                   num_seqs: int | None = None, num_tokens: int | None = None,
-                   max_len: int = 0) -> torch.Tensor:
-    """A right-padded per-token loss [B, T] aggregated under ``mask`` (0 = padding) by
-    ``aggregation_weights``; N and M default to this tensor's own counts."""
-    mask = mask.to(token_loss.dtype)
-    lengths = mask.sum(1).round().long().tolist()
-    n = token_loss.shape[0] if num_seqs is None else num_seqs
-    m = sum(lengths) if num_tokens is None else num_tokens
-    w = torch.zeros_like(token_loss)
-    w[mask.bool()] = aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1),
-                                         max_len=max_len).to(token_loss.device, token_loss.dtype)
-    return (token_loss * w * mask).sum()
-
-
-# --------------------------------------------------------------------------------------------------
-# 4. The update: pg_step and sft_step, and their distributed bookkeeping
-# --------------------------------------------------------------------------------------------------
+# --------------------------- 4. The update: pg_step and sft_step, and their distributed bookkeeping
 def _rl_proc_status_kb(key: str) -> int | None:
     """A ``kB`` field of /proc/self/status (Linux), e.g. VmRSS or VmHWM (the resident peak)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
     return None
 
 
 def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
-    """Peak memory (GiB) since the step began less ``base``, held then: CUDA's max allocated, or
-    the resident peak VmHWM on CPU (NaN where /proc cannot be read)."""
+    """Peak GiB since the step began less ``base``: CUDA max allocated, or VmHWM (NaN: no /proc)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30 - base
     hwm = _rl_proc_status_kb("VmHWM")
@@ -2106,23 +2014,15 @@ def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
 def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     """Mini-batches of ``cfg.mini_batch`` in ``cfg.updates_per_batch`` passes over n trajectories,
     in batch order or permuted per pass (``cfg.shuffle``: python's ``random``, rank 0's draw)."""
+    orders = [broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
+              for _ in range(cfg.updates_per_batch)]
     size = cfg.mini_batch or n
-    passes = []
-    for _ in range(cfg.updates_per_batch):
-        order = broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
-        passes.append([order[s:s + size] for s in range(0, n, size)])
-    return passes
+    return [[order[s:s + size] for s in range(0, n, size)] for order in orders]
 
 
-@dataclass
-class _RLPart:
-    """This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every
-    rank (one short of work re-runs one at live 0), its real indices, N and M over all ranks."""
-    micro: list[tuple[list[int], float]]
-    items: list[int]
-    num_seqs: int
-    num_tokens: int
-    skip: bool = False
+# This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every rank
+# (a rank short of work re-runs one at live 0), its real indices, N and M over all ranks, and skip.
+_RLPart = collections.namedtuple("_RLPart", "micro items num_seqs num_tokens skip")
 
 
 class _RLTrain:
@@ -2136,48 +2036,31 @@ class _RLTrain:
         self.prompts, self.comps, self.lens = prompts, comps, [len(c) for c in comps]
         self.seq_lens = [len(p) + len(c) for p, c in zip(prompts, comps)]
         self.device = next(self.model.parameters()).device
-        self.tokens = 0  # prompt + completion tokens this rank pushed through the trainer
         self.sums = dict.fromkeys(("loss", "clipped", "kl", "kl_tokens"), 0.0)  # this rank's
-        self.norms: list[float] = []  # pre-clip grad norm of each optimizer step
-        self.skipped = 0
+        self.tokens, self.skipped, self.norms = 0, 0, []  # this rank's tokens; pre-clip norms
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.t0 = time.perf_counter()
             self.mem0 = torch.cuda.memory_allocated(self.device) / 2**30
-            return
-        with contextlib.suppress(OSError):  # "5" resets the resident peak VmHWM (Linux >= 4.0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        self.t0, rss = time.perf_counter(), _rl_proc_status_kb("VmRSS")
-        self.mem0 = float("nan") if rss is None else rss / 2**20
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the resident peak VmHWM (Linux >= 4.0)
+            self.mem0 = (_rl_proc_status_kb("VmRSS") or math.nan) / 2**20
+        self.t0 = time.perf_counter()
 
-    def plan(self, idx: list[int], max_seqs: int | None = None) -> _RLPart:
-        """One optimizer step on ``idx``: this rank's contiguous share in micro-batches of
-        ``micro_batch_tokens`` padded tokens; a rank left with nothing runs one item at weight 0."""
+    def plan(self, idx: list[int], max_seqs: int | None = None, need: bool = True) -> _RLPart:
+        """One step on ``idx``: this rank's share in micro-batches of ``micro_batch_tokens`` padded
+        tokens (one item at weight 0 if it has none); ``skip`` unless some rank ``need``s it."""
         local = self.policy.shard(list(idx))
-        real = bool(local)
-        local = local or list(idx[:1])
-        mbs = _rl_micro_batches([self.seq_lens[i] for i in local], self.budget, max_seqs)
-        n, m = self.policy.all_reduce([len(local) * real, sum(self.lens[i] for i in local) * real])
-        n_mb = int(self.policy.all_reduce([len(mbs)], "max")[0])
-        micro = [([local[j] for j in mbs[k if k < len(mbs) else 0]], float(real and k < len(mbs)))
-                 for k in range(n_mb)]
-        return _RLPart(micro, local if real else [], int(n), int(m))
-
-    def schedule(self, cfg: PGConfig, advantages: list[float], skippable: bool):
-        """pg_step's passes of planned steps. An all-A=0 mini-batch has gradient exactly 0 when
-        ``skippable``: it is marked ``skip``, decided over all ranks so FSDP's collectives match."""
-        batches = _rl_schedule(len(self.lens), cfg)
-        passes = [[self.plan(idx) for idx in mbs] for mbs in batches]
-        need = self.policy.all_reduce([float(not skippable or any(advantages[i] != 0 for i in idx))
-                                       for mbs in batches for idx in mbs], "max")
-        for part, n in zip([p for ps in passes for p in ps], need):
-            part.skip = not n
-        return passes
+        work = local or list(idx[:1])
+        mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget, max_seqs)
+        n, m = self.policy.all_reduce([len(local), sum(self.lens[i] for i in local)])
+        n_mb, need = self.policy.all_reduce([len(mbs), need], "max")
+        micro = [([work[j] for j in mb], float(bool(local))) for mb in mbs]
+        micro += [(micro[0][0], 0.0)] * (int(n_mb) - len(mbs))  # as many on every rank
+        return _RLPart(micro, local, int(n), int(m), not need)
 
     def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
-        """No-grad log-probs and entropies of ``rows`` (dicts), with ``weights`` (e.g. the KL
-        reference, on the CPU) swapped into the trainer's own tensors for this pass only."""
+        """No-grad log-probs and entropies of ``rows`` (dicts), ``weights`` (a KL reference) in."""
         swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
         with torch.no_grad(), swap:
             lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
@@ -2189,55 +2072,39 @@ class _RLTrain:
         return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
                            **kw)
 
-    def backward(self, loss, idx: list[int], live: float) -> None:
-        """Backward of a micro-batch's loss; ``live`` = 0 for a stand-in (no gradient)."""
+    def backward(self, loss, idx: list[int], live: float, logp=None, old_logp=None, clipped=None):
+        """Backward of a micro-batch's loss (``live`` = 0: a stand-in, no gradient); with ``logp``,
+        the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
         loss = loss * live
         (loss * self.policy.world_size).backward()
         self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
         self.sums["loss"] += loss.item()
-
-    def record(self, logp, old_logp, clipped, live: float) -> None:
-        """Sums for clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
-        with torch.no_grad():
+        if logp is not None:
             d = logp.detach() - old_logp
             self.sums["clipped"] += clipped.float().sum().item() * live
             self.sums["kl"] += (torch.exp(d) - 1 - d).sum().item() * live
             self.sums["kl_tokens"] += d.numel() * live
 
-    def step(self) -> float:
-        """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm."""
+    def step(self, zero: bool = False) -> float:
+        """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm.
+        ``zero``: on zero gradients, so AdamW's count, moments and weight decay move as if computed
+        (FSDP2 leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
+        if zero:
+            self.policy.optimizer.zero_grad(set_to_none=True)
+            for m in self.model.modules():
+                if hasattr(m, "reshard"):  # an FSDP2 module
+                    m.reshard()
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            self.skipped += 1
         if self.policy.cfg.grad_clip > 0 and math.isfinite(self.policy.cfg.grad_clip):
             norm = self.policy.clip_and_step()  # FSDP2's norm over the shards is in there
         else:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
             self.policy.optimizer.step()
         self.norms.append(float(norm))
         return float(norm)
-
-    def zero_step(self) -> float:
-        """A step on zero gradients without forward or backward: AdamW's count, moment decay and
-        weight decay move as if computed. FSDP2 leaves the root unsharded after the no-grad pass:
-        reshard first, so the zero gradients are the optimizer's shards."""
-        self.policy.optimizer.zero_grad(set_to_none=True)
-        with contextlib.suppress(ImportError):
-            from torch.distributed.fsdp import FSDPModule
-            for m in self.model.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
-        for p in self.model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        self.skipped += 1
-        return self.step()
-
-    def seq_means(self, groups: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-        """Per key, the mean over all ranks' sequences of each one's token mean."""
-        sums = [sum(v.mean().item() for v in vs if v.numel()) for vs in groups.values()]
-        counts = [sum(v.numel() > 0 for v in vs) for vs in groups.values()]
-        red, k = self.policy.all_reduce(sums + counts), len(groups)
-        return {key: red[i] / red[k + i] if red[k + i] else float("nan")
-                for i, key in enumerate(groups)}
 
     def finish(self, sync: bool) -> dict:
         """Zero the gradients, push the weights into the sampler (``sync``); the call's figures."""
@@ -2251,31 +2118,29 @@ class _RLTrain:
                 "peak_mem_gb": _rl_peak_mem_gb(self.device, self.mem0)}
 
     def pg_stats(self, trajs, cfg: PGConfig, seen, old, ent, ref, samp, figures) -> dict:
-        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once."""
-        n, m = len(trajs), sum(self.lens)
-        nll = {i: -old[i] for i in seen}
-        groups = {"entropy": [ent[i] for i in seen], "nll_entropy": list(nll.values())}
+        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once. Entropy,
+        NLL and kl_ref are means over sequences of each one's token mean."""
+        seqs = {"entropy": [ent[i] for i in seen], "nll_entropy": [-old[i] for i in seen]}
         for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
-            groups[f"entropy/{role}"] = [nll[i] for i in seen if trajs[i].role == role]
-            groups[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
+            seqs[f"entropy/{role}"] = [-old[i] for i in seen if trajs[i].role == role]
+            seqs[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
         if ref is not None:
-            groups["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp and self.lens[i]]
-        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n = self.policy.all_reduce(
+            seqs["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+        seqs = {k: [v for v in vs if v.numel()] for k, vs in seqs.items()}
+        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp]
+        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n, *red = self.policy.all_reduce(
             [*self.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
-             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs)])
-        steps = len(self.norms)
+             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs),
+             *(sum(v.mean().item() for v in vs) for vs in seqs.values()), *map(len, seqs.values())])
+        steps, n, m = len(self.norms), len(trajs), sum(self.lens)
         stats = {"optimizer_steps": steps, "loss": loss / steps,
                  "grad_norm": sum(self.norms) / steps,
                  "clip_frac": clipped / (m * cfg.updates_per_batch),
-                 "approx_kl": kl / kl_n if kl_n else float("nan"), **self.seq_means(groups),
+                 "approx_kl": kl / kl_n if kl_n else float("nan"),
+                 **{k: s / c if c else float("nan") for k, s, c in zip(seqs, red, red[len(seqs):])},
                  **figures, "skipped_mini_batches": self.skipped, "zero_adv_frac": zero_adv / n,
                  "n_tokens": m, "n_seqs": n, "mean_len": m / n}
         return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
-
-
-def _rl_cat(xs: dict | None, idx: list[int]):
-    return None if xs is None else torch.cat([xs[i] for i in idx])
 
 
 @timed("train")
@@ -2283,20 +2148,15 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
 
-    1. One no-grad pass before any step: l_old and the exact entropy of the rollout policy, and
-       l_ref with ``ref_weights`` swapped in. pi_old is the policy that sampled, for every step
-       (rho = 1 in the first, as in veRL, EasyR1 and Oat).
-    2. Per mini-batch (``cfg.mini_batch`` trajectories, ``cfg.updates_per_batch`` passes) and
-       micro-batch: forward, ``token_loss`` (a fork passes its own, with pg_token_loss's
-       signature), ``aggregation_weights`` by this mini-batch's own N and M (veRL ``dp_actor.py``
-       and Oat ``ppo.py`` use the nominal size), backward; then clip and step. An all-A=0
-       mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss, no KL/entropy).
-    Stats are over the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's).
-    entropy/<role> and nll_entropy: mean NLL of the sampled tokens ("Towards Understanding
-    Self-play for LLM Reasoning", Eq. 1); logprob_diff_vs_sampler (mean |l_old - l_sampler|) jumps
-    with a broken weight sync. On-policy the loss is ~ -mean(A) ~ 0."""
-    if not trajs:
-        raise ValueError("pg_step got no trajectories")
+    1. A no-grad pass: l_old and the exact entropy of the rollout policy, l_ref with
+       ``ref_weights`` swapped in; pi_old is the sampling policy for every step (veRL, EasyR1, Oat).
+    2. Per mini-batch (``cfg.mini_batch``, ``cfg.updates_per_batch`` passes) and micro-batch:
+       forward, ``token_loss`` (a fork passes its own), ``aggregation_weights`` by the mini-batch's
+       own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``: the nominal size), backward; clip, step.
+       An all-A=0 mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss only).
+    Stats cover the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's);
+    nll_entropy and entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM Reasoning";
+    logprob_diff_vs_sampler jumps with a broken weight sync."""
     if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
            for t in trajs):
         raise ValueError("sampler_logprobs must have one entry per completion token")
@@ -2305,42 +2165,42 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     if cfg.kl_coef > 0 and ref_weights is None:
         raise ValueError("kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
     if not any(t.completion_ids for t in trajs):
-        raise ValueError("all completions are empty: nothing to train on")
+        raise ValueError("pg_step got no completion tokens (no trajectories, or all empty)")
     train = _RLTrain(policy, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs])
-    lens, dev = train.lens, train.device
     skippable = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
                  and token_loss is pg_token_loss)
-    passes = train.schedule(cfg, [t.advantage for t in trajs], skippable)
-    rows = sorted({i for ps in passes for p in ps for idx, _ in p.micro for i in idx})
-    seen = [i for p in passes[0] for i in p.items]  # each trajectory once over all ranks (stats)
+    batches = _rl_schedule(len(trajs), cfg)
+    parts = [train.plan(idx, need=not skippable or any(trajs[i].advantage != 0 for i in idx))
+             for mbs in batches for idx in mbs]
+    rows = sorted({i for p in parts for idx, _ in p.micro for i in idx})
+    seen = [i for p in parts[:len(batches[0])] for i in p.items]  # the first pass: each once
 
-    # 1. pi_old, entropy and pi_ref, no grad, before any step; also when every step is skipped:
-    #    the entropy and sampler diff are the diagnostics of a collapsed batch
+    # 1. pi_old, entropy, pi_ref; also when every step is skipped (a collapsed batch's diagnostics)
     old, ent = train.score(rows, cfg.temperature, with_entropy=True)
     ref = train.score(rows, cfg.temperature, weights=ref_weights)[0] if cfg.kl_coef > 0 else None
     train.tokens = sum(train.seq_lens[i] for i in seen) * (1 + (ref is not None))
-    samp = {i: torch.tensor(trajs[i].sampler_logprobs, dtype=torch.float32, device=dev)
-            for i in rows if trajs[i].sampler_logprobs is not None}
-    adv = {i: torch.full((lens[i],), float(trajs[i].advantage), device=dev) for i in rows}
+    samp = {i: old[i].new_tensor(trajs[i].sampler_logprobs) for i in rows
+            if trajs[i].sampler_logprobs is not None}
+    adv = {i: old[i].new_full(old[i].shape, float(trajs[i].advantage)) for i in rows}
+
+    def cat(xs, idx):
+        return None if xs is None else torch.cat([xs[i] for i in idx])
 
     # 2. one optimizer step per mini-batch: forward, loss, backward per micro-batch; clip; step
-    for part in (p for ps in passes for p in ps if p.num_tokens):  # no completion tokens: no step
-        if part.skip:
-            train.zero_step()
-            continue
+    for part in (p for p in parts if p.num_tokens):  # no completion tokens: no step
         policy.optimizer.zero_grad(set_to_none=True)
-        for idx, live in part.micro:
+        for idx, live in [] if part.skip else part.micro:
             lp, en = train.forward(idx, temperature=cfg.temperature,
                                    with_entropy=cfg.entropy_coef > 0)
-            l_old = _rl_cat(old, idx)
-            loss, clipped = token_loss(lp, l_old, _rl_cat(adv, idx), cfg, entropy=en,
-                                       ref_logp=_rl_cat(ref, idx),
-                                       sampler_logp=_rl_cat(samp, idx) if cfg.tis_cap > 0 else None)
-            w = aggregation_weights([lens[i] for i in idx], cfg.aggregation, num_seqs=part.num_seqs,
-                                    num_tokens=part.num_tokens, max_len=cfg.max_len)
-            train.backward((loss * w.to(dev)).sum(), idx, live)
-            train.record(lp, l_old, clipped, live)
-        train.step()
+            l_old = cat(old, idx)
+            loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
+                                       ref_logp=cat(ref, idx),
+                                       sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
+            w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation,
+                                    num_seqs=part.num_seqs, num_tokens=part.num_tokens,
+                                    max_len=cfg.max_len)
+            train.backward((loss * w.to(train.device)).sum(), idx, live, lp, l_old, clipped)
+        train.step(zero=part.skip)
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
     return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
 
@@ -2351,20 +2211,15 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
     """One supervised step for STaR (arXiv:2203.14465 §3.1): the token NLL of each target (ending
     with EOS) given its prompt, averaged over ALL target tokens of the batch; micro-batches of at
     most ``batch_size`` sequences; one clipped step, no sampler sync (the caller syncs)."""
-    if not examples:
-        raise ValueError("sft_step got no examples")
     train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
     part = train.plan(list(range(len(examples))), batch_size)
     if part.num_tokens == 0:
-        raise ValueError("all SFT targets are empty")
+        raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
     policy.optimizer.zero_grad(set_to_none=True)
     for idx, live in part.micro:
-        lp, _ = train.forward(idx)
-        train.backward(-lp.sum() / part.num_tokens, idx, live)
-    norm = train.step()
-    figures = train.finish(sync=False)
-    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
-            "n_tokens": part.num_tokens, **figures}
+        train.backward(-train.forward(idx)[0].sum() / part.num_tokens, idx, live)
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": train.step(),
+            "n_tokens": part.num_tokens, **train.finish(sync=False)}
 
 
 # ==================================================================================================

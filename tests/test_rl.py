@@ -54,6 +54,19 @@ def assert_deltas_close(a, b, atol):
         assert torch.allclose(a[k], b[k], atol=atol, rtol=1e-4), (k, (a[k] - b[k]).abs().max().item())
 
 
+def aggregate_loss(token_loss, mask, mode, *, num_seqs=None, num_tokens=None, max_len=0):
+    """A right-padded per-token loss [B, T] aggregated under `mask` (0 = padding) by
+    common.aggregation_weights; N and M default to this tensor's own counts."""
+    mask = mask.to(token_loss.dtype)
+    lengths = mask.sum(1).round().long().tolist()
+    n = token_loss.shape[0] if num_seqs is None else num_seqs
+    m = sum(lengths) if num_tokens is None else num_tokens
+    w = torch.zeros_like(token_loss)
+    w[mask.bool()] = common.aggregation_weights(lengths, mode, num_seqs=n, num_tokens=max(m, 1),
+                                                max_len=max_len).to(token_loss.device, token_loss.dtype)
+    return (token_loss * w * mask).sum()
+
+
 PROMPTS = ["What is 1 + 2?", "Find the sum of 10 and 32, then check it.", "x", "def f(x):\n    return x * 2"]
 
 
@@ -242,14 +255,14 @@ def test_aggregations_by_hand_padding_ignored():
     mask[1, :] = 1
     loss[0, 2:] = 1e6  # padding: must not contribute
     loss.requires_grad_(True)
-    assert common.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(1.0)
-    assert common.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(1.0)
-    out = common.aggregate_loss(loss, mask, "drgrpo", max_len=10)
+    assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(1.0)
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(1.0)
+    out = aggregate_loss(loss, mask, "drgrpo", max_len=10)
     assert out.item() == pytest.approx(0.5)
     # per-token weights = gradient of the aggregate w.r.t. the token losses
     weights = {}
     for mode in ("token-mean", "seq-mean-token-mean", "drgrpo"):
-        g, = torch.autograd.grad(common.aggregate_loss(loss, mask, mode, max_len=10), loss)
+        g, = torch.autograd.grad(aggregate_loss(loss, mask, mode, max_len=10), loss)
         weights[mode] = g
         assert (g[0, 2:] == 0).all()  # padded tokens get no weight
     assert weights["token-mean"][mask.bool()].tolist() == pytest.approx([0.1] * 10)
@@ -267,8 +280,8 @@ def test_micro_batch_aggregation_uses_global_normalisers():
     mask[0, :2], mask[1] = 1, 1
     expect = {"token-mean": 55 / 10, "seq-mean-token-mean": (1.5 + 6.5) / 2, "drgrpo": 55 / (2 * 10)}
     for mode, val in expect.items():
-        assert common.aggregate_loss(full, mask, mode, max_len=10).item() == pytest.approx(val)
-        parts = [common.aggregate_loss(x, torch.ones_like(x), mode, num_seqs=2, num_tokens=10, max_len=10)
+        assert aggregate_loss(full, mask, mode, max_len=10).item() == pytest.approx(val)
+        parts = [aggregate_loss(x, torch.ones_like(x), mode, num_seqs=2, num_tokens=10, max_len=10)
                  for x in (l0, l1)]
         assert sum(p.item() for p in parts) == pytest.approx(val)
     # the micro-batch pitfall: token-mean inside each micro-batch, then averaged, is different
