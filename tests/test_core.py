@@ -598,3 +598,33 @@ def test_run_refuses_an_old_run_folder_without_resume(tmp_path):
     common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "test")  # --resume: fine
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     common.Run(common.RunConfig(output_dir=str(tmp_path / "empty")), "test")   # no checkpoint yet: fine
+
+
+def _in_file_mapping(t, path) -> bool:
+    """Whether tensor t's memory lies in this process's mapping of the file `path`."""
+    ptr = t.untyped_storage().data_ptr()
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        rng, *rest = line.split()
+        if rest and rest[-1] == str(path):
+            lo, hi = (int(x, 16) for x in rng.split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_load_safetensors_dir_maps_the_files_privately(tmp_path):
+    """The same tensors as saved, backed by the file (page cache, not process memory: STaR keeps
+    its base model this way), and a write into one never reaches the file."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
+               "c": torch.arange(6, dtype=torch.int64).view(2, 3), "d": torch.zeros(0)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    mapped = common.load_safetensors_dir(tmp_path)
+    assert mapped.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert mapped[k].dtype == v.dtype and torch.equal(mapped[k], v)
+    assert all(_in_file_mapping(mapped[k], tmp_path / "model.safetensors") for k in "abc")
+    assert not _in_file_mapping(tensors["a"], tmp_path / "model.safetensors")
+    mapped["a"].add_(1.0)
+    assert torch.equal(common.load_safetensors_dir(tmp_path)["a"], tensors["a"])

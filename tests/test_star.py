@@ -732,3 +732,17 @@ def test_restore_best_keeps_the_last_model_unless_an_earlier_round_was_best(tmp_
     with pytest.warns(UserWarning, match="holds round 4, not the best round 1"):
         assert star.restore_best(run, pol, base, {"best_round": 1, "round": 3}) == 3
     assert pol.loaded is None
+
+
+def test_the_original_weights_are_the_model_files_mapped_not_a_copy(tiny_policy, tiny_model_path):
+    """M, which every round restarts from, costs no process memory: it is the model folder's
+    safetensors mapped, equal to the trainer's weights as loaded."""
+    from test_core import _in_file_mapping
+    base = star.original_weights(tiny_policy, tiny_policy.cfg)
+    files = sorted(pathlib.Path(tiny_model_path).glob("*.safetensors"))
+    trainer = tiny_policy.get_weights()
+    for k, v in tiny_policy.state_dict().items():
+        if k == "lm_head.weight" and k not in base:
+            continue  # tied to the embedding
+        assert torch.equal(base[k].to(v.dtype), trainer[k])
+        assert any(_in_file_mapping(base[k], f) for f in files)
