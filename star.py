@@ -639,7 +639,7 @@ def original_weights(policy, cfg: Config) -> dict:
             from huggingface_hub import snapshot_download
             path = snapshot_download(path, local_files_only=True)
         base = common.load_safetensors_dir(path)
-    except Exception:  # noqa: BLE001 - .bin weights, no snapshot: the copy below works for all
+    except OSError:  # no safetensors (.bin weights) or no local snapshot: copy the trainer's
         base = {}
     tied = policy.module.config.tie_word_embeddings  # the head is the embedding: not on disk
     if all(k in base and base[k].shape == v.shape for k, v in policy.state_dict().items()

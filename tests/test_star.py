@@ -746,3 +746,17 @@ def test_the_original_weights_are_the_model_files_mapped_not_a_copy(tiny_policy,
             continue  # tied to the embedding
         assert torch.equal(base[k].to(v.dtype), trainer[k])
         assert any(_in_file_mapping(base[k], f) for f in files)
+
+
+def test_the_original_weights_fall_back_to_a_copy_without_safetensors(tiny_policy, tiny_model_path,
+                                                                     tmp_path):
+    """A model folder without *.safetensors (e.g. .bin weights): M is a CPU copy of the trainer."""
+    import shutil
+    for f in pathlib.Path(tiny_model_path).iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tiny_policy.cfg.model = str(tmp_path)
+    base = star.original_weights(tiny_policy, tiny_policy.cfg)
+    trainer = tiny_policy.get_weights()
+    assert base.keys() == trainer.keys()
+    assert all(torch.equal(base[k], trainer[k]) for k in base)
