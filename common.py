@@ -11,9 +11,9 @@ Sections, top to bottom:
 CLI: `python common.py eval ...` (the update-sparsity analysis is tests/sparsity.py).
 """
 from __future__ import annotations
-import argparse, ast, atexit, collections, contextlib, dataclasses, difflib, functools, hashlib
-import importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource, selectors
-import shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
+import argparse, ast, atexit, collections, contextlib, ctypes, dataclasses, difflib, functools
+import hashlib, importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource
+import selectors, shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -1117,6 +1117,47 @@ def _core_put(v, w) -> None:
         v.copy_(w.to(v.device, v.dtype))
 
 
+@functools.cache
+def _core_rank_mesh(device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (dist_info()[1],))
+
+
+def _core_layout(v):
+    """(mesh, placements) of this rank's part of trainer tensor `v`: FSDP2's shards; under DDP
+    rows split over the ranks, for weights only one rank needs a part of (R-Zero's parked role)."""
+    if _core_is_dtensor(v):
+        return v.device_mesh, v.placements
+    from torch.distributed.tensor import Shard
+    return _core_rank_mesh(v.device.type), [Shard(0)]
+
+
+def local_part(v, full=None):
+    """This rank's part of `full` (default: trainer tensor `v` itself), laid out as _core_layout
+    says, without a collective; in one process the whole tensor."""
+    if not _core_is_dtensor(v) and dist_info()[1] == 1:
+        return v if full is None else full
+    if full is None and _core_is_dtensor(v):
+        return v.to_local()
+    from torch.distributed.tensor import distribute_tensor
+    local = v.to_local() if _core_is_dtensor(v) else v
+    full = v if full is None else full.to(local.device, local.dtype)
+    mesh, placements = _core_layout(v)
+    return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+
+
+def full_from_part(part, v):
+    """The full tensor whose part on this rank is `part` (local_part's layout of `v`): gathered,
+    so every rank calls it."""
+    if not _core_is_dtensor(v) and dist_info()[1] == 1:
+        return part
+    from torch.distributed.tensor import DTensor
+    mesh, placements = _core_layout(v)
+    device = (v.to_local() if _core_is_dtensor(v) else v).device
+    return DTensor.from_local(part.to(device), mesh, placements, run_check=False, shape=v.shape,
+                              stride=v.stride()).full_tensor()
+
+
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
     written once, from its first name, so a tied lm_head never overwrites the embedding."""
@@ -1208,6 +1249,8 @@ class Policy:
         # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
         # near typical weights (~1e-4): the trainer keeps fp32 master weights, computes in bf16.
         on_gpu = default_device().type == "cuda"
+        if not on_gpu:
+            release_freed_memory()
         compute = None if fsdp or cfg.autocast == "off" or (cfg.autocast == "auto" and not on_gpu) \
             else torch.bfloat16
         dtype = "float32" if cfg.dtype in (None, "", "auto") and (fsdp or compute) else cfg.dtype
@@ -1324,20 +1367,26 @@ class Policy:
     def exchange_weights(self, weights: dict) -> dict:
         """Put full HF-named `weights` into the trainer and return its previous weights. A full,
         unaliased set at the trainer's dtypes and shapes (as get_weights gives) is swapped in place
-        and returned; a mapping with `local_shards` holds this rank's FSDP2 shards (no gather)."""
+        and returned; a mapping with `local_shards` holds this rank's parts (local_part): FSDP2's
+        shards swap without a gather, DDP's rows gather one tensor at a time."""
         names = {_core_strip_prefix(k): k for k in weights}
         local = getattr(weights, "local_shards", False)
-        state = [(k, v.to_local() if local and _core_is_dtensor(v) else v)
-                 for k, v in _core_unique_state(self.model)]
-        src = [weights.get(names.get(k)) for k, _ in state]
-        if all(torch.is_tensor(w) and w.dtype == v.dtype and tuple(w.shape) == tuple(v.shape)
-               for w, (_, v) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
+        with torch.no_grad():
+            state = [(v, local_part(v) if local else v) for _, v in _core_unique_state(self.model)]
+        src = [weights.get(names.get(k)) for k, _ in _core_unique_state(self.model)]
+        if all(torch.is_tensor(w) and w.dtype == p.dtype and tuple(w.shape) == tuple(p.shape)
+               for w, (_, p) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
             with torch.no_grad():
-                for w, (_, v) in zip(src, state):  # one full tensor held extra at a time
-                    # FSDP2: every rank gathers each (a collective)
-                    cur = v.full_tensor().to(w.device) if _core_is_dtensor(v) else \
-                        v.to(w.device, copy=True)
-                    _core_put(v, w)
+                for w, (v, p) in zip(src, state):  # one full tensor held extra at a time
+                    if p is not v and not _core_is_dtensor(v):  # DDP rows: gather the tensor
+                        full = full_from_part(w, v)
+                        w.copy_(p)
+                        v.copy_(full)
+                        continue
+                    # full FSDP2 weights: every rank gathers each (a collective)
+                    cur = p.full_tensor().to(w.device) if _core_is_dtensor(p) else \
+                        p.to(w.device, copy=True)
+                    _core_put(p, w)
                     w.copy_(cur)
                     del cur
             return weights
@@ -1744,21 +1793,32 @@ def available_memory(device) -> int:
     return free
 
 
+def release_freed_memory() -> None:
+    """Hand every freed tensor over 128 KiB back to the kernel. glibc keeps freed blocks of up to
+    32 MiB in its heap (its mmap threshold rises with each one freed), so a CPU trainer's resident
+    memory stayed up to 2 GiB above its live tensors at the 0.6B shape (tests/bench_memory.py)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; fixed: no rising
+
+
 def _core_gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
 def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
     """Bytes a step with micro-batches of `tokens` needs beyond what is allocated, at its peak:
-    gradients and AdamW's two moments (unless they exist), plus the larger of the activations with
-    the LM-head chunks (~512 MiB) and AdamW's temporaries (GPU: a weight set; CPU: one tensor).
-    Checked against measured peaks by tests/bench_memory.py."""
+    gradients and AdamW's two moments (unless they exist), plus the larger of AdamW's temporaries
+    (GPU: a weight set; CPU: two of the largest tensor) and the backward's: the activations, the
+    LM-head chunks (~512 MiB), and two full LM-head gradients (the one being summed over chunks
+    and a chunk's own, both live while the activations are). Checked by tests/bench_memory.py."""
     local = [p.to_local() if _core_is_dtensor(p) else p
              for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in local]
-    temporaries = sum(sizes) if local[0].device.type == "cuda" else max(sizes)
+    temporaries = sum(sizes) if local[0].device.type == "cuda" else 2 * max(sizes)
+    head = getattr(policy.model, "module", policy.model).get_output_embeddings().weight
     cost = cost or activation_costs(policy.model)
-    act = cost["fixed"] + 512 * 2**20 + tokens * cost["on" if checkpointing else "off"]
+    act = (cost["fixed"] + 512 * 2**20 + 2 * head.numel() * head.element_size()
+           + tokens * cost["on" if checkpointing else "off"])
     return sum(sizes) * (1 if policy.optimizer.state else 3) + max(act, temporaries)
 
 

@@ -297,9 +297,10 @@ def solver_reward(text: str, correct: bool, cfg: Config) -> float:
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
 class Shards(dict):
-    """This rank's part of one weight set (its FSDP2 shards, or every tensor in one process) in a
-    file-backed shared mapping: page cache the kernel writes back and reclaims, not process
-    memory, so a node holds each extra set once. Policy.exchange_weights swaps it in place."""
+    """This rank's part of one weight set (its FSDP2 shards, its rows under DDP, every tensor in
+    one process: common.local_part) in a file-backed shared mapping: page cache the kernel writes
+    back and reclaims, not process memory; a node holds each extra set once.
+    Policy.exchange_weights swaps it in place."""
     local_shards = True
 
 
@@ -308,23 +309,17 @@ def _trainer_parts(policy):
     embedding), in the same order on every rank."""
     seen = set()
     for k, v in policy.state_dict().items():
-        part = v.to_local() if hasattr(v, "to_local") else v
-        if part.numel() == 0 or part.data_ptr() not in seen:  # empty shards share no storage
-            seen.add(part.data_ptr())
-            yield k, v, part
+        storage = v.to_local() if hasattr(v, "to_local") else v
+        if storage.numel() == 0 or storage.data_ptr() not in seen:  # empty shards share nothing
+            seen.add(storage.data_ptr())
+            yield k, v, common.local_part(v)
 
 
 def full_weights(policy, shards: Shards):
-    """(HF name, full tensor) of `shards`, one tensor at a time (all-gathered under FSDP2: every
+    """(HF name, full tensor) of `shards`, one tensor at a time (gathered under torchrun: every
     rank iterates to the end)."""
-    from torch.distributed.tensor import DTensor
-    for k, v, part in _trainer_parts(policy):
-        if hasattr(v, "to_local"):
-            yield k, DTensor.from_local(shards[k].to(part.device), v.device_mesh, v.placements,
-                                        run_check=False, shape=v.shape,
-                                        stride=v.stride()).full_tensor()
-        else:
-            yield k, shards[k]
+    for k, v, _ in _trainer_parts(policy):
+        yield k, common.full_from_part(shards[k], v)
 
 
 def gathered(policy, weights) -> dict | None:
@@ -346,7 +341,6 @@ class Roles:
         """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read a tensor at
         a time), or of the trainer's own weights when None; each maps an unlinked file."""
         import torch
-        from torch.distributed.tensor import distribute_tensor
         if isinstance(weights, (str, pathlib.Path)):
             from safetensors import safe_open
             opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
@@ -356,9 +350,8 @@ class Roles:
             src = part if weights is None else weights[k]
             if not hasattr(src, "shape"):  # a safetensors file
                 src = src.get_tensor(k)
-            if weights is not None and hasattr(v, "to_local"):  # this rank's slice, no collective
-                src = distribute_tensor(src.to(part.device, part.dtype), v.device_mesh,
-                                        v.placements, src_data_rank=None).to_local()
+            if weights is not None:  # this rank's part, no collective
+                src = common.local_part(v, src)
             fd, path = tempfile.mkstemp(dir=self.folder, prefix=".weights-")
             os.close(fd)
             out[k] = torch.from_file(path, shared=True, size=part.numel(),

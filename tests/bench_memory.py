@@ -37,7 +37,7 @@ SHAPES = {
 VOCAB = 151_936
 
 
-def qwen3(shape, layers=None, vocab=VOCAB):
+def qwen3(shape, layers=None, vocab=None):
     h, inter, n, heads, kv, tied = SHAPES[shape]
     cfg = transformers.Qwen3Config(
         hidden_size=h,
@@ -46,7 +46,7 @@ def qwen3(shape, layers=None, vocab=VOCAB):
         head_dim=128,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        vocab_size=vocab,
+        vocab_size=vocab or VOCAB,
         tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
@@ -64,6 +64,7 @@ def measure(model, tokens, ckpt):
     """Resident peak (GiB) added by two AdamW steps of two micro-batches of `tokens` each (one
     sequence each), as pg_step runs them: the second step is the steady state, where the moments
     exist and the second micro-batch's activations meet the first one's gradients."""
+    common.release_freed_memory()  # as Policy.load does for a CPU trainer
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -124,11 +125,12 @@ def main():
     ap.add_argument("--shape", default="Qwen3-0.6B", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (quicker)")
     ap.add_argument("--tokens", default="512,1024", help="micro-batch sizes to measure")
+    ap.add_argument("--vocab", type=int, default=0, help="a smaller vocabulary (quicker)")
     ap.add_argument("--quick", action="store_true", help="skip the per-shape table")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # TOKENS,CKPT in this process
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    model = qwen3(args.shape, args.layers or None)
+    model = qwen3(args.shape, args.layers or None, args.vocab or None)
     if args.one:
         tokens, ckpt = map(int, args.one.split(","))
         print(*measure(model, tokens, bool(ckpt)))
@@ -149,7 +151,7 @@ def main():
     gc.collect()
     for (tokens, ckpt), want in plan.items():
         cmd = [sys.executable, __file__, "--shape", args.shape, "--layers", str(args.layers),
-               "--one", f"{tokens},{int(ckpt)}"]
+               "--vocab", str(args.vocab), "--one", f"{tokens},{int(ckpt)}"]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         got, secs = map(float, out.split()[-2:])
         print(f"{tokens:>7} {str(ckpt):>5} {want:>14.2f} {got:>13.2f} {got / want:>6.2f} "
