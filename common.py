@@ -3899,7 +3899,7 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
 # ships their source. On stdin/stdout each message is a 4-byte big-endian length + payload: the
 # config (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths,
 # then the program and expression bytes; the reply: see _zy_reply.
-import ctypes, gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
+import gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
 _ZY_LINUX = sys.platform.startswith("linux")
 _ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
