@@ -332,7 +332,9 @@ def main(argv=None) -> None:
     ap.add_argument("experiment", choices=["model", "star"])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--lr", default="1e-3")
+    # star.py's peak LR for the tiny model: 1e-3 swung +-0.09 between rounds; 3e-4 and 1e-4 both
+    # raised train coverage round by round (0.80 -> 0.92 in 3 rounds at 3e-4, seed 0)
+    ap.add_argument("--lr", default="3e-4")
     ap.add_argument("--few-shot-train", action=argparse.BooleanOptionalAction, default=True,
                     help="star.py --few-shot-train: train on the evaluation's few-shot prompt")
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
