@@ -39,13 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab import CACHE, CHATML, wilson  # noqa: E402  (the lab's cache, chat template and CI)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
-MODELS = {"full": (128, 4, 384, 700, 8, 4e-3, 1024),
+MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
           "quick": (64, 2, 128, 30, 4, 4e-3, 512)}
 SEQ = 512  # tokens per packed pretraining row (a Challenger document is ~150)
 CORPUS = "corpus.txt.gz"
 # pretraining difficulty: weights of 2..5 operands and of 1..2 digits per operand (mostly easy)
 PRE_OPERANDS, PRE_DIGITS = (5, 3, 2, 1), (3, 2)
-CHALLENGER_DOCS = 0.2  # the share of Challenger-format documents
+# the shares of Challenger-format and Solver-format documents; the rest are plain worked problems,
+# 4-8 a document, as a base model's corpus holds math text beside chats (the chats' prompts are
+# mostly fixed text, so the arithmetic would otherwise be a quarter of the tokens)
+CHALLENGER_DOCS, SOLVER_DOCS = 0.2, 0.4
 
 
 # -------------------------------------------------------------------------- the arithmetic domain
@@ -145,7 +148,7 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
     probe = solver_document([12, 7, 3], ["+", "-"]) + challenger_document([5, 4], ["+"])
     key = hashlib.sha256(repr((MODELS[kind], SEQ, seed, PRE_OPERANDS, PRE_DIGITS,
-                               CHALLENGER_DOCS, probe, 1)).encode())
+                               CHALLENGER_DOCS, SOLVER_DOCS, probe, 2)).encode())
     out = CACHE / f"lab-rzero-{kind}-{key.hexdigest()[:10]}"
     if (out / ".complete").is_file():
         return out
@@ -155,12 +158,21 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     lengths = {len(w) for w in held}
     corpus = []
 
-    def document():
+    def problem():
         while True:
             nums, ops = sample_problem(rng, PRE_OPERANDS, PRE_DIGITS)
             if not contaminates(question(nums, ops), held, lengths):
-                break
-        doc = (challenger_document if rng.random() < CHALLENGER_DOCS else solver_document)(nums, ops)
+                return nums, ops
+
+    def document():
+        u = rng.random()
+        if u < CHALLENGER_DOCS:
+            doc = challenger_document(*problem())
+        elif u < CHALLENGER_DOCS + SOLVER_DOCS:
+            doc = solver_document(*problem())
+        else:
+            doc = "".join(f"{question(*p)}\n{solution(*p)}\n\n"
+                          for p in (problem() for _ in range(rng.randint(4, 8))))
         corpus.append(doc)
         return doc
 
@@ -194,7 +206,7 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     stream, t0 = [], time.time()
     for step in range(steps):
         while len(stream) < batch * SEQ:
-            stream += hf_tok(document())["input_ids"]  # each document ends in <|im_end|>\n
+            stream += hf_tok(document())["input_ids"] + [eos]
         x = torch.tensor(stream[:batch * SEQ]).view(batch, SEQ)
         del stream[:batch * SEQ]
         loss = model(input_ids=x, labels=x).loss
