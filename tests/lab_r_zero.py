@@ -129,12 +129,12 @@ def test_rows(kind: str) -> list[dict]:
     return rows
 
 
-def contaminates(q: str, held: set, lengths: set) -> bool:
-    """Whether a pretraining question contains a held-out question's words (operators dropped,
-    as common.Decontaminator reads them) as a prefix: then a document would share the whole
-    held-out question with it."""
-    w = words(q)
-    return any(w[:n] in held for n in lengths if n <= len(w))
+def contaminates(text: str, held: set, lengths: set) -> bool:
+    """Whether a text holds a held-out question's words (operators and punctuation dropped, as
+    common.Decontaminator reads them) anywhere: in a question, or across a question and the
+    working after it ('What is 1 - 82?' then '1 - 82 = -81' reads 'what is 1 82 1 82 81')."""
+    w = words(text)
+    return any(tuple(w[i:i + n]) in held for n in lengths for i in range(len(w) - n + 1))
 
 
 # ---------------------------------------------------------------------------------- the base model
@@ -148,7 +148,7 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
     probe = solver_document([12, 7, 3], ["+", "-"]) + challenger_document([5, 4], ["+"])
     key = hashlib.sha256(repr((MODELS[kind], SEQ, seed, PRE_OPERANDS, PRE_DIGITS,
-                               CHALLENGER_DOCS, SOLVER_DOCS, probe, 2)).encode())
+                               CHALLENGER_DOCS, SOLVER_DOCS, probe, 3)).encode())
     out = CACHE / f"lab-rzero-{kind}-{key.hexdigest()[:10]}"
     if (out / ".complete").is_file():
         return out
@@ -159,9 +159,9 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     corpus = []
 
     def problem():
-        while True:
+        while True:  # a problem whose question and working hold no held-out question
             nums, ops = sample_problem(rng, PRE_OPERANDS, PRE_DIGITS)
-            if not contaminates(question(nums, ops), held, lengths):
+            if not contaminates(question(nums, ops) + " " + solution(nums, ops), held, lengths):
                 return nums, ops
 
     def document():
@@ -171,8 +171,12 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
         elif u < CHALLENGER_DOCS + SOLVER_DOCS:
             doc = solver_document(*problem())
         else:
-            doc = "".join(f"{question(*p)}\n{solution(*p)}\n\n"
-                          for p in (problem() for _ in range(rng.randint(4, 8))))
+            doc = ""
+            for _ in range(rng.randint(4, 8)):  # nor across two problems
+                p = problem()
+                while contaminates(doc[-80:] + question(*p), held, lengths):
+                    p = problem()
+                doc += f"{question(*p)}\n{solution(*p)}\n\n"
         corpus.append(doc)
         return doc
 
