@@ -108,7 +108,8 @@ def solver_document(nums, ops) -> str:
 
 def challenger_document(nums, ops) -> str:
     import r_zero
-    reply = f"<question>\n{question(nums, ops)}\n</question>\n\n\\boxed{{{oracle(question(nums, ops))}}}"
+    q = question(nums, ops)
+    reply = f"<question>\n{q}\n</question>\n\n\\boxed{{{oracle(q)}}}"
     return chat([("system", r_zero.PROMPTS["challenger_system"].format()),
                  ("user", r_zero.PROMPTS["challenger_user"].format()), ("assistant", reply)])
 
@@ -435,7 +436,7 @@ def main(argv=None) -> None:
     ap.add_argument("experiment", choices=["model", "run"])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--iterations", type=int, default=0, help="0 = the kind's default")
-    ap.add_argument("--lr", default="1e-4")
+    ap.add_argument("--lr", default="5e-5")  # 3e-4 collapsed the Solver (0.52 -> 0.17)
     ap.add_argument("--out", default="/work/scratch/rzlab")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)

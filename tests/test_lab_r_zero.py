@@ -50,6 +50,9 @@ def test_held_out_set_is_disjoint_from_pretraining_questions():
     lengths = {len(w) for w in held}
     assert lab.contaminates(tests[0]["question"], held, lengths)
     assert lab.contaminates(tests[0]["question"][:-1] + " + 1?", held, lengths)  # a prefix
+    one = {lab.words("What is 1 + 82 + 1?")}  # across a question and its working
+    assert lab.contaminates("What is 1 - 82?\n1 - 82 = -81.", one, {5})
+    assert not lab.contaminates("What is 1 - 82?\n", one, {5})
 
 
 @pytest.mark.slow
@@ -68,3 +71,15 @@ def test_quick_r_zero_experiment_end_to_end(tmp_path):
     assert summary["0"]["labels"][0]["voted"] >= 0
     assert "pseudo-label accuracy" in out.stdout and "beats base" in out.stdout
     assert (work / "r_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_label_accuracy_reads_the_run_folder(tmp_path):
+    rows = [{"question": "What is 12 + 7 - 3?", "label": "16", "kept": True},
+            {"question": "What is 2 + 2?", "label": "5", "kept": True},
+            {"question": "What is 9 - 10?", "label": "-1", "kept": False},
+            {"question": "How many legs has a cat?", "label": "4", "kept": True}]
+    (tmp_path / "dataset_iter1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = lab.label_accuracy(tmp_path, 1)
+    assert (got["kept"], got["kept_in_domain"], got["kept_correct"]) == (3, 2, 1)
+    assert (got["all"], got["all_in_domain"], got["all_correct"]) == (4, 3, 2)
+    assert got["kept_operands"] == 2.5
