@@ -431,9 +431,51 @@ def skill(path: Path, n: int = 20, seed: int = 99) -> dict[int, float]:
     return out
 
 
+def r_zero_exact_labels(argv) -> None:
+    """The control: r_zero.py unchanged but for the Solver's training labels, the exact oracle's
+    answers in place of the majority votes (same kept questions; out-of-domain ones keep theirs),
+    to tell the pseudo-labels' noise from the rest of the loop."""
+    import r_zero
+    vote_filter = r_zero.filter_dataset
+
+    def exact(questions, stats, cfg):
+        rows = vote_filter(questions, stats, cfg)
+        for r in rows:
+            truth = oracle(r["question"])
+            r["label"] = r["label"] if truth is None else str(truth)
+        return rows
+    r_zero.filter_dataset = exact
+    r_zero.main(argv)
+
+
+def control(args) -> None:
+    """One iteration with exact labels (r_zero_exact_labels) per seed, beside the real runs."""
+    model = build_model(args.kind)
+    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
+    flags = {**FLAGS[args.kind], "iterations": 1}
+    for seed in map(int, args.seeds.split(",")):
+        run = work / f"exact_labels_seed{seed}"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_exact", "--model", str(model),
+               "--seed", str(seed), "--output-dir", str(run), "--eval-benchmarks",
+               str(work / "test.jsonl"), "--lr", args.lr, "--save-every", "0",
+               "--keep-checkpoints", "1"]
+        cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        if not (run / "eval.json").exists():
+            shutil.rmtree(run, ignore_errors=True)
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        (k0, n0), (k1, n1) = score(run / "eval_base.json"), score(run / "eval_iter1.json")
+        lo, hi = wilson(k1, n1)
+        print(f"exact-label control, seed {seed}: base {k0 / n0:.3f}, after iteration 1 "
+              f"{k1 / n1:.3f} [{lo:.3f}, {hi:.3f}]; by operands "
+              f"{by_operands(run / 'eval_iter1.json', test_rows(args.kind))}")
+
+
 def main(argv=None) -> None:
+    if (argv or sys.argv[1:])[:1] == ["_exact"]:
+        return r_zero_exact_labels((argv or sys.argv[1:])[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("experiment", choices=["model", "run"])
+    ap.add_argument("experiment", choices=["model", "run", "control"])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--iterations", type=int, default=0, help="0 = the kind's default")
     ap.add_argument("--lr", default="5e-5")  # 3e-4 collapsed the Solver (0.52 -> 0.17)
@@ -444,6 +486,8 @@ def main(argv=None) -> None:
         path = build_model(args.kind)
         print(path)
         print("greedy accuracy per operand count (dev):", skill(path))
+    elif args.experiment == "control":
+        control(args)
     else:
         experiment(args)
 
