@@ -382,7 +382,11 @@ def report(results: dict, work: Path) -> None:
                     marker="o", capsize=3, color=c, label=f"Solver, seed {seed}")
         a1.axhspan(*ci[0], color=c, alpha=0.1)
         la = [frac(x["kept_correct"], x["kept_in_domain"]) for x in r["labels"]]
-        a2.plot(xs[1:], la, marker="o", color=c, label=f"kept questions, seed {seed}")
+        lci = [wilson(x["kept_correct"], x["kept_in_domain"]) for x in r["labels"]]
+        a2.errorbar([x + 0.03 * i for x in xs[1:]], la, capsize=3, marker="o", color=c,
+                    yerr=[[a - lo for a, (lo, _) in zip(la, lci)],
+                          [hi - a for a, (_, hi) in zip(la, lci)]],
+                    label=f"kept questions, seed {seed}")
         ops = [x["kept_operands"] for x in r["labels"]]
         for x, y, o in zip(xs[1:], la, ops):
             a2.annotate(f"{o:.1f} ops", (x, y), textcoords="offset points", xytext=(4, 4),
@@ -391,7 +395,7 @@ def report(results: dict, work: Path) -> None:
     a1.set_ylabel("greedy held-out accuracy (95% CI)")
     a1.set_title("Solver on held-out arithmetic")
     a2.set_xlabel("iteration")
-    a2.set_ylabel("pseudo-label accuracy vs exact oracle")
+    a2.set_ylabel("pseudo-label accuracy vs exact oracle (95% CI)")
     a2.set_title("Majority-vote labels of the Challenger's questions")
     for a in (a1, a2):
         a.legend(fontsize=8)
