@@ -3,6 +3,7 @@ multi-step integer arithmetic, where every question has an exact answer.
 
     python tests/lab_r_zero.py model                 # build (once, cached) the base model
     python tests/lab_r_zero.py run --seeds 0,1       # R-Zero, then the PNG and the table
+    python tests/lab_r_zero.py control --seeds 0,1   # one iteration, exact labels for the Solver
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on chat documents
 in r_zero.py's own formats: Solver documents (its system prompt, a question "What is 12 + 7 - 3?",
