@@ -1,0 +1,501 @@
+"""The laptop laboratory, R-Zero: a Challenger and a Solver co-evolve from one small base model on
+multi-step integer arithmetic, where every question has an exact answer.
+
+    python tests/lab_r_zero.py model                 # build (once, cached) the base model
+    python tests/lab_r_zero.py run --seeds 0,1       # R-Zero, then the PNG and the table
+    python tests/lab_r_zero.py control --seeds 0,1   # one iteration, exact labels for the Solver
+
+The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on chat documents
+in r_zero.py's own formats: Solver documents (its system prompt, a question "What is 12 + 7 - 3?",
+a step-by-step answer ending in \\boxed{}) and Challenger documents (its system and user prompts,
+then a <question> block and a boxed answer). It sees mostly short problems with small numbers, so
+it starts with partial skill on long ones. The experiment runs the real r_zero.py with flags only.
+What it shows (R-Zero, Huang et al. 2025): the Solver's greedy held-out accuracy per iteration
+against the base model's (95% Wilson CIs, Table 1's comparison), and the accuracy of the
+majority-vote pseudo-labels of the kept Challenger questions against the exact oracle, per
+iteration (the paper's label-accuracy table, §5: it falls as the questions get harder).
+
+`--quick` runs a reduced version (a smaller model, one iteration, one step a phase) that CI uses
+to check the pipeline end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lab import CACHE, CHATML, wilson  # noqa: E402  (the lab's cache, chat template and CI)
+
+# (hidden, layers, intermediate, steps, batch, peak LR, vocab)
+MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
+          "quick": (64, 2, 128, 30, 4, 4e-3, 512)}
+SEQ = 512  # tokens per packed pretraining row (a Challenger document is ~150)
+CORPUS = "corpus.txt.gz"
+# pretraining difficulty: weights of 2..5 operands and of 1..2 digits per operand (mostly easy)
+PRE_OPERANDS, PRE_DIGITS = (5, 3, 2, 1), (3, 2)
+# the shares of Challenger-format and Solver-format documents; the rest are plain worked problems,
+# 4-8 a document, as a base model's corpus holds math text beside chats (the chats' prompts are
+# mostly fixed text, so the arithmetic would otherwise be a quarter of the tokens)
+CHALLENGER_DOCS, SOLVER_DOCS = 0.2, 0.4
+
+
+# -------------------------------------------------------------------------- the arithmetic domain
+def sample_problem(rng: random.Random, op_weights, digit_weights) -> tuple[list[int], list[str]]:
+    k = rng.choices(range(2, 2 + len(op_weights)), weights=op_weights)[0]
+    nums = []
+    for _ in range(k):
+        d = rng.choices(range(1, 1 + len(digit_weights)), weights=digit_weights)[0]
+        nums.append(rng.randint(1 if d == 1 else 10 ** (d - 1), 10 ** d - 1))
+    return nums, [rng.choice("+-") for _ in range(k - 1)]
+
+
+def question(nums, ops) -> str:
+    return "What is " + " ".join([str(nums[0])] + [f"{o} {n}" for o, n in zip(ops, nums[1:])]) + "?"
+
+
+QUESTION = re.compile(r"What is (-?\d{1,6}(?: [+-] \d{1,6}){1,9})\?")
+
+
+def oracle(text: str) -> int | None:
+    """The exact answer of a question in the domain's one form ('What is 12 + 7 - 3?', 2-10
+    integers, + and -), parsed (never eval'd); None for anything else."""
+    m = QUESTION.fullmatch(text.strip())
+    if m is None:
+        return None
+    tokens = m.group(1).split(" ")
+    total = int(tokens[0])
+    for op, n in zip(tokens[1::2], tokens[2::2]):
+        total = total + int(n) if op == "+" else total - int(n)
+    return total
+
+
+def solution(nums, ops) -> str:
+    """Left to right, one operation a sentence, then the boxed answer (r_zero.py's Solver)."""
+    acc, steps = nums[0], []
+    for o, n in zip(ops, nums[1:]):
+        new = acc + n if o == "+" else acc - n
+        steps.append(f"{acc} {o} {n} = {new}.")
+        acc = new
+    return " ".join(steps) + f"\n\\boxed{{{acc}}}"
+
+
+def words(q: str) -> tuple:
+    import common
+    return tuple(common._vf_words(q))
+
+
+def chat(messages) -> str:
+    return "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in messages)
+
+
+def solver_document(nums, ops) -> str:
+    import r_zero
+    return chat([("system", r_zero.PROMPTS["solver_system"].format()),
+                 ("user", question(nums, ops)), ("assistant", solution(nums, ops))])
+
+
+def challenger_document(nums, ops) -> str:
+    import r_zero
+    q = question(nums, ops)
+    reply = f"<question>\n{q}\n</question>\n\n\\boxed{{{oracle(q)}}}"
+    return chat([("system", r_zero.PROMPTS["challenger_system"].format()),
+                 ("user", r_zero.PROMPTS["challenger_user"].format()), ("assistant", reply)])
+
+
+def test_rows(kind: str) -> list[dict]:
+    """The held-out set: 2-5 operands evenly (80 each, 'quick': 10), each operand 1 or 2 digits
+    evenly, questions distinct."""
+    rng, per, rows, seen = random.Random(4242), 80 if kind == "full" else 10, [], set()
+    for k in range(2, 6):
+        n = 0
+        while n < per:
+            nums, ops = sample_problem(rng, [int(j == k) for j in range(2, 6)], (1, 1))
+            q = question(nums, ops)
+            if words(q) not in seen:
+                seen.add(words(q))
+                rows.append({"question": q, "answer": str(oracle(q)), "operands": k})
+                n += 1
+    return rows
+
+
+def contaminates(text: str, held: set, lengths: set) -> bool:
+    """Whether a text holds a held-out question's words (operators and punctuation dropped, as
+    common.Decontaminator reads them) anywhere: in a question, or across a question and the
+    working after it ('What is 1 - 82?' then '1 - 82 = -81' reads 'what is 1 82 1 82 81')."""
+    w = words(text)
+    return any(tuple(w[i:i + n]) in held for n in lengths for i in range(len(w) - n + 1))
+
+
+# ---------------------------------------------------------------------------------- the base model
+def build_model(kind: str = "full", seed: int = 0) -> Path:
+    """Pretrain the base model (cached under the lab's CACHE by its settings): documents packed
+    into rows of SEQ tokens, digits single tokens; no held-out question is in any document."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
+    probe = solver_document([12, 7, 3], ["+", "-"]) + challenger_document([5, 4], ["+"])
+    key = hashlib.sha256(repr((MODELS[kind], SEQ, seed, PRE_OPERANDS, PRE_DIGITS,
+                               CHALLENGER_DOCS, SOLVER_DOCS, probe, 3)).encode())
+    out = CACHE / f"lab-rzero-{kind}-{key.hexdigest()[:10]}"
+    if (out / ".complete").is_file():
+        return out
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    held = {words(r["question"]) for r in test_rows("full")}
+    lengths = {len(w) for w in held}
+    corpus = []
+
+    def problem():
+        while True:  # a problem whose question and working hold no held-out question
+            nums, ops = sample_problem(rng, PRE_OPERANDS, PRE_DIGITS)
+            if not contaminates(question(nums, ops) + " " + solution(nums, ops), held, lengths):
+                return nums, ops
+
+    def document():
+        u = rng.random()
+        if u < CHALLENGER_DOCS:
+            doc = challenger_document(*problem())
+        elif u < CHALLENGER_DOCS + SOLVER_DOCS:
+            doc = solver_document(*problem())
+        else:
+            doc = ""
+            for _ in range(rng.randint(4, 8)):  # nor across two problems
+                p = problem()
+                while contaminates(doc[-80:] + question(*p), held, lengths):
+                    p = problem()
+                doc += f"{question(*p)}\n{solution(*p)}\n\n"
+        corpus.append(doc)
+        return doc
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                    "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([document() for _ in range(2000)], trainer=trainer)
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        model_max_length=4096, padding_side="left", clean_up_tokenization_spaces=False)
+    hf_tok.chat_template = CHATML
+    eos, pad = hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = transformers.Qwen3Config(
+        vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
+        head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=eos,
+        pad_token_id=pad, bos_token_id=None, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    print(f"pretraining {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters for "
+          f"{steps} steps of {batch} x {SEQ} tokens", flush=True)
+    stream, t0 = [], time.time()
+    for step in range(steps):
+        while len(stream) < batch * SEQ:
+            stream += hf_tok(document())["input_ids"] + [eos]
+        x = torch.tensor(stream[:batch * SEQ]).view(batch, SEQ)
+        del stream[:batch * SEQ]
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:.0f} s", flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    hf_tok.save_pretrained(tmp)
+    transformers.GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(tmp)
+    with gzip.open(tmp / CORPUS, "wt") as f:
+        f.write("\n\x00\n".join(corpus))
+    (tmp / ".complete").write_text("ok\n")
+    tmp.rename(out)
+    return out
+
+
+def decontamination(model: Path, tests: list[dict]) -> str:
+    """No held-out question occurs in the pretraining documents: exactly, and by
+    common.Decontaminator with n = the question's own length in words (operators and punctuation
+    dropped, so 'What is 5 - 3?' also meets 'What is 5 + 3 + 1?')."""
+    import common
+    with gzip.open(model / CORPUS, "rt") as f:
+        docs = f.read().split("\n\x00\n")
+    held = [r["question"] for r in tests]
+    exact = [q for q in held if any(q in d for d in docs)]
+    flagged = []
+    for n in sorted({len(words(q)) for q in held}):
+        group = [q for q in held if len(words(q)) == n]
+        flagged += [q for q, f in zip(group, common.Decontaminator(docs, n=n).flags(group)) if f]
+    if exact or flagged:
+        raise RuntimeError(f"held-out questions leak into the pretraining data: {exact + flagged}")
+    return (f"decontamination: 0 of {len(held)} held-out questions in the {len(docs)} pretraining "
+            "documents (exact match and whole-question common.Decontaminator)")
+
+
+# --------------------------------------------------------------------------------------- R-Zero
+# r_zero.py's flags per model kind; token limits fit the domain (a 5-operand answer is ~50 tokens)
+FLAGS = {"full": dict(iterations=3, challenger_steps=5, solver_steps=10, challenger_batch=16,
+                      challenger_group=4, solver_batch=32, solver_group=5, votes=10,
+                      question_pool=256, max_tokens=80, vote_max_tokens=80, eval_max_tokens=80,
+                      max_prompt_tokens=256, max_model_len=512),
+         "quick": dict(iterations=1, challenger_steps=1, solver_steps=1, challenger_batch=4,
+                       challenger_group=2, solver_batch=4, solver_group=2, votes=4,
+                       question_pool=16, max_tokens=48, vote_max_tokens=48, eval_max_tokens=48,
+                       max_prompt_tokens=256, max_model_len=512)}
+
+
+def label_accuracy(run: Path, k: int) -> dict:
+    """The pseudo-labels of iteration k's voted questions against the exact oracle: on the kept
+    ones (the Solver's training set) and on all voted ones; questions outside the domain's form
+    (no oracle) are counted apart."""
+    import common
+    rows = [json.loads(x) for x in (run / f"dataset_iter{k}.jsonl").read_text().splitlines()
+            if x.strip()]
+    out = {"voted": len(rows)}
+    for name, sel in (("kept", [r for r in rows if r["kept"]]), ("all", rows)):
+        ok_rows = [r for r in sel if oracle(r["question"]) is not None]
+        right = common.math_equal_many([(str(r["label"]), str(oracle(r["question"])))
+                                        for r in ok_rows]) if ok_rows else []
+        out[name] = len(sel)
+        out[f"{name}_in_domain"] = len(ok_rows)
+        out[f"{name}_correct"] = int(sum(right))
+        out[f"{name}_operands"] = (sum(len(words(r["question"])) - 2 for r in ok_rows)
+                                   / max(1, len(ok_rows)))
+    return out
+
+
+def score(path: Path) -> tuple[int, int]:
+    """(correct, n) of an eval_*.json."""
+    res = json.loads(path.read_text())
+    (b,) = res["benchmarks"].values()
+    return sum(bool(p["greedy_correct"]) for p in b["per_problem"]), b["n_problems"]
+
+
+def by_operands(path: Path, tests: list[dict]) -> dict:
+    """Greedy accuracy per operand count of an eval_*.json (its problems are the file's order)."""
+    res = json.loads(path.read_text())
+    (b,) = res["benchmarks"].values()
+    out = {}
+    for r, p in zip(tests, b["per_problem"]):
+        assert p["answer"] == r["answer"]
+        out.setdefault(r["operands"], []).append(bool(p["greedy_correct"]))
+    return {k: sum(v) / len(v) for k, v in sorted(out.items())}
+
+
+def experiment(args) -> None:
+    t0 = time.time()
+    model = build_model(args.kind)
+    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
+    work.mkdir(parents=True, exist_ok=True)
+    tests = test_rows(args.kind)
+    test_file = work / "test.jsonl"
+    test_file.write_text("".join(json.dumps(r) + "\n" for r in tests))
+    print(decontamination(model, tests), flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    flags = {**FLAGS[args.kind], **({"iterations": args.iterations} if args.iterations else {})}
+    results = {}
+    for seed in map(int, args.seeds.split(",")):
+        run = work / f"seed{seed}"
+        cmd = [sys.executable, str(ROOT / "r_zero.py"), "--model", str(model), "--seed", str(seed),
+               "--output-dir", str(run), "--eval-benchmarks", str(test_file), "--lr", args.lr,
+               "--save-every", "0", "--keep-checkpoints", "1"]
+        cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        wall = None
+        if not (run / "eval.json").exists():  # a finished run is kept; rerun by deleting it
+            print("$", " ".join(["python"] + cmd[1:]), flush=True)
+            shutil.rmtree(run, ignore_errors=True)
+            t1 = time.time()
+            subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+            wall = time.time() - t1
+        its = range(1, flags["iterations"] + 1)
+        results[seed] = {"base": score(run / "eval_base.json"), "wall": wall,
+                         "solver": [score(run / f"eval_iter{k}.json") for k in its],
+                         "labels": [label_accuracy(run, k) for k in its],
+                         "by_operands": [by_operands(run / f"eval_{x}.json", tests) for x in
+                                         ["base"] + [f"iter{k}" for k in its]]}
+    (work / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
+    report(results, work)
+    print(f"total wall time {time.time() - t0:.0f} s")
+
+
+def report(results: dict, work: Path) -> None:
+    """The table and the PNG: Solver held-out accuracy per iteration (95% Wilson CI, the base
+    model's band) and the kept pseudo-labels' accuracy against the oracle per iteration."""
+    def frac(k, n):
+        return k / n if n else float("nan")
+
+    print("\nR-Zero on multi-step integer arithmetic: Solver greedy held-out accuracy (95% Wilson "
+          "CI) and pseudo-label accuracy of the kept questions vs the exact oracle")
+    print(f"  {'seed':4s} {'iter':>4s} {'solver acc':>10s} {'95% CI':>16s} {'kept':>5s} "
+          f"{'label acc':>9s} {'all-voted label acc':>19s} {'operands':>8s} {'beats base':>10s}")
+    for seed, r in results.items():
+        k0, n0 = r["base"]
+        lo0, hi0 = wilson(k0, n0)
+        print(f"  {seed:4d} {'base':>4s} {frac(k0, n0):10.3f} [{lo0:.3f}, {hi0:.3f}]")
+        for it, ((k, n), lab) in enumerate(zip(r["solver"], r["labels"]), start=1):
+            lo, hi = wilson(k, n)
+            print(f"  {seed:4d} {it:4d} {frac(k, n):10.3f} [{lo:.3f}, {hi:.3f}] {lab['kept']:5d} "
+                  f"{frac(lab['kept_correct'], lab['kept_in_domain']):9.3f} "
+                  f"{frac(lab['all_correct'], lab['all_in_domain']):19.3f} "
+                  f"{lab['kept_operands']:8.2f} {'yes' if lo > hi0 else 'no':>10s}")
+        print(f"  seed {seed}: accuracy by operand count, base -> last: "
+              + ", ".join(f"{k}: {a:.2f} -> {b:.2f}" for (k, a), b in
+                          zip(r["by_operands"][0].items(), r["by_operands"][-1].values())))
+        if r.get("wall"):
+            print(f"  seed {seed}: r_zero.py wall time {r['wall']:.0f} s")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, (seed, r) in enumerate(results.items()):
+        pts = [r["base"]] + r["solver"]
+        xs = list(range(len(pts)))
+        acc = [frac(k, n) for k, n in pts]
+        ci = [wilson(k, n) for k, n in pts]
+        c = f"C{i}"
+        a1.errorbar([x + 0.03 * i for x in xs], acc, yerr=[[a - lo for a, (lo, _) in zip(acc, ci)],
+                                                           [hi - a for a, (_, hi) in zip(acc, ci)]],
+                    marker="o", capsize=3, color=c, label=f"Solver, seed {seed}")
+        a1.axhspan(*ci[0], color=c, alpha=0.1)
+        la = [frac(x["kept_correct"], x["kept_in_domain"]) for x in r["labels"]]
+        lci = [wilson(x["kept_correct"], x["kept_in_domain"]) for x in r["labels"]]
+        a2.errorbar([x + 0.03 * i for x in xs[1:]], la, capsize=3, marker="o", color=c,
+                    yerr=[[a - lo for a, (lo, _) in zip(la, lci)],
+                          [hi - a for a, (_, hi) in zip(la, lci)]],
+                    label=f"kept questions, seed {seed}")
+        ops = [x["kept_operands"] for x in r["labels"]]
+        for x, y, o in zip(xs[1:], la, ops):
+            a2.annotate(f"{o:.1f} ops", (x, y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, color=c)
+    a1.set_xlabel("iteration (0 = base model; band: its 95% CI)")
+    a1.set_ylabel("greedy held-out accuracy (95% CI)")
+    a1.set_title("Solver on held-out arithmetic")
+    a2.set_xlabel("iteration")
+    a2.set_ylabel("pseudo-label accuracy vs exact oracle (95% CI)")
+    a2.set_title("Majority-vote labels of the Challenger's questions")
+    for a in (a1, a2):
+        a.legend(fontsize=8)
+        a.set_xticks(range(len(next(iter(results.values()))["solver"]) + 1))
+    fig.suptitle("R-Zero, multi-step integer arithmetic (cf. the paper's Table 1 and its "
+                 "label-accuracy table)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(work / "r_zero.png", dpi=80)
+    plt.close(fig)
+    print(f"wrote {work / 'r_zero.png'}")
+
+
+def skill(path: Path, n: int = 20, seed: int = 99) -> dict[int, float]:
+    """Greedy accuracy per operand count on fresh dev questions (not the test set), r_zero.py's
+    Solver prompt: how much the base model can do before R-Zero."""
+    import torch
+    import transformers
+    import common
+    import r_zero
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    rng, out = random.Random(seed), {}
+    held = {words(r["question"]) for r in test_rows("full")}
+    for k in range(2, 6):
+        qs = []
+        while len(qs) < n:
+            q = question(*sample_problem(rng, [int(j == k) for j in range(2, 6)], (1, 1)))
+            if words(q) not in held:
+                qs.append(q)
+        texts = [tok.apply_chat_template(r_zero.solver_prompt(q, tok), tokenize=False,
+                                         add_generation_prompt=True) for q in qs]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=80, do_sample=False)
+        outs = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out[k] = sum(common.extract_boxed(t) == str(oracle(q)) for t, q in zip(outs, qs)) / n
+    return out
+
+
+def r_zero_exact_labels(argv) -> None:
+    """The control: r_zero.py unchanged but for the Solver's training labels, the exact oracle's
+    answers in place of the majority votes (same kept questions; out-of-domain ones keep theirs),
+    to tell the pseudo-labels' noise from the rest of the loop."""
+    import r_zero
+    vote_filter = r_zero.filter_dataset
+
+    def exact(questions, stats, cfg):
+        rows = vote_filter(questions, stats, cfg)
+        for r in rows:
+            truth = oracle(r["question"])
+            r["label"] = r["label"] if truth is None else str(truth)
+        return rows
+    r_zero.filter_dataset = exact
+    r_zero.main(argv)
+
+
+def control(args) -> None:
+    """One iteration with exact labels (r_zero_exact_labels) per seed, beside the real runs."""
+    model = build_model(args.kind)
+    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
+    flags = {**FLAGS[args.kind], "iterations": 1}
+    for seed in map(int, args.seeds.split(",")):
+        run = work / f"exact_labels_seed{seed}"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_exact", "--model", str(model),
+               "--seed", str(seed), "--output-dir", str(run), "--eval-benchmarks",
+               str(work / "test.jsonl"), "--lr", args.lr, "--save-every", "0",
+               "--keep-checkpoints", "1"]
+        cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        if not (run / "eval.json").exists():
+            shutil.rmtree(run, ignore_errors=True)
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        (k0, n0), (k1, n1) = score(run / "eval_base.json"), score(run / "eval_iter1.json")
+        lo, hi = wilson(k1, n1)
+        print(f"exact-label control, seed {seed}: base {k0 / n0:.3f}, after iteration 1 "
+              f"{k1 / n1:.3f} [{lo:.3f}, {hi:.3f}]; by operands "
+              f"{by_operands(run / 'eval_iter1.json', test_rows(args.kind))}")
+
+
+def main(argv=None) -> None:
+    if (argv or sys.argv[1:])[:1] == ["_exact"]:
+        return r_zero_exact_labels((argv or sys.argv[1:])[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("experiment", choices=["model", "run", "control"])
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--iterations", type=int, default=0, help="0 = the kind's default")
+    ap.add_argument("--lr", default="5e-5")  # 3e-4 collapsed the Solver (0.52 -> 0.17)
+    ap.add_argument("--out", default="/work/scratch/rzlab")
+    ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
+    args = ap.parse_args(argv)
+    if args.experiment == "model":
+        path = build_model(args.kind)
+        print(path)
+        print("greedy accuracy per operand count (dev):", skill(path))
+    elif args.experiment == "control":
+        control(args)
+    else:
+        experiment(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The R-Zero laboratory (tests/lab_r_zero.py): the arithmetic oracle is exact and parses only the
+domain's form, the pretraining documents are r_zero.py's formats, the held-out set is disjoint
+from the corpus, and the reduced experiment (--quick: a smaller model, one iteration, one step a
+phase) runs end to end through the real r_zero.py into a table and a PNG."""
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+
+import lab_r_zero as lab
+import r_zero
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_oracle_is_exact_and_strict():
+    rng = random.Random(0)
+    for _ in range(2000):
+        nums, ops = lab.sample_problem(rng, (1, 1, 1, 1), (1, 1))
+        expect = nums[0] + sum(n if o == "+" else -n for o, n in zip(ops, nums[1:]))
+        q = lab.question(nums, ops)
+        assert lab.oracle(q) == expect
+        assert lab.solution(nums, ops).endswith(f"\\boxed{{{expect}}}")
+    assert lab.oracle("What is 12 + 7 - 3?") == 16
+    for bad in ("What is 12 * 7?", "What is 12 +  7?", "What is 12?", "What is __import__('os')?",
+                "what is 1 + 2?", "What is 1 + 2"):
+        assert lab.oracle(bad) is None
+
+
+def test_documents_are_r_zero_formats():
+    q = lab.question([12, 7], ["+"])
+    doc = lab.challenger_document([12, 7], ["+"])
+    assert r_zero.PROMPTS["challenger_system"].format() in doc
+    reply = doc.split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    assert r_zero.extract_question(reply) == q
+    sol = lab.solver_document([12, 7], ["+"])
+    assert r_zero.PROMPTS["solver_system"].format() in sol and f"user\n{q}<|im_end|>" in sol
+    import common
+    assert common.extract_boxed(sol) == "19"
+
+
+def test_held_out_set_is_disjoint_from_pretraining_questions():
+    tests = lab.test_rows("full")
+    assert len(tests) == len({lab.words(t["question"]) for t in tests}) == 320
+    held = {lab.words(t["question"]) for t in tests}
+    lengths = {len(w) for w in held}
+    assert lab.contaminates(tests[0]["question"], held, lengths)
+    assert lab.contaminates(tests[0]["question"][:-1] + " + 1?", held, lengths)  # a prefix
+    one = {lab.words("What is 1 + 82 + 1?")}  # across a question and its working
+    assert lab.contaminates("What is 1 - 82?\n1 - 82 = -81.", one, {5})
+    assert not lab.contaminates("What is 1 - 82?\n", one, {5})
+
+
+@pytest.mark.slow
+def test_quick_r_zero_experiment_end_to_end(tmp_path):
+    env = {**os.environ, "SELFPLAY_CACHE": os.environ.get("SELFPLAY_CACHE", str(tmp_path))}
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "lab_r_zero.py"), "run", "--quick",
+                          "--seeds", "0", "--out", str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=800, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decontamination: 0 of 40 held-out questions" in out.stdout
+    work = tmp_path / "r_zero_quick"
+    run = work / "seed0"
+    assert (run / "dataset_iter1.jsonl").is_file() and (run / "eval_iter1.json").is_file()
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["0"]["base"][1] == summary["0"]["solver"][0][1] == 40
+    assert summary["0"]["labels"][0]["voted"] >= 0
+    assert "pseudo-label accuracy" in out.stdout and "beats base" in out.stdout
+    assert (work / "r_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_label_accuracy_reads_the_run_folder(tmp_path):
+    rows = [{"question": "What is 12 + 7 - 3?", "label": "16", "kept": True},
+            {"question": "What is 2 + 2?", "label": "5", "kept": True},
+            {"question": "What is 9 - 10?", "label": "-1", "kept": False},
+            {"question": "How many legs has a cat?", "label": "4", "kept": True}]
+    (tmp_path / "dataset_iter1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = lab.label_accuracy(tmp_path, 1)
+    assert (got["kept"], got["kept_in_domain"], got["kept_correct"]) == (3, 2, 1)
+    assert (got["all"], got["all_in_domain"], got["all_correct"]) == (4, 3, 2)
+    assert got["kept_operands"] == 2.5
