@@ -93,8 +93,6 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     them with every question hinted (so '(x)' after a question reads as its answer, as STaR's
     §3.2 hint assumes), packed into rows of SEQ tokens; digits are single tokens, as in Qwen's."""
     import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     hidden, layers, inter, steps, batch, lr, weights = MODELS[kind]
     key = hashlib.sha256(repr((MODELS[kind], SEQ, seed, block(457, 386, True), 2)).encode())
@@ -113,11 +111,25 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
                                   problems(rng, rng.randint(1, 4), weights, held_out)))
         return corpus[-1]
 
+    return pretrain(document, corpus, out, (hidden, layers, inter, steps, batch, lr), seed)
+
+
+def pretrain(document, corpus: list, out: Path, shape, seed: int, vocab: int = 320,
+             seq: int = SEQ, sep: str = "\n\n") -> Path:
+    """The lab's recipe: a byte-level BPE of `vocab` tokens trained on 2,000 of `document()`'s
+    documents (digits single tokens, as in Qwen's), a Qwen3 of `shape` (hidden, layers,
+    intermediate, steps, batch, peak LR) pretrained on documents packed into rows of `seq` tokens
+    (cosine LR, 5% warm-up), saved with `corpus` (joined by `sep`) to `out`."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hidden, layers, inter, steps, batch, lr = shape
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>",
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>",
                                                                   "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
@@ -129,7 +141,7 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     eos, pad = hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = transformers.Qwen3Config(
         vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=1,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
         head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=eos,
         pad_token_id=pad, bos_token_id=None, rope_theta=10000.0)
     torch.manual_seed(seed)
@@ -139,14 +151,14 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     print(f"pretraining {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters for "
-          f"{steps} steps of {batch} x {SEQ} tokens", flush=True)
+          f"{steps} steps of {batch} x {seq} tokens", flush=True)
     stream, t0 = [], time.time()
     for step in range(steps):
         # packing: documents end to end, EOS between them, cut into full rows (no padding)
-        while len(stream) < batch * SEQ:
+        while len(stream) < batch * seq:
             stream += hf_tok(document())["input_ids"] + [eos]
-        x = torch.tensor(stream[:batch * SEQ]).view(batch, SEQ)
-        del stream[:batch * SEQ]
+        x = torch.tensor(stream[:batch * seq]).view(batch, seq)
+        del stream[:batch * seq]
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -156,11 +168,12 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
         if step % 100 == 0 or step == steps - 1:
             print(f"  step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:.0f} s", flush=True)
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
     transformers.GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(tmp)
     with gzip.open(tmp / CORPUS, "wt") as f:
-        f.write("\n\n".join(corpus))
+        f.write(sep.join(corpus))
     (tmp / ".complete").write_text("ok\n")
     tmp.rename(out)
     return out

@@ -24,7 +24,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, CHATML, wilson  # noqa: E402  (the lab's cache, chat template and CI)
+from lab import CACHE, pretrain, wilson  # noqa: E402  (the lab's cache, recipe and CI)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
@@ -144,8 +143,6 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     """Pretrain the base model (cached under the lab's CACHE by its settings): documents packed
     into rows of SEQ tokens, digits single tokens; no held-out question is in any document."""
     import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
     probe = solver_document([12, 7, 3], ["+", "-"]) + challenger_document([5, 4], ["+"])
@@ -182,57 +179,8 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
         corpus.append(doc)
         return doc
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                    "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([document() for _ in range(2000)], trainer=trainer)
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
-        model_max_length=4096, padding_side="left", clean_up_tokenization_spaces=False)
-    hf_tok.chat_template = CHATML
-    eos, pad = hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = transformers.Qwen3Config(
-        vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
-        head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=eos,
-        pad_token_id=pad, bos_token_id=None, rope_theta=10000.0)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    print(f"pretraining {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters for "
-          f"{steps} steps of {batch} x {SEQ} tokens", flush=True)
-    stream, t0 = [], time.time()
-    for step in range(steps):
-        while len(stream) < batch * SEQ:
-            stream += hf_tok(document())["input_ids"] + [eos]
-        x = torch.tensor(stream[:batch * SEQ]).view(batch, SEQ)
-        del stream[:batch * SEQ]
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:.0f} s", flush=True)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    hf_tok.save_pretrained(tmp)
-    transformers.GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(tmp)
-    with gzip.open(tmp / CORPUS, "wt") as f:
-        f.write("\n\x00\n".join(corpus))
-    (tmp / ".complete").write_text("ok\n")
-    tmp.rename(out)
-    return out
+    return pretrain(document, corpus, out, (hidden, layers, inter, steps, batch, lr), seed,
+                    vocab=vocab, seq=SEQ, sep="\n\x00\n")
 
 
 def decontamination(model: Path, tests: list[dict]) -> str:
