@@ -4,6 +4,7 @@ multi-step integer arithmetic, where every question has an exact answer.
     python tests/lab_r_zero.py model                 # build (once, cached) the base model
     python tests/lab_r_zero.py run --seeds 0,1       # R-Zero, then the PNG and the table
     python tests/lab_r_zero.py control --seeds 0,1   # one iteration, exact labels for the Solver
+    python tests/lab_r_zero.py control --shuffle-rewards  # the same, rewards permuted: pure noise
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on chat documents
 in r_zero.py's own formats: Solver documents (its system prompt, a question "What is 12 + 7 - 3?",
@@ -398,29 +399,47 @@ def r_zero_exact_labels(argv) -> None:
             r["label"] = r["label"] if truth is None else str(truth)
         return rows
     r_zero.filter_dataset = exact
+    if "--shuffle-rewards" in argv:  # the noise floor: the same update, no information in it
+        argv = [a for a in argv if a != "--shuffle-rewards"]
+        update, rng = r_zero.grpo_update, random.Random(0)
+
+        def shuffled(policy, trajs, *args, **kw):
+            if trajs and trajs[0].role == r_zero.SOLVER:
+                rewards = [t.reward for t in trajs]
+                rng.shuffle(rewards)
+                for t, r in zip(trajs, rewards):
+                    t.reward = r
+            return update(policy, trajs, *args, **kw)
+        r_zero.grpo_update = shuffled
     r_zero.main(argv)
 
 
 def control(args) -> None:
-    """One iteration with exact labels (r_zero_exact_labels) per seed, beside the real runs."""
+    """One iteration with exact labels (r_zero_exact_labels) per seed, beside the real runs;
+    --shuffle-rewards permutes the Solver's rewards across each batch (the same reward rate and
+    update sizes, no information): what its updates do to the held-out accuracy as pure noise."""
     model = build_model(args.kind)
     work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
     flags = {**FLAGS[args.kind], "iterations": 1}
+    name = "shuffled_rewards" if args.shuffle_rewards else "exact_labels"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test_rows(args.kind)))
     for seed in map(int, args.seeds.split(",")):
-        run = work / f"exact_labels_seed{seed}"
+        run = work / f"{name}_seed{seed}"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_exact", "--model", str(model),
                "--seed", str(seed), "--output-dir", str(run), "--eval-benchmarks",
                str(work / "test.jsonl"), "--lr", args.lr, "--save-every", "0",
                "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        cmd += ["--shuffle-rewards"] if args.shuffle_rewards else []
         if not (run / "eval.json").exists():
             shutil.rmtree(run, ignore_errors=True)
             subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         (k0, n0), (k1, n1) = score(run / "eval_base.json"), score(run / "eval_iter1.json")
         lo, hi = wilson(k1, n1)
-        print(f"exact-label control, seed {seed}: base {k0 / n0:.3f}, after iteration 1 "
-              f"{k1 / n1:.3f} [{lo:.3f}, {hi:.3f}]; by operands "
+        print(f"{name.replace('_', ' ')} control, seed {seed}: base {k0 / n0:.3f}, after "
+              f"iteration 1 {k1 / n1:.3f} [{lo:.3f}, {hi:.3f}]; by operands "
               f"{by_operands(run / 'eval_iter1.json', test_rows(args.kind))}")
 
 
@@ -433,6 +452,8 @@ def main(argv=None) -> None:
     ap.add_argument("--iterations", type=int, default=0, help="0 = the kind's default")
     ap.add_argument("--lr", default="5e-5")  # 3e-4 collapsed the Solver (0.52 -> 0.17)
     ap.add_argument("--out", default="/work/scratch/rzlab")
+    ap.add_argument("--shuffle-rewards", action="store_true",
+                    help="control: permute the Solver's rewards across each batch")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":
