@@ -83,3 +83,22 @@ def test_label_accuracy_reads_the_run_folder(tmp_path):
     assert (got["kept"], got["kept_in_domain"], got["kept_correct"]) == (3, 2, 1)
     assert (got["all"], got["all_in_domain"], got["all_correct"]) == (4, 3, 2)
     assert got["kept_operands"] == 2.5
+
+
+def test_shuffled_control_permutes_only_the_solvers_rewards(monkeypatch):
+    import common
+    seen = []
+    monkeypatch.setattr(r_zero, "filter_dataset", r_zero.filter_dataset)  # restored after
+    monkeypatch.setattr(r_zero, "grpo_update", lambda policy, trajs, *a, **k: seen.append(
+        [t.reward for t in trajs]))
+
+    def main(argv):
+        assert "--shuffle-rewards" not in argv
+        for role in (r_zero.CHALLENGER, r_zero.SOLVER):
+            r_zero.grpo_update(None, [common.Trajectory([1], [2], reward=float(i), role=role)
+                                      for i in range(40)], [0] * 40, None, None, 0)
+    monkeypatch.setattr(r_zero, "main", main)
+    lab.r_zero_exact_labels(["--seed", "0", "--shuffle-rewards"])
+    challenger, solver = seen
+    assert challenger == [float(i) for i in range(40)]
+    assert solver != challenger and sorted(solver) == challenger
