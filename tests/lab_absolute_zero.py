@@ -49,10 +49,12 @@ CORPUS = "corpus.txt.gz"
 SEP = "\n\x00\n"
 N_INPUTS = 4  # --induction-inputs: 2 pairs shown, 2 held out
 REFERENCES = 2  # --references: earlier puzzles in a proposer prompt
-# document mix: solver documents per task type, then proposer documents per task type
-MIX = {("solver", "deduction"): 0.2, ("solver", "abduction"): 0.2, ("solver", "induction"): 0.2,
-       ("proposer", "deduction"): 0.15, ("proposer", "abduction"): 0.15,
-       ("proposer", "induction"): 0.1}
+# document mix: solver and proposer documents per task type, the rest worked examples (8-12 a
+# document, the three task types mixed): a base model's corpus holds code beside chats, and the
+# chats' prompts are mostly fixed text (~700 tokens), so without them a program is ~5% of tokens
+MIX = {("solver", "deduction"): 0.1, ("solver", "abduction"): 0.1, ("solver", "induction"): 0.1,
+       ("proposer", "deduction"): 0.07, ("proposer", "abduction"): 0.07,
+       ("proposer", "induction"): 0.06}
 
 
 # ------------------------------------------------------------------------ the function domain
@@ -244,9 +246,27 @@ def proposer_completion(t: str, e: dict) -> str:
             f"{_fence('input', e['input'])}</answer>")
 
 
+def worked(rng: random.Random, t: str, pool: list) -> str:
+    """One worked example outside the chat format: the task's blocks, the working, the answer."""
+    fam, consts = rng.choice(pool)
+    e = {**task(rng, fam, consts, t), "consts": consts}
+    work = solver_completion(t, e).split(" </think>")[0].strip()
+    prog = _fence("python", e["program"])
+    if t == "deduction":
+        return f"{prog}\n{_fence('input', e['input'])}\n{work}\n{_fence('output', e['output'])}"
+    if t == "abduction":
+        return f"{prog}\n{_fence('output', e['output'])}\n{work}\n{_fence('input', e['input'])}"
+    pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
+                      for k, (i, o) in enumerate(zip(e["inputs"][:N_INPUTS // 2], e["outputs"])))
+    return f"{pairs}\nMessage: {e['message']}\n{work}\n{prog}"
+
+
 def document(rng: random.Random, role: str, t: str, pool: list) -> str:
     import absolute_zero
     cfg = _cfg()
+    if role == "worked":
+        return "\n\n".join(worked(rng, rng.choice(TASKS), pool)
+                            for _ in range(rng.randint(8, 12)))
     fam, consts = rng.choice(pool)
     e = task(rng, fam, consts, t)
     e["consts"] = consts
@@ -298,7 +318,8 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     torch.set_num_threads(1)
     rng, held = random.Random(seed), held_out_programs()
     pool = [(f, c) for f, c in all_programs() if key(program(f, c)) not in held]
-    kinds, weights = list(MIX), list(MIX.values())
+    kinds = list(MIX) + [("worked", "")]
+    weights = list(MIX.values()) + [1 - sum(MIX.values())]
     corpus = []
 
     def doc():
@@ -330,16 +351,16 @@ def decontamination(model: Path, tests: dict) -> str:
 
 
 # --------------------------------------------------------------- evaluation on the held-out tasks
-def evaluate(model, tests_file: Path, out: Path, n: int, max_tokens: int, seed: int) -> None:
+def evaluate(model, tests_file: Path, out: Path, n: int, max_tokens: int, seed: int,
+             backend: str = "vllm") -> None:
     """Greedy and n samples at T = 1 per held-out task, with absolute_zero.py's solver prompts,
     graded by its check_solutions in its sandboxed Executor; written to `out` as JSON."""
     import absolute_zero
     import common
     tests = json.loads(tests_file.read_text())
-    # the HF sampler: in this process, without an engine's start-up per model (minutes on CPU)
     cfg = absolute_zero.Config(model=str(model), seed=seed, induction_inputs=N_INPUTS,
                                max_model_len=1536, executor_timeout=2.0, sandbox_workers=2,
-                               max_response_tokens=max_tokens, backend="hf")
+                               max_response_tokens=max_tokens, backend=backend)
     tok = common.load_tokenizer(str(model))
     sampler = common.make_sampler(str(model), tok, cfg)
     executor = absolute_zero.Executor(cfg)
@@ -365,8 +386,9 @@ def evaluate(model, tests_file: Path, out: Path, n: int, max_tokens: int, seed: 
 
 
 # ------------------------------------------------------------------------------------ the runs
-# absolute_zero.py's flags per model kind (Config's names); --lr is the lab's own (see main)
-FLAGS = {"full": dict(steps=12, batch_size=8, references=REFERENCES, seed_factor=2,
+# absolute_zero.py's flags per model kind (Config's names); --lr is the lab's own (see main).
+# B = 4: the update (6B trajectories, proposer prompts ~700 tokens) is most of a step, ~25 s here
+FLAGS = {"full": dict(steps=12, batch_size=4, references=REFERENCES, seed_factor=2,
                       seed_max_rounds=4, induction_inputs=N_INPUTS, learnability_samples=4,
                       max_prompt_tokens=1000, max_response_tokens=96, max_model_len=1200,
                       sandbox_workers=2, executor_timeout=2.0),
@@ -374,7 +396,9 @@ FLAGS = {"full": dict(steps=12, batch_size=8, references=REFERENCES, seed_factor
                        seed_max_rounds=1, induction_inputs=N_INPUTS, learnability_samples=2,
                        max_prompt_tokens=1000, max_response_tokens=48, max_model_len=1200,
                        sandbox_workers=2, executor_timeout=2.0, backend="hf")}
-EVAL = {"full": (8, 96), "quick": (2, 48)}  # (samples per task for pass@k, new tokens)
+# (samples per task for pass@k, new tokens, sampler): vLLM as the run samples; the quick one's
+# HF sampler spares CI an engine start-up per model
+EVAL = {"full": (8, 96, "vllm"), "quick": (2, 48, "hf")}
 
 
 def _env() -> dict:
@@ -384,9 +408,14 @@ def _env() -> dict:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _evaluate(model, work: Path, out: Path, kind: str, seed: int) -> None:
+    """evaluate() in its own process (a vLLM engine per model)."""
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "_eval", str(model),
+                    str(work / "test.json"), str(out), *map(str, EVAL[kind]), str(seed)],
+                   check=True, cwd=ROOT, env=_env())
+
+
 def experiment(args) -> None:
-    import torch
-    torch.set_num_threads(1)  # the evaluation runs here; on 2 shared cores one thread is faster
     t0 = time.time()
     model = build_model(args.kind)
     work = Path(args.out) / ("absolute_zero_quick" if args.kind == "quick" else "absolute_zero")
@@ -398,7 +427,7 @@ def experiment(args) -> None:
     walls = {}
     if not (work / "eval_base.json").exists():
         t1 = time.time()
-        evaluate(model, work / "test.json", work / "eval_base.json", *EVAL[args.kind], 0)
+        _evaluate(model, work, work / "eval_base.json", args.kind, 0)
         walls["base eval"] = time.time() - t1
     results = {"base": json.loads((work / "eval_base.json").read_text())}
     metrics = {}
@@ -419,7 +448,7 @@ def experiment(args) -> None:
         if not ev.exists():
             t1 = time.time()
             ckpt = run / "checkpoints" / f"step_{flags['steps']}"
-            evaluate(ckpt, work / "test.json", ev, *EVAL[args.kind], seed)
+            _evaluate(ckpt, work, ev, args.kind, seed)
             walls[f"seed {seed} eval"] = time.time() - t1
         results[f"seed{seed}"] = json.loads(ev.read_text())
         metrics[seed] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()
@@ -544,12 +573,16 @@ def skill(path: Path, n: int = 16) -> dict:
             dev[t].append(e)
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "test.json").write_text(json.dumps(dev))
-        evaluate(str(path), Path(d) / "test.json", Path(d) / "out.json", 1, 96, 0)
+        evaluate(str(path), Path(d) / "test.json", Path(d) / "out.json", 1, 96, 0)  # vLLM
         res = json.loads((Path(d) / "out.json").read_text())
     return {t: sum(res[t]["greedy"]) / n for t in TASKS}
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_eval"]:  # model, tests, out, samples, new tokens, sampler, seed
+        m, tests, out, n, tokens, backend, seed = argv[1:8]
+        return evaluate(m, Path(tests), Path(out), int(n), int(tokens), int(seed), backend)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", choices=["model", "run"])
     ap.add_argument("--seeds", default="0,1")
