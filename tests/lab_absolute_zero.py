@@ -52,9 +52,9 @@ REFERENCES = 2  # --references: earlier puzzles in a proposer prompt
 # document mix: solver and proposer documents per task type, the rest worked examples (8-12 a
 # document, the three task types mixed): a base model's corpus holds code beside chats, and the
 # chats' prompts are mostly fixed text (~700 tokens), so without them a program is ~5% of tokens
-MIX = {("solver", "deduction"): 0.1, ("solver", "abduction"): 0.1, ("solver", "induction"): 0.1,
-       ("proposer", "deduction"): 0.07, ("proposer", "abduction"): 0.07,
-       ("proposer", "induction"): 0.06}
+MIX = {("solver", "deduction"): 0.05, ("solver", "abduction"): 0.05, ("solver", "induction"): 0.05,
+       ("proposer", "deduction"): 0.05, ("proposer", "abduction"): 0.05,
+       ("proposer", "induction"): 0.05}
 
 
 # ------------------------------------------------------------------------ the function domain
@@ -379,6 +379,7 @@ def evaluate(model, tests_file: Path, out: Path, n: int, max_tokens: int, seed: 
                       "correct_samples": [sum(ok for _, ok in s[i * n:(i + 1) * n])
                                           for i in range(len(prompts))], "n": n,
                       "example": greedy[0][0].text}
+    res["model"] = str(model)
     finally:
         executor.close()
         sampler.close()
@@ -425,7 +426,10 @@ def experiment(args) -> None:
     print(decontamination(model, tests), flush=True)
     flags = {**FLAGS[args.kind], **({"steps": args.steps} if args.steps else {})}
     walls = {}
-    if not (work / "eval_base.json").exists():
+    base_file = work / "eval_base.json"
+    if base_file.exists() and json.loads(base_file.read_text()).get("model") != str(model):
+        base_file.unlink()  # another base model's (the cache key changed): evaluate again
+    if not base_file.exists():
         t1 = time.time()
         _evaluate(model, work, work / "eval_base.json", args.kind, 0)
         walls["base eval"] = time.time() - t1
@@ -487,7 +491,7 @@ def report(results: dict, metrics: dict, work: Path) -> dict:
             else:
                 k, m = sum(r[t]["greedy"]), len(r[t]["greedy"])
                 tot_k, tot_n = tot_k + k, tot_n + m
-            lo, hi = wilson(k, m)
+            lo, hi = (max(0.0, x) for x in wilson(k, m))
             row[t] = (k, m, lo, hi)
             beats = ""
             if name != "base":
@@ -548,9 +552,10 @@ def report(results: dict, metrics: dict, work: Path) -> dict:
     a3.set_xscale("log", base=2)
     a3.set_xlabel("k")
     a3.set_ylabel("pass@k on held-out tasks")
-    a3.set_title("pass@k, base vs trained (cf. Towards Und. Fig. 1)")
+    a3.set_title("pass@k, base vs trained (cf. [2] Fig. 1)")
     a3.legend(fontsize=6, ncol=2)
-    fig.suptitle("Absolute Zero on small Python functions (held-out programs)", fontsize=10)
+    fig.suptitle("Absolute Zero on small Python functions, held-out programs ([2]: Towards "
+                 "Understanding Self-play for LLM Reasoning)", fontsize=10)
     fig.tight_layout()
     fig.savefig(work / "absolute_zero.png", dpi=70)
     plt.close(fig)
