@@ -379,10 +379,10 @@ def evaluate(model, tests_file: Path, out: Path, n: int, max_tokens: int, seed: 
                       "correct_samples": [sum(ok for _, ok in s[i * n:(i + 1) * n])
                                           for i in range(len(prompts))], "n": n,
                       "example": greedy[0][0].text}
-    res["model"] = str(model)
     finally:
         executor.close()
         sampler.close()
+    res["model"] = str(model)
     out.write_text(json.dumps(res, indent=1) + "\n")
 
 
