@@ -52,9 +52,9 @@ REFERENCES = 2  # --references: earlier puzzles in a proposer prompt
 # document mix: solver and proposer documents per task type, the rest worked examples (8-12 a
 # document, the three task types mixed): a base model's corpus holds code beside chats, and the
 # chats' prompts are mostly fixed text (~700 tokens), so without them a program is ~5% of tokens
-MIX = {("solver", "deduction"): 0.05, ("solver", "abduction"): 0.05, ("solver", "induction"): 0.05,
-       ("proposer", "deduction"): 0.05, ("proposer", "abduction"): 0.05,
-       ("proposer", "induction"): 0.05}
+MIX = {("solver", "deduction"): 0.1, ("solver", "abduction"): 0.1, ("solver", "induction"): 0.1,
+       ("proposer", "deduction"): 0.07, ("proposer", "abduction"): 0.07,
+       ("proposer", "induction"): 0.06}
 
 
 # ------------------------------------------------------------------------ the function domain
