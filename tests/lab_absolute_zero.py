@@ -7,11 +7,12 @@ and induction tasks on small Python functions, with the sandbox as the only judg
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on documents in
 absolute_zero.py's own formats: its wrapper and proposer prompts followed by a program and an
 input (or, for induction, inputs and a message) in the fenced blocks its parsers read, and its
-solver prompts followed by a short worked answer (the output, an input, or the program). The
-programs come from seven families of one-line functions with small constants (`x * 3 + 2`,
-`a - b if a > b else b + 4`, `[v * 3 for v in xs]`, `sum(xs) + 5`, ...); truth is what they
-return. A fifth of each family's constant settings never occurs in pretraining: the held-out
-tasks use only those programs (checked with common.Decontaminator). The experiment runs the real
+solver prompts followed by a short worked answer (the output, an input, or the program), beside
+documents of worked examples outside the chats (40%). The programs come from eight families of
+one-line functions with small constants (`x * 3 + 2`, `a - b if a > b else b + 4`,
+`[v * 3 for v in xs]`, `sum(xs) + 5`, ...); truth is what they return. A fifth of each family's
+constant settings never occurs in pretraining: the held-out tasks use only those programs
+(checked with common.Decontaminator). The experiment runs the real
 absolute_zero.py with flags only and scores the base model and each run's final checkpoint on the
 held-out tasks with absolute_zero.py's own solver prompts and grader (solver_prompt,
 check_solutions, its sandboxed Executor): greedy accuracy per task type with 95% Wilson CIs, and
