@@ -1,0 +1,97 @@
+"""The Absolute Zero laboratory (tests/lab_absolute_zero.py): the programs' truth is exact, the
+pretraining documents are absolute_zero.py's prompts with answers its own parsers accept, the
+held-out programs never occur in pretraining, and the reduced experiment (--quick: a smaller
+model, one step) runs end to end through the real absolute_zero.py into an evaluation per task
+type, a table and a PNG."""
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+
+import absolute_zero
+import lab_absolute_zero as lab
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_programs_return_what_python_says():
+    assert lab.run_program(lab.program("lin_add", (3, 2)), (5,)) == 17
+    assert lab.run_program(lab.program("cond", (4,)), (2, 7)) == 11
+    assert lab.run_program(lab.program("cond", (4,)), (7, 2)) == 5
+    assert lab.run_program(lab.program("each_mul", (3,)), ([1, 2],)) == [3, 6]
+    assert lab.program("lin_add", (3, 2)) == "def f(x):\n    return x * 3 + 2"
+    # the family's text is what strip_program (seeding) writes back: the model's own form
+    for fam, consts in lab.all_programs():
+        prog = lab.program(fam, consts)
+        assert absolute_zero.strip_program(prog) == prog
+        assert absolute_zero.static_check(prog, single_def=True) == (None, prog)
+
+
+def test_documents_are_read_by_absolute_zeros_parsers():
+    rng = random.Random(0)
+    pool = lab.all_programs()
+    for _ in range(40):
+        for role, t in lab.MIX:
+            doc = lab.document(rng, role, t, pool)
+            prompt, completion = doc.split("Assistant: <think>")
+            assert prompt.startswith(absolute_zero._PREAMBLE)
+            if role == "proposer" and t == "induction":
+                prog = prompt.split("```python\n")[1].split("\n```")[0]
+                got = absolute_zero.parse_induction_proposal(completion, lab.N_INPUTS, prog)
+                assert len(got["inputs"]) == lab.N_INPUTS and got["message"]
+            elif role == "proposer":
+                got = absolute_zero.parse_triplet_proposal(completion)
+                assert got["reason"] is None and got["program"] in {
+                    lab.program(f, c) for f, c in pool}
+            else:
+                answer = absolute_zero.solver_answer(completion, t)
+                assert answer is not None
+                if t == "deduction":  # the answer is the program's output
+                    shown = prompt.split("```python\n")[1].split("\n```")[0]
+                    inp = prompt.split("```input\n")[1].split("\n```")[0]
+                    assert repr(lab.run_program(shown, eval(inp + ","))) == answer
+
+
+def test_held_out_programs_are_never_pretraining_programs():
+    held = lab.held_out_programs()
+    tests = lab.test_tasks("full")
+    assert [len(tests[t]) for t in lab.TASKS] == [60, 60, 60]
+    assert all(lab.key(e["program"]) in held for rows in tests.values() for e in rows)
+    assert {e["family"] for e in tests["induction"]} == set(lab.FAMILIES)
+    # x * 3 + 2 and x * 3 - 2 read alike to the Decontaminator: held out together
+    assert lab.key(lab.program("lin_add", (3, 2))) == lab.key(lab.program("lin_sub", (3, 2)))
+    for e in tests["deduction"]:
+        assert repr(lab.run_program(e["program"], eval(e["input"] + ","))) == e["output"]
+
+
+@pytest.mark.slow
+def test_quick_absolute_zero_experiment_end_to_end(tmp_path):
+    env = {**os.environ, "SELFPLAY_CACHE": os.environ.get("SELFPLAY_CACHE", str(tmp_path))}
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "lab_absolute_zero.py"), "run",
+                          "--quick", "--seeds", "0", "--out", str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decontamination: 0 of " in out.stdout and "(24 tasks)" in out.stdout
+    work = tmp_path / "absolute_zero_quick"
+    run = work / "seed0"
+    assert (run / "checkpoints" / "step_1" / "config.json").is_file()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(f"{t}/new_task_solve_rate" in rows[1] for t in lab.TASKS)
+    for name in ("eval_base.json", "eval_seed0.json"):
+        ev = json.loads((work / name).read_text())
+        for t in lab.TASKS:
+            assert len(ev[t]["greedy"]) == len(ev[t]["correct_samples"]) == 8
+            assert all(0 <= c <= ev[t]["n"] for c in ev[t]["correct_samples"])
+    summary = json.loads((work / "summary.json").read_text())
+    for name in ("base", "seed0"):
+        for t in lab.TASKS:
+            k, n, lo, hi = summary["accuracy"][name][t]
+            assert n == 8 and 0 <= lo <= k / n <= hi <= 1
+            assert all(0 <= v <= 1 for v in summary["pass@k"][name][t])
+    assert "held-out greedy accuracy per task type" in out.stdout and "pass@k" in out.stdout
+    assert (work / "absolute_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
