@@ -53,7 +53,7 @@ SHORT_PROMPTS = ROOT / "tests" / "data" / "spice_short_prompts.toml"
 PRE_COUNTS, PRE_DIGITS = (5, 3, 2, 1), (3, 2)
 # shares of the pretraining documents: Challenger chats (with a document, without), Reasoner chats,
 # plain fact documents (the corpus's kind); the rest are plain worked problems, 4-8 a document
-CHALLENGER_DOCS, NO_DOCUMENT_DOCS, REASONER_DOCS, FACT_DOCS = 0.15, 0.1, 0.4, 0.1
+CHALLENGER_DOCS, NO_DOCUMENT_DOCS, REASONER_DOCS, FACT_DOCS = 0.3, 0.1, 0.3, 0.1
 
 # ------------------------------------------------------------------------------ the ledger domain
 THINGS = [("wells", "well", "litres"), ("orchards", "orchard", "apples"),
@@ -111,13 +111,15 @@ def solution(p) -> str:
 
 
 def fact_document(p, rng: random.Random) -> str:
-    """A corpus document: each quantity stated, then the total, so a question has its answer."""
+    """A corpus document: the quantities listed, then each stated, then the total, so a question
+    has its answer; the list reads as the question does, which a tiny model can copy."""
     t, nums = p
     things, thing, unit = THINGS[t]
-    facts = [f"the {side} {thing} gives {n} {unit}" for side, n in zip(SIDES, nums)]
+    listed = ", ".join(map(str, nums[:-1])) + f" and {nums[-1]}"
+    facts = [f"the {side} {thing} gives {n}" for side, n in zip(SIDES, nums)]
     facts = ", ".join(facts[:-1]) + f" and {facts[-1]}"
-    return (f"{rng.choice(PLACES)} has {COUNTS[len(nums)]} {things}. {facts[0].upper()}{facts[1:]}"
-            f". In all the {things} give {sum(nums)} {unit}.")
+    return (f"{rng.choice(PLACES)} has {COUNTS[len(nums)]} {things}. They give {listed} {unit}: "
+            f"{facts}. In all the {things} give {sum(nums)} {unit}.")
 
 
 def signature(p) -> tuple:
@@ -150,8 +152,9 @@ def challenger_document(p, answer_type: str, document: str | None) -> str:
     copied; without one the model works the sum out first ("Think first"), as it must in the
     ablation, where nothing grounds its gold answer."""
     import spice
-    task = json.dumps({"question": question(p), "answer": str(sum(p[1])),
-                       "answer_type": answer_type})
+    # the answer type first: right after the prompt that names it, where a tiny model copies it
+    task = json.dumps({"answer_type": answer_type, "question": question(p),
+                       "answer": str(sum(p[1]))})
     reply = task if document else solution(p).split("\n")[0] + "\n" + task
     return chat(spice.challenger_prompt(document, "free", answer_type, "chat", templates()), reply)
 
@@ -252,7 +255,7 @@ def decontamination(model: Path, tests: list[dict], docs: list[str]) -> str:
     stated = []  # a corpus document stating a held-out question's facts would hand its answer over
     for d in docs:
         t = next(i for i, (a, _, _) in enumerate(THINGS) if f" {a}." in d)
-        nums = tuple(int(x) for x in re.findall(r"gives (\d+)", d))
+        nums = tuple(int(x) for x in re.findall(r"gives (\d+)", d))  # each stated once
         if (t, tuple(sorted(nums))) in facts:
             stated.append(d)
     flagged = []
