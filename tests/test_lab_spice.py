@@ -41,8 +41,9 @@ def reply(doc: str) -> str:
 def test_documents_are_spice_formats_and_the_document_holds_the_answer():
     p, rng = (2, (37, 45, 12)), random.Random(0)
     fact = lab.fact_document(p, rng)
-    assert fact.endswith("mills. They give 37, 45 and 12 sacks: the north mill gives 37, the south "
-                         "mill gives 45 and the east mill gives 12. In all the mills give 94 sacks.")
+    assert fact.endswith("mills. They give 37, 45 and 12 sacks: the north mill gives 37, the "
+                         "south mill gives 45 and the east mill gives 12. In all the mills give "
+                         "94 sacks.")
     prompts = lab.templates()
     for atype in spice.ANSWER_TYPES:
         for document in (fact, None):
