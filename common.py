@@ -95,6 +95,15 @@ class InputError(ValueError):
     """Bad user input (a flag, a file, a folder): the CLI prints its message as one line."""
 
 
+class _CoreBoolAction(argparse.BooleanOptionalAction):
+    """--flag / --no-flag, by position: argparse reads any "--no-" prefix as "off", so a field
+    named no_* (spice.py's --no-document) could otherwise never be switched on."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+
 class _CoreArgParser(argparse.ArgumentParser):
     def error(self, message):  # argparse's exit code 2, one line instead of the usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -151,7 +160,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
         flag = "--" + f.name.replace("_", "-")
         if typ is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(flag, action=_CoreBoolAction, **kw)
         elif typ in (int, float, str):
             parser.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
         else:

@@ -73,6 +73,7 @@ class Config(common.RunConfig):
     reject_document_reference: bool = False  # ours: "the text/passage" makes a question invalid
     eval_benchmarks: str = TABLE1  # Table 1 (App. A): greedy; AIME mean@32 at T 0.6
     eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A gives none)
+    eval_base: bool = False  # also evaluate the model before step 1 (Table 1's "Base Model" row)
     decontaminate: bool = True  # drop segments, questions sharing a 13-gram with eval sets (ours)
     temperature: float = 1.0  # both roles (§3.1)
     max_tokens: int = 4096  # both roles; Dr. GRPO's L_max (not stated; Oat recipes 3,000-4,096)
@@ -937,6 +938,10 @@ def train(cfg: Config, policy=None) -> Path:
     start = int(loaded[0]) if loaded else 0
     if cfg.resume and run.is_main:  # as metrics.jsonl: steps after the checkpoint are logged again
         common.truncate_jsonl(run.dir / "tasks.jsonl", start)
+    if cfg.eval_base and start == 0:  # step 0: the curve's starting point, same prompt and grader
+        res = run_eval(policy, run, cfg, fmt, eval_sets, 0, "eval_base.json")
+        if res:
+            run.log(0, common.eval_metrics(res))
     pbar = run.progress(cfg.steps, initial=start)
     for step in range(start + 1, cfg.steps + 1):
         rng = np.random.default_rng([cfg.seed, step])  # per step: a resumed run replays the draws

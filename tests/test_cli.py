@@ -141,6 +141,15 @@ def test_help_shows_the_tiny_profile_and_flags_override_it():
     assert paper.data == "gsm8k" and paper.rounds == 16  # another model keeps the paper's defaults
 
 
+def test_bool_flags_named_no_something_switch_on():
+    """argparse reads a "--no-" prefix as "off": spice.py's --no-document must still mean on."""
+    import spice
+    parse = lambda *a: common.parse_config(spice.Config, list(a))
+    assert parse("--no-document").no_document and not parse("--no-no-document").no_document
+    assert not parse().no_document
+    assert parse("--eval-base").eval_base and not parse("--no-decontaminate").decontaminate
+
+
 def test_resume_without_a_checkpoint_is_refused_by_the_library_too(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

@@ -696,9 +696,13 @@ SMALL_RUN = ["--model", "tiny", "--corpus", str(CORPUS), "--docs-per-step", "1",
 @pytest.mark.slow
 def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     run_dir = tmp_path / "run"
-    res = _cli([*SMALL_RUN, "--steps", "3", "--output-dir", str(run_dir)])
+    res = _cli([*SMALL_RUN, "--steps", "3", "--output-dir", str(run_dir), "--eval-base"])
     assert res.returncode == 0, res.stderr[-3000:]
     m = _metrics(run_dir)
+    # --eval-base: the model before step 1, logged as step 0 and written to eval_base.json
+    assert json.loads((run_dir / "eval_base.json").read_text())["step"] == 0
+    assert m[0]["step"] == 0 and "eval/spice_eval/greedy_acc" in m[0]
+    m = m[1:]
     assert [r["step"] for r in m if "challenger/valid_rate" in r] == [1, 2, 3]
     for key in ("challenger/valid_rate", "challenger/reward", "reasoner/accuracy",
                 "reasoner/frontier_share",
@@ -723,6 +727,7 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     spice.train(cfg, common.Policy.load(cfg, sampler=vllm_sampler))
     steps = [r["step"] for r in _metrics(run_dir) if "challenger/valid_rate" in r]
     assert steps == [1, 2, 3, 4]
+    assert [r["step"] for r in _metrics(run_dir)].count(0) == 1  # a resumed run has no base
     assert (run_dir / "checkpoints" / "step_4" / "model.safetensors").is_file()
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 4
     questions = [json.loads(line)["question"]
