@@ -213,6 +213,24 @@ FLAGS = {"full": dict(iterations=3, challenger_steps=5, solver_steps=10, challen
                        challenger_group=2, solver_batch=4, solver_group=2, votes=4,
                        question_pool=16, max_tokens=48, vote_max_tokens=48, eval_max_tokens=48,
                        max_prompt_tokens=256, max_model_len=512)}
+# Solver budgets over FLAGS["full"] (--budget): "lab" is FLAGS as they are; "paper" keeps the
+# paper's proportions per step (r_zero.py's defaults: 512 questions x 5 answers, minibatches of 128,
+# 15 steps, a pool of 8000) at half the batch, 256 questions (2 updates of 128 a step), with a pool
+# of 1024 so the kept set (~60% of it here) holds several batches
+BUDGETS = {"lab": {},
+           "paper": dict(solver_batch=256, solver_minibatch=128, solver_steps=15,
+                         question_pool=1024)}
+
+
+def lab_flags(args, **over) -> tuple[dict, str]:
+    """r_zero.py's flags of a run (the kind's FLAGS, the --budget's, --solver-steps, `over`) and
+    the name of its budget ("" for the lab's default, whose folders stay as they were)."""
+    flags = {**FLAGS[args.kind], **BUDGETS[args.budget], **over}
+    name = "" if args.budget == "lab" else args.budget
+    if args.solver_steps:
+        flags["solver_steps"] = args.solver_steps
+        name = f"{args.budget}_steps{args.solver_steps}"
+    return flags, name
 
 
 def label_accuracy(run: Path, k: int) -> dict:
@@ -256,7 +274,8 @@ def by_operands(path: Path, tests: list[dict]) -> dict:
 def experiment(args) -> None:
     t0 = time.time()
     model = build_model(args.kind)
-    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
+    flags, budget = lab_flags(args, **({"iterations": args.iterations} if args.iterations else {}))
+    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero") / budget
     work.mkdir(parents=True, exist_ok=True)
     tests = test_rows(args.kind)
     test_file = work / "test.jsonl"
@@ -266,7 +285,6 @@ def experiment(args) -> None:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "TOKENIZERS_PARALLELISM": "false"}
-    flags = {**FLAGS[args.kind], **({"iterations": args.iterations} if args.iterations else {})}
     results = {}
     for seed in map(int, args.seeds.split(",")):
         run = work / f"seed{seed}"
@@ -420,8 +438,9 @@ def control(args) -> None:
     update sizes, no information): what its updates do to the held-out accuracy as pure noise."""
     model = build_model(args.kind)
     work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
-    flags = {**FLAGS[args.kind], "iterations": 1}
-    name = "shuffled_rewards" if args.shuffle_rewards else "exact_labels"
+    flags, budget = lab_flags(args, iterations=1)
+    name = ("shuffled_rewards" if args.shuffle_rewards else "exact_labels") + (
+        f"_{budget}" if budget else "")
     work.mkdir(parents=True, exist_ok=True)
     (work / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test_rows(args.kind)))
     for seed in map(int, args.seeds.split(",")):
@@ -432,14 +451,20 @@ def control(args) -> None:
                "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         cmd += ["--shuffle-rewards"] if args.shuffle_rewards else []
+        wall = ""
         if not (run / "eval.json").exists():
+            print("$", " ".join(["python"] + cmd[1:]), flush=True)
             shutil.rmtree(run, ignore_errors=True)
+            t1 = time.time()
             subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+            wall = f"; wall time {time.time() - t1:.0f} s"
         (k0, n0), (k1, n1) = score(run / "eval_base.json"), score(run / "eval_iter1.json")
         lo, hi = wilson(k1, n1)
+        lab = label_accuracy(run, 1)
         print(f"{name.replace('_', ' ')} control, seed {seed}: base {k0 / n0:.3f}, after "
-              f"iteration 1 {k1 / n1:.3f} [{lo:.3f}, {hi:.3f}]; by operands "
+              f"iteration 1 {k1 / n1:.3f} [{lo:.3f}, {hi:.3f}] ({lab['kept']} kept, their voted "
+              f"labels {lab['kept_correct']}/{lab['kept_in_domain']} right){wall}; by operands "
               f"{by_operands(run / 'eval_iter1.json', test_rows(args.kind))}")
 
 
@@ -454,6 +479,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="/work/scratch/rzlab")
     ap.add_argument("--shuffle-rewards", action="store_true",
                     help="control: permute the Solver's rewards across each batch")
+    ap.add_argument("--budget", choices=sorted(BUDGETS), default="lab",
+                    help="the Solver's budget: lab (FLAGS) or paper (BUDGETS); a non-default one "
+                         "runs in its own folders")
+    ap.add_argument("--solver-steps", type=int, default=0, help="0 = the budget's")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":

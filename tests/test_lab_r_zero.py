@@ -102,3 +102,18 @@ def test_shuffled_control_permutes_only_the_solvers_rewards(monkeypatch):
     challenger, solver = seen
     assert challenger == [float(i) for i in range(40)]
     assert solver != challenger and sorted(solver) == challenger
+
+
+def test_budgets_leave_the_lab_default_as_it_was():
+    import argparse
+    args = argparse.Namespace(kind="full", budget="lab", solver_steps=0)
+    assert lab.lab_flags(args) == (lab.FLAGS["full"], "")  # the same flags, the same folders
+    args.budget = "paper"
+    flags, name = lab.lab_flags(args, iterations=1)
+    assert name == "paper" and flags["iterations"] == 1
+    assert (flags["solver_batch"], flags["solver_minibatch"], flags["solver_steps"]) == (256, 128, 15)
+    assert flags["question_pool"] >= 2 * flags["solver_batch"]  # the kept set (~60%) holds a batch
+    args.solver_steps = 10
+    assert lab.lab_flags(args)[0]["solver_steps"] == 10 and lab.lab_flags(args)[1] == "paper_steps10"
+    cfg = r_zero.Config()  # the paper's own proportions, r_zero.py's defaults
+    assert (cfg.solver_batch, cfg.solver_minibatch, cfg.solver_steps) == (512, 128, 15)
