@@ -245,6 +245,37 @@ def decontamination(model: Path, tests: list[str], train: list[str]) -> str:
             "common.Decontaminator)")
 
 
+SEP = "\n\x00\n"  # between the chat labs' pretraining documents in CORPUS
+
+
+def words(text: str) -> tuple:
+    """A text's words as common.Decontaminator reads them (punctuation and operators dropped)."""
+    sys.path.insert(0, str(ROOT))
+    import common
+    return tuple(common._vf_words(text))
+
+
+def leaks(model: Path, held: list[str]) -> tuple[list[str], int]:
+    """The held-out texts that occur in the model's pretraining documents (joined by SEP), exactly
+    or whole by common.Decontaminator at n = the text's own length in words; and how many
+    documents were searched."""
+    import common
+    with gzip.open(model / CORPUS, "rt") as f:
+        docs = f.read().split(SEP)
+    found = [h for h in held if any(h in d for d in docs)]
+    for n in sorted({len(words(h)) for h in held}):
+        group = [h for h in held if len(words(h)) == n]
+        found += [h for h, f in zip(group, common.Decontaminator(docs, n=n).flags(group)) if f]
+    return found, len(docs)
+
+
+def score(path: Path) -> tuple[int, int]:
+    """(correct, n) of a common.evaluate eval_*.json of one benchmark."""
+    res = json.loads(path.read_text())
+    (b,) = res["benchmarks"].values()
+    return sum(bool(p["greedy_correct"]) for p in b["per_problem"]), b["n_problems"]
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return 0.0, 1.0

@@ -25,7 +25,6 @@ that CI uses to check the pipeline end to end.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, pretrain, wilson  # noqa: E402  (the lab's cache, recipe and CI)
+from lab import CACHE, SEP, leaks, pretrain, wilson, words  # noqa: E402  (the lab's own)
 
 TASKS = ("deduction", "abduction", "induction")
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
@@ -47,7 +46,6 @@ MODELS = {"full": (128, 4, 384, 700, 4, 4e-3, 1024),
           "quick": (64, 2, 128, 20, 2, 4e-3, 512)}
 SEQ = 1024  # tokens per packed row: a proposer prompt alone is ~600
 CORPUS = "corpus.txt.gz"
-SEP = "\n\x00\n"
 N_INPUTS = 4  # --induction-inputs: 2 pairs shown, 2 held out
 REFERENCES = 2  # --references: earlier puzzles in a proposer prompt
 # document mix: solver and proposer documents per task type, the rest worked examples (8-12 a
@@ -176,8 +174,7 @@ def all_programs() -> list[tuple[str, tuple]]:
 def key(prog: str) -> tuple:
     """A program's words as common.Decontaminator reads them (operators dropped, so `x * 3 + 2`
     and `x * 3 - 2` are one key, and both are held out together)."""
-    import common
-    return tuple(common._vf_words(prog))
+    return words(prog)
 
 
 def held_out_programs() -> set:
@@ -332,22 +329,14 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
 
 
 def decontamination(model: Path, tests: dict) -> str:
-    """No held-out program occurs in the pretraining documents: exactly, and by
-    common.Decontaminator with n = the program's own length in words."""
-    import common
-    with gzip.open(model / CORPUS, "rt") as f:
-        docs = f.read().split(SEP)
+    """No held-out program occurs in the pretraining documents (lab.leaks: exactly, or whole)."""
     progs = sorted({e["program"] for rows in tests.values() for e in rows})
-    exact = [p for p in progs if any(p in d for d in docs)]
-    flagged = []
-    for n in sorted({len(key(p)) for p in progs}):
-        group = [p for p in progs if len(key(p)) == n]
-        flagged += [p for p, f in zip(group, common.Decontaminator(docs, n=n).flags(group)) if f]
-    if exact or flagged:
-        raise RuntimeError(f"held-out programs leak into the pretraining data: {exact + flagged}")
+    found, n_docs = leaks(model, progs)
+    if found:
+        raise RuntimeError(f"held-out programs leak into the pretraining data: {found}")
     n_tasks = sum(len(v) for v in tests.values())
     return (f"decontamination: 0 of {len(progs)} held-out programs ({n_tasks} tasks) in the "
-            f"{len(docs)} pretraining documents (exact match and whole-program "
+            f"{n_docs} pretraining documents (exact match and whole-program "
             "common.Decontaminator)")
 
 

@@ -22,7 +22,6 @@ to check the pipeline end to end.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, pretrain, wilson  # noqa: E402  (the lab's cache, recipe and CI)
+from lab import CACHE, SEP, leaks, pretrain, score, wilson, words  # noqa: E402  (the lab's own)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
@@ -90,11 +89,6 @@ def solution(nums, ops) -> str:
         steps.append(f"{acc} {o} {n} = {new}.")
         acc = new
     return " ".join(steps) + f"\n\\boxed{{{acc}}}"
-
-
-def words(q: str) -> tuple:
-    import common
-    return tuple(common._vf_words(q))
 
 
 def chat(messages) -> str:
@@ -181,25 +175,17 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
         return doc
 
     return pretrain(document, corpus, out, (hidden, layers, inter, steps, batch, lr), seed,
-                    vocab=vocab, seq=SEQ, sep="\n\x00\n")
+                    vocab=vocab, seq=SEQ, sep=SEP)
 
 
 def decontamination(model: Path, tests: list[dict]) -> str:
-    """No held-out question occurs in the pretraining documents: exactly, and by
-    common.Decontaminator with n = the question's own length in words (operators and punctuation
-    dropped, so 'What is 5 - 3?' also meets 'What is 5 + 3 + 1?')."""
-    import common
-    with gzip.open(model / CORPUS, "rt") as f:
-        docs = f.read().split("\n\x00\n")
+    """No held-out question occurs in the pretraining documents (lab.leaks: exactly, or whole, its
+    operators and punctuation dropped, so 'What is 5 - 3?' also meets 'What is 5 + 3 + 1?')."""
     held = [r["question"] for r in tests]
-    exact = [q for q in held if any(q in d for d in docs)]
-    flagged = []
-    for n in sorted({len(words(q)) for q in held}):
-        group = [q for q in held if len(words(q)) == n]
-        flagged += [q for q, f in zip(group, common.Decontaminator(docs, n=n).flags(group)) if f]
-    if exact or flagged:
-        raise RuntimeError(f"held-out questions leak into the pretraining data: {exact + flagged}")
-    return (f"decontamination: 0 of {len(held)} held-out questions in the {len(docs)} pretraining "
+    found, n_docs = leaks(model, held)
+    if found:
+        raise RuntimeError(f"held-out questions leak into the pretraining data: {found}")
+    return (f"decontamination: 0 of {len(held)} held-out questions in the {n_docs} pretraining "
             "documents (exact match and whole-question common.Decontaminator)")
 
 
@@ -251,13 +237,6 @@ def label_accuracy(run: Path, k: int) -> dict:
         out[f"{name}_operands"] = (sum(len(words(r["question"])) - 2 for r in ok_rows)
                                    / max(1, len(ok_rows)))
     return out
-
-
-def score(path: Path) -> tuple[int, int]:
-    """(correct, n) of an eval_*.json."""
-    res = json.loads(path.read_text())
-    (b,) = res["benchmarks"].values()
-    return sum(bool(p["greedy_correct"]) for p in b["per_problem"]), b["n_problems"]
 
 
 def by_operands(path: Path, tests: list[dict]) -> dict:
