@@ -255,18 +255,19 @@ def words(text: str) -> tuple:
     return tuple(common._vf_words(text))
 
 
-def leaks(model: Path, held: list[str]) -> tuple[list[str], int]:
-    """The held-out texts that occur in the model's pretraining documents (joined by SEP), exactly
-    or whole by common.Decontaminator at n = the text's own length in words; and how many
-    documents were searched."""
+def leaks(model: Path, held: list[str], extra: list[str] = ()) -> tuple[list[str], int]:
+    """The held-out texts that occur in the model's pretraining documents (joined by SEP) or in
+    `extra`, exactly or whole by common.Decontaminator at n = the text's own length in words; and
+    how many pretraining documents there are."""
     import common
     with gzip.open(model / CORPUS, "rt") as f:
-        docs = f.read().split(SEP)
+        pre = f.read().split(SEP)
+    docs = pre + list(extra)
     found = [h for h in held if any(h in d for d in docs)]
     for n in sorted({len(words(h)) for h in held}):
         group = [h for h in held if len(words(h)) == n]
         found += [h for h, f in zip(group, common.Decontaminator(docs, n=n).flags(group)) if f]
-    return found, len(docs)
+    return found, len(pre)
 
 
 def score(path: Path) -> tuple[int, int]:

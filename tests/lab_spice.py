@@ -25,7 +25,6 @@ pipeline end to end.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -40,14 +39,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, CHATML, pretrain, wilson  # noqa: E402,F401  (the lab's recipe and CI)
+from lab import CACHE, CHATML, SEP, leaks, pretrain, score, wilson, words  # noqa: E402,F401
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
           "quick": (64, 2, 128, 30, 4, 4e-3, 512)}
 SEQ = 512  # tokens per packed pretraining row (a Challenger document is ~200)
 CORPUS = "corpus.txt.gz"
-SEP = "\n\x00\n"  # between pretraining documents in CORPUS
 SHORT_PROMPTS = ROOT / "tests" / "data" / "spice_short_prompts.toml"
 # pretraining difficulty: weights of 2..5 quantities and of 1..2 digits per quantity (mostly easy)
 PRE_COUNTS, PRE_DIGITS = (5, 3, 2, 1), (3, 2)
@@ -125,11 +123,6 @@ def fact_document(p, rng: random.Random) -> str:
 
 def signature(p) -> tuple:
     return p[0], tuple(sorted(p[1]))
-
-
-def words(q: str) -> tuple:
-    import common
-    return tuple(common._vf_words(q))
 
 
 def templates():
@@ -244,30 +237,20 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
 
 
 def decontamination(model: Path, tests: list[dict], docs: list[str]) -> str:
-    """No held-out question occurs in the pretraining documents or in SPICE's corpus: exactly, by
-    its facts (thing and quantities, in any order and phrasing) and by common.Decontaminator with
-    n = the question's own length in words."""
-    import common
-    with gzip.open(model / CORPUS, "rt") as f:
-        pre = f.read().split(SEP)
+    """No held-out question occurs in the pretraining documents or in SPICE's corpus: exactly and
+    whole (lab.leaks), or by its facts (thing and quantities, in any order and phrasing)."""
     held = [r["question"] for r in tests]
     facts = {signature(p) for p in held_signatures()}
-    exact = [q for q in held if any(q in d for d in pre + docs)]
+    found, n_pre = leaks(model, held, docs)
     stated = []  # a corpus document stating a held-out question's facts would hand its answer over
     for d in docs:
         t = next(i for i, (a, _, _) in enumerate(THINGS) if f" {a}." in d)
         nums = tuple(int(x) for x in re.findall(r"gives (\d+)", d))  # each stated once
         if (t, tuple(sorted(nums))) in facts:
             stated.append(d)
-    flagged = []
-    for n in sorted({len(words(q)) for q in held}):
-        group = [q for q in held if len(words(q)) == n]
-        flagged += [q for q, f in zip(group, common.Decontaminator(pre + docs, n=n).flags(group))
-                    if f]
-    if exact or flagged or stated:
-        raise RuntimeError("held-out questions leak into the training data: "
-                           f"{exact + flagged + stated}")
-    return (f"decontamination: 0 of {len(held)} held-out questions in the {len(pre)} pretraining "
+    if found or stated:
+        raise RuntimeError(f"held-out questions leak into the training data: {found + stated}")
+    return (f"decontamination: 0 of {len(held)} held-out questions in the {n_pre} pretraining "
             f"documents or the {len(docs)} corpus documents (exact match, facts, and "
             "whole-question common.Decontaminator)")
 
@@ -282,13 +265,6 @@ FLAGS = {"full": dict(steps=20, docs_per_step=16, group_size=4, reasoner_k=4, ma
          "quick": dict(steps=2, docs_per_step=2, group_size=2, reasoner_k=2, max_attempts=2,
                        max_tokens=64, eval_max_tokens=48, eval_every=1, max_model_len=1024,
                        corpus_docs=0)}
-
-
-def score(path: Path) -> tuple[int, int]:
-    """(correct, n) of an eval_*.json."""
-    res = json.loads(path.read_text())
-    (b,) = res["benchmarks"].values()
-    return sum(bool(p["greedy_correct"]) for p in b["per_problem"]), b["n_problems"]
 
 
 def curve(run: Path, flags: dict) -> list[tuple[int, int, int]]:
