@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the method files and common.py, for every lab script
+    sys.path.insert(0, str(ROOT))
 CACHE = Path(os.environ.get("SELFPLAY_CACHE") or Path.home() / ".cache" / "selfplay")
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
@@ -184,7 +186,6 @@ def skill(path: Path, n: int = 20, seed: int = 99) -> dict[int, float]:
     star.py's own prompt and '####' extraction: how much the base model can do before STaR."""
     import torch
     import transformers
-    sys.path.insert(0, str(ROOT))
     import star
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -230,7 +231,6 @@ def decontamination(model: Path, tests: list[str], train: list[str]) -> str:
     """Check that no held-out question occurs in the pretraining documents or the training set:
     exactly, and with common.Decontaminator at n = 4 words, the length of the shortest question
     ('what is 3 5'), so a question inside any document, hinted or not, is caught too."""
-    sys.path.insert(0, str(ROOT))
     import common
     with gzip.open(model / CORPUS, "rt") as f:
         docs = f.read().split("\n\n")  # one block per reference
@@ -250,7 +250,6 @@ SEP = "\n\x00\n"  # between the chat labs' pretraining documents in CORPUS
 
 def words(text: str) -> tuple:
     """A text's words as common.Decontaminator reads them (punctuation and operators dropped)."""
-    sys.path.insert(0, str(ROOT))
     import common
     return tuple(common._vf_words(text))
 
