@@ -9,8 +9,11 @@ multi-step integer arithmetic, where every question has an exact answer.
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on chat documents
 in r_zero.py's own formats: Solver documents (its system prompt, a question "What is 12 + 7 - 3?",
 a step-by-step answer ending in \\boxed{}) and Challenger documents (its system and user prompts,
-then a <question> block and a boxed answer). It sees mostly short problems with small numbers, so
-it starts with partial skill on long ones. The experiment runs the real r_zero.py with flags only.
+then a <question> block and a boxed answer). Half its Solver documents give the boxed answer with
+no working (--direct), so, like a real base model, it often answers without the steps that make it
+right. It sees mostly short problems with small numbers, so it starts with partial skill on long
+ones. --direct 0 builds the first base, which always works step by step. The experiment runs the
+real r_zero.py with flags only.
 What it shows (R-Zero, Huang et al. 2025): the Solver's greedy held-out accuracy per iteration
 against the base model's (95% Wilson CIs, Table 1's comparison), and the accuracy of the
 majority-vote pseudo-labels of the kept Challenger questions against the exact oracle, per
@@ -49,6 +52,9 @@ PRE_OPERANDS, PRE_DIGITS = (5, 3, 2, 1), (3, 2)
 # 4-8 a document, as a base model's corpus holds math text beside chats (the chats' prompts are
 # mostly fixed text, so the arithmetic would otherwise be a quarter of the tokens)
 CHALLENGER_DOCS, SOLVER_DOCS = 0.2, 0.4
+# the share of Solver documents that give the boxed answer alone, with no working (--direct): a
+# real base model has seen both kinds of answer, so it sometimes skips the steps that make it right
+DIRECT = 0.5
 
 
 # -------------------------------------------------------------------------- the arithmetic domain
@@ -95,10 +101,12 @@ def chat(messages) -> str:
     return "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in messages)
 
 
-def solver_document(nums, ops) -> str:
+def solver_document(nums, ops, direct: bool = False) -> str:
+    """A Solver chat: the working and the boxed answer, or (direct) the boxed answer alone."""
     import r_zero
+    reply = f"\\boxed{{{oracle(question(nums, ops))}}}" if direct else solution(nums, ops)
     return chat([("system", r_zero.PROMPTS["solver_system"].format()),
-                 ("user", question(nums, ops)), ("assistant", solution(nums, ops))])
+                 ("user", question(nums, ops)), ("assistant", reply)])
 
 
 def challenger_document(nums, ops) -> str:
@@ -134,16 +142,17 @@ def contaminates(text: str, held: set, lengths: set) -> bool:
 
 
 # ---------------------------------------------------------------------------------- the base model
-def build_model(kind: str = "full", seed: int = 0) -> Path:
+def build_model(kind: str = "full", seed: int = 0, direct: float = DIRECT) -> Path:
     """Pretrain the base model (cached under the lab's CACHE by its settings): documents packed
-    into rows of SEQ tokens, digits single tokens; no held-out question is in any document."""
+    into rows of SEQ tokens, digits single tokens; no held-out question is in any document.
+    `direct`: the share of Solver documents without working."""
     import torch
 
     hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
     probe = solver_document([12, 7, 3], ["+", "-"]) + challenger_document([5, 4], ["+"])
-    key = hashlib.sha256(repr((MODELS[kind], SEQ, seed, PRE_OPERANDS, PRE_DIGITS,
-                               CHALLENGER_DOCS, SOLVER_DOCS, probe, 3)).encode())
-    out = CACHE / f"lab-rzero-{kind}-{key.hexdigest()[:10]}"
+    settings = (MODELS[kind], SEQ, seed, PRE_OPERANDS, PRE_DIGITS, CHALLENGER_DOCS, SOLVER_DOCS,
+                probe, 3) + ((direct,) if direct else ())  # direct 0: the first base's key
+    out = CACHE / f"lab-rzero-{kind}-{hashlib.sha256(repr(settings).encode()).hexdigest()[:10]}"
     if (out / ".complete").is_file():
         return out
     torch.set_num_threads(1)
@@ -163,7 +172,7 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
         if u < CHALLENGER_DOCS:
             doc = challenger_document(*problem())
         elif u < CHALLENGER_DOCS + SOLVER_DOCS:
-            doc = solver_document(*problem())
+            doc = solver_document(*problem(), direct=direct > 0 and rng.random() < direct)
         else:
             doc = ""
             for _ in range(rng.randint(4, 8)):  # nor across two problems
@@ -250,11 +259,23 @@ def by_operands(path: Path, tests: list[dict]) -> dict:
     return {k: sum(v) / len(v) for k, v in sorted(out.items())}
 
 
+def workdir(args) -> Path:
+    """The experiment's folder: one per model kind and --direct share (0: the first base's)."""
+    name = "r_zero_quick" if args.kind == "quick" else "r_zero"
+    return Path(args.out) / (name + (f"_direct{args.direct:g}" if args.direct else ""))
+
+
+def answer_tokens(path: Path) -> float:
+    """The mean length of the greedy held-out answers (an answer with no working is ~5 tokens)."""
+    (b,) = json.loads(path.read_text())["benchmarks"].values()
+    return b["greedy_mean_tokens"]
+
+
 def experiment(args) -> None:
     t0 = time.time()
-    model = build_model(args.kind)
+    model = build_model(args.kind, direct=args.direct)
     flags, budget = lab_flags(args, **({"iterations": args.iterations} if args.iterations else {}))
-    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero") / budget
+    work = workdir(args) / budget
     work.mkdir(parents=True, exist_ok=True)
     tests = test_rows(args.kind)
     test_file = work / "test.jsonl"
@@ -283,7 +304,9 @@ def experiment(args) -> None:
                          "solver": [score(run / f"eval_iter{k}.json") for k in its],
                          "labels": [label_accuracy(run, k) for k in its],
                          "by_operands": [by_operands(run / f"eval_{x}.json", tests) for x in
-                                         ["base"] + [f"iter{k}" for k in its]]}
+                                         ["base"] + [f"iter{k}" for k in its]],
+                         "tokens": [answer_tokens(run / f"eval_{x}.json") for x in
+                                    ["base"] + [f"iter{k}" for k in its]]}
     (work / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
     report(results, work)
     print(f"total wall time {time.time() - t0:.0f} s")
@@ -298,17 +321,20 @@ def report(results: dict, work: Path) -> None:
     print("\nR-Zero on multi-step integer arithmetic: Solver greedy held-out accuracy (95% Wilson "
           "CI) and pseudo-label accuracy of the kept questions vs the exact oracle")
     print(f"  {'seed':4s} {'iter':>4s} {'solver acc':>10s} {'95% CI':>16s} {'kept':>5s} "
-          f"{'label acc':>9s} {'all-voted label acc':>19s} {'operands':>8s} {'beats base':>10s}")
+          f"{'label acc':>9s} {'all-voted label acc':>19s} {'operands':>8s} {'tokens':>6s} "
+          f"{'beats base':>10s}")
     for seed, r in results.items():
         k0, n0 = r["base"]
         lo0, hi0 = wilson(k0, n0)
-        print(f"  {seed:4d} {'base':>4s} {frac(k0, n0):10.3f} [{lo0:.3f}, {hi0:.3f}]")
+        toks = r.get("tokens") or [float("nan")] * (len(r["solver"]) + 1)
+        print(f"  {seed:4d} {'base':>4s} {frac(k0, n0):10.3f} [{lo0:.3f}, {hi0:.3f}] "
+              f"{'':5s} {'':9s} {'':19s} {'':8s} {toks[0]:6.1f}")
         for it, ((k, n), lab) in enumerate(zip(r["solver"], r["labels"]), start=1):
             lo, hi = wilson(k, n)
             print(f"  {seed:4d} {it:4d} {frac(k, n):10.3f} [{lo:.3f}, {hi:.3f}] {lab['kept']:5d} "
                   f"{frac(lab['kept_correct'], lab['kept_in_domain']):9.3f} "
                   f"{frac(lab['all_correct'], lab['all_in_domain']):19.3f} "
-                  f"{lab['kept_operands']:8.2f} {'yes' if lo > hi0 else 'no':>10s}")
+                  f"{lab['kept_operands']:8.2f} {toks[it]:6.1f} {'yes' if lo > hi0 else 'no':>10s}")
         print(f"  seed {seed}: accuracy by operand count, base -> last: "
               + ", ".join(f"{k}: {a:.2f} -> {b:.2f}" for (k, a), b in
                           zip(r["by_operands"][0].items(), r["by_operands"][-1].values())))
@@ -328,6 +354,9 @@ def report(results: dict, work: Path) -> None:
                                                            [hi - a for a, (_, hi) in zip(acc, ci)]],
                     marker="o", capsize=3, color=c, label=f"Solver, seed {seed}")
         a1.axhspan(*ci[0], color=c, alpha=0.1)
+        for x, y, t in zip(xs, acc, r.get("tokens") or []) if i == 0 else ():
+            a1.annotate(f"{t:.0f} tokens", (x, y), textcoords="offset points", xytext=(6, -10),
+                        fontsize=7, color=c)  # the greedy answers' length: working or not
         la = [frac(x["kept_correct"], x["kept_in_domain"]) for x in r["labels"]]
         lci = [wilson(x["kept_correct"], x["kept_in_domain"]) for x in r["labels"]]
         a2.errorbar([x + 0.03 * i for x in xs[1:]], la, capsize=3, marker="o", color=c,
@@ -355,9 +384,9 @@ def report(results: dict, work: Path) -> None:
     print(f"wrote {work / 'r_zero.png'}")
 
 
-def skill(path: Path, n: int = 20, seed: int = 99) -> dict[int, float]:
+def skill(path: Path, n: int = 20, seed: int = 99) -> dict:
     """Greedy accuracy per operand count on fresh dev questions (not the test set), r_zero.py's
-    Solver prompt: how much the base model can do before R-Zero."""
+    Solver prompt, and the share of answers with working: what the base does before R-Zero."""
     import torch
     import transformers
     import common
@@ -379,6 +408,7 @@ def skill(path: Path, n: int = 20, seed: int = 99) -> dict[int, float]:
             gen = model.generate(**enc, max_new_tokens=80, do_sample=False)
         outs = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         out[k] = sum(common.extract_boxed(t) == str(oracle(q)) for t, q in zip(outs, qs)) / n
+        out[f"{k} worked"] = sum(" = " in t for t in outs) / n  # the share with working
     return out
 
 
@@ -415,8 +445,8 @@ def control(args) -> None:
     """One iteration with exact labels (r_zero_exact_labels) per seed, beside the real runs;
     --shuffle-rewards permutes the Solver's rewards across each batch (the same reward rate and
     update sizes, no information): what its updates do to the held-out accuracy as pure noise."""
-    model = build_model(args.kind)
-    work = Path(args.out) / ("r_zero_quick" if args.kind == "quick" else "r_zero")
+    model = build_model(args.kind, direct=args.direct)
+    work = workdir(args)
     flags, budget = lab_flags(args, iterations=1)
     name = ("shuffled_rewards" if args.shuffle_rewards else "exact_labels") + (
         f"_{budget}" if budget else "")
@@ -462,10 +492,13 @@ def main(argv=None) -> None:
                     help="the Solver's budget: lab (FLAGS) or paper (BUDGETS); a non-default one "
                          "runs in its own folders")
     ap.add_argument("--solver-steps", type=int, default=0, help="0 = the budget's")
+    ap.add_argument("--direct", type=float, default=DIRECT,
+                    help="the share of pretraining Solver documents with no working (0: always "
+                         "step by step, the first base)")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":
-        path = build_model(args.kind)
+        path = build_model(args.kind, direct=args.direct)
         print(path)
         print("greedy accuracy per operand count (dev):", skill(path))
     elif args.experiment == "control":

@@ -40,7 +40,9 @@ def test_documents_are_r_zero_formats():
     sol = lab.solver_document([12, 7], ["+"])
     assert r_zero.PROMPTS["solver_system"].format() in sol and f"user\n{q}<|im_end|>" in sol
     import common
-    assert common.extract_boxed(sol) == "19"
+    assert common.extract_boxed(sol) == "19" and "12 + 7 = 19." in sol
+    direct = lab.solver_document([12, 7], ["+"], direct=True)  # the answer alone, no working
+    assert direct.endswith("assistant\n\\boxed{19}<|im_end|>\n") and " = " not in direct
 
 
 def test_held_out_set_is_disjoint_from_pretraining_questions():
@@ -63,12 +65,14 @@ def test_quick_r_zero_experiment_end_to_end(tmp_path):
                          text=True, env=env, timeout=800, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "decontamination: 0 of 40 held-out questions" in out.stdout
-    work = tmp_path / "r_zero_quick"
+    work = tmp_path / f"r_zero_quick_direct{lab.DIRECT:g}"
     run = work / "seed0"
     assert (run / "dataset_iter1.jsonl").is_file() and (run / "eval_iter1.json").is_file()
     summary = json.loads((work / "summary.json").read_text())
     assert summary["0"]["base"][1] == summary["0"]["solver"][0][1] == 40
-    assert summary["0"]["labels"][0]["voted"] >= 0
+    voted = [x for x in (run / "dataset_iter1.jsonl").read_text().splitlines() if x.strip()]
+    assert summary["0"]["labels"][0]["voted"] == len(voted)
+    assert len(summary["0"]["tokens"]) == 2 and all(t > 0 for t in summary["0"]["tokens"])
     assert "pseudo-label accuracy" in out.stdout and "beats base" in out.stdout
     assert (work / "r_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
