@@ -4,6 +4,7 @@ answer, with and without the document (the paper's ablation).
 
     python tests/lab_spice.py model                 # build (once, cached) the base model
     python tests/lab_spice.py run --seeds 0,1       # SPICE with and without documents, PNG, table
+    python tests/lab_spice.py model --pretrain-steps 2000  # a longer-trained base, its skills
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on chat documents
 in spice.py's own formats, with the compact templates of tests/data/spice_short_prompts.toml
@@ -190,18 +191,19 @@ def spice_corpus(n: int, seed: int = 11) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- the base model
-def build_model(kind: str = "full", seed: int = 0) -> Path:
+def build_model(kind: str = "full", seed: int = 0, steps: int = 0) -> Path:
     """Pretrain the base model (cached under the lab's CACHE by its settings): documents packed
     into rows of SEQ tokens, digits single tokens; no document states a held-out question's
-    facts."""
+    facts. `steps`: pretraining steps (0 = MODELS')."""
     import torch
     import spice
 
-    hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
+    shape = MODELS[kind][:3] + (steps or MODELS[kind][3],) + MODELS[kind][4:]
+    hidden, layers, inter, steps, batch, lr, vocab = shape
     p0 = (0, (37, 45, 12))
     probe = (reasoner_document(p0) + challenger_document(p0, "Integer", "d")
              + challenger_document(p0, "String", None) + fact_document(p0, random.Random(0)))
-    key = hashlib.sha256(repr((MODELS[kind], SEQ, seed, PRE_COUNTS, PRE_DIGITS, CHALLENGER_DOCS,
+    key = hashlib.sha256(repr((shape, SEQ, seed, PRE_COUNTS, PRE_DIGITS, CHALLENGER_DOCS,
                                NO_DOCUMENT_DOCS, REASONER_DOCS, FACT_DOCS, probe, 1)).encode())
     out = CACHE / f"lab-spice-{kind}-{key.hexdigest()[:10]}"
     if (out / ".complete").is_file():
@@ -421,6 +423,34 @@ def skill(path: Path, n: int = 20, seed: int = 99) -> dict[int, float]:
     return out
 
 
+def copy_skill(path: Path, n: int = 48, seed: int = 7) -> str:
+    """The base Challenger, greedy, on n corpus documents (spice.py's free-form prompt, an answer
+    type drawn per document): how many tasks parse, and how many parsed gold answers the exact
+    oracle confirms. SPICE's Reasoner learns only from gold answers copied right."""
+    import torch
+    import transformers
+    import spice
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    rng, docs = random.Random(seed), spice_corpus(2000)[:n]
+    types = [rng.choice(spice.ANSWER_TYPES) for _ in docs]
+    texts = [tok.apply_chat_template(spice.challenger_prompt(d, "free", t, "chat", templates()),
+                                     tokenize=False, add_generation_prompt=True)
+             for d, t in zip(docs, types)]
+    outs = []
+    for i in range(0, n, 16):
+        enc = tok(texts[i:i + 16], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=160, do_sample=False)
+        outs += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    tasks = [spice.parse_task(o, "free", t)[0] for o, t in zip(outs, types)]
+    tasks = [x for x in tasks if x is not None]
+    checked = [x for x in tasks if oracle(x.question) is not None]
+    right = sum(x.gold.strip().replace(",", "") == str(oracle(x.question)) for x in checked)
+    return (f"{len(tasks)} of {n} tasks parse; {right} of the {len(checked)} the oracle can check "
+            "have the right gold answer")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", choices=["model", "run"])
@@ -428,12 +458,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=0, help="0 = the kind's default")
     ap.add_argument("--lr", default="1e-4")
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
+    ap.add_argument("--pretrain-steps", type=int, default=0,
+                    help="model: the base's pretraining steps (0 = MODELS')")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":
-        path = build_model(args.kind)
+        path = build_model(args.kind, steps=args.pretrain_steps)
         print(path)
         print("greedy accuracy per quantity count (dev):", skill(path))
+        print("the base Challenger with the document:", copy_skill(path))
     else:
         experiment(args)
 
