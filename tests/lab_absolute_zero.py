@@ -4,15 +4,18 @@ and induction tasks on small Python functions, with the sandbox as the only judg
     python tests/lab_absolute_zero.py model               # build (once, cached) the base model
     python tests/lab_absolute_zero.py run --seeds 0,1     # AZR, then the held-out eval, PNG, table
 
-The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on documents in
-absolute_zero.py's own formats: its wrapper and proposer prompts followed by a program and an
-input (or, for induction, inputs and a message) in the fenced blocks its parsers read, and its
-solver prompts followed by a short worked answer (the output, an input, or the program), beside
-documents of worked examples outside the chats (40%). The programs come from eight families of
+The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here, 900 steps in
+~10 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
+followed by a short working and the answer (the output, an input, or the program) in the fenced
+blocks its parsers read (68% of documents: the evaluation's format), its wrapper and proposer
+prompts followed by a program and an input, or inputs and a message (6%: ~700 tokens of fixed
+text, for the formats), drills of the workings' one-step arithmetic (10%), and worked examples
+outside the chats (16%); the workings compute step by step (`4 * 8 = 32, 32 - 1 = 31`), and
+for induction read the constants off the shown pairs. The programs come from eight families of
 one-line functions with small constants (`x * 3 + 2`, `a - b if a > b else b + 4`,
-`[v * 3 for v in xs]`, `sum(xs) + 5`, ...); truth is what they return. A fifth of each family's
-constant settings never occurs in pretraining: the held-out tasks use only those programs
-(checked with common.Decontaminator). The experiment runs the real
+`[v * 3 for v in xs]`, `sum(xs) + 5`, ...), drawn family first; truth is what they return. A
+fifth of each family's constant settings never occurs in pretraining: the held-out tasks use only
+those programs (checked with common.Decontaminator). The experiment runs the real
 absolute_zero.py with flags only and scores the base model and each run's final checkpoint on the
 held-out tasks with absolute_zero.py's own solver prompts and grader (solver_prompt,
 check_solutions, its sandboxed Executor): greedy accuracy per task type with 95% Wilson CIs, and
@@ -42,18 +45,23 @@ from lab import CACHE, SEP, leaks, pretrain, wilson, words  # noqa: E402  (the l
 
 TASKS = ("deduction", "abduction", "induction")
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
-MODELS = {"full": (128, 4, 384, 700, 4, 4e-3, 1024),
+MODELS = {"full": (128, 4, 384, 900, 4, 4e-3, 1024),
           "quick": (64, 2, 128, 20, 2, 4e-3, 512)}
 SEQ = 1024  # tokens per packed row: a proposer prompt alone is ~600
 CORPUS = "corpus.txt.gz"
 N_INPUTS = 4  # --induction-inputs: 2 pairs shown, 2 held out
 REFERENCES = 2  # --references: earlier puzzles in a proposer prompt
-# document mix: solver and proposer documents per task type, the rest worked examples (8-12 a
-# document, the three task types mixed): a base model's corpus holds code beside chats, and the
-# chats' prompts are mostly fixed text (~700 tokens), so without them a program is ~5% of tokens
-MIX = {("solver", "deduction"): 0.1, ("solver", "abduction"): 0.1, ("solver", "induction"): 0.1,
-       ("proposer", "deduction"): 0.07, ("proposer", "abduction"): 0.07,
-       ("proposer", "induction"): 0.06}
+# document mix: solver and proposer chats per task type, arithmetic drills (ARITH), the rest
+# worked examples (8-12 a document, the task types mixed). The chats' prompts are mostly fixed
+# text (a proposer's ~700 tokens, a solver's ~150-550), so the solver chats, the evaluation's
+# format, get most documents and the proposer chats (formats only) few: at 30% solver and 20%
+# proposer chats the base model copied the input but never read the program's constants in a
+# chat (1 of 48 dev tasks), though it read them in worked examples (and got 3 of 24 right)
+MIX = {("solver", "deduction"): 0.28, ("solver", "abduction"): 0.28, ("solver", "induction"): 0.12,
+       ("proposer", "deduction"): 0.02, ("proposer", "abduction"): 0.02,
+       ("proposer", "induction"): 0.02}
+ARITH = 0.1  # documents of the workings' one-step sums, products and quotients (a base model
+# knows its tables: the workings alone left them mostly unlearnt)
 
 
 # ------------------------------------------------------------------------ the function domain
@@ -218,9 +226,9 @@ def solver_completion(t: str, e: dict) -> str:
     """After the wrapper's '<think>': a short working, then the answer block."""
     fam = FAMILIES[e["family"]]
     if t == "induction":
-        shown = ", ".join(f"f({i}) = {o}" for i, o in zip(e["inputs"][:N_INPUTS // 2],
-                                                        e["outputs"]))
-        answer, work = _fence("python", e["program"]), f"{shown}."
+        pairs = [(eval(i + ","), run_program(e["program"], eval(i + ",")))  # noqa: S307
+                 for i in e["inputs"][:N_INPUTS // 2]]
+        answer, work = _fence("python", e["program"]), _induce(e["family"], pairs)
     else:
         args, out = e["args"], run_program(e["program"], e["args"])
         a = args[0] if len(args) == 1 else args
@@ -229,6 +237,73 @@ def solver_completion(t: str, e: dict) -> str:
         else:
             answer, work = _fence("input", e["input"]), fam[5](a, _consts(e), out)
     return f" {work} </think> <answer>{answer}</answer>"
+
+
+def _induce(fam: str, pairs: list) -> str:
+    """The constants read off the shown pairs by the family's inverse (the abduction working's
+    steps): a working that only restated the pairs left induction unsolved. Short: the pairs are
+    in the prompt, and the answer must fit the 96 new tokens the runs and the evaluation allow."""
+    def first(ok):
+        return next(((a, y) for a, y in pairs if ok(a)), None)
+    if fam in ("lin_add", "lin_sub"):
+        ((x1,), y1), ((x2,), y2) = sorted(pairs)
+        d, e = y2 - y1, x2 - x1
+        c0 = d // e
+        last = f"{y1} - {x1 * c0}" if fam == "lin_add" else f"{x1 * c0} - {y1}"
+        return f"{y2} - {y1} = {d}, {d} / {e} = {c0}, {last} = {eval(last)}."  # noqa: S307
+    if fam == "scale2":
+        hit = first(lambda a: a[0] != 0)
+        if hit:
+            (a, b), y = hit
+            return f"{y} - {b} = {y - b}, {y - b} / {a} = {(y - b) // a}."
+    elif fam == "cond":
+        hit = first(lambda a: a[0] <= a[1])
+        if hit:
+            (a, b), y = hit
+            return f"{a} <= {b}, so {y} - {b} = {y - b}."
+    elif fam in ("each_mul", "each_add"):
+        hit = first(lambda a: any(a[0]) or fam == "each_add")
+        if hit:
+            (xs,), ys = hit
+            v, o = next((v, o) for v, o in zip(xs, ys) if v or fam == "each_add")
+            return f"{o} / {v} = {o // v}." if fam == "each_mul" else f"{o} - {v} = {o - v}."
+    elif fam == "sum_add":
+        (xs,), y = pairs[0]
+        return f"{' + '.join(map(str, xs))} = {sum(xs)}, {y} - {sum(xs)} = {y - sum(xs)}."
+    elif fam == "max_mul":
+        hit = first(lambda a: max(a[0]) != 0)
+        if hit:
+            (xs,), y = hit
+            return f"the largest is {max(xs)}, {y} / {max(xs)} = {y // max(xs)}."
+    return "The pairs do not show the constant."
+
+
+def arith(rng: random.Random) -> str:
+    """A drill of the one-step facts the workings use: x * c and its inverse, sums and
+    differences of a result and a constant (negative ones too: lin_sub's outputs), digit sums."""
+    facts = []
+    for _ in range(rng.randint(20, 30)):
+        op = rng.choices("*/+-s", (3, 2, 2.5, 2.5, 1))[0]
+        a, b, p = rng.randint(0, 12), rng.randint(2, 9), rng.randint(-9, 117)
+        if op == "*":
+            facts.append(f"{a} * {b} = {a * b}")
+        elif op == "/":
+            facts.append(f"{a * b} / {b} = {a}")
+        elif op == "+":
+            facts.append(f"{p} + {a % 10} = {p + a % 10}")
+        elif op == "-":
+            facts.append(f"{p} - {a} = {p - a}")
+        else:
+            xs = [rng.randint(0, 9) for _ in range(rng.randint(2, 3))]
+            facts.append(f"{' + '.join(map(str, xs))} = {sum(xs)}")
+    return "\n".join(facts)
+
+
+def pick(rng: random.Random, pool: list) -> tuple:
+    """A family uniformly, then one of its settings: drawn from the pool directly, x * a + b's 72
+    settings per sign made the two lin families 75% of the documents (the test is 25%)."""
+    fam = rng.choice(sorted({f for f, _ in pool}))
+    return rng.choice([p for p in pool if p[0] == fam])
 
 
 def _consts(e: dict) -> tuple:
@@ -246,7 +321,7 @@ def proposer_completion(t: str, e: dict) -> str:
 
 def worked(rng: random.Random, t: str, pool: list) -> str:
     """One worked example outside the chat format: the task's blocks, the working, the answer."""
-    fam, consts = rng.choice(pool)
+    fam, consts = pick(rng, pool)
     e = {**task(rng, fam, consts, t), "consts": consts}
     work = solver_completion(t, e).split(" </think>")[0].strip()
     prog = _fence("python", e["program"])
@@ -262,10 +337,12 @@ def worked(rng: random.Random, t: str, pool: list) -> str:
 def document(rng: random.Random, role: str, t: str, pool: list) -> str:
     import absolute_zero
     cfg = _cfg()
+    if role == "arith":
+        return arith(rng)
     if role == "worked":
         return "\n\n".join(worked(rng, rng.choice(TASKS), pool)
                             for _ in range(rng.randint(8, 12)))
-    fam, consts = rng.choice(pool)
+    fam, consts = pick(rng, pool)
     e = task(rng, fam, consts, t)
     e["consts"] = consts
     if role == "solver":
@@ -273,7 +350,7 @@ def document(rng: random.Random, role: str, t: str, pool: list) -> str:
     if t == "induction":
         prompt = absolute_zero.proposer_prompt("induction", [], cfg, program=e["program"])
     else:
-        refs = [task(rng, *rng.choice(pool), "deduction")
+        refs = [task(rng, *pick(rng, pool), "deduction")
                 for _ in range(rng.randint(0, REFERENCES))]
         prompt = absolute_zero.proposer_prompt(t, refs, cfg)
     return prompt + proposer_completion(t, e)
@@ -306,9 +383,10 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     none with a held-out program."""
     import absolute_zero
     hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
-    probe = document(random.Random(1), "proposer", "deduction", all_programs()[:3])
-    k = hashlib.sha256(repr((MODELS[kind], SEQ, seed, MIX, N_INPUTS, sorted(FAMILIES), probe,
-                             absolute_zero.PROMPTS, 1)).encode())
+    probe = [document(random.Random(1), r, t, all_programs()[:3])
+             for r, t in (("proposer", "deduction"), ("solver", "induction"), ("arith", ""))]
+    k = hashlib.sha256(repr((MODELS[kind], SEQ, seed, MIX, ARITH, N_INPUTS, sorted(FAMILIES),
+                             probe, absolute_zero.PROMPTS, 3)).encode())
     out = CACHE / f"lab-azr-{kind}-{k.hexdigest()[:10]}"
     if (out / ".complete").is_file():
         return out
@@ -316,8 +394,8 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     torch.set_num_threads(1)
     rng, held = random.Random(seed), held_out_programs()
     pool = [(f, c) for f, c in all_programs() if key(program(f, c)) not in held]
-    kinds = list(MIX) + [("worked", "")]
-    weights = list(MIX.values()) + [1 - sum(MIX.values())]
+    kinds = list(MIX) + [("arith", ""), ("worked", "")]
+    weights = list(MIX.values()) + [ARITH, 1 - sum(MIX.values()) - ARITH]
     corpus = []
 
     def doc():
