@@ -28,6 +28,7 @@ that CI uses to check the pipeline end to end.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -204,7 +205,7 @@ def task(rng: random.Random, fam: str, consts, kind: str) -> dict:
             a = args_text(sample_args(rng, spec[3]))
             if a not in inputs:
                 inputs.append(a)
-        outs = [repr(run_program(prog, eval(a + ","))) for a in inputs]  # noqa: S307
+        outs = [repr(run_program(prog, ast.literal_eval(a + ","))) for a in inputs]
         return {"program": prog, "inputs": inputs, "outputs": outs, "message": spec[6],
                 "step": 0, "family": fam}
     args = sample_args(rng, spec[3])
@@ -226,8 +227,8 @@ def solver_completion(t: str, e: dict) -> str:
     """After the wrapper's '<think>': a short working, then the answer block."""
     fam = FAMILIES[e["family"]]
     if t == "induction":
-        pairs = [(eval(i + ","), run_program(e["program"], eval(i + ",")))  # noqa: S307
-                 for i in e["inputs"][:N_INPUTS // 2]]
+        shown = [ast.literal_eval(i + ",") for i in e["inputs"][:N_INPUTS // 2]]
+        pairs = [(a, run_program(e["program"], a)) for a in shown]
         answer, work = _fence("python", e["program"]), _induce(e["family"], pairs)
     else:
         args, out = e["args"], run_program(e["program"], e["args"])
@@ -249,8 +250,9 @@ def _induce(fam: str, pairs: list) -> str:
         ((x1,), y1), ((x2,), y2) = sorted(pairs)
         d, e = y2 - y1, x2 - x1
         c0 = d // e
-        last = f"{y1} - {x1 * c0}" if fam == "lin_add" else f"{x1 * c0} - {y1}"
-        return f"{y2} - {y1} = {d}, {d} / {e} = {c0}, {last} = {eval(last)}."  # noqa: S307
+        last, c1 = ((f"{y1} - {x1 * c0}", y1 - x1 * c0) if fam == "lin_add"
+                    else (f"{x1 * c0} - {y1}", x1 * c0 - y1))
+        return f"{y2} - {y1} = {d}, {d} / {e} = {c0}, {last} = {c1}."
     if fam == "scale2":
         hit = first(lambda a: a[0] != 0)
         if hit:
