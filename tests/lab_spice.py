@@ -137,9 +137,11 @@ def chat(messages, reply: str) -> str:
         f"<|im_start|>assistant\n{reply}<|im_end|>\n"
 
 
-def reasoner_document(p) -> str:
+def reasoner_document(p, direct: bool = False) -> str:
+    """A Reasoner chat: the working and the boxed answer, or (direct) the boxed answer alone."""
     import spice
-    return chat(spice.reasoner_prompt(question(p), "chat", templates()), solution(p))
+    reply = f"\\boxed{{{sum(p[1])}}}" if direct else solution(p)
+    return chat(spice.reasoner_prompt(question(p), "chat", templates()), reply)
 
 
 def challenger_document(p, answer_type: str, document: str | None) -> str:
@@ -191,10 +193,11 @@ def spice_corpus(n: int, seed: int = 11) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- the base model
-def build_model(kind: str = "full", seed: int = 0, steps: int = 0) -> Path:
+def build_model(kind: str = "full", seed: int = 0, steps: int = 0, direct: float = 0.0) -> Path:
     """Pretrain the base model (cached under the lab's CACHE by its settings): documents packed
     into rows of SEQ tokens, digits single tokens; no document states a held-out question's
-    facts. `steps`: pretraining steps (0 = MODELS')."""
+    facts. `steps`: pretraining steps (0 = MODELS'); `direct`: the share of Reasoner documents
+    without working."""
     import torch
     import spice
 
@@ -204,7 +207,8 @@ def build_model(kind: str = "full", seed: int = 0, steps: int = 0) -> Path:
     probe = (reasoner_document(p0) + challenger_document(p0, "Integer", "d")
              + challenger_document(p0, "String", None) + fact_document(p0, random.Random(0)))
     key = hashlib.sha256(repr((shape, SEQ, seed, PRE_COUNTS, PRE_DIGITS, CHALLENGER_DOCS,
-                               NO_DOCUMENT_DOCS, REASONER_DOCS, FACT_DOCS, probe, 1)).encode())
+                               NO_DOCUMENT_DOCS, REASONER_DOCS, FACT_DOCS, probe, 1)
+                              + ((direct,) if direct else ())).encode())
     out = CACHE / f"lab-spice-{kind}-{key.hexdigest()[:10]}"
     if (out / ".complete").is_file():
         return out
@@ -225,7 +229,7 @@ def build_model(kind: str = "full", seed: int = 0, steps: int = 0) -> Path:
         elif (u := u - CHALLENGER_DOCS) < NO_DOCUMENT_DOCS:
             doc = challenger_document(problem(), rng.choice(spice.ANSWER_TYPES), None)
         elif (u := u - NO_DOCUMENT_DOCS) < REASONER_DOCS:
-            doc = reasoner_document(problem())
+            doc = reasoner_document(problem(), direct=direct > 0 and rng.random() < direct)
         elif u - REASONER_DOCS < FACT_DOCS:
             doc = "\n\n".join(fact_document(problem(), rng) for _ in range(rng.randint(3, 6)))
         else:
@@ -299,8 +303,10 @@ def gold_accuracy(run: Path) -> dict:
 
 def experiment(args) -> None:
     t0 = time.time()
-    model = build_model(args.kind)
+    model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
     work = Path(args.out) / ("spice_quick" if args.kind == "quick" else "spice")
+    if args.pretrain_steps or args.direct:  # another base: its own folders
+        work = work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
     work.mkdir(parents=True, exist_ok=True)
     tests = test_rows(args.kind)
     test_file, corpus_file = work / "test.jsonl", work / "corpus.jsonl"
@@ -459,11 +465,13 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", default="1e-4")
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
     ap.add_argument("--pretrain-steps", type=int, default=0,
-                    help="model: the base's pretraining steps (0 = MODELS')")
+                    help="the base's pretraining steps (0 = MODELS')")
+    ap.add_argument("--direct", type=float, default=0.0,
+                    help="the share of the base's Reasoner documents with no working")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":
-        path = build_model(args.kind, steps=args.pretrain_steps)
+        path = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
         print(path)
         print("greedy accuracy per quantity count (dev):", skill(path))
         print("the base Challenger with the document:", copy_skill(path))

@@ -55,7 +55,9 @@ def test_documents_are_spice_formats_and_the_document_holds_the_answer():
             assert (prompts["no_document_block"] in doc) == (document is None)
     sol = lab.reasoner_document(p)
     assert spice.reasoner_prompt(lab.question(p), "chat", prompts)[1]["content"] in sol
-    assert common.extract_boxed(reply(sol)) == "94"
+    assert common.extract_boxed(reply(sol)) == "94" and " = " in reply(sol)
+    direct = reply(lab.reasoner_document(p, direct=True))  # the answer alone, no working
+    assert common.extract_boxed(direct) == "94" and " = " not in direct
 
 
 def test_held_out_set_is_disjoint_and_never_flagged_by_spice_decontamination():
