@@ -70,8 +70,10 @@ def test_quick_r_zero_experiment_end_to_end(tmp_path):
     assert (run / "dataset_iter1.jsonl").is_file() and (run / "eval_iter1.json").is_file()
     summary = json.loads((work / "summary.json").read_text())
     assert summary["0"]["base"][1] == summary["0"]["solver"][0][1] == 40
-    voted = [x for x in (run / "dataset_iter1.jsonl").read_text().splitlines() if x.strip()]
-    assert summary["0"]["labels"][0]["voted"] == len(voted)
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (ds,) = [m for m in logged if "dataset/voted" in m]  # r_zero.py's own counts of the dataset
+    lab0 = summary["0"]["labels"][0]
+    assert (lab0["voted"], lab0["kept"]) == (ds["dataset/voted"], ds["dataset/kept"])
     assert len(summary["0"]["tokens"]) == 2 and all(t > 0 for t in summary["0"]["tokens"])
     assert "pseudo-label accuracy" in out.stdout and "beats base" in out.stdout
     assert (work / "r_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
