@@ -4,10 +4,11 @@ and induction tasks on small Python functions, with the sandbox as the only judg
     python tests/lab_absolute_zero.py model               # build (once, cached) the base model
     python tests/lab_absolute_zero.py run --seeds 0,1     # AZR, then the held-out eval, PNG, table
 
-The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here, 900 steps in
-~10 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
+The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here, 2,000 steps in
+~22 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
 followed by a short working and the answer (the output, an input, or the program) in the fenced
-blocks its parsers read (68% of documents: the evaluation's format), its wrapper and proposer
+blocks its parsers read, or half of the time (--direct) the answer alone, as a base model often
+answers without working (68% of documents: the evaluation's format), its wrapper and proposer
 prompts followed by a program and an input, or inputs and a message (6%: ~700 tokens of fixed
 text, for the formats), drills of the workings' one-step arithmetic (10%), and worked examples
 outside the chats (16%); the workings compute step by step (`4 * 8 = 32, 32 - 1 = 31`), and
@@ -46,7 +47,7 @@ from lab import CACHE, SEP, leaks, pretrain, wilson, words  # noqa: E402  (the l
 
 TASKS = ("deduction", "abduction", "induction")
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
-MODELS = {"full": (128, 4, 384, 900, 4, 4e-3, 1024),
+MODELS = {"full": (128, 4, 384, 2000, 4, 4e-3, 1024),
           "quick": (64, 2, 128, 20, 2, 4e-3, 512)}
 SEQ = 1024  # tokens per packed row: a proposer prompt alone is ~600
 CORPUS = "corpus.txt.gz"
@@ -63,6 +64,9 @@ MIX = {("solver", "deduction"): 0.28, ("solver", "abduction"): 0.28, ("solver", 
        ("proposer", "induction"): 0.02}
 ARITH = 0.1  # documents of the workings' one-step sums, products and quotients (a base model
 # knows its tables: the workings alone left them mostly unlearnt)
+# the share of solver chats with the answer alone (--direct): a base that always worked step by
+# step left RL nothing to select (R-Zero's lab found the same); 900 steps read no program
+DIRECT = 0.5
 
 
 # ------------------------------------------------------------------------ the function domain
@@ -224,7 +228,8 @@ def _fence(kind: str, text: str) -> str:
 
 
 def solver_completion(t: str, e: dict) -> str:
-    """After the wrapper's '<think>': a short working, then the answer block."""
+    """After the wrapper's '<think>': a short working, then the answer block; with e["direct"],
+    the answer block alone, as a base model often answers without working."""
     fam = FAMILIES[e["family"]]
     if t == "induction":
         shown = [ast.literal_eval(i + ",") for i in e["inputs"][:N_INPUTS // 2]]
@@ -237,7 +242,7 @@ def solver_completion(t: str, e: dict) -> str:
             answer, work = _fence("output", e["output"]), fam[4](a, _consts(e), out)
         else:
             answer, work = _fence("input", e["input"]), fam[5](a, _consts(e), out)
-    return f" {work} </think> <answer>{answer}</answer>"
+    return f"{'' if e.get('direct') else ' ' + work} </think> <answer>{answer}</answer>"
 
 
 def _induce(fam: str, pairs: list) -> str:
@@ -336,7 +341,7 @@ def worked(rng: random.Random, t: str, pool: list) -> str:
     return f"{pairs}\nMessage: {e['message']}\n{work}\n{prog}"
 
 
-def document(rng: random.Random, role: str, t: str, pool: list) -> str:
+def document(rng: random.Random, role: str, t: str, pool: list, direct: float = 0.0) -> str:
     import absolute_zero
     cfg = _cfg()
     if role == "arith":
@@ -348,6 +353,7 @@ def document(rng: random.Random, role: str, t: str, pool: list) -> str:
     e = task(rng, fam, consts, t)
     e["consts"] = consts
     if role == "solver":
+        e["direct"] = direct > 0 and rng.random() < direct
         return absolute_zero.solver_prompt(t, e, cfg) + solver_completion(t, e)
     if t == "induction":
         prompt = absolute_zero.proposer_prompt("induction", [], cfg, program=e["program"])
@@ -380,15 +386,18 @@ def test_tasks(kind: str) -> dict[str, list[dict]]:
 
 
 # ---------------------------------------------------------------------------------- the base model
-def build_model(kind: str = "full", seed: int = 0) -> Path:
+def build_model(kind: str = "full", seed: int = 0, steps: int = 0, direct: float = DIRECT) -> Path:
     """Pretrain the base model (cached under the lab's CACHE by its settings) on MIX's documents,
-    none with a held-out program."""
+    none with a held-out program. `steps`: pretraining steps (0 = MODELS'); `direct`: the share
+    of solver chats with the answer alone, no working."""
     import absolute_zero
-    hidden, layers, inter, steps, batch, lr, vocab = MODELS[kind]
+    shape = MODELS[kind][:3] + (steps or MODELS[kind][3],) + MODELS[kind][4:]
+    hidden, layers, inter, steps, batch, lr, vocab = shape
     probe = [document(random.Random(1), r, t, all_programs()[:3])
              for r, t in (("proposer", "deduction"), ("solver", "induction"), ("arith", ""))]
-    k = hashlib.sha256(repr((MODELS[kind], SEQ, seed, MIX, ARITH, N_INPUTS, sorted(FAMILIES),
-                             probe, absolute_zero.PROMPTS, 3)).encode())
+    k = hashlib.sha256(repr((shape, SEQ, seed, MIX, ARITH, N_INPUTS, sorted(FAMILIES),
+                             probe, absolute_zero.PROMPTS, 3)
+                            + ((direct,) if direct else ())).encode())
     out = CACHE / f"lab-azr-{kind}-{k.hexdigest()[:10]}"
     if (out / ".complete").is_file():
         return out
@@ -401,7 +410,7 @@ def build_model(kind: str = "full", seed: int = 0) -> Path:
     corpus = []
 
     def doc():
-        corpus.append(document(rng, *rng.choices(kinds, weights)[0], pool))
+        corpus.append(document(rng, *rng.choices(kinds, weights)[0], pool, direct))
         return corpus[-1]
 
     return pretrain(doc, corpus, out, (hidden, layers, inter, steps, batch, lr), seed,
@@ -488,8 +497,10 @@ def _evaluate(model, work: Path, out: Path, kind: str, seed: int) -> None:
 
 def experiment(args) -> None:
     t0 = time.time()
-    model = build_model(args.kind)
+    model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
     work = Path(args.out) / ("absolute_zero_quick" if args.kind == "quick" else "absolute_zero")
+    if args.pretrain_steps or args.direct != DIRECT:  # another base: its own folders
+        work = work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
     work.mkdir(parents=True, exist_ok=True)
     tests = test_tasks(args.kind)
     (work / "test.json").write_text(json.dumps(tests, indent=1) + "\n")
@@ -664,11 +675,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=0, help="0 = the kind's default")
     # Config's 1e-6 is a 7B model's; a 1M-parameter model moves ~nothing at it in a dozen steps
     ap.add_argument("--lr", default="1e-4")
-    ap.add_argument("--out", default="/work/scratch/azlab")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
+    ap.add_argument("--pretrain-steps", type=int, default=0,
+                    help="the base's pretraining steps (0 = MODELS')")
+    ap.add_argument("--direct", type=float, default=DIRECT,
+                    help="the share of the base's solver chats with no working")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":
-        path = build_model(args.kind)
+        path = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
         print(path)
         print("greedy accuracy per task type (dev):", skill(path))
     else:

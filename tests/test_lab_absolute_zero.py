@@ -56,6 +56,22 @@ def test_documents_are_read_by_absolute_zeros_parsers():
                     assert repr(lab.run_program(shown, eval(inp + ","))) == answer
 
 
+
+def test_direct_solver_chats_give_the_answer_alone():
+    rng, pool = random.Random(1), lab.all_programs()
+    for t in lab.TASKS:
+        for direct in (0.0, 1.0):
+            doc = lab.document(rng, "solver", t, pool, direct)
+            prompt, completion = doc.split("Assistant: <think>")
+            working = completion.split("</think>")[0]
+            assert (working == " ") == (direct == 1.0), (t, direct, working)
+            answer = absolute_zero.solver_answer(completion, t)
+            assert answer is not None
+            if t == "deduction":
+                shown = prompt.split("```python\n")[1].split("\n```")[0]
+                inp = prompt.split("```input\n")[1].split("\n```")[0]
+                assert repr(lab.run_program(shown, eval(inp + ","))) == answer
+
 def test_held_out_programs_are_never_pretraining_programs():
     held = lab.held_out_programs()
     tests = lab.test_tasks("full")
