@@ -4,7 +4,7 @@ answer, with and without the document (the paper's ablation).
 
     python tests/lab_spice.py model                 # build (once, cached) the base model
     python tests/lab_spice.py run --seeds 0,1       # SPICE with and without documents, PNG, table
-    python tests/lab_spice.py model --pretrain-steps 2000  # a longer-trained base, its skills
+    python tests/lab_spice.py model --pretrain-steps 1000 --direct 0  # the first base, its skills
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here on chat documents
 in spice.py's own formats, with the compact templates of tests/data/spice_short_prompts.toml
@@ -12,7 +12,10 @@ in spice.py's own formats, with the compact templates of tests/data/spice_short_
 document block, or the no-document block, then a free-form JSON task that parse_task accepts) and
 Reasoner documents (spice.py's Reasoner prompt, a question "Three wells give 37, 45 and 12 litres.
 How many litres in all?", a step-by-step answer ending in \\boxed{}), beside plain fact documents
-and worked problems. It sees mostly short problems, so it starts with partial skill on long ones.
+and worked problems. It sees mostly short problems, so it starts with partial skill on long ones,
+and half of its Reasoner chats (--direct) give the boxed answer alone, as a base model often
+answers without working. It pretrains for 2,000 steps (~21 minutes on one core): at 1,000 the
+Challenger miscopied the document's numbers, so the Reasoner trained on wrong labels.
 A corpus document ("Elmford has three wells. The north well gives 37 litres, ... In all the wells
 give 94 litres.") holds its question's answer; without a document the Challenger must compute its
 own gold answer, as the model it is. The experiment runs the real spice.py with flags only and
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab import CACHE, CHATML, SEP, leaks, pretrain, score, wilson, words  # noqa: E402,F401
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
-MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
+MODELS = {"full": (128, 4, 384, 2000, 8, 4e-3, 1024),
           "quick": (64, 2, 128, 30, 4, 4e-3, 512)}
 SEQ = 512  # tokens per packed pretraining row (a Challenger document is ~200)
 CORPUS = "corpus.txt.gz"
@@ -53,6 +56,9 @@ PRE_COUNTS, PRE_DIGITS = (5, 3, 2, 1), (3, 2)
 # shares of the pretraining documents: Challenger chats (with a document, without), Reasoner chats,
 # plain fact documents (the corpus's kind); the rest are plain worked problems, 4-8 a document
 CHALLENGER_DOCS, NO_DOCUMENT_DOCS, REASONER_DOCS, FACT_DOCS = 0.3, 0.1, 0.3, 0.1
+# the share of Reasoner chats with the boxed answer alone (--direct): a base that always worked
+# step by step was near-perfect at 2,000 steps, which left SPICE nothing to teach
+DIRECT = 0.5
 
 # ------------------------------------------------------------------------------ the ledger domain
 THINGS = [("wells", "well", "litres"), ("orchards", "orchard", "apples"),
@@ -193,7 +199,7 @@ def spice_corpus(n: int, seed: int = 11) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- the base model
-def build_model(kind: str = "full", seed: int = 0, steps: int = 0, direct: float = 0.0) -> Path:
+def build_model(kind: str = "full", seed: int = 0, steps: int = 0, direct: float = DIRECT) -> Path:
     """Pretrain the base model (cached under the lab's CACHE by its settings): documents packed
     into rows of SEQ tokens, digits single tokens; no document states a held-out question's
     facts. `steps`: pretraining steps (0 = MODELS'); `direct`: the share of Reasoner documents
@@ -305,7 +311,7 @@ def experiment(args) -> None:
     t0 = time.time()
     model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
     work = Path(args.out) / ("spice_quick" if args.kind == "quick" else "spice")
-    if args.pretrain_steps or args.direct:  # another base: its own folders
+    if args.pretrain_steps or args.direct != DIRECT:  # another base: its own folders
         work = work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
     work.mkdir(parents=True, exist_ok=True)
     tests = test_rows(args.kind)
@@ -466,7 +472,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
     ap.add_argument("--pretrain-steps", type=int, default=0,
                     help="the base's pretraining steps (0 = MODELS')")
-    ap.add_argument("--direct", type=float, default=0.0,
+    ap.add_argument("--direct", type=float, default=DIRECT,
                     help="the share of the base's Reasoner documents with no working")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
