@@ -3,6 +3,7 @@ and induction tasks on small Python functions, with the sandbox as the only judg
 
     python tests/lab_absolute_zero.py model               # build (once, cached) the base model
     python tests/lab_absolute_zero.py run --seeds 0,1     # AZR, then the held-out eval, PNG, table
+    python tests/lab_absolute_zero.py control             # the same, solver rewards permuted
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here, 2,000 steps in
 ~22 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
@@ -495,12 +496,32 @@ def _evaluate(model, work: Path, out: Path, kind: str, seed: int) -> None:
                    check=True, cwd=ROOT, env=_env())
 
 
+def absolute_zero_shuffled(argv) -> None:
+    """The control: absolute_zero.py unchanged but for the solver's rewards, permuted across each
+    task type's batch before TRR++ (the same reward rate and update sizes, no information in
+    them): what the updates do to the held-out accuracy when the reward says nothing."""
+    import absolute_zero
+    build, rng = absolute_zero.build_trajectories, random.Random(0)
+
+    def shuffled(props, solved, cfg):
+        for recs in solved.values():
+            rewards = [r["reward"] for r in recs]
+            rng.shuffle(rewards)
+            for r, x in zip(recs, rewards):
+                r["reward"] = x
+        return build(props, solved, cfg)
+    absolute_zero.build_trajectories = shuffled
+    absolute_zero.main(argv)
+
+
 def experiment(args) -> None:
     t0 = time.time()
     model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
     work = Path(args.out) / ("absolute_zero_quick" if args.kind == "quick" else "absolute_zero")
     if args.pretrain_steps or args.direct != DIRECT:  # another base: its own folders
         work = work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
+    if args.experiment == "control":
+        work = work / "shuffled_rewards"
     work.mkdir(parents=True, exist_ok=True)
     tests = test_tasks(args.kind)
     (work / "test.json").write_text(json.dumps(tests, indent=1) + "\n")
@@ -518,7 +539,9 @@ def experiment(args) -> None:
     metrics = {}
     for seed in map(int, args.seeds.split(",")):
         run = work / f"seed{seed}"
-        cmd = [sys.executable, str(ROOT / "absolute_zero.py"), "--model", str(model),
+        entry = ([str(Path(__file__).resolve()), "_shuffled"] if args.experiment == "control"
+                 else [str(ROOT / "absolute_zero.py")])
+        cmd = [sys.executable, *entry, "--model", str(model),
                "--seed", str(seed), "--output-dir", str(run), "--lr", args.lr,
                "--eval-benchmarks", "", "--no-eval-code", "--save-every", "0",
                "--keep-checkpoints", "1"]
@@ -669,8 +692,10 @@ def main(argv=None) -> None:
     if argv[:1] == ["_eval"]:  # model, tests, out, samples, new tokens, sampler, seed
         m, tests, out, n, tokens, backend, seed = argv[1:8]
         return evaluate(m, Path(tests), Path(out), int(n), int(tokens), int(seed), backend)
+    if argv[:1] == ["_shuffled"]:
+        return absolute_zero_shuffled(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("experiment", choices=["model", "run"])
+    ap.add_argument("experiment", choices=["model", "run", "control"])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=0, help="0 = the kind's default")
     # Config's 1e-6 is a 7B model's; a 1M-parameter model moves ~nothing at it in a dozen steps

@@ -84,6 +84,27 @@ def test_held_out_programs_are_never_pretraining_programs():
         assert repr(lab.run_program(e["program"], eval(e["input"] + ","))) == e["output"]
 
 
+def test_control_permutes_only_the_solvers_rewards(monkeypatch):
+    import common
+    seen = {}
+    monkeypatch.setattr(absolute_zero, "main", lambda argv: seen.update(
+        trajs=absolute_zero.build_trajectories(props, solved, absolute_zero.Config())))
+    monkeypatch.setattr(absolute_zero, "build_trajectories", absolute_zero.build_trajectories)
+
+    def rec(reward):
+        return {"reward": reward, "completion": common.Completion([1], [2, 3], "x", "stop")}
+    props = {t: [rec(0.5), rec(0.25)] for t in lab.TASKS}
+    solved = {t: [rec(float(k)) for k in range(8)] for t in lab.TASKS}
+    lab.absolute_zero_shuffled([])
+    rewards = {}
+    for tr in seen["trajs"]:
+        rewards.setdefault(tr.role, []).append(tr.reward)
+    for t in lab.TASKS:
+        assert rewards[f"proposer/{t}"] == [0.5, 0.25]
+        assert sorted(rewards[f"solver/{t}"]) == list(map(float, range(8)))
+        assert rewards[f"solver/{t}"] != list(map(float, range(8)))
+
+
 @pytest.mark.slow
 def test_quick_absolute_zero_experiment_end_to_end(tmp_path):
     env = {**os.environ, "SELFPLAY_CACHE": os.environ.get("SELFPLAY_CACHE", str(tmp_path))}
