@@ -6,7 +6,7 @@ and induction tasks on small Python functions, with the sandbox as the only judg
     python tests/lab_absolute_zero.py control             # the same, solver rewards permuted
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here, 2,000 steps in
-~22 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
+~23 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
 followed by a short working and the answer (the output, an input, or the program) in the fenced
 blocks its parsers read, or half of the time (--direct) the answer alone, as a base model often
 answers without working (68% of documents: the evaluation's format), its wrapper and proposer
