@@ -29,9 +29,13 @@ def _env(**extra):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
-def _start(args, cwd=ROOT, **env):
+def _start(args, cwd=ROOT, sigint=False, **env):
+    # sigint: the child starts with Ctrl-C's default action. A suite started as a background job
+    # (`.ci/run &` in a script) inherits an ignored SIGINT, and Python keeps it ignored
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sigint else None
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(**env), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=preexec)
 
 
 def _run_all(cmds, timeout=300, **env):
@@ -281,7 +285,7 @@ def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_
     # --patience 0: at chance level early stopping would end the run (and so reset Python's SIGINT
     # handler in its shutdown) before the signal arrives
     p = _start(["star.py", "--model", "tiny", "--backend", "hf", "--rounds", "40", "--patience", "0",
-                "--save-every", "1", "--output-dir", str(out)])
+                "--save-every", "1", "--output-dir", str(out)], sigint=True)
     deadline = time.time() + 300
     while not (out / "checkpoints" / "latest").is_file() and time.time() < deadline:
         if p.poll() is not None:
