@@ -285,6 +285,21 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return c - h, c + h
 
 
+def base_flags(ap, direct: float, chats: str) -> None:
+    """The chat labs' flags for another base model: its pretraining steps, its direct share."""
+    ap.add_argument("--pretrain-steps", type=int, default=0,
+                    help="the base's pretraining steps (0 = MODELS')")
+    ap.add_argument("--direct", type=float, default=direct,
+                    help=f"the share of the base's {chats} with no working")
+
+
+def base_folder(work: Path, args, direct: float) -> Path:
+    """The experiment's folder: another base than the default gets its own."""
+    if args.pretrain_steps or args.direct != direct:
+        return work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
+    return work
+
+
 # star.py's flags per model kind: (train questions, new tokens, steps scale). A 5-digit scratchpad
 # is ~230 tokens; the schedule is §4's int(40 * 1.2^(n-1)) steps, halved for 400 questions.
 STAR = {"full": (400, 256, 0.5), "quick": (16, 48, 0.05)}

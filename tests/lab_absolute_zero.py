@@ -44,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, SEP, leaks, pretrain, wilson, words  # noqa: E402  (the lab's own)
+from lab import (CACHE, SEP, base_flags, base_folder, leaks, pretrain,  # noqa: E402  (the lab's)
+                 wilson, words)
 
 TASKS = ("deduction", "abduction", "induction")
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
@@ -518,8 +519,7 @@ def experiment(args) -> None:
     t0 = time.time()
     model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
     work = Path(args.out) / ("absolute_zero_quick" if args.kind == "quick" else "absolute_zero")
-    if args.pretrain_steps or args.direct != DIRECT:  # another base: its own folders
-        work = work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
+    work = base_folder(work, args, DIRECT)
     if args.experiment == "control":
         work = work / "shuffled_rewards"
     work.mkdir(parents=True, exist_ok=True)
@@ -701,10 +701,7 @@ def main(argv=None) -> None:
     # Config's 1e-6 is a 7B model's; a 1M-parameter model moves ~nothing at it in a dozen steps
     ap.add_argument("--lr", default="1e-4")
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
-    ap.add_argument("--pretrain-steps", type=int, default=0,
-                    help="the base's pretraining steps (0 = MODELS')")
-    ap.add_argument("--direct", type=float, default=DIRECT,
-                    help="the share of the base's solver chats with no working")
+    base_flags(ap, DIRECT, "solver chats")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":

@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, CHATML, SEP, leaks, pretrain, score, wilson, words  # noqa: E402,F401
+from lab import (CACHE, CHATML, SEP, base_flags, base_folder, leaks, pretrain,  # noqa: E402,F401
+                 score, wilson, words)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 2000, 8, 4e-3, 1024),
@@ -311,8 +312,7 @@ def experiment(args) -> None:
     t0 = time.time()
     model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
     work = Path(args.out) / ("spice_quick" if args.kind == "quick" else "spice")
-    if args.pretrain_steps or args.direct != DIRECT:  # another base: its own folders
-        work = work.with_name(f"{work.name}_steps{args.pretrain_steps}_direct{args.direct:g}")
+    work = base_folder(work, args, DIRECT)
     work.mkdir(parents=True, exist_ok=True)
     tests = test_rows(args.kind)
     test_file, corpus_file = work / "test.jsonl", work / "corpus.jsonl"
@@ -470,10 +470,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=0, help="0 = the kind's default")
     ap.add_argument("--lr", default="1e-4")
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
-    ap.add_argument("--pretrain-steps", type=int, default=0,
-                    help="the base's pretraining steps (0 = MODELS')")
-    ap.add_argument("--direct", type=float, default=DIRECT,
-                    help="the share of the base's Reasoner documents with no working")
+    base_flags(ap, DIRECT, "Reasoner documents")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
     args = ap.parse_args(argv)
     if args.experiment == "model":

@@ -56,7 +56,6 @@ def test_documents_are_read_by_absolute_zeros_parsers():
                     assert repr(lab.run_program(shown, eval(inp + ","))) == answer
 
 
-
 def test_direct_solver_chats_give_the_answer_alone():
     rng, pool = random.Random(1), lab.all_programs()
     for t in lab.TASKS:
@@ -71,6 +70,7 @@ def test_direct_solver_chats_give_the_answer_alone():
                 shown = prompt.split("```python\n")[1].split("\n```")[0]
                 inp = prompt.split("```input\n")[1].split("\n```")[0]
                 assert repr(lab.run_program(shown, eval(inp + ","))) == answer
+
 
 def test_held_out_programs_are_never_pretraining_programs():
     held = lab.held_out_programs()
