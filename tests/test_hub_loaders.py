@@ -9,6 +9,7 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 import common  # noqa: E402
+from evaluate import plot_pass_at_k  # noqa: E402
 import spice  # noqa: E402
 import star  # noqa: E402
 
@@ -212,7 +213,7 @@ def test_pass_at_k_png_is_drawn_readable_and_the_legend_covers_no_point(tmp_path
     base = _result({1: 0.05, 2: 0.3, 4: 0.5, 8: 0.7, 16: 0.95})
     trained = _result({1: 0.2, 2: 0.5, 4: 0.9, 8: 0.95, 16: 0.97})
     labels = ["base: Qwen/Qwen3-4B-Base", "trained: runs/x/final"]
-    png = common.plot_pass_at_k([base, trained], labels, str(tmp_path / "eval.png"))
+    png = plot_pass_at_k([base, trained], labels, str(tmp_path / "eval.png"))
     img = matplotlib.image.imread(png)
     assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400  # a real picture
     assert img.std() > 0.01

@@ -29,6 +29,7 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
 from r_zero import bleu_clusters, majority_vote, majority_vote_many, repetition_penalty
 from sparsity import main as sparsity_main
 from sparsity import update_sparsity
+from evaluate import main as evaluate_main
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
@@ -584,7 +585,7 @@ def test_update_sparsity_identical_and_after_train_step(tiny_model_path, tiny_po
 
 def test_cli_eval_hf_backend(tiny_model_path, tmp_path, capsys):
     out = tmp_path / "ev.json"
-    rc = common.cli_main(["eval", "--model", tiny_model_path, "--benchmarks", str(BENCH), "--n", "2", "--k", "1,2",
+    rc = evaluate_main(["--model", tiny_model_path, "--benchmarks", str(BENCH), "--n", "2", "--k", "1,2",
                           "--limit", "2", "--max-tokens", "6", "--backend", "hf", "--out", str(out),
                           "--compare", tiny_model_path])
     assert rc == 0
@@ -595,7 +596,7 @@ def test_cli_eval_hf_backend(tiny_model_path, tmp_path, capsys):
     assert rep["trained"]["settings"]["n"] == 2
     assert "greedy=" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        common.cli_main(["evl"])
+        evaluate_main(["--mdoel", "x"])
 
 
 def test_math_equal_survives_a_dead_worker():
