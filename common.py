@@ -1736,9 +1736,7 @@ class Run:
                 + self.resume_command())
 
 
-# ---------------------------------------------------------------------------------------------
-# Fitting the trainer in memory (measured, before the first step)
-# ---------------------------------------------------------------------------------------------
+# --------------------------------- Fitting the trainer in memory (measured, before the first step)
 def saved_activation_bytes(model, tokens: int) -> int:
     """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
     excluded): the activation term of the memory plan, measured."""
@@ -2301,9 +2299,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
 # evaluation     pass@k, decontamination, benchmarks, evaluate, evaluate_code
 
 
-# --------------------------------------------------------------------------------------------------
-# Answer extraction
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------- Answer extraction
 _VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
 
@@ -2389,9 +2385,7 @@ def option_letter(pred, completion=None, n_options=10):
     return letter if letter is not None and letter in _VF_OPTION_LETTERS[:n_options] else None
 
 
-# --------------------------------------------------------------------------------------------------
-# math_equal: fast paths in-process, math-verify in killable worker processes
-# --------------------------------------------------------------------------------------------------
+# --------------------- math_equal: fast paths in-process, math-verify in killable worker processes
 VF_MAX_ANSWER_CHARS = 1000  # longer answers skip math-verify (exact compare) and count as failures
 VF_MAX_BRACE_DEPTH = 50  # deeper nesting is a LaTeX bomb, not an answer
 _VF_WORKER_MAX_PAIRS = 50_000  # a worker is replaced after this many pairs (sympy's caches grow)
@@ -2761,9 +2755,7 @@ def math_equal(pred, gold, timeout=2.0, expression=False):
         return False
 
 
-# --------------------------------------------------------------------------------------------------
-# Reward shapes (pure functions of the solve rate p; scalars or numpy arrays)
-# --------------------------------------------------------------------------------------------------
+# --------------------- Reward shapes (pure functions of the solve rate p; scalars or numpy arrays)
 FORMAT_ERROR = -1.0  # AZR Eq. 6: a format error (for the proposer: any invalid proposal)
 WRONG_FORMATTED = -0.5  # AZR Eq. 6: well formatted but wrong
 INVALID_QUESTION = -0.1  # SPICE §3.1 rho: an invalid Challenger question
@@ -2832,9 +2824,7 @@ def azr_composite_reward(r_role, *, formatted, passable):
     return float(r_role) if passable else WRONG_FORMATTED
 
 
-# --------------------------------------------------------------------------------------------------
-# Pairwise sentence-BLEU-4 and average-linkage clusters (R-Zero's penalty, diversity metrics)
-# --------------------------------------------------------------------------------------------------
+# ----- Pairwise sentence-BLEU-4 and average-linkage clusters (R-Zero's penalty, diversity metrics)
 _VF_BLEU_EPS = 0.1  # Chen & Cherry smoothing method 1 (NLTK SmoothingFunction().method1)
 _VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a matrix product
 
@@ -2966,9 +2956,7 @@ def average_linkage_clusters(dist, threshold=0.5):
     return [ids.setdefault(find(i), len(ids)) for i in range(B)]
 
 
-# --------------------------------------------------------------------------------------------------
-# Diversity metrics, pass@k, decontamination
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------------------------ Diversity metrics, pass@k, decontamination
 def distinct_fraction(texts):
     """Share of distinct texts after normalize_string."""
     texts = list(texts)
@@ -3077,9 +3065,7 @@ def decontaminate(questions, references, n=13):
     return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
 
 
-# --------------------------------------------------------------------------------------------------
-# Benchmarks
-# --------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------- Benchmarks
 class HubBenchmark(typing.NamedTuple):
     """A hub dataset and how a row becomes {"question", "answer", "choices"?} ("answer" is then the
     gold letter): row(example, question field, answer field), or None to leave the row out."""
@@ -3300,9 +3286,7 @@ def load_benchmark(name_or_path, limit=0):
                          f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation: greedy accuracy and pass@k per benchmark
-# --------------------------------------------------------------------------------------------------
+# -------------------------------------------- Evaluation: greedy accuracy and pass@k per benchmark
 _VF_EVAL_INSTRUCTION = ("Work through the problem step by step, then write the final answer as "
                         "\\boxed{answer}.")
 _VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads "
@@ -3545,9 +3529,7 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), each solution run with its tests in the sandbox
-# --------------------------------------------------------------------------------------------------
+# ------------------------- Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), graded in the sandbox
 # name -> (hub id, split): HumanEval+ 164 rows, MBPP+ 378 rows (the datasets' cards)
 CODE_BENCHMARKS = {"humaneval+": ("evalplus/humanevalplus", "test"),
                    "mbpp+": ("evalplus/mbppplus", "test")}
