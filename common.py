@@ -3839,22 +3839,19 @@ def cli_main(argv=None):
 # ==================================================================================================
 # The Python sandbox
 # ==================================================================================================
-# Runs untrusted, model-written Python, a fresh isolated process per program, at 1.5-2 ms of CPU
-# (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). A zygote per worker, a clean
+# Runs untrusted, model-written Python, a fresh isolated process per program, at ~2 ms of CPU (a
+# fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). A zygote per worker, a clean
 # `python -s -S -P` with an allow-listed env, forks one child per program: no state reaches the
 # next one, and the trainer is never forked. Each child gets net, mount, IPC, UTS and PID
-# namespaces (non-root: inside a user namespace), an allow-listed read-only root with a fresh
-# tmpfs per job, a uid per worker and a memory cgroup (root), no_new_privs, a seccomp filter
-# (x86-64) and rlimits. The trainer never evals or unpickles output: it gets a capped JSON frame
-# {status, value, error} of strings, value a repr for parse_literal (a liar's __eq__ never becomes
-# a task value). What the host lacks is said in .isolation, never made up for by Python-level
-# guards. No new dependency: bubblewrap would exec a fresh interpreter per program; syscalls go
-# through ctypes. forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a
-# boundary. Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too
-# long), crash (a signal, or no result), forbidden, sandbox_error (the sandbox itself failed).
+# namespaces (inside a user namespace if not root), an allow-listed read-only root with a fresh
+# tmpfs per job, a uid per worker and a memory cgroup (root), no_new_privs, seccomp (x86-64) and
+# rlimits. The trainer never evals or unpickles output: it gets a capped JSON frame {status, value,
+# error} of strings, value a repr for parse_literal. What the host lacks is said in .isolation,
+# never made up for by Python-level guards. No new dependency: bubblewrap would exec a fresh
+# interpreter per program. forbidden_modules is a task policy, not a boundary.
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
-                 "sandbox_error")
+                 "sandbox_error")  # timeout: wall clock or CPU; crash: a signal, or no result
 _SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what it may claim
 
 
@@ -3884,9 +3881,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
             if depth > max_depth:
                 raise ValueError(f"nested deeper than {max_depth}")
             # literal_eval only adds a real to an imaginary constant: finite constants stay so
-            if isinstance(node, ast.Constant) and isinstance(node.value, (float, complex)) and \
-                    not allow_nonfinite and not (math.isfinite(node.value.real)
-                                                 and math.isfinite(node.value.imag)):
+            v = getattr(node, "value", None)
+            if isinstance(node, ast.Constant) and isinstance(v, (float, complex)) and not \
+                    allow_nonfinite and not (math.isfinite(v.real) and math.isfinite(v.imag)):
                 raise ValueError("NaN or infinity")
             nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         value = ast.literal_eval(nodes[0][0])
@@ -3905,9 +3902,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
 
 # ---------------------------------------------- the zygote: runs in its own clean interpreter
 # Every _zy_ function and _ZY_ value runs in the zygote, never in the trainer: _sb_zygote_source
-# ships their source. On stdin/stdout each message is a 4-byte big-endian length + payload: the
-# config (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths,
-# then the program and expression bytes; the reply: see _zy_reply.
+# ships their source. Each message is a 4-byte big-endian length + payload: the config (JSON) gets
+# {"ready", "report"}; each job is a JSON header of limits and lengths, then the program and
+# expression bytes; the reply: see _zy_reply.
 import gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
 _ZY_LINUX = sys.platform.startswith("linux")
@@ -3959,15 +3956,17 @@ def _zy_mount(src, target, fstype, flags, data=None):
 
 def _zy_write_file(path, text):  # os.open: cheaper than open() in each child
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-
     try:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
 
 
-def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it: octal escapes
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
+def _zy_mountinfo():
+    """/proc/self/mountinfo's rows, split, with mount root and target unescaped (octal)."""
+    unescape = lambda p: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
+    with open("/proc/self/mountinfo") as f:
+        return [m[:3] + [unescape(m[3]), unescape(m[4])] + m[5:] for m in map(str.split, f)]
 
 
 def _zy_try_in_child(fn, *args):
@@ -4009,8 +4008,11 @@ def _zy_recv():
 
 
 def _zy_wipe(buf, n):
+    """Zero buf's first n bytes -> buf, or a fresh small one for a huge buf (it counts in the
+    job's cgroup)."""
     if n:
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
+    return buf if len(buf) <= 1 << 22 else bytearray(1 << 16)
 
 
 def _zy_grow(buf, n):
@@ -4028,10 +4030,10 @@ def _zy_reply(res, kind=b"Z"):
     global _ZY_RES_BUF
     if type(res) is tuple:
         kind, a, b = res
-        parts = [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]]
+        parts = [struct.pack(">I", 1 + b - a) + kind, memoryview(_ZY_RES_BUF)[a:b]]
     else:
         data, b = kind + json.dumps(res).encode(), 0
-        parts = [struct.pack(">I", len(data)), data]
+        parts = [struct.pack(">I", len(data)) + data]
     parts = [memoryview(p) for p in parts]
     while parts:  # writev it whole
         k = os.writev(1, parts)
@@ -4039,9 +4041,7 @@ def _zy_reply(res, kind=b"Z"):
             k -= len(parts.pop(0))
         if parts and k:
             parts[0] = parts[0][k:]
-    _zy_wipe(_ZY_RES_BUF, b)
-    if len(_ZY_RES_BUF) > 1 << 22:
-        _ZY_RES_BUF = bytearray(1 << 16)
+    _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, b)
 
 
 # ------------------------------------------------------- one-time isolation of the zygote itself
@@ -4051,10 +4051,9 @@ def _zy_enter_namespaces():
     namespace that maps only our own uid and gid."""
     ns = _ZY_REPORT["namespaces"] = dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"),
                                                   False)
-    if not _ZY_LINUX:
-        return _zy_note("not Linux: no namespaces")
-    if not _ZY_CFG["namespaces"]:
-        return _zy_note("namespaces turned off by the caller")
+    if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
+        return _zy_note("namespaces turned off by the caller" if _ZY_LINUX else
+                        "not Linux: no namespaces")
     if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
@@ -4118,14 +4117,12 @@ def _zy_isolate_filesystem():
         _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
     except OSError as e:
         return _zy_note("mount propagation: %s" % e)
-    with open("/proc/self/mountinfo") as f:
-        mounts = [(_zy_unescape(m[4]), m[5].split(",")) for m in map(str.split, f)]
     failed = 0
-    for target, opts in mounts:  # every mount read-only first, so the binds below are throughout
-        if target != "/proc" and not target.startswith("/proc/"):
+    for m in _zy_mountinfo():  # every mount read-only first, so the binds below are throughout
+        if m[4] != "/proc" and not m[4].startswith("/proc/"):
             try:
-                _zy_mount(None, target, None,
-                          _ZY_MS_RO | sum(f for o, f in _ZY_MS_KEPT.items() if o in opts))
+                _zy_mount(None, m[4], None, _ZY_MS_RO
+                          | sum(f for o, f in _ZY_MS_KEPT.items() if o in m[5].split(",")))
             except OSError:
                 failed += 1
     if failed:
@@ -4159,7 +4156,8 @@ def _zy_isolate_filesystem():
                       | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
-    os.makedirs(new + "/dev", exist_ok=True)
+    for d in ("/dev", "/etc", "/tmp", "/proc"):
+        os.makedirs(new + d, exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
         os.symlink(target, new + "/dev/" + name)
     uid = C["uid"]  # its gid is the same number
@@ -4169,7 +4167,6 @@ def _zy_isolate_filesystem():
            "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % uid,
            "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
-    os.makedirs(new + "/etc", exist_ok=True)
     for p, text in etc.items():
         _zy_write_file(new + p, text)
     R["masked_files"] += list(etc)
@@ -4181,8 +4178,6 @@ def _zy_isolate_filesystem():
                 R["hidden_paths"].append(d)
             except OSError as e:
                 _zy_note("could not hide %s: %s" % (d, e))
-    for d in ("/tmp", "/proc"):
-        os.makedirs(new + d, exist_ok=True)
     try:
         _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
                   "hidepid=2")
@@ -4221,17 +4216,13 @@ def _zy_setup_cgroup():
         _zy_note("zygote not exempt from the OOM killer: %s" % e)
     with open("/proc/self/cgroup") as f:
         groups = [ln.rstrip("\n").split(":", 2) for ln in f]
-    with open("/proc/self/mountinfo") as f:
-        mounts = [m.split() for m in f]
-    found = []  # (version, our memory cgroup's directory)
+    found, mounts = [], _zy_mountinfo()  # (version, our memory cgroup's directory)
     for _, ctrl, rel in groups:
         for m in mounts:
-            sep = m.index("-")
-            fstype, opts = m[sep + 1], m[sep + 3].split(",")
-            root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
+            fstype, opts = m[m.index("-") + 1], m[m.index("-") + 3].split(",")
             v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
-            if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
-                found.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
+            if rel.startswith(m[3]) and ((ctrl == "" and fstype == "cgroup2") or v1):
+                found.append((2 if ctrl == "" else 1, m[4] + "/" + rel[len(m[3]):].strip("/")))
     errors = []
     for version, parent in sorted(found, reverse=True):
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
@@ -4244,10 +4235,9 @@ def _zy_setup_cgroup():
                     if "memory" not in f.read().split():
                         _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
             os.mkdir(d)
-            if version == 2:
-                settings = {"memory.max": limit, "memory.swap.max": 0}
-                if _ZY_STATE["oom_exempt"]:  # an OOM kill takes the whole job, not the zygote
-                    settings["memory.oom.group"] = 1
+            if version == 2:  # memory.oom.group: an OOM kill takes the whole job, not the zygote
+                settings = {"memory.max": limit, "memory.swap.max": 0,
+                            **({"memory.oom.group": 1} if _ZY_STATE["oom_exempt"] else {})}
             else:
                 settings = {"memory.limit_in_bytes": limit}
                 if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
@@ -4448,17 +4438,6 @@ def _zy_kill_uid():
     os.kill(-1, signal.SIGKILL)
 
 
-def _zy_count_processes(uid):
-    """Processes of uid now; without /proc (macOS) a loose 4096."""
-    if not os.path.isdir("/proc"):
-        return 4096
-    n = 0
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):  # it exited meanwhile
-            n += os.stat("/proc/" + d).st_uid == uid
-    return n
-
-
 def _zy_tmp_mark():
     """What a job could change about an empty /tmp: inode, mode, owner, links, size, times."""
     st = os.stat("/tmp")
@@ -4545,10 +4524,8 @@ def _zy_run_job(job):
     view.release()
     os.close(r)
     for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
-        try:  # its PID namespace dies with it, else its process group
+        with contextlib.suppress(OSError):  # its PID namespace dies with it, else its group
             kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
         with contextlib.suppress(OSError):
@@ -4558,14 +4535,12 @@ def _zy_run_job(job):
                 os.waitpid(-1, 0)
     elif S["pidns_fd"] is None and S["drop_uid"]:
         _zy_try_in_child(_zy_kill_uid)
-    _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
-    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let go
-        _ZY_JOB_BUF = bytearray(1 << 16)
+    _ZY_JOB_BUF = _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
     _zy_scratch_down()
     if not over and need is not None and got >= need:
         started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
-    _zy_wipe(_ZY_RES_BUF, got)
+    _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, got)
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     cpu = rusage.ru_utime + rusage.ru_stime
     if over:
@@ -4650,8 +4625,14 @@ def _zy_setup():
     S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
     R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
     # RLIMIT_NPROC counts every process of the real uid: exact for our own uid, else (not root)
-    # it sits on top of what the user already runs
-    S["nproc_base"] = 0 if S["drop_uid"] else _zy_count_processes(os.getuid()) + 64
+    # it sits on top of what the user already runs (without /proc, as on macOS, a loose 4096)
+    S["nproc_base"] = 0
+    if not S["drop_uid"]:
+        uid, procs = os.getuid(), os.listdir("/proc") if os.path.isdir("/proc") else None
+        S["nproc_base"] = 4096 + 64 if procs is None else 64
+        for d in filter(str.isdigit, procs or []):
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                S["nproc_base"] += os.stat("/proc/" + d).st_uid == uid
     _zy_setup_cgroup()
     _zy_isolate_filesystem()
     _zy_setup_pid_namespace()
@@ -4777,9 +4758,9 @@ def _sb_python_paths() -> list[str]:
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()}
-    paths.update(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
-                                                         "platlib"))
+             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages(),
+             *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                       "platlib"))}
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
     return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
 
@@ -4842,19 +4823,15 @@ class _SbWorker:
 
     def poll(self) -> bytes | None:
         """Read what is there; return one whole frame or None. EOFError if the zygote died."""
-        try:
+        with contextlib.suppress(BlockingIOError):
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
                 raise EOFError("sandbox zygote exited")
             self.buf += chunk
-        except BlockingIOError:
-            pass
-        if len(self.buf) < 4:
-            return None
-        (n,) = struct.unpack(">I", self.buf[:4])
-        if n > _SB_MAX_FRAME:
+        n = struct.unpack(">I", self.buf[:4])[0] if len(self.buf) >= 4 else None
+        if n is not None and n > _SB_MAX_FRAME:
             raise EOFError("sandbox zygote sent an oversized frame")
-        if len(self.buf) < 4 + n:
+        if n is None or len(self.buf) < 4 + n:
             return None
         data, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
         return data
@@ -5078,10 +5055,8 @@ class PythonSandbox:
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
         if allowed is not None and reply[1:2] == b"{":
-            try:  # (a UnicodeDecodeError is a ValueError)
+            with contextlib.suppress(ValueError, RecursionError, MemoryError):  # bad UTF-8 too
                 msg = json.loads(reply[1:].decode("utf-8"))
-            except (ValueError, RecursionError, MemoryError):
-                pass
         if not (type(msg) is dict and set(msg) == {"status", "value", "error"}
                 and type(msg["status"]) is str
                 and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
@@ -5098,9 +5073,7 @@ class PythonSandbox:
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
-            # a repr made by the child escapes every non-printable character, lone surrogates
-            # included: a value that holds one was never a repr
-            try:
+            try:  # a child's repr escapes lone surrogates: a value that holds one is no repr
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 return ExecResult("crash", None, "the program forged a value with a lone surrogate")
