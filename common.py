@@ -4008,8 +4008,7 @@ def _zy_recv():
 
 
 def _zy_wipe(buf, n):
-    """Zero buf's first n bytes -> buf, or a fresh small one for a huge buf (it counts in the
-    job's cgroup)."""
+    """Zero buf's first n bytes -> buf, or a small new one for a huge buf (in the job's cgroup)."""
     if n:
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
     return buf if len(buf) <= 1 << 22 else bytearray(1 << 16)
@@ -4024,9 +4023,8 @@ def _zy_grow(buf, n):
 
 
 def _zy_reply(res, kind=b"Z"):
-    """Send kind + JSON made here (b"Z"; b"E": this zygote failed, replace it), or for res = (kind,
-    start, end) the child's frame in _ZY_RES_BUF, never copied: b"P" from the program's process,
-    b"S" from the child's setup. Then wipe it."""
+    """Send kind + JSON made here (b"Z"; b"E": this zygote failed), or for res = (kind, start,
+    end) the child's frame in _ZY_RES_BUF, uncopied (b"P": program, b"S": setup); wipe it."""
     global _ZY_RES_BUF
     if type(res) is tuple:
         kind, a, b = res
@@ -4227,13 +4225,8 @@ def _zy_setup_cgroup():
     for version, parent in sorted(found, reverse=True):
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
         try:
-            if version == 2:
-                with open(parent + "/cgroup.controllers") as f:
-                    if "memory" not in f.read().split():
-                        raise OSError("the memory controller is not available in " + parent)
-                with open(parent + "/cgroup.subtree_control") as f:
-                    if "memory" not in f.read().split():
-                        _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
+            if version == 2:  # a no-op where it is on; ENOENT where the parent has no memory
+                _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
             os.mkdir(d)
             if version == 2:  # memory.oom.group: an OOM kill takes the whole job, not the zygote
                 settings = {"memory.max": limit, "memory.swap.max": 0,
@@ -4329,10 +4322,9 @@ def _zy_child_main(job, wfd):
 
     def report(status, value=None, error=None):
         try:
-            data = '{"status": %s, "value": %s, "error": %s}' % (
+            data = ('{"status": %s, "value": %s, "error": %s}' % (
                 _enc(status), "null" if value is None else _enc(value),
-                "null" if error is None else _enc(error))
-            data = data.encode()
+                "null" if error is None else _enc(error))).encode()
             _write(wfd, _pack(">I", _len(data)) + data)
         except _BaseException:
             pass
@@ -4851,13 +4843,11 @@ class _SbWorker:
             shutil.rmtree(self.report["scratch"], ignore_errors=True)
         cgroup = (self.report.get("memory_cgroup") or {}).get("path")
         for _ in range(50 if cgroup else 0):  # empty once the zygote is reaped (can take a moment)
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(cgroup)
+            if not os.path.exists(cgroup):
                 break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.02)
+            time.sleep(0.02)
 
 
 class PythonSandbox:
@@ -4875,16 +4865,12 @@ class PythonSandbox:
                  max_program_chars: int = 1_000_000, hash_seed: int = 0,
                  namespaces: bool | str = True):
         if os.name != "posix":
-            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on "
-                               "Windows")
-        if namespaces not in (True, False, "user"):
-            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged "
-                             f"user-namespace setup), got {namespaces!r}")
+            raise RuntimeError("PythonSandbox needs Linux or macOS (on Windows: WSL)")
+        if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
+            raise ValueError(f"namespaces must be True, False or 'user', got {namespaces!r}")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
-            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and "
-                             "max_output_chars >= 1")
-        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a
-        # determinism check that wants independent runs uses two sandboxes with different hash_seed.
+            raise ValueError("needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
+        # one PYTHONHASHSEED (and memory layout) per sandbox: independent runs need two sandboxes
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
@@ -4904,11 +4890,9 @@ class PythonSandbox:
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts, self._closed, self._errors = 0, False, []
         self._retry_at: dict[int, float] = {}
-        starters = [threading.Thread(target=self._start, args=(i,)) for i in range(self.workers)]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:  # start them in parallel
+            list(ex.map(self._start, range(self.workers)))
         if not all(self._pool):
             self.close()
             raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
