@@ -4092,8 +4092,8 @@ def _zy_setup_pid_namespace():
     else:
         os.close(fd)
         if libc.unshare(ns) != 0:
-            return _zy_note("no pid namespace (errno %d): escaped processes are found by uid "
-                            "instead" % ctypes.get_errno())
+            return _zy_note("no pid namespace (errno %d): escaped processes are found by uid"
+                            % ctypes.get_errno())
         pid = os.fork()
         if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new one
             os.waitpid(pid, 0)
@@ -4135,8 +4135,7 @@ def _zy_isolate_filesystem():
     try:
         _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
-        return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
-                        % e)
+        return _zy_note("no tmpfs for the allow-list root (%s): the host, read-only" % e)
     for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
         os.symlink(target, new + link)
     bound = []
@@ -4394,14 +4393,12 @@ def _zy_child_main(job, wfd):
         exec(code, ns)
         value = eval(expr, ns)
         if _isinstance(value, (_str, bytes)) and _len(value) > cap:
-            report("output_limit", None,
-                   "value of length %d exceeds the output cap of %d" % (_len(value), cap))
+            report("output_limit", None, "value length %d over the cap of %d" % (_len(value), cap))
         text = _repr(value)
         if _type(text) is not _str:
             report("error", None, "repr returned a non-str")
         if _len(text) > cap:
-            report("output_limit", None,
-                   "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
+            report("output_limit", None, "repr of %d chars over the cap of %d" % (_len(text), cap))
         report("ok", text, None)
     except _BaseException as e:
         try:
@@ -4631,8 +4628,7 @@ def _zy_setup():
     S["ipc_flag"] = _ZY_CLONE_NEWIPC if R["namespaces"]["ipc"] else 0
     R["ipc_per_job"] = bool(S["ipc_flag"])
     if not S["ipc_flag"]:
-        _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
-                 "reach later jobs of this worker")
+        _zy_note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
     S["seccomp"] = _zy_build_seccomp(R["namespaces"]["net"])
     R["seccomp"] = S["seccomp"] is not None
     if R["seccomp"]:  # installed once here, inherited by every child
@@ -4645,8 +4641,7 @@ def _zy_setup():
         R["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
         os.chmod(R["scratch"], 0o711)
         S["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
-        _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
-                 % R["scratch"])
+        _zy_note("no mount namespace: each job gets a fresh directory in " + R["scratch"])
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
         out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
