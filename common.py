@@ -3700,22 +3700,19 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
 # ==================================================================================================
 # The Python sandbox
 # ==================================================================================================
-# Runs untrusted, model-written Python, a fresh isolated process per program, at 1.5-2 ms of CPU
-# (a fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). A zygote per worker, a clean
+# Runs untrusted, model-written Python, a fresh isolated process per program, at ~2 ms of CPU (a
+# fresh interpreter costs 25-40 ms: tests/bench_sandbox.py). A zygote per worker, a clean
 # `python -s -S -P` with an allow-listed env, forks one child per program: no state reaches the
 # next one, and the trainer is never forked. Each child gets net, mount, IPC, UTS and PID
-# namespaces (non-root: inside a user namespace), an allow-listed read-only root with a fresh
-# tmpfs per job, a uid per worker and a memory cgroup (root), no_new_privs, a seccomp filter
-# (x86-64) and rlimits. The trainer never evals or unpickles output: it gets a capped JSON frame
-# {status, value, error} of strings, value a repr for parse_literal (a liar's __eq__ never becomes
-# a task value). What the host lacks is said in .isolation, never made up for by Python-level
-# guards. No new dependency: bubblewrap would exec a fresh interpreter per program; syscalls go
-# through ctypes. forbidden_modules is a task policy (Absolute Zero bans os, random, ...), not a
-# boundary. Statuses: ok, error, timeout (wall clock or CPU), memory, output_limit (repr too
-# long), crash (a signal, or no result), forbidden, sandbox_error (the sandbox itself failed).
+# namespaces (inside a user namespace if not root), an allow-listed read-only root with a fresh
+# tmpfs per job, a uid per worker and a memory cgroup (root), no_new_privs, seccomp (x86-64) and
+# rlimits. The trainer never evals or unpickles output: it gets a capped JSON frame {status, value,
+# error} of strings, value a repr for parse_literal. What the host lacks is said in .isolation,
+# never made up for by Python-level guards. No new dependency: bubblewrap would exec a fresh
+# interpreter per program. forbidden_modules is a task policy, not a boundary.
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
-                 "sandbox_error")
+                 "sandbox_error")  # timeout: wall clock or CPU; crash: a signal, or no result
 _SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what it may claim
 
 
@@ -3745,9 +3742,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
             if depth > max_depth:
                 raise ValueError(f"nested deeper than {max_depth}")
             # literal_eval only adds a real to an imaginary constant: finite constants stay so
-            if isinstance(node, ast.Constant) and isinstance(node.value, (float, complex)) and \
-                    not allow_nonfinite and not (math.isfinite(node.value.real)
-                                                 and math.isfinite(node.value.imag)):
+            v = getattr(node, "value", None)
+            if isinstance(node, ast.Constant) and isinstance(v, (float, complex)) and not \
+                    allow_nonfinite and not (math.isfinite(v.real) and math.isfinite(v.imag)):
                 raise ValueError("NaN or infinity")
             nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         value = ast.literal_eval(nodes[0][0])
@@ -3766,9 +3763,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
 
 # ---------------------------------------------- the zygote: runs in its own clean interpreter
 # Every _zy_ function and _ZY_ value runs in the zygote, never in the trainer: _sb_zygote_source
-# ships their source. On stdin/stdout each message is a 4-byte big-endian length + payload: the
-# config (JSON) gets {"ready", "report"}; then each job is a JSON header of limits and lengths,
-# then the program and expression bytes; the reply: see _zy_reply.
+# ships their source. Each message is a 4-byte big-endian length + payload: the config (JSON) gets
+# {"ready", "report"}; each job is a JSON header of limits and lengths, then the program and
+# expression bytes; the reply: see _zy_reply.
 import gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
 _ZY_LINUX = sys.platform.startswith("linux")
@@ -3820,15 +3817,17 @@ def _zy_mount(src, target, fstype, flags, data=None):
 
 def _zy_write_file(path, text):  # os.open: cheaper than open() in each child
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-
     try:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
 
 
-def _zy_unescape(p):  # a path as /proc/self/mountinfo writes it: octal escapes
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
+def _zy_mountinfo():
+    """/proc/self/mountinfo's rows, split, with mount root and target unescaped (octal)."""
+    unescape = lambda p: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
+    with open("/proc/self/mountinfo") as f:
+        return [m[:3] + [unescape(m[3]), unescape(m[4])] + m[5:] for m in map(str.split, f)]
 
 
 def _zy_try_in_child(fn, *args):
@@ -3870,8 +3869,10 @@ def _zy_recv():
 
 
 def _zy_wipe(buf, n):
+    """Zero buf's first n bytes -> buf, or a small new one for a huge buf (in the job's cgroup)."""
     if n:
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
+    return buf if len(buf) <= 1 << 22 else bytearray(1 << 16)
 
 
 def _zy_grow(buf, n):
@@ -3883,16 +3884,15 @@ def _zy_grow(buf, n):
 
 
 def _zy_reply(res, kind=b"Z"):
-    """Send kind + JSON made here (b"Z"; b"E": this zygote failed, replace it), or for res = (kind,
-    start, end) the child's frame in _ZY_RES_BUF, never copied: b"P" from the program's process,
-    b"S" from the child's setup. Then wipe it."""
+    """Send kind + JSON made here (b"Z"; b"E": this zygote failed), or for res = (kind, start,
+    end) the child's frame in _ZY_RES_BUF, uncopied (b"P": program, b"S": setup); wipe it."""
     global _ZY_RES_BUF
     if type(res) is tuple:
         kind, a, b = res
-        parts = [struct.pack(">I", 1 + b - a), kind, memoryview(_ZY_RES_BUF)[a:b]]
+        parts = [struct.pack(">I", 1 + b - a) + kind, memoryview(_ZY_RES_BUF)[a:b]]
     else:
         data, b = kind + json.dumps(res).encode(), 0
-        parts = [struct.pack(">I", len(data)), data]
+        parts = [struct.pack(">I", len(data)) + data]
     parts = [memoryview(p) for p in parts]
     while parts:  # writev it whole
         k = os.writev(1, parts)
@@ -3900,9 +3900,7 @@ def _zy_reply(res, kind=b"Z"):
             k -= len(parts.pop(0))
         if parts and k:
             parts[0] = parts[0][k:]
-    _zy_wipe(_ZY_RES_BUF, b)
-    if len(_ZY_RES_BUF) > 1 << 22:
-        _ZY_RES_BUF = bytearray(1 << 16)
+    _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, b)
 
 
 # ------------------------------------------------------- one-time isolation of the zygote itself
@@ -3910,12 +3908,10 @@ def _zy_reply(res, kind=b"Z"):
 def _zy_enter_namespaces():
     """Private net, mount, IPC and UTS namespaces; not root (or namespaces="user"): inside a user
     namespace that maps only our own uid and gid."""
-    ns = _ZY_REPORT["namespaces"] = dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"),
-                                                  False)
-    if not _ZY_LINUX:
-        return _zy_note("not Linux: no namespaces")
-    if not _ZY_CFG["namespaces"]:
-        return _zy_note("namespaces turned off by the caller")
+    ns = _ZY_REPORT["namespaces"] = dict.fromkeys("user net mount ipc uts pid".split(), False)
+    if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
+        return _zy_note("namespaces turned off by the caller" if _ZY_LINUX else
+                        "not Linux: no namespaces")
     if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
@@ -3956,8 +3952,8 @@ def _zy_setup_pid_namespace():
     else:
         os.close(fd)
         if libc.unshare(ns) != 0:
-            return _zy_note("no pid namespace (errno %d): escaped processes are found by uid "
-                            "instead" % ctypes.get_errno())
+            return _zy_note("no pid namespace (errno %d): escaped processes are found by uid"
+                            % ctypes.get_errno())
         pid = os.fork()
         if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new one
             os.waitpid(pid, 0)
@@ -3979,14 +3975,12 @@ def _zy_isolate_filesystem():
         _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
     except OSError as e:
         return _zy_note("mount propagation: %s" % e)
-    with open("/proc/self/mountinfo") as f:
-        mounts = [(_zy_unescape(m[4]), m[5].split(",")) for m in map(str.split, f)]
     failed = 0
-    for target, opts in mounts:  # every mount read-only first, so the binds below are throughout
-        if target != "/proc" and not target.startswith("/proc/"):
+    for m in _zy_mountinfo():  # every mount read-only first, so the binds below are throughout
+        if m[4] != "/proc" and not m[4].startswith("/proc/"):
             try:
-                _zy_mount(None, target, None,
-                          _ZY_MS_RO | sum(f for o, f in _ZY_MS_KEPT.items() if o in opts))
+                _zy_mount(None, m[4], None, _ZY_MS_RO
+                          | sum(f for o, f in _ZY_MS_KEPT.items() if o in m[5].split(",")))
             except OSError:
                 failed += 1
     if failed:
@@ -4001,8 +3995,7 @@ def _zy_isolate_filesystem():
     try:
         _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     except OSError as e:
-        return _zy_note("no tmpfs for the allow-list root (%s): children see the host, read-only"
-                        % e)
+        return _zy_note("no tmpfs for the allow-list root (%s): the host, read-only" % e)
     for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
         os.symlink(target, new + link)
     bound = []
@@ -4020,7 +4013,8 @@ def _zy_isolate_filesystem():
                       | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
-    os.makedirs(new + "/dev", exist_ok=True)
+    for d in ("/dev", "/etc", "/tmp", "/proc"):
+        os.makedirs(new + d, exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():
         os.symlink(target, new + "/dev/" + name)
     uid = C["uid"]  # its gid is the same number
@@ -4030,7 +4024,6 @@ def _zy_isolate_filesystem():
            "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % uid,
            "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
-    os.makedirs(new + "/etc", exist_ok=True)
     for p, text in etc.items():
         _zy_write_file(new + p, text)
     R["masked_files"] += list(etc)
@@ -4042,8 +4035,6 @@ def _zy_isolate_filesystem():
                 R["hidden_paths"].append(d)
             except OSError as e:
                 _zy_note("could not hide %s: %s" % (d, e))
-    for d in ("/tmp", "/proc"):
-        os.makedirs(new + d, exist_ok=True)
     try:
         _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
                   "hidepid=2")
@@ -4082,33 +4073,23 @@ def _zy_setup_cgroup():
         _zy_note("zygote not exempt from the OOM killer: %s" % e)
     with open("/proc/self/cgroup") as f:
         groups = [ln.rstrip("\n").split(":", 2) for ln in f]
-    with open("/proc/self/mountinfo") as f:
-        mounts = [m.split() for m in f]
-    found = []  # (version, our memory cgroup's directory)
+    found, mounts = [], _zy_mountinfo()  # (version, our memory cgroup's directory)
     for _, ctrl, rel in groups:
         for m in mounts:
-            sep = m.index("-")
-            fstype, opts = m[sep + 1], m[sep + 3].split(",")
-            root, target = _zy_unescape(m[3]), _zy_unescape(m[4])
+            fstype, opts = m[m.index("-") + 1], m[m.index("-") + 3].split(",")
             v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
-            if rel.startswith(root) and ((ctrl == "" and fstype == "cgroup2") or v1):
-                found.append((2 if ctrl == "" else 1, target + "/" + rel[len(root):].strip("/")))
+            if rel.startswith(m[3]) and ((ctrl == "" and fstype == "cgroup2") or v1):
+                found.append((2 if ctrl == "" else 1, m[4] + "/" + rel[len(m[3]):].strip("/")))
     errors = []
     for version, parent in sorted(found, reverse=True):
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
         try:
-            if version == 2:
-                with open(parent + "/cgroup.controllers") as f:
-                    if "memory" not in f.read().split():
-                        raise OSError("the memory controller is not available in " + parent)
-                with open(parent + "/cgroup.subtree_control") as f:
-                    if "memory" not in f.read().split():
-                        _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
+            if version == 2:  # a no-op where it is on; ENOENT where the parent has no memory
+                _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
             os.mkdir(d)
-            if version == 2:
-                settings = {"memory.max": limit, "memory.swap.max": 0}
-                if _ZY_STATE["oom_exempt"]:  # an OOM kill takes the whole job, not the zygote
-                    settings["memory.oom.group"] = 1
+            if version == 2:  # memory.oom.group: an OOM kill takes the whole job, not the zygote
+                settings = {"memory.max": limit, "memory.swap.max": 0,
+                            **({"memory.oom.group": 1} if _ZY_STATE["oom_exempt"] else {})}
             else:
                 settings = {"memory.limit_in_bytes": limit}
                 if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
@@ -4200,10 +4181,9 @@ def _zy_child_main(job, wfd):
 
     def report(status, value=None, error=None):
         try:
-            data = '{"status": %s, "value": %s, "error": %s}' % (
+            data = ('{"status": %s, "value": %s, "error": %s}' % (
                 _enc(status), "null" if value is None else _enc(value),
-                "null" if error is None else _enc(error))
-            data = data.encode()
+                "null" if error is None else _enc(error))).encode()
             _write(wfd, _pack(">I", _len(data)) + data)
         except _BaseException:
             pass
@@ -4273,14 +4253,12 @@ def _zy_child_main(job, wfd):
         exec(code, ns)
         value = eval(expr, ns)
         if _isinstance(value, (_str, bytes)) and _len(value) > cap:
-            report("output_limit", None,
-                   "value of length %d exceeds the output cap of %d" % (_len(value), cap))
+            report("output_limit", None, "value length %d over the cap of %d" % (_len(value), cap))
         text = _repr(value)
         if _type(text) is not _str:
             report("error", None, "repr returned a non-str")
         if _len(text) > cap:
-            report("output_limit", None,
-                   "repr of %d chars exceeds the output cap of %d" % (_len(text), cap))
+            report("output_limit", None, "repr of %d chars over the cap of %d" % (_len(text), cap))
         report("ok", text, None)
     except _BaseException as e:
         try:
@@ -4307,17 +4285,6 @@ def _zy_kill_uid():
     os.setgid(_ZY_CFG["uid"])
     os.setuid(_ZY_CFG["uid"])
     os.kill(-1, signal.SIGKILL)
-
-
-def _zy_count_processes(uid):
-    """Processes of uid now; without /proc (macOS) a loose 4096."""
-    if not os.path.isdir("/proc"):
-        return 4096
-    n = 0
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):  # it exited meanwhile
-            n += os.stat("/proc/" + d).st_uid == uid
-    return n
 
 
 def _zy_tmp_mark():
@@ -4406,10 +4373,8 @@ def _zy_run_job(job):
     view.release()
     os.close(r)
     for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
-        try:  # its PID namespace dies with it, else its process group
+        with contextlib.suppress(OSError):  # its PID namespace dies with it, else its group
             kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
         with contextlib.suppress(OSError):
@@ -4419,14 +4384,12 @@ def _zy_run_job(job):
                 os.waitpid(-1, 0)
     elif S["pidns_fd"] is None and S["drop_uid"]:
         _zy_try_in_child(_zy_kill_uid)
-    _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
-    if len(_ZY_JOB_BUF) > 1 << 22:  # a huge program's buffer counts in the job's cgroup: let go
-        _ZY_JOB_BUF = bytearray(1 << 16)
+    _ZY_JOB_BUF = _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
     _zy_scratch_down()
     if not over and need is not None and got >= need:
         started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
-    _zy_wipe(_ZY_RES_BUF, got)
+    _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, got)
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     cpu = rusage.ru_utime + rusage.ru_stime
     if over:
@@ -4447,7 +4410,7 @@ def _zy_run_job(job):
 
 
 def _zy_warm_example(xs: list, k=2) -> dict:
-    """A typical model-written function: _zy_warm_up compiles and runs its source."""
+    """A typical model-written function: _zy_main compiles and runs its source to warm up."""
     import math
     out = {}
     for i, x in enumerate(sorted(xs)):
@@ -4461,20 +4424,6 @@ def _zy_warm_example(xs: list, k=2) -> dict:
             except ZeroDivisionError as e:
                 out[i] = repr(e)
     return out
-
-
-def _zy_warm_up():
-    """Run a typical program, so each child starts with the parser, compiler and allocator warm:
-    about 1 ms less CPU per job (fewer page faults after a fork)."""
-    for _ in range(3):
-        ns = {"__name__": "__main__"}
-        exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
-        value = eval(compile("_zy_warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)
-        json.dumps({"status": "ok", "value": repr(value), "error": None})
-        try:
-            compile("def f(:", "<program>", "exec")
-        except SyntaxError as e:
-            str(e)
 
 
 def _zy_probe(program, expression):
@@ -4511,16 +4460,21 @@ def _zy_setup():
     S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
     R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
     # RLIMIT_NPROC counts every process of the real uid: exact for our own uid, else (not root)
-    # it sits on top of what the user already runs
-    S["nproc_base"] = 0 if S["drop_uid"] else _zy_count_processes(os.getuid()) + 64
+    # it sits on top of what the user already runs (without /proc, as on macOS, a loose 4096)
+    S["nproc_base"] = 0
+    if not S["drop_uid"]:
+        uid, procs = os.getuid(), os.listdir("/proc") if os.path.isdir("/proc") else None
+        S["nproc_base"] = 4096 + 64 if procs is None else 64
+        for d in filter(str.isdigit, procs or []):
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                S["nproc_base"] += os.stat("/proc/" + d).st_uid == uid
     _zy_setup_cgroup()
     _zy_isolate_filesystem()
     _zy_setup_pid_namespace()
     S["ipc_flag"] = _ZY_CLONE_NEWIPC if R["namespaces"]["ipc"] else 0
     R["ipc_per_job"] = bool(S["ipc_flag"])
     if not S["ipc_flag"]:
-        _zy_note("no IPC namespace: SysV IPC objects and POSIX message queues a job leaves can "
-                 "reach later jobs of this worker")
+        _zy_note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
     S["seccomp"] = _zy_build_seccomp(R["namespaces"]["net"])
     R["seccomp"] = S["seccomp"] is not None
     if R["seccomp"]:  # installed once here, inherited by every child
@@ -4533,8 +4487,7 @@ def _zy_setup():
         R["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
         os.chmod(R["scratch"], 0o711)
         S["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
-        _zy_note("no mount namespace: each job gets a fresh directory in %s, removed after it"
-                 % R["scratch"])
+        _zy_note("no mount namespace: each job gets a fresh directory in " + R["scratch"])
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     if R["seccomp"]:
         out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
@@ -4571,7 +4524,15 @@ def _zy_main():
             "report": _ZY_REPORT}, b"")
     if _ZY_LINUX:
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
-    _zy_warm_up()
+    for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
+        ns = {"__name__": "__main__"}
+        exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
+        value = eval(compile("_zy_warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)
+        json.dumps({"status": "ok", "value": repr(value), "error": None})
+        try:
+            compile("def f(:", "<program>", "exec")
+        except SyntaxError as e:
+            str(e)  # and the error path a failing program takes
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
     _zy_reply({"ready": True, "report": _ZY_REPORT}, b"")
@@ -4638,9 +4599,9 @@ def _sb_python_paths() -> list[str]:
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()}
-    paths.update(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
-                                                         "platlib"))
+             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages(),
+             *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                       "platlib"))}
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
     return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
 
@@ -4703,19 +4664,15 @@ class _SbWorker:
 
     def poll(self) -> bytes | None:
         """Read what is there; return one whole frame or None. EOFError if the zygote died."""
-        try:
+        with contextlib.suppress(BlockingIOError):
             chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
                 raise EOFError("sandbox zygote exited")
             self.buf += chunk
-        except BlockingIOError:
-            pass
-        if len(self.buf) < 4:
-            return None
-        (n,) = struct.unpack(">I", self.buf[:4])
-        if n > _SB_MAX_FRAME:
+        n = struct.unpack(">I", self.buf[:4])[0] if len(self.buf) >= 4 else None
+        if n is not None and n > _SB_MAX_FRAME:
             raise EOFError("sandbox zygote sent an oversized frame")
-        if len(self.buf) < 4 + n:
+        if n is None or len(self.buf) < 4 + n:
             return None
         data, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
         return data
@@ -4735,13 +4692,11 @@ class _SbWorker:
             shutil.rmtree(self.report["scratch"], ignore_errors=True)
         cgroup = (self.report.get("memory_cgroup") or {}).get("path")
         for _ in range(50 if cgroup else 0):  # empty once the zygote is reaped (can take a moment)
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(cgroup)
+            if not os.path.exists(cgroup):
                 break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.02)
+            time.sleep(0.02)
 
 
 class PythonSandbox:
@@ -4759,16 +4714,12 @@ class PythonSandbox:
                  max_program_chars: int = 1_000_000, hash_seed: int = 0,
                  namespaces: bool | str = True):
         if os.name != "posix":
-            raise RuntimeError("PythonSandbox needs a POSIX system (Linux or macOS); use WSL on "
-                               "Windows")
-        if namespaces not in (True, False, "user"):
-            raise ValueError(f"namespaces must be True, False or 'user' (force the unprivileged "
-                             f"user-namespace setup), got {namespaces!r}")
+            raise RuntimeError("PythonSandbox needs Linux or macOS (on Windows: WSL)")
+        if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
+            raise ValueError(f"namespaces must be True, False or 'user', got {namespaces!r}")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
-            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and "
-                             "max_output_chars >= 1")
-        # Every child of one sandbox shares this PYTHONHASHSEED (and its zygote's memory layout); a
-        # determinism check that wants independent runs uses two sandboxes with different hash_seed.
+            raise ValueError("needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
+        # one PYTHONHASHSEED (and memory layout) per sandbox: independent runs need two sandboxes
         self.hash_seed = int(hash_seed)
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
@@ -4788,11 +4739,9 @@ class PythonSandbox:
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts, self._closed, self._errors = 0, False, []
         self._retry_at: dict[int, float] = {}
-        starters = [threading.Thread(target=self._start, args=(i,)) for i in range(self.workers)]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:  # start them in parallel
+            list(ex.map(self._start, range(self.workers)))
         if not all(self._pool):
             self.close()
             raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
@@ -4939,10 +4888,8 @@ class PythonSandbox:
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
         if allowed is not None and reply[1:2] == b"{":
-            try:  # (a UnicodeDecodeError is a ValueError)
+            with contextlib.suppress(ValueError, RecursionError, MemoryError):  # bad UTF-8 too
                 msg = json.loads(reply[1:].decode("utf-8"))
-            except (ValueError, RecursionError, MemoryError):
-                pass
         if not (type(msg) is dict and set(msg) == {"status", "value", "error"}
                 and type(msg["status"]) is str
                 and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
@@ -4959,9 +4906,7 @@ class PythonSandbox:
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
-            # a repr made by the child escapes every non-printable character, lone surrogates
-            # included: a value that holds one was never a repr
-            try:
+            try:  # a child's repr escapes lone surrogates: a value that holds one is no repr
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 return ExecResult("crash", None, "the program forged a value with a lone surrogate")
