@@ -21,15 +21,14 @@ Deviations from the paper and its official code (paths in that repository), and 
   (mesh_transformer/transformer_shard.py): it trained on every token, with a z-loss of 1e-4.
 - Our choice: a fresh Adam state every round; the code restores the Adam moments of GPT-J's
   pretraining checkpoint (device_train.py read_ckpt) and resets only the LR schedule.
-- Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py). The GSM8K
-  hint shows only the final number (paper); the code's hint shows the whole solution.
+- Greedy decoding (paper; device_inference.py samples at T 0.01, top-p 0.9). The GSM8K hint shows
+  only the final number (paper; the code's hint shows the whole solution).
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
-- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10).
-- Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
+- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10). Batches hold --batch-tokens
+  of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
-- --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out) and ends
-  the run on the best round's model (<run>/best/). The n-digit addition task (§4.3) is not built
-  in.
+- --patience reads the plateau on --test-data and ends on the best round's model (<run>/best/).
+  The n-digit addition task (§4.3) is not built in.
 """
 from __future__ import annotations
 
@@ -96,13 +95,11 @@ def check_config(cfg: Config) -> None:
         (n < 1, f"--samples-per-question {n}: need at least 1"),
         (n > 1 and cfg.temperature <= 0, f"--samples-per-question {n} with greedy decoding gives "
          f"{n} identical rationales; add --temperature 0.7 (or similar)"),
-        (cfg.warmup not in ("faithful", "short"),
-         f"--warmup {cfg.warmup}: expected faithful or short"),
+        (cfg.warmup not in ("faithful", "short"), f"--warmup {cfg.warmup}: not faithful or short"),
         (cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0,
          "--steps-start must be >= 1 and --steps-growth, --steps-scale > 0"),
         (cfg.patience < 0, f"--patience {cfg.patience}: use 0 to disable early stopping"),
-        (cfg.save_every < 0,
-         f"--save-every {cfg.save_every}: use 0 to checkpoint only the last round"),
+        (cfg.save_every < 0, f"--save-every {cfg.save_every}: use 0 to save only the last round"),
     ] if bad]
     if problems:
         raise ValueError("; ".join(problems))
@@ -237,14 +234,13 @@ class Prompter:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
 
     def fits(self, examples: list[dict], max_model_len: int, what: str) -> list[dict]:
-        """The questions whose hinted prompt leaves room to answer, so none can stop a run hours
-        in; a format without exemplars fails here, before any generation."""
+        """The questions whose hinted prompt leaves room to answer (checked before generating)."""
         keep = [ex for ex in examples if self.max_tokens(ex) + len(
             common.encode_prompt(self.tokenizer, self.generation(ex, hint=True))) <= max_model_len]
         if len(keep) < len(examples):
             warnings.warn(f"{what}: dropped {len(examples) - len(keep)} of {len(examples)} "
-                          f"questions whose few-shot prompt + answer exceed --max-model-len "
-                          f"{max_model_len}")
+                          f"questions whose prompt + answer exceed --max-model-len {max_model_len}")
+
         return keep
 
 
@@ -423,15 +419,14 @@ def steps_for_round(n: int, cfg: Config) -> int:
 
 
 def lr_at(step: int, n_steps: int, cfg: Config) -> float:
-    """Linear warmup from the start of EVERY fine-tune (0-based step), then constant; short: at
-    most 10% of the round's steps."""
+    """Warmup restarted in EVERY fine-tune, then constant; short: <= 10% of the round's steps."""
     w = cfg.warmup_steps if cfg.warmup == "faithful" else min(cfg.warmup_steps, n_steps // 10)
     return cfg.lr * min(1.0, (step + 1) / max(1, w))
 
 
 def sft_batches(train_set, n_steps: int, batch_tokens: int, rng: random.Random):
-    """n_steps batches of about batch_tokens tokens of whole documents (prompt + target, as the
-    code's packed windows count them), drawn from the shuffled set epoch after epoch."""
+    """n_steps batches of ~batch_tokens tokens (prompt + target) of whole documents, drawn from
+    the shuffled set epoch after epoch."""
     order: list[int] = []
     for _ in range(n_steps if train_set else 0):
         batch, tokens = [], 0
@@ -486,8 +481,8 @@ def evaluate_split(policy, prompter, examples, cfg, seed: int) -> dict:
 
 
 def policy_entropy(policy, prompter, examples, n: int, seed: int) -> dict:
-    """Analysis ("Towards Understanding Self-play for LLM Reasoning", Eq. 1): N samples at T = 1;
-    their mean per-token NLL (Monte-Carlo entropy) and exact token entropy, sequence-averaged."""
+    """"Towards Understanding Self-play for LLM Reasoning" Eq. 1: N samples at T = 1, mean token
+    NLL (Monte-Carlo entropy) and exact entropy."""
     import torch
     sub = random.Random(seed).sample(examples, min(n, len(examples)))
     comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1,
@@ -520,9 +515,8 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
     train_set = build_training_set(prompter, train_data, kept)
     n_steps = steps_for_round(n, cfg)
     if not train_set:
-        warnings.warn(f"round {n}: no rationale reached the gold answer, so M_n = M. STaR cannot "
-                      "bootstrap from a model at chance level (paper §6): check the few-shot "
-                      "accuracy, the prompt format and --max-new-tokens.")
+        warnings.warn(f"round {n}: no rationale reached the gold answer, so M_n = M; STaR cannot "
+                      "bootstrap from chance level (§6): check the prompt and --max-new-tokens")
     with run.timer("finetune"):
         metrics = finetune_from_base(policy, base, train_set, n_steps, cfg, random.Random(seed))
     with run.timer("evaluate"):
@@ -542,7 +536,7 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
 
 
 def log_round(run, n: int, train_data, written, kept) -> None:
-    """samples.jsonl: what was kept per role, and what the model wrote unaided where nothing was;
+    """samples.jsonl: the kept rationales, and the unaided one where none was kept;
     rounds/round_<n>.jsonl: the round's whole training set, to spot lucky guesses (§6)."""
     def record(i, rationale, hint):  # the query the model saw; what is trained on has no hint
         ex = train_data[i]
@@ -555,16 +549,15 @@ def log_round(run, n: int, train_data, written, kept) -> None:
     run.log_samples(n, "unsolved", [record(i, w[0], False) for i, w in enumerate(written)
                                     if i not in done and w])
     if run.is_main:
-        rows = [{"question": train_data[k["index"]]["question"], "answer":
-                 train_data[k["index"]]["answer"], "source": k["source"],
-                 "rationale": k["rationale"]} for k in kept]
+        rows = [{**{f: train_data[k["index"]][f] for f in ("question", "answer")},
+                 "source": k["source"], "rationale": k["rationale"]} for k in kept]
         common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
-    """Alg. 1's "until performance plateaus": track the best test accuracy (round 0: few-shot M);
-    stop after `patience` evaluations without a new best (rounds not evaluated do not count)."""
+    """Alg. 1's "until performance plateaus": stop after `patience` evaluations without a new best
+    test accuracy (round 0: the few-shot M)."""
     if acc is None:
         return
     if state["best_accuracy"] is None or acc > state["best_accuracy"]:
@@ -577,7 +570,6 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
 
 
 def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
-    """Every --save-every rounds (0 = none but the last), and always the run's last round."""
     return (cfg.save_every > 0 and n % cfg.save_every == 0) or n == cfg.rounds or bool(stopped)
 
 
@@ -586,14 +578,12 @@ POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized"
            "len": "train/rationale_tokens"}
 
 
-# The best round's model: checkpoints are pruned (--keep-checkpoints), so with early stopping the
-# round that set the best test accuracy is kept apart, in <run>/best/.
 BEST_INFO = "star_best.json"  # {"round", "test/accuracy"} inside best/
 
 
 def save_best(run, policy, n: int, accuracy: float) -> None:
-    """M_n as a save_pretrained folder <run>/best/, replaced atomically (a temp folder, renames).
-    Call it on every rank (gathering the weights is a collective); rank 0 writes."""
+    """M_n into <run>/best/ (kept apart from the pruned checkpoints), replaced atomically. A
+    collective: every rank calls it, rank 0 writes."""
     weights = {k: v.to("cpu") for k, v in policy.iter_full_weights()}
     if run.is_main:
         final = run.dir / "best"
@@ -611,8 +601,8 @@ def save_best(run, policy, n: int, accuracy: float) -> None:
 
 
 def restore_best(run, policy, base: dict, state: dict) -> int:
-    """With early stopping, end on the best round's model: best/ (or the base model if round 0 was
-    never beaten) into trainer and sampler. Returns the round now loaded."""
+    """With early stopping, load the best round's model (best/, or the base for round 0); returns
+    the round now loaded."""
     best, last = state["best_round"], state["round"]
     if best >= last:
         return last
@@ -629,10 +619,9 @@ def restore_best(run, policy, base: dict, state: dict) -> int:
     return best
 
 
-
 def original_weights(policy, cfg: Config) -> dict:
-    """M for every round's restart: the model folder's files mapped (page cache the kernel may
-    drop, not a second copy in process memory), or a CPU copy if they do not match the trainer."""
+    """M for every round's restart: the model's files mapped (page cache, not a second copy in
+    process memory), or a CPU copy if they do not match the trainer."""
     path = common.resolve_model_path(cfg.model)
     try:
         if not os.path.isdir(path):  # a hub id: the snapshot Policy.load just fetched
@@ -719,7 +708,7 @@ def train(cfg: Config, sampler=None) -> dict:
 
 
 def headline(results: dict) -> dict:
-    """The best round, for the final summary (the last round's figures are logged)."""
+    """The best round, for the final summary."""
     best = results.get("best_accuracy")
     if best is None:
         return {}
