@@ -148,7 +148,6 @@ PROMPTS = {
         "Then, keeping your scratch-pad to yourself, write exactly these two blocks:\n\n"
         "<question>\nthe complete problem statement, on one or more lines\n</question>\n\n"
         "\\boxed{{the final answer}}\n\nWrite nothing else: no explanation, no other markup."),
-
     "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
                         "you were given."),
     "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
@@ -481,7 +480,6 @@ def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -
     ocfg = dataclasses.replace(cfg, votes=cfg.oracle_votes,
                                vote_temperature=0.0 if greedy else cfg.vote_temperature)
 
-
     with oracle.sampling(roles.policy) as sampler:
         answers = solver_votes(sampler, [r["question"] for r in rows], ocfg)
     ref = [s["label"] for s in vote_statistics(answers)]
@@ -549,7 +547,9 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
 
 
 # -- Checkpoints and the run's outputs ------------------------------------------------------------
-def _save_model(policy, weights: dict | None, path: pathlib.Path) -> None:
+def _save_model(policy, weights, path: pathlib.Path) -> None:
+    """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
+    weights = gathered(policy, weights)
     if weights:  # None on the ranks that are not the main process
         policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
         policy.tokenizer.save_pretrained(str(path))
@@ -564,7 +564,7 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
     shutil.rmtree(tmp, ignore_errors=True)
     for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
         if shards:  # one set at a time
-            _save_model(policy, gathered(policy, full_weights(policy, shards)), tmp / name)
+            _save_model(policy, full_weights(policy, shards), tmp / name)
     if common.is_main_process():
         shutil.rmtree(root / tag, ignore_errors=True)
         os.replace(tmp, root / tag)
@@ -581,10 +581,9 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
 
 def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
     """final/challenger, final/solver, and eval.json: the base, every iteration's, the best."""
-    for role in (CHALLENGER, SOLVER):  # gathered under torchrun: every rank takes part
-        _save_model(policy, gathered(policy, policy.iter_full_weights() if role == roles.active
-                                     else full_weights(policy, roles.parked[role])),
-                    run.dir / "final" / role)
+    for role in (CHALLENGER, SOLVER):
+        _save_model(policy, policy.iter_full_weights() if role == roles.active
+                    else full_weights(policy, roles.parked[role]), run.dir / "final" / role)
     evals = {k: run.dir / f"eval_iter{k}.json" for k in range(1, cfg.iterations + 1)}
     base = run.dir / "eval_base.json"
     run.write_eval({"base": json.loads(base.read_text()) if base.is_file() else None,
@@ -594,7 +593,6 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
 
 def headline(run_dir) -> dict:
     """The best iteration for the summary table."""
-
     best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
     return {"best iteration": best["iteration"],
             "best eval/overall": best["eval/overall"]} if best else {}
@@ -648,7 +646,6 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         raise ValueError(f"--resume: the run stopped before {position[1]} step {position[2] + 1} "
                          f"of iteration {position[0]}, beyond this --iterations/--challenger-steps"
                          "/--solver-steps; resume with the values it was started with")
-
     done = schedule.index(position)
     pbar = run.progress(len(schedule) - 1, initial=done)
     for step, (k, phase, j) in enumerate(schedule[done:-1], start=done + 1):

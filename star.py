@@ -203,8 +203,7 @@ class Prompter:
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end "
-                             "with EOS")
+            raise ValueError(f"{cfg.model}'s tokenizer has no EOS token (STaR's targets end in it)")
         self.eos = int(tokenizer.eos_token_id)
         self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
         # a next exemplar starts with the "question" template's text before {question}: cut there
@@ -240,7 +239,6 @@ class Prompter:
         if len(keep) < len(examples):
             warnings.warn(f"{what}: dropped {len(examples) - len(keep)} of {len(examples)} "
                           f"questions whose prompt + answer exceed --max-model-len {max_model_len}")
-
         return keep
 
 
@@ -318,8 +316,7 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
 
 
 def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
-    """A JSONL file's examples; a bad line is an error naming the file, the line and the fix. An
-    exemplar's rationale must end in its format's answer line, or the prompt teaches a wrong one."""
+    """A JSONL file's examples; a bad line (or an exemplar not ending in its answer) is an error."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or gsm8k or "
                                 "commonsense_qa)")
@@ -425,8 +422,7 @@ def lr_at(step: int, n_steps: int, cfg: Config) -> float:
 
 
 def sft_batches(train_set, n_steps: int, batch_tokens: int, rng: random.Random):
-    """n_steps batches of ~batch_tokens tokens (prompt + target) of whole documents, drawn from
-    the shuffled set epoch after epoch."""
+    """n_steps batches of ~batch_tokens tokens of whole documents, reshuffled every epoch."""
     order: list[int] = []
     for _ in range(n_steps if train_set else 0):
         batch, tokens = [], 0
@@ -481,8 +477,7 @@ def evaluate_split(policy, prompter, examples, cfg, seed: int) -> dict:
 
 
 def policy_entropy(policy, prompter, examples, n: int, seed: int) -> dict:
-    """"Towards Understanding Self-play for LLM Reasoning" Eq. 1: N samples at T = 1, mean token
-    NLL (Monte-Carlo entropy) and exact entropy."""
+    """N samples at T = 1: mean token NLL and exact entropy ("Understanding self-play", Eq. 1)."""
     import torch
     sub = random.Random(seed).sample(examples, min(n, len(examples)))
     comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1,
@@ -556,8 +551,7 @@ def log_round(run, n: int, train_data, written, kept) -> None:
 
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
-    """Alg. 1's "until performance plateaus": stop after `patience` evaluations without a new best
-    test accuracy (round 0: the few-shot M)."""
+    """Alg. 1's "until performance plateaus": stop after `patience` evaluations without a best."""
     if acc is None:
         return
     if state["best_accuracy"] is None or acc > state["best_accuracy"]:
@@ -601,8 +595,7 @@ def save_best(run, policy, n: int, accuracy: float) -> None:
 
 
 def restore_best(run, policy, base: dict, state: dict) -> int:
-    """With early stopping, load the best round's model (best/, or the base for round 0); returns
-    the round now loaded."""
+    """Load the best round's model (best/, or the base for round 0); returns that round."""
     best, last = state["best_round"], state["round"]
     if best >= last:
         return last
