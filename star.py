@@ -198,12 +198,11 @@ class Prompter:
         return build_prompt(ex, self.shots(ex), hint=hint, prompts=self.prompts)
 
     def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
-        """(prompt_ids, target_ids): the HINT-FREE question (after the exemplars only with
-        --few-shot-train), then rationale + EOS. The loss mask is the prompt's length."""
+        """(prompt_ids, target_ids): the HINT-FREE question (+ exemplars if --few-shot-train)."""
         shots = self.shots(ex) if self.cfg.few_shot_train else []
         prompt = build_prompt(ex, shots, prompts=self.prompts)
         ids = self.tokenizer(" " + rationale, add_special_tokens=False)["input_ids"]  # after 'A:'
-        return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]
+        return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]  # loss: these
 
     def max_tokens(self, ex: dict) -> int:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
@@ -333,11 +332,10 @@ def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") 
 
 # Steps 2-7 of Alg. 1, then one round, then the run
 def generate_rationales(policy, prompter, examples, seed, prompts=None) -> list[str]:
-    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) = M_{n-1}(P, x_i), greedy (§3.1), cut after the answer;
-    one generate call per answer length (math, multiple choice)."""
+    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) = M_{n-1}(P, x_i), greedy (§3.1), cut at the answer."""
     prompts = prompts or [prompter.generation(ex) for ex in examples]
     out = [""] * len(prompts)
-    for mt in sorted({prompter.max_tokens(ex) for ex in examples}):
+    for mt in sorted({prompter.max_tokens(ex) for ex in examples}):  # math, multiple choice
         idx = [i for i, ex in enumerate(examples) if prompter.max_tokens(ex) == mt]
         comps = policy.generate([prompts[i] for i in idx], temperature=0.0, max_tokens=mt,
                                 stop=prompter.stop, seed=seed)
@@ -353,12 +351,11 @@ def filter_correct(examples, rationales: list[str], source: str) -> list[dict]:
 
 
 def rationalize(policy, prompter, examples, failed: list[int], seed) -> tuple[list, list]:
-    """Step 4 (Alg. 1 lines 4, 6): step 2 with the gold answer as a hint (P_hint); (kept, prompts).
-    Only the index and the rationale are kept, so no hint reaches training."""
+    """Step 4 (Alg. 1 lines 4, 6): step 2 with the answer as a hint (P_hint); (kept, prompts)."""
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
     kept = filter_correct(sub, generate_rationales(policy, prompter, sub, seed, prompts),
-                          "rationalized")
+                          "rationalized")  # the index and the rationale: no hint reaches training
     return [{**k, "index": failed[k["index"]]} for k in kept], prompts
 
 
@@ -396,8 +393,7 @@ def sft_batches(train_set, n_steps: int, batch_tokens: int, rng: random.Random):
 
 
 def finetune_from_base(policy, base: dict, train_set, n_steps: int, cfg, rng) -> dict:
-    """Step 6 (Alg. 1 line 7): M_n = train(M, D_n ∪ D^rat_n) from the ORIGINAL weights, fresh Adam
-    and warmup; token NLL on rationale + answer + EOS. M_n then goes into vLLM in memory."""
+    """Step 6 (Alg. 1 line 7): M_n = train(M, D_n ∪ D^rat_n) from the ORIGINAL M, a fresh Adam."""
     policy.set_weights(base, reset_optimizer=True)
     stats = []
     for step, batch in enumerate(sft_batches(train_set, n_steps, cfg.batch_tokens, rng)):
@@ -406,7 +402,7 @@ def finetune_from_base(policy, base: dict, train_set, n_steps: int, cfg, rng) ->
         stats.append(common.sft_step(policy, batch))
     if not stats:
         return {"sft/steps": 0, "sft/loss": None}
-    policy.sync()
+    policy.sync()  # M_n into the sampler, in memory
     k = len(stats)
     return {"sft/loss": sum(s["loss"] for s in stats) / k, "sft/loss_last": stats[-1]["loss"],
             "sft/grad_norm": sum(s["grad_norm"] for s in stats) / k, "sft/steps": k,
@@ -453,8 +449,7 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
 
 
 def log_round(run, n: int, train_data, written, kept) -> None:
-    """rounds/round_<n>.jsonl: the round's whole (hint-free) training set, to spot lucky guesses
-    (§6); samples.jsonl: the first few of each source, and of the unaided failures."""
+    """rounds/round_<n>.jsonl: the round's training set, for spot checks (§6); samples.jsonl."""
     done = {k["index"] for k in kept}
     rows = [{**train_data[k["index"]], "source": k["source"], "rationale": k["rationale"]}
             for k in kept]
@@ -485,8 +480,7 @@ def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
 
 
 def original_weights(policy, cfg: Config) -> dict:
-    """M for every round's restart: the model's files mapped (page cache, not a second copy in
-    process memory), or a CPU copy if they do not match the trainer."""
+    """M for every round's restart: its files mapped (page cache, not process memory), or a copy."""
     path = common.resolve_model_path(cfg.model)
     try:
         if not os.path.isdir(path):  # a hub id: the snapshot Policy.load just fetched
@@ -524,8 +518,7 @@ def train(cfg: Config, sampler=None) -> dict:
         raise ValueError(f"no training question fits into --max-model-len {max_len} with its "
                          "few-shot prompt")
     base = original_weights(policy, cfg)  # M: every round restarts from it (Alg. 1 line 7)
-    state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [],
-             "stopped": ""}
+    state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
     loaded = run.load_checkpoint(policy) if cfg.resume else None  # M_n; `base` stays the original
     if loaded is not None:
         state.update(loaded[1])
@@ -534,7 +527,6 @@ def train(cfg: Config, sampler=None) -> dict:
         with run.timer("evaluate"):
             metrics = evaluate_split(policy, prompter, test_data, cfg.seed)
         update_plateau(state, metrics.get("test/accuracy"), 0, cfg.patience)
-        state["history"].append({"round": 0, **metrics})
         run.log(0, metrics)
     bar = run.progress(total=cfg.rounds, initial=min(state["round"], cfg.rounds))
     try:
@@ -544,13 +536,11 @@ def train(cfg: Config, sampler=None) -> dict:
             metrics = star_round(n, policy, prompter, base, train_data, test_data, cfg, run)
             update_plateau(state, metrics.get("test/accuracy"), n, cfg.patience)
             state["round"] = n
-            state["history"].append({"round": n, **{k: v for k, v in metrics.items()
-                                                    if k.startswith(("test/", "train/"))}})
             run.log(n, metrics)  # also the progress bar's figures
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
-        results = {"rounds": state["history"], "best_round": state["best_round"],
+        results = {"rounds": state["round"], "best_round": state["best_round"],
                    "best_accuracy": state["best_accuracy"],
                    "stopped": state["stopped"] or "reached --rounds"}
         if cfg.eval_benchmarks:  # M_n of the last round
