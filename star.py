@@ -24,8 +24,8 @@ Deviations from the paper and its official code (paths in that repository), and 
 - Greedy decoding (paper; device_inference.py samples at T 0.01, top-p 0.9). The GSM8K hint shows
   only the final number (paper; the code's hint shows the whole solution).
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
-- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10). Batches hold --batch-tokens
-  of whole unpacked documents (the code packs 8 x 1,536-token windows).
+- Our own exemplars in the paper's layout (EXEMPLARS; 6 math, 7 CQA; paper ~10). Batches hold
+  --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
 - --patience reads the plateau on --test-data; the run ends on the last round's model (every
   round's stays with --keep-checkpoints 0). The n-digit addition task (§4.3) is not built in.
 """
@@ -38,7 +38,6 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import common
 
@@ -49,7 +48,7 @@ class Config(common.RunConfig):
     data: str = "gsm8k"  # gsm8k | commonsense_qa (§4) | JSONL {"question","answer","choices"?}
     test_data: str = ""  # "" = GSM8K test, CQA validation (the dev set, §4) | a JSONL | none
     train_limit: int = 0  # first N training questions; 0 = all (Alg. 1: the whole train split)
-    exemplars: str = ""  # "" = ours; or a JSONL of {"question","rationale","answer","choices"?}
+    exemplars: str = ""  # "" = ours (EXEMPLARS); a JSONL of {"question","rationale","answer",...}
     few_shot_train: bool = False  # exemplars in the training text (iteration_train.py, §4.4)
     rounds: int = 16  # iterations N (Alg. 1: until a plateau; 16 for arithmetic, §4.3)
     patience: int = 2  # evaluations without a new best before stopping; 0 = off (ours; Alg. 1)
@@ -90,8 +89,7 @@ def check_config(cfg: Config) -> None:
     common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
-# Prompts (§3.1): exemplars "Q: ..." (+ "Answer Choices:" (a)-(e)), then "A: <rationale>", with
-# blank lines between; no instruction. --prompts FILE replaces any template (common.load_prompts).
+# Prompts (§3.1): "Q: ..." then "A: <rationale>" blocks, no instruction; --prompts FILE overrides
 PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_answer_key.txt
     "question": "Q: {question}",  # a question's first line; generation stops at the next one
     "math_hint": "Q: {question} ({answer})",  # rationalization: the final answer after the question
@@ -100,67 +98,19 @@ PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_a
     "option_hint": "({letter}) {text} (CORRECT)",  # rationalization: the right option marked
     "answer": "A:",  # the cue the rationale follows
 }
-MATH_EXEMPLARS = [  # (question, rationale ending in "#### <answer>", answer)
-    ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How "
-     "many muffins are left?", "The bakery makes 24 + 18 = 42 muffins. After selling 30, it has "
-     "42 - 30 = 12 left.\n#### 12", "12"),
-    ("Liam reads 15 pages every day. How many pages does he read in two weeks?",
-     "Two weeks have 2 * 7 = 14 days. He reads 15 * 14 = 210 pages.\n#### 210", "210"),
-    ("A shirt costs $25 and a pair of shoes costs three times as much. How much do the shirt and "
-     "the shoes cost together?", "The shoes cost 3 * 25 = 75 dollars. Together they cost "
-     "25 + 75 = 100 dollars.\n#### 100", "100"),
-    ("A garden has 5 rows of tomato plants with 8 plants in each row. Every plant gives 4 "
-     "tomatoes. How many tomatoes does the garden give?",
-     "There are 5 * 8 = 40 plants. They give 40 * 4 = 160 tomatoes.\n#### 160", "160"),
-    ("Noah had 90 stickers. He gave a third of them to his sister and then bought 12 more. How "
-     "many stickers does he have now?", "He gave away 90 / 3 = 30 stickers, which left "
-     "90 - 30 = 60. After buying 12 more he has 60 + 12 = 72.\n#### 72", "72"),
-    ("A train travels at 60 miles per hour for 2.5 hours. How far does it go?",
-     "Distance is speed times time, so the train goes 60 * 2.5 = 150 miles.\n#### 150", "150"),
-]
-CHOICE_EXEMPLARS = [  # (question, choices, answer, why); then "So the answer is <text> (<letter>)."
-    ("Where would you keep milk so that it stays cold?",
-     ["cupboard", "refrigerator", "mailbox", "oven", "garden"], "b",
-     "Milk spoils when it is warm, and the appliance made to keep food cold is a refrigerator."),
-    ("What do people usually do when they feel tired at night?",
-     ["run a marathon", "cook dinner", "go to sleep", "paint a wall", "climb a tree"], "c",
-     "Tiredness at night is the body asking for rest, and resting at night means sleeping."),
-    ("Someone who wants to send a letter would put it in what?",
-     ["mailbox", "fridge", "drawer", "bathtub", "bookshelf"], "a", "Letters travel through the "
-     "postal service, which collects them from a mailbox."),
-    ("What does a musician need to play a song on stage?",
-     ["a hammer", "a pillow", "a ladder", "an instrument", "a spoon"], "d", "Music on a stage is "
-     "made with an instrument such as a guitar or a piano."),
-    ("If water is spilled on a smooth floor, what might happen to someone walking there?",
-     ["they could slip", "they could fly", "they grow taller", "they fall asleep",
-      "they get hungry"], "a",
-     "Water makes a smooth floor slippery, so a person walking on it can lose their footing."),
-    ("Where can you find many books that you may borrow for free?",
-     ["bakery", "gas station", "zoo", "gym", "library"], "e", "A library lends its books to "
-     "members without charging for each one."),
-    ("How is a child likely to feel on the morning of their birthday party?",
-     ["bored", "excited", "angry", "ashamed", "sleepy"], "b", "A party with friends and presents "
-     "is something children look forward to, which makes them excited."),
-]
+EXEMPLARS = f"{common.TINY_DATA}/star_exemplars.jsonl"  # ours: 6 math, 7 CQA (paper: ~10, §3.1)
 
 
 def load_exemplars(path: str) -> dict:
-    """{format: [example with a 'rationale']}: ours ("") or those of an --exemplars JSONL file."""
-    if not path:
-        return {"math": [dict(question=q, answer=a, choices=None, rationale=r)
-                         for q, r, a in MATH_EXEMPLARS],
-                "choice": [dict(question=q, answer=a, choices=c, rationale=f"{why} So the answer "
-                                f"is {c[LETTERS.index(a)]} ({a}).")
-                           for q, c, a, why in CHOICE_EXEMPLARS]}
-    exs = read_examples(path, flag="--exemplars", rationales=True)
+    """{format: [example with a 'rationale']}: those of an --exemplars JSONL file ("" = ours)."""
+    exs = read_examples(path or EXEMPLARS, flag="--exemplars", rationales=True)
     return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
 def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS):
     """The 'Q:' block of one example; hint=True reveals the gold answer (P_hint, §3.2)."""
     if not ex.get("choices"):
-        key = "math_hint" if hint else "question"
-        return prompts[key].format(question=ex["question"], answer=ex["answer"])
+        return prompts["math_hint" if hint else "question"].format(**ex)
     lines = [prompts["question"].format(question=ex["question"]), prompts["choices"].format()]
     for letter, text in zip(LETTERS, ex["choices"]):
         key = "option_hint" if hint and letter == ex["answer"] else "option"
@@ -198,11 +148,12 @@ class Prompter:
         return build_prompt(ex, self.shots(ex), hint=hint, prompts=self.prompts)
 
     def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
-        """(prompt_ids, target_ids): the HINT-FREE question (+ exemplars if --few-shot-train)."""
+        """(prompt_ids, target_ids): the HINT-FREE question (after the exemplars only with
+        --few-shot-train), then rationale + EOS, the tokens the loss is on."""
         shots = self.shots(ex) if self.cfg.few_shot_train else []
         prompt = build_prompt(ex, shots, prompts=self.prompts)
         ids = self.tokenizer(" " + rationale, add_special_tokens=False)["input_ids"]  # after 'A:'
-        return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]  # loss: these
+        return common.encode_prompt(self.tokenizer, prompt), list(ids) + [self.eos]
 
     def max_tokens(self, ex: dict) -> int:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
@@ -262,8 +213,8 @@ JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer
                'multiple choice, {"question": "...", "choices": ["...", "..."], "answer": "B"}')
 
 
-def make_example(question, answer, choices=None, *, where: str = "") -> dict:
-    """Validate and normalise one labelled example (where = 'file:line' for the errors)."""
+def make_example(question, answer, choices=None, rationale=None, *, where: str = "") -> dict:
+    """Validate and normalise one labelled example, or exemplar (where = 'file:line')."""
     def check(ok, msg):
         if not ok:
             raise ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
@@ -281,24 +232,22 @@ def make_example(question, answer, choices=None, *, where: str = "") -> dict:
         if gold not in LETTERS[:len(choices)]:  # the text of a choice stands for its letter
             gold = next((x for x, c in zip(LETTERS, choices) if c.lower() == answer.lower()), "")
         check(gold, f"'answer' {answer!r} is neither a choice letter nor the text of a choice")
-    return {"question": question.strip(), "answer": gold, "choices": choices}
+    ex = {"question": question.strip(), "answer": gold, "choices": choices}
+    if rationale is not None:  # an exemplar ends in its answer, in the format extract_answer reads
+        ex["rationale"] = str(rationale).strip()
+        check(extract_answer(ex["rationale"], answer_format(ex)) is not None, "'rationale' must "
+              "end with the answer: '#### <answer>', or '(<letter>).' ending its first line")
+    return ex
 
 
 def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
     """A JSONL file's examples; a bad line (or an exemplar not ending in its answer) is an error."""
-    if not Path(path).is_file():
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or gsm8k or "
                                 "commonsense_qa)")
-    rows = []
-    for lineno, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
-        where = f"{path}:{lineno}"
-        ex = make_example(row.get("question"), row.get("answer"), row.get("choices"), where=where)
-        if rationales:
-            ex["rationale"] = str(row.get("rationale", "")).strip()
-            if extract_answer(ex["rationale"], answer_format(ex)) is None:
-                end = "a first line ending in '(<letter>).'" if ex["choices"] else "'#### <answer>'"
-                raise ValueError(f"{where}: 'rationale' must end with the answer as {end}")
-        rows.append(ex)
+    rows = [make_example(row.get("question"), row.get("answer"), row.get("choices"),
+                         row.get("rationale", "") if rationales else None, where=f"{path}:{n}")
+            for n, row in common.iter_jsonl(path, shape=JSONL_SHAPE)]
     if not rows:
         raise ValueError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
     return rows
@@ -312,9 +261,9 @@ def hub_rows(task: tuple, split: str) -> list[dict]:
         import datasets
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # not installed, offline, blocked, renamed: one way out for the user
-        raise RuntimeError(f"could not load {hub_id} ({split}): {type(e).__name__}: {e}. Fix: pip "
-                           "install datasets, or if the hub is unreachable, pass --data train.jsonl"
-                           f" --test-data test.jsonl; {JSONL_SHAPE}") from None
+        raise RuntimeError(f"could not load {hub_id} ({split}): {e!r}. Fix: pip install datasets, "
+                           "or if the hub is unreachable, pass JSONL files: --data train.jsonl "
+                           f"--test-data test.jsonl; {JSONL_SHAPE}") from None
     cqa = task == CQA
     return [make_example(r["question"], r["answerKey"] if cqa else r["answer"],
                          list(r["choices"]["text"]) if cqa else None,
@@ -442,35 +391,28 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
     metrics.update({  # the paper's CQA coverage: 78.2% direct + 8.5% rationalized (§5)
         "train/solved_direct": len(direct) / n_q, "train/rationalized": len(rationalized) / n_q,
         "train/coverage": len(kept) / n_q, "train/kept": len(kept),
-        "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / max(1, len(train_set)),
-        "sft/planned_steps": n_steps})
-    log_round(run, n, train_data, written, kept)
-    return metrics
-
-
-def log_round(run, n: int, train_data, written, kept) -> None:
-    """rounds/round_<n>.jsonl: the round's training set, for spot checks (§6); samples.jsonl."""
-    done = {k["index"] for k in kept}
+        "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / max(1, len(train_set))})
+    # rounds/round_<n>.jsonl: the whole training set, for spot checks (§6); samples.jsonl: a few
     rows = [{**train_data[k["index"]], "source": k["source"], "rationale": k["rationale"]}
             for k in kept]
-    failed = [{**train_data[i], "source": "unsolved", "rationale": w}
-              for i, w in enumerate(written) if i not in done]
+    done = {k["index"] for k in kept}
+    rows_unsolved = [{**train_data[i], "source": "unsolved", "rationale": w}
+                     for i, w in enumerate(written) if i not in done]
     for role in ("direct", "rationalized", "unsolved"):
-        run.log_samples(n, role, [r for r in rows + failed if r["source"] == role])
+        run.log_samples(n, role, [r for r in rows + rows_unsolved if r["source"] == role])
     if run.is_main:
         common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return metrics
 
 
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
     """Alg. 1's "until performance plateaus": stop after `patience` evaluations without a best."""
-    if acc is None:
-        return
-    if state["best_accuracy"] is None or acc > state["best_accuracy"]:
+    if acc is not None and (state["best_accuracy"] is None or acc > state["best_accuracy"]):
         state.update(best_accuracy=acc, best_round=n, since_best=0)
-    else:
+    elif acc is not None:
         state["since_best"] += 1
-    if patience and n > 0 and state["since_best"] >= patience:
+    if patience and state["since_best"] >= patience:
         state["stopped"] = (f"no new best test accuracy for {patience} evaluation(s); best: round "
                             f"{state['best_round']} ({state['best_accuracy']:.4f})")
 
@@ -503,8 +445,7 @@ def train(cfg: Config, sampler=None) -> dict:
     test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASKS else "none")
     test_data = load_task(test_src, "test", cfg.eval_limit, flag="--test-data")
     if not test_data:
-        warnings.warn("no test split (--test-data none, or a --data file without --test-data): "
-                      "evaluation and --patience are off")
+        warnings.warn("no test split (see --test-data): evaluation and --patience are off")
     exemplars = load_exemplars(cfg.exemplars)
     run = common.Run(cfg, "star")
     policy = common.Policy.load(cfg, sampler=sampler)
@@ -515,8 +456,7 @@ def train(cfg: Config, sampler=None) -> dict:
     train_data = prompter.fits(train_data, max_len, "training set")
     test_data = prompter.fits(test_data, max_len, "test set")
     if not train_data:
-        raise ValueError(f"no training question fits into --max-model-len {max_len} with its "
-                         "few-shot prompt")
+        raise ValueError(f"--max-model-len {max_len}: no training question fits with its prompt")
     base = original_weights(policy, cfg)  # M: every round restarts from it (Alg. 1 line 7)
     state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
     loaded = run.load_checkpoint(policy) if cfg.resume else None  # M_n; `base` stays the original
@@ -540,9 +480,8 @@ def train(cfg: Config, sampler=None) -> dict:
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
-        results = {"rounds": state["round"], "best_round": state["best_round"],
-                   "best_accuracy": state["best_accuracy"],
-                   "stopped": state["stopped"] or "reached --rounds"}
+        results = {"rounds": state["round"], "stopped": state["stopped"] or "reached --rounds",
+                   "best_round": state["best_round"], "best_accuracy": state["best_accuracy"]}
         if cfg.eval_benchmarks:  # M_n of the last round
             results["benchmarks"] = common.evaluate_config(policy, cfg)
             run.log(state["round"], common.eval_metrics(results["benchmarks"]))
