@@ -5,8 +5,7 @@ SFT on the model's own rationales that reach the gold answer; no RL loss (§3.1)
   1. load_task            the labelled data: GSM8K, CommonsenseQA or a JSONL of question + answer
   2. generate_rationales  M_{n-1} (M_0 = the base model M) writes one per question, few-shot, greedy
   3. filter_correct       D_n: the rationales whose final answer is the gold one
-  4. rationalize          the failures again with the answer as a hint (§3.2); D^rat_n: those
-                          reaching it, stored WITHOUT the hint, as if written unaided
+  4. rationalize          the failures, the answer as a hint (§3.2): D^rat_n, stored WITHOUT it
   5. build_training_set   D_n ∪ D^rat_n, rebuilt from scratch every round (never accumulated)
   6. finetune_from_base   fine-tune the ORIGINAL M for int(40 * 1.2^(n-1)) steps -> M_n (§4)
   7. evaluate_split       test accuracy of M_n (round 0: M few-shot); stop at a plateau (--patience)
@@ -207,14 +206,13 @@ def judge(examples: list[dict], texts: list[str]) -> list[bool]:
             for ex, p in zip(examples, preds)]
 
 
-# Step 1, the data: {"question", "answer", "choices": list | None}; the answer is a lowercase
-# letter for multiple choice, the final number or expression for math.
 JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer": "42"} or, for '
                'multiple choice, {"question": "...", "choices": ["...", "..."], "answer": "B"}')
 
 
 def make_example(question, answer, choices=None, rationale=None, *, where: str = "") -> dict:
-    """Validate and normalise one labelled example, or exemplar (where = 'file:line')."""
+    """Step 1's {"question", "answer", "choices": list | None}: the answer is a lowercase letter, or
+    math's final number or expression. Bad fields: a ValueError naming `where` (file:line)."""
     def check(ok, msg):
         if not ok:
             raise ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
@@ -229,7 +227,7 @@ def make_example(question, answer, choices=None, rationale=None, *, where: str =
               "'choices' must be a list of 2-26 strings")
         choices = [str(c).strip() for c in choices]
         gold = answer.strip("()").lower()
-        if gold not in LETTERS[:len(choices)]:  # the text of a choice stands for its letter
+        if gold not in list(LETTERS[:len(choices)]):  # the text of a choice stands for its letter
             gold = next((x for x, c in zip(LETTERS, choices) if c.lower() == answer.lower()), "")
         check(gold, f"'answer' {answer!r} is neither a choice letter nor the text of a choice")
     ex = {"question": question.strip(), "answer": gold, "choices": choices}
@@ -243,8 +241,7 @@ def make_example(question, answer, choices=None, rationale=None, *, where: str =
 def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
     """A JSONL file's examples; a bad line (or an exemplar not ending in its answer) is an error."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or gsm8k or "
-                                "commonsense_qa)")
+        raise FileNotFoundError(f"{flag} {path}: no such file (a JSONL file, gsm8k or cqa)")
     rows = [make_example(row.get("question"), row.get("answer"), row.get("choices"),
                          row.get("rationale", "") if rationales else None, where=f"{path}:{n}")
             for n, row in common.iter_jsonl(path, shape=JSONL_SHAPE)]

@@ -100,6 +100,7 @@ def test_gsm8k_style_local_answers_keep_only_the_final_number(tmp_path):
     ('{"question": "", "answer": "1"}', "'question' must be"),
     ('{"question": "x", "answer": null}', "'answer' must be"),
     ('{"question": "x", "answer": "Z", "choices": ["a", "b"]}', "neither a choice letter"),
+    ('{"question": "x", "answer": "AB", "choices": ["a", "b", "c"]}', "neither a choice letter"),
     ('{"question": "x", "answer": "A", "choices": "ab"}', "'choices' must be"),
 ])
 def test_malformed_jsonl_line_names_file_line_and_fix(tmp_path, line, expect):
