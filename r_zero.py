@@ -4,14 +4,14 @@ A Challenger writes math questions and a Solver answers them. Both start from on
 never share weights; there is no data and no verifier: a question's label is the Solver's own vote.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
-     frozen Solver answers each question m = 10 times), vote_statistics (majority_vote: label y~ and
+     frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
      share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
   3. solver_step x 15: GRPO on the Solver, solver_reward 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
-Run:    python r_zero.py --model Qwen/Qwen3-4B-Base      (a GPU; torchrun for several)
-Tiny:   python r_zero.py --model tiny                    (CPU smoke run, about a minute)
-Deviations (the official code is github.com/Chengsong-Huang/R-Zero; flags give its variants):
+Run:  python r_zero.py --model Qwen/Qwen3-4B-Base   (a GPU; torchrun for several)
+Tiny: python r_zero.py --model tiny                 (CPU smoke run, about a minute)
+Deviations (official code: github.com/Chengsong-Huang/R-Zero; flags give its variants):
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
@@ -19,10 +19,9 @@ Deviations (the official code is github.com/Chengsong-Huang/R-Zero; flags give i
     code --invalid-reward -1, --solver-reward code (0.9 acc + 0.1 <think> format), --code-filters
   - --rep-penalty excess: (|C_k| - 1) / B, not from the paper; it removes the 1/B floor at small B
   - rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation
-  - not in the paper: questions sharing a 13-gram with an eval set are dropped (--no-decontaminate);
-    a question whose Solver prompt exceeds --max-prompt-tokens counts as a format failure
-  - as in the code, a rollout batch is split into minibatches (--challenger-minibatch,
-    --solver-minibatch) that all keep the rollout policy as pi_old, so the clips act from the second
+  - ours: questions sharing a 13-gram with an eval set are dropped (--no-decontaminate), and one
+    whose Solver prompt exceeds --max-prompt-tokens counts as a format failure
+  - as in the code, the minibatches of one rollout batch all keep the rollout policy as pi_old
   - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards in
     file-backed memory (one copy per node), swapped in place to sample or for the KL pass
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
@@ -147,11 +146,8 @@ PROMPTS = {
         "enough that fewer than 30% of advanced high-school students would solve it, and do not "
         "reuse textbook staples or well-known contest problems.\n"
         "Then, keeping your scratch-pad to yourself, write exactly these two blocks:\n\n"
-        "<question>\n"
-        "the complete problem statement, on one or more lines\n"
-        "</question>\n\n"
-        "\\boxed{{the final answer}}\n\n"
-        "Write nothing else: no explanation, no other markup."),
+        "<question>\nthe complete problem statement, on one or more lines\n</question>\n\n"
+        "\\boxed{{the final answer}}\n\nWrite nothing else: no explanation, no other markup."),
     "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
                         "you were given."),
     "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
@@ -183,8 +179,8 @@ def solver_prompt(question: str, tokenizer):
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
 def majority_vote_many(groups):
-    """majority_vote of many groups; round r compares each group's r-th distinct answer with that
-    group's class heads (both directions), all groups in one parallel math_equal batch."""
+    """majority_vote of each group; round r checks every group's r-th distinct answer against its
+    class heads (both directions) in one parallel math_equal batch."""
     votes = [[str(a).strip() for a in g if a is not None and str(a).strip()] for g in groups]
     distinct = [list(dict.fromkeys(v)) for v in votes]
     classes = [[] for _ in groups]  # per group: lists of distinct answers, the head first
@@ -212,9 +208,8 @@ def majority_vote_many(groups):
 
 
 def majority_vote(answers):
-    """R-Zero's pseudo-label (label, share of ALL m votes): the largest class of answers equal under
-    math_equal in either direction. None/empty answers count in m but never win; (None, 0.0) if
-    nothing parses. Ties go to the class seen first, the label is its commonest spelling."""
+    """(label, share of ALL m votes): the largest class of answers math_equal in either direction;
+    None/empty answers count in m but never win; (None, 0.0) if nothing parses."""
     return majority_vote_many([answers])[0]
 
 
@@ -248,16 +243,15 @@ def bleu_clusters(texts, threshold=0.5):
 
 
 def repetition_penalty(texts, threshold=0.5):
-    """Paper §3: r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k (tau_BLEU = 0.5); a singleton
-    still pays 1/B. A float array of length B."""
+    """Paper §3: r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k; a singleton still pays 1/B."""
     ids = np.asarray(bleu_clusters(texts, threshold), dtype=int)
     return np.bincount(ids)[ids] / max(len(ids), 1)
 
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """paper: max(0, r_unc - r_rep); code: min(p^, 1 - p^) - r_rep (caller_penalty.py). r_rep =
-    lambda |C_k| / B, C_k the BLEU cluster of the valid questions, B the whole batch. An output
-    without a question gets exactly --invalid-reward (the code: -1 - r_rep of the empty strings)."""
+    """paper §3: max(0, r_unc - r_rep); code (caller_penalty.py): min(p^, 1 - p^) - r_rep. r_rep =
+    lambda |C_k| / B over the valid questions' BLEU clusters, B the whole batch; an output without
+    a question gets --invalid-reward (the code: -1 - r_rep of the empty strings)."""
     valid = np.array([q is not None for q in questions], dtype=bool)
     p, vidx = np.asarray(p_hats, dtype=np.float64), np.flatnonzero(valid)
     ids = np.asarray(bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold), dtype=int)
@@ -281,14 +275,13 @@ def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list
             for q, s in zip(questions, stats) if keep_question(s, cfg)]
 
 
-# The code's format term: the reply, blanks around <, > and / removed, STARTS with <think>, closes
-# it, then boxes an answer. The Solver prompt never asks for <think>: it pays a template habit.
+# The code's format term (blanks around <, > and / removed): starts with <think>...</think>, then
+# boxes an answer. The Solver prompt never asks for <think>: it pays a template habit.
 CODE_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
 
 
 def solver_reward(text: str, correct: bool, cfg: Config) -> float:
-    """paper: 1 iff the boxed answer equals y~; code (reward_function/math.py): 0.9 that + 0.1
-    format."""
+    """paper: 1 iff the boxed answer is y~; code (reward_function/math.py): 0.9 that + 0.1 form."""
     if cfg.solver_reward == "paper":
         return float(correct)
     formatted = CODE_FORMAT.fullmatch(re.sub(r"\s*(<|>|/)\s*", r"\1", text)) is not None
@@ -297,16 +290,13 @@ def solver_reward(text: str, correct: bool, cfg: Config) -> float:
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
 class Shards(dict):
-    """This rank's part of one weight set (its FSDP2 shards, its rows under DDP, every tensor in
-    one process: common.local_part) in a file-backed shared mapping: page cache the kernel writes
-    back and reclaims, not process memory; a node holds each extra set once.
-    Policy.exchange_weights swaps it in place."""
+    """This rank's part (common.local_part) of one weight set in file-backed shared memory: page
+    cache the kernel may reclaim, one copy per node. Policy.exchange_weights swaps it in place."""
     local_shards = True
 
 
 def _trainer_parts(policy):
-    """(HF name, trainer tensor, this rank's part of it) once per storage (a tied lm_head is the
-    embedding), in the same order on every rank."""
+    """(HF name, trainer tensor, this rank's part) once per storage, in one order on all ranks."""
     seen = set()
     for k, v in policy.state_dict().items():
         storage = v.to_local() if hasattr(v, "to_local") else v
@@ -316,15 +306,13 @@ def _trainer_parts(policy):
 
 
 def full_weights(policy, shards: Shards):
-    """(HF name, full tensor) of `shards`, one tensor at a time (gathered under torchrun: every
-    rank iterates to the end)."""
+    """(HF name, full tensor) of `shards`, one at a time (a collective: every rank iterates)."""
     for k, v, _ in _trainer_parts(policy):
         yield k, common.full_from_part(shards[k], v)
 
 
 def gathered(policy, weights) -> dict | None:
-    """The full tensors of `weights` ((name, tensor) pairs) on the main process, None elsewhere;
-    every rank must call it."""
+    """The (name, tensor) pairs `weights` on CPU on the main process, None elsewhere (all call)."""
     out = {k: v.cpu() for k, v in weights if common.is_main_process()}
     return out if common.is_main_process() else None
 
@@ -338,8 +326,7 @@ class Roles:
         self.parked = {self.other(active): self.park(other)}
 
     def park(self, weights=None) -> Shards:
-        """Shards of `weights` (full HF-named tensors, or a save_pretrained folder read a tensor at
-        a time), or of the trainer's own weights when None; each maps an unlinked file."""
+        """Shards of `weights` (full tensors or a save_pretrained folder), else of the trainer's."""
         import torch
         if isinstance(weights, (str, pathlib.Path)):
             from safetensors import safe_open
@@ -387,8 +374,7 @@ def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | 
 
 def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: dict,
                 minibatch: int) -> dict:
-    """GRPO advantages, then common.pg_step: one optimizer step per `minibatch` groups (0 = all),
-    pi_old the rollout policy for every step; a group's samples are adjacent in trajs."""
+    """GRPO advantages, then common.pg_step: a step per `minibatch` groups (0 = all), adjacent."""
     adv = common.group_advantages([t.reward for t in trajs], group_ids, scale="std",
                                   eps=cfg.adv_eps)
     for t, a in zip(trajs, adv.tolist()):
@@ -486,14 +472,14 @@ def build_dataset(policy, roles: Roles, cfg: Config, decon, step: int, run,
 
 
 def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -> dict:
-    """The share of kept labels math_equal to the oracle model's own majority answer (unanswered =
-    disagreement, also reported)."""
+    """The share of kept labels math_equal to the oracle's majority answer (none = disagreement)."""
     rows = kept[:cfg.oracle_limit]
     if not rows:
         return {}
     greedy = cfg.oracle_votes == 1  # --oracle-votes 1: one greedy answer
     ocfg = dataclasses.replace(cfg, votes=cfg.oracle_votes,
                                vote_temperature=0.0 if greedy else cfg.vote_temperature)
+
     with oracle.sampling(roles.policy) as sampler:
         answers = solver_votes(sampler, [r["question"] for r in rows], ocfg)
     ref = [s["label"] for s in vote_statistics(answers)]
@@ -532,7 +518,6 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
 
 # -- 4. Evaluation ---------------------------------------------------------------------------------
 def _solver_eval_prompt(problem: dict, tokenizer=None):
-    """The Solver's own prompt; options "A) ..." under the question."""
     q = problem["question"].strip()
     if problem.get("choices"):
         opts = "\n".join(f"{'ABCDEFGHIJ'[i]}) {c}" for i, c in enumerate(problem["choices"]))
@@ -541,14 +526,12 @@ def _solver_eval_prompt(problem: dict, tokenizer=None):
 
 
 def _general_name(bench: str) -> bool:
-    """A general set by name (BBEH also as a copy, e.g. hf:MrLight/bbeh-eval)."""
     name = common.parse_benchmark_spec(bench)[0].lower()
-    return name in GENERAL or "bbeh" in name
+    return name in GENERAL or "bbeh" in name  # BBEH also as a copy, e.g. hf:MrLight/bbeh-eval
 
 
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
-    """Greedy accuracy (pass@k with --eval-n > 1) of the Solver; logs eval/math_avg and
-    eval/overall = mean(math_avg, SuperGPQA, MMLU-Pro, BBEH) (paper Table 1)."""
+    """The Solver's greedy accuracy; eval/overall = mean(math_avg, general sets) (paper Table 1)."""
     if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
         return {}
     with roles.sampling(SOLVER):
@@ -564,22 +547,24 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
 
 
 # -- Checkpoints and the run's outputs ------------------------------------------------------------
-def _save_model(policy, weights: dict | None, path: pathlib.Path) -> None:
+def _save_model(policy, weights, path: pathlib.Path) -> None:
+    """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
+    weights = gathered(policy, weights)
     if weights:  # None on the ranks that are not the main process
         policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
         policy.tokenizer.save_pretrained(str(path))
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
-    """The trained role via Run.save_checkpoint; the parked role (and, mid-phase, the KL reference)
-    as folders under roles/<tag>/, written before the checkpoint that names them."""
+    """The trained role in a checkpoint; first the parked role (and mid-phase the KL reference)
+    in roles/<tag>/."""
     tag = f"step_{step}-{state['phase']}-{state['phase_step']}"
     root, parked = run.dir / "roles", roles.other(roles.active)
     tmp = root / f".tmp-{tag}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
         if shards:  # one set at a time
-            _save_model(policy, gathered(policy, full_weights(policy, shards)), tmp / name)
+            _save_model(policy, full_weights(policy, shards), tmp / name)
     if common.is_main_process():
         shutil.rmtree(root / tag, ignore_errors=True)
         os.replace(tmp, root / tag)
@@ -595,12 +580,10 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
 
 
 def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
-    """final/challenger and final/solver (from_pretrained / vLLM folders), and eval.json: the base
-    model's, every iteration's and the best iteration's evaluation."""
-    for role in (CHALLENGER, SOLVER):  # gathered under torchrun: every rank takes part
-        _save_model(policy, gathered(policy, policy.iter_full_weights() if role == roles.active
-                                     else full_weights(policy, roles.parked[role])),
-                    run.dir / "final" / role)
+    """final/challenger, final/solver, and eval.json: the base, every iteration's, the best."""
+    for role in (CHALLENGER, SOLVER):
+        _save_model(policy, policy.iter_full_weights() if role == roles.active
+                    else full_weights(policy, roles.parked[role]), run.dir / "final" / role)
     evals = {k: run.dir / f"eval_iter{k}.json" for k in range(1, cfg.iterations + 1)}
     base = run.dir / "eval_base.json"
     run.write_eval({"base": json.loads(base.read_text()) if base.is_file() else None,
@@ -609,7 +592,7 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
 
 
 def headline(run_dir) -> dict:
-    """The best iteration for the summary table (the last one's figures are logged)."""
+    """The best iteration for the summary table."""
     best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
     return {"best iteration": best["iteration"],
             "best eval/overall": best["eval/overall"]} if best else {}
@@ -634,12 +617,10 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
     decon = load_decontaminator(cfg) if cfg.decontaminate else None
-    oracle = None
-    if cfg.oracle_model:
-        oracle = common.FrozenModel(cfg.oracle_model, policy, cfg,
-                                    cfg.oracle_gpu_memory_utilization)
+    oracle = cfg.oracle_model and common.FrozenModel(cfg.oracle_model, policy, cfg,
+                                                     cfg.oracle_gpu_memory_utilization)
+    if oracle:
         print(f"[r_zero] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
-
     # `state` names the next step to run (step `phase_step` of `phase` in `iteration`)
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
     ref = None  # the KL reference: the trained role's weights at the start of its phase
@@ -662,10 +643,9 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                 for j in range(n)] + [(cfg.iterations + 1, CHALLENGER, 0)]  # the end
     position = (state["iteration"], state["phase"], state["phase_step"])
     if position not in schedule:
-        raise ValueError(f"--resume: the run stopped before {position[1]} step "
-                         f"{position[2] + 1} of iteration {position[0]}, which the current "
-                         "--iterations/--challenger-steps/--solver-steps do not have; resume with "
-                         "the values it was started with")
+        raise ValueError(f"--resume: the run stopped before {position[1]} step {position[2] + 1} "
+                         f"of iteration {position[0]}, beyond this --iterations/--challenger-steps"
+                         "/--solver-steps; resume with the values it was started with")
     done = schedule.index(position)
     pbar = run.progress(len(schedule) - 1, initial=done)
     for step, (k, phase, j) in enumerate(schedule[done:-1], start=done + 1):
@@ -680,13 +660,11 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
             kept, dm = build_dataset(policy, roles, cfg, decon, step, run, k)
             m.update(dm)
-            if oracle is not None:
+            if oracle:
                 m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
             if len(kept) < cfg.solver_batch:
-                warnings.warn(f"iteration {k}: only {len(kept)} questions kept (< --solver-batch "
-                              f"{cfg.solver_batch}); the Solver trains on batches of {len(kept)}"
-                              " (none: the phase is skipped). Raise --question-pool or widen the "
-                              "band.")
+                warnings.warn(f"iteration {k}: {len(kept)} questions kept (< --solver-batch; none "
+                              "skips the phase): raise --question-pool or widen the band")
             state["dataset"] = kept
         elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
@@ -707,11 +685,11 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                                           step % cfg.save_every == 0):
             save_state(run, policy, roles, state, step, ref)
     pbar.close()
-    if state["best"] is not None:
-        print(f"[r_zero] best iteration {state['best']['iteration']} (overall "
-              f"{state['best']['eval/overall']:.4f}); last iteration {cfg.iterations}",
-              file=sys.stderr)
-    finish(run, policy, roles, cfg, state["best"])
+    best = state["best"]
+    if best is not None:
+        print(f"[r_zero] best iteration {best['iteration']} (overall {best['eval/overall']:.4f}); "
+              f"last iteration {cfg.iterations}", file=sys.stderr)
+    finish(run, policy, roles, cfg, best)
     run.close()
     return run.dir
 

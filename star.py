@@ -5,8 +5,7 @@ SFT on the model's own rationales that reach the gold answer; no RL loss (§3.1)
   1. load_task            the labelled data: GSM8K, CommonsenseQA or a JSONL of question + answer
   2. generate_rationales  M_{n-1} (M_0 = the base model M) writes one per question, few-shot, greedy
   3. filter_correct       D_n: the rationales whose final answer is the gold one
-  4. rationalize          the failures again with the answer as a hint (§3.2); D^rat_n: those
-                          reaching it, stored WITHOUT the hint, as if written unaided
+  4. rationalize          the failures, the answer as a hint (§3.2): D^rat_n, stored WITHOUT it
   5. build_training_set   D_n ∪ D^rat_n, rebuilt from scratch every round (never accumulated)
   6. finetune_from_base   fine-tune the ORIGINAL M for int(40 * 1.2^(n-1)) steps -> M_n (§4)
   7. evaluate_split       test accuracy of M_n (round 0: M few-shot); stop at a plateau (--patience)
@@ -21,15 +20,13 @@ Deviations from the paper and its official code (paths in that repository), and 
   (mesh_transformer/transformer_shard.py): it trained on every token, with a z-loss of 1e-4.
 - Our choice: a fresh Adam state every round; the code restores the Adam moments of GPT-J's
   pretraining checkpoint (device_train.py read_ckpt) and resets only the LR schedule.
-- Greedy decoding (paper); the code samples at T 0.01, top-p 0.9 (device_inference.py). The GSM8K
-  hint shows only the final number (paper); the code's hint shows the whole solution.
+- Greedy decoding (paper; device_inference.py samples at T 0.01, top-p 0.9). The GSM8K hint shows
+  only the final number (paper; the code's hint shows the whole solution).
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
-- Our own exemplars in the paper's layout (6 math, 7 CQA; paper ~10).
-- Batches hold --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
-- --samples-per-question > 1 is later rejection sampling (RFT), not the paper (§5: sampling hurt).
-- --patience reads the plateau on --test-data (GSM8K has no dev split: hold a file out) and ends
-  the run on the best round's model (<run>/best/). The n-digit addition task (§4.3) is not built
-  in.
+- Our own exemplars in the paper's layout (EXEMPLARS; 6 math, 7 CQA; paper ~10). Batches hold
+  --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
+- --patience reads the plateau on --test-data; the run ends on the last round's model (every
+  round's stays with --keep-checkpoints 0). The n-digit addition task (§4.3) is not built in.
 """
 from __future__ import annotations
 
@@ -37,11 +34,9 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import common
 
@@ -52,13 +47,10 @@ class Config(common.RunConfig):
     data: str = "gsm8k"  # gsm8k | commonsense_qa (§4) | JSONL {"question","answer","choices"?}
     test_data: str = ""  # "" = GSM8K test, CQA validation (the dev set, §4) | a JSONL | none
     train_limit: int = 0  # first N training questions; 0 = all (Alg. 1: the whole train split)
-    exemplars: str = ""  # "" = ours; or a JSONL of {"question","rationale","answer","choices"?}
+    exemplars: str = ""  # "" = ours (EXEMPLARS); a JSONL of {"question","rationale","answer",...}
     few_shot_train: bool = False  # exemplars in the training text (iteration_train.py, §4.4)
     rounds: int = 16  # iterations N (Alg. 1: until a plateau; 16 for arithmetic, §4.3)
     patience: int = 2  # evaluations without a new best before stopping; 0 = off (ours; Alg. 1)
-    samples_per_question: int = 1  # 1 = Alg. 1; >1 = rejection sampling, needs --temperature (ours)
-    temperature: float = 0.0  # rationale decoding: greedy (§3.1; device_inference.py: 0.01)
-    top_p: float = 1.0  # nucleus sampling for --temperature > 0 (device_inference.py: 0.9)
     max_new_tokens: int = 0  # 0 = 96 for multiple choice (device_inference.py), 256 for math (ours)
     rationalize: bool = True  # a hint for every failure (§3.2; iteration_train.py, p = 1.0)
     steps_start: int = 40  # fine-tune steps in round 1 (§4; iteration_train.py --exponential_grow)
@@ -69,10 +61,7 @@ class Config(common.RunConfig):
     warmup: str = "faithful"  # faithful: restarted each round (iteration_train.py) | short: <=10%
     warmup_steps: int = 100  # linear warmup length (configs/qa_base.json)
     eval_every: int = 1  # evaluate every N rounds (Alg. 1: every round); 0 = after the last only
-    eval_limit: int = 0  # first N test questions (0 = all; also limits --eval-benchmarks)
-    eval_temperature: float = 0.6  # pass@k sampling when --eval-n > 1 (ours; accuracy is greedy)
     eval_benchmarks: str = ""  # common.evaluate benchmarks after the last round ("" = none; ours)
-    entropy_samples: int = 0  # >0: entropy of N samples at T=1 ("Understanding self-play", Eq. 1)
     save_every: int = 1  # checkpoint every N rounds; 0 = the last only (ours)
 
 
@@ -90,27 +79,16 @@ MAX_NEW_TOKENS = {"choice": 96, "math": 256}  # when --max-new-tokens is 0
 
 
 def check_config(cfg: Config) -> None:
-    """Reject contradictory flags before anything is loaded or written."""
-    n = cfg.samples_per_question
-    problems = [msg for bad, msg in [
-        (n < 1, f"--samples-per-question {n}: need at least 1"),
-        (n > 1 and cfg.temperature <= 0, f"--samples-per-question {n} with greedy decoding gives "
-         f"{n} identical rationales; add --temperature 0.7 (or similar)"),
-        (cfg.warmup not in ("faithful", "short"),
-         f"--warmup {cfg.warmup}: expected faithful or short"),
-        (cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0,
-         "--steps-start must be >= 1 and --steps-growth, --steps-scale > 0"),
-        (cfg.patience < 0, f"--patience {cfg.patience}: use 0 to disable early stopping"),
-        (cfg.save_every < 0,
-         f"--save-every {cfg.save_every}: use 0 to checkpoint only the last round"),
-    ] if bad]
-    if problems:
-        raise ValueError("; ".join(problems))
+    """Reject contradictory flags before anything is loaded or written (parse_config: the rest)."""
+    if cfg.warmup not in ("faithful", "short"):
+        raise ValueError(f"--warmup {cfg.warmup}: not faithful or short")
+    if cfg.steps_start < 1 or cfg.steps_growth <= 0 or cfg.steps_scale <= 0 or cfg.patience < 0:
+        raise ValueError("--steps-start must be >= 1, --steps-growth and --steps-scale > 0, and "
+                         "--patience >= 0 (0 = no early stop)")
     common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
-# Prompts (§3.1): exemplars "Q: ..." (+ "Answer Choices:" (a)-(e)), then "A: <rationale>", with
-# blank lines between; no instruction. --prompts FILE replaces any template (common.load_prompts).
+# Prompts (§3.1): "Q: ..." then "A: <rationale>" blocks, no instruction; --prompts FILE overrides
 PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_answer_key.txt
     "question": "Q: {question}",  # a question's first line; generation stops at the next one
     "math_hint": "Q: {question} ({answer})",  # rationalization: the final answer after the question
@@ -119,73 +97,19 @@ PROMPTS = {  # the layout of commonsenseqa/prompts.txt; the hints of */prompts_a
     "option_hint": "({letter}) {text} (CORRECT)",  # rationalization: the right option marked
     "answer": "A:",  # the cue the rationale follows
 }
-MATH_EXEMPLARS = [  # (question, rationale ending in "#### <answer>", answer)
-    ("A bakery makes 24 muffins in the morning and 18 in the afternoon. It sells 30 of them. How "
-     "many muffins are left?", "The bakery makes 24 + 18 = 42 muffins. After selling 30, it has "
-     "42 - 30 = 12 left.\n#### 12", "12"),
-    ("Liam reads 15 pages every day. How many pages does he read in two weeks?",
-     "Two weeks have 2 * 7 = 14 days. He reads 15 * 14 = 210 pages.\n#### 210", "210"),
-    ("A shirt costs $25 and a pair of shoes costs three times as much. How much do the shirt and "
-     "the shoes cost together?", "The shoes cost 3 * 25 = 75 dollars. Together they cost "
-     "25 + 75 = 100 dollars.\n#### 100", "100"),
-    ("A garden has 5 rows of tomato plants with 8 plants in each row. Every plant gives 4 "
-     "tomatoes. How many tomatoes does the garden give?",
-     "There are 5 * 8 = 40 plants. They give 40 * 4 = 160 tomatoes.\n#### 160", "160"),
-    ("Noah had 90 stickers. He gave a third of them to his sister and then bought 12 more. How "
-     "many stickers does he have now?", "He gave away 90 / 3 = 30 stickers, which left "
-     "90 - 30 = 60. After buying 12 more he has 60 + 12 = 72.\n#### 72", "72"),
-    ("A train travels at 60 miles per hour for 2.5 hours. How far does it go?",
-     "Distance is speed times time, so the train goes 60 * 2.5 = 150 miles.\n#### 150", "150"),
-]
-CHOICE_EXEMPLARS = [  # (question, choices, rationale ending in "(<letter>).", answer)
-    ("Where would you keep milk so that it stays cold?",
-     ["cupboard", "refrigerator", "mailbox", "oven", "garden"],
-     "Milk spoils when it is warm, and the appliance made to keep food cold is a refrigerator. "
-     "So the answer is refrigerator (b).", "b"),
-    ("What do people usually do when they feel tired at night?",
-     ["run a marathon", "cook dinner", "go to sleep", "paint a wall", "climb a tree"],
-     "Tiredness at night is the body asking for rest, and resting at night means sleeping. "
-     "So the answer is go to sleep (c).", "c"),
-    ("Someone who wants to send a letter would put it in what?",
-     ["mailbox", "fridge", "drawer", "bathtub", "bookshelf"], "Letters travel through the postal "
-     "service, which collects them from a mailbox. So the answer is mailbox (a).", "a"),
-    ("What does a musician need to play a song on stage?",
-     ["a hammer", "a pillow", "a ladder", "an instrument", "a spoon"], "Music on a stage is made "
-     "with an instrument such as a guitar or a piano. So the answer is an instrument (d).", "d"),
-    ("If water is spilled on a smooth floor, what might happen to someone walking there?",
-     ["they could slip", "they could fly", "they grow taller", "they fall asleep",
-      "they get hungry"],
-     "Water makes a smooth floor slippery, so a person walking on it can lose their footing. "
-     "So the answer is they could slip (a).", "a"),
-    ("Where can you find many books that you may borrow for free?",
-     ["bakery", "gas station", "zoo", "gym", "library"], "A library lends its books to members "
-     "without charging for each one. So the answer is library (e).", "e"),
-    ("How is a child likely to feel on the morning of their birthday party?",
-     ["bored", "excited", "angry", "ashamed", "sleepy"], "A party with friends and presents is "
-     "something children look forward to, which makes them excited. So the answer is excited (b).",
-     "b"),
-]
-
-
-def builtin_exemplars() -> dict:
-    math = [dict(question=q, answer=a, choices=None, rationale=r) for q, r, a in MATH_EXEMPLARS]
-    mc = [dict(question=q, answer=a, choices=c, rationale=r) for q, c, r, a in CHOICE_EXEMPLARS]
-    return {"math": math, "choice": mc}
+EXEMPLARS = f"{common.TINY_DATA}/star_exemplars.jsonl"  # ours: 6 math, 7 CQA (paper: ~10, §3.1)
 
 
 def load_exemplars(path: str) -> dict:
-    """{format: [example with a 'rationale']}: ours, or those of an --exemplars JSONL file."""
-    if not path:
-        return builtin_exemplars()
-    exs = read_examples(path, flag="--exemplars", rationales=True)
+    """{format: [example with a 'rationale']}: those of an --exemplars JSONL file ("" = ours)."""
+    exs = read_examples(path or EXEMPLARS, flag="--exemplars", rationales=True)
     return {fmt: [ex for ex in exs if answer_format(ex) == fmt] for fmt in ("math", "choice")}
 
 
 def format_question(ex: dict, hint: bool = False, prompts: dict = PROMPTS):
     """The 'Q:' block of one example; hint=True reveals the gold answer (P_hint, §3.2)."""
     if not ex.get("choices"):
-        key = "math_hint" if hint else "question"
-        return prompts[key].format(question=ex["question"], answer=ex["answer"])
+        return prompts["math_hint" if hint else "question"].format(**ex)
     lines = [prompts["question"].format(question=ex["question"]), prompts["choices"].format()]
     for letter, text in zip(LETTERS, ex["choices"]):
         key = "option_hint" if hint and letter == ex["answer"] else "option"
@@ -206,8 +130,7 @@ class Prompter:
     def __init__(self, cfg: Config, tokenizer, exemplars: dict):
         self.cfg, self.tokenizer, self.exemplars = cfg, tokenizer, exemplars
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {cfg.model} has no EOS token; STaR's targets end "
-                             "with EOS")
+            raise ValueError(f"{cfg.model}'s tokenizer has no EOS token (STaR's targets end in it)")
         self.eos = int(tokenizer.eos_token_id)
         self.prompts = common.load_prompts(cfg.prompts, PROMPTS)
         # a next exemplar starts with the "question" template's text before {question}: cut there
@@ -217,9 +140,7 @@ class Prompter:
     def shots(self, ex: dict) -> list[dict]:
         fmt = answer_format(ex)
         if not self.exemplars.get(fmt):
-            kind = "multiple-choice" if fmt == "choice" else "math"
-            raise ValueError(f"no few-shot exemplars for {fmt} questions; pass --exemplars with at "
-                             f"least one {kind} example")
+            raise ValueError(f"no few-shot exemplars for {fmt} questions: add one to --exemplars")
         return self.exemplars[fmt]
 
     def generation(self, ex: dict, hint: bool = False):
@@ -227,7 +148,7 @@ class Prompter:
 
     def training_example(self, ex: dict, rationale: str) -> tuple[list[int], list[int]]:
         """(prompt_ids, target_ids): the HINT-FREE question (after the exemplars only with
-        --few-shot-train), then rationale + EOS. The loss mask is the prompt's length."""
+        --few-shot-train), then rationale + EOS, the tokens the loss is on."""
         shots = self.shots(ex) if self.cfg.few_shot_train else []
         prompt = build_prompt(ex, shots, prompts=self.prompts)
         ids = self.tokenizer(" " + rationale, add_special_tokens=False)["input_ids"]  # after 'A:'
@@ -237,14 +158,12 @@ class Prompter:
         return self.cfg.max_new_tokens or MAX_NEW_TOKENS[answer_format(ex)]
 
     def fits(self, examples: list[dict], max_model_len: int, what: str) -> list[dict]:
-        """The questions whose hinted prompt leaves room to answer, so none can stop a run hours
-        in; a format without exemplars fails here, before any generation."""
+        """The questions whose hinted prompt leaves room to answer (checked before generating)."""
         keep = [ex for ex in examples if self.max_tokens(ex) + len(
             common.encode_prompt(self.tokenizer, self.generation(ex, hint=True))) <= max_model_len]
         if len(keep) < len(examples):
             warnings.warn(f"{what}: dropped {len(examples) - len(keep)} of {len(examples)} "
-                          f"questions whose few-shot prompt + answer exceed --max-model-len "
-                          f"{max_model_len}")
+                          f"questions whose prompt + answer exceed --max-model-len {max_model_len}")
         return keep
 
 
@@ -287,61 +206,45 @@ def judge(examples: list[dict], texts: list[str]) -> list[bool]:
             for ex, p in zip(examples, preds)]
 
 
-# Step 1, the data: {"question", "answer", "choices": list | None}; the answer is a lowercase
-# letter for multiple choice, the final number or expression for math.
 JSONL_SHAPE = ('each line must be a JSON object like {"question": "...", "answer": "42"} or, for '
                'multiple choice, {"question": "...", "choices": ["...", "..."], "answer": "B"}')
 
 
-def make_example(question, answer, choices=None, *, where: str = "") -> dict:
-    """Validate and normalise one labelled example (where = 'file:line' for the errors)."""
+def make_example(question, answer, choices=None, rationale=None, *, where: str = "") -> dict:
+    """Step 1's {"question", "answer", "choices": list | None}: the answer is a lowercase letter, or
+    math's final number or expression. Bad fields: a ValueError naming `where` (file:line)."""
     def check(ok, msg):
         if not ok:
             raise ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
     check(isinstance(question, str) and question.strip(), "'question' must be a non-empty string")
-    check(isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
-          and str(answer).strip(), "'answer' must be a non-empty string or number")
-    question, answer = question.strip(), str(answer).strip()
-    if choices is None:
-        if "####" in answer:  # a GSM8K worked solution: keep the final number, or the hint leaks it
-            answer = answer.split("####")[-1].strip().replace(",", "")
-            check(answer, "'answer' has nothing after its last '####'; put the final answer there "
-                  "(e.g. '... #### 72') or give only the answer")
-        return {"question": question, "answer": answer, "choices": None}
-    check(isinstance(choices, list) and 2 <= len(choices) <= len(LETTERS)
-          and all(isinstance(c, (str, int, float)) and str(c).strip() for c in choices),
-          "'choices' must be a list of 2-26 non-empty strings")
-    choices = [str(c).strip() for c in choices]
-    letters = LETTERS[:len(choices)]
-    gold = answer.strip("()").lower()
-    if gold not in letters:  # the text of a choice stands for its letter
-        gold = next((x for x, c in zip(letters, choices) if c.lower() == answer.lower()), None)
-    check(gold, f"'answer' {answer!r} is neither a choice letter (A-{letters[-1].upper()}) nor the "
-          "text of one of the choices")
-    return {"question": question, "answer": gold, "choices": choices}
+    check(isinstance(answer, (str, int, float)), "'answer' must be a string or number")
+    answer = str(answer).strip()
+    if choices is None:  # a GSM8K worked solution: the final number only, or the hint leaks it
+        gold = answer.split("####")[-1].strip().replace(",", "") if "####" in answer else answer
+        check(gold, "'answer' must be non-empty, with a number after its last '####' if it has one")
+    else:
+        check(isinstance(choices, list) and 2 <= len(choices) <= len(LETTERS),
+              "'choices' must be a list of 2-26 strings")
+        choices = [str(c).strip() for c in choices]
+        gold = answer.strip("()").lower()
+        if gold not in list(LETTERS[:len(choices)]):  # the text of a choice stands for its letter
+            gold = next((x for x, c in zip(LETTERS, choices) if c.lower() == answer.lower()), "")
+        check(gold, f"'answer' {answer!r} is neither a choice letter nor the text of a choice")
+    ex = {"question": question.strip(), "answer": gold, "choices": choices}
+    if rationale is not None:  # an exemplar ends in its answer, in the format extract_answer reads
+        ex["rationale"] = str(rationale).strip()
+        check(extract_answer(ex["rationale"], answer_format(ex)) is not None, "'rationale' must "
+              "end with the answer: '#### <answer>', or '(<letter>).' ending its first line")
+    return ex
 
 
 def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> list[dict]:
-    """A JSONL file's examples; a bad line is an error naming the file, the line and the fix. An
-    exemplar's rationale must end in its format's answer line, or the prompt teaches a wrong one."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file (expected a JSONL file, or gsm8k or "
-                                "commonsense_qa)")
-    rows = []
-    for lineno, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
-        where = f"{path}:{lineno}"
-        missing = [k for k in ("question", "answer") + ("rationale",) * rationales if k not in row]
-        if missing:
-            raise ValueError(f"{where}: missing key(s) {missing}; {JSONL_SHAPE}")
-        ex = make_example(row["question"], row["answer"], row.get("choices"), where=where)
-        if rationales:
-            ex["rationale"] = row["rationale"].strip() if isinstance(row["rationale"], str) else ""
-            if extract_answer(ex["rationale"], answer_format(ex)) is None:
-                end = ("a first line ending in '(<letter>).'" if ex["choices"]
-                       else "a last line '#### <answer>'")
-                raise ValueError(f"{where}: 'rationale' must be a string that ends with the answer "
-                                 f"in the prompt format: {end}")
-        rows.append(ex)
+    """A JSONL file's examples; a bad line (or an exemplar not ending in its answer) is an error."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file (a JSONL file, gsm8k or cqa)")
+    rows = [make_example(row.get("question"), row.get("answer"), row.get("choices"),
+                         row.get("rationale", "") if rationales else None, where=f"{path}:{n}")
+            for n, row in common.iter_jsonl(path, shape=JSONL_SHAPE)]
     if not rows:
         raise ValueError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
     return rows
@@ -355,10 +258,9 @@ def hub_rows(task: tuple, split: str) -> list[dict]:
         import datasets
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # not installed, offline, blocked, renamed: one way out for the user
-        raise RuntimeError(f"could not load {hub_id} ({split}) from the Hugging Face Hub: "
-                           f"{type(e).__name__}: {e}. Install `datasets` (pip install datasets), "
-                           "or if the hub is unreachable, export the data to JSONL and pass --data "
-                           f"train.jsonl --test-data test.jsonl; {JSONL_SHAPE}") from None
+        raise RuntimeError(f"could not load {hub_id} ({split}): {e!r}. Fix: pip install datasets, "
+                           "or if the hub is unreachable, pass JSONL files: --data train.jsonl "
+                           f"--test-data test.jsonl; {JSONL_SHAPE}") from None
     cqa = task == CQA
     return [make_example(r["question"], r["answerKey"] if cqa else r["answer"],
                          list(r["choices"]["text"]) if cqa else None,
@@ -366,49 +268,40 @@ def hub_rows(task: tuple, split: str) -> list[dict]:
 
 
 def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") -> list[dict]:
-    """Step 1: the examples of a hub task (its train or eval split) or of a local JSONL file."""
+    """Step 1: the examples of a hub task (its train or eval split), of a JSONL file, or none."""
+    if source == "none":
+        return []
     task = TASKS.get(source.lower())
     rows = hub_rows(task, split) if task else read_examples(source, flag=flag)
     return rows[:limit] if limit > 0 else rows
 
 
 # Steps 2-7 of Alg. 1, then one round, then the run
-def _decode(policy, prompter, examples, prompts, *, n, temperature, top_p=1.0, seed):
-    """n trimmed texts per prompt; one generate call per answer length (math, multiple choice)."""
-    out: list[list[str]] = [[] for _ in prompts]
-    for mt in sorted({prompter.max_tokens(ex) for ex in examples}):
+def generate_rationales(policy, prompter, examples, seed, prompts=None) -> list[str]:
+    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) = M_{n-1}(P, x_i), greedy (§3.1), cut at the answer."""
+    prompts = prompts or [prompter.generation(ex) for ex in examples]
+    out = [""] * len(prompts)
+    for mt in sorted({prompter.max_tokens(ex) for ex in examples}):  # math, multiple choice
         idx = [i for i, ex in enumerate(examples) if prompter.max_tokens(ex) == mt]
-        comps = policy.generate([prompts[i] for i in idx], n=n, temperature=temperature,
-                                top_p=top_p, max_tokens=mt, stop=prompter.stop, seed=seed)
+        comps = policy.generate([prompts[i] for i in idx], temperature=0.0, max_tokens=mt,
+                                stop=prompter.stop, seed=seed)
         for i, group in zip(idx, comps):
-            fmt = answer_format(examples[i])
-            out[i] = [trim_rationale(c.text, fmt, prompter.marker) for c in group]
+            out[i] = trim_rationale(group[0].text, answer_format(examples[i]), prompter.marker)
     return out
 
 
-def generate_rationales(policy, prompter, examples, cfg, seed, prompts=None) -> list[list[str]]:
-    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) ~ M_{n-1}(· | P, x_i), greedy by default."""
-    prompts = prompts or [prompter.generation(ex) for ex in examples]
-    return _decode(policy, prompter, examples, prompts, n=cfg.samples_per_question,
-                   temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-
-
-def filter_correct(examples, rationales: list[list[str]], source: str) -> list[dict]:
-    """Step 3 (Alg. 1 line 5): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}, the rationale unchecked;
-    with several samples per question, every distinct correct one."""
-    flat = [(i, r) for i, rs in enumerate(rationales) for r in dict.fromkeys(rs)]
-    ok = judge([examples[i] for i, _ in flat], [r for _, r in flat])
+def filter_correct(examples, rationales: list[str], source: str) -> list[dict]:
+    """Step 3 (Alg. 1 line 5): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}; the rationale is unchecked."""
     return [{"index": i, "rationale": r, "source": source}
-            for (i, r), good in zip(flat, ok) if good]
+            for i, (r, ok) in enumerate(zip(rationales, judge(examples, rationales))) if ok]
 
 
-def rationalize(policy, prompter, examples, failed: list[int], cfg, seed) -> tuple[list, list]:
-    """Step 4 (Alg. 1 lines 4, 6): M_{n-1} with the gold answer as a hint (P_hint); only the index
-    and the rationale are kept, so no hint reaches training. Returns (kept, hint prompts)."""
+def rationalize(policy, prompter, examples, failed: list[int], seed) -> tuple[list, list]:
+    """Step 4 (Alg. 1 lines 4, 6): step 2 with the answer as a hint (P_hint); (kept, prompts)."""
     sub = [examples[i] for i in failed]
     prompts = [prompter.generation(ex, hint=True) for ex in sub]
-    kept = filter_correct(sub, generate_rationales(policy, prompter, sub, cfg, seed, prompts),
-                          "rationalized")
+    kept = filter_correct(sub, generate_rationales(policy, prompter, sub, seed, prompts),
+                          "rationalized")  # the index and the rationale: no hint reaches training
     return [{**k, "index": failed[k["index"]]} for k in kept], prompts
 
 
@@ -423,15 +316,13 @@ def steps_for_round(n: int, cfg: Config) -> int:
 
 
 def lr_at(step: int, n_steps: int, cfg: Config) -> float:
-    """Linear warmup from the start of EVERY fine-tune (0-based step), then constant; short: at
-    most 10% of the round's steps."""
+    """Warmup restarted in EVERY fine-tune, then constant; short: <= 10% of the round's steps."""
     w = cfg.warmup_steps if cfg.warmup == "faithful" else min(cfg.warmup_steps, n_steps // 10)
     return cfg.lr * min(1.0, (step + 1) / max(1, w))
 
 
 def sft_batches(train_set, n_steps: int, batch_tokens: int, rng: random.Random):
-    """n_steps batches of about batch_tokens tokens of whole documents (prompt + target, as the
-    code's packed windows count them), drawn from the shuffled set epoch after epoch."""
+    """n_steps batches of ~batch_tokens tokens of whole documents, reshuffled every epoch."""
     order: list[int] = []
     for _ in range(n_steps if train_set else 0):
         batch, tokens = [], 0
@@ -448,8 +339,7 @@ def sft_batches(train_set, n_steps: int, batch_tokens: int, rng: random.Random):
 
 
 def finetune_from_base(policy, base: dict, train_set, n_steps: int, cfg, rng) -> dict:
-    """Step 6 (Alg. 1 line 7): M_n = train(M, D_n ∪ D^rat_n) from the ORIGINAL weights, fresh Adam
-    and warmup; token NLL on rationale + answer + EOS. M_n then goes into vLLM in memory."""
+    """Step 6 (Alg. 1 line 7): M_n = train(M, D_n ∪ D^rat_n) from the ORIGINAL M, a fresh Adam."""
     policy.set_weights(base, reset_optimizer=True)
     stats = []
     for step, batch in enumerate(sft_batches(train_set, n_steps, cfg.batch_tokens, rng)):
@@ -457,182 +347,79 @@ def finetune_from_base(policy, base: dict, train_set, n_steps: int, cfg, rng) ->
             group["lr"] = lr_at(step, n_steps, cfg)
         stats.append(common.sft_step(policy, batch))
     if not stats:
-        return {"sft/loss": None, "sft/loss_last": None, "sft/grad_norm": None, "sft/steps": 0,
-                "sft/lr_end": 0.0}
-    policy.sync()
+        return {"sft/steps": 0, "sft/loss": None}
+    policy.sync()  # M_n into the sampler, in memory
     k = len(stats)
     return {"sft/loss": sum(s["loss"] for s in stats) / k, "sft/loss_last": stats[-1]["loss"],
             "sft/grad_norm": sum(s["grad_norm"] for s in stats) / k, "sft/steps": k,
             "sft/lr_end": lr_at(k - 1, n_steps, cfg)}
 
 
-def evaluate_split(policy, prompter, examples, cfg, seed: int) -> dict:
-    """Step 7: greedy accuracy on the test split with the same prompt; pass@k for --eval-n > 1."""
-    if not examples:
-        return {}
-    prompts = [prompter.generation(ex) for ex in examples]
-    greedy = _decode(policy, prompter, examples, prompts, n=1, temperature=0.0, seed=seed)
-    res = {"test/accuracy": sum(judge(examples, [g[0] for g in greedy])) / len(examples)}
-    if cfg.eval_n > 1:
-        n = cfg.eval_n
-        texts = _decode(policy, prompter, examples, prompts, n=n,
-                        temperature=cfg.eval_temperature, seed=seed)
-        ok = judge([ex for ex in examples for _ in range(n)], [t for ts in texts for t in ts])
-        counts = [sum(ok[i:i + n]) for i in range(0, len(ok), n)]
-        for k in [int(x) for x in str(cfg.eval_k).split(",") if x.strip()]:
-            if k <= n:
-                res[f"test/pass@{k}"] = sum(common.pass_at_k(n, c, k) for c in counts) / len(counts)
-    return res
-
-
-def policy_entropy(policy, prompter, examples, n: int, seed: int) -> dict:
-    """Analysis ("Towards Understanding Self-play for LLM Reasoning", Eq. 1): N samples at T = 1;
-    their mean per-token NLL (Monte-Carlo entropy) and exact token entropy, sequence-averaged."""
-    import torch
-    sub = random.Random(seed).sample(examples, min(n, len(examples)))
-    comps = [g[0] for g in policy.generate([prompter.generation(ex) for ex in sub], n=1,
-                                           temperature=1.0, stop=prompter.stop, seed=seed,
-                                           max_tokens=max(prompter.max_tokens(ex) for ex in sub))]
-    comps = [c for c in comps if c.token_ids]
-    if not comps:
-        return {}
-    with torch.no_grad():
-        lps, ents = common.token_logprobs(
-            policy.model, [c.prompt_ids for c in comps], [c.token_ids for c in comps],
-            temperature=1.0, token_budget=policy.cfg.micro_batch_tokens, with_entropy=True)
-    return {"entropy/nll": sum(float(-lp.mean()) for lp in lps) / len(lps),
-            "entropy/exact": sum(float(e.mean()) for e in ents) / len(ents)}
+def evaluate_split(policy, prompter, examples, seed: int) -> dict:
+    """Step 7: the accuracy of M_n on the test split, with step 2's prompt and decoding (§4)."""
+    texts = generate_rationales(policy, prompter, examples, seed)
+    return {"test/accuracy": sum(judge(examples, texts)) / len(examples)} if examples else {}
 
 
 def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) -> dict:
     """One iteration of Alg. 1: M_{n-1} in the sampler in, M_n in trainer and sampler out."""
     seed = cfg.seed * 100_003 + n
     with run.timer("generate"):
-        written = generate_rationales(policy, prompter, train_data, cfg, seed)
+        written = generate_rationales(policy, prompter, train_data, seed)
         direct = filter_correct(train_data, written, "direct")
     solved = {k["index"] for k in direct}
     rationalized = []
     if cfg.rationalize:
         with run.timer("rationalize"):
             failed = [i for i in range(len(train_data)) if i not in solved]
-            rationalized, _ = rationalize(policy, prompter, train_data, failed, cfg, seed + 1)
+            rationalized, _ = rationalize(policy, prompter, train_data, failed, seed + 1)
     kept = direct + rationalized
     train_set = build_training_set(prompter, train_data, kept)
     n_steps = steps_for_round(n, cfg)
     if not train_set:
-        warnings.warn(f"round {n}: no rationale reached the gold answer, so M_n = M. STaR cannot "
-                      "bootstrap from a model at chance level (paper §6): check the few-shot "
-                      "accuracy, the prompt format and --max-new-tokens.")
+        warnings.warn(f"round {n}: no rationale reached the gold answer, so M_n = M; STaR cannot "
+                      "bootstrap from chance level (§6): check the prompt and --max-new-tokens")
     with run.timer("finetune"):
         metrics = finetune_from_base(policy, base, train_set, n_steps, cfg, random.Random(seed))
-    with run.timer("evaluate"):
-        if n == cfg.rounds or (cfg.eval_every > 0 and n % cfg.eval_every == 0):
-            metrics.update(evaluate_split(policy, prompter, test_data, cfg, seed))
-        if cfg.entropy_samples > 0:
-            metrics.update(policy_entropy(policy, prompter, train_data, cfg.entropy_samples, seed))
-    n_q, n_rat = len(train_data), len({k["index"] for k in rationalized})
+    if n == cfg.rounds or (cfg.eval_every > 0 and n % cfg.eval_every == 0):
+        with run.timer("evaluate"):
+            metrics.update(evaluate_split(policy, prompter, test_data, seed))
+    n_q = len(train_data)
     metrics.update({  # the paper's CQA coverage: 78.2% direct + 8.5% rationalized (§5)
-        "train/solved_direct": len(solved) / n_q, "train/rationalized": n_rat / n_q,
-        "train/coverage": (len(solved) + n_rat) / n_q, "train/kept": len(kept),
-        "train/kept_direct": len(direct), "train/kept_rationalized": len(rationalized),
-        "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / max(1, len(train_set)),
-        "sft/planned_steps": n_steps})
-    log_round(run, n, train_data, written, kept)
+        "train/solved_direct": len(direct) / n_q, "train/rationalized": len(rationalized) / n_q,
+        "train/coverage": len(kept) / n_q, "train/kept": len(kept),
+        "train/rationale_tokens": sum(len(t) - 1 for _, t in train_set) / max(1, len(train_set))})
+    # rounds/round_<n>.jsonl: the whole training set, for spot checks (§6); samples.jsonl: a few
+    rows = [{**train_data[k["index"]], "source": k["source"], "rationale": k["rationale"]}
+            for k in kept]
+    done = {k["index"] for k in kept}
+    rows_unsolved = [{**train_data[i], "source": "unsolved", "rationale": w}
+                     for i, w in enumerate(written) if i not in done]
+    for role in ("direct", "rationalized", "unsolved"):
+        run.log_samples(n, role, [r for r in rows + rows_unsolved if r["source"] == role])
+    if run.is_main:
+        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
+                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return metrics
 
 
-def log_round(run, n: int, train_data, written, kept) -> None:
-    """samples.jsonl: what was kept per role, and what the model wrote unaided where nothing was;
-    rounds/round_<n>.jsonl: the round's whole training set, to spot lucky guesses (§6)."""
-    def record(i, rationale, hint):  # the query the model saw; what is trained on has no hint
-        ex = train_data[i]
-        rec = {"question": format_question(ex), "gold": ex["answer"], "rationale": rationale}
-        return {**rec, "hint_prompt_query": format_question(ex, hint=True)} if hint else rec
-    for role in ("direct", "rationalized"):
-        run.log_samples(n, role, [record(k["index"], k["rationale"], role == "rationalized")
-                                  for k in kept if k["source"] == role])
-    done = {k["index"] for k in kept}
-    run.log_samples(n, "unsolved", [record(i, w[0], False) for i, w in enumerate(written)
-                                    if i not in done and w])
-    if run.is_main:
-        rows = [{"question": train_data[k["index"]]["question"], "answer":
-                 train_data[k["index"]]["answer"], "source": k["source"],
-                 "rationale": k["rationale"]} for k in kept]
-        common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl",
-                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-
-
 def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> None:
-    """Alg. 1's "until performance plateaus": track the best test accuracy (round 0: few-shot M);
-    stop after `patience` evaluations without a new best (rounds not evaluated do not count)."""
-    if acc is None:
-        return
-    if state["best_accuracy"] is None or acc > state["best_accuracy"]:
+    """Alg. 1's "until performance plateaus": stop after `patience` evaluations without a best."""
+    if acc is not None and (state["best_accuracy"] is None or acc > state["best_accuracy"]):
         state.update(best_accuracy=acc, best_round=n, since_best=0)
-    else:
+    elif acc is not None:
         state["since_best"] += 1
-    if patience and n > 0 and state["since_best"] >= patience:
+    if patience and state["since_best"] >= patience:
         state["stopped"] = (f"no new best test accuracy for {patience} evaluation(s); best: round "
                             f"{state['best_round']} ({state['best_accuracy']:.4f})")
 
 
 def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
-    """Every --save-every rounds (0 = none but the last), and always the run's last round."""
     return (cfg.save_every > 0 and n % cfg.save_every == 0) or n == cfg.rounds or bool(stopped)
 
 
-POSTFIX = {"direct": "train/solved_direct", "rationalized": "train/rationalized",  # progress bar
-           "kept": "train/kept", "loss": "sft/loss", "acc": "test/accuracy",
-           "len": "train/rationale_tokens"}
-
-
-# The best round's model: checkpoints are pruned (--keep-checkpoints), so with early stopping the
-# round that set the best test accuracy is kept apart, in <run>/best/.
-BEST_INFO = "star_best.json"  # {"round", "test/accuracy"} inside best/
-
-
-def save_best(run, policy, n: int, accuracy: float) -> None:
-    """M_n as a save_pretrained folder <run>/best/, replaced atomically (a temp folder, renames).
-    Call it on every rank (gathering the weights is a collective); rank 0 writes."""
-    weights = {k: v.to("cpu") for k, v in policy.iter_full_weights()}
-    if run.is_main:
-        final = run.dir / "best"
-        tmp, old = (run.dir / f".{kind}-best-{os.getpid()}" for kind in ("tmp", "old"))
-        shutil.rmtree(tmp, ignore_errors=True)
-        policy.module.save_pretrained(str(tmp), state_dict=weights, safe_serialization=True)
-        policy.tokenizer.save_pretrained(str(tmp))
-        common.atomic_write_json(tmp / BEST_INFO, {"round": n, "test/accuracy": accuracy})
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    del weights
-    policy.barrier()  # best/ is complete before any rank may read it
-
-
-def restore_best(run, policy, base: dict, state: dict) -> int:
-    """With early stopping, end on the best round's model: best/ (or the base model if round 0 was
-    never beaten) into trainer and sampler. Returns the round now loaded."""
-    best, last = state["best_round"], state["round"]
-    if best >= last:
-        return last
-    if best == 0:
-        policy.set_weights(base)
-        return 0
-    info = run.dir / "best" / BEST_INFO
-    saved = json.loads(info.read_text()).get("round") if info.is_file() else None
-    if saved != best:  # e.g. a crash between best/ and the checkpoint, then a resume
-        warnings.warn(f"{run.dir / 'best'} holds round {saved}, not the best round {best}: ending "
-                      f"on the last round's model (round {last}) instead")
-        return last
-    policy.set_weights(common.load_safetensors_dir(run.dir / "best"))
-    return best
-
-
-
 def original_weights(policy, cfg: Config) -> dict:
-    """M for every round's restart: the model folder's files mapped (page cache the kernel may
-    drop, not a second copy in process memory), or a CPU copy if they do not match the trainer."""
+    """M for every round's restart: its files mapped (page cache, not process memory), or a copy."""
     path = common.resolve_model_path(cfg.model)
     try:
         if not os.path.isdir(path):  # a hub id: the snapshot Policy.load just fetched
@@ -642,10 +429,9 @@ def original_weights(policy, cfg: Config) -> dict:
     except OSError:  # no safetensors (.bin weights) or no local snapshot: copy the trainer's
         base = {}
     tied = policy.module.config.tie_word_embeddings  # the head is the embedding: not on disk
-    if all(k in base and base[k].shape == v.shape for k, v in policy.state_dict().items()
-           if not (tied and k == "lm_head.weight")):
-        return base
-    return policy.get_weights()
+    same = all(k in base and base[k].shape == v.shape for k, v in policy.state_dict().items()
+               if not (tied and k == "lm_head.weight"))
+    return base if same else policy.get_weights()
 
 
 def train(cfg: Config, sampler=None) -> dict:
@@ -654,11 +440,9 @@ def train(cfg: Config, sampler=None) -> dict:
     common.seed_everything(cfg.seed)
     train_data = load_task(cfg.data, "train", cfg.train_limit)
     test_src = cfg.test_data or (cfg.data if cfg.data.lower() in TASKS else "none")
-    if test_src == "none":
-        warnings.warn("no test split (a local --data file without --test-data): evaluation and "
-                      "--patience are off")
-    test_data = ([] if test_src == "none"
-                 else load_task(test_src, "test", cfg.eval_limit, flag="--test-data"))
+    test_data = load_task(test_src, "test", cfg.eval_limit, flag="--test-data")
+    if not test_data:
+        warnings.warn("no test split (see --test-data): evaluation and --patience are off")
     exemplars = load_exemplars(cfg.exemplars)
     run = common.Run(cfg, "star")
     policy = common.Policy.load(cfg, sampler=sampler)
@@ -669,20 +453,17 @@ def train(cfg: Config, sampler=None) -> dict:
     train_data = prompter.fits(train_data, max_len, "training set")
     test_data = prompter.fits(test_data, max_len, "test set")
     if not train_data:
-        raise ValueError(f"no training question fits into --max-model-len {max_len} with its "
-                         "few-shot prompt")
+        raise ValueError(f"--max-model-len {max_len}: no training question fits with its prompt")
     base = original_weights(policy, cfg)  # M: every round restarts from it (Alg. 1 line 7)
-    state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "history": [],
-             "stopped": ""}
+    state = {"round": 0, "best_accuracy": None, "best_round": 0, "since_best": 0, "stopped": ""}
     loaded = run.load_checkpoint(policy) if cfg.resume else None  # M_n; `base` stays the original
     if loaded is not None:
         state.update(loaded[1])
         print(f"star.py: resumed {run.dir} after round {state['round']}", file=sys.stderr)
     elif test_data:  # round 0: the few-shot M (Tables 1-2 "few-shot CoT"), must beat chance (§6)
         with run.timer("evaluate"):
-            metrics = evaluate_split(policy, prompter, test_data, cfg, cfg.seed)
+            metrics = evaluate_split(policy, prompter, test_data, cfg.seed)
         update_plateau(state, metrics.get("test/accuracy"), 0, cfg.patience)
-        state["history"].append({"round": 0, **metrics})
         run.log(0, metrics)
     bar = run.progress(total=cfg.rounds, initial=min(state["round"], cfg.rounds))
     try:
@@ -692,43 +473,23 @@ def train(cfg: Config, sampler=None) -> dict:
             metrics = star_round(n, policy, prompter, base, train_data, test_data, cfg, run)
             update_plateau(state, metrics.get("test/accuracy"), n, cfg.patience)
             state["round"] = n
-            state["history"].append({"round": n, **{k: v for k, v in metrics.items()
-                                                    if k.startswith(("test/", "train/"))}})
-            run.log(n, metrics)
-            if state["best_round"] == n:  # a new best: keep M_n, which pruning would delete
-                save_best(run, policy, n, state["best_accuracy"])
-            post = {k: f"{metrics[v]:.3g}" for k, v in POSTFIX.items()
-                    if metrics.get(v) is not None}
-            bar.set_postfix({**post, "slowest": run.slowest}, refresh=False)
+            run.log(n, metrics)  # also the progress bar's figures
             bar.update(1)
             if checkpoint_due(n, cfg, state["stopped"]):
                 run.save_checkpoint(n, policy, state)
-        # early stopping: the best round's model is the result, so --eval-benchmarks score it
-        model_round = restore_best(run, policy, base, state) if cfg.patience > 0 else state["round"]
-        results = {"rounds": state["history"], "best_round": state["best_round"],
-                   "best_accuracy": state["best_accuracy"],
-                   "stopped": state["stopped"] or "reached --rounds", "model_round": model_round}
-        if cfg.eval_benchmarks:
+        results = {"rounds": state["round"], "stopped": state["stopped"] or "reached --rounds",
+                   "best_round": state["best_round"], "best_accuracy": state["best_accuracy"]}
+        if cfg.eval_benchmarks:  # M_n of the last round
             results["benchmarks"] = common.evaluate_config(policy, cfg)
-            run.log(state["round"], {**common.eval_metrics(results["benchmarks"]),
-                                     "eval/model_round": model_round})
+            run.log(state["round"], common.eval_metrics(results["benchmarks"]))
         run.write_eval(results)
     finally:
         run.close()
     return results
 
 
-def headline(results: dict) -> dict:
-    """The best round, for the final summary (the last round's figures are logged)."""
-    best = results.get("best_accuracy")
-    if best is None:
-        return {}
-    return {"best round": results["best_round"], "best test/accuracy": best,
-            "model of round": results["model_round"]}
-
-
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=check_config, tiny=TINY, headline=headline)
+    common.run_cli(Config, train, argv, check=check_config, tiny=TINY)
 
 
 if __name__ == "__main__":

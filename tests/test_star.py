@@ -88,17 +88,19 @@ def test_gsm8k_style_local_answers_keep_only_the_final_number(tmp_path):
     texts = ["24 + 48 = 72.\n#### 72", "So 1,200 pens.\n#### 1,200"]
     assert star.judge(rows[:2], texts) == [True, True]
     p.write_text(json.dumps({"question": "x", "answer": "work shown\n####  "}) + "\n")
-    with pytest.raises(ValueError, match=f"{p}:1: 'answer' has nothing after its last '####'"):
+    with pytest.raises(ValueError, match=f"{p}:1: 'answer' must be non-empty, with a number after "
+                       "its last '####'"):
         star.load_task(str(p), "train")
 
 
 @pytest.mark.parametrize("line, expect", [
     ('{"question": "x", "answer": "1"', "not valid JSON"),
     ('["question", "answer"]', "not an object"),
-    ('{"question": "x"}', "missing key"),
+    ('{"question": "x"}', "'answer' must be"),
     ('{"question": "", "answer": "1"}', "'question' must be"),
     ('{"question": "x", "answer": null}', "'answer' must be"),
     ('{"question": "x", "answer": "Z", "choices": ["a", "b"]}', "neither a choice letter"),
+    ('{"question": "x", "answer": "AB", "choices": ["a", "b", "c"]}', "neither a choice letter"),
     ('{"question": "x", "answer": "A", "choices": "ab"}', "'choices' must be"),
 ])
 def test_malformed_jsonl_line_names_file_line_and_fix(tmp_path, line, expect):
@@ -176,8 +178,7 @@ def bare_tokenizer():
 
 def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "run"
-    for argv, msg in [(["--samples-per-question", "4"], "--temperature"),
-                      (["--warmup", "slow"], "faithful"),
+    for argv, msg in [(["--warmup", "slow"], "faithful"),
                       (["--rounds", "0"], "--rounds")]:
         with pytest.raises(SystemExit) as e:
             star.main(argv + ["--output-dir", str(out), "--data", str(TRAIN)])
@@ -227,7 +228,7 @@ def test_without_resume_no_checkpoint_is_loaded(tiny_model_path, tmp_path, vllm_
 
 
 def test_prompts_reveal_the_hint_only_in_rationalization():
-    shots = star.builtin_exemplars()
+    shots = star.load_exemplars("")
     math_q = star.make_example("Ann has 3 apples and buys 4 more. How many apples does she have?",
                                "7")
     plain = star.build_prompt(math_q, shots["math"])
@@ -284,7 +285,7 @@ def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, t
                          option_hint="({letter}) {text} <- right", answer="Reasoning:")
     cfg = star.Config(model="tiny", prompts=path, max_new_tokens=8)
     star.check_config(cfg)
-    pr = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
+    pr = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""))
     assert pr.stop == ["\n\nQuestion:"] and pr.marker == "Question:"
     seen = []
     real = tiny_policy.sampler.generate
@@ -296,8 +297,8 @@ def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, t
     monkeypatch.setattr(tiny_policy.sampler, "generate", spy)
     exs = [star.make_example("Copy the number 58.", "58"),
            star.make_example("Which is a fruit?", "b", ["car", "apple", "rock"])]
-    star.generate_rationales(tiny_policy, pr, exs, cfg, seed=0)
-    star.rationalize(tiny_policy, pr, exs, [0, 1], cfg, seed=1)
+    star.generate_rationales(tiny_policy, pr, exs, seed=0)
+    star.rationalize(tiny_policy, pr, exs, [0, 1], seed=1)
     assert len(seen) == 2  # one generate call each (same --max-new-tokens for both formats)
     (plain, _), (hinted, _) = seen
     assert all(stop == ["\n\nQuestion:"] for _, stop in seen)
@@ -340,20 +341,21 @@ def test_filter_keeps_exactly_the_correct_rationales():
            star.make_example("q2", "7"),
            star.make_example("q3", "b", ["x", "y", "z"]),
            star.make_example("q4", "c", ["x", "y", "z"]),
-           star.make_example("q5", "1/2")]
+           star.make_example("q5", "c", ["x", "y", "z"]),
+           star.make_example("q6", "1/2")]
     rationales = [
-        # duplicate kept once
-        ["It is 12.\n#### 12.0", "It is 13.\n#### 13", "It is 12.\n#### 12.0"],
-        ["Thousand.\n#### 1,000"],
-        ["It is seven, so 7"],  # no '####': unparsable = wrong, even though the number is right
-        ["So the answer is y (b)."],
-        ["So the answer is y (b).", "So the answer is z (C)."],
-        ["Half.\n#### 0.5"],
+        "It is 12.\n#### 12.0",
+        "Thousand.\n#### 1,000",
+        "It is seven, so 7",  # no '####': unparsable = wrong, even though the number is right
+        "So the answer is y (b).",
+        "So the answer is z (C).",
+        "So the answer is y (b).",  # wrong letter
+        "Half.\n#### 0.5",
     ]
     kept = star.filter_correct(exs, rationales, "direct")
     assert [(k["index"], k["rationale"]) for k in kept] == [
         (0, "It is 12.\n#### 12.0"), (1, "Thousand.\n#### 1,000"), (3, "So the answer is y (b)."),
-        (4, "So the answer is z (C)."), (5, "Half.\n#### 0.5")]
+        (4, "So the answer is z (C)."), (6, "Half.\n#### 0.5")]
     assert all(k["source"] == "direct" for k in kept)
 
 
@@ -420,20 +422,20 @@ def test_save_every_zero_checkpoints_only_the_last_round():
     assert due_rounds() == [1, 2, 3, 4, 5, 6]
     # an early stop is the last
     assert star.checkpoint_due(3, star.Config(rounds=6, save_every=0), "no new best")
-    with pytest.raises(ValueError, match="--save-every -1: use 0"):
-        star.check_config(star.Config(save_every=-1))
+    with pytest.raises(SystemExit):  # parse_config: "--save-every -1: must be a positive number"
+        common.parse_config(star.Config, ["--save-every", "-1"], check=star.check_config)
 
 
 def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokenizer):
     cfg = star.Config(model="tiny")
-    pr = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
+    pr = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""))
     ex = star.make_example("Copy the number 58.", "58")
     p, t = pr.training_example(ex, "The number is 58.\n#### 58")
     assert tiny_tokenizer.decode(p) == "Q: Copy the number 58.\nA:"  # no hint, no exemplars
     assert t[-1] == tiny_tokenizer.eos_token_id
     assert tiny_tokenizer.decode(t[:-1]) == " The number is 58.\n#### 58"
     cfg.few_shot_train = True
-    pr2 = star.Prompter(cfg, tiny_tokenizer, star.builtin_exemplars())
+    pr2 = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""))
     p2, _ = pr2.training_example(ex, "x\n#### 58")
     text = tiny_tokenizer.decode(p2)
     assert text.startswith("Q: A bakery") and text.endswith("Q: Copy the number 58.\nA:")
@@ -480,12 +482,12 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
     policy.sync()
     cfg, pr = toy_prompter(tiny_tokenizer)
     train = star.load_task(str(TRAIN), "train")
-    rationales = star.generate_rationales(policy, pr, train, cfg, seed=0)
-    assert rationales[0] == [right(train[0])] and rationales[6] == [wrong(train[6])]
+    rationales = star.generate_rationales(policy, pr, train, seed=0)
+    assert rationales[0] == right(train[0]) and rationales[6] == wrong(train[6])
     direct = star.filter_correct(train, rationales, "direct")
     assert [k["index"] for k in direct] == list(range(6))
     failed = list(range(6, 12))
-    kept, hint_prompts = star.rationalize(policy, pr, train, failed, cfg, seed=1)
+    kept, hint_prompts = star.rationalize(policy, pr, train, failed, seed=1)
     assert len(hint_prompts) == 6
     for i, prompt in zip(failed, hint_prompts):  # the hint is in the rationalization prompt ...
         ans = train[i]["answer"]
@@ -503,19 +505,15 @@ def test_generate_filter_rationalize_on_real_samples(warm_model_path, tiny_cfg, 
         assert tiny_tokenizer.decode(t[:-1]) == " " + right(train[k["index"]])
 
 
-def test_evaluation_pass_at_k_and_entropy(warm_model_path, tiny_cfg, vllm_sampler,
-                                                       tiny_tokenizer):
+def test_evaluation_is_greedy_accuracy(warm_model_path, tiny_cfg, vllm_sampler, tiny_tokenizer):
     tiny_cfg.model = warm_model_path
     policy = common.Policy.load(tiny_cfg, sampler=vllm_sampler)
     policy.sync()
-    cfg, pr = toy_prompter(tiny_tokenizer, eval_n=4, eval_k="1,2,8", eval_temperature=1.0)
+    _, pr = toy_prompter(tiny_tokenizer)
     test = star.load_task(str(TEST), "test")
-    res = star.evaluate_split(policy, pr, test, cfg, seed=0)
-    assert res["test/accuracy"] == 0.5  # greedy: the warmed model solves 2 of the 4 test questions
-    assert set(res) == {"test/accuracy", "test/pass@1", "test/pass@2"}  # k > n is skipped
-    assert 0.0 <= res["test/pass@1"] <= res["test/pass@2"] <= 1.0
-    ent = star.policy_entropy(policy, pr, test, 3, seed=0)  # samples at T = 1
-    assert ent["entropy/nll"] > 0 and ent["entropy/exact"] > 0
+    # greedy: the warmed model solves 2 of the 4 test questions
+    assert star.evaluate_split(policy, pr, test, seed=0) == {"test/accuracy": 0.5}
+    assert star.evaluate_split(policy, pr, [], seed=0) == {}
 
 
 def test_finetune_restarts_from_base_and_swaps_weights_into_vllm(tiny_policy, tiny_tokenizer,
@@ -592,7 +590,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     roles = {s["role"] for s in samples}
     assert roles == {"direct", "rationalized"}
     rat = [s for s in samples if s["role"] == "rationalized"]
-    assert all(s["question"].startswith("Q: Copy the number") and "#### " in s["rationale"]
+    assert all(s["question"].startswith("Copy the number") and "#### " in s["rationale"]
                for s in rat)
     ck = out / "checkpoints" / "step_1"
     assert (ck / "model.safetensors").is_file() and (ck / "trainer_state.json").is_file()
@@ -634,7 +632,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     round1 = read_jsonl(out / "rounds" / "round_1.jsonl")
     assert {r["source"] for r in round1} == {"direct", "rationalized"}
     assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
-    assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
+    assert results["rounds"] == 2
     assert json.loads((out / "eval.json").read_text())["stopped"] == "reached --rounds"
     assert "benchmarks" in results  # the extra common.evaluate pass after the last round
 
@@ -659,79 +657,36 @@ def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_pa
     assert (tmp_path / "run" / "rounds" / "round_1.jsonl").read_text() == ""
 
 
-def test_early_stopping_ends_on_the_best_round_model(warm_model_path, tmp_path, vllm_sampler,
-                                                     monkeypatch):
-    """--patience: the best round's model survives checkpoint pruning in best/ (overwritten by a
-    later best), is loaded back before --eval-benchmarks, and eval.json says which round's model
-    the benchmarks scored."""
+def test_early_stopping_at_a_plateau(warm_model_path, tmp_path, vllm_sampler, monkeypatch):
+    """--patience: the run stops after 2 evaluations without a new best, saves that last round,
+    and eval.json names the best round; --eval-benchmarks then score the last round's model."""
     out = tmp_path / "run"
     cfg = star.Config(model=warm_model_path, data=str(TRAIN), test_data=str(TEST),
                       exemplars=str(SHOTS), few_shot_train=True, lr=1e-3, warmup="short",
                       steps_scale=0.1, batch_tokens=64, max_new_tokens=16, max_model_len=512,
-                      rounds=6, patience=2, keep_checkpoints=2, eval_benchmarks=str(TEST),
+                      rounds=6, patience=2, save_every=0, eval_benchmarks=str(TEST),
                       output_dir=str(out))
     # rounds 0-4: round 2 is the best, rounds 3-4 do not beat it
     scripted = iter([0.25, 0.5, 0.75, 0.5, 0.75])
     monkeypatch.setattr(star, "evaluate_split", lambda *a, **k: {"test/accuracy": next(scripted)})
-    saved, scored = [], []
-    real_save, real_eval = star.save_best, common.evaluate_config
-
-    def spy_save(run, policy, n, acc):
-        saved.append((n, acc, policy.get_weights()))
-        return real_save(run, policy, n, acc)
+    scored, real_eval = [], common.evaluate_config
 
     def spy_eval(policy, c, **kw):
         scored.append(policy.get_weights())
         return real_eval(policy, c, **kw)
 
-    monkeypatch.setattr(star, "save_best", spy_save)
     monkeypatch.setattr(common, "evaluate_config", spy_eval)
     results = star.train(cfg, sampler=vllm_sampler)
     assert "no new best test accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
-    assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3, 4]
-    # every new best, and only those
-    assert [(n, acc) for n, acc, _ in saved] == [(1, 0.5), (2, 0.75)]
-    # pruned (keep 2): best/ is the only copy of M_2
-    assert not (out / "checkpoints" / "step_2").exists()
+    assert results["rounds"] == 4
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2, 3, 4, 4]
+    # --save-every 0: only the round the run stopped at
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_4"]
     from safetensors.torch import load_file
-    best = common.load_safetensors_dir(out / "best")
-    m2, last = saved[1][2], load_file(str(out / "checkpoints" / "step_4" / "model.safetensors"))
-    assert all(torch.equal(best[k], m2[k]) for k in best)  # best/ holds M_2, overwritten after M_1
-    assert any(not torch.equal(last[k], m2[k]) for k in last)  # and M_4 is a different model
-    info = json.loads((out / "best" / "star_best.json").read_text())
-    assert info == {"round": 2, "test/accuracy": 0.75}
-    assert (out / "best" / "tokenizer_config.json").is_file()
-    # no temp folders left behind
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
-    import transformers
-    transformers.AutoModelForCausalLM.from_pretrained(str(out / "best"))
-    # benchmarks scored M_2
-    assert len(scored) == 1 and all(torch.equal(scored[0][k], m2[k]) for k in m2)
+    last = load_file(str(out / "checkpoints" / "step_4" / "model.safetensors"))
+    assert len(scored) == 1 and all(torch.equal(scored[0][k], last[k]) for k in last)
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["model_round"] == 2 and ev["best_round"] == 2 and "benchmarks" in ev
-    assert read_jsonl(out / "metrics.jsonl")[-1]["eval/model_round"] == 2
-
-
-def test_restore_best_keeps_the_last_model_unless_an_earlier_round_was_best(tmp_path):
-    class FakePolicy:
-        loaded = None
-
-        def set_weights(self, w, reset_optimizer=True):
-            self.loaded = w
-
-    import types
-    run, pol, base = types.SimpleNamespace(dir=tmp_path), FakePolicy(), {"w": torch.zeros(1)}
-    assert star.restore_best(run, pol, base, {"best_round": 3, "round": 3}) == 3
-    assert pol.loaded is None
-    assert star.restore_best(run, pol, base, {"best_round": 0, "round": 2}) == 0
-    assert pol.loaded is base
-    (tmp_path / "best").mkdir()
-    # stale: from a round the resume redid
-    (tmp_path / "best" / "star_best.json").write_text('{"round": 4}')
-    pol.loaded = None
-    with pytest.warns(UserWarning, match="holds round 4, not the best round 1"):
-        assert star.restore_best(run, pol, base, {"best_round": 1, "round": 3}) == 3
-    assert pol.loaded is None
+    assert ev["best_round"] == 2 and ev["best_accuracy"] == 0.75 and "benchmarks" in ev
 
 
 def test_the_original_weights_are_the_model_files_mapped_not_a_copy(tiny_policy, tiny_model_path):
