@@ -108,6 +108,10 @@ TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
 
 # Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
 # --prompts FILE replaces any of them (common.load_prompts).
+_JSON_RULES = ("First think your design through; this thinking is private. Then write one valid "
+               "JSON object with these fields and nothing after it: no markdown, no code fences; "
+               "start with {{ and end with }}. In its strings write every LaTeX backslash twice "
+               "(\\\\frac{{1}}{{2}}), as JSON requires.\n")
 PROMPTS = {
     # Fig. 8 wrappers: ChatML with a generic system message (Qwen3), or plain dialogue (OctoThinker)
     "system": "You are a helpful assistant.",
@@ -124,16 +128,15 @@ Decide which kind of CHALLENGING exam question the document below supports best:
 
 {document_block}
 
-- Multiple choice needs intricate relationships, reasoning over several steps, several concepts to \
-combine, and room for three wrong options that are plausible but false.
-- Free-form needs one clearly defined answer: a calculation (Integer), a formula to derive \
-(Expression), or a concept named in exact terminology (String).
-Choose exactly ONE kind. Reply with one valid JSON object and nothing else: no markdown, no \
-backticks.
+- MCQ needs intricate relationships, multi-step reasoning, several concepts to combine, and room \
+for three wrong options that are plausible but false.
+- Free-form needs one clear answer: a calculation (Integer), a formula to derive (Expression), or \
+a concept in exact terminology (String).
+Choose exactly ONE kind. Reply with one valid JSON object only: no markdown, no backticks.
 {{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
 "Integer" or "Expression" or "String" or null, "reason": "a few plain words"}}
-Exactly one "suitable" value is true; best_answer_type only for free-form, else null; "reason" \
-under 100 characters, with no LaTeX and no special characters.""",
+Exactly one "suitable" is true; best_answer_type only for free-form, else null; "reason" under \
+100 characters, with no LaTeX and no special characters.""",
     # Fig. 10, left: the multiple-choice generator
     "mcq": """\
 Turn the document below into one CHALLENGING multiple-choice exam question that can only be \
@@ -143,37 +146,32 @@ answered by connecting several of its parts over several reasoning steps.
 
 Step 1. Find material that needs synthesis: relationships between variables or concepts in \
 different parts; multi-step calculations or procedures; interacting formulas or principles; \
-conclusions that follow from combining statements; comparisons or trade-offs; conditional \
-relationships; systems where one change affects several parameters. Avoid facts stated outright, \
-stand-alone definitions and isolated numbers.
-Step 2. Plan how to make it hard ("hardening_process"): the easy version you avoid, the layers of \
+conclusions from combined statements; comparisons or trade-offs; conditional relationships; \
+systems where one change affects several parameters. Avoid stated facts, stand-alone definitions \
+and isolated numbers.
+Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
 complexity you add, the concepts to connect, the shortcuts you block.
 Step 3. Write the question: it applies concepts from different parts, tests relationships, not \
-recall, and may compare scenarios or ask "what if". It stands alone: the solver never sees the \
-document. Never write "according to the text", "in the document", "as mentioned" or the like; give \
-all the context and define specialised terms.
+recall, and may compare scenarios or ask "what if". The solver never sees the document: never \
+write "according to the text", "in the document", "as mentioned" or the like; give all context \
+and define specialised terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
-solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. No \
-single look-up, sentence or keyword match may answer it.
-Step 5. Write down the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
+solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
+No single look-up, sentence or keyword match may answer it.
+Step 5. Write the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
 pieces of information from different parts, their links, and why a simple lookup fails.
 Step 6. Write four options A) to D). Balanced length: within about 20% of each other. Consistent \
 units and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: \
 typical slips in the multi-step work, stopping halfway, confusing related concepts, leaving out a \
 key factor. Give the question, then A) ... D), and the correct letter.
 Step 7. Solve it as a student with the options in view ("self_test_solution"): find the quickest \
-route one might try; if two options can be ruled out without real understanding, or the options \
-give the answer away or can be guessed from patterns, redesign them; count the reasoning steps \
-still needed: if fewer than 3, reject the question and write a harder one; if it takes less than \
-30 seconds, make it harder.
-Step 8. Final check: if one sentence answers it, it needs only one part of the document, it tests \
-facts rather than relationships, its options are unbalanced or formatted unevenly, or your solve \
-took less than a minute, revise it.
+route; if two options can be ruled out without real understanding, or the options give the answer \
+away or follow a pattern, redesign them; count the reasoning steps left: if fewer than 3, reject \
+the question and write a harder one; if it takes less than 30 seconds, make it harder.
+Step 8. Revise it if one sentence or one part of the document answers it, it tests facts rather \
+than relationships, its options are unbalanced or uneven, or your solve took less than a minute.
 
-First think your design through; this thinking is private. Then write one valid JSON object with \
-these fields and nothing after it: no markdown, no code fences; start with {{ and end with }}. \
-In its strings write every LaTeX \
-backslash twice (\\\\frac{{1}}{{2}}), as JSON requires.
+""" + _JSON_RULES + """\
 - "identified_answer": the relationship or conclusion derived by combining parts of the document
 - "answer_quote": several quotes showing the different pieces needed
 - "hardening_process": your strategy from Step 2
@@ -194,36 +192,31 @@ Turn the document below into one CHALLENGING free-form exam question whose answe
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
 variables from different parts, chained computations, careful counting, rates or percentages, \
 optimisation, aggregate statistics. Expression: relationships that form equations, patterns that \
-generalise into a formula, systems of constraints, derivatives, recursive formulas. String, \
-one to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
-"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic and \
-yes/no questions.
-Step 2. Plan how to make it hard ("hardening_process"): the too-easy version, the added layers, \
-the parts to combine, the intermediate steps, the shortcuts you block.
+generalise into a formula, systems of constraints, derivatives, recursive formulas. String, one \
+to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
+"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic, yes/no.
+Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
+parts to combine, the intermediate steps, the shortcuts you block.
 Step 3. Write the question: it connects at least three concepts from different parts, tests \
-relationships, not memory, and needs several steps. It stands alone: the solver never sees the \
-document; never write "according to the text" or the like. Give all context and definitions, and \
-state the units, format and constraints of the answer.
+relationships, not memory, and needs several steps. The solver never sees the document: never \
+write "according to the text" or the like. Give all context and definitions, and state the units, \
+format and constraints of the answer.
 Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
 which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
 every variable defined, canonical form; "answer": "2x^2 + 3x - 5". String: the question says its \
 exact form and whether case matters; no extra punctuation.
-Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer \
-is of type {answer_type}, and estimate the time: a hard question takes more than a minute.
+Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer is \
+of type {answer_type}, and estimate the time: a hard question takes more than a minute.
 Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
 or a counter-intuitive result. Aim for hard or extra hard.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
 unambiguous format, every valid approach reaching the same answer. Else rewrite the question.
 Step 8. Final check: it needs understanding, not extraction; the answer is exactly of type \
-{answer_type}; the question is self-contained and clear.
-"question" is one single string, never a list or several questions; "answer" is one plain value, \
-never a list or an object.
+{answer_type}; the question is self-contained and clear. "question" is one single string, never \
+a list or several questions; "answer" is one plain value, never a list or an object.
 
-First think your design through; this thinking is private. Then write one valid JSON object with \
-these fields and nothing after it: no markdown, no code fences; start with {{ and end with }}. \
-In its strings write every LaTeX \
-backslash twice (\\\\frac{{1}}{{2}}), as JSON requires.
+""" + _JSON_RULES + """\
 - "identified_information": three or more key pieces of information from different parts
 - "relevant_quotes": word-for-word quotes showing them
 - "hardening_process": your strategy from Step 2
@@ -246,13 +239,9 @@ The answer follows from the document alone; a String answer has at most three wo
 
 
 @functools.lru_cache(maxsize=None)
-def _load_templates(path: str):
+def templates(path: str):
+    """PROMPTS with those of --prompts FILE (cfg.prompts) in their place, read once."""
     return types.MappingProxyType(common.load_prompts(path, PROMPTS))
-
-
-def prompt_templates(cfg: Config):
-    """PROMPTS with those of --prompts FILE in their place (read once)."""
-    return _load_templates(cfg.prompts)
 
 
 def wrap(content: str, fmt: str, prompts=PROMPTS):
@@ -267,8 +256,7 @@ def resolve_prompt_format(cfg: Config, tokenizer) -> str:
     return auto if cfg.prompt_format == "auto" else cfg.prompt_format
 
 
-def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str,
-                      prompts=PROMPTS):
+def challenger_prompt(document: str | None, kind: str, answer_type, fmt: str, prompts=PROMPTS):
     """The Challenger's prompt C: kind "select" (Fig. 9), "mcq" or "free" (Fig. 10)."""
     block = (prompts["no_document_block"] if document is None
              else prompts["document_block"].format(document=document))
@@ -473,17 +461,16 @@ class CorpusError(ValueError):
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or of a hub set "owner/name[:config][@split]", streamed
     (limit 0: all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
-    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~"))
-    local = local or os.path.exists(src)
+    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")) \
+        or os.path.exists(src)
     spec, _, split = src.partition("@")
     name, _, config = spec.partition(":")
     where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
-            shape = (f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}}'
-                     " per line")
-            rows = ((f"{src}:{n}", row) for n, row in
-                    common.iter_jsonl(src, shape=shape, error=CorpusError, errors="replace"))
+            shape = f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}}'
+            rows = ((f"{src}:{n}", row) for n, row in common.iter_jsonl(
+                src, shape=shape + " per line", error=CorpusError, errors="replace"))
         else:
             import datasets
             limit = limit or 20000
@@ -585,7 +572,7 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> tuple[l
     ask = cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed
     parsed = [None] * len(docs)
     if ask:
-        prompts = [challenger_prompt(d, "select", None, fmt, prompt_templates(cfg)) for d in docs]
+        prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
         outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
     parsed = [c if c is not None and c[0] in allowed else None for c in parsed]
@@ -617,7 +604,7 @@ class ValidityChecker:
             return None, "mentions_document"
         if self.decon is not None and self.decon.contaminated(task.question):
             return None, "contaminated"
-        prompt = reasoner_prompt(task.question, self.fmt, prompt_templates(self.cfg))
+        prompt = reasoner_prompt(task.question, self.fmt, templates(self.cfg.prompts))
         n_prompt = len(common.encode_prompt(self.tokenizer, prompt))
         if n_prompt + self.cfg.max_tokens > self.cfg.max_model_len:
             return None, "question_too_long"
@@ -641,11 +628,10 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
 def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str,
                         check: ValidityChecker, rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
-    pools = [[] for _ in docs]
-    active, templates = list(range(len(docs))), prompt_templates(cfg)
+    pools, active, tpl = [[] for _ in docs], list(range(len(docs))), templates(cfg.prompts)
     while active:
         n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
-        prompts = [challenger_prompt(docs[i], *types[i], fmt, templates) for i in active]
+        prompts = [challenger_prompt(docs[i], *types[i], fmt, tpl) for i in active]
         outs = policy.generate(prompts, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
         for i, comps in zip(active, outs):
             pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
@@ -662,7 +648,7 @@ def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[li
     """K Reasoner answers per task, from the question alone, and their correctness bits."""
     if not tasks:
         return [], []
-    prompts = [reasoner_prompt(t.question, fmt, prompt_templates(cfg)) for t in tasks]
+    prompts = [reasoner_prompt(t.question, fmt, templates(cfg.prompts)) for t in tasks]
     outs = policy.generate(prompts, n=cfg.reasoner_k, temperature=cfg.temperature,
                            max_tokens=cfg.max_tokens)
     return outs, [grade_answers(t, comps, cfg.verify_timeout) for t, comps in zip(tasks, outs)]
@@ -862,7 +848,7 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
     def prompt_fn(problem: dict, tokenizer=None):
         choices = problem.get("choices") or []
         options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
-        return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
+        return reasoner_prompt(problem["question"] + options, fmt, templates(cfg.prompts))
     res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, prompt_fn=prompt_fn,
                           max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
                           timeout=cfg.verify_timeout)
@@ -872,9 +858,9 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
 
 def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
     """The longest segment that leaves room for the Challenger's prompt and max_tokens."""
-    fmt, templates = resolve_prompt_format(cfg, tokenizer), prompt_templates(cfg)
+    fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
     kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
-    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, templates)))
+    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, tpl)))
                    for k, t in kinds)
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
@@ -912,7 +898,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    prompt_templates(cfg)  # a bad --prompts file: a one-line usage error before anything loads
+    templates(cfg.prompts)  # a bad --prompts file: a one-line usage error before anything loads
 
 
 def train(cfg: Config, policy=None) -> Path:

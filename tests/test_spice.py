@@ -965,7 +965,7 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
     # and the policy itself writes no valid task: every valid one came from the frozen Challenger
     doc = spice.read_documents(str(CORPUS), limit=1)[0]
-    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.prompt_templates(cfg))
+    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.templates(cfg.prompts))
     outs = policy.generate([prompt], n=8, temperature=1.0, max_tokens=96)
     assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
 
