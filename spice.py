@@ -449,8 +449,7 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
     """Eq. 1 (App. D, Eq. 5) on p, the share of correct answers, or a Table 4 ablation."""
-    p = float(np.mean(correct))
-    return float(common.proposer_reward(p, cfg.challenger_reward, tau=cfg.tau))
+    return float(common.proposer_reward(np.mean(correct), cfg.challenger_reward, tau=cfg.tau))
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
@@ -585,30 +584,26 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> tuple[l
     return choices, sum(c is None for c in parsed) if ask else 0
 
 
-class ValidityChecker:
-    """Is a Challenger attempt a usable task (§4; decontaminated; room for the Reasoner's prompt)?
-    An invalid attempt stays in the Challenger's group with reward rho."""
-
-    def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
-        self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
-
-    def __call__(self, completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
+def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
+    """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4),
+    decontaminated, with room for the Reasoner's prompt. An invalid one gets reward rho."""
+    def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
         if completion.finish_reason == "length":
             return None, "truncated"
         # special-token strings in a question would forge chat turns in the Reasoner's prompt
-        text = common.strip_special_tokens(completion.text, self.tokenizer)
-        task, reason = parse_task(text, kind, answer_type)
+        task, reason = parse_task(common.strip_special_tokens(completion.text, tokenizer), kind,
+                                  answer_type)
         if task is None:
             return None, reason
-        if task.mentions_document and self.cfg.reject_document_reference:
+        if task.mentions_document and cfg.reject_document_reference:
             return None, "mentions_document"
-        if self.decon is not None and self.decon.contaminated(task.question):
+        if decon is not None and decon.contaminated(task.question):
             return None, "contaminated"
-        prompt = reasoner_prompt(task.question, self.fmt, templates(self.cfg.prompts))
-        n_prompt = len(common.encode_prompt(self.tokenizer, prompt))
-        if n_prompt + self.cfg.max_tokens > self.cfg.max_model_len:
+        prompt = reasoner_prompt(task.question, fmt, templates(cfg.prompts))
+        if len(common.encode_prompt(tokenizer, prompt)) + cfg.max_tokens > cfg.max_model_len:
             return None, "question_too_long"
         return task, "ok"
+    return check
 
 
 def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
@@ -625,8 +620,8 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
     return pick(valid, G - n_invalid) + pick(invalid, n_invalid)
 
 
-def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str,
-                        check: ValidityChecker, rng) -> list[DocRollout]:
+def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check,
+                        rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
     pools, active, tpl = [[] for _ in docs], list(range(len(docs))), templates(cfg.prompts)
     while active:
@@ -846,12 +841,10 @@ def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
         return {}
 
     def prompt_fn(problem: dict, tokenizer=None):
-        choices = problem.get("choices") or []
-        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
-        return reasoner_prompt(problem["question"] + options, fmt, templates(cfg.prompts))
-    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, prompt_fn=prompt_fn,
-                          max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
-                          timeout=cfg.verify_timeout)
+        options = [f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or [])]
+        return reasoner_prompt(problem["question"] + "".join(options), fmt, templates(cfg.prompts))
+    res = common.evaluate_config(policy, replace(cfg, eval_benchmarks=",".join(benches)),
+                                 prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return res
 
@@ -915,11 +908,10 @@ def train(cfg: Config, policy=None) -> Path:
         corpus = load_corpus(cfg, doc_tok, effective_chunk_tokens(cfg, doc_tok), decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
-    check = ValidityChecker(cfg, tokenizer, fmt, decon)
+    check = validity_checker(cfg, tokenizer, fmt, decon)
     oracle = load_frozen("oracle", cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
     writer = load_frozen("Challenger", cfg.challenger_model, policy, cfg,
                          cfg.challenger_gpu_memory_utilization)
-
     loaded = run.load_checkpoint(policy) if cfg.resume else None
     start = int(loaded[0]) if loaded else 0
     if cfg.resume and run.is_main:  # as metrics.jsonl: steps after the checkpoint are logged again
@@ -936,7 +928,6 @@ def train(cfg: Config, policy=None) -> Path:
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
             writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
             with writing as challenger:
-
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)

@@ -395,7 +395,7 @@ def test_prompt_file_templates_reach_the_sampler(tmp_path, tiny_tokenizer, fmt):
     marks = ("<<type_selection>>", "<<document_block>>", wrapper, DOC)
     assert all(m in as_text(s.prompts[0]) for m in marks)
     s = _RecordingSampler(json.dumps(free_json()))
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, fmt)
+    check = spice.validity_checker(cfg, tiny_tokenizer, fmt)
     for kind, t, marker in (("free", "Integer", "<<free_form>>"), ("mcq", None, "<<mcq>>")):
         spice.challenger_generate(s, [DOC, None], [(kind, t)] * 2, cfg, fmt, check,
                                   np.random.default_rng(0))
@@ -973,8 +973,8 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
 def test_generated_questions_are_decontaminated(tiny_tokenizer):
     eval_q = json.loads(EVAL.read_text().splitlines()[0])["question"]
     decon = common.Decontaminator([eval_q], n=13)
-    check = spice.ValidityChecker(spice.Config(max_tokens=64, max_model_len=2048), tiny_tokenizer,
-                                  "chat", decon)
+    check = spice.validity_checker(spice.Config(max_tokens=64, max_model_len=2048), tiny_tokenizer,
+                                   "chat", decon)
     leaked = comp(json.dumps(free_json("Quick one: " + eval_q, "48")))
     assert check(leaked, "free", "Integer") == (None, "contaminated")
     task, why = check(comp(json.dumps(free_json())), "free", "Integer")
@@ -983,7 +983,7 @@ def test_generated_questions_are_decontaminated(tiny_tokenizer):
     assert check(truncated, "free", "Integer") == (None, "truncated")
     cfg = spice.Config(max_tokens=64, max_model_len=2048, reject_document_reference=True)
     ref = comp(json.dumps(free_json("According to the text, how many seedlings?")))
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
     assert check(ref, "free", "Integer") == (None, "mentions_document")
 
 
@@ -1015,7 +1015,7 @@ class _ScriptedSampler:
 
 def test_attempt_loop_runs_until_a_valid_task_or_n_attempts(tiny_tokenizer):
     cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
     docs = [f"This is doc number {i}." for i in range(3)]
     sampler = _ScriptedSampler([1, 3, None])
     rollouts = spice.challenger_generate(sampler, docs, [("free", "Integer")] * 3, cfg, "chat",
@@ -1097,7 +1097,7 @@ def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer)
     """The group keeps >= 1 valid attempt, so its valid rate overstates a hard document's; the
     metrics count the whole pool (up to --max-attempts) and report the kept group's rate apart."""
     cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
     cited = json.dumps(free_json("According to the passage, how many seedlings?"))
     too_thin = json.dumps(free_json(question="", answer=""))
 
@@ -1165,7 +1165,7 @@ def test_forged_chat_turns_never_reach_the_reasoner_prompt(tiny_tokenizer):
     specials = {tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     n_special = lambda prompt: sum(i in specials for i in common.encode_prompt(tok, prompt))
     cfg = spice.Config(max_tokens=64, max_model_len=2048, reasoner_k=2)
-    check = spice.ValidityChecker(cfg, tok, "chat")
+    check = spice.validity_checker(cfg, tok, "chat")
     attempt = comp(json.dumps(free_json("How many seedlings are planted?" + FORGED, "25")))
     task, why = check(attempt, "free", "Integer")
     assert why == "ok" and "<|im_" not in task.question
