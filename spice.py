@@ -785,18 +785,15 @@ def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
     return m
 
 
-def task_records(rollouts: list[DocRollout], step: int) -> list[dict]:
+def append_tasks(run, rollouts: list[DocRollout], step: int) -> None:
     """tasks.jsonl: each valid task with its gold answer, the pass rate behind r_C, and r_C."""
-    return [{"step": step, "type": type_name(r.kind, r.answer_type), "question": a.task.question,
+    recs = [{"step": step, "type": type_name(r.kind, r.answer_type), "question": a.task.question,
              "gold": a.task.gold, "pass_rate": _mean(a.correct), "challenger_reward": a.reward,
              "reasoner_task": a is r.reasoner_task}
             for r in rollouts for a in r.attempts if a.task is not None]
-
-
-def append_tasks(run, records: list[dict]) -> None:
-    if run.is_main and records:
+    if run.is_main and recs:
         with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+            f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in recs)
 
 
 def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
@@ -948,7 +945,7 @@ def train(cfg: Config, policy=None) -> Path:
                         for role in (CHALLENGER, REASONER) if f"entropy/{role}" in train_stats
                         for x in ("", "_exact")})
         run.log_samples(step, "document", sample_records(rollouts))
-        append_tasks(run, task_records(rollouts, step))
+        append_tasks(run, rollouts, step)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             res = run_eval(policy, run, cfg, fmt, eval_sets, step, f"eval_step{step}.json")
             metrics.update(common.eval_metrics(res))

@@ -1247,18 +1247,17 @@ def test_tasks_log_diversity_and_samples_show_what_was_trained(tmp_path):
     r1.reasoner_task = a1
     r1.reasoner_answers = [comp("fresh \\boxed{3}"), comp("fresh \\boxed{9}")]
     r1.reasoner_rewards = [1.0, 0.0]
-    recs = spice.task_records([r1, r2], 5)
-    assert recs == [
+    run = common.Run(spice.Config(output_dir=str(tmp_path / "run")), "spice")
+    spice.append_tasks(run, [r1, r2], 5)
+    spice.append_tasks(run, [r2], 6)   # no valid task: nothing written
+    lines = [json.loads(l) for l in (tmp_path / "run" / "tasks.jsonl").read_text().splitlines()]
+    assert lines == [
         {"step": 5, "type": "free/Integer", "question": "How many apples are in the basket?",
          "gold": "3", "pass_rate": 0.5, "challenger_reward": pytest.approx(1.0),
          "reasoner_task": True},
         {"step": 5, "type": "free/Integer", "question": "How many pears?", "gold": "4",
          "pass_rate": 1.0, "challenger_reward": pytest.approx(math.exp(-0.25 ** 2 / 0.02)),
          "reasoner_task": False}]
-    run = common.Run(spice.Config(output_dir=str(tmp_path / "run")), "spice")
-    spice.append_tasks(run, recs)
-    spice.append_tasks(run, spice.task_records([r2], 6))   # no valid task: nothing written
-    lines = [json.loads(l) for l in (tmp_path / "run" / "tasks.jsonl").read_text().splitlines()]
     assert [(x["step"], x["gold"]) for x in lines] == [(5, "3"), (5, "4")]
     m = spice.step_metrics([r1, r2], 0)
     assert m["challenger/distinct_frac"] == 1.0 and m["challenger/bleu_clusters"] == 2
