@@ -15,7 +15,7 @@ Run: python spice.py --model Qwen/Qwen3-4B-Base (--resume RUN_DIR); smoke: --mod
 
 Choices where the paper is inconsistent or silent:
 - One Reasoner task per document (§3.1), not one per iteration (Alg. 1); T_R reuses the K answers
-  behind r_C (§2.5), not new ones (Alg. 1 l. 16; a flag). B = 128 documents (§3.1).
+  behind r_C (§2.5), not new ones (Alg. 1 l. 16). B = 128 documents (§3.1).
 - Answer types Integer / Expression / String (the text), not Fig. 2's.
 - r_C uses the population variance p(1 - p); torch.var's unbiased default moves the peak off 50%.
 - Both roles generate <= 4,096 tokens (Dr. GRPO's L_max); truncated: r_R = 0, invalid task.
@@ -34,7 +34,6 @@ import os
 import re
 import sys
 import types
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -66,11 +65,8 @@ class Config(common.RunConfig):
     task_types: str = "both"  # both | mcq | free (§4 ablation)
     type_selection: str = "prompt"  # prompt: the Fig. 9 call (untrained) | random: a coin
     no_document: bool = False  # ablation: the Challenger writes without a document (Fig. 4b)
-    freeze_challenger: bool = False  # ours: the policy writes the tasks, only the Reasoner trains
     challenger_model: str = ""  # a frozen model writes the tasks (Table 1: Strong Challenger)
     challenger_gpu_memory_utilization: float = 0.2  # its own engine's GPU share, if not swapped in
-    fresh_reasoner_samples: bool = False  # Alg. 1 l. 16: new answers for T_R, not the K behind r_C
-    reject_document_reference: bool = False  # ours: "the text/passage" makes a question invalid
     eval_benchmarks: str = TABLE1  # Table 1 (App. A): greedy; AIME mean@32 at T 0.6
     eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A gives none)
     eval_base: bool = False  # also evaluate the model before step 1 (Table 1's "Base Model" row)
@@ -87,10 +83,6 @@ class Config(common.RunConfig):
     adam_beta2: float = 0.95  # AdamW beta_2 (oat/args.py adam_beta_2)
     kl_coef: float = 0.0  # no KL (App. B)
     max_model_len: int = 12288  # a 5,992-token document + prompt + 4,096 generated tokens
-    oracle_model: str = ""  # a stronger model answers valid tasks to spot-check gold answers (ours)
-    oracle_limit: int = 32  # valid tasks checked against the oracle per checked step
-    oracle_every: int = 1  # spot-check every K steps
-    oracle_gpu_memory_utilization: float = 0.2  # the oracle engine's GPU share, if not swapped in
 
 
 CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "threshold"),
@@ -276,8 +268,6 @@ MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
 MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
 _JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; "{1}" does not
 MAX_QUESTION_CHARS = 6_000
-DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+"
-                           r"(?:document|text|passage|article|excerpt)\b", re.IGNORECASE)
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
 
@@ -332,7 +322,6 @@ class Task:
     question: str  # what the Reasoner sees
     gold: str  # the option letter (MCQ) or the answer (free-form)
     answer_type: str  # "MCQ" | Integer | Expression | String
-    mentions_document: bool = False
 
 
 def split_options(text: str) -> tuple[str, list[str]] | None:
@@ -416,7 +405,6 @@ def _parse_task(text, kind, answer_type):
         if not answer_has_type(a, answer_type):
             return None, "answer_not_" + answer_type.lower()
         task = Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(), answer_type)
-    task.mentions_document = bool(DOC_REFERENCE.search(task.question))
     return task, "ok"
 
 
@@ -549,11 +537,7 @@ class DocRollout:
     attempts: list[Attempt] = field(default_factory=list)  # the Challenger group T_C (<= G)
     n_generated: int = 0
     n_valid: int = 0
-    n_mentions_document: int = 0  # valid attempts whose question cites "the text"
-    invalid_reasons: Counter = field(default_factory=Counter)
     reasoner_task: Attempt | None = None  # the valid attempt whose task gives T_R
-    reasoner_answers: list = field(default_factory=list)  # T_R
-    reasoner_rewards: list[float] = field(default_factory=list)
 
 
 def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) -> list:
@@ -563,25 +547,21 @@ def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) 
     return [corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
 
 
-def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> tuple[list, int]:
+def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tuple]:
     """Step 2: MCQ or free-form (and its answer type) per document, by the Fig. 9 call, untrained
-    and greedy; an unusable reply falls back to a coin. Returns the choices and the fallbacks."""
+    and greedy; an unusable reply falls back to a coin."""
     allowed = ("mcq", "free") if cfg.task_types == "both" else (cfg.task_types,)
     # without a document there is nothing to judge; MCQ only needs no answer type
-    ask = cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed
     parsed = [None] * len(docs)
-    if ask:
+    if cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed:
         prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
         outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
-    parsed = [c if c is not None and c[0] in allowed else None for c in parsed]
     choices = []
-    for choice in parsed:
-        kind, answer_type = choice or (allowed[rng.integers(len(allowed))], None)
-        if kind == "free" and answer_type is None:
-            answer_type = ANSWER_TYPES[rng.integers(3)]
-        choices.append((kind, answer_type))
-    return choices, sum(c is None for c in parsed) if ask else 0
+    for c in parsed:
+        kind, t = c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
+        choices.append((kind, t or (ANSWER_TYPES[rng.integers(3)] if kind == "free" else None)))
+    return choices
 
 
 def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
@@ -595,8 +575,6 @@ def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
                                   answer_type)
         if task is None:
             return None, reason
-        if task.mentions_document and cfg.reject_document_reference:
-            return None, "mentions_document"
         if decon is not None and decon.contaminated(task.question):
             return None, "contaminated"
         prompt = reasoner_prompt(task.question, fmt, templates(cfg.prompts))
@@ -633,28 +611,20 @@ def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, 
         active = [i for i in active
                   if not any(a.task for a in pools[i]) and len(pools[i]) < cfg.max_attempts]
     return [DocRollout(d, kind, t, attempts=subsample_group(pool, cfg.group_size, rng),
-                       n_generated=len(pool), n_valid=sum(a.task is not None for a in pool),
-                       n_mentions_document=sum(a.task.mentions_document for a in pool if a.task),
-                       invalid_reasons=Counter(a.reason for a in pool if a.task is None))
+                       n_generated=len(pool), n_valid=sum(a.task is not None for a in pool))
             for d, (kind, t), pool in zip(docs, types, pools)]
 
 
-def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[list, list]:
-    """K Reasoner answers per task, from the question alone, and their correctness bits."""
-    if not tasks:
-        return [], []
-    prompts = [reasoner_prompt(t.question, fmt, templates(cfg.prompts)) for t in tasks]
+def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
+    """Step 4: K answers to every valid task, from the question alone, in one batched call."""
+    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
+    if not valid:
+        return
+    prompts = [reasoner_prompt(a.task.question, fmt, templates(cfg.prompts)) for a in valid]
     outs = policy.generate(prompts, n=cfg.reasoner_k, temperature=cfg.temperature,
                            max_tokens=cfg.max_tokens)
-    return outs, [grade_answers(t, comps, cfg.verify_timeout) for t, comps in zip(tasks, outs)]
-
-
-def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
-    """Step 4: K answers to every valid task of every Challenger group, in one batched call."""
-    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
-    outs, correct = sample_answers(policy, [a.task for a in valid], cfg, fmt)
-    for a, o, c in zip(valid, outs, correct):
-        a.answers, a.correct = o, c
+    for a, comps in zip(valid, outs):
+        a.answers, a.correct = comps, grade_answers(a.task, comps, cfg.verify_timeout)
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
@@ -663,33 +633,25 @@ def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
         a.reward = challenger_reward(a.correct, cfg) if a.task is not None else cfg.invalid_penalty
 
 
-def reasoner_group(policy, rollouts: list[DocRollout], cfg: Config, fmt: str, rng) -> None:
-    """Step 6: one random valid task per document (§3.1); its K answers are T_R."""
-    picked = []
+def reasoner_group(rollouts: list[DocRollout], rng) -> None:
+    """Step 6: one random valid task per document (§3.1); its K answers, those behind r_C (§2.5),
+    are T_R."""
     for r in rollouts:
         valid = [a for a in r.attempts if a.task is not None]
         if valid:
             r.reasoner_task = valid[rng.integers(len(valid))]
-            picked.append(r)
-    if cfg.fresh_reasoner_samples:  # Alg. 1, line 16
-        outs, correct = sample_answers(policy, [r.reasoner_task.task for r in picked], cfg, fmt)
-    else:  # §2.5, §3.1: the answers behind r_C
-        outs = [r.reasoner_task.answers for r in picked]
-        correct = [r.reasoner_task.correct for r in picked]
-    for r, o, c in zip(picked, outs, correct):
-        r.reasoner_answers, r.reasoner_rewards = o, c
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
     """Step 7 (Eq. 3): A = r - mean(group), no std, one group per role and document. A frozen
-    Challenger (--freeze-challenger, --challenger-model) gives no groups."""
+    --challenger-model gives no Challenger groups."""
     groups = []  # (role, completions, rewards)
     for r in rollouts:
-        if not (cfg.freeze_challenger or cfg.challenger_model):
+        if not cfg.challenger_model:
             groups.append((CHALLENGER, [a.completion for a in r.attempts],
                            [a.reward for a in r.attempts]))
-        groups.append((REASONER, r.reasoner_answers, r.reasoner_rewards))
-    groups = [g for g in groups if g[1]]
+        if r.reasoner_task:
+            groups.append((REASONER, r.reasoner_task.answers, r.reasoner_task.correct))
     trajs = [common.Trajectory.from_completion(c, reward=x, role=role)
              for role, cs, xs in groups for c, x in zip(cs, xs)]
     ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
@@ -698,12 +660,9 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
         t.advantage = float(a)
     stats = {}
     for role in (CHALLENGER, REASONER):
-        mine = [(cs, xs) for ro, cs, xs in groups if ro == role]
+        mine = [xs for ro, _, xs in groups if ro == role]
         if mine:  # a group of equal rewards has zero advantages: no signal
-            toks = [len(c.token_ids) for cs, _ in mine for c in cs]
-            zero = _mean([len(set(xs)) == 1 for _, xs in mine])
-            stats.update({f"{role}/zero_adv_group_frac": zero, f"{role}/tokens": int(sum(toks)),
-                          f"{role}/response_len": _mean(toks)})
+            stats[f"{role}/zero_adv_group_frac"] = _mean([len(set(xs)) == 1 for xs in mine])
     return trajs, stats
 
 
@@ -718,107 +677,41 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     return common.pg_step(policy, trajs, pg)
 
 
-# Metrics and logs: validity, rewards, frontier share, question diversity, tasks.jsonl
+# Metrics and logs
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
 
 
-def type_name(kind: str, answer_type: str | None) -> str:
-    return kind if kind == "mcq" else f"free/{answer_type}"
-
-
-def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
-    """Validity over every attempt generated; group_valid_rate over the G kept for training."""
+def step_metrics(rollouts: list[DocRollout]) -> dict:
+    """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate."""
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
-    pass_rates = [float(np.mean(a.correct)) for a in valid]
-    rate = lambda rs: sum(r.n_valid for r in rs) / max(1, sum(r.n_generated for r in rs))
-    m = {"challenger/valid_rate": rate(rollouts),
-         "challenger/group_valid_rate": len(valid) / max(1, len(attempts)),
-         "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
-         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts)
-                                              for r in rollouts),
+    m = {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
+                                   / max(1, sum(r.n_generated for r in rollouts))),
+         "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
          "challenger/reward": _mean([a.reward for a in attempts]),
-         "challenger/reward_valid": _mean([a.reward for a in valid]),
-         "challenger/mentions_document": sum(r.n_mentions_document for r in rollouts),
-         "challenger/type_selection_fallbacks": type_fallbacks,
-         "reasoner/accuracy": _mean(pass_rates),
-         "reasoner/frontier_share": _mean([0.0 < p < 1.0 for p in pass_rates]),
-         "reasoner/group_accuracy": _mean([x for r in rollouts for x in r.reasoner_rewards]),
-         "reasoner/truncated_frac": _mean([c.finish_reason == "length"
-                                           for a in valid for c in a.answers])}
-    kinds = [type_name(r.kind, r.answer_type) for r in rollouts]
-    for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
-        m[f"types/{k}"] = kinds.count(k) / max(1, len(kinds))
-        ks = [r for r, kk in zip(rollouts, kinds) if kk == k]
-        if any(r.n_generated for r in ks):
-            m[f"challenger/valid_rate/{k}"] = rate(ks)
-    why = Counter()
-    for r in rollouts:
-        why.update(r.invalid_reasons)
-    m.update({f"invalid/{w}": n for w, n in sorted(why.items())})
+         "reasoner/accuracy": _mean([_mean(a.correct) for a in valid])}
     if valid:  # SPICE's diversity comes from the documents alone, so watch it
         diversity = common.diversity_metrics([a.task.question for a in valid])
         m.update({f"challenger/{k}": v for k, v in diversity.items()})
     return m
 
 
-def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
-    """The share of valid tasks (the Reasoner's first) whose gold answer the oracle reaches too,
-    answering greedily from the Reasoner's prompt and graded as the Reasoner is."""
-    picked = [r.reasoner_task.task for r in rollouts if r.reasoner_task]
-    rest = [a.task for r in rollouts for a in r.attempts if a.task and a is not r.reasoner_task]
-    tasks = (picked + rest)[:cfg.oracle_limit]
-    if not tasks:
-        return {}
-    with oracle.sampling(policy) as s:  # one greedy answer per task
-        greedy = replace(cfg, reasoner_k=1, temperature=0.0)
-        outs, correct = sample_answers(s, tasks, greedy, resolve_prompt_format(cfg, s.tokenizer))
-    agree = [c[0] for c in correct]
-    answered = [o[0].finish_reason != "length" and common.extract_boxed(o[0].text) is not None
-                for o in outs]
-    m = {"gold_check/agree": _mean(agree), "gold_check/oracle_answered": _mean(answered),
-         "gold_check/n": len(tasks)}
-    kinds = [type_name(t.kind, t.answer_type) for t in tasks]
-    for k in sorted(set(kinds)):
-        m[f"gold_check/agree/{k}"] = _mean([a for a, kk in zip(agree, kinds) if kk == k])
-    return m
-
-
-def append_tasks(run, rollouts: list[DocRollout], step: int) -> None:
-    """tasks.jsonl: each valid task with its gold answer, the pass rate behind r_C, and r_C."""
-    recs = [{"step": step, "type": type_name(r.kind, r.answer_type), "question": a.task.question,
-             "gold": a.task.gold, "pass_rate": _mean(a.correct), "challenger_reward": a.reward,
-             "reasoner_task": a is r.reasoner_task}
-            for r in rollouts for a in r.attempts if a.task is not None]
-    if run.is_main and recs:
-        with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in recs)
-
-
-def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
-    """samples.jsonl: per document its task (the Reasoner's, else the first attempt) and the
-    answers trained on (with --fresh-reasoner-samples, not those behind pass_rate)."""
-    recs = []
-    for r in rollouts:
-        a = r.reasoner_task or r.attempts[0]
-        answers, correct = ((r.reasoner_answers, r.reasoner_rewards) if r.reasoner_task
-                            else (a.answers, a.correct))
-        recs.append({"document_excerpt": r.document and r.document[:excerpt_chars],
-                     "type": type_name(r.kind, r.answer_type),
-                     "challenger_output": a.completion.text, "valid": a.task is not None,
-                     "invalid_reason": None if a.task else a.reason,
-                     "question": a.task and a.task.question, "gold": a.task and a.task.gold,
-                     "challenger_reward": a.reward,
-                     "pass_rate": _mean(a.correct) if a.task else None,
-                     "reasoner_answers": [c.text for c in answers], "reasoner_correct": correct})
-    return recs
+def sample_records(rollouts: list[DocRollout]) -> list[dict]:
+    """samples.jsonl: every Challenger attempt with its task, r_C and the K answers behind it."""
+    return [{"document": r.document, "type": r.answer_type or r.kind,
+             "challenger_output": a.completion.text,
+             "invalid_reason": None if a.task else a.reason, "question": a.task and a.task.question,
+             "gold": a.task and a.task.gold, "challenger_reward": a.reward,
+             "pass_rate": _mean(a.correct) if a.task else None,
+             "reasoner_task": a is r.reasoner_task, "answers": [c.text for c in a.answers]}
+            for r in rollouts for a in r.attempts]
 
 
 # Training loop and main()
 def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
-    """The eval sets that load (checked up front; one that cannot is reported and skipped), and a
-    13-gram decontaminator of their questions."""
+    """The eval sets that load (one that cannot is reported and skipped), and a 13-gram
+    decontaminator of their questions."""
     names, questions = [], []
     for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
         try:
@@ -857,19 +750,7 @@ def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
         raise CorpusError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next "
                           f"to --max-tokens {cfg.max_tokens} and a {overhead}-token prompt; "
                           "raise --max-model-len")
-    if room < cfg.chunk_tokens:
-        print(f"[spice] segments shortened to {room} tokens so that prompt + document + "
-              f"{cfg.max_tokens} generated tokens fit --max-model-len {cfg.max_model_len}",
-              file=sys.stderr)
     return min(cfg.chunk_tokens, room)
-
-
-def load_frozen(role: str, name: str, policy, cfg: Config, gpu_memory_utilization: float):
-    if not name:
-        return None
-    frozen = common.FrozenModel(name, policy, cfg, gpu_memory_utilization)
-    print(f"[spice] {role} {name}: {frozen.route}", file=sys.stderr)
-    return frozen
 
 
 def validate_config(cfg: Config) -> None:
@@ -877,14 +758,8 @@ def validate_config(cfg: Config) -> None:
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} must be {', '.join(allowed[:-1])} or "
                              f"{allowed[-1]}, not {getattr(cfg, name)!r}")
-    for name in ("steps", "docs_per_step", "group_size", "reasoner_k", "max_attempts", "max_tokens",
-                 "oracle_limit", "oracle_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if not cfg.verify_timeout > 0:
-        raise ValueError("--verify-timeout must be > 0 seconds")
-    if cfg.mini_batch < 0 or cfg.tis_cap < 0:
-        raise ValueError("--mini-batch (trajectories per step, 0 = all) and --tis-cap must be >= 0")
+    if cfg.reasoner_k < 1:  # the other sizes: parse_config
+        raise ValueError("--reasoner-k must be >= 1")
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
@@ -906,13 +781,10 @@ def train(cfg: Config, policy=None) -> Path:
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = validity_checker(cfg, tokenizer, fmt, decon)
-    oracle = load_frozen("oracle", cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
-    writer = load_frozen("Challenger", cfg.challenger_model, policy, cfg,
-                         cfg.challenger_gpu_memory_utilization)
+    writer = cfg.challenger_model and common.FrozenModel(
+        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
     loaded = run.load_checkpoint(policy) if cfg.resume else None
     start = int(loaded[0]) if loaded else 0
-    if cfg.resume and run.is_main:  # as metrics.jsonl: steps after the checkpoint are logged again
-        common.truncate_jsonl(run.dir / "tasks.jsonl", start)
     if cfg.eval_base and start == 0:  # step 0: the curve's starting point, same prompt and grader
         res = run_eval(policy, run, cfg, fmt, eval_sets, 0, "eval_base.json")
         if res:
@@ -926,26 +798,19 @@ def train(cfg: Config, policy=None) -> Path:
             writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
             with writing as challenger:
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
-                types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
+                types = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
-            reasoner_group(policy, rollouts, cfg, fmt, rng)
-        metrics = step_metrics(rollouts, fallbacks)
-        if oracle is not None and step % cfg.oracle_every == 0:
-            with run.timer("gold_check"):
-                metrics.update(gold_check(oracle, policy, rollouts, cfg))
+            reasoner_group(rollouts, rng)
+        metrics = step_metrics(rollouts)
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
             train_stats = drgrpo_update(policy, trajs, cfg)
         metrics.update(traj_stats)
         metrics.update({f"train/{k}": v for k, v in train_stats.items()
-                        if isinstance(v, (int, float)) and "/" not in k})
-        metrics.update({f"{role}/entropy{x}": train_stats.get(f"entropy{x}/{role}")  # and exact
-                        for role in (CHALLENGER, REASONER) if f"entropy/{role}" in train_stats
-                        for x in ("", "_exact")})
-        run.log_samples(step, "document", sample_records(rollouts))
-        append_tasks(run, rollouts, step)
+                        if isinstance(v, (int, float))})
+        run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             res = run_eval(policy, run, cfg, fmt, eval_sets, step, f"eval_step{step}.json")
             metrics.update(common.eval_metrics(res))
