@@ -33,7 +33,6 @@ import math
 import os
 import re
 import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +49,7 @@ DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-1
 @dataclass
 class Config(common.RunConfig):
     model: str = "Qwen/Qwen3-4B-Base"  # §3.1 (also Qwen3-8B-Base, OctoThinker-3B/8B-Hybrid-Base)
-    corpus: str = "default"  # JSONL paths or hub ids [id:config@split], equal shares (App. B)
+    corpus: str = DEFAULT_CORPUS  # JSONL paths or hub ids [id:config@split], equal shares (App. B)
     corpus_field: str = "text"  # the document field of a corpus row
     corpus_docs: int = 20000  # documents read in all; 0 = all of a local file (§3.1)
     chunk_tokens: int = 5992  # max tokens per document segment (App. B)
@@ -231,9 +230,9 @@ The answer follows from the document alone; a String answer has at most three wo
 
 
 @functools.lru_cache(maxsize=None)
-def templates(path: str):
+def templates(path: str) -> dict:
     """PROMPTS with those of --prompts FILE (cfg.prompts) in their place, read once."""
-    return types.MappingProxyType(common.load_prompts(path, PROMPTS))
+    return common.load_prompts(path, PROMPTS)
 
 
 def wrap(content: str, fmt: str, prompts=PROMPTS):
@@ -441,10 +440,6 @@ def challenger_reward(correct: list[float], cfg: Config) -> float:
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
-class CorpusError(ValueError):
-    pass
-
-
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or of a hub set "owner/name[:config][@split]", streamed
     (limit 0: all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
@@ -457,7 +452,7 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
             rows = ((f"{src}:{n}", row) for n, row in common.iter_jsonl(
-                src, shape=fix, error=CorpusError, errors="replace"))
+                src, shape=fix, error=common.InputError, errors="replace"))
         else:
             import datasets
             limit = limit or 20000
@@ -465,19 +460,19 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
                 name, config or None, split=split or "train", streaming=True))
         for at, row in rows:
             if not isinstance(text := row.get(field_name), str):
-                raise CorpusError(f"{at}: no string field {field_name!r} (keys: "
-                                  f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
+                raise common.InputError(f"{at}: no string field {field_name!r} (keys: "
+                                        f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
             if text.strip():
                 docs.append(text)
             if limit and len(docs) >= limit:
                 break
-    except CorpusError:
+    except common.InputError:
         raise
     except Exception as e:  # no network, a gated set, an unknown id
-        raise CorpusError(f"could not stream {where} ({type(e).__name__}: {str(e)[:200]}); if the "
-                          f"hub is unreachable or gated: {fix}") from None
+        raise common.InputError(f"could not stream {where} ({type(e).__name__}: {str(e)[:200]});"
+                                f" if the hub is unreachable or gated: {fix}") from None
     if not docs:
-        raise CorpusError(f"{where} holds no documents (no non-empty {field_name!r})")
+        raise common.InputError(f"{where} holds no documents (no non-empty {field_name!r})")
     return docs
 
 
@@ -491,10 +486,9 @@ def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
 def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
     """The segments of every source (an equal share of cfg.corpus_docs each), without special-token
     strings, less those sharing a 13-gram with an eval set."""
-    spec = DEFAULT_CORPUS if cfg.corpus == "default" else cfg.corpus
-    sources = [s.strip() for s in spec.split(",") if s.strip()]
+    sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
-        raise CorpusError("--corpus is empty; pass a JSONL file or a hub dataset id")
+        raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
     segments = []
     for src in sources:
         for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
@@ -507,7 +501,7 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
         print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
               f"contaminated)", file=sys.stderr)
         if not kept:
-            raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
+            raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
         segments = kept
     return segments
 
@@ -629,8 +623,7 @@ def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
 
 
 def reasoner_group(rollouts: list[DocRollout], rng) -> None:
-    """Step 6: one random valid task per document (§3.1); its K answers, those behind r_C (§2.5),
-    are T_R."""
+    """Step 6: one random valid task per document (§3.1); its K answers behind r_C are T_R."""
     for r in rollouts:
         valid = [a for a in r.attempts if a.task is not None]
         if valid:
@@ -638,8 +631,8 @@ def reasoner_group(rollouts: list[DocRollout], rng) -> None:
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
-    """Step 7 (Eq. 3): A = r - mean(group), no std, one group per role and document. A frozen
-    --challenger-model gives no Challenger groups."""
+    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document (none for T_C from a
+    frozen --challenger-model)."""
     groups = []  # (role, completions, rewards)
     for r in rollouts:
         if not cfg.challenger_model:
@@ -705,8 +698,7 @@ def sample_records(rollouts: list[DocRollout]) -> list[dict]:
 
 # Training loop and main()
 def decontaminator(cfg: Config) -> common.Decontaminator | None:
-    """13-grams of the eval sets' questions, loaded up front: one that cannot load stops the run
-    before the model does (BenchmarkUnavailable names the fix)."""
+    """The eval sets' 13-grams, loaded before the model: a set that cannot load stops the run."""
     names = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
     questions = [row["question"] for name in names for row in common.load_benchmark(name)]
     return common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
@@ -733,9 +725,9 @@ def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
                    for k, t in kinds)
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
-        raise CorpusError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next "
-                          f"to --max-tokens {cfg.max_tokens} and a {overhead}-token prompt; "
-                          "raise --max-model-len")
+        raise common.InputError(f"--max-model-len {cfg.max_model_len} leaves no room for a "
+                                f"document next to --max-tokens {cfg.max_tokens} and a "
+                                f"{overhead}-token prompt; raise --max-model-len")
     return min(cfg.chunk_tokens, room)
 
 
@@ -789,13 +781,11 @@ def train(cfg: Config, policy=None) -> Path:
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(rollouts, rng)
-        metrics = step_metrics(rollouts)
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
             train_stats = drgrpo_update(policy, trajs, cfg)
-        metrics.update(traj_stats)
-        metrics.update({f"train/{k}": v for k, v in train_stats.items()
-                        if isinstance(v, (int, float))})
+        metrics = {**step_metrics(rollouts), **traj_stats, **{
+            f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
         run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             res = run_eval(policy, run, cfg, fmt, step, f"eval_step{step}.json")
@@ -813,7 +803,7 @@ def train(cfg: Config, policy=None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, errors=(CorpusError,))
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
 
 
 if __name__ == "__main__":

@@ -572,10 +572,10 @@ def test_corpus_reader_and_chunking(tmp_path):
 def test_corpus_errors_name_file_and_line(tmp_path, content, needle):
     p = tmp_path / "docs.jsonl"
     p.write_text(content)
-    with pytest.raises(spice.CorpusError) as e:
+    with pytest.raises(common.InputError) as e:
         spice.read_documents(str(p))
     assert needle in str(e.value) and str(p) in str(e.value)
-    with pytest.raises(spice.CorpusError, match="does not exist"):
+    with pytest.raises(common.InputError, match="does not exist"):
         spice.read_documents(str(tmp_path / "missing.jsonl"))
 
 
@@ -676,7 +676,7 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "fine"}\n{"content": "wrong field"}\n')
     cfg = spice.Config(model="tiny", corpus=str(p))
-    with pytest.raises(spice.CorpusError, match=r"bad.jsonl:2: no string field 'text'"):
+    with pytest.raises(common.InputError, match=r"bad.jsonl:2: no string field 'text'"):
         spice.load_corpus(cfg, _WordTok(), 100)
     # fails before the model loads; no run folder
     with pytest.raises(SystemExit) as e:
@@ -913,7 +913,7 @@ def test_generated_questions_are_decontaminated(tiny_tokenizer):
 
 def test_hub_corpus_failure_is_a_clear_error():
     # tests never download (HF_HUB_OFFLINE=1): `datasets` is missing or the hub is unreachable
-    with pytest.raises(spice.CorpusError, match="datasets|could not stream"):
+    with pytest.raises(common.InputError, match="datasets|could not stream"):
         spice.read_documents("open-web-math/open-web-math", "text", 2)
 
 
