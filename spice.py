@@ -114,8 +114,7 @@ PROMPTS = {
                           "science and invent the material yourself.)"),
     # Fig. 9: task type selection (not trained)
     "type_selection": """\
-Decide which kind of CHALLENGING exam question the document below supports best: multiple choice \
-(MCQ) or free-form.
+Which CHALLENGING exam question suits the document below best: multiple choice (MCQ) or free-form?
 
 {document_block}
 
@@ -135,17 +134,15 @@ answered by connecting several of its parts over several reasoning steps.
 
 {document_block}
 
-Step 1. Find material that needs synthesis: relationships between variables or concepts in \
-different parts; multi-step calculations or procedures; interacting formulas or principles; \
-conclusions from combined statements; comparisons or trade-offs; conditional relationships; \
-systems where one change affects several parameters. Avoid stated facts, stand-alone definitions \
-and isolated numbers.
+Step 1. Find material that needs synthesis: relationships between variables or concepts across \
+parts; multi-step calculations or procedures; interacting formulas or principles; conclusions from \
+combined statements; comparisons or trade-offs; conditional relationships; systems where one \
+change affects several parameters. Avoid stated facts, lone definitions and isolated numbers.
 Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
 complexity you add, the concepts to connect, the shortcuts you block.
-Step 3. Write the question: it applies concepts from different parts, tests relationships, not \
-recall, and may compare scenarios or ask "what if". The solver never sees the document: never \
-write "according to the text", "in the document", "as mentioned" or the like; give all context \
-and define specialised terms.
+Step 3. The question applies concepts from different parts, tests relationships, not recall, and \
+may compare scenarios or ask "what if". The solver never sees the document: never write "according \
+to the text", "in the document", "as mentioned" or the like; give all context, define terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
 solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
 No single look-up, sentence or keyword match may answer it.
