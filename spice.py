@@ -372,15 +372,13 @@ def _parse_task(text, kind, answer_type):
         return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
     if len(q) > MAX_QUESTION_CHARS:
         return None, "question_too_long"
-    if _BAD_CHARS.search(q):  # "\u0008", a lone "\ud800": no repair recovers what was meant
+    q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
+    if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
         return None, "bad_characters"
-    q = q.strip()
     if mcq:
         parts = split_options(q)
-        if parts is None:
-            return None, "options_not_A_to_D"
-        if not parts[0]:
-            return None, "empty_stem"
+        if parts is None or not parts[0]:
+            return None, "empty_stem" if parts else "options_not_A_to_D"
         if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
                                      for o in parts[1]}) != 4:
             return None, "options_not_distinct"
@@ -390,11 +388,8 @@ def _parse_task(text, kind, answer_type):
             return None, "bad_correct_letter"
         task = Task("mcq", q, letter.upper(), "MCQ")
     else:
-        a = _scalar(obj.get("answer"))
         if not a:
             return None, "missing_answer"
-        if _BAD_CHARS.search(a):
-            return None, "bad_characters"
         declared = obj.get("answer_type")
         if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
             return None, "wrong_answer_type"
