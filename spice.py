@@ -15,7 +15,7 @@ Run: python spice.py --model Qwen/Qwen3-4B-Base (--resume RUN_DIR); smoke: --mod
 
 Choices where the paper is inconsistent or silent:
 - One Reasoner task per document (§3.1), not one per iteration (Alg. 1); T_R reuses the K answers
-  behind r_C (§2.5), not new ones (Alg. 1 l. 16; a flag). B = 128 documents (§3.1).
+  behind r_C (§2.5), not new ones (Alg. 1 l. 16). B = 128 documents (§3.1).
 - Answer types Integer / Expression / String (the text), not Fig. 2's.
 - r_C uses the population variance p(1 - p); torch.var's unbiased default moves the peak off 50%.
 - Both roles generate <= 4,096 tokens (Dr. GRPO's L_max); truncated: r_R = 0, invalid task.
@@ -33,9 +33,7 @@ import math
 import os
 import re
 import sys
-import types
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +49,7 @@ DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-1
 @dataclass
 class Config(common.RunConfig):
     model: str = "Qwen/Qwen3-4B-Base"  # §3.1 (also Qwen3-8B-Base, OctoThinker-3B/8B-Hybrid-Base)
-    corpus: str = "default"  # JSONL paths or hub ids [id:config@split], equal shares (App. B)
+    corpus: str = DEFAULT_CORPUS  # JSONL paths or hub ids [id:config@split], equal shares (App. B)
     corpus_field: str = "text"  # the document field of a corpus row
     corpus_docs: int = 20000  # documents read in all; 0 = all of a local file (§3.1)
     chunk_tokens: int = 5992  # max tokens per document segment (App. B)
@@ -66,11 +64,8 @@ class Config(common.RunConfig):
     task_types: str = "both"  # both | mcq | free (§4 ablation)
     type_selection: str = "prompt"  # prompt: the Fig. 9 call (untrained) | random: a coin
     no_document: bool = False  # ablation: the Challenger writes without a document (Fig. 4b)
-    freeze_challenger: bool = False  # ours: the policy writes the tasks, only the Reasoner trains
     challenger_model: str = ""  # a frozen model writes the tasks (Table 1: Strong Challenger)
     challenger_gpu_memory_utilization: float = 0.2  # its own engine's GPU share, if not swapped in
-    fresh_reasoner_samples: bool = False  # Alg. 1 l. 16: new answers for T_R, not the K behind r_C
-    reject_document_reference: bool = False  # ours: "the text/passage" makes a question invalid
     eval_benchmarks: str = TABLE1  # Table 1 (App. A): greedy; AIME mean@32 at T 0.6
     eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A gives none)
     eval_base: bool = False  # also evaluate the model before step 1 (Table 1's "Base Model" row)
@@ -87,10 +82,6 @@ class Config(common.RunConfig):
     adam_beta2: float = 0.95  # AdamW beta_2 (oat/args.py adam_beta_2)
     kl_coef: float = 0.0  # no KL (App. B)
     max_model_len: int = 12288  # a 5,992-token document + prompt + 4,096 generated tokens
-    oracle_model: str = ""  # a stronger model answers valid tasks to spot-check gold answers (ours)
-    oracle_limit: int = 32  # valid tasks checked against the oracle per checked step
-    oracle_every: int = 1  # spot-check every K steps
-    oracle_gpu_memory_utilization: float = 0.2  # the oracle engine's GPU share, if not swapped in
 
 
 CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "threshold"),
@@ -108,6 +99,10 @@ TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
 
 # Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
 # --prompts FILE replaces any of them (common.load_prompts).
+_JSON_RULES = ("First think your design through; this thinking is private. Then write one valid "
+               "JSON object with these fields and nothing after it: no markdown, no code fences; "
+               "start with {{ and end with }}. In its strings write every LaTeX backslash twice "
+               "(\\\\frac{{1}}{{2}}), as JSON requires.\n")
 PROMPTS = {
     # Fig. 8 wrappers: ChatML with a generic system message (Qwen3), or plain dialogue (OctoThinker)
     "system": "You are a helpful assistant.",
@@ -119,21 +114,19 @@ PROMPTS = {
                           "science and invent the material yourself.)"),
     # Fig. 9: task type selection (not trained)
     "type_selection": """\
-Decide which kind of CHALLENGING exam question the document below supports best: multiple choice \
-(MCQ) or free-form.
+Which CHALLENGING exam question suits the document below best: multiple choice (MCQ) or free-form?
 
 {document_block}
 
-- Multiple choice needs intricate relationships, reasoning over several steps, several concepts to \
-combine, and room for three wrong options that are plausible but false.
-- Free-form needs one clearly defined answer: a calculation (Integer), a formula to derive \
-(Expression), or a concept named in exact terminology (String).
-Choose exactly ONE kind. Reply with one valid JSON object and nothing else: no markdown, no \
-backticks.
+- MCQ needs intricate relationships, multi-step reasoning, several concepts to combine, and room \
+for three wrong options that are plausible but false.
+- Free-form needs one clear answer: a calculation (Integer), a formula to derive (Expression), or \
+a concept in exact terminology (String).
+Choose exactly ONE kind. Reply with one valid JSON object only: no markdown, no backticks.
 {{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
 "Integer" or "Expression" or "String" or null, "reason": "a few plain words"}}
-Exactly one "suitable" value is true; best_answer_type only for free-form, else null; "reason" \
-under 100 characters, with no LaTeX and no special characters.""",
+Exactly one "suitable" is true; best_answer_type only for free-form, else null; "reason" under \
+100 characters, with no LaTeX and no special characters.""",
     # Fig. 10, left: the multiple-choice generator
     "mcq": """\
 Turn the document below into one CHALLENGING multiple-choice exam question that can only be \
@@ -141,39 +134,32 @@ answered by connecting several of its parts over several reasoning steps.
 
 {document_block}
 
-Step 1. Find material that needs synthesis: relationships between variables or concepts in \
-different parts; multi-step calculations or procedures; interacting formulas or principles; \
-conclusions that follow from combining statements; comparisons or trade-offs; conditional \
-relationships; systems where one change affects several parameters. Avoid facts stated outright, \
-stand-alone definitions and isolated numbers.
-Step 2. Plan how to make it hard ("hardening_process"): the easy version you avoid, the layers of \
+Step 1. Find material that needs synthesis: relationships between variables or concepts across \
+parts; multi-step calculations or procedures; interacting formulas or principles; conclusions from \
+combined statements; comparisons or trade-offs; conditional relationships; systems where one \
+change affects several parameters. Avoid stated facts, lone definitions and isolated numbers.
+Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
 complexity you add, the concepts to connect, the shortcuts you block.
-Step 3. Write the question: it applies concepts from different parts, tests relationships, not \
-recall, and may compare scenarios or ask "what if". It stands alone: the solver never sees the \
-document. Never write "according to the text", "in the document", "as mentioned" or the like; give \
-all the context and define specialised terms.
+Step 3. The question applies concepts from different parts, tests relationships, not recall, and \
+may compare scenarios or ask "what if". The solver never sees the document: never write "according \
+to the text", "in the document", "as mentioned" or the like; give all context, define terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
-solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. No \
-single look-up, sentence or keyword match may answer it.
-Step 5. Write down the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
+solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
+No single look-up, sentence or keyword match may answer it.
+Step 5. Write the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
 pieces of information from different parts, their links, and why a simple lookup fails.
 Step 6. Write four options A) to D). Balanced length: within about 20% of each other. Consistent \
 units and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: \
 typical slips in the multi-step work, stopping halfway, confusing related concepts, leaving out a \
 key factor. Give the question, then A) ... D), and the correct letter.
 Step 7. Solve it as a student with the options in view ("self_test_solution"): find the quickest \
-route one might try; if two options can be ruled out without real understanding, or the options \
-give the answer away or can be guessed from patterns, redesign them; count the reasoning steps \
-still needed: if fewer than 3, reject the question and write a harder one; if it takes less than \
-30 seconds, make it harder.
-Step 8. Final check: if one sentence answers it, it needs only one part of the document, it tests \
-facts rather than relationships, its options are unbalanced or formatted unevenly, or your solve \
-took less than a minute, revise it.
+route; if two options can be ruled out without real understanding, or the options give the answer \
+away or follow a pattern, redesign them; count the reasoning steps left: if fewer than 3, reject \
+the question and write a harder one; if it takes less than 30 seconds, make it harder.
+Step 8. Revise it if one sentence or one part of the document answers it, it tests facts rather \
+than relationships, its options are unbalanced or uneven, or your solve took less than a minute.
 
-First think your design through; this thinking is private. Then write one valid JSON object with \
-these fields and nothing after it: no markdown, no code fences; start with {{ and end with }}. \
-In its strings write every LaTeX \
-backslash twice (\\\\frac{{1}}{{2}}), as JSON requires.
+""" + _JSON_RULES + """\
 - "identified_answer": the relationship or conclusion derived by combining parts of the document
 - "answer_quote": several quotes showing the different pieces needed
 - "hardening_process": your strategy from Step 2
@@ -194,36 +180,31 @@ Turn the document below into one CHALLENGING free-form exam question whose answe
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
 variables from different parts, chained computations, careful counting, rates or percentages, \
 optimisation, aggregate statistics. Expression: relationships that form equations, patterns that \
-generalise into a formula, systems of constraints, derivatives, recursive formulas. String, \
-one to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
-"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic and \
-yes/no questions.
-Step 2. Plan how to make it hard ("hardening_process"): the too-easy version, the added layers, \
-the parts to combine, the intermediate steps, the shortcuts you block.
+generalise into a formula, systems of constraints, derivatives, recursive formulas. String, one \
+to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
+"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic, yes/no.
+Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
+parts to combine, the intermediate steps, the shortcuts you block.
 Step 3. Write the question: it connects at least three concepts from different parts, tests \
-relationships, not memory, and needs several steps. It stands alone: the solver never sees the \
-document; never write "according to the text" or the like. Give all context and definitions, and \
-state the units, format and constraints of the answer.
+relationships, not memory, and needs several steps. The solver never sees the document: never \
+write "according to the text" or the like. Give all context and definitions, and state the units, \
+format and constraints of the answer.
 Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
 which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
 every variable defined, canonical form; "answer": "2x^2 + 3x - 5". String: the question says its \
 exact form and whether case matters; no extra punctuation.
-Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer \
-is of type {answer_type}, and estimate the time: a hard question takes more than a minute.
+Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer is \
+of type {answer_type}, and estimate the time: a hard question takes more than a minute.
 Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
 or a counter-intuitive result. Aim for hard or extra hard.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
 unambiguous format, every valid approach reaching the same answer. Else rewrite the question.
 Step 8. Final check: it needs understanding, not extraction; the answer is exactly of type \
-{answer_type}; the question is self-contained and clear.
-"question" is one single string, never a list or several questions; "answer" is one plain value, \
-never a list or an object.
+{answer_type}; the question is self-contained and clear. "question" is one single string, never \
+a list or several questions; "answer" is one plain value, never a list or an object.
 
-First think your design through; this thinking is private. Then write one valid JSON object with \
-these fields and nothing after it: no markdown, no code fences; start with {{ and end with }}. \
-In its strings write every LaTeX \
-backslash twice (\\\\frac{{1}}{{2}}), as JSON requires.
+""" + _JSON_RULES + """\
 - "identified_information": three or more key pieces of information from different parts
 - "relevant_quotes": word-for-word quotes showing them
 - "hardening_process": your strategy from Step 2
@@ -246,13 +227,9 @@ The answer follows from the document alone; a String answer has at most three wo
 
 
 @functools.lru_cache(maxsize=None)
-def _load_templates(path: str):
-    return types.MappingProxyType(common.load_prompts(path, PROMPTS))
-
-
-def prompt_templates(cfg: Config):
-    """PROMPTS with those of --prompts FILE in their place (read once)."""
-    return _load_templates(cfg.prompts)
+def templates(path: str) -> dict:
+    """PROMPTS with those of --prompts FILE (cfg.prompts) in their place, read once."""
+    return common.load_prompts(path, PROMPTS)
 
 
 def wrap(content: str, fmt: str, prompts=PROMPTS):
@@ -267,8 +244,7 @@ def resolve_prompt_format(cfg: Config, tokenizer) -> str:
     return auto if cfg.prompt_format == "auto" else cfg.prompt_format
 
 
-def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str,
-                      prompts=PROMPTS):
+def challenger_prompt(document: str | None, kind: str, answer_type, fmt: str, prompts=PROMPTS):
     """The Challenger's prompt C: kind "select" (Fig. 9), "mcq" or "free" (Fig. 10)."""
     block = (prompts["no_document_block"] if document is None
              else prompts["document_block"].format(document=document))
@@ -288,8 +264,6 @@ MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
 MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
 _JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; "{1}" does not
 MAX_QUESTION_CHARS = 6_000
-DOC_REFERENCE = re.compile(r"\b(?:the|this|above|given|following|provided)\s+"
-                           r"(?:document|text|passage|article|excerpt)\b", re.IGNORECASE)
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
 
@@ -344,7 +318,6 @@ class Task:
     question: str  # what the Reasoner sees
     gold: str  # the option letter (MCQ) or the answer (free-form)
     answer_type: str  # "MCQ" | Integer | Expression | String
-    mentions_document: bool = False
 
 
 def split_options(text: str) -> tuple[str, list[str]] | None:
@@ -399,15 +372,13 @@ def _parse_task(text, kind, answer_type):
         return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
     if len(q) > MAX_QUESTION_CHARS:
         return None, "question_too_long"
-    if _BAD_CHARS.search(q):  # "\u0008", a lone "\ud800": no repair recovers what was meant
+    q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
+    if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
         return None, "bad_characters"
-    q = q.strip()
     if mcq:
         parts = split_options(q)
-        if parts is None:
-            return None, "options_not_A_to_D"
-        if not parts[0]:
-            return None, "empty_stem"
+        if parts is None or not parts[0]:
+            return None, "empty_stem" if parts else "options_not_A_to_D"
         if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
                                      for o in parts[1]}) != 4:
             return None, "options_not_distinct"
@@ -417,18 +388,14 @@ def _parse_task(text, kind, answer_type):
             return None, "bad_correct_letter"
         task = Task("mcq", q, letter.upper(), "MCQ")
     else:
-        a = _scalar(obj.get("answer"))
         if not a:
             return None, "missing_answer"
-        if _BAD_CHARS.search(a):
-            return None, "bad_characters"
         declared = obj.get("answer_type")
         if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
             return None, "wrong_answer_type"
         if not answer_has_type(a, answer_type):
             return None, "answer_not_" + answer_type.lower()
         task = Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(), answer_type)
-    task.mentions_document = bool(DOC_REFERENCE.search(task.question))
     return task, "ok"
 
 
@@ -461,54 +428,43 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
     """Eq. 1 (App. D, Eq. 5) on p, the share of correct answers, or a Table 4 ablation."""
-    p = float(np.mean(correct))
-    return float(common.proposer_reward(p, cfg.challenger_reward, tau=cfg.tau))
+    return float(common.proposer_reward(np.mean(correct), cfg.challenger_reward, tau=cfg.tau))
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
-class CorpusError(ValueError):
-    pass
-
-
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or of a hub set "owner/name[:config][@split]", streamed
     (limit 0: all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
-    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~"))
-    local = local or os.path.exists(src)
+    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")) \
+        or os.path.exists(src)
     spec, _, split = src.partition("@")
     name, _, config = spec.partition(":")
     where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
+    fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
-            shape = (f'pass --corpus PATH.jsonl with one JSON object like {{"{field_name}": "..."}}'
-                     " per line")
-            rows = ((f"{src}:{n}", row) for n, row in
-                    common.iter_jsonl(src, shape=shape, error=CorpusError, errors="replace"))
+            rows = ((f"{src}:{n}", row) for n, row in common.iter_jsonl(
+                src, shape=fix, error=common.InputError, errors="replace"))
         else:
             import datasets
             limit = limit or 20000
             rows = ((where, row) for row in datasets.load_dataset(
                 name, config or None, split=split or "train", streaming=True))
         for at, row in rows:
-            if field_name not in row:
-                keys = ", ".join(list(row)[:8]) or "none"
-                raise CorpusError(f"{at}: missing field {field_name!r} (keys: {keys}); "
-                                  "pass --corpus-field NAME")
-            if not isinstance(text := row[field_name], str):
-                raise CorpusError(f"{at}: field {field_name!r} must be a string, "
-                                  f"got {type(text).__name__}")
+            if not isinstance(text := row.get(field_name), str):
+                raise common.InputError(f"{at}: no string field {field_name!r} (keys: "
+                                        f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
             if text.strip():
                 docs.append(text)
             if limit and len(docs) >= limit:
                 break
-    except CorpusError:
+    except common.InputError:
         raise
     except Exception as e:  # no network, a gated set, an unknown id
-        raise CorpusError(f"could not stream {where} ({type(e).__name__}: {str(e)[:200]}); if the "
-                          "hub is unreachable or gated, pass a local corpus: --corpus docs.jsonl "
-                          f'(one {{"{field_name}": ...}} per line)') from None
+        raise common.InputError(f"could not stream {where} ({type(e).__name__}: {str(e)[:200]});"
+                                f" if the hub is unreachable or gated: {fix}") from None
     if not docs:
-        raise CorpusError(f"{where} holds no documents (no non-empty {field_name!r})")
+        raise common.InputError(f"{where} holds no documents (no non-empty {field_name!r})")
     return docs
 
 
@@ -522,10 +478,9 @@ def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
 def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
     """The segments of every source (an equal share of cfg.corpus_docs each), without special-token
     strings, less those sharing a 13-gram with an eval set."""
-    spec = DEFAULT_CORPUS if cfg.corpus == "default" else cfg.corpus
-    sources = [s.strip() for s in spec.split(",") if s.strip()]
+    sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
-        raise CorpusError("--corpus is empty; pass a JSONL file or a hub dataset id")
+        raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
     segments = []
     for src in sources:
         for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
@@ -538,7 +493,7 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
         print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
               f"contaminated)", file=sys.stderr)
         if not kept:
-            raise CorpusError("every corpus segment overlaps an eval set; use another corpus")
+            raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
         segments = kept
     return segments
 
@@ -563,11 +518,7 @@ class DocRollout:
     attempts: list[Attempt] = field(default_factory=list)  # the Challenger group T_C (<= G)
     n_generated: int = 0
     n_valid: int = 0
-    n_mentions_document: int = 0  # valid attempts whose question cites "the text"
-    invalid_reasons: Counter = field(default_factory=Counter)
     reasoner_task: Attempt | None = None  # the valid attempt whose task gives T_R
-    reasoner_answers: list = field(default_factory=list)  # T_R
-    reasoner_rewards: list[float] = field(default_factory=list)
 
 
 def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) -> list:
@@ -577,51 +528,41 @@ def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) 
     return [corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
 
 
-def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> tuple[list, int]:
+def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tuple]:
     """Step 2: MCQ or free-form (and its answer type) per document, by the Fig. 9 call, untrained
-    and greedy; an unusable reply falls back to a coin. Returns the choices and the fallbacks."""
+    and greedy; an unusable reply falls back to a coin."""
     allowed = ("mcq", "free") if cfg.task_types == "both" else (cfg.task_types,)
     # without a document there is nothing to judge; MCQ only needs no answer type
-    ask = cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed
     parsed = [None] * len(docs)
-    if ask:
-        prompts = [challenger_prompt(d, "select", None, fmt, prompt_templates(cfg)) for d in docs]
+    if cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed:
+        prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
         outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
-    parsed = [c if c is not None and c[0] in allowed else None for c in parsed]
     choices = []
-    for choice in parsed:
-        kind, answer_type = choice or (allowed[rng.integers(len(allowed))], None)
-        if kind == "free" and answer_type is None:
-            answer_type = ANSWER_TYPES[rng.integers(3)]
-        choices.append((kind, answer_type))
-    return choices, sum(c is None for c in parsed) if ask else 0
+    for c in parsed:
+        kind, t = c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
+        choices.append((kind, t or (ANSWER_TYPES[rng.integers(3)] if kind == "free" else None)))
+    return choices
 
 
-class ValidityChecker:
-    """Is a Challenger attempt a usable task (§4; decontaminated; room for the Reasoner's prompt)?
-    An invalid attempt stays in the Challenger's group with reward rho."""
-
-    def __init__(self, cfg: Config, tokenizer, fmt: str, decontaminator=None):
-        self.cfg, self.tokenizer, self.fmt, self.decon = cfg, tokenizer, fmt, decontaminator
-
-    def __call__(self, completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
+def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
+    """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4),
+    decontaminated, with room for the Reasoner's prompt. An invalid one gets reward rho."""
+    def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
         if completion.finish_reason == "length":
             return None, "truncated"
         # special-token strings in a question would forge chat turns in the Reasoner's prompt
-        text = common.strip_special_tokens(completion.text, self.tokenizer)
-        task, reason = parse_task(text, kind, answer_type)
+        task, reason = parse_task(common.strip_special_tokens(completion.text, tokenizer), kind,
+                                  answer_type)
         if task is None:
             return None, reason
-        if task.mentions_document and self.cfg.reject_document_reference:
-            return None, "mentions_document"
-        if self.decon is not None and self.decon.contaminated(task.question):
+        if decon is not None and decon.contaminated(task.question):
             return None, "contaminated"
-        prompt = reasoner_prompt(task.question, self.fmt, prompt_templates(self.cfg))
-        n_prompt = len(common.encode_prompt(self.tokenizer, prompt))
-        if n_prompt + self.cfg.max_tokens > self.cfg.max_model_len:
+        prompt = reasoner_prompt(task.question, fmt, templates(cfg.prompts))
+        if len(common.encode_prompt(tokenizer, prompt)) + cfg.max_tokens > cfg.max_model_len:
             return None, "question_too_long"
         return task, "ok"
+    return check
 
 
 def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
@@ -638,42 +579,33 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
     return pick(valid, G - n_invalid) + pick(invalid, n_invalid)
 
 
-def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str,
-                        check: ValidityChecker, rng) -> list[DocRollout]:
+def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check,
+                        rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
-    pools = [[] for _ in docs]
-    active, templates = list(range(len(docs))), prompt_templates(cfg)
+    pools, active, tpl = [[] for _ in docs], list(range(len(docs))), templates(cfg.prompts)
     while active:
         n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
-        prompts = [challenger_prompt(docs[i], *types[i], fmt, templates) for i in active]
+        prompts = [challenger_prompt(docs[i], *types[i], fmt, tpl) for i in active]
         outs = policy.generate(prompts, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
         for i, comps in zip(active, outs):
             pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
         active = [i for i in active
                   if not any(a.task for a in pools[i]) and len(pools[i]) < cfg.max_attempts]
     return [DocRollout(d, kind, t, attempts=subsample_group(pool, cfg.group_size, rng),
-                       n_generated=len(pool), n_valid=sum(a.task is not None for a in pool),
-                       n_mentions_document=sum(a.task.mentions_document for a in pool if a.task),
-                       invalid_reasons=Counter(a.reason for a in pool if a.task is None))
+                       n_generated=len(pool), n_valid=sum(a.task is not None for a in pool))
             for d, (kind, t), pool in zip(docs, types, pools)]
 
 
-def sample_answers(policy, tasks: list[Task], cfg: Config, fmt: str) -> tuple[list, list]:
-    """K Reasoner answers per task, from the question alone, and their correctness bits."""
-    if not tasks:
-        return [], []
-    prompts = [reasoner_prompt(t.question, fmt, prompt_templates(cfg)) for t in tasks]
+def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
+    """Step 4: K answers to every valid task, from the question alone, in one batched call."""
+    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
+    if not valid:
+        return
+    prompts = [reasoner_prompt(a.task.question, fmt, templates(cfg.prompts)) for a in valid]
     outs = policy.generate(prompts, n=cfg.reasoner_k, temperature=cfg.temperature,
                            max_tokens=cfg.max_tokens)
-    return outs, [grade_answers(t, comps, cfg.verify_timeout) for t, comps in zip(tasks, outs)]
-
-
-def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
-    """Step 4: K answers to every valid task of every Challenger group, in one batched call."""
-    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
-    outs, correct = sample_answers(policy, [a.task for a in valid], cfg, fmt)
-    for a, o, c in zip(valid, outs, correct):
-        a.answers, a.correct = o, c
+    for a, comps in zip(valid, outs):
+        a.answers, a.correct = comps, grade_answers(a.task, comps, cfg.verify_timeout)
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
@@ -682,33 +614,24 @@ def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
         a.reward = challenger_reward(a.correct, cfg) if a.task is not None else cfg.invalid_penalty
 
 
-def reasoner_group(policy, rollouts: list[DocRollout], cfg: Config, fmt: str, rng) -> None:
-    """Step 6: one random valid task per document (§3.1); its K answers are T_R."""
-    picked = []
+def reasoner_group(rollouts: list[DocRollout], rng) -> None:
+    """Step 6: one random valid task per document (§3.1); its K answers behind r_C are T_R."""
     for r in rollouts:
         valid = [a for a in r.attempts if a.task is not None]
         if valid:
             r.reasoner_task = valid[rng.integers(len(valid))]
-            picked.append(r)
-    if cfg.fresh_reasoner_samples:  # Alg. 1, line 16
-        outs, correct = sample_answers(policy, [r.reasoner_task.task for r in picked], cfg, fmt)
-    else:  # §2.5, §3.1: the answers behind r_C
-        outs = [r.reasoner_task.answers for r in picked]
-        correct = [r.reasoner_task.correct for r in picked]
-    for r, o, c in zip(picked, outs, correct):
-        r.reasoner_answers, r.reasoner_rewards = o, c
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
-    """Step 7 (Eq. 3): A = r - mean(group), no std, one group per role and document. A frozen
-    Challenger (--freeze-challenger, --challenger-model) gives no groups."""
+    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document (none for T_C from a
+    frozen --challenger-model)."""
     groups = []  # (role, completions, rewards)
     for r in rollouts:
-        if not (cfg.freeze_challenger or cfg.challenger_model):
+        if not cfg.challenger_model:
             groups.append((CHALLENGER, [a.completion for a in r.attempts],
                            [a.reward for a in r.attempts]))
-        groups.append((REASONER, r.reasoner_answers, r.reasoner_rewards))
-    groups = [g for g in groups if g[1]]
+        if r.reasoner_task:
+            groups.append((REASONER, r.reasoner_task.answers, r.reasoner_task.correct))
     trajs = [common.Trajectory.from_completion(c, reward=x, role=role)
              for role, cs, xs in groups for c, x in zip(cs, xs)]
     ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
@@ -717,12 +640,9 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
         t.advantage = float(a)
     stats = {}
     for role in (CHALLENGER, REASONER):
-        mine = [(cs, xs) for ro, cs, xs in groups if ro == role]
+        mine = [xs for ro, _, xs in groups if ro == role]
         if mine:  # a group of equal rewards has zero advantages: no signal
-            toks = [len(c.token_ids) for cs, _ in mine for c in cs]
-            zero = _mean([len(set(xs)) == 1 for _, xs in mine])
-            stats.update({f"{role}/zero_adv_group_frac": zero, f"{role}/tokens": int(sum(toks)),
-                          f"{role}/response_len": _mean(toks)})
+            stats[f"{role}/zero_adv_group_frac"] = _mean([len(set(xs)) == 1 for xs in mine])
     return trajs, stats
 
 
@@ -737,163 +657,70 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     return common.pg_step(policy, trajs, pg)
 
 
-# Metrics and logs: validity, rewards, frontier share, question diversity, tasks.jsonl
+# Metrics and logs
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
 
 
-def type_name(kind: str, answer_type: str | None) -> str:
-    return kind if kind == "mcq" else f"free/{answer_type}"
-
-
-def step_metrics(rollouts: list[DocRollout], type_fallbacks: int) -> dict:
-    """Validity over every attempt generated; group_valid_rate over the G kept for training."""
+def step_metrics(rollouts: list[DocRollout]) -> dict:
+    """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate."""
     attempts = [a for r in rollouts for a in r.attempts]
     valid = [a for a in attempts if a.task is not None]
-    pass_rates = [float(np.mean(a.correct)) for a in valid]
-    rate = lambda rs: sum(r.n_valid for r in rs) / max(1, sum(r.n_generated for r in rs))
-    m = {"challenger/valid_rate": rate(rollouts),
-         "challenger/group_valid_rate": len(valid) / max(1, len(attempts)),
-         "challenger/attempts_per_doc": _mean([r.n_generated for r in rollouts]),
-         "challenger/docs_without_valid": sum(not any(a.task for a in r.attempts)
-                                              for r in rollouts),
+    m = {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
+                                   / max(1, sum(r.n_generated for r in rollouts))),
+         "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
          "challenger/reward": _mean([a.reward for a in attempts]),
-         "challenger/reward_valid": _mean([a.reward for a in valid]),
-         "challenger/mentions_document": sum(r.n_mentions_document for r in rollouts),
-         "challenger/type_selection_fallbacks": type_fallbacks,
-         "reasoner/accuracy": _mean(pass_rates),
-         "reasoner/frontier_share": _mean([0.0 < p < 1.0 for p in pass_rates]),
-         "reasoner/group_accuracy": _mean([x for r in rollouts for x in r.reasoner_rewards]),
-         "reasoner/truncated_frac": _mean([c.finish_reason == "length"
-                                           for a in valid for c in a.answers])}
-    kinds = [type_name(r.kind, r.answer_type) for r in rollouts]
-    for k in ("mcq", *(f"free/{t}" for t in ANSWER_TYPES)):
-        m[f"types/{k}"] = kinds.count(k) / max(1, len(kinds))
-        ks = [r for r, kk in zip(rollouts, kinds) if kk == k]
-        if any(r.n_generated for r in ks):
-            m[f"challenger/valid_rate/{k}"] = rate(ks)
-    why = Counter()
-    for r in rollouts:
-        why.update(r.invalid_reasons)
-    m.update({f"invalid/{w}": n for w, n in sorted(why.items())})
+         "reasoner/accuracy": _mean([_mean(a.correct) for a in valid])}
     if valid:  # SPICE's diversity comes from the documents alone, so watch it
         diversity = common.diversity_metrics([a.task.question for a in valid])
         m.update({f"challenger/{k}": v for k, v in diversity.items()})
     return m
 
 
-def gold_check(oracle, policy, rollouts: list[DocRollout], cfg: Config) -> dict:
-    """The share of valid tasks (the Reasoner's first) whose gold answer the oracle reaches too,
-    answering greedily from the Reasoner's prompt and graded as the Reasoner is."""
-    picked = [r.reasoner_task.task for r in rollouts if r.reasoner_task]
-    rest = [a.task for r in rollouts for a in r.attempts if a.task and a is not r.reasoner_task]
-    tasks = (picked + rest)[:cfg.oracle_limit]
-    if not tasks:
-        return {}
-    with oracle.sampling(policy) as s:  # one greedy answer per task
-        greedy = replace(cfg, reasoner_k=1, temperature=0.0)
-        outs, correct = sample_answers(s, tasks, greedy, resolve_prompt_format(cfg, s.tokenizer))
-    agree = [c[0] for c in correct]
-    answered = [o[0].finish_reason != "length" and common.extract_boxed(o[0].text) is not None
-                for o in outs]
-    m = {"gold_check/agree": _mean(agree), "gold_check/oracle_answered": _mean(answered),
-         "gold_check/n": len(tasks)}
-    kinds = [type_name(t.kind, t.answer_type) for t in tasks]
-    for k in sorted(set(kinds)):
-        m[f"gold_check/agree/{k}"] = _mean([a for a, kk in zip(agree, kinds) if kk == k])
-    return m
-
-
-def task_records(rollouts: list[DocRollout], step: int) -> list[dict]:
-    """tasks.jsonl: each valid task with its gold answer, the pass rate behind r_C, and r_C."""
-    return [{"step": step, "type": type_name(r.kind, r.answer_type), "question": a.task.question,
-             "gold": a.task.gold, "pass_rate": _mean(a.correct), "challenger_reward": a.reward,
-             "reasoner_task": a is r.reasoner_task}
-            for r in rollouts for a in r.attempts if a.task is not None]
-
-
-def append_tasks(run, records: list[dict]) -> None:
-    if run.is_main and records:
-        with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
-
-
-def sample_records(rollouts: list[DocRollout], excerpt_chars: int = 2000) -> list[dict]:
-    """samples.jsonl: per document its task (the Reasoner's, else the first attempt) and the
-    answers trained on (with --fresh-reasoner-samples, not those behind pass_rate)."""
-    recs = []
-    for r in rollouts:
-        a = r.reasoner_task or r.attempts[0]
-        answers, correct = ((r.reasoner_answers, r.reasoner_rewards) if r.reasoner_task
-                            else (a.answers, a.correct))
-        recs.append({"document_excerpt": r.document and r.document[:excerpt_chars],
-                     "type": type_name(r.kind, r.answer_type),
-                     "challenger_output": a.completion.text, "valid": a.task is not None,
-                     "invalid_reason": None if a.task else a.reason,
-                     "question": a.task and a.task.question, "gold": a.task and a.task.gold,
-                     "challenger_reward": a.reward,
-                     "pass_rate": _mean(a.correct) if a.task else None,
-                     "reasoner_answers": [c.text for c in answers], "reasoner_correct": correct})
-    return recs
+def sample_records(rollouts: list[DocRollout]) -> list[dict]:
+    """samples.jsonl: every Challenger attempt with its task, r_C and the K answers behind it."""
+    return [{"document": r.document, "type": r.answer_type or r.kind,
+             "challenger_output": a.completion.text,
+             "invalid_reason": None if a.task else a.reason, "question": a.task and a.task.question,
+             "gold": a.task and a.task.gold, "challenger_reward": a.reward,
+             "pass_rate": _mean(a.correct) if a.task else None,
+             "reasoner_task": a is r.reasoner_task, "answers": [c.text for c in a.answers]}
+            for r in rollouts for a in r.attempts]
 
 
 # Training loop and main()
-def load_eval_sets(cfg: Config) -> tuple[list[str], common.Decontaminator | None]:
-    """The eval sets that load (checked up front; one that cannot is reported and skipped), and a
-    13-gram decontaminator of their questions."""
-    names, questions = [], []
-    for name in [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]:
-        try:
-            questions.extend(row["question"] for row in common.load_benchmark(name))
-            names.append(name)
-        except Exception as e:  # an offline machine, a typo: say so and go on without it
-            print(f"[spice] warning: cannot load eval set {name!r}, so it is neither evaluated "
-                  f"nor used for decontamination: {e}", file=sys.stderr)
-    decon = common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
-    return names, decon
+def decontaminator(cfg: Config) -> common.Decontaminator | None:
+    """The eval sets' 13-grams, loaded before the model: a set that cannot load stops the run."""
+    names = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
+    questions = [row["question"] for name in names for row in common.load_benchmark(name)]
+    return common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
 
 
-def run_eval(policy, run, cfg: Config, fmt: str, benches: list[str], step: int,
-             name: str = "eval.json") -> dict:
+def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
     """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout."""
-    if not benches:
+    if not cfg.eval_benchmarks.strip():
         return {}
 
     def prompt_fn(problem: dict, tokenizer=None):
-        choices = problem.get("choices") or []
-        options = "".join(f"\n{chr(65 + j)}) {c}" for j, c in enumerate(choices))
-        return reasoner_prompt(problem["question"] + options, fmt, prompt_templates(cfg))
-    res = common.evaluate(policy, benches, n=cfg.eval_n, k=cfg.eval_k, prompt_fn=prompt_fn,
-                          max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
-                          timeout=cfg.verify_timeout)
+        options = [f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or [])]
+        return reasoner_prompt(problem["question"] + "".join(options), fmt, templates(cfg.prompts))
+    res = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return res
 
 
 def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
     """The longest segment that leaves room for the Challenger's prompt and max_tokens."""
-    fmt, templates = resolve_prompt_format(cfg, tokenizer), prompt_templates(cfg)
+    fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
     kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
-    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, templates)))
+    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, tpl)))
                    for k, t in kinds)
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
-        raise CorpusError(f"--max-model-len {cfg.max_model_len} leaves no room for a document next "
-                          f"to --max-tokens {cfg.max_tokens} and a {overhead}-token prompt; "
-                          "raise --max-model-len")
-    if room < cfg.chunk_tokens:
-        print(f"[spice] segments shortened to {room} tokens so that prompt + document + "
-              f"{cfg.max_tokens} generated tokens fit --max-model-len {cfg.max_model_len}",
-              file=sys.stderr)
+        raise common.InputError(f"--max-model-len {cfg.max_model_len} leaves no room for a "
+                                f"document next to --max-tokens {cfg.max_tokens} and a "
+                                f"{overhead}-token prompt; raise --max-model-len")
     return min(cfg.chunk_tokens, room)
-
-
-def load_frozen(role: str, name: str, policy, cfg: Config, gpu_memory_utilization: float):
-    if not name:
-        return None
-    frozen = common.FrozenModel(name, policy, cfg, gpu_memory_utilization)
-    print(f"[spice] {role} {name}: {frozen.route}", file=sys.stderr)
-    return frozen
 
 
 def validate_config(cfg: Config) -> None:
@@ -901,18 +728,12 @@ def validate_config(cfg: Config) -> None:
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} must be {', '.join(allowed[:-1])} or "
                              f"{allowed[-1]}, not {getattr(cfg, name)!r}")
-    for name in ("steps", "docs_per_step", "group_size", "reasoner_k", "max_attempts", "max_tokens",
-                 "oracle_limit", "oracle_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if not cfg.verify_timeout > 0:
-        raise ValueError("--verify-timeout must be > 0 seconds")
-    if cfg.mini_batch < 0 or cfg.tis_cap < 0:
-        raise ValueError("--mini-batch (trajectories per step, 0 = all) and --tis-cap must be >= 0")
+    if cfg.reasoner_k < 1:  # the other sizes: parse_config
+        raise ValueError("--reasoner-k must be >= 1")
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    prompt_templates(cfg)  # a bad --prompts file: a one-line usage error before anything loads
+    templates(cfg.prompts)  # a bad --prompts file: a one-line usage error before anything loads
 
 
 def train(cfg: Config, policy=None) -> Path:
@@ -922,24 +743,20 @@ def train(cfg: Config, policy=None) -> Path:
     # inputs first (corpus, eval sets): bad input fails in seconds, before the model loads
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
-    eval_sets, decon = load_eval_sets(cfg)  # decon also screens every generated question
+    decon = decontaminator(cfg)  # also screens every generated question
     corpus = []
     if not cfg.no_document:  # the Challenger reads the documents: its tokenizer sizes them
         doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
         corpus = load_corpus(cfg, doc_tok, effective_chunk_tokens(cfg, doc_tok), decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
-    check = ValidityChecker(cfg, tokenizer, fmt, decon)
-    oracle = load_frozen("oracle", cfg.oracle_model, policy, cfg, cfg.oracle_gpu_memory_utilization)
-    writer = load_frozen("Challenger", cfg.challenger_model, policy, cfg,
-                         cfg.challenger_gpu_memory_utilization)
-
+    check = validity_checker(cfg, tokenizer, fmt, decon)
+    writer = cfg.challenger_model and common.FrozenModel(
+        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
     loaded = run.load_checkpoint(policy) if cfg.resume else None
     start = int(loaded[0]) if loaded else 0
-    if cfg.resume and run.is_main:  # as metrics.jsonl: steps after the checkpoint are logged again
-        common.truncate_jsonl(run.dir / "tasks.jsonl", start)
     if cfg.eval_base and start == 0:  # step 0: the curve's starting point, same prompt and grader
-        res = run_eval(policy, run, cfg, fmt, eval_sets, 0, "eval_base.json")
+        res = run_eval(policy, run, cfg, fmt, 0, "eval_base.json")
         if res:
             run.log(0, common.eval_metrics(res))
     pbar = run.progress(cfg.steps, initial=start)
@@ -950,37 +767,27 @@ def train(cfg: Config, policy=None) -> Path:
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
             writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
             with writing as challenger:
-
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
-                types, fallbacks = select_task_types(challenger, docs, cfg, cfmt, rng)
+                types = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
-            reasoner_group(policy, rollouts, cfg, fmt, rng)
-        metrics = step_metrics(rollouts, fallbacks)
-        if oracle is not None and step % cfg.oracle_every == 0:
-            with run.timer("gold_check"):
-                metrics.update(gold_check(oracle, policy, rollouts, cfg))
+            reasoner_group(rollouts, rng)
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
             train_stats = drgrpo_update(policy, trajs, cfg)
-        metrics.update(traj_stats)
-        metrics.update({f"train/{k}": v for k, v in train_stats.items()
-                        if isinstance(v, (int, float)) and "/" not in k})
-        metrics.update({f"{role}/entropy{x}": train_stats.get(f"entropy{x}/{role}")  # and exact
-                        for role in (CHALLENGER, REASONER) if f"entropy/{role}" in train_stats
-                        for x in ("", "_exact")})
-        run.log_samples(step, "document", sample_records(rollouts))
-        append_tasks(run, task_records(rollouts, step))
+        metrics = {**step_metrics(rollouts), **traj_stats, **{
+            f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
+        run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            res = run_eval(policy, run, cfg, fmt, eval_sets, step, f"eval_step{step}.json")
+            res = run_eval(policy, run, cfg, fmt, step, f"eval_step{step}.json")
             metrics.update(common.eval_metrics(res))
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
-    res = run_eval(policy, run, cfg, fmt, eval_sets, cfg.steps)
+    res = run_eval(policy, run, cfg, fmt, cfg.steps)
     if res:
         run.log(cfg.steps, common.eval_metrics(res))
     run.close()
@@ -988,7 +795,7 @@ def train(cfg: Config, policy=None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, errors=(CorpusError,))
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
 
 
 if __name__ == "__main__":

