@@ -1527,7 +1527,7 @@ class Run:
     def _clean_interrupted_saves(self) -> None:
         """A save killed half-way leaves .tmp-<name>-<pid>/ (deleted); killed between its two
         renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). In checkpoints/,
-        the run folder and roles/ (the methods' best/ and R-Zero's roles)."""
+        the run folder and roles/ (R-Zero's roles)."""
         for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
             for old in sorted(root.glob(".old-*")):
                 final = root / old.name[len(".old-"):].rsplit("-", 1)[0]

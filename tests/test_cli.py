@@ -176,7 +176,7 @@ def test_resume_cleans_up_a_killed_save(tmp_path):
     (ck / ".old-step_3-998" / "trainer_state.json").write_text('{"step": 3}')
     (out / "config.json").write_text("{}")
     (out / "roles" / ".tmp-step_4-challenger-3-999").mkdir(parents=True)  # R-Zero's parked role
-    (out / ".tmp-best-999").mkdir()  # STaR's best/
+    (out / ".tmp-best-999").mkdir()  # a method's own folder in the run folder
     common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "t").close()
     assert sorted(p.name for p in ck.iterdir()) == ["step_2", "step_3"]
     assert not list(out.glob(".tmp-*")) and not list((out / "roles").iterdir())
