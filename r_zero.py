@@ -7,26 +7,22 @@ For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
      frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
      share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
-  3. solver_step x 15: GRPO on the Solver, solver_reward 1 iff its boxed answer equals y~.
+  3. solver_step x 15: GRPO on the Solver, reward 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
 Run:  python r_zero.py --model Qwen/Qwen3-4B-Base   (a GPU; torchrun for several)
 Tiny: python r_zero.py --model tiny                 (CPU smoke run, about a minute)
-Deviations (official code: github.com/Chengsong-Huang/R-Zero; flags give its variants):
+Deviations from the official code (github.com/Chengsong-Huang/R-Zero), which follows the paper:
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
-  - code variants: --iterations 5, --votes 9, --band-low 0.3 --band-high 0.8, --reward-variant
-    code --invalid-reward -1, --solver-reward code (0.9 acc + 0.1 <think> format), --code-filters
-  - --rep-penalty excess: (|C_k| - 1) / B, not from the paper; it removes the 1/B floor at small B
+  - its settings by flag: --iterations 5 --votes 9 --band-low 0.3 --band-high 0.8
   - rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation
-  - ours: questions sharing a 13-gram with an eval set are dropped (--no-decontaminate), and one
-    whose Solver prompt exceeds --max-prompt-tokens counts as a format failure
+  - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
   - as in the code, the minibatches of one rollout batch all keep the rollout policy as pi_old
   - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards in
     file-backed memory (one copy per node), swapped in place to sample or for the KL pass
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
-  - without a chat template a prompt ends in "assistant:"; --prompts FILE replaces our templates
-  - --oracle-model M measures the kept labels' accuracy against M (paper: 79% -> 69% -> 63%)
+  - --oracle-model M scores the kept labels against M's greedy answers (paper: 79% -> 69% -> 63%)
 """
 from __future__ import annotations
 
@@ -34,9 +30,7 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import shutil
-import sys
 import tempfile
 import warnings
 from collections import Counter
@@ -76,13 +70,8 @@ class Config(common.RunConfig):
     top_p: float = 1.0  # rollouts (examples/config.yaml: 0.99; see the deviations)
     max_prompt_tokens: int = 2048  # longer Solver prompts are invalid (max_prompt_length)
     max_tokens: int = 4096  # both roles in training (examples/config.yaml max_response_length)
-    reward_variant: str = "paper"  # paper | code: min(p^, 1 - p^) - r_rep (caller_penalty.py)
-    invalid_reward: float = 0.0  # no <question> block (paper §3: 0; caller_penalty.py: -1)
-    rep_penalty: str = "size"  # size: lambda |C_k| / B (paper §3) | excess: (|C_k| - 1) / B
     rep_lambda: float = 1.0  # lambda of the repetition penalty (paper §3)
     bleu_threshold: float = 0.5  # tau_BLEU, average-linkage threshold on 1 - BLEU (paper §3)
-    solver_reward: str = "paper"  # paper: 1 iff correct | code: examples/reward_function/math.py
-    code_filters: bool = False  # question_generate.py: drop "box"/"证明" questions, "text" labels
     lr: float = 1e-6  # AdamW, constant (paper; examples/config.yaml)
     weight_decay: float = 1e-2  # examples/config.yaml
     grad_clip: float = 1.0  # max grad norm (examples/config.yaml)
@@ -92,16 +81,11 @@ class Config(common.RunConfig):
     kl_coef: float = 0.01  # beta of the k3 KL to the phase start (paper; config.yaml low_var_kl)
     adv_eps: float = 1e-6  # GRPO (r - mean) / (std + eps) (verl/trainer/core_algos.py)
     aggregation: str = "seq-mean-token-mean"  # EasyR1's loss average as R-Zero runs it
-    decontaminate: bool = True  # drop questions sharing an n-gram with the eval sets (ours)
-    decontaminate_n: int = 13  # n of that overlap filter (GPT-3's 13-gram rule)
     eval_base: bool = True  # also evaluate the base model (paper Table 1, "Base Model")
-    eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
-    oracle_model: str = ""  # judge of the kept pseudo-labels (paper's label accuracy); "" = off
-    oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)
-    oracle_limit: int = 200  # kept questions checked against the oracle per iteration
-    oracle_gpu_memory_utilization: float = 0.2  # the oracle's own engine, if not swapped in
+    oracle_model: str = ""  # the judge of the kept labels (paper: GPT-4o); "" = off
+    oracle_limit: int = 200  # kept questions checked against the oracle per iteration (ours)
     max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
 
@@ -115,22 +99,12 @@ TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_b
 
 
 def validate_config(cfg: Config) -> None:
-    """One-line ValueErrors for flags no run can use; loads --prompts FILE."""
-    ones = ("iterations challenger_steps solver_steps challenger_batch solver_batch votes "
-            "question_pool max_tokens vote_max_tokens max_prompt_tokens updates_per_batch "
-            "oracle_votes").split()
-    at_least = {**dict.fromkeys(ones, 1), "challenger_group": 2, "solver_group": 2,  # a baseline
-                "challenger_minibatch": 0, "solver_minibatch": 0}
-    bad = [f"--{n.replace('_', '-')} must be >= {low}, got {getattr(cfg, n)}"
-           for n, low in at_least.items() if getattr(cfg, n) < low]
-    choices = {"reward_variant": ("paper", "code"), "solver_reward": ("paper", "code"),
-               "rep_penalty": ("size", "excess")}
-    bad += [f"--{n.replace('_', '-')} must be {' or '.join(ok)}, not {getattr(cfg, n)!r}"
-            for n, ok in choices.items() if getattr(cfg, n) not in ok]
+    """One-line ValueErrors beyond parse_config's (sizes >= 1); loads --prompts FILE."""
+    if min(cfg.challenger_group, cfg.solver_group) < 2:
+        raise ValueError("--challenger-group and --solver-group must be >= 2 (GRPO's baseline)")
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
-        bad.append(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
-    if bad:
-        raise ValueError(bad[0])
+        raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
+                         f"{cfg.band_high}")
     common.check_benchmark_names(cfg.eval_benchmarks)
     use_prompts(cfg.prompts)  # a bad --prompts file: a usage error before anything loads
 
@@ -207,12 +181,6 @@ def majority_vote_many(groups):
     return out
 
 
-def majority_vote(answers):
-    """(label, share of ALL m votes): the largest class of answers math_equal in either direction;
-    None/empty answers count in m but never win; (None, 0.0) if nothing parses."""
-    return majority_vote_many([answers])[0]
-
-
 def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
     """Per question: label y~, p^ = |class(y~)| / m, the agreeing votes and m."""
     return [{"label": y, "p_hat": float(p), "agree": int(round(p * len(g))), "m": len(g)}
@@ -224,17 +192,16 @@ def extract_question(text: str) -> str | None:
 
 
 def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
-    """Each Challenger output's question, or None (no block, empty, code-filtered or too long)."""
+    """Each output's question, or None: the format check (no block, empty, or too long)."""
     qs = [extract_question(c.text) for c in completions]
-    if cfg.code_filters:  # question_generate.py's filter
-        qs = [None if q is None or "证明" in q or "box" in q else q for q in qs]
     sizes = [q and len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) for q in qs]
     return [q if q is not None and n <= cfg.max_prompt_tokens else None for q, n in zip(qs, sizes)]
 
 
-def in_band(agree: int, m: int, low: float, high: float) -> bool:
-    """low <= agree / m <= high (3..7 of 10 with the paper's band); agree = 0 is never kept."""
-    return agree >= 1 and low * m - 1e-9 <= agree <= high * m + 1e-9
+def in_band(s: dict, cfg: Config) -> bool:
+    """band_low <= agree / m <= band_high (3..7 of 10 with the paper's band); agree 0 never is."""
+    m = s["m"]
+    return s["agree"] >= 1 and cfg.band_low * m - 1e-9 <= s["agree"] <= cfg.band_high * m + 1e-9
 
 
 def bleu_clusters(texts, threshold=0.5):
@@ -242,50 +209,22 @@ def bleu_clusters(texts, threshold=0.5):
     return common.average_linkage_clusters(common.bleu_distance_matrix(list(texts)), threshold)
 
 
-def repetition_penalty(texts, threshold=0.5):
-    """Paper §3: r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k; a singleton still pays 1/B."""
-    ids = np.asarray(bleu_clusters(texts, threshold), dtype=int)
-    return np.bincount(ids)[ids] / max(len(ids), 1)
-
-
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """paper §3: max(0, r_unc - r_rep); code (caller_penalty.py): min(p^, 1 - p^) - r_rep. r_rep =
-    lambda |C_k| / B over the valid questions' BLEU clusters, B the whole batch; an output without
-    a question gets --invalid-reward (the code: -1 - r_rep of the empty strings)."""
+    """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B over the valid questions' BLEU
+    clusters C_k, B the whole batch; an output that fails the format check gets 0."""
     valid = np.array([q is not None for q in questions], dtype=bool)
-    p, vidx = np.asarray(p_hats, dtype=np.float64), np.flatnonzero(valid)
+    vidx = np.flatnonzero(valid)
     ids = np.asarray(bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold), dtype=int)
     r_rep = np.zeros(len(questions))
-    excess = 1.0 if cfg.rep_penalty == "excess" else 0.0
-    r_rep[vidx] = cfg.rep_lambda * (np.bincount(ids)[ids] - excess) / len(questions)
-    r_unc = np.where(valid, common.uncertainty_reward(p), 0.0)
-    reward = (np.maximum(0.0, r_unc - r_rep) if cfg.reward_variant == "paper"
-              else np.minimum(p, 1.0 - p) - r_rep)
-    return {"reward": np.where(valid, reward, float(cfg.invalid_reward)), "r_unc": r_unc,
+    r_rep[vidx] = cfg.rep_lambda * np.bincount(ids)[ids] / len(questions)
+    r_unc = np.where(valid, common.uncertainty_reward(np.asarray(p_hats, dtype=np.float64)), 0.0)
+    return {"reward": np.where(valid, np.maximum(0.0, r_unc - r_rep), 0.0), "r_unc": r_unc,
             "r_rep": r_rep, "valid": valid, "n_clusters": int(ids.max(initial=-1)) + 1}
-
-
-def keep_question(s: dict, cfg: Config) -> bool:
-    return (s["label"] is not None and in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
-            and not (cfg.code_filters and "text" in s["label"]))
 
 
 def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
     return [{"question": q, "label": s["label"], "p_hat": s["p_hat"], "agree": s["agree"]}
-            for q, s in zip(questions, stats) if keep_question(s, cfg)]
-
-
-# The code's format term (blanks around <, > and / removed): starts with <think>...</think>, then
-# boxes an answer. The Solver prompt never asks for <think>: it pays a template habit.
-CODE_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
-
-
-def solver_reward(text: str, correct: bool, cfg: Config) -> float:
-    """paper: 1 iff the boxed answer is y~; code (reward_function/math.py): 0.9 that + 0.1 form."""
-    if cfg.solver_reward == "paper":
-        return float(correct)
-    formatted = CODE_FORMAT.fullmatch(re.sub(r"\s*(<|>|/)\s*", r"\1", text)) is not None
-    return 0.9 * float(correct) + 0.1 * float(formatted)
+            for q, s in zip(questions, stats) if in_band(s, cfg)]
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
@@ -309,12 +248,6 @@ def full_weights(policy, shards: Shards):
     """(HF name, full tensor) of `shards`, one at a time (a collective: every rank iterates)."""
     for k, v, _ in _trainer_parts(policy):
         yield k, common.full_from_part(shards[k], v)
-
-
-def gathered(policy, weights) -> dict | None:
-    """The (name, tensor) pairs `weights` on CPU on the main process, None elsewhere (all call)."""
-    out = {k: v.cpu() for k, v in weights if common.is_main_process()}
-    return out if common.is_main_process() else None
 
 
 class Roles:
@@ -429,11 +362,7 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
          "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],
          "truncated": _mean([c.finish_reason == "length" for _, c in rollouts]),
          "p_hat_mean": _mean([s["p_hat"] for s in voted]),
-         "in_band": _mean([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
-                           for s in voted])}
-    if qs:  # the diversity of the valid questions (the clusters are the penalty's, above)
-        m.update(distinct_frac=common.distinct_fraction(qs),
-                 distinct4=common.distinct_ngram_ratio(qs, 4), self_bleu=common.self_bleu(qs))
+         "in_band": _mean([in_band(s, cfg) for s in voted])}
     run.log_samples(step, CHALLENGER, [
         {"completion": c.text, "question": q, "label": s and s["label"], "p_hat": s and s["p_hat"],
          "reward": float(rw), "r_rep": float(rr)}
@@ -442,7 +371,7 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
 
 
 # -- 2. The Solver's dataset: questions filtered by the Solver's agreement -------------------------
-def build_dataset(policy, roles: Roles, cfg: Config, decon, step: int, run,
+def build_dataset(policy, roles: Roles, cfg: Config, step: int, run,
                   iteration: int) -> tuple[list, dict]:
     """N questions, m votes each, the band filter; all voted rows go to dataset_iter<k>.jsonl."""
     with roles.sampling(CHALLENGER), run.timer("question_pool"):
@@ -451,38 +380,30 @@ def build_dataset(policy, roles: Roles, cfg: Config, decon, step: int, run,
                                max_tokens=cfg.max_tokens)
     questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
     valid = [q for q in questions if q is not None]
-    flags = decon.flags(valid) if decon is not None else [False] * len(valid)
-    clean = [q for q, f in zip(valid, flags) if not f]
     with run.timer("dataset_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, clean, cfg)
+        answers = solver_votes(policy, valid, cfg)
     stats = vote_statistics(answers)
-    kept = filter_dataset(clean, stats, cfg)
+    kept = filter_dataset(valid, stats, cfg)
     if common.is_main_process():
-        rows = [{"question": q, **s, "kept": keep_question(s, cfg), "answers": a}
-                for q, s, a in zip(clean, stats, answers)]
+        rows = [{"question": q, **s, "kept": in_band(s, cfg), "answers": a}
+                for q, s, a in zip(valid, stats, answers)]
         common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl",
                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     run.log_samples(step, "dataset", kept)
     hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist()
-    return kept, {"dataset/generated": len(questions), "dataset/valid": len(valid),
-                  "dataset/contaminated": int(sum(flags)), "dataset/voted": len(clean),
-                  "dataset/kept": len(kept), "dataset/kept_frac": len(kept) / max(1, len(clean)),
-                  "dataset/distinct_frac": common.distinct_fraction(valid),
+    return kept, {"dataset/generated": len(questions), "dataset/voted": len(valid),
+                  "dataset/kept": len(kept), "dataset/kept_frac": len(kept) / max(1, len(valid)),
                   "dataset/agree_hist": hist}
 
 
 def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -> dict:
-    """The share of kept labels math_equal to the oracle's majority answer (none = disagreement)."""
+    """The share of kept labels math_equal to the oracle's greedy answer (none: a disagreement)."""
     rows = kept[:cfg.oracle_limit]
     if not rows:
         return {}
-    greedy = cfg.oracle_votes == 1  # --oracle-votes 1: one greedy answer
-    ocfg = dataclasses.replace(cfg, votes=cfg.oracle_votes,
-                               vote_temperature=0.0 if greedy else cfg.vote_temperature)
-
     with oracle.sampling(roles.policy) as sampler:
-        answers = solver_votes(sampler, [r["question"] for r in rows], ocfg)
-    ref = [s["label"] for s in vote_statistics(answers)]
+        ref = [a for a, in solver_votes(sampler, [r["question"] for r in rows],
+                                        dataclasses.replace(cfg, votes=1, vote_temperature=0.0))]
     ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
     return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/n": len(rows),
             "pseudo_label/oracle_answered": float(np.mean([a is not None for a in ref]))}
@@ -501,7 +422,7 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
     flat = [(g, c) for g, group in enumerate(outs) for c in group]
     preds = [common.extract_boxed(c.text) for _, c in flat]
     ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
-    rewards = [solver_reward(c.text, o, cfg) for (_, c), o in zip(flat, ok)]
+    rewards = [float(o) for o in ok]  # paper §3: 1 iff the boxed answer equals y~
     trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER)
              for (_, c), r in zip(flat, rewards)]
     with run.timer("solver_update"):
@@ -549,33 +470,30 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
 # -- Checkpoints and the run's outputs ------------------------------------------------------------
 def _save_model(policy, weights, path: pathlib.Path) -> None:
     """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
-    weights = gathered(policy, weights)
-    if weights:  # None on the ranks that are not the main process
+    weights = {k: v.cpu() for k, v in weights if common.is_main_process()}  # all ranks iterate
+    if common.is_main_process():
         policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
         policy.tokenizer.save_pretrained(str(path))
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
-    """The trained role in a checkpoint; first the parked role (and mid-phase the KL reference)
-    in roles/<tag>/."""
-    tag = f"step_{step}-{state['phase']}-{state['phase_step']}"
-    root, parked = run.dir / "roles", roles.other(roles.active)
-    tmp = root / f".tmp-{tag}-{os.getpid()}"
+    """The trained role in checkpoints/step_<k>/; first the parked role (and mid-phase the KL
+    reference) in roles/step_<k>/, which goes when its checkpoint is pruned."""
+    tag, parked = f"step_{step}", roles.other(roles.active)
+    tmp = run.dir / "roles" / f".tmp-{tag}"
     shutil.rmtree(tmp, ignore_errors=True)
     for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
         if shards:  # one set at a time
             _save_model(policy, full_weights(policy, shards), tmp / name)
     if common.is_main_process():
-        shutil.rmtree(root / tag, ignore_errors=True)
-        os.replace(tmp, root / tag)
+        shutil.rmtree(tmp.with_name(tag), ignore_errors=True)
+        os.replace(tmp, tmp.with_name(tag))
     holds = {"model": roles.active, parked: f"roles/{tag}/{parked}"}  # which role is which files
     run.save_checkpoint(step, policy,
                         {**state, "active": roles.active, "roles_dir": tag, "holds": holds})
-    if common.is_main_process():  # drop role folders no remaining checkpoint refers to
-        used = {json.loads(ts.read_text()).get("state", {}).get("roles_dir")
-                for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json")}
-        for d in root.iterdir():
-            if d.name not in used and not d.name.startswith(".tmp-"):
+    if common.is_main_process():  # a pruned checkpoint's role folder goes with it
+        for d in tmp.parent.iterdir():
+            if not (run.dir / "checkpoints" / d.name).is_dir():
                 shutil.rmtree(d, ignore_errors=True)
 
 
@@ -599,28 +517,13 @@ def headline(run_dir) -> dict:
 
 
 # -- The loop --------------------------------------------------------------------------------------
-def load_decontaminator(cfg: Config):
-    refs = []
-    for b in filter(None, (b.strip() for b in cfg.eval_benchmarks.split(","))):
-        try:
-            refs += [p["question"] for p in common.load_benchmark(b)]
-        except Exception as e:
-            raise RuntimeError(f"decontamination needs the eval set {b!r} ({e}). Fix its name/path "
-                               "in --eval-benchmarks, or pass --no-decontaminate.") from None
-    return common.Decontaminator(refs, cfg.decontaminate_n) if refs else None
-
-
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
     validate_config(cfg)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
-    decon = load_decontaminator(cfg) if cfg.decontaminate else None
-    oracle = cfg.oracle_model and common.FrozenModel(cfg.oracle_model, policy, cfg,
-                                                     cfg.oracle_gpu_memory_utilization)
-    if oracle:
-        print(f"[r_zero] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
+    oracle = cfg.oracle_model and common.FrozenModel(cfg.oracle_model, policy, cfg)
     # `state` names the next step to run (step `phase_step` of `phase` in `iteration`)
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
     ref = None  # the KL reference: the trained role's weights at the start of its phase
@@ -631,8 +534,6 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         rdir = run.dir / "roles" / saved["roles_dir"]
         roles = Roles(policy, saved["active"], rdir / Roles.other(saved["active"]), run.dir)
         ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
-        print(f"[r_zero] resumed at iteration {state['iteration']}, {state['phase']} step "
-              f"{state['phase_step']}", file=sys.stderr)
     else:
         roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both = the base
         if cfg.eval_base:
@@ -652,13 +553,12 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         m = {"iteration": k}
         if phase in (CHALLENGER, SOLVER) and j == 0:  # a phase starts: its role, a fresh AdamW
             roles.activate(phase)
-            policy.reset_optimizer()
             ref = None  # the previous one's file-backed pages go first
             ref = roles.park()
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             m.update(challenger_step(policy, roles, cfg, ref, step, run))
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
-            kept, dm = build_dataset(policy, roles, cfg, decon, step, run, k)
+            kept, dm = build_dataset(policy, roles, cfg, step, run, k)
             m.update(dm)
             if oracle:
                 m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
@@ -685,11 +585,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                                           step % cfg.save_every == 0):
             save_state(run, policy, roles, state, step, ref)
     pbar.close()
-    best = state["best"]
-    if best is not None:
-        print(f"[r_zero] best iteration {best['iteration']} (overall {best['eval/overall']:.4f}); "
-              f"last iteration {cfg.iterations}", file=sys.stderr)
-    finish(run, policy, roles, cfg, best)
+    finish(run, policy, roles, cfg, state["best"])
     run.close()
     return run.dir
 

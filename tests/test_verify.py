@@ -26,12 +26,23 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
                     math_equal_many, ngram_overlap, normalize_string, pass_at_k, pass_at_k_ci,
                     self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward, variance_reward_from_bits)
-from r_zero import bleu_clusters, majority_vote, majority_vote_many, repetition_penalty
+import r_zero
+from r_zero import bleu_clusters, majority_vote_many
 from sparsity import main as sparsity_main
 from sparsity import update_sparsity
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
+
+
+def majority_vote(answers):
+    """One group's (label, share of ALL m votes): r_zero.majority_vote_many of that group alone."""
+    return majority_vote_many([answers])[0]
+
+
+def repetition_penalty(texts):
+    """r_zero's r_rep of a batch of valid questions (paper §3: |C_k| / B at lambda 1)."""
+    return r_zero.challenger_rewards(list(texts), [0.5] * len(texts), r_zero.Config())["r_rep"]
 
 
 # ---------------------------------------------------------------------------------------------- extraction
