@@ -1,7 +1,7 @@
 """R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004).
 
-A Challenger writes math questions and a Solver answers them. Both start from one base model and
-never share weights; there is no data and no verifier: a question's label is the Solver's own vote.
+A Challenger writes math questions and a Solver answers them; both start from one base model and
+never share weights. No data, no verifier: a question's label is the Solver's majority vote.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
      frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
@@ -11,18 +11,16 @@ For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
 Run:  python r_zero.py --model Qwen/Qwen3-4B-Base   (a GPU; torchrun for several)
 Tiny: python r_zero.py --model tiny                 (CPU smoke run, about a minute)
-Deviations from the official code (github.com/Chengsong-Huang/R-Zero), which follows the paper:
+Deviations from the official code (github.com/Chengsong-Huang/R-Zero; its settings by flag:
+--iterations 5 --votes 9 --band-low 0.3 --band-high 0.8):
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
-  - its settings by flag: --iterations 5 --votes 9 --band-low 0.3 --band-high 0.8
-  - rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation
+  - rollouts use top-p 1.0 (code: 0.99): the trainer does not model truncation
   - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
-  - as in the code, the minibatches of one rollout batch all keep the rollout policy as pi_old
-  - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards in
-    file-backed memory (one copy per node), swapped in place to sample or for the KL pass
+  - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards
+    in file-backed memory, swapped in place to sample or for the KL pass
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
-  - --oracle-model M scores the kept labels against M's greedy answers (paper: 79% -> 69% -> 63%)
 """
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import warnings
 from collections import Counter
 
 import numpy as np
@@ -55,7 +52,6 @@ class Config(common.RunConfig):
     solver_batch: int = 512  # questions per step (examples/config.yaml)
     challenger_minibatch: int = 16  # prompts per update, 0 = all (scripts; R-Zero issue #23)
     solver_minibatch: int = 128  # questions per update, 0 = all (paper: batch 128)
-    updates_per_batch: int = 1  # passes over a rollout batch (EasyR1 ppo_epochs)
     votes: int = 10  # m (paper §3; question_evaluate/evaluate.py: 9)
     vote_temperature: float = 1.0  # vllm_service_init/start_vllm_server.py
     vote_top_p: float = 1.0  # vllm_service_init/start_vllm_server.py
@@ -84,12 +80,10 @@ class Config(common.RunConfig):
     eval_base: bool = True  # also evaluate the base model (paper Table 1, "Base Model")
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
-    oracle_model: str = ""  # the judge of the kept labels (paper: GPT-4o); "" = off
-    oracle_limit: int = 200  # kept questions checked against the oracle per iteration (ours)
-    max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
 
 CHALLENGER, SOLVER = "challenger", "solver"
+OTHER = {CHALLENGER: SOLVER, SOLVER: CHALLENGER}
 
 # --model tiny: a one-minute smoke run, one iteration of one step per phase (flags still override)
 TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2,
@@ -106,7 +100,7 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
                          f"{cfg.band_high}")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    use_prompts(cfg.prompts)  # a bad --prompts file: a usage error before anything loads
+    _prompts.update(common.load_prompts(cfg.prompts, PROMPTS))  # a bad file: a usage error
 
 
 # Prompts: our own words with every instruction of the Challenger's (question_generate.py) and the
@@ -128,12 +122,7 @@ PROMPTS = {
     # evaluation: a multiple-choice question for the Solver (its user turn)
     "solver_choices": "{question}\n\n{options}\n\nBox the letter of the correct option.",
 }
-_prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE (use_prompts)
-
-
-def use_prompts(path: str) -> None:
-    """--prompts FILE over PROMPTS ("" = ours); a bad file: a ValueError naming the template."""
-    _prompts.update(common.load_prompts(path, PROMPTS))
+_prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE
 
 
 def render(tokenizer, system: str, user: str):
@@ -152,39 +141,29 @@ def solver_prompt(question: str, tokenizer):
 
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
-def majority_vote_many(groups):
-    """majority_vote of each group; round r checks every group's r-th distinct answer against its
-    class heads (both directions) in one parallel math_equal batch."""
-    votes = [[str(a).strip() for a in g if a is not None and str(a).strip()] for g in groups]
-    distinct = [list(dict.fromkeys(v)) for v in votes]
-    classes = [[] for _ in groups]  # per group: lists of distinct answers, the head first
-    for r in range(max(map(len, distinct), default=0)):
-        jobs = [(i, h) for i, d in enumerate(distinct) if r < len(d)
-                for h in range(len(classes[i]))]
-        pairs = [(distinct[i][r], classes[i][h][0]) for i, h in jobs]
-        ok = common.math_equal_many(pairs)
-        back = iter(common.math_equal_many([(b, a) for (a, b), o in zip(pairs, ok) if not o]))
-        ok = dict(zip(jobs, [o or next(back) for o in ok]))
-        for i, d in enumerate(distinct):
-            if r < len(d):  # join the OLDEST matching class, else open a new one
-                h = next((h for h in range(len(classes[i])) if ok[(i, h)]), len(classes[i]))
-                if h == len(classes[i]):
-                    classes[i].append([])
-                classes[i][h].append(d[r])
+def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
+    """Per question: label y~ (the largest class of answers math_equal in either direction to its
+    first), its votes `agree` and p^ = agree / m; unparsable answers count in m but never win.
+    Every pair of distinct answers is checked both ways, in one parallel math_equal batch."""
+    votes = ([str(a).strip() for a in g if a is not None] for g in groups)
+    counts = [Counter(a for a in v if a) for v in votes]  # distinct answers in order of appearance
+    pairs = list({(a, b) for n in counts for i, a in enumerate(n) for b in list(n)[:i]})
+    pairs += [(b, a) for a, b in pairs]
+    eq = dict(zip(pairs, common.math_equal_many(pairs)))
     out = []
-    for g, v, cls in zip(groups, votes, classes):
-        counts = Counter(v)
-        size = [sum(counts[s] for s in c) for c in cls]
-        best = cls[size.index(max(size))] if cls else [None]  # the earliest class wins a tie
-        out.append((max(best, key=lambda s: counts[s]),  # the class's commonest spelling
-                    max(size, default=0) / max(len(g), 1)))
+    for g, n in zip(groups, counts):
+        classes = []  # lists of distinct answers, the head first
+        for a in n:  # join the OLDEST class whose head matches, else open a new one
+            c = next((c for c in classes if eq[(a, c[0])] or eq[(c[0], a)]), [])
+            if not c:
+                classes.append(c)
+            c.append(a)
+        size = [sum(n[s] for s in c) for c in classes]
+        best = classes[size.index(max(size))] if classes else [None]  # the earliest wins a tie
+        agree = max(size, default=0)
+        out.append({"label": max(best, key=lambda s: n[s]),  # the class's commonest spelling
+                    "p_hat": agree / max(len(g), 1), "agree": agree, "m": len(g)})
     return out
-
-
-def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
-    """Per question: label y~, p^ = |class(y~)| / m, the agreeing votes and m."""
-    return [{"label": y, "p_hat": float(p), "agree": int(round(p * len(g))), "m": len(g)}
-            for g, (y, p) in zip(answer_groups, majority_vote_many(answer_groups))]
 
 
 def extract_question(text: str) -> str | None:
@@ -204,17 +183,14 @@ def in_band(s: dict, cfg: Config) -> bool:
     return s["agree"] >= 1 and cfg.band_low * m - 1e-9 <= s["agree"] <= cfg.band_high * m + 1e-9
 
 
-def bleu_clusters(texts, threshold=0.5):
-    """Cluster id per text: 1 - sentence-BLEU-4 distances, average linkage cut at `threshold`."""
-    return common.average_linkage_clusters(common.bleu_distance_matrix(list(texts)), threshold)
-
-
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B over the valid questions' BLEU
-    clusters C_k, B the whole batch; an output that fails the format check gets 0."""
+    """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B with C_k the valid questions'
+    clusters (1 - BLEU distances, average linkage cut at tau_BLEU), B the whole batch; an output
+    that fails the format check gets 0."""
     valid = np.array([q is not None for q in questions], dtype=bool)
     vidx = np.flatnonzero(valid)
-    ids = np.asarray(bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold), dtype=int)
+    dist = common.bleu_distance_matrix([questions[i] for i in vidx])
+    ids = np.asarray(common.average_linkage_clusters(dist, cfg.bleu_threshold), dtype=int)
     r_rep = np.zeros(len(questions))
     r_rep[vidx] = cfg.rep_lambda * np.bincount(ids)[ids] / len(questions)
     r_unc = np.where(valid, common.uncertainty_reward(np.asarray(p_hats, dtype=np.float64)), 0.0)
@@ -256,7 +232,7 @@ class Roles:
     def __init__(self, policy, active: str, other=None, folder=None):
         self.policy, self.active = policy, active
         self.folder = folder or tempfile.gettempdir()
-        self.parked = {self.other(active): self.park(other)}
+        self.parked = {OTHER[active]: self.park(other)}
 
     def park(self, weights=None) -> Shards:
         """Shards of `weights` (full tensors or a save_pretrained folder), else of the trainer's."""
@@ -279,10 +255,6 @@ class Roles:
             os.unlink(path)  # the mapping outlives the name: nothing is left behind
             out[k].copy_(src)
         return out
-
-    @staticmethod
-    def other(role: str) -> str:
-        return SOLVER if role == CHALLENGER else CHALLENGER
 
     def activate(self, role: str) -> None:
         if role != self.active:  # exchanged in place: no third copy
@@ -315,15 +287,14 @@ def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: 
     per_group = len(trajs) // len(set(group_ids))
     pg = common.PGConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                          kl_coef=cfg.kl_coef, aggregation=cfg.aggregation,
-                         temperature=cfg.temperature, updates_per_batch=cfg.updates_per_batch,
-                         mini_batch=minibatch * per_group)
+                         temperature=cfg.temperature, mini_batch=minibatch * per_group)
     return common.pg_step(policy, trajs, pg, ref_weights=ref_weights if cfg.kl_coef > 0 else None)
 
 
 def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:
-    out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}}
-    if f"entropy/{role}" in upd:  # NLL of its own T = 1 samples, and the exact entropy
-        out.update(entropy=upd[f"entropy/{role}"], entropy_exact=upd.get(f"entropy_exact/{role}"))
+    """<role>/<name>: ours, pg_step's, and its entropies of this role's own samples."""
+    own = {k.split("/")[0]: v for k, v in upd.items() if k.endswith(f"/{role}")}
+    out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}, **own}
     return {f"{role}/{k}": v for k, v in out.items()}
 
 
@@ -341,26 +312,20 @@ def challenger_rollouts(policy, cfg: Config):
 
 def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run) -> dict:
     """One GRPO step of the Challenger, rewarded by the frozen Solver's votes (paper §3)."""
-    with run.timer("challenger_rollout"):
-        rollouts = challenger_rollouts(policy, cfg)
-        questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
-    vidx = [i for i, q in enumerate(questions) if q is not None]
-    qs = [questions[i] for i in vidx]
-    with run.timer("solver_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, qs, cfg)
-    by_idx = dict(zip(vidx, vote_statistics(answers)))
-    stats = [by_idx.get(i) for i in range(len(questions))]  # None for an output without a question
+    rollouts = challenger_rollouts(policy, cfg)
+    questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
+    with roles.sampling(SOLVER):
+        answers = solver_votes(policy, [q for q in questions if q is not None], cfg)
+    it = iter(vote_statistics(answers))
+    stats = [next(it) if q is not None else None for q in questions]  # None: no question
     r = challenger_rewards(questions, [s["p_hat"] if s else 0.0 for s in stats], cfg)
     trajs = [common.Trajectory.from_completion(c, reward=float(rw), role=CHALLENGER)
              for (_, c), rw in zip(rollouts, r["reward"])]
-    with run.timer("challenger_update"):
-        upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref,
-                          cfg.challenger_minibatch)
-    valid, voted = r["valid"], list(by_idx.values())
+    upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref, cfg.challenger_minibatch)
+    valid, voted = r["valid"], [s for s in stats if s]
     m = {"reward": float(r["reward"].mean()), "r_unc": _mean(r["r_unc"][valid]),
          "r_rep": _mean(r["r_rep"][valid]), "format_fail": float(1.0 - valid.mean()),
          "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],
-         "truncated": _mean([c.finish_reason == "length" for _, c in rollouts]),
          "p_hat_mean": _mean([s["p_hat"] for s in voted]),
          "in_band": _mean([in_band(s, cfg) for s in voted])}
     run.log_samples(step, CHALLENGER, [
@@ -374,13 +339,13 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
 def build_dataset(policy, roles: Roles, cfg: Config, step: int, run,
                   iteration: int) -> tuple[list, dict]:
     """N questions, m votes each, the band filter; all voted rows go to dataset_iter<k>.jsonl."""
-    with roles.sampling(CHALLENGER), run.timer("question_pool"):
+    with roles.sampling(CHALLENGER):
         outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.question_pool, n=1,
                                temperature=cfg.pool_temperature, top_p=cfg.pool_top_p,
                                max_tokens=cfg.max_tokens)
     questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
     valid = [q for q in questions if q is not None]
-    with run.timer("dataset_votes"), roles.sampling(SOLVER):
+    with roles.sampling(SOLVER):
         answers = solver_votes(policy, valid, cfg)
     stats = vote_statistics(answers)
     kept = filter_dataset(valid, stats, cfg)
@@ -396,45 +361,28 @@ def build_dataset(policy, roles: Roles, cfg: Config, step: int, run,
                   "dataset/agree_hist": hist}
 
 
-def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -> dict:
-    """The share of kept labels math_equal to the oracle's greedy answer (none: a disagreement)."""
-    rows = kept[:cfg.oracle_limit]
-    if not rows:
-        return {}
-    with oracle.sampling(roles.policy) as sampler:
-        ref = [a for a, in solver_votes(sampler, [r["question"] for r in rows],
-                                        dataclasses.replace(cfg, votes=1, vote_temperature=0.0))]
-    ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
-    return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/n": len(rows),
-            "pseudo_label/oracle_answered": float(np.mean([a is not None for a in ref]))}
-
-
 # -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
 def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
     """One GRPO step of the Solver on the kept questions against their pseudo-labels (paper §3)."""
     rng = np.random.default_rng([cfg.seed, step])  # per-step stream: a resume draws the same rows
-    b = min(cfg.solver_batch, len(dataset))
-    rows = [dataset[i] for i in rng.choice(len(dataset), size=b, replace=False)]
-    with run.timer("solver_rollout"):
-        outs = policy.generate([solver_prompt(r["question"], policy.tokenizer) for r in rows],
-                               n=cfg.solver_group, temperature=cfg.temperature, top_p=cfg.top_p,
-                               max_tokens=cfg.max_tokens)
+    pick = rng.choice(len(dataset), size=min(cfg.solver_batch, len(dataset)), replace=False)
+    rows = [dataset[i] for i in pick]
+    outs = policy.generate([solver_prompt(r["question"], policy.tokenizer) for r in rows],
+                           n=cfg.solver_group, temperature=cfg.temperature, top_p=cfg.top_p,
+                           max_tokens=cfg.max_tokens)
     flat = [(g, c) for g, group in enumerate(outs) for c in group]
     preds = [common.extract_boxed(c.text) for _, c in flat]
     ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
     rewards = [float(o) for o in ok]  # paper §3: 1 iff the boxed answer equals y~
     trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER)
              for (_, c), r in zip(flat, rewards)]
-    with run.timer("solver_update"):
-        upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
+    upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
     run.log_samples(step, SOLVER, [
         {"question": rows[g]["question"], "label": rows[g]["label"], "completion": c.text,
          "pred": p, "reward": r} for (g, c), p, r in zip(flat, preds, rewards)])
     return _role_metrics(SOLVER, {
         "acc_vs_pseudo": float(np.mean(ok)), "reward": float(np.mean(rewards)),
-        "no_answer": float(np.mean([p is None for p in preds])),
-        "truncated": float(np.mean([c.finish_reason == "length" for _, c in flat])),
-        "batch": b}, upd)
+        "no_answer": float(np.mean([p is None for p in preds]))}, upd)
 
 
 # -- 4. Evaluation ---------------------------------------------------------------------------------
@@ -446,11 +394,6 @@ def _solver_eval_prompt(problem: dict, tokenizer=None):
     return solver_prompt(q, tokenizer)
 
 
-def _general_name(bench: str) -> bool:
-    name = common.parse_benchmark_spec(bench)[0].lower()
-    return name in GENERAL or "bbeh" in name  # BBEH also as a copy, e.g. hf:MrLight/bbeh-eval
-
-
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
     """The Solver's greedy accuracy; eval/overall = mean(math_avg, general sets) (paper Table 1)."""
     if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
@@ -459,8 +402,10 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
         res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
     run.write_eval(res, name)
     m = common.eval_metrics(res)
-    math = [r["score"] for b, r in res["benchmarks"].items() if not _general_name(b)]
-    general = [r["score"] for b, r in res["benchmarks"].items() if _general_name(b)]
+    gen = {b for b in res["benchmarks"]  # BBEH also as a copy, e.g. hf:MrLight/bbeh-eval
+           if common.parse_benchmark_spec(b)[0].lower() in GENERAL or "bbeh" in b.lower()}
+    math = [r["score"] for b, r in res["benchmarks"].items() if b not in gen]
+    general = [r["score"] for b, r in res["benchmarks"].items() if b in gen]
     if math:
         m["eval/math_avg"] = float(np.mean(math))
     m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))
@@ -479,7 +424,7 @@ def _save_model(policy, weights, path: pathlib.Path) -> None:
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
     """The trained role in checkpoints/step_<k>/; first the parked role (and mid-phase the KL
     reference) in roles/step_<k>/, which goes when its checkpoint is pruned."""
-    tag, parked = f"step_{step}", roles.other(roles.active)
+    tag, parked = f"step_{step}", OTHER[roles.active]
     tmp = run.dir / "roles" / f".tmp-{tag}"
     shutil.rmtree(tmp, ignore_errors=True)
     for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
@@ -509,13 +454,6 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
                                                  for k, p in evals.items() if p.is_file()}})
 
 
-def headline(run_dir) -> dict:
-    """The best iteration for the summary table."""
-    best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
-    return {"best iteration": best["iteration"],
-            "best eval/overall": best["eval/overall"]} if best else {}
-
-
 # -- The loop --------------------------------------------------------------------------------------
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
@@ -523,30 +461,26 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
-    oracle = cfg.oracle_model and common.FrozenModel(cfg.oracle_model, policy, cfg)
     # `state` names the next step to run (step `phase_step` of `phase` in `iteration`)
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
     ref = None  # the KL reference: the trained role's weights at the start of its phase
-    loaded = run.load_checkpoint(policy) if cfg.resume else None
-    if loaded is not None:
-        saved = loaded[1]
-        state.update({k: v for k, v in saved.items() if k in state})
-        rdir = run.dir / "roles" / saved["roles_dir"]
-        roles = Roles(policy, saved["active"], rdir / Roles.other(saved["active"]), run.dir)
-        ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
-    else:
+    _, saved = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
+    if saved is None:
         roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both = the base
         if cfg.eval_base:
             run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
-
+    else:
+        state.update({k: v for k, v in saved.items() if k in state})
+        rdir, active = run.dir / "roles" / saved["roles_dir"], saved["active"]
+        roles = Roles(policy, active, rdir / OTHER[active], run.dir)
+        ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
     sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
     schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph, n in sizes.items()
                 for j in range(n)] + [(cfg.iterations + 1, CHALLENGER, 0)]  # the end
     position = (state["iteration"], state["phase"], state["phase_step"])
     if position not in schedule:
-        raise ValueError(f"--resume: the run stopped before {position[1]} step {position[2] + 1} "
-                         f"of iteration {position[0]}, beyond this --iterations/--challenger-steps"
-                         "/--solver-steps; resume with the values it was started with")
+        raise ValueError(f"--resume: the run stopped at {position}, beyond this --iterations, "
+                         "--challenger-steps or --solver-steps; resume with the run's own values")
     done = schedule.index(position)
     pbar = run.progress(len(schedule) - 1, initial=done)
     for step, (k, phase, j) in enumerate(schedule[done:-1], start=done + 1):
@@ -560,11 +494,6 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
             kept, dm = build_dataset(policy, roles, cfg, step, run, k)
             m.update(dm)
-            if oracle:
-                m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
-            if len(kept) < cfg.solver_batch:
-                warnings.warn(f"iteration {k}: {len(kept)} questions kept (< --solver-batch; none "
-                              "skips the phase): raise --question-pool or widen the band")
             state["dataset"] = kept
         elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
@@ -591,7 +520,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, headline=headline)
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def _load(d):
 
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
-    cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_limit=4)
+    cfg = _small(warm_path, tmp_path / "run")
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     run_dir = r_zero.train(cfg, policy)
@@ -340,7 +340,6 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     kept = [r for r in rows if r["kept"]]
     assert kept and all(r["question"] != Q2 for r in kept)
     assert all(3 <= r["agree"] <= 7 for r in kept)
-    assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # the paper's reward: accuracy only
     # one math set, no general one
@@ -531,7 +530,7 @@ def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sample
         assert "SOLVER-MARK: box it, \\boxed{}." in msgs and Q1 in msgs
         assert not any("fewer than 30%" in m for m in msgs)  # ours was replaced, not added to
     finally:
-        r_zero.use_prompts("")  # back to our templates for the other tests
+        r_zero._prompts.update(r_zero.PROMPTS)  # back to our templates for the other tests
     ours = [r_zero.PROMPTS[k].format() for k in ("challenger_system", "challenger_user")]
     assert r_zero.challenger_prompt(None) == r_zero.render(None, *ours)
     bad = _prompts_file(tmp_path, solver_system="no box here {question}")

@@ -27,7 +27,6 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
                     self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward, variance_reward_from_bits)
 import r_zero
-from r_zero import bleu_clusters, majority_vote_many
 from sparsity import main as sparsity_main
 from sparsity import update_sparsity
 
@@ -35,9 +34,19 @@ DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
 
 
+def majority_vote_many(groups):
+    """(label, share of ALL m votes) per group, from r_zero.vote_statistics."""
+    return [(s["label"], s["p_hat"]) for s in r_zero.vote_statistics(groups)]
+
+
 def majority_vote(answers):
-    """One group's (label, share of ALL m votes): r_zero.majority_vote_many of that group alone."""
+    """One group's (label, share of ALL m votes), voted alone."""
     return majority_vote_many([answers])[0]
+
+
+def bleu_clusters(texts, threshold=0.5):
+    """Cluster id per text as r_zero.challenger_rewards forms them: 1 - BLEU, average linkage."""
+    return average_linkage_clusters(bleu_distance_matrix(list(texts)), threshold)
 
 
 def repetition_penalty(texts):
