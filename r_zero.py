@@ -1,7 +1,6 @@
 """R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004).
 
-A Challenger writes math questions and a Solver answers them; both start from one base model and
-never share weights. No data, no verifier: a question's label is the Solver's majority vote.
+One base model, two roles, no data: a Challenger asks, and the Solver's majority vote labels it.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
      frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
@@ -9,8 +8,7 @@ For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
   3. solver_step x 15: GRPO on the Solver, reward 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
-Run:  python r_zero.py --model Qwen/Qwen3-4B-Base   (a GPU; torchrun for several)
-Tiny: python r_zero.py --model tiny                 (CPU smoke run, about a minute)
+Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU)
 Deviations from the official code (github.com/Chengsong-Huang/R-Zero; its settings by flag:
 --iterations 5 --votes 9 --band-low 0.3 --band-high 0.8):
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
@@ -18,8 +16,7 @@ Deviations from the official code (github.com/Chengsong-Huang/R-Zero; its settin
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
   - rollouts use top-p 1.0 (code: 0.99): the trainer does not model truncation
   - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
-  - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards
-    in file-backed memory, swapped in place to sample or for the KL pass
+  - one trainer, one vLLM engine: the parked role and the KL reference wait in file-backed memory
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
 """
 from __future__ import annotations
@@ -85,7 +82,6 @@ class Config(common.RunConfig):
 CHALLENGER, SOLVER = "challenger", "solver"
 OTHER = {CHALLENGER: SOLVER, SOLVER: CHALLENGER}
 
-# --model tiny: a one-minute smoke run, one iteration of one step per phase (flags still override)
 TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2,
         "challenger_group": 2, "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4,
         "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
@@ -103,8 +99,7 @@ def validate_config(cfg: Config) -> None:
     _prompts.update(common.load_prompts(cfg.prompts, PROMPTS))  # a bad file: a usage error
 
 
-# Prompts: our own words with every instruction of the Challenger's (question_generate.py) and the
-# Solver's (start_vllm_server.py) prompts. str.format templates, literal braces doubled.
+# Our words for every instruction of question_generate.py's and start_vllm_server.py's prompts
 PROMPTS = {
     "challenger_system": (
         "You are an expert who writes competition mathematics problems.\n"
@@ -119,7 +114,6 @@ PROMPTS = {
     "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
                         "you were given."),
     "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
-    # evaluation: a multiple-choice question for the Solver (its user turn)
     "solver_choices": "{question}\n\n{options}\n\nBox the letter of the correct option.",
 }
 _prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE
@@ -142,14 +136,12 @@ def solver_prompt(question: str, tokenizer):
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
 def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
-    """Per question: label y~ (the largest class of answers math_equal in either direction to its
-    first), its votes `agree` and p^ = agree / m; unparsable answers count in m but never win.
-    Every pair of distinct answers is checked both ways, in one parallel math_equal batch."""
+    """Per question: label y~ (the largest class of answers math_equal either way to its first),
+    its votes `agree`, p^ = agree / m (unparsable answers count in m, never win), and m."""
     votes = ([str(a).strip() for a in g if a is not None] for g in groups)
     counts = [Counter(a for a in v if a) for v in votes]  # distinct answers in order of appearance
-    pairs = list({(a, b) for n in counts for i, a in enumerate(n) for b in list(n)[:i]})
-    pairs += [(b, a) for a, b in pairs]
-    eq = dict(zip(pairs, common.math_equal_many(pairs)))
+    pairs = list({(a, b) for n in counts for a in n for b in n if a != b})  # both ways
+    eq = dict(zip(pairs, common.math_equal_many(pairs)))  # one parallel batch
     out = []
     for g, n in zip(groups, counts):
         classes = []  # lists of distinct answers, the head first
@@ -184,29 +176,25 @@ def in_band(s: dict, cfg: Config) -> bool:
 
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B with C_k the valid questions'
-    clusters (1 - BLEU distances, average linkage cut at tau_BLEU), B the whole batch; an output
-    that fails the format check gets 0."""
+    """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B, C_k the valid questions' BLEU
+    clusters (average linkage cut at tau_BLEU), B the batch; a failed format check gets 0."""
     valid = np.array([q is not None for q in questions], dtype=bool)
-    vidx = np.flatnonzero(valid)
-    dist = common.bleu_distance_matrix([questions[i] for i in vidx])
+    dist = common.bleu_distance_matrix([q for q in questions if q is not None])
     ids = np.asarray(common.average_linkage_clusters(dist, cfg.bleu_threshold), dtype=int)
     r_rep = np.zeros(len(questions))
-    r_rep[vidx] = cfg.rep_lambda * np.bincount(ids)[ids] / len(questions)
+    r_rep[valid] = cfg.rep_lambda * np.bincount(ids)[ids] / len(questions)
     r_unc = np.where(valid, common.uncertainty_reward(np.asarray(p_hats, dtype=np.float64)), 0.0)
     return {"reward": np.where(valid, np.maximum(0.0, r_unc - r_rep), 0.0), "r_unc": r_unc,
             "r_rep": r_rep, "valid": valid, "n_clusters": int(ids.max(initial=-1)) + 1}
 
 
 def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
-    return [{"question": q, "label": s["label"], "p_hat": s["p_hat"], "agree": s["agree"]}
-            for q, s in zip(questions, stats) if in_band(s, cfg)]
+    return [{"question": q, **s} for q, s in zip(questions, stats) if in_band(s, cfg)]
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
 class Shards(dict):
-    """This rank's part (common.local_part) of one weight set in file-backed shared memory: page
-    cache the kernel may reclaim, one copy per node. Policy.exchange_weights swaps it in place."""
+    """This rank's part of a weight set in file-backed shared memory (page cache, one per node)."""
     local_shards = True
 
 
@@ -230,29 +218,24 @@ class Roles:
     """The trained role lives in policy.model; the other one waits in `parked` (Shards)."""
 
     def __init__(self, policy, active: str, other=None, folder=None):
-        self.policy, self.active = policy, active
-        self.folder = folder or tempfile.gettempdir()
+        self.policy, self.active, self.folder = policy, active, folder  # None: the temp dir
         self.parked = {OTHER[active]: self.park(other)}
 
     def park(self, weights=None) -> Shards:
         """Shards of `weights` (full tensors or a save_pretrained folder), else of the trainer's."""
         import torch
-        if isinstance(weights, (str, pathlib.Path)):
+        if isinstance(weights, (str, pathlib.Path)):  # a folder: read one tensor at a time
             from safetensors import safe_open
             opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
             weights = {k: f for f in opened for k in f.keys()}
         out = Shards()
         for k, v, part in _trainer_parts(self.policy):
-            src = part if weights is None else weights[k]
-            if not hasattr(src, "shape"):  # a safetensors file
-                src = src.get_tensor(k)
-            if weights is not None:  # this rank's part, no collective
-                src = common.local_part(v, src)
-            fd, path = tempfile.mkstemp(dir=self.folder, prefix=".weights-")
-            os.close(fd)
-            out[k] = torch.from_file(path, shared=True, size=part.numel(),
-                                     dtype=part.dtype).view(part.shape)
-            os.unlink(path)  # the mapping outlives the name: nothing is left behind
+            src = part if weights is None else common.local_part(  # this rank's part, no collective
+                v, weights[k] if hasattr(weights[k], "shape") else weights[k].get_tensor(k))
+            # the mapping outlives the file's name: nothing is left behind
+            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".weights-") as f:
+                out[k] = torch.from_file(f.name, shared=True, size=part.numel(),
+                                         dtype=part.dtype).view(part.shape)
             out[k].copy_(src)
         return out
 
@@ -329,8 +312,7 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
          "p_hat_mean": _mean([s["p_hat"] for s in voted]),
          "in_band": _mean([in_band(s, cfg) for s in voted])}
     run.log_samples(step, CHALLENGER, [
-        {"completion": c.text, "question": q, "label": s and s["label"], "p_hat": s and s["p_hat"],
-         "reward": float(rw), "r_rep": float(rr)}
+        {"completion": c.text, "question": q, **(s or {}), "reward": float(rw), "r_rep": float(rr)}
         for (_, c), q, s, rw, rr in zip(rollouts, questions, stats, r["reward"], r["r_rep"])])
     return _role_metrics(CHALLENGER, m, upd)
 
@@ -357,8 +339,7 @@ def build_dataset(policy, roles: Roles, cfg: Config, step: int, run,
     run.log_samples(step, "dataset", kept)
     hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist()
     return kept, {"dataset/generated": len(questions), "dataset/voted": len(valid),
-                  "dataset/kept": len(kept), "dataset/kept_frac": len(kept) / max(1, len(valid)),
-                  "dataset/agree_hist": hist}
+                  "dataset/kept": len(kept), "dataset/agree_hist": hist}
 
 
 # -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
@@ -373,15 +354,13 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
     flat = [(g, c) for g, group in enumerate(outs) for c in group]
     preds = [common.extract_boxed(c.text) for _, c in flat]
     ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
-    rewards = [float(o) for o in ok]  # paper §3: 1 iff the boxed answer equals y~
-    trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER)
-             for (_, c), r in zip(flat, rewards)]
+    trajs = [common.Trajectory.from_completion(c, reward=float(o), role=SOLVER)  # §3: 1 iff = y~
+             for (_, c), o in zip(flat, ok)]
     upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
-    run.log_samples(step, SOLVER, [
-        {"question": rows[g]["question"], "label": rows[g]["label"], "completion": c.text,
-         "pred": p, "reward": r} for (g, c), p, r in zip(flat, preds, rewards)])
+    run.log_samples(step, SOLVER, [{**rows[g], "completion": c.text, "pred": p, "reward": t.reward}
+                                   for (g, c), p, t in zip(flat, preds, trajs)])
     return _role_metrics(SOLVER, {
-        "acc_vs_pseudo": float(np.mean(ok)), "reward": float(np.mean(rewards)),
+        "acc_vs_pseudo": float(np.mean(ok)), "reward": float(np.mean([t.reward for t in trajs])),
         "no_answer": float(np.mean([p is None for p in preds]))}, upd)
 
 
@@ -406,13 +385,11 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
            if common.parse_benchmark_spec(b)[0].lower() in GENERAL or "bbeh" in b.lower()}
     math = [r["score"] for b, r in res["benchmarks"].items() if b not in gen]
     general = [r["score"] for b, r in res["benchmarks"].items() if b in gen]
-    if math:
-        m["eval/math_avg"] = float(np.mean(math))
+    m.update({"eval/math_avg": float(np.mean(math))} if math else {})
     m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))
     return m
 
 
-# -- Checkpoints and the run's outputs ------------------------------------------------------------
 def _save_model(policy, weights, path: pathlib.Path) -> None:
     """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
     weights = {k: v.cpu() for k, v in weights if common.is_main_process()}  # all ranks iterate
@@ -422,8 +399,8 @@ def _save_model(policy, weights, path: pathlib.Path) -> None:
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
-    """The trained role in checkpoints/step_<k>/; first the parked role (and mid-phase the KL
-    reference) in roles/step_<k>/, which goes when its checkpoint is pruned."""
+    """checkpoints/step_<k>/: the trained role; first roles/step_<k>/: the parked one (and the
+    KL reference mid-phase), which goes when its checkpoint is pruned."""
     tag, parked = f"step_{step}", OTHER[roles.active]
     tmp = run.dir / "roles" / f".tmp-{tag}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -433,9 +410,7 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
     if common.is_main_process():
         shutil.rmtree(tmp.with_name(tag), ignore_errors=True)
         os.replace(tmp, tmp.with_name(tag))
-    holds = {"model": roles.active, parked: f"roles/{tag}/{parked}"}  # which role is which files
-    run.save_checkpoint(step, policy,
-                        {**state, "active": roles.active, "roles_dir": tag, "holds": holds})
+    run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag})
     if common.is_main_process():  # a pruned checkpoint's role folder goes with it
         for d in tmp.parent.iterdir():
             if not (run.dir / "checkpoints" / d.name).is_dir():
@@ -454,7 +429,6 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
                                                  for k, p in evals.items() if p.is_file()}})
 
 
-# -- The loop --------------------------------------------------------------------------------------
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
     validate_config(cfg)
@@ -492,9 +466,8 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             m.update(challenger_step(policy, roles, cfg, ref, step, run))
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
-            kept, dm = build_dataset(policy, roles, cfg, step, run, k)
+            state["dataset"], dm = build_dataset(policy, roles, cfg, step, run, k)
             m.update(dm)
-            state["dataset"] = kept
         elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
                      else {"solver/skipped": 1})
@@ -509,11 +482,9 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         state.update(zip(("iteration", "phase", "phase_step"), schedule[step]))
         last = j + 1 == sizes[phase]
         ref = None if last else ref
-        # a phase's end is saved (the Solver's by the evaluation after it); --save-every mid-phase
-        if (last and phase != SOLVER) or (not last and cfg.save_every and
-                                          step % cfg.save_every == 0):
+        every = not last and cfg.save_every and step % cfg.save_every == 0  # --save-every
+        if (last and phase != SOLVER) or every:  # a phase's end (the Solver's: the eval's)
             save_state(run, policy, roles, state, step, ref)
-    pbar.close()
     finish(run, policy, roles, cfg, state["best"])
     run.close()
     return run.dir

@@ -98,7 +98,7 @@ def test_dataset_filter_keeps_exactly_three_to_seven_of_ten_with_majority_label(
     # majority that is not the first answer: label is the largest class
     st = r_zero.vote_statistics([["1", "2", "2", "2", "2", None, None, "3", "1", None]])
     assert r_zero.filter_dataset(["q"], st, cfg) == [
-        {"question": "q", "label": "2", "p_hat": 0.4, "agree": 4}]
+        {"question": "q", "label": "2", "p_hat": 0.4, "agree": 4, "m": 10}]
     # the code's band 0.3-0.8 keeps 3..8 of 10
     code_band = _cfg(band_low=0.3, band_high=0.8)
     assert [k["agree"] for k in r_zero.filter_dataset(qs, stats, code_band)] == [3, 4, 5, 6, 7, 8]
