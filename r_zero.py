@@ -1,6 +1,6 @@
 """R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004).
 
-One base model, two roles, no data: a Challenger asks, and the Solver's majority vote labels it.
+Two roles of one base model, no data: a Challenger asks, and the Solver's majority vote labels.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
      frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
@@ -75,6 +75,7 @@ class Config(common.RunConfig):
     adv_eps: float = 1e-6  # GRPO (r - mean) / (std + eps) (verl/trainer/core_algos.py)
     aggregation: str = "seq-mean-token-mean"  # EasyR1's loss average as R-Zero runs it
     eval_base: bool = True  # also evaluate the base model (paper Table 1, "Base Model")
+    eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
 
