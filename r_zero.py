@@ -1,16 +1,15 @@
 """R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004).
 
-Two roles of one base model, no data: a Challenger asks, and the Solver's majority vote labels.
+Two roles of one base model, no data: a Challenger asks questions; the Solver's vote labels them.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
      frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
      share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
-  3. solver_step x 15: GRPO on the Solver, reward 1 iff its boxed answer equals y~.
+  3. solver_step x 15: GRPO on the Solver, solver_rewards 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
 Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU)
-Deviations from the official code (github.com/Chengsong-Huang/R-Zero; its settings by flag:
---iterations 5 --votes 9 --band-low 0.3 --band-high 0.8):
+Deviations from the official code (github.com/Chengsong-Huang/R-Zero):
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
@@ -139,8 +138,7 @@ def solver_prompt(question: str, tokenizer):
 def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
     """Per question: label y~ (the largest class of answers math_equal either way to its first),
     its votes `agree`, p^ = agree / m (unparsable answers count in m, never win), and m."""
-    votes = ([str(a).strip() for a in g if a is not None] for g in groups)
-    counts = [Counter(a for a in v if a) for v in votes]  # distinct answers in order of appearance
+    counts = [Counter(s for a in g if a is not None and (s := str(a).strip())) for g in groups]
     pairs = list({(a, b) for n in counts for a in n for b in n if a != b})  # both ways
     eq = dict(zip(pairs, common.math_equal_many(pairs)))  # one parallel batch
     out = []
@@ -191,6 +189,11 @@ def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Co
 
 def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
     return [{"question": q, **s} for q, s in zip(questions, stats) if in_band(s, cfg)]
+
+
+def solver_rewards(preds: list[str | None], labels: list[str]) -> list[float]:
+    """Paper §3: 1 iff the Solver's boxed answer is math_equal to the pseudo-label y~, else 0."""
+    return [float(ok) for ok in common.math_equal_many(list(zip(preds, labels)))]
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
@@ -282,10 +285,6 @@ def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:
     return {f"{role}/{k}": v for k, v in out.items()}
 
 
-def _mean(xs) -> float:
-    return float(np.mean(xs)) if len(xs) else 0.0
-
-
 # -- 1. Challenger phase (Solver frozen) -----------------------------------------------------------
 def challenger_rollouts(policy, cfg: Config):
     outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.challenger_batch,
@@ -306,12 +305,10 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
     trajs = [common.Trajectory.from_completion(c, reward=float(rw), role=CHALLENGER)
              for (_, c), rw in zip(rollouts, r["reward"])]
     upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref, cfg.challenger_minibatch)
-    valid, voted = r["valid"], [s for s in stats if s]
-    m = {"reward": float(r["reward"].mean()), "r_unc": _mean(r["r_unc"][valid]),
-         "r_rep": _mean(r["r_rep"][valid]), "format_fail": float(1.0 - valid.mean()),
-         "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],
-         "p_hat_mean": _mean([s["p_hat"] for s in voted]),
-         "in_band": _mean([in_band(s, cfg) for s in voted])}
+    valid = r["valid"]
+    m = {"reward": float(r["reward"].mean()), "format_fail": float(1.0 - valid.mean()),
+         "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],  # r_unc, r_rep: of the valid
+         **{k: float(r[k][valid].mean()) if valid.any() else 0.0 for k in ("r_unc", "r_rep")}}
     run.log_samples(step, CHALLENGER, [
         {"completion": c.text, "question": q, **(s or {}), "reward": float(rw), "r_rep": float(rr)}
         for (_, c), q, s, rw, rr in zip(rollouts, questions, stats, r["reward"], r["r_rep"])])
@@ -354,14 +351,14 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
                            max_tokens=cfg.max_tokens)
     flat = [(g, c) for g, group in enumerate(outs) for c in group]
     preds = [common.extract_boxed(c.text) for _, c in flat]
-    ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
-    trajs = [common.Trajectory.from_completion(c, reward=float(o), role=SOLVER)  # §3: 1 iff = y~
-             for (_, c), o in zip(flat, ok)]
+    rewards = solver_rewards(preds, [rows[g]["label"] for g, _ in flat])
+    trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER)
+             for (_, c), r in zip(flat, rewards)]
     upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
-    run.log_samples(step, SOLVER, [{**rows[g], "completion": c.text, "pred": p, "reward": t.reward}
-                                   for (g, c), p, t in zip(flat, preds, trajs)])
+    run.log_samples(step, SOLVER, [{**rows[g], "completion": c.text, "pred": p, "reward": r}
+                                   for (g, c), p, r in zip(flat, preds, rewards)])
     return _role_metrics(SOLVER, {
-        "acc_vs_pseudo": float(np.mean(ok)), "reward": float(np.mean([t.reward for t in trajs])),
+        "acc_vs_pseudo": float(np.mean(rewards)), "reward": float(np.mean(rewards)),
         "no_answer": float(np.mean([p is None for p in preds]))}, upd)
 
 
@@ -400,8 +397,7 @@ def _save_model(policy, weights, path: pathlib.Path) -> None:
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
-    """checkpoints/step_<k>/: the trained role; first roles/step_<k>/: the parked one (and the
-    KL reference mid-phase), which goes when its checkpoint is pruned."""
+    """The trained role in checkpoints/step_<k>/, after the parked one (and ref) in roles/."""
     tag, parked = f"step_{step}", OTHER[roles.active]
     tmp = run.dir / "roles" / f".tmp-{tag}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -106,6 +106,15 @@ def test_dataset_filter_keeps_exactly_three_to_seven_of_ten_with_majority_label(
     assert r_zero.filter_dataset(["q"], st, cfg)
 
 
+def test_solver_reward_is_one_iff_the_boxed_answer_equals_the_pseudo_label():
+    think = "<think>\n2 + 3 = 5\n</think>\nSo \\boxed{5}."
+    plain = "2 + 3 = 5, so \\boxed{5}."
+    preds = [common.extract_boxed(t) for t in (think, plain)]
+    assert r_zero.solver_rewards(preds, ["5", "5"]) == [1.0, 1.0]  # the paper pays accuracy only
+    assert r_zero.solver_rewards(preds, ["6", "6"]) == [0.0, 0.0]
+    assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]  # unparsable; math-verify
+
+
 def test_config_flags_and_validation():
     cfg = common.parse_config(r_zero.Config, [
         "--votes", "9", "--band-low", "0.3", "--band-high", "0.8", "--iterations", "5"])
