@@ -77,6 +77,7 @@ class Config(common.RunConfig):
     eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
+    max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
 
 CHALLENGER, SOLVER = "challenger", "solver"
