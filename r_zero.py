@@ -1,32 +1,22 @@
 """R-Zero: Self-Evolving Reasoning LLM from Zero Data (Huang et al., arXiv:2508.05004).
 
-A Challenger writes math questions and a Solver answers them. Both start from one base model and
-never share weights; there is no data and no verifier: a question's label is the Solver's own vote.
+Two roles of one base model, no data: a Challenger asks questions; the Solver's vote labels them.
 For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   1. challenger_step x 5: challenger_rollouts (G = 4 outputs of one fixed prompt), solver_votes (the
      frozen Solver answers each question m = 10 times), vote_statistics (majority label y~ and its
      share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
-  3. solver_step x 15: GRPO on the Solver, solver_reward 1 iff its boxed answer equals y~.
+  3. solver_step x 15: GRPO on the Solver, solver_rewards 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
-Run:  python r_zero.py --model Qwen/Qwen3-4B-Base   (a GPU; torchrun for several)
-Tiny: python r_zero.py --model tiny                 (CPU smoke run, about a minute)
-Deviations (official code: github.com/Chengsong-Huang/R-Zero; flags give its variants):
+Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU)
+Deviations from the official code (github.com/Chengsong-Huang/R-Zero):
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
-  - code variants: --iterations 5, --votes 9, --band-low 0.3 --band-high 0.8, --reward-variant
-    code --invalid-reward -1, --solver-reward code (0.9 acc + 0.1 <think> format), --code-filters
-  - --rep-penalty excess: (|C_k| - 1) / B, not from the paper; it removes the 1/B floor at small B
-  - rollouts use top-p 1.0 (code: 0.99) because the trainer does not model truncation
-  - ours: questions sharing a 13-gram with an eval set are dropped (--no-decontaminate), and one
-    whose Solver prompt exceeds --max-prompt-tokens counts as a format failure
-  - as in the code, the minibatches of one rollout batch all keep the rollout policy as pi_old
-  - one trainer and one vLLM engine: the parked role and the KL reference are this rank's shards in
-    file-backed memory (one copy per node), swapped in place to sample or for the KL pass
+  - rollouts use top-p 1.0 (code: 0.99): the trainer does not model truncation
+  - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
+  - one trainer, one vLLM engine: the parked role and the KL reference wait in file-backed memory
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
-  - without a chat template a prompt ends in "assistant:"; --prompts FILE replaces our templates
-  - --oracle-model M measures the kept labels' accuracy against M (paper: 79% -> 69% -> 63%)
 """
 from __future__ import annotations
 
@@ -34,11 +24,8 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import shutil
-import sys
 import tempfile
-import warnings
 from collections import Counter
 
 import numpy as np
@@ -61,7 +48,6 @@ class Config(common.RunConfig):
     solver_batch: int = 512  # questions per step (examples/config.yaml)
     challenger_minibatch: int = 16  # prompts per update, 0 = all (scripts; R-Zero issue #23)
     solver_minibatch: int = 128  # questions per update, 0 = all (paper: batch 128)
-    updates_per_batch: int = 1  # passes over a rollout batch (EasyR1 ppo_epochs)
     votes: int = 10  # m (paper §3; question_evaluate/evaluate.py: 9)
     vote_temperature: float = 1.0  # vllm_service_init/start_vllm_server.py
     vote_top_p: float = 1.0  # vllm_service_init/start_vllm_server.py
@@ -76,13 +62,8 @@ class Config(common.RunConfig):
     top_p: float = 1.0  # rollouts (examples/config.yaml: 0.99; see the deviations)
     max_prompt_tokens: int = 2048  # longer Solver prompts are invalid (max_prompt_length)
     max_tokens: int = 4096  # both roles in training (examples/config.yaml max_response_length)
-    reward_variant: str = "paper"  # paper | code: min(p^, 1 - p^) - r_rep (caller_penalty.py)
-    invalid_reward: float = 0.0  # no <question> block (paper §3: 0; caller_penalty.py: -1)
-    rep_penalty: str = "size"  # size: lambda |C_k| / B (paper §3) | excess: (|C_k| - 1) / B
     rep_lambda: float = 1.0  # lambda of the repetition penalty (paper §3)
     bleu_threshold: float = 0.5  # tau_BLEU, average-linkage threshold on 1 - BLEU (paper §3)
-    solver_reward: str = "paper"  # paper: 1 iff correct | code: examples/reward_function/math.py
-    code_filters: bool = False  # question_generate.py: drop "box"/"证明" questions, "text" labels
     lr: float = 1e-6  # AdamW, constant (paper; examples/config.yaml)
     weight_decay: float = 1e-2  # examples/config.yaml
     grad_clip: float = 1.0  # max grad norm (examples/config.yaml)
@@ -92,22 +73,16 @@ class Config(common.RunConfig):
     kl_coef: float = 0.01  # beta of the k3 KL to the phase start (paper; config.yaml low_var_kl)
     adv_eps: float = 1e-6  # GRPO (r - mean) / (std + eps) (verl/trainer/core_algos.py)
     aggregation: str = "seq-mean-token-mean"  # EasyR1's loss average as R-Zero runs it
-    decontaminate: bool = True  # drop questions sharing an n-gram with the eval sets (ours)
-    decontaminate_n: int = 13  # n of that overlap filter (GPT-3's 13-gram rule)
     eval_base: bool = True  # also evaluate the base model (paper Table 1, "Base Model")
     eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
-    oracle_model: str = ""  # judge of the kept pseudo-labels (paper's label accuracy); "" = off
-    oracle_votes: int = 10  # oracle samples per question (1 = one greedy answer)
-    oracle_limit: int = 200  # kept questions checked against the oracle per iteration
-    oracle_gpu_memory_utilization: float = 0.2  # the oracle's own engine, if not swapped in
     max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
 
 CHALLENGER, SOLVER = "challenger", "solver"
+OTHER = {CHALLENGER: SOLVER, SOLVER: CHALLENGER}
 
-# --model tiny: a one-minute smoke run, one iteration of one step per phase (flags still override)
 TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2,
         "challenger_group": 2, "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4,
         "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
@@ -115,28 +90,17 @@ TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_b
 
 
 def validate_config(cfg: Config) -> None:
-    """One-line ValueErrors for flags no run can use; loads --prompts FILE."""
-    ones = ("iterations challenger_steps solver_steps challenger_batch solver_batch votes "
-            "question_pool max_tokens vote_max_tokens max_prompt_tokens updates_per_batch "
-            "oracle_votes").split()
-    at_least = {**dict.fromkeys(ones, 1), "challenger_group": 2, "solver_group": 2,  # a baseline
-                "challenger_minibatch": 0, "solver_minibatch": 0}
-    bad = [f"--{n.replace('_', '-')} must be >= {low}, got {getattr(cfg, n)}"
-           for n, low in at_least.items() if getattr(cfg, n) < low]
-    choices = {"reward_variant": ("paper", "code"), "solver_reward": ("paper", "code"),
-               "rep_penalty": ("size", "excess")}
-    bad += [f"--{n.replace('_', '-')} must be {' or '.join(ok)}, not {getattr(cfg, n)!r}"
-            for n, ok in choices.items() if getattr(cfg, n) not in ok]
+    """One-line ValueErrors beyond parse_config's (sizes >= 1); loads --prompts FILE."""
+    if min(cfg.challenger_group, cfg.solver_group) < 2:
+        raise ValueError("--challenger-group and --solver-group must be >= 2 (GRPO's baseline)")
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
-        bad.append(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, {cfg.band_high}")
-    if bad:
-        raise ValueError(bad[0])
+        raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
+                         f"{cfg.band_high}")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    use_prompts(cfg.prompts)  # a bad --prompts file: a usage error before anything loads
+    _prompts.update(common.load_prompts(cfg.prompts, PROMPTS))  # a bad file: a usage error
 
 
-# Prompts: our own words with every instruction of the Challenger's (question_generate.py) and the
-# Solver's (start_vllm_server.py) prompts. str.format templates, literal braces doubled.
+# Our words for every instruction of question_generate.py's and start_vllm_server.py's prompts
 PROMPTS = {
     "challenger_system": (
         "You are an expert who writes competition mathematics problems.\n"
@@ -151,15 +115,9 @@ PROMPTS = {
     "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
                         "you were given."),
     "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
-    # evaluation: a multiple-choice question for the Solver (its user turn)
     "solver_choices": "{question}\n\n{options}\n\nBox the letter of the correct option.",
 }
-_prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE (use_prompts)
-
-
-def use_prompts(path: str) -> None:
-    """--prompts FILE over PROMPTS ("" = ours); a bad file: a ValueError naming the template."""
-    _prompts.update(common.load_prompts(path, PROMPTS))
+_prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE
 
 
 def render(tokenizer, system: str, user: str):
@@ -178,45 +136,26 @@ def solver_prompt(question: str, tokenizer):
 
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
-def majority_vote_many(groups):
-    """majority_vote of each group; round r checks every group's r-th distinct answer against its
-    class heads (both directions) in one parallel math_equal batch."""
-    votes = [[str(a).strip() for a in g if a is not None and str(a).strip()] for g in groups]
-    distinct = [list(dict.fromkeys(v)) for v in votes]
-    classes = [[] for _ in groups]  # per group: lists of distinct answers, the head first
-    for r in range(max(map(len, distinct), default=0)):
-        jobs = [(i, h) for i, d in enumerate(distinct) if r < len(d)
-                for h in range(len(classes[i]))]
-        pairs = [(distinct[i][r], classes[i][h][0]) for i, h in jobs]
-        ok = common.math_equal_many(pairs)
-        back = iter(common.math_equal_many([(b, a) for (a, b), o in zip(pairs, ok) if not o]))
-        ok = dict(zip(jobs, [o or next(back) for o in ok]))
-        for i, d in enumerate(distinct):
-            if r < len(d):  # join the OLDEST matching class, else open a new one
-                h = next((h for h in range(len(classes[i])) if ok[(i, h)]), len(classes[i]))
-                if h == len(classes[i]):
-                    classes[i].append([])
-                classes[i][h].append(d[r])
+def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
+    """Per question: label y~ (the largest class of answers math_equal either way to its first),
+    its votes `agree`, p^ = agree / m (unparsable answers count in m, never win), and m."""
+    counts = [Counter(s for a in g if a is not None and (s := str(a).strip())) for g in groups]
+    pairs = list({(a, b) for n in counts for a in n for b in n if a != b})  # both ways
+    eq = dict(zip(pairs, common.math_equal_many(pairs)))  # one parallel batch
     out = []
-    for g, v, cls in zip(groups, votes, classes):
-        counts = Counter(v)
-        size = [sum(counts[s] for s in c) for c in cls]
-        best = cls[size.index(max(size))] if cls else [None]  # the earliest class wins a tie
-        out.append((max(best, key=lambda s: counts[s]),  # the class's commonest spelling
-                    max(size, default=0) / max(len(g), 1)))
+    for g, n in zip(groups, counts):
+        classes = []  # lists of distinct answers, the head first
+        for a in n:  # join the OLDEST class whose head matches, else open a new one
+            c = next((c for c in classes if eq[(a, c[0])] or eq[(c[0], a)]), [])
+            if not c:
+                classes.append(c)
+            c.append(a)
+        size = [sum(n[s] for s in c) for c in classes]
+        best = classes[size.index(max(size))] if classes else [None]  # the earliest wins a tie
+        agree = max(size, default=0)
+        out.append({"label": max(best, key=lambda s: n[s]),  # the class's commonest spelling
+                    "p_hat": agree / max(len(g), 1), "agree": agree, "m": len(g)})
     return out
-
-
-def majority_vote(answers):
-    """(label, share of ALL m votes): the largest class of answers math_equal in either direction;
-    None/empty answers count in m but never win; (None, 0.0) if nothing parses."""
-    return majority_vote_many([answers])[0]
-
-
-def vote_statistics(answer_groups: list[list[str | None]]) -> list[dict]:
-    """Per question: label y~, p^ = |class(y~)| / m, the agreeing votes and m."""
-    return [{"label": y, "p_hat": float(p), "agree": int(round(p * len(g))), "m": len(g)}
-            for g, (y, p) in zip(answer_groups, majority_vote_many(answer_groups))]
 
 
 def extract_question(text: str) -> str | None:
@@ -224,74 +163,43 @@ def extract_question(text: str) -> str | None:
 
 
 def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
-    """Each Challenger output's question, or None (no block, empty, code-filtered or too long)."""
+    """Each output's question, or None: the format check (no block, empty, or too long)."""
     qs = [extract_question(c.text) for c in completions]
-    if cfg.code_filters:  # question_generate.py's filter
-        qs = [None if q is None or "证明" in q or "box" in q else q for q in qs]
     sizes = [q and len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) for q in qs]
     return [q if q is not None and n <= cfg.max_prompt_tokens else None for q, n in zip(qs, sizes)]
 
 
-def in_band(agree: int, m: int, low: float, high: float) -> bool:
-    """low <= agree / m <= high (3..7 of 10 with the paper's band); agree = 0 is never kept."""
-    return agree >= 1 and low * m - 1e-9 <= agree <= high * m + 1e-9
-
-
-def bleu_clusters(texts, threshold=0.5):
-    """Cluster id per text: 1 - sentence-BLEU-4 distances, average linkage cut at `threshold`."""
-    return common.average_linkage_clusters(common.bleu_distance_matrix(list(texts)), threshold)
-
-
-def repetition_penalty(texts, threshold=0.5):
-    """Paper §3: r_rep(x_i) = |C_k| / B for x_i in BLEU cluster C_k; a singleton still pays 1/B."""
-    ids = np.asarray(bleu_clusters(texts, threshold), dtype=int)
-    return np.bincount(ids)[ids] / max(len(ids), 1)
+def in_band(s: dict, cfg: Config) -> bool:
+    """band_low <= agree / m <= band_high (3..7 of 10 with the paper's band); agree 0 never is."""
+    m = s["m"]
+    return s["agree"] >= 1 and cfg.band_low * m - 1e-9 <= s["agree"] <= cfg.band_high * m + 1e-9
 
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
-    """paper §3: max(0, r_unc - r_rep); code (caller_penalty.py): min(p^, 1 - p^) - r_rep. r_rep =
-    lambda |C_k| / B over the valid questions' BLEU clusters, B the whole batch; an output without
-    a question gets --invalid-reward (the code: -1 - r_rep of the empty strings)."""
+    """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B, C_k the valid questions' BLEU
+    clusters (average linkage cut at tau_BLEU), B the batch; a failed format check gets 0."""
     valid = np.array([q is not None for q in questions], dtype=bool)
-    p, vidx = np.asarray(p_hats, dtype=np.float64), np.flatnonzero(valid)
-    ids = np.asarray(bleu_clusters([questions[i] for i in vidx], cfg.bleu_threshold), dtype=int)
+    dist = common.bleu_distance_matrix([q for q in questions if q is not None])
+    ids = np.asarray(common.average_linkage_clusters(dist, cfg.bleu_threshold), dtype=int)
     r_rep = np.zeros(len(questions))
-    excess = 1.0 if cfg.rep_penalty == "excess" else 0.0
-    r_rep[vidx] = cfg.rep_lambda * (np.bincount(ids)[ids] - excess) / len(questions)
-    r_unc = np.where(valid, common.uncertainty_reward(p), 0.0)
-    reward = (np.maximum(0.0, r_unc - r_rep) if cfg.reward_variant == "paper"
-              else np.minimum(p, 1.0 - p) - r_rep)
-    return {"reward": np.where(valid, reward, float(cfg.invalid_reward)), "r_unc": r_unc,
+    r_rep[valid] = cfg.rep_lambda * np.bincount(ids)[ids] / len(questions)
+    r_unc = np.where(valid, common.uncertainty_reward(np.asarray(p_hats, dtype=np.float64)), 0.0)
+    return {"reward": np.where(valid, np.maximum(0.0, r_unc - r_rep), 0.0), "r_unc": r_unc,
             "r_rep": r_rep, "valid": valid, "n_clusters": int(ids.max(initial=-1)) + 1}
 
 
-def keep_question(s: dict, cfg: Config) -> bool:
-    return (s["label"] is not None and in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
-            and not (cfg.code_filters and "text" in s["label"]))
-
-
 def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
-    return [{"question": q, "label": s["label"], "p_hat": s["p_hat"], "agree": s["agree"]}
-            for q, s in zip(questions, stats) if keep_question(s, cfg)]
+    return [{"question": q, **s} for q, s in zip(questions, stats) if in_band(s, cfg)]
 
 
-# The code's format term (blanks around <, > and / removed): starts with <think>...</think>, then
-# boxes an answer. The Solver prompt never asks for <think>: it pays a template habit.
-CODE_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
-
-
-def solver_reward(text: str, correct: bool, cfg: Config) -> float:
-    """paper: 1 iff the boxed answer is y~; code (reward_function/math.py): 0.9 that + 0.1 form."""
-    if cfg.solver_reward == "paper":
-        return float(correct)
-    formatted = CODE_FORMAT.fullmatch(re.sub(r"\s*(<|>|/)\s*", r"\1", text)) is not None
-    return 0.9 * float(correct) + 0.1 * float(formatted)
+def solver_rewards(preds: list[str | None], labels: list[str]) -> list[float]:
+    """Paper §3: 1 iff the Solver's boxed answer is math_equal to the pseudo-label y~, else 0."""
+    return [float(ok) for ok in common.math_equal_many(list(zip(preds, labels)))]
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
 class Shards(dict):
-    """This rank's part (common.local_part) of one weight set in file-backed shared memory: page
-    cache the kernel may reclaim, one copy per node. Policy.exchange_weights swaps it in place."""
+    """This rank's part of a weight set in file-backed shared memory (page cache, one per node)."""
     local_shards = True
 
 
@@ -311,45 +219,30 @@ def full_weights(policy, shards: Shards):
         yield k, common.full_from_part(shards[k], v)
 
 
-def gathered(policy, weights) -> dict | None:
-    """The (name, tensor) pairs `weights` on CPU on the main process, None elsewhere (all call)."""
-    out = {k: v.cpu() for k, v in weights if common.is_main_process()}
-    return out if common.is_main_process() else None
-
-
 class Roles:
     """The trained role lives in policy.model; the other one waits in `parked` (Shards)."""
 
     def __init__(self, policy, active: str, other=None, folder=None):
-        self.policy, self.active = policy, active
-        self.folder = folder or tempfile.gettempdir()
-        self.parked = {self.other(active): self.park(other)}
+        self.policy, self.active, self.folder = policy, active, folder  # None: the temp dir
+        self.parked = {OTHER[active]: self.park(other)}
 
     def park(self, weights=None) -> Shards:
         """Shards of `weights` (full tensors or a save_pretrained folder), else of the trainer's."""
         import torch
-        if isinstance(weights, (str, pathlib.Path)):
+        if isinstance(weights, (str, pathlib.Path)):  # a folder: read one tensor at a time
             from safetensors import safe_open
             opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
             weights = {k: f for f in opened for k in f.keys()}
         out = Shards()
         for k, v, part in _trainer_parts(self.policy):
-            src = part if weights is None else weights[k]
-            if not hasattr(src, "shape"):  # a safetensors file
-                src = src.get_tensor(k)
-            if weights is not None:  # this rank's part, no collective
-                src = common.local_part(v, src)
-            fd, path = tempfile.mkstemp(dir=self.folder, prefix=".weights-")
-            os.close(fd)
-            out[k] = torch.from_file(path, shared=True, size=part.numel(),
-                                     dtype=part.dtype).view(part.shape)
-            os.unlink(path)  # the mapping outlives the name: nothing is left behind
+            src = part if weights is None else common.local_part(  # this rank's part, no collective
+                v, weights[k] if hasattr(weights[k], "shape") else weights[k].get_tensor(k))
+            # the mapping outlives the file's name: nothing is left behind
+            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".weights-") as f:
+                out[k] = torch.from_file(f.name, shared=True, size=part.numel(),
+                                         dtype=part.dtype).view(part.shape)
             out[k].copy_(src)
         return out
-
-    @staticmethod
-    def other(role: str) -> str:
-        return SOLVER if role == CHALLENGER else CHALLENGER
 
     def activate(self, role: str) -> None:
         if role != self.active:  # exchanged in place: no third copy
@@ -382,20 +275,15 @@ def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: 
     per_group = len(trajs) // len(set(group_ids))
     pg = common.PGConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                          kl_coef=cfg.kl_coef, aggregation=cfg.aggregation,
-                         temperature=cfg.temperature, updates_per_batch=cfg.updates_per_batch,
-                         mini_batch=minibatch * per_group)
+                         temperature=cfg.temperature, mini_batch=minibatch * per_group)
     return common.pg_step(policy, trajs, pg, ref_weights=ref_weights if cfg.kl_coef > 0 else None)
 
 
 def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:
-    out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}}
-    if f"entropy/{role}" in upd:  # NLL of its own T = 1 samples, and the exact entropy
-        out.update(entropy=upd[f"entropy/{role}"], entropy_exact=upd.get(f"entropy_exact/{role}"))
+    """<role>/<name>: ours, pg_step's, and its entropies of this role's own samples."""
+    own = {k.split("/")[0]: v for k, v in upd.items() if k.endswith(f"/{role}")}
+    out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}, **own}
     return {f"{role}/{k}": v for k, v in out.items()}
-
-
-def _mean(xs) -> float:
-    return float(np.mean(xs)) if len(xs) else 0.0
 
 
 # -- 1. Challenger phase (Solver frozen) -----------------------------------------------------------
@@ -408,112 +296,71 @@ def challenger_rollouts(policy, cfg: Config):
 
 def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run) -> dict:
     """One GRPO step of the Challenger, rewarded by the frozen Solver's votes (paper §3)."""
-    with run.timer("challenger_rollout"):
-        rollouts = challenger_rollouts(policy, cfg)
-        questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
-    vidx = [i for i, q in enumerate(questions) if q is not None]
-    qs = [questions[i] for i in vidx]
-    with run.timer("solver_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, qs, cfg)
-    by_idx = dict(zip(vidx, vote_statistics(answers)))
-    stats = [by_idx.get(i) for i in range(len(questions))]  # None for an output without a question
+    rollouts = challenger_rollouts(policy, cfg)
+    questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
+    with roles.sampling(SOLVER):
+        answers = solver_votes(policy, [q for q in questions if q is not None], cfg)
+    it = iter(vote_statistics(answers))
+    stats = [next(it) if q is not None else None for q in questions]  # None: no question
     r = challenger_rewards(questions, [s["p_hat"] if s else 0.0 for s in stats], cfg)
     trajs = [common.Trajectory.from_completion(c, reward=float(rw), role=CHALLENGER)
              for (_, c), rw in zip(rollouts, r["reward"])]
-    with run.timer("challenger_update"):
-        upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref,
-                          cfg.challenger_minibatch)
-    valid, voted = r["valid"], list(by_idx.values())
-    m = {"reward": float(r["reward"].mean()), "r_unc": _mean(r["r_unc"][valid]),
-         "r_rep": _mean(r["r_rep"][valid]), "format_fail": float(1.0 - valid.mean()),
-         "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],
-         "truncated": _mean([c.finish_reason == "length" for _, c in rollouts]),
-         "p_hat_mean": _mean([s["p_hat"] for s in voted]),
-         "in_band": _mean([in_band(s["agree"], s["m"], cfg.band_low, cfg.band_high)
-                           for s in voted])}
-    if qs:  # the diversity of the valid questions (the clusters are the penalty's, above)
-        m.update(distinct_frac=common.distinct_fraction(qs),
-                 distinct4=common.distinct_ngram_ratio(qs, 4), self_bleu=common.self_bleu(qs))
+    upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref, cfg.challenger_minibatch)
+    valid = r["valid"]
+    m = {"reward": float(r["reward"].mean()), "format_fail": float(1.0 - valid.mean()),
+         "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],  # r_unc, r_rep: of the valid
+         **{k: float(r[k][valid].mean()) if valid.any() else 0.0 for k in ("r_unc", "r_rep")}}
     run.log_samples(step, CHALLENGER, [
-        {"completion": c.text, "question": q, "label": s and s["label"], "p_hat": s and s["p_hat"],
-         "reward": float(rw), "r_rep": float(rr)}
+        {"completion": c.text, "question": q, **(s or {}), "reward": float(rw), "r_rep": float(rr)}
         for (_, c), q, s, rw, rr in zip(rollouts, questions, stats, r["reward"], r["r_rep"])])
     return _role_metrics(CHALLENGER, m, upd)
 
 
 # -- 2. The Solver's dataset: questions filtered by the Solver's agreement -------------------------
-def build_dataset(policy, roles: Roles, cfg: Config, decon, step: int, run,
+def build_dataset(policy, roles: Roles, cfg: Config, step: int, run,
                   iteration: int) -> tuple[list, dict]:
     """N questions, m votes each, the band filter; all voted rows go to dataset_iter<k>.jsonl."""
-    with roles.sampling(CHALLENGER), run.timer("question_pool"):
+    with roles.sampling(CHALLENGER):
         outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.question_pool, n=1,
                                temperature=cfg.pool_temperature, top_p=cfg.pool_top_p,
                                max_tokens=cfg.max_tokens)
     questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
     valid = [q for q in questions if q is not None]
-    flags = decon.flags(valid) if decon is not None else [False] * len(valid)
-    clean = [q for q, f in zip(valid, flags) if not f]
-    with run.timer("dataset_votes"), roles.sampling(SOLVER):
-        answers = solver_votes(policy, clean, cfg)
+    with roles.sampling(SOLVER):
+        answers = solver_votes(policy, valid, cfg)
     stats = vote_statistics(answers)
-    kept = filter_dataset(clean, stats, cfg)
+    kept = filter_dataset(valid, stats, cfg)
     if common.is_main_process():
-        rows = [{"question": q, **s, "kept": keep_question(s, cfg), "answers": a}
-                for q, s, a in zip(clean, stats, answers)]
+        rows = [{"question": q, **s, "kept": in_band(s, cfg), "answers": a}
+                for q, s, a in zip(valid, stats, answers)]
         common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl",
                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     run.log_samples(step, "dataset", kept)
     hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist()
-    return kept, {"dataset/generated": len(questions), "dataset/valid": len(valid),
-                  "dataset/contaminated": int(sum(flags)), "dataset/voted": len(clean),
-                  "dataset/kept": len(kept), "dataset/kept_frac": len(kept) / max(1, len(clean)),
-                  "dataset/distinct_frac": common.distinct_fraction(valid),
-                  "dataset/agree_hist": hist}
-
-
-def pseudo_label_accuracy(roles: Roles, oracle, kept: list[dict], cfg: Config) -> dict:
-    """The share of kept labels math_equal to the oracle's majority answer (none = disagreement)."""
-    rows = kept[:cfg.oracle_limit]
-    if not rows:
-        return {}
-    greedy = cfg.oracle_votes == 1  # --oracle-votes 1: one greedy answer
-    ocfg = dataclasses.replace(cfg, votes=cfg.oracle_votes,
-                               vote_temperature=0.0 if greedy else cfg.vote_temperature)
-
-    with oracle.sampling(roles.policy) as sampler:
-        answers = solver_votes(sampler, [r["question"] for r in rows], ocfg)
-    ref = [s["label"] for s in vote_statistics(answers)]
-    ok = common.math_equal_many([(r["label"], a) for r, a in zip(rows, ref)])
-    return {"pseudo_label/acc": float(np.mean(ok)), "pseudo_label/n": len(rows),
-            "pseudo_label/oracle_answered": float(np.mean([a is not None for a in ref]))}
+    return kept, {"dataset/generated": len(questions), "dataset/voted": len(valid),
+                  "dataset/kept": len(kept), "dataset/agree_hist": hist}
 
 
 # -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
 def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
     """One GRPO step of the Solver on the kept questions against their pseudo-labels (paper §3)."""
     rng = np.random.default_rng([cfg.seed, step])  # per-step stream: a resume draws the same rows
-    b = min(cfg.solver_batch, len(dataset))
-    rows = [dataset[i] for i in rng.choice(len(dataset), size=b, replace=False)]
-    with run.timer("solver_rollout"):
-        outs = policy.generate([solver_prompt(r["question"], policy.tokenizer) for r in rows],
-                               n=cfg.solver_group, temperature=cfg.temperature, top_p=cfg.top_p,
-                               max_tokens=cfg.max_tokens)
+    pick = rng.choice(len(dataset), size=min(cfg.solver_batch, len(dataset)), replace=False)
+    rows = [dataset[i] for i in pick]
+    outs = policy.generate([solver_prompt(r["question"], policy.tokenizer) for r in rows],
+                           n=cfg.solver_group, temperature=cfg.temperature, top_p=cfg.top_p,
+                           max_tokens=cfg.max_tokens)
     flat = [(g, c) for g, group in enumerate(outs) for c in group]
     preds = [common.extract_boxed(c.text) for _, c in flat]
-    ok = common.math_equal_many([(p, rows[g]["label"]) for p, (g, _) in zip(preds, flat)])
-    rewards = [solver_reward(c.text, o, cfg) for (_, c), o in zip(flat, ok)]
+    rewards = solver_rewards(preds, [rows[g]["label"] for g, _ in flat])
     trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER)
              for (_, c), r in zip(flat, rewards)]
-    with run.timer("solver_update"):
-        upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
-    run.log_samples(step, SOLVER, [
-        {"question": rows[g]["question"], "label": rows[g]["label"], "completion": c.text,
-         "pred": p, "reward": r} for (g, c), p, r in zip(flat, preds, rewards)])
+    upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
+    run.log_samples(step, SOLVER, [{**rows[g], "completion": c.text, "pred": p, "reward": r}
+                                   for (g, c), p, r in zip(flat, preds, rewards)])
     return _role_metrics(SOLVER, {
-        "acc_vs_pseudo": float(np.mean(ok)), "reward": float(np.mean(rewards)),
-        "no_answer": float(np.mean([p is None for p in preds])),
-        "truncated": float(np.mean([c.finish_reason == "length" for _, c in flat])),
-        "batch": b}, upd)
+        "acc_vs_pseudo": float(np.mean(rewards)), "reward": float(np.mean(rewards)),
+        "no_answer": float(np.mean([p is None for p in preds]))}, upd)
 
 
 # -- 4. Evaluation ---------------------------------------------------------------------------------
@@ -525,11 +372,6 @@ def _solver_eval_prompt(problem: dict, tokenizer=None):
     return solver_prompt(q, tokenizer)
 
 
-def _general_name(bench: str) -> bool:
-    name = common.parse_benchmark_spec(bench)[0].lower()
-    return name in GENERAL or "bbeh" in name  # BBEH also as a copy, e.g. hf:MrLight/bbeh-eval
-
-
 def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
     """The Solver's greedy accuracy; eval/overall = mean(math_avg, general sets) (paper Table 1)."""
     if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
@@ -538,44 +380,38 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
         res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
     run.write_eval(res, name)
     m = common.eval_metrics(res)
-    math = [r["score"] for b, r in res["benchmarks"].items() if not _general_name(b)]
-    general = [r["score"] for b, r in res["benchmarks"].items() if _general_name(b)]
-    if math:
-        m["eval/math_avg"] = float(np.mean(math))
+    gen = {b for b in res["benchmarks"]  # BBEH also as a copy, e.g. hf:MrLight/bbeh-eval
+           if common.parse_benchmark_spec(b)[0].lower() in GENERAL or "bbeh" in b.lower()}
+    math = [r["score"] for b, r in res["benchmarks"].items() if b not in gen]
+    general = [r["score"] for b, r in res["benchmarks"].items() if b in gen]
+    m.update({"eval/math_avg": float(np.mean(math))} if math else {})
     m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))
     return m
 
 
-# -- Checkpoints and the run's outputs ------------------------------------------------------------
 def _save_model(policy, weights, path: pathlib.Path) -> None:
     """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
-    weights = gathered(policy, weights)
-    if weights:  # None on the ranks that are not the main process
+    weights = {k: v.cpu() for k, v in weights if common.is_main_process()}  # all ranks iterate
+    if common.is_main_process():
         policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
         policy.tokenizer.save_pretrained(str(path))
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
-    """The trained role in a checkpoint; first the parked role (and mid-phase the KL reference)
-    in roles/<tag>/."""
-    tag = f"step_{step}-{state['phase']}-{state['phase_step']}"
-    root, parked = run.dir / "roles", roles.other(roles.active)
-    tmp = root / f".tmp-{tag}-{os.getpid()}"
+    """The trained role in checkpoints/step_<k>/, after the parked one (and ref) in roles/."""
+    tag, parked = f"step_{step}", OTHER[roles.active]
+    tmp = run.dir / "roles" / f".tmp-{tag}"
     shutil.rmtree(tmp, ignore_errors=True)
     for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
         if shards:  # one set at a time
             _save_model(policy, full_weights(policy, shards), tmp / name)
     if common.is_main_process():
-        shutil.rmtree(root / tag, ignore_errors=True)
-        os.replace(tmp, root / tag)
-    holds = {"model": roles.active, parked: f"roles/{tag}/{parked}"}  # which role is which files
-    run.save_checkpoint(step, policy,
-                        {**state, "active": roles.active, "roles_dir": tag, "holds": holds})
-    if common.is_main_process():  # drop role folders no remaining checkpoint refers to
-        used = {json.loads(ts.read_text()).get("state", {}).get("roles_dir")
-                for ts in (run.dir / "checkpoints").glob("step_*/trainer_state.json")}
-        for d in root.iterdir():
-            if d.name not in used and not d.name.startswith(".tmp-"):
+        shutil.rmtree(tmp.with_name(tag), ignore_errors=True)
+        os.replace(tmp, tmp.with_name(tag))
+    run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag})
+    if common.is_main_process():  # a pruned checkpoint's role folder goes with it
+        for d in tmp.parent.iterdir():
+            if not (run.dir / "checkpoints" / d.name).is_dir():
                 shutil.rmtree(d, ignore_errors=True)
 
 
@@ -591,81 +427,45 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
                                                  for k, p in evals.items() if p.is_file()}})
 
 
-def headline(run_dir) -> dict:
-    """The best iteration for the summary table."""
-    best = json.loads((pathlib.Path(run_dir) / "eval.json").read_text()).get("best") or {}
-    return {"best iteration": best["iteration"],
-            "best eval/overall": best["eval/overall"]} if best else {}
-
-
-# -- The loop --------------------------------------------------------------------------------------
-def load_decontaminator(cfg: Config):
-    refs = []
-    for b in filter(None, (b.strip() for b in cfg.eval_benchmarks.split(","))):
-        try:
-            refs += [p["question"] for p in common.load_benchmark(b)]
-        except Exception as e:
-            raise RuntimeError(f"decontamination needs the eval set {b!r} ({e}). Fix its name/path "
-                               "in --eval-benchmarks, or pass --no-decontaminate.") from None
-    return common.Decontaminator(refs, cfg.decontaminate_n) if refs else None
-
-
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
     validate_config(cfg)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
-    decon = load_decontaminator(cfg) if cfg.decontaminate else None
-    oracle = cfg.oracle_model and common.FrozenModel(cfg.oracle_model, policy, cfg,
-                                                     cfg.oracle_gpu_memory_utilization)
-    if oracle:
-        print(f"[r_zero] oracle {cfg.oracle_model}: {oracle.route}", file=sys.stderr)
     # `state` names the next step to run (step `phase_step` of `phase` in `iteration`)
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
     ref = None  # the KL reference: the trained role's weights at the start of its phase
-    loaded = run.load_checkpoint(policy) if cfg.resume else None
-    if loaded is not None:
-        saved = loaded[1]
-        state.update({k: v for k, v in saved.items() if k in state})
-        rdir = run.dir / "roles" / saved["roles_dir"]
-        roles = Roles(policy, saved["active"], rdir / Roles.other(saved["active"]), run.dir)
-        ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
-        print(f"[r_zero] resumed at iteration {state['iteration']}, {state['phase']} step "
-              f"{state['phase_step']}", file=sys.stderr)
-    else:
+    _, saved = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
+    if saved is None:
         roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both = the base
         if cfg.eval_base:
             run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
-
+    else:
+        state.update({k: v for k, v in saved.items() if k in state})
+        rdir, active = run.dir / "roles" / saved["roles_dir"], saved["active"]
+        roles = Roles(policy, active, rdir / OTHER[active], run.dir)
+        ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
     sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
     schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph, n in sizes.items()
                 for j in range(n)] + [(cfg.iterations + 1, CHALLENGER, 0)]  # the end
     position = (state["iteration"], state["phase"], state["phase_step"])
     if position not in schedule:
-        raise ValueError(f"--resume: the run stopped before {position[1]} step {position[2] + 1} "
-                         f"of iteration {position[0]}, beyond this --iterations/--challenger-steps"
-                         "/--solver-steps; resume with the values it was started with")
+        raise ValueError(f"--resume: the run stopped at {position}, beyond this --iterations, "
+                         "--challenger-steps or --solver-steps; resume with the run's own values")
     done = schedule.index(position)
     pbar = run.progress(len(schedule) - 1, initial=done)
     for step, (k, phase, j) in enumerate(schedule[done:-1], start=done + 1):
         m = {"iteration": k}
         if phase in (CHALLENGER, SOLVER) and j == 0:  # a phase starts: its role, a fresh AdamW
             roles.activate(phase)
-            policy.reset_optimizer()
             ref = None  # the previous one's file-backed pages go first
             ref = roles.park()
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             m.update(challenger_step(policy, roles, cfg, ref, step, run))
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
-            kept, dm = build_dataset(policy, roles, cfg, decon, step, run, k)
+            state["dataset"], dm = build_dataset(policy, roles, cfg, step, run, k)
             m.update(dm)
-            if oracle:
-                m.update(pseudo_label_accuracy(roles, oracle, kept, cfg))
-            if len(kept) < cfg.solver_batch:
-                warnings.warn(f"iteration {k}: {len(kept)} questions kept (< --solver-batch; none "
-                              "skips the phase): raise --question-pool or widen the band")
-            state["dataset"] = kept
         elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
                      else {"solver/skipped": 1})
@@ -680,22 +480,16 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         state.update(zip(("iteration", "phase", "phase_step"), schedule[step]))
         last = j + 1 == sizes[phase]
         ref = None if last else ref
-        # a phase's end is saved (the Solver's by the evaluation after it); --save-every mid-phase
-        if (last and phase != SOLVER) or (not last and cfg.save_every and
-                                          step % cfg.save_every == 0):
+        every = not last and cfg.save_every and step % cfg.save_every == 0  # --save-every
+        if (last and phase != SOLVER) or every:  # a phase's end (the Solver's: the eval's)
             save_state(run, policy, roles, state, step, ref)
-    pbar.close()
-    best = state["best"]
-    if best is not None:
-        print(f"[r_zero] best iteration {best['iteration']} (overall {best['eval/overall']:.4f}); "
-              f"last iteration {cfg.iterations}", file=sys.stderr)
-    finish(run, policy, roles, cfg, best)
+    finish(run, policy, roles, cfg, state["best"])
     run.close()
     return run.dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, headline=headline)
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
 
 
 if __name__ == "__main__":

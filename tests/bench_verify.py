@@ -95,8 +95,10 @@ def main():
               f"{np.mean(res):.2f} equal")
     print("verifier failures:", common.math_equal_failures())
     qs = questions(args.b, random.Random(3))
-    r_zero.repetition_penalty(qs[:64])
-    rp, t = time_it(lambda: r_zero.repetition_penalty(qs))
+    def repetition_penalty(texts):  # r_zero's r_rep (paper §3: |C_k| / B at lambda 1)
+        return r_zero.challenger_rewards(texts, [0.5] * len(texts), r_zero.Config())["r_rep"]
+    repetition_penalty(qs[:64])
+    rp, t = time_it(lambda: repetition_penalty(qs))
     _, tb = time_it(lambda: common.bleu_distance_matrix(qs))
     print(f"repetition_penalty B={args.b}: {t:.2f} s total (BLEU matrix {tb:.2f} s), "
           f"{len(set(np.round(rp * args.b).astype(int)))} distinct cluster sizes, mean penalty {rp.mean():.4f}")

@@ -166,8 +166,8 @@ def scenario_rzero_shards(out: pathlib.Path, dist: str = "fsdp") -> dict:
     roles.activate(r_zero.SOLVER)
     res["switch_in"] = same(policy.get_weights(), base)
     res["switch_out"] = same(r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER]), new)
-    saved = r_zero.gathered(policy, r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER]))
-    if saved is not None:
+    saved = {k: v.cpu() for k, v in r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER])}
+    if common.is_main_process():
         policy.module.save_pretrained(str(out / "saved"), state_dict=saved)
     policy.barrier()
     res["resumed"] = same(r_zero.full_weights(policy, roles.park(out / "saved")), new)

@@ -66,12 +66,6 @@ def test_challenger_reward_on_vote_patterns():
     # max(0, .): 0.2 - 0.2
     np.testing.assert_allclose(r["reward"], [0.8 - 0.2, 0.0, 0.0, 0.0, 0.8], atol=1e-12)
     assert r["valid"].tolist() == [True, True, True, False, True] and r["n_clusters"] == 4
-    # the official code's variant: min(p, 1 - p) - r_rep, unclipped, invalid -1
-    rc = r_zero.challenger_rewards(qs, p, _cfg(reward_variant="code", invalid_reward=-1.0))
-    np.testing.assert_allclose(rc["reward"], [0.4 - 0.2, -0.2, 0.1 - 0.2, -1.0, 0.5 - 0.2])
-    # option (|C| - 1) / B removes the floor
-    re_ = r_zero.challenger_rewards(qs, p, _cfg(rep_penalty="excess"))
-    np.testing.assert_allclose(re_["reward"], [0.8, 0.0, 0.2, 0.0, 1.0])
 
 
 def test_repetition_penalty_lowers_reward_of_duplicated_questions():
@@ -104,52 +98,33 @@ def test_dataset_filter_keeps_exactly_three_to_seven_of_ten_with_majority_label(
     # majority that is not the first answer: label is the largest class
     st = r_zero.vote_statistics([["1", "2", "2", "2", "2", None, None, "3", "1", None]])
     assert r_zero.filter_dataset(["q"], st, cfg) == [
-        {"question": "q", "label": "2", "p_hat": 0.4, "agree": 4}]
-    # the code's band 0.3-0.8 keeps 3..8 of 10; --code-filters drops labels containing "text"
+        {"question": "q", "label": "2", "p_hat": 0.4, "agree": 4, "m": 10}]
+    # the code's band 0.3-0.8 keeps 3..8 of 10
     code_band = _cfg(band_low=0.3, band_high=0.8)
     assert [k["agree"] for k in r_zero.filter_dataset(qs, stats, code_band)] == [3, 4, 5, 6, 7, 8]
     st = r_zero.vote_statistics([["\\text{red}"] * 5 + [None] * 5])
     assert r_zero.filter_dataset(["q"], st, cfg)
-    assert not r_zero.filter_dataset(["q"], st, _cfg(code_filters=True))
 
 
-def test_solver_reward_paper_and_official_code():
+def test_solver_reward_is_one_iff_the_boxed_answer_equals_the_pseudo_label():
     think = "<think>\n2 + 3 = 5\n</think>\nSo \\boxed{5}."
     plain = "2 + 3 = 5, so \\boxed{5}."
-    paper, code = _cfg(), _cfg(solver_reward="code")
-    for text in (think, plain):  # the paper pays accuracy only
-        assert r_zero.solver_reward(text, True, paper) == 1.0
-        assert r_zero.solver_reward(text, False, paper) == 0.0
-    # code: 0.9 accuracy + 0.1 format
-    assert r_zero.solver_reward(think, True, code) == pytest.approx(1.0)
-    assert r_zero.solver_reward(think, False, code) == pytest.approx(0.1)
-    assert r_zero.solver_reward(plain, True, code) == pytest.approx(0.9)
-    assert r_zero.solver_reward(plain, False, code) == 0.0
-    # format = the reply (blanks around <, > and / removed) starts with <think>, closes it, then
-    # boxes an answer
-    formatted = [think, "  < think >a</ think > \\boxed{1} tail", "<think></think>\\boxed{}",
-                 "<think>\\boxed{1}</think> and \\boxed{2}"]
-    unformatted = ["Sure. <think>a</think> \\boxed{1}", "<think>a</think> no box",
-                   "\\boxed{1} <think>a</think>", "<think>a \\boxed{1}",
-                   "<thinking>a</thinking> \\boxed{1}", "<think>a</think> \\boxed{1"]
-    assert [r_zero.solver_reward(t, False, code) for t in formatted] == \
-        pytest.approx([0.1] * len(formatted))
-    assert [r_zero.solver_reward(t, False, code) for t in unformatted] == [0.0] * len(unformatted)
+    preds = [common.extract_boxed(t) for t in (think, plain)]
+    assert r_zero.solver_rewards(preds, ["5", "5"]) == [1.0, 1.0]  # the paper pays accuracy only
+    assert r_zero.solver_rewards(preds, ["6", "6"]) == [0.0, 0.0]
+    assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]  # unparsable; math-verify
 
 
 def test_config_flags_and_validation():
     cfg = common.parse_config(r_zero.Config, [
-        "--votes", "9", "--band-low", "0.3", "--band-high", "0.8", "--invalid-reward", "-1",
-        "--reward-variant", "code", "--solver-reward", "code"])
-    assert (cfg.votes, cfg.band_low, cfg.band_high, cfg.invalid_reward) == (9, 0.3, 0.8, -1.0)
-    assert (cfg.reward_variant, cfg.solver_reward) == ("code", "code")
+        "--votes", "9", "--band-low", "0.3", "--band-high", "0.8", "--iterations", "5"])
+    assert (cfg.votes, cfg.band_low, cfg.band_high, cfg.iterations) == (9, 0.3, 0.8, 5)
     d = r_zero.Config()  # paper defaults
     assert (d.iterations, d.challenger_steps, d.solver_steps, d.challenger_group, d.solver_group,
             d.votes, d.kl_coef, d.clip_low, d.clip_high, d.dual_clip, d.lr, d.temperature) == \
         (3, 5, 15, 4, 5, 10, 0.01, 0.2, 0.3, 3.0, 1e-6, 1.0)
-    assert (d.reward_variant, d.solver_reward) == ("paper", "paper")
-    for bad in (dict(band_low=0.8, band_high=0.2), dict(reward_variant="x"),
-                dict(solver_reward="x"), dict(solver_group=1)):
+    assert (d.band_low, d.band_high, d.question_pool, d.rep_lambda) == (0.25, 0.75, 8000, 1.0)
+    for bad in (dict(band_low=0.8, band_high=0.2), dict(solver_group=1)):
         with pytest.raises(ValueError):
             r_zero.validate_config(r_zero.Config(**bad))
 
@@ -352,8 +327,7 @@ def _load(d):
 
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
-    cfg = _small(warm_path, tmp_path / "run", oracle_model=warm_path, oracle_votes=1,
-                 oracle_limit=4)
+    cfg = _small(warm_path, tmp_path / "run")
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     run_dir = r_zero.train(cfg, policy)
@@ -367,18 +341,16 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
     assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy",
             "challenger/entropy_exact"} <= set(ch)
-    # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in
-    # the band
-    assert ds["dataset/contaminated"] > 0 and ds["dataset/kept"] > 0
+    # dataset: Q1 lands in the band, Q2 (10 of 10 votes agree) does not
+    assert ds["dataset/kept"] > 0
     assert len(ds["dataset/agree_hist"]) == 11
     assert sum(ds["dataset/agree_hist"]) == ds["dataset/voted"]
     rows = _jsonl(pathlib.Path(run_dir) / "dataset_iter1.jsonl")
     kept = [r for r in rows if r["kept"]]
-    assert kept and all(r["question"] != Q2 for r in rows)
+    assert kept and all(r["question"] != Q2 for r in kept)
     assert all(3 <= r["agree"] <= 7 for r in kept)
-    assert 0.0 <= ds["pseudo_label/acc"] <= 1.0 and ds["pseudo_label/n"] >= 1
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
-    assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # --solver-reward paper: accuracy only
+    assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # the paper's reward: accuracy only
     # one math set, no general one
     assert ev["eval/overall"] == ev["eval/math_avg"] == ev["eval/mean_greedy_acc"]
     assert 0.0 <= ev["eval/overall"] <= 1.0
@@ -390,7 +362,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
 
 
 def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_path, monkeypatch):
-    cfg = _small(warm_path, tmp_path / "run", eval_benchmarks="", decontaminate=False)
+    cfg = _small(warm_path, tmp_path / "run", eval_benchmarks="")
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
 
@@ -411,7 +383,7 @@ def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_p
 
     cfg2 = common.parse_config(r_zero.Config, ["--resume", str(run_dir), "--iterations", "2"])
     # the saved config is the base
-    assert cfg2.question_pool == cfg.question_pool and not cfg2.decontaminate
+    assert cfg2.question_pool == cfg.question_pool and cfg2.rep_lambda == cfg.rep_lambda == 0.5
     r_zero.train(cfg2, _policy(cfg2, vllm_sampler))
     ms = _metrics(run_dir)
     steps = [m["step"] for m in ms]
@@ -455,7 +427,7 @@ def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp
     """A checkpoint inside the Challenger phase (--save-every 1) also stores the phase-start
     weights, so the resumed steps keep their KL term anchored to the same reference."""
     cfg = _small(warm_path, tmp_path / "run", challenger_steps=2, save_every=1, eval_benchmarks="",
-                 decontaminate=False, keep_checkpoints=0)
+                 keep_checkpoints=0)
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     real_step = r_zero.challenger_step
@@ -567,7 +539,7 @@ def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sample
         assert "SOLVER-MARK: box it, \\boxed{}." in msgs and Q1 in msgs
         assert not any("fewer than 30%" in m for m in msgs)  # ours was replaced, not added to
     finally:
-        r_zero.use_prompts("")  # back to our templates for the other tests
+        r_zero._prompts.update(r_zero.PROMPTS)  # back to our templates for the other tests
     ours = [r_zero.PROMPTS[k].format() for k in ("challenger_system", "challenger_user")]
     assert r_zero.challenger_prompt(None) == r_zero.render(None, *ours)
     bad = _prompts_file(tmp_path, solver_system="no box here {question}")

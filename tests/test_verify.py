@@ -26,13 +26,33 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
                     math_equal_many, ngram_overlap, normalize_string, pass_at_k, pass_at_k_ci,
                     self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward, variance_reward_from_bits)
-from r_zero import bleu_clusters, majority_vote, majority_vote_many, repetition_penalty
+import r_zero
 from sparsity import main as sparsity_main
 from sparsity import update_sparsity
 from evaluate import main as evaluate_main
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
+
+
+def majority_vote_many(groups):
+    """(label, share of ALL m votes) per group, from r_zero.vote_statistics."""
+    return [(s["label"], s["p_hat"]) for s in r_zero.vote_statistics(groups)]
+
+
+def majority_vote(answers):
+    """One group's (label, share of ALL m votes), voted alone."""
+    return majority_vote_many([answers])[0]
+
+
+def bleu_clusters(texts, threshold=0.5):
+    """Cluster id per text as r_zero.challenger_rewards forms them: 1 - BLEU, average linkage."""
+    return average_linkage_clusters(bleu_distance_matrix(list(texts)), threshold)
+
+
+def repetition_penalty(texts):
+    """r_zero's r_rep of a batch of valid questions (paper §3: |C_k| / B at lambda 1)."""
+    return r_zero.challenger_rewards(list(texts), [0.5] * len(texts), r_zero.Config())["r_rep"]
 
 
 # ---------------------------------------------------------------------------------------------- extraction
