@@ -274,8 +274,8 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What is graded (reward_managers.py): the last output / input block, else the whole <answer>;
-    induction the last python block, else any block (parse_code_function); None: a format error."""
+    """What is graded (reward_managers.py): the last output/input (induction: python, else any)
+    block, else the whole <answer>; None is a format error."""
     answer = extract_answer(completion)
     if answer is None:
         return None
@@ -288,7 +288,7 @@ def solver_answer(completion: str, task: str) -> str | None:
 
 def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
     """A relative or banned import, a banned attribute, or a BANNED_NAMES name that may be the
-    builtin: any in a module or class body, a global one in a function (symtable's scopes)."""
+    builtin (in a module or class body, or global in a function: symtable's scopes)."""
     def bad(module: str) -> bool:
         return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
     for node in ast.walk(tree):
@@ -307,9 +307,8 @@ def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
 
 
 def check_input(text: str, program: str = "") -> str | None:
-    """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason.
-    Only the AST is checked: one call, nothing banned, none of the program's own top-level
-    functions (an abduction answer could search with f). The sandbox evaluates it."""
+    """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason:
+    the AST only, nothing banned, no call of the program's own functions (it could search)."""
     if not isinstance(text, str) or not text.strip():
         return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
@@ -338,9 +337,8 @@ def call_expression(text: str) -> str:
 
 
 def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
-    """(reason or None, program with entry function `f`): parses, nothing banned, one top-level
-    entry function. `single_def`: more than one def anywhere is invalid (code_reward.py's
-    reject_multiple_functions); otherwise only top-level defs count."""
+    """(reason or None, program whose entry function is `f`); `single_def`: a second def anywhere
+    is invalid (code_reward.py's reject_multiple_functions)."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
     try:
@@ -394,23 +392,20 @@ def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict
     return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
 
 
-# --- The executor and the buffers. Gold values never enter the sandbox: outputs come back as
-# repr text and are compared here with ==, after common.parse_literal.
+# --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
 _STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
                   "output_limit": "too_large"}  # any other status: "error"
 
 
 def _same_value(a, b) -> bool:
-    """Determinism compares values (a set prints in hash-seed order) and their types; both are
-    parsed literals (parse_literal caps their depth), so == cannot fail."""
+    """Values and types, not reprs (a set prints in hash-seed order); == on parsed literals."""
     return type(a) is type(b) and a == b
 
 
 class Executor:
-    """Runs f(<input>) jobs. Run j goes to sandbox j, with its own processes and PYTHONHASHSEED = j,
-    so two runs share no process, memory layout or hash secret. Under torchrun rank 0 runs every
-    program and broadcasts the outcomes, so all ranks keep the same buffers."""
+    """Runs f(<input>) jobs; run j in sandbox j (own processes, PYTHONHASHSEED = j). Under torchrun
+    rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -494,9 +489,8 @@ def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
 # --- Validation (§3.3.3), grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
 def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
              tokenizer=None) -> list[dict]:
-    """Sets p['reason'] (None = valid) and p['entry']. Deduction/abduction: static checks, then
-    the j runs give the gold output; induction: every input runs validly on the buffer program.
-    A task whose solver prompt would not fit is too_large."""
+    """Sets p['reason'] (None = valid) and p['entry']: static checks (buffer programs passed them),
+    then j agreeing runs give the gold outputs; a solver prompt that does not fit is too_large."""
     todo = []
     for p in proposals:
         if not p.get("reason") and task != "induction":  # buffer programs are already checked
@@ -532,9 +526,8 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer (Eq. 5). Deduction: the predicted literal == the gold output
-    (never run); abduction: f(predicted input) == gold output; induction: the program passes the
-    static checks (not the one-def rule) and reproduces every held-out pair."""
+    """(formatted, correct) per answer (Eq. 5): deduction compares literals (never run), abduction
+    runs f(input), induction's program (any defs) must reproduce every held-out pair."""
     out = [(False, False)] * len(completions)
     jobs, owner = [], []  # (program, input) to run; (answer index, gold output) of each
     for k, (entry, text) in enumerate(zip(entries, completions)):
@@ -574,10 +567,8 @@ def solver_reward(formatted: bool, correct: bool) -> float:
 
 def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None,
                      token_weighted: bool = False):
-    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps), one baseline per key k = (role, task);
-    a single key is REINFORCE++ (App. A, Eq. 10). sigma is the unbiased std; a key with one sample
-    or equal rewards gets 0. token_weighted: the official whitening of token-level returns
-    (veRL masked_whiten): weights |y| = lengths, A = (r - mu_w) / sqrt(var_w + eps)."""
+    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps) per key k = (role, task), one key being
+    REINFORCE++ (Eq. 10); token_weighted: veRL's masked_whiten, |y|-weighted mu and var."""
     import torch
     adv = common.group_advantages(rewards, keys, scale="std", eps=eps)
     if not token_weighted:
@@ -603,9 +594,8 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None,
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """Step 0 (§3.3.1), no updates: deduction and abduction rounds in turn (_init_seed_dataset)
-    until D_seed = D_ded = D_abd holds S*B stripped, revalidated triplets; then D_ind on its
-    programs. Each phase stops after --seed-max-rounds rounds."""
+    """Step 0 (§3.3.1, _init_seed_dataset), no updates: deduction and abduction rounds fill
+    D_seed = D_ded = D_abd with S*B stripped triplets, then D_ind on its programs."""
     target = cfg.seed_factor * cfg.batch_size
     seed, ind = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)]), Buffer(cfg.buffer_cap)
     views = {"deduction": seed, "abduction": seed, "induction": ind}
@@ -635,8 +625,7 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
 
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
-    """Deduction/abduction: K references, dropped until the prompt fits (at most K retries).
-    Induction: a program from D_ded u D_abd whose prompt fits, in 4 draws, else None."""
+    """K references, dropped until the prompt fits; induction: a D_ded u D_abd program, 4 draws."""
     if task != "induction":
         refs = buffers[task].sample(cfg.references, rng)
         prompt = proposer_prompt(task, refs, cfg)
@@ -686,15 +675,13 @@ def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) 
 
 def solve(policy, executor: Executor, props: dict, buffers: dict[str, Buffer], cfg: Config,
           rng: random.Random, step: int) -> dict[str, list[dict]]:
-    """Step 4: this step's valid tasks, back-filled uniformly from older ones (with replacement
-    if too few), one answer each, graded and rewarded."""
+    """Step 4: this step's valid tasks back-filled from older ones, one answer each, graded."""
     work: dict[str, list[dict]] = {}
     for t in TASKS:
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
         old = [e for e in buffers[t].entries if e.get("step") != step] or list(buffers[t].entries)
         need = cfg.batch_size - len(new)
-        fill = rng.sample(old, need) if need <= len(old) else \
-            [rng.choice(old) for _ in range(need)] if old else []
+        fill = Buffer(cfg.buffer_cap, old).sample(need, rng, replace=need > len(old))
         work[t] = [{"task": t, "entry": e, "new": k < len(new)} for k, e in enumerate(new + fill)]
     flat = [s for t in TASKS for s in work[t]]
     outs = _generate(policy, [solver_prompt(s["task"], s["entry"], cfg) for s in flat], 1, cfg)
@@ -709,8 +696,7 @@ def solve(policy, executor: Executor, props: dict, buffers: dict[str, Buffer], c
 
 
 def build_trajectories(props: dict, solved: dict, cfg: Config) -> list:
-    """The joint 6B batch in task order with TRR++ advantages, key '<role>/<task>'. With
-    --freeze-proposer proposer records are dropped before the advantages (advantage None)."""
+    """The 6B batch in task order, TRR++ keys '<role>/<task>' (--freeze-proposer: no proposers)."""
     records, trajs = [], []
     for t in TASKS:
         for role, recs in (("proposer", props[t]), ("solver", solved[t])):
@@ -840,8 +826,8 @@ _DISPLAY_MATH_RE = re.compile(r"\\\[(.*?)\\\]")
 
 
 def eval_answer(text: str) -> str | None:
-    """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer>, or the last
-    \\boxed{} in it; without <answer> the last \\boxed{}, else the first \\[ ... \\]."""
+    """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer> (its \\boxed{}
+    if any), else the last \\boxed{}, else the first \\[ ... \\]."""
     if "<answer>" in text:
         answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
         return common.extract_boxed(answer) if "boxed" in answer else answer or None
