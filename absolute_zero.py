@@ -365,9 +365,7 @@ def strip_program(program: str) -> str:
         isinstance(n, ast.Assign) and len(n.targets) == 1
         and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
     for node in ast.walk(module):
-        first = node.body if isinstance(node, (*_DEFS, ast.ClassDef)) else None
-        if first and isinstance(first[0], ast.Expr) and isinstance(first[0].value, ast.Constant) \
-                and isinstance(first[0].value.value, str):
+        if isinstance(node, (*_DEFS, ast.ClassDef)) and ast.get_docstring(node, False) is not None:
             node.body = node.body[1:] or [ast.Pass()]
     return ast.unparse(module)
 
