@@ -532,20 +532,17 @@ def check_solutions(executor: Executor, task: str, entries: list[dict], completi
         pred = solver_answer(text, task)
         if pred is None:
             continue
-        out[k] = (True, task == "deduction" and _equal(pred, entry["output"]))
         tests = [(entry["program"], pred, entry["output"])] if task == "abduction" else []
         if task == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
             half = len(entry["inputs"]) // 2
             held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
             tests = [] if reason else [(program, i, o) for i, o in held_out]
+        out[k] = (True, _equal(pred, entry["output"]) if task == "deduction" else bool(tests))
         jobs += [(program, inp) for program, inp, _ in tests]
         owner += [(k, gold) for _, _, gold in tests]
-    passed: dict[int, bool] = {}
-    for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
-        passed[k] = passed.get(k, True) and status == "ok" and _equal(value, gold)
-    for k, ok in passed.items():
-        out[k] = (True, ok)
+    for (k, gold), (status, value) in zip(owner, executor.call(jobs)):  # every test must pass
+        out[k] = (True, out[k][1] and status == "ok" and _equal(value, gold))
     return out
 
 
