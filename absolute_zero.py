@@ -21,7 +21,6 @@ Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following
   - determinism: j processes with their own hash seeds agree in value; outputs never truncated;
   - banned modules are checked on the AST and include os/sys/shutil (§3.3.3), for solvers too;
   - the buffer cap evicts the oldest; induction draws programs from the de-duplicated D_ded u D_abd;
-  - kept from the code: N = 10 induction inputs (5 shown, 5 held out), one def per proposal;
   - an input is an argument list evaluated in the sandbox only; deduction answers stay literals;
   - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg;
   - prompts in our words (PROMPTS, --prompts FILE); each proposer states its own task's difficulty.
@@ -387,11 +386,6 @@ _STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
                   "output_limit": "too_large"}  # any other status: "error"
 
 
-def _same_value(a, b) -> bool:
-    """Values and types, not reprs (a set prints in hash-seed order); == on parsed literals."""
-    return type(a) is type(b) and a == b
-
-
 class Executor:
     """Runs f(<input>) jobs; run j in sandbox j (own processes, PYTHONHASHSEED = j). Under torchrun
     rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers."""
@@ -431,13 +425,14 @@ class Executor:
         return "ok", res.value, value
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
-        """[(reason or None, gold output)]: all j runs succeed with the same value; run 0's text."""
+        """[(reason or None, gold output)]: all j runs succeed with the same value and type (a set
+        prints in hash-seed order; 1 and 1.0 are no agreement); run 0's text."""
         out = []
-        for per_job in zip(*[self.call(jobs, run=j) for j in range(len(self.sandboxes))]):
-            bad = next((s for s, _, _ in per_job if s != "ok"), None)
-            if bad is None and not all(_same_value(per_job[0][2], v) for _, _, v in per_job[1:]):
+        for runs in zip(*[self.call(jobs, run=j) for j in range(len(self.sandboxes))]):
+            bad, value = next((s for s, _, _ in runs if s != "ok"), None), runs[0][2]
+            if bad is None and any(type(v) is not type(value) or v != value for _, _, v in runs):
                 bad = "nondeterministic"
-            out.append((bad, "") if bad else (None, per_job[0][1]))
+            out.append((bad, "") if bad else (None, runs[0][1]))
         return out
 
     def close(self):
@@ -446,8 +441,7 @@ class Executor:
 
 
 def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
-    """k entries of a buffer (D_ded, D_abd or D_ind: a deque of JSON-able task dicts, saved in
-    checkpoints, the oldest evicted at --buffer-cap)."""
+    """k entries of a buffer: D_ded, D_abd or D_ind, a deque of JSON-able tasks, capped."""
     if replace:
         return [rng.choice(buffer) for _ in range(k)] if buffer else []
     return rng.sample(buffer, min(k, len(buffer)))
@@ -526,8 +520,7 @@ def solver_reward(formatted: bool, correct: bool) -> float:
 
 
 def keyed_advantages(rewards, keys, eps: float = 1e-6):
-    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps) per key k = (role, task), sequence-level
-    (the code whitens token returns, core_algos.py); one key is REINFORCE++ (Eq. 10)."""
+    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps) per (role, task) key k; one key: Eq. 10."""
     return common.group_advantages(rewards, keys, scale="std", eps=eps)
 
 
@@ -569,14 +562,11 @@ def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
     """K references, dropped until the prompt fits; induction: a D_ded u D_abd program, 4 draws."""
     if task != "induction":
         refs = sample(buffers[task], cfg.references, rng)
-        prompt = proposer_prompt(task, refs, cfg)
-        while refs and not _fits(policy.tokenizer, prompt, cfg):
+        while refs and not _fits(policy.tokenizer, proposer_prompt(task, refs, cfg), cfg):
             refs.pop()
-            prompt = proposer_prompt(task, refs, cfg)
-        return {"task": task, "prompt": prompt}
-    for _ in range(4 if programs else 0):
-        program = rng.choice(programs)
-        prompt = proposer_prompt("induction", [], cfg, program=program)
+        return {"task": task, "prompt": proposer_prompt(task, refs, cfg)}
+    for program in (rng.choice(programs) for _ in range(4 if programs else 0)):
+        prompt = proposer_prompt(task, [], cfg, program=program)
         if _fits(policy.tokenizer, prompt, cfg):
             return {"task": task, "program": program, "prompt": prompt}
     return None
@@ -622,11 +612,9 @@ def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
         old = [e for e in buffers[t] if e.get("step") != step] or list(buffers[t])
         need = cfg.batch_size - len(new)
-        fill = sample(old, need, rng, replace=need > len(old))
-        work[t] = [{"task": t, "entry": e, "new": k < len(new)} for k, e in enumerate(new + fill)]
+        work[t] = [{"entry": e, "new": k < len(new), "prompt": solver_prompt(t, e, cfg)}
+                   for k, e in enumerate(new + sample(old, need, rng, replace=need > len(old)))]
     flat = [s for t in TASKS for s in work[t]]
-    for s in flat:
-        s["prompt"] = solver_prompt(s["task"], s["entry"], cfg)
     for s, group in zip(flat, _generate(policy, [s["prompt"] for s in flat], 1, cfg)):
         s["completion"] = group[0]
     for t in TASKS:
@@ -702,18 +690,15 @@ def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
     for t in TASKS:
         run.log_samples(step, f"proposer/{t}", [
-            {"prompt": p["prompt"], "completion": p["completion"].text, "reason": p["reason"],
-             "task_entry": p.get("entry"), "solve_rate": p.get("solve_rate"), "reward": p["reward"]}
-            for p in props[t]])
+            {"completion": p["completion"].text, **{k: p.get(k) for k in (
+                "prompt", "reason", "entry", "solve_rate", "reward")}} for p in props[t]])
         run.log_samples(step, f"solver/{t}", [
-            {"prompt": s["prompt"], "completion": s["completion"].text, "task_entry": s["entry"],
-             "new_task": s["new"], "correct": s["correct"], "reward": s["reward"]}
-            for s in solved[t]])
+            {"completion": s["completion"].text, **{k: s[k] for k in (
+                "prompt", "entry", "new", "correct", "reward")}} for s in solved[t]])
 
 
 # --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
 # there gets a boxed template, official issue #27: give one as eval_math with --prompts)
-_DISPLAY_MATH_RE = re.compile(r"\\\[(.*?)\\\]")
 
 
 def eval_answer(text: str) -> str | None:
@@ -724,7 +709,7 @@ def eval_answer(text: str) -> str | None:
         return common.extract_boxed(answer) if "boxed" in answer else answer or None
     if "boxed" in text:
         return common.extract_boxed(text)
-    m = _DISPLAY_MATH_RE.search(text)
+    m = re.search(r"\\\[(.*?)\\\]", text)
     return m.group(1).strip() or None if m else None
 
 
@@ -782,9 +767,10 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
                              f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
         if hub and importlib.util.find_spec("datasets") is None:
-            raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through "
-                             "the `datasets` package, which is not installed: pip install datasets, "
-                             "give local JSONL files with --eval-code-benchmarks, or --no-eval-code")
+            raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub via "
+                             "the `datasets` package, which is not installed: pip install "
+                             "datasets, give local JSONL files with --eval-code-benchmarks, or "
+                             "--no-eval-code")
 
 
 def train(cfg: Config) -> dict:
