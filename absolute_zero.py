@@ -378,10 +378,9 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         p["reason"] = next((r for r, _ in res if r), None)
         if p["reason"] is not None:
             continue
-        outs = [o for _, o in res]
-        p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outs,
-                      "message": p["message"], "step": step} if task == "induction" else \
-            {"program": p["program"], "input": p["input"], "output": outs[0], "step": step}
+        gold = ({"inputs": p["inputs"], "outputs": [o for _, o in res], "message": p["message"]}
+                if task == "induction" else {"input": p["input"], "output": res[0][1]})
+        p["entry"] = {"program": p["program"], **gold, "step": step}
         prompt = solver_prompt(task, p["entry"], cfg)
         if tokenizer is not None and not _fits(tokenizer, prompt, cfg):
             p["reason"], p["entry"] = "too_large", None
