@@ -23,7 +23,7 @@ Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following
   - the buffer cap evicts the oldest; induction draws programs from the de-duplicated D_ded u D_abd;
   - an input is an argument list evaluated in the sandbox only; deduction answers stay literals;
   - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg;
-  - prompts in our words (absolute_zero_prompts.toml); each proposer states its own difficulty.
+  - prompts in our words (PROMPTS, --prompts FILE); each proposer states its own task's difficulty.
 """
 from __future__ import annotations
 
@@ -32,12 +32,10 @@ import collections
 import functools
 import importlib.util
 import os
-import pathlib
 import random
 import re
 import symtable
 import sys
-import tomllib
 from dataclasses import dataclass
 
 import common
@@ -106,17 +104,107 @@ BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__co
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
                   "nondeterministic", "non_literal", "too_large")
 
-# --- Prompts: R1-style plain text, everything parsed in fenced blocks; the templates are our words
-# for the paper's prompt figures, in absolute_zero_prompts.toml (--prompts FILE replaces any)
-PROMPTS: dict[str, str] = tomllib.loads(
-    pathlib.Path(__file__).with_name("absolute_zero_prompts.toml").read_text(encoding="utf-8"))
+# --- Prompts: R1-style plain text, our words for every instruction of the paper's prompt figures
+# (data_construction/prompts.py); everything parsed sits in fenced blocks.
+_PREAMBLE = (
+    "A conversation between User and Assistant. The Assistant first reasons about the User's task "
+    "step by step inside <think> </think> tags, then writes its final result inside <answer> "
+    "</answer> tags, i.e. <think> reasoning </think> <answer> result </answer>.\n\n")
+_CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: "
+                "for `def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
+_HARD = ("The program should make the solver track state across several data transformations, "
+         "so that solving the puzzle takes long, multi-step reasoning: for example build and "
+         "operate on data structures (trees, heaps, stacks, queues, graphs, your own classes) or "
+         "use involved control flow (dynamic programming, recursion, divide and conquer, greedy "
+         "choices, backtracking).")
+
+
+def _propose(aim: str, hard_part: str) -> str:
+    return (
+        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim
+        + "\n\n{code_rules}- " + _HARD + "\n\n"
+        "The input: exactly one, written as " + _CALL_FORMAT + ".\n\n"
+        "What makes a good puzzle:\n"
+        "- it runs without error on your input;\n"
+        "- " + hard_part + "\n"
+        "- it is clearly different from the earlier puzzles below.\n\n"
+        "Plan first: in your reasoning, decide what will make your program hard, how it differs "
+        "from the earlier puzzles and what is new about it; only then write the program and its "
+        "input.\n\n"
+        "Earlier puzzles:\n{references}\n\n"
+        "Answer format: inside <answer> </answer>, one ```python block with the program, then one "
+        "```input block with the input.")
+
+
+PROMPTS: dict[str, str] = {
+    "wrapper": _PREAMBLE + "User: {task}\n\nAssistant: <think>",
+    "code_rules": (  # proposers and the induction solver; {definitions} is one of the two below
+        "Rules for the program:\n"
+        "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
+        "{definitions}"
+        "- It is deterministic: no randomness, dates or clocks, file or network I/O, printing or "
+        "logging, and no outside state.\n"
+        "- Imports and classes come first, at the top; the program ends with the return of `f`: "
+        "nothing follows.\n"
+        "- It finishes well within {timeout} seconds on a modern CPU.\n"
+        "- These modules may not be imported or used: {banned}.\n"),
+    "definitions_single": (  # --reject-multiple-defs
+        "- `f` is the only function: no helper functions, no functions nested in `f`, no methods "
+        "(a program with more than one `def` is rejected). Classes without methods are fine.\n"),
+    "definitions_helpers": "- Helper functions and classes are allowed, also nested inside `f`.\n",
+    "propose_deduction": _propose(
+        "A test subject will see your program and your input and must deduce the output.",
+        "its output is hard to predict from the program and the input;"),
+    "propose_abduction": _propose(
+        "A test subject will see your program and the output of your input, and must find an input "
+        "that produces that output (any such input counts).",
+        "your input is hard to recover from the program and its output;"),
+    "propose_induction": (
+        "Here is a Python program; it will be called as `f(<your input>)`.\n"
+        "```python\n{program}\n```\n"
+        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of "
+        "your inputs with the outputs they produce, plus your message, and must rebuild the "
+        "program.\n"
+        "- Each input is " + _CALL_FORMAT + "; put each input in its own ```input block.\n"
+        "- Every input must run without error.\n"
+        "- Coverage: together, the inputs and their outputs should pin down what `f` does over its "
+        "whole input space.\n"
+        "- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
+        "- Difficulty: inputs and message together make the task challenging, but not impossible.\n"
+        "- The message helps the test subject: a coding question, a hint or a plain description of "
+        "what the program does, but never the code itself. Put it in one ```message block.\n\n"
+        "Plan first: understand the program, then decide how your inputs cover it and why they are "
+        "challenging and varied; only then write the inputs and the message.\n\n"
+        "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one "
+        "```message block."),
+    "solve_deduction": (
+        "Deduce what this program returns for the given input; work through it step by step.\n"
+        "```python\n{program}\n```\n```input\n{input}\n```\n"
+        "Answer format: inside <answer> </answer>, one ```output block with the return value as a "
+        "Python literal: strings in quotes, a tuple if it returns several values."),
+    "solve_abduction": (
+        "Find an input for which this program returns the given output; any such input counts. "
+        "Work through it step by step.\n```python\n{program}\n```\n```output\n{output}\n```\n"
+        "The input is " + _CALL_FORMAT + ".\n"
+        "Answer format: inside <answer> </answer>, one ```input block."),
+    "solve_induction": (
+        "Deduce the Python function `f` that maps each input below to its output. It will be run "
+        "on hidden inputs and must reproduce the outputs of the program that made these pairs.\n"
+        "Message: {message}\n\n{pairs}\n"
+        "Check your function against each pair in turn, and revise it until it fits all of them.\n"
+        "{code_rules}"
+        "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."),
+    # evaluation/math_eval/eval/utils.py, template "azr": the Assistant turn is left unopened
+    "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
+    "eval_code": _PREAMBLE + "User: {task} Put the code inside your <answer> tags.\n\nAssistant:",
+}
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
+_load_prompts = functools.lru_cache(maxsize=8)(lambda path: common.load_prompts(path, PROMPTS))
 
 
-@functools.lru_cache(maxsize=8)
-def prompts(path: str) -> dict[str, str]:
+def prompts(cfg: Config) -> dict[str, str]:
     """Our templates, or those of --prompts FILE in their place."""
-    return common.load_prompts(path, PROMPTS) if path else PROMPTS
+    return _load_prompts(cfg.prompts) if cfg.prompts else PROMPTS
 
 
 def _fence(kind: str, text: str) -> str:
@@ -124,14 +212,14 @@ def _fence(kind: str, text: str) -> str:
 
 
 def _code_rules(cfg: Config, single_def: bool) -> str:
-    t = prompts(cfg.prompts)
+    t = prompts(cfg)
     rule = t["definitions_single" if single_def else "definitions_helpers"]
     return t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
                                   definitions=rule)
 
 
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
-    t = prompts(cfg.prompts)
+    t = prompts(cfg)
     shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
                         f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
                         for k, r in enumerate(refs))
@@ -142,7 +230,7 @@ def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "")
 
 def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
     """Induction shows the first half of the pairs; solver programs may have helpers."""
-    t, e = prompts(cfg.prompts), entry
+    t, e = prompts(cfg), entry
     shown = e.get("inputs", [])[:len(e.get("inputs", [])) // 2]
     pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
                       for k, (i, o) in enumerate(zip(shown, e.get("outputs", []))))
@@ -628,8 +716,8 @@ def _eval_prompt_fn(cfg: Config, code: bool):
     """The eval_math or eval_code template as a prompt_fn, named for eval.json's settings."""
     def eval_prompt(problem, tokenizer=None):
         if code:
-            return prompts(cfg.prompts)["eval_code"].format(task=common.code_task_prompt(problem))
-        return prompts(cfg.prompts)["eval_math"].format(question=problem["question"].strip())
+            return prompts(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
+        return prompts(cfg)["eval_math"].format(question=problem["question"].strip())
     name = "code_eval_prompt" if code else "eval_prompt"
     eval_prompt.__name__ = f"absolute_zero.{name}" + (f" ({cfg.prompts})" if cfg.prompts else "")
     return eval_prompt
@@ -660,7 +748,7 @@ def eval_metrics(results: dict) -> dict:
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     common.check_benchmark_names(cfg.eval_benchmarks)
-    prompts(cfg.prompts)  # --prompts FILE: unknown names, wrong placeholders, a bad file fail here
+    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
     checks = [
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),

@@ -38,7 +38,7 @@ def test_documents_are_read_by_absolute_zeros_parsers():
         for role, t in lab.MIX:
             doc = lab.document(rng, role, t, pool)
             prompt, completion = doc.split("Assistant: <think>")
-            assert prompt.startswith(absolute_zero.PROMPTS["wrapper"].split("User: ")[0])
+            assert prompt.startswith(absolute_zero._PREAMBLE)
             if role == "proposer" and t == "induction":
                 prog = prompt.split("```python\n")[1].split("\n```")[0]
                 got = absolute_zero.parse_induction_proposal(completion, lab.N_INPUTS, prog)
