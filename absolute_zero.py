@@ -10,32 +10,27 @@ message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3):
   3. estimate_learnability: n solver samples at T = 1 per valid proposal (Eq. 4)
   4. solve           this step's tasks, back-filled from the buffer to B, graded (Eq. 5)
   5. proposer_reward, solver_reward: Eq. 4 learnability, Eq. 6 format penalties
-  6. trr_update      TRR++ (keyed_advantages, Eq. 8), PPO-clip (Eq. 9), one AdamW step per
-                     --mini-batch 128 of the task-ordered 6B batch (scripts/selfplay/coder7b.sh)
+  6. trr_update      TRR++ (Eq. 8), PPO-clip (Eq. 9), one AdamW step per --mini-batch 128 of the
+                     task-ordered 6B batch (scripts/selfplay/coder7b.sh)
   7. evaluate        Table 1's math sets and HumanEval+/MBPP+, greedy
 Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), or `--model tiny`.
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
-  - r_bar in {0, 1} earns 0 (Eq. 4); the code's -0.5: --zero-learnability-reward -0.5;
+  - r_bar in {0, 1} earns 0 (Eq. 4; reward_managers.py: -0.5); TRR++ per sequence (Eq. 8);
   - learnability samples are drawn at T = 1 (master drew them with greedy validation settings);
   - determinism: j processes with their own hash seeds agree in value; outputs never truncated;
   - banned modules are checked on the AST and include os/sys/shutil (§3.3.3), for solvers too;
   - the buffer cap evicts the oldest; induction draws programs from the de-duplicated D_ded u D_abd;
-  - TRR++ per sequence (Eq. 8); --token-weighted-advantages whitens token returns as the code;
-  - kept from the code: N = 10 induction inputs (5 shown, 5 held out), one def per proposal;
   - an input is an argument list evaluated in the sandbox only; deduction answers stay literals;
-  - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg, eval/avg not its AVG;
-  - prompts in our words (PROMPTS, --prompts FILE); each proposer states its own task's difficulty;
-  - ablations of "Towards Understanding Self-play": --freeze-proposer, --proposer-reward uncertainty
+  - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg;
+  - prompts in our words (PROMPTS, --prompts FILE); each proposer states its own task's difficulty.
 """
 from __future__ import annotations
 
 import ast
 import collections
-import contextlib
 import functools
 import importlib.util
-import json
 import os
 import random
 import re
@@ -71,10 +66,6 @@ class Config(common.RunConfig):
     mini_batch: int = 128  # trajectories per AdamW step (coder7b.sh ppo_mini_batch_size)
     entropy_coef: float = 0.001  # Table 3 (master: 0)
     aggregation: str = "seq-mean-token-mean"  # Eq. 9 (master: token-mean)
-    proposer_reward: str = "learnability"  # learnability (Eq. 4) | uncertainty (Towards Und. Eq. 3)
-    zero_learnability_reward: float = 0.0  # r_bar in {0,1}: 0 (Eq. 4) or -0.5 (reward_managers.py)
-    token_weighted_advantages: bool = False  # whiten token returns per key (core_algos.py)
-    freeze_proposer: bool = False  # no proposer gradient ("Towards Understanding Self-play" §3.3)
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
     determinism_runs: int = 2  # j, independent runs that must agree (§3.3.3)
     sandbox_workers: int = 4  # not in the paper: parallel sandbox processes
@@ -274,8 +265,8 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What is graded (reward_managers.py): the last output / input block, else the whole <answer>;
-    induction the last python block, else any block (parse_code_function); None: a format error."""
+    """What is graded (reward_managers.py): the last output/input (induction: python, else any)
+    block, else the whole <answer>; None is a format error."""
     answer = extract_answer(completion)
     if answer is None:
         return None
@@ -288,7 +279,7 @@ def solver_answer(completion: str, task: str) -> str | None:
 
 def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
     """A relative or banned import, a banned attribute, or a BANNED_NAMES name that may be the
-    builtin: any in a module or class body, a global one in a function (symtable's scopes)."""
+    builtin (in a module or class body, or global in a function: symtable's scopes)."""
     def bad(module: str) -> bool:
         return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
     for node in ast.walk(tree):
@@ -307,9 +298,8 @@ def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
 
 
 def check_input(text: str, program: str = "") -> str | None:
-    """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason.
-    Only the AST is checked: one call, nothing banned, none of the program's own top-level
-    functions (an abduction answer could search with f). The sandbox evaluates it."""
+    """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason:
+    the AST only, nothing banned, no call of the program's own functions (it could search)."""
     if not isinstance(text, str) or not text.strip():
         return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
@@ -332,15 +322,9 @@ def check_input(text: str, program: str = "") -> str | None:
     return "banned" if calls_own else None
 
 
-def call_expression(text: str) -> str:
-    """The expression the sandbox evaluates (the newlines keep a comment off the parenthesis)."""
-    return f"f(\n{text.strip()}\n)"
-
-
 def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
-    """(reason or None, program with entry function `f`): parses, nothing banned, one top-level
-    entry function. `single_def`: more than one def anywhere is invalid (code_reward.py's
-    reject_multiple_functions); otherwise only top-level defs count."""
+    """(reason or None, program whose entry function is `f`); `single_def`: a second def anywhere
+    is invalid (code_reward.py's reject_multiple_functions)."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
     try:
@@ -361,17 +345,19 @@ def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
 
 
 def strip_program(program: str) -> str:
-    """Seed programs keep imports and definitions only, without docstrings or comments (§3.3.1)."""
-    module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(
-        n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
-        isinstance(n, ast.Assign) and len(n.targets) == 1
-        and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
-    for node in ast.walk(module):
-        first = node.body if isinstance(node, (*_DEFS, ast.ClassDef)) else None
-        if first and isinstance(first[0], ast.Expr) and isinstance(first[0].value, ast.Constant) \
-                and isinstance(first[0].value.value, str):
-            node.body = node.body[1:] or [ast.Pass()]
-    return ast.unparse(module)
+    """Seed programs keep imports and definitions only, without docstrings or comments (§3.3.1);
+    "" (invalid) if the program cannot be rewritten."""
+    try:
+        module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(
+            n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
+            isinstance(n, ast.Assign) and len(n.targets) == 1
+            and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
+        for node in (n for n in ast.walk(module) if isinstance(n, (*_DEFS, ast.ClassDef))):
+            if ast.get_docstring(node, False) is not None:
+                node.body = node.body[1:] or [ast.Pass()]
+        return ast.unparse(module)
+    except _PARSE_ERRORS:
+        return ""
 
 
 def parse_triplet_proposal(completion: str) -> dict:
@@ -394,23 +380,15 @@ def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict
     return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
 
 
-# --- The executor and the buffers. Gold values never enter the sandbox: outputs come back as
-# repr text and are compared here with ==, after common.parse_literal.
+# --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
 _STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
                   "output_limit": "too_large"}  # any other status: "error"
 
 
-def _same_value(a, b) -> bool:
-    """Determinism compares values (a set prints in hash-seed order) and their types; both are
-    parsed literals (parse_literal caps their depth), so == cannot fail."""
-    return type(a) is type(b) and a == b
-
-
 class Executor:
-    """Runs f(<input>) jobs. Run j goes to sandbox j, with its own processes and PYTHONHASHSEED = j,
-    so two runs share no process, memory layout or hash secret. Under torchrun rank 0 runs every
-    program and broadcasts the outcomes, so all ranks keep the same buffers."""
+    """Runs f(<input>) jobs; run j in sandbox j (own processes, PYTHONHASHSEED = j). Under torchrun
+    rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -419,11 +397,8 @@ class Executor:
             memory_mb=cfg.sandbox_memory_mb, max_output_chars=cfg.max_output_chars, hash_seed=j)
             for j in range(cfg.determinism_runs)]
 
-    def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str]]:
-        """[(status, output repr)] per (program, input) job; status "ok" or a REJECT_REASONS one."""
-        return [(status, text) for status, text, _ in self._outcomes(jobs, run)]
-
-    def _outcomes(self, jobs, run: int = 0) -> list[tuple[str, str, object]]:
+    def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
+        """[(status, output repr, value)] per (program, input) job; status "ok" or a reason."""
         rank, world = common.dist_info()
         if world == 1:
             return self._run(jobs, run)
@@ -431,7 +406,8 @@ class Executor:
 
     def _run(self, jobs, run: int) -> list[tuple[str, str, object]]:
         refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
-        todo = [(p, call_expression(t)) for (p, t), r in zip(jobs, refused) if r is None]
+        # the newlines keep a comment in the input off the closing parenthesis
+        todo = [(p, f"f(\n{t.strip()}\n)") for (p, t), r in zip(jobs, refused) if r is None]
         results = iter(self.sandboxes[run].run_many(todo) if todo else [])
         return [(r, "", None) if r else self._classify(next(results)) for r in refused]
 
@@ -449,13 +425,14 @@ class Executor:
         return "ok", res.value, value
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
-        """[(reason or None, gold output)]: all j runs succeed with the same value; run 0's text."""
+        """[(reason or None, gold output)]: all j runs succeed with the same value and type (a set
+        prints in hash-seed order; 1 and 1.0 are no agreement); run 0's text."""
         out = []
-        for per_job in zip(*[self._outcomes(jobs, run=j) for j in range(len(self.sandboxes))]):
-            bad = next((s for s, _, _ in per_job if s != "ok"), None)
-            if bad is None and not all(_same_value(per_job[0][2], v) for _, _, v in per_job[1:]):
+        for runs in zip(*[self.call(jobs, run=j) for j in range(len(self.sandboxes))]):
+            bad, value = next((s for s, _, _ in runs if s != "ok"), None), runs[0][2]
+            if bad is None and any(type(v) is not type(value) or v != value for _, _, v in runs):
                 bad = "nondeterministic"
-            out.append((bad, "") if bad else (None, per_job[0][1]))
+            out.append((bad, "") if bad else (None, runs[0][1]))
         return out
 
     def close(self):
@@ -463,40 +440,18 @@ class Executor:
             sb.close()
 
 
-class Buffer:
-    """D_ded, D_abd or D_ind: JSON-able entries, saved in checkpoints; the cap evicts the oldest."""
-
-    def __init__(self, cap: int, entries=()):
-        self.entries = collections.deque(entries, maxlen=cap)
-
-    def add(self, entry: dict) -> None:
-        self.entries.append(entry)
-
-    def sample(self, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
-        if not self.entries or k <= 0:
-            return []
-        if replace:
-            return [rng.choice(self.entries) for _ in range(k)]
-        return rng.sample(self.entries, min(k, len(self.entries)))
-
-    def __len__(self):
-        return len(self.entries)
-
-
-def buffers_state(buffers: dict[str, Buffer]) -> dict:
-    return {t: list(b.entries) for t, b in buffers.items()}
-
-
-def buffers_from_state(state: dict, cap: int) -> dict[str, Buffer]:
-    return {t: Buffer(cap, state.get(t, [])) for t in TASKS}
+def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
+    """k entries of a buffer: D_ded, D_abd or D_ind, a deque of JSON-able tasks, capped."""
+    if replace:
+        return [rng.choice(buffer) for _ in range(k)] if buffer else []
+    return rng.sample(buffer, min(k, len(buffer)))
 
 
 # --- Validation (§3.3.3), grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
 def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
              tokenizer=None) -> list[dict]:
-    """Sets p['reason'] (None = valid) and p['entry']. Deduction/abduction: static checks, then
-    the j runs give the gold output; induction: every input runs validly on the buffer program.
-    A task whose solver prompt would not fit is too_large."""
+    """Sets p['reason'] (None = valid) and p['entry']: static checks (buffer programs passed them),
+    then j agreeing runs give the gold outputs; a solver prompt that does not fit is too_large."""
     todo = []
     for p in proposals:
         if not p.get("reason") and task != "induction":  # buffer programs are already checked
@@ -511,10 +466,9 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         p["reason"] = next((r for r, _ in res if r), None)
         if p["reason"] is not None:
             continue
-        outs = [o for _, o in res]
-        p["entry"] = {"program": p["program"], "inputs": p["inputs"], "outputs": outs,
-                      "message": p["message"], "step": step} if task == "induction" else \
-            {"program": p["program"], "input": p["input"], "output": outs[0], "step": step}
+        gold = ({"inputs": p["inputs"], "outputs": [o for _, o in res], "message": p["message"]}
+                if task == "induction" else {"input": p["input"], "output": res[0][1]})
+        p["entry"] = {"program": p["program"], **gold, "step": step}
         prompt = solver_prompt(task, p["entry"], cfg)
         if tokenizer is not None and not _fits(tokenizer, prompt, cfg):
             p["reason"], p["entry"] = "too_large", None
@@ -532,39 +486,31 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
                     cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer (Eq. 5). Deduction: the predicted literal == the gold output
-    (never run); abduction: f(predicted input) == gold output; induction: the program passes the
-    static checks (not the one-def rule) and reproduces every held-out pair."""
+    """(formatted, correct) per answer (Eq. 5): deduction compares literals (never run), abduction
+    runs f(input), induction's program (any defs) must reproduce every held-out pair."""
     out = [(False, False)] * len(completions)
     jobs, owner = [], []  # (program, input) to run; (answer index, gold output) of each
     for k, (entry, text) in enumerate(zip(entries, completions)):
         pred = solver_answer(text, task)
         if pred is None:
             continue
-        out[k] = (True, task == "deduction" and _equal(pred, entry["output"]))
         tests = [(entry["program"], pred, entry["output"])] if task == "abduction" else []
         if task == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
             half = len(entry["inputs"]) // 2
             held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
             tests = [] if reason else [(program, i, o) for i, o in held_out]
+        out[k] = (True, _equal(pred, entry["output"]) if task == "deduction" else bool(tests))
         jobs += [(program, inp) for program, inp, _ in tests]
         owner += [(k, gold) for _, _, gold in tests]
-    passed: dict[int, bool] = {}
-    for (k, gold), (status, value) in zip(owner, executor.call(jobs)):
-        passed[k] = passed.get(k, True) and status == "ok" and _equal(value, gold)
-    for k, ok in passed.items():
-        out[k] = (True, ok)
+    for (k, gold), (status, value, _) in zip(owner, executor.call(jobs)):  # every test must pass
+        out[k] = (True, out[k][1] and status == "ok" and _equal(value, gold))
     return out
 
 
-def proposer_reward(valid: bool, solve_rate: float | None, cfg: Config) -> float:
-    """Eq. 6 for an invalid proposal (a format error), else Eq. 4 (or Towards Und. Eq. 3)."""
-    if not valid:
-        return common.FORMAT_ERROR
-    if solve_rate in (0.0, 1.0):
-        return float(cfg.zero_learnability_reward)
-    return float(common.proposer_reward(solve_rate, cfg.proposer_reward))
+def proposer_reward(valid: bool, solve_rate: float | None) -> float:
+    """Eq. 6 for an invalid proposal (a format error), else Eq. 4's learnability."""
+    return common.learnability_reward(solve_rate) if valid else common.FORMAT_ERROR
 
 
 def solver_reward(formatted: bool, correct: bool) -> float:
@@ -572,27 +518,9 @@ def solver_reward(formatted: bool, correct: bool) -> float:
     return common.azr_composite_reward(1.0, formatted=formatted, passable=correct)
 
 
-def keyed_advantages(rewards, keys, eps: float = 1e-6, *, lengths=None,
-                     token_weighted: bool = False):
-    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps), one baseline per key k = (role, task);
-    a single key is REINFORCE++ (App. A, Eq. 10). sigma is the unbiased std; a key with one sample
-    or equal rewards gets 0. token_weighted: the official whitening of token-level returns
-    (veRL masked_whiten): weights |y| = lengths, A = (r - mu_w) / sqrt(var_w + eps)."""
-    import torch
-    adv = common.group_advantages(rewards, keys, scale="std", eps=eps)
-    if not token_weighted:
-        return adv
-    if lengths is None:
-        raise ValueError("token_weighted=True needs lengths (completion token counts)")
-    r, w = (torch.as_tensor(list(x), dtype=torch.float64) for x in (rewards, lengths))
-    for key in set(keys):
-        idx = [i for i, k in enumerate(keys) if k == key]
-        g, wk = r[idx], w[idx]
-        if len(idx) > 1 and not bool((g == g[0]).all()):  # else 0, as group_advantages gave
-            mean = (wk * g).sum() / wk.sum()
-            var = (wk * (g - mean) ** 2).sum() / (wk.sum() - 1)
-            adv[idx] = ((g - mean) * torch.rsqrt(var + eps)).float()
-    return adv
+def keyed_advantages(rewards, keys, eps: float = 1e-6):
+    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps) per (role, task) key k; one key: Eq. 10."""
+    return common.group_advantages(rewards, keys, scale="std", eps=eps)
 
 
 # --- The loop: one function per step of Alg. 1
@@ -602,61 +530,52 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None,
                            top_p=cfg.top_p if top_p is None else top_p) if prompts else []
 
 
-def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict[str, Buffer]:
-    """Step 0 (§3.3.1), no updates: deduction and abduction rounds in turn (_init_seed_dataset)
-    until D_seed = D_ded = D_abd holds S*B stripped, revalidated triplets; then D_ind on its
-    programs. Each phase stops after --seed-max-rounds rounds."""
-    target = cfg.seed_factor * cfg.batch_size
-    seed, ind = Buffer(cfg.buffer_cap, [dict(ZERO_TRIPLET, step=0)]), Buffer(cfg.buffer_cap)
-    views = {"deduction": seed, "abduction": seed, "induction": ind}
-    for r in range(cfg.seed_max_rounds):
-        if len(seed) >= target:
-            break
-        task, stripped = TASKS[r % 2], []
-        for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]:
-            if p["reason"] is None:
-                with contextlib.suppress(SyntaxError, ValueError, RecursionError):
-                    stripped.append({"program": strip_program(p["program"]), "input": p["input"]})
-        for q in validate(executor, task, stripped, cfg, 0, policy.tokenizer):
-            if q["reason"] is None and len(seed) < target:
-                seed.add(q["entry"])
-    for _ in range(cfg.seed_max_rounds):
-        if len(ind) >= target:
-            break
-        for p in propose(policy, executor, views, cfg, rng, 0, tasks=("induction",))["induction"]:
-            if p["reason"] is None and len(ind) < target:
-                ind.add(p["entry"])
-    if len(seed) < target or len(ind) < target:
+def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
+    """Step 0 (§3.3.1, _init_seed_dataset), no updates: deduction and abduction rounds fill
+    D_seed = D_ded = D_abd with S*B stripped triplets, then D_ind on its programs."""
+    target, cap = cfg.seed_factor * cfg.batch_size, cfg.buffer_cap
+    seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cap)
+    views = {"deduction": seed, "abduction": seed, "induction": collections.deque(maxlen=cap)}
+    for phase in ("deduction", "induction"):
+        for r in range(cfg.seed_max_rounds):
+            if len(views[phase]) >= target:
+                break
+            task = TASKS[r % 2] if phase == "deduction" else phase
+            new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
+                   if p["reason"] is None]
+            if task != "induction":  # stripped, then validated again
+                new = validate(executor, task, [{"program": strip_program(p["program"]),
+                                                 "input": p["input"]} for p in new], cfg, 0,
+                               policy.tokenizer)
+            new = [p["entry"] for p in new if p["reason"] is None]
+            views[phase].extend(new[:target - len(views[phase])])
+    if len(seed) < target or len(views["induction"]) < target:
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase with "
-              f"{len(seed)} triplets and {len(ind)} induction tasks (target {target}); training "
-              "starts with these", file=sys.stderr)
-    return {"deduction": Buffer(cfg.buffer_cap, seed.entries),
-            "abduction": Buffer(cfg.buffer_cap, seed.entries), "induction": ind}
+              f"{len(seed)} triplets and {len(views['induction'])} induction tasks (target "
+              f"{target}); training starts with these", file=sys.stderr)
+    return {"deduction": collections.deque(seed, maxlen=cap),
+            "abduction": collections.deque(seed, maxlen=cap), "induction": views["induction"]}
 
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
-    """Deduction/abduction: K references, dropped until the prompt fits (at most K retries).
-    Induction: a program from D_ded u D_abd whose prompt fits, in 4 draws, else None."""
+    """K references, dropped until the prompt fits; induction: a D_ded u D_abd program, 4 draws."""
     if task != "induction":
-        refs = buffers[task].sample(cfg.references, rng)
-        prompt = proposer_prompt(task, refs, cfg)
-        while refs and not _fits(policy.tokenizer, prompt, cfg):
+        refs = sample(buffers[task], cfg.references, rng)
+        while refs and not _fits(policy.tokenizer, proposer_prompt(task, refs, cfg), cfg):
             refs.pop()
-            prompt = proposer_prompt(task, refs, cfg)
-        return {"task": task, "prompt": prompt}
-    for _ in range(4 if programs else 0):
-        program = rng.choice(programs)
-        prompt = proposer_prompt("induction", [], cfg, program=program)
+        return {"task": task, "prompt": proposer_prompt(task, refs, cfg)}
+    for program in (rng.choice(programs) for _ in range(4 if programs else 0)):
+        prompt = proposer_prompt(task, [], cfg, program=program)
         if _fits(policy.tokenizer, prompt, cfg):
             return {"task": task, "program": program, "prompt": prompt}
     return None
 
 
-def propose(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
+def propose(policy, executor: Executor, buffers: dict, cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
     """Steps 1-2: B proposals per task type, parsed and validated (the caller keeps the valid)."""
     programs = list(dict.fromkeys(e["program"] for t in ("deduction", "abduction")
-                                  for e in buffers[t].entries))  # seed programs sit in both
+                                  for e in buffers[t]))  # seed programs sit in both
     props = {t: [p for _ in range(cfg.batch_size)
                  if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
              for t in tasks}
@@ -684,21 +603,18 @@ def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) 
             valid[k]["solve_rate"] = sum(c for _, c in graded[j * n:(j + 1) * n]) / n
 
 
-def solve(policy, executor: Executor, props: dict, buffers: dict[str, Buffer], cfg: Config,
+def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
           rng: random.Random, step: int) -> dict[str, list[dict]]:
-    """Step 4: this step's valid tasks, back-filled uniformly from older ones (with replacement
-    if too few), one answer each, graded and rewarded."""
+    """Step 4: this step's valid tasks back-filled from older ones, one answer each, graded."""
     work: dict[str, list[dict]] = {}
     for t in TASKS:
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
-        old = [e for e in buffers[t].entries if e.get("step") != step] or list(buffers[t].entries)
+        old = [e for e in buffers[t] if e.get("step") != step] or list(buffers[t])
         need = cfg.batch_size - len(new)
-        fill = rng.sample(old, need) if need <= len(old) else \
-            [rng.choice(old) for _ in range(need)] if old else []
-        work[t] = [{"task": t, "entry": e, "new": k < len(new)} for k, e in enumerate(new + fill)]
+        work[t] = [{"entry": e, "new": k < len(new), "prompt": solver_prompt(t, e, cfg)}
+                   for k, e in enumerate(new + sample(old, need, rng, replace=need > len(old)))]
     flat = [s for t in TASKS for s in work[t]]
-    outs = _generate(policy, [solver_prompt(s["task"], s["entry"], cfg) for s in flat], 1, cfg)
-    for s, group in zip(flat, outs):
+    for s, group in zip(flat, _generate(policy, [s["prompt"] for s in flat], 1, cfg)):
         s["completion"] = group[0]
     for t in TASKS:
         graded = check_solutions(executor, t, [s["entry"] for s in work[t]],
@@ -708,31 +624,21 @@ def solve(policy, executor: Executor, props: dict, buffers: dict[str, Buffer], c
     return work
 
 
-def build_trajectories(props: dict, solved: dict, cfg: Config) -> list:
-    """The joint 6B batch in task order with TRR++ advantages, key '<role>/<task>'. With
-    --freeze-proposer proposer records are dropped before the advantages (advantage None)."""
-    records, trajs = [], []
-    for t in TASKS:
-        for role, recs in (("proposer", props[t]), ("solver", solved[t])):
-            for r in recs:
-                r["advantage"] = None
-                if (role == "proposer" and cfg.freeze_proposer) or not r["completion"].token_ids:
-                    continue
-                records.append(r)
-                trajs.append(common.Trajectory.from_completion(r["completion"], reward=r["reward"],
-                                                               role=f"{role}/{t}"))
-    if trajs:
-        adv = keyed_advantages([tr.reward for tr in trajs], [tr.role for tr in trajs],
-                               lengths=[len(tr.completion_ids) for tr in trajs],
-                               token_weighted=cfg.token_weighted_advantages).tolist()
-        for tr, r, a in zip(trajs, records, adv):
-            tr.advantage = r["advantage"] = a
-    return trajs
+def build_trajectories(props: dict, solved: dict) -> list:
+    """The 6B batch in task order, each with its TRR++ advantage keyed '<role>/<task>' (Eq. 8)."""
+    records = [(r, f"{role}/{t}") for t in TASKS
+               for role, recs in (("proposer", props[t]), ("solver", solved[t]))
+               for r in recs if r["completion"].token_ids]
+    adv = keyed_advantages([r["reward"] for r, _ in records], [k for _, k in records]).tolist()
+    for (r, _), a in zip(records, adv):
+        r["advantage"] = a
+    return [common.Trajectory.from_completion(r["completion"], reward=r["reward"], role=k,
+                                              advantage=r["advantage"]) for r, k in records]
 
 
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
-    trajs = build_trajectories(props, solved, cfg)
+    trajs = build_trajectories(props, solved)
     if not trajs:
         return {}
     return common.pg_step(policy, trajs, common.PGConfig(
@@ -741,40 +647,26 @@ def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
         temperature=cfg.temperature, mini_batch=cfg.mini_batch))
 
 
-def self_play_step(policy, executor: Executor, buffers: dict[str, Buffer], cfg: Config,
-                   rng: random.Random, step: int, run=None) -> tuple[dict, dict, dict]:
-    """One iteration of Alg. 1."""
-    timer = run.timer if run is not None else (lambda name: contextlib.nullcontext())
-    with timer("propose"):
-        props = propose(policy, executor, buffers, cfg, rng, step)
-        for p in (p for t in TASKS for p in props[t] if p["reason"] is None):
-            buffers[p["task"]].add(p["entry"])
-    with timer("learnability"):
-        estimate_learnability(policy, executor, props, cfg)
+def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,
+                   step: int) -> tuple[dict, dict, dict]:
+    """One iteration of Alg. 1: steps 1-6; every valid proposal joins its buffer."""
+    props = propose(policy, executor, buffers, cfg, rng, step)
+    for t in TASKS:
+        buffers[t].extend(p["entry"] for p in props[t] if p["reason"] is None)
+    estimate_learnability(policy, executor, props, cfg)
     for p in (p for t in TASKS for p in props[t]):
-        p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"), cfg)
-    with timer("solve"):
-        solved = solve(policy, executor, props, buffers, cfg, rng, step)
-    with timer("update"):
-        stats = trr_update(policy, props, solved, cfg)
-    return props, solved, stats
+        p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"))
+    solved = solve(policy, executor, props, buffers, cfg, rng, step)
+    return props, solved, trr_update(policy, props, solved, cfg)
 
 
-# --- Metrics per task type and role, as the paper and "Towards Understanding Self-play" plot them
+# --- Metrics per task type (the tasks' solve rate and program length over training, §4.4)
 def _mean(xs) -> float:
     xs = list(xs)
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def _ast_key(program: str) -> str:
-    """Programs that differ only in comments or formatting count once."""
-    try:
-        return ast.dump(ast.parse(program))
-    except _PARSE_ERRORS:
-        return program
-
-
-def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
+def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
     m: dict = {}
     for t in TASKS:
         ps, ss = props[t], solved[t]
@@ -784,33 +676,11 @@ def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
         m.update({f"{t}/reject/{r}": reasons[r] for r in REJECT_REASONS})
         m[f"{t}/buffer_size"] = len(buffers[t])
         m[f"{t}/solver_acc"] = _mean(s["correct"] for s in ss)
-        m[f"{t}/solver_reward"] = _mean(s["reward"] for s in ss)
         m[f"{t}/proposer_reward"] = _mean(p["reward"] for p in ps)
-        m[f"{t}/new_task_solve_rate"] = _mean(p["solve_rate"] for p in valid)  # Fig. 2
-        m[f"{t}/new_tasks_in_solver_batch"] = sum(s["new"] for s in ss)
+        m[f"{t}/new_task_solve_rate"] = _mean(p["solve_rate"] for p in valid)
+        m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
         m[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in ps)
         m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
-        if valid:  # an induction proposer writes inputs and a message for a drawn program
-            prog = "source_program" if t == "induction" else "program"
-            m[f"{t}/{prog}_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
-            m[f"{t}/distinct_{prog}s"] = len({_ast_key(p["entry"]["program"])
-                                              for p in valid}) / len(valid)
-            written = ("\n".join(p["entry"]["inputs"] + [p["entry"]["message"]])
-                       if t == "induction" else p["entry"]["program"] for p in valid)
-            for k, v in common.diversity_metrics(written).items():
-                m[f"{t}/diversity/{k}"] = v
-    records = {"proposer": [p for t in TASKS for p in props[t]],
-               "solver": [s for t in TASKS for s in solved[t]]}
-    for role, recs in records.items():
-        m[f"len/{role}"] = _mean(len(r["completion"].token_ids) for r in recs)
-        a = [abs(r["advantage"]) for r in recs if r.get("advantage") is not None]
-        if a:
-            m[f"adv_abs_mean/{role}"] = _mean(a)
-    for role, recs in (*records.items(), ("policy", records["proposer"] + records["solver"])):
-        # Towards Und. Eq. 1: the mean per-token NLL of the sampled tokens (sampler logprobs)
-        seqs = [r["completion"].logprobs for r in recs if r["completion"].logprobs]
-        if seqs:
-            m[f"entropy/{role}"] = _mean(-sum(lp) / len(lp) for lp in seqs)
     m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
     m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
     return m
@@ -819,35 +689,26 @@ def step_metrics(props: dict, solved: dict, buffers: dict[str, Buffer]) -> dict:
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
     for t in TASKS:
         run.log_samples(step, f"proposer/{t}", [
-            {"task": t, "prompt": p["prompt"], "completion": p["completion"].text,
-             "valid": p["reason"] is None, "reason": p["reason"], "task_entry": p.get("entry"),
-             "solve_rate": p.get("solve_rate"), "reward": p["reward"]} for p in props[t]])
+            {"completion": p["completion"].text, **{k: p.get(k) for k in (
+                "prompt", "reason", "entry", "solve_rate", "reward")}} for p in props[t]])
         run.log_samples(step, f"solver/{t}", [
-            {"task": t, "prompt": solver_prompt(t, s["entry"], run.cfg),
-             "completion": s["completion"].text, "task_entry": s["entry"], "new_task": s["new"],
-             "formatted": s["formatted"], "correct": s["correct"], "reward": s["reward"]}
-            for s in solved[t]])
-    if run.is_main:  # tasks.jsonl: every valid task with its step and solve rate (Fig. 2)
-        with open(run.dir / "tasks.jsonl", "a", encoding="utf-8") as f:
-            for p in (p for t in TASKS for p in props[t] if p["reason"] is None):
-                row = {"step": step, "task": p["task"], "solve_rate": p["solve_rate"], **p["entry"]}
-                f.write(json.dumps(row) + "\n")
+            {"completion": s["completion"].text, **{k: s[k] for k in (
+                "prompt", "entry", "new", "correct", "reward")}} for s in solved[t]])
 
 
 # --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
 # there gets a boxed template, official issue #27: give one as eval_math with --prompts)
-_DISPLAY_MATH_RE = re.compile(r"\\\[(.*?)\\\]")
 
 
 def eval_answer(text: str) -> str | None:
-    """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer>, or the last
-    \\boxed{} in it; without <answer> the last \\boxed{}, else the first \\[ ... \\]."""
+    """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer> (its \\boxed{}
+    if any), else the last \\boxed{}, else the first \\[ ... \\]."""
     if "<answer>" in text:
         answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
         return common.extract_boxed(answer) if "boxed" in answer else answer or None
     if "boxed" in text:
         return common.extract_boxed(text)
-    m = _DISPLAY_MATH_RE.search(text)
+    m = re.search(r"\\\[(.*?)\\\]", text)
     return m.group(1).strip() or None if m else None
 
 
@@ -878,47 +739,37 @@ def evaluate(policy, cfg: Config) -> dict:
 
 
 def eval_metrics(results: dict) -> dict:
-    """eval/... (math; mean_greedy_acc = MAvg) and eval/code/...; eval/avg is their mean."""
-    m = common.eval_metrics(results)
-    if "benchmarks" in results.get("code", {}):
-        m.update(common.eval_metrics(results["code"], prefix="eval/code"))
-    if "eval/mean_greedy_acc" in m and "eval/code/mean_greedy_acc" in m:
-        m["eval/avg"] = (m["eval/mean_greedy_acc"] + m["eval/code/mean_greedy_acc"]) / 2
-    return m
+    """eval/... (math; mean_greedy_acc = MAvg) and eval/code/..."""
+    return {**common.eval_metrics(results),
+            **common.eval_metrics(results.get("code", {}), prefix="eval/code")}
 
 
 # --- The run
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
-    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if b.strip() and cfg.eval_code]
-    hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
     common.check_benchmark_names(cfg.eval_benchmarks)
     prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
-    positive = ("batch_size", "learnability_samples", "seed_factor", "buffer_cap",
-                "determinism_runs", "steps")
     checks = [
-        (cfg.proposer_reward in ("learnability", "uncertainty"), f"--proposer-reward "
-         f"{cfg.proposer_reward!r}: choose learnability (Eq. 4) or uncertainty (Eq. 3)"),
-        (cfg.zero_learnability_reward in (0.0, -0.5), f"--zero-learnability-reward "
-         f"{cfg.zero_learnability_reward}: choose 0 (paper) or -0.5 (code)"),
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature} must be > 0"),  # sampled rollouts
-        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1") for k in positive],
-        (cfg.mini_batch >= 0, f"--mini-batch {cfg.mini_batch}: trajectories per AdamW step, >= 0"),
+        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
+          for k in ("seed_factor", "buffer_cap")],  # the others: parse_config's limit check
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
-        *[(b.endswith((".jsonl", ".json")) and os.path.isfile(b), (f"--eval-code-benchmarks: {b!r} "
-           f"is neither one of {sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file"))
-          for b in code if b not in hub]]
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    if hub and importlib.util.find_spec("datasets") is None:
-        raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub through the "
-                         "`datasets` package, which is not installed: pip install datasets, give "
-                         "local JSONL files with --eval-code-benchmarks, or skip them with "
-                         "--no-eval-code")
+    for b in (b.strip() for b in cfg.eval_code_benchmarks.split(",") if cfg.eval_code):
+        hub = b.lower() in common.CODE_BENCHMARKS
+        if b and not hub and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
+            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
+                             f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
+        if hub and importlib.util.find_spec("datasets") is None:
+            raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub via "
+                             "the `datasets` package, which is not installed: pip install "
+                             "datasets, give local JSONL files with --eval-code-benchmarks, or "
+                             "--no-eval-code")
 
 
 def train(cfg: Config) -> dict:
@@ -930,29 +781,27 @@ def train(cfg: Config) -> dict:
     try:
         start, state = run.load_checkpoint(policy) or (0, {})
         if state.get("buffers"):
-            buffers = buffers_from_state(state["buffers"], cfg.buffer_cap)
-            if run.is_main:  # like metrics.jsonl: the steps after the checkpoint are logged again
-                common.truncate_jsonl(run.dir / "tasks.jsonl", start)
+            buffers = {t: collections.deque(state["buffers"][t], maxlen=cfg.buffer_cap)
+                       for t in TASKS}
         else:
-            with run.timer("seed"):
-                buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
+            buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
             run.log(0, {f"{t}/buffer_size": len(buffers[t]) for t in TASKS})
         bar = run.progress(cfg.steps, initial=start)
         for step in range(start + 1, cfg.steps + 1):
             rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without RNG state
-            props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step, run)
+            props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step)
             metrics = {**step_metrics(props, solved, buffers),
                        **{f"train/{k}": v for k, v in stats.items()}}
             log_step_samples(run, step, props, solved)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                with run.timer("eval"):
-                    ev = evaluate(policy, cfg)
+                ev = evaluate(policy, cfg)
                 run.write_eval(ev, f"eval_step_{step}.json")
                 metrics.update(eval_metrics(ev))
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-                run.save_checkpoint(step, policy, {"buffers": buffers_state(buffers)})
+                run.save_checkpoint(step, policy, {"buffers": {t: list(b)
+                                                                for t, b in buffers.items()}})
         results = evaluate(policy, cfg)
         run.write_eval(results)
         return results
@@ -964,7 +813,7 @@ def train(cfg: Config) -> dict:
 def headline(results: dict) -> dict:
     """The final evaluation's figures for the summary (math, code, or why code was skipped)."""
     figures = {k: v for k, v in eval_metrics(results).items()
-               if k.endswith(("greedy_acc", "eval/avg")) or "pass@" in k}
+               if k.endswith("greedy_acc") or "pass@" in k}
     skipped = results.get("code", {}).get("skipped")
     return {**figures, **({"code skipped": skipped} if skipped else {})}
 

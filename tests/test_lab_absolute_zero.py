@@ -88,7 +88,7 @@ def test_control_permutes_only_the_solvers_rewards(monkeypatch):
     import common
     seen = {}
     monkeypatch.setattr(absolute_zero, "main", lambda argv: seen.update(
-        trajs=absolute_zero.build_trajectories(props, solved, absolute_zero.Config())))
+        trajs=absolute_zero.build_trajectories(props, solved)))
     monkeypatch.setattr(absolute_zero, "build_trajectories", absolute_zero.build_trajectories)
 
     def rec(reward):

