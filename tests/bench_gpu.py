@@ -810,7 +810,7 @@ def bench_model(bench: Bench, key: str, spec: dict, shape: Shape, arch: dict, to
         entry["fp32_master"] = {"status": "oom", "error": rec.get("error"),
                                 "state_gb_16_bytes_per_param": rnd(16 * ctx.counts["total"] / GB,
                                                                    1)}
-        del ctx
+        ctx = None  # the fp32 model goes before the bf16 one is built
         holder.clear()
         bench.policy = None
         free_memory()
@@ -855,7 +855,7 @@ def bench_model(bench: Bench, key: str, spec: dict, shape: Shape, arch: dict, to
     if trained and shape.kl_coef > 0:
         bench.run(key, "pg_step_kl", 1.5 * step_est + n * 4 / 5e9, lambda: kl_measure(bench, ctx),
                   reserve_s=reserve_s)
-    del ctx
+    ctx = None  # the model goes before the next one is built
     holder.clear()
     bench.policy = None
     free_memory()
