@@ -242,7 +242,7 @@ def _core_no_checkpoint(resume) -> str:
 
 def check_inputs(cfg) -> None:
     """What the CLI checks before anything loads: that the run folder mixes no two runs' records,
-    and every model (--model, a method's --oracle-model or --challenger-model)."""
+    and every model (--model, and a method's --challenger-model)."""
     if cfg.resume and latest_checkpoint(cfg.resume) is None:
         raise InputError(_core_no_checkpoint(cfg.resume))
     if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
@@ -3050,6 +3050,14 @@ class Decontaminator:
 
     def flags(self, texts):
         return [self.contaminated(t) for t in texts]
+
+
+def eval_decontaminator(benchmarks: str, on: bool = True, n: int = 13):
+    """The n-gram index (GPT-3's 13-gram rule) of the eval sets' questions, None when off or empty.
+    Loading the sets first also stops a run whose eval set cannot load, before any model loads."""
+    names = [b.strip() for b in benchmarks.split(",") if b.strip()]
+    questions = [row["question"] for name in names for row in load_benchmark(name)]
+    return Decontaminator(questions, n) if on and questions else None
 
 
 def ngram_overlap(text, references, n=13):

@@ -15,6 +15,7 @@ Deviations from the official code (github.com/Chengsong-Huang/R-Zero):
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
   - rollouts use top-p 1.0 (code: 0.99): the trainer does not model truncation
   - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
+  - questions sharing a 13-gram with an eval set never reach the Solver (--no-decontaminate)
   - one trainer, one vLLM engine: the parked role and the KL reference wait in file-backed memory
   - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
 """
@@ -77,6 +78,7 @@ class Config(common.RunConfig):
     eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
+    decontaminate: bool = True  # drop questions sharing a 13-gram with an eval set (ours)
     max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
 
@@ -317,27 +319,28 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
 
 
 # -- 2. The Solver's dataset: questions filtered by the Solver's agreement -------------------------
-def build_dataset(policy, roles: Roles, cfg: Config, step: int, run,
-                  iteration: int) -> tuple[list, dict]:
+def build_dataset(policy, roles: Roles, cfg: Config, step: int, run, iteration: int,
+                  decon=None) -> tuple[list, dict]:
     """N questions, m votes each, the band filter; all voted rows go to dataset_iter<k>.jsonl."""
     with roles.sampling(CHALLENGER):
         outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.question_pool, n=1,
                                temperature=cfg.pool_temperature, top_p=cfg.pool_top_p,
                                max_tokens=cfg.max_tokens)
     questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
-    valid = [q for q in questions if q is not None]
+    clean = [q for q in questions if q is not None and not (decon and decon.contaminated(q))]
     with roles.sampling(SOLVER):
-        answers = solver_votes(policy, valid, cfg)
+        answers = solver_votes(policy, clean, cfg)
     stats = vote_statistics(answers)
-    kept = filter_dataset(valid, stats, cfg)
+    kept = filter_dataset(clean, stats, cfg)
     if common.is_main_process():
         rows = [{"question": q, **s, "kept": in_band(s, cfg), "answers": a}
-                for q, s, a in zip(valid, stats, answers)]
+                for q, s, a in zip(clean, stats, answers)]
         common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl",
                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     run.log_samples(step, "dataset", kept)
     hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist()
-    return kept, {"dataset/generated": len(questions), "dataset/voted": len(valid),
+    return kept, {"dataset/generated": len(questions), "dataset/voted": len(clean),
+                  "dataset/contaminated": sum(q is not None for q in questions) - len(clean),
                   "dataset/kept": len(kept), "dataset/agree_hist": hist}
 
 
@@ -430,6 +433,7 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
     validate_config(cfg)
+    decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
@@ -464,7 +468,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             m.update(challenger_step(policy, roles, cfg, ref, step, run))
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
-            state["dataset"], dm = build_dataset(policy, roles, cfg, step, run, k)
+            state["dataset"], dm = build_dataset(policy, roles, cfg, step, run, k, decon)
             m.update(dm)
         elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
             m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]

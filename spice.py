@@ -689,13 +689,6 @@ def sample_records(rollouts: list[DocRollout]) -> list[dict]:
 
 
 # Training loop and main()
-def decontaminator(cfg: Config) -> common.Decontaminator | None:
-    """The eval sets' 13-grams, loaded before the model: a set that cannot load stops the run."""
-    names = [b.strip() for b in cfg.eval_benchmarks.split(",") if b.strip()]
-    questions = [row["question"] for name in names for row in common.load_benchmark(name)]
-    return common.Decontaminator(questions, n=13) if cfg.decontaminate and questions else None
-
-
 def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
     """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout."""
     if not cfg.eval_benchmarks.strip():
@@ -743,7 +736,8 @@ def train(cfg: Config, policy=None) -> Path:
     # inputs first (corpus, eval sets): bad input fails in seconds, before the model loads
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
-    decon = decontaminator(cfg)  # also screens every generated question
+    # the corpus segments and every generated question are screened against the eval sets
+    decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
     corpus = []
     if not cfg.no_document:  # the Challenger reads the documents: its tokenizer sizes them
         doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer

@@ -341,13 +341,14 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
     assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy",
             "challenger/entropy_exact"} <= set(ch)
-    # dataset: Q1 lands in the band, Q2 (10 of 10 votes agree) does not
-    assert ds["dataset/kept"] > 0
+    # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in
+    # the band
+    assert ds["dataset/contaminated"] > 0 and ds["dataset/kept"] > 0
     assert len(ds["dataset/agree_hist"]) == 11
     assert sum(ds["dataset/agree_hist"]) == ds["dataset/voted"]
     rows = _jsonl(pathlib.Path(run_dir) / "dataset_iter1.jsonl")
     kept = [r for r in rows if r["kept"]]
-    assert kept and all(r["question"] != Q2 for r in kept)
+    assert kept and all(r["question"] != Q2 for r in rows)
     assert all(3 <= r["agree"] <= 7 for r in kept)
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # the paper's reward: accuracy only
@@ -362,7 +363,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
 
 
 def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_path, monkeypatch):
-    cfg = _small(warm_path, tmp_path / "run", eval_benchmarks="")
+    cfg = _small(warm_path, tmp_path / "run", eval_benchmarks="", decontaminate=False)
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
 
@@ -384,6 +385,7 @@ def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_p
     cfg2 = common.parse_config(r_zero.Config, ["--resume", str(run_dir), "--iterations", "2"])
     # the saved config is the base
     assert cfg2.question_pool == cfg.question_pool and cfg2.rep_lambda == cfg.rep_lambda == 0.5
+    assert not cfg2.decontaminate
     r_zero.train(cfg2, _policy(cfg2, vllm_sampler))
     ms = _metrics(run_dir)
     steps = [m["step"] for m in ms]

@@ -467,6 +467,16 @@ def test_diversity_metrics():
 
 
 # ---------------------------------------------------------------------------------------------- decontamination
+def test_eval_decontaminator_indexes_the_eval_questions_and_loads_them_first(tmp_path):
+    f = tmp_path / "ev.jsonl"
+    f.write_text(json.dumps({"question": "What is 7 - 4?", "answer": "3"}) + "\n")
+    d = common.eval_decontaminator(str(f))
+    assert d.contaminated("what is 7 - 4?") and not d.contaminated("What is 2 + 3?")
+    assert common.eval_decontaminator(str(f), on=False) is None
+    with pytest.raises(FileNotFoundError):  # even when off: a bad eval set stops the run first
+        common.eval_decontaminator(str(tmp_path / "missing.jsonl"), on=False)
+
+
 def test_decontamination():
     ref = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
            "How many clips did Natalia sell altogether in April and May?")
