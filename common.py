@@ -2794,14 +2794,6 @@ def variance_reward(p, tau=0.01):
     return np.exp(-((p * (1.0 - p) - 0.25) ** 2) / (2.0 * tau))
 
 
-def variance_reward_from_bits(correct, tau=0.01):
-    """SPICE Eq. 1 from the K correctness bits of the Reasoner's answers (p = their mean)."""
-    bits = np.asarray(correct, dtype=np.float64).ravel()
-    if bits.size == 0:
-        raise ValueError("variance_reward_from_bits needs at least one correctness bit")
-    return variance_reward(float(bits.mean()), tau)
-
-
 @_vf_solve_rate
 def threshold_reward(p):
     """SPICE Table 4's "threshold" ablation: r = 1[0 < p < 1]."""
@@ -2957,12 +2949,6 @@ def average_linkage_clusters(dist, threshold=0.5):
 
 
 # ------------------------------------------------------ Diversity metrics, pass@k, decontamination
-def distinct_fraction(texts):
-    """Share of distinct texts after normalize_string."""
-    texts = list(texts)
-    return len({normalize_string(t) for t in texts}) / len(texts) if texts else 0.0
-
-
 def distinct_ngram_ratio(texts, n=4):
     """Distinct-n: unique n-grams / all n-grams over the batch (lower-cased whitespace tokens)."""
     grams, total = set(), 0
@@ -2986,7 +2972,8 @@ def self_bleu(texts, S=None):
 def diversity_metrics(texts, threshold=0.5):
     """Distinct fraction, distinct-4, self-BLEU and BLEU cluster count of a batch of proposals."""
     texts = list(texts)
-    out = {"distinct_frac": distinct_fraction(texts), "distinct4": distinct_ngram_ratio(texts, 4),
+    distinct = len({normalize_string(t) for t in texts}) / len(texts) if texts else 0.0
+    out = {"distinct_frac": distinct, "distinct4": distinct_ngram_ratio(texts, 4),
            "self_bleu": 0.0, "bleu_clusters": len(texts)}
     if len(texts) >= 2:
         S = bleu_matrix(texts)
@@ -3058,12 +3045,6 @@ def eval_decontaminator(benchmarks: str, on: bool = True, n: int = 13):
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     questions = [row["question"] for name in names for row in load_benchmark(name)]
     return Decontaminator(questions, n) if on and questions else None
-
-
-def ngram_overlap(text, references, n=13):
-    """Whether `text` shares an n-gram with the references (strings or a Decontaminator)."""
-    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
-    return d.contaminated(text)
 
 
 def decontaminate(questions, references, n=13):
@@ -3297,11 +3278,8 @@ def load_benchmark(name_or_path, limit=0):
 # -------------------------------------------- Evaluation: greedy accuracy and pass@k per benchmark
 _VF_EVAL_INSTRUCTION = ("Work through the problem step by step, then write the final answer as "
                         "\\boxed{answer}.")
-_VF_MC_GRADING = ("a problem with choices is graded by its option letter: option_letter() reads "
-                  "the extracted answer with choice_letter ('B', '(B)', 'B) text', '\\boxed{B}', "
-                  "'the answer is B'; with nothing extracted, the completion's last 'answer is "
-                  "B'), and it must equal the gold letter exactly; an option's text is not a "
-                  "letter answer. Free-form problems go through math_equal as before.")
+_VF_MC_GRADING = ("a problem with choices is graded by its option letter (option_letter), which "
+                  "must equal the gold letter; free-form problems by math_equal")
 
 
 def _vf_chat_or_text(tokenizer, content, text):

@@ -23,9 +23,9 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
                     azr_composite_reward, bleu_distance_matrix, bleu_matrix, choice_letter,
                     decontaminate, distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
                     load_benchmark, math_equal, math_equal_failures,
-                    math_equal_many, ngram_overlap, normalize_string, pass_at_k, pass_at_k_ci,
+                    math_equal_many, normalize_string, pass_at_k, pass_at_k_ci,
                     self_bleu, threshold_reward, uncertainty_reward,
-                    variance_reward, variance_reward_from_bits)
+                    variance_reward)
 import r_zero
 from sparsity import main as sparsity_main
 from sparsity import update_sparsity
@@ -296,14 +296,14 @@ def test_variance_reward_spice_table_population_vs_unbiased():
     for c, want in table.items():
         bits = [1] * c + [0] * (8 - c)
         assert variance_reward(c / 8) == pytest.approx(want, abs=5e-4)
-        assert variance_reward_from_bits(bits) == pytest.approx(want, abs=5e-4)
+        assert variance_reward(np.mean(bits)) == pytest.approx(want, abs=5e-4)
     # the pitfall: torch.var's unbiased default (x 8/7) moves the peak off 50% -- our helper must not do that
     unbiased = {c: math.exp(-((torch.tensor([1.0] * c + [0.0] * (8 - c)).var().item() - 0.25) ** 2) / 0.02)
                 for c in range(9)}
     assert unbiased[3] == pytest.approx(0.984, abs=5e-4) and unbiased[4] == pytest.approx(0.938, abs=5e-4)
     assert unbiased[3] > unbiased[4]                                  # unbiased: 3/8 beats 4/8
-    assert variance_reward_from_bits([1, 1, 1, 1, 0, 0, 0, 0]) > variance_reward_from_bits([1, 1, 1] + [0] * 5)
-    assert variance_reward_from_bits([1, 1, 0, 0, 0, 0, 0, 0]) != pytest.approx(unbiased[2], abs=1e-3)
+    assert variance_reward(4 / 8) > variance_reward(3 / 8)
+    assert variance_reward(2 / 8) != pytest.approx(unbiased[2], abs=1e-3)
     # a valid but trivial question (0.044) still beats an invalid one (-0.1)
     assert variance_reward(1.0) > INVALID_QUESTION
 
@@ -482,7 +482,7 @@ def test_decontamination():
            "How many clips did Natalia sell altogether in April and May?")
     copy = "natalia SOLD clips to 48 of her friends in april -- and then she sold half as many clips in may!"
     other = "A train leaves the station at noon travelling at sixty miles per hour toward a distant city far away."
-    assert ngram_overlap(copy, [ref]) and not ngram_overlap(other, [ref])
+    assert Decontaminator([ref]).contaminated(copy) and not Decontaminator([ref]).contaminated(other)
     d = Decontaminator([ref, "What is 2+2?"])
     assert d.contaminated("what is 2 + 2") and not d.contaminated("what is 3 + 3")
     kept, flagged = decontaminate([other, copy, "x"], d)
