@@ -134,30 +134,28 @@ answered by connecting several of its parts over several reasoning steps.
 
 {document_block}
 
-Step 1. Find material that needs synthesis: relationships between variables or concepts across \
-parts; multi-step calculations or procedures; interacting formulas or principles; conclusions from \
-combined statements; comparisons or trade-offs; conditional relationships; systems where one \
-change affects several parameters. Avoid stated facts, lone definitions and isolated numbers.
+Step 1. Find material that needs synthesis: relationships across parts, multi-step calculations \
+or procedures, interacting principles, combined statements, comparisons, trade-offs, conditions, \
+systems where one change moves several parameters; not stated facts, definitions, lone numbers.
 Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
 complexity you add, the concepts to connect, the shortcuts you block.
-Step 3. The question applies concepts from different parts, tests relationships, not recall, and \
-may compare scenarios or ask "what if". The solver never sees the document: never write "according \
-to the text", "in the document", "as mentioned" or the like; give all context, define terms.
+Step 3. The question tests relationships, not recall; it may compare scenarios or ask "what if". \
+The solver never sees the document: never write "according to the text", "in the document", "as \
+mentioned" or the like; give all context, define terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
 solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
 No single look-up, sentence or keyword match may answer it.
 Step 5. Write the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
 pieces of information from different parts, their links, and why a simple lookup fails.
-Step 6. Write four options A) to D). Balanced length: within about 20% of each other. Consistent \
-units and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: \
-typical slips in the multi-step work, stopping halfway, confusing related concepts, leaving out a \
-key factor. Give the question, then A) ... D), and the correct letter.
-Step 7. Solve it as a student with the options in view ("self_test_solution"): find the quickest \
-route; if two options can be ruled out without real understanding, or the options give the answer \
-away or follow a pattern, redesign them; count the reasoning steps left: if fewer than 3, reject \
-the question and write a harder one; if it takes less than 30 seconds, make it harder.
-Step 8. Revise it if one sentence or one part of the document answers it, it tests facts rather \
-than relationships, its options are unbalanced or uneven, or your solve took less than a minute.
+Step 6. Write options A) to D). Balanced length: within about 20% of each other. Consistent units \
+and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: slips \
+in the multi-step work, stopping halfway, confusing related concepts, a key factor left out.
+Step 7. Solve it as a student with the options in view ("self_test_solution"), by the quickest \
+route. If two options can be ruled out without real understanding, or the options give the \
+answer away or follow a pattern, redesign them. Count the reasoning steps: if fewer than 3, reject \
+the question and write a harder one; if it takes less than 30 seconds, make it harder. Revise it \
+if one sentence or part of the document answers it, it tests facts rather than relationships, its \
+options are unbalanced, or your solve took less than a minute.
 
 """ + _JSON_RULES + """\
 - "identified_answer": the relationship or conclusion derived by combining parts of the document
@@ -178,31 +176,30 @@ Turn the document below into one CHALLENGING free-form exam question whose answe
 {document_block}
 
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
-variables from different parts, chained computations, careful counting, rates or percentages, \
-optimisation, aggregate statistics. Expression: relationships that form equations, patterns that \
-generalise into a formula, systems of constraints, derivatives, recursive formulas. String, one \
-to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
-"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic, yes/no.
+variables from different parts, chained computations, counting, rates or percentages, \
+optimisation, aggregate statistics. Expression: equations, patterns that generalise into a \
+formula, systems of constraints, derivatives, recursions. String, one to three words at most: a \
+term, name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a sentence. Avoid \
+look-ups, single stated facts, simple arithmetic, yes/no.
 Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
 parts to combine, the intermediate steps, the shortcuts you block.
-Step 3. Write the question: it connects at least three concepts from different parts, tests \
-relationships, not memory, and needs several steps. The solver never sees the document: never \
-write "according to the text" or the like. Give all context and definitions, and state the units, \
-format and constraints of the answer.
+Step 3. The question connects at least three concepts from different parts, tests relationships, \
+not memory, and needs several steps. The solver never sees the document: never write "according \
+to the text" or the like. Give all context and definitions; state the units, format and \
+constraints of the answer.
 Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
 which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
-every variable defined, canonical form; "answer": "2x^2 + 3x - 5". String: the question says its \
-exact form and whether case matters; no extra punctuation.
-Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer is \
-of type {answer_type}, and estimate the time: a hard question takes more than a minute.
+every variable defined, canonical form ("2x^2 + 3x - 5"). String: the question says its exact \
+form and whether case matters; no extra punctuation.
+Step 5. Solve it step by step ("step_by_step_solution"), edge cases too; check the answer is of \
+type {answer_type}, and estimate the time: a hard question takes more than a minute.
 Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
 or a counter-intuitive result. Aim for hard or extra hard.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
-unambiguous format, every valid approach reaching the same answer. Else rewrite the question.
-Step 8. Final check: it needs understanding, not extraction; the answer is exactly of type \
-{answer_type}; the question is self-contained and clear. "question" is one single string, never \
-a list or several questions; "answer" is one plain value, never a list or an object.
+unambiguous format, every valid approach reaching it; else rewrite the question. It needs \
+understanding, not extraction, and is self-contained and clear. "question" is one single string, \
+never a list or several questions; "answer" is one plain value, never a list or an object.
 
 """ + _JSON_RULES + """\
 - "identified_information": three or more key pieces of information from different parts
