@@ -736,7 +736,7 @@ def train(cfg: Config, policy=None) -> Path:
     if cfg.eval_base and start == 0 and (base := evaluate(0, "eval_base.json")):
         run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
     pbar = run.progress(cfg.steps, initial=start)
-    for step in range(int(start) + 1, cfg.steps + 1):
+    for step in range(start + 1, cfg.steps + 1):
         rng = np.random.default_rng([cfg.seed, step])  # per step: a resumed run replays the draws
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
