@@ -134,30 +134,28 @@ answered by connecting several of its parts over several reasoning steps.
 
 {document_block}
 
-Step 1. Find material that needs synthesis: relationships between variables or concepts across \
-parts; multi-step calculations or procedures; interacting formulas or principles; conclusions from \
-combined statements; comparisons or trade-offs; conditional relationships; systems where one \
-change affects several parameters. Avoid stated facts, lone definitions and isolated numbers.
+Step 1. Find material that needs synthesis: relationships across parts, multi-step calculations \
+or procedures, interacting principles, combined statements, comparisons, trade-offs, conditions, \
+systems where one change moves several parameters; not stated facts, definitions, lone numbers.
 Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
 complexity you add, the concepts to connect, the shortcuts you block.
-Step 3. The question applies concepts from different parts, tests relationships, not recall, and \
-may compare scenarios or ask "what if". The solver never sees the document: never write "according \
-to the text", "in the document", "as mentioned" or the like; give all context, define terms.
+Step 3. The question tests relationships, not recall; it may compare scenarios or ask "what if". \
+The solver never sees the document: never write "according to the text", "in the document", "as \
+mentioned" or the like; give all context, define terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
 solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
 No single look-up, sentence or keyword match may answer it.
 Step 5. Write the reasoning path ("knowledge_and_reasoning_steps"): at least three distinct \
 pieces of information from different parts, their links, and why a simple lookup fails.
-Step 6. Write four options A) to D). Balanced length: within about 20% of each other. Consistent \
-units and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: \
-typical slips in the multi-step work, stopping halfway, confusing related concepts, leaving out a \
-key factor. Give the question, then A) ... D), and the correct letter.
-Step 7. Solve it as a student with the options in view ("self_test_solution"): find the quickest \
-route; if two options can be ruled out without real understanding, or the options give the answer \
-away or follow a pattern, redesign them; count the reasoning steps left: if fewer than 3, reject \
-the question and write a harder one; if it takes less than 30 seconds, make it harder.
-Step 8. Revise it if one sentence or one part of the document answers it, it tests facts rather \
-than relationships, its options are unbalanced or uneven, or your solve took less than a minute.
+Step 6. Write options A) to D). Balanced length: within about 20% of each other. Consistent units \
+and formatting. Neutral tone: no "always" or "never" unless needed. Plausible distractors: slips \
+in the multi-step work, stopping halfway, confusing related concepts, a key factor left out.
+Step 7. Solve it as a student with the options in view ("self_test_solution"), by the quickest \
+route. If two options can be ruled out without real understanding, or the options give the \
+answer away or follow a pattern, redesign them. Count the reasoning steps: if fewer than 3, reject \
+the question and write a harder one; if it takes less than 30 seconds, make it harder. Revise it \
+if one sentence or part of the document answers it, it tests facts rather than relationships, its \
+options are unbalanced, or your solve took less than a minute.
 
 """ + _JSON_RULES + """\
 - "identified_answer": the relationship or conclusion derived by combining parts of the document
@@ -178,31 +176,30 @@ Turn the document below into one CHALLENGING free-form exam question whose answe
 {document_block}
 
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
-variables from different parts, chained computations, careful counting, rates or percentages, \
-optimisation, aggregate statistics. Expression: relationships that form equations, patterns that \
-generalise into a formula, systems of constraints, derivatives, recursive formulas. String, one \
-to three words at most: a term, name, category, method, unit or symbol ("Newton", "TCP/IP", \
-"O(n log n)"), never a sentence. Avoid look-ups, single stated facts, simple arithmetic, yes/no.
+variables from different parts, chained computations, counting, rates or percentages, \
+optimisation, aggregate statistics. Expression: equations, patterns that generalise into a \
+formula, systems of constraints, derivatives, recursions. String, one to three words at most: a \
+term, name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a sentence. Avoid \
+look-ups, single stated facts, simple arithmetic, yes/no.
 Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
 parts to combine, the intermediate steps, the shortcuts you block.
-Step 3. Write the question: it connects at least three concepts from different parts, tests \
-relationships, not memory, and needs several steps. The solver never sees the document: never \
-write "according to the text" or the like. Give all context and definitions, and state the units, \
-format and constraints of the answer.
+Step 3. The question connects at least three concepts from different parts, tests relationships, \
+not memory, and needs several steps. The solver never sees the document: never write "according \
+to the text" or the like. Give all context and definitions; state the units, format and \
+constraints of the answer.
 Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
 which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
-every variable defined, canonical form; "answer": "2x^2 + 3x - 5". String: the question says its \
-exact form and whether case matters; no extra punctuation.
-Step 5. Solve it step by step ("step_by_step_solution"), covering edge cases; check the answer is \
-of type {answer_type}, and estimate the time: a hard question takes more than a minute.
+every variable defined, canonical form ("2x^2 + 3x - 5"). String: the question says its exact \
+form and whether case matters; no extra punctuation.
+Step 5. Solve it step by step ("step_by_step_solution"), edge cases too; check the answer is of \
+type {answer_type}, and estimate the time: a hard question takes more than a minute.
 Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
 or a counter-intuitive result. Aim for hard or extra hard.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
-unambiguous format, every valid approach reaching the same answer. Else rewrite the question.
-Step 8. Final check: it needs understanding, not extraction; the answer is exactly of type \
-{answer_type}; the question is self-contained and clear. "question" is one single string, never \
-a list or several questions; "answer" is one plain value, never a list or an object.
+unambiguous format, every valid approach reaching it; else rewrite the question. It needs \
+understanding, not extraction, and is self-contained and clear. "question" is one single string, \
+never a list or several questions; "answer" is one plain value, never a list or an object.
 
 """ + _JSON_RULES + """\
 - "identified_information": three or more key pieces of information from different parts
@@ -232,16 +229,16 @@ def templates(path: str) -> dict:
     return common.load_prompts(path, PROMPTS)
 
 
+def resolve_prompt_format(cfg: Config, tokenizer) -> str:
+    auto = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    return auto if cfg.prompt_format == "auto" else cfg.prompt_format
+
+
 def wrap(content: str, fmt: str, prompts=PROMPTS):
     """Fig. 8: ChatML with a generic system message (Qwen3), or a User/Assistant preamble."""
     if fmt == "plain":
         return prompts["plain"].format(content=content)
     return [{"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
-
-
-def resolve_prompt_format(cfg: Config, tokenizer) -> str:
-    auto = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
-    return auto if cfg.prompt_format == "auto" else cfg.prompt_format
 
 
 def challenger_prompt(document: str | None, kind: str, answer_type, fmt: str, prompts=PROMPTS):
@@ -266,7 +263,6 @@ _JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or clos
 MAX_QUESTION_CHARS = 6_000
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
-
 # LaTeX written as in a paper inside JSON strings: \b \f \n \r \t would decode to control characters
 # (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. repair_json_escapes reads, left to
 # right: \\ \" \/ \uXXXX as JSON; \b, \f as LaTeX; \r, \t + a letter as LaTeX; \n + letters as LaTeX
@@ -333,6 +329,7 @@ def split_options(text: str) -> tuple[str, list[str]] | None:
 
 
 def _scalar(x) -> str | None:
+    """A JSON string or number as written (42, 2.5); None for a bool, list, object, nan or inf."""
     if isinstance(x, str):
         return x.strip()
     if isinstance(x, float) and math.isfinite(x):
@@ -360,10 +357,9 @@ def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Ta
 
 
 def _parse_task(text, kind, answer_type):
-    obj = last_json_object(text)
+    obj, mcq = last_json_object(text), kind == "mcq"
     if obj is None:
         return None, "no_json"
-    mcq = kind == "mcq"
     exam_q = obj.get("exam_question", "-")  # "": the MCQ generator's "too thin a document"
     if mcq and not (isinstance(exam_q, str) and exam_q.strip()):
         return None, "too_thin"
@@ -386,17 +382,16 @@ def _parse_task(text, kind, answer_type):
         letter = str(obj.get("multiple_choice_correct")).strip().strip("()").rstrip(").:").strip()
         if letter.upper() not in ("A", "B", "C", "D"):
             return None, "bad_correct_letter"
-        task = Task("mcq", q, letter.upper(), "MCQ")
-    else:
-        if not a:
-            return None, "missing_answer"
-        declared = obj.get("answer_type")
-        if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
-            return None, "wrong_answer_type"
-        if not answer_has_type(a, answer_type):
-            return None, "answer_not_" + answer_type.lower()
-        task = Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(), answer_type)
-    return task, "ok"
+        return Task("mcq", q, letter.upper(), "MCQ"), "ok"
+    if not a:
+        return None, "missing_answer"
+    declared = obj.get("answer_type")
+    if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
+        return None, "wrong_answer_type"
+    if not answer_has_type(a, answer_type):
+        return None, "answer_not_" + answer_type.lower()
+    gold = a if answer_type == "String" else a.strip("$ ").strip()
+    return Task("free", q, gold, answer_type), "ok"
 
 
 def parse_type_selection(text: str) -> tuple[str, str | None] | None:
@@ -411,8 +406,8 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
 
 
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
-    """r_R = 1[a = a*] per answer, the last \\boxed{}; no box, a truncated answer or a Math-Verify
-    check over `timeout` s is wrong. MCQ: the letter the box starts with; String: normalized."""
+    """r_R = 1[a = a*] on the last \\boxed{} (none, or a truncated answer: 0): an MCQ by the letter
+    it starts with, a String normalized, else Math-Verify (over `timeout` s: 0)."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text)
              for c in completions]
     if task.kind == "mcq":
@@ -433,12 +428,11 @@ def challenger_reward(correct: list[float], cfg: Config) -> float:
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
-    """The documents of a JSONL file or of a hub set "owner/name[:config][@split]", streamed
-    (limit 0: all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
+    """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
+    all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
     local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")) \
         or os.path.exists(src)
-    spec, _, split = src.partition("@")
-    name, _, config = spec.partition(":")
+    name, _, config = src.partition("@")[0].partition(":")
     where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
     fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
     try:
@@ -449,13 +443,12 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
             import datasets
             limit = limit or 20000
             rows = ((where, row) for row in datasets.load_dataset(
-                name, config or None, split=split or "train", streaming=True))
+                name, config or None, split=src.partition("@")[2] or "train", streaming=True))
         for at, row in rows:
             if not isinstance(text := row.get(field_name), str):
                 raise common.InputError(f"{at}: no string field {field_name!r} (keys: "
                                         f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
-            if text.strip():
-                docs.append(text)
+            docs += [text] if text.strip() else []
             if limit and len(docs) >= limit:
                 break
     except common.InputError:
@@ -468,13 +461,6 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     return docs
 
 
-def chunk_document(text: str, tokenizer, max_tokens: int) -> list[str]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) <= max_tokens:
-        return [text]
-    return [tokenizer.decode(ids[i:i + max_tokens]) for i in range(0, len(ids), max_tokens)]
-
-
 def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
     """The segments of every source (an equal share of cfg.corpus_docs each), without special-token
     strings, less those sharing a 13-gram with an eval set."""
@@ -484,10 +470,12 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
     segments = []
     for src in sources:
         for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
+            ids = tokenizer(d, add_special_tokens=False)["input_ids"]
+            chunks = [tokenizer.decode(ids[i:i + chunk_tokens])
+                      for i in range(0, len(ids), chunk_tokens)] if len(ids) > chunk_tokens else [d]
             # "<|im_end|>" in web text would end the prompt as a real control token
-            chunks = (common.strip_special_tokens(c, tokenizer)
-                      for c in chunk_document(d, tokenizer, chunk_tokens))
-            segments.extend(c for c in chunks if c.strip())
+            clean = (common.strip_special_tokens(c, tokenizer) for c in chunks)
+            segments += [c for c in clean if c.strip()]
     if decon is not None:
         kept = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
         print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
@@ -529,10 +517,9 @@ def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) 
 
 
 def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tuple]:
-    """Step 2: MCQ or free-form (and its answer type) per document, by the Fig. 9 call, untrained
-    and greedy; an unusable reply falls back to a coin."""
+    """Step 2: MCQ or free-form (and its answer type) per document by the Fig. 9 call, untrained
+    and greedy; without a document, for MCQ only, or on an unusable reply: a coin."""
     allowed = ("mcq", "free") if cfg.task_types == "both" else (cfg.task_types,)
-    # without a document there is nothing to judge; MCQ only needs no answer type
     parsed = [None] * len(docs)
     if cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed:
         prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
@@ -546,8 +533,8 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tu
 
 
 def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
-    """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4),
-    decontaminated, with room for the Reasoner's prompt. An invalid one gets reward rho."""
+    """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4), not
+    truncated, decontaminated, with room for the Reasoner's answer. An invalid one gets rho."""
     def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
         if completion.finish_reason == "length":
             return None, "truncated"
@@ -598,14 +585,12 @@ def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, 
 
 def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
     """Step 4: K answers to every valid task, from the question alone, in one batched call."""
-    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
-    if not valid:
-        return
-    prompts = [reasoner_prompt(a.task.question, fmt, templates(cfg.prompts)) for a in valid]
-    outs = policy.generate(prompts, n=cfg.reasoner_k, temperature=cfg.temperature,
-                           max_tokens=cfg.max_tokens)
-    for a, comps in zip(valid, outs):
-        a.answers, a.correct = comps, grade_answers(a.task, comps, cfg.verify_timeout)
+    if valid := [a for r in rollouts for a in r.attempts if a.task is not None]:
+        prompts = [reasoner_prompt(a.task.question, fmt, templates(cfg.prompts)) for a in valid]
+        outs = policy.generate(prompts, n=cfg.reasoner_k, temperature=cfg.temperature,
+                               max_tokens=cfg.max_tokens)
+        for a, comps in zip(valid, outs):
+            a.answers, a.correct = comps, grade_answers(a.task, comps, cfg.verify_timeout)
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
@@ -617,14 +602,13 @@ def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
 def reasoner_group(rollouts: list[DocRollout], rng) -> None:
     """Step 6: one random valid task per document (§3.1); its K answers behind r_C are T_R."""
     for r in rollouts:
-        valid = [a for a in r.attempts if a.task is not None]
-        if valid:
+        if valid := [a for a in r.attempts if a.task is not None]:
             r.reasoner_task = valid[rng.integers(len(valid))]
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
-    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document (none for T_C from a
-    frozen --challenger-model)."""
+    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document (no T_C from a frozen
+    --challenger-model)."""
     groups = []  # (role, completions, rewards)
     for r in rollouts:
         if not cfg.challenger_model:
@@ -632,18 +616,17 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
                            [a.reward for a in r.attempts]))
         if r.reasoner_task:
             groups.append((REASONER, r.reasoner_task.answers, r.reasoner_task.correct))
+    ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
+    adv = common.group_advantages([x for *_, xs in groups for x in xs], ids, scale="none")
     trajs = [common.Trajectory.from_completion(c, reward=x, role=role)
              for role, cs, xs in groups for c, x in zip(cs, xs)]
-    ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
-    adv = common.group_advantages([t.reward for t in trajs], ids, scale="none").tolist()
-    for t, a in zip(trajs, adv):
+    for t, a in zip(trajs, adv.tolist()):
         t.advantage = float(a)
-    stats = {}
-    for role in (CHALLENGER, REASONER):
-        mine = [xs for ro, _, xs in groups if ro == role]
-        if mine:  # a group of equal rewards has zero advantages: no signal
-            stats[f"{role}/zero_adv_group_frac"] = _mean([len(set(xs)) == 1 for xs in mine])
-    return trajs, stats
+    # a group of equal rewards has zero advantages: no signal (it stays in the batch)
+    zero = {}
+    for role, _, xs in groups:
+        zero.setdefault(f"{role}/zero_adv_group_frac", []).append(len(set(xs)) == 1)
+    return trajs, {k: _mean(v) for k, v in zero.items()}
 
 
 def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
@@ -663,18 +646,16 @@ def _mean(xs) -> float:
 
 
 def step_metrics(rollouts: list[DocRollout]) -> dict:
-    """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate."""
-    attempts = [a for r in rollouts for a in r.attempts]
-    valid = [a for a in attempts if a.task is not None]
+    """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate, and
+    the questions' diversity (SPICE's comes from the documents alone)."""
+    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
     m = {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
                                    / max(1, sum(r.n_generated for r in rollouts))),
          "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
-         "challenger/reward": _mean([a.reward for a in attempts]),
+         "challenger/reward": _mean([a.reward for r in rollouts for a in r.attempts]),
          "reasoner/accuracy": _mean([_mean(a.correct) for a in valid])}
-    if valid:  # SPICE's diversity comes from the documents alone, so watch it
-        diversity = common.diversity_metrics([a.task.question for a in valid])
-        m.update({f"challenger/{k}": v for k, v in diversity.items()})
-    return m
+    diversity = common.diversity_metrics([a.task.question for a in valid]) if valid else {}
+    return {**m, **{f"challenger/{k}": v for k, v in diversity.items()}}
 
 
 def sample_records(rollouts: list[DocRollout]) -> list[dict]:
@@ -747,23 +728,23 @@ def train(cfg: Config, policy=None) -> Path:
     check = validity_checker(cfg, tokenizer, fmt, decon)
     writer = cfg.challenger_model and common.FrozenModel(
         cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
-    loaded = run.load_checkpoint(policy) if cfg.resume else None
-    start = int(loaded[0]) if loaded else 0
-    if cfg.eval_base and start == 0:  # step 0: the curve's starting point, same prompt and grader
-        res = run_eval(policy, run, cfg, fmt, 0, "eval_base.json")
-        if res:
-            run.log(0, common.eval_metrics(res))
+    start, _ = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
+
+    def evaluate(step: int, name: str) -> dict:  # eval/* metrics, {} without eval sets
+        res = run_eval(policy, run, cfg, fmt, step, name)
+        return common.eval_metrics(res) if res else {}
+    if cfg.eval_base and start == 0 and (base := evaluate(0, "eval_base.json")):
+        run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
     pbar = run.progress(cfg.steps, initial=start)
     for step in range(start + 1, cfg.steps + 1):
         rng = np.random.default_rng([cfg.seed, step])  # per step: a resumed run replays the draws
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
-            with writing as challenger:
-                cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
-                types = select_task_types(challenger, docs, cfg, cfmt, rng)
-                rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
+            with writer.sampling(policy) if writer else contextlib.nullcontext(policy) as writer_:
+                cfmt = resolve_prompt_format(cfg, writer_.tokenizer)
+                types = select_task_types(writer_, docs, cfg, cfmt, rng)
+                rollouts = challenger_generate(writer_, docs, types, cfg, cfmt, check, rng)
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(rollouts, rng)
@@ -774,16 +755,14 @@ def train(cfg: Config, policy=None) -> Path:
             f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
         run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            res = run_eval(policy, run, cfg, fmt, step, f"eval_step{step}.json")
-            metrics.update(common.eval_metrics(res))
+            metrics.update(evaluate(step, f"eval_step{step}.json"))
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
-    res = run_eval(policy, run, cfg, fmt, cfg.steps)
-    if res:
-        run.log(cfg.steps, common.eval_metrics(res))
+    if final := evaluate(cfg.steps, "eval.json"):
+        run.log(cfg.steps, final)
     run.close()
     return run.dir
 

@@ -554,7 +554,9 @@ def test_corpus_reader_and_chunking(tmp_path):
     docs = spice.read_documents(str(CORPUS))
     assert len(docs) == 9 and all(isinstance(d, str) and d for d in docs)
     assert spice.read_documents(str(CORPUS), limit=3) == docs[:3]
-    chunks = spice.chunk_document(" ".join(f"w{i}" for i in range(25)), _WordTok(), 10)
+    long_doc = tmp_path / "long.jsonl"
+    long_doc.write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(25))}) + "\n")
+    chunks = spice.load_corpus(spice.Config(corpus=str(long_doc), corpus_docs=0), _WordTok(), 10)
     assert [len(c.split()) for c in chunks] == [10, 10, 5] and chunks[2].endswith("w24")
     cfg = spice.Config(corpus=f"{CORPUS},{CORPUS}", corpus_docs=4)
     segs = spice.load_corpus(cfg, _WordTok(), 12)
