@@ -2333,6 +2333,56 @@ def extract_tag(text, tag, last=True):
     return text[s + len(op):e].strip() if s >= 0 and e >= 0 else None
 
 
+# The last JSON object of a reply (SPICE's Challenger writes its task so), LaTeX and all
+VF_MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
+VF_MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
+_VF_JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; not "{1}"
+# LaTeX written as in a paper inside JSON strings: \b \f \n \r \t would decode to control characters
+# (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. repair_json_escapes reads, left to
+# right: \\ \" \/ \uXXXX as JSON; \b, \f as LaTeX; \r, \t + a letter as LaTeX; \n + letters as LaTeX
+# only if they spell a command below (else a newline: "\nA) 12"); any other backslash literally.
+_VF_N_COMMANDS = frozenset("""
+    nabla napprox natural ncong ne nearrow neg negmedspace negthickspace negthinspace neq nequiv
+    newcommand newenvironment newline newpage newtheorem nexists ngeq ngeqq ngeqslant ngtr ngtrless
+    ngtrsim ni niobar nis nisd nLeftarrow nleftarrow nleftrightarrow nLeftrightarrow nleq nleqq
+    nleqslant nless nlessgtr nlesssim nmid nobreak noindent nolimits nolinebreak nonumber norm
+    normalfont normalsize not notag notin notni notsmallowns nparallel nprec npreccurlyeq npreceq
+    nrightarrow nRightarrow nshortmid nshortparallel nsim nsimeq nsqsubseteq nsqsupseteq nsubset
+    nsubseteq nsubseteqq nsucc nsucccurlyeq nsucceq nsupset nsupseteq nsupseteqq ntriangleleft
+    ntrianglelefteq ntriangleright ntrianglerighteq nu nvDash nVdash nVDash nvdash nwarrow
+""".split())
+_VF_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z]+)|.|$)',
+                        re.DOTALL)
+
+
+def repair_json_escapes(text: str) -> str:
+    """`text` with each backslash that starts LaTeX doubled, so JSON decodes it as written."""
+    def escape(m: re.Match) -> str:
+        w = m["word"]
+        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _VF_N_COMMANDS
+        return m[0] if keep else "\\" + m[0]
+    return _VF_ESCAPE.sub(escape, text)
+
+
+def last_json_object(text: str) -> dict | None:
+    """The JSON object that ends last in `text` (reasoning first, then the JSON): top-level, since
+    a nested one ends earlier. Starts are tried from the end, so LaTeX braces never use them up."""
+    text = repair_json_escapes(text[-VF_MAX_PARSE_CHARS:])
+    last_close = text.rfind("}") + 1
+    starts = [m.start() for m in _VF_JSON_START.finditer(text)][-VF_MAX_JSON_STARTS:]
+    decoder, found, found_end = json.JSONDecoder(strict=False), None, -1
+    for start in reversed(starts):
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict) and end > found_end:  # an earlier start ending later encloses it
+            found, found_end = obj, end
+            if end == last_close:  # nothing can end later
+                break
+    return found
+
+
 _VF_TEXT_CMD_RE = re.compile(
     r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import re
@@ -257,55 +256,9 @@ def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
 
 
 # Validity and grading (§4). Model output is untrusted: nothing here raises on it.
-MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
-MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
-_JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; "{1}" does not
 MAX_QUESTION_CHARS = 6_000
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
-# LaTeX written as in a paper inside JSON strings: \b \f \n \r \t would decode to control characters
-# (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. repair_json_escapes reads, left to
-# right: \\ \" \/ \uXXXX as JSON; \b, \f as LaTeX; \r, \t + a letter as LaTeX; \n + letters as LaTeX
-# only if they spell a command below (else a newline: "\nA) 12"); any other backslash literally.
-_N_COMMANDS = frozenset("""
-    nabla napprox natural ncong ne nearrow neg negmedspace negthickspace negthinspace neq nequiv
-    newcommand newenvironment newline newpage newtheorem nexists ngeq ngeqq ngeqslant ngtr ngtrless
-    ngtrsim ni niobar nis nisd nLeftarrow nleftarrow nleftrightarrow nLeftrightarrow nleq nleqq
-    nleqslant nless nlessgtr nlesssim nmid nobreak noindent nolimits nolinebreak nonumber norm
-    normalfont normalsize not notag notin notni notsmallowns nparallel nprec npreccurlyeq npreceq
-    nrightarrow nRightarrow nshortmid nshortparallel nsim nsimeq nsqsubseteq nsqsupseteq nsubset
-    nsubseteq nsubseteqq nsucc nsucccurlyeq nsucceq nsupset nsupseteq nsupseteqq ntriangleleft
-    ntrianglelefteq ntriangleright ntrianglerighteq nu nvDash nVdash nVDash nvdash nwarrow
-""".split())
-_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z]+)|.|$)', re.DOTALL)
-
-
-def repair_json_escapes(text: str) -> str:
-    """`text` with each backslash that starts LaTeX doubled, so JSON decodes it as written."""
-    def escape(m: re.Match) -> str:
-        w = m["word"]
-        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _N_COMMANDS
-        return m[0] if keep else "\\" + m[0]
-    return _ESCAPE.sub(escape, text)
-
-
-def last_json_object(text: str) -> dict | None:
-    """The JSON object that ends last in `text` (reasoning first, then the JSON): top-level, since
-    a nested one ends earlier. Starts are tried from the end, so LaTeX braces never use them up."""
-    text = repair_json_escapes(text[-MAX_PARSE_CHARS:])
-    last_close = text.rfind("}") + 1
-    starts = [m.start() for m in _JSON_START.finditer(text)][-MAX_JSON_STARTS:]
-    decoder, found, found_end = json.JSONDecoder(strict=False), None, -1
-    for start in reversed(starts):
-        try:
-            obj, end = decoder.raw_decode(text, start)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(obj, dict) and end > found_end:  # an earlier start ending later encloses it
-            found, found_end = obj, end
-            if end == last_close:  # nothing can end later
-                break
-    return found
 
 
 @dataclass
@@ -357,7 +310,7 @@ def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Ta
 
 
 def _parse_task(text, kind, answer_type):
-    obj, mcq = last_json_object(text), kind == "mcq"
+    obj, mcq = common.last_json_object(text), kind == "mcq"
     if obj is None:
         return None, "no_json"
     exam_q = obj.get("exam_question", "-")  # "": the MCQ generator's "too thin a document"
@@ -396,7 +349,7 @@ def _parse_task(text, kind, answer_type):
 
 def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     """Fig. 9's reply -> ("mcq", None) | ("free", answer type or None); None if unusable."""
-    obj = last_json_object(text) or {}
+    obj = common.last_json_object(text) or {}
     mcq, free = obj.get("suitable_for_mcq") is True, obj.get("suitable_for_free_form") is True
     if mcq == free:
         return None

@@ -262,7 +262,7 @@ def test_any_question_survives_both_ways_of_writing_it(text):
     a backslash right before the closing quote (\\" is an escaped quote)."""
     text = text.strip()
     assume(text and not re.search(r"[\t\r][A-Za-z]", text) and not text.endswith("\\"))
-    assume(not any("n" + w in spice._N_COMMANDS for w in re.findall(r"\n([A-Za-z]+)", text)))
+    assume(not any("n" + w in common._VF_N_COMMANDS for w in re.findall(r"\n([A-Za-z]+)", text)))
     for write in (_written_raw, json.dumps):
         obj = free_json(text, "x", "Expression")
         task, why = spice.parse_task(write(obj), "free", "Expression")
@@ -1056,7 +1056,7 @@ def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer)
 def test_final_json_found_after_thousands_of_latex_braces():
     # ~2,100 "{" before the JSON
     reasoning = "Work: " + " + ".join(["\\frac{1}{2}"] * 1050) + " = {525}.\n"
-    assert reasoning.count("{") > spice.MAX_JSON_STARTS
+    assert reasoning.count("{") > common.VF_MAX_JSON_STARTS
     task, why = spice.parse_task(out(free_json(answer="525"), before=reasoning), "free", "Integer")
     assert why == "ok" and task.gold == "525"
     # also when the braces look like JSON starts: the object that ends last wins, wherever the
@@ -1065,7 +1065,7 @@ def test_final_json_found_after_thousands_of_latex_braces():
     task, why = spice.parse_task(noise + json.dumps(MCQ_JSON) + "\n```", "mcq")
     assert why == "ok" and task.gold == "B"
     nested = json.dumps(dict(free_json(answer="7"), extra={"inner": {"answer": "9"}}))
-    assert spice.last_json_object("{1}" * 5000 + nested + " \\boxed{7}")["answer"] == "7"
+    assert common.last_json_object("{1}" * 5000 + nested + " \\boxed{7}")["answer"] == "7"
 
 
 @pytest.mark.parametrize("text", ['{"a": ' * 20_000, '{"a":{' * 20_000, "{}" * 100_000,
@@ -1074,7 +1074,7 @@ def test_final_json_found_after_thousands_of_latex_braces():
 def test_json_search_stays_fast_on_hostile_braces(text):
     t0 = time.time()
     for _ in range(2):
-        assert spice.last_json_object(text) in (None, {})
+        assert common.last_json_object(text) in (None, {})
         assert spice.parse_task(text, "free", "Integer")[0] is None
     assert time.time() - t0 < 5
 
