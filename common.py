@@ -3735,11 +3735,9 @@ class ExecResult:
         return self.status == "ok"
 
 
-def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
-                  require_roundtrip: bool = True, allow_nonfinite: bool = False):
-    """Parse an untrusted Python literal (e.g. a repr from the sandbox) with ast.literal_eval.
-    ValueError, naming the problem, for a non-str, over max_chars, nested past max_depth, not a
-    literal, NaN/inf (unless allow_nonfinite), or (require_roundtrip) a value repr changes."""
+def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: bool = True):
+    """ast.literal_eval of an untrusted literal (a sandbox repr) -> ValueError, naming why, for a
+    non-str, over max_chars, nested past 50, NaN/inf, or (require_roundtrip) a changed repr."""
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
     if len(text) > max_chars:
@@ -3747,12 +3745,12 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
     try:
         nodes = [(ast.parse(text.strip(), mode="eval"), 0)]
         for node, depth in nodes:  # breadth first: depth is checked before literal_eval recurses
-            if depth > max_depth:
-                raise ValueError(f"nested deeper than {max_depth}")
+            if depth > 50:
+                raise ValueError("nested deeper than 50")
             # literal_eval only adds a real to an imaginary constant: finite constants stay so
-            v = getattr(node, "value", None)
-            if isinstance(node, ast.Constant) and isinstance(v, (float, complex)) and not \
-                    allow_nonfinite and not (math.isfinite(v.real) and math.isfinite(v.imag)):
+            v = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(v, (float, complex)) and not (math.isfinite(v.real)
+                                                        and math.isfinite(v.imag)):
                 raise ValueError("NaN or infinity")
             nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         value = ast.literal_eval(nodes[0][0])
@@ -3914,8 +3912,7 @@ def _zy_reply(res, kind=b"Z"):
 # ------------------------------------------------------- one-time isolation of the zygote itself
 
 def _zy_enter_namespaces():
-    """Private net, mount, IPC and UTS namespaces; not root (or namespaces="user"): inside a user
-    namespace that maps only our own uid and gid."""
+    """Net, mount, IPC and UTS namespaces; not root: inside a user namespace of our uid alone."""
     ns = _ZY_REPORT["namespaces"] = dict.fromkeys("user net mount ipc uts pid".split(), False)
     if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
         return _zy_note("namespaces turned off by the caller" if _ZY_LINUX else
