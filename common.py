@@ -3856,7 +3856,7 @@ def _zy_exit():
     os._exit(0)
 
 
-def _zy_recv_into(buf, n):
+def _zy_recv_into(buf, n):  # -> buf, its first n bytes read from the trainer
     view, got = memoryview(buf), 0
     while got < n:
         k = os.readv(0, [view[got:n]])
@@ -3864,14 +3864,12 @@ def _zy_recv_into(buf, n):
             _zy_exit()  # the trainer went away
         got += k
     view.release()
+    return buf
 
 
 def _zy_recv():
-    head = bytearray(4)
-    _zy_recv_into(head, 4)
-    msg = bytearray(struct.unpack(">I", head)[0])
-    _zy_recv_into(msg, len(msg))
-    return json.loads(msg)
+    n = struct.unpack(">I", _zy_recv_into(bytearray(4), 4))[0]
+    return json.loads(_zy_recv_into(bytearray(n), n))
 
 
 def _zy_wipe(buf, n):
@@ -3970,9 +3968,8 @@ def _zy_setup_pid_namespace():
 
 
 def _zy_isolate_filesystem():
-    """Build the children's root from an allow-list on a fresh tmpfs and pivot into it: Python's
-    and the system's libraries read-only, five /dev nodes, fake accounts, /proc; hide_paths are
-    empty directories; /tmp gets a tmpfs per job (_zy_scratch)."""
+    """Pivot into a root built on a tmpfs from an allow-list: Python's and the system's libraries
+    read-only, five /dev nodes, fake accounts, /proc; hide_paths are empty directories."""
     R, C = _ZY_REPORT, _ZY_CFG
     if not R["namespaces"]["mount"]:
         return
@@ -4065,9 +4062,8 @@ def _zy_isolate_filesystem():
 
 
 def _zy_setup_cgroup():
-    """Root: put this zygote in a memory cgroup of its own (v2, else v1) capped at memory_mb plus a
-    margin, which its children inherit: a job's processes, tmpfs and kernel memory count together.
-    The zygote is exempt from the OOM killer where it may be; its children are not."""
+    """Root: this zygote in a memory cgroup of its own (v2, else v1), capped at memory_mb + 32 MB
+    and inherited: a job's processes, tmpfs and kernel memory count together."""
     if not _ZY_LINUX or os.geteuid() != 0 or _ZY_STATE["userns"]:
         return _zy_note("no memory cgroup (needs root on Linux): " + _ZY_NO_CGROUP)
     limit = (_ZY_CFG["memory_mb"] + 32) << 20
@@ -4123,14 +4119,12 @@ def _zy_setup_cgroup():
 
 def _zy_oom_killed():
     """Whether the memory cgroup's OOM killer struck since the last look."""
-    if _ZY_STATE["oom_fd"] is None:
+    S = _ZY_STATE
+    if S["oom_fd"] is None:
         return False
-    kills = 0
-    for line in os.pread(_ZY_STATE["oom_fd"], 4096, 0).decode().splitlines():
-        if line.startswith("oom_kill "):
-            kills = int(line.split()[1])
-    struck, _ZY_STATE["oom_kills"] = kills != _ZY_STATE["oom_kills"], kills
-    return struck
+    m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
+    before, S["oom_kills"] = S["oom_kills"], int(m[1]) if m else 0
+    return S["oom_kills"] != before
 
 
 def _zy_build_seccomp(net_private):
@@ -4194,7 +4188,7 @@ def _zy_child_main(job, wfd):
             pass
         _exit(0)
 
-    S = _ZY_STATE
+    S, forbidden_exc = _ZY_STATE, ()  # isinstance(e, ()) is False
     try:
         os.setsid()
         wfd = os.dup2(wfd, 3)
@@ -4230,15 +4224,13 @@ def _zy_child_main(job, wfd):
     if forbidden:
         import builtins
         real_import = builtins.__import__
-
-        class ForbiddenImport(ImportError):
-            pass
+        forbidden_exc = type("ForbiddenImport", (ImportError,), {})
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
-                raise ForbiddenImport("import of %r is not allowed" % name)
+                raise forbidden_exc("import of %r is not allowed" % name)
             return real_import(name, *a, **k)
-        builtins.__import__, S["forbidden_exc"] = guarded_import, ForbiddenImport
+        builtins.__import__ = guarded_import
         for m in [m for m in sys.modules if m.split(".")[0] in forbidden]:
             del sys.modules[m]  # what the zygote imported goes through the guard too
 
@@ -4267,9 +4259,8 @@ def _zy_child_main(job, wfd):
         report("ok", text, None)
     except _BaseException as e:
         try:
-            fexc = S.get("forbidden_exc")
             status = "memory" if _isinstance(e, _MemoryError) else \
-                "forbidden" if fexc and _isinstance(e, fexc) else "error"
+                "forbidden" if _isinstance(e, forbidden_exc) else "error"
             name, msg = _type(e).__name__, _str(e)
             if _type(name) is not _str or _type(msg) is not _str:
                 raise TypeError
@@ -4299,8 +4290,7 @@ def _zy_tmp_mark():
 
 
 def _zy_scratch():
-    """The job's fresh, empty directory: a size-capped tmpfs on /tmp (one a job left untouched
-    serves the next), else the same host path each job, made anew."""
+    """The job's empty directory: a capped tmpfs on /tmp (reused if untouched), else a host one."""
     S, C = _ZY_STATE, _ZY_CFG
     if not S["view"]:
         os.mkdir(S["jobdir"], 0o700)
@@ -4316,8 +4306,7 @@ def _zy_scratch():
 
 
 def _zy_scratch_down():
-    """A tmpfs the job changed is detached whole; a host directory is deleted (by file
-    descriptors: a tree nested past PATH_MAX comes down too; a failure replaces the worker)."""
+    """Detach the tmpfs if the job changed it, else rmtree the host directory (by fd: any depth)."""
     if not _ZY_STATE["view"]:
         import shutil
         if os.path.lexists(_ZY_STATE["jobdir"]):
@@ -4328,13 +4317,12 @@ def _zy_scratch_down():
 
 
 def _zy_run_job(job):
-    """Fork the job's child in fresh PID and IPC namespaces, read its frame until the deadline,
-    kill what is left, wipe the job's bytes, drop its scratch -> a reply for _zy_reply."""
+    """Fork the job's child, read its frame until the deadline, kill what is left, wipe the job's
+    bytes, drop its scratch -> a reply for _zy_reply."""
     global _ZY_JOB_BUF, _ZY_RES_BUF
     S = _ZY_STATE
     job["dir"] = _zy_scratch()
-    # back to our own PID namespace, then a fresh one (the child is its PID 1) and a fresh IPC
-    # namespace: SysV IPC and POSIX message queues die with the job
+    # back to our own PID namespace, then a fresh one (the child is its PID 1) and IPC namespace
     if S["pidns_fd"] is not None:
         _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
     flags = S["ipc_flag"] | (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
@@ -4435,8 +4423,7 @@ def _zy_probe(program, expression):
     """Run a program of ours as a job -> its result as a dict."""
     global _ZY_JOB_BUF
     data = (program + expression).encode()
-    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(data))
-    _ZY_JOB_BUF[:len(data)] = data
+    _ZY_JOB_BUF[:len(data)] = data  # the buffer grows if need be
     res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
                        "max_output": 100, "forbidden": [], "plen": len(program.encode()),
                        "elen": len(expression.encode())})
@@ -4587,8 +4574,7 @@ _sb_uid_lock = threading.Lock()
 
 
 def _sb_take_uids(n: int) -> list[int]:
-    """n uids no live sandbox of this process holds (and no account uses): a program of one
-    sandbox can never signal, probe or read the files of another's."""
+    """n uids no live sandbox of this process holds, nor any account: none reaches another."""
     base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
     with _sb_uid_lock:
         free = [base + k for k in range(_SB_UID_BLOCK) if base + k not in _sb_uids_in_use][:n]
@@ -4612,9 +4598,8 @@ def _sb_python_paths() -> list[str]:
 
 
 def _sb_host_view(hide_paths) -> dict:
-    """What the children's filesystem is built from. Shown empty: homes, temp dirs and the
-    trainer's working directory (its runs and checkpoints) unless that is a system directory;
-    Python's own directories stay visible, read-only, wherever they sit."""
+    """What the children's root is built from. Shown empty: homes, temp dirs and the trainer's
+    cwd (its runs and checkpoints) unless a system directory; Python's own dirs stay, read-only."""
     cwd = os.path.realpath(os.getcwd())
     hidden = list(_SB_HIDE)
     if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
@@ -4683,8 +4668,7 @@ class _SbWorker:
         return data
 
     def kill(self):
-        """Close the pipes (the zygote drops its cgroup and exits), kill it if it lingers, and
-        remove what it may leave on the host."""
+        """Close the pipes (the zygote leaves its cgroup, exits), kill it if it lingers, tidy up."""
         self.proc.stdin.close()
         self.proc.stdout.close()
         try:
@@ -4705,13 +4689,8 @@ class _SbWorker:
 
 
 class PythonSandbox:
-    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated
-    process.
-
-    >>> with PythonSandbox(workers=2, timeout_s=2) as sb:
-    ...     sb.run("def f(x):\\n    return x * 2", "f(21)")
-    ExecResult(status='ok', value='42', error=None)
-    """
+    """Fork-server workers that run each (program, expression) in a fresh isolated process:
+    sb.run("def f(x):\\n    return x * 2", "f(21)") == ExecResult("ok", "42", None)."""
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
@@ -4885,10 +4864,9 @@ class PythonSandbox:
                 self._restart(i)
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply: b"Z" made by the zygote (b"E": about its own failure), b"P"
-        the child's frame from the program's process, which may only claim program outcomes, b"S"
-        its frame from setup. A child's frame that is not {status, value, error} of strings (not
-        UTF-8 JSON, too deep, NaN, other keys or types) is a crash of its job alone."""
+        """Check one reply: b"Z" from the zygote (b"E": it failed), b"P" the program's frame
+        (program outcomes only), b"S" the child's from setup. A child's frame that is not
+        {status, value, error} of strings (UTF-8 JSON) is a crash of its job alone."""
         kind, msg = reply[:1], None
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
