@@ -3897,13 +3897,11 @@ def _zy_reply(res, kind=b"Z"):
     else:
         data, b = kind + json.dumps(res).encode(), 0
         parts = [struct.pack(">I", len(data)) + data]
-    parts = [memoryview(p) for p in parts]
-    while parts:  # writev it whole
-        k = os.writev(1, parts)
-        while parts and k >= len(parts[0]):
-            k -= len(parts.pop(0))
-        if parts and k:
-            parts[0] = parts[0][k:]
+    k = os.writev(1, parts)
+    for p in map(memoryview, parts):  # after a short write (a full pipe), what is left of each
+        p, k = p[k:], max(0, k - len(p))
+        while p:
+            p = p[os.write(1, p):]
     _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, b)
 
 
@@ -4340,11 +4338,10 @@ def _zy_run_job(job):
     os.close(w)
     cap = 12 * job["max_output"] + 65536
     _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
-    view, got, need, timed_out, over = memoryview(_ZY_RES_BUF), 0, None, False, False
+    view, got, need = memoryview(_ZY_RES_BUF), 0, None
     while need is None or got < need:
         left = deadline - time.monotonic()
         if left <= 0:
-            timed_out = True
             break
         ready = select.select([r, 0], [], [], left)[0]
         if 0 in ready:  # the trainer closed our control pipe: take the child down and go
@@ -4361,7 +4358,6 @@ def _zy_run_job(job):
         if need is None and got >= off + 4:
             need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
             if need > cap:
-                over = True
                 break
     view.release()
     os.close(r)
@@ -4379,15 +4375,15 @@ def _zy_run_job(job):
         _zy_try_in_child(_zy_kill_uid)
     _ZY_JOB_BUF = _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
     _zy_scratch_down()
-    if not over and need is not None and got >= need:
+    if need is not None and got >= need:  # then need <= cap: got never passes it
         started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
     _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, got)
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     cpu = rusage.ru_utime + rusage.ru_stime
-    if over:
+    if need is not None and need > cap:
         status, error = "output_limit", "child wrote more than %d bytes" % cap
-    elif timed_out:
+    elif left <= 0:
         status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
     elif sig == signal.SIGKILL and _zy_oom_killed():
         status, error = "memory", "the job's processes together exceeded memory_mb (memory cgroup)"
@@ -4508,12 +4504,10 @@ def _zy_main():
     try:
         _zy_setup()
     except BaseException as e:
-        tb = e.__traceback__
-        while tb.tb_next is not None:
-            tb = tb.tb_next
-        return _zy_reply({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
-            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno),
-            "report": _ZY_REPORT}, b"")
+        import traceback
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return _zy_reply({"ready": False, "report": _ZY_REPORT, "error": "%s: %s (in %s, zygote "
+                          "line %d)" % (type(e).__name__, e, where.name, where.lineno)}, b"")
     if _ZY_LINUX:
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
     for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
@@ -4586,15 +4580,14 @@ def _sb_take_uids(n: int) -> list[int]:
 
 
 def _sb_python_paths() -> list[str]:
-    """Directories the child's interpreter reads (the allow-list binds them, read-only)."""
+    """Directories the child's interpreter reads (bound read-only; one inside another once)."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages(),
              *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
                                                        "platlib"))}
-    real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
-    return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
+    return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
 def _sb_host_view(hide_paths) -> dict:
