@@ -3955,9 +3955,8 @@ def _zy_setup_pid_namespace():
         if libc.unshare(ns) != 0:
             return _zy_note("no pid namespace (errno %d): escaped processes are found by uid"
                             % ctypes.get_errno())
-        pid = os.fork()
-        if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new one
-            os.waitpid(pid, 0)
+        if os.fork() != 0:  # the outer process only waits; the worker goes on as the new PID 1
+            os.wait()
             os._exit(1)
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _ZY_STATE["pid1"] = True
@@ -4274,13 +4273,6 @@ def _zy_child_main(job, wfd):
             report("error", None, "an exception that could not be described")
 
 
-def _zy_kill_uid():
-    """No PID namespace, as root, in a throwaway child: kill every process of the job's uid."""
-    os.setgid(_ZY_CFG["uid"])
-    os.setuid(_ZY_CFG["uid"])
-    os.kill(-1, signal.SIGKILL)
-
-
 def _zy_tmp_mark():
     """What a job could change about an empty /tmp: inode, mode, owner, links, size, times."""
     st = os.stat("/tmp")
@@ -4372,7 +4364,8 @@ def _zy_run_job(job):
             while True:
                 os.waitpid(-1, 0)
     elif S["pidns_fd"] is None and S["drop_uid"]:
-        _zy_try_in_child(_zy_kill_uid)
+        u = _ZY_CFG["uid"]  # no PID namespace: a child of the job's uid kills all it runs
+        _zy_try_in_child(lambda: (os.setgid(u), os.setuid(u), os.kill(-1, signal.SIGKILL)))
     _ZY_JOB_BUF = _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
     _zy_scratch_down()
     if need is not None and got >= need:  # then need <= cap: got never passes it
@@ -4447,8 +4440,7 @@ def _zy_setup():
     _zy_enter_namespaces()
     S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
     R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
-    # RLIMIT_NPROC counts every process of the real uid: exact for our own uid, else (not root)
-    # it sits on top of what the user already runs (without /proc, as on macOS, a loose 4096)
+    # RLIMIT_NPROC counts all of the real uid's processes: not root, on top of what it runs
     S["nproc_base"] = 0
     if not S["drop_uid"]:
         uid, procs = os.getuid(), os.listdir("/proc") if os.path.isdir("/proc") else None
@@ -4556,8 +4548,7 @@ _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": 
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
 _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
                    "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
-# besides Python's own directories: the system libraries (C extensions load them), the time zone
-# database, and copies of the loader cache and localtime
+# bound besides Python's own directories: system libraries (for C extensions) and time zones
 _SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
                 "/usr/share/zoneinfo")
 _SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
