@@ -4705,8 +4705,7 @@ class PythonSandbox:
         self._lock = threading.Lock()
         self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
-        self.restarts, self._closed, self._errors = 0, False, []
-        self._retry_at: dict[int, float] = {}
+        self.restarts, self._closed, self._errors, self._retry_at = 0, False, [], {}
         import concurrent.futures
         with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:  # start them in parallel
             list(ex.map(self._start, range(self.workers)))
@@ -4798,7 +4797,7 @@ class PythonSandbox:
         pending = collections.deque(k for k in range(len(jobs)) if results[k] is None)
         busy: dict[int, int] = {}  # worker index -> job index
         slack = 5.0 + timeout      # the zygote enforces `timeout`; this only catches a stuck zygote
-        sel = selectors.DefaultSelector()
+        sel, err = selectors.DefaultSelector(), functools.partial(ExecResult, "sandbox_error", None)
 
         def finish(i, res, restart):
             results[busy.pop(i)] = res
@@ -4816,8 +4815,7 @@ class PythonSandbox:
                     try:
                         w.send_job(*jobs[k], self._job_msg(timeout))
                     except OSError as e:
-                        results[k] = ExecResult("sandbox_error", None,
-                                                f"worker died before the job: {e}")
+                        results[k] = err(f"worker died before the job: {e}")
                         self._restart(i)
                         continue
                     w.deadline, busy[i] = time.monotonic() + slack, k
@@ -4825,8 +4823,7 @@ class PythonSandbox:
                 if not busy:
                     if pending and not any(self._pool):
                         for k in pending:
-                            results[k] = ExecResult("sandbox_error", None,
-                                                    "no sandbox worker could be started")
+                            results[k] = err("no sandbox worker could be started")
                         pending.clear()
                     continue
                 wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
@@ -4836,12 +4833,10 @@ class PythonSandbox:
                         if msg is not None:  # b"E": the zygote failed on its own, replace it
                             finish(key.data, self._result(msg), msg[:1] == b"E")
                     except (EOFError, OSError, ValueError) as e:
-                        finish(key.data, ExecResult("sandbox_error", None,
-                                                    f"sandbox worker died: {e}"), True)
+                        finish(key.data, err(f"sandbox worker died: {e}"), True)
                 now = time.monotonic()
                 for i in [i for i in busy if self._pool[i].deadline < now]:
-                    finish(i, ExecResult("sandbox_error", None, "sandbox worker stopped answering"),
-                           True)
+                    finish(i, err("sandbox worker stopped answering"), True)
         finally:
             sel.close()
             for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
