@@ -4600,13 +4600,12 @@ def _sb_host_view(hide_paths) -> dict:
 class _SbWorker:
     """One zygote process and its control pipes (trainer side)."""
 
-    def __init__(self, cfg: dict, start_timeout: float = 30.0):
+    def __init__(self, cfg: dict):
         self.proc = subprocess.Popen(
             [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else [])
-            + ["-c", _sb_zygote_source()],
+            + ["-c", _sb_zygote_source()], cwd="/", start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
-            cwd="/", close_fds=True, start_new_session=True)
+            env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])))
         self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
         self.buf, self.report, self.deadline = b"", {}, 0.0
         os.set_blocking(self.rfd, False)
@@ -4614,7 +4613,7 @@ class _SbWorker:
             self._send(json.dumps(cfg).encode())
             with selectors.DefaultSelector() as sel:  # not select(): a trainer may hold 1024+ fds
                 sel.register(self.rfd, selectors.EVENT_READ)
-                stop = time.monotonic() + start_timeout
+                stop = time.monotonic() + 30.0
                 while (msg := self.poll()) is None:
                     if not sel.select(stop - time.monotonic()):
                         raise RuntimeError("sandbox zygote did not answer in time")
@@ -4678,9 +4677,8 @@ class PythonSandbox:
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
-                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None,
-                 max_program_chars: int = 1_000_000, hash_seed: int = 0,
-                 namespaces: bool | str = True):
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, hash_seed: int = 0,
+                 max_program_chars: int = 1_000_000, namespaces: bool | str = True):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs Linux or macOS (on Windows: WSL)")
         if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
@@ -4846,7 +4844,7 @@ class PythonSandbox:
         """Check one reply: b"Z" from the zygote (b"E": it failed), b"P" the program's frame
         (program outcomes only), b"S" the child's from setup. A child's frame that is not
         {status, value, error} of strings (UTF-8 JSON) is a crash of its job alone."""
-        kind, msg = reply[:1], None
+        kind, msg, crash = reply[:1], None, functools.partial(ExecResult, "crash", None)
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
         if allowed is not None and reply[1:2] == b"{":
@@ -4856,22 +4854,20 @@ class PythonSandbox:
                 and type(msg["status"]) is str
                 and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
             if kind in (b"P", b"S"):
-                return ExecResult("crash", None, "the program wrote a malformed result")
+                return crash("the program wrote a malformed result")
             raise ValueError("malformed reply from the sandbox zygote")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
-            return ExecResult("crash", None,
-                              f"the program claimed status {status[:40]!r}, which it may not")
+            return crash(f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
-            return ExecResult("crash", None,
-                              "the program forged a result (a value must come with status ok)")
+            return crash("the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
             try:  # a child's repr escapes lone surrogates: a value that holds one is no repr
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                return ExecResult("crash", None, "the program forged a value with a lone surrogate")
+                return crash("the program forged a value with a lone surrogate")
         if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
             error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
         return ExecResult(status, value, error)
