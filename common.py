@@ -3763,11 +3763,9 @@ class ExecResult:
         return self.status == "ok"
 
 
-def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
-                  require_roundtrip: bool = True, allow_nonfinite: bool = False):
-    """Parse an untrusted Python literal (e.g. a repr from the sandbox) with ast.literal_eval.
-    ValueError, naming the problem, for a non-str, over max_chars, nested past max_depth, not a
-    literal, NaN/inf (unless allow_nonfinite), or (require_roundtrip) a value repr changes."""
+def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: bool = True):
+    """ast.literal_eval of an untrusted literal (a sandbox repr) -> ValueError, naming why, for a
+    non-str, over max_chars, nested past 50, NaN/inf, or (require_roundtrip) a changed repr."""
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
     if len(text) > max_chars:
@@ -3775,12 +3773,12 @@ def parse_literal(text: str, *, max_chars: int = 100_000, max_depth: int = 50,
     try:
         nodes = [(ast.parse(text.strip(), mode="eval"), 0)]
         for node, depth in nodes:  # breadth first: depth is checked before literal_eval recurses
-            if depth > max_depth:
-                raise ValueError(f"nested deeper than {max_depth}")
+            if depth > 50:
+                raise ValueError("nested deeper than 50")
             # literal_eval only adds a real to an imaginary constant: finite constants stay so
-            v = getattr(node, "value", None)
-            if isinstance(node, ast.Constant) and isinstance(v, (float, complex)) and not \
-                    allow_nonfinite and not (math.isfinite(v.real) and math.isfinite(v.imag)):
+            v = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(v, (float, complex)) and not (math.isfinite(v.real)
+                                                        and math.isfinite(v.imag)):
                 raise ValueError("NaN or infinity")
             nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         value = ast.literal_eval(nodes[0][0])
@@ -3886,7 +3884,7 @@ def _zy_exit():
     os._exit(0)
 
 
-def _zy_recv_into(buf, n):
+def _zy_recv_into(buf, n):  # -> buf, its first n bytes read from the trainer
     view, got = memoryview(buf), 0
     while got < n:
         k = os.readv(0, [view[got:n]])
@@ -3894,14 +3892,12 @@ def _zy_recv_into(buf, n):
             _zy_exit()  # the trainer went away
         got += k
     view.release()
+    return buf
 
 
 def _zy_recv():
-    head = bytearray(4)
-    _zy_recv_into(head, 4)
-    msg = bytearray(struct.unpack(">I", head)[0])
-    _zy_recv_into(msg, len(msg))
-    return json.loads(msg)
+    n = struct.unpack(">I", _zy_recv_into(bytearray(4), 4))[0]
+    return json.loads(_zy_recv_into(bytearray(n), n))
 
 
 def _zy_wipe(buf, n):
@@ -3929,21 +3925,18 @@ def _zy_reply(res, kind=b"Z"):
     else:
         data, b = kind + json.dumps(res).encode(), 0
         parts = [struct.pack(">I", len(data)) + data]
-    parts = [memoryview(p) for p in parts]
-    while parts:  # writev it whole
-        k = os.writev(1, parts)
-        while parts and k >= len(parts[0]):
-            k -= len(parts.pop(0))
-        if parts and k:
-            parts[0] = parts[0][k:]
+    k = os.writev(1, parts)
+    for p in map(memoryview, parts):  # after a short write (a full pipe), what is left of each
+        p, k = p[k:], max(0, k - len(p))
+        while p:
+            p = p[os.write(1, p):]
     _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, b)
 
 
 # ------------------------------------------------------- one-time isolation of the zygote itself
 
 def _zy_enter_namespaces():
-    """Private net, mount, IPC and UTS namespaces; not root (or namespaces="user"): inside a user
-    namespace that maps only our own uid and gid."""
+    """Net, mount, IPC and UTS namespaces; not root: inside a user namespace of our uid alone."""
     ns = _ZY_REPORT["namespaces"] = dict.fromkeys("user net mount ipc uts pid".split(), False)
     if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
         return _zy_note("namespaces turned off by the caller" if _ZY_LINUX else
@@ -3990,9 +3983,8 @@ def _zy_setup_pid_namespace():
         if libc.unshare(ns) != 0:
             return _zy_note("no pid namespace (errno %d): escaped processes are found by uid"
                             % ctypes.get_errno())
-        pid = os.fork()
-        if pid != 0:  # the outer process only waits; the worker goes on as PID 1 of the new one
-            os.waitpid(pid, 0)
+        if os.fork() != 0:  # the outer process only waits; the worker goes on as the new PID 1
+            os.wait()
             os._exit(1)
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _ZY_STATE["pid1"] = True
@@ -4001,9 +3993,8 @@ def _zy_setup_pid_namespace():
 
 
 def _zy_isolate_filesystem():
-    """Build the children's root from an allow-list on a fresh tmpfs and pivot into it: Python's
-    and the system's libraries read-only, five /dev nodes, fake accounts, /proc; hide_paths are
-    empty directories; /tmp gets a tmpfs per job (_zy_scratch)."""
+    """Pivot into a root built on a tmpfs from an allow-list: Python's and the system's libraries
+    read-only, five /dev nodes, fake accounts, /proc; hide_paths are empty directories."""
     R, C = _ZY_REPORT, _ZY_CFG
     if not R["namespaces"]["mount"]:
         return
@@ -4096,9 +4087,8 @@ def _zy_isolate_filesystem():
 
 
 def _zy_setup_cgroup():
-    """Root: put this zygote in a memory cgroup of its own (v2, else v1) capped at memory_mb plus a
-    margin, which its children inherit: a job's processes, tmpfs and kernel memory count together.
-    The zygote is exempt from the OOM killer where it may be; its children are not."""
+    """Root: this zygote in a memory cgroup of its own (v2, else v1), capped at memory_mb + 32 MB
+    and inherited: a job's processes, tmpfs and kernel memory count together."""
     if not _ZY_LINUX or os.geteuid() != 0 or _ZY_STATE["userns"]:
         return _zy_note("no memory cgroup (needs root on Linux): " + _ZY_NO_CGROUP)
     limit = (_ZY_CFG["memory_mb"] + 32) << 20
@@ -4154,14 +4144,12 @@ def _zy_setup_cgroup():
 
 def _zy_oom_killed():
     """Whether the memory cgroup's OOM killer struck since the last look."""
-    if _ZY_STATE["oom_fd"] is None:
+    S = _ZY_STATE
+    if S["oom_fd"] is None:
         return False
-    kills = 0
-    for line in os.pread(_ZY_STATE["oom_fd"], 4096, 0).decode().splitlines():
-        if line.startswith("oom_kill "):
-            kills = int(line.split()[1])
-    struck, _ZY_STATE["oom_kills"] = kills != _ZY_STATE["oom_kills"], kills
-    return struck
+    m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
+    before, S["oom_kills"] = S["oom_kills"], int(m[1]) if m else 0
+    return S["oom_kills"] != before
 
 
 def _zy_build_seccomp(net_private):
@@ -4225,7 +4213,7 @@ def _zy_child_main(job, wfd):
             pass
         _exit(0)
 
-    S = _ZY_STATE
+    S, forbidden_exc = _ZY_STATE, ()  # isinstance(e, ()) is False
     try:
         os.setsid()
         wfd = os.dup2(wfd, 3)
@@ -4261,15 +4249,13 @@ def _zy_child_main(job, wfd):
     if forbidden:
         import builtins
         real_import = builtins.__import__
-
-        class ForbiddenImport(ImportError):
-            pass
+        forbidden_exc = type("ForbiddenImport", (ImportError,), {})
 
         def guarded_import(name, *a, **k):
             if name.split(".")[0] in forbidden:
-                raise ForbiddenImport("import of %r is not allowed" % name)
+                raise forbidden_exc("import of %r is not allowed" % name)
             return real_import(name, *a, **k)
-        builtins.__import__, S["forbidden_exc"] = guarded_import, ForbiddenImport
+        builtins.__import__ = guarded_import
         for m in [m for m in sys.modules if m.split(".")[0] in forbidden]:
             del sys.modules[m]  # what the zygote imported goes through the guard too
 
@@ -4298,9 +4284,8 @@ def _zy_child_main(job, wfd):
         report("ok", text, None)
     except _BaseException as e:
         try:
-            fexc = S.get("forbidden_exc")
             status = "memory" if _isinstance(e, _MemoryError) else \
-                "forbidden" if fexc and _isinstance(e, fexc) else "error"
+                "forbidden" if _isinstance(e, forbidden_exc) else "error"
             name, msg = _type(e).__name__, _str(e)
             if _type(name) is not _str or _type(msg) is not _str:
                 raise TypeError
@@ -4316,13 +4301,6 @@ def _zy_child_main(job, wfd):
             report("error", None, "an exception that could not be described")
 
 
-def _zy_kill_uid():
-    """No PID namespace, as root, in a throwaway child: kill every process of the job's uid."""
-    os.setgid(_ZY_CFG["uid"])
-    os.setuid(_ZY_CFG["uid"])
-    os.kill(-1, signal.SIGKILL)
-
-
 def _zy_tmp_mark():
     """What a job could change about an empty /tmp: inode, mode, owner, links, size, times."""
     st = os.stat("/tmp")
@@ -4330,8 +4308,7 @@ def _zy_tmp_mark():
 
 
 def _zy_scratch():
-    """The job's fresh, empty directory: a size-capped tmpfs on /tmp (one a job left untouched
-    serves the next), else the same host path each job, made anew."""
+    """The job's empty directory: a capped tmpfs on /tmp (reused if untouched), else a host one."""
     S, C = _ZY_STATE, _ZY_CFG
     if not S["view"]:
         os.mkdir(S["jobdir"], 0o700)
@@ -4347,8 +4324,7 @@ def _zy_scratch():
 
 
 def _zy_scratch_down():
-    """A tmpfs the job changed is detached whole; a host directory is deleted (by file
-    descriptors: a tree nested past PATH_MAX comes down too; a failure replaces the worker)."""
+    """Detach the tmpfs if the job changed it, else rmtree the host directory (by fd: any depth)."""
     if not _ZY_STATE["view"]:
         import shutil
         if os.path.lexists(_ZY_STATE["jobdir"]):
@@ -4359,13 +4335,12 @@ def _zy_scratch_down():
 
 
 def _zy_run_job(job):
-    """Fork the job's child in fresh PID and IPC namespaces, read its frame until the deadline,
-    kill what is left, wipe the job's bytes, drop its scratch -> a reply for _zy_reply."""
+    """Fork the job's child, read its frame until the deadline, kill what is left, wipe the job's
+    bytes, drop its scratch -> a reply for _zy_reply."""
     global _ZY_JOB_BUF, _ZY_RES_BUF
     S = _ZY_STATE
     job["dir"] = _zy_scratch()
-    # back to our own PID namespace, then a fresh one (the child is its PID 1) and a fresh IPC
-    # namespace: SysV IPC and POSIX message queues die with the job
+    # back to our own PID namespace, then a fresh one (the child is its PID 1) and IPC namespace
     if S["pidns_fd"] is not None:
         _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
     flags = S["ipc_flag"] | (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
@@ -4383,11 +4358,10 @@ def _zy_run_job(job):
     os.close(w)
     cap = 12 * job["max_output"] + 65536
     _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
-    view, got, need, timed_out, over = memoryview(_ZY_RES_BUF), 0, None, False, False
+    view, got, need = memoryview(_ZY_RES_BUF), 0, None
     while need is None or got < need:
         left = deadline - time.monotonic()
         if left <= 0:
-            timed_out = True
             break
         ready = select.select([r, 0], [], [], left)[0]
         if 0 in ready:  # the trainer closed our control pipe: take the child down and go
@@ -4404,7 +4378,6 @@ def _zy_run_job(job):
         if need is None and got >= off + 4:
             need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
             if need > cap:
-                over = True
                 break
     view.release()
     os.close(r)
@@ -4419,18 +4392,19 @@ def _zy_run_job(job):
             while True:
                 os.waitpid(-1, 0)
     elif S["pidns_fd"] is None and S["drop_uid"]:
-        _zy_try_in_child(_zy_kill_uid)
+        u = _ZY_CFG["uid"]  # no PID namespace: a child of the job's uid kills all it runs
+        _zy_try_in_child(lambda: (os.setgid(u), os.setuid(u), os.kill(-1, signal.SIGKILL)))
     _ZY_JOB_BUF = _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
     _zy_scratch_down()
-    if not over and need is not None and got >= need:
+    if need is not None and got >= need:  # then need <= cap: got never passes it
         started = _ZY_RES_BUF[0] == 82
         return (b"P" if started else b"S", int(started) + 4, need)
     _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, got)
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     cpu = rusage.ru_utime + rusage.ru_stime
-    if over:
+    if need is not None and need > cap:
         status, error = "output_limit", "child wrote more than %d bytes" % cap
-    elif timed_out:
+    elif left <= 0:
         status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
     elif sig == signal.SIGKILL and _zy_oom_killed():
         status, error = "memory", "the job's processes together exceeded memory_mb (memory cgroup)"
@@ -4466,8 +4440,7 @@ def _zy_probe(program, expression):
     """Run a program of ours as a job -> its result as a dict."""
     global _ZY_JOB_BUF
     data = (program + expression).encode()
-    _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, len(data))
-    _ZY_JOB_BUF[:len(data)] = data
+    _ZY_JOB_BUF[:len(data)] = data  # the buffer grows if need be
     res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
                        "max_output": 100, "forbidden": [], "plen": len(program.encode()),
                        "elen": len(expression.encode())})
@@ -4495,8 +4468,7 @@ def _zy_setup():
     _zy_enter_namespaces()
     S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
     R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
-    # RLIMIT_NPROC counts every process of the real uid: exact for our own uid, else (not root)
-    # it sits on top of what the user already runs (without /proc, as on macOS, a loose 4096)
+    # RLIMIT_NPROC counts all of the real uid's processes: not root, on top of what it runs
     S["nproc_base"] = 0
     if not S["drop_uid"]:
         uid, procs = os.getuid(), os.listdir("/proc") if os.path.isdir("/proc") else None
@@ -4552,12 +4524,10 @@ def _zy_main():
     try:
         _zy_setup()
     except BaseException as e:
-        tb = e.__traceback__
-        while tb.tb_next is not None:
-            tb = tb.tb_next
-        return _zy_reply({"ready": False, "error": "%s: %s (in %s, zygote line %d)" % (
-            type(e).__name__, e, tb.tb_frame.f_code.co_name, tb.tb_lineno),
-            "report": _ZY_REPORT}, b"")
+        import traceback
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return _zy_reply({"ready": False, "report": _ZY_REPORT, "error": "%s: %s (in %s, zygote "
+                          "line %d)" % (type(e).__name__, e, where.name, where.lineno)}, b"")
     if _ZY_LINUX:
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
     for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
@@ -4606,8 +4576,7 @@ _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": 
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
 _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
                    "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
-# besides Python's own directories: the system libraries (C extensions load them), the time zone
-# database, and copies of the loader cache and localtime
+# bound besides Python's own directories: system libraries (for C extensions) and time zones
 _SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
                 "/usr/share/zoneinfo")
 _SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
@@ -4618,8 +4587,7 @@ _sb_uid_lock = threading.Lock()
 
 
 def _sb_take_uids(n: int) -> list[int]:
-    """n uids no live sandbox of this process holds (and no account uses): a program of one
-    sandbox can never signal, probe or read the files of another's."""
+    """n uids no live sandbox of this process holds, nor any account: none reaches another."""
     base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
     with _sb_uid_lock:
         free = [base + k for k in range(_SB_UID_BLOCK) if base + k not in _sb_uids_in_use][:n]
@@ -4631,21 +4599,19 @@ def _sb_take_uids(n: int) -> list[int]:
 
 
 def _sb_python_paths() -> list[str]:
-    """Directories the child's interpreter reads (the allow-list binds them, read-only)."""
+    """Directories the child's interpreter reads (bound read-only; one inside another once)."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages(),
              *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
                                                        "platlib"))}
-    real = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
-    return [p for p in real if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in real)]
+    return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
 def _sb_host_view(hide_paths) -> dict:
-    """What the children's filesystem is built from. Shown empty: homes, temp dirs and the
-    trainer's working directory (its runs and checkpoints) unless that is a system directory;
-    Python's own directories stay visible, read-only, wherever they sit."""
+    """What the children's root is built from. Shown empty: homes, temp dirs and the trainer's
+    cwd (its runs and checkpoints) unless a system directory; Python's own dirs stay, read-only."""
     cwd = os.path.realpath(os.getcwd())
     hidden = list(_SB_HIDE)
     if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
@@ -4662,13 +4628,12 @@ def _sb_host_view(hide_paths) -> dict:
 class _SbWorker:
     """One zygote process and its control pipes (trainer side)."""
 
-    def __init__(self, cfg: dict, start_timeout: float = 30.0):
+    def __init__(self, cfg: dict):
         self.proc = subprocess.Popen(
             [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else [])
-            + ["-c", _sb_zygote_source()],
+            + ["-c", _sb_zygote_source()], cwd="/", start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])),
-            cwd="/", close_fds=True, start_new_session=True)
+            env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])))
         self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
         self.buf, self.report, self.deadline = b"", {}, 0.0
         os.set_blocking(self.rfd, False)
@@ -4676,7 +4641,7 @@ class _SbWorker:
             self._send(json.dumps(cfg).encode())
             with selectors.DefaultSelector() as sel:  # not select(): a trainer may hold 1024+ fds
                 sel.register(self.rfd, selectors.EVENT_READ)
-                stop = time.monotonic() + start_timeout
+                stop = time.monotonic() + 30.0
                 while (msg := self.poll()) is None:
                     if not sel.select(stop - time.monotonic()):
                         raise RuntimeError("sandbox zygote did not answer in time")
@@ -4714,8 +4679,7 @@ class _SbWorker:
         return data
 
     def kill(self):
-        """Close the pipes (the zygote drops its cgroup and exits), kill it if it lingers, and
-        remove what it may leave on the host."""
+        """Close the pipes (the zygote leaves its cgroup, exits), kill it if it lingers, tidy up."""
         self.proc.stdin.close()
         self.proc.stdout.close()
         try:
@@ -4736,19 +4700,13 @@ class _SbWorker:
 
 
 class PythonSandbox:
-    """A pool of fork-server workers that run each (program, expression) in a fresh, isolated
-    process.
-
-    >>> with PythonSandbox(workers=2, timeout_s=2) as sb:
-    ...     sb.run("def f(x):\\n    return x * 2", "f(21)")
-    ExecResult(status='ok', value='42', error=None)
-    """
+    """Fork-server workers that run each (program, expression) in a fresh isolated process:
+    sb.run("def f(x):\\n    return x * 2", "f(21)") == ExecResult("ok", "42", None)."""
 
     def __init__(self, workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
-                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None,
-                 max_program_chars: int = 1_000_000, hash_seed: int = 0,
-                 namespaces: bool | str = True):
+                 tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, hash_seed: int = 0,
+                 max_program_chars: int = 1_000_000, namespaces: bool | str = True):
         if os.name != "posix":
             raise RuntimeError("PythonSandbox needs Linux or macOS (on Windows: WSL)")
         if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
@@ -4773,8 +4731,7 @@ class PythonSandbox:
         self._lock = threading.Lock()
         self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
-        self.restarts, self._closed, self._errors = 0, False, []
-        self._retry_at: dict[int, float] = {}
+        self.restarts, self._closed, self._errors, self._retry_at = 0, False, [], {}
         import concurrent.futures
         with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:  # start them in parallel
             list(ex.map(self._start, range(self.workers)))
@@ -4866,7 +4823,7 @@ class PythonSandbox:
         pending = collections.deque(k for k in range(len(jobs)) if results[k] is None)
         busy: dict[int, int] = {}  # worker index -> job index
         slack = 5.0 + timeout      # the zygote enforces `timeout`; this only catches a stuck zygote
-        sel = selectors.DefaultSelector()
+        sel, err = selectors.DefaultSelector(), functools.partial(ExecResult, "sandbox_error", None)
 
         def finish(i, res, restart):
             results[busy.pop(i)] = res
@@ -4884,8 +4841,7 @@ class PythonSandbox:
                     try:
                         w.send_job(*jobs[k], self._job_msg(timeout))
                     except OSError as e:
-                        results[k] = ExecResult("sandbox_error", None,
-                                                f"worker died before the job: {e}")
+                        results[k] = err(f"worker died before the job: {e}")
                         self._restart(i)
                         continue
                     w.deadline, busy[i] = time.monotonic() + slack, k
@@ -4893,8 +4849,7 @@ class PythonSandbox:
                 if not busy:
                     if pending and not any(self._pool):
                         for k in pending:
-                            results[k] = ExecResult("sandbox_error", None,
-                                                    "no sandbox worker could be started")
+                            results[k] = err("no sandbox worker could be started")
                         pending.clear()
                     continue
                 wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
@@ -4904,23 +4859,20 @@ class PythonSandbox:
                         if msg is not None:  # b"E": the zygote failed on its own, replace it
                             finish(key.data, self._result(msg), msg[:1] == b"E")
                     except (EOFError, OSError, ValueError) as e:
-                        finish(key.data, ExecResult("sandbox_error", None,
-                                                    f"sandbox worker died: {e}"), True)
+                        finish(key.data, err(f"sandbox worker died: {e}"), True)
                 now = time.monotonic()
                 for i in [i for i in busy if self._pool[i].deadline < now]:
-                    finish(i, ExecResult("sandbox_error", None, "sandbox worker stopped answering"),
-                           True)
+                    finish(i, err("sandbox worker stopped answering"), True)
         finally:
             sel.close()
             for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
                 self._restart(i)
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Decode and check one reply: b"Z" made by the zygote (b"E": about its own failure), b"P"
-        the child's frame from the program's process, which may only claim program outcomes, b"S"
-        its frame from setup. A child's frame that is not {status, value, error} of strings (not
-        UTF-8 JSON, too deep, NaN, other keys or types) is a crash of its job alone."""
-        kind, msg = reply[:1], None
+        """Check one reply: b"Z" from the zygote (b"E": it failed), b"P" the program's frame
+        (program outcomes only), b"S" the child's from setup. A child's frame that is not
+        {status, value, error} of strings (UTF-8 JSON) is a crash of its job alone."""
+        kind, msg, crash = reply[:1], None, functools.partial(ExecResult, "crash", None)
         allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
                    b"S": ("sandbox_error",)}.get(kind)
         if allowed is not None and reply[1:2] == b"{":
@@ -4930,22 +4882,20 @@ class PythonSandbox:
                 and type(msg["status"]) is str
                 and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
             if kind in (b"P", b"S"):
-                return ExecResult("crash", None, "the program wrote a malformed result")
+                return crash("the program wrote a malformed result")
             raise ValueError("malformed reply from the sandbox zygote")
         status, value, error = msg["status"], msg["value"], msg["error"]
         if status not in allowed:
-            return ExecResult("crash", None,
-                              f"the program claimed status {status[:40]!r}, which it may not")
+            return crash(f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
-            return ExecResult("crash", None,
-                              "the program forged a result (a value must come with status ok)")
+            return crash("the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.max_output_chars:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
             try:  # a child's repr escapes lone surrogates: a value that holds one is no repr
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                return ExecResult("crash", None, "the program forged a value with a lone surrogate")
+                return crash("the program forged a value with a lone surrogate")
         if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
             error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
         return ExecResult(status, value, error)
