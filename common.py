@@ -25,8 +25,7 @@ from tqdm.auto import tqdm
 
 
 class _Deferred(types.ModuleType):
-    """A heavy module, imported (and bound here in place of this stand-in) on first use, so that
-    `--help` and flag errors answer before torch and transformers load."""
+    """A heavy module imported on first use: `--help` and flag errors answer before torch loads."""
 
     def __getattr__(self, attr):
         module = importlib.import_module(self.__name__)
@@ -96,8 +95,7 @@ class InputError(ValueError):
 
 
 class _CoreBoolAction(argparse.BooleanOptionalAction):
-    """--flag / --no-flag, by position: argparse reads any "--no-" prefix as "off", so a field
-    named no_* (spice.py's --no-document) could otherwise never be switched on."""
+    """--flag / --no-flag by position: argparse reads any "--no-" prefix as off (--no-document)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in self.option_strings:
@@ -119,12 +117,10 @@ def _core_field_comments(cls) -> dict:
             src = inspect.getsource(klass)
         except (OSError, TypeError):  # defined where no source file is kept
             continue
-        toks = tokenize.generate_tokens(io.StringIO(src).readline)
-        notes = {t.start[0]: t.string[1:].strip() for t in toks if t.type == tokenize.COMMENT}
-        for n, line in enumerate(src.splitlines(), 1):
-            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", line)
-            if m and n in notes:
-                out[m[1]] = notes[n]
+        for t in tokenize.generate_tokens(io.StringIO(src).readline):
+            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", t.line)
+            if m and t.type == tokenize.COMMENT:
+                out[m[1]] = t.string[1:].strip()
     return out
 
 
@@ -137,8 +133,8 @@ _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no war
 
 
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from the command line, every field a --kebab-case flag. --resume RUN_DIR
-    starts from its config.json; `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
+    """The dataclass `cls` from the command line, every field a --kebab-case flag; --resume starts
+    from its config.json, `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
     ValueError from `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
@@ -213,8 +209,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
-    """The newest complete checkpoints/step_<k>/ (the one `latest` names, else the highest k with a
-    trainer_state.json), or None."""
+    """The newest complete checkpoints/step_<k>/ (`latest`, else the highest k), or None."""
     root = pathlib.Path(run_dir) / "checkpoints"
     if (root / "latest").is_file():
         p = root / (root / "latest").read_text().strip()
@@ -241,8 +236,7 @@ def _core_no_checkpoint(resume) -> str:
 
 
 def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads: that the run folder mixes no two runs' records,
-    and every model (--model, and a method's --challenger-model)."""
+    """Before anything loads: the run folder mixes no two runs, and every *_model loads."""
     if cfg.resume and latest_checkpoint(cfg.resume) is None:
         raise InputError(_core_no_checkpoint(cfg.resume))
     if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
@@ -266,8 +260,8 @@ def _core_not_model_folder(name: str, flag: str = "--model") -> str:
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub
-    id not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
+    """Fail in seconds, with the fix, on a missing local folder, or a hub id neither cached nor
+    downloadable (HF_HUB_OFFLINE, or the hub unreachable)."""
     if name == "tiny":
         return
     if _core_not_model_folder(name, flag):
@@ -318,8 +312,8 @@ _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
 
 
 def filter_vllm_logs() -> None:
-    """vLLM's records through one stderr handler with the quiet filter (a logger's own filter would
-    not see its children's records). With VLLM_CONFIGURE_LOGGING=1, vLLM's handler gets it."""
+    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records);
+    with VLLM_CONFIGURE_LOGGING=0 first our own stderr handler."""
     import logging
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
@@ -336,8 +330,7 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default; verbose shows everything the libraries print (a library not imported yet
-    reads it from the environment)."""
+    """Quiet by default; verbose shows all library output (the environment: for later imports)."""
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
@@ -355,9 +348,8 @@ def set_verbosity(verbose: bool) -> None:
 
 def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
-    """A method's main(): parse and check the flags, folder and models, run `train(cfg)`, print
-    Run.summary (plus `headline(result)`). Bad input found later (also `errors`) is one line, exit
-    1; Ctrl-C is one line naming where the run stopped and how to resume it, exit 130."""
+    """A method's main(): check the flags, folder and models, run `train(cfg)`, print Run.summary
+    (+ `headline(result)`). Later bad input (and `errors`) is one line, exit 1; Ctrl-C, exit 130."""
     argv0 = sys.argv[0] if sys.argv else ""
     prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
     cfg = parse_config(cls, argv, check=check, tiny=tiny)
@@ -384,9 +376,8 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
 
 
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
-    """Our templates `defaults` (name -> str.format template), with those a TOML or JSON file names
-    replacing them. Each must use exactly our placeholders: a missing one would drop the document,
-    an unknown one could not be filled."""
+    """`defaults` (name -> str.format template), those a TOML or JSON file names replaced; each with
+    exactly our placeholders (a missing one drops the document, an unknown one cannot be filled)."""
     if not path:
         return dict(defaults)
     p, where = pathlib.Path(path), f"--prompts {path}"
@@ -475,9 +466,8 @@ def atomic_write_json(path, obj) -> None:
 
 
 def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
-    """(line number, object) for each non-empty line of a JSONL file, read lazily. A missing file,
-    non-UTF-8 text or a line that is not one JSON object raises `error` naming the file and line,
-    ending with `shape` (what a line should look like: the fix)."""
+    """(line number, object) per non-empty line, lazily. A missing file, non-UTF-8 text or a line
+    not one JSON object raises `error` naming file and line, ending with `shape` (the fix)."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise error(f"{path}: file does not exist; {shape}")
@@ -500,8 +490,7 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
 
 
 def truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint
-    again."""
+    """Keep the lines with step <= `step`: a resumed run logs the later steps again."""
     if not path.is_file():
         return
     keep = []
@@ -538,11 +527,11 @@ def all_gather_objects(obj) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank (obj in one process)."""
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (obj in one process)."""
     box = [obj]
     if _core_dist_on():
-        torch.distributed.broadcast_object_list(box, src=src)
+        torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -555,8 +544,7 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 
 
 def init_distributed() -> tuple[int, int]:
-    """Under torchrun (WORLD_SIZE > 1) start the process group once: gloo for CPU tensors, plus
-    NCCL for GPU tensors on a GPU. Returns (rank, world_size)."""
+    """(rank, world_size); under torchrun the process group started once (gloo, NCCL on GPUs)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -571,8 +559,7 @@ TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # s
 
 
 def resolve_model_path(name: str) -> str:
-    """'tiny' -> built once (by tests/tiny_model.py) into $SELFPLAY_CACHE (default
-    ~/.cache/selfplay), that folder; a local folder -> itself; anything else is a hub id."""
+    """'tiny' -> built once in $SELFPLAY_CACHE (~/.cache/selfplay); a local folder; or a hub id."""
     if name == "tiny":
         cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
         target = pathlib.Path(cache) / f"tiny-{_CORE_TINY_VERSION}"
@@ -602,9 +589,7 @@ def _core_model_error(name: str, err: Exception) -> Exception:
         name.count("/") != 1
     where = ("no such local folder" if local else "not a local folder, and the Hugging Face Hub "
              "did not provide it (unknown id, private, or offline)")
-    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by "
-                   "save_pretrained, a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the "
-                   f"built-in test model. ({err})")
+    return OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({err})")
 
 
 def default_device() -> torch.device:
@@ -628,7 +613,7 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_tokenizer(name: str, *, require_chat_template: bool = False):
+def load_tokenizer(name: str):
     """The model's tokenizer, left-padded (pad = EOS where it has no pad token)."""
     try:
         tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(name))
@@ -637,10 +622,6 @@ def load_tokenizer(name: str, *, require_chat_template: bool = False):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    if require_chat_template and not getattr(tok, "chat_template", None):
-        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat "
-                         "prompts. Use a model whose tokenizer_config.json defines chat_template, "
-                         "or raw-text prompts.")
     return tok
 
 
@@ -661,8 +642,8 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
 
 
 def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU: the files
-    mapped privately by safetensors, so clean page cache, not process memory, until written."""
+    """All tensors of a save_pretrained folder's *.safetensors, on the CPU (mapped privately by
+    safetensors: clean page cache, not process memory, until written)."""
     from safetensors.torch import load_file
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
@@ -679,41 +660,31 @@ _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close f
 
 @contextlib.contextmanager
 def phase(name: str):
-    """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log().
-    Exclusive: a phase inside another pauses it (a sync inside a train step counts as sync); the
-    same phase nested in itself counts once."""
+    """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
+    Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
+    def add(name, seconds):
+        run = _CORE_ACTIVE_RUN
+        if run is not None and not run.closed:
+            run._timers[name] = run._timers.get(name, 0.0) + seconds
+
     stack = _CORE_PHASE_STACK
-    if stack and stack[-1][0] == name:
+    if stack and stack[-1][0] == name:  # nested in itself: counted once
         yield
         return
     now = time.perf_counter()
     if stack:
-        _core_add_time(stack[-1][0], now - stack[-1][1])
+        add(stack[-1][0], now - stack[-1][1])
     stack.append([name, now])
     try:
         yield
     finally:
         now = time.perf_counter()
-        _core_add_time(name, now - stack.pop()[1])
+        add(name, now - stack.pop()[1])
         if stack:
             stack[-1][1] = now
 
 
-def _core_add_time(name: str, seconds: float) -> None:
-    run = _CORE_ACTIVE_RUN
-    if run is not None and not run.closed:
-        run._timers[name] = run._timers.get(name, 0.0) + seconds
-
-
-def timed(name: str):
-    """Decorator form of phase(name)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kw):
-            with phase(name):
-                return fn(*args, **kw)
-        return inner
-    return wrap
+timed = phase  # @timed("sync") on a function: a contextmanager is also a ContextDecorator
 
 
 # ------------------------------------------------------------------------------------- sampling
