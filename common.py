@@ -173,8 +173,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
                         + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
         parser.error("; ".join(msgs))
     given, base = vars(ns), {}
-    if given.get("resume"):
-        resume = given["resume"]
+    if resume := given.get("resume"):
         cfg_path = pathlib.Path(resume) / "config.json"
         if not cfg_path.is_file():
             parser.error(f"--resume {resume}: no config.json there (expected a run folder "
@@ -183,8 +182,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         if set(saved) - set(defaults):
             warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
                           f"{sorted(set(saved) - set(defaults))}")
-        base = {k: v for k, v in saved.items() if k in defaults}
-        base["output_dir"] = str(resume)
+        base = {**{k: v for k, v in saved.items() if k in defaults}, "output_dir": str(resume)}
     elif tiny and given.get("model", cls.model) == "tiny":
         base = dict(tiny)
     cfg = cls(**{**base, **given})
@@ -260,13 +258,10 @@ def _core_not_model_folder(name: str, flag: str = "--model") -> str:
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """Fail in seconds, with the fix, on a missing local folder, or a hub id neither cached nor
-    downloadable (HF_HUB_OFFLINE, or the hub unreachable)."""
-    if name == "tiny":
-        return
-    if _core_not_model_folder(name, flag):
-        raise InputError(_core_not_model_folder(name, flag))
-    if pathlib.Path(name).expanduser().exists():
+    """Fail in seconds, with the fix, on a missing folder or a hub id not cached nor reachable."""
+    if name != "tiny" and (msg := _core_not_model_folder(name, flag)):
+        raise InputError(msg)
+    if name == "tiny" or pathlib.Path(name).expanduser().exists():
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
@@ -712,8 +707,7 @@ def strip_special_tokens(text: str, tokenizer) -> str:
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt: raw text as is, chat messages through the chat template with the
-    assistant generation prompt, token ids unchanged."""
+    """Token ids of raw text, of chat messages (chat template + generation prompt), or ids as is."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
@@ -772,14 +766,14 @@ def _core_preserve_rng():
 
 
 class Sampler:
-    """generate(prompts, n, temperature, top_p, top_k, max_tokens, stop, seed) ->
-    list[list[Completion]], and load_weights(named tensors); VLLMSampler and HFSampler."""
+    """generate(prompts, n=, temperature=, top_p=, top_k=, max_tokens=, stop=, seed=) -> one
+    list[Completion] per prompt, and load_weights(named tensors): VLLMSampler, HFSampler."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
 
     def _encode(self, prompts, max_tokens, strict: bool) -> list[tuple[list[int], int]]:
-        """(prompt ids, max new tokens within max_model_len) per prompt; `strict`: a prompt that
-        fills max_model_len is an error, else it gets one token."""
+        """(ids, max new tokens within max_model_len) per prompt; one that fills max_model_len
+        is an error if `strict`, else gets one token."""
         out = []
         for i, p in enumerate(prompts):
             ids = encode_prompt(self.tokenizer, p)
@@ -789,14 +783,10 @@ class Sampler:
             out.append((ids, max(1, min(int(max_tokens), self.max_model_len - len(ids)))))
         return out
 
-    def sleep(self) -> None:
-        """Free sampler memory while training (no-op unless supported)."""
-
-    def wake_up(self) -> None:
+    def sleep(self) -> None:  # free sampler memory while training; wake_up, close: no-ops here
         pass
 
-    def close(self) -> None:
-        pass
+    wake_up = close = sleep
 
 
 def _core_import_vllm():
@@ -882,8 +872,8 @@ class VLLMSampler(Sampler):
                                      use_tqdm=False)
         result = []
         for (p, _), out in zip(reqs, outs):
-            group = []
-            for o in sorted(out.outputs, key=lambda o: o.index):
+            group, outputs = [], sorted(out.outputs, key=lambda o: o.index)
+            for o in outputs * n if greedy else outputs:  # vLLM refuses n > 1 for greedy: copies
                 toks = list(o.token_ids)
                 lps = None if o.logprobs is None else [
                     float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
@@ -891,11 +881,6 @@ class VLLMSampler(Sampler):
                     prompt_ids=list(p), token_ids=toks, logprobs=lps,
                     text=self.tokenizer.decode(toks, skip_special_tokens=True),
                     finish_reason="length" if o.finish_reason == "length" else "stop"))
-            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical
-                c = group[0]
-                group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
-                                             c.logprobs is None else list(c.logprobs))
-                         for _ in range(n)]
             result.append(group)
         return result
 
@@ -946,8 +931,7 @@ class _CoreSampleRecorder:
     records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
     def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
-        self.prompt_len, self.prev, self.steps = prompt_len, None, []
-        self.warpers = []
+        self.prompt_len, self.prev, self.steps, self.warpers = prompt_len, None, [], []
         if temperature not in (0, 1.0):
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
         if top_k is not None and top_k > 0:
@@ -972,8 +956,7 @@ class _CoreSampleRecorder:
 
 
 class HFSampler(Sampler):
-    """`model.generate` behind the same API. With `model` it samples from the trainer's own module
-    (no sync needed); otherwise it loads its own copy, which load_weights updates."""
+    """`model.generate` behind the same API: on the trainer's module (`model`) or its own copy."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
@@ -1078,8 +1061,8 @@ def _core_is_dtensor(t) -> bool:
 
 
 def _core_unique_state(model):
-    """(HF name, tensor) of model.state_dict(); a tensor under two names (a tied lm_head) comes
-    once, under its first name. The same order on every rank."""
+    """(HF name, tensor) of model.state_dict() in the same order on every rank; a tensor under two
+    names (a tied lm_head) comes once, under its first name."""
     seen = set()
     for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
         if id(v) not in seen:
@@ -1104,8 +1087,8 @@ def _core_rank_mesh(device_type: str):
 
 
 def _core_layout(v):
-    """(mesh, placements) of this rank's part of trainer tensor `v`: FSDP2's shards; under DDP
-    rows split over the ranks, for weights only one rank needs a part of (R-Zero's parked role)."""
+    """(mesh, placements) of this rank's part of trainer tensor `v`: FSDP2's shards, else rows over
+    the ranks (under DDP, for weights each rank keeps only a part of: R-Zero's parked role)."""
     if _core_is_dtensor(v):
         return v.device_mesh, v.placements
     from torch.distributed.tensor import Shard
@@ -1113,8 +1096,7 @@ def _core_layout(v):
 
 
 def local_part(v, full=None):
-    """This rank's part of `full` (default: trainer tensor `v` itself), laid out as _core_layout
-    says, without a collective; in one process the whole tensor."""
+    """This rank's _core_layout part of `full` (default `v`), no collective; all in one process."""
     if not _core_is_dtensor(v) and dist_info()[1] == 1:
         return v if full is None else full
     if full is None and _core_is_dtensor(v):
@@ -1127,8 +1109,7 @@ def local_part(v, full=None):
 
 
 def full_from_part(part, v):
-    """The full tensor whose part on this rank is `part` (local_part's layout of `v`): gathered,
-    so every rank calls it."""
+    """The full tensor from each rank's local_part of `v` (a gather: every rank calls it)."""
     if not _core_is_dtensor(v) and dist_info()[1] == 1:
         return part
     from torch.distributed.tensor import DTensor
@@ -1139,8 +1120,8 @@ def full_from_part(part, v):
 
 
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
-    written once, from its first name, so a tied lm_head never overwrites the embedding."""
+    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2), each storage once from its
+    first name: a tied lm_head never overwrites the embedding."""
     weights = {_core_strip_prefix(k): v for k, v in weights.items()}
     missing = []
     with torch.no_grad():
@@ -1154,8 +1135,7 @@ def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
 
 
 def _core_wrap_distributed(model, cfg):
-    """FSDP2 (fully_shard per decoder layer, then the root; on GPU bf16 compute, fp32 reduction),
-    or DDP."""
+    """FSDP2 (per decoder layer, then the root; on GPU bf16 compute, fp32 reduction), or DDP."""
     if cfg.dist == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         dev = next(model.parameters()).device
@@ -1175,8 +1155,7 @@ def _core_wrap_distributed(model, cfg):
 
 
 def _core_compute(model):
-    """The context of the trainer's forward passes: bf16 autocast over fp32 master weights when
-    Policy.load set it (GPU default), else nothing."""
+    """The trainer's forward context: bf16 autocast over fp32 weights if Policy.load set it."""
     core = getattr(model, "module", model)
     dtype = getattr(core, "selfplay_autocast", None)
     if dtype is None:
@@ -1205,9 +1184,8 @@ def final_hidden_states(model, input_ids, attention_mask=None):
 
 
 class Policy:
-    """The model being trained, its tokenizer and AdamW, and the sampler that generates with it.
-    Under torchrun each rank holds one: the trainer sharded with FSDP2 (or DDP), its own vLLM
-    engine, and `generate` samples this rank's share and all-gathers the results."""
+    """The trainer model, its tokenizer and AdamW, and the sampler that generates with it. Under
+    torchrun one per rank: the trainer sharded (FSDP2 or DDP), its own vLLM engine."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
         self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
@@ -1219,8 +1197,7 @@ class Policy:
 
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
-        """Model + tokenizer + AdamW + sampler. An existing `sampler` is reused (its engine then
-        gets the trainer's weights: tests share one vLLM engine this way)."""
+        """Model + tokenizer + AdamW + sampler; a given `sampler` (tests share one) is synced."""
         _, world = init_distributed()
         path = resolve_model_path(cfg.model)
         fsdp = world > 1 and cfg.dist == "fsdp"
@@ -1267,14 +1244,12 @@ class Policy:
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
-        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps until the next
-        generate / load_weights wakes it."""
+        """With --vllm-sleep (GPU) the engine sleeps till generate or load_weights wakes it."""
         self.sampler.sleep()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
-        """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
-        its share of `prompts` (the same on every rank) and gets the full list back; `seed` is
-        mixed with the rank, python's and numpy's RNG streams stay identical across ranks."""
+        """Sampler.generate of `sampler` (default: ours); under torchrun each rank samples its share
+        and gets all back, `seed` mixed with the rank, python's and numpy's RNGs kept in step."""
         sampler = sampler or self.sampler
         if self.world_size == 1:
             return sampler.generate(prompts, **kw)
@@ -1290,8 +1265,7 @@ class Policy:
         return [g for part in all_gather_objects(mine)[::tp] for g in part]
 
     def clip_and_step(self) -> float:
-        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero the grads; returns the norm
-        before clipping (over all ranks' shards under FSDP2)."""
+        """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
             torch.tensor(0.0)
@@ -1306,22 +1280,19 @@ class Policy:
         return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
 
     def iter_full_weights(self):
-        """(HF name, full tensor), one at a time, tied duplicates skipped. Under FSDP2 each is
-        all-gathered (a collective: every rank iterates to the end)."""
+        """(HF name, full tensor), tied ones once; FSDP2 gathers each: every rank iterates all."""
         for k, v in _core_unique_state(self.model):
             yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
 
     def sync(self) -> None:
-        """Push the trainer's weights into the sampler in place (no disk); every rank's engine gets
-        the full weights. An HF sampler on the trainer's own module needs nothing."""
+        """The trainer's full weights into the sampler in place (none for HF on the trainer)."""
         if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
             self.sampler.version += 1
             return
         self.sampler.load_weights(self.iter_full_weights())
 
     def get_weights(self) -> dict:
-        """A CPU copy of the full HF-named state dict, on every rank (a tied lm_head shares the
-        embedding's copy): a snapshot for set_weights."""
+        """A CPU copy of the full HF-named state dict on every rank (a tied lm_head: shared)."""
         out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
         if "model.embed_tokens.weight" in out and self.module.config.tie_word_embeddings:
             out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
@@ -1333,8 +1304,7 @@ class Policy:
 
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
-        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (a KL reference)
-        and puts its own back after, bit for bit; the sampler is not touched."""
+        """The trainer runs with `weights` (a KL reference), then gets its own back bit for bit."""
         previous = self.exchange_weights(weights)
         try:
             yield self.model
@@ -1378,9 +1348,8 @@ class Policy:
 
     @contextlib.contextmanager
     def sampling_from(self, weights: dict | None):
-        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (the frozen other
-        role, an oracle of the same architecture) through the one engine, then puts the trainer's
-        weights back into it. The trainer is not touched; None = its own weights."""
+        """generate() samples from `weights` (the frozen other role, an oracle) on the one engine,
+        which then gets the trainer's weights back; the trainer is untouched. None: its own."""
         if weights is None:
             yield self
             return
@@ -1403,8 +1372,7 @@ class Policy:
         self.sync()
 
     def optimizer_state(self) -> dict:
-        """AdamW's state to save; under torchrun the full state by parameter name, gathered on
-        rank 0 (a collective)."""
+        """AdamW's state; under torchrun by parameter name, gathered on rank 0 (a collective)."""
         if self.world_size == 1:
             return self.optimizer.state_dict()
         from torch.distributed.checkpoint import state_dict as dcp
@@ -1468,7 +1436,6 @@ class Run:
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
         self._timers, self.times = {}, {}  # seconds per phase: since the last log(), in all
         self.last: dict = {}  # the latest value of every metric logged
-        self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
@@ -1496,9 +1463,8 @@ class Run:
         _CORE_ACTIVE_RUN = self
 
     def _clean_interrupted_saves(self) -> None:
-        """A save killed half-way leaves .tmp-<name>-<pid>/ (deleted); killed between its two
-        renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). In checkpoints/,
-        the run folder and roles/ (R-Zero's roles)."""
+        """In checkpoints/, the run folder and roles/ (R-Zero's), a save killed half-way leaves
+        .tmp-<name>-<pid>/ (deleted); between its renames, .old-<name>-<pid>/ alone (put back)."""
         for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
             for old in sorted(root.glob(".old-*")):
                 final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
@@ -1543,12 +1509,11 @@ class Run:
                         any(s in k for s in _CORE_POSTFIX_KEYS):
                     short = k.count("/") == 1 and k.startswith("train/")
                     post[k.split("/")[-1] if short else k] = f"{v:.3g}"
-            times = [(v, k[5:]) for k, v in rec.items() if k.startswith("time/")
-                     and isinstance(v, float)]
-            secs, slow = max(times, default=(0, ""))
-            self.slowest = f"{slow} {secs:.1f}s" if secs > 0 else ""
-            self._bar.set_postfix({**post, "slowest": self.slowest} if secs > 0 else post,
-                                  refresh=False)
+            secs, slow = max(((v, k[5:]) for k, v in rec.items() if k.startswith("time/")
+                              and isinstance(v, float)), default=(0, ""))
+            if secs > 0:  # the step's slowest phase, e.g. "sample 3.1s"
+                post["slowest"] = f"{slow} {secs:.1f}s"
+            self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
         """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
@@ -1573,9 +1538,8 @@ class Run:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
-        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM),
-        optimizer.pt, trainer_state.json {step, rng, state}; a temp folder renamed, then `latest`
-        updated. Under torchrun every rank calls it (it gathers); rank 0 writes."""
+        """checkpoints/step_<k>/ (save_pretrained, optimizer.pt, trainer_state.json), a temp folder
+        renamed, then `latest`. Under torchrun every rank calls it (it gathers); rank 0 writes."""
         root, name = self.dir / "checkpoints", f"step_{int(step)}"
         state = dict(state or {})
         json.dumps(state, default=_core_json_default)  # not JSON-able: fail before writing
@@ -1619,9 +1583,8 @@ class Run:
         return latest_checkpoint(self.dir)
 
     def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
-        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint, drop
-        the metric and sample lines logged after it: (step, state), or None if there is none. Under
-        torchrun every rank calls it (the folder must be readable from every rank)."""
+        """(step, state) of the latest checkpoint (None if none), its weights, optimizer and RNG
+        restored, later metric and sample lines dropped. Under torchrun every rank calls it."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
             if self.cfg.resume:  # never start over silently, appending to its files
@@ -1663,26 +1626,18 @@ class Run:
         self.closed = True
 
     # -- what the CLI prints at the end -----------------------------------------------------------
-    def resume_command(self) -> str:
-        return f"python {self.method}.py --resume {self.dir}"
-
-    def headline(self) -> dict:
-        """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
-        pass@k per benchmark, and the methods' averages)."""
-        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
-        return {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
-            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
-
     def summary(self, extra: dict | None = None) -> str:
-        """The table printed when a run ends: method, steps, headline figures, seconds per phase,
-        the folder and the command that continues it."""
+        """The table printed at the end: steps, final eval figures, seconds per phase, resume."""
+        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
+        figures = {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
+            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
+        figures.update(extra or {})
         times = {k: self.times.get(k, 0.0) + self._timers.get(k, 0.0)
                  for k in {**self.times, **self._timers}}
         steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
         rows = [("method", self.method), ("steps", steps)]
-        figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
             rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
@@ -1691,7 +1646,8 @@ class Run:
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
-        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
+        rows += [("run folder", str(self.dir)), ("resume", f"python {self.method}.py --resume "
+                                                          f"{self.dir}")]
         width = max(len(r[0]) for r in rows)
         line = "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
@@ -1703,14 +1659,13 @@ class Run:
         if ck is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: "
-                + self.resume_command())
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: python "
+                f"{self.method}.py --resume {self.dir}")
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)
 def saved_activation_bytes(model, tokens: int) -> int:
-    """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
-    excluded): the activation term of the memory plan, measured."""
+    """Bytes autograd keeps for backward from one forward of `tokens` random ids (no parameters)."""
     core = getattr(model, "module", model)
     device = next(core.parameters()).device
     seen = {}
@@ -1755,8 +1710,7 @@ def activation_costs(model, tokens=(32, 96)) -> dict:
 
 
 def available_memory(device) -> int:
-    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable,
-    capped by a cgroup v2 memory limit if one is set."""
+    """Bytes free: on CUDA the device's; on CPU MemAvailable, capped by a cgroup v2 memory limit."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     free = 0
@@ -1801,10 +1755,9 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Size the trainer to the free memory (10% margin) before the first step: the configured
-    micro-batch if it fits; else the largest one holding a --max-model-len sequence, without
-    checkpointing if possible (faster), else with it; else a one-line error. The gradients stay
-    the same. Returns the line to print ('' when nothing changed)."""
+    """Before step 1, fit the free memory (10% margin): the configured micro-batch, else the largest
+    holding a --max-model-len sequence, without checkpointing if possible (faster), else with it,
+    else a one-line error; the same gradients. Returns the line to print ('' if unchanged)."""
     cfg, model = policy.cfg, policy.module
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
