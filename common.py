@@ -1189,8 +1189,7 @@ class Policy:
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
         self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
-        self.model_path = model_path
-        self.device = next(model.parameters()).device
+        self.model_path, self.device = model_path, next(model.parameters()).device
         self.rank, self.world_size = dist_info()
         self.is_main = self.rank == 0
         self.reset_optimizer()
