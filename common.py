@@ -25,8 +25,7 @@ from tqdm.auto import tqdm
 
 
 class _Deferred(types.ModuleType):
-    """A heavy module, imported (and bound here in place of this stand-in) on first use, so that
-    `--help` and flag errors answer before torch and transformers load."""
+    """A heavy module imported on first use: `--help` and flag errors answer before torch loads."""
 
     def __getattr__(self, attr):
         module = importlib.import_module(self.__name__)
@@ -96,8 +95,7 @@ class InputError(ValueError):
 
 
 class _CoreBoolAction(argparse.BooleanOptionalAction):
-    """--flag / --no-flag, by position: argparse reads any "--no-" prefix as "off", so a field
-    named no_* (spice.py's --no-document) could otherwise never be switched on."""
+    """--flag / --no-flag by position: argparse reads any "--no-" prefix as off (--no-document)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in self.option_strings:
@@ -119,12 +117,10 @@ def _core_field_comments(cls) -> dict:
             src = inspect.getsource(klass)
         except (OSError, TypeError):  # defined where no source file is kept
             continue
-        toks = tokenize.generate_tokens(io.StringIO(src).readline)
-        notes = {t.start[0]: t.string[1:].strip() for t in toks if t.type == tokenize.COMMENT}
-        for n, line in enumerate(src.splitlines(), 1):
-            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", line)
-            if m and n in notes:
-                out[m[1]] = notes[n]
+        for t in tokenize.generate_tokens(io.StringIO(src).readline):
+            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", t.line)
+            if m and t.type == tokenize.COMMENT:
+                out[m[1]] = t.string[1:].strip()
     return out
 
 
@@ -137,8 +133,8 @@ _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no war
 
 
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from the command line, every field a --kebab-case flag. --resume RUN_DIR
-    starts from its config.json; `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
+    """The dataclass `cls` from the command line, every field a --kebab-case flag; --resume starts
+    from its config.json, `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
     ValueError from `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
@@ -177,8 +173,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
                         + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
         parser.error("; ".join(msgs))
     given, base = vars(ns), {}
-    if given.get("resume"):
-        resume = given["resume"]
+    if resume := given.get("resume"):
         cfg_path = pathlib.Path(resume) / "config.json"
         if not cfg_path.is_file():
             parser.error(f"--resume {resume}: no config.json there (expected a run folder "
@@ -187,8 +182,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         if set(saved) - set(defaults):
             warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
                           f"{sorted(set(saved) - set(defaults))}")
-        base = {k: v for k, v in saved.items() if k in defaults}
-        base["output_dir"] = str(resume)
+        base = {**{k: v for k, v in saved.items() if k in defaults}, "output_dir": str(resume)}
     elif tiny and given.get("model", cls.model) == "tiny":
         base = dict(tiny)
     cfg = cls(**{**base, **given})
@@ -213,8 +207,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
-    """The newest complete checkpoints/step_<k>/ (the one `latest` names, else the highest k with a
-    trainer_state.json), or None."""
+    """The newest complete checkpoints/step_<k>/ (`latest`, else the highest k), or None."""
     root = pathlib.Path(run_dir) / "checkpoints"
     if (root / "latest").is_file():
         p = root / (root / "latest").read_text().strip()
@@ -241,8 +234,7 @@ def _core_no_checkpoint(resume) -> str:
 
 
 def check_inputs(cfg) -> None:
-    """What the CLI checks before anything loads: that the run folder mixes no two runs' records,
-    and every model (--model, and a method's --challenger-model)."""
+    """Before anything loads: the run folder mixes no two runs, and every *_model loads."""
     if cfg.resume and latest_checkpoint(cfg.resume) is None:
         raise InputError(_core_no_checkpoint(cfg.resume))
     if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
@@ -266,13 +258,10 @@ def _core_not_model_folder(name: str, flag: str = "--model") -> str:
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """Fail in seconds, with the fix, on a model that cannot load: a missing local folder, or a hub
-    id not in the local cache while offline (HF_HUB_OFFLINE) or the hub is unreachable."""
-    if name == "tiny":
-        return
-    if _core_not_model_folder(name, flag):
-        raise InputError(_core_not_model_folder(name, flag))
-    if pathlib.Path(name).expanduser().exists():
+    """Fail in seconds, with the fix, on a missing folder or a hub id not cached nor reachable."""
+    if name != "tiny" and (msg := _core_not_model_folder(name, flag)):
+        raise InputError(msg)
+    if name == "tiny" or pathlib.Path(name).expanduser().exists():
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
@@ -318,8 +307,8 @@ _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
 
 
 def filter_vllm_logs() -> None:
-    """vLLM's records through one stderr handler with the quiet filter (a logger's own filter would
-    not see its children's records). With VLLM_CONFIGURE_LOGGING=1, vLLM's handler gets it."""
+    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records);
+    with VLLM_CONFIGURE_LOGGING=0 first our own stderr handler."""
     import logging
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
@@ -336,8 +325,7 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default; verbose shows everything the libraries print (a library not imported yet
-    reads it from the environment)."""
+    """Quiet by default; verbose shows all library output (the environment: for later imports)."""
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
@@ -355,9 +343,8 @@ def set_verbosity(verbose: bool) -> None:
 
 def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
-    """A method's main(): parse and check the flags, folder and models, run `train(cfg)`, print
-    Run.summary (plus `headline(result)`). Bad input found later (also `errors`) is one line, exit
-    1; Ctrl-C is one line naming where the run stopped and how to resume it, exit 130."""
+    """A method's main(): check the flags, folder and models, run `train(cfg)`, print Run.summary
+    (+ `headline(result)`). Later bad input (and `errors`) is one line, exit 1; Ctrl-C, exit 130."""
     argv0 = sys.argv[0] if sys.argv else ""
     prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
     cfg = parse_config(cls, argv, check=check, tiny=tiny)
@@ -384,9 +371,8 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
 
 
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
-    """Our templates `defaults` (name -> str.format template), with those a TOML or JSON file names
-    replacing them. Each must use exactly our placeholders: a missing one would drop the document,
-    an unknown one could not be filled."""
+    """`defaults` (name -> str.format template), those a TOML or JSON file names replaced; each with
+    exactly our placeholders (a missing one drops the document, an unknown one cannot be filled)."""
     if not path:
         return dict(defaults)
     p, where = pathlib.Path(path), f"--prompts {path}"
@@ -475,9 +461,8 @@ def atomic_write_json(path, obj) -> None:
 
 
 def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "strict"):
-    """(line number, object) for each non-empty line of a JSONL file, read lazily. A missing file,
-    non-UTF-8 text or a line that is not one JSON object raises `error` naming the file and line,
-    ending with `shape` (what a line should look like: the fix)."""
+    """(line number, object) per non-empty line, lazily. A missing file, non-UTF-8 text or a line
+    not one JSON object raises `error` naming file and line, ending with `shape` (the fix)."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise error(f"{path}: file does not exist; {shape}")
@@ -500,8 +485,7 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
 
 
 def truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keep only the lines with step <= `step`: a resumed run logs the steps after its checkpoint
-    again."""
+    """Keep the lines with step <= `step`: a resumed run logs the later steps again."""
     if not path.is_file():
         return
     keep = []
@@ -538,11 +522,11 @@ def all_gather_objects(obj) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank (obj in one process)."""
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (obj in one process)."""
     box = [obj]
     if _core_dist_on():
-        torch.distributed.broadcast_object_list(box, src=src)
+        torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -555,8 +539,7 @@ def shard(items: list, rank: int | None = None, world_size: int | None = None) -
 
 
 def init_distributed() -> tuple[int, int]:
-    """Under torchrun (WORLD_SIZE > 1) start the process group once: gloo for CPU tensors, plus
-    NCCL for GPU tensors on a GPU. Returns (rank, world_size)."""
+    """(rank, world_size); under torchrun the process group started once (gloo, NCCL on GPUs)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -571,8 +554,7 @@ TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # s
 
 
 def resolve_model_path(name: str) -> str:
-    """'tiny' -> built once (by tests/tiny_model.py) into $SELFPLAY_CACHE (default
-    ~/.cache/selfplay), that folder; a local folder -> itself; anything else is a hub id."""
+    """'tiny' -> built once in $SELFPLAY_CACHE (~/.cache/selfplay); a local folder; or a hub id."""
     if name == "tiny":
         cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
         target = pathlib.Path(cache) / f"tiny-{_CORE_TINY_VERSION}"
@@ -602,9 +584,7 @@ def _core_model_error(name: str, err: Exception) -> Exception:
         name.count("/") != 1
     where = ("no such local folder" if local else "not a local folder, and the Hugging Face Hub "
              "did not provide it (unknown id, private, or offline)")
-    return OSError(f"Could not load model {name!r}: {where}. Pass a local folder written by "
-                   "save_pretrained, a hub id such as Qwen/Qwen3-4B-Base, or 'tiny' for the "
-                   f"built-in test model. ({err})")
+    return OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({err})")
 
 
 def default_device() -> torch.device:
@@ -628,7 +608,7 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_tokenizer(name: str, *, require_chat_template: bool = False):
+def load_tokenizer(name: str):
     """The model's tokenizer, left-padded (pad = EOS where it has no pad token)."""
     try:
         tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(name))
@@ -637,10 +617,6 @@ def load_tokenizer(name: str, *, require_chat_template: bool = False):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    if require_chat_template and not getattr(tok, "chat_template", None):
-        raise ValueError(f"The tokenizer of {name!r} has no chat template, but this run uses chat "
-                         "prompts. Use a model whose tokenizer_config.json defines chat_template, "
-                         "or raw-text prompts.")
     return tok
 
 
@@ -661,8 +637,8 @@ def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bo
 
 
 def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder (every *.safetensors shard), on the CPU: the files
-    mapped privately by safetensors, so clean page cache, not process memory, until written."""
+    """All tensors of a save_pretrained folder's *.safetensors, on the CPU (mapped privately by
+    safetensors: clean page cache, not process memory, until written)."""
     from safetensors.torch import load_file
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
@@ -679,41 +655,31 @@ _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close f
 
 @contextlib.contextmanager
 def phase(name: str):
-    """`with phase("verify"): ...` adds the seconds to time/<name> of the active Run's next log().
-    Exclusive: a phase inside another pauses it (a sync inside a train step counts as sync); the
-    same phase nested in itself counts once."""
+    """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
+    Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
+    def add(name, seconds):
+        run = _CORE_ACTIVE_RUN
+        if run is not None and not run.closed:
+            run._timers[name] = run._timers.get(name, 0.0) + seconds
+
     stack = _CORE_PHASE_STACK
-    if stack and stack[-1][0] == name:
+    if stack and stack[-1][0] == name:  # nested in itself: counted once
         yield
         return
     now = time.perf_counter()
     if stack:
-        _core_add_time(stack[-1][0], now - stack[-1][1])
+        add(stack[-1][0], now - stack[-1][1])
     stack.append([name, now])
     try:
         yield
     finally:
         now = time.perf_counter()
-        _core_add_time(name, now - stack.pop()[1])
+        add(name, now - stack.pop()[1])
         if stack:
             stack[-1][1] = now
 
 
-def _core_add_time(name: str, seconds: float) -> None:
-    run = _CORE_ACTIVE_RUN
-    if run is not None and not run.closed:
-        run._timers[name] = run._timers.get(name, 0.0) + seconds
-
-
-def timed(name: str):
-    """Decorator form of phase(name)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kw):
-            with phase(name):
-                return fn(*args, **kw)
-        return inner
-    return wrap
+timed = phase  # @timed("sync") on a function: a contextmanager is also a ContextDecorator
 
 
 # ------------------------------------------------------------------------------------- sampling
@@ -741,8 +707,7 @@ def strip_special_tokens(text: str, tokenizer) -> str:
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt: raw text as is, chat messages through the chat template with the
-    assistant generation prompt, token ids unchanged."""
+    """Token ids of raw text, of chat messages (chat template + generation prompt), or ids as is."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
@@ -801,14 +766,14 @@ def _core_preserve_rng():
 
 
 class Sampler:
-    """generate(prompts, n, temperature, top_p, top_k, max_tokens, stop, seed) ->
-    list[list[Completion]], and load_weights(named tensors); VLLMSampler and HFSampler."""
+    """generate(prompts, n=, temperature=, top_p=, top_k=, max_tokens=, stop=, seed=) -> one
+    list[Completion] per prompt, and load_weights(named tensors): VLLMSampler, HFSampler."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
 
     def _encode(self, prompts, max_tokens, strict: bool) -> list[tuple[list[int], int]]:
-        """(prompt ids, max new tokens within max_model_len) per prompt; `strict`: a prompt that
-        fills max_model_len is an error, else it gets one token."""
+        """(ids, max new tokens within max_model_len) per prompt; one that fills max_model_len
+        is an error if `strict`, else gets one token."""
         out = []
         for i, p in enumerate(prompts):
             ids = encode_prompt(self.tokenizer, p)
@@ -818,14 +783,10 @@ class Sampler:
             out.append((ids, max(1, min(int(max_tokens), self.max_model_len - len(ids)))))
         return out
 
-    def sleep(self) -> None:
-        """Free sampler memory while training (no-op unless supported)."""
-
-    def wake_up(self) -> None:
+    def sleep(self) -> None:  # free sampler memory while training; wake_up, close: no-ops here
         pass
 
-    def close(self) -> None:
-        pass
+    wake_up = close = sleep
 
 
 def _core_import_vllm():
@@ -911,8 +872,8 @@ class VLLMSampler(Sampler):
                                      use_tqdm=False)
         result = []
         for (p, _), out in zip(reqs, outs):
-            group = []
-            for o in sorted(out.outputs, key=lambda o: o.index):
+            group, outputs = [], sorted(out.outputs, key=lambda o: o.index)
+            for o in outputs * n if greedy else outputs:  # vLLM refuses n > 1 for greedy: copies
                 toks = list(o.token_ids)
                 lps = None if o.logprobs is None else [
                     float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
@@ -920,11 +881,6 @@ class VLLMSampler(Sampler):
                     prompt_ids=list(p), token_ids=toks, logprobs=lps,
                     text=self.tokenizer.decode(toks, skip_special_tokens=True),
                     finish_reason="length" if o.finish_reason == "length" else "stop"))
-            if greedy:  # vLLM refuses n > 1 with greedy sampling; the n copies are identical
-                c = group[0]
-                group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
-                                             c.logprobs is None else list(c.logprobs))
-                         for _ in range(n)]
             result.append(group)
         return result
 
@@ -975,8 +931,7 @@ class _CoreSampleRecorder:
     records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
     def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
-        self.prompt_len, self.prev, self.steps = prompt_len, None, []
-        self.warpers = []
+        self.prompt_len, self.prev, self.steps, self.warpers = prompt_len, None, [], []
         if temperature not in (0, 1.0):
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
         if top_k is not None and top_k > 0:
@@ -1001,8 +956,7 @@ class _CoreSampleRecorder:
 
 
 class HFSampler(Sampler):
-    """`model.generate` behind the same API. With `model` it samples from the trainer's own module
-    (no sync needed); otherwise it loads its own copy, which load_weights updates."""
+    """`model.generate` behind the same API: on the trainer's module (`model`) or its own copy."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
@@ -1107,8 +1061,8 @@ def _core_is_dtensor(t) -> bool:
 
 
 def _core_unique_state(model):
-    """(HF name, tensor) of model.state_dict(); a tensor under two names (a tied lm_head) comes
-    once, under its first name. The same order on every rank."""
+    """(HF name, tensor) of model.state_dict() in the same order on every rank; a tensor under two
+    names (a tied lm_head) comes once, under its first name."""
     seen = set()
     for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
         if id(v) not in seen:
@@ -1133,8 +1087,8 @@ def _core_rank_mesh(device_type: str):
 
 
 def _core_layout(v):
-    """(mesh, placements) of this rank's part of trainer tensor `v`: FSDP2's shards; under DDP
-    rows split over the ranks, for weights only one rank needs a part of (R-Zero's parked role)."""
+    """(mesh, placements) of this rank's part of trainer tensor `v`: FSDP2's shards, else rows over
+    the ranks (under DDP, for weights each rank keeps only a part of: R-Zero's parked role)."""
     if _core_is_dtensor(v):
         return v.device_mesh, v.placements
     from torch.distributed.tensor import Shard
@@ -1142,8 +1096,7 @@ def _core_layout(v):
 
 
 def local_part(v, full=None):
-    """This rank's part of `full` (default: trainer tensor `v` itself), laid out as _core_layout
-    says, without a collective; in one process the whole tensor."""
+    """This rank's _core_layout part of `full` (default `v`), no collective; all in one process."""
     if not _core_is_dtensor(v) and dist_info()[1] == 1:
         return v if full is None else full
     if full is None and _core_is_dtensor(v):
@@ -1156,8 +1109,7 @@ def local_part(v, full=None):
 
 
 def full_from_part(part, v):
-    """The full tensor whose part on this rank is `part` (local_part's layout of `v`): gathered,
-    so every rank calls it."""
+    """The full tensor from each rank's local_part of `v` (a gather: every rank calls it)."""
     if not _core_is_dtensor(v) and dist_info()[1] == 1:
         return part
     from torch.distributed.tensor import DTensor
@@ -1168,8 +1120,8 @@ def full_from_part(part, v):
 
 
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2-sharded). Each storage is
-    written once, from its first name, so a tied lm_head never overwrites the embedding."""
+    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2), each storage once from its
+    first name: a tied lm_head never overwrites the embedding."""
     weights = {_core_strip_prefix(k): v for k, v in weights.items()}
     missing = []
     with torch.no_grad():
@@ -1183,8 +1135,7 @@ def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
 
 
 def _core_wrap_distributed(model, cfg):
-    """FSDP2 (fully_shard per decoder layer, then the root; on GPU bf16 compute, fp32 reduction),
-    or DDP."""
+    """FSDP2 (per decoder layer, then the root; on GPU bf16 compute, fp32 reduction), or DDP."""
     if cfg.dist == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         dev = next(model.parameters()).device
@@ -1204,8 +1155,7 @@ def _core_wrap_distributed(model, cfg):
 
 
 def _core_compute(model):
-    """The context of the trainer's forward passes: bf16 autocast over fp32 master weights when
-    Policy.load set it (GPU default), else nothing."""
+    """The trainer's forward context: bf16 autocast over fp32 weights if Policy.load set it."""
     core = getattr(model, "module", model)
     dtype = getattr(core, "selfplay_autocast", None)
     if dtype is None:
@@ -1234,22 +1184,19 @@ def final_hidden_states(model, input_ids, attention_mask=None):
 
 
 class Policy:
-    """The model being trained, its tokenizer and AdamW, and the sampler that generates with it.
-    Under torchrun each rank holds one: the trainer sharded with FSDP2 (or DDP), its own vLLM
-    engine, and `generate` samples this rank's share and all-gathers the results."""
+    """The trainer model, its tokenizer and AdamW, and the sampler that generates with it. Under
+    torchrun one per rank: the trainer sharded (FSDP2 or DDP), its own vLLM engine."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
         self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
-        self.model_path = model_path
-        self.device = next(model.parameters()).device
+        self.model_path, self.device = model_path, next(model.parameters()).device
         self.rank, self.world_size = dist_info()
         self.is_main = self.rank == 0
         self.reset_optimizer()
 
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
-        """Model + tokenizer + AdamW + sampler. An existing `sampler` is reused (its engine then
-        gets the trainer's weights: tests share one vLLM engine this way)."""
+        """Model + tokenizer + AdamW + sampler; a given `sampler` (tests share one) is synced."""
         _, world = init_distributed()
         path = resolve_model_path(cfg.model)
         fsdp = world > 1 and cfg.dist == "fsdp"
@@ -1296,14 +1243,12 @@ class Policy:
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
 
     def release_sampler_memory(self) -> None:
-        """Before a training pass: with --vllm-sleep (GPU) the engine sleeps until the next
-        generate / load_weights wakes it."""
+        """With --vllm-sleep (GPU) the engine sleeps till generate or load_weights wakes it."""
         self.sampler.sleep()
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
-        """Sampler.generate of `sampler` (default: the policy's). Under torchrun each rank samples
-        its share of `prompts` (the same on every rank) and gets the full list back; `seed` is
-        mixed with the rank, python's and numpy's RNG streams stay identical across ranks."""
+        """Sampler.generate of `sampler` (default: ours); under torchrun each rank samples its share
+        and gets all back, `seed` mixed with the rank, python's and numpy's RNGs kept in step."""
         sampler = sampler or self.sampler
         if self.world_size == 1:
             return sampler.generate(prompts, **kw)
@@ -1319,8 +1264,7 @@ class Policy:
         return [g for part in all_gather_objects(mine)[::tp] for g in part]
 
     def clip_and_step(self) -> float:
-        """Clip the global grad norm to cfg.grad_clip, step AdamW, zero the grads; returns the norm
-        before clipping (over all ranks' shards under FSDP2)."""
+        """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
             torch.tensor(0.0)
@@ -1335,22 +1279,19 @@ class Policy:
         return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
 
     def iter_full_weights(self):
-        """(HF name, full tensor), one at a time, tied duplicates skipped. Under FSDP2 each is
-        all-gathered (a collective: every rank iterates to the end)."""
+        """(HF name, full tensor), tied ones once; FSDP2 gathers each: every rank iterates all."""
         for k, v in _core_unique_state(self.model):
             yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
 
     def sync(self) -> None:
-        """Push the trainer's weights into the sampler in place (no disk); every rank's engine gets
-        the full weights. An HF sampler on the trainer's own module needs nothing."""
+        """The trainer's full weights into the sampler in place (none for HF on the trainer)."""
         if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
             self.sampler.version += 1
             return
         self.sampler.load_weights(self.iter_full_weights())
 
     def get_weights(self) -> dict:
-        """A CPU copy of the full HF-named state dict, on every rank (a tied lm_head shares the
-        embedding's copy): a snapshot for set_weights."""
+        """A CPU copy of the full HF-named state dict on every rank (a tied lm_head: shared)."""
         out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
         if "model.embed_tokens.weight" in out and self.module.config.tie_word_embeddings:
             out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
@@ -1362,8 +1303,7 @@ class Policy:
 
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
-        """`with policy.swapped_weights(ref): ...` runs the trainer with `weights` (a KL reference)
-        and puts its own back after, bit for bit; the sampler is not touched."""
+        """The trainer runs with `weights` (a KL reference), then gets its own back bit for bit."""
         previous = self.exchange_weights(weights)
         try:
             yield self.model
@@ -1407,9 +1347,8 @@ class Policy:
 
     @contextlib.contextmanager
     def sampling_from(self, weights: dict | None):
-        """`with policy.sampling_from(w): policy.generate(...)` samples from `w` (the frozen other
-        role, an oracle of the same architecture) through the one engine, then puts the trainer's
-        weights back into it. The trainer is not touched; None = its own weights."""
+        """generate() samples from `weights` (the frozen other role, an oracle) on the one engine,
+        which then gets the trainer's weights back; the trainer is untouched. None: its own."""
         if weights is None:
             yield self
             return
@@ -1432,8 +1371,7 @@ class Policy:
         self.sync()
 
     def optimizer_state(self) -> dict:
-        """AdamW's state to save; under torchrun the full state by parameter name, gathered on
-        rank 0 (a collective)."""
+        """AdamW's state; under torchrun by parameter name, gathered on rank 0 (a collective)."""
         if self.world_size == 1:
             return self.optimizer.state_dict()
         from torch.distributed.checkpoint import state_dict as dcp
@@ -1497,7 +1435,6 @@ class Run:
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
         self._timers, self.times = {}, {}  # seconds per phase: since the last log(), in all
         self.last: dict = {}  # the latest value of every metric logged
-        self.slowest = ""  # the last step's slowest phase, e.g. "sample 3.1s" (on the bar)
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
@@ -1525,9 +1462,8 @@ class Run:
         _CORE_ACTIVE_RUN = self
 
     def _clean_interrupted_saves(self) -> None:
-        """A save killed half-way leaves .tmp-<name>-<pid>/ (deleted); killed between its two
-        renames, .old-<name>-<pid>/ without <name>/ (the previous copy: put back). In checkpoints/,
-        the run folder and roles/ (R-Zero's roles)."""
+        """In checkpoints/, the run folder and roles/ (R-Zero's), a save killed half-way leaves
+        .tmp-<name>-<pid>/ (deleted); between its renames, .old-<name>-<pid>/ alone (put back)."""
         for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
             for old in sorted(root.glob(".old-*")):
                 final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
@@ -1572,12 +1508,11 @@ class Run:
                         any(s in k for s in _CORE_POSTFIX_KEYS):
                     short = k.count("/") == 1 and k.startswith("train/")
                     post[k.split("/")[-1] if short else k] = f"{v:.3g}"
-            times = [(v, k[5:]) for k, v in rec.items() if k.startswith("time/")
-                     and isinstance(v, float)]
-            secs, slow = max(times, default=(0, ""))
-            self.slowest = f"{slow} {secs:.1f}s" if secs > 0 else ""
-            self._bar.set_postfix({**post, "slowest": self.slowest} if secs > 0 else post,
-                                  refresh=False)
+            secs, slow = max(((v, k[5:]) for k, v in rec.items() if k.startswith("time/")
+                              and isinstance(v, float)), default=(0, ""))
+            if secs > 0:  # the step's slowest phase, e.g. "sample 3.1s"
+                post["slowest"] = f"{slow} {secs:.1f}s"
+            self._bar.set_postfix(post, refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
         """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
@@ -1602,9 +1537,8 @@ class Run:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
-        """checkpoints/step_<k>/: model + tokenizer (save_pretrained, loadable by vLLM),
-        optimizer.pt, trainer_state.json {step, rng, state}; a temp folder renamed, then `latest`
-        updated. Under torchrun every rank calls it (it gathers); rank 0 writes."""
+        """checkpoints/step_<k>/ (save_pretrained, optimizer.pt, trainer_state.json), a temp folder
+        renamed, then `latest`. Under torchrun every rank calls it (it gathers); rank 0 writes."""
         root, name = self.dir / "checkpoints", f"step_{int(step)}"
         state = dict(state or {})
         json.dumps(state, default=_core_json_default)  # not JSON-able: fail before writing
@@ -1648,9 +1582,8 @@ class Run:
         return latest_checkpoint(self.dir)
 
     def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
-        """Restore weights (trainer + sampler), optimizer and RNG from the latest checkpoint, drop
-        the metric and sample lines logged after it: (step, state), or None if there is none. Under
-        torchrun every rank calls it (the folder must be readable from every rank)."""
+        """(step, state) of the latest checkpoint (None if none), its weights, optimizer and RNG
+        restored, later metric and sample lines dropped. Under torchrun every rank calls it."""
         ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
         if ck is None:
             if self.cfg.resume:  # never start over silently, appending to its files
@@ -1692,26 +1625,18 @@ class Run:
         self.closed = True
 
     # -- what the CLI prints at the end -----------------------------------------------------------
-    def resume_command(self) -> str:
-        return f"python {self.method}.py --resume {self.dir}"
-
-    def headline(self) -> dict:
-        """The final evaluation figures among the logged metrics (test accuracy, greedy accuracy and
-        pass@k per benchmark, and the methods' averages)."""
-        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
-        return {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
-            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
-
     def summary(self, extra: dict | None = None) -> str:
-        """The table printed when a run ends: method, steps, headline figures, seconds per phase,
-        the folder and the command that continues it."""
+        """The table printed at the end: steps, final eval figures, seconds per phase, resume."""
+        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
+        figures = {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
+            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
+        figures.update(extra or {})
         times = {k: self.times.get(k, 0.0) + self._timers.get(k, 0.0)
                  for k in {**self.times, **self._timers}}
         steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
         rows = [("method", self.method), ("steps", steps)]
-        figures = {**self.headline(), **(extra or {})}
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
             rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
@@ -1720,7 +1645,8 @@ class Run:
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
-        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
+        rows += [("run folder", str(self.dir)), ("resume", f"python {self.method}.py --resume "
+                                                          f"{self.dir}")]
         width = max(len(r[0]) for r in rows)
         line = "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
@@ -1732,14 +1658,13 @@ class Run:
         if ck is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: "
-                + self.resume_command())
+        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: python "
+                f"{self.method}.py --resume {self.dir}")
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)
 def saved_activation_bytes(model, tokens: int) -> int:
-    """Bytes autograd keeps for backward after one forward of `tokens` random ids (parameters
-    excluded): the activation term of the memory plan, measured."""
+    """Bytes autograd keeps for backward from one forward of `tokens` random ids (no parameters)."""
     core = getattr(model, "module", model)
     device = next(core.parameters()).device
     seen = {}
@@ -1784,8 +1709,7 @@ def activation_costs(model, tokens=(32, 96)) -> dict:
 
 
 def available_memory(device) -> int:
-    """Bytes the trainer may still allocate: free CUDA memory; on CPU the kernel's MemAvailable,
-    capped by a cgroup v2 memory limit if one is set."""
+    """Bytes free: on CUDA the device's; on CPU MemAvailable, capped by a cgroup v2 memory limit."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     free = 0
@@ -1830,10 +1754,9 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Size the trainer to the free memory (10% margin) before the first step: the configured
-    micro-batch if it fits; else the largest one holding a --max-model-len sequence, without
-    checkpointing if possible (faster), else with it; else a one-line error. The gradients stay
-    the same. Returns the line to print ('' when nothing changed)."""
+    """Before step 1, fit the free memory (10% margin): the configured micro-batch, else the largest
+    holding a --max-model-len sequence, without checkpointing if possible (faster), else with it,
+    else a one-line error; the same gradients. Returns the line to print ('' if unchanged)."""
     cfg, model = policy.cfg, policy.module
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
