@@ -200,43 +200,38 @@ PROMPTS: dict[str, str] = {
 }
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
 _load_prompts = functools.lru_cache(maxsize=8)(lambda path: common.load_prompts(path, PROMPTS))
+_fence = "```{}\n{}\n```".format  # _fence(kind, text): a fenced block
 
 
-def prompts(cfg: Config) -> dict[str, str]:
+def templates(cfg: Config) -> dict[str, str]:
     """Our templates, or those of --prompts FILE in their place."""
     return _load_prompts(cfg.prompts) if cfg.prompts else PROMPTS
 
 
-def _fence(kind: str, text: str) -> str:
-    return f"```{kind}\n{text}\n```"
-
-
-def _code_rules(cfg: Config, single_def: bool) -> str:
-    t = prompts(cfg)
-    rule = t["definitions_single" if single_def else "definitions_helpers"]
-    return t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
-                                  definitions=rule)
+def render(cfg: Config, name: str, single_def: bool = False, **fields) -> str:
+    """Template `name` in the wrapper with its {code_rules}; str.format skips unused fields."""
+    t = templates(cfg)
+    rules = t["code_rules"].format(
+        timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
+        definitions=t["definitions_single" if single_def else "definitions_helpers"])
+    return t["wrapper"].format(task=t[name].format(code_rules=rules, **fields))
 
 
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
-    t = prompts(cfg)
     shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
                         f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
                         for k, r in enumerate(refs))
-    return t["wrapper"].format(task=t[f"propose_{task}"].format(  # each uses its own fields
-        program=program, n=cfg.induction_inputs, references=shown or "(none yet)",
-        code_rules=_code_rules(cfg, cfg.reject_multiple_defs)))
+    return render(cfg, f"propose_{task}", cfg.reject_multiple_defs, program=program,
+                  n=cfg.induction_inputs, references=shown or "(none yet)")
 
 
-def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
+def solver_prompt(task: str, e: dict, cfg: Config) -> str:
     """Induction shows the first half of the pairs; solver programs may have helpers."""
-    t, e = prompts(cfg), entry
     shown = e.get("inputs", [])[:len(e.get("inputs", [])) // 2]
     pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
                       for k, (i, o) in enumerate(zip(shown, e.get("outputs", []))))
-    return t["wrapper"].format(task=t[f"solve_{task}"].format(
-        program=e["program"], input=e.get("input"), output=e.get("output"),
-        message=e.get("message"), pairs=pairs, code_rules=_code_rules(cfg, single_def=False)))
+    return render(cfg, f"solve_{task}", program=e["program"], input=e.get("input"),
+                  output=e.get("output"), message=e.get("message"), pairs=pairs)
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
@@ -265,36 +260,38 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What is graded (reward_managers.py): the last output/input (induction: python, else any)
-    block, else the whole <answer>; None is a format error."""
+    """What is graded (reward_managers.py): the last output/input block, else the whole <answer>;
+    induction: the last python block, else the last of any kind. None is a format error."""
     answer = extract_answer(completion)
     if answer is None:
         return None
     if task == "induction":
-        code = blocks(answer, "python", "py", "python3") or blocks(answer)
-        return code[-1] if code else None
-    found = blocks(answer, "output" if task == "deduction" else "input")
-    return found[-1] if found else answer.strip()
+        return (blocks(answer, "python", "py", "python3") or blocks(answer) or [None])[-1]
+    return (blocks(answer, "output" if task == "deduction" else "input") or [answer.strip()])[-1]
 
 
-def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
-    """A relative or banned import, a banned attribute, or a BANNED_NAMES name that may be the
-    builtin (in a module or class body, or global in a function: symtable's scopes)."""
+def _check_ast(source: str, mode: str = "exec"):
+    """(reason or None, tree): syntax if it does not parse; banned for a relative or banned import,
+    a banned attribute, or a BANNED_NAMES name that may be the builtin (in a module or class body,
+    or global in a function: symtable's scopes)."""
     def bad(module: str) -> bool:
         return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Import) and any(bad(a.name) for a in node.names)
-                or isinstance(node, ast.ImportFrom) and (node.level or bad(node.module))
-                or isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS):
-            return True
-    tables = [symtable.symtable(source, "<program>", mode)]
-    for table in tables:  # grows as it goes: every nested scope
-        tables += table.get_children()
-        plain = table.get_type() in ("module", "class")
-        if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
-               for s in table.get_symbols()):
-            return True
-    return False
+    try:
+        tree = ast.parse(source, mode=mode)
+        if any(isinstance(n, ast.Import) and any(bad(a.name) for a in n.names)
+               or isinstance(n, ast.ImportFrom) and (n.level or bad(n.module))
+               or isinstance(n, ast.Attribute) and n.attr in BANNED_ATTRS for n in ast.walk(tree)):
+            return "banned", tree
+        tables = [symtable.symtable(source, "<program>", mode)]
+        for table in tables:  # grows as it goes: every nested scope
+            tables += table.get_children()
+            plain = table.get_type() in ("module", "class")
+            if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
+                   for s in table.get_symbols()):
+                return "banned", tree
+        return None, tree
+    except _PARSE_ERRORS:
+        return "syntax", None
 
 
 def check_input(text: str, program: str = "") -> str | None:
@@ -304,22 +301,15 @@ def check_input(text: str, program: str = "") -> str | None:
         return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
         return "too_large"
-    source = f"_(\n{text.strip()}\n)"
-    try:
-        node = ast.parse(source, mode="eval").body
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "_" and (node.args or node.keywords)):
-            return "syntax"
-        if _banned(node, source, "eval"):
-            return "banned"
-    except _PARSE_ERRORS:
+    reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
+    call = tree.body if tree else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            and call.func.id == "_" and (call.args or call.keywords)):
         return "syntax"
-    try:
-        own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
-    except _PARSE_ERRORS:
-        own = {"f"}
-    calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(node))
-    return "banned" if calls_own else None
+    prog = _check_ast(program)[1]  # None if it does not parse
+    own = {"f"} | {n.name for n in (prog.body if prog else []) if isinstance(n, _DEFS)}
+    calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
+    return reason or ("banned" if calls_own else None)
 
 
 def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
@@ -327,29 +317,22 @@ def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
     is invalid (code_reward.py's reject_multiple_functions)."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
-    try:
-        tree = ast.parse(program)
-        if _banned(tree, program):
-            return "banned", program
-    except _PARSE_ERRORS:
-        return "syntax", program
-    if single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
-        return "multiple_defs", program
+    reason, tree = _check_ast(program)
+    if reason or single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
+        return reason or "multiple_defs", program
     defs = [n for n in tree.body if isinstance(n, _DEFS)]
     entry = [n for n in defs if n.name == "f"] or (defs if len(defs) == 1 else [])
     if not entry or any(isinstance(n, ast.AsyncFunctionDef) for n in entry):
         return "syntax", program
-    if entry[0].name == "f":
-        return None, program
-    return None, f"{program.rstrip()}\n\nf = {entry[0].name}"  # the single entry function is f
+    return None, program if entry[0].name == "f" else f"{program.rstrip()}\n\nf = {entry[0].name}"
 
 
 def strip_program(program: str) -> str:
     """Seed programs keep imports and definitions only, without docstrings or comments (§3.3.1);
     "" (invalid) if the program cannot be rewritten."""
+    keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
     try:
-        module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(
-            n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
+        module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(n, keep) or (
             isinstance(n, ast.Assign) and len(n.targets) == 1
             and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
         for node in (n for n in ast.walk(module) if isinstance(n, (*_DEFS, ast.ClassDef))):
@@ -360,24 +343,21 @@ def strip_program(program: str) -> str:
         return ""
 
 
-def parse_triplet_proposal(completion: str) -> dict:
-    """{'program', 'input', 'reason'} or {'reason'}: the first ```python and ```input block."""
+def parse_proposal(completion: str, task: str, n: int = 0, program: str = "") -> dict:
+    """{'reason'} alone if invalid, else deduction/abduction: {'program', 'input'} of the first
+    ```python and ```input block; induction: {'inputs', 'message'} of the last n ```input blocks
+    and the last ```message."""
     answer = extract_answer(completion) or ""
-    programs, inputs = blocks(answer, "python"), blocks(answer, "input")
-    if not programs or not inputs:
+    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
+    if task != "induction":
+        if not programs or not inputs:
+            return {"reason": "format"}
+        return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
+                "input": inputs[0]}
+    if len(inputs[-n:]) < n or not messages or not messages[-1]:
         return {"reason": "format"}
-    return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
-            "input": inputs[0]}
-
-
-def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict:
-    """{'inputs', 'message'} or {'reason'}: the last n ```input blocks and the last ```message."""
-    answer = extract_answer(completion) or ""
-    inputs, messages = blocks(answer, "input")[-n:], blocks(answer, "message")
-    if len(inputs) < n or not messages or not messages[-1]:
-        return {"reason": "format"}
-    reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
-    return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
+    reason = next((r for r in (check_input(i, program) for i in inputs[-n:]) if r), None)
+    return {"reason": reason} if reason else {"inputs": inputs[-n:], "message": messages[-1][:2000]}
 
 
 # --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
@@ -582,8 +562,8 @@ def propose(policy, executor: Executor, buffers: dict, cfg: Config,
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
-        p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs, p["program"])
-                 if p["task"] == "induction" else parse_triplet_proposal(group[0].text))
+        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs,
+                                p.get("program", "")))
     for t in tasks:
         validate(executor, t, props[t], cfg, step, policy.tokenizer)
     return props
@@ -716,8 +696,8 @@ def _eval_prompt_fn(cfg: Config, code: bool):
     """The eval_math or eval_code template as a prompt_fn, named for eval.json's settings."""
     def eval_prompt(problem, tokenizer=None):
         if code:
-            return prompts(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
-        return prompts(cfg)["eval_math"].format(question=problem["question"].strip())
+            return templates(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
+        return templates(cfg)["eval_math"].format(question=problem["question"].strip())
     name = "code_eval_prompt" if code else "eval_prompt"
     eval_prompt.__name__ = f"absolute_zero.{name}" + (f" ({cfg.prompts})" if cfg.prompts else "")
     return eval_prompt
@@ -748,7 +728,7 @@ def eval_metrics(results: dict) -> dict:
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     common.check_benchmark_names(cfg.eval_benchmarks)
-    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
+    templates(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
     checks = [
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),

@@ -60,18 +60,18 @@ def test_check_input_accepts_argument_lists_and_refuses_the_rest():
 def test_triplet_and_induction_proposal_parsing():
     text = answer(fence("python", "def f(a):\n    return a") + "\n" + fence("input", "[1, 2]")
                   + "\n" + fence("python", "ignored"))
-    p = az.parse_triplet_proposal(text)
+    p = az.parse_proposal(text, "deduction")
     assert p["program"].startswith("def f(a)") and p["input"] == "[1, 2]" and "args" not in p
     untagged = "no tags " + fence("python", "def f(a): return a")
-    assert az.parse_triplet_proposal(untagged)["reason"] == "format"
+    assert az.parse_proposal(untagged, "abduction")["reason"] == "format"
     ins = "\n".join(fence("input", str(k)) for k in range(12))
-    q = az.parse_induction_proposal(answer(ins + "\n" + fence("message", "add nothing")), 10)
+    q = az.parse_proposal(answer(ins + "\n" + fence("message", "add nothing")), "induction", 10)
     # the last N are kept
     assert q["inputs"] == [str(k) for k in range(2, 12)] and q["message"] == "add nothing"
-    assert az.parse_induction_proposal(answer(ins), 10)["reason"] == "format"  # message missing
+    assert az.parse_proposal(answer(ins), "induction", 10)["reason"] == "format"  # message missing
     few = "\n".join(fence("input", str(k)) for k in range(9))
-    assert az.parse_induction_proposal(answer(few + fence("message", "m")),
-                                       10)["reason"] == "format"
+    assert az.parse_proposal(answer(few + fence("message", "m")), "induction",
+                             10)["reason"] == "format"
 
 
 @pytest.mark.parametrize("program", [
@@ -380,7 +380,7 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
              _triplet(prog, "xs=[2, 2]"), _triplet(prog, "*[[1, 2]], **{'k': 1}")]
     for p in props:
         text = answer(fence("python", p["program"]) + fence("input", p["input"]))
-        assert az.parse_triplet_proposal(text)["input"] == p["input"]
+        assert az.parse_proposal(text, "deduction")["input"] == p["input"]
     az.validate(executor, "deduction", props, executor.cfg)
     assert [p["reason"] for p in props] == [None] * 4
     assert [p["entry"]["output"] for p in props] == ["50", "11", "8", "7"]
@@ -413,7 +413,8 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
 ])
 def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile):
     prog = "def f(x):\n    return 1"
-    prop = az.parse_triplet_proposal(answer(fence("python", prog) + "\n" + fence("input", hostile)))
+    prop = az.parse_proposal(answer(fence("python", prog) + "\n" + fence("input", hostile)),
+                             "deduction")
     if prop.get("reason") is None:  # the AST check passed it: the sandbox must refuse it
         az.validate(executor, "deduction", [prop], executor.cfg)
     assert prop["reason"] in ("syntax", "banned", "too_large", "error", "timeout"), prop["reason"]
