@@ -1,5 +1,5 @@
-"""Absolute Zero Reasoner (AZR): Zhao, Wu, Yue, Wu, Xu, Lin, Zhao, Liu, Huang, "Absolute Zero:
-Reinforced Self-play Reasoning with Zero Data", arXiv:2505.03335v2.
+"""Absolute Zero Reasoner (AZR): Zhao et al., "Absolute Zero: Reinforced Self-play Reasoning with
+Zero Data", arXiv:2505.03335v2.
 
 One model proposes and solves tasks on (program p, input i, output o) triplets in three modes:
 deduction (o from p, i), abduction (an i with p(i) == o) and induction (p from I/O pairs and a
@@ -380,16 +380,14 @@ class Executor:
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
         """[(status, output repr, value)] per (program, input) job; status "ok" or a reason."""
         rank, world = common.dist_info()
-        if world == 1:
-            return self._run(jobs, run)
-        return common.broadcast_object(self._run(jobs, run) if rank == 0 else None)
-
-    def _run(self, jobs, run: int) -> list[tuple[str, str, object]]:
+        if rank > 0:
+            return common.broadcast_object(None)
         refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
         # the newlines keep a comment in the input off the closing parenthesis
         todo = [(p, f"f(\n{t.strip()}\n)") for (p, t), r in zip(jobs, refused) if r is None]
         results = iter(self.sandboxes[run].run_many(todo) if todo else [])
-        return [(r, "", None) if r else self._classify(next(results)) for r in refused]
+        out = [(r, "", None) if r else self._classify(next(results)) for r in refused]
+        return common.broadcast_object(out) if world > 1 else out
 
     def _classify(self, res) -> tuple[str, str, object]:
         """The output must be a finite literal that survives a repr round trip, with no address."""
@@ -399,10 +397,10 @@ class Executor:
         if _ADDRESS_RE.search(res.value):
             return "nondeterministic", res.value, None
         try:
-            value = common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
+            return "ok", res.value, common.parse_literal(res.value,
+                                                         max_chars=self.cfg.max_output_chars)
         except ValueError:
             return "non_literal", res.value, None
-        return "ok", res.value, value
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
         """[(reason or None, gold output)]: all j runs succeed with the same value and type (a set
@@ -449,8 +447,8 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         gold = ({"inputs": p["inputs"], "outputs": [o for _, o in res], "message": p["message"]}
                 if task == "induction" else {"input": p["input"], "output": res[0][1]})
         p["entry"] = {"program": p["program"], **gold, "step": step}
-        prompt = solver_prompt(task, p["entry"], cfg)
-        if tokenizer is not None and not _fits(tokenizer, prompt, cfg):
+        if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
+                                               cfg):
             p["reason"], p["entry"] = "too_large", None
     return proposals
 
@@ -504,37 +502,50 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6):
 
 
 # --- The loop: one function per step of Alg. 1
-def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None, top_p=None):
+def _generate(policy, prompts: list[str], n: int, cfg: Config, **sampling):
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, **sampling}
     return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens,
-                           temperature=cfg.temperature if temperature is None else temperature,
-                           top_p=cfg.top_p if top_p is None else top_p) if prompts else []
+                           **sampling) if prompts else []
+
+
+def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, cfg: Config,
+             **sampling) -> list[list[tuple]]:
+    """n graded solver answers [(completion, formatted, correct)] per (task type, entry)."""
+    groups = _generate(policy, [solver_prompt(t, e, cfg) for t, e in tasks], n, cfg, **sampling)
+    out = [[] for _ in tasks]
+    for t in TASKS:
+        idx = [k for k, (task, _) in enumerate(tasks) if task == t]
+        graded = iter(check_solutions(executor, t, [tasks[k][1] for k in idx for _ in range(n)],
+                                      [c.text for k in idx for c in groups[k]], cfg))
+        for k in idx:
+            out[k] = [(c, *next(graded)) for c in groups[k]]
+    return out
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
     """Step 0 (§3.3.1, _init_seed_dataset), no updates: deduction and abduction rounds fill
-    D_seed = D_ded = D_abd with S*B stripped triplets, then D_ind on its programs."""
+    D_seed = D_ded = D_abd with S*B stripped triplets, then induction rounds D_ind on them."""
     target, cap = cfg.seed_factor * cfg.batch_size, cfg.buffer_cap
     seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cap)
     views = {"deduction": seed, "abduction": seed, "induction": collections.deque(maxlen=cap)}
-    for phase in ("deduction", "induction"):
+    for buf, tasks in ((seed, TASKS[:2]), (views["induction"], TASKS[2:])):
         for r in range(cfg.seed_max_rounds):
-            if len(views[phase]) >= target:
+            if len(buf) >= target:
                 break
-            task = TASKS[r % 2] if phase == "deduction" else phase
+            task = tasks[r % len(tasks)]
             new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
                    if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
                 new = validate(executor, task, [{"program": strip_program(p["program"]),
                                                  "input": p["input"]} for p in new], cfg, 0,
                                policy.tokenizer)
-            new = [p["entry"] for p in new if p["reason"] is None]
-            views[phase].extend(new[:target - len(views[phase])])
+            buf.extend([p["entry"] for p in new if p["reason"] is None][:target - len(buf)])
     if len(seed) < target or len(views["induction"]) < target:
-        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase with "
-              f"{len(seed)} triplets and {len(views['induction'])} induction tasks (target "
-              f"{target}); training starts with these", file=sys.stderr)
-    return {"deduction": collections.deque(seed, maxlen=cap),
-            "abduction": collections.deque(seed, maxlen=cap), "induction": views["induction"]}
+        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
+              f"{len(seed)} triplets, {len(views['induction'])} induction tasks (target {target})",
+              file=sys.stderr)
+    return {**{t: collections.deque(seed, maxlen=cap) for t in TASKS[:2]},
+            "induction": views["induction"]}
 
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
@@ -554,8 +565,7 @@ def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
 def propose(policy, executor: Executor, buffers: dict, cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
     """Steps 1-2: B proposals per task type, parsed and validated (the caller keeps the valid)."""
-    programs = list(dict.fromkeys(e["program"] for t in ("deduction", "abduction")
-                                  for e in buffers[t]))  # seed programs sit in both
+    programs = list(dict.fromkeys(e["program"] for t in TASKS[:2] for e in buffers[t]))
     props = {t: [p for _ in range(cfg.batch_size)
                  if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
              for t in tasks}
@@ -571,37 +581,30 @@ def propose(policy, executor: Executor, buffers: dict, cfg: Config,
 
 def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) -> None:
     """Step 3 (Eq. 4): p['solve_rate'] = r_bar over n samples at T = 1, top-p 1."""
-    n = cfg.learnability_samples
     valid = [p for t in props for p in props[t] if p["reason"] is None]
-    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid], n, cfg,
-                       temperature=1.0, top_p=1.0)
-    for t in TASKS:
-        idx = [k for k, p in enumerate(valid) if p["task"] == t]
-        graded = check_solutions(executor, t, [valid[k]["entry"] for k in idx for _ in range(n)],
-                                 [c.text for k in idx for c in groups[k]], cfg)
-        for j, k in enumerate(idx):
-            valid[k]["solve_rate"] = sum(c for _, c in graded[j * n:(j + 1) * n]) / n
+    graded = _answers(policy, executor, [(p["task"], p["entry"]) for p in valid],
+                      cfg.learnability_samples, cfg, temperature=1.0, top_p=1.0)
+    for p, answers in zip(valid, graded):
+        p["solve_rate"] = sum(correct for _, _, correct in answers) / cfg.learnability_samples
 
 
 def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
           rng: random.Random, step: int) -> dict[str, list[dict]]:
     """Step 4: this step's valid tasks back-filled from older ones, one answer each, graded."""
-    work: dict[str, list[dict]] = {}
+    work = []
     for t in TASKS:
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
         old = [e for e in buffers[t] if e.get("step") != step] or list(buffers[t])
         need = cfg.batch_size - len(new)
-        work[t] = [{"entry": e, "new": k < len(new), "prompt": solver_prompt(t, e, cfg)}
-                   for k, e in enumerate(new + sample(old, need, rng, replace=need > len(old)))]
-    flat = [s for t in TASKS for s in work[t]]
-    for s, group in zip(flat, _generate(policy, [s["prompt"] for s in flat], 1, cfg)):
-        s["completion"] = group[0]
-    for t in TASKS:
-        graded = check_solutions(executor, t, [s["entry"] for s in work[t]],
-                                 [s["completion"].text for s in work[t]], cfg)
-        for s, (formatted, correct) in zip(work[t], graded):
-            s.update(formatted=formatted, correct=correct, reward=solver_reward(formatted, correct))
-    return work
+        work += [(t, e, k < len(new)) for k, e in enumerate(
+            new + sample(old, need, rng, replace=need > len(old)))]
+    solved = {t: [] for t in TASKS}
+    for (t, e, new), [(c, formatted, correct)] in zip(
+            work, _answers(policy, executor, [(t, e) for t, e, _ in work], 1, cfg)):
+        solved[t].append({"entry": e, "new": new, "prompt": solver_prompt(t, e, cfg),
+                          "completion": c, "formatted": formatted, "correct": correct,
+                          "reward": solver_reward(formatted, correct)})
+    return solved
 
 
 def build_trajectories(props: dict, solved: dict) -> list:
@@ -619,12 +622,10 @@ def build_trajectories(props: dict, solved: dict) -> list:
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
     trajs = build_trajectories(props, solved)
-    if not trajs:
-        return {}
     return common.pg_step(policy, trajs, common.PGConfig(
         clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
         aggregation=cfg.aggregation, max_len=cfg.max_response_tokens,
-        temperature=cfg.temperature, mini_batch=cfg.mini_batch))
+        temperature=cfg.temperature, mini_batch=cfg.mini_batch)) if trajs else {}
 
 
 def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,
@@ -668,18 +669,14 @@ def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
 
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
     for t in TASKS:
-        run.log_samples(step, f"proposer/{t}", [
-            {"completion": p["completion"].text, **{k: p.get(k) for k in (
-                "prompt", "reason", "entry", "solve_rate", "reward")}} for p in props[t]])
-        run.log_samples(step, f"solver/{t}", [
-            {"completion": s["completion"].text, **{k: s[k] for k in (
-                "prompt", "entry", "new", "correct", "reward")}} for s in solved[t]])
+        for role, recs, keys in (("proposer", props[t], ("reason", "entry", "solve_rate")),
+                                 ("solver", solved[t], ("entry", "new", "correct"))):
+            run.log_samples(step, f"{role}/{t}", [{"completion": r["completion"].text, **{
+                k: r.get(k) for k in ("prompt", *keys, "reward")}} for r in recs])
 
 
 # --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
 # there gets a boxed template, official issue #27: give one as eval_math with --prompts)
-
-
 def eval_answer(text: str) -> str | None:
     """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer> (its \\boxed{}
     if any), else the last \\boxed{}, else the first \\[ ... \\]."""
@@ -729,6 +726,8 @@ def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     common.check_benchmark_names(cfg.eval_benchmarks)
     templates(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
+    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if cfg.eval_code and b.strip()]
+    hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
     checks = [
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
@@ -736,20 +735,17 @@ def check_config(cfg: Config) -> None:
         *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
           for k in ("seed_factor", "buffer_cap")],  # the others: parse_config's limit check
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
+        *[(b in hub or b.endswith((".jsonl", ".json")) and os.path.isfile(b),
+           f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} "
+           "nor an existing .jsonl file") for b in code],
+        (not hub or importlib.util.find_spec("datasets") is not None, "--eval-code: HumanEval+/"
+         "MBPP+ come from the Hugging Face hub via the `datasets` package, which is not "
+         "installed: pip install datasets, give local JSONL files with --eval-code-benchmarks, "
+         "or --no-eval-code")]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    for b in (b.strip() for b in cfg.eval_code_benchmarks.split(",") if cfg.eval_code):
-        hub = b.lower() in common.CODE_BENCHMARKS
-        if b and not hub and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
-            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
-                             f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
-        if hub and importlib.util.find_spec("datasets") is None:
-            raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub via "
-                             "the `datasets` package, which is not installed: pip install "
-                             "datasets, give local JSONL files with --eval-code-benchmarks, or "
-                             "--no-eval-code")
 
 
 def train(cfg: Config) -> dict:
@@ -760,10 +756,9 @@ def train(cfg: Config) -> dict:
     executor = Executor(cfg)
     try:
         start, state = run.load_checkpoint(policy) or (0, {})
-        if state.get("buffers"):
-            buffers = {t: collections.deque(state["buffers"][t], maxlen=cfg.buffer_cap)
-                       for t in TASKS}
-        else:
+        buffers = {t: collections.deque(b, maxlen=cfg.buffer_cap)
+                   for t, b in state.get("buffers", {}).items()}
+        if not buffers:
             buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
             run.log(0, {f"{t}/buffer_size": len(buffers[t]) for t in TASKS})
         bar = run.progress(cfg.steps, initial=start)
@@ -792,10 +787,9 @@ def train(cfg: Config) -> dict:
 
 def headline(results: dict) -> dict:
     """The final evaluation's figures for the summary (math, code, or why code was skipped)."""
-    figures = {k: v for k, v in eval_metrics(results).items()
-               if k.endswith("greedy_acc") or "pass@" in k}
     skipped = results.get("code", {}).get("skipped")
-    return {**figures, **({"code skipped": skipped} if skipped else {})}
+    return {**{k: v for k, v in eval_metrics(results).items() if k.endswith("greedy_acc")
+               or "pass@" in k}, **({"code skipped": skipped} if skipped else {})}
 
 
 def main(argv=None):
