@@ -306,8 +306,10 @@ def check_input(text: str, program: str = "") -> str | None:
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
             and call.func.id == "_" and (call.args or call.keywords)):
         return "syntax"
-    prog = _check_ast(program)[1]  # None if it does not parse
-    own = {"f"} | {n.name for n in (prog.body if prog else []) if isinstance(n, _DEFS)}
+    try:
+        own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
+    except _PARSE_ERRORS:
+        own = {"f"}
     calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
     return reason or ("banned" if calls_own else None)
 
@@ -345,19 +347,20 @@ def strip_program(program: str) -> str:
 
 def parse_proposal(completion: str, task: str, n: int = 0, program: str = "") -> dict:
     """{'reason'} alone if invalid, else deduction/abduction: {'program', 'input'} of the first
-    ```python and ```input block; induction: {'inputs', 'message'} of the last n ```input blocks
-    and the last ```message."""
+    ```python and ```input block; induction: {'inputs', 'message'} of the last n
+    (--induction-inputs) ```input blocks and the last ```message."""
     answer = extract_answer(completion) or ""
     inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
-    if task != "induction":
-        if not programs or not inputs:
+    if task == "induction":
+        inputs = inputs[-n:]
+        if len(inputs) < n or not messages or not messages[-1]:
             return {"reason": "format"}
-        return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
-                "input": inputs[0]}
-    if len(inputs[-n:]) < n or not messages or not messages[-1]:
+        reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
+        return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
+    if not programs or not inputs:
         return {"reason": "format"}
-    reason = next((r for r in (check_input(i, program) for i in inputs[-n:]) if r), None)
-    return {"reason": reason} if reason else {"inputs": inputs[-n:], "message": messages[-1][:2000]}
+    return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
+            "input": inputs[0]}
 
 
 # --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
