@@ -1,5 +1,5 @@
-"""Absolute Zero Reasoner (AZR): Zhao, Wu, Yue, Wu, Xu, Lin, Zhao, Liu, Huang, "Absolute Zero:
-Reinforced Self-play Reasoning with Zero Data", arXiv:2505.03335v2.
+"""Absolute Zero Reasoner (AZR): Zhao et al., "Absolute Zero: Reinforced Self-play Reasoning with
+Zero Data", arXiv:2505.03335v2.
 
 One model proposes and solves tasks on (program p, input i, output o) triplets in three modes:
 deduction (o from p, i), abduction (an i with p(i) == o) and induction (p from I/O pairs and a
@@ -200,43 +200,38 @@ PROMPTS: dict[str, str] = {
 }
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
 _load_prompts = functools.lru_cache(maxsize=8)(lambda path: common.load_prompts(path, PROMPTS))
+_fence = "```{}\n{}\n```".format  # _fence(kind, text): a fenced block
 
 
-def prompts(cfg: Config) -> dict[str, str]:
+def templates(cfg: Config) -> dict[str, str]:
     """Our templates, or those of --prompts FILE in their place."""
     return _load_prompts(cfg.prompts) if cfg.prompts else PROMPTS
 
 
-def _fence(kind: str, text: str) -> str:
-    return f"```{kind}\n{text}\n```"
-
-
-def _code_rules(cfg: Config, single_def: bool) -> str:
-    t = prompts(cfg)
-    rule = t["definitions_single" if single_def else "definitions_helpers"]
-    return t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
-                                  definitions=rule)
+def render(cfg: Config, name: str, single_def: bool = False, **fields) -> str:
+    """Template `name` in the wrapper with its {code_rules}; str.format skips unused fields."""
+    t = templates(cfg)
+    rules = t["code_rules"].format(
+        timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
+        definitions=t["definitions_single" if single_def else "definitions_helpers"])
+    return t["wrapper"].format(task=t[name].format(code_rules=rules, **fields))
 
 
 def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
-    t = prompts(cfg)
     shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
                         f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
                         for k, r in enumerate(refs))
-    return t["wrapper"].format(task=t[f"propose_{task}"].format(  # each uses its own fields
-        program=program, n=cfg.induction_inputs, references=shown or "(none yet)",
-        code_rules=_code_rules(cfg, cfg.reject_multiple_defs)))
+    return render(cfg, f"propose_{task}", cfg.reject_multiple_defs, program=program,
+                  n=cfg.induction_inputs, references=shown or "(none yet)")
 
 
-def solver_prompt(task: str, entry: dict, cfg: Config) -> str:
+def solver_prompt(task: str, e: dict, cfg: Config) -> str:
     """Induction shows the first half of the pairs; solver programs may have helpers."""
-    t, e = prompts(cfg), entry
     shown = e.get("inputs", [])[:len(e.get("inputs", [])) // 2]
     pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
                       for k, (i, o) in enumerate(zip(shown, e.get("outputs", []))))
-    return t["wrapper"].format(task=t[f"solve_{task}"].format(
-        program=e["program"], input=e.get("input"), output=e.get("output"),
-        message=e.get("message"), pairs=pairs, code_rules=_code_rules(cfg, single_def=False)))
+    return render(cfg, f"solve_{task}", program=e["program"], input=e.get("input"),
+                  output=e.get("output"), message=e.get("message"), pairs=pairs)
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
@@ -265,36 +260,38 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 
 
 def solver_answer(completion: str, task: str) -> str | None:
-    """What is graded (reward_managers.py): the last output/input (induction: python, else any)
-    block, else the whole <answer>; None is a format error."""
+    """What is graded (reward_managers.py): the last output/input block, else the whole <answer>;
+    induction: the last python block, else the last of any kind. None is a format error."""
     answer = extract_answer(completion)
     if answer is None:
         return None
     if task == "induction":
-        code = blocks(answer, "python", "py", "python3") or blocks(answer)
-        return code[-1] if code else None
-    found = blocks(answer, "output" if task == "deduction" else "input")
-    return found[-1] if found else answer.strip()
+        return (blocks(answer, "python", "py", "python3") or blocks(answer) or [None])[-1]
+    return (blocks(answer, "output" if task == "deduction" else "input") or [answer.strip()])[-1]
 
 
-def _banned(tree: ast.AST, source: str, mode: str = "exec") -> bool:
-    """A relative or banned import, a banned attribute, or a BANNED_NAMES name that may be the
-    builtin (in a module or class body, or global in a function: symtable's scopes)."""
+def _check_ast(source: str, mode: str = "exec"):
+    """(reason or None, tree): syntax if it does not parse; banned for a relative or banned import,
+    a banned attribute, or a BANNED_NAMES name that may be the builtin (in a module or class body,
+    or global in a function: symtable's scopes)."""
     def bad(module: str) -> bool:
         return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Import) and any(bad(a.name) for a in node.names)
-                or isinstance(node, ast.ImportFrom) and (node.level or bad(node.module))
-                or isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS):
-            return True
-    tables = [symtable.symtable(source, "<program>", mode)]
-    for table in tables:  # grows as it goes: every nested scope
-        tables += table.get_children()
-        plain = table.get_type() in ("module", "class")
-        if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
-               for s in table.get_symbols()):
-            return True
-    return False
+    try:
+        tree = ast.parse(source, mode=mode)
+        if any(isinstance(n, ast.Import) and any(bad(a.name) for a in n.names)
+               or isinstance(n, ast.ImportFrom) and (n.level or bad(n.module))
+               or isinstance(n, ast.Attribute) and n.attr in BANNED_ATTRS for n in ast.walk(tree)):
+            return "banned", tree
+        tables = [symtable.symtable(source, "<program>", mode)]
+        for table in tables:  # grows as it goes: every nested scope
+            tables += table.get_children()
+            plain = table.get_type() in ("module", "class")
+            if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
+                   for s in table.get_symbols()):
+                return "banned", tree
+        return None, tree
+    except _PARSE_ERRORS:
+        return "syntax", None
 
 
 def check_input(text: str, program: str = "") -> str | None:
@@ -304,22 +301,17 @@ def check_input(text: str, program: str = "") -> str | None:
         return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
         return "too_large"
-    source = f"_(\n{text.strip()}\n)"
-    try:
-        node = ast.parse(source, mode="eval").body
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "_" and (node.args or node.keywords)):
-            return "syntax"
-        if _banned(node, source, "eval"):
-            return "banned"
-    except _PARSE_ERRORS:
+    reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
+    call = tree.body if tree else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            and call.func.id == "_" and (call.args or call.keywords)):
         return "syntax"
     try:
         own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
     except _PARSE_ERRORS:
         own = {"f"}
-    calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(node))
-    return "banned" if calls_own else None
+    calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
+    return reason or ("banned" if calls_own else None)
 
 
 def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
@@ -327,29 +319,22 @@ def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
     is invalid (code_reward.py's reject_multiple_functions)."""
     if not program or len(program) > max_chars:
         return ("too_large" if program else "syntax"), program
-    try:
-        tree = ast.parse(program)
-        if _banned(tree, program):
-            return "banned", program
-    except _PARSE_ERRORS:
-        return "syntax", program
-    if single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
-        return "multiple_defs", program
+    reason, tree = _check_ast(program)
+    if reason or single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
+        return reason or "multiple_defs", program
     defs = [n for n in tree.body if isinstance(n, _DEFS)]
     entry = [n for n in defs if n.name == "f"] or (defs if len(defs) == 1 else [])
     if not entry or any(isinstance(n, ast.AsyncFunctionDef) for n in entry):
         return "syntax", program
-    if entry[0].name == "f":
-        return None, program
-    return None, f"{program.rstrip()}\n\nf = {entry[0].name}"  # the single entry function is f
+    return None, program if entry[0].name == "f" else f"{program.rstrip()}\n\nf = {entry[0].name}"
 
 
 def strip_program(program: str) -> str:
     """Seed programs keep imports and definitions only, without docstrings or comments (§3.3.1);
     "" (invalid) if the program cannot be rewritten."""
+    keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
     try:
-        module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(
-            n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
+        module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(n, keep) or (
             isinstance(n, ast.Assign) and len(n.targets) == 1
             and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
         for node in (n for n in ast.walk(module) if isinstance(n, (*_DEFS, ast.ClassDef))):
@@ -360,24 +345,22 @@ def strip_program(program: str) -> str:
         return ""
 
 
-def parse_triplet_proposal(completion: str) -> dict:
-    """{'program', 'input', 'reason'} or {'reason'}: the first ```python and ```input block."""
+def parse_proposal(completion: str, task: str, n: int = 0, program: str = "") -> dict:
+    """{'reason'} alone if invalid, else deduction/abduction: {'program', 'input'} of the first
+    ```python and ```input block; induction: {'inputs', 'message'} of the last n
+    (--induction-inputs) ```input blocks and the last ```message."""
     answer = extract_answer(completion) or ""
-    programs, inputs = blocks(answer, "python"), blocks(answer, "input")
+    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
+    if task == "induction":
+        inputs = inputs[-n:]
+        if len(inputs) < n or not messages or not messages[-1]:
+            return {"reason": "format"}
+        reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
+        return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
     if not programs or not inputs:
         return {"reason": "format"}
     return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
             "input": inputs[0]}
-
-
-def parse_induction_proposal(completion: str, n: int, program: str = "") -> dict:
-    """{'inputs', 'message'} or {'reason'}: the last n ```input blocks and the last ```message."""
-    answer = extract_answer(completion) or ""
-    inputs, messages = blocks(answer, "input")[-n:], blocks(answer, "message")
-    if len(inputs) < n or not messages or not messages[-1]:
-        return {"reason": "format"}
-    reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
-    return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
 
 
 # --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
@@ -400,16 +383,14 @@ class Executor:
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
         """[(status, output repr, value)] per (program, input) job; status "ok" or a reason."""
         rank, world = common.dist_info()
-        if world == 1:
-            return self._run(jobs, run)
-        return common.broadcast_object(self._run(jobs, run) if rank == 0 else None)
-
-    def _run(self, jobs, run: int) -> list[tuple[str, str, object]]:
+        if rank > 0:
+            return common.broadcast_object(None)
         refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
         # the newlines keep a comment in the input off the closing parenthesis
         todo = [(p, f"f(\n{t.strip()}\n)") for (p, t), r in zip(jobs, refused) if r is None]
         results = iter(self.sandboxes[run].run_many(todo) if todo else [])
-        return [(r, "", None) if r else self._classify(next(results)) for r in refused]
+        out = [(r, "", None) if r else self._classify(next(results)) for r in refused]
+        return common.broadcast_object(out) if world > 1 else out
 
     def _classify(self, res) -> tuple[str, str, object]:
         """The output must be a finite literal that survives a repr round trip, with no address."""
@@ -419,10 +400,10 @@ class Executor:
         if _ADDRESS_RE.search(res.value):
             return "nondeterministic", res.value, None
         try:
-            value = common.parse_literal(res.value, max_chars=self.cfg.max_output_chars)
+            return "ok", res.value, common.parse_literal(res.value,
+                                                         max_chars=self.cfg.max_output_chars)
         except ValueError:
             return "non_literal", res.value, None
-        return "ok", res.value, value
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
         """[(reason or None, gold output)]: all j runs succeed with the same value and type (a set
@@ -469,8 +450,8 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
         gold = ({"inputs": p["inputs"], "outputs": [o for _, o in res], "message": p["message"]}
                 if task == "induction" else {"input": p["input"], "output": res[0][1]})
         p["entry"] = {"program": p["program"], **gold, "step": step}
-        prompt = solver_prompt(task, p["entry"], cfg)
-        if tokenizer is not None and not _fits(tokenizer, prompt, cfg):
+        if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
+                                               cfg):
             p["reason"], p["entry"] = "too_large", None
     return proposals
 
@@ -524,37 +505,50 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6):
 
 
 # --- The loop: one function per step of Alg. 1
-def _generate(policy, prompts: list[str], n: int, cfg: Config, temperature=None, top_p=None):
+def _generate(policy, prompts: list[str], n: int, cfg: Config, **sampling):
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, **sampling}
     return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens,
-                           temperature=cfg.temperature if temperature is None else temperature,
-                           top_p=cfg.top_p if top_p is None else top_p) if prompts else []
+                           **sampling) if prompts else []
+
+
+def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, cfg: Config,
+             **sampling) -> list[list[tuple]]:
+    """n graded solver answers [(completion, formatted, correct)] per (task type, entry)."""
+    groups = _generate(policy, [solver_prompt(t, e, cfg) for t, e in tasks], n, cfg, **sampling)
+    out = [[] for _ in tasks]
+    for t in TASKS:
+        idx = [k for k, (task, _) in enumerate(tasks) if task == t]
+        graded = iter(check_solutions(executor, t, [tasks[k][1] for k in idx for _ in range(n)],
+                                      [c.text for k in idx for c in groups[k]], cfg))
+        for k in idx:
+            out[k] = [(c, *next(graded)) for c in groups[k]]
+    return out
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
     """Step 0 (§3.3.1, _init_seed_dataset), no updates: deduction and abduction rounds fill
-    D_seed = D_ded = D_abd with S*B stripped triplets, then D_ind on its programs."""
+    D_seed = D_ded = D_abd with S*B stripped triplets, then induction rounds D_ind on them."""
     target, cap = cfg.seed_factor * cfg.batch_size, cfg.buffer_cap
     seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cap)
     views = {"deduction": seed, "abduction": seed, "induction": collections.deque(maxlen=cap)}
-    for phase in ("deduction", "induction"):
+    for buf, tasks in ((seed, TASKS[:2]), (views["induction"], TASKS[2:])):
         for r in range(cfg.seed_max_rounds):
-            if len(views[phase]) >= target:
+            if len(buf) >= target:
                 break
-            task = TASKS[r % 2] if phase == "deduction" else phase
+            task = tasks[r % len(tasks)]
             new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
                    if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
                 new = validate(executor, task, [{"program": strip_program(p["program"]),
                                                  "input": p["input"]} for p in new], cfg, 0,
                                policy.tokenizer)
-            new = [p["entry"] for p in new if p["reason"] is None]
-            views[phase].extend(new[:target - len(views[phase])])
+            buf.extend([p["entry"] for p in new if p["reason"] is None][:target - len(buf)])
     if len(seed) < target or len(views["induction"]) < target:
-        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase with "
-              f"{len(seed)} triplets and {len(views['induction'])} induction tasks (target "
-              f"{target}); training starts with these", file=sys.stderr)
-    return {"deduction": collections.deque(seed, maxlen=cap),
-            "abduction": collections.deque(seed, maxlen=cap), "induction": views["induction"]}
+        print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
+              f"{len(seed)} triplets, {len(views['induction'])} induction tasks (target {target})",
+              file=sys.stderr)
+    return {**{t: collections.deque(seed, maxlen=cap) for t in TASKS[:2]},
+            "induction": views["induction"]}
 
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
@@ -574,16 +568,15 @@ def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
 def propose(policy, executor: Executor, buffers: dict, cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
     """Steps 1-2: B proposals per task type, parsed and validated (the caller keeps the valid)."""
-    programs = list(dict.fromkeys(e["program"] for t in ("deduction", "abduction")
-                                  for e in buffers[t]))  # seed programs sit in both
+    programs = list(dict.fromkeys(e["program"] for t in TASKS[:2] for e in buffers[t]))
     props = {t: [p for _ in range(cfg.batch_size)
                  if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
              for t in tasks}
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
-        p.update(parse_induction_proposal(group[0].text, cfg.induction_inputs, p["program"])
-                 if p["task"] == "induction" else parse_triplet_proposal(group[0].text))
+        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs,
+                                p.get("program", "")))
     for t in tasks:
         validate(executor, t, props[t], cfg, step, policy.tokenizer)
     return props
@@ -591,37 +584,30 @@ def propose(policy, executor: Executor, buffers: dict, cfg: Config,
 
 def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) -> None:
     """Step 3 (Eq. 4): p['solve_rate'] = r_bar over n samples at T = 1, top-p 1."""
-    n = cfg.learnability_samples
     valid = [p for t in props for p in props[t] if p["reason"] is None]
-    groups = _generate(policy, [solver_prompt(p["task"], p["entry"], cfg) for p in valid], n, cfg,
-                       temperature=1.0, top_p=1.0)
-    for t in TASKS:
-        idx = [k for k, p in enumerate(valid) if p["task"] == t]
-        graded = check_solutions(executor, t, [valid[k]["entry"] for k in idx for _ in range(n)],
-                                 [c.text for k in idx for c in groups[k]], cfg)
-        for j, k in enumerate(idx):
-            valid[k]["solve_rate"] = sum(c for _, c in graded[j * n:(j + 1) * n]) / n
+    graded = _answers(policy, executor, [(p["task"], p["entry"]) for p in valid],
+                      cfg.learnability_samples, cfg, temperature=1.0, top_p=1.0)
+    for p, answers in zip(valid, graded):
+        p["solve_rate"] = sum(correct for _, _, correct in answers) / cfg.learnability_samples
 
 
 def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
           rng: random.Random, step: int) -> dict[str, list[dict]]:
     """Step 4: this step's valid tasks back-filled from older ones, one answer each, graded."""
-    work: dict[str, list[dict]] = {}
+    work = []
     for t in TASKS:
         new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
         old = [e for e in buffers[t] if e.get("step") != step] or list(buffers[t])
         need = cfg.batch_size - len(new)
-        work[t] = [{"entry": e, "new": k < len(new), "prompt": solver_prompt(t, e, cfg)}
-                   for k, e in enumerate(new + sample(old, need, rng, replace=need > len(old)))]
-    flat = [s for t in TASKS for s in work[t]]
-    for s, group in zip(flat, _generate(policy, [s["prompt"] for s in flat], 1, cfg)):
-        s["completion"] = group[0]
-    for t in TASKS:
-        graded = check_solutions(executor, t, [s["entry"] for s in work[t]],
-                                 [s["completion"].text for s in work[t]], cfg)
-        for s, (formatted, correct) in zip(work[t], graded):
-            s.update(formatted=formatted, correct=correct, reward=solver_reward(formatted, correct))
-    return work
+        work += [(t, e, k < len(new)) for k, e in enumerate(
+            new + sample(old, need, rng, replace=need > len(old)))]
+    solved = {t: [] for t in TASKS}
+    for (t, e, new), [(c, formatted, correct)] in zip(
+            work, _answers(policy, executor, [(t, e) for t, e, _ in work], 1, cfg)):
+        solved[t].append({"entry": e, "new": new, "prompt": solver_prompt(t, e, cfg),
+                          "completion": c, "formatted": formatted, "correct": correct,
+                          "reward": solver_reward(formatted, correct)})
+    return solved
 
 
 def build_trajectories(props: dict, solved: dict) -> list:
@@ -639,12 +625,10 @@ def build_trajectories(props: dict, solved: dict) -> list:
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
     trajs = build_trajectories(props, solved)
-    if not trajs:
-        return {}
     return common.pg_step(policy, trajs, common.PGConfig(
         clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
         aggregation=cfg.aggregation, max_len=cfg.max_response_tokens,
-        temperature=cfg.temperature, mini_batch=cfg.mini_batch))
+        temperature=cfg.temperature, mini_batch=cfg.mini_batch)) if trajs else {}
 
 
 def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,
@@ -688,18 +672,14 @@ def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
 
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
     for t in TASKS:
-        run.log_samples(step, f"proposer/{t}", [
-            {"completion": p["completion"].text, **{k: p.get(k) for k in (
-                "prompt", "reason", "entry", "solve_rate", "reward")}} for p in props[t]])
-        run.log_samples(step, f"solver/{t}", [
-            {"completion": s["completion"].text, **{k: s[k] for k in (
-                "prompt", "entry", "new", "correct", "reward")}} for s in solved[t]])
+        for role, recs, keys in (("proposer", props[t], ("reason", "entry", "solve_rate")),
+                                 ("solver", solved[t], ("entry", "new", "correct"))):
+            run.log_samples(step, f"{role}/{t}", [{"completion": r["completion"].text, **{
+                k: r.get(k) for k in ("prompt", *keys, "reward")}} for r in recs])
 
 
 # --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
 # there gets a boxed template, official issue #27: give one as eval_math with --prompts)
-
-
 def eval_answer(text: str) -> str | None:
     """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer> (its \\boxed{}
     if any), else the last \\boxed{}, else the first \\[ ... \\]."""
@@ -716,8 +696,8 @@ def _eval_prompt_fn(cfg: Config, code: bool):
     """The eval_math or eval_code template as a prompt_fn, named for eval.json's settings."""
     def eval_prompt(problem, tokenizer=None):
         if code:
-            return prompts(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
-        return prompts(cfg)["eval_math"].format(question=problem["question"].strip())
+            return templates(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
+        return templates(cfg)["eval_math"].format(question=problem["question"].strip())
     name = "code_eval_prompt" if code else "eval_prompt"
     eval_prompt.__name__ = f"absolute_zero.{name}" + (f" ({cfg.prompts})" if cfg.prompts else "")
     return eval_prompt
@@ -748,7 +728,9 @@ def eval_metrics(results: dict) -> dict:
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     common.check_benchmark_names(cfg.eval_benchmarks)
-    prompts(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
+    templates(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
+    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if cfg.eval_code and b.strip()]
+    hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
     checks = [
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
@@ -756,20 +738,17 @@ def check_config(cfg: Config) -> None:
         *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
           for k in ("seed_factor", "buffer_cap")],  # the others: parse_config's limit check
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
+        *[(b in hub or b.endswith((".jsonl", ".json")) and os.path.isfile(b),
+           f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} "
+           "nor an existing .jsonl file") for b in code],
+        (not hub or importlib.util.find_spec("datasets") is not None, "--eval-code: HumanEval+/"
+         "MBPP+ come from the Hugging Face hub via the `datasets` package, which is not "
+         "installed: pip install datasets, give local JSONL files with --eval-code-benchmarks, "
+         "or --no-eval-code")]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    for b in (b.strip() for b in cfg.eval_code_benchmarks.split(",") if cfg.eval_code):
-        hub = b.lower() in common.CODE_BENCHMARKS
-        if b and not hub and not (b.endswith((".jsonl", ".json")) and os.path.isfile(b)):
-            raise ValueError(f"--eval-code-benchmarks: {b!r} is neither one of "
-                             f"{sorted(common.CODE_BENCHMARKS)} nor an existing .jsonl file")
-        if hub and importlib.util.find_spec("datasets") is None:
-            raise ValueError("--eval-code: HumanEval+/MBPP+ come from the Hugging Face hub via "
-                             "the `datasets` package, which is not installed: pip install "
-                             "datasets, give local JSONL files with --eval-code-benchmarks, or "
-                             "--no-eval-code")
 
 
 def train(cfg: Config) -> dict:
@@ -780,10 +759,9 @@ def train(cfg: Config) -> dict:
     executor = Executor(cfg)
     try:
         start, state = run.load_checkpoint(policy) or (0, {})
-        if state.get("buffers"):
-            buffers = {t: collections.deque(state["buffers"][t], maxlen=cfg.buffer_cap)
-                       for t in TASKS}
-        else:
+        buffers = {t: collections.deque(b, maxlen=cfg.buffer_cap)
+                   for t, b in state.get("buffers", {}).items()}
+        if not buffers:
             buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
             run.log(0, {f"{t}/buffer_size": len(buffers[t]) for t in TASKS})
         bar = run.progress(cfg.steps, initial=start)
@@ -812,10 +790,9 @@ def train(cfg: Config) -> dict:
 
 def headline(results: dict) -> dict:
     """The final evaluation's figures for the summary (math, code, or why code was skipped)."""
-    figures = {k: v for k, v in eval_metrics(results).items()
-               if k.endswith("greedy_acc") or "pass@" in k}
     skipped = results.get("code", {}).get("skipped")
-    return {**figures, **({"code skipped": skipped} if skipped else {})}
+    return {**{k: v for k, v in eval_metrics(results).items() if k.endswith("greedy_acc")
+               or "pass@" in k}, **({"code skipped": skipped} if skipped else {})}
 
 
 def main(argv=None):

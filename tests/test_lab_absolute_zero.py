@@ -41,10 +41,10 @@ def test_documents_are_read_by_absolute_zeros_parsers():
             assert prompt.startswith(absolute_zero._PREAMBLE)
             if role == "proposer" and t == "induction":
                 prog = prompt.split("```python\n")[1].split("\n```")[0]
-                got = absolute_zero.parse_induction_proposal(completion, lab.N_INPUTS, prog)
+                got = absolute_zero.parse_proposal(completion, t, lab.N_INPUTS, prog)
                 assert len(got["inputs"]) == lab.N_INPUTS and got["message"]
             elif role == "proposer":
-                got = absolute_zero.parse_triplet_proposal(completion)
+                got = absolute_zero.parse_proposal(completion, t)
                 assert got["reason"] is None and got["program"] in {
                     lab.program(f, c) for f, c in pool}
             else:
