@@ -512,9 +512,10 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config, **sampling):
 
 
 def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, cfg: Config,
-             **sampling) -> list[list[tuple]]:
-    """n graded solver answers [(completion, formatted, correct)] per (task type, entry)."""
-    groups = _generate(policy, [solver_prompt(t, e, cfg) for t, e in tasks], n, cfg, **sampling)
+             **sampling) -> list[tuple[str, list[tuple]]]:
+    """(solver prompt, n graded answers [(completion, formatted, correct)]) per (type, entry)."""
+    prompts = [solver_prompt(t, e, cfg) for t, e in tasks]
+    groups = _generate(policy, prompts, n, cfg, **sampling)
     out = [[] for _ in tasks]
     for t in TASKS:
         idx = [k for k, (task, _) in enumerate(tasks) if task == t]
@@ -522,7 +523,7 @@ def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, 
                                       [c.text for k in idx for c in groups[k]], cfg))
         for k in idx:
             out[k] = [(c, *next(graded)) for c in groups[k]]
-    return out
+    return list(zip(prompts, out))
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
@@ -587,7 +588,7 @@ def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) 
     valid = [p for t in props for p in props[t] if p["reason"] is None]
     graded = _answers(policy, executor, [(p["task"], p["entry"]) for p in valid],
                       cfg.learnability_samples, cfg, temperature=1.0, top_p=1.0)
-    for p, answers in zip(valid, graded):
+    for p, (_, answers) in zip(valid, graded):
         p["solve_rate"] = sum(correct for _, _, correct in answers) / cfg.learnability_samples
 
 
@@ -602,9 +603,9 @@ def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
         work += [(t, e, k < len(new)) for k, e in enumerate(
             new + sample(old, need, rng, replace=need > len(old)))]
     solved = {t: [] for t in TASKS}
-    for (t, e, new), [(c, formatted, correct)] in zip(
+    for (t, e, new), (prompt, [(c, formatted, correct)]) in zip(
             work, _answers(policy, executor, [(t, e) for t, e, _ in work], 1, cfg)):
-        solved[t].append({"entry": e, "new": new, "prompt": solver_prompt(t, e, cfg),
+        solved[t].append({"entry": e, "new": new, "prompt": prompt,
                           "completion": c, "formatted": formatted, "correct": correct,
                           "reward": solver_reward(formatted, correct)})
     return solved
@@ -625,10 +626,12 @@ def build_trajectories(props: dict, solved: dict) -> list:
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
     trajs = build_trajectories(props, solved)
+    if not trajs:
+        return {}
     return common.pg_step(policy, trajs, common.PGConfig(
         clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
         aggregation=cfg.aggregation, max_len=cfg.max_response_tokens,
-        temperature=cfg.temperature, mini_batch=cfg.mini_batch)) if trajs else {}
+        temperature=cfg.temperature, mini_batch=cfg.mini_batch))
 
 
 def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,

@@ -872,8 +872,8 @@ class VLLMSampler(Sampler):
                                      use_tqdm=False)
         result = []
         for (p, _), out in zip(reqs, outs):
-            group, outputs = [], sorted(out.outputs, key=lambda o: o.index)
-            for o in outputs * n if greedy else outputs:  # vLLM refuses n > 1 for greedy: copies
+            group = []
+            for o in sorted(out.outputs, key=lambda o: o.index):
                 toks = list(o.token_ids)
                 lps = None if o.logprobs is None else [
                     float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
@@ -881,6 +881,11 @@ class VLLMSampler(Sampler):
                     prompt_ids=list(p), token_ids=toks, logprobs=lps,
                     text=self.tokenizer.decode(toks, skip_special_tokens=True),
                     finish_reason="length" if o.finish_reason == "length" else "stop"))
+            if greedy:  # vLLM refuses n > 1 for greedy sampling: n copies, decoded once
+                c = group[0]
+                group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
+                                             c.logprobs is None else list(c.logprobs))
+                         for _ in range(n)]
             result.append(group)
         return result
 
@@ -1645,8 +1650,7 @@ class Run:
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
-        rows += [("run folder", str(self.dir)), ("resume", f"python {self.method}.py --resume "
-                                                          f"{self.dir}")]
+        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
         width = max(len(r[0]) for r in rows)
         line = "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
@@ -1658,8 +1662,11 @@ class Run:
         if ck is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return (f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: python "
-                f"{self.method}.py --resume {self.dir}")
+        return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: " + \
+            self.resume_command()
+
+    def resume_command(self) -> str:
+        return f"python {self.method}.py --resume {self.dir}"
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)

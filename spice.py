@@ -683,10 +683,10 @@ def train(cfg: Config, policy=None) -> Path:
         cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
     start, _ = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
 
-    def evaluate(step: int, name: str) -> dict:  # eval/* metrics, {} without eval sets
+    def eval_at(step: int, name: str) -> dict:  # eval/* metrics, {} without eval sets
         res = run_eval(policy, run, cfg, fmt, step, name)
         return common.eval_metrics(res) if res else {}
-    if cfg.eval_base and start == 0 and (base := evaluate(0, "eval_base.json")):
+    if cfg.eval_base and start == 0 and (base := eval_at(0, "eval_base.json")):
         run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
     pbar = run.progress(cfg.steps, initial=start)
     for step in range(start + 1, cfg.steps + 1):
@@ -694,10 +694,11 @@ def train(cfg: Config, policy=None) -> Path:
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            with writer.sampling(policy) if writer else contextlib.nullcontext(policy) as writer_:
-                cfmt = resolve_prompt_format(cfg, writer_.tokenizer)
-                types = select_task_types(writer_, docs, cfg, cfmt, rng)
-                rollouts = challenger_generate(writer_, docs, types, cfg, cfmt, check, rng)
+            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
+            with writing as challenger:
+                cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
+                types = select_task_types(challenger, docs, cfg, cfmt, rng)
+                rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
             reasoner_solve(policy, rollouts, cfg, fmt)
             challenger_rewards(rollouts, cfg)
             reasoner_group(rollouts, rng)
@@ -708,13 +709,13 @@ def train(cfg: Config, policy=None) -> Path:
             f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
         run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            metrics.update(evaluate(step, f"eval_step{step}.json"))
+            metrics.update(eval_at(step, f"eval_step{step}.json"))
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
-    if final := evaluate(cfg.steps, "eval.json"):
+    if final := eval_at(cfg.steps, "eval.json"):
         run.log(cfg.steps, final)
     run.close()
     return run.dir

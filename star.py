@@ -278,7 +278,7 @@ def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") 
 
 # Steps 2-7 of Alg. 1, then one round, then the run
 def generate_rationales(policy, prompter, examples, seed, prompts=None) -> list[str]:
-    """Step 2 (Alg. 1 line 3): (r̂_i, ŷ_i) = M_{n-1}(P, x_i), greedy (§3.1), cut at the answer."""
+    """Step 2 (Alg. 1 l. 3): (r̂_i, ŷ_i) = M_{n-1}(P, x_i), greedy (§3.1), cut at the answer."""
     prompts = prompts or [prompter.generation(ex) for ex in examples]
     out = [""] * len(prompts)
     for mt in sorted({prompter.max_tokens(ex) for ex in examples}):  # math, multiple choice
@@ -291,7 +291,7 @@ def generate_rationales(policy, prompter, examples, seed, prompts=None) -> list[
 
 
 def filter_correct(examples, rationales: list[str], source: str) -> list[dict]:
-    """Step 3 (Alg. 1 line 5): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}; the rationale is unchecked."""
+    """Step 3 (Alg. 1 l. 5): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}; the rationale is unchecked."""
     return [{"index": i, "rationale": r, "source": source}
             for i, (r, ok) in enumerate(zip(rationales, judge(examples, rationales))) if ok]
 

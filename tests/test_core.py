@@ -186,6 +186,15 @@ def test_eos_stops_and_is_kept_in_token_ids(tiny_policy):
                     assert c.token_ids == [eos] and c.finish_reason == "stop" and c.text == ""
 
 
+def test_greedy_n_gives_n_equal_copies_with_their_own_lists(tiny_policy):
+    groups = tiny_policy.generate(PROMPTS[:2], n=3, temperature=0.0, max_tokens=6)
+    for g in groups:
+        assert len(g) == 3 and len({(tuple(c.token_ids), c.text) for c in g}) == 1
+        assert len({id(c.token_ids) for c in g}) == 3  # a caller may edit one copy
+        g[0].token_ids.append(-1)
+        assert g[1].token_ids[-1] != -1
+
+
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_token_ids_round_trip_and_max_tokens(backend, tiny_policy, tiny_policy_hf):
     policy = tiny_policy if backend == "vllm" else tiny_policy_hf
