@@ -3729,10 +3729,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: boo
 # Every _zy_ function and _ZY_ value runs in the zygote, never in the trainer: _sb_zygote_source
 # ships their source. Each message is a 4-byte big-endian length + payload: the config (JSON) gets
 # {"ready", "report"}; each job is a JSON header of limits and lengths, then the program and
-# expression bytes; the reply: see _zy_reply.
+# expression bytes; each reply a kind byte (see PythonSandbox._result) and a JSON frame.
 import gc, select, signal  # noqa: E401,E402 - the zygote's own imports (stdlib)
 
-_ZY_LINUX = sys.platform.startswith("linux")
 _ZY_CLONE_NEWNS, _ZY_CLONE_NEWUTS, _ZY_CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _ZY_CLONE_NEWUSER, _ZY_CLONE_NEWPID, _ZY_CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _ZY_MS_RDONLY, _ZY_MS_NOSUID, _ZY_MS_NODEV, _ZY_MS_NOEXEC, _ZY_MS_REMOUNT = 1, 2, 4, 8, 32
@@ -3741,26 +3740,23 @@ _ZY_MS_RO = _ZY_MS_REMOUNT | _ZY_MS_BIND | _ZY_MS_RDONLY  # a read-only remount
 # flags a read-only remount must keep (they are locked in a user namespace)
 _ZY_MS_KEPT = {"nosuid": _ZY_MS_NOSUID, "nodev": _ZY_MS_NODEV, "noexec": _ZY_MS_NOEXEC,
                "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
-_ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS, _ZY_PR_SET_SECCOMP = 1, 38, 22
-_ZY_RLIMITS = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
-               "RLIMIT_CORE")
+_ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS = 1, 38
 _ZY_DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")  # no GPU
 _ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                  "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
-_ZY_NO_CGROUP = ("a job's processes together may hold up to max_procs x memory_mb, and its tmpfs "
-                 "up to tmpfs_mb more")
 # what the zygote found, sent to the trainer: PythonSandbox.isolation shows it
-_ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False, "namespaces": {},
+_ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False,
+              "namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
               "pid_namespace": None, "readonly_root": False, "filesystem": "host",
-              "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "rlimits": [],
-              "no_new_privs": _ZY_LINUX, "seccomp": False, "self_test": None, "scratch": None,
-              "ipc_per_job": False, "memory_cgroup": None, "notes": []}
-_ZY_STATE = {"userns": False, "drop_uid": False, "view": False, "pidns_fd": None, "pid1": False,
-             "ipc_flag": 0, "seccomp": None, "oom_fd": None, "oom_kills": 0, "oom_exempt": False,
-             "tmp_mark": None}
+              "hidden_paths": [], "masked_files": [], "proc_hidepid": False,
+              "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
+                          "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "seccomp": False,
+              "self_test": None, "scratch": None, "ipc_per_job": False, "memory_cgroup": None,
+              "notes": []}
+_ZY_STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
+             "oom_exempt": False, "tmp_mark": None, "nproc_base": 0}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
-_ZY_JOB_BUF = bytearray()  # this job's program + expression (wiped after the job)
-_ZY_RES_BUF = bytearray()  # this job's result frame as the child wrote it (wiped after the reply)
+_ZY_RES_BUF = bytearray()  # the child's result frame (zeroed after each job)
 _ZY_WARM_SOURCE = ""       # _zy_warm_example's source, filled in by _sb_zygote_source
 
 
@@ -3814,63 +3810,39 @@ def _zy_exit():
     os._exit(0)
 
 
-def _zy_recv_into(buf, n):  # -> buf, its first n bytes read from the trainer
+def _zy_read(buf):  # -> buf, filled from the trainer
     view, got = memoryview(buf), 0
-    while got < n:
-        k = os.readv(0, [view[got:n]])
+    while got < len(buf):
+        k = os.readv(0, [view[got:]])
         if not k:
             _zy_exit()  # the trainer went away
         got += k
-    view.release()
     return buf
 
 
 def _zy_recv():
-    n = struct.unpack(">I", _zy_recv_into(bytearray(4), 4))[0]
-    return json.loads(_zy_recv_into(bytearray(n), n))
+    n = struct.unpack(">I", _zy_read(bytearray(4)))[0]
+    return json.loads(_zy_read(bytearray(n)))
 
 
-def _zy_wipe(buf, n):
-    """Zero buf's first n bytes -> buf, or a small new one for a huge buf (in the job's cgroup)."""
-    if n:
-        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, n)
-    return buf if len(buf) <= 1 << 22 else bytearray(1 << 16)
-
-
-def _zy_grow(buf, n):
-    """buf if it holds n bytes, else a larger one; the old one is wiped before it is let go."""
-    if len(buf) >= n:
-        return buf
-    _zy_wipe(buf, len(buf))
-    return bytearray(max(n, 2 * len(buf)))
-
-
-def _zy_reply(res, kind=b"Z"):
-    """Send kind + JSON made here (b"Z"; b"E": this zygote failed), or for res = (kind, start,
-    end) the child's frame in _ZY_RES_BUF, uncopied (b"P": program, b"S": setup); wipe it."""
-    global _ZY_RES_BUF
-    if type(res) is tuple:
-        kind, a, b = res
-        parts = [struct.pack(">I", 1 + b - a) + kind, memoryview(_ZY_RES_BUF)[a:b]]
-    else:
-        data, b = kind + json.dumps(res).encode(), 0
-        parts = [struct.pack(">I", len(data)) + data]
+def _zy_reply(kind, data):
+    """Send kind + data, a dict (as JSON) or a child's frame (uncopied), to the trainer."""
+    data = json.dumps(data).encode() if type(data) is dict else data
+    parts = [struct.pack(">I", len(kind) + len(data)) + kind, data]
     k = os.writev(1, parts)
     for p in map(memoryview, parts):  # after a short write (a full pipe), what is left of each
         p, k = p[k:], max(0, k - len(p))
         while p:
             p = p[os.write(1, p):]
-    _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, b)
 
 
 # ------------------------------------------------------- one-time isolation of the zygote itself
 
 def _zy_enter_namespaces():
     """Net, mount, IPC and UTS namespaces; not root: inside a user namespace of our uid alone."""
-    ns = _ZY_REPORT["namespaces"] = dict.fromkeys("user net mount ipc uts pid".split(), False)
-    if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
-        return _zy_note("namespaces turned off by the caller" if _ZY_LINUX else
-                        "not Linux: no namespaces")
+    ns = _ZY_REPORT["namespaces"]
+    if not _ZY_CFG["namespaces"]:
+        return _zy_note("namespaces turned off by the caller")
     if os.geteuid() != 0 or _ZY_CFG["namespaces"] == "user":
         uid, gid = os.getuid(), os.getgid()
         try:
@@ -3878,7 +3850,7 @@ def _zy_enter_namespaces():
             _zy_write_file("/proc/self/setgroups", "deny")
             _zy_write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
             _zy_write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
-            ns["user"] = _ZY_STATE["userns"] = True
+            ns["user"] = True
         except OSError as e:
             return _zy_note("no user namespace (%s): running without namespaces" % e)
     for key, flag in (("net", _ZY_CLONE_NEWNET), ("mount", _ZY_CLONE_NEWNS),
@@ -3895,7 +3867,7 @@ def _zy_enter_namespaces():
 def _zy_setup_pid_namespace():
     """Root: a fresh PID namespace per job whose PID 1 is the child (_zy_run_job). Refused in a
     user namespace: there this process becomes PID 1 of one namespace for the worker instead."""
-    if not _ZY_LINUX or not _ZY_CFG["namespaces"]:
+    if not _ZY_CFG["namespaces"]:
         return
     libc, fd, ns = _ZY_LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), _ZY_CLONE_NEWPID
 
@@ -3934,7 +3906,7 @@ def _zy_isolate_filesystem():
         return _zy_note("mount propagation: %s" % e)
     failed = 0
     for m in _zy_mountinfo():  # every mount read-only first, so the binds below are throughout
-        if m[4] != "/proc" and not m[4].startswith("/proc/"):
+        if not (m[4] + "/").startswith("/proc/"):
             try:
                 _zy_mount(None, m[4], None, _ZY_MS_RO
                           | sum(f for o, f in _ZY_MS_KEPT.items() if o in m[5].split(",")))
@@ -3983,15 +3955,11 @@ def _zy_isolate_filesystem():
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
     for p, text in etc.items():
         _zy_write_file(new + p, text)
-    R["masked_files"] += list(etc)
-    for d in C["hide_paths"]:
-        if os.path.isdir(d) and not os.path.islink(d):
-            try:
-                if d != "/dev/shm":
-                    os.makedirs(new + d, exist_ok=True)
-                R["hidden_paths"].append(d)
-            except OSError as e:
-                _zy_note("could not hide %s: %s" % (d, e))
+    R["masked_files"] = list(etc)
+    R["hidden_paths"] = [d for d in C["hide_paths"] if os.path.isdir(d) and not os.path.islink(d)]
+    for d in R["hidden_paths"]:  # empty, or absent where no directory can be made
+        with contextlib.suppress(OSError):
+            os.makedirs(new + d, exist_ok=True)
     try:
         _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
                   "hidepid=2")
@@ -4013,43 +3981,42 @@ def _zy_isolate_filesystem():
     except OSError as e:
         os.chdir("/")
         return _zy_note("could not switch to the allow-list root: %s" % e)
-    R["readonly_root"], R["filesystem"], _ZY_STATE["view"] = True, "allow-list", True
+    R["readonly_root"], R["filesystem"] = True, "allow-list"
 
 
 def _zy_setup_cgroup():
     """Root: this zygote in a memory cgroup of its own (v2, else v1), capped at memory_mb + 32 MB
     and inherited: a job's processes, tmpfs and kernel memory count together."""
-    if not _ZY_LINUX or os.geteuid() != 0 or _ZY_STATE["userns"]:
-        return _zy_note("no memory cgroup (needs root on Linux): " + _ZY_NO_CGROUP)
-    limit = (_ZY_CFG["memory_mb"] + 32) << 20
+    S, limit = _ZY_STATE, (_ZY_CFG["memory_mb"] + 32) << 20
+    why = "a job's processes together may hold up to max_procs x memory_mb, and its tmpfs up to " \
+          "tmpfs_mb more"
+    if not _ZY_REPORT["uid_dropped"]:
+        return _zy_note("no memory cgroup (needs root): " + why)
     try:
         _zy_write_file("/proc/self/oom_score_adj", "-1000")
-        _ZY_STATE["oom_exempt"] = True
+        S["oom_exempt"] = True
     except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
         _zy_note("zygote not exempt from the OOM killer: %s" % e)
     with open("/proc/self/cgroup") as f:
         groups = [ln.rstrip("\n").split(":", 2) for ln in f]
-    found, mounts = [], _zy_mountinfo()  # (version, our memory cgroup's directory)
+    found, mounts, errors = [], _zy_mountinfo(), []  # (version, our memory cgroup's directory)
     for _, ctrl, rel in groups:
         for m in mounts:
             fstype, opts = m[m.index("-") + 1], m[m.index("-") + 3].split(",")
             v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
             if rel.startswith(m[3]) and ((ctrl == "" and fstype == "cgroup2") or v1):
                 found.append((2 if ctrl == "" else 1, m[4] + "/" + rel[len(m[3]):].strip("/")))
-    errors = []
     for version, parent in sorted(found, reverse=True):
         d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
+        # v2's memory.oom.group: an OOM kill takes the whole job, not the (exempt) zygote
+        settings = {"memory.max": limit, "memory.swap.max": 0, "memory.oom.group":
+                    int(S["oom_exempt"])} if version == 2 else {"memory.limit_in_bytes": limit}
         try:
             if version == 2:  # a no-op where it is on; ENOENT where the parent has no memory
                 _zy_write_file(parent + "/cgroup.subtree_control", "+memory")
             os.mkdir(d)
-            if version == 2:  # memory.oom.group: an OOM kill takes the whole job, not the zygote
-                settings = {"memory.max": limit, "memory.swap.max": 0,
-                            **({"memory.oom.group": 1} if _ZY_STATE["oom_exempt"] else {})}
-            else:
-                settings = {"memory.limit_in_bytes": limit}
-                if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
-                    settings["memory.memsw.limit_in_bytes"] = limit
+            if os.path.exists(d + "/memory.memsw.limit_in_bytes"):  # v1 with swap accounting
+                settings["memory.memsw.limit_in_bytes"] = limit
             try:
                 for name, value in dict(settings, **{"cgroup.procs": os.getpid()}).items():
                     _zy_write_file(d + "/" + name, str(value))
@@ -4059,17 +4026,17 @@ def _zy_setup_cgroup():
         except OSError as e:
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
-        events = d + ("/memory.events" if version == 2 else "/memory.oom_control")
-        _ZY_STATE["oom_fd"] = os.open(events, os.O_RDONLY)
+        S["oom_fd"] = os.open(d + ("/memory.events" if version == 2 else "/memory.oom_control"),
+                              os.O_RDONLY)
         _zy_oom_killed()
         # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
-        _ZY_STATE["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        _ZY_STATE["cgroup_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
-        _ZY_STATE["cgroup_name"] = os.path.basename(d)
+        S["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        S["cgroup_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
+        S["cgroup_name"] = os.path.basename(d)
         _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
     _zy_note("no memory cgroup (%s): %s" % ("; ".join(errors) or "no cgroup filesystem with a "
-                                            "memory controller", _ZY_NO_CGROUP))
+                                            "memory controller", why))
 
 
 def _zy_oom_killed():
@@ -4082,12 +4049,12 @@ def _zy_oom_killed():
     return S["oom_kills"] != before
 
 
-def _zy_build_seccomp(net_private):
-    """A seccomp filter for x86-64 (None elsewhere), installed once in the zygote and inherited
-    (one per child costs ~10% of the throughput). The zygote keeps mount/umount2 and PID and IPC
-    unshare/setns: a child lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to regain it, is
-    refused. Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
-    if not _ZY_LINUX or os.uname().machine != "x86_64":
+def _zy_install_seccomp():
+    """A seccomp filter for x86-64, installed here once and inherited (one per child costs ~10%
+    of the throughput). The zygote keeps mount/umount2 and PID and IPC unshare/setns: a child
+    lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to regain it, is refused. Sockets: AF_UNIX,
+    and AF_INET/6 only in the empty network namespace."""
+    if os.uname().machine != "x86_64":
         return _zy_note("seccomp filter only written for x86-64: not installed")
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
     # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
@@ -4111,7 +4078,7 @@ def _zy_build_seccomp(net_private):
             ("", RET, 0, 0, ALLOW),
             ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", _ZY_CLONE_NEWPID),
             ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]               # AF_UNIX
-    if net_private:
+    if _ZY_REPORT["namespaces"]["net"]:
         src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]          # AF_INET, AF_INET6
     src += [("", RET, 0, 0, 0x00050000 | 97),                                 # EAFNOSUPPORT
             ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
@@ -4120,12 +4087,15 @@ def _zy_build_seccomp(net_private):
     raw = b"".join(struct.pack("HBBI", code, jump(jt, i), jump(jf, i), k)
                    for i, (_, code, jt, jf, k) in enumerate(src))
     buf = ctypes.create_string_buffer(raw, len(raw))
-    return buf, (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
+    prog = (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
+    _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _zy_libc_call("prctl", 22, 2, ctypes.addressof(prog), 0, 0)  # PR_SET_SECCOMP, a filter
+    _ZY_REPORT["seccomp"] = True
 
 
 # ---------------------------------------------------------------------------- per job
 
-def _zy_child_main(job, wfd):
+def _zy_child_main(job, src, wfd):
     """The job's child: set up, write b"R", run the program, write one frame on fd 3, exit. What
     reporting needs is bound first: a program that patches builtins, json or os cannot garble it."""
     _write, _exit, _pack = os.write, os._exit, struct.pack
@@ -4143,35 +4113,34 @@ def _zy_child_main(job, wfd):
             pass
         _exit(0)
 
-    S, forbidden_exc = _ZY_STATE, ()  # isinstance(e, ()) is False
+    R, S, forbidden_exc = _ZY_REPORT, _ZY_STATE, ()  # isinstance(e, ()) is False
     try:
         os.setsid()
         wfd = os.dup2(wfd, 3)
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(4, S["maxfd"])
-        os.chdir(job["dir"])
+        os.closerange(4, 1 << 16)
+        os.chdir(S["jobdir"])
         if S["oom_exempt"]:  # the zygote is exempt from the OOM killer, its children are not
             _zy_write_file("/proc/self/oom_score_adj", "0")
-        if S["drop_uid"]:  # setgid/setuid as root set the real, effective and saved ids
+        if R["uid_dropped"]:  # setgid/setuid as root set the real, effective and saved ids
             os.setgroups([])
             os.setgid(_ZY_CFG["uid"])
             os.setuid(_ZY_CFG["uid"])
-        elif S["userns"]:  # drop every capability, from the bounding set too
+        elif R["namespaces"]["user"]:  # drop every capability, from the bounding set too
             for cap in range(64):
                 _ZY_PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
             # capset({_LINUX_CAPABILITY_VERSION_3, pid 0}, all 2 x 3 capability sets empty)
             _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
-        if _ZY_LINUX:
-            _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-            if S["seccomp"] is None:  # else set in the zygote and inherited
-                _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
+        if not R["seccomp"]:  # else set in the zygote and inherited
+            _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         limits = {"RLIMIT_AS": job["memory_mb"] << 20, "RLIMIT_CPU": int(job["timeout"]) + 1,
                   "RLIMIT_FSIZE": job["fsize_mb"] << 20, "RLIMIT_NOFILE": 64,
                   "RLIMIT_NPROC": job["nproc"] + S["nproc_base"], "RLIMIT_CORE": 0}
-        for name in S["rlimits"]:
-            resource.setrlimit(getattr(resource, name), (limits[name], limits[name]))
+        for name, n in limits.items():
+            resource.setrlimit(getattr(resource, name), (n, n))
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
 
@@ -4195,13 +4164,9 @@ def _zy_child_main(job, wfd):
     except _BaseException:
         _exit(71)
     try:
-        plen, elen = job["plen"], job["elen"]
-        code = compile(bytes(_ZY_JOB_BUF[:plen]).decode("utf-8", "surrogatepass"),
-                       "<program>", "exec")
-        expr = compile(bytes(_ZY_JOB_BUF[plen:plen + elen]).decode("utf-8", "surrogatepass"),
-                       "<expression>", "eval")
+        code = compile(src[:job["plen"]].decode("utf-8", "surrogatepass"), "<program>", "exec")
+        expr = compile(src[job["plen"]:].decode("utf-8", "surrogatepass"), "<expression>", "eval")
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
-        del job
         exec(code, ns)
         value = eval(expr, ns)
         if _isinstance(value, (_str, bytes)) and _len(value) > cap:
@@ -4237,57 +4202,40 @@ def _zy_tmp_mark():
     return st[:7] + (st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _zy_scratch():
-    """The job's empty directory: a capped tmpfs on /tmp (reused if untouched), else a host one."""
-    S, C = _ZY_STATE, _ZY_CFG
-    if not S["view"]:
+def _zy_run_job(job, src, send):
+    """Fork the job's child in an empty scratch directory, read its frame until the deadline,
+    kill what is left, send(kind, frame) and zero the job's bytes (src, the frame)."""
+    global _ZY_RES_BUF
+    R, S, C = _ZY_REPORT, _ZY_STATE, _ZY_CFG
+    deadline = time.monotonic() + job["timeout"]
+    if R["filesystem"] != "allow-list":  # a fresh host directory
         os.mkdir(S["jobdir"], 0o700)
-        if S["drop_uid"]:
+        if R["uid_dropped"]:
             os.chown(S["jobdir"], C["uid"], C["uid"])
-    elif S["tmp_mark"] is None:
-        uid, gid = (C["uid"], C["uid"]) if S["drop_uid"] else (os.getuid(), os.getgid())
-        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV,
-                  "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d"
-                  % (C["tmpfs_mb"], C["tmpfs_inodes"], uid, gid))
+    elif S["tmp_mark"] is None:  # a capped tmpfs on /tmp, kept while jobs leave it untouched
+        ids = (C["uid"], C["uid"]) if R["uid_dropped"] else (os.getuid(), os.getgid())
+        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=%dm,nr_inodes=%d,"
+                  "mode=0700,uid=%d,gid=%d" % ((C["tmpfs_mb"], C["tmpfs_inodes"]) + ids))
         S["tmp_mark"] = _zy_tmp_mark()
-    return S["jobdir"]
-
-
-def _zy_scratch_down():
-    """Detach the tmpfs if the job changed it, else rmtree the host directory (by fd: any depth)."""
-    if not _ZY_STATE["view"]:
-        import shutil
-        if os.path.lexists(_ZY_STATE["jobdir"]):
-            shutil.rmtree(_ZY_STATE["jobdir"])
-    elif _zy_tmp_mark() != _ZY_STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
-        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)
-        _ZY_STATE["tmp_mark"] = None
-
-
-def _zy_run_job(job):
-    """Fork the job's child, read its frame until the deadline, kill what is left, wipe the job's
-    bytes, drop its scratch -> a reply for _zy_reply."""
-    global _ZY_JOB_BUF, _ZY_RES_BUF
-    S = _ZY_STATE
-    job["dir"] = _zy_scratch()
     # back to our own PID namespace, then a fresh one (the child is its PID 1) and IPC namespace
     if S["pidns_fd"] is not None:
         _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
-    flags = S["ipc_flag"] | (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
+    flags = (_ZY_CLONE_NEWIPC if R["ipc_per_job"] else 0) | \
+        (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
     if flags and _ZY_LIBC.unshare(flags) != 0:
         raise OSError(ctypes.get_errno(), "pid/ipc namespace")
-    deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            _zy_child_main(job, w)
+            _zy_child_main(job, src, w)
         finally:
             os._exit(70)
     os.close(w)
     cap = 12 * job["max_output"] + 65536
-    _ZY_RES_BUF = _zy_grow(_ZY_RES_BUF, cap)
+    if len(_ZY_RES_BUF) < cap:
+        _ZY_RES_BUF = bytearray(cap)
     view, got, need = memoryview(_ZY_RES_BUF), 0, None
     while need is None or got < need:
         left = deadline - time.monotonic()
@@ -4309,10 +4257,9 @@ def _zy_run_job(job):
             need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
             if need > cap:
                 break
-    view.release()
     os.close(r)
-    for kill in (os.kill,) if S["pidns_fd"] is not None else (os.kill, os.killpg):
-        with contextlib.suppress(OSError):  # its PID namespace dies with it, else its group
+    for kill in (os.kill, os.killpg):  # its PID namespace dies with it, else its group
+        with contextlib.suppress(OSError):
             kill(pid, signal.SIGKILL)
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
@@ -4321,18 +4268,21 @@ def _zy_run_job(job):
         with contextlib.suppress(ChildProcessError):
             while True:
                 os.waitpid(-1, 0)
-    elif S["pidns_fd"] is None and S["drop_uid"]:
-        u = _ZY_CFG["uid"]  # no PID namespace: a child of the job's uid kills all it runs
+    elif S["pidns_fd"] is None and R["uid_dropped"]:
+        u = C["uid"]  # no PID namespace: a child of the job's uid kills all it runs
         _zy_try_in_child(lambda: (os.setgid(u), os.setuid(u), os.kill(-1, signal.SIGKILL)))
-    _ZY_JOB_BUF = _zy_wipe(_ZY_JOB_BUF, job["plen"] + job["elen"])
-    _zy_scratch_down()
-    if need is not None and got >= need:  # then need <= cap: got never passes it
-        started = _ZY_RES_BUF[0] == 82
-        return (b"P" if started else b"S", int(started) + 4, need)
-    _ZY_RES_BUF = _zy_wipe(_ZY_RES_BUF, got)
+    src[:] = bytes(len(src))
+    if R["filesystem"] != "allow-list":
+        import shutil
+        shutil.rmtree(S["jobdir"], ignore_errors=True)
+    elif _zy_tmp_mark() != S["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+        _zy_libc_call("umount2", b"/tmp", _ZY_MNT_DETACH)  # the job's files go in one step
+        S["tmp_mark"] = None
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
-    cpu = rusage.ru_utime + rusage.ru_stime
-    if need is not None and need > cap:
+    cpu, status = rusage.ru_utime + rusage.ru_stime, None
+    if need is not None and got >= need:  # then need <= cap
+        send(b"P" if off else b"S", view[off + 4:need])
+    elif need is not None and need > cap:
         status, error = "output_limit", "child wrote more than %d bytes" % cap
     elif left <= 0:
         status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
@@ -4346,79 +4296,50 @@ def _zy_run_job(job):
     else:
         status, error = "crash", "exited with code %d before producing a result" % \
             os.WEXITSTATUS(wstatus)
-    return {"status": status, "value": None, "error": error}
+    if status:
+        send(b"Z", {"status": status, "value": None, "error": error})
+    _ZY_RES_BUF[:got] = bytes(got)
+    if cap > 1 << 22:  # a huge buffer would stay in every later child
+        _ZY_RES_BUF = bytearray()
 
 
 def _zy_warm_example(xs: list, k=2) -> dict:
     """A typical model-written function: _zy_main compiles and runs its source to warm up."""
-    import math
     out = {}
     for i, x in enumerate(sorted(xs)):
-        if x % k == 0 and not isinstance(x, str):
-            out[str(i)] = [x * j for j in range(3)] + list({x, -x})
-        elif x > 10:
-            out[i] = (x, f"{x:03d}", math.sqrt(abs(x)))
-        else:
-            try:
-                out[i] = 1 / (x - x)
-            except ZeroDivisionError as e:
-                out[i] = repr(e)
+        out[str(i)] = [x * j for j in range(k)] + list({x, -x}) if x % k else (x, f"{x:03d}")
     return out
 
 
 def _zy_probe(program, expression):
     """Run a program of ours as a job -> its result as a dict."""
-    global _ZY_JOB_BUF
-    data = (program + expression).encode()
-    _ZY_JOB_BUF[:len(data)] = data  # the buffer grows if need be
-    res = _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8,
-                       "max_output": 100, "forbidden": [], "plen": len(program.encode()),
-                       "elen": len(expression.encode())})
-    try:
-        return json.loads(bytes(_ZY_RES_BUF[res[1]:res[2]])) if type(res) is tuple else res
-    except ValueError:
-        return {"status": "crash", "value": None, "error": "malformed"}
-
-
-def _zy_rlimit_ok(name):  # some platforms refuse some (macOS: RLIMIT_AS)
-    hard = resource.getrlimit(getattr(resource, name))[1]
-    v = 1 << 34 if hard == resource.RLIM_INFINITY else min(hard, 1 << 34)
-    resource.setrlimit(getattr(resource, name), (v, v))
+    out, p = [{}], program.encode()
+    _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100,
+                 "forbidden": [], "plen": len(p)}, bytearray(p + expression.encode()),
+                lambda kind, frame: out.append(json.loads(bytes(frame))))
+    return out[-1]
 
 
 def _zy_setup():
     """Isolate this zygote once (see the section's head), then check that a child works."""
     S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
-    S["rlimits"] = R["rlimits"] = [n for n in _ZY_RLIMITS if hasattr(resource, n)
-                                   and _zy_try_in_child(_zy_rlimit_ok, n)]
     R["root"] = os.geteuid() == 0
-    # Linux closes the rest with one close_range(); elsewhere closerange loops: bound it
-    S["maxfd"] = 1 << 16 if _ZY_LINUX else \
-        max(64, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
     _zy_enter_namespaces()
-    S["drop_uid"] = R["uid_dropped"] = R["root"] and not S["userns"]
-    R["uid"] = C["uid"] if S["drop_uid"] else os.geteuid()
-    # RLIMIT_NPROC counts all of the real uid's processes: not root, on top of what it runs
-    S["nproc_base"] = 0
-    if not S["drop_uid"]:
-        uid, procs = os.getuid(), os.listdir("/proc") if os.path.isdir("/proc") else None
-        S["nproc_base"] = 4096 + 64 if procs is None else 64
-        for d in filter(str.isdigit, procs or []):
+    R["uid_dropped"] = R["root"] and not R["namespaces"]["user"]
+    R["uid"] = C["uid"] if R["uid_dropped"] else os.geteuid()
+    if not R["uid_dropped"]:  # RLIMIT_NPROC counts all of the real uid's processes: add them
+        S["nproc_base"] = 64
+        for d in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError):  # it exited meanwhile
-                S["nproc_base"] += os.stat("/proc/" + d).st_uid == uid
+                S["nproc_base"] += os.stat("/proc/" + d).st_uid == os.getuid()
     _zy_setup_cgroup()
     _zy_isolate_filesystem()
     _zy_setup_pid_namespace()
-    S["ipc_flag"] = _ZY_CLONE_NEWIPC if R["namespaces"]["ipc"] else 0
-    R["ipc_per_job"] = bool(S["ipc_flag"])
-    if not S["ipc_flag"]:
+    R["ipc_per_job"] = R["namespaces"]["ipc"]
+    if not R["ipc_per_job"]:
         _zy_note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
-    S["seccomp"] = _zy_build_seccomp(R["namespaces"]["net"])
-    R["seccomp"] = S["seccomp"] is not None
-    if R["seccomp"]:  # installed once here, inherited by every child
-        _zy_libc_call("prctl", _ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        _zy_libc_call("prctl", _ZY_PR_SET_SECCOMP, 2, ctypes.addressof(S["seccomp"][1]), 0, 0)
-    if S["view"]:
+    _zy_install_seccomp()
+    if R["filesystem"] == "allow-list":
         S["jobdir"], R["scratch"] = "/tmp", "tmpfs per job"
     else:
         import tempfile
@@ -4443,12 +4364,10 @@ def _zy_setup():
 
 
 def _zy_main():
-    global _ZY_CFG, _ZY_LIBC, _ZY_PRCTL, _ZY_JOB_BUF, _ZY_RES_BUF
+    global _ZY_CFG, _ZY_LIBC, _ZY_PRCTL
     _ZY_LIBC = ctypes.CDLL(None, use_errno=True)
-    if _ZY_LINUX:  # typed once: a cheap call in each child
-        _ZY_PRCTL = _ZY_LIBC.prctl
-        _ZY_PRCTL.argtypes, _ZY_PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
-    _ZY_JOB_BUF, _ZY_RES_BUF = bytearray(1 << 16), bytearray(1 << 16)
+    _ZY_PRCTL = _ZY_LIBC.prctl  # typed once: a cheap call in each child
+    _ZY_PRCTL.argtypes, _ZY_PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
     _ZY_CFG = _zy_recv()
     sys.path[:] = [p for p in sys.path if p] + _ZY_CFG["site_dirs"]
     try:
@@ -4456,10 +4375,9 @@ def _zy_main():
     except BaseException as e:
         import traceback
         where = traceback.extract_tb(e.__traceback__)[-1]
-        return _zy_reply({"ready": False, "report": _ZY_REPORT, "error": "%s: %s (in %s, zygote "
-                          "line %d)" % (type(e).__name__, e, where.name, where.lineno)}, b"")
-    if _ZY_LINUX:
-        _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
+        return _zy_reply(b"", {"ready": False, "report": _ZY_REPORT, "error": "%s: %s (in %s, "
+                               "zygote line %d)" % (type(e).__name__, e, where.name, where.lineno)})
+    _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
     for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
         ns = {"__name__": "__main__"}
         exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
@@ -4471,18 +4389,14 @@ def _zy_main():
             str(e)  # and the error path a failing program takes
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
-    _zy_reply({"ready": True, "report": _ZY_REPORT}, b"")
+    _zy_reply(b"", {"ready": True, "report": _ZY_REPORT})
     while True:
         job = _zy_recv()
-        n = job["plen"] + job["elen"]
-        _ZY_JOB_BUF = _zy_grow(_ZY_JOB_BUF, n)
-        _zy_recv_into(_ZY_JOB_BUF, n)
         try:
-            res, kind = _zy_run_job(job), b"Z"
+            _zy_run_job(job, _zy_read(bytearray(job["plen"] + job["elen"])), _zy_reply)
         except BaseException as e:  # this zygote may be in a bad state: the trainer replaces it
-            res, kind = {"status": "sandbox_error", "value": None,
-                         "error": "zygote: %s: %s" % (type(e).__name__, e)}, b"E"
-        _zy_reply(res, kind)
+            _zy_reply(b"E", {"status": "sandbox_error", "value": None,
+                             "error": "zygote: %s: %s" % (type(e).__name__, e)})
 
 
 @functools.cache
@@ -4637,8 +4551,9 @@ class PythonSandbox:
                  max_output_chars: int = 100_000, *, max_procs: int = 16, max_file_mb: int = 64,
                  tmpfs_mb: int = 256, forbidden_modules=(), hide_paths=None, hash_seed: int = 0,
                  max_program_chars: int = 1_000_000, namespaces: bool | str = True):
-        if os.name != "posix":
-            raise RuntimeError("PythonSandbox needs Linux or macOS (on Windows: WSL)")
+        if not sys.platform.startswith("linux"):
+            raise RuntimeError(f"PythonSandbox needs Linux (namespaces, seccomp, /proc), not "
+                               f"{sys.platform}: run it in a Linux VM or container")
         if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
             raise ValueError(f"namespaces must be True, False or 'user', got {namespaces!r}")
         if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
