@@ -4381,8 +4381,7 @@ def _zy_main():
     for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
         ns = {"__name__": "__main__"}
         exec(compile(_ZY_WARM_SOURCE, "<program>", "exec"), ns)
-        value = eval(compile("_zy_warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns)
-        json.dumps({"status": "ok", "value": repr(value), "error": None})
+        repr(eval(compile("_zy_warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns))
         try:
             compile("def f(:", "<program>", "exec")
         except SyntaxError as e:
@@ -4453,22 +4452,6 @@ def _sb_python_paths() -> list[str]:
     return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
-def _sb_host_view(hide_paths) -> dict:
-    """What the children's root is built from. Shown empty: homes, temp dirs and the trainer's
-    cwd (its runs and checkpoints) unless a system directory; Python's own dirs stay, read-only."""
-    cwd = os.path.realpath(os.getcwd())
-    hidden = list(_SB_HIDE)
-    if cwd != "/" and not any(cwd == d or cwd.startswith(d + "/")
-                              for d in _SB_SYSTEM_DIRS + _SB_HIDE):
-        hidden.append(cwd)
-    return {"keep_paths": _sb_python_paths(),
-            "lib_dirs": sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)}),
-            "lib_links": [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)],
-            "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
-            "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
-            "hide_paths": hidden if hide_paths is None else list(hide_paths)}
-
-
 class _SbWorker:
     """One zygote process and its control pipes (trainer side)."""
 
@@ -4482,7 +4465,7 @@ class _SbWorker:
         self.buf, self.report, self.deadline = b"", {}, 0.0
         os.set_blocking(self.rfd, False)
         try:
-            self._send(json.dumps(cfg).encode())
+            self.send(json.dumps(cfg).encode())
             with selectors.DefaultSelector() as sel:  # not select(): a trainer may hold 1024+ fds
                 sel.register(self.rfd, selectors.EVENT_READ)
                 stop = time.monotonic() + 30.0
@@ -4497,15 +4480,10 @@ class _SbWorker:
             self.kill()
             raise
 
-    def _send(self, head: bytes, payload: bytes = b""):
+    def send(self, head: bytes, payload: bytes = b""):
         data = memoryview(struct.pack(">I", len(head)) + head + payload)
         while data:
             data = data[os.write(self.wfd, data):]
-
-    def send_job(self, program: str, expression: str, limits: dict):
-        """A JSON header of limits and lengths, then the raw program and expression."""
-        p, e = program.encode("utf-8", "surrogatepass"), expression.encode("utf-8", "surrogatepass")
-        self._send(json.dumps(dict(limits, plen=len(p), elen=len(e))).encode(), p + e)
 
     def poll(self) -> bytes | None:
         """Read what is there; return one whole frame or None. EOFError if the zygote died."""
@@ -4514,10 +4492,10 @@ class _SbWorker:
             if not chunk:
                 raise EOFError("sandbox zygote exited")
             self.buf += chunk
-        n = struct.unpack(">I", self.buf[:4])[0] if len(self.buf) >= 4 else None
-        if n is not None and n > _SB_MAX_FRAME:
+        n = struct.unpack(">I", self.buf[:4])[0] if len(self.buf) >= 4 else 0
+        if n > _SB_MAX_FRAME:
             raise EOFError("sandbox zygote sent an oversized frame")
-        if n is None or len(self.buf) < 4 + n:
+        if len(self.buf) < 4 + n:
             return None
         data, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
         return data
@@ -4569,7 +4547,18 @@ class PythonSandbox:
         self.forbidden_modules = sorted(set(forbidden_modules))
         self.uids = _sb_take_uids(self.workers)  # one unprivileged uid per worker (its gid too)
         self.uids_held = list(self.uids)
-        view = _sb_host_view(hide_paths)
+        # shown empty: homes, temp dirs and the trainer's cwd (its runs and checkpoints) unless a
+        # system directory; Python's own directories stay, read-only
+        cwd, dirs = os.path.realpath(os.getcwd()), _SB_SYSTEM_DIRS + _SB_HIDE
+        hidden = list(_SB_HIDE)
+        if cwd != "/" and not any((cwd + "/").startswith(d + "/") for d in dirs):
+            hidden.append(cwd)
+        view = {"keep_paths": _sb_python_paths(),
+                "lib_dirs": sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)}),
+                "lib_links": [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)],
+                "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
+                "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
+                "hide_paths": hidden if hide_paths is None else list(hide_paths)}
         self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
                            memory_mb=self.memory_mb, tmpfs_mb=int(tmpfs_mb),
                            tmpfs_inodes=max(1024, 64 * int(tmpfs_mb))) for uid in self.uids]
@@ -4595,63 +4584,14 @@ class PythonSandbox:
                           "platform": f"{platform.system()} {platform.release()}", **rep,
                           "socket_families": families}
 
-    def _start(self, i: int):
-        if time.monotonic() < self._retry_at.get(i, 0.0):
-            return  # it failed a moment ago: do not spawn in a tight loop
-        try:
-            self._pool[i] = _SbWorker(self._cfgs[i])
-        except Exception as e:  # noqa: BLE001 - reported by the caller
-            self._errors.append(f"worker {i}: {e}")
-            self._retry_at[i] = time.monotonic() + 1.0
-
-    def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
-        """Exec program in a fresh isolated process, then evaluate expression there."""
-        return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
-
-    @timed("verify")
-    def run_many(self, jobs, *, timeout_s: float | None = None) -> list[ExecResult]:
-        """Run (program, expression) pairs in parallel over the workers; results in input order."""
-        jobs = list(jobs)
-        for k, job in enumerate(jobs):
-            if not (isinstance(job, (tuple, list)) and len(job) == 2
-                    and all(isinstance(s, str) for s in job)):
-                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) "
-                                f"pair, got {type(job).__name__}")
-        if self._closed:
-            raise RuntimeError("PythonSandbox is closed; create a new one")
-        if os.getpid() != self._owner:
-            raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
-                               f"{self._owner}); create a new one in this forked process")
-        results: list[ExecResult | None] = [None] * len(jobs)
-        with self._lock:
-            self._dispatch(jobs, float(timeout_s or self.timeout_s), results)
-        return results  # type: ignore[return-value]
-
-    def close(self):
-        self._closed = True
-        if os.getpid() != getattr(self, "_owner", None):
-            return  # a forked copy of the trainer: the workers are not ours to stop
-        for i, w in enumerate(self._pool):
-            if w is not None:
-                w.kill()
-                self._pool[i] = None
-        with _sb_uid_lock:
-            _sb_uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        with contextlib.suppress(Exception):  # at interpreter shutdown
-            self.close()
-
-    def _job_msg(self, timeout: float) -> dict:
-        return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
-                "nproc": self.max_procs, "max_output": self.max_output_chars,
-                "forbidden": self.forbidden_modules}
+    def _start(self, i: int) -> _SbWorker | None:
+        if time.monotonic() >= self._retry_at.get(i, 0.0):  # not in a tight loop after a failure
+            try:
+                self._pool[i] = _SbWorker(self._cfgs[i])
+            except Exception as e:  # noqa: BLE001 - reported by the caller
+                self._errors.append(f"worker {i}: {e}")
+                self._retry_at[i] = time.monotonic() + 1.0
+        return self._pool[i]
 
     def _restart(self, i: int):
         if self._pool[i] is not None:
@@ -4660,14 +4600,35 @@ class PythonSandbox:
         self._pool[i] = None
         self._start(i)
 
-    def _dispatch(self, jobs, timeout, results):
-        for k, (p, e) in enumerate(jobs):
-            if len(p) + len(e) > self.max_program_chars:
-                results[k] = ExecResult("error", None, f"program is {len(p) + len(e)} chars, over "
-                                                       f"the cap of {self.max_program_chars}")
-        pending = collections.deque(k for k in range(len(jobs)) if results[k] is None)
+    def _job_msg(self, timeout: float) -> dict:
+        return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
+                "nproc": self.max_procs, "max_output": self.max_output_chars,
+                "forbidden": self.forbidden_modules}
+
+    def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
+        """Exec program in a fresh isolated process, then evaluate expression there."""
+        return self.run_many([(program, expression)], timeout_s=timeout_s)[0]
+
+    @timed("verify")
+    def run_many(self, jobs, *, timeout_s: float | None = None) -> list[ExecResult]:
+        """Run (program, expression) pairs in parallel over the workers; results in input order."""
+        jobs, timeout = list(jobs), float(timeout_s or self.timeout_s)
+        results: list[ExecResult | None] = [None] * len(jobs)
+        for k, job in enumerate(jobs):
+            if not (isinstance(job, (tuple, list)) and len(job) == 2
+                    and all(isinstance(s, str) for s in job)):
+                raise TypeError(f"run_many: job {k} must be a (program: str, expression: str) "
+                                f"pair, got {type(job).__name__}")
+            if (n := len(job[0]) + len(job[1])) > self.max_program_chars:
+                results[k] = ExecResult("error", None, f"program is {n} chars, over the cap of "
+                                                       f"{self.max_program_chars}")
+        if self._closed:
+            raise RuntimeError("PythonSandbox is closed; create a new one")
+        if os.getpid() != self._owner:
+            raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
+                               f"{self._owner}); create a new one in this forked process")
+        pending = collections.deque(k for k, r in enumerate(results) if r is None)
         busy: dict[int, int] = {}  # worker index -> job index
-        slack = 5.0 + timeout      # the zygote enforces `timeout`; this only catches a stuck zygote
         sel, err = selectors.DefaultSelector(), functools.partial(ExecResult, "sandbox_error", None)
 
         def finish(i, res, restart):
@@ -4675,43 +4636,47 @@ class PythonSandbox:
             sel.unregister(self._pool[i].rfd)
             if restart:
                 self._restart(i)
-        try:
-            while pending or busy:
-                for i in range(self.workers):
-                    if pending and i not in busy and self._pool[i] is None:
-                        self._start(i)
-                    if not pending or i in busy or self._pool[i] is None:
-                        continue
-                    k, w = pending.popleft(), self._pool[i]
-                    try:
-                        w.send_job(*jobs[k], self._job_msg(timeout))
-                    except OSError as e:
-                        results[k] = err(f"worker died before the job: {e}")
-                        self._restart(i)
-                        continue
-                    w.deadline, busy[i] = time.monotonic() + slack, k
-                    sel.register(w.rfd, selectors.EVENT_READ, i)
-                if not busy:
-                    if pending and not any(self._pool):
+        with self._lock:
+            try:
+                while pending or busy:
+                    for i in range(self.workers):
+                        if not pending or i in busy or (w := self._pool[i] or self._start(i)) \
+                                is None:
+                            continue
+                        k = pending.popleft()
+                        try:
+                            p, e = (s.encode("utf-8", "surrogatepass") for s in jobs[k])
+                            w.send(json.dumps(dict(self._job_msg(timeout), plen=len(p),
+                                                   elen=len(e))).encode(), p + e)
+                        except OSError as ex:
+                            results[k] = err(f"worker died before the job: {ex}")
+                            self._restart(i)
+                            continue
+                        # the zygote enforces timeout: this only catches a stuck zygote
+                        w.deadline, busy[i] = time.monotonic() + 5.0 + timeout, k
+                        sel.register(w.rfd, selectors.EVENT_READ, i)
+                    if not busy and pending and not any(self._pool):
                         for k in pending:
                             results[k] = err("no sandbox worker could be started")
                         pending.clear()
-                    continue
-                wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
-                for key, _ in sel.select(wait):
-                    try:
-                        msg = self._pool[key.data].poll()
-                        if msg is not None:  # b"E": the zygote failed on its own, replace it
-                            finish(key.data, self._result(msg), msg[:1] == b"E")
-                    except (EOFError, OSError, ValueError) as e:
-                        finish(key.data, err(f"sandbox worker died: {e}"), True)
-                now = time.monotonic()
-                for i in [i for i in busy if self._pool[i].deadline < now]:
-                    finish(i, err("sandbox worker stopped answering"), True)
-        finally:
-            sel.close()
-            for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight workers are unknown
-                self._restart(i)
+                    if not busy:
+                        continue
+                    wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
+                    for key, _ in sel.select(wait):
+                        try:
+                            msg = self._pool[key.data].poll()
+                            if msg is not None:  # b"E": the zygote failed on its own, replace it
+                                finish(key.data, self._result(msg), msg[:1] == b"E")
+                        except (EOFError, OSError, ValueError) as e:
+                            finish(key.data, err(f"sandbox worker died: {e}"), True)
+                    now = time.monotonic()
+                    for i in [i for i in busy if self._pool[i].deadline < now]:
+                        finish(i, err("sandbox worker stopped answering"), True)
+            finally:
+                sel.close()
+                for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight ones are unknown
+                    self._restart(i)
+        return results  # type: ignore[return-value]
 
     def _result(self, reply: bytes) -> ExecResult:
         """Check one reply: b"Z" from the zygote (b"E": it failed), b"P" the program's frame
@@ -4744,3 +4709,24 @@ class PythonSandbox:
         if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
             error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
         return ExecResult(status, value, error)
+
+    def close(self):
+        self._closed = True
+        if os.getpid() != getattr(self, "_owner", None):
+            return  # a forked copy of the trainer: the workers are not ours to stop
+        for i, w in enumerate(self._pool):
+            if w is not None:
+                w.kill()
+                self._pool[i] = None
+        with _sb_uid_lock:
+            _sb_uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # at interpreter shutdown
+            self.close()
