@@ -3900,10 +3900,7 @@ def _zy_isolate_filesystem():
     R, C = _ZY_REPORT, _ZY_CFG
     if not R["namespaces"]["mount"]:
         return
-    try:
-        _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)
-    except OSError as e:
-        return _zy_note("mount propagation: %s" % e)
+    _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)  # nothing below reaches the host
     failed = 0
     for m in _zy_mountinfo():  # every mount read-only first, so the binds below are throughout
         if not (m[4] + "/").startswith("/proc/"):
@@ -3921,10 +3918,7 @@ def _zy_isolate_filesystem():
         with contextlib.suppress(OSError):
             fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
-    try:
-        _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
-    except OSError as e:
-        return _zy_note("no tmpfs for the allow-list root (%s): the host, read-only" % e)
+    _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
         os.symlink(target, new + link)
     bound = []
@@ -4311,15 +4305,6 @@ def _zy_warm_example(xs: list, k=2) -> dict:
     return out
 
 
-def _zy_probe(program, expression):
-    """Run a program of ours as a job -> its result as a dict."""
-    out, p = [{}], program.encode()
-    _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100,
-                 "forbidden": [], "plen": len(p)}, bytearray(p + expression.encode()),
-                lambda kind, frame: out.append(json.loads(bytes(frame))))
-    return out[-1]
-
-
 def _zy_setup():
     """Isolate this zygote once (see the section's head), then check that a child works."""
     S, R, C = _ZY_STATE, _ZY_REPORT, _ZY_CFG
@@ -4348,19 +4333,21 @@ def _zy_setup():
         S["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
         _zy_note("no mount namespace: each job gets a fresh directory in " + R["scratch"])
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
-    if R["seccomp"]:
-        out = _zy_probe("import ctypes, os\nlibc = ctypes.CDLL(None)",
-                        "os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)"
-                        % (_ZY_CLONE_NEWUSER, _ZY_CLONE_NEWNET))
-        R["self_test"] = out.get("value") == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
-        if not R["self_test"]:
-            _zy_note("self-test failed: %r" % (out,))
-    out = _zy_probe("import statistics, decimal", "1")
-    if out.get("value") != "1":
+    out, p = [], b"import ctypes, decimal, os, statistics\nlibc = ctypes.CDLL(None)"
+    e = b"os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)" % (_ZY_CLONE_NEWUSER,
+                                                                  _ZY_CLONE_NEWNET)
+    _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100,
+                 "forbidden": [], "plen": len(p)}, bytearray(p + e), lambda kind, frame: out.append(
+                     frame if type(frame) is dict else json.loads(bytes(frame))))
+    if out[0]["status"] != "ok":
         R["self_test"] = False
         _zy_note("children cannot import the standard library (%s): on this host Python's files "
                  "are not readable by the unprivileged uid without a mount namespace"
-                 % (out.get("error"),))
+                 % out[0]["error"])
+    elif R["seccomp"]:  # and cannot make namespaces
+        R["self_test"] = out[0]["value"] == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
+        if not R["self_test"]:
+            _zy_note("self-test failed: %r" % out)
 
 
 def _zy_main():
@@ -4541,10 +4528,10 @@ class PythonSandbox:
         if not 0 <= self.hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
         self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
-        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
-        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
-        self.max_file_mb, self.max_program_chars = int(max_file_mb), max_program_chars
-        self.forbidden_modules = sorted(set(forbidden_modules))
+        self.timeout_s, self.max_program_chars = float(timeout_s), max_program_chars
+        self.limits = {"memory_mb": int(memory_mb), "fsize_mb": int(max_file_mb),
+                       "nproc": int(max_procs), "max_output": int(max_output_chars),
+                       "forbidden": sorted(set(forbidden_modules))}
         self.uids = _sb_take_uids(self.workers)  # one unprivileged uid per worker (its gid too)
         self.uids_held = list(self.uids)
         # shown empty: homes, temp dirs and the trainer's cwd (its runs and checkpoints) unless a
@@ -4560,7 +4547,7 @@ class PythonSandbox:
                 "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
                 "hide_paths": hidden if hide_paths is None else list(hide_paths)}
         self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
-                           memory_mb=self.memory_mb, tmpfs_mb=int(tmpfs_mb),
+                           memory_mb=int(memory_mb), tmpfs_mb=int(tmpfs_mb),
                            tmpfs_inodes=max(1024, 64 * int(tmpfs_mb))) for uid in self.uids]
         self._lock = threading.Lock()
         self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
@@ -4601,9 +4588,7 @@ class PythonSandbox:
         self._start(i)
 
     def _job_msg(self, timeout: float) -> dict:
-        return {"timeout": timeout, "memory_mb": self.memory_mb, "fsize_mb": self.max_file_mb,
-                "nproc": self.max_procs, "max_output": self.max_output_chars,
-                "forbidden": self.forbidden_modules}
+        return dict(self.limits, timeout=timeout)
 
     def run(self, program: str, expression: str, *, timeout_s: float | None = None) -> ExecResult:
         """Exec program in a fresh isolated process, then evaluate expression there."""
@@ -4699,7 +4684,7 @@ class PythonSandbox:
             return crash(f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
             return crash("the program forged a result (a value must come with status ok)")
-        if value is not None and len(value) > self.max_output_chars:
+        if value is not None and len(value) > self.limits["max_output"]:
             return ExecResult("output_limit", None, "result over the output cap")
         if value is not None and not value.isascii():
             try:  # a child's repr escapes lone surrogates: a value that holds one is no repr
