@@ -50,19 +50,18 @@ def _cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_sandbox(workers: int, n: int) -> tuple[float, float | None]:
-    """-> (programs/s, CPU ms per program over trainer + zygotes + children, or None off Linux)."""
+def bench_sandbox(workers: int, n: int) -> tuple[float, float]:
+    """-> (programs/s, CPU ms per program over trainer + zygotes + children)."""
     from common import PythonSandbox
     with PythonSandbox(workers=workers, timeout_s=5) as sb:
         sb.run_many([(PROGRAM, EXPRESSION)] * (4 * workers))  # warm
         zygotes = [w.proc.pid for w in sb._pool]
-        linux = sys.platform.startswith("linux")
-        c0, p0 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+        c0, p0 = sum(map(_cpu_seconds, zygotes)), os.times()
         t0 = time.perf_counter()
         results = sb.run_many([(PROGRAM, EXPRESSION)] * n)
         dt = time.perf_counter() - t0
-        c1, p1 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
-        cpu_ms = ((c1 - c0) + (p1.user + p1.system - p0.user - p0.system)) / n * 1e3 if linux else None
+        c1, p1 = sum(map(_cpu_seconds, zygotes)), os.times()
+        cpu_ms = ((c1 - c0) + (p1.user + p1.system - p0.user - p0.system)) / n * 1e3
         print(f"  isolation level: {sb.isolation['level']}  (namespaces: "
               f"{[k for k, v in sb.isolation['namespaces'].items() if v]}, seccomp: {sb.isolation['seccomp']}, "
               f"uid dropped: {sb.isolation['uid_dropped']})")
@@ -110,18 +109,17 @@ def bench_compare(ref: str, workers: int, n: int, rounds: int) -> None:
     boxes = {ref: _common_at(ref).PythonSandbox(workers=workers, timeout_s=5),
              "this checkout": common.PythonSandbox(workers=workers, timeout_s=5)}
     rates, cpus = {k: [] for k in boxes}, {k: [] for k in boxes}
-    linux = sys.platform.startswith("linux")
     try:
         for sb in boxes.values():
             sb.run_many([(PROGRAM, EXPRESSION)] * (4 * workers))  # warm
         for _ in range(rounds):
             for k, sb in boxes.items():
                 zygotes = [w.proc.pid for w in sb._pool]
-                c0, p0 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+                c0, p0 = sum(map(_cpu_seconds, zygotes)), os.times()
                 t0 = time.perf_counter()
                 results = sb.run_many([(PROGRAM, EXPRESSION)] * n)
                 rates[k].append(n / (time.perf_counter() - t0))
-                c1, p1 = (sum(map(_cpu_seconds, zygotes)) if linux else 0.0), os.times()
+                c1, p1 = sum(map(_cpu_seconds, zygotes)), os.times()
                 cpus[k].append(((c1 - c0) + (p1.user + p1.system - p0.user - p0.system)) / n * 1e3)
                 assert all(r.status == "ok" and r.value == EXPECTED for r in results), results[:3]
     finally:
@@ -132,11 +130,10 @@ def bench_compare(ref: str, workers: int, n: int, rounds: int) -> None:
               f"{statistics.median(cpus[k]):.2f} CPU ms/program  (rounds: "
               f"{', '.join(f'{x:.0f}' for x in v)})")
     ratio = statistics.median(rates["this checkout"]) / statistics.median(rates[ref])
-    print(f"this checkout / {ref}: throughput {ratio:.2f}", end="")
-    if linux:  # CPU per program does not depend on what else the machine runs nearly as much
-        before, after = statistics.median(cpus[ref]), statistics.median(cpus["this checkout"])
-        print(f", CPU per program {before:.2f} -> {after:.2f} ms, i.e. throughput on idle cores "
-              f"x{before / after:.2f}", end="")
+    # CPU per program does not depend on what else the machine runs nearly as much
+    before, after = statistics.median(cpus[ref]), statistics.median(cpus["this checkout"])
+    print(f"this checkout / {ref}: throughput {ratio:.2f}, CPU per program {before:.2f} -> "
+          f"{after:.2f} ms, i.e. throughput on idle cores x{before / after:.2f}", end="")
     print(" (issue #15: per-job isolation may cost at most 25%, >= 0.75)")
 
 
@@ -156,9 +153,8 @@ def main():
         bench_compare(args.compare, args.workers, args.n // 3, args.rounds)
     sandbox, cpu_ms = bench_sandbox(args.workers, args.n)
     print(f"PythonSandbox (fresh isolated process each): {sandbox:8.0f} programs/s")
-    if cpu_ms is not None:
-        print(f"  CPU per program (trainer + zygote + child): {cpu_ms:.2f} ms -> at most "
-              f"{2000 / cpu_ms:.0f} programs/s on 2 otherwise idle cores")
+    print(f"  CPU per program (trainer + zygote + child): {cpu_ms:.2f} ms -> at most "
+          f"{2000 / cpu_ms:.0f} programs/s on 2 otherwise idle cores")
     sub = bench_subprocess(args.workers, args.n_subprocess)
     print(f"subprocess.run per program:                  {sub:8.0f} programs/s")
     pool = bench_reused_pool(args.workers, args.n)

@@ -24,6 +24,7 @@ import pytest
 import common
 from common import ExecResult, PythonSandbox, parse_literal
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 LINUX_ROOT = sys.platform.startswith("linux") and os.geteuid() == 0
 TIMEOUT = 1.0        # per-case deadline
 SLACK = 3.0          # kill, reap and reply on a loaded 2-core machine
@@ -621,7 +622,7 @@ def test_program_cannot_forge_sandbox_statuses(sb):
 
 
 def test_degraded_mode_still_safe_and_says_so(host):
-    """Without namespaces (as on macOS or non-root Linux without user namespaces) the sandbox still enforces
+    """Without namespaces (as on Linux without root or user namespaces) the sandbox still enforces
     deadlines and limits, kills escapees (root: by uid), cleans up, and reports the weaker level."""
     with PythonSandbox(workers=1, timeout_s=TIMEOUT, memory_mb=256, namespaces=False) as s:
         iso = s.isolation
@@ -664,7 +665,6 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="user namespaces are Linux-only")
 def test_user_namespace_mode(host):
     """The setup a non-root user gets (forced here with namespaces='user'): one PID namespace per worker whose
     PID 1 empties it after every program, private network and read-only mounts, all capabilities dropped."""
