@@ -4196,7 +4196,6 @@ def _zy_run_job(job, src, send):
     kill what is left, send(kind, frame) and zero the job's bytes (src, the frame)."""
     global _ZY_RES_BUF
     R, S, C = _ZY_REPORT, _ZY_STATE, _ZY_CFG
-    deadline = time.monotonic() + job["timeout"]
     if R["filesystem"] != "allow-list":  # a fresh host directory
         os.mkdir(S["jobdir"], 0o700)
         if R["uid_dropped"]:
@@ -4213,6 +4212,7 @@ def _zy_run_job(job, src, send):
         (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
     if flags and _ZY_LIBC.unshare(flags) != 0:
         raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+    deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
