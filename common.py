@@ -3679,7 +3679,6 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
 
 EXEC_STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "forbidden",
                  "sandbox_error")  # timeout: wall clock or CPU; crash: a signal, or no result
-_SB_PROGRAM_STATUSES = ("ok", "error", "memory", "output_limit", "forbidden")  # what it may claim
 
 
 @dataclass(frozen=True)
@@ -4401,28 +4400,13 @@ _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", 
 _SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
                 "/usr/share/zoneinfo")
 _SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
-_SB_MAX_FRAME = 64 << 20
-_SB_UID_BLOCK = 2048  # uids per trainer process (keyed by its pid), one per live worker
-_sb_uids_in_use: set[int] = set()
+_sb_uids_in_use: set[int] = set()  # held by this process's live workers, one uid each
 _sb_uid_lock = threading.Lock()
-
-
-def _sb_take_uids(n: int) -> list[int]:
-    """n uids no live sandbox of this process holds, nor any account: none reaches another."""
-    base = 100_000_000 + (os.getpid() % 2_000_000) * _SB_UID_BLOCK
-    with _sb_uid_lock:
-        free = [base + k for k in range(_SB_UID_BLOCK) if base + k not in _sb_uids_in_use][:n]
-        if len(free) < n:
-            raise RuntimeError(f"PythonSandbox: more than {_SB_UID_BLOCK} workers alive in this "
-                               f"process; close some sandboxes first")
-        _sb_uids_in_use.update(free)
-    return free
 
 
 def _sb_python_paths() -> list[str]:
     """Directories the child's interpreter reads (bound read-only; one inside another once)."""
-    import site
-    import sysconfig
+    import site, sysconfig  # noqa: E401
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages(),
              *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
@@ -4471,7 +4455,7 @@ class _SbWorker:
                 raise EOFError("sandbox zygote exited")
             self.buf += chunk
         n = struct.unpack(">I", self.buf[:4])[0] if len(self.buf) >= 4 else 0
-        if n > _SB_MAX_FRAME:
+        if n > 64 << 20:  # far over any reply
             raise EOFError("sandbox zygote sent an oversized frame")
         if len(self.buf) < 4 + n:
             return None
@@ -4482,12 +4466,11 @@ class _SbWorker:
         """Close the pipes (the zygote leaves its cgroup, exits), kill it if it lingers, tidy up."""
         self.proc.stdin.close()
         self.proc.stdout.close()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
+        self.proc.kill()  # a no-op once it has exited
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
         if (self.report.get("scratch") or "").startswith("/"):  # no mount namespace: on the host
             shutil.rmtree(self.report["scratch"], ignore_errors=True)
         cgroup = (self.report.get("memory_cgroup") or {}).get("path")
@@ -4512,19 +4495,26 @@ class PythonSandbox:
                                f"{sys.platform}: run it in a Linux VM or container")
         if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
             raise ValueError(f"namespaces must be True, False or 'user', got {namespaces!r}")
-        if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1:
-            raise ValueError("needs timeout_s > 0, memory_mb >= 64 and max_output_chars >= 1")
         # one PYTHONHASHSEED (and memory layout) per sandbox: independent runs need two sandboxes
-        self.hash_seed = int(hash_seed)
-        if not 0 <= self.hash_seed <= 4294967295:
-            raise ValueError(f"hash_seed must be in [0, 2**32 - 1], got {hash_seed}")
+        seed = self.hash_seed = int(hash_seed)
+        if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1 or not 0 <= seed < 2**32:
+            raise ValueError("needs timeout_s > 0, memory_mb >= 64, max_output_chars >= 1 and "
+                             f"hash_seed in [0, 2**32 - 1] (hash_seed: {hash_seed})")
         self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
         self.timeout_s, self.max_program_chars = float(timeout_s), max_program_chars
         self.limits = {"memory_mb": int(memory_mb), "fsize_mb": int(max_file_mb),
                        "nproc": int(max_procs), "max_output": int(max_output_chars),
                        "forbidden": sorted(set(forbidden_modules))}
-        self.uids = _sb_take_uids(self.workers)  # one unprivileged uid per worker (its gid too)
-        self.uids_held = list(self.uids)
+        # one uid (and gid) per worker, of no account and no other live sandbox of this process:
+        # a block of 2048 per trainer process, keyed by its pid
+        base = 100_000_000 + (os.getpid() % 2_000_000) * 2048
+        with _sb_uid_lock:
+            self.uids = [u for u in range(base, base + 2048) if u not in _sb_uids_in_use]
+            if len(self.uids) < self.workers:
+                raise RuntimeError("PythonSandbox: more than 2048 workers alive in this process; "
+                                   "close some sandboxes first")
+            self.uids = self.uids_held = self.uids[:self.workers]
+            _sb_uids_in_use.update(self.uids)
         # shown empty: homes, temp dirs and the trainer's cwd (its runs and checkpoints) unless a
         # system directory; Python's own directories stay, read-only
         cwd, dirs = os.path.realpath(os.getcwd()), _SB_SYSTEM_DIRS + _SB_HIDE
@@ -4571,12 +4561,9 @@ class PythonSandbox:
                 self._retry_at[i] = time.monotonic() + 1.0
         return self._pool[i]
 
-    def _restart(self, i: int):
-        if self._pool[i] is not None:
-            self._pool[i].kill()
-        self.restarts += 1
-        self._pool[i] = None
-        self._start(i)
+    def _restart(self, i: int):  # its successor starts when a job needs one
+        self._pool[i].kill()
+        self._pool[i], self.restarts = None, self.restarts + 1
 
     def _job_msg(self, timeout: float) -> dict:
         return dict(self.limits, timeout=timeout)
@@ -4620,23 +4607,17 @@ class PythonSandbox:
                                 is None:
                             continue
                         k = pending.popleft()
-                        try:
-                            p, e = (s.encode("utf-8", "surrogatepass") for s in jobs[k])
+                        p, e = (s.encode("utf-8", "surrogatepass") for s in jobs[k])
+                        with contextlib.suppress(OSError):  # a dead zygote: poll() says so below
                             w.send(json.dumps(dict(self._job_msg(timeout), plen=len(p),
                                                    elen=len(e))).encode(), p + e)
-                        except OSError as ex:
-                            results[k] = err(f"worker died before the job: {ex}")
-                            self._restart(i)
-                            continue
                         # the zygote enforces timeout: this only catches a stuck zygote
                         w.deadline, busy[i] = time.monotonic() + 5.0 + timeout, k
                         sel.register(w.rfd, selectors.EVENT_READ, i)
-                    if not busy and pending and not any(self._pool):
+                    if not busy:  # then no worker could be started
                         for k in pending:
                             results[k] = err("no sandbox worker could be started")
-                        pending.clear()
-                    if not busy:
-                        continue
+                        break
                     wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
                     for key, _ in sel.select(wait):
                         try:
@@ -4659,11 +4640,8 @@ class PythonSandbox:
         (program outcomes only), b"S" the child's from setup. A child's frame that is not
         {status, value, error} of strings (UTF-8 JSON) is a crash of its job alone."""
         kind, msg, crash = reply[:1], None, functools.partial(ExecResult, "crash", None)
-        allowed = {b"Z": EXEC_STATUSES, b"E": ("sandbox_error",), b"P": _SB_PROGRAM_STATUSES,
-                   b"S": ("sandbox_error",)}.get(kind)
-        if allowed is not None and reply[1:2] == b"{":
-            with contextlib.suppress(ValueError, RecursionError, MemoryError):  # bad UTF-8 too
-                msg = json.loads(reply[1:].decode("utf-8"))
+        with contextlib.suppress(ValueError, RecursionError, MemoryError):  # bad UTF-8 too
+            msg = json.loads(reply[1:].decode("utf-8"))
         if not (type(msg) is dict and set(msg) == {"status", "value", "error"}
                 and type(msg["status"]) is str
                 and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
@@ -4671,17 +4649,16 @@ class PythonSandbox:
                 return crash("the program wrote a malformed result")
             raise ValueError("malformed reply from the sandbox zygote")
         status, value, error = msg["status"], msg["value"], msg["error"]
+        allowed = {b"Z": EXEC_STATUSES, b"P": ("ok", "error", "memory", "output_limit",
+                                              "forbidden")}.get(kind, ("sandbox_error",))
         if status not in allowed:
             return crash(f"the program claimed status {status[:40]!r}, which it may not")
         if (value is None) != (status != "ok"):
             return crash("the program forged a result (a value must come with status ok)")
         if value is not None and len(value) > self.limits["max_output"]:
             return ExecResult("output_limit", None, "result over the output cap")
-        if value is not None and not value.isascii():
-            try:  # a child's repr escapes lone surrogates: a value that holds one is no repr
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return crash("the program forged a value with a lone surrogate")
+        if value is not None and re.search("[\ud800-\udfff]", value):  # lone: a repr escapes them
+            return crash("the program forged a value with a lone surrogate")
         if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
             error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
         return ExecResult(status, value, error)
@@ -4690,10 +4667,9 @@ class PythonSandbox:
         self._closed = True
         if os.getpid() != getattr(self, "_owner", None):
             return  # a forked copy of the trainer: the workers are not ours to stop
-        for i, w in enumerate(self._pool):
-            if w is not None:
-                w.kill()
-                self._pool[i] = None
+        for w in filter(None, self._pool):
+            w.kill()
+        self._pool = [None] * self.workers
         with _sb_uid_lock:
             _sb_uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
 
