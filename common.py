@@ -3809,19 +3809,15 @@ def _zy_exit():
     os._exit(0)
 
 
-def _zy_read(buf):  # -> buf, filled from the trainer
-    view, got = memoryview(buf), 0
+def _zy_read(n=None):
+    """n bytes from the trainer, in a bytearray (a job's is zeroed after it); else a message."""
+    buf, got = bytearray(4 if n is None else n), 0
     while got < len(buf):
-        k = os.readv(0, [view[got:]])
+        k = os.readv(0, [memoryview(buf)[got:]])
         if not k:
             _zy_exit()  # the trainer went away
         got += k
-    return buf
-
-
-def _zy_recv():
-    n = struct.unpack(">I", _zy_read(bytearray(4)))[0]
-    return json.loads(_zy_read(bytearray(n)))
+    return json.loads(_zy_read(struct.unpack(">I", buf)[0])) if n is None else buf
 
 
 def _zy_reply(kind, data):
@@ -4170,8 +4166,6 @@ def _zy_child_main(job, src, wfd):
             status = "memory" if _isinstance(e, _MemoryError) else \
                 "forbidden" if _isinstance(e, forbidden_exc) else "error"
             name, msg = _type(e).__name__, _str(e)
-            if _type(name) is not _str or _type(msg) is not _str:
-                raise TypeError
             line, tb = "", e.__traceback__
             while tb is not None:
                 if tb.tb_frame.f_code.co_filename == "<program>":
@@ -4225,7 +4219,7 @@ def _zy_run_job(job, src, send):
     if len(_ZY_RES_BUF) < cap:
         _ZY_RES_BUF = bytearray(cap)
     view, got, need = memoryview(_ZY_RES_BUF), 0, None
-    while need is None or got < need:
+    while need is None or got < need <= cap:
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -4243,8 +4237,6 @@ def _zy_run_job(job, src, send):
         off = 1 if _ZY_RES_BUF[0] == 82 else 0  # after b"R"
         if need is None and got >= off + 4:
             need = off + 4 + struct.unpack(">I", _ZY_RES_BUF[off:off + 4])[0]
-            if need > cap:
-                break
     os.close(r)
     for kill in (os.kill, os.killpg):  # its PID namespace dies with it, else its group
         with contextlib.suppress(OSError):
@@ -4345,7 +4337,7 @@ def _zy_main():
     _ZY_LIBC = ctypes.CDLL(None, use_errno=True)
     _ZY_PRCTL = _ZY_LIBC.prctl  # typed once: a cheap call in each child
     _ZY_PRCTL.argtypes, _ZY_PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
-    _ZY_CFG = _zy_recv()
+    _ZY_CFG = _zy_read()
     sys.path[:] = [p for p in sys.path if p] + _ZY_CFG["site_dirs"]
     try:
         _zy_setup()
@@ -4367,9 +4359,9 @@ def _zy_main():
     gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
     _zy_reply(b"", {"ready": True, "report": _ZY_REPORT})
     while True:
-        job = _zy_recv()
+        job = _zy_read()
         try:
-            _zy_run_job(job, _zy_read(bytearray(job["plen"] + job["elen"])), _zy_reply)
+            _zy_run_job(job, _zy_read(job["plen"] + job["elen"]), _zy_reply)
         except BaseException as e:  # this zygote may be in a bad state: the trainer replaces it
             _zy_reply(b"E", {"status": "sandbox_error", "value": None,
                              "error": "zygote: %s: %s" % (type(e).__name__, e)})
