@@ -3906,35 +3906,40 @@ def _zy_isolate_filesystem():
                 failed += 1
     if failed:
         _zy_note("%d mounts could not be made read-only" % failed)
-    dirs = sorted(set(C["keep_paths"]) | set(C["lib_dirs"]), key=len)
-    files = list(_ZY_DEV_NODES) + C["etc_files"]  # and the loader cache and time zone
+    # besides Python's own: system libraries (for C extensions), the loader cache, time zones
+    libs = [d + n for d in ("/lib", "/usr/lib") for n in ("", "32", "64")] + ["/usr/share/zoneinfo"]
+    dirs = sorted({*C["keep_paths"], *(os.path.realpath(d) for d in libs if os.path.isdir(d))},
+                  key=len)
+    files = [*_ZY_DEV_NODES, "/etc/ld.so.cache", "/etc/localtime"]
     fds = {}  # opened before the new root covers /tmp, where Python itself may live
     for p in dirs + files:
         with contextlib.suppress(OSError):
             fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
-    for link, target in C["lib_links"]:  # merged /usr: /lib -> usr/lib and friends
-        os.symlink(target, new + link)
+    for link in filter(os.path.islink, libs):  # merged /usr: /lib -> usr/lib and friends
+        os.symlink(os.readlink(link), new + link)
     bound = []
     for p in dirs + files:  # shortest dirs first: one inside a bound one comes with it
         if p not in fds or any(p.startswith(q.rstrip("/") + "/") for q in bound):
             continue
         try:  # read-only and nosuid; nodev too, except for the /dev nodes
+            bound.append(p)  # a file holds none
             os.makedirs(new + p if p in dirs else os.path.dirname(new + p), exist_ok=True)
-            if p in dirs:
-                bound.append(p)
-            else:
+            if p not in dirs:
                 open(new + p, "w").close()
             _zy_mount("/proc/self/fd/%d" % fds[p], new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
             _zy_mount(None, new + p, None, _ZY_MS_RO | _ZY_MS_NOSUID
                       | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
-    for d in ("/dev", "/etc", "/tmp", "/proc"):
-        os.makedirs(new + d, exist_ok=True)
-    for name, target in _ZY_DEV_LINKS.items():
+    os.makedirs(new + "/dev", exist_ok=True)
+    for name, target in _ZY_DEV_LINKS.items():  # before the hidden /dev/shm: that one is a link
         os.symlink(target, new + "/dev/" + name)
+    R["hidden_paths"] = [d for d in C["hide_paths"] if os.path.isdir(d) and not os.path.islink(d)]
+    for d in ["/etc", "/tmp", "/proc"] + R["hidden_paths"]:  # hidden ones: empty, or absent
+        with contextlib.suppress(OSError):  # where no directory can be made
+            os.makedirs(new + d, exist_ok=True)
     uid = C["uid"]  # its gid is the same number
     etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
@@ -3945,10 +3950,6 @@ def _zy_isolate_filesystem():
     for p, text in etc.items():
         _zy_write_file(new + p, text)
     R["masked_files"] = list(etc)
-    R["hidden_paths"] = [d for d in C["hide_paths"] if os.path.isdir(d) and not os.path.islink(d)]
-    for d in R["hidden_paths"]:  # empty, or absent where no directory can be made
-        with contextlib.suppress(OSError):
-            os.makedirs(new + d, exist_ok=True)
     try:
         _zy_mount("proc", new + "/proc", "proc", _ZY_MS_NOSUID | _ZY_MS_NODEV | _ZY_MS_NOEXEC,
                   "hidepid=2")
@@ -4388,10 +4389,6 @@ _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": 
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
 _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
                    "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
-# bound besides Python's own directories: system libraries (for C extensions) and time zones
-_SB_LIB_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32",
-                "/usr/share/zoneinfo")
-_SB_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _sb_uids_in_use: set[int] = set()  # held by this process's live workers, one uid each
 _sb_uid_lock = threading.Lock()
 
@@ -4514,9 +4511,6 @@ class PythonSandbox:
         if cwd != "/" and not any((cwd + "/").startswith(d + "/") for d in dirs):
             hidden.append(cwd)
         view = {"keep_paths": _sb_python_paths(),
-                "lib_dirs": sorted({os.path.realpath(d) for d in _SB_LIB_DIRS if os.path.isdir(d)}),
-                "lib_links": [[d, os.readlink(d)] for d in _SB_LIB_DIRS if os.path.islink(d)],
-                "etc_files": [f for f in _SB_ETC_FILES if os.path.isfile(f)],
                 "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
                 "hide_paths": hidden if hide_paths is None else list(hide_paths)}
         self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
