@@ -3706,8 +3706,7 @@ def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: boo
                 raise ValueError("nested deeper than 50")
             # literal_eval only adds a real to an imaginary constant: finite constants stay so
             v = node.value if isinstance(node, ast.Constant) else None
-            if isinstance(v, (float, complex)) and not (math.isfinite(v.real)
-                                                        and math.isfinite(v.imag)):
+            if isinstance(v, (float, complex)) and not all(map(math.isfinite, (v.real, v.imag))):
                 raise ValueError("NaN or infinity")
             nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         value = ast.literal_eval(nodes[0][0])
@@ -3804,8 +3803,9 @@ def _zy_try_in_child(fn, *args):
 def _zy_exit():
     """Leave and remove our memory cgroup (the trainer has gone or closed us), then exit."""
     with contextlib.suppress(KeyError, OSError):
-        os.write(_ZY_STATE["cgroup_procs"], b"0")
-        os.rmdir(_ZY_STATE["cgroup_name"], dir_fd=_ZY_STATE["cgroup_parent"])
+        parent, procs, name = _ZY_STATE["cgroup"]
+        os.write(procs, b"0")
+        os.rmdir(name, dir_fd=parent)
     os._exit(0)
 
 
@@ -3860,8 +3860,7 @@ def _zy_enter_namespaces():
 
 
 def _zy_setup_pid_namespace():
-    """Root: a fresh PID namespace per job whose PID 1 is the child (_zy_run_job). Refused in a
-    user namespace: there this process becomes PID 1 of one namespace for the worker instead."""
+    """A PID namespace per job (root), else (setns refused) one per worker with this as PID 1."""
     if not _ZY_CFG["namespaces"]:
         return
     libc, fd, ns = _ZY_LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), _ZY_CLONE_NEWPID
@@ -3890,8 +3889,7 @@ def _zy_setup_pid_namespace():
 
 
 def _zy_isolate_filesystem():
-    """Pivot into a root built on a tmpfs from an allow-list: Python's and the system's libraries
-    read-only, five /dev nodes, fake accounts, /proc; hide_paths are empty directories."""
+    """Pivot into a tmpfs root: allow-listed dirs and files read-only, fake accounts, /proc."""
     R, C = _ZY_REPORT, _ZY_CFG
     if not R["namespaces"]["mount"]:
         return
@@ -3972,8 +3970,7 @@ def _zy_isolate_filesystem():
 
 
 def _zy_setup_cgroup():
-    """Root: this zygote in a memory cgroup of its own (v2, else v1), capped at memory_mb + 32 MB
-    and inherited: a job's processes, tmpfs and kernel memory count together."""
+    """Root: this zygote, and so each job, in a memory cgroup of memory_mb + 32 MB (v2, else v1)."""
     S, limit = _ZY_STATE, (_ZY_CFG["memory_mb"] + 32) << 20
     why = "a job's processes together may hold up to max_procs x memory_mb, and its tmpfs up to " \
           "tmpfs_mb more"
@@ -4015,9 +4012,8 @@ def _zy_setup_cgroup():
                               os.O_RDONLY)
         _zy_oom_killed()
         # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
-        S["cgroup_parent"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        S["cgroup_procs"] = os.open(parent + "/cgroup.procs", os.O_WRONLY)
-        S["cgroup_name"] = os.path.basename(d)
+        S["cgroup"] = (os.open(parent, os.O_RDONLY | os.O_DIRECTORY),
+                       os.open(parent + "/cgroup.procs", os.O_WRONLY), os.path.basename(d))
         _ZY_REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
         return
     _zy_note("no memory cgroup (%s): %s" % ("; ".join(errors) or "no cgroup filesystem with a "
@@ -4179,8 +4175,7 @@ def _zy_child_main(job, src, wfd):
             report("error", None, "an exception that could not be described")
 
 
-def _zy_tmp_mark():
-    """What a job could change about an empty /tmp: inode, mode, owner, links, size, times."""
+def _zy_tmp_mark():  # what a job could change about an empty /tmp: inode, mode, owner, times...
     st = os.stat("/tmp")
     return st[:7] + (st.st_mtime_ns, st.st_ctime_ns)
 
@@ -4192,12 +4187,10 @@ def _zy_run_job(job, src, send):
     R, S, C = _ZY_REPORT, _ZY_STATE, _ZY_CFG
     if R["filesystem"] != "allow-list":  # a fresh host directory
         os.mkdir(S["jobdir"], 0o700)
-        if R["uid_dropped"]:
-            os.chown(S["jobdir"], C["uid"], C["uid"])
+        os.chown(S["jobdir"], *S["ids"])
     elif S["tmp_mark"] is None:  # a capped tmpfs on /tmp, kept while jobs leave it untouched
-        ids = (C["uid"], C["uid"]) if R["uid_dropped"] else (os.getuid(), os.getgid())
         _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=%dm,nr_inodes=%d,"
-                  "mode=0700,uid=%d,gid=%d" % ((C["tmpfs_mb"], C["tmpfs_inodes"]) + ids))
+                  "mode=0700,uid=%d,gid=%d" % ((C["tmpfs_mb"], C["tmpfs_inodes"]) + S["ids"]))
         S["tmp_mark"] = _zy_tmp_mark()
     # back to our own PID namespace, then a fresh one (the child is its PID 1) and IPC namespace
     if S["pidns_fd"] is not None:
@@ -4220,10 +4213,7 @@ def _zy_run_job(job, src, send):
     if len(_ZY_RES_BUF) < cap:
         _ZY_RES_BUF = bytearray(cap)
     view, got, need = memoryview(_ZY_RES_BUF), 0, None
-    while need is None or got < need <= cap:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
+    while (need is None or got < need <= cap) and (left := deadline - time.monotonic()) > 0:
         ready = select.select([r, 0], [], [], left)[0]
         if 0 in ready:  # the trainer closed our control pipe: take the child down and go
             os.kill(pid, signal.SIGKILL)
@@ -4299,6 +4289,7 @@ def _zy_setup():
     _zy_enter_namespaces()
     R["uid_dropped"] = R["root"] and not R["namespaces"]["user"]
     R["uid"] = C["uid"] if R["uid_dropped"] else os.geteuid()
+    S["ids"] = (C["uid"], C["uid"]) if R["uid_dropped"] else (os.getuid(), os.getgid())
     if not R["uid_dropped"]:  # RLIMIT_NPROC counts all of the real uid's processes: add them
         S["nproc_base"] = 64
         for d in filter(str.isdigit, os.listdir("/proc")):
