@@ -3715,10 +3715,9 @@ def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: boo
     if require_roundtrip:
         try:  # equal, not the same repr: set order may change on re-insertion
             again = ast.literal_eval(repr(value))
-            ok = type(again) is type(value) and again == value
         except Exception:  # noqa: BLE001 - any failure means "does not round-trip"
-            ok = False
-        if not ok:
+            again = object()  # equal to no literal
+        if type(again) is not type(value) or again != value:
             raise ValueError("literal does not round-trip through repr and ast.literal_eval")
     return value
 
@@ -3746,11 +3745,10 @@ _ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/
 _ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False,
               "namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
               "pid_namespace": None, "readonly_root": False, "filesystem": "host",
-              "hidden_paths": [], "masked_files": [], "proc_hidepid": False,
+              "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "seccomp": False,
               "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
-                          "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "seccomp": False,
-              "self_test": None, "scratch": None, "ipc_per_job": False, "memory_cgroup": None,
-              "notes": []}
+                          "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "notes": [],
+              "self_test": None, "scratch": None, "ipc_per_job": False, "memory_cgroup": None}
 _ZY_STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
              "oom_exempt": False, "tmp_mark": None, "nproc_base": 0}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
@@ -3850,11 +3848,9 @@ def _zy_enter_namespaces():
             return _zy_note("no user namespace (%s): running without namespaces" % e)
     for key, flag in (("net", _ZY_CLONE_NEWNET), ("mount", _ZY_CLONE_NEWNS),
                       ("ipc", _ZY_CLONE_NEWIPC), ("uts", _ZY_CLONE_NEWUTS)):
-        try:
-            _zy_libc_call("unshare", flag)
-            ns[key] = True
-        except OSError as e:
-            _zy_note("no %s namespace: %s" % (key, e))
+        ns[key] = _ZY_LIBC.unshare(flag) == 0
+        if not ns[key]:
+            _zy_note("no %s namespace: %s" % (key, os.strerror(ctypes.get_errno())))
     if ns["uts"]:
         _ZY_LIBC.sethostname(b"sandbox", 7)
 
@@ -3972,8 +3968,7 @@ def _zy_isolate_filesystem():
 def _zy_setup_cgroup():
     """Root: this zygote, and so each job, in a memory cgroup of memory_mb + 32 MB (v2, else v1)."""
     S, limit = _ZY_STATE, (_ZY_CFG["memory_mb"] + 32) << 20
-    why = "a job's processes together may hold up to max_procs x memory_mb, and its tmpfs up to " \
-          "tmpfs_mb more"
+    why = "a job's processes together may hold max_procs x memory_mb, its tmpfs tmpfs_mb more"
     if not _ZY_REPORT["uid_dropped"]:
         return _zy_note("no memory cgroup (needs root): " + why)
     try:
@@ -4234,9 +4229,8 @@ def _zy_run_job(job, src, send):
             kill(pid, signal.SIGKILL)
     _, wstatus, rusage = os.wait4(pid, 0)
     if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # ESRCH: none left; ECHILD: all reaped
             os.kill(-1, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
             while True:
                 os.waitpid(-1, 0)
     elif S["pidns_fd"] is None and R["uid_dropped"]:
@@ -4389,8 +4383,7 @@ def _sb_python_paths() -> list[str]:
     import site, sysconfig  # noqa: E401
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages(),
-             *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
-                                                       "platlib"))}
+             *map(sysconfig.get_paths().get, ("stdlib", "platstdlib", "purelib", "platlib"))}
     return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
@@ -4453,16 +4446,14 @@ class _SbWorker:
             self.proc.wait(timeout=10)
         if (self.report.get("scratch") or "").startswith("/"):  # no mount namespace: on the host
             shutil.rmtree(self.report["scratch"], ignore_errors=True)
-        cgroup = (self.report.get("memory_cgroup") or {}).get("path")
-        for _ in range(50 if cgroup else 0):  # empty once the zygote is reaped (can take a moment)
+        cgroup, stop = (self.report.get("memory_cgroup") or {}).get("path"), time.monotonic() + 1
+        while cgroup and os.path.exists(cgroup) and time.monotonic() < stop:  # empty once reaped
             with contextlib.suppress(OSError):
                 os.rmdir(cgroup)
-            if not os.path.exists(cgroup):
-                break
             time.sleep(0.02)
 
 
-class PythonSandbox:
+class PythonSandbox(contextlib.AbstractContextManager):
     """Fork-server workers that run each (program, expression) in a fresh isolated process:
     sb.run("def f(x):\\n    return x * 2", "f(21)") == ExecResult("ok", "42", None)."""
 
@@ -4485,8 +4476,7 @@ class PythonSandbox:
         self.limits = {"memory_mb": int(memory_mb), "fsize_mb": int(max_file_mb),
                        "nproc": int(max_procs), "max_output": int(max_output_chars),
                        "forbidden": sorted(set(forbidden_modules))}
-        # one uid (and gid) per worker, of no account and no other live sandbox of this process:
-        # a block of 2048 per trainer process, keyed by its pid
+        # one uid (and gid) per worker, no account's nor another live sandbox's: 2048 per process
         base = 100_000_000 + (os.getpid() % 2_000_000) * 2048
         with _sb_uid_lock:
             self.uids = [u for u in range(base, base + 2048) if u not in _sb_uids_in_use]
@@ -4517,8 +4507,7 @@ class PythonSandbox:
         if not all(self._pool):
             self.close()
             raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
-        rep = self._pool[0].report
-        ns = rep["namespaces"]
+        rep, ns = self._pool[0].report, self._pool[0].report["namespaces"]
         strong = all(ns[k] for k in ("net", "mount", "pid")) and rep["readonly_root"] and \
             (rep["uid_dropped"] or ns["user"])
         level = "strong" if strong and rep["seccomp"] else "namespaces" if strong else \
@@ -4619,9 +4608,8 @@ class PythonSandbox:
         kind, msg, crash = reply[:1], None, functools.partial(ExecResult, "crash", None)
         with contextlib.suppress(ValueError, RecursionError, MemoryError):  # bad UTF-8 too
             msg = json.loads(reply[1:].decode("utf-8"))
-        if not (type(msg) is dict and set(msg) == {"status", "value", "error"}
-                and type(msg["status"]) is str
-                and all(v is None or type(v) is str for v in (msg["value"], msg["error"]))):
+        if not (type(msg) is dict and set(msg) == {"status", "value", "error"} and all(
+                type(v) is str or v is None and k != "status" for k, v in msg.items())):
             if kind in (b"P", b"S"):
                 return crash("the program wrote a malformed result")
             raise ValueError("malformed reply from the sandbox zygote")
@@ -4649,9 +4637,6 @@ class PythonSandbox:
         self._pool = [None] * self.workers
         with _sb_uid_lock:
             _sb_uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
