@@ -4085,9 +4085,8 @@ def _zy_child_main(job, src, wfd):
                 _enc(status), "null" if value is None else _enc(value),
                 "null" if error is None else _enc(error))).encode()
             _write(wfd, _pack(">I", _len(data)) + data)
-        except _BaseException:
-            pass
-        _exit(0)
+        finally:
+            _exit(0)
 
     R, S, forbidden_exc = _ZY_REPORT, _ZY_STATE, ()  # isinstance(e, ()) is False
     try:
@@ -4135,10 +4134,7 @@ def _zy_child_main(job, src, wfd):
             del sys.modules[m]  # what the zygote imported goes through the guard too
 
     cap = job["max_output"]
-    try:  # setup is over: the zygote lets later frames claim program outcomes only
-        _write(wfd, b"R")
-    except _BaseException:
-        _exit(71)
+    _write(wfd, b"R")  # setup is over: the zygote lets later frames claim program outcomes only
     try:
         code = compile(src[:job["plen"]].decode("utf-8", "surrogatepass"), "<program>", "exec")
         expr = compile(src[job["plen"]:].decode("utf-8", "surrogatepass"), "<expression>", "eval")
@@ -4157,7 +4153,6 @@ def _zy_child_main(job, src, wfd):
         try:
             status = "memory" if _isinstance(e, _MemoryError) else \
                 "forbidden" if _isinstance(e, forbidden_exc) else "error"
-            name, msg = _type(e).__name__, _str(e)
             line, tb = "", e.__traceback__
             while tb is not None:
                 if tb.tb_frame.f_code.co_filename == "<program>":
@@ -4165,7 +4160,7 @@ def _zy_child_main(job, src, wfd):
                 tb = tb.tb_next
             if _isinstance(e, _SyntaxError) and _type(e.lineno) is int:
                 line = " (line %d)" % e.lineno
-            report(status, None, ("%s: %s%s" % (name, msg, line))[:2000])
+            report(status, None, ("%s: %s%s" % (_type(e).__name__, _str(e), line))[:2000])
         except _BaseException:
             report("error", None, "an exception that could not be described")
 
@@ -4306,8 +4301,7 @@ def _zy_setup():
         _zy_note("no mount namespace: each job gets a fresh directory in " + R["scratch"])
     os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
     out, p = [], b"import ctypes, decimal, os, statistics\nlibc = ctypes.CDLL(None)"
-    e = b"os.getpid() == 1, libc.unshare(%d), libc.unshare(%d)" % (_ZY_CLONE_NEWUSER,
-                                                                  _ZY_CLONE_NEWNET)
+    e = b"os.getpid() == 1, libc.unshare(0x10000000), libc.unshare(0x40000000)"  # user, net
     _zy_run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100,
                  "forbidden": [], "plen": len(p)}, bytearray(p + e), lambda kind, frame: out.append(
                      frame if type(frame) is dict else json.loads(bytes(frame))))
@@ -4367,10 +4361,9 @@ def _sb_zygote_source() -> str:
 # ------------------------------------------------------------ trusted side: workers and the pool
 
 _SB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HOME": "/tmp", "TMPDIR": "/tmp"}
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
+           **{k + "_NUM_THREADS": "1" for k in ("OMP", "OPENBLAS", "MKL", "NUMEXPR", "RAYON")},
+           "VECLIB_MAXIMUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 _SB_HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run")
 _SB_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys",
                    "/dev", "/var", "/opt", "/nix", "/snap", "/boot")
