@@ -3892,12 +3892,9 @@ def _zy_isolate_filesystem():
     _zy_mount(None, "/", None, _ZY_MS_REC | _ZY_MS_PRIVATE)  # nothing below reaches the host
     failed = 0
     for m in _zy_mountinfo():  # every mount read-only first, so the binds below are throughout
-        if not (m[4] + "/").startswith("/proc/"):
-            try:
-                _zy_mount(None, m[4], None, _ZY_MS_RO
-                          | sum(f for o, f in _ZY_MS_KEPT.items() if o in m[5].split(",")))
-            except OSError:
-                failed += 1
+        kept = sum(f for o, f in _ZY_MS_KEPT.items() if o in m[5].split(","))
+        failed += not (m[4] + "/").startswith("/proc/") and _ZY_LIBC.mount(
+            None, m[4].encode(), None, ctypes.c_ulong(_ZY_MS_RO | kept), None) != 0
     if failed:
         _zy_note("%d mounts could not be made read-only" % failed)
     # besides Python's own: system libraries (for C extensions), the loader cache, time zones
@@ -4026,10 +4023,9 @@ def _zy_oom_killed():
 
 
 def _zy_install_seccomp():
-    """A seccomp filter for x86-64, installed here once and inherited (one per child costs ~10%
-    of the throughput). The zygote keeps mount/umount2 and PID and IPC unshare/setns: a child
-    lacks CAP_SYS_ADMIN for them, and CLONE_NEWUSER, to regain it, is refused. Sockets: AF_UNIX,
-    and AF_INET/6 only in the empty network namespace."""
+    """Installed once here, inherited (one per child costs ~10% of throughput). The zygote keeps
+    mount and PID/IPC unshare/setns (a child lacks CAP_SYS_ADMIN; CLONE_NEWUSER, to regain it, is
+    refused). Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
     if os.uname().machine != "x86_64":
         return _zy_note("seccomp filter only written for x86-64: not installed")
     # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
@@ -4171,8 +4167,7 @@ def _zy_tmp_mark():  # what a job could change about an empty /tmp: inode, mode,
 
 
 def _zy_run_job(job, src, send):
-    """Fork the job's child in an empty scratch directory, read its frame until the deadline,
-    kill what is left, send(kind, frame) and zero the job's bytes (src, the frame)."""
+    """Run a job in a child: send(kind, frame) its frame or why it has none; zero its bytes."""
     global _ZY_RES_BUF
     R, S, C = _ZY_REPORT, _ZY_STATE, _ZY_CFG
     if R["filesystem"] != "allow-list":  # a fresh host directory
