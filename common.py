@@ -3750,7 +3750,7 @@ _ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False,
                           "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "notes": [],
               "self_test": None, "scratch": None, "ipc_per_job": False, "memory_cgroup": None}
 _ZY_STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
-             "oom_exempt": False, "tmp_mark": None, "nproc_base": 0}
+             "oom_exempt": False, "tmp_mark": None, "nproc_base": 0, "job_ns": 0}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
 _ZY_RES_BUF = bytearray()  # the child's result frame (zeroed after each job)
 _ZY_WARM_SOURCE = ""       # _zy_warm_example's source, filled in by _sb_zygote_source
@@ -3868,7 +3868,7 @@ def _zy_setup_pid_namespace():
             os._exit(0)
         os.wait()
     if _zy_try_in_child(per_job):
-        _ZY_STATE["pidns_fd"] = fd
+        _ZY_STATE["pidns_fd"], _ZY_STATE["job_ns"] = fd, _ZY_CLONE_NEWPID
         _ZY_REPORT["pid_namespace"] = "one per program"
     else:
         os.close(fd)
@@ -4014,11 +4014,10 @@ def _zy_setup_cgroup():
 
 def _zy_oom_killed():
     """Whether the memory cgroup's OOM killer struck since the last look."""
-    S = _ZY_STATE
-    if S["oom_fd"] is None:
-        return False
-    m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
-    before, S["oom_kills"] = S["oom_kills"], int(m[1]) if m else 0
+    S, before = _ZY_STATE, _ZY_STATE["oom_kills"]
+    if S["oom_fd"] is not None:
+        m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
+        S["oom_kills"] = int(m[1]) if m else 0
     return S["oom_kills"] != before
 
 
@@ -4177,12 +4176,9 @@ def _zy_run_job(job, src, send):
         _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=%dm,nr_inodes=%d,"
                   "mode=0700,uid=%d,gid=%d" % ((C["tmpfs_mb"], C["tmpfs_inodes"]) + S["ids"]))
         S["tmp_mark"] = _zy_tmp_mark()
-    # back to our own PID namespace, then a fresh one (the child is its PID 1) and IPC namespace
-    if S["pidns_fd"] is not None:
+    if S["pidns_fd"] is not None:  # back to our own, then a fresh one: the child its PID 1
         _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
-    flags = (_ZY_CLONE_NEWIPC if R["ipc_per_job"] else 0) | \
-        (_ZY_CLONE_NEWPID if S["pidns_fd"] is not None else 0)
-    if flags and _ZY_LIBC.unshare(flags) != 0:
+    if S["job_ns"] and _ZY_LIBC.unshare(S["job_ns"]) != 0:  # and a fresh IPC namespace
         raise OSError(ctypes.get_errno(), "pid/ipc namespace")
     deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
@@ -4283,6 +4279,7 @@ def _zy_setup():
     _zy_isolate_filesystem()
     _zy_setup_pid_namespace()
     R["ipc_per_job"] = R["namespaces"]["ipc"]
+    S["job_ns"] |= _ZY_CLONE_NEWIPC * R["ipc_per_job"]
     if not R["ipc_per_job"]:
         _zy_note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
     _zy_install_seccomp()
@@ -4580,8 +4577,7 @@ class PythonSandbox(contextlib.AbstractContextManager):
                                 finish(key.data, self._result(msg), msg[:1] == b"E")
                         except (EOFError, OSError, ValueError) as e:
                             finish(key.data, err(f"sandbox worker died: {e}"), True)
-                    now = time.monotonic()
-                    for i in [i for i in busy if self._pool[i].deadline < now]:
+                    for i in [i for i in busy if self._pool[i].deadline < time.monotonic()]:
                         finish(i, err("sandbox worker stopped answering"), True)
             finally:
                 sel.close()
