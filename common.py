@@ -3857,8 +3857,6 @@ def _zy_enter_namespaces():
 
 def _zy_setup_pid_namespace():
     """A PID namespace per job (root), else (setns refused) one per worker with this as PID 1."""
-    if not _ZY_CFG["namespaces"]:
-        return
     libc, fd, ns = _ZY_LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), _ZY_CLONE_NEWPID
 
     def per_job():  # in a throwaway child: a failed attempt would spoil pid_for_children
@@ -3931,11 +3929,10 @@ def _zy_isolate_filesystem():
     for d in ["/etc", "/tmp", "/proc"] + R["hidden_paths"]:  # hidden ones: empty, or absent
         with contextlib.suppress(OSError):  # where no directory can be made
             os.makedirs(new + d, exist_ok=True)
-    uid = C["uid"]  # its gid is the same number
-    etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+    etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"  # the uid is its gid too
                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-                          "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, uid),
-           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % uid,
+                          "sandbox:x:{0}:{0}:sandbox:/tmp:/usr/sbin/nologin\n".format(C["uid"]),
+           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % C["uid"],
            "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
            "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
     for p, text in etc.items():
@@ -4183,8 +4180,7 @@ def _zy_run_job(job, src, send):
     deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        os.close(r)
+    if pid == 0:  # r goes with the child's closerange
         try:
             _zy_child_main(job, src, w)
         finally:
@@ -4277,7 +4273,8 @@ def _zy_setup():
                 S["nproc_base"] += os.stat("/proc/" + d).st_uid == os.getuid()
     _zy_setup_cgroup()
     _zy_isolate_filesystem()
-    _zy_setup_pid_namespace()
+    if C["namespaces"]:
+        _zy_setup_pid_namespace()
     R["ipc_per_job"] = R["namespaces"]["ipc"]
     S["job_ns"] |= _ZY_CLONE_NEWIPC * R["ipc_per_job"]
     if not R["ipc_per_job"]:
@@ -4470,12 +4467,10 @@ class PythonSandbox(contextlib.AbstractContextManager):
                                    "close some sandboxes first")
             self.uids = self.uids_held = self.uids[:self.workers]
             _sb_uids_in_use.update(self.uids)
-        # shown empty: homes, temp dirs and the trainer's cwd (its runs and checkpoints) unless a
-        # system directory; Python's own directories stay, read-only
-        cwd, dirs = os.path.realpath(os.getcwd()), _SB_SYSTEM_DIRS + _SB_HIDE
-        hidden = list(_SB_HIDE)
-        if cwd != "/" and not any((cwd + "/").startswith(d + "/") for d in dirs):
-            hidden.append(cwd)
+        # shown empty: homes, temp dirs, the trainer's cwd (runs, checkpoints) unless a system dir
+        cwd = os.path.realpath(os.getcwd())
+        inside = any((cwd + "/").startswith(d + "/") for d in _SB_SYSTEM_DIRS + _SB_HIDE)
+        hidden = list(_SB_HIDE) + ([cwd] if cwd != "/" and not inside else [])
         view = {"keep_paths": _sb_python_paths(),
                 "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
                 "hide_paths": hidden if hide_paths is None else list(hide_paths)}
@@ -4485,13 +4480,14 @@ class PythonSandbox(contextlib.AbstractContextManager):
         self._lock = threading.Lock()
         self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
-        self.restarts, self._closed, self._errors, self._retry_at = 0, False, [], {}
+        self.restarts, self._closed, self._retry_at = 0, False, {}  # i -> (time, last error)
         import concurrent.futures
         with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:  # start them in parallel
             list(ex.map(self._start, range(self.workers)))
         if not all(self._pool):
             self.close()
-            raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(self._errors))
+            raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(
+                f"worker {i}: {e}" for i, (_, e) in self._retry_at.items()))
         rep, ns = self._pool[0].report, self._pool[0].report["namespaces"]
         strong = all(ns[k] for k in ("net", "mount", "pid")) and rep["readonly_root"] and \
             (rep["uid_dropped"] or ns["user"])
@@ -4504,12 +4500,11 @@ class PythonSandbox(contextlib.AbstractContextManager):
                           "socket_families": families}
 
     def _start(self, i: int) -> _SbWorker | None:
-        if time.monotonic() >= self._retry_at.get(i, 0.0):  # not in a tight loop after a failure
+        if time.monotonic() >= self._retry_at.get(i, (0.0,))[0]:  # a failed one waits 1 s
             try:
                 self._pool[i] = _SbWorker(self._cfgs[i])
             except Exception as e:  # noqa: BLE001 - reported by the caller
-                self._errors.append(f"worker {i}: {e}")
-                self._retry_at[i] = time.monotonic() + 1.0
+                self._retry_at[i] = (time.monotonic() + 1.0, e)
         return self._pool[i]
 
     def _restart(self, i: int):  # its successor starts when a job needs one
@@ -4602,12 +4597,11 @@ class PythonSandbox(contextlib.AbstractContextManager):
                                               "forbidden")}.get(kind, ("sandbox_error",))
         if status not in allowed:
             return crash(f"the program claimed status {status[:40]!r}, which it may not")
-        if (value is None) != (status != "ok"):
-            return crash("the program forged a result (a value must come with status ok)")
+        # a value comes with status ok alone, and a repr escapes lone surrogates
+        if (value is None) != (status != "ok") or value and re.search("[\ud800-\udfff]", value):
+            return crash("the program forged a result (a value without status ok, or no repr)")
         if value is not None and len(value) > self.limits["max_output"]:
             return ExecResult("output_limit", None, "result over the output cap")
-        if value is not None and re.search("[\ud800-\udfff]", value):  # lone: a repr escapes them
-            return crash("the program forged a value with a lone surrogate")
         if error:  # an exception message may carry lone surrogates: escaped, logs are UTF-8
             error = error[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
         return ExecResult(status, value, error)
