@@ -3821,12 +3821,7 @@ def _zy_read(n=None):
 def _zy_reply(kind, data):
     """Send kind + data, a dict (as JSON) or a child's frame (uncopied), to the trainer."""
     data = json.dumps(data).encode() if type(data) is dict else data
-    parts = [struct.pack(">I", len(kind) + len(data)) + kind, data]
-    k = os.writev(1, parts)
-    for p in map(memoryview, parts):  # after a short write (a full pipe), what is left of each
-        p, k = p[k:], max(0, k - len(p))
-        while p:
-            p = p[os.write(1, p):]
+    os.writev(1, [struct.pack(">I", len(kind) + len(data)) + kind, data])  # a blocking pipe: whole
 
 
 # ------------------------------------------------------- one-time isolation of the zygote itself
@@ -4548,9 +4543,8 @@ class PythonSandbox(contextlib.AbstractContextManager):
         with self._lock:
             try:
                 while pending or busy:
-                    for i in range(self.workers):
-                        if not pending or i in busy or (w := self._pool[i] or self._start(i)) \
-                                is None:
+                    for i in [i for i in range(self.workers) if i not in busy]:
+                        if not pending or not (w := self._pool[i] or self._start(i)):
                             continue
                         k = pending.popleft()
                         p, e = (s.encode("utf-8", "surrogatepass") for s in jobs[k])
