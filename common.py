@@ -3742,13 +3742,12 @@ _ZY_DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/ura
 _ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                  "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
 # what the zygote found, sent to the trainer: PythonSandbox.isolation shows it
-_ZY_REPORT = {"root": False, "uid": None, "uid_dropped": False,
-              "namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
+_ZY_REPORT = {"namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
               "pid_namespace": None, "readonly_root": False, "filesystem": "host",
               "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "seccomp": False,
               "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
                           "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "notes": [],
-              "self_test": None, "scratch": None, "ipc_per_job": False, "memory_cgroup": None}
+              "self_test": None, "memory_cgroup": None, "scratch": None}  # root, uid(_dropped): set first
 _ZY_STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
              "oom_exempt": False, "tmp_mark": None, "nproc_base": 0, "job_ns": 0}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
@@ -4096,8 +4095,7 @@ def _zy_child_main(job, src, wfd):
             # capset({_LINUX_CAPABILITY_VERSION_3, pid 0}, all 2 x 3 capability sets empty)
             _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-        if not R["seccomp"]:  # else set in the zygote and inherited
-            _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # inherited already where seccomp is on
         limits = {"RLIMIT_AS": job["memory_mb"] << 20, "RLIMIT_CPU": int(job["timeout"]) + 1,
                   "RLIMIT_FSIZE": job["fsize_mb"] << 20, "RLIMIT_NOFILE": 64,
                   "RLIMIT_NPROC": job["nproc"] + S["nproc_base"], "RLIMIT_CORE": 0}
@@ -4416,11 +4414,10 @@ class _SbWorker:
         """Close the pipes (the zygote leaves its cgroup, exits), kill it if it lingers, tidy up."""
         self.proc.stdin.close()
         self.proc.stdout.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=0.5)
-        self.proc.kill()  # a no-op once it has exited
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        for wait in (0.5, 10):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait)
+            self.proc.kill()  # a no-op once it has exited
         if (self.report.get("scratch") or "").startswith("/"):  # no mount namespace: on the host
             shutil.rmtree(self.report["scratch"], ignore_errors=True)
         cgroup, stop = (self.report.get("memory_cgroup") or {}).get("path"), time.monotonic() + 1
@@ -4441,13 +4438,12 @@ class PythonSandbox(contextlib.AbstractContextManager):
         if not sys.platform.startswith("linux"):
             raise RuntimeError(f"PythonSandbox needs Linux (namespaces, seccomp, /proc), not "
                                f"{sys.platform}: run it in a Linux VM or container")
-        if namespaces not in (True, False, "user"):  # "user": force the unprivileged setup
-            raise ValueError(f"namespaces must be True, False or 'user', got {namespaces!r}")
         # one PYTHONHASHSEED (and memory layout) per sandbox: independent runs need two sandboxes
         seed = self.hash_seed = int(hash_seed)
-        if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1 or not 0 <= seed < 2**32:
-            raise ValueError("needs timeout_s > 0, memory_mb >= 64, max_output_chars >= 1 and "
-                             f"hash_seed in [0, 2**32 - 1] (hash_seed: {hash_seed})")
+        if timeout_s <= 0 or memory_mb < 64 or max_output_chars < 1 or not 0 <= seed < 2**32 \
+                or namespaces not in (True, False, "user"):  # "user": the unprivileged setup
+            raise ValueError("needs timeout_s > 0, memory_mb >= 64, max_output_chars >= 1, "
+                             "hash_seed in [0, 2**32 - 1], namespaces True, False or 'user'")
         self.workers = int(workers or max(2, min(8, 2 * (os.cpu_count() or 1))))
         self.timeout_s, self.max_program_chars = float(timeout_s), max_program_chars
         self.limits = {"memory_mb": int(memory_mb), "fsize_mb": int(max_file_mb),
@@ -4575,9 +4571,8 @@ class PythonSandbox(contextlib.AbstractContextManager):
         return results  # type: ignore[return-value]
 
     def _result(self, reply: bytes) -> ExecResult:
-        """Check one reply: b"Z" from the zygote (b"E": it failed), b"P" the program's frame
-        (program outcomes only), b"S" the child's from setup. A child's frame that is not
-        {status, value, error} of strings (UTF-8 JSON) is a crash of its job alone."""
+        """Check a reply: b"Z" the zygote's (b"E": it failed), b"P" the program's (its outcomes
+        only), b"S" the child's in setup; a child's malformed frame is a crash of its job alone."""
         kind, msg, crash = reply[:1], None, functools.partial(ExecResult, "crash", None)
         with contextlib.suppress(ValueError, RecursionError, MemoryError):  # bad UTF-8 too
             msg = json.loads(reply[1:].decode("utf-8"))
