@@ -3741,13 +3741,13 @@ _ZY_PR_SET_PDEATHSIG, _ZY_PR_SET_NO_NEW_PRIVS = 1, 38
 _ZY_DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")  # no GPU
 _ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                  "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
-# what the zygote found, sent to the trainer: PythonSandbox.isolation shows it
+# what the zygote found (root, uid_dropped and uid set first), shown in PythonSandbox.isolation
 _ZY_REPORT = {"namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
               "pid_namespace": None, "readonly_root": False, "filesystem": "host",
               "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "seccomp": False,
               "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
                           "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "notes": [],
-              "self_test": None, "memory_cgroup": None, "scratch": None}  # root, uid(_dropped): set first
+              "self_test": None, "memory_cgroup": None, "scratch": None}
 _ZY_STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
              "oom_exempt": False, "tmp_mark": None, "nproc_base": 0, "job_ns": 0}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
