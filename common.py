@@ -4096,11 +4096,10 @@ def _zy_child_main(job, src, wfd):
             _zy_libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
         _ZY_PRCTL(_ZY_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
         _ZY_PRCTL(_ZY_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # inherited already where seccomp is on
-        limits = {"RLIMIT_AS": job["memory_mb"] << 20, "RLIMIT_CPU": int(job["timeout"]) + 1,
-                  "RLIMIT_FSIZE": job["fsize_mb"] << 20, "RLIMIT_NOFILE": 64,
-                  "RLIMIT_NPROC": job["nproc"] + S["nproc_base"], "RLIMIT_CORE": 0}
-        for name, n in limits.items():
-            resource.setrlimit(getattr(resource, name), (n, n))
+        for name, n in (("AS", job["memory_mb"] << 20), ("CPU", int(job["timeout"]) + 1),
+                        ("FSIZE", job["fsize_mb"] << 20), ("NOFILE", 64),
+                        ("NPROC", job["nproc"] + S["nproc_base"]), ("CORE", 0)):
+            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n))
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
 
@@ -4468,8 +4467,7 @@ class PythonSandbox(contextlib.AbstractContextManager):
         self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
                            memory_mb=int(memory_mb), tmpfs_mb=int(tmpfs_mb),
                            tmpfs_inodes=max(1024, 64 * int(tmpfs_mb))) for uid in self.uids]
-        self._lock = threading.Lock()
-        self._owner = os.getpid()  # a fork of the trainer (DataLoader) must not touch our workers
+        self._lock, self._owner = threading.Lock(), os.getpid()  # a fork must not use our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts, self._closed, self._retry_at = 0, False, {}  # i -> (time, last error)
         import concurrent.futures
