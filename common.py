@@ -3891,8 +3891,7 @@ def _zy_isolate_filesystem():
         _zy_note("%d mounts could not be made read-only" % failed)
     # besides Python's own: system libraries (for C extensions), the loader cache, time zones
     libs = [d + n for d in ("/lib", "/usr/lib") for n in ("", "32", "64")] + ["/usr/share/zoneinfo"]
-    dirs = sorted({*C["keep_paths"], *(os.path.realpath(d) for d in libs if os.path.isdir(d))},
-                  key=len)
+    dirs = sorted({*C["keep_paths"], *map(os.path.realpath, filter(os.path.isdir, libs))}, key=len)
     files = [*_ZY_DEV_NODES, "/etc/ld.so.cache", "/etc/localtime"]
     fds = {}  # opened before the new root covers /tmp, where Python itself may live
     for p in dirs + files:
