@@ -3761,8 +3761,7 @@ def _zy_note(msg):
 
 def _zy_libc_call(name, *args):
     if getattr(_ZY_LIBC, name)(*args) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, name + ": " + os.strerror(e))
+        raise OSError(e := ctypes.get_errno(), name + ": " + os.strerror(e))
 
 
 def _zy_mount(src, target, fstype, flags, data=None):
