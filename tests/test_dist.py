@@ -139,7 +139,8 @@ def scenario_sync(out: pathlib.Path) -> dict:
 
 
 def scenario_rzero_shards(out: pathlib.Path) -> dict:
-    """R-Zero's parked role and KL reference under FSDP2: each rank keeps only its shards; a KL pass, a role switch and a resume from a saved folder are exact, bit for bit."""
+    """R-Zero's parked role and KL reference under FSDP2: each rank keeps only its shards; a KL
+    pass, a role switch and a resume from a saved folder are exact, bit for bit."""
     import common
     import r_zero
     cfg = common.RunConfig(model="tiny", backend="hf", output_dir=str(out / "run"))
