@@ -250,22 +250,10 @@ def check_model(name: str, flag: str = "--model") -> None:
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
 
 
-def check_inputs(cfg) -> None:
-    """Before anything loads: the run folder mixes no two runs, and every *_model is there."""
-    if cfg.resume and latest_checkpoint(cfg.resume) is None:
-        raise InputError(_core_no_checkpoint(cfg.resume))
-    if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
-        raise InputError(_core_held_run(cfg.output_dir))
-    for f in dataclasses.fields(cfg):
-        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
-
-
-# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups).
-_CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
-
-
 class _CoreQuietFilter:
+    """Hidden unless --verbose: vLLM's INFO lines and CPU start-up advice (optional speed-ups)."""
+    quiet = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
+
     def __init__(self, verbose: bool):
         self.verbose = verbose
 
@@ -275,7 +263,7 @@ class _CoreQuietFilter:
         # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
         # every sync warns, then puts the unchanged cache back. Other layers still warn.
         return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
-            self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM))
+            self.verbose or not any(s in msg for s in self.quiet))
 
 
 _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
@@ -320,13 +308,18 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
     """A method's main(): check the flags, folder and models, run `train(cfg)`, print Run.summary
     (+ `headline(result)`). Later bad input (and `errors`) is one line, exit 1; Ctrl-C, exit 130."""
-    prog = _core_prog(cls.__module__)
-    cfg = parse_config(cls, argv, check=check, tiny=tiny)
-    try:
-        check_inputs(cfg)
-    except ValueError as e:  # a usage error, as parse_config's
-        print(f"{prog}: error: {e} (see --help)", file=sys.stderr)
-        raise SystemExit(2) from None
+    def checks(cfg):  # usage errors too, before anything loads
+        if check is not None:
+            check(cfg)
+        if cfg.resume and latest_checkpoint(cfg.resume) is None:
+            raise InputError(_core_no_checkpoint(cfg.resume))
+        if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
+            raise InputError(_core_held_run(cfg.output_dir))
+        for f in dataclasses.fields(cfg):  # every *_model is there
+            if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+                check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+
+    prog, cfg = _core_prog(cls.__module__), parse_config(cls, argv, check=checks, tiny=tiny)
     try:
         result = train(cfg)
     except KeyboardInterrupt:
