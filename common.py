@@ -697,12 +697,6 @@ def _core_mix_seed(seed: int, i: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
 
 
-def _core_strip_prefix(name: str) -> str:
-    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(pre, "")
-    return name
-
-
 class Sampler:
     """generate(prompts, n=, temperature=, top_p=, top_k=, max_tokens=, stop=, seed=) -> one
     list[Completion] per prompt, and load_weights(named tensors): VLLMSampler, HFSampler."""
@@ -828,7 +822,6 @@ class VLLMSampler(Sampler):
 
         def stream():
             for k, v in items:
-                k = _core_strip_prefix(k)
                 if self.tied and k == "lm_head.weight":
                     continue  # sent with the embedding below
                 v = v.detach().to(self.dtype)
@@ -998,7 +991,7 @@ def _core_unique_state(model):
     for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
         if id(v) not in seen:
             seen.add(id(v))
-            yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
+            yield k, v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
 def local_part(v, full=None):
@@ -1035,7 +1028,6 @@ def _core_put(v, w) -> None:
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     """Copy full HF-named `weights` into `model` (plain or FSDP2), each storage once from its
     first name: a tied lm_head never overwrites the embedding."""
-    weights = {_core_strip_prefix(k): v for k, v in weights.items()}
     missing = []
     with torch.no_grad():
         for k, v in _core_unique_state(model):
@@ -1187,7 +1179,7 @@ class Policy:
 
     def state_dict(self) -> dict:
         """HF-named state dict of the trainer (views; sharded DTensors under FSDP2)."""
-        return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
+        return self.model.state_dict()
 
     def iter_full_weights(self):
         """(HF name, full tensor), tied ones once; FSDP2 gathers each: every rank iterates all."""
@@ -1225,8 +1217,7 @@ class Policy:
         and returned, as is a mapping with `local_shards` of this rank's FSDP2 shards (local_part),
         which needs no gather."""
         local = getattr(weights, "local_shards", False)
-        names = {_core_strip_prefix(k): k for k in weights}
-        state = [(weights.get(names.get(k)), local_part(v) if local else v)
+        state = [(weights.get(k), local_part(v) if local else v)
                  for k, v in _core_unique_state(self.model)]
         if all(torch.is_tensor(w) and w.dtype == p.dtype and w.shape == p.shape for w, p in state) \
                 and len({w.data_ptr() for w, _ in state}) == len(state):
