@@ -140,15 +140,13 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         formatter_class=argparse.RawDescriptionHelpFormatter)
     hints, defaults = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
-        typ, default = hints.get(f.name, str), f.default
-        if default is dataclasses.MISSING:
-            default = f.default_factory()
-        defaults[f.name] = default
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        typ, defaults[f.name] = hints.get(f.name, str), default
         if typ not in (bool, int, float, str):
             raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
         help_text = f"{comments.get(f.name, '')} (default: {default!r})".strip().replace("%", "%%")
-        kw = dict(action=_CoreBoolAction) if typ is bool else dict(type=typ, metavar=typ.__name__
-                                                                   .upper())
+        kw = dict(action=_CoreBoolAction) if typ is bool else \
+            dict(type=typ, metavar=typ.__name__.upper())
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=help_text, **kw)
     ns, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     valid = [a for a in parser._option_string_actions if a.startswith("--")]
@@ -1443,13 +1441,10 @@ class Run:
         policy.barrier()
         return root / name
 
-    def latest_checkpoint(self) -> pathlib.Path | None:
-        return latest_checkpoint(self.dir)
-
     def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
         """(step, state) of the latest checkpoint (None if none), its weights, optimizer and RNG
         restored, later metric and sample lines dropped. Under torchrun every rank calls it."""
-        ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
+        ck = broadcast_object(latest_checkpoint(self.dir) if self.is_main else None)
         if ck is None:
             if self.cfg.resume:  # never start over silently, appending to its files
                 raise InputError(_core_no_checkpoint(self.cfg.resume))
@@ -1502,9 +1497,8 @@ class Run:
             k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
         figures.update(extra or {})
         times = self.times + self._timers
-        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
-        if self.saved is not None:
-            steps += f", last checkpoint step_{self.saved}"
+        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "") + (
+            f", last checkpoint step_{self.saved}" if self.saved is not None else "")
         rows = [("method", self.method), ("steps", steps)]
         rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
         if not figures:
