@@ -11,10 +11,10 @@ Sections, top to bottom:
 Evaluation CLI: tests/evaluate.py; the update-sparsity analysis: tests/sparsity.py.
 """
 from __future__ import annotations
-import argparse, ast, atexit, collections, contextlib, ctypes, dataclasses, difflib, functools
-import hashlib, importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource
-import selectors, shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
-import warnings
+import argparse, ast, atexit, bisect, collections, contextlib, ctypes, dataclasses, difflib
+import functools, hashlib, importlib, inspect, io, json, math, os, pathlib, platform, random, re
+import resource, selectors, shutil, string, struct, subprocess, sys, threading, time, tokenize
+import types, typing, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -183,12 +183,12 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
             hint = (f"leave the flag out for the default ({note})" if default == 0 else
                     f"the default is {default!r}")
             parser.error(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+    set_verbosity(cfg.verbose)  # before a check imports a library
     try:
         if check is not None:
             check(cfg)
     except ValueError as e:
         parser.error(str(e))
-    set_verbosity(cfg.verbose)
     return cfg
 
 
@@ -903,11 +903,9 @@ class HFSampler(Sampler):
         text = decode(ids) if stop else ""
         hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
         if hits:  # the shortest prefix whose text reaches the end of the first stop string
-            lo, hi = 1, len(ids)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if len(decode(ids[:mid])) >= min(hits) else (mid + 1, hi)
-            ids, reason = ids[:lo], "stop"
+            cut = bisect.bisect_left(range(1, len(ids)), min(hits),
+                                     key=lambda m: len(decode(ids[:m])))
+            ids, reason = ids[:cut + 1], "stop"
         return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason,
                           logprobs=[float(x) for x in logprobs[:len(ids)]], text=decode(ids))
 
@@ -1316,7 +1314,8 @@ class Run:
                 raise FileExistsError(_core_held_run(out))
             # A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves
             # .tmp-<name>-<pid>/ (deleted); between its renames, .old-<name>-<pid>/ (put back).
-            for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
+            roots = (self.dir / "checkpoints", self.dir, self.dir / "roles") if cfg.resume else ()
+            for root in roots:
                 for old in sorted(root.glob(".old-*")):
                     final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
                     if final.exists():
