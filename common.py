@@ -1246,17 +1246,14 @@ class Policy:
         which then gets the trainer's weights back; the trainer is untouched. None: its own."""
         if weights is None:
             yield self
-            return
-        # an HF sampler on the trainer samples from the trainer itself: keep a copy to put back
-        on_trainer = isinstance(self.sampler, HFSampler) and self.sampler.model is self.model
-        backup = self.get_weights() if on_trainer else None
-        self.sampler.load_weights(weights)
-        try:
-            yield self
-        finally:
-            if on_trainer:
-                self.load_trainer_weights(backup)
-            else:
+        elif isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
+            with self.swapped_weights(dict(weights)):  # it samples from the trainer itself
+                yield self
+        else:
+            self.sampler.load_weights(weights)
+            try:
+                yield self
+            finally:
                 self.sync()
 
     def shard(self, items: list) -> list:
