@@ -739,7 +739,7 @@ class VLLMSampler(Sampler):
         LLM = _core_import_vllm().LLM
         on_gpu = torch.cuda.is_available()
         filter_vllm_logs()
-        self.tokenizer, self.model_path = tokenizer, model_path
+        self.tokenizer = tokenizer
         self.dtype = resolve_dtype(cfg.dtype, "cuda" if on_gpu else "cpu")
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
@@ -788,7 +788,7 @@ class VLLMSampler(Sampler):
             max_tokens=mt, stop=list(stop) if stop else None, include_stop_str_in_output=True,
             logprobs=0, seed=_core_mix_seed(seed, i) if own_seeds else None)
             for i, (_, mt) in enumerate(reqs)]
-        with torch.random.fork_rng(devices=[]) if global_seed else contextlib.nullcontext():
+        with torch.random.fork_rng(devices=[], enabled=global_seed):
             if global_seed:  # the CPU sampler draws unseeded requests from torch's global generator
                 torch.manual_seed(_core_mix_seed(seed, -1))
             if not self.per_request_seeds:
