@@ -231,8 +231,7 @@ def _core_not_model_folder(name: str, flag: str = "--model") -> str:
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """Fail in seconds, with the fix, on a path that is no model folder, or a hub id offline
-    and not in the local cache."""
+    """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
     if msg := _core_not_model_folder(name, flag):
         raise InputError(msg)
     if name == "tiny" or pathlib.Path(name).expanduser().exists():
@@ -1160,8 +1159,7 @@ class Policy:
         return float(norm)
 
     def optimizer_state(self, load: dict | None = None):
-        """AdamW's state, or `load` put back; under torchrun by parameter name, whole on rank 0
-        (a collective)."""
+        """AdamW's state, or `load` put back; under torchrun whole on rank 0 (a collective)."""
         if self.world_size == 1:
             return self.optimizer.state_dict() if load is None else \
                 self.optimizer.load_state_dict(load)
@@ -1208,10 +1206,9 @@ class Policy:
         self.sync()
 
     def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer and return its previous weights. A full,
-        unaliased set at the trainer's dtypes and shapes (as get_weights gives) is swapped in place
-        and returned, as is a mapping with `local_shards` of this rank's FSDP2 shards (local_part),
-        which needs no gather."""
+        """Put full HF-named `weights` into the trainer, return its previous ones. A full unaliased
+        set at the trainer's dtypes and shapes (get_weights'), or a `local_shards` mapping of this
+        rank's FSDP2 shards (local_part, no gather), is swapped in place and returned."""
         local = getattr(weights, "local_shards", False)
         state = [(weights.get(k), local_part(v) if local else v)
                  for k, v in _core_unique_state(self.model)]
