@@ -114,15 +114,9 @@ _CORE_LIMIT_RE = re.compile(
 _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
 
 
-def _core_prog(default=None):
-    argv0 = sys.argv[0] if sys.argv else ""
-    return os.path.basename(argv0) if argv0.endswith(".py") else default
-
-
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from the command line, every field a --kebab-case flag helped by its
-    trailing comment; --resume starts from its config.json, `tiny` replaces the defaults for
-    --model tiny. A limit <= 0 or a ValueError from `check(cfg)` is a one-line usage error."""
+    """The dataclass `cls` from argv, each field a --flag helped by its comment; --resume starts
+    from its config.json, `tiny` from the smoke profile. A limit <= 0 or `check`'s error: exit 2."""
     comments = {}  # a subclass's comment wins
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         with contextlib.suppress(OSError, TypeError):  # defined where no source file is kept
@@ -135,8 +129,8 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
                   "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
     parser = _CoreArgParser(
-        prog=_core_prog(), description=None if doc.startswith(cls.__name__ + "(") else doc,
-        allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
+        description=None if doc.startswith(cls.__name__ + "(") else doc, allow_abbrev=False,
+        epilog=epilog, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     hints, defaults = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
@@ -173,8 +167,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         base = dict(tiny)
     cfg = cls(**{**base, **given})
     for name, v in given.items():  # an explicit size or limit <= 0, unless 0 has a meaning
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0 \
-                or not _CORE_LIMIT_RE.search(name):
+        if type(v) not in (int, float) or v > 0 or not _CORE_LIMIT_RE.search(name):
             continue
         note, default = comments.get(name, ""), defaults.get(name)
         zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
@@ -247,12 +240,11 @@ def check_model(name: str, flag: str = "--model") -> None:
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
 
 
+@dataclass(eq=False)
 class _CoreQuietFilter:
     """Hidden unless --verbose: vLLM's INFO lines and CPU start-up advice (optional speed-ups)."""
+    verbose: bool
     quiet = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
-
-    def __init__(self, verbose: bool):
-        self.verbose = verbose
 
     def filter(self, record) -> bool:
         msg = record.getMessage()
@@ -267,14 +259,12 @@ _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
 
 
 def filter_vllm_logs() -> None:
-    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records);
-    with VLLM_CONFIGURE_LOGGING=0 first our own stderr handler."""
+    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records)."""
     import logging
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
-        if not any(getattr(h, "selfplay", False) for h in log.handlers):
+        if not log.handlers:  # vLLM adds none: ours
             h = logging.StreamHandler(sys.stderr)
-            h.selfplay = True
             h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
             log.addHandler(h)
             log.propagate = False
@@ -316,7 +306,8 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
                 check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
 
-    prog, cfg = _core_prog(cls.__module__), parse_config(cls, argv, check=checks, tiny=tiny)
+    prog = next((os.path.basename(a) for a in sys.argv[:1] if a.endswith(".py")), cls.__module__)
+    cfg = parse_config(cls, argv, check=checks, tiny=tiny)
     try:
         result = train(cfg)
     except KeyboardInterrupt:
@@ -368,10 +359,9 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
         have, need = fields(name, text), fields(name, defaults[name])
         if have != need:
-            missing, extra = sorted(need - have), sorted(have - need)
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
-                             f"{sorted(need)}" + (f"; missing {missing}" if missing else "")
-                             + (f"; unknown {extra}" if extra else ""))
+                             f"{sorted(need)}; missing {sorted(need - have)}, unknown "
+                             f"{sorted(have - need)}")
         out[name] = text
     return out
 
@@ -487,10 +477,9 @@ def is_main_process() -> bool:
 
 def all_gather_objects(obj) -> list:
     """`obj` of every rank, in rank order ([obj] in one process)."""
-    if not _core_dist_on():
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
+    out = [obj] * (torch.distributed.get_world_size() if _core_dist_on() else 1)
+    if len(out) > 1:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 
@@ -504,8 +493,8 @@ def broadcast_object(obj):
 
 def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
     """This rank's contiguous share of `items` (sizes differ by at most one)."""
-    r, w = dist_info()
-    rank, world_size = r if rank is None else rank, w if world_size is None else world_size
+    if rank is None:
+        rank, world_size = dist_info()
     n = len(items)
     return list(items[rank * n // world_size:(rank + 1) * n // world_size])
 
@@ -695,22 +684,9 @@ def _core_mix_seed(seed: int, i: int) -> int:
 
 
 class Sampler:
-    """generate(prompts, n=, temperature=, top_p=, top_k=, max_tokens=, stop=, seed=) -> one
-    list[Completion] per prompt, and load_weights(named tensors): VLLMSampler, HFSampler."""
+    """generate(prompts, n=, temperature=, ...) -> a list[Completion] per prompt; load_weights."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
-
-    def _encode(self, prompts, max_tokens, strict: bool) -> list[tuple[list[int], int]]:
-        """(ids, max new tokens within max_model_len) per prompt; one that fills max_model_len
-        is an error if `strict`, else gets one token."""
-        out = []
-        for i, p in enumerate(prompts):
-            ids = encode_prompt(self.tokenizer, p)
-            if strict and len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
-                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
-            out.append((ids, max(1, min(int(max_tokens), self.max_model_len - len(ids)))))
-        return out
 
     def sleep(self) -> None:  # free sampler memory while training; wake_up, close: no-ops here
         pass
@@ -778,15 +754,19 @@ class VLLMSampler(Sampler):
                  stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
-        greedy, reqs = temperature == 0, self._encode(prompts, max_tokens, strict=True)
+        greedy, reqs = temperature == 0, [encode_prompt(self.tokenizer, p) for p in prompts]
+        for i, ids in enumerate(reqs):
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
         own_seeds = seed is not None and self.per_request_seeds
         global_seed = seed is not None and not self.per_request_seeds
         params = [SamplingParams(
             n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
             top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
-            max_tokens=mt, stop=list(stop) if stop else None, include_stop_str_in_output=True,
-            logprobs=0, seed=_core_mix_seed(seed, i) if own_seeds else None)
-            for i, (_, mt) in enumerate(reqs)]
+            max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(ids))),
+            stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
+            seed=_core_mix_seed(seed, i) if own_seeds else None) for i, ids in enumerate(reqs)]
         with torch.random.fork_rng(devices=[], enabled=global_seed):
             if global_seed:  # the CPU sampler draws unseeded requests from torch's global generator
                 torch.manual_seed(_core_mix_seed(seed, -1))
@@ -795,21 +775,15 @@ class VLLMSampler(Sampler):
                 # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
                 # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
-            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in reqs], params,
                                      use_tqdm=False)
-        result = []
-        for (p, _), out in zip(reqs, outs):
-            group = [Completion(
-                prompt_ids=list(p), token_ids=list(o.token_ids), logprobs=None if o.logprobs is None
-                else [float(step[t].logprob) for step, t in zip(o.logprobs, o.token_ids)],
-                text=self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
-                finish_reason="length" if o.finish_reason == "length" else "stop")
-                for o in sorted(out.outputs, key=lambda o: o.index)]
-            c = group[0]  # greedy: vLLM refuses n > 1, so n copies, decoded once
-            result.append(group if not greedy else [dataclasses.replace(
-                c, token_ids=list(c.token_ids), logprobs=c.logprobs and list(c.logprobs))
-                for _ in range(n)])
-        return result
+        return [[Completion(  # greedy: vLLM refuses n > 1, so n copies of the one
+            prompt_ids=list(p), token_ids=list(o.token_ids), logprobs=None if o.logprobs is None
+            else [float(step[t].logprob) for step, t in zip(o.logprobs, o.token_ids)],
+            text=self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+            finish_reason="length" if o.finish_reason == "length" else "stop")
+            for o in sorted(out.outputs, key=lambda o: o.index) * (n if greedy else 1)]
+            for p, out in zip(reqs, outs)]
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
@@ -911,7 +885,7 @@ class HFSampler(Sampler):
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
-        reqs = [ids for ids, _ in self._encode(prompts, max_tokens, strict=False)]
+        reqs = [encode_prompt(self.tokenizer, p) for p in prompts]
         model, greedy, was_training = self.model, temperature == 0, self.model.training
         dev = next(model.parameters()).device
         fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
@@ -1114,10 +1088,7 @@ class Policy:
             print(note, file=sys.stderr)
         return policy
 
-    @property
-    def module(self):
-        """The transformers model (FSDP2 shards it in place)."""
-        return self.model
+    module = property(lambda self: self.model)  # the transformers model (FSDP2 shards in place)
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
@@ -1150,8 +1121,7 @@ class Policy:
     def clip_and_step(self) -> float:
         """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
-            torch.tensor(0.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)  # no grads: 0
         if _core_is_dtensor(norm):
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -1311,13 +1281,10 @@ class Run:
             roots = (self.dir / "checkpoints", self.dir, self.dir / "roles") if cfg.resume else ()
             for root in roots:
                 for old in sorted(root.glob(".old-*")):
-                    final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
-                    if final.exists():
-                        shutil.rmtree(old, ignore_errors=True)
-                    else:
+                    if not (final := root / old.name[len(".old-"):].rsplit("-", 1)[0]).exists():
                         os.replace(old, final)
-                for tmp in root.glob(".tmp-*"):
-                    shutil.rmtree(tmp, ignore_errors=True)
+                for junk in [*root.glob(".old-*"), *root.glob(".tmp-*")]:
+                    shutil.rmtree(junk, ignore_errors=True)
             (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
             atomic_write_json(self.dir / "config.json", cfg_d)
@@ -1569,8 +1536,7 @@ def available_memory(device) -> int:
         return int(torch.cuda.mem_get_info(device)[0])
     free = 0
     with contextlib.suppress(OSError, ValueError, IndexError):
-        meminfo = Path("/proc/meminfo").read_text()
-        free = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+        free = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
     with contextlib.suppress(OSError, ValueError):
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
