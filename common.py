@@ -2550,17 +2550,16 @@ def _vf_worker_source():
 
 
 class _VfWorker:
-    """One math-verify process: pairs go down its stdin, one verdict per line comes back."""
+    """One math-verify process with at most one pair in flight: a JSON line down its stdin, a
+    verdict line back (a pair costs milliseconds, the round trip microseconds)."""
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, bufsize=0)
-        os.set_blocking(self.fileno(), False)
-        self.buf, self.ready, self.started = b"", False, time.monotonic()
-        self.inflight, self.done = [], 0  # indices sent, in order; pairs answered
-        self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
+        self.ready, self.job, self.done = False, None, 0  # job: the index in flight
+        self.since, self.cpu0 = time.monotonic(), 0.0  # when the job (or the start) began
 
     def fileno(self):
         return self.proc.stdout.fileno()
@@ -2574,56 +2573,35 @@ class _VfWorker:
         except (OSError, IndexError, ValueError):
             return None
 
-    def start_head(self):
-        self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
+    def send(self, i, lines):
+        self.job, self.since, self.cpu0 = i, time.monotonic(), self.cpu() or 0.0
+        with contextlib.suppress(OSError):  # it died: select sees the end of its output
+            self.proc.stdin.write(lines[i])
 
-    def feed(self, queue, payload):
-        """Up to 32 KiB of pairs wait in the pipe, so that the worker never idles between two."""
-        nbytes = sum(len(payload[i]) for i in self.inflight)
-        while self.ready and queue and (
-                not self.inflight or nbytes + len(payload[queue[-1]]) < 32768):
-            try:
-                self.proc.stdin.write(payload[queue[-1]])
-            except OSError:  # it died: read() sees the end of its output
-                return
-            if not self.inflight:
-                self.start_head()
-            self.inflight.append(queue.pop())
-            nbytes += len(payload[self.inflight[-1]])
-
-    def read(self, out):
-        """Verdicts that arrived go into out[index]; False once the process has died."""
-        try:
-            chunk = os.read(self.fileno(), 65536)
-        except BlockingIOError:
-            return True
-        if not chunk and not self.ready:
+    def read(self):
+        """The line that came (select said so): a verdict, None for the ready line, b"" once
+        the process has died."""
+        line = self.proc.stdout.readline()
+        if not self.ready and not line:
             raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
                                "ready; check that `python -c 'import math_verify'` works (fix: "
                                "`pip install math-verify`)")
-        *lines, self.buf = (self.buf + chunk).split(b"\n")
-        for ln in lines:
-            if self.ready:
-                out[self.inflight.pop(0)] = int(ln)
-                self.done += 1
-                self.start_head()
-            elif b"fatal" in ln:
-                raise RuntimeError(f"math-verify is not importable ({ln.decode(errors='replace')})"
-                                   "; fix: `pip install math-verify`")
-            else:
-                self.ready = True
-        return bool(chunk)
+        if not self.ready and b"fatal" in line:
+            raise RuntimeError(f"math-verify is not importable ({line.decode(errors='replace')})"
+                               "; fix: `pip install math-verify`")
+        was, self.ready = self.ready, True
+        return line if was else None
 
     def stuck(self, hard_cpu):
         """Over `hard_cpu` CPU seconds on one pair, or, using no CPU (stopped, blocked), over
         3 * hard_cpu + 2 wall-clock seconds: a loaded machine does not turn answers into kills."""
-        if not self.ready and time.monotonic() - self.started > 120:
+        waited = time.monotonic() - self.since
+        if not self.ready and waited > 120:
             raise RuntimeError("math-verify worker did not start within 120 s")
-        waited = time.monotonic() - self.head_since
-        if not self.inflight or waited <= hard_cpu:
+        if self.job is None or waited <= hard_cpu:
             return False
         cpu = self.cpu()
-        used = waited if cpu is None else cpu - self.head_cpu
+        used = waited if cpu is None else cpu - self.cpu0
         return used > hard_cpu or waited > 3 * hard_cpu + 2.0
 
     def kill(self):
@@ -2644,36 +2622,37 @@ class _VfPool:
         if self.pid == os.getpid():  # a forked child must not kill its parent's workers
             for w in self.workers:
                 w.kill()
-        self.workers = []
+        self.workers, self.pid = [], os.getpid()
 
     def run(self, items, timeout, n_workers):
         """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
         import select
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
-                self.workers, self.pid = [], os.getpid()
+                self.close()
             for w in self.workers:  # bound sympy's caches: retire old workers between batches
                 if w.done > _VF_WORKER_MAX_PAIRS:
                     w.kill()
             self.workers = [w for w in self.workers if w.proc.poll() is None]
             self.workers += [_VfWorker() for _ in range(n_workers - len(self.workers))]
-            payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
-                       for p, g, e in items]
+            lines = [(json.dumps([p, g, timeout, bool(e)]) + "\n").encode() for p, g, e in items]
             queue, out = list(range(len(items)))[::-1], [None] * len(items)  # pop() = in order
             try:
-                while queue or any(w.inflight for w in self.workers):
+                while queue or any(w.job is not None for w in self.workers):
                     for w in self.workers:
-                        w.feed(queue, payload)
+                        if w.ready and w.job is None and queue:
+                            w.send(queue.pop(), lines)
                     readable = select.select(self.workers, [], [], 0.05)[0]
                     for i, w in enumerate(self.workers):
-                        dead = w in readable and not w.read(out)  # e.g. out of memory
-                        if dead or w.stuck(float(timeout) + _VF_HARD_GRACE_S):
-                            if w.inflight:  # its head pair is the culprit
-                                out[w.inflight.pop(0)] = 3 if dead else 4
-                            queue += w.inflight  # the rest of its window goes back
+                        line = w.read() if w in readable else None
+                        if line:
+                            out[w.job], w.job, w.done = int(line), None, w.done + 1
+                        elif line == b"" or w.stuck(timeout + _VF_HARD_GRACE_S):
+                            if w.job is not None:  # its pair is the culprit
+                                out[w.job] = 4 if line is None else 3  # killed, or it died
                             w.kill()
                             self.workers[i] = _VfWorker()
-            except BaseException:  # no half-answered window survives into the next batch
+            except BaseException:  # no half-answered pair survives into the next batch
                 self.close()
                 raise
             return out
@@ -2707,7 +2686,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
             todo.setdefault((p, g, expression), []).append(i)
     if todo:
         w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(todo) / 32)))
-        codes = _VF_POOL.run(list(todo), timeout, w)
+        codes = _VF_POOL.run(list(todo), float(timeout), w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
         for (key, where), code in zip(todo.items(), codes):
