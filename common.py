@@ -1879,8 +1879,6 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     """log pi(y_t | x, y_<t) of each completion at the sampling temperature (logits / T), and the
     exact entropy of that tempered distribution; micro-batches of ``token_budget`` padded tokens;
     differentiable under grad. Returns 1-D fp32 tensors in input order: ``(logps, entropies)``."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
     lps, ents = [None] * len(prompts), [None] * len(prompts)
@@ -2144,20 +2142,12 @@ class _RLTrain:
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
-    """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
-
-    1. A no-grad pass: l_old and the exact entropy of the rollout policy, l_ref with
-       ``ref_weights`` swapped in; pi_old is the sampling policy for every step (veRL, EasyR1, Oat).
-    2. Per mini-batch (``cfg.mini_batch``, ``cfg.updates_per_batch`` passes) and micro-batch:
-       forward, ``token_loss`` (a fork passes its own), ``aggregation_weights`` by the mini-batch's
-       own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``: the nominal size), backward; clip, step.
-       An all-A=0 mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss only).
-    Stats cover the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's);
-    nll_entropy and entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM Reasoning";
+    """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old (no-grad pass,
+    with the exact entropy) is the sampling policy for every step (veRL, EasyR1, Oat); each
+    mini-batch is aggregated by its own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``); an all-A=0
+    one steps on zero gradients (``cfg.skip_zero_adv``, default ``token_loss`` only). nll_entropy,
+    entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM Reasoning";
     logprob_diff_vs_sampler jumps with a broken weight sync."""
-    if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
-           for t in trajs):
-        raise ValueError("sampler_logprobs must have one entry per completion token")
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
         raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
@@ -2818,20 +2808,14 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                 for t in range(1, int(C.max()) + 1):
                     at_least = (C >= t).astype(np.float32)
                     M += at_least @ at_least.T
-            if rare.any():
-                rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
-                order = np.lexsort((rt, rg))
-                rt, rg, rc = rt[order], rg[order], rc[order]
-                starts_g = np.concatenate([[0], np.flatnonzero(np.diff(rg)) + 1])
-                sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
-                idx_all, val_all = [], []
-                for s in np.unique(sizes):
-                    st = starts_g[sizes == s][:, None] + np.arange(s)[None, :]
-                    ti, ci = rt[st], rc[st]
-                    idx_all.append((ti[:, :, None] * B + ti[:, None, :]).ravel())
-                    val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
-                idx, val = np.concatenate(idx_all), np.concatenate(val_all)
-                M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
+            if rare.any():  # in gram order, the texts of one n-gram pair up at offsets d < df
+                order = np.argsort(g_i[rare], kind="stable")
+                rt, rg, rc = t_i[rare][order], g_i[rare][order], c[rare][order].astype(np.float64)
+                i, j, v = map(np.concatenate, zip(*[
+                    (rt[:-d][s], rt[d:][s], np.minimum(rc[:-d], rc[d:])[s])
+                    for d in range(1, int(df[rg].max())) for s in [rg[d:] == rg[:-d]]]))
+                X = np.bincount(i * B + j, weights=v, minlength=B * B).reshape(B, B)
+                M += X + X.T
         np.fill_diagonal(M, cnt)
         out.append((M, cnt.astype(np.float64)))
     return out, lens
@@ -2869,8 +2853,6 @@ def average_linkage_clusters(dist, threshold=0.5):
     O(B²) nearest-neighbour chain. Cluster ids by first appearance."""
     D = np.array(dist, dtype=np.float64, copy=True)
     B = D.shape[0]
-    if D.shape != (B, B):
-        raise ValueError(f"distance matrix must be square, got shape {D.shape}")
     if B == 0:
         return []
     np.fill_diagonal(D, np.inf)
@@ -2931,15 +2913,11 @@ def self_bleu(texts, S=None):
 def diversity_metrics(texts, threshold=0.5):
     """Distinct fraction, distinct-4, self-BLEU and BLEU cluster count of a batch of proposals."""
     texts = list(texts)
-    distinct = len({normalize_string(t) for t in texts}) / len(texts) if texts else 0.0
-    out = {"distinct_frac": distinct, "distinct4": distinct_ngram_ratio(texts, 4),
-           "self_bleu": 0.0, "bleu_clusters": len(texts)}
-    if len(texts) >= 2:
-        S = bleu_matrix(texts)
-        out["self_bleu"] = self_bleu(texts, S)
-        D = bleu_distance_matrix(texts, S)
-        out["bleu_clusters"] = len(set(average_linkage_clusters(D, threshold)))
-    return out
+    S = bleu_matrix(texts)
+    clusters = average_linkage_clusters(bleu_distance_matrix(texts, S), threshold)
+    return {"distinct_frac": len({normalize_string(t) for t in texts}) / max(len(texts), 1),
+            "distinct4": distinct_ngram_ratio(texts, 4), "self_bleu": self_bleu(texts, S),
+            "bleu_clusters": len(set(clusters))}
 
 
 def pass_at_k(n, c, k):
@@ -2980,8 +2958,6 @@ class Decontaminator:
     `\\text{}` dropped; a text shorter than n words is flagged only if it equals a reference."""
 
     def __init__(self, references, n=13):
-        if n < 1:
-            raise ValueError("n must be >= 1")
         self.n, self.grams, self.short = n, set(), set()
         for ref in references:
             w = _vf_words(ref)
