@@ -3086,37 +3086,42 @@ BENCHMARKS = {
 }
 
 
-def _vf_load_rows(rows, limit, row_fn, empty):
-    """row_fn(i, example) -> problem or None, until `limit` (0: all); ValueError(empty) if none."""
+def _vf_load(what, name, limit, row, shape, hub=None):
+    """Problems of the local JSONL file `name` or, with hub = (id, config, split, gated), of a hub
+    dataset: row(line or row number, record) -> a problem, or None to leave the record out; `limit`
+    > 0 keeps the first N. No `datasets`, no hub, or a gated set without a login:
+    BenchmarkUnavailable saying the fix."""
+    if hub is None:
+        rows = iter_jsonl(name, shape=shape)
+    else:
+        hub_id, config, split, gated = hub
+        fix = f"or pass a local JSONL file ({shape})"
+        gated = (f" {hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and "
+                 f"accept its terms at https://huggingface.co/datasets/{hub_id} first." if gated
+                 else "")
+        try:
+            import datasets
+        except ImportError:
+            raise BenchmarkUnavailable(
+                f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
+                f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
+        try:
+            rows = enumerate(datasets.load_dataset(hub_id, config, split=split))
+        except Exception as e:
+            raise BenchmarkUnavailable(
+                f"could not load {what} {name!r} ({hub_id}{f', config {config}' if config else ''}"
+                f", split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
+                f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
+                f"in for gated sets, {fix}.") from None
     out = []
-    for i, ex in enumerate(rows):
-        out += [p for p in [row_fn(i, ex)] if p is not None]
+    for i, ex in rows:
+        out += [p for p in [row(i, ex)] if p is not None]
         if limit and len(out) >= limit:
             break
     if not out:
-        raise ValueError(empty)
+        raise ValueError(f"{what} {name!r}{f' ({hub[0]}, split {hub[2]})' if hub else ''} has no "
+                         "problems (an empty file?)")
     return out
-
-
-def _vf_open_hub(what, name, hub_id, config, split, fix, gated=False):
-    """datasets.load_dataset, or BenchmarkUnavailable saying the fix."""
-    gated = (f" {hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept "
-             f"its terms at https://huggingface.co/datasets/{hub_id} first." if gated else "")
-    try:
-        import datasets
-    except ImportError:
-        raise BenchmarkUnavailable(
-            f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
-            f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
-    try:
-        return (datasets.load_dataset(hub_id, config, split=split) if config else
-                datasets.load_dataset(hub_id, split=split))
-    except Exception as e:
-        raise BenchmarkUnavailable(
-            f"could not load {what} {name!r} ({hub_id}{f', config {config}' if config else ''}, "
-            f"split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
-            f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
-            f"in for gated sets, {fix}.") from None
 
 
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
@@ -3185,15 +3190,9 @@ def load_benchmark(name_or_path, limit=0):
     no hub, or a gated set without a login: BenchmarkUnavailable saying the fix."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"benchmark file {name} does not exist")
-        return _vf_load_rows(iter_jsonl(name, shape=_VF_JSONL_SHAPE), limit,
-                             lambda _, r: _vf_jsonl_problem(name, *r),
-                             f"{name}: no problems found (empty file?)")
+        return _vf_load("benchmark", name, limit, functools.partial(_vf_jsonl_problem, name),
+                        _VF_JSONL_SHAPE)
     spec = _vf_hub_spec(name)
-    ds = _vf_open_hub("benchmark", name, spec.hub_id, spec.config or None, spec.split,
-                      'or pass a local JSONL file of {"question", "answer", "choices"?} lines',
-                      spec.gated)
 
     def problem(i, ex):
         missing = [c for c in (spec.question, spec.answer) if c not in ex]
@@ -3206,8 +3205,8 @@ def load_benchmark(name_or_path, limit=0):
             raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a "
                              f"problem: {type(e).__name__}: {e}. The hub copy may have changed: "
                              "edit BENCHMARKS.") from None
-    return _vf_load_rows(ds, limit, problem,
-                         f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
+    return _vf_load("benchmark", name, limit, problem, _VF_JSONL_SHAPE,
+                    (spec.hub_id, spec.config or None, spec.split, spec.gated))
 
 
 # -------------------------------------------- Evaluation: greedy accuracy and pass@k per benchmark
@@ -3464,7 +3463,12 @@ _CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its
                      "```python block.")
 
 
-def _vf_code_row(obj, where):
+def _vf_code_row(where, i, obj):
+    if where == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+        prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
+        obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt),
+               "test": "\n".join(list(obj["test_imports"]) + [obj["test"]]), "entry_point": None}
+    where = f"{where} row {i}" if where in dict(CODE_BENCHMARKS.values()) else f"{where}:{i}"
     if "task_id" not in obj:
         raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
     prompt, test, entry_point = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
@@ -3479,31 +3483,17 @@ def _vf_code_row(obj, where):
             "entry_point": entry_point}
 
 
-def _vf_hub_code_row(hub_id, i, ex):
-    if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
-        prompt = [str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]]
-        ex = {"task_id": f"Mbpp/{ex['task_id']}", "prompt": "\n".join(prompt),
-              "test": "\n".join(list(ex["test_imports"]) + [ex["test"]]), "entry_point": None}
-    return _vf_code_row(ex, f"{hub_id} row {i}")
-
-
 def load_code_benchmark(name_or_path, limit=0):
     """Code problems [{"task_id", "prompt", "test", "entry_point"}] of "humaneval+", "mbpp+" or a
     local JSONL file. HumanEval style: `test` defines check(candidate), run as check(entry_point);
     MBPP style (entry_point None): `test` is a script calling the function by name."""
     name = str(name_or_path).strip()
-    if name.lower() not in CODE_BENCHMARKS:
-        if not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
-            raise ValueError(f"unknown code benchmark {name!r}: use one of "
-                             f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
-        return _vf_load_rows(iter_jsonl(name, shape=_CODE_SHAPE), limit,
-                             lambda _, r: _vf_code_row(r[1], f"{name}:{r[0]}"),
-                             f"{name}: no problems found (empty file?)")
-    hub_id, split = CODE_BENCHMARKS[name.lower()]
-    ds = _vf_open_hub("code benchmark", name, hub_id, None, split,
-                      f"or pass a local JSONL file ({_CODE_SHAPE})")
-    return _vf_load_rows(ds, limit, lambda i, ex: _vf_hub_code_row(hub_id, i, ex),
-                         f"code benchmark {name!r} ({hub_id}, split {split}) has no problems")
+    hub_id, split = CODE_BENCHMARKS.get(name.lower(), (None, None))
+    if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
+        raise ValueError(f"unknown code benchmark {name!r}: use one of "
+                         f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
+    return _vf_load("code benchmark", name, limit, functools.partial(_vf_code_row, hub_id or name),
+                    _CODE_SHAPE, hub_id and (hub_id, None, split, False))
 
 
 def code_task_prompt(problem):
