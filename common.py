@@ -3092,6 +3092,8 @@ def _vf_load(what, name, limit, row, shape, hub=None):
     > 0 keeps the first N. No `datasets`, no hub, or a gated set without a login:
     BenchmarkUnavailable saying the fix."""
     if hub is None:
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"{what} file {name} does not exist")
         rows = iter_jsonl(name, shape=shape)
     else:
         hub_id, config, split, gated = hub
