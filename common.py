@@ -2772,8 +2772,7 @@ _VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a mat
 
 def _vf_ngram_match_counts(seqs, n_max=4):
     """Per order n: (M_n, totals_n), M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches)
-    and totals_n[i] = n-grams of text i. Rare shared n-grams go through an inverted index, frequent
-    ones through (C >= t)(C >= t)^T."""
+    and totals_n[i] = n-grams of text i; frequent n-grams through (C >= t)(C >= t)^T."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
@@ -3087,10 +3086,8 @@ BENCHMARKS = {
 
 
 def _vf_load(what, name, limit, row, shape, hub=None):
-    """Problems of the local JSONL file `name` or, with hub = (id, config, split, gated), of a hub
-    dataset: row(line or row number, record) -> a problem, or None to leave the record out; `limit`
-    > 0 keeps the first N. No `datasets`, no hub, or a gated set without a login:
-    BenchmarkUnavailable saying the fix."""
+    """Problems row(line or row number, record) -> problem or None (left out) of the JSONL file
+    `name` or of the hub dataset hub = (id, config, split, gated); `limit` > 0 keeps the first N."""
     if hub is None:
         if not os.path.isfile(name):
             raise FileNotFoundError(f"{what} file {name} does not exist")
@@ -3188,8 +3185,7 @@ def _vf_jsonl_problem(path, ln, obj):
 
 def load_benchmark(name_or_path, limit=0):
     """Problems [{"question", "answer", "choices"?}] of a local JSONL file, a BENCHMARKS name or an
-    "hf:..." name (a trailing "@N" is ignored here); `limit` > 0 keeps the first N. No `datasets`,
-    no hub, or a gated set without a login: BenchmarkUnavailable saying the fix."""
+    "hf:..." name (a trailing "@N" is ignored here). No hub: BenchmarkUnavailable saying the fix."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         return _vf_load("benchmark", name, limit, functools.partial(_vf_jsonl_problem, name),
@@ -3513,9 +3509,8 @@ def default_code_prompt(problem, tokenizer=None):
 
 
 def extract_code(text):
-    """The last closed ```python (```py, ```python3, untagged) block, indentation kept, or None.
-    Line by line, so another block's closing fence (```input) never opens one; a block cut off by
-    max_tokens does not count."""
+    """The last closed ```python (```py, ```python3, untagged) block, or None; line by line, so
+    another block's closing fence (```input) never opens one, and a truncated block never counts."""
     found, body, tag = None, None, ""
     for line in str(text).splitlines():
         fence = line.strip().startswith("```")
@@ -3541,8 +3536,7 @@ def code_program(problem, code):
 
 def _vf_run_code(sandbox, probs, extract_fn, timeout, texts):
     """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
-    reaches its end and evaluates a fresh random token, so exiting early or writing a canned
-    result frame cannot pass."""
+    ends by evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
     jobs = [(probs[i], extract_fn(t)) for i, t in texts]
     todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
