@@ -3268,16 +3268,12 @@ def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
         return [(bool(ok), pr, pr if g is not None else None, pr is None)
                 for (_, g, _), (pr, ok) in zip(items, judged)]
     preds = [extract_fn(t) for _, _, t in items]
-    free = [i for i, (_, g, _) in enumerate(items) if g is None]
-    verdicts = dict(zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
-                                              timeout=timeout)))
+    free = iter(math_equal_many([(pr, p["answer"]) for (p, g, _), pr in zip(items, preds)
+                                 if g is None], timeout=timeout))
     out = []
-    for i, ((p, g, t), pr) in enumerate(zip(items, preds)):
-        if g is None:
-            out.append((bool(verdicts[i]), pr, None, pr is None))
-        else:
-            lt = option_letter(pr, t, len(p["choices"]))
-            out.append((lt == g, pr, lt, lt is None))
+    for (p, g, t), pr in zip(items, preds):
+        lt = None if g is None else option_letter(pr, t, len(p["choices"]))
+        out.append((next(free), pr, lt, pr is None) if g is None else (lt == g, pr, lt, lt is None))
     return out
 
 
