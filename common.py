@@ -2145,9 +2145,10 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old (no-grad pass,
     with the exact entropy) is the sampling policy for every step (veRL, EasyR1, Oat); each
     mini-batch is aggregated by its own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``); an all-A=0
-    one steps on zero gradients (``cfg.skip_zero_adv``, default ``token_loss`` only). nll_entropy,
-    entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM Reasoning";
-    logprob_diff_vs_sampler jumps with a broken weight sync."""
+    one steps on zero gradients (``cfg.skip_zero_adv``, default loss only). ``token_loss``: a
+    fork's own per-token loss. Stats cover the whole batch (tokens_per_s, time_s, sync_s,
+    peak_mem_gb: this rank's); nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding
+    Self-play for LLM Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
         raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
