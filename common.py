@@ -2395,12 +2395,7 @@ def _vf_number(s):
     """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None; commas only as
     thousands groups, so "1,2" (a pair) is not a number."""
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
-    if len(s) > 60 or not _VF_NUM_RE.match(s):
-        return None
-    try:
-        return Decimal(s.replace(",", ""))
-    except InvalidOperation:
-        return None
+    return Decimal(s.replace(",", "")) if len(s) <= 60 and _VF_NUM_RE.match(s) else None
 
 
 def _vf_rational(c):
@@ -2463,7 +2458,7 @@ def _vf_prepare(pred, gold, expression=False):
 
 
 # The math-verify worker: _vf_surely_differ and _vf_worker run in a clean interpreter that gets
-# their source (`python -I -c`, _vf_worker_source), never in the trainer. It imports neither torch
+# their source (`python -I -c`, _VfWorker), never in the trainer. It imports neither torch
 # nor this module, and a pair that hangs inside C code (huge integer powers) is ended by a kill.
 def _vf_surely_differ(g, p, raw):
     """Two plain expressions with different values at one point surely differ (well under 1 ms,
@@ -2534,19 +2529,14 @@ def _vf_worker():
         print(r, flush=True)
 
 
-@functools.cache
-def _vf_worker_source():
-    return "".join(inspect.getsource(f) + "\n" for f in (_vf_surely_differ, _vf_worker)) + \
-        "_vf_worker()\n"
-
-
 class _VfWorker:
     """One math-verify process with at most one pair in flight: a JSON line down its stdin, a
     verdict line back (a pair costs milliseconds, the round trip microseconds)."""
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
+        src = "".join(inspect.getsource(f) + "\n" for f in (_vf_surely_differ, _vf_worker))
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", src + "_vf_worker()\n"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, bufsize=0)
         self.ready, self.job, self.done = False, None, 0  # job: the index in flight
