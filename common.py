@@ -3270,12 +3270,10 @@ def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
 
 def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
     """(benchmarks without duplicates, sorted ks, n) from a list or comma-separated string."""
-    if isinstance(benchmarks, str):
-        benchmarks = benchmarks.split(",")
+    benchmarks = benchmarks.split(",") if isinstance(benchmarks, str) else benchmarks
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
-    if isinstance(k, (int, str)):
-        k = [int(x) for x in str(k).split(",") if str(x).strip()]
-    ks, n = sorted({int(x) for x in k}), int(n)
+    k = str(k).split(",") if isinstance(k, (int, str)) else k
+    ks, n = sorted({int(x) for x in k if str(x).strip()}), int(n)
     if n < 1 or not ks or ks[0] < 1:
         raise ValueError(f"{who} needs n >= 1 and k >= 1, got n={n}, k={ks}")
     return benchmarks, ks, n
