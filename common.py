@@ -2842,20 +2842,10 @@ def average_linkage_clusters(dist, threshold=0.5):
     < threshold (sklearn AgglomerativeClustering(linkage="average", distance_threshold)), by the
     O(B²) nearest-neighbour chain. Cluster ids by first appearance."""
     D = np.array(dist, dtype=np.float64, copy=True)
-    B = D.shape[0]
-    if B == 0:
-        return []
     np.fill_diagonal(D, np.inf)
-    size, active, parent = np.ones(B), np.ones(B, dtype=bool), np.arange(B)
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    chain, n_active = [], B
-    while n_active > 1:
+    B = D.shape[0]
+    size, active, label, chain = np.ones(B), np.ones(B, dtype=bool), np.arange(B), []
+    while active.sum() > 1:
         if not chain:
             chain.append(int(np.flatnonzero(active)[0]))
         a = chain[-1]
@@ -2868,15 +2858,14 @@ def average_linkage_clusters(dist, threshold=0.5):
             continue
         del chain[-2:]
         if row[b] < threshold:  # average linkage is monotone: this equals cutting the dendrogram
-            parent[find(b)] = find(a)
+            label[label == label[b]] = label[a]
         new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])  # Lance-Williams, kept in a
         D[a, :] = D[:, a] = new
         D[a, a] = D[b, :] = D[:, b] = np.inf
         size[a] += size[b]
         active[b] = False
-        n_active -= 1
     ids = {}
-    return [ids.setdefault(find(i), len(ids)) for i in range(B)]
+    return [ids.setdefault(x, len(ids)) for x in label.tolist()]
 
 
 # ------------------------------------------------------ Diversity metrics, pass@k, decontamination
