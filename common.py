@@ -3543,10 +3543,9 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
     problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
-    t0, results, own = time.time(), {}, sandbox is None
-    if own:
-        sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
-    try:
+    t0, results = time.time(), {}
+    with (PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
+          if sandbox is None else contextlib.nullcontext(sandbox)) as sandbox:
         for bench, probs in problems.items():
             judge = functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout)
             res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge, n,
@@ -3563,9 +3562,6 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
                     rec["correct_samples"] = sum(j[0] for j in r)
                     rec["sample_statuses"] = [s for _, s, _ in r]
             results[bench] = {**res, "per_problem": per_problem}
-    finally:
-        if own:
-            sandbox.close()
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
                "if the tests run to the end")
     return {"benchmarks": results,
