@@ -2484,16 +2484,10 @@ def _vf_surely_differ(g, p, raw):
 def _vf_worker():
     """Read `[pred, gold, timeout, expression]` lines, write 0 unequal / 1 equal / 2 timeout /
     3 error for each; first `{"ready": 1}`, or `{"fatal": ...}` when math-verify is missing."""
-    import json
-    import logging
-    import resource
-    import signal
-    import sys
+    import contextlib, json, logging, resource, signal, sys
     logging.disable(logging.CRITICAL)
-    try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError, not the machine
+    with contextlib.suppress(Exception):  # a LaTeX bomb's gigabytes: MemoryError, not the machine
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-    except Exception:
-        pass
     try:
         from latex2sympy2_extended import NormalizationConfig
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -3275,8 +3269,7 @@ def _vf_run_benchmark(sampler, probs, prompt_fn, judge, n, ks, n_boot, seed, max
     judgements, per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap
     intervals for each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
     prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
-    generate = sampler.generate
-    greedy = [g[0] for g in generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
+    greedy = [g[0] for g in sampler.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
     g_judged = judge([(i, c.text) for i, c in enumerate(greedy)])
     ok = np.asarray([j[0] for j in g_judged], dtype=float)
     res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
@@ -3287,14 +3280,13 @@ def _vf_run_benchmark(sampler, probs, prompt_fn, judge, n, ks, n_boot, seed, max
         res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
                     "pass@k_source": "greedy"})
         return res, g_judged, None
-    samp = generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **sampling)
+    samp = sampler.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **sampling)
     flat = iter(judge([(i, c.text) for i, g in enumerate(samp) for c in g]))
     s_judged = [[next(flat) for _ in g] for g in samp]
     ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
-    res["pass@k"], res["pass@k_ci"] = {}, {}
-    for kk in [x for x in ks if x <= min(ns)]:
-        m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
-        res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
+    cis = {str(x): pass_at_k_ci(ns, cs, x, n_boot=n_boot, seed=seed) for x in ks if x <= min(ns)}
+    res["pass@k"] = {x: m for x, (m, _, _) in cis.items()}
+    res["pass@k_ci"] = {x: [lo, hi] for x, (_, lo, hi) in cis.items()}
     res.update({"mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
                 "pass@k_source": "samples", "sample_truncated_frac": float(np.mean(
                     [c.finish_reason == "length" for g in samp for c in g]))})
