@@ -3232,11 +3232,11 @@ def gold_option_letter(problem):
                  if str(c).strip().casefold() == a.casefold()), None)
 
 
-def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
-    """[(problem index, text)] -> [(correct, pred, letter, no answer)]; golds[i]: the gold letter
-    or None. Free-form: extract_fn(text) by math_equal_many; multiple choice: its option_letter
-    equals the gold letter. judge_fn(problem, text) -> (pred, correct) replaces both rules."""
-    items = [(probs[i], golds[i], t) for i, t in texts]
+def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
+    """[(problem index, text)] -> [(correct, pred, letter, no answer)]. Free-form: extract_fn(text)
+    by math_equal_many; with choices: its option_letter equals the gold letter (gold_option_letter).
+    judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    items = [(probs[i], gold_option_letter(probs[i]), t) for i, t in texts]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
         return [(bool(ok), pr, pr if g is not None else None, pr is None)
@@ -3251,53 +3251,56 @@ def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
     return out
 
 
-def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
-    """(benchmarks without duplicates, sorted ks, n) from a list or comma-separated string."""
+def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, temperature, top_p,
+                 max_tokens, limit, seed, n_boot, **settings):
+    """evaluate's and evaluate_code's loop, every benchmark loaded first: greedy (temperature 0)
+    and, with n > 1 ("name@N": N), n samples of each problem's prompt, judged by judge(problems,
+    [(problem index, text)]) -> [(correct, ...)]. Unbiased pass@k with bootstrap intervals for each
+    k <= n and mean@n; without samples pass@1 is the greedy accuracy. record(name, result,
+    problems, greedy, samples) adds a benchmark's own fields and returns its per-problem records."""
     benchmarks = benchmarks.split(",") if isinstance(benchmarks, str) else benchmarks
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
     k = str(k).split(",") if isinstance(k, (int, str)) else k
     ks, n = sorted({int(x) for x in k if str(x).strip()}), int(n)
     if n < 1 or not ks or ks[0] < 1:
-        raise ValueError(f"{who} needs n >= 1 and k >= 1, got n={n}, k={ks}")
-    return benchmarks, ks, n
-
-
-def _vf_run_benchmark(sampler, probs, prompt_fn, judge, n, ks, n_boot, seed, max_tokens,
-                      **sampling):
-    """Greedy (temperature 0) and, with n > 1, n sampled completions of each problem's prompt,
-    judged by judge([(problem index, text)]) -> [(correct, ...)]: (result fields, greedy
-    judgements, per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap
-    intervals for each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
-    prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
-    greedy = [g[0] for g in sampler.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
-    g_judged = judge([(i, c.text) for i, c in enumerate(greedy)])
-    ok = np.asarray([j[0] for j in g_judged], dtype=float)
-    res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
-           "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
-           "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
-           "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
-    if n == 1:
-        res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
-                    "pass@k_source": "greedy"})
-        return res, g_judged, None
-    samp = sampler.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **sampling)
-    flat = iter(judge([(i, c.text) for i, g in enumerate(samp) for c in g]))
-    s_judged = [[next(flat) for _ in g] for g in samp]
-    ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
-    cis = {str(x): pass_at_k_ci(ns, cs, x, n_boot=n_boot, seed=seed) for x in ks if x <= min(ns)}
-    res["pass@k"] = {x: m for x, (m, _, _) in cis.items()}
-    res["pass@k_ci"] = {x: [lo, hi] for x, (_, lo, hi) in cis.items()}
-    res.update({"mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
-                "pass@k_source": "samples", "sample_truncated_frac": float(np.mean(
-                    [c.finish_reason == "length" for g in samp for c in g]))})
-    return res, g_judged, s_judged
-
-
-def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **extra):
-    return {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
-            "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
-            "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **extra,
-            "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
+        raise ValueError(f"evaluation needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    t0, problems, results = time.time(), {b: load(b, limit) for b in benchmarks}, {}
+    for bench, probs in problems.items():
+        nb = parse_benchmark_spec(bench)[1] or n
+        prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
+        greedy = [g[0] for g in sampler.generate(prompts, n=1, temperature=0.0,
+                                                 max_tokens=max_tokens)]
+        g_judged, s_judged = judge(probs, [(i, c.text) for i, c in enumerate(greedy)]), None
+        ok = np.asarray([j[0] for j in g_judged], dtype=float)
+        ci = list(bootstrap_ci(ok, n_boot))
+        res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()), "greedy_acc_ci": ci,
+               "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
+                                                       for c in greedy])),
+               "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy])),
+               "pass@k": {"1": float(ok.mean())}, "pass@k_ci": {"1": ci}, "pass@k_source": "greedy"}
+        if nb > 1:
+            samp = sampler.generate(prompts, n=nb, max_tokens=max_tokens, seed=seed,
+                                    temperature=temperature, top_p=top_p)
+            flat = iter(judge(probs, [(i, c.text) for i, g in enumerate(samp) for c in g]))
+            s_judged = [[next(flat) for _ in g] for g in samp]
+            ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
+            cis = {str(x): pass_at_k_ci(ns, cs, x, n_boot=n_boot, seed=seed)
+                   for x in ks if x <= min(ns)}
+            res.update({"pass@k": {x: m for x, (m, _, _) in cis.items()},
+                        "pass@k_ci": {x: [lo, hi] for x, (_, lo, hi) in cis.items()},
+                        "pass@k_source": "samples",
+                        "mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
+                        "sample_truncated_frac": float(np.mean(
+                            [c.finish_reason == "length" for g in samp for c in g]))})
+        per_problem = record(bench, res, probs, g_judged, s_judged)
+        for rec, s in zip(per_problem, s_judged or []):
+            rec["correct_samples"] = sum(j[0] for j in s)
+        results[bench] = {**res, "per_problem": per_problem}
+    settings = {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
+                "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
+                "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **settings,
+                "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
+    return {"benchmarks": results, "settings": settings, "time_s": round(time.time() - t0, 2)}
 
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
@@ -3307,39 +3310,30 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     pass@k and mean@n per benchmark; "name@N" draws N samples and scores by mean@N (SPICE's AIME).
     extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
     judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
-    benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
-    t0, results = time.time(), {}
-    for bench in benchmarks:
-        name, n_bench = parse_benchmark_spec(bench)
-        probs = load_benchmark(name, limit)
-        golds = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        judge = functools.partial(_vf_judge, probs, golds, extract_fn, timeout, judge_fn)
-        res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge,
-                                                 n_bench or n, ks, n_boot, seed, max_tokens,
-                                                 temperature=temperature, top_p=top_p)
+
+    def record(bench, res, probs, greedy, samples):
+        golds, n_bench = [gold_option_letter(p) for p in probs], parse_benchmark_spec(bench)[1]
         res.update({"n_multiple_choice": sum(g is not None for g in golds),
                     "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
                                                          for p, g in zip(probs, golds)),
                     "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))})
-        per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
-                        **({"greedy_letter": lt} if g is not None else {})}
-                       for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
         if samples:
-            res["n_samples"] = n_bench or n
+            res["n_samples"] = len(samples[0])
             res["sample_no_answer_frac"] = float(np.mean([j[3] for s in samples for j in s]))
-            for rec, s in zip(per_problem, samples):
-                rec["correct_samples"] = sum(j[0] for j in s)
         res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
                                              else (res["greedy_acc"], "greedy"))
-        results[bench] = {**res, "per_problem": per_problem}
+        return [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
+                 **({"greedy_letter": lt} if g is not None else {})}
+                for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
     prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
                                                                         "custom")
-    return {"benchmarks": results,
-            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
-                                     verifier=_vf_verifier_name(timeout),
-                                     multiple_choice=_VF_MC_GRADING, prompt=prompt),
-            "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
+    res = _vf_evaluate(sampler_or_policy, benchmarks, k, n, load_benchmark,
+                       functools.partial(_vf_judge, extract_fn, timeout, judge_fn), record,
+                       prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                       limit=limit, seed=seed, n_boot=n_boot, verifier=_vf_verifier_name(timeout),
+                       multiple_choice=_VF_MC_GRADING, prompt=prompt)
+    return {**res, "verifier_failures": math_equal_failures()}
 
 
 def evaluate_config(policy, cfg, **kw):
@@ -3500,7 +3494,7 @@ def code_program(problem, code):
     return f"{code}\n\n{problem['test']}\n"
 
 
-def _vf_run_code(sandbox, probs, extract_fn, timeout, texts):
+def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
     """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
     ends by evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
@@ -3532,38 +3526,31 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     """Greedy pass@1 and, with n > 1 samples, pass@k on code benchmarks, shaped like evaluate's
     result. Each solution runs with its tests in `sandbox` (one fresh process per run; started for
     the call if None); like EvalPlus the tests' own comparisons are trusted."""
-    benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
-    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
-    t0, results = time.time(), {}
-    with (PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
-          if sandbox is None else contextlib.nullcontext(sandbox)) as sandbox:
-        for bench, probs in problems.items():
-            judge = functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout)
-            res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge, n,
-                                                     ks, n_boot, seed, max_tokens,
-                                                     temperature=temperature, top_p=top_p)
-            counts = Counter(s for _, s, _ in greedy)
-            res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
-            per_problem = [{"task_id": p["task_id"], "greedy_status": s,
-                            "greedy_error": msg[:300] if msg else None}
-                           for p, (_, s, msg) in zip(probs, greedy)]
-            if samples:
-                res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
-                for rec, r in zip(per_problem, samples):
-                    rec["correct_samples"] = sum(j[0] for j in r)
-                    rec["sample_statuses"] = [s for _, s, _ in r]
-            results[bench] = {**res, "per_problem": per_problem}
+
+    def record(bench, res, probs, greedy, samples):
+        counts = Counter(s for _, s, _ in greedy)
+        res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
+        per_problem = [{"task_id": p["task_id"], "greedy_status": s,
+                        "greedy_error": msg[:300] if msg else None}
+                       for p, (_, s, msg) in zip(probs, greedy)]
+        if samples:
+            res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
+            for rec, r in zip(per_problem, samples):
+                rec["sample_statuses"] = [s for _, s, _ in r]
+        return per_problem
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
                "if the tests run to the end")
-    return {"benchmarks": results,
-            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
-                                     timeout_s=float(timeout),
-                                     prompt=getattr(prompt_fn, "__name__", "custom"),
-                                     extract=getattr(extract_fn, "__name__", "custom"),
-                                     checker=checker, sandbox_isolation=getattr(
-                                         sandbox, "isolation", {}).get("level")),
-            "time_s": round(time.time() - t0, 2)}
+    with (PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
+          if sandbox is None else contextlib.nullcontext(sandbox)) as sandbox:
+        return _vf_evaluate(
+            sampler_or_policy, benchmarks, k, n, load_code_benchmark,
+            functools.partial(_vf_run_code, sandbox, extract_fn, timeout), record, prompt_fn,
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens, limit=limit, seed=seed,
+            n_boot=n_boot, timeout_s=float(timeout), checker=checker,
+            prompt=getattr(prompt_fn, "__name__", "custom"),
+            extract=getattr(extract_fn, "__name__", "custom"),
+            sandbox_isolation=getattr(sandbox, "isolation", {}).get("level"))
 
 
 # ==================================================================================================
