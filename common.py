@@ -3206,17 +3206,6 @@ def default_eval_prompt(problem, tokenizer=None):
                             f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:")
 
 
-def _vf_verifier_name(timeout):
-    try:
-        from importlib.metadata import version
-        mv = version("math-verify")
-    except Exception:
-        mv = "?"
-    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
-            f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
-            "(timeout = wrong)")
-
-
 def gold_option_letter(problem):
     """The gold letter of a multiple-choice problem: its "answer" if that names a choice's letter,
     else the letter of the choice whose text equals it (case-insensitive); None otherwise."""
@@ -3328,10 +3317,18 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
     prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
                                                                         "custom")
+    try:
+        from importlib.metadata import version
+        mv = version("math-verify")
+    except Exception:
+        mv = "?"
+    verifier = (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
+                f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
+                "(timeout = wrong)")
     res = _vf_evaluate(sampler_or_policy, benchmarks, k, n, load_benchmark,
                        functools.partial(_vf_judge, extract_fn, timeout, judge_fn), record,
                        prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                       limit=limit, seed=seed, n_boot=n_boot, verifier=_vf_verifier_name(timeout),
+                       limit=limit, seed=seed, n_boot=n_boot, verifier=verifier,
                        multiple_choice=_VF_MC_GRADING, prompt=prompt)
     return {**res, "verifier_failures": math_equal_failures()}
 
