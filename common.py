@@ -2557,13 +2557,10 @@ class _VfWorker:
         """The line that came (select said so): a verdict, None for the ready line, b"" once
         the process has died."""
         line = self.proc.stdout.readline()
-        if not self.ready and not line:
-            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
-                               "ready; check that `python -c 'import math_verify'` works (fix: "
-                               "`pip install math-verify`)")
-        if not self.ready and b"fatal" in line:
-            raise RuntimeError(f"math-verify is not importable ({line.decode(errors='replace')})"
-                               "; fix: `pip install math-verify`")
+        if not self.ready and line != b'{"ready": 1}\n':  # {"fatal": ...}, or it exited
+            raise RuntimeError(f"the math-verify worker ({sys.executable}) did not start: "
+                               f"{line.decode(errors='replace').strip() or 'it exited'}; fix: "
+                               "`pip install math-verify`")
         was, self.ready = self.ready, True
         return line if was else None
 
