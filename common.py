@@ -3141,8 +3141,7 @@ _VF_JSONL_SHAPE = ('each line must be one object like {"question": "...", "answe
 
 def _vf_jsonl_problem(path, ln, obj):
     if "question" not in obj or "answer" not in obj:
-        raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
-                         f'(optional "choices": [..]); got {str(obj)[:120]}')
+        raise ValueError(f"{path}:{ln}: {_VF_JSONL_SHAPE}; got {str(obj)[:120]}")
     row, ch = {"question": str(obj["question"]), "answer": str(obj["answer"])}, obj.get("choices")
     if ch is not None:
         if not isinstance(ch, list) or not ch:
