@@ -1824,7 +1824,7 @@ class Trajectory:
 # --------------------------------------------------------------------------- 1. Per-token log-probs
 def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
-    sequence gets a micro-batch of its own (splitting it would change its attention)."""
+    sequence is alone (split, its attention would change)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
@@ -1849,8 +1849,8 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
 
 def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
                 chunk_rows=None):
-    """Flat log-probs (and entropies) of a right-padded micro-batch's completion tokens: the LM
-    head runs on the positions P-1+t only, in chunks recomputed in backward."""
+    """Flat completion log-probs (and entropies): the LM head on positions P-1+t only, chunked and
+    recomputed in backward."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
@@ -1876,9 +1876,8 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
                    temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
                    chunk_rows: int | None = None):
-    """log pi(y_t | x, y_<t) of each completion at the sampling temperature (logits / T), and the
-    exact entropy of that tempered distribution; micro-batches of ``token_budget`` padded tokens;
-    differentiable under grad. Returns 1-D fp32 tensors in input order: ``(logps, entropies)``."""
+    """``(logps, entropies)``: log pi(y_t | x, y_<t) at logits / T and the exact entropy of that
+    distribution, 1-D fp32 per completion in input order; differentiable under grad."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
     lps, ents = [None] * len(prompts), [None] * len(prompts)
@@ -1977,10 +1976,9 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
 
 def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
                         max_len: int = 0) -> torch.Tensor:
-    """Weight of every token (flat, row-major) from the GLOBAL N = ``num_seqs`` and M =
-    ``num_tokens`` of the step, so that micro-batches sum to the full-batch loss. ``token-mean``:
-    1/M (DAPO Eq. 12); ``seq-mean-token-mean``: 1/(N |y_i|) (DeepSeekMath Eq. 3; Absolute Zero
-    Eq. 9); ``drgrpo``: 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
+    """Flat token weights from the step's GLOBAL N and M, so micro-batches sum to the full-batch
+    loss: token-mean 1/M (DAPO Eq. 12); seq-mean-token-mean 1/(N |y_i|) (DeepSeekMath Eq. 3;
+    Absolute Zero Eq. 9); drgrpo 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
     if mode == "drgrpo" and max(lengths, default=0) > max_len:
         raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
                          "max_len must be the generation limit")
@@ -2008,8 +2006,7 @@ def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
 
 
 def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
-    """Mini-batches of ``cfg.mini_batch`` in ``cfg.updates_per_batch`` passes over n trajectories,
-    in batch order or permuted per pass (``cfg.shuffle``: python's ``random``, rank 0's draw)."""
+    """Mini-batches per pass over n trajectories; ``cfg.shuffle`` permutes by rank 0's draw."""
     orders = [broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
               for _ in range(cfg.updates_per_batch)]
     size = cfg.mini_batch or n
@@ -2022,9 +2019,8 @@ _RLPart = collections.namedtuple("_RLPart", "micro items num_seqs num_tokens ski
 
 
 class _RLTrain:
-    """One pg_step or sft_step call on this rank, with the bookkeeping its loss code never sees.
-    Every rank holds the full batch and trains on its share; counts are summed over ranks, so N
-    and M are global, and gradients are scaled by the world size to undo DDP/FSDP averaging."""
+    """One pg_step or sft_step call on this rank. Every rank holds the full batch and trains on its
+    share; counts are summed over ranks (global N and M), gradients scaled by the world size."""
 
     def __init__(self, policy, prompts: list[list[int]], comps: list[list[int]]):
         policy.release_sampler_memory()  # --vllm-sleep: the engine frees its memory while we train
@@ -2044,8 +2040,7 @@ class _RLTrain:
         self.t0 = time.perf_counter()
 
     def plan(self, idx: list[int], max_seqs: int | None = None, need: bool = True) -> _RLPart:
-        """One step on ``idx``: this rank's share in micro-batches of ``micro_batch_tokens`` padded
-        tokens (one item at weight 0 if it has none); ``skip`` unless some rank ``need``s it."""
+        """One step on ``idx``: ``skip`` unless some rank ``need``s it."""
         local = self.policy.shard(list(idx))
         work = local or list(idx[:1])
         mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget, max_seqs)
@@ -2056,7 +2051,7 @@ class _RLTrain:
         return _RLPart(micro, local, int(n), int(m), not need)
 
     def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
-        """No-grad log-probs and entropies of ``rows`` (dicts), ``weights`` (a KL reference) in."""
+        """No-grad log-probs and entropies of ``rows`` (dicts), under ``weights`` if given."""
         swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
         with torch.no_grad(), swap:
             lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
@@ -2068,25 +2063,19 @@ class _RLTrain:
         return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
                            **kw)
 
-    def backward(self, loss, idx: list[int], live: float, logp=None, old_logp=None, clipped=None):
-        """Backward of a micro-batch's loss (``live`` = 0: a stand-in, no gradient); with ``logp``,
-        the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
-        loss = loss * live
-        (loss * self.policy.world_size).backward()
-        self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
-        self.sums["loss"] += loss.item()
-        if logp is not None:
-            d = logp.detach() - old_logp
-            self.sums["clipped"] += clipped.float().sum().item() * live
-            self.sums["kl"] += (torch.exp(d) - 1 - d).sum().item() * live
-            self.sums["kl_tokens"] += d.numel() * live
-
-    def step(self, zero: bool = False) -> float:
-        """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm.
-        ``zero``: on zero gradients, so AdamW's count, moments and weight decay move as if computed
-        (FSDP2 leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
-        if zero:
-            self.policy.optimizer.zero_grad(set_to_none=True)
+    def update(self, part: _RLPart, loss_fn) -> float:
+        """One optimizer step: loss_fn(idx) -> (loss, {stat: sum}) per micro-batch, at weight
+        ``live``; clip to ``grad_clip`` (<= 0: none); the pre-clip norm. A ``skip`` step is on zero
+        gradients, so AdamW's count, moments and weight decay move as if computed (FSDP2 leaves the
+        root unsharded after the no-grad pass: reshard, zero its shards)."""
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        for idx, live in [] if part.skip else part.micro:
+            loss, sums = loss_fn(idx)
+            (loss * live * self.policy.world_size).backward()
+            self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
+            for k, v in {"loss": loss.item(), **sums}.items():
+                self.sums[k] += v * live
+        if part.skip:
             for m in self.model.modules():
                 if hasattr(m, "reshard"):  # an FSDP2 module
                     m.reshard()
@@ -2142,13 +2131,12 @@ class _RLTrain:
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
-    """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old (no-grad pass,
-    with the exact entropy) is the sampling policy for every step (veRL, EasyR1, Oat); each
-    mini-batch is aggregated by its own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``); an all-A=0
-    one steps on zero gradients (``cfg.skip_zero_adv``, default loss only). ``token_loss``: a
-    fork's own per-token loss. Stats cover the whole batch (tokens_per_s, time_s, sync_s,
-    peak_mem_gb: this rank's); nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding
-    Self-play for LLM Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
+    """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old (a no-grad
+    pass) is the sampling policy for every step, each mini-batch aggregated by its own N and M
+    (veRL ``dp_actor.py``, Oat ``ppo.py``); an all-A=0 one steps on zero gradients (default loss
+    only). ``token_loss``: a fork's own per-token loss. tokens_per_s, time_s, sync_s, peak_mem_gb
+    are this rank's; nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM
+    Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
         raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
@@ -2175,21 +2163,21 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     def cat(xs, idx):
         return None if xs is None else torch.cat([xs[i] for i in idx])
 
-    # 2. one optimizer step per mini-batch: forward, loss, backward per micro-batch; clip; step
-    for part in (p for p in parts if p.num_tokens):  # no completion tokens: no step
-        policy.optimizer.zero_grad(set_to_none=True)
-        for idx, live in [] if part.skip else part.micro:
-            lp, en = train.forward(idx, temperature=cfg.temperature,
-                                   with_entropy=cfg.entropy_coef > 0)
-            l_old = cat(old, idx)
-            loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
-                                       ref_logp=cat(ref, idx),
-                                       sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
-            w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation,
-                                    num_seqs=part.num_seqs, num_tokens=part.num_tokens,
-                                    max_len=cfg.max_len)
-            train.backward((loss * w.to(train.device)).sum(), idx, live, lp, l_old, clipped)
-        train.step(zero=part.skip)
+    def loss_fn(part, idx):  # the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi)) too
+        lp, en = train.forward(idx, temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0)
+        l_old = cat(old, idx)
+        loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
+                                   ref_logp=cat(ref, idx),
+                                   sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
+        w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation, max_len=cfg.max_len,
+                                num_seqs=part.num_seqs, num_tokens=part.num_tokens)
+        d = lp.detach() - l_old
+        return (loss * w.to(train.device)).sum(), {"clipped": clipped.float().sum().item(),
+                                                   "kl": (torch.exp(d) - 1 - d).sum().item(),
+                                                   "kl_tokens": d.numel()}
+
+    for part in (p for p in parts if p.num_tokens):  # 2. a step per mini-batch with tokens
+        train.update(part, functools.partial(loss_fn, part))
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
     return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
 
@@ -2204,10 +2192,8 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
     part = train.plan(list(range(len(examples))), batch_size)
     if part.num_tokens == 0:
         raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
-    policy.optimizer.zero_grad(set_to_none=True)
-    for idx, live in part.micro:
-        train.backward(-train.forward(idx)[0].sum() / part.num_tokens, idx, live)
-    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": train.step(),
+    norm = train.update(part, lambda idx: (-train.forward(idx)[0].sum() / part.num_tokens, {}))
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
             "n_tokens": part.num_tokens, **train.finish(sync=False)}
 
 
