@@ -2207,14 +2207,11 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
 
 
 # ------------------------------------------------------------------------------- Answer extraction
-_VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
-
-
 def extract_boxed(text):
     """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
     `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
-    starts = [m.end() for m in _VF_BOX_RE.finditer(text)] if isinstance(text, str) else []
-    rest = text[starts[-1]:].lstrip(" \t\r\n") if starts else ""
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\b", text)) if isinstance(text, str) else []
+    rest = text[starts[-1].end():].lstrip(" \t\r\n") if starts else ""
     if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
         return re.match(r"[^ \t\r\n$]*", rest).group().strip() or None
     depth = 0
@@ -2226,8 +2223,7 @@ def extract_boxed(text):
 
 
 def extract_tag(text, tag, last=True):
-    """Stripped content of the last (or first) complete `<tag>...</tag>`, or None. find/rfind, not a
-    regex, so hostile text (thousands of unclosed tags) stays linear."""
+    """Stripped content of the last (or first) complete `<tag>...</tag>`, or None; linear."""
     if not isinstance(text, str):
         return None
     op, cl = f"<{tag}>", f"</{tag}>"
@@ -2272,8 +2268,8 @@ def repair_json_escapes(text: str) -> str:
 
 
 def last_json_object(text: str) -> dict | None:
-    """The JSON object that ends last in `text` (reasoning first, then the JSON): top-level, since
-    a nested one ends earlier. Starts are tried from the end, so LaTeX braces never use them up."""
+    """The JSON object ending last in `text` (a top-level one: a nested one ends earlier); starts
+    are tried from the end, so LaTeX braces never use them up."""
     text = repair_json_escapes(text[-VF_MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1
     starts = [m.start() for m in _VF_JSON_START.finditer(text)][-VF_MAX_JSON_STARTS:]
@@ -2301,11 +2297,9 @@ def _vf_unwrap_text(s):
 
 
 def normalize_string(s):
-    """SPICE's "String" answers (§4): `\\text{}` unwrapped, lower case, letters and digits only;
-    "The Krebs cycle." -> "thekrebscycle". Not for numbers ("1.5" and "15" agree)."""
-    if s is None:
-        return ""
-    return "".join(ch for ch in _vf_unwrap_text(str(s)).lower() if ch.isalnum())
+    """SPICE's "String" answers (§4): "The Krebs \\text{cycle}." -> "thekrebscycle". Not for
+    numbers ("1.5" and "15" agree)."""
+    return "".join(c for c in _vf_unwrap_text("" if s is None else str(s)).lower() if c.isalnum())
 
 
 # An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case before a
@@ -2334,12 +2328,10 @@ def choice_letter(s):
 def option_letter(pred, completion=None, n_options=10):
     """The letter the extracted answer `pred` names (choice_letter), or with nothing extracted the
     completion's last "answer is B"; None if it is not one of the first `n_options` letters."""
-    if pred is not None:
-        letter = choice_letter(pred)
-    else:
-        found = _VF_ANSWER_IS_RE.findall(str(completion)) if completion else []
-        letter = found[-1] if found else None
-    return letter if letter is not None and letter in _VF_OPTION_LETTERS[:n_options] else None
+    if pred is None:
+        pred = "".join(_VF_ANSWER_IS_RE.findall(str(completion or ""))[-1:])
+    letter = choice_letter(pred)
+    return letter if letter and letter in _VF_OPTION_LETTERS[:n_options] else None
 
 
 # --------------------- math_equal: fast paths in-process, math-verify in killable worker processes
@@ -2354,18 +2346,18 @@ _VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def math_equal_failures(reset=False):
-    """Failures since start or the last reset, each counted as "not equal": timeout (soft alarm),
-    killed (hard timeout), error (inside math-verify), too_long, too_deep, and their total."""
+    """Failures (each "not equal") since start or the last reset: timeout (soft alarm), killed
+    (hard timeout), error (inside math-verify), too_long, too_deep, and their total."""
     d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
     if reset:
         _VF_FAILS.clear()
     return d
 
 
-_VF_NUM_RE = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
+_VF_NUM_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # "1,2" is a pair
 _VF_WORDY_RE = re.compile(r"^[^\W\d_]+(?:[\s\-'’.,/&]+[^\W\d_]+)*[.]?$")
-_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
-_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
+_VF_RATIO_RE = re.compile(  # sign, then a/b, \frac{a}{b} or \frac12
+    r"([+-]?)(?:(\d{1,30})/(\d{1,30})|\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d)))")
 
 
 def _vf_canon(s):
@@ -2377,43 +2369,24 @@ def _vf_canon(s):
     return "".join(s.split()).rstrip(".")
 
 
-def _vf_number(s):
-    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None; commas only as
-    thousands groups, so "1,2" (a pair) is not a number."""
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
-    return Decimal(s.replace(",", "")) if len(s) <= 60 and _VF_NUM_RE.match(s) else None
-
-
 def _vf_rational(c):
-    """(Fraction, exact) of an integer, decimal, a/b, \\frac{a}{b} or \\frac12, else None; decimals
-    are not exact (math-verify compares them after rounding to 6 places)."""
+    """(Fraction, exact) of a number, a/b or a fraction, else None; decimals are not exact
+    (math-verify compares them after rounding to 6 places)."""
     from fractions import Fraction
-    d = _vf_number(c)
-    if d is not None:
-        return Fraction(d), d == d.to_integral_value() and "." not in c
-    m = _VF_SLASH_RE.match(c)
-    if m and int(m.group(2)):
-        return Fraction(int(m.group(1)), int(m.group(2))), True
-    m = _VF_FRAC_RE.match(c)
-    if m:
-        num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
-        if den:
-            return Fraction(-num if m.group(1) == "-" else num, den), True
+    n = c.replace("\\%", "").replace("%", "")
+    if len(n) <= 60 and _VF_NUM_RE.fullmatch(n):
+        return Fraction(Decimal(n.replace(",", ""))), "." not in n
+    m = _VF_RATIO_RE.fullmatch(c)
+    if m and int(m[3] or m[6] or m[7]):
+        num = int(m[2] or m[4] or m[5])
+        return Fraction(-num if m[1] == "-" else num, int(m[3] or m[6] or m[7])), True
     return None
 
 
-def _vf_max_depth(s):
-    d = m = 0
-    for ch in s:
-        d += (ch in "{([") - (ch in "})]")
-        m = max(m, d)
-    return m
-
-
 def _vf_prepare(pred, gold, expression=False):
-    """(decision, pred, gold): True / False when the pair is decided in-process, None when
-    math-verify must decide. expression=True (the gold is a math expression: "mgh", "B" a symbol)
-    turns off the option-letter and word paths."""
+    """(True / False, or None to ask math-verify, pred, gold). expression=True (the gold is a math
+    expression: "mgh", "B" a symbol) turns off the option-letter and word paths."""
+    from itertools import accumulate
     pred, gold = ("" if x is None else str(x).strip() for x in (pred, gold))
     if max(len(pred), len(gold)) <= VF_MAX_ANSWER_CHARS * 20:  # a response: judge its last box
         pred, gold = (extract_boxed(x) or "" if "\\boxed" in x or "\\fbox" in x else x
@@ -2427,9 +2400,9 @@ def _vf_prepare(pred, gold, expression=False):
     if cp == cg and cp:
         return True, pred, gold
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
-    letter = (choice_letter(gold) if not expression
-              and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None)
-    if letter is not None:
+    letter = (not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
+              and choice_letter(gold))
+    if letter:
         return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
     if rp and rg and (rp[0] == rg[0] or rp[1] and rg[1]):  # two exact rationals: all is known
@@ -2437,7 +2410,8 @@ def _vf_prepare(pred, gold, expression=False):
     wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
     if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
-    if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
+    if max(max(accumulate(((c in "{([") - (c in "})]") for c in x), initial=0))
+           for x in (pred, gold)) > VF_MAX_BRACE_DEPTH:
         _VF_FAILS["too_deep"] += 1
         return False, pred, gold
     return None, pred, gold
