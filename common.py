@@ -2426,24 +2426,21 @@ def _vf_surely_differ(g, p, raw):
     from sympy import Expr, Rational
     a, b = g[0], p[0]
     if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw \
-            or "deg" in raw:
+            or "deg" in raw or len(a.free_symbols | b.free_symbols) > 6:
         return False
-    syms = sorted(a.free_symbols | b.free_symbols, key=str)
-    if len(syms) > 6:
-        return False
-    at = {s: Rational(13 + 7 * i, 10) for i, s in enumerate(syms)}
+    at = {s: Rational(13 + 7 * i, 10)
+          for i, s in enumerate(sorted(a.free_symbols | b.free_symbols, key=str))}
     try:
         va, vb = complex(a.evalf(30, subs=at)), complex(b.evalf(30, subs=at))
     except Exception:
         return False
-    if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
-        return False
-    return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
+    return (all(abs(v) < 1e300 for v in (va, vb))  # NaN fails this too
+            and abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb)))
 
 
 def _vf_worker():
-    """Read `[pred, gold, timeout, expression]` lines, write 0 unequal / 1 equal / 2 timeout /
-    3 error for each; first `{"ready": 1}`, or `{"fatal": ...}` when math-verify is missing."""
+    """`[pred, gold, timeout, expression]` lines in, 0 unequal / 1 equal / 2 timeout / 3 error out,
+    after `{"ready": 1}` (`{"fatal": ...}`: math-verify is missing)."""
     import contextlib, json, logging, resource, signal, sys
     logging.disable(logging.CRITICAL)
     with contextlib.suppress(Exception):  # a LaTeX bomb's gigabytes: MemoryError, not the machine
@@ -2455,9 +2452,8 @@ def _vf_worker():
         # (hours, tons): "m \cdot g \cdot h" would parse as "m \cdot g \cdot"
         no_units = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
                                        nits=True, boxed="all", equations=False)
-        extraction = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
-                      True: [LatexExtractionConfig(normalization_config=no_units),
-                             ExprExtractionConfig()]}
+        extraction = [[LatexExtractionConfig(**kw), ExprExtractionConfig()]  # [expression]
+                      for kw in ({}, {"normalization_config": no_units})]
     except Exception as e:
         print(json.dumps({"fatal": repr(e)}), flush=True)
         sys.exit(3)
@@ -2499,8 +2495,7 @@ class _VfWorker:
     def fileno(self):
         return self.proc.stdout.fileno()
 
-    def cpu(self):
-        """CPU seconds (user + system) used so far, from /proc; None without /proc."""
+    def cpu(self):  # user + system seconds; None without /proc
         try:
             with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
@@ -2514,8 +2509,7 @@ class _VfWorker:
             self.proc.stdin.write(lines[i])
 
     def read(self):
-        """The line that came (select said so): a verdict, None for the ready line, b"" once
-        the process has died."""
+        """A verdict line, None for the ready line, b"" once the process has died."""
         line = self.proc.stdout.readline()
         if not self.ready and line != b'{"ready": 1}\n':  # {"fatal": ...}, or it exited
             raise RuntimeError(f"the math-verify worker ({sys.executable}) did not start: "
@@ -2525,8 +2519,8 @@ class _VfWorker:
         return line if was else None
 
     def stuck(self, hard_cpu):
-        """Over `hard_cpu` CPU seconds on one pair, or, using no CPU (stopped, blocked), over
-        3 * hard_cpu + 2 wall-clock seconds: a loaded machine does not turn answers into kills."""
+        """Over `hard_cpu` CPU seconds on one pair (load does not turn answers into kills), or
+        over 3 * hard_cpu + 2 wall-clock seconds (stopped, blocked)."""
         waited = time.monotonic() - self.since
         if not self.ready and waited > 120:
             raise RuntimeError("math-verify worker did not start within 120 s")
@@ -2607,8 +2601,8 @@ def verifier_worker_pids():
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
-    """math_equal over many (pred, gold) pairs, in order, with math-verify spread over `workers`
-    processes (default min(cpu_count, 8); one per 32 distinct pairs at most)."""
+    """math_equal of each (pred, gold); math-verify in `workers` processes (default min(cpu_count,
+    8); one per 32 distinct pairs at most)."""
     res, todo = [], {}  # todo: (pred, gold, expression) -> indices that math-verify decides
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
@@ -2633,9 +2627,8 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
 
 @timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
-    """Is the predicted answer the gold one? Never raises on hostile input, never hangs. Decided
-    in-process: a response's last box, equal canonical forms, option letters, exact rationals, words
-    (normalize_string); else math-verify's verify(parse(gold), parse(pred)) in a worker within
+    """Is the predicted answer the gold one? Never raises on hostile input, never hangs: the fast
+    paths of _vf_prepare, else verify(parse(gold), parse(pred)) in a math-verify worker within
     `timeout` CPU seconds. Timeouts, errors, overlong input: False (math_equal_failures counts)."""
     try:
         return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
@@ -2672,16 +2665,14 @@ def learnability_reward(p):
 
 @_vf_solve_rate
 def uncertainty_reward(p):
-    """R-Zero §3 r_unc (understanding paper Eq. 3): r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1}.
-    R-Zero's code uses min(p, 1 − p), half this scale."""
+    """R-Zero §3 r_unc: r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1} (its code: min(p, 1 − p))."""
     return np.where((p == 0) | (p == 1), 0.0, 1.0 - 2.0 * np.abs(p - 0.5))
 
 
 @_vf_solve_rate
 def variance_reward(p, tau=0.01):
-    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance
-    (the unbiased one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4
-    right."""
+    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p) (population variance: the
+    unbiased one moves the peak off ½)."""
     return np.exp(-((p * (1.0 - p) - 0.25) ** 2) / (2.0 * tau))
 
 
@@ -2713,8 +2704,7 @@ _VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a mat
 
 
 def _vf_ngram_match_counts(seqs, n_max=4):
-    """Per order n: (M_n, totals_n), M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches)
-    and totals_n[i] = n-grams of text i; frequent n-grams through (C >= t)(C >= t)^T."""
+    """Per order n: (M_n[i, j] = Σ_g min(count_i(g), count_j(g)), n-grams of each text)."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
@@ -2782,16 +2772,14 @@ def bleu_matrix(texts):
 
 
 def bleu_distance_matrix(texts, S=None):
-    """R-Zero's distances d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored,
-    d_ii = 0 (`S`: bleu_matrix(texts) if already computed)."""
+    """R-Zero's d_ij = 1 − BLEU(hyp = earlier, ref = later text), mirrored; S: bleu_matrix."""
     U = np.triu(1.0 - (bleu_matrix(texts) if S is None else S), 1)
     return U + U.T
 
 
 def average_linkage_clusters(dist, threshold=0.5):
-    """Average-linkage clusters of a symmetric distance matrix, merged while their mean distance is
-    < threshold (sklearn AgglomerativeClustering(linkage="average", distance_threshold)), by the
-    O(B²) nearest-neighbour chain. Cluster ids by first appearance."""
+    """Cluster ids (by first appearance) of sklearn's AgglomerativeClustering(linkage="average",
+    distance_threshold), by the O(B²) nearest-neighbour chain."""
     D = np.array(dist, dtype=np.float64, copy=True)
     np.fill_diagonal(D, np.inf)
     B = D.shape[0]
@@ -2831,8 +2819,7 @@ def distinct_ngram_ratio(texts, n=4):
 
 
 def self_bleu(texts, S=None):
-    """Mean pairwise sentence-BLEU-4 over the batch (hypothesis = the earlier text; `S`:
-    bleu_matrix(texts) if already computed)."""
+    """Mean pairwise sentence-BLEU-4 (hypothesis = the earlier text); S: bleu_matrix(texts)."""
     texts = list(texts)
     if len(texts) < 2:
         return 0.0
@@ -2851,8 +2838,7 @@ def diversity_metrics(texts, threshold=0.5):
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al. 2021, Codex §2.1): 1 − C(n − c, k) / C(n, k), in the stable
-    form 1 − Π_{i = n−c+1}^{n} (1 − k / i)."""
+    """Unbiased pass@k (Codex §2.1): 1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
     n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n) or not (1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -2884,8 +2870,8 @@ def _vf_words(text):
 
 
 class Decontaminator:
-    """Index of the word n-grams (default 13) of reference texts, lower case, punctuation and
-    `\\text{}` dropped; a text shorter than n words is flagged only if it equals a reference."""
+    """Word n-grams of reference texts; a text shorter than n words is flagged only if it equals a
+    reference."""
 
     def __init__(self, references, n=13):
         self.n, self.grams, self.short = n, set(), set()
