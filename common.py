@@ -2693,9 +2693,7 @@ def proposer_reward(rbar, kind="learnability", tau=0.01):
 
 def azr_composite_reward(r_role, *, formatted, passable):
     """AZR Eq. 6: r_role if passable; −0.5 if well formatted but wrong; −1 on a format error."""
-    if not formatted:
-        return FORMAT_ERROR
-    return float(r_role) if passable else WRONG_FORMATTED
+    return FORMAT_ERROR if not formatted else float(r_role) if passable else WRONG_FORMATTED
 
 
 # ----- Pairwise sentence-BLEU-4 and average-linkage clusters (R-Zero's penalty, diversity metrics)
@@ -2891,8 +2889,8 @@ class Decontaminator:
 
 
 def eval_decontaminator(benchmarks: str, on: bool = True, n: int = 13):
-    """The n-gram index (GPT-3's 13-gram rule) of the eval sets' questions, None when off or empty.
-    Loading the sets first also stops a run whose eval set cannot load, before any model loads."""
+    """The 13-gram index (GPT-3's rule) of the eval questions, or None; built first, so a run whose
+    eval set cannot load stops before any model loads."""
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     questions = [row["question"] for name in names for row in load_benchmark(name)]
     return Decontaminator(questions, n) if on and questions else None
@@ -2923,8 +2921,7 @@ class BenchmarkUnavailable(RuntimeError):
 
 
 def _vf_qa_row(ex, q, a):
-    """A free-form row; an integral float gold (27.0) is written "27", and after a "####"
-    (GSM8K) the gold is the number that follows, without commas."""
+    """A free-form row: a float gold 27.0 is "27"; GSM8K's gold is the number after "####"."""
     a = ex[a]
     a = str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()
     return {"question": str(ex[q]),
@@ -2972,8 +2969,7 @@ def _vf_gpqa_row(ex, q, a):
 
 
 def _vf_olympiad_row(ex, q, a):
-    """`final_answer` is a list: its entries without an outer $...$, joined by ", "; `context`
-    goes before the question; a row without a final answer is left out."""
+    """`final_answer` is a list: its entries without an outer $...$, joined by ", "."""
     answers = [s[1:-1].strip() if s[:1] == s[-1:] == "$" and s.count("$") == 2 else s
                for s in (str(x).strip() for x in ex[a] or [])]
     q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
@@ -3003,8 +2999,8 @@ BENCHMARKS = {
 
 
 def _vf_load(what, name, limit, row, shape, hub=None):
-    """Problems row(line or row number, record) -> problem or None (left out) of the JSONL file
-    `name` or of the hub dataset hub = (id, config, split, gated); `limit` > 0 keeps the first N."""
+    """row(line or row number, record) -> problem or None (left out), over the JSONL file `name`
+    or the hub dataset hub = (id, config, split, gated); `limit` > 0 keeps the first N."""
     if hub is None:
         if not os.path.isfile(name):
             raise FileNotFoundError(f"{what} file {name} does not exist")
@@ -3029,11 +3025,8 @@ def _vf_load(what, name, limit, row, shape, hub=None):
                 f", split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
                 f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
                 f"in for gated sets, {fix}.") from None
-    out = []
-    for i, ex in rows:
-        out += [p for p in [row(i, ex)] if p is not None]
-        if limit and len(out) >= limit:
-            break
+    from itertools import islice
+    out = list(islice(filter(None, (row(i, ex) for i, ex in rows)), limit or None))
     if not out:
         raise ValueError(f"{what} {name!r}{f' ({hub[0]}, split {hub[2]})' if hub else ''} has no "
                          "problems (an empty file?)")
@@ -3071,8 +3064,7 @@ def _vf_hub_spec(b, flag=""):
 
 
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
-    """A method's up-front check of a comma-separated benchmark list: built-in names, hf: specs or
-    existing JSONL files, each with an optional "@N"; ValueError naming the entry and the fix."""
+    """A method's up-front check of a benchmark list: ValueError naming the entry and the fix."""
     for b in (parse_benchmark_spec(entry)[0] for entry in str(names).split(",")):
         if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
             if not os.path.isfile(b):
@@ -3090,18 +3082,16 @@ def _vf_jsonl_problem(path, ln, obj):
         raise ValueError(f"{path}:{ln}: {_VF_JSONL_SHAPE}; got {str(obj)[:120]}")
     row, ch = {"question": str(obj["question"]), "answer": str(obj["answer"])}, obj.get("choices")
     if ch is not None:
-        if not isinstance(ch, list) or not ch:
-            raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
-        if len(ch) > len(_VF_OPTION_LETTERS):
-            raise ValueError(f'{path}:{ln}: {len(ch)} "choices"; at most {len(_VF_OPTION_LETTERS)} '
-                             f"(letters A-{_VF_OPTION_LETTERS[-1]})")
+        if not isinstance(ch, list) or not 1 <= len(ch) <= len(_VF_OPTION_LETTERS):
+            raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of at most '
+                             f"{len(_VF_OPTION_LETTERS)} strings (letters A-J)")
         row["choices"] = [str(c) for c in ch]
     return row
 
 
 def load_benchmark(name_or_path, limit=0):
-    """Problems [{"question", "answer", "choices"?}] of a local JSONL file, a BENCHMARKS name or an
-    "hf:..." name (a trailing "@N" is ignored here). No hub: BenchmarkUnavailable saying the fix."""
+    """Problems [{"question", "answer", "choices"?}] of a JSONL file, a BENCHMARKS or "hf:..." name
+    ("@N" ignored). No hub: BenchmarkUnavailable saying the fix."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         return _vf_load("benchmark", name, limit, functools.partial(_vf_jsonl_problem, name),
@@ -3152,21 +3142,17 @@ def gold_option_letter(problem):
     """The gold letter of a multiple-choice problem: its "answer" if that names a choice's letter,
     else the letter of the choice whose text equals it (case-insensitive); None otherwise."""
     choices = problem.get("choices") or []
-    n = min(len(choices), len(_VF_OPTION_LETTERS))
-    if not n:
-        return None
-    a = str(problem["answer"]).strip()
+    letters, a = _VF_OPTION_LETTERS[:len(choices)], str(problem.get("answer", "")).strip()
     m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
-    if m and m.group(1).upper() in _VF_OPTION_LETTERS[:n]:
-        return m.group(1).upper()
-    return next((_VF_OPTION_LETTERS[i] for i, c in enumerate(choices[:n])
-                 if str(c).strip().casefold() == a.casefold()), None)
+    if m and m[1].upper() in letters:
+        return m[1].upper()
+    return next((x for x, c in zip(letters, choices) if str(c).strip().casefold() == a.casefold()),
+                None)
 
 
 def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
-    """[(problem index, text)] -> [(correct, pred, letter, no answer)]. Free-form: extract_fn(text)
-    by math_equal_many; with choices: its option_letter equals the gold letter (gold_option_letter).
-    judge_fn(problem, text) -> (pred, correct) replaces both rules."""
+    """[(problem index, text)] -> [(correct, pred, letter, no answer)]: extract_fn(text) by
+    math_equal_many, or with choices its option_letter; judge_fn(problem, text) replaces both."""
     items = [(probs[i], gold_option_letter(probs[i]), t) for i, t in texts]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
@@ -3184,11 +3170,10 @@ def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
 
 def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, temperature, top_p,
                  max_tokens, limit, seed, n_boot, **settings):
-    """evaluate's and evaluate_code's loop, every benchmark loaded first: greedy (temperature 0)
-    and, with n > 1 ("name@N": N), n samples of each problem's prompt, judged by judge(problems,
-    [(problem index, text)]) -> [(correct, ...)]. Unbiased pass@k with bootstrap intervals for each
-    k <= n and mean@n; without samples pass@1 is the greedy accuracy. record(name, result,
-    problems, greedy, samples) adds a benchmark's own fields and returns its per-problem records."""
+    """evaluate's and evaluate_code's loop (every benchmark loaded first): greedy, and with n > 1
+    samples pass@k for each k <= n and mean@n; judge(problems, [(problem index, text)]) ->
+    [(correct, ...)]; record(name, result, problems, greedy, samples) adds a benchmark's own
+    fields and returns its per-problem records."""
     benchmarks = benchmarks.split(",") if isinstance(benchmarks, str) else benchmarks
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
     k = str(k).split(",") if isinstance(k, (int, str)) else k
@@ -3237,10 +3222,9 @@ def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, t
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
              prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
              n_boot=1000, judge_fn=None):
-    """Greedy accuracy (temperature 0) and, with n > 1 samples at (temperature, top_p), unbiased
-    pass@k and mean@n per benchmark; "name@N" draws N samples and scores by mean@N (SPICE's AIME).
-    extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
-    judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
+    """Greedy accuracy and, with n > 1 samples, unbiased pass@k and mean@n per benchmark; "name@N"
+    draws N samples and scores by mean@N (SPICE's AIME). judge_fn(problem, text) -> (pred,
+    correct) replaces the boxed-answer and option-letter rules (e.g. R-Zero's BBEH match)."""
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
 
     def record(bench, res, probs, greedy, samples):
@@ -3284,9 +3268,8 @@ def evaluate_config(policy, cfg, **kw):
 
 
 class FrozenModel:
-    """A second model that only samples: an oracle that spot-checks self-made labels, or SPICE's
-    fixed "Strong Challenger". With the policy's architecture and vocabulary its CPU weights are
-    swapped into the policy's one engine; otherwise it gets a sampler of its own."""
+    """A second model that only samples (an oracle, SPICE's fixed "Strong Challenger"): with the
+    policy's architecture and vocabulary its CPU weights swap into the one engine."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
         self.name = name
@@ -3301,8 +3284,7 @@ class FrozenModel:
 
     @contextlib.contextmanager
     def sampling(self, policy):
-        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's.
-        A separate sampler is driven through Policy.generate (sharded over torchrun ranks)."""
+        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
@@ -3313,8 +3295,7 @@ class FrozenModel:
 
 
 def _core_same_parameters(path, policy) -> bool:
-    """Whether the checkpoint has exactly the policy's parameter names and shapes (a tied lm_head
-    may be absent), from the safetensors headers alone."""
+    """Has the checkpoint the policy's parameter names and shapes (from the safetensors headers)?"""
     from safetensors import safe_open
     shapes = {}
     for f in sorted(pathlib.Path(path).glob("*.safetensors")):
@@ -3334,11 +3315,9 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
         base, n_bench = parse_benchmark_spec(bench)
         name = pathlib.Path(base).stem if base.endswith((".jsonl", ".json")) else base
         name += f"@{n_bench}" if n_bench else ""
-        for k, v in r.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[f"{prefix}/{name}/{k}"] = v
-        for k, v in (r.get("pass@k") or {}).items():
-            out[f"{prefix}/{name}/pass@{k}"] = v
+        pass_k = {f"pass@{k}": v for k, v in (r.get("pass@k") or {}).items()}
+        out.update({f"{prefix}/{name}/{k}": v for k, v in {**r, **pass_k}.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for key in ("greedy_acc", "score"):
         vals = [r[key] for r in benches.values() if isinstance(r.get(key), (int, float))]
         if vals:
@@ -3382,8 +3361,7 @@ def _vf_code_row(where, i, obj):
 
 def load_code_benchmark(name_or_path, limit=0):
     """Code problems [{"task_id", "prompt", "test", "entry_point"}] of "humaneval+", "mbpp+" or a
-    local JSONL file. HumanEval style: `test` defines check(candidate), run as check(entry_point);
-    MBPP style (entry_point None): `test` is a script calling the function by name."""
+    local JSONL file (the styles: _CODE_SHAPE)."""
     name = str(name_or_path).strip()
     hub_id, split = CODE_BENCHMARKS.get(name.lower(), (None, None))
     if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
@@ -3425,8 +3403,8 @@ def extract_code(text):
 
 
 def code_program(problem, code):
-    """The program a solution is judged by. HumanEval style: prompt (its imports; a bare body
-    completes the stub) + solution + tests + check(entry_point); MBPP style: solution + tests."""
+    """The program a solution is judged by; HumanEval style keeps the prompt for its imports (and
+    a bare body completes the stub)."""
     if problem.get("entry_point"):
         return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
                 f"check({problem['entry_point']})\n")
@@ -3462,9 +3440,8 @@ def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
 def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
                   top_p=0.95, max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0,
                   timeout=20.0, n_boot=1000):
-    """Greedy pass@1 and, with n > 1 samples, pass@k on code benchmarks, shaped like evaluate's
-    result. Each solution runs with its tests in `sandbox` (one fresh process per run; started for
-    the call if None); like EvalPlus the tests' own comparisons are trusted."""
+    """evaluate for code benchmarks: each solution runs with its tests in `sandbox` (started for the
+    call if None); like EvalPlus the tests' own comparisons are trusted."""
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
 
     def record(bench, res, probs, greedy, samples):
