@@ -1823,8 +1823,7 @@ class Trajectory:
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
 def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
-    """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
-    sequence is alone (split, its attention would change)."""
+    """Indices, longest first, cut so that rows x longest row <= ``token_budget`` (or one row)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
@@ -1849,8 +1848,7 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
 
 def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
                 chunk_rows=None):
-    """Flat completion log-probs (and entropies): the LM head on positions P-1+t only, chunked and
-    recomputed in backward."""
+    """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
@@ -1876,8 +1874,7 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
                    temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
                    chunk_rows: int | None = None):
-    """``(logps, entropies)``: log pi(y_t | x, y_<t) at logits / T and the exact entropy of that
-    distribution, 1-D fp32 per completion in input order; differentiable under grad."""
+    """Per completion, in order: log pi(y_t | x, y_<t) of logits / T, and that exact entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
     lps, ents = [None] * len(prompts), [None] * len(prompts)
@@ -2064,10 +2061,9 @@ class _RLTrain:
                            **kw)
 
     def update(self, part: _RLPart, loss_fn) -> float:
-        """One optimizer step: loss_fn(idx) -> (loss, {stat: sum}) per micro-batch, at weight
-        ``live``; clip to ``grad_clip`` (<= 0: none); the pre-clip norm. A ``skip`` step is on zero
-        gradients, so AdamW's count, moments and weight decay move as if computed (FSDP2 leaves the
-        root unsharded after the no-grad pass: reshard, zero its shards)."""
+        """One step, loss_fn(idx) -> (loss, {stat: sum}); the pre-clip norm. A ``skip`` step is on
+        zero gradients, so AdamW's count, moments and weight decay move as if computed (FSDP2
+        leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
         self.policy.optimizer.zero_grad(set_to_none=True)
         for idx, live in [] if part.skip else part.micro:
             loss, sums = loss_fn(idx)
@@ -2185,9 +2181,8 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
 @timed("train")
 def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
              batch_size: int | None = None) -> dict:
-    """One supervised step for STaR (arXiv:2203.14465 §3.1): the token NLL of each target (ending
-    with EOS) given its prompt, averaged over ALL target tokens of the batch; micro-batches of at
-    most ``batch_size`` sequences; one clipped step, no sampler sync (the caller syncs)."""
+    """STaR's supervised step (arXiv:2203.14465 §3.1): target-token NLL averaged over ALL the
+    batch's target tokens; one clipped step, no sampler sync (the caller syncs)."""
     train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
     part = train.plan(list(range(len(examples))), batch_size)
     if part.num_tokens == 0:
@@ -2200,10 +2195,6 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
 # ==================================================================================================
 # Verifiers, reward shapes and evaluation
 # ==================================================================================================
-# extraction     extract_boxed, extract_tag, choice_letter, option_letter, normalize_string
-# checking       math_equal / math_equal_many (math-verify in killable worker processes)
-# reward shapes  AZR Eq. 4 and 6, R-Zero's r_unc and BLEU repetition penalty, SPICE Eq. 1
-# evaluation     pass@k, decontamination, benchmarks, evaluate, evaluate_code
 
 
 # ------------------------------------------------------------------------------- Answer extraction
@@ -2297,8 +2288,7 @@ def _vf_unwrap_text(s):
 
 
 def normalize_string(s):
-    """SPICE's "String" answers (§4): "The Krebs \\text{cycle}." -> "thekrebscycle". Not for
-    numbers ("1.5" and "15" agree)."""
+    """SPICE §4 "String" answers: "The Krebs \\text{cycle}." -> "thekrebscycle" (not numbers)."""
     return "".join(c for c in _vf_unwrap_text("" if s is None else str(s)).lower() if c.isalnum())
 
 
@@ -2326,8 +2316,7 @@ def choice_letter(s):
 
 
 def option_letter(pred, completion=None, n_options=10):
-    """The letter the extracted answer `pred` names (choice_letter), or with nothing extracted the
-    completion's last "answer is B"; None if it is not one of the first `n_options` letters."""
+    """The letter `pred` names, else the completion's last "answer is B"; None past n_options."""
     if pred is None:
         pred = "".join(_VF_ANSWER_IS_RE.findall(str(completion or ""))[-1:])
     letter = choice_letter(pred)
@@ -2346,8 +2335,7 @@ _VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def math_equal_failures(reset=False):
-    """Failures (each "not equal") since start or the last reset: timeout (soft alarm), killed
-    (hard timeout), error (inside math-verify), too_long, too_deep, and their total."""
+    """Counts of failures judged "not equal": timeout, killed, error, too_long, too_deep, total."""
     d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
     if reset:
         _VF_FAILS.clear()
@@ -2370,8 +2358,7 @@ def _vf_canon(s):
 
 
 def _vf_rational(c):
-    """(Fraction, exact) of a number, a/b or a fraction, else None; decimals are not exact
-    (math-verify compares them after rounding to 6 places)."""
+    """(Fraction, exact) of a number, a/b or \\frac, else None; math-verify rounds decimals."""
     from fractions import Fraction
     n = c.replace("\\%", "").replace("%", "")
     if len(n) <= 60 and _VF_NUM_RE.fullmatch(n):
@@ -2601,8 +2588,7 @@ def verifier_worker_pids():
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
-    """math_equal of each (pred, gold); math-verify in `workers` processes (default min(cpu_count,
-    8); one per 32 distinct pairs at most)."""
+    """math_equal of each (pred, gold) pair, math-verify spread over `workers` processes."""
     res, todo = [], {}  # todo: (pred, gold, expression) -> indices that math-verify decides
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
@@ -2628,8 +2614,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
 @timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
     """Is the predicted answer the gold one? Never raises on hostile input, never hangs: the fast
-    paths of _vf_prepare, else verify(parse(gold), parse(pred)) in a math-verify worker within
-    `timeout` CPU seconds. Timeouts, errors, overlong input: False (math_equal_failures counts)."""
+    paths, else math-verify within `timeout` CPU seconds; a failure is False (and counted)."""
     try:
         return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
     except RuntimeError:
@@ -2868,8 +2853,7 @@ def _vf_words(text):
 
 
 class Decontaminator:
-    """Word n-grams of reference texts; a text shorter than n words is flagged only if it equals a
-    reference."""
+    """Word n-grams of references; a text under n words is flagged only if it equals one."""
 
     def __init__(self, references, n=13):
         self.n, self.grams, self.short = n, set(), set()
@@ -3034,8 +3018,7 @@ def _vf_load(what, name, limit, row, shape, hub=None):
 
 
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
-    """"aime24@32" -> ("aime24", 32), scored by the mean accuracy of 32 samples (SPICE's AIME);
-    "aime24" -> ("aime24", None). An existing file is never split."""
+    """"aime24@32" -> ("aime24", 32): mean@32, as SPICE's AIME; an existing file is never split."""
     name = str(spec).strip()
     m = re.fullmatch(r"(.+)@(\d+)", name)
     if m is None or os.path.isfile(name):
@@ -3139,8 +3122,7 @@ def default_eval_prompt(problem, tokenizer=None):
 
 
 def gold_option_letter(problem):
-    """The gold letter of a multiple-choice problem: its "answer" if that names a choice's letter,
-    else the letter of the choice whose text equals it (case-insensitive); None otherwise."""
+    """The gold letter: "answer" if a choice's letter, else the letter of the choice equal to it."""
     choices = problem.get("choices") or []
     letters, a = _VF_OPTION_LETTERS[:len(choices)], str(problem.get("answer", "")).strip()
     m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
@@ -3170,10 +3152,9 @@ def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
 
 def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, temperature, top_p,
                  max_tokens, limit, seed, n_boot, **settings):
-    """evaluate's and evaluate_code's loop (every benchmark loaded first): greedy, and with n > 1
-    samples pass@k for each k <= n and mean@n; judge(problems, [(problem index, text)]) ->
-    [(correct, ...)]; record(name, result, problems, greedy, samples) adds a benchmark's own
-    fields and returns its per-problem records."""
+    """evaluate's and evaluate_code's loop (every benchmark loaded first). judge(problems,
+    [(problem index, text)]) -> [(correct, ...)]; record(name, result, problems, greedy, samples)
+    adds a benchmark's own fields and returns its per-problem records."""
     benchmarks = benchmarks.split(",") if isinstance(benchmarks, str) else benchmarks
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
     k = str(k).split(",") if isinstance(k, (int, str)) else k
@@ -3243,11 +3224,9 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
     prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
                                                                         "custom")
-    try:
-        from importlib.metadata import version
-        mv = version("math-verify")
-    except Exception:
-        mv = "?"
+    mv = "?"
+    with contextlib.suppress(Exception):
+        mv = importlib.import_module("importlib.metadata").version("math-verify")
     verifier = (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
                 f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
                 "(timeout = wrong)")
@@ -3308,8 +3287,7 @@ def _core_same_parameters(path, policy) -> bool:
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
-    """`evaluate`'s result as metrics.jsonl keys: <prefix>/<bench>/<metric> (a file by its stem),
-    <prefix>/<bench>/pass@k, and the means over benchmarks of greedy_acc and of "score"."""
+    """`evaluate`'s result as <prefix>/<bench>/<metric> keys, and the means of greedy_acc, score."""
     out, benches = {}, result.get("benchmarks") or {}
     for bench, r in benches.items():
         base, n_bench = parse_benchmark_spec(bench)
@@ -3360,8 +3338,7 @@ def _vf_code_row(where, i, obj):
 
 
 def load_code_benchmark(name_or_path, limit=0):
-    """Code problems [{"task_id", "prompt", "test", "entry_point"}] of "humaneval+", "mbpp+" or a
-    local JSONL file (the styles: _CODE_SHAPE)."""
+    """Code problems of "humaneval+", "mbpp+" or a local JSONL file (the styles: _CODE_SHAPE)."""
     name = str(name_or_path).strip()
     hub_id, split = CODE_BENCHMARKS.get(name.lower(), (None, None))
     if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
@@ -3403,8 +3380,7 @@ def extract_code(text):
 
 
 def code_program(problem, code):
-    """The program a solution is judged by; HumanEval style keeps the prompt for its imports (and
-    a bare body completes the stub)."""
+    """The judged program; HumanEval style keeps the prompt (its imports; it completes a body)."""
     if problem.get("entry_point"):
         return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
                 f"check({problem['entry_point']})\n")
