@@ -2127,12 +2127,11 @@ class _RLTrain:
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
-    """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old (a no-grad
-    pass) is the sampling policy for every step, each mini-batch aggregated by its own N and M
-    (veRL ``dp_actor.py``, Oat ``ppo.py``); an all-A=0 one steps on zero gradients (default loss
-    only). ``token_loss``: a fork's own per-token loss. tokens_per_s, time_s, sync_s, peak_mem_gb
-    are this rank's; nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM
-    Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
+    """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old is the sampling
+    policy for every step, each mini-batch aggregated by its own N and M (veRL ``dp_actor.py``, Oat
+    ``ppo.py``). ``token_loss``: a fork's own per-token loss. tokens_per_s, time_s, sync_s and
+    peak_mem_gb are this rank's; nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding
+    Self-play for LLM Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
         raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
@@ -2199,8 +2198,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
 
 # ------------------------------------------------------------------------------- Answer extraction
 def extract_boxed(text):
-    """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
-    `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
+    """Content of the last `\\boxed{..}`/`\\fbox{..}` (or `\\boxed 5`), None if unclosed; linear."""
     starts = list(re.finditer(r"\\(?:boxed|fbox)\b", text)) if isinstance(text, str) else []
     rest = text[starts[-1].end():].lstrip(" \t\r\n") if starts else ""
     if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
@@ -2304,8 +2302,7 @@ _VF_OPTION_LETTERS = "ABCDEFGHIJ"  # 2 to 10 options (MMLU-Pro and SuperGPQA hav
 
 
 def choice_letter(s):
-    """The option letter at the start of an answer, upper case, or None (SPICE Fig. 6 boxes
-    `B) 149,600,000 km`): "B", "(b)", "B.", "\\text{B}", "**B**", "Answer: (B)", "\\boxed{B}"."""
+    """The option letter an answer starts with: "B) 149 km" (SPICE Fig. 6), "(b)", "\\boxed{B}"."""
     if not isinstance(s, str):
         return None
     s = s[:4000]
@@ -2483,12 +2480,11 @@ class _VfWorker:
         return self.proc.stdout.fileno()
 
     def cpu(self):  # user + system seconds; None without /proc
-        try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+        with contextlib.suppress(OSError, IndexError, ValueError), \
+                open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / _VF_CLK_TCK
-        except (OSError, IndexError, ValueError):
-            return None
+        return None
 
     def send(self, i, lines):
         self.job, self.since, self.cpu0 = i, time.monotonic(), self.cpu() or 0.0
@@ -2744,9 +2740,8 @@ def bleu_matrix(texts):
             for t in texts]
     per_n, lens = _vf_ngram_match_counts(seqs)
     L = lens.astype(np.float64)
-    logp = np.zeros((len(seqs), len(seqs)))
-    for M, cnt in per_n:
-        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
+    logp = sum(0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
+               for M, cnt in per_n)
     with np.errstate(divide="ignore", invalid="ignore"):
         bp = np.where(L[:, None] > L[None, :], 1.0,
                       np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
@@ -3073,8 +3068,7 @@ def _vf_jsonl_problem(path, ln, obj):
 
 
 def load_benchmark(name_or_path, limit=0):
-    """Problems [{"question", "answer", "choices"?}] of a JSONL file, a BENCHMARKS or "hf:..." name
-    ("@N" ignored). No hub: BenchmarkUnavailable saying the fix."""
+    """Problems [{"question", "answer", "choices"?}] of a JSONL file, a BENCHMARKS or hf: name."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
         return _vf_load("benchmark", name, limit, functools.partial(_vf_jsonl_problem, name),
@@ -3114,8 +3108,7 @@ def default_eval_prompt(problem, tokenizer=None):
     """The step-by-step, boxed-answer prompt; options (if any) listed as A) ... B) ..."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}"
-                                for i, c in enumerate(problem["choices"]))
+        q += "\n\n" + "\n".join(f"{x}) {c}" for x, c in zip(_VF_OPTION_LETTERS, problem["choices"]))
         q += "\n\nAnswer with the letter of the correct option."
     return _vf_chat_or_text(tokenizer, f"{q}\n\n{_VF_EVAL_INSTRUCTION}",
                             f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:")
@@ -3379,21 +3372,16 @@ def extract_code(text):
     return found if found and found.strip() else None
 
 
-def code_program(problem, code):
-    """The judged program; HumanEval style keeps the prompt (its imports; it completes a body)."""
-    if problem.get("entry_point"):
-        return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
-                f"check({problem['entry_point']})\n")
-    return f"{code}\n\n{problem['test']}\n"
-
-
 def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
     """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
     ends by evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
     jobs = [(probs[i], extract_fn(t)) for i, t in texts]
     todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
-    progs = [(code_program(*jobs[i]), repr(token)) for i in todo]
+    # HumanEval style keeps the prompt (its imports; a bare body completes the stub)
+    progs = [(f"{p['prompt']}\n{c}\n\n{p['test']}\n\ncheck({p['entry_point']})\n"
+              if p.get("entry_point") else f"{c}\n\n{p['test']}\n", repr(token))
+             for p, c in (jobs[i] for i in todo)]
     res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
     if again:
