@@ -2631,7 +2631,7 @@ def _vf_solve_rate(reward):
     @functools.wraps(reward)
     def shaped(p, *args, **kw):
         a = np.asarray(p, dtype=np.float64)
-        if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+        if not np.all((a >= 0) & (a <= 1)):  # NaN fails too
             raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
         r = reward(a, *args, **kw)
         return float(r) if np.ndim(p) == 0 else r
@@ -3244,8 +3244,7 @@ class FrozenModel:
     policy's architecture and vocabulary its CPU weights swap into the one engine."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
-        self.name = name
-        path = resolve_model_path(name)
+        self.name, path = name, resolve_model_path(name)
         tok = load_tokenizer(path)
         same = (tok.get_vocab() == policy.tokenizer.get_vocab()
                 and _core_same_parameters(path, policy))
@@ -3318,16 +3317,14 @@ def _vf_code_row(where, i, obj):
     where = f"{where} row {i}" if where in dict(CODE_BENCHMARKS.values()) else f"{where}:{i}"
     if "task_id" not in obj:
         raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
-    prompt, test, entry_point = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
+    prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
     if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
         raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
                          f"{_CODE_SHAPE}")
-    if entry_point is not None and not (isinstance(entry_point, str)
-                                        and entry_point.isidentifier()):
+    if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
         raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
-                         f"{str(entry_point)[:60]!r}")
-    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
-            "entry_point": entry_point}
+                         f"{str(entry)[:60]!r}")
+    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test, "entry_point": entry}
 
 
 def load_code_benchmark(name_or_path, limit=0):
