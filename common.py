@@ -2742,9 +2742,7 @@ def bleu_matrix(texts):
     L = lens.astype(np.float64)
     logp = sum(0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
                for M, cnt in per_n)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bp = np.where(L[:, None] > L[None, :], 1.0,
-                      np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
+    bp = np.where(L[:, None] > L[None, :], 1.0, np.exp(1 - L[None, :] / np.maximum(L[:, None], 1)))
     bp[L == 0, :] = 0.0
     return np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
 
