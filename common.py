@@ -2921,8 +2921,7 @@ def _vf_options_row(ex, q, a):
     opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies: a repr
     s = str(ex[a]).strip().upper()
     if len(s) != 1 or s not in _VF_OPTION_LETTERS[:len(opts)]:
-        raise ValueError(f"gold letter {ex[a]!r} is not the letter of one of the {len(opts)} "
-                         "options")
+        raise ValueError(f"gold letter {ex[a]!r} is not one of the {len(opts)} options' letters")
     gold = _VF_OPTION_LETTERS.index(s)
     if ex.get("answer_index") is not None and int(ex["answer_index"]) != gold:
         raise ValueError(f"answer {ex[a]!r} and answer_index {ex['answer_index']} disagree")
