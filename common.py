@@ -1577,8 +1577,7 @@ class Trajectory:
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
 def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
-    """Indices, longest first, cut so that rows x longest row <= ``token_budget``; a longer
-    sequence gets a micro-batch of its own (splitting it would change its attention)."""
+    """Indices, longest first, cut so that rows x longest row <= ``token_budget`` (or one row)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
@@ -1603,8 +1602,7 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
 
 def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
                 chunk_rows=None):
-    """Flat log-probs (and entropies) of a right-padded micro-batch's completion tokens: the LM
-    head runs on the positions P-1+t only, in chunks recomputed in backward."""
+    """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
@@ -1630,11 +1628,7 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
                    temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
                    chunk_rows: int | None = None):
-    """log pi(y_t | x, y_<t) of each completion at the sampling temperature (logits / T), and the
-    exact entropy of that tempered distribution; micro-batches of ``token_budget`` padded tokens;
-    differentiable under grad. Returns 1-D fp32 tensors in input order: ``(logps, entropies)``."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    """Per completion, in order: log pi(y_t | x, y_<t) of logits / T, and that exact entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
     lps, ents = [None] * len(prompts), [None] * len(prompts)
@@ -1733,10 +1727,9 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
 
 def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
                         max_len: int = 0) -> torch.Tensor:
-    """Weight of every token (flat, row-major) from the GLOBAL N = ``num_seqs`` and M =
-    ``num_tokens`` of the step, so that micro-batches sum to the full-batch loss. ``token-mean``:
-    1/M (DAPO Eq. 12); ``seq-mean-token-mean``: 1/(N |y_i|) (DeepSeekMath Eq. 3; Absolute Zero
-    Eq. 9); ``drgrpo``: 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
+    """Flat token weights from the step's GLOBAL N and M, so micro-batches sum to the full-batch
+    loss: token-mean 1/M (DAPO Eq. 12); seq-mean-token-mean 1/(N |y_i|) (DeepSeekMath Eq. 3;
+    Absolute Zero Eq. 9); drgrpo 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
     if mode == "drgrpo" and max(lengths, default=0) > max_len:
         raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
                          "max_len must be the generation limit")
@@ -1764,8 +1757,7 @@ def _rl_peak_mem_gb(device: torch.device, base: float) -> float:
 
 
 def _rl_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
-    """Mini-batches of ``cfg.mini_batch`` in ``cfg.updates_per_batch`` passes over n trajectories,
-    in batch order or permuted per pass (``cfg.shuffle``: python's ``random``, rank 0's draw)."""
+    """Mini-batches per pass over n trajectories; ``cfg.shuffle`` permutes by rank 0's draw."""
     orders = [broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
               for _ in range(cfg.updates_per_batch)]
     size = cfg.mini_batch or n
@@ -1778,9 +1770,8 @@ _RLPart = collections.namedtuple("_RLPart", "micro items num_seqs num_tokens ski
 
 
 class _RLTrain:
-    """One pg_step or sft_step call on this rank, with the bookkeeping its loss code never sees.
-    Every rank holds the full batch and trains on its share; counts are summed over ranks, so N
-    and M are global, and gradients are scaled by the world size to undo DDP/FSDP averaging."""
+    """One pg_step or sft_step call on this rank. Every rank holds the full batch and trains on its
+    share; counts are summed over ranks (global N and M), gradients scaled by the world size."""
 
     def __init__(self, policy, prompts: list[list[int]], comps: list[list[int]]):
         policy.release_sampler_memory()  # --vllm-sleep: the engine frees its memory while we train
@@ -1800,8 +1791,7 @@ class _RLTrain:
         self.t0 = time.perf_counter()
 
     def plan(self, idx: list[int], max_seqs: int | None = None, need: bool = True) -> _RLPart:
-        """One step on ``idx``: this rank's share in micro-batches of ``micro_batch_tokens`` padded
-        tokens (one item at weight 0 if it has none); ``skip`` unless some rank ``need``s it."""
+        """One step on ``idx``: ``skip`` unless some rank ``need``s it."""
         local = self.policy.shard(list(idx))
         work = local or list(idx[:1])
         mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget, max_seqs)
@@ -1812,7 +1802,7 @@ class _RLTrain:
         return _RLPart(micro, local, int(n), int(m), not need)
 
     def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
-        """No-grad log-probs and entropies of ``rows`` (dicts), ``weights`` (a KL reference) in."""
+        """No-grad log-probs and entropies of ``rows`` (dicts), under ``weights`` if given."""
         swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
         with torch.no_grad(), swap:
             lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
@@ -1824,25 +1814,18 @@ class _RLTrain:
         return _rl_forward(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
                            **kw)
 
-    def backward(self, loss, idx: list[int], live: float, logp=None, old_logp=None, clipped=None):
-        """Backward of a micro-batch's loss (``live`` = 0: a stand-in, no gradient); with ``logp``,
-        the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi))."""
-        loss = loss * live
-        (loss * self.policy.world_size).backward()
-        self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
-        self.sums["loss"] += loss.item()
-        if logp is not None:
-            d = logp.detach() - old_logp
-            self.sums["clipped"] += clipped.float().sum().item() * live
-            self.sums["kl"] += (torch.exp(d) - 1 - d).sum().item() * live
-            self.sums["kl_tokens"] += d.numel() * live
-
-    def step(self, zero: bool = False) -> float:
-        """Clip the global grad norm to ``grad_clip`` (<= 0: no clip), step; the pre-clip norm.
-        ``zero``: on zero gradients, so AdamW's count, moments and weight decay move as if computed
-        (FSDP2 leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
-        if zero:
-            self.policy.optimizer.zero_grad(set_to_none=True)
+    def update(self, part: _RLPart, loss_fn) -> float:
+        """One step, loss_fn(idx) -> (loss, {stat: sum}); the pre-clip norm. A ``skip`` step is on
+        zero gradients, so AdamW's count, moments and weight decay move as if computed (FSDP2
+        leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        for idx, live in [] if part.skip else part.micro:
+            loss, sums = loss_fn(idx)
+            (loss * live * self.policy.world_size).backward()
+            self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
+            for k, v in {"loss": loss.item(), **sums}.items():
+                self.sums[k] += v * live
+        if part.skip:
             for m in self.model.modules():
                 if hasattr(m, "reshard"):  # an FSDP2 module
                     m.reshard()
@@ -1898,20 +1881,11 @@ class _RLTrain:
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
             token_loss=pg_token_loss) -> dict:
-    """Policy-gradient updates on one rollout batch, then ``policy.sync()``.
-
-    1. A no-grad pass: l_old and the exact entropy of the rollout policy, l_ref with
-       ``ref_weights`` swapped in; pi_old is the sampling policy for every step (veRL, EasyR1, Oat).
-    2. Per mini-batch (``cfg.mini_batch``, ``cfg.updates_per_batch`` passes) and micro-batch:
-       forward, ``token_loss`` (a fork passes its own), ``aggregation_weights`` by the mini-batch's
-       own N and M (veRL ``dp_actor.py``, Oat ``ppo.py``: the nominal size), backward; clip, step.
-       An all-A=0 mini-batch steps on zero gradients (``cfg.skip_zero_adv``, default loss only).
-    Stats cover the whole batch (tokens_per_s, time_s, sync_s, peak_mem_gb: this rank's);
-    nll_entropy and entropy/<role>: Eq. 1 of "Towards Understanding Self-play for LLM Reasoning";
-    logprob_diff_vs_sampler jumps with a broken weight sync."""
-    if any(t.sampler_logprobs is not None and len(t.sampler_logprobs) != len(t.completion_ids)
-           for t in trajs):
-        raise ValueError("sampler_logprobs must have one entry per completion token")
+    """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old is the sampling
+    policy for every step, each mini-batch aggregated by its own N and M (veRL ``dp_actor.py``, Oat
+    ``ppo.py``). ``token_loss``: a fork's own per-token loss. tokens_per_s, time_s, sync_s and
+    peak_mem_gb are this rank's; nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding
+    Self-play for LLM Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
         raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
@@ -1938,21 +1912,21 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     def cat(xs, idx):
         return None if xs is None else torch.cat([xs[i] for i in idx])
 
-    # 2. one optimizer step per mini-batch: forward, loss, backward per micro-batch; clip; step
-    for part in (p for p in parts if p.num_tokens):  # no completion tokens: no step
-        policy.optimizer.zero_grad(set_to_none=True)
-        for idx, live in [] if part.skip else part.micro:
-            lp, en = train.forward(idx, temperature=cfg.temperature,
-                                   with_entropy=cfg.entropy_coef > 0)
-            l_old = cat(old, idx)
-            loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
-                                       ref_logp=cat(ref, idx),
-                                       sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
-            w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation,
-                                    num_seqs=part.num_seqs, num_tokens=part.num_tokens,
-                                    max_len=cfg.max_len)
-            train.backward((loss * w.to(train.device)).sum(), idx, live, lp, l_old, clipped)
-        train.step(zero=part.skip)
+    def loss_fn(part, idx):  # the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi)) too
+        lp, en = train.forward(idx, temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0)
+        l_old = cat(old, idx)
+        loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
+                                   ref_logp=cat(ref, idx),
+                                   sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
+        w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation, max_len=cfg.max_len,
+                                num_seqs=part.num_seqs, num_tokens=part.num_tokens)
+        d = lp.detach() - l_old
+        return (loss * w.to(train.device)).sum(), {"clipped": clipped.float().sum().item(),
+                                                   "kl": (torch.exp(d) - 1 - d).sum().item(),
+                                                   "kl_tokens": d.numel()}
+
+    for part in (p for p in parts if p.num_tokens):  # 2. a step per mini-batch with tokens
+        train.update(part, functools.partial(loss_fn, part))
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
     return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
 
@@ -1960,38 +1934,27 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
 @timed("train")
 def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
              batch_size: int | None = None) -> dict:
-    """One supervised step for STaR (arXiv:2203.14465 §3.1): the token NLL of each target (ending
-    with EOS) given its prompt, averaged over ALL target tokens of the batch; micro-batches of at
-    most ``batch_size`` sequences; one clipped step, no sampler sync (the caller syncs)."""
+    """STaR's supervised step (arXiv:2203.14465 §3.1): target-token NLL averaged over ALL the
+    batch's target tokens; one clipped step, no sampler sync (the caller syncs)."""
     train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
     part = train.plan(list(range(len(examples))), batch_size)
     if part.num_tokens == 0:
         raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
-    policy.optimizer.zero_grad(set_to_none=True)
-    for idx, live in part.micro:
-        train.backward(-train.forward(idx)[0].sum() / part.num_tokens, idx, live)
-    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": train.step(),
+    norm = train.update(part, lambda idx: (-train.forward(idx)[0].sum() / part.num_tokens, {}))
+    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
             "n_tokens": part.num_tokens, **train.finish(sync=False)}
 
 
 # ==================================================================================================
 # Verifiers, reward shapes and evaluation
 # ==================================================================================================
-# extraction     extract_boxed, extract_tag, choice_letter, option_letter, normalize_string
-# checking       math_equal / math_equal_many (math-verify in killable worker processes)
-# reward shapes  AZR Eq. 4 and 6, R-Zero's r_unc and BLEU repetition penalty, SPICE Eq. 1
-# evaluation     pass@k, decontamination, benchmarks, evaluate, evaluate_code
 
 
 # ------------------------------------------------------------------------------- Answer extraction
-_VF_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
-
-
 def extract_boxed(text):
-    """Content of the last `\\boxed{...}` or `\\fbox{...}` (braces matched, `\\{` skipped,
-    `\\boxed 5` accepted), or None, also when it is never closed (a truncated answer). Linear."""
-    starts = [m.end() for m in _VF_BOX_RE.finditer(text)] if isinstance(text, str) else []
-    rest = text[starts[-1]:].lstrip(" \t\r\n") if starts else ""
+    """Content of the last `\\boxed{..}`/`\\fbox{..}` (or `\\boxed 5`), None if unclosed; linear."""
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\b", text)) if isinstance(text, str) else []
+    rest = text[starts[-1].end():].lstrip(" \t\r\n") if starts else ""
     if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
         return re.match(r"[^ \t\r\n$]*", rest).group().strip() or None
     depth = 0
@@ -2003,8 +1966,7 @@ def extract_boxed(text):
 
 
 def extract_tag(text, tag, last=True):
-    """Stripped content of the last (or first) complete `<tag>...</tag>`, or None. find/rfind, not a
-    regex, so hostile text (thousands of unclosed tags) stays linear."""
+    """Stripped content of the last (or first) complete `<tag>...</tag>`, or None; linear."""
     if not isinstance(text, str):
         return None
     op, cl = f"<{tag}>", f"</{tag}>"
@@ -2049,8 +2011,8 @@ def repair_json_escapes(text: str) -> str:
 
 
 def last_json_object(text: str) -> dict | None:
-    """The JSON object that ends last in `text` (reasoning first, then the JSON): top-level, since
-    a nested one ends earlier. Starts are tried from the end, so LaTeX braces never use them up."""
+    """The JSON object ending last in `text` (a top-level one: a nested one ends earlier); starts
+    are tried from the end, so LaTeX braces never use them up."""
     text = repair_json_escapes(text[-VF_MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1
     starts = [m.start() for m in _VF_JSON_START.finditer(text)][-VF_MAX_JSON_STARTS:]
@@ -2078,11 +2040,8 @@ def _vf_unwrap_text(s):
 
 
 def normalize_string(s):
-    """SPICE's "String" answers (§4): `\\text{}` unwrapped, lower case, letters and digits only;
-    "The Krebs cycle." -> "thekrebscycle". Not for numbers ("1.5" and "15" agree)."""
-    if s is None:
-        return ""
-    return "".join(ch for ch in _vf_unwrap_text(str(s)).lower() if ch.isalnum())
+    """SPICE §4 "String" answers: "The Krebs \\text{cycle}." -> "thekrebscycle" (not numbers)."""
+    return "".join(c for c in _vf_unwrap_text("" if s is None else str(s)).lower() if c.isalnum())
 
 
 # An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case before a
@@ -2097,8 +2056,7 @@ _VF_OPTION_LETTERS = "ABCDEFGHIJ"  # 2 to 10 options (MMLU-Pro and SuperGPQA hav
 
 
 def choice_letter(s):
-    """The option letter at the start of an answer, upper case, or None (SPICE Fig. 6 boxes
-    `B) 149,600,000 km`): "B", "(b)", "B.", "\\text{B}", "**B**", "Answer: (B)", "\\boxed{B}"."""
+    """The option letter an answer starts with: "B) 149 km" (SPICE Fig. 6), "(b)", "\\boxed{B}"."""
     if not isinstance(s, str):
         return None
     s = s[:4000]
@@ -2109,14 +2067,11 @@ def choice_letter(s):
 
 
 def option_letter(pred, completion=None, n_options=10):
-    """The letter the extracted answer `pred` names (choice_letter), or with nothing extracted the
-    completion's last "answer is B"; None if it is not one of the first `n_options` letters."""
-    if pred is not None:
-        letter = choice_letter(pred)
-    else:
-        found = _VF_ANSWER_IS_RE.findall(str(completion)) if completion else []
-        letter = found[-1] if found else None
-    return letter if letter is not None and letter in _VF_OPTION_LETTERS[:n_options] else None
+    """The letter `pred` names, else the completion's last "answer is B"; None past n_options."""
+    if pred is None:
+        pred = "".join(_VF_ANSWER_IS_RE.findall(str(completion or ""))[-1:])
+    letter = choice_letter(pred)
+    return letter if letter and letter in _VF_OPTION_LETTERS[:n_options] else None
 
 
 # --------------------- math_equal: fast paths in-process, math-verify in killable worker processes
@@ -2131,18 +2086,17 @@ _VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def math_equal_failures(reset=False):
-    """Failures since start or the last reset, each counted as "not equal": timeout (soft alarm),
-    killed (hard timeout), error (inside math-verify), too_long, too_deep, and their total."""
+    """Counts of failures judged "not equal": timeout, killed, error, too_long, too_deep, total."""
     d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
     if reset:
         _VF_FAILS.clear()
     return d
 
 
-_VF_NUM_RE = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
+_VF_NUM_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # "1,2" is a pair
 _VF_WORDY_RE = re.compile(r"^[^\W\d_]+(?:[\s\-'’.,/&]+[^\W\d_]+)*[.]?$")
-_VF_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d))$")
-_VF_SLASH_RE = re.compile(r"^([+-]?\d{1,30})/(\d{1,30})$")
+_VF_RATIO_RE = re.compile(  # sign, then a/b, \frac{a}{b} or \frac12
+    r"([+-]?)(?:(\d{1,30})/(\d{1,30})|\\frac(?:\{([+-]?\d{1,30})\}|(\d))(?:\{(\d{1,30})\}|(\d)))")
 
 
 def _vf_canon(s):
@@ -2154,48 +2108,23 @@ def _vf_canon(s):
     return "".join(s.split()).rstrip(".")
 
 
-def _vf_number(s):
-    """Decimal of a plain number ("1,234", "-3.50", "\\$12", "45\\%"), or None; commas only as
-    thousands groups, so "1,2" (a pair) is not a number."""
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
-    if len(s) > 60 or not _VF_NUM_RE.match(s):
-        return None
-    try:
-        return Decimal(s.replace(",", ""))
-    except InvalidOperation:
-        return None
-
-
 def _vf_rational(c):
-    """(Fraction, exact) of an integer, decimal, a/b, \\frac{a}{b} or \\frac12, else None; decimals
-    are not exact (math-verify compares them after rounding to 6 places)."""
+    """(Fraction, exact) of a number, a/b or \\frac, else None; math-verify rounds decimals."""
     from fractions import Fraction
-    d = _vf_number(c)
-    if d is not None:
-        return Fraction(d), d == d.to_integral_value() and "." not in c
-    m = _VF_SLASH_RE.match(c)
-    if m and int(m.group(2)):
-        return Fraction(int(m.group(1)), int(m.group(2))), True
-    m = _VF_FRAC_RE.match(c)
-    if m:
-        num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
-        if den:
-            return Fraction(-num if m.group(1) == "-" else num, den), True
+    n = c.replace("\\%", "").replace("%", "")
+    if len(n) <= 60 and _VF_NUM_RE.fullmatch(n):
+        return Fraction(Decimal(n.replace(",", ""))), "." not in n
+    m = _VF_RATIO_RE.fullmatch(c)
+    if m and int(m[3] or m[6] or m[7]):
+        num = int(m[2] or m[4] or m[5])
+        return Fraction(-num if m[1] == "-" else num, int(m[3] or m[6] or m[7])), True
     return None
 
 
-def _vf_max_depth(s):
-    d = m = 0
-    for ch in s:
-        d += (ch in "{([") - (ch in "})]")
-        m = max(m, d)
-    return m
-
-
 def _vf_prepare(pred, gold, expression=False):
-    """(decision, pred, gold): True / False when the pair is decided in-process, None when
-    math-verify must decide. expression=True (the gold is a math expression: "mgh", "B" a symbol)
-    turns off the option-letter and word paths."""
+    """(True / False, or None to ask math-verify, pred, gold). expression=True (the gold is a math
+    expression: "mgh", "B" a symbol) turns off the option-letter and word paths."""
+    from itertools import accumulate
     pred, gold = ("" if x is None else str(x).strip() for x in (pred, gold))
     if max(len(pred), len(gold)) <= VF_MAX_ANSWER_CHARS * 20:  # a response: judge its last box
         pred, gold = (extract_boxed(x) or "" if "\\boxed" in x or "\\fbox" in x else x
@@ -2209,9 +2138,9 @@ def _vf_prepare(pred, gold, expression=False):
     if cp == cg and cp:
         return True, pred, gold
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
-    letter = (choice_letter(gold) if not expression
-              and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg) else None)
-    if letter is not None:
+    letter = (not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
+              and choice_letter(gold))
+    if letter:
         return choice_letter(pred) == letter, pred, gold
     rp, rg = _vf_rational(cp), _vf_rational(cg)
     if rp and rg and (rp[0] == rg[0] or rp[1] and rg[1]):  # two exact rationals: all is known
@@ -2219,14 +2148,15 @@ def _vf_prepare(pred, gold, expression=False):
     wordy = _VF_WORDY_RE.match(_vf_unwrap_text(gold).strip()) and len(normalize_string(gold)) >= 2
     if wordy and not expression:
         return normalize_string(pred) == normalize_string(gold), pred, gold
-    if max(_vf_max_depth(pred), _vf_max_depth(gold)) > VF_MAX_BRACE_DEPTH:
+    if max(max(accumulate(((c in "{([") - (c in "})]") for c in x), initial=0))
+           for x in (pred, gold)) > VF_MAX_BRACE_DEPTH:
         _VF_FAILS["too_deep"] += 1
         return False, pred, gold
     return None, pred, gold
 
 
 # The math-verify worker: _vf_surely_differ and _vf_worker run in a clean interpreter that gets
-# their source (`python -I -c`, _vf_worker_source), never in the trainer. It imports neither torch
+# their source (`python -I -c`, _VfWorker), never in the trainer. It imports neither torch
 # nor this module, and a pair that hangs inside C code (huge integer powers) is ended by a kill.
 def _vf_surely_differ(g, p, raw):
     """Two plain expressions with different values at one point surely differ (well under 1 ms,
@@ -2234,34 +2164,25 @@ def _vf_surely_differ(g, p, raw):
     from sympy import Expr, Rational
     a, b = g[0], p[0]
     if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw \
-            or "deg" in raw:
+            or "deg" in raw or len(a.free_symbols | b.free_symbols) > 6:
         return False
-    syms = sorted(a.free_symbols | b.free_symbols, key=str)
-    if len(syms) > 6:
-        return False
-    at = {s: Rational(13 + 7 * i, 10) for i, s in enumerate(syms)}
+    at = {s: Rational(13 + 7 * i, 10)
+          for i, s in enumerate(sorted(a.free_symbols | b.free_symbols, key=str))}
     try:
         va, vb = complex(a.evalf(30, subs=at)), complex(b.evalf(30, subs=at))
     except Exception:
         return False
-    if not all(abs(v) < 1e300 for v in (va, vb)) or va != va or vb != vb:
-        return False
-    return abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb))
+    return (all(abs(v) < 1e300 for v in (va, vb))  # NaN fails this too
+            and abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb)))
 
 
 def _vf_worker():
-    """Read `[pred, gold, timeout, expression]` lines, write 0 unequal / 1 equal / 2 timeout /
-    3 error for each; first `{"ready": 1}`, or `{"fatal": ...}` when math-verify is missing."""
-    import json
-    import logging
-    import resource
-    import signal
-    import sys
+    """`[pred, gold, timeout, expression]` lines in, 0 unequal / 1 equal / 2 timeout / 3 error out,
+    after `{"ready": 1}` (`{"fatal": ...}`: math-verify is missing)."""
+    import contextlib, json, logging, resource, signal, sys
     logging.disable(logging.CRITICAL)
-    try:  # a LaTeX bomb that allocates gigabytes fails with MemoryError, not the machine
+    with contextlib.suppress(Exception):  # a LaTeX bomb's gigabytes: MemoryError, not the machine
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-    except Exception:
-        pass
     try:
         from latex2sympy2_extended import NormalizationConfig
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -2269,9 +2190,8 @@ def _vf_worker():
         # (hours, tons): "m \cdot g \cdot h" would parse as "m \cdot g \cdot"
         no_units = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
                                        nits=True, boxed="all", equations=False)
-        extraction = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
-                      True: [LatexExtractionConfig(normalization_config=no_units),
-                             ExprExtractionConfig()]}
+        extraction = [[LatexExtractionConfig(**kw), ExprExtractionConfig()]  # [expression]
+                      for kw in ({}, {"normalization_config": no_units})]
     except Exception as e:
         print(json.dumps({"fatal": repr(e)}), flush=True)
         sys.exit(3)
@@ -2297,87 +2217,54 @@ def _vf_worker():
         print(r, flush=True)
 
 
-@functools.cache
-def _vf_worker_source():
-    return "".join(inspect.getsource(f) + "\n" for f in (_vf_surely_differ, _vf_worker)) + \
-        "_vf_worker()\n"
-
-
 class _VfWorker:
-    """One math-verify process: pairs go down its stdin, one verdict per line comes back."""
+    """One math-verify process with at most one pair in flight: a JSON line down its stdin, a
+    verdict line back (a pair costs milliseconds, the round trip microseconds)."""
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _vf_worker_source()],
+        src = "".join(inspect.getsource(f) + "\n" for f in (_vf_surely_differ, _vf_worker))
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", src + "_vf_worker()\n"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, bufsize=0)
-        os.set_blocking(self.fileno(), False)
-        self.buf, self.ready, self.started = b"", False, time.monotonic()
-        self.inflight, self.done = [], 0  # indices sent, in order; pairs answered
-        self.head_since = self.head_cpu = 0.0  # wall clock and CPU seconds when inflight[0] began
+        self.ready, self.job, self.done = False, None, 0  # job: the index in flight
+        self.since, self.cpu0 = time.monotonic(), 0.0  # when the job (or the start) began
 
     def fileno(self):
         return self.proc.stdout.fileno()
 
-    def cpu(self):
-        """CPU seconds (user + system) used so far, from /proc; None without /proc."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+    def cpu(self):  # user + system seconds; None without /proc
+        with contextlib.suppress(OSError, IndexError, ValueError), \
+                open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / _VF_CLK_TCK
-        except (OSError, IndexError, ValueError):
-            return None
+        return None
 
-    def start_head(self):
-        self.head_since, self.head_cpu = time.monotonic(), self.cpu() or 0.0
+    def send(self, i, lines):
+        self.job, self.since, self.cpu0 = i, time.monotonic(), self.cpu() or 0.0
+        with contextlib.suppress(OSError):  # it died: select sees the end of its output
+            self.proc.stdin.write(lines[i])
 
-    def feed(self, queue, payload):
-        """Up to 32 KiB of pairs wait in the pipe, so that the worker never idles between two."""
-        nbytes = sum(len(payload[i]) for i in self.inflight)
-        while self.ready and queue and (
-                not self.inflight or nbytes + len(payload[queue[-1]]) < 32768):
-            try:
-                self.proc.stdin.write(payload[queue[-1]])
-            except OSError:  # it died: read() sees the end of its output
-                return
-            if not self.inflight:
-                self.start_head()
-            self.inflight.append(queue.pop())
-            nbytes += len(payload[self.inflight[-1]])
-
-    def read(self, out):
-        """Verdicts that arrived go into out[index]; False once the process has died."""
-        try:
-            chunk = os.read(self.fileno(), 65536)
-        except BlockingIOError:
-            return True
-        if not chunk and not self.ready:
-            raise RuntimeError(f"the math-verify worker ({sys.executable}) exited before it was "
-                               "ready; check that `python -c 'import math_verify'` works (fix: "
-                               "`pip install math-verify`)")
-        *lines, self.buf = (self.buf + chunk).split(b"\n")
-        for ln in lines:
-            if self.ready:
-                out[self.inflight.pop(0)] = int(ln)
-                self.done += 1
-                self.start_head()
-            elif b"fatal" in ln:
-                raise RuntimeError(f"math-verify is not importable ({ln.decode(errors='replace')})"
-                                   "; fix: `pip install math-verify`")
-            else:
-                self.ready = True
-        return bool(chunk)
+    def read(self):
+        """A verdict line, None for the ready line, b"" once the process has died."""
+        line = self.proc.stdout.readline()
+        if not self.ready and line != b'{"ready": 1}\n':  # {"fatal": ...}, or it exited
+            raise RuntimeError(f"the math-verify worker ({sys.executable}) did not start: "
+                               f"{line.decode(errors='replace').strip() or 'it exited'}; fix: "
+                               "`pip install math-verify`")
+        was, self.ready = self.ready, True
+        return line if was else None
 
     def stuck(self, hard_cpu):
-        """Over `hard_cpu` CPU seconds on one pair, or, using no CPU (stopped, blocked), over
-        3 * hard_cpu + 2 wall-clock seconds: a loaded machine does not turn answers into kills."""
-        if not self.ready and time.monotonic() - self.started > 120:
+        """Over `hard_cpu` CPU seconds on one pair (load does not turn answers into kills), or
+        over 3 * hard_cpu + 2 wall-clock seconds (stopped, blocked)."""
+        waited = time.monotonic() - self.since
+        if not self.ready and waited > 120:
             raise RuntimeError("math-verify worker did not start within 120 s")
-        waited = time.monotonic() - self.head_since
-        if not self.inflight or waited <= hard_cpu:
+        if self.job is None or waited <= hard_cpu:
             return False
         cpu = self.cpu()
-        used = waited if cpu is None else cpu - self.head_cpu
+        used = waited if cpu is None else cpu - self.cpu0
         return used > hard_cpu or waited > 3 * hard_cpu + 2.0
 
     def kill(self):
@@ -2398,36 +2285,37 @@ class _VfPool:
         if self.pid == os.getpid():  # a forked child must not kill its parent's workers
             for w in self.workers:
                 w.kill()
-        self.workers = []
+        self.workers, self.pid = [], os.getpid()
 
     def run(self, items, timeout, n_workers):
         """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
         import select
         with self.lock:
             if self.pid != os.getpid():  # forked child: the workers belong to the parent
-                self.workers, self.pid = [], os.getpid()
+                self.close()
             for w in self.workers:  # bound sympy's caches: retire old workers between batches
                 if w.done > _VF_WORKER_MAX_PAIRS:
                     w.kill()
             self.workers = [w for w in self.workers if w.proc.poll() is None]
             self.workers += [_VfWorker() for _ in range(n_workers - len(self.workers))]
-            payload = [(json.dumps([p, g, float(timeout), bool(e)]) + "\n").encode()
-                       for p, g, e in items]
+            lines = [(json.dumps([p, g, timeout, bool(e)]) + "\n").encode() for p, g, e in items]
             queue, out = list(range(len(items)))[::-1], [None] * len(items)  # pop() = in order
             try:
-                while queue or any(w.inflight for w in self.workers):
+                while queue or any(w.job is not None for w in self.workers):
                     for w in self.workers:
-                        w.feed(queue, payload)
+                        if w.ready and w.job is None and queue:
+                            w.send(queue.pop(), lines)
                     readable = select.select(self.workers, [], [], 0.05)[0]
                     for i, w in enumerate(self.workers):
-                        dead = w in readable and not w.read(out)  # e.g. out of memory
-                        if dead or w.stuck(float(timeout) + _VF_HARD_GRACE_S):
-                            if w.inflight:  # its head pair is the culprit
-                                out[w.inflight.pop(0)] = 3 if dead else 4
-                            queue += w.inflight  # the rest of its window goes back
+                        line = w.read() if w in readable else None
+                        if line:
+                            out[w.job], w.job, w.done = int(line), None, w.done + 1
+                        elif line == b"" or w.stuck(timeout + _VF_HARD_GRACE_S):
+                            if w.job is not None:  # its pair is the culprit
+                                out[w.job] = 4 if line is None else 3  # killed, or it died
                             w.kill()
                             self.workers[i] = _VfWorker()
-            except BaseException:  # no half-answered window survives into the next batch
+            except BaseException:  # no half-answered pair survives into the next batch
                 self.close()
                 raise
             return out
@@ -2450,8 +2338,7 @@ def verifier_worker_pids():
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
-    """math_equal over many (pred, gold) pairs, in order, with math-verify spread over `workers`
-    processes (default min(cpu_count, 8); one per 32 distinct pairs at most)."""
+    """math_equal of each (pred, gold) pair, math-verify spread over `workers` processes."""
     res, todo = [], {}  # todo: (pred, gold, expression) -> indices that math-verify decides
     for i, (pred, gold) in enumerate(pairs):
         dec, p, g = _vf_prepare(pred, gold, expression)
@@ -2461,7 +2348,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
             todo.setdefault((p, g, expression), []).append(i)
     if todo:
         w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(todo) / 32)))
-        codes = _VF_POOL.run(list(todo), timeout, w)
+        codes = _VF_POOL.run(list(todo), float(timeout), w)
         if len(_VF_CACHE) > _VF_CACHE_MAX:
             _VF_CACHE.clear()
         for (key, where), code in zip(todo.items(), codes):
@@ -2476,10 +2363,8 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
 
 @timed("verify")
 def math_equal(pred, gold, timeout=2.0, expression=False):
-    """Is the predicted answer the gold one? Never raises on hostile input, never hangs. Decided
-    in-process: a response's last box, equal canonical forms, option letters, exact rationals, words
-    (normalize_string); else math-verify's verify(parse(gold), parse(pred)) in a worker within
-    `timeout` CPU seconds. Timeouts, errors, overlong input: False (math_equal_failures counts)."""
+    """Is the predicted answer the gold one? Never raises on hostile input, never hangs: the fast
+    paths, else math-verify within `timeout` CPU seconds; a failure is False (and counted)."""
     try:
         return math_equal_many([(pred, gold)], workers=1, timeout=timeout, expression=expression)[0]
     except RuntimeError:
@@ -2500,7 +2385,7 @@ def _vf_solve_rate(reward):
     @functools.wraps(reward)
     def shaped(p, *args, **kw):
         a = np.asarray(p, dtype=np.float64)
-        if np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+        if not np.all((a >= 0) & (a <= 1)):  # NaN fails too
             raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
         r = reward(a, *args, **kw)
         return float(r) if np.ndim(p) == 0 else r
@@ -2515,16 +2400,14 @@ def learnability_reward(p):
 
 @_vf_solve_rate
 def uncertainty_reward(p):
-    """R-Zero §3 r_unc (understanding paper Eq. 3): r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1}.
-    R-Zero's code uses min(p, 1 − p), half this scale."""
+    """R-Zero §3 r_unc: r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1} (its code: min(p, 1 − p))."""
     return np.where((p == 0) | (p == 1), 0.0, 1.0 - 2.0 * np.abs(p - 0.5))
 
 
 @_vf_solve_rate
 def variance_reward(p, tau=0.01):
-    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p), the population variance
-    (the unbiased one moves the peak off ½). K = 8: 0.044, 0.372, 0.823, 0.988, 1.0 for 0 to 4
-    right."""
+    """SPICE Eq. 1: r = exp(−(σ² − ¼)² / (2τ)), σ² = p(1 − p) (population variance: the
+    unbiased one moves the peak off ½)."""
     return np.exp(-((p * (1.0 - p) - 0.25) ** 2) / (2.0 * tau))
 
 
@@ -2545,9 +2428,7 @@ def proposer_reward(rbar, kind="learnability", tau=0.01):
 
 def azr_composite_reward(r_role, *, formatted, passable):
     """AZR Eq. 6: r_role if passable; −0.5 if well formatted but wrong; −1 on a format error."""
-    if not formatted:
-        return FORMAT_ERROR
-    return float(r_role) if passable else WRONG_FORMATTED
+    return FORMAT_ERROR if not formatted else float(r_role) if passable else WRONG_FORMATTED
 
 
 # ----- Pairwise sentence-BLEU-4 and average-linkage clusters (R-Zero's penalty, diversity metrics)
@@ -2556,9 +2437,7 @@ _VF_DENSE_DF = 48  # n-grams shared by more texts than this are counted by a mat
 
 
 def _vf_ngram_match_counts(seqs, n_max=4):
-    """Per order n: (M_n, totals_n), M_n[i, j] = Σ_g min(count_i(g), count_j(g)) (clipped matches)
-    and totals_n[i] = n-grams of text i. Rare shared n-grams go through an inverted index, frequent
-    ones through (C >= t)(C >= t)^T."""
+    """Per order n: (M_n[i, j] = Σ_g min(count_i(g), count_j(g)), n-grams of each text)."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
@@ -2593,20 +2472,14 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                 for t in range(1, int(C.max()) + 1):
                     at_least = (C >= t).astype(np.float32)
                     M += at_least @ at_least.T
-            if rare.any():
-                rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
-                order = np.lexsort((rt, rg))
-                rt, rg, rc = rt[order], rg[order], rc[order]
-                starts_g = np.concatenate([[0], np.flatnonzero(np.diff(rg)) + 1])
-                sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
-                idx_all, val_all = [], []
-                for s in np.unique(sizes):
-                    st = starts_g[sizes == s][:, None] + np.arange(s)[None, :]
-                    ti, ci = rt[st], rc[st]
-                    idx_all.append((ti[:, :, None] * B + ti[:, None, :]).ravel())
-                    val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
-                idx, val = np.concatenate(idx_all), np.concatenate(val_all)
-                M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
+            if rare.any():  # in gram order, the texts of one n-gram pair up at offsets d < df
+                order = np.argsort(g_i[rare], kind="stable")
+                rt, rg, rc = t_i[rare][order], g_i[rare][order], c[rare][order].astype(np.float64)
+                i, j, v = map(np.concatenate, zip(*[
+                    (rt[:-d][s], rt[d:][s], np.minimum(rc[:-d], rc[d:])[s])
+                    for d in range(1, int(df[rg].max())) for s in [rg[d:] == rg[:-d]]]))
+                X = np.bincount(i * B + j, weights=v, minlength=B * B).reshape(B, B)
+                M += X + X.T
         np.fill_diagonal(M, cnt)
         out.append((M, cnt.astype(np.float64)))
     return out, lens
@@ -2621,44 +2494,27 @@ def bleu_matrix(texts):
             for t in texts]
     per_n, lens = _vf_ngram_match_counts(seqs)
     L = lens.astype(np.float64)
-    logp = np.zeros((len(seqs), len(seqs)))
-    for M, cnt in per_n:
-        logp += 0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bp = np.where(L[:, None] > L[None, :], 1.0,
-                      np.exp(1.0 - L[None, :] / np.maximum(L[:, None], 1.0)))
+    logp = sum(0.25 * np.log(np.where(M > 0, M, _VF_BLEU_EPS) / np.maximum(cnt, 1.0)[:, None])
+               for M, cnt in per_n)
+    bp = np.where(L[:, None] > L[None, :], 1.0, np.exp(1 - L[None, :] / np.maximum(L[:, None], 1)))
     bp[L == 0, :] = 0.0
     return np.where(per_n[0][0] > 0, bp * np.exp(logp), 0.0)
 
 
 def bleu_distance_matrix(texts, S=None):
-    """R-Zero's distances d_ij = 1 − BLEU(hyp = earlier text, ref = later text), mirrored,
-    d_ii = 0 (`S`: bleu_matrix(texts) if already computed)."""
+    """R-Zero's d_ij = 1 − BLEU(hyp = earlier, ref = later text), mirrored; S: bleu_matrix."""
     U = np.triu(1.0 - (bleu_matrix(texts) if S is None else S), 1)
     return U + U.T
 
 
 def average_linkage_clusters(dist, threshold=0.5):
-    """Average-linkage clusters of a symmetric distance matrix, merged while their mean distance is
-    < threshold (sklearn AgglomerativeClustering(linkage="average", distance_threshold)), by the
-    O(B²) nearest-neighbour chain. Cluster ids by first appearance."""
+    """Cluster ids (by first appearance) of sklearn's AgglomerativeClustering(linkage="average",
+    distance_threshold), by the O(B²) nearest-neighbour chain."""
     D = np.array(dist, dtype=np.float64, copy=True)
-    B = D.shape[0]
-    if D.shape != (B, B):
-        raise ValueError(f"distance matrix must be square, got shape {D.shape}")
-    if B == 0:
-        return []
     np.fill_diagonal(D, np.inf)
-    size, active, parent = np.ones(B), np.ones(B, dtype=bool), np.arange(B)
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    chain, n_active = [], B
-    while n_active > 1:
+    B = D.shape[0]
+    size, active, label, chain = np.ones(B), np.ones(B, dtype=bool), np.arange(B), []
+    while active.sum() > 1:
         if not chain:
             chain.append(int(np.flatnonzero(active)[0]))
         a = chain[-1]
@@ -2671,15 +2527,14 @@ def average_linkage_clusters(dist, threshold=0.5):
             continue
         del chain[-2:]
         if row[b] < threshold:  # average linkage is monotone: this equals cutting the dendrogram
-            parent[find(b)] = find(a)
+            label[label == label[b]] = label[a]
         new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])  # Lance-Williams, kept in a
         D[a, :] = D[:, a] = new
         D[a, a] = D[b, :] = D[:, b] = np.inf
         size[a] += size[b]
         active[b] = False
-        n_active -= 1
     ids = {}
-    return [ids.setdefault(find(i), len(ids)) for i in range(B)]
+    return [ids.setdefault(x, len(ids)) for x in label.tolist()]
 
 
 # ------------------------------------------------------ Diversity metrics, pass@k, decontamination
@@ -2694,8 +2549,7 @@ def distinct_ngram_ratio(texts, n=4):
 
 
 def self_bleu(texts, S=None):
-    """Mean pairwise sentence-BLEU-4 over the batch (hypothesis = the earlier text; `S`:
-    bleu_matrix(texts) if already computed)."""
+    """Mean pairwise sentence-BLEU-4 (hypothesis = the earlier text); S: bleu_matrix(texts)."""
     texts = list(texts)
     if len(texts) < 2:
         return 0.0
@@ -2706,20 +2560,15 @@ def self_bleu(texts, S=None):
 def diversity_metrics(texts, threshold=0.5):
     """Distinct fraction, distinct-4, self-BLEU and BLEU cluster count of a batch of proposals."""
     texts = list(texts)
-    distinct = len({normalize_string(t) for t in texts}) / len(texts) if texts else 0.0
-    out = {"distinct_frac": distinct, "distinct4": distinct_ngram_ratio(texts, 4),
-           "self_bleu": 0.0, "bleu_clusters": len(texts)}
-    if len(texts) >= 2:
-        S = bleu_matrix(texts)
-        out["self_bleu"] = self_bleu(texts, S)
-        D = bleu_distance_matrix(texts, S)
-        out["bleu_clusters"] = len(set(average_linkage_clusters(D, threshold)))
-    return out
+    S = bleu_matrix(texts)
+    clusters = average_linkage_clusters(bleu_distance_matrix(texts, S), threshold)
+    return {"distinct_frac": len({normalize_string(t) for t in texts}) / max(len(texts), 1),
+            "distinct4": distinct_ngram_ratio(texts, 4), "self_bleu": self_bleu(texts, S),
+            "bleu_clusters": len(set(clusters))}
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al. 2021, Codex §2.1): 1 − C(n − c, k) / C(n, k), in the stable
-    form 1 − Π_{i = n−c+1}^{n} (1 − k / i)."""
+    """Unbiased pass@k (Codex §2.1): 1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
     n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n) or not (1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -2751,12 +2600,9 @@ def _vf_words(text):
 
 
 class Decontaminator:
-    """Index of the word n-grams (default 13) of reference texts, lower case, punctuation and
-    `\\text{}` dropped; a text shorter than n words is flagged only if it equals a reference."""
+    """Word n-grams of references; a text under n words is flagged only if it equals one."""
 
     def __init__(self, references, n=13):
-        if n < 1:
-            raise ValueError("n must be >= 1")
         self.n, self.grams, self.short = n, set(), set()
         for ref in references:
             w = _vf_words(ref)
@@ -2774,8 +2620,8 @@ class Decontaminator:
 
 
 def eval_decontaminator(benchmarks: str, on: bool = True, n: int = 13):
-    """The n-gram index (GPT-3's 13-gram rule) of the eval sets' questions, None when off or empty.
-    Loading the sets first also stops a run whose eval set cannot load, before any model loads."""
+    """The 13-gram index (GPT-3's rule) of the eval questions, or None; built first, so a run whose
+    eval set cannot load stops before any model loads."""
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     questions = [row["question"] for name in names for row in load_benchmark(name)]
     return Decontaminator(questions, n) if on and questions else None
@@ -2806,8 +2652,7 @@ class BenchmarkUnavailable(RuntimeError):
 
 
 def _vf_qa_row(ex, q, a):
-    """A free-form row; an integral float gold (27.0) is written "27", and after a "####"
-    (GSM8K) the gold is the number that follows, without commas."""
+    """A free-form row: a float gold 27.0 is "27"; GSM8K's gold is the number after "####"."""
     a = ex[a]
     a = str(int(a)) if isinstance(a, float) and a.is_integer() else str(a).strip()
     return {"question": str(ex[q]),
@@ -2830,8 +2675,7 @@ def _vf_options_row(ex, q, a):
     opts = list(ast.literal_eval(opts) if isinstance(opts, str) else opts)  # some copies: a repr
     s = str(ex[a]).strip().upper()
     if len(s) != 1 or s not in _VF_OPTION_LETTERS[:len(opts)]:
-        raise ValueError(f"gold letter {ex[a]!r} is not the letter of one of the {len(opts)} "
-                         "options")
+        raise ValueError(f"gold letter {ex[a]!r} is not one of the {len(opts)} options' letters")
     gold = _VF_OPTION_LETTERS.index(s)
     if ex.get("answer_index") is not None and int(ex["answer_index"]) != gold:
         raise ValueError(f"answer {ex[a]!r} and answer_index {ex['answer_index']} disagree")
@@ -2855,8 +2699,7 @@ def _vf_gpqa_row(ex, q, a):
 
 
 def _vf_olympiad_row(ex, q, a):
-    """`final_answer` is a list: its entries without an outer $...$, joined by ", "; `context`
-    goes before the question; a row without a final answer is left out."""
+    """`final_answer` is a list: its entries without an outer $...$, joined by ", "."""
     answers = [s[1:-1].strip() if s[:1] == s[-1:] == "$" and s.count("$") == 2 else s
                for s in (str(x).strip() for x in ex[a] or [])]
     q, ctx = str(ex[q]).strip(), str(ex.get("context") or "").strip()
@@ -2885,42 +2728,43 @@ BENCHMARKS = {
 }
 
 
-def _vf_load_rows(rows, limit, row_fn, empty):
-    """row_fn(i, example) -> problem or None, until `limit` (0: all); ValueError(empty) if none."""
-    out = []
-    for i, ex in enumerate(rows):
-        out += [p for p in [row_fn(i, ex)] if p is not None]
-        if limit and len(out) >= limit:
-            break
+def _vf_load(what, name, limit, row, shape, hub=None):
+    """row(line or row number, record) -> problem or None (left out), over the JSONL file `name`
+    or the hub dataset hub = (id, config, split, gated); `limit` > 0 keeps the first N."""
+    if hub is None:
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"{what} file {name} does not exist")
+        rows = iter_jsonl(name, shape=shape)
+    else:
+        hub_id, config, split, gated = hub
+        fix = f"or pass a local JSONL file ({shape})"
+        gated = (f" {hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and "
+                 f"accept its terms at https://huggingface.co/datasets/{hub_id} first." if gated
+                 else "")
+        try:
+            import datasets
+        except ImportError:
+            raise BenchmarkUnavailable(
+                f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
+                f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
+        try:
+            rows = enumerate(datasets.load_dataset(hub_id, config, split=split))
+        except Exception as e:
+            raise BenchmarkUnavailable(
+                f"could not load {what} {name!r} ({hub_id}{f', config {config}' if config else ''}"
+                f", split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
+                f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
+                f"in for gated sets, {fix}.") from None
+    from itertools import islice
+    out = list(islice(filter(None, (row(i, ex) for i, ex in rows)), limit or None))
     if not out:
-        raise ValueError(empty)
+        raise ValueError(f"{what} {name!r}{f' ({hub[0]}, split {hub[2]})' if hub else ''} has no "
+                         "problems (an empty file?)")
     return out
 
 
-def _vf_open_hub(what, name, hub_id, config, split, fix, gated=False):
-    """datasets.load_dataset, or BenchmarkUnavailable saying the fix."""
-    gated = (f" {hub_id} is gated: log in (`huggingface-cli login`, or set HF_TOKEN) and accept "
-             f"its terms at https://huggingface.co/datasets/{hub_id} first." if gated else "")
-    try:
-        import datasets
-    except ImportError:
-        raise BenchmarkUnavailable(
-            f"{what} {name!r} is loaded from the Hugging Face hub with the `datasets` package, "
-            f"which is not installed. Fix: `pip install datasets`, {fix}.{gated}") from None
-    try:
-        return (datasets.load_dataset(hub_id, config, split=split) if config else
-                datasets.load_dataset(hub_id, split=split))
-    except Exception as e:
-        raise BenchmarkUnavailable(
-            f"could not load {what} {name!r} ({hub_id}{f', config {config}' if config else ''}, "
-            f"split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
-            f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
-            f"in for gated sets, {fix}.") from None
-
-
 def parse_benchmark_spec(spec) -> tuple[str, int | None]:
-    """"aime24@32" -> ("aime24", 32), scored by the mean accuracy of 32 samples (SPICE's AIME);
-    "aime24" -> ("aime24", None). An existing file is never split."""
+    """"aime24@32" -> ("aime24", 32): mean@32, as SPICE's AIME; an existing file is never split."""
     name = str(spec).strip()
     m = re.fullmatch(r"(.+)@(\d+)", name)
     if m is None or os.path.isfile(name):
@@ -2949,8 +2793,7 @@ def _vf_hub_spec(b, flag=""):
 
 
 def check_benchmark_names(names: str, flag: str = "--eval-benchmarks") -> None:
-    """A method's up-front check of a comma-separated benchmark list: built-in names, hf: specs or
-    existing JSONL files, each with an optional "@N"; ValueError naming the entry and the fix."""
+    """A method's up-front check of a benchmark list: ValueError naming the entry and the fix."""
     for b in (parse_benchmark_spec(entry)[0] for entry in str(names).split(",")):
         if b.endswith((".jsonl", ".json")) or os.path.isfile(b):
             if not os.path.isfile(b):
@@ -2965,34 +2808,23 @@ _VF_JSONL_SHAPE = ('each line must be one object like {"question": "...", "answe
 
 def _vf_jsonl_problem(path, ln, obj):
     if "question" not in obj or "answer" not in obj:
-        raise ValueError(f'{path}:{ln}: each line needs "question" and "answer" keys '
-                         f'(optional "choices": [..]); got {str(obj)[:120]}')
+        raise ValueError(f"{path}:{ln}: {_VF_JSONL_SHAPE}; got {str(obj)[:120]}")
     row, ch = {"question": str(obj["question"]), "answer": str(obj["answer"])}, obj.get("choices")
     if ch is not None:
-        if not isinstance(ch, list) or not ch:
-            raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of strings')
-        if len(ch) > len(_VF_OPTION_LETTERS):
-            raise ValueError(f'{path}:{ln}: {len(ch)} "choices"; at most {len(_VF_OPTION_LETTERS)} '
-                             f"(letters A-{_VF_OPTION_LETTERS[-1]})")
+        if not isinstance(ch, list) or not 1 <= len(ch) <= len(_VF_OPTION_LETTERS):
+            raise ValueError(f'{path}:{ln}: "choices" must be a non-empty list of at most '
+                             f"{len(_VF_OPTION_LETTERS)} strings (letters A-J)")
         row["choices"] = [str(c) for c in ch]
     return row
 
 
 def load_benchmark(name_or_path, limit=0):
-    """Problems [{"question", "answer", "choices"?}] of a local JSONL file, a BENCHMARKS name or an
-    "hf:..." name (a trailing "@N" is ignored here); `limit` > 0 keeps the first N. No `datasets`,
-    no hub, or a gated set without a login: BenchmarkUnavailable saying the fix."""
+    """Problems [{"question", "answer", "choices"?}] of a JSONL file, a BENCHMARKS or hf: name."""
     name = parse_benchmark_spec(name_or_path)[0]
     if os.path.isfile(name) or name.endswith((".jsonl", ".json")):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"benchmark file {name} does not exist")
-        return _vf_load_rows(iter_jsonl(name, shape=_VF_JSONL_SHAPE), limit,
-                             lambda _, r: _vf_jsonl_problem(name, *r),
-                             f"{name}: no problems found (empty file?)")
+        return _vf_load("benchmark", name, limit, functools.partial(_vf_jsonl_problem, name),
+                        _VF_JSONL_SHAPE)
     spec = _vf_hub_spec(name)
-    ds = _vf_open_hub("benchmark", name, spec.hub_id, spec.config or None, spec.split,
-                      'or pass a local JSONL file of {"question", "answer", "choices"?} lines',
-                      spec.gated)
 
     def problem(i, ex):
         missing = [c for c in (spec.question, spec.answer) if c not in ex]
@@ -3005,8 +2837,8 @@ def load_benchmark(name_or_path, limit=0):
             raise ValueError(f"benchmark {name!r} ({spec.hub_id}) row {i} does not map to a "
                              f"problem: {type(e).__name__}: {e}. The hub copy may have changed: "
                              "edit BENCHMARKS.") from None
-    return _vf_load_rows(ds, limit, problem,
-                         f"benchmark {name!r} ({spec.hub_id}, split {spec.split}) has no problems")
+    return _vf_load("benchmark", name, limit, problem, _VF_JSONL_SHAPE,
+                    (spec.hub_id, spec.config or None, spec.split, spec.gated))
 
 
 # -------------------------------------------- Evaluation: greedy accuracy and pass@k per benchmark
@@ -3027,155 +2859,127 @@ def default_eval_prompt(problem, tokenizer=None):
     """The step-by-step, boxed-answer prompt; options (if any) listed as A) ... B) ..."""
     q = problem["question"].strip()
     if problem.get("choices"):
-        q += "\n\n" + "\n".join(f"{_VF_OPTION_LETTERS[i]}) {c}"
-                                for i, c in enumerate(problem["choices"]))
+        q += "\n\n" + "\n".join(f"{x}) {c}" for x, c in zip(_VF_OPTION_LETTERS, problem["choices"]))
         q += "\n\nAnswer with the letter of the correct option."
     return _vf_chat_or_text(tokenizer, f"{q}\n\n{_VF_EVAL_INSTRUCTION}",
                             f"Problem:\n{q}\n\n{_VF_EVAL_INSTRUCTION}\n\nSolution:")
 
 
-def _vf_verifier_name(timeout):
-    try:
-        from importlib.metadata import version
-        mv = version("math-verify")
-    except Exception:
-        mv = "?"
-    return (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
-            f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
-            "(timeout = wrong)")
-
-
 def gold_option_letter(problem):
-    """The gold letter of a multiple-choice problem: its "answer" if that names a choice's letter,
-    else the letter of the choice whose text equals it (case-insensitive); None otherwise."""
+    """The gold letter: "answer" if a choice's letter, else the letter of the choice equal to it."""
     choices = problem.get("choices") or []
-    n = min(len(choices), len(_VF_OPTION_LETTERS))
-    if not n:
-        return None
-    a = str(problem["answer"]).strip()
+    letters, a = _VF_OPTION_LETTERS[:len(choices)], str(problem.get("answer", "")).strip()
     m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
-    if m and m.group(1).upper() in _VF_OPTION_LETTERS[:n]:
-        return m.group(1).upper()
-    return next((_VF_OPTION_LETTERS[i] for i, c in enumerate(choices[:n])
-                 if str(c).strip().casefold() == a.casefold()), None)
+    if m and m[1].upper() in letters:
+        return m[1].upper()
+    return next((x for x, c in zip(letters, choices) if str(c).strip().casefold() == a.casefold()),
+                None)
 
 
-def _vf_judge(probs, golds, extract_fn, timeout, judge_fn, texts):
-    """[(problem index, text)] -> [(correct, pred, letter, no answer)]; golds[i]: the gold letter
-    or None. Free-form: extract_fn(text) by math_equal_many; multiple choice: its option_letter
-    equals the gold letter. judge_fn(problem, text) -> (pred, correct) replaces both rules."""
-    items = [(probs[i], golds[i], t) for i, t in texts]
+def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
+    """[(problem index, text)] -> [(correct, pred, letter, no answer)]: extract_fn(text) by
+    math_equal_many, or with choices its option_letter; judge_fn(problem, text) replaces both."""
+    items = [(probs[i], gold_option_letter(probs[i]), t) for i, t in texts]
     if judge_fn is not None:
         judged = [judge_fn(p, t) for p, _, t in items]
         return [(bool(ok), pr, pr if g is not None else None, pr is None)
                 for (_, g, _), (pr, ok) in zip(items, judged)]
     preds = [extract_fn(t) for _, _, t in items]
-    free = [i for i, (_, g, _) in enumerate(items) if g is None]
-    verdicts = dict(zip(free, math_equal_many([(preds[i], items[i][0]["answer"]) for i in free],
-                                              timeout=timeout)))
+    free = iter(math_equal_many([(pr, p["answer"]) for (p, g, _), pr in zip(items, preds)
+                                 if g is None], timeout=timeout))
     out = []
-    for i, ((p, g, t), pr) in enumerate(zip(items, preds)):
-        if g is None:
-            out.append((bool(verdicts[i]), pr, None, pr is None))
-        else:
-            lt = option_letter(pr, t, len(p["choices"]))
-            out.append((lt == g, pr, lt, lt is None))
+    for (p, g, t), pr in zip(items, preds):
+        lt = None if g is None else option_letter(pr, t, len(p["choices"]))
+        out.append((next(free), pr, lt, pr is None) if g is None else (lt == g, pr, lt, lt is None))
     return out
 
 
-def _vf_eval_args(benchmarks, k, n, who: str) -> tuple[list[str], list[int], int]:
-    """(benchmarks without duplicates, sorted ks, n) from a list or comma-separated string."""
-    if isinstance(benchmarks, str):
-        benchmarks = benchmarks.split(",")
+def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, temperature, top_p,
+                 max_tokens, limit, seed, n_boot, **settings):
+    """evaluate's and evaluate_code's loop (every benchmark loaded first). judge(problems,
+    [(problem index, text)]) -> [(correct, ...)]; record(name, result, problems, greedy, samples)
+    adds a benchmark's own fields and returns its per-problem records."""
+    benchmarks = benchmarks.split(",") if isinstance(benchmarks, str) else benchmarks
     benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
-    if isinstance(k, (int, str)):
-        k = [int(x) for x in str(k).split(",") if str(x).strip()]
-    ks, n = sorted({int(x) for x in k}), int(n)
+    k = str(k).split(",") if isinstance(k, (int, str)) else k
+    ks, n = sorted({int(x) for x in k if str(x).strip()}), int(n)
     if n < 1 or not ks or ks[0] < 1:
-        raise ValueError(f"{who} needs n >= 1 and k >= 1, got n={n}, k={ks}")
-    return benchmarks, ks, n
-
-
-def _vf_run_benchmark(sampler, probs, prompt_fn, judge, n, ks, n_boot, seed, max_tokens,
-                      **sampling):
-    """Greedy (temperature 0) and, with n > 1, n sampled completions of each problem's prompt,
-    judged by judge([(problem index, text)]) -> [(correct, ...)]: (result fields, greedy
-    judgements, per-problem lists of sample judgements or None). Unbiased pass@k with bootstrap
-    intervals for each k <= n and mean@n; without samples pass@1 is the greedy accuracy."""
-    prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
-    generate = sampler.generate
-    greedy = [g[0] for g in generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)]
-    g_judged = judge([(i, c.text) for i, c in enumerate(greedy)])
-    ok = np.asarray([j[0] for j in g_judged], dtype=float)
-    res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()),
-           "greedy_acc_ci": list(bootstrap_ci(ok, n_boot)),
-           "greedy_truncated_frac": float(np.mean([c.finish_reason == "length" for c in greedy])),
-           "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy]))}
-    if n == 1:
-        res.update({"pass@k": {"1": res["greedy_acc"]}, "pass@k_ci": {"1": res["greedy_acc_ci"]},
-                    "pass@k_source": "greedy"})
-        return res, g_judged, None
-    samp = generate(prompts, n=n, max_tokens=max_tokens, seed=seed, **sampling)
-    flat = iter(judge([(i, c.text) for i, g in enumerate(samp) for c in g]))
-    s_judged = [[next(flat) for _ in g] for g in samp]
-    ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
-    res["pass@k"], res["pass@k_ci"] = {}, {}
-    for kk in [x for x in ks if x <= min(ns)]:
-        m, lo, hi = pass_at_k_ci(ns, cs, kk, n_boot=n_boot, seed=seed)
-        res["pass@k"][str(kk)], res["pass@k_ci"][str(kk)] = m, [lo, hi]
-    res.update({"mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
-                "pass@k_source": "samples", "sample_truncated_frac": float(np.mean(
-                    [c.finish_reason == "length" for g in samp for c in g]))})
-    return res, g_judged, s_judged
-
-
-def _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot, **extra):
-    return {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
-            "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
-            "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **extra,
-            "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
+        raise ValueError(f"evaluation needs n >= 1 and k >= 1, got n={n}, k={ks}")
+    t0, problems, results = time.time(), {b: load(b, limit) for b in benchmarks}, {}
+    for bench, probs in problems.items():
+        nb = parse_benchmark_spec(bench)[1] or n
+        prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
+        greedy = [g[0] for g in sampler.generate(prompts, n=1, temperature=0.0,
+                                                 max_tokens=max_tokens)]
+        g_judged, s_judged = judge(probs, [(i, c.text) for i, c in enumerate(greedy)]), None
+        ok = np.asarray([j[0] for j in g_judged], dtype=float)
+        ci = list(bootstrap_ci(ok, n_boot))
+        res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()), "greedy_acc_ci": ci,
+               "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
+                                                       for c in greedy])),
+               "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy])),
+               "pass@k": {"1": float(ok.mean())}, "pass@k_ci": {"1": ci}, "pass@k_source": "greedy"}
+        if nb > 1:
+            samp = sampler.generate(prompts, n=nb, max_tokens=max_tokens, seed=seed,
+                                    temperature=temperature, top_p=top_p)
+            flat = iter(judge(probs, [(i, c.text) for i, g in enumerate(samp) for c in g]))
+            s_judged = [[next(flat) for _ in g] for g in samp]
+            ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
+            cis = {str(x): pass_at_k_ci(ns, cs, x, n_boot=n_boot, seed=seed)
+                   for x in ks if x <= min(ns)}
+            res.update({"pass@k": {x: m for x, (m, _, _) in cis.items()},
+                        "pass@k_ci": {x: [lo, hi] for x, (_, lo, hi) in cis.items()},
+                        "pass@k_source": "samples",
+                        "mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
+                        "sample_truncated_frac": float(np.mean(
+                            [c.finish_reason == "length" for g in samp for c in g]))})
+        per_problem = record(bench, res, probs, g_judged, s_judged)
+        for rec, s in zip(per_problem, s_judged or []):
+            rec["correct_samples"] = sum(j[0] for j in s)
+        results[bench] = {**res, "per_problem": per_problem}
+    settings = {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
+                "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
+                "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **settings,
+                "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
+    return {"benchmarks": results, "settings": settings, "time_s": round(time.time() - t0, 2)}
 
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
              prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
              n_boot=1000, judge_fn=None):
-    """Greedy accuracy (temperature 0) and, with n > 1 samples at (temperature, top_p), unbiased
-    pass@k and mean@n per benchmark; "name@N" draws N samples and scores by mean@N (SPICE's AIME).
-    extract_fn (default: the last \\boxed{}) -> math_equal, or the option letter for choices;
-    judge_fn(problem, text) -> (pred, correct) replaces both (e.g. R-Zero's BBEH match)."""
-    benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate")
+    """Greedy accuracy and, with n > 1 samples, unbiased pass@k and mean@n per benchmark; "name@N"
+    draws N samples and scores by mean@N (SPICE's AIME). judge_fn(problem, text) -> (pred,
+    correct) replaces the boxed-answer and option-letter rules (e.g. R-Zero's BBEH match)."""
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
-    t0, results = time.time(), {}
-    for bench in benchmarks:
-        name, n_bench = parse_benchmark_spec(bench)
-        probs = load_benchmark(name, limit)
-        golds = [gold_option_letter(p) for p in probs]  # None: graded free-form
-        judge = functools.partial(_vf_judge, probs, golds, extract_fn, timeout, judge_fn)
-        res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge,
-                                                 n_bench or n, ks, n_boot, seed, max_tokens,
-                                                 temperature=temperature, top_p=top_p)
+
+    def record(bench, res, probs, greedy, samples):
+        golds, n_bench = [gold_option_letter(p) for p in probs], parse_benchmark_spec(bench)[1]
         res.update({"n_multiple_choice": sum(g is not None for g in golds),
                     "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
                                                          for p, g in zip(probs, golds)),
                     "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))})
-        per_problem = [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
-                        **({"greedy_letter": lt} if g is not None else {})}
-                       for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
         if samples:
-            res["n_samples"] = n_bench or n
+            res["n_samples"] = len(samples[0])
             res["sample_no_answer_frac"] = float(np.mean([j[3] for s in samples for j in s]))
-            for rec, s in zip(per_problem, samples):
-                rec["correct_samples"] = sum(j[0] for j in s)
         res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
                                              else (res["greedy_acc"], "greedy"))
-        results[bench] = {**res, "per_problem": per_problem}
+        return [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
+                 **({"greedy_letter": lt} if g is not None else {})}
+                for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
     prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
                                                                         "custom")
-    return {"benchmarks": results,
-            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
-                                     verifier=_vf_verifier_name(timeout),
-                                     multiple_choice=_VF_MC_GRADING, prompt=prompt),
-            "verifier_failures": math_equal_failures(), "time_s": round(time.time() - t0, 2)}
+    mv = "?"
+    with contextlib.suppress(Exception):
+        mv = importlib.import_module("importlib.metadata").version("math-verify")
+    verifier = (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
+                f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
+                "(timeout = wrong)")
+    res = _vf_evaluate(sampler_or_policy, benchmarks, k, n, load_benchmark,
+                       functools.partial(_vf_judge, extract_fn, timeout, judge_fn), record,
+                       prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                       limit=limit, seed=seed, n_boot=n_boot, verifier=verifier,
+                       multiple_choice=_VF_MC_GRADING, prompt=prompt)
+    return {**res, "verifier_failures": math_equal_failures()}
 
 
 def evaluate_config(policy, cfg, **kw):
@@ -3187,13 +2991,11 @@ def evaluate_config(policy, cfg, **kw):
 
 
 class FrozenModel:
-    """A second model that only samples: an oracle that spot-checks self-made labels, or SPICE's
-    fixed "Strong Challenger". With the policy's architecture and vocabulary its CPU weights are
-    swapped into the policy's one engine; otherwise it gets a sampler of its own."""
+    """A second model that only samples (an oracle, SPICE's fixed "Strong Challenger"): with the
+    policy's architecture and vocabulary its CPU weights swap into the one engine."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
-        self.name = name
-        path = resolve_model_path(name)
+        self.name, path = name, resolve_model_path(name)
         tok = load_tokenizer(path)
         same = (tok.get_vocab() == policy.tokenizer.get_vocab()
                 and _core_same_parameters(path, policy))
@@ -3204,8 +3006,7 @@ class FrozenModel:
 
     @contextlib.contextmanager
     def sampling(self, policy):
-        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's.
-        A separate sampler is driven through Policy.generate (sharded over torchrun ranks)."""
+        """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
             with policy.sampling_from(self.weights) as s:
                 yield s
@@ -3216,8 +3017,7 @@ class FrozenModel:
 
 
 def _core_same_parameters(path, policy) -> bool:
-    """Whether the checkpoint has exactly the policy's parameter names and shapes (a tied lm_head
-    may be absent), from the safetensors headers alone."""
+    """Has the checkpoint the policy's parameter names and shapes (from the safetensors headers)?"""
     from safetensors import safe_open
     shapes = {}
     for f in sorted(pathlib.Path(path).glob("*.safetensors")):
@@ -3230,18 +3030,15 @@ def _core_same_parameters(path, policy) -> bool:
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
-    """`evaluate`'s result as metrics.jsonl keys: <prefix>/<bench>/<metric> (a file by its stem),
-    <prefix>/<bench>/pass@k, and the means over benchmarks of greedy_acc and of "score"."""
+    """`evaluate`'s result as <prefix>/<bench>/<metric> keys, and the means of greedy_acc, score."""
     out, benches = {}, result.get("benchmarks") or {}
     for bench, r in benches.items():
         base, n_bench = parse_benchmark_spec(bench)
         name = pathlib.Path(base).stem if base.endswith((".jsonl", ".json")) else base
         name += f"@{n_bench}" if n_bench else ""
-        for k, v in r.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[f"{prefix}/{name}/{k}"] = v
-        for k, v in (r.get("pass@k") or {}).items():
-            out[f"{prefix}/{name}/pass@{k}"] = v
+        pass_k = {f"pass@{k}": v for k, v in (r.get("pass@k") or {}).items()}
+        out.update({f"{prefix}/{name}/{k}": v for k, v in {**r, **pass_k}.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for key in ("greedy_acc", "score"):
         vals = [r[key] for r in benches.values() if isinstance(r.get(key), (int, float))]
         if vals:
@@ -3263,46 +3060,33 @@ _CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its
                      "```python block.")
 
 
-def _vf_code_row(obj, where):
+def _vf_code_row(where, i, obj):
+    if where == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+        prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
+        obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt),
+               "test": "\n".join(list(obj["test_imports"]) + [obj["test"]]), "entry_point": None}
+    where = f"{where} row {i}" if where in dict(CODE_BENCHMARKS.values()) else f"{where}:{i}"
     if "task_id" not in obj:
         raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
-    prompt, test, entry_point = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
+    prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
     if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
         raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
                          f"{_CODE_SHAPE}")
-    if entry_point is not None and not (isinstance(entry_point, str)
-                                        and entry_point.isidentifier()):
+    if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
         raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
-                         f"{str(entry_point)[:60]!r}")
-    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
-            "entry_point": entry_point}
-
-
-def _vf_hub_code_row(hub_id, i, ex):
-    if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
-        prompt = [str(ex["prompt"]).strip()] + [str(t).strip() for t in ex["test_list"][:1]]
-        ex = {"task_id": f"Mbpp/{ex['task_id']}", "prompt": "\n".join(prompt),
-              "test": "\n".join(list(ex["test_imports"]) + [ex["test"]]), "entry_point": None}
-    return _vf_code_row(ex, f"{hub_id} row {i}")
+                         f"{str(entry)[:60]!r}")
+    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test, "entry_point": entry}
 
 
 def load_code_benchmark(name_or_path, limit=0):
-    """Code problems [{"task_id", "prompt", "test", "entry_point"}] of "humaneval+", "mbpp+" or a
-    local JSONL file. HumanEval style: `test` defines check(candidate), run as check(entry_point);
-    MBPP style (entry_point None): `test` is a script calling the function by name."""
+    """Code problems of "humaneval+", "mbpp+" or a local JSONL file (the styles: _CODE_SHAPE)."""
     name = str(name_or_path).strip()
-    if name.lower() not in CODE_BENCHMARKS:
-        if not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
-            raise ValueError(f"unknown code benchmark {name!r}: use one of "
-                             f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
-        return _vf_load_rows(iter_jsonl(name, shape=_CODE_SHAPE), limit,
-                             lambda _, r: _vf_code_row(r[1], f"{name}:{r[0]}"),
-                             f"{name}: no problems found (empty file?)")
-    hub_id, split = CODE_BENCHMARKS[name.lower()]
-    ds = _vf_open_hub("code benchmark", name, hub_id, None, split,
-                      f"or pass a local JSONL file ({_CODE_SHAPE})")
-    return _vf_load_rows(ds, limit, lambda i, ex: _vf_hub_code_row(hub_id, i, ex),
-                         f"code benchmark {name!r} ({hub_id}, split {split}) has no problems")
+    hub_id, split = CODE_BENCHMARKS.get(name.lower(), (None, None))
+    if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
+        raise ValueError(f"unknown code benchmark {name!r}: use one of "
+                         f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
+    return _vf_load("code benchmark", name, limit, functools.partial(_vf_code_row, hub_id or name),
+                    _CODE_SHAPE, hub_id and (hub_id, None, split, False))
 
 
 def code_task_prompt(problem):
@@ -3320,9 +3104,8 @@ def default_code_prompt(problem, tokenizer=None):
 
 
 def extract_code(text):
-    """The last closed ```python (```py, ```python3, untagged) block, indentation kept, or None.
-    Line by line, so another block's closing fence (```input) never opens one; a block cut off by
-    max_tokens does not count."""
+    """The last closed ```python (```py, ```python3, untagged) block, or None; line by line, so
+    another block's closing fence (```input) never opens one, and a truncated block never counts."""
     found, body, tag = None, None, ""
     for line in str(text).splitlines():
         fence = line.strip().startswith("```")
@@ -3337,23 +3120,16 @@ def extract_code(text):
     return found if found and found.strip() else None
 
 
-def code_program(problem, code):
-    """The program a solution is judged by. HumanEval style: prompt (its imports; a bare body
-    completes the stub) + solution + tests + check(entry_point); MBPP style: solution + tests."""
-    if problem.get("entry_point"):
-        return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
-                f"check({problem['entry_point']})\n")
-    return f"{code}\n\n{problem['test']}\n"
-
-
-def _vf_run_code(sandbox, probs, extract_fn, timeout, texts):
+def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
     """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
-    reaches its end and evaluates a fresh random token, so exiting early or writing a canned
-    result frame cannot pass."""
+    ends by evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
     jobs = [(probs[i], extract_fn(t)) for i, t in texts]
     todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
-    progs = [(code_program(*jobs[i]), repr(token)) for i in todo]
+    # HumanEval style keeps the prompt (its imports; a bare body completes the stub)
+    progs = [(f"{p['prompt']}\n{c}\n\n{p['test']}\n\ncheck({p['entry_point']})\n"
+              if p.get("entry_point") else f"{c}\n\n{p['test']}\n", repr(token))
+             for p, c in (jobs[i] for i in todo)]
     res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
     if again:
@@ -3376,45 +3152,33 @@ def _vf_run_code(sandbox, probs, extract_fn, timeout, texts):
 def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
                   top_p=0.95, max_tokens=2048, limit=0, prompt_fn=None, extract_fn=None, seed=0,
                   timeout=20.0, n_boot=1000):
-    """Greedy pass@1 and, with n > 1 samples, pass@k on code benchmarks, shaped like evaluate's
-    result. Each solution runs with its tests in `sandbox` (one fresh process per run; started for
-    the call if None); like EvalPlus the tests' own comparisons are trusted."""
-    benchmarks, ks, n = _vf_eval_args(benchmarks, k, n, "evaluate_code")
-    problems = {b: load_code_benchmark(b, limit) for b in benchmarks}  # all before generating
+    """evaluate for code benchmarks: each solution runs with its tests in `sandbox` (started for the
+    call if None); like EvalPlus the tests' own comparisons are trusted."""
     prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
-    t0, results, own = time.time(), {}, sandbox is None
-    if own:
-        sandbox = PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
-    try:
-        for bench, probs in problems.items():
-            judge = functools.partial(_vf_run_code, sandbox, probs, extract_fn, timeout)
-            res, greedy, samples = _vf_run_benchmark(sampler_or_policy, probs, prompt_fn, judge, n,
-                                                     ks, n_boot, seed, max_tokens,
-                                                     temperature=temperature, top_p=top_p)
-            counts = Counter(s for _, s, _ in greedy)
-            res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
-            per_problem = [{"task_id": p["task_id"], "greedy_status": s,
-                            "greedy_error": msg[:300] if msg else None}
-                           for p, (_, s, msg) in zip(probs, greedy)]
-            if samples:
-                res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
-                for rec, r in zip(per_problem, samples):
-                    rec["correct_samples"] = sum(j[0] for j in r)
-                    rec["sample_statuses"] = [s for _, s, _ in r]
-            results[bench] = {**res, "per_problem": per_problem}
-    finally:
-        if own:
-            sandbox.close()
+
+    def record(bench, res, probs, greedy, samples):
+        counts = Counter(s for _, s, _ in greedy)
+        res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
+        per_problem = [{"task_id": p["task_id"], "greedy_status": s,
+                        "greedy_error": msg[:300] if msg else None}
+                       for p, (_, s, msg) in zip(probs, greedy)]
+        if samples:
+            res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
+            for rec, r in zip(per_problem, samples):
+                rec["sample_statuses"] = [s for _, s, _ in r]
+        return per_problem
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
                "if the tests run to the end")
-    return {"benchmarks": results,
-            "settings": _vf_settings(n, ks, temperature, top_p, max_tokens, limit, seed, n_boot,
-                                     timeout_s=float(timeout),
-                                     prompt=getattr(prompt_fn, "__name__", "custom"),
-                                     extract=getattr(extract_fn, "__name__", "custom"),
-                                     checker=checker, sandbox_isolation=getattr(
-                                         sandbox, "isolation", {}).get("level")),
-            "time_s": round(time.time() - t0, 2)}
+    with (PythonSandbox(timeout_s=timeout, max_program_chars=_CODE_MAX_PROGRAM_CHARS)
+          if sandbox is None else contextlib.nullcontext(sandbox)) as sandbox:
+        return _vf_evaluate(
+            sampler_or_policy, benchmarks, k, n, load_code_benchmark,
+            functools.partial(_vf_run_code, sandbox, extract_fn, timeout), record, prompt_fn,
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens, limit=limit, seed=seed,
+            n_boot=n_boot, timeout_s=float(timeout), checker=checker,
+            prompt=getattr(prompt_fn, "__name__", "custom"),
+            extract=getattr(extract_fn, "__name__", "custom"),
+            sandbox_isolation=getattr(sandbox, "isolation", {}).get("level"))
 
 
 # ==================================================================================================
