@@ -87,18 +87,16 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
            "task_types": ("both", "mcq", "free"), "type_selection": ("prompt", "random"),
            "prompt_format": ("auto", "chat", "plain")}
 ANSWER_TYPES = ("Integer", "Expression", "String")
-CHALLENGER, REASONER = "challenger", "reasoner"
 # --model tiny: a one-minute smoke run on tests/data (flags override); ours fill 2,050 tiny tokens
-TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
-        "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl", "steps": 2, "docs_per_step": 1,
-        "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
-        "max_model_len": 2048, "type_select_max_tokens": 16, "eval_max_tokens": 8,
-        "prompts": f"{common.TINY_DATA}/spice_short_prompts.toml"}
+TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl", steps=2, docs_per_step=1,
+            eval_benchmarks=f"{common.TINY_DATA}/spice_eval.jsonl", group_size=2, reasoner_k=2,
+            max_attempts=2, max_tokens=24, max_model_len=2048, type_select_max_tokens=16,
+            eval_max_tokens=8, prompts=f"{common.TINY_DATA}/spice_short_prompts.toml")
 
 
 # Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
 # --prompts FILE replaces any of them (common.load_prompts).
-_JSON_RULES = ("First think your design through; this thinking is private. Then write one valid "
+_JSON_RULES = ("\nFirst think your design through; this thinking is private. Then write one valid "
                "JSON object with these fields and nothing after it: no markdown, no code fences; "
                "start with {{ and end with }}. In its strings write every LaTeX backslash twice "
                "(\\\\frac{{1}}{{2}}), as JSON requires.\n")
@@ -114,33 +112,29 @@ PROMPTS = {
     # Fig. 9: task type selection (not trained)
     "type_selection": """\
 Which CHALLENGING exam question suits the document below best: multiple choice (MCQ) or free-form?
-
 {document_block}
-
 - MCQ needs intricate relationships, multi-step reasoning, several concepts to combine, and room \
 for three wrong options that are plausible but false.
 - Free-form needs one clear answer: a calculation (Integer), a formula to derive (Expression), or \
 a concept in exact terminology (String).
 Choose exactly ONE kind. Reply with one valid JSON object only: no markdown, no backticks.
 {{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
-"Integer" or "Expression" or "String" or null, "reason": "a few plain words"}}
-Exactly one "suitable" is true; best_answer_type only for free-form, else null; "reason" under \
-100 characters, with no LaTeX and no special characters.""",
+"Integer" or "Expression" or "String" or null, "reason": "a few plain words: under 100 characters, \
+no LaTeX, no special characters"}}
+Exactly one "suitable" is true; best_answer_type only for free-form, else null.""",
     # Fig. 10, left: the multiple-choice generator
     "mcq": """\
 Turn the document below into one CHALLENGING multiple-choice exam question that can only be \
 answered by connecting several of its parts over several reasoning steps.
-
 {document_block}
-
 Step 1. Find material that needs synthesis: relationships across parts, multi-step calculations \
 or procedures, interacting principles, combined statements, comparisons, trade-offs, conditions, \
 systems where one change moves several parameters; not stated facts, definitions, lone numbers.
-Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
-complexity you add, the concepts to connect, the shortcuts you block.
-Step 3. The question tests relationships, not recall; it may compare scenarios or ask "what if". \
-The solver never sees the document: never write "according to the text", "in the document", "as \
-mentioned" or the like; give all context, define terms.
+Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the complexity \
+you add, the concepts to connect, the shortcuts you block.
+Step 3. Test relationships, not recall; you may compare scenarios or ask "what if". The solver \
+never sees the document: never write "according to the text", "in the document", "as mentioned" \
+or the like; give all context, define terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
 solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
 No single look-up, sentence or keyword match may answer it.
@@ -155,7 +149,6 @@ answer away or follow a pattern, redesign them. Count the reasoning steps: if fe
 the question and write a harder one; if it takes less than 30 seconds, make it harder. Revise it \
 if one sentence or part of the document answers it, it tests facts rather than relationships, its \
 options are unbalanced, or your solve took less than a minute.
-
 """ + _JSON_RULES + """\
 - "identified_answer": the relationship or conclusion derived by combining parts of the document
 - "answer_quote": several quotes showing the different pieces needed
@@ -171,9 +164,7 @@ options are unbalanced, or your solve took less than a minute.
     "free_form": """\
 Turn the document below into one CHALLENGING free-form exam question whose answer is of type \
 {answer_type} and that needs reasoning over several steps.
-
 {document_block}
-
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
 variables from different parts, chained computations, counting, rates or percentages, \
 optimisation, aggregate statistics. Expression: equations, patterns that generalise into a \
@@ -199,7 +190,6 @@ Step 7. Make sure exactly one answer is correct: no other reading, all constrain
 unambiguous format, every valid approach reaching it; else rewrite the question. It needs \
 understanding, not extraction, and is self-contained and clear. "question" is one single string, \
 never a list or several questions; "answer" is one plain value, never a list or an object.
-
 """ + _JSON_RULES + """\
 - "identified_information": three or more key pieces of information from different parts
 - "relevant_quotes": word-for-word quotes showing them
@@ -302,49 +292,46 @@ def answer_has_type(answer: str, answer_type: str) -> bool:
 
 
 def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
-    """Validity (§4): (task, "ok") or (None, why)."""
+    """Validity (§4): (task, "ok") or (None, why); hostile output must never crash a run."""
     try:
-        return _parse_task(text, kind, answer_type)
-    except Exception as e:  # hostile output must never crash a run
+        obj, mcq = common.last_json_object(text), kind == "mcq"
+        if obj is None:
+            return None, "no_json"
+        q = obj.get("multiple_choice_question" if mcq else "question")
+        thin = obj.get("exam_question", "-") if mcq else q  # "": "the document is too thin"
+        if isinstance(thin, str) and not thin.strip() or mcq and not isinstance(thin, str):
+            return None, "too_thin"
+        if not isinstance(q, str) or not q.strip():
+            return None, "missing_question"
+        if len(q) > MAX_QUESTION_CHARS:
+            return None, "question_too_long"
+        q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
+        if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
+            return None, "bad_characters"
+        if mcq:
+            parts = split_options(q)
+            if parts is None or not parts[0]:
+                return None, "empty_stem" if parts else "options_not_A_to_D"
+            if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
+                                         for o in parts[1]}) != 4:
+                return None, "options_not_distinct"
+            # str(): no other JSON value (number, list, null) turns into a letter
+            letter = str(obj.get("multiple_choice_correct")).strip().strip("()")
+            letter = letter.rstrip(").:").strip().upper()
+            if letter not in ("A", "B", "C", "D"):
+                return None, "bad_correct_letter"
+            return Task("mcq", q, letter, "MCQ"), "ok"
+        if not a:
+            return None, "missing_answer"
+        declared = obj.get("answer_type")
+        if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
+            return None, "wrong_answer_type"
+        if not answer_has_type(a, answer_type):
+            return None, "answer_not_" + answer_type.lower()
+        return Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(),
+                    answer_type), "ok"
+    except Exception as e:
         return None, f"parse_error:{type(e).__name__}"
-
-
-def _parse_task(text, kind, answer_type):
-    obj, mcq = common.last_json_object(text), kind == "mcq"
-    if obj is None:
-        return None, "no_json"
-    exam_q = obj.get("exam_question", "-")  # "": the MCQ generator's "too thin a document"
-    if mcq and not (isinstance(exam_q, str) and exam_q.strip()):
-        return None, "too_thin"
-    q = obj.get("multiple_choice_question" if mcq else "question")
-    if not isinstance(q, str) or not q.strip():
-        return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
-    if len(q) > MAX_QUESTION_CHARS:
-        return None, "question_too_long"
-    q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
-    if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
-        return None, "bad_characters"
-    if mcq:
-        parts = split_options(q)
-        if parts is None or not parts[0]:
-            return None, "empty_stem" if parts else "options_not_A_to_D"
-        if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
-                                     for o in parts[1]}) != 4:
-            return None, "options_not_distinct"
-        # str(): no other JSON value (number, list, null) turns into a letter
-        letter = str(obj.get("multiple_choice_correct")).strip().strip("()").rstrip(").:").strip()
-        if letter.upper() not in ("A", "B", "C", "D"):
-            return None, "bad_correct_letter"
-        return Task("mcq", q, letter.upper(), "MCQ"), "ok"
-    if not a:
-        return None, "missing_answer"
-    declared = obj.get("answer_type")
-    if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
-        return None, "wrong_answer_type"
-    if not answer_has_type(a, answer_type):
-        return None, "answer_not_" + answer_type.lower()
-    gold = a if answer_type == "String" else a.strip("$ ").strip()
-    return Task("free", q, gold, answer_type), "ok"
 
 
 def parse_type_selection(text: str) -> tuple[str, str | None] | None:
@@ -353,8 +340,7 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     mcq, free = obj.get("suitable_for_mcq") is True, obj.get("suitable_for_free_form") is True
     if mcq == free:
         return None
-    t = obj.get("best_answer_type")
-    t = t.strip().capitalize() if isinstance(t, str) else None
+    t = str(obj.get("best_answer_type")).strip().capitalize()  # None, a list: no answer type
     return ("mcq", None) if mcq else ("free", t if t in ANSWER_TYPES else None)
 
 
@@ -367,11 +353,9 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
         return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
     if task.answer_type == "String":
         gold = common.normalize_string(task.gold)
-        return [float(p is not None and bool(gold) and common.normalize_string(p) == gold)
-                for p in preds]
-    ok = common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
-                                expression=task.answer_type == "Expression")
-    return [float(x) for x in ok]
+        return [float(p is not None and common.normalize_string(p) == gold) for p in preds]
+    return list(map(float, common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
+                                                  expression=task.answer_type == "Expression")))
 
 
 def challenger_reward(correct: list[float], cfg: Config) -> float:
@@ -390,17 +374,16 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
-            rows = ((f"{src}:{n}", row) for n, row in common.iter_jsonl(
-                src, shape=fix, error=common.InputError, errors="replace"))
+            rows = common.iter_jsonl(src, shape=fix, error=common.InputError, errors="replace")
         else:
             import datasets
-            limit = limit or 20000
-            rows = ((where, row) for row in datasets.load_dataset(
-                name, config or None, split=src.partition("@")[2] or "train", streaming=True))
-        for at, row in rows:
+            rows, limit = enumerate(datasets.load_dataset(name, config or None, streaming=True,
+                                    split=src.partition("@")[2] or "train")), limit or 20000
+        for n, row in rows:
             if not isinstance(text := row.get(field_name), str):
-                raise common.InputError(f"{at}: no string field {field_name!r} (keys: "
-                                        f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
+                raise common.InputError(f"{f'{src}:{n}' if local else where}: no string field "
+                                        f"{field_name!r} (keys: {', '.join(list(row)[:8])}); "
+                                        "pass --corpus-field NAME")
             docs += [text] if text.strip() else []
             if limit and len(docs) >= limit:
                 break
@@ -430,12 +413,12 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
             clean = (common.strip_special_tokens(c, tokenizer) for c in chunks)
             segments += [c for c in clean if c.strip()]
     if decon is not None:
-        kept = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
-        print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
+        n = len(segments)
+        segments = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
+        print(f"[spice] corpus: {len(segments)} segments ({n - len(segments)} dropped as "
               f"contaminated)", file=sys.stderr)
-        if not kept:
+        if not segments:
             raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
-        segments = kept
     return segments
 
 
@@ -565,21 +548,17 @@ def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, d
     groups = []  # (role, completions, rewards)
     for r in rollouts:
         if not cfg.challenger_model:
-            groups.append((CHALLENGER, [a.completion for a in r.attempts],
+            groups.append(("challenger", [a.completion for a in r.attempts],
                            [a.reward for a in r.attempts]))
         if r.reasoner_task:
-            groups.append((REASONER, r.reasoner_task.answers, r.reasoner_task.correct))
-    ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
-    adv = common.group_advantages([x for *_, xs in groups for x in xs], ids, scale="none")
-    trajs = [common.Trajectory.from_completion(c, reward=x, role=role)
-             for role, cs, xs in groups for c, x in zip(cs, xs)]
-    for t, a in zip(trajs, adv.tolist()):
-        t.advantage = float(a)
+            groups.append(("reasoner", r.reasoner_task.answers, r.reasoner_task.correct))
+    flat = [(g, role, c, x) for g, (role, cs, xs) in enumerate(groups) for c, x in zip(cs, xs)]
+    adv = common.group_advantages([x for *_, x in flat], [g for g, *_ in flat], scale="none")
+    trajs = [common.Trajectory.from_completion(c, reward=x, role=role, advantage=float(a))
+             for (_, role, c, x), a in zip(flat, adv.tolist())]
     # a group of equal rewards has zero advantages: no signal (it stays in the batch)
-    zero = {}
-    for role, _, xs in groups:
-        zero.setdefault(f"{role}/zero_adv_group_frac", []).append(len(set(xs)) == 1)
-    return trajs, {k: _mean(v) for k, v in zero.items()}
+    zero = {r: [len(set(xs)) == 1 for role, _, xs in groups if role == r] for r, _, _ in groups}
+    return trajs, {f"{r}/zero_adv_group_frac": _mean(z) for r, z in zero.items()}
 
 
 def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
@@ -624,7 +603,8 @@ def sample_records(rollouts: list[DocRollout]) -> list[dict]:
 
 # Training loop and main()
 def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
-    """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout."""
+    """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout: the results
+    go to run_dir/`name`, their eval/* metrics are returned ({} without eval sets)."""
     if not cfg.eval_benchmarks.strip():
         return {}
 
@@ -633,7 +613,7 @@ def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.js
         return reasoner_prompt(problem["question"] + "".join(options), fmt, templates(cfg.prompts))
     res = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
-    return res
+    return common.eval_metrics(res)
 
 
 def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
@@ -682,10 +662,7 @@ def train(cfg: Config, policy=None) -> Path:
     writer = cfg.challenger_model and common.FrozenModel(
         cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
     start, _ = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
-
-    def eval_at(step: int, name: str) -> dict:  # eval/* metrics, {} without eval sets
-        res = run_eval(policy, run, cfg, fmt, step, name)
-        return common.eval_metrics(res) if res else {}
+    eval_at = functools.partial(run_eval, policy, run, cfg, fmt)
     if cfg.eval_base and start == 0 and (base := eval_at(0, "eval_base.json")):
         run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
     pbar = run.progress(cfg.steps, initial=start)

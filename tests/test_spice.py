@@ -1014,10 +1014,12 @@ def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
             written[name] = res
     cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3,
                        eval_benchmarks=str(EVAL))
-    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
+    m = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
+    res = written["eval.json"]
     assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
-    assert "timeout 0.37s" in res["settings"]["verifier"] and written["eval.json"]["step"] == 1
+    assert "timeout 0.37s" in res["settings"]["verifier"] and res["step"] == 1
     assert res["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)   # only "15 + 27?"
+    assert m == common.eval_metrics(res)                      # eval/* metrics for metrics.jsonl
 
 
 def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer):
