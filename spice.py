@@ -496,10 +496,8 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
     invalid = [a for a in attempts if a.task is None]
     n_valid = min(len(valid), max(1 if valid else 0, round(G * len(valid) / len(attempts))))
     n_invalid = min(len(invalid), G - n_valid)
-
-    def pick(xs, k):
-        return [xs[i] for i in sorted(rng.choice(len(xs), size=k, replace=False))] if k else []
-    return pick(valid, G - n_invalid) + pick(invalid, n_invalid)
+    return [xs[i] for xs, k in ((valid, G - n_invalid), (invalid, n_invalid)) if k
+            for i in sorted(rng.choice(len(xs), size=k, replace=False))]
 
 
 def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check,
@@ -581,13 +579,13 @@ def step_metrics(rollouts: list[DocRollout]) -> dict:
     """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate, and
     the questions' diversity (SPICE's comes from the documents alone)."""
     valid = [a for r in rollouts for a in r.attempts if a.task is not None]
-    m = {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
-                                   / max(1, sum(r.n_generated for r in rollouts))),
-         "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
-         "challenger/reward": _mean([a.reward for r in rollouts for a in r.attempts]),
-         "reasoner/accuracy": _mean([_mean(a.correct) for a in valid])}
     diversity = common.diversity_metrics([a.task.question for a in valid]) if valid else {}
-    return {**m, **{f"challenger/{k}": v for k, v in diversity.items()}}
+    return {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
+                                      / max(1, sum(r.n_generated for r in rollouts))),
+            "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
+            "challenger/reward": _mean([a.reward for r in rollouts for a in r.attempts]),
+            "reasoner/accuracy": _mean([_mean(a.correct) for a in valid]),
+            **{f"challenger/{k}": v for k, v in diversity.items()}}
 
 
 def sample_records(rollouts: list[DocRollout]) -> list[dict]:
