@@ -88,10 +88,11 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
            "prompt_format": ("auto", "chat", "plain")}
 ANSWER_TYPES = ("Integer", "Expression", "String")
 # --model tiny: a one-minute smoke run on tests/data (flags override); ours fill 2,050 tiny tokens
-TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl", steps=2, docs_per_step=1,
-            eval_benchmarks=f"{common.TINY_DATA}/spice_eval.jsonl", group_size=2, reasoner_k=2,
-            max_attempts=2, max_tokens=24, max_model_len=2048, type_select_max_tokens=16,
-            eval_max_tokens=8, prompts=f"{common.TINY_DATA}/spice_short_prompts.toml")
+TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl",
+            eval_benchmarks=f"{common.TINY_DATA}/spice_eval.jsonl", steps=2, docs_per_step=1,
+            group_size=2, reasoner_k=2, max_attempts=2, max_tokens=24, max_model_len=2048,
+            type_select_max_tokens=16, eval_max_tokens=8,
+            prompts=f"{common.TINY_DATA}/spice_short_prompts.toml")
 
 
 # Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
