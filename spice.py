@@ -174,10 +174,9 @@ term, name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a s
 look-ups, single stated facts, simple arithmetic, yes/no.
 Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
 parts to combine, the intermediate steps, the shortcuts you block.
-Step 3. The question connects at least three concepts from different parts, tests relationships, \
-not memory, and needs several steps. The solver never sees the document: never write "according \
-to the text" or the like. Give all context and definitions; state the units, format and \
-constraints of the answer.
+Step 3. It connects at least three concepts from different parts and tests relationships, not \
+memory. The solver never sees the document: never write "according to the text" or the like. Give \
+all context and definitions; state the units, format and constraints of the answer.
 Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
 which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
 every variable defined, canonical form ("2x^2 + 3x - 5"). String: the question says its exact \
@@ -281,17 +280,6 @@ def _scalar(x) -> str | None:
     return str(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
 
-def answer_has_type(answer: str, answer_type: str) -> bool:
-    a = answer.strip().strip("$").strip()
-    if answer_type == "Integer":
-        return re.fullmatch(r"[+-]?\d+(?:,\d{3})*", a) is not None
-    if answer_type == "Expression":
-        return 0 < len(a) <= 300
-    # a String is graded by its normalized form: one of symbols only ("?!") could never match
-    return (answer_type == "String" and 0 < len(a) <= 100 and len(a.split()) <= 3
-            and common.normalize_string(a) != "")
-
-
 def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
     """Validity (§4): (task, "ok") or (None, why); hostile output must never crash a run."""
     try:
@@ -327,7 +315,12 @@ def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Ta
         declared = obj.get("answer_type")
         if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
             return None, "wrong_answer_type"
-        if not answer_has_type(a, answer_type):
+        bare = a.strip("$").strip()
+        if not (re.fullmatch(r"[+-]?\d+(?:,\d{3})*", bare) if answer_type == "Integer"
+                else 0 < len(bare) <= 300 if answer_type == "Expression"
+                # a String is graded normalized: one of symbols only ("?!") could never match
+                else answer_type == "String" and 0 < len(bare) <= 100
+                and len(bare.split()) <= 3 and common.normalize_string(bare)):
             return None, "answer_not_" + answer_type.lower()
         return Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(),
                     answer_type), "ok"
@@ -357,11 +350,6 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
         return [float(p is not None and common.normalize_string(p) == gold) for p in preds]
     return list(map(float, common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
                                                   expression=task.answer_type == "Expression")))
-
-
-def challenger_reward(correct: list[float], cfg: Config) -> float:
-    """Eq. 1 (App. D, Eq. 5) on p, the share of correct answers, or a Table 4 ablation."""
-    return float(common.proposer_reward(np.mean(correct), cfg.challenger_reward, tau=cfg.tau))
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
@@ -529,9 +517,11 @@ def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) ->
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
-    """Step 5 (Eq. 1): r_C from the K correctness bits of a valid task; rho for an invalid one."""
+    """Step 5 (Eq. 1; App. D, Eq. 5): r_C on p, the share of correct answers among the K, or a
+    Table 4 ablation; rho for an invalid task."""
     for a in (a for r in rollouts for a in r.attempts):
-        a.reward = challenger_reward(a.correct, cfg) if a.task is not None else cfg.invalid_penalty
+        a.reward = cfg.invalid_penalty if a.task is None else float(
+            common.proposer_reward(np.mean(a.correct), cfg.challenger_reward, tau=cfg.tau))
 
 
 def reasoner_group(rollouts: list[DocRollout], rng) -> None:

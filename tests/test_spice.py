@@ -457,11 +457,18 @@ def test_letter_only_expression_answers_reach_math_verify():
 
 
 # ------------------------------------------------------------------------------------------ rewards
+def _challenger_reward(correct, cfg):
+    """r_C of one valid task whose K answers have these correctness bits (challenger_rewards)."""
+    a = spice.Attempt(comp("the Challenger's JSON"), object(), "ok", correct=correct)
+    spice.challenger_rewards([spice.DocRollout(DOC, "free", "Integer", [a])], cfg)
+    return a.reward
+
+
 def test_variance_reward_on_all_k8_patterns():
     cfg = spice.Config()
     # the worked example of Eq. 1 (population variance)
     expected = {0: 0.044, 1: 0.372, 2: 0.823, 3: 0.988, 4: 1.000}
-    got = {c: spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) for c in range(9)}
+    got = {c: _challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) for c in range(9)}
     for c in range(9):
         assert got[c] == pytest.approx(expected[min(c, 8 - c)], abs=1e-3), c
     # the unbiased estimator would rank 3/8 above 4/8
@@ -479,7 +486,7 @@ def test_variance_reward_on_all_k8_patterns():
 def test_ablation_rewards(name, fn):
     cfg = spice.Config(challenger_reward=name)
     for c in range(9):
-        got = spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg)
+        got = _challenger_reward([1.0] * c + [0.0] * (8 - c), cfg)
         assert got == pytest.approx(fn(c / 8)), (name, c)
 
 
