@@ -95,8 +95,7 @@ TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl",
             prompts=f"{common.TINY_DATA}/spice_short_prompts.toml")
 
 
-# Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
-# --prompts FILE replaces any of them (common.load_prompts).
+# Prompts: Figs. 8-10 in our words, str.format templates (braces doubled); --prompts FILE replaces
 _JSON_RULES = ("\nFirst think your design through; this thinking is private. Then write one valid "
                "JSON object with these fields and nothing after it: no markdown, no code fences; "
                "start with {{ and end with }}. In its strings write every LaTeX backslash twice "
@@ -366,8 +365,9 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
             rows = common.iter_jsonl(src, shape=fix, error=common.InputError, errors="replace")
         else:
             import datasets
-            rows, limit = enumerate(datasets.load_dataset(name, config or None, streaming=True,
-                                    split=src.partition("@")[2] or "train")), limit or 20000
+            split, limit = src.partition("@")[2] or "train", limit or 20000
+            rows = enumerate(datasets.load_dataset(name, config or None, split=split,
+                                                   streaming=True))
         for n, row in rows:
             if not isinstance(text := row.get(field_name), str):
                 raise common.InputError(f"{f'{src}:{n}' if local else where}: no string field "
@@ -582,10 +582,9 @@ def step_metrics(rollouts: list[DocRollout]) -> dict:
 def sample_records(rollouts: list[DocRollout]) -> list[dict]:
     """samples.jsonl: every Challenger attempt with its task, r_C and the K answers behind it."""
     return [{"document": r.document, "type": r.answer_type or r.kind,
-             "challenger_output": a.completion.text,
-             "invalid_reason": None if a.task else a.reason, "question": a.task and a.task.question,
-             "gold": a.task and a.task.gold, "challenger_reward": a.reward,
-             "pass_rate": _mean(a.correct) if a.task else None,
+             "challenger_output": a.completion.text, "invalid_reason": None if a.task else a.reason,
+             "question": a.task and a.task.question, "gold": a.task and a.task.gold,
+             "challenger_reward": a.reward, "pass_rate": _mean(a.correct) if a.task else None,
              "reasoner_task": a is r.reasoner_task, "answers": [c.text for c in a.answers]}
             for r in rollouts for a in r.attempts]
 
