@@ -97,9 +97,9 @@ TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl",
 
 # Prompts: Figs. 8-10 in our words, str.format templates (braces doubled); --prompts FILE replaces
 _JSON_RULES = ("\nFirst think your design through; this thinking is private. Then write one valid "
-               "JSON object with these fields and nothing after it: no markdown, no code fences; "
-               "start with {{ and end with }}. In its strings write every LaTeX backslash twice "
-               "(\\\\frac{{1}}{{2}}), as JSON requires.\n")
+               "JSON object and nothing after it: no markdown, no code fences; start with {{ and "
+               "end with }}. In its strings write every LaTeX backslash twice "
+               "(\\\\frac{{1}}{{2}}), as JSON requires. Its fields, in order: ")
 PROMPTS = {
     # Fig. 8 wrappers: ChatML with a generic system message (Qwen3), or plain dialogue (OctoThinker)
     "system": "You are a helpful assistant.",
@@ -117,11 +117,11 @@ Which CHALLENGING exam question suits the document below best: multiple choice (
 for three wrong options that are plausible but false.
 - Free-form needs one clear answer: a calculation (Integer), a formula to derive (Expression), or \
 a concept in exact terminology (String).
-Choose exactly ONE kind. Reply with one valid JSON object only: no markdown, no backticks.
+Choose exactly ONE kind: one "suitable" is true; best_answer_type only for free-form, else null. \
+Reply with one valid JSON object only: no markdown, no backticks.
 {{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
 "Integer" or "Expression" or "String" or null, "reason": "a few plain words: under 100 characters, \
-no LaTeX, no special characters"}}
-Exactly one "suitable" is true; best_answer_type only for free-form, else null.""",
+no LaTeX, no special characters"}}""",
     # Fig. 10, left: the multiple-choice generator
     "mcq": """\
 Turn the document below into one CHALLENGING multiple-choice exam question that can only be \
@@ -147,19 +147,14 @@ Step 7. Solve it as a student with the options in view ("self_test_solution"), b
 route. If two options can be ruled out without real understanding, or the options give the \
 answer away or follow a pattern, redesign them. Count the reasoning steps: if fewer than 3, reject \
 the question and write a harder one; if it takes less than 30 seconds, make it harder. Revise it \
-if one sentence or part of the document answers it, it tests facts rather than relationships, its \
-options are unbalanced, or your solve took less than a minute.
-""" + _JSON_RULES + """\
-- "identified_answer": the relationship or conclusion derived by combining parts of the document
-- "answer_quote": several quotes showing the different pieces needed
-- "hardening_process": your strategy from Step 2
-- "exam_question": the self-contained question; "" if the document is not rich enough
-- "correct_answer": the answer with its reasoning from the document; "" if there is none
-- "multiple_choice_question": one string: the question, then its options A) to D); "" if none
-- "multiple_choice_correct": A, B, C or D; "" if there is no question
-- "self_test_solution": your solve from Step 7
-- "knowledge_and_reasoning_steps": the path from Step 5
-- "question_difficulty": "Hard" or "Extra Hard"; "Easy" only if the document offers nothing more""",
+if it fails Step 3, 4 or 6, or your solve took less than a minute.
+""" + _JSON_RULES + """"identified_answer": the conclusion drawn by combining parts of the \
+document; "answer_quote": quotes of the pieces it needs; "hardening_process"; "exam_question": \
+the self-contained question; "correct_answer": the answer with its reasoning from the document; \
+"multiple_choice_question": one string, the question then its options A) to D); \
+"multiple_choice_correct": A, B, C or D; "self_test_solution"; "knowledge_and_reasoning_steps"; \
+"question_difficulty": "Hard" or "Extra Hard", "Easy" only if the document offers nothing more. \
+If the document is not rich enough, both questions, the answer and the letter are "".""",
     # Fig. 10, right: the free-form generator
     "free_form": """\
 Turn the document below into one CHALLENGING free-form exam question whose answer is of type \
@@ -168,8 +163,8 @@ Turn the document below into one CHALLENGING free-form exam question whose answe
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
 variables from different parts, chained computations, counting, rates or percentages, \
 optimisation, aggregate statistics. Expression: equations, patterns that generalise into a \
-formula, systems of constraints, derivatives, recursions. String, one to three words at most: a \
-term, name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a sentence. Avoid \
+formula, systems of constraints, derivatives, recursions. String, at most three words: a term, \
+name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a sentence. Avoid \
 look-ups, single stated facts, simple arithmetic, yes/no.
 Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
 parts to combine, the intermediate steps, the shortcuts you block.
@@ -184,26 +179,19 @@ Step 5. Solve it step by step ("step_by_step_solution"), edge cases too; check t
 type {answer_type}, and estimate the time: a hard question takes more than a minute.
 Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
-or a counter-intuitive result. Aim for hard or extra hard.
+or a counter-intuitive result.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
 unambiguous format, every valid approach reaching it; else rewrite the question. It needs \
-understanding, not extraction, and is self-contained and clear. "question" is one single string, \
-never a list or several questions; "answer" is one plain value, never a list or an object.
-""" + _JSON_RULES + """\
-- "identified_information": three or more key pieces of information from different parts
-- "relevant_quotes": word-for-word quotes showing them
-- "hardening_process": your strategy from Step 2
-- "question": one self-contained question; "" if the document is not rich enough
-- "answer": the precise {answer_type} answer; "" if the document gives none
-- "answer_type": "{answer_type}", exactly
-- "step_by_step_solution": your solution from Step 5
-- "intermediate_results": an object with the result of each step
-- "difficulty_level": "Hard" or "Extra Hard"
-- "difficulty_justification": why, from the steps and concepts required
-- "solving_time_estimate": minutes for a student
-- "required_concepts": the concepts from the document that must be understood
-- "potential_errors": typical mistakes and edge cases
-The answer follows from the document alone; a String answer has at most three words.""",
+understanding, not extraction.
+""" + _JSON_RULES + """"identified_information": three or more key pieces of information from \
+different parts; "relevant_quotes": word-for-word quotes showing them; "hardening_process"; \
+"question": one self-contained, clear question in one single string, never a list or several \
+questions; "answer": one plain value, never a list or an object, that follows from the document \
+alone; "answer_type": "{answer_type}", exactly; "step_by_step_solution"; "intermediate_results": \
+an object with the result of each step; "difficulty_level": "Hard" or "Extra Hard"; \
+"difficulty_justification"; "solving_time_estimate": minutes for a student; "required_concepts": \
+the concepts from the document that must be understood; "potential_errors": typical mistakes and \
+edge cases. Both "question" and "answer" are "" if the document is not rich enough for them.""",
     # Fig. 8: the Reasoner sees the question only
     "reasoner": ("{question}\n\nReason step by step, then put your final answer inside "
                  "\\boxed{{}}. If the question lists lettered options, put only the letter of the "

@@ -335,13 +335,13 @@ def test_prompts_carry_the_papers_instructions():
                    "less than a minute", "this thinking is private", "no code fences",
                    '"Easy" only if'):
         assert phrase in mcq, phrase
-    for phrase in ("at least three concepts", "one to three words at most", "never [42]",
+    for phrase in ("at least three concepts", "String, at most three words", "never [42]",
                    "canonical form", "whether case matters", "more than a minute",
                    "Medium: 2-3 steps", "Hard: 4-5 steps", "Extra hard: 6 or more steps",
                    "exactly one answer is correct", '"Hard" or "Extra Hard"', "one single string",
-                   "never a list", "at most three words", "state the units"):
+                   "never a list", "follows from the document alone", "state the units"):
         assert phrase in free, phrase
-    keys = lambda template: re.findall(r'^- "(\w+)":', template, re.M)
+    keys = lambda template: re.findall(r'"(\w+)"[:;]', template.split("fields, in order:")[1])
     assert keys(mcq) == list(MCQ_JSON)                          # the JSON fields the parser reads
     assert keys(free) == ["identified_information", "relevant_quotes", "hardening_process",
                           "question", "answer", "answer_type", "step_by_step_solution",
