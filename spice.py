@@ -79,7 +79,6 @@ class Config(common.RunConfig):
     mini_batch: int = 128  # trajectories per optimizer step (App. B; oat/args.py train_batch_size)
     tis_cap: float = 2.0  # truncated IS cap on exp(l_old - l_vllm), 0 = off (oat/args.py tis_c)
     adam_beta2: float = 0.95  # AdamW beta_2 (oat/args.py adam_beta_2)
-    kl_coef: float = 0.0  # no KL (App. B)
     max_model_len: int = 12288  # a 5,992-token document + prompt + 4,096 generated tokens
 
 
@@ -234,7 +233,7 @@ def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
 
 # Validity and grading (§4). Model output is untrusted: nothing here raises on it.
 MAX_QUESTION_CHARS = 6_000
-_OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
+_OPTION = re.compile(r"(?:^|(?<=\s)|(?=\())\(?([A-D])\s*[\)\.:]\s")  # from "(" if any
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
 
 
@@ -244,18 +243,6 @@ class Task:
     question: str  # what the Reasoner sees
     gold: str  # the option letter (MCQ) or the answer (free-form)
     answer_type: str  # "MCQ" | Integer | Expression | String
-
-
-def split_options(text: str) -> tuple[str, list[str]] | None:
-    """The stem and the four options of "stem A) .. B) .. C) .. D) ..", or None."""
-    marks = []
-    for m in _OPTION.finditer(text):
-        if len(marks) < 4 and m[1] == "ABCD"[len(marks)]:
-            marks.append((m.start(1) - (text[m.start(1) - 1:m.start(1)] == "("), m.end()))
-    if len(marks) != 4:
-        return None
-    ends = [start for start, _ in marks[1:]] + [len(text)]
-    return text[:marks[0][0]].strip(), [text[a:b].strip() for (_, a), b in zip(marks, ends)]
 
 
 def _scalar(x) -> str | None:
@@ -284,12 +271,16 @@ def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Ta
         q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
         if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
             return None, "bad_characters"
-        if mcq:
-            parts = split_options(q)
-            if parts is None or not parts[0]:
-                return None, "empty_stem" if parts else "options_not_A_to_D"
-            if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
-                                         for o in parts[1]}) != 4:
+        if mcq:  # "stem A) .. B) .. C) .. D) .."
+            marks = []
+            for m in _OPTION.finditer(q):
+                marks += [m] if len(marks) < 4 and m[1] == "ABCD"[len(marks)] else []
+            if len(marks) != 4 or not q[:marks[0].start()].strip():
+                return None, "empty_stem" if marks[3:] else "options_not_A_to_D"
+            ends = [n.start() for n in marks[1:]] + [None]
+            opts = [q[m.end():e].strip() for m, e in zip(marks, ends)]
+            if not all(opts) or len({re.sub(r"[\s.,;:]+", " ", o.lower()).strip()
+                                     for o in opts}) < 4:
                 return None, "options_not_distinct"
             # str(): no other JSON value (number, list, null) turns into a letter
             letter = str(obj.get("multiple_choice_correct")).strip().strip("()")
@@ -343,19 +334,17 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
     all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
-    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")) \
-        or os.path.exists(src)
-    name, _, config = src.partition("@")[0].partition(":")
-    where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
+    local = src.endswith((".jsonl", ".json")) or src.startswith(tuple("./~")) or os.path.exists(src)
+    (name, _, config), docs = src.partition("@")[0].partition(":"), []
+    where = f"corpus file {src!r}" if local else f"hub dataset {name!r}"
     fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
             rows = common.iter_jsonl(src, shape=fix, error=common.InputError, errors="replace")
         else:
             import datasets
-            split, limit = src.partition("@")[2] or "train", limit or 20000
-            rows = enumerate(datasets.load_dataset(name, config or None, split=split,
-                                                   streaming=True))
+            split, limit, config = src.partition("@")[2] or "train", limit or 20000, config or None
+            rows = enumerate(datasets.load_dataset(name, config, split=split, streaming=True))
         for n, row in rows:
             if not isinstance(text := row.get(field_name), str):
                 raise common.InputError(f"{f'{src}:{n}' if local else where}: no string field "
@@ -384,11 +373,10 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
     for src in sources:
         for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
             ids = tokenizer(d, add_special_tokens=False)["input_ids"]
-            chunks = [tokenizer.decode(ids[i:i + chunk_tokens])
-                      for i in range(0, len(ids), chunk_tokens)] if len(ids) > chunk_tokens else [d]
-            # "<|im_end|>" in web text would end the prompt as a real control token
-            clean = (common.strip_special_tokens(c, tokenizer) for c in chunks)
-            segments += [c for c in clean if c.strip()]
+            cuts = range(0, len(ids), chunk_tokens) if len(ids) > chunk_tokens else ()
+            segments += [tokenizer.decode(ids[i:i + chunk_tokens]) for i in cuts] or [d]
+    # "<|im_end|>" in web text would end the prompt as a real control token
+    segments = [s for c in segments if (s := common.strip_special_tokens(c, tokenizer)).strip()]
     if decon is not None:
         n = len(segments)
         segments = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
@@ -449,19 +437,15 @@ def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
     """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4), not
     truncated, decontaminated, with room for the Reasoner's answer. An invalid one gets rho."""
     def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
-        if completion.finish_reason == "length":
-            return None, "truncated"
         # special-token strings in a question would forge chat turns in the Reasoner's prompt
-        task, reason = parse_task(common.strip_special_tokens(completion.text, tokenizer), kind,
-                                  answer_type)
-        if task is None:
-            return None, reason
-        if decon is not None and decon.contaminated(task.question):
+        task, why = (None, "truncated") if completion.finish_reason == "length" else parse_task(
+            common.strip_special_tokens(completion.text, tokenizer), kind, answer_type)
+        if task and decon is not None and decon.contaminated(task.question):
             return None, "contaminated"
-        prompt = reasoner_prompt(task.question, fmt, templates(cfg.prompts))
-        if len(common.encode_prompt(tokenizer, prompt)) + cfg.max_tokens > cfg.max_model_len:
+        if task and len(common.encode_prompt(tokenizer, reasoner_prompt(
+                task.question, fmt, templates(cfg.prompts)))) + cfg.max_tokens > cfg.max_model_len:
             return None, "question_too_long"
-        return task, "ok"
+        return task, why
     return check
 
 
@@ -543,9 +527,9 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     T_C and T_R permuted together (oat/algorithms/ppo.py), one step per mini-batch; re-sync."""
     if not trajs:
         return {}
-    pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef,
-                         aggregation="drgrpo", max_len=cfg.max_tokens, temperature=cfg.temperature,
-                         tis_cap=cfg.tis_cap, mini_batch=cfg.mini_batch, shuffle=True)
+    pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, aggregation="drgrpo",
+                         max_len=cfg.max_tokens, temperature=cfg.temperature, tis_cap=cfg.tis_cap,
+                         mini_batch=cfg.mini_batch, shuffle=True)
     return common.pg_step(policy, trajs, pg)
 
 
@@ -596,8 +580,8 @@ def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
     """The longest segment that leaves room for the Challenger's prompt and max_tokens."""
     fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
     kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
-    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, tpl)))
-                   for k, t in kinds)
+    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", *kt, fmt, tpl)))
+                   for kt in kinds)
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
         raise common.InputError(f"--max-model-len {cfg.max_model_len} leaves no room for a "
