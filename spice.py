@@ -232,7 +232,6 @@ def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
 
 
 # Validity and grading (§4). Model output is untrusted: nothing here raises on it.
-MAX_QUESTION_CHARS = 6_000
 _OPTION = re.compile(r"(?:^|(?<=\s)|(?=\())\(?([A-D])\s*[\)\.:]\s")  # from "(" if any
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
 
@@ -266,7 +265,7 @@ def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Ta
             return None, "too_thin"
         if not isinstance(q, str) or not q.strip():
             return None, "missing_question"
-        if len(q) > MAX_QUESTION_CHARS:
+        if len(q) > 6_000:  # before the tokenizer sees it
             return None, "question_too_long"
         q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
         if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
@@ -364,8 +363,7 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
 
 
 def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
-    """The segments of every source (an equal share of cfg.corpus_docs each), without special-token
-    strings, less those sharing a 13-gram with an eval set."""
+    """Each source's segments (equal shares of cfg.corpus_docs), less those with an eval 13-gram."""
     sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
         raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
@@ -426,16 +424,13 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tu
         prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
         outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
-    choices = []
-    for c in parsed:
-        kind, t = c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
-        choices.append((kind, t or (ANSWER_TYPES[rng.integers(3)] if kind == "free" else None)))
-    return choices
+    kinds = (c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
+             for c in parsed)  # lazy: each document draws a kind, then an answer type
+    return [(k, t or (ANSWER_TYPES[rng.integers(3)] if k == "free" else None)) for k, t in kinds]
 
 
 def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
-    """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4), not
-    truncated, decontaminated, with room for the Reasoner's answer. An invalid one gets rho."""
+    """check(completion, kind, answer_type) -> (task, "ok") | (None, why); invalid: rho (§4)."""
     def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
         # special-token strings in a question would forge chat turns in the Reasoner's prompt
         task, why = (None, "truncated") if completion.finish_reason == "length" else parse_task(
@@ -489,8 +484,7 @@ def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) ->
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
-    """Step 5 (Eq. 1; App. D, Eq. 5): r_C on p, the share of correct answers among the K, or a
-    Table 4 ablation; rho for an invalid task."""
+    """Step 5: r_C (Eq. 1; App. D, Eq. 5; or Table 4) on p, the pass rate of the K; invalid: rho."""
     for a in (a for r in rollouts for a in r.attempts):
         a.reward = cfg.invalid_penalty if a.task is None else float(
             common.proposer_reward(np.mean(a.correct), cfg.challenger_reward, tau=cfg.tau))
@@ -504,8 +498,7 @@ def reasoner_group(rollouts: list[DocRollout], rng) -> None:
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
-    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document (no T_C from a frozen
-    --challenger-model)."""
+    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document; no T_C if frozen."""
     groups = []  # (role, completions, rewards)
     for r in rollouts:
         if not cfg.challenger_model:
@@ -539,8 +532,7 @@ def _mean(xs) -> float:
 
 
 def step_metrics(rollouts: list[DocRollout]) -> dict:
-    """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate, and
-    the questions' diversity (SPICE's comes from the documents alone)."""
+    """Validity over every attempt made (not the G kept), r_C, pass rate, question diversity."""
     valid = [a for r in rollouts for a in r.attempts if a.task is not None]
     diversity = common.diversity_metrics([a.task.question for a in valid]) if valid else {}
     return {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
@@ -563,8 +555,7 @@ def sample_records(rollouts: list[DocRollout]) -> list[dict]:
 
 # Training loop and main()
 def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
-    """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout: the results
-    go to run_dir/`name`, their eval/* metrics are returned ({} without eval sets)."""
+    """Zero-shot with the training Reasoner prompt (App. A): run_dir/`name`; returns eval/*."""
     if not cfg.eval_benchmarks.strip():
         return {}
 
@@ -584,9 +575,8 @@ def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
                    for kt in kinds)
     room = cfg.max_model_len - cfg.max_tokens - overhead - 16
     if room < 32:
-        raise common.InputError(f"--max-model-len {cfg.max_model_len} leaves no room for a "
-                                f"document next to --max-tokens {cfg.max_tokens} and a "
-                                f"{overhead}-token prompt; raise --max-model-len")
+        raise common.InputError(f"--max-model-len {cfg.max_model_len}: no room for a document"
+                                f" beside --max-tokens {cfg.max_tokens}, a {overhead}-token prompt")
     return min(cfg.chunk_tokens, room)
 
 
@@ -612,15 +602,15 @@ def train(cfg: Config, policy=None) -> Path:
     fmt = resolve_prompt_format(cfg, tokenizer)
     # the corpus segments and every generated question are screened against the eval sets
     decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
-    corpus = []
-    if not cfg.no_document:  # the Challenger reads the documents: its tokenizer sizes them
-        doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
-        corpus = load_corpus(cfg, doc_tok, effective_chunk_tokens(cfg, doc_tok), decon)
+    # the Challenger reads the documents: its tokenizer sizes them
+    doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
+    corpus = [] if cfg.no_document else load_corpus(
+        cfg, doc_tok, effective_chunk_tokens(cfg, doc_tok), decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = validity_checker(cfg, tokenizer, fmt, decon)
-    writer = cfg.challenger_model and common.FrozenModel(
-        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
+    writer = contextlib.nullcontext if not cfg.challenger_model else common.FrozenModel(
+        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization).sampling
     start, _ = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
     eval_at = functools.partial(run_eval, policy, run, cfg, fmt)
     if cfg.eval_base and start == 0 and (base := eval_at(0, "eval_base.json")):
@@ -631,8 +621,7 @@ def train(cfg: Config, policy=None) -> Path:
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
-            with writing as challenger:
+            with writer(policy) as challenger:
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
@@ -641,9 +630,8 @@ def train(cfg: Config, policy=None) -> Path:
             reasoner_group(rollouts, rng)
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
-            train_stats = drgrpo_update(policy, trajs, cfg)
-        metrics = {**step_metrics(rollouts), **traj_stats, **{
-            f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
+            stats = {f"train/{k}": v for k, v in drgrpo_update(policy, trajs, cfg).items()}
+        metrics = {**step_metrics(rollouts), **traj_stats, **stats}
         run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             metrics.update(eval_at(step, f"eval_step{step}.json"))
