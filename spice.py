@@ -211,9 +211,8 @@ def resolve_prompt_format(cfg: Config, tokenizer) -> str:
 
 def wrap(content: str, fmt: str, prompts=PROMPTS):
     """Fig. 8: ChatML with a generic system message (Qwen3), or a User/Assistant preamble."""
-    if fmt == "plain":
-        return prompts["plain"].format(content=content)
-    return [{"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
+    return prompts["plain"].format(content=content) if fmt == "plain" else [
+        {"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
 
 
 def challenger_prompt(document: str | None, kind: str, answer_type, fmt: str, prompts=PROMPTS):
@@ -320,11 +319,9 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
     it starts with, a String normalized, else Math-Verify (over `timeout` s: 0)."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text)
              for c in completions]
-    if task.kind == "mcq":
-        return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
-    if task.answer_type == "String":
-        gold = common.normalize_string(task.gold)
-        return [float(p is not None and common.normalize_string(p) == gold) for p in preds]
+    if task.kind == "mcq" or task.answer_type == "String":
+        norm = common.choice_letter if task.kind == "mcq" else common.normalize_string
+        return [float(p is not None and norm(p) == norm(task.gold)) for p in preds]
     return list(map(float, common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
                                                   expression=task.answer_type == "Expression")))
 
