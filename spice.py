@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -247,7 +245,7 @@ def _scalar(x) -> str | None:
     """A JSON string or number as written (42, 2.5); None for a bool, list, object, nan or inf."""
     if isinstance(x, str):
         return x.strip()
-    if isinstance(x, float) and math.isfinite(x):
+    if isinstance(x, float) and np.isfinite(x):
         return str(int(x)) if x.is_integer() else repr(x)
     return str(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
@@ -330,7 +328,7 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
     all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
-    local = src.endswith((".jsonl", ".json")) or src.startswith(tuple("./~")) or os.path.exists(src)
+    local = src.endswith((".jsonl", ".json")) or src.startswith(tuple("./~")) or Path(src).exists()
     (name, _, config), docs = src.partition("@")[0].partition(":"), []
     where = f"corpus file {src!r}" if local else f"hub dataset {name!r}"
     fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
@@ -359,8 +357,19 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     return docs
 
 
-def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
-    """Each source's segments (equal shares of cfg.corpus_docs), less those with an eval 13-gram."""
+def load_corpus(cfg: Config, tokenizer, chunk_tokens: int = 0, decon=None) -> list[str]:
+    """Each source's segments (equal shares of cfg.corpus_docs), less those with an eval 13-gram;
+    chunk_tokens 0: cfg.chunk_tokens or less, leaving room for the Challenger's prompt and reply."""
+    if not chunk_tokens:
+        fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
+        kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
+        overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", *kt, fmt, tpl)))
+                       for kt in kinds)
+        room = cfg.max_model_len - cfg.max_tokens - overhead - 16
+        if room < 32:
+            raise common.InputError(f"--max-model-len {cfg.max_model_len} < --max-tokens "
+                                    f"{cfg.max_tokens} + a {overhead}-token prompt + a document")
+        chunk_tokens = min(cfg.chunk_tokens, room)
     sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
         raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
@@ -407,9 +416,8 @@ class DocRollout:
 
 def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) -> list:
     """Step 1: B segments drawn uniformly, without replacement within an iteration if possible."""
-    if no_document:
-        return [None] * n
-    return [corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
+    return [None] * n if no_document else [
+        corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
 
 
 def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tuple]:
@@ -523,7 +531,6 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     return common.pg_step(policy, trajs, pg)
 
 
-# Metrics and logs
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
 
@@ -550,7 +557,6 @@ def sample_records(rollouts: list[DocRollout]) -> list[dict]:
             for r in rollouts for a in r.attempts]
 
 
-# Training loop and main()
 def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
     """Zero-shot with the training Reasoner prompt (App. A): run_dir/`name`; returns eval/*."""
     if not cfg.eval_benchmarks.strip():
@@ -562,19 +568,6 @@ def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.js
     res = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
     return common.eval_metrics(res)
-
-
-def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
-    """The longest segment that leaves room for the Challenger's prompt and max_tokens."""
-    fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
-    kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
-    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", *kt, fmt, tpl)))
-                   for kt in kinds)
-    room = cfg.max_model_len - cfg.max_tokens - overhead - 16
-    if room < 32:
-        raise common.InputError(f"--max-model-len {cfg.max_model_len}: no room for a document"
-                                f" beside --max-tokens {cfg.max_tokens}, a {overhead}-token prompt")
-    return min(cfg.chunk_tokens, room)
 
 
 def validate_config(cfg: Config) -> None:
@@ -601,8 +594,7 @@ def train(cfg: Config, policy=None) -> Path:
     decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
     # the Challenger reads the documents: its tokenizer sizes them
     doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
-    corpus = [] if cfg.no_document else load_corpus(
-        cfg, doc_tok, effective_chunk_tokens(cfg, doc_tok), decon)
+    corpus = [] if cfg.no_document else load_corpus(cfg, doc_tok, decon=decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = validity_checker(cfg, tokenizer, fmt, decon)
