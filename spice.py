@@ -155,7 +155,7 @@ If the document is not rich enough, both questions, the answer and the letter ar
     # Fig. 10, right: the free-form generator
     "free_form": """\
 Turn the document below into one CHALLENGING free-form exam question whose answer is of type \
-{answer_type} and that needs reasoning over several steps.
+{answer_type} and that needs reasoning over several steps and understanding, not extraction.
 {document_block}
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
 variables from different parts, chained computations, counting, rates or percentages, \
@@ -178,8 +178,7 @@ Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Ha
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
 or a counter-intuitive result.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
-unambiguous format, every valid approach reaching it; else rewrite the question. It needs \
-understanding, not extraction.
+unambiguous format, every valid approach reaching it; else rewrite the question.
 """ + _JSON_RULES + """"identified_information": three or more key pieces of information from \
 different parts; "relevant_quotes": word-for-word quotes showing them; "hardening_process"; \
 "question": one self-contained, clear question in one single string, never a list or several \
@@ -453,16 +452,14 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
     """G attempts with the valid:invalid ratio of the pool (§3.1), at least one valid if any."""
     if len(attempts) <= G:
         return attempts
-    valid = [a for a in attempts if a.task is not None]
-    invalid = [a for a in attempts if a.task is None]
+    valid, invalid = [a for a in attempts if a.task], [a for a in attempts if not a.task]
     n_valid = min(len(valid), max(1 if valid else 0, round(G * len(valid) / len(attempts))))
     n_invalid = min(len(invalid), G - n_valid)
     return [xs[i] for xs, k in ((valid, G - n_invalid), (invalid, n_invalid)) if k
             for i in sorted(rng.choice(len(xs), size=k, replace=False))]
 
 
-def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check,
-                        rng) -> list[DocRollout]:
+def challenger_generate(policy, docs, types, cfg: Config, fmt: str, check, rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
     pools, active, tpl = [[] for _ in docs], list(range(len(docs))), templates(cfg.prompts)
     while active:
