@@ -179,16 +179,15 @@ Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Ha
 or a counter-intuitive result.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
 unambiguous format, every valid approach reaching it; else rewrite the question.
-""" + _JSON_RULES + """"identified_information": three or more key pieces of information from \
-different parts; "relevant_quotes": word-for-word quotes showing them; "hardening_process"; \
-"question": one self-contained, clear question in one single string, never a list or several \
-questions; "answer": one plain value, never a list or an object, that follows from the document \
-alone; "answer_type": "{answer_type}", exactly; "step_by_step_solution"; "intermediate_results": \
-an object with the result of each step; "difficulty_level": "Hard" or "Extra Hard"; \
-"difficulty_justification"; "solving_time_estimate": minutes for a student; "required_concepts": \
-the concepts from the document that must be understood; "potential_errors": typical mistakes and \
-edge cases. Both "question" and "answer" are "" if the document is not rich enough for them.""",
-    # Fig. 8: the Reasoner sees the question only
+""" + _JSON_RULES + """"identified_information": three or more key facts from different parts; \
+"relevant_quotes": word-for-word quotes showing them; "hardening_process"; "question": one clear, \
+self-contained question in one single string, never a list or several questions; "answer": one \
+plain value (never a list or object) that follows from the document alone; "answer_type": \
+"{answer_type}", exactly; "step_by_step_solution"; "intermediate_results": an object, each step's \
+result; "difficulty_level": "Hard" or "Extra Hard"; "difficulty_justification"; \
+"solving_time_estimate": minutes for a student; "required_concepts": the document's concepts it \
+needs; "potential_errors": typical mistakes and edge cases. "question" and "answer" are "" if the \
+document is too thin.""",    # Fig. 8: the Reasoner sees the question only
     "reasoner": ("{question}\n\nReason step by step, then put your final answer inside "
                  "\\boxed{{}}. If the question lists lettered options, put only the letter of the "
                  "correct one in the box."),
