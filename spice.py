@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -79,7 +77,6 @@ class Config(common.RunConfig):
     mini_batch: int = 128  # trajectories per optimizer step (App. B; oat/args.py train_batch_size)
     tis_cap: float = 2.0  # truncated IS cap on exp(l_old - l_vllm), 0 = off (oat/args.py tis_c)
     adam_beta2: float = 0.95  # AdamW beta_2 (oat/args.py adam_beta_2)
-    kl_coef: float = 0.0  # no KL (App. B)
     max_model_len: int = 12288  # a 5,992-token document + prompt + 4,096 generated tokens
 
 
@@ -87,21 +84,19 @@ CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "thr
            "task_types": ("both", "mcq", "free"), "type_selection": ("prompt", "random"),
            "prompt_format": ("auto", "chat", "plain")}
 ANSWER_TYPES = ("Integer", "Expression", "String")
-CHALLENGER, REASONER = "challenger", "reasoner"
 # --model tiny: a one-minute smoke run on tests/data (flags override); ours fill 2,050 tiny tokens
-TINY = {"corpus": f"{common.TINY_DATA}/spice_corpus.jsonl",
-        "eval_benchmarks": f"{common.TINY_DATA}/spice_eval.jsonl", "steps": 2, "docs_per_step": 1,
-        "group_size": 2, "reasoner_k": 2, "max_attempts": 2, "max_tokens": 24,
-        "max_model_len": 2048, "type_select_max_tokens": 16, "eval_max_tokens": 8,
-        "prompts": f"{common.TINY_DATA}/spice_short_prompts.toml"}
+TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl",
+            eval_benchmarks=f"{common.TINY_DATA}/spice_eval.jsonl", steps=2, docs_per_step=1,
+            group_size=2, reasoner_k=2, max_attempts=2, max_tokens=24, max_model_len=2048,
+            type_select_max_tokens=16, eval_max_tokens=8,
+            prompts=f"{common.TINY_DATA}/spice_short_prompts.toml")
 
 
-# Prompts: every instruction of Figs. 8-10 in our words; str.format templates (braces doubled).
-# --prompts FILE replaces any of them (common.load_prompts).
-_JSON_RULES = ("First think your design through; this thinking is private. Then write one valid "
-               "JSON object with these fields and nothing after it: no markdown, no code fences; "
-               "start with {{ and end with }}. In its strings write every LaTeX backslash twice "
-               "(\\\\frac{{1}}{{2}}), as JSON requires.\n")
+# Prompts: Figs. 8-10 in our words, str.format templates (braces doubled); --prompts FILE replaces
+_JSON_RULES = ("\nFirst think your design through; this thinking is private. Then write one valid "
+               "JSON object and nothing after it: no markdown, no code fences; start with {{ and "
+               "end with }}. In its strings write every LaTeX backslash twice "
+               "(\\\\frac{{1}}{{2}}), as JSON requires. Its fields, in order: ")
 PROMPTS = {
     # Fig. 8 wrappers: ChatML with a generic system message (Qwen3), or plain dialogue (OctoThinker)
     "system": "You are a helpful assistant.",
@@ -114,33 +109,29 @@ PROMPTS = {
     # Fig. 9: task type selection (not trained)
     "type_selection": """\
 Which CHALLENGING exam question suits the document below best: multiple choice (MCQ) or free-form?
-
 {document_block}
-
 - MCQ needs intricate relationships, multi-step reasoning, several concepts to combine, and room \
 for three wrong options that are plausible but false.
 - Free-form needs one clear answer: a calculation (Integer), a formula to derive (Expression), or \
 a concept in exact terminology (String).
-Choose exactly ONE kind. Reply with one valid JSON object only: no markdown, no backticks.
+Choose exactly ONE kind: one "suitable" is true; best_answer_type only for free-form, else null. \
+Reply with one valid JSON object only: no markdown, no backticks.
 {{"suitable_for_mcq": true or false, "suitable_for_free_form": true or false, "best_answer_type": \
-"Integer" or "Expression" or "String" or null, "reason": "a few plain words"}}
-Exactly one "suitable" is true; best_answer_type only for free-form, else null; "reason" under \
-100 characters, with no LaTeX and no special characters.""",
+"Integer" or "Expression" or "String" or null, "reason": "a few plain words: under 100 characters, \
+no LaTeX, no special characters"}}""",
     # Fig. 10, left: the multiple-choice generator
     "mcq": """\
 Turn the document below into one CHALLENGING multiple-choice exam question that can only be \
 answered by connecting several of its parts over several reasoning steps.
-
 {document_block}
-
 Step 1. Find material that needs synthesis: relationships across parts, multi-step calculations \
 or procedures, interacting principles, combined statements, comparisons, trade-offs, conditions, \
 systems where one change moves several parameters; not stated facts, definitions, lone numbers.
-Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the layers of \
-complexity you add, the concepts to connect, the shortcuts you block.
-Step 3. The question tests relationships, not recall; it may compare scenarios or ask "what if". \
-The solver never sees the document: never write "according to the text", "in the document", "as \
-mentioned" or the like; give all context, define terms.
+Step 2. Plan the hardening ("hardening_process"): the easy version you avoid, the complexity \
+you add, the concepts to connect, the shortcuts you block.
+Step 3. Test relationships, not recall; you may compare scenarios or ask "what if". The solver \
+never sees the document: never write "according to the text", "in the document", "as mentioned" \
+or the like; give all context, define terms.
 Step 4. Aim for HARD or EXTRA HARD: hard combines four or more concepts in multi-step problem \
 solving; extra hard analyses a complex system, a counter-intuitive application or an edge case. \
 No single look-up, sentence or keyword match may answer it.
@@ -153,39 +144,30 @@ Step 7. Solve it as a student with the options in view ("self_test_solution"), b
 route. If two options can be ruled out without real understanding, or the options give the \
 answer away or follow a pattern, redesign them. Count the reasoning steps: if fewer than 3, reject \
 the question and write a harder one; if it takes less than 30 seconds, make it harder. Revise it \
-if one sentence or part of the document answers it, it tests facts rather than relationships, its \
-options are unbalanced, or your solve took less than a minute.
-
-""" + _JSON_RULES + """\
-- "identified_answer": the relationship or conclusion derived by combining parts of the document
-- "answer_quote": several quotes showing the different pieces needed
-- "hardening_process": your strategy from Step 2
-- "exam_question": the self-contained question; "" if the document is not rich enough
-- "correct_answer": the answer with its reasoning from the document; "" if there is none
-- "multiple_choice_question": one string: the question, then its options A) to D); "" if none
-- "multiple_choice_correct": A, B, C or D; "" if there is no question
-- "self_test_solution": your solve from Step 7
-- "knowledge_and_reasoning_steps": the path from Step 5
-- "question_difficulty": "Hard" or "Extra Hard"; "Easy" only if the document offers nothing more""",
+if it fails Step 3, 4 or 6, or your solve took less than a minute.
+""" + _JSON_RULES + """"identified_answer": the conclusion drawn by combining parts of the \
+document; "answer_quote": quotes of the pieces it needs; "hardening_process"; "exam_question": \
+the self-contained question; "correct_answer": the answer with its reasoning from the document; \
+"multiple_choice_question": one string, the question then its options A) to D); \
+"multiple_choice_correct": A, B, C or D; "self_test_solution"; "knowledge_and_reasoning_steps"; \
+"question_difficulty": "Hard" or "Extra Hard", "Easy" only if the document offers nothing more. \
+If the document is not rich enough, both questions, the answer and the letter are "".""",
     # Fig. 10, right: the free-form generator
     "free_form": """\
 Turn the document below into one CHALLENGING free-form exam question whose answer is of type \
-{answer_type} and that needs reasoning over several steps.
-
+{answer_type} and that needs reasoning over several steps and understanding, not extraction.
 {document_block}
-
 Step 1. Find material for a {answer_type} answer that needs synthesis. Integer: calculations with \
 variables from different parts, chained computations, counting, rates or percentages, \
 optimisation, aggregate statistics. Expression: equations, patterns that generalise into a \
-formula, systems of constraints, derivatives, recursions. String, one to three words at most: a \
-term, name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a sentence. Avoid \
+formula, systems of constraints, derivatives, recursions. String, at most three words: a term, \
+name, method, unit or symbol ("Newton", "TCP/IP", "O(n log n)"), never a sentence. Avoid \
 look-ups, single stated facts, simple arithmetic, yes/no.
 Step 2. Plan the hardening ("hardening_process"): the too-easy version, the added layers, the \
 parts to combine, the intermediate steps, the shortcuts you block.
-Step 3. The question connects at least three concepts from different parts, tests relationships, \
-not memory, and needs several steps. The solver never sees the document: never write "according \
-to the text" or the like. Give all context and definitions; state the units, format and \
-constraints of the answer.
+Step 3. It connects at least three concepts from different parts and tests relationships, not \
+memory. The solver never sees the document: never write "according to the text" or the like. Give \
+all context and definitions; state the units, format and constraints of the answer.
 Step 4. Make the answer precise. Integer: a whole number, the question says what it counts and in \
 which unit; "answer": 42 or "42", never [42] or {{"value": 42}}. Expression: standard notation, \
 every variable defined, canonical form ("2x^2 + 3x - 5"). String: the question says its exact \
@@ -194,28 +176,18 @@ Step 5. Solve it step by step ("step_by_step_solution"), edge cases too; check t
 type {answer_type}, and estimate the time: a hard question takes more than a minute.
 Step 6. Rate it ("difficulty_justification"). Medium: 2-3 steps, 1-2 minutes. Hard: 4-5 steps, \
 2-3 minutes, four or more concepts. Extra hard: 6 or more steps, over 3 minutes, a complex system \
-or a counter-intuitive result. Aim for hard or extra hard.
+or a counter-intuitive result.
 Step 7. Make sure exactly one answer is correct: no other reading, all constraints stated, an \
-unambiguous format, every valid approach reaching it; else rewrite the question. It needs \
-understanding, not extraction, and is self-contained and clear. "question" is one single string, \
-never a list or several questions; "answer" is one plain value, never a list or an object.
-
-""" + _JSON_RULES + """\
-- "identified_information": three or more key pieces of information from different parts
-- "relevant_quotes": word-for-word quotes showing them
-- "hardening_process": your strategy from Step 2
-- "question": one self-contained question; "" if the document is not rich enough
-- "answer": the precise {answer_type} answer; "" if the document gives none
-- "answer_type": "{answer_type}", exactly
-- "step_by_step_solution": your solution from Step 5
-- "intermediate_results": an object with the result of each step
-- "difficulty_level": "Hard" or "Extra Hard"
-- "difficulty_justification": why, from the steps and concepts required
-- "solving_time_estimate": minutes for a student
-- "required_concepts": the concepts from the document that must be understood
-- "potential_errors": typical mistakes and edge cases
-The answer follows from the document alone; a String answer has at most three words.""",
-    # Fig. 8: the Reasoner sees the question only
+unambiguous format, every valid approach reaching it; else rewrite the question.
+""" + _JSON_RULES + """"identified_information": three or more key facts from different parts; \
+"relevant_quotes": word-for-word quotes showing them; "hardening_process"; "question": one clear, \
+self-contained question in one single string, never a list or several questions; "answer": one \
+plain value (never a list or object) that follows from the document alone; "answer_type": \
+"{answer_type}", exactly; "step_by_step_solution"; "intermediate_results": an object, each step's \
+result; "difficulty_level": "Hard" or "Extra Hard"; "difficulty_justification"; \
+"solving_time_estimate": minutes for a student; "required_concepts": the document's concepts it \
+needs; "potential_errors": typical mistakes and edge cases. "question" and "answer" are "" if the \
+document is too thin.""",    # Fig. 8: the Reasoner sees the question only
     "reasoner": ("{question}\n\nReason step by step, then put your final answer inside "
                  "\\boxed{{}}. If the question lists lettered options, put only the letter of the "
                  "correct one in the box."),
@@ -235,9 +207,8 @@ def resolve_prompt_format(cfg: Config, tokenizer) -> str:
 
 def wrap(content: str, fmt: str, prompts=PROMPTS):
     """Fig. 8: ChatML with a generic system message (Qwen3), or a User/Assistant preamble."""
-    if fmt == "plain":
-        return prompts["plain"].format(content=content)
-    return [{"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
+    return prompts["plain"].format(content=content) if fmt == "plain" else [
+        {"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
 
 
 def challenger_prompt(document: str | None, kind: str, answer_type, fmt: str, prompts=PROMPTS):
@@ -256,8 +227,7 @@ def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
 
 
 # Validity and grading (§4). Model output is untrusted: nothing here raises on it.
-MAX_QUESTION_CHARS = 6_000
-_OPTION = re.compile(r"(?:^|(?<=\s)|(?<=\())([A-D])\s*[\)\.:]\s")
+_OPTION = re.compile(r"(?:^|(?<=\s)|(?=\())\(?([A-D])\s*[\)\.:]\s")  # from "(" if any
 _BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")  # control, lone surrogate
 
 
@@ -269,82 +239,65 @@ class Task:
     answer_type: str  # "MCQ" | Integer | Expression | String
 
 
-def split_options(text: str) -> tuple[str, list[str]] | None:
-    """The stem and the four options of "stem A) .. B) .. C) .. D) ..", or None."""
-    marks = []
-    for m in _OPTION.finditer(text):
-        if len(marks) < 4 and m[1] == "ABCD"[len(marks)]:
-            marks.append((m.start(1) - (text[m.start(1) - 1:m.start(1)] == "("), m.end()))
-    if len(marks) != 4:
-        return None
-    ends = [start for start, _ in marks[1:]] + [len(text)]
-    return text[:marks[0][0]].strip(), [text[a:b].strip() for (_, a), b in zip(marks, ends)]
-
-
 def _scalar(x) -> str | None:
     """A JSON string or number as written (42, 2.5); None for a bool, list, object, nan or inf."""
     if isinstance(x, str):
         return x.strip()
-    if isinstance(x, float) and math.isfinite(x):
+    if isinstance(x, float) and np.isfinite(x):
         return str(int(x)) if x.is_integer() else repr(x)
     return str(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
 
-def answer_has_type(answer: str, answer_type: str) -> bool:
-    a = answer.strip().strip("$").strip()
-    if answer_type == "Integer":
-        return re.fullmatch(r"[+-]?\d+(?:,\d{3})*", a) is not None
-    if answer_type == "Expression":
-        return 0 < len(a) <= 300
-    # a String is graded by its normalized form: one of symbols only ("?!") could never match
-    return (answer_type == "String" and 0 < len(a) <= 100 and len(a.split()) <= 3
-            and common.normalize_string(a) != "")
-
-
 def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
-    """Validity (§4): (task, "ok") or (None, why)."""
+    """Validity (§4): (task, "ok") or (None, why); hostile output must never crash a run."""
     try:
-        return _parse_task(text, kind, answer_type)
-    except Exception as e:  # hostile output must never crash a run
+        obj, mcq = common.last_json_object(text), kind == "mcq"
+        if obj is None:
+            return None, "no_json"
+        q = obj.get("multiple_choice_question" if mcq else "question")
+        thin = obj.get("exam_question", "-") if mcq else q  # "": "the document is too thin"
+        if isinstance(thin, str) and not thin.strip() or mcq and not isinstance(thin, str):
+            return None, "too_thin"
+        if not isinstance(q, str) or not q.strip():
+            return None, "missing_question"
+        if len(q) > 6_000:  # before the tokenizer sees it
+            return None, "question_too_long"
+        q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
+        if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
+            return None, "bad_characters"
+        if mcq:  # "stem A) .. B) .. C) .. D) .."
+            marks = []
+            for m in _OPTION.finditer(q):
+                marks += [m] if len(marks) < 4 and m[1] == "ABCD"[len(marks)] else []
+            if len(marks) != 4 or not q[:marks[0].start()].strip():
+                return None, "empty_stem" if marks[3:] else "options_not_A_to_D"
+            ends = [n.start() for n in marks[1:]] + [None]
+            opts = [q[m.end():e].strip() for m, e in zip(marks, ends)]
+            if not all(opts) or len({re.sub(r"[\s.,;:]+", " ", o.lower()).strip()
+                                     for o in opts}) < 4:
+                return None, "options_not_distinct"
+            # str(): no other JSON value (number, list, null) turns into a letter
+            letter = str(obj.get("multiple_choice_correct")).strip().strip("()")
+            letter = letter.rstrip(").:").strip().upper()
+            if letter not in ("A", "B", "C", "D"):
+                return None, "bad_correct_letter"
+            return Task("mcq", q, letter, "MCQ"), "ok"
+        if not a:
+            return None, "missing_answer"
+        declared = obj.get("answer_type")
+        if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
+            return None, "wrong_answer_type"
+        bare = a.strip("$").strip()
+        if not (re.fullmatch(r"[+-]?\d+(?:,\d{3})*", bare) if answer_type == "Integer"
+                else 0 < len(bare) <= 300 if answer_type == "Expression"
+                # a String is graded normalized: one of symbols only ("?!") could never match
+                else answer_type == "String" and 0 < len(bare) <= 100
+                and len(bare.split()) <= 3 and common.normalize_string(bare)):
+            return None, "answer_not_" + answer_type.lower()
+        return Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(),
+                    answer_type), "ok"
+    except Exception as e:
         return None, f"parse_error:{type(e).__name__}"
-
-
-def _parse_task(text, kind, answer_type):
-    obj, mcq = common.last_json_object(text), kind == "mcq"
-    if obj is None:
-        return None, "no_json"
-    exam_q = obj.get("exam_question", "-")  # "": the MCQ generator's "too thin a document"
-    if mcq and not (isinstance(exam_q, str) and exam_q.strip()):
-        return None, "too_thin"
-    q = obj.get("multiple_choice_question" if mcq else "question")
-    if not isinstance(q, str) or not q.strip():
-        return None, "too_thin" if isinstance(q, str) and not mcq else "missing_question"
-    if len(q) > MAX_QUESTION_CHARS:
-        return None, "question_too_long"
-    q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
-    if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
-        return None, "bad_characters"
-    if mcq:
-        parts = split_options(q)
-        if parts is None or not parts[0]:
-            return None, "empty_stem" if parts else "options_not_A_to_D"
-        if not all(parts[1]) or len({re.sub(r"[\s\.,;:]+", " ", o.lower()).strip()
-                                     for o in parts[1]}) != 4:
-            return None, "options_not_distinct"
-        # str(): no other JSON value (number, list, null) turns into a letter
-        letter = str(obj.get("multiple_choice_correct")).strip().strip("()").rstrip(").:").strip()
-        if letter.upper() not in ("A", "B", "C", "D"):
-            return None, "bad_correct_letter"
-        return Task("mcq", q, letter.upper(), "MCQ"), "ok"
-    if not a:
-        return None, "missing_answer"
-    declared = obj.get("answer_type")
-    if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
-        return None, "wrong_answer_type"
-    if not answer_has_type(a, answer_type):
-        return None, "answer_not_" + answer_type.lower()
-    gold = a if answer_type == "String" else a.strip("$ ").strip()
-    return Task("free", q, gold, answer_type), "ok"
 
 
 def parse_type_selection(text: str) -> tuple[str, str | None] | None:
@@ -353,8 +306,7 @@ def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     mcq, free = obj.get("suitable_for_mcq") is True, obj.get("suitable_for_free_form") is True
     if mcq == free:
         return None
-    t = obj.get("best_answer_type")
-    t = t.strip().capitalize() if isinstance(t, str) else None
+    t = str(obj.get("best_answer_type")).strip().capitalize()  # None, a list: no answer type
     return ("mcq", None) if mcq else ("free", t if t in ANSWER_TYPES else None)
 
 
@@ -363,44 +315,33 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
     it starts with, a String normalized, else Math-Verify (over `timeout` s: 0)."""
     preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text)
              for c in completions]
-    if task.kind == "mcq":
-        return [float(p is not None and common.choice_letter(p) == task.gold) for p in preds]
-    if task.answer_type == "String":
-        gold = common.normalize_string(task.gold)
-        return [float(p is not None and bool(gold) and common.normalize_string(p) == gold)
-                for p in preds]
-    ok = common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
-                                expression=task.answer_type == "Expression")
-    return [float(x) for x in ok]
-
-
-def challenger_reward(correct: list[float], cfg: Config) -> float:
-    """Eq. 1 (App. D, Eq. 5) on p, the share of correct answers, or a Table 4 ablation."""
-    return float(common.proposer_reward(np.mean(correct), cfg.challenger_reward, tau=cfg.tau))
+    if task.kind == "mcq" or task.answer_type == "String":
+        norm = common.choice_letter if task.kind == "mcq" else common.normalize_string
+        return [float(p is not None and norm(p) == norm(task.gold)) for p in preds]
+    return list(map(float, common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
+                                                  expression=task.answer_type == "Expression")))
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
     all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
-    local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~")) \
-        or os.path.exists(src)
-    name, _, config = src.partition("@")[0].partition(":")
-    where, docs = f"corpus file {src!r}" if local else f"hub dataset {name!r}", []
+    local = src.endswith((".jsonl", ".json")) or src.startswith(tuple("./~")) or Path(src).exists()
+    (name, _, config), docs = src.partition("@")[0].partition(":"), []
+    where = f"corpus file {src!r}" if local else f"hub dataset {name!r}"
     fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
-            rows = ((f"{src}:{n}", row) for n, row in common.iter_jsonl(
-                src, shape=fix, error=common.InputError, errors="replace"))
+            rows = common.iter_jsonl(src, shape=fix, error=common.InputError, errors="replace")
         else:
             import datasets
-            limit = limit or 20000
-            rows = ((where, row) for row in datasets.load_dataset(
-                name, config or None, split=src.partition("@")[2] or "train", streaming=True))
-        for at, row in rows:
+            split, limit, config = src.partition("@")[2] or "train", limit or 20000, config or None
+            rows = enumerate(datasets.load_dataset(name, config, split=split, streaming=True))
+        for n, row in rows:
             if not isinstance(text := row.get(field_name), str):
-                raise common.InputError(f"{at}: no string field {field_name!r} (keys: "
-                                        f"{', '.join(list(row)[:8])}); pass --corpus-field NAME")
+                raise common.InputError(f"{f'{src}:{n}' if local else where}: no string field "
+                                        f"{field_name!r} (keys: {', '.join(list(row)[:8])}); "
+                                        "pass --corpus-field NAME")
             docs += [text] if text.strip() else []
             if limit and len(docs) >= limit:
                 break
@@ -414,9 +355,19 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     return docs
 
 
-def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
-    """The segments of every source (an equal share of cfg.corpus_docs each), without special-token
-    strings, less those sharing a 13-gram with an eval set."""
+def load_corpus(cfg: Config, tokenizer, chunk_tokens: int = 0, decon=None) -> list[str]:
+    """Each source's segments (equal shares of cfg.corpus_docs), less those with an eval 13-gram;
+    chunk_tokens 0: cfg.chunk_tokens or less, leaving room for the Challenger's prompt and reply."""
+    if not chunk_tokens:
+        fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
+        kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
+        overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", *kt, fmt, tpl)))
+                       for kt in kinds)
+        room = cfg.max_model_len - cfg.max_tokens - overhead - 16
+        if room < 32:
+            raise common.InputError(f"--max-model-len {cfg.max_model_len} < --max-tokens "
+                                    f"{cfg.max_tokens} + a {overhead}-token prompt + a document")
+        chunk_tokens = min(cfg.chunk_tokens, room)
     sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
         raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
@@ -424,18 +375,17 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[s
     for src in sources:
         for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
             ids = tokenizer(d, add_special_tokens=False)["input_ids"]
-            chunks = [tokenizer.decode(ids[i:i + chunk_tokens])
-                      for i in range(0, len(ids), chunk_tokens)] if len(ids) > chunk_tokens else [d]
-            # "<|im_end|>" in web text would end the prompt as a real control token
-            clean = (common.strip_special_tokens(c, tokenizer) for c in chunks)
-            segments += [c for c in clean if c.strip()]
+            cuts = range(0, len(ids), chunk_tokens) if len(ids) > chunk_tokens else ()
+            segments += [tokenizer.decode(ids[i:i + chunk_tokens]) for i in cuts] or [d]
+    # "<|im_end|>" in web text would end the prompt as a real control token
+    segments = [s for c in segments if (s := common.strip_special_tokens(c, tokenizer)).strip()]
     if decon is not None:
-        kept = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
-        print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
+        n = len(segments)
+        segments = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
+        print(f"[spice] corpus: {len(segments)} segments ({n - len(segments)} dropped as "
               f"contaminated)", file=sys.stderr)
-        if not kept:
+        if not segments:
             raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
-        segments = kept
     return segments
 
 
@@ -464,9 +414,8 @@ class DocRollout:
 
 def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) -> list:
     """Step 1: B segments drawn uniformly, without replacement within an iteration if possible."""
-    if no_document:
-        return [None] * n
-    return [corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
+    return [None] * n if no_document else [
+        corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
 
 
 def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tuple]:
@@ -478,30 +427,23 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tu
         prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
         outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
-    choices = []
-    for c in parsed:
-        kind, t = c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
-        choices.append((kind, t or (ANSWER_TYPES[rng.integers(3)] if kind == "free" else None)))
-    return choices
+    kinds = (c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
+             for c in parsed)  # lazy: each document draws a kind, then an answer type
+    return [(k, t or (ANSWER_TYPES[rng.integers(3)] if k == "free" else None)) for k, t in kinds]
 
 
 def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
-    """check(completion, kind, answer_type) -> (task, "ok") | (None, why): a usable task (§4), not
-    truncated, decontaminated, with room for the Reasoner's answer. An invalid one gets rho."""
+    """check(completion, kind, answer_type) -> (task, "ok") | (None, why); invalid: rho (§4)."""
     def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
-        if completion.finish_reason == "length":
-            return None, "truncated"
         # special-token strings in a question would forge chat turns in the Reasoner's prompt
-        task, reason = parse_task(common.strip_special_tokens(completion.text, tokenizer), kind,
-                                  answer_type)
-        if task is None:
-            return None, reason
-        if decon is not None and decon.contaminated(task.question):
+        task, why = (None, "truncated") if completion.finish_reason == "length" else parse_task(
+            common.strip_special_tokens(completion.text, tokenizer), kind, answer_type)
+        if task and decon is not None and decon.contaminated(task.question):
             return None, "contaminated"
-        prompt = reasoner_prompt(task.question, fmt, templates(cfg.prompts))
-        if len(common.encode_prompt(tokenizer, prompt)) + cfg.max_tokens > cfg.max_model_len:
+        if task and len(common.encode_prompt(tokenizer, reasoner_prompt(
+                task.question, fmt, templates(cfg.prompts)))) + cfg.max_tokens > cfg.max_model_len:
             return None, "question_too_long"
-        return task, "ok"
+        return task, why
     return check
 
 
@@ -509,18 +451,14 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
     """G attempts with the valid:invalid ratio of the pool (§3.1), at least one valid if any."""
     if len(attempts) <= G:
         return attempts
-    valid = [a for a in attempts if a.task is not None]
-    invalid = [a for a in attempts if a.task is None]
+    valid, invalid = [a for a in attempts if a.task], [a for a in attempts if not a.task]
     n_valid = min(len(valid), max(1 if valid else 0, round(G * len(valid) / len(attempts))))
     n_invalid = min(len(invalid), G - n_valid)
-
-    def pick(xs, k):
-        return [xs[i] for i in sorted(rng.choice(len(xs), size=k, replace=False))] if k else []
-    return pick(valid, G - n_invalid) + pick(invalid, n_invalid)
+    return [xs[i] for xs, k in ((valid, G - n_invalid), (invalid, n_invalid)) if k
+            for i in sorted(rng.choice(len(xs), size=k, replace=False))]
 
 
-def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, check,
-                        rng) -> list[DocRollout]:
+def challenger_generate(policy, docs, types, cfg: Config, fmt: str, check, rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
     pools, active, tpl = [[] for _ in docs], list(range(len(docs))), templates(cfg.prompts)
     while active:
@@ -547,9 +485,10 @@ def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) ->
 
 
 def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
-    """Step 5 (Eq. 1): r_C from the K correctness bits of a valid task; rho for an invalid one."""
+    """Step 5: r_C (Eq. 1; App. D, Eq. 5; or Table 4) on p, the pass rate of the K; invalid: rho."""
     for a in (a for r in rollouts for a in r.attempts):
-        a.reward = challenger_reward(a.correct, cfg) if a.task is not None else cfg.invalid_penalty
+        a.reward = cfg.invalid_penalty if a.task is None else float(
+            common.proposer_reward(np.mean(a.correct), cfg.challenger_reward, tau=cfg.tau))
 
 
 def reasoner_group(rollouts: list[DocRollout], rng) -> None:
@@ -560,26 +499,21 @@ def reasoner_group(rollouts: list[DocRollout], rng) -> None:
 
 
 def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
-    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document (no T_C from a frozen
-    --challenger-model)."""
+    """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document; no T_C if frozen."""
     groups = []  # (role, completions, rewards)
     for r in rollouts:
         if not cfg.challenger_model:
-            groups.append((CHALLENGER, [a.completion for a in r.attempts],
+            groups.append(("challenger", [a.completion for a in r.attempts],
                            [a.reward for a in r.attempts]))
         if r.reasoner_task:
-            groups.append((REASONER, r.reasoner_task.answers, r.reasoner_task.correct))
-    ids = [g for g, (_, cs, _) in enumerate(groups) for _ in cs]
-    adv = common.group_advantages([x for *_, xs in groups for x in xs], ids, scale="none")
-    trajs = [common.Trajectory.from_completion(c, reward=x, role=role)
-             for role, cs, xs in groups for c, x in zip(cs, xs)]
-    for t, a in zip(trajs, adv.tolist()):
-        t.advantage = float(a)
+            groups.append(("reasoner", r.reasoner_task.answers, r.reasoner_task.correct))
+    flat = [(g, role, c, x) for g, (role, cs, xs) in enumerate(groups) for c, x in zip(cs, xs)]
+    adv = common.group_advantages([x for *_, x in flat], [g for g, *_ in flat], scale="none")
+    trajs = [common.Trajectory.from_completion(c, reward=x, role=role, advantage=float(a))
+             for (_, role, c, x), a in zip(flat, adv.tolist())]
     # a group of equal rewards has zero advantages: no signal (it stays in the batch)
-    zero = {}
-    for role, _, xs in groups:
-        zero.setdefault(f"{role}/zero_adv_group_frac", []).append(len(set(xs)) == 1)
-    return trajs, {k: _mean(v) for k, v in zero.items()}
+    zero = {r: [len(set(xs)) == 1 for role, _, xs in groups if role == r] for r, _, _ in groups}
+    return trajs, {f"{r}/zero_adv_group_frac": _mean(z) for r, z in zero.items()}
 
 
 def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
@@ -587,44 +521,40 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     T_C and T_R permuted together (oat/algorithms/ppo.py), one step per mini-batch; re-sync."""
     if not trajs:
         return {}
-    pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef,
-                         aggregation="drgrpo", max_len=cfg.max_tokens, temperature=cfg.temperature,
-                         tis_cap=cfg.tis_cap, mini_batch=cfg.mini_batch, shuffle=True)
+    pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, aggregation="drgrpo",
+                         max_len=cfg.max_tokens, temperature=cfg.temperature, tis_cap=cfg.tis_cap,
+                         mini_batch=cfg.mini_batch, shuffle=True)
     return common.pg_step(policy, trajs, pg)
 
 
-# Metrics and logs
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
 
 
 def step_metrics(rollouts: list[DocRollout]) -> dict:
-    """Validity over every attempt generated (not the G kept), r_C, the Reasoner's pass rate, and
-    the questions' diversity (SPICE's comes from the documents alone)."""
+    """Validity over every attempt made (not the G kept), r_C, pass rate, question diversity."""
     valid = [a for r in rollouts for a in r.attempts if a.task is not None]
-    m = {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
-                                   / max(1, sum(r.n_generated for r in rollouts))),
-         "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
-         "challenger/reward": _mean([a.reward for r in rollouts for a in r.attempts]),
-         "reasoner/accuracy": _mean([_mean(a.correct) for a in valid])}
     diversity = common.diversity_metrics([a.task.question for a in valid]) if valid else {}
-    return {**m, **{f"challenger/{k}": v for k, v in diversity.items()}}
+    return {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
+                                      / max(1, sum(r.n_generated for r in rollouts))),
+            "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
+            "challenger/reward": _mean([a.reward for r in rollouts for a in r.attempts]),
+            "reasoner/accuracy": _mean([_mean(a.correct) for a in valid]),
+            **{f"challenger/{k}": v for k, v in diversity.items()}}
 
 
 def sample_records(rollouts: list[DocRollout]) -> list[dict]:
     """samples.jsonl: every Challenger attempt with its task, r_C and the K answers behind it."""
     return [{"document": r.document, "type": r.answer_type or r.kind,
-             "challenger_output": a.completion.text,
-             "invalid_reason": None if a.task else a.reason, "question": a.task and a.task.question,
-             "gold": a.task and a.task.gold, "challenger_reward": a.reward,
-             "pass_rate": _mean(a.correct) if a.task else None,
+             "challenger_output": a.completion.text, "invalid_reason": None if a.task else a.reason,
+             "question": a.task and a.task.question, "gold": a.task and a.task.gold,
+             "challenger_reward": a.reward, "pass_rate": _mean(a.correct) if a.task else None,
              "reasoner_task": a is r.reasoner_task, "answers": [c.text for c in a.answers]}
             for r in rollouts for a in r.attempts]
 
 
-# Training loop and main()
 def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
-    """Zero-shot with the training Reasoner prompt (App. A) and Math-Verify timeout."""
+    """Zero-shot with the training Reasoner prompt (App. A): run_dir/`name`; returns eval/*."""
     if not cfg.eval_benchmarks.strip():
         return {}
 
@@ -633,21 +563,7 @@ def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.js
         return reasoner_prompt(problem["question"] + "".join(options), fmt, templates(cfg.prompts))
     res = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
     run.write_eval({"step": step, **res}, name=name)
-    return res
-
-
-def effective_chunk_tokens(cfg: Config, tokenizer) -> int:
-    """The longest segment that leaves room for the Challenger's prompt and max_tokens."""
-    fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
-    kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
-    overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", k, t, fmt, tpl)))
-                   for k, t in kinds)
-    room = cfg.max_model_len - cfg.max_tokens - overhead - 16
-    if room < 32:
-        raise common.InputError(f"--max-model-len {cfg.max_model_len} leaves no room for a "
-                                f"document next to --max-tokens {cfg.max_tokens} and a "
-                                f"{overhead}-token prompt; raise --max-model-len")
-    return min(cfg.chunk_tokens, room)
+    return common.eval_metrics(res)
 
 
 def validate_config(cfg: Config) -> None:
@@ -672,20 +588,16 @@ def train(cfg: Config, policy=None) -> Path:
     fmt = resolve_prompt_format(cfg, tokenizer)
     # the corpus segments and every generated question are screened against the eval sets
     decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
-    corpus = []
-    if not cfg.no_document:  # the Challenger reads the documents: its tokenizer sizes them
-        doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
-        corpus = load_corpus(cfg, doc_tok, effective_chunk_tokens(cfg, doc_tok), decon)
+    # the Challenger reads the documents: its tokenizer sizes them
+    doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
+    corpus = [] if cfg.no_document else load_corpus(cfg, doc_tok, decon=decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
     check = validity_checker(cfg, tokenizer, fmt, decon)
-    writer = cfg.challenger_model and common.FrozenModel(
-        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization)
+    writer = contextlib.nullcontext if not cfg.challenger_model else common.FrozenModel(
+        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization).sampling
     start, _ = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
-
-    def eval_at(step: int, name: str) -> dict:  # eval/* metrics, {} without eval sets
-        res = run_eval(policy, run, cfg, fmt, step, name)
-        return common.eval_metrics(res) if res else {}
+    eval_at = functools.partial(run_eval, policy, run, cfg, fmt)
     if cfg.eval_base and start == 0 and (base := eval_at(0, "eval_base.json")):
         run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
     pbar = run.progress(cfg.steps, initial=start)
@@ -694,8 +606,7 @@ def train(cfg: Config, policy=None) -> Path:
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
             # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
-            writing = writer.sampling(policy) if writer else contextlib.nullcontext(policy)
-            with writing as challenger:
+            with writer(policy) as challenger:
                 cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
                 types = select_task_types(challenger, docs, cfg, cfmt, rng)
                 rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
@@ -704,9 +615,8 @@ def train(cfg: Config, policy=None) -> Path:
             reasoner_group(rollouts, rng)
         trajs, traj_stats = build_trajectories(rollouts, cfg)
         with run.timer("update"):
-            train_stats = drgrpo_update(policy, trajs, cfg)
-        metrics = {**step_metrics(rollouts), **traj_stats, **{
-            f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))}}
+            stats = {f"train/{k}": v for k, v in drgrpo_update(policy, trajs, cfg).items()}
+        metrics = {**step_metrics(rollouts), **traj_stats, **stats}
         run.log_samples(step, "challenger", sample_records(rollouts))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             metrics.update(eval_at(step, f"eval_step{step}.json"))

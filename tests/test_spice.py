@@ -335,13 +335,13 @@ def test_prompts_carry_the_papers_instructions():
                    "less than a minute", "this thinking is private", "no code fences",
                    '"Easy" only if'):
         assert phrase in mcq, phrase
-    for phrase in ("at least three concepts", "one to three words at most", "never [42]",
+    for phrase in ("at least three concepts", "String, at most three words", "never [42]",
                    "canonical form", "whether case matters", "more than a minute",
                    "Medium: 2-3 steps", "Hard: 4-5 steps", "Extra hard: 6 or more steps",
                    "exactly one answer is correct", '"Hard" or "Extra Hard"', "one single string",
-                   "never a list", "at most three words", "state the units"):
+                   "never a list", "follows from the document alone", "state the units"):
         assert phrase in free, phrase
-    keys = lambda template: re.findall(r'^- "(\w+)":', template, re.M)
+    keys = lambda template: re.findall(r'"(\w+)"[:;]', template.split("fields, in order:")[1])
     assert keys(mcq) == list(MCQ_JSON)                          # the JSON fields the parser reads
     assert keys(free) == ["identified_information", "relevant_quotes", "hardening_process",
                           "question", "answer", "answer_type", "step_by_step_solution",
@@ -457,11 +457,18 @@ def test_letter_only_expression_answers_reach_math_verify():
 
 
 # ------------------------------------------------------------------------------------------ rewards
+def _challenger_reward(correct, cfg):
+    """r_C of one valid task whose K answers have these correctness bits (challenger_rewards)."""
+    a = spice.Attempt(comp("the Challenger's JSON"), object(), "ok", correct=correct)
+    spice.challenger_rewards([spice.DocRollout(DOC, "free", "Integer", [a])], cfg)
+    return a.reward
+
+
 def test_variance_reward_on_all_k8_patterns():
     cfg = spice.Config()
     # the worked example of Eq. 1 (population variance)
     expected = {0: 0.044, 1: 0.372, 2: 0.823, 3: 0.988, 4: 1.000}
-    got = {c: spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) for c in range(9)}
+    got = {c: _challenger_reward([1.0] * c + [0.0] * (8 - c), cfg) for c in range(9)}
     for c in range(9):
         assert got[c] == pytest.approx(expected[min(c, 8 - c)], abs=1e-3), c
     # the unbiased estimator would rank 3/8 above 4/8
@@ -479,7 +486,7 @@ def test_variance_reward_on_all_k8_patterns():
 def test_ablation_rewards(name, fn):
     cfg = spice.Config(challenger_reward=name)
     for c in range(9):
-        got = spice.challenger_reward([1.0] * c + [0.0] * (8 - c), cfg)
+        got = _challenger_reward([1.0] * c + [0.0] * (8 - c), cfg)
         assert got == pytest.approx(fn(c / 8)), (name, c)
 
 
@@ -1014,10 +1021,12 @@ def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
             written[name] = res
     cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3,
                        eval_benchmarks=str(EVAL))
-    res = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
+    m = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
+    res = written["eval.json"]
     assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
-    assert "timeout 0.37s" in res["settings"]["verifier"] and written["eval.json"]["step"] == 1
+    assert "timeout 0.37s" in res["settings"]["verifier"] and res["step"] == 1
     assert res["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)   # only "15 + 27?"
+    assert m == common.eval_metrics(res)                      # eval/* metrics for metrics.jsonl
 
 
 def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer):
