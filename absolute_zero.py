@@ -270,28 +270,36 @@ def solver_answer(completion: str, task: str) -> str | None:
     return (blocks(answer, "output" if task == "deduction" else "input") or [answer.strip()])[-1]
 
 
+def parse_proposal(completion: str, task: str, n: int = 0) -> dict:
+    """{'reason': 'format'} if incomplete, else deduction/abduction: the first ```python and
+    ```input block; induction: the last n (--induction-inputs) ```input blocks and ```message."""
+    answer = extract_answer(completion) or ""
+    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
+    if task != "induction" and programs and inputs:
+        return {"reason": None, "program": programs[0], "input": inputs[0]}
+    if task == "induction" and len(inputs) >= n and messages and messages[-1]:
+        return {"reason": None, "inputs": inputs[-n:], "message": messages[-1][:2000]}
+    return {"reason": "format"}
+
+
 def _check_ast(source: str, mode: str = "exec"):
     """(reason or None, tree): syntax if it does not parse; banned for a relative or banned import,
     a banned attribute, or a BANNED_NAMES name that may be the builtin (in a module or class body,
     or global in a function: symtable's scopes)."""
-    def bad(module: str) -> bool:
-        return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
     try:
-        tree = ast.parse(source, mode=mode)
-        if any(isinstance(n, ast.Import) and any(bad(a.name) for a in n.names)
-               or isinstance(n, ast.ImportFrom) and (n.level or bad(n.module))
-               or isinstance(n, ast.Attribute) and n.attr in BANNED_ATTRS for n in ast.walk(tree)):
-            return "banned", tree
-        tables = [symtable.symtable(source, "<program>", mode)]
+        tree, tables = ast.parse(source, mode=mode), [symtable.symtable(source, "<p>", mode)]
         for table in tables:  # grows as it goes: every nested scope
             tables += table.get_children()
-            plain = table.get_type() in ("module", "class")
-            if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
-                   for s in table.get_symbols()):
-                return "banned", tree
-        return None, tree
     except _PARSE_ERRORS:
         return "syntax", None
+    nodes = list(ast.walk(tree))
+    imported = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names] + [
+        "." * n.level + (n.module or "") for n in nodes if isinstance(n, ast.ImportFrom)]
+    names = {s.get_name() for table in tables for s in table.get_symbols() if not s.is_free()
+             and (table.get_type() in ("module", "class") or s.is_global())}
+    attrs = {n.attr for n in nodes if isinstance(n, ast.Attribute)}
+    bad = any(m.split(".")[0] in BANNED_MODULES or m.startswith(".") for m in imported)
+    return ("banned" if bad or names & BANNED_NAMES or attrs & BANNED_ATTRS else None), tree
 
 
 def check_input(text: str, program: str = "") -> str | None:
@@ -335,8 +343,8 @@ def strip_program(program: str) -> str:
     keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
     try:
         module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(n, keep) or (
-            isinstance(n, ast.Assign) and len(n.targets) == 1
-            and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
+            isinstance(n, ast.Assign) and [getattr(t, "id", 0) for t in n.targets] == ["f"])],
+            type_ignores=[])  # "f = g" is static_check's
         for node in (n for n in ast.walk(module) if isinstance(n, (*_DEFS, ast.ClassDef))):
             if ast.get_docstring(node, False) is not None:
                 node.body = node.body[1:] or [ast.Pass()]
@@ -345,25 +353,7 @@ def strip_program(program: str) -> str:
         return ""
 
 
-def parse_proposal(completion: str, task: str, n: int = 0, program: str = "") -> dict:
-    """{'reason'} alone if invalid, else deduction/abduction: {'program', 'input'} of the first
-    ```python and ```input block; induction: {'inputs', 'message'} of the last n
-    (--induction-inputs) ```input blocks and the last ```message."""
-    answer = extract_answer(completion) or ""
-    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
-    if task == "induction":
-        inputs = inputs[-n:]
-        if len(inputs) < n or not messages or not messages[-1]:
-            return {"reason": "format"}
-        reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
-        return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
-    if not programs or not inputs:
-        return {"reason": "format"}
-    return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
-            "input": inputs[0]}
-
-
-# --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
+# --- The executor: gold values never enter the sandbox, outputs come back as repr
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
 _STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
                   "output_limit": "too_large"}  # any other status: "error"
@@ -394,14 +384,12 @@ class Executor:
 
     def _classify(self, res) -> tuple[str, str, object]:
         """The output must be a finite literal that survives a repr round trip, with no address."""
-        reason = _STATUS_REASON.get(res.status, "error")
-        if reason is not None:
-            return reason, res.error or "", None
-        if _ADDRESS_RE.search(res.value):
-            return "nondeterministic", res.value, None
+        if res.status != "ok" or _ADDRESS_RE.search(res.value):
+            reason = _STATUS_REASON.get(res.status, "error") or "nondeterministic"
+            return reason, res.value or res.error or "", None
         try:
-            return "ok", res.value, common.parse_literal(res.value,
-                                                         max_chars=self.cfg.max_output_chars)
+            limit = self.cfg.max_output_chars
+            return "ok", res.value, common.parse_literal(res.value, max_chars=limit)
         except ValueError:
             return "non_literal", res.value, None
 
@@ -428,34 +416,7 @@ def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[di
     return rng.sample(buffer, min(k, len(buffer)))
 
 
-# --- Validation (§3.3.3), grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
-def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
-             tokenizer=None) -> list[dict]:
-    """Sets p['reason'] (None = valid) and p['entry']: static checks (buffer programs passed them),
-    then j agreeing runs give the gold outputs; a solver prompt that does not fit is too_large."""
-    todo = []
-    for p in proposals:
-        if not p.get("reason") and task != "induction":  # buffer programs are already checked
-            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars,
-                                                     single_def=cfg.reject_multiple_defs)
-        p["reason"] = p.get("reason") or None
-        if p["reason"] is None:
-            todo.append((p, p["inputs"] if task == "induction" else [p["input"]]))
-    results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
-    for p, ins in todo:
-        res = [next(results) for _ in ins]
-        p["reason"] = next((r for r, _ in res if r), None)
-        if p["reason"] is not None:
-            continue
-        gold = ({"inputs": p["inputs"], "outputs": [o for _, o in res], "message": p["message"]}
-                if task == "induction" else {"input": p["input"], "output": res[0][1]})
-        p["entry"] = {"program": p["program"], **gold, "step": step}
-        if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
-                                               cfg):
-            p["reason"], p["entry"] = "too_large", None
-    return proposals
-
-
+# --- Grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
 def _equal(pred_text: str, gold_text: str) -> bool:
     """Value equality in trusted code (Eq. 5): sets order-free, 1 == 1.0, a tuple is no list."""
     try:
@@ -469,22 +430,20 @@ def check_solutions(executor: Executor, task: str, entries: list[dict], completi
                     cfg: Config) -> list[tuple[bool, bool]]:
     """(formatted, correct) per answer (Eq. 5): deduction compares literals (never run), abduction
     runs f(input), induction's program (any defs) must reproduce every held-out pair."""
-    out = [(False, False)] * len(completions)
-    jobs, owner = [], []  # (program, input) to run; (answer index, gold output) of each
-    for k, (entry, text) in enumerate(zip(entries, completions)):
+    out, tests = [(False, False)] * len(completions), []  # tests: (answer, program, input, gold)
+    for k, (e, text) in enumerate(zip(entries, completions)):
         pred = solver_answer(text, task)
         if pred is None:
             continue
-        tests = [(entry["program"], pred, entry["output"])] if task == "abduction" else []
+        new = [(k, e["program"], pred, e["output"])] if task == "abduction" else []
         if task == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
-            half = len(entry["inputs"]) // 2
-            held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
-            tests = [] if reason else [(program, i, o) for i, o in held_out]
-        out[k] = (True, _equal(pred, entry["output"]) if task == "deduction" else bool(tests))
-        jobs += [(program, inp) for program, inp, _ in tests]
-        owner += [(k, gold) for _, _, gold in tests]
-    for (k, gold), (status, value, _) in zip(owner, executor.call(jobs)):  # every test must pass
+            held_out = list(zip(e["inputs"], e["outputs"]))[len(e["inputs"]) // 2:]
+            new = [(k, program, i, o) for i, o in held_out if reason is None]
+        out[k] = (True, _equal(pred, e["output"]) if task == "deduction" else bool(new))
+        tests += new
+    runs = executor.call([(program, i) for _, program, i, _ in tests])
+    for (k, _, _, gold), (status, value, _) in zip(tests, runs):  # every test must pass
         out[k] = (True, out[k][1] and status == "ok" and _equal(value, gold))
     return out
 
@@ -540,9 +499,8 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
             new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
                    if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
-                new = validate(executor, task, [{"program": strip_program(p["program"]),
-                                                 "input": p["input"]} for p in new], cfg, 0,
-                               policy.tokenizer)
+                new = validate(executor, task, [dict(p, program=strip_program(p["program"]))
+                                                for p in new], cfg, 0, policy.tokenizer)
             buf.extend([p["entry"] for p in new if p["reason"] is None][:target - len(buf)])
     if len(seed) < target or len(views["induction"]) < target:
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
@@ -568,7 +526,7 @@ def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
 
 def propose(policy, executor: Executor, buffers: dict, cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
-    """Steps 1-2: B proposals per task type, parsed and validated (the caller keeps the valid)."""
+    """Step 1: B proposals per task type, parsed and validated (the caller keeps the valid)."""
     programs = list(dict.fromkeys(e["program"] for t in TASKS[:2] for e in buffers[t]))
     props = {t: [p for _ in range(cfg.batch_size)
                  if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
@@ -576,11 +534,34 @@ def propose(policy, executor: Executor, buffers: dict, cfg: Config,
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
-        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs,
-                                p.get("program", "")))
+        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs))
     for t in tasks:
         validate(executor, t, props[t], cfg, step, policy.tokenizer)
     return props
+
+
+def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
+             tokenizer=None) -> list[dict]:
+    """Step 2 (§3.3.3): sets p['reason'] (None = valid) and p['entry']: static checks (induction's
+    programs, from the buffers, passed them), then j agreeing runs give the gold outputs; a solver
+    prompt that does not fit is too_large."""
+    for p in proposals:
+        if p.setdefault("reason", None) is None and task != "induction":
+            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars,
+                                                     cfg.reject_multiple_defs)
+    todo = [(p, p["inputs"] if task == "induction" else [p["input"]]) for p in proposals
+            if p["reason"] is None]
+    results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
+    for p, ins in todo:
+        reasons, outs = zip(*[next(results) for _ in ins])
+        p["reason"] = next(filter(None, reasons), None)
+        gold = ({"inputs": ins, "outputs": list(outs), "message": p["message"]}
+                if task == "induction" else {"input": ins[0], "output": outs[0]})
+        p["entry"] = None if p["reason"] else {"program": p["program"], **gold, "step": step}
+        prompt = p["entry"] and tokenizer is not None and solver_prompt(task, p["entry"], cfg)
+        if prompt and not _fits(tokenizer, prompt, cfg):
+            p["reason"], p["entry"] = "too_large", None
+    return proposals
 
 
 def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) -> None:
