@@ -87,20 +87,16 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
                 "output": "'Hello World'"}  # Fig. 5
-BANNED_MODULES = frozenset({  # Fig. 8, os/sys/shutil (§3.3.3), and the other ways out
-    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime",
-    "time", "hashlib", "hmac", "bcrypt", "calendar", "os", "sys", "shutil",
-    "importlib", "builtins", "__builtin__", "imp", "ctypes", "gc", "inspect", "socket", "signal",
-    "resource", "pathlib", "tempfile", "io", "glob", "pickle", "marshal", "uuid", "secrets",
-    "asyncio", "concurrent", "_thread", "select", "mmap", "code", "codeop", "pty", "fcntl",
-    "platform", "sysconfig", "site", "urllib", "http", "requests", "ftplib", "smtplib",
-    "webbrowser", "faulthandler", "tracemalloc", "atexit"})
-BANNED_NAMES = frozenset({  # builtins that import, run code or do I/O, unless bound locally
-    "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit",
-    "help", "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__"})
-BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__",
-                          "__import__", "__loader__", "__bases__", "__mro__", "f_globals",
-                          "f_back", "gi_frame"})
+BANNED_MODULES = frozenset("""
+    logging random multiprocessing pebble subprocess threading datetime time hashlib hmac bcrypt
+    calendar os sys shutil importlib builtins __builtin__ imp ctypes gc inspect socket signal
+    resource pathlib tempfile io glob pickle marshal uuid secrets asyncio concurrent _thread
+    select mmap code codeop pty fcntl platform sysconfig site urllib http requests ftplib smtplib
+    webbrowser faulthandler tracemalloc atexit""".split())  # Fig. 8, os/sys/shutil (§3.3.3), others
+BANNED_NAMES = frozenset("""__import__ eval exec compile open input breakpoint exit quit help
+    globals locals vars __builtins__ __loader__ __spec__""".split())  # import, exec or I/O, unless bound
+BANNED_ATTRS = frozenset("""__subclasses__ __globals__ __builtins__ __code__ __import__ __loader__
+    __bases__ __mro__ f_globals f_back gi_frame""".split())  # the ways to the builtins
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
                   "nondeterministic", "non_literal", "too_large")
 
