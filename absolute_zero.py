@@ -94,7 +94,7 @@ BANNED_MODULES = frozenset("""
     select mmap code codeop pty fcntl platform sysconfig site urllib http requests ftplib smtplib
     webbrowser faulthandler tracemalloc atexit""".split())  # Fig. 8, os/sys/shutil (§3.3.3), others
 BANNED_NAMES = frozenset("""__import__ eval exec compile open input breakpoint exit quit help
-    globals locals vars __builtins__ __loader__ __spec__""".split())  # exec or I/O, unless bound locally
+    globals locals vars __builtins__ __loader__ __spec__""".split())  # unless bound locally
 BANNED_ATTRS = frozenset("""__subclasses__ __globals__ __builtins__ __code__ __import__ __loader__
     __bases__ __mro__ f_globals f_back gi_frame""".split())  # the ways to the builtins
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
