@@ -422,21 +422,23 @@ def _equal(pred_text: str, gold_text: str) -> bool:
         return False
 
 
-def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
-                    cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer (Eq. 5): deduction compares literals (never run), abduction
-    runs f(input), induction's program (any defs) must reproduce every held-out pair."""
+def check_solutions(executor: Executor, task: str | list[str], entries: list[dict],
+                    completions: list[str], cfg: Config) -> list[tuple[bool, bool]]:
+    """(formatted, correct) per answer (Eq. 5), `task` for all or one per entry: deduction compares
+    literals (never run), abduction runs f(input), induction's program (any defs) must reproduce
+    every held-out pair."""
+    tasks = [task] * len(entries) if isinstance(task, str) else task
     out, tests = [(False, False)] * len(completions), []  # tests: (answer, program, input, gold)
-    for k, (e, text) in enumerate(zip(entries, completions)):
-        pred = solver_answer(text, task)
+    for k, (t, e, text) in enumerate(zip(tasks, entries, completions)):
+        pred = solver_answer(text, t)
         if pred is None:
             continue
-        new = [(k, e["program"], pred, e["output"])] if task == "abduction" else []
-        if task == "induction":
+        new = [(k, e["program"], pred, e["output"])] if t == "abduction" else []
+        if t == "induction":
             reason, program = static_check(pred, cfg.max_program_chars)
             held_out = list(zip(e["inputs"], e["outputs"]))[len(e["inputs"]) // 2:]
             new = [(k, program, i, o) for i, o in held_out if reason is None]
-        out[k] = (True, _equal(pred, e["output"]) if task == "deduction" else bool(new))
+        out[k] = (True, _equal(pred, e["output"]) if t == "deduction" else bool(new))
         tests += new
     runs = executor.call([(program, i) for _, program, i, _ in tests])
     for (k, _, _, gold), (status, value, _) in zip(tests, runs):  # every test must pass
@@ -471,14 +473,10 @@ def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, 
     """(solver prompt, n graded answers [(completion, formatted, correct)]) per (type, entry)."""
     prompts = [solver_prompt(t, e, cfg) for t, e in tasks]
     groups = _generate(policy, prompts, n, cfg, **sampling)
-    out = [[] for _ in tasks]
-    for t in TASKS:
-        idx = [k for k, (task, _) in enumerate(tasks) if task == t]
-        graded = iter(check_solutions(executor, t, [tasks[k][1] for k in idx for _ in range(n)],
-                                      [c.text for k in idx for c in groups[k]], cfg))
-        for k in idx:
-            out[k] = [(c, *next(graded)) for c in groups[k]]
-    return list(zip(prompts, out))
+    graded = iter(check_solutions(executor, [t for t, _ in tasks for _ in range(n)],
+                                  [e for _, e in tasks for _ in range(n)],
+                                  [c.text for g in groups for c in g], cfg))
+    return [(p, [(c, *next(graded)) for c in g]) for p, g in zip(prompts, groups)]
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
@@ -726,9 +724,8 @@ def check_config(cfg: Config) -> None:
          "MBPP+ come from the Hugging Face hub via the `datasets` package, which is not "
          "installed: pip install datasets, give local JSONL files with --eval-code-benchmarks, "
          "or --no-eval-code")]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+    if errors := [msg for ok, msg in checks if not ok]:
+        raise ValueError(errors[0])
 
 
 def train(cfg: Config) -> dict:
