@@ -338,7 +338,7 @@ def strip_program(program: str) -> str:
         return ""
 
 
-# --- The executor: gold values never enter the sandbox, outputs come back as repr
+# --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
 _STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
                   "output_limit": "too_large"}  # any other status: "error"
@@ -475,10 +475,9 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
     seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cap)
     views = {"deduction": seed, "abduction": seed, "induction": collections.deque(maxlen=cap)}
     for buf, tasks in ((seed, TASKS[:2]), (views["induction"], TASKS[2:])):
-        for r in range(cfg.seed_max_rounds):
+        for task in [tasks[r % len(tasks)] for r in range(cfg.seed_max_rounds)]:
             if len(buf) >= target:
                 break
-            task = tasks[r % len(tasks)]
             new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
                    if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
@@ -617,8 +616,9 @@ def _mean(xs) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
-    m: dict = {}
+def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = None) -> dict:
+    """Per task type, overall, and trr_update's `stats` as train/..."""
+    m = {f"train/{k}": v for k, v in (stats or {}).items()}
     for t in TASKS:
         ps, ss = props[t], solved[t]
         valid = [p for p in ps if p["reason"] is None]
@@ -670,7 +670,8 @@ def _eval_prompt_fn(cfg: Config, code: bool):
     return eval_prompt
 
 
-def evaluate(policy, cfg: Config) -> dict:
+def evaluate(policy, cfg: Config, run=None, name: str = "eval.json") -> dict:
+    """Math (Table 1's sets) and, with --eval-code, code benchmarks; written to `run`'s `name`."""
     results = common.evaluate_config(policy, cfg, prompt_fn=_eval_prompt_fn(cfg, code=False),
                                      extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
     if cfg.eval_code:
@@ -682,6 +683,8 @@ def evaluate(policy, cfg: Config) -> dict:
         except common.BenchmarkUnavailable as e:  # a finished run keeps its math results
             print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
             results["code"] = {"skipped": str(e)}
+    if run is not None:
+        run.write_eval(results, name)
     return results
 
 
@@ -734,21 +737,16 @@ def train(cfg: Config) -> dict:
         for step in range(start + 1, cfg.steps + 1):
             rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without RNG state
             props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step)
-            metrics = {**step_metrics(props, solved, buffers),
-                       **{f"train/{k}": v for k, v in stats.items()}}
+            metrics = step_metrics(props, solved, buffers, stats)
             log_step_samples(run, step, props, solved)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                ev = evaluate(policy, cfg)
-                run.write_eval(ev, f"eval_step_{step}.json")
-                metrics.update(eval_metrics(ev))
+                metrics.update(eval_metrics(evaluate(policy, cfg, run, f"eval_step_{step}.json")))
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 run.save_checkpoint(step, policy, {"buffers": {t: list(b)
                                                                 for t, b in buffers.items()}})
-        results = evaluate(policy, cfg)
-        run.write_eval(results)
-        return results
+        return evaluate(policy, cfg, run)
     finally:
         executor.close()
         run.close()
