@@ -481,8 +481,8 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
             new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
                    if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
-                new = validate(executor, task, [dict(p, program=strip_program(p["program"]))
-                                                for p in new], cfg, 0, policy.tokenizer)
+                new = [dict(p, program=strip_program(p["program"]), entry=None) for p in new]
+                validate(executor, task, new, cfg, 0, policy.tokenizer)
             buf.extend([p["entry"] for p in new if p["reason"] is None][:target - len(buf)])
     if len(seed) < target or len(views["induction"]) < target:
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
