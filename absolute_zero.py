@@ -371,7 +371,7 @@ class Executor:
         """The output must be a finite literal that survives a repr round trip, with no address."""
         if res.status != "ok" or _ADDRESS_RE.search(res.value):
             reason = _STATUS_REASON.get(res.status, "error") or "nondeterministic"
-            return reason, res.value or res.error or "", None
+            return reason, res.error or res.value or "", None
         try:
             limit = self.cfg.max_output_chars
             return "ok", res.value, common.parse_literal(res.value, max_chars=limit)
