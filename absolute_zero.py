@@ -257,7 +257,8 @@ def solver_answer(completion: str, task: str) -> str | None:
 
 def parse_proposal(completion: str, task: str, n: int = 0) -> dict:
     """{'reason': 'format'} if incomplete, else deduction/abduction: the first ```python and
-    ```input block; induction: the last n (--induction-inputs) ```input blocks and ```message."""
+    ```input block; induction: the last n (--induction-inputs) ```input blocks and ```message.
+    Inputs are checked where they run (Executor.call)."""
     answer = extract_answer(completion) or ""
     inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
     if task != "induction" and programs and inputs:
@@ -272,7 +273,7 @@ def _check_ast(source: str, mode: str = "exec"):
     a banned attribute, or a BANNED_NAMES name that may be the builtin (in a module or class body,
     or global in a function: symtable's scopes)."""
     try:
-        tree, tables = ast.parse(source, mode=mode), [symtable.symtable(source, "<p>", mode)]
+        tree, tables = ast.parse(source, mode=mode), [symtable.symtable(source, "<program>", mode)]
         for table in tables:  # grows as it goes: every nested scope
             tables += table.get_children()
     except _PARSE_ERRORS:
