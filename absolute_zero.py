@@ -69,8 +69,6 @@ class Config(common.RunConfig):
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
     determinism_runs: int = 2  # j, independent runs that must agree (§3.3.3)
     sandbox_workers: int = 4  # not in the paper: parallel sandbox processes
-    sandbox_memory_mb: int = 1024  # not in the paper: address-space limit of one program run
-    max_program_chars: int = 8000  # not in the paper: longer programs are invalid
     max_output_chars: int = 4000  # not in the paper: longer outputs are invalid, never truncated
     reject_multiple_defs: bool = True  # one def per proposal (rewards/code_reward.py)
     eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1 math
@@ -226,7 +224,7 @@ def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
 # --- Parsing untrusted model output (nothing here may raise) and the safety checks (§3.3.3)
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
 _BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_]\w*)?[ \t]*\n?(.*?)```", re.S)  # body may share a line
-_MAX_INPUT_CHARS = 100_000  # not in the paper: a longer input is invalid
+_MAX_INPUT_CHARS, _MAX_PROGRAM_CHARS = 100_000, 8000  # not in the paper: longer ones are invalid
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -291,8 +289,6 @@ def _check_ast(source: str, mode: str = "exec"):
 def check_input(text: str, program: str = "") -> str | None:
     """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason:
     the AST only, nothing banned, no call of the program's own functions (it could search)."""
-    if not isinstance(text, str) or not text.strip():
-        return "syntax"
     if len(text) > _MAX_INPUT_CHARS:
         return "too_large"
     reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
@@ -300,18 +296,15 @@ def check_input(text: str, program: str = "") -> str | None:
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
             and call.func.id == "_" and (call.args or call.keywords)):
         return "syntax"
-    try:
-        own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
-    except _PARSE_ERRORS:
-        own = {"f"}
+    own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
     calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
     return reason or ("banned" if calls_own else None)
 
 
-def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
+def static_check(program: str, single_def: bool = False):
     """(reason or None, program whose entry function is `f`); `single_def`: a second def anywhere
     is invalid (code_reward.py's reject_multiple_functions)."""
-    if not program or len(program) > max_chars:
+    if not program or len(program) > _MAX_PROGRAM_CHARS:
         return ("too_large" if program else "syntax"), program
     reason, tree = _check_ast(program)
     if reason or single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
@@ -351,22 +344,20 @@ class Executor:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sandboxes = [common.PythonSandbox(
-            workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout,
-            memory_mb=cfg.sandbox_memory_mb, max_output_chars=cfg.max_output_chars, hash_seed=j)
-            for j in range(cfg.determinism_runs)]
+        self.sandboxes = [common.PythonSandbox(cfg.sandbox_workers, cfg.executor_timeout,
+                                               max_output_chars=cfg.max_output_chars, hash_seed=j)
+                          for j in range(cfg.determinism_runs)]
 
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
         """[(status, output repr, value)] per (program, input) job; status "ok" or a reason."""
-        rank, world = common.dist_info()
-        if rank > 0:
+        if common.dist_info()[0] > 0:
             return common.broadcast_object(None)
         refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
         # the newlines keep a comment in the input off the closing parenthesis
         todo = [(p, f"f(\n{t.strip()}\n)") for (p, t), r in zip(jobs, refused) if r is None]
         results = iter(self.sandboxes[run].run_many(todo) if todo else [])
         out = [(r, "", None) if r else self._classify(next(results)) for r in refused]
-        return common.broadcast_object(out) if world > 1 else out
+        return common.broadcast_object(out)
 
     def _classify(self, res) -> tuple[str, str, object]:
         """The output must be a finite literal that survives a repr round trip, with no address."""
@@ -396,9 +387,9 @@ class Executor:
 
 
 def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
-    """k entries of a buffer: D_ded, D_abd or D_ind, a deque of JSON-able tasks, capped."""
+    """k entries of a buffer (D_ded, D_abd or D_ind: a capped deque of JSON-able tasks)."""
     if replace:
-        return [rng.choice(buffer) for _ in range(k)] if buffer else []
+        return [rng.choice(buffer) for _ in range(k if buffer else 0)]
     return rng.sample(buffer, min(k, len(buffer)))
 
 
@@ -425,7 +416,7 @@ def check_solutions(executor: Executor, task: str | list[str], entries: list[dic
             continue
         new = [(k, e["program"], pred, e["output"])] if t == "abduction" else []
         if t == "induction":
-            reason, program = static_check(pred, cfg.max_program_chars)
+            reason, program = static_check(pred)
             held_out = list(zip(e["inputs"], e["outputs"]))[len(e["inputs"]) // 2:]
             new = [(k, program, i, o) for i, o in held_out if reason is None]
         out[k] = (True, _equal(pred, e["output"]) if t == "deduction" else bool(new))
@@ -495,14 +486,14 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
     """K references, dropped until the prompt fits; induction: a D_ded u D_abd program, 4 draws."""
-    if task != "induction":
+    if task == "induction":
+        tries = (([], rng.choice(programs)) for _ in range(4 if programs else 0))
+    else:
         refs = sample(buffers[task], cfg.references, rng)
-        while refs and not _fits(policy.tokenizer, proposer_prompt(task, refs, cfg), cfg):
-            refs.pop()
-        return {"task": task, "prompt": proposer_prompt(task, refs, cfg)}
-    for program in (rng.choice(programs) for _ in range(4 if programs else 0)):
-        prompt = proposer_prompt(task, [], cfg, program=program)
-        if _fits(policy.tokenizer, prompt, cfg):
+        tries = ((refs[:k], "") for k in range(len(refs), -1, -1))
+    for refs, program in tries:  # the last reference-free prompt is kept even if too long
+        prompt = proposer_prompt(task, refs, cfg, program=program)
+        if _fits(policy.tokenizer, prompt, cfg) or not refs and not program:
             return {"task": task, "program": program, "prompt": prompt}
     return None
 
@@ -530,8 +521,7 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
     prompt that does not fit is too_large."""
     for p in proposals:
         if p.setdefault("reason", None) is None and task != "induction":
-            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars,
-                                                     cfg.reject_multiple_defs)
+            p["reason"], p["program"] = static_check(p["program"], cfg.reject_multiple_defs)
     todo = [(p, p["inputs"] if task == "induction" else [p["input"]]) for p in proposals
             if p["reason"] is None]
     results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
@@ -623,9 +613,8 @@ def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = 
     for t in TASKS:
         ps, ss = props[t], solved[t]
         valid = [p for p in ps if p["reason"] is None]
-        reasons = collections.Counter(p["reason"] for p in ps)
-        m[f"{t}/valid_rate"] = len(valid) / len(ps) if ps else 0.0
-        m.update({f"{t}/reject/{r}": reasons[r] for r in REJECT_REASONS})
+        m[f"{t}/valid_rate"] = _mean(p["reason"] is None for p in ps)
+        m.update({f"{t}/reject/{r}": sum(p["reason"] == r for p in ps) for r in REJECT_REASONS})
         m[f"{t}/buffer_size"] = len(buffers[t])
         m[f"{t}/solver_acc"] = _mean(s["correct"] for s in ss)
         m[f"{t}/proposer_reward"] = _mean(p["reward"] for p in ps)
@@ -661,13 +650,13 @@ def eval_answer(text: str) -> str | None:
 
 
 def _eval_prompt_fn(cfg: Config, code: bool):
-    """The eval_math or eval_code template as a prompt_fn, named for eval.json's settings."""
+    """The eval_code or eval_math template as a prompt_fn, named for eval.json's settings."""
     def eval_prompt(problem, tokenizer=None):
-        if code:
-            return templates(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
-        return templates(cfg)["eval_math"].format(question=problem["question"].strip())
-    name = "code_eval_prompt" if code else "eval_prompt"
-    eval_prompt.__name__ = f"absolute_zero.{name}" + (f" ({cfg.prompts})" if cfg.prompts else "")
+        fields = ({"task": common.code_task_prompt(problem)} if code
+                  else {"question": problem["question"].strip()})
+        return templates(cfg)["eval_code" if code else "eval_math"].format(**fields)
+    tag = f" ({cfg.prompts})" if cfg.prompts else ""
+    eval_prompt.__name__ = f"absolute_zero.{'code_' if code else ''}eval_prompt{tag}"
     return eval_prompt
 
 
@@ -713,10 +702,8 @@ def check_config(cfg: Config) -> None:
         *[(b in hub or b.endswith((".jsonl", ".json")) and os.path.isfile(b),
            f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} "
            "nor an existing .jsonl file") for b in code],
-        (not hub or importlib.util.find_spec("datasets") is not None, "--eval-code: HumanEval+/"
-         "MBPP+ come from the Hugging Face hub via the `datasets` package, which is not "
-         "installed: pip install datasets, give local JSONL files with --eval-code-benchmarks, "
-         "or --no-eval-code")]
+        (not hub or importlib.util.find_spec("datasets"), "--eval-code: HumanEval+/MBPP+ need the "
+         "`datasets` package: pip install datasets, or local JSONL files, or --no-eval-code")]
     if errors := [msg for ok, msg in checks if not ok]:
         raise ValueError(errors[0])
 
@@ -745,8 +732,7 @@ def train(cfg: Config) -> dict:
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-                run.save_checkpoint(step, policy, {"buffers": {t: list(b)
-                                                                for t, b in buffers.items()}})
+                run.save_checkpoint(step, policy, {"buffers": {t: list(buffers[t]) for t in TASKS}})
         return evaluate(policy, cfg, run)
     finally:
         executor.close()
