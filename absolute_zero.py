@@ -100,10 +100,9 @@ REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeo
 
 # --- Prompts: R1-style plain text, our words for every instruction of the paper's prompt figures
 # (data_construction/prompts.py); everything parsed sits in fenced blocks.
-_PREAMBLE = (
-    "A conversation between User and Assistant. The Assistant first reasons about the User's task "
-    "step by step inside <think> </think> tags, then writes its final result inside <answer> "
-    "</answer> tags, i.e. <think> reasoning </think> <answer> result </answer>.\n\n")
+_PREAMBLE = ("A conversation between User and Assistant. The Assistant first reasons about the "
+             "User's task step by step, then gives its final result, in the form <think> "
+             "reasoning </think> <answer> result </answer>.\n\n")
 _CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: "
                 "for `def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
 _HARD = ("The program makes the solver track state across several data transformations, so that "
@@ -114,15 +113,13 @@ _HARD = ("The program makes the solver track state across several data transform
 
 def _propose(aim: str, hard_part: str) -> str:
     return (
-        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim
-        + "\n\n{code_rules}- " + _HARD + "\n\nThe input: exactly one, written as " + _CALL_FORMAT
+        "Design a new Python puzzle for an I.Q. test: one program and exactly one input for it. "
+        + aim + "\n\n{code_rules}- " + _HARD + "\n\nWrite the input as " + _CALL_FORMAT
         + ".\n\nA good puzzle runs without error on your input, " + hard_part + " and is clearly "
-        "different from the earlier puzzles below.\n\n"
-        "Plan first: in your reasoning, decide what will make your program hard, how it differs "
-        "from the earlier puzzles and what is new about it; only then write the program and its "
-        "input.\n\nEarlier puzzles:\n{references}\n\n"
-        "Answer format: inside <answer> </answer>, one ```python block with the program, then one "
-        "```input block with the input.")
+        "different from the earlier puzzles below. Plan first: in your reasoning, decide what "
+        "makes your program hard and what is new about it; only then write the program and its "
+        "input.\n\nEarlier puzzles:\n{references}\n\nAnswer format: inside <answer> </answer>, "
+        "one ```python block with the program, then one ```input block with the input.")
 
 
 PROMPTS: dict[str, str] = {
@@ -136,8 +133,8 @@ PROMPTS: dict[str, str] = {
         "follows.\n- It finishes well within {timeout} seconds on a modern CPU.\n"
         "- These modules may not be imported or used: {banned}.\n"),
     "definitions_single": (  # --reject-multiple-defs
-        "- `f` is the only function: no helpers, nested functions or methods (a program with more "
-        "than one `def` is rejected); classes without methods are fine.\n"),
+        "- `f` is the only `def` (a program with more is rejected): no helpers, nested functions "
+        "or methods; classes are fine.\n"),
     "definitions_helpers": "- Helper functions and classes are allowed, also nested inside `f`.\n",
     "propose_deduction": _propose(
         "A test subject will see your program and your input and must deduce the output.",
@@ -147,18 +144,16 @@ PROMPTS: dict[str, str] = {
         "that produces that output (any such input counts).",
         "has an input hard to recover from the program and its output,"),
     "propose_induction": (
-        "Here is a Python program, called as `f(<your input>)`:\n```python\n{program}\n```\n"
-        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of "
-        "your inputs with their outputs, plus your message, and must rebuild the program.\n"
-        "- Each input is " + _CALL_FORMAT + "; put each in its own ```input block.\n"
-        "- Every input must run without error.\n"
+        "Here is a Python program:\n```python\n{program}\n```\nWrite {n} inputs for it and a "
+        "message for an I.Q. test: a test subject will see some of your inputs with their outputs, "
+        "plus your message, and must rebuild the program.\n- Every input runs without error and "
+        "is written as " + _CALL_FORMAT + ".\n"
         "- Coverage: together, the inputs and outputs pin down what `f` does over its whole input "
         "space.\n- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
         "- Difficulty: inputs and message together make the task challenging, but not impossible.\n"
         "- The message helps the test subject: a coding question, a hint or a plain description of "
-        "what the program does, but never the code itself. Put it in one ```message block.\n\n"
-        "Plan first: understand the program, then decide how your inputs cover it and why they are "
-        "challenging and varied; only then write the inputs and the message.\n\n"
+        "what the program does, but never the code itself.\n\nPlan first: understand the program "
+        "and how your inputs will meet these goals; only then write the inputs and the message.\n\n"
         "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one "
         "```message block."),
     "solve_deduction": (
@@ -292,9 +287,9 @@ def check_input(text: str, program: str = "") -> str | None:
     if len(text) > _MAX_INPUT_CHARS:
         return "too_large"
     reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
-    call = tree.body if tree else None
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-            and call.func.id == "_" and (call.args or call.keywords)):
+    call = getattr(tree, "body", None)
+    if not (isinstance(call, ast.Call) and getattr(call.func, "id", 0) == "_"
+            and call.args + call.keywords):
         return "syntax"
     own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
     calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
@@ -364,9 +359,8 @@ class Executor:
         if res.status != "ok" or _ADDRESS_RE.search(res.value):
             reason = _STATUS_REASON.get(res.status, "error") or "nondeterministic"
             return reason, res.error or res.value or "", None
-        try:
-            limit = self.cfg.max_output_chars
-            return "ok", res.value, common.parse_literal(res.value, max_chars=limit)
+        try:  # the sandbox capped the output at --max-output-chars
+            return "ok", res.value, common.parse_literal(res.value, max_chars=len(res.value))
         except ValueError:
             return "non_literal", res.value, None
 
@@ -437,9 +431,9 @@ def solver_reward(formatted: bool, correct: bool) -> float:
     return common.azr_composite_reward(1.0, formatted=formatted, passable=correct)
 
 
-def keyed_advantages(rewards, keys, eps: float = 1e-6):
-    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps) per (role, task) key k; one key: Eq. 10."""
-    return common.group_advantages(rewards, keys, scale="std", eps=eps)
+# keyed_advantages(rewards, keys): TRR++ (Eq. 8), A = (r - mu_k) / (sigma_k + eps) per
+# (role, task) key k; one key for all: REINFORCE++ (Eq. 10)
+keyed_advantages = functools.partial(common.group_advantages, scale="std", eps=1e-6)
 
 
 # --- The loop: one function per step of Alg. 1
