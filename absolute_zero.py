@@ -227,9 +227,8 @@ _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 def extract_answer(completion: str) -> str | None:
     """The last <answer> block, if the response has the R1 format (the prompt opened <think>)."""
     text = "<think>" + completion
-    start = text.rfind("<answer>")
-    end = text.find("</answer>", start)
-    return text[start + len("<answer>"):end] if _FORMAT_RE.match(text) and end >= 0 else None
+    last = text.rsplit("<answer>", 1)[-1]
+    return last.split("</answer>")[0] if _FORMAT_RE.match(text) and "</answer>" in last else None
 
 
 def blocks(answer: str, *kinds: str) -> list[str]:
@@ -299,8 +298,8 @@ def check_input(text: str, program: str = "") -> str | None:
 def static_check(program: str, single_def: bool = False):
     """(reason or None, program whose entry function is `f`); `single_def`: a second def anywhere
     is invalid (code_reward.py's reject_multiple_functions)."""
-    if not program or len(program) > _MAX_PROGRAM_CHARS:
-        return ("too_large" if program else "syntax"), program
+    if len(program) > _MAX_PROGRAM_CHARS:
+        return "too_large", program
     reason, tree = _check_ast(program)
     if reason or single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
         return reason or "multiple_defs", program
@@ -474,8 +473,7 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
               f"{len(seed)} triplets, {len(views['induction'])} induction tasks (target {target})",
               file=sys.stderr)
-    return {**{t: collections.deque(seed, maxlen=cap) for t in TASKS[:2]},
-            "induction": views["induction"]}
+    return {t: collections.deque(views[t], maxlen=cap) for t in TASKS}  # D_ded, D_abd apart
 
 
 def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
@@ -616,9 +614,7 @@ def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = 
         m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
         m[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in ps)
         m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
-    m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
-    m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
-    return m
+    return m | {k: _mean(m[f"{t}/{k}"] for t in TASKS) for k in ("valid_rate", "solver_acc")}
 
 
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
