@@ -3,16 +3,10 @@ Zero Data", arXiv:2505.03335v2.
 
 One model proposes and solves tasks on (program p, input i, output o) triplets in three modes:
 deduction (o from p, i), abduction (an i with p(i) == o) and induction (p from I/O pairs and a
-message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3):
-  0. seed_buffers    from the zero triplet (Fig. 5) until D_seed, then D_ind, hold S*B (§3.3.1)
-  1. propose         B prompts per task type, K references each (§3.3.2)
-  2. validate        integrity, safety, determinism over j separate runs (§3.3.3)
-  3. estimate_learnability: n solver samples at T = 1 per valid proposal (Eq. 4)
-  4. solve           this step's tasks, back-filled from the buffer to B, graded (Eq. 5)
-  5. proposer_reward, solver_reward: Eq. 4 learnability, Eq. 6 format penalties
-  6. trr_update      TRR++ (Eq. 8), PPO-clip (Eq. 9), one AdamW step per --mini-batch 128 of the
-                     task-ordered 6B batch (scripts/selfplay/coder7b.sh)
-  7. evaluate        Table 1's math sets and HumanEval+/MBPP+, greedy
+message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3), one function per step:
+0 seed_buffers (§3.3.1), 1 propose (§3.3.2), 2 validate (§3.3.3), 3 estimate_learnability (Eq. 4),
+4 solve (Eq. 5), 5 proposer_reward and solver_reward (Eqs. 4, 6), 6 trr_update (TRR++ Eq. 8,
+PPO-clip Eq. 9), 7 evaluate (Table 1).
 Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), or `--model tiny`.
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
@@ -189,9 +183,9 @@ def templates(cfg: Config) -> dict[str, str]:
 def render(cfg: Config, name: str, single_def: bool = False, **fields) -> str:
     """Template `name` in the wrapper with its {code_rules}; str.format skips unused fields."""
     t = templates(cfg)
-    rules = t["code_rules"].format(
-        timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
-        definitions=t["definitions_single" if single_def else "definitions_helpers"])
+    defs = t["definitions_single" if single_def else "definitions_helpers"]
+    rules = t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
+                                   definitions=defs)
     return t["wrapper"].format(task=t[name].format(code_rules=rules, **fields))
 
 
