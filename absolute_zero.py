@@ -122,10 +122,10 @@ PROMPTS: dict[str, str] = {
         "Rules for the program:\n"
         "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
         "{definitions}- It is deterministic: no randomness, dates or clocks, file or network I/O, "
-        "printing or logging, and no outside state.\n"
-        "- Imports and classes come first; the program ends with the return of `f`: nothing "
-        "follows.\n- It finishes well within {timeout} seconds on a modern CPU.\n"
-        "- These modules may not be imported or used: {banned}.\n"),
+        "printing or logging, and no outside state.\n- Imports and classes come first; the "
+        "program ends with the return of `f`: nothing follows.\n- It finishes well within "
+        "{timeout} seconds on a modern CPU.\n- These modules may not be imported or used: "
+        "{banned}.\n"),
     "definitions_single": (  # --reject-multiple-defs
         "- `f` is the only `def` (a program with more is rejected): no helpers, nested functions "
         "or methods; classes are fine.\n"),
@@ -396,7 +396,7 @@ def check_solutions(executor: Executor, task: str | list[str], entries: list[dic
     literals (never run), abduction runs f(input), induction's program (any defs) must reproduce
     every held-out pair."""
     tasks = [task] * len(entries) if isinstance(task, str) else task
-    out, tests = [(False, False)] * len(completions), []  # tests: (answer, program, input, gold)
+    out, tests = [(False, False)] * len(completions), []  # tests: (k, program, input, gold)
     for k, (t, e, text) in enumerate(zip(tasks, entries, completions)):
         pred = solver_answer(text, t)
         if pred is None:
