@@ -545,9 +545,8 @@ def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
     solved = {t: [] for t in TASKS}
     for (t, e, new), (prompt, [(c, formatted, correct)]) in zip(
             work, _answers(policy, executor, [(t, e) for t, e, _ in work], 1, cfg)):
-        solved[t].append({"entry": e, "new": new, "prompt": prompt,
-                          "completion": c, "formatted": formatted, "correct": correct,
-                          "reward": solver_reward(formatted, correct)})
+        solved[t].append({"entry": e, "new": new, "prompt": prompt, "completion": c,
+                          "correct": correct, "reward": solver_reward(formatted, correct)})
     return solved
 
 
@@ -589,8 +588,7 @@ def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: 
 
 # --- Metrics per task type (the tasks' solve rate and program length over training, §4.4)
 def _mean(xs) -> float:
-    xs = list(xs)
-    return float(sum(xs) / len(xs)) if xs else 0.0
+    return sum(xs) / len(xs) if (xs := list(xs)) else 0.0
 
 
 def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = None) -> dict:
