@@ -470,27 +470,23 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
     return {t: collections.deque(views[t], maxlen=cap) for t in TASKS}  # D_ded, D_abd apart
 
 
-def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
-    """K references, dropped until the prompt fits; induction: a D_ded u D_abd program, 4 draws."""
-    if task == "induction":
-        tries = (([], rng.choice(programs)) for _ in range(4 if programs else 0))
-    else:
-        refs = sample(buffers[task], cfg.references, rng)
-        tries = ((refs[:k], "") for k in range(len(refs), -1, -1))
-    for refs, program in tries:  # the last reference-free prompt is kept even if too long
-        prompt = proposer_prompt(task, refs, cfg, program=program)
-        if _fits(policy.tokenizer, prompt, cfg) or not refs and not program:
-            return {"task": task, "program": program, "prompt": prompt}
-    return None
-
-
 def propose(policy, executor: Executor, buffers: dict, cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
-    """Step 1: B proposals per task type, parsed and validated (the caller keeps the valid)."""
+    """Step 1: B proposals per task type, parsed and validated (the caller keeps the valid). A
+    prompt's K references are dropped until it fits; induction: a D_ded u D_abd program, 4 draws."""
     programs = list(dict.fromkeys(e["program"] for t in TASKS[:2] for e in buffers[t]))
-    props = {t: [p for _ in range(cfg.batch_size)
-                 if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
-             for t in tasks}
+    props = {t: [] for t in tasks}
+    for t in (t for t in tasks for _ in range(cfg.batch_size)):
+        if t == "induction":
+            tries = (([], rng.choice(programs)) for _ in range(4 if programs else 0))
+        else:
+            refs = sample(buffers[t], cfg.references, rng)
+            tries = ((refs[:k], "") for k in range(len(refs), -1, -1))
+        for refs, program in tries:  # the last reference-free prompt is kept even if too long
+            prompt = proposer_prompt(t, refs, cfg, program=program)
+            if _fits(policy.tokenizer, prompt, cfg) or not refs and not program:
+                props[t].append({"task": t, "program": program, "prompt": prompt})
+                break
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
