@@ -277,14 +277,17 @@ def _check_ast(source: str, mode: str = "exec"):
 def check_input(text: str, program: str = "") -> str | None:
     """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason:
     the AST only, nothing banned, no call of the program's own functions (it could search)."""
-    if len(text) > _MAX_INPUT_CHARS:
-        return "too_large"
+    if not isinstance(text, str) or len(text) > _MAX_INPUT_CHARS:  # jobs may come from a file
+        return "too_large" if isinstance(text, str) else "syntax"
     reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
     call = getattr(tree, "body", None)
     if not (isinstance(call, ast.Call) and getattr(call.func, "id", 0) == "_"
             and call.args + call.keywords):
         return "syntax"
-    own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
+    try:  # a buffer (an edited checkpoint) may hold a program that does not parse
+        own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
+    except _PARSE_ERRORS:
+        own = {"f"}
     calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
     return reason or ("banned" if calls_own else None)
 
