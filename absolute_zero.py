@@ -122,10 +122,10 @@ PROMPTS: dict[str, str] = {
         "Rules for the program:\n"
         "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
         "{definitions}- It is deterministic: no randomness, dates or clocks, file or network I/O, "
-        "printing or logging, and no outside state.\n- Imports and classes come first; the "
-        "program ends with the return of `f`: nothing follows.\n- It finishes well within "
-        "{timeout} seconds on a modern CPU.\n- These modules may not be imported or used: "
-        "{banned}.\n"),
+        "printing or logging, and no outside state.\n"
+        "- Imports and classes come first; the program ends with the return of `f`: nothing "
+        "follows.\n- It finishes well within {timeout} seconds on a modern CPU.\n"
+        "- These modules may not be imported or used: {banned}.\n"),
     "definitions_single": (  # --reject-multiple-defs
         "- `f` is the only `def` (a program with more is rejected): no helpers, nested functions "
         "or methods; classes are fine.\n"),
@@ -183,9 +183,9 @@ def templates(cfg: Config) -> dict[str, str]:
 def render(cfg: Config, name: str, single_def: bool = False, **fields) -> str:
     """Template `name` in the wrapper with its {code_rules}; str.format skips unused fields."""
     t = templates(cfg)
-    defs = t["definitions_single" if single_def else "definitions_helpers"]
-    rules = t["code_rules"].format(timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
-                                   definitions=defs)
+    rules = t["code_rules"].format(
+        timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
+        definitions=t["definitions_single" if single_def else "definitions_helpers"])
     return t["wrapper"].format(task=t[name].format(code_rules=rules, **fields))
 
 
@@ -427,9 +427,9 @@ def solver_reward(formatted: bool, correct: bool) -> float:
     return common.azr_composite_reward(1.0, formatted=formatted, passable=correct)
 
 
-# keyed_advantages(rewards, keys): TRR++ (Eq. 8), A = (r - mu_k) / (sigma_k + eps) per
-# (role, task) key k; one key for all: REINFORCE++ (Eq. 10)
-keyed_advantages = functools.partial(common.group_advantages, scale="std", eps=1e-6)
+def keyed_advantages(rewards, keys, eps: float = 1e-6):
+    """TRR++ (Eq. 8): A = (r - mu_k) / (sigma_k + eps) per (role, task) key k; one key: Eq. 10."""
+    return common.group_advantages(rewards, keys, scale="std", eps=eps)
 
 
 # --- The loop: one function per step of Alg. 1
