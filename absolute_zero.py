@@ -233,8 +233,7 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 def solver_answer(completion: str, task: str) -> str | None:
     """What is graded (reward_managers.py): the last output/input block, else the whole <answer>;
     induction: the last python block, else the last of any kind. None is a format error."""
-    answer = extract_answer(completion)
-    if answer is None:
+    if (answer := extract_answer(completion)) is None:
         return None
     if task == "induction":
         return (blocks(answer, "python", "py", "python3") or blocks(answer) or [None])[-1]
@@ -405,10 +404,9 @@ def check_solutions(executor: Executor, task: str | list[str], entries: list[dic
         if pred is None:
             continue
         new = [(k, e["program"], pred, e["output"])] if t == "abduction" else []
-        if t == "induction":
-            reason, program = static_check(pred)
-            held_out = list(zip(e["inputs"], e["outputs"]))[len(e["inputs"]) // 2:]
-            new = [(k, program, i, o) for i, o in held_out if reason is None]
+        if t == "induction" and (checked := static_check(pred))[0] is None:
+            half = len(e["inputs"]) // 2  # the held-out pairs
+            new = [(k, checked[1], i, o) for i, o in zip(e["inputs"][half:], e["outputs"][half:])]
         out[k] = (True, _equal(pred, e["output"]) if t == "deduction" else bool(new))
         tests += new
     runs = executor.call([(program, i) for _, program, i, _ in tests])
