@@ -561,8 +561,7 @@ def build_trajectories(props: dict, solved: dict) -> list:
 
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
-    trajs = build_trajectories(props, solved)
-    if not trajs:
+    if not (trajs := build_trajectories(props, solved)):
         return {}
     return common.pg_step(policy, trajs, common.PGConfig(
         clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
