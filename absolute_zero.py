@@ -3,16 +3,10 @@ Zero Data", arXiv:2505.03335v2.
 
 One model proposes and solves tasks on (program p, input i, output o) triplets in three modes:
 deduction (o from p, i), abduction (an i with p(i) == o) and induction (p from I/O pairs and a
-message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3):
-  0. seed_buffers    from the zero triplet (Fig. 5) until D_seed, then D_ind, hold S*B (§3.3.1)
-  1. propose         B prompts per task type, K references each (§3.3.2)
-  2. validate        integrity, safety, determinism over j separate runs (§3.3.3)
-  3. estimate_learnability: n solver samples at T = 1 per valid proposal (Eq. 4)
-  4. solve           this step's tasks, back-filled from the buffer to B, graded (Eq. 5)
-  5. proposer_reward, solver_reward: Eq. 4 learnability, Eq. 6 format penalties
-  6. trr_update      TRR++ (Eq. 8), PPO-clip (Eq. 9), one AdamW step per --mini-batch 128 of the
-                     task-ordered 6B batch (scripts/selfplay/coder7b.sh)
-  7. evaluate        Table 1's math sets and HumanEval+/MBPP+, greedy
+message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3), one function per step:
+0 seed_buffers (§3.3.1), 1 propose (§3.3.2), 2 validate (§3.3.3), 3 estimate_learnability (Eq. 4),
+4 solve (Eq. 5), 5 proposer_reward and solver_reward (Eqs. 4, 6), 6 trr_update (TRR++ Eq. 8,
+PPO-clip Eq. 9), 7 evaluate (Table 1).
 Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), or `--model tiny`.
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
@@ -69,8 +63,6 @@ class Config(common.RunConfig):
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
     determinism_runs: int = 2  # j, independent runs that must agree (§3.3.3)
     sandbox_workers: int = 4  # not in the paper: parallel sandbox processes
-    sandbox_memory_mb: int = 1024  # not in the paper: address-space limit of one program run
-    max_program_chars: int = 8000  # not in the paper: longer programs are invalid
     max_output_chars: int = 4000  # not in the paper: longer outputs are invalid, never truncated
     reject_multiple_defs: bool = True  # one def per proposal (rewards/code_reward.py)
     eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1 math
@@ -87,53 +79,41 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
                 "output": "'Hello World'"}  # Fig. 5
-BANNED_MODULES = frozenset({  # Fig. 8, os/sys/shutil (§3.3.3), and the other ways out
-    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime",
-    "time", "hashlib", "hmac", "bcrypt", "calendar", "os", "sys", "shutil",
-    "importlib", "builtins", "__builtin__", "imp", "ctypes", "gc", "inspect", "socket", "signal",
-    "resource", "pathlib", "tempfile", "io", "glob", "pickle", "marshal", "uuid", "secrets",
-    "asyncio", "concurrent", "_thread", "select", "mmap", "code", "codeop", "pty", "fcntl",
-    "platform", "sysconfig", "site", "urllib", "http", "requests", "ftplib", "smtplib",
-    "webbrowser", "faulthandler", "tracemalloc", "atexit"})
-BANNED_NAMES = frozenset({  # builtins that import, run code or do I/O, unless bound locally
-    "__import__", "eval", "exec", "compile", "open", "input", "breakpoint", "exit", "quit",
-    "help", "globals", "locals", "vars", "__builtins__", "__loader__", "__spec__"})
-BANNED_ATTRS = frozenset({"__subclasses__", "__globals__", "__builtins__", "__code__",
-                          "__import__", "__loader__", "__bases__", "__mro__", "f_globals",
-                          "f_back", "gi_frame"})
+BANNED_MODULES = frozenset("""
+    logging random multiprocessing pebble subprocess threading datetime time hashlib hmac bcrypt
+    calendar os sys shutil importlib builtins __builtin__ imp ctypes gc inspect socket signal
+    resource pathlib tempfile io glob pickle marshal uuid secrets asyncio concurrent _thread
+    select mmap code codeop pty fcntl platform sysconfig site urllib http requests ftplib smtplib
+    webbrowser faulthandler tracemalloc atexit""".split())  # Fig. 8, os/sys/shutil (§3.3.3), others
+BANNED_NAMES = frozenset("""__import__ eval exec compile open input breakpoint exit quit help
+    globals locals vars __builtins__ __loader__ __spec__""".split())  # unless bound locally
+BANNED_ATTRS = frozenset("""__subclasses__ __globals__ __builtins__ __code__ __import__ __loader__
+    __bases__ __mro__ f_globals f_back gi_frame""".split())  # the ways to the builtins
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
                   "nondeterministic", "non_literal", "too_large")
 
 # --- Prompts: R1-style plain text, our words for every instruction of the paper's prompt figures
 # (data_construction/prompts.py); everything parsed sits in fenced blocks.
-_PREAMBLE = (
-    "A conversation between User and Assistant. The Assistant first reasons about the User's task "
-    "step by step inside <think> </think> tags, then writes its final result inside <answer> "
-    "</answer> tags, i.e. <think> reasoning </think> <answer> result </answer>.\n\n")
+_PREAMBLE = ("A conversation between User and Assistant. The Assistant first reasons about the "
+             "User's task step by step, then gives its final result, in the form <think> "
+             "reasoning </think> <answer> result </answer>.\n\n")
 _CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: "
                 "for `def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
-_HARD = ("The program should make the solver track state across several data transformations, "
-         "so that solving the puzzle takes long, multi-step reasoning: for example build and "
-         "operate on data structures (trees, heaps, stacks, queues, graphs, your own classes) or "
-         "use involved control flow (dynamic programming, recursion, divide and conquer, greedy "
-         "choices, backtracking).")
+_HARD = ("The program makes the solver track state across several data transformations, so that "
+         "solving it takes long, multi-step reasoning: e.g. build and operate on data structures "
+         "(trees, heaps, stacks, queues, graphs, your own classes) or use involved control flow "
+         "(dynamic programming, recursion, divide and conquer, greedy choices, backtracking).")
 
 
 def _propose(aim: str, hard_part: str) -> str:
     return (
-        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim
-        + "\n\n{code_rules}- " + _HARD + "\n\n"
-        "The input: exactly one, written as " + _CALL_FORMAT + ".\n\n"
-        "What makes a good puzzle:\n"
-        "- it runs without error on your input;\n"
-        "- " + hard_part + "\n"
-        "- it is clearly different from the earlier puzzles below.\n\n"
-        "Plan first: in your reasoning, decide what will make your program hard, how it differs "
-        "from the earlier puzzles and what is new about it; only then write the program and its "
-        "input.\n\n"
-        "Earlier puzzles:\n{references}\n\n"
-        "Answer format: inside <answer> </answer>, one ```python block with the program, then one "
-        "```input block with the input.")
+        "Design a new Python puzzle for an I.Q. test: one program and exactly one input for it. "
+        + aim + "\n\n{code_rules}- " + _HARD + "\n\nWrite the input as " + _CALL_FORMAT
+        + ".\n\nA good puzzle runs without error on your input, " + hard_part + " and is clearly "
+        "different from the earlier puzzles below. Plan first: in your reasoning, decide what "
+        "makes your program hard and what is new about it; only then write the program and its "
+        "input.\n\nEarlier puzzles:\n{references}\n\nAnswer format: inside <answer> </answer>, "
+        "one ```python block with the program, then one ```input block with the input.")
 
 
 PROMPTS: dict[str, str] = {
@@ -141,58 +121,50 @@ PROMPTS: dict[str, str] = {
     "code_rules": (  # proposers and the induction solver; {definitions} is one of the two below
         "Rules for the program:\n"
         "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
-        "{definitions}"
-        "- It is deterministic: no randomness, dates or clocks, file or network I/O, printing or "
-        "logging, and no outside state.\n"
-        "- Imports and classes come first, at the top; the program ends with the return of `f`: "
-        "nothing follows.\n"
-        "- It finishes well within {timeout} seconds on a modern CPU.\n"
+        "{definitions}- It is deterministic: no randomness, dates or clocks, file or network I/O, "
+        "printing or logging, and no outside state.\n"
+        "- Imports and classes come first; the program ends with the return of `f`: nothing "
+        "follows.\n- It finishes well within {timeout} seconds on a modern CPU.\n"
         "- These modules may not be imported or used: {banned}.\n"),
     "definitions_single": (  # --reject-multiple-defs
-        "- `f` is the only function: no helper functions, no functions nested in `f`, no methods "
-        "(a program with more than one `def` is rejected). Classes without methods are fine.\n"),
+        "- `f` is the only `def` (a program with more is rejected): no helpers, nested functions "
+        "or methods; classes are fine.\n"),
     "definitions_helpers": "- Helper functions and classes are allowed, also nested inside `f`.\n",
     "propose_deduction": _propose(
         "A test subject will see your program and your input and must deduce the output.",
-        "its output is hard to predict from the program and the input;"),
+        "has an output hard to predict from the program and the input,"),
     "propose_abduction": _propose(
         "A test subject will see your program and the output of your input, and must find an input "
         "that produces that output (any such input counts).",
-        "your input is hard to recover from the program and its output;"),
+        "has an input hard to recover from the program and its output,"),
     "propose_induction": (
-        "Here is a Python program; it will be called as `f(<your input>)`.\n"
-        "```python\n{program}\n```\n"
-        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of "
-        "your inputs with the outputs they produce, plus your message, and must rebuild the "
-        "program.\n"
-        "- Each input is " + _CALL_FORMAT + "; put each input in its own ```input block.\n"
-        "- Every input must run without error.\n"
-        "- Coverage: together, the inputs and their outputs should pin down what `f` does over its "
-        "whole input space.\n"
-        "- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
+        "Here is a Python program:\n```python\n{program}\n```\nWrite {n} inputs for it and a "
+        "message for an I.Q. test: a test subject will see some of your inputs with their outputs, "
+        "plus your message, and must rebuild the program.\n- Every input runs without error and "
+        "is written as " + _CALL_FORMAT + ".\n"
+        "- Coverage: together, the inputs and outputs pin down what `f` does over its whole input "
+        "space.\n- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
         "- Difficulty: inputs and message together make the task challenging, but not impossible.\n"
         "- The message helps the test subject: a coding question, a hint or a plain description of "
-        "what the program does, but never the code itself. Put it in one ```message block.\n\n"
-        "Plan first: understand the program, then decide how your inputs cover it and why they are "
-        "challenging and varied; only then write the inputs and the message.\n\n"
+        "what the program does, but never the code itself.\n\nPlan first: understand the program "
+        "and how your inputs will meet these goals; only then write the inputs and the message.\n\n"
         "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one "
         "```message block."),
     "solve_deduction": (
         "Deduce what this program returns for the given input; work through it step by step.\n"
-        "```python\n{program}\n```\n```input\n{input}\n```\n"
-        "Answer format: inside <answer> </answer>, one ```output block with the return value as a "
-        "Python literal: strings in quotes, a tuple if it returns several values."),
+        "```python\n{program}\n```\n```input\n{input}\n```\nAnswer format: inside <answer> "
+        "</answer>, one ```output block with the return value as a Python literal: strings in "
+        "quotes, a tuple if it returns several values."),
     "solve_abduction": (
         "Find an input for which this program returns the given output; any such input counts. "
         "Work through it step by step.\n```python\n{program}\n```\n```output\n{output}\n```\n"
-        "The input is " + _CALL_FORMAT + ".\n"
-        "Answer format: inside <answer> </answer>, one ```input block."),
+        "The input is " + _CALL_FORMAT + ".\nAnswer format: inside <answer> </answer>, one "
+        "```input block."),
     "solve_induction": (
         "Deduce the Python function `f` that maps each input below to its output. It will be run "
         "on hidden inputs and must reproduce the outputs of the program that made these pairs.\n"
-        "Message: {message}\n\n{pairs}\n"
-        "Check your function against each pair in turn, and revise it until it fits all of them.\n"
-        "{code_rules}"
+        "Message: {message}\n\n{pairs}\nCheck your function against each pair in turn, and revise "
+        "it until it fits all of them.\n{code_rules}"
         "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."),
     # evaluation/math_eval/eval/utils.py, template "azr": the Assistant turn is left unopened
     "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
@@ -241,7 +213,7 @@ def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
 # --- Parsing untrusted model output (nothing here may raise) and the safety checks (§3.3.3)
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
 _BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_]\w*)?[ \t]*\n?(.*?)```", re.S)  # body may share a line
-_MAX_INPUT_CHARS = 100_000  # not in the paper: a longer input is invalid
+_MAX_INPUT_CHARS, _MAX_PROGRAM_CHARS = 100_000, 8000  # not in the paper: longer ones are invalid
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -249,9 +221,8 @@ _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 def extract_answer(completion: str) -> str | None:
     """The last <answer> block, if the response has the R1 format (the prompt opened <think>)."""
     text = "<think>" + completion
-    start = text.rfind("<answer>")
-    end = text.find("</answer>", start)
-    return text[start + len("<answer>"):end] if _FORMAT_RE.match(text) and end >= 0 else None
+    last = text.rsplit("<answer>", 1)[-1]
+    return last.split("</answer>")[0] if _FORMAT_RE.match(text) and "</answer>" in last else None
 
 
 def blocks(answer: str, *kinds: str) -> list[str]:
@@ -262,51 +233,57 @@ def blocks(answer: str, *kinds: str) -> list[str]:
 def solver_answer(completion: str, task: str) -> str | None:
     """What is graded (reward_managers.py): the last output/input block, else the whole <answer>;
     induction: the last python block, else the last of any kind. None is a format error."""
-    answer = extract_answer(completion)
-    if answer is None:
+    if (answer := extract_answer(completion)) is None:
         return None
     if task == "induction":
         return (blocks(answer, "python", "py", "python3") or blocks(answer) or [None])[-1]
     return (blocks(answer, "output" if task == "deduction" else "input") or [answer.strip()])[-1]
 
 
+def parse_proposal(completion: str, task: str, n: int = 0) -> dict:
+    """{'reason': 'format'} if incomplete, else deduction/abduction: the first ```python and
+    ```input block; induction: the last n (--induction-inputs) ```input blocks and ```message.
+    Inputs are checked where they run (Executor.call)."""
+    answer = extract_answer(completion) or ""
+    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
+    if task != "induction" and programs and inputs:
+        return {"reason": None, "program": programs[0], "input": inputs[0]}
+    if task == "induction" and len(inputs) >= n and messages and messages[-1]:
+        return {"reason": None, "inputs": inputs[-n:], "message": messages[-1][:2000]}
+    return {"reason": "format"}
+
+
 def _check_ast(source: str, mode: str = "exec"):
     """(reason or None, tree): syntax if it does not parse; banned for a relative or banned import,
     a banned attribute, or a BANNED_NAMES name that may be the builtin (in a module or class body,
     or global in a function: symtable's scopes)."""
-    def bad(module: str) -> bool:
-        return module.split(".")[0] in BANNED_MODULES  # no banned module has a dot
     try:
-        tree = ast.parse(source, mode=mode)
-        if any(isinstance(n, ast.Import) and any(bad(a.name) for a in n.names)
-               or isinstance(n, ast.ImportFrom) and (n.level or bad(n.module))
-               or isinstance(n, ast.Attribute) and n.attr in BANNED_ATTRS for n in ast.walk(tree)):
-            return "banned", tree
-        tables = [symtable.symtable(source, "<program>", mode)]
+        tree, tables = ast.parse(source, mode=mode), [symtable.symtable(source, "<program>", mode)]
         for table in tables:  # grows as it goes: every nested scope
             tables += table.get_children()
-            plain = table.get_type() in ("module", "class")
-            if any(s.get_name() in BANNED_NAMES and not s.is_free() and (plain or s.is_global())
-                   for s in table.get_symbols()):
-                return "banned", tree
-        return None, tree
     except _PARSE_ERRORS:
         return "syntax", None
+    nodes = list(ast.walk(tree))
+    imported = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names] + [
+        "." * n.level + (n.module or "") for n in nodes if isinstance(n, ast.ImportFrom)]
+    names = {s.get_name() for table in tables for s in table.get_symbols() if not s.is_free()
+             and (table.get_type() in ("module", "class") or s.is_global())}
+    attrs = {n.attr for n in nodes if isinstance(n, ast.Attribute)}
+    bad = any(m.split(".")[0] in BANNED_MODULES or m.startswith(".") for m in imported)
+    return ("banned" if bad or names & BANNED_NAMES or attrs & BANNED_ATTRS else None), tree
 
 
 def check_input(text: str, program: str = "") -> str | None:
     """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason:
     the AST only, nothing banned, no call of the program's own functions (it could search)."""
-    if not isinstance(text, str) or not text.strip():
-        return "syntax"
-    if len(text) > _MAX_INPUT_CHARS:
-        return "too_large"
+    if not isinstance(text, str) or len(text) > _MAX_INPUT_CHARS:  # jobs may come from a file
+        return "too_large" if isinstance(text, str) else "syntax"
     reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
-    call = tree.body if tree else None
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-            and call.func.id == "_" and (call.args or call.keywords)):
+    call = getattr(tree, "body", None)
+    if not (isinstance(call, ast.Call) and getattr(call.func, "id", 0) == "_"
+            and call.args + call.keywords):
         return "syntax"
-    try:
+    try:  # a buffer (an edited checkpoint) may hold a program that does not parse
         own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
     except _PARSE_ERRORS:
         own = {"f"}
@@ -314,11 +291,11 @@ def check_input(text: str, program: str = "") -> str | None:
     return reason or ("banned" if calls_own else None)
 
 
-def static_check(program: str, max_chars: int = 8000, single_def: bool = False):
+def static_check(program: str, single_def: bool = False):
     """(reason or None, program whose entry function is `f`); `single_def`: a second def anywhere
     is invalid (code_reward.py's reject_multiple_functions)."""
-    if not program or len(program) > max_chars:
-        return ("too_large" if program else "syntax"), program
+    if len(program) > _MAX_PROGRAM_CHARS:
+        return "too_large", program
     reason, tree = _check_ast(program)
     if reason or single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
         return reason or "multiple_defs", program
@@ -335,32 +312,14 @@ def strip_program(program: str) -> str:
     keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
     try:
         module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(n, keep) or (
-            isinstance(n, ast.Assign) and len(n.targets) == 1
-            and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "f")], type_ignores=[])
+            isinstance(n, ast.Assign) and [getattr(t, "id", 0) for t in n.targets] == ["f"])],
+            type_ignores=[])  # "f = g" is static_check's
         for node in (n for n in ast.walk(module) if isinstance(n, (*_DEFS, ast.ClassDef))):
             if ast.get_docstring(node, False) is not None:
                 node.body = node.body[1:] or [ast.Pass()]
         return ast.unparse(module)
     except _PARSE_ERRORS:
         return ""
-
-
-def parse_proposal(completion: str, task: str, n: int = 0, program: str = "") -> dict:
-    """{'reason'} alone if invalid, else deduction/abduction: {'program', 'input'} of the first
-    ```python and ```input block; induction: {'inputs', 'message'} of the last n
-    (--induction-inputs) ```input blocks and the last ```message."""
-    answer = extract_answer(completion) or ""
-    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
-    if task == "induction":
-        inputs = inputs[-n:]
-        if len(inputs) < n or not messages or not messages[-1]:
-            return {"reason": "format"}
-        reason = next((r for r in (check_input(i, program) for i in inputs) if r), None)
-        return {"reason": reason} if reason else {"inputs": inputs, "message": messages[-1][:2000]}
-    if not programs or not inputs:
-        return {"reason": "format"}
-    return {"reason": check_input(inputs[0], programs[0]), "program": programs[0],
-            "input": inputs[0]}
 
 
 # --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
@@ -375,33 +334,28 @@ class Executor:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sandboxes = [common.PythonSandbox(
-            workers=cfg.sandbox_workers, timeout_s=cfg.executor_timeout,
-            memory_mb=cfg.sandbox_memory_mb, max_output_chars=cfg.max_output_chars, hash_seed=j)
-            for j in range(cfg.determinism_runs)]
+        self.sandboxes = [common.PythonSandbox(cfg.sandbox_workers, cfg.executor_timeout,
+                                               max_output_chars=cfg.max_output_chars, hash_seed=j)
+                          for j in range(cfg.determinism_runs)]
 
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
         """[(status, output repr, value)] per (program, input) job; status "ok" or a reason."""
-        rank, world = common.dist_info()
-        if rank > 0:
+        if common.dist_info()[0] > 0:
             return common.broadcast_object(None)
         refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
         # the newlines keep a comment in the input off the closing parenthesis
         todo = [(p, f"f(\n{t.strip()}\n)") for (p, t), r in zip(jobs, refused) if r is None]
         results = iter(self.sandboxes[run].run_many(todo) if todo else [])
         out = [(r, "", None) if r else self._classify(next(results)) for r in refused]
-        return common.broadcast_object(out) if world > 1 else out
+        return common.broadcast_object(out)
 
     def _classify(self, res) -> tuple[str, str, object]:
         """The output must be a finite literal that survives a repr round trip, with no address."""
-        reason = _STATUS_REASON.get(res.status, "error")
-        if reason is not None:
-            return reason, res.error or "", None
-        if _ADDRESS_RE.search(res.value):
-            return "nondeterministic", res.value, None
-        try:
-            return "ok", res.value, common.parse_literal(res.value,
-                                                         max_chars=self.cfg.max_output_chars)
+        if res.status != "ok" or _ADDRESS_RE.search(res.value):
+            reason = _STATUS_REASON.get(res.status, "error") or "nondeterministic"
+            return reason, res.error or res.value or "", None
+        try:  # the sandbox capped the output at --max-output-chars
+            return "ok", res.value, common.parse_literal(res.value, max_chars=len(res.value))
         except ValueError:
             return "non_literal", res.value, None
 
@@ -422,40 +376,13 @@ class Executor:
 
 
 def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
-    """k entries of a buffer: D_ded, D_abd or D_ind, a deque of JSON-able tasks, capped."""
+    """k entries of a buffer (D_ded, D_abd or D_ind: a capped deque of JSON-able tasks)."""
     if replace:
-        return [rng.choice(buffer) for _ in range(k)] if buffer else []
+        return [rng.choice(buffer) for _ in range(k if buffer else 0)]
     return rng.sample(buffer, min(k, len(buffer)))
 
 
-# --- Validation (§3.3.3), grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
-def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
-             tokenizer=None) -> list[dict]:
-    """Sets p['reason'] (None = valid) and p['entry']: static checks (buffer programs passed them),
-    then j agreeing runs give the gold outputs; a solver prompt that does not fit is too_large."""
-    todo = []
-    for p in proposals:
-        if not p.get("reason") and task != "induction":  # buffer programs are already checked
-            p["reason"], p["program"] = static_check(p["program"], cfg.max_program_chars,
-                                                     single_def=cfg.reject_multiple_defs)
-        p["reason"] = p.get("reason") or None
-        if p["reason"] is None:
-            todo.append((p, p["inputs"] if task == "induction" else [p["input"]]))
-    results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
-    for p, ins in todo:
-        res = [next(results) for _ in ins]
-        p["reason"] = next((r for r, _ in res if r), None)
-        if p["reason"] is not None:
-            continue
-        gold = ({"inputs": p["inputs"], "outputs": [o for _, o in res], "message": p["message"]}
-                if task == "induction" else {"input": p["input"], "output": res[0][1]})
-        p["entry"] = {"program": p["program"], **gold, "step": step}
-        if tokenizer is not None and not _fits(tokenizer, solver_prompt(task, p["entry"], cfg),
-                                               cfg):
-            p["reason"], p["entry"] = "too_large", None
-    return proposals
-
-
+# --- Grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
 def _equal(pred_text: str, gold_text: str) -> bool:
     """Value equality in trusted code (Eq. 5): sets order-free, 1 == 1.0, a tuple is no list."""
     try:
@@ -465,26 +392,25 @@ def _equal(pred_text: str, gold_text: str) -> bool:
         return False
 
 
-def check_solutions(executor: Executor, task: str, entries: list[dict], completions: list[str],
-                    cfg: Config) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer (Eq. 5): deduction compares literals (never run), abduction
-    runs f(input), induction's program (any defs) must reproduce every held-out pair."""
-    out = [(False, False)] * len(completions)
-    jobs, owner = [], []  # (program, input) to run; (answer index, gold output) of each
-    for k, (entry, text) in enumerate(zip(entries, completions)):
-        pred = solver_answer(text, task)
+def check_solutions(executor: Executor, task: str | list[str], entries: list[dict],
+                    completions: list[str], cfg: Config) -> list[tuple[bool, bool]]:
+    """(formatted, correct) per answer (Eq. 5), `task` for all or one per entry: deduction compares
+    literals (never run), abduction runs f(input), induction's program (any defs) must reproduce
+    every held-out pair."""
+    tasks = [task] * len(entries) if isinstance(task, str) else task
+    out, tests = [(False, False)] * len(completions), []  # tests: (k, program, input, gold)
+    for k, (t, e, text) in enumerate(zip(tasks, entries, completions)):
+        pred = solver_answer(text, t)
         if pred is None:
             continue
-        tests = [(entry["program"], pred, entry["output"])] if task == "abduction" else []
-        if task == "induction":
-            reason, program = static_check(pred, cfg.max_program_chars)
-            half = len(entry["inputs"]) // 2
-            held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
-            tests = [] if reason else [(program, i, o) for i, o in held_out]
-        out[k] = (True, _equal(pred, entry["output"]) if task == "deduction" else bool(tests))
-        jobs += [(program, inp) for program, inp, _ in tests]
-        owner += [(k, gold) for _, _, gold in tests]
-    for (k, gold), (status, value, _) in zip(owner, executor.call(jobs)):  # every test must pass
+        new = [(k, e["program"], pred, e["output"])] if t == "abduction" else []
+        if t == "induction" and (checked := static_check(pred))[0] is None:
+            half = len(e["inputs"]) // 2  # the held-out pairs
+            new = [(k, checked[1], i, o) for i, o in zip(e["inputs"][half:], e["outputs"][half:])]
+        out[k] = (True, _equal(pred, e["output"]) if t == "deduction" else bool(new))
+        tests += new
+    runs = executor.call([(program, i) for _, program, i, _ in tests])
+    for (k, _, _, gold), (status, value, _) in zip(tests, runs):  # every test must pass
         out[k] = (True, out[k][1] and status == "ok" and _equal(value, gold))
     return out
 
@@ -516,14 +442,10 @@ def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, 
     """(solver prompt, n graded answers [(completion, formatted, correct)]) per (type, entry)."""
     prompts = [solver_prompt(t, e, cfg) for t, e in tasks]
     groups = _generate(policy, prompts, n, cfg, **sampling)
-    out = [[] for _ in tasks]
-    for t in TASKS:
-        idx = [k for k, (task, _) in enumerate(tasks) if task == t]
-        graded = iter(check_solutions(executor, t, [tasks[k][1] for k in idx for _ in range(n)],
-                                      [c.text for k in idx for c in groups[k]], cfg))
-        for k in idx:
-            out[k] = [(c, *next(graded)) for c in groups[k]]
-    return list(zip(prompts, out))
+    graded = iter(check_solutions(executor, [t for t, _ in tasks for _ in range(n)],
+                                  [e for _, e in tasks for _ in range(n)],
+                                  [c.text for g in groups for c in g], cfg))
+    return [(p, [(c, *next(graded)) for c in g]) for p, g in zip(prompts, groups)]
 
 
 def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
@@ -533,54 +455,69 @@ def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) ->
     seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cap)
     views = {"deduction": seed, "abduction": seed, "induction": collections.deque(maxlen=cap)}
     for buf, tasks in ((seed, TASKS[:2]), (views["induction"], TASKS[2:])):
-        for r in range(cfg.seed_max_rounds):
+        for task in [tasks[r % len(tasks)] for r in range(cfg.seed_max_rounds)]:
             if len(buf) >= target:
                 break
-            task = tasks[r % len(tasks)]
             new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
                    if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
-                new = validate(executor, task, [{"program": strip_program(p["program"]),
-                                                 "input": p["input"]} for p in new], cfg, 0,
-                               policy.tokenizer)
+                new = [dict(p, program=strip_program(p["program"]), entry=None) for p in new]
+                validate(executor, task, new, cfg, 0, policy.tokenizer)
             buf.extend([p["entry"] for p in new if p["reason"] is None][:target - len(buf)])
     if len(seed) < target or len(views["induction"]) < target:
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
               f"{len(seed)} triplets, {len(views['induction'])} induction tasks (target {target})",
               file=sys.stderr)
-    return {**{t: collections.deque(seed, maxlen=cap) for t in TASKS[:2]},
-            "induction": views["induction"]}
-
-
-def _proposer_prompt(policy, task, buffers, programs, cfg, rng) -> dict | None:
-    """K references, dropped until the prompt fits; induction: a D_ded u D_abd program, 4 draws."""
-    if task != "induction":
-        refs = sample(buffers[task], cfg.references, rng)
-        while refs and not _fits(policy.tokenizer, proposer_prompt(task, refs, cfg), cfg):
-            refs.pop()
-        return {"task": task, "prompt": proposer_prompt(task, refs, cfg)}
-    for program in (rng.choice(programs) for _ in range(4 if programs else 0)):
-        prompt = proposer_prompt(task, [], cfg, program=program)
-        if _fits(policy.tokenizer, prompt, cfg):
-            return {"task": task, "program": program, "prompt": prompt}
-    return None
+    return {t: collections.deque(views[t], maxlen=cap) for t in TASKS}  # D_ded, D_abd apart
 
 
 def propose(policy, executor: Executor, buffers: dict, cfg: Config,
             rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
-    """Steps 1-2: B proposals per task type, parsed and validated (the caller keeps the valid)."""
+    """Step 1: B proposals per task type, parsed and validated (the caller keeps the valid). A
+    prompt's K references are dropped until it fits; induction: a D_ded u D_abd program, 4 draws."""
     programs = list(dict.fromkeys(e["program"] for t in TASKS[:2] for e in buffers[t]))
-    props = {t: [p for _ in range(cfg.batch_size)
-                 if (p := _proposer_prompt(policy, t, buffers, programs, cfg, rng))]
-             for t in tasks}
+    props = {t: [] for t in tasks}
+    for t in (t for t in tasks for _ in range(cfg.batch_size)):
+        if t == "induction":
+            tries = (([], rng.choice(programs)) for _ in range(4 if programs else 0))
+        else:
+            refs = sample(buffers[t], cfg.references, rng)
+            tries = ((refs[:k], "") for k in range(len(refs), -1, -1))
+        for refs, program in tries:  # the last reference-free prompt is kept even if too long
+            prompt = proposer_prompt(t, refs, cfg, program=program)
+            if _fits(policy.tokenizer, prompt, cfg) or not refs and not program:
+                props[t].append({"task": t, "program": program, "prompt": prompt})
+                break
     flat = [p for t in tasks for p in props[t]]
     for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
         p["completion"] = group[0]
-        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs,
-                                p.get("program", "")))
+        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs))
     for t in tasks:
         validate(executor, t, props[t], cfg, step, policy.tokenizer)
     return props
+
+
+def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
+             tokenizer=None) -> list[dict]:
+    """Step 2 (§3.3.3): sets p['reason'] (None = valid) and p['entry']: static checks (induction's
+    programs, from the buffers, passed them), then j agreeing runs give the gold outputs; a solver
+    prompt that does not fit is too_large."""
+    for p in proposals:
+        if p.setdefault("reason", None) is None and task != "induction":
+            p["reason"], p["program"] = static_check(p["program"], cfg.reject_multiple_defs)
+    todo = [(p, p["inputs"] if task == "induction" else [p["input"]]) for p in proposals
+            if p["reason"] is None]
+    results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
+    for p, ins in todo:
+        reasons, outs = zip(*[next(results) for _ in ins])
+        p["reason"] = next(filter(None, reasons), None)
+        gold = ({"inputs": ins, "outputs": list(outs), "message": p["message"]}
+                if task == "induction" else {"input": ins[0], "output": outs[0]})
+        p["entry"] = None if p["reason"] else {"program": p["program"], **gold, "step": step}
+        prompt = p["entry"] and tokenizer is not None and solver_prompt(task, p["entry"], cfg)
+        if prompt and not _fits(tokenizer, prompt, cfg):
+            p["reason"], p["entry"] = "too_large", None
+    return proposals
 
 
 def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) -> None:
@@ -605,9 +542,8 @@ def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
     solved = {t: [] for t in TASKS}
     for (t, e, new), (prompt, [(c, formatted, correct)]) in zip(
             work, _answers(policy, executor, [(t, e) for t, e, _ in work], 1, cfg)):
-        solved[t].append({"entry": e, "new": new, "prompt": prompt,
-                          "completion": c, "formatted": formatted, "correct": correct,
-                          "reward": solver_reward(formatted, correct)})
+        solved[t].append({"entry": e, "new": new, "prompt": prompt, "completion": c,
+                          "correct": correct, "reward": solver_reward(formatted, correct)})
     return solved
 
 
@@ -625,8 +561,7 @@ def build_trajectories(props: dict, solved: dict) -> list:
 
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
-    trajs = build_trajectories(props, solved)
-    if not trajs:
+    if not (trajs := build_trajectories(props, solved)):
         return {}
     return common.pg_step(policy, trajs, common.PGConfig(
         clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
@@ -649,18 +584,17 @@ def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: 
 
 # --- Metrics per task type (the tasks' solve rate and program length over training, §4.4)
 def _mean(xs) -> float:
-    xs = list(xs)
-    return float(sum(xs) / len(xs)) if xs else 0.0
+    return sum(xs) / len(xs) if (xs := list(xs)) else 0.0
 
 
-def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
-    m: dict = {}
+def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = None) -> dict:
+    """Per task type, overall, and trr_update's `stats` as train/..."""
+    m = {f"train/{k}": v for k, v in (stats or {}).items()}
     for t in TASKS:
         ps, ss = props[t], solved[t]
         valid = [p for p in ps if p["reason"] is None]
-        reasons = collections.Counter(p["reason"] for p in ps)
-        m[f"{t}/valid_rate"] = len(valid) / len(ps) if ps else 0.0
-        m.update({f"{t}/reject/{r}": reasons[r] for r in REJECT_REASONS})
+        m[f"{t}/valid_rate"] = _mean(p["reason"] is None for p in ps)
+        m.update({f"{t}/reject/{r}": sum(p["reason"] == r for p in ps) for r in REJECT_REASONS})
         m[f"{t}/buffer_size"] = len(buffers[t])
         m[f"{t}/solver_acc"] = _mean(s["correct"] for s in ss)
         m[f"{t}/proposer_reward"] = _mean(p["reward"] for p in ps)
@@ -668,9 +602,7 @@ def step_metrics(props: dict, solved: dict, buffers: dict) -> dict:
         m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
         m[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in ps)
         m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
-    m["valid_rate"] = _mean(m[f"{t}/valid_rate"] for t in TASKS)
-    m["solver_acc"] = _mean(m[f"{t}/solver_acc"] for t in TASKS)
-    return m
+    return m | {k: _mean(m[f"{t}/{k}"] for t in TASKS) for k in ("valid_rate", "solver_acc")}
 
 
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
@@ -696,17 +628,18 @@ def eval_answer(text: str) -> str | None:
 
 
 def _eval_prompt_fn(cfg: Config, code: bool):
-    """The eval_math or eval_code template as a prompt_fn, named for eval.json's settings."""
+    """The eval_code or eval_math template as a prompt_fn, named for eval.json's settings."""
     def eval_prompt(problem, tokenizer=None):
-        if code:
-            return templates(cfg)["eval_code"].format(task=common.code_task_prompt(problem))
-        return templates(cfg)["eval_math"].format(question=problem["question"].strip())
-    name = "code_eval_prompt" if code else "eval_prompt"
-    eval_prompt.__name__ = f"absolute_zero.{name}" + (f" ({cfg.prompts})" if cfg.prompts else "")
+        fields = ({"task": common.code_task_prompt(problem)} if code
+                  else {"question": problem["question"].strip()})
+        return templates(cfg)["eval_code" if code else "eval_math"].format(**fields)
+    tag = f" ({cfg.prompts})" if cfg.prompts else ""
+    eval_prompt.__name__ = f"absolute_zero.{'code_' if code else ''}eval_prompt{tag}"
     return eval_prompt
 
 
-def evaluate(policy, cfg: Config) -> dict:
+def evaluate(policy, cfg: Config, run=None, name: str = "eval.json") -> dict:
+    """Math (Table 1's sets) and, with --eval-code, code benchmarks; written to `run`'s `name`."""
     results = common.evaluate_config(policy, cfg, prompt_fn=_eval_prompt_fn(cfg, code=False),
                                      extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
     if cfg.eval_code:
@@ -718,6 +651,8 @@ def evaluate(policy, cfg: Config) -> dict:
         except common.BenchmarkUnavailable as e:  # a finished run keeps its math results
             print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
             results["code"] = {"skipped": str(e)}
+    if run is not None:
+        run.write_eval(results, name)
     return results
 
 
@@ -745,13 +680,10 @@ def check_config(cfg: Config) -> None:
         *[(b in hub or b.endswith((".jsonl", ".json")) and os.path.isfile(b),
            f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} "
            "nor an existing .jsonl file") for b in code],
-        (not hub or importlib.util.find_spec("datasets") is not None, "--eval-code: HumanEval+/"
-         "MBPP+ come from the Hugging Face hub via the `datasets` package, which is not "
-         "installed: pip install datasets, give local JSONL files with --eval-code-benchmarks, "
-         "or --no-eval-code")]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+        (not hub or importlib.util.find_spec("datasets"), "--eval-code: HumanEval+/MBPP+ need the "
+         "`datasets` package: pip install datasets, or local JSONL files, or --no-eval-code")]
+    if errors := [msg for ok, msg in checks if not ok]:
+        raise ValueError(errors[0])
 
 
 def train(cfg: Config) -> dict:
@@ -771,21 +703,15 @@ def train(cfg: Config) -> dict:
         for step in range(start + 1, cfg.steps + 1):
             rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without RNG state
             props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step)
-            metrics = {**step_metrics(props, solved, buffers),
-                       **{f"train/{k}": v for k, v in stats.items()}}
+            metrics = step_metrics(props, solved, buffers, stats)
             log_step_samples(run, step, props, solved)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                ev = evaluate(policy, cfg)
-                run.write_eval(ev, f"eval_step_{step}.json")
-                metrics.update(eval_metrics(ev))
+                metrics.update(eval_metrics(evaluate(policy, cfg, run, f"eval_step_{step}.json")))
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-                run.save_checkpoint(step, policy, {"buffers": {t: list(b)
-                                                                for t, b in buffers.items()}})
-        results = evaluate(policy, cfg)
-        run.write_eval(results)
-        return results
+                run.save_checkpoint(step, policy, {"buffers": {t: list(buffers[t]) for t in TASKS}})
+        return evaluate(policy, cfg, run)
     finally:
         executor.close()
         run.close()

@@ -41,12 +41,14 @@ def test_documents_are_read_by_absolute_zeros_parsers():
             assert prompt.startswith(absolute_zero._PREAMBLE)
             if role == "proposer" and t == "induction":
                 prog = prompt.split("```python\n")[1].split("\n```")[0]
-                got = absolute_zero.parse_proposal(completion, t, lab.N_INPUTS, prog)
+                got = absolute_zero.parse_proposal(completion, t, lab.N_INPUTS)
                 assert len(got["inputs"]) == lab.N_INPUTS and got["message"]
+                assert all(absolute_zero.check_input(i, prog) is None for i in got["inputs"])
             elif role == "proposer":
                 got = absolute_zero.parse_proposal(completion, t)
                 assert got["reason"] is None and got["program"] in {
                     lab.program(f, c) for f, c in pool}
+                assert absolute_zero.check_input(got["input"], got["program"]) is None
             else:
                 answer = absolute_zero.solver_answer(completion, t)
                 assert answer is not None
