@@ -4,9 +4,14 @@ Zero Data", arXiv:2505.03335v2.
 One model proposes and solves tasks on (program p, input i, output o) triplets in three modes:
 deduction (o from p, i), abduction (an i with p(i) == o) and induction (p from I/O pairs and a
 message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3), one function per step:
-0 seed_buffers (§3.3.1), 1 propose (§3.3.2), 2 validate (§3.3.3), 3 estimate_learnability (Eq. 4),
-4 solve (Eq. 5), 5 proposer_reward and solver_reward (Eqs. 4, 6), 6 trr_update (TRR++ Eq. 8,
-PPO-clip Eq. 9), 7 evaluate (Table 1).
+  0. seed_buffers           the zero triplet (Fig. 5) grows into D_seed, then D_ind (§3.3.1)
+  1. propose                B prompts per task type, K past triplets as references (§3.3.2)
+  2. validate               integrity, safety, determinism over j runs (§3.3.3)
+  3. estimate_learnability  n solver samples at T = 1 per valid proposal (Eq. 4)
+  4. solve                  this step's tasks, back-filled from the buffers to B, graded (Eq. 5)
+  5. proposer_reward, solver_reward: learnability (Eq. 4), format penalties (Eq. 6)
+  6. trr_update             TRR++ advantages (Eq. 8), PPO-clip (Eq. 9), one step per mini-batch
+  7. evaluate               Table 1's math sets and HumanEval+/MBPP+, greedy
 Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), or `--model tiny`.
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
@@ -79,12 +84,13 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
                 "output": "'Hello World'"}  # Fig. 5
+# Fig. 8's modules, os/sys/shutil (§3.3.3), and the other ways out of a program
 BANNED_MODULES = frozenset("""
     logging random multiprocessing pebble subprocess threading datetime time hashlib hmac bcrypt
     calendar os sys shutil importlib builtins __builtin__ imp ctypes gc inspect socket signal
     resource pathlib tempfile io glob pickle marshal uuid secrets asyncio concurrent _thread
     select mmap code codeop pty fcntl platform sysconfig site urllib http requests ftplib smtplib
-    webbrowser faulthandler tracemalloc atexit""".split())  # Fig. 8, os/sys/shutil (§3.3.3), others
+    webbrowser faulthandler tracemalloc atexit""".split())
 BANNED_NAMES = frozenset("""__import__ eval exec compile open input breakpoint exit quit help
     globals locals vars __builtins__ __loader__ __spec__""".split())  # unless bound locally
 BANNED_ATTRS = frozenset("""__subclasses__ __globals__ __builtins__ __code__ __import__ __loader__

@@ -14,7 +14,8 @@ import random, re, resource, runpy, selectors, shutil, string, struct, subproces
 import time, tokenize, tomllib, types, typing, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+from itertools import accumulate, islice
 from pathlib import Path
 
 import numpy as np
@@ -762,12 +763,13 @@ class VLLMSampler(Sampler):
                 self.llm.reset_prefix_cache()
             outs = self.llm.generate([{"prompt_token_ids": p} for p in reqs], params,
                                      use_tqdm=False)
-        return [[Completion(  # greedy: vLLM refuses n > 1, so n copies of the one
+        copies = n if greedy else 1  # greedy: vLLM refuses n > 1, so n copies of the one
+        return [[Completion(
             prompt_ids=list(p), token_ids=list(o.token_ids), logprobs=None if o.logprobs is None
-            else [float(step[t].logprob) for step, t in zip(o.logprobs, o.token_ids)],
-            text=self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+            else [float(step[t].logprob) for step, t in zip(o.logprobs, o.token_ids)], text=text,
             finish_reason="length" if o.finish_reason == "length" else "stop")
-            for o in sorted(out.outputs, key=lambda o: o.index) * (n if greedy else 1)]
+            for o, text in [(o, self.tokenizer.decode(o.token_ids, skip_special_tokens=True))
+                            for o in sorted(out.outputs, key=lambda o: o.index)] * copies]
             for p, out in zip(reqs, outs)]
 
     @timed("sync")
@@ -1053,7 +1055,6 @@ class Policy:
             print(note, file=sys.stderr)
         return policy
 
-    module = property(lambda self: self.model)  # the transformers model (FSDP2 shards in place)
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
@@ -1333,7 +1334,7 @@ class Run:
             tmp, old = root / f".tmp-{name}-{os.getpid()}", root / f".old-{name}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            policy.module.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
+            policy.model.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
             policy.tokenizer.save_pretrained(str(tmp))
             torch.save(optim_state, tmp / "optimizer.pt")
             ts["rng"] = rngs[0]
@@ -1613,9 +1614,9 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     for b, (p, c) in enumerate(zip(prompts, completions)):
         att[b, :len(p) + len(c)] = 1
         pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
-    # the root forward, so FSDP2/DDP hooks see it; then the completion positions, row-major
+    # the root forward, so FSDP2's hooks see it; then the completion positions, row-major
     hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
-    head = getattr(model, "module", model).get_output_embeddings()
+    head = model.get_output_embeddings()
     chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
     run = (functools.partial(torch.utils.checkpoint.checkpoint, _rl_head_logprobs,
                              use_reentrant=False) if torch.is_grad_enabled() else _rl_head_logprobs)
@@ -2124,7 +2125,6 @@ def _vf_rational(c):
 def _vf_prepare(pred, gold, expression=False):
     """(True / False, or None to ask math-verify, pred, gold). expression=True (the gold is a math
     expression: "mgh", "B" a symbol) turns off the option-letter and word paths."""
-    from itertools import accumulate
     pred, gold = ("" if x is None else str(x).strip() for x in (pred, gold))
     if max(len(pred), len(gold)) <= VF_MAX_ANSWER_CHARS * 20:  # a response: judge its last box
         pred, gold = (extract_boxed(x) or "" if "\\boxed" in x or "\\fbox" in x else x
@@ -2755,7 +2755,6 @@ def _vf_load(what, name, limit, row, shape, hub=None):
                 f", split {split}) from the Hugging Face hub: {type(e).__name__}: {str(e)[:300]}."
                 f"{gated} Fix: check the network (or HF_HUB_OFFLINE=1 with a populated cache), log "
                 f"in for gated sets, {fix}.") from None
-    from itertools import islice
     out = list(islice(filter(None, (row(i, ex) for i, ex in rows)), limit or None))
     if not out:
         raise ValueError(f"{what} {name!r}{f' ({hub[0]}, split {hub[2]})' if hub else ''} has no "
@@ -3024,7 +3023,7 @@ def _core_same_parameters(path, policy) -> bool:
         with safe_open(str(f), framework="pt") as h:
             shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
     own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
-    tied = getattr(policy.module.config, "tie_word_embeddings", False)
+    tied = getattr(policy.model.config, "tie_word_embeddings", False)
     return (bool(shapes) and set(own) - ({"lm_head.weight"} if tied else set()) <= set(shapes)
             <= set(own) and all(own[k] == shape for k, shape in shapes.items()))
 

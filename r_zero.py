@@ -396,7 +396,7 @@ def _save_model(policy, weights, path: pathlib.Path) -> None:
     """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
     weights = {k: v.cpu() for k, v in weights if common.is_main_process()}  # all ranks iterate
     if common.is_main_process():
-        policy.module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
+        policy.model.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
         policy.tokenizer.save_pretrained(str(path))
 
 

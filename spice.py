@@ -631,7 +631,7 @@ def train(cfg: Config, policy=None) -> Path:
     return run.dir
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv=None):
     common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
 
 

@@ -428,7 +428,7 @@ def original_weights(policy, cfg: Config) -> dict:
         base = common.load_safetensors_dir(path)
     except OSError:  # no safetensors (.bin weights) or no local snapshot: copy the trainer's
         base = {}
-    tied = policy.module.config.tie_word_embeddings  # the head is the embedding: not on disk
+    tied = policy.model.config.tie_word_embeddings  # the head is the embedding: not on disk
     same = all(k in base and base[k].shape == v.shape for k, v in policy.state_dict().items()
                if not (tied and k == "lm_head.weight"))
     return base if same else policy.get_weights()

@@ -405,11 +405,11 @@ def build_policy(folder: pathlib.Path, arch: dict, tokenizer, precision: str, mb
 
 
 def set_checkpointing(policy, on: bool) -> None:
-    if on:  # the call common.load_model makes
-        policy.module.gradient_checkpointing_enable(
+    if on:  # the call Policy.load makes
+        policy.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        policy.module.gradient_checkpointing_disable()
+        policy.model.gradient_checkpointing_disable()
 
 
 def make_batch(shape: Shape, vocab: int, n: int | None = None, seed: int = 0) -> list:
@@ -479,7 +479,7 @@ def plain_step(bench: Bench, ctx: Ctx, trajs: list, mb_tokens: int) -> dict:
     ctx.check(mb_tokens)
     model, opt = ctx.policy.model, ctx.policy.optimizer
     dev = next(model.parameters()).device
-    dtype = getattr(ctx.policy.module, "selfplay_autocast", None)  # set by Policy.load
+    dtype = getattr(ctx.policy.model, "selfplay_autocast", None)  # set by Policy.load
     compute = (torch.autocast(dev.type, dtype=dtype) if dtype is not None
                else contextlib.nullcontext())
     p_len, r_len = len(trajs[0].prompt_ids), len(trajs[0].completion_ids)
@@ -653,7 +653,7 @@ def agreement_measure(bench: Bench, ctx: Ctx, store: dict) -> dict:
            "mean_logprob": rnd(torch.cat([x.float().cpu() for x in lp]).mean(), 4),
            "note": "random weights give flatter logits than a trained model's; its bf16 gaps are"
                    " larger"}
-    core = ctx.policy.module
+    core = ctx.policy.model
     compute = getattr(core, "selfplay_autocast", None)
     k = min(bench.args.fp32_seqs, len(store["comps"]))
     if compute is not None and k:
@@ -694,7 +694,7 @@ def search_measure(bench: Bench, ctx: Ctx, gc_on: bool, reserve_s: float) -> dic
     """Largest micro-batch (sequences of the shape's length, one micro-batch a step) that fits."""
     set_checkpointing(ctx.policy, gc_on)
     mode = "gc" if gc_on else "nogc"
-    vocab = ctx.policy.module.config.vocab_size
+    vocab = ctx.policy.model.config.vocab_size
     timed = bench.model(ctx.key)["measurements"].get(f"pg_step_{mode}", {})
     per_token = [timed["time_s"] / (len(ctx.trajs) * ctx.seq_len)] if timed.get("time_s") else [0.0]
     peaks = {}
@@ -781,12 +781,12 @@ def bench_model(bench: Bench, key: str, spec: dict, shape: Shape, arch: dict, to
             policy = build_policy(pathlib.Path(workdir) / f"{key}-{precision}", arch, tokenizer,
                                   precision, mb_tokens, seq + 8)
             sync()
-            counts = param_counts(policy.module)
+            counts = param_counts(policy.model)
             ctx = Ctx(key, shape, policy, precision, counts, mb_tokens, sim)
             ctx.trajs = make_batch(shape, arch["vocab_size"])
             holder["ctx"], bench.policy = ctx, policy
-            p = next(policy.module.parameters())
-            auto = getattr(policy.module, "selfplay_autocast", None)
+            p = next(policy.model.parameters())
+            auto = getattr(policy.model, "selfplay_autocast", None)
             entry.update(precision=precision, precision_label=PRECISIONS[precision], params=counts,
                          card_params=spec["card"])
             return {"time_s": rnd(time.perf_counter() - t0), "param_dtype": str(p.dtype),

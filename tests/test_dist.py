@@ -168,7 +168,7 @@ def scenario_rzero_shards(out: pathlib.Path) -> dict:
     res["switch_out"] = same(r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER]), new)
     saved = {k: v.cpu() for k, v in r_zero.full_weights(policy, roles.parked[r_zero.CHALLENGER])}
     if common.is_main_process():
-        policy.module.save_pretrained(str(out / "saved"), state_dict=saved)
+        policy.model.save_pretrained(str(out / "saved"), state_dict=saved)
     policy.barrier()
     res["resumed"] = same(r_zero.full_weights(policy, roles.park(out / "saved")), new)
     return res

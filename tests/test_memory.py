@@ -63,20 +63,20 @@ def _need(policy, tokens, ckpt):
 
 def test_a_step_that_fits_changes_nothing(policy):
     assert common.fit_memory(policy, free=int(_need(policy, 16384, False)) + 1) == ""
-    assert policy.cfg.micro_batch_tokens == 16384 and not policy.module.is_gradient_checkpointing
+    assert policy.cfg.micro_batch_tokens == 16384 and not policy.model.is_gradient_checkpointing
 
 
 def test_too_little_memory_shrinks_the_micro_batch_first(policy):
     note = common.fit_memory(policy, free=int(_need(policy, 8192, False)))
     assert 2048 <= policy.cfg.micro_batch_tokens < 16384
     assert policy.cfg.micro_batch_tokens % 256 == 0
-    assert not policy.module.is_gradient_checkpointing
+    assert not policy.model.is_gradient_checkpointing
     assert "--micro-batch-tokens 16384" in note and f"{policy.cfg.micro_batch_tokens}" in note
 
 
 def test_when_one_sequence_does_not_fit_it_checkpoints(policy):
     note = common.fit_memory(policy, free=int(_need(policy, 2048, True)) + 2**20)
-    assert policy.cfg.gradient_checkpointing and policy.module.is_gradient_checkpointing
+    assert policy.cfg.gradient_checkpointing and policy.model.is_gradient_checkpointing
     assert policy.cfg.micro_batch_tokens >= 2048
     assert "gradient checkpointing" in note
 
@@ -92,7 +92,7 @@ def test_the_plan_runs_on_load_and_a_fitting_tiny_model_is_left_alone(tiny_cfg):
     tiny_cfg.backend = "hf"
     policy = common.Policy.load(tiny_cfg)
     assert policy.cfg.micro_batch_tokens == common.RunConfig.micro_batch_tokens
-    assert not policy.module.is_gradient_checkpointing
+    assert not policy.model.is_gradient_checkpointing
 
 
 @pytest.mark.slow

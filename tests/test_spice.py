@@ -748,7 +748,7 @@ def warm_path(tiny_model_path, tmp_path_factory):
     Challenger)."""
     policy = _sft(tiny_model_path)
     path = str(tmp_path_factory.mktemp("spice_warm"))
-    policy.module.save_pretrained(path)
+    policy.model.save_pretrained(path)
     policy.tokenizer.save_pretrained(path)
     return path
 
