@@ -187,7 +187,8 @@ plain value (never a list or object) that follows from the document alone; "answ
 result; "difficulty_level": "Hard" or "Extra Hard"; "difficulty_justification"; \
 "solving_time_estimate": minutes for a student; "required_concepts": the document's concepts it \
 needs; "potential_errors": typical mistakes and edge cases. "question" and "answer" are "" if the \
-document is too thin.""",    # Fig. 8: the Reasoner sees the question only
+document is too thin.""",
+    # Fig. 8: the Reasoner sees the question only
     "reasoner": ("{question}\n\nReason step by step, then put your final answer inside "
                  "\\boxed{{}}. If the question lists lettered options, put only the letter of the "
                  "correct one in the box."),
