@@ -328,16 +328,19 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
     all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
     local = src.endswith((".jsonl", ".json")) or src.startswith(tuple("./~")) or Path(src).exists()
-    (name, _, config), docs = src.partition("@")[0].partition(":"), []
+    spec, _, split = src.partition("@")
+    name, _, config = spec.partition(":")
     where = f"corpus file {src!r}" if local else f"hub dataset {name!r}"
     fix = f'--corpus takes a JSONL file with one {{"{field_name}": "..."}} per line'
+    docs = []
     try:
         if local:  # errors="replace": web text may hold stray bytes; the document is still one
             rows = common.iter_jsonl(src, shape=fix, error=common.InputError, errors="replace")
         else:
             import datasets
-            split, limit, config = src.partition("@")[2] or "train", limit or 20000, config or None
-            rows = enumerate(datasets.load_dataset(name, config, split=split, streaming=True))
+            limit = limit or 20000
+            rows = enumerate(datasets.load_dataset(name, config or None, split=split or "train",
+                                                   streaming=True))
         for n, row in rows:
             if not isinstance(text := row.get(field_name), str):
                 raise common.InputError(f"{f'{src}:{n}' if local else where}: no string field "
@@ -381,10 +384,9 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int = 0, decon=None) -> li
     # "<|im_end|>" in web text would end the prompt as a real control token
     segments = [s for c in segments if (s := common.strip_special_tokens(c, tokenizer)).strip()]
     if decon is not None:
-        n = len(segments)
-        segments = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
-        print(f"[spice] corpus: {len(segments)} segments ({n - len(segments)} dropped as "
-              f"contaminated)", file=sys.stderr)
+        segments, dropped = common.decontaminate(segments, decon)
+        print(f"[spice] corpus: {len(segments)} segments ({len(dropped)} dropped as contaminated)",
+              file=sys.stderr)
         if not segments:
             raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
     return segments
@@ -428,9 +430,11 @@ def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tu
         prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
         outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
         parsed = [parse_type_selection(o[0].text) for o in outs]
-    kinds = (c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
-             for c in parsed)  # lazy: each document draws a kind, then an answer type
-    return [(k, t or (ANSWER_TYPES[rng.integers(3)] if k == "free" else None)) for k, t in kinds]
+    types = []
+    for c in parsed:  # each document draws its kind, then its answer type: a resume replays them
+        kind, t = c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
+        types.append((kind, t or (ANSWER_TYPES[rng.integers(3)] if kind == "free" else None)))
+    return types
 
 
 def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
@@ -461,7 +465,8 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
 
 def challenger_generate(policy, docs, types, cfg: Config, fmt: str, check, rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
-    pools, active, tpl = [[] for _ in docs], list(range(len(docs))), templates(cfg.prompts)
+    tpl = templates(cfg.prompts)
+    pools, active = [[] for _ in docs], list(range(len(docs)))
     while active:
         n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
         prompts = [challenger_prompt(docs[i], *types[i], fmt, tpl) for i in active]
