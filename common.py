@@ -3227,15 +3227,12 @@ def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: boo
                 raise ValueError("NaN or infinity")
             nodes.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
         value = ast.literal_eval(nodes[0][0])
+        # equal, not the same repr: set order may change on re-insertion
+        again = ast.literal_eval(repr(value)) if require_roundtrip else value
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
         raise ValueError(f"not a Python literal: {type(e).__name__}: {e}") from None
-    if require_roundtrip:
-        try:  # equal, not the same repr: set order may change on re-insertion
-            again = ast.literal_eval(repr(value))
-        except Exception:  # noqa: BLE001 - any failure means "does not round-trip"
-            again = object()  # equal to no literal
-        if type(again) is not type(value) or again != value:
-            raise ValueError("literal does not round-trip through repr and ast.literal_eval")
+    if type(again) is not type(value) or again != value:
+        raise ValueError("literal does not round-trip through repr and ast.literal_eval")
     return value
 
 
@@ -3301,12 +3298,12 @@ def _zy_mountinfo():
         return [m[:3] + [unescape(m[3]), unescape(m[4])] + m[5:] for m in map(str.split, f)]
 
 
-def _zy_try_in_child(fn, *args):
-    """Whether fn(*args) succeeds in a throwaway child: a probe that must not change this one."""
+def _zy_try_in_child(fn):
+    """Whether fn() succeeds in a throwaway child: a probe that must not change this one."""
     pid = os.fork()
     if pid == 0:
         try:
-            fn(*args)
+            fn()
             os._exit(0)
         finally:
             os._exit(1)
@@ -3410,27 +3407,25 @@ def _zy_isolate_filesystem():
     dirs = sorted({*C["keep_paths"], *map(os.path.realpath, filter(os.path.isdir, libs))}, key=len)
     files = [*_ZY_DEV_NODES, "/etc/ld.so.cache", "/etc/localtime"]
     fds = {}  # opened before the new root covers /tmp, where Python itself may live
-    for p in dirs + files:
-        with contextlib.suppress(OSError):
-            fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
+    for p in dirs + files:  # shortest dirs first: one inside an opened one comes with it
+        if not any(p.startswith(q.rstrip("/") + "/") for q in fds):
+            with contextlib.suppress(OSError):
+                fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
     new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     _zy_mount("tmpfs", new, "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=4m,mode=0755")
     for link in filter(os.path.islink, libs):  # merged /usr: /lib -> usr/lib and friends
         os.symlink(os.readlink(link), new + link)
-    bound = []
-    for p in dirs + files:  # shortest dirs first: one inside a bound one comes with it
-        if p not in fds or any(p.startswith(q.rstrip("/") + "/") for q in bound):
-            continue
-        try:  # read-only and nosuid; nodev too, except for the /dev nodes
-            bound.append(p)  # a file holds none
+    for p, fd in fds.items():  # read-only and nosuid; nodev too, except for the /dev nodes
+        try:
             os.makedirs(new + p if p in dirs else os.path.dirname(new + p), exist_ok=True)
             if p not in dirs:
                 open(new + p, "w").close()
-            _zy_mount("/proc/self/fd/%d" % fds[p], new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
+            _zy_mount("/proc/self/fd/%d" % fd, new + p, None, _ZY_MS_BIND | _ZY_MS_REC)
             _zy_mount(None, new + p, None, _ZY_MS_RO | _ZY_MS_NOSUID
                       | (0 if p in _ZY_DEV_NODES else _ZY_MS_NODEV))
         except OSError as e:
             _zy_note("could not bind %s: %s" % (p, e))
+        os.close(fd)
     os.makedirs(new + "/dev", exist_ok=True)
     for name, target in _ZY_DEV_LINKS.items():  # before the hidden /dev/shm: that one is a link
         os.symlink(target, new + "/dev/" + name)
@@ -3454,8 +3449,6 @@ def _zy_isolate_filesystem():
     except OSError as e:
         _zy_note("proc hidepid: %s (the host's /proc is bound instead)" % e)
         _zy_mount("/proc", new + "/proc", None, _ZY_MS_BIND | _ZY_MS_REC)
-    for fd in fds.values():
-        os.close(fd)
     try:
         os.chdir(new)
         _zy_libc_call("syscall", 155, b".", b".")  # pivot_root(".", "."): the old root on top ...
@@ -3507,8 +3500,7 @@ def _zy_setup_cgroup():
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
         S["oom_fd"] = os.open(d + ("/memory.events" if version == 2 else "/memory.oom_control"),
-                              os.O_RDONLY)
-        _zy_oom_killed()
+                              os.O_RDONLY)  # a new cgroup: no OOM kill yet
         # kept open for _zy_exit, which runs after the pivot, where /sys is not visible
         S["cgroup"] = (os.open(parent, os.O_RDONLY | os.O_DIRECTORY),
                        os.open(parent + "/cgroup.procs", os.O_WRONLY), os.path.basename(d))
@@ -3516,15 +3508,6 @@ def _zy_setup_cgroup():
         return
     _zy_note("no memory cgroup (%s): %s" % ("; ".join(errors) or "no cgroup filesystem with a "
                                             "memory controller", why))
-
-
-def _zy_oom_killed():
-    """Whether the memory cgroup's OOM killer struck since the last look."""
-    S, before = _ZY_STATE, _ZY_STATE["oom_kills"]
-    if S["oom_fd"] is not None:
-        m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
-        S["oom_kills"] = int(m[1]) if m else 0
-    return S["oom_kills"] != before
 
 
 def _zy_install_seccomp():
@@ -3677,8 +3660,9 @@ def _zy_run_job(job, src, send):
         os.mkdir(S["jobdir"], 0o700)
         os.chown(S["jobdir"], *S["ids"])
     elif S["tmp_mark"] is None:  # a capped tmpfs on /tmp, kept while jobs leave it untouched
-        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV, "size=%dm,nr_inodes=%d,"
-                  "mode=0700,uid=%d,gid=%d" % ((C["tmpfs_mb"], C["tmpfs_inodes"]) + S["ids"]))
+        size = (C["tmpfs_mb"], max(1024, 64 * C["tmpfs_mb"]))  # MB, inodes
+        _zy_mount("tmpfs", "/tmp", "tmpfs", _ZY_MS_NOSUID | _ZY_MS_NODEV,
+                  "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (size + S["ids"]))
         S["tmp_mark"] = _zy_tmp_mark()
     if S["pidns_fd"] is not None:  # back to our own, then a fresh one: the child its PID 1
         _ZY_LIBC.setns(S["pidns_fd"], _ZY_CLONE_NEWPID)
@@ -3725,6 +3709,10 @@ def _zy_run_job(job, src, send):
     elif S["pidns_fd"] is None and R["uid_dropped"]:
         u = C["uid"]  # no PID namespace: a child of the job's uid kills all it runs
         _zy_try_in_child(lambda: (os.setgid(u), os.setuid(u), os.kill(-1, signal.SIGKILL)))
+    oom_kills = S["oom_kills"]
+    if S["oom_fd"] is not None:  # the memory cgroup's OOM kills so far
+        m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
+        S["oom_kills"] = int(m[1]) if m else 0
     src[:] = bytes(len(src))
     if R["filesystem"] != "allow-list":
         import shutil
@@ -3740,7 +3728,7 @@ def _zy_run_job(job, src, send):
         status, error = "output_limit", "child wrote more than %d bytes" % cap
     elif left <= 0:
         status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
-    elif sig == signal.SIGKILL and _zy_oom_killed():
+    elif sig == signal.SIGKILL and S["oom_kills"] != oom_kills:
         status, error = "memory", "the job's processes together exceeded memory_mb (memory cgroup)"
     elif sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
         status, error = "timeout", "CPU limit exceeded (%.1fs)" % cpu
@@ -3889,13 +3877,12 @@ class _SbWorker:
         self.buf, self.report, self.deadline = b"", {}, 0.0
         os.set_blocking(self.rfd, False)
         try:
-            self.send(json.dumps(cfg).encode())
+            self.send(cfg)
             with selectors.DefaultSelector() as sel:  # not select(): a trainer may hold 1024+ fds
                 sel.register(self.rfd, selectors.EVENT_READ)
-                stop = time.monotonic() + 30.0
                 while (msg := self.poll()) is None:
-                    if not sel.select(stop - time.monotonic()):
-                        raise RuntimeError("sandbox zygote did not answer in time")
+                    if not sel.select(30.0):
+                        raise RuntimeError("sandbox zygote did not answer in 30 s")
             msg = json.loads(msg)
             self.report = msg["report"]
             if not msg["ready"]:
@@ -3904,7 +3891,8 @@ class _SbWorker:
             self.kill()
             raise
 
-    def send(self, head: bytes, payload: bytes = b""):
+    def send(self, head: dict, payload: bytes = b""):
+        head = json.dumps(head).encode()
         data = memoryview(struct.pack(">I", len(head)) + head + payload)
         while data:
             data = data[os.write(self.wfd, data):]
@@ -3976,12 +3964,10 @@ class PythonSandbox(contextlib.AbstractContextManager):
         cwd = os.path.realpath(os.getcwd())
         inside = any((cwd + "/").startswith(d + "/") for d in _SB_SYSTEM_DIRS + _SB_HIDE)
         hidden = list(_SB_HIDE) + ([cwd] if cwd != "/" and not inside else [])
-        view = {"keep_paths": _sb_python_paths(),
-                "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
-                "hide_paths": hidden if hide_paths is None else list(hide_paths)}
-        self._cfgs = [dict(view, hash_seed=self.hash_seed, namespaces=namespaces, uid=uid,
-                           memory_mb=int(memory_mb), tmpfs_mb=int(tmpfs_mb),
-                           tmpfs_inodes=max(1024, 64 * int(tmpfs_mb))) for uid in self.uids]
+        self._cfg = {"keep_paths": _sb_python_paths(), "hash_seed": seed, "namespaces": namespaces,
+                     "site_dirs": [os.path.realpath(p) for p in sys.path if p and "-packages" in p],
+                     "hide_paths": hidden if hide_paths is None else list(hide_paths),
+                     "memory_mb": int(memory_mb), "tmpfs_mb": int(tmpfs_mb)}
         self._lock, self._owner = threading.Lock(), os.getpid()  # a fork must not use our workers
         self._pool: list[_SbWorker | None] = [None] * self.workers
         self.restarts, self._closed, self._retry_at = 0, False, {}  # i -> (time, last error)
@@ -3992,11 +3978,11 @@ class PythonSandbox(contextlib.AbstractContextManager):
             self.close()
             raise RuntimeError("PythonSandbox: workers failed to start: " + "; ".join(
                 f"worker {i}: {e}" for i, (_, e) in self._retry_at.items()))
-        rep, ns = self._pool[0].report, self._pool[0].report["namespaces"]
-        strong = all(ns[k] for k in ("net", "mount", "pid")) and rep["readonly_root"] and \
-            (rep["uid_dropped"] or ns["user"])
-        level = "strong" if strong and rep["seccomp"] else "namespaces" if strong else \
-            "partial" if any(ns.values()) or rep["uid_dropped"] else "rlimits-only"
+        rep = self._pool[0].report
+        ns = rep["namespaces"]  # a read-only root has a mount namespace, a net one a uid of its own
+        level = "partial" if any(ns.values()) or rep["uid_dropped"] else "rlimits-only"
+        if ns["net"] and ns["pid"] and rep["readonly_root"]:
+            level = "strong" if rep["seccomp"] else "namespaces"
         families = "any" if not rep["seccomp"] else "AF_UNIX" if not ns["net"] else \
             "AF_UNIX, AF_INET/AF_INET6 in the empty network namespace"
         self.isolation = {"level": level, "hash_seed": self.hash_seed,
@@ -4006,14 +3992,10 @@ class PythonSandbox(contextlib.AbstractContextManager):
     def _start(self, i: int) -> _SbWorker | None:
         if time.monotonic() >= self._retry_at.get(i, (0.0,))[0]:  # a failed one waits 1 s
             try:
-                self._pool[i] = _SbWorker(self._cfgs[i])
+                self._pool[i] = _SbWorker(dict(self._cfg, uid=self.uids[i]))
             except Exception as e:  # noqa: BLE001 - reported by the caller
                 self._retry_at[i] = (time.monotonic() + 1.0, e)
         return self._pool[i]
-
-    def _restart(self, i: int):  # its successor starts when a job needs one
-        self._pool[i].kill()
-        self._pool[i], self.restarts = None, self.restarts + 1
 
     def _job_msg(self, timeout: float) -> dict:
         return dict(self.limits, timeout=timeout)
@@ -4035,20 +4017,19 @@ class PythonSandbox(contextlib.AbstractContextManager):
             if (n := len(job[0]) + len(job[1])) > self.max_program_chars:
                 results[k] = ExecResult("error", None, f"program is {n} chars, over the cap of "
                                                        f"{self.max_program_chars}")
-        if self._closed:
-            raise RuntimeError("PythonSandbox is closed; create a new one")
-        if os.getpid() != self._owner:
-            raise RuntimeError("this PythonSandbox belongs to the process that created it (pid "
-                               f"{self._owner}); create a new one in this forked process")
+        if self._closed or os.getpid() != self._owner:
+            raise RuntimeError(f"PythonSandbox is closed, or belongs to pid {self._owner}, not "
+                               "to this forked process: create a new one")
         pending = collections.deque(k for k, r in enumerate(results) if r is None)
         busy: dict[int, int] = {}  # worker index -> job index
         sel, err = selectors.DefaultSelector(), functools.partial(ExecResult, "sandbox_error", None)
 
-        def finish(i, res, restart):
+        def finish(i, res, restart):  # a restarted worker's successor starts when a job needs one
             results[busy.pop(i)] = res
             sel.unregister(self._pool[i].rfd)
             if restart:
-                self._restart(i)
+                self._pool[i].kill()
+                self._pool[i], self.restarts = None, self.restarts + 1
         with self._lock:
             try:
                 while pending or busy:
@@ -4058,16 +4039,15 @@ class PythonSandbox(contextlib.AbstractContextManager):
                         k = pending.popleft()
                         p, e = (s.encode("utf-8", "surrogatepass") for s in jobs[k])
                         with contextlib.suppress(OSError):  # a dead zygote: poll() says so below
-                            w.send(json.dumps(dict(self._job_msg(timeout), plen=len(p),
-                                                   elen=len(e))).encode(), p + e)
+                            w.send(dict(self._job_msg(timeout), plen=len(p), elen=len(e)), p + e)
+                        sel.register(w.rfd, selectors.EVENT_READ, i)  # busy ones: registered
                         # the zygote enforces timeout: this only catches a stuck zygote
                         w.deadline, busy[i] = time.monotonic() + 5.0 + timeout, k
-                        sel.register(w.rfd, selectors.EVENT_READ, i)
                     if not busy:  # then no worker could be started
                         for k in pending:
                             results[k] = err("no sandbox worker could be started")
                         break
-                    wait = max(0.0, min(self._pool[i].deadline for i in busy) - time.monotonic())
+                    wait = min(self._pool[i].deadline for i in busy) - time.monotonic()
                     for key, _ in sel.select(wait):
                         try:
                             msg = self._pool[key.data].poll()
@@ -4078,9 +4058,9 @@ class PythonSandbox(contextlib.AbstractContextManager):
                     for i in [i for i in busy if self._pool[i].deadline < time.monotonic()]:
                         finish(i, err("sandbox worker stopped answering"), True)
             finally:
-                sel.close()
                 for i in list(busy):  # interrupted (KeyboardInterrupt): in-flight ones are unknown
-                    self._restart(i)
+                    finish(i, None, True)
+                sel.close()
         return results  # type: ignore[return-value]
 
     def _result(self, reply: bytes) -> ExecResult:
