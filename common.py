@@ -1985,7 +1985,7 @@ VF_MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
 VF_MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
 _VF_JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; not "{1}"
 # LaTeX written as in a paper inside JSON strings: \b \f \n \r \t would decode to control characters
-# (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. repair_json_escapes reads, left to
+# (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. last_json_object reads, left to
 # right: \\ \" \/ \uXXXX as JSON; \b, \f as LaTeX; \r, \t + a letter as LaTeX; \n + letters as LaTeX
 # only if they spell a command below (else a newline: "\nA) 12"); any other backslash literally.
 _VF_N_COMMANDS = frozenset("""
@@ -2002,19 +2002,14 @@ _VF_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z
                         re.DOTALL)
 
 
-def repair_json_escapes(text: str) -> str:
-    """`text` with each backslash that starts LaTeX doubled, so JSON decodes it as written."""
-    def escape(m: re.Match) -> str:
-        w = m["word"]
-        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _VF_N_COMMANDS
-        return m[0] if keep else "\\" + m[0]
-    return _VF_ESCAPE.sub(escape, text)
-
-
 def last_json_object(text: str) -> dict | None:
     """The JSON object ending last in `text` (a top-level one: a nested one ends earlier); starts
     are tried from the end, so LaTeX braces never use them up."""
-    text = repair_json_escapes(text[-VF_MAX_PARSE_CHARS:])
+    def escape(m: re.Match) -> str:  # a backslash that starts LaTeX is doubled
+        w = m["word"]
+        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _VF_N_COMMANDS
+        return m[0] if keep else "\\" + m[0]
+    text = _VF_ESCAPE.sub(escape, text[-VF_MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1
     starts = [m.start() for m in _VF_JSON_START.finditer(text)][-VF_MAX_JSON_STARTS:]
     decoder, found, found_end = json.JSONDecoder(strict=False), None, -1
@@ -2086,12 +2081,9 @@ _VF_CACHE_MAX = 200_000
 _VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def math_equal_failures(reset=False):
+def math_equal_failures():
     """Counts of failures judged "not equal": timeout, killed, error, too_long, too_deep, total."""
-    d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
-    if reset:
-        _VF_FAILS.clear()
-    return d
+    return dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
 
 
 _VF_NUM_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # "1,2" is a pair
@@ -2401,7 +2393,7 @@ def learnability_reward(p):
 @_vf_solve_rate
 def uncertainty_reward(p):
     """R-Zero §3 r_unc: r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1} (its code: min(p, 1 − p))."""
-    return np.where((p == 0) | (p == 1), 0.0, 1.0 - 2.0 * np.abs(p - 0.5))
+    return 1.0 - 2.0 * np.abs(p - 0.5)
 
 
 @_vf_solve_rate
@@ -2440,7 +2432,7 @@ def _vf_ngram_match_counts(seqs, n_max=4):
     """Per order n: (M_n[i, j] = Σ_g min(count_i(g), count_j(g)), n-grams of each text)."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    offsets = np.cumsum(lens) - lens
     toks = np.concatenate(seqs) if B and lens.sum() else np.zeros(0, dtype=np.int64)
     V = int(toks.max()) + 1 if toks.size else 1
     out = []
@@ -2572,8 +2564,6 @@ def pass_at_k(n, c, k):
     n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n) or not (1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
@@ -2619,19 +2609,12 @@ class Decontaminator:
         return [self.contaminated(t) for t in texts]
 
 
-def eval_decontaminator(benchmarks: str, on: bool = True, n: int = 13):
+def eval_decontaminator(benchmarks: str, on: bool = True):
     """The 13-gram index (GPT-3's rule) of the eval questions, or None; built first, so a run whose
     eval set cannot load stops before any model loads."""
-    names = [b.strip() for b in benchmarks.split(",") if b.strip()]
-    questions = [row["question"] for name in names for row in load_benchmark(name)]
-    return Decontaminator(questions, n) if on and questions else None
-
-
-def decontaminate(questions, references, n=13):
-    """(kept questions, flagged indices): drop those sharing an n-gram with the references."""
-    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
-    flags = d.flags(questions)
-    return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
+    questions = [row["question"] for b in benchmarks.split(",") if b.strip()
+                 for row in load_benchmark(b)]
+    return Decontaminator(questions) if on and questions else None
 
 
 # -------------------------------------------------------------------------------------- Benchmarks
@@ -2875,19 +2858,14 @@ def gold_option_letter(problem):
                 None)
 
 
-def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
+def _vf_judge(extract_fn, timeout, probs, texts):
     """[(problem index, text)] -> [(correct, pred, letter, no answer)]: extract_fn(text) by
-    math_equal_many, or with choices its option_letter; judge_fn(problem, text) replaces both."""
-    items = [(probs[i], gold_option_letter(probs[i]), t) for i, t in texts]
-    if judge_fn is not None:
-        judged = [judge_fn(p, t) for p, _, t in items]
-        return [(bool(ok), pr, pr if g is not None else None, pr is None)
-                for (_, g, _), (pr, ok) in zip(items, judged)]
-    preds = [extract_fn(t) for _, _, t in items]
-    free = iter(math_equal_many([(pr, p["answer"]) for (p, g, _), pr in zip(items, preds)
-                                 if g is None], timeout=timeout))
+    math_equal_many, or with choices its option_letter."""
+    items = [(probs[i], gold_option_letter(probs[i]), t, extract_fn(t)) for i, t in texts]
+    free = iter(math_equal_many([(pr, p["answer"]) for p, g, _, pr in items if g is None],
+                                timeout=timeout))
     out = []
-    for (p, g, t), pr in zip(items, preds):
+    for p, g, t, pr in items:
         lt = None if g is None else option_letter(pr, t, len(p["choices"]))
         out.append((next(free), pr, lt, pr is None) if g is None else (lt == g, pr, lt, lt is None))
     return out
@@ -2945,10 +2923,9 @@ def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, t
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
              prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
-             n_boot=1000, judge_fn=None):
+             n_boot=1000):
     """Greedy accuracy and, with n > 1 samples, unbiased pass@k and mean@n per benchmark; "name@N"
-    draws N samples and scores by mean@N (SPICE's AIME). judge_fn(problem, text) -> (pred,
-    correct) replaces the boxed-answer and option-letter rules (e.g. R-Zero's BBEH match)."""
+    draws N samples and scores by mean@N (SPICE's AIME)."""
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
 
     def record(bench, res, probs, greedy, samples):
@@ -2974,7 +2951,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
                 "(timeout = wrong)")
     res = _vf_evaluate(sampler_or_policy, benchmarks, k, n, load_benchmark,
-                       functools.partial(_vf_judge, extract_fn, timeout, judge_fn), record,
+                       functools.partial(_vf_judge, extract_fn, timeout), record,
                        prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                        limit=limit, seed=seed, n_boot=n_boot, verifier=verifier,
                        multiple_choice=_VF_MC_GRADING, prompt=prompt)
@@ -2982,11 +2959,9 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
 
 
 def evaluate_config(policy, cfg, **kw):
-    """evaluate() with a RunConfig's eval_* settings (eval_temperature / eval_top_p if declared)."""
+    """evaluate() with a RunConfig's eval_* settings."""
     return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
-                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
-                    temperature=getattr(cfg, "eval_temperature", 0.6),
-                    top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
+                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed, **kw)
 
 
 class FrozenModel:
@@ -3003,16 +2978,13 @@ class FrozenModel:
             cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
-    @contextlib.contextmanager
     def sampling(self, policy):
         """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
-            with policy.sampling_from(self.weights) as s:
-                yield s
-        else:
-            yield types.SimpleNamespace(tokenizer=self.sampler.tokenizer,
-                                        generate=functools.partial(policy.generate,
-                                                                   sampler=self.sampler))
+            return policy.sampling_from(self.weights)
+        return contextlib.nullcontext(types.SimpleNamespace(
+            tokenizer=self.sampler.tokenizer,
+            generate=functools.partial(policy.generate, sampler=self.sampler)))
 
 
 def _core_same_parameters(path, policy) -> bool:
@@ -3131,9 +3103,8 @@ def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
              for p, c in (jobs[i] for i in todo)]
     res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
-    if again:
-        for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
-            res[m] = r
+    for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
+        res[m] = r
     out = [("no_code", None)] * len(jobs)
     for i, r in zip(todo, res):
         if r.status == "ok":
