@@ -1577,14 +1577,14 @@ class Trajectory:
 
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
-def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
+def _rl_micro_batches(lengths: list[int], token_budget: int):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget`` (or one row)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = batches[-1] if batches else []
-        if b and (len(b) + 1) * lengths[b[0]] <= token_budget and len(b) < (max_seqs or math.inf):
+        if b and (len(b) + 1) * lengths[b[0]] <= token_budget:
             b.append(i)
         else:
             batches.append([i])
@@ -1791,11 +1791,11 @@ class _RLTrain:
             self.mem0 = (_rl_proc_status_kb("VmRSS") or math.nan) / 2**20
         self.t0 = time.perf_counter()
 
-    def plan(self, idx: list[int], max_seqs: int | None = None, need: bool = True) -> _RLPart:
+    def plan(self, idx: list[int], need: bool = True) -> _RLPart:
         """One step on ``idx``: ``skip`` unless some rank ``need``s it."""
         local = self.policy.shard(list(idx))
         work = local or list(idx[:1])
-        mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget, max_seqs)
+        mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget)
         n, m = self.policy.all_reduce([len(local), sum(self.lens[i] for i in local)])
         n_mb, need = self.policy.all_reduce([len(mbs), need], "max")
         micro = [([work[j] for j in mb], float(bool(local))) for mb in mbs]
@@ -1933,12 +1933,11 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
 
 
 @timed("train")
-def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
-             batch_size: int | None = None) -> dict:
+def sft_step(policy, examples: list[tuple[list[int], list[int]]]) -> dict:
     """STaR's supervised step (arXiv:2203.14465 §3.1): target-token NLL averaged over ALL the
     batch's target tokens; one clipped step, no sampler sync (the caller syncs)."""
     train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
-    part = train.plan(list(range(len(examples))), batch_size)
+    part = train.plan(list(range(len(examples))))
     if part.num_tokens == 0:
         raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
     norm = train.update(part, lambda idx: (-train.forward(idx)[0].sum() / part.num_tokens, {}))
