@@ -2925,6 +2925,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
              n_boot=1000):
     """Greedy accuracy and, with n > 1 samples, unbiased pass@k and mean@n per benchmark; "name@N"
     draws N samples and scores by mean@N (SPICE's AIME)."""
+    prompt = getattr(prompt_fn, "__name__", "custom") if prompt_fn else "default"
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
 
     def record(bench, res, probs, greedy, samples):
@@ -2941,8 +2942,6 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         return [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
                  **({"greedy_letter": lt} if g is not None else {})}
                 for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
-    prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
-                                                                        "custom")
     mv = "?"
     with contextlib.suppress(Exception):
         mv = importlib.import_module("importlib.metadata").version("math-verify")
