@@ -1853,31 +1853,6 @@ class _RLTrain:
                 **({"sync_s": end - t} if sync else {}),
                 "peak_mem_gb": _rl_peak_mem_gb(self.device, self.mem0)}
 
-    def pg_stats(self, trajs, cfg: PGConfig, seen, old, ent, ref, samp, figures) -> dict:
-        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once. Entropy,
-        NLL and kl_ref are means over sequences of each one's token mean."""
-        seqs = {"entropy": [ent[i] for i in seen], "nll_entropy": [-old[i] for i in seen]}
-        for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
-            seqs[f"entropy/{role}"] = [-old[i] for i in seen if trajs[i].role == role]
-            seqs[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
-        if ref is not None:
-            seqs["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-        seqs = {k: [v for v in vs if v.numel()] for k, vs in seqs.items()}
-        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp]
-        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n, *red = self.policy.all_reduce(
-            [*self.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
-             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs),
-             *(sum(v.mean().item() for v in vs) for vs in seqs.values()), *map(len, seqs.values())])
-        steps, n, m = len(self.norms), len(trajs), sum(self.lens)
-        stats = {"optimizer_steps": steps, "loss": loss / steps,
-                 "grad_norm": sum(self.norms) / steps,
-                 "clip_frac": clipped / (m * cfg.updates_per_batch),
-                 "approx_kl": kl / kl_n if kl_n else float("nan"),
-                 **{k: s / c if c else float("nan") for k, s, c in zip(seqs, red, red[len(seqs):])},
-                 **figures, "skipped_mini_batches": self.skipped, "zero_adv_frac": zero_adv / n,
-                 "n_tokens": m, "n_seqs": n, "mean_len": m / n}
-        return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
-
 
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
@@ -1929,7 +1904,29 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     for part in (p for p in parts if p.num_tokens):  # 2. a step per mini-batch with tokens
         train.update(part, functools.partial(loss_fn, part))
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
-    return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
+
+    # 4. the figures over the whole batch, from `seen` (this rank's share, once); entropy, NLL and
+    # kl_ref are means over sequences of each one's token mean
+    seqs = {"entropy": [ent[i] for i in seen], "nll_entropy": [-old[i] for i in seen]}
+    for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
+        seqs[f"entropy/{role}"] = [-old[i] for i in seen if trajs[i].role == role]
+        seqs[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
+    if ref is not None:
+        seqs["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+    seqs = {k: [v for v in vs if v.numel()] for k, vs in seqs.items()}
+    diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp]
+    loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n, *red = policy.all_reduce(
+        [*train.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
+         sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs),
+         *(sum(v.mean().item() for v in vs) for vs in seqs.values()), *map(len, seqs.values())])
+    steps, n, m = len(train.norms), len(trajs), sum(train.lens)
+    stats = {"optimizer_steps": steps, "loss": loss / steps, "grad_norm": sum(train.norms) / steps,
+             "clip_frac": clipped / (m * cfg.updates_per_batch),
+             "approx_kl": kl / kl_n if kl_n else float("nan"),
+             **{k: s / c if c else float("nan") for k, s, c in zip(seqs, red, red[len(seqs):])},
+             **figures, "skipped_mini_batches": train.skipped, "zero_adv_frac": zero_adv / n,
+             "n_tokens": m, "n_seqs": n, "mean_len": m / n}
+    return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
 
 
 @timed("train")
