@@ -2566,8 +2566,6 @@ def pass_at_k(n, c, k):
 def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
     """Percentile bootstrap interval of the mean, resampling problems with replacement."""
     v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return (float("nan"), float("nan"))
     means = v[np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
     return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
 
@@ -2575,7 +2573,7 @@ def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
 def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
     """(mean, low, high): mean pass@k over problems with a bootstrap (1 − alpha) interval."""
     per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
-    return (float(np.mean(per)) if per else float("nan"), *bootstrap_ci(per, n_boot, alpha, seed))
+    return (float(np.mean(per)), *bootstrap_ci(per, n_boot, alpha, seed))
 
 
 _VF_WORD_RE = re.compile(r"[^\W_]+")
