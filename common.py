@@ -1577,14 +1577,14 @@ class Trajectory:
 
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
-def _rl_micro_batches(lengths: list[int], token_budget: int, max_seqs: int | None = None):
+def _rl_micro_batches(lengths: list[int], token_budget: int):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget`` (or one row)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = batches[-1] if batches else []
-        if b and (len(b) + 1) * lengths[b[0]] <= token_budget and len(b) < (max_seqs or math.inf):
+        if b and (len(b) + 1) * lengths[b[0]] <= token_budget:
             b.append(i)
         else:
             batches.append([i])
@@ -1791,11 +1791,11 @@ class _RLTrain:
             self.mem0 = (_rl_proc_status_kb("VmRSS") or math.nan) / 2**20
         self.t0 = time.perf_counter()
 
-    def plan(self, idx: list[int], max_seqs: int | None = None, need: bool = True) -> _RLPart:
+    def plan(self, idx: list[int], need: bool = True) -> _RLPart:
         """One step on ``idx``: ``skip`` unless some rank ``need``s it."""
         local = self.policy.shard(list(idx))
         work = local or list(idx[:1])
-        mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget, max_seqs)
+        mbs = _rl_micro_batches([self.seq_lens[i] for i in work], self.budget)
         n, m = self.policy.all_reduce([len(local), sum(self.lens[i] for i in local)])
         n_mb, need = self.policy.all_reduce([len(mbs), need], "max")
         micro = [([work[j] for j in mb], float(bool(local))) for mb in mbs]
@@ -1853,31 +1853,6 @@ class _RLTrain:
                 **({"sync_s": end - t} if sync else {}),
                 "peak_mem_gb": _rl_peak_mem_gb(self.device, self.mem0)}
 
-    def pg_stats(self, trajs, cfg: PGConfig, seen, old, ent, ref, samp, figures) -> dict:
-        """pg_step's figures over the whole batch, from ``seen``: this rank's share, once. Entropy,
-        NLL and kl_ref are means over sequences of each one's token mean."""
-        seqs = {"entropy": [ent[i] for i in seen], "nll_entropy": [-old[i] for i in seen]}
-        for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
-            seqs[f"entropy/{role}"] = [-old[i] for i in seen if trajs[i].role == role]
-            seqs[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
-        if ref is not None:
-            seqs["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-        seqs = {k: [v for v in vs if v.numel()] for k, vs in seqs.items()}
-        diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp]
-        loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n, *red = self.policy.all_reduce(
-            [*self.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
-             sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs),
-             *(sum(v.mean().item() for v in vs) for vs in seqs.values()), *map(len, seqs.values())])
-        steps, n, m = len(self.norms), len(trajs), sum(self.lens)
-        stats = {"optimizer_steps": steps, "loss": loss / steps,
-                 "grad_norm": sum(self.norms) / steps,
-                 "clip_frac": clipped / (m * cfg.updates_per_batch),
-                 "approx_kl": kl / kl_n if kl_n else float("nan"),
-                 **{k: s / c if c else float("nan") for k, s, c in zip(seqs, red, red[len(seqs):])},
-                 **figures, "skipped_mini_batches": self.skipped, "zero_adv_frac": zero_adv / n,
-                 "n_tokens": m, "n_seqs": n, "mean_len": m / n}
-        return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
-
 
 @timed("train")
 def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | None = None, *,
@@ -1929,16 +1904,37 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     for part in (p for p in parts if p.num_tokens):  # 2. a step per mini-batch with tokens
         train.update(part, functools.partial(loss_fn, part))
     figures = train.finish(sync=True)  # 3. the new weights into the sampler
-    return train.pg_stats(trajs, cfg, seen, old, ent, ref, samp, figures)
+
+    # 4. the figures over the whole batch, from `seen` (this rank's share, once); entropy, NLL and
+    # kl_ref are means over sequences of each one's token mean
+    seqs = {"entropy": [ent[i] for i in seen], "nll_entropy": [-old[i] for i in seen]}
+    for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
+        seqs[f"entropy/{role}"] = [-old[i] for i in seen if trajs[i].role == role]
+        seqs[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
+    if ref is not None:
+        seqs["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
+    seqs = {k: [v for v in vs if v.numel()] for k, vs in seqs.items()}
+    diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp]
+    loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n, *red = policy.all_reduce(
+        [*train.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
+         sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs),
+         *(sum(v.mean().item() for v in vs) for vs in seqs.values()), *map(len, seqs.values())])
+    steps, n, m = len(train.norms), len(trajs), sum(train.lens)
+    stats = {"optimizer_steps": steps, "loss": loss / steps, "grad_norm": sum(train.norms) / steps,
+             "clip_frac": clipped / (m * cfg.updates_per_batch),
+             "approx_kl": kl / kl_n if kl_n else float("nan"),
+             **{k: s / c if c else float("nan") for k, s, c in zip(seqs, red, red[len(seqs):])},
+             **figures, "skipped_mini_batches": train.skipped, "zero_adv_frac": zero_adv / n,
+             "n_tokens": m, "n_seqs": n, "mean_len": m / n}
+    return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
 
 
 @timed("train")
-def sft_step(policy, examples: list[tuple[list[int], list[int]]], *,
-             batch_size: int | None = None) -> dict:
+def sft_step(policy, examples: list[tuple[list[int], list[int]]]) -> dict:
     """STaR's supervised step (arXiv:2203.14465 §3.1): target-token NLL averaged over ALL the
     batch's target tokens; one clipped step, no sampler sync (the caller syncs)."""
     train = _RLTrain(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
-    part = train.plan(list(range(len(examples))), batch_size)
+    part = train.plan(list(range(len(examples))))
     if part.num_tokens == 0:
         raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
     norm = train.update(part, lambda idx: (-train.forward(idx)[0].sum() / part.num_tokens, {}))
@@ -1985,7 +1981,7 @@ VF_MAX_PARSE_CHARS = 60_000  # only the tail of a huge output is searched
 VF_MAX_JSON_STARTS = 2_000  # "{" tried (from the end): bounds the work of a hostile output
 _VF_JSON_START = re.compile(r'\{(?=\s*["}])')  # an object opens with a key or closes; not "{1}"
 # LaTeX written as in a paper inside JSON strings: \b \f \n \r \t would decode to control characters
-# (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. repair_json_escapes reads, left to
+# (\beta, \frac, \nu, \rho, \times) and \sqrt would not parse. last_json_object reads, left to
 # right: \\ \" \/ \uXXXX as JSON; \b, \f as LaTeX; \r, \t + a letter as LaTeX; \n + letters as LaTeX
 # only if they spell a command below (else a newline: "\nA) 12"); any other backslash literally.
 _VF_N_COMMANDS = frozenset("""
@@ -2002,19 +1998,14 @@ _VF_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z
                         re.DOTALL)
 
 
-def repair_json_escapes(text: str) -> str:
-    """`text` with each backslash that starts LaTeX doubled, so JSON decodes it as written."""
-    def escape(m: re.Match) -> str:
-        w = m["word"]
-        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _VF_N_COMMANDS
-        return m[0] if keep else "\\" + m[0]
-    return _VF_ESCAPE.sub(escape, text)
-
-
 def last_json_object(text: str) -> dict | None:
     """The JSON object ending last in `text` (a top-level one: a nested one ends earlier); starts
     are tried from the end, so LaTeX braces never use them up."""
-    text = repair_json_escapes(text[-VF_MAX_PARSE_CHARS:])
+    def escape(m: re.Match) -> str:  # a backslash that starts LaTeX is doubled
+        w = m["word"]
+        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in _VF_N_COMMANDS
+        return m[0] if keep else "\\" + m[0]
+    text = _VF_ESCAPE.sub(escape, text[-VF_MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1
     starts = [m.start() for m in _VF_JSON_START.finditer(text)][-VF_MAX_JSON_STARTS:]
     decoder, found, found_end = json.JSONDecoder(strict=False), None, -1
@@ -2086,12 +2077,9 @@ _VF_CACHE_MAX = 200_000
 _VF_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def math_equal_failures(reset=False):
+def math_equal_failures():
     """Counts of failures judged "not equal": timeout, killed, error, too_long, too_deep, total."""
-    d = dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
-    if reset:
-        _VF_FAILS.clear()
-    return d
+    return dict(_VF_FAILS, total=sum(_VF_FAILS.values()))
 
 
 _VF_NUM_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # "1,2" is a pair
@@ -2401,7 +2389,7 @@ def learnability_reward(p):
 @_vf_solve_rate
 def uncertainty_reward(p):
     """R-Zero §3 r_unc: r = 1 − 2·|p − ½|, 0 at p ∈ {0, 1} (its code: min(p, 1 − p))."""
-    return np.where((p == 0) | (p == 1), 0.0, 1.0 - 2.0 * np.abs(p - 0.5))
+    return 1.0 - 2.0 * np.abs(p - 0.5)
 
 
 @_vf_solve_rate
@@ -2440,7 +2428,7 @@ def _vf_ngram_match_counts(seqs, n_max=4):
     """Per order n: (M_n[i, j] = Σ_g min(count_i(g), count_j(g)), n-grams of each text)."""
     B = len(seqs)
     lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    offsets = np.cumsum(lens) - lens
     toks = np.concatenate(seqs) if B and lens.sum() else np.zeros(0, dtype=np.int64)
     V = int(toks.max()) + 1 if toks.size else 1
     out = []
@@ -2572,16 +2560,12 @@ def pass_at_k(n, c, k):
     n, c, k = int(n), int(c), int(k)
     if not (0 <= c <= n) or not (1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
     """Percentile bootstrap interval of the mean, resampling problems with replacement."""
     v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return (float("nan"), float("nan"))
     means = v[np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
     return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
 
@@ -2589,7 +2573,7 @@ def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
 def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
     """(mean, low, high): mean pass@k over problems with a bootstrap (1 − alpha) interval."""
     per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
-    return (float(np.mean(per)) if per else float("nan"), *bootstrap_ci(per, n_boot, alpha, seed))
+    return (float(np.mean(per)), *bootstrap_ci(per, n_boot, alpha, seed))
 
 
 _VF_WORD_RE = re.compile(r"[^\W_]+")
@@ -2619,19 +2603,12 @@ class Decontaminator:
         return [self.contaminated(t) for t in texts]
 
 
-def eval_decontaminator(benchmarks: str, on: bool = True, n: int = 13):
+def eval_decontaminator(benchmarks: str, on: bool = True):
     """The 13-gram index (GPT-3's rule) of the eval questions, or None; built first, so a run whose
     eval set cannot load stops before any model loads."""
-    names = [b.strip() for b in benchmarks.split(",") if b.strip()]
-    questions = [row["question"] for name in names for row in load_benchmark(name)]
-    return Decontaminator(questions, n) if on and questions else None
-
-
-def decontaminate(questions, references, n=13):
-    """(kept questions, flagged indices): drop those sharing an n-gram with the references."""
-    d = references if isinstance(references, Decontaminator) else Decontaminator(references, n)
-    flags = d.flags(questions)
-    return [q for q, f in zip(questions, flags) if not f], [i for i, f in enumerate(flags) if f]
+    questions = [row["question"] for b in benchmarks.split(",") if b.strip()
+                 for row in load_benchmark(b)]
+    return Decontaminator(questions) if on and questions else None
 
 
 # -------------------------------------------------------------------------------------- Benchmarks
@@ -2875,19 +2852,14 @@ def gold_option_letter(problem):
                 None)
 
 
-def _vf_judge(extract_fn, timeout, judge_fn, probs, texts):
+def _vf_judge(extract_fn, timeout, probs, texts):
     """[(problem index, text)] -> [(correct, pred, letter, no answer)]: extract_fn(text) by
-    math_equal_many, or with choices its option_letter; judge_fn(problem, text) replaces both."""
-    items = [(probs[i], gold_option_letter(probs[i]), t) for i, t in texts]
-    if judge_fn is not None:
-        judged = [judge_fn(p, t) for p, _, t in items]
-        return [(bool(ok), pr, pr if g is not None else None, pr is None)
-                for (_, g, _), (pr, ok) in zip(items, judged)]
-    preds = [extract_fn(t) for _, _, t in items]
-    free = iter(math_equal_many([(pr, p["answer"]) for (p, g, _), pr in zip(items, preds)
-                                 if g is None], timeout=timeout))
+    math_equal_many, or with choices its option_letter."""
+    items = [(probs[i], gold_option_letter(probs[i]), t, extract_fn(t)) for i, t in texts]
+    free = iter(math_equal_many([(pr, p["answer"]) for p, g, _, pr in items if g is None],
+                                timeout=timeout))
     out = []
-    for (p, g, t), pr in zip(items, preds):
+    for p, g, t, pr in items:
         lt = None if g is None else option_letter(pr, t, len(p["choices"]))
         out.append((next(free), pr, lt, pr is None) if g is None else (lt == g, pr, lt, lt is None))
     return out
@@ -2945,10 +2917,10 @@ def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, t
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
              prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
-             n_boot=1000, judge_fn=None):
+             n_boot=1000):
     """Greedy accuracy and, with n > 1 samples, unbiased pass@k and mean@n per benchmark; "name@N"
-    draws N samples and scores by mean@N (SPICE's AIME). judge_fn(problem, text) -> (pred,
-    correct) replaces the boxed-answer and option-letter rules (e.g. R-Zero's BBEH match)."""
+    draws N samples and scores by mean@N (SPICE's AIME)."""
+    prompt = getattr(prompt_fn, "__name__", "custom") if prompt_fn else "default"
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
 
     def record(bench, res, probs, greedy, samples):
@@ -2965,8 +2937,6 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
         return [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
                  **({"greedy_letter": lt} if g is not None else {})}
                 for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
-    prompt = "default" if prompt_fn is default_eval_prompt else getattr(prompt_fn, "__name__",
-                                                                        "custom")
     mv = "?"
     with contextlib.suppress(Exception):
         mv = importlib.import_module("importlib.metadata").version("math-verify")
@@ -2974,7 +2944,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
                 "(timeout = wrong)")
     res = _vf_evaluate(sampler_or_policy, benchmarks, k, n, load_benchmark,
-                       functools.partial(_vf_judge, extract_fn, timeout, judge_fn), record,
+                       functools.partial(_vf_judge, extract_fn, timeout), record,
                        prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                        limit=limit, seed=seed, n_boot=n_boot, verifier=verifier,
                        multiple_choice=_VF_MC_GRADING, prompt=prompt)
@@ -2982,11 +2952,9 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
 
 
 def evaluate_config(policy, cfg, **kw):
-    """evaluate() with a RunConfig's eval_* settings (eval_temperature / eval_top_p if declared)."""
+    """evaluate() with a RunConfig's eval_* settings."""
     return evaluate(policy, cfg.eval_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
-                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
-                    temperature=getattr(cfg, "eval_temperature", 0.6),
-                    top_p=getattr(cfg, "eval_top_p", 0.95), seed=cfg.seed, **kw)
+                    max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed, **kw)
 
 
 class FrozenModel:
@@ -3003,16 +2971,13 @@ class FrozenModel:
             cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
         self.route = "weight swap into the shared engine" if same else "separate sampler"
 
-    @contextlib.contextmanager
     def sampling(self, policy):
         """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
-            with policy.sampling_from(self.weights) as s:
-                yield s
-        else:
-            yield types.SimpleNamespace(tokenizer=self.sampler.tokenizer,
-                                        generate=functools.partial(policy.generate,
-                                                                   sampler=self.sampler))
+            return policy.sampling_from(self.weights)
+        return contextlib.nullcontext(types.SimpleNamespace(
+            tokenizer=self.sampler.tokenizer,
+            generate=functools.partial(policy.generate, sampler=self.sampler)))
 
 
 def _core_same_parameters(path, policy) -> bool:
@@ -3131,9 +3096,8 @@ def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
              for p, c in (jobs[i] for i in todo)]
     res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
-    if again:
-        for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
-            res[m] = r
+    for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
+        res[m] = r
     out = [("no_code", None)] * len(jobs)
     for i, r in zip(todo, res):
         if r.status == "ok":

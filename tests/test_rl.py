@@ -456,7 +456,8 @@ def test_sft_step_drives_loss_down_and_only_targets_get_loss(tiny_policy_hf):
                  + [tok.eos_token_id])]
     start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     before = snapshot(policy.model)
-    st = common.sft_step(policy, ex2, batch_size=1)
+    policy.cfg.micro_batch_tokens = max(len(p) + len(t) for p, t in ex2)  # a micro-batch each
+    st = common.sft_step(policy, ex2)
     got = delta(policy.model, before)
     policy.model.load_state_dict(start)
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import common
 from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontaminator, average_linkage_clusters,
                     azr_composite_reward, bleu_distance_matrix, bleu_matrix, choice_letter,
-                    decontaminate, distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
+                    distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
                     load_benchmark, math_equal, math_equal_failures,
                     math_equal_many, normalize_string, pass_at_k, pass_at_k_ci,
                     self_bleu, threshold_reward, uncertainty_reward,
@@ -485,8 +485,7 @@ def test_decontamination():
     assert Decontaminator([ref]).contaminated(copy) and not Decontaminator([ref]).contaminated(other)
     d = Decontaminator([ref, "What is 2+2?"])
     assert d.contaminated("what is 2 + 2") and not d.contaminated("what is 3 + 3")
-    kept, flagged = decontaminate([other, copy, "x"], d)
-    assert kept == [other, "x"] and flagged == [1]
+    assert d.flags([other, copy, "x"]) == [False, True, False]
     rng = np.random.default_rng(0)
     vocab = [f"w{i}" for i in range(5000)]
     refs = [" ".join(rng.choice(vocab, 60)) for _ in range(2000)]
