@@ -384,9 +384,10 @@ def load_corpus(cfg: Config, tokenizer, chunk_tokens: int = 0, decon=None) -> li
     # "<|im_end|>" in web text would end the prompt as a real control token
     segments = [s for c in segments if (s := common.strip_special_tokens(c, tokenizer)).strip()]
     if decon is not None:
-        segments, dropped = common.decontaminate(segments, decon)
-        print(f"[spice] corpus: {len(segments)} segments ({len(dropped)} dropped as contaminated)",
-              file=sys.stderr)
+        n = len(segments)
+        segments = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
+        print(f"[spice] corpus: {len(segments)} segments ({n - len(segments)} dropped as "
+              "contaminated)", file=sys.stderr)
         if not segments:
             raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
     return segments
