@@ -2878,7 +2878,8 @@ def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, t
         raise ValueError(f"evaluation needs n >= 1 and k >= 1, got n={n}, k={ks}")
     t0, problems, results = time.time(), {b: load(b, limit) for b in benchmarks}, {}
     for bench, probs in problems.items():
-        nb = parse_benchmark_spec(bench)[1] or n
+        n_spec = parse_benchmark_spec(bench)[1]  # "name@N": N samples, even N = 1
+        nb = n_spec or n
         prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
         greedy = [g[0] for g in sampler.generate(prompts, n=1, temperature=0.0,
                                                  max_tokens=max_tokens)]
@@ -2890,7 +2891,7 @@ def _vf_evaluate(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, t
                                                        for c in greedy])),
                "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy])),
                "pass@k": {"1": float(ok.mean())}, "pass@k_ci": {"1": ci}, "pass@k_source": "greedy"}
-        if nb > 1:
+        if nb > 1 or n_spec:
             samp = sampler.generate(prompts, n=nb, max_tokens=max_tokens, seed=seed,
                                     temperature=temperature, top_p=top_p)
             flat = iter(judge(probs, [(i, c.text) for i, g in enumerate(samp) for c in g]))

@@ -333,6 +333,8 @@ def test_name_at_n_scores_that_benchmark_by_mean_at_n(tmp_path):
     flat = common.eval_metrics(res)
     assert flat["eval/a@4/score"] == pytest.approx(5 / 8) and flat["eval/b/score"] == 1.0
     assert flat["eval/mean_score"] == pytest.approx((5 / 8 + 1) / 2) and flat["eval/mean_greedy_acc"] == 0.75
+    one = common.evaluate(sampler, f"{a}@1", prompt_fn=by_question, n_boot=50)["benchmarks"][f"{a}@1"]
+    assert (one["n_samples"], one["score"], one["score_source"]) == (1, 0.5, "mean@1")   # A1 right, A2 wrong
     assert common.parse_benchmark_spec("aime24@32") == ("aime24", 32)
     assert common.parse_benchmark_spec(a) == (a, None) and len(common.load_benchmark(f"{a}@4")) == 2
     with pytest.raises(ValueError, match="must be >= 1"):
