@@ -2460,14 +2460,20 @@ def _vf_ngram_match_counts(seqs, n_max=4):
                 for t in range(1, int(C.max()) + 1):
                     at_least = (C >= t).astype(np.float32)
                     M += at_least @ at_least.T
-            if rare.any():  # in gram order, the texts of one n-gram pair up at offsets d < df
-                order = np.argsort(g_i[rare], kind="stable")
-                rt, rg, rc = t_i[rare][order], g_i[rare][order], c[rare][order].astype(np.float64)
-                i, j, v = map(np.concatenate, zip(*[
-                    (rt[:-d][s], rt[d:][s], np.minimum(rc[:-d], rc[d:])[s])
-                    for d in range(1, int(df[rg].max())) for s in [rg[d:] == rg[:-d]]]))
-                X = np.bincount(i * B + j, weights=v, minlength=B * B).reshape(B, B)
-                M += X + X.T
+            if rare.any():  # every pair of texts sharing a rare n-gram, groups of one size at once
+                rt, rg, rc = t_i[rare], g_i[rare], c[rare].astype(np.float64)
+                order = np.lexsort((rt, rg))
+                rt, rg, rc = rt[order], rg[order], rc[order]
+                starts_g = np.concatenate([[0], np.flatnonzero(np.diff(rg)) + 1])
+                sizes = np.diff(np.concatenate([starts_g, [len(rg)]]))
+                idx_all, val_all = [], []
+                for s in np.unique(sizes):
+                    st = starts_g[sizes == s][:, None] + np.arange(s)[None, :]
+                    ti, ci = rt[st], rc[st]
+                    idx_all.append((ti[:, :, None] * B + ti[:, None, :]).ravel())
+                    val_all.append(np.minimum(ci[:, :, None], ci[:, None, :]).ravel())
+                idx, val = np.concatenate(idx_all), np.concatenate(val_all)
+                M += np.bincount(idx, weights=val, minlength=B * B).reshape(B, B)
         np.fill_diagonal(M, cnt)
         out.append((M, cnt.astype(np.float64)))
     return out, lens
