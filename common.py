@@ -131,15 +131,14 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         epilog=epilog, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     hints, defaults = typing.get_type_hints(cls), {}
-    for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        typ, defaults[f.name] = hints.get(f.name, str), default
+    for f in dataclasses.fields(cls):  # a default_factory field is no bool/int/float/str
+        typ, defaults[f.name] = hints.get(f.name, str), f.default
         if typ not in (bool, int, float, str):
             raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
-        help_text = f"{comments.get(f.name, '')} (default: {default!r})".strip().replace("%", "%%")
+        text = f"{comments.get(f.name, '')} (default: {f.default!r})".strip().replace("%", "%%")
         kw = dict(action=_CoreBoolAction) if typ is bool else \
             dict(type=typ, metavar=typ.__name__.upper())
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=help_text, **kw)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=text, **kw)
     ns, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     valid = [a for a in parser._option_string_actions if a.startswith("--")]
     msgs = []
@@ -842,7 +841,7 @@ class HFSampler(Sampler):
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
-        self.tokenizer, self.shared, self.batch_size = tokenizer, model is not None, batch_size
+        self.tokenizer, self.batch_size = tokenizer, batch_size
         self.model = model if model is not None else load_model(model_path, dtype=cfg.dtype)[0]
         e = getattr(self.model.config, "eos_token_id", None)
         self.eos_ids = {int(i) for i in [tokenizer.eos_token_id, *([e] if isinstance(e, int) else
@@ -1043,14 +1042,12 @@ class Policy:
             blocks = set(model._no_split_modules or [])
             for m in [*(m for m in model.modules() if type(m).__name__ in blocks), model]:
                 fully_shard(m, mp_policy=mp)
-        if sampler is None:  # under torchrun an HF sampler keeps a full copy: generate() on a
-            # sharded module would need every rank to run the same number of decoding steps
-            sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
-        elif isinstance(sampler, HFSampler) and sampler.shared:
-            sampler.model = model  # an HF sampler bound to another trainer: rebind to ours
-        policy = cls(cfg, model, tok, sampler, path)
-        if sampler.version > 0 or isinstance(sampler, HFSampler) and sampler.model is not model:
-            policy.sync()  # a reused engine or an HF copy may hold other weights
+        # under torchrun an HF sampler keeps a full copy (of the same file): generate() on a
+        # sharded module would need every rank to run the same number of decoding steps
+        policy = cls(cfg, model, tok, sampler or make_sampler(
+            path, tok, cfg, model=model if world == 1 else None), path)
+        if sampler is not None:
+            policy.sync()  # a given engine may hold other weights
         if cfg.fit_memory and (note := fit_memory(policy)) and policy.is_main:
             print(note, file=sys.stderr)
         return policy
@@ -1226,14 +1223,13 @@ class Run:
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
         cfg.output_dir, self.dir = str(out), pathlib.Path(out)
+        self.resume_command = f"python {method}.py --resume {out}"
         self._bar = self._wandb = None
         self.closed, self.started = False, time.perf_counter()
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
         self._timers, self.times = Counter(), Counter()  # seconds per phase: since log(), in all
         self.last: dict = {}  # the latest value of every metric logged
         if self.is_main:
-            if cfg.resume and not (self.dir / "config.json").is_file():
-                raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
             if not cfg.resume and _core_held_run(out):  # nothing is touched before this
                 raise FileExistsError(_core_held_run(out))
             # A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves
@@ -1421,21 +1417,17 @@ class Run:
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
-        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
+        rows += [("run folder", str(self.dir)), ("resume", self.resume_command)]
         width, line = max(len(r[0]) for r in rows), "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
 
-    def interrupted(self) -> str:
-        """The one line printed on Ctrl-C."""
+    def interrupted(self) -> str:  # the line printed on Ctrl-C
         at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
         if (ck := latest_checkpoint(self.dir)) is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
         return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: " + \
-            self.resume_command()
-
-    def resume_command(self) -> str:
-        return f"python {self.method}.py --resume {self.dir}"
+            self.resume_command
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)
@@ -1524,9 +1516,8 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 def fit_memory(policy, free: int | None = None) -> str:
     """Before step 1, fit the free memory (10% margin), same gradients: the largest micro-batch up
     to the configured one that holds a --max-model-len sequence. The line to print ('' if none)."""
-    cfg = policy.cfg
-    free = available_memory(policy.device) if free is None else free
-    free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
+    cfg = policy.cfg  # every rank must cut the same micro-batches (collectives): the least free
+    free = min(all_gather_objects(available_memory(policy.device) if free is None else free))
     if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
         free += int(cfg.gpu_memory_utilization * torch.cuda.mem_get_info(policy.device)[1])
     cost = activation_costs(policy.model)
