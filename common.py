@@ -208,20 +208,15 @@ _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen
                    "or 'tiny'")
 
 
-def _core_not_model_folder(name: str, flag: str = "--model") -> str:
-    """The error for a local path that exists but is no model folder ("" if fine or not local)."""
-    p = pathlib.Path(name).expanduser()
-    if name != "tiny" and p.exists() and not (p / "config.json").is_file():
-        return (f"{flag} {name}: {p} exists but is not a model folder (no config.json); "
-                + _CORE_MODEL_FIX)
-    return ""
-
-
 def check_model(name: str, flag: str = "--model") -> None:
     """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
-    if msg := _core_not_model_folder(name, flag):
-        raise InputError(msg)
-    if name == "tiny" or pathlib.Path(name).expanduser().exists():
+    if name == "tiny":
+        return
+    if pathlib.Path(name).expanduser().exists():
+        try:
+            resolve_model_path(name)
+        except FileNotFoundError as e:
+            raise InputError(f"{flag} {e}") from None
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
@@ -261,9 +256,8 @@ def filter_vllm_logs() -> None:
             log.addHandler(h)
             log.propagate = False
         log.setLevel(logging.INFO if _CORE_LOG_FILTER.verbose else logging.WARNING)
-    for h in log.handlers:
-        if _CORE_LOG_FILTER not in h.filters:
-            h.addFilter(_CORE_LOG_FILTER)
+    for h in log.handlers:  # addFilter adds a filter once
+        h.addFilter(_CORE_LOG_FILTER)
 
 
 def set_verbosity(verbose: bool) -> None:
@@ -474,18 +468,15 @@ def all_gather_objects(obj) -> list:
     return out
 
 
-def broadcast_object(obj):
-    """Rank 0's `obj` on every rank (obj in one process)."""
+def broadcast_object(obj):  # rank 0's `obj` on every rank
     box = [obj]
     if _core_dist_on():
         torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
-    """This rank's contiguous share of `items` (sizes differ by at most one)."""
-    if rank is None:
-        rank, world_size = dist_info()
+def shard(items: list, rank: int, world_size: int) -> list:
+    """Rank `rank`'s contiguous share of `items` (sizes differ by at most one)."""
     n = len(items)
     return list(items[rank * n // world_size:(rank + 1) * n // world_size])
 
@@ -507,9 +498,10 @@ TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # s
 def resolve_model_path(name: str) -> str:
     """'tiny' -> built once in $SELFPLAY_CACHE (~/.cache/selfplay); a local folder; or a hub id."""
     if name != "tiny":
-        if msg := _core_not_model_folder(name):
-            raise FileNotFoundError(msg)
         p = pathlib.Path(name).expanduser()
+        if p.exists() and not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{name}: {p} exists but is not a model folder (no "
+                                    f"config.json); {_CORE_MODEL_FIX}")
         return str(p) if p.exists() else name
     cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
     target = pathlib.Path(cache) / "tiny-v1"
@@ -528,11 +520,16 @@ def resolve_model_path(name: str) -> str:
     return str(target)
 
 
-def _core_model_error(name: str, err: Exception) -> Exception:
-    where = ("no such local folder" if name.startswith((".", "/", "~")) or name.count("/") > 1
-             else "not a local folder, and the Hugging Face Hub did not provide it (unknown id, "
-             "private, or offline)")
-    return OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({err})")
+def _core_from_pretrained(auto, name: str, **kw):
+    """`auto`.from_pretrained of model `name`; a failure names the model and the fix."""
+    path = resolve_model_path(name)
+    try:
+        return auto.from_pretrained(path, **kw)
+    except (OSError, ValueError) as e:
+        where = ("no such local folder" if name.startswith((".", "/", "~")) or name.count("/") > 1
+                 else "not a local folder, and the Hugging Face Hub did not provide it (unknown "
+                 "id, private, or offline)")
+        raise OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({e})") from e
 
 
 def default_device() -> torch.device:
@@ -543,7 +540,6 @@ def default_device() -> torch.device:
 
 
 def resolve_dtype(dtype=None, device=None) -> torch.dtype:
-    """'auto'/None -> bfloat16 on GPU, float32 on CPU; else the named dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):
@@ -558,10 +554,7 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
 
 def load_tokenizer(name: str):
     """The model's tokenizer, left-padded (pad = EOS where it has no pad token)."""
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(name))
-    except (OSError, ValueError) as e:
-        raise _core_model_error(name, e) from e
+    tok = _core_from_pretrained(transformers.AutoTokenizer, name)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -570,14 +563,10 @@ def load_tokenizer(name: str):
 
 def load_model(name: str, *, dtype=None, device=None):
     """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
-    path, device = resolve_model_path(name), torch.device(device or default_device())
-    tok = load_tokenizer(name)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device))
-    except (OSError, ValueError) as e:
-        raise _core_model_error(name, e) from e
-    return model.to(device), tok
+    device = torch.device(device or default_device())
+    model = _core_from_pretrained(transformers.AutoModelForCausalLM, name,
+                                  dtype=resolve_dtype(dtype, device))
+    return model.to(device), load_tokenizer(name)
 
 
 def load_safetensors_dir(path) -> dict:
@@ -606,9 +595,6 @@ def phase(name: str):
     """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
     Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
     stack = _CORE_PHASE_STACK
-    if stack and stack[-1][0] == name:  # nested in itself: counted once
-        yield
-        return
     now = time.perf_counter()
     if stack:
         _core_add_time(stack[-1][0], now - stack[-1][1])
@@ -1119,9 +1105,7 @@ class Policy:
 
     def sync(self) -> None:
         """The trainer's full weights into the sampler in place (none for HF on the trainer)."""
-        if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
-            self.sampler.version += 1
-        else:
+        if getattr(self.sampler, "model", None) is not self.model:
             self.sampler.load_weights(self.iter_full_weights())
 
     def load_trainer_weights(self, weights: dict) -> None:
@@ -1172,7 +1156,7 @@ class Policy:
         which then gets the trainer's weights back; the trainer is untouched. None: its own."""
         if weights is None:
             yield self
-        elif isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
+        elif getattr(self.sampler, "model", None) is self.model:
             with self.swapped_weights(dict(weights)):  # it samples from the trainer itself
                 yield self
         else:
@@ -1183,7 +1167,6 @@ class Policy:
                 self.sync()
 
     def shard(self, items: list) -> list:
-        """This rank's contiguous share of `items` (everything in one process)."""
         return shard(items, self.rank, self.world_size)
 
     def all_reduce(self, values, op: str = "sum") -> list[float]:
@@ -1431,10 +1414,9 @@ class Run:
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)
-def _core_checkpointing(model, on: bool) -> None:
+def _core_checkpointing(model, on: bool) -> None:  # a checkpointed layer drops use_cache itself
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     else:
         model.gradient_checkpointing_disable()
 
@@ -1442,7 +1424,7 @@ def _core_checkpointing(model, on: bool) -> None:
 def activation_costs(model, tokens=(32, 96)) -> dict:
     """Activation bytes per token without ("off") and with ("on") checkpointing, and per forward
     ("fixed": autocast's bf16 weight copies): what autograd saves (no parameters) at two lengths."""
-    was, use_cache = model.is_gradient_checkpointing, model.config.use_cache
+    was = model.is_gradient_checkpointing
 
     def saved_bytes(n):
         seen = {}
@@ -1465,7 +1447,6 @@ def activation_costs(model, tokens=(32, 96)) -> dict:
         slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
         fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
     _core_checkpointing(model, was)
-    model.config.use_cache = use_cache and not was
     # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
     # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
     per_layer = slope[False] / model.config.num_hidden_layers
@@ -1498,7 +1479,7 @@ def _core_gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
+def step_memory(policy, tokens: int, checkpointing: bool, cost: dict) -> float:
     """Peak bytes beyond those allocated for a step of `tokens`-token micro-batches: gradients and
     AdamW's moments (unless they exist), plus the larger of AdamW's temporaries (GPU: a weight set;
     CPU: two of the largest tensor) and the backward's: activations, LM-head chunks (~512 MiB), two
@@ -1507,7 +1488,6 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
     sizes = [p.numel() * p.element_size() for p in local]
     temporaries = sum(sizes) if local[0].device.type == "cuda" else 2 * max(sizes)
     head = policy.model.get_output_embeddings().weight
-    cost = cost or activation_costs(policy.model)
     act = (cost["fixed"] + 512 * 2**20 + 2 * head.numel() * head.element_size()
            + tokens * cost["on" if checkpointing else "off"])
     return sum(sizes) * (1 if policy.optimizer.state else 3) + max(act, temporaries)
