@@ -1068,8 +1068,7 @@ class Policy:
 
     def clip_and_step(self) -> float:
         """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)  # no grads: 0
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm.full_tensor() if _core_is_dtensor(norm) else norm)
