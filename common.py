@@ -131,15 +131,14 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         epilog=epilog, argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     hints, defaults = typing.get_type_hints(cls), {}
-    for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        typ, defaults[f.name] = hints.get(f.name, str), default
+    for f in dataclasses.fields(cls):  # a default_factory field is no bool/int/float/str
+        typ, defaults[f.name] = hints.get(f.name, str), f.default
         if typ not in (bool, int, float, str):
             raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
-        help_text = f"{comments.get(f.name, '')} (default: {default!r})".strip().replace("%", "%%")
+        text = f"{comments.get(f.name, '')} (default: {f.default!r})".strip().replace("%", "%%")
         kw = dict(action=_CoreBoolAction) if typ is bool else \
             dict(type=typ, metavar=typ.__name__.upper())
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=help_text, **kw)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=text, **kw)
     ns, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     valid = [a for a in parser._option_string_actions if a.startswith("--")]
     msgs = []
@@ -209,20 +208,15 @@ _CORE_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen
                    "or 'tiny'")
 
 
-def _core_not_model_folder(name: str, flag: str = "--model") -> str:
-    """The error for a local path that exists but is no model folder ("" if fine or not local)."""
-    p = pathlib.Path(name).expanduser()
-    if name != "tiny" and p.exists() and not (p / "config.json").is_file():
-        return (f"{flag} {name}: {p} exists but is not a model folder (no config.json); "
-                + _CORE_MODEL_FIX)
-    return ""
-
-
 def check_model(name: str, flag: str = "--model") -> None:
     """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
-    if msg := _core_not_model_folder(name, flag):
-        raise InputError(msg)
-    if name == "tiny" or pathlib.Path(name).expanduser().exists():
+    if name == "tiny":
+        return
+    if pathlib.Path(name).expanduser().exists():
+        try:
+            resolve_model_path(name)
+        except FileNotFoundError as e:
+            raise InputError(f"{flag} {e}") from None
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
@@ -262,9 +256,8 @@ def filter_vllm_logs() -> None:
             log.addHandler(h)
             log.propagate = False
         log.setLevel(logging.INFO if _CORE_LOG_FILTER.verbose else logging.WARNING)
-    for h in log.handlers:
-        if _CORE_LOG_FILTER not in h.filters:
-            h.addFilter(_CORE_LOG_FILTER)
+    for h in log.handlers:  # addFilter adds a filter once
+        h.addFilter(_CORE_LOG_FILTER)
 
 
 def set_verbosity(verbose: bool) -> None:
@@ -475,18 +468,15 @@ def all_gather_objects(obj) -> list:
     return out
 
 
-def broadcast_object(obj):
-    """Rank 0's `obj` on every rank (obj in one process)."""
+def broadcast_object(obj):  # rank 0's `obj` on every rank
     box = [obj]
     if _core_dist_on():
         torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def shard(items: list, rank: int | None = None, world_size: int | None = None) -> list:
-    """This rank's contiguous share of `items` (sizes differ by at most one)."""
-    if rank is None:
-        rank, world_size = dist_info()
+def shard(items: list, rank: int, world_size: int) -> list:
+    """Rank `rank`'s contiguous share of `items` (sizes differ by at most one)."""
     n = len(items)
     return list(items[rank * n // world_size:(rank + 1) * n // world_size])
 
@@ -508,9 +498,10 @@ TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # s
 def resolve_model_path(name: str) -> str:
     """'tiny' -> built once in $SELFPLAY_CACHE (~/.cache/selfplay); a local folder; or a hub id."""
     if name != "tiny":
-        if msg := _core_not_model_folder(name):
-            raise FileNotFoundError(msg)
         p = pathlib.Path(name).expanduser()
+        if p.exists() and not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{name}: {p} exists but is not a model folder (no "
+                                    f"config.json); {_CORE_MODEL_FIX}")
         return str(p) if p.exists() else name
     cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
     target = pathlib.Path(cache) / "tiny-v1"
@@ -529,11 +520,16 @@ def resolve_model_path(name: str) -> str:
     return str(target)
 
 
-def _core_model_error(name: str, err: Exception) -> Exception:
-    where = ("no such local folder" if name.startswith((".", "/", "~")) or name.count("/") > 1
-             else "not a local folder, and the Hugging Face Hub did not provide it (unknown id, "
-             "private, or offline)")
-    return OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({err})")
+def _core_from_pretrained(auto, name: str, **kw):
+    """`auto`.from_pretrained of model `name`; a failure names the model and the fix."""
+    path = resolve_model_path(name)
+    try:
+        return auto.from_pretrained(path, **kw)
+    except (OSError, ValueError) as e:
+        where = ("no such local folder" if name.startswith((".", "/", "~")) or name.count("/") > 1
+                 else "not a local folder, and the Hugging Face Hub did not provide it (unknown "
+                 "id, private, or offline)")
+        raise OSError(f"Could not load model {name!r}: {where}; {_CORE_MODEL_FIX} ({e})") from e
 
 
 def default_device() -> torch.device:
@@ -544,7 +540,6 @@ def default_device() -> torch.device:
 
 
 def resolve_dtype(dtype=None, device=None) -> torch.dtype:
-    """'auto'/None -> bfloat16 on GPU, float32 on CPU; else the named dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):
@@ -559,10 +554,7 @@ def resolve_dtype(dtype=None, device=None) -> torch.dtype:
 
 def load_tokenizer(name: str):
     """The model's tokenizer, left-padded (pad = EOS where it has no pad token)."""
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(resolve_model_path(name))
-    except (OSError, ValueError) as e:
-        raise _core_model_error(name, e) from e
+    tok = _core_from_pretrained(transformers.AutoTokenizer, name)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -571,14 +563,10 @@ def load_tokenizer(name: str):
 
 def load_model(name: str, *, dtype=None, device=None):
     """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
-    path, device = resolve_model_path(name), torch.device(device or default_device())
-    tok = load_tokenizer(name)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device))
-    except (OSError, ValueError) as e:
-        raise _core_model_error(name, e) from e
-    return model.to(device), tok
+    device = torch.device(device or default_device())
+    model = _core_from_pretrained(transformers.AutoModelForCausalLM, name,
+                                  dtype=resolve_dtype(dtype, device))
+    return model.to(device), load_tokenizer(name)
 
 
 def load_safetensors_dir(path) -> dict:
@@ -607,9 +595,6 @@ def phase(name: str):
     """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
     Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
     stack = _CORE_PHASE_STACK
-    if stack and stack[-1][0] == name:  # nested in itself: counted once
-        yield
-        return
     now = time.perf_counter()
     if stack:
         _core_add_time(stack[-1][0], now - stack[-1][1])
@@ -842,7 +827,7 @@ class HFSampler(Sampler):
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
-        self.tokenizer, self.shared, self.batch_size = tokenizer, model is not None, batch_size
+        self.tokenizer, self.batch_size = tokenizer, batch_size
         self.model = model if model is not None else load_model(model_path, dtype=cfg.dtype)[0]
         e = getattr(self.model.config, "eos_token_id", None)
         self.eos_ids = {int(i) for i in [tokenizer.eos_token_id, *([e] if isinstance(e, int) else
@@ -1043,14 +1028,12 @@ class Policy:
             blocks = set(model._no_split_modules or [])
             for m in [*(m for m in model.modules() if type(m).__name__ in blocks), model]:
                 fully_shard(m, mp_policy=mp)
-        if sampler is None:  # under torchrun an HF sampler keeps a full copy: generate() on a
-            # sharded module would need every rank to run the same number of decoding steps
-            sampler = make_sampler(path, tok, cfg, model=model if world == 1 else None)
-        elif isinstance(sampler, HFSampler) and sampler.shared:
-            sampler.model = model  # an HF sampler bound to another trainer: rebind to ours
-        policy = cls(cfg, model, tok, sampler, path)
-        if sampler.version > 0 or isinstance(sampler, HFSampler) and sampler.model is not model:
-            policy.sync()  # a reused engine or an HF copy may hold other weights
+        # under torchrun an HF sampler keeps a full copy (of the same file): generate() on a
+        # sharded module would need every rank to run the same number of decoding steps
+        policy = cls(cfg, model, tok, sampler or make_sampler(
+            path, tok, cfg, model=model if world == 1 else None), path)
+        if sampler is not None:
+            policy.sync()  # a given engine may hold other weights
         if cfg.fit_memory and (note := fit_memory(policy)) and policy.is_main:
             print(note, file=sys.stderr)
         return policy
@@ -1085,8 +1068,7 @@ class Policy:
 
     def clip_and_step(self) -> float:
         """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)  # no grads: 0
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm.full_tensor() if _core_is_dtensor(norm) else norm)
@@ -1122,9 +1104,7 @@ class Policy:
 
     def sync(self) -> None:
         """The trainer's full weights into the sampler in place (none for HF on the trainer)."""
-        if isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
-            self.sampler.version += 1
-        else:
+        if getattr(self.sampler, "model", None) is not self.model:
             self.sampler.load_weights(self.iter_full_weights())
 
     def load_trainer_weights(self, weights: dict) -> None:
@@ -1175,7 +1155,7 @@ class Policy:
         which then gets the trainer's weights back; the trainer is untouched. None: its own."""
         if weights is None:
             yield self
-        elif isinstance(self.sampler, HFSampler) and self.sampler.model is self.model:
+        elif getattr(self.sampler, "model", None) is self.model:
             with self.swapped_weights(dict(weights)):  # it samples from the trainer itself
                 yield self
         else:
@@ -1186,7 +1166,6 @@ class Policy:
                 self.sync()
 
     def shard(self, items: list) -> list:
-        """This rank's contiguous share of `items` (everything in one process)."""
         return shard(items, self.rank, self.world_size)
 
     def all_reduce(self, values, op: str = "sum") -> list[float]:
@@ -1226,14 +1205,13 @@ class Run:
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
         cfg.output_dir, self.dir = str(out), pathlib.Path(out)
+        self.resume_command = f"python {method}.py --resume {out}"
         self._bar = self._wandb = None
         self.closed, self.started = False, time.perf_counter()
         self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
         self._timers, self.times = Counter(), Counter()  # seconds per phase: since log(), in all
         self.last: dict = {}  # the latest value of every metric logged
         if self.is_main:
-            if cfg.resume and not (self.dir / "config.json").is_file():
-                raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
             if not cfg.resume and _core_held_run(out):  # nothing is touched before this
                 raise FileExistsError(_core_held_run(out))
             # A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves
@@ -1421,28 +1399,23 @@ class Run:
         own = sorted(k for k in times if k not in PHASES)
         if own:  # the method's own timers (each may contain the phases above)
             rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
-        rows += [("run folder", str(self.dir)), ("resume", self.resume_command())]
+        rows += [("run folder", str(self.dir)), ("resume", self.resume_command)]
         width, line = max(len(r[0]) for r in rows), "-" * 72
         return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
 
-    def interrupted(self) -> str:
-        """The one line printed on Ctrl-C."""
+    def interrupted(self) -> str:  # the line printed on Ctrl-C
         at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
         if (ck := latest_checkpoint(self.dir)) is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
         return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: " + \
-            self.resume_command()
-
-    def resume_command(self) -> str:
-        return f"python {self.method}.py --resume {self.dir}"
+            self.resume_command
 
 
 # --------------------------------- Fitting the trainer in memory (measured, before the first step)
-def _core_checkpointing(model, on: bool) -> None:
+def _core_checkpointing(model, on: bool) -> None:  # a checkpointed layer drops use_cache itself
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     else:
         model.gradient_checkpointing_disable()
 
@@ -1450,7 +1423,7 @@ def _core_checkpointing(model, on: bool) -> None:
 def activation_costs(model, tokens=(32, 96)) -> dict:
     """Activation bytes per token without ("off") and with ("on") checkpointing, and per forward
     ("fixed": autocast's bf16 weight copies): what autograd saves (no parameters) at two lengths."""
-    was, use_cache = model.is_gradient_checkpointing, model.config.use_cache
+    was = model.is_gradient_checkpointing
 
     def saved_bytes(n):
         seen = {}
@@ -1473,7 +1446,6 @@ def activation_costs(model, tokens=(32, 96)) -> dict:
         slope[ckpt] = (b - a) / (tokens[1] - tokens[0])
         fixed = fixed if ckpt else max(0.0, a - slope[ckpt] * tokens[0])
     _core_checkpointing(model, was)
-    model.config.use_cache = use_cache and not was
     # Backward's own buffers (the activations' gradients) add ~25% without checkpointing (measured
     # at the 0.6B shape); with it, the layer being recomputed holds its activations and gradients.
     per_layer = slope[False] / model.config.num_hidden_layers
@@ -1506,7 +1478,7 @@ def _core_gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = None) -> float:
+def step_memory(policy, tokens: int, checkpointing: bool, cost: dict) -> float:
     """Peak bytes beyond those allocated for a step of `tokens`-token micro-batches: gradients and
     AdamW's moments (unless they exist), plus the larger of AdamW's temporaries (GPU: a weight set;
     CPU: two of the largest tensor) and the backward's: activations, LM-head chunks (~512 MiB), two
@@ -1515,7 +1487,6 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
     sizes = [p.numel() * p.element_size() for p in local]
     temporaries = sum(sizes) if local[0].device.type == "cuda" else 2 * max(sizes)
     head = policy.model.get_output_embeddings().weight
-    cost = cost or activation_costs(policy.model)
     act = (cost["fixed"] + 512 * 2**20 + 2 * head.numel() * head.element_size()
            + tokens * cost["on" if checkpointing else "off"])
     return sum(sizes) * (1 if policy.optimizer.state else 3) + max(act, temporaries)
@@ -1524,9 +1495,8 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict | None = No
 def fit_memory(policy, free: int | None = None) -> str:
     """Before step 1, fit the free memory (10% margin), same gradients: the largest micro-batch up
     to the configured one that holds a --max-model-len sequence. The line to print ('' if none)."""
-    cfg = policy.cfg
-    free = available_memory(policy.device) if free is None else free
-    free = min(all_gather_objects(free))  # every rank must cut the same micro-batches (collectives)
+    cfg = policy.cfg  # every rank must cut the same micro-batches (collectives): the least free
+    free = min(all_gather_objects(available_memory(policy.device) if free is None else free))
     if cfg.vllm_sleep and policy.device.type == "cuda":  # the engine frees its share while training
         free += int(cfg.gpu_memory_utilization * torch.cuda.mem_get_info(policy.device)[1])
     cost = activation_costs(policy.model)

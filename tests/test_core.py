@@ -402,7 +402,7 @@ def test_shard_and_gather_single_process():
     items = list(range(10))
     parts = [common.shard(items, r, 3) for r in range(3)]
     assert sum(parts, []) == items and sorted(map(len, parts)) == [3, 3, 4]
-    assert common.shard(items) == items and common.all_gather_objects({"a": 1}) == [{"a": 1}]
+    assert common.shard(items, 0, 1) == items and common.all_gather_objects({"a": 1}) == [{"a": 1}]
 
 
 # ----------------------------------------------------------------------------------------------------------

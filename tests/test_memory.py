@@ -58,7 +58,7 @@ def policy(tiny_cfg):
 
 
 def _need(policy, tokens, ckpt):
-    return 1.1 * common.step_memory(policy, tokens, ckpt)
+    return 1.1 * common.step_memory(policy, tokens, ckpt, common.activation_costs(policy.model))
 
 
 def test_a_step_that_fits_changes_nothing(policy):
