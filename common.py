@@ -1212,6 +1212,8 @@ class Run:
         self._timers, self.times = Counter(), Counter()  # seconds per phase: since log(), in all
         self.last: dict = {}  # the latest value of every metric logged
         if self.is_main:
+            if cfg.resume and not (self.dir / "config.json").is_file():  # library callers too
+                raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
             if not cfg.resume and _core_held_run(out):  # nothing is touched before this
                 raise FileExistsError(_core_held_run(out))
             # A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves

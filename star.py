@@ -445,9 +445,7 @@ def train(cfg: Config, sampler=None) -> dict:
         warnings.warn("no test split (see --test-data): evaluation and --patience are off")
     exemplars = load_exemplars(cfg.exemplars)
     run = common.Run(cfg, "star")
-    policy = common.Policy.load(cfg, sampler=sampler)
-    if sampler is not None:
-        policy.sync()  # a shared engine may hold any weights
+    policy = common.Policy.load(cfg, sampler=sampler)  # a shared engine is synced there
     prompter = Prompter(cfg, policy.tokenizer, exemplars)
     max_len = int(policy.sampler.max_model_len or cfg.max_model_len)
     train_data = prompter.fits(train_data, max_len, "training set")
