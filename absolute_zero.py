@@ -399,7 +399,7 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 
 def check_solutions(executor: Executor, task: str | list[str], entries: list[dict],
-                    completions: list[str], cfg: Config) -> list[tuple[bool, bool]]:
+                    completions: list[str]) -> list[tuple[bool, bool]]:
     """(formatted, correct) per answer (Eq. 5), `task` for all or one per entry: deduction compares
     literals (never run), abduction runs f(input), induction's program (any defs) must reproduce
     every held-out pair."""
@@ -450,7 +450,7 @@ def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, 
     groups = _generate(policy, prompts, n, cfg, **sampling)
     graded = iter(check_solutions(executor, [t for t, _ in tasks for _ in range(n)],
                                   [e for _, e in tasks for _ in range(n)],
-                                  [c.text for g in groups for c in g], cfg))
+                                  [c.text for g in groups for c in g]))
     return [(p, [(c, *next(graded)) for c in g]) for p, g in zip(prompts, groups)]
 
 

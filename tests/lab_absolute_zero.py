@@ -452,10 +452,9 @@ def evaluate(model, tests_file: Path, out: Path, n: int, max_tokens: int, seed: 
             greedy = sampler.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
             sampled = sampler.generate(prompts, n=n, temperature=1.0, max_tokens=max_tokens,
                                        seed=seed)
-            g = absolute_zero.check_solutions(executor, t, tests[t], [c[0].text for c in greedy],
-                                              cfg)
+            g = absolute_zero.check_solutions(executor, t, tests[t], [c[0].text for c in greedy])
             s = absolute_zero.check_solutions(executor, t, [e for e in tests[t] for _ in range(n)],
-                                              [c.text for grp in sampled for c in grp], cfg)
+                                              [c.text for grp in sampled for c in grp])
             res[t] = {"greedy": [ok for _, ok in g], "formatted": [f for f, _ in g],
                       "correct_samples": [sum(ok for _, ok in s[i * n:(i + 1) * n])
                                           for i in range(len(prompts))], "n": n,

@@ -223,10 +223,9 @@ def test_huge_hex_integers_make_tasks_invalid_and_answers_wrong_without_crashing
     assert [p["reason"] for p in props] == [None, "error"] and props[0]["entry"]["output"] == "1"
     e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
     texts = [answer(fence("input", HUGE_HEX)), answer(fence("input", "7"))]
-    got = az.check_solutions(executor, "abduction", [e, e], texts, executor.cfg)
+    got = az.check_solutions(executor, "abduction", [e, e], texts)
     assert got == [(True, False), (True, True)]  # 16**4000 - 1 is 0 mod 3
-    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))],
-                             executor.cfg)
+    got = az.check_solutions(executor, "deduction", [e], [answer(fence("output", HUGE_HEX))])
     assert got == [(True, False)]
     # the executor checks inputs from anywhere (an edited checkpoint) itself
     jobs = [(e["program"], HUGE_HEX), (e["program"], "4"), (e["program"], "__import__('os')")]
@@ -288,7 +287,7 @@ def test_solver_checks_deduction(executor):
              answer(fence("output", "(4, {1, 2})")),
              answer(fence("output", "__import__('os')")),
              fence("output", "(3, {1, 2})")]            # no <answer>: format error
-    got = az.check_solutions(executor, "deduction", [e] * len(texts), texts, executor.cfg)
+    got = az.check_solutions(executor, "deduction", [e] * len(texts), texts)
     assert got == [(True, True), (True, True), (True, False), (True, False), (True, False),
                    (False, False)]
     assert [az.solver_reward(*g) for g in got] == [1.0, 1.0, -0.5, -0.5, -0.5, -1.0]
@@ -298,7 +297,7 @@ def test_solver_checks_abduction_accepts_any_preimage(executor):
     e = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}  # not one-to-one
     texts = [answer(fence("input", "4")), answer(fence("input", "7")), answer(fence("input", "5")),
              answer(fence("input", "'a'")), answer("no block"), fence("input", "4")]
-    got = az.check_solutions(executor, "abduction", [e] * len(texts), texts, executor.cfg)
+    got = az.check_solutions(executor, "abduction", [e] * len(texts), texts)
     # "no block": the whole <answer> text is the input (official fallback), and it does not run
     assert got == [(True, True), (True, True), (True, False), (True, False), (True, False),
                    (False, False)]
@@ -313,7 +312,7 @@ def test_solver_checks_induction_needs_every_held_out_pair(executor):
              # same static checks as proposals
              answer(fence("python", "import os\ndef f(x):\n    return x * x")),
              answer(fence("python", "def f(x):\n    return x * x if x != 6 else 0"))]
-    got = az.check_solutions(executor, "induction", [e] * len(texts), texts, executor.cfg)
+    got = az.check_solutions(executor, "induction", [e] * len(texts), texts)
     assert got == [(True, True), (True, False), (True, False), (True, False)]
 
 
@@ -324,11 +323,11 @@ def test_solver_answer_without_a_fence_uses_the_whole_answer(executor):
     e = {"program": "def f(x):\n    return (x, {1, 2})", "input": "3", "output": "(3, {1, 2})"}
     texts = [answer("(3, {2, 1})"), answer(" (4, {1, 2}) "),
              answer("```input\n(3, {1, 2})\n```")]  # another kind of block is just text
-    got = az.check_solutions(executor, "deduction", [e] * 3, texts, executor.cfg)
+    got = az.check_solutions(executor, "deduction", [e] * 3, texts)
     assert got == [(True, True), (True, False), (True, False)]
     a = {"program": "def f(x):\n    return x % 3", "input": "4", "output": "1"}
     texts = [answer("7"), answer("```input 10```")]  # a one-line fence, as the official pattern
-    assert az.check_solutions(executor, "abduction", [a] * 2, texts, executor.cfg) == \
+    assert az.check_solutions(executor, "abduction", [a] * 2, texts) == \
         [(True, True), (True, True)]
     sq = {"program": "def f(x):\n    return x * x", "inputs": ["1", "2", "3", "4"],
           "outputs": ["1", "4", "9", "16"], "message": "m"}
@@ -336,7 +335,7 @@ def test_solver_answer_without_a_fence_uses_the_whole_answer(executor):
              answer(fence("python", "def f(x):\n    return x * x") + "\n"
                     + fence("output", "16")),  # the python block wins
              answer("def f(x):\n    return x * x")]  # no fence at all
-    got = az.check_solutions(executor, "induction", [sq] * 3, texts, executor.cfg)
+    got = az.check_solutions(executor, "induction", [sq] * 3, texts)
     assert got == [(True, True), (True, True), (False, False)]
     assert [az.solver_reward(*g) for g in got] == [1.0, 1.0, -1.0]
 
@@ -364,7 +363,7 @@ def test_reject_multiple_defs_follows_the_official_parser(executor):
     assert [p["reason"] for p in props] == [None] * 3 and props[0]["entry"]["output"] == "2"
     ind = {"program": "def f(x):\n    return x + 1", "inputs": ["1", "2"], "outputs": ["2", "3"],
            "message": "m"}
-    got = az.check_solutions(executor, "induction", [ind], [answer(fence("python", helper))], cfg)
+    got = az.check_solutions(executor, "induction", [ind], [answer(fence("python", helper))])
     assert got == [(True, True)]
     assert "rejected" in az.proposer_prompt("deduction", [], cfg)  # the prompt states the rule
     assert "Helper functions" in az.proposer_prompt("deduction", [], lax)
@@ -393,12 +392,12 @@ def test_inputs_are_expressions_evaluated_in_the_sandbox(executor):
     e = {"program": "def f(s):\n    return len(s)", "input": "'abc'", "output": "3"}
     texts = [answer(fence("input", "'a' * 3")), answer(fence("input", "s=[0, 0, 0]")),
              answer("'ab' + 'c'"), answer(fence("input", "'a' * 4"))]
-    assert az.check_solutions(executor, "abduction", [e] * 4, texts, executor.cfg) == \
+    assert az.check_solutions(executor, "abduction", [e] * 4, texts) == \
         [(True, True), (True, True), (True, True), (True, False)]
     held = {"program": prog, "inputs": ["[1]", "[2]", "[1, 2], k=1", "xs=list(range(4))"],
             "outputs": ["1", "2", "7", "24"], "message": "m"}
     code = answer(fence("python", "def f(xs, k=0):\n    return sum(xs) * len(xs) + k"))
-    assert az.check_solutions(executor, "induction", [held], [code], executor.cfg) == [(True, True)]
+    assert az.check_solutions(executor, "induction", [held], [code]) == [(True, True)]
 
 
 @pytest.mark.parametrize("hostile", [
@@ -420,8 +419,7 @@ def test_hostile_inputs_only_invalidate_the_task_or_the_answer(executor, hostile
         az.validate(executor, "deduction", [prop], executor.cfg)
     assert prop["reason"] in ("syntax", "banned", "too_large", "error", "timeout"), prop["reason"]
     e = {"program": prog, "input": "0", "output": "1"}
-    got = az.check_solutions(executor, "abduction", [e], [answer(fence("input", hostile))],
-                             executor.cfg)
+    got = az.check_solutions(executor, "abduction", [e], [answer(fence("input", hostile))])
     assert got == [(True, False)]
 
 
