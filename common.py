@@ -3200,11 +3200,10 @@ _ZY_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/
                  "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
 # what the zygote found (root, uid_dropped and uid set first), shown in PythonSandbox.isolation
 _ZY_REPORT = {"namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
-              "pid_namespace": None, "readonly_root": False, "filesystem": "host",
+              "pid_namespace": None, "readonly_root": False, "filesystem": "host", "scratch": None,
               "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "seccomp": False,
-              "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
-                          "RLIMIT_NPROC", "RLIMIT_CORE"], "no_new_privs": True, "notes": [],
-              "self_test": None, "memory_cgroup": None, "scratch": None}
+              "rlimits": ["RLIMIT_" + n for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")],
+              "no_new_privs": True, "notes": [], "self_test": None, "memory_cgroup": None}
 _ZY_STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
              "oom_exempt": False, "tmp_mark": None, "nproc_base": 0, "job_ns": 0}
 _ZY_CFG = _ZY_LIBC = _ZY_PRCTL = None
@@ -3243,8 +3242,7 @@ def _zy_mountinfo():
 
 def _zy_try_in_child(fn):
     """Whether fn() succeeds in a throwaway child: a probe that must not change this one."""
-    pid = os.fork()
-    if pid == 0:
+    if (pid := os.fork()) == 0:
         try:
             fn()
             os._exit(0)
@@ -3812,8 +3810,8 @@ class _SbWorker:
 
     def __init__(self, cfg: dict):
         self.proc = subprocess.Popen(
-            [sys.executable, "-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else [])
-            + ["-c", _sb_zygote_source()], cwd="/", start_new_session=True,
+            [sys.executable, "-s", "-S", "-P", "-c", _sb_zygote_source()], cwd="/",
+            start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=dict(_SB_ENV, PYTHONHASHSEED=str(cfg["hash_seed"])))
         self.rfd, self.wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
