@@ -1573,8 +1573,7 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
     return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
 
 
-def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
-                chunk_rows=None):
+def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False):
     """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
@@ -1589,7 +1588,7 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     # the root forward, so FSDP2's hooks see it; then the completion positions, row-major
     hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = model.get_output_embeddings()
-    chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
+    chunk = max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
     run = (functools.partial(torch.utils.checkpoint.checkpoint, _rl_head_logprobs,
                              use_reentrant=False) if torch.is_grad_enabled() else _rl_head_logprobs)
     with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
@@ -1599,8 +1598,7 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
 
 
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
-                   temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
-                   chunk_rows: int | None = None):
+                   temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False):
     """Per completion, in order: log pi(y_t | x, y_<t) of logits / T, and that exact entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
@@ -1608,8 +1606,7 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
         lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
-                             temperature=temperature, with_entropy=with_entropy,
-                             chunk_rows=chunk_rows)
+                             temperature=temperature, with_entropy=with_entropy)
         sizes = [len(completions[i]) for i in mb]
         for i, x, e in zip(mb, lp.split(sizes), en.split(sizes) if with_entropy else sizes):
             lps[i], ents[i] = x, e
@@ -2190,9 +2187,6 @@ class _VfWorker:
         self.ready, self.job, self.done = False, None, 0  # job: the index in flight
         self.since, self.cpu0 = time.monotonic(), 0.0  # when the job (or the start) began
 
-    def fileno(self):
-        return self.proc.stdout.fileno()
-
     def cpu(self):  # user + system seconds; None without /proc
         with contextlib.suppress(OSError, IndexError, ValueError), \
                 open(f"/proc/{self.proc.pid}/stat", "rb") as f:
@@ -2265,9 +2259,9 @@ class _VfPool:
                     for w in self.workers:
                         if w.ready and w.job is None and queue:
                             w.send(queue.pop(), lines)
-                    readable = select.select(self.workers, [], [], 0.05)[0]
+                    readable = select.select([w.proc.stdout for w in self.workers], [], [], 0.05)[0]
                     for i, w in enumerate(self.workers):
-                        line = w.read() if w in readable else None
+                        line = w.read() if w.proc.stdout in readable else None
                         if line:
                             out[w.job], w.job, w.done = int(line), None, w.done + 1
                         elif line == b"" or w.stuck(timeout + _VF_HARD_GRACE_S):
@@ -3003,24 +2997,6 @@ _CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its
                      "```python block.")
 
 
-def _vf_code_row(where, i, obj):
-    if where == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
-        prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
-        obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt),
-               "test": "\n".join(list(obj["test_imports"]) + [obj["test"]]), "entry_point": None}
-    where = f"{where} row {i}" if where in dict(CODE_BENCHMARKS.values()) else f"{where}:{i}"
-    if "task_id" not in obj:
-        raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
-    prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
-    if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
-        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
-                         f"{_CODE_SHAPE}")
-    if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
-        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
-                         f"{str(entry)[:60]!r}")
-    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test, "entry_point": entry}
-
-
 def load_code_benchmark(name_or_path, limit=0):
     """Code problems of "humaneval+", "mbpp+" or a local JSONL file (the styles: _CODE_SHAPE)."""
     name = str(name_or_path).strip()
@@ -3028,8 +3004,26 @@ def load_code_benchmark(name_or_path, limit=0):
     if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
         raise ValueError(f"unknown code benchmark {name!r}: use one of "
                          f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
-    return _vf_load("code benchmark", name, limit, functools.partial(_vf_code_row, hub_id or name),
-                    _CODE_SHAPE, hub_id and (hub_id, None, split, False))
+
+    def problem(i, obj):
+        if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+            prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
+            test = "\n".join([*obj["test_imports"], obj["test"]])
+            obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt), "test": test}
+        where = f"{hub_id} row {i}" if hub_id else f"{name}:{i}"
+        if "task_id" not in obj:
+            raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
+        prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
+        if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
+            raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
+                             f"{_CODE_SHAPE}")
+        if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
+            raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
+                             f"{str(entry)[:60]!r}")
+        return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
+                "entry_point": entry}
+    return _vf_load("code benchmark", name, limit, problem, _CODE_SHAPE,
+                    hub_id and (hub_id, None, split, False))
 
 
 def code_task_prompt(problem):
