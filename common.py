@@ -1573,7 +1573,8 @@ def _rl_head_logprobs(head, hidden, targets, temperature: float, with_entropy: b
     return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
 
 
-def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False):
+def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=False,
+                chunk_rows=None):
     """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
     device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
@@ -1588,7 +1589,7 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
     # the root forward, so FSDP2's hooks see it; then the completion positions, row-major
     hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
     head = model.get_output_embeddings()
-    chunk = max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
+    chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
     run = (functools.partial(torch.utils.checkpoint.checkpoint, _rl_head_logprobs,
                              use_reentrant=False) if torch.is_grad_enabled() else _rl_head_logprobs)
     with _core_compute(model):  # the head under autocast; logits are upcast to fp32 inside
@@ -1598,7 +1599,8 @@ def _rl_forward(model, prompts, completions, *, temperature=1.0, with_entropy=Fa
 
 
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
-                   temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False):
+                   temperature: float = 1.0, token_budget: int = 16384, with_entropy: bool = False,
+                   chunk_rows: int | None = None):
     """Per completion, in order: log pi(y_t | x, y_<t) of logits / T, and that exact entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
@@ -1606,7 +1608,8 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     for mb in _rl_micro_batches(lengths, token_budget):
         lp, en = _rl_forward(model, [prompts[i] for i in mb], [completions[i] for i in mb],
-                             temperature=temperature, with_entropy=with_entropy)
+                             temperature=temperature, with_entropy=with_entropy,
+                             chunk_rows=chunk_rows)
         sizes = [len(completions[i]) for i in mb]
         for i, x, e in zip(mb, lp.split(sizes), en.split(sizes) if with_entropy else sizes):
             lps[i], ents[i] = x, e
