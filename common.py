@@ -1555,9 +1555,8 @@ def _rl_micro_batches(lengths: list[int], token_budget: int):
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        b = batches[-1] if batches else []
-        if b and (len(b) + 1) * lengths[b[0]] <= token_budget:
-            b.append(i)
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
         else:
             batches.append([i])
     return batches
@@ -3070,7 +3069,7 @@ def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
     progs = [(f"{p['prompt']}\n{c}\n\n{p['test']}\n\ncheck({p['entry_point']})\n"
               if p.get("entry_point") else f"{c}\n\n{p['test']}\n", repr(token))
              for p, c in (jobs[i] for i in todo)]
-    res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
+    res = sandbox.run_many(progs, timeout_s=timeout)
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
     for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
         res[m] = r
