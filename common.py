@@ -1555,9 +1555,8 @@ def _rl_micro_batches(lengths: list[int], token_budget: int):
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        b = batches[-1] if batches else []
-        if b and (len(b) + 1) * lengths[b[0]] <= token_budget:
-            b.append(i)
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
         else:
             batches.append([i])
     return batches
@@ -2190,9 +2189,6 @@ class _VfWorker:
         self.ready, self.job, self.done = False, None, 0  # job: the index in flight
         self.since, self.cpu0 = time.monotonic(), 0.0  # when the job (or the start) began
 
-    def fileno(self):
-        return self.proc.stdout.fileno()
-
     def cpu(self):  # user + system seconds; None without /proc
         with contextlib.suppress(OSError, IndexError, ValueError), \
                 open(f"/proc/{self.proc.pid}/stat", "rb") as f:
@@ -2265,9 +2261,9 @@ class _VfPool:
                     for w in self.workers:
                         if w.ready and w.job is None and queue:
                             w.send(queue.pop(), lines)
-                    readable = select.select(self.workers, [], [], 0.05)[0]
+                    readable = select.select([w.proc.stdout for w in self.workers], [], [], 0.05)[0]
                     for i, w in enumerate(self.workers):
-                        line = w.read() if w in readable else None
+                        line = w.read() if w.proc.stdout in readable else None
                         if line:
                             out[w.job], w.job, w.done = int(line), None, w.done + 1
                         elif line == b"" or w.stuck(timeout + _VF_HARD_GRACE_S):
@@ -3003,24 +2999,6 @@ _CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its
                      "```python block.")
 
 
-def _vf_code_row(where, i, obj):
-    if where == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
-        prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
-        obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt),
-               "test": "\n".join(list(obj["test_imports"]) + [obj["test"]]), "entry_point": None}
-    where = f"{where} row {i}" if where in dict(CODE_BENCHMARKS.values()) else f"{where}:{i}"
-    if "task_id" not in obj:
-        raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
-    prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
-    if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
-        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
-                         f"{_CODE_SHAPE}")
-    if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
-        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
-                         f"{str(entry)[:60]!r}")
-    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test, "entry_point": entry}
-
-
 def load_code_benchmark(name_or_path, limit=0):
     """Code problems of "humaneval+", "mbpp+" or a local JSONL file (the styles: _CODE_SHAPE)."""
     name = str(name_or_path).strip()
@@ -3028,8 +3006,26 @@ def load_code_benchmark(name_or_path, limit=0):
     if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
         raise ValueError(f"unknown code benchmark {name!r}: use one of "
                          f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {_CODE_SHAPE}")
-    return _vf_load("code benchmark", name, limit, functools.partial(_vf_code_row, hub_id or name),
-                    _CODE_SHAPE, hub_id and (hub_id, None, split, False))
+
+    def problem(i, obj):
+        if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
+            prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
+            test = "\n".join([*obj["test_imports"], obj["test"]])
+            obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt), "test": test}
+        where = f"{hub_id} row {i}" if hub_id else f"{name}:{i}"
+        if "task_id" not in obj:
+            raise ValueError(f'{where}: missing "task_id"; {_CODE_SHAPE}')
+        prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
+        if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
+            raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
+                             f"{_CODE_SHAPE}")
+        if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
+            raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
+                             f"{str(entry)[:60]!r}")
+        return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
+                "entry_point": entry}
+    return _vf_load("code benchmark", name, limit, problem, _CODE_SHAPE,
+                    hub_id and (hub_id, None, split, False))
 
 
 def code_task_prompt(problem):
@@ -3073,7 +3069,7 @@ def _vf_run_code(sandbox, extract_fn, timeout, probs, texts):
     progs = [(f"{p['prompt']}\n{c}\n\n{p['test']}\n\ncheck({p['entry_point']})\n"
               if p.get("entry_point") else f"{c}\n\n{p['test']}\n", repr(token))
              for p, c in (jobs[i] for i in todo)]
-    res = sandbox.run_many(progs, timeout_s=timeout) if progs else []
+    res = sandbox.run_many(progs, timeout_s=timeout)
     again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
     for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
         res[m] = r
