@@ -29,8 +29,6 @@ from __future__ import annotations
 import ast
 import collections
 import functools
-import importlib.util
-import os
 import random
 import re
 import symtable
@@ -648,24 +646,12 @@ def evaluate(policy, cfg: Config, run=None, name: str = "eval.json") -> dict:
     """Math (Table 1's sets) and, with --eval-code, code benchmarks; written to `run`'s `name`."""
     results = common.evaluate_config(policy, cfg, prompt_fn=_eval_prompt_fn(cfg, code=False),
                                      extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
-    if cfg.eval_code:
-        try:
-            results["code"] = common.evaluate_code(
-                policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
-                max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit,
-                prompt_fn=_eval_prompt_fn(cfg, code=True), seed=cfg.seed)
-        except common.BenchmarkUnavailable as e:  # a finished run keeps its math results
-            print(f"[absolute_zero] --eval-code skipped: {e}", file=sys.stderr)
-            results["code"] = {"skipped": str(e)}
+    if cfg.eval_code:  # an unavailable code benchmark is skipped: the math results stay
+        results["code"] = common.evaluate_code_config(policy, cfg, "absolute_zero",
+                                                      prompt_fn=_eval_prompt_fn(cfg, code=True))
     if run is not None:
         run.write_eval(results, name)
     return results
-
-
-def eval_metrics(results: dict) -> dict:
-    """eval/... (math; mean_greedy_acc = MAvg) and eval/code/..."""
-    return {**common.eval_metrics(results),
-            **common.eval_metrics(results.get("code", {}), prefix="eval/code")}
 
 
 # --- The run
@@ -673,8 +659,6 @@ def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     common.check_benchmark_names(cfg.eval_benchmarks)
     templates(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
-    code = [b.strip() for b in cfg.eval_code_benchmarks.split(",") if cfg.eval_code and b.strip()]
-    hub = [b for b in code if b.lower() in common.CODE_BENCHMARKS]
     checks = [
         (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
          f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
@@ -682,14 +666,11 @@ def check_config(cfg: Config) -> None:
         *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
           for k in ("seed_factor", "buffer_cap")],  # the others: parse_config's limit check
         (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}"),
-        *[(b in hub or b.endswith((".jsonl", ".json")) and os.path.isfile(b),
-           f"--eval-code-benchmarks: {b!r} is neither one of {sorted(common.CODE_BENCHMARKS)} "
-           "nor an existing .jsonl file") for b in code],
-        (not hub or importlib.util.find_spec("datasets"), "--eval-code: HumanEval+/MBPP+ need the "
-         "`datasets` package: pip install datasets, or local JSONL files, or --no-eval-code")]
+         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
     if errors := [msg for ok, msg in checks if not ok]:
         raise ValueError(errors[0])
+    if cfg.eval_code:  # after the others
+        common.check_code_benchmark_names(cfg.eval_code_benchmarks)
 
 
 def train(cfg: Config) -> dict:
@@ -712,7 +693,8 @@ def train(cfg: Config) -> dict:
             metrics = step_metrics(props, solved, buffers, stats)
             log_step_samples(run, step, props, solved)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                metrics.update(eval_metrics(evaluate(policy, cfg, run, f"eval_step_{step}.json")))
+                results = evaluate(policy, cfg, run, f"eval_step_{step}.json")
+                metrics.update(common.eval_metrics(results))
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
@@ -726,7 +708,7 @@ def train(cfg: Config) -> dict:
 def headline(results: dict) -> dict:
     """The final evaluation's figures for the summary (math, code, or why code was skipped)."""
     skipped = results.get("code", {}).get("skipped")
-    return {**{k: v for k, v in eval_metrics(results).items() if k.endswith("greedy_acc")
+    return {**{k: v for k, v in common.eval_metrics(results).items() if k.endswith("greedy_acc")
                or "pass@" in k}, **({"code skipped": skipped} if skipped else {})}
 
 

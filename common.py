@@ -2932,6 +2932,18 @@ def evaluate_config(policy, cfg, **kw):
                     max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed, **kw)
 
 
+def evaluate_code_config(policy, cfg, method: str, **kw) -> dict:
+    """evaluate_code on cfg.eval_code_benchmarks with a RunConfig's eval_* settings; a benchmark
+    that cannot be loaded gives {"skipped": why}, so a finished run keeps its other results."""
+    try:
+        return evaluate_code(policy, cfg.eval_code_benchmarks, n=cfg.eval_n, k=cfg.eval_k,
+                             max_tokens=cfg.eval_max_tokens, limit=cfg.eval_limit, seed=cfg.seed,
+                             **kw)
+    except BenchmarkUnavailable as e:
+        print(f"[{method}] --eval-code skipped: {e}", file=sys.stderr)
+        return {"skipped": str(e)}
+
+
 class FrozenModel:
     """A second model that only samples (an oracle, SPICE's fixed "Strong Challenger"): with the
     policy's architecture and vocabulary its CPU weights swap into the one engine."""
@@ -2982,6 +2994,8 @@ def eval_metrics(result: dict, prefix: str = "eval") -> dict:
         vals = [r[key] for r in benches.values() if isinstance(r.get(key), (int, float))]
         if vals:
             out[f"{prefix}/mean_{key}"] = sum(vals) / len(vals)
+    if isinstance(result.get("code"), dict):  # evaluate_code's result, beside the math
+        out.update(eval_metrics(result["code"], f"{prefix}/code"))
     return out
 
 
@@ -3034,6 +3048,21 @@ def code_task_prompt(problem):
         return (f"Complete this Python function.\n```python\n{problem['prompt'].rstrip()}\n```\n"
                 f"{_CODE_INSTRUCTION}")
     return f"{problem['prompt'].strip()}\n\n{_CODE_INSTRUCTION}"
+
+
+def check_code_benchmark_names(names: str, flag: str = "--eval-code-benchmarks") -> None:
+    """A method's up-front check of a code benchmark list: CODE_BENCHMARKS names (they need the
+    `datasets` package) or existing JSONL files; ValueError naming the entry and the fix."""
+    from importlib.util import find_spec
+    code = [b.strip() for b in str(names).split(",") if b.strip()]
+    for b in code:
+        if b.lower() not in CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json"))
+                                                     and os.path.isfile(b)):
+            raise ValueError(f"{flag}: {b!r} is neither one of {sorted(CODE_BENCHMARKS)} nor an "
+                             "existing .jsonl file")
+    if any(b.lower() in CODE_BENCHMARKS for b in code) and not find_spec("datasets"):
+        raise ValueError("--eval-code: HumanEval+/MBPP+ need the `datasets` package: pip install "
+                         "datasets, or local JSONL files, or --no-eval-code")
 
 
 def default_code_prompt(problem, tokenizer=None):

@@ -844,7 +844,7 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     r = results["code"]["benchmarks"][code]
     statuses = [p["greedy_status"] for p in r["per_problem"]]
     assert statuses == ["passed", "no_code", "no_code", "no_code"]
-    m = az.eval_metrics(results)
+    m = common.eval_metrics(results)
     assert m["eval/azr_eval/greedy_acc"] == 0.5 and m["eval/mean_greedy_acc"] == 0.5
     assert m["eval/code/code_tiny/greedy_acc"] == 0.25
     assert m["eval/code/code_tiny/greedy_no_code"] == 3
