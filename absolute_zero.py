@@ -98,26 +98,34 @@ REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeo
 
 # --- Prompts: R1-style plain text, our words for every instruction of the paper's prompt figures
 # (data_construction/prompts.py); everything parsed sits in fenced blocks.
-_PREAMBLE = ("A conversation between User and Assistant. The Assistant first reasons about the "
-             "User's task step by step, then gives its final result, in the form <think> "
-             "reasoning </think> <answer> result </answer>.\n\n")
+_PREAMBLE = (
+    "A conversation between User and Assistant. The Assistant first reasons about the User's task "
+    "step by step inside <think> </think> tags, then writes its final result inside <answer> "
+    "</answer> tags, i.e. <think> reasoning </think> <answer> result </answer>.\n\n")
 _CALL_FORMAT = ("the arguments of one call to `f`, separated by commas, with strings in quotes: "
                 "for `def f(a, b)`, the input `[3, 1], 'xy'` means the call `f([3, 1], 'xy')`")
-_HARD = ("The program makes the solver track state across several data transformations, so that "
-         "solving it takes long, multi-step reasoning: e.g. build and operate on data structures "
-         "(trees, heaps, stacks, queues, graphs, your own classes) or use involved control flow "
-         "(dynamic programming, recursion, divide and conquer, greedy choices, backtracking).")
+_HARD = ("The program should make the solver track state across several data transformations, "
+         "so that solving the puzzle takes long, multi-step reasoning: for example build and "
+         "operate on data structures (trees, heaps, stacks, queues, graphs, your own classes) or "
+         "use involved control flow (dynamic programming, recursion, divide and conquer, greedy "
+         "choices, backtracking).")
 
 
 def _propose(aim: str, hard_part: str) -> str:
     return (
-        "Design a new Python puzzle for an I.Q. test: one program and exactly one input for it. "
-        + aim + "\n\n{code_rules}- " + _HARD + "\n\nWrite the input as " + _CALL_FORMAT
-        + ".\n\nA good puzzle runs without error on your input, " + hard_part + " and is clearly "
-        "different from the earlier puzzles below. Plan first: in your reasoning, decide what "
-        "makes your program hard and what is new about it; only then write the program and its "
-        "input.\n\nEarlier puzzles:\n{references}\n\nAnswer format: inside <answer> </answer>, "
-        "one ```python block with the program, then one ```input block with the input.")
+        "Design a new Python puzzle for an I.Q. test: one program and one input for it. " + aim
+        + "\n\n{code_rules}- " + _HARD + "\n\n"
+        "The input: exactly one, written as " + _CALL_FORMAT + ".\n\n"
+        "What makes a good puzzle:\n"
+        "- it runs without error on your input;\n"
+        "- " + hard_part + "\n"
+        "- it is clearly different from the earlier puzzles below.\n\n"
+        "Plan first: in your reasoning, decide what will make your program hard, how it differs "
+        "from the earlier puzzles and what is new about it; only then write the program and its "
+        "input.\n\n"
+        "Earlier puzzles:\n{references}\n\n"
+        "Answer format: inside <answer> </answer>, one ```python block with the program, then one "
+        "```input block with the input.")
 
 
 PROMPTS: dict[str, str] = {
@@ -125,50 +133,58 @@ PROMPTS: dict[str, str] = {
     "code_rules": (  # proposers and the induction solver; {definitions} is one of the two below
         "Rules for the program:\n"
         "- The entry function is named `f`; it takes at least one argument and returns a value.\n"
-        "{definitions}- It is deterministic: no randomness, dates or clocks, file or network I/O, "
-        "printing or logging, and no outside state.\n"
-        "- Imports and classes come first; the program ends with the return of `f`: nothing "
-        "follows.\n- It finishes well within {timeout} seconds on a modern CPU.\n"
+        "{definitions}"
+        "- It is deterministic: no randomness, dates or clocks, file or network I/O, printing or "
+        "logging, and no outside state.\n"
+        "- Imports and classes come first, at the top; the program ends with the return of `f`: "
+        "nothing follows.\n"
+        "- It finishes well within {timeout} seconds on a modern CPU.\n"
         "- These modules may not be imported or used: {banned}.\n"),
     "definitions_single": (  # --reject-multiple-defs
-        "- `f` is the only `def` (a program with more is rejected): no helpers, nested functions "
-        "or methods; classes are fine.\n"),
+        "- `f` is the only function: no helper functions, no functions nested in `f`, no methods "
+        "(a program with more than one `def` is rejected). Classes without methods are fine.\n"),
     "definitions_helpers": "- Helper functions and classes are allowed, also nested inside `f`.\n",
     "propose_deduction": _propose(
         "A test subject will see your program and your input and must deduce the output.",
-        "has an output hard to predict from the program and the input,"),
+        "its output is hard to predict from the program and the input;"),
     "propose_abduction": _propose(
         "A test subject will see your program and the output of your input, and must find an input "
         "that produces that output (any such input counts).",
-        "has an input hard to recover from the program and its output,"),
+        "your input is hard to recover from the program and its output;"),
     "propose_induction": (
-        "Here is a Python program:\n```python\n{program}\n```\nWrite {n} inputs for it and a "
-        "message for an I.Q. test: a test subject will see some of your inputs with their outputs, "
-        "plus your message, and must rebuild the program.\n- Every input runs without error and "
-        "is written as " + _CALL_FORMAT + ".\n"
-        "- Coverage: together, the inputs and outputs pin down what `f` does over its whole input "
-        "space.\n- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
+        "Here is a Python program; it will be called as `f(<your input>)`.\n"
+        "```python\n{program}\n```\n"
+        "Write {n} inputs for it and a message for an I.Q. test: a test subject will see some of "
+        "your inputs with the outputs they produce, plus your message, and must rebuild the "
+        "program.\n"
+        "- Each input is " + _CALL_FORMAT + "; put each input in its own ```input block.\n"
+        "- Every input must run without error.\n"
+        "- Coverage: together, the inputs and their outputs should pin down what `f` does over its "
+        "whole input space.\n"
+        "- Variety: the inputs differ clearly from each other and give diverse outputs.\n"
         "- Difficulty: inputs and message together make the task challenging, but not impossible.\n"
         "- The message helps the test subject: a coding question, a hint or a plain description of "
-        "what the program does, but never the code itself.\n\nPlan first: understand the program "
-        "and how your inputs will meet these goals; only then write the inputs and the message.\n\n"
+        "what the program does, but never the code itself. Put it in one ```message block.\n\n"
+        "Plan first: understand the program, then decide how your inputs cover it and why they are "
+        "challenging and varied; only then write the inputs and the message.\n\n"
         "Answer format: inside <answer> </answer>, {n} ```input blocks (one input each), then one "
         "```message block."),
     "solve_deduction": (
         "Deduce what this program returns for the given input; work through it step by step.\n"
-        "```python\n{program}\n```\n```input\n{input}\n```\nAnswer format: inside <answer> "
-        "</answer>, one ```output block with the return value as a Python literal: strings in "
-        "quotes, a tuple if it returns several values."),
+        "```python\n{program}\n```\n```input\n{input}\n```\n"
+        "Answer format: inside <answer> </answer>, one ```output block with the return value as a "
+        "Python literal: strings in quotes, a tuple if it returns several values."),
     "solve_abduction": (
         "Find an input for which this program returns the given output; any such input counts. "
         "Work through it step by step.\n```python\n{program}\n```\n```output\n{output}\n```\n"
-        "The input is " + _CALL_FORMAT + ".\nAnswer format: inside <answer> </answer>, one "
-        "```input block."),
+        "The input is " + _CALL_FORMAT + ".\n"
+        "Answer format: inside <answer> </answer>, one ```input block."),
     "solve_induction": (
         "Deduce the Python function `f` that maps each input below to its output. It will be run "
         "on hidden inputs and must reproduce the outputs of the program that made these pairs.\n"
-        "Message: {message}\n\n{pairs}\nCheck your function against each pair in turn, and revise "
-        "it until it fits all of them.\n{code_rules}"
+        "Message: {message}\n\n{pairs}\n"
+        "Check your function against each pair in turn, and revise it until it fits all of them.\n"
+        "{code_rules}"
         "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."),
     # evaluation/math_eval/eval/utils.py, template "azr": the Assistant turn is left unopened
     "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
