@@ -293,6 +293,14 @@ def base_flags(ap, direct: float, chats: str) -> None:
                     help=f"the share of the base's {chats} with no working")
 
 
+def finished(run: Path, model) -> bool:
+    """A run to keep: it ended (eval.json) on this base model. A run on another base (the cache
+    key changed: new prompts, new corpus) is redone, never reused."""
+    cfg = run / "config.json"
+    return (run / "eval.json").exists() and cfg.exists() and \
+        json.loads(cfg.read_text()).get("model") == str(model)
+
+
 def base_folder(work: Path, args, direct: float) -> Path:
     """The experiment's folder: another base than the default gets its own."""
     if args.pretrain_steps or args.direct != direct:
@@ -342,7 +350,7 @@ def star(args) -> None:
             # near 370), which zero-shot training never reaches.
             cmd += ([] if rat else ["--no-rationalize"]) + (["--few-shot-train"]
                                                              if args.few_shot_train else [])
-            if not (run / "eval.json").exists():  # a finished run is kept; rerun by deleting it
+            if not finished(run, model):  # a finished run is kept; rerun by deleting it
                 print("$", " ".join(["python"] + cmd[1:]), flush=True)
                 shutil.rmtree(run, ignore_errors=True)
                 t1 = time.time()

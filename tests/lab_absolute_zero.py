@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import (CACHE, SEP, base_flags, base_folder, leaks, pretrain,  # noqa: E402  (the lab's)
+from lab import (CACHE, SEP, base_flags, base_folder, finished, leaks, pretrain,  # noqa: E402  (the lab's)
                  wilson, words)
 
 TASKS = ("deduction", "abduction", "induction")
@@ -545,13 +545,14 @@ def experiment(args) -> None:
                "--eval-benchmarks", "", "--no-eval-code", "--save-every", "0",
                "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-        if not (run / "eval.json").exists():  # a finished run is kept; rerun by deleting it
+        ev = work / f"eval_seed{seed}.json"
+        if not finished(run, model):  # a finished run is kept; rerun by deleting it
             print("$", " ".join(["python"] + cmd[1:]), flush=True)
             shutil.rmtree(run, ignore_errors=True)
+            ev.unlink(missing_ok=True)  # the old run's evaluation
             t1 = time.time()
             subprocess.run(cmd, check=True, cwd=ROOT, env=_env())
             walls[f"seed {seed} run"] = time.time() - t1
-        ev = work / f"eval_seed{seed}.json"
         if not ev.exists():
             t1 = time.time()
             ckpt = run / "checkpoints" / f"step_{flags['steps']}"

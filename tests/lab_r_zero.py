@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, SEP, leaks, pretrain, score, wilson, words  # noqa: E402  (the lab's own)
+from lab import CACHE, SEP, finished, leaks, pretrain, score, wilson, words  # noqa: E402  (the lab's own)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),
@@ -293,7 +293,7 @@ def experiment(args) -> None:
                "--save-every", "0", "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         wall = None
-        if not (run / "eval.json").exists():  # a finished run is kept; rerun by deleting it
+        if not finished(run, model):  # a finished run is kept; rerun by deleting it
             print("$", " ".join(["python"] + cmd[1:]), flush=True)
             shutil.rmtree(run, ignore_errors=True)
             t1 = time.time()
@@ -461,7 +461,7 @@ def control(args) -> None:
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         cmd += ["--shuffle-rewards"] if args.shuffle_rewards else []
         wall = ""
-        if not (run / "eval.json").exists():
+        if not finished(run, model):
             print("$", " ".join(["python"] + cmd[1:]), flush=True)
             shutil.rmtree(run, ignore_errors=True)
             t1 = time.time()

@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import (CACHE, CHATML, SEP, base_flags, base_folder, leaks, pretrain,  # noqa: E402,F401
+from lab import (CACHE, CHATML, SEP, base_flags, base_folder, finished, leaks, pretrain,  # noqa: E402,F401
                  score, wilson, words)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
@@ -340,7 +340,7 @@ def experiment(args) -> None:
             cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
             cmd += ["--no-document"] if arm == "no_document" else []
             wall = None
-            if not (run / "eval.json").exists():  # a finished run is kept; rerun by deleting it
+            if not finished(run, model):  # a finished run is kept; rerun by deleting it
                 print("$", " ".join(["python"] + cmd[1:]), flush=True)
                 shutil.rmtree(run, ignore_errors=True)
                 t1 = time.time()

@@ -44,6 +44,16 @@ def test_splits_are_disjoint():
     assert not {s["question"] for s in lab.exemplars()} & set(tests)
 
 
+def test_a_finished_run_is_reused_only_on_the_same_base_model(tmp_path):
+    run = tmp_path / "seed0"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "/cache/base-a"}))
+    assert not lab.finished(run, "/cache/base-a")  # it has not ended: no eval.json
+    (run / "eval.json").write_text("{}")
+    assert lab.finished(run, pathlib.Path("/cache/base-a"))
+    assert not lab.finished(run, "/cache/base-b")  # the base changed (new prompts, new corpus)
+
+
 def test_quick_star_experiment_end_to_end(tmp_path):
     env = {**os.environ, "SELFPLAY_CACHE": os.environ.get("SELFPLAY_CACHE", str(tmp_path))}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "lab.py"), "star", "--quick",
