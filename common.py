@@ -313,28 +313,24 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     """`defaults` (name -> str.format template), those a TOML or JSON file names replaced; each with
     exactly our placeholders (a missing one drops the document, an unknown one cannot be filled)."""
-    out, p, where = dict(defaults), pathlib.Path(path), f"--prompts {path}"
     if not path:
-        return out
-    if not p.is_file():
-        raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
+        return dict(defaults)
+    p, where = pathlib.Path(path), f"--prompts {path}"
     try:
         text = p.read_text(encoding="utf-8")
         given = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except OSError:
+        raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
+    except ValueError as e:  # bad syntax, or not UTF-8
         raise ValueError(f"{where}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
     if not isinstance(given, dict):
         raise ValueError(f"{where}: expected a table of name = template, got "
                          f"{type(given).__name__}")
 
-    def fields(name, text):  # the {name} placeholders of a str.format template
-        parsed = [(f, s, c) for _, f, s, c in string.Formatter().parse(text) if f is not None]
-        for field, spec, conv in parsed:
-            if not field.isidentifier() or spec or conv:
-                raise ValueError(f"{where}: template {name!r}: placeholder {{{field}}} must be a "
-                                 "plain name like {document} (no attribute, index, format spec "
-                                 "or conversion); write literal braces as {{ }}")
-        return {f for f, _, _ in parsed}
+    def fields(text):  # the placeholders as written: {x!r} is "x!r", so it matches no {x}
+        parsed = string.Formatter().parse(text)
+        return {f + (f"!{c}" if c else "") + (f":{s}" if s else "")
+                for _, f, s, c in parsed if f is not None}
 
     for name, text in given.items():
         if name not in defaults:
@@ -342,13 +338,13 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
                              f"{sorted(defaults)}")
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
-        have, need = fields(name, text), fields(name, defaults[name])
+        have, need = fields(text), fields(defaults[name])
         if have != need:
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
                              f"{sorted(need)}; missing {sorted(need - have)}, unknown "
-                             f"{sorted(have - need)}")
-        out[name] = text
-    return out
+                             f"{sorted(have - need)} (each a plain name: no attribute, index, "
+                             "format spec or conversion; literal braces are written {{ }})")
+    return {**defaults, **given}
 
 
 # ------------------------------------------------------ seeding, atomic writes, torchrun helpers
