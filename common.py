@@ -228,22 +228,18 @@ def check_model(name: str, flag: str = "--model") -> None:
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
 
 
-@dataclass(eq=False)
-class _CoreQuietFilter:
-    """Hidden unless --verbose: vLLM's INFO lines and CPU start-up advice (optional speed-ups)."""
-    verbose: bool
-    quiet = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
-
-    def filter(self, record) -> bool:
-        msg = record.getMessage()
-        # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
-        # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
-        # every sync warns, then puts the unchanged cache back. Other layers still warn.
-        return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
-            self.verbose or not any(s in msg for s in self.quiet))
+_CORE_VERBOSE = False  # --verbose (set_verbosity)
+_CORE_QUIET = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
 
 
-_CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
+def _core_quiet_filter(record) -> bool:
+    """Hidden unless --verbose: CPU start-up advice from vLLM (optional speed-ups)."""
+    msg = record.getMessage()
+    # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
+    # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
+    # every sync warns, then puts the unchanged cache back. Other layers still warn.
+    return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
+        _CORE_VERBOSE or not any(s in msg for s in _CORE_QUIET))
 
 
 def filter_vllm_logs() -> None:
@@ -255,18 +251,19 @@ def filter_vllm_logs() -> None:
             h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
             log.addHandler(h)
             log.propagate = False
-        log.setLevel(logging.INFO if _CORE_LOG_FILTER.verbose else logging.WARNING)
+        log.setLevel(logging.INFO if _CORE_VERBOSE else logging.WARNING)
     for h in log.handlers:  # addFilter adds a filter once
-        h.addFilter(_CORE_LOG_FILTER)
+        h.addFilter(_core_quiet_filter)
 
 
 def set_verbosity(verbose: bool) -> None:
     """Quiet by default; verbose shows all library output (the environment: for later imports)."""
+    global _CORE_VERBOSE
+    _CORE_VERBOSE = verbose
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ[v] = "0" if verbose else "1"
-    _CORE_LOG_FILTER.verbose = verbose
     if "vllm" in sys.modules:
         filter_vllm_logs()
     if "transformers" in sys.modules:
@@ -698,7 +695,7 @@ class VLLMSampler(Sampler):
                   dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
                   seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
                   logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
-                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
+                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_VERBOSE)
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group
