@@ -212,11 +212,11 @@ def check_model(name: str, flag: str = "--model") -> None:
     """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
     if name == "tiny":
         return
+    try:
+        resolve_model_path(name)  # a folder without config.json raises
+    except FileNotFoundError as e:
+        raise InputError(f"{flag} {e}") from None
     if pathlib.Path(name).expanduser().exists():
-        try:
-            resolve_model_path(name)
-        except FileNotFoundError as e:
-            raise InputError(f"{flag} {e}") from None
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
@@ -943,19 +943,14 @@ def full_from_part(part, v):
                               run_check=False, shape=v.shape, stride=v.stride()).full_tensor()
 
 
-def _core_put(v, w) -> None:
-    """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of rank 0's `w`."""
-    (v.to_local() if _core_is_dtensor(v) else v).copy_(local_part(v, w, src=0))
-
-
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     """Full HF-named `weights` into `model` (plain or FSDP2); a tied lm_head never overwrites."""
     if strict and (missing := [k for k, _ in _core_unique_state(model) if k not in weights]):
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
     with torch.no_grad():
         for k, v in _core_unique_state(model):
-            if k in weights:
-                _core_put(v, weights[k])
+            if k in weights:  # under FSDP2 this rank's shard of rank 0's tensor
+                local_part(v).copy_(local_part(v, weights[k], src=0))
 
 
 def _core_compute(model):
@@ -1030,7 +1025,6 @@ class Policy:
         if cfg.fit_memory and (note := fit_memory(policy)) and policy.is_main:
             print(note, file=sys.stderr)
         return policy
-
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
@@ -1123,7 +1117,7 @@ class Policy:
                 for w, p in state:  # one full tensor held extra at a time (FSDP2 gathers each)
                     cur = p.full_tensor().to(w.device) if _core_is_dtensor(p) else \
                         p.to(w.device, copy=True)
-                    _core_put(p, w)
+                    local_part(p).copy_(local_part(p, w, src=0))
                     w.copy_(cur)
                     del cur
             return weights
