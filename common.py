@@ -574,31 +574,24 @@ def load_safetensors_dir(path) -> dict:
 
 # ---------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
 PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
-_CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
+_CORE_PHASE_STACK: list = []  # seconds in inner phases, per phase running now (innermost last)
 _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
-
-
-def _core_add_time(name: str, seconds: float) -> None:
-    if _CORE_ACTIVE_RUN is not None and not _CORE_ACTIVE_RUN.closed:
-        _CORE_ACTIVE_RUN._timers[name] += seconds
 
 
 @contextlib.contextmanager
 def phase(name: str):
     """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
-    Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
-    stack = _CORE_PHASE_STACK
-    now = time.perf_counter()
-    if stack:
-        _core_add_time(stack[-1][0], now - stack[-1][1])
-    stack.append([name, now])
+    Exclusive: an inner phase's seconds are its own only (a sync in a train step counts as sync)."""
+    start = time.perf_counter()
+    _CORE_PHASE_STACK.append(0.0)
     try:
         yield
     finally:
-        now = time.perf_counter()
-        _core_add_time(name, now - stack.pop()[1])
-        if stack:
-            stack[-1][1] = now
+        seconds, inner = time.perf_counter() - start, _CORE_PHASE_STACK.pop()
+        if _CORE_PHASE_STACK:
+            _CORE_PHASE_STACK[-1] += seconds
+        if _CORE_ACTIVE_RUN is not None and not _CORE_ACTIVE_RUN.closed:
+            _CORE_ACTIVE_RUN._timers[name] += seconds - inner
 
 
 timed = phase  # @timed("sync") on a function: a contextmanager is also a ContextDecorator
