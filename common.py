@@ -212,11 +212,11 @@ def check_model(name: str, flag: str = "--model") -> None:
     """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
     if name == "tiny":
         return
+    try:
+        resolve_model_path(name)  # a folder without config.json raises
+    except FileNotFoundError as e:
+        raise InputError(f"{flag} {e}") from None
     if pathlib.Path(name).expanduser().exists():
-        try:
-            resolve_model_path(name)
-        except FileNotFoundError as e:
-            raise InputError(f"{flag} {e}") from None
         return
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
@@ -228,22 +228,18 @@ def check_model(name: str, flag: str = "--model") -> None:
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
 
 
-@dataclass(eq=False)
-class _CoreQuietFilter:
-    """Hidden unless --verbose: vLLM's INFO lines and CPU start-up advice (optional speed-ups)."""
-    verbose: bool
-    quiet = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
-
-    def filter(self, record) -> bool:
-        msg = record.getMessage()
-        # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
-        # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
-        # every sync warns, then puts the unchanged cache back. Other layers still warn.
-        return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
-            self.verbose or not any(s in msg for s in self.quiet))
+_CORE_VERBOSE = False  # --verbose (set_verbosity)
+_CORE_QUIET = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
 
 
-_CORE_LOG_FILTER = _CoreQuietFilter(verbose=False)
+def _core_quiet_filter(record) -> bool:
+    """Hidden unless --verbose: CPU start-up advice from vLLM (optional speed-ups)."""
+    msg = record.getMessage()
+    # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
+    # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
+    # every sync warns, then puts the unchanged cache back. Other layers still warn.
+    return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
+        _CORE_VERBOSE or not any(s in msg for s in _CORE_QUIET))
 
 
 def filter_vllm_logs() -> None:
@@ -255,18 +251,19 @@ def filter_vllm_logs() -> None:
             h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
             log.addHandler(h)
             log.propagate = False
-        log.setLevel(logging.INFO if _CORE_LOG_FILTER.verbose else logging.WARNING)
+        log.setLevel(logging.INFO if _CORE_VERBOSE else logging.WARNING)
     for h in log.handlers:  # addFilter adds a filter once
-        h.addFilter(_CORE_LOG_FILTER)
+        h.addFilter(_core_quiet_filter)
 
 
 def set_verbosity(verbose: bool) -> None:
     """Quiet by default; verbose shows all library output (the environment: for later imports)."""
+    global _CORE_VERBOSE
+    _CORE_VERBOSE = verbose
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ[v] = "0" if verbose else "1"
-    _CORE_LOG_FILTER.verbose = verbose
     if "vllm" in sys.modules:
         filter_vllm_logs()
     if "transformers" in sys.modules:
@@ -313,28 +310,24 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     """`defaults` (name -> str.format template), those a TOML or JSON file names replaced; each with
     exactly our placeholders (a missing one drops the document, an unknown one cannot be filled)."""
-    out, p, where = dict(defaults), pathlib.Path(path), f"--prompts {path}"
     if not path:
-        return out
-    if not p.is_file():
-        raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
+        return dict(defaults)
+    p, where = pathlib.Path(path), f"--prompts {path}"
     try:
         text = p.read_text(encoding="utf-8")
         given = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except OSError:
+        raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
+    except ValueError as e:  # bad syntax, or not UTF-8
         raise ValueError(f"{where}: cannot parse it ({e}); write TOML (.toml) or a JSON object")
     if not isinstance(given, dict):
         raise ValueError(f"{where}: expected a table of name = template, got "
                          f"{type(given).__name__}")
 
-    def fields(name, text):  # the {name} placeholders of a str.format template
-        parsed = [(f, s, c) for _, f, s, c in string.Formatter().parse(text) if f is not None]
-        for field, spec, conv in parsed:
-            if not field.isidentifier() or spec or conv:
-                raise ValueError(f"{where}: template {name!r}: placeholder {{{field}}} must be a "
-                                 "plain name like {document} (no attribute, index, format spec "
-                                 "or conversion); write literal braces as {{ }}")
-        return {f for f, _, _ in parsed}
+    def fields(text):  # the placeholders as written: {x!r} is "x!r", so it matches no {x}
+        parsed = string.Formatter().parse(text)
+        return {f + (f"!{c}" if c else "") + (f":{s}" if s else "")
+                for _, f, s, c in parsed if f is not None}
 
     for name, text in given.items():
         if name not in defaults:
@@ -342,13 +335,13 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
                              f"{sorted(defaults)}")
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
-        have, need = fields(name, text), fields(name, defaults[name])
+        have, need = fields(text), fields(defaults[name])
         if have != need:
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
                              f"{sorted(need)}; missing {sorted(need - have)}, unknown "
-                             f"{sorted(have - need)}")
-        out[name] = text
-    return out
+                             f"{sorted(have - need)} (each a plain name: no attribute, index, "
+                             "format spec or conversion; literal braces are written {{ }})")
+    return {**defaults, **given}
 
 
 # ------------------------------------------------------ seeding, atomic writes, torchrun helpers
@@ -581,31 +574,24 @@ def load_safetensors_dir(path) -> dict:
 
 # ---------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
 PHASES = ("sample", "verify", "train", "sync")  # timed in samplers, verifiers and train steps
-_CORE_PHASE_STACK: list = []  # [name, start] of the phases running now, innermost last
+_CORE_PHASE_STACK: list = []  # seconds in inner phases, per phase running now (innermost last)
 _CORE_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
-
-
-def _core_add_time(name: str, seconds: float) -> None:
-    if _CORE_ACTIVE_RUN is not None and not _CORE_ACTIVE_RUN.closed:
-        _CORE_ACTIVE_RUN._timers[name] += seconds
 
 
 @contextlib.contextmanager
 def phase(name: str):
     """`with phase("verify"):` adds the seconds to time/<name> of the active Run's next log().
-    Exclusive: an inner phase pauses the outer one (a sync in a train step counts as sync)."""
-    stack = _CORE_PHASE_STACK
-    now = time.perf_counter()
-    if stack:
-        _core_add_time(stack[-1][0], now - stack[-1][1])
-    stack.append([name, now])
+    Exclusive: an inner phase's seconds are its own only (a sync in a train step counts as sync)."""
+    start = time.perf_counter()
+    _CORE_PHASE_STACK.append(0.0)
     try:
         yield
     finally:
-        now = time.perf_counter()
-        _core_add_time(name, now - stack.pop()[1])
-        if stack:
-            stack[-1][1] = now
+        seconds, inner = time.perf_counter() - start, _CORE_PHASE_STACK.pop()
+        if _CORE_PHASE_STACK:
+            _CORE_PHASE_STACK[-1] += seconds
+        if _CORE_ACTIVE_RUN is not None and not _CORE_ACTIVE_RUN.closed:
+            _CORE_ACTIVE_RUN._timers[name] += seconds - inner
 
 
 timed = phase  # @timed("sync") on a function: a contextmanager is also a ContextDecorator
@@ -702,7 +688,7 @@ class VLLMSampler(Sampler):
                   dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
                   seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
                   logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
-                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_LOG_FILTER.verbose)
+                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=_CORE_VERBOSE)
         if on_gpu:
             kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
         if world > 1:  # one engine per torchrun rank, sharing the ranks' process group
@@ -950,19 +936,14 @@ def full_from_part(part, v):
                               run_check=False, shape=v.shape, stride=v.stride()).full_tensor()
 
 
-def _core_put(v, w) -> None:
-    """Write the full tensor `w` into `v`; under FSDP2 only this rank's shard of rank 0's `w`."""
-    (v.to_local() if _core_is_dtensor(v) else v).copy_(local_part(v, w, src=0))
-
-
 def _core_copy_into(model, weights: dict, strict: bool = False) -> None:
     """Full HF-named `weights` into `model` (plain or FSDP2); a tied lm_head never overwrites."""
     if strict and (missing := [k for k, _ in _core_unique_state(model) if k not in weights]):
         raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
     with torch.no_grad():
         for k, v in _core_unique_state(model):
-            if k in weights:
-                _core_put(v, weights[k])
+            if k in weights:  # under FSDP2 this rank's shard of rank 0's tensor
+                local_part(v).copy_(local_part(v, weights[k], src=0))
 
 
 def _core_compute(model):
@@ -1037,7 +1018,6 @@ class Policy:
         if cfg.fit_memory and (note := fit_memory(policy)) and policy.is_main:
             print(note, file=sys.stderr)
         return policy
-
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
@@ -1130,7 +1110,7 @@ class Policy:
                 for w, p in state:  # one full tensor held extra at a time (FSDP2 gathers each)
                     cur = p.full_tensor().to(w.device) if _core_is_dtensor(p) else \
                         p.to(w.device, copy=True)
-                    _core_put(p, w)
+                    local_part(p).copy_(local_part(p, w, src=0))
                     w.copy_(cur)
                     del cur
             return weights

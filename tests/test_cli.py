@@ -235,17 +235,19 @@ def test_common_help_and_usage_errors_answer_before_torch_loads():
 
 
 # ----------------------------------------------------------------------------------- quiet, timers
-def test_rotary_sync_warning_is_dropped_other_load_failures_kept():
-    f = common._CoreQuietFilter(verbose=False)
+def test_rotary_sync_warning_is_dropped_other_load_failures_kept(monkeypatch):
+    monkeypatch.setattr(common, "_CORE_VERBOSE", False)
+    f = common._core_quiet_filter
 
     def rec(msg, *args):
         name = "vllm.model_executor.model_loader.reload.layerwise"
         return logging.LogRecord(name, logging.WARNING, "x", 1, msg, args, None)
     advice = "libtcmalloc is not found in LD_PRELOAD."
-    assert not f.filter(rec("%s: Failed to load weights", "RotaryEmbedding"))
-    assert f.filter(rec("%s: Failed to load weights", "ParallelLMHead"))  # a real missing weight
-    assert not f.filter(rec(advice))  # CPU start-up advice: --verbose only
-    assert common._CoreQuietFilter(verbose=True).filter(rec(advice))
+    assert not f(rec("%s: Failed to load weights", "RotaryEmbedding"))
+    assert f(rec("%s: Failed to load weights", "ParallelLMHead"))  # a real missing weight
+    assert not f(rec(advice))  # CPU start-up advice: --verbose only
+    monkeypatch.setattr(common, "_CORE_VERBOSE", True)
+    assert f(rec(advice))
 
 
 def test_vllm_info_lines_only_with_verbose():
