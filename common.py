@@ -1025,10 +1025,6 @@ class Policy:
             [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, eps=1e-8,
             weight_decay=self.cfg.weight_decay, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
-    def release_sampler_memory(self) -> None:
-        """With --vllm-sleep (GPU) the engine sleeps till generate or load_weights wakes it."""
-        self.sampler.sleep()
-
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
         """Sampler.generate of `sampler` (default: ours); under torchrun each rank samples its share
         and gets all back, `seed` mixed with the rank, python's and numpy's RNGs kept in step."""
@@ -1726,7 +1722,7 @@ class _RLTrain:
     share; counts are summed over ranks (global N and M), gradients scaled by the world size."""
 
     def __init__(self, policy, prompts: list[list[int]], comps: list[list[int]]):
-        policy.release_sampler_memory()  # --vllm-sleep: the engine frees its memory while we train
+        policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory while we train
         self.policy, self.model, self.budget = policy, policy.model, policy.cfg.micro_batch_tokens
         self.prompts, self.comps, self.lens = prompts, comps, [len(c) for c in comps]
         self.seq_lens = [len(p) + len(c) for p, c in zip(prompts, comps)]
