@@ -44,8 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import (CACHE, SEP, base_flags, base_folder, finished, leaks, pretrain,  # noqa: E402  (the lab's)
-                 wilson, words)
+from lab import (CACHE, SEP, base_flags, base_folder, finished, leaks,  # noqa: E402 (the lab's)
+                 pretrain, wilson, words)
 
 TASKS = ("deduction", "abduction", "induction")
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)

@@ -39,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import CACHE, SEP, finished, leaks, pretrain, score, wilson, words  # noqa: E402  (the lab's own)
+from lab import (CACHE, SEP, finished, leaks, pretrain, score, wilson,  # noqa: E402 (the lab's)
+                 words)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 1000, 8, 4e-3, 1024),

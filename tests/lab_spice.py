@@ -43,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import (CACHE, CHATML, SEP, base_flags, base_folder, finished, leaks, pretrain,  # noqa: E402,F401
-                 score, wilson, words)
+from lab import (CACHE, CHATML, SEP, base_flags, base_folder, finished,  # noqa: E402,F401
+                 leaks, pretrain, score, wilson, words)
 
 # (hidden, layers, intermediate, steps, batch, peak LR, vocab)
 MODELS = {"full": (128, 4, 384, 2000, 8, 4e-3, 1024),
