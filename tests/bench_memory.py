@@ -26,6 +26,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import infra.memory  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, tied embeddings (each model's config.json)
 SHAPES = {
@@ -91,7 +92,7 @@ def measure(model, tokens, ckpt):
 def predicted(model, cost, tokens, ckpt):
     """fit_memory's plan for this micro-batch (without its 10% margin), in GiB."""
     plan = types.SimpleNamespace(model=model, optimizer=types.SimpleNamespace(state={}))
-    return common.step_memory(plan, tokens, ckpt, cost) / 2**30
+    return infra.memory.step_memory(plan, tokens, ckpt, cost) / 2**30
 
 
 def table(autocast):
@@ -103,7 +104,7 @@ def table(autocast):
         for layers in (1, 2):
             m = qwen3(shape, layers, vocab=1024)
             m.selfplay_autocast = torch.bfloat16 if autocast else None
-            c.append(common.activation_costs(m))
+            c.append(infra.memory.activation_costs(m))
             del m
             gc.collect()
         off = c[0]["off"] + (n - 1) * (c[1]["off"] - c[0]["off"])
@@ -136,7 +137,7 @@ def main():
         print(*measure(model, tokens, bool(ckpt)))
         return
     n_params = sum(p.numel() for p in model.parameters())
-    cost = common.activation_costs(model)
+    cost = infra.memory.activation_costs(model)
     depth = f" ({args.layers} layers)" if args.layers else ""
     print(f"{args.shape} shape{depth}: {n_params / 1e6:.0f}M parameters, fp32 on CPU; measured "
           f"activations {cost['off'] / 2**20:.2f} MiB/token, {cost['on'] / 2**20:.2f} with "

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
+import infra.verifier  # noqa: E402
 import r_zero  # noqa: E402
 
 
@@ -102,7 +103,7 @@ def main():
     _, tb = time_it(lambda: common.bleu_distance_matrix(qs))
     print(f"repetition_penalty B={args.b}: {t:.2f} s total (BLEU matrix {tb:.2f} s), "
           f"{len(set(np.round(rp * args.b).astype(int)))} distinct cluster sizes, mean penalty {rp.mean():.4f}")
-    common.shutdown_verifier()
+    infra.verifier.shutdown_verifier()
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ SEP = "\n\x00\n"  # between the chat labs' pretraining documents in CORPUS
 def words(text: str) -> tuple:
     """A text's words as common.Decontaminator reads them (punctuation and operators dropped)."""
     import common
-    return tuple(common._vf_words(text))
+    return tuple(common.words_of(text))
 
 
 def leaks(model: Path, held: list[str], extra: list[str] = ()) -> tuple[list[str], int]:

@@ -9,6 +9,7 @@ import types
 import pytest
 
 import common
+import infra.benchmarks
 from common import BenchmarkUnavailable, choice_letter, gold_option_letter, load_benchmark, option_letter
 
 
@@ -167,7 +168,7 @@ def test_gpqa_shuffle_is_fixed_per_question_and_points_at_the_correct_answer(hub
     seed = int.from_bytes(__import__("hashlib").sha256(q.encode()).digest()[:8], "big")
     order = [0, 1, 2, 3]
     random.Random(seed).shuffle(order)
-    assert common.gpqa_option_order(q) == order == common.gpqa_option_order("  " + q + "\n")
+    assert infra.benchmarks.gpqa_option_order(q) == order == infra.benchmarks.gpqa_option_order("  " + q + "\n")
 
 
 def test_hf_spec_and_old_style_tuple_entries(hub, monkeypatch):

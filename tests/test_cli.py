@@ -1,5 +1,5 @@
 """The command line as a new user meets it: one-line errors before anything loads, run folders that
-are never mixed, Ctrl-C that says how to resume, `tests/evaluate.py --out DIR`, the --model tiny smoke
+are never mixed, Ctrl-C that says how to resume, `tools/evaluate.py --out DIR`, the --model tiny smoke
 profiles and the README's four tiny one-liners, each run exactly as printed (a subprocess with real
 flags)."""
 import json
@@ -18,6 +18,7 @@ import time
 import pytest
 
 import common
+import infra.logs
 import star
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,8 +95,8 @@ def test_bad_input_is_one_line_before_anything_loads(tmp_path):
         (["star.py", "--max-new-tokns", "16"], ["unknown flag --max-new-tokns",
                                                 "did you mean --max-new-tokens?"]),
         (["r_zero.py", "--model", str(tmp_path / "missing")], ["no such local folder", "'tiny'"]),
-        (["tests/evaluate.py", "--modle", "tiny"], ["unknown argument --modle", "--model?"]),
-        (["tests/evaluate.py", "evl"], ["unknown argument evl"]),
+        (["tools/evaluate.py", "--modle", "tiny"], ["unknown argument --modle", "--model?"]),
+        (["tools/evaluate.py", "evl"], ["unknown argument evl"]),
         (["spice.py", "--resume", str(no_ck)], [f"--resume {no_ck}: no checkpoint there yet"]),
     ] + [(["absolute_zero.py", "--model", "tiny", "--output-dir", str(d)],
           [f"--output-dir {d} already holds a run", f"--resume {d}"]) for d in held.values()]
@@ -222,11 +223,11 @@ def test_help_and_flag_errors_answer_before_torch_loads(script):
 
 def test_common_help_and_usage_errors_answer_before_torch_loads():
     (rc, out, err), *errors = _light([
-        ["tests/evaluate.py", "--help"], ["tests/evaluate.py", "--modle", "x"],
-        ["tests/evaluate.py", "evl"]])
+        ["tools/evaluate.py", "--help"], ["tools/evaluate.py", "--modle", "x"],
+        ["tools/evaluate.py", "evl"]])
     assert rc == 0 and "pass@k" in out, err
     # the update-sparsity analysis lives beside the tests, as its own script
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "sparsity.py"), "--help"],
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "sparsity.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "update sparsity" in res.stdout, res.stderr
     assert "--benchmarks" in out and "--compare" in out, err
@@ -236,8 +237,8 @@ def test_common_help_and_usage_errors_answer_before_torch_loads():
 
 # ----------------------------------------------------------------------------------- quiet, timers
 def test_rotary_sync_warning_is_dropped_other_load_failures_kept(monkeypatch):
-    monkeypatch.setattr(common, "_CORE_VERBOSE", False)
-    f = common._core_quiet_filter
+    monkeypatch.setattr(infra.logs, "VERBOSE", False)
+    f = infra.logs.quiet_filter
 
     def rec(msg, *args):
         name = "vllm.model_executor.model_loader.reload.layerwise"
@@ -246,13 +247,13 @@ def test_rotary_sync_warning_is_dropped_other_load_failures_kept(monkeypatch):
     assert not f(rec("%s: Failed to load weights", "RotaryEmbedding"))
     assert f(rec("%s: Failed to load weights", "ParallelLMHead"))  # a real missing weight
     assert not f(rec(advice))  # CPU start-up advice: --verbose only
-    monkeypatch.setattr(common, "_CORE_VERBOSE", True)
+    monkeypatch.setattr(infra.logs, "VERBOSE", True)
     assert f(rec(advice))
 
 
 def test_vllm_info_lines_only_with_verbose():
-    code = ("import logging, sys, common; common.set_verbosity(sys.argv[1] == 'v'); import vllm; "
-            "common.filter_vllm_logs(); log = logging.getLogger('vllm.engine.x'); "
+    code = ("import logging, sys, infra.logs; infra.logs.set_verbosity(sys.argv[1] == 'v'); import vllm; "
+            "infra.logs.filter_vllm_logs(); log = logging.getLogger('vllm.engine.x'); "
             "log.info('an info line'); log.warning('a warning line')")
     quiet, verbose = _run_all([["-c", code, "q"], ["-c", code, "v"]])
     assert quiet[0] == verbose[0] == 0, quiet[2][-2000:]
@@ -314,17 +315,17 @@ def test_ctrl_c_prints_one_line_and_the_resume_command_continues(tmp_path, tiny_
     assert steps == list(range(saved + 2))  # nothing lost, nothing repeated
 
 
-# ------------------------------------------------------------------------------- tests/evaluate.py
+# ------------------------------------------------------------------------------- tools/evaluate.py
 @pytest.mark.slow
 def test_eval_out_dir_is_created_and_checked_before_computing(tmp_path, tiny_model_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     bench = str(DATA / "bench_tiny.jsonl")
-    (res,) = _run_all([["tests/evaluate.py", "--model", "tiny", "--benchmarks", bench, "--out",
+    (res,) = _run_all([["tools/evaluate.py", "--model", "tiny", "--benchmarks", bench, "--out",
                         str(blocked / "sub")]])
     _one_line_error(*res, f"--out {blocked / 'sub'}: cannot write into")
     out = tmp_path / "new" / "dir"
-    r = subprocess.run([sys.executable, "tests/evaluate.py", "--model", "tiny", "--backend", "hf",
+    r = subprocess.run([sys.executable, "tools/evaluate.py", "--model", "tiny", "--backend", "hf",
                         "--benchmarks", bench, "--limit", "2", "--max-tokens", "4", "--out",
                         str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=300)

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import common
-import tiny_model
+from infra import tiny_model
 
 PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
            "<question>7*8</question>"]

@@ -209,7 +209,7 @@ def _reset_peak() -> float:
     import ctypes
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     pathlib.Path("/proc/self/clear_refs").write_text("5")
-    return common._rl_proc_status_kb("VmRSS") / 2**20
+    return common.proc_status_kb("VmRSS") / 2**20
 
 
 def _mid_policy(tmp_path):
@@ -234,7 +234,7 @@ def test_swapped_weights_exchanges_without_a_full_backup(tmp_path):
     full_gb = sum(v.numel() * 4 for k, v in start.items() if k != "lm_head.weight") / 2**30
     rss0 = _reset_peak()
     with policy.swapped_weights(ref):
-        grown = common._rl_peak_mem_gb(torch.device("cpu"), rss0)
+        grown = common.peak_memory_gb(torch.device("cpu"), rss0)
         for k, v in policy.get_weights().items():
             assert torch.equal(v, ref_copy[k]), k
     assert grown < 0.2 * full_gb, (grown, full_gb)  # the old backup held a full copy
@@ -273,7 +273,7 @@ def test_r_zero_role_switch_holds_no_third_copy(tmp_path):
     full_gb = sum(v.numel() * 4 for k, v in trained.items() if k != "lm_head.weight") / 2**30
     rss0 = _reset_peak()
     roles.activate(r_zero.SOLVER)
-    grown = common._rl_peak_mem_gb(torch.device("cpu"), rss0)
+    grown = common.peak_memory_gb(torch.device("cpu"), rss0)
     assert grown < 0.2 * full_gb, (grown, full_gb)  # at most one tensor (8 MiB of 104)
     assert roles.active == r_zero.SOLVER and policy.sampler.n > 0
     for k, v in policy.get_weights().items():

@@ -9,7 +9,7 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 import common  # noqa: E402
-from evaluate import plot_pass_at_k  # noqa: E402
+from tools.evaluate import plot_pass_at_k  # noqa: E402
 import spice  # noqa: E402
 import star  # noqa: E402
 

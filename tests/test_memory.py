@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import common
+import infra.memory
 
 
 def _qwen3(layers, hidden=256, inter=768):
@@ -27,7 +28,7 @@ def _qwen3(layers, hidden=256, inter=768):
 
 
 def test_activation_cost_is_per_token_per_layer_and_excludes_weights():
-    two, four = common.activation_costs(_qwen3(2)), common.activation_costs(_qwen3(4))
+    two, four = infra.memory.activation_costs(_qwen3(2)), infra.memory.activation_costs(_qwen3(4))
     # linear in depth: a layer adds the same bytes per token; weights (MBs here) never enter
     per_layer = (four["off"] - two["off"]) / 2
     assert 0.3 < per_layer / (two["off"] / 2) <= 1.05
@@ -43,7 +44,7 @@ def test_autocast_weight_copies_are_a_fixed_cost_not_per_token():
     model.selfplay_autocast = (
         torch.bfloat16
     )  # read by common's forward context, as Policy.load sets it
-    cost = common.activation_costs(model)
+    cost = infra.memory.activation_costs(model)
     linear = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
     assert 0.8 * 2 * linear <= cost["fixed"] <= 1.5 * 2 * linear + 2**20
 
@@ -58,7 +59,7 @@ def policy(tiny_cfg):
 
 
 def _need(policy, tokens, ckpt):
-    return 1.1 * common.step_memory(policy, tokens, ckpt, common.activation_costs(policy.model))
+    return 1.1 * infra.memory.step_memory(policy, tokens, ckpt, infra.memory.activation_costs(policy.model))
 
 
 def test_a_step_that_fits_changes_nothing(policy):

@@ -247,7 +247,7 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
 
 
 def _anon_gb():
-    return common._rl_proc_status_kb("RssAnon") / 2**20
+    return common.proc_status_kb("RssAnon") / 2**20
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="Linux /proc only")

@@ -22,6 +22,7 @@ import time
 import pytest
 
 import common
+import infra.sandbox
 from common import ExecResult, PythonSandbox, parse_literal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -109,7 +110,7 @@ def judged_correct(res: ExecResult, gold) -> bool:
 
 
 def check_invariants(sb, host, res: ExecResult, elapsed: float, deadline: float = TIMEOUT):
-    assert isinstance(res, ExecResult) and res.status in common.EXEC_STATUSES, res
+    assert isinstance(res, ExecResult) and res.status in infra.sandbox.EXEC_STATUSES, res
     assert elapsed < deadline + SLACK, f"returned after {elapsed:.1f}s: {res}"
     assert res.value is None or (isinstance(res.value, str) and len(res.value) <= MAX_OUT)
     assert res.error is None or (isinstance(res.error, str) and len(res.error) <= 2000)
@@ -171,7 +172,7 @@ def test_isolation_report(sb):
         if not cwd.startswith(("/usr", "/etc", "/var", "/opt", "/tmp", "/root", "/home")) and cwd != "/":
             assert cwd in iso["hidden_paths"]       # the trainer's run folders and checkpoints
             # Only the way down to Python's own directories is bound back (CI keeps its .venv in the checkout).
-            py_under_cwd = {os.path.relpath(p, cwd).split(os.sep)[0] for p in common._sb_python_paths()
+            py_under_cwd = {os.path.relpath(p, cwd).split(os.sep)[0] for p in infra.sandbox.python_paths()
                             if p.startswith(cwd + os.sep)}
             assert sb.run("import os", f"sorted(os.listdir({cwd!r}))") == \
                 ExecResult("ok", repr(sorted(py_under_cwd)), None)
@@ -573,19 +574,8 @@ def test_parse_literal():
 def test_trusted_side_never_evals_or_unpickles():
     """The trainer-side code of the sandbox contains no eval/exec/pickle/marshal: only json and literal_eval."""
     path = inspect.getsourcefile(PythonSandbox)
-    text = pathlib.Path(path).read_text()
-    start = text.index("# The Python sandbox\n")
-    lines, first = inspect.getsourcelines(PythonSandbox)
-    end_line = first + len(lines)
-    segment = "\n".join(text[start:].splitlines()[: end_line - text[:start].count("\n")])
-    # the zygote's code (_zy_ functions) runs in the clean interpreter, never here: set it aside
-    tree = ast.parse(segment)
-    zygote = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_zy_")]
-    assert len(zygote) > 19 and "def _zy_main(" in common._sb_zygote_source()
-    tree.body = [n for n in tree.body if n not in zygote]
+    tree = ast.parse(pathlib.Path(path).read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            assert not node.func.id.startswith("_zy_"), ast.unparse(node)   # never run here
         if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
             allowed = name == "loads" and ast.unparse(node.func) == "json.loads"
@@ -594,19 +584,20 @@ def test_trusted_side_never_evals_or_unpickles():
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
             assert not {"pickle", "marshal", "dill", "cloudpickle"} & set(names)
+            assert not any("zygote" in n for n in names)  # the zygote's code never runs here
 
 
-def test_zygote_source_is_real_code_using_only_the_stdlib():
-    """The zygote is ordinary functions of common.py; the clean interpreter gets their source."""
-    src = common._sb_zygote_source()
-    tree = ast.parse(src)
+def test_zygote_is_a_real_script_using_only_the_stdlib():
+    """The zygote is an ordinary file that the clean interpreter runs; it imports only the stdlib."""
+    path = pathlib.Path(infra.sandbox.ZYGOTE_SCRIPT)
+    assert path.is_file() and path.parent == pathlib.Path(inspect.getsourcefile(PythonSandbox)).parent
+    tree = ast.parse(path.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                 for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
-    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    assert defined == {k for k, v in vars(common).items() if k.startswith("_zy_") and callable(v)}
-    assert "_SB_ZYGOTE_SOURCE" not in vars(common) and "\n_zy_main()\n" in src
+    assert "main" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert 'if __name__ == "__main__":\n    main()' in path.read_text()
 
 
 def test_program_cannot_forge_sandbox_statuses(sb):

@@ -213,7 +213,7 @@ def test_absolute_zero_default_is_one_adamw_step_per_task_type():
     cfg = az.Config()
     trajs = az.build_trajectories(*_azr_records(cfg.batch_size))
     assert len(trajs) == 6 * 64
-    (steps,) = common._rl_schedule(len(trajs), common.PGConfig(mini_batch=cfg.mini_batch))
+    (steps,) = common.mini_batch_schedule(len(trajs), common.PGConfig(mini_batch=cfg.mini_batch))
     assert [len(s) for s in steps] == [128] * 3
     assert [{trajs[i].role.split("/")[1] for i in s} for s in steps] == [{t} for t in az.TASKS]
 

@@ -262,7 +262,7 @@ def test_any_question_survives_both_ways_of_writing_it(text):
     a backslash right before the closing quote (\\" is an escaped quote)."""
     text = text.strip()
     assume(text and not re.search(r"[\t\r][A-Za-z]", text) and not text.endswith("\\"))
-    assume(not any("n" + w in common._VF_N_COMMANDS for w in re.findall(r"\n([A-Za-z]+)", text)))
+    assume(not any("n" + w in common.LATEX_N_COMMANDS for w in re.findall(r"\n([A-Za-z]+)", text)))
     for write in (_written_raw, json.dumps):
         obj = free_json(text, "x", "Expression")
         task, why = spice.parse_task(write(obj), "free", "Expression")
@@ -1065,7 +1065,7 @@ def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer)
 def test_final_json_found_after_thousands_of_latex_braces():
     # ~2,100 "{" before the JSON
     reasoning = "Work: " + " + ".join(["\\frac{1}{2}"] * 1050) + " = {525}.\n"
-    assert reasoning.count("{") > common.VF_MAX_JSON_STARTS
+    assert reasoning.count("{") > common.JSON_MAX_STARTS
     task, why = spice.parse_task(out(free_json(answer="525"), before=reasoning), "free", "Integer")
     assert why == "ok" and task.gold == "525"
     # also when the braces look like JSON starts: the object that ends last wins, wherever the

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import common
+import infra.verifier
 from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontaminator, average_linkage_clusters,
                     azr_composite_reward, bleu_distance_matrix, bleu_matrix, choice_letter,
                     distinct_ngram_ratio, extract_boxed, extract_tag, learnability_reward,
@@ -27,9 +28,9 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
                     self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward)
 import r_zero
-from sparsity import main as sparsity_main
-from sparsity import update_sparsity
-from evaluate import main as evaluate_main
+from tools.sparsity import main as sparsity_main
+from tools.sparsity import update_sparsity
+from tools.evaluate import main as evaluate_main
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "bench_tiny.jsonl"
@@ -138,7 +139,7 @@ def test_math_equal_from_threads():
 def test_math_equal_hard_timeout_kills_stuck_worker():
     """A worker stuck where no signal handler can run (SIGSTOP: like a C-level hang) is killed and replaced."""
     assert math_equal("x^2", "x \\cdot x")  # starts a worker
-    pids = common.verifier_worker_pids()
+    pids = infra.verifier.verifier_worker_pids()
     assert pids
     before = math_equal_failures().get("killed", 0)
     for pid in pids:
@@ -147,7 +148,7 @@ def test_math_equal_hard_timeout_kills_stuck_worker():
     assert math_equal("y^3+2", "2+y^3", timeout=0.5) is False   # would be True: the stuck worker can't answer
     assert time.monotonic() - t < PER_CALL_BOUND_S
     assert math_equal_failures()["killed"] == before + 1
-    assert not set(common.verifier_worker_pids()) & set(pids)
+    assert not set(infra.verifier.verifier_worker_pids()) & set(pids)
     assert math_equal("y^3+2", "2+y^3") is True                # the replacement works
 
 
@@ -180,10 +181,10 @@ def test_expression_mode_skips_only_the_word_and_letter_fast_paths(monkeypatch):
     """Default mode (STaR, R-Zero, evaluation) keeps deciding words and option letters in-process;
     expression mode sends math-verify every pair not decided by an exact match or two numbers."""
     sent = []
-    run = common._VfPool.run
-    monkeypatch.setattr(common._VfPool, "run",
+    run = infra.verifier.VerifierPool.run
+    monkeypatch.setattr(infra.verifier.VerifierPool, "run",
                         lambda self, items, *a: sent.extend(items) or run(self, items, *a))
-    monkeypatch.setattr(common, "_VF_CACHE", {})
+    monkeypatch.setattr(common, "_VERDICTS", {})
     words_and_letters = [("hmg", "mgh"), (r"m \cdot g \cdot h", "mgh"), ("B) 3", "B"), ("(b)", "B"),
                          ("Photosynthesis.", "photosynthesis"), ("m+g+h", "mgh")]
     assert math_equal_many(words_and_letters) == [False, False, True, True, True, True]
@@ -630,10 +631,10 @@ def test_cli_eval_hf_backend(tiny_model_path, tmp_path, capsys):
 
 def test_math_equal_survives_a_dead_worker():
     assert math_equal("2x", "x \\cdot 2")
-    for pid in common.verifier_worker_pids():
+    for pid in infra.verifier.verifier_worker_pids():
         os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
     assert math_equal("3x", "x \\cdot 3") is True  # a fresh worker takes over
-    common.shutdown_verifier()
-    assert common.verifier_worker_pids() == []
+    infra.verifier.shutdown_verifier()
+    assert infra.verifier.verifier_worker_pids() == []
     assert math_equal("1/4", "0.25") is True       # and the pool restarts lazily

@@ -1,7 +1,7 @@
 """Greedy accuracy and pass@k of a checkpoint on the benchmarks of common.BENCHMARKS (or local
 JSONL files), optionally beside a base model with pass@k curves (the understanding paper's Fig. 1).
 
-    python tests/evaluate.py --model runs/spice-.../checkpoints/step_640 \
+    python tools/evaluate.py --model runs/spice-.../checkpoints/step_640 \
         --benchmarks gsm8k,math500 --n 16 --k 1,4,16 --compare Qwen/Qwen3-4B-Base --out eval/
 """
 from __future__ import annotations
@@ -81,10 +81,10 @@ def eval_out_path(out: str, model: str) -> str:
 
 
 def main(argv=None):
-    """`python tests/evaluate.py --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16
+    """`python tools/evaluate.py --model M --benchmarks gsm8k,math500 --n 16 --k 1,4,16
     [--compare BASE] [--out file.json]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ev = ap = common._CoreArgParser(
+    ev = ap = common.ArgParser(
         prog="evaluate.py", description="greedy accuracy and pass@k of a model on benchmarks")
     ev.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     ev.add_argument("--benchmarks", default="gsm8k,math500",

@@ -1,7 +1,7 @@
 """Parameter update sparsity between two checkpoints (the understanding paper's Eq. 2):
 S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n, the share of parameters left exactly unchanged.
 
-    python tests/sparsity.py CKPT_A CKPT_B [--out result.json]
+    python tools/sparsity.py CKPT_A CKPT_B [--out result.json]
 
 CKPT_A / CKPT_B: folders written by save_pretrained, .safetensors / .bin files, or hub ids.
 """

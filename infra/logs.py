@@ -1,0 +1,59 @@
+"""Quiet by default: third-party log lines and warnings shown only with --verbose."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+from infra.lazy import LazyModule
+
+transformers = LazyModule("transformers", globals())
+
+
+VERBOSE = False  # --verbose (set_verbosity)
+
+
+QUIET_MARKERS = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
+
+
+def quiet_filter(record) -> bool:
+    """Hidden unless --verbose: CPU start-up advice from vLLM (optional speed-ups)."""
+    msg = record.getMessage()
+    # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
+    # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
+    # every sync warns, then puts the unchanged cache back. Other layers still warn.
+    return not msg.startswith("RotaryEmbedding: Failed to load weights") and (
+        VERBOSE or not any(s in msg for s in QUIET_MARKERS))
+
+
+def filter_vllm_logs() -> None:
+    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records)."""
+    log = logging.getLogger("vllm")
+    if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        if not log.handlers:  # vLLM adds none: ours
+            h = logging.StreamHandler(sys.stderr)
+            h.setFormatter(logging.Formatter("vllm %(levelname)s: %(message)s"))
+            log.addHandler(h)
+            log.propagate = False
+        log.setLevel(logging.INFO if VERBOSE else logging.WARNING)
+    for h in log.handlers:  # addFilter adds a filter once
+        h.addFilter(quiet_filter)
+
+
+def set_verbosity(verbose: bool) -> None:
+    """Quiet by default; verbose shows all library output (the environment: for later imports)."""
+    global VERBOSE
+    VERBOSE = verbose
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
+    for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ[v] = "0" if verbose else "1"
+    if "vllm" in sys.modules:
+        filter_vllm_logs()
+    if "transformers" in sys.modules:
+        tlog = transformers.utils.logging
+        tlog.set_verbosity(tlog.WARNING if verbose else tlog.ERROR)
+        (tlog.enable_progress_bar if verbose else tlog.disable_progress_bar)()
+    if not verbose:
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
