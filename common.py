@@ -1996,9 +1996,13 @@ def gold_option_letter(problem):
                 None)
 
 
-def _judge_answers(extract_fn, timeout, probs, texts):
+def _judge_answers(extract_fn, timeout, judge_fn, probs, texts):
     """[(problem index, text)] -> [(correct, pred, letter, no answer)]: extract_fn(text) by
-    math_equal_many, or with choices its option_letter."""
+    math_equal_many, or with choices its option_letter; judge_fn(problem, text) -> (pred, correct)
+    replaces both where given."""
+    if judge_fn is not None:
+        judged = [judge_fn(probs[i], t) for i, t in texts]
+        return [(bool(correct), pred, None, pred is None) for pred, correct in judged]
     items = [(probs[i], gold_option_letter(probs[i]), t, extract_fn(t)) for i, t in texts]
     free = iter(math_equal_many([(pr, p["answer"]) for p, g, _, pr in items if g is None],
                                 timeout=timeout))
@@ -2062,9 +2066,11 @@ def _evaluate_loop(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *,
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
              prompt_fn=None, limit=0, top_p=0.95, seed=0, extract_fn=None, timeout=2.0,
-             n_boot=1000):
+             n_boot=1000, judge_fn=None):
     """Greedy accuracy and, with n > 1 samples, unbiased pass@k and mean@n per benchmark; "name@N"
-    draws N samples and scores by mean@N (SPICE's AIME)."""
+    draws N samples and scores by mean@N (SPICE's AIME). extract_fn (default: the last \\boxed{})
+    -> math_equal, or the option letter for choices; judge_fn(problem, text) -> (pred, correct)
+    replaces both (R-Zero's --eval-protocol official)."""
     prompt = getattr(prompt_fn, "__name__", "custom") if prompt_fn else "default"
     prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
 
@@ -2089,7 +2095,7 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
                 f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
                 "(timeout = wrong)")
     res = _evaluate_loop(sampler_or_policy, benchmarks, k, n, load_benchmark,
-                       functools.partial(_judge_answers, extract_fn, timeout), record,
+                       functools.partial(_judge_answers, extract_fn, timeout, judge_fn), record,
                        prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                        limit=limit, seed=seed, n_boot=n_boot, verifier=verifier,
                        multiple_choice=_MC_GRADING, prompt=prompt)
