@@ -1165,9 +1165,6 @@ class Run:
             self.resume_command
 
 
-# --------------------------------- Fitting the trainer in memory (measured, before the first step)
-
-
 # ==================================================================================================
 # Log-probs, advantages and policy-gradient / SFT losses
 # ==================================================================================================
@@ -1956,9 +1953,6 @@ def eval_decontaminator(benchmarks: str, on: bool = True):
     questions = [row["question"] for b in benchmarks.split(",") if b.strip()
                  for row in load_benchmark(b)]
     return Decontaminator(questions) if on and questions else None
-
-
-# -------------------------------------------------------------------------------------- Benchmarks
 
 
 # -------------------------------------------- Evaluation: greedy accuracy and pass@k per benchmark
