@@ -25,20 +25,23 @@ WORDS = (
 
 def corpus(seed: int = 0) -> list[str]:
     """Deterministic text with digits, letters, punctuation, code, LaTeX and the methods' tags."""
-    rng, words = random.Random(seed), WORDS
+    rng = random.Random(seed)
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
     lines = [alphabet + " !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \t"]
-    for _ in range(600):
-        a, b = rng.randint(0, 999), rng.randint(1, 99)
-        op, res = rng.choice([("+", a + b), ("-", a - b), ("*", a * b), ("/", a / b)])
-        res_s = f"{res:.2f}" if isinstance(res, float) else str(res)
-        sent = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+    for _ in range(600):  # arithmetic in the methods' tags, and LaTeX
+        a = rng.randint(0, 999)
+        b = rng.randint(1, 99)
+        op, result = rng.choice([("+", a + b), ("-", a - b), ("*", a * b), ("/", a / b)])
+        answer = str(result)
+        if isinstance(result, float):
+            answer = f"{result:.2f}"
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
         lines += [f"<question>What is {a} {op} {b}?</question>",
-                  f"<think>{sent.capitalize()}. We compute {a} {op} {b} = {res_s}.</think>",
-                  f"<answer>\\boxed{{{res_s}}}</answer> The answer is $\\boxed{{{res_s}}}$.",
+                  f"<think>{sentence.capitalize()}. We compute {a} {op} {b} = {answer}.</think>",
+                  f"<answer>\\boxed{{{answer}}}</answer> The answer is $\\boxed{{{answer}}}$.",
                   f"$\\frac{{{a}}}{{{b}}} + \\sqrt{{{b}}} \\cdot x^{{2}} \\leq {a}$, "
                   "\\( \\pi \\approx 3.14 \\)"]
-    for _ in range(200):
+    for _ in range(200):  # Python
         name = rng.choice(["f", "g", "solve", "count", "helper", "main"])
         x = rng.randint(0, 50)
         lines += [f"def {name}(x, y=[{x}, {x + 1}]):\n"
@@ -46,14 +49,16 @@ def corpus(seed: int = 0) -> list[str]:
                   f"for i in range({x}):\n    if i % 2 == 0 and not i > {x // 2}:\n"
                   "        print(i, end=' ')\n",
                   f"```python\nassert {name}({x}) == {x * x}\n```"]
-    for _ in range(200):
-        q = " ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
-        lines.append(f"<|im_start|>user\n{q.capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
-                     f"<think>{q}</think> <answer>{rng.randint(0, 100)}</answer><|im_end|>\n"
-                     "<|endoftext|>")
-        lines.append(f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)} "
-                     f"D) none. Input: {[rng.randint(0, 9) for _ in range(4)]} Output: "
-                     f"({q.split()[0]!r}, {rng.random():.3f})")
+    for _ in range(200):  # chat turns, multiple choice, input/output pairs
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15)))
+        lines.append(f"<|im_start|>user\n{question.capitalize()}?<|im_end|>\n"
+                     f"<|im_start|>assistant\n<think>{question}</think> "
+                     f"<answer>{rng.randint(0, 100)}</answer><|im_end|>\n<|endoftext|>")
+        options = f"A) {rng.randint(1, 9)} B) {rng.randint(10, 99)} C) {rng.randint(100, 999)}"
+        inputs = [rng.randint(0, 9) for _ in range(4)]
+        first_word = question.split()[0]
+        lines.append(f"{options} D) none. Input: {inputs} Output: ({first_word!r}, "
+                     f"{rng.random():.3f})")
     return lines
 
 
