@@ -1,5 +1,5 @@
-"""The run folder's machinery: atomic writes, JSON lines, checkpoints found and resumed, and the
-RNG states that make a resume exact."""
+"""The run folder's machinery: atomic writes, JSON lines, checkpoint folders written whole and read
+back, the leftovers of a killed save cleaned up, and the RNG states that make a resume exact."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,7 @@ import math
 import os
 import pathlib
 import random
+import shutil
 import sys
 
 import numpy as np
@@ -18,45 +19,73 @@ from infra.lazy import LazyModule
 torch = LazyModule("torch", globals())
 
 
+NO_CHECKPOINT = ("--resume {}: no checkpoint there yet (the run stopped before its first save); "
+                 "start it again with a new --output-dir")
+
+
+# ------------------------------------------------------------------------------ finding a run
+def _step_number(folder: pathlib.Path) -> int:
+    return int(folder.name[len("step_"):])
+
+
+def _step_folders(root: pathlib.Path) -> list[pathlib.Path]:
+    """The step_<k> entries of a checkpoints/ folder (k digits only), in no particular order."""
+    found = []
+    for path in root.glob("step_*"):
+        if path.name[len("step_"):].isdigit():
+            found.append(path)
+    return found
+
+
 def latest_checkpoint(run_dir) -> pathlib.Path | None:
     """The newest complete checkpoints/step_<k>/ (`latest`, else the highest k), or None."""
     root = pathlib.Path(run_dir) / "checkpoints"
-    found = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()),
-                   key=lambda p: -int(p.name[5:]))
+    candidates = []
     if (root / "latest").is_file():
-        found.insert(0, root / (root / "latest").read_text().strip())
-    return next((p for p in found if (p / "trainer_state.json").is_file()), None)
+        candidates.append(root / (root / "latest").read_text().strip())
+    candidates += sorted(_step_folders(root), key=_step_number, reverse=True)
+    for folder in candidates:
+        if (folder / "trainer_state.json").is_file():
+            return folder
+    return None
 
 
 def held_run(out) -> str:
     """The error for an --output-dir that already holds a run ("" if it holds none)."""
     path = pathlib.Path(out)
-    old = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
-    held = f"checkpoints/{old[-1]}" if old else next(
-        (n for n in ("config.json", "metrics.jsonl") if (path / n).is_file()), "")
-    return held and (f"--output-dir {out} already holds a run ({held}); continue it with "
-                     f"--resume {out}, or pass a new --output-dir")
+    checkpoints = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
+    held = ""
+    if checkpoints:
+        held = f"checkpoints/{checkpoints[-1]}"
+    elif (path / "config.json").is_file():
+        held = "config.json"
+    elif (path / "metrics.jsonl").is_file():
+        held = "metrics.jsonl"
+    if not held:
+        return ""
+    return (f"--output-dir {out} already holds a run ({held}); continue it with --resume {out}, "
+            "or pass a new --output-dir")
 
 
-NO_CHECKPOINT = ("--resume {}: no checkpoint there yet (the run stopped before its first "
-                       "save); start it again with a new --output-dir")
-
-
+# ----------------------------------------------------------------------------------- RNG states
 def rng_state() -> dict:
     """Python, numpy, torch (and CUDA) RNG states (JSON through json_default)."""
-    st = {"python": random.getstate(), "numpy": np.random.get_state(),
-          "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def set_rng_state(st: dict) -> None:
-    random.setstate((st["python"][0], tuple(st["python"][1]), st["python"][2]))
-    np.random.set_state(tuple(st["numpy"]))
-    torch.set_rng_state(torch.as_tensor(st["torch"], dtype=torch.uint8))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+def set_rng_state(state: dict) -> None:
+    """Put back what rng_state returned, also after a round trip through JSON (lists for tuples)."""
+    version, internal_state, gauss_next = state["python"]
+    random.setstate((version, tuple(internal_state), gauss_next))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = [torch.as_tensor(s, dtype=torch.uint8) for s in state["cuda"]]
+        torch.cuda.set_rng_state_all(cuda_states)
 
 
 @contextlib.contextmanager
@@ -68,6 +97,7 @@ def preserved_rng():
         set_rng_state(state)
 
 
+# ------------------------------------------------------------------------ atomic writes, JSON
 def atomic_write_text(path, text: str) -> None:
     """A temp file in the same folder, fsynced, renamed over `path`: never a half-written file."""
     path = pathlib.Path(path)
@@ -85,17 +115,23 @@ def json_default(o):
         return o.tolist()
     if dataclasses.is_dataclass(o):
         return dataclasses.asdict(o)
-    if isinstance(o, (set, pathlib.Path)):
-        return list(o) if isinstance(o, set) else str(o)
+    if isinstance(o, set):
+        return list(o)
+    if isinstance(o, pathlib.Path):
+        return str(o)
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
-def jsonable(v):
+def jsonable(value):
     """A metric as JSON: numpy scalars and one-element tensors as numbers, inf/nan as strings."""
-    if isinstance(v, np.generic) or "torch" in sys.modules and isinstance(v, torch.Tensor) \
-            and v.numel() == 1:
-        return v.item()
-    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+    if isinstance(value, np.generic):
+        return value.item()
+    torch_loaded = "torch" in sys.modules  # a metric cannot be a tensor before torch is imported
+    if torch_loaded and isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def atomic_write_json(path, obj) -> None:
@@ -126,6 +162,96 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
             raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
 
 
+def _logged_by(line: str, step: int) -> bool:
+    """Whether a JSON line was logged at `step` or before; a torn line (a killed run) was not."""
+    try:
+        return int(json.loads(line).get("step", -1)) <= step
+    except (ValueError, AttributeError):
+        return False
+
+
+def drop_lines_after(path, step: int) -> None:
+    """Keep the lines of a JSON-lines file logged up to `step`: a resumed run logs the rest anew."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line + "\n" for line in lines if _logged_by(line, step)]
+    atomic_write_text(path, "".join(kept))
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def write_checkpoint(folder, model, tokenizer, weights: dict, optimizer_state,
+                     trainer_state: dict, keep: int) -> None:
+    """checkpoints/step_<k>/ whole or not at all: save_pretrained (of the full `weights`), the
+    tokenizer, optimizer.pt and trainer_state.json go into a temp folder that is renamed into
+    place; then `latest` names it, and all but the newest `keep` are pruned (0: none)."""
+    folder = pathlib.Path(folder)
+    root, name = folder.parent, folder.name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    old = root / f".old-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
+    tokenizer.save_pretrained(str(tmp))
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    atomic_write_json(tmp / "trainer_state.json", trainer_state)
+    # A folder of the same step is moved aside until the new one is in place: a save killed
+    # between the two renames leaves .old-<name>-<pid>/, which clean_interrupted_saves puts back.
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    atomic_write_text(root / "latest", name + "\n")
+    if keep > 0:
+        prune_checkpoints(root, keep, current=name)
+
+
+def prune_checkpoints(root, keep: int, current: str) -> None:
+    """Delete all but the newest `keep` step_<k>/ folders in `root` (never the one `current`)."""
+    folders = []
+    for path in _step_folders(pathlib.Path(root)):
+        if path.is_dir():
+            folders.append(path)
+    folders.sort(key=_step_number)
+    for folder in folders[:-keep]:
+        if folder.name != current:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_trainer_state(folder) -> dict:
+    """A checkpoint's trainer_state.json: step, method, world size, RNG states, method state."""
+    return json.loads((pathlib.Path(folder) / "trainer_state.json").read_text())
+
+
+def read_optimizer_state(folder, map_location) -> dict:
+    return torch.load(pathlib.Path(folder) / "optimizer.pt", weights_only=True,
+                      map_location=map_location)
+
+
+def saved_rng_state(trainer_state: dict, rank: int, world_size: int) -> dict:
+    """This rank's saved RNG state: its own if all ranks' were saved (torchrun), else rank 0's."""
+    per_rank = trainer_state.get("rng_per_rank") or []
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    return trainer_state["rng"]
+
+
+def clean_interrupted_saves(run_dir) -> None:
+    """A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves
+    .tmp-<name>-<pid>/ (deleted); one killed between its two renames leaves .old-<name>-<pid>/
+    without <name>/ (put back)."""
+    run_dir = pathlib.Path(run_dir)
+    for root in (run_dir / "checkpoints", run_dir, run_dir / "roles"):
+        for old in sorted(root.glob(".old-*")):
+            name = old.name[len(".old-"):].rsplit("-", 1)[0]
+            if not (root / name).exists():
+                os.replace(old, root / name)
+        leftovers = [*root.glob(".old-*"), *root.glob(".tmp-*")]
+        for leftover in leftovers:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def load_safetensors_dir(path) -> dict:
     """A folder's *.safetensors tensors on the CPU, mapped privately (page cache, not our RAM)."""
     from safetensors.torch import load_file
@@ -133,4 +259,7 @@ def load_safetensors_dir(path) -> dict:
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files (an incomplete or non-safetensors "
                                 "checkpoint?)")
-    return {k: v for f in files for k, v in load_file(str(f)).items()}
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
