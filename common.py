@@ -47,25 +47,32 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from infra import logs
-from infra.benchmarks import (BENCHMARKS, OPTION_LETTERS, check_benchmark_names, load_benchmark,
-                              parse_benchmark_spec)
+from infra.benchmarks import OPTION_LETTERS, load_benchmark, parse_benchmark_spec
 from infra.bleu import bleu_matrix
-from infra.code_eval import (CODE_STATUSES, MAX_PROGRAM_CHARS, check_code_benchmark_names,
-                             code_task_prompt, extract_code, load_code_benchmark, run_solutions)
+from infra.code_eval import (CODE_STATUSES, MAX_PROGRAM_CHARS, code_task_prompt, extract_code,
+                             load_code_benchmark, run_solutions)
 from infra.errors import BenchmarkUnavailable, InputError
 from infra.lazy import LazyModule
 from infra.memory import (fit_memory, peak_memory_gb, proc_status_kb, release_freed_memory,
                           set_gradient_checkpointing)
 from infra.parallel import (all_gather_objects, broadcast_object, compute_context, dist_info,
-                            full_from_part, init_distributed, is_dtensor, is_main_process,
-                            local_part, shard)
+                            init_distributed, is_dtensor, is_main_process, local_part, shard)
 from infra.runfolder import (NO_CHECKPOINT, atomic_write_json, atomic_write_text, held_run,
-                             iter_jsonl, json_default, jsonable, latest_checkpoint,
-                             load_safetensors_dir, preserved_rng, rng_state, set_rng_state)
-from infra.sandbox import ExecResult, PythonSandbox, parse_literal
-from infra.timing import PHASES, phase, timed
+                             json_default, jsonable, latest_checkpoint, load_safetensors_dir,
+                             preserved_rng, rng_state, set_rng_state)
+from infra.sandbox import PythonSandbox
+from infra.timing import PHASES, timed
 from infra.timing import record_into as record_phases_into
 from infra.verifier import POOL as VERIFIER_POOL
+
+# Re-exported, not used in this file: the method files import only common among the project's
+# files and reach these infra names through it (so do tools/ and tests).
+from infra.benchmarks import BENCHMARKS, check_benchmark_names
+from infra.code_eval import check_code_benchmark_names
+from infra.parallel import full_from_part
+from infra.runfolder import iter_jsonl
+from infra.sandbox import ExecResult, parse_literal
+from infra.timing import phase
 
 torch = LazyModule("torch", globals())  # imported on first use: --help answers before torch loads
 transformers = LazyModule("transformers", globals())
@@ -122,13 +129,20 @@ class RunConfig:
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
     verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
 
+    # The size and limit flags for which 0 means "off" (every other one must be positive, see
+    # _check_limits). A method's Config declares only its own additions: parse_config takes the
+    # union over the classes it inherits from.
+    ZERO_MEANS_OFF: typing.ClassVar[tuple] = (
+        "save_every", "keep_checkpoints", "eval_every", "eval_limit", "log_samples")
+
 
 class _BoolFlag(argparse.BooleanOptionalAction):
     """--flag / --no-flag by position: argparse reads any "--no-" prefix as off (--no-document)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in self.option_strings:
-            setattr(namespace, self.dest, option_string == self.option_strings[0])
+            on_flag, _off_flag = self.option_strings
+            setattr(namespace, self.dest, option_string == on_flag)
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -136,75 +150,146 @@ class ArgParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# Sizes and limits: zero or a negative number is never meant (a zero token limit, a zero batch).
+# The flags that are sizes and limits, by name: zero or a negative number is never meant (a zero
+# token limit, a zero batch), unless the Config lists the flag in ZERO_MEANS_OFF.
 _LIMIT_RE = re.compile(
     r"^(max_|min_)|(_tokens|_len|_size|_batch|_group|_steps|_samples|_votes|_runs|_workers|_chars"
     r"|_mb|_timeout|_per_step|_n|_limit|_every|_checkpoints|_docs)$"
     r"|^(steps|rounds|iterations|votes|references)$")
-_ZERO_OK = ("log_samples", "warmup_steps")  # 0 = no samples logged, no warmup
+_FIELD_LINE_RE = re.compile(r"\s+(\w+)\s*:")  # "    name: type = default  # comment"
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The `#` comment of each field in the source of `cls` and of its dataclass bases (a
+    subclass's wins): the flags' help texts."""
+    comments = {}
+    dataclass_bases = [klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]
+    for klass in reversed(dataclass_bases):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # defined where no source file is kept
+            continue
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type != tokenize.COMMENT:
+                continue
+            field_line = _FIELD_LINE_RE.match(token.line)
+            if field_line:
+                comments[field_line[1]] = token.string[1:].strip()
+    return comments
+
+
+def _build_parser(cls: type, comments: dict[str, str], tiny: dict | None) -> ArgParser:
+    """One --flag per field of `cls` (a bool: --flag / --no-flag), helped by its comment."""
+    description = (cls.__doc__ or "").strip()
+    if description.startswith(cls.__name__ + "("):  # the signature dataclass writes as __doc__
+        description = None
+    epilog = None
+    if tiny:
+        tiny_flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in tiny.items())
+        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
+                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  "
+                  + tiny_flags)
+    parser = ArgParser(description=description, epilog=epilog, allow_abbrev=False,
+                       argument_default=argparse.SUPPRESS,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):  # a default_factory field is no bool/int/float/str
+        kind = hints.get(field.name, str)
+        if kind not in (bool, int, float, str):
+            raise TypeError(f"{cls.__name__}.{field.name}: a field is bool/int/float/str, not "
+                            f"{kind}")
+        help_text = f"{comments.get(field.name, '')} (default: {field.default!r})".strip()
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help texts
+        flag = "--" + field.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, dest=field.name, help=help_text, action=_BoolFlag)
+        else:
+            parser.add_argument(flag, dest=field.name, help=help_text, type=kind,
+                                metavar=kind.__name__.upper())
+    return parser
+
+
+def _unknown_arguments_error(parser: ArgParser, unknown: list[str]) -> str:
+    """One message for all arguments the parser did not know, each flag with its closest match."""
+    flags = [option for option in parser._option_string_actions if option.startswith("--")]
+    messages = []
+    for argument in unknown:
+        name = argument.split("=", 1)[0]
+        if not name.startswith("-"):
+            messages.append(f"unexpected argument {argument!r} (flags look like --name VALUE)")
+            continue
+        closest = difflib.get_close_matches(name.replace("_", "-"), flags, n=1, cutoff=0.5)
+        if closest:
+            messages.append(f"unknown flag {name}; did you mean {closest[0]}?")
+        else:
+            messages.append(f"unknown flag {name}; see --help for the list")
+    return "; ".join(messages)
+
+
+def _saved_config(cls: type, parser: ArgParser, run_dir: str) -> dict:
+    """The fields of `cls` in the config.json of the run folder --resume names (its output_dir that
+    folder); other keys are ignored with a warning."""
+    config_path = pathlib.Path(run_dir) / "config.json"
+    if not config_path.is_file():
+        parser.error(f"--resume {run_dir}: no config.json there (expected a run folder "
+                     "written by Run)")
+    saved = json.loads(config_path.read_text())
+    field_names = {field.name for field in dataclasses.fields(cls)}
+    unknown_keys = sorted(set(saved) - field_names)
+    if unknown_keys:
+        warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: "
+                      f"{unknown_keys}")
+    values = {}
+    for name, value in saved.items():
+        if name in field_names:
+            values[name] = value
+    values["output_dir"] = str(run_dir)
+    return values
+
+
+def _zero_means_off(cls: type) -> set[str]:
+    """The flags for which 0 means "off": ZERO_MEANS_OFF of `cls` and of every class above it."""
+    names = set()
+    for klass in cls.__mro__:
+        names.update(vars(klass).get("ZERO_MEANS_OFF", ()))
+    return names
+
+
+def _check_limits(cls: type, parser: ArgParser, given: dict, comments: dict[str, str]) -> None:
+    """A size or limit given on the command line (a flag _LIMIT_RE names) must be positive; 0 only
+    where `cls` declares that it means off (ZERO_MEANS_OFF)."""
+    zero_means_off = _zero_means_off(cls)
+    defaults = {field.name: field.default for field in dataclasses.fields(cls)}
+    for name, value in given.items():
+        if type(value) not in (int, float) or value > 0 or not _LIMIT_RE.search(name):
+            continue
+        if value == 0 and name in zero_means_off:
+            continue
+        default = defaults.get(name)
+        hint = f"the default is {default!r}"
+        if default == 0:
+            hint = f"leave the flag out for the default ({comments.get(name, '')})"
+        parser.error(f"--{name.replace('_', '-')} {value}: must be a positive number; {hint}")
 
 
 def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
     """The dataclass `cls` from argv, each field a --flag helped by its comment; --resume starts
     from its config.json, `tiny` from the smoke profile. A limit <= 0 or `check`'s error: exit 2."""
-    comments = {}  # a subclass's comment wins
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        with contextlib.suppress(OSError, TypeError):  # defined where no source file is kept
-            for t in tokenize.generate_tokens(io.StringIO(inspect.getsource(klass)).readline):
-                if t.type == tokenize.COMMENT and (m := re.match(r"\s+(\w+)\s*:", t.line)):
-                    comments[m[1]] = t.string[1:].strip()
-    doc, epilog = (cls.__doc__ or "").strip(), None
-    if tiny:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in tiny.items())
-        epilog = ("--model tiny (the built-in random test model) switches the defaults to a smoke "
-                  "profile, about a minute on 2 CPU cores; a flag you give still wins:\n  " + flags)
-    parser = ArgParser(
-        description=None if doc.startswith(cls.__name__ + "(") else doc, allow_abbrev=False,
-        epilog=epilog, argument_default=argparse.SUPPRESS,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    hints, defaults = typing.get_type_hints(cls), {}
-    for f in dataclasses.fields(cls):  # a default_factory field is no bool/int/float/str
-        typ, defaults[f.name] = hints.get(f.name, str), f.default
-        if typ not in (bool, int, float, str):
-            raise TypeError(f"{cls.__name__}.{f.name}: a field is bool/int/float/str, not {typ}")
-        text = f"{comments.get(f.name, '')} (default: {f.default!r})".strip().replace("%", "%%")
-        kw = dict(action=_BoolFlag) if typ is bool else \
-            dict(type=typ, metavar=typ.__name__.upper())
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=text, **kw)
-    ns, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    valid = [a for a in parser._option_string_actions if a.startswith("--")]
-    msgs = []
-    for u in unknown:
-        name = u.split("=", 1)[0]
-        close = difflib.get_close_matches(name.replace("_", "-"), valid, n=1, cutoff=0.5)
-        msgs.append(f"unexpected argument {u!r} (flags look like --name VALUE)"
-                    if not name.startswith("-") else f"unknown flag {name}"
-                    + (f"; did you mean {close[0]}?" if close else "; see --help for the list"))
-    if msgs:
-        parser.error("; ".join(msgs))
-    given, base = vars(ns), {}
-    if resume := given.get("resume"):
-        cfg_path = pathlib.Path(resume) / "config.json"
-        if not cfg_path.is_file():
-            parser.error(f"--resume {resume}: no config.json there (expected a run folder "
-                         "written by Run)")
-        saved = json.loads(cfg_path.read_text())
-        if extra := sorted(set(saved) - set(defaults)):
-            warnings.warn(f"--resume: ignoring saved config keys not in {cls.__name__}: {extra}")
-        base = {**{k: v for k, v in saved.items() if k in defaults}, "output_dir": str(resume)}
+    comments = _field_comments(cls)
+    parser = _build_parser(cls, comments, tiny)
+    if argv is None:
+        argv = sys.argv[1:]
+    namespace, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        parser.error(_unknown_arguments_error(parser, unknown))
+    given = vars(namespace)  # only the flags given: argument_default is SUPPRESS
+    base = {}  # what the flags given override: the dataclass defaults where empty
+    if given.get("resume"):
+        base = _saved_config(cls, parser, given["resume"])
     elif tiny and given.get("model", cls.model) == "tiny":
         base = dict(tiny)
     cfg = cls(**{**base, **given})
-    for name, v in given.items():  # an explicit size or limit <= 0, unless 0 has a meaning
-        if type(v) not in (int, float) or v > 0 or not _LIMIT_RE.search(name):
-            continue
-        note, default = comments.get(name, ""), defaults.get(name)
-        zero_ok = name in _ZERO_OK or not name.endswith(("_tokens", "_len")) and (
-            default == 0 or re.search(r"(^|[\s(;])0 (=|means)", note))
-        if v != 0 or not zero_ok:
-            hint = (f"leave the flag out for the default ({note})" if default == 0 else
-                    f"the default is {default!r}")
-            parser.error(f"--{name.replace('_', '-')} {v}: must be a positive number; {hint}")
+    _check_limits(cls, parser, given, comments)
     logs.set_verbosity(cfg.verbose)  # before a check imports a library
     try:
         if check is not None:
@@ -214,8 +299,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
     return cfg
 
 
-_MODEL_FIX = ("pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, "
-                   "or 'tiny'")
+_MODEL_FIX = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
 
 
 def check_model(name: str, flag: str = "--model") -> None:
@@ -231,8 +315,10 @@ def check_model(name: str, flag: str = "--model") -> None:
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_MODEL_FIX}")
-    from huggingface_hub import constants, try_to_load_from_cache as cached
-    if constants.HF_HUB_OFFLINE and not isinstance(cached(name, "config.json"), str):
+    from huggingface_hub import constants, try_to_load_from_cache
+    if not constants.HF_HUB_OFFLINE:
+        return
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
         raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
                          "is set, so it cannot be downloaded; download it once online "
                          f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
@@ -249,26 +335,48 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             raise InputError(NO_CHECKPOINT.format(cfg.resume))
         if not cfg.resume and cfg.output_dir and held_run(cfg.output_dir):
             raise InputError(held_run(cfg.output_dir))
-        for f in dataclasses.fields(cfg):  # every *_model is there
-            if f.name == "model" or f.name.endswith("_model") and getattr(cfg, f.name):
-                check_model(getattr(cfg, f.name), "--" + f.name.replace("_", "-"))
+        for field in dataclasses.fields(cfg):  # --model and every --*-model given
+            model_name = getattr(cfg, field.name)
+            if field.name == "model" or field.name.endswith("_model") and model_name:
+                check_model(model_name, "--" + field.name.replace("_", "-"))
 
-    prog = next((os.path.basename(a) for a in sys.argv[:1] if a.endswith(".py")), cls.__module__)
+    prog = cls.__module__
+    if sys.argv and sys.argv[0].endswith(".py"):
+        prog = os.path.basename(sys.argv[0])
     cfg = parse_config(cls, argv, check=checks, tiny=tiny)
     try:
         result = train(cfg)
     except KeyboardInterrupt:
-        if (run := _ACTIVE_RUN) is not None:
+        run = _ACTIVE_RUN
+        if run is not None:
             run.close()
         if is_main_process():
-            print("\n" + (run.interrupted() if run else f"{prog}: interrupted before it started"),
-                  file=sys.stderr)
+            message = f"{prog}: interrupted before it started"
+            if run is not None:
+                message = run.interrupted()
+            print("\n" + message, file=sys.stderr)
         raise SystemExit(130) from None
     except (InputError, FileExistsError, FileNotFoundError, BenchmarkUnavailable, *errors) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
     if _ACTIVE_RUN is not None and is_main_process():
-        print(_ACTIVE_RUN.summary(headline(result) if headline else None), flush=True)
+        extra = headline(result) if headline else None
+        print(_ACTIVE_RUN.summary(extra), flush=True)
     return result
+
+
+def _placeholders(template: str) -> set[str]:
+    """A str.format template's placeholders as written: {x!r} is "x!r", so it matches no {x}."""
+    found = set()
+    for _literal, field, format_spec, conversion in string.Formatter().parse(template):
+        if field is None:
+            continue
+        placeholder = field
+        if conversion:
+            placeholder += f"!{conversion}"
+        if format_spec:
+            placeholder += f":{format_spec}"
+        found.add(placeholder)
+    return found
 
 
 def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
@@ -276,10 +384,14 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     exactly our placeholders (a missing one drops the document, an unknown one cannot be filled)."""
     if not path:
         return dict(defaults)
-    p, where = pathlib.Path(path), f"--prompts {path}"
+    where = f"--prompts {path}"
+    file = pathlib.Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-        given = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
+        text = file.read_text(encoding="utf-8")
+        if file.suffix.lower() == ".toml":
+            given = tomllib.loads(text)
+        else:
+            given = json.loads(text)
     except OSError:
         raise ValueError(f"{where}: no such file (give a .toml or .json file of named templates)")
     except ValueError as e:  # bad syntax, or not UTF-8
@@ -287,19 +399,13 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     if not isinstance(given, dict):
         raise ValueError(f"{where}: expected a table of name = template, got "
                          f"{type(given).__name__}")
-
-    def fields(text):  # the placeholders as written: {x!r} is "x!r", so it matches no {x}
-        parsed = string.Formatter().parse(text)
-        return {f + (f"!{c}" if c else "") + (f":{s}" if s else "")
-                for _, f, s, c in parsed if f is not None}
-
-    for name, text in given.items():
+    for name, template in given.items():
         if name not in defaults:
             raise ValueError(f"{where}: unknown template {name!r}; this method's templates are "
                              f"{sorted(defaults)}")
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(template, str) or not template.strip():
             raise ValueError(f"{where}: template {name!r} must be a non-empty string")
-        have, need = fields(text), fields(defaults[name])
+        have, need = _placeholders(template), _placeholders(defaults[name])
         if have != need:
             raise ValueError(f"{where}: template {name!r} must use exactly the placeholders "
                              f"{sorted(need)}; missing {sorted(need - have)}, unknown "
@@ -308,7 +414,7 @@ def load_prompts(path: str, defaults: dict[str, str]) -> dict[str, str]:
     return {**defaults, **given}
 
 
-# ------------------------------------------------------ seeding, atomic writes, torchrun helpers
+# ------------------------------------------------------------------------------------------ seeding
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU + all GPUs). The vLLM engine gets `seed` when built."""
     random.seed(seed)

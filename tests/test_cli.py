@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+import typing
+from dataclasses import dataclass
 
 import pytest
 
@@ -153,6 +155,34 @@ def test_bool_flags_named_no_something_switch_on():
     assert parse("--no-document").no_document and not parse("--no-no-document").no_document
     assert not parse().no_document
     assert parse("--eval-base").eval_base and not parse("--no-decontaminate").decontaminate
+
+
+@dataclass
+class _Limits(common.RunConfig):
+    sample_steps: int = 4  # 0 = off (what the comment says does not decide: ZERO_MEANS_OFF does)
+    warm_steps: int = 0  # 0 means no warm-up
+    probe_limit: int = 3
+    ZERO_MEANS_OFF: typing.ClassVar[tuple] = ("probe_limit",)
+
+
+def test_zero_means_off_is_declared_not_read_from_comments(capsys):
+    """0 is accepted for a size or limit flag exactly where a Config's ZERO_MEANS_OFF (its own, or a
+    base class's) lists it; a field's comment changes the help text only."""
+    parse = lambda *a: common.parse_config(_Limits, list(a))
+    assert parse("--probe-limit", "0").probe_limit == 0  # declared, though no comment says so
+    assert parse("--save-every", "0").save_every == 0  # declared by RunConfig
+    for flag in ("--sample-steps", "--warm-steps"):  # "0 = off" in a comment only: refused
+        with pytest.raises(SystemExit) as e:
+            parse(flag, "0")
+        assert e.value.code == 2
+        assert f"{flag} 0: must be a positive number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--probe-limit", "-1")  # declared: 0 means off, a negative number still means nothing
+    assert "--probe-limit -1: must be a positive number" in capsys.readouterr().err
+    parse("--warm-steps", "2")
+    with pytest.raises(SystemExit):
+        parse("--help")
+    assert "0 = off (what the comment says" in " ".join(capsys.readouterr().out.split())
 
 
 def test_resume_without_a_checkpoint_is_refused_by_the_library_too(tmp_path):
