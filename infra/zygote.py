@@ -68,6 +68,18 @@ CFG = LIBC = PRCTL = None
 RES_BUF = bytearray()  # the child's result frame (zeroed after each job)
 
 
+# A typical model-written program: main compiles and runs it before the first fork, so that each
+# child starts with the parser, the compiler and the allocator warm.
+WARM_UP_PROGRAM = '''\
+def warm_example(xs: list, k=2) -> dict:
+    """A typical model-written function, run to warm up."""
+    out = {}
+    for i, x in enumerate(sorted(xs)):
+        out[str(i)] = [x * j for j in range(k)] + list({x, -x}) if x % k else (x, f"{x:03d}")
+    return out
+'''
+
+
 
 
 def note(msg):
@@ -541,14 +553,6 @@ def run_job(job, src, send):
         RES_BUF = bytearray()
 
 
-def warm_example(xs: list, k=2) -> dict:
-    """A typical model-written function: main compiles and runs its source to warm up."""
-    out = {}
-    for i, x in enumerate(sorted(xs)):
-        out[str(i)] = [x * j for j in range(k)] + list({x, -x}) if x % k else (x, f"{x:03d}")
-    return out
-
-
 def setup():
     """Isolate this zygote once (see the section's head), then check that a child works."""
     S, R, C = STATE, REPORT, CFG
@@ -598,8 +602,6 @@ def main():
     PRCTL = LIBC.prctl  # typed once: a cheap call in each child
     PRCTL.argtypes, PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
     CFG = read_message()
-    with open(__file__, encoding="utf-8") as f:  # read before the file system is isolated
-        own_source = f.read()
     sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
     try:
         setup()
@@ -610,8 +612,8 @@ def main():
                                "zygote line %d)" % (type(e).__name__, e, where.name, where.lineno)})
     PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
     for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
-        ns = {"__name__": "warm-up"}  # this file as a program: it defines warm_example
-        exec(compile(own_source, "<program>", "exec"), ns)
+        ns = {"__name__": "__main__"}
+        exec(compile(WARM_UP_PROGRAM, "<program>", "exec"), ns)
         repr(eval(compile("warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns))
         try:
             compile("def f(:", "<program>", "exec")
