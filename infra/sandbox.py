@@ -97,7 +97,7 @@ ENV = {
     "LC_ALL": "C.UTF-8",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONIOENCODING": "utf-8",
-    # one thread per numeric library: a worker is one core's worth
+    # one thread per numeric library: a program keeps to one core
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
