@@ -1,10 +1,20 @@
-"""The sandbox's fork server. infra/sandbox.py starts it as `python -s -S -P zygote.py`: a clean
-interpreter that imports only the standard library, isolates itself once, then forks one child per
-program. Nothing here runs in the trainer.
+"""The sandbox's fork server. infra/sandbox.py starts one per worker as `python -s -S -P zygote.py`:
+a clean interpreter that imports only the standard library, isolates itself once (namespaces, an
+allow-listed read-only root, a memory cgroup, seccomp), then forks one child per program. Nothing
+here runs in the trainer.
 
-Each message is a 4-byte big-endian length + payload: the config (JSON) gets {"ready", "report"};
-each job is a JSON header of limits and lengths, then the program and expression bytes; each reply
-a kind byte (see PythonSandbox._result in infra/sandbox.py) and a JSON frame.
+How the trainer and the zygote talk, over the zygote's stdin and stdout (blocking pipes):
+- every message and reply starts with a 4-byte big-endian length of what follows;
+- first the config, JSON: {keep_paths, hide_paths, site_dirs, namespaces, memory_mb, tmpfs_mb,
+  hash_seed, uid}; the reply, JSON with no kind byte: {"ready": true, "report": REPORT}, or
+  {"ready": false, "report": ..., "error": "..."};
+- then per job a JSON header {memory_mb, fsize_mb, nproc, max_output, forbidden, timeout, plen,
+  elen}, followed by plen + elen raw bytes: the program and the expression (UTF-8, surrogatepass);
+- per job one reply: a kind byte and a JSON frame {"status", "value", "error"}. b"P": the child's
+  frame, written after the child's setup, so it may claim program outcomes only; b"S": the child's
+  frame from its setup; b"Z": the zygote's verdict on a child that left no frame (timeout, crash,
+  memory, output_limit); b"E": the zygote itself failed on this job (the trainer replaces it).
+The child writes its frame on fd 3: b"R" when its setup is over, then a length and the JSON frame.
 """
 import contextlib
 import ctypes
@@ -20,55 +30,156 @@ import sys
 import time
 
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+# clone(2) and unshare(2) flags, linux/sched.h
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 
-
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-
-
-MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
-
-
+# mount(2) flags, linux/mount.h
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
 MS_RO = MS_REMOUNT | MS_BIND | MS_RDONLY  # a read-only remount
-
+MNT_DETACH = 2  # umount2(2)
 
 # flags a read-only remount must keep (they are locked in a user namespace)
-MS_KEPT = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
-               "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+MS_KEPT = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+}
 
+# prctl(2) options
+PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP = 22
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+LINUX_CAPABILITY_VERSION_3 = 0x20080522  # capset(2)'s header
+SYS_PIVOT_ROOT = 155  # x86-64; glibc has no wrapper
 
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-
-
+# besides Python's own: system libraries (for C extensions) and time zones
+SYSTEM_LIBRARY_DIRS = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64",
+                       "/usr/share/zoneinfo")
 DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")  # no GPU
+DEV_LINKS = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+    "shm": "/tmp",  # POSIX shared memory: in the job's tmpfs
+}
 
+# x86-64 system calls a program gets EPERM for (the zygote's own setup is done by then)
+DENIED_SYSCALLS = {
+    "ptrace": 101, "pivot_root": 155, "chroot": 161, "swapon": 167, "swapoff": 168,
+    "reboot": 169, "iopl": 172, "ioperm": 173, "init_module": 175, "delete_module": 176,
+    "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
+    "perf_event_open": 298, "name_to_handle_at": 303, "open_by_handle_at": 304,
+    "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313,
+    "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "mount_setattr": 442,
+}
+SYS_SOCKET = 41
+SYS_SOCKETPAIR = 53
+SYS_CLONE = 56
+SYS_UNSHARE = 272
+SYS_SETNS = 308
+SYS_CLONE3 = 435
+AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
 
-DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-                 "stderr": "/proc/self/fd/2", "shm": "/tmp"}  # POSIX shm: in the job's tmpfs
+# classic BPF, linux/filter.h: opcodes, and where a seccomp filter finds its inputs
+BPF_LD_W_ABS = 0x20  # A = the 32-bit word at an offset into struct seccomp_data
+BPF_JEQ = 0x15       # jump if A == k
+BPF_JGE = 0x35       # jump if A >= k
+BPF_JSET = 0x45      # jump if A & k
+BPF_RET = 0x06       # return k
+SECCOMP_DATA_NR = 0
+SECCOMP_DATA_ARCH = 4
+SECCOMP_DATA_ARG0 = 16
+SECCOMP_DATA_ARG1 = 24
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+SECCOMP_RET_EPERM = 0x00050000 | 1          # SECCOMP_RET_ERRNO | EPERM
+SECCOMP_RET_ENOSYS = 0x00050000 | 38        # ... | ENOSYS
+SECCOMP_RET_EAFNOSUPPORT = 0x00050000 | 97  # ... | EAFNOSUPPORT
 
+# A typical model-written program: main compiles and runs it before the first fork, so that each
+# child starts with the parser, the compiler and the allocator warm.
+WARM_UP_PROGRAM = '''\
+def warm_example(xs: list, k=2) -> dict:
+    """A typical model-written function, run to warm up."""
+    out = {}
+    for i, x in enumerate(sorted(xs)):
+        out[str(i)] = [x * j for j in range(k)] + list({x, -x}) if x % k else (x, f"{x:03d}")
+    return out
+'''
+WARM_UP_EXPRESSION = "warm_example([1, 2, 3, 15, 4])"
 
-# what the zygote found (root, uid_dropped and uid set first), shown in PythonSandbox.isolation
-REPORT = {"namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
-              "pid_namespace": None, "readonly_root": False, "filesystem": "host", "scratch": None,
-              "hidden_paths": [], "masked_files": [], "proc_hidepid": False, "seccomp": False,
-              "rlimits": ["RLIMIT_" + n for n in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "CORE")],
-              "no_new_privs": True, "notes": [], "self_test": None, "memory_cgroup": None}
+# what the zygote found, shown in PythonSandbox.isolation; setup adds root, uid_dropped, uid and
+# ipc_per_job
+REPORT = {
+    "namespaces": dict.fromkeys(("user", "net", "mount", "ipc", "uts", "pid"), False),
+    "pid_namespace": None,
+    "readonly_root": False,
+    "filesystem": "host",
+    "scratch": None,
+    "hidden_paths": [],
+    "masked_files": [],
+    "proc_hidepid": False,
+    "seccomp": False,
+    "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+                "RLIMIT_CORE"],
+    "no_new_privs": True,
+    "notes": [],
+    "self_test": None,
+    "memory_cgroup": None,
+}
 
+# what the zygote keeps between jobs
+STATE = {
+    "pidns_fd": None,     # our own PID namespace, to return to before each job's fresh one
+    "pid1": False,        # this zygote is PID 1 of a namespace, emptied after every job
+    "job_ns": 0,          # the CLONE_NEW* flags unshared afresh before every job
+    "oom_fd": None,       # the memory cgroup's events, read for its OOM kills
+    "oom_kills": 0,       # its OOM kills so far
+    "oom_exempt": False,  # this zygote is exempt from the OOM killer (its children are not)
+    "cgroup": None,       # what leave needs to remove our memory cgroup
+    "tmp_mark": None,     # the stat of the job tmpfs on /tmp; None: mount a fresh one
+    "nproc_base": 0,      # processes of our real uid outside the job, added to RLIMIT_NPROC
+    "ids": None,          # (uid, gid) of a job's files
+    "jobdir": None,       # each job's working directory
+}
 
-STATE = {"pidns_fd": None, "pid1": False, "oom_fd": None, "oom_kills": 0,
-             "oom_exempt": False, "tmp_mark": None, "nproc_base": 0, "job_ns": 0}
-
-
-CFG = LIBC = PRCTL = None
-
+CFG = None    # the config message
+LIBC = None   # the C library, errno kept
+PRCTL = None  # LIBC.prctl, typed once: a cheap call in each child
 
 RES_BUF = bytearray()  # the child's result frame (zeroed after each job)
 
 
-
+# ----------------------------------------------------------------------------------- helpers
 
 def note(msg):
     REPORT["notes"].append(msg)
@@ -76,12 +187,19 @@ def note(msg):
 
 def libc_call(name, *args):
     if getattr(LIBC, name)(*args) != 0:
-        raise OSError(e := ctypes.get_errno(), name + ": " + os.strerror(e))
+        errno = ctypes.get_errno()
+        raise OSError(errno, name + ": " + os.strerror(errno))
 
 
-def mount(src, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+def c_string(text):
+    if text is None:
+        return None
+    return text.encode()
+
+
+def mount(source, target, fstype, flags, data=None):
+    libc_call("mount", c_string(source), c_string(target), c_string(fstype),
+              ctypes.c_ulong(flags), c_string(data))
 
 
 def write_file(path, text):  # os.open: cheaper than open() in each child
@@ -92,92 +210,132 @@ def write_file(path, text):  # os.open: cheaper than open() in each child
         os.close(fd)
 
 
+def unescape_octal(path):
+    """mountinfo writes a space, tab, newline or backslash in a path as \\ooo (octal)."""
+    return re.sub(r"\\([0-7]{3})", octal_char, path)
+
+
+def octal_char(match):
+    return chr(int(match[1], 8))
+
+
 def mountinfo():
-    """/proc/self/mountinfo's rows, split, with mount root and target unescaped (octal)."""
-    unescape = lambda p: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p)
+    """The rows of /proc/self/mountinfo (proc(5)), by name."""
+    mounts = []
     with open("/proc/self/mountinfo") as f:
-        return [m[:3] + [unescape(m[3]), unescape(m[4])] + m[5:] for m in map(str.split, f)]
+        for line in f:
+            fields = line.split()
+            end = fields.index("-")  # the optional fields end here
+            mounts.append({
+                "root": unescape_octal(fields[3]),
+                "mount_point": unescape_octal(fields[4]),
+                "options": fields[5].split(","),
+                "fstype": fields[end + 1],
+                "super_options": fields[end + 3].split(","),
+            })
+    return mounts
 
 
 def try_in_child(fn):
     """Whether fn() succeeds in a throwaway child: a probe that must not change this one."""
-    if (pid := os.fork()) == 0:
+    pid = os.fork()
+    if pid == 0:
         try:
             fn()
             os._exit(0)
         finally:
             os._exit(1)
-    return os.waitpid(pid, 0)[1] == 0
+    _, wait_status = os.waitpid(pid, 0)
+    return wait_status == 0
 
+
+# ------------------------------------------------------------------ messages with the trainer
 
 def leave():
     """Leave and remove our memory cgroup (the trainer has gone or closed us), then exit."""
-    with contextlib.suppress(KeyError, OSError):
-        parent, procs, name = STATE["cgroup"]
-        os.write(procs, b"0")
-        os.rmdir(name, dir_fd=parent)
+    cgroup = STATE["cgroup"]
+    if cgroup is not None:
+        with contextlib.suppress(OSError):
+            os.write(cgroup["parent_procs_fd"], b"0")
+            os.rmdir(cgroup["name"], dir_fd=cgroup["parent_fd"])
     os._exit(0)
 
 
-def read_message(n=None):
-    """n bytes from the trainer, in a bytearray (a job's is zeroed after it); else a message."""
-    buf, got = bytearray(4 if n is None else n), 0
-    while got < len(buf):
+def read_exactly(n):
+    """n bytes from the trainer, in a bytearray (a job's is zeroed after it)."""
+    buf = bytearray(n)
+    got = 0
+    while got < n:
         k = os.readv(0, [memoryview(buf)[got:]])
         if not k:
             leave()  # the trainer went away
         got += k
-    return json.loads(read_message(struct.unpack(">I", buf)[0])) if n is None else buf
+    return buf
+
+
+def read_message():
+    """One JSON message from the trainer."""
+    length = struct.unpack(">I", read_exactly(4))[0]
+    return json.loads(read_exactly(length))
 
 
 def reply(kind, data):
     """Send kind + data, a dict (as JSON) or a child's frame (uncopied), to the trainer."""
-    data = json.dumps(data).encode() if type(data) is dict else data
-    os.writev(1, [struct.pack(">I", len(kind) + len(data)) + kind, data])  # a blocking pipe: whole
+    if type(data) is dict:
+        data = json.dumps(data).encode()
+    header = struct.pack(">I", len(kind) + len(data)) + kind
+    os.writev(1, [header, data])  # a blocking pipe: written whole
 
+
+# ------------------------------------------------------- one-time isolation of the zygote itself
 
 def enter_namespaces():
     """Net, mount, IPC and UTS namespaces; not root: inside a user namespace of our uid alone."""
-    ns = REPORT["namespaces"]
+    namespaces = REPORT["namespaces"]
     if not CFG["namespaces"]:
         return note("namespaces turned off by the caller")
     if os.geteuid() != 0 or CFG["namespaces"] == "user":
-        uid, gid = os.getuid(), os.getgid()
+        uid = os.getuid()
+        gid = os.getgid()
         try:
             libc_call("unshare", CLONE_NEWUSER)
             write_file("/proc/self/setgroups", "deny")
             write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
             write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
-            ns["user"] = True
+            namespaces["user"] = True
         except OSError as e:
             return note("no user namespace (%s): running without namespaces" % e)
     for key, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS),
                       ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
-        ns[key] = LIBC.unshare(flag) == 0
-        if not ns[key]:
+        namespaces[key] = LIBC.unshare(flag) == 0
+        if not namespaces[key]:
             note("no %s namespace: %s" % (key, os.strerror(ctypes.get_errno())))
-    if ns["uts"]:
+    if namespaces["uts"]:
         LIBC.sethostname(b"sandbox", 7)
 
 
 def setup_pid_namespace():
     """A PID namespace per job (root), else (setns refused) one per worker with this as PID 1."""
-    libc, fd, ns = LIBC, os.open("/proc/self/ns/pid", os.O_RDONLY), CLONE_NEWPID
+    own_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
 
-    def per_job():  # in a throwaway child: a failed attempt would spoil pid_for_children
-        if libc.unshare(ns) or libc.setns(fd, ns) or libc.unshare(ns):
+    def new_namespace_per_job():  # in a throwaway child: a failure would spoil pid_for_children
+        failed = (LIBC.unshare(CLONE_NEWPID) or LIBC.setns(own_namespace, CLONE_NEWPID)
+                  or LIBC.unshare(CLONE_NEWPID))
+        if failed:
             raise OSError("refused")
         if os.fork() == 0:
             os._exit(0)
         os.wait()
-    if try_in_child(per_job):
-        STATE["pidns_fd"], STATE["job_ns"] = fd, CLONE_NEWPID
+
+    if try_in_child(new_namespace_per_job):
+        STATE["pidns_fd"] = own_namespace
+        STATE["job_ns"] = CLONE_NEWPID
         REPORT["pid_namespace"] = "one per program"
     else:
-        os.close(fd)
-        if libc.unshare(ns) != 0:
+        os.close(own_namespace)
+        if LIBC.unshare(CLONE_NEWPID) != 0:
             return note("no pid namespace (errno %d): escaped processes are found by uid"
-                            % ctypes.get_errno())
+                        % ctypes.get_errno())
         if os.fork() != 0:  # the outer process only waits; the worker goes on as the new PID 1
             os.wait()
             os._exit(1)
@@ -187,125 +345,290 @@ def setup_pid_namespace():
     REPORT["namespaces"]["pid"] = True
 
 
-def isolate_filesystem():
-    """Pivot into a tmpfs root: allow-listed dirs and files read-only, fake accounts, /proc."""
-    R, C = REPORT, CFG
-    if not R["namespaces"]["mount"]:
-        return
-    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below reaches the host
+def remount_all_readonly():
+    """Every mount read-only, so that the bind mounts made later are read-only throughout."""
     failed = 0
-    for m in mountinfo():  # every mount read-only first, so the binds below are throughout
-        kept = sum(f for o, f in MS_KEPT.items() if o in m[5].split(","))
-        failed += not (m[4] + "/").startswith("/proc/") and LIBC.mount(
-            None, m[4].encode(), None, ctypes.c_ulong(MS_RO | kept), None) != 0
+    for m in mountinfo():
+        if (m["mount_point"] + "/").startswith("/proc/"):
+            continue  # /proc stays writable: a child writes /proc/self/oom_score_adj
+        kept = 0
+        for option, flag in MS_KEPT.items():
+            if option in m["options"]:
+                kept |= flag
+        target = m["mount_point"].encode()
+        if LIBC.mount(None, target, None, ctypes.c_ulong(MS_RO | kept), None) != 0:
+            failed += 1
     if failed:
         note("%d mounts could not be made read-only" % failed)
-    # besides Python's own: system libraries (for C extensions), the loader cache, time zones
-    libs = [d + n for d in ("/lib", "/usr/lib") for n in ("", "32", "64")] + ["/usr/share/zoneinfo"]
-    dirs = sorted({*C["keep_paths"], *map(os.path.realpath, filter(os.path.isdir, libs))}, key=len)
-    files = [*DEV_NODES, "/etc/ld.so.cache", "/etc/localtime"]
-    fds = {}  # opened before the new root covers /tmp, where Python itself may live
-    for p in dirs + files:  # shortest dirs first: one inside an opened one comes with it
-        if not any(p.startswith(q.rstrip("/") + "/") for q in fds):
-            with contextlib.suppress(OSError):
-                fds[p] = os.open(p, os.O_PATH | (os.O_DIRECTORY if p in dirs else 0))
-    new = "/tmp" if os.path.isdir("/tmp") else "/mnt"
-    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
-    for link in filter(os.path.islink, libs):  # merged /usr: /lib -> usr/lib and friends
-        os.symlink(os.readlink(link), new + link)
-    for p, fd in fds.items():  # read-only and nosuid; nodev too, except for the /dev nodes
-        try:
-            os.makedirs(new + p if p in dirs else os.path.dirname(new + p), exist_ok=True)
-            if p not in dirs:
-                open(new + p, "w").close()
-            mount("/proc/self/fd/%d" % fd, new + p, None, MS_BIND | MS_REC)
-            mount(None, new + p, None, MS_RO | MS_NOSUID
-                      | (0 if p in DEV_NODES else MS_NODEV))
-        except OSError as e:
-            note("could not bind %s: %s" % (p, e))
-        os.close(fd)
-    os.makedirs(new + "/dev", exist_ok=True)
-    for name, target in DEV_LINKS.items():  # before the hidden /dev/shm: that one is a link
-        os.symlink(target, new + "/dev/" + name)
-    R["hidden_paths"] = [d for d in C["hide_paths"] if os.path.isdir(d) and not os.path.islink(d)]
-    for d in ["/etc", "/tmp", "/proc"] + R["hidden_paths"]:  # hidden ones: empty, or absent
-        with contextlib.suppress(OSError):  # where no directory can be made
-            os.makedirs(new + d, exist_ok=True)
-    etc = {"/etc/passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"  # the uid is its gid too
-                          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-                          "sandbox:x:{0}:{0}:sandbox:/tmp:/usr/sbin/nologin\n".format(C["uid"]),
-           "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % C["uid"],
-           "/etc/shadow": "", "/etc/gshadow": "", "/etc/hostname": "sandbox\n",
-           "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
-    for p, text in etc.items():
-        write_file(new + p, text)
-    R["masked_files"] = list(etc)
+
+
+def is_inside(path, directory):
+    return path.startswith(directory.rstrip("/") + "/")
+
+
+def open_allowed_paths(dirs, files):
+    """O_PATH fds of the allow-listed dirs and files, opened before the new root covers /tmp
+    (where Python itself may live); a path inside an opened dir comes with it."""
+    fds = {}
+    for path in dirs + files:  # shortest dirs first
+        if any(is_inside(path, opened) for opened in fds):
+            continue
+        flags = os.O_PATH
+        if path in dirs:
+            flags |= os.O_DIRECTORY
+        with contextlib.suppress(OSError):
+            fds[path] = os.open(path, flags)
+    return fds
+
+
+def bind_readonly(fd, path, target, is_dir):
+    """Bind what fd opened on target: read-only and nosuid; nodev too, except for the /dev nodes."""
+    if is_dir:
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "w").close()  # a file to bind over
+    flags = MS_RO | MS_NOSUID
+    if path not in DEV_NODES:
+        flags |= MS_NODEV
+    mount("/proc/self/fd/%d" % fd, target, None, MS_BIND | MS_REC)
+    mount(None, target, None, flags)
+
+
+def fake_accounts(uid):
+    """/etc files a program may read: root, nobody, and the job's uid (its gid too) alone."""
+    passwd = ("root:x:0:0:root:/root:/usr/sbin/nologin\n"
+              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+              "sandbox:x:%d:%d:sandbox:/tmp:/usr/sbin/nologin\n" % (uid, uid))
+    return {
+        "/etc/passwd": passwd,
+        "/etc/group": "root:x:0:\nnogroup:x:65534:\nsandbox:x:%d:\n" % uid,
+        "/etc/shadow": "",
+        "/etc/gshadow": "",
+        "/etc/hostname": "sandbox\n",
+        "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+    }
+
+
+def mount_proc(root):
+    """A /proc that shows only our own processes; else the host's, bound."""
     try:
-        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                  "hidepid=2")
-        R["proc_hidepid"] = True
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        REPORT["proc_hidepid"] = True
     except OSError as e:
         note("proc hidepid: %s (the host's /proc is bound instead)" % e)
-        mount("/proc", new + "/proc", None, MS_BIND | MS_REC)
+        mount("/proc", root + "/proc", None, MS_BIND | MS_REC)
+
+
+def switch_root(root):
+    """pivot_root into root; -> whether it worked (else we stay, read-only, on the host's)."""
     try:
-        os.chdir(new)
-        libc_call("syscall", 155, b".", b".")  # pivot_root(".", "."): the old root on top ...
-        libc_call("umount2", b".", MNT_DETACH)  # ... is detached whole
+        os.chdir(root)
+        libc_call("syscall", SYS_PIVOT_ROOT, b".", b".")  # the old root lands on top ...
+        libc_call("umount2", b".", MNT_DETACH)  # ... and is detached whole
         os.chdir("/")
         mount(None, "/", None, MS_RO | MS_NOSUID | MS_NODEV)
     except OSError as e:
         os.chdir("/")
-        return note("could not switch to the allow-list root: %s" % e)
-    R["readonly_root"], R["filesystem"] = True, "allow-list"
+        note("could not switch to the allow-list root: %s" % e)
+        return False
+    return True
+
+
+def isolate_filesystem():
+    """Pivot into a tmpfs root: allow-listed dirs and files read-only, fake accounts, /proc."""
+    if not REPORT["namespaces"]["mount"]:
+        return
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below reaches the host
+    remount_all_readonly()
+    dirs = set(CFG["keep_paths"])
+    for path in SYSTEM_LIBRARY_DIRS:
+        if os.path.isdir(path):
+            dirs.add(os.path.realpath(path))
+    dirs = sorted(dirs, key=len)
+    files = [*DEV_NODES, "/etc/ld.so.cache", "/etc/localtime"]  # and the loader cache, time zone
+    fds = open_allowed_paths(dirs, files)
+
+    new_root = "/tmp" if os.path.isdir("/tmp") else "/mnt"
+    mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    for path in SYSTEM_LIBRARY_DIRS:
+        if os.path.islink(path):  # merged /usr: /lib -> usr/lib and friends
+            os.symlink(os.readlink(path), new_root + path)
+    for path, fd in fds.items():
+        try:
+            bind_readonly(fd, path, new_root + path, path in dirs)
+        except OSError as e:
+            note("could not bind %s: %s" % (path, e))
+        os.close(fd)
+    os.makedirs(new_root + "/dev", exist_ok=True)
+    for name, target in DEV_LINKS.items():  # before the hidden /dev/shm: that one is a link
+        os.symlink(target, new_root + "/dev/" + name)
+
+    hidden = []
+    for path in CFG["hide_paths"]:
+        if os.path.isdir(path) and not os.path.islink(path):
+            hidden.append(path)
+    REPORT["hidden_paths"] = hidden
+    # hidden ones: empty, or absent where no directory can be made
+    for path in ["/etc", "/tmp", "/proc"] + hidden:
+        with contextlib.suppress(OSError):
+            os.makedirs(new_root + path, exist_ok=True)
+    etc = fake_accounts(CFG["uid"])
+    for path, text in etc.items():
+        write_file(new_root + path, text)
+    REPORT["masked_files"] = list(etc)
+    mount_proc(new_root)
+    if switch_root(new_root):
+        REPORT["readonly_root"] = True
+        REPORT["filesystem"] = "allow-list"
+
+
+def memory_cgroup_parents():
+    """[(version, directory)] of our memory cgroup, in each mounted hierarchy that has one."""
+    with open("/proc/self/cgroup") as f:
+        groups = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path
+    mounts = mountinfo()
+    found = []
+    for _, controllers, path in groups:
+        for m in mounts:
+            if not path.startswith(m["root"]):
+                continue
+            v2 = controllers == "" and m["fstype"] == "cgroup2"
+            v1 = ("memory" in controllers.split(",") and m["fstype"] == "cgroup"
+                  and "memory" in m["super_options"])
+            if v2 or v1:
+                directory = m["mount_point"] + "/" + path[len(m["root"]):].strip("/")
+                found.append((2 if v2 else 1, directory))
+    return found
+
+
+def make_memory_cgroup(version, parent, limit):
+    """Our own cgroup under parent, limited to limit bytes, with this process in it."""
+    cgroup = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
+    if version == 2:
+        # memory.oom.group: an OOM kill takes the whole job, not the (exempt) zygote
+        settings = {"memory.max": limit, "memory.swap.max": 0,
+                    "memory.oom.group": int(STATE["oom_exempt"])}
+    else:
+        settings = {"memory.limit_in_bytes": limit}
+    try:
+        if version == 2:  # a no-op where it is on; ENOENT where the parent has no memory
+            write_file(parent + "/cgroup.subtree_control", "+memory")
+        os.mkdir(cgroup)
+        if os.path.exists(cgroup + "/memory.memsw.limit_in_bytes"):  # v1 with swap accounting
+            settings["memory.memsw.limit_in_bytes"] = limit
+        settings["cgroup.procs"] = os.getpid()
+        for name, value in settings.items():
+            write_file(cgroup + "/" + name, str(value))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(cgroup)
+        raise
+    return cgroup
 
 
 def setup_cgroup():
     """Root: this zygote, and so each job, in a memory cgroup of memory_mb + 32 MB (v2, else v1)."""
-    S, limit = STATE, (CFG["memory_mb"] + 32) << 20
+    limit = (CFG["memory_mb"] + 32) << 20
     why = "a job's processes together may hold max_procs x memory_mb, its tmpfs tmpfs_mb more"
     if not REPORT["uid_dropped"]:
         return note("no memory cgroup (needs root): " + why)
     try:
         write_file("/proc/self/oom_score_adj", "-1000")
-        S["oom_exempt"] = True
+        STATE["oom_exempt"] = True
     except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
         note("zygote not exempt from the OOM killer: %s" % e)
-    with open("/proc/self/cgroup") as f:
-        groups = [ln.rstrip("\n").split(":", 2) for ln in f]
-    found, mounts, errors = [], mountinfo(), []  # (version, our memory cgroup's directory)
-    for _, ctrl, rel in groups:
-        for m in mounts:
-            fstype, opts = m[m.index("-") + 1], m[m.index("-") + 3].split(",")
-            v1 = "memory" in ctrl.split(",") and fstype == "cgroup" and "memory" in opts
-            if rel.startswith(m[3]) and ((ctrl == "" and fstype == "cgroup2") or v1):
-                found.append((2 if ctrl == "" else 1, m[4] + "/" + rel[len(m[3]):].strip("/")))
-    for version, parent in sorted(found, reverse=True):
-        d = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
-        # v2's memory.oom.group: an OOM kill takes the whole job, not the (exempt) zygote
-        settings = {"memory.max": limit, "memory.swap.max": 0, "memory.oom.group":
-                    int(S["oom_exempt"])} if version == 2 else {"memory.limit_in_bytes": limit}
+    errors = []
+    for version, parent in sorted(memory_cgroup_parents(), reverse=True):  # v2 first
         try:
-            if version == 2:  # a no-op where it is on; ENOENT where the parent has no memory
-                write_file(parent + "/cgroup.subtree_control", "+memory")
-            os.mkdir(d)
-            if os.path.exists(d + "/memory.memsw.limit_in_bytes"):  # v1 with swap accounting
-                settings["memory.memsw.limit_in_bytes"] = limit
-            for name, value in dict(settings, **{"cgroup.procs": os.getpid()}).items():
-                write_file(d + "/" + name, str(value))
+            cgroup = make_memory_cgroup(version, parent, limit)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
-        S["oom_fd"] = os.open(d + ("/memory.events" if version == 2 else "/memory.oom_control"),
-                              os.O_RDONLY)  # a new cgroup: no OOM kill yet
+        events = "/memory.events" if version == 2 else "/memory.oom_control"
+        STATE["oom_fd"] = os.open(cgroup + events, os.O_RDONLY)  # a new cgroup: no OOM kill yet
         # kept open for leave, which runs after the pivot, where /sys is not visible
-        S["cgroup"] = (os.open(parent, os.O_RDONLY | os.O_DIRECTORY),
-                       os.open(parent + "/cgroup.procs", os.O_WRONLY), os.path.basename(d))
-        REPORT["memory_cgroup"] = {"version": version, "path": d, "limit_mb": limit >> 20}
+        STATE["cgroup"] = {"parent_fd": os.open(parent, os.O_RDONLY | os.O_DIRECTORY),
+                           "parent_procs_fd": os.open(parent + "/cgroup.procs", os.O_WRONLY),
+                           "name": os.path.basename(cgroup)}
+        REPORT["memory_cgroup"] = {"version": version, "path": cgroup, "limit_mb": limit >> 20}
         return
-    note("no memory cgroup (%s): %s" % ("; ".join(errors) or "no cgroup filesystem with a "
-                                            "memory controller", why))
+    reasons = "; ".join(errors) or "no cgroup filesystem with a memory controller"
+    note("no memory cgroup (%s): %s" % (reasons, why))
+
+
+def bpf(code, k, if_true=0, if_false=0, label=None):
+    """One BPF instruction; a jump target is a label further on, or a count of those to skip."""
+    return {"label": label, "code": code, "k": k, "if_true": if_true, "if_false": if_false}
+
+
+def assemble(program):
+    """struct sock_filter bytes of program, its labels resolved to jump offsets."""
+    where = {}
+    for index, instruction in enumerate(program):
+        if instruction["label"]:
+            where[instruction["label"]] = index
+
+    def offset(target, index):
+        if isinstance(target, str):
+            return where[target] - index - 1
+        return target
+
+    raw = b""
+    for index, instruction in enumerate(program):
+        if_true = offset(instruction["if_true"], index)
+        if_false = offset(instruction["if_false"], index)
+        raw += struct.pack("HBBI", instruction["code"], if_true, if_false, instruction["k"])
+    return raw
+
+
+def seccomp_filter(allow_inet):
+    """The filter's program: x86-64 calls alone, DENIED_SYSCALLS refused, no new namespaces but
+    PID and IPC ones (the zygote's, per job), sockets: AF_UNIX, AF_INET/6 where allow_inet."""
+    namespaces = (CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID
+                  | CLONE_NEWNET | CLONE_NEWCGROUP)
+    program = [
+        bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARCH),
+        bpf(BPF_JEQ, AUDIT_ARCH_X86_64, if_true=1),
+        bpf(BPF_RET, SECCOMP_RET_KILL_PROCESS),
+        bpf(BPF_LD_W_ABS, SECCOMP_DATA_NR),
+        bpf(BPF_JGE, X32_SYSCALL_BIT, if_true="eperm"),
+        bpf(BPF_JEQ, SYS_CLONE3, if_true="enosys"),  # glibc falls back to clone
+    ]
+    for number in DENIED_SYSCALLS.values():
+        program.append(bpf(BPF_JEQ, number, if_true="eperm"))
+    program += [
+        bpf(BPF_JEQ, SYS_CLONE, if_true="clone"),
+        bpf(BPF_JEQ, SYS_UNSHARE, if_true="unshare"),
+        bpf(BPF_JEQ, SYS_SETNS, if_true="setns"),
+        bpf(BPF_JEQ, SYS_SOCKET, if_true="socket"),
+        bpf(BPF_JEQ, SYS_SOCKETPAIR, if_true="socket"),
+        bpf(BPF_RET, SECCOMP_RET_ALLOW),
+
+        bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG0, label="clone"),  # its flags
+        bpf(BPF_JSET, namespaces, if_true="eperm"),
+        bpf(BPF_RET, SECCOMP_RET_ALLOW),
+
+        bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG0, label="unshare"),
+        bpf(BPF_JSET, namespaces & ~(CLONE_NEWPID | CLONE_NEWIPC), if_true="eperm"),
+        bpf(BPF_RET, SECCOMP_RET_ALLOW),
+
+        bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG1, label="setns"),  # the namespace type
+        bpf(BPF_JEQ, CLONE_NEWPID, if_true="allow", if_false="eperm"),
+
+        bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG0, label="socket"),  # the address family
+        bpf(BPF_JEQ, AF_UNIX, if_true="allow"),
+    ]
+    if allow_inet:
+        program.append(bpf(BPF_JEQ, AF_INET, if_true="allow"))
+        program.append(bpf(BPF_JEQ, AF_INET6, if_true="allow"))
+    program += [
+        bpf(BPF_RET, SECCOMP_RET_EAFNOSUPPORT),
+        bpf(BPF_RET, SECCOMP_RET_ALLOW, label="allow"),
+        bpf(BPF_RET, SECCOMP_RET_EPERM, label="eperm"),
+        bpf(BPF_RET, SECCOMP_RET_ENOSYS, label="enosys"),
+    ]
+    return program
 
 
 def install_seccomp():
@@ -314,41 +637,65 @@ def install_seccomp():
     refused). Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
     if os.uname().machine != "x86_64":
         return note("seccomp filter only written for x86-64: not installed")
-    # ptrace pivot_root chroot swapon swapoff reboot iopl ioperm init_module delete_module
-    # kexec_load add_key request_key keyctl perf_event_open name_to_handle_at open_by_handle_at
-    # process_vm_readv/writev finit_module kexec_file_load bpf userfaultfd io_uring_setup/enter/
-    # register open_tree move_mount fsopen fsconfig fsmount fspick mount_setattr
-    deny = [101, 155, 161, 167, 168, 169, 172, 173, 175, 176, 246, 248, 249, 250, 298, 303,
-            304, 310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442]
-    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
-    ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
-    ns_flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | \
-        CLONE_NEWPID | CLONE_NEWNET | 0x02000000  # CLONE_NEWCGROUP
-    src = [("", LD, 0, 0, 4), ("", JEQ, 1, 0, 0xC000003E), ("", RET, 0, 0, KILL),  # x86-64 ABI
-           ("", LD, 0, 0, 0), ("", JGE, "eperm", 0, 0x40000000),                  # x32 syscalls
-           ("", JEQ, "enosys", 0, 435)]              # clone3 -> ENOSYS: glibc falls back to clone
-    src += [("", JEQ, "eperm", 0, nr) for nr in deny]
-    src += [("", JEQ, "clone", 0, 56), ("", JEQ, "unshare", 0, 272), ("", JEQ, "setns", 0, 308),
-            ("", JEQ, "socket", 0, 41), ("", JEQ, "socket", 0, 53), ("", RET, 0, 0, ALLOW),
-            ("clone", LD, 0, 0, 16), ("", JSET, "eperm", 0, ns_flags), ("", RET, 0, 0, ALLOW),
-            ("unshare", LD, 0, 0, 16),
-            ("", JSET, "eperm", 0, ns_flags & ~(CLONE_NEWPID | CLONE_NEWIPC)),
-            ("", RET, 0, 0, ALLOW),
-            ("setns", LD, 0, 0, 24), ("", JEQ, "allow", "eperm", CLONE_NEWPID),
-            ("socket", LD, 0, 0, 16), ("", JEQ, "allow", 0, 1)]               # AF_UNIX
-    if REPORT["namespaces"]["net"]:
-        src += [("", JEQ, "allow", 0, 2), ("", JEQ, "allow", 0, 10)]          # AF_INET, AF_INET6
-    src += [("", RET, 0, 0, 0x00050000 | 97),                                 # EAFNOSUPPORT
-            ("allow", RET, 0, 0, ALLOW), ("eperm", RET, 0, 0, EPERM), ("enosys", RET, 0, 0, ENOSYS)]
-    where = {lab: i for i, (lab, *_rest) in enumerate(src) if lab}
-    jump = lambda target, i: where[target] - i - 1 if isinstance(target, str) else target
-    raw = b"".join(struct.pack("HBBI", code, jump(jt, i), jump(jf, i), k)
-                   for i, (_, code, jt, jf, k) in enumerate(src))
+    program = seccomp_filter(allow_inet=REPORT["namespaces"]["net"])
+    raw = assemble(program)
     buf = ctypes.create_string_buffer(raw, len(raw))
-    prog = (ctypes.c_ulong * 2)(len(src), ctypes.addressof(buf))  # struct sock_fprog
+    sock_fprog = (ctypes.c_ulong * 2)(len(program), ctypes.addressof(buf))
     libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc_call("prctl", 22, 2, ctypes.addressof(prog), 0, 0)  # PR_SET_SECCOMP, a filter
+    libc_call("prctl", PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(sock_fprog), 0, 0)
     REPORT["seccomp"] = True
+
+
+# ----------------------------------------------------------------------------------- per job
+
+def confine_child(job):
+    """The child's own limits: no inherited fds, the job's uid or no capabilities, rlimits."""
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(4, 1 << 16)
+    os.chdir(STATE["jobdir"])
+    if STATE["oom_exempt"]:  # the zygote is exempt from the OOM killer, its children are not
+        write_file("/proc/self/oom_score_adj", "0")
+    if REPORT["uid_dropped"]:  # setgid/setuid as root set the real, effective and saved ids
+        os.setgroups([])
+        os.setgid(CFG["uid"])
+        os.setuid(CFG["uid"])
+    elif REPORT["namespaces"]["user"]:  # drop every capability, from the bounding set too
+        for cap in range(64):
+            PRCTL(PR_CAPBSET_DROP, cap, 0, 0, 0)
+        # capset({version 3, pid 0}, all 2 x 3 capability sets empty)
+        header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+        libc_call("capset", header, (ctypes.c_uint32 * 6)())
+    PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # when the zygote dies
+    PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # inherited already where seccomp is on
+    limits = {
+        resource.RLIMIT_AS: job["memory_mb"] << 20,
+        resource.RLIMIT_CPU: int(job["timeout"]) + 1,
+        resource.RLIMIT_FSIZE: job["fsize_mb"] << 20,
+        resource.RLIMIT_NOFILE: 64,
+        resource.RLIMIT_NPROC: job["nproc"] + STATE["nproc_base"],
+        resource.RLIMIT_CORE: 0,
+    }
+    for which, limit in limits.items():
+        resource.setrlimit(which, (limit, limit))
+
+
+def guard_imports(forbidden):
+    """Make an import of a forbidden module fail; -> the exception class it raises."""
+    import builtins
+    real_import = builtins.__import__
+    forbidden_import = type("ForbiddenImport", (ImportError,), {})
+
+    def guarded_import(name, *args, **kwargs):
+        if name.split(".")[0] in forbidden:
+            raise forbidden_import("import of %r is not allowed" % name)
+        return real_import(name, *args, **kwargs)
+
+    builtins.__import__ = guarded_import
+    for module in [m for m in sys.modules if m.split(".")[0] in forbidden]:
+        del sys.modules[module]  # what the zygote imported goes through the guard too
+    return forbidden_import
 
 
 def child_main(job, src, wfd):
@@ -361,64 +708,35 @@ def child_main(job, src, wfd):
 
     def report(status, value=None, error=None):
         try:
-            data = ('{"status": %s, "value": %s, "error": %s}' % (
-                _enc(status), "null" if value is None else _enc(value),
-                "null" if error is None else _enc(error))).encode()
+            value_json = "null" if value is None else _enc(value)
+            error_json = "null" if error is None else _enc(error)
+            frame = '{"status": %s, "value": %s, "error": %s}' % (_enc(status), value_json,
+                                                                   error_json)
+            data = frame.encode()
             _write(wfd, _pack(">I", _len(data)) + data)
         finally:
             _exit(0)
 
-    R, S, forbidden_exc = REPORT, STATE, ()  # isinstance(e, ()) is False
     try:
         os.setsid()
         wfd = os.dup2(wfd, 3)
-        null = os.open("/dev/null", os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        os.closerange(4, 1 << 16)
-        os.chdir(S["jobdir"])
-        if S["oom_exempt"]:  # the zygote is exempt from the OOM killer, its children are not
-            write_file("/proc/self/oom_score_adj", "0")
-        if R["uid_dropped"]:  # setgid/setuid as root set the real, effective and saved ids
-            os.setgroups([])
-            os.setgid(CFG["uid"])
-            os.setuid(CFG["uid"])
-        elif R["namespaces"]["user"]:  # drop every capability, from the bounding set too
-            for cap in range(64):
-                PRCTL(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-            # capset({_LINUX_CAPABILITY_VERSION_3, pid 0}, all 2 x 3 capability sets empty)
-            libc_call("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
-        PRCTL(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the zygote dies
-        PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # inherited already where seccomp is on
-        for name, n in (("AS", job["memory_mb"] << 20), ("CPU", int(job["timeout"]) + 1),
-                        ("FSIZE", job["fsize_mb"] << 20), ("NOFILE", 64),
-                        ("NPROC", job["nproc"] + S["nproc_base"]), ("CORE", 0)):
-            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n))
+        confine_child(job)
     except BaseException as e:
         report("sandbox_error", None, "child setup failed: %s: %s" % (type(e).__name__, e))
 
-    forbidden = set(job["forbidden"])
-    if forbidden:
-        import builtins
-        real_import = builtins.__import__
-        forbidden_exc = type("ForbiddenImport", (ImportError,), {})
-
-        def guarded_import(name, *a, **k):
-            if name.split(".")[0] in forbidden:
-                raise forbidden_exc("import of %r is not allowed" % name)
-            return real_import(name, *a, **k)
-        builtins.__import__ = guarded_import
-        for m in [m for m in sys.modules if m.split(".")[0] in forbidden]:
-            del sys.modules[m]  # what the zygote imported goes through the guard too
+    forbidden_exc = ()  # isinstance(e, ()) is False
+    if job["forbidden"]:
+        forbidden_exc = guard_imports(set(job["forbidden"]))
 
     cap = job["max_output"]
     _write(wfd, b"R")  # setup is over: the zygote lets later frames claim program outcomes only
     try:
-        code = compile(src[:job["plen"]].decode("utf-8", "surrogatepass"), "<program>", "exec")
-        expr = compile(src[job["plen"]:].decode("utf-8", "surrogatepass"), "<expression>", "eval")
-        ns = {"__name__": "__main__", "__builtins__": __builtins__}
-        exec(code, ns)
-        value = eval(expr, ns)
+        plen = job["plen"]
+        program = compile(src[:plen].decode("utf-8", "surrogatepass"), "<program>", "exec")
+        expression = compile(src[plen:].decode("utf-8", "surrogatepass"), "<expression>", "eval")
+        namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+        exec(program, namespace)
+        value = eval(expression, namespace)
         if _isinstance(value, (_str, bytes)) and _len(value) > cap:
             report("output_limit", None, "value length %d over the cap of %d" % (_len(value), cap))
         text = _repr(value)
@@ -429,41 +747,97 @@ def child_main(job, src, wfd):
         report("ok", text, None)
     except _BaseException as e:
         try:
-            status = "memory" if _isinstance(e, _MemoryError) else \
-                "forbidden" if _isinstance(e, forbidden_exc) else "error"
-            line, tb = "", e.__traceback__
-            while tb is not None:
+            if _isinstance(e, _MemoryError):
+                status = "memory"
+            elif _isinstance(e, forbidden_exc):
+                status = "forbidden"
+            else:
+                status = "error"
+            where = ""
+            tb = e.__traceback__
+            while tb is not None:  # the innermost line of the program itself
                 if tb.tb_frame.f_code.co_filename == "<program>":
-                    line = " (program line %d)" % tb.tb_lineno
+                    where = " (program line %d)" % tb.tb_lineno
                 tb = tb.tb_next
             if _isinstance(e, _SyntaxError) and _type(e.lineno) is int:
-                line = " (line %d)" % e.lineno
-            report(status, None, ("%s: %s%s" % (_type(e).__name__, _str(e), line))[:2000])
+                where = " (line %d)" % e.lineno
+            message = "%s: %s%s" % (_type(e).__name__, _str(e), where)
+            report(status, None, message[:2000])
         except _BaseException:
             report("error", None, "an exception that could not be described")
 
 
-def tmp_mark():  # what a job could change about an empty /tmp: inode, mode, owner, times...
+def tmp_mark():
+    """What a job could change about an empty /tmp: inode, mode, owner, times..."""
     st = os.stat("/tmp")
     return st[:7] + (st.st_mtime_ns, st.st_ctime_ns)
+
+
+def prepare_jobdir():
+    """A fresh host directory; with the allow-list root, a capped tmpfs on /tmp, kept while jobs
+    leave it untouched."""
+    if REPORT["filesystem"] != "allow-list":
+        os.mkdir(STATE["jobdir"], 0o700)
+        os.chown(STATE["jobdir"], *STATE["ids"])
+    elif STATE["tmp_mark"] is None:
+        size_mb = CFG["tmpfs_mb"]
+        inodes = max(1024, 64 * size_mb)
+        uid, gid = STATE["ids"]
+        options = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (size_mb, inodes, uid, gid)
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)
+        STATE["tmp_mark"] = tmp_mark()
+
+
+def clean_jobdir():
+    if REPORT["filesystem"] != "allow-list":
+        import shutil
+        shutil.rmtree(STATE["jobdir"], ignore_errors=True)
+    elif tmp_mark() != STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+        libc_call("umount2", b"/tmp", MNT_DETACH)  # the job's files go in one step
+        STATE["tmp_mark"] = None
+
+
+def enter_job_namespaces():
+    """Back to our own PID namespace, then fresh PID and IPC ones: the child is PID 1 of its own."""
+    if STATE["pidns_fd"] is not None:
+        LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)
+    if STATE["job_ns"] and LIBC.unshare(STATE["job_ns"]) != 0:
+        raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+
+
+def kill_as_job_uid():  # in a throwaway child of the job's uid: it may signal all the job runs
+    os.setgid(CFG["uid"])
+    os.setuid(CFG["uid"])
+    os.kill(-1, signal.SIGKILL)
+
+
+def kill_escapees():
+    """Kill what the job's child left running: the PID namespace's rest, or its uid's processes."""
+    if STATE["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
+        with contextlib.suppress(OSError):  # ESRCH: none left; ECHILD: all reaped
+            os.kill(-1, signal.SIGKILL)
+            while True:
+                os.waitpid(-1, 0)
+    elif STATE["pidns_fd"] is None and REPORT["uid_dropped"]:
+        try_in_child(kill_as_job_uid)
+
+
+def count_new_oom_kills():
+    """Whether the memory cgroup killed something since the last call."""
+    if STATE["oom_fd"] is None:
+        return False
+    before = STATE["oom_kills"]
+    events = os.pread(STATE["oom_fd"], 4096, 0).decode()
+    match = re.search(r"^oom_kill (\d+)", events, re.M)
+    STATE["oom_kills"] = int(match[1]) if match else 0
+    return STATE["oom_kills"] != before
 
 
 def run_job(job, src, send):
     """Run a job in a child: send(kind, frame) its frame or why it has none; zero its bytes."""
     global RES_BUF
-    R, S, C = REPORT, STATE, CFG
-    if R["filesystem"] != "allow-list":  # a fresh host directory
-        os.mkdir(S["jobdir"], 0o700)
-        os.chown(S["jobdir"], *S["ids"])
-    elif S["tmp_mark"] is None:  # a capped tmpfs on /tmp, kept while jobs leave it untouched
-        size = (C["tmpfs_mb"], max(1024, 64 * C["tmpfs_mb"]))  # MB, inodes
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-                  "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (size + S["ids"]))
-        S["tmp_mark"] = tmp_mark()
-    if S["pidns_fd"] is not None:  # back to our own, then a fresh one: the child its PID 1
-        LIBC.setns(S["pidns_fd"], CLONE_NEWPID)
-    if S["job_ns"] and LIBC.unshare(S["job_ns"]) != 0:  # and a fresh IPC namespace
-        raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+    prepare_jobdir()
+    enter_job_namespaces()
     deadline = time.monotonic() + job["timeout"]
     r, w = os.pipe()
     pid = os.fork()
@@ -473,11 +847,18 @@ def run_job(job, src, send):
         finally:
             os._exit(70)
     os.close(w)
+
     cap = 12 * job["max_output"] + 65536
     if len(RES_BUF) < cap:
         RES_BUF = bytearray(cap)
-    view, got, need = memoryview(RES_BUF), 0, None
-    while (need is None or got < need <= cap) and (left := deadline - time.monotonic()) > 0:
+    view = memoryview(RES_BUF)
+    got = 0
+    need = None  # the frame's end, once its length has come
+    start = 0    # 1 after the child's b"R"
+    while need is None or got < need <= cap:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         ready = select.select([r, 0], [], [], left)[0]
         if 0 in ready:  # the trainer closed our control pipe: take the child down and go
             os.kill(pid, signal.SIGKILL)
@@ -489,51 +870,39 @@ def run_job(job, src, send):
         if not k:
             break
         got += k
-        off = 1 if RES_BUF[0] == 82 else 0  # after b"R"
-        if need is None and got >= off + 4:
-            need = off + 4 + struct.unpack(">I", RES_BUF[off:off + 4])[0]
+        start = 1 if RES_BUF[0] == ord("R") else 0
+        if need is None and got >= start + 4:
+            need = start + 4 + struct.unpack(">I", RES_BUF[start:start + 4])[0]
     os.close(r)
+
     for kill in (os.kill, os.killpg):  # its PID namespace dies with it, else its group
         with contextlib.suppress(OSError):
             kill(pid, signal.SIGKILL)
-    _, wstatus, rusage = os.wait4(pid, 0)
-    if S["pid1"]:  # PID 1 of the worker's namespace: everything else in it goes
-        with contextlib.suppress(OSError):  # ESRCH: none left; ECHILD: all reaped
-            os.kill(-1, signal.SIGKILL)
-            while True:
-                os.waitpid(-1, 0)
-    elif S["pidns_fd"] is None and R["uid_dropped"]:
-        u = C["uid"]  # no PID namespace: a child of the job's uid kills all it runs
-        try_in_child(lambda: (os.setgid(u), os.setuid(u), os.kill(-1, signal.SIGKILL)))
-    oom_kills = S["oom_kills"]
-    if S["oom_fd"] is not None:  # the memory cgroup's OOM kills so far
-        m = re.search(r"^oom_kill (\d+)", os.pread(S["oom_fd"], 4096, 0).decode(), re.M)
-        S["oom_kills"] = int(m[1]) if m else 0
+    _, wait_status, rusage = os.wait4(pid, 0)
+    kill_escapees()
+    oom_killed = count_new_oom_kills()
     src[:] = bytes(len(src))
-    if R["filesystem"] != "allow-list":
-        import shutil
-        shutil.rmtree(S["jobdir"], ignore_errors=True)
-    elif tmp_mark() != S["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
-        libc_call("umount2", b"/tmp", MNT_DETACH)  # the job's files go in one step
-        S["tmp_mark"] = None
-    sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
-    cpu, status = rusage.ru_utime + rusage.ru_stime, None
+    clean_jobdir()
+
+    sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
+    cpu = rusage.ru_utime + rusage.ru_stime
+    status = None
     if need is not None and got >= need:  # then need <= cap
-        send(b"P" if off else b"S", view[off + 4:need])
+        send(b"P" if start else b"S", view[start + 4:need])
     elif need is not None and need > cap:
         status, error = "output_limit", "child wrote more than %d bytes" % cap
     elif left <= 0:
         status, error = "timeout", "wall-clock limit of %gs exceeded" % job["timeout"]
-    elif sig == signal.SIGKILL and S["oom_kills"] != oom_kills:
+    elif sig == signal.SIGKILL and oom_killed:
         status, error = "memory", "the job's processes together exceeded memory_mb (memory cgroup)"
     elif sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= int(job["timeout"]) + 0.5:
         status, error = "timeout", "CPU limit exceeded (%.1fs)" % cpu
     elif sig is not None:
-        names = {s.value: s.name for s in signal.Signals}  # not every number has a name
-        status, error = "crash", "killed by %s" % names.get(sig, sig)
+        signal_names = {s.value: s.name for s in signal.Signals}  # not every number has a name
+        status, error = "crash", "killed by %s" % signal_names.get(sig, sig)
     else:
-        status, error = "crash", "exited with code %d before producing a result" % \
-            os.WEXITSTATUS(wstatus)
+        exit_code = os.WEXITSTATUS(wait_status)
+        status, error = "crash", "exited with code %d before producing a result" % exit_code
     if status:
         send(b"Z", {"status": status, "value": None, "error": error})
     RES_BUF[:got] = bytes(got)
@@ -541,92 +910,118 @@ def run_job(job, src, send):
         RES_BUF = bytearray()
 
 
-def warm_example(xs: list, k=2) -> dict:
-    """A typical model-written function: main compiles and runs its source to warm up."""
-    out = {}
-    for i, x in enumerate(sorted(xs)):
-        out[str(i)] = [x * j for j in range(k)] + list({x, -x}) if x % k else (x, f"{x:03d}")
-    return out
+# ------------------------------------------------------------------------------ setup and main
+
+def count_own_processes(uid):
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                count += os.stat("/proc/" + name).st_uid == uid
+    return count
+
+
+def self_test():
+    """Run one program as every job runs: it must import the stdlib and get no new namespaces."""
+    program = b"import ctypes, decimal, os, statistics\nlibc = ctypes.CDLL(None)"
+    # PID 1 of its own namespace where there is one per job; CLONE_NEWUSER, CLONE_NEWNET refused
+    expression = b"os.getpid() == 1, libc.unshare(0x10000000), libc.unshare(0x40000000)"
+    job = {"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100,
+           "forbidden": [], "plen": len(program)}
+    replies = []
+
+    def keep(kind, frame):
+        if type(frame) is not dict:
+            frame = json.loads(bytes(frame))
+        replies.append(frame)
+
+    run_job(job, bytearray(program + expression), keep)
+    result = replies[0]
+    # without seccomp, unshare may work: then only a failure to run says something
+    if result["status"] != "ok" or REPORT["seccomp"]:
+        expected = "(%s, -1, -1)" % (STATE["pidns_fd"] is not None)
+        REPORT["self_test"] = result["value"] == expected
+        if not REPORT["self_test"]:
+            note("self-test failed (%s): without a mount namespace, Python's files may not be "
+                 "readable by the unprivileged uid" % (result["error"] or result["value"]))
 
 
 def setup():
-    """Isolate this zygote once (see the section's head), then check that a child works."""
-    S, R, C = STATE, REPORT, CFG
+    """Isolate this zygote once, then check that a child works."""
+    R = REPORT
     R["root"] = os.geteuid() == 0
     enter_namespaces()
     R["uid_dropped"] = R["root"] and not R["namespaces"]["user"]
-    R["uid"] = C["uid"] if R["uid_dropped"] else os.geteuid()
-    S["ids"] = (C["uid"], C["uid"]) if R["uid_dropped"] else (os.getuid(), os.getgid())
-    if not R["uid_dropped"]:  # RLIMIT_NPROC counts all of the real uid's processes: add them
-        S["nproc_base"] = 64
-        for d in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):  # it exited meanwhile
-                S["nproc_base"] += os.stat("/proc/" + d).st_uid == os.getuid()
+    if R["uid_dropped"]:
+        R["uid"] = CFG["uid"]
+        STATE["ids"] = (CFG["uid"], CFG["uid"])
+    else:
+        R["uid"] = os.geteuid()
+        STATE["ids"] = (os.getuid(), os.getgid())
+        # RLIMIT_NPROC counts all of the real uid's processes: add them
+        STATE["nproc_base"] = 64 + count_own_processes(os.getuid())
     setup_cgroup()
     isolate_filesystem()
-    if C["namespaces"]:
+    if CFG["namespaces"]:
         setup_pid_namespace()
     R["ipc_per_job"] = R["namespaces"]["ipc"]
-    S["job_ns"] |= CLONE_NEWIPC * R["ipc_per_job"]
-    if not R["ipc_per_job"]:
+    if R["ipc_per_job"]:
+        STATE["job_ns"] |= CLONE_NEWIPC
+    else:
         note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
     install_seccomp()
     if R["filesystem"] == "allow-list":
-        S["jobdir"], R["scratch"] = "/tmp", "tmpfs per job"
+        STATE["jobdir"] = "/tmp"
+        R["scratch"] = "tmpfs per job"
     else:
         import tempfile
         R["scratch"] = tempfile.mkdtemp(prefix="pysandbox-")
         os.chmod(R["scratch"], 0o711)
-        S["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
+        STATE["jobdir"] = R["scratch"] + "/job"  # one fixed path: outputs cannot differ
         note("no mount namespace: each job gets a fresh directory in " + R["scratch"])
-    os.environ["HOME"] = os.environ["TMPDIR"] = S["jobdir"]  # tempfile writes there too
-    out, p = [], b"import ctypes, decimal, os, statistics\nlibc = ctypes.CDLL(None)"
-    e = b"os.getpid() == 1, libc.unshare(0x10000000), libc.unshare(0x40000000)"  # user, net
-    run_job({"timeout": 5.0, "memory_mb": 512, "fsize_mb": 1, "nproc": 8, "max_output": 100,
-                 "forbidden": [], "plen": len(p)}, bytearray(p + e), lambda kind, frame: out.append(
-                     frame if type(frame) is dict else json.loads(bytes(frame))))
-    if out[0]["status"] != "ok" or R["seccomp"]:  # it imports the stdlib, makes no namespaces
-        R["self_test"] = out[0]["value"] == "(%s, -1, -1)" % (S["pidns_fd"] is not None)
-        if not R["self_test"]:
-            note("self-test failed (%s): without a mount namespace, Python's files may not be "
-                     "readable by the unprivileged uid" % (out[0]["error"] or out[0]["value"]))
+    os.environ["HOME"] = os.environ["TMPDIR"] = STATE["jobdir"]  # tempfile writes there too
+    self_test()
+
+
+def warm_up():
+    """Each child starts with the parser, compiler and allocator warm: 1 ms less CPU each."""
+    PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # and ctypes' argument conversion
+    for _ in range(3):
+        namespace = {"__name__": "__main__"}
+        exec(compile(WARM_UP_PROGRAM, "<program>", "exec"), namespace)
+        repr(eval(compile(WARM_UP_EXPRESSION, "<expression>", "eval"), namespace))
+        try:
+            compile("def f(:", "<program>", "exec")
+        except SyntaxError as e:
+            str(e)  # and the error path a failing program takes
 
 
 def main():
     global CFG, LIBC, PRCTL
     LIBC = ctypes.CDLL(None, use_errno=True)
-    PRCTL = LIBC.prctl  # typed once: a cheap call in each child
-    PRCTL.argtypes, PRCTL.restype = [ctypes.c_int] + [ctypes.c_ulong] * 4, ctypes.c_int
+    PRCTL = LIBC.prctl
+    PRCTL.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    PRCTL.restype = ctypes.c_int
     CFG = read_message()
-    with open(__file__, encoding="utf-8") as f:  # read before the file system is isolated
-        own_source = f.read()
     sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
     try:
         setup()
     except BaseException as e:
         import traceback
         where = traceback.extract_tb(e.__traceback__)[-1]
-        return reply(b"", {"ready": False, "report": REPORT, "error": "%s: %s (in %s, "
-                               "zygote line %d)" % (type(e).__name__, e, where.name, where.lineno)})
-    PRCTL(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # warms ctypes' argument conversion
-    for _ in range(3):  # each child starts with parser, compiler and allocator warm: 1 ms less CPU
-        ns = {"__name__": "warm-up"}  # this file as a program: it defines warm_example
-        exec(compile(own_source, "<program>", "exec"), ns)
-        repr(eval(compile("warm_example([1, 2, 3, 15, 4])", "<expression>", "eval"), ns))
-        try:
-            compile("def f(:", "<program>", "exec")
-        except SyntaxError as e:
-            str(e)  # and the error path a failing program takes
+        error = "%s: %s (in %s, zygote line %d)" % (type(e).__name__, e, where.name, where.lineno)
+        return reply(b"", {"ready": False, "report": REPORT, "error": error})
+    warm_up()
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer copy-on-write faults per child
     reply(b"", {"ready": True, "report": REPORT})
     while True:
         job = read_message()
         try:
-            run_job(job, read_message(job["plen"] + job["elen"]), reply)
+            run_job(job, read_exactly(job["plen"] + job["elen"]), reply)
         except BaseException as e:  # this zygote may be in a bad state: the trainer replaces it
-            reply(b"E", {"status": "sandbox_error", "value": None,
-                             "error": "zygote: %s: %s" % (type(e).__name__, e)})
+            error = "zygote: %s: %s" % (type(e).__name__, e)
+            reply(b"E", {"status": "sandbox_error", "value": None, "error": error})
 
 
 if __name__ == "__main__":
