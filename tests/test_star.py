@@ -166,7 +166,7 @@ def test_non_utf8_and_bad_exemplars_are_rejected(tmp_path):
                  + "\n")
     shots = star.load_exemplars(str(e))
     assert len(shots["math"]) == 1 and shots["choice"] == []
-    pr = star.Prompter(star.Config(model="x"), bare_tokenizer(), shots)
+    pr = star.Prompter(star.Config(model="x"), bare_tokenizer(), shots, star.PROMPTS)
     with pytest.raises(ValueError, match="no few-shot exemplars for choice"):
         pr.generation(star.make_example("Pick", "a", ["x", "y"]))
 
@@ -284,8 +284,9 @@ def test_prompts_file_replaces_our_templates_and_reaches_the_sampler(tmp_path, t
                          math_hint="Question: {question} [{answer}]",
                          option_hint="({letter}) {text} <- right", answer="Reasoning:")
     cfg = star.Config(model="tiny", prompts=path, max_new_tokens=8)
-    star.check_config(cfg)
-    pr = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""))
+    star.validate_config(cfg)
+    prompts = common.load_prompts(cfg.prompts, star.PROMPTS)  # as star.train loads them
+    pr = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""), prompts)
     assert pr.stop == ["\n\nQuestion:"] and pr.marker == "Question:"
     seen = []
     real = tiny_policy.sampler.generate
@@ -423,19 +424,19 @@ def test_save_every_zero_checkpoints_only_the_last_round():
     # an early stop is the last
     assert star.checkpoint_due(3, star.Config(rounds=6, save_every=0), "no new best")
     with pytest.raises(SystemExit):  # parse_config: "--save-every -1: must be a positive number"
-        common.parse_config(star.Config, ["--save-every", "-1"], check=star.check_config)
+        common.parse_config(star.Config, ["--save-every", "-1"], check=star.validate_config)
 
 
 def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokenizer):
     cfg = star.Config(model="tiny")
-    pr = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""))
+    pr = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""), star.PROMPTS)
     ex = star.make_example("Copy the number 58.", "58")
     p, t = pr.training_example(ex, "The number is 58.\n#### 58")
     assert tiny_tokenizer.decode(p) == "Q: Copy the number 58.\nA:"  # no hint, no exemplars
     assert t[-1] == tiny_tokenizer.eos_token_id
     assert tiny_tokenizer.decode(t[:-1]) == " The number is 58.\n#### 58"
     cfg.few_shot_train = True
-    pr2 = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""))
+    pr2 = star.Prompter(cfg, tiny_tokenizer, star.load_exemplars(""), star.PROMPTS)
     p2, _ = pr2.training_example(ex, "x\n#### 58")
     text = tiny_tokenizer.decode(p2)
     assert text.startswith("Q: A bakery") and text.endswith("Q: Copy the number 58.\nA:")
@@ -459,7 +460,7 @@ def test_training_examples_are_hint_free_and_masked_by_prompt_length(tiny_tokeni
 def toy_prompter(tokenizer, **kw):
     cfg = star.Config(model="tiny", exemplars=str(SHOTS), few_shot_train=True, max_new_tokens=16,
                       **kw)
-    return cfg, star.Prompter(cfg, tokenizer, star.load_exemplars(cfg.exemplars))
+    return cfg, star.Prompter(cfg, tokenizer, star.load_exemplars(cfg.exemplars), star.PROMPTS)
 
 
 @pytest.fixture(scope="module")
