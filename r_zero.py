@@ -117,6 +117,8 @@ def validate_config(cfg: Config) -> None:
                          f"{cfg.band_high}")
     if cfg.eval_protocol not in ("ours", "official"):
         raise ValueError(f"--eval-protocol must be ours or official, not {cfg.eval_protocol!r}")
+    common.check_benchmark_names(cfg.eval_benchmarks)
+    common.check_benchmark_names(cfg.label_check, "--label-check")
     need = cfg.eval_general_max_tokens + cfg.max_prompt_tokens
     general = [b for b in eval_sets(cfg) if is_general(b)]
     if cfg.eval_protocol == "official" and general and cfg.max_model_len < need:
@@ -124,8 +126,6 @@ def validate_config(cfg: Config) -> None:
                          f"hold --eval-general-max-tokens {cfg.eval_general_max_tokens} after a "
                          f"--max-prompt-tokens {cfg.max_prompt_tokens} prompt: pass "
                          f"--max-model-len {need}")
-    common.check_benchmark_names(cfg.eval_benchmarks)
-    common.check_benchmark_names(cfg.label_check, "--label-check")
     common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
@@ -854,10 +854,10 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
 
     # R-Zero's nested loop, flattened into one list so that a checkpoint can name the next step:
     #   for iteration in 1 .. K:
-    #       for phase_step in range(challenger_steps): challenger_step    (1.)
-    #       build_dataset                                                (2.)
-    #       for phase_step in range(solver_steps): solver_step            (3.)
-    #       evaluate_solver                                              (4.)
+    #       for phase_step in range(challenger_steps): challenger_step  (1.)
+    #       build_dataset, then label_check with --label-check          (2.)
+    #       for phase_step in range(solver_steps): solver_step          (3.)
+    #       evaluate_solver                                             (4.)
     phase_steps = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps,
                    "eval": 1}
     schedule = []
