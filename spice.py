@@ -30,7 +30,8 @@ import contextlib
 import functools
 import re
 import sys
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,8 @@ DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-1
 
 @dataclass
 class Config(common.RunConfig):
+    # the flags of this Config for which 0 means "all" (RunConfig declares the shared ones)
+    ZERO_MEANS_OFF: typing.ClassVar[tuple] = ("corpus_docs",)
     model: str = "Qwen/Qwen3-4B-Base"  # §3.1 (also Qwen3-8B-Base, OctoThinker-3B/8B-Hybrid-Base)
     corpus: str = DEFAULT_CORPUS  # JSONL paths or hub ids [id:config@split], equal shares (App. B)
     corpus_field: str = "text"  # the document field of a corpus row
@@ -92,7 +95,8 @@ TINY = dict(corpus=f"{common.TINY_DATA}/spice_corpus.jsonl",
             prompts=f"{common.TINY_DATA}/spice_short_prompts.toml")
 
 
-# Prompts: Figs. 8-10 in our words, str.format templates (braces doubled); --prompts FILE replaces
+# Prompts: Figs. 8-10 in our words, str.format templates (braces doubled). train() loads them once,
+# with those of --prompts FILE in their place, and passes them to every step that writes a prompt.
 _JSON_RULES = ("\nFirst think your design through; this thinking is private. Then write one valid "
                "JSON object and nothing after it: no markdown, no code fences; start with {{ and "
                "end with }}. In its strings write every LaTeX backslash twice "
@@ -195,32 +199,36 @@ document is too thin.""",
 }
 
 
-@functools.lru_cache(maxsize=None)
-def templates(path: str) -> dict:
-    """PROMPTS with those of --prompts FILE (cfg.prompts) in their place, read once."""
-    return common.load_prompts(path, PROMPTS)
-
-
 def resolve_prompt_format(cfg: Config, tokenizer) -> str:
-    auto = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
-    return auto if cfg.prompt_format == "auto" else cfg.prompt_format
+    """--prompt-format auto: ChatML if the tokenizer has a chat template (Qwen3), else plain."""
+    if cfg.prompt_format != "auto":
+        return cfg.prompt_format
+    return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
 
 
-def wrap(content: str, fmt: str, prompts=PROMPTS):
+def wrap(content: str, fmt: str, prompts: dict = PROMPTS):
     """Fig. 8: ChatML with a generic system message (Qwen3), or a User/Assistant preamble."""
-    return prompts["plain"].format(content=content) if fmt == "plain" else [
-        {"role": "system", "content": prompts["system"]}, {"role": "user", "content": content}]
+    if fmt == "plain":
+        return prompts["plain"].format(content=content)
+    return [{"role": "system", "content": prompts["system"]},
+            {"role": "user", "content": content}]
 
 
-def challenger_prompt(document: str | None, kind: str, answer_type, fmt: str, prompts=PROMPTS):
+CHALLENGER_TEMPLATES = {"select": "type_selection", "mcq": "mcq", "free": "free_form"}
+
+
+def challenger_prompt(document: str | None, kind: str, answer_type: str | None, fmt: str,
+                      prompts: dict = PROMPTS):
     """The Challenger's prompt C: kind "select" (Fig. 9), "mcq" or "free" (Fig. 10)."""
-    block = (prompts["no_document_block"] if document is None
-             else prompts["document_block"].format(document=document))
-    name = {"select": "type_selection", "mcq": "mcq", "free": "free_form"}[kind]
-    return wrap(prompts[name].format(document_block=block, answer_type=answer_type), fmt, prompts)
+    if document is None:
+        block = prompts["no_document_block"]
+    else:
+        block = prompts["document_block"].format(document=document)
+    template = prompts[CHALLENGER_TEMPLATES[kind]]
+    return wrap(template.format(document_block=block, answer_type=answer_type), fmt, prompts)
 
 
-def reasoner_prompt(question: str, fmt: str = "chat", prompts=PROMPTS):
+def reasoner_prompt(question: str, fmt: str = "chat", prompts: dict = PROMPTS):
     """The Reasoner's prompt R (Fig. 8), from the question string only (information asymmetry)."""
     if not isinstance(question, str):
         raise TypeError("the Reasoner prompt is built from the question string only")
@@ -244,90 +252,134 @@ def _scalar(x) -> str | None:
     """A JSON string or number as written (42, 2.5); None for a bool, list, object, nan or inf."""
     if isinstance(x, str):
         return x.strip()
+    if isinstance(x, bool):  # a bool is an int to Python, not a number to JSON
+        return None
+    if isinstance(x, int):
+        return str(x)
     if isinstance(x, float) and np.isfinite(x):
         return str(int(x)) if x.is_integer() else repr(x)
-    return str(x) if isinstance(x, int) and not isinstance(x, bool) else None
+    return None
 
 
 def parse_task(text: str, kind: str, answer_type: str | None = None) -> tuple[Task | None, str]:
     """Validity (§4): (task, "ok") or (None, why); hostile output must never crash a run."""
     try:
-        obj, mcq = common.last_json_object(text), kind == "mcq"
+        obj = common.last_json_object(text)
         if obj is None:
             return None, "no_json"
-        q = obj.get("multiple_choice_question" if mcq else "question")
-        thin = obj.get("exam_question", "-") if mcq else q  # "": "the document is too thin"
-        if isinstance(thin, str) and not thin.strip() or mcq and not isinstance(thin, str):
+        mcq = kind == "mcq"
+        # an empty question (MCQ: exam_question) is how the prompt says "the document is too thin"
+        if mcq:
+            question = obj.get("multiple_choice_question")
+            exam_question = obj.get("exam_question", "-")
+            too_thin = not isinstance(exam_question, str) or not exam_question.strip()
+        else:
+            question = obj.get("question")
+            too_thin = isinstance(question, str) and not question.strip()
+        if too_thin:
             return None, "too_thin"
-        if not isinstance(q, str) or not q.strip():
+        if not isinstance(question, str) or not question.strip():
             return None, "missing_question"
-        if len(q) > 6_000:  # before the tokenizer sees it
+        if len(question) > 6_000:  # before the tokenizer sees it
             return None, "question_too_long"
-        q, a = q.strip(), None if mcq else _scalar(obj.get("answer"))
-        if _BAD_CHARS.search(q + (a or "")):  # "\u0008", a lone "\ud800": no repair recovers them
+        question = question.strip()
+        answer = None if mcq else _scalar(obj.get("answer"))
+        # "\u0008", a lone "\ud800": no repair recovers them
+        if _BAD_CHARS.search(question + (answer or "")):
             return None, "bad_characters"
-        if mcq:  # "stem A) .. B) .. C) .. D) .."
-            marks = []
-            for m in _OPTION.finditer(q):
-                marks += [m] if len(marks) < 4 and m[1] == "ABCD"[len(marks)] else []
-            if len(marks) != 4 or not q[:marks[0].start()].strip():
-                return None, "empty_stem" if marks[3:] else "options_not_A_to_D"
-            ends = [n.start() for n in marks[1:]] + [None]
-            opts = [q[m.end():e].strip() for m, e in zip(marks, ends)]
-            if not all(opts) or len({re.sub(r"[\s.,;:]+", " ", o.lower()).strip()
-                                     for o in opts}) < 4:
-                return None, "options_not_distinct"
-            # str(): no other JSON value (number, list, null) turns into a letter
-            letter = str(obj.get("multiple_choice_correct")).strip().strip("()")
-            letter = letter.rstrip(").:").strip().upper()
-            if letter not in ("A", "B", "C", "D"):
-                return None, "bad_correct_letter"
-            return Task("mcq", q, letter, "MCQ"), "ok"
-        if not a:
-            return None, "missing_answer"
-        declared = obj.get("answer_type")
-        if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
-            return None, "wrong_answer_type"
-        bare = a.strip("$").strip()
-        if not (re.fullmatch(r"[+-]?\d+(?:,\d{3})*", bare) if answer_type == "Integer"
-                else 0 < len(bare) <= 300 if answer_type == "Expression"
-                # a String is graded normalized: one of symbols only ("?!") could never match
-                else answer_type == "String" and 0 < len(bare) <= 100
-                and len(bare.split()) <= 3 and common.normalize_string(bare)):
-            return None, "answer_not_" + answer_type.lower()
-        return Task("free", q, a if answer_type == "String" else a.strip("$ ").strip(),
-                    answer_type), "ok"
+        if mcq:
+            return _parse_mcq(obj, question)
+        return _parse_free_form(obj, question, answer, answer_type)
     except Exception as e:
         return None, f"parse_error:{type(e).__name__}"
+
+
+def _parse_mcq(obj: dict, question: str) -> tuple[Task | None, str]:
+    """A stem, then options A) to D), distinct and non-empty, and the correct letter."""
+    marks = []  # the first "A)", then the first "B)" after it, and so on to "D)"
+    for mark in _OPTION.finditer(question):
+        if len(marks) < 4 and mark[1] == "ABCD"[len(marks)]:
+            marks.append(mark)
+    if len(marks) < 4:
+        return None, "options_not_A_to_D"
+    if not question[:marks[0].start()].strip():
+        return None, "empty_stem"
+    ends = [mark.start() for mark in marks[1:]] + [None]
+    options = [question[mark.end():end].strip() for mark, end in zip(marks, ends)]
+    normalized = {re.sub(r"[\s.,;:]+", " ", option.lower()).strip() for option in options}
+    if not all(options) or len(normalized) < 4:
+        return None, "options_not_distinct"
+    # str(): no other JSON value (number, list, null) turns into a letter
+    letter = str(obj.get("multiple_choice_correct")).strip().strip("()")
+    letter = letter.rstrip(").:").strip().upper()
+    if letter not in ("A", "B", "C", "D"):
+        return None, "bad_correct_letter"
+    return Task("mcq", question, letter, "MCQ"), "ok"
+
+
+def _parse_free_form(obj: dict, question: str, answer: str | None,
+                     answer_type: str) -> tuple[Task | None, str]:
+    """A free-form task: an answer of the type asked for (a declared type must agree)."""
+    if not answer:
+        return None, "missing_answer"
+    declared = obj.get("answer_type")
+    if isinstance(declared, str) and declared.strip().lower() != answer_type.lower():
+        return None, "wrong_answer_type"
+    if not _has_answer_form(answer.strip("$").strip(), answer_type):
+        return None, "answer_not_" + answer_type.lower()
+    if answer_type != "String":
+        answer = answer.strip("$ ").strip()
+    return Task("free", question, answer, answer_type), "ok"
+
+
+def _has_answer_form(bare: str, answer_type: str) -> bool:
+    """An Integer's digits (1,000 allowed), an Expression of <= 300 characters, a String of <= 3
+    words and 100 characters."""
+    if answer_type == "Integer":
+        return re.fullmatch(r"[+-]?\d+(?:,\d{3})*", bare) is not None
+    if answer_type == "Expression":
+        return 0 < len(bare) <= 300
+    if answer_type != "String" or not 0 < len(bare) <= 100 or len(bare.split()) > 3:
+        return False
+    # a String is graded normalized: one of symbols only ("?!") could never match
+    return bool(common.normalize_string(bare))
 
 
 def parse_type_selection(text: str) -> tuple[str, str | None] | None:
     """Fig. 9's reply -> ("mcq", None) | ("free", answer type or None); None if unusable."""
     obj = common.last_json_object(text) or {}
-    mcq, free = obj.get("suitable_for_mcq") is True, obj.get("suitable_for_free_form") is True
-    if mcq == free:
+    mcq = obj.get("suitable_for_mcq") is True
+    free = obj.get("suitable_for_free_form") is True
+    if mcq == free:  # neither or both: no choice
         return None
-    t = str(obj.get("best_answer_type")).strip().capitalize()  # None, a list: no answer type
-    return ("mcq", None) if mcq else ("free", t if t in ANSWER_TYPES else None)
+    if mcq:
+        return "mcq", None
+    answer_type = str(obj.get("best_answer_type")).strip().capitalize()  # None, a list: no type
+    return "free", answer_type if answer_type in ANSWER_TYPES else None
 
 
 def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[float]:
     """r_R = 1[a = a*] on the last \\boxed{} (none, or a truncated answer: 0): an MCQ by the letter
     it starts with, a String normalized, else Math-Verify (over `timeout` s: 0)."""
-    preds = [None if c.finish_reason == "length" else common.extract_boxed(c.text)
-             for c in completions]
+    preds = []
+    for c in completions:
+        preds.append(None if c.finish_reason == "length" else common.extract_boxed(c.text))
     if task.kind == "mcq" or task.answer_type == "String":
-        norm = common.choice_letter if task.kind == "mcq" else common.normalize_string
-        return [float(p is not None and norm(p) == norm(task.gold)) for p in preds]
-    return list(map(float, common.math_equal_many([(p, task.gold) for p in preds], timeout=timeout,
-                                                  expression=task.answer_type == "Expression")))
+        normalize = common.choice_letter if task.kind == "mcq" else common.normalize_string
+        gold = normalize(task.gold)
+        return [float(pred is not None and normalize(pred) == gold) for pred in preds]
+    pairs = [(pred, task.gold) for pred in preds]
+    equal = common.math_equal_many(pairs, timeout=timeout,
+                                   expression=task.answer_type == "Expression")
+    return [float(e) for e in equal]
 
 
 # The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
     all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
-    local = src.endswith((".jsonl", ".json")) or src.startswith(tuple("./~")) or Path(src).exists()
+    looks_local = src.endswith((".jsonl", ".json")) or src.startswith((".", "/", "~"))
+    local = looks_local or Path(src).exists()
     spec, _, split = src.partition("@")
     name, _, config = spec.partition(":")
     where = f"corpus file {src!r}" if local else f"hub dataset {name!r}"
@@ -339,14 +391,18 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
         else:
             import datasets
             limit = limit or 20000
-            rows = enumerate(datasets.load_dataset(name, config or None, split=split or "train",
-                                                   streaming=True))
+            hub_set = datasets.load_dataset(name, config or None, split=split or "train",
+                                            streaming=True)
+            rows = enumerate(hub_set)
         for n, row in rows:
-            if not isinstance(text := row.get(field_name), str):
-                raise common.InputError(f"{f'{src}:{n}' if local else where}: no string field "
-                                        f"{field_name!r} (keys: {', '.join(list(row)[:8])}); "
+            text = row.get(field_name)
+            if not isinstance(text, str):
+                place = f"{src}:{n}" if local else where
+                keys = ", ".join(list(row)[:8])
+                raise common.InputError(f"{place}: no string field {field_name!r} (keys: {keys}); "
                                         "pass --corpus-field NAME")
-            docs += [text] if text.strip() else []
+            if text.strip():
+                docs.append(text)
             if limit and len(docs) >= limit:
                 break
     except common.InputError:
@@ -359,49 +415,60 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     return docs
 
 
-def load_corpus(cfg: Config, tokenizer, chunk_tokens: int = 0, decon=None) -> list[str]:
-    """Each source's segments (equal shares of cfg.corpus_docs), less those with an eval 13-gram;
-    chunk_tokens 0: cfg.chunk_tokens or less, leaving room for the Challenger's prompt and reply."""
-    if not chunk_tokens:
-        fmt, tpl = resolve_prompt_format(cfg, tokenizer), templates(cfg.prompts)
-        kinds = [("select", None), ("mcq", None), *(("free", t) for t in ANSWER_TYPES)]
-        overhead = max(len(common.encode_prompt(tokenizer, challenger_prompt("", *kt, fmt, tpl)))
-                       for kt in kinds)
-        room = cfg.max_model_len - cfg.max_tokens - overhead - 16
-        if room < 32:
-            raise common.InputError(f"--max-model-len {cfg.max_model_len} < --max-tokens "
-                                    f"{cfg.max_tokens} + a {overhead}-token prompt + a document")
-        chunk_tokens = min(cfg.chunk_tokens, room)
+def segment_tokens(cfg: Config, tokenizer, prompts: dict) -> int:
+    """cfg.chunk_tokens, or less: a segment leaves room for the longest Challenger prompt around
+    it and the Challenger's reply."""
+    fmt = resolve_prompt_format(cfg, tokenizer)
+    kinds = [("select", None), ("mcq", None)] + [("free", t) for t in ANSWER_TYPES]
+    overhead = 0  # the longest Challenger prompt without its document
+    for kind, answer_type in kinds:
+        prompt = challenger_prompt("", kind, answer_type, fmt, prompts)
+        overhead = max(overhead, len(common.encode_prompt(tokenizer, prompt)))
+    room = cfg.max_model_len - cfg.max_tokens - overhead - 16
+    if room < 32:
+        raise common.InputError(f"--max-model-len {cfg.max_model_len} < --max-tokens "
+                                f"{cfg.max_tokens} + a {overhead}-token prompt + a document")
+    return min(cfg.chunk_tokens, room)
+
+
+def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
+    """Each source's documents (equal shares of cfg.corpus_docs) cut into segments of at most
+    chunk_tokens tokens, less those that share a 13-gram with an eval set (`decon`)."""
     sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
         raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
+    docs_per_source = cfg.corpus_docs // len(sources)
     segments = []
     for src in sources:
-        for d in read_documents(src, cfg.corpus_field, cfg.corpus_docs // len(sources)):
-            ids = tokenizer(d, add_special_tokens=False)["input_ids"]
-            cuts = range(0, len(ids), chunk_tokens) if len(ids) > chunk_tokens else ()
-            segments += [tokenizer.decode(ids[i:i + chunk_tokens]) for i in cuts] or [d]
+        for document in read_documents(src, cfg.corpus_field, docs_per_source):
+            ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+            if len(ids) <= chunk_tokens:
+                segments.append(document)
+                continue
+            for start in range(0, len(ids), chunk_tokens):
+                segments.append(tokenizer.decode(ids[start:start + chunk_tokens]))
     # "<|im_end|>" in web text would end the prompt as a real control token
-    segments = [s for c in segments if (s := common.strip_special_tokens(c, tokenizer)).strip()]
-    if decon is not None:
-        n = len(segments)
-        segments = [c for c, bad in zip(segments, decon.flags(segments)) if not bad]
-        print(f"[spice] corpus: {len(segments)} segments ({n - len(segments)} dropped as "
-              "contaminated)", file=sys.stderr)
-        if not segments:
-            raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
-    return segments
+    cleaned = [common.strip_special_tokens(s, tokenizer) for s in segments]
+    segments = [s for s in cleaned if s.strip()]
+    if decon is None:
+        return segments
+    contaminated = decon.flags(segments)
+    kept = [s for s, bad in zip(segments, contaminated) if not bad]
+    print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
+          "contaminated)", file=sys.stderr)
+    if not kept:
+        raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
+    return kept
 
 
-# The loop: one function per step of Alg. 1 / §3.1, in paper order.
+# The loop: one function per step of Alg. 1 / §3.1, in paper order. Steps 3-6 return per
+# document what they produce: rollouts[d].attempts[i], answers[d][i] and rewards[d][i] belong to
+# attempt i of document d; reasoner_picks[d] is the i whose task trains the Reasoner.
 @dataclass
 class Attempt:
     completion: object  # the Challenger's common.Completion
     task: Task | None  # None if invalid
     reason: str  # "ok" or why it is invalid
-    answers: list = field(default_factory=list)  # the K Reasoner completions of a valid task
-    correct: list[float] = field(default_factory=list)  # their correctness bits
-    reward: float | None = None  # r_C
 
 
 @dataclass
@@ -410,44 +477,65 @@ class DocRollout:
     document: str | None
     kind: str
     answer_type: str | None
-    attempts: list[Attempt] = field(default_factory=list)  # the Challenger group T_C (<= G)
+    attempts: list[Attempt]  # the Challenger group T_C (<= G)
     n_generated: int = 0
     n_valid: int = 0
-    reasoner_task: Attempt | None = None  # the valid attempt whose task gives T_R
+
+
+class Answers(typing.NamedTuple):
+    """The Reasoner's K answers to one task (none to an invalid one) and their r_R."""
+    completions: list  # common.Completion each
+    correct: list[float]  # r_R = 1[a = a*] of each
+
+
+def _mean(xs) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
 
 
 def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) -> list:
     """Step 1: B segments drawn uniformly, without replacement within an iteration if possible."""
-    return [None] * n if no_document else [
-        corpus[i] for i in rng.choice(len(corpus), size=n, replace=len(corpus) < n)]
+    if no_document:
+        return [None] * n
+    picks = rng.choice(len(corpus), size=n, replace=len(corpus) < n)
+    return [corpus[i] for i in picks]
 
 
-def select_task_types(policy, docs: list, cfg: Config, fmt: str, rng) -> list[tuple]:
+def select_task_types(policy, docs: list, cfg: Config, fmt: str, prompts: dict,
+                      rng) -> list[tuple]:
     """Step 2: MCQ or free-form (and its answer type) per document by the Fig. 9 call, untrained
     and greedy; without a document, for MCQ only, or on an unusable reply: a coin."""
     allowed = ("mcq", "free") if cfg.task_types == "both" else (cfg.task_types,)
-    parsed = [None] * len(docs)
+    choices = [None] * len(docs)  # (kind, answer type) per document, from the Fig. 9 call
     if cfg.type_selection == "prompt" and docs[0] is not None and "free" in allowed:
-        prompts = [challenger_prompt(d, "select", None, fmt, templates(cfg.prompts)) for d in docs]
-        outs = policy.generate(prompts, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
-        parsed = [parse_type_selection(o[0].text) for o in outs]
+        batch = [challenger_prompt(d, "select", None, fmt, prompts) for d in docs]
+        outs = policy.generate(batch, n=1, temperature=0.0, max_tokens=cfg.type_select_max_tokens)
+        choices = [parse_type_selection(out[0].text) for out in outs]
+    # each document draws its kind, then its answer type, in order: a resumed run replays them
     types = []
-    for c in parsed:  # each document draws its kind, then its answer type: a resume replays them
-        kind, t = c if c and c[0] in allowed else (allowed[rng.integers(len(allowed))], None)
-        types.append((kind, t or (ANSWER_TYPES[rng.integers(3)] if kind == "free" else None)))
+    for choice in choices:
+        kind, answer_type = choice if choice is not None else (None, None)
+        if kind not in allowed:
+            kind, answer_type = allowed[rng.integers(len(allowed))], None
+        if kind == "free" and answer_type is None:
+            answer_type = ANSWER_TYPES[rng.integers(3)]
+        types.append((kind, answer_type))
     return types
 
 
-def validity_checker(cfg: Config, tokenizer, fmt: str, decon=None):
+def validity_checker(cfg: Config, tokenizer, fmt: str, prompts: dict, decon=None):
     """check(completion, kind, answer_type) -> (task, "ok") | (None, why); invalid: rho (§4)."""
     def check(completion, kind: str, answer_type: str | None) -> tuple[Task | None, str]:
+        if completion.finish_reason == "length":
+            return None, "truncated"
         # special-token strings in a question would forge chat turns in the Reasoner's prompt
-        task, why = (None, "truncated") if completion.finish_reason == "length" else parse_task(
-            common.strip_special_tokens(completion.text, tokenizer), kind, answer_type)
-        if task and decon is not None and decon.contaminated(task.question):
+        text = common.strip_special_tokens(completion.text, tokenizer)
+        task, why = parse_task(text, kind, answer_type)
+        if task is None:
+            return None, why
+        if decon is not None and decon.contaminated(task.question):
             return None, "contaminated"
-        if task and len(common.encode_prompt(tokenizer, reasoner_prompt(
-                task.question, fmt, templates(cfg.prompts)))) + cfg.max_tokens > cfg.max_model_len:
+        reasoner_ids = common.encode_prompt(tokenizer, reasoner_prompt(task.question, fmt, prompts))
+        if len(reasoner_ids) + cfg.max_tokens > cfg.max_model_len:
             return None, "question_too_long"
         return task, why
     return check
@@ -457,70 +545,128 @@ def subsample_group(attempts: list[Attempt], G: int, rng) -> list[Attempt]:
     """G attempts with the valid:invalid ratio of the pool (§3.1), at least one valid if any."""
     if len(attempts) <= G:
         return attempts
-    valid, invalid = [a for a in attempts if a.task], [a for a in attempts if not a.task]
-    n_valid = min(len(valid), max(1 if valid else 0, round(G * len(valid) / len(attempts))))
+    valid = [a for a in attempts if a.task is not None]
+    invalid = [a for a in attempts if a.task is None]
+    valid_share = round(G * len(valid) / len(attempts))
+    n_valid = min(len(valid), max(1, valid_share)) if valid else 0
     n_invalid = min(len(invalid), G - n_valid)
-    return [xs[i] for xs, k in ((valid, G - n_invalid), (invalid, n_invalid)) if k
-            for i in sorted(rng.choice(len(xs), size=k, replace=False))]
+    n_valid = G - n_invalid  # too few invalid attempts: more valid ones fill the group
+    group = []
+    for pool, k in ((valid, n_valid), (invalid, n_invalid)):
+        if k:
+            picks = rng.choice(len(pool), size=k, replace=False)
+            group.extend(pool[i] for i in sorted(picks))
+    return group
 
 
-def challenger_generate(policy, docs, types, cfg: Config, fmt: str, check, rng) -> list[DocRollout]:
+def challenger_generate(policy, docs: list, types: list, cfg: Config, fmt: str, prompts: dict,
+                        check, rng) -> list[DocRollout]:
     """Step 3: attempts (q, a*) ~ pi(.|d, C), G at a time, until one is valid or N were made."""
-    tpl = templates(cfg.prompts)
-    pools, active = [[] for _ in docs], list(range(len(docs)))
+    pools = [[] for _ in docs]  # every attempt made, per document
+    active = list(range(len(docs)))  # the documents without a valid task and with attempts left
     while active:
+        # every active document has made the same number of attempts so far
         n = min(cfg.group_size, cfg.max_attempts - len(pools[active[0]]))
-        prompts = [challenger_prompt(docs[i], *types[i], fmt, tpl) for i in active]
-        outs = policy.generate(prompts, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-        for i, comps in zip(active, outs):
-            pools[i].extend(Attempt(c, *check(c, *types[i])) for c in comps)
-        active = [i for i in active
-                  if not any(a.task for a in pools[i]) and len(pools[i]) < cfg.max_attempts]
-    return [DocRollout(d, kind, t, attempts=subsample_group(pool, cfg.group_size, rng),
-                       n_generated=len(pool), n_valid=sum(a.task is not None for a in pool))
-            for d, (kind, t), pool in zip(docs, types, pools)]
+        batch = []
+        for i in active:
+            kind, answer_type = types[i]
+            batch.append(challenger_prompt(docs[i], kind, answer_type, fmt, prompts))
+        outs = policy.generate(batch, n=n, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+        for i, completions in zip(active, outs):
+            kind, answer_type = types[i]
+            for c in completions:
+                task, reason = check(c, kind, answer_type)
+                pools[i].append(Attempt(c, task, reason))
+        active = [i for i in active if len(pools[i]) < cfg.max_attempts
+                  and all(a.task is None for a in pools[i])]
+    rollouts = []
+    for doc, (kind, answer_type), pool in zip(docs, types, pools):
+        group = subsample_group(pool, cfg.group_size, rng)
+        n_valid = sum(a.task is not None for a in pool)
+        rollouts.append(DocRollout(doc, kind, answer_type, group, len(pool), n_valid))
+    return rollouts
 
 
-def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str) -> None:
-    """Step 4: K answers to every valid task, from the question alone, in one batched call."""
-    if valid := [a for r in rollouts for a in r.attempts if a.task is not None]:
-        prompts = [reasoner_prompt(a.task.question, fmt, templates(cfg.prompts)) for a in valid]
-        outs = policy.generate(prompts, n=cfg.reasoner_k, temperature=cfg.temperature,
-                               max_tokens=cfg.max_tokens)
-        for a, comps in zip(valid, outs):
-            a.answers, a.correct = comps, grade_answers(a.task, comps, cfg.verify_timeout)
+def reasoner_solve(policy, rollouts: list[DocRollout], cfg: Config, fmt: str,
+                   prompts: dict) -> list[list[Answers]]:
+    """Step 4: K answers to every valid task, from the question alone, in one batched call;
+    answers[d][i] to attempt i of document d."""
+    answers = [[Answers([], []) for _ in r.attempts] for r in rollouts]
+    valid = []  # (d, i) of every valid task
+    for d, rollout in enumerate(rollouts):
+        valid += [(d, i) for i, a in enumerate(rollout.attempts) if a.task is not None]
+    if not valid:
+        return answers
+    tasks = [rollouts[d].attempts[i].task for d, i in valid]
+    batch = [reasoner_prompt(task.question, fmt, prompts) for task in tasks]
+    outs = policy.generate(batch, n=cfg.reasoner_k, temperature=cfg.temperature,
+                           max_tokens=cfg.max_tokens)
+    for (d, i), task, completions in zip(valid, tasks, outs):
+        correct = grade_answers(task, completions, cfg.verify_timeout)
+        answers[d][i] = Answers(completions, correct)
+    return answers
 
 
-def challenger_rewards(rollouts: list[DocRollout], cfg: Config) -> None:
-    """Step 5: r_C (Eq. 1; App. D, Eq. 5; or Table 4) on p, the pass rate of the K; invalid: rho."""
-    for a in (a for r in rollouts for a in r.attempts):
-        a.reward = cfg.invalid_penalty if a.task is None else float(
-            common.proposer_reward(np.mean(a.correct), cfg.challenger_reward, tau=cfg.tau))
+def challenger_rewards(rollouts: list[DocRollout], answers: list[list[Answers]],
+                       cfg: Config) -> list[list[float]]:
+    """Step 5: r_C (Eq. 1; App. D, Eq. 5; or Table 4) on p, the pass rate of the K; invalid: rho.
+    rewards[d][i] of attempt i of document d."""
+    rewards = []
+    for rollout, doc_answers in zip(rollouts, answers):
+        doc_rewards = []
+        for attempt, task_answers in zip(rollout.attempts, doc_answers):
+            if attempt.task is None:
+                doc_rewards.append(cfg.invalid_penalty)
+                continue
+            pass_rate = np.mean(task_answers.correct)
+            reward = common.proposer_reward(pass_rate, cfg.challenger_reward, tau=cfg.tau)
+            doc_rewards.append(float(reward))
+        rewards.append(doc_rewards)
+    return rewards
 
 
-def reasoner_group(rollouts: list[DocRollout], rng) -> None:
-    """Step 6: one random valid task per document (§3.1); its K answers behind r_C are T_R."""
-    for r in rollouts:
-        if valid := [a for a in r.attempts if a.task is not None]:
-            r.reasoner_task = valid[rng.integers(len(valid))]
+def reasoner_group(rollouts: list[DocRollout], rng) -> list[int | None]:
+    """Step 6: one random valid task per document (§3.1), whose K answers behind r_C are T_R;
+    reasoner_picks[d] is its attempt's index in rollouts[d].attempts (None: no valid task)."""
+    reasoner_picks = []
+    for rollout in rollouts:
+        valid = [i for i, a in enumerate(rollout.attempts) if a.task is not None]
+        reasoner_picks.append(valid[rng.integers(len(valid))] if valid else None)
+    return reasoner_picks
 
 
-def build_trajectories(rollouts: list[DocRollout], cfg: Config) -> tuple[list, dict]:
+class Group(typing.NamedTuple):
+    """The trajectories of one role on one document, whose mean reward is their baseline."""
+    role: str  # "challenger" | "reasoner"
+    completions: list
+    rewards: list[float]
+
+
+def build_trajectories(rollouts: list[DocRollout], answers: list[list[Answers]],
+                       rewards: list[list[float]], reasoner_picks: list[int | None],
+                       cfg: Config) -> tuple[list, dict]:
     """Step 7 (Eq. 3): A = r - mean(group), no std, per role and document; no T_C if frozen."""
-    groups = []  # (role, completions, rewards)
-    for r in rollouts:
+    groups = []
+    for rollout, doc_answers, doc_rewards, pick in zip(rollouts, answers, rewards,
+                                                       reasoner_picks):
         if not cfg.challenger_model:
-            groups.append(("challenger", [a.completion for a in r.attempts],
-                           [a.reward for a in r.attempts]))
-        if r.reasoner_task:
-            groups.append(("reasoner", r.reasoner_task.answers, r.reasoner_task.correct))
-    flat = [(g, role, c, x) for g, (role, cs, xs) in enumerate(groups) for c, x in zip(cs, xs)]
-    adv = common.group_advantages([x for *_, x in flat], [g for g, *_ in flat], scale="none")
-    trajs = [common.Trajectory.from_completion(c, reward=x, role=role, advantage=float(a))
-             for (_, role, c, x), a in zip(flat, adv.tolist())]
-    # a group of equal rewards has zero advantages: no signal (it stays in the batch)
-    zero = {r: [len(set(xs)) == 1 for role, _, xs in groups if role == r] for r, _, _ in groups}
-    return trajs, {f"{r}/zero_adv_group_frac": _mean(z) for r, z in zero.items()}
+            completions = [a.completion for a in rollout.attempts]
+            groups.append(Group("challenger", completions, doc_rewards))
+        if pick is not None:
+            chosen = doc_answers[pick]
+            groups.append(Group("reasoner", chosen.completions, chosen.correct))
+    trajs = []
+    zero_adv = {}  # role -> per group: equal rewards, so zero advantages and no signal
+    for group in groups:
+        group_ids = [0] * len(group.rewards)
+        advantages = common.group_advantages(group.rewards, group_ids, scale="none").tolist()
+        for completion, reward, advantage in zip(group.completions, group.rewards, advantages):
+            trajs.append(common.Trajectory.from_completion(
+                completion, reward=reward, role=group.role, advantage=advantage))
+        # a zero-advantage group stays in the batch
+        zero_adv.setdefault(group.role, []).append(len(set(group.rewards)) == 1)
+    stats = {f"{role}/zero_adv_group_frac": _mean(flags) for role, flags in zero_adv.items()}
+    return trajs, stats
 
 
 def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
@@ -534,97 +680,133 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     return common.pg_step(policy, trajs, pg)
 
 
-def _mean(xs) -> float:
-    return float(np.mean(xs)) if len(xs) else 0.0
-
-
-def step_metrics(rollouts: list[DocRollout]) -> dict:
+def step_metrics(rollouts: list[DocRollout], answers: list[list[Answers]],
+                 rewards: list[list[float]]) -> dict:
     """Validity over every attempt made (not the G kept), r_C, pass rate, question diversity."""
-    valid = [a for r in rollouts for a in r.attempts if a.task is not None]
-    diversity = common.diversity_metrics([a.task.question for a in valid]) if valid else {}
-    return {"challenger/valid_rate": (sum(r.n_valid for r in rollouts)
-                                      / max(1, sum(r.n_generated for r in rollouts))),
-            "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
-            "challenger/reward": _mean([a.reward for r in rollouts for a in r.attempts]),
-            "reasoner/accuracy": _mean([_mean(a.correct) for a in valid]),
-            **{f"challenger/{k}": v for k, v in diversity.items()}}
+    questions, pass_rates = [], []  # of the valid tasks
+    for rollout, doc_answers in zip(rollouts, answers):
+        for attempt, task_answers in zip(rollout.attempts, doc_answers):
+            if attempt.task is not None:
+                questions.append(attempt.task.question)
+                pass_rates.append(_mean(task_answers.correct))
+    n_generated = sum(r.n_generated for r in rollouts)
+    n_valid = sum(r.n_valid for r in rollouts)
+    metrics = {"challenger/valid_rate": n_valid / max(1, n_generated),
+               "challenger/docs_without_valid": sum(r.n_valid == 0 for r in rollouts),
+               "challenger/reward": _mean([x for doc_rewards in rewards for x in doc_rewards]),
+               "reasoner/accuracy": _mean(pass_rates)}
+    if questions:
+        for name, value in common.diversity_metrics(questions).items():
+            metrics[f"challenger/{name}"] = value
+    return metrics
 
 
-def sample_records(rollouts: list[DocRollout]) -> list[dict]:
+def sample_records(rollouts: list[DocRollout], answers: list[list[Answers]],
+                   rewards: list[list[float]], reasoner_picks: list[int | None]) -> list[dict]:
     """samples.jsonl: every Challenger attempt with its task, r_C and the K answers behind it."""
-    return [{"document": r.document, "type": r.answer_type or r.kind,
-             "challenger_output": a.completion.text, "invalid_reason": None if a.task else a.reason,
-             "question": a.task and a.task.question, "gold": a.task and a.task.gold,
-             "challenger_reward": a.reward, "pass_rate": _mean(a.correct) if a.task else None,
-             "reasoner_task": a is r.reasoner_task, "answers": [c.text for c in a.answers]}
-            for r in rollouts for a in r.attempts]
+    records = []
+    for rollout, doc_answers, doc_rewards, pick in zip(rollouts, answers, rewards,
+                                                       reasoner_picks):
+        for i, attempt in enumerate(rollout.attempts):
+            task = attempt.task
+            records.append({
+                "document": rollout.document, "type": rollout.answer_type or rollout.kind,
+                "challenger_output": attempt.completion.text,
+                "invalid_reason": None if task else attempt.reason,
+                "question": task.question if task else None,
+                "gold": task.gold if task else None,
+                "challenger_reward": doc_rewards[i],
+                "pass_rate": _mean(doc_answers[i].correct) if task else None,
+                "reasoner_task": i == pick,
+                "answers": [c.text for c in doc_answers[i].completions]})
+    return records
 
 
-def run_eval(policy, run, cfg: Config, fmt: str, step: int, name: str = "eval.json") -> dict:
+def run_eval(policy, run, cfg: Config, fmt: str, prompts: dict, step: int,
+             name: str = "eval.json") -> dict:
     """Zero-shot with the training Reasoner prompt (App. A): run_dir/`name`; returns eval/*."""
     if not cfg.eval_benchmarks.strip():
         return {}
 
     def prompt_fn(problem: dict, tokenizer=None):
-        options = [f"\n{chr(65 + j)}) {c}" for j, c in enumerate(problem.get("choices") or [])]
-        return reasoner_prompt(problem["question"] + "".join(options), fmt, templates(cfg.prompts))
-    res = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
-    run.write_eval({"step": step, **res}, name=name)
-    return common.eval_metrics(res)
+        question = problem["question"]
+        for j, choice in enumerate(problem.get("choices") or []):  # lettered, as MCQ tasks are
+            question += f"\n{chr(65 + j)}) {choice}"
+        return reasoner_prompt(question, fmt, prompts)
+    results = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
+    run.write_eval({"step": step, **results}, name=name)
+    return common.eval_metrics(results)
 
 
 def validate_config(cfg: Config) -> None:
     for name, allowed in CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} must be {', '.join(allowed[:-1])} or "
-                             f"{allowed[-1]}, not {getattr(cfg, name)!r}")
+        value = getattr(cfg, name)
+        if value not in allowed:
+            options = f"{', '.join(allowed[:-1])} or {allowed[-1]}"
+            raise ValueError(f"--{name.replace('_', '-')} must be {options}, not {value!r}")
     if cfg.reasoner_k < 1:  # the other sizes: parse_config
         raise ValueError("--reasoner-k must be >= 1")
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
-    templates(cfg.prompts)  # a bad --prompts file: a one-line usage error before anything loads
+    common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
 def train(cfg: Config, policy=None) -> Path:
     """The whole run; `policy` may be passed in (tests share one engine), else loaded from cfg."""
     validate_config(cfg)
     common.seed_everything(cfg.seed)
+    prompts = common.load_prompts(cfg.prompts, PROMPTS)
     # inputs first (corpus, eval sets): bad input fails in seconds, before the model loads
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
     # the corpus segments and every generated question are screened against the eval sets
     decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
     # the Challenger reads the documents: its tokenizer sizes them
-    doc_tok = common.load_tokenizer(cfg.challenger_model) if cfg.challenger_model else tokenizer
-    corpus = [] if cfg.no_document else load_corpus(cfg, doc_tok, decon=decon)
+    doc_tokenizer = tokenizer
+    if cfg.challenger_model:
+        doc_tokenizer = common.load_tokenizer(cfg.challenger_model)
+    corpus = []
+    if not cfg.no_document:
+        chunk_tokens = segment_tokens(cfg, doc_tokenizer, prompts)
+        corpus = load_corpus(cfg, doc_tokenizer, chunk_tokens, decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
-    check = validity_checker(cfg, tokenizer, fmt, decon)
-    writer = contextlib.nullcontext if not cfg.challenger_model else common.FrozenModel(
-        cfg.challenger_model, policy, cfg, cfg.challenger_gpu_memory_utilization).sampling
-    start, _ = (run.load_checkpoint(policy) if cfg.resume else None) or (0, None)
-    eval_at = functools.partial(run_eval, policy, run, cfg, fmt)
-    if cfg.eval_base and start == 0 and (base := eval_at(0, "eval_base.json")):
-        run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
+    check = validity_checker(cfg, tokenizer, fmt, prompts, decon)
+    # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
+    writer = contextlib.nullcontext
+    if cfg.challenger_model:
+        writer = common.FrozenModel(cfg.challenger_model, policy, cfg,
+                                    cfg.challenger_gpu_memory_utilization).sampling
+    start = 0
+    if cfg.resume:
+        start, _ = run.load_checkpoint(policy)
+    eval_at = functools.partial(run_eval, policy, run, cfg, fmt, prompts)
+    if cfg.eval_base and start == 0:
+        base = eval_at(0, "eval_base.json")
+        if base:
+            run.log(0, base)  # step 0: the curve's starting point, same prompt and grader
     pbar = run.progress(cfg.steps, initial=start)
     for step in range(start + 1, cfg.steps + 1):
         rng = np.random.default_rng([cfg.seed, step])  # per step: a resumed run replays the draws
         with run.timer("rollout"):
             docs = sample_documents(corpus, cfg.docs_per_step, rng, cfg.no_document)
-            # the Challenger: the policy, or the frozen --challenger-model with its own tokenizer
             with writer(policy) as challenger:
-                cfmt = resolve_prompt_format(cfg, challenger.tokenizer)
-                types = select_task_types(challenger, docs, cfg, cfmt, rng)
-                rollouts = challenger_generate(challenger, docs, types, cfg, cfmt, check, rng)
-            reasoner_solve(policy, rollouts, cfg, fmt)
-            challenger_rewards(rollouts, cfg)
-            reasoner_group(rollouts, rng)
-        trajs, traj_stats = build_trajectories(rollouts, cfg)
+                challenger_fmt = resolve_prompt_format(cfg, challenger.tokenizer)
+                types = select_task_types(challenger, docs, cfg, challenger_fmt, prompts, rng)
+                rollouts = challenger_generate(challenger, docs, types, cfg, challenger_fmt,
+                                               prompts, check, rng)
+            answers = reasoner_solve(policy, rollouts, cfg, fmt, prompts)
+            rewards = challenger_rewards(rollouts, answers, cfg)
+            reasoner_picks = reasoner_group(rollouts, rng)
+        trajs, traj_stats = build_trajectories(rollouts, answers, rewards, reasoner_picks, cfg)
         with run.timer("update"):
-            stats = {f"train/{k}": v for k, v in drgrpo_update(policy, trajs, cfg).items()}
-        metrics = {**step_metrics(rollouts), **traj_stats, **stats}
-        run.log_samples(step, "challenger", sample_records(rollouts))
+            update_stats = drgrpo_update(policy, trajs, cfg)
+        metrics = step_metrics(rollouts, answers, rewards)
+        metrics.update(traj_stats)
+        metrics.update({f"train/{k}": v for k, v in update_stats.items()})
+        records = sample_records(rollouts, answers, rewards, reasoner_picks)
+        run.log_samples(step, "challenger", records)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             metrics.update(eval_at(step, f"eval_step{step}.json"))
         run.log(step, metrics)
@@ -632,7 +814,8 @@ def train(cfg: Config, policy=None) -> Path:
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             run.save_checkpoint(step, policy, {"step": step})
     pbar.close()
-    if final := eval_at(cfg.steps, "eval.json"):
+    final = eval_at(cfg.steps, "eval.json")
+    if final:
         run.log(cfg.steps, final)
     run.close()
     return run.dir

@@ -377,31 +377,33 @@ def test_prompt_file_templates_reach_the_sampler(tmp_path, tiny_tokenizer, fmt):
     cfg = spice.Config(prompts=_marked_prompts(tmp_path), group_size=2, max_attempts=2,
                        reasoner_k=2, max_tokens=64, max_model_len=4096)
     spice.validate_config(cfg)
+    prompts = common.load_prompts(cfg.prompts, spice.PROMPTS)   # as train() loads them
     as_text = lambda p: p if isinstance(p, str) else "\n".join(m["content"] for m in p)
     wrapper = "<<plain>>" if fmt == "plain" else "<<system>>"
     s = _RecordingSampler('{"suitable_for_mcq": false, "suitable_for_free_form": true, '
                           '"best_answer_type": "Integer", "reason": "a count"}')
-    types = spice.select_task_types(s, [DOC], cfg, fmt, np.random.default_rng(0))
+    types = spice.select_task_types(s, [DOC], cfg, fmt, prompts, np.random.default_rng(0))
     assert types == [("free", "Integer")]
     marks = ("<<type_selection>>", "<<document_block>>", wrapper, DOC)
     assert all(m in as_text(s.prompts[0]) for m in marks)
     s = _RecordingSampler(json.dumps(free_json()))
-    check = spice.validity_checker(cfg, tiny_tokenizer, fmt)
+    check = spice.validity_checker(cfg, tiny_tokenizer, fmt, prompts)
     for kind, t, marker in (("free", "Integer", "<<free_form>>"), ("mcq", None, "<<mcq>>")):
-        spice.challenger_generate(s, [DOC, None], [(kind, t)] * 2, cfg, fmt, check,
+        spice.challenger_generate(s, [DOC, None], [(kind, t)] * 2, cfg, fmt, prompts, check,
                                   np.random.default_rng(0))
         with_doc, without = map(as_text, s.prompts[-2:])
         assert all(m in with_doc for m in (marker, "<<document_block>>", DOC, wrapper))
         assert marker in without and "<<no_document_block>>" in without and DOC not in without
     task, _ = spice.parse_task(json.dumps(free_json()), "free", "Integer")
     s = _RecordingSampler("\\boxed{25}")
-    assert _solve(s, task, cfg, fmt) == [1.0, 1.0]
+    assert _solve(s, task, cfg, fmt, prompts) == [1.0, 1.0]
     assert all(m in as_text(s.prompts[0]) for m in ("<<reasoner>> " + task.question, wrapper))
 
     class _Run:
         def write_eval(self, res, name):
             pass
-    spice.run_eval(s, _Run(), replace(cfg, eval_limit=1, eval_benchmarks=str(EVAL)), fmt, 1)
+    eval_cfg = replace(cfg, eval_limit=1, eval_benchmarks=str(EVAL))
+    spice.run_eval(s, _Run(), eval_cfg, fmt, prompts, 1)
     assert "<<reasoner>>" in as_text(s.prompts[-1]) and wrapper in as_text(s.prompts[-1])
 
 
@@ -459,9 +461,10 @@ def test_letter_only_expression_answers_reach_math_verify():
 # ------------------------------------------------------------------------------------------ rewards
 def _challenger_reward(correct, cfg):
     """r_C of one valid task whose K answers have these correctness bits (challenger_rewards)."""
-    a = spice.Attempt(comp("the Challenger's JSON"), object(), "ok", correct=correct)
-    spice.challenger_rewards([spice.DocRollout(DOC, "free", "Integer", [a])], cfg)
-    return a.reward
+    a = spice.Attempt(comp("the Challenger's JSON"), object(), "ok")
+    rollout = spice.DocRollout(DOC, "free", "Integer", [a])
+    rewards = spice.challenger_rewards([rollout], [[spice.Answers([], correct)]], cfg)
+    return rewards[0][0]
 
 
 def test_variance_reward_on_all_k8_patterns():
@@ -496,11 +499,12 @@ def test_bad_reward_name_is_a_clear_error():
 
 
 # ------------------------------------------------------------------------------------------- groups
-def _solve(sampler, task, cfg, fmt="chat"):
+def _solve(sampler, task, cfg, fmt="chat", prompts=spice.PROMPTS):
     """reasoner_solve on one valid task: its K correctness bits."""
     a = spice.Attempt(comp("the Challenger's JSON"), task, "ok")
-    spice.reasoner_solve(sampler, [spice.DocRollout(DOC, task.kind, None, [a])], cfg, fmt)
-    return a.correct
+    rollout = spice.DocRollout(DOC, task.kind, None, [a])
+    answers = spice.reasoner_solve(sampler, [rollout], cfg, fmt, prompts)
+    return answers[0][0].correct
 
 
 def _valid_attempt(q="How many?", a="1"):
@@ -522,16 +526,16 @@ def test_subsample_keeps_the_valid_ratio():
 
 def test_drgrpo_advantages_per_role_and_per_document():
     cfg = spice.Config()
-    bad = spice.Attempt(comp("bad"), None, "no_json", reward=-0.1)
+    bad = spice.Attempt(comp("bad"), None, "no_json")
     r1 = spice.DocRollout("d1", "free", "Integer",
                           attempts=[_valid_attempt() for _ in range(6)] + [bad, bad])
-    for a, x in zip(r1.attempts, [1.0, 0.988, 0.823, 0.372, 0.044, 0.044]):   # Eq. 1 values (K = 8)
-        a.reward = x
-    r1.reasoner_task = spice.Attempt(comp("q"), r1.attempts[0].task, "ok",
-                                     answers=[comp("\\boxed{1}")] * 8,
-                                     correct=[1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # Eq. 1 values (K = 8), then rho for the two invalid attempts
+    rewards = [[1.0, 0.988, 0.823, 0.372, 0.044, 0.044, -0.1, -0.1], [-0.1] * 8]
+    none = spice.Answers([], [])
+    reasoner = spice.Answers([comp("\\boxed{1}")] * 8, [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    answers = [[reasoner] + [none] * 7, [none] * 8]
     r2 = spice.DocRollout("d2", "mcq", None, attempts=[bad] * 8)            # all invalid: no signal
-    trajs, stats = spice.build_trajectories([r1, r2], cfg)
+    trajs, stats = spice.build_trajectories([r1, r2], answers, rewards, [0, None], cfg)
     ch = [t.advantage for t in trajs if t.role == "challenger"]
     re_ = [t.advantage for t in trajs if t.role == "reasoner"]
     assert len(ch) == 16 and len(re_) == 8
@@ -543,7 +547,8 @@ def test_drgrpo_advantages_per_role_and_per_document():
     assert re_ == pytest.approx([0.625] * 3 + [-0.375] * 5)
     assert stats["challenger/zero_adv_group_frac"] == 0.5
     assert stats["reasoner/zero_adv_group_frac"] == 0.0
-    frozen, _ = spice.build_trajectories([r1, r2], spice.Config(challenger_model="a fixed model"))
+    frozen, _ = spice.build_trajectories([r1, r2], answers, rewards, [0, None],
+                                         spice.Config(challenger_model="a fixed model"))
     assert {t.role for t in frozen} == {"reasoner"}
 
 
@@ -591,11 +596,12 @@ def test_corpus_errors_name_file_and_line(tmp_path, content, needle):
 def test_type_selection_random_respects_the_mix_flag():
     rng = np.random.default_rng(0)
     cfg = spice.Config(type_selection="random")
-    types = spice.select_task_types(None, ["d"] * 200, cfg, "chat", rng)
+    types = spice.select_task_types(None, ["d"] * 200, cfg, "chat", spice.PROMPTS, rng)
     kinds = [k for k, _ in types]
     assert 60 < kinds.count("mcq") < 140
     assert {t for k, t in types if k == "free"} == set(spice.ANSWER_TYPES)
-    types = spice.select_task_types(None, ["d"] * 20, spice.Config(task_types="mcq"), "chat", rng)
+    types = spice.select_task_types(None, ["d"] * 20, spice.Config(task_types="mcq"), "chat",
+                                    spice.PROMPTS, rng)
     assert {k for k, _ in types} == {"mcq"}
 
 
@@ -610,9 +616,10 @@ def test_all_invalid_challenger_group_gives_zero_gradient(tiny_policy_hf):
     bad = [spice.Attempt(common.Completion(p_ids, x, t, "stop", [-1.0] * len(x)), None, "no_json")
            for t, x in zip(texts, ids)]
     r = spice.DocRollout(DOC, "mcq", None, attempts=bad)
-    spice.challenger_rewards([r], spice.Config())
-    assert [a.reward for a in r.attempts] == [-0.1] * 4
-    trajs, stats = spice.build_trajectories([r], spice.Config())
+    answers = [[spice.Answers([], []) for _ in bad]]
+    rewards = spice.challenger_rewards([r], answers, spice.Config())
+    assert rewards[0] == [-0.1] * 4
+    trajs, stats = spice.build_trajectories([r], answers, rewards, [None], spice.Config())
     assert [t.advantage for t in trajs] == [0.0] * 4
     assert stats["challenger/zero_adv_group_frac"] == 1.0
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
@@ -902,7 +909,8 @@ def test_strong_challenger_writes_with_its_frozen_weights(tmp_path, tiny_model_p
         assert (torch.cat(lp_policy) - sampled).abs().mean() > 0.1
     # and the policy itself writes no valid task: every valid one came from the frozen Challenger
     doc = spice.read_documents(str(CORPUS), limit=1)[0]
-    prompt = spice.challenger_prompt(doc, "mcq", None, "chat", spice.templates(cfg.prompts))
+    prompt = spice.challenger_prompt(doc, "mcq", None, "chat",
+                                     common.load_prompts(cfg.prompts, spice.PROMPTS))
     outs = policy.generate([prompt], n=8, temperature=1.0, max_tokens=96)
     assert all(spice.parse_task(c.text, "mcq")[0] is None for c in outs[0])
 
@@ -911,7 +919,7 @@ def test_generated_questions_are_decontaminated(tiny_tokenizer):
     eval_q = json.loads(EVAL.read_text().splitlines()[0])["question"]
     decon = common.Decontaminator([eval_q], n=13)
     check = spice.validity_checker(spice.Config(max_tokens=64, max_model_len=2048), tiny_tokenizer,
-                                   "chat", decon)
+                                   "chat", spice.PROMPTS, decon)
     leaked = comp(json.dumps(free_json("Quick one: " + eval_q, "48")))
     assert check(leaked, "free", "Integer") == (None, "contaminated")
     task, why = check(comp(json.dumps(free_json())), "free", "Integer")
@@ -948,11 +956,11 @@ class _ScriptedSampler:
 
 def test_attempt_loop_runs_until_a_valid_task_or_n_attempts(tiny_tokenizer):
     cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
-    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat", spice.PROMPTS)
     docs = [f"This is doc number {i}." for i in range(3)]
     sampler = _ScriptedSampler([1, 3, None])
     rollouts = spice.challenger_generate(sampler, docs, [("free", "Integer")] * 3, cfg, "chat",
-                                         check, np.random.default_rng(0))
+                                         spice.PROMPTS, check, np.random.default_rng(0))
     # stop at the first valid one, or at N
     assert [r.n_generated for r in rollouts] == [4, 12, 12]
     # only documents still without a valid task
@@ -962,7 +970,7 @@ def test_attempt_loop_runs_until_a_valid_task_or_n_attempts(tiny_tokenizer):
     # kept; 0/12 -> 0
     assert [sum(a.task is not None for a in r.attempts) for r in rollouts] == [1, 1, 0]
     # no valid task: no Reasoner call, no error
-    spice.reasoner_solve(_ScriptedSampler([]), [], cfg, "chat")
+    spice.reasoner_solve(_ScriptedSampler([]), [], cfg, "chat", spice.PROMPTS)
 
 
 # ------------------------------------------------------------------------------------ seeding, eval
@@ -992,7 +1000,7 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
         def write_eval(self, res, name):
             seen["written"] = name
     monkeypatch.setattr(common, "evaluate", evaluate)
-    spice.run_eval(None, _Run(), replace(cfg, eval_benchmarks="x"), "chat", 3)
+    spice.run_eval(None, _Run(), replace(cfg, eval_benchmarks="x"), "chat", spice.PROMPTS, 3)
     assert (seen["seed"], seen["max_tokens"], seen["n"]) == (7, 4096, 2)
     assert seen["written"] == "eval.json"
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
@@ -1021,7 +1029,7 @@ def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
             written[name] = res
     cfg = spice.Config(verify_timeout=0.37, eval_n=2, eval_k="1,2", eval_limit=3,
                        eval_benchmarks=str(EVAL))
-    m = spice.run_eval(Sampler(), _Run(), cfg, "chat", 1)
+    m = spice.run_eval(Sampler(), _Run(), cfg, "chat", spice.PROMPTS, 1)
     res = written["eval.json"]
     assert seen and set(seen) == {0.37}                       # greedy and sampled answers alike
     assert "timeout 0.37s" in res["settings"]["verifier"] and res["step"] == 1
@@ -1033,7 +1041,7 @@ def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer)
     """The group keeps >= 1 valid attempt, so its valid rate overstates a hard document's; the
     metrics count the whole pool (up to --max-attempts)."""
     cfg = spice.Config(group_size=4, max_attempts=12, max_tokens=64, max_model_len=2048)
-    check = spice.validity_checker(cfg, tiny_tokenizer, "chat")
+    check = spice.validity_checker(cfg, tiny_tokenizer, "chat", spice.PROMPTS)
     cited = json.dumps(free_json("According to the passage, how many seedlings?"))
     too_thin = json.dumps(free_json(question="", answer=""))
 
@@ -1048,15 +1056,15 @@ def test_validity_metrics_count_every_attempt_not_the_kept_group(tiny_tokenizer)
             return [[comp(t) for t in self.rounds[d].pop(0)] for d in docs]
     docs = [f"This is doc number {i}." for i in range(2)]
     rollouts = spice.challenger_generate(Sampler(), docs, [("free", "Integer")] * 2, cfg, "chat",
-                                         check, np.random.default_rng(0))
+                                         spice.PROMPTS, check, np.random.default_rng(0))
     counts = [(r.n_generated, r.n_valid) for r in rollouts]
     assert counts == [(8, 1), (4, 1)]
     assert [a.reason for a in rollouts[0].attempts].count("ok") == 1
-    # the rest of the step, as reasoner_solve / challenger_rewards leave it
-    for r in rollouts:
-        for a in r.attempts:
-            a.correct, a.reward = ([1.0, 0.0], 1.0) if a.task else ([], -0.1)
-    m = spice.step_metrics(rollouts)
+    # the rest of the step, as reasoner_solve / challenger_rewards return it
+    answers = [[spice.Answers([], [1.0, 0.0] if a.task else []) for a in r.attempts]
+               for r in rollouts]
+    rewards = [[1.0 if a.task else -0.1 for a in r.attempts] for r in rollouts]
+    m = spice.step_metrics(rollouts, answers, rewards)
     # pool: 2 valid of 12 generated
     assert m["challenger/valid_rate"] == pytest.approx(2 / 12)
     assert m["challenger/docs_without_valid"] == 0
@@ -1097,7 +1105,7 @@ def test_forged_chat_turns_never_reach_the_reasoner_prompt(tiny_tokenizer):
     specials = {tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     n_special = lambda prompt: sum(i in specials for i in common.encode_prompt(tok, prompt))
     cfg = spice.Config(max_tokens=64, max_model_len=2048, reasoner_k=2)
-    check = spice.validity_checker(cfg, tok, "chat")
+    check = spice.validity_checker(cfg, tok, "chat", spice.PROMPTS)
     attempt = comp(json.dumps(free_json("How many seedlings are planted?" + FORGED, "25")))
     task, why = check(attempt, "free", "Integer")
     assert why == "ok" and "<|im_" not in task.question
@@ -1109,11 +1117,11 @@ def test_forged_chat_turns_never_reach_the_reasoner_prompt(tiny_tokenizer):
             seen.extend(prompts)
             return [[comp("\\boxed{25}")] * n for _ in prompts]
     r = spice.DocRollout(DOC, "free", "Integer", attempts=[spice.Attempt(attempt, task, why)])
-    spice.reasoner_solve(Sampler(), [r], cfg, "chat")
+    answers = spice.reasoner_solve(Sampler(), [r], cfg, "chat", spice.PROMPTS)
     clean = spice.reasoner_prompt("How many seedlings are planted?", "chat")
     # system, user, the assistant's open
     assert len(seen) == 1 and n_special(seen[0]) == n_special(clean) == 5
-    assert "<|im_" not in seen[0][1]["content"] and r.attempts[0].correct == [1.0, 1.0]
+    assert "<|im_" not in seen[0][1]["content"] and answers[0][0].correct == [1.0, 1.0]
     # a forged MCQ answer key in the stem is removed too; the options still parse
     stem = MCQ_JSON["multiple_choice_question"].replace("wall.", "wall." + FORGED)
     mcq = dict(MCQ_JSON, multiple_choice_question=stem)
@@ -1171,11 +1179,12 @@ def test_diversity_and_samples_show_what_was_trained():
     bad = spice.Attempt(comp("bad"), None, "no_json")
     r1 = spice.DocRollout(DOC, "free", "Integer", attempts=[a1, a2, bad], n_generated=3, n_valid=2)
     r2 = spice.DocRollout(DOC, "mcq", None, attempts=[bad], n_generated=1)
-    a1.answers, a1.correct = [comp("\\boxed{3}"), comp("\\boxed{2}")], [1.0, 0.0]
-    a2.answers, a2.correct = [comp("\\boxed{4}")] * 2, [1.0, 1.0]
-    spice.challenger_rewards([r1, r2], spice.Config())
-    r1.reasoner_task = a1
-    recs = spice.sample_records([r1, r2])
+    answers = [[spice.Answers([comp("\\boxed{3}"), comp("\\boxed{2}")], [1.0, 0.0]),
+                spice.Answers([comp("\\boxed{4}")] * 2, [1.0, 1.0]), spice.Answers([], [])],
+               [spice.Answers([], [])]]
+    rewards = spice.challenger_rewards([r1, r2], answers, spice.Config())
+    reasoner_picks = [0, None]                             # a1's task trains the Reasoner
+    recs = spice.sample_records([r1, r2], answers, rewards, reasoner_picks)
     assert [{k: r[k] for k in ("type", "question", "gold", "pass_rate", "challenger_reward",
                                "reasoner_task")} for r in recs[:2]] == [
         {"type": "Integer", "question": "How many apples are in the basket?",
@@ -1188,11 +1197,11 @@ def test_diversity_and_samples_show_what_was_trained():
     assert recs[0]["answers"] == ["\\boxed{3}", "\\boxed{2}"]
     assert [r["invalid_reason"] for r in recs] == [None, None, "no_json", "no_json"]
     assert recs[3]["type"] == "mcq" and recs[3]["answers"] == [] and recs[3]["pass_rate"] is None
-    m = spice.step_metrics([r1, r2])
+    m = spice.step_metrics([r1, r2], answers, rewards)
     assert m["challenger/distinct_frac"] == 1.0 and m["challenger/bleu_clusters"] == 2
     assert m["challenger/distinct4"] == pytest.approx(4 / 4)
     assert 0 <= m["challenger/self_bleu"] < 0.5
     a2.task.question = a1.task.question                    # a repeated question shows up
-    m = spice.step_metrics([r1, r2])
+    m = spice.step_metrics([r1, r2], answers, rewards)
     assert m["challenger/distinct_frac"] == 0.5 and m["challenger/bleu_clusters"] == 1
     assert m["challenger/self_bleu"] == pytest.approx(1.0)
