@@ -71,7 +71,7 @@ class Config(common.RunConfig):
     eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1 math sets
     eval_max_tokens: int = 16000  # new tokens per answer (evaluation/math_eval/eval_math_nodes.sh)
     eval_code: bool = True  # Table 1's HumanEval+/MBPP+ (--no-eval-code skips them)
-    eval_code_benchmarks: str = "humaneval+,mbpp+"  # EvalPlus from the hub, or local JSONL files
+    eval_code_benchmarks: str = "humaneval+,mbpp+"  # Table 1's code sets (EvalPlus), or JSONL files
 
 
 # --model tiny: a one-minute smoke run (flags still override)
