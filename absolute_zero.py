@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import ast
 import collections
-import functools
 import random
 import re
 import symtable
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import common
 
@@ -42,8 +42,8 @@ TASKS = ("deduction", "abduction", "induction")
 
 @dataclass
 class Config(common.RunConfig):
-    model: str = "Qwen/Qwen2.5-Coder-7B"  # §4.1, Table 1
-    steps: int = 500  # §4.1 (scripts/selfplay/coder7b.sh: 960)
+    model: str = "Qwen/Qwen2.5-Coder-7B"  # proposes and solves, one set of weights (§4.1, Table 1)
+    steps: int = 500  # self-play iterations (§4.1; scripts/selfplay/coder7b.sh: 960)
     batch_size: int = 64  # B, prompts per task-role, 6B trajectories per step (Table 3)
     references: int = 6  # K, past triplets shown to a proposer (Table 3, io_n=6)
     seed_factor: int = 4  # S, seed buffers hold S*B tasks (§3.3.1, Table 3)
@@ -51,37 +51,38 @@ class Config(common.RunConfig):
     buffer_cap: int = 16384  # entries per buffer, the oldest evicted (Table 3)
     induction_inputs: int = 10  # N per induction task, half shown, half held out (constructor.py)
     learnability_samples: int = 8  # n, solver samples per valid proposal (Eq. 4, Table 3)
-    temperature: float = 1.0  # rollouts (Table 3); learnability samples always at T = 1
-    top_p: float = 1.0  # Table 3
-    max_prompt_tokens: int = 6144  # Table 3; references are dropped until a prompt fits
-    max_response_tokens: int = 8096  # Table 3
+    temperature: float = 1.0  # rollout temperature (Table 3); learnability samples at T = 1
+    top_p: float = 1.0  # nucleus sampling of the rollouts (Table 3)
+    max_prompt_tokens: int = 6144  # longest prompt: references dropped until it fits (Table 3)
+    max_response_tokens: int = 8096  # new tokens per rollout (Table 3)
     max_model_len: int = 16384  # vLLM context, prompt + response (Table 3)
-    lr: float = 1e-6  # AdamW, constant (Table 3)
-    weight_decay: float = 0.01  # azr_ppo_trainer.yaml, paper branch (master: 0)
-    grad_clip: float = 1.0  # Table 3
+    lr: float = 1e-6  # AdamW learning rate, constant (Table 3)
+    weight_decay: float = 0.01  # AdamW (azr_ppo_trainer.yaml, paper branch; master: 0)
+    grad_clip: float = 1.0  # gradient-norm clip per AdamW step (Table 3)
     clip_ratio: float = 0.2  # PPO epsilon (Eq. 9)
     mini_batch: int = 128  # trajectories per AdamW step (coder7b.sh ppo_mini_batch_size)
-    entropy_coef: float = 0.001  # Table 3 (master: 0)
-    aggregation: str = "seq-mean-token-mean"  # Eq. 9 (master: token-mean)
+    entropy_coef: float = 0.001  # entropy bonus in the loss (Table 3; master: 0)
+    aggregation: str = "seq-mean-token-mean"  # how token losses average (Eq. 9; master: token-mean)
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
     determinism_runs: int = 2  # j, independent runs that must agree (§3.3.3)
     sandbox_workers: int = 4  # not in the paper: parallel sandbox processes
     max_output_chars: int = 4000  # not in the paper: longer outputs are invalid, never truncated
-    reject_multiple_defs: bool = True  # one def per proposal (rewards/code_reward.py)
-    eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1 math
-    eval_max_tokens: int = 16000  # evaluation/math_eval/eval_math_nodes.sh
+    reject_multiple_defs: bool = True  # a second def makes a proposal invalid (code_reward.py)
+    eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1 math sets
+    eval_max_tokens: int = 16000  # new tokens per answer (evaluation/math_eval/eval_math_nodes.sh)
     eval_code: bool = True  # Table 1's HumanEval+/MBPP+ (--no-eval-code skips them)
-    eval_code_benchmarks: str = "humaneval+,mbpp+"  # EvalPlus from the hub, or local JSONL files
+    eval_code_benchmarks: str = "humaneval+,mbpp+"  # Table 1's code sets (EvalPlus), or JSONL files
 
 
 # --model tiny: a one-minute smoke run (flags still override)
 TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
-        "learnability_samples": 2, "seed_max_rounds": 1, "max_prompt_tokens": 1500,
-        "max_response_tokens": 48, "max_model_len": 2048, "sandbox_workers": 2,
-        "executor_timeout": 2.0, "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
-        "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl", "eval_max_tokens": 16}
+        "learnability_samples": 2, "seed_max_rounds": 1, "sandbox_workers": 2,
+        "executor_timeout": 2.0, "max_prompt_tokens": 1500, "max_response_tokens": 48,
+        "max_model_len": 2048, "eval_max_tokens": 16,
+        "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
+        "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl"}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
-                "output": "'Hello World'"}  # Fig. 5
+                "output": "'Hello World'"}  # Fig. 5: the identity, the seed of every buffer
 # Fig. 8's modules, os/sys/shutil (§3.3.3), and the other ways out of a program
 BANNED_MODULES = frozenset("""
     logging random multiprocessing pebble subprocess threading datetime time hashlib hmac bcrypt
@@ -190,74 +191,108 @@ PROMPTS: dict[str, str] = {
     "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
     "eval_code": _PREAMBLE + "User: {task} Put the code inside your <answer> tags.\n\nAssistant:",
 }
+# the banned modules as the prompts name them (the private ones need no mention)
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
-_load_prompts = functools.lru_cache(maxsize=8)(lambda path: common.load_prompts(path, PROMPTS))
-_fence = "```{}\n{}\n```".format  # _fence(kind, text): a fenced block
 
 
-def templates(cfg: Config) -> dict[str, str]:
-    """Our templates, or those of --prompts FILE in their place."""
-    return _load_prompts(cfg.prompts) if cfg.prompts else PROMPTS
+def _fence(kind: str, text: str) -> str:
+    """A fenced block: ```kind, the text, ```."""
+    return f"```{kind}\n{text}\n```"
 
 
-def render(cfg: Config, name: str, single_def: bool = False, **fields) -> str:
-    """Template `name` in the wrapper with its {code_rules}; str.format skips unused fields."""
-    t = templates(cfg)
-    rules = t["code_rules"].format(
-        timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST,
-        definitions=t["definitions_single" if single_def else "definitions_helpers"])
-    return t["wrapper"].format(task=t[name].format(code_rules=rules, **fields))
+def render(prompts: dict, cfg: Config, name: str, single_def: bool = False, **fields) -> str:
+    """Template `name` with its {code_rules}, inside the wrapper; str.format skips unused fields."""
+    if single_def:
+        definitions = prompts["definitions_single"]
+    else:
+        definitions = prompts["definitions_helpers"]
+    code_rules = prompts["code_rules"].format(
+        timeout=f"{cfg.executor_timeout:g}", banned=_BANNED_LIST, definitions=definitions)
+    task = prompts[name].format(code_rules=code_rules, **fields)
+    return prompts["wrapper"].format(task=task)
 
 
-def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "") -> str:
-    shown = "\n\n".join(f"Earlier puzzle {k + 1}:\n{_fence('python', r['program'])}\n"
-                        f"{_fence('input', r['input'])}\n{_fence('output', r['output'])}"
-                        for k, r in enumerate(refs))
-    return render(cfg, f"propose_{task}", cfg.reject_multiple_defs, program=program,
-                  n=cfg.induction_inputs, references=shown or "(none yet)")
+def proposer_prompt(task: str, refs: list[dict], cfg: Config, program: str = "",
+                    prompts: dict = PROMPTS) -> str:
+    """Step 1's prompt: K reference triplets (deduction, abduction), or the program that the
+    induction proposer writes inputs for."""
+    puzzles = []
+    for k, ref in enumerate(refs):
+        puzzles.append("\n".join([f"Earlier puzzle {k + 1}:",
+                                  _fence("python", ref["program"]),
+                                  _fence("input", ref["input"]),
+                                  _fence("output", ref["output"])]))
+    references = "\n\n".join(puzzles) or "(none yet)"
+    return render(prompts, cfg, f"propose_{task}", cfg.reject_multiple_defs, program=program,
+                  n=cfg.induction_inputs, references=references)
 
 
-def solver_prompt(task: str, e: dict, cfg: Config) -> str:
-    """Induction shows the first half of the pairs; solver programs may have helpers."""
-    shown = e.get("inputs", [])[:len(e.get("inputs", [])) // 2]
-    pairs = "\n".join(_fence(f"input_{k + 1}", i) + "\n" + _fence(f"output_{k + 1}", o)
-                      for k, (i, o) in enumerate(zip(shown, e.get("outputs", []))))
-    return render(cfg, f"solve_{task}", program=e["program"], input=e.get("input"),
-                  output=e.get("output"), message=e.get("message"), pairs=pairs)
+def solver_prompt(task: str, entry: dict, cfg: Config, prompts: dict = PROMPTS) -> str:
+    """The solver's prompt for a buffer entry. Induction shows the first half of the pairs (the
+    rest is held out); solver programs may have helpers."""
+    inputs = entry.get("inputs", [])
+    shown = inputs[:len(inputs) // 2]
+    pairs = []
+    for k, (shown_input, output) in enumerate(zip(shown, entry.get("outputs", []))):
+        pairs.append(_fence(f"input_{k + 1}", shown_input) + "\n"
+                     + _fence(f"output_{k + 1}", output))
+    return render(prompts, cfg, f"solve_{task}", program=entry["program"],
+                  input=entry.get("input"), output=entry.get("output"),
+                  message=entry.get("message"), pairs="\n".join(pairs))
 
 
 def _fits(tokenizer, prompt: str, cfg: Config) -> bool:
+    """Whether `prompt` is within --max-prompt-tokens."""
     return len(common.encode_prompt(tokenizer, prompt)) <= cfg.max_prompt_tokens
 
 
 # --- Parsing untrusted model output (nothing here may raise) and the safety checks (§3.3.3)
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>", re.S)
 _BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z_]\w*)?[ \t]*\n?(.*?)```", re.S)  # body may share a line
-_MAX_INPUT_CHARS, _MAX_PROGRAM_CHARS = 100_000, 8000  # not in the paper: longer ones are invalid
+_MAX_INPUT_CHARS = 100_000  # not in the paper: a longer input is invalid
+_MAX_PROGRAM_CHARS = 8000  # not in the paper: a longer program is invalid
+_MAX_MESSAGE_CHARS = 2000  # not in the paper: an induction message is cut here
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+class Checked(NamedTuple):
+    reason: str | None  # None: the program passed
+    program: str  # the program, its single entry function bound to the name f
 
 
 def extract_answer(completion: str) -> str | None:
     """The last <answer> block, if the response has the R1 format (the prompt opened <think>)."""
     text = "<think>" + completion
+    if not _FORMAT_RE.match(text):
+        return None
     last = text.rsplit("<answer>", 1)[-1]
-    return last.split("</answer>")[0] if _FORMAT_RE.match(text) and "</answer>" in last else None
+    if "</answer>" not in last:
+        return None
+    return last.split("</answer>")[0]
 
 
 def blocks(answer: str, *kinds: str) -> list[str]:
     """The bodies of the fenced blocks tagged with one of `kinds` (any block if none is given)."""
-    return [b.strip() for k, b in _BLOCK_RE.findall(answer) if not kinds or k.lower() in kinds]
+    bodies = []
+    for kind, body in _BLOCK_RE.findall(answer):
+        if not kinds or kind.lower() in kinds:
+            bodies.append(body.strip())
+    return bodies
 
 
 def solver_answer(completion: str, task: str) -> str | None:
     """What is graded (reward_managers.py): the last output/input block, else the whole <answer>;
     induction: the last python block, else the last of any kind. None is a format error."""
-    if (answer := extract_answer(completion)) is None:
+    answer = extract_answer(completion)
+    if answer is None:
         return None
     if task == "induction":
-        return (blocks(answer, "python", "py", "python3") or blocks(answer) or [None])[-1]
-    return (blocks(answer, "output" if task == "deduction" else "input") or [answer.strip()])[-1]
+        programs = blocks(answer, "python", "py", "python3") or blocks(answer)
+        return programs[-1] if programs else None
+    kind = "output" if task == "deduction" else "input"
+    candidates = blocks(answer, kind) or [answer.strip()]
+    return candidates[-1]
 
 
 def parse_proposal(completion: str, task: str, n: int = 0) -> dict:
@@ -265,11 +300,16 @@ def parse_proposal(completion: str, task: str, n: int = 0) -> dict:
     ```input block; induction: the last n (--induction-inputs) ```input blocks and ```message.
     Inputs are checked where they run (Executor.call)."""
     answer = extract_answer(completion) or ""
-    inputs, programs, messages = (blocks(answer, k) for k in ("input", "python", "message"))
-    if task != "induction" and programs and inputs:
-        return {"reason": None, "program": programs[0], "input": inputs[0]}
-    if task == "induction" and len(inputs) >= n and messages and messages[-1]:
-        return {"reason": None, "inputs": inputs[-n:], "message": messages[-1][:2000]}
+    inputs = blocks(answer, "input")
+    if task != "induction":
+        programs = blocks(answer, "python")
+        if programs and inputs:
+            return {"reason": None, "program": programs[0], "input": inputs[0]}
+        return {"reason": "format"}
+    messages = blocks(answer, "message")
+    if len(inputs) >= n and messages and messages[-1]:
+        message = messages[-1][:_MAX_MESSAGE_CHARS]
+        return {"reason": None, "inputs": inputs[-n:], "message": message}
     return {"reason": "format"}
 
 
@@ -278,52 +318,79 @@ def _check_ast(source: str, mode: str = "exec"):
     a banned attribute, or a BANNED_NAMES name that may be the builtin (in a module or class body,
     or global in a function: symtable's scopes)."""
     try:
-        tree, tables = ast.parse(source, mode=mode), [symtable.symtable(source, "<program>", mode)]
-        for table in tables:  # grows as it goes: every nested scope
-            tables += table.get_children()
+        tree = ast.parse(source, mode=mode)
+        scopes = [symtable.symtable(source, "<program>", mode)]
+        for scope in scopes:  # the list grows as it goes: every nested scope is visited
+            scopes += scope.get_children()
     except _PARSE_ERRORS:
         return "syntax", None
-    nodes = list(ast.walk(tree))
-    imported = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names] + [
-        "." * n.level + (n.module or "") for n in nodes if isinstance(n, ast.ImportFrom)]
-    names = {s.get_name() for table in tables for s in table.get_symbols() if not s.is_free()
-             and (table.get_type() in ("module", "class") or s.is_global())}
-    attrs = {n.attr for n in nodes if isinstance(n, ast.Attribute)}
-    bad = any(m.split(".")[0] in BANNED_MODULES or m.startswith(".") for m in imported)
-    return ("banned" if bad or names & BANNED_NAMES or attrs & BANNED_ATTRS else None), tree
+    imported, attributes = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Attribute):
+            attributes.add(node.attr)
+    maybe_builtins = set()  # a name that the program does not bind in a function of its own
+    for scope in scopes:
+        at_top = scope.get_type() in ("module", "class")
+        for symbol in scope.get_symbols():
+            if not symbol.is_free() and (at_top or symbol.is_global()):
+                maybe_builtins.add(symbol.get_name())
+    banned_import = any(m.split(".")[0] in BANNED_MODULES or m.startswith(".") for m in imported)
+    if banned_import or maybe_builtins & BANNED_NAMES or attributes & BANNED_ATTRS:
+        return "banned", tree
+    return None, tree
+
+
+def _top_level_functions(program: str) -> set[str]:
+    try:  # a buffer (an edited checkpoint) may hold a program that does not parse
+        return {node.name for node in ast.parse(program).body if isinstance(node, _DEFS)}
+    except _PARSE_ERRORS:
+        return set()
 
 
 def check_input(text: str, program: str = "") -> str | None:
     """None if `text` is the argument list of one call f(<text>) (templates.py), else the reason:
     the AST only, nothing banned, no call of the program's own functions (it could search)."""
-    if not isinstance(text, str) or len(text) > _MAX_INPUT_CHARS:  # jobs may come from a file
-        return "too_large" if isinstance(text, str) else "syntax"
+    if not isinstance(text, str):  # jobs may come from a file
+        return "syntax"
+    if len(text) > _MAX_INPUT_CHARS:
+        return "too_large"
     reason, tree = _check_ast(f"_(\n{text.strip()}\n)", "eval")
     call = getattr(tree, "body", None)
-    if not (isinstance(call, ast.Call) and getattr(call.func, "id", 0) == "_"
-            and call.args + call.keywords):
+    one_call = isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_"
+    if not one_call or not (call.args or call.keywords):
         return "syntax"
-    try:  # a buffer (an edited checkpoint) may hold a program that does not parse
-        own = {"f"} | {n.name for n in ast.parse(program).body if isinstance(n, _DEFS)}
-    except _PARSE_ERRORS:
-        own = {"f"}
-    calls_own = any(isinstance(n, ast.Name) and n.id in own for n in ast.walk(call))
-    return reason or ("banned" if calls_own else None)
+    if reason:
+        return reason
+    own_functions = {"f"} | _top_level_functions(program)
+    for node in ast.walk(call):
+        if isinstance(node, ast.Name) and node.id in own_functions:
+            return "banned"
+    return None
 
 
-def static_check(program: str, single_def: bool = False):
-    """(reason or None, program whose entry function is `f`); `single_def`: a second def anywhere
-    is invalid (code_reward.py's reject_multiple_functions)."""
+def static_check(program: str, single_def: bool = False) -> Checked:
+    """Checked(reason or None, program whose entry function is `f`); `single_def`: a second def
+    anywhere is invalid (code_reward.py's reject_multiple_functions)."""
     if len(program) > _MAX_PROGRAM_CHARS:
-        return "too_large", program
+        return Checked("too_large", program)
     reason, tree = _check_ast(program)
-    if reason or single_def and sum(isinstance(n, _DEFS) for n in ast.walk(tree)) > 1:
-        return reason or "multiple_defs", program
-    defs = [n for n in tree.body if isinstance(n, _DEFS)]
-    entry = [n for n in defs if n.name == "f"] or (defs if len(defs) == 1 else [])
-    if not entry or any(isinstance(n, ast.AsyncFunctionDef) for n in entry):
-        return "syntax", program
-    return None, program if entry[0].name == "f" else f"{program.rstrip()}\n\nf = {entry[0].name}"
+    if reason:
+        return Checked(reason, program)
+    if single_def and sum(isinstance(node, _DEFS) for node in ast.walk(tree)) > 1:
+        return Checked("multiple_defs", program)
+    defs = [node for node in tree.body if isinstance(node, _DEFS)]
+    entry = [node for node in defs if node.name == "f"]
+    if not entry and len(defs) == 1:  # a single function is the entry under any name
+        entry = defs
+    if not entry or any(isinstance(node, ast.AsyncFunctionDef) for node in entry):
+        return Checked("syntax", program)
+    if entry[0].name == "f":
+        return Checked(None, program)
+    return Checked(None, f"{program.rstrip()}\n\nf = {entry[0].name}")
 
 
 def strip_program(program: str) -> str:
@@ -331,10 +398,17 @@ def strip_program(program: str) -> str:
     "" (invalid) if the program cannot be rewritten."""
     keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
     try:
-        module = ast.Module(body=[n for n in ast.parse(program).body if isinstance(n, keep) or (
-            isinstance(n, ast.Assign) and [getattr(t, "id", 0) for t in n.targets] == ["f"])],
-            type_ignores=[])  # "f = g" is static_check's
-        for node in (n for n in ast.walk(module) if isinstance(n, (*_DEFS, ast.ClassDef))):
+        body = []
+        for node in ast.parse(program).body:
+            # "f = g" stays: static_check binds a single entry function to f this way
+            names_f = isinstance(node, ast.Assign) and [
+                getattr(target, "id", None) for target in node.targets] == ["f"]
+            if isinstance(node, keep) or names_f:
+                body.append(node)
+        module = ast.Module(body=body, type_ignores=[])
+        for node in ast.walk(module):
+            if not isinstance(node, (*_DEFS, ast.ClassDef)):
+                continue
             if ast.get_docstring(node, False) is not None:
                 node.body = node.body[1:] or [ast.Pass()]
         return ast.unparse(module)
@@ -344,95 +418,136 @@ def strip_program(program: str) -> str:
 
 # --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
-_STATUS_REASON = {"ok": None, "forbidden": "banned", "timeout": "timeout",
-                  "output_limit": "too_large"}  # any other status: "error"
+# the sandbox's statuses that are a reason of their own; any other failure is an "error"
+_STATUS_REASON = {"forbidden": "banned", "timeout": "timeout", "output_limit": "too_large"}
 
 
 class Executor:
     """Runs f(<input>) jobs; run j in sandbox j (own processes, PYTHONHASHSEED = j). Under torchrun
-    rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers."""
+    rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers.
+    An outcome is (status, output, value): "ok" or a reason, the output's repr text, its value."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sandboxes = [common.PythonSandbox(cfg.sandbox_workers, cfg.executor_timeout,
-                                               max_output_chars=cfg.max_output_chars, hash_seed=j)
-                          for j in range(cfg.determinism_runs)]
+        self.sandboxes = []
+        for j in range(cfg.determinism_runs):
+            self.sandboxes.append(common.PythonSandbox(
+                cfg.sandbox_workers, cfg.executor_timeout,
+                max_output_chars=cfg.max_output_chars, hash_seed=j))
 
     def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
-        """[(status, output repr, value)] per (program, input) job; status "ok" or a reason."""
-        if common.dist_info()[0] > 0:
+        """One outcome per (program, input) job, from sandbox `run`."""
+        rank, _ = common.dist_info()
+        if rank > 0:
             return common.broadcast_object(None)
         refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
-        # the newlines keep a comment in the input off the closing parenthesis
-        todo = [(p, f"f(\n{t.strip()}\n)") for (p, t), r in zip(jobs, refused) if r is None]
-        results = iter(self.sandboxes[run].run_many(todo) if todo else [])
-        out = [(r, "", None) if r else self._classify(next(results)) for r in refused]
-        return common.broadcast_object(out)
+        todo = []
+        for (program, text), reason in zip(jobs, refused):
+            if reason is None:  # the newlines keep a comment in the input off the parenthesis
+                todo.append((program, f"f(\n{text.strip()}\n)"))
+        finished = self.sandboxes[run].run_many(todo) if todo else []
+        results = iter(finished)
+        outcomes = []
+        for reason in refused:
+            if reason:
+                outcomes.append((reason, "", None))
+            else:
+                outcomes.append(self._classify(next(results)))
+        return common.broadcast_object(outcomes)
 
-    def _classify(self, res) -> tuple[str, str, object]:
+    def _classify(self, result) -> tuple[str, str, object]:
         """The output must be a finite literal that survives a repr round trip, with no address."""
-        if res.status != "ok" or _ADDRESS_RE.search(res.value):
-            reason = _STATUS_REASON.get(res.status, "error") or "nondeterministic"
-            return reason, res.error or res.value or "", None
+        if result.status != "ok":
+            reason = _STATUS_REASON.get(result.status, "error")
+            return reason, result.error or result.value or "", None
+        if _ADDRESS_RE.search(result.value):  # an object's address differs from run to run
+            return "nondeterministic", result.error or result.value or "", None
         try:  # the sandbox capped the output at --max-output-chars
-            return "ok", res.value, common.parse_literal(res.value, max_chars=len(res.value))
+            value = common.parse_literal(result.value, max_chars=len(result.value))
         except ValueError:
-            return "non_literal", res.value, None
+            return "non_literal", result.value, None
+        return "ok", result.value, value
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
         """[(reason or None, gold output)]: all j runs succeed with the same value and type (a set
         prints in hash-seed order; 1 and 1.0 are no agreement); run 0's text."""
-        out = []
-        for runs in zip(*[self.call(jobs, run=j) for j in range(len(self.sandboxes))]):
-            bad, value = next((s for s, _, _ in runs if s != "ok"), None), runs[0][2]
-            if bad is None and any(type(v) is not type(value) or v != value for _, _, v in runs):
-                bad = "nondeterministic"
-            out.append((bad, "") if bad else (None, runs[0][1]))
-        return out
+        per_run = [self.call(jobs, run=j) for j in range(len(self.sandboxes))]
+        return [_agreement(outcomes) for outcomes in zip(*per_run)]  # per job, run 0's first
 
     def close(self):
-        for sb in self.sandboxes:
-            sb.close()
+        for sandbox in self.sandboxes:
+            sandbox.close()
+
+
+def _agreement(outcomes) -> tuple[str | None, str]:
+    """(reason or None, run 0's output) for one job's outcomes in the j runs."""
+    for status, _, _ in outcomes:
+        if status != "ok":
+            return status, ""
+    _, first_output, first_value = outcomes[0]
+    for _, _, value in outcomes:
+        if type(value) is not type(first_value) or value != first_value:
+            return "nondeterministic", ""
+    return None, first_output
 
 
 def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
     """k entries of a buffer (D_ded, D_abd or D_ind: a capped deque of JSON-able tasks)."""
-    if replace:
-        return [rng.choice(buffer) for _ in range(k if buffer else 0)]
-    return rng.sample(buffer, min(k, len(buffer)))
+    if not replace:
+        return rng.sample(buffer, min(k, len(buffer)))
+    if not buffer:
+        return []
+    return [rng.choice(buffer) for _ in range(k)]
 
 
 # --- Grading (Eq. 5), rewards (Eqs. 4, 6) and TRR++ (Eq. 8)
+class Graded(NamedTuple):
+    formatted: bool  # the answer has the R1 format and something to grade
+    correct: bool
+
+
 def _equal(pred_text: str, gold_text: str) -> bool:
     """Value equality in trusted code (Eq. 5): sets order-free, 1 == 1.0, a tuple is no list."""
     try:
-        return bool(common.parse_literal(pred_text, require_roundtrip=False)
-                    == common.parse_literal(gold_text))
+        pred = common.parse_literal(pred_text, require_roundtrip=False)
+        gold = common.parse_literal(gold_text)
+        return bool(pred == gold)
     except (ValueError, RecursionError, MemoryError):
         return False
 
 
 def check_solutions(executor: Executor, task: str | list[str], entries: list[dict],
-                    completions: list[str]) -> list[tuple[bool, bool]]:
-    """(formatted, correct) per answer (Eq. 5), `task` for all or one per entry: deduction compares
-    literals (never run), abduction runs f(input), induction's program (any defs) must reproduce
-    every held-out pair."""
+                    completions: list[str]) -> list[Graded]:
+    """Graded(formatted, correct) per answer (Eq. 5), `task` for all or one per entry: deduction
+    compares literals (never run), abduction runs f(input), induction's program (any defs) must
+    reproduce every held-out pair."""
     tasks = [task] * len(entries) if isinstance(task, str) else task
-    out, tests = [(False, False)] * len(completions), []  # tests: (k, program, input, gold)
-    for k, (t, e, text) in enumerate(zip(tasks, entries, completions)):
+    graded = [Graded(False, False)] * len(completions)
+    tests = []  # (k, program, input, gold output): the runs that answer k must pass
+    for k, (t, entry, text) in enumerate(zip(tasks, entries, completions)):
         pred = solver_answer(text, t)
-        if pred is None:
+        if pred is None:  # a format error
             continue
-        new = [(k, e["program"], pred, e["output"])] if t == "abduction" else []
-        if t == "induction" and (checked := static_check(pred))[0] is None:
-            half = len(e["inputs"]) // 2  # the held-out pairs
-            new = [(k, checked[1], i, o) for i, o in zip(e["inputs"][half:], e["outputs"][half:])]
-        out[k] = (True, _equal(pred, e["output"]) if t == "deduction" else bool(new))
-        tests += new
-    runs = executor.call([(program, i) for _, program, i, _ in tests])
-    for (k, _, _, gold), (status, value, _) in zip(tests, runs):  # every test must pass
-        out[k] = (True, out[k][1] and status == "ok" and _equal(value, gold))
-    return out
+        if t == "deduction":
+            graded[k] = Graded(True, _equal(pred, entry["output"]))
+            continue
+        new_tests = []
+        if t == "abduction":
+            new_tests = [(k, entry["program"], pred, entry["output"])]
+        elif t == "induction":
+            checked = static_check(pred)
+            if checked.reason is None:
+                half = len(entry["inputs"]) // 2  # the held-out pairs
+                held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
+                new_tests = [(k, checked.program, i, gold) for i, gold in held_out]
+        graded[k] = Graded(True, bool(new_tests))
+        tests += new_tests
+    # called even with no tests: under torchrun every rank takes part in the broadcast
+    outcomes = executor.call([(program, i) for _, program, i, _ in tests])
+    for (k, _, _, gold), (status, output, _) in zip(tests, outcomes):  # every test must pass
+        correct = graded[k].correct and status == "ok" and _equal(output, gold)
+        graded[k] = Graded(True, correct)
+    return graded
 
 
 def proposer_reward(valid: bool, solve_rate: float | None) -> float:
@@ -451,186 +566,264 @@ def keyed_advantages(rewards, keys, eps: float = 1e-6):
 
 
 # --- The loop: one function per step of Alg. 1
+class Answer(NamedTuple):
+    completion: object  # common.Completion
+    formatted: bool
+    correct: bool
+
+
 def _generate(policy, prompts: list[str], n: int, cfg: Config, **sampling):
+    """n completions per prompt, at the rollout settings unless `sampling` overrides them."""
+    if not prompts:
+        return []
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, **sampling}
-    return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens,
-                           **sampling) if prompts else []
+    return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens, **sampling)
 
 
 def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, cfg: Config,
-             **sampling) -> list[tuple[str, list[tuple]]]:
-    """(solver prompt, n graded answers [(completion, formatted, correct)]) per (type, entry)."""
-    prompts = [solver_prompt(t, e, cfg) for t, e in tasks]
-    groups = _generate(policy, prompts, n, cfg, **sampling)
-    graded = iter(check_solutions(executor, [t for t, _ in tasks for _ in range(n)],
-                                  [e for _, e in tasks for _ in range(n)],
-                                  [c.text for g in groups for c in g]))
-    return [(p, [(c, *next(graded)) for c in g]) for p, g in zip(prompts, groups)]
+             prompts: dict, **sampling) -> list[tuple[str, list[Answer]]]:
+    """(solver prompt, n graded Answers) per (task type, entry)."""
+    solver_prompts = [solver_prompt(t, entry, cfg, prompts) for t, entry in tasks]
+    groups = _generate(policy, solver_prompts, n, cfg, **sampling)
+    task_per_answer = [t for t, _ in tasks for _ in range(n)]
+    entry_per_answer = [entry for _, entry in tasks for _ in range(n)]
+    texts = [completion.text for group in groups for completion in group]
+    graded = iter(check_solutions(executor, task_per_answer, entry_per_answer, texts))
+    out = []
+    for prompt, group in zip(solver_prompts, groups):
+        answers = []
+        for completion in group:
+            grade = next(graded)
+            answers.append(Answer(completion, grade.formatted, grade.correct))
+        out.append((prompt, answers))
+    return out
 
 
-def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random) -> dict:
+def seed_buffers(policy, executor: Executor, cfg: Config, rng: random.Random,
+                 prompts: dict = PROMPTS) -> dict:
     """Step 0 (§3.3.1, _init_seed_dataset), no updates: deduction and abduction rounds fill
     D_seed = D_ded = D_abd with S*B stripped triplets, then induction rounds D_ind on them."""
-    target, cap = cfg.seed_factor * cfg.batch_size, cfg.buffer_cap
-    seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cap)
-    views = {"deduction": seed, "abduction": seed, "induction": collections.deque(maxlen=cap)}
-    for buf, tasks in ((seed, TASKS[:2]), (views["induction"], TASKS[2:])):
-        for task in [tasks[r % len(tasks)] for r in range(cfg.seed_max_rounds)]:
-            if len(buf) >= target:
+    target = cfg.seed_factor * cfg.batch_size
+    seed = collections.deque([dict(ZERO_TRIPLET, step=0)], maxlen=cfg.buffer_cap)
+    induction = collections.deque(maxlen=cfg.buffer_cap)
+    views = {"deduction": seed, "abduction": seed, "induction": induction}
+    phases = [(seed, ("deduction", "abduction")), (induction, ("induction",))]
+    for buffer, phase_tasks in phases:
+        for round_ in range(cfg.seed_max_rounds):
+            if len(buffer) >= target:
                 break
-            new = [p for p in propose(policy, executor, views, cfg, rng, 0, tasks=(task,))[task]
-                   if p["reason"] is None]
+            task = phase_tasks[round_ % len(phase_tasks)]
+            proposals = propose(policy, executor, views, cfg, rng, 0, tasks=(task,),
+                                prompts=prompts)[task]
+            valid = [p for p in proposals if p["reason"] is None]
             if task != "induction":  # stripped, then validated again
-                new = [dict(p, program=strip_program(p["program"]), entry=None) for p in new]
-                validate(executor, task, new, cfg, 0, policy.tokenizer)
-            buf.extend([p["entry"] for p in new if p["reason"] is None][:target - len(buf)])
-    if len(seed) < target or len(views["induction"]) < target:
+                valid = [dict(p, program=strip_program(p["program"]), entry=None) for p in valid]
+                validate(executor, task, valid, cfg, 0, policy.tokenizer, prompts)
+            entries = [p["entry"] for p in valid if p["reason"] is None]
+            buffer.extend(entries[:target - len(buffer)])
+    if len(seed) < target or len(induction) < target:
         print(f"[absolute_zero] seeding stopped after {cfg.seed_max_rounds} rounds per phase: "
-              f"{len(seed)} triplets, {len(views['induction'])} induction tasks (target {target})",
+              f"{len(seed)} triplets, {len(induction)} induction tasks (target {target})",
               file=sys.stderr)
-    return {t: collections.deque(views[t], maxlen=cap) for t in TASKS}  # D_ded, D_abd apart
+    return {t: collections.deque(views[t], maxlen=cfg.buffer_cap) for t in TASKS}  # D_ded, D_abd
 
 
-def propose(policy, executor: Executor, buffers: dict, cfg: Config,
-            rng: random.Random, step: int, tasks=TASKS) -> dict[str, list[dict]]:
+def _new_proposal(policy, task: str, buffers: dict, programs: list[str], cfg: Config,
+                  rng: random.Random, prompts: dict) -> dict | None:
+    """A proposer prompt that fits --max-prompt-tokens: deduction and abduction drop references
+    until it fits (the one without is kept even if too long); induction tries up to 4 programs of
+    `programs` and gives up (None) if none fits."""
+    if task == "induction":
+        for _ in range(4 if programs else 0):
+            program = rng.choice(programs)
+            prompt = proposer_prompt(task, [], cfg, program=program, prompts=prompts)
+            if _fits(policy.tokenizer, prompt, cfg):
+                return {"task": task, "program": program, "prompt": prompt}
+        return None
+    refs = sample(buffers[task], cfg.references, rng)
+    for k in range(len(refs), 0, -1):
+        prompt = proposer_prompt(task, refs[:k], cfg, prompts=prompts)
+        if _fits(policy.tokenizer, prompt, cfg):
+            return {"task": task, "program": "", "prompt": prompt}
+    prompt = proposer_prompt(task, [], cfg, prompts=prompts)
+    return {"task": task, "program": "", "prompt": prompt}
+
+
+def propose(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,
+            step: int, tasks=TASKS, prompts: dict = PROMPTS) -> dict[str, list[dict]]:
     """Step 1: B proposals per task type, parsed and validated (the caller keeps the valid). A
-    prompt's K references are dropped until it fits; induction: a D_ded u D_abd program, 4 draws."""
-    programs = list(dict.fromkeys(e["program"] for t in TASKS[:2] for e in buffers[t]))
-    props = {t: [] for t in tasks}
-    for t in (t for t in tasks for _ in range(cfg.batch_size)):
-        if t == "induction":
-            tries = (([], rng.choice(programs)) for _ in range(4 if programs else 0))
-        else:
-            refs = sample(buffers[t], cfg.references, rng)
-            tries = ((refs[:k], "") for k in range(len(refs), -1, -1))
-        for refs, program in tries:  # the last reference-free prompt is kept even if too long
-            prompt = proposer_prompt(t, refs, cfg, program=program)
-            if _fits(policy.tokenizer, prompt, cfg) or not refs and not program:
-                props[t].append({"task": t, "program": program, "prompt": prompt})
-                break
-    flat = [p for t in tasks for p in props[t]]
-    for p, group in zip(flat, _generate(policy, [p["prompt"] for p in flat], 1, cfg)):
-        p["completion"] = group[0]
-        p.update(parse_proposal(group[0].text, p["task"], cfg.induction_inputs))
+    prompt's K references are dropped until it fits; induction: a D_ded u D_abd program."""
+    triplets = [entry for t in ("deduction", "abduction") for entry in buffers[t]]
+    programs = list(dict.fromkeys(entry["program"] for entry in triplets))
+    proposals = {t: [] for t in tasks}
     for t in tasks:
-        validate(executor, t, props[t], cfg, step, policy.tokenizer)
-    return props
+        for _ in range(cfg.batch_size):
+            proposal = _new_proposal(policy, t, buffers, programs, cfg, rng, prompts)
+            if proposal is not None:
+                proposals[t].append(proposal)
+    flat = [p for t in tasks for p in proposals[t]]
+    groups = _generate(policy, [p["prompt"] for p in flat], 1, cfg)
+    for proposal, group in zip(flat, groups):
+        completion = group[0]  # n = 1
+        proposal["completion"] = completion
+        proposal.update(parse_proposal(completion.text, proposal["task"], cfg.induction_inputs))
+    for t in tasks:
+        validate(executor, t, proposals[t], cfg, step, policy.tokenizer, prompts)
+    return proposals
 
 
 def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, step: int = 0,
-             tokenizer=None) -> list[dict]:
+             tokenizer=None, prompts: dict = PROMPTS) -> list[dict]:
     """Step 2 (§3.3.3): sets p['reason'] (None = valid) and p['entry']: static checks (induction's
     programs, from the buffers, passed them), then j agreeing runs give the gold outputs; a solver
     prompt that does not fit is too_large."""
     for p in proposals:
-        if p.setdefault("reason", None) is None and task != "induction":
-            p["reason"], p["program"] = static_check(p["program"], cfg.reject_multiple_defs)
-    todo = [(p, p["inputs"] if task == "induction" else [p["input"]]) for p in proposals
-            if p["reason"] is None]
-    results = iter(executor.run_checked([(p["program"], i) for p, ins in todo for i in ins]))
-    for p, ins in todo:
-        reasons, outs = zip(*[next(results) for _ in ins])
-        p["reason"] = next(filter(None, reasons), None)
-        gold = ({"inputs": ins, "outputs": list(outs), "message": p["message"]}
-                if task == "induction" else {"input": ins[0], "output": outs[0]})
-        p["entry"] = None if p["reason"] else {"program": p["program"], **gold, "step": step}
-        prompt = p["entry"] and tokenizer is not None and solver_prompt(task, p["entry"], cfg)
-        if prompt and not _fits(tokenizer, prompt, cfg):
-            p["reason"], p["entry"] = "too_large", None
+        p.setdefault("reason", None)
+        if p["reason"] is None and task != "induction":
+            checked = static_check(p["program"], cfg.reject_multiple_defs)
+            p["reason"], p["program"] = checked.reason, checked.program
+    todo = [p for p in proposals if p["reason"] is None]
+    inputs = [p["inputs"] if task == "induction" else [p["input"]] for p in todo]
+    jobs = [(p["program"], i) for p, task_inputs in zip(todo, inputs) for i in task_inputs]
+    results = iter(executor.run_checked(jobs))
+    for p, task_inputs in zip(todo, inputs):
+        runs = [next(results) for _ in task_inputs]  # (reason or None, gold output) per input
+        p["reason"] = next((reason for reason, _ in runs if reason), None)
+        if p["reason"]:
+            p["entry"] = None
+            continue
+        outputs = [output for _, output in runs]
+        if task == "induction":
+            gold = {"inputs": task_inputs, "outputs": outputs, "message": p["message"]}
+        else:
+            gold = {"input": task_inputs[0], "output": outputs[0]}
+        p["entry"] = {"program": p["program"], **gold, "step": step}
+        if tokenizer is not None:
+            prompt = solver_prompt(task, p["entry"], cfg, prompts)
+            if not _fits(tokenizer, prompt, cfg):
+                p["reason"], p["entry"] = "too_large", None
     return proposals
 
 
-def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config) -> None:
+def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config,
+                          prompts: dict = PROMPTS) -> None:
     """Step 3 (Eq. 4): p['solve_rate'] = r_bar over n samples at T = 1, top-p 1."""
     valid = [p for t in props for p in props[t] if p["reason"] is None]
-    graded = _answers(policy, executor, [(p["task"], p["entry"]) for p in valid],
-                      cfg.learnability_samples, cfg, temperature=1.0, top_p=1.0)
+    tasks = [(p["task"], p["entry"]) for p in valid]
+    graded = _answers(policy, executor, tasks, cfg.learnability_samples, cfg, prompts,
+                      temperature=1.0, top_p=1.0)
     for p, (_, answers) in zip(valid, graded):
-        p["solve_rate"] = sum(correct for _, _, correct in answers) / cfg.learnability_samples
+        correct = sum(answer.correct for answer in answers)
+        p["solve_rate"] = correct / cfg.learnability_samples
 
 
 def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
-          rng: random.Random, step: int) -> dict[str, list[dict]]:
+          rng: random.Random, step: int, prompts: dict = PROMPTS) -> dict[str, list[dict]]:
     """Step 4: this step's valid tasks back-filled from older ones, one answer each, graded."""
-    work = []
+    batch = []  # (task type, entry, whether it is this step's)
     for t in TASKS:
-        new = [p["entry"] for p in props[t] if p["reason"] is None][: cfg.batch_size]
-        old = [e for e in buffers[t] if e.get("step") != step] or list(buffers[t])
+        new = [p["entry"] for p in props[t] if p["reason"] is None][:cfg.batch_size]
+        # older tasks fill the batch (all of the buffer when every task in it is this step's)
+        older = [entry for entry in buffers[t] if entry.get("step") != step] or list(buffers[t])
         need = cfg.batch_size - len(new)
-        work += [(t, e, k < len(new)) for k, e in enumerate(
-            new + sample(old, need, rng, replace=need > len(old)))]
+        backfill = sample(older, need, rng, replace=need > len(older))
+        batch += [(t, entry, True) for entry in new] + [(t, entry, False) for entry in backfill]
+    graded = _answers(policy, executor, [(t, entry) for t, entry, _ in batch], 1, cfg, prompts)
     solved = {t: [] for t in TASKS}
-    for (t, e, new), (prompt, [(c, formatted, correct)]) in zip(
-            work, _answers(policy, executor, [(t, e) for t, e, _ in work], 1, cfg)):
-        solved[t].append({"entry": e, "new": new, "prompt": prompt, "completion": c,
-                          "correct": correct, "reward": solver_reward(formatted, correct)})
+    for (t, entry, new), (prompt, [answer]) in zip(batch, graded):
+        reward = solver_reward(answer.formatted, answer.correct)
+        solved[t].append({"entry": entry, "new": new, "prompt": prompt,
+                          "completion": answer.completion, "correct": answer.correct,
+                          "reward": reward})
     return solved
 
 
 def build_trajectories(props: dict, solved: dict) -> list:
     """The 6B batch in task order, each with its TRR++ advantage keyed '<role>/<task>' (Eq. 8)."""
-    records = [(r, f"{role}/{t}") for t in TASKS
-               for role, recs in (("proposer", props[t]), ("solver", solved[t]))
-               for r in recs if r["completion"].token_ids]
-    adv = keyed_advantages([r["reward"] for r, _ in records], [k for _, k in records]).tolist()
-    for (r, _), a in zip(records, adv):
-        r["advantage"] = a
-    return [common.Trajectory.from_completion(r["completion"], reward=r["reward"], role=k,
-                                              advantage=r["advantage"]) for r, k in records]
+    records, keys = [], []
+    for t in TASKS:
+        for role, role_records in (("proposer", props[t]), ("solver", solved[t])):
+            for record in role_records:
+                if record["completion"].token_ids:  # an empty completion has nothing to train
+                    records.append(record)
+                    keys.append(f"{role}/{t}")
+    advantages = keyed_advantages([r["reward"] for r in records], keys).tolist()
+    trajectories = []
+    for record, key, advantage in zip(records, keys, advantages):
+        record["advantage"] = advantage
+        trajectories.append(common.Trajectory.from_completion(
+            record["completion"], reward=record["reward"], role=key, advantage=advantage))
+    return trajectories
 
 
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
-    if not (trajs := build_trajectories(props, solved)):
+    trajectories = build_trajectories(props, solved)
+    if not trajectories:
         return {}
-    return common.pg_step(policy, trajs, common.PGConfig(
-        clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio, entropy_coef=cfg.entropy_coef,
-        aggregation=cfg.aggregation, max_len=cfg.max_response_tokens,
-        temperature=cfg.temperature, mini_batch=cfg.mini_batch))
+    pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio,
+                         entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
+                         max_len=cfg.max_response_tokens, temperature=cfg.temperature,
+                         mini_batch=cfg.mini_batch)
+    return common.pg_step(policy, trajectories, pg)
 
 
 def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,
-                   step: int) -> tuple[dict, dict, dict]:
-    """One iteration of Alg. 1: steps 1-6; every valid proposal joins its buffer."""
-    props = propose(policy, executor, buffers, cfg, rng, step)
+                   step: int, prompts: dict = PROMPTS) -> tuple[dict, dict, dict]:
+    """One iteration of Alg. 1, steps 1-6: (proposals, solver records, update statistics). Every
+    valid proposal joins its buffer."""
+    props = propose(policy, executor, buffers, cfg, rng, step, prompts=prompts)
     for t in TASKS:
         buffers[t].extend(p["entry"] for p in props[t] if p["reason"] is None)
-    estimate_learnability(policy, executor, props, cfg)
-    for p in (p for t in TASKS for p in props[t]):
-        p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"))
-    solved = solve(policy, executor, props, buffers, cfg, rng, step)
-    return props, solved, trr_update(policy, props, solved, cfg)
+    estimate_learnability(policy, executor, props, cfg, prompts)
+    for t in TASKS:
+        for p in props[t]:
+            p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"))
+    solved = solve(policy, executor, props, buffers, cfg, rng, step, prompts)
+    stats = trr_update(policy, props, solved, cfg)
+    return props, solved, stats
 
 
 # --- Metrics per task type (the tasks' solve rate and program length over training, §4.4)
-def _mean(xs) -> float:
-    return sum(xs) / len(xs) if (xs := list(xs)) else 0.0
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
 
 
 def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = None) -> dict:
     """Per task type, overall, and trr_update's `stats` as train/..."""
-    m = {f"train/{k}": v for k, v in (stats or {}).items()}
+    metrics = {f"train/{k}": v for k, v in (stats or {}).items()}
     for t in TASKS:
-        ps, ss = props[t], solved[t]
-        valid = [p for p in ps if p["reason"] is None]
-        m[f"{t}/valid_rate"] = _mean(p["reason"] is None for p in ps)
-        m.update({f"{t}/reject/{r}": sum(p["reason"] == r for p in ps) for r in REJECT_REASONS})
-        m[f"{t}/buffer_size"] = len(buffers[t])
-        m[f"{t}/solver_acc"] = _mean(s["correct"] for s in ss)
-        m[f"{t}/proposer_reward"] = _mean(p["reward"] for p in ps)
-        m[f"{t}/new_task_solve_rate"] = _mean(p["solve_rate"] for p in valid)
-        m[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
-        m[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in ps)
-        m[f"len/solver/{t}"] = _mean(len(s["completion"].token_ids) for s in ss)
-    return m | {k: _mean(m[f"{t}/{k}"] for t in TASKS) for k in ("valid_rate", "solver_acc")}
+        proposals, answers = props[t], solved[t]
+        valid = [p for p in proposals if p["reason"] is None]
+        metrics[f"{t}/valid_rate"] = _mean(p["reason"] is None for p in proposals)
+        for reason in REJECT_REASONS:
+            metrics[f"{t}/reject/{reason}"] = sum(p["reason"] == reason for p in proposals)
+        metrics[f"{t}/buffer_size"] = len(buffers[t])
+        metrics[f"{t}/solver_acc"] = _mean(a["correct"] for a in answers)
+        metrics[f"{t}/proposer_reward"] = _mean(p["reward"] for p in proposals)
+        metrics[f"{t}/new_task_solve_rate"] = _mean(p["solve_rate"] for p in valid)
+        metrics[f"{t}/program_chars"] = _mean(len(p["entry"]["program"]) for p in valid)
+        metrics[f"len/proposer/{t}"] = _mean(len(p["completion"].token_ids) for p in proposals)
+        metrics[f"len/solver/{t}"] = _mean(len(a["completion"].token_ids) for a in answers)
+    for name in ("valid_rate", "solver_acc"):  # the mean over the three task types
+        metrics[name] = _mean(metrics[f"{t}/{name}"] for t in TASKS)
+    return metrics
 
 
 def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
+    """Every proposal and answer of the step, with its prompt and reward, to samples.jsonl."""
+    roles = (("proposer", props, ("reason", "entry", "solve_rate")),
+             ("solver", solved, ("entry", "new", "correct")))
     for t in TASKS:
-        for role, recs, keys in (("proposer", props[t], ("reason", "entry", "solve_rate")),
-                                 ("solver", solved[t], ("entry", "new", "correct"))):
-            run.log_samples(step, f"{role}/{t}", [{"completion": r["completion"].text, **{
-                k: r.get(k) for k in ("prompt", *keys, "reward")}} for r in recs])
+        for role, records, keys in roles:
+            rows = []
+            for record in records[t]:
+                row = {"completion": record["completion"].text}
+                for key in ("prompt", *keys, "reward"):
+                    row[key] = record.get(key)
+                rows.append(row)
+            run.log_samples(step, f"{role}/{t}", rows)
 
 
 # --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
@@ -640,31 +833,41 @@ def eval_answer(text: str) -> str | None:
     if any), else the last \\boxed{}, else the first \\[ ... \\]."""
     if "<answer>" in text:
         answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
-        return common.extract_boxed(answer) if "boxed" in answer else answer or None
+        if "boxed" in answer:
+            return common.extract_boxed(answer)
+        return answer or None
     if "boxed" in text:
         return common.extract_boxed(text)
-    m = re.search(r"\\\[(.*?)\\\]", text)
-    return m.group(1).strip() or None if m else None
+    display = re.search(r"\\\[(.*?)\\\]", text)
+    if display is None:
+        return None
+    return display.group(1).strip() or None
 
 
-def _eval_prompt_fn(cfg: Config, code: bool):
+def _eval_prompt_fn(cfg: Config, prompts: dict, code: bool):
     """The eval_code or eval_math template as a prompt_fn, named for eval.json's settings."""
+    template = prompts["eval_code" if code else "eval_math"]
+
     def eval_prompt(problem, tokenizer=None):
-        fields = ({"task": common.code_task_prompt(problem)} if code
-                  else {"question": problem["question"].strip()})
-        return templates(cfg)["eval_code" if code else "eval_math"].format(**fields)
-    tag = f" ({cfg.prompts})" if cfg.prompts else ""
-    eval_prompt.__name__ = f"absolute_zero.{'code_' if code else ''}eval_prompt{tag}"
+        if code:
+            return template.format(task=common.code_task_prompt(problem))
+        return template.format(question=problem["question"].strip())
+    kind = "code_" if code else ""
+    source = f" ({cfg.prompts})" if cfg.prompts else ""
+    eval_prompt.__name__ = f"absolute_zero.{kind}eval_prompt{source}"
     return eval_prompt
 
 
-def evaluate(policy, cfg: Config, run=None, name: str = "eval.json") -> dict:
+def evaluate(policy, cfg: Config, run=None, name: str = "eval.json",
+             prompts: dict = PROMPTS) -> dict:
     """Math (Table 1's sets) and, with --eval-code, code benchmarks; written to `run`'s `name`."""
-    results = common.evaluate_config(policy, cfg, prompt_fn=_eval_prompt_fn(cfg, code=False),
-                                     extract_fn=eval_answer) if cfg.eval_benchmarks.strip() else {}
+    results = {}
+    if cfg.eval_benchmarks.strip():
+        results = common.evaluate_config(policy, cfg, extract_fn=eval_answer,
+                                         prompt_fn=_eval_prompt_fn(cfg, prompts, code=False))
     if cfg.eval_code:  # an unavailable code benchmark is skipped: the math results stay
-        results["code"] = common.evaluate_code_config(policy, cfg, "absolute_zero",
-                                                      prompt_fn=_eval_prompt_fn(cfg, code=True))
+        results["code"] = common.evaluate_code_config(
+            policy, cfg, "absolute_zero", prompt_fn=_eval_prompt_fn(cfg, prompts, code=True))
     if run is not None:
         run.write_eval(results, name)
     return results
@@ -674,48 +877,55 @@ def evaluate(policy, cfg: Config, run=None, name: str = "eval.json") -> dict:
 def check_config(cfg: Config) -> None:
     """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
     common.check_benchmark_names(cfg.eval_benchmarks)
-    templates(cfg)  # --prompts FILE: unknown names, wrong placeholders or a bad file fail here
-    checks = [
-        (cfg.induction_inputs >= 2 and not cfg.induction_inputs % 2, f"--induction-inputs "
-         f"{cfg.induction_inputs}: needs an even number >= 2 (half shown, half held out)"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature} must be > 0"),  # sampled rollouts
-        *[(getattr(cfg, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
-          for k in ("seed_factor", "buffer_cap")],  # the others: parse_config's limit check
-        (cfg.max_prompt_tokens < cfg.max_model_len, f"--max-prompt-tokens "
-         f"{cfg.max_prompt_tokens} must be below --max-model-len {cfg.max_model_len}")]
-    if errors := [msg for ok, msg in checks if not ok]:
-        raise ValueError(errors[0])
+    # --prompts FILE: unknown names, wrong placeholders or a bad file fail here, before any load
+    common.load_prompts(cfg.prompts, PROMPTS)
+    n = cfg.induction_inputs
+    if n < 2 or n % 2:
+        raise ValueError(f"--induction-inputs {n}: needs an even number >= 2 "
+                         "(half shown, half held out)")
+    if not cfg.temperature > 0:  # the rollouts are sampled
+        raise ValueError(f"--temperature {cfg.temperature} must be > 0")
+    for name in ("seed_factor", "buffer_cap"):  # the other sizes: parse_config's limit check
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_prompt_tokens >= cfg.max_model_len:
+        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below "
+                         f"--max-model-len {cfg.max_model_len}")
     if cfg.eval_code:  # after the others
         common.check_code_benchmark_names(cfg.eval_code_benchmarks)
 
 
 def train(cfg: Config) -> dict:
     check_config(cfg)
+    prompts = common.load_prompts(cfg.prompts, PROMPTS)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "absolute_zero")
     policy = common.Policy.load(cfg)
     executor = Executor(cfg)
     try:
         start, state = run.load_checkpoint(policy) or (0, {})
-        buffers = {t: collections.deque(b, maxlen=cfg.buffer_cap)
-                   for t, b in state.get("buffers", {}).items()}
-        if not buffers:
-            buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed))
+        buffers = {}
+        for t, entries in state.get("buffers", {}).items():
+            buffers[t] = collections.deque(entries, maxlen=cfg.buffer_cap)
+        if not buffers:  # a fresh run
+            buffers = seed_buffers(policy, executor, cfg, random.Random(cfg.seed), prompts)
             run.log(0, {f"{t}/buffer_size": len(buffers[t]) for t in TASKS})
         bar = run.progress(cfg.steps, initial=start)
         for step in range(start + 1, cfg.steps + 1):
             rng = random.Random(cfg.seed * 1_000_003 + step)  # resumable without RNG state
-            props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step)
+            props, solved, stats = self_play_step(policy, executor, buffers, cfg, rng, step,
+                                                  prompts)
             metrics = step_metrics(props, solved, buffers, stats)
             log_step_samples(run, step, props, solved)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                results = evaluate(policy, cfg, run, f"eval_step_{step}.json")
+                results = evaluate(policy, cfg, run, f"eval_step_{step}.json", prompts)
                 metrics.update(common.eval_metrics(results))
             run.log(step, metrics)
             bar.update(1)
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-                run.save_checkpoint(step, policy, {"buffers": {t: list(buffers[t]) for t in TASKS}})
-        return evaluate(policy, cfg, run)
+                saved = {"buffers": {t: list(buffers[t]) for t in TASKS}}
+                run.save_checkpoint(step, policy, saved)
+        return evaluate(policy, cfg, run, prompts=prompts)
     finally:
         executor.close()
         run.close()
@@ -723,9 +933,14 @@ def train(cfg: Config) -> dict:
 
 def headline(results: dict) -> dict:
     """The final evaluation's figures for the summary (math, code, or why code was skipped)."""
+    figures = {}
+    for key, value in common.eval_metrics(results).items():
+        if key.endswith("greedy_acc") or "pass@" in key:
+            figures[key] = value
     skipped = results.get("code", {}).get("skipped")
-    return {**{k: v for k, v in common.eval_metrics(results).items() if k.endswith("greedy_acc")
-               or "pass@" in k}, **({"code skipped": skipped} if skipped else {})}
+    if skipped:
+        figures["code skipped"] = skipped
+    return figures
 
 
 def main(argv=None):

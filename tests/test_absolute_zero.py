@@ -929,13 +929,15 @@ def test_a_prompts_file_replaces_templates_up_to_the_sampler(tmp_path, executor)
     e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
     props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [],
              "induction": []}
+    prompts = common.load_prompts(cfg.prompts, az.PROMPTS)  # as train() loads and passes them
     policy = _ScriptedPolicy()
-    az.estimate_learnability(policy, executor, props, cfg)
+    az.estimate_learnability(policy, executor, props, cfg, prompts)
     assert policy.calls[0]["prompts"] == ["W: OWN def f(x):\n    return x * 2 ON 3 <think>"]
     # the templates the file leaves out are ours
-    assert az.proposer_prompt("abduction", [], cfg).startswith("W: Design a new Python puzzle")
+    assert az.proposer_prompt("abduction", [], cfg, prompts=prompts).startswith(
+        "W: Design a new Python puzzle")
     ev = _EvalPolicy()
-    results = az.evaluate(ev, cfg)
+    results = az.evaluate(ev, cfg, prompts=prompts)
     assert ev.prompts == ["Q: What is 2 + 3? A:", "Q: What is 7 * 6? A:"]
     assert results["settings"]["prompt"] == f"absolute_zero.eval_prompt ({f})"
     bad = tmp_path / "bad.toml"
