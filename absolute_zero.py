@@ -83,6 +83,29 @@ TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl"}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
                 "output": "'Hello World'"}  # Fig. 5: the identity, the seed of every buffer
+
+
+def validate_config(cfg: Config) -> None:
+    """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
+    common.check_benchmark_names(cfg.eval_benchmarks)
+    # --prompts FILE: unknown names, wrong placeholders or a bad file fail here, before any load
+    common.load_prompts(cfg.prompts, PROMPTS)
+    n = cfg.induction_inputs
+    if n < 2 or n % 2:
+        raise ValueError(f"--induction-inputs {n}: needs an even number >= 2 "
+                         "(half shown, half held out)")
+    if not cfg.temperature > 0:  # the rollouts are sampled
+        raise ValueError(f"--temperature {cfg.temperature} must be > 0")
+    for name in ("seed_factor", "buffer_cap"):  # the other sizes: parse_config's limit check
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_prompt_tokens >= cfg.max_model_len:
+        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below "
+                         f"--max-model-len {cfg.max_model_len}")
+    if cfg.eval_code:  # after the others
+        common.check_code_benchmark_names(cfg.eval_code_benchmarks)
+
+
 # Fig. 8's modules, os/sys/shutil (§3.3.3), and the other ways out of a program
 BANNED_MODULES = frozenset("""
     logging random multiprocessing pebble subprocess threading datetime time hashlib hmac bcrypt
@@ -874,29 +897,8 @@ def evaluate(policy, cfg: Config, run=None, name: str = "eval.json",
 
 
 # --- The run
-def check_config(cfg: Config) -> None:
-    """A bad value is a one-line ValueError naming the flag (exit 2 from the command line)."""
-    common.check_benchmark_names(cfg.eval_benchmarks)
-    # --prompts FILE: unknown names, wrong placeholders or a bad file fail here, before any load
-    common.load_prompts(cfg.prompts, PROMPTS)
-    n = cfg.induction_inputs
-    if n < 2 or n % 2:
-        raise ValueError(f"--induction-inputs {n}: needs an even number >= 2 "
-                         "(half shown, half held out)")
-    if not cfg.temperature > 0:  # the rollouts are sampled
-        raise ValueError(f"--temperature {cfg.temperature} must be > 0")
-    for name in ("seed_factor", "buffer_cap"):  # the other sizes: parse_config's limit check
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.max_prompt_tokens >= cfg.max_model_len:
-        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below "
-                         f"--max-model-len {cfg.max_model_len}")
-    if cfg.eval_code:  # after the others
-        common.check_code_benchmark_names(cfg.eval_code_benchmarks)
-
-
 def train(cfg: Config) -> dict:
-    check_config(cfg)
+    validate_config(cfg)
     prompts = common.load_prompts(cfg.prompts, PROMPTS)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "absolute_zero")
@@ -944,7 +946,7 @@ def headline(results: dict) -> dict:
 
 
 def main(argv=None):
-    common.run_cli(Config, train, argv, check=check_config, tiny=TINY, headline=headline)
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, headline=headline)
 
 
 if __name__ == "__main__":

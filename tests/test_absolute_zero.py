@@ -565,7 +565,7 @@ def test_learnability_samples_are_drawn_at_temperature_one(executor):
     assert [(c["n"], c["temperature"], c["top_p"]) for c in policy.calls] == [(3, 1.0, 1.0)]
     assert props["deduction"][0]["solve_rate"] == 1.0
     with pytest.raises(ValueError, match="--temperature"):
-        az.check_config(az.Config(temperature=0.0))
+        az.validate_config(az.Config(temperature=0.0))
 
 
 # ----------------------------------------------------------------------------- the loop, tiny model
@@ -774,7 +774,7 @@ def test_config_flags_and_clear_errors():
     for bad, needle in [(dict(induction_inputs=5), "--induction-inputs"),
                         (dict(eval_benchmarks="gsm8k,nosuchbench"), "nosuchbench")]:
         with pytest.raises(ValueError, match=needle):
-            az.check_config(az.Config(**bad))
+            az.validate_config(az.Config(**bad))
     # from the command line: a usage error, before anything is loaded
     with pytest.raises(SystemExit) as e:
         az.main(["--induction-inputs", "5"])
@@ -835,7 +835,7 @@ def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     code = str(DATA / "code_tiny.jsonl")
     cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code=True,
                     eval_code_benchmarks=code)
-    az.check_config(cfg)
+    az.validate_config(cfg)
     policy = _EvalPolicy()
     results = az.evaluate(policy, cfg)
     assert all(p.startswith("A conversation between User and Assistant")
@@ -856,9 +856,9 @@ def test_eval_code_without_datasets_or_hub_is_a_clear_message(monkeypatch, capsy
     cfg = az.Config(eval_benchmarks="", eval_code=True)
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ValueError, match="pip install datasets"):
-        az.check_config(cfg)
+        az.validate_config(cfg)
     with pytest.raises(ValueError, match="nosuch.jsonl"):
-        az.check_config(az.Config(eval_benchmarks="", eval_code=True,
+        az.validate_config(az.Config(eval_benchmarks="", eval_code=True,
                                   eval_code_benchmarks="nosuch.jsonl"))
 
     def unreachable(*a, **k):
@@ -925,7 +925,7 @@ def test_a_prompts_file_replaces_templates_up_to_the_sampler(tmp_path, executor)
                  "eval_math = '''Q: {question} A:'''\n")
     cfg = az.Config(prompts=str(f), learnability_samples=1, eval_code=False,
                     eval_benchmarks=str(DATA / "azr_eval.jsonl"))
-    az.check_config(cfg)
+    az.validate_config(cfg)
     e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
     props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [],
              "induction": []}
@@ -944,7 +944,7 @@ def test_a_prompts_file_replaces_templates_up_to_the_sampler(tmp_path, executor)
     bad.write_text("solve_abduction = '''{program} only'''\n")
     needle = r"'solve_abduction' must use exactly the placeholders.*missing \['output'\]"
     with pytest.raises(ValueError, match=needle):
-        az.check_config(az.Config(prompts=str(bad)))
+        az.validate_config(az.Config(prompts=str(bad)))
     with pytest.raises(SystemExit) as err:
         az.main(["--prompts", str(bad)])
     assert err.value.code == 2
