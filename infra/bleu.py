@@ -19,13 +19,14 @@ DENSE_DF = 48  # n-grams shared by more texts than this are counted by a matrix 
 def bleu_matrix(texts):
     """S[i, j] = sentence-BLEU-4(hypothesis texts[i], reference texts[j]), as NLTK's sentence_bleu
     with SmoothingFunction().method1: whitespace tokens, weights ¼, zero matches -> ε = 0.1,
-    0 without a unigram match, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref|."""
+    0 without a unigram match, brevity penalty exp(1 − |ref|/|hyp|) when |hyp| <= |ref|; that is,
+    common.sentence_bleu(texts[i], texts[j])."""
     tokens, lens = token_ids(texts)
     per_order = ngram_match_counts(tokens, lens)
     B = len(lens)
     log_precision = np.zeros((B, B))  # Σ_n w_n log p_n
     for n, matches in enumerate(per_order, start=1):
-        smoothed = np.where(matches > 0, matches, SMOOTHING_EPS)
+        smoothed = np.where(matches > 0, matches, SMOOTHING_EPS)  # a zero count becomes ε
         hyp_ngrams = np.maximum(lens - n + 1, 1)[:, None]  # row i: hypothesis i's n-grams
         precision = smoothed / hyp_ngrams
         log_precision += NGRAM_WEIGHT * np.log(precision)
@@ -140,7 +141,8 @@ def rare_matches(text, gram, count, B):
     count = count[order]
     cells, mins = [], []  # M's flat index i * B + j and min(c_i, c_j) of each pair, both ways
     for offset in range(1, DENSE_DF):
-        first = np.flatnonzero(gram[offset:] == gram[:-offset])  # entries k that pair with k+offset
+        same_gram = gram[offset:] == gram[:-offset]  # entry k against entry k + offset
+        first = np.flatnonzero(same_gram)
         if first.size == 0:  # no n-gram is held by more than `offset` texts
             break
         second = first + offset
