@@ -1789,7 +1789,7 @@ def _fast_verdict(pred, gold, expression=False):
     if pred_number is not None and gold_number is not None:
         if pred_number == gold_number:
             return True
-        if "." not in canonical_pred + canonical_gold:  # math-verify may round a decimal: 0.33, 1/3
+        if "." not in canonical_pred + canonical_gold:  # a decimal may round (0.33, 1/3): ask
             return False
     if not expression and _is_words(gold):
         return normalize_string(pred) == normalize_string(gold)
@@ -1816,7 +1816,7 @@ def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     if not to_verify:
         return results
     max_workers = workers or min(os.cpu_count() or 1, 8)
-    n_workers = max(1, min(max_workers, math.ceil(len(to_verify) / 32)))  # 32 pairs a worker
+    n_workers = max(1, min(max_workers, math.ceil(len(to_verify) / 32)))  # a worker per 32 pairs
     codes = VERIFIER_POOL.run(list(to_verify), float(timeout), n_workers)
     if len(_VERDICTS) > _VERDICTS_MAX:
         _VERDICTS.clear()
