@@ -1852,13 +1852,21 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]]) -> dict:
 # ------------------------------------------------------------------------------- Answer extraction
 def extract_boxed(text):
     """Content of the last `\\boxed{..}`/`\\fbox{..}` (or `\\boxed 5`), None if unclosed; linear."""
-    starts = list(re.finditer(r"\\(?:boxed|fbox)\b", text)) if isinstance(text, str) else []
-    rest = text[starts[-1].end():].lstrip(" \t\r\n") if starts else ""
+    if not isinstance(text, str):
+        return None
+    boxes = list(re.finditer(r"\\(?:boxed|fbox)\b", text))
+    if not boxes:
+        return None
+    rest = text[boxes[-1].end():].lstrip(" \t\r\n")
     if not rest.startswith("{"):  # `\boxed 5`: up to whitespace or a math delimiter
-        return re.match(r"[^ \t\r\n$]*", rest).group().strip() or None
+        bare = re.match(r"[^ \t\r\n$]*", rest).group().strip()
+        return bare or None
     depth = 0
     for m in re.finditer(r"\\.|[{}]", rest, re.DOTALL):  # an escaped \{ \} \\ is skipped
-        depth += {"{": 1, "}": -1}.get(m.group(), 0)
+        if m.group() == "{":
+            depth += 1
+        elif m.group() == "}":
+            depth -= 1
         if depth == 0:
             return rest[1:m.start()].strip()
     return None
@@ -1868,14 +1876,20 @@ def extract_tag(text, tag, last=True):
     """Stripped content of the last (or first) complete `<tag>...</tag>`, or None; linear."""
     if not isinstance(text, str):
         return None
-    op, cl = f"<{tag}>", f"</{tag}>"
+    opening, closing = f"<{tag}>", f"</{tag}>"
     if last:
-        e = text.rfind(cl)
-        s = text.rfind(op, 0, e) if e >= 0 else -1
+        end = text.rfind(closing)
+        if end < 0:
+            return None
+        start = text.rfind(opening, 0, end)
     else:
-        s = text.find(op)
-        e = text.find(cl, s + len(op)) if s >= 0 else -1
-    return text[s + len(op):e].strip() if s >= 0 and e >= 0 else None
+        start = text.find(opening)
+        if start < 0:
+            return None
+        end = text.find(closing, start + len(opening))
+    if start < 0 or end < 0:
+        return None
+    return text[start + len(opening):end].strip()
 
 
 # The last JSON object of a reply (SPICE's Challenger writes its task so), LaTeX and all
@@ -1897,20 +1911,27 @@ LATEX_N_COMMANDS = frozenset("""
     ntrianglelefteq ntriangleright ntrianglerighteq nu nvDash nVdash nVDash nvdash nwarrow
 """.split())
 _BACKSLASH_ESCAPE = re.compile(r'\\(?:(?P<json>[\\"/]|u[0-9a-fA-F]{4})|(?P<word>[A-Za-z]+)|.|$)',
-                        re.DOTALL)
+                               re.DOTALL)
+
+
+def _escape_latex(m: re.Match) -> str:
+    """A _BACKSLASH_ESCAPE match as JSON should read it: a backslash that starts LaTeX doubled."""
+    word = m["word"]
+    if m["json"] or word in ("r", "t"):
+        return m[0]
+    if word and word[0] == "n" and word not in LATEX_N_COMMANDS:  # a newline, then text
+        return m[0]
+    return "\\" + m[0]
 
 
 def last_json_object(text: str) -> dict | None:
     """The JSON object ending last in `text` (a top-level one: a nested one ends earlier); starts
     are tried from the end, so LaTeX braces never use them up."""
-    def escape(m: re.Match) -> str:  # a backslash that starts LaTeX is doubled
-        w = m["word"]
-        keep = m["json"] or w in ("r", "t") or w and w[0] == "n" and w not in LATEX_N_COMMANDS
-        return m[0] if keep else "\\" + m[0]
-    text = _BACKSLASH_ESCAPE.sub(escape, text[-JSON_MAX_PARSE_CHARS:])
+    text = _BACKSLASH_ESCAPE.sub(_escape_latex, text[-JSON_MAX_PARSE_CHARS:])
     last_close = text.rfind("}") + 1
     starts = [m.start() for m in _JSON_START.finditer(text)][-JSON_MAX_STARTS:]
-    decoder, found, found_end = json.JSONDecoder(strict=False), None, -1
+    decoder = json.JSONDecoder(strict=False)
+    found, found_end = None, -1
     for start in reversed(starts):
         try:
             obj, end = decoder.raw_decode(text, start)
@@ -1928,6 +1949,7 @@ _TEXT_COMMAND_RE = re.compile(
 
 
 def unwrap_text_commands(s):
+    """`\\text{cycle}` -> `cycle` (and \\textbf, \\mathrm, \\operatorname, ...)."""
     for _ in range(3):  # nested \text{\textbf{x}}; bounded so hostile input stays cheap
         s = _TEXT_COMMAND_RE.sub(r"\1", s)
     return s
@@ -1935,7 +1957,8 @@ def unwrap_text_commands(s):
 
 def normalize_string(s):
     """SPICE §4 "String" answers: "The Krebs \\text{cycle}." -> "thekrebscycle" (not numbers)."""
-    return "".join(c for c in unwrap_text_commands("" if s is None else str(s)).lower() if c.isalnum())
+    text = unwrap_text_commands("" if s is None else str(s)).lower()
+    return "".join(c for c in text if c.isalnum())
 
 
 # An optional "the answer is" / "Answer:" / "Option" prefix, then the letter: upper case before a
@@ -1955,16 +1978,23 @@ def choice_letter(s):
     s = s[:4000]
     if "\\boxed" in s or "\\fbox" in s:
         s = extract_boxed(s) or ""
-    m = _CHOICE_RE.match(unwrap_text_commands(s[:200]).replace("$", "").replace("*", ""))
-    return (m.group(1) or m.group(2)).upper() if m else None
+    head = unwrap_text_commands(s[:200]).replace("$", "").replace("*", "")
+    m = _CHOICE_RE.match(head)
+    if m is None:
+        return None
+    upper, lower = m.group(1), m.group(2)
+    return (upper or lower).upper()
 
 
 def option_letter(pred, completion=None, n_options=10):
     """The letter `pred` names, else the completion's last "answer is B"; None past n_options."""
     if pred is None:
-        pred = "".join(_ANSWER_IS_RE.findall(str(completion or ""))[-1:])
+        stated = _ANSWER_IS_RE.findall(str(completion or ""))
+        pred = stated[-1] if stated else ""
     letter = choice_letter(pred)
-    return letter if letter and letter in OPTION_LETTERS[:n_options] else None
+    if letter and letter in OPTION_LETTERS[:n_options]:
+        return letter
+    return None
 
 
 # --------------------- math_equal: fast paths in-process, math-verify in killable worker processes
@@ -1973,6 +2003,7 @@ MAX_BRACE_DEPTH = 50  # deeper nesting is a LaTeX bomb, not an answer
 _FAILURES = Counter()  # timeouts / errors / skipped inputs; read with math_equal_failures()
 _VERDICTS = {}  # (pred, gold, expression) -> math-verify's verdict (votes repeat)
 _VERDICTS_MAX = 200_000
+_WORKER_FAILURES = {2: "timeout", 3: "error", 4: "killed"}  # the worker's codes that are failures
 
 
 def math_equal_failures():
@@ -1995,75 +2026,114 @@ def _canonical(s):
     return "".join(s.split()).rstrip(".")
 
 
-def _rational(c):
-    """(Fraction, exact) of a number, a/b or \\frac, else None; math-verify rounds decimals."""
+def _number(c):
+    """The value of a canonical answer that is a number, a/b or \\frac (a Fraction), else None."""
     from fractions import Fraction
-    n = c.replace("\\%", "").replace("%", "")
-    if len(n) <= 60 and _NUMBER_RE.fullmatch(n):
-        return Fraction(Decimal(n.replace(",", ""))), "." not in n
+    digits = c.replace("\\%", "").replace("%", "")
+    if len(digits) <= 60 and _NUMBER_RE.fullmatch(digits):
+        return Fraction(Decimal(digits.replace(",", "")))
     m = _RATIO_RE.fullmatch(c)
-    if m and int(m[3] or m[6] or m[7]):
-        num = int(m[2] or m[4] or m[5])
-        return Fraction(-num if m[1] == "-" else num, int(m[3] or m[6] or m[7])), True
-    return None
+    if m is None:
+        return None
+    numerator = int(m[2] or m[4] or m[5])
+    denominator = int(m[3] or m[6] or m[7])
+    if denominator == 0:
+        return None
+    if m[1] == "-":
+        numerator = -numerator
+    return Fraction(numerator, denominator)
+
+
+def _boxed_or_whole(answer):
+    """The content of an answer's last box ("" if unclosed), or the answer if it has none."""
+    if "\\boxed" in answer or "\\fbox" in answer:
+        return extract_boxed(answer) or ""
+    return answer
+
+
+def _is_words(answer):
+    """Is the answer words ("Paris", "the Krebs cycle"), graded by normalize_string?"""
+    wordy = _WORDY_RE.match(unwrap_text_commands(answer).strip())
+    return bool(wordy) and len(normalize_string(answer)) >= 2
+
+
+def _nesting_depth(text):
+    """The deepest nesting of brackets ({, (, [) in text: the running depth's maximum."""
+    steps = [(c in "{([") - (c in "})]") for c in text]  # +1 opens, -1 closes
+    return max(accumulate(steps, initial=0))
+
+
+def _answers_to_compare(pred, gold):
+    """The two answers as stripped strings; of a response (up to 20,000 characters each), its last
+    box."""
+    pred = "" if pred is None else str(pred).strip()
+    gold = "" if gold is None else str(gold).strip()
+    if max(len(pred), len(gold)) <= MAX_ANSWER_CHARS * 20:
+        pred, gold = _boxed_or_whole(pred), _boxed_or_whole(gold)
+    return pred, gold
 
 
 def _fast_verdict(pred, gold, expression=False):
-    """(True / False, or None to ask math-verify, pred, gold). expression=True (the gold is a math
-    expression: "mgh", "B" a symbol) turns off the option-letter and word paths."""
-    pred, gold = ("" if x is None else str(x).strip() for x in (pred, gold))
-    if max(len(pred), len(gold)) <= MAX_ANSWER_CHARS * 20:  # a response: judge its last box
-        pred, gold = (extract_boxed(x) or "" if "\\boxed" in x or "\\fbox" in x else x
-                      for x in (pred, gold))
+    """True or False where a fast path decides two answers (from _answers_to_compare), else None
+    (math-verify decides). In order: empty, too long, the same canonical text, an option letter,
+    two numbers, words, too deeply nested. expression=True (the gold is a math expression: "mgh",
+    "B" a symbol) turns off the option-letter and word paths."""
     if not pred or not gold:
-        return False, pred, gold
+        return False
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         _FAILURES["too_long"] += 1
-        return pred == gold, pred, gold
-    cp, cg = _canonical(pred), _canonical(gold)
-    if cp == cg and cp:
-        return True, pred, gold
+        return pred == gold
+    canonical_pred, canonical_gold = _canonical(pred), _canonical(gold)
+    if canonical_pred and canonical_pred == canonical_gold:
+        return True
     # multiple choice: an upper-case gold letter ("B", "(B)", "B)") or "(b)"
-    letter = (not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", cg)
-              and choice_letter(gold))
-    if letter:
-        return choice_letter(pred) == letter, pred, gold
-    rp, rg = _rational(cp), _rational(cg)
-    if rp and rg and (rp[0] == rg[0] or rp[1] and rg[1]):  # two exact rationals: all is known
-        return rp[0] == rg[0], pred, gold
-    wordy = _WORDY_RE.match(unwrap_text_commands(gold).strip()) and len(normalize_string(gold)) >= 2
-    if wordy and not expression:
-        return normalize_string(pred) == normalize_string(gold), pred, gold
-    if max(max(accumulate(((c in "{([") - (c in "})]") for c in x), initial=0))
-           for x in (pred, gold)) > MAX_BRACE_DEPTH:
+    if not expression and re.fullmatch(r"\(?[A-J][).:]?|\([a-j]\)", canonical_gold):
+        gold_letter = choice_letter(gold)
+        if gold_letter:
+            return choice_letter(pred) == gold_letter
+    pred_number, gold_number = _number(canonical_pred), _number(canonical_gold)
+    if pred_number is not None and gold_number is not None:
+        if pred_number == gold_number:
+            return True
+        if "." not in canonical_pred + canonical_gold:  # a decimal may round (0.33, 1/3): ask
+            return False
+    if not expression and _is_words(gold):
+        return normalize_string(pred) == normalize_string(gold)
+    if max(_nesting_depth(pred), _nesting_depth(gold)) > MAX_BRACE_DEPTH:
         _FAILURES["too_deep"] += 1
-        return False, pred, gold
-    return None, pred, gold
+        return False
+    return None
 
 
 @timed("verify")
 def math_equal_many(pairs, workers=None, timeout=2.0, expression=False):
     """math_equal of each (pred, gold) pair, math-verify spread over `workers` processes."""
-    res, todo = [], {}  # todo: (pred, gold, expression) -> indices that math-verify decides
+    results = []
+    to_verify = {}  # (pred, gold, expression) -> indices of the pairs that math-verify decides
     for i, (pred, gold) in enumerate(pairs):
-        dec, p, g = _fast_verdict(pred, gold, expression)
-        hit = _VERDICTS.get((p, g, expression)) if dec is None else dec
-        res.append(bool(hit))
-        if hit is None:
-            todo.setdefault((p, g, expression), []).append(i)
-    if todo:
-        w = max(1, min(workers or min(os.cpu_count() or 1, 8), math.ceil(len(todo) / 32)))
-        codes = VERIFIER_POOL.run(list(todo), float(timeout), w)
-        if len(_VERDICTS) > _VERDICTS_MAX:
-            _VERDICTS.clear()
-        for (key, where), code in zip(todo.items(), codes):
-            if code in (0, 1):  # failures are not cached: a retry under less load may succeed
-                _VERDICTS[key] = code == 1
-            else:
-                _FAILURES[{2: "timeout", 3: "error", 4: "killed"}[code]] += 1
-            for i in where:
-                res[i] = code == 1
-    return res
+        pred, gold = _answers_to_compare(pred, gold)
+        key = (pred, gold, expression)
+        verdict = _fast_verdict(pred, gold, expression)
+        if verdict is None:
+            verdict = _VERDICTS.get(key)
+        results.append(bool(verdict))
+        if verdict is None:
+            to_verify.setdefault(key, []).append(i)
+    if not to_verify:
+        return results
+    max_workers = workers or min(os.cpu_count() or 1, 8)
+    n_workers = max(1, min(max_workers, math.ceil(len(to_verify) / 32)))  # a worker per 32 pairs
+    codes = VERIFIER_POOL.run(list(to_verify), float(timeout), n_workers)
+    if len(_VERDICTS) > _VERDICTS_MAX:
+        _VERDICTS.clear()
+    for (key, indices), code in zip(to_verify.items(), codes):
+        if code in (0, 1):  # failures are not cached: a retry under less load may succeed
+            _VERDICTS[key] = code == 1
+        else:
+            _FAILURES[_WORKER_FAILURES[code]] += 1
+        for i in indices:
+            results[i] = code == 1
+    return results
 
 
 @timed("verify")
@@ -2089,11 +2159,13 @@ def _solve_rate_shape(reward):
     """A reward shape of the solve rate p in [0, 1]: a float for a scalar p, else an array."""
     @functools.wraps(reward)
     def shaped(p, *args, **kw):
-        a = np.asarray(p, dtype=np.float64)
-        if not np.all((a >= 0) & (a <= 1)):  # NaN fails too
+        rate = np.asarray(p, dtype=np.float64)
+        if not np.all((rate >= 0) & (rate <= 1)):  # NaN fails too
             raise ValueError(f"solve rate must lie in [0, 1], got {p!r}")
-        r = reward(a, *args, **kw)
-        return float(r) if np.ndim(p) == 0 else r
+        rewards = reward(rate, *args, **kw)
+        if np.ndim(p) == 0:
+            return float(rewards)
+        return rewards
     return shaped
 
 
@@ -2124,8 +2196,10 @@ def threshold_reward(p):
 
 def proposer_reward(rbar, kind="learnability", tau=0.01):
     """A proposer reward by name: learnability | uncertainty | variance | threshold."""
-    shapes = {"learnability": learnability_reward, "uncertainty": uncertainty_reward,
-              "variance": lambda p: variance_reward(p, tau), "threshold": threshold_reward}
+    shapes = {"learnability": learnability_reward,
+              "uncertainty": uncertainty_reward,
+              "variance": lambda p: variance_reward(p, tau),
+              "threshold": threshold_reward}
     if kind not in shapes:
         raise ValueError(f"unknown proposer reward {kind!r}; choose one of {sorted(shapes)}")
     return shapes[kind](rbar)
@@ -2133,16 +2207,52 @@ def proposer_reward(rbar, kind="learnability", tau=0.01):
 
 def azr_composite_reward(r_role, *, formatted, passable):
     """AZR Eq. 6: r_role if passable; −0.5 if well formatted but wrong; −1 on a format error."""
-    return FORMAT_ERROR if not formatted else float(r_role) if passable else WRONG_FORMATTED
+    if not formatted:
+        return FORMAT_ERROR
+    if not passable:
+        return WRONG_FORMATTED
+    return float(r_role)
 
 
 # ----- Pairwise sentence-BLEU-4 and average-linkage clusters (R-Zero's penalty, diversity metrics)
+def ngram_counts(words, n):
+    """Counter of the n-grams (tuples of n consecutive words) of a list of words."""
+    return Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def sentence_bleu(hypothesis: str, reference: str) -> float:
+    """Sentence-BLEU-4 of whitespace tokens, as NLTK's sentence_bleu(weights ¼ each,
+    SmoothingFunction().method1): BLEU = BP · exp(Σ_n ¼ log p_n), p_n = clipped n-gram matches /
+    the hypothesis' n-grams (a zero match count becomes ε = 0.1); 0 without a unigram match;
+    BP = exp(1 − |ref|/|hyp|) when |hyp| <= |ref|, else 1. The definition R-Zero's repetition
+    penalty uses (§3); bleu_matrix computes it for every pair of a batch at once."""
+    hyp = str(hypothesis).split()
+    ref = str(reference).split()
+    if not hyp:
+        return 0.0
+    epsilon = 0.1  # Chen & Cherry's smoothing method 1
+    log_precision = 0.0
+    for n in range(1, 5):
+        clipped = ngram_counts(hyp, n) & ngram_counts(ref, n)  # at most as often as in ref
+        matches = sum(clipped.values())
+        if matches == 0 and n == 1:
+            return 0.0
+        if matches == 0:
+            matches = epsilon
+        precision = matches / max(len(hyp) - n + 1, 1)
+        log_precision += 0.25 * math.log(precision)
+    brevity_penalty = 1.0
+    if len(hyp) <= len(ref):
+        brevity_penalty = math.exp(1 - len(ref) / len(hyp))
+    return brevity_penalty * math.exp(log_precision)
 
 
 def bleu_distance_matrix(texts, S=None):
     """R-Zero's d_ij = 1 − BLEU(hyp = earlier, ref = later text), mirrored; S: bleu_matrix."""
-    U = np.triu(1.0 - (bleu_matrix(texts) if S is None else S), 1)
-    return U + U.T
+    if S is None:
+        S = bleu_matrix(texts)
+    upper = np.triu(1.0 - S, 1)
+    return upper + upper.T
 
 
 def average_linkage_clusters(dist, threshold=0.5):
@@ -2151,39 +2261,52 @@ def average_linkage_clusters(dist, threshold=0.5):
     D = np.array(dist, dtype=np.float64, copy=True)
     np.fill_diagonal(D, np.inf)
     B = D.shape[0]
-    size, active, label, chain = np.ones(B), np.ones(B, dtype=bool), np.arange(B), []
+    size = np.ones(B)  # the texts in the cluster that row a stands for
+    active = np.ones(B, dtype=bool)  # rows not yet merged into another
+    label = np.arange(B)
+    chain = []  # each row's nearest neighbour is the next row (reciprocal ones merge)
     while active.sum() > 1:
         if not chain:
-            chain.append(int(np.flatnonzero(active)[0]))
+            first_active = int(np.flatnonzero(active)[0])
+            chain.append(first_active)
         a = chain[-1]
         row = D[a]
         b = int(np.argmin(row))
-        if len(chain) > 1 and row[chain[-2]] <= row[b]:
+        if len(chain) > 1 and row[chain[-2]] <= row[b]:  # a tie goes back along the chain
             b = chain[-2]
         if len(chain) < 2 or b != chain[-2]:
             chain.append(b)
             continue
+        # a and b are each other's nearest neighbours: b merges into a
         del chain[-2:]
         if row[b] < threshold:  # average linkage is monotone: this equals cutting the dendrogram
             label[label == label[b]] = label[a]
-        new = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])  # Lance-Williams, kept in a
-        D[a, :] = D[:, a] = new
-        D[a, a] = D[b, :] = D[:, b] = np.inf
+        merged = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])  # Lance-Williams
+        D[a, :] = merged
+        D[:, a] = merged
+        D[a, a] = np.inf
+        D[b, :] = np.inf
+        D[:, b] = np.inf
         size[a] += size[b]
         active[b] = False
-    ids = {}
-    return [ids.setdefault(x, len(ids)) for x in label.tolist()]
+    cluster_of_label = {}
+    clusters = []
+    for x in label.tolist():
+        clusters.append(cluster_of_label.setdefault(x, len(cluster_of_label)))
+    return clusters
 
 
 # ------------------------------------------------------ Diversity metrics, pass@k, decontamination
 def distinct_ngram_ratio(texts, n=4):
     """Distinct-n: unique n-grams / all n-grams over the batch (lower-cased whitespace tokens)."""
-    grams, total = set(), 0
-    for t in texts:
-        w = str(t).lower().split()
-        grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
-        total += max(len(w) - n + 1, 0)
-    return len(grams) / total if total else 0.0
+    distinct, total = set(), 0
+    for text in texts:
+        ngrams = ngram_counts(str(text).lower().split(), n)
+        distinct.update(ngrams)
+        total += sum(ngrams.values())
+    if total == 0:
+        return 0.0
+    return len(distinct) / total
 
 
 def self_bleu(texts, S=None):
@@ -2191,8 +2314,10 @@ def self_bleu(texts, S=None):
     texts = list(texts)
     if len(texts) < 2:
         return 0.0
-    S = bleu_matrix(texts) if S is None else S
-    return float(S[np.triu_indices(len(texts), 1)].mean())
+    if S is None:
+        S = bleu_matrix(texts)
+    earlier_later = np.triu_indices(len(texts), 1)
+    return float(S[earlier_later].mean())
 
 
 def diversity_metrics(texts, threshold=0.5):
@@ -2200,36 +2325,55 @@ def diversity_metrics(texts, threshold=0.5):
     texts = list(texts)
     S = bleu_matrix(texts)
     clusters = average_linkage_clusters(bleu_distance_matrix(texts, S), threshold)
-    return {"distinct_frac": len({normalize_string(t) for t in texts}) / max(len(texts), 1),
-            "distinct4": distinct_ngram_ratio(texts, 4), "self_bleu": self_bleu(texts, S),
+    distinct = {normalize_string(t) for t in texts}
+    return {"distinct_frac": len(distinct) / max(len(texts), 1),
+            "distinct4": distinct_ngram_ratio(texts, 4),
+            "self_bleu": self_bleu(texts, S),
             "bleu_clusters": len(set(clusters))}
 
 
 def pass_at_k(n, c, k):
     """Unbiased pass@k (Codex §2.1): 1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
     n, c, k = int(n), int(c), int(k)
-    if not (0 <= c <= n) or not (1 <= k <= n):
+    if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    i = np.arange(n - c + 1, n + 1)
+    return float(1.0 - np.prod(1.0 - k / i))
+
+
+class Interval(typing.NamedTuple):
+    """A mean and its bootstrap interval."""
+    mean: float
+    low: float
+    high: float
 
 
 def bootstrap_ci(values, n_boot=2000, alpha=0.05, seed=0):
-    """Percentile bootstrap interval of the mean, resampling problems with replacement."""
-    v = np.asarray(values, dtype=np.float64)
-    means = v[np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))].mean(axis=1)
-    return (float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2)))
+    """(low, high): the percentile bootstrap interval of the mean, resampling problems with
+    replacement."""
+    values = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    resampled = rng.integers(0, values.size, size=(n_boot, values.size))  # indices of problems
+    means = values[resampled].mean(axis=1)
+    low = float(np.quantile(means, alpha / 2))
+    high = float(np.quantile(means, 1 - alpha / 2))
+    return low, high
 
 
 def pass_at_k_ci(ns, cs, k, n_boot=2000, alpha=0.05, seed=0):
-    """(mean, low, high): mean pass@k over problems with a bootstrap (1 − alpha) interval."""
-    per = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
-    return (float(np.mean(per)), *bootstrap_ci(per, n_boot, alpha, seed))
+    """Interval(mean, low, high): mean pass@k over problems with a bootstrap (1 − alpha) interval;
+    ns, cs: samples and correct samples per problem."""
+    per_problem = [pass_at_k(n, c, k) for n, c in zip(ns, cs)]
+    mean = float(np.mean(per_problem))
+    low, high = bootstrap_ci(per_problem, n_boot, alpha, seed)
+    return Interval(mean, low, high)
 
 
 _WORD_RE = re.compile(r"[^\W_]+")
 
 
 def words_of(text):
+    """Lower-cased words (letters and digits) of a text, LaTeX \\text{} unwrapped."""
     return _WORD_RE.findall(unwrap_text_commands(str(text)).lower())
 
 
@@ -2237,17 +2381,23 @@ class Decontaminator:
     """Word n-grams of references; a text under n words is flagged only if it equals one."""
 
     def __init__(self, references, n=13):
-        self.n, self.grams, self.short = n, set(), set()
+        self.n = n
+        self.grams = set()  # hashes of the references' word n-grams
+        self.short = set()  # the references' words, joined by spaces
         for ref in references:
-            w = words_of(ref)
-            self.short.add(" ".join(w))
-            self.grams.update(hash(tuple(w[i:i + n])) for i in range(len(w) - n + 1))
+            words = words_of(ref)
+            self.short.add(" ".join(words))
+            for gram in ngram_counts(words, n):
+                self.grams.add(hash(gram))
 
     def contaminated(self, text):
-        w, n = words_of(text), self.n
-        if len(w) < n:
-            return bool(w) and " ".join(w) in self.short
-        return any(hash(tuple(w[i:i + n])) in self.grams for i in range(len(w) - n + 1))
+        words = words_of(text)
+        if len(words) < self.n:
+            return bool(words) and " ".join(words) in self.short
+        for gram in ngram_counts(words, self.n):
+            if hash(gram) in self.grams:
+                return True
+        return False
 
     def flags(self, texts):
         return [self.contaminated(t) for t in texts]
@@ -2256,16 +2406,20 @@ class Decontaminator:
 def eval_decontaminator(benchmarks: str, on: bool = True):
     """The 13-gram index (GPT-3's rule) of the eval questions, or None; built first, so a run whose
     eval set cannot load stops before any model loads."""
-    questions = [row["question"] for b in benchmarks.split(",") if b.strip()
-                 for row in load_benchmark(b)]
-    return Decontaminator(questions) if on and questions else None
+    questions = []
+    for bench in benchmarks.split(","):
+        if bench.strip():
+            questions += [row["question"] for row in load_benchmark(bench)]
+    if on and questions:
+        return Decontaminator(questions)
+    return None
 
 
 # -------------------------------------------- Evaluation: greedy accuracy and pass@k per benchmark
 _EVAL_INSTRUCTION = ("Work through the problem step by step, then write the final answer as "
-                        "\\boxed{answer}.")
+                     "\\boxed{answer}.")
 _MC_GRADING = ("a problem with choices is graded by its option letter (option_letter), which "
-                  "must equal the gold letter; free-form problems by math_equal")
+               "must equal the gold letter; free-form problems by math_equal")
 
 
 def chat_or_text(tokenizer, content, text):
@@ -2277,91 +2431,217 @@ def chat_or_text(tokenizer, content, text):
 
 def default_eval_prompt(problem, tokenizer=None):
     """The step-by-step, boxed-answer prompt; options (if any) listed as A) ... B) ..."""
-    q = problem["question"].strip()
+    question = problem["question"].strip()
     if problem.get("choices"):
-        q += "\n\n" + "\n".join(f"{x}) {c}" for x, c in zip(OPTION_LETTERS, problem["choices"]))
-        q += "\n\nAnswer with the letter of the correct option."
-    return chat_or_text(tokenizer, f"{q}\n\n{_EVAL_INSTRUCTION}",
-                            f"Problem:\n{q}\n\n{_EVAL_INSTRUCTION}\n\nSolution:")
+        options = [f"{letter}) {choice}"
+                   for letter, choice in zip(OPTION_LETTERS, problem["choices"])]
+        question += "\n\n" + "\n".join(options)
+        question += "\n\nAnswer with the letter of the correct option."
+    chat = f"{question}\n\n{_EVAL_INSTRUCTION}"
+    text = f"Problem:\n{question}\n\n{_EVAL_INSTRUCTION}\n\nSolution:"
+    return chat_or_text(tokenizer, chat, text)
 
 
 def gold_option_letter(problem):
     """The gold letter: "answer" if a choice's letter, else the letter of the choice equal to it."""
     choices = problem.get("choices") or []
-    letters, a = OPTION_LETTERS[:len(choices)], str(problem.get("answer", "")).strip()
-    m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", a)
+    letters = OPTION_LETTERS[:len(choices)]
+    answer = str(problem.get("answer", "")).strip()
+    m = re.fullmatch(r"\(?\s*([A-Ja-j])\s*[).:]?", answer)
     if m and m[1].upper() in letters:
         return m[1].upper()
-    return next((x for x, c in zip(letters, choices) if str(c).strip().casefold() == a.casefold()),
-                None)
+    for letter, choice in zip(letters, choices):
+        if str(choice).strip().casefold() == answer.casefold():
+            return letter
+    return None
 
 
-def _judge_answers(extract_fn, timeout, judge_fn, probs, texts):
-    """[(problem index, text)] -> [(correct, pred, letter, no answer)]: extract_fn(text) by
-    math_equal_many, or with choices its option_letter; judge_fn(problem, text) -> (pred, correct)
-    replaces both where given."""
+class Judgement(typing.NamedTuple):
+    """evaluate's verdict on one completion (evaluate_code's is infra.code_eval.CodeVerdict)."""
+    correct: bool
+    pred: str | None  # the extracted answer
+    letter: str | None  # the option letter read from it, for a problem with choices
+    no_answer: bool  # nothing to grade: no answer extracted (with choices: no option letter)
+
+
+def _judge_answers(extract_fn, timeout, judge_fn, problems, texts):
+    """[(problem index, text)] -> [Judgement]: extract_fn(text) graded by math_equal_many, or for
+    a problem with choices its option_letter; judge_fn(problem, text) -> (pred, correct) replaces
+    both where given."""
+    judgements = []
     if judge_fn is not None:
-        judged = [judge_fn(probs[i], t) for i, t in texts]
-        return [(bool(correct), pred, None, pred is None) for pred, correct in judged]
-    items = [(probs[i], gold_option_letter(probs[i]), t, extract_fn(t)) for i, t in texts]
-    free = iter(math_equal_many([(pr, p["answer"]) for p, g, _, pr in items if g is None],
-                                timeout=timeout))
-    out = []
-    for p, g, t, pr in items:
-        lt = None if g is None else option_letter(pr, t, len(p["choices"]))
-        out.append((next(free), pr, lt, pr is None) if g is None else (lt == g, pr, lt, lt is None))
-    return out
+        for i, text in texts:
+            pred, correct = judge_fn(problems[i], text)
+            judgements.append(Judgement(bool(correct), pred, None, pred is None))
+        return judgements
+    answers = []  # (problem, text, pred, gold letter or None)
+    free_form = []  # (pred, gold) of the problems without choices
+    for i, text in texts:
+        problem = problems[i]
+        pred = extract_fn(text)
+        gold_letter = gold_option_letter(problem)
+        answers.append((problem, text, pred, gold_letter))
+        if gold_letter is None:
+            free_form.append((pred, problem["answer"]))
+    free_form_equal = iter(math_equal_many(free_form, timeout=timeout))
+    for problem, text, pred, gold_letter in answers:
+        if gold_letter is None:
+            judgements.append(Judgement(next(free_form_equal), pred, None, pred is None))
+        else:
+            letter = option_letter(pred, text, len(problem["choices"]))
+            judgements.append(Judgement(letter == gold_letter, pred, letter, letter is None))
+    return judgements
 
 
-def _evaluate_loop(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, temperature, top_p,
-                 max_tokens, limit, seed, n_boot, **settings):
+def _judge_samples(judge, problems, samples):
+    """judge over every sampled completion at once, regrouped per problem."""
+    texts = [(i, c.text) for i, group in enumerate(samples) for c in group]
+    flat = judge(problems, texts)
+    grouped, start = [], 0
+    for group in samples:
+        grouped.append(flat[start:start + len(group)])
+        start += len(group)
+    return grouped
+
+
+def _greedy_metrics(greedy, judged, n_boot):
+    """A benchmark's greedy accuracy (its pass@1 unless samples are drawn), truncation, length."""
+    correct = np.asarray([j.correct for j in judged], dtype=float)
+    accuracy = float(correct.mean())
+    interval = list(bootstrap_ci(correct, n_boot))
+    truncated = [c.finish_reason == "length" for c in greedy]
+    tokens = [len(c.token_ids) for c in greedy]
+    return {"n_problems": len(greedy),
+            "greedy_acc": accuracy,
+            "greedy_acc_ci": interval,
+            "greedy_truncated_frac": float(np.mean(truncated)),
+            "greedy_mean_tokens": float(np.mean(tokens)),
+            "pass@k": {"1": accuracy},
+            "pass@k_ci": {"1": interval},
+            "pass@k_source": "greedy"}
+
+
+def _sample_metrics(samples, judged, ks, n_boot, seed):
+    """Unbiased pass@k for each k up to the fewest samples of a problem, mean@n, truncation."""
+    n_drawn = [len(group) for group in samples]
+    n_correct = [sum(j.correct for j in group) for group in judged]
+    pass_at, pass_at_ci = {}, {}
+    for k in ks:
+        if k <= min(n_drawn):
+            estimate = pass_at_k_ci(n_drawn, n_correct, k, n_boot=n_boot, seed=seed)
+            pass_at[str(k)] = estimate.mean
+            pass_at_ci[str(k)] = [estimate.low, estimate.high]
+    solve_rates = np.asarray(n_correct) / np.asarray(n_drawn)
+    truncated = [c.finish_reason == "length" for group in samples for c in group]
+    return {"pass@k": pass_at,
+            "pass@k_ci": pass_at_ci,
+            "pass@k_source": "samples",
+            "mean@n": float(np.mean(solve_rates)),
+            "sample_truncated_frac": float(np.mean(truncated))}
+
+
+def _benchmark_names(benchmarks):
+    """A comma-separated string or a list of benchmark names -> the names, stripped, each once."""
+    if isinstance(benchmarks, str):
+        benchmarks = benchmarks.split(",")
+    names = [b.strip() for b in benchmarks if b.strip()]
+    return list(dict.fromkeys(names))
+
+
+def _k_values(k):
+    """k as an int, a comma-separated string or a list -> the distinct k values, sorted."""
+    if isinstance(k, (int, str)):
+        k = str(k).split(",")
+    return sorted({int(x) for x in k if str(x).strip()})
+
+
+def _evaluate_loop(sampler, benchmarks, k, n, load, judge, record, prompt_fn, *, temperature,
+                   top_p, max_tokens, limit, seed, n_boot, **settings):
     """evaluate's and evaluate_code's loop (every benchmark loaded first). judge(problems,
-    [(problem index, text)]) -> [(correct, ...)]; record(name, result, problems, greedy, samples)
-    adds a benchmark's own fields and returns its per-problem records."""
-    benchmarks = benchmarks.split(",") if isinstance(benchmarks, str) else benchmarks
-    benchmarks = list(dict.fromkeys(b.strip() for b in benchmarks if b.strip()))
-    k = str(k).split(",") if isinstance(k, (int, str)) else k
-    ks, n = sorted({int(x) for x in k if str(x).strip()}), int(n)
+    [(problem index, text)]) -> [verdict with .correct]; record(name, result, problems, greedy,
+    samples) adds a benchmark's own fields and returns its per-problem records."""
+    benchmarks = _benchmark_names(benchmarks)
+    ks = _k_values(k)
+    n = int(n)
     if n < 1 or not ks or ks[0] < 1:
         raise ValueError(f"evaluation needs n >= 1 and k >= 1, got n={n}, k={ks}")
-    t0, problems, results = time.time(), {b: load(b, limit) for b in benchmarks}, {}
+    start = time.time()
+    problems = {bench: load(bench, limit) for bench in benchmarks}
+    tokenizer = getattr(sampler, "tokenizer", None)
+    results = {}
     for bench, probs in problems.items():
-        n_spec = parse_benchmark_spec(bench)[1]  # "name@N": N samples, even N = 1
-        nb = n_spec or n
-        prompts = [prompt_fn(p, getattr(sampler, "tokenizer", None)) for p in probs]
-        greedy = [g[0] for g in sampler.generate(prompts, n=1, temperature=0.0,
-                                                 max_tokens=max_tokens)]
-        g_judged, s_judged = judge(probs, [(i, c.text) for i, c in enumerate(greedy)]), None
-        ok = np.asarray([j[0] for j in g_judged], dtype=float)
-        ci = list(bootstrap_ci(ok, n_boot))
-        res = {"n_problems": len(probs), "greedy_acc": float(ok.mean()), "greedy_acc_ci": ci,
-               "greedy_truncated_frac": float(np.mean([c.finish_reason == "length"
-                                                       for c in greedy])),
-               "greedy_mean_tokens": float(np.mean([len(c.token_ids) for c in greedy])),
-               "pass@k": {"1": float(ok.mean())}, "pass@k_ci": {"1": ci}, "pass@k_source": "greedy"}
-        if nb > 1 or n_spec:
-            samp = sampler.generate(prompts, n=nb, max_tokens=max_tokens, seed=seed,
-                                    temperature=temperature, top_p=top_p)
-            flat = iter(judge(probs, [(i, c.text) for i, g in enumerate(samp) for c in g]))
-            s_judged = [[next(flat) for _ in g] for g in samp]
-            ns, cs = [len(g) for g in samp], [sum(j[0] for j in s) for s in s_judged]
-            cis = {str(x): pass_at_k_ci(ns, cs, x, n_boot=n_boot, seed=seed)
-                   for x in ks if x <= min(ns)}
-            res.update({"pass@k": {x: m for x, (m, _, _) in cis.items()},
-                        "pass@k_ci": {x: [lo, hi] for x, (_, lo, hi) in cis.items()},
-                        "pass@k_source": "samples",
-                        "mean@n": float(np.mean(np.asarray(cs) / np.asarray(ns))),
-                        "sample_truncated_frac": float(np.mean(
-                            [c.finish_reason == "length" for g in samp for c in g]))})
-        per_problem = record(bench, res, probs, g_judged, s_judged)
-        for rec, s in zip(per_problem, s_judged or []):
-            rec["correct_samples"] = sum(j[0] for j in s)
-        results[bench] = {**res, "per_problem": per_problem}
-    settings = {"n": n, "k": [x for x in ks if x <= n], "k_skipped_gt_n": [x for x in ks if x > n],
-                "temperature": float(temperature), "top_p": float(top_p), "greedy_for_acc": True,
-                "max_tokens": int(max_tokens), "limit": int(limit), "seed": seed, **settings,
+        _, n_spec = parse_benchmark_spec(bench)  # "name@N": N samples, even N = 1
+        prompts = [prompt_fn(p, tokenizer) for p in probs]
+        greedy_groups = sampler.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
+        greedy = [group[0] for group in greedy_groups]
+        texts = [(i, c.text) for i, c in enumerate(greedy)]
+        greedy_judged = judge(probs, texts)
+        result = _greedy_metrics(greedy, greedy_judged, n_boot)
+        samples_judged = None
+        n_samples = n_spec or n
+        if n_samples > 1 or n_spec:
+            samples = sampler.generate(prompts, n=n_samples, max_tokens=max_tokens, seed=seed,
+                                       temperature=temperature, top_p=top_p)
+            samples_judged = _judge_samples(judge, probs, samples)
+            result.update(_sample_metrics(samples, samples_judged, ks, n_boot, seed))
+        per_problem = record(bench, result, probs, greedy_judged, samples_judged)
+        for problem_record, judged in zip(per_problem, samples_judged or []):
+            problem_record["correct_samples"] = sum(j.correct for j in judged)
+        results[bench] = {**result, "per_problem": per_problem}
+    settings = {"n": n,
+                "k": [x for x in ks if x <= n],
+                "k_skipped_gt_n": [x for x in ks if x > n],
+                "temperature": float(temperature),
+                "top_p": float(top_p),
+                "greedy_for_acc": True,
+                "max_tokens": int(max_tokens),
+                "limit": int(limit),
+                "seed": seed,
+                **settings,
                 "bootstrap": f"{n_boot} resamples over problems, 95% percentile interval"}
-    return {"benchmarks": results, "settings": settings, "time_s": round(time.time() - t0, 2)}
+    return {"benchmarks": results, "settings": settings, "time_s": round(time.time() - start, 2)}
+
+
+def _record_answers(bench, result, problems, greedy, samples):
+    """evaluate's own fields of a benchmark (multiple-choice counts, the share without an answer,
+    the score: mean@N for "name@N", else greedy accuracy) and its per-problem records."""
+    gold_letters = [gold_option_letter(p) for p in problems]
+    n_multiple_choice = n_without_gold_letter = 0
+    for problem, gold_letter in zip(problems, gold_letters):
+        if gold_letter is not None:
+            n_multiple_choice += 1
+        elif problem.get("choices"):
+            n_without_gold_letter += 1
+    result["n_multiple_choice"] = n_multiple_choice
+    result["n_choices_without_gold_letter"] = n_without_gold_letter
+    no_answer = [j.no_answer for j in greedy]
+    result["greedy_no_answer_frac"] = float(np.mean(no_answer))
+    if samples:
+        result["n_samples"] = len(samples[0])
+        no_answer = [j.no_answer for group in samples for j in group]
+        result["sample_no_answer_frac"] = float(np.mean(no_answer))
+    _, n_spec = parse_benchmark_spec(bench)
+    if n_spec:
+        result["score"] = result["mean@n"]
+        result["score_source"] = f"mean@{n_spec}"
+    else:
+        result["score"] = result["greedy_acc"]
+        result["score_source"] = "greedy"
+    per_problem = []
+    for problem, gold_letter, judged in zip(problems, gold_letters, greedy):
+        record = {"answer": problem["answer"], "greedy_pred": judged.pred,
+                  "greedy_correct": bool(judged.correct)}
+        if gold_letter is not None:
+            record["greedy_letter"] = judged.letter
+        per_problem.append(record)
+    return per_problem
+
+
+def _math_verify_version():
+    try:
+        return importlib.import_module("importlib.metadata").version("math-verify")
+    except Exception:
+        return "?"
 
 
 def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max_tokens=2048,
@@ -2371,35 +2651,20 @@ def evaluate(sampler_or_policy, benchmarks, *, n=1, k=(1,), temperature=0.6, max
     draws N samples and scores by mean@N (SPICE's AIME). extract_fn (default: the last \\boxed{})
     -> math_equal, or the option letter for choices; judge_fn(problem, text) -> (pred, correct)
     replaces both (R-Zero's --eval-protocol official)."""
-    prompt = getattr(prompt_fn, "__name__", "custom") if prompt_fn else "default"
-    prompt_fn, extract_fn = prompt_fn or default_eval_prompt, extract_fn or extract_boxed
-
-    def record(bench, res, probs, greedy, samples):
-        golds, n_bench = [gold_option_letter(p) for p in probs], parse_benchmark_spec(bench)[1]
-        res.update({"n_multiple_choice": sum(g is not None for g in golds),
-                    "n_choices_without_gold_letter": sum(bool(p.get("choices")) and g is None
-                                                         for p, g in zip(probs, golds)),
-                    "greedy_no_answer_frac": float(np.mean([j[3] for j in greedy]))})
-        if samples:
-            res["n_samples"] = len(samples[0])
-            res["sample_no_answer_frac"] = float(np.mean([j[3] for s in samples for j in s]))
-        res["score"], res["score_source"] = ((res["mean@n"], f"mean@{n_bench}") if n_bench
-                                             else (res["greedy_acc"], "greedy"))
-        return [{"answer": p["answer"], "greedy_pred": pr, "greedy_correct": bool(ok),
-                 **({"greedy_letter": lt} if g is not None else {})}
-                for p, g, (ok, pr, lt, _) in zip(probs, golds, greedy)]
-    mv = "?"
-    with contextlib.suppress(Exception):
-        mv = importlib.import_module("importlib.metadata").version("math-verify")
+    prompt_name = "default"
+    if prompt_fn:
+        prompt_name = getattr(prompt_fn, "__name__", "custom")
+    prompt_fn = prompt_fn or default_eval_prompt
+    extract_fn = extract_fn or extract_boxed
     verifier = (f"last \\boxed{{}} -> math_equal: string/MCQ-letter/integer fast paths, else "
-                f"math-verify {mv} verify(parse(gold), parse(pred)), $-wrapped, timeout {timeout}s "
-                "(timeout = wrong)")
-    res = _evaluate_loop(sampler_or_policy, benchmarks, k, n, load_benchmark,
-                       functools.partial(_judge_answers, extract_fn, timeout, judge_fn), record,
-                       prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                       limit=limit, seed=seed, n_boot=n_boot, verifier=verifier,
-                       multiple_choice=_MC_GRADING, prompt=prompt)
-    return {**res, "verifier_failures": math_equal_failures()}
+                f"math-verify {_math_verify_version()} verify(parse(gold), parse(pred)), "
+                f"$-wrapped, timeout {timeout}s (timeout = wrong)")
+    judge = functools.partial(_judge_answers, extract_fn, timeout, judge_fn)
+    result = _evaluate_loop(sampler_or_policy, benchmarks, k, n, load_benchmark, judge,
+                            _record_answers, prompt_fn, temperature=temperature, top_p=top_p,
+                            max_tokens=max_tokens, limit=limit, seed=seed, n_boot=n_boot,
+                            verifier=verifier, multiple_choice=_MC_GRADING, prompt=prompt_name)
+    return {**result, "verifier_failures": math_equal_failures()}
 
 
 def evaluate_config(policy, cfg, **kw):
@@ -2425,63 +2690,105 @@ class FrozenModel:
     policy's architecture and vocabulary its CPU weights swap into the one engine."""
 
     def __init__(self, name: str, policy, cfg, gpu_memory_utilization: float = 0.2):
-        self.name, path = name, resolve_model_path(name)
-        tok = load_tokenizer(path)
-        same = (tok.get_vocab() == policy.tokenizer.get_vocab()
-                and _same_parameters(path, policy))
-        self.weights = load_safetensors_dir(path) if same else None
-        self.sampler = None if same else make_sampler(path, tok, dataclasses.replace(
-            cfg, model=path, gpu_memory_utilization=gpu_memory_utilization))
-        self.route = "weight swap into the shared engine" if same else "separate sampler"
+        self.name = name
+        path = resolve_model_path(name)
+        tokenizer = load_tokenizer(path)
+        same_vocab = tokenizer.get_vocab() == policy.tokenizer.get_vocab()
+        if same_vocab and _same_parameters(path, policy):
+            self.weights = load_safetensors_dir(path)
+            self.sampler = None
+            self.route = "weight swap into the shared engine"
+        else:
+            own_cfg = dataclasses.replace(cfg, model=path,
+                                          gpu_memory_utilization=gpu_memory_utilization)
+            self.weights = None
+            self.sampler = make_sampler(path, tokenizer, own_cfg)
+            self.route = "separate sampler"
 
     def sampling(self, policy):
         """`with frozen.sampling(policy) as s: s.generate(...)`; s.tokenizer is the frozen one's."""
         if self.weights is not None:
             return policy.sampling_from(self.weights)
-        return contextlib.nullcontext(types.SimpleNamespace(
+        own_sampler = types.SimpleNamespace(
             tokenizer=self.sampler.tokenizer,
-            generate=functools.partial(policy.generate, sampler=self.sampler)))
+            generate=functools.partial(policy.generate, sampler=self.sampler))
+        return contextlib.nullcontext(own_sampler)
 
 
 def _same_parameters(path, policy) -> bool:
     """Has the checkpoint the policy's parameter names and shapes (from the safetensors headers)?"""
     from safetensors import safe_open
-    shapes = {}
+    stored = {}  # parameter name -> shape
     for f in sorted(pathlib.Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
-    own = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
-    tied = getattr(policy.model.config, "tie_word_embeddings", False)
-    return (bool(shapes) and set(own) - ({"lm_head.weight"} if tied else set()) <= set(shapes)
-            <= set(own) and all(own[k] == shape for k, shape in shapes.items()))
+            for name in h.keys():
+                stored[name] = tuple(h.get_slice(name).get_shape())
+    own = {name: tuple(value.shape) for name, value in policy.state_dict().items()}
+    needed = set(own)
+    if getattr(policy.model.config, "tie_word_embeddings", False):  # the head is the embedding
+        needed.discard("lm_head.weight")
+    if not stored or not needed <= set(stored) <= set(own):
+        return False
+    return all(own[name] == shape for name, shape in stored.items())
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def eval_metrics(result: dict, prefix: str = "eval") -> dict:
     """`evaluate`'s result as <prefix>/<bench>/<metric> keys, and the means of greedy_acc, score."""
-    out, benches = {}, result.get("benchmarks") or {}
-    for bench, r in benches.items():
-        base, n_bench = parse_benchmark_spec(bench)
-        name = pathlib.Path(base).stem if base.endswith((".jsonl", ".json")) else base
-        name += f"@{n_bench}" if n_bench else ""
-        pass_k = {f"pass@{k}": v for k, v in (r.get("pass@k") or {}).items()}
-        out.update({f"{prefix}/{name}/{k}": v for k, v in {**r, **pass_k}.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    out = {}
+    benches = result.get("benchmarks") or {}
+    for bench, bench_result in benches.items():
+        base, n_spec = parse_benchmark_spec(bench)
+        name = base
+        if base.endswith((".jsonl", ".json")):  # a local file: its name
+            name = pathlib.Path(base).stem
+        if n_spec:
+            name += f"@{n_spec}"
+        metrics = dict(bench_result)
+        for k, value in (bench_result.get("pass@k") or {}).items():
+            metrics[f"pass@{k}"] = value
+        for metric, value in metrics.items():
+            if _is_number(value):
+                out[f"{prefix}/{name}/{metric}"] = value
     for key in ("greedy_acc", "score"):
-        vals = [r[key] for r in benches.values() if isinstance(r.get(key), (int, float))]
-        if vals:
-            out[f"{prefix}/mean_{key}"] = sum(vals) / len(vals)
+        values = []
+        for bench_result in benches.values():
+            if isinstance(bench_result.get(key), (int, float)):
+                values.append(bench_result[key])
+        if values:
+            out[f"{prefix}/mean_{key}"] = sum(values) / len(values)
     if isinstance(result.get("code"), dict):  # evaluate_code's result, beside the math
         out.update(eval_metrics(result["code"], f"{prefix}/code"))
     return out
 
 
 # ------------------------- Code benchmarks: HumanEval+ and MBPP+ (EvalPlus), graded in the sandbox
-
-
 def default_code_prompt(problem, tokenizer=None):
     """Chat messages when the tokenizer has a chat template, else raw text."""
-    return chat_or_text(tokenizer, code_task_prompt(problem),
-                            f"{code_task_prompt(problem)}\n\nSolution:\n")
+    task = code_task_prompt(problem)
+    return chat_or_text(tokenizer, task, f"{task}\n\nSolution:\n")
+
+
+def _record_code(bench, result, problems, greedy, samples):
+    """evaluate_code's own fields of a benchmark (the greedy runs' statuses, and the samples') and
+    its per-problem records."""
+    counts = Counter(verdict.status for verdict in greedy)
+    for status in CODE_STATUSES[1:]:
+        result[f"greedy_{status}"] = counts.get(status, 0)
+    per_problem = []
+    for problem, verdict in zip(problems, greedy):
+        error = verdict.message[:300] if verdict.message else None
+        per_problem.append({"task_id": problem["task_id"], "greedy_status": verdict.status,
+                            "greedy_error": error})
+    if samples:
+        statuses = Counter(verdict.status for group in samples for verdict in group)
+        result["sample_statuses"] = dict(statuses)
+        for record, group in zip(per_problem, samples):
+            record["sample_statuses"] = [verdict.status for verdict in group]
+    return per_problem
 
 
 def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), temperature=0.6,
@@ -2489,28 +2796,20 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
                   timeout=20.0, n_boot=1000):
     """evaluate for code benchmarks: each solution runs with its tests in `sandbox` (started for the
     call if None); like EvalPlus the tests' own comparisons are trusted."""
-    prompt_fn, extract_fn = prompt_fn or default_code_prompt, extract_fn or extract_code
-
-    def record(bench, res, probs, greedy, samples):
-        counts = Counter(s for _, s, _ in greedy)
-        res.update({f"greedy_{s}": counts.get(s, 0) for s in CODE_STATUSES[1:]})
-        per_problem = [{"task_id": p["task_id"], "greedy_status": s,
-                        "greedy_error": msg[:300] if msg else None}
-                       for p, (_, s, msg) in zip(probs, greedy)]
-        if samples:
-            res["sample_statuses"] = dict(Counter(s for r in samples for _, s, _ in r))
-            for rec, r in zip(per_problem, samples):
-                rec["sample_statuses"] = [s for _, s, _ in r]
-        return per_problem
+    prompt_fn = prompt_fn or default_code_prompt
+    extract_fn = extract_fn or extract_code
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
                "if the tests run to the end")
-    with (PythonSandbox(timeout_s=timeout, max_program_chars=MAX_PROGRAM_CHARS)
-          if sandbox is None else contextlib.nullcontext(sandbox)) as sandbox:
+    if sandbox is None:
+        sandbox_context = PythonSandbox(timeout_s=timeout, max_program_chars=MAX_PROGRAM_CHARS)
+    else:
+        sandbox_context = contextlib.nullcontext(sandbox)
+    with sandbox_context as sandbox:
+        judge = functools.partial(run_solutions, sandbox, extract_fn, timeout)
         return _evaluate_loop(
-            sampler_or_policy, benchmarks, k, n, load_code_benchmark,
-            functools.partial(run_solutions, sandbox, extract_fn, timeout), record, prompt_fn,
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, limit=limit, seed=seed,
-            n_boot=n_boot, timeout_s=float(timeout), checker=checker,
+            sampler_or_policy, benchmarks, k, n, load_code_benchmark, judge, _record_code,
+            prompt_fn, temperature=temperature, top_p=top_p, max_tokens=max_tokens, limit=limit,
+            seed=seed, n_boot=n_boot, timeout_s=float(timeout), checker=checker,
             prompt=getattr(prompt_fn, "__name__", "custom"),
             extract=getattr(extract_fn, "__name__", "custom"),
             sandbox_isolation=getattr(sandbox, "isolation", {}).get("level"))

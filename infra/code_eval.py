@@ -1,6 +1,7 @@
 """Code benchmarks (HumanEval+, MBPP+ and local JSONL files): loading them, and grading solutions
 with their tests in the sandbox."""
 import os
+import typing
 
 from infra.benchmarks import load_rows
 
@@ -26,33 +27,50 @@ CODE_INSTRUCTION = ("Write a complete, self-contained Python solution (with its 
                      "```python block.")
 
 
+def _mbpp_style(row):
+    """An MBPP+ hub row in MBPP style: the prose with the first assert (EvalPlus shows it: it names
+    the function and calls it), and the test script with its imports."""
+    prompt = [str(row["prompt"]).strip()]
+    for assertion in row["test_list"][:1]:
+        prompt.append(str(assertion).strip())
+    test = "\n".join([*row["test_imports"], row["test"]])
+    return {"task_id": f"Mbpp/{row['task_id']}", "prompt": "\n".join(prompt), "test": test}
+
+
+def _code_problem(obj, where):
+    """The code problem {"task_id", "prompt", "test", "entry_point"} of one row, checked."""
+    if "task_id" not in obj:
+        raise ValueError(f'{where}: missing "task_id"; {CODE_SHAPE}')
+    prompt = obj.get("prompt")
+    test = obj.get("test")
+    entry = obj.get("entry_point")
+    if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
+        raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
+                         f"{CODE_SHAPE}")
+    if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
+        raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
+                         f"{str(entry)[:60]!r}")
+    return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test, "entry_point": entry}
+
+
 def load_code_benchmark(name_or_path, limit=0):
     """Code problems of "humaneval+", "mbpp+" or a local JSONL file (the styles: CODE_SHAPE)."""
     name = str(name_or_path).strip()
     hub_id, split = CODE_BENCHMARKS.get(name.lower(), (None, None))
-    if hub_id is None and not name.endswith((".jsonl", ".json")) and not os.path.isfile(name):
+    is_file = name.endswith((".jsonl", ".json")) or os.path.isfile(name)
+    if hub_id is None and not is_file:
         raise ValueError(f"unknown code benchmark {name!r}: use one of "
                          f"{sorted(CODE_BENCHMARKS)} or a local .jsonl file; {CODE_SHAPE}")
 
     def problem(i, obj):
-        if hub_id == "evalplus/mbppplus":  # EvalPlus shows the first assert: the name and call
-            prompt = [str(obj["prompt"]).strip()] + [str(t).strip() for t in obj["test_list"][:1]]
-            test = "\n".join([*obj["test_imports"], obj["test"]])
-            obj = {"task_id": f"Mbpp/{obj['task_id']}", "prompt": "\n".join(prompt), "test": test}
+        if hub_id == "evalplus/mbppplus":
+            obj = _mbpp_style(obj)
         where = f"{hub_id} row {i}" if hub_id else f"{name}:{i}"
-        if "task_id" not in obj:
-            raise ValueError(f'{where}: missing "task_id"; {CODE_SHAPE}')
-        prompt, test, entry = obj.get("prompt"), obj.get("test"), obj.get("entry_point")
-        if not isinstance(prompt, str) or not isinstance(test, str) or not test.strip():
-            raise ValueError(f'{where}: "prompt" and "test" must be strings and "test" non-empty; '
-                             f"{CODE_SHAPE}")
-        if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
-            raise ValueError(f'{where}: "entry_point" must be a Python identifier, got '
-                             f"{str(entry)[:60]!r}")
-        return {"task_id": str(obj["task_id"]), "prompt": prompt, "test": test,
-                "entry_point": entry}
-    return load_rows("code benchmark", name, limit, problem, CODE_SHAPE,
-                    hub_id and (hub_id, None, split, False))
+        return _code_problem(obj, where)
+    hub = None
+    if hub_id:
+        hub = (hub_id, None, split, False)
+    return load_rows("code benchmark", name, limit, problem, CODE_SHAPE, hub)
 
 
 def code_task_prompt(problem):
@@ -69,11 +87,12 @@ def check_code_benchmark_names(names: str, flag: str = "--eval-code-benchmarks")
     from importlib.util import find_spec
     code = [b.strip() for b in str(names).split(",") if b.strip()]
     for b in code:
-        if b.lower() not in CODE_BENCHMARKS and not (b.endswith((".jsonl", ".json"))
-                                                     and os.path.isfile(b)):
+        is_file = b.endswith((".jsonl", ".json")) and os.path.isfile(b)
+        if b.lower() not in CODE_BENCHMARKS and not is_file:
             raise ValueError(f"{flag}: {b!r} is neither one of {sorted(CODE_BENCHMARKS)} nor an "
                              "existing .jsonl file")
-    if any(b.lower() in CODE_BENCHMARKS for b in code) and not find_spec("datasets"):
+    from_hub = any(b.lower() in CODE_BENCHMARKS for b in code)
+    if from_hub and not find_spec("datasets"):
         raise ValueError("--eval-code: HumanEval+/MBPP+ need the `datasets` package: pip install "
                          "datasets, or local JSONL files, or --no-eval-code")
 
@@ -81,43 +100,76 @@ def check_code_benchmark_names(names: str, flag: str = "--eval-code-benchmarks")
 def extract_code(text):
     """The last closed ```python (```py, ```python3, untagged) block, or None; line by line, so
     another block's closing fence (```input) never opens one, and a truncated block never counts."""
-    found, body, tag = None, None, ""
+    found = None
+    body = None  # the lines of the block being read, None outside a block
+    tag = ""
     for line in str(text).splitlines():
         fence = line.strip().startswith("```")
         if body is None and fence:
-            tag, body = line.strip()[3:].strip().lower(), []
+            tag = line.strip()[3:].strip().lower()
+            body = []
         elif body is not None and fence:
             if tag in ("python", "py", "python3", ""):
                 found = "\n".join(body)
             body = None
         elif body is not None:
             body.append(line)
-    return found if found and found.strip() else None
+    if found and found.strip():
+        return found
+    return None
+
+
+class CodeVerdict(typing.NamedTuple):
+    """evaluate_code's verdict on one completion."""
+    correct: bool  # the status is "passed"
+    status: str  # one of CODE_STATUSES
+    message: str | None  # what went wrong, if anything
+
+
+def _program(problem, code):
+    """The program that runs a solution with its tests: HumanEval style keeps the prompt (its
+    imports; a bare body completes the stub) and calls check(<entry_point>)."""
+    if problem.get("entry_point"):
+        return (f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\n"
+                f"check({problem['entry_point']})\n")
+    return f"{code}\n\n{problem['test']}\n"
+
+
+def _verdict(result, token_literal):
+    """The CodeVerdict of a sandbox result: passed only if the sandbox got to evaluate
+    `token_literal` after the program (the repr of its value is the literal again)."""
+    if result.status == "ok" and result.value == token_literal:
+        return CodeVerdict(True, "passed", None)
+    if result.status == "ok":
+        return CodeVerdict(False, "error", "the program forged its result")
+    if result.status == "timeout":
+        return CodeVerdict(False, "timeout", result.error)
+    if result.status == "error" and (result.error or "").startswith("AssertionError"):
+        return CodeVerdict(False, "failed", result.error)
+    return CodeVerdict(False, "error", f"{result.status}: {result.error}")
 
 
 def run_solutions(sandbox, extract_fn, timeout, probs, texts):
-    """[(problem index, text)] -> [(passed, status, message)]. A run passes only if the program
-    ends by evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
+    """[(problem index, text)] -> [CodeVerdict]. A run passes only if the program ends by
+    evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
     token = f"all tests ran {os.urandom(8).hex()}"
-    jobs = [(probs[i], extract_fn(t)) for i, t in texts]
-    todo = [i for i, (_, c) in enumerate(jobs) if c is not None]
-    # HumanEval style keeps the prompt (its imports; a bare body completes the stub)
-    progs = [(f"{p['prompt']}\n{c}\n\n{p['test']}\n\ncheck({p['entry_point']})\n"
-              if p.get("entry_point") else f"{c}\n\n{p['test']}\n", repr(token))
-             for p, c in (jobs[i] for i in todo)]
-    res = sandbox.run_many(progs, timeout_s=timeout)
-    again = [m for m, r in enumerate(res) if r.status == "sandbox_error"]  # not the program's fault
-    for m, r in zip(again, sandbox.run_many([progs[m] for m in again], timeout_s=timeout)):
-        res[m] = r
-    out = [("no_code", None)] * len(jobs)
-    for i, r in zip(todo, res):
-        if r.status == "ok":
-            out[i] = (("passed", None) if r.value == repr(token)
-                      else ("error", "the program forged its result"))
-        elif r.status == "timeout":
-            out[i] = ("timeout", r.error)
-        elif r.status == "error" and (r.error or "").startswith("AssertionError"):
-            out[i] = ("failed", r.error)
-        else:
-            out[i] = ("error", f"{r.status}: {r.error}")
-    return [(s == "passed", s, msg) for s, msg in out]
+    token_literal = repr(token)
+    no_code = CodeVerdict(False, "no_code", None)
+    verdicts = [no_code] * len(texts)
+    to_run, programs = [], []  # the completions with code, and their (program, expression)
+    for k, (i, text) in enumerate(texts):
+        code = extract_fn(text)
+        if code is not None:
+            to_run.append(k)
+            programs.append((_program(probs[i], code), token_literal))
+    results = sandbox.run_many(programs, timeout_s=timeout)
+    again = []  # a sandbox error is not the program's fault: it runs once more
+    for m, result in enumerate(results):
+        if result.status == "sandbox_error":
+            again.append(m)
+    retried = sandbox.run_many([programs[m] for m in again], timeout_s=timeout)
+    for m, result in zip(again, retried):
+        results[m] = result
+    for k, result in zip(to_run, results):
+        verdicts[k] = _verdict(result, token_literal)
+    return verdicts

@@ -3,25 +3,37 @@
 nor the project, and never runs in the trainer."""
 
 
-# The math-verify worker: surely_differ and main run in a clean interpreter that gets
-# their source (`python -I -c`, _Worker), never in the trainer. It imports neither torch
-# nor this module, and a pair that hangs inside C code (huge integer powers) is ended by a kill.
 def surely_differ(g, p, raw):
     """Two plain expressions with different values at one point surely differ (well under 1 ms,
     where verify() simplifies for tens of ms); %, degrees, sets, relations go to verify()."""
     from sympy import Expr, Rational
-    a, b = g[0], p[0]
-    if not (isinstance(a, Expr) and isinstance(b, Expr)) or "%" in raw or "circ" in raw \
-            or "deg" in raw or len(a.free_symbols | b.free_symbols) > 6:
+    gold, pred = g[0], p[0]
+    if not isinstance(gold, Expr) or not isinstance(pred, Expr):
         return False
-    at = {s: Rational(13 + 7 * i, 10)
-          for i, s in enumerate(sorted(a.free_symbols | b.free_symbols, key=str))}
+    if "%" in raw or "circ" in raw or "deg" in raw:
+        return False
+    symbols = sorted(gold.free_symbols | pred.free_symbols, key=str)
+    if len(symbols) > 6:
+        return False
+    point = {}  # 1.3, 2.0, 2.7, ...: no 0 or 1, which would hide a term
+    for i, symbol in enumerate(symbols):
+        point[symbol] = Rational(13 + 7 * i, 10)
     try:
-        va, vb = complex(a.evalf(30, subs=at)), complex(b.evalf(30, subs=at))
+        gold_value = complex(gold.evalf(30, subs=point))
+        pred_value = complex(pred.evalf(30, subs=point))
     except Exception:
         return False
-    return (all(abs(v) < 1e300 for v in (va, vb))  # NaN fails this too
-            and abs(va - vb) > 1e-5 * max(1.0, abs(va), abs(vb)))
+    if not (abs(gold_value) < 1e300 and abs(pred_value) < 1e300):  # NaN fails this too
+        return False
+    scale = max(1.0, abs(gold_value), abs(pred_value))
+    return abs(gold_value - pred_value) > 1e-5 * scale
+
+
+def math_delimited(s):
+    """s as math-verify should parse it: $-wrapped unless it holds a math delimiter already."""
+    if "$" in s or "\\(" in s or "\\[" in s:
+        return s
+    return f"${s}$"
 
 
 def main():
@@ -38,8 +50,9 @@ def main():
         # (hours, tons): "m \cdot g \cdot h" would parse as "m \cdot g \cdot"
         no_units = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
                                        nits=True, boxed="all", equations=False)
-        extraction = [[LatexExtractionConfig(**kw), ExprExtractionConfig()]  # [expression]
-                      for kw in ({}, {"normalization_config": no_units})]
+        extraction = {False: [LatexExtractionConfig(), ExprExtractionConfig()],
+                      True: [LatexExtractionConfig(normalization_config=no_units),
+                             ExprExtractionConfig()]}  # by `expression`
     except Exception as e:
         print(json.dumps({"fatal": repr(e)}), flush=True)
         sys.exit(3)
@@ -49,20 +62,25 @@ def main():
     for line in sys.stdin:
         try:
             try:
-                pred, gold, t, expression = json.loads(line)
-                signal.setitimer(signal.ITIMER_PROF, t)  # CPU time: verdicts do not depend on load
-                g, p = (parse(s if ("$" in s or "\\(" in s or "\\[" in s) else f"${s}$",
-                              extraction[bool(expression)], parsing_timeout=None)
-                        for s in (gold, pred))
-                r = int(bool(g and p) and not surely_differ(g, p, pred + gold)
-                        and bool(verify(g, p, timeout_seconds=None)))
+                pred, gold, cpu_seconds, expression = json.loads(line)
+                # CPU time, so that verdicts do not depend on the machine's load
+                signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
+                config = extraction[bool(expression)]
+                gold_parsed = parse(math_delimited(gold), config, parsing_timeout=None)
+                pred_parsed = parse(math_delimited(pred), config, parsing_timeout=None)
+                if not gold_parsed or not pred_parsed:
+                    verdict = 0
+                elif surely_differ(gold_parsed, pred_parsed, pred + gold):
+                    verdict = 0
+                else:
+                    verdict = int(bool(verify(gold_parsed, pred_parsed, timeout_seconds=None)))
             finally:
                 signal.setitimer(signal.ITIMER_PROF, 0)
         except KeyboardInterrupt:
-            r = 2
+            verdict = 2
         except Exception:
-            r = 3
-        print(r, flush=True)
+            verdict = 3
+        print(verdict, flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import atexit
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -29,30 +30,40 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-I", WORKER_SCRIPT],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, bufsize=0)
-        self.ready, self.job, self.done = False, None, 0  # job: the index in flight
-        self.since, self.cpu0 = time.monotonic(), 0.0  # when the job (or the start) began
+        self.ready = False  # it has written its ready line
+        self.job = None  # the index of the pair in flight
+        self.done = 0  # pairs answered
+        self.since = time.monotonic()  # when the job (or the start) began
+        self.cpu0 = 0.0  # its CPU seconds then
 
-    def cpu(self):  # user + system seconds; None without /proc
-        with contextlib.suppress(OSError, IndexError, ValueError), \
-                open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
+    def cpu(self):
+        """User + system CPU seconds of the process; None without /proc."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat.rsplit(b")", 1)[1].split()  # after the command name (it may hold spaces)
             return (int(fields[11]) + int(fields[12])) / CLK_TCK
-        return None
+        except (OSError, IndexError, ValueError):
+            return None
 
     def send(self, i, lines):
-        self.job, self.since, self.cpu0 = i, time.monotonic(), self.cpu() or 0.0
+        self.job = i
+        self.since = time.monotonic()
+        self.cpu0 = self.cpu() or 0.0
         with contextlib.suppress(OSError):  # it died: select sees the end of its output
             self.proc.stdin.write(lines[i])
 
     def read(self):
         """A verdict line, None for the ready line, b"" once the process has died."""
         line = self.proc.stdout.readline()
-        if not self.ready and line != b'{"ready": 1}\n':  # {"fatal": ...}, or it exited
+        if self.ready:
+            return line
+        if line != b'{"ready": 1}\n':  # {"fatal": ...}, or it exited
             raise RuntimeError(f"the math-verify worker ({sys.executable}) did not start: "
                                f"{line.decode(errors='replace').strip() or 'it exited'}; fix: "
                                "`pip install math-verify`")
-        was, self.ready = self.ready, True
-        return line if was else None
+        self.ready = True
+        return None
 
     def stuck(self, hard_cpu):
         """Over `hard_cpu` CPU seconds on one pair (load does not turn answers into kills), or
@@ -63,7 +74,10 @@ class _Worker:
         if self.job is None or waited <= hard_cpu:
             return False
         cpu = self.cpu()
-        used = waited if cpu is None else cpu - self.cpu0
+        if cpu is None:
+            used = waited
+        else:
+            used = cpu - self.cpu0
         return used > hard_cpu or waited > 3 * hard_cpu + 2.0
 
     def kill(self):
@@ -78,46 +92,68 @@ class VerifierPool:
     """Lazily started, reused math-verify workers. One batch at a time (a lock), from any thread."""
 
     def __init__(self):
-        self.workers, self.lock, self.pid = [], threading.Lock(), os.getpid()
+        self.workers = []
+        self.lock = threading.Lock()
+        self.pid = os.getpid()  # the process whose workers they are
 
     def close(self):
         if self.pid == os.getpid():  # a forked child must not kill its parent's workers
             for w in self.workers:
                 w.kill()
-        self.workers, self.pid = [], os.getpid()
+        self.workers = []
+        self.pid = os.getpid()
 
     def run(self, items, timeout, n_workers):
         """items: [(pred, gold, expression)] -> 1 equal / 0 not / 2 timeout / 3 error / 4 killed."""
-        import select
+        lines = []
+        for pred, gold, expression in items:
+            request = [pred, gold, timeout, bool(expression)]
+            lines.append((json.dumps(request) + "\n").encode())
         with self.lock:
-            if self.pid != os.getpid():  # forked child: the workers belong to the parent
-                self.close()
-            for w in self.workers:  # bound sympy's caches: retire old workers between batches
-                if w.done > WORKER_MAX_PAIRS:
-                    w.kill()
-            self.workers = [w for w in self.workers if w.proc.poll() is None]
-            self.workers += [_Worker() for _ in range(n_workers - len(self.workers))]
-            lines = [(json.dumps([p, g, timeout, bool(e)]) + "\n").encode() for p, g, e in items]
-            queue, out = list(range(len(items)))[::-1], [None] * len(items)  # pop() = in order
+            self._start_workers(n_workers)
             try:
-                while queue or any(w.job is not None for w in self.workers):
-                    for w in self.workers:
-                        if w.ready and w.job is None and queue:
-                            w.send(queue.pop(), lines)
-                    readable = select.select([w.proc.stdout for w in self.workers], [], [], 0.05)[0]
-                    for i, w in enumerate(self.workers):
-                        line = w.read() if w.proc.stdout in readable else None
-                        if line:
-                            out[w.job], w.job, w.done = int(line), None, w.done + 1
-                        elif line == b"" or w.stuck(timeout + HARD_GRACE_S):
-                            if w.job is not None:  # its pair is the culprit
-                                out[w.job] = 4 if line is None else 3  # killed, or it died
-                            w.kill()
-                            self.workers[i] = _Worker()
+                return self._answer(lines, timeout)
             except BaseException:  # no half-answered pair survives into the next batch
                 self.close()
                 raise
-            return out
+
+    def _start_workers(self, n_workers):
+        """n_workers running workers; the ones past WORKER_MAX_PAIRS are replaced (sympy's caches
+        grow), and in a forked child the parent's are left alone."""
+        if self.pid != os.getpid():
+            self.close()
+        for w in self.workers:
+            if w.done > WORKER_MAX_PAIRS:
+                w.kill()
+        self.workers = [w for w in self.workers if w.proc.poll() is None]
+        while len(self.workers) < n_workers:
+            self.workers.append(_Worker())
+
+    def _answer(self, lines, timeout):
+        """The verdict of each request line, the workers each answering one at a time; a worker
+        that dies or is stuck is replaced, its pair judged 3 (died) or 4 (killed)."""
+        queue = list(range(len(lines)))[::-1]  # pop() takes them in order
+        out = [None] * len(lines)
+        while queue or any(w.job is not None for w in self.workers):
+            for w in self.workers:
+                if w.ready and w.job is None and queue:
+                    w.send(queue.pop(), lines)
+            pipes = [w.proc.stdout for w in self.workers]
+            readable, _, _ = select.select(pipes, [], [], 0.05)
+            for i, w in enumerate(self.workers):
+                line = None
+                if w.proc.stdout in readable:
+                    line = w.read()
+                if line:
+                    out[w.job] = int(line)
+                    w.job = None
+                    w.done += 1
+                elif line == b"" or w.stuck(timeout + HARD_GRACE_S):
+                    if w.job is not None:  # its pair is the culprit
+                        out[w.job] = 4 if line is None else 3  # killed, or it died
+                    w.kill()
+                    self.workers[i] = _Worker()
+        return out
 
 
 POOL = VerifierPool()  # no process starts before the first pair that needs one

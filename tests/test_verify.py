@@ -28,6 +28,7 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
                     self_bleu, threshold_reward, uncertainty_reward,
                     variance_reward)
 import r_zero
+from infra.bleu import DENSE_DF
 from tools.sparsity import main as sparsity_main
 from tools.sparsity import update_sparsity
 from tools.evaluate import main as evaluate_main
@@ -412,6 +413,44 @@ def test_bleu_matches_reference_on_random_batch():
                 assert S[i, j] == pytest.approx(_ref_bleu(texts[i], texts[j]), abs=1e-9), (texts[i], texts[j])
 
 
+def _holders_per_ngram(texts):
+    """How many texts hold each word n-gram (n = 1..4) of a batch."""
+    holders = {}
+    for text in texts:
+        w = text.split()
+        for gram in {tuple(w[i:i + n]) for n in range(1, 5) for i in range(len(w) - n + 1)}:
+            holders[gram] = holders.get(gram, 0) + 1
+    return holders
+
+
+def test_bleu_kernel_equals_the_readable_sentence_bleu():
+    """infra/bleu.py's vectorised kernel is common.sentence_bleu on every ordered pair: empty texts, texts under 4
+    words, repeated tokens, and both of the kernel's counting paths (n-grams that more than DENSE_DF texts share go
+    through matrix products, the others pair by pair)."""
+    rng = np.random.default_rng(7)
+    words = ["a", "b", "c", "d", "e", "the", "of", "x"]
+    texts = ["", "", "the", "a b", "the the the the", "the the the the the the", "of of the of of the"]
+    texts += [" ".join(rng.choice(words, rng.integers(0, 16))) for _ in range(110)]
+    texts += [" ".join(["the"] * k) for k in (1, 3, 7, 60, 60)] + ["the of " * 20]
+    holders = _holders_per_ngram(texts).values()
+    assert max(holders) > DENSE_DF and any(2 <= h <= DENSE_DF for h in holders)   # both paths run
+    S = bleu_matrix(texts)
+    readable = np.array([[common.sentence_bleu(hyp, ref) for ref in texts] for hyp in texts])
+    np.testing.assert_allclose(S, readable, rtol=1e-12, atol=0)
+    assert S[0, 0] == S[0, 2] == S[2, 0] == 0.0 and S[4, 4] == pytest.approx(1.0)  # empty; itself
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(["a", "b", "c", "the"]), max_size=9).map(" ".join), max_size=12))
+def test_bleu_kernel_equals_sentence_bleu_property(texts):
+    S = bleu_matrix(texts)
+    assert S.shape == (len(texts), len(texts))
+    for i, hyp in enumerate(texts):
+        for j, ref in enumerate(texts):
+            assert S[i, j] == pytest.approx(common.sentence_bleu(hyp, ref), rel=1e-12, abs=0), (hyp, ref)
+            assert common.sentence_bleu(hyp, ref) == pytest.approx(_ref_bleu(hyp, ref), rel=1e-12, abs=0)
+
+
 def _naive_average_linkage(D, t):
     clusters = [[i] for i in range(len(D))]
     while len(clusters) > 1:
@@ -563,6 +602,26 @@ def test_evaluate_tiny_model_vllm(vllm_sampler, tmp_path):
     assert flat["eval/own/pass@2"] == r["pass@k"]["2"] and flat[f"eval/{BENCH.stem}/pass@1"] == r2["pass@k"]["1"]
     assert flat["eval/mean_greedy_acc"] == pytest.approx((r["greedy_acc"] + r2["greedy_acc"]) / 2)
     assert not any(isinstance(v, (list, dict)) for v in flat.values())
+
+
+def test_evaluate_judge_fn_replaces_extraction_and_grading(vllm_sampler):
+    """judge_fn(problem, text) -> (pred, correct) grades every completion in place of extract_fn + math_equal or
+    the option letter (R-Zero's --eval-protocol official); a pred of None counts as no answer."""
+    calls = []
+
+    def judge_all_correct(problem, text):
+        calls.append((problem["question"], text))
+        return ("anything" if len(calls) % 2 else None), True
+    res = common.evaluate(vllm_sampler, str(BENCH), n=2, k=(1, 2), max_tokens=6, n_boot=50,
+                          judge_fn=judge_all_correct)
+    r = res["benchmarks"][str(BENCH)]
+    assert r["greedy_acc"] == 1.0 and r["pass@k"] == {"1": 1.0, "2": 1.0} and r["mean@n"] == 1.0
+    assert len(calls) == 3 * r["n_problems"]                          # greedy, then 2 samples per problem
+    assert {q for q, _ in calls} == {p["question"] for p in load_benchmark(str(BENCH))}
+    assert all(x["greedy_correct"] for x in r["per_problem"]) and r["greedy_no_answer_frac"] == 0.5
+    assert [x["greedy_pred"] for x in r["per_problem"]][:2] == ["anything", None]
+    wrong = common.evaluate(vllm_sampler, str(BENCH), max_tokens=6, n_boot=50, judge_fn=lambda p, t: ("7", False))
+    assert wrong["benchmarks"][str(BENCH)]["greedy_acc"] == 0.0
 
 
 def test_evaluate_config_uses_run_config(vllm_sampler):

@@ -37,13 +37,16 @@ class Tensors:
     checkpoint folder / file (safetensors tensor by tensor; .bin / .pt memory-mapped)."""
 
     def __init__(self, src):
-        self.tied, self.sd, self.files, self._bins = False, None, None, {}
-        if not isinstance(src, (torch.nn.Module, dict, str, Path)) and isinstance(
-                getattr(src, "model", None), torch.nn.Module):
-            src = src.model  # a Policy
-        if isinstance(src, str) and not Path(src).expanduser().exists() and re.fullmatch(
-                r"[\w.-]+/[\w.-]+", src):
-            src = _hub_snapshot(src)
+        self.tied = False  # the head is the embedding: counted once
+        self.sd = None  # name -> tensor, for a module or a state dict
+        self.files = None  # name -> the checkpoint file that holds it
+        self._bins = {}  # a .bin / .pt file -> its memory-mapped state dict
+        if not isinstance(src, (torch.nn.Module, dict, str, Path)):
+            if isinstance(getattr(src, "model", None), torch.nn.Module):
+                src = src.model  # a Policy
+        if isinstance(src, str) and not Path(src).expanduser().exists():
+            if re.fullmatch(r"[\w.-]+/[\w.-]+", src):  # a hub id
+                src = _hub_snapshot(src)
         if isinstance(src, torch.nn.Module):
             self.tied = bool(getattr(getattr(src, "config", None), "tie_word_embeddings", False))
             self.sd = dict(src.named_parameters())  # tied weights appear once
@@ -55,19 +58,22 @@ class Tensors:
             self.sd = {_strip(k): v for k, v in self.sd.items()}
 
     def _dedup(self, src):
-        seen, sd = set(), {}
+        """The tensors of a state dict, a tensor that shares another's storage (tied) left out."""
+        storages, sd = set(), {}
         for k, v in src.items():
             if not torch.is_tensor(v):
                 continue
-            key = (v.data_ptr(), tuple(v.shape), v.dtype) if v.numel() else None
-            if key is not None and key in seen:  # the same storage twice = tied
+            storage = None
+            if v.numel():
+                storage = (v.data_ptr(), tuple(v.shape), v.dtype)
+            if storage is not None and storage in storages:  # the same storage twice = tied
                 self.tied = True
                 continue
-            seen.add(key)
+            storages.add(storage)
             sd[k] = v
         # copies (Policy.get_weights()) share no storage: a head equal to the embedding is tied
-        emb = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
-        head = next((k for k in sd if k.endswith("lm_head.weight")), None)
+        emb = _name_ending(sd, "embed_tokens.weight")
+        head = _name_ending(sd, "lm_head.weight")
         if emb and head and sd[emb].shape == sd[head].shape and torch.equal(sd[emb], sd[head]):
             self.tied = True
         return sd
@@ -103,7 +109,9 @@ class Tensors:
         return index
 
     def keys(self):
-        return list(self.sd if self.sd is not None else self.files)
+        if self.sd is not None:
+            return list(self.sd)
+        return list(self.files)
 
     def get(self, k):
         if self.sd is not None:
@@ -112,11 +120,19 @@ class Tensors:
         if f.suffix == ".safetensors":
             from safetensors import safe_open
             with safe_open(str(f), framework="pt") as h:
-                return h.get_tensor({_strip(x): x for x in h.keys()}[k])
+                stored_name = {_strip(x): x for x in h.keys()}[k]
+                return h.get_tensor(stored_name)
         if f not in self._bins:  # memory-mapped: loading the dict does not read the tensors
             sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
             self._bins[f] = {_strip(x): v for x, v in sd.items()}
         return self._bins[f][k]
+
+
+def _name_ending(names, suffix):
+    for name in names:
+        if name.endswith(suffix):
+            return name
+    return None
 
 
 def layer_type(name):
@@ -134,48 +150,69 @@ def layer_type(name):
 def unchanged(a, b):
     """Exactly-equal entries (bitwise in the stored dtype: NaN == NaN); float32 if dtypes differ."""
     if a.dtype == b.dtype and a.is_floating_point():
-        int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-        if int_t is not None:
-            return int((a.contiguous().view(int_t) == b.contiguous().view(int_t)).sum())
+        same_size_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if same_size_int is not None:  # compare the bits
+            a_bits = a.contiguous().view(same_size_int)
+            b_bits = b.contiguous().view(same_size_int)
+            return int((a_bits == b_bits).sum())
     if a.dtype != b.dtype:
         a, b = a.float(), b.float()
     return int((a == b).sum())
+
+
+def _dtype_name(tensor):
+    return str(tensor.dtype).replace("torch.", "")
 
 
 def update_sparsity(a, b):
     """Eq. 2 between models, state dicts or checkpoints, tensor by tensor on the CPU, exact equality
     in the stored dtype (bf16 storage rounds small updates away), a tied head counted once.
     {"sparsity", "n_params", "n_unchanged", "dtype", "n_tensors", "tied", "per_type"}."""
-    ta, tb = Tensors(a), Tensors(b)
-    ka, kb = ta.keys(), set(tb.keys())
+    ta = Tensors(a)
+    tb = Tensors(b)
+    ka = ta.keys()
+    kb = set(tb.keys())
     tied = ta.tied or tb.tied
     if tied:  # a tied head is the embedding: count it once, whichever side stored it
         ka = [k for k in ka if k != "lm_head.weight"]
         kb.discard("lm_head.weight")
-    only_a, only_b = sorted(set(ka) - kb), sorted(kb - set(ka))
+    only_a = sorted(set(ka) - kb)
+    only_b = sorted(kb - set(ka))
     if only_a or only_b:
         raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only "
                          f"in A {only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B "
                          f"{only_b[:5]}. Compare checkpoints of the same architecture.")
-    tot = same = 0
-    per, dtypes = {}, set()
+    n_params = {}  # per layer type
+    n_unchanged = {}
+    dtypes = set()
     for k in ka:
-        x, y = ta.get(k).cpu(), tb.get(k).cpu()
+        x = ta.get(k).cpu()
+        y = tb.get(k).cpu()
         if x.shape != y.shape:
             raise ValueError(f"update_sparsity: {k} has shape {tuple(x.shape)} in A but "
                              f"{tuple(y.shape)} in B")
-        name = str(x.dtype).replace("torch.", "")
-        dtypes.add(name if x.dtype == y.dtype else f"{name}/{str(y.dtype).replace('torch.', '')}")
-        u, m = unchanged(x, y), x.numel()
-        tot, same = tot + m, same + u
-        d = per.setdefault(layer_type(k), [0, 0])
-        d[0], d[1] = d[0] + m, d[1] + u
-    if tot == 0:
+        dtype = _dtype_name(x)
+        if x.dtype != y.dtype:
+            dtype += "/" + _dtype_name(y)
+        dtypes.add(dtype)
+        kind = layer_type(k)
+        n_params[kind] = n_params.get(kind, 0) + x.numel()
+        n_unchanged[kind] = n_unchanged.get(kind, 0) + unchanged(x, y)
+    total = sum(n_params.values())
+    if total == 0:
         raise ValueError("update_sparsity: no parameters to compare")
-    return {"sparsity": same / tot, "n_params": tot, "n_unchanged": same,
-            "dtype": ",".join(sorted(dtypes)), "n_tensors": len(ka), "tied": tied,
-            "per_type": {t: {"sparsity": u / m, "n_params": m}
-                         for t, (m, u) in sorted(per.items())}}
+    total_unchanged = sum(n_unchanged.values())
+    per_type = {}
+    for kind in sorted(n_params):
+        per_type[kind] = {"sparsity": n_unchanged[kind] / n_params[kind],
+                          "n_params": n_params[kind]}
+    return {"sparsity": total_unchanged / total,
+            "n_params": total,
+            "n_unchanged": total_unchanged,
+            "dtype": ",".join(sorted(dtypes)),
+            "n_tensors": len(ka),
+            "tied": tied,
+            "per_type": per_type}
 
 
 def main(argv=None):
