@@ -1182,8 +1182,11 @@ class Trajectory:
 
     @classmethod
     def from_completion(cls, c, **kw) -> Trajectory:
+        sampler_logprobs = None
+        if c.logprobs is not None:
+            sampler_logprobs = list(c.logprobs)
         return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
-                   sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
+                   sampler_logprobs=sampler_logprobs, **kw)
 
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
@@ -1191,12 +1194,16 @@ def micro_batches(lengths: list[int], token_budget: int):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget`` (or one row)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
+    longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    for i in longest_first:
+        if batches:
+            batch = batches[-1]
+            padded_len = lengths[batch[0]]  # its first row is its longest
+            if (len(batch) + 1) * padded_len <= token_budget:
+                batch.append(i)
+                continue
+        batches.append([i])
     return batches
 
 
@@ -1207,32 +1214,49 @@ def _head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
 
 
 def _forward_logprobs(model, prompts, completions, *, temperature=1.0, with_entropy=False,
-                chunk_rows=None):
+                      chunk_rows=None):
     """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
-    device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
-    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
-    rows = [torch.tensor([*p, *c], dtype=torch.long) for p, c in zip(prompts, completions)]
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    device = next(model.parameters()).device
+    sequences, target_ids = [], []
+    for p, c in zip(prompts, completions):
+        sequences.append(torch.tensor([*p, *c], dtype=torch.long))
+        target_ids += c
+    input_ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    attention_mask = torch.zeros_like(input_ids)
+    predicts = torch.zeros_like(input_ids, dtype=torch.bool)  # position P-1+t predicts token t
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        att[b, :len(p) + len(c)] = 1
-        pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
+        attention_mask[b, :len(p) + len(c)] = 1
+        first = len(p) - 1
+        predicts[b, first:first + len(c)] = True
     # the root forward, so FSDP2's hooks see it; then the completion positions, row-major
-    hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
+    hidden = final_hidden_states(model, input_ids.to(device), attention_mask.to(device))
+    hidden = hidden[predicts.to(device)]
+    targets = torch.tensor(target_ids, dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
-    run = (functools.partial(torch.utils.checkpoint.checkpoint, _head_logprobs,
-                             use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs)
+    head_logprobs = _head_logprobs
+    if torch.is_grad_enabled():  # the backward recomputes a chunk's logits: one chunk at a time
+        head_logprobs = functools.partial(torch.utils.checkpoint.checkpoint, _head_logprobs,
+                                          use_reentrant=False)
+    logps, entropies = [], []
     with compute_context(model):  # the head under autocast; logits are upcast to fp32 inside
-        lp, en = zip(*[run(head, h, t, temperature, with_entropy)
-                       for h, t in zip(hidden.split(chunk), targets.split(chunk))])
-    return torch.cat(lp), (torch.cat(en) if with_entropy else None)
+        for hidden_chunk, target_chunk in zip(hidden.split(chunk), targets.split(chunk)):
+            logp, entropy = head_logprobs(
+                head, hidden_chunk, target_chunk, temperature, with_entropy)
+            logps.append(logp)
+            entropies.append(entropy)
+    if not with_entropy:
+        return torch.cat(logps), None
+    return torch.cat(logps), torch.cat(entropies)
 
 
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
@@ -1241,19 +1265,41 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     """Per completion, in order: log pi(y_t | x, y_<t) of logits / T, and that exact entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
-    lps, ents = [None] * len(prompts), [None] * len(prompts)
+    logps = [None] * len(prompts)
+    entropies = [None] * len(prompts)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    for mb in micro_batches(lengths, token_budget):
-        lp, en = _forward_logprobs(model, [prompts[i] for i in mb], [completions[i] for i in mb],
-                             temperature=temperature, with_entropy=with_entropy,
-                             chunk_rows=chunk_rows)
-        sizes = [len(completions[i]) for i in mb]
-        for i, x, e in zip(mb, lp.split(sizes), en.split(sizes) if with_entropy else sizes):
-            lps[i], ents[i] = x, e
-    return lps, (ents if with_entropy else None)
+    for batch in micro_batches(lengths, token_budget):
+        batch_prompts = [prompts[i] for i in batch]
+        batch_completions = [completions[i] for i in batch]
+        logp, entropy = _forward_logprobs(
+            model,
+            batch_prompts,
+            batch_completions,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_rows=chunk_rows,
+        )
+        sizes = [len(c) for c in batch_completions]
+        for i, row in zip(batch, logp.split(sizes)):
+            logps[i] = row
+        if with_entropy:
+            for i, row in zip(batch, entropy.split(sizes)):
+                entropies[i] = row
+    if not with_entropy:
+        return logps, None
+    return logps, entropies
 
 
 # ------------------------------------------------------------------------------------ 2. Advantages
+def _group_key(group_id):
+    """A group id as a python value, compared by value (a 0-d tensor hashes by identity)."""
+    if isinstance(group_id, (torch.Tensor, np.ndarray, np.generic)):
+        group_id = group_id.tolist()
+    if isinstance(group_id, (list, tuple)):
+        return tuple(_group_key(part) for part in group_id)
+    return group_id
+
+
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages (float32). ``"std"``: GRPO (DeepSeekMath §4.1.2), A_i = (r_i -
     mean_g r) / (std_g r + eps), unbiased std as EasyR1/veRL and TRL; ``"none"``: Dr. GRPO §3.1,
@@ -1263,22 +1309,23 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
     r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     if not torch.isfinite(r).all():
         raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
-
-    def plain(x):  # ids as python values, compared by value (a 0-d tensor hashes by identity)
-        x = x.tolist() if isinstance(x, (torch.Tensor, np.ndarray, np.generic)) else x
-        return tuple(map(plain, x)) if isinstance(x, (list, tuple)) else x
-    keys = [plain(g) for g in group_ids]
+    keys = [_group_key(g) for g in group_ids]
     if len(keys) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(keys)} group ids")
     groups: dict = defaultdict(list)
-    for i, k in enumerate(keys):
-        groups[k].append(i)
-    adv = torch.zeros_like(r)
-    for idx in groups.values():
-        g = r[idx]
-        if len(idx) > 1 and not bool((g == g[0]).all()):
-            adv[idx] = (g - g.mean()) / (g.std() + eps) if scale == "std" else g - g.mean()
-    return adv.float()
+    for i, key in enumerate(keys):
+        groups[key].append(i)
+    advantages = torch.zeros_like(r)
+    for members in groups.values():
+        g = r[members]
+        if len(members) == 1 or bool((g == g[0]).all()):
+            continue  # nothing to compare with: exactly 0
+        centred = g - g.mean()
+        if scale == "std":
+            advantages[members] = centred / (g.std() + eps)
+        else:
+            advantages[members] = centred
+    return advantages.float()
 
 
 # ------------------------------------------------------------------- 3. Policy loss and aggregation
@@ -1309,6 +1356,12 @@ class PGConfig:
             raise ValueError("updates_per_batch must be >= 1 and mini_batch >= 0 (0 = whole batch)")
 
 
+def k3_kl(log_ratio):
+    """The k3 estimate of KL(q || p) per token, log_ratio = log p - log q on samples of q
+    (Schulman 2020, "Approximating KL Divergence"): exp(log_ratio) - log_ratio - 1 >= 0."""
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
 def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None,
                   sampler_logp=None):
     """Per-token loss w_IS * L^clip + beta * k3 - c_H * H_t, and where the clip was taken.
@@ -1322,14 +1375,16 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
     clipped_loss = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     loss = torch.maximum(unclipped, clipped_loss)  # = -min(rho*A, clip(rho)*A)
     if cfg.dual_clip > 0:
-        loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
+        dual_clipped = torch.minimum(loss, -cfg.dual_clip * adv)
+        loss = torch.where(adv < 0, dual_clipped, loss)
     if cfg.tis_cap > 0:
-        loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
+        is_weight = torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap)
+        loss = loss * is_weight.detach()
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference log-probs (pass ref_weights to pg_step)")
-        delta = ref_logp - logp
-        loss = loss + cfg.kl_coef * torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
+        kl = torch.clamp(k3_kl(ref_logp - logp), -10.0, 10.0)
+        loss = loss + cfg.kl_coef * kl
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * entropy
     return loss, clipped_loss > unclipped
@@ -1340,14 +1395,23 @@ def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
     """Flat token weights from the step's GLOBAL N and M, so micro-batches sum to the full-batch
     loss: token-mean 1/M (DAPO Eq. 12); seq-mean-token-mean 1/(N |y_i|) (DeepSeekMath Eq. 3;
     Absolute Zero Eq. 9); drgrpo 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
+    if mode not in ("token-mean", "seq-mean-token-mean", "drgrpo"):
+        raise ValueError(f"aggregation {mode!r} is not token-mean, seq-mean-token-mean or drgrpo")
     if mode == "drgrpo" and max(lengths, default=0) > max_len:
         raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
                          "max_len must be the generation limit")
-    per_seq = {"token-mean": lambda n: 1.0 / num_tokens,
-               "seq-mean-token-mean": lambda n: 1.0 / (num_seqs * n) if n else 0.0,
-               "drgrpo": lambda n: 1.0 / (num_seqs * max_len)}[mode]
-    w = torch.tensor([per_seq(n) for n in lengths], dtype=torch.float32)
-    return w.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    per_seq = []  # the weight of each token of sequence i
+    for n in lengths:
+        if mode == "token-mean":
+            per_seq.append(1.0 / num_tokens)
+        elif mode == "drgrpo":
+            per_seq.append(1.0 / (num_seqs * max_len))
+        elif n:
+            per_seq.append(1.0 / (num_seqs * n))
+        else:
+            per_seq.append(0.0)  # seq-mean-token-mean of an empty completion
+    weights = torch.tensor(per_seq, dtype=torch.float32)
+    return weights.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
 
 
 # --------------------------- 4. The update: pg_step and sft_step, and their distributed bookkeeping
