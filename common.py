@@ -1488,8 +1488,11 @@ class Trajectory:
 
     @classmethod
     def from_completion(cls, c, **kw) -> Trajectory:
+        sampler_logprobs = None
+        if c.logprobs is not None:
+            sampler_logprobs = list(c.logprobs)
         return cls(prompt_ids=list(c.prompt_ids), completion_ids=list(c.token_ids),
-                   sampler_logprobs=None if c.logprobs is None else list(c.logprobs), **kw)
+                   sampler_logprobs=sampler_logprobs, **kw)
 
 
 # --------------------------------------------------------------------------- 1. Per-token log-probs
@@ -1497,12 +1500,16 @@ def micro_batches(lengths: list[int], token_budget: int):
     """Indices, longest first, cut so that rows x longest row <= ``token_budget`` (or one row)."""
     if token_budget <= 0:
         raise ValueError(f"token budget must be > 0, got {token_budget}; set --micro-batch-tokens")
+    longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    for i in longest_first:
+        if batches:
+            batch = batches[-1]
+            padded_len = lengths[batch[0]]  # its first row is its longest
+            if (len(batch) + 1) * padded_len <= token_budget:
+                batch.append(i)
+                continue
+        batches.append([i])
     return batches
 
 
@@ -1513,32 +1520,49 @@ def _head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
 
 
 def _forward_logprobs(model, prompts, completions, *, temperature=1.0, with_entropy=False,
-                chunk_rows=None):
+                      chunk_rows=None):
     """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
-    device = next(model.parameters()).device
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
-    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
-    rows = [torch.tensor([*p, *c], dtype=torch.long) for p, c in zip(prompts, completions)]
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    att, pred = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    device = next(model.parameters()).device
+    sequences, target_ids = [], []
+    for p, c in zip(prompts, completions):
+        sequences.append(torch.tensor([*p, *c], dtype=torch.long))
+        target_ids += c
+    input_ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    attention_mask = torch.zeros_like(input_ids)
+    predicts = torch.zeros_like(input_ids, dtype=torch.bool)  # position P-1+t predicts token t
     for b, (p, c) in enumerate(zip(prompts, completions)):
-        att[b, :len(p) + len(c)] = 1
-        pred[b, len(p) - 1:len(p) - 1 + len(c)] = True  # the positions predicting the completion
+        attention_mask[b, :len(p) + len(c)] = 1
+        first = len(p) - 1
+        predicts[b, first:first + len(c)] = True
     # the root forward, so FSDP2's hooks see it; then the completion positions, row-major
-    hidden = final_hidden_states(model, ids.to(device), att.to(device))[pred.to(device)]
+    hidden = final_hidden_states(model, input_ids.to(device), attention_mask.to(device))
+    hidden = hidden[predicts.to(device)]
+    targets = torch.tensor(target_ids, dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
-    run = (functools.partial(torch.utils.checkpoint.checkpoint, _head_logprobs,
-                             use_reentrant=False) if torch.is_grad_enabled() else _head_logprobs)
+    head_logprobs = _head_logprobs
+    if torch.is_grad_enabled():  # the backward recomputes a chunk's logits: one chunk at a time
+        head_logprobs = functools.partial(torch.utils.checkpoint.checkpoint, _head_logprobs,
+                                          use_reentrant=False)
+    logps, entropies = [], []
     with compute_context(model):  # the head under autocast; logits are upcast to fp32 inside
-        lp, en = zip(*[run(head, h, t, temperature, with_entropy)
-                       for h, t in zip(hidden.split(chunk), targets.split(chunk))])
-    return torch.cat(lp), (torch.cat(en) if with_entropy else None)
+        for hidden_chunk, target_chunk in zip(hidden.split(chunk), targets.split(chunk)):
+            logp, entropy = head_logprobs(
+                head, hidden_chunk, target_chunk, temperature, with_entropy)
+            logps.append(logp)
+            entropies.append(entropy)
+    if not with_entropy:
+        return torch.cat(logps), None
+    return torch.cat(logps), torch.cat(entropies)
 
 
 def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
@@ -1547,19 +1571,41 @@ def token_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
     """Per completion, in order: log pi(y_t | x, y_<t) of logits / T, and that exact entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score (greedy: T=1), got {temperature}")
-    lps, ents = [None] * len(prompts), [None] * len(prompts)
+    logps = [None] * len(prompts)
+    entropies = [None] * len(prompts)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    for mb in micro_batches(lengths, token_budget):
-        lp, en = _forward_logprobs(model, [prompts[i] for i in mb], [completions[i] for i in mb],
-                             temperature=temperature, with_entropy=with_entropy,
-                             chunk_rows=chunk_rows)
-        sizes = [len(completions[i]) for i in mb]
-        for i, x, e in zip(mb, lp.split(sizes), en.split(sizes) if with_entropy else sizes):
-            lps[i], ents[i] = x, e
-    return lps, (ents if with_entropy else None)
+    for batch in micro_batches(lengths, token_budget):
+        batch_prompts = [prompts[i] for i in batch]
+        batch_completions = [completions[i] for i in batch]
+        logp, entropy = _forward_logprobs(
+            model,
+            batch_prompts,
+            batch_completions,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_rows=chunk_rows,
+        )
+        sizes = [len(c) for c in batch_completions]
+        for i, row in zip(batch, logp.split(sizes)):
+            logps[i] = row
+        if with_entropy:
+            for i, row in zip(batch, entropy.split(sizes)):
+                entropies[i] = row
+    if not with_entropy:
+        return logps, None
+    return logps, entropies
 
 
 # ------------------------------------------------------------------------------------ 2. Advantages
+def _group_key(group_id):
+    """A group id as a python value, compared by value (a 0-d tensor hashes by identity)."""
+    if isinstance(group_id, (torch.Tensor, np.ndarray, np.generic)):
+        group_id = group_id.tolist()
+    if isinstance(group_id, (list, tuple)):
+        return tuple(_group_key(part) for part in group_id)
+    return group_id
+
+
 def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages (float32). ``"std"``: GRPO (DeepSeekMath §4.1.2), A_i = (r_i -
     mean_g r) / (std_g r + eps), unbiased std as EasyR1/veRL and TRL; ``"none"``: Dr. GRPO §3.1,
@@ -1569,22 +1615,23 @@ def group_advantages(rewards, group_ids, scale: str = "std", eps: float = 1e-6) 
     r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     if not torch.isfinite(r).all():
         raise ValueError("rewards must be finite (got NaN or inf); give failures a real reward")
-
-    def plain(x):  # ids as python values, compared by value (a 0-d tensor hashes by identity)
-        x = x.tolist() if isinstance(x, (torch.Tensor, np.ndarray, np.generic)) else x
-        return tuple(map(plain, x)) if isinstance(x, (list, tuple)) else x
-    keys = [plain(g) for g in group_ids]
+    keys = [_group_key(g) for g in group_ids]
     if len(keys) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(keys)} group ids")
     groups: dict = defaultdict(list)
-    for i, k in enumerate(keys):
-        groups[k].append(i)
-    adv = torch.zeros_like(r)
-    for idx in groups.values():
-        g = r[idx]
-        if len(idx) > 1 and not bool((g == g[0]).all()):
-            adv[idx] = (g - g.mean()) / (g.std() + eps) if scale == "std" else g - g.mean()
-    return adv.float()
+    for i, key in enumerate(keys):
+        groups[key].append(i)
+    advantages = torch.zeros_like(r)
+    for members in groups.values():
+        g = r[members]
+        if len(members) == 1 or bool((g == g[0]).all()):
+            continue  # nothing to compare with: exactly 0
+        centred = g - g.mean()
+        if scale == "std":
+            advantages[members] = centred / (g.std() + eps)
+        else:
+            advantages[members] = centred
+    return advantages.float()
 
 
 # ------------------------------------------------------------------- 3. Policy loss and aggregation
@@ -1615,6 +1662,12 @@ class PGConfig:
             raise ValueError("updates_per_batch must be >= 1 and mini_batch >= 0 (0 = whole batch)")
 
 
+def k3_kl(log_ratio):
+    """The k3 estimate of KL(q || p) per token, log_ratio = log p - log q on samples of q
+    (Schulman 2020, "Approximating KL Divergence"): exp(log_ratio) - log_ratio - 1 >= 0."""
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
 def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=None,
                   sampler_logp=None):
     """Per-token loss w_IS * L^clip + beta * k3 - c_H * H_t, and where the clip was taken.
@@ -1628,14 +1681,16 @@ def pg_token_loss(logp, old_logp, adv, cfg: PGConfig, *, ref_logp=None, entropy=
     clipped_loss = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     loss = torch.maximum(unclipped, clipped_loss)  # = -min(rho*A, clip(rho)*A)
     if cfg.dual_clip > 0:
-        loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
+        dual_clipped = torch.minimum(loss, -cfg.dual_clip * adv)
+        loss = torch.where(adv < 0, dual_clipped, loss)
     if cfg.tis_cap > 0:
-        loss = loss * torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap).detach()
+        is_weight = torch.clamp(torch.exp(old_logp - sampler_logp), max=cfg.tis_cap)
+        loss = loss * is_weight.detach()
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference log-probs (pass ref_weights to pg_step)")
-        delta = ref_logp - logp
-        loss = loss + cfg.kl_coef * torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
+        kl = torch.clamp(k3_kl(ref_logp - logp), -10.0, 10.0)
+        loss = loss + cfg.kl_coef * kl
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * entropy
     return loss, clipped_loss > unclipped
@@ -1646,114 +1701,135 @@ def aggregation_weights(lengths, mode: str, *, num_seqs: int, num_tokens: int,
     """Flat token weights from the step's GLOBAL N and M, so micro-batches sum to the full-batch
     loss: token-mean 1/M (DAPO Eq. 12); seq-mean-token-mean 1/(N |y_i|) (DeepSeekMath Eq. 3;
     Absolute Zero Eq. 9); drgrpo 1/(N L_max) (Dr. GRPO §3.1; Oat's ``masked_sum``)."""
+    if mode not in ("token-mean", "seq-mean-token-mean", "drgrpo"):
+        raise ValueError(f"aggregation {mode!r} is not token-mean, seq-mean-token-mean or drgrpo")
     if mode == "drgrpo" and max(lengths, default=0) > max_len:
         raise ValueError(f"a completion has {max(lengths)} tokens > max_len {max_len}: "
                          "max_len must be the generation limit")
-    per_seq = {"token-mean": lambda n: 1.0 / num_tokens,
-               "seq-mean-token-mean": lambda n: 1.0 / (num_seqs * n) if n else 0.0,
-               "drgrpo": lambda n: 1.0 / (num_seqs * max_len)}[mode]
-    w = torch.tensor([per_seq(n) for n in lengths], dtype=torch.float32)
-    return w.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    per_seq = []  # the weight of each token of sequence i
+    for n in lengths:
+        if mode == "token-mean":
+            per_seq.append(1.0 / num_tokens)
+        elif mode == "drgrpo":
+            per_seq.append(1.0 / (num_seqs * max_len))
+        elif n:
+            per_seq.append(1.0 / (num_seqs * n))
+        else:
+            per_seq.append(0.0)  # seq-mean-token-mean of an empty completion
+    weights = torch.tensor(per_seq, dtype=torch.float32)
+    return weights.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
 
 
 # --------------------------- 4. The update: pg_step and sft_step, and their distributed bookkeeping
-
-
 def mini_batch_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
     """Mini-batches per pass over n trajectories; ``cfg.shuffle`` permutes by rank 0's draw."""
-    orders = [broadcast_object(random.sample(range(n), n)) if cfg.shuffle else list(range(n))
-              for _ in range(cfg.updates_per_batch)]
     size = cfg.mini_batch or n
-    return [[order[s:s + size] for s in range(0, n, size)] for order in orders]
+    schedule = []
+    for _ in range(cfg.updates_per_batch):
+        order = list(range(n))
+        if cfg.shuffle:
+            order = broadcast_object(random.sample(range(n), n))
+        mini_batches = []
+        for start in range(0, n, size):
+            mini_batches.append(order[start:start + size])
+        schedule.append(mini_batches)
+    return schedule
 
 
-# This rank's share of one optimizer step: (indices, live) per micro-batch, as many on every rank
-# (a rank short of work re-runs one at live 0), its real indices, N and M over all ranks, and skip.
-_StepPlan = collections.namedtuple("_StepPlan", "micro items num_seqs num_tokens skip")
+# Under torchrun every rank holds the whole batch and trains on its share (policy.shard) of each
+# mini-batch. A sharded forward and backward are collectives, so every rank runs as many
+# micro-batches as the busiest: a rank short of work repeats one at live = 0, which adds nothing.
+# A _StepPlan holds this rank's micro-batches and share (rows) of one step, N and M over all
+# ranks, and skip: no rank needs the step (a step on zero gradients).
+_MicroBatch = collections.namedtuple("_MicroBatch", "rows live")
+_StepPlan = collections.namedtuple("_StepPlan", "micro_batches rows num_seqs num_tokens skip")
 
 
-class _Update:
-    """One pg_step or sft_step call on this rank. Every rank holds the full batch and trains on its
-    share; counts are summed over ranks (global N and M), gradients scaled by the world size."""
+def _all_reduce_by_name(policy, values: dict, op: str = "sum") -> dict:
+    """``values`` summed (or max/min) over ranks in one call, under the same names."""
+    reduced = policy.all_reduce(list(values.values()), op)
+    return dict(zip(values, reduced))
 
-    def __init__(self, policy, prompts: list[list[int]], comps: list[list[int]]):
-        policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory while we train
-        self.policy, self.model, self.budget = policy, policy.model, policy.cfg.micro_batch_tokens
-        self.prompts, self.comps, self.lens = prompts, comps, [len(c) for c in comps]
-        self.seq_lens = [len(p) + len(c) for p, c in zip(prompts, comps)]
-        self.device = next(self.model.parameters()).device
-        self.sums = dict.fromkeys(("loss", "clipped", "kl", "kl_tokens"), 0.0)  # this rank's
-        self.tokens, self.skipped, self.norms = 0, 0, []  # this rank's tokens; pre-clip norms
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.mem0 = torch.cuda.memory_allocated(self.device) / 2**30
+
+def _plan_step(policy, rows: list[int], seq_lens, completion_lens, need=True) -> _StepPlan:
+    """The plan of one optimizer step on batch ``rows`` for this rank; ``skip`` unless some rank
+    ``need``s the step. Collectives: every rank plans every step, in the same order."""
+    mine = policy.shard(list(rows))
+    forward_rows = mine or list(rows[:1])  # a rank with no share forwards a stand-in at live 0
+    lengths = [seq_lens[i] for i in forward_rows]
+    batches = micro_batches(lengths, policy.cfg.micro_batch_tokens)
+    totals = _all_reduce_by_name(policy, {
+        "seqs": len(mine),
+        "tokens": sum(completion_lens[i] for i in mine),
+    })
+    maxima = _all_reduce_by_name(policy, {"micro_batches": len(batches), "need": need}, op="max")
+    live = float(bool(mine))
+    planned = []
+    for batch in batches:
+        planned.append(_MicroBatch([forward_rows[j] for j in batch], live))
+    while len(planned) < maxima["micro_batches"]:
+        planned.append(_MicroBatch(planned[0].rows, 0.0))
+    return _StepPlan(
+        micro_batches=planned,
+        rows=mine,
+        num_seqs=int(totals["seqs"]),
+        num_tokens=int(totals["tokens"]),
+        skip=not maxima["need"],
+    )
+
+
+class _StepMeter:
+    """Seconds and peak memory of one pg_step or sft_step on this rank, from its creation."""
+
+    def __init__(self, device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base_gb = torch.cuda.memory_allocated(device) / 2**30
         else:
             with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets the resident peak VmHWM (Linux >= 4.0)
-            self.mem0 = (proc_status_kb("VmRSS") or math.nan) / 2**20
-        self.t0 = time.perf_counter()
+            rss_kb = proc_status_kb("VmRSS") or math.nan
+            self.base_gb = rss_kb / 2**20
+        self.start = time.perf_counter()
 
-    def plan(self, idx: list[int], need: bool = True) -> _StepPlan:
-        """One step on ``idx``: ``skip`` unless some rank ``need``s it."""
-        local = self.policy.shard(list(idx))
-        work = local or list(idx[:1])
-        mbs = micro_batches([self.seq_lens[i] for i in work], self.budget)
-        n, m = self.policy.all_reduce([len(local), sum(self.lens[i] for i in local)])
-        n_mb, need = self.policy.all_reduce([len(mbs), need], "max")
-        micro = [([work[j] for j in mb], float(bool(local))) for mb in mbs]
-        micro += [(micro[0][0], 0.0)] * (int(n_mb) - len(mbs))  # as many on every rank
-        return _StepPlan(micro, local, int(n), int(m), not need)
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
 
-    def score(self, rows: list[int], temperature: float, with_entropy=False, weights=None):
-        """No-grad log-probs and entropies of ``rows`` (dicts), under ``weights`` if given."""
-        swap = contextlib.nullcontext() if weights is None else self.policy.swapped_weights(weights)
-        with torch.no_grad(), swap:
-            lp, en = token_logprobs(self.model, [self.prompts[i] for i in rows],
-                                    [self.comps[i] for i in rows], temperature=temperature,
-                                    token_budget=self.budget, with_entropy=with_entropy)
-        return dict(zip(rows, lp)), dict(zip(rows, en or []))
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb(self.device, self.base_gb)
 
-    def forward(self, idx: list[int], **kw):
-        return _forward_logprobs(self.model, [self.prompts[i] for i in idx], [self.comps[i] for i in idx],
-                           **kw)
 
-    def update(self, part: _StepPlan, loss_fn) -> float:
-        """One step, loss_fn(idx) -> (loss, {stat: sum}); the pre-clip norm. A ``skip`` step is on
-        zero gradients, so AdamW's count, moments and weight decay move as if computed (FSDP2
-        leaves the root unsharded after the no-grad pass: reshard, zero its shards)."""
-        self.policy.optimizer.zero_grad(set_to_none=True)
-        for idx, live in [] if part.skip else part.micro:
-            loss, sums = loss_fn(idx)
-            (loss * live * self.policy.world_size).backward()
-            self.tokens += sum(self.seq_lens[i] for i in idx) * (live > 0)
-            for k, v in {"loss": loss.item(), **sums}.items():
-                self.sums[k] += v * live
-        if part.skip:
-            for m in self.model.modules():
-                if hasattr(m, "reshard"):  # an FSDP2 module
-                    m.reshard()
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            self.skipped += 1
-        if self.policy.cfg.grad_clip > 0 and math.isfinite(self.policy.cfg.grad_clip):
-            norm = self.policy.clip_and_step()  # FSDP2's norm over the shards is in there
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
-            self.policy.optimizer.step()
-        self.norms.append(float(norm))
-        return float(norm)
+def _zero_gradients(model) -> None:
+    """Gradients of zeros for a skipped step, so AdamW's count, moments and weight decay move as if
+    computed. FSDP2 leaves the root unsharded after the no-grad pass: reshard, zero its shards."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):  # an FSDP2 module
+            module.reshard()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
 
-    def finish(self, sync: bool) -> dict:
-        """Zero the gradients, push the weights into the sampler (``sync``); the call's figures."""
-        self.policy.optimizer.zero_grad(set_to_none=True)
-        t = time.perf_counter()
-        if sync:
-            self.policy.sync()
-        end = time.perf_counter() if sync else t
-        return {"tokens_per_s": self.tokens / max(t - self.t0, 1e-9), "time_s": end - self.t0,
-                **({"sync_s": end - t} if sync else {}),
-                "peak_mem_gb": peak_memory_gb(self.device, self.mem0)}
+
+def _clip_and_step(policy) -> float:
+    """Clip the gradient to --grad-clip (0 or inf: no clip), step AdamW; the pre-clip norm."""
+    clip = policy.cfg.grad_clip
+    if clip > 0 and math.isfinite(clip):
+        return policy.clip_and_step()  # FSDP2's norm over the shards is in there
+    norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), float("inf"))
+    policy.optimizer.step()
+    return float(norm)
+
+
+def _gather_rows(per_row: dict | None, rows: list[int]):
+    """The rows' per-token tensors as one flat tensor, as the forward returns them (None: None)."""
+    if per_row is None:
+        return None
+    return torch.cat([per_row[i] for i in rows])
+
+
+def _ratio_or_nan(total: float, count: float) -> float:
+    return total / count if count else float("nan")
 
 
 @timed("train")
@@ -1761,87 +1837,246 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old is the sampling
     policy for every step, each mini-batch aggregated by its own N and M (veRL ``dp_actor.py``, Oat
-    ``ppo.py``). ``token_loss``: a fork's own per-token loss. tokens_per_s, time_s, sync_s and
-    peak_mem_gb are this rank's; nll_entropy, entropy/<role>: Eq. 1 of "Towards Understanding
-    Self-play for LLM Reasoning"; logprob_diff_vs_sampler jumps with a broken weight sync."""
+    ``ppo.py``). ``token_loss``: a fork's own per-token loss. The figures it returns:
+    - optimizer_steps: a step per mini-batch with tokens, every pass; skipped_mini_batches: of
+      them, the steps on zero gradients (every advantage 0 and pg_token_loss alone)
+    - loss: each step's aggregated loss (summed over micro-batches and ranks; 0 if skipped),
+      averaged over the steps
+    - grad_norm: the pre-clip gradient norm, averaged over the steps
+    - clip_frac: the clipped tokens of all steps / (M x passes); approx_kl: CleanRL's estimate
+      of KL(pi_old || pi), the mean of (rho - 1) - log rho over the computed steps' tokens
+    - entropy, entropy_exact/<role>: the exact entropy of pi_old; nll_entropy, entropy/<role>:
+      -log pi_old (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning"); kl_ref: k3 of
+      KL(pi_old || pi_ref) (kl_coef > 0); each the mean over sequences of its token mean
+    - logprob_diff_vs_sampler: the mean |log pi_old - log pi_sampler| over the tokens with a
+      sampler log-prob (absent if none); it jumps with a broken weight sync
+    - zero_adv_frac: the share of trajectories with A = 0; n_seqs, n_tokens: N and M of the
+      batch; mean_len: M / N
+    - tokens_per_s: prompt and completion tokens forwarded (this rank's rows once per no-grad
+      pass, and every trained micro-batch) per second before the sync; time_s: the whole call;
+      sync_s: the sync; peak_mem_gb: the peak above the memory at the start. All four this rank's"""
     if cfg.tis_cap > 0 and any(t.sampler_logprobs is None for t in trajs):
         raise ValueError("tis_cap > 0 needs sampler_logprobs (the sampler's) on every trajectory")
     if cfg.kl_coef > 0 and ref_weights is None:
         raise ValueError("kl_coef > 0 needs ref_weights (e.g. policy.get_weights() at phase start)")
     if not any(t.completion_ids for t in trajs):
         raise ValueError("pg_step got no completion tokens (no trajectories, or all empty)")
-    train = _Update(policy, [t.prompt_ids for t in trajs], [t.completion_ids for t in trajs])
+    policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory while we train
+    meter = _StepMeter(policy.device)
+    model = policy.model
+    prompts = [t.prompt_ids for t in trajs]
+    completions = [t.completion_ids for t in trajs]
+    completion_lens = [len(c) for c in completions]
+    seq_lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    # an all-zero-advantage mini-batch has zero loss and gradient under pg_token_loss alone
     skippable = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
                  and token_loss is pg_token_loss)
-    batches = mini_batch_schedule(len(trajs), cfg)
-    parts = [train.plan(idx, need=not skippable or any(trajs[i].advantage != 0 for i in idx))
-             for mbs in batches for idx in mbs]
-    rows = sorted({i for p in parts for idx, _ in p.micro for i in idx})
-    seen = [i for p in parts[:len(batches[0])] for i in p.items]  # the first pass: each once
+    schedule = mini_batch_schedule(len(trajs), cfg)
+    steps = []  # a _StepPlan per mini-batch of every pass
+    for one_pass in schedule:
+        for rows in one_pass:
+            need = not skippable or any(trajs[i].advantage != 0 for i in rows)
+            steps.append(_plan_step(policy, rows, seq_lens, completion_lens, need))
+    first_pass = []  # this rank's rows, each once
+    for step in steps[:len(schedule[0])]:
+        first_pass += step.rows
+    scored = set()  # every row this rank forwards, stand-ins included
+    for step in steps:
+        for micro in step.micro_batches:
+            scored.update(micro.rows)
+    scored = sorted(scored)
+    scored_prompts = [prompts[i] for i in scored]
+    scored_completions = [completions[i] for i in scored]
 
-    # 1. pi_old, entropy, pi_ref; also when every step is skipped (a collapsed batch's diagnostics)
-    old, ent = train.score(rows, cfg.temperature, with_entropy=True)
-    ref = train.score(rows, cfg.temperature, weights=ref_weights)[0] if cfg.kl_coef > 0 else None
-    train.tokens = sum(train.seq_lens[i] for i in seen) * (1 + (ref is not None))
-    samp = {i: old[i].new_tensor(trajs[i].sampler_logprobs) for i in rows
-            if trajs[i].sampler_logprobs is not None}
-    adv = {i: old[i].new_full(old[i].shape, float(trajs[i].advantage)) for i in rows}
+    # 1. pi_old (the rollout policy, for every step) and its exact entropy; pi_ref for the KL. Also
+    # when every step is skipped: a collapsed batch keeps its diagnostics.
+    with torch.no_grad():
+        logps, entropies = token_logprobs(
+            model,
+            scored_prompts,
+            scored_completions,
+            temperature=cfg.temperature,
+            token_budget=policy.cfg.micro_batch_tokens,
+            with_entropy=True,
+        )
+        old_logp = dict(zip(scored, logps))
+        entropy = dict(zip(scored, entropies))
+        ref_logp = None
+        if cfg.kl_coef > 0:
+            with policy.swapped_weights(ref_weights):
+                logps, _ = token_logprobs(
+                    model,
+                    scored_prompts,
+                    scored_completions,
+                    temperature=cfg.temperature,
+                    token_budget=policy.cfg.micro_batch_tokens,
+                )
+            ref_logp = dict(zip(scored, logps))
+    advantages, sampler_logp = {}, {}
+    for i in scored:
+        advantages[i] = torch.full_like(old_logp[i], float(trajs[i].advantage))
+        if trajs[i].sampler_logprobs is not None:
+            sampler_logp[i] = old_logp[i].new_tensor(trajs[i].sampler_logprobs)
+    tokens = sum(seq_lens[i] for i in first_pass)  # forwarded, for tokens_per_s
+    if ref_logp is not None:
+        tokens *= 2
 
-    def cat(xs, idx):
-        return None if xs is None else torch.cat([xs[i] for i in idx])
+    # 2. A step per mini-batch that has tokens, each from pi_old's log-probs
+    sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "kl_tokens": 0}  # this rank's
+    grad_norms, skipped = [], 0
+    for step in steps:
+        if step.num_tokens == 0:
+            continue
+        policy.optimizer.zero_grad(set_to_none=True)
+        if step.skip:  # every advantage 0, pg_token_loss alone: a step on zero gradients
+            _zero_gradients(model)
+            skipped += 1
+        else:
+            for micro in step.micro_batches:
+                rows = micro.rows
+                logp, new_entropy = _forward_logprobs(
+                    model,
+                    [prompts[i] for i in rows],
+                    [completions[i] for i in rows],
+                    temperature=cfg.temperature,
+                    with_entropy=cfg.entropy_coef > 0,
+                )
+                mb_old_logp = _gather_rows(old_logp, rows)
+                mb_sampler_logp = _gather_rows(sampler_logp, rows) if cfg.tis_cap > 0 else None
+                per_token, clipped = token_loss(
+                    logp,
+                    mb_old_logp,
+                    _gather_rows(advantages, rows),
+                    cfg,
+                    entropy=new_entropy,
+                    ref_logp=_gather_rows(ref_logp, rows),
+                    sampler_logp=mb_sampler_logp,
+                )
+                weights = aggregation_weights(
+                    [completion_lens[i] for i in rows],
+                    cfg.aggregation,
+                    max_len=cfg.max_len,
+                    num_seqs=step.num_seqs,
+                    num_tokens=step.num_tokens,
+                )
+                loss = (per_token * weights.to(policy.device)).sum()
+                # FSDP2 averages the gradients over ranks: x world size makes their sum
+                (loss * micro.live * policy.world_size).backward()
 
-    def loss_fn(part, idx):  # the sums of clip_frac and approx_kl (k3 of KL(pi_old || pi)) too
-        lp, en = train.forward(idx, temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0)
-        l_old = cat(old, idx)
-        loss, clipped = token_loss(lp, l_old, cat(adv, idx), cfg, entropy=en,
-                                   ref_logp=cat(ref, idx),
-                                   sampler_logp=cat(samp, idx) if cfg.tis_cap > 0 else None)
-        w = aggregation_weights([train.lens[i] for i in idx], cfg.aggregation, max_len=cfg.max_len,
-                                num_seqs=part.num_seqs, num_tokens=part.num_tokens)
-        d = lp.detach() - l_old
-        return (loss * w.to(train.device)).sum(), {"clipped": clipped.float().sum().item(),
-                                                   "kl": (torch.exp(d) - 1 - d).sum().item(),
-                                                   "kl_tokens": d.numel()}
+                if micro.live:  # a stand-in (live 0) counts for nothing
+                    log_ratio = logp.detach() - mb_old_logp
+                    ratio = torch.exp(log_ratio)
+                    sums["loss"] += loss.item()
+                    sums["clipped"] += clipped.float().sum().item()
+                    sums["kl"] += ((ratio - 1) - log_ratio).sum().item()
+                    sums["kl_tokens"] += log_ratio.numel()
+                    tokens += sum(seq_lens[i] for i in rows)
+        grad_norms.append(_clip_and_step(policy))
 
-    for part in (p for p in parts if p.num_tokens):  # 2. a step per mini-batch with tokens
-        train.update(part, functools.partial(loss_fn, part))
-    figures = train.finish(sync=True)  # 3. the new weights into the sampler
+    # 3. The new weights into the sampler
+    policy.optimizer.zero_grad(set_to_none=True)
+    train_s = meter.seconds()
+    policy.sync()
+    time_s = meter.seconds()
 
-    # 4. the figures over the whole batch, from `seen` (this rank's share, once); entropy, NLL and
-    # kl_ref are means over sequences of each one's token mean
-    seqs = {"entropy": [ent[i] for i in seen], "nll_entropy": [-old[i] for i in seen]}
-    for role in sorted({t.role for t in trajs if t.role}):  # the full batch's roles: same keys
-        seqs[f"entropy/{role}"] = [-old[i] for i in seen if trajs[i].role == role]
-        seqs[f"entropy_exact/{role}"] = [ent[i] for i in seen if trajs[i].role == role]
-    if ref is not None:
-        seqs["kl_ref"] = [torch.exp(ref[i] - old[i]) - (ref[i] - old[i]) - 1 for i in seen]
-    seqs = {k: [v for v in vs if v.numel()] for k, vs in seqs.items()}
-    diffs = [(old[i] - samp[i]).abs() for i in seen if i in samp]
-    loss, clipped, kl, kl_n, zero_adv, diff_sum, diff_n, *red = policy.all_reduce(
-        [*train.sums.values(), sum(trajs[i].advantage == 0 for i in seen),
-         sum(float(d.sum()) for d in diffs), sum(d.numel() for d in diffs),
-         *(sum(v.mean().item() for v in vs) for vs in seqs.values()), *map(len, seqs.values())])
-    steps, n, m = len(train.norms), len(trajs), sum(train.lens)
-    stats = {"optimizer_steps": steps, "loss": loss / steps, "grad_norm": sum(train.norms) / steps,
-             "clip_frac": clipped / (m * cfg.updates_per_batch),
-             "approx_kl": kl / kl_n if kl_n else float("nan"),
-             **{k: s / c if c else float("nan") for k, s, c in zip(seqs, red, red[len(seqs):])},
-             **figures, "skipped_mini_batches": train.skipped, "zero_adv_frac": zero_adv / n,
-             "n_tokens": m, "n_seqs": n, "mean_len": m / n}
-    return {**stats, "logprob_diff_vs_sampler": diff_sum / diff_n} if diff_n else stats
+    # 4. The figures over the whole batch: sums and counts over this rank's first pass (its rows,
+    # each once), summed over ranks by name. Each sequence adds its token mean.
+    seq_means = ["entropy", "nll_entropy"]
+    for role in sorted({t.role for t in trajs if t.role}):  # the batch's: the same on every rank
+        seq_means += [f"entropy/{role}", f"entropy_exact/{role}"]
+    if ref_logp is not None:
+        seq_means.append("kl_ref")
+    totals = {**sums, "zero_adv": 0, "sampler_gap": 0.0, "sampler_tokens": 0}
+    for name in seq_means:
+        totals[name] = 0.0
+        totals[name + " count"] = 0
+
+    def add_mean(name, values):
+        totals[name] += values.mean().item()
+        totals[name + " count"] += 1
+
+    for i in first_pass:
+        totals["zero_adv"] += trajs[i].advantage == 0
+        if i in sampler_logp:
+            gap = (old_logp[i] - sampler_logp[i]).abs()
+            totals["sampler_gap"] += float(gap.sum())
+            totals["sampler_tokens"] += gap.numel()
+        if not completions[i]:
+            continue  # no token, no token mean
+        role = trajs[i].role
+        add_mean("entropy", entropy[i])
+        add_mean("nll_entropy", -old_logp[i])
+        if role:
+            add_mean(f"entropy/{role}", -old_logp[i])
+            add_mean(f"entropy_exact/{role}", entropy[i])
+        if ref_logp is not None:
+            add_mean("kl_ref", k3_kl(ref_logp[i] - old_logp[i]))
+    totals = _all_reduce_by_name(policy, totals)
+
+    n_steps = len(grad_norms)
+    n_seqs = len(trajs)
+    n_tokens = sum(completion_lens)
+    stats = {
+        "optimizer_steps": n_steps,
+        "loss": totals["loss"] / n_steps,
+        "grad_norm": sum(grad_norms) / n_steps,
+        "clip_frac": totals["clipped"] / (n_tokens * cfg.updates_per_batch),
+        "approx_kl": _ratio_or_nan(totals["kl"], totals["kl_tokens"]),
+    }
+    for name in seq_means:
+        stats[name] = _ratio_or_nan(totals[name], totals[name + " count"])
+    stats.update({
+        "tokens_per_s": tokens / max(train_s, 1e-9),
+        "time_s": time_s,
+        "sync_s": time_s - train_s,
+        "peak_mem_gb": meter.peak_memory_gb(),
+        "skipped_mini_batches": skipped,
+        "zero_adv_frac": totals["zero_adv"] / n_seqs,
+        "n_tokens": n_tokens,
+        "n_seqs": n_seqs,
+        "mean_len": n_tokens / n_seqs,
+    })
+    if totals["sampler_tokens"]:
+        stats["logprob_diff_vs_sampler"] = totals["sampler_gap"] / totals["sampler_tokens"]
+    return stats
 
 
 @timed("train")
 def sft_step(policy, examples: list[tuple[list[int], list[int]]]) -> dict:
     """STaR's supervised step (arXiv:2203.14465 §3.1): target-token NLL averaged over ALL the
     batch's target tokens; one clipped step, no sampler sync (the caller syncs)."""
-    train = _Update(policy, [list(p) for p, _ in examples], [list(t) for _, t in examples])
-    part = train.plan(list(range(len(examples))))
-    if part.num_tokens == 0:
+    policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory while we train
+    meter = _StepMeter(policy.device)
+    prompts = [list(p) for p, _ in examples]
+    targets = [list(t) for _, t in examples]
+    target_lens = [len(t) for t in targets]
+    seq_lens = [len(p) + len(t) for p, t in zip(prompts, targets)]
+    step = _plan_step(policy, list(range(len(examples))), seq_lens, target_lens)
+    if step.num_tokens == 0:
         raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
-    norm = train.update(part, lambda idx: (-train.forward(idx)[0].sum() / part.num_tokens, {}))
-    return {"loss": policy.all_reduce([train.sums["loss"]])[0], "grad_norm": norm,
-            "n_tokens": part.num_tokens, **train.finish(sync=False)}
+    policy.optimizer.zero_grad(set_to_none=True)
+    loss_sum, tokens = 0.0, 0
+    for micro in step.micro_batches:
+        rows = micro.rows
+        logp, _ = _forward_logprobs(
+            policy.model, [prompts[i] for i in rows], [targets[i] for i in rows])
+        loss = -logp.sum() / step.num_tokens
+        (loss * micro.live * policy.world_size).backward()  # the sum over ranks (FSDP2 averages)
+        if micro.live:
+            loss_sum += loss.item()
+            tokens += sum(seq_lens[i] for i in rows)
+    grad_norm = _clip_and_step(policy)
+    totals = _all_reduce_by_name(policy, {"loss": loss_sum})
+    policy.optimizer.zero_grad(set_to_none=True)
+    time_s = meter.seconds()
+    return {
+        "loss": totals["loss"],
+        "grad_norm": grad_norm,
+        "n_tokens": step.num_tokens,
+        "tokens_per_s": tokens / max(time_s, 1e-9),
+        "time_s": time_s,
+        "peak_mem_gb": meter.peak_memory_gb(),
+    }
 
 
 # ==================================================================================================

@@ -1,4 +1,4 @@
-"""torchrun helpers: ranks, object collectives, FSDP2 shards, and the trainer's compute precision."""
+"""torchrun helpers: ranks, object collectives, FSDP2 shards, the trainer's compute precision."""
 from __future__ import annotations
 
 import contextlib
@@ -20,17 +20,21 @@ def dist_info() -> tuple[int, int]:
     """(rank, world_size): from torch.distributed, else torchrun's environment, else (0, 1)."""
     if dist_on():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world_size
 
 
 def is_main_process() -> bool:
-    return dist_info()[0] == 0
+    rank, _ = dist_info()
+    return rank == 0
 
 
 def all_gather_objects(obj) -> list:
     """`obj` of every rank, in rank order ([obj] in one process)."""
-    out = [obj] * (torch.distributed.get_world_size() if dist_on() else 1)
-    if len(out) > 1:
+    world_size = torch.distributed.get_world_size() if dist_on() else 1
+    out = [obj] * world_size
+    if world_size > 1:
         torch.distributed.all_gather_object(out, obj)
     return out
 
@@ -45,16 +49,20 @@ def broadcast_object(obj):  # rank 0's `obj` on every rank
 def shard(items: list, rank: int, world_size: int) -> list:
     """Rank `rank`'s contiguous share of `items` (sizes differ by at most one)."""
     n = len(items)
-    return list(items[rank * n // world_size:(rank + 1) * n // world_size])
+    start = rank * n // world_size
+    end = (rank + 1) * n // world_size
+    return list(items[start:end])
 
 
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size); under torchrun the process group started once (gloo, NCCL on GPUs)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not torch.distributed.is_initialized():
+        backend = "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+            backend = "cpu:gloo,cuda:nccl"  # CPU tensors (reduced figures) still go through gloo
+        torch.distributed.init_process_group(backend=backend)
     return dist_info()
 
 
@@ -86,5 +94,7 @@ def full_from_part(part, v):
 def compute_context(model):
     """The trainer's forward context: bf16 autocast over fp32 weights if Policy.load set it."""
     dtype = getattr(model, "selfplay_autocast", None)
-    return contextlib.nullcontext() if dtype is None else torch.autocast(
-        device_type=next(model.parameters()).device.type, dtype=dtype)
+    if dtype is None:
+        return contextlib.nullcontext()
+    device_type = next(model.parameters()).device.type
+    return torch.autocast(device_type=device_type, dtype=dtype)
