@@ -9,6 +9,7 @@ here imports common.
   benchmarks.py            benchmark loaders (hub datasets, hf: specs, local JSONL)
   code_eval.py             code benchmarks and their grading in the sandbox
   bleu.py                  the vectorised BLEU kernel (equal to common.sentence_bleu)
+  cli.py                   a Config's command line: flags, one-line errors, the limits check
   logs.py, timing.py       quiet third-party logs; phase timers
   tiny_model.py            the --model tiny builder
   errors.py                errors the command line prints as one line

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from infra.cli import ArgParser  # noqa: E402
 
 
 def eval_model(args, model):
@@ -89,7 +90,7 @@ def eval_out_path(out: str, model: str) -> str:
 
 
 def build_parser():
-    parser = common.ArgParser(
+    parser = ArgParser(
         prog="evaluate.py", description="greedy accuracy and pass@k of a model on benchmarks")
     parser.add_argument("--model", default="", help="hub id, local folder (a checkpoint) or 'tiny'")
     parser.add_argument("--benchmarks", default="gsm8k,math500",
