@@ -125,6 +125,7 @@ class RunConfig:
     wandb_project: str = "selfplay"  # wandb project name
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
     verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
+    eval_only: bool = False  # evaluate the model under this method's protocol, write eval.json, exit
 
     # The size and limit flags for which 0 means "off" (every other one must be positive, see
     # check_limits). A method's Config declares only its own additions: parse_config takes the
@@ -1126,6 +1127,7 @@ class Run:
         self._timers = Counter()  # seconds per phase since the last log()
         self.times = Counter()  # seconds per phase in all
         self.last: dict = {}  # the latest value of every metric logged
+        self.notes: list[str] = []  # lines the summary shows under "note" (Run.note)
         if self.is_main:
             self._open_folder()
         if self.world_size > 1:
@@ -1203,6 +1205,11 @@ class Run:
                 for key in sample:
                     line[key] = jsonable(sample[key])
                 f.write(json.dumps(line, default=json_default, ensure_ascii=False) + "\n")
+
+    def note(self, text: str) -> None:
+        """A line the summary shows under "note": what a reader must know about the run, e.g. that
+        it trained nothing ("no valid question in 2 steps: nothing was trained")."""
+        self.notes.append(str(text))
 
     def progress(self, total: int, initial: int = 0):
         """tqdm over steps on rank 0; log() writes key metrics into its postfix."""
@@ -1294,6 +1301,8 @@ class Run:
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
         rows = [("method", self.method), ("steps", steps)]
+        for text in self.notes:
+            rows.append(("note", text))
         figures = {}
         for key, value in self.last.items():
             if _is_summary_figure(key, value):

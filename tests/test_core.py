@@ -386,7 +386,10 @@ def test_run_folder_metrics_samples_timers_eval(tmp_path, monkeypatch):
     assert [s["completion"] for s in samples] == ["c0", "c1"] and samples[0]["role"] == "solver"
     run.write_eval({"gsm8k": {"acc": 0.5}})
     assert json.loads((run.dir / "eval.json").read_text()) == {"gsm8k": {"acc": 0.5}}
+    run.note("no valid question in 2 steps: nothing was trained")
     run.close()
+    note_rows = [line for line in run.summary().splitlines() if line.startswith("note")]
+    assert note_rows == ["note        no valid question in 2 steps: nothing was trained"]
 
 
 def test_atomic_write_keeps_old_content_on_failure(tmp_path):
