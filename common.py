@@ -125,7 +125,7 @@ class RunConfig:
     wandb_project: str = "selfplay"  # wandb project name
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
     verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
-    eval_only: bool = False  # evaluate the model under this method's protocol, write eval.json, exit
+    eval_only: bool = False  # evaluate under this method's protocol, write eval.json, exit
 
     # The size and limit flags for which 0 means "off" (every other one must be positive, see
     # check_limits). A method's Config declares only its own additions: parse_config takes the

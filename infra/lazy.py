@@ -1,4 +1,4 @@
-"""A heavy module imported on first use, so that `--help` and flag errors answer before torch loads."""
+"""A heavy module imported on first use: `--help` and flag errors answer before torch loads."""
 import importlib
 import types
 
