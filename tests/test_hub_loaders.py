@@ -313,13 +313,17 @@ def test_plot_of_a_file_that_holds_no_evaluation_is_one_line(tmp_path, capsys):
     metrics.write_text('{"step": 1}\n{"step": 2}\n')
     config = tmp_path / "config.json"
     config.write_text('{"model": "tiny"}')
+    empty = tmp_path / "eval.json"
+    empty.write_text('{"benchmarks": {"gsm8k": {"pass@k": {}}}, "settings": {}}')
     for path, must in ((metrics, "cannot read it as JSON"), (config, "holds no evaluation"),
-                       (tmp_path / "missing.json", "cannot read it as JSON")):
+                       (tmp_path / "missing.json", "cannot read it as JSON"),
+                       (empty, "no pass@k figures")):
         with pytest.raises(SystemExit) as stop:
-            evaluate_main(["--plot", str(path)])
+            evaluate_main(["--plot", str(path), "--out", str(tmp_path / "plots" / "")])
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert stop.value.code == 2 and len(lines) == 1 and must in lines[0], lines
         assert "eval.json files of runs or of --eval-only" in lines[0]
+        assert not (tmp_path / "plots").exists()  # nothing written, not even the folder
     with pytest.raises(SystemExit) as stop:
         evaluate_main(["--plot", str(config), "--model", "tiny"])
     assert stop.value.code == 2 and "drop --model" in capsys.readouterr().err

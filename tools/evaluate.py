@@ -85,11 +85,11 @@ def short_benchmark(name: str) -> str:
 def results_in(report: dict) -> dict:
     """The common.evaluate() results a saved JSON holds, by name: an eval.json is one result
     (named ""); this tool's --compare output or R-Zero's eval.json holds several side by side."""
-    if "benchmarks" in report:
+    if isinstance(report.get("benchmarks"), dict):
         return {"": report}
     found = {}
     for name, value in report.items():
-        if isinstance(value, dict) and "benchmarks" in value:
+        if isinstance(value, dict) and isinstance(value.get("benchmarks"), dict):
             found[name] = value
     return found
 
@@ -103,6 +103,8 @@ def pass_at_k_curves(results: list, labels: list) -> list:
         if isinstance(result.get("code"), dict):  # Absolute Zero's --eval-code, beside the math
             benchmarks.update(result["code"].get("benchmarks") or {})
         for bench, figures in benchmarks.items():
+            if not isinstance(figures, dict):
+                continue
             pass_at = figures.get("pass@k") or {}
             intervals = figures.get("pass@k_ci") or {}
             ks = sorted(int(k) for k in pass_at)
@@ -285,6 +287,9 @@ def plot_saved(parser, args) -> int:
                      "to evaluate a model")
     try:
         results, labels = load_saved_results(args.plot)
+        if not pass_at_k_curves(results, labels):
+            raise common.InputError(f"--plot {' '.join(args.plot)}: no pass@k figures in these "
+                                    "files; pass eval.json files of runs or of --eval-only")
         png = output_path(args.out, "pass_at_k.png")
     except ValueError as e:
         parser.error(str(e))
