@@ -231,3 +231,99 @@ def test_pass_at_k_png_is_drawn_readable_and_the_legend_covers_no_point(tmp_path
                 box = leg.get_window_extent(renderer)
                 inside = [(x, y) for x, y in pts if box.x0 <= x <= box.x1 and box.y0 <= y <= box.y1]
                 assert not inside, f"the legend covers {inside} of {line.get_label()!r}"
+
+
+def _eval_json(folder, benchmarks, code=None):
+    """A run folder's eval.json, in common.evaluate's layout (and Absolute Zero's code results)."""
+    report = {"benchmarks": {}, "settings": {"n": 16}}
+    for bench, points in benchmarks.items():
+        report["benchmarks"][bench] = {"greedy_acc": points[1], "pass@k_source": "samples",
+                                       **_result(points)["benchmarks"]["gsm8k"]}
+    if code:
+        report["code"] = {"benchmarks": {"humaneval+": _result(code)["benchmarks"]["gsm8k"]},
+                          "settings": {}}
+    folder.mkdir(parents=True)
+    (folder / "eval.json").write_text(json.dumps(report))
+    return folder / "eval.json", report
+
+
+def test_plot_of_two_eval_files_draws_their_figures_readably(tmp_path, monkeypatch, capsys):
+    """RQ1's base-vs-trained plot from two runs' eval.json: every figure and 95% interval the files
+    hold drawn as given, y from 0 to 1, short labels, markers, the legend outside the panels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.figure
+    from tools.evaluate import main as evaluate_main
+    figs = []
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(self, *a, **k):
+        figs.append(self)
+        return save(self, *a, **k)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    held_out = str(tmp_path / "a" / "very" / "long" / "path" / "held_out.jsonl")
+    files = {"azr-base": _eval_json(tmp_path / "runs" / "azr-base",
+                                    {held_out: {1: 0.2, 4: 0.5, 16: 0.8, 64: 0.9},
+                                     "gsm8k": {1: 0.1, 2: 0.2}}),
+             "azr-trained": _eval_json(tmp_path / "runs" / "azr-trained",
+                                       {held_out: {1: 0.4, 4: 0.6, 16: 0.8, 64: 0.88},
+                                        "gsm8k": {1: 0.1, 2: 0.2}},
+                                       code={1: 0.3, 8: 0.5})}
+    png = tmp_path / "rq1.png"
+    argv = ["--plot"] + [str(path) for path, _ in files.values()] + ["--out", str(png)]
+    assert evaluate_main(argv) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {png}" and png.stat().st_size > 10_000
+    (fig,) = figs
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) == {"held_out", "gsm8k", "humaneval+"}
+    markers = {}
+    for label, (_, report) in files.items():
+        benchmarks = dict(report["benchmarks"])
+        benchmarks.update(report.get("code", {}).get("benchmarks", {}))
+        for bench, figures in benchmarks.items():
+            ax = panels[bench.rsplit("/", 1)[-1].removesuffix(".jsonl")]
+            (line,) = [line for line in ax.get_lines() if line.get_label() == label]
+            ks = sorted(int(k) for k in figures["pass@k"])
+            assert list(line.get_xdata()) == ks
+            assert list(line.get_ydata()) == [figures["pass@k"][str(k)] for k in ks]
+            (band,) = [c for c in ax.collections if c.get_gid() == label]
+            corners = band.get_paths()[0].vertices
+            for k in ks:
+                at_k = corners[corners[:, 0] == k][:, 1]
+                assert [at_k.min(), at_k.max()] == figures["pass@k_ci"][str(k)], (label, bench, k)
+            assert line.get_marker() not in (None, "None", "")
+            markers.setdefault(label, set()).add((line.get_marker(), line.get_markersize()))
+    assert not markers["azr-base"] & markers["azr-trained"]  # one curve never hides the other
+    for ax in panels.values():
+        assert ax.get_ylim() == (0.0, 1.0)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (legend,) = fig.legends
+    assert [text.get_text() for text in legend.get_texts()] == ["azr-base", "azr-trained"]
+    box = legend.get_window_extent(renderer)
+    for ax in panels.values():
+        assert not box.overlaps(ax.get_window_extent(renderer)), "the legend sits on a panel"
+
+
+def test_plot_of_a_file_that_holds_no_evaluation_is_one_line(tmp_path, capsys):
+    from tools.evaluate import main as evaluate_main
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    config = tmp_path / "config.json"
+    config.write_text('{"model": "tiny"}')
+    empty = tmp_path / "eval.json"
+    empty.write_text('{"benchmarks": {"gsm8k": {"pass@k": {}}}, "settings": {}}')
+    for path, must in ((metrics, "cannot read it as JSON"), (config, "holds no evaluation"),
+                       (tmp_path / "missing.json", "cannot read it as JSON"),
+                       (empty, "no pass@k figures")):
+        with pytest.raises(SystemExit) as stop:
+            evaluate_main(["--plot", str(path), "--out", str(tmp_path / "plots" / "")])
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert stop.value.code == 2 and len(lines) == 1 and must in lines[0], lines
+        assert "eval.json files of runs or of --eval-only" in lines[0]
+        assert not (tmp_path / "plots").exists()  # nothing written, not even the folder
+    with pytest.raises(SystemExit) as stop:
+        evaluate_main(["--plot", str(config), "--model", "tiny"])
+    assert stop.value.code == 2 and "drop --model" in capsys.readouterr().err

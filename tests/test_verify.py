@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -30,7 +31,7 @@ from common import (FORMAT_ERROR, INVALID_QUESTION, WRONG_FORMATTED, Decontamina
 import r_zero
 from infra.bleu import DENSE_DF
 from tools.sparsity import main as sparsity_main
-from tools.sparsity import update_sparsity
+from tools.sparsity import layer_type, update_sparsity
 from tools.evaluate import main as evaluate_main
 
 DATA = Path(__file__).parent / "data"
@@ -670,6 +671,137 @@ def test_update_sparsity_identical_and_after_train_step(tiny_model_path, tiny_po
     assert got["sparsity"] == pytest.approx(after["sparsity"]) and got["n_params"] == n_unique
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         update_sparsity(tiny_model_path, str(tmp_path / "missing"))
+
+
+def _move_weights(model, moves, seed=0):
+    """For each parameter named in `moves` (name -> (n_far, n_near)), multiply n_far of its nonzero
+    entries by 1.5, which bf16 keeps apart, and n_near others by 1 + 2^-12, less than half a bf16
+    step; the places drawn by `seed`. How many of each were moved, by layer type."""
+    far, near = {}, {}
+    generator = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (n_far, n_near) in moves.items():
+            flat = params[name].view(-1)
+            order = torch.randperm(flat.numel(), generator=generator)
+            places = [int(i) for i in order if flat[i] != 0]
+            flat[places[:n_far]] *= 1.5
+            flat[places[n_far:n_far + n_near]] *= 1 + 2**-12
+            kind = layer_type(name)
+            far[kind] = far.get(kind, 0) + n_far
+            near[kind] = near.get(kind, 0) + n_near
+    return far, near
+
+
+def _sum_counts(*counts):
+    total = {}
+    for count in counts:
+        for kind, n in count.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
+def _check_sparsity_output(text, n_params_by_type, changed_by_type, dtype):
+    """The CLI's plain line and JSON: exactly the unchanged counts expected, per layer type too."""
+    headline, _, body = text.partition("\n")
+    got = json.loads(body)
+    n = sum(n_params_by_type.values())
+    changed = sum(changed_by_type.values())
+    assert got["n_params"] == n and got["n_unchanged"] == n - changed and got["dtype"] == dtype
+    assert got["sparsity"] == (n - changed) / n
+    for kind, n_kind in n_params_by_type.items():
+        expect = (n_kind - changed_by_type.get(kind, 0)) / n_kind
+        assert got["per_type"][kind] == {"sparsity": expect, "n_params": n_kind}, kind
+    assert headline.startswith(f"{(n - changed) / n:.1%} of parameters unchanged; by layer type: ")
+    assert f"mlp {got['per_type']['mlp']['sparsity']:.1%}" in headline
+    return got
+
+
+def test_sparsity_as_released_counts_exactly_the_bf16_distinct_changes(tiny_model_path, tmp_path,
+                                                                      capsys):
+    """A trained fp32 checkpoint that differs from its bf16 base in a known number of weights bf16
+    keeps apart (x1.5) and in others by less than half a bf16 step (x(1 + 2^-12)): compared as
+    released (the default, the base's bf16) only the first count; --dtype float32 counts both.
+    Against `tiny` itself (fp32) every change counts."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
+    n_params_by_type = {}
+    for name, param in model.named_parameters():  # a tied head appears once
+        kind = layer_type(name)
+        n_params_by_type[kind] = n_params_by_type.get(kind, 0) + param.numel()
+    moves = {"model.embed_tokens.weight": (7, 5), "model.layers.0.self_attn.q_proj.weight": (11, 0),
+             "model.layers.1.mlp.down_proj.weight": (13, 17), "model.norm.weight": (2, 0),
+             "model.layers.1.self_attn.o_proj.weight": (0, 3),
+             "model.layers.0.input_layernorm.weight": (0, 4)}
+
+    # against `tiny`, an fp32 base: the default compares in fp32, so both kinds of change count
+    tiny_trained = tmp_path / "tiny_trained"
+    far, near = _move_weights(model, moves)
+    model.save_pretrained(str(tiny_trained))
+    assert sparsity_main(["tiny", str(tiny_trained)]) == 0
+    got = _check_sparsity_output(capsys.readouterr().out, n_params_by_type, _sum_counts(far, near),
+                                 "float32")
+    assert got["stored_dtype"] == {"base": "float32", "trained": "float32"} and got["tied"]
+
+    # a bf16 base, and the trained model's fp32 master weights moved from it
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.bfloat16)
+    base, trained = tmp_path / "base_bf16", tmp_path / "trained_fp32"
+    model.save_pretrained(str(base))
+    model.float()  # the base's values exactly, as the trainer's fp32 master copy starts
+    far, near = _move_weights(model, moves)
+    model.save_pretrained(str(trained))
+    out = tmp_path / "sp.json"
+    assert sparsity_main([str(base), str(trained), "--out", str(out)]) == 0
+    got = _check_sparsity_output(capsys.readouterr().out, n_params_by_type, far, "bfloat16")
+    assert got["stored_dtype"] == {"base": "bfloat16", "trained": "float32"}
+    assert json.loads(out.read_text()) == got
+    assert sparsity_main([str(base), str(trained), "--dtype", "fp32"]) == 0
+    _check_sparsity_output(capsys.readouterr().out, n_params_by_type, _sum_counts(far, near),
+                           "float32")
+
+
+def test_sparsity_bad_input_is_one_line_naming_the_fix(tiny_model_path, tmp_path, capsys):
+    from safetensors.torch import save_file
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    other = tmp_path / "other.safetensors"
+    save_file({"model.other.weight": torch.zeros(2)}, str(other))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    cases = [([str(tmp_path / "missing")], ["base", "no such local folder", "save_pretrained"]),
+             ([str(empty)], ["no *.safetensors / *.bin weights", "'tiny', a hub id"]),
+             ([str(broken)], ["cannot read its weights", "intact checkpoint"]),
+             ([str(other)], ["hold different parameters", "its own base"]),
+             (["--dtype", "fp8"], ["--dtype", "invalid choice: 'fp8'"]),
+             (["--out", str(blocked / "sub" / "x.json")], ["cannot write into", "a folder"])]
+    for args, musts in cases:
+        argv = [tiny_model_path, *args]
+        if args[0] == str(tmp_path / "missing"):
+            argv = args + [tiny_model_path]
+        elif args[0].startswith("--"):
+            argv = [tiny_model_path, tiny_model_path, *args]
+        with pytest.raises(SystemExit) as stop:
+            sparsity_main(argv)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert stop.value.code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith("sparsity.py: error: ") and lines[0].endswith("(see --help)")
+        for must in musts:
+            assert must in lines[0], (must, lines[0])
+    assert not (blocked.parent / "sub").exists() and blocked.read_text() == ""
+
+
+def test_sparsity_and_evaluate_help_open_with_one_sentence(capsys):
+    for main in (sparsity_main, evaluate_main):
+        with pytest.raises(SystemExit) as stop:
+            main(["--help"])
+        assert stop.value.code == 0
+        blocks = capsys.readouterr().out.split("\n\n")
+        assert blocks[0].startswith("usage: ")
+        opening = " ".join(blocks[1].split())  # the description, right after the usage
+        assert opening[0].isupper() and opening.endswith("."), opening
+        assert not re.search(r"\. [A-Z]", opening), opening  # one sentence ("Eq. 2" is no end)
 
 
 def test_cli_eval_hf_backend(tiny_model_path, tmp_path, capsys):

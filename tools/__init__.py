@@ -1,1 +1,3 @@
-"""What users run besides the four methods: evaluation with pass@k curves, update sparsity."""
+"""What users run besides the four methods, the analyses of "Towards Understanding Self-play for LLM
+Reasoning" among them (README, "Analyses"): evaluate.py, greedy accuracy and pass@k of a model, and
+the pass@k curves of saved evaluations (RQ1); sparsity.py, update sparsity as released (RQ4)."""

@@ -1,17 +1,35 @@
-"""Parameter update sparsity between two checkpoints (the understanding paper's Eq. 2):
-S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n, the share of parameters left exactly unchanged.
+"""Update sparsity between a base model and a trained one, as released: Eq. 2 of "Towards
+Understanding Self-play for LLM Reasoning" (§3.4), S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n, the share of
+parameters left exactly unchanged, overall and per layer type.
 
-    python tools/sparsity.py CKPT_A CKPT_B [--out result.json]
+    python tools/sparsity.py BASE TRAINED [--dtype base] [--out result.json]
 
-CKPT_A / CKPT_B: folders written by save_pretrained, .safetensors / .bin files, or hub ids.
+BASE, TRAINED: 'tiny', a hub id, a folder written by save_pretrained (a run's checkpoints/step_<k>),
+or a .safetensors / .bin file. Our checkpoints hold fp32 master weights, while a released checkpoint
+is cast to its base's dtype (bf16 for Qwen), which rounds most small updates away, and the paper
+measured released checkpoints. So by default the trained weights are cast to the dtype the base
+stores each tensor in (round to nearest, as `model.to(dtype)` does) before comparing; `--dtype
+float32` counts every weight the optimizer moved.
 """
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+from infra.cli import ArgParser  # noqa: E402
+from infra.lazy import LazyModule  # noqa: E402
+from tools.evaluate import output_path  # noqa: E402
+
+torch = LazyModule("torch", globals())  # imported on first use: --help and bad paths answer first
+
+# --dtype: "base" compares each tensor in the dtype the base stores it in; the others cast both
+DTYPES = {"base": "base", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "fp16": "float16", "float32": "float32", "fp32": "float32"}
+_FIX = "pass 'tiny', a hub id, a folder written by save_pretrained, or a .safetensors / .bin file"
 
 
 def _strip(k):
@@ -26,10 +44,24 @@ def _hub_snapshot(repo_id):
         from huggingface_hub import snapshot_download
         return snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"])
     except Exception as e:
-        raise FileNotFoundError(f"{repo_id}: not a local checkpoint folder, and the Hugging Face "
-                                f"hub did not provide it ({type(e).__name__}: {str(e)[:200]}). "
-                                "Pass a local folder written by save_pretrained, or check the id / "
-                                "network.") from None
+        raise FileNotFoundError(f"{repo_id}: not a local checkpoint, and the Hugging Face hub did "
+                                f"not provide it ({type(e).__name__}); {_FIX}") from None
+
+
+def checkpoint_path(name: str, flag: str) -> str:
+    """A local path for a checkpoint named as the methods' --model accepts it, or a weights file."""
+    if Path(name).expanduser().exists():  # a folder (config.json or not) or a weights file
+        return str(Path(name).expanduser())
+    common.check_model(name, flag)  # 'tiny', or a hub id (cached, when offline)
+    path = common.resolve_model_path(name)  # builds 'tiny' once
+    if Path(path).exists():
+        return path
+    return _hub_snapshot(path)
+
+
+def _read_error(file, error):
+    return ValueError(f"{file}: cannot read its weights ({type(error).__name__}: "
+                      f"{str(error)[:200]}); pass an intact checkpoint")
 
 
 class Tensors:
@@ -92,21 +124,25 @@ class Tensors:
         elif p.is_file():
             files = [p]
         else:
-            raise FileNotFoundError(f"{src}: no such checkpoint folder or file (pass a folder "
-                                    "written by save_pretrained, a .safetensors file, a model or "
-                                    "a state dict)")
+            raise FileNotFoundError(f"{src}: no such checkpoint folder or file; {_FIX}")
         if not files:
-            raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder")
+            raise FileNotFoundError(f"{src}: no *.safetensors / *.bin weights in this folder; "
+                                    f"{_FIX}")
         index = {}
         for f in files:
-            if f.suffix == ".safetensors":
-                from safetensors import safe_open
-                with safe_open(str(f), framework="pt") as h:
-                    index.update((_strip(k), f) for k in h.keys())
-            else:
-                sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
-                index.update((_strip(k), f) for k in sd)
+            try:
+                index.update((_strip(k), f) for k in self._names_in(f))
+            except Exception as e:  # a truncated or foreign file
+                raise _read_error(f, e) from None
         return index
+
+    @staticmethod
+    def _names_in(file):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(file), framework="pt") as h:
+                return list(h.keys())
+        return list(torch.load(str(file), map_location="cpu", mmap=True, weights_only=True))
 
     def keys(self):
         if self.sd is not None:
@@ -147,6 +183,17 @@ def layer_type(name):
     return "other"
 
 
+def as_released(base, trained, dtype="base"):
+    """Both tensors as checkpoints saved in `dtype` hold them (round to nearest): "base" casts the
+    trained tensor to the base's dtype. Integer tensors are compared as stored."""
+    if not (base.is_floating_point() and trained.is_floating_point()):
+        return base, trained
+    target = base.dtype
+    if dtype != "base":
+        target = getattr(torch, DTYPES[dtype])
+    return base.to(target), trained.to(target)
+
+
 def unchanged(a, b):
     """Exactly-equal entries (bitwise in the stored dtype: NaN == NaN); float32 if dtypes differ."""
     if a.dtype == b.dtype and a.is_floating_point():
@@ -164,43 +211,52 @@ def _dtype_name(tensor):
     return str(tensor.dtype).replace("torch.", "")
 
 
-def update_sparsity(a, b):
-    """Eq. 2 between models, state dicts or checkpoints, tensor by tensor on the CPU, exact equality
-    in the stored dtype (bf16 storage rounds small updates away), a tied head counted once.
-    {"sparsity", "n_params", "n_unchanged", "dtype", "n_tensors", "tied", "per_type"}."""
+def _shared_names(ta, tb):
+    """The parameter names both sides hold (a tied head counted once), or a ValueError."""
+    names = ta.keys()
+    other = set(tb.keys())
+    if ta.tied or tb.tied:  # a tied head is the embedding: count it once, whichever side stored it
+        names = [k for k in names if k != "lm_head.weight"]
+        other.discard("lm_head.weight")
+    only_a = sorted(set(names) - other)
+    only_b = sorted(other - set(names))
+    if only_a or only_b:
+        raise ValueError(f"the two checkpoints hold different parameters (only in the base: "
+                         f"{only_a[:3]}, only in the trained: {only_b[:3]}); compare a trained "
+                         "model with its own base")
+    return names
+
+
+def update_sparsity(a, b, dtype="base"):
+    """Eq. 2 between a base `a` and a trained `b` (models, state dicts or checkpoints), tensor by
+    tensor on the CPU, exact equality after `as_released(dtype)`, a tied head counted once.
+    {"sparsity", "n_params", "n_unchanged", "dtype", "stored_dtype", "n_tensors", "tied",
+    "per_type": {type: {"sparsity", "n_params"}}}; "dtype" is the one compared in."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     ta = Tensors(a)
     tb = Tensors(b)
-    ka = ta.keys()
-    kb = set(tb.keys())
-    tied = ta.tied or tb.tied
-    if tied:  # a tied head is the embedding: count it once, whichever side stored it
-        ka = [k for k in ka if k != "lm_head.weight"]
-        kb.discard("lm_head.weight")
-    only_a = sorted(set(ka) - kb)
-    only_b = sorted(kb - set(ka))
-    if only_a or only_b:
-        raise ValueError(f"update_sparsity: the two checkpoints hold different parameters: only "
-                         f"in A {only_a[:5]}{'...' if len(only_a) > 5 else ''}, only in B "
-                         f"{only_b[:5]}. Compare checkpoints of the same architecture.")
+    names = _shared_names(ta, tb)
     n_params = {}  # per layer type
     n_unchanged = {}
-    dtypes = set()
-    for k in ka:
+    compared = set()  # the dtypes compared in
+    stored = {"base": set(), "trained": set()}
+    for k in names:
         x = ta.get(k).cpu()
         y = tb.get(k).cpu()
         if x.shape != y.shape:
-            raise ValueError(f"update_sparsity: {k} has shape {tuple(x.shape)} in A but "
-                             f"{tuple(y.shape)} in B")
-        dtype = _dtype_name(x)
-        if x.dtype != y.dtype:
-            dtype += "/" + _dtype_name(y)
-        dtypes.add(dtype)
+            raise ValueError(f"{k} has shape {tuple(x.shape)} in the base but {tuple(y.shape)} "
+                             "in the trained model; compare a trained model with its own base")
+        stored["base"].add(_dtype_name(x))
+        stored["trained"].add(_dtype_name(y))
+        x, y = as_released(x, y, dtype)
+        compared.add(_dtype_name(x))
         kind = layer_type(k)
         n_params[kind] = n_params.get(kind, 0) + x.numel()
         n_unchanged[kind] = n_unchanged.get(kind, 0) + unchanged(x, y)
     total = sum(n_params.values())
     if total == 0:
-        raise ValueError("update_sparsity: no parameters to compare")
+        raise ValueError("no parameters to compare; pass checkpoints that hold weights")
     total_unchanged = sum(n_unchanged.values())
     per_type = {}
     for kind in sorted(n_params):
@@ -209,24 +265,59 @@ def update_sparsity(a, b):
     return {"sparsity": total_unchanged / total,
             "n_params": total,
             "n_unchanged": total_unchanged,
-            "dtype": ",".join(sorted(dtypes)),
-            "n_tensors": len(ka),
-            "tied": tied,
+            "dtype": ",".join(sorted(compared)),
+            "stored_dtype": {side: ",".join(sorted(kinds)) for side, kinds in stored.items()},
+            "n_tensors": len(names),
+            "tied": ta.tied or tb.tied,
             "per_type": per_type}
 
 
+def headline(result: dict) -> str:
+    """The plain line printed before the JSON."""
+    by_type = []
+    for kind, figures in result["per_type"].items():
+        by_type.append(f"{kind} {figures['sparsity']:.1%}")
+    return (f"{result['sparsity']:.1%} of parameters unchanged; by layer type: "
+            f"{', '.join(by_type)} ({result['n_params']:,} parameters, compared in "
+            f"{result['dtype']})")
+
+
+def build_parser():
+    parser = ArgParser(
+        prog="sparsity.py",
+        description="Measure the update sparsity of a trained model against its base: the share "
+                    "of parameters left exactly unchanged (Eq. 2 of 'Towards Understanding "
+                    "Self-play for LLM Reasoning'), overall and per layer type.")
+    parser.add_argument("base", help="the base model: 'tiny', a hub id, a save_pretrained folder, "
+                                     "or a .safetensors / .bin file")
+    parser.add_argument("trained", help="the trained model (a run's checkpoints/step_<k>), as BASE")
+    parser.add_argument("--dtype", default="base", choices=list(DTYPES),
+                        help="compare in this dtype; 'base' (default) casts the trained weights "
+                             "to the base's dtype, as a released checkpoint is cast")
+    parser.add_argument("--out", default="",
+                        help="also write the JSON result to this file (or a folder, for "
+                             "sparsity.json in it)")
+    return parser
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="update sparsity (Eq. 2) between two checkpoints")
-    ap.add_argument("a")
-    ap.add_argument("b")
-    ap.add_argument("--out", default="", help="also write the JSON result here")
-    args = ap.parse_args(argv)
-    res = update_sparsity(args.a, args.b)
-    res.update(a=args.a, b=args.b)
-    text = json.dumps(res, indent=2)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        out = None
+        if args.out:
+            out = output_path(args.out, "sparsity.json")  # created and checked writable first
+        base = checkpoint_path(args.base, "base")
+        trained = checkpoint_path(args.trained, "trained")
+        result = update_sparsity(base, trained, args.dtype)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    result.update(base=args.base, trained=args.trained)
+    text = json.dumps(result, indent=2)
+    print(headline(result))
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out is not None:
+        out.write_text(text + "\n")
     return 0
 
 
