@@ -3,7 +3,7 @@ the Challenger turns a document into a question with its gold answer (MCQ or fre
 Reasoner answers, seeing only the question.
 
 One iteration (Alg. 1, §3.1), one function per step:
-  1. sample_documents     B segments of <= 5,992 tokens, drawn uniformly from the corpus
+  1. sample_documents     B documents, each cut to <= 5,992 tokens, drawn uniformly from the corpus
   2. select_task_types    the Fig. 9 call (untrained): MCQ, or free-form and its answer type
   3. challenger_generate  attempts (q, a*) ~ pi(.|d, C) until one is valid or N were made; keep G
   4. reasoner_solve       K answers ~ pi(.|q, R) per valid task, without the document
@@ -12,17 +12,23 @@ One iteration (Alg. 1, §3.1), one function per step:
   7. build_trajectories   A = r - mean(group) per role and document, no std (Eq. 3)
   8. drgrpo_update        Dr. GRPO (Eqs. 3-4): one optimizer step per 128 trajectories, then re-sync
 Run: python spice.py --model Qwen/Qwen3-4B-Base (--resume RUN_DIR); smoke: --model tiny (CPU).
+Evaluate a model only (Table 1's protocol, no training): --eval-only --model MODEL_OR_CHECKPOINT.
 
-Choices where the paper is inconsistent or silent:
+Choices where the paper is inconsistent or silent, and where we differ from it:
 - One Reasoner task per document (§3.1), not one per iteration (Alg. 1); T_R reuses the K answers
   behind r_C (§2.5), not new ones (Alg. 1 l. 16). B = 128 documents (§3.1).
 - Answer types Integer / Expression / String (the text), not Fig. 2's.
 - r_C uses the population variance p(1 - p); torch.var's unbiased default moves the peak off 50%.
 - Both roles generate <= 4,096 tokens (Dr. GRPO's L_max); truncated: r_R = 0, invalid task.
-- An open stand-in corpus; segments and questions sharing a 13-gram with an eval set are dropped.
+- An open stand-in corpus; documents and questions sharing a 13-gram with an eval set are dropped.
 - Oat's defaults: clip 0.2, one epoch, grad clip 1, betas (0.9, 0.95), truncated IS at 2.
-- LaTeX in the Challenger's JSON is read as written; Math-Verify with Oat's 1 s timeout.
 - Prompts in our words; zero-advantage groups stay in the batch (*/zero_adv_group_frac).
+- The Fig. 9 type-selection call is greedy (ours), where both roles otherwise sample at T 1.0.
+- Validity is stricter than §4's (a task failing it gets rho): an Integer answer is digits only
+  ("42 apples" fails), a String <= 3 words, the MCQ key a letter ("D) 4" fails), options distinct.
+- A String answer is compared on its letters and digits, lower-cased: "C++" matches "C".
+- LaTeX in the Challenger's JSON is read as written. Math-Verify (Oat's 1 s timeout) also judges
+  the evaluation, where the paper used GPT-4o; AIME samples at T 0.6 and top-p 0.95 (p unstated).
 """
 from __future__ import annotations
 
@@ -46,41 +52,43 @@ DEFAULT_CORPUS = "open-web-math/open-web-math,HuggingFaceFW/fineweb-edu:sample-1
 
 @dataclass
 class Config(common.RunConfig):
+    """SPICE: one model learns to reason as Challenger and Reasoner on the documents of a corpus."""
     # the flags of this Config for which 0 means "all" (RunConfig declares the shared ones)
     ZERO_MEANS_OFF: typing.ClassVar[tuple] = ("corpus_docs",)
-    model: str = "Qwen/Qwen3-4B-Base"  # §3.1 (also Qwen3-8B-Base, OctoThinker-3B/8B-Hybrid-Base)
-    corpus: str = DEFAULT_CORPUS  # JSONL paths or hub ids [id:config@split], equal shares (App. B)
-    corpus_field: str = "text"  # the document field of a corpus row
+    model: str = "Qwen/Qwen3-4B-Base"  # the model of both roles (§3.1; also Qwen3-8B, OctoThinker)
+    corpus: str = DEFAULT_CORPUS  # JSONL files or hub ids (id:config@split), equal shares (App. B)
+    corpus_field: str = "text"  # the field of a corpus row that holds its document (the hub sets')
     corpus_docs: int = 20000  # documents read in all; 0 = all of a local file (§3.1)
-    chunk_tokens: int = 5992  # max tokens per document segment (App. B)
-    steps: int = 640  # iterations T (§3.1, App. B)
+    chunk_tokens: int = 5992  # tokens kept of each document, the rest cut off (App. B)
+    split_documents: bool = False  # split long documents, each piece drawn alone (ours)
+    steps: int = 640  # iterations T to run (§3.1, App. B)
     docs_per_step: int = 128  # B, documents per iteration (§3.1)
     group_size: int = 8  # G, Challenger trajectories kept per document (§3.1, Table 5)
     reasoner_k: int = 8  # K, Reasoner answers per valid task (= G, §3.1)
     max_attempts: int = 1024  # N, Challenger attempts per document before giving up (§3.1)
     invalid_penalty: float = -0.1  # rho, the Challenger reward of an invalid task (§3.1)
     tau: float = 0.01  # width of the Gaussian around the variance 0.25 (Eq. 1, App. D)
-    challenger_reward: str = "variance"  # Eq. 1; Table 4: learnability, uncertainty, threshold
-    task_types: str = "both"  # both | mcq | free (§4 ablation)
-    type_selection: str = "prompt"  # prompt: the Fig. 9 call (untrained) | random: a coin
-    no_document: bool = False  # ablation: the Challenger writes without a document (Fig. 4b)
-    challenger_model: str = ""  # a frozen model writes the tasks (Table 1: Strong Challenger)
-    challenger_gpu_memory_utilization: float = 0.2  # its own engine's GPU share, if not swapped in
-    eval_benchmarks: str = TABLE1  # Table 1 (App. A): greedy; AIME mean@32 at T 0.6
-    eval_max_tokens: int = 4096  # the Reasoner's training limit (App. A gives none)
+    challenger_reward: str = "variance"  # Challenger reward: variance (Eq. 1) or a Table 4 one
+    task_types: str = "both"  # task kinds written: both (§3.1) | mcq | free (§4 ablation)
+    type_selection: str = "prompt"  # kind chosen by prompt (Fig. 9, untrained) or random (a coin)
+    no_document: bool = False  # the Challenger writes without a document (ablation, Fig. 4b)
+    challenger_model: str = ""  # a frozen model writes every task (Table 1's Strong Challenger)
+    challenger_gpu_memory_utilization: float = 0.2  # its own engine's GPU share, if any (ours)
+    eval_benchmarks: str = TABLE1  # names or JSONL files; name@N scores mean@N (Table 1, App. A)
+    eval_max_tokens: int = 4096  # tokens per evaluation answer (training's limit; App. A: none)
     eval_base: bool = False  # also evaluate the model before step 1 (Table 1's "Base Model" row)
-    decontaminate: bool = True  # drop segments, questions sharing a 13-gram with eval sets (ours)
-    temperature: float = 1.0  # both roles (§3.1)
-    max_tokens: int = 4096  # both roles; Dr. GRPO's L_max (not stated; Oat recipes 3,000-4,096)
+    decontaminate: bool = True  # drop documents, questions sharing a 13-gram with eval sets (ours)
+    temperature: float = 1.0  # sampling temperature of both roles (§3.1)
+    max_tokens: int = 4096  # new tokens per reply and L_max (unstated; Oat recipes 3,000-4,096)
     verify_timeout: float = 1.0  # s per Math-Verify check, train and eval (oat/oracles/math.py)
-    type_select_max_tokens: int = 512  # generation limit of the type-selection call (ours)
-    prompt_format: str = "auto"  # auto | chat (ChatML, Qwen3) | plain (OctoThinker) (Fig. 8)
-    lr: float = 1e-6  # constant (App. B)
-    clip: float = 0.2  # PPO clip, active from the 2nd mini-batch on (oat/args.py)
+    type_select_max_tokens: int = 512  # new tokens of the type-selection call (ours)
+    prompt_format: str = "auto"  # the wrapper: auto | chat (Qwen3) | plain (OctoThinker) (Fig. 8)
+    lr: float = 1e-6  # learning rate, constant (App. B)
+    clip: float = 0.2  # PPO clip epsilon, active from the 2nd mini-batch on (oat/args.py)
     mini_batch: int = 128  # trajectories per optimizer step (App. B; oat/args.py train_batch_size)
     tis_cap: float = 2.0  # truncated IS cap on exp(l_old - l_vllm), 0 = off (oat/args.py tis_c)
     adam_beta2: float = 0.95  # AdamW beta_2 (oat/args.py adam_beta_2)
-    max_model_len: int = 12288  # a 5,992-token document + prompt + 4,096 generated tokens
+    max_model_len: int = 12288  # tokens per sequence: a 5,992-token document, prompt, 4,096 new
 
 
 CHOICES = {"challenger_reward": ("variance", "learnability", "uncertainty", "threshold"),
@@ -374,7 +382,7 @@ def grade_answers(task: Task, completions: list, timeout: float = 1.0) -> list[f
     return [float(e) for e in equal]
 
 
-# The corpus: local JSONL or streamed hub sets, cut into segments of <= chunk_tokens tokens.
+# The corpus: local JSONL or streamed hub sets, each document cut to <= chunk_tokens tokens.
 def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[str]:
     """The documents of a JSONL file or a hub set "owner/name[:config][@split]", streamed (limit 0:
     all of a file, 20,000 of a hub set); bad input stops naming the source and the fix."""
@@ -415,8 +423,8 @@ def read_documents(src: str, field_name: str = "text", limit: int = 0) -> list[s
     return docs
 
 
-def segment_tokens(cfg: Config, tokenizer, prompts: dict) -> int:
-    """cfg.chunk_tokens, or less: a segment leaves room for the longest Challenger prompt around
+def document_tokens(cfg: Config, tokenizer, prompts: dict) -> int:
+    """cfg.chunk_tokens, or less: a document leaves room for the longest Challenger prompt around
     it and the Challenger's reply."""
     fmt = resolve_prompt_format(cfg, tokenizer)
     kinds = [("select", None), ("mcq", None)] + [("free", t) for t in ANSWER_TYPES]
@@ -432,32 +440,37 @@ def segment_tokens(cfg: Config, tokenizer, prompts: dict) -> int:
 
 
 def load_corpus(cfg: Config, tokenizer, chunk_tokens: int, decon=None) -> list[str]:
-    """Each source's documents (equal shares of cfg.corpus_docs) cut into segments of at most
-    chunk_tokens tokens, less those that share a 13-gram with an eval set (`decon`)."""
+    """Each source's documents (equal shares of cfg.corpus_docs), each cut to its first
+    chunk_tokens tokens (App. B) or, with --split-documents, into segments of at most that many,
+    less those that share a 13-gram with an eval set (`decon`)."""
     sources = [s.strip() for s in cfg.corpus.split(",") if s.strip()]
     if not sources:
         raise common.InputError("--corpus is empty; pass a JSONL file or a hub dataset id")
     docs_per_source = cfg.corpus_docs // len(sources)
-    segments = []
+    texts = []
     for src in sources:
         for document in read_documents(src, cfg.corpus_field, docs_per_source):
             ids = tokenizer(document, add_special_tokens=False)["input_ids"]
             if len(ids) <= chunk_tokens:
-                segments.append(document)
+                texts.append(document)
                 continue
-            for start in range(0, len(ids), chunk_tokens):
-                segments.append(tokenizer.decode(ids[start:start + chunk_tokens]))
+            # truncated as in the paper; split, a long document has one draw per segment
+            starts = [0]
+            if cfg.split_documents:
+                starts = range(0, len(ids), chunk_tokens)
+            for start in starts:
+                texts.append(tokenizer.decode(ids[start:start + chunk_tokens]))
     # "<|im_end|>" in web text would end the prompt as a real control token
-    cleaned = [common.strip_special_tokens(s, tokenizer) for s in segments]
-    segments = [s for s in cleaned if s.strip()]
+    cleaned = [common.strip_special_tokens(s, tokenizer) for s in texts]
+    texts = [s for s in cleaned if s.strip()]
     if decon is None:
-        return segments
-    contaminated = decon.flags(segments)
-    kept = [s for s, bad in zip(segments, contaminated) if not bad]
-    print(f"[spice] corpus: {len(kept)} segments ({len(segments) - len(kept)} dropped as "
+        return texts
+    contaminated = decon.flags(texts)
+    kept = [s for s, bad in zip(texts, contaminated) if not bad]
+    print(f"[spice] corpus: {len(kept)} documents ({len(texts) - len(kept)} dropped as "
           "contaminated)", file=sys.stderr)
     if not kept:
-        raise common.InputError("every corpus segment overlaps an eval set; use another corpus")
+        raise common.InputError("every corpus document overlaps an eval set; use another corpus")
     return kept
 
 
@@ -493,7 +506,7 @@ def _mean(xs) -> float:
 
 
 def sample_documents(corpus: list[str], n: int, rng, no_document: bool = False) -> list:
-    """Step 1: B segments drawn uniformly, without replacement within an iteration if possible."""
+    """Step 1: B documents drawn uniformly, without replacement within an iteration if possible."""
     if no_document:
         return [None] * n
     picks = rng.choice(len(corpus), size=n, replace=len(corpus) < n)
@@ -701,6 +714,17 @@ def step_metrics(rollouts: list[DocRollout], answers: list[list[Answers]],
     return metrics
 
 
+def untrained_note(learned: dict, steps: int) -> str | None:
+    """The summary's line on a run that trained nothing, from the counts of steps with a valid
+    question (learned["valid"]) and with a non-zero gradient (learned["trained"]); else None."""
+    steps_text = f"{steps} steps" if steps != 1 else "1 step"
+    if learned["valid"] == 0:  # every Challenger reward rho: zero advantages, no Reasoner task
+        return f"no valid question in {steps_text}: nothing was trained"
+    if learned["trained"] == 0:  # every group's rewards were equal
+        return f"every advantage was 0 in {steps_text} (zero gradients): nothing was trained"
+    return None
+
+
 def sample_records(rollouts: list[DocRollout], answers: list[list[Answers]],
                    rewards: list[list[float]], reasoner_picks: list[int | None]) -> list[dict]:
     """samples.jsonl: every Challenger attempt with its task, r_C and the K answers behind it."""
@@ -738,6 +762,17 @@ def run_eval(policy, run, cfg: Config, fmt: str, prompts: dict, step: int,
     return common.eval_metrics(results)
 
 
+def evaluate_only(cfg: Config, tokenizer, fmt: str, prompts: dict, sampler=None) -> Path:
+    """--eval-only: the model as given, evaluated as a run evaluates its Reasoner (run_eval), into
+    eval.json. Only the engine loads (no trainer, no optimizer, no corpus), and nothing trains."""
+    run = common.Run(cfg, "spice")
+    sampler = sampler or common.make_sampler(cfg.model, tokenizer, cfg)
+    run.log(0, run_eval(sampler, run, cfg, fmt, prompts, 0))
+    run.note("--eval-only: the model as given was evaluated; nothing was trained")
+    run.close()
+    return run.dir
+
+
 def validate_config(cfg: Config) -> None:
     for name, allowed in CHOICES.items():
         value = getattr(cfg, name)
@@ -749,6 +784,11 @@ def validate_config(cfg: Config) -> None:
     if cfg.max_attempts < cfg.group_size:
         raise ValueError("--max-attempts must be at least --group-size")
     common.check_benchmark_names(cfg.eval_benchmarks)
+    if cfg.eval_only and not cfg.eval_benchmarks.strip():
+        raise ValueError("--eval-only needs benchmarks: pass --eval-benchmarks NAMES_OR_FILES")
+    if cfg.eval_only and cfg.resume:  # it would write over the run's own eval.json
+        raise ValueError("--eval-only evaluates --model into a new folder, not a --resume run; "
+                         "pass --model RUN_DIR/checkpoints/step_N")
     common.load_prompts(cfg.prompts, PROMPTS)  # a bad --prompts file: a usage error, nothing loaded
 
 
@@ -760,7 +800,9 @@ def train(cfg: Config, policy=None) -> Path:
     # inputs first (corpus, eval sets): bad input fails in seconds, before the model loads
     tokenizer = policy.tokenizer if policy else common.load_tokenizer(cfg.model)
     fmt = resolve_prompt_format(cfg, tokenizer)
-    # the corpus segments and every generated question are screened against the eval sets
+    if cfg.eval_only:
+        return evaluate_only(cfg, tokenizer, fmt, prompts, policy)
+    # the corpus documents and every generated question are screened against the eval sets
     decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
     # the Challenger reads the documents: its tokenizer sizes them
     doc_tokenizer = tokenizer
@@ -768,7 +810,7 @@ def train(cfg: Config, policy=None) -> Path:
         doc_tokenizer = common.load_tokenizer(cfg.challenger_model)
     corpus = []
     if not cfg.no_document:
-        chunk_tokens = segment_tokens(cfg, doc_tokenizer, prompts)
+        chunk_tokens = document_tokens(cfg, doc_tokenizer, prompts)
         corpus = load_corpus(cfg, doc_tokenizer, chunk_tokens, decon)
     run = common.Run(cfg, "spice")
     policy = policy or common.Policy.load(cfg)
@@ -778,9 +820,11 @@ def train(cfg: Config, policy=None) -> Path:
     if cfg.challenger_model:
         writer = common.FrozenModel(cfg.challenger_model, policy, cfg,
                                     cfg.challenger_gpu_memory_utilization).sampling
-    start = 0
+    start, state = 0, {}
     if cfg.resume:
-        start, _ = run.load_checkpoint(policy)
+        start, state = run.load_checkpoint(policy)
+    # steps with a valid question and with a non-zero gradient (a checkpoint without: all of them)
+    learned = state.get("learned", {"valid": start, "trained": start})
     eval_at = functools.partial(run_eval, policy, run, cfg, fmt, prompts)
     if cfg.eval_base and start == 0:
         base = eval_at(0, "eval_base.json")
@@ -805,6 +849,8 @@ def train(cfg: Config, policy=None) -> Path:
         metrics = step_metrics(rollouts, answers, rewards)
         metrics.update(traj_stats)
         metrics.update({f"train/{k}": v for k, v in update_stats.items()})
+        learned["valid"] += metrics["challenger/valid_rate"] > 0
+        learned["trained"] += metrics.get("train/grad_norm", 0.0) > 0
         records = sample_records(rollouts, answers, rewards, reasoner_picks)
         run.log_samples(step, "challenger", records)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
@@ -812,8 +858,11 @@ def train(cfg: Config, policy=None) -> Path:
         run.log(step, metrics)
         pbar.update(1)
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-            run.save_checkpoint(step, policy, {"step": step})
+            run.save_checkpoint(step, policy, {"step": step, "learned": learned})
     pbar.close()
+    note = untrained_note(learned, cfg.steps)
+    if note:
+        run.note(note)
     final = eval_at(cfg.steps, "eval.json")
     if final:
         run.log(cfg.steps, final)

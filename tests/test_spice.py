@@ -568,11 +568,27 @@ def test_corpus_reader_and_chunking(tmp_path):
     assert spice.read_documents(str(CORPUS), limit=3) == docs[:3]
     long_doc = tmp_path / "long.jsonl"
     long_doc.write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(25))}) + "\n")
-    chunks = spice.load_corpus(spice.Config(corpus=str(long_doc), corpus_docs=0), _WordTok(), 10)
+    split = spice.Config(corpus=str(long_doc), corpus_docs=0, split_documents=True)
+    chunks = spice.load_corpus(split, _WordTok(), 10)
     assert [len(c.split()) for c in chunks] == [10, 10, 5] and chunks[2].endswith("w24")
-    cfg = spice.Config(corpus=f"{CORPUS},{CORPUS}", corpus_docs=4)
+    cfg = spice.Config(corpus=f"{CORPUS},{CORPUS}", corpus_docs=4, split_documents=True)
     segs = spice.load_corpus(cfg, _WordTok(), 12)
     assert all(len(s.split()) <= 12 for s in segs) and len(segs) > 4
+
+
+def test_a_long_document_is_truncated_to_one_segment_by_default(tmp_path):
+    """App. B: each document is cut to its first 5,992 tokens; splitting it into segments drawn
+    one by one would weight a long document by its length (--split-documents)."""
+    long_doc = tmp_path / "long.jsonl"
+    words = [f"w{i}" for i in range(25)]
+    long_doc.write_text(json.dumps({"text": " ".join(words)}) + "\n")
+    cfg = spice.Config(corpus=str(long_doc), corpus_docs=0)
+    assert cfg.chunk_tokens == 5992 and not cfg.split_documents
+    assert spice.load_corpus(cfg, _WordTok(), 10) == [" ".join(words[:10])]
+    # as many documents as were read, each within the limit
+    segs = spice.load_corpus(spice.Config(corpus=f"{CORPUS},{CORPUS}", corpus_docs=4), _WordTok(),
+                             12)
+    assert len(segs) == 4 and all(len(s.split()) <= 12 for s in segs)
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -661,6 +677,9 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     res = _cli([*SMALL_RUN, "--steps", "3", "--output-dir", str(run_dir), "--eval-base"])
     assert res.returncode == 0, res.stderr[-3000:]
     m = _metrics(run_dir)
+    # the random tiny model writes no valid task: the summary says that nothing was trained
+    assert [r["challenger/valid_rate"] for r in m if "challenger/valid_rate" in r] == [0, 0, 0]
+    assert "no valid question in 3 steps: nothing was trained" in res.stdout
     # --eval-base: the model before step 1, logged as step 0 and written to eval_base.json
     assert json.loads((run_dir / "eval_base.json").read_text())["step"] == 0
     assert m[0]["step"] == 0 and "eval/spice_eval/greedy_acc" in m[0]
@@ -683,6 +702,8 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     spice.train(cfg, common.Policy.load(cfg, sampler=vllm_sampler))
     steps = [r["step"] for r in _metrics(run_dir) if "challenger/valid_rate" in r]
     assert steps == [1, 2, 3, 4]
+    # the checkpoint carries the counts behind the note: steps 1-3 count too
+    assert common._ACTIVE_RUN.notes == ["no valid question in 4 steps: nothing was trained"]
     assert [r["step"] for r in _metrics(run_dir)].count(0) == 1  # a resumed run has no base
     assert (run_dir / "checkpoints" / "step_4" / "model.safetensors").is_file()
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 4
@@ -718,6 +739,39 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         spice.main(["--model", "tiny", "--group-sise", "4"])
     assert e.value.code == 2 and "--group-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        spice.main(["--model", "tiny", "--eval-only", "--eval-benchmarks", " "])
+    assert e.value.code == 2 and "--eval-only needs benchmarks" in capsys.readouterr().err
+    old_run = tmp_path / "old"
+    old_run.mkdir()
+    (old_run / "config.json").write_text(json.dumps({"model": "tiny"}))
+    with pytest.raises(SystemExit) as e:
+        spice.main(["--resume", str(old_run), "--eval-only"])
+    assert e.value.code == 2 and "not a --resume run" in capsys.readouterr().err
+    assert sorted(p.name for p in old_run.iterdir()) == ["config.json"]
+
+
+@pytest.mark.slow
+def test_cli_eval_only_evaluates_the_model_and_trains_nothing(tmp_path, tiny_model_path):
+    """--eval-only on the tiny model through the CLI: no corpus is read (none exists), the run
+    folder gets config.json and eval.json (name@N, --eval-n, --eval-k, the smoke profile's budget),
+    and the summary prints its figures and says that nothing was trained."""
+    run_dir = tmp_path / "base"
+    res = _cli(["--model", "tiny", "--eval-only", "--output-dir", str(run_dir),
+                "--corpus", str(tmp_path / "no-corpus.jsonl"), "--eval-benchmarks",
+                f"{EVAL},{EVAL}@3", "--eval-n", "2", "--eval-k", "1,2"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run_dir / "config.json").is_file() and not (run_dir / "samples.jsonl").exists()
+    assert json.loads((run_dir / "config.json").read_text())["eval_only"] is True
+    assert not list((run_dir / "checkpoints").iterdir())
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert ev["step"] == 0 and ev["settings"]["n"] == 2 and ev["settings"]["k"] == [1, 2]
+    assert ev["settings"]["max_tokens"] == spice.TINY["eval_max_tokens"]
+    assert ev["benchmarks"][f"{EVAL}@3"]["n_samples"] == 3
+    assert ev["benchmarks"][f"{EVAL}@3"]["score_source"] == "mean@3"
+    assert set(ev["benchmarks"][str(EVAL)]["pass@k"]) == {"1", "2"}
+    assert "--eval-only: the model as given was evaluated; nothing was trained" in res.stdout
+    assert "eval/spice_eval@3/score" in res.stdout and "eval/spice_eval/pass@2" in res.stdout
 
 
 # A warmed tiny model writes well-formed MCQ JSON from any document and answers the question with
@@ -804,6 +858,7 @@ def test_valid_tasks_flow_through_every_stage(tmp_path, tiny_model_path, vllm_sa
     assert m["train/grad_norm"] > 0 and "train/entropy/reasoner" in m
     assert "train/entropy/challenger" in m
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
+    assert common._ACTIVE_RUN.notes == []  # it trained: the summary has no note
     # information asymmetry, checked on what was really sent: Reasoner prompts carry no
     # document text
     as_text = lambda p: p if isinstance(p, str) else "\n".join(x["content"] for x in p)
@@ -1005,6 +1060,57 @@ def test_train_seeds_everything_first_and_eval_uses_the_training_limit(monkeypat
     assert seen["written"] == "eval.json"
     assert seen["prompt"] == spice.reasoner_prompt("What is 2 + 2?\nA) 3\nB) 4", "chat")
     assert seen["timeout"] == cfg.verify_timeout == 1.0      # the training grader's budget
+
+
+class _EvalSampler:
+    """Answers 42 to everything and records every call: (prompts, n, the other arguments)."""
+    tokenizer = None
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, n=1, **kw):
+        self.calls.append((prompts, n, kw))
+        return [[comp("so \\boxed{42}")] * n for _ in prompts]
+
+
+def test_eval_only_uses_spices_evaluation_protocol(tmp_path):
+    """--eval-only: the Reasoner prompt (a --prompts file's too), the evaluation budget, name@N and
+    --eval-n reach the engine; no corpus is read; config.json, eval.json, no training."""
+    sampler = _EvalSampler()
+    prompts_file = _marked_prompts(tmp_path)
+    cfg = spice.Config(eval_only=True, output_dir=str(tmp_path / "run"), prompts=prompts_file,
+                       prompt_format="chat", corpus=str(tmp_path / "missing.jsonl"), eval_n=2,
+                       eval_k="1,2", eval_max_tokens=64, eval_benchmarks=f"{EVAL},{EVAL}@3")
+    run_dir = spice.train(cfg, sampler)
+    prompts = common.load_prompts(prompts_file, spice.PROMPTS)
+    questions = [json.loads(line)["question"] for line in EVAL.read_text().splitlines()]
+    expected = [spice.reasoner_prompt(q, "chat", prompts) for q in questions]
+    # per benchmark: greedy, then the samples (--eval-n 2; 3 for name@3), all at --eval-max-tokens
+    assert [(n, kw["temperature"]) for _, n, kw in sampler.calls] == [(1, 0.0), (2, 0.6),
+                                                                      (1, 0.0), (3, 0.6)]
+    assert all(p == expected and kw["max_tokens"] == 64 for p, _, kw in sampler.calls)
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert ev["step"] == 0 and ev["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)
+    assert ev["benchmarks"][f"{EVAL}@3"]["score_source"] == "mean@3"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.json",
+                                                        "eval.json", "metrics.jsonl"]
+    (logged,) = _metrics(run_dir)
+    assert logged["step"] == 0 and logged["eval/spice_eval@3/score"] == pytest.approx(1 / 3)
+    assert common._ACTIVE_RUN.notes == [
+        "--eval-only: the model as given was evaluated; nothing was trained"]
+
+
+def test_a_run_that_learned_nothing_says_so():
+    """The summary's note, from the steps with a valid question and with a non-zero gradient."""
+    assert (spice.untrained_note({"valid": 0, "trained": 0}, 2)
+            == "no valid question in 2 steps: nothing was trained")
+    assert (spice.untrained_note({"valid": 3, "trained": 0}, 3)
+            == "every advantage was 0 in 3 steps (zero gradients): nothing was trained")
+    assert (spice.untrained_note({"valid": 0, "trained": 0}, 1)
+            == "no valid question in 1 step: nothing was trained")
+    assert spice.untrained_note({"valid": 1, "trained": 1}, 5) is None
+    assert spice.untrained_note({"valid": 5, "trained": 1}, 5) is None
 
 
 def test_verify_timeout_governs_evaluation_too(monkeypatch, tmp_path):
