@@ -115,7 +115,8 @@ def test_solver_reward_is_one_iff_the_boxed_answer_equals_the_pseudo_label():
     preds = [common.extract_boxed(t) for t in (think, plain)]
     assert r_zero.solver_rewards(preds, ["5", "5"]) == [1.0, 1.0]  # the paper pays accuracy only
     assert r_zero.solver_rewards(preds, ["6", "6"]) == [0.0, 0.0]
-    assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]  # unparsable; math-verify
+    # unparsable; math-verify
+    assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]
 
 
 def test_official_challenger_reward_is_caller_penalty():
