@@ -991,9 +991,9 @@ def finish(run, policy, roles: Roles, cfg: Config, best: dict | None, splits: Ev
                 per_iteration[str(k)] = json.loads(path.read_text())
     base = run.dir / "eval_base.json"
     base_eval = json.loads(base.read_text()) if base.is_file() else None
+    settings = {"selection": splits.how, "test_sets": splits.test, "dev_sets": splits.dev}
     run.write_eval({"base": base_eval, "best": best, "iterations": results["eval"],
-                    "dev": results["dev"], "selection": splits.how, "test_sets": splits.test,
-                    "dev_sets": splits.dev})
+                    "dev": results["dev"], "settings": settings})
 
 
 def evaluate_only(cfg: Config, policy, prompts: dict) -> pathlib.Path:

@@ -632,7 +632,8 @@ def test_a_run_reports_the_iteration_dev_chooses_not_the_test_peak(tiny_model_pa
     result = json.loads((run_dir / "eval.json").read_text())
     assert result["best"] == {"iteration": 3, "dev/overall": 0.6, "eval/overall": 0.4}
     assert result["iterations"]["2"]["overall"] == 0.9  # reported, never chosen
-    assert "splits/dev" in result["selection"] and result["dev"]["3"]["overall"] == 0.6
+    assert "splits/dev" in result["settings"]["selection"] and result["dev"]["3"]["overall"] == 0.6
+    assert result["settings"]["dev_sets"] == str(run_dir / "splits" / "dev" / "rzero_eval.jsonl")
     tests = {benchmarks for _, benchmarks, prefix in calls if prefix == "eval"}
     devs = {benchmarks for _, benchmarks, prefix in calls if prefix == "dev"}
     assert tests == {str(run_dir / "splits" / "test" / "rzero_eval.jsonl")}
