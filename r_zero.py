@@ -869,7 +869,8 @@ def choose_iteration(best: dict | None, iteration: int, metrics: dict) -> dict |
     dev = metrics.get("dev/overall")
     if dev is None:
         return best
-    if best is not None and dev <= best["dev/overall"]:  # a tie keeps the earlier iteration
+    # a tie keeps the earlier iteration; a best saved before dev sets chose (no dev/overall) goes
+    if best is not None and dev <= best.get("dev/overall", float("-inf")):
         return best
     return {"iteration": iteration, "dev/overall": dev, "eval/overall": metrics.get("eval/overall")}
 
