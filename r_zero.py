@@ -7,12 +7,18 @@ For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
      share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
   3. solver_step x 15: GRPO on the Solver, solver_rewards 1 iff its boxed answer equals y~.
-  4. evaluate_solver: greedy accuracy after every iteration; report the best and the last.
-Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU)
+  4. evaluate_solver: greedy accuracy on the test and dev sets after every iteration; report the
+     iteration the dev sets choose (choose_iteration), and the last.
+Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU);
+--eval-only evaluates --model under this protocol and exits (e.g. a run's final/solver).
 Deviations from the official code (github.com/Chengsong-Huang/R-Zero), and what we add:
   - unparsable Solver answers count in m but never win the vote (the code lets "None" win)
   - the Challenger's own boxed answer is never used (the code compared one character of it)
   - answers are compared by math-verify (common.math_equal, hard timeouts), not grade_answer
+  - the Challenger's reward is the paper's; --challenger-reward official is caller_penalty.py's:
+    min(p^, 1 - p^) - r_rep, unclipped, -1 - r_rep for an invalid output (a cluster of its own)
+  - the Solver's reward is the paper's; --solver-reward official is math.py's 0.9 match + 0.1 for
+    the <think>..</think>..\\boxed{} format that our Solver prompt never asks for
   - rollouts use top-p 1.0 (code: 0.99): the trainer does not model truncation
   - a question whose Solver prompt exceeds --max-prompt-tokens fails the format check
   - questions sharing a 13-gram with an eval set never reach the Solver (--no-decontaminate)
@@ -20,6 +26,8 @@ Deviations from the official code (github.com/Chengsong-Huang/R-Zero), and what 
   - prompts in our words (PROMPTS, or --prompts FILE); without a chat template one ends "assistant:"
   - general sets: the Solver prompt and math-verify (--eval-protocol official: eval_*.py's rules)
   - no GPT-4o re-check of the answers graded wrong, as evaluation/ has (R-Zero issue #31)
+  - the best iteration is chosen on dev sets, never on the test (the paper reports every one):
+    --dev-benchmarks, else --dev-fraction of each test set held out (the rest is the test)
   - --label-check FILE: gold-answer questions through step 2's vote and band (label accuracy)
 """
 from __future__ import annotations
@@ -44,55 +52,62 @@ import common
 
 MATH_SETS = "math500,gsm8k,amc23,minerva,olympiadbench,aime24,aime25"
 GENERAL = ("supergpqa", "mmlu_pro", "bbeh", "gpqa_diamond")  # general reasoning; the rest is math
+EVAL_SETS = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math and 3 general sets
 
 
 @dataclasses.dataclass
 class Config(common.RunConfig):
-    model: str = "Qwen/Qwen3-4B-Base"  # paper §4 (also Qwen3-8B-Base, OctoThinker-3B/8B)
-    iterations: int = 3  # K (paper §4; scripts/main.sh: 5)
-    challenger_steps: int = 5  # paper §3; scripts/questioner_train_penalty.sh keeps step 5
-    solver_steps: int = 15  # paper §3; scripts/solver_train.sh keeps step 15
-    challenger_group: int = 4  # G, samples per prompt copy (examples/config.yaml)
-    solver_group: int = 5  # G, answers per question (examples/config.yaml)
-    challenger_batch: int = 512  # prompt copies per step (examples/config.yaml)
-    solver_batch: int = 512  # questions per step (examples/config.yaml)
-    challenger_minibatch: int = 16  # prompts per update, 0 = all (scripts; R-Zero issue #23)
+    """R-Zero: a Challenger and a Solver trained in turn from one base model, with no data."""
+    model: str = "Qwen/Qwen3-4B-Base"  # both roles start from it (paper §4; also Qwen3-8B-Base)
+    iterations: int = 3  # K, rounds of Challenger then Solver training (paper §4; main.sh: 5)
+    challenger_steps: int = 5  # Challenger's GRPO steps (paper §3; questioner_train_penalty.sh)
+    solver_steps: int = 15  # Solver's GRPO steps (paper §3; scripts/solver_train.sh keeps step 15)
+    challenger_group: int = 4  # G, Challenger outputs per prompt copy (examples/config.yaml)
+    solver_group: int = 5  # G, Solver answers per question in training (examples/config.yaml)
+    challenger_batch: int = 512  # prompt copies per Challenger step (examples/config.yaml)
+    solver_batch: int = 512  # questions per Solver step (examples/config.yaml)
+    challenger_minibatch: int = 16  # prompt copies per update, 0 = all (scripts; R-Zero #23)
     solver_minibatch: int = 128  # questions per update, 0 = all (paper: batch 128)
-    votes: int = 10  # m (paper §3; question_evaluate/evaluate.py: 9)
-    vote_temperature: float = 1.0  # vllm_service_init/start_vllm_server.py
-    vote_top_p: float = 1.0  # vllm_service_init/start_vllm_server.py
-    vote_top_k: int = 40  # vllm_service_init/start_vllm_server.py
-    vote_max_tokens: int = 4096  # vllm_service_init/start_vllm_server.py
-    question_pool: int = 8000  # N (paper §3; question_generate/question_generate.py)
-    pool_temperature: float = 1.0  # question_generate/question_generate.py
-    pool_top_p: float = 0.95  # question_generate/question_generate.py (not trained on)
+    votes: int = 10  # m, Solver answers that label a question (paper §3; evaluate.py: 9)
+    vote_temperature: float = 1.0  # temperature of the votes (start_vllm_server.py)
+    vote_top_p: float = 1.0  # top-p of the votes (start_vllm_server.py)
+    vote_top_k: int = 40  # top-k of the votes (start_vllm_server.py)
+    vote_max_tokens: int = 4096  # max new tokens of a vote (start_vllm_server.py)
+    question_pool: int = 8000  # N, questions written for the Solver's dataset (paper §3)
+    pool_temperature: float = 1.0  # temperature of the pool (question_generate.py)
+    pool_top_p: float = 0.95  # top-p of the pool, not trained on (question_generate.py)
     band_low: float = 0.25  # keep band_low <= p^ <= band_high (paper §3; upload.py: 0.3)
-    band_high: float = 0.75  # paper §3 (question_evaluate/upload.py: 0.8)
-    temperature: float = 1.0  # rollouts of both roles (examples/config.yaml)
-    top_p: float = 1.0  # rollouts (examples/config.yaml: 0.99; see the deviations)
-    max_prompt_tokens: int = 2048  # longer Solver prompts are invalid (max_prompt_length)
-    max_tokens: int = 4096  # both roles in training (examples/config.yaml max_response_length)
-    rep_lambda: float = 1.0  # lambda of the repetition penalty (paper §3)
-    bleu_threshold: float = 0.5  # tau_BLEU, average-linkage threshold on 1 - BLEU (paper §3)
-    lr: float = 1e-6  # AdamW, constant (paper; examples/config.yaml)
-    weight_decay: float = 1e-2  # examples/config.yaml
-    grad_clip: float = 1.0  # max grad norm (examples/config.yaml)
+    band_high: float = 0.75  # the keep band's top (paper §3; question_evaluate/upload.py: 0.8)
+    temperature: float = 1.0  # rollout temperature of both roles (examples/config.yaml)
+    top_p: float = 1.0  # rollout top-p of both roles (config.yaml: 0.99; see the deviations)
+    max_prompt_tokens: int = 2048  # a longer Solver prompt fails the format check (config.yaml)
+    max_tokens: int = 4096  # max new tokens of a rollout, both roles (examples/config.yaml)
+    rep_lambda: float = 1.0  # lambda, the weight of the repetition penalty (paper §3)
+    bleu_threshold: float = 0.5  # tau_BLEU, where average linkage on 1 - BLEU stops (paper §3)
+    challenger_reward: str = "paper"  # Challenger reward: paper §3 | official (caller_penalty.py)
+    solver_reward: str = "paper"  # Solver reward: paper §3 | official (reward_function/math.py)
+    verify_timeout: float = 10.0  # s per answer check: votes, rewards, eval (start_vllm_server.py)
+    lr: float = 1e-6  # AdamW learning rate, constant (paper; examples/config.yaml)
+    weight_decay: float = 1e-2  # AdamW weight decay (examples/config.yaml)
+    grad_clip: float = 1.0  # max global grad norm (examples/config.yaml)
     clip_low: float = 0.2  # PPO epsilon below 1 (examples/config.yaml)
     clip_high: float = 0.3  # PPO epsilon above 1, clip-higher (examples/config.yaml)
-    dual_clip: float = 3.0  # dual clip for A < 0 (verl/trainer/core_algos.py)
+    dual_clip: float = 3.0  # ratio bound for A < 0, dual clip (verl/trainer/core_algos.py)
     kl_coef: float = 0.01  # beta of the k3 KL to the phase start (paper; config.yaml low_var_kl)
-    adv_eps: float = 1e-6  # GRPO (r - mean) / (std + eps) (verl/trainer/core_algos.py)
-    aggregation: str = "seq-mean-token-mean"  # EasyR1's loss average as R-Zero runs it
+    adv_eps: float = 1e-6  # eps of GRPO's (r - mean) / (std + eps) (verl/trainer/core_algos.py)
+    aggregation: str = "seq-mean-token-mean"  # the loss's average over tokens (EasyR1, as run)
     eval_base: bool = True  # also evaluate the base model (paper Table 1, "Base Model")
     eval_every: int = 0  # unused: the Solver is evaluated after every iteration (paper §5)
-    eval_benchmarks: str = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math + 3 general
-    eval_max_tokens: int = 4096  # greedy (evaluation/generate.py)
-    eval_protocol: str = "ours"  # ours | official: general sets as evaluation/eval_*.py grade them
-    eval_general_max_tokens: int = 8192  # --eval-protocol official, general sets (eval_mmlupro.py)
-    label_check: str = ""  # gold-answer set put through step 2's vote and band (ours); "" = off
+    eval_benchmarks: str = EVAL_SETS  # test sets: names, JSONL files or name@N (paper §4)
+    eval_max_tokens: int = 4096  # max new tokens of a greedy test answer (evaluation/generate.py)
+    eval_protocol: str = "ours"  # general sets graded: ours | official (evaluation/eval_*.py)
+    eval_general_max_tokens: int = 8192  # general sets' budget, official protocol (eval_mmlupro.py)
+    dev_benchmarks: str = ""  # sets that choose the best iteration; "" = --dev-fraction (ours)
+    dev_fraction: float = 0.1  # share of each test set held out as dev, 0 = no choice (ours)
+    label_check: str = ""  # gold-answer set put through step 2's vote and band; "" = off (ours)
     label_check_limit: int = 200  # problems of --label-check per iteration (ours)
-    decontaminate: bool = True  # drop questions sharing a 13-gram with an eval set (ours)
-    max_model_len: int = 8192  # prompt 2,048 + response 4,096 (examples/config.yaml)
+    decontaminate: bool = True  # drop questions sharing a 13-gram with a test or dev set (ours)
+    max_model_len: int = 8192  # vLLM tokens per sequence: prompt 2,048 + answer 4,096 (config.yaml)
 
 
 CHALLENGER, SOLVER = "challenger", "solver"
@@ -105,6 +120,7 @@ TINY = {
     "votes": 4, "question_pool": 4,
     "max_tokens": 16, "vote_max_tokens": 8, "max_model_len": 1024, "max_prompt_tokens": 400,
     "eval_benchmarks": f"{common.TINY_DATA}/rzero_eval.jsonl", "eval_max_tokens": 8,
+    "dev_benchmarks": f"{common.TINY_DATA}/rzero_dev.jsonl",
 }
 
 
@@ -115,12 +131,26 @@ def validate_config(cfg: Config) -> None:
     if not 0.0 <= cfg.band_low <= cfg.band_high <= 1.0:
         raise ValueError(f"need 0 <= --band-low <= --band-high <= 1, got {cfg.band_low}, "
                          f"{cfg.band_high}")
-    if cfg.eval_protocol not in ("ours", "official"):
-        raise ValueError(f"--eval-protocol must be ours or official, not {cfg.eval_protocol!r}")
+    choices = {"eval_protocol": ("ours", "official"), "challenger_reward": ("paper", "official"),
+               "solver_reward": ("paper", "official")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} must be {' or '.join(allowed)}, not "
+                             f"{getattr(cfg, name)!r}")
+    if not 0.0 <= cfg.dev_fraction < 1.0:
+        raise ValueError(f"--dev-fraction must be in [0, 1), got {cfg.dev_fraction} (0: no dev "
+                         "share, no best iteration chosen)")
+    if cfg.eval_only and not eval_sets(cfg.eval_benchmarks):
+        raise ValueError("--eval-only needs sets to evaluate: pass --eval-benchmarks")
+    if cfg.eval_only and cfg.resume:
+        raise ValueError("--eval-only evaluates --model into a new folder, it does not --resume: "
+                         "pass --model RUN_DIR/final/solver")
     common.check_benchmark_names(cfg.eval_benchmarks)
+    common.check_benchmark_names(cfg.dev_benchmarks, "--dev-benchmarks")
     common.check_benchmark_names(cfg.label_check, "--label-check")
     need = cfg.eval_general_max_tokens + cfg.max_prompt_tokens
-    general = [b for b in eval_sets(cfg) if is_general(b)]
+    evaluated = eval_sets(cfg.eval_benchmarks) + eval_sets(cfg.dev_benchmarks)
+    general = [b for b in evaluated if is_general(b)]
     if cfg.eval_protocol == "official" and general and cfg.max_model_len < need:
         raise ValueError(f"--eval-protocol official: --max-model-len {cfg.max_model_len} cannot "
                          f"hold --eval-general-max-tokens {cfg.eval_general_max_tokens} after a "
@@ -175,7 +205,8 @@ def solver_prompt(question: str, tokenizer, prompts: dict = PROMPTS):
 
 
 # -- Votes and rewards (paper §3) -----------------------------------------------------------------
-def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
+def vote_statistics(groups: list[list[str | None]],
+                    timeout: float = Config.verify_timeout) -> list[dict]:
     """Per question: label y~ (the largest class of answers math_equal either way to its first),
     its votes `agree`, p^ = agree / m (unparsable answers count in m, never win), and m."""
     counts = []  # per question: its distinct non-empty answers, first seen first, and their votes
@@ -186,7 +217,7 @@ def vote_statistics(groups: list[list[str | None]]) -> list[dict]:
         counts.append(count)
         pairs.update(itertools.permutations(count, 2))
     pairs = list(pairs)
-    equal = dict(zip(pairs, common.math_equal_many(pairs)))  # one parallel batch
+    equal = dict(zip(pairs, common.math_equal_many(pairs, timeout=timeout)))  # one parallel batch
     out = []
     for answers, count in zip(groups, counts):
         classes = []  # lists of distinct answers, the head first
@@ -234,7 +265,10 @@ def in_band(s: dict, cfg: Config) -> bool:
 
 def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Config) -> dict:
     """Paper §3: max(0, r_unc - r_rep), r_rep = lambda |C_k| / B, C_k the valid questions' BLEU
-    clusters (average linkage cut at tau_BLEU), B the batch; a failed format check gets 0."""
+    clusters (average linkage cut at tau_BLEU), B the batch; a failed format check gets 0.
+    --challenger-reward official (caller_penalty.py): min(p^, 1 - p^) - r_rep, unclipped; an
+    invalid output is a cluster of its own (the code's empty question is BLEU-distant from all)
+    and gets -1 - r_rep."""
     batch_size = len(questions)  # B, the invalid outputs included
     valid = np.array([q is not None for q in questions], dtype=bool)
     distances = common.bleu_distance_matrix([q for q in questions if q is not None])
@@ -242,10 +276,16 @@ def challenger_rewards(questions: list[str | None], p_hats: list[float], cfg: Co
     cluster_size = np.bincount(cluster_ids)[cluster_ids]  # |C_k| of each valid question
     r_rep = np.zeros(batch_size)
     r_rep[valid] = cfg.rep_lambda * cluster_size / batch_size
-    r_unc = common.uncertainty_reward(np.array(p_hats, dtype=float))
+    p_hat = np.array(p_hats, dtype=float)
+    r_unc = common.uncertainty_reward(p_hat)
     r_unc[~valid] = 0.0
-    reward = np.maximum(0.0, r_unc - r_rep)
-    reward[~valid] = 0.0
+    if cfg.challenger_reward == "official":
+        r_rep[~valid] = cfg.rep_lambda / batch_size
+        reward = np.minimum(p_hat, 1.0 - p_hat) - r_rep
+        reward[~valid] = -1.0 - r_rep[~valid]
+    else:
+        reward = np.maximum(0.0, r_unc - r_rep)
+        reward[~valid] = 0.0
     return {
         "reward": reward,
         "r_unc": r_unc,
@@ -264,10 +304,41 @@ def filter_dataset(questions: list[str], stats: list[dict], cfg: Config) -> list
     return kept
 
 
-def solver_rewards(preds: list[str | None], labels: list[str]) -> list[float]:
+def solver_rewards(preds: list[str | None], labels: list[str],
+                   timeout: float = Config.verify_timeout) -> list[float]:
     """Paper §3: 1 iff the Solver's boxed answer is math_equal to the pseudo-label y~, else 0."""
     pairs = list(zip(preds, labels))
-    return [float(correct) for correct in common.math_equal_many(pairs)]
+    return [float(correct) for correct in common.math_equal_many(pairs, timeout=timeout)]
+
+
+def official_solver_rewards(matches: list[float], completions: list[str]) -> list[float]:
+    """--solver-reward official (examples/reward_function/math.py): 0.9 match + 0.1 format."""
+    format_weight = 0.1  # compute_score's default
+    rewards = []
+    for match, text in zip(matches, completions):
+        rewards.append((1 - format_weight) * match + format_weight * official_format(text))
+    return rewards
+
+
+def official_format(text: str) -> float:
+    """math.py's format_reward: 1.0 iff the completion, less the whitespace around '<', '/' and
+    '>', is <think>...</think>...\\boxed{...}..., else 0.0. In linear time: the code's regular
+    expressions take seconds (its whitespace rule) to minutes (its format) on hostile outputs."""
+    pieces = re.split(r"(\s+)", text)  # words at even indices, the whitespace runs between them
+    squeezed = []
+    for i, piece in enumerate(pieces):
+        is_space = i % 2 == 1
+        neighbours = set(pieces[i - 1][-1:] + pieces[i + 1][:1]) if is_space else set()
+        if not neighbours & {"<", "/", ">"}:
+            squeezed.append(piece)
+    text = "".join(squeezed)
+    if not text.startswith("<think>"):
+        return 0.0
+    close = text.find("</think>", len("<think>"))  # the earliest match leaves the most room
+    if close < 0:
+        return 0.0
+    box = text.find("\\boxed{", close + len("</think>"))
+    return float(box >= 0 and "}" in text[box + len("\\boxed{"):])
 
 
 # -- Shared by the steps: the Solver's votes, the GRPO update, rollouts and their metrics --------
@@ -356,7 +427,7 @@ def challenger_step(policy, roles: Roles, cfg: Config, ref: dict, step: int, run
     valid_questions = [q for q in questions if q is not None]
     with roles.sampling(SOLVER):
         answers = solver_votes(policy, valid_questions, cfg, prompts)
-    valid_stats = iter(vote_statistics(answers))
+    valid_stats = iter(vote_statistics(answers, cfg.verify_timeout))
     stats = [next(valid_stats) if q is not None else None for q in questions]  # None: no question
     p_hats = [s["p_hat"] if s else 0.0 for s in stats]
     rewards = challenger_rewards(questions, p_hats, cfg)
@@ -405,7 +476,7 @@ def build_dataset(policy, roles: Roles, cfg: Config, step: int, run, iteration: 
     clean = [q for q in parsed if not (decon and decon.contaminated(q))]
     with roles.sampling(SOLVER):
         answers = solver_votes(policy, clean, cfg, prompts)
-    stats = vote_statistics(answers)
+    stats = vote_statistics(answers, cfg.verify_timeout)
     kept = filter_dataset(clean, stats, cfg)
     if common.is_main_process():
         lines = []
@@ -432,14 +503,14 @@ def label_check(policy, roles: Roles, problems: list[dict], cfg: Config, prompts
     with roles.sampling(SOLVER):
         answers = solver_votes(policy, questions, cfg, prompts)
     golds = [p["answer"] for p in problems]
-    return label_accuracy(vote_statistics(answers), golds, cfg)
+    return label_accuracy(vote_statistics(answers, cfg.verify_timeout), golds, cfg)
 
 
 def label_accuracy(stats: list[dict], golds: list[str], cfg: Config) -> dict:
     """The labels' accuracy against `golds`: over all, over the kept (None if none), and per
     number of agreeing votes; the share kept."""
     pairs = [(s["label"], gold) for s, gold in zip(stats, golds)]
-    correct = np.array(common.math_equal_many(pairs), dtype=float)
+    correct = np.array(common.math_equal_many(pairs, timeout=cfg.verify_timeout), dtype=float)
     kept = np.array([in_band(s, cfg) for s in stats], dtype=bool)
     agree = np.array([s["agree"] for s in stats])
     by_agree = {}
@@ -471,7 +542,10 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
     rollouts = flatten(groups)
     preds = [common.extract_boxed(c.text) for c in rollouts.completions]
     labels = [rows[g]["label"] for g in rollouts.group_ids]
-    rewards = solver_rewards(preds, labels)
+    matches = solver_rewards(preds, labels, cfg.verify_timeout)  # the paper's reward
+    rewards = matches
+    if cfg.solver_reward == "official":
+        rewards = official_solver_rewards(matches, [c.text for c in rollouts.completions])
     trajs, samples = [], []
     for i, completion in enumerate(rollouts.completions):
         trajs.append(common.Trajectory.from_completion(completion, reward=rewards[i], role=SOLVER))
@@ -483,9 +557,9 @@ def solver_step(policy, dataset: list[dict], cfg: Config, ref: dict, step: int, 
         })
     update = grpo_update(policy, trajs, rollouts.group_ids, cfg, ref, cfg.solver_minibatch)
     run.log_samples(step, SOLVER, samples)
-    accuracy = float(np.mean(rewards))  # against the pseudo-labels, and the reward
     no_answer = float(np.mean([p is None for p in preds]))
-    metrics = {"acc_vs_pseudo": accuracy, "reward": accuracy, "no_answer": no_answer}
+    metrics = {"acc_vs_pseudo": float(np.mean(matches)), "reward": float(np.mean(rewards)),
+               "no_answer": no_answer}
     return _role_metrics(SOLVER, metrics, update)
 
 
@@ -498,15 +572,18 @@ _BBEH_PREFIXES = ("The answer is:", "The final answer is ", "The final answer is
                   "The answer is ")
 
 
-def eval_sets(cfg: Config) -> list[str]:
-    """--eval-benchmarks as a list, each set once."""
-    names = [b.strip() for b in cfg.eval_benchmarks.split(",")]
+def eval_sets(benchmarks: str) -> list[str]:
+    """A comma-separated list of benchmarks (--eval-benchmarks) as a list, each set once."""
+    names = [b.strip() for b in benchmarks.split(",")]
     return list(dict.fromkeys(name for name in names if name))
 
 
 def is_general(bench: str) -> bool:
-    """A general-reasoning set by name (BBEH also as a copy, e.g. hf:MrLight/bbeh-eval)."""
+    """A general-reasoning set by name, a local file by its stem (BBEH also as a copy, e.g.
+    hf:MrLight/bbeh-eval)."""
     name, _ = common.parse_benchmark_spec(bench)
+    if name.endswith((".jsonl", ".json")):
+        name = pathlib.Path(name).stem
     return name.lower() in GENERAL or "bbeh" in name.lower()
 
 
@@ -627,10 +704,10 @@ def bbeh_match(pred: str, reference: str) -> bool:
     return unquoted or bracketed or (pred.endswith("?") and pred[:-1] == ref)
 
 
-def official_judge(seed: int, fuzzy: bool):
+def official_judge(seed: int, fuzzy: bool, timeout: float = Config.verify_timeout):
     """common.evaluate's judge_fn for the official protocol: multiple choice by official_letter or
     the seeded random letter (pred None, yet right one time in ten); BBEH (fuzzy) by bbeh_match;
-    anything else by the last \\boxed{} through common.math_equal."""
+    anything else by the last \\boxed{} through common.math_equal within `timeout` seconds."""
     def judge(problem: dict, text: str):
         solution = official_solution(text)
         if problem.get("choices"):
@@ -641,7 +718,8 @@ def official_judge(seed: int, fuzzy: bool):
             pred = bbeh_prediction(solution)
             return pred or None, bbeh_match(pred, problem["answer"])
         pred = common.extract_boxed(text)
-        return pred, pred is not None and common.math_equal(pred, problem["answer"])
+        correct = pred is not None and common.math_equal(pred, problem["answer"], timeout)
+        return pred, correct
     return judge
 
 
@@ -650,7 +728,7 @@ def evaluate_official(policy, cfg: Config, prompts: dict) -> dict:
     them; math sets as evaluation/generate.py, i.e. our Solver prompt and math-verify."""
     result = {"benchmarks": {}, "settings": {}, "time_s": 0.0}
     plan = {}  # per benchmark: its token budget, prompt and grading
-    for bench in eval_sets(cfg):
+    for bench in eval_sets(cfg.eval_benchmarks):
         general = is_general(bench)
         if not general:  # a set with options is graded as the general sets are
             problems = common.load_benchmark(bench, cfg.eval_limit)
@@ -667,7 +745,7 @@ def evaluate_official(policy, cfg: Config, prompts: dict) -> dict:
                 policy,
                 dataclasses.replace(cfg, eval_benchmarks=bench, eval_max_tokens=budget),
                 prompt_fn=_with_prompts(official_eval_prompt, prompts),
-                judge_fn=official_judge(cfg.seed, fuzzy),
+                judge_fn=official_judge(cfg.seed, fuzzy, cfg.verify_timeout),
             )
         else:
             plan[bench] = {
@@ -679,6 +757,7 @@ def evaluate_official(policy, cfg: Config, prompts: dict) -> dict:
                 policy,
                 dataclasses.replace(cfg, eval_benchmarks=bench),
                 prompt_fn=_with_prompts(_solver_eval_prompt, prompts),
+                timeout=cfg.verify_timeout,
             )
         result["benchmarks"].update(one["benchmarks"])
         result["settings"] = {**one["settings"], "eval_protocol": "official", "per_benchmark": plan}
@@ -687,19 +766,20 @@ def evaluate_official(policy, cfg: Config, prompts: dict) -> dict:
     return result
 
 
-def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str, prompts: dict) -> dict:
-    """The Solver's greedy accuracy; eval/overall = mean(math_avg, general sets) (paper Table 1)."""
-    if not eval_sets(cfg):
-        return {}
-    with roles.sampling(SOLVER):
-        if cfg.eval_protocol == "official":
-            result = evaluate_official(policy, cfg, prompts)
-        else:
-            prompt_fn = _with_prompts(_solver_eval_prompt, prompts)
-            result = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn)
-            result["settings"]["eval_protocol"] = "ours"
-    run.write_eval(result, name)
-    metrics = common.eval_metrics(result)
+def evaluate_benchmarks(policy, cfg: Config, prompts: dict, benchmarks: str) -> dict:
+    """`benchmarks` under --eval-protocol, every math-verify check within --verify-timeout."""
+    cfg = dataclasses.replace(cfg, eval_benchmarks=benchmarks)
+    if cfg.eval_protocol == "official":
+        return evaluate_official(policy, cfg, prompts)
+    prompt_fn = _with_prompts(_solver_eval_prompt, prompts)
+    result = common.evaluate_config(policy, cfg, prompt_fn=prompt_fn, timeout=cfg.verify_timeout)
+    result["settings"]["eval_protocol"] = "ours"
+    return result
+
+
+def solver_metrics(result: dict, prefix: str = "eval") -> dict:
+    """common.eval_metrics, and <prefix>/overall = mean(math_avg, general sets) (paper Table 1)."""
+    metrics = common.eval_metrics(result, prefix)
     math, general = [], []
     for bench, scores in result["benchmarks"].items():
         if is_general(bench):
@@ -708,10 +788,91 @@ def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str, prompts: 
             math.append(scores["score"])
     overall = general
     if math:
-        metrics["eval/math_avg"] = float(np.mean(math))
-        overall = [metrics["eval/math_avg"]] + general
-    metrics["eval/overall"] = float(np.mean(overall))
+        metrics[f"{prefix}/math_avg"] = float(np.mean(math))
+        overall = [metrics[f"{prefix}/math_avg"]] + general
+    metrics[f"{prefix}/overall"] = float(np.mean(overall))
     return metrics
+
+
+def evaluate_solver(policy, roles: Roles, cfg: Config, run, name: str, prompts: dict,
+                    benchmarks: str | None = None, prefix: str = "eval") -> dict:
+    """The Solver's greedy accuracy on `benchmarks` (default --eval-benchmarks), in run/<name>."""
+    if benchmarks is None:
+        benchmarks = cfg.eval_benchmarks
+    if not eval_sets(benchmarks):
+        return {}
+    with roles.sampling(SOLVER):
+        result = evaluate_benchmarks(policy, cfg, prompts, benchmarks)
+    run.write_eval(result, name)
+    return solver_metrics(result, prefix)
+
+
+# -- Which iteration is the best: chosen on dev sets, never on the test ---------------------------
+class EvalSplits(typing.NamedTuple):
+    """The sets each iteration is tested on, the dev sets that choose the best one, and how."""
+    test: str  # comma-separated, as --eval-benchmarks
+    dev: str
+    how: str
+
+
+def carve_dev(problems: list[dict], fraction: float) -> dict:
+    """{"dev", "test"}: round(fraction * n) problems (1 .. n - 1) held out as dev, those whose
+    questions hash lowest, so the split depends on the set alone (not --seed, not the order)."""
+    n_dev = min(len(problems) - 1, max(1, round(fraction * len(problems))))
+
+    def question_hash(i: int) -> str:
+        return hashlib.sha256(problems[i]["question"].encode("utf-8", "replace")).hexdigest()
+    dev_ids = set(sorted(range(len(problems)), key=question_hash)[:n_dev])
+    split = {"dev": [], "test": []}
+    for i, problem in enumerate(problems):
+        split["dev" if i in dev_ids else "test"].append(problem)
+    return split
+
+
+def eval_splits(cfg: Config, folder: pathlib.Path) -> EvalSplits:
+    """--dev-benchmarks as given; else each test set split by carve_dev into folder/splits/dev/
+    and folder/splits/test/ (JSONL, "@N" kept); --dev-fraction 0: no dev, no choice."""
+    if cfg.dev_benchmarks:
+        how = f"the best dev/overall on --dev-benchmarks {cfg.dev_benchmarks}; whole test sets"
+        return EvalSplits(cfg.eval_benchmarks, cfg.dev_benchmarks, how)
+    if not cfg.dev_fraction or not eval_sets(cfg.eval_benchmarks):
+        how = "none chosen (no --dev-benchmarks, and --dev-fraction 0 or no test sets)"
+        return EvalSplits(cfg.eval_benchmarks, "", how)
+    names = {"dev": [], "test": []}
+    stems = set()
+    for bench in eval_sets(cfg.eval_benchmarks):
+        name, n_samples = common.parse_benchmark_spec(bench)
+        problems = common.load_benchmark(bench, cfg.eval_limit)
+        if len(problems) < 2:
+            raise common.InputError(f"--eval-benchmarks {bench}: one problem, too few to hold out "
+                                    "a dev share; pass --dev-benchmarks or --dev-fraction 0")
+        if name.endswith((".jsonl", ".json")):
+            name = pathlib.Path(name).stem
+        stem = re.sub(r"[^\w.-]+", "_", name)
+        if stem in stems:  # two files of one name: the second gets its position
+            stem += f"_{len(stems)}"
+        stems.add(stem)
+        for part, rows in carve_dev(problems, cfg.dev_fraction).items():
+            path = folder / "splits" / part / f"{stem}.jsonl"
+            lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in rows]
+            common.atomic_write_text(path, "".join(lines))  # every rank: the same bytes
+            suffix = f"@{n_samples}" if n_samples else ""
+            names[part].append(f"{path}{suffix}")
+    how = (f"the best dev/overall on {cfg.dev_fraction:g} of each test set (splits/dev/, chosen "
+           "by question hash); the test scores are on the rest (splits/test/)")
+    return EvalSplits(",".join(names["test"]), ",".join(names["dev"]), how)
+
+
+def choose_iteration(best: dict | None, iteration: int, metrics: dict) -> dict | None:
+    """The iteration with the highest dev/overall so far (the earliest of equals), with its test
+    eval/overall; the test score never takes part in the choice."""
+    dev = metrics.get("dev/overall")
+    if dev is None:
+        return best
+    # a tie keeps the earlier iteration; a best saved before dev sets chose (no dev/overall) goes
+    if best is not None and dev <= best.get("dev/overall", float("-inf")):
+        return best
+    return {"iteration": iteration, "dev/overall": dev, "eval/overall": metrics.get("eval/overall")}
 
 
 # -- Two roles, one trainer, one engine ------------------------------------------------------------
@@ -814,22 +975,39 @@ def save_state(run, policy, roles: Roles, state: dict, step: int, ref: dict | No
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def finish(run, policy, roles: Roles, cfg: Config, best: dict | None) -> None:
-    """final/challenger, final/solver, and eval.json: the base, every iteration's, the best."""
+def finish(run, policy, roles: Roles, cfg: Config, best: dict | None, splits: EvalSplits) -> None:
+    """final/challenger, final/solver, and eval.json: the base, every iteration's test and dev
+    results, and the iteration the dev sets chose with its test score."""
     for role in (CHALLENGER, SOLVER):
         if role == roles.active:
             weights = policy.iter_full_weights()
         else:
             weights = full_weights(policy, roles.parked[role])
         _save_model(policy, weights, run.dir / "final" / role)
-    iterations = {}
+    results = {"eval": {}, "dev": {}}
     for k in range(1, cfg.iterations + 1):
-        path = run.dir / f"eval_iter{k}.json"
-        if path.is_file():
-            iterations[str(k)] = json.loads(path.read_text())
+        for prefix, per_iteration in results.items():
+            path = run.dir / f"{prefix}_iter{k}.json"
+            if path.is_file():
+                per_iteration[str(k)] = json.loads(path.read_text())
     base = run.dir / "eval_base.json"
     base_eval = json.loads(base.read_text()) if base.is_file() else None
-    run.write_eval({"base": base_eval, "best": best, "iterations": iterations})
+    settings = {"selection": splits.how, "test_sets": splits.test, "dev_sets": splits.dev}
+    run.write_eval({"base": base_eval, "best": best, "iterations": results["eval"],
+                    "dev": results["dev"], "settings": settings})
+
+
+def evaluate_only(cfg: Config, policy, prompts: dict) -> pathlib.Path:
+    """--eval-only: --model evaluated as R-Zero evaluates its Solver (its prompts, --eval-protocol,
+    budgets, --eval-n/--eval-k) on the whole --eval-benchmarks; eval.json, and nothing trained."""
+    run = common.Run(cfg, "r_zero")
+    policy = policy or common.Policy.load(cfg)
+    result = evaluate_benchmarks(policy, cfg, prompts, cfg.eval_benchmarks)
+    run.write_eval(result)
+    run.log(0, solver_metrics(result))
+    run.note(f"--eval-only: {cfg.model} evaluated, nothing trained")
+    run.close()
+    return run.dir
 
 
 # -- The loop --------------------------------------------------------------------------------------
@@ -840,40 +1018,67 @@ class Position(typing.NamedTuple):
     phase_step: int
 
 
+def phase_steps(cfg: Config) -> dict[str, int]:
+    """The steps of each phase of an iteration, in order."""
+    return {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps, "eval": 1}
+
+
+def build_schedule(cfg: Config) -> list[Position]:
+    """R-Zero's nested loop, flattened into one list so that a checkpoint can name the next step:
+      for iteration in 1 .. K:
+          for phase_step in range(challenger_steps): challenger_step  (1.)
+          build_dataset, then label_check with --label-check          (2.)
+          for phase_step in range(solver_steps): solver_step          (3.)
+          evaluate_solver on the test and the dev sets                (4.)
+    and last, the position of a finished run."""
+    schedule = []
+    for iteration in range(1, cfg.iterations + 1):
+        for phase, n_steps in phase_steps(cfg).items():
+            schedule += [Position(iteration, phase, j) for j in range(n_steps)]
+    schedule.append(Position(cfg.iterations + 1, CHALLENGER, 0))
+    return schedule
+
+
+def no_question_note(iteration: int, dataset_metrics: dict) -> str:
+    """The summary's line for an iteration whose dataset kept no question."""
+    voted = dataset_metrics["dataset/voted"]
+    why = f"0 of {voted} voted questions in the band"
+    if not voted:
+        why = (f"no valid, uncontaminated question in {dataset_metrics['dataset/generated']} "
+               f"outputs: dataset_iter{iteration}.jsonl is empty")
+    return f"iteration {iteration}: no question kept ({why}): the Solver was not trained"
+
+
 def train(cfg: Config, policy=None) -> pathlib.Path:
     """The whole run; `policy` may be passed in (tests share one vLLM engine), else loaded."""
     validate_config(cfg)
     prompts = common.load_prompts(cfg.prompts, PROMPTS)
-    decon = common.eval_decontaminator(cfg.eval_benchmarks, cfg.decontaminate)
+    if cfg.eval_only:
+        return evaluate_only(cfg, policy, prompts)
+    decon = common.eval_decontaminator(f"{cfg.eval_benchmarks},{cfg.dev_benchmarks}",
+                                       cfg.decontaminate)
     label_checks = []
     if cfg.label_check:
         label_checks = common.load_benchmark(cfg.label_check, cfg.label_check_limit)
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "r_zero")
+    splits = eval_splits(cfg, run.dir)  # the test sets, and the dev sets that choose
     policy = policy or common.Policy.load(cfg)
+    schedule = build_schedule(cfg)
+    n_steps = phase_steps(cfg)
 
-    # R-Zero's nested loop, flattened into one list so that a checkpoint can name the next step:
-    #   for iteration in 1 .. K:
-    #       for phase_step in range(challenger_steps): challenger_step  (1.)
-    #       build_dataset, then label_check with --label-check          (2.)
-    #       for phase_step in range(solver_steps): solver_step          (3.)
-    #       evaluate_solver                                             (4.)
-    phase_steps = {CHALLENGER: cfg.challenger_steps, "dataset": 1, SOLVER: cfg.solver_steps,
-                   "eval": 1}
-    schedule = []
-    for iteration in range(1, cfg.iterations + 1):
-        for phase, n_steps in phase_steps.items():
-            schedule += [Position(iteration, phase, j) for j in range(n_steps)]
-    schedule.append(Position(cfg.iterations + 1, CHALLENGER, 0))  # where a finished run stands
-
-    # `state` names the next step to run, and carries the dataset and the best iteration
-    state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None}
+    # `state` names the next step to run, and carries the dataset, the chosen iteration, the
+    # Challenger phase's count of valid questions and the summary's notes
+    state = {"iteration": 1, "phase": CHALLENGER, "phase_step": 0, "dataset": [], "best": None,
+             "valid_questions": 0, "notes": []}
     ref = None  # the KL reference: the trained role's weights at the start of its phase
     checkpoint = run.load_checkpoint(policy) if cfg.resume else None
     if checkpoint is None:
         roles = Roles(policy, CHALLENGER, folder=run.dir)  # iteration 1: both are the base model
         if cfg.eval_base:
-            run.log(0, evaluate_solver(policy, roles, cfg, run, "eval_base.json", prompts))
+            base_metrics = evaluate_solver(policy, roles, cfg, run, "eval_base.json", prompts,
+                                           splits.test)
+            run.log(0, base_metrics)
     else:
         _, saved = checkpoint
         state.update({k: v for k, v in saved.items() if k in state})
@@ -888,37 +1093,49 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                          "--iterations, --challenger-steps or --solver-steps; resume with the "
                          "run's own values")
     done = schedule.index(position)
-    pbar = run.progress(len(schedule) - 1, initial=done)
+    pbar = run.progress(len(schedule) - 1, initial=done)  # counts every position of the schedule
     for step in range(done + 1, len(schedule)):
         iteration, phase, phase_step = schedule[step - 1]
+        pbar.set_description(f"r_zero iteration {iteration}/{cfg.iterations}, {phase} "
+                             f"{phase_step + 1}/{n_steps[phase]}", refresh=False)
         metrics = {"iteration": iteration}
         if phase in (CHALLENGER, SOLVER) and phase_step == 0:  # its role, a fresh AdamW
             roles.activate(phase)
             ref = None  # the previous one's file-backed pages go first
             ref = roles.park()
+        phase_end = phase_step + 1 == n_steps[phase]
         if phase == CHALLENGER:  # 1. GRPO on the Challenger, the Solver frozen
             metrics.update(challenger_step(policy, roles, cfg, ref, step, run, prompts))
+            if phase_step == 0:
+                state["valid_questions"] = 0
+            state["valid_questions"] += metrics["challenger/n_valid"]
+            if phase_end and not state["valid_questions"]:
+                state["notes"].append(f"iteration {iteration}: the Challenger wrote no valid "
+                                      f"question in {n_steps[phase]} step(s): its rewards were "
+                                      "all equal, so no advantage trained it")
         elif phase == "dataset":  # 2. the Solver's dataset, filtered by its agreement
             state["dataset"], dataset_metrics = build_dataset(policy, roles, cfg, step, run,
                                                               iteration, prompts, decon)
             metrics.update(dataset_metrics)
+            if not state["dataset"]:
+                state["notes"].append(no_question_note(iteration, dataset_metrics))
             if label_checks:
                 metrics.update(label_check(policy, roles, label_checks, cfg, prompts))
         elif phase == SOLVER and state["dataset"]:  # 3. GRPO on the Solver, the Challenger frozen
             metrics.update(solver_step(policy, state["dataset"], cfg, ref, step, run, prompts))
         elif phase == SOLVER:
             metrics["solver/skipped"] = 1  # no question was kept
-        else:  # 4. evaluate the Solver after every iteration
-            name = f"eval_iter{iteration}.json"
-            metrics.update(evaluate_solver(policy, roles, cfg, run, name, prompts))
-            overall, best = metrics.get("eval/overall"), state["best"]
-            if overall is not None and (best is None or overall > best["eval/overall"]):
-                state["best"] = {"iteration": iteration, "eval/overall": overall}
+        else:  # 4. evaluate the Solver after every iteration: the dev sets choose the best
+            test_name, dev_name = f"eval_iter{iteration}.json", f"dev_iter{iteration}.json"
+            metrics.update(evaluate_solver(policy, roles, cfg, run, test_name, prompts,
+                                           splits.test))
+            metrics.update(evaluate_solver(policy, roles, cfg, run, dev_name, prompts,
+                                           splits.dev, "dev"))
+            state["best"] = choose_iteration(state["best"], iteration, metrics)
             state["dataset"] = []
         run.log(step, metrics)
         pbar.update(1)
         state.update(schedule[step]._asdict())  # the next step to run
-        phase_end = phase_step + 1 == phase_steps[phase]
         if phase_end:
             ref = None  # the next phase parks its own
         # a phase's end is saved (the Solver's by the evaluation after it); --save-every N also
@@ -926,13 +1143,46 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         periodic = cfg.save_every and step % cfg.save_every == 0
         if (phase_end and phase != SOLVER) or (periodic and not phase_end):
             save_state(run, policy, roles, state, step, ref)
-    finish(run, policy, roles, cfg, state["best"])
+    finish(run, policy, roles, cfg, state["best"], splits)
+    run.note(f"steps count R-Zero's schedule, {sum(n_steps.values())} an iteration: "
+             f"{cfg.challenger_steps} Challenger, the dataset, {cfg.solver_steps} Solver, the "
+             "evaluation")
+    for text in state["notes"]:
+        run.note(text)
     run.close()
     return run.dir
 
 
+def headline(run_dir) -> dict:
+    """The summary's R-Zero figures: the iterations and each role's steps run, and the iteration
+    the dev sets chose, with its test score."""
+    run_dir = pathlib.Path(run_dir)
+    saved = json.loads((run_dir / "config.json").read_text())
+    fields = {field.name for field in dataclasses.fields(Config)}
+    cfg = Config(**{name: value for name, value in saved.items() if name in fields})
+    if cfg.eval_only:
+        return {}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    last_step = max([record["step"] for record in records], default=0)
+    done = Counter(position.phase for position in build_schedule(cfg)[:last_step])
+    skipped = sum("solver/skipped" in record for record in records)
+    figures = {
+        "iterations": f"{done['eval']} of {cfg.iterations}",
+        "challenger steps": f"{done[CHALLENGER]} of {cfg.iterations * cfg.challenger_steps}",
+        "solver steps": f"{done[SOLVER] - skipped} of {cfg.iterations * cfg.solver_steps}",
+    }
+    if skipped:
+        figures["solver steps"] += f" ({skipped} skipped: no question kept)"
+    best = json.loads((run_dir / "eval.json").read_text()).get("best")
+    if best:
+        figures["chosen iteration (by dev)"] = best["iteration"]
+        figures["its test eval/overall"] = best["eval/overall"]
+    return figures
+
+
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
+    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY, headline=headline)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ What it shows (R-Zero, Huang et al. 2025): the Solver's greedy held-out accuracy
 against the base model's (95% Wilson CIs, Table 1's comparison), and the accuracy of the
 majority-vote pseudo-labels of the kept Challenger questions against the exact oracle, per
 iteration (the paper's label-accuracy table, §5: it falls as the questions get harder).
+r_zero.py's best iteration is chosen on a dev set of fresh questions (dev.jsonl), never on the
+held-out test.
 
 `--quick` runs a reduced version (a smaller model, one iteration, one step a phase) that CI uses
 to check the pipeline end to end.
@@ -132,6 +134,32 @@ def test_rows(kind: str) -> list[dict]:
                 rows.append({"question": q, "answer": str(oracle(q)), "operands": k})
                 n += 1
     return rows
+
+
+def dev_rows(kind: str) -> list[dict]:
+    """The dev set that chooses r_zero.py's best iteration (--dev-benchmarks): 20 problems per
+    operand count ('quick': 3), drawn as test_rows draws but with its own seed, no held-out
+    question among them, so the reported test problems never take part in the choice."""
+    rng, per, rows = random.Random(4343), 20 if kind == "full" else 3, []
+    seen = {words(r["question"]) for r in test_rows("full")}
+    for k in range(2, 6):
+        n = 0
+        while n < per:
+            nums, ops = sample_problem(rng, [int(j == k) for j in range(2, 6)], (1, 1))
+            q = question(nums, ops)
+            if words(q) not in seen:
+                seen.add(words(q))
+                rows.append({"question": q, "answer": str(oracle(q)), "operands": k})
+                n += 1
+    return rows
+
+
+def write_sets(work: Path, kind: str) -> list[dict]:
+    """test.jsonl (the held-out set) and dev.jsonl in `work`; the held-out rows."""
+    tests = test_rows(kind)
+    for name, rows in (("test", tests), ("dev", dev_rows(kind))):
+        (work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tests
 
 
 def contaminates(text: str, held: set, lengths: set) -> bool:
@@ -278,9 +306,8 @@ def experiment(args) -> None:
     flags, budget = lab_flags(args, **({"iterations": args.iterations} if args.iterations else {}))
     work = workdir(args) / budget
     work.mkdir(parents=True, exist_ok=True)
-    tests = test_rows(args.kind)
+    tests = write_sets(work, args.kind)
     test_file = work / "test.jsonl"
-    test_file.write_text("".join(json.dumps(r) + "\n" for r in tests))
     print(decontamination(model, tests), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -291,7 +318,8 @@ def experiment(args) -> None:
         run = work / f"seed{seed}"
         cmd = [sys.executable, str(ROOT / "r_zero.py"), "--model", str(model), "--seed", str(seed),
                "--output-dir", str(run), "--eval-benchmarks", str(test_file), "--lr", args.lr,
-               "--save-every", "0", "--keep-checkpoints", "1"]
+               "--dev-benchmarks", str(work / "dev.jsonl"), "--save-every", "0",
+               "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         wall = None
         if not finished(run, model):  # a finished run is kept; rerun by deleting it
@@ -301,7 +329,9 @@ def experiment(args) -> None:
             subprocess.run(cmd, check=True, cwd=ROOT, env=env)
             wall = time.time() - t1
         its = range(1, flags["iterations"] + 1)
+        best = json.loads((run / "eval.json").read_text())["best"] or {}
         results[seed] = {"base": score(run / "eval_base.json"), "wall": wall,
+                         "chosen": best.get("iteration"),
                          "solver": [score(run / f"eval_iter{k}.json") for k in its],
                          "labels": [label_accuracy(run, k) for k in its],
                          "by_operands": [by_operands(run / f"eval_{x}.json", tests) for x in
@@ -339,6 +369,8 @@ def report(results: dict, work: Path) -> None:
         print(f"  seed {seed}: accuracy by operand count, base -> last: "
               + ", ".join(f"{k}: {a:.2f} -> {b:.2f}" for (k, a), b in
                           zip(r["by_operands"][0].items(), r["by_operands"][-1].values())))
+        if r.get("chosen"):
+            print(f"  seed {seed}: the dev set chose iteration {r['chosen']}")
         if r.get("wall"):
             print(f"  seed {seed}: r_zero.py wall time {r['wall']:.0f} s")
     import matplotlib
@@ -452,13 +484,13 @@ def control(args) -> None:
     name = ("shuffled_rewards" if args.shuffle_rewards else "exact_labels") + (
         f"_{budget}" if budget else "")
     work.mkdir(parents=True, exist_ok=True)
-    (work / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test_rows(args.kind)))
+    write_sets(work, args.kind)
     for seed in map(int, args.seeds.split(",")):
         run = work / f"{name}_seed{seed}"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_exact", "--model", str(model),
                "--seed", str(seed), "--output-dir", str(run), "--eval-benchmarks",
-               str(work / "test.jsonl"), "--lr", args.lr, "--save-every", "0",
-               "--keep-checkpoints", "1"]
+               str(work / "test.jsonl"), "--dev-benchmarks", str(work / "dev.jsonl"), "--lr",
+               args.lr, "--save-every", "0", "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
         cmd += ["--shuffle-rewards"] if args.shuffle_rewards else []
         wall = ""
@@ -478,15 +510,14 @@ def control(args) -> None:
               f"{by_operands(run / 'eval_iter1.json', test_rows(args.kind))}")
 
 
-def main(argv=None) -> None:
-    if (argv or sys.argv[1:])[:1] == ["_exact"]:
-        return r_zero_exact_labels((argv or sys.argv[1:])[1:])
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", choices=["model", "run", "control"])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--iterations", type=int, default=0, help="0 = the kind's default")
     ap.add_argument("--lr", default="5e-5")  # 3e-4 collapsed the Solver (0.52 -> 0.17)
-    ap.add_argument("--out", default="/work/scratch/rzlab")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "lab"),
+                    help="the lab's folder (default: runs/lab in the repository)")
     ap.add_argument("--shuffle-rewards", action="store_true",
                     help="control: permute the Solver's rewards across each batch")
     ap.add_argument("--budget", choices=sorted(BUDGETS), default="lab",
@@ -497,7 +528,13 @@ def main(argv=None) -> None:
                     help="the share of pretraining Solver documents with no working (0: always "
                          "step by step, the first base)")
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    if (argv or sys.argv[1:])[:1] == ["_exact"]:
+        return r_zero_exact_labels((argv or sys.argv[1:])[1:])
+    args = parser().parse_args(argv)
     if args.experiment == "model":
         path = build_model(args.kind, direct=args.direct)
         print(path)

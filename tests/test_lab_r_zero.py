@@ -68,8 +68,10 @@ def test_quick_r_zero_experiment_end_to_end(tmp_path):
     work = tmp_path / f"r_zero_quick_direct{lab.DIRECT:g}"
     run = work / "seed0"
     assert (run / "dataset_iter1.jsonl").is_file() and (run / "eval_iter1.json").is_file()
+    assert (run / "dev_iter1.json").is_file()
     summary = json.loads((work / "summary.json").read_text())
-    assert summary["0"]["base"][1] == summary["0"]["solver"][0][1] == 40
+    assert summary["0"]["base"][1] == summary["0"]["solver"][0][1] == 40  # the whole test set
+    assert summary["0"]["chosen"] == 1 and "the dev set chose iteration 1" in out.stdout
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     (ds,) = [m for m in logged if "dataset/voted" in m]  # r_zero.py's own counts of the dataset
     lab0 = summary["0"]["labels"][0]
@@ -77,6 +79,26 @@ def test_quick_r_zero_experiment_end_to_end(tmp_path):
     assert len(summary["0"]["tokens"]) == 2 and all(t > 0 for t in summary["0"]["tokens"])
     assert "pseudo-label accuracy" in out.stdout and "beats base" in out.stdout
     assert (work / "r_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lab_writes_under_runs_lab_by_default():
+    """--out defaults to runs/lab in the repository, as the other labs do, never a folder that
+    exists on one machine only."""
+    assert lab.parser().parse_args(["run"]).out == str(ROOT / "runs" / "lab")
+    assert lab.workdir(lab.parser().parse_args(["run", "--quick"])).is_relative_to(ROOT / "runs")
+
+
+def test_dev_set_is_disjoint_from_the_held_out_set(tmp_path):
+    """dev.jsonl (r_zero.py's --dev-benchmarks, which choose the best iteration) holds no held-out
+    question, in either kind; write_sets writes both files."""
+    held = {lab.words(t["question"]) for t in lab.test_rows("full")}
+    for kind, size in (("full", 80), ("quick", 12)):
+        dev = lab.dev_rows(kind)
+        assert len(dev) == len({lab.words(d["question"]) for d in dev}) == size
+        assert not {lab.words(d["question"]) for d in dev} & held
+        assert all(lab.oracle(d["question"]) == int(d["answer"]) for d in dev)
+    tests = lab.write_sets(tmp_path, "quick")
+    assert len(tests) == 40 and len((tmp_path / "dev.jsonl").read_text().splitlines()) == 12
 
 
 def test_label_accuracy_reads_the_run_folder(tmp_path):
@@ -117,9 +139,11 @@ def test_budgets_leave_the_lab_default_as_it_was():
     args.budget = "paper"
     flags, name = lab.lab_flags(args, iterations=1)
     assert name == "paper" and flags["iterations"] == 1
-    assert (flags["solver_batch"], flags["solver_minibatch"], flags["solver_steps"]) == (256, 128, 15)
+    assert (flags["solver_batch"], flags["solver_minibatch"], flags["solver_steps"]) == (
+        256, 128, 15)
     assert flags["question_pool"] >= 2 * flags["solver_batch"]  # the kept set (~60%) holds a batch
     args.solver_steps = 10
-    assert lab.lab_flags(args)[0]["solver_steps"] == 10 and lab.lab_flags(args)[1] == "paper_steps10"
+    assert lab.lab_flags(args)[0]["solver_steps"] == 10
+    assert lab.lab_flags(args)[1] == "paper_steps10"
     cfg = r_zero.Config()  # the paper's own proportions, r_zero.py's defaults
     assert (cfg.solver_batch, cfg.solver_minibatch, cfg.solver_steps) == (512, 128, 15)

@@ -115,7 +115,138 @@ def test_solver_reward_is_one_iff_the_boxed_answer_equals_the_pseudo_label():
     preds = [common.extract_boxed(t) for t in (think, plain)]
     assert r_zero.solver_rewards(preds, ["5", "5"]) == [1.0, 1.0]  # the paper pays accuracy only
     assert r_zero.solver_rewards(preds, ["6", "6"]) == [0.0, 0.0]
-    assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]  # unparsable; math-verify
+    # unparsable; math-verify
+    assert r_zero.solver_rewards([None, "0.5"], ["5", "1/2"]) == [0.0, 1.0]
+
+
+def test_official_challenger_reward_is_caller_penalty():
+    """--challenger-reward official (caller_penalty.py): min(p^, 1 - p^) - r_rep, unclipped; an
+    invalid output is a cluster of its own (1/B) and gets -1 - 1/B. The default stays the
+    paper's."""
+    assert r_zero.Config().challenger_reward == "paper"
+    qs = ["Find the sum of all primes below 30.", None,
+          "How many subsets of a 5-element set have odd size?",
+          "Compute the area of a triangle with sides 13, 14 and 15."]
+    p = [0.4, 0.0, 0.1, 1.0]
+    official = r_zero.challenger_rewards(qs, p, _cfg(challenger_reward="official"))
+    B = 4  # every question its own cluster: r_rep = 1/B, the invalid one's too
+    np.testing.assert_allclose(official["r_rep"], [1 / B] * 4)
+    np.testing.assert_allclose(official["reward"], [0.4 - 1 / B, -1 - 1 / B, 0.1 - 1 / B,
+                                                    0.0 - 1 / B], atol=1e-12)
+    paper = r_zero.challenger_rewards(qs, p, _cfg())
+    # the paper's: twice the scale, clipped at 0 (0.2 - 1/4 < 0), 0 for an invalid output
+    np.testing.assert_allclose(paper["reward"], [0.8 - 1 / B, 0.0, 0.0, 0.0], atol=1e-12)
+    half = r_zero.challenger_rewards(qs, p, _cfg(challenger_reward="official", rep_lambda=0.5))
+    assert half["reward"][1] == pytest.approx(-1 - 0.5 / B)
+    with pytest.raises(ValueError, match="--challenger-reward must be paper or official"):
+        r_zero.validate_config(_cfg(challenger_reward="code"))
+
+
+def _official_format_regex(text):
+    """math.py's own format_reward, to compare with (quadratic or worse on long outputs)."""
+    import re
+    text = re.sub(r"\s*(<|>|/)\s*", r"\1", text)
+    pattern = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+    return 1.0 if re.fullmatch(pattern, text) else 0.0
+
+
+def test_official_solver_reward_and_its_format_rule():
+    """--solver-reward official (examples/reward_function/math.py): 0.9 match + 0.1 format, the
+    format the code's rule (whitespace around <, / and > dropped, then <think>..</think>..\\boxed{}
+    ..); equal to the code's regular expressions, in linear time on hostile text."""
+    assert r_zero.Config().solver_reward == "paper"
+    think = "<think>\n2 + 3 = 5\n</think>\nSo \\boxed{5}."
+    spaced = "< think >2 + 3< / think > So \\boxed{ 5 }"
+    plain = "2 + 3 = 5, so \\boxed{5}."
+    fmt = r_zero.official_format
+    assert [fmt(think), fmt(spaced), fmt(plain)] == [1.0, 1.0, 0.0]
+    assert fmt("<think></think>\\boxed{}") == 1.0 and fmt(" <think></think>\\boxed{}") == 1.0
+    for bad in ("x<think></think>\\boxed{}", "<think>\\boxed{5}</think>", "<think></think>\\boxed{",
+                "<think>a</think> boxed{5}", ""):
+        assert fmt(bad) == 0.0, bad
+    rewards = r_zero.official_solver_rewards([1.0, 1.0, 0.0, 0.0], [think, plain, spaced, plain])
+    np.testing.assert_allclose(rewards, [1.0, 0.9, 0.1, 0.0])
+    rng = np.random.default_rng(0)
+    atoms = ["<think>", "</think>", "\\boxed{", "}", "{", " ", "\n", "<", ">", "/", "x",
+             "< think >", "< / think >", "\\boxed", "\t"]
+    for _ in range(20000):
+        text = "".join(rng.choice(atoms, size=rng.integers(0, 9)))
+        assert fmt(text) == _official_format_regex(text), text
+    t0 = time.time()  # the code's rules take seconds to minutes on these
+    for hostile in (" " * 200000 + "x", "<think>" + "a</think>" * 30000 + "\\boxed{" * 20000):
+        assert fmt(hostile) == 0.0
+    assert time.time() - t0 < 2
+    with pytest.raises(ValueError, match="--solver-reward must be paper or official"):
+        r_zero.validate_config(_cfg(solver_reward="0.9"))
+
+
+def test_dev_split_is_held_out_of_the_test_and_fixed_by_the_set(tmp_path):
+    """carve_dev: round(fraction * n) problems (at least 1, at most n - 1), chosen by question hash
+    (not the order, not --seed); eval_splits writes them under splits/, keeps "@N", names a set by
+    its own name, and refuses a one-problem set."""
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(40)]
+    split = r_zero.carve_dev(rows, 0.1)
+    assert len(split["dev"]) == 4 and len(split["test"]) == 36
+    assert not {r["question"] for r in split["dev"]} & {r["question"] for r in split["test"]}
+    assert split["test"] == [r for r in rows if r not in split["dev"]]  # in the set's order
+    shuffled = r_zero.carve_dev(list(reversed(rows)), 0.1)
+    assert sorted(map(str, shuffled["dev"])) == sorted(map(str, split["dev"]))
+    assert len(r_zero.carve_dev(rows[:2], 0.1)["dev"]) == 1  # at least one dev problem
+    assert len(r_zero.carve_dev(rows[:2], 0.9)["test"]) == 1  # at least one test problem
+    bench = tmp_path / "mmlu_pro.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(eval_benchmarks=f"{bench}@4,{DATA / 'rzero_eval.jsonl'}", dev_fraction=0.25)
+    splits = r_zero.eval_splits(cfg, tmp_path / "run")
+    test, dev = splits.test.split(","), splits.dev.split(",")
+    assert test[0] == f"{tmp_path / 'run' / 'splits' / 'test' / 'mmlu_pro.jsonl'}@4"
+    assert dev[0].endswith("splits/dev/mmlu_pro.jsonl@4") and r_zero.is_general(dev[0])
+    assert len(common.load_benchmark(test[0])) == 30 and len(common.load_benchmark(dev[0])) == 10
+    assert [len(common.load_benchmark(x)) for x in (test[1], dev[1])] == [1, 1]
+    assert "0.25 of each test set" in splits.how
+    given = r_zero.eval_splits(_cfg(eval_benchmarks=str(bench), dev_benchmarks="gsm8k"), tmp_path)
+    assert (given.test, given.dev) == (str(bench), "gsm8k") and "--dev-benchmarks" in given.how
+    off = r_zero.eval_splits(_cfg(eval_benchmarks=str(bench), dev_fraction=0.0), tmp_path)
+    assert (off.test, off.dev) == (str(bench), "") and "none chosen" in off.how
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(common.InputError, match="pass --dev-benchmarks or --dev-fraction 0"):
+        r_zero.eval_splits(_cfg(eval_benchmarks=str(one)), tmp_path / "run1")
+    with pytest.raises(ValueError, match="--dev-fraction must be in"):
+        r_zero.validate_config(_cfg(dev_fraction=1.0))
+
+
+def test_choose_iteration_reads_dev_only():
+    best = None
+    for k, (dev, test) in enumerate([(0.5, 0.2), (0.3, 0.9), (0.6, 0.4), (0.6, 0.8)], start=1):
+        best = r_zero.choose_iteration(best, k, {"dev/overall": dev, "eval/overall": test})
+    assert best == {"iteration": 3, "dev/overall": 0.6, "eval/overall": 0.4}  # a tie: the earlier
+    assert r_zero.choose_iteration(None, 1, {"eval/overall": 1.0}) is None  # no dev, no choice
+
+
+def test_notes_of_an_iteration_that_kept_nothing():
+    none_parsed = {"dataset/generated": 4, "dataset/voted": 0}
+    assert r_zero.no_question_note(1, none_parsed) == (
+        "iteration 1: no question kept (no valid, uncontaminated question in 4 outputs: "
+        "dataset_iter1.jsonl is empty): the Solver was not trained")
+    voted = {"dataset/generated": 16, "dataset/voted": 9}
+    assert r_zero.no_question_note(2, voted) == (
+        "iteration 2: no question kept (0 of 9 voted questions in the band): the Solver was not "
+        "trained")
+
+
+def test_every_flag_says_what_it_does_then_its_source():
+    """Each of R-Zero's own flags: a help text that starts with what it does (never a bare source)
+    and ends with its source in parentheses; --help opens with a sentence."""
+    from infra.cli import build_parser, field_comments
+    comments = field_comments(r_zero.Config)
+    source = inspect.getsource(r_zero.Config)
+    own = [f.name for f in dataclasses.fields(r_zero.Config) if f"    {f.name}:" in source]
+    assert len(own) > 40
+    for name in own:
+        text = comments[name]
+        assert not text.startswith(("paper", "(", "examples/", "verl/", "scripts/", "vllm_")), name
+        assert text.endswith(")") and "(" in text, name
+    assert build_parser(r_zero.Config, comments, None).description.startswith("R-Zero: ")
 
 
 def test_label_check_figures_on_hand_made_votes():
@@ -420,6 +551,134 @@ def test_resume_restores_both_roles_and_the_phase(warm_path, vllm_sampler, tmp_p
     assert _differs(_load(fin / "challenger"), trained_challenger)  # trained again in iteration 2
 
 
+def test_solver_step_pays_the_official_reward(warm_path, vllm_sampler, tmp_path, monkeypatch):
+    """--solver-reward official reaches the update: the warmed Solver always answers Q2 with
+    \\boxed{3} and never writes <think>, so every answer earns 0.9 (the paper's reward: 1)."""
+    cfg = _small(warm_path, tmp_path / "run", solver_reward="official", kl_coef=0.0, solver_batch=1)
+    policy = _policy(cfg, vllm_sampler)
+    paid = []
+    real = r_zero.grpo_update
+
+    def spy(policy, trajs, *args, **kw):
+        paid.extend(t.reward for t in trajs)
+        return real(policy, trajs, *args, **kw)
+    monkeypatch.setattr(r_zero, "grpo_update", spy)
+    run = common.Run(cfg, "r_zero")
+    row = {"question": Q2, "label": "3", "p_hat": 1.0, "agree": 10, "m": 10}
+    metrics = r_zero.solver_step(policy, [row], cfg, None, 1, run, r_zero.PROMPTS)
+    run.close()
+    assert paid == [pytest.approx(0.9)] * cfg.solver_group
+    assert metrics["solver/acc_vs_pseudo"] == 1.0
+    assert metrics["solver/reward"] == pytest.approx(0.9)
+
+
+def test_verify_timeout_governs_votes_rewards_and_evaluation(warm_path, vllm_sampler, tmp_path,
+                                                             monkeypatch):
+    """--verify-timeout reaches every math-verify check of a run: the votes, the Solver's rewards,
+    --label-check, the base and per-iteration evaluations (both protocols), as SPICE's does."""
+    import sys as _sys
+    seen = []
+    real = common.math_equal_many
+
+    def spy(pairs, workers=None, timeout=2.0, expression=False):
+        seen.append((_sys._getframe(1).f_code.co_name, timeout))
+        return real(pairs, workers=workers, timeout=timeout, expression=expression)
+    monkeypatch.setattr(common, "math_equal_many", spy)
+    cfg = _small(warm_path, tmp_path / "run", verify_timeout=3.5, eval_base=True,
+                 label_check=str(DATA / "rzero_labelcheck.jsonl"))
+    policy = _policy(cfg, vllm_sampler)
+    run_dir = r_zero.train(cfg, policy)
+    callers = {caller for caller, _ in seen}
+    assert {"vote_statistics", "solver_rewards", "label_accuracy", "_judge_answers"} <= callers
+    assert {timeout for _, timeout in seen} == {3.5}
+    for name in ("eval_base.json", "eval_iter1.json", "dev_iter1.json"):
+        verifier = json.loads((run_dir / name).read_text())["settings"]["verifier"]
+        assert "timeout 3.5s" in verifier, name
+    seen.clear()  # the official protocol: a general set without options goes through math_equal
+    general = tmp_path / "mmlu_pro.jsonl"
+    general.write_text(json.dumps({"question": "What is 7 - 4?", "answer": "3"}) + "\n")
+    official = dataclasses.replace(cfg, eval_protocol="official", eval_general_max_tokens=8)
+    r_zero.evaluate_benchmarks(policy, official, r_zero.PROMPTS,
+                               f"{general},{DATA / 'rzero_eval.jsonl'}")
+    assert {caller for caller, _ in seen} == {"math_equal", "_judge_answers"}
+    assert {timeout for _, timeout in seen} == {3.5}
+
+
+def test_a_run_reports_the_iteration_dev_chooses_not_the_test_peak(tiny_model_path, vllm_sampler,
+                                                                    tmp_path, monkeypatch):
+    """Three iterations whose test score peaks at 2 while dev picks 3: eval.json's best (and the
+    summary's figures) is iteration 3 with its own test score; the test sets are the carved rest,
+    the dev sets the carved share, and the base is tested on the same test problems."""
+    import re
+    test_scores, dev_scores = {0: 0.1, 1: 0.2, 2: 0.9, 3: 0.4}, {1: 0.5, 2: 0.3, 3: 0.6}
+    calls = []
+
+    def scripted(policy, roles, cfg, run, name, prompts, benchmarks=None, prefix="eval"):
+        calls.append((name, benchmarks, prefix))
+        found = re.search(r"iter(\d+)", name)
+        iteration = int(found[1]) if found else 0
+        score = (dev_scores if prefix == "dev" else test_scores)[iteration]
+        run.write_eval({"benchmarks": {}, "overall": score}, name)
+        return {f"{prefix}/overall": score}
+    dataset = [{"question": Q1, "label": "5", "p_hat": 0.4, "agree": 4, "m": 10}]
+    figures = {"dataset/generated": 1, "dataset/voted": 1, "dataset/kept": 1}
+    monkeypatch.setattr(r_zero, "evaluate_solver", scripted)
+    monkeypatch.setattr(r_zero, "challenger_step", lambda *a, **k: {"challenger/n_valid": 1})
+    monkeypatch.setattr(r_zero, "build_dataset", lambda *a, **k: (dataset, figures))
+    monkeypatch.setattr(r_zero, "solver_step", lambda *a, **k: {"solver/reward": 1.0})
+    cfg = _small(tiny_model_path, tmp_path / "run", iterations=3, eval_base=True)
+    run_dir = r_zero.train(cfg, _policy(cfg, vllm_sampler))
+    assert max(test_scores, key=test_scores.get) == 2
+    result = json.loads((run_dir / "eval.json").read_text())
+    assert result["best"] == {"iteration": 3, "dev/overall": 0.6, "eval/overall": 0.4}
+    assert result["iterations"]["2"]["overall"] == 0.9  # reported, never chosen
+    assert "splits/dev" in result["settings"]["selection"] and result["dev"]["3"]["overall"] == 0.6
+    assert result["settings"]["dev_sets"] == str(run_dir / "splits" / "dev" / "rzero_eval.jsonl")
+    tests = {benchmarks for _, benchmarks, prefix in calls if prefix == "eval"}
+    devs = {benchmarks for _, benchmarks, prefix in calls if prefix == "dev"}
+    assert tests == {str(run_dir / "splits" / "test" / "rzero_eval.jsonl")}
+    assert devs == {str(run_dir / "splits" / "dev" / "rzero_eval.jsonl")}
+    assert [name for name, _, _ in calls][:3] == ["eval_base.json", "eval_iter1.json",
+                                                  "dev_iter1.json"]
+    shown = r_zero.headline(run_dir)
+    assert shown["chosen iteration (by dev)"] == 3 and shown["its test eval/overall"] == 0.4
+    assert (shown["iterations"], shown["challenger steps"], shown["solver steps"]) == (
+        "3 of 3", "3 of 3", "3 of 3")
+
+
+def test_eval_only_refusals():
+    with pytest.raises(ValueError, match="--eval-only needs sets to evaluate"):
+        r_zero.validate_config(_cfg(eval_only=True, eval_benchmarks=""))
+    with pytest.raises(ValueError, match="it does not --resume"):
+        r_zero.validate_config(_cfg(eval_only=True, resume="runs/x"))
+
+
+@pytest.mark.slow
+def test_cli_eval_only_evaluates_the_solver_protocol_and_exits(tmp_path):
+    """--eval-only on the tiny model: config.json, eval.json (R-Zero's Solver prompt, its protocol,
+    budget and --eval-n/--eval-k, the whole test set) and the summary; nothing trained."""
+    out = tmp_path / "eval-only"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "r_zero.py"), "--model", "tiny", "--eval-only",
+           "--eval-protocol", "official", "--eval-n", "2", "--eval-k", "1,2", "--output-dir",
+           str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert {f.name for f in out.iterdir() if f.is_file()} == {"config.json", "eval.json",
+                                                              "metrics.jsonl"}
+    assert not list((out / "checkpoints").iterdir())
+    result = json.loads((out / "eval.json").read_text())
+    settings = result["settings"]
+    assert settings["eval_protocol"] == "official" and (settings["n"], settings["k"]) == (2, [1, 2])
+    bench = str(DATA / "rzero_eval.jsonl")  # the tiny profile's test set, whole: no dev share
+    assert settings["per_benchmark"][bench] == {"max_tokens": 8, "prompt": "_solver_eval_prompt",
+                                                "grading": "last \\boxed{} -> math_equal"}
+    assert result["benchmarks"][bench]["n_problems"] == 2
+    assert set(result["benchmarks"][bench]["pass@k"]) == {"1", "2"}
+    assert "--eval-only: tiny evaluated, nothing trained" in p.stdout
+    assert "eval/overall" in p.stdout and "challenger steps" not in p.stdout
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_two_iterations(tmp_path):
     out = tmp_path / "cli"
@@ -435,6 +694,23 @@ def test_cli_end_to_end_two_iterations(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     ms = _metrics(out)
     assert {m.get("iteration") for m in ms} >= {1, 2}
+    # the random tiny model writes no question: the summary says so, and counts R-Zero's own steps
+    assert sum("solver/skipped" in m for m in ms) == 2
+    assert (out / "dataset_iter1.jsonl").read_text() == ""
+    summary = {}
+    for line in p.stdout.splitlines():
+        label, _, value = line.partition("  ")
+        summary.setdefault(label, []).append(value.strip())
+    assert summary["iterations"] == ["2 of 2"] and summary["challenger steps"] == ["2 of 2"]
+    assert summary["solver steps"] == ["0 of 2 (2 skipped: no question kept)"]
+    notes = summary["note"]
+    assert notes[0] == ("steps count R-Zero's schedule, 4 an iteration: 1 Challenger, the dataset, "
+                        "1 Solver, the evaluation")
+    for k in (1, 2):
+        assert (f"iteration {k}: no question kept (no valid, uncontaminated question in 4 outputs: "
+                f"dataset_iter{k}.jsonl is empty): the Solver was not trained") in notes
+        assert (f"iteration {k}: the Challenger wrote no valid question in 1 step(s): its rewards "
+                "were all equal, so no advantage trained it") in notes
     for name in ("eval_base.json", "eval_iter1.json", "eval_iter2.json", "dataset_iter2.jsonl",
                  "config.json"):
         assert (out / name).is_file(), name
