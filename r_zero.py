@@ -7,8 +7,8 @@ For iteration k = 1 .. K (paper §3; train() runs the steps in this order):
      share p^), challenger_rewards (max(0, r_unc - r_rep)), grpo_update (KL to the phase start).
   2. build_dataset: N = 8,000 questions, m = 10 votes each, keep |p^ - 1/2| <= 0.25 labelled y~.
   3. solver_step x 15: GRPO on the Solver, solver_rewards 1 iff its boxed answer equals y~.
-  4. evaluate_solver: greedy accuracy on the test and dev sets after every iteration; report the
-     iteration the dev sets choose (choose_iteration), and the last.
+  4. evaluate_solver: greedy accuracy after every iteration (paper Table 1 reports each); with dev
+     sets, also the iteration they choose (choose_iteration). The test never chooses.
 Run: python r_zero.py --model Qwen/Qwen3-4B-Base (a GPU; torchrun for several; --model tiny: CPU);
 --eval-only evaluates --model under this protocol and exits (e.g. a run's final/solver).
 Deviations from the official code (github.com/Chengsong-Huang/R-Zero), and what we add:
@@ -26,8 +26,8 @@ Deviations from the official code (github.com/Chengsong-Huang/R-Zero), and what 
   - prompts in our words (PROMPTS, or --prompts FILE); without a chat template one ends "assistant:"
   - general sets: the Solver prompt and math-verify (--eval-protocol official: eval_*.py's rules)
   - no GPT-4o re-check of the answers graded wrong, as evaluation/ has (R-Zero issue #31)
-  - the best iteration is chosen on dev sets, never on the test (the paper reports every one):
-    --dev-benchmarks, else --dev-fraction of each test set held out (the rest is the test)
+  - a best iteration is chosen only on dev sets, never on the test (the paper reports every one):
+    --dev-benchmarks, or --dev-fraction of each test set held out (then the rest is the test)
   - --label-check FILE: gold-answer questions through step 2's vote and band (label accuracy)
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Config(common.RunConfig):
     eval_protocol: str = "ours"  # general sets graded: ours | official (evaluation/eval_*.py)
     eval_general_max_tokens: int = 8192  # general sets' budget, official protocol (eval_mmlupro.py)
     dev_benchmarks: str = ""  # sets that choose the best iteration; "" = --dev-fraction (ours)
-    dev_fraction: float = 0.1  # share of each test set held out as dev, 0 = no choice (ours)
+    dev_fraction: float = 0.0  # share of each test set held out as dev; 0 = whole sets (ours)
     label_check: str = ""  # gold-answer set put through step 2's vote and band; "" = off (ours)
     label_check_limit: int = 200  # problems of --label-check per iteration (ours)
     decontaminate: bool = True  # drop questions sharing a 13-gram with a test or dev set (ours)

@@ -210,7 +210,7 @@ def test_dev_split_is_held_out_of_the_test_and_fixed_by_the_set(tmp_path):
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(common.InputError, match="pass --dev-benchmarks or --dev-fraction 0"):
-        r_zero.eval_splits(_cfg(eval_benchmarks=str(one)), tmp_path / "run1")
+        r_zero.eval_splits(_cfg(eval_benchmarks=str(one), dev_fraction=0.1), tmp_path / "run1")
     with pytest.raises(ValueError, match="--dev-fraction must be in"):
         r_zero.validate_config(_cfg(dev_fraction=1.0))
 
@@ -585,7 +585,7 @@ def test_verify_timeout_governs_votes_rewards_and_evaluation(warm_path, vllm_sam
         return real(pairs, workers=workers, timeout=timeout, expression=expression)
     monkeypatch.setattr(common, "math_equal_many", spy)
     cfg = _small(warm_path, tmp_path / "run", verify_timeout=3.5, eval_base=True,
-                 label_check=str(DATA / "rzero_labelcheck.jsonl"))
+                 label_check=str(DATA / "rzero_labelcheck.jsonl"), dev_fraction=0.1)
     policy = _policy(cfg, vllm_sampler)
     run_dir = r_zero.train(cfg, policy)
     callers = {caller for caller, _ in seen}
@@ -626,7 +626,8 @@ def test_a_run_reports_the_iteration_dev_chooses_not_the_test_peak(tiny_model_pa
     monkeypatch.setattr(r_zero, "challenger_step", lambda *a, **k: {"challenger/n_valid": 1})
     monkeypatch.setattr(r_zero, "build_dataset", lambda *a, **k: (dataset, figures))
     monkeypatch.setattr(r_zero, "solver_step", lambda *a, **k: {"solver/reward": 1.0})
-    cfg = _small(tiny_model_path, tmp_path / "run", iterations=3, eval_base=True)
+    cfg = _small(tiny_model_path, tmp_path / "run", iterations=3, eval_base=True,
+                 dev_fraction=0.1)
     run_dir = r_zero.train(cfg, _policy(cfg, vllm_sampler))
     assert max(test_scores, key=test_scores.get) == 2
     result = json.loads((run_dir / "eval.json").read_text())
