@@ -490,12 +490,13 @@ def test_smoke_profile_drops_the_copy_task_with_your_data_and_says_what_applies(
         assert set(star.TINY) - set(profile) == set(star.TINY_TASK)
     cfg = common.parse_config(star.Config, mine, tiny=profile)
     assert (cfg.exemplars, cfg.test_data, cfg.dev_data, cfg.max_new_tokens) == ("", "", "", 0)
+    assert cfg.max_model_len == star.Config.max_model_len  # our exemplars need more than 1,024
     assert cfg.lr == 1e-4 and cfg.rounds == 2 and cfg.data.endswith("star_mc.jsonl")
     star.announce_profile(cfg, profile)
     line = capsys.readouterr().err
     assert line.count("\n") == 1 and "--lr 0.0001" in line and "--rounds 2" in line
     assert "star_copy" not in line
-    assert "not its --test-data, --dev-data, --exemplars, --max-new-tokens" in line
+    assert "not its --test-data, --dev-data, --exemplars, --max-new-tokens, --max-model-len" in line
     cfg = common.parse_config(star.Config, ["--model", "tiny", "--lr", "0.01"], tiny=star.TINY)
     star.announce_profile(cfg, star.TINY)
     line = capsys.readouterr().err
