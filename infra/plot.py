@@ -28,6 +28,7 @@ PANELS = {
 _OWN_PANEL = {"eval/": "evaluation", "test/": "evaluation", "time/": "seconds per phase"}
 _RATES = ("evaluation", "solve and valid rate")  # fractions: drawn from 0 to 1
 _LINE_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "v", "D", "x", "+", "<", ">", "*")
 
 
 def panel_of(key: str) -> str | None:
@@ -46,9 +47,10 @@ def _is_number(value) -> bool:
 
 
 def series(records: list[dict]) -> dict[str, dict[str, tuple[list, list]]]:
-    """Panel title -> metric key -> (steps, values): every finite number the panel draws, in the
-    order logged (an evaluation logged at a step already logged adds its own point)."""
-    panels = {title: {} for title in PANELS}
+    """Panel title -> metric key -> (steps, values): every finite number the panel draws, by step.
+    A key logged twice at one step (a final evaluation's line after the last training step's)
+    keeps its last value; a timer adds up, as the seconds of both lines were spent at that step."""
+    by_step = {title: {} for title in PANELS}  # title -> key -> step -> value
     for record in records:
         step = record.get("step")
         if not _is_number(step):
@@ -57,9 +59,16 @@ def series(records: list[dict]) -> dict[str, dict[str, tuple[list, list]]]:
             title = panel_of(key)
             if title is None or not _is_number(value):
                 continue
-            steps, values = panels[title].setdefault(key, ([], []))
-            steps.append(step)
-            values.append(value)
+            values = by_step[title].setdefault(key, {})
+            if key.startswith("time/"):
+                value += values.get(step, 0)
+            values[step] = value
+    panels = {}
+    for title, keys in by_step.items():
+        panels[title] = {}
+        for key, values in keys.items():
+            steps = sorted(values)
+            panels[title][key] = (steps, [values[step] for step in steps])
     return panels
 
 
@@ -70,12 +79,14 @@ def draw(runs: dict[str, list[dict]], out) -> dict[str, dict[str, tuple[list, li
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9), squeeze=False)
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), squeeze=False, sharex=True)
     per_run = {label: series(records) for label, records in runs.items()}
     for ax, title in zip(axes.flat, PANELS):
         for run_index, (label, panels) in enumerate(per_run.items()):
             for key_index, (key, (steps, values)) in enumerate(sorted(panels[title].items())):
-                style = {"marker": "o", "markersize": 3, "linewidth": 1.2, "label": key}
+                # hollow markers of several shapes: lines that lie on each other stay visible
+                style = {"marker": _MARKERS[key_index % len(_MARKERS)], "markersize": 5,
+                         "fillstyle": "none", "linewidth": 1.2, "label": key}
                 if len(runs) > 1:
                     style["label"] = f"{label}: {key}"
                     style["color"] = f"C{run_index % 10}"
@@ -101,8 +112,9 @@ def _finish_panel(ax, title: str) -> None:
     """Title, axis labels, legend; rates from 0 to 1; a note where the run logged nothing."""
     from matplotlib.ticker import MaxNLocator
     ax.set_title(title)
-    ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_tick_params(labelbottom=True)  # every panel's steps, though they share them
+    ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     if not ax.lines:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", color="gray",

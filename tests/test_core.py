@@ -492,13 +492,15 @@ PLOTTED = [  # metrics as the four methods name them, with what each panel must 
      "time/sample": 2.0, "time/train": 0.5, "eval/x/greedy_acc": 0.3,
      "dataset/agree_hist": [0, 1], "flag": True},
     {"step": 2, "challenger/reward": 0.4, "reasoner/accuracy": 0.5, "time/sample": 1.5,
-     "eval/overall": 0.4, "eval/x/score": 0.35},
+     "eval/overall": 0.3},
+    {"step": 2, "time/sample": 0.25, "eval/overall": 0.4, "eval/x/score": 0.35},  # a final eval
 ]
 
 
 def test_the_plot_draws_each_panel_from_the_metrics(tmp_path, monkeypatch):
-    """What the figure's lines hold (read back from it) is the metrics, panel by panel; several
-    runs get a line each; without matplotlib a run's plot is one line, never an error."""
+    """What the figure's lines hold (read back from it) is the metrics, panel by panel (a key
+    logged twice at a step: the last value, a timer's sum); several runs get a line each; without
+    matplotlib a run's plot is one line, never an error."""
     drawn = plot.draw({"run": PLOTTED}, tmp_path / "m.png")
     assert drawn == {
         "evaluation": {"eval/overall": ([0, 2], [0.2, 0.4]), "eval/x/score": ([2], [0.35]),
@@ -510,7 +512,7 @@ def test_the_plot_draws_each_panel_from_the_metrics(tmp_path, monkeypatch):
         "entropy": {"train/entropy": ([1], [5.5]), "train/entropy/solver/abduction": ([1], [5.4])},
         "response length (tokens)": {"len/proposer/deduction": ([1], [30]),
                                      "train/mean_len": ([1], [24.0])},
-        "seconds per phase": {"time/sample": ([0, 1, 2], [1.0, 2.0, 1.5]),
+        "seconds per phase": {"time/sample": ([0, 1, 2], [1.0, 2.0, 1.75]),
                               "time/train": ([1], [0.5])},
     }
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
