@@ -1140,9 +1140,11 @@ class Run:
         self.method = method
         self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
-        runfolder.restart_in_place(cfg)  # --resume of a run with no checkpoint: it starts again
+        if self.is_main:  # --resume of a run with no checkpoint: it starts again in its folder
+            runfolder.restart_in_place(cfg)
         out = cfg.resume or cfg.output_dir or runfolder.default_run_dir(method)
-        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
+        # one folder and one answer to "resume?" for all ranks, even if their clocks differ
+        cfg.resume, out = broadcast_object((cfg.resume, out))
         cfg.output_dir = str(out)
         self.dir = pathlib.Path(out)
         self.resume_command = f"python {method}.py --resume {out}"
