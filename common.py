@@ -1181,7 +1181,10 @@ class Run:
             raise FileExistsError(held_run(cfg.output_dir))
         else:  # a run that stopped before its first checkpoint starts again here
             runfolder.clear_stopped_run(self.dir)
-        (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if cfg.eval_only:  # nothing will be trained, so nothing saved
+            self.dir.mkdir(parents=True, exist_ok=True)
+        else:
+            (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         config = {**dataclasses.asdict(cfg), "resume": ""}  # the run, not how it was started
         atomic_write_json(self.dir / "config.json", config)
         if cfg.wandb:
@@ -1377,7 +1380,8 @@ class Run:
         if self.plot:
             rows.append(("plot", self.plot))
         rows.append(("run folder", str(self.dir)))
-        rows.append(("resume", self.resume_command))
+        if not self.cfg.eval_only:  # an evaluation saves no checkpoint to resume from
+            rows.append(("resume", self.resume_command))
         width = max(len(label) for label, _ in rows)
         rule = "-" * 72
         table = [rule]

@@ -886,22 +886,17 @@ def smoke_profile(argv: list[str]) -> dict:
 
 
 def announce_profile(cfg: Config, profile: dict) -> None:
-    """One line at startup: the smoke profile's overrides in effect (a flag given wins), and the
-    copy task's settings your --data left out."""
+    """One line at startup when your --data replaces the smoke profile's copy task: the copy task's
+    settings left out (common's own line lists the profile's settings that apply)."""
     if cfg.model != "tiny" or cfg.resume or not common.is_main_process():
         return
-    applied = []
-    for name, value in profile.items():
-        if getattr(cfg, name) == value:
-            applied.append(f"--{name.replace('_', '-')} {value}")
-    line = "star.py: --model tiny smoke profile: " + " ".join(applied)
     left_out = []
     for name in TINY_TASK:
         if name not in profile and name != "data":
             left_out.append("--" + name.replace("_", "-"))
     if left_out:
-        line += f"; your --data replaces the copy task, so not its {', '.join(left_out)}"
-    print(line, file=sys.stderr, flush=True)
+        print(f"[star] your --data replaces the smoke profile's copy task: not its "
+              f"{', '.join(left_out)}", file=sys.stderr, flush=True)
 
 
 def headline(results: dict) -> dict:

@@ -10,6 +10,7 @@ here imports common.
   code_eval.py             code benchmarks and their grading in the sandbox
   bleu.py                  the vectorised BLEU kernel (equal to common.sentence_bleu)
   cli.py                   a Config's command line: flags, one-line errors, the limits check
+  plot.py                  a run's metrics.jsonl as one PNG (Run.write_plot, tools/plot.py)
   logs.py, timing.py       quiet third-party logs; phase timers
   tiny_model.py            the --model tiny builder
   errors.py                errors the command line prints as one line

@@ -763,7 +763,7 @@ def test_cli_eval_only_evaluates_the_model_and_trains_nothing(tmp_path, tiny_mod
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run_dir / "config.json").is_file() and not (run_dir / "samples.jsonl").exists()
     assert json.loads((run_dir / "config.json").read_text())["eval_only"] is True
-    assert not list((run_dir / "checkpoints").iterdir())
+    assert not (run_dir / "checkpoints").exists()  # nothing trained, nothing saved
     ev = json.loads((run_dir / "eval.json").read_text())
     assert ev["step"] == 0 and ev["settings"]["n"] == 2 and ev["settings"]["k"] == [1, 2]
     assert ev["settings"]["max_tokens"] == spice.TINY["eval_max_tokens"]
@@ -1093,8 +1093,8 @@ def test_eval_only_uses_spices_evaluation_protocol(tmp_path):
     ev = json.loads((run_dir / "eval.json").read_text())
     assert ev["step"] == 0 and ev["benchmarks"][str(EVAL)]["greedy_acc"] == pytest.approx(1 / 3)
     assert ev["benchmarks"][f"{EVAL}@3"]["score_source"] == "mean@3"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.json",
-                                                        "eval.json", "metrics.jsonl"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "eval.json",
+                                                        "metrics.jsonl"]
     (logged,) = _metrics(run_dir)
     assert logged["step"] == 0 and logged["eval/spice_eval@3/score"] == pytest.approx(1 / 3)
     assert common._ACTIVE_RUN.notes == [

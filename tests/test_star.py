@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+import infra.cli
 import star
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -228,9 +229,12 @@ def test_a_bad_data_file_through_the_cli_prints_no_traceback(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[0].startswith("star.py: --model tiny smoke profile: ")
-    assert lines[1:] == [f"star.py: error: {bad}:2: 'answer' must be a string or number; "
-                         + star.JSONL_SHAPE]
+    profile_lines = [line for line in lines if "smoke profile" in line]
+    assert profile_lines[0].startswith("[star] smoke profile of --model tiny (a flag you give ")
+    assert profile_lines[1].startswith("[star] your --data replaces the smoke profile's copy task")
+    assert lines[-1] == (f"star.py: error: {bad}:2: 'answer' must be a string or number; "
+                         + star.JSONL_SHAPE)
+    assert all(line.startswith("[star] ") for line in lines[:-1])  # startup lines, then one error
     assert not (tmp_path / "run").exists()
 
 
@@ -492,15 +496,17 @@ def test_smoke_profile_drops_the_copy_task_with_your_data_and_says_what_applies(
     assert (cfg.exemplars, cfg.test_data, cfg.dev_data, cfg.max_new_tokens) == ("", "", "", 0)
     assert cfg.max_model_len == star.Config.max_model_len  # our exemplars need more than 1,024
     assert cfg.lr == 1e-4 and cfg.rounds == 2 and cfg.data.endswith("star_mc.jsonl")
+    line = infra.cli.smoke_profile_line(cfg, profile)  # common prints it at startup
+    assert "--lr 0.0001" in line and "--rounds 2" in line and "star_copy" not in line
     star.announce_profile(cfg, profile)
     line = capsys.readouterr().err
-    assert line.count("\n") == 1 and "--lr 0.0001" in line and "--rounds 2" in line
-    assert "star_copy" not in line
+    assert line.count("\n") == 1
     assert "not its --test-data, --dev-data, --exemplars, --max-new-tokens, --max-model-len" in line
     cfg = common.parse_config(star.Config, ["--model", "tiny", "--lr", "0.01"], tiny=star.TINY)
-    star.announce_profile(cfg, star.TINY)
-    line = capsys.readouterr().err
+    line = infra.cli.smoke_profile_line(cfg, star.TINY)
     assert "star_copy_exemplars.jsonl" in line and "--lr" not in line  # a flag given wins
+    star.announce_profile(cfg, star.TINY)
+    assert capsys.readouterr().err == ""  # the copy task applies: nothing left out
     star.announce_profile(star.Config(model="gpt2"), star.TINY)
     assert capsys.readouterr().err == ""
 
@@ -863,7 +869,7 @@ def test_eval_only_scores_the_model_under_stars_protocol(warm_model_path, tmp_pa
     assert timeouts and set(timeouts) == {0.7}
     assert json.loads((out / "eval.json").read_text()) == results
     assert json.loads((out / "config.json").read_text())["eval_only"] is True
-    assert not list((out / "checkpoints").iterdir()) and not (out / "rounds").exists()
+    assert not (out / "checkpoints").exists() and not (out / "rounds").exists()
 
 
 @pytest.mark.slow
@@ -874,14 +880,14 @@ def test_eval_only_through_the_cli_on_the_tiny_model(tmp_path):
                            "--eval-n", "2", "--eval-k", "1,2", "--output-dir", str(out)],
                           cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "eval.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval.json"]
     ev = json.loads((out / "eval.json").read_text())
     assert ev["eval_only"] and ev["test"]["questions"] == 4 and set(ev["test"]["pass@k"]) == {
         "1", "2"}
     assert ev["settings"]["test"] == star.TINY["test_data"]  # the smoke profile's copy task
     rows = dict(re.findall(r"^(\S+)\s{2,}(.+)$", proc.stdout, re.M))
     assert rows["method"] == "star" and "test/accuracy" in rows and "test/pass@2" in rows
-    assert proc.stderr.startswith("star.py: --model tiny smoke profile: --data ")
+    assert "[star] smoke profile of --model tiny (a flag you give wins): --data " in proc.stderr
 
 
 def test_the_original_weights_are_the_model_files_mapped_not_a_copy(tiny_policy, tiny_model_path):
