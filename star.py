@@ -841,7 +841,8 @@ def train(cfg: Config, sampler=None) -> dict:
     if checkpoint is not None:
         _, saved_state = checkpoint
         state.update(saved_state)
-        print(f"star.py: resumed {run.dir} after round {state['round']}", file=sys.stderr)
+        print(f"[star] round {state['round']} is done: the run goes on with round "
+              f"{state['round'] + 1}", file=sys.stderr)
     elif has_dev or splits["test"]:  # round 0: the few-shot M (Tables 1-2), must beat chance (§6)
         with run.timer("evaluate"):
             metrics = evaluate_splits(policy, prompter, splits, cfg.seed)
