@@ -11,23 +11,38 @@ message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3), one func
   4. solve                  this step's tasks, back-filled from the buffers to B, graded (Eq. 5)
   5. proposer_reward, solver_reward: learnability (Eq. 4), format penalties (Eq. 6)
   6. trr_update             TRR++ advantages (Eq. 8), PPO-clip (Eq. 9), one step per mini-batch
-  7. evaluate               Table 1's math sets and HumanEval+/MBPP+, greedy
-Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), or `--model tiny`.
+  7. evaluate               Table 1's math sets; HumanEval+/MBPP+ as run_evalplus.sh (Table 1)
+Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), `--model tiny`, or
+`--eval-only` to evaluate a model. Prompts are ours; the official math template word for word goes
+in a TOML file as eval_math = '''...''' ({input} as {question}), given as --prompts FILE (so do
+evalplus's words, as eval_code_evalplus and eval_code_evalplus_response).
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
-  - the solver trains on this step's proposals (azr_ray_trainer.py trains on step t-1's);
+  - the solver trains on this step's tasks (azr_ray_trainer.py: step t-1's; both fill from buffers);
   - r_bar in {0, 1} earns 0 (Eq. 4; reward_managers.py: -0.5); TRR++ per sequence (Eq. 8);
   - learnability samples are drawn at T = 1 (master drew them with greedy validation settings);
   - determinism: j processes with their own hash seeds agree in value; outputs never truncated;
   - banned modules are checked on the AST and include os/sys/shutil (§3.3.3), for solvers too;
-  - the buffer cap evicts the oldest; induction draws programs from the de-duplicated D_ded u D_abd;
-  - an input is an argument list evaluated in the sandbox only; deduction answers stay literals;
-  - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg;
-  - prompts in our words (PROMPTS, --prompts FILE); each proposer states its own task's difficulty.
+  - the buffer cap evicts the oldest; induction draws programs from the de-duplicated D_ded u D_abd.
+Following the official code, not the paper: the loss averages over a mini-batch's tokens (veRL
+core_algos.py, dp_actor.py; Eq. 9 per sequence: --aggregation seq-mean-token-mean), 3 AdamW steps
+an iteration (mini-batch 2B, coder7b.sh), code scored as evalplus (its instruct prompt, greedy,
+768 new tokens; --eval-code-protocol azr: our wrapper). Ours, for safety or where neither says:
+  - banned names too (eval, vars, globals, __mro__, ...); an input may not call f or its helpers;
+  - induction answers run without the gold program's imports (official: prepended to them);
+  - size caps: programs 8,000 chars, messages 2,000, inputs 100,000, outputs --max-output-chars;
+  - a deduction answer to a literal output must be a literal (official: any expression);
+  - an output that is no literal is valid if its repr evaluates back to it (nan, inf named) in the
+    program's namespace, and is compared there (official: any repr);
+  - references are dropped until a proposer prompt fits (official: resampled); a task whose solver
+    prompt does not fit is invalid, -1 (official: -0.5);
+  - no LiveCodeBench: eval/code/mean_greedy_acc is not Table 1's CAvg; each proposer states its
+    own task's difficulty in its prompt.
 """
 from __future__ import annotations
 
 import ast
 import collections
+import dataclasses
 import random
 import re
 import symtable
@@ -38,47 +53,55 @@ from typing import NamedTuple
 import common
 
 TASKS = ("deduction", "abduction", "induction")
+TABLE1_MATH = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1's math benchmarks
 
 
 @dataclass
 class Config(common.RunConfig):
-    model: str = "Qwen/Qwen2.5-Coder-7B"  # proposes and solves, one set of weights (§4.1, Table 1)
+    """Absolute Zero: one model proposes and solves code-reasoning tasks, judged by a sandbox."""
+    model: str = "Qwen/Qwen2.5-Coder-7B"  # the one model that proposes and solves (§4.1, Table 1)
     steps: int = 500  # self-play iterations (§4.1; scripts/selfplay/coder7b.sh: 960)
-    batch_size: int = 64  # B, prompts per task-role, 6B trajectories per step (Table 3)
+    batch_size: int = 64  # B, prompts per task type and role: 6B trajectories a step (Table 3)
     references: int = 6  # K, past triplets shown to a proposer (Table 3, io_n=6)
-    seed_factor: int = 4  # S, seed buffers hold S*B tasks (§3.3.1, Table 3)
-    seed_max_rounds: int = 64  # not in the paper: proposal rounds per seeding phase, then go on
+    seed_factor: int = 4  # S: seeding fills the buffers with S*B tasks (§3.3.1, Table 3)
+    seed_max_rounds: int = 64  # proposal rounds per seeding phase, then training starts (ours)
     buffer_cap: int = 16384  # entries per buffer, the oldest evicted (Table 3)
-    induction_inputs: int = 10  # N per induction task, half shown, half held out (constructor.py)
-    learnability_samples: int = 8  # n, solver samples per valid proposal (Eq. 4, Table 3)
-    temperature: float = 1.0  # rollout temperature (Table 3); learnability samples at T = 1
+    induction_inputs: int = 10  # N inputs per induction task, half of them shown (constructor.py)
+    learnability_samples: int = 8  # n solver samples per valid proposal, at T = 1 (Eq. 4, Table 3)
+    temperature: float = 1.0  # sampling temperature of the rollouts (Table 3)
     top_p: float = 1.0  # nucleus sampling of the rollouts (Table 3)
-    max_prompt_tokens: int = 6144  # longest prompt: references dropped until it fits (Table 3)
+    max_prompt_tokens: int = 6144  # longest prompt; a proposer drops references to fit (Table 3)
     max_response_tokens: int = 8096  # new tokens per rollout (Table 3)
-    max_model_len: int = 16384  # vLLM context, prompt + response (Table 3)
+    max_model_len: int = 16384  # vLLM context length: prompt + response tokens (Table 3)
     lr: float = 1e-6  # AdamW learning rate, constant (Table 3)
-    weight_decay: float = 0.01  # AdamW (azr_ppo_trainer.yaml, paper branch; master: 0)
+    weight_decay: float = 0.01  # AdamW weight decay (paper branch: veRL fsdp_workers.py; master: 0)
     grad_clip: float = 1.0  # gradient-norm clip per AdamW step (Table 3)
-    clip_ratio: float = 0.2  # PPO epsilon (Eq. 9)
-    mini_batch: int = 128  # trajectories per AdamW step (coder7b.sh ppo_mini_batch_size)
-    entropy_coef: float = 0.001  # entropy bonus in the loss (Table 3; master: 0)
-    aggregation: str = "seq-mean-token-mean"  # how token losses average (Eq. 9; master: token-mean)
+    clip_ratio: float = 0.2  # PPO clip epsilon (Eq. 9)
+    mini_batch: int = 0  # trajectories per AdamW step; unset: 2B, both roles of a task (coder7b.sh)
+    entropy_coef: float = 0.001  # weight of the entropy bonus in the loss (Table 3; master: 0)
+    aggregation: str = "token-mean"  # loss averaging: token-mean|seq-mean-token-mean|drgrpo (veRL)
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
-    determinism_runs: int = 2  # j, independent runs that must agree (§3.3.3)
-    sandbox_workers: int = 4  # not in the paper: parallel sandbox processes
-    max_output_chars: int = 4000  # not in the paper: longer outputs are invalid, never truncated
+    determinism_runs: int = 2  # j, independent runs of a program that must agree (§3.3.3)
+    sandbox_workers: int = 4  # parallel sandbox processes (ours)
+    max_output_chars: int = 4000  # longest program output, longer is invalid, never cut (ours)
     reject_multiple_defs: bool = True  # a second def makes a proposal invalid (code_reward.py)
-    eval_benchmarks: str = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1 math sets
-    eval_max_tokens: int = 16000  # new tokens per answer (evaluation/math_eval/eval_math_nodes.sh)
-    eval_code: bool = True  # Table 1's HumanEval+/MBPP+ (--no-eval-code skips them)
-    eval_code_benchmarks: str = "humaneval+,mbpp+"  # Table 1's code sets (EvalPlus), or JSONL files
+    eval_benchmarks: str = TABLE1_MATH  # math benchmarks: names, .jsonl files, name@N (Table 1)
+    eval_max_tokens: int = 16000  # new tokens per math answer (math_eval/eval_math_nodes.sh)
+    eval_code: bool = True  # evaluate code too, --no-eval-code skips it (Table 1)
+    eval_code_benchmarks: str = "humaneval+,mbpp+"  # code benchmarks: names, .jsonl files (Table 1)
+    eval_code_protocol: str = "evalplus"  # code prompt and budget: evalplus | azr (run_evalplus.sh)
+    eval_code_max_tokens: int = 768  # new tokens per code answer under evalplus (evalplus codegen)
+
+    def __post_init__(self):
+        if not self.mini_batch:  # config.json records the size used
+            self.mini_batch = 2 * self.batch_size
 
 
 # --model tiny: a one-minute smoke run (flags still override)
 TINY = {"steps": 2, "batch_size": 2, "references": 2, "induction_inputs": 2,
         "learnability_samples": 2, "seed_max_rounds": 1, "sandbox_workers": 2,
         "executor_timeout": 2.0, "max_prompt_tokens": 1500, "max_response_tokens": 48,
-        "max_model_len": 2048, "eval_max_tokens": 16,
+        "max_model_len": 2048, "eval_max_tokens": 16, "eval_code_max_tokens": 16,
         "eval_benchmarks": f"{common.TINY_DATA}/azr_eval.jsonl",
         "eval_code_benchmarks": f"{common.TINY_DATA}/code_tiny.jsonl"}
 ZERO_TRIPLET = {"program": "def f(x):\n    return x", "input": "'Hello World'",
@@ -102,6 +125,15 @@ def validate_config(cfg: Config) -> None:
     if cfg.max_prompt_tokens >= cfg.max_model_len:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below "
                          f"--max-model-len {cfg.max_model_len}")
+    choices = {"aggregation": ("token-mean", "seq-mean-token-mean", "drgrpo"),
+               "eval_code_protocol": ("evalplus", "azr")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: use one of "
+                             f"{', '.join(allowed)}")
+    if cfg.eval_only and cfg.resume:  # its eval.json would replace the run's own
+        raise ValueError("--eval-only evaluates a model, not a run to resume: pass the checkpoint "
+                         "as --model RUN/checkpoints/step_N and a new --output-dir")
     if cfg.eval_code:  # after the others
         common.check_code_benchmark_names(cfg.eval_code_benchmarks)
 
@@ -113,8 +145,9 @@ BANNED_MODULES = frozenset("""
     resource pathlib tempfile io glob pickle marshal uuid secrets asyncio concurrent _thread
     select mmap code codeop pty fcntl platform sysconfig site urllib http requests ftplib smtplib
     webbrowser faulthandler tracemalloc atexit""".split())
+# names a program may not use unless it binds them itself: builtins, and the helpers of _SAME_VALUE
 BANNED_NAMES = frozenset("""__import__ eval exec compile open input breakpoint exit quit help
-    globals locals vars __builtins__ __loader__ __spec__""".split())  # unless bound locally
+    globals locals vars __builtins__ __loader__ __spec__ __azr_same__ __azr_value__""".split())
 BANNED_ATTRS = frozenset("""__subclasses__ __globals__ __builtins__ __code__ __import__ __loader__
     __bases__ __mro__ f_globals f_back gi_frame""".split())  # the ways to the builtins
 REJECT_REASONS = ("format", "syntax", "banned", "multiple_defs", "error", "timeout",
@@ -210,9 +243,19 @@ PROMPTS: dict[str, str] = {
         "Check your function against each pair in turn, and revise it until it fits all of them.\n"
         "{code_rules}"
         "\nAnswer format: inside <answer> </answer>, one ```python block defining `f`."),
-    # evaluation/math_eval/eval/utils.py, template "azr": the Assistant turn is left unopened
+    # Evaluation. Math: ours, shaped as the official "azr" template (evaluation/math_eval/eval/
+    # utils.py): the preamble, the question, the Assistant turn left unopened.
     "eval_math": _PREAMBLE + "User: {question}\n\nAssistant:",
+    # Code, --eval-code-protocol azr: ours, the math wrapper around the task
     "eval_code": _PREAMBLE + "User: {task} Put the code inside your <answer> tags.\n\nAssistant:",
+    # Code, --eval-code-protocol evalplus: ours, shaped as evalplus's instruct prompt (codegen's
+    # make_raw_chat_prompt): a request for a script and the task in a code block, then the response
+    # prefix that opens the Assistant's ```python block
+    "eval_code_evalplus": (
+        "Write a complete, self-contained Python script that solves the problem below, in one "
+        "markdown code block:\n```\n{problem}\n```\n"),
+    "eval_code_evalplus_response": "Here is a self-contained Python script for the problem:\n"
+                                   "```python\n",
 }
 # the banned modules as the prompts name them (the private ones need no mention)
 _BANNED_LIST = ", ".join(sorted(m for m in BANNED_MODULES if not m.startswith("_")))
@@ -284,8 +327,14 @@ class Checked(NamedTuple):
     program: str  # the program, its single entry function bound to the name f
 
 
-def extract_answer(completion: str) -> str | None:
-    """The last <answer> block, if the response has the R1 format (the prompt opened <think>)."""
+def extract_answer(completion: str, r1_format: bool = True) -> str | None:
+    """The last <answer> block, if the response has the R1 format (the prompt opened <think>).
+    Without `r1_format`, as the official learnability samples (custom_evaluate.extract_answer):
+    the text after the last <answer>, up to </answer> if it comes."""
+    if not r1_format:
+        if "<answer>" not in completion:
+            return None
+        return completion.rsplit("<answer>", 1)[-1].split("</answer>")[0]
     text = "<think>" + completion
     if not _FORMAT_RE.match(text):
         return None
@@ -304,10 +353,10 @@ def blocks(answer: str, *kinds: str) -> list[str]:
     return bodies
 
 
-def solver_answer(completion: str, task: str) -> str | None:
+def solver_answer(completion: str, task: str, r1_format: bool = True) -> str | None:
     """What is graded (reward_managers.py): the last output/input block, else the whole <answer>;
     induction: the last python block, else the last of any kind. None is a format error."""
-    answer = extract_answer(completion)
+    answer = extract_answer(completion, r1_format)
     if answer is None:
         return None
     if task == "induction":
@@ -439,16 +488,62 @@ def strip_program(program: str) -> str:
         return ""
 
 
-# --- The executor and the buffers: gold values never enter the sandbox, outputs come back as repr
+# --- The executor and the buffers: outputs come back as repr. A literal is compared here, in
+# trusted code; any other output (a Counter, a NaN) in the sandbox, in the program's namespace.
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+>")  # '<Node object at 0x7f..>', not hex(12345678)
 # the sandbox's statuses that are a reason of their own; any other failure is an "error"
 _STATUS_REASON = {"forbidden": "banned", "timeout": "timeout", "output_limit": "too_large"}
+# Eq. 5 for an output that is no literal, appended to the program and called by the sandbox's
+# expression: the gold repr is evaluated in the program's namespace (its imports and classes;
+# nan and inf named, as repr writes them) and compared with ==; a NaN equals NaN through its
+# repr. As in the official check ({gold_output} == f(input)), a program's own __eq__ decides,
+# which only concerns its own task; BANNED_NAMES keeps a program from naming the helpers.
+_SAME_VALUE = '''
+
+def __azr_value__(text):
+    return eval(text, {"nan": float("nan"), "inf": float("inf"), **globals()})
+
+def __azr_same__(value, gold, same_type):
+    expected = __azr_value__(gold)
+    if type(expected) is not type(value):
+        return not same_type and bool(expected == value)
+    return bool(expected == value) or repr(expected) == repr(value)
+'''
+
+
+class NonLiteral:
+    """An Outcome's value when the output's repr is no Python literal: it is compared in the
+    sandbox (Executor.compare). Tested with isinstance, so it survives a broadcast."""
+
+
+class Outcome(NamedTuple):
+    status: str  # "ok" or the reason the run failed
+    output: str  # the value's repr (on failure, the error)
+    value: object  # the parsed literal, or a NonLiteral
+
+
+class Comparison(NamedTuple):
+    """One test of Eq. 5 that runs in the sandbox (Executor.compare)."""
+    program: str
+    answer: str  # an input that f is called on, or (call=False) a deduction answer
+    gold: str  # the gold output's repr
+    call: bool = True
+    same_type: bool = False  # the j runs' agreement; Eq. 5 itself has 1 == 1.0
+
+
+def _call(text: str) -> str:
+    """The expression f(<text>); the newlines keep a comment in the input off the parenthesis."""
+    return f"f(\n{text.strip()}\n)"
+
+
+def _parenthesized(text: str) -> str:
+    """A deduction answer as one expression: "1, 2" is a tuple, as an input's arguments are."""
+    return f"(\n{text.strip()}\n)"
 
 
 class Executor:
     """Runs f(<input>) jobs; run j in sandbox j (own processes, PYTHONHASHSEED = j). Under torchrun
-    rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers.
-    An outcome is (status, output, value): "ok" or a reason, the output's repr text, its value."""
+    rank 0 runs every program and broadcasts the outcomes, so all ranks keep the same buffers."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -458,60 +553,120 @@ class Executor:
                 cfg.sandbox_workers, cfg.executor_timeout,
                 max_output_chars=cfg.max_output_chars, hash_seed=j))
 
-    def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[tuple[str, str, object]]:
-        """One outcome per (program, input) job, from sandbox `run`."""
+    def _run(self, jobs: list[tuple[str, str, str]], run: int) -> list:
+        """(program, input or answer, expression) jobs in sandbox `run`, on rank 0 only: per job
+        the reason check_input refuses its text (jobs may be edited), else the ExecResult."""
+        refused = [check_input(text, program) for program, text, _ in jobs]
+        todo = []
+        for (program, _, expression), reason in zip(jobs, refused):
+            if reason is None:
+                todo.append((program, expression))
+        finished = iter(self.sandboxes[run].run_many(todo) if todo else [])
+        return [reason or next(finished) for reason in refused]
+
+    def call(self, jobs: list[tuple[str, str]], run: int = 0) -> list[Outcome]:
+        """One Outcome per (program, input) job, from sandbox `run`."""
         rank, _ = common.dist_info()
         if rank > 0:
             return common.broadcast_object(None)
-        refused = [check_input(text, program) for program, text in jobs]  # jobs may be edited
-        todo = []
-        for (program, text), reason in zip(jobs, refused):
-            if reason is None:  # the newlines keep a comment in the input off the parenthesis
-                todo.append((program, f"f(\n{text.strip()}\n)"))
-        finished = self.sandboxes[run].run_many(todo) if todo else []
-        results = iter(finished)
         outcomes = []
-        for reason in refused:
-            if reason:
-                outcomes.append((reason, "", None))
+        for result in self._run([(program, text, _call(text)) for program, text in jobs], run):
+            if isinstance(result, str):
+                outcomes.append(Outcome(result, "", None))
             else:
-                outcomes.append(self._classify(next(results)))
+                outcomes.append(_classify(result))
         return common.broadcast_object(outcomes)
 
-    def _classify(self, result) -> tuple[str, str, object]:
-        """The output must be a finite literal that survives a repr round trip, with no address."""
-        if result.status != "ok":
-            reason = _STATUS_REASON.get(result.status, "error")
-            return reason, result.error or result.value or "", None
-        if _ADDRESS_RE.search(result.value):  # an object's address differs from run to run
-            return "nondeterministic", result.error or result.value or "", None
-        try:  # the sandbox capped the output at --max-output-chars
-            value = common.parse_literal(result.value, max_chars=len(result.value))
-        except ValueError:
-            return "non_literal", result.value, None
-        return "ok", result.value, value
+    def compare(self, jobs: list[Comparison], run: int = 0) -> list[str]:
+        """Per Comparison "ok" (equal), "wrong", or why its run failed; from sandbox `run`."""
+        rank, _ = common.dist_info()
+        if rank > 0:
+            return common.broadcast_object(None)
+        runs = []
+        for job in jobs:
+            value = _call(job.answer)
+            if not job.call:  # a deduction answer may write nan and inf too
+                value = f"__azr_value__({_parenthesized(job.answer)!r})"
+            expression = f"__azr_same__({value}, {job.gold!r}, {job.same_type})"
+            runs.append((job.program + _SAME_VALUE, job.answer, expression))
+        verdicts = []
+        for result in self._run(runs, run):
+            if isinstance(result, str):
+                verdicts.append(result)
+            elif result.status != "ok":
+                verdicts.append(_STATUS_REASON.get(result.status, "error"))
+            else:
+                verdicts.append("ok" if result.value == "True" else "wrong")
+        return common.broadcast_object(verdicts)
 
     def run_checked(self, jobs: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
         """[(reason or None, gold output)]: all j runs succeed with the same value and type (a set
-        prints in hash-seed order; 1 and 1.0 are no agreement); run 0's text."""
-        per_run = [self.call(jobs, run=j) for j in range(len(self.sandboxes))]
-        return [_agreement(outcomes) for outcomes in zip(*per_run)]  # per job, run 0's first
+        prints in hash-seed order; 1 and 1.0 are no agreement); run 0's text. An output that is no
+        literal must equal its own repr evaluated back (else non_literal) in every run."""
+        first = self.call(jobs, run=0)
+        literal, other = [], []
+        for k, outcome in enumerate(first):
+            if isinstance(outcome.value, NonLiteral):
+                other.append(k)
+            else:
+                literal.append(k)
+        later = []
+        for j in range(1, len(self.sandboxes)):
+            later.append(self.call([jobs[k] for k in literal], run=j))
+        checked = [None] * len(jobs)
+        for m, k in enumerate(literal):
+            checked[k] = _agreement([first[k]] + [outcomes[m] for outcomes in later])
+        if other:  # rank 0's outcomes decide: the same on every rank
+            tests = []
+            for k in other:
+                program, text = jobs[k]
+                tests.append(Comparison(program, text, first[k].output, same_type=True))
+            verdicts = [self.compare(tests, run=j) for j in range(len(self.sandboxes))]
+            for m, k in enumerate(other):
+                checked[k] = _round_trip([per_run[m] for per_run in verdicts], first[k].output)
+        return checked
 
     def close(self):
         for sandbox in self.sandboxes:
             sandbox.close()
 
 
-def _agreement(outcomes) -> tuple[str | None, str]:
-    """(reason or None, run 0's output) for one job's outcomes in the j runs."""
-    for status, _, _ in outcomes:
-        if status != "ok":
-            return status, ""
-    _, first_output, first_value = outcomes[0]
-    for _, _, value in outcomes:
-        if type(value) is not type(first_value) or value != first_value:
+def _classify(result) -> Outcome:
+    """An output with an address (it differs from run to run) is nondeterministic; one that is no
+    literal gets a NonLiteral value."""
+    if result.status != "ok":
+        reason = _STATUS_REASON.get(result.status, "error")
+        return Outcome(reason, result.error or result.value or "", None)
+    if _ADDRESS_RE.search(result.value):
+        return Outcome("nondeterministic", result.value, None)
+    try:  # the sandbox capped the output at --max-output-chars
+        value = common.parse_literal(result.value, max_chars=len(result.value))
+    except ValueError:
+        return Outcome("ok", result.value, NonLiteral())
+    return Outcome("ok", result.value, value)
+
+
+def _agreement(outcomes: list[Outcome]) -> tuple[str | None, str]:
+    """(reason or None, run 0's output) for one job's literal outcomes in the j runs."""
+    for outcome in outcomes:
+        if outcome.status != "ok":
+            return outcome.status, ""
+    first = outcomes[0]
+    for outcome in outcomes:
+        if type(outcome.value) is not type(first.value) or outcome.value != first.value:
             return "nondeterministic", ""
-    return None, first_output
+    return None, first.output
+
+
+def _round_trip(verdicts: list[str], output: str) -> tuple[str | None, str]:
+    """(reason or None, output) for an output that is no literal, from the j runs' comparisons
+    of f(input) with run 0's repr: failing in run 0 is non_literal, later nondeterministic."""
+    for run, verdict in enumerate(verdicts):
+        if verdict in ("wrong", "error"):
+            return ("non_literal" if run == 0 else "nondeterministic"), ""
+        if verdict != "ok":
+            return verdict, ""
+    return None, output
 
 
 def sample(buffer, k: int, rng: random.Random, replace: bool = False) -> list[dict]:
@@ -529,6 +684,14 @@ class Graded(NamedTuple):
     correct: bool
 
 
+def _literal(text: str):
+    """The literal `text` holds, or a NonLiteral."""
+    try:
+        return common.parse_literal(text)
+    except (ValueError, RecursionError, MemoryError):
+        return NonLiteral()
+
+
 def _equal(pred_text: str, gold_text: str) -> bool:
     """Value equality in trusted code (Eq. 5): sets order-free, 1 == 1.0, a tuple is no list."""
     try:
@@ -540,37 +703,59 @@ def _equal(pred_text: str, gold_text: str) -> bool:
 
 
 def check_solutions(executor: Executor, task: str | list[str], entries: list[dict],
-                    completions: list[str]) -> list[Graded]:
+                    completions: list[str], r1_format: bool = True) -> list[Graded]:
     """Graded(formatted, correct) per answer (Eq. 5), `task` for all or one per entry: deduction
-    compares literals (never run), abduction runs f(input), induction's program (any defs) must
-    reproduce every held-out pair."""
+    compares the answer with the output, abduction runs f(input), induction's program (any defs)
+    must reproduce every held-out pair. `r1_format`: see extract_answer."""
     tasks = [task] * len(entries) if isinstance(task, str) else task
     graded = [Graded(False, False)] * len(completions)
-    tests = []  # (k, program, input, gold output): the runs that answer k must pass
+    tests = []  # (k, Comparison): the tests that answer k must pass
     for k, (t, entry, text) in enumerate(zip(tasks, entries, completions)):
-        pred = solver_answer(text, t)
+        pred = solver_answer(text, t, r1_format)
         if pred is None:  # a format error
             continue
-        if t == "deduction":
-            graded[k] = Graded(True, _equal(pred, entry["output"]))
-            continue
         new_tests = []
-        if t == "abduction":
-            new_tests = [(k, entry["program"], pred, entry["output"])]
+        if t == "deduction":
+            new_tests = [Comparison(entry["program"], pred, entry["output"], call=False)]
+        elif t == "abduction":
+            new_tests = [Comparison(entry["program"], pred, entry["output"])]
         elif t == "induction":
             checked = static_check(pred)
             if checked.reason is None:
                 half = len(entry["inputs"]) // 2  # the held-out pairs
                 held_out = zip(entry["inputs"][half:], entry["outputs"][half:])
-                new_tests = [(k, checked.program, i, gold) for i, gold in held_out]
+                new_tests = [Comparison(checked.program, i, gold) for i, gold in held_out]
         graded[k] = Graded(True, bool(new_tests))
-        tests += new_tests
-    # called even with no tests: under torchrun every rank takes part in the broadcast
-    outcomes = executor.call([(program, i) for _, program, i, _ in tests])
-    for (k, _, _, gold), (status, output, _) in zip(tests, outcomes):  # every test must pass
-        correct = graded[k].correct and status == "ok" and _equal(output, gold)
-        graded[k] = Graded(True, correct)
+        tests += [(k, test) for test in new_tests]
+    passed = run_tests(executor, [test for _, test in tests])
+    for (k, _), test_passed in zip(tests, passed):  # every test must pass
+        graded[k] = Graded(True, graded[k].correct and test_passed)
     return graded
+
+
+def run_tests(executor: Executor, tests: list[Comparison]) -> list[bool]:
+    """Whether each test holds. A literal gold output is compared here: a deduction answer as a
+    literal (never run), f(input) by its repr; any other gold output in the sandbox."""
+    literal = [not isinstance(_literal(test.gold), NonLiteral) for test in tests]
+    runs, in_sandbox = [], []
+    for test, is_literal in zip(tests, literal):
+        if not is_literal:
+            in_sandbox.append(test)
+        elif test.call:
+            runs.append((test.program, test.answer))
+    # called even with no tests: under torchrun every rank takes part in the broadcasts
+    outcomes = iter(executor.call(runs))
+    verdicts = iter(executor.compare(in_sandbox))
+    passed = []
+    for test, is_literal in zip(tests, literal):
+        if not is_literal:
+            passed.append(next(verdicts) == "ok")
+        elif test.call:
+            outcome = next(outcomes)
+            passed.append(outcome.status == "ok" and _equal(outcome.output, test.gold))
+        else:
+            passed.append(_equal(test.answer, test.gold))
+    return passed
 
 
 def proposer_reward(valid: bool, solve_rate: float | None) -> float:
@@ -604,14 +789,14 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config, **sampling):
 
 
 def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, cfg: Config,
-             prompts: dict, **sampling) -> list[tuple[str, list[Answer]]]:
-    """(solver prompt, n graded Answers) per (task type, entry)."""
+             prompts: dict, r1_format: bool = True, **sampling) -> list[tuple[str, list[Answer]]]:
+    """(solver prompt, n graded Answers) per (task type, entry); `r1_format`: extract_answer's."""
     solver_prompts = [solver_prompt(t, entry, cfg, prompts) for t, entry in tasks]
     groups = _generate(policy, solver_prompts, n, cfg, **sampling)
     task_per_answer = [t for t, _ in tasks for _ in range(n)]
     entry_per_answer = [entry for _, entry in tasks for _ in range(n)]
     texts = [completion.text for group in groups for completion in group]
-    graded = iter(check_solutions(executor, task_per_answer, entry_per_answer, texts))
+    graded = iter(check_solutions(executor, task_per_answer, entry_per_answer, texts, r1_format))
     out = []
     for prompt, group in zip(solver_prompts, groups):
         answers = []
@@ -730,11 +915,12 @@ def validate(executor: Executor, task: str, proposals: list[dict], cfg: Config, 
 
 def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config,
                           prompts: dict = PROMPTS) -> None:
-    """Step 3 (Eq. 4): p['solve_rate'] = r_bar over n samples at T = 1, top-p 1."""
+    """Step 3 (Eq. 4): p['solve_rate'] = r_bar over n samples at T = 1, top-p 1, each read from its
+    <answer> alone, with no R1 format required (reward_managers.py: extract_answer)."""
     valid = [p for t in props for p in props[t] if p["reason"] is None]
     tasks = [(p["task"], p["entry"]) for p in valid]
     graded = _answers(policy, executor, tasks, cfg.learnability_samples, cfg, prompts,
-                      temperature=1.0, top_p=1.0)
+                      r1_format=False, temperature=1.0, top_p=1.0)
     for p, (_, answers) in zip(valid, graded):
         correct = sum(answer.correct for answer in answers)
         p["solve_rate"] = correct / cfg.learnability_samples
@@ -780,7 +966,9 @@ def build_trajectories(props: dict, solved: dict) -> list:
 
 
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
-    """Step 6: PPO-clip (Eq. 9), one AdamW step per --mini-batch; pg_step syncs the sampler."""
+    """Step 6: PPO-clip (Eq. 9), one AdamW step per mini-batch; pg_step syncs the sampler. The
+    official veRL averages the loss, entropy bonus included, over a mini-batch's tokens; its
+    mini-batch of 2B trajectories, in task order, makes one step per task type (coder7b.sh)."""
     trajectories = build_trajectories(props, solved)
     if not trajectories:
         return {}
@@ -849,8 +1037,14 @@ def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
             run.log_samples(step, f"{role}/{t}", rows)
 
 
-# --- Step 7: evaluation as evaluation/math_eval/eval_math_nodes.sh --template azr (a base model
-# there gets a boxed template, official issue #27: give one as eval_math with --prompts)
+# --- Step 7: evaluation. Math as evaluation/math_eval/eval_math_nodes.sh --template azr (a base
+# model there gets a boxed template, official issue #27: give one as eval_math with --prompts);
+# code as code_eval/scripts/run_evalplus.sh (evalplus.codegen --greedy), or in our wrapper.
+_EVALPLUS_STOPS = ("\nif __name__", "\ndef main(", "\nprint(")  # where evalplus ends an answer
+_SCRIPT_NODES = (ast.Import, ast.ImportFrom, *_DEFS, ast.ClassDef, ast.Assign, ast.AnnAssign)
+_RESPONSE_END = "<<the response prefix ends here>>"  # as evalplus's _MAGIC_SPLITTER_
+
+
 def eval_answer(text: str) -> str | None:
     """extract_azr_answer (evaluation/math_eval/eval/parser.py): the last <answer> (its \\boxed{}
     if any), else the last \\boxed{}, else the first \\[ ... \\]."""
@@ -867,18 +1061,67 @@ def eval_answer(text: str) -> str | None:
     return display.group(1).strip() or None
 
 
-def _eval_prompt_fn(cfg: Config, prompts: dict, code: bool):
-    """The eval_code or eval_math template as a prompt_fn, named for eval.json's settings."""
-    template = prompts["eval_code" if code else "eval_math"]
+def evalplus_prompt(problem: dict, tokenizer, prompts: dict = PROMPTS) -> str:
+    """evalplus's instruct prompt (codegen's make_raw_chat_prompt) from our templates: the request
+    with the task in a code block is the User turn, and the Assistant turn opens with the response
+    prefix, which opens a ```python block. Without a chat template both are plain text (evalplus
+    would give the bare task)."""
+    request = prompts["eval_code_evalplus"].format(problem=problem["prompt"].strip())
+    response = prompts["eval_code_evalplus_response"]
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return f"{request}\n{response}"
+    messages = [{"role": "user", "content": request},
+                {"role": "assistant", "content": response + _RESPONSE_END}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False)
+    return chat.split(_RESPONSE_END)[0]
 
-    def eval_prompt(problem, tokenizer=None):
-        if code:
-            return template.format(task=common.code_task_prompt(problem))
-        return template.format(question=problem["question"].strip())
-    kind = "code_" if code else ""
+
+def evalplus_code(text: str) -> str | None:
+    """The script of an answer to evalplus_prompt, whose block the prompt opened: the text up to
+    the closing fence or an evalplus stop string, the lines of a truncated end dropped until it
+    parses; then, as evalplus's sanitizer keeps, its imports, definitions and assignments."""
+    lines = []
+    for line in str(text).splitlines():
+        if line.strip().startswith("```"):
+            break
+        lines.append(line)
+    code = "\n".join(lines)
+    for stop in _EVALPLUS_STOPS:
+        code = code.split(stop)[0]
+    lines = code.splitlines()
+    while lines:
+        try:
+            body = [node for node in ast.parse("\n".join(lines)).body
+                    if isinstance(node, _SCRIPT_NODES)]
+            return ast.unparse(ast.Module(body=body, type_ignores=[])) or None
+        except _PARSE_ERRORS:
+            lines.pop()
+    return None
+
+
+def _named(prompt_fn, name: str, cfg: Config):
+    """`prompt_fn` named for eval.json's settings, with the --prompts file that shaped it."""
     source = f" ({cfg.prompts})" if cfg.prompts else ""
-    eval_prompt.__name__ = f"absolute_zero.{kind}eval_prompt{source}"
-    return eval_prompt
+    prompt_fn.__name__ = f"absolute_zero.{name}{source}"
+    return prompt_fn
+
+
+def evaluate_code(policy, cfg: Config, prompts: dict = PROMPTS) -> dict:
+    """The code benchmarks under --eval-code-protocol: evalplus as Table 1 (evalplus_prompt, greedy,
+    --eval-code-max-tokens new tokens, evalplus_code) or azr (eval_code, our wrapper, with
+    --eval-max-tokens and the last ```python block). One that cannot load is skipped, with why."""
+    if cfg.eval_code_protocol == "azr":
+        def code_eval_prompt(problem, tokenizer=None):
+            return prompts["eval_code"].format(task=common.code_task_prompt(problem))
+        prompt_fn = _named(code_eval_prompt, "code_eval_prompt", cfg)
+        return common.evaluate_code_config(policy, cfg, "absolute_zero", prompt_fn=prompt_fn)
+
+    def code_prompt(problem, tokenizer=None):
+        return evalplus_prompt(problem, tokenizer, prompts)
+    evalplus_budget = dataclasses.replace(cfg, eval_max_tokens=cfg.eval_code_max_tokens)
+    return common.evaluate_code_config(policy, evalplus_budget, "absolute_zero",
+                                       prompt_fn=_named(code_prompt, "evalplus_prompt", cfg),
+                                       extract_fn=evalplus_code)
 
 
 def evaluate(policy, cfg: Config, run=None, name: str = "eval.json",
@@ -886,11 +1129,12 @@ def evaluate(policy, cfg: Config, run=None, name: str = "eval.json",
     """Math (Table 1's sets) and, with --eval-code, code benchmarks; written to `run`'s `name`."""
     results = {}
     if cfg.eval_benchmarks.strip():
+        def eval_prompt(problem, tokenizer=None):
+            return prompts["eval_math"].format(question=problem["question"].strip())
         results = common.evaluate_config(policy, cfg, extract_fn=eval_answer,
-                                         prompt_fn=_eval_prompt_fn(cfg, prompts, code=False))
-    if cfg.eval_code:  # an unavailable code benchmark is skipped: the math results stay
-        results["code"] = common.evaluate_code_config(
-            policy, cfg, "absolute_zero", prompt_fn=_eval_prompt_fn(cfg, prompts, code=True))
+                                         prompt_fn=_named(eval_prompt, "eval_prompt", cfg))
+    if cfg.eval_code:
+        results["code"] = evaluate_code(policy, cfg, prompts)
     if run is not None:
         run.write_eval(results, name)
     return results
@@ -903,6 +1147,12 @@ def train(cfg: Config) -> dict:
     common.seed_everything(cfg.seed)
     run = common.Run(cfg, "absolute_zero")
     policy = common.Policy.load(cfg)
+    if cfg.eval_only:  # e.g. the base model of a run, under the same protocol
+        run.note("--eval-only: the model as loaded was evaluated, nothing trained")
+        try:
+            return evaluate(policy, cfg, run, prompts=prompts)
+        finally:
+            run.close()
     executor = Executor(cfg)
     try:
         start, state = run.load_checkpoint(policy) or (0, {})

@@ -162,7 +162,7 @@ def test_validation_rejection_reasons(executor):
         "banned": "def f(x):\n    return __import__('random').random()",
         "error": "def f(x):\n    return x / 0",
         "timeout": "def f(x):\n    while True:\n        x += 1",
-        "non_literal": "def f(x):\n    return range(x)",
+        "non_literal": "def f(x):\n    return [int] * x",  # its repr does not evaluate back
         "nondeterministic": "def f(x):\n    return id(object()) % 9973 + x",
         "too_large": "def f(x):\n    return 'a' * 5000",
         "syntax": "def f(x) return x",
@@ -267,7 +267,7 @@ def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monke
     sent = []
     job = [("def f(x):\n    return x + 1", "1")]
     monkeypatch.setattr(common, "broadcast_object",
-                        lambda obj, src=0: sent.append(obj) or [("ok", "7", 7)])
+                        lambda obj, src=0: sent.append(obj) or [az.Outcome("ok", "7", 7)])
     monkeypatch.setattr(common, "dist_info", lambda: (0, 2))
     # rank 0 ran it and sent it
     assert executor.call(job) == [("ok", "7", 7)] and sent == [[("ok", "2", 2)]]
@@ -276,6 +276,66 @@ def test_under_torchrun_only_rank_0_runs_programs_and_broadcasts(executor, monke
         monkeypatch.setattr(sb, "run_many", lambda *a, **k: pytest.fail("rank 1 ran a program"))
     # j = 2 runs, both from rank 0
     assert executor.run_checked(job) == [(None, "7")] and sent[1:] == [None, None]
+
+
+# (program, input, a right deduction answer, a wrong one of the same type) per output type that is
+# no Python literal; the official code evaluates such a gold output in the program's namespace
+NON_LITERALS = {
+    "Counter": ("from collections import Counter\ndef f(s):\n    return Counter(s)", "'abca'",
+                "Counter('aabc')", "Counter({'a': 1, 'b': 1, 'c': 1})"),
+    "deque": ("from collections import deque\ndef f(n):\n    return deque(range(n), maxlen=5)",
+              "3", "deque([0, 1, 2], maxlen=5)", "deque([0, 1])"),
+    "OrderedDict": ("from collections import OrderedDict\ndef f(n):\n"
+                    "    return OrderedDict((str(i), i) for i in range(n))", "2",
+                    "OrderedDict([('0', 0), ('1', 1)])", "OrderedDict([('1', 1), ('0', 0)])"),
+    "frozenset": ("def f(s):\n    return frozenset(s.split())", "'ab cd ef gh ij kl mn'",
+                  "frozenset({'mn', 'kl', 'ij', 'gh', 'ef', 'cd', 'ab'})", "frozenset({'ab'})"),
+    "range": ("def f(n):\n    return range(1, n, 2)", "7", "range(1, 7, 2)", "range(0, 7, 2)"),
+    "Decimal": ("from decimal import Decimal\ndef f(x):\n    return Decimal(x) / 4", "'1'",
+                "Decimal('0.25')", "Decimal('0.5')"),
+    "NaN": ("def f(x):\n    return float('nan') * x", "2", "nan", "inf"),
+    "inf": ("def f(x):\n    return [float('inf'), -x * float('inf')]", "2", "[inf, -inf]",
+            "[inf, inf]"),
+}
+
+
+def test_outputs_that_are_no_literals_are_valid_and_compared_in_the_sandbox(executor):
+    """Each type is a valid output in the real sandbox (its repr evaluates back to it in the
+    program's namespace in both determinism runs; a frozenset prints in hash-seed order), and
+    a right answer of that type is right, a wrong one wrong. A repr that does not evaluate back
+    is still non_literal."""
+    props = [_triplet(program, inp) for program, inp, _, _ in NON_LITERALS.values()]
+    az.validate(executor, "deduction", props, executor.cfg)
+    assert {t: p["reason"] for t, p in zip(NON_LITERALS, props)} == dict.fromkeys(NON_LITERALS)
+    entries = [p["entry"] for p in props]
+    assert entries[0]["output"] == "Counter({'a': 2, 'b': 1, 'c': 1})"
+    texts, both = [], []
+    for entry, (_, _, right, wrong) in zip(entries, NON_LITERALS.values()):
+        texts += [answer(fence("output", right)), answer(fence("output", wrong))]
+        both += [entry, entry]
+    got = az.check_solutions(executor, "deduction", both, texts)
+    verdicts = {t: [g.correct for g in got[2 * k:2 * k + 2]] for k, t in enumerate(NON_LITERALS)}
+    assert verdicts == dict.fromkeys(NON_LITERALS, [True, False])
+    # abduction and induction compare f's value with the gold repr in the sandbox too
+    counter, decimal = entries[0], entries[5]
+    texts = [answer(fence("input", "'caba'")), answer(fence("input", "'abc'"))]
+    assert az.check_solutions(executor, "abduction", [counter] * 2, texts) == [(True, True),
+                                                                                (True, False)]
+    ind = {"program": decimal["program"], "inputs": ["'1'", "'2'", "'3'", "'4'"], "message": "m"}
+    az.validate(executor, "induction", [ind], executor.cfg)
+    assert ind["reason"] is None and ind["entry"]["outputs"][2:] == ["Decimal('0.75')",
+                                                                     "Decimal('1')"]
+    right = "from decimal import Decimal\ndef f(x):\n    return Decimal(x) / 4"
+    texts = [answer(fence("python", right)), answer(fence("python", right.replace("4", "2")))]
+    got = az.check_solutions(executor, "induction", [ind["entry"]] * 2, texts)
+    assert got == [(True, True), (True, False)]
+    # a repr that names nothing in the program's namespace does not evaluate back
+    props = [_triplet("import collections\ndef f(s):\n    return collections.Counter(s)", "'a'")]
+    az.validate(executor, "deduction", props, executor.cfg)
+    assert props[0]["reason"] == "non_literal"
+    # the answer is checked as an input is: it may not call the program
+    calls_f = answer(fence("output", "f('abca')"))
+    assert az.check_solutions(executor, "deduction", [counter], [calls_f]) == [(True, False)]
 
 
 # ------------------------------------------------------------------------------------ solver checks
@@ -486,7 +546,7 @@ def test_prompts_hold_references_and_hide_held_out_pairs():
 
 # the lab caches its base model and results keyed on PROMPTS: the text, the names and their order
 # change only on purpose, and so does every prompt rendered from them
-PROMPTS_SHA256 = "623d4aceec1683a159bd81935d7d543aeb46a43e1a71368227096926e6e49d14"
+PROMPTS_SHA256 = "e5612366dc98b5e01cefb01f2f43289c3aabcf129f9fca41865e4892ca470ea9"
 
 
 def test_prompt_templates_and_rendered_prompts_are_pinned():
@@ -531,9 +591,9 @@ class _ScriptedPolicy:
 
 def test_seeding_fills_d_seed_first_then_builds_induction_seeds_from_its_programs(executor,
                                                                                   monkeypatch):
-    """§3.3.1: D_seed is filled from the deduction and abduction proposer prompts in turn; only then
-    are the induction seeds proposed, on programs drawn from the finished D_seed (not all on the
-    zero triplet's identity)."""
+    """§3.3.1: D_seed is filled from the deduction and abduction proposer prompts in turn; only
+    then are the induction seeds proposed, on programs drawn from the finished D_seed (not all on
+    the zero triplet's identity)."""
     monkeypatch.setattr(az, "_fits", lambda tokenizer, prompt, cfg: True)
     cfg = az.Config(batch_size=2, seed_factor=2, induction_inputs=2, references=1)
     policy = _ScriptedPolicy()
@@ -566,6 +626,44 @@ def test_learnability_samples_are_drawn_at_temperature_one(executor):
     assert props["deduction"][0]["solve_rate"] == 1.0
     with pytest.raises(ValueError, match="--temperature"):
         az.validate_config(az.Config(temperature=0.0))
+
+
+class _CyclingPolicy:
+    """Returns `texts` in turn, one per sample; no tokenizer."""
+    tokenizer = None
+
+    def __init__(self, texts):
+        self.texts, self.k = texts, 0
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None):
+        out = []
+        for _ in prompts:
+            group = []
+            for _ in range(n):
+                text = self.texts[self.k % len(self.texts)]
+                self.k += 1
+                group.append(common.Completion(prompt_ids=[1], token_ids=[2], text=text,
+                                               finish_reason="stop"))
+            out.append(group)
+        return out
+
+
+def test_learnability_samples_read_the_answer_tag_alone(executor):
+    """reward_managers.py grades the Monte-Carlo samples on custom_evaluate.extract_answer alone:
+    the text after the last <answer> (up to </answer> if it comes), no <think> format. The
+    solver's own trained answer still needs the R1 format (Eq. 6)."""
+    e = {"program": "def f(x):\n    return x * 2", "input": "3", "output": "6", "step": 1}
+    texts = ["<answer>```output\n6\n```</answer>",  # no </think>
+             "prose first <answer>\n```output\n6\n```\n",  # never closed
+             "ok</think><answer>```output\n6\n```</answer>",  # the R1 format
+             "ok</think> no answer tag, 6"]
+    props = {"deduction": [{"task": "deduction", "reason": None, "entry": e}], "abduction": [],
+             "induction": []}
+    az.estimate_learnability(_CyclingPolicy(texts), executor, props,
+                             az.Config(learnability_samples=4))
+    assert props["deduction"][0]["solve_rate"] == 0.75
+    got = az.check_solutions(executor, "deduction", [e] * 4, texts)
+    assert got == [(False, False), (False, False), (True, True), (False, False)]
 
 
 # ----------------------------------------------------------------------------- the loop, tiny model
@@ -697,7 +795,7 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
                    "--max-prompt-tokens", "1500", "--max-model-len", "2048",
                    "--seed-max-rounds", "1", "--sandbox-workers", "2", "--executor-timeout", "2",
                    "--eval-benchmarks", str(DATA / "azr_eval.jsonl"), "--eval-max-tokens", "8",
-                   "--save-every", "1"]
+                   "--eval-code-max-tokens", "8", "--save-every", "1"]
     code = str(DATA / "code_tiny.jsonl")
     r = _cli(["--model", tiny_model_path, "--steps", "2", "--eval-every", "1", "--output-dir",
               str(out), "--eval-code", "--eval-code-benchmarks", code] + common_args)
@@ -746,6 +844,54 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
     assert metrics[3]["abduction/buffer_size"] == len(final["abduction"])
 
 
+def test_docstring_lists_the_deviations_and_help_says_what_each_flag_does(capsys):
+    """Every deviation of a default run is a docstring line; each Config comment (its --help
+    text) says what the flag does first, then its source in parentheses."""
+    lines = az.__doc__.splitlines()
+    assert len(lines) <= 40 and max(len(line) for line in lines) <= 100
+    for needle in ("eval, vars, globals, __mro__", "may not call f", "gold program's imports",
+                   "size caps", "(official: resampled)", "-1 (official: -0.5)", "step t-1's",
+                   "a mini-batch's tokens", "mini-batch 2B", "as evalplus (its instruct prompt",
+                   "--eval-only", "eval_math = '''...'''", "--prompts FILE", "repr evaluates"):
+        assert needle in az.__doc__, needle
+    comments = common.field_comments(az.Config)
+    for name in az.Config.__annotations__:
+        assert re.fullmatch(r"[^(].*\S \(.+\)", comments[name]), (name, comments[name])
+    assert "fsdp_workers.py" in comments["weight_decay"] and "yaml" not in comments["weight_decay"]
+    assert ".jsonl" in comments["eval_benchmarks"] and "@N" in comments["eval_benchmarks"]
+    with pytest.raises(SystemExit) as e:
+        az.main(["--help"])
+    assert e.value.code == 0
+    shown = capsys.readouterr().out
+    assert az.Config.__doc__ in shown and "code prompt and budget: evalplus | azr" in shown
+
+
+@pytest.mark.slow
+def test_eval_only_evaluates_the_model_under_the_protocol_and_exits(tmp_path):
+    """`--eval-only` (RQ1 of the analyses paper: the base model's curve): the model as loaded,
+    evaluated with AZR's templates, budgets, benchmarks and --eval-n/--eval-k, math and code;
+    config.json and eval.json written, nothing trained, the summary printed."""
+    out = tmp_path / "base"
+    r = _cli(["--model", "tiny", "--eval-only", "--output-dir", str(out), "--eval-n", "2",
+              "--eval-k", "1,2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["eval_only"] is True
+    assert not (out / "metrics.jsonl").exists() and not list((out / "checkpoints").iterdir())
+    ev = json.loads((out / "eval.json").read_text())
+    math = ev["benchmarks"][str(DATA / "azr_eval.jsonl")]
+    assert math["n_problems"] == 2 and set(math["pass@k"]) == {"1", "2"}
+    assert (ev["settings"]["prompt"], ev["settings"]["max_tokens"]) == ("absolute_zero.eval_prompt",
+                                                                        16)
+    code = ev["code"]
+    assert code["benchmarks"][str(DATA / "code_tiny.jsonl")]["n_problems"] == 4
+    assert (code["settings"]["prompt"], code["settings"]["n"]) == ("absolute_zero.evalplus_prompt",
+                                                                   2)
+    assert "--eval-only" in r.stdout and re.search(r"^eval/azr_eval/greedy_acc\s", r.stdout, re.M)
+    # a run folder is not a model: --resume is refused before anything loads
+    r = _cli(["--resume", str(out), "--eval-only"])
+    assert r.returncode == 2 and "--model RUN/checkpoints/step_N" in r.stderr
+
+
 def _fake_records(rewards_by_key):
     props, solved = {t: [] for t in az.TASKS}, {t: [] for t in az.TASKS}
     for key, rewards in rewards_by_key.items():
@@ -767,6 +913,31 @@ def test_build_trajectories_keys_advantages_by_role_and_task():
     records = [r for t in az.TASKS for r in props[t] + solved[t]]
     assert all(t.advantage == r["advantage"] for t, r in zip(trajs, records))
     assert solved["induction"][0]["advantage"] == 0.0  # a key with one sample carries no signal
+
+
+def test_update_averages_over_tokens_in_mini_batches_of_two_b(monkeypatch):
+    """Both official branches average the loss, entropy bonus included, over a mini-batch's tokens
+    (veRL core_algos.py, dp_actor.py), in mini-batches of 2B (coder7b.sh: 128 at B = 64), so an
+    iteration takes one step per task type at any --batch-size; --mini-batch still overrides."""
+    import torch
+    sent = []
+    monkeypatch.setattr(common, "pg_step", lambda policy, trajs, pg: sent.append(pg) or {})
+    props, solved = _fake_records({"proposer/deduction": [0.5, -1.0], "solver/abduction": [1.0]})
+    for argv, mini_batch in ([], 128), (["--batch-size", "16"], 32), (["--mini-batch", "5"], 5):
+        az.trr_update(None, props, solved, common.parse_config(az.Config, argv))
+        assert (sent[-1].mini_batch, sent[-1].aggregation) == (mini_batch, "token-mean")
+    assert sent[-1].entropy_coef == 0.001
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(az.Config, ["--mini-batch", "0"])
+    assert e.value.code == 2
+    # the entropy bonus shares the loss's token weights: sequences of 1 and 3 tokens, A = 0, so
+    # the loss is -c_H times the mean entropy over the 4 tokens (per sequence it would be 2 c_H)
+    pg = sent[-1]
+    logp = torch.zeros(4)
+    per_token, _ = common.pg_token_loss(logp, logp, torch.zeros(4), pg,
+                                        entropy=torch.tensor([4.0, 0.0, 0.0, 0.0]))
+    weights = common.aggregation_weights([1, 3], pg.aggregation, num_seqs=2, num_tokens=4)
+    assert float((per_token * weights).sum()) == pytest.approx(-pg.entropy_coef)
 
 
 def test_config_flags_and_clear_errors():
@@ -834,7 +1005,7 @@ class _EvalPolicy:
 def test_eval_code_runs_code_benchmarks_and_flattens_both_kinds_of_metrics():
     code = str(DATA / "code_tiny.jsonl")
     cfg = az.Config(eval_benchmarks=str(DATA / "azr_eval.jsonl"), eval_code=True,
-                    eval_code_benchmarks=code)
+                    eval_code_benchmarks=code, eval_code_protocol="azr")
     az.validate_config(cfg)
     policy = _EvalPolicy()
     results = az.evaluate(policy, cfg)
@@ -880,7 +1051,8 @@ def test_evaluation_defaults_are_the_official_protocol():
     assert (cfg.eval_max_tokens, cfg.eval_n, cfg.eval_code) == (16000, 1, True)
     policy = _EvalPolicy(plain=True)  # answers "<answer>5</answer>", no \boxed{}
     results = az.evaluate(policy, cfg)
-    assert {(n, t, mt) for n, t, mt in policy.calls} == {(1, 0.0, 16000)}
+    # math: 16,000 new tokens; code: evalplus's 768 (test_code_evaluation_follows_run_evalplus)
+    assert {(n, t, mt) for n, t, mt in policy.calls} == {(1, 0.0, 16000), (1, 0.0, 768)}
     math_prompt = policy.prompts[0]
     assert math_prompt.endswith("User: What is 2 + 3?\n\nAssistant:") and "boxed" not in math_prompt
     assert results["benchmarks"][str(DATA / "azr_eval.jsonl")]["greedy_acc"] == 0.5
@@ -891,6 +1063,77 @@ def test_evaluation_defaults_are_the_official_protocol():
     assert az.eval_answer("so \\[ x+1 \\] then") == "x+1"
     assert az.eval_answer("nothing") is None and az.eval_answer("<answer> </answer>") is None
     assert common.parse_config(az.Config, ["--no-eval-code"]).eval_code is False
+
+
+class _CodePolicy:
+    """A model continuing evalplus's opened ```python block with the tokenizer it is given: add()
+    closed by a fence and followed by prose, sort_desc() followed by an evalplus stop string and a
+    line that would break it, is_even() cut off mid-helper by the token budget, a wrong mean().
+    Records every call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, top_p=1.0, seed=None):
+        self.calls.append({"prompts": list(prompts), "n": n, "temperature": temperature,
+                           "max_tokens": max_tokens})
+        answers = {"def add(": "def add(a, b):\n    return a + b\n```\nIt adds.",
+                   "def sort_desc(": "def sort_desc(xs):\n    return sorted(xs, reverse=True)\n"
+                                     "\nprint(sort_desc([1, 3, 2]))\nsort_desc = sorted",
+                   "is_even": "def is_even(n):\n    return n % 2 == 0\n\n\ndef helper(x):\n"
+                              "    return (x +",
+                   "mean(": "def mean(xs):\n    return sum(xs) // len(xs)\n```"}
+        out = []
+        for p in prompts:
+            text = next((a for key, a in answers.items() if key in p), "pass")
+            out.append([common.Completion(prompt_ids=[1], token_ids=[2], text=text,
+                                          finish_reason="stop")] * n)
+        return out
+
+
+def test_code_evaluation_follows_run_evalplus(tiny_tokenizer, tmp_path):
+    """Table 1's code scores came from code_eval/scripts/run_evalplus.sh: evalplus.codegen
+    --greedy, its instruct prompt (the request and the task in a code block as the User turn,
+    the Assistant turn opened by the response prefix, which opens a ```python block) through the
+    chat template, 768 new tokens, the code read up to the block's end or a stop string. Our
+    wrapper is --eval-code-protocol azr; the exact evalplus wording comes with --prompts."""
+    code = str(DATA / "code_tiny.jsonl")
+    cfg = az.Config(eval_benchmarks="", eval_code_benchmarks=code)
+    assert (cfg.eval_code_protocol, cfg.eval_code_max_tokens) == ("evalplus", 768)
+    policy = _CodePolicy(tiny_tokenizer)
+    results = az.evaluate(policy, cfg)
+    assert [(c["n"], c["temperature"], c["max_tokens"]) for c in policy.calls] == [(1, 0.0, 768)]
+    stub = json.loads((DATA / "code_tiny.jsonl").read_text().splitlines()[0])["prompt"].strip()
+    assert policy.calls[0]["prompts"][0] == (
+        "<|im_start|>user\nWrite a complete, self-contained Python script that solves the problem "
+        f"below, in one markdown code block:\n```\n{stub}\n```\n<|im_end|>\n"
+        "<|im_start|>assistant\nHere is a self-contained Python script for the problem:\n"
+        "```python\n")
+    r = results["code"]["benchmarks"][code]
+    statuses = [p["greedy_status"] for p in r["per_problem"]]
+    assert statuses == ["passed", "passed", "passed", "failed"]
+    settings = results["code"]["settings"]
+    assert (settings["prompt"], settings["extract"]) == ("absolute_zero.evalplus_prompt",
+                                                         "evalplus_code")
+    # our wrapper: the AZR preamble, the math budget
+    policy = _CodePolicy(tiny_tokenizer)
+    az.evaluate(policy, az.Config(eval_benchmarks="", eval_code_benchmarks=code,
+                                  eval_code_protocol="azr"))
+    assert [c["max_tokens"] for c in policy.calls] == [16000]
+    assert all(p.startswith(az._PREAMBLE) for p in policy.calls[0]["prompts"])
+    # the exact evalplus text from a file
+    f = tmp_path / "evalplus.toml"
+    f.write_text("eval_code_evalplus = '''EXACT {problem}'''\n"
+                 "eval_code_evalplus_response = '''PREFIX\n```python\n'''\n")
+    cfg = az.Config(eval_benchmarks="", eval_code_benchmarks=code, prompts=str(f))
+    az.validate_config(cfg)
+    policy = _CodePolicy(tiny_tokenizer)
+    az.evaluate(policy, cfg, prompts=common.load_prompts(cfg.prompts, az.PROMPTS))
+    assert policy.calls[0]["prompts"][0] == (f"<|im_start|>user\nEXACT {stub}<|im_end|>\n"
+                                             "<|im_start|>assistant\nPREFIX\n```python\n")
+    with pytest.raises(ValueError, match="--eval-code-protocol 'x': use one of evalplus, azr"):
+        az.validate_config(az.Config(eval_code_protocol="x", eval_code=False))
+    assert az.evalplus_code("x = (1,\n```") is None and az.evalplus_code("") is None
 
 
 def test_proposer_prompts_carry_the_papers_instructions():
