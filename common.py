@@ -1161,6 +1161,7 @@ class Run:
         self._timers = Counter()  # seconds per phase since the last log()
         self.last: dict = {}  # the latest value of every metric logged
         self.notes: list[str] = []  # lines the summary shows under "note" (Run.note)
+        self.unit = "steps"  # what the log steps count (progress)
         if self.is_main:
             self._open_folder()
         if self.world_size > 1:
@@ -1248,8 +1249,10 @@ class Run:
         it trained nothing ("no valid question in 2 steps: nothing was trained")."""
         self.notes.append(str(text))
 
-    def progress(self, total: int, initial: int = 0):
-        """tqdm over steps on rank 0; log() writes key metrics into its postfix."""
+    def progress(self, total: int, initial: int = 0, unit: str = "steps"):
+        """tqdm over steps on rank 0; log() writes key metrics into its postfix. `unit` names what
+        the bar and the summary count, where a method's log steps are not its training steps."""
+        self.unit = unit
         self._bar = tqdm(total=total, initial=initial, desc=self.method, disable=not self.is_main,
                          dynamic_ncols=True)
         self.total = int(total)
@@ -1353,9 +1356,12 @@ class Run:
             steps += f" of {self.total}"
         if self.saved is not None:
             steps += f", last checkpoint step_{self.saved}"
-        rows = [("method", self.method), ("steps", steps)]
+        rows = [("method", self.method), (self.unit, steps)]
         records = runfolder.read_metrics(self.dir)
-        for text in self.notes + runfolder.training_notes(records):
+        notes = self.notes  # a method's own notes know more than what the metrics show
+        if not notes:
+            notes = runfolder.training_notes(records)
+        for text in notes:
             rows.append(("note", text))
         figures = {}
         for key, value in self.last.items():

@@ -1093,7 +1093,7 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
                          "--iterations, --challenger-steps or --solver-steps; resume with the "
                          "run's own values")
     done = schedule.index(position)
-    pbar = run.progress(len(schedule) - 1, initial=done)  # counts every position of the schedule
+    pbar = run.progress(len(schedule) - 1, initial=done, unit="schedule positions")
     for step in range(done + 1, len(schedule)):
         iteration, phase, phase_step = schedule[step - 1]
         pbar.set_description(f"r_zero iteration {iteration}/{cfg.iterations}, {phase} "
@@ -1144,9 +1144,8 @@ def train(cfg: Config, policy=None) -> pathlib.Path:
         if (phase_end and phase != SOLVER) or (periodic and not phase_end):
             save_state(run, policy, roles, state, step, ref)
     finish(run, policy, roles, cfg, state["best"], splits)
-    run.note(f"steps count R-Zero's schedule, {sum(n_steps.values())} an iteration: "
-             f"{cfg.challenger_steps} Challenger, the dataset, {cfg.solver_steps} Solver, the "
-             "evaluation")
+    run.note(f"schedule positions: {sum(n_steps.values())} an iteration, {cfg.challenger_steps} "
+             f"Challenger step(s), the dataset, {cfg.solver_steps} Solver step(s), the evaluation")
     for text in state["notes"]:
         run.note(text)
     run.close()

@@ -658,10 +658,11 @@ def test_readme_tiny_one_liner_runs_offline_as_printed(method, tiny_model_path):
     try:
         assert r.returncode == 0, r.stderr[-4000:]
         rows = dict(re.findall(r"^(\S+(?: \S+)?)\s{2,}(.+)$", r.stdout, re.M))
-        assert all(k in rows for k in SUMMARY_ROWS), r.stdout
+        counted = "schedule positions" if method == "r_zero" else "steps"  # R-Zero's unit
+        assert all(k in rows for k in SUMMARY_ROWS if k != "steps") and counted in rows, r.stdout
         assert rows["method"] == method
         assert rows["resume"] == f"python {method}.py --resume {folder[1]}"
-        assert re.match(r"\d+ of \d+", rows["steps"]) and "sample" in rows["time/phase"]
+        assert re.match(r"\d+ of \d+", rows[counted]) and "sample" in rows["time/phase"]
         assert any(k.startswith(("eval/", "test/")) for k in rows), r.stdout  # a headline figure
         # it says at once where it writes, what the smoke profile sets and what it loads
         own = _own_lines(r.stderr, method)
@@ -677,13 +678,18 @@ def test_readme_tiny_one_liner_runs_offline_as_printed(method, tiny_model_path):
         metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert metrics and all({f"time/{p}" for p in common.PHASES} <= set(m) for m in metrics)
         assert rows["plot"] == f"{folder[1]}/metrics.png" and (run_dir / "metrics.png").is_file()
-        notes = re.findall(r"^note\s{2,}(.+)$", r.stdout, re.M)  # what the metrics say is there
-        assert set(runfolder.training_notes(metrics)) <= set(notes), r.stdout
+        # what the metrics say is there: in the method's own notes where it wrote some, else in
+        # the generic ones
+        notes = re.findall(r"^note\s{2,}(.+)$", r.stdout, re.M)
+        generic = runfolder.training_notes(metrics)
+        assert not generic or notes, r.stdout
+        if method in ("star", "absolute_zero"):  # they write no note of their own here
+            assert set(generic) <= set(notes), r.stdout
         ck = common.latest_checkpoint(run_dir)
         assert ck is not None and (run_dir / "eval.json").is_file()
         if method == "r_zero":
             ev = json.loads((run_dir / "eval.json").read_text())
-            assert set(ev) == {"base", "iterations", "best"} and ev["base"]
+            assert {"base", "iterations", "best"} <= set(ev) and ev["base"]
             assert "1" in ev["iterations"] and ev["best"]["iteration"] == 1
             st = json.loads((ck / "trainer_state.json").read_text())["state"]
             assert st["active"] in ("challenger", "solver") and (run_dir / "roles" / st["roles_dir"]).is_dir()

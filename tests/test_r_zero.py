@@ -705,8 +705,9 @@ def test_cli_end_to_end_two_iterations(tmp_path):
     assert summary["iterations"] == ["2 of 2"] and summary["challenger steps"] == ["2 of 2"]
     assert summary["solver steps"] == ["0 of 2 (2 skipped: no question kept)"]
     notes = summary["note"]
-    assert notes[0] == ("steps count R-Zero's schedule, 4 an iteration: 1 Challenger, the dataset, "
-                        "1 Solver, the evaluation")
+    assert notes[0] == ("schedule positions: 4 an iteration, 1 Challenger step(s), the dataset, "
+                        "1 Solver step(s), the evaluation")
+    assert summary["schedule positions"][0].startswith("8 of 8") and "steps" not in summary
     for k in (1, 2):
         assert (f"iteration {k}: no question kept (no valid, uncontaminated question in 4 outputs: "
                 f"dataset_iter{k}.jsonl is empty): the Solver was not trained") in notes
