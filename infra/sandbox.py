@@ -52,9 +52,32 @@ class ExecResult:
         return self.status == "ok"
 
 
+MAX_SAME_HASH = 16  # distinct keys of one set or dict display that may share a hash
+
+
+def _check_key_hashes(display: ast.Set | ast.Dict):
+    """ValueError if more than MAX_SAME_HASH distinct keys of a set or dict display share a hash:
+    building it would take quadratic time (the integers k * (2**61 - 1) + c all hash alike)."""
+    keys = display.elts if isinstance(display, ast.Set) else display.keys
+    distinct_by_hash: dict[int, list] = {}
+    for key_node in keys:
+        if key_node is None:  # {**x}: literal_eval refuses it
+            continue
+        if isinstance(key_node, ast.Constant):  # most keys: no literal_eval call
+            key = key_node.value
+        else:
+            key = ast.literal_eval(key_node)
+        same_hash = distinct_by_hash.setdefault(hash(key), [])
+        if key not in same_hash:  # compares with at most MAX_SAME_HASH keys
+            same_hash.append(key)
+        if len(same_hash) > MAX_SAME_HASH:
+            raise ValueError(f"over {MAX_SAME_HASH} keys of one set or dict share a hash")
+
+
 def _check_literal_tree(tree: ast.AST):
-    """ValueError if tree is nested past 50 or holds NaN or infinity. Breadth first: the depth is
-    checked before ast.literal_eval recurses."""
+    """ValueError if tree is nested past 50, holds NaN or infinity, or a set or dict whose keys
+    collide (_check_key_hashes). Breadth first: the depth is checked before ast.literal_eval
+    recurses."""
     nodes = [(tree, 0)]
     for node, depth in nodes:
         if depth > 50:
@@ -66,11 +89,15 @@ def _check_literal_tree(tree: ast.AST):
                 raise ValueError("NaN or infinity")
         for child in ast.iter_child_nodes(node):
             nodes.append((child, depth + 1))
+    for node, _ in reversed(nodes):  # deepest first: a key is built once its own sets passed
+        if isinstance(node, (ast.Set, ast.Dict)):
+            _check_key_hashes(node)
 
 
 def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: bool = True):
     """ast.literal_eval of an untrusted literal (a sandbox repr) -> ValueError, naming why, for a
-    non-str, over max_chars, nested past 50, NaN/inf, or (require_roundtrip) a changed repr."""
+    non-str, over max_chars, nested past 50, NaN/inf, colliding set or dict keys, or
+    (require_roundtrip) a changed repr."""
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
     if len(text) > max_chars:

@@ -571,6 +571,19 @@ def test_parse_literal():
         parse_literal("1" * 200, max_chars=100)
 
 
+def test_parse_literal_refuses_keys_that_all_hash_alike():
+    """Issue 40, item 7: a set or dict whose integers all hash alike would take quadratic time to build."""
+    modulus = 2**61 - 1                                    # int hashes are taken modulo this
+    colliding = [k * modulus + 7 for k in range(1, 4100)]  # a ~100 kB literal
+    for text in ("{%s}" % ", ".join(map(str, colliding)),
+                 "{%s}" % ", ".join(f"{k}: 0" for k in colliding[:3000]),
+                 "[(1, {%s})]" % ", ".join(map(str, colliding[:17]))):
+        with pytest.raises(ValueError, match="share a hash"):
+            parse_literal(text)
+    assert parse_literal("{%s}" % ", ".join(map(str, colliding[:16]))) == set(colliding[:16])
+    assert parse_literal("{1, 1.0, True, -1, -2}") == {1, -1, -2}  # equal keys, and -1, -2: hash -2
+
+
 def test_trusted_side_never_evals_or_unpickles():
     """The trainer-side code of the sandbox contains no eval/exec/pickle/marshal: only json and literal_eval."""
     path = inspect.getsourcefile(PythonSandbox)
