@@ -28,7 +28,6 @@ import re
 import resource
 import select
 import signal
-import socket
 import struct
 import sys
 import time
@@ -120,6 +119,7 @@ SYS_UNSHARE = 272
 SYS_SETNS = 308
 SYS_CLONE3 = 435
 AF_UNIX = 1
+SOCK_STREAM = 1
 AF_INET = 2
 AF_INET6 = 10
 
@@ -179,9 +179,8 @@ REPORT = {
 # what the zygote keeps between jobs
 STATE = {
     "pidns_fd": None,     # our own PID namespace, to return to after each job's fork
-    "ipcns_fd": None,     # our own IPC namespace, likewise
     "pid1": False,        # this zygote is PID 1 of a namespace, emptied after every job
-    "job_ns": 0,          # the CLONE_NEW* flags unshared afresh before every job
+    "job_ns": 0,          # CLONE_NEWPID: a PID namespace unshared afresh before every job
     "oom_fd": None,       # the job's memory cgroup's events, read for its OOM kills
     "oom_kills": 0,       # its OOM kills so far
     "oom_exempt": False,  # this zygote is exempt from the OOM killer (its children are not)
@@ -704,8 +703,8 @@ def assemble(program):
 
 def seccomp_filter(allow_inet):
     """The filter's program: x86-64 calls alone, DENIED_SYSCALLS refused, NO_OP_SYSCALLS made
-    no-ops, no new namespaces but PID and IPC ones (the zygote's, per job), sockets: AF_UNIX,
-    AF_INET/6 where allow_inet."""
+    no-ops, no new namespaces but PID and IPC ones (the zygote's and the child's, per job),
+    sockets: AF_UNIX, AF_INET/6 where allow_inet."""
     namespaces = (CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID
                   | CLONE_NEWNET | CLONE_NEWCGROUP)
     program = [
@@ -737,8 +736,7 @@ def seccomp_filter(allow_inet):
         bpf(BPF_RET, SECCOMP_RET_ALLOW),
 
         bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG1, label="setns"),  # the namespace type
-        bpf(BPF_JEQ, CLONE_NEWPID, if_true="allow"),
-        bpf(BPF_JEQ, CLONE_NEWIPC, if_true="allow", if_false="eperm"),
+        bpf(BPF_JEQ, CLONE_NEWPID, if_true="allow", if_false="eperm"),
 
         bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG0, label="socket"),  # the address family
         bpf(BPF_JEQ, AF_UNIX, if_true="allow"),
@@ -758,8 +756,8 @@ def seccomp_filter(allow_inet):
 
 def install_seccomp():
     """Installed once here, inherited (one per child costs ~10% of throughput). The zygote keeps
-    mount and PID/IPC unshare/setns, and a child its /proc mount (a program lacks CAP_SYS_ADMIN;
-    CLONE_NEWUSER, to regain it, is refused). Sockets: AF_UNIX, and AF_INET/6 only in the empty
+    mount and PID unshare/setns, and a child its IPC unshare and /proc mount (a program lacks
+    CAP_SYS_ADMIN; CLONE_NEWUSER, to regain it, is refused). Sockets: AF_UNIX, and AF_INET/6 only in the empty
     network namespace."""
     if os.uname().machine != "x86_64":
         return note("seccomp filter only written for x86-64: not installed")
@@ -786,10 +784,12 @@ def unmount_job_proc():
 
 
 def confine_child(job):
-    """The child's own limits: the job's memory cgroup, its own /proc, no inherited fds, the job's
-    uid or no capabilities, rlimits."""
+    """The child's own limits: the job's memory cgroup, its own IPC namespace and /proc, no
+    inherited fds, the job's uid or no capabilities, rlimits."""
     if STATE["cgroup"] is not None:  # first: what the job allocates is charged there
         os.write(STATE["cgroup"]["job_enter_fd"], b"0")
+    if REPORT["ipc_per_job"]:  # the child's alone: the zygote never holds it (nor its memory)
+        libc_call("unshare", CLONE_NEWIPC)
     if STATE["job_proc"]:
         mount_job_proc()
     null = os.open("/dev/null", os.O_RDWR)
@@ -920,7 +920,7 @@ def tmp_mark():
     times... (None: it removed one)."""
     mark = []
     try:
-        for path in ("/tmp", STATE["jobdir"]):
+        for path in dict.fromkeys(["/tmp", STATE["jobdir"]]):  # once where the jobdir is /tmp
             st = os.stat(path)
             mark.append(st[:7] + (st.st_mtime_ns, st.st_ctime_ns))
     except OSError:
@@ -974,18 +974,15 @@ def clean_jobdir():
 
 
 def enter_job_namespaces():
-    """Fresh PID and IPC namespaces for the next child: it is PID 1 of its own."""
+    """A fresh PID namespace for the next child: it is PID 1 of its own."""
     if STATE["job_ns"] and LIBC.unshare(STATE["job_ns"]) != 0:
-        raise OSError(ctypes.get_errno(), "pid/ipc namespace")
+        raise OSError(ctypes.get_errno(), "pid namespace")
 
 
 def leave_job_namespaces():
-    """Back to our own PID and IPC namespaces once the child is forked: the job's then go with
-    its processes and files (we would hold its IPC namespace, and its shared memory, until the
-    next job's unshare)."""
-    for key, flag in (("pidns_fd", CLONE_NEWPID), ("ipcns_fd", CLONE_NEWIPC)):
-        if STATE[key] is not None:
-            LIBC.setns(STATE[key], flag)
+    """Back to our own PID namespace once the child is forked."""
+    if STATE["pidns_fd"] is not None:
+        LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)
 
 
 def kill_as_job_uid():  # in a throwaway child of the job's uid: it may signal all the job runs
@@ -1029,10 +1026,12 @@ def kill_job_cgroup(deadline):
 def collect_unix_sockets():
     """Schedule the kernel's Unix-socket garbage collector: closing a Unix socket does. It frees
     sockets that only reference each other through file descriptors in flight (SCM_RIGHTS), and
-    what those hold: in-memory files, an IPC namespace and its shared memory, a tmpfs."""
-    first, second = socket.socketpair()
-    first.close()
-    second.close()
+    what those hold: in-memory files, an IPC namespace and its shared memory, a tmpfs. A job that
+    left no socket in our network namespace has nothing in flight: then it is not needed."""
+    pair = (ctypes.c_int * 2)()
+    libc_call("socketpair", AF_UNIX, SOCK_STREAM, 0, pair)  # not the socket module: the
+    os.close(pair[0])                                        # zygote's heap stays small, and
+    os.close(pair[1])                                        # so each fork
 
 
 def pinned_job_memory():
@@ -1053,7 +1052,8 @@ def job_leftovers():
     """What a finished job still holds: processes in its cgroup, Unix sockets in our network
     namespace (only jobs make any there), memory pinned in its cgroup over LEFTOVER_MB."""
     left = []
-    if job_cgroup_pids():
+    # a job's PID namespace dies with its PID 1 (or ours empties it): then no process is left
+    if not (STATE["job_ns"] or STATE["pid1"]) and job_cgroup_pids():
         left.append("processes")
     if STATE["unix_fd"] is not None and os.pread(STATE["unix_fd"], 4096, 0).count(b"\n") > 1:
         left.append("Unix sockets")  # more than the header line
@@ -1065,17 +1065,17 @@ def job_leftovers():
 
 
 def release_job():
-    """Wait until nothing of the job is left (see job_leftovers), for at most a second: the
-    garbage collector, and the freeing of an IPC namespace, run in kernel workers. -> what is
-    left, [] if nothing."""
+    """Wait until nothing of the job is left (job_leftovers), for at most a second: whatever is,
+    is killed, and the garbage collector run; it, and the freeing of an IPC namespace, run in
+    kernel workers. -> what is left, [] if nothing."""
     deadline = time.monotonic() + 1.0
-    while True:
+    left = job_leftovers()
+    while left and time.monotonic() < deadline:
         kill_job_cgroup(deadline)
         collect_unix_sockets()
-        left = job_leftovers()
-        if not left or time.monotonic() > deadline:
-            return left
         time.sleep(0.002)
+        left = job_leftovers()
+    return left
 
 
 def count_new_oom_kills():
@@ -1240,11 +1240,8 @@ def setup():
     isolate_filesystem()
     if CFG["namespaces"]:
         setup_pid_namespace()
-    R["ipc_per_job"] = R["namespaces"]["ipc"]
-    if R["ipc_per_job"]:
-        STATE["job_ns"] |= CLONE_NEWIPC
-        STATE["ipcns_fd"] = os.open("/proc/self/ns/ipc", os.O_RDONLY)
-    else:
+    R["ipc_per_job"] = R["namespaces"]["ipc"]  # the child unshares it (confine_child)
+    if not R["ipc_per_job"]:
         note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
     install_seccomp()
     probe_job_proc()
