@@ -293,10 +293,12 @@ def remove_cgroups():
 
 
 def leave():
-    """Leave and remove our memory cgroups (the trainer has gone or closed us), then exit."""
-    if STATE["cgroup"] is not None:
+    """Leave and remove our memory cgroups (the trainer has gone or closed us), then exit. Under
+    v2 the parent shares memory out, so it may hold no process: the trainer removes them."""
+    cgroup = STATE["cgroup"]
+    if cgroup is not None and cgroup["version"] == 1:
         with contextlib.suppress(OSError):
-            os.write(STATE["cgroup"]["parent_procs_fd"], b"0")
+            os.write(cgroup["parent_procs_fd"], b"0")
         remove_cgroups()
     os._exit(0)
 
