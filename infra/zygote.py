@@ -759,8 +759,8 @@ def seccomp_filter(allow_inet):
 def install_seccomp():
     """Installed once here, inherited (one per child costs ~10% of throughput). The zygote keeps
     mount and PID unshare/setns, and a child its IPC unshare and /proc mount (a program lacks
-    CAP_SYS_ADMIN; CLONE_NEWUSER, to regain it, is refused). Sockets: AF_UNIX, and AF_INET/6 only in the empty
-    network namespace."""
+    CAP_SYS_ADMIN; CLONE_NEWUSER, to regain it, is refused). Sockets: AF_UNIX, and AF_INET/6 only
+    in the empty network namespace."""
     if os.uname().machine != "x86_64":
         return note("seccomp filter only written for x86-64: not installed")
     program = seccomp_filter(allow_inet=REPORT["namespaces"]["net"])
