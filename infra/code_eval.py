@@ -150,8 +150,11 @@ def _verdict(result, token_literal):
 
 
 def run_solutions(sandbox, extract_fn, timeout, probs, texts):
-    """[(problem index, text)] -> [CodeVerdict]. A run passes only if the program ends by
-    evaluating a fresh random token: exiting early or forging a result frame cannot pass."""
+    """[(problem index, text)] -> [CodeVerdict]. A run passes only if the sandbox evaluates a
+    fresh random token after the program: one that exits early, raises or writes a canned result
+    fails. The token is no secret from the program, which shares its process with its tests: one
+    written to read it (from the runner's stack frame) or to defeat the tests' asserts passes, as
+    under EvalPlus, whose tests run in the solution's process too."""
     token = f"all tests ran {os.urandom(8).hex()}"
     token_literal = repr(token)
     no_code = CodeVerdict(False, "no_code", None)

@@ -5,17 +5,20 @@ A program costs ~2 ms of CPU (a fresh interpreter costs 25-40 ms: tests/bench_sa
 per worker (infra/zygote.py), a clean `python -s -S -P` with an allow-listed env, forks one child
 per program: no state reaches the next one, and the trainer is never forked. Each child gets net,
 mount, IPC, UTS and PID namespaces (inside a user namespace if not root), an allow-listed read-only
-root with a fresh tmpfs per job, a uid per worker and a memory cgroup (root), no_new_privs, seccomp
-(x86-64) and rlimits. The trainer never evals or unpickles output: it gets a capped JSON frame
-{status, value, error} of strings, value a repr for parse_literal. What the host lacks is said in
-.isolation, never made up for by Python-level guards. No new dependency: bubblewrap would exec a
-fresh interpreter per program. forbidden_modules is a task policy, not a boundary.
+root with a fresh tmpfs and /proc per job, a uid per worker and a memory cgroup per job (root),
+no_new_privs, seccomp (x86-64) and rlimits. A job's processes, sockets and memory are gone before
+its call returns, its zygote's death included. The trainer never evals or unpickles output: it
+gets a capped JSON frame {status, value, error} of strings, value a repr for parse_literal. What
+the host lacks is said in .isolation, never made up for by Python-level guards. No new
+dependency: bubblewrap would exec a fresh interpreter per program. forbidden_modules is a task
+policy, not a boundary.
 
 How the two sides talk (infra/zygote.py's docstring has the fields): over the zygote's stdin and
 stdout, each message a 4-byte big-endian length and a payload. The trainer sends the config once
 (JSON) and gets {"ready", "report"} back; then, per job, a JSON header of limits and lengths
 followed by the program's and the expression's bytes, and gets one reply: a kind byte (b"P", b"S",
-b"Z" or b"E": see PythonSandbox._result) and a JSON frame {status, value, error}.
+b"Z" or b"E": see PythonSandbox._result) and a JSON frame {status, value, error}, maybe after a
+b"T" (replace this zygote after the reply: PythonSandbox._verdict_of).
 """
 import ast
 import collections
@@ -27,6 +30,7 @@ import platform
 import re
 import selectors
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -52,9 +56,32 @@ class ExecResult:
         return self.status == "ok"
 
 
+MAX_SAME_HASH = 16  # distinct keys of one set or dict display that may share a hash
+
+
+def _check_key_hashes(display: ast.Set | ast.Dict):
+    """ValueError if more than MAX_SAME_HASH distinct keys of a set or dict display share a hash:
+    building it would take quadratic time (the integers k * (2**61 - 1) + c all hash alike)."""
+    keys = display.elts if isinstance(display, ast.Set) else display.keys
+    distinct_by_hash: dict[int, list] = {}
+    for key_node in keys:
+        if key_node is None:  # {**x}: literal_eval refuses it
+            continue
+        if isinstance(key_node, ast.Constant):  # most keys: no literal_eval call
+            key = key_node.value
+        else:
+            key = ast.literal_eval(key_node)
+        same_hash = distinct_by_hash.setdefault(hash(key), [])
+        if key not in same_hash:  # compares with at most MAX_SAME_HASH keys
+            same_hash.append(key)
+        if len(same_hash) > MAX_SAME_HASH:
+            raise ValueError(f"over {MAX_SAME_HASH} keys of one set or dict share a hash")
+
+
 def _check_literal_tree(tree: ast.AST):
-    """ValueError if tree is nested past 50 or holds NaN or infinity. Breadth first: the depth is
-    checked before ast.literal_eval recurses."""
+    """ValueError if tree is nested past 50, holds NaN or infinity, or a set or dict whose keys
+    collide (_check_key_hashes). Breadth first: the depth is checked before ast.literal_eval
+    recurses."""
     nodes = [(tree, 0)]
     for node, depth in nodes:
         if depth > 50:
@@ -66,11 +93,15 @@ def _check_literal_tree(tree: ast.AST):
                 raise ValueError("NaN or infinity")
         for child in ast.iter_child_nodes(node):
             nodes.append((child, depth + 1))
+    for node, _ in reversed(nodes):  # deepest first: a key is built once its own sets passed
+        if isinstance(node, (ast.Set, ast.Dict)):
+            _check_key_hashes(node)
 
 
 def parse_literal(text: str, *, max_chars: int = 100_000, require_roundtrip: bool = True):
     """ast.literal_eval of an untrusted literal (a sandbox repr) -> ValueError, naming why, for a
-    non-str, over max_chars, nested past 50, NaN/inf, or (require_roundtrip) a changed repr."""
+    non-str, over max_chars, nested past 50, NaN/inf, colliding set or dict keys, or
+    (require_roundtrip) a changed repr."""
     if not isinstance(text, str):
         raise ValueError(f"parse_literal needs a str, got {type(text).__name__}")
     if len(text) > max_chars:
@@ -187,12 +218,65 @@ def _socket_families(report: dict) -> str:
 
 
 def _remove_cgroup(path: str, timeout: float = 1.0):
-    """rmdir a cgroup once it is empty (its processes reaped); give up after timeout seconds."""
+    """rmdir a cgroup and those below it once they are empty (their processes reaped); give up
+    after timeout seconds."""
     stop = time.monotonic() + timeout
     while os.path.exists(path) and time.monotonic() < stop:
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-        time.sleep(0.02)
+        for folder, _, _ in os.walk(path, topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        if os.path.exists(path):
+            time.sleep(0.02)
+
+
+def _process_status(pid: int) -> dict | None:
+    """{"uids": [real, effective, saved, fs], "zombie": bool} of a process, None once it is gone."""
+    status = {"uids": [], "zombie": False}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    status["uids"] = [int(uid) for uid in line.split()[1:]]
+                elif line.startswith("State:"):
+                    status["zombie"] = line.split()[1] == "Z"
+    except (OSError, ValueError):
+        return None
+    return status
+
+
+def _kill_if_uid(pid: int, uid: int):
+    """SIGKILL pid if it runs as uid. The pidfd names the process checked: never one that took
+    its pid meanwhile."""
+    with contextlib.suppress(OSError):  # gone meanwhile
+        pidfd = os.pidfd_open(pid)
+        try:
+            status = _process_status(pid)
+            if status and uid in status["uids"]:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+
+
+def _end_uid_processes(uid: int, timeout: float = 2.0) -> list[int]:
+    """SIGKILL every process that runs as uid, again until none is alive or timeout seconds have
+    passed; -> the pids left, zombies included (they count against the uid's RLIMIT_NPROC until
+    whoever adopted them reaps them). A job's processes keep its worker's uid: they are found
+    even where its zygote died and no PID namespace took them along."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        alive = False
+        for name in os.listdir("/proc"):
+            status = _process_status(int(name)) if name.isdigit() else None
+            if status is None or uid not in status["uids"]:
+                continue
+            left.append(int(name))
+            if not status["zombie"]:
+                alive = True
+                _kill_if_uid(int(name), uid)
+        if not alive or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
 
 
 def _sandbox_error(error: str) -> ExecResult:
@@ -229,6 +313,7 @@ class _Worker:
         self.buf = b""          # what has come of the next reply
         self.report = {}        # the zygote's REPORT
         self.deadline = 0.0     # when a busy worker counts as stuck
+        self.retire = None      # why the zygote asked to be replaced after its job (b"T")
         os.set_blocking(self.rfd, False)
         try:
             self.send(cfg)
@@ -276,20 +361,25 @@ class _Worker:
         self.buf = self.buf[4 + n:]
         return reply
 
-    def kill(self):
-        """Close the pipes (the zygote leaves its cgroup, exits), kill it if it lingers, tidy up."""
+    def kill(self) -> list[int]:
+        """Close the pipes (the zygote leaves its cgroups, exits), kill it if it lingers, end every
+        process of its uid (a job whose zygote died), tidy up; -> the pids that would not die."""
         self.proc.stdin.close()
         self.proc.stdout.close()
         for wait in (0.5, 10):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=wait)
             self.proc.kill()  # a no-op once it has exited
+        left = []
+        if self.report.get("uid_dropped"):  # a uid of the sandbox's own: nothing else runs as it
+            left = _end_uid_processes(self.report["uid"])
         scratch = self.report.get("scratch") or ""
         if scratch.startswith("/"):  # no mount namespace: on the host
             shutil.rmtree(scratch, ignore_errors=True)
         memory_cgroup = self.report.get("memory_cgroup") or {}
         if memory_cgroup.get("path"):
             _remove_cgroup(memory_cgroup["path"])
+        return left
 
 
 class PythonSandbox(contextlib.AbstractContextManager):
@@ -322,7 +412,8 @@ class PythonSandbox(contextlib.AbstractContextManager):
             "max_output": int(max_output_chars),
             "forbidden": sorted(set(forbidden_modules)),
         }
-        self.uids = self.uids_held = _claim_uids(self.workers)  # one uid (and gid) per worker
+        # one uid (and gid) per worker; one whose processes would not die is replaced, and kept
+        self.uids = self.uids_held = _claim_uids(self.workers)
         hidden = _default_hidden_paths()
         self._cfg = {
             "keep_paths": python_paths(),
@@ -413,10 +504,8 @@ class PythonSandbox(contextlib.AbstractContextManager):
         def finish(i, result, restart):
             results[busy.pop(i)] = result
             sel.unregister(self._pool[i].rfd)
-            if restart:
-                self._pool[i].kill()
-                self._pool[i] = None
-                self.restarts += 1
+            if restart or self._pool[i].retire:
+                self._stop_worker(i)
 
         with self._lock:
             try:
@@ -441,7 +530,7 @@ class PythonSandbox(contextlib.AbstractContextManager):
                     for key, _ in sel.select(wait):
                         i = key.data
                         try:
-                            reply = self._pool[i].poll()
+                            reply = self._verdict_of(self._pool[i])
                             if reply is not None:  # b"E": the zygote failed on its own, replace it
                                 finish(i, self._result(reply), reply[:1] == b"E")
                         except (EOFError, OSError, ValueError) as e:
@@ -454,6 +543,25 @@ class PythonSandbox(contextlib.AbstractContextManager):
                     finish(i, None, True)
                 sel.close()
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _verdict_of(worker: _Worker) -> bytes | None:
+        """The worker's reply on its job, once it is whole; a b"T" before it (the job left
+        something behind, see the zygote's release_job) marks the worker for replacement."""
+        reply = worker.poll()
+        while reply is not None and reply[:1] == b"T":
+            worker.retire = reply[1:]
+            reply = worker.poll()
+        return reply
+
+    def _stop_worker(self, i: int):
+        """Stop worker i for a successor. Where processes of its uid would not die, that uid stays
+        claimed (they would count against a successor's RLIMIT_NPROC): the next gets a fresh one."""
+        left = self._pool[i].kill()
+        self._pool[i] = None
+        self.restarts += 1
+        if left:
+            self.uids[i] = _claim_uids(1)[0]
 
     def _result(self, reply: bytes) -> ExecResult:
         """Check a reply: b"Z" the zygote's (b"E": it failed), b"P" the program's (its outcomes
@@ -487,12 +595,13 @@ class PythonSandbox(contextlib.AbstractContextManager):
         self._closed = True
         if os.getpid() != getattr(self, "_owner", None):
             return  # a forked copy of the trainer: the workers are not ours to stop
-        for worker in self._pool:
-            if worker is not None:
-                worker.kill()
+        kept = set()  # uids whose processes would not die: never reused
+        for i, worker in enumerate(self._pool):
+            if worker is not None and worker.kill():
+                kept.add(self.uids[i])
         self._pool = [None] * self.workers
         with _uid_lock:
-            _uids_in_use.difference_update(self.__dict__.pop("uids_held", ()))
+            _uids_in_use.difference_update(set(self.__dict__.pop("uids_held", ())) - kept)
 
     def __exit__(self, *exc):
         self.close()

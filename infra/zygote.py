@@ -1,6 +1,7 @@
 """The sandbox's fork server. infra/sandbox.py starts one per worker as `python -s -S -P zygote.py`:
 a clean interpreter that imports only the standard library, isolates itself once (namespaces, an
-allow-listed read-only root, a memory cgroup, seccomp), then forks one child per program. Nothing
+allow-listed read-only root, memory cgroups, seccomp), then forks one child per program, and after
+each makes sure that nothing of it is left: no process, no socket, no memory (release_job). Nothing
 here runs in the trainer.
 
 How the trainer and the zygote talk, over the zygote's stdin and stdout (blocking pipes):
@@ -14,6 +15,8 @@ How the trainer and the zygote talk, over the zygote's stdin and stdout (blockin
   frame, written after the child's setup, so it may claim program outcomes only; b"S": the child's
   frame from its setup; b"Z": the zygote's verdict on a child that left no frame (timeout, crash,
   memory, output_limit); b"E": the zygote itself failed on this job (the trainer replaces it).
+  Before the reply may come b"T" and {"error"}: the job left something the zygote could not free
+  (release_job); the trainer replaces the zygote after the reply.
 The child writes its frame on fd 3: b"R" when its setup is over, then a length and the JSON frame.
 """
 import contextlib
@@ -73,6 +76,11 @@ SECCOMP_MODE_FILTER = 2
 LINUX_CAPABILITY_VERSION_3 = 0x20080522  # capset(2)'s header
 SYS_PIVOT_ROOT = 155  # x86-64; glibc has no wrapper
 
+# the worker's memory cgroup holds the job's (memory_mb) and this much more: the zygote's own
+# memory, and what a finished job may leave pinned (up to LEFTOVER_MB: kernel caches)
+WORKER_MEMORY_MB = 64
+LEFTOVER_MB = 16
+
 # besides Python's own: system libraries (for C extensions) and time zones
 SYSTEM_LIBRARY_DIRS = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64",
                        "/usr/share/zoneinfo")
@@ -96,7 +104,14 @@ DENIED_SYSCALLS = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
     "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
     "fspick": 433, "mount_setattr": 442,
+    # another job's imports and the trainer's own file opens would show in inotify's events
+    "inotify_init": 253, "inotify_add_watch": 254, "inotify_rm_watch": 255, "inotify_init1": 294,
+    "fanotify_init": 300, "fanotify_mark": 301,
 }
+# x86-64 system calls that succeed doing nothing: a job's own files live in its tmpfs, which has
+# nothing to flush, and the host's dirty pages (or its journal) are not a job's to flush
+NO_OP_SYSCALLS = {"msync": 26, "fsync": 74, "fdatasync": 75, "sync": 162,
+                  "sync_file_range": 277, "syncfs": 306}
 SYS_SOCKET = 41
 SYS_SOCKETPAIR = 53
 SYS_CLONE = 56
@@ -104,6 +119,7 @@ SYS_UNSHARE = 272
 SYS_SETNS = 308
 SYS_CLONE3 = 435
 AF_UNIX = 1
+SOCK_STREAM = 1
 AF_INET = 2
 AF_INET6 = 10
 
@@ -122,6 +138,7 @@ X32_SYSCALL_BIT = 0x40000000
 SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_KILL_PROCESS = 0x80000000
 SECCOMP_RET_EPERM = 0x00050000 | 1          # SECCOMP_RET_ERRNO | EPERM
+SECCOMP_RET_SUCCESS = 0x00050000            # ... with errno 0: the call returns 0
 SECCOMP_RET_ENOSYS = 0x00050000 | 38        # ... | ENOSYS
 SECCOMP_RET_EAFNOSUPPORT = 0x00050000 | 97  # ... | EAFNOSUPPORT
 
@@ -146,8 +163,10 @@ REPORT = {
     "filesystem": "host",
     "scratch": None,
     "hidden_paths": [],
+    "given_up_paths": {},  # allow-listed paths a program does not see, and why
     "masked_files": [],
     "proc_hidepid": False,
+    "proc_per_job": False,  # each job sees a /proc of its own PID namespace
     "seccomp": False,
     "rlimits": ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
                 "RLIMIT_CORE"],
@@ -159,17 +178,22 @@ REPORT = {
 
 # what the zygote keeps between jobs
 STATE = {
-    "pidns_fd": None,     # our own PID namespace, to return to before each job's fresh one
+    "pidns_fd": None,     # our own PID namespace, to return to after each job's fork
     "pid1": False,        # this zygote is PID 1 of a namespace, emptied after every job
-    "job_ns": 0,          # the CLONE_NEW* flags unshared afresh before every job
-    "oom_fd": None,       # the memory cgroup's events, read for its OOM kills
+    "job_ns": 0,          # CLONE_NEWPID: a PID namespace unshared afresh before every job
+    "oom_fd": None,       # the job's memory cgroup's events, read for its OOM kills
     "oom_kills": 0,       # its OOM kills so far
     "oom_exempt": False,  # this zygote is exempt from the OOM killer (its children are not)
-    "cgroup": None,       # what leave needs to remove our memory cgroup
+    "cgroup": None,       # our memory cgroups' files (open_cgroup_files)
+    "unix_fd": None,      # /proc/net/unix of our network namespace
+    "job_proc": False,    # each child mounts a /proc of its own PID namespace over ours
+    "proc_dev": None,     # st_dev of our own /proc
     "tmp_mark": None,     # the stat of the job tmpfs on /tmp; None: mount a fresh one
     "nproc_base": 0,      # processes of our real uid outside the job, added to RLIMIT_NPROC
     "ids": None,          # (uid, gid) of a job's files
     "jobdir": None,       # each job's working directory
+    "tmp_binds": {},      # allow-listed path under /tmp -> {fd, is_dir}: bound on each tmpfs
+    "tmp_names": [],      # what a fresh /tmp holds: the way down to those, and the jobdir
 }
 
 CFG = None    # the config message
@@ -251,13 +275,31 @@ def try_in_child(fn):
 
 # ------------------------------------------------------------------ messages with the trainer
 
-def leave():
-    """Leave and remove our memory cgroup (the trainer has gone or closed us), then exit."""
+def remove_cgroups():
+    """Remove our memory cgroups, retried while the last processes of a job exit (for 1 s)."""
     cgroup = STATE["cgroup"]
-    if cgroup is not None:
+    deadline = time.monotonic() + 1.0
+    while True:
+        kill_job_cgroup(deadline)
+        for name in ("job", "zygote"):  # "zygote": v2 alone
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=cgroup["worker_fd"])
+        try:
+            return os.rmdir(cgroup["name"], dir_fd=cgroup["parent_fd"])
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+        time.sleep(0.01)
+
+
+def leave():
+    """Leave and remove our memory cgroups (the trainer has gone or closed us), then exit. Under
+    v2 the parent shares memory out, so it may hold no process: the trainer removes them."""
+    cgroup = STATE["cgroup"]
+    if cgroup is not None and cgroup["version"] == 1:
         with contextlib.suppress(OSError):
             os.write(cgroup["parent_procs_fd"], b"0")
-            os.rmdir(cgroup["name"], dir_fd=cgroup["parent_fd"])
+        remove_cgroups()
     os._exit(0)
 
 
@@ -435,8 +477,46 @@ def switch_root(root):
     return True
 
 
+def bind_allowed_paths(fds, dirs, root):
+    """Bind each allow-listed path under root, after every other mount there: nothing covers it.
+    One under /proc (each job mounts its own there) is given up; -> those under /tmp, which each
+    job's fresh tmpfs covers, to be bound over it again."""
+    under_tmp = []
+    for path, fd in fds.items():
+        try:
+            if is_inside(path, "/proc"):
+                raise OSError("under /proc, which each job's own /proc covers")
+            bind_readonly(fd, path, root + path, path in dirs)
+            if is_inside(path, "/tmp"):
+                under_tmp.append(path)
+        except OSError as e:
+            REPORT["given_up_paths"][path] = str(e)
+            note("could not bind %s: %s" % (path, e))
+        os.close(fd)
+    return under_tmp
+
+
+def keep_tmp_binds(paths):
+    """O_PATH fds of the binds under /tmp: what prepare_jobdir binds over each fresh tmpfs. The
+    job's working directory is then a directory of its own there, its listing empty."""
+    for path in paths:
+        STATE["tmp_binds"][path] = {"fd": os.open(path, os.O_PATH), "is_dir": os.path.isdir(path)}
+    top_names = set()
+    for path in paths:
+        top_names.add(path.split("/")[2])
+    STATE["jobdir"] = "/tmp"
+    if top_names:
+        name = "job"
+        while name in top_names:
+            name += "_"
+        STATE["jobdir"] = "/tmp/" + name
+        top_names.add(name)
+    STATE["tmp_names"] = sorted(top_names)
+
+
 def isolate_filesystem():
-    """Pivot into a tmpfs root: allow-listed dirs and files read-only, fake accounts, /proc."""
+    """Pivot into a tmpfs root: fake accounts, /proc, then the allow-listed dirs and files,
+    read-only."""
     if not REPORT["namespaces"]["mount"]:
         return
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below reaches the host
@@ -454,12 +534,6 @@ def isolate_filesystem():
     for path in SYSTEM_LIBRARY_DIRS:
         if os.path.islink(path):  # merged /usr: /lib -> usr/lib and friends
             os.symlink(os.readlink(path), new_root + path)
-    for path, fd in fds.items():
-        try:
-            bind_readonly(fd, path, new_root + path, path in dirs)
-        except OSError as e:
-            note("could not bind %s: %s" % (path, e))
-        os.close(fd)
     os.makedirs(new_root + "/dev", exist_ok=True)
     for name, target in DEV_LINKS.items():  # before the hidden /dev/shm: that one is a link
         os.symlink(target, new_root + "/dev/" + name)
@@ -478,9 +552,11 @@ def isolate_filesystem():
         write_file(new_root + path, text)
     REPORT["masked_files"] = list(etc)
     mount_proc(new_root)
+    under_tmp = bind_allowed_paths(fds, dirs, new_root)
     if switch_root(new_root):
         REPORT["readonly_root"] = True
         REPORT["filesystem"] = "allow-list"
+        keep_tmp_binds(under_tmp)
 
 
 def memory_cgroup_parents():
@@ -502,56 +578,101 @@ def memory_cgroup_parents():
     return found
 
 
-def make_memory_cgroup(version, parent, limit):
-    """Our own cgroup under parent, limited to limit bytes, with this process in it."""
-    cgroup = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
+def memory_settings(version, limit):
+    """A memory cgroup's files for a limit of `limit` bytes and no swap."""
     if version == 2:
-        # memory.oom.group: an OOM kill takes the whole job, not the (exempt) zygote
-        settings = {"memory.max": limit, "memory.swap.max": 0,
-                    "memory.oom.group": int(STATE["oom_exempt"])}
-    else:
-        settings = {"memory.limit_in_bytes": limit}
+        return {"memory.max": limit, "memory.swap.max": 0}
+    return {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+
+
+def write_settings(cgroup, settings):
+    for name, value in settings.items():
+        if name.startswith("memory.memsw.") and not os.path.exists(cgroup + "/" + name):
+            continue  # v1 without swap accounting
+        write_file(cgroup + "/" + name, str(value))
+
+
+def make_memory_cgroups(version, parent, job_limit):
+    """The worker's cgroup under parent, of job_limit + WORKER_MEMORY_MB, with this zygote in it
+    (v2: in its child "zygote": a v2 cgroup that shares memory out holds no process), and the
+    job's cgroup, "job", of job_limit (v2: an OOM kill there takes the whole job); -> the worker's.
+    The zygote is outside the job's cgroup: the OOM killer ends the job, never the zygote."""
+    worker = parent.rstrip("/") + "/pysandbox-%d" % os.getpid()
+    home = worker
+    job = worker + "/job"
+    job_settings = memory_settings(version, job_limit)
+    if version == 2:
+        home = worker + "/zygote"
+        job_settings["memory.oom.group"] = 1
+    made = []
     try:
         if version == 2:  # a no-op where it is on; ENOENT where the parent has no memory
             write_file(parent + "/cgroup.subtree_control", "+memory")
-        os.mkdir(cgroup)
-        if os.path.exists(cgroup + "/memory.memsw.limit_in_bytes"):  # v1 with swap accounting
-            settings["memory.memsw.limit_in_bytes"] = limit
-        settings["cgroup.procs"] = os.getpid()
-        for name, value in settings.items():
-            write_file(cgroup + "/" + name, str(value))
+        for path in (worker, home):
+            if path not in made:
+                os.mkdir(path)
+                made.append(path)
+        write_settings(worker, memory_settings(version, job_limit + (WORKER_MEMORY_MB << 20)))
+        write_file(home + "/cgroup.procs", str(os.getpid()))
+        if version == 2:
+            write_file(worker + "/cgroup.subtree_control", "+memory")
+        os.mkdir(job)
+        made.append(job)
+        write_settings(job, job_settings)
     except OSError:
         with contextlib.suppress(OSError):
-            os.rmdir(cgroup)
+            write_file(parent + "/cgroup.procs", str(os.getpid()))
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
         raise
-    return cgroup
+    return worker
+
+
+def open_cgroup_files(version, parent, worker):
+    """What the zygote and its children use of the cgroups, opened before the pivot hides /sys."""
+    job = worker + "/job"
+    names = {"events": "memory.events", "usage": "memory.current"}
+    if version == 1:
+        names = {"events": "memory.oom_control", "usage": "memory.usage_in_bytes"}
+    STATE["oom_fd"] = os.open(job + "/" + names["events"], os.O_RDONLY)  # no OOM kill yet
+    STATE["cgroup"] = {
+        "version": version,
+        "parent_fd": os.open(parent, os.O_RDONLY | os.O_DIRECTORY),
+        "parent_procs_fd": os.open(parent + "/cgroup.procs", os.O_WRONLY),
+        "worker_fd": os.open(worker, os.O_RDONLY | os.O_DIRECTORY),
+        "name": os.path.basename(worker),
+        "job_enter_fd": os.open(job + "/cgroup.procs", os.O_WRONLY),  # each child writes "0"
+        "job_procs_fd": os.open(job + "/cgroup.procs", os.O_RDONLY),
+        "job_usage_fd": os.open(job + "/" + names["usage"], os.O_RDONLY),
+        "job_stat_fd": os.open(job + "/memory.stat", os.O_RDONLY),
+    }
 
 
 def setup_cgroup():
-    """Root: this zygote, and so each job, in a memory cgroup of memory_mb + 32 MB (v2, else v1)."""
-    limit = (CFG["memory_mb"] + 32) << 20
+    """Root: a memory cgroup of memory_mb for each job, under the worker's (v2, else v1)."""
+    job_limit = CFG["memory_mb"] << 20
     why = "a job's processes together may hold max_procs x memory_mb, its tmpfs tmpfs_mb more"
     if not REPORT["uid_dropped"]:
         return note("no memory cgroup (needs root): " + why)
     try:
         write_file("/proc/self/oom_score_adj", "-1000")
         STATE["oom_exempt"] = True
-    except OSError as e:  # no CAP_SYS_RESOURCE: the zygote may be an OOM victim (then it restarts)
+    except OSError as e:  # no CAP_SYS_RESOURCE: still outside the job's cgroup, which OOMs first
         note("zygote not exempt from the OOM killer: %s" % e)
     errors = []
     for version, parent in sorted(memory_cgroup_parents(), reverse=True):  # v2 first
         try:
-            cgroup = make_memory_cgroup(version, parent, limit)
+            worker = make_memory_cgroups(version, parent, job_limit)
         except OSError as e:
             errors.append("v%d %s: %s" % (version, parent, e))
             continue
-        events = "/memory.events" if version == 2 else "/memory.oom_control"
-        STATE["oom_fd"] = os.open(cgroup + events, os.O_RDONLY)  # a new cgroup: no OOM kill yet
-        # kept open for leave, which runs after the pivot, where /sys is not visible
-        STATE["cgroup"] = {"parent_fd": os.open(parent, os.O_RDONLY | os.O_DIRECTORY),
-                           "parent_procs_fd": os.open(parent + "/cgroup.procs", os.O_WRONLY),
-                           "name": os.path.basename(cgroup)}
-        REPORT["memory_cgroup"] = {"version": version, "path": cgroup, "limit_mb": limit >> 20}
+        open_cgroup_files(version, parent, worker)
+        REPORT["memory_cgroup"] = {"version": version, "path": worker, "job": worker + "/job",
+                                   "limit_mb": job_limit >> 20,
+                                   "worker_limit_mb": (job_limit >> 20) + WORKER_MEMORY_MB}
+        rlimits = REPORT["rlimits"]
+        rlimits[rlimits.index("RLIMIT_AS")] = "RLIMIT_DATA"  # memory in use, not address space
         return
     reasons = "; ".join(errors) or "no cgroup filesystem with a memory controller"
     note("no memory cgroup (%s): %s" % (reasons, why))
@@ -583,8 +704,9 @@ def assemble(program):
 
 
 def seccomp_filter(allow_inet):
-    """The filter's program: x86-64 calls alone, DENIED_SYSCALLS refused, no new namespaces but
-    PID and IPC ones (the zygote's, per job), sockets: AF_UNIX, AF_INET/6 where allow_inet."""
+    """The filter's program: x86-64 calls alone, DENIED_SYSCALLS refused, NO_OP_SYSCALLS made
+    no-ops, no new namespaces but PID and IPC ones (the zygote's and the child's, per job),
+    sockets: AF_UNIX, AF_INET/6 where allow_inet."""
     namespaces = (CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID
                   | CLONE_NEWNET | CLONE_NEWCGROUP)
     program = [
@@ -597,6 +719,8 @@ def seccomp_filter(allow_inet):
     ]
     for number in DENIED_SYSCALLS.values():
         program.append(bpf(BPF_JEQ, number, if_true="eperm"))
+    for number in NO_OP_SYSCALLS.values():
+        program.append(bpf(BPF_JEQ, number, if_true="no_op"))
     program += [
         bpf(BPF_JEQ, SYS_CLONE, if_true="clone"),
         bpf(BPF_JEQ, SYS_UNSHARE, if_true="unshare"),
@@ -627,14 +751,16 @@ def seccomp_filter(allow_inet):
         bpf(BPF_RET, SECCOMP_RET_ALLOW, label="allow"),
         bpf(BPF_RET, SECCOMP_RET_EPERM, label="eperm"),
         bpf(BPF_RET, SECCOMP_RET_ENOSYS, label="enosys"),
+        bpf(BPF_RET, SECCOMP_RET_SUCCESS, label="no_op"),
     ]
     return program
 
 
 def install_seccomp():
     """Installed once here, inherited (one per child costs ~10% of throughput). The zygote keeps
-    mount and PID/IPC unshare/setns (a child lacks CAP_SYS_ADMIN; CLONE_NEWUSER, to regain it, is
-    refused). Sockets: AF_UNIX, and AF_INET/6 only in the empty network namespace."""
+    mount and PID unshare/setns, and a child its IPC unshare and /proc mount (a program lacks
+    CAP_SYS_ADMIN; CLONE_NEWUSER, to regain it, is refused). Sockets: AF_UNIX, and AF_INET/6 only
+    in the empty network namespace."""
     if os.uname().machine != "x86_64":
         return note("seccomp filter only written for x86-64: not installed")
     program = seccomp_filter(allow_inet=REPORT["namespaces"]["net"])
@@ -648,8 +774,26 @@ def install_seccomp():
 
 # ----------------------------------------------------------------------------------- per job
 
+def mount_job_proc():
+    """In a job's child: a /proc of its PID namespace over the zygote's (unmount_job_proc)."""
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+
+
+def unmount_job_proc():
+    """Unmount what a child mounted over our /proc (its processes are gone by then)."""
+    while os.stat("/proc").st_dev != STATE["proc_dev"]:
+        libc_call("umount2", b"/proc", MNT_DETACH)
+
+
 def confine_child(job):
-    """The child's own limits: no inherited fds, the job's uid or no capabilities, rlimits."""
+    """The child's own limits: the job's memory cgroup, its own IPC namespace and /proc, no
+    inherited fds, the job's uid or no capabilities, rlimits."""
+    if STATE["cgroup"] is not None:  # first: what the job allocates is charged there
+        os.write(STATE["cgroup"]["job_enter_fd"], b"0")
+    if REPORT["ipc_per_job"]:  # the child's alone: the zygote never holds it (nor its memory)
+        libc_call("unshare", CLONE_NEWIPC)
+    if STATE["job_proc"]:
+        mount_job_proc()
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -669,8 +813,14 @@ def confine_child(job):
         libc_call("capset", header, (ctypes.c_uint32 * 6)())
     PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # when the zygote dies
     PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # inherited already where seccomp is on
+    # With a cgroup capping what the job's processes use, the rlimit counts private writable
+    # memory (RLIMIT_DATA), not the address space that threads' stacks and malloc arenas reserve:
+    # threaded programs run, and one oversized allocation still raises MemoryError.
+    memory_limit = resource.RLIMIT_AS
+    if STATE["cgroup"] is not None:
+        memory_limit = resource.RLIMIT_DATA
     limits = {
-        resource.RLIMIT_AS: job["memory_mb"] << 20,
+        memory_limit: job["memory_mb"] << 20,
         resource.RLIMIT_CPU: int(job["timeout"]) + 1,
         resource.RLIMIT_FSIZE: job["fsize_mb"] << 20,
         resource.RLIMIT_NOFILE: 64,
@@ -768,9 +918,42 @@ def child_main(job, src, wfd):
 
 
 def tmp_mark():
-    """What a job could change about an empty /tmp: inode, mode, owner, times..."""
-    st = os.stat("/tmp")
-    return st[:7] + (st.st_mtime_ns, st.st_ctime_ns)
+    """What a job could change about its empty /tmp and working directory: inode, mode, owner,
+    times... (None: it removed one)."""
+    mark = []
+    try:
+        for path in dict.fromkeys(["/tmp", STATE["jobdir"]]):  # once where the jobdir is /tmp
+            st = os.stat(path)
+            mark.append(st[:7] + (st.st_mtime_ns, st.st_ctime_ns))
+    except OSError:
+        return None
+    return mark
+
+
+def tmp_untouched():
+    """Whether /tmp is as prepare_jobdir left it."""
+    if tmp_mark() != STATE["tmp_mark"] or sorted(os.listdir("/tmp")) != STATE["tmp_names"]:
+        return False
+    jobdir = STATE["jobdir"]
+    if jobdir != "/tmp" and os.listdir(jobdir):
+        return False
+    return not (os.listxattr("/tmp") or os.listxattr(jobdir))
+
+
+def mount_job_tmpfs():
+    """A capped tmpfs on /tmp, the allow-listed paths under /tmp bound over it again, and the
+    job's working directory."""
+    size_mb = CFG["tmpfs_mb"]
+    inodes = max(1024, 64 * size_mb)
+    uid, gid = STATE["ids"]
+    options = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (size_mb, inodes, uid, gid)
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)
+    for path, bind in STATE["tmp_binds"].items():
+        bind_readonly(bind["fd"], path, path, bind["is_dir"])
+    if STATE["jobdir"] != "/tmp":
+        os.mkdir(STATE["jobdir"], 0o700)
+        os.chown(STATE["jobdir"], uid, gid)
+    STATE["tmp_mark"] = tmp_mark()
 
 
 def prepare_jobdir():
@@ -780,29 +963,28 @@ def prepare_jobdir():
         os.mkdir(STATE["jobdir"], 0o700)
         os.chown(STATE["jobdir"], *STATE["ids"])
     elif STATE["tmp_mark"] is None:
-        size_mb = CFG["tmpfs_mb"]
-        inodes = max(1024, 64 * size_mb)
-        uid, gid = STATE["ids"]
-        options = "size=%dm,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (size_mb, inodes, uid, gid)
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)
-        STATE["tmp_mark"] = tmp_mark()
+        mount_job_tmpfs()
 
 
 def clean_jobdir():
     if REPORT["filesystem"] != "allow-list":
         import shutil
         shutil.rmtree(STATE["jobdir"], ignore_errors=True)
-    elif tmp_mark() != STATE["tmp_mark"] or os.listdir("/tmp") or os.listxattr("/tmp"):
+    elif not tmp_untouched():
         libc_call("umount2", b"/tmp", MNT_DETACH)  # the job's files go in one step
         STATE["tmp_mark"] = None
 
 
 def enter_job_namespaces():
-    """Back to our own PID namespace, then fresh PID and IPC ones: the child is PID 1 of its own."""
+    """A fresh PID namespace for the next child: it is PID 1 of its own."""
+    if STATE["job_ns"] and LIBC.unshare(STATE["job_ns"]) != 0:
+        raise OSError(ctypes.get_errno(), "pid namespace")
+
+
+def leave_job_namespaces():
+    """Back to our own PID namespace once the child is forked."""
     if STATE["pidns_fd"] is not None:
         LIBC.setns(STATE["pidns_fd"], CLONE_NEWPID)
-    if STATE["job_ns"] and LIBC.unshare(STATE["job_ns"]) != 0:
-        raise OSError(ctypes.get_errno(), "pid/ipc namespace")
 
 
 def kill_as_job_uid():  # in a throwaway child of the job's uid: it may signal all the job runs
@@ -820,6 +1002,82 @@ def kill_escapees():
                 os.waitpid(-1, 0)
     elif STATE["pidns_fd"] is None and REPORT["uid_dropped"]:
         try_in_child(kill_as_job_uid)
+
+
+def job_cgroup_pids():
+    """The processes in the job's memory cgroup (none without one)."""
+    if STATE["cgroup"] is None:
+        return []
+    listing = os.pread(STATE["cgroup"]["job_procs_fd"], 1 << 16, 0)
+    return [int(pid) for pid in listing.split()]
+
+
+def kill_job_cgroup(deadline):
+    """SIGKILL what is left in the job's cgroup, again until it is empty or the deadline; -> the
+    pids still there. A program cannot leave its cgroup (cgroup.procs is root's)."""
+    pids = job_cgroup_pids()
+    while pids and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.001)
+        pids = job_cgroup_pids()
+    return pids
+
+
+def collect_unix_sockets():
+    """Schedule the kernel's Unix-socket garbage collector: closing a Unix socket does. It frees
+    sockets that only reference each other through file descriptors in flight (SCM_RIGHTS), and
+    what those hold: in-memory files, an IPC namespace and its shared memory, a tmpfs. A job that
+    left no socket in our network namespace has nothing in flight: then it is not needed."""
+    pair = (ctypes.c_int * 2)()
+    libc_call("socketpair", AF_UNIX, SOCK_STREAM, 0, pair)  # not the socket module: the
+    os.close(pair[0])                                        # zygote's heap stays small, and
+    os.close(pair[1])                                        # so each fork
+
+
+def pinned_job_memory():
+    """Bytes charged to the job's cgroup that the kernel cannot reclaim: all but page cache (the
+    files a job read stay cached for the next one, and go under memory pressure)."""
+    usage = int(os.pread(STATE["cgroup"]["job_usage_fd"], 64, 0))
+    if usage <= LEFTOVER_MB << 20:  # the common case: one read
+        return usage
+    stat = os.pread(STATE["cgroup"]["job_stat_fd"], 1 << 14, 0).decode()
+    for line in stat.splitlines():
+        name, value = line.split()
+        if name in ("active_file", "inactive_file"):
+            usage -= int(value)
+    return usage
+
+
+def job_leftovers():
+    """What a finished job still holds: processes in its cgroup, Unix sockets in our network
+    namespace (only jobs make any there), memory pinned in its cgroup over LEFTOVER_MB."""
+    left = []
+    # a job's PID namespace dies with its PID 1 (or ours empties it): then no process is left
+    if not (STATE["job_ns"] or STATE["pid1"]) and job_cgroup_pids():
+        left.append("processes")
+    if STATE["unix_fd"] is not None and os.pread(STATE["unix_fd"], 4096, 0).count(b"\n") > 1:
+        left.append("Unix sockets")  # more than the header line
+    if STATE["cgroup"] is not None:
+        pinned = pinned_job_memory()
+        if pinned > LEFTOVER_MB << 20:
+            left.append("%d MB of memory" % (pinned >> 20))
+    return left
+
+
+def release_job():
+    """Wait until nothing of the job is left (job_leftovers), for at most a second: whatever is,
+    is killed, and the garbage collector run; it, and the freeing of an IPC namespace, run in
+    kernel workers. -> what is left, [] if nothing."""
+    deadline = time.monotonic() + 1.0
+    left = job_leftovers()
+    while left and time.monotonic() < deadline:
+        kill_job_cgroup(deadline)
+        collect_unix_sockets()
+        time.sleep(0.002)
+        left = job_leftovers()
+    return left
 
 
 def count_new_oom_kills():
@@ -846,6 +1104,7 @@ def run_job(job, src, send):
             child_main(job, src, w)
         finally:
             os._exit(70)
+    leave_job_namespaces()
     os.close(w)
 
     cap = 12 * job["max_output"] + 65536
@@ -880,9 +1139,14 @@ def run_job(job, src, send):
             kill(pid, signal.SIGKILL)
     _, wait_status, rusage = os.wait4(pid, 0)
     kill_escapees()
+    if STATE["job_proc"]:
+        unmount_job_proc()
     oom_killed = count_new_oom_kills()
     src[:] = bytes(len(src))
     clean_jobdir()
+    leftovers = release_job()
+    if leftovers:  # before the verdict: the trainer replaces this worker after it
+        send(b"T", {"error": "the job left %s behind" % ", ".join(leftovers)})
 
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
     cpu = rusage.ru_utime + rusage.ru_stime
@@ -921,6 +1185,18 @@ def count_own_processes(uid):
     return count
 
 
+def probe_job_proc():
+    """Whether a child may mount a /proc of its own PID namespace over the allow-list root's."""
+    if REPORT["filesystem"] != "allow-list" or not REPORT["namespaces"]["pid"]:
+        return note("no /proc per job: jobs see the zygote's")
+    STATE["proc_dev"] = os.stat("/proc").st_dev
+    STATE["job_proc"] = REPORT["proc_per_job"] = try_in_child(mount_job_proc)
+    unmount_job_proc()
+    if not STATE["job_proc"]:
+        note("no /proc per job (its mount was refused): jobs see the zygote's")
+    return None
+
+
 def self_test():
     """Run one program as every job runs: it must import the stdlib and get no new namespaces."""
     program = b"import ctypes, decimal, os, statistics\nlibc = ctypes.CDLL(None)"
@@ -931,6 +1207,8 @@ def self_test():
     replies = []
 
     def keep(kind, frame):
+        if kind == b"T":
+            return note("self-test: " + frame["error"])
         if type(frame) is not dict:
             frame = json.loads(bytes(frame))
         replies.append(frame)
@@ -964,14 +1242,14 @@ def setup():
     isolate_filesystem()
     if CFG["namespaces"]:
         setup_pid_namespace()
-    R["ipc_per_job"] = R["namespaces"]["ipc"]
-    if R["ipc_per_job"]:
-        STATE["job_ns"] |= CLONE_NEWIPC
-    else:
+    R["ipc_per_job"] = R["namespaces"]["ipc"]  # the child unshares it (confine_child)
+    if not R["ipc_per_job"]:
         note("no IPC namespace: SysV IPC and message queues a job leaves reach later jobs")
     install_seccomp()
-    if R["filesystem"] == "allow-list":
-        STATE["jobdir"] = "/tmp"
+    probe_job_proc()
+    if R["namespaces"]["net"]:  # only jobs make sockets there: any left is a job's
+        STATE["unix_fd"] = os.open("/proc/net/unix", os.O_RDONLY)
+    if R["filesystem"] == "allow-list":  # keep_tmp_binds chose the jobdir
         R["scratch"] = "tmpfs per job"
     else:
         import tempfile
@@ -1003,6 +1281,7 @@ def main():
     PRCTL.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     PRCTL.restype = ctypes.c_int
     CFG = read_message()
+    os.umask(0o022)  # what the zygote makes in a job's tmpfs is not the job's to change
     sys.path[:] = [p for p in sys.path if p] + CFG["site_dirs"]
     try:
         setup()

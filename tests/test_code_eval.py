@@ -141,6 +141,28 @@ def test_every_kind_of_bad_solution_fails_and_the_run_goes_on(sandbox, tmp_path)
     assert sandbox.run("x = 1", "x + 1").value == "2"
 
 
+# A wrong solution that reads the token from the runner's stack frame and writes it as its result.
+TOKEN_READER = """
+def add(a, b):
+    return a - b
+import json, os, struct, sys
+runner = sys._getframe(1).f_locals
+token = bytes(runner["src"][runner["job"]["plen"]:]).decode()
+frame = json.dumps({"status": "ok", "value": token, "error": None}).encode()
+os.write(3, struct.pack(">I", len(frame)) + frame)
+os._exit(0)
+"""
+
+
+def test_the_token_is_no_secret_from_the_program(sandbox):
+    """Pins what infra.code_eval.run_solutions says (issue 40, item 4): the program shares its process
+    with its tests and the token, so one written to read the token passes although it is wrong. The
+    tests' own asserts are as exposed; benchmark scores trust the solutions as EvalPlus does."""
+    sampler = StandIn({"tiny/add": [py(TOKEN_READER)]})
+    res = common.evaluate_code(sampler, TINY, sandbox=sandbox, prompt_fn=by_id, limit=1, timeout=5)
+    assert [p["greedy_status"] for p in res["benchmarks"][TINY]["per_problem"]] == ["passed"]
+
+
 def _fake_datasets(rows_by_id, fail=None):
     def load_dataset(hub_id, name=None, split=None):
         if fail:

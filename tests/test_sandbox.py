@@ -7,6 +7,7 @@ answer is not judged correct; the result is bounded; the canary the programs set
 """
 import ast
 import builtins
+import contextlib
 import inspect
 import json
 import os
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -84,6 +86,11 @@ def sb(host):
 
 def sandbox_procs(sb) -> list[int]:
     """PIDs of live processes running under one of the sandbox's uids (zygotes run as root, children not)."""
+    return uid_procs(sb.uids)
+
+
+def uid_procs(uids) -> list[int]:
+    """PIDs of live (not zombie) processes whose real uid is one of uids, looked at once."""
     found = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -94,7 +101,7 @@ def sandbox_procs(sb) -> list[int]:
             continue
         uid_line = next((ln for ln in status.splitlines() if ln.startswith("Uid:")), "Uid: -1")
         state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
-        if int(uid_line.split()[1]) in sb.uids and "Z" not in state.split()[1:2]:
+        if int(uid_line.split()[1]) in uids and "Z" not in state.split()[1:2]:
             found.append(int(d))
     return found
 
@@ -178,7 +185,9 @@ def test_isolation_report(sb):
                 ExecResult("ok", repr(sorted(py_under_cwd)), None)
             assert sb.run("import os", f"os.path.exists({os.path.join(cwd, 'common.py')!r})").value == "False"
         assert "/etc/passwd" in iso["masked_files"]
-        assert set(iso["rlimits"]) == {"RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+        # with a memory cgroup capping the job, the rlimit counts memory in use, not address space (issue 40)
+        memory_rlimit = "RLIMIT_DATA" if iso["memory_cgroup"] else "RLIMIT_AS"
+        assert set(iso["rlimits"]) == {memory_rlimit, "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
                                        "RLIMIT_CORE"}
         assert iso["no_new_privs"] and iso["self_test"], iso
         if os.uname().machine == "x86_64":
@@ -569,6 +578,19 @@ def test_parse_literal():
             parse_literal(bad)
     with pytest.raises(ValueError, match="over the cap"):
         parse_literal("1" * 200, max_chars=100)
+
+
+def test_parse_literal_refuses_keys_that_all_hash_alike():
+    """Issue 40, item 7: a set or dict whose integers all hash alike would take quadratic time to build."""
+    modulus = 2**61 - 1                                    # int hashes are taken modulo this
+    colliding = [k * modulus + 7 for k in range(1, 4100)]  # a ~100 kB literal
+    for text in ("{%s}" % ", ".join(map(str, colliding)),
+                 "{%s}" % ", ".join(f"{k}: 0" for k in colliding[:3000]),
+                 "[(1, {%s})]" % ", ".join(map(str, colliding[:17]))):
+        with pytest.raises(ValueError, match="share a hash"):
+            parse_literal(text)
+    assert parse_literal("{%s}" % ", ".join(map(str, colliding[:16]))) == set(colliding[:16])
+    assert parse_literal("{1, 1.0, True, -1, -2}") == {1, -1, -2}  # equal keys, and -1, -2: hash -2
 
 
 def test_trusted_side_never_evals_or_unpickles():
@@ -1052,3 +1074,217 @@ def test_no_memory_cgroup_outlives_its_sandbox(tmp_path):
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(path), path
+
+
+# -------------------------------------------- issue 40: no job outlives its call, no memory outlives its job
+
+def _memory_cgroup_or_skip(sb):
+    cg = sb.isolation["memory_cgroup"]
+    if cg is None:  # e.g. not root, or a read-only cgroup filesystem: rlimits and deadlines alone
+        pytest.skip("no memory cgroup here, the job keeps today's rlimits: " + "; ".join(sb.isolation["notes"]))
+    return cg
+
+
+@pytest.fixture
+def small(host):
+    """One worker whose job may hold 128 MB, so that filling it is quick."""
+    with PythonSandbox(workers=1, timeout_s=5, memory_mb=128, max_procs=32, max_file_mb=16) as s:
+        yield s
+
+
+FOUR_THREADS = """
+from concurrent.futures import ThreadPoolExecutor
+def work(n):
+    kept = [bytes(2000 + i % 7) for i in range(n)]   # malloc'd: each thread gets an arena of its own
+    return len(kept)
+with ThreadPoolExecutor(4) as pool:
+    total = sum(pool.map(work, [2000] * 8))
+"""
+# In-memory files no process maps, by 15 processes that outlive the zygote if they can.
+HIDE_AND_FILL = """
+import ctypes, os, time
+ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)        # PR_SET_PDEATHSIG 0: outlive the zygote
+for _ in range(15):
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+chunk = b"x" * (1 << 20)
+files = []
+written = 0
+while written < (200 << 20):                   # within max_file_mb per file, over memory_mb in all
+    if written % (16 << 20) == 0:
+        files.append(os.memfd_create("fill"))
+    os.write(files[-1], chunk)
+    written += len(chunk)
+time.sleep(60)
+"""
+
+
+def test_memory_no_process_maps_ends_the_job_not_the_zygote(small):
+    """Items 1 and 3: the job's own cgroup, the zygote outside it: the OOM killer ends the job."""
+    _memory_cgroup_or_skip(small)
+    restarts = small.restarts
+    res = small.run(HIDE_AND_FILL, "len(files)", timeout_s=8)
+    assert res.status == "memory", res
+    if LINUX_ROOT:
+        assert not uid_procs(small.uids)     # gone before the call returned
+    assert small.restarts == restarts
+    assert small.run(FOUR_THREADS, "total") == ExecResult("ok", "16000", None)
+
+
+OUTLIVE = """
+import ctypes, os, time
+ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)        # PR_SET_PDEATHSIG 0: outlive the zygote
+for _ in range(15):
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+time.sleep(60)
+"""
+
+
+def test_a_job_whose_zygote_dies_leaves_no_process(small):
+    """Item 1: a worker that dies takes its job's processes along before the call returns; its
+    successor's uid runs nothing (they would eat its RLIMIT_NPROC) and its cgroup is gone."""
+    if not LINUX_ROOT:
+        pytest.skip("needs root: a job's processes are found by their uid, of the sandbox's own")
+    uids = set(small.uids)
+    victim = small._pool[0]
+    cgroup = (victim.report.get("memory_cgroup") or {}).get("path")
+    killer = threading.Timer(0.8, lambda: os.kill(victim.proc.pid, signal.SIGKILL))
+    killer.start()
+    res = small.run(OUTLIVE, "1", timeout_s=4)
+    killer.join()
+    assert res.status == "sandbox_error" and small.restarts == 1, res
+    uids |= set(small.uids)
+    assert not uid_procs(uids)
+    assert cgroup is None or not os.path.exists(cgroup), cgroup
+    assert small.run(FOUR_THREADS, "total") == ExecResult("ok", "16000", None)
+
+
+# Memory hidden where no process holds it: in-memory files, the job's IPC namespace with 32 MB of
+# shared memory, and a socket named with a note, all inside a Unix socket that holds itself.
+HIDE_IN_SOCKETS = """
+import array, ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+segment = libc.shmget(0x5B16, 32 << 20, 0o1600)          # IPC_CREAT
+ctypes.memset(libc.shmat(segment, None, 0), 1, 32 << 20)
+hidden = [os.open("/proc/self/ns/ipc", os.O_RDONLY)]      # keeps the IPC namespace alive
+chunk = b"x" * (1 << 20)
+for _ in range(4):
+    fd = os.memfd_create("hidden")
+    for _ in range(16):
+        os.write(fd, chunk)
+    hidden.append(fd)
+named = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+named.bind(b"\\0sb-note-" + NOTE.encode())
+a, b = socket.socketpair()
+hidden += [named.fileno(), a.fileno(), b.fileno()]        # b's queue holds a and b: a cycle
+a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", hidden))])
+"""
+
+
+def test_nothing_a_job_hid_in_sockets_stays_charged(host):
+    """Item 2: after each job the kernel's Unix-socket garbage collector frees what the job hid
+    in flight, before the next job starts: its memory, IPC namespace and socket names."""
+    with PythonSandbox(workers=1, timeout_s=5, memory_mb=160, max_file_mb=16) as s:
+        cg = s.isolation["memory_cgroup"]
+        for note in ("first", "second"):
+            res = s.run(f"NOTE = {note!r}\n" + HIDE_IN_SOCKETS, "'hidden'")
+            assert res == ExecResult("ok", "'hidden'", None), res
+            seen = s.run("", "open('/proc/net/unix').read().count('sb-note')")
+            assert seen == ExecResult("ok", "0", None), seen
+            if cg is not None:  # 96 MB hidden before: the next job may still hold 110 of its 160 MB
+                assert s.run("", "len(bytearray(110 << 20))").ok
+                usage_file = "memory.current" if cg["version"] == 2 else "memory.usage_in_bytes"
+                usage = int(pathlib.Path(cg["job"], usage_file).read_text())
+                assert usage < 16 << 20, usage
+        assert s.restarts == 0
+
+
+def test_threaded_programs_within_memory_mb_run(sb):
+    """Item 5: with a cgroup the memory verdict follows memory in use, not the address space that
+    threads' stacks and malloc arenas reserve (64 MB each); one oversized allocation is still a
+    MemoryError."""
+    _memory_cgroup_or_skip(sb)
+    res = sb.run(FOUR_THREADS + "block = bytearray(128 << 20)", "total, len(block)")
+    assert res == ExecResult("ok", repr((16000, 128 << 20)), None), res
+    res = sb.run("", "len(bytearray(300 << 20))")
+    assert res.status == "memory" and res.error.startswith("MemoryError"), res
+
+
+PROBE_UNDER_TMP = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from infra.sandbox import PythonSandbox
+with PythonSandbox(workers=1, timeout_s=5) as sb:
+    runs = [sb.run("import sb_probe, os", "sb_probe.VALUE, os.listdir('.')"),
+            sb.run("open('scratch', 'w').write('x')", "1"),    # a fresh /tmp for the next job
+            sb.run("import sb_probe, os, sys", "sb_probe.VALUE, os.access(sys.prefix, os.W_OK)")]
+    print(json.dumps({"runs": [r.value or r.error for r in runs], "iso": sb.isolation}))
+"""
+
+
+@contextlib.contextmanager
+def tempfile_dir_under_tmp():
+    """A fresh directory under /tmp itself (pytest's tmp_path may be elsewhere), removed after."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="sb-under-tmp-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_python_under_tmp_is_never_covered():
+    """Item 6: a virtualenv under /tmp (CI's checkout may live there): the allow-listed paths are
+    bound after the job's own mounts, and again over each fresh /tmp."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with tempfile_dir_under_tmp() as base:
+        venv = base / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        site = next(venv.glob("lib/python*/site-packages"))
+        (site / "sb_probe.py").write_text("VALUE = 42\n")
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", PROBE_UNDER_TMP, str(root)], cwd="/",
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        report = json.loads(out.stdout)
+    assert report["runs"] == ["(42, [])", "1", "(42, False)"], report["runs"]
+    assert report["iso"]["given_up_paths"] == {}, report["iso"]
+
+
+def test_allow_listed_paths_given_up_are_reported(monkeypatch):
+    """Item 6: a path each job's own /proc would cover is given up, and isolation says so."""
+    real = infra.sandbox.python_paths
+    monkeypatch.setattr(infra.sandbox, "python_paths", lambda: real() + ["/proc/sys"])
+    with PythonSandbox(workers=1, timeout_s=TIMEOUT) as s:
+        if s.isolation["filesystem"] != "allow-list":
+            pytest.skip("no allow-list root here (needs root or user namespaces)")
+        assert "/proc" in s.isolation["given_up_paths"].get("/proc/sys", ""), s.isolation
+        assert s.run("", "1 + 1") == ExecResult("ok", "2", None)
+
+
+SMALLER_LEAKS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+watch = libc.inotify_init1(0), ctypes.get_errno()
+notify = libc.fanotify_init(0, 0), ctypes.get_errno()
+flushes = libc.syncfs(-1), libc.fsync(-1), libc.fdatasync(-1)   # a real call: -1 (EBADF)
+libc.sync()
+status = open("/proc/self/status").read()
+nspid = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")][0]
+"""
+
+
+def test_inotify_refused_sync_harmless_and_a_proc_of_its_own(sb):
+    """Item 7: inotify (another job's imports, the trainer's file opens) refused; sync, syncfs,
+    fsync do nothing (the host's dirty pages are not a job's to flush); /proc is the job's."""
+    res = sb.run(SMALLER_LEAKS, "watch, notify, flushes, os.readlink('/proc/self'), nspid, "
+                                "sorted(name for name in os.listdir('/proc') if name.isdigit())")
+    assert res.status == "ok", res
+    watch, notify, flushes, self_link, nspid, pids = parse_literal(res.value)
+    if LINUX_ROOT and os.uname().machine == "x86_64":
+        assert watch == (-1, 1) and notify == (-1, 1), (watch, notify)   # EPERM
+        assert flushes == (0, 0, 0), flushes
+    if LINUX_ROOT and sb.isolation["proc_per_job"]:
+        assert self_link == "1" and nspid == ["1"] and pids == ["1"], (self_link, nspid, pids)
