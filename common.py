@@ -2971,7 +2971,8 @@ def evaluate_code(sampler_or_policy, benchmarks, *, sandbox=None, n=1, k=(1,), t
     prompt_fn = prompt_fn or default_code_prompt
     extract_fn = extract_fn or extract_code
     checker = ("solution + tests in common.PythonSandbox, one fresh process per run; passed only "
-               "if the tests run to the end")
+               "if the tests run to the end, unless the program attacks its own process "
+               "(infra/code_eval.py run_solutions)")
     if sandbox is None:
         sandbox_context = PythonSandbox(timeout_s=timeout, max_program_chars=MAX_PROGRAM_CHARS)
     else:
