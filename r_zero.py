@@ -58,6 +58,15 @@ EVAL_SETS = MATH_SETS + ",supergpqa,mmlu_pro,bbeh"  # paper §4: 7 math and 3 ge
 @dataclasses.dataclass
 class Config(common.RunConfig):
     """R-Zero: a Challenger and a Solver trained in turn from one base model, with no data."""
+    # the intervals of this Config's number flags (RunConfig declares the shared ones)
+    RANGES: typing.ClassVar[dict] = {
+        "challenger_minibatch": "[0, inf)", "solver_minibatch": "[0, inf)",
+        "vote_temperature": "(0, inf)", "vote_top_p": "(0, 1]", "vote_top_k": "[-1, inf)",
+        "question_pool": "[1, inf)", "pool_temperature": "(0, inf)", "pool_top_p": "(0, 1]",
+        "band_low": "[0, 1]", "band_high": "[0, 1]", "temperature": "(0, inf)", "top_p": "(0, 1]",
+        "rep_lambda": "[0, inf)", "bleu_threshold": "[0, 1]", "clip_low": "[0, 1)",
+        "clip_high": "[0, inf)", "dual_clip": "[0, inf)", "kl_coef": "[0, inf)",
+        "adv_eps": "(0, inf)", "dev_fraction": "[0, 1)"}
     model: str = "Qwen/Qwen3-4B-Base"  # both roles start from it (paper §4; also Qwen3-8B-Base)
     iterations: int = 3  # K, rounds of Challenger then Solver training (paper §4; main.sh: 5)
     challenger_steps: int = 5  # Challenger's GRPO steps (paper §3; questioner_train_penalty.sh)

@@ -55,6 +55,10 @@ class Config(common.RunConfig):
     """SPICE: one model learns to reason as Challenger and Reasoner on the documents of a corpus."""
     # the flags of this Config for which 0 means "all" (RunConfig declares the shared ones)
     ZERO_MEANS_OFF: typing.ClassVar[tuple] = ("corpus_docs",)
+    # the intervals of this Config's number flags (RunConfig declares the shared ones)
+    RANGES: typing.ClassVar[dict] = {
+        "reasoner_k": "[1, inf)", "tau": "(0, inf)", "challenger_gpu_memory_utilization": "(0, 1]",
+        "temperature": "(0, inf)", "clip": "[0, 1)", "tis_cap": "[0, inf)"}
     model: str = "Qwen/Qwen3-4B-Base"  # the model of both roles (§3.1; also Qwen3-8B, OctoThinker)
     corpus: str = DEFAULT_CORPUS  # JSONL files or hub ids (id:config@split), equal shares (App. B)
     corpus_field: str = "text"  # the field of a corpus row that holds its document (the hub sets')

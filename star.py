@@ -76,6 +76,10 @@ class Config(common.RunConfig):
 
     # The flags of this class that accept 0, meaning "off" (parse_config adds RunConfig's)
     ZERO_MEANS_OFF: typing.ClassVar[tuple] = ("train_limit", "warmup_steps")
+    # The intervals of this class's number flags (parse_config adds RunConfig's)
+    RANGES: typing.ClassVar[dict] = {
+        "dev_fraction": "[0, 1)", "patience": "[0, inf)", "steps_start": "[1, inf)",
+        "steps_growth": "[1, inf)", "steps_scale": "(0, inf)"}
 
 
 # --model tiny: a one-minute smoke run on the toy copy task in tests/data (flags still override)

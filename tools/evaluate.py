@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from infra.cli import ArgParser  # noqa: E402
+import infra.logs  # noqa: E402
 
 
 def eval_model(args, model):
@@ -264,6 +265,8 @@ def build_parser():
                         help="draw these saved evaluations (a run's eval.json, --eval-only's, or "
                              "this tool's JSON) as pass@k curves with their 95%% intervals; "
                              "no model is loaded")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party output (vLLM's INFO lines, warnings, loading bars)")
     parser.add_argument("--out", default="",
                         help="output JSON file, or a folder (created) for eval_<model>.json; "
                              "default eval_<model>.json here. With --plot: the PNG, default "
@@ -307,6 +310,7 @@ def main(argv=None):
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         reject_unknown(parser, unknown)
+    infra.logs.set_verbosity(args.verbose)  # quiet by default, before any library loads
     if args.plot:
         return plot_saved(parser, args)
     if not args.model:
