@@ -1000,20 +1000,23 @@ def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     if cfg.freeze_proposer:
         trained = [t for t in trajectories if t.role.startswith("solver/")]
         frozen = [t for t in trajectories if t.role.startswith("proposer/")]
-    figures = {}
+    update, per_key = {}, {}  # the update's figures; the entropies per '<role>/<task>'
     if frozen:  # before the update, as pg_step's: the weights that sampled them
-        figures.update(frozen_entropies(policy, frozen, cfg))
+        per_key = frozen_entropies(policy, frozen, cfg)
     if trained:
         pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio,
                              entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
                              max_len=cfg.max_response_tokens, temperature=cfg.temperature,
                              mini_batch=cfg.mini_batch)
-        stats = common.pg_step(policy, trained, pg)
-        for key, value in stats.items():  # its exact "entropy" and "nll_entropy" cover `trained`
-            if key not in ("entropy", "nll_entropy"):
-                figures[key] = value
-    figures.update(entropy_figures(figures, trajectories))
-    return figures
+        for key, value in common.pg_step(policy, trained, pg).items():
+            if key in ("entropy", "nll_entropy"):  # of `trained` alone: entropy_figures' instead
+                continue
+            if key.startswith("entropy"):
+                per_key[key] = value
+            else:
+                update[key] = value
+    # in this order on the progress bar: loss, then the policy's and each role's entropy
+    return {**update, **entropy_figures(per_key, trajectories), **per_key}
 
 
 def frozen_entropies(policy, trajectories: list, cfg: Config) -> dict:

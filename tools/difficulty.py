@@ -143,16 +143,19 @@ def table(report: dict) -> str:
             figures = group[model]
             cells.append(f"{figures['solve_rate']:.3f}")
             cells.append(f"{figures['mean_length']:.1f}")
-        label = f"{group['label']} ({span(group['steps'])})"
-        lines.append(label.ljust(24) + "".join(cell.rjust(16) for cell in cells))
+        lines.append(group_name(group).ljust(24) + "".join(cell.rjust(16) for cell in cells))
     return "\n".join(lines)
 
 
-def span(steps: list) -> str:
-    """The steps a group covers, in words."""
+def group_name(group: dict) -> str:
+    """A report row's name in the table and the plot: "early (steps 1-33)", "step 5"."""
+    steps = group["steps"]
+    where = f"steps {steps[0]}-{steps[-1]}"
     if len(steps) == 1:
-        return f"step {steps[0]}"
-    return f"steps {steps[0]}-{steps[-1]}"
+        where = f"step {steps[0]}"
+    if group["label"].isdigit():
+        return where
+    return f"{group['label']} ({where})"
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -166,14 +169,16 @@ def plot(report: dict, path: Path) -> bool:
         print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
         return False
     groups = report["groups"]
-    labels = [group["label"] for group in groups]
+    names = [group_name(group) for group in groups]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for model, marker in zip(MODELS, "os"):
+    # the trained model's line dashed, with hollow markers: it shows where the two coincide
+    styles = {"base": dict(marker="o"), "trained": dict(marker="s", linestyle="--", mfc="none")}
+    for model in MODELS:
         name = f"{model}: {short_label(report['models'][model])}"
         lengths = [group[model]["mean_length"] for group in groups]
         rates = [group[model]["solve_rate"] for group in groups]
-        left.plot(labels, lengths, marker=marker, label=name)
-        right.plot(labels, rates, marker=marker, label=name)
+        left.plot(names, lengths, label=name, **styles[model])
+        right.plot(names, rates, label=name, **styles[model])
     left.set(title="mean response length (tokens)", xlabel="proposed at")
     right.set(title="solve rate", xlabel="proposed at", ylim=(-0.02, 1.02))
     right.legend(fontsize="small")
@@ -193,14 +198,15 @@ def build_parser() -> ArgParser:
                              "step numbers, or ranges A-B")
     parser.add_argument("--n", type=int, default=32, help="distinct questions drawn per group")
     parser.add_argument("--k", type=int, default=8, help="answers per question and model")
-    parser.add_argument("--base", default="", help="the base model (default: the run's --model)")
-    parser.add_argument("--trained", default="",
+    parser.add_argument("--base", default="", metavar="MODEL",
+                        help="the base model (default: the run's --model)")
+    parser.add_argument("--trained", default="", metavar="CHECKPOINT",
                         help="the trained model (default: the run's latest checkpoint)")
     parser.add_argument("--task", default="deduction", choices=az.TASKS,
                         help="the task type of the questions (the paper's: deduction)")
-    parser.add_argument("--temperature", type=float, default=1.0,
+    parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
                         help="sampling temperature (the learnability estimate's: 1)")
-    parser.add_argument("--backend", default="", choices=("", "vllm", "hf"),
+    parser.add_argument("--backend", default="", choices=("vllm", "hf"),
                         help="the sampler (default: the run's --backend)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the draw and the sampling")
     parser.add_argument("--out", default="",
