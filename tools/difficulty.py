@@ -12,8 +12,9 @@ ranges A-B. From each, N distinct proposals of --task (deduction, as in the pape
 each is answered K times by --base (default: the model the run started from) and by --trained
 (default: the run's latest checkpoint), with the run's own solver prompts (its --prompts file too)
 and settings, sampled as the learnability estimate is (T = 1 unless --temperature, top-p 1, the
-<answer> read alone: r_bar of Eq. 4) and graded in the sandbox as in training. The length counts completion tokens. A table is
-printed; the JSON (default RUN_DIR/difficulty.json) and a PNG beside it are written.
+<answer> read alone: r_bar of Eq. 4) and graded in the sandbox as in training. The length counts
+completion tokens. A table is printed; the JSON (default RUN_DIR/difficulty.json) and a PNG beside
+it are written.
 """
 from __future__ import annotations
 
