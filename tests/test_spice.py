@@ -693,6 +693,8 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     for key in ("challenger/valid_rate", "challenger/reward", "reasoner/accuracy",
                 "train/entropy/challenger", "challenger/zero_adv_group_frac", "train/grad_norm"):
         assert key in m[0], key
+    # entropy: Eq. 1 of "Towards Understanding Self-play", entropy_exact: the exact one
+    assert "train/entropy_exact" in m[0] and "train/nll_entropy" not in m[0]
     assert any("eval/spice_eval/greedy_acc" in r for r in m)
     assert json.loads((run_dir / "config.json").read_text())["group_size"] == 2
     samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
