@@ -1038,8 +1038,8 @@ def frozen_entropies(policy, trajectories: list, cfg: Config) -> dict:
     return {name: _mean(values) for name, values in token_means.items()}
 
 
-def entropy_figures(figures: dict, trajectories: list) -> dict:
-    """RQ3's figures from those per '<role>/<task>' key in `figures`: for each role over its
+def entropy_figures(per_key: dict, trajectories: list) -> dict:
+    """RQ3's figures from those per '<role>/<task>' key in `per_key`: for each role over its
     three task types (entropy/proposer, ...) and for the policy (entropy, entropy_exact), each
     the mean over all their sequences (a key's figure weighted by its sequences). As in every
     method's metrics, `entropy` is Eq. 1 and `entropy_exact` the exact entropy."""
@@ -1050,7 +1050,7 @@ def entropy_figures(figures: dict, trajectories: list) -> dict:
         for suffix, prefix in groups.items():
             total, weight = 0.0, 0
             for key, count in sequences.items():
-                figure = figures.get(f"{estimator}/{key}")
+                figure = per_key.get(f"{estimator}/{key}")
                 if key.startswith(prefix) and figure is not None:
                     total += figure * count
                     weight += count
