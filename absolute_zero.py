@@ -9,13 +9,14 @@ message); a Python sandbox is the only judge. The loop (Alg. 1, §3.3), one func
   2. validate               integrity, safety, determinism over j runs (§3.3.3)
   3. estimate_learnability  n solver samples at T = 1 per valid proposal (Eq. 4)
   4. solve                  this step's tasks, back-filled from the buffers to B, graded (Eq. 5)
-  5. proposer_reward, solver_reward: learnability (Eq. 4), format penalties (Eq. 6)
+  5. reward_proposals, solver_reward: learnability (Eq. 4), format penalties (Eq. 6)
   6. trr_update             TRR++ advantages (Eq. 8), PPO-clip (Eq. 9), one step per mini-batch
   7. evaluate               Table 1's math sets; HumanEval+/MBPP+ as run_evalplus.sh (Table 1)
 Run: `python absolute_zero.py --model Qwen/Qwen2.5-Coder-7B` (GPU, Table 3), `--model tiny`, or
-`--eval-only` to evaluate a model. Prompts are ours; the official math template word for word goes
-in a TOML file as eval_math = '''...''' ({input} as {question}), given as --prompts FILE (so do
-evalplus's words, as eval_code_evalplus and eval_code_evalplus_response).
+`--eval-only`. "Towards Understanding Self-play" (README, Analyses): --freeze-proposer (RQ3),
+--proposer-reward uncertainty (RQ5), proposals.jsonl for tools/difficulty.py (RQ2). Our prompts;
+the official ones go in --prompts FILE (TOML): math as eval_math = '''...''' ({input} as
+{question}), evalplus's words as eval_code_evalplus and eval_code_evalplus_response.
 Deviations from the official code (LeapLabTHU/Absolute-Zero-Reasoner), following the paper:
   - the solver trains on this step's tasks (azr_ray_trainer.py: step t-1's; both fill from buffers);
   - r_bar in {0, 1} earns 0 (Eq. 4; reward_managers.py: -0.5); TRR++ per sequence (Eq. 8);
@@ -43,6 +44,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import json
 import random
 import re
 import symtable
@@ -77,7 +79,7 @@ class Config(common.RunConfig):
     weight_decay: float = 0.01  # AdamW weight decay (paper branch: veRL fsdp_workers.py; master: 0)
     grad_clip: float = 1.0  # gradient-norm clip per AdamW step (Table 3)
     clip_ratio: float = 0.2  # PPO clip epsilon (Eq. 9)
-    mini_batch: int = 0  # trajectories per AdamW step; unset: 2B, both roles of a task (coder7b.sh)
+    mini_batch: int = 0  # trajectories per AdamW step; unset: a task's 2B, B if frozen (coder7b.sh)
     entropy_coef: float = 0.001  # weight of the entropy bonus in the loss (Table 3; master: 0)
     aggregation: str = "token-mean"  # loss averaging: token-mean|seq-mean-token-mean|drgrpo (veRL)
     executor_timeout: float = 10.0  # seconds per program run (Table 3)
@@ -91,10 +93,13 @@ class Config(common.RunConfig):
     eval_code_benchmarks: str = "humaneval+,mbpp+"  # code benchmarks: names, .jsonl files (Table 1)
     eval_code_protocol: str = "evalplus"  # code prompt and budget: evalplus | azr (run_evalplus.sh)
     eval_code_max_tokens: int = 768  # new tokens per code answer under evalplus (evalplus codegen)
+    # the analyses of "Towards Understanding Self-play for LLM Reasoning": RQ3, RQ5 (its Eq. 3)
+    freeze_proposer: bool = False  # proposer trajectories get no gradient (the analyses' RQ3, §3.3)
+    proposer_reward: str = "learnability"  # of r_bar: learnability | uncertainty (Eq. 4 | Eq. 3)
 
     def __post_init__(self):
-        if not self.mini_batch:  # config.json records the size used
-            self.mini_batch = 2 * self.batch_size
+        if not self.mini_batch:  # a task type's trajectories; config.json records the size used
+            self.mini_batch = self.batch_size if self.freeze_proposer else 2 * self.batch_size
 
 
 # --model tiny: a one-minute smoke run (flags still override)
@@ -126,7 +131,8 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} must be below "
                          f"--max-model-len {cfg.max_model_len}")
     choices = {"aggregation": ("token-mean", "seq-mean-token-mean", "drgrpo"),
-               "eval_code_protocol": ("evalplus", "azr")}
+               "eval_code_protocol": ("evalplus", "azr"),
+               "proposer_reward": ("learnability", "uncertainty")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: use one of "
@@ -758,9 +764,12 @@ def run_tests(executor: Executor, tests: list[Comparison]) -> list[bool]:
     return passed
 
 
-def proposer_reward(valid: bool, solve_rate: float | None) -> float:
-    """Eq. 6 for an invalid proposal (a format error), else Eq. 4's learnability."""
-    return common.learnability_reward(solve_rate) if valid else common.FORMAT_ERROR
+def proposer_reward(valid: bool, solve_rate: float | None, kind: str = "learnability") -> float:
+    """Eq. 6 for an invalid proposal (a format error), else the shape `kind` of r_bar in common:
+    learnability (Eq. 4), or uncertainty (Eq. 3 of the analyses paper), 1 - 2|r_bar - 1/2|."""
+    if not valid:
+        return common.FORMAT_ERROR
+    return common.proposer_reward(solve_rate, kind)
 
 
 def solver_reward(formatted: bool, correct: bool) -> float:
@@ -788,9 +797,11 @@ def _generate(policy, prompts: list[str], n: int, cfg: Config, **sampling):
     return policy.generate(prompts, n=n, max_tokens=cfg.max_response_tokens, **sampling)
 
 
-def _answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int, cfg: Config,
-             prompts: dict, r1_format: bool = True, **sampling) -> list[tuple[str, list[Answer]]]:
-    """(solver prompt, n graded Answers) per (task type, entry); `r1_format`: extract_answer's."""
+def graded_answers(policy, executor: Executor, tasks: list[tuple[str, dict]], n: int,
+                   cfg: Config, prompts: dict, r1_format: bool = True,
+                   **sampling) -> list[tuple[str, list[Answer]]]:
+    """(solver prompt, n graded Answers) per (task type, entry); `r1_format`: extract_answer's.
+    `policy` may be any sampler (tools/difficulty.py re-solves proposals with checkpoints)."""
     solver_prompts = [solver_prompt(t, entry, cfg, prompts) for t, entry in tasks]
     groups = _generate(policy, solver_prompts, n, cfg, **sampling)
     task_per_answer = [t for t, _ in tasks for _ in range(n)]
@@ -919,8 +930,8 @@ def estimate_learnability(policy, executor: Executor, props: dict, cfg: Config,
     <answer> alone, with no R1 format required (reward_managers.py: extract_answer)."""
     valid = [p for t in props for p in props[t] if p["reason"] is None]
     tasks = [(p["task"], p["entry"]) for p in valid]
-    graded = _answers(policy, executor, tasks, cfg.learnability_samples, cfg, prompts,
-                      r1_format=False, temperature=1.0, top_p=1.0)
+    graded = graded_answers(policy, executor, tasks, cfg.learnability_samples, cfg, prompts,
+                            r1_format=False, temperature=1.0, top_p=1.0)
     for p, (_, answers) in zip(valid, graded):
         correct = sum(answer.correct for answer in answers)
         p["solve_rate"] = correct / cfg.learnability_samples
@@ -937,7 +948,8 @@ def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
         need = cfg.batch_size - len(new)
         backfill = sample(older, need, rng, replace=need > len(older))
         batch += [(t, entry, True) for entry in new] + [(t, entry, False) for entry in backfill]
-    graded = _answers(policy, executor, [(t, entry) for t, entry, _ in batch], 1, cfg, prompts)
+    tasks = [(t, entry) for t, entry, _ in batch]
+    graded = graded_answers(policy, executor, tasks, 1, cfg, prompts)
     solved = {t: [] for t in TASKS}
     for (t, entry, new), (prompt, [answer]) in zip(batch, graded):
         reward = solver_reward(answer.formatted, answer.correct)
@@ -945,6 +957,14 @@ def solve(policy, executor: Executor, props: dict, buffers: dict, cfg: Config,
                           "completion": answer.completion, "correct": answer.correct,
                           "reward": reward})
     return solved
+
+
+def reward_proposals(props: dict, cfg: Config) -> None:
+    """Step 5, the proposer's half: p['reward'] by --proposer-reward (proposer_reward)."""
+    for t in TASKS:
+        for p in props[t]:
+            p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"),
+                                          cfg.proposer_reward)
 
 
 def build_trajectories(props: dict, solved: dict) -> list:
@@ -968,15 +988,75 @@ def build_trajectories(props: dict, solved: dict) -> list:
 def trr_update(policy, props: dict, solved: dict, cfg: Config) -> dict:
     """Step 6: PPO-clip (Eq. 9), one AdamW step per mini-batch; pg_step syncs the sampler. The
     official veRL averages the loss, entropy bonus included, over a mini-batch's tokens; its
-    mini-batch of 2B trajectories, in task order, makes one step per task type (coder7b.sh)."""
+    mini-batch of 2B trajectories, in task order, makes one step per task type (coder7b.sh).
+    --freeze-proposer (RQ3 of the analyses paper): the proposer's trajectories keep their
+    advantages but leave the update, which sees the 3B solver trajectories in mini-batches of B
+    (the default then), still one step per task type; a no-grad pass measures their entropies.
+    Returns pg_step's figures, its batch entropies replaced by entropy_figures' of both roles."""
     trajectories = build_trajectories(props, solved)
     if not trajectories:
         return {}
-    pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio,
-                         entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
-                         max_len=cfg.max_response_tokens, temperature=cfg.temperature,
-                         mini_batch=cfg.mini_batch)
-    return common.pg_step(policy, trajectories, pg)
+    trained, frozen = trajectories, []
+    if cfg.freeze_proposer:
+        trained = [t for t in trajectories if t.role.startswith("solver/")]
+        frozen = [t for t in trajectories if t.role.startswith("proposer/")]
+    update, per_key = {}, {}  # the update's figures; the entropies per '<role>/<task>'
+    if frozen:  # before the update, as pg_step's: the weights that sampled them
+        per_key = frozen_entropies(policy, frozen, cfg)
+    if trained:
+        pg = common.PGConfig(clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio,
+                             entropy_coef=cfg.entropy_coef, aggregation=cfg.aggregation,
+                             max_len=cfg.max_response_tokens, temperature=cfg.temperature,
+                             mini_batch=cfg.mini_batch)
+        for key, value in common.pg_step(policy, trained, pg).items():
+            if key in ("entropy", "nll_entropy"):  # of `trained` alone: entropy_figures' instead
+                continue
+            if key.startswith("entropy"):
+                per_key[key] = value
+            else:
+                update[key] = value
+    # in this order on the progress bar: loss, then the policy's and each role's entropy
+    return {**update, **entropy_figures(per_key, trajectories), **per_key}
+
+
+def frozen_entropies(policy, trajectories: list, cfg: Config) -> dict:
+    """pg_step's entropies of the trajectories it does not train: per '<role>/<task>' key,
+    entropy/<key> (Eq. 1 of the analyses paper, -log pi of the sampled tokens) and
+    entropy_exact/<key>, each the mean over sequences of their token means. Every rank scores
+    all of them, so that FSDP2's forwards stay in step."""
+    import torch
+    policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory, as for pg_step
+    with torch.no_grad():
+        logps, entropies = common.token_logprobs(
+            policy.model, [t.prompt_ids for t in trajectories],
+            [t.completion_ids for t in trajectories], temperature=cfg.temperature,
+            token_budget=policy.cfg.micro_batch_tokens, with_entropy=True)
+    token_means = collections.defaultdict(list)  # figure -> each sequence's token mean
+    for trajectory, logp, entropy in zip(trajectories, logps, entropies):
+        token_means[f"entropy/{trajectory.role}"].append(float(-logp.mean()))
+        token_means[f"entropy_exact/{trajectory.role}"].append(float(entropy.mean()))
+    return {name: _mean(values) for name, values in token_means.items()}
+
+
+def entropy_figures(per_key: dict, trajectories: list) -> dict:
+    """RQ3's figures from those per '<role>/<task>' key in `per_key`: for each role over its
+    three task types (entropy/proposer, ...) and for the policy (entropy, entropy_exact), each
+    the mean over all their sequences (a key's figure weighted by its sequences). As in every
+    method's metrics, `entropy` is Eq. 1 and `entropy_exact` the exact entropy."""
+    sequences = collections.Counter(t.role for t in trajectories)
+    groups = {"": "", "/proposer": "proposer/", "/solver": "solver/"}  # name suffix -> key prefix
+    out = {}
+    for estimator in ("entropy", "entropy_exact"):
+        for suffix, prefix in groups.items():
+            total, weight = 0.0, 0
+            for key, count in sequences.items():
+                figure = per_key.get(f"{estimator}/{key}")
+                if key.startswith(prefix) and figure is not None:
+                    total += figure * count
+                    weight += count
+            if weight:
+                out[estimator + suffix] = total / weight
+    return out
 
 
 def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: random.Random,
@@ -987,9 +1067,7 @@ def self_play_step(policy, executor: Executor, buffers: dict, cfg: Config, rng: 
     for t in TASKS:
         buffers[t].extend(p["entry"] for p in props[t] if p["reason"] is None)
     estimate_learnability(policy, executor, props, cfg, prompts)
-    for t in TASKS:
-        for p in props[t]:
-            p["reward"] = proposer_reward(p["reason"] is None, p.get("solve_rate"))
+    reward_proposals(props, cfg)
     solved = solve(policy, executor, props, buffers, cfg, rng, step, prompts)
     stats = trr_update(policy, props, solved, cfg)
     return props, solved, stats
@@ -1002,8 +1080,14 @@ def _mean(values) -> float:
 
 
 def step_metrics(props: dict, solved: dict, buffers: dict, stats: dict | None = None) -> dict:
-    """Per task type, overall, and trr_update's `stats` as train/..."""
-    metrics = {f"train/{k}": v for k, v in (stats or {}).items()}
+    """Per task type, overall, and trr_update's `stats`: its entropies of the step's rollouts as
+    they are (entropy/..., entropy_exact/...: trained or not), the update's figures as train/..."""
+    metrics = {}
+    for key, value in (stats or {}).items():
+        if key.split("/")[0] in ("entropy", "entropy_exact"):
+            metrics[key] = value
+        else:
+            metrics[f"train/{key}"] = value
     for t in TASKS:
         proposals, answers = props[t], solved[t]
         valid = [p for p in proposals if p["reason"] is None]
@@ -1035,6 +1119,40 @@ def log_step_samples(run, step: int, props: dict, solved: dict) -> None:
                     row[key] = record.get(key)
                 rows.append(row)
             run.log_samples(step, f"{role}/{t}", rows)
+
+
+PROPOSALS_FILE = "proposals.jsonl"  # every valid proposal: what tools/difficulty.py re-solves
+
+
+def log_proposals(run, step: int, props: dict) -> None:
+    """Every valid proposal of the step, its task type and buffer entry, to proposals.jsonl (RQ2:
+    how hard the proposed tasks are over training)."""
+    if not run.is_main:
+        return
+    lines = []
+    for t in TASKS:
+        for p in props[t]:
+            if p["reason"] is None:
+                lines.append(json.dumps({"task": t, **p["entry"], "step": step}) + "\n")
+    with open(run.dir / PROPOSALS_FILE, "a", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
+def keep_proposals(run, step: int) -> None:
+    """proposals.jsonl as of the checkpoint a run starts from (step 0: none): the later steps'
+    lines, which the run logs again, are dropped, and so is a torn line of a killed run."""
+    path = run.dir / PROPOSALS_FILE
+    if not run.is_main or not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            logged_at = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if logged_at <= step:
+            kept.append(line + "\n")
+    common.atomic_write_text(path, "".join(kept))
 
 
 # --- Step 7: evaluation. Math as evaluation/math_eval/eval_math_nodes.sh --template azr (a base
@@ -1156,6 +1274,7 @@ def train(cfg: Config) -> dict:
     executor = Executor(cfg)
     try:
         start, state = run.load_checkpoint(policy) or (0, {})
+        keep_proposals(run, start)
         buffers = {}
         for t, entries in state.get("buffers", {}).items():
             buffers[t] = collections.deque(entries, maxlen=cfg.buffer_cap)
@@ -1169,6 +1288,7 @@ def train(cfg: Config) -> dict:
                                                   prompts)
             metrics = step_metrics(props, solved, buffers, stats)
             log_step_samples(run, step, props, solved)
+            log_proposals(run, step, props)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 results = evaluate(policy, cfg, run, f"eval_step_{step}.json", prompts)
                 metrics.update(common.eval_metrics(results))

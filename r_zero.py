@@ -403,13 +403,14 @@ def flatten(groups: list[list]) -> Rollouts:
 
 
 def _role_metrics(role: str, metrics: dict, update: dict) -> dict:
-    """<role>/<name>: ours, pg_step's, and its entropies of this role's own samples."""
+    """<role>/<name>: ours, pg_step's, and its entropies of this role's own samples, named as in
+    every method: entropy (Eq. 1 of "Towards Understanding Self-play for LLM Reasoning") and
+    entropy_exact (the exact entropy); pg_step's own entropy names are dropped."""
     merged = dict(metrics)
     for key, value in update.items():
-        if "/" not in key:  # pg_step's own, e.g. loss
+        if "/" not in key and "entropy" not in key:  # pg_step's own, e.g. loss
             merged[key] = value
-    for key, value in update.items():
-        if key.endswith(f"/{role}"):  # e.g. entropy/challenger: of this role's samples
+        elif key.endswith(f"/{role}"):  # entropy/challenger, entropy_exact/challenger
             merged[key.split("/")[0]] = value
     return {f"{role}/{key}": value for key, value in merged.items()}
 

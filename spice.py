@@ -694,7 +694,12 @@ def drgrpo_update(policy, trajs: list, cfg: Config) -> dict:
     pg = common.PGConfig(clip_low=cfg.clip, clip_high=cfg.clip, aggregation="drgrpo",
                          max_len=cfg.max_tokens, temperature=cfg.temperature, tis_cap=cfg.tis_cap,
                          mini_batch=cfg.mini_batch, shuffle=True)
-    return common.pg_step(policy, trajs, pg)
+    stats = common.pg_step(policy, trajs, pg)
+    # named as in every method: entropy is Eq. 1 of "Towards Understanding Self-play for LLM
+    # Reasoning" (pg_step's nll_entropy), entropy_exact the exact entropy (pg_step's entropy)
+    stats["entropy_exact"] = stats["entropy"]
+    stats["entropy"] = stats.pop("nll_entropy")
+    return stats
 
 
 def step_metrics(rollouts: list[DocRollout], answers: list[list[Answers]],

@@ -488,6 +488,33 @@ def test_proposer_reward_shapes():
     got = [az.proposer_reward(True, r) for r in (0, 1 / 8, 0.5, 7 / 8, 1)]
     assert got == [0, 0.875, 0.5, 0.125, 0]
     assert az.proposer_reward(False, None) == -1.0
+    # Eq. 3 of the analyses paper (RQ5): 1 - 2|r - 1/2|, peaking at a 50% solve rate
+    got = [az.proposer_reward(True, r, "uncertainty") for r in (0, 1 / 8, 0.5, 7 / 8, 1)]
+    assert got == [0, 0.25, 1.0, 0.25, 0]
+    assert az.proposer_reward(False, None, "uncertainty") == -1.0
+
+
+def test_proposer_reward_flag_picks_the_shape_of_each_proposal():
+    """--proposer-reward learnability (default, Eq. 4) | uncertainty (Eq. 3 of the analyses
+    paper): the rewards a proposal of each solve rate gets, and -1 for an invalid one."""
+    def props():
+        rates = [None, 0.0, 0.25, 0.5, 0.75, 1.0]
+        made = {t: [] for t in az.TASKS}
+        for rate in rates:
+            made["abduction"].append({"reason": "syntax" if rate is None else None,
+                                      "solve_rate": rate})
+        return made
+    expected = {(): [-1.0, 0.0, 0.75, 0.5, 0.25, 0.0],
+                ("--proposer-reward", "learnability"): [-1.0, 0.0, 0.75, 0.5, 0.25, 0.0],
+                ("--proposer-reward", "uncertainty"): [-1.0, 0.0, 0.5, 1.0, 0.5, 0.0]}
+    for argv, rewards in expected.items():
+        cfg = common.parse_config(az.Config, list(argv), check=az.validate_config)
+        proposals = props()
+        az.reward_proposals(proposals, cfg)
+        assert [p["reward"] for p in proposals["abduction"]] == rewards, argv
+    with pytest.raises(SystemExit) as e:
+        az.main(["--proposer-reward", "variance"])
+    assert e.value.code == 2
 
 
 def test_trr_plus_plus_normalises_within_each_of_six_keys():
@@ -771,6 +798,9 @@ def test_valid_tasks_flow_through_every_stage(tiny_model_path, tmp_path, vllm_sa
     assert any(not torch.equal(before[k], after[k]) for k in before)
     m = az.step_metrics(props, solved, buffers)
     assert m["solver_acc"] > 0 and "entropy/proposer/deduction" in stats  # Towards Und. Eq. 1
+    for role in ("proposer", "solver"):  # RQ3, Fig. 4: per role, over the three task types
+        # (near 0: the warm completions are all but certain at T = 0.3)
+        assert 0 <= stats[f"entropy/{role}"] < 1 and 0 <= stats[f"entropy_exact/{role}"] < 1
 
 
 def _cli(args, env_extra=None, timeout=600):
@@ -782,6 +812,17 @@ def _cli(args, env_extra=None, timeout=600):
 
 def _lines(path):
     return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+
+
+def _proposals_per_step(out, metrics):
+    """Per training step, the lines of proposals.jsonl and the valid proposals that metrics.jsonl
+    counts (B = 2)."""
+    steps = collections.Counter(row["step"] for row in _lines(out / az.PROPOSALS_FILE))
+    logged, valid = [], []
+    for m in metrics[1:]:
+        logged.append(steps[m["step"]])
+        valid.append(sum(round(m[f"{t}/valid_rate"] * 2) for t in az.TASKS))
+    return logged, valid
 
 
 @pytest.mark.slow
@@ -808,7 +849,14 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
         assert rejected + round(metrics[1][f"{t}/valid_rate"] * 2) == 2, t
         # D_ded, D_abd hold the zero triplet
         assert metrics[1][f"{t}/buffer_size"] >= (0 if t == "induction" else 1)
-    assert "train/grad_norm" in metrics[1] and "train/entropy/solver/deduction" in metrics[1]
+    assert "train/grad_norm" in metrics[1] and "entropy/solver/deduction" in metrics[1]
+    # RQ3's entropies, Eq. 1 as entropy and the exact one as entropy_exact, none under train/
+    rq3 = {"entropy", "entropy_exact", "entropy/proposer", "entropy_exact/solver"}
+    assert rq3 <= set(metrics[1])
+    assert not [key for key in metrics[1] if key.startswith("train/") and "entropy" in key]
+    # RQ2: every valid proposal of each step in proposals.jsonl
+    logged, valid = _proposals_per_step(out, metrics)
+    assert logged == valid
     roles = {s["role"] for s in _lines(out / "samples.jsonl")}
     # D_ind stays empty when the random model never writes valid inputs, so there may be no
     # induction solver batch
@@ -842,6 +890,8 @@ def test_cli_end_to_end_and_resume_restores_buffers(tiny_model_path, tmp_path):
     marked = [e for e in final["abduction"] if e["program"] == "def f(x):\n    return -x"]
     assert marked and all(len(final[t]) >= len(ts["state"]["buffers"][t]) for t in az.TASKS)
     assert metrics[3]["abduction/buffer_size"] == len(final["abduction"])
+    logged, valid = _proposals_per_step(out, metrics)
+    assert logged == valid and len(logged) == 3  # steps 1-2 kept, step 3 added
 
 
 def test_docstring_lists_the_deviations_and_help_says_what_each_flag_does(capsys):
@@ -863,7 +913,9 @@ def test_docstring_lists_the_deviations_and_help_says_what_each_flag_does(capsys
         az.main(["--help"])
     assert e.value.code == 0
     shown = capsys.readouterr().out
-    assert az.Config.__doc__ in shown and "code prompt and budget: evalplus | azr" in shown
+    # --help opens with the module docstring's first paragraph (infra.cli.about_line)
+    assert "trains a model with Absolute Zero Reasoner (AZR)" in shown
+    assert "code prompt and budget: evalplus | azr" in shown
 
 
 @pytest.mark.slow
@@ -876,7 +928,7 @@ def test_eval_only_evaluates_the_model_under_the_protocol_and_exits(tmp_path):
               "--eval-k", "1,2"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "config.json").read_text())["eval_only"] is True
-    assert not (out / "metrics.jsonl").exists() and not list((out / "checkpoints").iterdir())
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     ev = json.loads((out / "eval.json").read_text())
     math = ev["benchmarks"][str(DATA / "azr_eval.jsonl")]
     assert math["n_problems"] == 2 and set(math["pass@k"]) == {"1", "2"}
@@ -938,6 +990,120 @@ def test_update_averages_over_tokens_in_mini_batches_of_two_b(monkeypatch):
                                         entropy=torch.tensor([4.0, 0.0, 0.0, 0.0]))
     weights = common.aggregation_weights([1, 3], pg.aggregation, num_seqs=2, num_tokens=4)
     assert float((per_token * weights).sum()) == pytest.approx(-pg.entropy_coef)
+
+
+def test_frozen_proposer_leaves_the_update_in_mini_batches_of_b(monkeypatch):
+    """--freeze-proposer (RQ3's frozen proposer): only the solver's trajectories reach pg_step, in
+    mini-batches of B unless --mini-batch is given (one step per task type, as 2B does for both
+    roles); the proposer's keep their TRR++ advantages and are scored without a gradient."""
+    sent, scored = [], []
+    monkeypatch.setattr(common, "pg_step",
+                        lambda policy, trajs, pg: sent.append((trajs, pg)) or {})
+    monkeypatch.setattr(az, "frozen_entropies",
+                        lambda policy, trajs, cfg: scored.append(trajs) or {})
+    props, solved = _fake_records({"proposer/deduction": [0.5, -1.0], "solver/deduction": [1.0],
+                                   "solver/abduction": [1.0, -0.5]})
+    for argv, mini_batch in ([], 64), (["--batch-size", "16"], 16), (["--mini-batch", "5"], 5):
+        cfg = common.parse_config(az.Config, ["--freeze-proposer", *argv])
+        az.trr_update(None, props, solved, cfg)
+        trajs, pg = sent[-1]
+        assert pg.mini_batch == mini_batch
+        roles = [t.role for t in trajs]
+        assert roles == ["solver/deduction", "solver/abduction", "solver/abduction"]
+        assert [t.role for t in scored[-1]] == ["proposer/deduction"] * 2
+    advantages = [p["advantage"] for p in props["deduction"]]
+    assert advantages == pytest.approx([0.7071, -0.7071], abs=1e-3)
+    az.trr_update(None, props, solved, common.parse_config(az.Config, []))  # not frozen: all 5
+    assert len(sent[-1][0]) == 5 and len(scored) == 3 and sent[-1][1].mini_batch == 128
+
+
+def test_entropy_figures_per_role_and_policy_weigh_each_key_by_its_sequences():
+    """RQ3 (Eq. 1, Figs. 3-4): entropy/proposer and entropy/solver over the role's three task
+    types, and the policy's entropy over both roles, each a mean over sequences; entropy is
+    Eq. 1 and entropy_exact the exact entropy, logged as they are, the update's figures as
+    train/..."""
+    per_key = {"entropy/proposer/deduction": 2.0, "entropy/proposer/abduction": 5.0,
+               "entropy/solver/induction": 1.0, "entropy_exact/proposer/deduction": 1.0,
+               "entropy_exact/proposer/abduction": 4.0, "entropy_exact/solver/induction": 0.5,
+               "grad_norm": 0.25}
+    sequences = {"proposer/deduction": 1, "proposer/abduction": 2, "solver/induction": 3}
+    trajectories = [common.Trajectory([1], [2], role=key)
+                    for key, count in sequences.items() for _ in range(count)]
+    figures = az.entropy_figures(per_key, trajectories)
+    assert figures == pytest.approx({"entropy/proposer": 4.0, "entropy/solver": 1.0,
+                                     "entropy": 2.5, "entropy_exact/proposer": 3.0,
+                                     "entropy_exact/solver": 0.5, "entropy_exact": 1.75})
+    empty = {t: [] for t in az.TASKS}
+    m = az.step_metrics(empty, empty, {t: [] for t in az.TASKS}, {**per_key, **figures})
+    assert m["entropy/proposer"] == 4.0 and m["entropy_exact"] == 1.75
+    assert m["entropy/proposer/abduction"] == 5.0 and m["train/grad_norm"] == 0.25
+    assert not [key for key in m if key.startswith("train/") and "entropy" in key]
+
+
+@pytest.mark.slow
+def test_a_frozen_proposers_entropies_are_those_pg_step_measures_when_it_trains(tiny_model_path,
+                                                                               tmp_path):
+    """The frozen proposer's entropies (a no-grad pass before the update) equal pg_step's of the
+    same trajectories when it trains them from the same weights, per task type, per role and for
+    the policy; the frozen run still trains its solver."""
+    import torch
+    results, changed = {}, {}
+    for frozen in (False, True):
+        cfg = az.Config(model=tiny_model_path, backend="hf", output_dir=str(tmp_path / "run"),
+                        lr=1e-2, freeze_proposer=frozen, batch_size=2, max_response_tokens=8)
+        policy = common.Policy.load(cfg)
+        before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        props, solved = {t: [] for t in az.TASKS}, {t: [] for t in az.TASKS}
+        rng = random.Random(0)  # the same sequences in both runs
+        for t in az.TASKS:  # two sequences per key, of 2-5 tokens, rewards apart
+            for records in (props, solved):
+                for reward in (1.0, -0.5):
+                    ids = [rng.randrange(10, 1000) for _ in range(rng.randint(2, 5))]
+                    c = common.Completion(prompt_ids=[5, rng.randrange(10, 1000)], token_ids=ids,
+                                          text="", finish_reason="stop")
+                    records[t].append({"completion": c, "reward": reward})
+        results[frozen] = az.trr_update(policy, props, solved, cfg)
+        after = policy.model.state_dict()
+        changed[frozen] = any(not torch.equal(before[k], after[k]) for k in before)
+    names = [f"{e}/{r}/{t}" for e in ("entropy", "entropy_exact")
+             for r in ("proposer", "solver") for t in az.TASKS]
+    names += ["entropy", "entropy_exact", "entropy/proposer", "entropy/solver",
+              "entropy_exact/proposer", "entropy_exact/solver"]
+    for name in names:
+        assert results[True][name] == pytest.approx(results[False][name], rel=1e-5), name
+    assert results[True]["entropy/proposer"] != pytest.approx(results[True]["entropy/solver"])
+    assert changed == {False: True, True: True}
+    assert results[True]["n_seqs"] == 6 and results[False]["n_seqs"] == 12
+
+
+def test_proposals_jsonl_holds_every_valid_proposal_and_resumes_at_the_checkpoint(tmp_path):
+    """RQ2 needs the tasks proposed at every step: each valid proposal's task type and buffer
+    entry go to proposals.jsonl; a run starting from a checkpoint keeps the lines up to its step
+    (a fresh run, step 0, none), without the torn line of a killed run."""
+    import types
+    run = types.SimpleNamespace(dir=tmp_path, is_main=True)
+
+    def props(step):
+        entry = {"program": f"def f(x):\n    return x + {step}", "input": "1",
+                 "output": str(1 + step), "step": step}
+        ind = {"program": "def f(x):\n    return x", "inputs": ["1", "2"],
+               "outputs": ["1", "2"], "message": "m", "step": step}
+        return {"deduction": [{"reason": None, "entry": entry}, {"reason": "syntax"}],
+                "abduction": [], "induction": [{"reason": None, "entry": ind}]}
+    for step in (1, 2, 3):
+        az.log_proposals(run, step, props(step))
+    with open(tmp_path / az.PROPOSALS_FILE, "a") as f:
+        f.write('{"task": "deduction", "prog')  # killed mid-line
+    az.keep_proposals(run, 2)
+    rows = _lines(tmp_path / az.PROPOSALS_FILE)
+    assert [(r["step"], r["task"]) for r in rows] == [(1, "deduction"), (1, "induction"),
+                                                      (2, "deduction"), (2, "induction")]
+    assert rows[2] == {"task": "deduction", **props(2)["deduction"][0]["entry"]}
+    assert rows[3]["outputs"] == ["1", "2"] and rows[3]["message"] == "m"
+    az.keep_proposals(types.SimpleNamespace(dir=tmp_path, is_main=False), 0)  # rank 0 writes
+    assert len(_lines(tmp_path / az.PROPOSALS_FILE)) == 4
+    az.keep_proposals(run, 0)
+    assert _lines(tmp_path / az.PROPOSALS_FILE) == []
 
 
 def test_config_flags_and_clear_errors():

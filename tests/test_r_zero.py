@@ -480,6 +480,17 @@ def _load(d):
     return common.load_safetensors_dir(pathlib.Path(d))
 
 
+def test_role_metrics_name_the_entropies_as_every_method():
+    """A phase's entropies of its role's samples: entropy is Eq. 1 of "Towards Understanding
+    Self-play for LLM Reasoning" (pg_step's entropy/<role>), entropy_exact the exact entropy;
+    pg_step's batch names (its exact "entropy", "nll_entropy") are not logged."""
+    update = {"loss": 0.5, "entropy": 1.0, "nll_entropy": 2.0, "entropy/challenger": 2.0,
+              "entropy_exact/challenger": 1.0}
+    got = r_zero._role_metrics("challenger", {"reward": 0.25}, update)
+    assert got == {"challenger/reward": 0.25, "challenger/loss": 0.5, "challenger/entropy": 2.0,
+                   "challenger/entropy_exact": 1.0}
+
+
 def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_path):
     cfg = _small(warm_path, tmp_path / "run", label_check=str(DATA / "rzero_labelcheck.jsonl"))
     policy = _policy(cfg, vllm_sampler)
@@ -494,7 +505,7 @@ def test_valid_questions_flow_through_every_stage(warm_path, vllm_sampler, tmp_p
     assert ch["challenger/reward"] > 0
     assert 1 <= ch["challenger/n_clusters"] <= ch["challenger/n_valid"]
     assert {"challenger/r_unc", "challenger/r_rep", "challenger/entropy",
-            "challenger/entropy_exact"} <= set(ch)
+            "challenger/entropy_exact"} <= set(ch) and "challenger/nll_entropy" not in ch
     # dataset: Q2 ("What is 7 - 4?") is in the eval set, so decontamination drops it; Q1 lands in
     # the band
     assert ds["dataset/contaminated"] > 0 and ds["dataset/kept"] > 0

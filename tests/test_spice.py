@@ -641,6 +641,11 @@ def test_all_invalid_challenger_group_gives_zero_gradient(tiny_policy_hf):
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     out = spice.drgrpo_update(policy, trajs, spice.Config(max_tokens=64))
     assert out["grad_norm"] == 0.0 and math.isfinite(out["loss"]) and math.isfinite(out["entropy"])
+    # named as in every method: entropy is Eq. 1 of "Towards Understanding Self-play for LLM
+    # Reasoning", as pg_step's per role, and entropy_exact the exact entropy
+    assert out["entropy"] == pytest.approx(out["entropy/challenger"])
+    assert out["entropy_exact"] == pytest.approx(out["entropy_exact/challenger"])
+    assert out["entropy"] != pytest.approx(out["entropy_exact"]) and "nll_entropy" not in out
     for k, v in policy.model.state_dict().items():
         # fresh AdamW + zero gradient = no change at all
         assert torch.equal(v, before[k]), k
@@ -688,6 +693,8 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model_path, vllm_sampler):
     for key in ("challenger/valid_rate", "challenger/reward", "reasoner/accuracy",
                 "train/entropy/challenger", "challenger/zero_adv_group_frac", "train/grad_norm"):
         assert key in m[0], key
+    # entropy: Eq. 1 of "Towards Understanding Self-play", entropy_exact: the exact one
+    assert "train/entropy_exact" in m[0] and "train/nll_entropy" not in m[0]
     assert any("eval/spice_eval/greedy_acc" in r for r in m)
     assert json.loads((run_dir / "config.json").read_text())["group_size"] == 2
     samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
