@@ -12,7 +12,7 @@ import re
 from infra.runfolder import read_metrics
 
 # The panels, in order, and the metric keys each draws: the methods' own names (challenger/reward,
-# deduction/proposer_reward, reasoner/accuracy, solver_acc, train/entropy/solver/abduction,
+# deduction/proposer_reward, reasoner/accuracy, solver_acc, entropy/solver/abduction,
 # len/proposer/induction, eval/<benchmark>/score, ...). An evaluation's keys (eval/, test/) and
 # the timers (time/) go to their own panels only.
 PANELS = {
