@@ -277,7 +277,7 @@ def test_bool_flags_named_no_something_switch_on(capsys):
         parse("--help")
     text = " ".join(capsys.readouterr().out.split())
     assert "--no-no-" not in text and "[--no-document | --document]" in text
-    assert "--no-document, --document ablation" in text and "(default: --document)" in text
+    assert "--no-document, --document the Challenger writes without a document" in text and "(default: --document)" in text
 
 
 @dataclass

@@ -243,6 +243,7 @@ def test_an_old_run_folder_is_not_resumed_without_resume(tmp_path, capsys):
     both fixes, before anything in the folder is touched; with --resume the same folder is fine."""
     out = tmp_path / "old"
     (out / "checkpoints" / "step_3").mkdir(parents=True)
+    (out / "checkpoints" / "step_3" / "trainer_state.json").write_text("{}")
     (out / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as e:
         star.main(["--data", str(TRAIN), "--output-dir", str(out)])
