@@ -49,6 +49,7 @@ import random
 import re
 import symtable
 import sys
+import typing
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,6 +62,9 @@ TABLE1_MATH = "aime24,aime25,amc23,math500,minerva,olympiadbench"  # Table 1's m
 @dataclass
 class Config(common.RunConfig):
     """Absolute Zero: one model proposes and solves code-reasoning tasks, judged by a sandbox."""
+    RANGES: typing.ClassVar[dict] = {
+        "temperature": "(0, inf)", "top_p": "(0, 1]", "clip_ratio": "[0, 1)",
+        "entropy_coef": "[0, inf)"}
     model: str = "Qwen/Qwen2.5-Coder-7B"  # the one model that proposes and solves (§4.1, Table 1)
     steps: int = 500  # self-play iterations (§4.1; scripts/selfplay/coder7b.sh: 960)
     batch_size: int = 64  # B, prompts per task type and role: 6B trajectories a step (Table 3)

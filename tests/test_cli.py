@@ -182,6 +182,7 @@ def test_numbers_folders_and_hub_ids_are_one_line_before_torch_loads(tmp_path):
         (["r_zero.py", "--top-p", "1.5"], ["--top-p 1.5: must be > 0 and <= 1"]),
         (["spice.py", "--clip", "-0.1"], ["--clip -0.1: must be >= 0 and < 1"]),
         (["star.py", "--steps-growth", "0.5"], ["--steps-growth 0.5: must be >= 1"]),
+        (["absolute_zero.py", "--entropy-coef", "-1"], ["--entropy-coef -1.0: must be >= 0"]),
         (["spice.py", "--model", "tiny", "--output-dir", str(blocked / "run")],
          [f"--output-dir {blocked / 'run'}: {blocked} is a file, not a folder"]),
         (["spice.py", "--model", "someone/typo"],
