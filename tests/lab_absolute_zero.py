@@ -4,6 +4,8 @@ and induction tasks on small Python functions, with the sandbox as the only judg
     python tests/lab_absolute_zero.py model               # build (once, cached) the base model
     python tests/lab_absolute_zero.py run --seeds 0,1     # AZR, then the held-out eval, PNG, table
     python tests/lab_absolute_zero.py control             # the same, solver rewards permuted
+    python tests/lab_absolute_zero.py frozen              # the same, --freeze-proposer
+    python tests/lab_absolute_zero.py uncertainty         # the same, --proposer-reward uncertainty
 
 The base model is a small Qwen3 (the lab's recipe, tests/lab.py) pretrained here, 2,000 steps in
 ~23 minutes on one core, on documents in absolute_zero.py's own formats: its solver prompts
@@ -518,13 +520,27 @@ def absolute_zero_shuffled(argv) -> None:
     absolute_zero.main(argv)
 
 
+# The runs beside the standard one: their folder under the standard run's and their own flags.
+# `frozen` and `uncertainty` are the analyses' RQ3 and RQ5 (tests/lab_analyses.py).
+VARIANTS = {"control": ("shuffled_rewards", []),
+            "frozen": ("frozen_proposer", ["--freeze-proposer"]),
+            "uncertainty": ("uncertainty_reward", ["--proposer-reward", "uncertainty"])}
+
+
+def lab_folder(args) -> Path:
+    """The standard run's folder for these base flags (the variants' folders are inside it)."""
+    work = Path(args.out) / ("absolute_zero_quick" if args.kind == "quick" else "absolute_zero")
+    return base_folder(work, args, DIRECT)
+
+
 def experiment(args) -> None:
     t0 = time.time()
     model = build_model(args.kind, steps=args.pretrain_steps, direct=args.direct)
-    work = Path(args.out) / ("absolute_zero_quick" if args.kind == "quick" else "absolute_zero")
-    work = base_folder(work, args, DIRECT)
-    if args.experiment == "control":
-        work = work / "shuffled_rewards"
+    work = lab_folder(args)
+    variant_flags = []
+    if args.experiment in VARIANTS:
+        subfolder, variant_flags = VARIANTS[args.experiment]
+        work = work / subfolder
     work.mkdir(parents=True, exist_ok=True)
     tests = test_tasks(args.kind)
     (work / "test.json").write_text(json.dumps(tests, indent=1) + "\n")
@@ -534,6 +550,10 @@ def experiment(args) -> None:
     base_file = work / "eval_base.json"
     if base_file.exists() and json.loads(base_file.read_text()).get("model") != str(model):
         base_file.unlink()  # another base model's (the cache key changed): evaluate again
+    parent_file = work.parent / "eval_base.json"  # a variant's base: the standard run's
+    if args.experiment in VARIANTS and not base_file.exists() and parent_file.exists():
+        if json.loads(parent_file.read_text()).get("model") == str(model):
+            shutil.copyfile(parent_file, base_file)
     if not base_file.exists():
         t1 = time.time()
         _evaluate(model, work, work / "eval_base.json", args.kind, 0)
@@ -549,6 +569,7 @@ def experiment(args) -> None:
                "--eval-benchmarks", "", "--no-eval-code", "--save-every", "0",
                "--keep-checkpoints", "1"]
         cmd += [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        cmd += variant_flags
         ev = work / f"eval_seed{seed}.json"
         if not finished(run, model):  # a finished run is kept; rerun by deleting it
             print("$", " ".join(["python"] + cmd[1:]), flush=True)
@@ -699,7 +720,7 @@ def main(argv=None) -> None:
     if argv[:1] == ["_shuffled"]:
         return absolute_zero_shuffled(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("experiment", choices=["model", "run", "control"])
+    ap.add_argument("experiment", choices=["model", "run", *VARIANTS])
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=0, help="0 = the kind's default")
     # Config's 1e-6 is a 7B model's; a 1M-parameter model moves ~nothing at it in a dozen steps

@@ -134,3 +134,36 @@ def test_quick_absolute_zero_experiment_end_to_end(tmp_path):
             assert all(0 <= v <= 1 for v in summary["pass@k"][name][t])
     assert "held-out greedy accuracy per task type" in out.stdout and "pass@k" in out.stdout
     assert (work / "absolute_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------- the analyses (tests/lab_analyses.py)
+def test_the_variants_flags_are_absolute_zeros_own():
+    """Each variant run is absolute_zero.py with its flags: a renamed flag fails here, not after
+    the lab's 23 minutes of pretraining."""
+    import common
+    frozen = common.parse_config(absolute_zero.Config, lab.VARIANTS["frozen"][1])
+    assert frozen.freeze_proposer and frozen.proposer_reward == "learnability"
+    uncertain = common.parse_config(absolute_zero.Config, lab.VARIANTS["uncertainty"][1])
+    assert uncertain.proposer_reward == "uncertainty" and not uncertain.freeze_proposer
+
+
+def test_pass_at_k_curves_and_their_bootstrap_interval():
+    import lab_analyses
+    correct = [4, 0, 2, 1]  # of 4 answers per task
+    curve = lab_analyses.pass_curve(correct, 4, [1, 2, 4])
+    assert curve == pytest.approx([(1 + 0 + 0.5 + 0.25) / 4, (1 + 0 + 5 / 6 + 0.5) / 4, 0.75])
+    low, high = lab_analyses.bootstrap_interval(correct, 4, [1, 4], resamples=400)
+    for value, lo, hi in zip([curve[0], curve[2]], low, high):
+        assert 0 <= lo < value < hi <= 1
+    same_low, same_high = lab_analyses.bootstrap_interval([2, 2, 2], 4, [1], resamples=50)
+    assert same_low == same_high == [0.5]  # every draw is the same tasks
+
+
+def test_entropy_series_reads_each_roles_eq1_figure_per_step(tmp_path):
+    import lab_analyses
+    rows = [{"step": 0, "entropy/solver": 9.0},
+            {"step": 1, "entropy/proposer": 0.5, "entropy/solver": 0.25},
+            {"step": 2, "entropy/solver": 0.125, "entropy_exact/solver": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    series = lab_analyses.entropy_series(tmp_path)
+    assert series == {"entropy/proposer": [(1, 0.5)], "entropy/solver": [(1, 0.25), (2, 0.125)]}
