@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab_absolute_zero as azlab  # noqa: E402 (the lab's)
+from infra.runfolder import latest_checkpoint  # noqa: E402
 from lab import wilson  # noqa: E402
 
 SAMPLES = {"full": 64, "quick": 2}  # RQ1's answers per held-out task
@@ -70,7 +71,6 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def checkpoint(run: Path) -> Path:
-    from infra.runfolder import latest_checkpoint
     found = latest_checkpoint(run)
     if found is None:
         raise SystemExit(f"{run}: no checkpoint; delete the folder and run the lab again")
@@ -109,7 +109,7 @@ def rq1(args, folders: dict, out: Path) -> dict:
     for seed in args.seed_list:
         models[f"seed {seed}"] = str(checkpoint(work / f"seed{seed}"))
     backend = azlab.EVAL[args.kind][2]
-    result = {"k": ks, "n": n}
+    result = {"k": ks, "n": n, "models": {}}
     print(f"\nRQ1: pass@k on the {len(azlab.TASKS)} task types' held-out tasks, {n} answers each "
           "at T = 1 (95% bootstrap interval over tasks)")
     for name, model in models.items():
@@ -122,11 +122,11 @@ def rq1(args, folders: dict, out: Path) -> dict:
         per_type = {t: evaluation[t]["correct_samples"] for t in azlab.TASKS}
         every_task = [c for t in azlab.TASKS for c in per_type[t]]
         low, high = bootstrap_interval(every_task, n, ks)
-        result[name] = {"all": pass_curve(every_task, n, ks), "low": low, "high": high}
+        curves = {"all": pass_curve(every_task, n, ks), "low": low, "high": high}
         for t in azlab.TASKS:
-            result[name][t] = pass_curve(per_type[t], n, ks)
-        cells = [f"{v:.3f} [{lo:.3f}, {hi:.3f}]" for v, lo, hi in
-                 zip(result[name]["all"], low, high)]
+            curves[t] = pass_curve(per_type[t], n, ks)
+        result["models"][name] = curves
+        cells = [f"{v:.3f} [{lo:.3f}, {hi:.3f}]" for v, lo, hi in zip(curves["all"], low, high)]
         print(f"  {name:8s} " + "  ".join(f"k={k}: {c}" for k, c in zip(ks, cells)))
     return result
 
@@ -225,12 +225,15 @@ def rq4(args, folders: dict, out: Path) -> dict:
     for label, folder, inside, command in OTHER_RUNS:
         for seed in args.seed_list:
             run = Path(args.out) / folder.format(seed=seed)
+            trained = None
             if inside and (run / inside / "config.json").is_file():
-                runs.append((label, seed, run, run / inside))
+                trained = run / inside
             elif not inside and (run / "config.json").is_file():
-                runs.append((label, seed, run, checkpoint(run)))
-            else:
+                trained = latest_checkpoint(run)  # None: the run stopped before its first
+            if trained is None:
                 missing.append(command.format(seed=seed))
+            else:
+                runs.append((label, seed, run, trained))
     result = {}
     print("\nRQ4: parameters unchanged in bfloat16 against the run's own base (Eq. 2)")
     for label, seed, run, trained in runs:
@@ -255,11 +258,11 @@ def plot(summary: dict, path: Path) -> None:
     passk, difficulty, length = axes[0]
     entropy, sparse, rewards = axes[1]
     ks = summary["rq1"]["k"]
-    for i, (name, curve) in enumerate((n, c) for n, c in summary["rq1"].items() if "all" in c):
+    for i, (name, curve) in enumerate(summary["rq1"]["models"].items()):
         passk.plot(ks, curve["all"], marker="o", color=f"C{i}", label=name,
                    linestyle="-" if name == "base" else "--")
         passk.fill_between(ks, curve["low"], curve["high"], color=f"C{i}", alpha=0.15)
-    passk.set(xscale="log", xlabel="k", ylabel="pass@k, all held-out tasks",
+    passk.set(xlabel="k", ylabel="pass@k, all held-out tasks",
               title="RQ1: pass@k, base vs trained (Fig. 1)")
     passk.set_xscale("log", base=2)
     passk.legend(fontsize=8)
@@ -275,18 +278,23 @@ def plot(summary: dict, path: Path) -> None:
     length.set(xlabel="deduction questions proposed", ylabel="mean answer length (tokens)",
                title="RQ2: answer length")
     difficulty.legend(fontsize=7)
-    for name, series in summary["rq3"].items():
-        for j, key in enumerate(ENTROPY_KEYS):
-            points = series[key]
-            entropy.plot([p[0] for p in points], [p[1] for p in points], color=f"C{j}",
-                         linestyle="--" if name.startswith("frozen") else "-",
-                         label=f"{key.split('/')[1]}, {name}")
-    entropy.set(xlabel="step", ylabel="Eq. 1 entropy (nats per token)",
-                title="RQ3: entropy by role, standard (-) vs frozen proposer (--)")
-    entropy.legend(fontsize=6)
+    for j, key in enumerate(ENTROPY_KEYS):  # the mean over seeds, a line per role and variant
+        for variant, style in (("standard", "-"), ("frozen proposer", "--")):
+            per_step = {}
+            for name, series in summary["rq3"].items():
+                if name.startswith(variant):
+                    for step, value in series[key]:
+                        per_step.setdefault(step, []).append(value)
+            steps = sorted(per_step)
+            entropy.plot(steps, [sum(per_step[t]) / len(per_step[t]) for t in steps],
+                         color=f"C{j}", linestyle=style, label=f"{key.split('/')[1]}, {variant}")
+    entropy.set(xlabel="step", ylabel="Eq. 1 entropy (nats per token), mean of seeds",
+                title="RQ3: entropy by role (Figs. 3-4)")
+    entropy.legend(fontsize=7)
     names = list(summary["rq4"])
     values = [100 * summary["rq4"][n]["sparsity"] for n in names]
-    sparse.barh(names, values, color=[f"C{i % 10}" for i in range(len(names))])
+    bars = sparse.barh(names, values, color=[f"C{i % 10}" for i in range(len(names))])
+    sparse.bar_label(bars, fmt="%.1f%%", fontsize=7)
     sparse.set(xlabel="% parameters unchanged in bf16", title="RQ4: update sparsity (Fig. 5)")
     sparse.tick_params(axis="y", labelsize=7)
     names = list(summary["rq5"])
@@ -297,7 +305,7 @@ def plot(summary: dict, path: Path) -> None:
                 color=[f"C{i}" for i in range(len(names))])
     rewards.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
     rewards.set(ylabel="greedy held-out accuracy (95% CI)",
-                title="RQ5: learnability vs uncertainty reward (Fig. 6)")
+                title="RQ5: proposer reward (Fig. 6)")
     fig.suptitle("Towards Understanding Self-play for LLM Reasoning, on the Absolute Zero lab",
                  fontsize=11)
     fig.tight_layout()
@@ -311,7 +319,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--out", default=str(ROOT / "runs" / "lab"))
     ap.add_argument("--quick", dest="kind", action="store_const", const="quick", default="full")
+    ap.add_argument("--plot", metavar="SUMMARY", default="",
+                    help="only draw the figure again from a summary.json this script wrote")
     args = ap.parse_args(argv)
+    if args.plot:
+        summary_file = Path(args.plot)
+        return plot(json.loads(summary_file.read_text()), summary_file.with_name("analyses.png"))
     args.seed_list = [int(s) for s in args.seeds.split(",")]
     # the lab's own flags for its default base model
     lab_args = argparse.Namespace(out=args.out, kind=args.kind, seeds=args.seeds,
