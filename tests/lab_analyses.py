@@ -138,10 +138,18 @@ def rq2(args, folders: dict, out: Path) -> dict:
     result = {}
     for seed in args.seed_list:
         path = out / f"difficulty_seed{seed}.json"
-        subprocess.run([sys.executable, str(ROOT / "tools" / "difficulty.py"),
-                        str(folders["run"] / f"seed{seed}"), "--steps", "early,mid,late",
-                        "--n", questions, "--k", answers, "--seed", str(seed), "--out", str(path)],
-                       check=True, cwd=ROOT, env=azlab._env())
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / "difficulty.py"),
+                               str(folders["run"] / f"seed{seed}"), "--steps", "early,mid,late",
+                               "--n", questions, "--k", answers, "--seed", str(seed),
+                               "--out", str(path)],
+                              cwd=ROOT, env=azlab._env(), stderr=subprocess.PIPE, text=True)
+        if done.returncode == 2:  # its one-line error: a run with too few proposals to draw from
+            error = done.stderr.strip().splitlines()[-1]
+            print(f"RQ2, seed {seed}: not measured: {error}")
+            continue
+        if done.returncode:
+            print(done.stderr[-3000:], file=sys.stderr)
+        done.check_returncode()
         result[f"seed {seed}"] = json.loads(path.read_text())
     return result
 
@@ -277,7 +285,8 @@ def plot(summary: dict, path: Path) -> None:
                    ylabel="solve rate", title="RQ2: difficulty of proposed questions (Fig. 2)")
     length.set(xlabel="deduction questions proposed", ylabel="mean answer length (tokens)",
                title="RQ2: answer length")
-    difficulty.legend(fontsize=7)
+    if summary["rq2"]:
+        difficulty.legend(fontsize=7)
     for j, key in enumerate(ENTROPY_KEYS):  # the mean over seeds, a line per role and variant
         for variant, style in (("standard", "-"), ("frozen proposer", "--")):
             per_step = {}

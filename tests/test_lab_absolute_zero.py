@@ -108,11 +108,13 @@ def test_control_permutes_only_the_solvers_rewards(monkeypatch):
 
 
 @pytest.mark.slow
-def test_quick_absolute_zero_experiment_end_to_end(tmp_path):
+def test_quick_absolute_zero_experiment_and_its_analyses_end_to_end(tmp_path):
+    """tests/lab_analyses.py --quick: the lab's standard run, its frozen-proposer and uncertainty
+    variants, then RQ1-RQ5 on them (a 1-step run proposes too little for RQ2: said in one line)."""
     env = {**os.environ, "SELFPLAY_CACHE": os.environ.get("SELFPLAY_CACHE", str(tmp_path))}
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "lab_absolute_zero.py"), "run",
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "lab_analyses.py"),
                           "--quick", "--seeds", "0", "--out", str(tmp_path)], capture_output=True,
-                         text=True, env=env, timeout=600, cwd=ROOT)
+                         text=True, env=env, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "decontamination: 0 of " in out.stdout and "(24 tasks)" in out.stdout
     work = tmp_path / "absolute_zero_quick"
@@ -134,6 +136,23 @@ def test_quick_absolute_zero_experiment_end_to_end(tmp_path):
             assert all(0 <= v <= 1 for v in summary["pass@k"][name][t])
     assert "held-out greedy accuracy per task type" in out.stdout and "pass@k" in out.stdout
     assert (work / "absolute_zero.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for variant, flag in (("frozen_proposer", "freeze_proposer"),
+                          ("uncertainty_reward", "proposer_reward")):
+        config = json.loads((work / variant / "seed0" / "config.json").read_text())
+        assert config[flag] in (True, "uncertainty"), variant
+    analyses = json.loads((work / "analyses" / "summary.json").read_text())
+    assert analyses["rq1"]["k"] == [1, 2] and set(analyses["rq1"]["models"]) == {"base", "seed 0"}
+    for curves in analyses["rq1"]["models"].values():
+        assert all(lo <= v <= hi for v, lo, hi in zip(curves["all"], curves["low"], curves["high"]))
+    assert analyses["rq2"] == {} and "RQ2, seed 0: not measured: tools/difficulty.py: error: " \
+        "--steps early: needs proposals from 3 steps or more" in out.stdout
+    assert set(analyses["rq3"]) == {"standard, seed 0", "frozen proposer, seed 0"}
+    assert [step for step, _ in analyses["rq3"]["standard, seed 0"]["entropy/solver"]] == [1]
+    sparsity = analyses["rq4"]["Absolute Zero, seed 0"]
+    assert sparsity["dtype"] == "bfloat16" and 0 < sparsity["sparsity"] < 1
+    assert "not found, so not compared: the run of `python tests/lab.py star --seeds 0`" in out.stdout
+    assert set(analyses["rq5"]) == {"base", "standard, seed 0", "uncertainty reward, seed 0"}
+    assert (work / "analyses" / "analyses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ------------------------------------------------------------- the analyses (tests/lab_analyses.py)
