@@ -52,8 +52,7 @@ from infra.code_eval import (CODE_STATUSES, MAX_PROGRAM_CHARS, code_task_prompt,
                              load_code_benchmark, run_solutions)
 from infra.errors import BenchmarkUnavailable, InputError
 from infra.lazy import LazyModule
-from infra.memory import (fit_memory, peak_memory_gb, proc_status_kb, release_freed_memory,
-                          set_gradient_checkpointing)
+from infra.memory import StepMeter, fit_memory, release_freed_memory, set_gradient_checkpointing
 from infra.parallel import (all_gather_objects, broadcast_object, compute_context, dist_info,
                             init_distributed, is_dtensor, is_main_process, local_part, shard)
 from infra.runfolder import (NO_CHECKPOINT, atomic_write_json, held_run, json_default, jsonable,
@@ -889,8 +888,6 @@ class Policy:
         if cfg.autocast not in ("auto", "bfloat16", "bf16", "off"):
             raise ValueError(f"--autocast {cfg.autocast}: expected auto, bfloat16 or off")
         on_gpu = default_device().type == "cuda"
-        if not on_gpu:
-            release_freed_memory()
         # One AdamW step moves a weight by about lr (1e-6), far below the spacing of bf16 numbers
         # near typical weights (~1e-4): the trainer keeps fp32 master weights, computes in bf16.
         # Under FSDP2 its mixed-precision policy does that on GPU (_fully_shard); on CPU
@@ -1087,40 +1084,7 @@ class Policy:
 
 # --------------------------------------------------------------------------------- the run folder
 _ACTIVE_RUN = None  # the Run being written (set by Run, kept after close for the summary)
-_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
 _SUMMARY_ENDINGS = ("greedy_acc", "/overall", "/math_avg", "/avg", "/score")
-_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
-
-
-def _warning_above_bar(message, category, *args, **kw):
-    if getattr(warnings, "_showwarnmsg_impl", None) is not _SHOW_WARNING_MSG:
-        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
-        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, *args, **kw))
-    else:
-        tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
-
-
-def _bar_postfix(record: dict) -> dict:
-    """The progress bar's postfix for a metrics line: its first six key figures ("train/" left
-    out of their names), then the step's slowest phase, e.g. "sample 3.1s"."""
-    shown = []
-    for key, value in record.items():
-        if isinstance(value, float) and any(word in key for word in _POSTFIX_KEYS):
-            shown.append(key)
-    postfix = {}
-    for key in shown[:6]:
-        label = key
-        if key.count("/") == 1:
-            label = key.removeprefix("train/")
-        postfix[label] = f"{record[key]:.3g}"
-    phase_seconds = []  # (seconds, phase name)
-    for key, value in record.items():
-        if key.startswith("time/") and isinstance(value, float):
-            phase_seconds.append((value, key.removeprefix("time/")))
-    seconds, slowest = max(phase_seconds, default=(0, ""))
-    if seconds > 0:
-        postfix["slowest"] = f"{slowest} {seconds:.1f}s"
-    return postfix
 
 
 def _is_summary_figure(key: str, value) -> bool:
@@ -1229,7 +1193,7 @@ class Run:
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
             self._wandb.log(numbers, step=int(step))
         if self._bar is not None:
-            self._bar.set_postfix(_bar_postfix(record), refresh=False)
+            self._bar.set_postfix(logs.bar_postfix(record), refresh=False)
 
     def log_samples(self, step: int, role: str, records: list[dict]) -> None:
         """Append the first cfg.log_samples records (prompt, completion, reward, ...) of `role`."""
@@ -1257,7 +1221,7 @@ class Run:
                          dynamic_ncols=True)
         self.total = int(total)
         self._showwarning = warnings.showwarning
-        warnings.showwarning = _warning_above_bar  # a warning printed mid-line breaks the bar
+        warnings.showwarning = logs.warning_above_bar  # a warning printed mid-line breaks the bar
         return self._bar
 
     def save_checkpoint(self, step: int, policy: Policy, state: dict | None = None) -> pathlib.Path:
@@ -1450,21 +1414,36 @@ def micro_batches(lengths: list[int], token_budget: int):
     return batches
 
 
-def _head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool):
-    """log pi(target) of a chunk, z = fp32 logits / T, and the entropy H = lse(z) - sum p z."""
+def _head_rows(model, vocab_size: int) -> int:
+    """Rows of LM-head logits computed at once: fit_memory's plan (the whole micro-batch, where
+    its logits fit), else 128 MiB of fp32 logits a chunk."""
+    planned = getattr(model, "selfplay_head_rows", None)
+    if planned:
+        return planned
+    return max(1, 2**25 // vocab_size)
+
+
+def _head_logprobs(head, hidden, targets, temperature: float, with_entropy: bool,
+                   entropy_grad: bool):
+    """log pi(target) of a chunk from log_softmax(z), z = fp32 logits / T, and the entropy
+    H = -sum p log p: in the graph if ``entropy_grad`` (a loss term), else a figure."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    log_probs = torch.log_softmax(logits, dim=-1)
+    del logits  # log_softmax's backward keeps its output, not its input
+    logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logp, None
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
+    if entropy_grad:
+        return logp, -(log_probs.exp() * log_probs).sum(-1)
+    with torch.no_grad():  # a figure: no graph, one temporary
+        p_log_p = log_probs.exp().mul_(log_probs)
+        return logp, -p_log_p.sum(-1)
 
 
 def _forward_logprobs(model, prompts, completions, *, temperature=1.0, with_entropy=False,
-                      chunk_rows=None):
+                      entropy_grad=True, chunk_rows=None):
     """Flat completion log-probs (and entropies); the LM head sees only the positions P-1+t."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs a token (it predicts the first completion token)")
@@ -1485,16 +1464,20 @@ def _forward_logprobs(model, prompts, completions, *, temperature=1.0, with_entr
     hidden = hidden[predicts.to(device)]
     targets = torch.tensor(target_ids, dtype=torch.long, device=device)
     head = model.get_output_embeddings()
-    chunk = chunk_rows or max(1, 2**25 // head.weight.shape[0])  # 128 MiB of fp32 logits a chunk
+    chunk = chunk_rows or _head_rows(model, head.weight.shape[0])
+    chunks = list(zip(hidden.split(chunk), targets.split(chunk)))
     head_logprobs = _head_logprobs
-    if torch.is_grad_enabled():  # the backward recomputes a chunk's logits: one chunk at a time
+    if torch.is_grad_enabled() and len(chunks) > 1:
+        # the backward recomputes a chunk's logits: one chunk's at a time. One chunk alone would
+        # hold them all the same, so it keeps them from its forward.
         head_logprobs = functools.partial(torch.utils.checkpoint.checkpoint, _head_logprobs,
                                           use_reentrant=False)
+    entropy_grad = entropy_grad and torch.is_grad_enabled()
     logps, entropies = [], []
     with compute_context(model):  # the head under autocast; logits are upcast to fp32 inside
-        for hidden_chunk, target_chunk in zip(hidden.split(chunk), targets.split(chunk)):
+        for hidden_chunk, target_chunk in chunks:
             logp, entropy = head_logprobs(
-                head, hidden_chunk, target_chunk, temperature, with_entropy)
+                head, hidden_chunk, target_chunk, temperature, with_entropy, entropy_grad)
             logps.append(logp)
             entropies.append(entropy)
     if not with_entropy:
@@ -1674,10 +1657,10 @@ def mini_batch_schedule(n: int, cfg: PGConfig) -> list[list[list[int]]]:
 
 
 # Under torchrun every rank holds the whole batch and trains on its share (policy.shard) of each
-# mini-batch. A sharded forward and backward are collectives, so every rank runs as many
-# micro-batches as the busiest: a rank short of work repeats one at live = 0, which adds nothing.
-# A _StepPlan holds this rank's micro-batches and share (rows) of one step, N and M over all
-# ranks, and skip: no rank needs the step (a step on zero gradients).
+# mini-batch. A sharded forward and backward are collectives, so every rank runs as many forwards
+# as the busiest, in every pass: a rank short of work forwards a stand-in row at live = 0, which
+# adds nothing. A _StepPlan holds this rank's micro-batches and share (rows) of one step, N and M
+# over all ranks, and skip: no rank needs the step (a step on zero gradients).
 _MicroBatch = collections.namedtuple("_MicroBatch", "rows live")
 _StepPlan = collections.namedtuple("_StepPlan", "micro_batches rows num_seqs num_tokens skip")
 
@@ -1688,53 +1671,57 @@ def _all_reduce_by_name(policy, values: dict, op: str = "sum") -> dict:
     return dict(zip(values, reduced))
 
 
+def _plan_forwards(policy, rows: list[int], seq_lens, stand_in: list[int]) -> list[_MicroBatch]:
+    """This rank's ``rows`` cut by the token budget, then ``stand_in`` at live 0 up to the busiest
+    rank's number of forwards. A collective: every rank plans every pass, in the same order."""
+    lengths = [seq_lens[i] for i in rows]
+    planned = []
+    for batch in micro_batches(lengths, policy.cfg.micro_batch_tokens):
+        planned.append(_MicroBatch([rows[j] for j in batch], 1.0))
+    most = _all_reduce_by_name(policy, {"forwards": len(planned)}, op="max")["forwards"]
+    while len(planned) < most:
+        planned.append(_MicroBatch(stand_in, 0.0))
+    return planned
+
+
 def _plan_step(policy, rows: list[int], seq_lens, completion_lens, need=True) -> _StepPlan:
     """The plan of one optimizer step on batch ``rows`` for this rank; ``skip`` unless some rank
     ``need``s the step. Collectives: every rank plans every step, in the same order."""
     mine = policy.shard(list(rows))
-    forward_rows = mine or list(rows[:1])  # a rank with no share forwards a stand-in at live 0
-    lengths = [seq_lens[i] for i in forward_rows]
-    batches = micro_batches(lengths, policy.cfg.micro_batch_tokens)
     totals = _all_reduce_by_name(policy, {
         "seqs": len(mine),
         "tokens": sum(completion_lens[i] for i in mine),
     })
-    maxima = _all_reduce_by_name(policy, {"micro_batches": len(batches), "need": need}, op="max")
-    live = float(bool(mine))
-    planned = []
-    for batch in batches:
-        planned.append(_MicroBatch([forward_rows[j] for j in batch], live))
-    while len(planned) < maxima["micro_batches"]:
-        planned.append(_MicroBatch(planned[0].rows, 0.0))
     return _StepPlan(
-        micro_batches=planned,
+        micro_batches=_plan_forwards(policy, mine, seq_lens, stand_in=list(rows[:1])),
         rows=mine,
         num_seqs=int(totals["seqs"]),
         num_tokens=int(totals["tokens"]),
-        skip=not maxima["need"],
+        skip=not _all_reduce_by_name(policy, {"need": need}, op="max")["need"],
     )
 
 
-class _StepMeter:
-    """Seconds and peak memory of one pg_step or sft_step on this rank, from its creation."""
-
-    def __init__(self, device):
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.base_gb = torch.cuda.memory_allocated(device) / 2**30
-        else:
-            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets the resident peak VmHWM (Linux >= 4.0)
-            rss_kb = proc_status_kb("VmRSS") or math.nan
-            self.base_gb = rss_kb / 2**20
-        self.start = time.perf_counter()
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start
-
-    def peak_memory_gb(self) -> float:
-        return peak_memory_gb(self.device, self.base_gb)
+def _score_rows(policy, rows: list[int], prompts, completions, temperature: float,
+                with_entropy: bool = False) -> tuple[dict, dict]:
+    """log pi (and the exact entropy) of each of this rank's ``rows`` under no_grad, by row, in
+    as many forwards as the busiest rank runs (a collective)."""
+    seq_lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    logps, entropies = {}, {}
+    with torch.no_grad():
+        for micro in _plan_forwards(policy, rows, seq_lens, stand_in=[0]):
+            logp, entropy = _forward_logprobs(
+                policy.model,
+                [prompts[i] for i in micro.rows],
+                [completions[i] for i in micro.rows],
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+            if micro.live:
+                sizes = [len(completions[i]) for i in micro.rows]
+                logps.update(zip(micro.rows, logp.split(sizes)))
+                if with_entropy:
+                    entropies.update(zip(micro.rows, entropy.split(sizes)))
+    return logps, entropies
 
 
 def _zero_gradients(model) -> None:
@@ -1752,10 +1739,12 @@ def _clip_and_step(policy) -> float:
     """Clip the gradient to --grad-clip (0 or inf: no clip), step AdamW; the pre-clip norm."""
     clip = policy.cfg.grad_clip
     if clip > 0 and math.isfinite(clip):
-        return policy.clip_and_step()  # FSDP2's norm over the shards is in there
-    norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), float("inf"))
-    policy.optimizer.step()
-    return float(norm)
+        norm = policy.clip_and_step()  # FSDP2's norm over the shards is in there
+    else:
+        norm = float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), float("inf")))
+        policy.optimizer.step()
+    release_freed_memory(policy.device)  # AdamW's temporaries
+    return norm
 
 
 def _gather_rows(per_row: dict | None, rows: list[int]):
@@ -1763,6 +1752,12 @@ def _gather_rows(per_row: dict | None, rows: list[int]):
     if per_row is None:
         return None
     return torch.cat([per_row[i] for i in rows])
+
+
+def _row_values(values: list[float], sizes: list[int], device):
+    """One value per row repeated over its tokens: a flat tensor on ``device``."""
+    per_row = torch.tensor(values, dtype=torch.float32)
+    return per_row.repeat_interleave(torch.tensor(sizes)).to(device)
 
 
 def _ratio_or_nan(total: float, count: float) -> float:
@@ -1774,7 +1769,11 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
             token_loss=pg_token_loss) -> dict:
     """Policy-gradient updates on one rollout batch, then ``policy.sync()``. pi_old is the sampling
     policy for every step, each mini-batch aggregated by its own N and M (veRL ``dp_actor.py``, Oat
-    ``ppo.py``). ``token_loss``: a fork's own per-token loss. The figures it returns:
+    ``ppo.py``). ``token_loss``: a fork's own per-token loss.
+    pi_old's log-probs and entropies come from the first step's training forward, which runs at
+    pi_old (TRL skips the extra pass so), and from one no-grad pass over every other row: those of
+    later mini-batches, and of skipped ones, which train nothing but keep their figures. The
+    reference log-probs (kl_coef > 0) take a no-grad pass of their own. The figures it returns:
     - optimizer_steps: a step per mini-batch with tokens, every pass; skipped_mini_batches: of
       them, the steps on zero gradients (every advantage 0 and pg_token_loss alone)
     - loss: each step's aggregated loss (summed over micro-batches and ranks; 0 if skipped),
@@ -1799,7 +1798,7 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     if not any(t.completion_ids for t in trajs):
         raise ValueError("pg_step got no completion tokens (no trajectories, or all empty)")
     policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory while we train
-    meter = _StepMeter(policy.device)
+    meter = StepMeter(policy.device)
     model = policy.model
     prompts = [t.prompt_ids for t in trajs]
     completions = [t.completion_ids for t in trajs]
@@ -1809,61 +1808,51 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
     skippable = (cfg.skip_zero_adv and cfg.kl_coef == 0 and cfg.entropy_coef == 0
                  and token_loss is pg_token_loss)
     schedule = mini_batch_schedule(len(trajs), cfg)
-    steps = []  # a _StepPlan per mini-batch of every pass
-    for one_pass in schedule:
+    steps = []  # a _StepPlan per mini-batch with tokens, of every pass
+    first_pass = []  # this rank's rows, each once
+    for number, one_pass in enumerate(schedule):
         for rows in one_pass:
             need = not skippable or any(trajs[i].advantage != 0 for i in rows)
-            steps.append(_plan_step(policy, rows, seq_lens, completion_lens, need))
-    first_pass = []  # this rank's rows, each once
-    for step in steps[:len(schedule[0])]:
-        first_pass += step.rows
-    scored = set()  # every row this rank forwards, stand-ins included
+            step = _plan_step(policy, rows, seq_lens, completion_lens, need)
+            if number == 0:
+                first_pass += step.rows
+            if step.num_tokens:  # a mini-batch without tokens makes no step
+                steps.append(step)
+    # The first step, if computed, forwards at pi_old: its rows (stand-ins too) take their pi_old
+    # from it. Every other row this rank forwards takes it from the no-grad pass.
+    on_policy_rows = set()
+    if not steps[0].skip:
+        for micro in steps[0].micro_batches:
+            on_policy_rows.update(micro.rows)
+    forwarded = set()
     for step in steps:
         for micro in step.micro_batches:
-            scored.update(micro.rows)
-    scored = sorted(scored)
-    scored_prompts = [prompts[i] for i in scored]
-    scored_completions = [completions[i] for i in scored]
+            forwarded.update(micro.rows)
+    forwarded.update(first_pass)  # a mini-batch without tokens keeps its rows' figures
+    forwarded = sorted(forwarded)
+    to_score = [i for i in forwarded if i not in on_policy_rows]
 
-    # 1. pi_old (the rollout policy, for every step) and its exact entropy; pi_ref for the KL. Also
-    # when every step is skipped: a collapsed batch keeps its diagnostics.
-    with torch.no_grad():
-        logps, entropies = token_logprobs(
-            model,
-            scored_prompts,
-            scored_completions,
-            temperature=cfg.temperature,
-            token_budget=policy.cfg.micro_batch_tokens,
-            with_entropy=True,
-        )
-        old_logp = dict(zip(scored, logps))
-        entropy = dict(zip(scored, entropies))
-        ref_logp = None
-        if cfg.kl_coef > 0:
-            with policy.swapped_weights(ref_weights):
-                logps, _ = token_logprobs(
-                    model,
-                    scored_prompts,
-                    scored_completions,
-                    temperature=cfg.temperature,
-                    token_budget=policy.cfg.micro_batch_tokens,
-                )
-            ref_logp = dict(zip(scored, logps))
-    advantages, sampler_logp = {}, {}
-    for i in scored:
-        advantages[i] = torch.full_like(old_logp[i], float(trajs[i].advantage))
+    # 1. pi_old and its exact entropy for the rows no on-policy forward gives; pi_ref for the KL
+    old_logp, old_entropy = _score_rows(
+        policy, to_score, prompts, completions, cfg.temperature, with_entropy=True)
+    ref_logp = None
+    if cfg.kl_coef > 0:
+        with policy.swapped_weights(ref_weights):
+            ref_logp, _ = _score_rows(policy, forwarded, prompts, completions, cfg.temperature)
+    sampler_logp = {}
+    for i in forwarded:
         if trajs[i].sampler_logprobs is not None:
-            sampler_logp[i] = old_logp[i].new_tensor(trajs[i].sampler_logprobs)
-    tokens = sum(seq_lens[i] for i in first_pass)  # forwarded, for tokens_per_s
+            sampler_logp[i] = torch.tensor(trajs[i].sampler_logprobs, device=policy.device)
+    tokens = sum(seq_lens[i] for i in to_score)  # forwarded, for tokens_per_s
     if ref_logp is not None:
-        tokens *= 2
+        tokens += sum(seq_lens[i] for i in forwarded)
 
-    # 2. A step per mini-batch that has tokens, each from pi_old's log-probs
-    sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "kl_tokens": 0}  # this rank's
+    # 2. A step per mini-batch, each from pi_old's log-probs
+    zero = torch.zeros((), device=policy.device)
+    sums = {"loss": zero, "clipped": zero, "kl": zero, "kl_tokens": 0}  # this rank's
     grad_norms, skipped = [], 0
-    for step in steps:
-        if step.num_tokens == 0:
-            continue
+    for number, step in enumerate(steps):
+        on_policy = number == 0 and not step.skip  # this step's forward is pi_old's
         policy.optimizer.zero_grad(set_to_none=True)
         if step.skip:  # every advantage 0, pg_token_loss alone: a step on zero gradients
             _zero_gradients(model)
@@ -1871,26 +1860,31 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         else:
             for micro in step.micro_batches:
                 rows = micro.rows
+                sizes = [completion_lens[i] for i in rows]
                 logp, new_entropy = _forward_logprobs(
                     model,
                     [prompts[i] for i in rows],
                     [completions[i] for i in rows],
                     temperature=cfg.temperature,
-                    with_entropy=cfg.entropy_coef > 0,
+                    with_entropy=on_policy or cfg.entropy_coef > 0,
+                    entropy_grad=cfg.entropy_coef > 0,
                 )
+                if on_policy:
+                    old_logp.update(zip(rows, logp.detach().split(sizes)))
+                    old_entropy.update(zip(rows, new_entropy.detach().split(sizes)))
                 mb_old_logp = _gather_rows(old_logp, rows)
                 mb_sampler_logp = _gather_rows(sampler_logp, rows) if cfg.tis_cap > 0 else None
                 per_token, clipped = token_loss(
                     logp,
                     mb_old_logp,
-                    _gather_rows(advantages, rows),
+                    _row_values([trajs[i].advantage for i in rows], sizes, policy.device),
                     cfg,
                     entropy=new_entropy,
                     ref_logp=_gather_rows(ref_logp, rows),
                     sampler_logp=mb_sampler_logp,
                 )
                 weights = aggregation_weights(
-                    [completion_lens[i] for i in rows],
+                    sizes,
                     cfg.aggregation,
                     max_len=cfg.max_len,
                     num_seqs=step.num_seqs,
@@ -1899,13 +1893,13 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
                 loss = (per_token * weights.to(policy.device)).sum()
                 # FSDP2 averages the gradients over ranks: x world size makes their sum
                 (loss * micro.live * policy.world_size).backward()
+                release_freed_memory(policy.device)  # the activations, as fit_memory plans
 
                 if micro.live:  # a stand-in (live 0) counts for nothing
                     log_ratio = logp.detach() - mb_old_logp
-                    ratio = torch.exp(log_ratio)
-                    sums["loss"] += loss.item()
-                    sums["clipped"] += clipped.float().sum().item()
-                    sums["kl"] += ((ratio - 1) - log_ratio).sum().item()
+                    sums["loss"] = sums["loss"] + loss.detach()
+                    sums["clipped"] = sums["clipped"] + clipped.sum()
+                    sums["kl"] = sums["kl"] + (torch.expm1(log_ratio) - log_ratio).sum()
                     sums["kl_tokens"] += log_ratio.numel()
                     tokens += sum(seq_lens[i] for i in rows)
         grad_norms.append(_clip_and_step(policy))
@@ -1923,32 +1917,32 @@ def pg_step(policy, trajs: list[Trajectory], cfg: PGConfig, ref_weights: dict | 
         seq_means += [f"entropy/{role}", f"entropy_exact/{role}"]
     if ref_logp is not None:
         seq_means.append("kl_ref")
-    totals = {**sums, "zero_adv": 0, "sampler_gap": 0.0, "sampler_tokens": 0}
+    totals = {**sums, "zero_adv": 0, "sampler_gap": zero, "sampler_tokens": 0}
     for name in seq_means:
-        totals[name] = 0.0
+        totals[name] = zero
         totals[name + " count"] = 0
 
     def add_mean(name, values):
-        totals[name] += values.mean().item()
+        totals[name] = totals[name] + values.mean()
         totals[name + " count"] += 1
 
     for i in first_pass:
         totals["zero_adv"] += trajs[i].advantage == 0
         if i in sampler_logp:
             gap = (old_logp[i] - sampler_logp[i]).abs()
-            totals["sampler_gap"] += float(gap.sum())
+            totals["sampler_gap"] = totals["sampler_gap"] + gap.sum()
             totals["sampler_tokens"] += gap.numel()
         if not completions[i]:
             continue  # no token, no token mean
         role = trajs[i].role
-        add_mean("entropy", entropy[i])
+        add_mean("entropy", old_entropy[i])
         add_mean("nll_entropy", -old_logp[i])
         if role:
             add_mean(f"entropy/{role}", -old_logp[i])
-            add_mean(f"entropy_exact/{role}", entropy[i])
+            add_mean(f"entropy_exact/{role}", old_entropy[i])
         if ref_logp is not None:
             add_mean("kl_ref", k3_kl(ref_logp[i] - old_logp[i]))
-    totals = _all_reduce_by_name(policy, totals)
+    totals = _all_reduce_by_name(policy, totals)  # tensors come to the host here
 
     n_steps = len(grad_norms)
     n_seqs = len(trajs)
@@ -1983,7 +1977,7 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]]) -> dict:
     """STaR's supervised step (arXiv:2203.14465 §3.1): target-token NLL averaged over ALL the
     batch's target tokens; one clipped step, no sampler sync (the caller syncs)."""
     policy.sampler.sleep()  # --vllm-sleep: the engine frees its memory while we train
-    meter = _StepMeter(policy.device)
+    meter = StepMeter(policy.device)
     prompts = [list(p) for p, _ in examples]
     targets = [list(t) for _, t in examples]
     target_lens = [len(t) for t in targets]
@@ -1992,15 +1986,17 @@ def sft_step(policy, examples: list[tuple[list[int], list[int]]]) -> dict:
     if step.num_tokens == 0:
         raise ValueError("sft_step got no target tokens (no examples, or all targets empty)")
     policy.optimizer.zero_grad(set_to_none=True)
-    loss_sum, tokens = 0.0, 0
+    loss_sum = torch.zeros((), device=policy.device)
+    tokens = 0
     for micro in step.micro_batches:
         rows = micro.rows
         logp, _ = _forward_logprobs(
             policy.model, [prompts[i] for i in rows], [targets[i] for i in rows])
         loss = -logp.sum() / step.num_tokens
         (loss * micro.live * policy.world_size).backward()  # the sum over ranks (FSDP2 averages)
+        release_freed_memory(policy.device)  # the activations, as fit_memory plans
         if micro.live:
-            loss_sum += loss.item()
+            loss_sum = loss_sum + loss.detach()
             tokens += sum(seq_lens[i] for i in rows)
     grad_norm = _clip_and_step(policy)
     totals = _all_reduce_by_name(policy, {"loss": loss_sum})

@@ -66,3 +66,40 @@ def set_verbosity(verbose: bool) -> None:
         (tlog.enable_progress_bar if verbose else tlog.disable_progress_bar)()
     if not verbose:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+
+
+_POSTFIX_KEYS = ("loss", "reward", "acc", "solve", "valid", "pass", "entropy")
+_SHOW_WARNING_MSG = getattr(warnings, "_showwarnmsg_impl", None)
+
+
+def warning_above_bar(message, category, *args, **kw):
+    """warnings.showwarning while a progress bar runs: the warning on a line of its own."""
+    if getattr(warnings, "_showwarnmsg_impl", None) is not _SHOW_WARNING_MSG:
+        # catch_warnings(record=True) (pytest.warns, a caller's own log) is active: record it there
+        warnings._showwarnmsg_impl(warnings.WarningMessage(message, category, *args, **kw))
+    else:
+        from tqdm.auto import tqdm
+        tqdm.write(f"{category.__name__}: {message}", file=sys.stderr)
+
+
+def bar_postfix(record: dict) -> dict:
+    """The progress bar's postfix for a metrics line: its first six key figures ("train/" left
+    out of their names), then the step's slowest phase, e.g. "sample 3.1s"."""
+    shown = []
+    for key, value in record.items():
+        if isinstance(value, float) and any(word in key for word in _POSTFIX_KEYS):
+            shown.append(key)
+    postfix = {}
+    for key in shown[:6]:
+        label = key
+        if key.count("/") == 1:
+            label = key.removeprefix("train/")
+        postfix[label] = f"{record[key]:.3g}"
+    phase_seconds = []  # (seconds, phase name)
+    for key, value in record.items():
+        if key.startswith("time/") and isinstance(value, float):
+            phase_seconds.append((value, key.removeprefix("time/")))
+    seconds, slowest = max(phase_seconds, default=(0, ""))
+    if seconds > 0:
+        postfix["slowest"] = f"{slowest} {seconds:.1f}s"
+    return postfix

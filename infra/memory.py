@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
+import time
 from pathlib import Path
 
 from infra.errors import InputError
@@ -81,25 +83,30 @@ def available_memory(device) -> int:
     return free
 
 
-def release_freed_memory() -> None:
-    """Hand every freed tensor over 128 KiB back to the kernel. glibc keeps freed blocks of up to
-    32 MiB in its heap (its mmap threshold rises with each one freed), so a CPU trainer's resident
-    memory stayed up to 2 GiB above its live tensors at the 0.6B shape (tests/bench_memory.py)."""
-    m_mmap_threshold = -3  # mallopt's parameter (malloc.h); setting it stops the rise
+def release_freed_memory(device) -> None:
+    """On the CPU, hand the free pages of glibc's heap back to the kernel now (malloc_trim(0)), as
+    pg_step and sft_step do after each backward and optimizer step; fit_memory plans on it. glibc
+    keeps freed blocks of up to 32 MiB (its mmap threshold rises with each one freed), which held a
+    CPU trainer up to 1.8 GiB above its live tensors at the 0.6B shape (tests/bench_memory.py). A
+    process-wide threshold of 128 KiB (mallopt) did it before, at the price of faulting the pages
+    of every new tensor in: everything in the process ran 1.3x slower (tests/bench_step.py)."""
+    if device.type != "cpu":
+        return  # the trainer's tensors are not in this heap
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(m_mmap_threshold, 128 * 1024)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def step_memory(policy, tokens: int, checkpointing: bool, cost: dict) -> float:
+def step_memory(policy, tokens: int, checkpointing: bool, cost: dict,
+                whole_head: bool = False) -> float:
     """Peak bytes beyond those allocated for a step of `tokens`-token micro-batches: gradients and
     AdamW's moments (unless they exist), plus the larger of AdamW's temporaries (GPU: a weight set;
-    CPU: two of the largest tensor) and the backward's: activations, LM-head chunks (~512 MiB), two
-    full LM-head gradients (the chunks' sum and a chunk's own). Checked by tests/bench_memory.py."""
+    CPU: two of the largest tensor) and the backward's: activations, four fp32 logits of the LM
+    head's chunk (128 MiB each) or, ``whole_head``, of all `tokens` rows at once, and two full
+    LM-head gradients (the chunks' sum and a chunk's own). Checked by tests/bench_memory.py."""
     trainable = [local_part(p) for p in policy.model.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in trainable]
     weights = sum(sizes)
@@ -112,9 +119,11 @@ def step_memory(policy, tokens: int, checkpointing: bool, cost: dict) -> float:
         grads_and_moments += 2 * weights
     head = policy.model.get_output_embeddings().weight
     head_bytes = head.numel() * head.element_size()
-    head_chunks = 512 * 2**20
+    head_logits = 2**27  # a chunk's fp32 logits (common._head_rows)
+    if whole_head:
+        head_logits = tokens * head.shape[0] * 4
     per_token = cost["on"] if checkpointing else cost["off"]
-    backward = cost["fixed"] + head_chunks + 2 * head_bytes + tokens * per_token
+    backward = cost["fixed"] + 4 * head_logits + 2 * head_bytes + tokens * per_token
     return grads_and_moments + max(backward, optimizer_temporaries)
 
 
@@ -134,8 +143,9 @@ def _plan_text(tokens: int, checkpointing: bool) -> str:
 
 
 def fit_memory(policy, free: int | None = None) -> str:
-    """Before step 1, fit the free memory (10% margin), same gradients: the largest micro-batch up
-    to the configured one that holds a --max-model-len sequence. The line to print ('' if none)."""
+    """Before step 1, fit the free memory (10% margin), same gradients: the LM head in one piece
+    if it fits, else the largest micro-batch up to the configured one that holds a
+    --max-model-len sequence. The line to print ('' if none)."""
     cfg = policy.cfg
     if free is None:
         free = available_memory(policy.device)
@@ -145,6 +155,12 @@ def fit_memory(policy, free: int | None = None) -> str:
         free += int(cfg.gpu_memory_utilization * total)
     cost = activation_costs(policy.model)
     tokens, checkpointing = cfg.micro_batch_tokens, cfg.gradient_checkpointing
+    # The LM head in one piece where its logits fit beside the rest: no chunk is recomputed in
+    # the backward (common._head_logprobs). Else chunks, as without a plan.
+    policy.model.selfplay_head_rows = None
+    if 1.1 * step_memory(policy, tokens, checkpointing, cost, whole_head=True) <= free:
+        policy.model.selfplay_head_rows = tokens
+        return ""
     need = 1.1 * step_memory(policy, tokens, checkpointing, cost)
     if need <= free:
         return ""
@@ -184,3 +200,25 @@ def peak_memory_gb(device: torch.device, base: float) -> float:
     if peak_kb is None:
         return float("nan")
     return max(0.0, peak_kb / 2**20 - base)
+
+
+class StepMeter:
+    """Seconds and peak memory of one pg_step or sft_step on this rank, from its creation."""
+
+    def __init__(self, device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base_gb = torch.cuda.memory_allocated(device) / 2**30
+        else:
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the resident peak VmHWM (Linux >= 4.0)
+            rss_kb = proc_status_kb("VmRSS") or math.nan
+            self.base_gb = rss_kb / 2**20
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb(self.device, self.base_gb)

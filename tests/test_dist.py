@@ -9,8 +9,10 @@ import json
 import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
@@ -87,6 +89,38 @@ def scenario_grad(out: pathlib.Path) -> dict:
     if policy.is_main:
         torch.save(grads, out / f"grads_ws{policy.world_size}.pt")
     return {"loss": stats, "world_size": policy.world_size}
+
+
+UNEVEN_FIGURES = ["loss", "entropy", "nll_entropy", "entropy_exact/solver", "kl_ref", "optimizer_steps",
+                  "n_tokens"]
+
+
+def scenario_uneven(out: pathlib.Path) -> dict:
+    """Issue #39's hang: at a 24-token budget each of rank 0's rows needs a forward of its own while
+    rank 1's whole share fits in one, so no-grad passes cut per rank ran 4 FSDP2 forwards on rank 0
+    and 1 on rank 1. One pg_step of two mini-batches of 4, without and with the KL reference pass."""
+    import common
+    cfg = common.RunConfig(model="tiny", backend="hf", lr=1e-3, micro_batch_tokens=24,
+                           output_dir=str(out / "run"))
+    common.seed_everything(0)
+    policy = common.Policy.load(cfg)
+    base = policy.get_weights()
+    g = torch.Generator().manual_seed(7)
+    reference = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    reference["lm_head.weight"] = reference["model.embed_tokens.weight"]  # tied
+    rng = random.Random(1)
+    trajs = []
+    for i in range(8):
+        n_prompt, n_completion = (6, 10) if i % 4 < 2 else (3, 3)  # rank 0 shares: rows 0, 1, 4, 5
+        trajs.append(common.Trajectory(prompt_ids=[rng.randrange(3, 1000) for _ in range(n_prompt)],
+                                       completion_ids=[rng.randrange(3, 1000) for _ in range(n_completion)],
+                                       advantage=rng.uniform(-1, 1), role="solver"))
+    figures = {}
+    for name, kl_coef in (("no_kl", 0.0), ("kl", 0.1)):
+        policy.set_weights(base)
+        st = common.pg_step(policy, trajs, common.PGConfig(mini_batch=4, kl_coef=kl_coef), ref_weights=reference)
+        figures[name] = {k: st[k] for k in UNEVEN_FIGURES if k in st}
+    return {"world_size": policy.world_size, "figures": figures}
 
 
 def scenario_sync(out: pathlib.Path) -> dict:
@@ -176,8 +210,8 @@ def scenario_rzero_shards(out: pathlib.Path) -> dict:
 
 def _worker(scenario: str, out: str) -> None:
     out = pathlib.Path(out)
-    res = {"grad": scenario_grad, "sync": scenario_sync,
-           "rzero_shards": scenario_rzero_shards}[scenario](out)
+    res = {"grad": scenario_grad, "sync": scenario_sync, "rzero_shards": scenario_rzero_shards,
+           "uneven": scenario_uneven}[scenario](out)
     rank = int(os.environ.get("RANK", 0))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     if torch.distributed.is_initialized():
@@ -188,17 +222,58 @@ def _worker(scenario: str, out: str) -> None:
 # pytest side
 # ----------------------------------------------------------------------------------------------------------
 
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment holds ``marker``: the launcher and its ranks, which
+    torchrun starts in sessions of their own."""
+    for proc in pathlib.Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if marker.encode() in (proc / "environ").read_bytes():
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:
+                pass  # gone already, or not ours
+
+
 def _torchrun_script(args: list, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
-    r = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
-    return r
+    """torchrun of 2 ranks. A rank that hangs in a collective is killed with the launcher after
+    ``timeout`` seconds, and the test fails (the output goes to files: a hung rank holds no pipe)."""
+    marker = f"selfplay-torchrun-{os.getpid()}-{random.random()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", SELFPLAY_TEST_MARKER=marker)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *map(str, args)]
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        p = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=stdout, stderr=stderr, text=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_marked(marker)
+            p.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        out, err = stdout.read(), stderr.read()
+    if p.returncode == -signal.SIGKILL:
+        pytest.fail(f"torchrun hung for {timeout} s:\n{out[-4000:]}\n{err[-8000:]}")
+    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{out[-4000:]}\n{err[-8000:]}"
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def _torchrun(scenario: str, out: pathlib.Path) -> list:
-    _torchrun_script([pathlib.Path(__file__).resolve(), scenario, out])
+def _torchrun(scenario: str, out: pathlib.Path, timeout: int = 900) -> list:
+    _torchrun_script([pathlib.Path(__file__).resolve(), scenario, out], timeout)
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
+
+
+@pytest.mark.slow
+def test_ranks_with_uneven_shares_run_the_same_forwards(tmp_path):
+    """Every no-grad pass (pi_old of the second mini-batch, the KL reference) runs as many forwards on
+    every rank: the old per-rank cut hung here. The figures are the one-process ones."""
+    single = scenario_uneven(tmp_path)
+    ranks = _torchrun("uneven", tmp_path, timeout=300)
+    for r in ranks:
+        assert r["world_size"] == 2
+        for name, figures in single["figures"].items():
+            assert r["figures"][name] == pytest.approx(figures, rel=1e-4), name
+    assert single["figures"]["kl"]["kl_ref"] > 1e-4 and "kl_ref" not in single["figures"]["no_kl"]
 
 
 @pytest.mark.slow

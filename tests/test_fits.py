@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import infra.memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -122,8 +123,13 @@ def test_tokens_per_s_counts_prompt_and_completion_and_excludes_the_sync(tiny_po
     st = common.pg_step(policy, trajs, common.PGConfig(updates_per_batch=2))
     assert st["sync_s"] >= 0.5 and st["time_s"] > st["sync_s"]
     seq_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
-    # the no-grad pass plus two forward+backward passes, over the time without the sync
-    assert st["tokens_per_s"] * (st["time_s"] - st["sync_s"]) == pytest.approx(3 * seq_tokens, rel=1e-3)
+    # two forward+backward passes (the first gives pi_old: no no-grad pass), over the time without the sync
+    assert st["tokens_per_s"] * (st["time_s"] - st["sync_s"]) == pytest.approx(2 * seq_tokens, rel=1e-3)
+    # two mini-batches: the no-grad pass over the second, then a forward+backward pass over each
+    st = common.pg_step(policy, trajs, common.PGConfig(mini_batch=2))
+    second_tokens = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs[2:])
+    assert st["tokens_per_s"] * (st["time_s"] - st["sync_s"]) == pytest.approx(seq_tokens + second_tokens,
+                                                                                rel=1e-3)
 
 
 def test_sft_tokens_per_s_counts_prompt_tokens(tiny_policy_hf):
@@ -209,7 +215,7 @@ def _reset_peak() -> float:
     import ctypes
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     pathlib.Path("/proc/self/clear_refs").write_text("5")
-    return common.proc_status_kb("VmRSS") / 2**20
+    return infra.memory.proc_status_kb("VmRSS") / 2**20
 
 
 def _mid_policy(tmp_path):
@@ -234,7 +240,7 @@ def test_swapped_weights_exchanges_without_a_full_backup(tmp_path):
     full_gb = sum(v.numel() * 4 for k, v in start.items() if k != "lm_head.weight") / 2**30
     rss0 = _reset_peak()
     with policy.swapped_weights(ref):
-        grown = common.peak_memory_gb(torch.device("cpu"), rss0)
+        grown = infra.memory.peak_memory_gb(torch.device("cpu"), rss0)
         for k, v in policy.get_weights().items():
             assert torch.equal(v, ref_copy[k]), k
     assert grown < 0.2 * full_gb, (grown, full_gb)  # the old backup held a full copy
@@ -273,7 +279,7 @@ def test_r_zero_role_switch_holds_no_third_copy(tmp_path):
     full_gb = sum(v.numel() * 4 for k, v in trained.items() if k != "lm_head.weight") / 2**30
     rss0 = _reset_peak()
     roles.activate(r_zero.SOLVER)
-    grown = common.peak_memory_gb(torch.device("cpu"), rss0)
+    grown = infra.memory.peak_memory_gb(torch.device("cpu"), rss0)
     assert grown < 0.2 * full_gb, (grown, full_gb)  # at most one tensor (8 MiB of 104)
     assert roles.active == r_zero.SOLVER and policy.sampler.n > 0
     for k, v in policy.get_weights().items():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import common
+import infra.memory
 import r_zero
 from helpers import encode_pair, greedy_margin, _file_digest
 
@@ -401,7 +402,7 @@ def test_weight_swap_leaves_the_frozen_role_untouched(tiny_model_path, vllm_samp
 
 
 def _anon_gb():
-    return common.proc_status_kb("RssAnon") / 2**20
+    return infra.memory.proc_status_kb("RssAnon") / 2**20
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="Linux /proc only")

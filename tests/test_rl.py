@@ -310,14 +310,17 @@ def test_pg_step_gradient_independent_of_micro_batching(tiny_policy_hf, mode):
     cfg = common.PGConfig(aggregation=mode, max_len=10)
     start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     deltas = []
-    for budget in (4096, 16):
+    # budgets, and LM-head rows at once: the plan's whole micro-batch, or chunks recomputed in the backward
+    for budget, head_rows in ((4096, 16384), (16, 16384), (16, 3)):
         policy.model.load_state_dict(start)
+        policy.model.selfplay_head_rows = head_rows
         before = snapshot(policy.model)
         policy.cfg.micro_batch_tokens = budget
         st = common.pg_step(policy, trajs, cfg)
         deltas.append(delta(policy.model, before))
         assert st["clip_frac"] == 0 and st["approx_kl"] == pytest.approx(0, abs=1e-7)  # on-policy: rho == 1
     assert_deltas_close(deltas[0], deltas[1], atol=1e-6)
+    assert_deltas_close(deltas[0], deltas[2], atol=1e-6)
     # direct: sum_i w_i sum_t -A_i * logp_it, gradient by autograd on the naive log-probs
     policy.model.load_state_dict(start)
     policy.model.zero_grad()
@@ -390,6 +393,76 @@ def test_pi_old_is_the_rollout_policy_for_every_step_of_one_call(tiny_policy_hf)
     second = common.pg_step(policy, trajs, dataclasses.replace(cfg, updates_per_batch=2))
     assert second["clip_frac"] > 0 and second["approx_kl"] > 0  # pi_old: the call's rollout policy
     assert common.pg_step(policy, trajs, cfg)["clip_frac"] == 0  # scored anew: on-policy again
+
+
+def _forwarded_rows(model):
+    """A list that gets the number of rows of every forward of ``model``."""
+    rows = []
+
+    def count(module, args, kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    return rows
+
+
+def _pi_old_figures(model, trajs):
+    """pg_step's entropy and nll_entropy (means over sequences of token means), computed here by an
+    exact no-grad pass at pi_old."""
+    scored = [t for t in trajs if t.completion_ids]
+    with torch.no_grad():
+        logps, entropies = common.token_logprobs(model, [t.prompt_ids for t in scored],
+                                                 [t.completion_ids for t in scored], with_entropy=True)
+    return {"entropy": sum(e.mean().item() for e in entropies) / len(scored),
+            "nll_entropy": -sum(lp.mean().item() for lp in logps) / len(scored)}
+
+
+def test_pi_old_comes_from_the_training_forward_where_it_is_pi_old(tiny_policy_hf):
+    """One mini-batch: the training forward alone gives pi_old and the figures (no extra pass).
+    Two: a no-grad pass over the second only. A skipped (all A = 0) mini-batch gets that pass for
+    its figures. The figures are pi_old's exact ones in every case."""
+    policy = tiny_policy_hf
+    trajs = _fixed_trajs(policy)  # 8 trajectories: one micro-batch each at 16,384 tokens
+    start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    want = _pi_old_figures(policy.model, trajs)
+    rows = _forwarded_rows(policy.model)
+    halves = [t.advantage for t in trajs[:4]] + [0.0] * 4
+    cases = [  # (mini-batch, advantages, rows of each forward, skipped steps)
+        (0, None, [8], 0),
+        (4, None, [4, 4, 4], 0),
+        (4, halves, [4, 4], 1),
+        (0, [0.0] * 8, [8], 1),
+    ]
+    for mini_batch, advantages, forwarded, skipped in cases:
+        policy.model.load_state_dict(start)
+        batch = [dataclasses.replace(t) for t in trajs]
+        for t, a in zip(batch, advantages or [t.advantage for t in trajs]):
+            t.advantage = a
+        rows.clear()
+        st = common.pg_step(policy, batch, common.PGConfig(mini_batch=mini_batch))
+        assert rows == forwarded and st["skipped_mini_batches"] == skipped, (mini_batch, rows)
+        for name, value in want.items():
+            assert st[name] == pytest.approx(value, abs=1e-5), (mini_batch, name)
+
+
+def test_the_lm_head_is_recomputed_in_the_backward_only_in_chunks(tiny_policy_hf):
+    """fit_memory keeps a micro-batch's logits in one piece where they fit (the tiny model's do): the
+    head then runs once per micro-batch. In chunks, the backward recomputes each chunk's logits."""
+    policy = tiny_policy_hf
+    assert policy.model.selfplay_head_rows == policy.cfg.micro_batch_tokens
+    calls = []
+
+    def record(module, args, logits):
+        if logits.dim() == 2:  # the chunks of completion positions (the root forward's are 3-D)
+            calls.append(logits.shape[0])
+    policy.model.get_output_embeddings().register_forward_hook(record)
+    trajs = _fixed_trajs(policy)
+    n_tokens = sum(len(t.completion_ids) for t in trajs)
+    common.pg_step(policy, trajs, common.PGConfig())
+    assert calls == [n_tokens]
+    calls.clear()
+    policy.model.selfplay_head_rows = 8
+    common.pg_step(policy, trajs, common.PGConfig())
+    assert sum(calls) == 2 * n_tokens and max(calls) == 8
 
 
 # ------------------------------------------------------------------------------------------------
