@@ -98,7 +98,7 @@ class Config(common.RunConfig):
     eval_code_protocol: str = "evalplus"  # code prompt and budget: evalplus | azr (run_evalplus.sh)
     eval_code_max_tokens: int = 768  # new tokens per code answer under evalplus (evalplus codegen)
     # the analyses of "Towards Understanding Self-play for LLM Reasoning": RQ3, RQ5 (its Eq. 3)
-    freeze_proposer: bool = False  # proposer trajectories get no gradient (the analyses' RQ3, §3.3)
+    freeze_proposer: bool = False  # proposer trajectories get no gradient (analyses' RQ3, §3.3)
     proposer_reward: str = "learnability"  # of r_bar: learnability | uncertainty (Eq. 4 | Eq. 3)
 
     def __post_init__(self):

@@ -52,7 +52,7 @@ class Config(common.RunConfig):
     """STaR: fine-tune a model, round after round, on its own rationales that reach the answer."""
     model: str = "EleutherAI/gpt-j-6b"  # the base model M each round restarts from: GPT-J-6B (§4)
     data: str = "gsm8k"  # the training questions: gsm8k | commonsense_qa (§4) | a JSONL file
-    test_data: str = ""  # the reported split: "" = GSM8K test, CQA validation (§4) | a JSONL | none
+    test_data: str = ""  # the reported split: "" = GSM8K test, CQA validation (§4) | JSONL | none
     dev_data: str = ""  # dev split picking the round: "" = cut from --data | a JSONL | none (ours)
     dev_fraction: float = 0.05  # share of --data held out as dev when --dev-data is "" (ours)
     train_limit: int = 0  # train on the first N questions; 0 = all (Alg. 1: the train split)
