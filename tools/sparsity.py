@@ -1,6 +1,6 @@
 """Update sparsity between a base model and a trained one, as released: Eq. 2 of "Towards
-Understanding Self-play for LLM Reasoning" (§3.4), S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n:
-the share of parameters left exactly unchanged, overall and per layer type.
+Understanding Self-play for LLM Reasoning" (§3.4), the share of parameters left exactly
+unchanged, overall and per layer type: S(θ⁰, θ¹) = 1 − ‖θ¹ − θ⁰‖₀ / n.
 
     python tools/sparsity.py BASE TRAINED [--dtype base] [--out result.json]
 
