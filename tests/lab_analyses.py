@@ -61,7 +61,8 @@ def run_variants(args) -> dict[str, Path]:
         azlab.main(argv)
         folders[variant] = azlab.lab_folder(args)
         if variant in azlab.VARIANTS:
-            folders[variant] = folders[variant] / azlab.VARIANTS[variant][0]
+            subfolder, _flags = azlab.VARIANTS[variant]
+            folders[variant] = folders[variant] / subfolder
     return folders
 
 
