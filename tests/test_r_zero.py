@@ -447,14 +447,16 @@ def test_parked_role_and_kl_reference_are_file_backed_and_swapped_exactly(tmp_pa
         for p in policy.model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # stands for the Challenger's training
     trained = {k: v.clone() for k, v in policy.get_weights().items()}
-    seen = []
-    real = common.token_logprobs
+    seen = []  # the log-probs of every no-grad pass of pg_step, in row order
+    real = common._score_rows
 
     def spy(*a, **kw):
-        seen.append(real(*a, **kw)[0])
-        return real(*a, **kw)
+        logps, entropies = real(*a, **kw)
+        if logps:  # a pass over no row (pi_old of a single mini-batch comes from its forward)
+            seen.append([logps[i] for i in sorted(logps)])
+        return logps, entropies
     common.pg_step(policy, trajs, common.PGConfig())  # AdamW's state is made: lr 0 keeps weights
-    monkeypatch.setattr(common, "token_logprobs", spy)
+    monkeypatch.setattr(common, "_score_rows", spy)
     anon0 = _anon_gb()
     common.pg_step(policy, trajs, common.PGConfig(kl_coef=0.1), ref_weights=ref)
     assert _anon_gb() - anon0 < 0.2 * set_gb, (_anon_gb() - anon0, set_gb)
