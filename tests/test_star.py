@@ -682,7 +682,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     out = tmp_path / "run"
     args = ["--model", warm_model_path, "--data", str(TRAIN), "--test-data", str(TEST),
             "--exemplars", str(SHOTS), "--few-shot-train", "--lr", "1e-3", "--warmup", "short",
-            "--steps-scale", "0.5", "--batch-tokens", "64", "--max-new-tokens", "16",
+            "--steps-scale", "0.75", "--batch-tokens", "64", "--max-new-tokens", "16",
             "--max-model-len", "512", "--patience", "0", "--dev-data", str(DEV),
             "--output-dir", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -697,7 +697,7 @@ def test_cli_end_to_end_resume_and_learning(warm_model_path, tmp_path, vllm_samp
     assert (r1["train/solved_direct"], r1["train/rationalized"], r1["train/kept"]) == (0.5, 0.5, 12)
     for key in ("sft/loss", "test/accuracy", "train/rationale_tokens", "train/coverage"):
         assert isinstance(r1[key], float)
-    assert r1["sft/steps"] == 20  # int(0.5 * 40)
+    assert r1["sft/steps"] == 30  # int(0.75 * 40)
     samples = read_jsonl(out / "samples.jsonl")
     roles = {s["role"] for s in samples}
     assert roles == {"direct", "rationalized"}
